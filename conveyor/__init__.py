@@ -1,0 +1,36 @@
+"""conveyor: pipeline-parallel training for PyTorch.
+
+The top level is lazy so that ``import conveyor.schedule`` never imports torch.
+
+Example:
+    >>> import conveyor
+    >>> sched = conveyor.schedule.build("1f1b", ranks=4, microbatches=8)
+    >>> sched.stages_of(0)
+    [0]
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Pipeline": ("conveyor.pipe", "Pipeline"),
+    "pipeline": ("conveyor.pipe", "pipeline"),
+}
+
+if TYPE_CHECKING:
+    from conveyor.pipe import Pipeline, pipeline  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module_name), attr)
+        globals()[name] = value
+        return value
+    if name in {"schedule", "errors", "runtime", "frontend", "testing"}:
+        return importlib.import_module(f"conveyor.{name}")
+    raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

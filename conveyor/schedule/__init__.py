@@ -1,0 +1,35 @@
+"""Schedules as data: build, verify, simulate and draw pipeline schedules.
+
+Pure Python: importing this package never imports torch.
+
+Example:
+    >>> import conveyor.schedule as cs
+    >>> sched = cs.build("1f1b", ranks=4, microbatches=8)
+    >>> sched.stages_of(2)
+    [2]
+    >>> round(cs.simulate(sched).bubble_ratio, 3)
+    0.273
+"""
+
+from conveyor.schedule.cost import CostModel, StageCosts
+from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
+from conveyor.schedule.registry import available, build, register
+from conveyor.schedule.simulate import simulate
+from conveyor.schedule.timeline import Span, Timeline
+from conveyor.schedule.verify import verify
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "CostModel",
+    "Placement",
+    "Schedule",
+    "Span",
+    "StageCosts",
+    "Timeline",
+    "available",
+    "build",
+    "register",
+    "simulate",
+    "verify",
+]

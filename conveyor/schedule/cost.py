@@ -1,0 +1,100 @@
+"""Per-stage costs for the simulator.
+
+Costs are per stage and per pass, never one number: the zero-bubble paper
+measured bubbles far above the closed forms once T_W < T_F < T_B and
+communication is not free.
+
+Example:
+    >>> from conveyor.schedule.cost import CostModel
+    >>> costs = CostModel.uniform(4, forward=1.0, backward_input=1.0, backward_weight=1.0)
+    >>> costs.stages[0].full_backward
+    2.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from conveyor.errors import CostError
+from conveyor.schedule.ir import Action, ActionKind
+
+
+@dataclass(frozen=True, slots=True)
+class StageCosts:
+    """Time of each pass of one stage on one microbatch, plus its activation memory."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+    activation_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward_input", "backward_weight", "activation_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+                raise CostError(f"stage cost {name} must be a finite number, got {value!r}")
+            if value < 0:
+                raise CostError(f"stage cost {name} must be >= 0, got {value}")
+
+    @property
+    def full_backward(self) -> float:
+        return self.backward_input + self.backward_weight
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Costs of every stage plus the latency of one point-to-point message."""
+
+    stages: tuple[StageCosts, ...]
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise CostError("a cost model needs the costs of at least one stage")
+        if not math.isfinite(self.latency) or self.latency < 0:
+            raise CostError(f"communication latency must be a finite number >= 0, got {self.latency!r}")
+
+    @classmethod
+    def uniform(
+        cls,
+        num_stages: int,
+        forward: float = 1.0,
+        backward_input: float = 1.0,
+        backward_weight: float = 1.0,
+        *,
+        latency: float = 0.0,
+        activation_bytes: float = 0.0,
+    ) -> CostModel:
+        """Every stage costs the same."""
+        stage = StageCosts(forward, backward_input, backward_weight, activation_bytes)
+        return cls((stage,) * num_stages, latency)
+
+    @classmethod
+    def per_stage(
+        cls, costs: Sequence[StageCosts | Sequence[float]], *, latency: float = 0.0
+    ) -> CostModel:
+        """One entry per stage: a :class:`StageCosts` or ``(forward, backward_input, backward_weight[, bytes])``."""
+        return cls(tuple(c if isinstance(c, StageCosts) else StageCosts(*c) for c in costs), latency)
+
+    def check_stages(self, num_stages: int) -> None:
+        if len(self.stages) != num_stages:
+            raise CostError(
+                f"costs given for {len(self.stages)} stages but the schedule has {num_stages}; "
+                "give one entry per stage, or use CostModel.uniform(num_stages, ...)"
+            )
+
+    def duration(self, action: Action) -> float:
+        """Time one compute action takes (communication actions take none; latency is separate)."""
+        stage = self.stages[action.stage]
+        kind = action.kind
+        if kind is ActionKind.F:
+            return stage.forward
+        if kind is ActionKind.B:
+            return stage.full_backward
+        if kind is ActionKind.I:
+            return stage.backward_input
+        if kind is ActionKind.W:
+            return stage.backward_weight
+        return 0.0

@@ -1,0 +1,271 @@
+"""The schedule IR: actions, placements and per-rank programs, as plain data.
+
+An :class:`Action` is ``(kind, stage, microbatch)``. A :class:`Schedule` is a
+:class:`Placement` (which rank runs each stage) plus one ordered tuple of
+compute actions per rank. Communication actions (``SEND_F`` ...) are inserted
+by :func:`conveyor.schedule.lower.lower`; users never have to write them.
+
+Actions print and parse in the compact form of ``torch.distributed.pipelining``
+(``2F0`` = stage 2 forward of microbatch 0, ``1SEND_B3``), so schedules written
+for torchtitan load unchanged.
+
+Example:
+    >>> from conveyor.schedule.ir import Action, Placement, Schedule
+    >>> sched = Schedule.from_strings(
+    ...     "tiny", Placement.looped(2, 1), 1, [["0F0", "0B0"], ["1F0", "1B0"]]
+    ... )
+    >>> sched.stages_of(1)
+    [1]
+    >>> str(sched.programs[1][0])
+    '1F0'
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from conveyor.errors import ScheduleError
+
+
+class ActionKind(str, Enum):
+    """What a rank does for one (stage, microbatch)."""
+
+    F = "F"  # forward
+    B = "B"  # full backward: input and weight gradients together
+    I = "I"  # noqa: E741  backward for the input gradient only (zero-bubble split)
+    W = "W"  # backward for the weight gradient only, after I
+    SEND_F = "SEND_F"  # send the forward output of `stage` to the rank of stage + 1
+    RECV_F = "RECV_F"  # receive the forward input of `stage` from the rank of stage - 1
+    SEND_B = "SEND_B"  # send the input gradient of `stage` to the rank of stage - 1
+    RECV_B = "RECV_B"  # receive the output gradient of `stage` from the rank of stage + 1
+
+    @property
+    def is_compute(self) -> bool:
+        return self in COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return not self.is_compute
+
+
+COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
+BACKWARD_KINDS = frozenset({ActionKind.B, ActionKind.I, ActionKind.W})
+
+# Longest kind names first so that "SEND_F" is not read as "S" + ...
+_ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of a rank's program: ``kind`` of ``stage`` for ``microbatch``.
+
+    Example:
+        >>> Action.parse("3I5")
+        Action(kind=<ActionKind.I: 'I'>, stage=3, microbatch=5)
+        >>> str(Action(ActionKind.SEND_F, 1, 0))
+        '1SEND_F0'
+    """
+
+    kind: ActionKind
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parse the compact form ``{stage}{kind}{microbatch}`` (``2F0``, ``1SEND_B3``)."""
+        match = _ACTION_RE.match(text.strip())
+        if match is None:
+            raise ScheduleError(
+                f"cannot read action {text!r}: expected {{stage}}{{kind}}{{microbatch}} "
+                f"with kind one of {', '.join(k.value for k in ActionKind)}, e.g. '2F0' or '1SEND_B3'"
+            )
+        stage, kind, microbatch = match.groups()
+        return cls(ActionKind(kind), int(stage), int(microbatch))
+
+
+def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the papers
+    """Forward of ``stage`` on ``microbatch``."""
+    return Action(ActionKind.F, stage, microbatch)
+
+
+def B(stage: int, microbatch: int) -> Action:  # noqa: N802
+    """Full backward (input and weight gradients) of ``stage`` on ``microbatch``."""
+    return Action(ActionKind.B, stage, microbatch)
+
+
+def I(stage: int, microbatch: int) -> Action:  # noqa: N802, E743
+    """Input-gradient backward of ``stage`` on ``microbatch``."""
+    return Action(ActionKind.I, stage, microbatch)
+
+
+def W(stage: int, microbatch: int) -> Action:  # noqa: N802
+    """Weight-gradient backward of ``stage`` on ``microbatch`` (after its ``I``)."""
+    return Action(ActionKind.W, stage, microbatch)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Which rank runs each stage: ``stage_to_rank[stage] == rank``.
+
+    Example:
+        >>> Placement.looped(2, 2).stage_to_rank
+        (0, 1, 0, 1)
+        >>> Placement.vshape(2).stage_to_rank
+        (0, 1, 1, 0)
+    """
+
+    num_ranks: int
+    stage_to_rank: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ScheduleError(f"a placement needs at least 1 rank, got {self.num_ranks}")
+        if not self.stage_to_rank:
+            raise ScheduleError("a placement needs at least 1 stage, got none")
+        bad = [r for r in self.stage_to_rank if not 0 <= r < self.num_ranks]
+        if bad:
+            raise ScheduleError(
+                f"placement maps stages to ranks {sorted(set(bad))}, outside 0..{self.num_ranks - 1}"
+            )
+        idle = sorted(set(range(self.num_ranks)) - set(self.stage_to_rank))
+        if idle:
+            raise ScheduleError(f"placement leaves ranks {idle} without any stage")
+
+    @classmethod
+    def looped(cls, num_ranks: int, virtual: int = 1) -> Placement:
+        """Stage ``s`` on rank ``s % num_ranks`` (GPipe, 1F1B, interleaved, looped BFS)."""
+        _check_positive(num_ranks=num_ranks, virtual=virtual)
+        return cls(num_ranks, tuple(s % num_ranks for s in range(num_ranks * virtual)))
+
+    @classmethod
+    def vshape(cls, num_ranks: int) -> Placement:
+        """Two stages per rank folded into a V: rank r runs stages r and 2P-1-r (ZB-V, DualPipeV)."""
+        _check_positive(num_ranks=num_ranks)
+        down = list(range(num_ranks))
+        return cls(num_ranks, tuple(down + down[::-1]))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    def rank_of(self, stage: int) -> int:
+        return self.stage_to_rank[stage]
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages ``rank`` runs, in increasing order."""
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+
+
+Program = tuple[Action, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A placement plus one ordered program of actions per rank.
+
+    ``programs`` normally hold compute actions only (F, B, I, W); a lowered
+    schedule (see :func:`conveyor.schedule.lower.lower`) also holds SEND/RECV.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> sched = cs.build("1f1b", ranks=2, microbatches=2)
+        >>> [str(a) for a in sched.programs[0]]
+        ['0F0', '0F1', '0B0', '0B1']
+    """
+
+    name: str
+    placement: Placement
+    num_microbatches: int
+    programs: tuple[Program, ...]
+
+    def __post_init__(self) -> None:
+        _check_positive(num_microbatches=self.num_microbatches)
+        if len(self.programs) != self.placement.num_ranks:
+            raise ScheduleError(
+                f"schedule {self.name!r} has programs for {len(self.programs)} ranks "
+                f"but its placement has {self.placement.num_ranks} ranks"
+            )
+
+    @classmethod
+    def from_programs(
+        cls,
+        name: str,
+        placement: Placement,
+        num_microbatches: int,
+        programs: Sequence[Iterable[Action | str]],
+    ) -> Schedule:
+        """Build from per-rank sequences of :class:`Action` or their strings."""
+        return cls(
+            name,
+            placement,
+            num_microbatches,
+            tuple(
+                tuple(a if isinstance(a, Action) else Action.parse(a) for a in program)
+                for program in programs
+            ),
+        )
+
+    from_strings = from_programs
+
+    @property
+    def num_ranks(self) -> int:
+        return self.placement.num_ranks
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    @property
+    def virtual(self) -> int:
+        """Stages per rank (V); 1 for GPipe and 1F1B, 2 for ZB-V."""
+        return self.num_stages // self.num_ranks
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether any stage runs its backward as I then W."""
+        return any(a.kind is ActionKind.I for program in self.programs for a in program)
+
+    @property
+    def is_lowered(self) -> bool:
+        return any(a.kind.is_comm for program in self.programs for a in program)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages ``rank`` runs, in increasing order (pass one module per stage, in this order)."""
+        if not 0 <= rank < self.num_ranks:
+            raise ScheduleError(
+                f"rank {rank} is outside schedule {self.name!r}, which has ranks 0..{self.num_ranks - 1}"
+            )
+        return self.placement.stages_of(rank)
+
+    def compute_only(self) -> Schedule:
+        """The same schedule with communication actions removed."""
+        return Schedule(
+            self.name,
+            self.placement,
+            self.num_microbatches,
+            tuple(tuple(a for a in p if a.kind.is_compute) for p in self.programs),
+        )
+
+    def with_programs(self, programs: Sequence[Sequence[Action]]) -> Schedule:
+        return Schedule(self.name, self.placement, self.num_microbatches, tuple(map(tuple, programs)))
+
+    def __str__(self) -> str:
+        lines = [
+            f"schedule {self.name}: {self.num_ranks} ranks, {self.num_stages} stages, "
+            f"{self.num_microbatches} microbatches"
+        ]
+        for rank, program in enumerate(self.programs):
+            lines.append(f"rank {rank}: " + " ".join(map(str, program)))
+        return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""The one Timeline type: simulated plans and measured runs alike.
+
+A :class:`Timeline` is every compute action's start and end per rank. Makespan,
+bubble ratio and peak live activations are derived from the spans, so a
+simulated plan and a measured step are summarised by the same code and can be
+drawn side by side.
+
+Example:
+    >>> from conveyor.schedule.ir import F, B
+    >>> tl = Timeline(2, (Span(0, F(0, 0), 0, 1), Span(1, F(1, 0), 1, 2),
+    ...                   Span(1, B(1, 0), 2, 4), Span(0, B(0, 0), 4, 6)))
+    >>> tl.makespan, tl.bubble_ratio
+    (6, 0.5)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from conveyor.schedule.ir import Action, ActionKind
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One action on one rank, from ``start`` to ``end`` (simulator units or seconds)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What each rank did when. ``source`` is ``"simulated"`` or ``"measured"``.
+
+    ``stage_activation_bytes[stage]`` (optional) weighs live activations in bytes.
+    """
+
+    num_ranks: int
+    spans: tuple[Span, ...]
+    title: str = ""
+    source: str = "simulated"
+    time_unit: str = "unit"
+    stage_activation_bytes: tuple[float, ...] = ()
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def start(self) -> float:
+        return min((s.start for s in self.spans), default=0.0)
+
+    @property
+    def end(self) -> float:
+        return max((s.end for s in self.spans), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        return self.end - self.start
+
+    def spans_of(self, rank: int) -> list[Span]:
+        return sorted((s for s in self.spans if s.rank == rank), key=lambda s: s.start)
+
+    def busy_time(self, rank: int) -> float:
+        return sum(s.duration for s in self.spans if s.rank == rank and s.action.kind.is_compute)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle rank-time over ``num_ranks x makespan``."""
+        total = self.num_ranks * self.makespan
+        if total <= 0:
+            return 0.0
+        busy = sum(self.busy_time(r) for r in range(self.num_ranks))
+        return (total - busy) / total
+
+    def peak_activations(self) -> list[int]:
+        """Per rank, the most (stage, microbatch) activations alive at once.
+
+        An activation lives from the start of its forward to the end of its last
+        backward pass (B, or W after I): W still needs the stage's saved inputs.
+        """
+        return [int(p) for p in self._peaks(lambda stage: 1)]
+
+    def peak_activation_bytes(self) -> list[float]:
+        """Like :meth:`peak_activations`, weighted by ``stage_activation_bytes``."""
+        if not self.stage_activation_bytes:
+            return [0.0] * self.num_ranks
+        return self._peaks(lambda stage: self.stage_activation_bytes[stage])
+
+    def _peaks(self, weight) -> list[float]:
+        events: list[list[tuple[float, int, float]]] = [[] for _ in range(self.num_ranks)]
+        split = {(s.action.stage, s.action.microbatch) for s in self.spans if s.action.kind is ActionKind.I}
+        for s in self.spans:
+            a = s.action
+            if a.kind is ActionKind.F:
+                # Order key 1 puts allocations after releases that happen at the same instant.
+                events[s.rank].append((s.start, 1, weight(a.stage)))
+            elif a.kind is ActionKind.W or (
+                a.kind is ActionKind.B and (a.stage, a.microbatch) not in split
+            ):
+                events[s.rank].append((s.end, 0, -weight(a.stage)))
+        peaks = []
+        for rank_events in events:
+            live = peak = 0.0
+            for _, _, delta in sorted(rank_events):
+                live += delta
+                peak = max(peak, live)
+            peaks.append(peak)
+        return peaks
+
+    def summary(self) -> dict:
+        """A JSON-ready dict of the headline figures."""
+        return {
+            "title": self.title,
+            "source": self.source,
+            "time_unit": self.time_unit,
+            "ranks": self.num_ranks,
+            "makespan": self.makespan,
+            "bubble_ratio": self.bubble_ratio,
+            "peak_activations": self.peak_activations(),
+            "peak_activation_bytes": self.peak_activation_bytes(),
+        }
+
+    @classmethod
+    def from_spans(cls, num_ranks: int, spans: Sequence[Span], **kwargs) -> Timeline:
+        return cls(num_ranks, tuple(sorted(spans, key=lambda s: (s.start, s.rank))), **kwargs)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up .venv/ (quick when done) and runs the demo with its embedded defaults.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash tools/bootstrap.sh
+exec .venv/bin/conveyor demo "$@"
