@@ -1,0 +1,587 @@
+"""Draw timelines: PNG pictures and Chrome-trace JSON (opens in Perfetto).
+
+Simulated plans and measured runs share the :class:`Timeline` type, so they
+share these renderers too, and :func:`side_by_side_png` lays the plan of a step
+over what really happened.
+
+matplotlib (Agg backend) is imported inside the drawing functions only, so
+importing this module stays cheap and never needs a display.
+
+Example:
+    >>> import conveyor.schedule as cs
+    >>> from conveyor.schedule.render import to_chrome_trace
+    >>> tl = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
+    >>> trace = to_chrome_trace(tl)
+    >>> [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"][:3]
+    ['F s0 m0', 'F s0 m1', 'F s1 m0']
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from conveyor.schedule.ir import ActionKind
+from conveyor.schedule.timeline import Span, Timeline
+
+logger = logging.getLogger(__name__)
+
+# Colour-blind-safe, distinct in greyscale too: F blue, B red, I amber, W green.
+KIND_COLORS: dict[ActionKind, str] = {
+    ActionKind.F: "#2f6db3",
+    ActionKind.B: "#c0392b",
+    ActionKind.I: "#e69f00",
+    ActionKind.W: "#2e8b57",
+}
+KIND_NAMES: dict[ActionKind, str] = {
+    ActionKind.F: "F forward",
+    ActionKind.B: "B full backward",
+    ActionKind.I: "I input gradient",
+    ActionKind.W: "W weight gradient",
+}
+COMM_COLOR = "#7f7f7f"
+
+# Microseconds per time unit in Chrome traces. A simulated unit is shown as one
+# millisecond: Perfetto's ruler then reads "1 ms" per unit, which is easy to count.
+MICROSECONDS_PER_UNIT: dict[str, float] = {
+    "unit": 1_000.0,
+    "s": 1_000_000.0,
+    "ms": 1_000.0,
+    "us": 1.0,
+    "ns": 0.001,
+}
+
+# Label and layout limits that keep big pictures fast and small ones legible.
+_LABEL_FONT_PT = 7.0
+_MAX_LABELS = 6_000
+_ROW_HEIGHT_IN = 0.42
+_MAX_FIGURE_HEIGHT_IN = 60.0
+
+
+# --------------------------------------------------------------------------- time units
+
+
+@dataclass(frozen=True, slots=True)
+class _DisplayUnit:
+    """How times of one timeline are shown: ``value * factor`` in ``label``."""
+
+    factor: float
+    label: str
+
+
+def _display_unit(time_unit: str, makespan: float) -> _DisplayUnit:
+    """Seconds are shown in s, ms or µs so that the makespan reads as a plain number."""
+    if time_unit == "s":
+        if makespan >= 10:
+            return _DisplayUnit(1.0, "s")
+        if makespan >= 0.01:
+            return _DisplayUnit(1e3, "ms")
+        return _DisplayUnit(1e6, "µs")
+    if time_unit == "unit":
+        return _DisplayUnit(1.0, "units")
+    return _DisplayUnit(1.0, time_unit)
+
+
+def format_duration(value: float, time_unit: str) -> str:
+    """A duration with its unit, e.g. ``"33 units"`` or ``"12.34 ms"``.
+
+    Example:
+        >>> format_duration(33.0, "unit"), format_duration(0.01234, "s")
+        ('33 units', '12.34 ms')
+    """
+    unit = _display_unit(time_unit, value)
+    return f"{value * unit.factor:.4g} {unit.label}"
+
+
+def headline(timeline: Timeline, title: str | None = None) -> str:
+    """One line naming the timeline with its makespan, bubble ratio and peak activations.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> headline(cs.simulate(cs.build("1f1b", ranks=4, microbatches=8)))
+        '1f1b P=4 V=1 M=8 (simulated): makespan 33 units, bubble 27.3%, peak activations 4'
+    """
+    name = title if title is not None else (timeline.title or "timeline")
+    peak = max(timeline.peak_activations(), default=0)
+    return (
+        f"{name} ({timeline.source}): makespan {format_duration(timeline.makespan, timeline.time_unit)}, "
+        f"bubble {timeline.bubble_ratio:.1%}, peak activations {peak}"
+    )
+
+
+# --------------------------------------------------------------------------- PNG
+
+
+def to_png(
+    timelines: Timeline | Sequence[Timeline],
+    path: str | os.PathLike,
+    *,
+    titles: Sequence[str | None] | None = None,
+    share_time: bool = False,
+    dpi: int = 100,
+) -> Path:
+    """Draw one or several timelines, one above the other, into a PNG file.
+
+    Each timeline gets one row per rank; boxes are coloured by kind (F, B, I, W)
+    and carry their microbatch number, or ``s2:m5`` when a rank runs several
+    stages (later stages of a rank are also drawn lighter). Each title states
+    makespan, bubble ratio and peak activations. Labels that would not fit their
+    box are left out, so a 64-rank, 1024-microbatch timeline draws in seconds.
+
+    ``share_time`` puts every panel on one time axis (the timelines must use the
+    same ``time_unit``). Returns the path written; parent folders are created.
+
+    Example:
+        >>> import tempfile, conveyor.schedule as cs
+        >>> tl = cs.simulate(cs.build("gpipe", ranks=2, microbatches=4))
+        >>> to_png(tl, tempfile.mkdtemp() + "/gpipe.png").suffix
+        '.png'
+    """
+    figure = draw(timelines, titles=titles, share_time=share_time, dpi=dpi)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=dpi)
+    logger.info("wrote %s", out)
+    return out
+
+
+def draw(
+    timelines: Timeline | Sequence[Timeline],
+    *,
+    titles: Sequence[str | None] | None = None,
+    share_time: bool = False,
+    dpi: int = 100,
+):
+    """The matplotlib ``Figure`` that :func:`to_png` saves (Agg canvas, no pyplot state).
+
+    Use it to adjust the picture before saving it, or to save it as SVG or PDF.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> figure = draw(cs.simulate(cs.build("1f1b", ranks=2, microbatches=2)))
+        >>> [t.get_text() for t in figure.axes[0].texts][:3]
+        ['0', '1', '0']
+    """
+    panels = [timelines] if isinstance(timelines, Timeline) else list(timelines)
+    if not panels:
+        raise ValueError("drawing needs at least one Timeline, got none")
+    if titles is not None and len(titles) != len(panels):
+        raise ValueError(
+            f"got {len(titles)} titles for {len(panels)} timelines; give one title per "
+            "timeline (None keeps the timeline's own)"
+        )
+    if share_time and len({t.time_unit for t in panels}) > 1:
+        units = ", ".join(sorted({t.time_unit for t in panels}))
+        raise ValueError(
+            f"share_time=True needs timelines in one time unit, got {units}; "
+            "draw them with share_time=False"
+        )
+    titles = list(titles) if titles is not None else [None] * len(panels)
+
+    # A bare Figure on the Agg canvas: no pyplot, so no global figure registry and no display.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    width_in = _figure_width(panels)
+    row_in = _row_height(panels)
+    # Layout in inches, top to bottom: legend band, then per panel a title band, the rank
+    # rows and the time axis. Fixed inches (not fractions) keep labels fitting at any size.
+    legend_in, title_in, axis_in, gap_in = 0.45, 0.3, 0.45, 0.2
+    left_in, right_in = 0.9, 0.25
+    panel_heights = [t.num_ranks * row_in for t in panels]
+    height_in = (
+        legend_in + sum(title_in + h + axis_in for h in panel_heights) + gap_in * (len(panels) - 1)
+    )
+    figure = Figure(figsize=(width_in, height_in), dpi=dpi)
+    FigureCanvasAgg(figure)
+    axes_width_px = (width_in - left_in - right_in) * dpi
+    shared_end = max((t.makespan for t in panels), default=0.0) if share_time else None
+    kinds_seen: set[ActionKind] = set()
+    max_stages_per_rank = 1
+    has_comm = False
+    top_in = height_in - legend_in
+    for timeline, title, rows_in in zip(panels, titles, panel_heights):
+        bottom_in = top_in - title_in - rows_in
+        ax = figure.add_axes(
+            (
+                left_in / width_in,
+                bottom_in / height_in,
+                (width_in - left_in - right_in) / width_in,
+                rows_in / height_in,
+            )
+        )
+        top_in = bottom_in - axis_in - gap_in
+        drawn = _draw_panel(ax, timeline, title, axes_width_px, row_in * dpi, shared_end, dpi)
+        kinds_seen |= drawn.kinds
+        max_stages_per_rank = max(max_stages_per_rank, drawn.stages_per_rank)
+        has_comm = has_comm or drawn.has_comm
+    _legend(figure, kinds_seen, max_stages_per_rank, has_comm)
+    return figure
+
+
+def side_by_side_png(
+    simulated: Timeline,
+    measured: Timeline,
+    path: str | os.PathLike,
+    *,
+    titles: Sequence[str | None] | None = None,
+) -> Path:
+    """Draw the plan of a step above its measured run, on one time axis when the units agree.
+
+    The measured title also gives its makespan as a multiple of the simulated one
+    when both are in the same unit (a simulator fed with profiled seconds).
+
+    Example:
+        >>> import tempfile, conveyor.schedule as cs
+        >>> plan = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
+        >>> side_by_side_png(plan, plan, tempfile.mkdtemp() + "/both.png").name
+        'both.png'
+    """
+    if simulated.num_ranks != measured.num_ranks:
+        raise ValueError(
+            f"side_by_side_png compares one step: the simulated timeline has {simulated.num_ranks} "
+            f"ranks but the measured one has {measured.num_ranks}"
+        )
+    same_unit = simulated.time_unit == measured.time_unit
+    if titles is None:
+        measured_title = measured.title or "measured"
+        if same_unit and simulated.makespan > 0:
+            ratio = measured.makespan / simulated.makespan
+            measured_title = f"{measured_title}, {ratio:.2f}x the simulated makespan"
+        titles = [simulated.title or "simulated", measured_title]
+    return to_png([simulated, measured], path, titles=titles, share_time=same_unit)
+
+
+def compare_summary(simulated: Timeline, measured: Timeline) -> dict:
+    """Headline figures of a plan and its measured run, with their ratio when units agree.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> plan = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
+        >>> compare_summary(plan, plan)["makespan_ratio"]
+        1.0
+    """
+    ratio = None
+    if simulated.time_unit == measured.time_unit and simulated.makespan > 0:
+        ratio = measured.makespan / simulated.makespan
+    return {
+        "simulated": simulated.summary(),
+        "measured": measured.summary(),
+        "makespan_ratio": ratio,
+        "bubble_difference": measured.bubble_ratio - simulated.bubble_ratio,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class _Drawn:
+    kinds: frozenset[ActionKind]
+    stages_per_rank: int
+    has_comm: bool
+
+
+def _figure_width(panels: Sequence[Timeline]) -> float:
+    # Wide enough for ~0.2 in per box on the busiest rank, within a screen-ish range.
+    busiest = 0
+    for timeline in panels:
+        per_rank = [0] * timeline.num_ranks
+        for span in timeline.spans:
+            if span.action.kind.is_compute:
+                per_rank[span.rank] += 1
+        busiest = max(busiest, max(per_rank, default=0))
+    return min(max(busiest * 0.2 + 1.2, 10.0), 30.0)
+
+
+def _row_height(panels: Sequence[Timeline]) -> float:
+    total_ranks = sum(t.num_ranks for t in panels)
+    budget = _MAX_FIGURE_HEIGHT_IN - 1.0 * len(panels)
+    return max(min(_ROW_HEIGHT_IN, budget / max(total_ranks, 1)), 0.08)
+
+
+def _local_stage_index(timeline: Timeline) -> tuple[dict[tuple[int, int], int], int]:
+    """Per (rank, stage), its position among the stages that rank runs; and the most per rank."""
+    stages: dict[int, set[int]] = {}
+    for span in timeline.spans:
+        stages.setdefault(span.rank, set()).add(span.action.stage)
+    index = {}
+    for rank, rank_stages in stages.items():
+        for position, stage in enumerate(sorted(rank_stages)):
+            index[(rank, stage)] = position
+    return index, max((len(s) for s in stages.values()), default=1)
+
+
+def _shade(hex_color: str, position: int, count: int) -> tuple[float, float, float]:
+    """The kind's colour for the first stage of a rank, mixed towards white for later ones."""
+    red, green, blue = (int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    mix = 0.0 if count <= 1 else 0.5 * position / (count - 1)
+    return (red + (1 - red) * mix, green + (1 - green) * mix, blue + (1 - blue) * mix)
+
+
+def _text_color(rgb: tuple[float, float, float]) -> str:
+    luminance = 0.2126 * rgb[0] + 0.7152 * rgb[1] + 0.0722 * rgb[2]
+    return "black" if luminance > 0.55 else "white"
+
+
+def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> _Drawn:
+    from matplotlib.collections import PolyCollection
+
+    origin = timeline.start
+    makespan = timeline.makespan
+    unit = _display_unit(timeline.time_unit, shared_end if shared_end is not None else makespan)
+    x_end = (shared_end if shared_end is not None else makespan) * unit.factor or 1.0
+    stage_index, stages_per_rank = _local_stage_index(timeline)
+    compute = [s for s in timeline.spans if s.action.kind.is_compute]
+    comm = [s for s in timeline.spans if not s.action.kind.is_compute]
+
+    # One PolyCollection for every box: one artist instead of one per span, and numpy
+    # vertices take matplotlib's fast path, so 100k boxes draw in about a second.
+    import numpy as np
+
+    starts = np.fromiter((s.start for s in compute), float, len(compute))
+    ends = np.fromiter((s.end for s in compute), float, len(compute))
+    ranks = np.fromiter((s.rank for s in compute), float, len(compute))
+    x0, x1 = (starts - origin) * unit.factor, (ends - origin) * unit.factor
+    top, bottom = ranks - 0.4, ranks + 0.4
+    boxes = np.stack(
+        [
+            np.stack([x0, top], 1),
+            np.stack([x1, top], 1),
+            np.stack([x1, bottom], 1),
+            np.stack([x0, bottom], 1),
+        ],
+        axis=1,
+    ).reshape(len(compute), 4, 2)
+    palette: dict[tuple[ActionKind, int], tuple[float, float, float]] = {}
+    colors = []
+    for span in compute:
+        key = (span.action.kind, stage_index[(span.rank, span.action.stage)])
+        color = palette.get(key)
+        if color is None:
+            color = palette[key] = _shade(KIND_COLORS[key[0]], key[1], stages_per_rank)
+        colors.append(color)
+    px_per_x = axes_width_px / x_end
+    narrowest_px = float((x1 - x0).min()) * px_per_x if compute else 0.0
+    # Outlines separate neighbouring boxes; on boxes a few pixels wide they would hide the colour.
+    edge = 0.4 if narrowest_px >= 4 else 0.0
+    ax.add_collection(
+        PolyCollection(
+            boxes, facecolors=colors, edgecolors="white", linewidths=edge, antialiased=edge > 0
+        )
+    )
+    if comm:
+        comm_boxes = []
+        for span in comm:
+            x0 = (span.start - origin) * unit.factor
+            x1 = max((span.end - origin) * unit.factor, x0 + 0.5 / px_per_x)
+            comm_boxes.append(
+                (
+                    (x0, span.rank + 0.42),
+                    (x1, span.rank + 0.42),
+                    (x1, span.rank + 0.5),
+                    (x0, span.rank + 0.5),
+                )
+            )
+        ax.add_collection(PolyCollection(comm_boxes, facecolors=COMM_COLOR, linewidths=0))
+
+    _label_boxes(ax, compute, colors, origin, unit.factor, px_per_x, row_px, stages_per_rank, dpi)
+
+    ax.set_xlim(0, x_end)
+    ax.set_ylim(timeline.num_ranks - 0.5, -0.5)  # rank 0 on top
+    ax.set_yticks(range(timeline.num_ranks))
+    step = max(1, timeline.num_ranks // 32)
+    ax.set_yticks(range(0, timeline.num_ranks, step))
+    ax.set_yticklabels([f"rank {r}" for r in range(0, timeline.num_ranks, step)], fontsize=8)
+    ax.set_xlabel(f"time ({unit.label})", fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(headline(timeline, title), fontsize=10, loc="left")
+    return _Drawn(frozenset(s.action.kind for s in compute), stages_per_rank, bool(comm))
+
+
+def _label_boxes(
+    ax, spans: Sequence[Span], colors, origin, factor, px_per_x, row_px, stages_per_rank, dpi
+):
+    """Write each box's microbatch (and stage, when ranks run several) where it fits.
+
+    Fit is judged with the panel's longest label, so boxes of one size are all
+    labelled or all bare (not "0".."9" labelled and "10".. bare). The font shrinks
+    a little when that lets the typical box carry its label.
+    """
+    if not spans:
+        return
+    widths_px = [(s.end - s.start) * factor * px_per_x for s in spans]
+    short_chars = len(str(max(s.action.microbatch for s in spans)))
+    long_chars = short_chars + 3 + len(str(max(s.action.stage for s in spans)))
+    typical_px = sorted(widths_px)[len(widths_px) // 2]
+    font_pt = _LABEL_FONT_PT
+    for candidate in (_LABEL_FONT_PT, 6.0, 5.0):
+        font_pt = candidate
+        if _text_px(short_chars, candidate, dpi) <= typical_px:
+            break
+    if row_px < font_pt * dpi / 72 * 1.2:
+        return
+    short_px = _text_px(short_chars, font_pt, dpi)
+    long_px = _text_px(long_chars, font_pt, dpi) if stages_per_rank > 1 else float("inf")
+    labels = []
+    for span, color, width_px in zip(spans, colors, widths_px):
+        action = span.action
+        if width_px >= long_px:
+            text = f"s{action.stage}:m{action.microbatch}"
+        elif width_px >= short_px:
+            text = str(action.microbatch)  # the shading still tells the stage apart
+        else:
+            continue
+        labels.append(((span.start + span.end) / 2, span.rank, text, color))
+    if len(labels) > _MAX_LABELS:
+        logger.info(
+            "skipping %d box labels (more than %d would be slow to draw)", len(labels), _MAX_LABELS
+        )
+        return
+    for mid, rank, text, color in labels:
+        ax.text(
+            (mid - origin) * factor,
+            rank,
+            text,
+            ha="center",
+            va="center",
+            fontsize=font_pt,
+            color=_text_color(color),
+            clip_on=True,
+        )
+
+
+def _text_px(num_chars: int, font_pt: float, dpi: int) -> float:
+    # DejaVu digits are ~0.62 em wide; 3 px keeps the text off the box edges.
+    return num_chars * font_pt * dpi / 72 * 0.62 + 3
+
+
+def _legend(figure, kinds: set[ActionKind], stages_per_rank: int, has_comm: bool) -> None:
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=KIND_COLORS[k], label=KIND_NAMES[k]) for k in KIND_COLORS if k in kinds]
+    if stages_per_rank > 1:
+        for position in range(stages_per_rank):
+            shade = _shade("#606060", position, stages_per_rank)
+            handles.append(Patch(color=shade, label=f"{_ordinal(position + 1)} stage of a rank"))
+    if has_comm:
+        handles.append(Patch(color=COMM_COLOR, label="communication"))
+    figure.legend(
+        handles=handles,
+        loc="upper center",
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+        borderaxespad=0.3,
+    )
+
+
+def _ordinal(number: int) -> str:
+    suffix = {1: "st", 2: "nd", 3: "rd"}.get(
+        number % 10 if number % 100 not in (11, 12, 13) else 0, "th"
+    )
+    return f"{number}{suffix}"
+
+
+# --------------------------------------------------------------------------- Chrome trace
+
+
+def to_chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict:
+    """Chrome-trace JSON (a dict) of one or several timelines; open it in ui.perfetto.dev.
+
+    Every span becomes one complete (``"X"``) event named like ``"F s2 m5"``, with
+    ``args`` holding kind, stage, microbatch and rank. Each rank is a process
+    (``pid``); compute runs on thread 0 and communication on thread 1. Times are
+    microseconds from the timeline's start: seconds are converted exactly, and a
+    simulated unit is shown as 1 ms (:data:`MICROSECONDS_PER_UNIT`). Several
+    timelines get consecutive pids, their processes named after each title.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> tl = cs.simulate(cs.build("gpipe", ranks=2, microbatches=1))
+        >>> event = [e for e in to_chrome_trace(tl)["traceEvents"] if e["ph"] == "X"][1]
+        >>> event["name"], event["pid"], event["ts"], event["dur"]
+        ('F s1 m0', 1, 1000.0, 1000.0)
+    """
+    panels = [timelines] if isinstance(timelines, Timeline) else list(timelines)
+    events: list[dict] = []
+    pid_offset = 0
+    for timeline in panels:
+        scale = MICROSECONDS_PER_UNIT.get(timeline.time_unit)
+        if scale is None:
+            known = ", ".join(MICROSECONDS_PER_UNIT)
+            raise ValueError(
+                f"cannot convert time unit {timeline.time_unit!r} to microseconds; "
+                f"use one of {known} for Timeline.time_unit"
+            )
+        prefix = f"{timeline.title or timeline.source}: " if len(panels) > 1 else ""
+        for rank in range(timeline.num_ranks):
+            pid = pid_offset + rank
+            events.append(_metadata("process_name", pid, 0, {"name": f"{prefix}rank {rank}"}))
+            events.append(_metadata("process_sort_index", pid, 0, {"sort_index": pid}))
+            events.append(_metadata("thread_name", pid, 0, {"name": "compute"}))
+            events.append(_metadata("thread_name", pid, 1, {"name": "communication"}))
+        origin = timeline.start
+        for span in timeline.spans:
+            action = span.action
+            is_compute = action.kind.is_compute
+            events.append(
+                {
+                    "name": f"{action.kind.value} s{action.stage} m{action.microbatch}",
+                    "cat": "compute" if is_compute else "communication",
+                    "ph": "X",
+                    "ts": round((span.start - origin) * scale, 3),
+                    "dur": round((span.end - span.start) * scale, 3),
+                    "pid": pid_offset + span.rank,
+                    "tid": 0 if is_compute else 1,
+                    "args": {
+                        "kind": action.kind.value,
+                        "stage": action.stage,
+                        "microbatch": action.microbatch,
+                        "rank": span.rank,
+                        "action": str(action),
+                    },
+                }
+            )
+        pid_offset += timeline.num_ranks
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "timelines": [
+                {
+                    "title": t.title,
+                    "source": t.source,
+                    "time_unit": t.time_unit,
+                    "microseconds_per_unit": MICROSECONDS_PER_UNIT[t.time_unit],
+                    "makespan": t.makespan,
+                    "bubble_ratio": t.bubble_ratio,
+                }
+                for t in panels
+            ]
+        },
+    }
+
+
+def write_chrome_trace(timelines: Timeline | Sequence[Timeline], path: str | os.PathLike) -> Path:
+    """Write :func:`to_chrome_trace` to ``path`` (parents created); returns the path.
+
+    Example:
+        >>> import tempfile, conveyor.schedule as cs
+        >>> tl = cs.simulate(cs.build("gpipe", ranks=2, microbatches=1))
+        >>> write_chrome_trace(tl, tempfile.mkdtemp() + "/t.json").name
+        't.json'
+    """
+    trace = to_chrome_trace(timelines)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as handle:
+        json.dump(trace, handle, separators=(",", ":"))
+    return out
+
+
+def _metadata(name: str, pid: int, tid: int, args: dict) -> dict:
+    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
