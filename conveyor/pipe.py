@@ -1,0 +1,446 @@
+"""Pipeline: run a verified schedule over real stages as if on one device.
+
+The same script runs on every rank::
+
+    sched = conveyor.schedule.build("1f1b", ranks=4, microbatches=8)
+    pipe = conveyor.Pipeline([build_stage(s) for s in sched.stages_of(rank)],
+                             schedule=sched, loss_fn=loss_fn)
+    loss = pipe.step(x, target=y)          # the whole minibatch; loss on every rank
+    optimizer = torch.optim.AdamW(pipe.parameters()); optimizer.step()
+
+Results are bitwise identical to one device running, for each microbatch i
+in order, ``(loss_fn(model(x_i), y_i) / M).backward()``.
+
+Example (every rank in one process):
+    >>> import torch, conveyor
+    >>> stages = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
+    >>> pipe = conveyor.LocalPipeline(stages, schedule="1f1b", microbatches=2,
+    ...                               loss_fn=lambda y, t: (y - t).pow(2).mean())
+    >>> loss = pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
+    >>> loss.shape
+    torch.Size([])
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from conveyor.errors import ConveyorError, PipelineConfigError, ScheduleError
+from conveyor.microbatch import merge_outputs, split_microbatches, split_value
+from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
+from conveyor.runtime.stage import LossFn, StageRunner
+from conveyor.runtime.transport import DistTransport, LocalMailbox, LocalTransport, Transport
+from conveyor.schedule import build as build_schedule
+from conveyor.schedule.ir import Action, ActionKind, Schedule
+from conveyor.schedule.lower import lower
+from conveyor.schedule.timeline import Span, Timeline
+
+log = logging.getLogger(__name__)
+
+_FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def resolve_schedule(schedule: Schedule | str, microbatches: int | None, virtual: int | None,
+                     num_ranks: int) -> Schedule:
+    """A Schedule object as given, or built by name for ``num_ranks`` ranks."""
+    if isinstance(schedule, Schedule):
+        if microbatches is not None and microbatches != schedule.num_microbatches:
+            raise PipelineConfigError(
+                f"microbatches={microbatches} disagrees with the schedule's {schedule.num_microbatches}; "
+                "leave microbatches out when passing a Schedule"
+            )
+        return schedule
+    if not isinstance(schedule, str):
+        raise PipelineConfigError(f"schedule must be a Schedule or a schedule name, got {type(schedule).__name__}")
+    if microbatches is None:
+        raise PipelineConfigError(f"schedule={schedule!r} is a name: also pass microbatches=M")
+    return build_schedule(schedule, ranks=num_ranks, microbatches=microbatches, virtual=virtual)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forward actions of ``schedule``, in the same per-rank order (for evaluation)."""
+    return schedule.compute_only().with_programs(
+        [[a for a in p if a.kind is ActionKind.F] for p in schedule.compute_only().programs]
+    )
+
+
+def fifo_channels(lowered: Schedule) -> set[tuple[int, int]]:
+    """Channels (direction, sending stage) whose receiver consumes in the order the sender sends."""
+    sent: dict[tuple[int, int], list[int]] = {}
+    received: dict[tuple[int, int], list[int]] = {}
+    for program in lowered.programs:
+        for a in program:
+            if a.kind is ActionKind.SEND_F:
+                sent.setdefault((0, a.stage), []).append(a.microbatch)
+            elif a.kind is ActionKind.SEND_B:
+                sent.setdefault((1, a.stage), []).append(a.microbatch)
+            elif a.kind is ActionKind.RECV_F:
+                received.setdefault((0, a.stage - 1), []).append(a.microbatch)
+            elif a.kind is ActionKind.RECV_B:
+                received.setdefault((1, a.stage + 1), []).append(a.microbatch)
+    return {c for c, order in sent.items() if received.get(c) == order}
+
+
+class _PipelineBase:
+    """What the distributed and the in-process pipelines share: stages, programs, checks."""
+
+    schedule: Schedule
+
+    def _make_runners(self, rank: int, stages: Sequence[int], modules: Sequence[torch.nn.Module],
+                      loss_fn: LossFn | None, checkpoint_activations: bool) -> dict[int, StageRunner]:
+        if isinstance(modules, torch.nn.Module):
+            modules = [modules]
+        modules = list(modules)
+        if len(modules) != len(stages):
+            raise PipelineConfigError(
+                f"schedule {self.schedule.name!r} places stages {list(stages)} on rank {rank}, so pass "
+                f"{len(stages)} module(s) in that order; got {len(modules)}"
+            )
+        for i, module in enumerate(modules):
+            if not isinstance(module, torch.nn.Module):
+                raise PipelineConfigError(
+                    f"module {i} for stage {stages[i]} on rank {rank} is a {type(module).__name__}, not an nn.Module"
+                )
+        return {
+            s: StageRunner(s, self.schedule.num_stages, m, loss_fn=loss_fn,
+                           num_microbatches=self.schedule.num_microbatches,
+                           checkpoint_activations=checkpoint_activations, rank=rank)
+            for s, m in zip(stages, modules)
+        }
+
+    def _split_inputs(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+        if not args and not kwargs:
+            raise PipelineConfigError(
+                "inputs are missing on the rank that runs stage 0: pass the minibatch to pipe.step(...) there"
+            )
+        return split_microbatches(args, kwargs, self.schedule.num_microbatches)
+
+    def _split_target(self, target: Any) -> list[Any]:
+        if target is None:
+            return [None] * self.schedule.num_microbatches
+        return split_value(target, self.schedule.num_microbatches, "target")
+
+
+class Pipeline(_PipelineBase):
+    """This rank's part of a pipeline, over torch.distributed.
+
+    ``modules`` are the stages this rank runs, in ``schedule.stages_of(rank)``
+    order. ``schedule`` is a :class:`~conveyor.schedule.Schedule` or a name
+    (then give ``microbatches=`` and, for some schedules, ``virtual=``).
+    ``group`` defaults to the default process group; its size must equal the
+    schedule's ranks. ``timeout_s`` bounds every blocking receive.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[torch.nn.Module] | torch.nn.Module,
+        schedule: Schedule | str,
+        loss_fn: LossFn | None = None,
+        *,
+        microbatches: int | None = None,
+        virtual: int | None = None,
+        group=None,
+        timeout_s: float = 300.0,
+        checkpoint_activations: bool = False,
+        record_timeline: bool = True,
+    ) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise PipelineConfigError(
+                "torch.distributed is not initialised: launch with torchrun and call "
+                "torch.distributed.init_process_group() first, or use conveyor.LocalPipeline to run "
+                "every rank in one process"
+            )
+        self.group = group
+        world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.schedule = resolve_schedule(schedule, microbatches, virtual, world)
+        if self.schedule.num_ranks != world:
+            raise PipelineConfigError(
+                f"schedule {self.schedule.name!r} has {self.schedule.num_ranks} ranks but the process group "
+                f"has {world}; build the schedule with ranks={world} (or launch {self.schedule.num_ranks} processes)"
+            )
+        self.stages = self.schedule.stages_of(self.rank)
+        self.runners = self._make_runners(self.rank, self.stages, modules, loss_fn, checkpoint_activations)
+        ranks = list(range(world))
+        global_ranks = ranks if group is None else [dist.get_global_rank(group, r) for r in ranks]
+        self.transport = DistTransport(group, global_ranks, self.rank, self.schedule.num_stages,
+                                       self.schedule.num_microbatches, timeout_s)
+        self.lowered = lower(self.schedule)
+        self.eval_lowered = lower(forward_only(self.schedule))
+        self.transport.fifo_channels = fifo_channels(self.lowered) & fifo_channels(self.eval_lowered)
+        self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport)
+        self.record_timeline = record_timeline
+        self._recorder: StepRecorder | None = None
+        self._last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
+        self._global_ranks = global_ranks
+
+    # --- user API -----------------------------------------------------------------------
+    def step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any):
+        """One training step on the whole minibatch; returns the minibatch loss on every rank.
+
+        Gradients accumulate in the parameters' ``.grad``; call your optimizer after.
+        With ``return_outputs=True`` returns ``(loss, outputs)``; outputs are the
+        merged last-stage outputs on the rank that runs the last stage, None elsewhere.
+        """
+        return self._guarded(self._step, args, kwargs, target, return_outputs)
+
+    def forward(self, *args: Any, **kwargs: Any):
+        """Forward only (evaluation, no autograd state): the merged model outputs on the
+        rank that runs the last stage, None on the others."""
+        return self._guarded(self._forward, args, kwargs)
+
+    __call__ = forward
+
+    def timeline(self) -> Timeline:
+        """The measured Timeline of the last step (a collective: call it on every rank)."""
+        import torch.distributed as dist
+
+        events = [] if self._recorder is None else self._recorder.events
+        mine = [(str(a), start, end) for a, start, end in events]
+        gathered: list = [None] * self.schedule.num_ranks
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return measured_timeline(self.schedule, gathered)
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters (shared ones once), under the names their modules give them."""
+        yield from _named_unique(self.runners, lambda m: m.named_parameters())
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's parameters and buffers under their modules' names."""
+        state = {}
+        for runner in self.runners.values():
+            state.update(runner.module.state_dict())
+        return state
+
+    def train(self, mode: bool = True) -> Pipeline:
+        for runner in self.runners.values():
+            runner.module.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        return self.train(False)
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        return [r.module for r in self.runners.values()]
+
+    # --- internals -----------------------------------------------------------------------
+    def _guarded(self, fn, *args):
+        try:
+            return fn(*args)
+        except ConveyorError as exc:
+            self._fail(exc)
+            raise
+        except Exception as exc:
+            self._fail(exc)
+            raise
+
+    def _fail(self, exc: BaseException) -> None:
+        # Tell the peers why, then close our connections so none of them waits for us.
+        message = f"{type(exc).__name__}: {exc}"
+        self.transport.publish_failure(message)
+        for runner in self.runners.values():
+            runner.reset()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception as close_exc:  # already torn down by a peer's failure
+                log.debug("closing the process group after a failure: %s", close_exc)
+
+    def _inputs_for_step(self, args, kwargs, target):
+        first = self._split_inputs(args, kwargs) if 0 in self.runners else None
+        targets = self._split_target(target) if (self.schedule.num_stages - 1) in self.runners else None
+        return first, targets
+
+    def _step(self, args, kwargs, target, return_outputs):
+        first, targets = self._inputs_for_step(args, kwargs, target)
+        self._recorder = StepRecorder() if self.record_timeline else None
+        for runner in self.runners.values():
+            runner.reset()
+        with torch.enable_grad():
+            for _ in self.executor.run(self.lowered.programs[self.rank], first, targets, self._recorder,
+                                       keep_outputs=return_outputs):
+                raise AssertionError("a blocking transport never yields")
+        loss = self._broadcast_loss()
+        if return_outputs:
+            last = self.runners.get(self.schedule.num_stages - 1)
+            outputs = merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)]) if last else None
+            return loss, outputs
+        return loss
+
+    def _forward(self, args, kwargs):
+        first = self._split_inputs(args, kwargs) if 0 in self.runners else None
+        for runner in self.runners.values():
+            runner.reset()
+        with torch.no_grad():
+            for _ in self.executor.run(self.eval_lowered.programs[self.rank], first, None, None):
+                raise AssertionError("a blocking transport never yields")
+        last = self.runners.get(self.schedule.num_stages - 1)
+        if last is None:
+            return None
+        outputs = merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)])
+        last.outputs.clear()
+        return outputs
+
+    def _broadcast_loss(self) -> torch.Tensor:
+        import torch.distributed as dist
+
+        last = self.runners.get(self.schedule.num_stages - 1)
+        packet = torch.zeros(2, dtype=torch.float64)
+        if last is not None:
+            total = summed_loss(last)
+            packet[0] = total.double()
+            packet[1] = _FLOAT_DTYPES.index(total.dtype) if total.dtype in _FLOAT_DTYPES else 0
+        if self.schedule.num_ranks > 1:
+            dist.broadcast(packet, src=self._global_ranks[self._last_rank], group=self.group)
+        if last is not None:
+            return total
+        return packet[0].to(_FLOAT_DTYPES[int(packet[1])])
+
+
+def summed_loss(last: StageRunner) -> torch.Tensor:
+    """Sum of the microbatch losses (each already divided by M), in microbatch order."""
+    losses = [last.losses[m] for m in range(last.num_microbatches)]
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total
+
+
+def measured_timeline(schedule: Schedule, per_rank_events: list) -> Timeline:
+    """Build a Timeline (seconds from the earliest start) from each rank's (action, start, end)."""
+    starts = [start for events in per_rank_events for _, start, _ in events]
+    origin = min(starts, default=0.0)
+    spans = [
+        Span(rank, Action.parse(a) if isinstance(a, str) else a, start - origin, end - origin)
+        for rank, events in enumerate(per_rank_events)
+        for a, start, end in events
+    ]
+    return Timeline.from_spans(
+        schedule.num_ranks, spans,
+        title=f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches} (measured)",
+        source="measured", time_unit="s",
+        metadata={"schedule": schedule.name, "ranks": schedule.num_ranks, "virtual": schedule.virtual,
+                  "microbatches": schedule.num_microbatches},
+    )
+
+
+def _named_unique(runners: dict[int, StageRunner], items) -> Iterator[tuple[str, Any]]:
+    seen_ids: set[int] = set()
+    seen_names: set[str] = set()
+    for stage, runner in runners.items():
+        for name, value in items(runner.module):
+            if id(value) in seen_ids:
+                continue
+            seen_ids.add(id(value))
+            if name in seen_names:
+                name = f"stage{stage}.{name}"  # two hand-built stages may reuse a local name
+            seen_names.add(name)
+            yield name, value
+
+
+class LocalPipeline(_PipelineBase):
+    """Every rank of a schedule in one process and one thread, with the numerics of :class:`Pipeline`.
+
+    ``modules`` holds one module per stage, indexed by stage. For debugging and fast tests.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[torch.nn.Module],
+        schedule: Schedule | str,
+        loss_fn: LossFn | None = None,
+        *,
+        microbatches: int | None = None,
+        virtual: int | None = None,
+        ranks: int | None = None,
+        checkpoint_activations: bool = False,
+    ) -> None:
+        modules = list(modules)
+        if isinstance(schedule, str) and ranks is None:
+            virtual_guess = virtual or 1
+            ranks = max(1, len(modules) // virtual_guess)
+            if schedule in ("zbv", "dualpipev"):
+                ranks = max(1, len(modules) // 2)
+        self.schedule = resolve_schedule(schedule, microbatches, virtual, ranks or 1)
+        if len(modules) != self.schedule.num_stages:
+            raise PipelineConfigError(
+                f"schedule {self.schedule.name!r} has {self.schedule.num_stages} stages; pass one module per "
+                f"stage (got {len(modules)})"
+            )
+        self.mailbox = LocalMailbox()
+        self.lowered = lower(self.schedule)
+        self.eval_lowered = lower(forward_only(self.schedule))
+        self.executors: list[RankExecutor] = []
+        self.runners: dict[int, StageRunner] = {}
+        for rank in range(self.schedule.num_ranks):
+            stages = self.schedule.stages_of(rank)
+            runners = self._make_runners(rank, stages, [modules[s] for s in stages], loss_fn,
+                                         checkpoint_activations)
+            self.runners.update(runners)
+            transport: Transport = LocalTransport(self.mailbox, rank)
+            self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport))
+        self._recorders: list[StepRecorder] = []
+
+    def step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any):
+        first = self._split_inputs(args, kwargs)
+        targets = self._split_target(target)
+        for runner in self.runners.values():
+            runner.reset()
+        self._recorders = [StepRecorder() for _ in self.executors]
+        with torch.enable_grad():
+            run_local(self.executors, [
+                ex.run(self.lowered.programs[r], first if r == self.schedule.placement.rank_of(0) else None,
+                       targets, self._recorders[r], keep_outputs=return_outputs)
+                for r, ex in enumerate(self.executors)
+            ])
+        last = self.runners[self.schedule.num_stages - 1]
+        loss = summed_loss(last)
+        if return_outputs:
+            return loss, merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)])
+        return loss
+
+    def forward(self, *args: Any, **kwargs: Any):
+        first = self._split_inputs(args, kwargs)
+        for runner in self.runners.values():
+            runner.reset()
+        with torch.no_grad():
+            run_local(self.executors, [
+                ex.run(self.eval_lowered.programs[r], first if r == self.schedule.placement.rank_of(0) else None,
+                       None, None)
+                for r, ex in enumerate(self.executors)
+            ])
+        last = self.runners[self.schedule.num_stages - 1]
+        outputs = merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)])
+        last.outputs.clear()
+        return outputs
+
+    __call__ = forward
+
+    def timeline(self) -> Timeline:
+        return measured_timeline(self.schedule, [[(str(a), s, e) for a, s, e in r.events] for r in self._recorders])
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        for _, p in _named_unique(self.runners, lambda m: m.named_parameters()):
+            yield p
+
+
+def pipeline(model: torch.nn.Module, *, example_args: tuple = (), example_kwargs: dict | None = None,
+             split_points: Sequence[str] | None = None, schedule: Schedule | str = "1f1b",
+             microbatches: int | None = None, virtual: int | None = None, loss_fn: LossFn | None = None,
+             split_method: str = "parameters", unsplittable: Sequence[str] | None = None,
+             group=None, **pipeline_kwargs: Any) -> Pipeline:
+    """Trace and split an unchanged ``model`` and return this rank's :class:`Pipeline` (see conveyor.frontend)."""
+    raise ScheduleError("conveyor.pipeline(model, ...) needs the tracing frontend, which is not wired in yet")

@@ -1,0 +1,215 @@
+"""Execute one rank's lowered program for one step: one handler per action kind.
+
+The executor is a generator: with a transport that can block (torch.distributed)
+it never yields; with the in-process transport it yields whenever a receive
+has not arrived yet, so a driver can run every rank of a schedule in one
+thread (see :func:`run_local`).
+
+Data moves between handlers through four tables keyed by (stage, microbatch):
+forward inputs, outputs waiting to be sent, output gradients received, input
+gradients waiting to be sent. Stage pairs on the same rank hand over directly.
+
+Example (the whole pipeline in one process):
+    >>> # see conveyor.pipe.LocalPipeline for the user-facing form
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from conveyor.errors import StageExecutionError
+from conveyor.runtime.stage import StageRunner
+from conveyor.runtime.transport import BACKWARD, FORWARD, Transport, detach_for_next_stage
+from conveyor.schedule.ir import Action, ActionKind, Placement
+
+
+def as_stage_inputs(value: Any) -> tuple[tuple, dict]:
+    """How a stage is called with the previous stage's output: a tuple is unpacked, anything else is one argument."""
+    return (value, {}) if isinstance(value, tuple) else ((value,), {})
+
+
+class StepRecorder:
+    """Start and end of every action of a step (perf_counter seconds); cheap enough to stay on."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Action, float, float]] = []
+
+    def add(self, action: Action, start: float, end: float) -> None:
+        self.events.append((action, start, end))
+
+
+class RankExecutor:
+    """Runs ``program`` (a lowered program of ``rank``) on the stage runners of this rank."""
+
+    def __init__(
+        self,
+        rank: int,
+        placement: Placement,
+        runners: dict[int, StageRunner],
+        transport: Transport,
+    ) -> None:
+        self.rank = rank
+        self.placement = placement
+        self.runners = runners
+        self.transport = transport
+        self.num_stages = placement.num_stages
+        self.actions_done = 0
+        self.handlers: dict[ActionKind, Callable[[Action], Iterator]] = {
+            ActionKind.F: self._forward,
+            ActionKind.B: self._backward_full,
+            ActionKind.I: self._backward_input,
+            ActionKind.W: self._backward_weight,
+            ActionKind.SEND_F: self._send_forward,
+            ActionKind.SEND_B: self._send_backward,
+            ActionKind.RECV_F: self._recv,
+            ActionKind.RECV_B: self._recv,
+        }
+
+    # --- one step -----------------------------------------------------------------
+    def run(
+        self,
+        program: tuple[Action, ...],
+        first_stage_inputs: list[tuple[tuple, dict]] | None,
+        targets: list[Any] | None,
+        recorder: StepRecorder | None,
+        *,
+        keep_outputs: bool = False,
+    ) -> Iterator[None]:
+        self.forward_inputs: dict[tuple[int, int], tuple[tuple, dict]] = {}
+        self.to_send: dict[tuple[ActionKind, int, int], Any] = {}
+        self.output_grads: dict[tuple[int, int], list] = {}
+        self.targets = targets
+        self.keep_outputs = keep_outputs
+        if first_stage_inputs is not None:
+            for m, inputs in enumerate(first_stage_inputs):
+                self.forward_inputs[(0, m)] = inputs
+        self.recvs = {}
+        self.recv_order: list = []
+        for action in program:
+            if action.kind is ActionKind.RECV_F:
+                src = self.placement.rank_of(action.stage - 1)
+                handle = self.transport.post_recv(src, (FORWARD, action.stage - 1, action.microbatch))
+            elif action.kind is ActionKind.RECV_B:
+                src = self.placement.rank_of(action.stage + 1)
+                handle = self.transport.post_recv(src, (BACKWARD, action.stage + 1, action.microbatch))
+            else:
+                continue
+            self.recvs[action] = handle
+            self.recv_order.append(handle)
+        self.next_recv = 0
+        clock = time.perf_counter
+        self.actions_done = 0
+        for action in program:
+            start = clock()
+            yield from self.handlers[action.kind](action)
+            self.actions_done += 1
+            if recorder is not None and action.kind.is_compute:
+                recorder.add(action, start, clock())
+                self._progress_receives()
+        self.transport.finish_sends()
+
+    def _progress_receives(self) -> None:
+        # Headers that arrived let their bodies be posted now rather than at the wait.
+        order, i = self.recv_order, self.next_recv
+        while i < len(order) and i < self.next_recv + 4:
+            if not self.transport.ready(order[i]):
+                break
+            i += 1
+
+    # --- handlers -------------------------------------------------------------------
+    def _forward(self, action: Action) -> Iterator[None]:
+        s, m = action.stage, action.microbatch
+        runner = self.runners[s]
+        inputs = self.forward_inputs.pop((s, m), None)
+        if inputs is None:
+            raise StageExecutionError(
+                f"rank {self.rank} reached {action} but has no input for stage {s}, microbatch {m}"
+                + (" (pass the inputs on the rank that runs stage 0)" if s == 0 else "")
+            )
+        target = self.targets[m] if (runner.is_last and self.targets is not None) else None
+        output = runner.forward(m, inputs, target, keep_output=self.keep_outputs)
+        if not runner.is_last:
+            if self.placement.rank_of(s + 1) == self.rank:
+                self.forward_inputs[(s + 1, m)] = as_stage_inputs(detach_for_next_stage(output))
+            else:
+                self.to_send[(ActionKind.SEND_F, s, m)] = output
+        return
+        yield
+
+    def _hand_back(self, s: int, m: int, input_grads: list) -> None:
+        if s == 0:
+            return
+        if self.placement.rank_of(s - 1) == self.rank:
+            self.output_grads[(s - 1, m)] = input_grads
+        else:
+            self.to_send[(ActionKind.SEND_B, s, m)] = tuple(input_grads)
+
+    def _backward_full(self, action: Action) -> Iterator[None]:
+        s, m = action.stage, action.microbatch
+        grads = self.output_grads.pop((s, m), None)
+        self._hand_back(s, m, self.runners[s].backward_full(m, grads))
+        return
+        yield
+
+    def _backward_input(self, action: Action) -> Iterator[None]:
+        s, m = action.stage, action.microbatch
+        grads = self.output_grads.pop((s, m), None)
+        self._hand_back(s, m, self.runners[s].backward_input(m, grads))
+        return
+        yield
+
+    def _backward_weight(self, action: Action) -> Iterator[None]:
+        self.runners[action.stage].backward_weight(action.microbatch)
+        return
+        yield
+
+    def _send_forward(self, action: Action) -> Iterator[None]:
+        s, m = action.stage, action.microbatch
+        value = self.to_send.pop((ActionKind.SEND_F, s, m))
+        self.transport.send(self.placement.rank_of(s + 1), (FORWARD, s, m), value)
+        return
+        yield
+
+    def _send_backward(self, action: Action) -> Iterator[None]:
+        s, m = action.stage, action.microbatch
+        value = self.to_send.pop((ActionKind.SEND_B, s, m))
+        self.transport.send(self.placement.rank_of(s - 1), (BACKWARD, s, m), value)
+        return
+        yield
+
+    def _recv(self, action: Action) -> Iterator[None]:
+        handle = self.recvs.pop(action)
+        if not self.transport.can_block():
+            while not self.transport.ready(handle):
+                yield
+        s, m = action.stage, action.microbatch
+        if action.kind is ActionKind.RECV_F:
+            what = f"the input of stage {s}, microbatch {m} ({action})"
+            value = self.transport.wait(handle, what)
+            self.forward_inputs[(s, m)] = as_stage_inputs(value)
+        else:
+            what = f"the output gradient of stage {s}, microbatch {m} ({action})"
+            self.output_grads[(s, m)] = list(self.transport.wait(handle, what))
+        while self.next_recv < len(self.recv_order) and self.recv_order[self.next_recv] is handle:
+            self.next_recv += 1
+
+
+def run_local(executors: list[RankExecutor], runs: list[Iterator[None]]) -> None:
+    """Drive every rank's step in one thread: each runs until it waits for a message."""
+    active = list(zip(executors, runs))
+    while active:
+        before = sum(ex.actions_done for ex, _ in active)
+        still = []
+        finished = False
+        for executor, run in active:
+            try:
+                next(run)
+                still.append((executor, run))
+            except StopIteration:
+                finished = True
+        if not finished and sum(ex.actions_done for ex, _ in still) == before:
+            stuck = ", ".join(f"rank {ex.rank} at action {ex.actions_done}" for ex, _ in still)
+            raise StageExecutionError(f"in-process run made no progress ({stuck}): the schedule deadlocks")
+        active = still

@@ -1,0 +1,201 @@
+"""One stage on one rank: forward, full backward, and the I / W halves, per microbatch.
+
+The runner keeps, per microbatch in flight, only what backward needs: the
+stage's gradient-carrying inputs, the gradient edges of its outputs (not the
+outputs themselves: once sent, their storage can go, Megatron's "deallocate
+output" idea) and, on the last stage, the scaled loss. Everything is dropped
+as soon as the last backward pass of that microbatch is done.
+
+Example:
+    >>> import torch
+    >>> runner = StageRunner(0, 1, torch.nn.Linear(2, 1), loss_fn=lambda y, t: (y - t).pow(2).mean(),
+    ...                      num_microbatches=1)
+    >>> _ = runner.forward(0, ((torch.ones(1, 2),), {}), target=torch.zeros(1, 1))
+    >>> _ = runner.backward_full(0, None)
+    >>> runner.module.weight.grad is not None
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
+from conveyor.errors import PipelineConfigError, StageExecutionError
+from conveyor.runtime.backward import PendingWeightGrad, backward_full, backward_input
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class _InFlight:
+    inputs: list[torch.Tensor]  # gradient-carrying inputs (leaves), in flatten order
+    roots: list = field(default_factory=list)  # gradient edges of outputs that carry gradients
+    loss: torch.Tensor | None = None
+    pending: PendingWeightGrad | None = None
+
+
+def grad_leaves(value: Any) -> list[torch.Tensor]:
+    """Tensors in ``value`` that carry a gradient, in flatten order (the order gradients travel in)."""
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class StageRunner:
+    """Runs ``module`` as stage ``stage`` of ``num_stages``."""
+
+    def __init__(
+        self,
+        stage: int,
+        num_stages: int,
+        module: torch.nn.Module,
+        *,
+        loss_fn: LossFn | None,
+        num_microbatches: int,
+        checkpoint_activations: bool = False,
+        rank: int = 0,
+    ) -> None:
+        self.stage = stage
+        self.num_stages = num_stages
+        self.module = module
+        self.loss_fn = loss_fn
+        self.num_microbatches = num_microbatches
+        self.checkpoint_activations = checkpoint_activations
+        self.rank = rank
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.in_flight: dict[int, _InFlight] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Any] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def _where(self, microbatch: int) -> str:
+        return f"rank {self.rank}, stage {self.stage}, microbatch {microbatch}"
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+        return self.module(*args, **kwargs)
+
+    def forward(self, microbatch: int, inputs: tuple[tuple, dict], target: Any = None,
+                *, keep_output: bool = False) -> Any:
+        """Run F; returns the output to hand to the next stage (None on the last stage)."""
+        args, kwargs = inputs
+        try:
+            output = self._call(args, kwargs)
+        except Exception as exc:
+            raise StageExecutionError(
+                f"forward failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not torch.is_grad_enabled():
+            if self.is_last:
+                self.outputs[microbatch] = output
+                return None
+            return output
+        record = _InFlight(inputs=grad_leaves((args, kwargs)))
+        if self.is_last:
+            if keep_output:
+                self.outputs[microbatch] = _detached(output)
+            loss = self._loss(microbatch, output, target)
+            record.loss = loss
+            self.losses[microbatch] = loss.detach()
+            self.in_flight[microbatch] = record
+            return None
+        record.roots = [get_gradient_edge(t) for t in grad_leaves(output)]
+        self.in_flight[microbatch] = record
+        return output
+
+    def _loss(self, microbatch: int, output: Any, target: Any) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise PipelineConfigError(
+                "the last stage needs a loss_fn(output, target) -> scalar tensor to train; "
+                "pass loss_fn= to Pipeline (use pipe.forward(...) for inference)"
+            )
+        try:
+            loss = self.loss_fn(output, target)
+        except Exception as exc:
+            raise StageExecutionError(
+                f"loss_fn failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() > 1:
+            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise PipelineConfigError(
+                f"loss_fn must return a scalar tensor; it returned {got} on {self._where(microbatch)} "
+                "(reduce it, e.g. with .mean() or .sum())"
+            )
+        if not loss.requires_grad:
+            raise PipelineConfigError(
+                f"the loss on {self._where(microbatch)} does not require grad: it does not depend on any "
+                "parameter or gradient-carrying input; check loss_fn and the model's output"
+            )
+        return loss.reshape(()) / self.num_microbatches
+
+    def _roots(self, record: _InFlight, output_grads: list | None):
+        if self.is_last:
+            return [record.loss], [None]
+        grads = list(output_grads or [])
+        if len(grads) != len(record.roots):
+            raise StageExecutionError(
+                f"{len(grads)} output gradients arrived on {self._where(-1)} for "
+                f"{len(record.roots)} gradient-carrying outputs; the next stage's inputs do not "
+                "match this stage's outputs"
+            )
+        return record.roots, grads
+
+    def backward_full(self, microbatch: int, output_grads: list | None) -> list:
+        """Run B; returns the gradients of this stage's gradient-carrying inputs (None where unused)."""
+        record = self._take(microbatch, "B")
+        roots, grads = self._roots(record, output_grads)
+        try:
+            return backward_full(roots, grads, record.inputs)
+        except Exception as exc:
+            raise StageExecutionError(f"backward failed on {self._where(microbatch)}: {exc}") from exc
+
+    def backward_input(self, microbatch: int, output_grads: list | None) -> list:
+        """Run I; keeps what W needs. Returns the input gradients."""
+        record = self.in_flight.get(microbatch)
+        if record is None:
+            raise StageExecutionError(f"I on {self._where(microbatch)} without a forward before it")
+        roots, grads = self._roots(record, output_grads)
+        try:
+            record.pending = backward_input(roots, grads, record.inputs, self.params)
+        except Exception as exc:
+            raise StageExecutionError(f"input-gradient backward failed on {self._where(microbatch)}: {exc}") from exc
+        record.roots, record.loss = [], None
+        return record.pending.input_grads
+
+    def backward_weight(self, microbatch: int) -> None:
+        """Run W after I: accumulate the parameter gradients, then free the microbatch."""
+        record = self._take(microbatch, "W")
+        if record.pending is None:
+            raise StageExecutionError(f"W on {self._where(microbatch)} before its I")
+        try:
+            record.pending.backward_weight()
+        except Exception as exc:
+            raise StageExecutionError(f"weight-gradient backward failed on {self._where(microbatch)}: {exc}") from exc
+
+    def _take(self, microbatch: int, what: str) -> _InFlight:
+        record = self.in_flight.pop(microbatch, None)
+        if record is None:
+            raise StageExecutionError(f"{what} on {self._where(microbatch)} without a forward before it")
+        return record
+
+    def reset(self) -> None:
+        self.in_flight.clear()
+        self.losses.clear()
+        self.outputs.clear()
+
+
+def _detached(value: Any) -> Any:
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)

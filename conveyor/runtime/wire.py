@@ -1,0 +1,116 @@
+"""What crosses a stage boundary: any pytree of tensors and plain values.
+
+A payload is flattened into its tensor leaves plus a :class:`PayloadMeta`
+(tree structure, non-tensor leaves, and each tensor's shape, dtype and whether
+it carries a gradient). Tensors travel as one flat byte buffer, so one message
+carries a whole payload whatever its dtypes; the receiver rebuilds tensors as
+views of that buffer (no copy).
+
+Example:
+    >>> import torch
+    >>> meta, tensors = flatten_payload((torch.ones(2, 3), {"n": 4}))
+    >>> [t.shape for t in meta.tensors], meta.plain_leaves
+    ([torch.Size([2, 3])], (4,))
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+_ALIGN = 16
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    shape: torch.Size
+    dtype: torch.dtype
+    requires_grad: bool
+    path: str
+
+    @property
+    def num_bytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"{tuple(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadMeta:
+    """Everything about a payload except the tensors' data."""
+
+    spec: pytree.TreeSpec
+    is_tensor: tuple[bool, ...]  # per leaf, in flatten order
+    plain_leaves: tuple[Any, ...]  # the non-tensor leaves, in order
+    tensors: tuple[TensorMeta, ...]
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(_aligned(t.num_bytes) for t in self.tensors)
+
+    def encode(self) -> bytes:
+        return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def decode(data: bytes) -> PayloadMeta:
+        return pickle.loads(data)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def flatten_payload(value: Any) -> tuple[PayloadMeta, list[torch.Tensor]]:
+    leaves_with_path, spec = pytree.tree_flatten_with_path(value)
+    is_tensor, plain, metas, tensors = [], [], [], []
+    for path, leaf in leaves_with_path:
+        if isinstance(leaf, torch.Tensor):
+            is_tensor.append(True)
+            metas.append(TensorMeta(leaf.shape, leaf.dtype, leaf.requires_grad, pytree.keystr(path)))
+            tensors.append(leaf)
+        else:
+            is_tensor.append(False)
+            plain.append(leaf)
+    return PayloadMeta(spec, tuple(is_tensor), tuple(plain), tuple(metas)), tensors
+
+
+def unflatten_payload(meta: PayloadMeta, tensors: list[torch.Tensor]) -> Any:
+    tensor_iter, plain_iter = iter(tensors), iter(meta.plain_leaves)
+    leaves = [next(tensor_iter) if flag else next(plain_iter) for flag in meta.is_tensor]
+    return pytree.tree_unflatten(leaves, meta.spec)
+
+
+def pack(tensors: list[torch.Tensor], meta: PayloadMeta) -> torch.Tensor:
+    """All tensors' bytes in one uint8 buffer (each part aligned), ready to send."""
+    if len(tensors) == 1 and tensors[0].numel() * tensors[0].element_size() % _ALIGN == 0:
+        return _as_bytes(tensors[0])
+    buffer = torch.empty(meta.data_bytes, dtype=torch.uint8)
+    offset = 0
+    for tensor, tmeta in zip(tensors, meta.tensors):
+        n = tmeta.num_bytes
+        buffer[offset : offset + n].copy_(_as_bytes(tensor))
+        offset += _aligned(n)
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, meta: PayloadMeta) -> list[torch.Tensor]:
+    """Tensors as views of ``buffer``; gradient-carrying ones become fresh leaves."""
+    tensors, offset = [], 0
+    for tmeta in meta.tensors:
+        n = tmeta.num_bytes
+        view = buffer[offset : offset + n].view(tmeta.dtype).view(tmeta.shape)
+        if tmeta.requires_grad:
+            view.requires_grad_(True)
+        tensors.append(view)
+        offset += _aligned(n)
+    return tensors
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
