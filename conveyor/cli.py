@@ -1,0 +1,480 @@
+"""The ``conveyor`` command: list, simulate and compare pipeline schedules.
+
+Commands:
+  conveyor schedules                       every registered schedule, the V it takes, what it does
+  conveyor simulate --schedule 1f1b --ranks 4 --microbatches 8 [--png F] [--trace F] [--json]
+  conveyor simulate --compare --ranks 4 --microbatches 8      every schedule side by side
+  conveyor demo                            the compare for P=4, M=8, drawn to out/compare.png
+
+User mistakes print ``conveyor: error: ...`` and exit with status 2, never a traceback.
+
+Example:
+    >>> from conveyor.cli import main
+    >>> main(["simulate", "--schedule", "1f1b", "--ranks", "4", "--microbatches", "8", "--json"])  # doctest: +ELLIPSIS
+    {"schedule": "1f1b", "ranks": 4, ...}
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from conveyor.errors import ConveyorError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPARE_PNG = "out/compare.png"
+USAGE_ERROR = 2
+
+# (forward, input-gradient, weight-gradient) time per stage and microbatch.
+Costs = tuple[float, float, float]
+DEFAULT_COSTS: Costs = (1.0, 1.0, 1.0)
+
+
+class UsageError(ConveyorError, ValueError):
+    """A command-line argument that cannot work; printed as ``conveyor: error: ...``."""
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (ranks, microbatches, stages per rank)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (latency)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def parse_costs(text: str) -> Costs:
+    """argparse type for ``--costs F,B,W``: forward, input-gradient, weight-gradient per stage.
+
+    Example:
+        >>> parse_costs("1,2,0.5")
+        (1.0, 2.0, 0.5)
+    """
+    names = ("forward", "input-gradient", "weight-gradient")
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 3 or not all(parts):
+        raise argparse.ArgumentTypeError(
+            f"expected three comma-separated numbers F,B,W (forward, input-gradient, "
+            f"weight-gradient time per stage), e.g. 1,2,1; got {text!r}"
+        )
+    values = []
+    for name, part in zip(names, parts):
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"the {name} cost must be a number, got {part!r} in {text!r}"
+            ) from None
+        if not math.isfinite(value) or value < 0:
+            raise argparse.ArgumentTypeError(
+                f"the {name} cost must be a finite number >= 0, got {part!r} in {text!r}"
+            )
+        values.append(value)
+    return (values[0], values[1], values[2])
+
+
+# --------------------------------------------------------------------------- library-facing helpers
+
+
+def virtual_description(info) -> str:
+    """The stages per rank a registered schedule takes, e.g. ``"V=1"`` or ``"V>=1 (default 2)"``."""
+    if info.virtual_choices is None:
+        return f"V>=1 (default {info.default_virtual})"
+    if len(info.virtual_choices) == 1:
+        return f"V={info.virtual_choices[0]}"
+    choices = ",".join(map(str, info.virtual_choices))
+    return f"V in {choices} (default {info.default_virtual})"
+
+
+def simulate_one(
+    schedule: str,
+    ranks: int,
+    microbatches: int,
+    virtual: int | None = None,
+    costs: Costs = DEFAULT_COSTS,
+    latency: float = 0.0,
+):
+    """Build, verify and simulate one registered schedule on uniform per-stage costs.
+
+    Example:
+        >>> round(simulate_one("1f1b", 4, 8).bubble_ratio, 3)
+        0.273
+    """
+    import conveyor.schedule as cs
+
+    built = cs.build(schedule, ranks=ranks, microbatches=microbatches, virtual=virtual)
+    forward, backward_input, backward_weight = costs
+    model = cs.CostModel.uniform(
+        built.num_stages, forward, backward_input, backward_weight, latency=latency
+    )
+    return cs.simulate(built, model)
+
+
+def run_compare(
+    ranks: int,
+    microbatches: int,
+    virtual: int | None = None,
+    costs: Costs | None = None,
+    png: str | Path | None = DEFAULT_COMPARE_PNG,
+    *,
+    latency: float = 0.0,
+    trace: str | Path | None = None,
+) -> list[dict]:
+    """Simulate every registered schedule for the same sizes; one row per schedule.
+
+    Each schedule runs its default V, or ``virtual`` where it accepts that value.
+    A schedule that cannot serve the sizes gets a row with ``error`` holding the
+    rule it breaks instead of figures. All simulated ones are drawn into ``png``
+    on one time axis (``None`` draws nothing) and, if given, into one Chrome trace.
+
+    Example:
+        >>> rows = run_compare(4, 8, png=None)
+        >>> [(r["schedule"], r["makespan"]) for r in rows][:2]
+        [('gpipe', 33.0), ('1f1b', 33.0)]
+    """
+    import conveyor.schedule as cs
+
+    costs = DEFAULT_COSTS if costs is None else costs
+    rows, timelines = [], []
+    for name, info in cs.available().items():
+        accepts = virtual is not None and (
+            info.virtual_choices is None or virtual in info.virtual_choices
+        )
+        chosen = virtual if accepts else info.default_virtual
+        row: dict = {"schedule": name, "virtual": chosen}
+        try:
+            timeline = simulate_one(name, ranks, microbatches, chosen, costs, latency)
+        except ConveyorError as error:
+            # The rule is the first line; deadlock reports add rank-by-rank detail below it.
+            row.update(
+                makespan=None,
+                bubble_ratio=None,
+                peak_activations=None,
+                peak_activations_max=None,
+                error=str(error).splitlines()[0],
+            )
+        else:
+            peaks = timeline.peak_activations()
+            row.update(
+                makespan=timeline.makespan,
+                bubble_ratio=timeline.bubble_ratio,
+                peak_activations=peaks,
+                peak_activations_max=max(peaks),
+                error=None,
+            )
+            timelines.append(timeline)
+        rows.append(row)
+    if timelines and png is not None:
+        from conveyor.schedule.render import to_png
+
+        to_png(timelines, png, share_time=True)
+    if timelines and trace is not None:
+        from conveyor.schedule.render import write_chrome_trace
+
+        write_chrome_trace(timelines, trace)
+    return rows
+
+
+def format_compare_table(rows: Sequence[dict], time_unit: str = "units") -> str:
+    """The rows of :func:`run_compare` as an aligned text table.
+
+    Example:
+        >>> print(format_compare_table([{"schedule": "1f1b", "virtual": 1, "makespan": 33.0,
+        ...     "bubble_ratio": 3 / 11, "peak_activations_max": 4, "error": None}]))
+        schedule  V  makespan  bubble  peak activations (max)
+        1f1b      1        33   27.3%                       4
+    """
+    header = ("schedule", "V", "makespan", "bubble", "peak activations (max)")
+    lines = []
+    for row in rows:
+        if row["error"] is None:
+            lines.append(
+                (
+                    row["schedule"],
+                    str(row["virtual"]),
+                    f"{row['makespan']:g}",
+                    f"{row['bubble_ratio']:.1%}",
+                    str(row["peak_activations_max"]),
+                    "",
+                )
+            )
+        else:
+            lines.append(
+                (
+                    row["schedule"],
+                    str(row["virtual"]),
+                    "-",
+                    "-",
+                    "-",
+                    f"cannot serve: {row['error']}",
+                )
+            )
+    name_width = max(len(header[0]), *(len(line[0]) for line in lines)) if lines else len(header[0])
+    widths = [name_width + 1, 2, 10, 8, len(header[4]) + 2]
+    text = [
+        f"{header[0]:<{widths[0]}}{header[1]:>{widths[1]}}{header[2]:>{widths[2]}}"
+        f"{header[3]:>{widths[3]}}{header[4]:>{widths[4]}}"
+    ]
+    for name, v, makespan, bubble, peak, note in lines:
+        line = (
+            f"{name:<{widths[0]}}{v:>{widths[1]}}{makespan:>{widths[2]}}"
+            f"{bubble:>{widths[3]}}{peak:>{widths[4]}}"
+        )
+        text.append(f"{line}  {note}" if note else line)
+    return "\n".join(text)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _command_schedules(args: argparse.Namespace) -> int:
+    import conveyor.schedule as cs
+
+    infos = list(cs.available().values())
+    name_width = max(len(info.name) for info in infos)
+    v_width = max(len(virtual_description(info)) for info in infos)
+    for info in infos:
+        print(
+            f"{info.name:<{name_width}}  {virtual_description(info):<{v_width}}  {info.description}".rstrip()
+        )
+    return 0
+
+
+def _command_simulate(args: argparse.Namespace) -> int:
+    if args.compare:
+        return _print_compare(
+            args.ranks,
+            args.microbatches,
+            args.virtual,
+            args.costs,
+            args.latency,
+            png=args.png or DEFAULT_COMPARE_PNG,
+            trace=args.trace,
+            as_json=args.json,
+        )
+    timeline = simulate_one(
+        args.schedule, args.ranks, args.microbatches, args.virtual, args.costs, args.latency
+    )
+    written = []
+    if args.png:
+        from conveyor.schedule.render import to_png
+
+        written.append(str(to_png(timeline, args.png)))
+    if args.trace:
+        from conveyor.schedule.render import write_chrome_trace
+
+        written.append(str(write_chrome_trace(timeline, args.trace)))
+    forward, backward_input, backward_weight = args.costs
+    peaks = timeline.peak_activations()
+    result = {
+        "schedule": args.schedule,
+        "ranks": timeline.num_ranks,
+        "virtual": timeline.metadata["virtual"],
+        "stages": timeline.num_ranks * timeline.metadata["virtual"],
+        "microbatches": args.microbatches,
+        "costs": {
+            "forward": forward,
+            "backward_input": backward_input,
+            "backward_weight": backward_weight,
+        },
+        "latency": args.latency,
+        "makespan": timeline.makespan,
+        "bubble_ratio": timeline.bubble_ratio,
+        "peak_activations": peaks,
+        "busy": [timeline.busy_time(rank) for rank in range(timeline.num_ranks)],
+        "png": str(args.png) if args.png else None,
+        "trace": str(args.trace) if args.trace else None,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"{args.schedule}: {result['ranks']} ranks x {result['virtual']} stage(s) per rank = "
+        f"{result['stages']} stages, {args.microbatches} microbatches"
+    )
+    print(
+        f"costs per stage: forward {forward:g}, input-gradient {backward_input:g}, "
+        f"weight-gradient {backward_weight:g} (full backward {backward_input + backward_weight:g}); "
+        f"latency {args.latency:g}"
+    )
+    print(f"makespan          {timeline.makespan:g} units")
+    print(f"bubble ratio      {timeline.bubble_ratio:.1%}")
+    print("peak activations  " + " ".join(f"r{rank}:{peak}" for rank, peak in enumerate(peaks)))
+    print("                  (live microbatch-stages per rank)")
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _print_compare(ranks, microbatches, virtual, costs, latency, *, png, trace, as_json) -> int:
+    rows = run_compare(ranks, microbatches, virtual, costs, png, latency=latency, trace=trace)
+    drawn = any(row["error"] is None for row in rows)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "ranks": ranks,
+                    "microbatches": microbatches,
+                    "schedules": rows,
+                    "png": str(png) if drawn else None,
+                    "trace": str(trace) if drawn and trace else None,
+                }
+            )
+        )
+        return 0
+    print(
+        f"P={ranks} ranks, M={microbatches} microbatches, costs F,B,W = {','.join(f'{c:g}' for c in costs)}"
+    )
+    print(format_compare_table(rows))
+    if drawn:
+        print(f"wrote {png}")
+        if trace:
+            print(f"wrote {trace}")
+    else:
+        print("no schedule can serve these sizes; nothing drawn")
+    return 0
+
+
+def _command_demo(args: argparse.Namespace) -> int:
+    return _print_compare(
+        4, 8, None, DEFAULT_COSTS, 0.0, png=DEFAULT_COMPARE_PNG, trace=None, as_json=False
+    )
+
+
+# --------------------------------------------------------------------------- parser and entry point
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every parse error reads ``conveyor: error: ...``, subcommands included."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(USAGE_ERROR, f"conveyor: error: {message}\n")
+
+
+def _attach_option_values(argv: Sequence[str]) -> list[str]:
+    # argparse reads "--costs -1,1,1" as a missing value followed by an unknown option;
+    # joining it into "--costs=-1,1,1" lets parse_costs report the negative cost instead.
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1] == "--costs" and token.startswith("-") and "," in token:
+            out[-1] = f"--costs={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="conveyor",
+        description="Pipeline-parallel training for PyTorch: inspect and compare schedules.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="command", required=True)
+
+    listing = commands.add_parser("schedules", help="list the registered schedules")
+    listing.set_defaults(handler=_command_schedules)
+
+    simulate = commands.add_parser(
+        "simulate",
+        help="simulate one schedule (or --compare all of them)",
+        description="Simulate a schedule with uniform per-stage costs and report makespan, "
+        "bubble ratio and peak activations.",
+    )
+    which = simulate.add_mutually_exclusive_group(required=True)
+    which.add_argument("--schedule", metavar="NAME", help="a name from `conveyor schedules`")
+    which.add_argument(
+        "--compare",
+        action="store_true",
+        help="simulate every registered schedule for the same sizes",
+    )
+    simulate.add_argument("--ranks", "-p", type=positive_int, required=True, metavar="P")
+    simulate.add_argument("--microbatches", "-m", type=positive_int, required=True, metavar="M")
+    simulate.add_argument(
+        "--virtual",
+        "-v",
+        type=positive_int,
+        metavar="V",
+        help="stages per rank (default: the schedule's)",
+    )
+    simulate.add_argument(
+        "--costs",
+        type=parse_costs,
+        default=DEFAULT_COSTS,
+        metavar="F,B,W",
+        help="per-stage forward, input-gradient and weight-gradient times; a full backward "
+        "costs B+W (default 1,1,1)",
+    )
+    simulate.add_argument(
+        "--latency",
+        type=non_negative_float,
+        default=0.0,
+        metavar="L",
+        help="time of one p2p message",
+    )
+    simulate.add_argument(
+        "--png", metavar="FILE", help=f"draw the timeline (compare: default {DEFAULT_COMPARE_PNG})"
+    )
+    simulate.add_argument(
+        "--trace", metavar="FILE", help="write a Chrome trace (open in ui.perfetto.dev)"
+    )
+    simulate.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of text"
+    )
+    simulate.set_defaults(handler=_command_simulate)
+
+    demo = commands.add_parser(
+        "demo", help="compare every schedule for P=4, M=8 into out/compare.png"
+    )
+    demo.set_defaults(handler=_command_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``conveyor`` command; returns the exit status (0 ok, 2 usage error).
+
+    Example:
+        >>> main(["schedules"])  # doctest: +ELLIPSIS
+        gpipe ...
+        0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(_attach_option_values(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exit_:
+        # argparse already printed "conveyor: error: ..." (or the help, with code 0).
+        return exit_.code if isinstance(exit_.code, int) else USAGE_ERROR
+    try:
+        return args.handler(args)
+    except (ConveyorError, ValueError) as error:
+        print(f"conveyor: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except OSError as error:
+        print(f"conveyor: error: cannot write output: {error}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
