@@ -469,6 +469,8 @@ def _legend(figure, kinds: set[ActionKind], stages_per_rank: int, has_comm: bool
             handles.append(Patch(color=shade, label=f"{_ordinal(position + 1)} stage of a rank"))
     if has_comm:
         handles.append(Patch(color=COMM_COLOR, label="communication"))
+    if not handles:
+        return  # an empty timeline: nothing to explain
     figure.legend(
         handles=handles,
         loc="upper center",

@@ -218,3 +218,11 @@ def test_headline_and_durations(one_f_one_b):
     assert format_duration(0.5, "s") == "500 ms"
     assert format_duration(0.0025, "s") == "2500 µs"
     assert format_duration(7.0, "unit") == "7 units"
+
+
+def test_empty_timeline_draws_and_traces(tmp_path):
+    empty = Timeline(3, ())
+    assert png_size(to_png(empty, tmp_path / "empty.png"))[0] == 1000
+    events = to_chrome_trace(empty)["traceEvents"]
+    assert [e for e in events if e["ph"] == "X"] == []
+    assert sum(e["name"] == "process_name" for e in events) == 3
