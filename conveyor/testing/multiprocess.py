@@ -37,8 +37,19 @@ same test also runs under ``start_method="spawn"``):
 Inside a rank, RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR (127.0.0.1) and MASTER_PORT are
 set, ``torch.get_num_threads()`` is 1, and the default process group is ready (unless
 ``init_process_group=False``). Return small, picklable values (numbers, lists, tensors,
-state dicts); anything that cannot be pickled or weighs more than ``max_result_bytes``
-fails the run with a message saying so.
+state dicts, CPU tensors only: a CUDA tensor would initialise CUDA in the caller);
+anything that cannot be pickled or weighs more than ``max_result_bytes`` fails the run
+with a message saying so.
+
+Notes for test and benchmark authors:
+- mark such tests ``@pytest.mark.distributed`` (registered in ``tests/conftest.py``);
+- keep ``timeout_s`` below pytest-timeout's per-test limit (300 s in pyproject.toml), or
+  raise that with ``@pytest.mark.timeout(...)``, so that the harness, not pytest-timeout,
+  reports a hang (with stacks);
+- ranks killed after a failure run no ``finally`` blocks: keep cleanup that matters in
+  the caller (pytest's ``tmp_path`` is shared by all ranks under fork and spawn alike);
+- a failed rank waits (up to 5 s) for the harness to kill its peers before it closes its
+  sockets, so the peers do not add "connection closed" errors that bury the root cause.
 """
 
 from __future__ import annotations
@@ -414,8 +425,8 @@ def _collect_reports(handles: list[_RankHandle], deadline: float) -> str:
         if not waiting:
             return "failed" if settle_end is not None else "done"
         now = time.monotonic()
-        if settle_end is not None and now >= settle_end:
-            return "failed"
+        if settle_end is not None and now >= min(settle_end, deadline):
+            return "failed"  # a failure seen before the deadline is the story, not the timeout
         if now >= deadline:
             return "timeout"
         watched = {}
