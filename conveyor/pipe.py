@@ -33,7 +33,15 @@ from conveyor.errors import ConveyorError, PipelineConfigError, ScheduleError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.stage import LossFn, StageRunner
-from conveyor.runtime.transport import DistTransport, LocalMailbox, LocalTransport, Transport
+from conveyor.runtime.transport import (
+    BACKWARD,
+    EVAL_FORWARD,
+    FORWARD,
+    DistTransport,
+    LocalMailbox,
+    LocalTransport,
+    Transport,
+)
 from conveyor.schedule import build as build_schedule
 from conveyor.schedule.ir import Action, ActionKind, Schedule
 from conveyor.schedule.lower import lower
@@ -68,20 +76,20 @@ def forward_only(schedule: Schedule) -> Schedule:
     )
 
 
-def fifo_channels(lowered: Schedule) -> set[tuple[int, int]]:
+def fifo_channels(lowered: Schedule, forward_direction: int = FORWARD) -> set[tuple[int, int]]:
     """Channels (direction, sending stage) whose receiver consumes in the order the sender sends."""
     sent: dict[tuple[int, int], list[int]] = {}
     received: dict[tuple[int, int], list[int]] = {}
     for program in lowered.programs:
         for a in program:
             if a.kind is ActionKind.SEND_F:
-                sent.setdefault((0, a.stage), []).append(a.microbatch)
+                sent.setdefault((forward_direction, a.stage), []).append(a.microbatch)
             elif a.kind is ActionKind.SEND_B:
-                sent.setdefault((1, a.stage), []).append(a.microbatch)
+                sent.setdefault((BACKWARD, a.stage), []).append(a.microbatch)
             elif a.kind is ActionKind.RECV_F:
-                received.setdefault((0, a.stage - 1), []).append(a.microbatch)
+                received.setdefault((forward_direction, a.stage - 1), []).append(a.microbatch)
             elif a.kind is ActionKind.RECV_B:
-                received.setdefault((1, a.stage + 1), []).append(a.microbatch)
+                received.setdefault((BACKWARD, a.stage + 1), []).append(a.microbatch)
     return {c for c, order in sent.items() if received.get(c) == order}
 
 
@@ -133,6 +141,11 @@ class Pipeline(_PipelineBase):
     (then give ``microbatches=`` and, for some schedules, ``virtual=``).
     ``group`` defaults to the default process group; its size must equal the
     schedule's ranks. ``timeout_s`` bounds every blocking receive.
+    ``fixed_shapes=True`` promises that what crosses each stage boundary keeps
+    the shapes, dtypes and structure of the first step: later steps then send
+    data only (no metadata), and a stage output that breaks the promise is an
+    error naming rank, stage, microbatch and tensor. By default shapes may
+    change between microbatches and steps (variable sequence length).
     """
 
     def __init__(
@@ -147,6 +160,7 @@ class Pipeline(_PipelineBase):
         timeout_s: float = 300.0,
         checkpoint_activations: bool = False,
         record_timeline: bool = True,
+        fixed_shapes: bool = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -170,10 +184,10 @@ class Pipeline(_PipelineBase):
         ranks = list(range(world))
         global_ranks = ranks if group is None else [dist.get_global_rank(group, r) for r in ranks]
         self.transport = DistTransport(group, global_ranks, self.rank, self.schedule.num_stages,
-                                       self.schedule.num_microbatches, timeout_s)
+                                       self.schedule.num_microbatches, timeout_s, fixed_shapes)
         self.lowered = lower(self.schedule)
         self.eval_lowered = lower(forward_only(self.schedule))
-        self.transport.fifo_channels = fifo_channels(self.lowered) & fifo_channels(self.eval_lowered)
+        self.transport.fifo_channels = fifo_channels(self.lowered) | fifo_channels(self.eval_lowered, EVAL_FORWARD)
         self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport)
         self.record_timeline = record_timeline
         self._recorder: StepRecorder | None = None
@@ -274,6 +288,7 @@ class Pipeline(_PipelineBase):
                                        keep_outputs=return_outputs):
                 raise AssertionError("a blocking transport never yields")
         loss = self._broadcast_loss()
+        self.transport.end_step()
         if return_outputs:
             last = self.runners.get(self.schedule.num_stages - 1)
             outputs = merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)]) if last else None

@@ -19,9 +19,17 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from conveyor.errors import StageExecutionError
 from conveyor.runtime.stage import StageRunner
-from conveyor.runtime.transport import BACKWARD, FORWARD, Transport, detach_for_next_stage
+from conveyor.runtime.transport import (
+    BACKWARD,
+    EVAL_FORWARD,
+    FORWARD,
+    Transport,
+    detach_for_next_stage,
+)
 from conveyor.schedule.ir import Action, ActionKind, Placement
 
 
@@ -82,6 +90,7 @@ class RankExecutor:
         self.output_grads: dict[tuple[int, int], list] = {}
         self.targets = targets
         self.keep_outputs = keep_outputs
+        self.forward_direction = FORWARD if torch.is_grad_enabled() else EVAL_FORWARD
         if first_stage_inputs is not None:
             for m, inputs in enumerate(first_stage_inputs):
                 self.forward_inputs[(0, m)] = inputs
@@ -90,7 +99,7 @@ class RankExecutor:
         for action in program:
             if action.kind is ActionKind.RECV_F:
                 src = self.placement.rank_of(action.stage - 1)
-                handle = self.transport.post_recv(src, (FORWARD, action.stage - 1, action.microbatch))
+                handle = self.transport.post_recv(src, (self.forward_direction, action.stage - 1, action.microbatch))
             elif action.kind is ActionKind.RECV_B:
                 src = self.placement.rank_of(action.stage + 1)
                 handle = self.transport.post_recv(src, (BACKWARD, action.stage + 1, action.microbatch))
@@ -168,7 +177,7 @@ class RankExecutor:
     def _send_forward(self, action: Action) -> Iterator[None]:
         s, m = action.stage, action.microbatch
         value = self.to_send.pop((ActionKind.SEND_F, s, m))
-        self.transport.send(self.placement.rank_of(s + 1), (FORWARD, s, m), value)
+        self.transport.send(self.placement.rank_of(s + 1), (self.forward_direction, s, m), value)
         return
         yield
 

@@ -24,6 +24,7 @@ Example (in-process):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 import warnings
@@ -32,11 +33,12 @@ from typing import Any
 
 import torch
 
-from conveyor.errors import CommTimeout, PeerFailure
+from conveyor.errors import CommTimeout, PeerFailure, SpecMismatchError
 from conveyor.runtime.wire import PayloadMeta, flatten_payload, pack, unflatten_payload, unpack
 
 TransferKey = tuple[int, int, int]  # (direction, stage, microbatch)
-FORWARD, BACKWARD = 0, 1
+# Evaluation forwards travel apart: their outputs carry no gradient, so their structure differs.
+FORWARD, BACKWARD, EVAL_FORWARD = 0, 1, 2
 _FAILURE_KEY = "conveyor/failure/{rank}"
 
 
@@ -50,6 +52,28 @@ def detach_for_next_stage(value: Any) -> Any:
             leaf.requires_grad_(True)
         leaves.append(leaf)
     return unflatten_payload(meta, leaves)
+
+
+def check_frozen(expected: PayloadMeta, actual: PayloadMeta, rank: int, key: TransferKey, dst: int) -> None:
+    """Raise SpecMismatchError naming the first tensor whose shape, dtype or place differs."""
+    direction, stage, microbatch = key
+    what = "output" if direction == FORWARD else "input gradient"
+    where = (f"rank {rank}, stage {stage}, microbatch {microbatch}: the {what} sent to rank {dst}")
+    fix = ("(fixed_shapes=True froze the structure seen in the first step; pass fixed_shapes=False "
+           "to let shapes vary between microbatches and steps)")
+    if expected.spec != actual.spec or expected.is_tensor != actual.is_tensor:
+        raise SpecMismatchError(f"{where} has structure {actual.spec}, but the receiver was told {expected.spec} {fix}")
+    for want, got in zip(expected.tensors, actual.tensors):
+        if want.shape != got.shape or want.dtype != got.dtype or want.requires_grad != got.requires_grad:
+            raise SpecMismatchError(
+                f"{where}: tensor {got.path or '<value>'} is {got.describe()}"
+                f"{' (requires grad)' if got.requires_grad else ''}, but the receiver was told "
+                f"{want.describe()}{' (requires grad)' if want.requires_grad else ''} {fix}"
+            )
+    if expected.plain_leaves != actual.plain_leaves:
+        raise SpecMismatchError(
+            f"{where} carries the values {actual.plain_leaves}, but the receiver was told {expected.plain_leaves} {fix}"
+        )
 
 
 class Transport:
@@ -75,6 +99,9 @@ class Transport:
 
     def can_block(self) -> bool:
         return True
+
+    def end_step(self) -> None:
+        """Called once every rank's step has finished."""
 
 
 @dataclass
@@ -111,7 +138,7 @@ class LocalTransport(Transport):
 class _Recv:
     src: int
     key: TransferKey
-    header: torch.Tensor
+    header: torch.Tensor | None
     header_work: Any
     meta_buf: torch.Tensor | None = None
     meta_work: Any = None
@@ -131,6 +158,7 @@ class DistTransport(Transport):
         num_stages: int,
         num_microbatches: int,
         timeout_s: float,
+        fixed_shapes: bool = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -145,6 +173,12 @@ class DistTransport(Transport):
         self.sent_meta: dict[tuple[int, int], bytes] = {}  # channel -> last structure sent
         self.received_meta: dict[tuple[int, int], PayloadMeta] = {}
         self.fifo_channels: set[tuple[int, int]] = set()
+        # fixed_shapes: after the first step, a channel whose structure never changed during it
+        # sends data only (no header); both sides freeze the same channels independently.
+        self.fixed_shapes = fixed_shapes
+        self.frozen: dict[tuple[int, int], PayloadMeta] = {}
+        self._step_meta: dict[tuple[int, int], bytes | None] = {}
+        self._steps_done = 0
 
     def _tag(self, key: TransferKey, part: int) -> int:
         direction, stage, microbatch = key
@@ -152,8 +186,17 @@ class DistTransport(Transport):
 
     def send(self, dst: int, key: TransferKey, value: Any) -> None:
         meta, tensors = flatten_payload(value)
-        encoded = meta.encode()
         channel = key[:2]
+        frozen = self.frozen.get(channel)
+        if frozen is not None:
+            check_frozen(frozen, meta, self.rank, key, dst)
+            if tensors:
+                data = pack(tensors, meta)
+                work = self.dist.isend(data, self.rank_to_global[dst], group=self.group, tag=self._tag(key, 2))
+                self.pending_sends.append(([work], [data]))
+            return
+        encoded = meta.encode()
+        self._note_meta(channel, encoded)
         new_structure = not (channel in self.fifo_channels and self.sent_meta.get(channel) == encoded)
         self.sent_meta[channel] = encoded
         data = pack(tensors, meta) if tensors else None
@@ -178,6 +221,15 @@ class DistTransport(Transport):
         self.pending_sends = [(w, k) for w, k in self.pending_sends if not all(x.is_completed() for x in w)]
 
     def post_recv(self, src: int, key: TransferKey) -> _Recv:
+        frozen = self.frozen.get(key[:2])
+        if frozen is not None:
+            handle = _Recv(src, key, None, None, posted_body=True)
+            if frozen.tensors:
+                handle.data_buf = torch.empty(frozen.data_bytes, dtype=torch.uint8)
+                handle.data_work = self.dist.irecv(
+                    handle.data_buf, self.rank_to_global[src], group=self.group, tag=self._tag(key, 2)
+                )
+            return handle
         header = torch.empty(2, dtype=torch.int64)
         work = self.dist.irecv(header, self.rank_to_global[src], group=self.group, tag=self._tag(key, 0))
         return _Recv(src, key, header, work)
@@ -209,13 +261,18 @@ class DistTransport(Transport):
             if work is not None:
                 self._wait_work(work, deadline, handle, what)
         channel = handle.key[:2]
-        if handle.meta_buf is not None:
+        if channel in self.frozen:
+            meta = self.frozen[channel]
+        elif handle.meta_buf is not None:
+            encoded = handle.meta_buf.numpy().tobytes()
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                meta = PayloadMeta.decode(handle.meta_buf.numpy().tobytes())
+                warnings.simplefilter("ignore", FutureWarning)  # torch's pickled LeafSpec
+                meta = PayloadMeta.decode(encoded)
             self.received_meta[channel] = meta
+            self._note_meta(channel, encoded)
         else:
             meta = self.received_meta[channel]
+            self._note_meta(channel, self._step_meta.get(channel) or b"")
         tensors = unpack(handle.data_buf, meta) if handle.data_buf is not None else []
         return unflatten_payload(meta, tensors)
 
@@ -244,6 +301,21 @@ class DistTransport(Transport):
                 work.wait(datetime.timedelta(seconds=self.timeout_s))
         self.pending_sends.clear()
 
+    def _note_meta(self, channel: tuple[int, int], encoded: bytes) -> None:
+        if self.fixed_shapes and self._steps_done == 0:
+            seen = self._step_meta.get(channel, encoded)
+            self._step_meta[channel] = encoded if seen == encoded else None
+
+    def end_step(self) -> None:
+        """With fixed_shapes, freeze the channels whose structure stayed the same through step 1."""
+        if self.fixed_shapes and self._steps_done == 0:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                for channel, encoded in self._step_meta.items():
+                    if encoded:
+                        self.frozen[channel] = PayloadMeta.decode(encoded)
+        self._steps_done += 1
+
     # --- failure propagation through the store ---------------------------------
     def _store(self):
         try:
@@ -256,10 +328,9 @@ class DistTransport(Transport):
     def publish_failure(self, message: str) -> None:
         store = self._store()
         if store is not None:
-            try:
+            # The store itself may be gone with a failing peer; the error we raise matters more.
+            with contextlib.suppress(Exception):
                 store.set(_FAILURE_KEY.format(rank=self.rank), message)
-            except Exception:  # the store itself may be gone with the failing peer
-                pass
 
     def peer_failures(self) -> str:
         store = self._store()

@@ -1,0 +1,77 @@
+"""Bitwise parity of every built-in schedule with single-device gradient accumulation, all ranks in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import conveyor.schedule as cs
+from conveyor.pipe import LocalPipeline
+from conveyor.testing.models import build_stage, lm_loss, make_batch
+
+from .parity import (
+    BATCH_SIZE,
+    NUM_MICROBATCHES,
+    NUM_STEPS,
+    assert_same,
+    config_for,
+    reference_run,
+    schedule_grid,
+)
+
+
+def run_local(schedule, checkpoint_activations=False):
+    cfg = config_for(schedule)
+    stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
+    pipe = LocalPipeline(stages, schedule, lm_loss, checkpoint_activations=checkpoint_activations)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses, first_grads = [], None
+    for step in range(NUM_STEPS):
+        ids, targets = make_batch(cfg, BATCH_SIZE, seed=step)
+        losses.append(pipe.step(ids, target=targets))
+        if step == 0:
+            first_grads = [{n: p.grad.clone() for n, p in st.named_parameters()} for st in stages]
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, first_grads, [{n: p.detach().clone() for n, p in st.named_parameters()} for st in stages]
+
+
+@pytest.mark.parametrize(("name", "num_ranks", "virtual"), schedule_grid((1, 2, 4)))
+def test_local_pipeline_is_bitwise_equal_to_one_device(name, num_ranks, virtual):
+    schedule = cs.build(name, ranks=num_ranks, microbatches=NUM_MICROBATCHES, virtual=virtual)
+    want_losses, want_grads, want_params = reference_run(schedule)
+    got_losses, got_grads, got_params = run_local(schedule)
+    for step, (got, want) in enumerate(zip(got_losses, want_losses)):
+        assert torch.equal(got, want), f"loss of step {step}: {got.item()} vs {want.item()}"
+    for stage in range(schedule.num_stages):
+        assert_same(f"stage {stage} grads after step 1", got_grads[stage], want_grads[stage])
+        assert_same(f"stage {stage} params after {NUM_STEPS} AdamW steps", got_params[stage], want_params[stage])
+
+
+@pytest.mark.parametrize("name", sorted(cs.available()))
+def test_activation_checkpointing_stays_bitwise_equal(name):
+    info = cs.available()[name]
+    virtual = info.default_virtual
+    schedule = cs.build(name, ranks=2, microbatches=NUM_MICROBATCHES, virtual=virtual)
+    want_losses, want_grads, want_params = reference_run(schedule)
+    got_losses, got_grads, got_params = run_local(schedule, checkpoint_activations=True)
+    assert all(torch.equal(g, w) for g, w in zip(got_losses, want_losses))
+    for stage in range(schedule.num_stages):
+        assert_same(f"stage {stage} grads", got_grads[stage], want_grads[stage])
+        assert_same(f"stage {stage} params", got_params[stage], want_params[stage])
+
+
+def test_forward_only_matches_the_model_and_alternates_with_training():
+    schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
+    cfg = config_for(schedule)
+    stages = [build_stage(s, cfg) for s in range(2)]
+    pipe = LocalPipeline(stages, schedule, lm_loss)
+    ids, targets = make_batch(cfg, BATCH_SIZE, seed=5)
+    with torch.no_grad():
+        want = stages[1](*stages[0](ids))
+    first = pipe.forward(ids)
+    loss = pipe.step(ids, target=targets)
+    second = pipe.forward(ids)
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert loss.requires_grad is False
+    assert all(not runner.in_flight for runner in pipe.runners.values())
