@@ -125,7 +125,8 @@ def simulate_one(
     """
     import conveyor.schedule as cs
 
-    built = cs.build(schedule, ranks=ranks, microbatches=microbatches, virtual=virtual)
+    # simulate() verifies the schedule itself; build(check=True) would verify it twice.
+    built = cs.build(schedule, ranks=ranks, microbatches=microbatches, virtual=virtual, check=False)
     forward, backward_input, backward_weight = costs
     model = cs.CostModel.uniform(
         built.num_stages, forward, backward_input, backward_weight, latency=latency
@@ -304,7 +305,7 @@ def _command_simulate(args: argparse.Namespace) -> int:
         "makespan": timeline.makespan,
         "bubble_ratio": timeline.bubble_ratio,
         "peak_activations": peaks,
-        "busy": [timeline.busy_time(rank) for rank in range(timeline.num_ranks)],
+        "busy": _busy_per_rank(timeline),
         "png": str(args.png) if args.png else None,
         "trace": str(args.trace) if args.trace else None,
     }
@@ -327,6 +328,15 @@ def _command_simulate(args: argparse.Namespace) -> int:
     for path in written:
         print(f"wrote {path}")
     return 0
+
+
+def _busy_per_rank(timeline) -> list[float]:
+    # One pass over the spans; Timeline.busy_time(rank) scans them all once per rank.
+    busy = [0.0] * timeline.num_ranks
+    for span in timeline.spans:
+        if span.action.kind.is_compute:
+            busy[span.rank] += span.end - span.start
+    return busy
 
 
 def _print_compare(ranks, microbatches, virtual, costs, latency, *, png, trace, as_json) -> int:

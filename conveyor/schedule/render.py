@@ -580,8 +580,8 @@ def write_chrome_trace(timelines: Timeline | Sequence[Timeline], path: str | os.
     trace = to_chrome_trace(timelines)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as handle:
-        json.dump(trace, handle, separators=(",", ":"))
+    # json.dumps runs the C encoder; json.dump to a file falls back to the pure-Python one (10x slower).
+    out.write_text(json.dumps(trace, separators=(",", ":")))
     return out
 
 
