@@ -74,7 +74,8 @@ class Timeline:
         total = self.num_ranks * self.makespan
         if total <= 0:
             return 0.0
-        busy = sum(self.busy_time(r) for r in range(self.num_ranks))
+        # One pass over the spans (busy_time per rank would scan them num_ranks times).
+        busy = sum(s.end - s.start for s in self.spans if s.action.kind.is_compute)
         return (total - busy) / total
 
     def peak_activations(self) -> list[int]:
