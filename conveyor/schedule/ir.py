@@ -25,12 +25,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from conveyor.errors import ScheduleError
 
 
-class ActionKind(str, Enum):
+class ActionKind(StrEnum):
     """What a rank does for one (stage, microbatch)."""
 
     F = "F"  # forward
