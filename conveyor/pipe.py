@@ -121,7 +121,7 @@ class _PipelineBase:
         }
 
     def _split_inputs(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
-        if not args and not kwargs:
+        if all(a is None for a in args) and not kwargs:
             raise PipelineConfigError(
                 "inputs are missing on the rank that runs stage 0: pass the minibatch to pipe.step(...) there"
             )

@@ -28,8 +28,21 @@ def config_for(schedule: cs.Schedule) -> TinyConfig:
     return TinyConfig(num_stages=schedule.num_stages)
 
 
-def reference_run(schedule: cs.Schedule):
-    """Losses, gradients after step 1 and parameters after NUM_STEPS AdamW steps, per stage."""
+def reference_run(schedule: cs.Schedule, num_threads: int = 1):
+    """Losses, gradients after step 1 and parameters after NUM_STEPS AdamW steps, per stage.
+
+    Runs with the ranks' thread count: CPU kernels such as LayerNorm's backward
+    reduce in an order that depends on it, so bitwise parity needs the same count.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        return _reference_run(schedule)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _reference_run(schedule: cs.Schedule):
     cfg = config_for(schedule)
     model = reference_model(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -21,6 +21,15 @@ from .parity import (
 
 
 def run_local(schedule, checkpoint_activations=False):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference does
+    try:
+        return _run_local(schedule, checkpoint_activations)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run_local(schedule, checkpoint_activations):
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
     pipe = LocalPipeline(stages, schedule, lm_loss, checkpoint_activations=checkpoint_activations)
@@ -66,7 +75,7 @@ def test_forward_only_matches_the_model_and_alternates_with_training():
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(2)]
     pipe = LocalPipeline(stages, schedule, lm_loss)
-    ids, targets = make_batch(cfg, BATCH_SIZE, seed=5)
+    ids, targets = make_batch(cfg, BATCH_SIZE, seed=5)  # forward only: no reduction-order concern
     with torch.no_grad():
         want = stages[1](*stages[0](ids))
     first = pipe.forward(ids)

@@ -1,0 +1,242 @@
+"""Pipeline over real gloo processes: bitwise parity for every built-in schedule, and every failure path."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import conveyor
+import conveyor.schedule as cs
+from conveyor.testing import RankFailure, run_ranks
+from conveyor.testing.models import build_stage, lm_loss, make_batch
+
+from .parity import (
+    BATCH_SIZE,
+    NUM_MICROBATCHES,
+    NUM_STEPS,
+    assert_same,
+    config_for,
+    reference_run,
+    schedule_grid,
+)
+
+
+def _train(rank, world_size, name, virtual, fixed_shapes):
+    schedule = cs.build(name, ranks=world_size, microbatches=NUM_MICROBATCHES, virtual=virtual)
+    cfg = config_for(schedule)
+    mine = schedule.stages_of(rank)
+    stages = {s: build_stage(s, cfg) for s in mine}
+    pipe = conveyor.Pipeline([stages[s] for s in mine], schedule=schedule, loss_fn=lm_loss,
+                             timeout_s=60, fixed_shapes=fixed_shapes)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses, grads = [], None
+    for step in range(NUM_STEPS):
+        ids, targets = make_batch(cfg, BATCH_SIZE, seed=step)
+        first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
+        losses.append(pipe.step(ids if rank == first else None, target=targets if rank == last else None))
+        if step == 0:
+            grads = {s: {n: p.grad.clone() for n, p in stages[s].named_parameters()} for s in mine}
+        optimizer.step()
+        optimizer.zero_grad()
+    timeline = pipe.timeline()
+    params = {s: {n: p.detach().clone() for n, p in stages[s].named_parameters()} for s in mine}
+    return losses, grads, params, len(timeline.spans)
+
+
+@pytest.mark.parametrize(("name", "num_ranks", "virtual"), [c for c in schedule_grid((2, 4))])
+def test_every_schedule_is_bitwise_equal_to_one_device_across_processes(name, num_ranks, virtual):
+    schedule = cs.build(name, ranks=num_ranks, microbatches=NUM_MICROBATCHES, virtual=virtual)
+    want_losses, want_grads, want_params = reference_run(schedule)
+    results = run_ranks(_train, num_ranks, args=(name, virtual, False), timeout_s=120)
+    compute_actions = sum(len(p) for p in schedule.programs)
+    for rank, (losses, grads, params, num_spans) in enumerate(results):
+        for step, (got, want) in enumerate(zip(losses, want_losses)):
+            assert torch.equal(got, want), f"rank {rank} loss of step {step}: {got.item()} vs {want.item()}"
+        for stage in schedule.stages_of(rank):
+            assert_same(f"stage {stage} grads", grads[stage], want_grads[stage])
+            assert_same(f"stage {stage} params after {NUM_STEPS} AdamW steps", params[stage], want_params[stage])
+        assert num_spans == compute_actions  # the measured timeline holds every compute action
+
+
+def test_fixed_shapes_mode_is_bitwise_equal_too():
+    schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
+    want_losses, _, want_params = reference_run(schedule)
+    results = run_ranks(_train, 2, args=("1f1b", 1, True), timeout_s=120)
+    for rank, (losses, _, params, _) in enumerate(results):
+        assert all(torch.equal(g, w) for g, w in zip(losses, want_losses))
+        for stage in schedule.stages_of(rank):
+            assert_same(f"stage {stage} params", params[stage], want_params[stage])
+
+
+class _VariableLength(torch.nn.Module):
+    """Mean over a sequence whose length changes per microbatch and step."""
+
+    def __init__(self, last: bool):
+        super().__init__()
+        self.last = last
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.tanh(self.proj(x))
+        return y.mean(dim=(1, 2)) if self.last else y
+
+
+def _variable_length(rank, world_size, name, virtual):
+    schedule = cs.build(name, ranks=world_size, microbatches=2, virtual=virtual)
+    torch.manual_seed(0)
+    modules = [_VariableLength(s == schedule.num_stages - 1) for s in range(schedule.num_stages)]
+    pipe = conveyor.Pipeline([modules[s] for s in schedule.stages_of(rank)], schedule=schedule,
+                             loss_fn=lambda y, t: (y - t).pow(2).mean(), timeout_s=60)
+    losses = []
+    for seq_len in (3, 7, 5):
+        x = torch.randn(4, seq_len, 4, generator=torch.Generator().manual_seed(seq_len))
+        losses.append(pipe.step(x, target=torch.zeros(4)))
+    return losses, [p.grad.clone() for p in pipe.parameters()]
+
+
+@pytest.mark.parametrize(("name", "virtual"), [("1f1b", 1), ("zbv", 2), ("zb-h1", 1), ("dualpipev", 2)])
+def test_sequence_length_may_change_between_steps(name, virtual):
+    if name not in cs.available():
+        pytest.fail(f"built-in schedule {name} is missing")
+    results = run_ranks(_variable_length, 2, args=(name, virtual), timeout_s=60)
+    torch.manual_seed(0)
+    schedule = cs.build(name, ranks=2, microbatches=2, virtual=virtual)
+    model = torch.nn.Sequential(*[_VariableLength(s == schedule.num_stages - 1) for s in range(schedule.num_stages)])
+    want = []
+    for seq_len in (3, 7, 5):
+        x = torch.randn(4, seq_len, 4, generator=torch.Generator().manual_seed(seq_len))
+        total = None
+        for xi in torch.tensor_split(x, 2):
+            loss = (model(xi) - torch.zeros(2)).pow(2).mean() / 2
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        want.append(total)
+    for losses, _ in results:
+        assert all(torch.equal(g, w) for g, w in zip(losses, want))
+
+
+def _mismatch(rank, world_size):
+    schedule = cs.build("1f1b", ranks=2, microbatches=2)
+    module = torch.nn.Linear(4, 4) if rank == 0 else torch.nn.Linear(4, 1)
+    pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             timeout_s=30, fixed_shapes=True)
+    pipe.step(torch.ones(2, 4))
+    pipe.step(torch.ones(4, 4))  # microbatches of 2 rows, not 1: breaks the promise
+
+
+def test_fixed_shapes_violation_names_rank_stage_microbatch_and_tensor():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_mismatch, 2, timeout_s=60)
+    text = str(info.value)
+    assert "rank 0, stage 0, microbatch 0" in text
+    assert "(2, 4) float32" in text and "(1, 4) float32" in text
+    assert "SpecMismatchError" in text
+
+
+class _Boom(torch.nn.Module):
+    def forward(self, x):
+        raise ValueError("boom inside stage 2")
+
+
+def _pipeline_with_a_failing_stage(rank, world_size):
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=4)
+    module = _Boom() if rank == 2 else torch.nn.Linear(4, 4)
+    return conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=120)
+
+
+def _raise_uncaught(rank, world_size):
+    _pipeline_with_a_failing_stage(rank, world_size).step(torch.ones(4, 4))
+
+
+def _raise_in_stage(rank, world_size):
+    pipe = _pipeline_with_a_failing_stage(rank, world_size)
+    start = time.monotonic()
+    try:
+        pipe.step(torch.ones(4, 4))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_an_exception_in_one_rank_stops_every_rank_with_its_message():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_raise_uncaught, 4, timeout_s=60)
+    assert time.monotonic() - start < 30  # not the 120 s receive timeout
+    text = str(info.value)
+    assert "boom inside stage 2" in text and "rank 2, stage 2, microbatch 0" in text
+
+
+def _peer_messages(rank, world_size):
+    # Each rank catches its own error so the test can read what every rank saw.
+    return _raise_in_stage(rank, world_size)
+
+
+def test_peers_report_the_failing_ranks_message_not_a_bare_connection_error():
+    results = run_ranks(_peer_messages, 4, timeout_s=60)
+    messages = [m for m, _ in results]
+    assert "StageExecutionError" in messages[2] and "boom inside stage 2" in messages[2]
+    for rank in (0, 1, 3):
+        assert "PeerFailure" in messages[rank], messages[rank]
+        assert "rank 2 failed" in messages[rank] and "boom inside stage 2" in messages[rank]
+    assert max(seconds for _, seconds in results) < 30
+
+
+def _silent_peer(rank, world_size):
+    schedule = cs.build("1f1b", ranks=2, microbatches=2)
+    pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             timeout_s=2)
+    if rank == 1:
+        time.sleep(6)  # never joins the step
+        return "slept"
+    try:
+        pipe.step(torch.ones(2, 4))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_receive_that_never_comes_times_out_naming_rank_stage_microbatch_action_and_peer():
+    results = run_ranks(_silent_peer, 2, timeout_s=60)
+    message = results[0]
+    assert message.startswith("CommTimeout"), message
+    assert "rank 0 waited 2 s" in message and "from rank 1" in message
+    assert "stage 0, microbatch 0" in message and "0RECV_B0" in message
+
+
+def _bad_setup(rank, world_size, case):
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
+    try:
+        if case == "world":
+            conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=cs.build("1f1b", ranks=3, microbatches=2))
+        elif case == "modules":
+            conveyor.Pipeline([torch.nn.Linear(2, 2)] * 2, schedule=schedule)
+        elif case == "loss":
+            pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y,
+                                     timeout_s=20)
+            pipe.step(torch.ones(2, 2) if rank == 0 else None)
+        elif case == "inputs":
+            pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                                     timeout_s=20)
+            pipe.step(None)
+        elif case == "batch":
+            pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                                     timeout_s=20)
+            pipe.step(torch.ones(3, 2))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize(("case", "rank", "expected"), [
+    ("world", 0, "has 3 ranks but the process group has 2"),
+    ("modules", 1, "places stages [1] on rank 1, so pass 1 module(s) in that order; got 2"),
+    ("loss", 1, "loss_fn must return a scalar tensor; it returned a tensor of shape (1, 2) on rank 1, stage 1, microbatch 0"),
+    ("inputs", 0, "inputs are missing on the rank that runs stage 0"),
+    ("batch", 0, "batch size 3 on dim 0, which 2 microbatches do not divide"),
+])
+def test_bad_setup_gets_a_clear_error(case, rank, expected):
+    results = run_ranks(_bad_setup, 2, args=(case,), timeout_s=60)
+    assert expected in results[rank], results[rank]
