@@ -345,7 +345,7 @@ def measured_timeline(schedule: Schedule, per_rank_events: list) -> Timeline:
     ]
     return Timeline.from_spans(
         schedule.num_ranks, spans,
-        title=f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches} (measured)",
+        title=f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches}",
         source="measured", time_unit="s",
         metadata={"schedule": schedule.name, "ranks": schedule.num_ranks, "virtual": schedule.virtual,
                   "microbatches": schedule.num_microbatches},

@@ -98,3 +98,37 @@ class CostModel:
         if kind is ActionKind.W:
             return stage.backward_weight
         return 0.0
+
+
+def costs_from_timeline(timeline, num_stages: int, *, latency: float = 0.0) -> CostModel:
+    """Per-stage costs measured in a Timeline: the median duration of each pass of each stage.
+
+    A stage seen only with full backwards (B) gets its whole B as the input-gradient
+    cost and 0 for the weight gradient, which simulates that same schedule faithfully.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> plan = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
+        >>> costs_from_timeline(plan, 2).stages[0].forward
+        1.0
+    """
+    durations: dict[tuple[int, ActionKind], list[float]] = {}
+    for span in timeline.spans:
+        durations.setdefault((span.action.stage, span.action.kind), []).append(span.end - span.start)
+
+    def median(stage: int, kind: ActionKind) -> float | None:
+        values = sorted(durations.get((stage, kind), ()))
+        return values[len(values) // 2] if values else None
+
+    stages = []
+    for stage in range(num_stages):
+        forward = median(stage, ActionKind.F)
+        if forward is None:
+            raise CostError(f"the timeline has no forward of stage {stage}; cannot derive its costs")
+        full = median(stage, ActionKind.B)
+        backward_input = median(stage, ActionKind.I)
+        backward_weight = median(stage, ActionKind.W)
+        if backward_input is None:
+            backward_input, backward_weight = (full or 0.0), 0.0
+        stages.append(StageCosts(forward, backward_input, backward_weight or 0.0))
+    return CostModel(tuple(stages), latency)

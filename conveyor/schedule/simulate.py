@@ -16,8 +16,11 @@ from conveyor.schedule.timeline import Timeline
 from conveyor.schedule.verify import verify
 
 
-def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
-    """Verify ``schedule``, then run it on ``costs`` (unit F=I=W=1, zero latency by default)."""
+def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: str = "unit") -> Timeline:
+    """Verify ``schedule``, then run it on ``costs`` (unit F=I=W=1, zero latency by default).
+
+    ``time_unit`` names the unit of the costs ("s" for measured seconds).
+    """
     verify(schedule)
     if costs is None:
         costs = CostModel.uniform(schedule.num_stages)
@@ -29,6 +32,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
         result.spans,
         title=f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches}",
         source="simulated",
+        time_unit=time_unit,
         stage_activation_bytes=tuple(s.activation_bytes for s in costs.stages),
         metadata={
             "schedule": schedule.name,
