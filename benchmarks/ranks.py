@@ -1,0 +1,196 @@
+"""Persistent groups of forked gloo ranks that run benchmark calls on command.
+
+The comparison keeps two groups alive at once, one per library, and steps them
+in turn (A B A B): each library runs in its own processes, so peak RSS per rank
+is its own, and neither library's steps overlap the other's. (A one-shot helper
+such as ``conveyor.testing.run_ranks`` returns only when its ranks finish, so it
+cannot interleave two live groups.)
+
+Every rank sets ``torch.set_num_threads(1)`` and joins its own gloo process group
+(one TCP store per group). A call sends the same function to every rank, which
+runs ``fn(worker, *args)``; the parent waits for all answers with a timeout. A
+rank that raises or dies fails the call with its traceback, and the whole group
+is killed (its peers may be blocked in a receive from it).
+
+Example:
+    >>> with RankGroup(2) as group:
+    ...     group.call(place)
+    [(0, 2), (1, 2)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+
+class RankFailure(RuntimeError):
+    """A rank raised or died during a call; the message carries its traceback."""
+
+
+class RankTimeout(TimeoutError):
+    """Some ranks did not answer a call in time (often: a peer is blocked in a receive)."""
+
+
+@dataclass
+class Worker:
+    """What a call sees inside a rank: its place in the group and a per-process state dict."""
+
+    rank: int
+    world_size: int
+    distributed: bool
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+def place(worker: Worker) -> tuple[int, int]:
+    """``(rank, world_size)`` of the calling rank: the smallest useful call."""
+    return worker.rank, worker.world_size
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(
+    rank: int, world_size: int, port: int | None, conn: Connection, timeout_s: float
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    worker = Worker(rank, world_size, distributed=port is not None)
+    try:
+        if port is not None:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        conn.send((True, None))
+    except BaseException:
+        conn.send((False, traceback.format_exc()))
+        return
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                break
+            if message is None:
+                break
+            fn, args = message
+            try:
+                conn.send((True, fn(worker, *args)))
+            except BaseException:
+                conn.send((False, traceback.format_exc()))
+    finally:
+        if port is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankGroup:
+    """``world_size`` forked ranks, each in a gloo group (or none with ``distributed=False``).
+
+    Use as a context manager; :meth:`call` runs one function on every rank.
+    """
+
+    def __init__(
+        self, world_size: int, *, distributed: bool = True, timeout_s: float = 120.0
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        context = mp.get_context("fork")
+        port = _free_port() if distributed else None
+        self._conns: list[Connection] = []
+        self._procs: list[mp.Process] = []
+        for rank in range(world_size):
+            parent_end, child_end = context.Pipe()
+            proc = context.Process(
+                target=_serve,
+                args=(rank, world_size, port, child_end, timeout_s),
+                daemon=True,
+                name=f"bench-rank{rank}",
+            )
+            proc.start()
+            child_end.close()
+            self._conns.append(parent_end)
+            self._procs.append(proc)
+        self._collect("init_process_group", timeout_s)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
+        """Run ``fn(worker, *args)`` on every rank; their return values, by rank."""
+        if not self._conns:
+            raise RankFailure("this rank group is closed")
+        for conn in self._conns:
+            conn.send((fn, args))
+        return self._collect(getattr(fn, "__name__", repr(fn)), timeout_s or self.timeout_s)
+
+    def _collect(self, what: str, timeout_s: float) -> list[Any]:
+        results: list[Any] = [None] * self.world_size
+        pending = dict(zip(self._conns, range(self.world_size)))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                missing = sorted(pending.values())
+                self.kill()
+                raise RankTimeout(
+                    f"{what}: ranks {missing} did not answer within {timeout_s:.0f} s"
+                )
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    ok, value = conn.recv()
+                except (EOFError, OSError):
+                    self.kill()
+                    raise RankFailure(f"{what}: rank {rank} died (no answer on its pipe)") from None
+                if not ok:
+                    self.kill()
+                    raise RankFailure(f"{what}: rank {rank} raised:\n{value}")
+                results[rank] = value
+        return results
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask every rank to leave its process group and exit; kill those that do not."""
+        for conn in self._conns:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send(None)
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill this group's ranks (only the processes this group started)."""
+        for proc in self._procs:
+            if proc.is_alive():
+                os.kill(proc.pid, 9)
+            proc.join(1.0)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

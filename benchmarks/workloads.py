@@ -1,0 +1,438 @@
+"""Workloads for the pipeline benchmarks: the same stage modules for every library.
+
+Three kinds, each a frozen record that builds stage ``stage`` of ``num_stages``
+deterministically (weights are seeded by the global layer index, so any cut of
+the model holds the same weights and a one-process model equals the union of
+the stages):
+
+* :class:`Emulated` -- emulated device time. Every block's forward, input-gradient
+  and weight-gradient parts each *sleep* a set time (5 ms by default), so P=4 or
+  P=8 ranks run honestly on two cores: a sleeping rank frees its core, like a
+  rank waiting on its GPU. An I pass (``autograd.grad`` w.r.t. the stage input
+  only) runs only the input-gradient sleeps, a W pass only the weight-gradient
+  sleeps.
+* :class:`Overhead` -- tiny stages (microseconds of compute) and many
+  microbatches: what is left of the step time is the framework's own.
+* :class:`TinyGPT` -- real compute: a small GPT written out here (no downloads),
+  cut by hand into stages (stage 0 holds the embeddings, the last stage the final
+  norm and the untied head).
+
+:func:`measure_stage_costs` times each stage's F, I and full backward in one plain
+process; the ideal step time of a schedule is conveyor's simulator run on those
+costs, so the blocks' own Python and autograd cost is inside the ideal.
+
+Example:
+    >>> wl = Emulated(num_ranks=2, forward_ms=1.0, input_grad_ms=1.0, weight_grad_ms=1.0)
+    >>> x, y = wl.batch(num_microbatches=2)
+    >>> tuple(x.shape), len(wl.build_stage(0, 2).blocks)
+    ((8, 16), 2)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the usual torch alias
+from torch import nn
+
+# ---------------------------------------------------------------------------
+# (a) emulated device time
+# ---------------------------------------------------------------------------
+
+
+class _ActivationPathSleep(torch.autograd.Function):
+    """Identity on the activation path: forward sleeps T_F, backward sleeps T_I.
+
+    Placed before the block's matmul, so its backward runs when (and only when)
+    the gradient of the block's input is asked for.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward_s: float, input_grad_s: float) -> torch.Tensor:
+        ctx.input_grad_s = input_grad_s
+        time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.input_grad_s)
+        return grad, None, None
+
+
+class _WeightPathSleep(torch.autograd.Function):
+    """Identity on the weight path: backward sleeps T_W, run only when weight gradients are asked for."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, weight_grad_s: float) -> torch.Tensor:
+        ctx.weight_grad_s = weight_grad_s
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.weight_grad_s)
+        return grad, None
+
+
+class SleepBlock(nn.Module):
+    """A tiny linear map whose three passes each sleep a set time.
+
+    ``y = sleep_activation(x) @ sleep_weight(W).T``: the matmul's input-gradient
+    edge leads to the activation sleep, its weight-gradient edge to the weight
+    sleep, so I and W passes never run each other's sleeps.
+    """
+
+    def __init__(
+        self, width: int, forward_s: float, input_grad_s: float, weight_grad_s: float
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / math.sqrt(width))
+        self.forward_s = forward_s
+        self.input_grad_s = input_grad_s
+        self.weight_grad_s = weight_grad_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _ActivationPathSleep.apply(x, self.forward_s, self.input_grad_s)
+        weight = _WeightPathSleep.apply(self.weight, self.weight_grad_s)
+        return F.linear(x, weight)
+
+
+class BlockStack(nn.Module):
+    """Blocks run one after the other; one stage of the emulated or overhead model."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def _blocks_of(stage: int, num_stages: int, num_blocks: int) -> range:
+    """Global indices of the blocks stage ``stage`` holds; the remainder goes to the middle stages."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in 0..{num_stages - 1}, got {stage}")
+    if num_blocks < num_stages:
+        raise ValueError(
+            f"a model of {num_blocks} blocks cannot be cut into {num_stages} stages; "
+            "give more blocks per rank or fewer stages"
+        )
+    base, extra = divmod(num_blocks, num_stages)
+    # Middle stages take the extra blocks: the first and last stages already carry
+    # the embeddings / head (GPT) or the loss.
+    order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), s))
+    sizes = [base + (1 if s in order[:extra] else 0) for s in range(num_stages)]
+    start = sum(sizes[:stage])
+    return range(start, start + sizes[stage])
+
+
+@dataclass(frozen=True, slots=True)
+class Emulated:
+    """A model of ``num_ranks * blocks_per_rank`` sleeping blocks (the same model for every V).
+
+    With ``blocks_per_rank=2``, a V=1 stage holds 2 blocks and a V=2 stage 1, so
+    every schedule of a given P trains the same model and their step times compare.
+    """
+
+    num_ranks: int
+    forward_ms: float = 5.0
+    input_grad_ms: float = 5.0
+    weight_grad_ms: float = 5.0
+    blocks_per_rank: int = 2
+    width: int = 16
+    rows_per_microbatch: int = 4
+    seed: int = 0
+    name: str = "emulated"
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_ranks * self.blocks_per_rank
+
+    def build_stage(self, stage: int, num_stages: int) -> BlockStack:
+        blocks = []
+        for index in _blocks_of(stage, num_stages, self.num_blocks):
+            torch.manual_seed(self.seed * 100_003 + index)
+            blocks.append(
+                SleepBlock(
+                    self.width,
+                    self.forward_ms / 1e3,
+                    self.input_grad_ms / 1e3,
+                    self.weight_grad_ms / 1e3,
+                )
+            )
+        return BlockStack(blocks)
+
+    def batch(self, num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.rows_per_microbatch * num_microbatches
+        generator = torch.Generator().manual_seed(self.seed + 7)
+        x = torch.randn(rows, self.width, generator=generator)
+        y = torch.randn(rows, self.width, generator=generator)
+        return x, y
+
+    def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return _mse(output, target)
+
+
+# ---------------------------------------------------------------------------
+# (b) framework overhead
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Overhead:
+    """Tiny stages: one small linear each (microseconds), so the step time is mostly framework time."""
+
+    num_ranks: int
+    width: int = 16
+    rows_per_microbatch: int = 2
+    blocks_per_rank: int = 2
+    seed: int = 0
+    name: str = "overhead"
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_ranks * self.blocks_per_rank
+
+    def build_stage(self, stage: int, num_stages: int) -> BlockStack:
+        blocks: list[nn.Module] = []
+        for index in _blocks_of(stage, num_stages, self.num_blocks):
+            torch.manual_seed(self.seed * 100_003 + index)
+            blocks.append(nn.Linear(self.width, self.width, bias=False))
+        return BlockStack(blocks)
+
+    def batch(self, num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.rows_per_microbatch * num_microbatches
+        generator = torch.Generator().manual_seed(self.seed + 11)
+        return (
+            torch.randn(rows, self.width, generator=generator),
+            torch.randn(rows, self.width, generator=generator),
+        )
+
+    def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return _mse(output, target)
+
+
+# ---------------------------------------------------------------------------
+# (c) real compute: a small GPT
+# ---------------------------------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        # (batch, seq, 3 * width) -> three (batch, heads, seq, head_width)
+        q, k, v = self.qkv(x).split(width, dim=2)
+        shape = (batch, seq, self.num_heads, width // self.num_heads)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, width: int, num_heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, num_heads)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPTStage(nn.Module):
+    """A slice of the GPT: optional embeddings, some blocks, optional final norm and head.
+
+    Stage 0 takes token ids ``(batch, seq)``; the others take hidden states
+    ``(batch, seq, width)``; the last returns logits ``(batch, seq, vocab)``.
+    """
+
+    def __init__(self, config: TinyGPT, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        seed = config.seed * 100_003
+        if first:
+            torch.manual_seed(seed - 1)
+            self.token_embedding = nn.Embedding(config.vocab_size, config.width)
+            self.position_embedding = nn.Embedding(config.seq_len, config.width)
+        self.blocks = nn.ModuleList()
+        for index in blocks:
+            torch.manual_seed(seed + index)
+            self.blocks.append(GPTBlock(config.width, config.num_heads))
+        if last:
+            torch.manual_seed(seed - 2)
+            self.final_norm = nn.LayerNorm(config.width)
+            self.head = nn.Linear(config.width, config.vocab_size, bias=False)
+        self.first, self.last = first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.token_embedding(x) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        if self.last:
+            x = self.head(self.final_norm(x))
+        return x
+
+
+@dataclass(frozen=True, slots=True)
+class TinyGPT:
+    """A GPT of ``num_layers`` blocks, cut by hand: embeddings on stage 0, head on the last.
+
+    ``num_ranks`` is unused by the model (kept so every workload is built the same way).
+    """
+
+    num_ranks: int
+    num_layers: int = 8
+    width: int = 128
+    num_heads: int = 4
+    vocab_size: int = 512
+    seq_len: int = 64
+    rows_per_microbatch: int = 2
+    seed: int = 0
+    name: str = "gpt"
+
+    def build_stage(self, stage: int, num_stages: int) -> GPTStage:
+        blocks = _blocks_of(stage, num_stages, self.num_layers)
+        return GPTStage(self, blocks, first=stage == 0, last=stage == num_stages - 1)
+
+    def build_whole(self) -> GPTStage:
+        """The whole model in one module (same weights as the union of any cut)."""
+        return self.build_stage(0, 1)
+
+    def batch(self, num_microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.rows_per_microbatch * num_microbatches
+        generator = torch.Generator().manual_seed(self.seed + 13)
+        tokens = torch.randint(0, self.vocab_size, (rows, self.seq_len + 1), generator=generator)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+Workload = Emulated | Overhead | TinyGPT
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "emulated": Emulated,
+    "overhead": Overhead,
+    "gpt": TinyGPT,
+}
+
+
+# ---------------------------------------------------------------------------
+# block costs measured in one plain process
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredCosts:
+    """Median milliseconds per microbatch of each stage's passes, measured in one process.
+
+    ``backward_weight_ms`` is full backward minus input backward: the weight part a
+    runtime that walks the graph once would pay. A stage whose input takes no
+    gradient (stage 0) has ``backward_input_ms == 0``: nothing waits on it, so all
+    of its backward counts as deferrable weight work.
+    """
+
+    forward_ms: tuple[float, ...]
+    backward_input_ms: tuple[float, ...]
+    backward_ms: tuple[float, ...]
+
+    @property
+    def backward_weight_ms(self) -> tuple[float, ...]:
+        return tuple(max(b - i, 0.0) for b, i in zip(self.backward_ms, self.backward_input_ms))
+
+    def as_rows(self) -> list[tuple[float, float, float]]:
+        """``(forward, backward_input, backward_weight)`` per stage, for ``CostModel.per_stage``."""
+        return list(zip(self.forward_ms, self.backward_input_ms, self.backward_weight_ms))
+
+
+def _as_args(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _detach_inputs(value) -> tuple[torch.Tensor, ...]:
+    out = []
+    for t in _as_args(value):
+        t = t.detach()
+        if t.is_floating_point():
+            t.requires_grad_(True)
+        out.append(t)
+    return tuple(out)
+
+
+def measure_stage_costs(
+    workload: Workload, num_stages: int, *, repeats: int = 5, warmup: int = 1
+) -> MeasuredCosts:
+    """Time F, I and full B of every stage on one microbatch, in this process.
+
+    Stage ``s`` is fed the output of stage ``s - 1`` (detached, requiring grad), the
+    last stage includes the loss in its forward. Medians over ``repeats``.
+
+    Example:
+        >>> wl = Emulated(num_ranks=2, forward_ms=1, input_grad_ms=1, weight_grad_ms=1)
+        >>> costs = measure_stage_costs(wl, 2, repeats=1, warmup=0)
+        >>> len(costs.forward_ms), costs.backward_input_ms[0]
+        (2, 0.0)
+    """
+    x, y = workload.batch(1)
+    stage_input: tuple = (x,)
+    forward_ms, input_ms, backward_ms = [], [], []
+    for stage in range(num_stages):
+        module = workload.build_stage(stage, num_stages)
+        last = stage == num_stages - 1
+        inputs = stage_input if stage == 0 else _detach_inputs(stage_input)
+        grad_inputs = [t for t in inputs if t.requires_grad]
+
+        def run_forward(module=module, inputs=inputs, last=last):
+            out = module(*inputs)
+            return workload.loss_fn(out, y) if last else out
+
+        f_times, i_times, b_times = [], [], []
+        for rep in range(warmup + repeats):
+            t0 = time.perf_counter()
+            out = run_forward()
+            f = time.perf_counter() - t0
+            outs = _as_args(out)
+            grads = tuple(torch.ones_like(o) for o in outs)
+            i = 0.0
+            if grad_inputs:
+                t0 = time.perf_counter()
+                torch.autograd.grad(outs, grad_inputs, grads, retain_graph=False)
+                i = time.perf_counter() - t0
+                outs = _as_args(run_forward())
+            t0 = time.perf_counter()
+            torch.autograd.backward(outs, grads)
+            b = time.perf_counter() - t0
+            module.zero_grad(set_to_none=True)
+            for t in grad_inputs:
+                t.grad = None
+            if rep >= warmup:
+                f_times.append(f * 1e3)
+                i_times.append(i * 1e3)
+                b_times.append(b * 1e3)
+        forward_ms.append(statistics.median(f_times))
+        input_ms.append(statistics.median(i_times))
+        backward_ms.append(statistics.median(b_times))
+        with torch.no_grad():
+            stage_input = _as_args(module(*inputs))
+    return MeasuredCosts(tuple(forward_ms), tuple(input_ms), tuple(backward_ms))
