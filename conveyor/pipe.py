@@ -302,6 +302,7 @@ class Pipeline(_PipelineBase):
         with torch.no_grad():
             for _ in self.executor.run(self.eval_lowered.programs[self.rank], first, None, None):
                 raise AssertionError("a blocking transport never yields")
+        self.transport.end_step()
         last = self.runners.get(self.schedule.num_stages - 1)
         if last is None:
             return None

@@ -57,6 +57,7 @@ class RankExecutor:
         placement: Placement,
         runners: dict[int, StageRunner],
         transport: Transport,
+        lookahead: int = 4,
     ) -> None:
         self.rank = rank
         self.placement = placement
@@ -64,6 +65,7 @@ class RankExecutor:
         self.transport = transport
         self.num_stages = placement.num_stages
         self.actions_done = 0
+        self.lookahead = lookahead
         self.handlers: dict[ActionKind, Callable[[Action], Iterator]] = {
             ActionKind.F: self._forward,
             ActionKind.B: self._backward_full,
@@ -94,20 +96,13 @@ class RankExecutor:
         if first_stage_inputs is not None:
             for m, inputs in enumerate(first_stage_inputs):
                 self.forward_inputs[(0, m)] = inputs
-        self.recvs = {}
-        self.recv_order: list = []
-        for action in program:
-            if action.kind is ActionKind.RECV_F:
-                src = self.placement.rank_of(action.stage - 1)
-                handle = self.transport.post_recv(src, (self.forward_direction, action.stage - 1, action.microbatch))
-            elif action.kind is ActionKind.RECV_B:
-                src = self.placement.rank_of(action.stage + 1)
-                handle = self.transport.post_recv(src, (BACKWARD, action.stage + 1, action.microbatch))
-            else:
-                continue
-            self.recvs[action] = handle
-            self.recv_order.append(handle)
-        self.next_recv = 0
+        # Receives are posted a few ahead of their use: early enough that the data
+        # finds its buffer waiting, late enough not to hold every activation at once.
+        self.recv_actions = [a for a in program if a.kind is ActionKind.RECV_F or a.kind is ActionKind.RECV_B]
+        self.recvs: dict[Action, Any] = {}
+        self.posted = 0
+        self.consumed = 0
+        self._post_ahead()
         clock = time.perf_counter
         self.actions_done = 0
         for action in program:
@@ -116,16 +111,19 @@ class RankExecutor:
             self.actions_done += 1
             if recorder is not None and action.kind.is_compute:
                 recorder.add(action, start, clock())
-                self._progress_receives()
         self.transport.finish_sends()
 
-    def _progress_receives(self) -> None:
-        # Headers that arrived let their bodies be posted now rather than at the wait.
-        order, i = self.recv_order, self.next_recv
-        while i < len(order) and i < self.next_recv + 4:
-            if not self.transport.ready(order[i]):
-                break
-            i += 1
+    def _post_ahead(self) -> None:
+        while self.posted < len(self.recv_actions) and self.posted < self.consumed + self.lookahead:
+            action = self.recv_actions[self.posted]
+            if action.kind is ActionKind.RECV_F:
+                src = self.placement.rank_of(action.stage - 1)
+                key = (self.forward_direction, action.stage - 1, action.microbatch)
+            else:
+                src = self.placement.rank_of(action.stage + 1)
+                key = (BACKWARD, action.stage + 1, action.microbatch)
+            self.recvs[action] = self.transport.post_recv(src, key)
+            self.posted += 1
 
     # --- handlers -------------------------------------------------------------------
     def _forward(self, action: Action) -> Iterator[None]:
@@ -190,6 +188,8 @@ class RankExecutor:
 
     def _recv(self, action: Action) -> Iterator[None]:
         handle = self.recvs.pop(action)
+        self.consumed += 1
+        self._post_ahead()
         if not self.transport.can_block():
             while not self.transport.ready(handle):
                 yield
@@ -201,8 +201,6 @@ class RankExecutor:
         else:
             what = f"the output gradient of stage {s}, microbatch {m} ({action})"
             self.output_grads[(s, m)] = list(self.transport.wait(handle, what))
-        while self.next_recv < len(self.recv_order) and self.recv_order[self.next_recv] is handle:
-            self.next_recv += 1
 
 
 def run_local(executors: list[RankExecutor], runs: list[Iterator[None]]) -> None:

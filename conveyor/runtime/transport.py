@@ -2,13 +2,12 @@
 
 A transfer is addressed by ``(direction, stage, microbatch)``: direction 0
 carries the forward output of ``stage`` to ``stage + 1``, direction 1 the input
-gradient of ``stage`` to ``stage - 1``. Each transfer is one small header
-(sizes) and one flat byte buffer; the payload's structure (shapes, dtypes,
-tree) is sent only when it differs from the last one on that channel, so
-shapes may change between microbatches and steps at the cost of a few bytes.
+gradient of ``stage`` to ``stage - 1`` (2: forwards of evaluation). Tensors
+travel as one flat byte buffer; the payload's structure (shapes, dtypes, tree)
+travels only when it differs from what the channel carried before, so shapes
+may change between microbatches and steps (see :class:`DistTransport`).
 
-Receives are posted ahead (the executor posts every receive of a step before
-its first action); sends are asynchronous. Every blocking wait has a timeout
+Receives are posted ahead, a few at a time; sends are asynchronous. Every blocking wait has a timeout
 and names what it waited for. A rank that fails publishes its message in the
 process group's store, so its peers raise :class:`PeerFailure` with it instead
 of a bare "connection closed".
@@ -58,7 +57,7 @@ def check_frozen(expected: PayloadMeta, actual: PayloadMeta, rank: int, key: Tra
     """Raise SpecMismatchError naming the first tensor whose shape, dtype or place differs."""
     direction, stage, microbatch = key
     what = "output" if direction == FORWARD else "input gradient"
-    where = (f"rank {rank}, stage {stage}, microbatch {microbatch}: the {what} sent to rank {dst}")
+    where = f"rank {rank}, stage {stage}, microbatch {microbatch}: the {what} sent to rank {dst}"
     fix = ("(fixed_shapes=True froze the structure seen in the first step; pass fixed_shapes=False "
            "to let shapes vary between microbatches and steps)")
     if expected.spec != actual.spec or expected.is_tensor != actual.is_tensor:
@@ -138,17 +137,38 @@ class LocalTransport(Transport):
 class _Recv:
     src: int
     key: TransferKey
-    header: torch.Tensor | None
-    header_work: Any
-    meta_buf: torch.Tensor | None = None
-    meta_work: Any = None
-    data_buf: torch.Tensor | None = None
+    expected: PayloadMeta | None  # the structure assumed when this receive was posted
+    trailer: torch.Tensor
+    trailer_work: Any
+    data_buf: torch.Tensor | None = None  # speculative: sized for ``expected``
     data_work: Any = None
-    posted_body: bool = False
+    meta_buf: torch.Tensor | None = None  # only when the structure changed
+    meta_work: Any = None
+    body_buf: torch.Tensor | None = None
+    body_work: Any = None
+    changed: bool | None = None
+
+
+# Message parts of one transfer (the tag's last digit).
+_DATA, _META, _BODY, _TRAILER = 0, 1, 2, 3
 
 
 class DistTransport(Transport):
-    """torch.distributed isend/irecv with tags (gloo on CPU; NCCL keeps the same order per peer)."""
+    """torch.distributed isend/irecv with tags (gloo on CPU).
+
+    Protocol per channel (direction, sending stage), both sides keeping the
+    structure of the channel's last transfer as of the end of the previous step
+    (the *expected* structure; channels whose receiver consumes in the sender's
+    order only):
+
+    - as expected: the data (receive posted ahead, sized from the expectation)
+      plus a 24-byte trailer ``[0, 0, 0]``: two pre-posted messages, no handshake;
+    - changed, or nothing expected yet: padding for the speculative receive, a
+      trailer ``[1, meta_bytes, data_bytes]``, then the structure and the data.
+
+    Receives are posted at most ``lookahead`` ahead so that receive buffers do
+    not hold more activations than the schedule itself keeps alive.
+    """
 
     def __init__(
         self,
@@ -169,111 +189,104 @@ class DistTransport(Transport):
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         self.timeout_s = timeout_s
-        self.pending_sends: list[tuple[Any, list[torch.Tensor]]] = []
-        self.sent_meta: dict[tuple[int, int], bytes] = {}  # channel -> last structure sent
-        self.received_meta: dict[tuple[int, int], PayloadMeta] = {}
-        self.fifo_channels: set[tuple[int, int]] = set()
-        # fixed_shapes: after the first step, a channel whose structure never changed during it
-        # sends data only (no header); both sides freeze the same channels independently.
         self.fixed_shapes = fixed_shapes
-        self.frozen: dict[tuple[int, int], PayloadMeta] = {}
-        self._step_meta: dict[tuple[int, int], bytes | None] = {}
-        self._steps_done = 0
+        self.pending_sends: list[tuple[list, list[torch.Tensor]]] = []
+        self.fifo_channels: set[tuple[int, int]] = set()
+        self.expected: dict[tuple[int, int], PayloadMeta] = {}
+        self.last_meta: dict[tuple[int, int], PayloadMeta] = {}
+        self.steps_done = 0
 
     def _tag(self, key: TransferKey, part: int) -> int:
         direction, stage, microbatch = key
-        return ((direction * self.num_stages + stage) * self.num_microbatches + microbatch) * 3 + part
+        return ((direction * self.num_stages + stage) * self.num_microbatches + microbatch) * 4 + part
 
+    def _isend(self, tensor: torch.Tensor, dst: int, key: TransferKey, part: int):
+        return self.dist.isend(tensor, self.rank_to_global[dst], group=self.group, tag=self._tag(key, part))
+
+    def _irecv(self, tensor: torch.Tensor, src: int, key: TransferKey, part: int):
+        return self.dist.irecv(tensor, self.rank_to_global[src], group=self.group, tag=self._tag(key, part))
+
+    # --- sending -------------------------------------------------------------------------
     def send(self, dst: int, key: TransferKey, value: Any) -> None:
         meta, tensors = flatten_payload(value)
         channel = key[:2]
-        frozen = self.frozen.get(channel)
-        if frozen is not None:
-            check_frozen(frozen, meta, self.rank, key, dst)
+        expected = self.expected.get(channel)
+        if self.fixed_shapes and expected is not None:
+            check_frozen(expected, meta, self.rank, key, dst)
+        works, keep = [], []
+        if expected is not None and meta == expected:
             if tensors:
                 data = pack(tensors, meta)
-                work = self.dist.isend(data, self.rank_to_global[dst], group=self.group, tag=self._tag(key, 2))
-                self.pending_sends.append(([work], [data]))
-            return
-        encoded = meta.encode()
-        self._note_meta(channel, encoded)
-        new_structure = not (channel in self.fifo_channels and self.sent_meta.get(channel) == encoded)
-        self.sent_meta[channel] = encoded
-        data = pack(tensors, meta) if tensors else None
-        header = torch.tensor(
-            [len(encoded) if new_structure else 0, 0 if data is None else data.numel()], dtype=torch.int64
-        )
-        peer = self.rank_to_global[dst]
-        keep = [header]
-        works = [self.dist.isend(header, peer, group=self.group, tag=self._tag(key, 0))]
-        if new_structure:
-            meta_buf = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-            keep.append(meta_buf)
-            works.append(self.dist.isend(meta_buf, peer, group=self.group, tag=self._tag(key, 1)))
-        if data is not None:
-            keep.append(data)
-            works.append(self.dist.isend(data, peer, group=self.group, tag=self._tag(key, 2)))
+                keep.append(data)
+                works.append(self._isend(data, dst, key, _DATA))
+            trailer = torch.zeros(3, dtype=torch.int64)
+        else:
+            if expected is not None and expected.tensors:
+                padding = torch.empty(expected.data_bytes, dtype=torch.uint8)
+                keep.append(padding)
+                works.append(self._isend(padding, dst, key, _DATA))
+            encoded = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)
+            body = pack(tensors, meta) if tensors else None
+            trailer = torch.tensor([1, encoded.numel(), 0 if body is None else body.numel()], dtype=torch.int64)
+            keep.append(encoded)
+            works.append(self._isend(encoded, dst, key, _META))
+            if body is not None:
+                keep.append(body)
+                works.append(self._isend(body, dst, key, _BODY))
+        keep.append(trailer)
+        works.append(self._isend(trailer, dst, key, _TRAILER))
+        self.last_meta[channel] = meta
         self.pending_sends.append((works, keep))
         if len(self.pending_sends) > 64:
-            self._reap_sends()
+            self.pending_sends = [
+                (w, k) for w, k in self.pending_sends if not all(x.is_completed() for x in w)
+            ]
 
-    def _reap_sends(self) -> None:
-        self.pending_sends = [(w, k) for w, k in self.pending_sends if not all(x.is_completed() for x in w)]
-
+    # --- receiving -----------------------------------------------------------------------
     def post_recv(self, src: int, key: TransferKey) -> _Recv:
-        frozen = self.frozen.get(key[:2])
-        if frozen is not None:
-            handle = _Recv(src, key, None, None, posted_body=True)
-            if frozen.tensors:
-                handle.data_buf = torch.empty(frozen.data_bytes, dtype=torch.uint8)
-                handle.data_work = self.dist.irecv(
-                    handle.data_buf, self.rank_to_global[src], group=self.group, tag=self._tag(key, 2)
-                )
-            return handle
-        header = torch.empty(2, dtype=torch.int64)
-        work = self.dist.irecv(header, self.rank_to_global[src], group=self.group, tag=self._tag(key, 0))
-        return _Recv(src, key, header, work)
+        expected = self.expected.get(key[:2])
+        trailer = torch.empty(3, dtype=torch.int64)
+        handle = _Recv(src, key, expected, trailer, self._irecv(trailer, src, key, _TRAILER))
+        if expected is not None and expected.tensors:
+            handle.data_buf = torch.empty(expected.data_bytes, dtype=torch.uint8)
+            handle.data_work = self._irecv(handle.data_buf, src, key, _DATA)
+        return handle
 
-    def _post_body(self, handle: _Recv) -> None:
-        meta_len, data_len = (int(v) for v in handle.header.tolist())
-        peer = self.rank_to_global[handle.src]
-        if meta_len:
+    def _read_trailer(self, handle: _Recv) -> None:
+        changed, meta_len, body_len = (int(v) for v in handle.trailer.tolist())
+        handle.changed = bool(changed)
+        if handle.changed:
             handle.meta_buf = torch.empty(meta_len, dtype=torch.uint8)
-            handle.meta_work = self.dist.irecv(handle.meta_buf, peer, group=self.group, tag=self._tag(handle.key, 1))
-        if data_len:
-            handle.data_buf = torch.empty(data_len, dtype=torch.uint8)
-            handle.data_work = self.dist.irecv(handle.data_buf, peer, group=self.group, tag=self._tag(handle.key, 2))
-        handle.posted_body = True
+            handle.meta_work = self._irecv(handle.meta_buf, handle.src, handle.key, _META)
+            if body_len:
+                handle.body_buf = torch.empty(body_len, dtype=torch.uint8)
+                handle.body_work = self._irecv(handle.body_buf, handle.src, handle.key, _BODY)
 
     def ready(self, handle: _Recv) -> bool:
-        if not handle.posted_body:
-            if not handle.header_work.is_completed():
+        if handle.changed is None:
+            if not handle.trailer_work.is_completed():
                 return False
-            self._post_body(handle)
-        return all(w is None or w.is_completed() for w in (handle.meta_work, handle.data_work))
+            self._read_trailer(handle)
+        works = (handle.data_work, handle.meta_work, handle.body_work)
+        return all(w is None or w.is_completed() for w in works)
 
     def wait(self, handle: _Recv, what: str) -> Any:
         deadline = time.monotonic() + self.timeout_s
-        if not handle.posted_body:
-            self._wait_work(handle.header_work, deadline, handle, what)
-            self._post_body(handle)
-        for work in (handle.meta_work, handle.data_work):
+        if handle.changed is None:
+            self._wait_work(handle.trailer_work, deadline, handle, what)
+            self._read_trailer(handle)
+        for work in (handle.data_work, handle.meta_work, handle.body_work):
             if work is not None:
                 self._wait_work(work, deadline, handle, what)
-        channel = handle.key[:2]
-        if channel in self.frozen:
-            meta = self.frozen[channel]
-        elif handle.meta_buf is not None:
-            encoded = handle.meta_buf.numpy().tobytes()
+        if handle.changed:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)  # torch's pickled LeafSpec
-                meta = PayloadMeta.decode(encoded)
-            self.received_meta[channel] = meta
-            self._note_meta(channel, encoded)
+                meta = PayloadMeta.decode(handle.meta_buf.numpy().tobytes())
+            buffer = handle.body_buf
         else:
-            meta = self.received_meta[channel]
-            self._note_meta(channel, self._step_meta.get(channel) or b"")
-        tensors = unpack(handle.data_buf, meta) if handle.data_buf is not None else []
+            meta, buffer = handle.expected, handle.data_buf
+        self.last_meta[handle.key[:2]] = meta
+        tensors = unpack(buffer, meta) if meta.tensors else []
         return unflatten_payload(meta, tensors)
 
     def _wait_work(self, work, deadline: float, handle: _Recv, what: str) -> None:
@@ -301,20 +314,16 @@ class DistTransport(Transport):
                 work.wait(datetime.timedelta(seconds=self.timeout_s))
         self.pending_sends.clear()
 
-    def _note_meta(self, channel: tuple[int, int], encoded: bytes) -> None:
-        if self.fixed_shapes and self._steps_done == 0:
-            seen = self._step_meta.get(channel, encoded)
-            self._step_meta[channel] = encoded if seen == encoded else None
-
     def end_step(self) -> None:
-        """With fixed_shapes, freeze the channels whose structure stayed the same through step 1."""
-        if self.fixed_shapes and self._steps_done == 0:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                for channel, encoded in self._step_meta.items():
-                    if encoded:
-                        self.frozen[channel] = PayloadMeta.decode(encoded)
-        self._steps_done += 1
+        """Both sides now expect, per channel, the structure of its last transfer.
+
+        With fixed_shapes the expectation is set once, after the first step, and never moves.
+        """
+        if not (self.fixed_shapes and self.steps_done > 0):
+            for channel, meta in self.last_meta.items():
+                if channel in self.fifo_channels:
+                    self.expected[channel] = meta
+        self.steps_done += 1
 
     # --- failure propagation through the store ---------------------------------
     def _store(self):
