@@ -1,0 +1,76 @@
+"""The layers of ../shared/DESIGN.md, kept true by reading every import with ast."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "conveyor"
+
+# Layer of a module path (relative to conveyor/) -> prefixes of conveyor modules it must not import.
+FORBIDDEN = {
+    "schedule": ("conveyor.runtime", "conveyor.frontend", "conveyor.pipe", "conveyor.parallel",
+                 "conveyor.checkpoint", "conveyor.train", "conveyor.cli", "conveyor.microbatch",
+                 "conveyor.testing"),
+    "frontend": ("conveyor.schedule", "conveyor.runtime", "conveyor.pipe", "conveyor.parallel",
+                 "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
+    "runtime": ("conveyor.frontend", "conveyor.pipe", "conveyor.parallel", "conveyor.checkpoint",
+                "conveyor.train", "conveyor.cli"),
+    "pipe": ("conveyor.parallel", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
+    "microbatch": ("conveyor.schedule", "conveyor.runtime", "conveyor.frontend", "conveyor.pipe",
+                   "conveyor.train", "conveyor.cli"),
+    "train": ("conveyor.cli",),
+}
+# The runtime may use these parts of the schedule layer and no other.
+RUNTIME_SCHEDULE_ALLOWED = ("conveyor.schedule.ir", "conveyor.schedule.timeline")
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def _layer(path: Path) -> str:
+    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+
+
+def _modules():
+    return sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_down_only(path):
+    layer = _layer(path)
+    for name in _imports(path):
+        for banned in FORBIDDEN.get(layer, ()):
+            assert not (name == banned or name.startswith(banned + ".")), (
+                f"conveyor/{path.relative_to(PACKAGE)} ({layer} layer) imports {name}"
+            )
+        if layer == "schedule":
+            assert name.split(".")[0] != "torch", f"conveyor/{path.relative_to(PACKAGE)} imports torch"
+        if layer == "runtime" and name.startswith("conveyor.schedule"):
+            assert name in RUNTIME_SCHEDULE_ALLOWED, (
+                f"conveyor/{path.relative_to(PACKAGE)} imports {name}; the runtime may use only "
+                f"{', '.join(RUNTIME_SCHEDULE_ALLOWED)}"
+            )
+
+
+def test_the_schedule_layer_never_imports_torch():
+    code = (
+        "import sys, conveyor, conveyor.schedule as cs\n"
+        "cs.simulate(cs.build('1f1b', ranks=2, microbatches=2))\n"
+        "import conveyor.cli\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
