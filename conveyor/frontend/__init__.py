@@ -1,0 +1,52 @@
+"""Split an unchanged ``nn.Module`` into pipeline stages that keep the original names.
+
+How it works: the model is traced once with ``torch.export`` (non-strict, training
+IR) on one example microbatch, giving every ATen operation eager mode runs, in
+execution order, each tagged with the modules it ran inside, and every parameter
+and buffer with its original name. A cut "before module X" starts a stage at X's
+first operation; values still needed later (skip connections, ``labels``,
+``attention_mask``) are passed through the stages in between, so stage i only ever
+talks to stage i+1. Each stage runs exactly the operations the unsplit model runs,
+so outputs and gradients are bitwise equal to it (``run_sequential`` checks this).
+
+Limits of tracing (all reported with the module and source line that failed):
+
+* shapes and non-tensor inputs are fixed to the example microbatch's (stage 0
+  raises ``SpecMismatchError`` on anything else: split again for another shape);
+* Python branching on tensor values (``if x.sum() > 0``, ``.item()``) cannot be traced;
+* outputs must be tensors, plain values and pytrees of them (tuple, list, dict,
+  Hugging Face ``ModelOutput``): pass ``use_cache=False`` to Hugging Face models;
+* ops that pick a kernel from the device at trace time (a dropout traced on cpu
+  and run on cuda) may then differ from eager on the other device; a model traced
+  on the meta device has its recorded devices rewritten to the stage's device;
+* ``unsplittable`` only keeps cuts out of a module; it does not change tracing.
+
+Example:
+    >>> import torch
+    >>> import conveyor.frontend as frontend
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    >>> x = torch.randn(2, 8)
+    >>> plan = frontend.split_model(model, 2, example_args=(x,))
+    >>> out = frontend.run_sequential(plan.stage_modules(), (x,))
+    >>> torch.equal(out, model(x))
+    True
+"""
+
+from conveyor.frontend.errors import SplitError, TracingError
+from conveyor.frontend.plan import SPLIT_METHODS, SplitPlan, TiedParameter, split_model
+from conveyor.frontend.profile import profile_stages
+from conveyor.frontend.sequential import run_sequential
+from conveyor.frontend.stage import StageModule, ValueSpec
+
+__all__ = [
+    "SPLIT_METHODS",
+    "SplitError",
+    "SplitPlan",
+    "StageModule",
+    "TiedParameter",
+    "TracingError",
+    "ValueSpec",
+    "profile_stages",
+    "run_sequential",
+    "split_model",
+]

@@ -1,0 +1,580 @@
+"""``split_model``: trace a model once, decide the cuts, and describe every stage.
+
+The plan is cheap to hold: it keeps the traced graph and, per stage, which slice
+of it to run and which tensors it needs. Stage modules are built on demand, one
+stage at a time (``SplitPlan.stage_module``), so each rank allocates only its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from conveyor.frontend.balance import partition
+from conveyor.frontend.errors import SplitError
+from conveyor.frontend.materialize import copy_tensor, materialize, named_tensors
+from conveyor.frontend.stage import (
+    StageModule,
+    StageRecipe,
+    StageTensor,
+    ValueSpec,
+    build_graph,
+    build_recipes,
+)
+from conveyor.frontend.trace import TracedModel, model_device, trace_model
+from conveyor.frontend.units import (
+    ModuleSpans,
+    Unit,
+    check_unsplittable_names,
+    find_units,
+    resolve_split_points,
+)
+
+logger = logging.getLogger(__name__)
+
+SPLIT_METHODS = ("uniform", "parameters", "time", "type:<regex>")
+
+
+@dataclass(frozen=True, slots=True)
+class TiedParameter:
+    """A parameter that several stages hold a copy of.
+
+    ``names``: every name the model's ``state_dict`` has for it (GPT-2:
+    ``transformer.wte.weight`` and ``lm_head.weight``). ``uses``: ``(stage, name)``
+    pairs, the name under which each stage holds its copy. The pipeline keeps the
+    copies equal by summing their gradients before the optimizer step.
+    """
+
+    names: tuple[str, ...]
+    uses: tuple[tuple[int, str], ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(sorted({stage for stage, _ in self.uses}))
+
+    def name_in_stage(self, stage: int) -> str:
+        """The name under which ``stage`` holds this parameter."""
+        for used_stage, name in self.uses:
+            if used_stage == stage:
+                return name
+        raise KeyError(
+            f"stage {stage} does not hold {self.names[0]} (held by stages {self.stages})"
+        )
+
+
+class SplitPlan:
+    """The result of ``split_model``: how a model is cut, and how to build each stage.
+
+    Attributes:
+        num_stages: number of stages.
+        split_points: for each stage after the first, the module it starts with.
+        stage_weights: per stage, the sum of the balancing weights (blocks,
+            parameters, seconds, or matching modules; ``None`` for named split points).
+        tied_groups: parameters held by several stages (see ``TiedParameter``).
+        device: default device of ``stage_module``.
+        seed: seed of the per-module initialisation of meta-device models.
+    """
+
+    def __init__(
+        self,
+        traced: TracedModel,
+        recipes: list[StageRecipe],
+        stage_tensors: list[list[StageTensor]],
+        tied_groups: tuple[TiedParameter, ...],
+        split_points: tuple[str, ...],
+        stage_weights: tuple[float, ...] | None,
+        device: torch.device,
+        seed: int,
+    ):
+        self._traced = traced
+        self._recipes = recipes
+        self._stage_tensors = stage_tensors
+        self.tied_groups = tied_groups
+        self.split_points = split_points
+        self.stage_weights = stage_weights
+        self.device = device
+        self.seed = seed
+        self._tensor_by_name = dict(named_tensors(traced.model))
+        self._tied_ids = {
+            id(self._tensor_by_name[name]) for group in tied_groups for name in group.names
+        }
+        self._shared_buffer_ids = _ids_held_by_several(stage_tensors, self._tensor_by_name)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self._recipes)
+
+    @property
+    def model(self) -> nn.Module:
+        return self._traced.model
+
+    def stage_parameter_names(self, stage: int) -> tuple[str, ...]:
+        """Names (model ``state_dict`` keys) of the parameters ``stage`` holds."""
+        return tuple(t.name for t in self._stage_tensors[stage] if t.kind == "parameter")
+
+    def stage_buffer_names(self, stage: int) -> tuple[str, ...]:
+        """Names of the buffers ``stage`` holds (non-persistent ones included)."""
+        return tuple(t.name for t in self._stage_tensors[stage] if t.kind == "buffer")
+
+    def stage_input_specs(self, stage: int) -> tuple[ValueSpec, ...]:
+        """What ``stage`` receives: the flattened model inputs (stage 0) or the previous outputs."""
+        return self._recipes[stage].input_specs
+
+    def stage_output_specs(self, stage: int) -> tuple[ValueSpec, ...]:
+        """What ``stage`` returns (flattened for the last stage)."""
+        return self._recipes[stage].output_specs
+
+    def stage_module(self, stage: int, device: torch.device | str | None = None) -> StageModule:
+        """Build the module of ``stage`` only, on ``device`` (default: ``self.device``).
+
+        Tensors follow ``conveyor.frontend.materialize``: the model's own tensors where
+        possible, copies for tied ones, fresh initialised ones for a meta model.
+
+        Example:
+            >>> import conveyor.frontend as frontend
+            >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+            >>> plan = frontend.split_model(model, 2, example_args=(torch.randn(3, 4),))
+            >>> plan.stage_module(1)(*plan.stage_module(0)(torch.randn(3, 4))).shape
+            torch.Size([3, 2])
+        """
+        if not 0 <= stage < self.num_stages:
+            raise SplitError(f"stage must be in [0, {self.num_stages}); got {stage}")
+        device = torch.device(device) if device is not None else self.device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        recipe = self._recipes[stage]
+        tensors = self._resolve_tensors(stage, device)
+        device_map = (
+            {} if self._traced.trace_device == device else {self._traced.trace_device: device}
+        )
+        graph, submodules = build_graph(recipe, self._traced, device_map)
+        return StageModule(
+            recipe,
+            graph,
+            tensors,
+            submodules,
+            self._traced.example,
+            self._traced.in_spec,
+            self._traced.out_spec,
+        )
+
+    def stage_modules(self, device: torch.device | str | None = None) -> list[StageModule]:
+        """Every stage's module, for running them all in one process (tests, debugging)."""
+        return [self.stage_module(stage, device) for stage in range(self.num_stages)]
+
+    def _resolve_tensors(
+        self, stage: int, device: torch.device
+    ) -> dict[str, tuple[torch.Tensor, bool]]:
+        resolved: dict[str, tuple[torch.Tensor, bool]] = {}
+        copies: dict[int, torch.Tensor] = {}
+        on_meta: list[StageTensor] = []
+        for tensor_spec in self._stage_tensors[stage]:
+            if tensor_spec.kind == "constant":
+                value = self._traced.exported.constants[tensor_spec.source]
+                if value.device.type == "meta":
+                    raise SplitError(
+                        f"constant tensor {tensor_spec.source!r} was created on the meta device, so "
+                        "its value is unknown; register it as a buffer set in reset_parameters(), "
+                        "or build the model on a real device."
+                    )
+                resolved[tensor_spec.name] = (value.detach().to(device, copy=True), False)
+                continue
+            tensor = self._tensor_by_name[tensor_spec.source]
+            if tensor.device.type == "meta":
+                on_meta.append(tensor_spec)
+                continue
+            shared = id(tensor) in self._tied_ids or id(tensor) in self._shared_buffer_ids
+            if shared or tensor.device != device:
+                if id(tensor) not in copies:
+                    copies[id(tensor)] = copy_tensor(tensor, device)
+                tensor = copies[id(tensor)]
+            resolved[tensor_spec.name] = (tensor, tensor_spec.persistent)
+        if on_meta:
+            made = materialize(self.model, [spec.source for spec in on_meta], device, self.seed)
+            for tensor_spec in on_meta:
+                resolved[tensor_spec.name] = (made[tensor_spec.source], tensor_spec.persistent)
+        return resolved
+
+    def describe(self) -> str:
+        """A short table: per stage, where it starts, its parameters, what it sends on."""
+        lines = []
+        for stage in range(self.num_stages):
+            start = "<model inputs>" if stage == 0 else self.split_points[stage - 1]
+            numel = sum(
+                self._tensor_by_name[name].numel() for name in self.stage_parameter_names(stage)
+            )
+            sends = ", ".join(spec.describe() for spec in self.stage_output_specs(stage))
+            weight = (
+                "" if self.stage_weights is None else f" weight {self.stage_weights[stage]:.4g}"
+            )
+            lines.append(
+                f"stage {stage}: from {start}; {numel:,} parameters{weight}; returns {sends}"
+            )
+        for group in self.tied_groups:
+            lines.append(f"tied: {' = '.join(group.names)} on stages {list(group.stages)}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"SplitPlan(num_stages={self.num_stages}, split_points={list(self.split_points)})"
+
+
+def _ids_held_by_several(
+    stage_tensors: list[list[StageTensor]], by_name: Mapping[str, torch.Tensor]
+) -> set[int]:
+    holders: dict[int, set[int]] = {}
+    for stage, tensors in enumerate(stage_tensors):
+        for tensor_spec in tensors:
+            if tensor_spec.kind != "constant":
+                holders.setdefault(id(by_name[tensor_spec.source]), set()).add(stage)
+    return {tensor_id for tensor_id, stages in holders.items() if len(stages) > 1}
+
+
+def split_model(
+    model: nn.Module,
+    num_stages: int,
+    *,
+    example_args: Sequence[Any] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    split_points: Sequence[str] | None = None,
+    split_method: str = "parameters",
+    unsplittable: Iterable[str] | None = None,
+    device: torch.device | str | None = None,
+) -> SplitPlan:
+    """Trace ``model`` (unchanged) on one example microbatch and cut it into stages.
+
+    Args:
+        model: any ``nn.Module``, on a real device or on the meta device.
+        num_stages: number of stages.
+        example_args, example_kwargs: ONE microbatch, as the model's forward takes it.
+        split_points: ``num_stages - 1`` module paths to start stages 1.. with
+            (``"model.layers.4"``); if given, ``split_method`` is not used.
+        split_method: ``"uniform"`` (equal number of repeated blocks per stage),
+            ``"parameters"`` (balance parameter counts), ``"time"`` (balance the
+            forward+backward time of each unit, measured on ``device`` first), or
+            ``"type:<regex>"`` (balance the number of modules whose class name matches).
+        unsplittable: module paths never cut inside.
+        device: where ``"time"`` profiles and where stages are built by default
+            (default: the model's device, or cpu for a meta-device model).
+
+    Example:
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        >>> plan = split_model(model, 2, example_args=(torch.randn(2, 8),))
+        >>> plan.split_points
+        ('2',)
+        >>> plan.stage_parameter_names(1)
+        ('2.weight', '2.bias', '3.weight', '3.bias')
+    """
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise SplitError(f"num_stages must be a positive int; got {num_stages!r}")
+    unsplittable = check_unsplittable_names(model, unsplittable or ())
+    seed = torch.initial_seed()
+    traced = trace_model(model, example_args, example_kwargs)
+    spans = ModuleSpans(traced)
+    default_device = torch.device(device) if device is not None else model_device(model)
+    if default_device.type == "meta":
+        default_device = torch.device("cpu")
+
+    if split_points is not None:
+        names = list(split_points)
+        if len(names) != num_stages - 1:
+            raise SplitError(
+                f"{num_stages} stages need {num_stages - 1} split points (the modules that start "
+                f"stages 1..{num_stages - 1}); got {len(names)}: {names}"
+            )
+        positions = resolve_split_points(model, spans, names, unsplittable)
+        return _make_plan(traced, positions, tuple(names), None, default_device, seed, num_stages)
+
+    units = find_units(model, spans, unsplittable)
+    if not units:
+        units = [Unit("", type(model).__name__, 0, False)]
+    starts = [0] + [unit.start for unit in units[1:]]
+    weights = _unit_weights(split_method, traced, units, starts, spans, model, num_stages)
+    if weights is None:  # "time": profile every unit on its own first
+        unit_plan = _make_plan(
+            traced,
+            starts[1:],
+            tuple(u.name for u in units[1:]),
+            None,
+            default_device,
+            seed,
+            len(units),
+        )
+        from conveyor.frontend.profile import profile_stages
+
+        weights = profile_stages(unit_plan, example_args, example_kwargs, default_device)
+        logger.info("measured unit costs (s): %s", dict(zip((u.name for u in units), weights)))
+    cut_allowed = [
+        weights[j] > 0 and not any(spans.cuts_inside(starts[j], name) for name in unsplittable)
+        for j in range(len(units))
+    ]
+    if num_stages - 1 > sum(cut_allowed[1:]):
+        allowed = [units[j].name for j in range(1, len(units)) if cut_allowed[j]]
+        raise SplitError(
+            f"cannot split {type(model).__name__} into {num_stages} stages with split_method="
+            f"{split_method!r}: only {len(allowed)} unit(s) can start a stage ({_short_list(allowed)}), "
+            f"so at most {len(allowed) + 1} stages. Use fewer stages, or pass split_points naming finer "
+            "modules (any path in model.named_modules(), e.g. inside a block)."
+        )
+    cuts = partition(weights, num_stages, cut_allowed)
+    bounds = [0, *cuts, len(units)]
+    stage_weights = tuple(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+    return _make_plan(
+        traced,
+        [starts[j] for j in cuts],
+        tuple(units[j].name for j in cuts),
+        stage_weights,
+        default_device,
+        seed,
+        num_stages,
+    )
+
+
+def _short_list(names: list[str], limit: int = 8) -> str:
+    if len(names) <= limit:
+        return ", ".join(names) or "none"
+    return ", ".join(names[:limit]) + f", ... ({len(names)} in all)"
+
+
+def _unit_weights(
+    method: str,
+    traced: TracedModel,
+    units: list[Unit],
+    starts: list[int],
+    spans: ModuleSpans,
+    model: nn.Module,
+    num_stages: int,
+) -> list[float] | None:
+    ends = [*starts[1:], len(traced.nodes)]
+    if method == "uniform":
+        if any(unit.is_block for unit in units):
+            return [1.0 if unit.is_block else 0.0 for unit in units]
+        return [1.0] * len(units)
+    if method == "parameters":
+        by_name = dict(named_tensors(model))
+        weights = []
+        for start, end in zip(starts, ends):
+            seen: dict[int, int] = {}
+            for node in traced.nodes[start:end]:
+                for source in node.all_input_nodes:
+                    state = traced.state_inputs.get(source.name)
+                    if state is not None and state.kind == "parameter":
+                        tensor = by_name[state.target]
+                        seen[id(tensor)] = tensor.numel()
+            weights.append(float(sum(seen.values())))
+        return weights
+    if method == "time":
+        return None
+    if method.startswith("type:"):
+        try:
+            pattern = re.compile(method[len("type:") :])
+        except re.error as error:
+            raise SplitError(
+                f"split_method {method!r}: bad regular expression ({error})"
+            ) from error
+        weights = [0.0] * len(units)
+        matched = 0
+        for name, module in model.named_modules():
+            if name and pattern.search(type(module).__name__) and spans.ran(name):
+                first = spans.first[name]
+                index = max(j for j, start in enumerate(starts) if start <= first)
+                weights[index] += 1.0
+                matched += 1
+        if matched == 0:
+            classes = sorted(
+                {type(m).__name__ for n, m in model.named_modules() if n and spans.ran(n)}
+            )
+            raise SplitError(
+                f"split_method {method!r}: no module class matches; classes that ran: {_short_list(classes, 12)}"
+            )
+        return weights
+    raise SplitError(f"split_method must be one of {', '.join(SPLIT_METHODS)}; got {method!r}")
+
+
+def _make_plan(
+    traced: TracedModel,
+    positions: Sequence[int],
+    split_points: tuple[str, ...],
+    stage_weights: tuple[float, ...] | None,
+    device: torch.device,
+    seed: int,
+    num_stages: int,
+) -> SplitPlan:
+    stage_of_node = []
+    boundary = 0
+    for index in range(len(traced.nodes)):
+        while boundary < len(positions) and positions[boundary] <= index:
+            boundary += 1
+        stage_of_node.append(boundary)
+    recipes = build_recipes(traced, stage_of_node, num_stages)
+    stage_tensors, tied_groups = _assign_tensors(traced, recipes)
+    plan = SplitPlan(
+        traced, recipes, stage_tensors, tied_groups, split_points, stage_weights, device, seed
+    )
+    _dry_run(plan)
+    return plan
+
+
+def _assign_tensors(
+    traced: TracedModel, recipes: list[StageRecipe]
+) -> tuple[list[list[StageTensor]], tuple[TiedParameter, ...]]:
+    """Each stage's tensors (those its operations read, plus unused ones placed nearby)."""
+    model = traced.model
+    all_names = list(named_tensors(model))
+    by_name = dict(all_names)
+    order = {name: index for index, (name, _) in enumerate(all_names)}
+    holders: dict[int, set[int]] = {}
+    uses: dict[int, set[tuple[int, str]]] = {}
+    stage_tensors: list[list[StageTensor]] = []
+    for recipe in recipes:
+        tensors = sorted(
+            [*recipe.tensors.values(), *recipe.extra_tensors],
+            key=lambda t: (order.get(t.source, len(order)), t.name),
+        )
+        stage_tensors.append(tensors)
+        for tensor_spec in tensors:
+            if tensor_spec.kind == "constant":
+                continue
+            tensor_id = id(by_name[tensor_spec.source])
+            holders.setdefault(tensor_id, set()).add(recipe.stage)
+            uses.setdefault(tensor_id, set()).add((recipe.stage, tensor_spec.name))
+
+    # Tensors no operation reads (unused modules, BatchNorm's counter in eval mode)
+    # still belong to some stage: the one where their module (or its nearest
+    # ancestor that ran) starts, else the stage of the tensor before them.
+    spans = ModuleSpans(traced)
+    stage_of_position = _stage_starts(recipes, traced)
+    non_persistent = {
+        f"{module_name}.{buffer}" if module_name else buffer
+        for module_name, module in model.named_modules(remove_duplicate=False)
+        for buffer in module._non_persistent_buffers_set
+    }
+    previous_stage = 0
+    for name, tensor in all_names:
+        if id(tensor) in holders:
+            previous_stage = min(holders[id(tensor)])
+            continue
+        stage = previous_stage
+        owner = name.rpartition(".")[0]
+        while owner:
+            if spans.ran(owner):
+                stage = stage_of_position(spans.first[owner])
+                break
+            owner = owner.rpartition(".")[0]
+        kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
+        stage_tensors[stage].append(StageTensor(name, kind, name, name not in non_persistent))
+        holders[id(tensor)] = {stage}
+        previous_stage = stage
+    for tensors in stage_tensors:
+        tensors.sort(key=lambda t: (order.get(t.source, len(order)), t.name))
+
+    missing = [name for name, tensor in all_names if id(tensor) not in holders]
+    if missing:  # cannot happen by construction; a dropped layer must never go unnoticed
+        raise SplitError(f"internal error: tensors on no stage: {missing}")
+
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in all_names:
+        names_of.setdefault(id(tensor), []).append(name)
+    tied = []
+    for _name, tensor in model.named_parameters():
+        stages_using = holders[id(tensor)]
+        if len(stages_using) > 1:
+            tied.append(TiedParameter(tuple(names_of[id(tensor)]), tuple(sorted(uses[id(tensor)]))))
+    return stage_tensors, tuple(tied)
+
+
+def _stage_starts(recipes: list[StageRecipe], traced: TracedModel):
+    index_of = {node: index for index, node in enumerate(traced.nodes)}
+    firsts = [min((index_of[n] for n in recipe.nodes), default=None) for recipe in recipes]
+
+    def stage_of_position(position: int) -> int:
+        stage = 0
+        for candidate, first in enumerate(firsts):
+            if first is not None and first <= position:
+                stage = candidate
+        return stage
+
+    return stage_of_position
+
+
+def _dry_run(plan: SplitPlan) -> None:
+    """Run every stage on meta tensors: checks the cut and records the boundary specs."""
+    traced = plan._traced
+    meta = torch.device("meta")
+    meta_copies: dict[int, torch.Tensor] = {}
+
+    def as_meta(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in meta_copies:
+            data = torch.empty_like(tensor, device=meta)
+            if isinstance(tensor, nn.Parameter):
+                data = nn.Parameter(data, requires_grad=tensor.requires_grad)
+            meta_copies[id(tensor)] = data
+        return meta_copies[id(tensor)]
+
+    flat_inputs = [
+        torch.empty(leaf.shape, dtype=leaf.dtype, device=meta) if leaf.is_tensor else leaf.value
+        for leaf in traced.example
+    ]
+    plan._recipes[0].input_specs = tuple(
+        ValueSpec(leaf.name, leaf.shape, leaf.dtype, False, leaf.value) for leaf in traced.example
+    )
+    values: Any = pytree.tree_unflatten(flat_inputs, traced.in_spec)
+    device_map = {} if traced.trace_device == meta else {traced.trace_device: meta}
+    for recipe in plan._recipes:
+        tensors = {}
+        for tensor_spec in plan._stage_tensors[recipe.stage]:
+            if tensor_spec.kind == "constant":
+                source = traced.exported.constants[tensor_spec.source]
+            else:
+                source = plan._tensor_by_name[tensor_spec.source]
+            tensors[tensor_spec.name] = (as_meta(source), tensor_spec.persistent)
+        graph, submodules = build_graph(recipe, traced, device_map)
+        module = StageModule(
+            recipe,
+            graph,
+            tensors,
+            submodules,
+            traced.example,
+            traced.in_spec,
+            traced.out_spec,
+            check_inputs=False,
+        )
+        try:
+            if recipe.is_first:
+                args, kwargs = values
+                outputs = module(*args, **kwargs)
+            else:
+                outputs = module(*values)
+        except Exception as error:
+            raise SplitError(
+                f"stage {recipe.stage} failed on meta tensors while checking the split "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+                "Try other split points, or build the stages by hand."
+            ) from error
+        flat_outputs = pytree.tree_leaves(outputs) if recipe.is_last else list(outputs)
+        names = [getattr(value, "name", f"output_{i}") for i, value in enumerate(recipe.outputs)]
+        if recipe.is_last:
+            names = [f"output_{i}" for i in range(len(flat_outputs))]
+        recipe.output_specs = tuple(_spec(name, value) for name, value in zip(names, flat_outputs))
+        if not recipe.is_last:
+            values = tuple(_as_received(value) for value in outputs)
+            plan._recipes[recipe.stage + 1].input_specs = recipe.output_specs
+
+
+def _spec(name: str, value: Any) -> ValueSpec:
+    if isinstance(value, torch.Tensor):
+        return ValueSpec(name, tuple(value.shape), value.dtype, value.requires_grad)
+    return ValueSpec(name, None, None, False, value)
+
+
+def _as_received(value: Any) -> Any:
+    """A value as the next stage receives it: a leaf that requires grad iff the sent one did."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value

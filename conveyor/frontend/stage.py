@@ -1,0 +1,475 @@
+"""Stage graphs cut from the traced model, and the module that runs one of them.
+
+A stage is a slice of the traced operations (in execution order) plus:
+
+* its inputs: the model's own flattened inputs (stage 0), or exactly the previous
+  stage's outputs (stage i > 0);
+* its outputs: every value made on this stage or earlier that a later stage, or the
+  model's result, still needs (skip connections and late inputs such as labels pass
+  through the stages in between), or, on the last stage, the model's own output;
+* the parameters, buffers and constants its operations read, registered on the
+  ``StageModule`` under their original names, so ``state_dict()`` keys are the
+  model's own keys.
+"""
+
+from __future__ import annotations
+
+import copy
+import linecache
+import operator
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from conveyor.errors import SpecMismatchError
+from conveyor.frontend.trace import ExampleLeaf, StateInput, TracedModel
+
+# Attribute names on a StageModule that can never clash with a model's module names.
+_SUBGRAPH_PREFIX = "_conveyor_subgraph_"
+_CONSTANT_PREFIX = "_conveyor_constants"
+
+
+@dataclass(frozen=True, slots=True)
+class ValueSpec:
+    """One value crossing a stage boundary (or entering stage 0).
+
+    ``shape`` and ``dtype`` are ``None`` for a non-tensor value, whose ``value`` is then
+    kept. ``requires_grad`` says whether the producing stage's tensor requires grad,
+    i.e. whether a gradient for it comes back in the backward pass.
+    """
+
+    name: str
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    requires_grad: bool = False
+    value: Any = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.shape is not None
+
+    def describe(self) -> str:
+        if not self.is_tensor:
+            return f"{self.name}={self.value!r}"
+        grad = ", grad" if self.requires_grad else ""
+        return f"{self.name}: {list(self.shape)} {str(self.dtype).removeprefix('torch.')}{grad}"
+
+
+@dataclass(frozen=True, slots=True)
+class StageTensor:
+    """A tensor a stage holds: ``name`` on the stage module, ``source`` in the model."""
+
+    name: str
+    kind: str  # "parameter", "buffer" or "constant"
+    source: str
+    persistent: bool
+
+
+class StageRecipe:
+    """What one stage runs, as references into the traced graph (built once per plan).
+
+    ``inputs`` are traced nodes in placeholder order; ``outputs`` are traced nodes
+    (or literal values, on the last stage) in output order.
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        num_stages: int,
+        nodes: list[fx.Node],
+        inputs: list[fx.Node],
+        outputs: list[Any],
+        tensors: dict[str, StageTensor],
+        subgraphs: dict[str, str],
+    ):
+        self.stage = stage
+        self.num_stages = num_stages
+        self.nodes = nodes
+        self.inputs = inputs
+        self.outputs = outputs
+        self.tensors = tensors  # placeholder name in the traced graph -> tensor
+        self.subgraphs = subgraphs  # get_attr node name in the traced graph -> attribute name
+        # Other names of tensors in ``tensors`` (a tied tensor read under two names).
+        self.extra_tensors: list[StageTensor] = []
+        self.input_specs: tuple[ValueSpec, ...] = ()
+        self.output_specs: tuple[ValueSpec, ...] = ()
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def _name_for_use(traced: TracedModel, placeholder: str, module_paths: tuple[str, ...]) -> str:
+    """The name of a (possibly tied) tensor that belongs to the module reading it.
+
+    torch.export gives a tied tensor one placeholder; GPT-2's embedding lookup in
+    ``transformer.wte`` should still hold it as ``transformer.wte.weight`` and the
+    head as ``lm_head.weight``.
+    """
+    state = traced.state_inputs[placeholder]
+    if state.kind == "constant":
+        return state.target
+    names = traced.aliases.get(state.target, (state.target,))
+    for path in reversed(module_paths):
+        for name in names:
+            if name.rpartition(".")[0] == path:
+                return name
+    return state.target
+
+
+def _tensor_for(traced: TracedModel, placeholder: str, name: str) -> StageTensor:
+    state: StateInput = traced.state_inputs[placeholder]
+    if state.kind != "constant":
+        return StageTensor(name, state.kind, name, state.persistent)
+    # A plain tensor attribute of a module keeps its path; a constant created inside
+    # forward (torch.export names it "lifted_tensor_0") goes under a reserved name.
+    owner, _, attribute = state.target.rpartition(".")
+    try:
+        exists = hasattr(traced.model.get_submodule(owner), attribute)
+    except AttributeError:
+        exists = False
+    name = state.target if exists else f"{_CONSTANT_PREFIX}.{state.target.replace('.', '_')}"
+    return StageTensor(name, "constant", state.target, False)
+
+
+def build_recipes(
+    traced: TracedModel, stage_of_node: Sequence[int], num_stages: int
+) -> list[StageRecipe]:
+    """Cut the traced graph: ``stage_of_node[i]`` is the stage of ``traced.nodes[i]``.
+
+    Stages must be non-decreasing along the nodes. ``getitem`` nodes are moved to the
+    stage of the node they read, so a tuple-valued result never crosses a boundary.
+    """
+    index_of = {node: index for index, node in enumerate(traced.nodes)}
+    stage_of: dict[fx.Node, int] = {}
+    for node, stage in zip(traced.nodes, stage_of_node):
+        if node.target is operator.getitem and node.args[0] in index_of:
+            stage = stage_of[node.args[0]]
+        stage_of[node] = stage
+    for node in traced.user_inputs:
+        stage_of[node] = 0
+
+    # last_use[v]: the last stage that reads value v (the last stage for model outputs).
+    last_use: dict[fx.Node, int] = {node: 0 for node in traced.user_inputs}
+    for node in traced.nodes:
+        for source in node.all_input_nodes:
+            if source in stage_of:
+                last_use[source] = max(last_use.get(source, 0), stage_of[node])
+    for value in pytree.tree_leaves(traced.outputs):
+        if isinstance(value, fx.Node):
+            last_use[value] = num_stages - 1
+
+    ordered_values = [*traced.user_inputs, *traced.nodes]
+    recipes = []
+    nodes_of: list[list[fx.Node]] = [[] for _ in range(num_stages)]
+    for node in traced.nodes:
+        nodes_of[stage_of[node]].append(node)
+    previous_outputs: list[fx.Node] = list(traced.user_inputs)
+    for stage in range(num_stages):
+        nodes = sorted(nodes_of[stage], key=index_of.__getitem__)
+        tensors: dict[str, StageTensor] = {}
+        subgraphs: dict[str, str] = {}
+        extra_names: dict[str, StageTensor] = {}
+        for node in nodes:
+            for source in node.all_input_nodes:
+                if source.op == "placeholder" and source.name in traced.state_inputs:
+                    name = _name_for_use(traced, source.name, traced.module_paths[index_of[node]])
+                    primary = tensors.setdefault(
+                        source.name, _tensor_for(traced, source.name, name)
+                    )
+                    if name != primary.name:
+                        extra_names.setdefault(
+                            name, StageTensor(name, primary.kind, name, primary.persistent)
+                        )
+                elif source.op == "get_attr":
+                    subgraphs.setdefault(source.name, f"{_SUBGRAPH_PREFIX}{source.target}")
+        if stage == num_stages - 1:
+            outputs: list[Any] = list(traced.outputs)
+        else:
+            outputs = [
+                value
+                for value in ordered_values
+                if value in stage_of and stage_of[value] <= stage < last_use.get(value, -1)
+            ]
+        recipe = StageRecipe(
+            stage, num_stages, nodes, previous_outputs, outputs, tensors, subgraphs
+        )
+        recipe.extra_tensors = list(extra_names.values())
+        recipes.append(recipe)
+        previous_outputs = outputs
+    return recipes
+
+
+def _map_devices(value: Any, device_map: dict[torch.device, torch.device]) -> Any:
+    if isinstance(value, torch.device):
+        return device_map.get(value, value)
+    if isinstance(value, tuple | list):
+        return type(value)(_map_devices(item, device_map) for item in value)
+    if isinstance(value, dict):
+        return {key: _map_devices(item, device_map) for key, item in value.items()}
+    return value
+
+
+def _rewrite_devices(graph: fx.Graph, device_map: dict[torch.device, torch.device]) -> None:
+    if not device_map:
+        return
+    for node in graph.nodes:
+        node.args = _map_devices(node.args, device_map)
+        node.kwargs = _map_devices(node.kwargs, device_map)
+
+
+def _clone_inputs_mutated_in_place(graph: fx.Graph) -> None:
+    # A received activation is a leaf that requires grad; autograd forbids in-place
+    # updates of such leaves (e.g. ReLU(inplace=True) right after a cut). A clone
+    # keeps the values and the gradients bitwise equal, at the cost of one copy.
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    for placeholder in placeholders:
+        mutated = False
+        for user in placeholder.users:
+            schema = getattr(user.target, "_schema", None)
+            if schema is None:
+                continue
+            for argument, value in zip(schema.arguments, user.args):
+                if (
+                    value is placeholder
+                    and argument.alias_info is not None
+                    and argument.alias_info.is_write
+                ):
+                    mutated = True
+        if not mutated:
+            continue
+        with graph.inserting_after(placeholders[-1]):
+            clone = graph.call_function(torch.ops.aten.clone.default, (placeholder,))
+        placeholder.replace_all_uses_with(
+            clone, delete_user_cb=lambda user, clone=clone: user is not clone
+        )
+
+
+def build_graph(
+    recipe: StageRecipe, traced: TracedModel, device_map: dict[torch.device, torch.device]
+) -> tuple[fx.Graph, dict[str, nn.Module]]:
+    """A fresh fx graph for ``recipe`` and the nested graph modules it loads."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in recipe.inputs:
+        env[node] = graph.placeholder(node.name)
+    by_name = {node.name: node for node in traced.exported.graph_module.graph.nodes}
+    for placeholder, tensor in recipe.tensors.items():
+        env[by_name[placeholder]] = graph.get_attr(tensor.name)
+    submodules: dict[str, nn.Module] = {}
+    for node_name, attribute in recipe.subgraphs.items():
+        env[by_name[node_name]] = graph.get_attr(attribute)
+        subgraph = copy.deepcopy(traced.subgraphs[node_name])
+        for module in subgraph.modules():
+            if isinstance(module, fx.GraphModule):
+                _rewrite_devices(module.graph, device_map)
+                module.recompile()
+        submodules[attribute] = subgraph
+    for node in recipe.nodes:
+        env[node] = graph.node_copy(node, lambda source: env[source])
+    result = tuple(fx.node.map_arg(value, lambda source: env[source]) for value in recipe.outputs)
+    graph.output(result)
+    _rewrite_devices(graph, device_map)
+    if not recipe.is_first:
+        _clone_inputs_mutated_in_place(graph)
+    graph.lint()
+    return graph, submodules
+
+
+class _Container(nn.Module):
+    """Holds a stage's tensors at their original path (``model.layers.0.mlp``...)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "a container inside a StageModule only holds tensors; call the StageModule"
+        )
+
+
+def _register(root: nn.Module, path: str, tensor: torch.Tensor, persistent: bool) -> None:
+    *parents, leaf = path.split(".")
+    owner = root
+    for part in parents:
+        child = owner._modules.get(part)
+        if child is None:
+            child = _Container()
+            owner.add_module(part, child)
+        owner = child
+    if isinstance(tensor, nn.Parameter):
+        owner.register_parameter(leaf, tensor)
+    else:
+        owner.register_buffer(leaf, tensor, persistent=persistent)
+
+
+def _compile(graph: fx.Graph, stage: int) -> tuple[Callable[..., Any], str]:
+    python_code = graph.python_code(root_module="self")
+    source = python_code.src
+    filename = f"<conveyor stage {stage} {uuid.uuid4().hex[:8]}>"
+    # Registered so that tracebacks through a stage show its generated source lines.
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    namespace = dict(python_code.globals)
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - code generated by torch.fx
+    return namespace["forward"], source
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: runs its slice of the traced model.
+
+    Call convention: stage 0 takes the model's own arguments (one microbatch, same
+    structure, shapes and non-tensor values as the example it was split with); stage
+    ``i > 0`` takes the previous stage's output tuple unpacked. Intermediate stages
+    return a tuple; the last stage returns what the model returns.
+
+    Its parameters and buffers keep the model's names (``state_dict()`` keys are model
+    keys). ``code`` shows the generated Python source.
+
+    Example:
+        >>> import conveyor.frontend as frontend
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        >>> plan = frontend.split_model(model, 2, example_args=(torch.randn(3, 4),))
+        >>> stage = plan.stage_module(1)
+        >>> sorted(stage.state_dict())
+        ['2.bias', '2.weight']
+    """
+
+    def __init__(
+        self,
+        recipe: StageRecipe,
+        graph: fx.Graph,
+        tensors: dict[str, tuple[torch.Tensor, bool]],
+        submodules: dict[str, nn.Module],
+        example: Sequence[ExampleLeaf],
+        in_spec: pytree.TreeSpec,
+        out_spec: pytree.TreeSpec,
+        check_inputs: bool = True,
+    ):
+        super().__init__()
+        for name, (tensor, persistent) in tensors.items():
+            _register(self, name, tensor, persistent)
+        for name, module in submodules.items():
+            self.add_module(name, module)
+        self._conveyor_stage = recipe.stage
+        self._conveyor_num_stages = recipe.num_stages
+        self._conveyor_input_specs = recipe.input_specs if check_inputs else None
+        self._conveyor_example = tuple(example)
+        self._conveyor_in_spec = in_spec
+        self._conveyor_out_spec = out_spec
+        self._conveyor_run, self._conveyor_code = _compile(graph, recipe.stage)
+
+    @property
+    def stage(self) -> int:
+        return self._conveyor_stage
+
+    @property
+    def num_stages(self) -> int:
+        return self._conveyor_num_stages
+
+    @property
+    def code(self) -> str:
+        """The generated Python source of this stage's forward."""
+        return self._conveyor_code
+
+    @property
+    def input_specs(self) -> tuple[ValueSpec, ...]:
+        return self._conveyor_input_specs or ()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._conveyor_stage == 0:
+            flat = self._flatten_model_inputs(args, kwargs)
+        else:
+            if kwargs:
+                raise SpecMismatchError(
+                    f"stage {self.stage} takes the previous stage's outputs as positional arguments; "
+                    f"got keyword arguments {sorted(kwargs)}."
+                )
+            flat = args
+            self._check_received(flat)
+        outputs = self._conveyor_run(self, *flat)
+        if self._conveyor_stage == self._conveyor_num_stages - 1:
+            return pytree.tree_unflatten(list(outputs), self._conveyor_out_spec)
+        return tuple(outputs)
+
+    def _flatten_model_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        positional_spec, keyword_spec = (
+            self._conveyor_in_spec.child(0),
+            self._conveyor_in_spec.child(1),
+        )
+        expected_keys = list(keyword_spec.context)
+        if len(args) != positional_spec.num_children or set(kwargs) != set(expected_keys):
+            raise SpecMismatchError(
+                f"stage 0 was split for {positional_spec.num_children} positional argument(s) and "
+                f"keyword arguments {expected_keys}; got {len(args)} positional and {sorted(kwargs)}. "
+                "Call it with the same arguments as the example microbatch, or split again with an "
+                "example that has these arguments."
+            )
+        ordered = {key: kwargs[key] for key in expected_keys}
+        flat, spec = pytree.tree_flatten((tuple(args), ordered))
+        if spec != self._conveyor_in_spec:
+            raise SpecMismatchError(
+                f"stage 0 inputs have another structure than the example microbatch:\nexpected "
+                f"{self._conveyor_in_spec}\ngot {spec}\nPass the same structure (None stays None)."
+            )
+        if self._conveyor_input_specs is not None:
+            for leaf, value in zip(self._conveyor_example, flat):
+                _check_leaf(leaf, value)
+        return flat
+
+    def _check_received(self, values: tuple[Any, ...]) -> None:
+        specs = self._conveyor_input_specs
+        if specs is None:
+            return
+        if len(values) != len(specs):
+            raise SpecMismatchError(
+                f"stage {self.stage} expects {len(specs)} values from stage {self.stage - 1} "
+                f"({', '.join(spec.name for spec in specs)}); got {len(values)}."
+            )
+        for spec, value in zip(specs, values):
+            if spec.is_tensor and (
+                not isinstance(value, torch.Tensor)
+                or tuple(value.shape) != spec.shape
+                or value.dtype != spec.dtype
+            ):
+                got = (
+                    f"{list(value.shape)} {value.dtype}"
+                    if isinstance(value, torch.Tensor)
+                    else type(value).__name__
+                )
+                raise SpecMismatchError(
+                    f"stage {self.stage} input {spec.name!r}: expected {spec.describe()}, got {got}."
+                )
+
+    def extra_repr(self) -> str:
+        return f"stage={self.stage}, num_stages={self.num_stages}"
+
+
+def _check_leaf(leaf: ExampleLeaf, value: Any) -> None:
+    if leaf.is_tensor:
+        if (
+            isinstance(value, torch.Tensor)
+            and tuple(value.shape) == leaf.shape
+            and value.dtype == leaf.dtype
+        ):
+            return
+        got = (
+            f"tensor{list(value.shape)} {value.dtype}"
+            if isinstance(value, torch.Tensor)
+            else repr(value)
+        )
+    else:
+        if not isinstance(value, torch.Tensor) and value == leaf.value:
+            return
+        got = repr(value)
+    raise SpecMismatchError(
+        f"stage 0 input {leaf.name!r}: the model was split for {leaf.describe()}, got {got}. "
+        "Stages are specialised to the example microbatch's shapes and non-tensor values: "
+        "split with an example like this one (or pad inputs to the example's shape)."
+    )

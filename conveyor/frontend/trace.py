@@ -1,0 +1,301 @@
+"""Trace an unchanged ``nn.Module`` into one flat graph with ``torch.export``.
+
+We use ``torch.export.export(..., strict=False)``: it runs the model's Python code on
+fake tensors and records the ATen operations eager mode dispatches to (the training
+IR, not functionalised, so in-place updates such as BatchNorm's running statistics
+stay in place). Every parameter and buffer enters the graph as a placeholder whose
+original name is in the graph signature, and every operation carries
+``nn_module_stack``: the module paths it ran inside. That is all the splitter needs:
+the operations in execution order, the module each belongs to, and the names.
+
+What tracing costs, and its limits (see also ``conveyor.frontend`` docs):
+
+* Shapes and non-tensor inputs are specialised to the example microbatch. Stage 0
+  checks its inputs against the example and raises ``SpecMismatchError`` otherwise.
+* Python control flow on tensor *values* (``if x.sum() > 0``, ``.item()``,
+  ``.tolist()``) cannot be traced; the error names the module and source line.
+* Outputs must be pytrees of tensors and plain values (tuples, lists, dicts,
+  Hugging Face ``ModelOutput``). A Hugging Face KV cache is not: trace with
+  ``use_cache=False``.
+* Devices met while tracing (``torch.arange(..., device=x.device)``) are recorded as
+  constants; stages rewrite the trace device to their own device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from conveyor.frontend.errors import TracingError
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FRONTEND_DIR = os.path.dirname(__file__)
+
+
+@dataclass(frozen=True, slots=True)
+class StateInput:
+    """A graph placeholder that is not a user input: a parameter, buffer or constant.
+
+    ``target`` is the original name (``"model.layers.0.mlp.up_proj.weight"``) or, for a
+    constant created inside ``forward``, the name torch.export gave it.
+    """
+
+    kind: str  # "parameter", "buffer" or "constant"
+    target: str
+    persistent: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ExampleLeaf:
+    """One flattened leaf of the example microbatch (what stage 0 checks its inputs against)."""
+
+    name: str
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    value: Any = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.shape is not None
+
+    def describe(self) -> str:
+        if self.is_tensor:
+            return f"tensor{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+        return repr(self.value)
+
+
+class TracedModel:
+    """The exported graph of one model, read into the form the splitter uses.
+
+    Attributes:
+        exported: the ``ExportedProgram``.
+        nodes: compute nodes (``call_function``) in execution order.
+        module_paths: for each node, the module paths it ran inside, outermost first
+            (the root ``""`` left out).
+        state_inputs: placeholder name -> parameter / buffer / constant it stands for.
+        subgraphs: ``get_attr`` node name -> the nested graph module it loads
+            (bodies of higher-order ops such as ``torch.no_grad`` regions).
+        user_inputs: placeholders of the model's own (flattened) inputs.
+        example: one ``ExampleLeaf`` per user input.
+        outputs: the flat outputs (nodes or literal values), unflattened by ``out_spec``.
+        trace_device: the device the model's tensors were on while tracing.
+    """
+
+    def __init__(self, model: nn.Module, exported: ExportedProgram, trace_device: torch.device):
+        self.model = model
+        self.exported = exported
+        self.trace_device = trace_device
+        signature = exported.graph_signature
+        graph = exported.graph_module.graph
+
+        self.state_inputs: dict[str, StateInput] = {}
+        user_input_names: list[str] = []
+        for spec in signature.input_specs:
+            name = spec.arg.name
+            if spec.kind == InputKind.PARAMETER:
+                self.state_inputs[name] = StateInput("parameter", spec.target)
+            elif spec.kind == InputKind.BUFFER:
+                self.state_inputs[name] = StateInput("buffer", spec.target, bool(spec.persistent))
+            elif spec.kind == InputKind.CONSTANT_TENSOR:
+                self.state_inputs[name] = StateInput("constant", spec.target, False)
+            elif spec.kind == InputKind.USER_INPUT:
+                user_input_names.append(name)
+            else:
+                raise TracingError(
+                    f"torch.export produced an input of kind {spec.kind.name} ({name}), which conveyor "
+                    "cannot split (expected parameters, buffers, constants and user inputs). "
+                    "Build the stages by hand: pass a list of nn.Modules to conveyor.frontend.run_sequential."
+                )
+        for spec in signature.output_specs:
+            if spec.kind != OutputKind.USER_OUTPUT:
+                raise TracingError(
+                    f"torch.export produced an output of kind {spec.kind.name}: the model mutates "
+                    "one of its inputs in place, which conveyor cannot split. Return the new value "
+                    "instead of updating the input in place."
+                )
+
+        by_name = {node.name: node for node in graph.nodes}
+        self.user_inputs: list[fx.Node] = [by_name[name] for name in user_input_names]
+        self.nodes: list[fx.Node] = []
+        self.subgraphs: dict[str, fx.GraphModule] = {}
+        for node in graph.nodes:
+            if node.op == "call_function":
+                self.nodes.append(node)
+            elif node.op == "get_attr":
+                value = getattr(exported.graph_module, node.target)
+                if not isinstance(value, fx.GraphModule):
+                    raise TracingError(
+                        f"unexpected attribute {node.target!r} of type {type(value).__name__} in the "
+                        "exported graph; build the stages by hand."
+                    )
+                self.subgraphs[node.name] = value
+            elif node.op == "output":
+                self.outputs: list[Any] = list(node.args[0])
+        self.module_paths: list[tuple[str, ...]] = [_module_paths(node) for node in self.nodes]
+        self.in_spec: pytree.TreeSpec = exported.call_spec.in_spec
+        self.out_spec: pytree.TreeSpec = exported.call_spec.out_spec
+        self.example: list[ExampleLeaf] = [_example_leaf(node) for node in self.user_inputs]
+        # Every name of every tensor, for tied tensors: name -> all names, model order.
+        names_of: dict[int, list[str]] = {}
+        for tensor_name, tensor in _named_tensors(model):
+            names_of.setdefault(id(tensor), []).append(tensor_name)
+        self.aliases: dict[str, tuple[str, ...]] = {
+            name: tuple(names) for names in names_of.values() if len(names) > 1 for name in names
+        }
+
+    @property
+    def kwarg_names(self) -> list[str]:
+        """Keyword names of the example, in the order the graph expects them."""
+        kwargs_spec = self.in_spec.child(1)
+        return list(kwargs_spec.context)
+
+    @property
+    def num_positional(self) -> int:
+        return self.in_spec.child(0).num_children
+
+
+def _named_tensors(model: nn.Module):
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+def _module_paths(node: fx.Node) -> tuple[str, ...]:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for path, _type in stack.values():
+        # A module called twice is recorded as "name@1"; it is still the same module.
+        path = re.sub(r"@\d+$", "", path)
+        if path and path not in paths:
+            paths.append(path)
+    return tuple(paths)
+
+
+def _example_leaf(node: fx.Node) -> ExampleLeaf:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return ExampleLeaf(node.name, tuple(int(d) for d in value.shape), value.dtype)
+    return ExampleLeaf(node.name, None, None, value)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (cpu for a model without state)."""
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def trace_model(
+    model: nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None
+) -> TracedModel:
+    """Trace ``model`` on one example microbatch; raise ``TracingError`` naming the failure.
+
+    Example inputs on another device than a meta-device model are moved to the meta
+    device first, so a model built with ``torch.device("meta")`` can be traced with
+    ordinary example tensors.
+
+    Example:
+        >>> traced = trace_model(torch.nn.Linear(2, 3), (torch.ones(4, 2),), None)
+        >>> [leaf.describe() for leaf in traced.example]
+        ['tensor[4, 2] float32']
+    """
+    device = model_device(model)
+    args = tuple(example_args)
+    kwargs = dict(example_kwargs or {})
+    if device.type == "meta":
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    try:
+        exported = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as error:  # noqa: BLE001 - any failure is explained the same way
+        raise TracingError(explain_trace_failure(model, error)) from error
+    return TracedModel(model, exported, device)
+
+
+def explain_trace_failure(model: nn.Module, error: BaseException) -> str:
+    """A message naming the module and the source line where tracing failed, with a fix."""
+    module_names = {id(module): name for name, module in model.named_modules()}
+    module_where: tuple[str, str] | None = None
+    line_where: str | None = None
+    for exception in _exception_chain(error):
+        traceback = exception.__traceback__
+        while traceback is not None:
+            frame = traceback.tb_frame
+            owner = frame.f_locals.get("self")
+            if owner is not None and id(owner) in module_names:
+                module_where = (module_names[id(owner)], type(owner).__name__)
+            filename = frame.f_code.co_filename
+            if not filename.startswith((_TORCH_DIR, _FRONTEND_DIR)) and "<frozen" not in filename:
+                line_where = f"{filename}:{traceback.tb_lineno}: {_source_line(filename, traceback.tb_lineno)}"
+            traceback = traceback.tb_next
+        if module_where is not None:
+            break
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if len(reason) > 300:
+        reason = reason[:300] + "..."
+    lines = [f"could not trace {type(model).__name__} with torch.export, which splitting needs."]
+    if module_where is not None:
+        path, cls = module_where
+        lines.append(f"  failed in module {path or '<root>'!r} ({cls})")
+    if line_where is not None:
+        lines.append(f"  at {line_where}")
+    lines.append(f"  reason: {type(error).__name__}: {reason}")
+    lines.append("how to fix: " + _hint(error))
+    lines.append(
+        "  or build the stages by hand: any list of nn.Modules whose outputs feed the next "
+        "one works with conveyor.frontend.run_sequential and the pipeline."
+    )
+    return "\n".join(lines)
+
+
+def _exception_chain(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    # The innermost failure is the most precise about where it happened.
+    return list(reversed(chain))
+
+
+def _source_line(filename: str, lineno: int) -> str:
+    import linecache
+
+    return linecache.getline(filename, lineno).strip() or "<source unavailable>"
+
+
+def _hint(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    if "data-dependent" in text or "GuardOnDataDependent" in text or "item()" in text:
+        return (
+            "this code branches on tensor values (an `if` on a tensor, .item(), .tolist()); "
+            "compute on tensors instead (torch.where, masking), or move that decision out of "
+            "forward (pass it as a plain Python argument)."
+        )
+    if "register a pytree" in text or "not a known type" in text:
+        hint = "the model returns or takes an object that is not a tensor, tuple, list or dict; "
+        if "Cache" in text:
+            hint += (
+                "for Hugging Face models pass use_cache=False (in example_kwargs or the config); "
+            )
+        return hint + "return tensors (or register the type with torch.utils._pytree)."
+    if "numpy" in text.lower():
+        return "this code converts tensors to numpy; keep the computation in torch."
+    return (
+        "make this code traceable by torch.export (no Python logic on tensor values, no "
+        "numpy, no unsupported objects in inputs or outputs); mark a module `unsplittable` "
+        "only keeps cuts out of it, it does not change tracing."
+    )

@@ -1,0 +1,173 @@
+"""Where a traced model may be cut: module spans, splittable units, split points.
+
+A cut "before module X" starts a new stage at the first operation that ran inside X.
+Because the traced operations are in execution order, a cut anywhere in that order
+gives stages whose values only flow forward; values used further on are passed
+through the stages between.
+
+For balancing, the model is seen as a row of *units*: the repeated blocks (the
+children of the largest ``ModuleList`` / ``Sequential`` of same-class modules, e.g.
+``model.layers.0``, ``model.layers.1``, ...) and, around them, the modules on the path
+from the root to that container, taken whole (``model.embed_tokens``, ``model.norm``,
+``lm_head``). A module named ``unsplittable`` is always taken whole.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from conveyor.frontend.errors import SplitError
+from conveyor.frontend.trace import TracedModel
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """A module the balancer may start a stage with.
+
+    ``start`` is the index (in ``TracedModel.nodes``) of the first operation that ran
+    inside it; ``is_block`` says whether it is one of the repeated blocks.
+    """
+
+    name: str
+    class_name: str
+    start: int
+    is_block: bool
+
+
+class ModuleSpans:
+    """First and last operation index of every module that ran during tracing."""
+
+    def __init__(self, traced: TracedModel):
+        self.first: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        for index, paths in enumerate(traced.module_paths):
+            for path in paths:
+                self.first.setdefault(path, index)
+                self.last[path] = index
+
+    def ran(self, path: str) -> bool:
+        return path in self.first
+
+    def cuts_inside(self, position: int, module: str) -> bool:
+        """Whether starting a stage at ``position`` would cut through ``module``."""
+        return module in self.first and self.first[module] < position <= self.last[module]
+
+
+def find_block_container(model: nn.Module) -> str | None:
+    """Path of the container holding the most same-class children (the repeated blocks).
+
+    Example:
+        >>> find_block_container(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.ReLU()] * 3)))
+        '1'
+    """
+    best: tuple[int, str] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList | nn.Sequential | nn.ModuleDict):
+            continue
+        counts = Counter(type(child).__name__ for child in module.children())
+        if not counts:
+            continue
+        size = counts.most_common(1)[0][1]
+        if size >= 2 and (best is None or size > best[0]):
+            best = (size, name)
+    return None if best is None else best[1]
+
+
+def find_units(model: nn.Module, spans: ModuleSpans, unsplittable: Iterable[str]) -> list[Unit]:
+    """The units of ``model`` in execution order (modules that never ran are left out)."""
+    whole = set(unsplittable)
+    container = find_block_container(model)
+    units: list[Unit] = []
+
+    def should_expand(path: str) -> bool:
+        if path in whole:
+            return False
+        if container is None:
+            return path == ""  # no repeated blocks: the root's children are the units
+        return path == container or path == "" or container.startswith(path + ".")
+
+    def visit(path: str, module: nn.Module, is_block: bool) -> None:
+        if not should_expand(path):
+            if path and spans.ran(path):
+                units.append(Unit(path, type(module).__name__, spans.first[path], is_block))
+            return
+        for child_name, child in module.named_children():
+            child_path = f"{path}.{child_name}" if path else child_name
+            visit(child_path, child, is_block=path == container)
+
+    visit("", model, False)
+    units.sort(key=lambda unit: unit.start)
+    # Two units can start at the same operation only if one ran inside the other's
+    # span; keep the outer (first listed) one.
+    unique: list[Unit] = []
+    for unit in units:
+        if unique and unique[-1].start == unit.start:
+            continue
+        unique.append(unit)
+    return unique
+
+
+def resolve_split_points(
+    model: nn.Module, spans: ModuleSpans, names: list[str], unsplittable: Iterable[str]
+) -> list[int]:
+    """Operation indices at which the named modules start; checks order and names.
+
+    Raises ``SplitError`` for a name that is no module (listing close names), a
+    module that never ran, points out of execution order, or a cut inside an
+    ``unsplittable`` module.
+    """
+    module_names = [name for name, _ in model.named_modules() if name]
+    known = set(module_names)
+    positions = []
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, module_names, n=5, cutoff=0.6)
+            suggestion = f" Close names: {', '.join(close)}." if close else ""
+            raise SplitError(
+                f"split point {name!r} names no module of {type(model).__name__}.{suggestion} "
+                "Split points are module paths as in model.named_modules() (e.g. 'model.layers.4')."
+            )
+        if not spans.ran(name):
+            raise SplitError(
+                f"split point {name!r} is a module that never ran while tracing the example "
+                "microbatch, so there is nothing to cut before; name a module that forward calls."
+            )
+        position = spans.first[name]
+        if position == 0:
+            raise SplitError(
+                f"split point {name!r} starts at the model's first operation, so stage 0 would be "
+                "empty; name a later module."
+            )
+        for module in unsplittable:
+            if spans.cuts_inside(position, module):
+                raise SplitError(
+                    f"split point {name!r} cuts inside {module!r}, which is marked unsplittable; "
+                    f"cut before {module!r} or after it."
+                )
+        positions.append(position)
+    for (name_a, a), (name_b, b) in zip(zip(names, positions), zip(names[1:], positions[1:])):
+        if b <= a:
+            raise SplitError(
+                f"split points must follow execution order: {name_b!r} (operation {b}) does not "
+                f"start after {name_a!r} (operation {a}). Reorder them, or drop duplicates."
+            )
+    return positions
+
+
+def check_unsplittable_names(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """Validate ``unsplittable`` names the same way as split points (close names on typos)."""
+    module_names = [name for name, _ in model.named_modules() if name]
+    known = set(module_names)
+    checked = []
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, module_names, n=5, cutoff=0.6)
+            suggestion = f" Close names: {', '.join(close)}." if close else ""
+            raise SplitError(f"unsplittable module {name!r} names no module.{suggestion}")
+        checked.append(name)
+    return checked
