@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(
         repeats=args.repeats,
         warmup=args.warmup,
-        cost_repeats=max(3, args.repeats),
+        cost_repeats=max(5, args.repeats),
         step_timeout_s=args.step_timeout_s,
         libraries=tuple(n.strip() for n in args.libraries.split(",") if n.strip()),
         conveyor_options=_options(args.conveyor_option),
@@ -379,6 +379,8 @@ def _progress_line(index: int, total: int, case: lib.Case, record: dict) -> str:
 
     parts = [f"[{index}/{total}] {case.label():48s}", f"ideal {ms(record['ideal_ms'])}"]
     for name in lib.LIBRARIES:
+        if record.get(f"{name}_status") == "not run":
+            continue
         value = record.get(f"{name}_ms")
         note = (
             ""

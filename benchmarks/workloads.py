@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -345,7 +344,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 
 @dataclass(frozen=True, slots=True)
 class MeasuredCosts:
-    """Median milliseconds per microbatch of each stage's passes, measured in one process.
+    """Milliseconds per microbatch of each stage's passes, measured in one process.
 
     ``backward_weight_ms`` is full backward minus input backward: the weight part a
     runtime that walks the graph once would pay. A stage whose input takes no
@@ -386,7 +385,10 @@ def measure_stage_costs(
     """Time F, I and full B of every stage on one microbatch, in this process.
 
     Stage ``s`` is fed the output of stage ``s - 1`` (detached, requiring grad), the
-    last stage includes the loss in its forward. Medians over ``repeats``.
+    last stage includes the loss in its forward. Each pass keeps its fastest of
+    ``repeats`` runs: other work on the machine only ever adds time (a sleeping
+    block wakes late when the cores are busy), so the minimum is the best estimate
+    of the blocks' own cost.
 
     Example:
         >>> wl = Emulated(num_ranks=2, forward_ms=1, input_grad_ms=1, weight_grad_ms=1)
@@ -430,9 +432,9 @@ def measure_stage_costs(
                 f_times.append(f * 1e3)
                 i_times.append(i * 1e3)
                 b_times.append(b * 1e3)
-        forward_ms.append(statistics.median(f_times))
-        input_ms.append(statistics.median(i_times))
-        backward_ms.append(statistics.median(b_times))
+        forward_ms.append(min(f_times))
+        input_ms.append(min(i_times))
+        backward_ms.append(min(b_times))
         with torch.no_grad():
             stage_input = _as_args(module(*inputs))
     return MeasuredCosts(tuple(forward_ms), tuple(input_ms), tuple(backward_ms))
