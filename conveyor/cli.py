@@ -143,18 +143,24 @@ def run_compare(
     *,
     latency: float = 0.0,
     trace: str | Path | None = None,
+    same_model: bool = True,
 ) -> list[dict]:
     """Simulate every registered schedule for the same sizes; one row per schedule.
 
     Each schedule runs its default V, or ``virtual`` where it accepts that value.
-    A schedule that cannot serve the sizes gets a row with ``error`` holding the
-    rule it breaks instead of figures. All simulated ones are drawn into ``png``
-    on one time axis (``None`` draws nothing) and, if given, into one Chrome trace.
+    With ``same_model`` (the default) every schedule simulates the same model:
+    ``costs`` are those of 1/P of it, so a schedule with V stages per rank runs
+    each stage at ``costs / V`` and makespans compare directly;
+    ``peak_activation_share`` is the peak divided by V, in units of one
+    (1/P-model, microbatch) activation. A schedule that cannot serve the sizes
+    gets a row whose ``error`` holds the rule it breaks instead of figures. All
+    simulated ones are drawn into ``png`` on one time axis (``None`` draws
+    nothing) and, if given, into one Chrome trace.
 
     Example:
         >>> rows = run_compare(4, 8, png=None)
-        >>> [(r["schedule"], r["makespan"]) for r in rows][:2]
-        [('gpipe', 33.0), ('1f1b', 33.0)]
+        >>> [(r["schedule"], r["makespan"], r["peak_activations_max"]) for r in rows][:2]
+        [('gpipe', 33.0, 8), ('1f1b', 33.0, 4)]
     """
     import conveyor.schedule as cs
 
@@ -165,9 +171,11 @@ def run_compare(
             info.virtual_choices is None or virtual in info.virtual_choices
         )
         chosen = virtual if accepts else info.default_virtual
-        row: dict = {"schedule": name, "virtual": chosen}
+        divisor = chosen if same_model else 1
+        stage_costs = (costs[0] / divisor, costs[1] / divisor, costs[2] / divisor)
+        row: dict = {"schedule": name, "virtual": chosen, "stage_costs": list(stage_costs)}
         try:
-            timeline = simulate_one(name, ranks, microbatches, chosen, costs, latency)
+            timeline = simulate_one(name, ranks, microbatches, chosen, stage_costs, latency)
         except ConveyorError as error:
             # The rule is the first line; deadlock reports add rank-by-rank detail below it.
             row.update(
@@ -175,6 +183,7 @@ def run_compare(
                 bubble_ratio=None,
                 peak_activations=None,
                 peak_activations_max=None,
+                peak_activation_share=None,
                 error=str(error).splitlines()[0],
             )
         else:
@@ -184,6 +193,7 @@ def run_compare(
                 bubble_ratio=timeline.bubble_ratio,
                 peak_activations=peaks,
                 peak_activations_max=max(peaks),
+                peak_activation_share=max(peaks) / divisor,
                 error=None,
             )
             timelines.append(timeline)
@@ -199,53 +209,47 @@ def run_compare(
     return rows
 
 
-def format_compare_table(rows: Sequence[dict], time_unit: str = "units") -> str:
+def _number(value: float) -> str:
+    # Two decimals at most, no trailing zeros, never exponent notation: 33, 28.5, 18.67, 3261.
+    return f"{value:.2f}".rstrip("0").rstrip(".")
+
+
+def format_compare_table(rows: Sequence[dict]) -> str:
     """The rows of :func:`run_compare` as an aligned text table.
 
     Example:
         >>> print(format_compare_table([{"schedule": "1f1b", "virtual": 1, "makespan": 33.0,
-        ...     "bubble_ratio": 3 / 11, "peak_activations_max": 4, "error": None}]))
-        schedule  V  makespan  bubble  peak activations (max)
-        1f1b      1        33   27.3%                       4
+        ...     "bubble_ratio": 3 / 11, "peak_activations_max": 4,
+        ...     "peak_activation_share": 4.0, "error": None}]))
+        schedule  V  makespan  bubble  peak act.  = x model/P
+        1f1b      1        33   27.3%          4            4
     """
-    header = ("schedule", "V", "makespan", "bubble", "peak activations (max)")
-    lines = []
+    header = ("schedule", "V", "makespan", "bubble", "peak act.", "= x model/P")
+    cells = []
     for row in rows:
         if row["error"] is None:
-            lines.append(
-                (
-                    row["schedule"],
-                    str(row["virtual"]),
-                    f"{row['makespan']:g}",
-                    f"{row['bubble_ratio']:.1%}",
-                    str(row["peak_activations_max"]),
-                    "",
-                )
+            figures = (
+                _number(row["makespan"]),
+                f"{row['bubble_ratio']:.1%}",
+                str(row["peak_activations_max"]),
+                _number(row["peak_activation_share"]),
             )
+            note = ""
         else:
-            lines.append(
-                (
-                    row["schedule"],
-                    str(row["virtual"]),
-                    "-",
-                    "-",
-                    "-",
-                    f"cannot serve: {row['error']}",
-                )
-            )
-    name_width = max(len(header[0]), *(len(line[0]) for line in lines)) if lines else len(header[0])
-    widths = [name_width + 1, 2, 10, 8, len(header[4]) + 2]
-    text = [
-        f"{header[0]:<{widths[0]}}{header[1]:>{widths[1]}}{header[2]:>{widths[2]}}"
-        f"{header[3]:>{widths[3]}}{header[4]:>{widths[4]}}"
-    ]
-    for name, v, makespan, bubble, peak, note in lines:
-        line = (
-            f"{name:<{widths[0]}}{v:>{widths[1]}}{makespan:>{widths[2]}}"
-            f"{bubble:>{widths[3]}}{peak:>{widths[4]}}"
-        )
-        text.append(f"{line}  {note}" if note else line)
-    return "\n".join(text)
+            figures = ("-", "-", "-", "-")
+            note = f"cannot serve: {row['error']}"
+        cells.append((row["schedule"], str(row["virtual"]), *figures, note))
+    name_width = max([len(header[0])] + [len(c[0]) for c in cells]) + 1
+    widths = [name_width, 2, 10, 8, 11, 13]
+
+    def line(values: Sequence[str]) -> str:
+        text = f"{values[0]:<{widths[0]}}"
+        return text + "".join(f"{v:>{w}}" for v, w in zip(values[1:], widths[1:]))
+
+    out = [line(header)]
+    for *values, note in cells:
+        out.append(f"{line(values)}  {note}" if note else line(values))
+    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- commands
@@ -356,9 +360,13 @@ def _print_compare(ranks, microbatches, virtual, costs, latency, *, png, trace, 
         )
         return 0
     print(
-        f"P={ranks} ranks, M={microbatches} microbatches, costs F,B,W = {','.join(f'{c:g}' for c in costs)}"
+        f"P={ranks} ranks, M={microbatches} microbatches; costs F,B,W = "
+        f"{','.join(f'{c:g}' for c in costs)} per 1/P of the model (each of V stages per rank: costs/V)"
     )
     print(format_compare_table(rows))
+    print(
+        "peak act.: live (stage, microbatch) activations on the busiest rank; x model/P: that / V"
+    )
     if drawn:
         print(f"wrote {png}")
         if trace:

@@ -112,13 +112,15 @@ def test_compare_lists_every_schedule_and_draws_one_png(capsys, tmp_path, fussy_
     png = tmp_path / "compare.png"
     code, out, err = run(capsys, "simulate", "--compare", "-p", "4", "-m", "6", "--png", str(png))
     assert (code, err) == (0, "")
-    table = out.splitlines()
-    assert table[1].split() == ["schedule", "V", "makespan", "bubble", "peak", "activations", "(max)"]
-    rows = {line.split()[0]: line for line in table[2:] if not line.startswith("wrote")}
-    assert set(rows) == set(cs.available())
-    assert rows["1f1b"].split() == ["1f1b", "1", "27", "33.3%", "4"]
-    assert rows["gpipe"].split() == ["gpipe", "1", "27", "33.3%", "6"]
-    assert rows["fussy"].split()[:5] == ["fussy", "1", "-", "-", "-"]
+    lines = out.splitlines()
+    names = list(cs.available())
+    assert lines[1].split() == ["schedule", "V", "makespan", "bubble", "peak", "act.", "=", "x", "model/P"]
+    rows = dict(zip(names, lines[2 : 2 + len(names)]))
+    assert [line.split()[0] for line in rows.values()] == names
+    assert lines[2 + len(names)].startswith("peak act.: live (stage, microbatch) activations")
+    assert rows["1f1b"].split() == ["1f1b", "1", "27", "33.3%", "4", "4"]
+    assert rows["gpipe"].split() == ["gpipe", "1", "27", "33.3%", "6", "6"]
+    assert rows["fussy"].split()[:6] == ["fussy", "1", "-", "-", "-", "-"]
     assert rows["fussy"].endswith(
         "cannot serve: fussy needs microbatches to be a multiple of ranks, got M=6, P=4"
     )
@@ -146,6 +148,19 @@ def test_compare_json_and_run_compare(capsys, tmp_path, fussy_schedule):
         ("1f1b", 33.0, 4),
     ]
     assert all(r["error"] is None for r in rows if r["schedule"] in {"gpipe", "1f1b"})
+
+
+def test_compare_simulates_the_same_model_whatever_v():
+    """With V stages per rank each stage gets costs / V, so makespans compare directly."""
+    by_name = {r["schedule"]: r for r in run_compare(4, 8, costs=(1.0, 2.0, 1.0), png=None)}
+    interleaved = by_name["interleaved-1f1b"]
+    assert (interleaved["virtual"], interleaved["stage_costs"]) == (2, [0.5, 1.0, 0.5])
+    assert interleaved["bubble_ratio"] == pytest.approx(3 / 19)  # (P-1)/(V*M+P-1)
+    assert interleaved["makespan"] == 38.0  # (V*M + P - 1) x (F + B + W) / V
+    assert interleaved["peak_activation_share"] == interleaved["peak_activations_max"] / 2
+    assert by_name["1f1b"]["makespan"] == 44.0  # (M + P - 1) x (F + B + W)
+    raw = {r["schedule"]: r for r in run_compare(4, 8, costs=(1.0, 2.0, 1.0), png=None, same_model=False)}
+    assert raw["interleaved-1f1b"]["makespan"] == 76.0
 
 
 def test_demo_writes_out_compare_png(capsys, tmp_path, monkeypatch):
