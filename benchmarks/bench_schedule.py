@@ -71,7 +71,7 @@ def time_once(name: str, ranks: int, virtual: int, microbatches: int, lower) -> 
     cs.verify(lowered)
     times["verify"] = time.perf_counter() - start
     start = time.perf_counter()
-    timeline = cs.simulate(schedule)
+    timeline = cs.simulate(lowered)  # the programs the runtime would execute
     times["simulate"] = time.perf_counter() - start
     start = time.perf_counter()
     timeline.bubble_ratio, timeline.peak_activations()  # noqa: B018 - timed for its cost
