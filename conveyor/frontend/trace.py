@@ -145,6 +145,8 @@ class TracedModel:
             elif node.op == "output":
                 self.outputs: list[Any] = list(node.args[0])
         self.module_paths: list[tuple[str, ...]] = [_module_paths(node) for node in self.nodes]
+        for node in self.nodes:
+            _reject_data_dependent(model, node)
         self.in_spec: pytree.TreeSpec = exported.call_spec.in_spec
         self.out_spec: pytree.TreeSpec = exported.call_spec.out_spec
         self.example: list[ExampleLeaf] = [_example_leaf(node) for node in self.user_inputs]
@@ -181,6 +183,40 @@ def _module_paths(node: fx.Node) -> tuple[str, ...]:
         if path and path not in paths:
             paths.append(path)
     return tuple(paths)
+
+
+def _is_data_dependent(value: Any) -> bool:
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return True
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(size, torch.SymInt) for size in value.shape)
+    if isinstance(value, tuple | list):
+        return any(_is_data_dependent(item) for item in value)
+    return False
+
+
+def _reject_data_dependent(model: nn.Module, node: fx.Node) -> None:
+    """Stages are specialised to fixed shapes: a shape or scalar read from tensor data breaks that."""
+    if not _is_data_dependent(node.meta.get("val")):
+        return
+    stack = node.meta.get("nn_module_stack") or {}
+    path, type_name = list(stack.values())[-1] if stack else ("", type(model).__qualname__)
+    trace_lines = [
+        line.strip() for line in (node.meta.get("stack_trace") or "").strip().splitlines()
+    ]
+    where = " / ".join(trace_lines[-2:]) if trace_lines else "<source unavailable>"
+    module = re.sub(r"@\d+$", "", path) or "<root>"
+    raise TracingError(
+        f"could not split {type(model).__name__}: operation {node.target} in module "
+        f"{module!r} ({type_name.rpartition('.')[2]}) gives a value whose "
+        f"shape or content depends on tensor data ({node.meta.get('val')}).\n"
+        f"  at {where}\n"
+        "how to fix: stages need shapes known before running; keep data-dependent shapes "
+        "(boolean indexing x[mask], nonzero, .item(), .tolist()) out of forward: use torch.where "
+        "or a multiplied mask, or compute it after the model returns.\n"
+        "  or build the stages by hand: any list of nn.Modules whose outputs feed the next "
+        "one works with conveyor.frontend.run_sequential and the pipeline."
+    )
 
 
 def _example_leaf(node: fx.Node) -> ExampleLeaf:
@@ -238,7 +274,7 @@ def explain_trace_failure(model: nn.Module, error: BaseException) -> str:
             if owner is not None and id(owner) in module_names:
                 module_where = (module_names[id(owner)], type(owner).__name__)
             filename = frame.f_code.co_filename
-            if not filename.startswith((_TORCH_DIR, _FRONTEND_DIR)) and "<frozen" not in filename:
+            if not filename.startswith((_TORCH_DIR, _FRONTEND_DIR, "<")):
                 line_where = f"{filename}:{traceback.tb_lineno}: {_source_line(filename, traceback.tb_lineno)}"
             traceback = traceback.tb_next
         if module_where is not None:

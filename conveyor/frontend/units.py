@@ -6,10 +6,11 @@ gives stages whose values only flow forward; values used further on are passed
 through the stages between.
 
 For balancing, the model is seen as a row of *units*: the repeated blocks (the
-children of the largest ``ModuleList`` / ``Sequential`` of same-class modules, e.g.
-``model.layers.0``, ``model.layers.1``, ...) and, around them, the modules on the path
-from the root to that container, taken whole (``model.embed_tokens``, ``model.norm``,
-``lm_head``). A module named ``unsplittable`` is always taken whole.
+children of each outermost ``ModuleList`` / ``Sequential`` holding same-class
+modules, e.g. ``model.layers.0``, ``model.layers.1``, ...) and, around them, the
+other modules met on the way from the root to those containers, taken whole
+(``model.embed_tokens``, ``model.norm``, ``lm_head``). A module named in
+``unsplittable`` is always taken whole.
 """
 
 from __future__ import annotations
@@ -58,49 +59,66 @@ class ModuleSpans:
         return module in self.first and self.first[module] < position <= self.last[module]
 
 
-def find_block_container(model: nn.Module) -> str | None:
-    """Path of the container holding the most same-class children (the repeated blocks).
+def is_block_container(module: nn.Module) -> bool:
+    """A ``ModuleList`` / ``Sequential`` / ``ModuleDict`` holding at least two modules of one class.
 
     Example:
-        >>> find_block_container(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.ReLU()] * 3)))
-        '1'
+        >>> is_block_container(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        True
+        >>> is_block_container(nn.ModuleList([nn.Linear(2, 2), nn.ReLU()]))
+        False
     """
-    best: tuple[int, str] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList | nn.Sequential | nn.ModuleDict):
-            continue
-        counts = Counter(type(child).__name__ for child in module.children())
-        if not counts:
-            continue
-        size = counts.most_common(1)[0][1]
-        if size >= 2 and (best is None or size > best[0]):
-            best = (size, name)
-    return None if best is None else best[1]
+    if not isinstance(module, nn.ModuleList | nn.Sequential | nn.ModuleDict):
+        return False
+    counts = Counter(type(child) for child in module.children())
+    return bool(counts) and counts.most_common(1)[0][1] >= 2
 
 
 def find_units(model: nn.Module, spans: ModuleSpans, unsplittable: Iterable[str]) -> list[Unit]:
-    """The units of ``model`` in execution order (modules that never ran are left out)."""
+    """The units of ``model`` in execution order (modules that never ran are left out).
+
+    The children of every outermost block container are units (the repeated
+    blocks); modules on the path from the root to a container are opened up; any
+    other module is one unit. A model without any container is cut between the
+    root's children.
+    """
     whole = set(unsplittable)
-    container = find_block_container(model)
+    holds_container: dict[int, bool] = {}
+
+    def has_container(module: nn.Module) -> bool:
+        if id(module) not in holds_container:
+            holds_container[id(module)] = is_block_container(module) or any(
+                has_container(child) for child in module.children()
+            )
+        return holds_container[id(module)]
+
+    any_container = has_container(model)
     units: list[Unit] = []
 
-    def should_expand(path: str) -> bool:
-        if path in whole:
-            return False
-        if container is None:
-            return path == ""  # no repeated blocks: the root's children are the units
-        return path == container or path == "" or container.startswith(path + ".")
+    def add(path: str, module: nn.Module, is_block: bool) -> None:
+        if path and spans.ran(path):
+            units.append(Unit(path, type(module).__name__, spans.first[path], is_block))
 
-    def visit(path: str, module: nn.Module, is_block: bool) -> None:
-        if not should_expand(path):
-            if path and spans.ran(path):
-                units.append(Unit(path, type(module).__name__, spans.first[path], is_block))
+    def visit(path: str, module: nn.Module) -> None:
+        if path in whole:
+            add(path, module, False)
+            return
+        opened = (
+            is_block_container(module)
+            or has_container(module)
+            or (path == "" and not any_container)
+        )
+        if not opened:
+            add(path, module, False)
             return
         for child_name, child in module.named_children():
             child_path = f"{path}.{child_name}" if path else child_name
-            visit(child_path, child, is_block=path == container)
+            if is_block_container(module):
+                add(child_path, child, True)
+            else:
+                visit(child_path, child)
 
-    visit("", model, False)
+    visit("", model)
     units.sort(key=lambda unit: unit.start)
     # Two units can start at the same operation only if one ran inside the other's
     # span; keep the outer (first listed) one.

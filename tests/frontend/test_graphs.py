@@ -1,0 +1,150 @@
+"""Graphs that are not a plain chain: late meeting encoders, skip connections, odd counts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import conveyor.frontend as frontend
+
+from .models import SkipNet, Stack, TwoEncoders, two_encoder_batch
+from .parity import check_names, check_parity
+
+
+def test_two_encoders_on_different_stages_bitwise():
+    torch.manual_seed(0)
+    model = TwoEncoders()
+    batch = two_encoder_batch()
+    plan = frontend.split_model(model, 3, example_args=batch, split_points=["embed", "text.2"])
+    assert plan.stage_parameter_names(0) == (
+        "image.0.weight",
+        "image.0.bias",
+        "image.2.weight",
+        "image.2.bias",
+    )
+    assert all(
+        name.startswith(("embed.", "text.0.", "text.1.")) for name in plan.stage_parameter_names(1)
+    )
+    # The image features cross stage 1 untouched; mask and labels are inputs used late.
+    image_features = plan.stage_output_specs(0)[-1]
+    assert image_features.shape == (3, 16) and image_features.requires_grad
+    assert image_features in plan.stage_output_specs(1)
+    assert [spec.name for spec in plan.stage_output_specs(0)] == [
+        "tokens",
+        "mask",
+        "labels",
+        image_features.name,
+    ]
+    stages = check_parity(model, plan, batch, loss_fn=lambda out: out["loss"])
+    check_names(model, plan, stages)
+
+
+def test_skip_connections_train_mode_bitwise():
+    torch.manual_seed(0)
+    model = SkipNet().train()  # BatchNorm updates its statistics, Dropout draws masks
+    x = torch.randn(6, 8)
+    plan = frontend.split_model(model, 4, example_args=(x,), split_method="uniform")
+    # Blocks are down.0-2 and up.0-2; ties go to the split with lighter early stages.
+    assert plan.split_points == ("down.1", "down.2", "up.1")
+    assert plan.stage_weights == (1.0, 1.0, 2.0, 2.0)
+    # Every skip made before a cut is carried to the up block that uses it.
+    carried = [[spec.name for spec in plan.stage_output_specs(stage)] for stage in range(3)]
+    assert carried == [["relu"], ["relu", "relu_1"], ["relu", "relu_1", "add"]]
+    stages = check_parity(model, plan, (x,), loss_fn=lambda out: out[0].sum() + out[1], seed=7)
+    check_names(model, plan, stages)
+    assert torch.equal(stages[-1].get_buffer("norm.num_batches_tracked"), torch.tensor(1))
+
+
+def test_in_place_op_on_a_received_tensor():
+    torch.manual_seed(0)
+    model = SkipNet().train()
+    x = torch.randn(6, 8)
+    # middle.1 is ReLU(inplace=True): right after this cut it updates a received leaf,
+    # which autograd forbids; the stage clones it first (values and gradients unchanged).
+    plan = frontend.split_model(model, 2, example_args=(x,), split_points=["middle.1"])
+    assert "aten.clone" in plan.stage_module(1).code
+    check_parity(model, plan, (x,), loss_fn=lambda out: out[0].sum() + out[1], seed=7)
+
+
+def test_seven_layers_into_four_stages_drops_nothing():
+    model = Stack(num_layers=7)
+    x = torch.randn(2, 8)
+    for method in ("uniform", "parameters", "type:Linear"):
+        plan = frontend.split_model(model, 4, example_args=(x,), split_method=method)
+        per_stage = [len(plan.stage_parameter_names(stage)) // 2 for stage in range(4)]
+        assert sorted(per_stage) == [1, 2, 2, 2], method
+        held = [name for stage in range(4) for name in plan.stage_parameter_names(stage)]
+        assert sorted(held) == sorted(model.state_dict()), method
+        assert torch.equal(frontend.run_sequential(plan, (x,)), model(x))
+
+
+def test_unused_modules_and_eval_buffers_still_land_on_a_stage():
+    class WithSpare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+            self.norm = nn.BatchNorm1d(4)
+            self.spare = nn.Linear(4, 4)  # never called
+            self.register_buffer("scale", torch.tensor(2.0), persistent=False)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.norm(x) * self.scale
+
+    model = WithSpare().eval()  # in eval mode BatchNorm does not read num_batches_tracked
+    x = torch.randn(3, 4)
+    plan = frontend.split_model(model, 3, example_args=(x,), split_method="uniform")
+    held = {
+        name
+        for stage in range(3)
+        for name in plan.stage_parameter_names(stage) + plan.stage_buffer_names(stage)
+    }
+    assert held == {name for name, _ in model.named_parameters()} | {
+        name for name, _ in model.named_buffers()
+    }
+    assert "norm.num_batches_tracked" in plan.stage_buffer_names(2)
+    assert "spare.weight" in plan.stage_parameter_names(2)  # next to the tensor before it (norm)
+    stages = plan.stage_modules()
+    assert "scale" not in stages[-1].state_dict()  # non-persistent stays non-persistent
+    assert torch.equal(frontend.run_sequential(stages, (x,)), model(x))
+
+
+def test_module_called_on_two_stages_is_reported_tied():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Linear(4, 4)
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            x = self.shared(x)
+            for block in self.blocks:
+                x = block(x)
+            return F.mse_loss(self.shared(x), torch.zeros_like(x))
+
+    torch.manual_seed(0)
+    model = Shared()
+    x = torch.randn(3, 4)
+    plan = frontend.split_model(model, 2, example_args=(x,), split_points=["blocks.1"])
+    assert [(group.names, group.uses) for group in plan.tied_groups] == [
+        (("shared.weight",), ((0, "shared.weight"), (1, "shared.weight"))),
+        (("shared.bias",), ((0, "shared.bias"), (1, "shared.bias"))),
+    ]
+    check_parity(model, plan, (x,), loss_fn=lambda out: out)
+
+
+def test_stage_module_builds_one_stage_on_demand():
+    model = Stack(num_layers=4)
+    x = torch.randn(2, 8)
+    plan = frontend.split_model(model, 2, example_args=(x,))
+    stage = plan.stage_module(1)
+    assert isinstance(stage, frontend.StageModule) and (stage.stage, stage.num_stages) == (1, 2)
+    assert sorted(stage.state_dict()) == ["2.bias", "2.weight", "3.bias", "3.weight"]
+    # Untied tensors already on the stage's device are the model's own (no copy).
+    assert stage.get_parameter("2.weight") is model[2].weight
+    assert "aten.linear" in stage.code
+    hidden = plan.stage_module(0)(x)
+    assert isinstance(hidden, tuple) and len(hidden) == 1
+    assert torch.equal(stage(*hidden), model(x))
