@@ -245,6 +245,21 @@ def timed_step(worker: Worker) -> float:
     return time.perf_counter() - start
 
 
+def conveyor_timeline(worker: Worker) -> dict | None:
+    """conveyor's measured timeline of its last step, summarised (a collective over its ranks).
+
+    Makespan in ms (compute spans only, from the first start to the last end), the
+    measured bubble ratio and peak live activations per rank.
+    """
+    runner = worker.state["runner"]
+    timeline = runner.pipe.timeline()
+    return {
+        "makespan_ms": timeline.makespan * 1e3,
+        "bubble_ratio": timeline.bubble_ratio,
+        "peak_activations": timeline.peak_activations(),
+    }
+
+
 def current_rss_mb() -> float:
     """This process's resident set size now, in MiB (from /proc/self/statm)."""
     with open("/proc/self/statm") as statm:
