@@ -11,6 +11,8 @@ import importlib
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import conveyor.schedule as cs
 from conveyor.errors import ScheduleError
@@ -102,6 +104,28 @@ def test_grid_verifies_with_complete_ordered_programs(name):
                 assert microbatches == list(range(num_microbatches)), (name, num_ranks, num_microbatches, stage)
         checked += 1
     assert checked >= 144
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(list(MODULES)),
+    num_ranks=st.integers(1, 24),
+    num_microbatches=st.integers(1, 80),
+    virtual=st.integers(1, 5),
+)
+def test_random_sizes_beyond_the_grid_verify(name, num_ranks, num_microbatches, virtual):
+    choices = VIRTUAL[name][1]
+    if choices is not None:
+        virtual = choices[0]
+    schedule = cs.build(name, ranks=num_ranks, microbatches=num_microbatches, virtual=virtual)  # verifies
+    num_actions = sum(map(len, schedule.programs))
+    stage_microbatches = num_ranks * virtual * num_microbatches
+    if name in SPLITS_BACKWARD:
+        assert num_actions == 3 * stage_microbatches
+    elif name == "dualpipev":  # splits the backwards of its ramp-down only
+        assert 2 * stage_microbatches <= num_actions <= 3 * stage_microbatches
+    else:
+        assert num_actions == 2 * stage_microbatches
 
 
 @pytest.mark.parametrize("name", ["zbv", "dualpipev", "gpipe", "1f1b"])

@@ -194,6 +194,39 @@ def looped_one_f_one_b(
             add(_W, backward_stages[index], backward_microbatches[index])
 
 
+def handcrafted_zero_bubble(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual: int,
+    *,
+    warmup_per_hop: int,
+    weights_behind_per_rank: int,
+) -> Schedule:
+    """ZB-H1 (1 and 1) and ZB-H2 (2 and 2): 1F1B-shaped programs with the backward split.
+
+    Rank r warms up with ``(V-1) x G + warmup_per_hop x (P-1-r)`` forwards and lets
+    its W lag ``weights_behind_per_rank x r`` I behind (see ``zb_h1.py``, ``zb_h2.py``).
+    """
+    check_sizes(name, num_ranks, num_microbatches, virtual)
+    rounds = microbatch_rounds(num_ranks, num_microbatches)
+    writers = []
+    for rank in range(num_ranks):
+        writer = ProgramWriter()
+        looped_one_f_one_b(
+            writer,
+            rank=rank,
+            num_ranks=num_ranks,
+            virtual=virtual,
+            rounds=rounds,
+            warmup=(virtual - 1) * len(rounds[0]) + warmup_per_hop * (num_ranks - 1 - rank),
+            split_backward=True,
+            weights_behind=weights_behind_per_rank * rank,
+        )
+        writers.append(writer)
+    return make_schedule(name, Placement.looped(num_ranks, virtual), num_microbatches, writers)
+
+
 def make_schedule(
     name: str,
     placement: Placement,

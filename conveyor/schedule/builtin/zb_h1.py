@@ -43,14 +43,8 @@ peak live activations per rank [4, 4, 4, 4].
 
 from __future__ import annotations
 
-from conveyor.schedule.builtin._program import (
-    ProgramWriter,
-    check_sizes,
-    looped_one_f_one_b,
-    make_schedule,
-    microbatch_rounds,
-)
-from conveyor.schedule.ir import Placement, Schedule
+from conveyor.schedule.builtin._program import handcrafted_zero_bubble
+from conveyor.schedule.ir import Schedule
 from conveyor.schedule.registry import register
 
 
@@ -61,36 +55,9 @@ def zb_h1(num_ranks: int, num_microbatches: int, virtual: int = 1) -> Schedule:
         >>> [str(a) for a in zb_h1(2, 2).programs[1]]
         ['1F0', '1I0', '1F1', '1I1', '1W0', '1W1']
     """
-    return _zero_bubble("zb-h1", num_ranks, num_microbatches, virtual, warmup_per_hop=1, weights_behind_per_rank=1)
-
-
-def _zero_bubble(
-    name: str,
-    num_ranks: int,
-    num_microbatches: int,
-    virtual: int,
-    *,
-    warmup_per_hop: int,
-    weights_behind_per_rank: int,
-) -> Schedule:
-    """The handcrafted ZB shape shared with ZB-H2, which doubles both knobs."""
-    check_sizes(name, num_ranks, num_microbatches, virtual)
-    rounds = microbatch_rounds(num_ranks, num_microbatches)
-    writers = []
-    for rank in range(num_ranks):
-        writer = ProgramWriter()
-        looped_one_f_one_b(
-            writer,
-            rank=rank,
-            num_ranks=num_ranks,
-            virtual=virtual,
-            rounds=rounds,
-            warmup=(virtual - 1) * len(rounds[0]) + warmup_per_hop * (num_ranks - 1 - rank),
-            split_backward=True,
-            weights_behind=weights_behind_per_rank * rank,
-        )
-        writers.append(writer)
-    return make_schedule(name, Placement.looped(num_ranks, virtual), num_microbatches, writers)
+    return handcrafted_zero_bubble(
+        "zb-h1", num_ranks, num_microbatches, virtual, warmup_per_hop=1, weights_behind_per_rank=1
+    )
 
 
 register(
