@@ -12,8 +12,19 @@ Example:
 """
 
 from conveyor.schedule.cost import CostModel, StageCosts
+from conveyor.schedule.csv_io import (
+    dumps_csv,
+    infer_placement,
+    load_csv,
+    loads_csv,
+    parse_schedule,
+    save_csv,
+    schedule_from_rows,
+)
+from conveyor.schedule.grid import render_grid
 from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
-from conveyor.schedule.registry import available, build, register
+from conveyor.schedule.lower import lower
+from conveyor.schedule.registry import available, build, register, unregister
 from conveyor.schedule.simulate import simulate
 from conveyor.schedule.timeline import Span, Timeline
 from conveyor.schedule.verify import verify
@@ -29,7 +40,17 @@ __all__ = [
     "Timeline",
     "available",
     "build",
+    "dumps_csv",
+    "infer_placement",
+    "load_csv",
+    "loads_csv",
+    "lower",
+    "parse_schedule",
     "register",
+    "render_grid",
+    "save_csv",
+    "schedule_from_rows",
     "simulate",
+    "unregister",
     "verify",
 ]

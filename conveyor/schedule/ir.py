@@ -124,8 +124,19 @@ class Placement:
     stage_to_rank: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.num_ranks, int) or isinstance(self.num_ranks, bool):
+            raise ScheduleError(f"a placement's num_ranks must be an int, got {self.num_ranks!r}")
         if self.num_ranks < 1:
             raise ScheduleError(f"a placement needs at least 1 rank, got {self.num_ranks}")
+        if isinstance(self.stage_to_rank, list):
+            object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
+        if not isinstance(self.stage_to_rank, tuple):
+            raise ScheduleError(
+                f"stage_to_rank must be a tuple of ranks, one per stage, got {type(self.stage_to_rank).__name__}"
+            )
+        wrong = [r for r in self.stage_to_rank if type(r) is not int]
+        if wrong:
+            raise ScheduleError(f"stage_to_rank must hold int ranks, got {wrong[0]!r}")
         if not self.stage_to_rank:
             raise ScheduleError("a placement needs at least 1 stage, got none")
         bad = [r for r in self.stage_to_rank if not 0 <= r < self.num_ranks]
@@ -192,6 +203,19 @@ class Schedule:
 
     def __post_init__(self) -> None:
         _check_positive(num_microbatches=self.num_microbatches)
+        if not isinstance(self.placement, Placement):
+            raise ScheduleError(
+                f"schedule {self.name!r}: placement must be a Placement (e.g. Placement.looped(num_ranks, virtual)), "
+                f"got {type(self.placement).__name__}"
+            )
+        programs = self.programs
+        if not isinstance(programs, tuple | list) or any(not isinstance(p, tuple | list) for p in programs):
+            raise ScheduleError(
+                f"schedule {self.name!r}: programs must be one sequence of actions per rank, got "
+                f"{programs!r:.80}; Schedule.from_programs(...) also reads action strings such as '2F0'"
+            )
+        # Tuples all the way down: a Schedule is immutable (tuple(t) of a tuple is t itself: no copy).
+        object.__setattr__(self, "programs", tuple(map(tuple, programs)))
         if len(self.programs) != self.placement.num_ranks:
             raise ScheduleError(
                 f"schedule {self.name!r} has programs for {len(self.programs)} ranks "
@@ -202,20 +226,19 @@ class Schedule:
     def from_programs(
         cls,
         name: str,
-        placement: Placement,
-        num_microbatches: int,
+        placement: Placement | None,
+        num_microbatches: int | None,
         programs: Sequence[Iterable[Action | str]],
     ) -> Schedule:
-        """Build from per-rank sequences of :class:`Action` or their strings."""
-        return cls(
-            name,
-            placement,
-            num_microbatches,
-            tuple(
-                tuple(a if isinstance(a, Action) else Action.parse(a) for a in program)
-                for program in programs
-            ),
-        )
+        """Build from per-rank sequences of :class:`Action` or their strings (``"2F0"``).
+
+        ``placement=None`` infers it from where each stage's actions are;
+        ``num_microbatches=None`` takes the largest microbatch id + 1. Strings
+        that do not parse raise a :class:`ScheduleError` naming rank and column.
+        """
+        from conveyor.schedule.csv_io import schedule_from_rows
+
+        return schedule_from_rows(programs, name=name, placement=placement, num_microbatches=num_microbatches)
 
     from_strings = from_programs
 

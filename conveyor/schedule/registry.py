@@ -1,24 +1,40 @@
 """Schedules by name: the built-ins and any the user registers.
 
-A builder is ``fn(num_ranks, num_microbatches, virtual) -> Schedule``. It raises
+A builder is ``fn(num_ranks, num_microbatches, virtual)``. It returns a
+:class:`Schedule`, or the programs as plain data: one sequence of actions
+(``Action`` objects or strings such as ``"2F0"``) per rank, returned as a list
+or yielded one rank at a time. For plain data, ``register(placement=...)``
+decides which rank runs each stage: ``"looped"`` (stage s on rank s % P, the
+default), ``"vshape"`` (rank r runs stages r and 2P-1-r; V must be 2),
+``"infer"`` (from where each stage's actions are), or a callable
+``(num_ranks, virtual) -> Placement``. :func:`build` verifies the result and
+raises the verifier's message for an invalid one. A builder raises
 :class:`ScheduleError` stating the rule when it cannot serve the sizes asked.
 
 Example:
     >>> import conveyor.schedule as cs
-    >>> sched = cs.build("gpipe", ranks=2, microbatches=3)
-    >>> sched.num_stages
-    2
+    >>> @cs.register("all-forwards-first", replace=True)
+    ... def all_forwards_first(num_ranks, num_microbatches, virtual):
+    ...     for rank in range(num_ranks):
+    ...         yield [f"{rank}F{m}" for m in range(num_microbatches)] + [
+    ...             f"{rank}B{m}" for m in range(num_microbatches)]
+    >>> cs.build("all-forwards-first", ranks=2, microbatches=3).programs[1][3]
+    Action(kind=<ActionKind.B: 'B'>, stage=1, microbatch=0)
+    >>> cs.unregister("all-forwards-first")
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from conveyor.errors import ScheduleError
-from conveyor.schedule.ir import Schedule
+from conveyor.errors import ConveyorError, ScheduleError
+from conveyor.schedule.ir import Placement, Schedule
 
-Builder = Callable[[int, int, int], Schedule]
+Builder = Callable[[int, int, int], Any]  # -> Schedule, or rows of actions (returned or yielded)
+PlacementSpec = str | Callable[[int, int], Placement]
+_PLACEMENT_NAMES = ("looped", "vshape", "infer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +44,7 @@ class ScheduleInfo:
     description: str
     default_virtual: int
     virtual_choices: tuple[int, ...] | None  # None: any V >= 1
+    placement: PlacementSpec = "looped"  # used when the builder returns plain rows
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
@@ -35,17 +52,92 @@ _REGISTRY: dict[str, ScheduleInfo] = {}
 
 def register(
     name: str,
-    builder: Builder,
+    builder: Builder | None = None,
     *,
     description: str = "",
     default_virtual: int = 1,
     virtual_choices: tuple[int, ...] | None = (1,),
     replace: bool = False,
-) -> None:
-    """Make ``build(name, ...)`` call ``builder(num_ranks, num_microbatches, virtual)``."""
+    placement: PlacementSpec = "looped",
+) -> Any:
+    """Make ``build(name, ...)`` call ``builder(num_ranks, num_microbatches, virtual)``.
+
+    Without ``builder``, returns a decorator. ``placement`` applies when the
+    builder returns or yields rows of actions (see the module docstring).
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> cs.register("two-rank-demo", lambda p, m, v: [["0F0", "0B0"], ["1F0", "1B0"]],
+        ...             replace=True)
+        >>> cs.build("two-rank-demo", ranks=2, microbatches=1).placement.stage_to_rank
+        (0, 1)
+        >>> cs.unregister("two-rank-demo")
+    """
+    if builder is None:
+
+        def decorate(fn: Builder) -> Builder:
+            register(
+                name,
+                fn,
+                description=description,
+                default_virtual=default_virtual,
+                virtual_choices=virtual_choices,
+                replace=replace,
+                placement=placement,
+            )
+            return fn
+
+        return decorate
+    _check_registration(name, builder, description, default_virtual, virtual_choices, placement)
     if name in _REGISTRY and not replace:
         raise ScheduleError(f"a schedule named {name!r} is already registered; pass replace=True to override it")
-    _REGISTRY[name] = ScheduleInfo(name, builder, description, default_virtual, virtual_choices)
+    _REGISTRY[name] = ScheduleInfo(name, builder, description, default_virtual, virtual_choices, placement)
+    return None
+
+
+def unregister(name: str) -> None:
+    """Forget the schedule ``name`` (a no-op if it is not registered)."""
+    _REGISTRY.pop(name, None)
+
+
+def _check_registration(
+    name: object,
+    builder: object,
+    description: object,
+    default_virtual: object,
+    virtual_choices: object,
+    placement: object,
+) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise ScheduleError(f"a schedule's name must be a non-empty string, got {name!r}")
+    if not callable(builder):
+        raise ScheduleError(
+            f"schedule {name!r}: builder must be callable as builder(num_ranks, num_microbatches, virtual), "
+            f"got {type(builder).__name__}"
+        )
+    if not isinstance(description, str):
+        raise ScheduleError(f"schedule {name!r}: description must be a string, got {type(description).__name__}")
+    if not _positive_int(default_virtual):
+        raise ScheduleError(f"schedule {name!r}: default_virtual must be a positive integer, got {default_virtual!r}")
+    if virtual_choices is not None:
+        if not isinstance(virtual_choices, tuple) or not all(_positive_int(v) for v in virtual_choices):
+            raise ScheduleError(
+                f"schedule {name!r}: virtual_choices must be a tuple of positive integers, or None for any V, "
+                f"got {virtual_choices!r}"
+            )
+        if default_virtual not in virtual_choices:
+            raise ScheduleError(
+                f"schedule {name!r}: default_virtual={default_virtual} is not among virtual_choices={virtual_choices}"
+            )
+    if not callable(placement) and placement not in _PLACEMENT_NAMES:
+        raise ScheduleError(
+            f"schedule {name!r}: placement must be one of {', '.join(map(repr, _PLACEMENT_NAMES))} or a callable "
+            f"(num_ranks, virtual) -> Placement, got {placement!r}"
+        )
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def available() -> dict[str, ScheduleInfo]:
@@ -63,7 +155,7 @@ def build(name: str, *, ranks: int, microbatches: int, virtual: int | None = Non
     from conveyor.schedule.verify import verify
 
     _load_builtins()
-    info = _REGISTRY.get(name)
+    info = _REGISTRY.get(name) if isinstance(name, str) else None
     if info is None:
         known = ", ".join(sorted(_REGISTRY))
         raise ScheduleError(f"unknown schedule {name!r}; known schedules: {known}")
@@ -74,10 +166,76 @@ def build(name: str, *, ranks: int, microbatches: int, virtual: int | None = Non
     if info.virtual_choices is not None and virtual not in info.virtual_choices:
         choices = ", ".join(map(str, info.virtual_choices))
         raise ScheduleError(f"schedule {name!r} runs {choices} stage(s) per rank, not virtual={virtual}")
-    schedule = info.builder(ranks, microbatches, virtual)
+    sizes = f"ranks={ranks}, microbatches={microbatches}, virtual={virtual}"
+    try:
+        result = info.builder(ranks, microbatches, virtual)
+        schedule = _as_schedule(result, info, ranks, microbatches, virtual, sizes)
+    except ConveyorError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a user's builder: say whose code failed
+        raise ScheduleError(
+            f"the builder of schedule {name!r} failed for {sizes}: {type(error).__name__}: {error}"
+        ) from error
     if check:
-        verify(schedule)
+        try:
+            verify(schedule)
+        except ScheduleError as error:
+            message = str(error)
+            if error.grid is not None and message.endswith(error.grid):
+                message = message[: -len(error.grid)].rstrip("\n")
+            raise ScheduleError(f"schedule {name!r} ({sizes}) is invalid: {message}", grid=error.grid) from None
     return schedule
+
+
+def _as_schedule(result: object, info: ScheduleInfo, ranks: int, microbatches: int, virtual: int, sizes: str) -> Schedule:
+    """The builder's result as a Schedule of the sizes asked."""
+    from conveyor.schedule.csv_io import schedule_from_rows
+
+    name = info.name
+    if isinstance(result, Schedule):
+        schedule = result
+    else:
+        if result is None or isinstance(result, str | bytes) or not isinstance(result, Iterable):
+            raise ScheduleError(
+                f"the builder of schedule {name!r} returned {type(result).__name__} for {sizes}; return a Schedule, "
+                "or one sequence of actions (or strings such as '2F0') per rank, or yield them rank by rank"
+            )
+        rows = [list(row) if isinstance(row, Iterable) and not isinstance(row, str | bytes) else row for row in result]
+        if len(rows) != ranks:
+            raise ScheduleError(
+                f"the builder of schedule {name!r} gave programs for {len(rows)} ranks, but {sizes} asks for {ranks}"
+            )
+        placement = _placement(info, ranks, virtual)
+        schedule = schedule_from_rows(
+            rows, name=name, placement=placement, num_microbatches=microbatches, source=f"schedule {name!r}: "
+        )
+    if schedule.num_ranks != ranks or schedule.num_microbatches != microbatches:
+        raise ScheduleError(
+            f"the builder of schedule {name!r} returned a schedule for ranks={schedule.num_ranks}, "
+            f"microbatches={schedule.num_microbatches}, but {sizes} was asked"
+        )
+    return schedule
+
+
+def _placement(info: ScheduleInfo, ranks: int, virtual: int) -> Placement | None:
+    spec = info.placement
+    if spec == "looped":
+        return Placement.looped(ranks, virtual)
+    if spec == "vshape":
+        if virtual != 2:
+            raise ScheduleError(
+                f"schedule {info.name!r} uses placement='vshape', which runs 2 stages on each rank, "
+                f"but virtual={virtual}; register it with virtual_choices=(2,), default_virtual=2"
+            )
+        return Placement.vshape(ranks)
+    if spec == "infer":
+        return None
+    placement = spec(ranks, virtual)
+    if not isinstance(placement, Placement):
+        raise ScheduleError(
+            f"the placement callable of schedule {info.name!r} returned {type(placement).__name__}, not a Placement"
+        )
+    return placement
 
 
 def _load_builtins() -> None:

@@ -1,48 +1,549 @@
 """Check a schedule before anything runs: nothing missing, nothing twice, no deadlock.
 
-(First version: completeness and deadlock on compute programs. Send/receive
-matching on lowered programs and the step x rank grid come with lower.py.)
+:func:`verify` accepts compute-only and lowered schedules and raises a
+:class:`~conveyor.errors.ScheduleError` naming the FIRST violation, in this order:
+
+1. shape: a Schedule with a Placement and one sequence of Actions per rank;
+2. each action, rank by rank, step by step: a real Action with int ids in range,
+   on the rank its stage is placed on; a SEND/RECV only where its two stages
+   sit on different ranks;
+3. each action at most once; every (stage, microbatch) forwarded once and
+   backwarded once (``B``, or ``I`` then ``W``);
+4. lowered programs: every SEND has its RECV on the peer rank and vice versa,
+   and every compute action whose input or output crosses ranks has them;
+5. order and deadlock, by running the programs (``engine.step``): sends never
+   block, a receive waits for its send. A rank that runs an action before
+   something it needs from its own program is reported as such; otherwise the
+   message names every blocked rank, what it waits for, from which rank, what
+   that rank is stuck on, the cycle, and shows the step x rank grid.
+
+Example:
+    >>> from conveyor.schedule.ir import Placement, Schedule
+    >>> bad = Schedule.from_programs("swap", Placement.looped(2), 2,
+    ...     [["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]])
+    >>> try:
+    ...     verify(bad)
+    ... except ScheduleError as error:
+    ...     print(str(error).splitlines()[0])
+    schedule 'swap' deadlocks: ranks 0 and 1 wait for each other.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Sequence
 
 from conveyor.errors import ScheduleError
-from conveyor.schedule.engine import run
-from conveyor.schedule.ir import ActionKind, Schedule
+from conveyor.schedule.engine import (
+    REGION_BY_KIND_ID,
+    REGION_F,
+    REGION_G,
+    REGION_RECV_B,
+    REGION_RECV_F,
+    REGION_SEND_B,
+    REGION_SEND_F,
+    REGION_W,
+    Blocked,
+    CodeSpace,
+    blocked_ranks,
+    runs_clean,
+    step,
+)
+from conveyor.schedule.grid import AWAITED, STUCK, render_grid
+from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
+
+K = ActionKind
+_KNOWN_KIND_IDS = frozenset(REGION_BY_KIND_ID)
+_MAX_LISTED_RANKS = 8
 
 
 def verify(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` naming the first violation; return None when valid."""
-    S, M = schedule.num_stages, schedule.num_microbatches
-    counts = Counter()
-    for rank, program in enumerate(schedule.programs):
-        for action in program:
-            if not action.kind.is_compute:
-                continue
-            if not (0 <= action.stage < S and 0 <= action.microbatch < M):
-                raise ScheduleError(f"rank {rank} runs {action}, outside stages 0..{S-1} / microbatches 0..{M-1}")
-            owner = schedule.placement.rank_of(action.stage)
-            if owner != rank:
-                raise ScheduleError(f"rank {rank} runs {action} but stage {action.stage} is placed on rank {owner}")
-            counts[(action.kind, action.stage, action.microbatch)] += 1
-    for s in range(S):
-        for m in range(M):
-            f = counts[(ActionKind.F, s, m)]
-            b, i, w = (counts[(k, s, m)] for k in (ActionKind.B, ActionKind.I, ActionKind.W))
-            if f != 1:
-                raise ScheduleError(f"stage {s} microbatch {m} is forwarded {f} times ({s}F{m}); expected exactly once")
-            if not ((b == 1 and i == 0 and w == 0) or (b == 0 and i == 1 and w == 1)):
-                raise ScheduleError(
-                    f"stage {s} microbatch {m} has backward actions B x{b}, I x{i}, W x{w}; "
-                    f"expected exactly one {s}B{m}, or one {s}I{m} followed by one {s}W{m}"
-                )
-    result = run(schedule, lambda a: 1.0)
-    if result.blocked:
-        lines = [f"schedule {schedule.name!r} deadlocks:"]
-        for b in result.blocked:
-            lines.append(
-                f"  rank {b.rank} stops at step {b.position} ({b.action}), waiting for {b.waits_for} on rank {b.producer_rank}"
+    """Raise :class:`ScheduleError` naming the first violation; return None when valid.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> verify(cs.build("1f1b", ranks=4, microbatches=8))
+        >>> verify(cs.lower(cs.build("1f1b", ranks=4, microbatches=8)))
+    """
+    _check_shape(schedule)
+    if runs_clean(schedule):
+        return
+    _diagnose(schedule)
+    raise AssertionError(f"schedule {schedule.name!r} failed the fast check but no violation was found")
+
+
+def _diagnose(schedule: Schedule) -> None:
+    """The checks one by one, in the documented order: raise at the first violation."""
+    space = CodeSpace(schedule.num_stages, schedule.num_microbatches, schedule.placement.stage_to_rank)
+    codes, kinds, region_stages = _check_actions(schedule, space)
+    comm_start = REGION_SEND_F * space.num_stages
+    lowered = any(max(ks) >= comm_start for ks in region_stages if ks)
+    _check_each_once(schedule, space, codes, kinds)
+    _check_complete(schedule, space, codes, kinds)
+    if lowered:
+        _check_comms(schedule, space, codes, kinds)
+    _check_runs(schedule, space, codes, region_stages, lowered)
+
+
+# -- 1. shape -----------------------------------------------------------------------------------
+
+
+def _check_shape(schedule: object) -> None:
+    if not isinstance(schedule, Schedule):
+        raise ScheduleError(
+            f"verify() expects a Schedule, got {type(schedule).__name__}; build one with "
+            "Schedule.from_programs(name, placement, num_microbatches, programs)"
+        )
+    placement = schedule.placement
+    if not isinstance(placement, Placement):
+        raise ScheduleError(
+            f"schedule {schedule.name!r}: placement must be a Placement (e.g. Placement.looped(num_ranks, virtual)), "
+            f"got {type(placement).__name__}"
+        )
+    placement.__post_init__()  # re-check: a Placement can be built around its checks
+    programs = schedule.programs
+    if not isinstance(programs, tuple | list) or len(programs) != placement.num_ranks:
+        got = f"{len(programs)} programs" if isinstance(programs, tuple | list) else type(programs).__name__
+        raise ScheduleError(
+            f"schedule {schedule.name!r} needs one program per rank ({placement.num_ranks}), got {got}"
+        )
+    for rank, program in enumerate(programs):
+        if not isinstance(program, tuple | list):
+            raise ScheduleError(
+                f"schedule {schedule.name!r}: the program of rank {rank} must be a sequence of actions, "
+                f"got {type(program).__name__}"
             )
-        raise ScheduleError("\n".join(lines))
+    M = schedule.num_microbatches
+    if not isinstance(M, int) or isinstance(M, bool) or M < 1:
+        raise ScheduleError(f"schedule {schedule.name!r}: num_microbatches must be a positive integer, got {M!r}")
+
+
+# -- 2. each action --------------------------------------------------------------------------------
+
+
+def _check_actions(
+    schedule: Schedule, space: CodeSpace
+) -> tuple[list[list[int]], list[list[ActionKind]], list[list[int]]]:
+    """Codes, kinds and region-stages of every rank's actions; raises at the first bad action.
+
+    The fast path checks whole programs with set/min/max (C loops); only a
+    program that fails one of them is walked action by action for the message.
+    """
+    S, M = space.num_stages, space.num_microbatches
+    stage_to_rank = space.stage_to_rank
+    codes: list[list[int]] = []
+    kinds: list[list[ActionKind]] = []
+    region_stages: list[list[int]] = []
+    for rank, program in enumerate(schedule.programs):
+        own_stages = {s for s, r in enumerate(stage_to_rank) if r == rank}
+        # What may appear on this rank, as region * S + stage: its own stages' passes, and
+        # sends/receives only towards neighbour stages on other ranks.
+        allowed = {region * S + s for s in own_stages for region in (REGION_F, REGION_G, REGION_W)}
+        for s in own_stages:
+            if s > 0 and stage_to_rank[s - 1] != rank:
+                allowed.update((REGION_RECV_F * S + s, REGION_SEND_B * S + s))
+            if s < S - 1 and stage_to_rank[s + 1] != rank:
+                allowed.update((REGION_SEND_F * S + s, REGION_RECV_B * S + s))
+        ok = True
+        rank_kinds: list[ActionKind] = []
+        rank_codes: list[int] = []
+        rank_region_stages: list[int] = []
+        if program:
+            ok = set(map(type, program)) == {Action}
+            if ok:
+                rank_kinds = [a.kind for a in program]
+                kind_ids = list(map(id, rank_kinds))
+                stages = [a.stage for a in program]
+                microbatches = [a.microbatch for a in program]
+                ok = (
+                    set(kind_ids) <= _KNOWN_KIND_IDS
+                    and set(map(type, stages)) == {int}
+                    and set(map(type, microbatches)) == {int}
+                    and min(stages) >= 0
+                    and max(stages) < S
+                    and min(microbatches) >= 0
+                    and max(microbatches) < M
+                )
+            if ok:
+                rank_codes = space.encode_fields(kind_ids, stages, microbatches)
+                rank_region_stages = space.region_stages(rank_codes)
+                ok = set(rank_region_stages) <= allowed
+        if not ok:
+            for i, action in enumerate(program):
+                _check_action(schedule, rank, i, action, own_stages)
+            raise AssertionError(f"rank {rank}'s program failed a fast check that no action fails")
+        codes.append(rank_codes)
+        kinds.append(rank_kinds)
+        region_stages.append(rank_region_stages)
+    return codes, kinds, region_stages
+
+
+def _comm_fits(action: Action, stage_to_rank: tuple[int, ...]) -> bool:
+    """Whether a SEND/RECV connects its stage to a neighbour stage on another rank."""
+    s, kind, last = action.stage, action.kind, len(stage_to_rank) - 1
+    if kind is K.SEND_F or kind is K.RECV_B:
+        return s < last and stage_to_rank[s + 1] != stage_to_rank[s]
+    return s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]
+
+
+def _check_action(schedule: Schedule, rank: int, i: int, action: object, own_stages: set[int]) -> None:
+    where = f"rank {rank}, step {i}"
+    if type(action) is not Action:
+        if isinstance(action, str):
+            raise ScheduleError(
+                f"{where}: found the string {action!r} where an Action belongs; build the schedule with "
+                "Schedule.from_programs(...), which parses strings such as '2F0'"
+            )
+        raise ScheduleError(
+            f"{where}: expected an Action such as F(2, 0) or Action.parse('2F0'), "
+            f"got {action!r} ({type(action).__name__})"
+        )
+    kind, stage, microbatch = action.kind, action.stage, action.microbatch
+    if id(kind) not in _KNOWN_KIND_IDS:
+        known = ", ".join(k.name for k in ActionKind)
+        raise ScheduleError(f"{where}: action kind must be an ActionKind ({known}), got {kind!r}")
+    for name, value in (("stage", stage), ("microbatch", microbatch)):
+        if type(value) is not int:
+            raise ScheduleError(f"{where}: the {name} of a {kind.name} action must be an int, got {value!r}")
+    S, M = schedule.num_stages, schedule.num_microbatches
+    label = _label(action)
+    if not 0 <= stage < S:
+        raise ScheduleError(
+            f"{where}: {label} names stage {stage}, but the schedule has {S} stages (0..{S - 1})",
+            grid=_grid(schedule, {(rank, i): STUCK}),
+        )
+    if not 0 <= microbatch < M:
+        raise ScheduleError(
+            f"{where}: {label} names microbatch {microbatch}, but the schedule has num_microbatches={M} "
+            f"(0..{M - 1}); give num_microbatches={microbatch + 1} or more, or fix the action",
+            grid=_grid(schedule, {(rank, i): STUCK}),
+        )
+    owner = schedule.placement.stage_to_rank[stage]
+    if stage not in own_stages:
+        raise ScheduleError(
+            f"{where}: {label} runs stage {stage}, which the placement puts on rank {owner} "
+            f"(stage_to_rank={schedule.placement.stage_to_rank}); move it to rank {owner}'s program "
+            "or change the placement",
+            grid=_grid(schedule, {(rank, i): STUCK}),
+        )
+    if kind.is_comm and not _comm_fits(action, schedule.placement.stage_to_rank):
+        raise ScheduleError(f"{where}: {_misplaced_comm(schedule, action)}", grid=_grid(schedule, {(rank, i): STUCK}))
+
+
+def _misplaced_comm(schedule: Schedule, action: Action) -> str:
+    s, kind, last = action.stage, action.kind, schedule.num_stages - 1
+    if kind is K.SEND_F and s == last:
+        return f"{action} sends the output of the last stage {s}, which goes to the loss; remove it"
+    if kind is K.RECV_B and s == last:
+        return f"{action}: the last stage {s} starts its backward from the loss and receives no gradient; remove it"
+    if kind is K.RECV_F and s == 0:
+        return f"{action}: stage 0 takes the microbatch itself and receives no forward input; remove it"
+    if kind is K.SEND_B and s == 0:
+        return f"{action}: stage 0 has no previous stage to send an input gradient to; remove it"
+    peer = s + 1 if kind in (K.SEND_F, K.RECV_B) else s - 1
+    return (
+        f"{action} connects stages {min(s, peer)} and {max(s, peer)}, which both run on rank "
+        f"{schedule.placement.stage_to_rank[s]} and pass tensors in memory; remove it "
+        "(lower() adds only the sends and receives that cross ranks)"
+    )
+
+
+# -- 3. each action once, every pass present ------------------------------------------------------
+
+
+def _check_each_once(
+    schedule: Schedule, space: CodeSpace, codes: list[list[int]], kinds: list[list[ActionKind]]
+) -> None:
+    for rank, rank_codes in enumerate(codes):
+        if len(set(rank_codes)) == len(rank_codes):
+            continue
+        first_step: dict[int, int] = {}
+        for i, code in enumerate(rank_codes):
+            j = first_step.setdefault(code, i)
+            if j == i:
+                continue
+            program = schedule.programs[rank]
+            marks = {(rank, j): STUCK, (rank, i): STUCK}
+            a, b = program[j], program[i]
+            if a.kind is b.kind:
+                raise ScheduleError(
+                    f"rank {rank} runs {a} twice, at steps {j} and {i}; each action must appear exactly once",
+                    grid=_grid(schedule, marks),
+                )
+            raise ScheduleError(
+                f"stage {a.stage} microbatch {a.microbatch} has two backward passes on rank {rank}: "
+                f"{a} at step {j} and {b} at step {i}; use either B, or I followed by W",
+                grid=_grid(schedule, marks),
+            )
+
+
+def _check_complete(
+    schedule: Schedule, space: CodeSpace, codes: list[list[int]], kinds: list[list[ActionKind]]
+) -> None:
+    M, SM = space.num_microbatches, space.region_size
+    stage_to_rank = space.stage_to_rank
+    # Codes are unique, in range and on their own rank: counting is enough.
+    forwards = sum(k.count(K.F) for k in kinds)
+    backwards = sum(k.count(K.B) + k.count(K.I) for k in kinds)
+    if forwards < SM:
+        have = {c for rank_codes in codes for c in rank_codes if c < SM}
+        code = next(c for c in range(SM) if c not in have)
+        s, m = divmod(code, M)
+        raise ScheduleError(
+            f"stage {s} microbatch {m} is never forwarded: add {s}F{m} to the program of rank "
+            f"{stage_to_rank[s]}, which runs stage {s}"
+        )
+    if backwards < SM:
+        have = {c - SM for rank_codes in codes for c in rank_codes if SM <= c < 2 * SM}
+        code = next(c for c in range(SM) if c not in have)
+        s, m = divmod(code, M)
+        raise ScheduleError(
+            f"stage {s} microbatch {m} has no backward: add {s}B{m} (or {s}I{m} followed by {s}W{m}) "
+            f"to the program of rank {stage_to_rank[s]}, which runs stage {s}"
+        )
+    for rank, rank_kinds in enumerate(kinds):
+        num_splits, num_weights = rank_kinds.count(K.I), rank_kinds.count(K.W)
+        if not num_splits and not num_weights:
+            continue
+        program = schedule.programs[rank]
+        split = {codes[rank][i] for i, k in enumerate(rank_kinds) if k is K.I}
+        weights = {codes[rank][i] - SM for i, k in enumerate(rank_kinds) if k is K.W}
+        if split == weights:
+            continue
+        for i, action in enumerate(program):
+            code = codes[rank][i]
+            label = f"rank {rank}, step {i}"
+            if action.kind is K.W and code - SM not in split:
+                full = next((j for j, c in enumerate(codes[rank]) if c == code - SM), None)
+                how = "" if full is None else f" (it runs the full backward {program[full]} at step {full})"
+                raise ScheduleError(
+                    f"{label}: {action} computes a weight gradient, but stage {action.stage} microbatch "
+                    f"{action.microbatch} has no {action.stage}I{action.microbatch}{how}; W only follows an I: "
+                    f"remove {action}, or split the backward into {action.stage}I{action.microbatch} and {action}",
+                    grid=_grid(schedule, {(rank, i): STUCK}),
+                )
+            if action.kind is K.I and code not in weights:
+                raise ScheduleError(
+                    f"{label}: {action} computes only the input gradient and no "
+                    f"{action.stage}W{action.microbatch} follows, so the weight gradient would be lost; "
+                    f"add {action.stage}W{action.microbatch} after it on rank {rank} (or use a full backward "
+                    f"{action.stage}B{action.microbatch})",
+                    grid=_grid(schedule, {(rank, i): STUCK}),
+                )
+
+
+def _check_comms(
+    schedule: Schedule, space: CodeSpace, codes: list[list[int]], kinds: list[list[ActionKind]]
+) -> None:
+    """Lowered programs: each crossing of ranks has its SEND and its RECV, on the right ranks."""
+    S, M = space.num_stages, space.num_microbatches
+    stage_to_rank = space.stage_to_rank
+    crossings = sum(1 for s in range(S - 1) if stage_to_rank[s] != stage_to_rank[s + 1])
+    counts = [sum(k.count(kind) for k in kinds) for kind in (K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B)]
+    if counts == [crossings * M] * 4:
+        return  # each comm action is unique and sits on a crossing: all are there
+    where = {code: (rank, i) for rank, rank_codes in enumerate(codes) for i, code in enumerate(rank_codes)}
+
+    def at(region: int, stage: int, microbatch: int) -> tuple[int, int] | None:
+        return where.get(space.code(region, stage, microbatch))
+
+    for rank, program in enumerate(schedule.programs):
+        for i, action in enumerate(program):
+            s, m, kind = action.stage, action.microbatch, action.kind
+            # (this action, the comm it needs on its own rank, the comm that pairs with it on the peer)
+            if kind is K.F or kind is K.SEND_F or kind is K.RECV_F:
+                checks = []
+                if kind is K.F and s > 0 and stage_to_rank[s - 1] != rank:
+                    checks.append((REGION_RECV_F, s, REGION_SEND_F, s - 1, "before"))
+                if kind is K.F and s < S - 1 and stage_to_rank[s + 1] != rank:
+                    checks.append((REGION_SEND_F, s, REGION_RECV_F, s + 1, "after"))
+            elif kind is K.B or kind is K.I:
+                checks = []
+                if s < S - 1 and stage_to_rank[s + 1] != rank:
+                    checks.append((REGION_RECV_B, s, REGION_SEND_B, s + 1, "before"))
+                if s > 0 and stage_to_rank[s - 1] != rank:
+                    checks.append((REGION_SEND_B, s, REGION_RECV_B, s - 1, "after"))
+            else:
+                continue
+            for own_region, own_stage, peer_region, peer_stage, side in checks:
+                own = at(own_region, own_stage, m)
+                peer = at(peer_region, peer_stage, m)
+                own_label = _code_label(own_region, own_stage, m)
+                peer_label = _code_label(peer_region, peer_stage, m)
+                peer_rank = stage_to_rank[peer_stage]
+                if own is not None and peer is not None:
+                    continue
+                marks = {(rank, i): STUCK}
+                if own is None and peer is not None:
+                    marks[peer] = AWAITED
+                    verb = "sends" if peer_region in (REGION_SEND_F, REGION_SEND_B) else "receives"
+                    raise ScheduleError(
+                        f"rank {peer_rank} {verb} {peer_label} at step {peer[1]}, but rank {rank} has no matching "
+                        f"{own_label}: add it {side} {action} (step {i}) on rank {rank}",
+                        grid=_grid(schedule, marks),
+                    )
+                if own is not None and peer is None:
+                    marks[own] = AWAITED
+                    raise ScheduleError(
+                        f"rank {rank} has {own_label} at step {own[1]}, but rank {peer_rank} has no matching "
+                        f"{peer_label}: add it to rank {peer_rank}'s program "
+                        f"({'after' if side == 'after' else 'before'} {_peer_compute(peer_region, peer_stage, m)})",
+                        grid=_grid(schedule, marks),
+                    )
+                raise ScheduleError(
+                    f"rank {rank} runs {action} at step {i}, whose {'input' if side == 'before' else 'output'} "
+                    f"crosses to stage {peer_stage} on rank {peer_rank}, but the lowered program has neither "
+                    f"{own_label} on rank {rank} nor {peer_label} on rank {peer_rank}; add both "
+                    "(lower() adds every missing send and receive)",
+                    grid=_grid(schedule, marks),
+                )
+    raise AssertionError("communication counts differ but every crossing has its SEND and RECV")
+
+
+def _code_label(region: int, stage: int, microbatch: int) -> str:
+    name = {REGION_SEND_F: "SEND_F", REGION_RECV_F: "RECV_F", REGION_SEND_B: "SEND_B", REGION_RECV_B: "RECV_B"}
+    return f"{stage}{name[region]}{microbatch}"
+
+
+def _peer_compute(peer_region: int, stage: int, microbatch: int) -> str:
+    """The compute action next to which the peer's SEND/RECV belongs."""
+    if peer_region in (REGION_SEND_F, REGION_RECV_F):
+        return f"{stage}F{microbatch}"
+    return f"the backward of {stage}B{microbatch} or {stage}I{microbatch}"
+
+
+# -- 5. order and deadlock -----------------------------------------------------------------------
+
+
+def _check_runs(
+    schedule: Schedule, space: CodeSpace, codes: list[list[int]], region_stages: list[list[int]], lowered: bool
+) -> None:
+    deltas = space.need_deltas(lowered)
+    needs = [space.needs(c, deltas, ks) for c, ks in zip(codes, region_stages)]
+    position = step(schedule.num_ranks, codes, needs, space)
+    blocked = blocked_ranks(schedule, space, codes, needs, position)
+    if not blocked:
+        return
+    _check_order(schedule, space, codes, lowered)
+    raise _deadlock_error(schedule, blocked)
+
+
+def _check_order(schedule: Schedule, space: CodeSpace, codes: list[list[int]], lowered: bool) -> None:
+    """Report an action placed before something it needs from its own rank (the usual root of a deadlock)."""
+    M, SM, S = space.num_microbatches, space.region_size, space.num_stages
+    stage_to_rank = space.stage_to_rank
+    for rank, program in enumerate(schedule.programs):
+        step_of = {code: i for i, code in enumerate(codes[rank])}
+        for i, action in enumerate(program):
+            code = codes[rank][i]
+            region, s, m = space.split(code)
+            base = s * M + m
+            before: list[int] = []  # codes that must come earlier on this rank
+            if region == REGION_G:
+                before.append(REGION_F * SM + base)
+                if s < S - 1 and stage_to_rank[s + 1] == rank:
+                    before.append(REGION_G * SM + base + M)
+                if lowered and s < S - 1 and stage_to_rank[s + 1] != rank:
+                    before.append(REGION_RECV_B * SM + base)
+            elif region == REGION_F:
+                if s > 0 and stage_to_rank[s - 1] == rank:
+                    before.append(REGION_F * SM + base - M)
+                if lowered and s > 0 and stage_to_rank[s - 1] != rank:
+                    before.append(REGION_RECV_F * SM + base)
+            elif region == REGION_W:
+                before.append(REGION_G * SM + base)
+            elif region == REGION_SEND_F:
+                before.append(REGION_F * SM + base)
+            elif region == REGION_SEND_B:
+                before.append(REGION_G * SM + base)
+            for need in before:
+                j = step_of.get(need)
+                if j is not None and j > i:
+                    needed = program[j]
+                    raise ScheduleError(
+                        f"rank {rank} runs {action} at step {i}, before {needed} at step {j}, which it needs "
+                        f"({_why(action, needed)}); move {needed} before {action}",
+                        grid=_grid(schedule, {(rank, i): STUCK, (rank, j): AWAITED}),
+                    )
+
+
+def _why(action: Action, needed: Action) -> str:
+    kind, other = action.kind, needed.kind
+    if kind is K.W:
+        return "the weight gradient pass follows the input gradient pass"
+    if kind in (K.SEND_F, K.SEND_B):
+        return f"{action} sends what {needed} computes"
+    if other in (K.RECV_F, K.RECV_B):
+        return f"{needed} receives the input of {action}"
+    if other is K.F and needed.stage == action.stage:
+        return "a backward pass needs its forward pass"
+    if kind is K.F:
+        return f"stage {action.stage} takes the output of stage {needed.stage}"
+    return f"stage {action.stage} takes the input gradient of stage {needed.stage}"
+
+
+def _deadlock_error(schedule: Schedule, blocked: Sequence[Blocked]) -> ScheduleError:
+    by_rank = {b.rank: b for b in blocked}
+    cycle = _find_cycle(by_rank)
+    in_cycle = set(cycle)
+    if len(cycle) == 2:
+        head = f"ranks {cycle[0]} and {cycle[1]} wait for each other"
+    else:
+        head = "ranks " + " -> ".join(map(str, cycle + [cycle[0]])) + " wait for one another in a cycle"
+    lines = [f"schedule {schedule.name!r} deadlocks: {head}."]
+    for rank in cycle:
+        lines.append("  " + _blocked_line(by_rank[rank], by_rank))
+    fixes = []
+    for rank in cycle:
+        # The action another rank of the cycle waits for, which this rank would have to run earlier.
+        waiter = next(b for b in blocked if b.rank in in_cycle and b.producer_rank == rank)
+        fixes.append(f"{waiter.producer} before {by_rank[rank].action} on rank {rank}")
+    lines.append("  To break the cycle, one of these ranks must run the awaited action earlier: " + ", or ".join(fixes) + ".")
+    others = [b for b in blocked if b.rank not in in_cycle]
+    if others:
+        lines.append(f"  {len(others)} more rank(s) wait on these:")
+        for b in others[:_MAX_LISTED_RANKS]:
+            lines.append("    " + _blocked_line(b, by_rank))
+        if len(others) > _MAX_LISTED_RANKS:
+            lines.append(f"    ... and {len(others) - _MAX_LISTED_RANKS} more")
+    shown = [by_rank[r] for r in cycle] + others[: max(0, _MAX_LISTED_RANKS - len(cycle))]
+    marks = {}
+    for b in shown:
+        if b.producer_position is not None:
+            marks[(b.producer_rank, b.producer_position)] = AWAITED
+    for b in shown:
+        marks[(b.rank, b.position)] = STUCK
+    legend = f"step x rank grid ({STUCK.format('stuck')}, {AWAITED.format('awaited')}):"
+    return ScheduleError("\n".join(lines), grid=legend + "\n" + _grid(schedule, marks))
+
+
+def _blocked_line(b: Blocked, by_rank: dict[int, Blocked]) -> str:
+    text = f"rank {b.rank} is stuck at step {b.position} ({b.action}): it waits for {b.waits_for}"
+    if b.producer is not None:
+        text += f", which rank {b.producer_rank} runs at step {b.producer_position} ({b.producer})"
+    stuck_there = by_rank.get(b.producer_rank)
+    if stuck_there is not None:
+        text += f"; rank {b.producer_rank} is stuck at step {stuck_there.position} ({stuck_there.action})"
+    return text + "."
+
+
+def _find_cycle(by_rank: dict[int, Blocked]) -> list[int]:
+    """Follow "waits for a rank" links from the lowest blocked rank until one repeats."""
+    rank = min(by_rank)
+    seen: list[int] = []
+    while rank not in seen:
+        seen.append(rank)
+        rank = by_rank[rank].producer_rank
+        if rank not in by_rank:  # cannot happen once checks 1-4 passed: every producer exists
+            raise AssertionError(f"blocked rank waits for rank {rank}, which is not blocked")
+    return seen[seen.index(rank) :]
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _label(action: Action) -> str:
+    return f"action {action}"
+
+
+def _grid(schedule: Schedule, marks: dict[tuple[int, int], str]) -> str:
+    return render_grid(schedule.programs, marks)
