@@ -32,7 +32,7 @@ from conveyor.frontend.trace import TracedModel, model_device, trace_model
 from conveyor.frontend.units import (
     ModuleSpans,
     Unit,
-    check_unsplittable_names,
+    check_module_names,
     find_units,
     resolve_split_points,
 )
@@ -273,7 +273,10 @@ def split_model(
     """
     if not isinstance(num_stages, int) or num_stages < 1:
         raise SplitError(f"num_stages must be a positive int; got {num_stages!r}")
-    unsplittable = check_unsplittable_names(model, unsplittable or ())
+    # Names are checked before tracing: a typo should not wait for (or hide behind) a trace.
+    unsplittable = check_module_names(model, unsplittable or (), "unsplittable module")
+    if split_points is not None:
+        check_module_names(model, split_points, "split point")
     seed = torch.initial_seed()
     traced = trace_model(model, example_args, example_kwargs)
     spans = ModuleSpans(traced)

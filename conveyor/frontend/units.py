@@ -41,15 +41,20 @@ class Unit:
 
 
 class ModuleSpans:
-    """First and last operation index of every module that ran during tracing."""
+    """First and last operation index of every module that ran (or whose children ran)."""
 
     def __init__(self, traced: TracedModel):
         self.first: dict[str, int] = {}
         self.last: dict[str, int] = {}
         for index, paths in enumerate(traced.module_paths):
             for path in paths:
-                self.first.setdefault(path, index)
-                self.last[path] = index
+                # A container (ModuleList) is iterated, never called, so it is not in
+                # the module stack; its span is its children's.
+                parts = path.split(".")
+                for depth in range(1, len(parts) + 1):
+                    prefix = ".".join(parts[:depth])
+                    self.first.setdefault(prefix, index)
+                    self.last[prefix] = index
 
     def ran(self, path: str) -> bool:
         return path in self.first
@@ -139,17 +144,9 @@ def resolve_split_points(
     module that never ran, points out of execution order, or a cut inside an
     ``unsplittable`` module.
     """
-    module_names = [name for name, _ in model.named_modules() if name]
-    known = set(module_names)
+    check_module_names(model, names, "split point")
     positions = []
     for name in names:
-        if name not in known:
-            close = difflib.get_close_matches(name, module_names, n=5, cutoff=0.6)
-            suggestion = f" Close names: {', '.join(close)}." if close else ""
-            raise SplitError(
-                f"split point {name!r} names no module of {type(model).__name__}.{suggestion} "
-                "Split points are module paths as in model.named_modules() (e.g. 'model.layers.4')."
-            )
         if not spans.ran(name):
             raise SplitError(
                 f"split point {name!r} is a module that never ran while tracing the example "
@@ -177,8 +174,13 @@ def resolve_split_points(
     return positions
 
 
-def check_unsplittable_names(model: nn.Module, names: Iterable[str]) -> list[str]:
-    """Validate ``unsplittable`` names the same way as split points (close names on typos)."""
+def check_module_names(model: nn.Module, names: Iterable[str], what: str) -> list[str]:
+    """Raise ``SplitError`` for a name that is no module of ``model``, listing close names.
+
+    Example:
+        >>> check_module_names(nn.Sequential(nn.Linear(2, 2)), ["0"], "split point")
+        ['0']
+    """
     module_names = [name for name, _ in model.named_modules() if name]
     known = set(module_names)
     checked = []
@@ -186,6 +188,9 @@ def check_unsplittable_names(model: nn.Module, names: Iterable[str]) -> list[str
         if name not in known:
             close = difflib.get_close_matches(name, module_names, n=5, cutoff=0.6)
             suggestion = f" Close names: {', '.join(close)}." if close else ""
-            raise SplitError(f"unsplittable module {name!r} names no module.{suggestion}")
+            raise SplitError(
+                f"{what} {name!r} names no module of {type(model).__name__}.{suggestion} "
+                "Use module paths as in model.named_modules() (e.g. 'model.layers.4')."
+            )
         checked.append(name)
     return checked
