@@ -238,6 +238,7 @@ def run_case(
     groups: dict[str, RankGroup] = {}
     steps: dict[str, list[float]] = {name: [] for name in sides}
     status: dict[str, str] = {}
+    notes: list[str] = []  # trouble after the timed steps, which leaves the timings valid
     for name in sides:
         if name == "conveyor" and conveyor_missing:
             status[name] = f"unavailable: {conveyor_missing}"
@@ -274,18 +275,24 @@ def run_case(
         except (RankFailure, RankTimeout) as error:
             record["conveyor_timeline"] = None
             groups.pop("conveyor")
-            status["conveyor"] += f" (timeline failed: {_last_line(error)})"
+            notes.append(f"conveyor timeline failed: {_last_line(error)}")
     for name in sides:
         group = groups.pop(name, None)
         key = "single_process" if name == lib.SINGLE else name
-        record[f"{key}_status"] = status.get(name, "not run")
         record[f"{key}_steps_ms"] = steps[name]
         record[f"{key}_ms"] = statistics.median(steps[name]) if steps[name] else None
-        rss = group.call(lib.peak_rss_mb) if group else None
+        rss = None
+        if group:
+            try:
+                rss = group.call(lib.peak_rss_mb)
+            except (RankFailure, RankTimeout) as error:
+                notes.append(f"{name} peak RSS failed: {_last_line(error)}")
+        record[f"{key}_status"] = status.get(name, "not run")
         record[f"{key}_rss_mb"] = None if rss is None else [peak for peak, _ in rss]
         record[f"{key}_rss_growth_mb"] = None if rss is None else [growth for _, growth in rss]
         if group:
             group.close()
+    record["notes"] = notes
     _add_ratios(record, case)
     return record
 

@@ -185,6 +185,7 @@ def _notes(r: dict) -> str:
         # "unavailable" (conveyor's runtime missing) is said once above the tables.
         if status and status != "ok" and not status.startswith("unavailable"):
             notes.append(f"{name} {status[:120]}")
+    notes += r.get("notes", [])
     if r.get("ideal_ms") is None:
         # Usually the same reason conveyor refused; the json keeps the full text.
         notes.append("no ideal")
