@@ -93,6 +93,25 @@ def fifo_channels(lowered: Schedule, forward_direction: int = FORWARD) -> set[tu
     return {c for c, order in sent.items() if received.get(c) == order}
 
 
+def _set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    setattr(owner, leaf, param)
+
+
+def share_tied_locally(runners: dict[int, StageRunner], tied_parameters) -> None:
+    """Stages of one rank that use the same tied parameter get one Parameter object."""
+    for tied in tied_parameters:
+        local = [(stage, name) for stage, name in tied.uses if stage in runners]
+        if len(local) < 2:
+            continue
+        first_stage, first_name = local[0]
+        shared = runners[first_stage].module.get_parameter(first_name)
+        for stage, name in local[1:]:
+            _set_parameter(runners[stage].module, name, shared)
+            runners[stage].params = [p for p in runners[stage].module.parameters() if p.requires_grad]
+
+
 class _PipelineBase:
     """What the distributed and the in-process pipelines share: stages, programs, checks."""
 
@@ -141,6 +160,12 @@ class Pipeline(_PipelineBase):
     (then give ``microbatches=`` and, for some schedules, ``virtual=``).
     ``group`` defaults to the default process group; its size must equal the
     schedule's ranks. ``timeout_s`` bounds every blocking receive.
+    ``tied_parameters`` (records with ``uses``: ``(stage, name)`` pairs, as
+    ``conveyor.frontend`` finds them) are parameters several stages hold a
+    copy of: copies on one rank become one Parameter; copies on several ranks
+    have their gradients summed across those ranks at the end of every step,
+    so they stay identical after each optimizer step (the summation order
+    differs from one device: equal to rounding, not bitwise).
     ``fixed_shapes=True`` promises that what crosses each stage boundary keeps
     the shapes, dtypes and structure of the first step: later steps then send
     data only (no metadata), and a stage output that breaks the promise is an
@@ -161,6 +186,7 @@ class Pipeline(_PipelineBase):
         checkpoint_activations: bool = False,
         record_timeline: bool = True,
         fixed_shapes: bool = False,
+        tied_parameters: Sequence = (),
     ) -> None:
         import torch.distributed as dist
 
@@ -181,6 +207,8 @@ class Pipeline(_PipelineBase):
             )
         self.stages = self.schedule.stages_of(self.rank)
         self.runners = self._make_runners(self.rank, self.stages, modules, loss_fn, checkpoint_activations)
+        share_tied_locally(self.runners, tied_parameters)
+        self._tied_groups = self._tied_process_groups(tied_parameters, group)
         ranks = list(range(world))
         global_ranks = ranks if group is None else [dist.get_global_rank(group, r) for r in ranks]
         self.transport = DistTransport(group, global_ranks, self.rank, self.schedule.num_stages,
@@ -249,6 +277,37 @@ class Pipeline(_PipelineBase):
         return [r.module for r in self.runners.values()]
 
     # --- internals -----------------------------------------------------------------------
+    def _tied_process_groups(self, tied_parameters, group) -> list:
+        """(parameter, subgroup) for each tied parameter whose copies live on several ranks.
+
+        new_group is collective over the whole group, so every rank creates every subgroup,
+        in the same order, whether it holds a copy or not.
+        """
+        import torch.distributed as dist
+
+        placement = self.schedule.placement
+        subgroups: dict[tuple[int, ...], Any] = {}
+        mine = []
+        for tied in tied_parameters:
+            owners = tuple(sorted({placement.rank_of(stage) for stage, _ in tied.uses}))
+            if len(owners) < 2:
+                continue
+            if owners not in subgroups:
+                members = owners if group is None else [dist.get_global_rank(group, r) for r in owners]
+                subgroups[owners] = dist.new_group(list(members))
+            if self.rank in owners:
+                stage, name = next((s, n) for s, n in tied.uses if s in self.runners)
+                mine.append((self.runners[stage].module.get_parameter(name), subgroups[owners]))
+        return mine
+
+    def _sum_tied_gradients(self) -> None:
+        import torch.distributed as dist
+
+        for param, subgroup in self._tied_groups:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=subgroup)
+
     def _guarded(self, fn, *args):
         try:
             return fn(*args)
@@ -287,6 +346,7 @@ class Pipeline(_PipelineBase):
             for _ in self.executor.run(self.lowered.programs[self.rank], first, targets, self._recorder,
                                        keep_outputs=return_outputs):
                 raise AssertionError("a blocking transport never yields")
+        self._sum_tied_gradients()
         loss = self._broadcast_loss()
         self.transport.end_step()
         if return_outputs:
@@ -383,6 +443,7 @@ class LocalPipeline(_PipelineBase):
         virtual: int | None = None,
         ranks: int | None = None,
         checkpoint_activations: bool = False,
+        tied_parameters: Sequence = (),
     ) -> None:
         modules = list(modules)
         if isinstance(schedule, str) and ranks is None:
@@ -408,6 +469,8 @@ class LocalPipeline(_PipelineBase):
             self.runners.update(runners)
             transport: Transport = LocalTransport(self.mailbox, rank)
             self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport))
+        # In one process every copy of a tied parameter can simply be the same Parameter.
+        share_tied_locally(self.runners, tied_parameters)
         self._recorders: list[StepRecorder] = []
 
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any):
