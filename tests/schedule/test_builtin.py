@@ -53,7 +53,11 @@ def grid_sizes(name: str):
     choices = VIRTUAL[name][1] or (1, 2, 3)
     for num_ranks in range(1, 9):
         for virtual in choices:
-            for num_microbatches in [*range(1, 4 * num_ranks + 1), 6 * num_ranks + 1, 8 * num_ranks]:
+            for num_microbatches in [
+                *range(1, 4 * num_ranks + 1),
+                6 * num_ranks + 1,
+                8 * num_ranks,
+            ]:
                 yield num_ranks, virtual, num_microbatches
 
 
@@ -101,7 +105,12 @@ def test_grid_verifies_with_complete_ordered_programs(name):
                 if action.kind in (ActionKind.B, ActionKind.W):
                     accumulated.setdefault(action.stage, []).append(action.microbatch)
             for stage, microbatches in accumulated.items():
-                assert microbatches == list(range(num_microbatches)), (name, num_ranks, num_microbatches, stage)
+                assert microbatches == list(range(num_microbatches)), (
+                    name,
+                    num_ranks,
+                    num_microbatches,
+                    stage,
+                )
         checked += 1
     assert checked >= 144
 
@@ -117,7 +126,9 @@ def test_random_sizes_beyond_the_grid_verify(name, num_ranks, num_microbatches, 
     choices = VIRTUAL[name][1]
     if choices is not None:
         virtual = choices[0]
-    schedule = cs.build(name, ranks=num_ranks, microbatches=num_microbatches, virtual=virtual)  # verifies
+    schedule = cs.build(
+        name, ranks=num_ranks, microbatches=num_microbatches, virtual=virtual
+    )  # verifies
     num_actions = sum(map(len, schedule.programs))
     stage_microbatches = num_ranks * virtual * num_microbatches
     if name in SPLITS_BACKWARD:
@@ -138,7 +149,9 @@ def test_a_virtual_the_schedule_cannot_run_is_refused_with_the_rule(name):
 
 
 @pytest.mark.parametrize("name", list(MODULES))
-@pytest.mark.parametrize(("num_ranks", "num_microbatches", "virtual"), [(0, 4, 1), (2, 0, 1), (2, 4, 0), (-1, 4, 1)])
+@pytest.mark.parametrize(
+    ("num_ranks", "num_microbatches", "virtual"), [(0, 4, 1), (2, 0, 1), (2, 4, 0), (-1, 4, 1)]
+)
 def test_sizes_that_are_not_positive_are_refused(name, num_ranks, num_microbatches, virtual):
     builder = cs.available()[name].builder
     with pytest.raises(ScheduleError, match="must be a positive integer"):
@@ -149,11 +162,15 @@ def test_interleaved_with_one_stage_per_rank_is_1f1b_and_looped_bfs_is_gpipe():
     for num_ranks in range(1, 7):
         for num_microbatches in range(1, 3 * num_ranks + 1):
             assert (
-                cs.build("interleaved-1f1b", ranks=num_ranks, microbatches=num_microbatches, virtual=1).programs
+                cs.build(
+                    "interleaved-1f1b", ranks=num_ranks, microbatches=num_microbatches, virtual=1
+                ).programs
                 == cs.build("1f1b", ranks=num_ranks, microbatches=num_microbatches).programs
             )
             assert (
-                cs.build("looped-bfs", ranks=num_ranks, microbatches=num_microbatches, virtual=1).programs
+                cs.build(
+                    "looped-bfs", ranks=num_ranks, microbatches=num_microbatches, virtual=1
+                ).programs
                 == cs.build("gpipe", ranks=num_ranks, microbatches=num_microbatches).programs
             )
 

@@ -19,10 +19,17 @@ from conveyor.schedule.builtin._program import microbatch_rounds
 from conveyor.schedule.cost import CostModel
 from conveyor.schedule.ir import Action, ActionKind, Schedule
 
-UNEQUAL_COSTS = [(2, 3, 1), (3, 2, 1), (2, 2, 1), (1, 2, 1)]  # T_W <= T_F, T_I: the ZB paper's setting
+UNEQUAL_COSTS = [
+    (2, 3, 1),
+    (3, 2, 1),
+    (2, 2, 1),
+    (1, 2, 1),
+]  # T_W <= T_F, T_I: the ZB paper's setting
 
 
-def simulate(name: str, num_ranks: int, num_microbatches: int, virtual: int | None = None, costs=(1, 1, 1)):
+def simulate(
+    name: str, num_ranks: int, num_microbatches: int, virtual: int | None = None, costs=(1, 1, 1)
+):
     schedule = cs.build(name, ranks=num_ranks, microbatches=num_microbatches, virtual=virtual)
     return cs.simulate(schedule, CostModel.uniform(schedule.num_stages, *costs))
 
@@ -47,10 +54,24 @@ def first_start(timeline, rank: int) -> float:
 @pytest.mark.parametrize(
     ("num_ranks", "num_microbatches", "expected"),
     [
-        (4, 8, {"1f1b": (0.273, Fraction(3, 11)), "interleaved-1f1b": (0.158, Fraction(3, 19)),
-                "zb-h1": (0.111, Fraction(3, 27))}),
-        (8, 16, {"1f1b": (0.304, Fraction(7, 23)), "interleaved-1f1b": (0.180, Fraction(7, 39)),
-                 "zb-h1": (0.127, Fraction(7, 55))}),
+        (
+            4,
+            8,
+            {
+                "1f1b": (0.273, Fraction(3, 11)),
+                "interleaved-1f1b": (0.158, Fraction(3, 19)),
+                "zb-h1": (0.111, Fraction(3, 27)),
+            },
+        ),
+        (
+            8,
+            16,
+            {
+                "1f1b": (0.304, Fraction(7, 23)),
+                "interleaved-1f1b": (0.180, Fraction(7, 39)),
+                "zb-h1": (0.127, Fraction(7, 55)),
+            },
+        ),
     ],
 )
 def test_reference_idle_fractions(num_ranks, num_microbatches, expected):
@@ -73,7 +94,10 @@ def test_gpipe_and_1f1b_idle_fraction_is_p_minus_1_over_m_plus_p_minus_1():
             for num_microbatches in range(1, 4 * num_ranks + 1):
                 timeline = simulate(name, num_ranks, num_microbatches)
                 expected = Fraction(num_ranks - 1, num_microbatches + num_ranks - 1)
-                assert timeline.makespan == 3 * (num_microbatches + num_ranks - 1), (name, num_ranks)
+                assert timeline.makespan == 3 * (num_microbatches + num_ranks - 1), (
+                    name,
+                    num_ranks,
+                )
                 assert Fraction(timeline.bubble_ratio).limit_denominator(1000) == expected
 
 
@@ -122,9 +146,14 @@ def test_interleaved_peak_activations():
     for num_ranks in range(2, 8):
         for virtual in (2, 3):
             for num_microbatches in (num_ranks, 2 * num_ranks, 3 * num_ranks):
-                peaks = simulate("interleaved-1f1b", num_ranks, num_microbatches, virtual).peak_activations()
+                peaks = simulate(
+                    "interleaved-1f1b", num_ranks, num_microbatches, virtual
+                ).peak_activations()
                 assert peaks == [
-                    min((virtual - 1) * num_ranks + 2 * (num_ranks - 1 - r) + 1, virtual * num_microbatches)
+                    min(
+                        (virtual - 1) * num_ranks + 2 * (num_ranks - 1 - r) + 1,
+                        virtual * num_microbatches,
+                    )
                     for r in range(num_ranks)
                 ]
 
@@ -164,7 +193,10 @@ def test_zb_h1_idle_time_per_rank_is_p_minus_1_times_f_plus_i_minus_w(costs):
             idle = idle_per_rank(timeline, 1, num_microbatches, costs)
             assert idle == (num_ranks - 1) * (forward + backward_input - backward_weight)
             one_f_one_b = simulate("1f1b", num_ranks, num_microbatches, costs=costs)
-            assert idle_per_rank(one_f_one_b, 1, num_microbatches, costs) - idle == 2 * (num_ranks - 1) * backward_weight
+            assert (
+                idle_per_rank(one_f_one_b, 1, num_microbatches, costs) - idle
+                == 2 * (num_ranks - 1) * backward_weight
+            )
 
 
 def test_zb_h1_and_h2_peak_memory():
@@ -172,12 +204,14 @@ def test_zb_h1_and_h2_peak_memory():
     rank), ZB-H2 (2p-1) M_B; M_B = one microbatch's activations of a whole rank (V = 1)."""
     for num_ranks in range(1, 9):
         for num_microbatches in range(1, 4 * num_ranks + 1):
-            assert simulate("zb-h1", num_ranks, num_microbatches).peak_activations() == [
-                min(num_ranks, num_microbatches)
-            ] * num_ranks
-            assert simulate("zb-h2", num_ranks, num_microbatches).peak_activations() == [
-                min(2 * num_ranks - 1, num_microbatches)
-            ] * num_ranks
+            assert (
+                simulate("zb-h1", num_ranks, num_microbatches).peak_activations()
+                == [min(num_ranks, num_microbatches)] * num_ranks
+            )
+            assert (
+                simulate("zb-h2", num_ranks, num_microbatches).peak_activations()
+                == [min(2 * num_ranks - 1, num_microbatches)] * num_ranks
+            )
 
 
 def test_zb_h2_with_equal_costs_has_no_gap_on_any_rank():
@@ -208,7 +242,9 @@ def test_zb_h2_bubble_with_unequal_costs(costs):
             timeline = simulate("zb-h2", num_ranks, num_microbatches, costs=costs)
             bubble = max(0, forward + backward_input - 2 * backward_weight)
             assert gaps(timeline, 0) == (num_ranks - 1) * bubble
-            assert timeline.makespan == num_microbatches * sum(costs) + (num_ranks - 1) * max(forward, bubble)
+            assert timeline.makespan == num_microbatches * sum(costs) + (num_ranks - 1) * max(
+                forward, bubble
+            )
             if bubble > 0:
                 h1 = simulate("zb-h1", num_ranks, num_microbatches, costs=costs)
                 assert timeline.makespan < h1.makespan
@@ -226,16 +262,27 @@ def test_interleaved_zero_bubble():
             for num_microbatches in (num_ranks, 2 * num_ranks, 3 * num_ranks + 1):
                 h1 = simulate("zb-h1", num_ranks, num_microbatches, virtual)
                 assert h1.makespan == 3 * virtual * num_microbatches + num_ranks - 1
-                first_round = len(microbatch_rounds(num_ranks, num_microbatches)[0])  # P when P divides M
-                assert h1.peak_activations() == [(virtual - 1) * first_round + num_ranks] * num_ranks
+                first_round = len(
+                    microbatch_rounds(num_ranks, num_microbatches)[0]
+                )  # P when P divides M
+                assert (
+                    h1.peak_activations() == [(virtual - 1) * first_round + num_ranks] * num_ranks
+                )
                 interleaved = simulate("interleaved-1f1b", num_ranks, num_microbatches, virtual)
                 assert h1.makespan < interleaved.makespan
                 if num_microbatches < 2 * num_ranks:
                     continue
                 for costs in UNEQUAL_COSTS:
                     h2 = simulate("zb-h2", num_ranks, num_microbatches, virtual, costs=costs)
-                    h1_unequal = simulate("zb-h1", num_ranks, num_microbatches, virtual, costs=costs)
-                    assert h2.makespan < h1_unequal.makespan, (num_ranks, virtual, num_microbatches, costs)
+                    h1_unequal = simulate(
+                        "zb-h1", num_ranks, num_microbatches, virtual, costs=costs
+                    )
+                    assert h2.makespan < h1_unequal.makespan, (
+                        num_ranks,
+                        virtual,
+                        num_microbatches,
+                        costs,
+                    )
 
 
 # -- ZB-V (Qi et al., arXiv 2401.10241, Section 6) ----------------------------------------------
@@ -261,7 +308,9 @@ def test_zbv_beats_1f1b_on_the_same_stages_with_unequal_costs():
         for num_microbatches in (2 * num_ranks, 3 * num_ranks + 1, 4 * num_ranks):
             for costs in UNEQUAL_COSTS:
                 zbv = simulate("zbv", num_ranks, num_microbatches, costs=costs)
-                interleaved = simulate("interleaved-1f1b", num_ranks, num_microbatches, 2, costs=costs)
+                interleaved = simulate(
+                    "interleaved-1f1b", num_ranks, num_microbatches, 2, costs=costs
+                )
                 assert zbv.makespan < interleaved.makespan
 
 
@@ -307,9 +356,11 @@ def overlapped_pairs_makespan(schedule: Schedule, costs: CostModel) -> float:
 
     def produces(action: Action):
         s, m = action.stage, action.microbatch
-        return {ActionKind.F: [("F", s, m)], ActionKind.B: [("G", s, m)], ActionKind.I: [("G", s, m), ("I", s, m)]}.get(
-            action.kind, []
-        )
+        return {
+            ActionKind.F: [("F", s, m)],
+            ActionKind.B: [("G", s, m)],
+            ActionKind.I: [("G", s, m), ("I", s, m)],
+        }.get(action.kind, [])
 
     done: dict[tuple[str, int, int], float] = {}
     position = [0] * len(units)
@@ -335,7 +386,9 @@ def overlapped_pairs_makespan(schedule: Schedule, costs: CostModel) -> float:
     return max(clock)
 
 
-@pytest.mark.parametrize("costs", [(1, 1, 1), (2, 3, 1), (2, 2, 1), (1, 2, 1), (1, 3, 2), (3, 2, 1), (2, 1, 1)])
+@pytest.mark.parametrize(
+    "costs", [(1, 1, 1), (2, 3, 1), (2, 2, 1), (1, 2, 1), (1, 3, 2), (3, 2, 1), (2, 1, 1)]
+)
 def test_dualpipev_bubble_is_deepseeks_with_overlapped_pairs(costs):
     """(PP/2-1)(F&B+B-3W) with PP = 2P, B = I + W and F&B = F + B: exactly, per rank, when
     the pairs run as one unit (both inputs first), as in DeepSeek's runtime, M >= 2P, and
@@ -366,7 +419,9 @@ def test_dualpipev_run_pair_by_pair_idles_less_and_keeps_2p_plus_1_activations()
             for costs in UNEQUAL_COSTS:
                 forward, backward_input, backward_weight = costs
                 unequal = simulate("dualpipev", num_ranks, num_microbatches, costs=costs)
-                bound = (num_ranks - 1) * (forward + 2 * (backward_input + backward_weight) - 3 * backward_weight)
+                bound = (num_ranks - 1) * (
+                    forward + 2 * (backward_input + backward_weight) - 3 * backward_weight
+                )
                 assert idle_per_rank(unequal, 2, num_microbatches, costs) <= bound
 
 

@@ -62,6 +62,31 @@ class ProgramWriter:
         self.stages.append(stage)
         self.microbatches.append(microbatch)
 
+    def extend(self, kind: ActionKind, stages: Sequence[int], microbatches: Sequence[int]) -> None:
+        """Append ``kind`` for each (stage, microbatch) pair of the two sequences."""
+        self.kinds.extend(repeat(kind, len(stages)))
+        self.stages.extend(stages)
+        self.microbatches.extend(microbatches)
+
+    def weave(self, columns: Sequence[tuple[ActionKind, Sequence[int], Sequence[int]]]) -> None:
+        """Append n steps, step j running ``columns[0]``'s j-th action, then ``columns[1]``'s, ...
+
+        Each column is (kind, stages, microbatches) of the same length n; the
+        lists are interleaved by slice assignment, with no Python loop per action.
+        """
+        width, steps = len(columns), len(columns[0][1])
+        assert all(len(c[1]) == len(c[2]) == steps for c in columns), "columns of different lengths"
+        kinds: list = [None] * (width * steps)
+        stages: list = [0] * (width * steps)
+        microbatches: list = [0] * (width * steps)
+        for offset, (kind, column_stages, column_microbatches) in enumerate(columns):
+            kinds[offset::width] = repeat(kind, steps)
+            stages[offset::width] = column_stages
+            microbatches[offset::width] = column_microbatches
+        self.kinds.extend(kinds)
+        self.stages.extend(stages)
+        self.microbatches.extend(microbatches)
+
     def forward(self, stage: int, microbatch: int) -> None:
         self.add(_F, stage, microbatch)
 
@@ -101,9 +126,15 @@ class ProgramWriter:
 
 def check_sizes(name: str, num_ranks: int, num_microbatches: int, virtual: int) -> None:
     """Raise ScheduleError unless all three sizes are positive integers (builders called directly)."""
-    for what, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches), ("virtual", virtual)):
+    for what, value in (
+        ("num_ranks", num_ranks),
+        ("num_microbatches", num_microbatches),
+        ("virtual", virtual),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"schedule {name!r}: {what} must be a positive integer, got {value!r}")
+            raise ScheduleError(
+                f"schedule {name!r}: {what} must be a positive integer, got {value!r}"
+            )
 
 
 def check_virtual(name: str, virtual: int, allowed: int) -> None:
@@ -172,26 +203,51 @@ def looped_one_f_one_b(
     ``W`` follows it once more than ``weights_behind`` are pending; the rest
     end the program, in microbatch order per stage.
     """
-    forward_stages, forward_microbatches = looped_order(rank, num_ranks, virtual, rounds, backward=False)
-    backward_stages, backward_microbatches = looped_order(rank, num_ranks, virtual, rounds, backward=True)
+    forward_stages, forward_microbatches = looped_order(
+        rank, num_ranks, virtual, rounds, backward=False
+    )
+    backward_stages, backward_microbatches = looped_order(
+        rank, num_ranks, virtual, rounds, backward=True
+    )
     total = len(forward_stages)
     warmup = min(warmup, total)
-    add = writer.add
-    for index in range(warmup):
-        add(_F, forward_stages[index], forward_microbatches[index])
-    next_forward, next_weight = warmup, 0
-    backward_kind = _I if split_backward else _B
-    for index in range(total):
-        if next_forward < total:
-            add(_F, forward_stages[next_forward], forward_microbatches[next_forward])
-            next_forward += 1
-        add(backward_kind, backward_stages[index], backward_microbatches[index])
-        if split_backward and index + 1 - next_weight > weights_behind:
-            add(_W, backward_stages[next_weight], backward_microbatches[next_weight])
-            next_weight += 1
-    if split_backward:
-        for index in range(next_weight, total):
-            add(_W, backward_stages[index], backward_microbatches[index])
+    steady = total - warmup  # steps that start with a forward
+    writer.extend(_F, forward_stages[:warmup], forward_microbatches[:warmup])
+    if not split_backward:
+        writer.weave(
+            [
+                (_F, forward_stages[warmup:], forward_microbatches[warmup:]),
+                (_B, backward_stages[:steady], backward_microbatches[:steady]),
+            ]
+        )
+        writer.extend(_B, backward_stages[steady:], backward_microbatches[steady:])
+        return
+    # Step k (one per I): F(warmup + k) while k < steady, then I(k), then W(k - behind) once
+    # k >= behind. Between these two bounds each step has the same shape: weave it whole.
+    behind = weights_behind
+    bounds = sorted({0, min(steady, total), min(behind, total), total})
+    for low, high in zip(bounds, bounds[1:]):
+        columns = []
+        if low < steady:
+            columns.append(
+                (
+                    _F,
+                    forward_stages[warmup + low : warmup + high],
+                    forward_microbatches[warmup + low : warmup + high],
+                )
+            )
+        columns.append((_I, backward_stages[low:high], backward_microbatches[low:high]))
+        if low >= behind:
+            columns.append(
+                (
+                    _W,
+                    backward_stages[low - behind : high - behind],
+                    backward_microbatches[low - behind : high - behind],
+                )
+            )
+        writer.weave(columns)
+    held_back = max(0, total - behind)
+    writer.extend(_W, backward_stages[held_back:], backward_microbatches[held_back:])
 
 
 def handcrafted_zero_bubble(

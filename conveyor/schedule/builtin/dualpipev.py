@@ -58,7 +58,7 @@ from conveyor.schedule.builtin._program import (
     check_virtual,
     make_schedule,
 )
-from conveyor.schedule.ir import Placement, Schedule
+from conveyor.schedule.ir import ActionKind, Placement, Schedule
 from conveyor.schedule.registry import register
 
 
@@ -74,7 +74,8 @@ def dualpipev(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Schedu
     P = num_ranks
     padded = max(num_microbatches, 2 * P)
     writers = [_rank_program(rank, P, padded) for rank in range(P)]
-    return make_schedule("dualpipev", Placement.vshape(P), num_microbatches, writers, below=num_microbatches)
+    below = num_microbatches if padded > num_microbatches else None  # leave the padding out
+    return make_schedule("dualpipev", Placement.vshape(P), num_microbatches, writers, below=below)
 
 
 def _rank_program(rank: int, num_ranks: int, num_microbatches: int) -> ProgramWriter:
@@ -82,7 +83,9 @@ def _rank_program(rank: int, num_ranks: int, num_microbatches: int) -> ProgramWr
     down, up = rank, 2 * num_ranks - 1 - rank
     forward = {down: 0, up: 0}
     backward = {down: 0, up: 0}
-    held_back: deque[tuple[int, int]] = deque()  # (stage, microbatch) of each I whose W is still to run
+    held_back: deque[tuple[int, int]] = (
+        deque()
+    )  # (stage, microbatch) of each I whose W is still to run
 
     def f(stage: int) -> None:
         writer.forward(stage, forward[stage])
@@ -100,6 +103,14 @@ def _rank_program(rank: int, num_ranks: int, num_microbatches: int) -> ProgramWr
     def w() -> None:
         writer.backward_weight(*held_back.popleft())
 
+    def run(
+        kind: ActionKind, stage: int, counters: dict[int, int], steps: int
+    ) -> tuple[ActionKind, list[int], range]:
+        """The next ``steps`` microbatches of ``counters[stage]``, as a column for ``weave``."""
+        first = counters[stage]
+        counters[stage] = first + steps
+        return kind, [stage] * steps, range(first, first + steps)
+
     P, r = num_ranks, rank
     for _ in range(2 * (P - 1 - r)):  # 1
         f(down)
@@ -110,15 +121,24 @@ def _rank_program(rank: int, num_ranks: int, num_microbatches: int) -> ProgramWr
         b(up, split=True)
         w()
         f(up)
-    for _ in range(num_microbatches - 2 * P + r + 1):  # 4
-        f(down)
-        b(up)
-        f(up)
-        b(down)
-    for _ in range(P - 1 - r):  # 5
-        b(up)
-        f(up)
-        b(down)
+    # 4 and 5 hold almost all of the program: written in bulk, counters moved on after.
+    steps = num_microbatches - 2 * P + r + 1  # 4
+    writer.weave(
+        [
+            run(ActionKind.F, down, forward, steps),
+            run(ActionKind.B, up, backward, steps),
+            run(ActionKind.F, up, forward, steps),
+            run(ActionKind.B, down, backward, steps),
+        ]
+    )
+    steps = P - 1 - r  # 5
+    writer.weave(
+        [
+            run(ActionKind.B, up, backward, steps),
+            run(ActionKind.F, up, forward, steps),
+            run(ActionKind.B, down, backward, steps),
+        ]
+    )
     split = False
     middle = (r + 1) // 2
     for index in range(r + 1):  # 6

@@ -32,7 +32,7 @@ from conveyor.schedule.builtin._program import (
     check_virtual,
     make_schedule,
 )
-from conveyor.schedule.ir import Placement, Schedule
+from conveyor.schedule.ir import ActionKind, Placement, Schedule
 from conveyor.schedule.registry import register
 
 
@@ -48,10 +48,9 @@ def gpipe(num_ranks: int, num_microbatches: int, virtual: int = 1) -> Schedule:
     writers = []
     for rank in range(num_ranks):
         writer = ProgramWriter()
-        for microbatch in range(num_microbatches):
-            writer.forward(rank, microbatch)
-        for microbatch in range(num_microbatches):
-            writer.backward(rank, microbatch)
+        stages, microbatches = [rank] * num_microbatches, range(num_microbatches)
+        writer.extend(ActionKind.F, stages, microbatches)
+        writer.extend(ActionKind.B, stages, microbatches)
         writers.append(writer)
     return make_schedule("gpipe", Placement.looped(num_ranks, 1), num_microbatches, writers)
 

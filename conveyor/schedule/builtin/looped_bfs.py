@@ -35,7 +35,7 @@ peak live activations per rank [16, 16, 16, 16].
 from __future__ import annotations
 
 from conveyor.schedule.builtin._program import ProgramWriter, check_sizes, make_schedule
-from conveyor.schedule.ir import Placement, Schedule
+from conveyor.schedule.ir import ActionKind, Placement, Schedule
 from conveyor.schedule.registry import register
 
 
@@ -50,12 +50,11 @@ def looped_bfs(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Sched
     writers = []
     for rank in range(num_ranks):
         writer = ProgramWriter()
+        microbatches = range(num_microbatches)
         for local in range(virtual):
-            for microbatch in range(num_microbatches):
-                writer.forward(local * num_ranks + rank, microbatch)
+            writer.extend(ActionKind.F, [local * num_ranks + rank] * num_microbatches, microbatches)
         for local in reversed(range(virtual)):
-            for microbatch in range(num_microbatches):
-                writer.backward(local * num_ranks + rank, microbatch)
+            writer.extend(ActionKind.B, [local * num_ranks + rank] * num_microbatches, microbatches)
         writers.append(writer)
     placement = Placement.looped(num_ranks, virtual)
     return make_schedule("looped-bfs", placement, num_microbatches, writers)

@@ -54,7 +54,12 @@ def one_f_one_b(num_ranks: int, num_microbatches: int, virtual: int = 1) -> Sche
     for rank in range(num_ranks):
         writer = ProgramWriter()
         looped_one_f_one_b(
-            writer, rank=rank, num_ranks=num_ranks, virtual=1, rounds=rounds, warmup=num_ranks - 1 - rank
+            writer,
+            rank=rank,
+            num_ranks=num_ranks,
+            virtual=1,
+            rounds=rounds,
+            warmup=num_ranks - 1 - rank,
         )
         writers.append(writer)
     return make_schedule("1f1b", Placement.looped(num_ranks, 1), num_microbatches, writers)

@@ -52,8 +52,10 @@ from conveyor.schedule.builtin._program import (
     check_virtual,
     make_schedule,
 )
-from conveyor.schedule.ir import Placement, Schedule
+from conveyor.schedule.ir import ActionKind, Placement, Schedule
 from conveyor.schedule.registry import register
+
+F, I, W = ActionKind.F, ActionKind.I, ActionKind.W  # noqa: E741
 
 
 def zbv(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Schedule:
@@ -70,56 +72,49 @@ def zbv(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Schedule:
     writers = []
     for rank in range(P):
         writers.append(_rank_program(rank, P, padded))
-    return make_schedule("zbv", Placement.vshape(P), num_microbatches, writers, below=num_microbatches)
+    below = num_microbatches if padded > num_microbatches else None  # leave the padding out
+    return make_schedule("zbv", Placement.vshape(P), num_microbatches, writers, below=below)
 
 
 def _rank_program(rank: int, num_ranks: int, num_microbatches: int) -> ProgramWriter:
+    """Rank ``rank``'s program for ``num_microbatches`` >= 2P-1, phase by phase (see the module)."""
+    P, r, n = num_ranks, rank, num_microbatches
+    down, up = r, 2 * P - 1 - r
     writer = ProgramWriter()
-    down, up = rank, 2 * num_ranks - 1 - rank
-    # Next microbatch of each pass on each of the two stages.
-    forward = {down: 0, up: 0}
-    backward = {down: 0, up: 0}
-    weight = {down: 0, up: 0}
 
-    def f(stage: int) -> None:
-        writer.forward(stage, forward[stage])
-        forward[stage] += 1
+    def run(
+        kind: ActionKind, stage: int, microbatches: range
+    ) -> tuple[ActionKind, list[int], range]:
+        return kind, [stage] * len(microbatches), microbatches
 
-    def i(stage: int) -> None:
-        writer.backward_input(stage, backward[stage])
-        backward[stage] += 1
-
-    def w(stage: int) -> None:
-        writer.backward_weight(stage, weight[stage])
-        weight[stage] += 1
-
-    for _ in range(2 * (num_ranks - rank) - 1):
-        f(down)
-    for _ in range(rank):
-        f(up)
-        f(down)
-    for _ in range(num_ranks - rank):
-        f(up)
-        i(up)
-        w(up)
-    while forward[up] < num_microbatches:
-        if forward[down] < num_microbatches:
-            f(down)
-        i(down)
-        w(down)
-        f(up)
-        i(up)
-        w(up)
-    for _ in range(rank):
-        i(down)
-        i(up)
-    for _ in range(num_ranks - rank):
-        i(down)
-        w(down)
-    while weight[up] < num_microbatches:
-        w(up)
-    while weight[down] < num_microbatches:
-        w(down)
+    first = 2 * (P - r) - 1  # forwards down before the first one up
+    with_down = n - first - r  # steady steps that still have a forward down
+    writer.extend(F, [down] * first, range(first))  # 1
+    writer.weave([run(F, up, range(r)), run(F, down, range(first, first + r))])  # 2
+    writer.weave([run(F, up, range(r, P)), run(I, up, range(P - r)), run(W, up, range(P - r))])  # 3
+    writer.weave(  # 4, steps 0 .. with_down-1
+        [
+            run(F, down, range(first + r, n)),
+            run(I, down, range(with_down)),
+            run(W, down, range(with_down)),
+            run(F, up, range(P, P + with_down)),
+            run(I, up, range(P - r, P - r + with_down)),
+            run(W, up, range(P - r, P - r + with_down)),
+        ]
+    )
+    writer.weave(  # 4, the last P-1-r steps: no forward down left
+        [
+            run(I, down, range(with_down, n - P)),
+            run(W, down, range(with_down, n - P)),
+            run(F, up, range(P + with_down, n)),
+            run(I, up, range(P - r + with_down, n - r)),
+            run(W, up, range(P - r + with_down, n - r)),
+        ]
+    )
+    writer.weave([run(I, down, range(n - P, n - P + r)), run(I, up, range(n - r, n))])  # 5
+    writer.weave([run(I, down, range(n - P + r, n)), run(W, down, range(n - P, n - r))])  # 6
+    writer.extend(W, [up] * r, range(n - r, n))  # 7
+    writer.extend(W, [down] * r, range(n - r, n))
     return writer
 
 
