@@ -73,6 +73,12 @@ class ProgramWriter:
 
         Each column is (kind, stages, microbatches) of the same length n; the
         lists are interleaved by slice assignment, with no Python loop per action.
+
+        Example:
+            >>> writer = ProgramWriter()
+            >>> writer.weave([(ActionKind.F, [0, 0], [2, 3]), (ActionKind.B, [0, 0], [0, 1])])
+            >>> [str(a) for a in writer.actions()]
+            ['0F2', '0B0', '0F3', '0B1']
         """
         width, steps = len(columns), len(columns[0][1])
         assert all(len(c[1]) == len(c[2]) == steps for c in columns), "columns of different lengths"
