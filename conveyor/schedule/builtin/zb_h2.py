@@ -8,7 +8,10 @@ With T_F = T_I = T_W every rank then works without a single gap from its
 first action to its last; the price is 2P-1 live activations on every rank.
 
 With V > 1 it is interleaved like ZB-H1 (looped, rounds as in interleaved
-1F1B, warm-up (V-1) x G + 2(P-1-r)).
+1F1B, warm-up (V-1) x G + 2(P-1-r)). It then beats ZB-H1 when T_W < T_F, T_I
+and M >= 2P; with equal costs interleaved ZB-H1 already reaches the lower
+bound, and ZB-H2 gains nothing (from P = 7 on it loses up to 2 T_F to gaps in
+its ramp-up).
 
 Phases on rank r of P, with n = V x M forwards per rank and G the first round's
 size (G = M for V = 1):
@@ -20,7 +23,7 @@ size (G = M for V = 1):
   4. the 2r held-back W, oldest first.
 
 With uniform stage costs and M >= 2P-1 (V = 1): no rank has an internal gap
-when T_F = T_I = T_W; rank 0's internal idle is (P-1)(T_F+T_I-2T_W) in general
+when T_F = T_I = T_W; rank 0's internal idle is (P-1) max(0, T_F+T_I-2T_W) in general
 (the paper's bubble, T_B = our T_I); what is left is the start-up skew, rank r
 starting at r x T_F, which the paper removes by overlapping consecutive steps
 (its optimizer post-validation). Peak live activations min(2P-1, M) on every
