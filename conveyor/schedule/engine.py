@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import islice, repeat
+from itertools import chain, repeat
 from operator import add, floordiv, mul
 
 from conveyor.schedule.cost import CostModel
@@ -240,13 +240,20 @@ def step(num_ranks: int, codes: Sequence[list[int]], needs: Sequence[list[int]],
     done[REGION_NONE * SM :] = b"\x01" * SM
     waiting: dict[int, list[int]] = {}
     position = [0] * num_ranks
+    # One iterator per rank, resumed where it stopped (an islice from the position would
+    # skip the done prefix again on every resume: quadratic).
+    steps = [zip(codes[rank], needs[rank]) for rank in range(num_ranks)]
+    pending: list[tuple[int, int] | None] = [None] * num_ranks
     work = list(range(num_ranks - 1, -1, -1))
     while work:
         rank = work.pop()
         i = position[rank]
-        for code, need in zip(islice(codes[rank], i, None), islice(needs[rank], i, None)):
+        head = pending[rank]
+        pending[rank] = None
+        for code, need in steps[rank] if head is None else chain((head,), steps[rank]):
             if not done[need]:
                 waiting.setdefault(need, []).append(rank)
+                pending[rank] = (code, need)
                 break
             done[code] = 1
             if code in waiting:
@@ -314,36 +321,41 @@ def _runs_clean(schedule: Schedule, space: CodeSpace, lowered: bool) -> bool:
     tables = _rank_tables(space, lowered, lambda kind, s, base, delta: (base, delta, _KIND_MARK[kind]))
     done = bytearray(space.size)
     done[REGION_NONE * SM :] = b"\x01" * SM
-    waiting: dict[int, list[int]] = {}
-    position = [0] * num_ranks
+    # A valid schedule has at most one rank waiting for any code (its one consumer on
+    # another rank): one slot per code. An overwritten slot belongs to an invalid schedule,
+    # which then stops early and goes to the diagnosis anyway.
+    waiting: dict[int, int] = {}
+    # One iterator per rank, resumed where it stopped; `pending` holds the action it waits to run.
+    actions = [iter(p) for p in programs]
+    pending: list[Action | None] = [None] * num_ranks
     work = list(range(num_ranks - 1, -1, -1))
-    rank = i = 0
+    action = None
     try:
         while work:
             rank = work.pop()
             table = tables[rank]
-            i = position[rank]
-            for action in islice(programs[rank], i, None):
+            head = pending[rank]
+            pending[rank] = None
+            for action in actions[rank] if head is None else chain((head,), actions[rank]):
                 base, delta, mark = table[id(action.kind)][action.stage]
                 microbatch = action.microbatch
                 if not 0 <= microbatch < M:
                     return False
                 code = base + microbatch
                 if not done[code + delta]:
-                    waiting.setdefault(code + delta, []).append(rank)
+                    waiting[code + delta] = rank
+                    pending[rank] = action
                     break
                 done[code] = mark
                 if code in waiting:
-                    work.extend(waiting.pop(code))
-                i += 1
-            position[rank] = i
+                    work.append(waiting.pop(code))
     except KeyError:
-        if not lowered and id(getattr(programs[rank][i], "kind", None)) in COMM_KIND_IDS:
+        if not lowered and id(getattr(action, "kind", None)) in COMM_KIND_IDS:
             raise _Restart from None
         return False
     except (AttributeError, TypeError, IndexError):
         return False
-    if any(position[r] != len(programs[r]) for r in range(num_ranks)):
+    if any(head is not None for head in pending):
         return False
     # Every action ran; each wrote its own code once unless duplicated.
     if REGION_NONE * SM - done.count(0, 0, REGION_NONE * SM) != sum(map(len, programs)):
@@ -401,14 +413,16 @@ def _run(schedule: Schedule, space: CodeSpace, duration: Callable[[Action], floa
     for offset in {0, remote_slot}:
         start = offset + REGION_NONE * SM
         done_at[start : start + SM] = [float("-inf")] * SM
-    waiting: dict[int, list[int]] = {}
+    waiting: dict[int, int] = {}  # one slot per code, as in _runs_clean
     size = space.size
     position = [0] * num_ranks
     clock = [0.0] * num_ranks
     starts: list[list[float]] = [[] for _ in range(num_ranks)]
     ends: list[list[float]] = [[] for _ in range(num_ranks)]
+    actions = [iter(p) for p in programs]
+    pending: list[Action | None] = [None] * num_ranks
     work = list(range(num_ranks - 1, -1, -1))
-    rank = i = 0
+    action = None
     try:
         while work:
             rank = work.pop()
@@ -417,13 +431,16 @@ def _run(schedule: Schedule, space: CodeSpace, duration: Callable[[Action], floa
             now = clock[rank]
             add_start = starts[rank].append
             add_end = ends[rank].append
-            for action in islice(programs[rank], i, None):
+            head = pending[rank]
+            pending[rank] = None
+            for action in actions[rank] if head is None else chain((head,), actions[rank]):
                 base, delta, took = table[id(action.kind)][action.stage]
                 code = base + action.microbatch
                 ready = done_at[code + delta]
                 if ready is None:
                     # Wait on the code itself (its producer announces that one, not the remote slot).
-                    waiting.setdefault((code + delta) % size, []).append(rank)
+                    waiting[(code + delta) % size] = rank
+                    pending[rank] = action
                     break
                 if ready > now:
                     now = ready
@@ -437,12 +454,12 @@ def _run(schedule: Schedule, space: CodeSpace, duration: Callable[[Action], floa
                 if remote_slot:
                     done_at[code + remote_slot] = now + lat
                 if code in waiting:
-                    work.extend(waiting.pop(code))
+                    work.append(waiting.pop(code))
                 i += 1
             position[rank] = i
             clock[rank] = now
     except KeyError:
-        if not lowered and id(getattr(programs[rank][i], "kind", None)) in COMM_KIND_IDS:
+        if not lowered and id(getattr(action, "kind", None)) in COMM_KIND_IDS:
             raise _Restart from None
         raise
     spans = _spans(programs, starts, ends)

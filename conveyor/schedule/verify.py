@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from conveyor.errors import ScheduleError
 from conveyor.schedule.engine import (
@@ -203,12 +203,20 @@ def _check_action(schedule: Schedule, rank: int, i: int, action: object, own_sta
         raise ScheduleError(f"{where}: action kind must be an ActionKind ({known}), got {kind!r}")
     for name, value in (("stage", stage), ("microbatch", microbatch)):
         if type(value) is not int:
-            raise ScheduleError(f"{where}: the {name} of a {kind.name} action must be an int, got {value!r}")
+            raise ScheduleError(
+                f"{where}: the {name} of an action must be an int, got {value!r} ({type(value).__name__}) "
+                f"in Action(kind={kind.name}, stage={stage!r}, microbatch={microbatch!r})"
+            )
     S, M = schedule.num_stages, schedule.num_microbatches
     label = _label(action)
     if not 0 <= stage < S:
         raise ScheduleError(
             f"{where}: {label} names stage {stage}, but the schedule has {S} stages (0..{S - 1})",
+            grid=_grid(schedule, {(rank, i): STUCK}),
+        )
+    if microbatch < 0:
+        raise ScheduleError(
+            f"{where}: {label} names microbatch {microbatch}; microbatch ids run from 0 to num_microbatches - 1",
             grid=_grid(schedule, {(rank, i): STUCK}),
         )
     if not 0 <= microbatch < M:
@@ -372,23 +380,26 @@ def _check_comms(
                 peer_rank = stage_to_rank[peer_stage]
                 if own is not None and peer is not None:
                     continue
-                marks = {(rank, i): STUCK}
                 if own is None and peer is not None:
-                    marks[peer] = AWAITED
+                    # The peer's SEND/RECV is an orphan; ours belongs next to `action`.
                     verb = "sends" if peer_region in (REGION_SEND_F, REGION_SEND_B) else "receives"
                     raise ScheduleError(
                         f"rank {peer_rank} {verb} {peer_label} at step {peer[1]}, but rank {rank} has no matching "
                         f"{own_label}: add it {side} {action} (step {i}) on rank {rank}",
-                        grid=_grid(schedule, marks),
+                        grid=_grid(schedule, {peer: STUCK, (rank, i): AWAITED}),
                     )
                 if own is not None and peer is None:
-                    marks[own] = AWAITED
+                    peer_side = "before" if side == "after" else "after"
+                    peer_compute = _peer_compute(peer_region, peer_stage, m, at)
+                    marks = {own: STUCK}
+                    if peer_compute[1] is not None:
+                        marks[peer_compute[1]] = AWAITED
                     raise ScheduleError(
                         f"rank {rank} has {own_label} at step {own[1]}, but rank {peer_rank} has no matching "
-                        f"{peer_label}: add it to rank {peer_rank}'s program "
-                        f"({'after' if side == 'after' else 'before'} {_peer_compute(peer_region, peer_stage, m)})",
+                        f"{peer_label}: add it {peer_side} {peer_compute[0]} on rank {peer_rank}",
                         grid=_grid(schedule, marks),
                     )
+                marks = {(rank, i): STUCK}
                 raise ScheduleError(
                     f"rank {rank} runs {action} at step {i}, whose {'input' if side == 'before' else 'output'} "
                     f"crosses to stage {peer_stage} on rank {peer_rank}, but the lowered program has neither "
@@ -404,11 +415,17 @@ def _code_label(region: int, stage: int, microbatch: int) -> str:
     return f"{stage}{name[region]}{microbatch}"
 
 
-def _peer_compute(peer_region: int, stage: int, microbatch: int) -> str:
-    """The compute action next to which the peer's SEND/RECV belongs."""
+def _peer_compute(
+    peer_region: int, stage: int, microbatch: int, at: Callable[[int, int, int], tuple[int, int] | None]
+) -> tuple[str, tuple[int, int] | None]:
+    """The compute action next to which the peer's SEND/RECV belongs (its label and where it is)."""
     if peer_region in (REGION_SEND_F, REGION_RECV_F):
-        return f"{stage}F{microbatch}"
-    return f"the backward of {stage}B{microbatch} or {stage}I{microbatch}"
+        where = at(REGION_F, stage, microbatch)
+        return (f"{stage}F{microbatch}" + ("" if where is None else f" (step {where[1]})")), where
+    where = at(REGION_G, stage, microbatch)
+    return f"the backward of stage {stage}, microbatch {microbatch}" + (
+        "" if where is None else f" (step {where[1]})"
+    ), where
 
 
 # -- 5. order and deadlock -----------------------------------------------------------------------
@@ -494,10 +511,14 @@ def _deadlock_error(schedule: Schedule, blocked: Sequence[Blocked]) -> ScheduleE
         lines.append("  " + _blocked_line(by_rank[rank], by_rank))
     fixes = []
     for rank in cycle:
-        # The action another rank of the cycle waits for, which this rank would have to run earlier.
+        # The action another rank of the cycle waits for, which this rank would have to run earlier
+        # (not possible where a rank is stuck at that very action).
         waiter = next(b for b in blocked if b.rank in in_cycle and b.producer_rank == rank)
-        fixes.append(f"{waiter.producer} before {by_rank[rank].action} on rank {rank}")
-    lines.append("  To break the cycle, one of these ranks must run the awaited action earlier: " + ", or ".join(fixes) + ".")
+        if waiter.producer_position is not None and waiter.producer_position > by_rank[rank].position:
+            fixes.append(f"{waiter.producer} before {by_rank[rank].action} on rank {rank}")
+    lines.append(
+        "  To break the cycle, one of these ranks must run the awaited action earlier: " + ", or ".join(fixes) + "."
+    )
     others = [b for b in blocked if b.rank not in in_cycle]
     if others:
         lines.append(f"  {len(others)} more rank(s) wait on these:")
@@ -517,12 +538,19 @@ def _deadlock_error(schedule: Schedule, blocked: Sequence[Blocked]) -> ScheduleE
 
 
 def _blocked_line(b: Blocked, by_rank: dict[int, Blocked]) -> str:
-    text = f"rank {b.rank} is stuck at step {b.position} ({b.action}): it waits for {b.waits_for}"
-    if b.producer is not None:
-        text += f", which rank {b.producer_rank} runs at step {b.producer_position} ({b.producer})"
+    text = f"rank {b.rank} is stuck at step {b.position} ({b.action}): it waits for "
+    at = f"at step {b.producer_position} of rank {b.producer_rank}"
+    if b.producer is None:
+        text += f"{b.waits_for}, from rank {b.producer_rank}"
+    elif b.producer.kind.is_comm:
+        text += f"{b.producer} {at}"
+    else:
+        text += f"{b.waits_for}, which {b.producer} computes {at}"
     stuck_there = by_rank.get(b.producer_rank)
-    if stuck_there is not None:
-        text += f"; rank {b.producer_rank} is stuck at step {stuck_there.position} ({stuck_there.action})"
+    if stuck_there is not None and stuck_there.position == b.producer_position:
+        text += ", which is stuck at that very action"
+    elif stuck_there is not None:
+        text += f", which is stuck at step {stuck_there.position} ({stuck_there.action})"
     return text + "."
 
 

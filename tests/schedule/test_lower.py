@@ -124,7 +124,7 @@ def test_lowering_a_big_schedule_keeps_every_action_and_adds_the_rest():
             lambda: Schedule(
                 "odd", Placement.looped(2), 1, ((Action.parse("0F0"), Action(ActionKind.B, "0", 0)), ())
             ),
-            "rank 0, step 1: the stage of a B action must be an int, got '0'",
+            "rank 0, step 1: the stage of an action must be an int, got '0' (str)",
         ),
         (
             lambda: Schedule("odd", Placement.looped(2), 1, ((Action.parse("0F0"), Action.parse("7B0")), ())),
