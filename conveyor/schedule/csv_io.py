@@ -226,8 +226,8 @@ def loads_csv(
     if format is not None and format not in _FORMATS:
         raise ScheduleError(f"{source}format must be one of {_FORMATS} or None, got {format!r}")
     rows = list(csv.reader(io.StringIO(text)))
-    while rows and not any(cell.strip() for cell in rows[-1]):
-        rows.pop()  # a trailing blank line is no rank
+    while rows and not rows[-1]:
+        rows.pop()  # trailing blank lines are no ranks (a row of empty cells is: an idle rank)
     schedule = schedule_from_rows(
         rows, name=name, placement=placement, num_microbatches=num_microbatches, drop=drop, source=source
     )
