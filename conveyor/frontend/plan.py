@@ -311,7 +311,7 @@ def split_model(
         )
         from conveyor.frontend.profile import profile_stages
 
-        weights = profile_stages(unit_plan, example_args, example_kwargs, default_device)
+        weights = profile_stages(unit_plan, example_args, example_kwargs, default_device, repeats=5)
         logger.info("measured unit costs (s): %s", dict(zip((u.name for u in units), weights)))
     cut_allowed = [
         weights[j] > 0 and not any(spans.cuts_inside(starts[j], name) for name in unsplittable)

@@ -1,9 +1,10 @@
 """Measure each stage's forward + backward time on a real device (for ``split_method="time"``).
 
 Stages run one after another on the example microbatch, each timed on its own:
-forward, then backward with ones as the gradients of its outputs. The best of a
-few repeats is kept (other processes on the machine only ever add time). The
-model is left as it was: gradients, buffers (BatchNorm statistics) and the random
+forward, then backward with ones as the gradients of its outputs (the ones are
+made inside the timed span, as a real output gradient would arrive). The best of
+a few rounds is kept: other processes on the machine only ever add time. The model
+is left as it was: gradients, buffers (BatchNorm statistics) and the random
 generator state are restored.
 """
 
@@ -31,6 +32,10 @@ def profile_stages(
 ) -> list[float]:
     """Seconds of forward + backward of each stage of ``plan`` on ``device``.
 
+    Each of ``repeats`` rounds runs every stage once (after one warm-up pass), and a
+    stage keeps its best time over the rounds: a burst of load from other processes
+    then spoils one round of a stage, not all its measurements.
+
     Example:
         >>> import conveyor.frontend as frontend
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
@@ -48,54 +53,54 @@ def profile_stages(
     args, kwargs = pytree.tree_map_only(
         torch.Tensor, lambda t: t.to(device), (tuple(example_args), dict(example_kwargs or {}))
     )
+    # Stages of a real model share its tensors, so all can be kept at once; stages of a
+    # meta model allocate their tensors, so each is built, timed and freed in turn.
+    on_meta = any(t.device.type == "meta" for t in plan.model.parameters())
+    kept = (
+        None if on_meta else [plan.stage_module(stage, device) for stage in range(plan.num_stages)]
+    )
     devices = [device] if device.type == "cuda" else []
-    costs = []
+    best = [float("inf")] * plan.num_stages
     with torch.random.fork_rng(devices=devices):
-        inputs: Any = None
-        for stage in range(plan.num_stages):
-            module = plan.stage_module(stage, device)
-            saved = _save_state(module)
-            best = float("inf")
-            outputs: Any = None
-            for _ in range(repeats + 1):  # the first run warms up (allocations, lazy init)
-                stage_inputs = None if stage == 0 else tuple(_as_received(v) for v in inputs)
-                _synchronize(device)
-                start = time.perf_counter()
-                if stage == 0:
-                    outputs = module(*args, **kwargs)
-                else:
-                    outputs = module(*stage_inputs)
-                _synchronize(device)
-                forward_s = time.perf_counter() - start
-                tensors = [
-                    value
-                    for value in pytree.tree_leaves(outputs)
-                    if isinstance(value, torch.Tensor) and value.requires_grad
-                ]
-                grads = [torch.ones_like(tensor) for tensor in tensors]
-                start = time.perf_counter()
-                if tensors:
-                    torch.autograd.backward(tensors, grads)
-                _synchronize(device)
-                backward_s = time.perf_counter() - start
-                best = min(best, forward_s + backward_s)
-                _restore_state(module, saved)
-            costs.append(best)
-            del module
-            if stage == plan.num_stages - 1:
-                break
-            inputs = outputs if isinstance(outputs, tuple) else (outputs,)
-            inputs = tuple(
-                value.detach() if isinstance(value, torch.Tensor) else value for value in inputs
-            )
-            # Keep the flag: the next stage must see which values carry gradients.
-            inputs = tuple(
-                value.requires_grad_(spec.requires_grad)
-                if isinstance(value, torch.Tensor)
-                else value
-                for value, spec in zip(inputs, plan.stage_output_specs(stage))
-            )
-    return costs
+        for round_index in range(1 if on_meta else repeats):
+            inputs: tuple[Any, ...] = ()
+            for stage in range(plan.num_stages):
+                module = plan.stage_module(stage, device) if kept is None else kept[stage]
+                saved = _save_state(module)
+                warm_up = 1 if round_index == 0 else 0
+                timed = repeats if on_meta else 1
+                for run in range(warm_up + timed):
+                    seconds, outputs = _time_once(module, stage, args, kwargs, inputs, device)
+                    if run >= warm_up:
+                        best[stage] = min(best[stage], seconds)
+                    _restore_state(module, saved)
+                del module
+                if stage < plan.num_stages - 1:
+                    specs = plan.stage_output_specs(stage)
+                    inputs = tuple(
+                        value.detach().requires_grad_(spec.requires_grad)
+                        if isinstance(value, torch.Tensor)
+                        else value
+                        for value, spec in zip(outputs, specs)
+                    )
+    return best
+
+
+def _time_once(module, stage, args, kwargs, inputs, device) -> tuple[float, Any]:
+    """Forward, then backward with ones as output gradients; seconds of both."""
+    received = tuple(_as_received(value) for value in inputs)
+    _synchronize(device)
+    start = time.perf_counter()
+    outputs = module(*args, **kwargs) if stage == 0 else module(*received)
+    tensors = [
+        value
+        for value in pytree.tree_leaves(outputs)
+        if isinstance(value, torch.Tensor) and value.requires_grad
+    ]
+    if tensors:
+        torch.autograd.backward(tensors, [torch.ones_like(tensor) for tensor in tensors])
+    _synchronize(device)
+    return time.perf_counter() - start, outputs
 
 
 def _as_received(value: Any) -> Any:
