@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from conveyor.errors import ConveyorError, PipelineConfigError, ScheduleError
+from conveyor.errors import ConveyorError, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.stage import LossFn, StageRunner
@@ -516,10 +516,62 @@ class LocalPipeline(_PipelineBase):
             yield p
 
 
-def pipeline(model: torch.nn.Module, *, example_args: tuple = (), example_kwargs: dict | None = None,
-             split_points: Sequence[str] | None = None, schedule: Schedule | str = "1f1b",
-             microbatches: int | None = None, virtual: int | None = None, loss_fn: LossFn | None = None,
-             split_method: str = "parameters", unsplittable: Sequence[str] | None = None,
-             group=None, **pipeline_kwargs: Any) -> Pipeline:
-    """Trace and split an unchanged ``model`` and return this rank's :class:`Pipeline` (see conveyor.frontend)."""
-    raise ScheduleError("conveyor.pipeline(model, ...) needs the tracing frontend, which is not wired in yet")
+def pipeline(
+    model: torch.nn.Module,
+    *,
+    example_args: tuple = (),
+    example_kwargs: dict | None = None,
+    split_points: Sequence[str] | None = None,
+    schedule: Schedule | str = "1f1b",
+    microbatches: int | None = None,
+    virtual: int | None = None,
+    loss_fn: LossFn | None = None,
+    split_method: str = "parameters",
+    unsplittable: Sequence[str] | None = None,
+    group=None,
+    device: torch.device | str | None = None,
+    **pipeline_kwargs: Any,
+) -> Pipeline:
+    """Trace and split an unchanged ``model``; return this rank's :class:`Pipeline`.
+
+    The same call on every rank. ``example_args`` / ``example_kwargs`` are ONE
+    microbatch. Without ``split_points`` the model is cut into P x V stages
+    balanced by ``split_method`` ("uniform", "parameters", "time",
+    "type:<regex>"); with "time", rank 0's measurement decides for every rank.
+    Each rank materialises only its own stages (a meta-device model works);
+    parameters keep their original names, and tied parameters (GPT-2's ``wte`` and
+    ``lm_head``) stay equal after every optimizer step.
+
+    Example (on each of 2 ranks)::
+
+        pipe = conveyor.pipeline(model, example_args=(ids[:2],), split_points=["model.layers.4"],
+                                 schedule="1f1b", microbatches=8, loss_fn=lambda out, y: out.loss)
+        loss = pipe.step(ids, labels=labels)
+    """
+    import torch.distributed as dist
+
+    from conveyor.frontend import split_model
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise PipelineConfigError(
+            "torch.distributed is not initialised: launch with torchrun and call "
+            "torch.distributed.init_process_group() first"
+        )
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    resolved = resolve_schedule(schedule, microbatches, virtual, world)
+    split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
+                        unsplittable=unsplittable, device=device)
+    if split_points is None and split_method == "time" and world > 1:
+        # Timings differ from rank to rank: one rank decides, so that every rank cuts alike.
+        chosen: list = [None]
+        if rank == 0:
+            chosen[0] = list(split_model(model, resolved.num_stages, split_method="time", **split_kwargs).split_points)
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(chosen, src=src, group=group)
+        split_points = chosen[0]
+    plan = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
+                       **split_kwargs)
+    modules = [plan.stage_module(stage, device) for stage in resolved.stages_of(rank)]
+    return Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=plan.tied_groups,
+                    **pipeline_kwargs)

@@ -1,0 +1,176 @@
+"""conveyor.pipeline() on unchanged Hugging Face models across gloo processes, against one device.
+
+Untied parameters: losses, gradients and parameters after 3 AdamW steps are bitwise equal.
+Tied parameters (GPT-2's wte = lm_head): each stage holding a copy contributes its part of the
+gradient and the parts are summed across ranks (or accumulate into one shared Parameter where
+one rank holds both stages), in another order than one device sums them. So the tied gradient is
+equal up to float rounding (allclose), and parameters that depend on it drift by rounding too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import conveyor
+from conveyor.testing import run_ranks
+
+NUM_MICROBATCHES = 4
+NUM_STEPS = 3
+TIED = {"lm_head.weight": "transformer.wte.weight"}
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=4,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama}
+
+
+def _batch():
+    ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(1))
+    return ids, ids.clone()
+
+
+def _external_loss(output, labels):
+    logits = output.logits[:, :-1].reshape(-1, output.logits.shape[-1])
+    return torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
+
+
+def _own_loss(output, _target):
+    return output.loss
+
+
+def _train(rank, world_size, which, schedule, virtual, own_loss):
+    model = MODELS[which]()
+    ids, labels = _batch()
+    example_kwargs = {"labels": labels[:2]} if own_loss else {}
+    pipe = conveyor.pipeline(
+        model,
+        example_args=(ids[:2],),
+        example_kwargs=example_kwargs,
+        schedule=schedule,
+        microbatches=NUM_MICROBATCHES,
+        virtual=virtual,
+        loss_fn=_own_loss if own_loss else _external_loss,
+    )
+    names = dict(pipe.named_parameters()).keys()
+    assert set(names) <= set(model.state_dict()), "stage parameter names must be the model's own"
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses, grads = [], None
+    for step in range(NUM_STEPS):
+        if own_loss:
+            losses.append(pipe.step(ids, labels=labels))
+        else:
+            losses.append(pipe.step(ids, target=labels))
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, grads, {n: p.detach().clone() for n, p in pipe.named_parameters()}
+
+
+def _reference(which, own_loss):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks' thread count: CPU reductions depend on it
+    try:
+        model = MODELS[which]()
+        ids, labels = _batch()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, grads = [], None
+        for step in range(NUM_STEPS):
+            total = None
+            for x, y in zip(
+                torch.tensor_split(ids, NUM_MICROBATCHES),
+                torch.tensor_split(labels, NUM_MICROBATCHES),
+            ):
+                out = model(x, labels=y) if own_loss else model(x)
+                loss = (out.loss if own_loss else _external_loss(out, y)) / NUM_MICROBATCHES
+                loss.backward()
+                total = loss.detach() if total is None else total + loss.detach()
+            losses.append(total)
+            if step == 0:
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+        return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        torch.set_num_threads(previous)
+
+
+CASES = [
+    # (model, schedule, virtual, ranks, own loss): 2 and 4 stages, 1f1b and zbv.
+    ("llama", "1f1b", None, 2, True),
+    ("llama", "zbv", 2, 2, True),
+    ("llama", "1f1b", None, 2, False),
+    ("gpt2", "1f1b", None, 2, True),
+    ("gpt2", "zbv", 2, 2, True),
+    ("gpt2", "1f1b", None, 4, False),
+]
+
+
+@pytest.mark.parametrize(("which", "schedule", "virtual", "num_ranks", "own_loss"), CASES)
+def test_hugging_face_model_unchanged_matches_one_device(
+    which, schedule, virtual, num_ranks, own_loss
+):
+    results = run_ranks(_train, num_ranks, args=(which, schedule, virtual, own_loss), timeout_s=240)
+    want_losses, want_grads, want_params = _reference(which, own_loss)
+    tied = TIED if which == "gpt2" else {}
+    held = set()
+    for losses, grads, params in results:
+        assert torch.equal(losses[0], want_losses[0])
+        for name, grad in grads.items():
+            want = want_grads[name if name in want_grads else tied[name]]
+            if name in tied or name in tied.values():
+                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-7)
+            else:
+                assert torch.equal(grad, want), f"{name}: gradient differs"
+        for name, value in params.items():
+            want = want_params[name if name in want_params else tied[name]]
+            if which == "gpt2":
+                # Adam turns the tied gradient's rounding into small parameter differences.
+                torch.testing.assert_close(value, want, rtol=0, atol=2e-3)
+            else:
+                assert torch.equal(value, want), (
+                    f"{name}: parameter after {NUM_STEPS} steps differs"
+                )
+        if which != "gpt2":
+            assert all(torch.equal(g, w) for g, w in zip(losses, want_losses))
+        held |= set(params)
+    model_names = {n for n, _ in MODELS[which]().named_parameters()}
+    assert {tied.get(n, n) for n in held} == model_names, "every parameter lives on some rank"
