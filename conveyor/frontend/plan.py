@@ -163,6 +163,7 @@ class SplitPlan:
             self._traced.example,
             self._traced.in_spec,
             self._traced.out_spec,
+            traced_training=self._traced.training,
         )
 
     def stage_modules(self, device: torch.device | str | None = None) -> list[StageModule]:
@@ -201,6 +202,52 @@ class SplitPlan:
             for tensor_spec in on_meta:
                 resolved[tensor_spec.name] = (made[tensor_spec.source], tensor_spec.persistent)
         return resolved
+
+    @property
+    def training(self) -> bool:
+        """The model's mode when it was traced (the stages run in that mode only)."""
+        return self._traced.training
+
+    def with_mode(self, training: bool) -> SplitPlan:
+        """The same cut traced with the model in train (``True``) or eval mode.
+
+        Dropout, BatchNorm and ``if self.training`` are fixed when tracing, so eval
+        needs its own trace. Stages keep the same split points and tensor names; the
+        model's mode is restored afterwards.
+
+        Example:
+            >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 4))
+            >>> plan = split_model(model, 2, example_args=(torch.randn(2, 4),))
+            >>> evaluation = plan.with_mode(training=False)
+            >>> (evaluation.training, evaluation.split_points == plan.split_points)
+            (False, True)
+        """
+        if training == self.training:
+            return self
+        model = self.model
+        was_training = model.training
+        example = [
+            torch.zeros(leaf.shape, dtype=leaf.dtype, device=self._traced.trace_device)
+            if leaf.is_tensor
+            else leaf.value
+            for leaf in self._traced.example
+        ]
+        args, kwargs = pytree.tree_unflatten(example, self._traced.in_spec)
+        try:
+            model.train(training)
+            plan = split_model(
+                model,
+                self.num_stages,
+                example_args=args,
+                example_kwargs=kwargs,
+                split_points=self.split_points,
+                device=self.device,
+            )
+        finally:
+            model.train(was_training)
+        plan.seed = self.seed
+        plan.stage_weights = self.stage_weights
+        return plan
 
     def describe(self) -> str:
         """A short table: per stage, where it starts, its parameters, what it sends on."""
@@ -547,6 +594,7 @@ def _dry_run(plan: SplitPlan) -> None:
             traced.in_spec,
             traced.out_spec,
             check_inputs=False,
+            traced_training=traced.training,
         )
         try:
             if recipe.is_first:

@@ -27,7 +27,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.errors import SpecMismatchError
+from conveyor.errors import PipelineConfigError, SpecMismatchError
 from conveyor.frontend.trace import ExampleLeaf, StateInput, TracedModel
 
 # Attribute names on a StageModule that can never clash with a model's module names.
@@ -351,6 +351,7 @@ class StageModule(nn.Module):
         in_spec: pytree.TreeSpec,
         out_spec: pytree.TreeSpec,
         check_inputs: bool = True,
+        traced_training: bool = True,
     ):
         super().__init__()
         for name, (tensor, persistent) in tensors.items():
@@ -363,6 +364,8 @@ class StageModule(nn.Module):
         self._conveyor_example = tuple(example)
         self._conveyor_in_spec = in_spec
         self._conveyor_out_spec = out_spec
+        self._conveyor_traced_training = traced_training
+        self.train(traced_training)
         self._conveyor_run, self._conveyor_code = _compile(graph, recipe.stage)
 
     @property
@@ -383,6 +386,14 @@ class StageModule(nn.Module):
         return self._conveyor_input_specs or ()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training != self._conveyor_traced_training:
+            mode, traced = ("train", "eval") if self.training else ("eval", "train")
+            raise PipelineConfigError(
+                f"stage {self.stage} was traced with the model in {traced} mode and is now in {mode} "
+                "mode; the traced operations fix dropout and BatchNorm behaviour to the traced mode. "
+                f"Build {mode}-mode stages with plan.with_mode(training={self.training}) (same cut, same "
+                "names), or put the stage back in its mode."
+            )
         if self._conveyor_stage == 0:
             flat = self._flatten_model_inputs(args, kwargs)
         else:

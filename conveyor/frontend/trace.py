@@ -96,6 +96,8 @@ class TracedModel:
 
     def __init__(self, model: nn.Module, exported: ExportedProgram, trace_device: torch.device):
         self.model = model
+        # Dropout, BatchNorm and any `if self.training` are fixed in the graph.
+        self.training = model.training
         self.exported = exported
         self.trace_device = trace_device
         signature = exported.graph_signature

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import conveyor.frontend as frontend
+from conveyor.errors import PipelineConfigError
 
 from .models import SkipNet, Stack, TwoEncoders, two_encoder_batch
 from .parity import check_names, check_parity
@@ -148,3 +150,31 @@ def test_stage_module_builds_one_stage_on_demand():
     hidden = plan.stage_module(0)(x)
     assert isinstance(hidden, tuple) and len(hidden) == 1
     assert torch.equal(stage(*hidden), model(x))
+
+
+def test_eval_mode_needs_its_own_trace():
+    torch.manual_seed(0)
+    model = SkipNet().train()
+    x = torch.randn(6, 8)
+    plan = frontend.split_model(model, 2, example_args=(x,), split_points=["up"])
+    stages = plan.stage_modules()
+    stages[1].eval()
+    with pytest.raises(
+        PipelineConfigError,
+        match=r"traced with the model in train mode and is now in eval mode.*plan.with_mode\(training=False\)",
+    ):
+        stages[1](*stages[0](x))
+    evaluation = plan.with_mode(training=False)
+    assert model.training and not evaluation.training
+    assert evaluation.split_points == ("up",) and evaluation.stage_parameter_names(
+        1
+    ) == plan.stage_parameter_names(1)
+    eval_stages = evaluation.stage_modules()
+    assert not eval_stages[0].training
+    model.eval()
+    try:
+        expected = model(x)
+    finally:
+        model.train()
+    got = frontend.run_sequential(eval_stages, (x,))
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
