@@ -377,9 +377,18 @@ def _print_compare(ranks, microbatches, virtual, costs, latency, *, png, trace, 
 
 
 def _command_demo(args: argparse.Namespace) -> int:
-    return _print_compare(
-        4, 8, None, DEFAULT_COSTS, 0.0, png=DEFAULT_COMPARE_PNG, trace=None, as_json=False
+    """The plan of every schedule for the demo's sizes, then the real pipelined training run."""
+    from conveyor.train import demo
+
+    options = demo.build_parser().parse_args(args.options)
+    status = _print_compare(
+        options.ranks, options.microbatches, None, DEFAULT_COSTS, 0.0,
+        png=DEFAULT_COMPARE_PNG, trace=None, as_json=False,
     )
+    if status:
+        return status
+    print()
+    return demo.launch(args.options)
 
 
 # --------------------------------------------------------------------------- parser and entry point
@@ -464,8 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.set_defaults(handler=_command_simulate)
 
     demo = commands.add_parser(
-        "demo", help="compare every schedule for P=4, M=8 into out/compare.png"
+        "demo",
+        help="plan every schedule, then train a small transformer pipelined over local CPU ranks "
+        "(options: conveyor demo -- --help)",
     )
+    demo.add_argument("options", nargs=argparse.REMAINDER, help="options of the training demo")
     demo.set_defaults(handler=_command_demo)
     return parser
 
@@ -479,8 +491,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(_attach_option_values(sys.argv[1:] if argv is None else argv))
+        if argv[:1] == ["demo"]:
+            # The demo's own options belong to the training demo's parser, not this one.
+            args = argparse.Namespace(handler=_command_demo, options=argv[1:])
+        else:
+            args = parser.parse_args(_attach_option_values(argv))
     except SystemExit as exit_:
         # argparse already printed "conveyor: error: ..." (or the help, with code 0).
         return exit_.code if isinstance(exit_.code, int) else USAGE_ERROR

@@ -163,14 +163,23 @@ def test_compare_simulates_the_same_model_whatever_v():
     assert raw["interleaved-1f1b"]["makespan"] == 76.0
 
 
-def test_demo_writes_out_compare_png(capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    code, out, err = run(capsys, "demo")
-    assert (code, err) == (0, "")
-    assert "wrote out/compare.png" in out
-    assert (tmp_path / "out" / "compare.png").read_bytes()[:8] == PNG_SIGNATURE
+def test_readme_demo_command_trains_bitwise_equal_and_draws_both_pictures(tmp_path):
+    """The README's first command, as a new user runs it (shorter: 2 ranks, 2 steps)."""
+    root = Path(__file__).resolve().parents[2]
+    png = tmp_path / "timeline.png"
+    done = subprocess.run(
+        ["bash", "tools/demo.sh", "--ranks", "2", "--steps", "2", "--png", str(png)],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
     for name in cs.available():
         assert any(line.startswith(name + " ") for line in out.splitlines())
+    assert "wrote out/compare.png" in out
+    assert sum(line.startswith("step ") and line.endswith("bitwise equal") for line in out.splitlines()) == 2
+    assert "every step bitwise equal to single-device training" in out
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    assert (root / "out" / "compare.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
 BAD_INPUTS = [
