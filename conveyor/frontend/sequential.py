@@ -1,7 +1,8 @@
 """Run stages one after another in one process, exactly as a pipeline would.
 
-Each stage receives the previous stage's outputs as fresh leaves (detached; a
-tensor requires grad iff the sent one did), so stage boundaries are real, as across
+Each stage receives the previous stage's outputs as a transport would deliver
+them: fresh contiguous copies (an ``expand``-ed mask arrives materialised), leaves
+that require grad iff the sent tensor did. Stage boundaries are real, as across
 processes. The backward pass then runs stage by stage from the last one, handing
 each stage the gradients of its outputs, as the runtime does.
 
@@ -88,8 +89,10 @@ def run_sequential(
 
 
 def _as_received(value: Any) -> Any:
+    """What a transport delivers: a fresh contiguous copy, a leaf that requires grad iff the sent one did."""
     if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
+        received = value.detach().clone(memory_format=torch.contiguous_format)
+        return received.requires_grad_(value.requires_grad)
     return value
 
 
