@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from conveyor.errors import ScheduleError
@@ -200,6 +200,9 @@ class Schedule:
     placement: Placement
     num_microbatches: int
     programs: tuple[Program, ...]
+    # What checks found on this schedule (verify() records a pass here): a Schedule is
+    # immutable, tuples of frozen Actions, so verifying it again would find the same.
+    _checked: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_positive(num_microbatches=self.num_microbatches)
