@@ -82,8 +82,9 @@ def _lower_rank(
     microbatches = [a.microbatch for a in program]
     if min(stages) < 0 or max(stages) >= S:
         raise IndexError("stage out of range")  # -> verify() words it
-    kind_stage = list(map(add, map(kind_offset.__getitem__, map(id, [a.kind for a in program])), stages))
-    present = _present_comms(program)
+    kind_ids = list(map(id, [a.kind for a in program]))
+    kind_stage = list(map(add, map(kind_offset.__getitem__, kind_ids), stages))
+    present = set() if set(kind_ids).isdisjoint(COMM_KIND_IDS) else _present_comms(program)
     sides = []
     for table in (before, after):
         kinds = list(map(table.__getitem__, kind_stage))  # a comm kind, or None
@@ -122,8 +123,6 @@ def _comm_tables(stage_to_rank: tuple[int, ...]) -> tuple[list, list]:
 
 def _present_comms(program: Sequence[Action]) -> set[tuple[int, int, int]]:
     """The SEND/RECV already in a (partly) lowered program, as (id(kind), stage, microbatch)."""
-    if set(map(id, [a.kind for a in program])).isdisjoint(COMM_KIND_IDS):
-        return set()
     return {(id(a.kind), a.stage, a.microbatch) for a in program if id(a.kind) in COMM_KIND_IDS}
 
 

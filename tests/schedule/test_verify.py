@@ -332,6 +332,17 @@ def test_a_deadlock_deep_in_a_big_schedule_is_found_fast_and_shown_in_a_window()
     assert "(showing ranks" in error.grid and ">" in error.grid
 
 
+def test_a_schedule_that_passed_is_not_stepped_again():
+    sched = cs.build("1f1b", ranks=2, microbatches=2, check=False)
+    assert sched._checked == {}
+    verify(sched)
+    assert sched._checked == {"verified": True}  # simulate(sched) now steps it once, not twice
+    copy = sched.with_programs(sched.programs)
+    assert copy == sched and copy._checked == {}  # a new object is checked on its own
+    error_of(SWAP)
+    assert SWAP._checked == {}
+
+
 # -- engine -------------------------------------------------------------------------------------
 
 
