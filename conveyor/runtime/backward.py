@@ -46,6 +46,28 @@ def _edge(root: Root) -> GradientEdge:
     return root if isinstance(root, GradientEdge) else get_gradient_edge(root)
 
 
+try:  # torch 2.13 (pinned): the engine entry autograd.grad/backward use, without their Python checks
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - another torch
+    _engine_run_backward = None
+
+
+def _run_engine(edges, grads, inputs, *, accumulate: bool):
+    """One engine run from ``edges`` to ``inputs``; grads were built here, so they need no checks.
+
+    ``accumulate``: add into ``inputs``' ``.grad`` through their AccumulateGrad nodes (as
+    ``backward(inputs=...)``); else return the gradients (as ``autograd.grad``).
+    """
+    if _engine_run_backward is None:
+        if accumulate:
+            torch.autograd.backward(edges, grads, retain_graph=True, inputs=inputs)
+            return None
+        return torch.autograd.grad(edges, inputs, grads, retain_graph=True, allow_unused=True)
+    return _engine_run_backward(
+        tuple(edges), tuple(grads), True, False, tuple(inputs), True, accumulate_grad=accumulate
+    )
+
+
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     # Same effect as autograd's AccumulateGrad: first gradient taken as is, later ones added in place.
     if param.grad is None:
@@ -106,16 +128,12 @@ class PendingWeightGrad:
                 for node, by_index in kept.items():
                     handles.append(node.register_prehook(_pin(by_index)))
             try:
-                param_grads = torch.autograd.grad(
-                    group.edges, group.params, grad_outputs=group.grads,
-                    retain_graph=True, allow_unused=True,
-                )
+                # Accumulating through the parameters' own AccumulateGrad nodes gives .grad
+                # exactly what a full backward would have added.
+                _run_engine(group.edges, group.grads, group.params, accumulate=True)
             finally:
                 for handle in handles:
                     handle.remove()
-            for param, grad in zip(group.params, param_grads):
-                if grad is not None:
-                    _accumulate(param, grad)
         self.groups = []
 
 
@@ -172,10 +190,7 @@ def backward_input(
     try:
         live_inputs = [x for x in inputs if x.requires_grad]
         if live_inputs and on_input_path:
-            grads = torch.autograd.grad(
-                root_edges, live_inputs, grad_outputs=[g for _, g in pairs],
-                retain_graph=True, allow_unused=True,
-            )
+            grads = _run_engine(root_edges, [g for _, g in pairs], live_inputs, accumulate=False)
         else:
             grads = [None] * len(live_inputs)
     finally:
