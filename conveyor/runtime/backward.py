@@ -68,14 +68,6 @@ def _run_engine(edges, grads, inputs, *, accumulate: bool):
     )
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    # Same effect as autograd's AccumulateGrad: first gradient taken as is, later ones added in place.
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad += grad
-
-
 def backward_full(
     roots: Sequence[Root], root_grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor]
 ) -> list[torch.Tensor | None]:
