@@ -308,6 +308,8 @@ def runs_clean(schedule: Schedule) -> bool:
     verifier then finds and words the first violation.
     """
     space = CodeSpace(schedule.num_stages, schedule.num_microbatches, schedule.placement.stage_to_rank)
+    if sum(map(len, schedule.programs)) < 2 * space.region_size:
+        return False  # fewer actions than forwards + backwards: incomplete (and no tables sized S x M)
     try:
         return _runs_clean(schedule, space, lowered=False)
     except _Restart:
@@ -380,6 +382,11 @@ def run(schedule: Schedule, duration: Callable[[Action], float], latency: float 
     needs another rank's output starts ``latency`` after it.
     """
     space = CodeSpace(schedule.num_stages, schedule.num_microbatches, schedule.placement.stage_to_rank)
+    if sum(map(len, schedule.programs)) < space.region_size:
+        # Not every stage can even run forward: say what is missing rather than size tables by S x M.
+        from conveyor.schedule.verify import verify
+
+        verify(schedule)
     try:
         with gc_paused():
             try:

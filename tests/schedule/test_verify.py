@@ -332,6 +332,17 @@ def test_a_deadlock_deep_in_a_big_schedule_is_found_fast_and_shown_in_a_window()
     assert "(showing ranks" in error.grid and ">" in error.grid
 
 
+def test_a_huge_microbatch_count_is_reported_not_allocated():
+    sched = schedule("0F0 0B0", "1F0 1B0", microbatches=10**12)
+    start = time.perf_counter()
+    assert str(error_of(sched)) == (
+        "stage 0 microbatch 1 is never forwarded: add 0F1 to the program of rank 0, which runs stage 0"
+    )
+    with pytest.raises(ScheduleError, match="stage 0 microbatch 1 is never forwarded"):
+        run(sched, lambda action: 1.0)
+    assert time.perf_counter() - start < 5
+
+
 def test_a_schedule_that_passed_is_not_stepped_again():
     sched = cs.build("1f1b", ranks=2, microbatches=2, check=False)
     assert sched._checked == {}
