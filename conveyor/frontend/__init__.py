@@ -16,10 +16,23 @@ Limits of tracing (all reported with the module and source line that failed):
 * Python branching on tensor values (``if x.sum() > 0``, ``.item()``) cannot be traced;
 * outputs must be tensors, plain values and pytrees of them (tuple, list, dict,
   Hugging Face ``ModelOutput``): pass ``use_cache=False`` to Hugging Face models;
-* ops that pick a kernel from the device at trace time (a dropout traced on cpu
-  and run on cuda) may then differ from eager on the other device; a model traced
-  on the meta device has its recorded devices rewritten to the stage's device;
-* ``unsplittable`` only keeps cuts out of a module; it does not change tracing.
+* devices met while tracing (``torch.arange(..., device=x.device)``) are recorded;
+  a stage built on another device (a meta-device model, a cpu model built on cuda)
+  has them rewritten to its own device. Composite ops such as dropout and
+  ``scaled_dot_product_attention`` stay whole in the graph and pick their kernel when
+  they run, as in eager (checked on cpu only);
+* the train/eval mode is fixed when tracing: a stage in the other mode refuses to
+  run; ``plan.with_mode(training=False)`` traces the same cut for evaluation;
+* ``unsplittable`` only keeps cuts out of a module; it does not change tracing
+  (no opaque leaf modules): code that cannot be traced must be made traceable, or
+  the stages built by hand (any modules following the stage call convention work
+  with ``run_sequential`` and the pipeline).
+
+Tensors: stages hold the model's own tensors where they can (no copy), a copy of
+every tensor used by several stages (tied embeddings; the pipeline sums the copies'
+gradients, see ``SplitPlan.tied_groups``), and, for a meta-device model, only their
+own tensors, allocated and initialised on the stage's device (see
+``conveyor.frontend.materialize``).
 
 Example:
     >>> import torch

@@ -19,6 +19,9 @@ What tracing costs, and its limits (see also ``conveyor.frontend`` docs):
   ``use_cache=False``.
 * Devices met while tracing (``torch.arange(..., device=x.device)``) are recorded as
   constants; stages rewrite the trace device to their own device.
+* The train/eval mode is fixed (dropout, BatchNorm, ``if self.training``).
+* A shape or scalar read from tensor data (``x[mask]``, ``.item()``) is refused,
+  since stages exchange tensors of known shapes.
 """
 
 from __future__ import annotations
