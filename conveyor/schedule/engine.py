@@ -327,18 +327,25 @@ def _runs_clean(schedule: Schedule, space: CodeSpace, lowered: bool) -> bool:
     # another rank): one slot per code. An overwritten slot belongs to an invalid schedule,
     # which then stops early and goes to the diagnosis anyway.
     waiting: dict[int, int] = {}
-    # One iterator per rank, resumed where it stopped; `pending` holds the action it waits to run.
+    # One iterator per rank, resumed where it stopped. A rank that waits keeps the code and
+    # mark of its next action in `pending`; it is woken only once what that action needs is
+    # done, so on waking the action runs at once.
     actions = [iter(p) for p in programs]
-    pending: list[Action | None] = [None] * num_ranks
+    pending: list[tuple[int, int] | None] = [None] * num_ranks
     work = list(range(num_ranks - 1, -1, -1))
     action = None
     try:
         while work:
             rank = work.pop()
-            table = tables[rank]
             head = pending[rank]
-            pending[rank] = None
-            for action in actions[rank] if head is None else chain((head,), actions[rank]):
+            if head is not None:
+                pending[rank] = None
+                code, mark = head
+                done[code] = mark
+                if code in waiting:
+                    work.append(waiting.pop(code))
+            table = tables[rank]
+            for action in actions[rank]:
                 base, delta, mark = table[id(action.kind)][action.stage]
                 microbatch = action.microbatch
                 if not 0 <= microbatch < M:
@@ -346,7 +353,7 @@ def _runs_clean(schedule: Schedule, space: CodeSpace, lowered: bool) -> bool:
                 code = base + microbatch
                 if not done[code + delta]:
                     waiting[code + delta] = rank
-                    pending[rank] = action
+                    pending[rank] = (code, mark)
                     break
                 done[code] = mark
                 if code in waiting:
@@ -426,28 +433,47 @@ def _run(schedule: Schedule, space: CodeSpace, duration: Callable[[Action], floa
     clock = [0.0] * num_ranks
     starts: list[list[float]] = [[] for _ in range(num_ranks)]
     ends: list[list[float]] = [[] for _ in range(num_ranks)]
+    # As in _runs_clean: a waiting rank keeps (action, code, need, duration) of its next action,
+    # which runs as soon as the rank is woken.
     actions = [iter(p) for p in programs]
-    pending: list[Action | None] = [None] * num_ranks
+    pending: list[tuple | None] = [None] * num_ranks
     work = list(range(num_ranks - 1, -1, -1))
     action = None
     try:
         while work:
             rank = work.pop()
-            table = tables[rank]
             i = position[rank]
             now = clock[rank]
             add_start = starts[rank].append
             add_end = ends[rank].append
             head = pending[rank]
-            pending[rank] = None
-            for action in actions[rank] if head is None else chain((head,), actions[rank]):
+            if head is not None:
+                pending[rank] = None
+                action, code, need, took = head
+                ready = done_at[need]
+                if ready > now:
+                    now = ready
+                if took is not None:
+                    if took is _CALL:
+                        took = duration(action)
+                    add_start(now)
+                    now += took
+                    add_end(now)
+                done_at[code] = now
+                if remote_slot:
+                    done_at[code + remote_slot] = now + lat
+                if code in waiting:
+                    work.append(waiting.pop(code))
+                i += 1
+            table = tables[rank]
+            for action in actions[rank]:
                 base, delta, took = table[id(action.kind)][action.stage]
                 code = base + action.microbatch
                 ready = done_at[code + delta]
                 if ready is None:
                     # Wait on the code itself (its producer announces that one, not the remote slot).
                     waiting[(code + delta) % size] = rank
-                    pending[rank] = action
+                    pending[rank] = (action, code, code + delta, took)
                     break
                 if ready > now:
                     now = ready
