@@ -228,24 +228,42 @@ def _rewrite_devices(graph: fx.Graph, device_map: dict[torch.device, torch.devic
         node.kwargs = _map_devices(node.kwargs, device_map)
 
 
+def _writes_to(node: fx.Node, value: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    return any(
+        arg is value and argument.alias_info is not None and argument.alias_info.is_write
+        for argument, arg in zip(schema.arguments, node.args)
+    )
+
+
+def _views_of(node: fx.Node, value: fx.Node) -> bool:
+    """Whether ``node`` returns a view of ``value`` (slice, select, view, transpose...)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return False
+    return any(
+        arg is value and argument.alias_info is not None and not argument.alias_info.is_write
+        for argument, arg in zip(schema.arguments, node.args)
+    )
+
+
 def _clone_inputs_mutated_in_place(graph: fx.Graph) -> None:
     # A received activation is a leaf that requires grad; autograd forbids in-place
-    # updates of such leaves (e.g. ReLU(inplace=True) right after a cut). A clone
-    # keeps the values and the gradients bitwise equal, at the cost of one copy.
+    # updates of such leaves and of their views (e.g. ReLU(inplace=True) right after a
+    # cut). A clone keeps the values and the gradients bitwise equal, for one copy.
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     for placeholder in placeholders:
         mutated = False
-        for user in placeholder.users:
-            schema = getattr(user.target, "_schema", None)
-            if schema is None:
-                continue
-            for argument, value in zip(schema.arguments, user.args):
-                if (
-                    value is placeholder
-                    and argument.alias_info is not None
-                    and argument.alias_info.is_write
-                ):
+        aliases = [placeholder]
+        while aliases and not mutated:
+            value = aliases.pop()
+            for user in value.users:
+                if _writes_to(user, value):
                     mutated = True
+                elif _views_of(user, value):
+                    aliases.append(user)
         if not mutated:
             continue
         with graph.inserting_after(placeholders[-1]):

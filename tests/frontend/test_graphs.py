@@ -178,3 +178,41 @@ def test_eval_mode_needs_its_own_trace():
         model.train()
     got = frontend.run_sequential(eval_stages, (x,))
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_in_place_op_on_a_view_of_a_received_tensor():
+    class ScaleFirstColumn(nn.Module):
+        def forward(self, x):
+            x[:, 0].mul_(2)  # in place, through a view of the input
+            return x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(4, 4)
+            self.scale = ScaleFirstColumn()
+            self.last = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.last(self.scale(self.first(x))).sum()
+
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(3, 4)
+    plan = frontend.split_model(model, 2, example_args=(x,), split_points=["scale"])
+    assert "aten.clone" in plan.stage_module(1).code
+    check_parity(model, plan, (x,), loss_fn=lambda out: out)
+
+
+def test_single_stage_keeps_both_names_of_a_tied_tensor():
+    from .models import gpt2, token_batch
+
+    model_class, config = gpt2(num_layers=2)
+    model = model_class(config)
+    batch = token_batch()
+    plan = frontend.split_model(model, 1, example_kwargs=batch)
+    assert plan.tied_groups == () and plan.split_points == ()
+    (stage,) = check_parity(model, plan, kwargs=batch)
+    assert {"lm_head.weight", "transformer.wte.weight"} <= set(stage.state_dict())
+    assert stage.get_parameter("lm_head.weight") is stage.get_parameter("transformer.wte.weight")
+    check_names(model, plan, [stage])
