@@ -17,6 +17,12 @@
    message names every blocked rank, what it waits for, from which rank, what
    that rank is stuck on, the cycle, and shows the step x rank grid.
 
+A valid schedule costs one fused pass of the engine (``engine.runs_clean``:
+each action looked up and stepped once, then C-speed counts); only a schedule
+that fails it is walked through the checks above, one by one, for the message.
+A Schedule that passed remembers it (it is immutable), so ``simulate`` after
+``build`` or ``verify`` does not step it again.
+
 Example:
     >>> from conveyor.schedule.ir import Placement, Schedule
     >>> bad = Schedule.from_programs("swap", Placement.looped(2), 2,
