@@ -52,19 +52,21 @@ except ImportError:  # pragma: no cover - another torch
     _engine_run_backward = None
 
 
-def _run_engine(edges, grads, inputs, *, accumulate: bool):
+def _run_engine(edges, grads, inputs, *, accumulate: bool, keep_graph: bool = True):
     """One engine run from ``edges`` to ``inputs``; grads were built here, so they need no checks.
 
-    ``accumulate``: add into ``inputs``' ``.grad`` through their AccumulateGrad nodes (as
-    ``backward(inputs=...)``); else return the gradients (as ``autograd.grad``).
+    ``accumulate``: add into ``.grad`` through the AccumulateGrad nodes (of ``inputs``, or of
+    every leaf when ``inputs`` is empty: a plain ``backward``); else return the gradients (as
+    ``autograd.grad``). Skipping autograd's Python checks matters beyond their cost: for
+    GradientEdge roots they import sympy, about a second on each rank's first backward.
     """
-    if _engine_run_backward is None:
+    if _engine_run_backward is None:  # pragma: no cover - another torch
         if accumulate:
-            torch.autograd.backward(edges, grads, retain_graph=True, inputs=inputs)
+            torch.autograd.backward(edges, grads, retain_graph=keep_graph, inputs=inputs or None)
             return None
-        return torch.autograd.grad(edges, inputs, grads, retain_graph=True, allow_unused=True)
+        return torch.autograd.grad(edges, inputs, grads, retain_graph=keep_graph, allow_unused=True)
     return _engine_run_backward(
-        tuple(edges), tuple(grads), True, False, tuple(inputs), True, accumulate_grad=accumulate
+        tuple(edges), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate_grad=accumulate
     )
 
 
@@ -74,7 +76,8 @@ def backward_full(
     """Full backward (B): parameter grads accumulate in ``.grad``; returns each input's gradient."""
     pairs = [(r, g) for r, g in zip(roots, root_grads) if g is not None or _is_scalar_loss(r)]
     if pairs:
-        torch.autograd.backward([_edge(r) for r, _ in pairs], grad_tensors=[_grad_or_one(r, g) for r, g in pairs])
+        _run_engine([_edge(r) for r, _ in pairs], [_grad_or_one(r, g) for r, g in pairs], (),
+                    accumulate=True, keep_graph=False)
     grads = [x.grad for x in inputs]
     for x in inputs:
         x.grad = None

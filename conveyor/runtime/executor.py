@@ -32,6 +32,8 @@ from conveyor.runtime.transport import (
 )
 from conveyor.schedule.ir import Action, ActionKind, Placement
 
+_UNRECORDED = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
+
 
 def as_stage_inputs(value: Any) -> tuple[tuple, dict]:
     """How a stage is called with the previous stage's output: a tuple is unpacked, anything else is one argument."""
@@ -109,7 +111,8 @@ class RankExecutor:
             start = clock()
             yield from self.handlers[action.kind](action)
             self.actions_done += 1
-            if recorder is not None and action.kind.is_compute:
+            # Compute actions and receive waits: a wait shows where a rank idled for a peer.
+            if recorder is not None and action.kind not in _UNRECORDED:
                 recorder.add(action, start, clock())
         self.transport.finish_sends()
 

@@ -33,7 +33,14 @@ from typing import Any
 import torch
 
 from conveyor.errors import CommTimeout, PeerFailure, SpecMismatchError
-from conveyor.runtime.wire import PayloadMeta, flatten_payload, pack, unflatten_payload, unpack
+from conveyor.runtime.wire import (
+    PayloadMeta,
+    flatten_payload,
+    pack,
+    pack_into,
+    unflatten_payload,
+    unpack,
+)
 
 TransferKey = tuple[int, int, int]  # (direction, stage, microbatch)
 # Evaluation forwards travel apart: their outputs carry no gradient, so their structure differs.
@@ -138,10 +145,8 @@ class _Recv:
     src: int
     key: TransferKey
     expected: PayloadMeta | None  # the structure assumed when this receive was posted
-    trailer: torch.Tensor
-    trailer_work: Any
-    data_buf: torch.Tensor | None = None  # speculative: sized for ``expected``
-    data_work: Any = None
+    first: torch.Tensor  # expected data bytes followed by the trailer
+    first_work: Any
     meta_buf: torch.Tensor | None = None  # only when the structure changed
     meta_work: Any = None
     body_buf: torch.Tensor | None = None
@@ -150,7 +155,8 @@ class _Recv:
 
 
 # Message parts of one transfer (the tag's last digit).
-_DATA, _META, _BODY, _TRAILER = 0, 1, 2, 3
+_FIRST, _META, _BODY = 0, 1, 2
+_TRAILER_BYTES = 24  # three int64: changed flag, structure bytes, body bytes
 
 
 class DistTransport(Transport):
@@ -159,15 +165,17 @@ class DistTransport(Transport):
     Protocol per channel (direction, sending stage), both sides keeping the
     structure of the channel's last transfer as of the end of the previous step
     (the *expected* structure; channels whose receiver consumes in the sender's
-    order only):
+    order only). The first message of a transfer is sized for the expected
+    structure, so its receive is posted ahead, and ends with a 24-byte trailer:
 
-    - as expected: the data (receive posted ahead, sized from the expectation)
-      plus a 24-byte trailer ``[0, 0, 0]``: two pre-posted messages, no handshake;
-    - changed, or nothing expected yet: padding for the speculative receive, a
-      trailer ``[1, meta_bytes, data_bytes]``, then the structure and the data.
+    - as expected: the data, trailer ``[0, 0, 0]``: one message, no handshake;
+    - changed, or nothing expected yet: unused bytes, trailer
+      ``[1, structure_bytes, body_bytes]``, then the structure and the data.
 
-    Receives are posted at most ``lookahead`` ahead so that receive buffers do
-    not hold more activations than the schedule itself keeps alive.
+    Every message costs a fixed ~0.1-0.3 ms in gloo, far more than copying a
+    small activation, so data and trailer travel together.
+    Receives are posted at most ``lookahead`` ahead (see the executor) so that
+    receive buffers do not hold more activations than the schedule keeps alive.
     """
 
     def __init__(
@@ -198,7 +206,7 @@ class DistTransport(Transport):
 
     def _tag(self, key: TransferKey, part: int) -> int:
         direction, stage, microbatch = key
-        return ((direction * self.num_stages + stage) * self.num_microbatches + microbatch) * 4 + part
+        return ((direction * self.num_stages + stage) * self.num_microbatches + microbatch) * 3 + part
 
     def _isend(self, tensor: torch.Tensor, dst: int, key: TransferKey, part: int):
         return self.dist.isend(tensor, self.rank_to_global[dst], group=self.group, tag=self._tag(key, part))
@@ -213,28 +221,24 @@ class DistTransport(Transport):
         expected = self.expected.get(channel)
         if self.fixed_shapes and expected is not None:
             check_frozen(expected, meta, self.rank, key, dst)
-        works, keep = [], []
+        expected_bytes = expected.data_bytes if expected is not None else 0
+        first = torch.empty(expected_bytes + _TRAILER_BYTES, dtype=torch.uint8)
+        trailer = first[expected_bytes:].view(torch.int64)
+        works, keep = [], [first]
         if expected is not None and meta == expected:
-            if tensors:
-                data = pack(tensors, meta)
-                keep.append(data)
-                works.append(self._isend(data, dst, key, _DATA))
-            trailer = torch.zeros(3, dtype=torch.int64)
+            pack_into(first, tensors, meta)
+            trailer.zero_()
+            works.append(self._isend(first, dst, key, _FIRST))
         else:
-            if expected is not None and expected.tensors:
-                padding = torch.empty(expected.data_bytes, dtype=torch.uint8)
-                keep.append(padding)
-                works.append(self._isend(padding, dst, key, _DATA))
             encoded = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)
             body = pack(tensors, meta) if tensors else None
-            trailer = torch.tensor([1, encoded.numel(), 0 if body is None else body.numel()], dtype=torch.int64)
+            trailer.copy_(torch.tensor([1, encoded.numel(), 0 if body is None else body.numel()]))
+            works.append(self._isend(first, dst, key, _FIRST))
             keep.append(encoded)
             works.append(self._isend(encoded, dst, key, _META))
             if body is not None:
                 keep.append(body)
                 works.append(self._isend(body, dst, key, _BODY))
-        keep.append(trailer)
-        works.append(self._isend(trailer, dst, key, _TRAILER))
         self.last_meta[channel] = meta
         self.pending_sends.append((works, keep))
         if len(self.pending_sends) > 64:
@@ -245,15 +249,13 @@ class DistTransport(Transport):
     # --- receiving -----------------------------------------------------------------------
     def post_recv(self, src: int, key: TransferKey) -> _Recv:
         expected = self.expected.get(key[:2])
-        trailer = torch.empty(3, dtype=torch.int64)
-        handle = _Recv(src, key, expected, trailer, self._irecv(trailer, src, key, _TRAILER))
-        if expected is not None and expected.tensors:
-            handle.data_buf = torch.empty(expected.data_bytes, dtype=torch.uint8)
-            handle.data_work = self._irecv(handle.data_buf, src, key, _DATA)
-        return handle
+        size = (expected.data_bytes if expected is not None else 0) + _TRAILER_BYTES
+        first = torch.empty(size, dtype=torch.uint8)
+        return _Recv(src, key, expected, first, self._irecv(first, src, key, _FIRST))
 
     def _read_trailer(self, handle: _Recv) -> None:
-        changed, meta_len, body_len = (int(v) for v in handle.trailer.tolist())
+        trailer = handle.first[handle.first.numel() - _TRAILER_BYTES:].view(torch.int64)
+        changed, meta_len, body_len = (int(v) for v in trailer.tolist())
         handle.changed = bool(changed)
         if handle.changed:
             handle.meta_buf = torch.empty(meta_len, dtype=torch.uint8)
@@ -264,18 +266,17 @@ class DistTransport(Transport):
 
     def ready(self, handle: _Recv) -> bool:
         if handle.changed is None:
-            if not handle.trailer_work.is_completed():
+            if not handle.first_work.is_completed():
                 return False
             self._read_trailer(handle)
-        works = (handle.data_work, handle.meta_work, handle.body_work)
-        return all(w is None or w.is_completed() for w in works)
+        return all(w is None or w.is_completed() for w in (handle.meta_work, handle.body_work))
 
     def wait(self, handle: _Recv, what: str) -> Any:
         deadline = time.monotonic() + self.timeout_s
         if handle.changed is None:
-            self._wait_work(handle.trailer_work, deadline, handle, what)
+            self._wait_work(handle.first_work, deadline, handle, what)
             self._read_trailer(handle)
-        for work in (handle.data_work, handle.meta_work, handle.body_work):
+        for work in (handle.meta_work, handle.body_work):
             if work is not None:
                 self._wait_work(work, deadline, handle, what)
         if handle.changed:
@@ -284,7 +285,7 @@ class DistTransport(Transport):
                 meta = PayloadMeta.decode(handle.meta_buf.numpy().tobytes())
             buffer = handle.body_buf
         else:
-            meta, buffer = handle.expected, handle.data_buf
+            meta, buffer = handle.expected, handle.first
         self.last_meta[handle.key[:2]] = meta
         tensors = unpack(buffer, meta) if meta.tensors else []
         return unflatten_payload(meta, tensors)

@@ -90,12 +90,17 @@ def pack(tensors: list[torch.Tensor], meta: PayloadMeta) -> torch.Tensor:
     if len(tensors) == 1 and tensors[0].numel() * tensors[0].element_size() % _ALIGN == 0:
         return _as_bytes(tensors[0])
     buffer = torch.empty(meta.data_bytes, dtype=torch.uint8)
+    pack_into(buffer, tensors, meta)
+    return buffer
+
+
+def pack_into(buffer: torch.Tensor, tensors: list[torch.Tensor], meta: PayloadMeta) -> None:
+    """Copy the tensors' bytes into the start of ``buffer`` at the offsets :func:`unpack` reads."""
     offset = 0
     for tensor, tmeta in zip(tensors, meta.tensors):
         n = tmeta.num_bytes
         buffer[offset : offset + n].copy_(_as_bytes(tensor))
         offset += _aligned(n)
-    return buffer
 
 
 def unpack(buffer: torch.Tensor, meta: PayloadMeta) -> list[torch.Tensor]:
