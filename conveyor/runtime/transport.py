@@ -30,14 +30,17 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import torch
 
 from conveyor.errors import CommTimeout, PeerFailure, SpecMismatchError
 from conveyor.runtime.wire import (
     PayloadMeta,
+    data_and_trailer,
     flatten_payload,
+    matches,
     pack,
-    pack_into,
+    quick_flatten,
     unflatten_payload,
     unpack,
 )
@@ -145,7 +148,7 @@ class _Recv:
     src: int
     key: TransferKey
     expected: PayloadMeta | None  # the structure assumed when this receive was posted
-    first: torch.Tensor  # expected data bytes followed by the trailer
+    first: torch.Tensor | None  # expected data bytes followed by the trailer (none when frozen)
     first_work: Any
     meta_buf: torch.Tensor | None = None  # only when the structure changed
     meta_work: Any = None
@@ -157,6 +160,7 @@ class _Recv:
 # Message parts of one transfer (the tag's last digit).
 _FIRST, _META, _BODY = 0, 1, 2
 _TRAILER_BYTES = 24  # three int64: changed flag, structure bytes, body bytes
+_SAME = torch.zeros(_TRAILER_BYTES, dtype=torch.uint8)  # trailer of a transfer as expected
 
 
 class DistTransport(Transport):
@@ -216,30 +220,40 @@ class DistTransport(Transport):
 
     # --- sending -------------------------------------------------------------------------
     def send(self, dst: int, key: TransferKey, value: Any) -> None:
-        meta, tensors = flatten_payload(value)
         channel = key[:2]
         expected = self.expected.get(channel)
+        leaves, spec = quick_flatten(value)
+        if expected is not None and matches(expected, leaves, spec):
+            # The common case, on every transfer's critical path: as little as possible.
+            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+            if self.fixed_shapes:
+                first = pack(tensors, expected) if tensors else None  # no trailer: nothing can change
+            else:
+                first = data_and_trailer(tensors, expected, _SAME)
+            if first is not None:
+                self._remember_send([self._isend(first, dst, key, _FIRST)], [first])
+            self.last_meta[channel] = expected  # both sides must agree on what came last
+            return
+        meta, tensors = flatten_payload(value)
         if self.fixed_shapes and expected is not None:
             check_frozen(expected, meta, self.rank, key, dst)
         expected_bytes = expected.data_bytes if expected is not None else 0
         first = torch.empty(expected_bytes + _TRAILER_BYTES, dtype=torch.uint8)
-        trailer = first[expected_bytes:].view(torch.int64)
-        works, keep = [], [first]
-        if expected is not None and meta == expected:
-            pack_into(first, tensors, meta)
-            trailer.zero_()
-            works.append(self._isend(first, dst, key, _FIRST))
-        else:
-            encoded = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)
-            body = pack(tensors, meta) if tensors else None
-            trailer.copy_(torch.tensor([1, encoded.numel(), 0 if body is None else body.numel()]))
-            works.append(self._isend(first, dst, key, _FIRST))
-            keep.append(encoded)
-            works.append(self._isend(encoded, dst, key, _META))
-            if body is not None:
-                keep.append(body)
-                works.append(self._isend(body, dst, key, _BODY))
+        encoded = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)
+        body = pack(tensors, meta) if tensors else None
+        first[expected_bytes:].view(torch.int64).copy_(
+            torch.tensor([1, encoded.numel(), 0 if body is None else body.numel()])
+        )
+        works = [self._isend(first, dst, key, _FIRST), self._isend(encoded, dst, key, _META)]
+        keep = [first, encoded]
+        if body is not None:
+            keep.append(body)
+            works.append(self._isend(body, dst, key, _BODY))
         self.last_meta[channel] = meta
+        self._remember_send(works, keep)
+
+    def _remember_send(self, works: list, keep: list[torch.Tensor]) -> None:
+        # Buffers stay referenced until their sends complete.
         self.pending_sends.append((works, keep))
         if len(self.pending_sends) > 64:
             self.pending_sends = [
@@ -249,13 +263,20 @@ class DistTransport(Transport):
     # --- receiving -----------------------------------------------------------------------
     def post_recv(self, src: int, key: TransferKey) -> _Recv:
         expected = self.expected.get(key[:2])
+        if self.fixed_shapes and expected is not None:
+            if not expected.tensors:
+                return _Recv(src, key, expected, None, None, changed=False)
+            first = torch.empty(expected.data_bytes, dtype=torch.uint8)
+            handle = _Recv(src, key, expected, first, self._irecv(first, src, key, _FIRST))
+            handle.changed = False  # a frozen channel carries data only
+            return handle
         size = (expected.data_bytes if expected is not None else 0) + _TRAILER_BYTES
         first = torch.empty(size, dtype=torch.uint8)
         return _Recv(src, key, expected, first, self._irecv(first, src, key, _FIRST))
 
     def _read_trailer(self, handle: _Recv) -> None:
-        trailer = handle.first[handle.first.numel() - _TRAILER_BYTES:].view(torch.int64)
-        changed, meta_len, body_len = (int(v) for v in trailer.tolist())
+        trailer = handle.first.numpy()[handle.first.numel() - _TRAILER_BYTES:].view(numpy.int64)
+        changed, meta_len, body_len = int(trailer[0]), int(trailer[1]), int(trailer[2])
         handle.changed = bool(changed)
         if handle.changed:
             handle.meta_buf = torch.empty(meta_len, dtype=torch.uint8)
@@ -265,6 +286,8 @@ class DistTransport(Transport):
                 handle.body_work = self._irecv(handle.body_buf, handle.src, handle.key, _BODY)
 
     def ready(self, handle: _Recv) -> bool:
+        if handle.changed is False and handle.first_work is not None:
+            return handle.first_work.is_completed()
         if handle.changed is None:
             if not handle.first_work.is_completed():
                 return False
@@ -276,6 +299,8 @@ class DistTransport(Transport):
         if handle.changed is None:
             self._wait_work(handle.first_work, deadline, handle, what)
             self._read_trailer(handle)
+        elif handle.first_work is not None and handle.meta_work is None and not handle.first_work.is_completed():
+            self._wait_work(handle.first_work, deadline, handle, what)
         for work in (handle.meta_work, handle.body_work):
             if work is not None:
                 self._wait_work(work, deadline, handle, what)

@@ -79,7 +79,36 @@ def flatten_payload(value: Any) -> tuple[PayloadMeta, list[torch.Tensor]]:
     return PayloadMeta(spec, tuple(is_tensor), tuple(plain), tuple(metas)), tensors
 
 
+_LEAF_SPEC = pytree.tree_flatten(0)[1]
+
+
+def quick_flatten(value: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """Leaves and structure, with no paths: the cheap first look of every send."""
+    if isinstance(value, torch.Tensor):
+        return [value], _LEAF_SPEC
+    return pytree.tree_flatten(value)
+
+
+def matches(meta: PayloadMeta, leaves: list[Any], spec: pytree.TreeSpec) -> bool:
+    """Whether ``leaves``/``spec`` have exactly the structure ``meta`` describes (no allocation)."""
+    if len(leaves) != len(meta.is_tensor) or (spec is not _LEAF_SPEC and spec != meta.spec):
+        return False
+    tensor_metas, plain = iter(meta.tensors), iter(meta.plain_leaves)
+    for leaf, is_tensor in zip(leaves, meta.is_tensor):
+        if is_tensor:
+            if not isinstance(leaf, torch.Tensor):
+                return False
+            want = next(tensor_metas)
+            if leaf.shape != want.shape or leaf.dtype != want.dtype or leaf.requires_grad != want.requires_grad:
+                return False
+        elif isinstance(leaf, torch.Tensor) or leaf != next(plain):
+            return False
+    return True
+
+
 def unflatten_payload(meta: PayloadMeta, tensors: list[torch.Tensor]) -> Any:
+    if meta.spec == _LEAF_SPEC and len(tensors) == 1 and meta.is_tensor == (True,):
+        return tensors[0]
     tensor_iter, plain_iter = iter(tensors), iter(meta.plain_leaves)
     leaves = [next(tensor_iter) if flag else next(plain_iter) for flag in meta.is_tensor]
     return pytree.tree_unflatten(leaves, meta.spec)
@@ -114,6 +143,16 @@ def unpack(buffer: torch.Tensor, meta: PayloadMeta) -> list[torch.Tensor]:
         tensors.append(view)
         offset += _aligned(n)
     return tensors
+
+
+def data_and_trailer(tensors: list[torch.Tensor], meta: PayloadMeta, trailer: torch.Tensor) -> torch.Tensor:
+    """The tensors' bytes as :func:`unpack` reads them, followed by ``trailer``: one new buffer."""
+    if len(tensors) == 1 and meta.tensors[0].num_bytes == meta.data_bytes:
+        return torch.cat((_as_bytes(tensors[0]), trailer))
+    buffer = torch.empty(meta.data_bytes + trailer.numel(), dtype=torch.uint8)
+    pack_into(buffer, tensors, meta)
+    buffer[meta.data_bytes:].copy_(trailer)
+    return buffer
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:

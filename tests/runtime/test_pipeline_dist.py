@@ -240,3 +240,49 @@ def _bad_setup(rank, world_size, case):
 def test_bad_setup_gets_a_clear_error(case, rank, expected):
     results = run_ranks(_bad_setup, 2, args=(case,), timeout_s=60)
     assert expected in results[rank], results[rank]
+
+
+class _DataDependentWidth(torch.nn.Module):
+    """Stage 0 keeps a number of columns read from the data, so shapes change per microbatch."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.first = first
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x, keep=None):
+        if self.first:
+            keep = int(x[0, 0].abs().item() * 10) % 3 + 2
+            return (x[:, :keep] * self.scale, keep)
+        return (x * self.scale).sum(dim=1) / keep
+
+
+def _data_dependent(rank, world_size):
+    schedule = cs.build("1f1b", ranks=2, microbatches=4)
+    pipe = conveyor.Pipeline([_DataDependentWidth(rank == 0)], schedule=schedule,
+                             loss_fn=lambda y, t: (y - t).pow(2).mean(), timeout_s=60)
+    losses = []
+    for step in range(4):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        losses.append(pipe.step(x, target=torch.zeros(8)))
+    return losses, pipe.modules[0].scale.grad.clone()
+
+
+def test_shapes_may_change_from_one_microbatch_to_the_next():
+    results = run_ranks(_data_dependent, 2, timeout_s=60)
+    first, second = _DataDependentWidth(True), _DataDependentWidth(False)
+    want = []
+    for step in range(4):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
+        total = None
+        for xi in torch.tensor_split(x, 4):
+            loss = (second(*first(xi)) - torch.zeros(2)).pow(2).mean() / 4
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        want.append(total)
+    widths = {int(x[0, 0].abs().item() * 10) % 3 + 2 for step in range(4)
+              for x in torch.tensor_split(torch.randn(8, 6, generator=torch.Generator().manual_seed(step)), 4)}
+    assert len(widths) > 1  # the test really changes shapes between microbatches
+    for losses, _ in results:
+        assert all(torch.equal(g, w) for g, w in zip(losses, want))
+    assert torch.equal(results[0][1], first.scale.grad) and torch.equal(results[1][1], second.scale.grad)
