@@ -398,10 +398,13 @@ def run(schedule: Schedule, duration: Callable[[Action], float], latency: float 
         from conveyor.schedule.verify import verify
 
         verify(schedule)
+    # A lowered schedule shows a SEND/RECV within its first few actions; knowing it up front
+    # spares a whole compute-only pass that would stop at the first one and start over.
+    lowered = schedule.is_lowered
     try:
         with gc_paused():
             try:
-                return _run(schedule, space, duration, float(latency), lowered=False)
+                return _run(schedule, space, duration, float(latency), lowered=lowered)
             except _Restart:
                 return _run(schedule, space, duration, float(latency), lowered=True)
     except (AttributeError, TypeError, IndexError, KeyError) as error:

@@ -40,6 +40,7 @@ class Timeline:
     """What each rank did when. ``source`` is ``"simulated"`` or ``"measured"``.
 
     ``stage_activation_bytes[stage]`` (optional) weighs live activations in bytes.
+    ``spans`` come in no particular order across ranks; :meth:`spans_of` sorts one rank's.
     """
 
     num_ranks: int
