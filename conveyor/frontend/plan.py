@@ -25,6 +25,7 @@ from conveyor.frontend.stage import (
     StageRecipe,
     StageTensor,
     ValueSpec,
+    as_received,
     build_graph,
     build_recipes,
 )
@@ -614,7 +615,7 @@ def _dry_run(plan: SplitPlan) -> None:
             names = [f"output_{i}" for i in range(len(flat_outputs))]
         recipe.output_specs = tuple(_spec(name, value) for name, value in zip(names, flat_outputs))
         if not recipe.is_last:
-            values = tuple(_as_received(value) for value in outputs)
+            values = tuple(as_received(value) for value in outputs)
             plan._recipes[recipe.stage + 1].input_specs = recipe.output_specs
 
 
@@ -622,10 +623,3 @@ def _spec(name: str, value: Any) -> ValueSpec:
     if isinstance(value, torch.Tensor):
         return ValueSpec(name, tuple(value.shape), value.dtype, value.requires_grad)
     return ValueSpec(name, None, None, False, value)
-
-
-def _as_received(value: Any) -> Any:
-    """A value as the next stage receives it: a leaf that requires grad iff the sent one did."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
-    return value

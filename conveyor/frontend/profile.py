@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from conveyor.frontend.errors import SplitError
+from conveyor.frontend.stage import as_received
 
 if TYPE_CHECKING:
     from conveyor.frontend.plan import SplitPlan
@@ -88,7 +89,7 @@ def profile_stages(
 
 def _time_once(module, stage, args, kwargs, inputs, device) -> tuple[float, Any]:
     """Forward, then backward with ones as output gradients; seconds of both."""
-    received = tuple(_as_received(value) for value in inputs)
+    received = tuple(as_received(value) for value in inputs)
     _synchronize(device)
     start = time.perf_counter()
     outputs = module(*args, **kwargs) if stage == 0 else module(*received)
@@ -101,12 +102,6 @@ def _time_once(module, stage, args, kwargs, inputs, device) -> tuple[float, Any]
         torch.autograd.backward(tensors, [torch.ones_like(tensor) for tensor in tensors])
     _synchronize(device)
     return time.perf_counter() - start, outputs
-
-
-def _as_received(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
-    return value
 
 
 def _save_state(module: torch.nn.Module) -> tuple[list[Any], list[torch.Tensor]]:

@@ -35,6 +35,13 @@ _SUBGRAPH_PREFIX = "_conveyor_subgraph_"
 _CONSTANT_PREFIX = "_conveyor_constants"
 
 
+
+def as_received(value: Any) -> Any:
+    """A value as the next stage receives it: a leaf that requires grad iff the sent one did."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return value
+
 @dataclass(frozen=True, slots=True)
 class ValueSpec:
     """One value crossing a stage boundary (or entering stage 0).
