@@ -19,10 +19,11 @@ __version__ = "0.1.0"
 _LAZY = {
     "Pipeline": ("conveyor.pipe", "Pipeline"),
     "pipeline": ("conveyor.pipe", "pipeline"),
+    "LocalPipeline": ("conveyor.pipe", "LocalPipeline"),
 }
 
 if TYPE_CHECKING:
-    from conveyor.pipe import Pipeline, pipeline  # noqa: F401
+    from conveyor.pipe import LocalPipeline, Pipeline, pipeline  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

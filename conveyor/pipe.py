@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from conveyor.errors import ConveyorError, PipelineConfigError
+from conveyor.errors import PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.stage import LossFn, StageRunner
@@ -42,6 +42,7 @@ from conveyor.runtime.transport import (
     LocalTransport,
     Transport,
 )
+from conveyor.schedule import available
 from conveyor.schedule import build as build_schedule
 from conveyor.schedule.ir import Action, ActionKind, Schedule
 from conveyor.schedule.lower import lower
@@ -71,9 +72,7 @@ def resolve_schedule(schedule: Schedule | str, microbatches: int | None, virtual
 
 def forward_only(schedule: Schedule) -> Schedule:
     """The forward actions of ``schedule``, in the same per-rank order (for evaluation)."""
-    return schedule.compute_only().with_programs(
-        [[a for a in p if a.kind is ActionKind.F] for p in schedule.compute_only().programs]
-    )
+    return schedule.with_programs([[a for a in p if a.kind is ActionKind.F] for p in schedule.programs])
 
 
 def fifo_channels(lowered: Schedule, forward_direction: int = FORWARD) -> set[tuple[int, int]]:
@@ -311,9 +310,6 @@ class Pipeline(_PipelineBase):
     def _guarded(self, fn, *args):
         try:
             return fn(*args)
-        except ConveyorError as exc:
-            self._fail(exc)
-            raise
         except Exception as exc:
             self._fail(exc)
             raise
@@ -447,10 +443,10 @@ class LocalPipeline(_PipelineBase):
     ) -> None:
         modules = list(modules)
         if isinstance(schedule, str) and ranks is None:
-            virtual_guess = virtual or 1
-            ranks = max(1, len(modules) // virtual_guess)
-            if schedule in ("zbv", "dualpipev"):
-                ranks = max(1, len(modules) // 2)
+            # One module per stage: the rank count follows from the schedule's stages per rank.
+            info = available().get(schedule)
+            stages_per_rank = virtual or (info.default_virtual if info is not None else 1)
+            ranks = max(1, len(modules) // stages_per_rank)
         self.schedule = resolve_schedule(schedule, microbatches, virtual, ranks or 1)
         if len(modules) != self.schedule.num_stages:
             raise PipelineConfigError(
