@@ -27,6 +27,7 @@ import contextlib
 import datetime
 import time
 import warnings
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,23 +86,26 @@ def check_frozen(expected: PayloadMeta, actual: PayloadMeta, rank: int, key: Tra
         )
 
 
-class Transport:
+class Transport(ABC):
     """Interface of the executor's communication. ``post_recv`` never blocks; ``wait`` may."""
 
     rank: int
 
+    @abstractmethod
     def send(self, dst: int, key: TransferKey, value: Any) -> None:
-        raise NotImplementedError
+        """Start sending ``value`` to rank ``dst``; returns at once."""
 
+    @abstractmethod
     def post_recv(self, src: int, key: TransferKey):
-        raise NotImplementedError
+        """Post the receive of transfer ``key`` from rank ``src``; returns a handle."""
 
+    @abstractmethod
     def ready(self, handle) -> bool:
         """Whether ``wait(handle)`` would return without blocking (also makes progress)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def wait(self, handle, what: str) -> Any:
-        raise NotImplementedError
+        """The received value; ``what`` names it in timeout and failure messages."""
 
     def finish_sends(self) -> None:
         """Block until every send of this step has left (their buffers may then be freed)."""
