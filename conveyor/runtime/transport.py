@@ -107,13 +107,13 @@ class Transport(ABC):
     def wait(self, handle, what: str) -> Any:
         """The received value; ``what`` names it in timeout and failure messages."""
 
-    def finish_sends(self) -> None:
+    def finish_sends(self) -> None:  # noqa: B027 - nothing to wait for unless sends are asynchronous
         """Block until every send of this step has left (their buffers may then be freed)."""
 
     def can_block(self) -> bool:
         return True
 
-    def end_step(self) -> None:
+    def end_step(self) -> None:  # noqa: B027 - only transports that learn per step need it
         """Called once every rank's step has finished."""
 
 
