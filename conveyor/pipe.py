@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from conveyor.errors import PipelineConfigError
+from conveyor.errors import ConveyorError, PeerFailure, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.stage import LossFn, StageRunner
@@ -310,9 +310,33 @@ class Pipeline(_PipelineBase):
     def _guarded(self, fn, *args):
         try:
             return fn(*args)
-        except Exception as exc:
+        except ConveyorError as exc:
             self._fail(exc)
             raise
+        except Exception as exc:
+            # A peer that failed closes its connections after publishing why; whichever
+            # communication call notices first (send, post, wait, collective) reports that.
+            cause = self._peer_cause(exc)
+            if cause is None:
+                self._fail(exc)
+                raise
+            self._fail(cause)
+            raise cause from exc
+
+    def _peer_cause(self, exc: Exception) -> PeerFailure | None:
+        import torch.distributed as dist
+
+        if not isinstance(exc, RuntimeError):
+            return None
+        failures = self.transport.peer_failures()
+        if failures:
+            return PeerFailure(failures)
+        if isinstance(exc, dist.DistError) or "onnection" in str(exc):
+            return PeerFailure(
+                f"rank {self.rank} lost its connection to a peer during the step ({exc}); "
+                "a peer probably died: look at its output"
+            )
+        return None
 
     def _fail(self, exc: BaseException) -> None:
         # Tell the peers why, then close our connections so none of them waits for us.
