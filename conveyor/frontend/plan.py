@@ -373,18 +373,55 @@ def split_model(
             f"so at most {len(allowed) + 1} stages. Use fewer stages, or pass split_points naming finer "
             "modules (any path in model.named_modules(), e.g. inside a block)."
         )
-    cuts = partition(weights, num_stages, cut_allowed)
-    bounds = [0, *cuts, len(units)]
-    stage_weights = tuple(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
-    return _make_plan(
-        traced,
-        [starts[j] for j in cuts],
-        tuple(units[j].name for j in cuts),
-        stage_weights,
-        default_device,
-        seed,
-        num_stages,
-    )
+    def plan_for(unit_weights: list[float]) -> SplitPlan:
+        cuts = partition(unit_weights, num_stages, cut_allowed)
+        bounds = [0, *cuts, len(units)]
+        stage_weights = tuple(sum(unit_weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        plan = _make_plan(
+            traced, [starts[j] for j in cuts], tuple(units[j].name for j in cuts), stage_weights,
+            default_device, seed, num_stages,
+        )
+        plan._unit_bounds = bounds
+        return plan
+
+    plan = plan_for(weights)
+    if split_method == "time" and num_stages > 1:
+        plan = _calibrate(plan, plan_for, weights, example_args, example_kwargs, default_device)
+    return plan
+
+
+def _calibrate(plan, plan_for, weights, example_args, example_kwargs, device, rounds: int = 2):
+    """Time the stages of a time-balanced plan and re-balance with what they really cost.
+
+    Units profiled one by one each pay a fixed overhead that a stage of several units pays
+    once, so summed unit times overstate stages made of many small units. Each round scales
+    every stage's units by measured / predicted and splits again; the plan whose slowest
+    measured stage is fastest wins.
+    """
+    from conveyor.frontend.profile import profile_stages
+
+    def slowest(candidate) -> tuple[float, list[float]]:
+        measured = profile_stages(candidate, example_args, example_kwargs, device, repeats=5)
+        return max(measured), measured
+
+    best, (best_time, measured) = plan, slowest(plan)
+    current, scaled = plan, list(weights)
+    for _ in range(rounds):
+        bounds = current._unit_bounds
+        for stage, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            predicted = sum(scaled[a:b])
+            if predicted > 0:
+                factor = measured[stage] / predicted
+                scaled[a:b] = [w * factor for w in scaled[a:b]]
+        candidate = plan_for(scaled)
+        if candidate.split_points == current.split_points:
+            break
+        candidate_time, measured = slowest(candidate)
+        logger.info("time balance: slowest stage %.4g s with %s", candidate_time, candidate.split_points)
+        if candidate_time < best_time:
+            best, best_time = candidate, candidate_time
+        current = candidate
+    return best
 
 
 def _short_list(names: list[str], limit: int = 8) -> str:
