@@ -24,10 +24,11 @@ Example (every rank in one process):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from conveyor.errors import ConveyorError, PeerFailure, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
@@ -42,6 +43,7 @@ from conveyor.runtime.transport import (
     LocalTransport,
     Transport,
 )
+from conveyor.runtime.wire import flatten_payload
 from conveyor.schedule import available
 from conveyor.schedule import build as build_schedule
 from conveyor.schedule.ir import Action, ActionKind, Schedule
@@ -170,6 +172,10 @@ class Pipeline(_PipelineBase):
     data only (no metadata), and a stage output that breaks the promise is an
     error naming rank, stage, microbatch and tensor. By default shapes may
     change between microbatches and steps (variable sequence length).
+    ``shapes`` ({stage: an example of that stage's output for ONE microbatch,
+    tensors that carry a gradient marked ``requires_grad=True``}, the same on
+    every rank) skips even the first step's exchange: with ``fixed_shapes=True``
+    only data ever travels, and the first output that differs is an error.
     """
 
     def __init__(
@@ -185,6 +191,7 @@ class Pipeline(_PipelineBase):
         checkpoint_activations: bool = False,
         record_timeline: bool = True,
         fixed_shapes: bool = False,
+        shapes: Mapping[int, Any] | None = None,
         tied_parameters: Sequence = (),
     ) -> None:
         import torch.distributed as dist
@@ -215,6 +222,8 @@ class Pipeline(_PipelineBase):
         self.lowered = lower(self.schedule)
         self.eval_lowered = lower(forward_only(self.schedule))
         self.transport.fifo_channels = fifo_channels(self.lowered) | fifo_channels(self.eval_lowered, EVAL_FORWARD)
+        if shapes:
+            self._seed_shapes(shapes)
         self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport)
         self.record_timeline = record_timeline
         self._recorder: StepRecorder | None = None
@@ -276,6 +285,23 @@ class Pipeline(_PipelineBase):
         return [r.module for r in self.runners.values()]
 
     # --- internals -----------------------------------------------------------------------
+    def _seed_shapes(self, shapes: Mapping[int, Any]) -> None:
+        """Tell both ends of each boundary what will cross it, so no step has to exchange it."""
+        last = self.schedule.num_stages - 1
+        for stage, example in shapes.items():
+            if not isinstance(stage, int) or not 0 <= stage < last:
+                raise PipelineConfigError(
+                    f"shapes= names stage {stage!r}, but only the outputs of stages 0..{last - 1} cross "
+                    "a stage boundary; key each example by the stage that outputs it"
+                )
+            meta, tensors = flatten_payload(example)
+            self.transport.seed((FORWARD, stage), meta)
+            detached = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), example)
+            self.transport.seed((EVAL_FORWARD, stage), flatten_payload(detached)[0])
+            # What comes back: one gradient per gradient-carrying output, in flatten order.
+            grads = tuple(torch.empty(t.shape, dtype=t.dtype) for t in tensors if t.requires_grad)
+            self.transport.seed((BACKWARD, stage + 1), flatten_payload(grads)[0])
+
     def _tied_process_groups(self, tied_parameters, group) -> list:
         """(parameter, subgroup) for each tied parameter whose copies live on several ranks.
 

@@ -211,6 +211,12 @@ class DistTransport(Transport):
         self.expected: dict[tuple[int, int], PayloadMeta] = {}
         self.last_meta: dict[tuple[int, int], PayloadMeta] = {}
         self.steps_done = 0
+        self.structures_sent = 0  # transfers that carried their structure (first use or a change)
+
+    def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
+        """Expect ``meta`` on ``channel`` from the first transfer on (both ends must seed alike)."""
+        if channel in self.fifo_channels:
+            self.expected[channel] = meta
 
     def _tag(self, key: TransferKey, part: int) -> int:
         direction, stage, microbatch = key
@@ -241,6 +247,7 @@ class DistTransport(Transport):
         meta, tensors = flatten_payload(value)
         if self.fixed_shapes and expected is not None:
             check_frozen(expected, meta, self.rank, key, dst)
+        self.structures_sent += 1
         expected_bytes = expected.data_bytes if expected is not None else 0
         first = torch.empty(expected_bytes + _TRAILER_BYTES, dtype=torch.uint8)
         encoded = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)

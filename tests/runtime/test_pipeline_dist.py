@@ -286,3 +286,63 @@ def test_shapes_may_change_from_one_microbatch_to_the_next():
     for losses, _ in results:
         assert all(torch.equal(g, w) for g, w in zip(losses, want))
     assert torch.equal(results[0][1], first.scale.grad) and torch.equal(results[1][1], second.scale.grad)
+
+
+def _given_shapes(rank, world_size, fixed_shapes, example_rows):
+    torch.manual_seed(0)
+    modules = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
+    schedule = cs.build("1f1b", ranks=2, microbatches=4)
+    pipe = conveyor.Pipeline([modules[rank]], schedule=schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(),
+                             timeout_s=30, fixed_shapes=fixed_shapes,
+                             shapes={0: torch.zeros(example_rows, 4, requires_grad=True)})
+    losses = []
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        losses.append(pipe.step(x, target=torch.zeros(8, 1)))
+    evaluation = pipe.forward(torch.ones(8, 4))
+    return losses, modules[rank].weight.grad.clone(), pipe.transport.structures_sent, evaluation
+
+
+@pytest.mark.parametrize("fixed_shapes", [True, False])
+def test_shapes_given_up_front_skip_every_exchange_and_stay_bitwise(fixed_shapes):
+    results = run_ranks(_given_shapes, 2, args=(fixed_shapes, 2), timeout_s=60)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    want = []
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        total = None
+        for xi in torch.tensor_split(x, 4):
+            loss = (model(xi) - torch.zeros(2, 1)).pow(2).mean() / 4
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        want.append(total)
+    for rank, (losses, grad, structures_sent, _) in enumerate(results):
+        assert all(torch.equal(g, w) for g, w in zip(losses, want))
+        assert torch.equal(grad, model[rank].weight.grad)
+        assert structures_sent == 0, f"rank {rank} sent {structures_sent} structures"
+    with torch.no_grad():  # evaluation runs microbatch by microbatch, as a single-device loop would
+        want_eval = torch.cat([model(x) for x in torch.tensor_split(torch.ones(8, 4), 4)])
+    assert torch.equal(results[1][3], want_eval)
+
+
+def test_a_wrong_shape_given_up_front_fails_on_the_first_step():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_given_shapes, 2, args=(True, 3), timeout_s=60)
+    text = str(info.value)
+    assert "rank 0, stage 0, microbatch 0" in text
+    assert "is (2, 4) float32 (requires grad), but the receiver was told (3, 4) float32 (requires grad)" in text
+
+
+def _bad_shapes_key(rank, world_size):
+    schedule = cs.build("1f1b", ranks=2, microbatches=2)
+    try:
+        conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, shapes={1: torch.zeros(1, 2)})
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_shapes_keyed_by_a_stage_whose_output_crosses_no_boundary_is_refused():
+    results = run_ranks(_bad_shapes_key, 2, timeout_s=60)
+    assert all("shapes= names stage 1, but only the outputs of stages 0..0 cross" in r for r in results)
