@@ -38,16 +38,14 @@ Example:
 
 from __future__ import annotations
 
-import gc
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import add, floordiv, mul
 
 from conveyor.schedule.cost import CostModel
-from conveyor.schedule.ir import Action, ActionKind, Schedule
+from conveyor.schedule.ir import Action, ActionKind, Schedule, gc_paused
 from conveyor.schedule.timeline import Span
 
 # Regions of the code space. B and I share one: each (stage, microbatch) has one of them.
@@ -97,23 +95,6 @@ class EngineResult:
     @property
     def completed(self) -> bool:
         return not self.blocked
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building many small objects.
-
-    Hundreds of thousands of fresh Actions or Spans trigger collections that
-    traverse every live object again and again (2-3x the run time); none of
-    them form reference cycles, so nothing is lost by collecting afterwards.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,10 +22,14 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import re
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import repeat
 
 from conveyor.errors import ScheduleError
 
@@ -88,6 +92,41 @@ class Action:
         stage, kind, microbatch = match.groups()
         return cls(ActionKind(kind), int(stage), int(microbatch))
 
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building many small objects.
+
+    Hundreds of thousands of fresh Actions or Spans trigger collections that
+    traverse every live object again and again (2-3x the run time); none of
+    them form reference cycles, so nothing is lost by collecting afterwards.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+# A frozen dataclass's __init__ costs 4x more than setting its slots directly, and Action
+# has no __post_init__, so bulk builders set the slots themselves.
+_new = object.__new__
+_set_kind, _set_stage, _set_microbatch = (
+    Action.__dict__[name].__set__ for name in ("kind", "stage", "microbatch")
+)
+
+
+def actions_in_bulk(kinds: Sequence[ActionKind], stages: Sequence[int], microbatches: Sequence[int]) -> list[Action]:
+    """``[Action(k, s, m) for k, s, m in zip(...)]``, several times faster (lowering and builders use it)."""
+    with gc_paused():
+        actions = list(map(_new, repeat(Action, len(kinds))))
+        deque(map(_set_kind, actions, kinds), maxlen=0)
+        deque(map(_set_stage, actions, stages), maxlen=0)
+        deque(map(_set_microbatch, actions, microbatches), maxlen=0)
+    return actions
 
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the papers
     """Forward of ``stage`` on ``microbatch``."""

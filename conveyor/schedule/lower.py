@@ -24,18 +24,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from itertools import chain, compress, repeat
+from itertools import chain, compress
 from operator import add
 
 from conveyor.errors import ScheduleError
-from conveyor.schedule.engine import COMM_KIND_IDS, gc_paused
-from conveyor.schedule.ir import Action, ActionKind, Schedule
+from conveyor.schedule.engine import COMM_KIND_IDS
+from conveyor.schedule.ir import Action, ActionKind, Schedule, actions_in_bulk, gc_paused
 
 K = ActionKind
 
 _KINDS = tuple(ActionKind)
-_new = object.__new__
-_set_kind, _set_stage, _set_microbatch = (Action.__dict__[n].__set__ for n in ("kind", "stage", "microbatch"))
 
 
 def lower(schedule: Schedule) -> Schedule:
@@ -92,7 +90,7 @@ def _lower_rank(
             kinds = [
                 None if k is None or (id(k), s, m) in present else k for k, s, m in zip(kinds, stages, microbatches)
             ]
-        new = _make_actions(list(filter(None, kinds)), list(compress(stages, kinds)), list(compress(microbatches, kinds)))
+        new = actions_in_bulk(list(filter(None, kinds)), list(compress(stages, kinds)), list(compress(microbatches, kinds)))
         # Scatter the new actions back to their positions (None elsewhere).
         aligned: list[Action | None] = [None] * len(kinds)
         deque(map(aligned.__setitem__, compress(range(len(kinds)), kinds), new), maxlen=0)
@@ -124,12 +122,3 @@ def _comm_tables(stage_to_rank: tuple[int, ...]) -> tuple[list, list]:
 def _present_comms(program: Sequence[Action]) -> set[tuple[int, int, int]]:
     """The SEND/RECV already in a (partly) lowered program, as (id(kind), stage, microbatch)."""
     return {(id(a.kind), a.stage, a.microbatch) for a in program if id(a.kind) in COMM_KIND_IDS}
-
-
-def _make_actions(kinds: list[ActionKind], stages: list[int], microbatches: list[int]) -> list[Action]:
-    """Actions built in bulk: a frozen dataclass's __init__ costs 4x more than setting its slots directly."""
-    actions = list(map(_new, repeat(Action, len(kinds))))
-    deque(map(_set_kind, actions, kinds), maxlen=0)
-    deque(map(_set_stage, actions, stages), maxlen=0)
-    deque(map(_set_microbatch, actions, microbatches), maxlen=0)
-    return actions

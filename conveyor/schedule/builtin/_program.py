@@ -22,22 +22,14 @@ Example:
 
 from __future__ import annotations
 
-import gc
-from collections import deque
 from collections.abc import Sequence
 from itertools import compress, repeat
 
 from conveyor.errors import ScheduleError
-from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
+from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule, actions_in_bulk
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
-# Setting the three slots directly skips the frozen dataclass's Python-level __init__
-# (4x slower); Action has no __post_init__, so nothing is skipped but the cost.
-_new = object.__new__
-_set_kind, _set_stage, _set_microbatch = (
-    Action.__dict__[name].__set__ for name in ("kind", "stage", "microbatch")
-)
 
 
 class ProgramWriter:
@@ -117,17 +109,7 @@ class ProgramWriter:
             kinds = list(compress(kinds, keep))
             stages = list(compress(stages, keep))
             microbatches = list(compress(microbatches, keep))
-        was_enabled = gc.isenabled()
-        gc.disable()  # hundreds of thousands of acyclic objects: collections would only cost time
-        try:
-            actions = list(map(_new, repeat(Action, len(kinds))))
-            deque(map(_set_kind, actions, kinds), maxlen=0)
-            deque(map(_set_stage, actions, stages), maxlen=0)
-            deque(map(_set_microbatch, actions, microbatches), maxlen=0)
-        finally:
-            if was_enabled:
-                gc.enable()
-        return tuple(actions)
+        return tuple(actions_in_bulk(kinds, stages, microbatches))
 
 
 def check_sizes(name: str, num_ranks: int, num_microbatches: int, virtual: int) -> None:
