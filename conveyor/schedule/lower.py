@@ -59,7 +59,12 @@ def lower(schedule: Schedule) -> Schedule:
 
         verify(schedule)  # raises the precise message for the malformed action
         raise AssertionError(f"lower() failed on a schedule that verifies: {error!r}") from error
-    return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, tuple(programs))
+    lowered = Schedule(schedule.name, schedule.placement, schedule.num_microbatches, tuple(programs))
+    if not schedule.is_lowered:
+        # Every RECV sits right before its consumer and every SEND right after its producer,
+        # so this schedule simulates exactly like its source: simulate() may step the source.
+        lowered._checked["lowered_from"] = schedule
+    return lowered
 
 
 def _lower_rank(
