@@ -380,8 +380,9 @@ def run(schedule: Schedule, duration: Callable[[Action], float], latency: float 
 
         verify(schedule)
     # A lowered schedule shows a SEND/RECV within its first few actions; knowing it up front
-    # spares a whole compute-only pass that would stop at the first one and start over.
-    lowered = schedule.is_lowered
+    # spares a compute-only pass that would stop at the first one and start over (the
+    # restart below still catches one that does not).
+    lowered = any(id(a.kind) in COMM_KIND_IDS for program in schedule.programs for a in program[:4])
     try:
         with gc_paused():
             try:

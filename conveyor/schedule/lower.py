@@ -53,14 +53,15 @@ def lower(schedule: Schedule) -> Schedule:
     try:
         with gc_paused():
             before, after = _comm_tables(schedule.placement.stage_to_rank)
-            programs = [_lower_rank(schedule, rank, before, after) for rank in range(schedule.num_ranks)]
+            lowered_ranks = [_lower_rank(schedule, rank, before, after) for rank in range(schedule.num_ranks)]
     except (AttributeError, TypeError, IndexError, KeyError, ValueError) as error:
         from conveyor.schedule.verify import verify
 
         verify(schedule)  # raises the precise message for the malformed action
         raise AssertionError(f"lower() failed on a schedule that verifies: {error!r}") from error
-    lowered = Schedule(schedule.name, schedule.placement, schedule.num_microbatches, tuple(programs))
-    if not schedule.is_lowered:
+    programs = tuple(program for program, _ in lowered_ranks)
+    lowered = Schedule(schedule.name, schedule.placement, schedule.num_microbatches, programs)
+    if not any(had_comms for _, had_comms in lowered_ranks):
         # Every RECV sits right before its consumer and every SEND right after its producer,
         # so this schedule simulates exactly like its source: simulate() may step the source.
         lowered._checked["lowered_from"] = schedule
@@ -69,8 +70,10 @@ def lower(schedule: Schedule) -> Schedule:
 
 def _lower_rank(
     schedule: Schedule, rank: int, before: list[ActionKind | None], after: list[ActionKind | None]
-) -> tuple[Action, ...]:
-    """One rank's program with its communication, built with C loops (map/compress/filter) only.
+) -> tuple[tuple[Action, ...], bool]:
+    """One rank's program with its communication, and whether it had any already.
+
+    Built with C loops (map/compress/filter) only.
 
     Each action i expands to ``[before_i] action_i [after_i]``: the kinds of
     what goes before and after come from a (kind, stage) table; the new
@@ -78,7 +81,7 @@ def _lower_rank(
     """
     program = schedule.programs[rank]
     if not program:
-        return ()
+        return (), False
     S = schedule.num_stages
     kind_offset = {id(kind): index * S for index, kind in enumerate(_KINDS)}
     stages = [a.stage for a in program]
@@ -87,7 +90,8 @@ def _lower_rank(
         raise IndexError("stage out of range")  # -> verify() words it
     kind_ids = list(map(id, [a.kind for a in program]))
     kind_stage = list(map(add, map(kind_offset.__getitem__, kind_ids), stages))
-    present = set() if set(kind_ids).isdisjoint(COMM_KIND_IDS) else _present_comms(program)
+    had_comms = not set(kind_ids).isdisjoint(COMM_KIND_IDS)
+    present = _present_comms(program) if had_comms else set()
     sides = []
     for table in (before, after):
         kinds = list(map(table.__getitem__, kind_stage))  # a comm kind, or None
@@ -101,7 +105,7 @@ def _lower_rank(
         deque(map(aligned.__setitem__, compress(range(len(kinds)), kinds), new), maxlen=0)
         sides.append(aligned)
     # Actions are truthy and the gaps None: filter(None) drops the gaps.
-    return tuple(filter(None, chain.from_iterable(zip(sides[0], program, sides[1]))))
+    return tuple(filter(None, chain.from_iterable(zip(sides[0], program, sides[1])))), had_comms
 
 
 def _comm_tables(stage_to_rank: tuple[int, ...]) -> tuple[list, list]:
