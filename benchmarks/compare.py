@@ -2,7 +2,7 @@
 
 One command (see benchmarks/README.md)::
 
-    .venv/bin/python benchmarks/compare.py            # full grid, ~20-30 min on a quiet 2-core machine
+    .venv/bin/python benchmarks/compare.py            # full grid, ~25-35 min on a quiet 2-core machine
     .venv/bin/python benchmarks/compare.py --quick    # a small subset, ~3 min: checks the harness
 
 For every case (workload, schedule, P ranks, V stages per rank, M microbatches)
@@ -11,7 +11,11 @@ stage modules; the groups then take turns, one step each (A B A B), for
 ``--warmup`` steps and then ``--repeats`` timed ones; step time = the slowest
 rank's wall time of a step all ranks start together (after a barrier); medians.
 The ideal is conveyor's simulator (``conveyor.schedule.simulate``) run with the
-per-stage F / I / W costs measured in one plain single-thread process.
+per-stage F / I / W costs measured in one plain single-thread process, sampled
+in the same rotation (A B ideal A B ideal) and reported as the same statistic:
+each sample times every stage's passes once, ideal = median of the samples'
+makespans. ``ideal_fastest_ms`` (costs measured once up front, fastest of >= 5)
+is kept in the json.
 
 Writes benchmarks/results/compare.json, compare.md and compare.png; the json is
 rewritten after every case, so an interrupted run keeps what it measured.
@@ -39,7 +43,13 @@ import torch.distributed.pipelining  # noqa: E402, F401 - imported once here so 
 from benchmarks import libraries as lib  # noqa: E402
 from benchmarks.ranks import RankFailure, RankGroup, RankTimeout  # noqa: E402
 from benchmarks.report import render  # noqa: E402
-from benchmarks.workloads import WORKLOADS, MeasuredCosts, TinyGPT, Workload  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    WORKLOADS,
+    MeasuredCosts,
+    TinyGPT,
+    Workload,
+    per_pass,
+)
 
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
 DEFAULT_VARIANTS = (
@@ -93,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--overhead-microbatches", default="64", help="M values for the overhead workload"
     )
     parser.add_argument(
-        "--gpt-microbatches", default="8,16", help="M values for the GPT workload (P=2)"
+        "--gpt-microbatches", default="8,16,32", help="M values for the GPT workload (P=2)"
     )
     parser.add_argument(
         "--sleep-ms", type=float, default=5.0, help="emulated F, I and W time per block"
@@ -171,7 +181,11 @@ def build_cases(args: argparse.Namespace) -> list[lib.Case]:
 
 
 class CostCache:
-    """Per-stage costs measured once per (workload, number of stages) in a single-thread process."""
+    """Per-stage costs measured once per (workload, number of stages) in a single-thread process.
+
+    The fastest of ``repeats`` samples of each pass, taken before the cases: the
+    ``ideal_fastest_ms`` kept next to the in-rotation ideal (see run_case).
+    """
 
     def __init__(self, repeats: int) -> None:
         self.repeats = repeats
@@ -187,8 +201,8 @@ class CostCache:
         return self._costs[key]
 
 
-def ideal_ms(case: lib.Case, costs: MeasuredCosts) -> tuple[float | None, str]:
-    """conveyor's simulated makespan of ``case`` with ``costs`` (ms), or None and why not."""
+def ideal_schedule(case: lib.Case):
+    """conveyor's schedule for ``case`` (to simulate), or None and why not."""
     try:
         import conveyor.schedule as cs
         from conveyor.errors import ConveyorError
@@ -199,10 +213,22 @@ def ideal_ms(case: lib.Case, costs: MeasuredCosts) -> tuple[float | None, str]:
             microbatches=case.num_microbatches,
             virtual=case.virtual,
         )
-        timeline = cs.simulate(sched, cs.CostModel.per_stage(costs.as_rows()))
+        cs.verify(sched)
     except (ImportError, ConveyorError) as error:
         return None, f"{type(error).__name__}: {str(error).splitlines()[0]}"
-    return timeline.makespan, "ok"
+    return sched, "ok"
+
+
+def makespan_ms(sched, costs: MeasuredCosts) -> float:
+    """conveyor's simulated makespan of ``sched`` with ``costs`` (ms), latency 0."""
+    import conveyor.schedule as cs
+
+    return cs.simulate(sched, cs.CostModel.per_stage(costs.as_rows())).makespan
+
+
+def _serial_ms(costs: MeasuredCosts, num_microbatches: int) -> float:
+    """One process doing every pass of every microbatch back to back."""
+    return num_microbatches * (sum(costs.forward_ms) + sum(costs.backward_ms))
 
 
 def _last_line(error: BaseException) -> str:
@@ -214,9 +240,10 @@ def _last_line(error: BaseException) -> str:
 def run_case(
     case: lib.Case, settings: Settings, costs: CostCache, conveyor_missing: str | None
 ) -> dict:
-    """Both libraries on ``case``, alternating; one JSON-ready record."""
-    stage_costs = costs.get(case.workload, case.num_stages)
-    ideal, ideal_note = ideal_ms(case, stage_costs)
+    """Both libraries on ``case``, alternating, then an ideal sample; one JSON-ready record."""
+    started = time.monotonic()
+    sched, ideal_note = ideal_schedule(case)
+    fastest = costs.get(case.workload, case.num_stages)
     record: dict = {
         "workload": case.workload.name,
         "schedule": case.schedule,
@@ -225,13 +252,9 @@ def run_case(
         "stages": case.num_stages,
         "microbatches": case.num_microbatches,
         "torch_class": lib.TORCH_SCHEDULES.get(case.schedule, ("",))[0] or None,
-        "ideal_ms": ideal,
+        "ideal_ms": None,
+        "ideal_fastest_ms": None if sched is None else makespan_ms(sched, fastest),
         "ideal_note": ideal_note,
-        "stage_costs_ms": {
-            "forward": stage_costs.forward_ms,
-            "backward_input": stage_costs.backward_input_ms,
-            "backward_weight": stage_costs.backward_weight_ms,
-        },
     }
     # The real-compute workload also times the whole model in one process, in the same rotation.
     sides = [*settings.libraries, *([lib.SINGLE] if isinstance(case.workload, TinyGPT) else [])]
@@ -257,6 +280,16 @@ def run_case(
             group.kill()
             continue
         groups[name], status[name] = group, "ok"
+    # The ideal's stage costs are sampled in the same rotation, in one single-thread
+    # process: each sample times every stage's passes once, as a step runs them once.
+    probe: RankGroup | None = None
+    if sched is not None:
+        probe = RankGroup(1, distributed=False, timeout_s=settings.step_timeout_s)
+        try:
+            probe.call(lib.ideal_setup, case.workload, case.num_stages)
+        except (RankFailure, RankTimeout) as error:
+            ideal_note, probe = f"failed: {_last_line(error)}", None
+    samples: list[MeasuredCosts] = []
     # A B A B: one step of each side in turn, so drifting machine load hits all alike.
     for rep in range(settings.warmup + settings.repeats):
         for name in list(groups):
@@ -268,6 +301,16 @@ def run_case(
                 continue
             if rep >= settings.warmup:
                 steps[name].append(max(per_rank_s) * 1e3)
+        if probe is not None:
+            try:
+                sample = probe.call(lib.ideal_sample)[0]
+            except (RankFailure, RankTimeout) as error:
+                ideal_note, probe, samples = f"failed: {_last_line(error)}", None, []
+                continue
+            if rep >= settings.warmup:
+                samples.append(sample)
+    if probe is not None:
+        probe.close()
     if "conveyor" in groups:
         # What conveyor itself measured in its last step, to see where time went.
         try:
@@ -292,9 +335,40 @@ def run_case(
         record[f"{key}_rss_growth_mb"] = None if rss is None else [growth for _, growth in rss]
         if group:
             group.close()
+    record["ideal_note"] = ideal_note
+    _add_ideal(record, case, sched, samples, fastest)
     record["notes"] = notes
     _add_ratios(record, case)
+    record["elapsed_s"] = time.monotonic() - started
     return record
+
+
+def _costs_json(costs: MeasuredCosts) -> dict:
+    return {
+        "forward": costs.forward_ms,
+        "backward_input": costs.backward_input_ms,
+        "backward_weight": costs.backward_weight_ms,
+    }
+
+
+def _add_ideal(
+    record: dict, case: lib.Case, sched, samples: list[MeasuredCosts], fastest: MeasuredCosts
+) -> None:
+    """``ideal_ms``: the median of the samples' makespans, the statistic of the step times."""
+    makespans = [makespan_ms(sched, sample) for sample in samples]
+    record["ideal_samples_ms"] = makespans
+    record["ideal_ms"] = statistics.median(makespans) if makespans else None
+    record["stage_costs_ms"] = (
+        _costs_json(per_pass(samples, statistics.median)) if samples else None
+    )
+    record["stage_costs_fastest_ms"] = _costs_json(fastest)
+    if isinstance(case.workload, TinyGPT) and makespans:
+        # One process doing the sampled work back to back, over that sample's makespan: the
+        # best speedup this schedule allows, free of the noise in single_process_ms.
+        record["ideal_speedup"] = statistics.median(
+            _serial_ms(sample, case.num_microbatches) / makespan
+            for sample, makespan in zip(samples, makespans)
+        )
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -305,6 +379,7 @@ def _add_ratios(record: dict, case: lib.Case) -> None:
     for name in lib.LIBRARIES:
         ms = record.get(f"{name}_ms")
         record[f"{name}_vs_ideal"] = _ratio(ms, record["ideal_ms"])
+        record[f"{name}_vs_ideal_fastest"] = _ratio(ms, record["ideal_fastest_ms"])
         if case.workload.name == "overhead" and ms is not None and record["ideal_ms"] is not None:
             # Framework time a rank spends per microbatch per stage it runs (one boundary in, one out).
             record[f"{name}_overhead_ms"] = (ms - record["ideal_ms"]) / (
@@ -316,13 +391,6 @@ def _add_ratios(record: dict, case: lib.Case) -> None:
             record[f"{name}_speedup"] = _ratio(
                 record["single_process_ms"], record.get(f"{name}_ms")
             )
-        # One process doing the measured work back to back, over the ideal makespan: the
-        # best speedup this schedule allows, free of the noise in single_process_ms.
-        costs = record["stage_costs_ms"]
-        serial_ms = case.num_microbatches * (
-            sum(costs["forward"]) + sum(costs["backward_input"]) + sum(costs["backward_weight"])
-        )
-        record["ideal_speedup"] = _ratio(serial_ms, record["ideal_ms"])
 
 
 def measure_gloo_one_way_ms(shape: tuple[int, ...], rounds: int = 5) -> tuple[float, float]:
@@ -398,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         json_path.write_text(json.dumps(results, indent=1))
         print(_progress_line(index, len(cases), case, record), flush=True)
     render(results, out)
+    json_path.write_text(json.dumps(results, indent=1))  # now with the summary
     print(
         f"wrote {json_path}, {out / 'compare.md'}, {out / 'compare.png'} in {time.monotonic() - started:.0f} s"
     )
@@ -408,7 +477,10 @@ def _progress_line(index: int, total: int, case: lib.Case, record: dict) -> str:
     def ms(value: float | None) -> str:
         return "   -   " if value is None else f"{value:7.1f}"
 
-    parts = [f"[{index}/{total}] {case.label():48s}", f"ideal {ms(record['ideal_ms'])}"]
+    parts = [
+        f"[{index}/{total}] {case.label():48s}",
+        f"ideal {ms(record['ideal_ms'])} (fastest {ms(record['ideal_fastest_ms']).strip()})",
+    ]
     for name in lib.LIBRARIES:
         if record.get(f"{name}_status") == "not run":
             continue

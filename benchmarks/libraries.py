@@ -315,3 +315,16 @@ def measure_costs(worker: Worker, workload: Workload, num_stages: int, repeats: 
     from benchmarks.workloads import measure_stage_costs
 
     return measure_stage_costs(workload, num_stages, repeats=repeats)
+
+
+def ideal_setup(worker: Worker, workload: Workload, num_stages: int) -> int:
+    """Build every stage of ``workload`` cut in ``num_stages`` in this process, for :func:`ideal_sample`."""
+    from benchmarks.workloads import StageCostProbe
+
+    worker.state["probe"] = StageCostProbe(workload, num_stages)
+    return num_stages
+
+
+def ideal_sample(worker: Worker):
+    """One :class:`~benchmarks.workloads.MeasuredCosts` sample: each stage's F, I, B timed once."""
+    return worker.state["probe"].sample()

@@ -17,7 +17,7 @@ the stages):
   cut by hand into stages (stage 0 holds the embeddings, the last stage the final
   norm and the untied head).
 
-:func:`measure_stage_costs` times each stage's F, I and full backward in one plain
+:class:`StageCostProbe` times each stage's F, I and full backward in one plain
 process; the ideal step time of a schedule is conveyor's simulator run on those
 costs, so the blocks' own Python and autograd cost is inside the ideal.
 
@@ -379,16 +379,97 @@ def _detach_inputs(value) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
+class StageCostProbe:
+    """Every stage of a cut model, ready to time its passes on one microbatch in this process.
+
+    Stage ``s`` is fed the output of stage ``s - 1`` (computed once, detached,
+    requiring grad); the last stage includes the loss in its forward. Each
+    :meth:`sample` runs every stage's F, I and full backward once, stage after
+    stage, so one sample sees the moment it is taken, as one pipeline step does.
+
+    Example:
+        >>> wl = Emulated(num_ranks=2, forward_ms=1, input_grad_ms=1, weight_grad_ms=1)
+        >>> costs = StageCostProbe(wl, 2).sample()
+        >>> len(costs.forward_ms), costs.backward_input_ms[0]
+        (2, 0.0)
+    """
+
+    def __init__(self, workload: Workload, num_stages: int) -> None:
+        x, self.target = workload.batch(1)
+        self.loss_fn = workload.loss_fn
+        self.num_stages = num_stages
+        self.modules: list[nn.Module] = []
+        self.inputs: list[tuple] = []
+        stage_input: tuple = (x,)
+        for stage in range(num_stages):
+            module = workload.build_stage(stage, num_stages)
+            inputs = stage_input if stage == 0 else _detach_inputs(stage_input)
+            self.modules.append(module)
+            self.inputs.append(inputs)
+            with torch.no_grad():
+                stage_input = _as_args(module(*inputs))
+
+    def _forward(self, stage: int) -> tuple:
+        out = self.modules[stage](*self.inputs[stage])
+        return _as_args(self.loss_fn(out, self.target) if stage == self.num_stages - 1 else out)
+
+    def sample(self) -> MeasuredCosts:
+        """Each stage's F, I and full backward, timed once (ms)."""
+        forward_ms, input_ms, backward_ms = [], [], []
+        for stage, module in enumerate(self.modules):
+            grad_inputs = [t for t in self.inputs[stage] if t.requires_grad]
+            start = time.perf_counter()
+            outs = self._forward(stage)
+            forward = time.perf_counter() - start
+            grads = tuple(torch.ones_like(o) for o in outs)
+            backward_input = 0.0
+            if grad_inputs:
+                start = time.perf_counter()
+                torch.autograd.grad(outs, grad_inputs, grads, retain_graph=False)
+                backward_input = time.perf_counter() - start
+                # I freed the graph; the full backward is timed on a fresh forward (untimed).
+                outs = self._forward(stage)
+            start = time.perf_counter()
+            torch.autograd.backward(outs, grads)
+            backward = time.perf_counter() - start
+            module.zero_grad(set_to_none=True)
+            for t in grad_inputs:
+                t.grad = None
+            forward_ms.append(forward * 1e3)
+            input_ms.append(backward_input * 1e3)
+            backward_ms.append(backward * 1e3)
+        return MeasuredCosts(tuple(forward_ms), tuple(input_ms), tuple(backward_ms))
+
+
+def per_pass(
+    samples: list[MeasuredCosts], statistic: Callable[[list[float]], float]
+) -> MeasuredCosts:
+    """``statistic`` (``min``, ``statistics.median``) of each pass of each stage over ``samples``.
+
+    Example:
+        >>> a = MeasuredCosts((1.0,), (0.0,), (3.0,))
+        >>> per_pass([a, MeasuredCosts((2.0,), (0.0,), (2.0,))], min)
+        MeasuredCosts(forward_ms=(1.0,), backward_input_ms=(0.0,), backward_ms=(2.0,))
+    """
+    if not samples:
+        raise ValueError("per_pass needs at least one sample, got none")
+
+    def each(field: str) -> tuple[float, ...]:
+        columns = zip(*(getattr(s, field) for s in samples))
+        return tuple(statistic(list(values)) for values in columns)
+
+    return MeasuredCosts(each("forward_ms"), each("backward_input_ms"), each("backward_ms"))
+
+
 def measure_stage_costs(
     workload: Workload, num_stages: int, *, repeats: int = 5, warmup: int = 1
 ) -> MeasuredCosts:
-    """Time F, I and full B of every stage on one microbatch, in this process.
+    """F, I and full B of every stage on one microbatch, each the fastest of ``repeats`` samples.
 
-    Stage ``s`` is fed the output of stage ``s - 1`` (detached, requiring grad), the
-    last stage includes the loss in its forward. Each pass keeps its fastest of
-    ``repeats`` runs: other work on the machine only ever adds time (a sleeping
-    block wakes late when the cores are busy), so the minimum is the best estimate
-    of the blocks' own cost.
+    Other work on the machine only ever adds time (a sleeping block wakes late
+    when the cores are busy), so the minimum estimates the blocks' own cost; it
+    is biased low against step times taken as medians on a noisy machine, which
+    is why compare.py reports it only as ``ideal_fastest_ms``.
 
     Example:
         >>> wl = Emulated(num_ranks=2, forward_ms=1, input_grad_ms=1, weight_grad_ms=1)
@@ -396,45 +477,7 @@ def measure_stage_costs(
         >>> len(costs.forward_ms), costs.backward_input_ms[0]
         (2, 0.0)
     """
-    x, y = workload.batch(1)
-    stage_input: tuple = (x,)
-    forward_ms, input_ms, backward_ms = [], [], []
-    for stage in range(num_stages):
-        module = workload.build_stage(stage, num_stages)
-        last = stage == num_stages - 1
-        inputs = stage_input if stage == 0 else _detach_inputs(stage_input)
-        grad_inputs = [t for t in inputs if t.requires_grad]
-
-        def run_forward(module=module, inputs=inputs, last=last):
-            out = module(*inputs)
-            return workload.loss_fn(out, y) if last else out
-
-        f_times, i_times, b_times = [], [], []
-        for rep in range(warmup + repeats):
-            t0 = time.perf_counter()
-            out = run_forward()
-            f = time.perf_counter() - t0
-            outs = _as_args(out)
-            grads = tuple(torch.ones_like(o) for o in outs)
-            i = 0.0
-            if grad_inputs:
-                t0 = time.perf_counter()
-                torch.autograd.grad(outs, grad_inputs, grads, retain_graph=False)
-                i = time.perf_counter() - t0
-                outs = _as_args(run_forward())
-            t0 = time.perf_counter()
-            torch.autograd.backward(outs, grads)
-            b = time.perf_counter() - t0
-            module.zero_grad(set_to_none=True)
-            for t in grad_inputs:
-                t.grad = None
-            if rep >= warmup:
-                f_times.append(f * 1e3)
-                i_times.append(i * 1e3)
-                b_times.append(b * 1e3)
-        forward_ms.append(min(f_times))
-        input_ms.append(min(i_times))
-        backward_ms.append(min(b_times))
-        with torch.no_grad():
-            stage_input = _as_args(module(*inputs))
-    return MeasuredCosts(tuple(forward_ms), tuple(input_ms), tuple(backward_ms))
+    probe = StageCostProbe(workload, num_stages)
+    for _ in range(warmup):
+        probe.sample()
+    return per_pass([probe.sample() for _ in range(repeats)], min)
