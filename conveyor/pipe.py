@@ -24,6 +24,7 @@ Example (every rank in one process):
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from torch.utils import _pytree as pytree
 from conveyor.errors import ConveyorError, PeerFailure, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
+from conveyor.runtime.shm import SharedMemoryTransport, shared_memory_supported
 from conveyor.runtime.stage import LossFn, StageRunner
 from conveyor.runtime.transport import (
     BACKWARD,
@@ -176,6 +178,13 @@ class Pipeline(_PipelineBase):
     tensors that carry a gradient marked ``requires_grad=True``}, the same on
     every rank) skips even the first step's exchange: with ``fixed_shapes=True``
     only data ever travels, and the first output that differs is an error.
+    ``transport``: ``"shared_memory"`` moves payloads through rings in shared
+    memory (every rank on this host, CPU tensors, x86-64 Linux; a hop costs
+    microseconds instead of gloo's 0.1-0.3 ms of calls), ``"process_group"``
+    through the group's point-to-point calls (gloo, NCCL); ``"auto"`` (default)
+    takes shared memory when the group's backend is gloo and the launcher says
+    every rank is on this host (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as torchrun
+    sets them), else the process group.
     """
 
     def __init__(
@@ -193,6 +202,7 @@ class Pipeline(_PipelineBase):
         fixed_shapes: bool = False,
         shapes: Mapping[int, Any] | None = None,
         tied_parameters: Sequence = (),
+        transport: str = "auto",
     ) -> None:
         import torch.distributed as dist
 
@@ -217,8 +227,7 @@ class Pipeline(_PipelineBase):
         self._tied_groups = self._tied_process_groups(tied_parameters, group)
         ranks = list(range(world))
         global_ranks = ranks if group is None else [dist.get_global_rank(group, r) for r in ranks]
-        self.transport = DistTransport(group, global_ranks, self.rank, self.schedule.num_stages,
-                                       self.schedule.num_microbatches, timeout_s, fixed_shapes)
+        self.transport = self._make_transport(transport, group, global_ranks, timeout_s, fixed_shapes)
         self.lowered = lower(self.schedule)
         self.eval_lowered = lower(forward_only(self.schedule))
         self.transport.fifo_channels = fifo_channels(self.lowered) | fifo_channels(self.eval_lowered, EVAL_FORWARD)
@@ -285,6 +294,34 @@ class Pipeline(_PipelineBase):
         return [r.module for r in self.runners.values()]
 
     # --- internals -----------------------------------------------------------------------
+    def _make_transport(self, kind: str, group, global_ranks: list[int], timeout_s: float,
+                        fixed_shapes: bool) -> Transport:
+        import torch.distributed as dist
+
+        if kind not in ("auto", "shared_memory", "process_group"):
+            raise PipelineConfigError(
+                f"transport must be 'auto', 'shared_memory' or 'process_group'; got {kind!r}"
+            )
+        why_not = shared_memory_supported()
+        if kind == "auto":
+            backend = str(dist.get_backend(group))
+            world_size = os.environ.get("WORLD_SIZE")
+            one_host = world_size is not None and os.environ.get("LOCAL_WORLD_SIZE") == world_size
+            kind = "shared_memory" if (not why_not and backend == "gloo" and one_host) else "process_group"
+        if kind == "process_group":
+            return DistTransport(group, global_ranks, self.rank, self.schedule.num_stages,
+                                 self.schedule.num_microbatches, timeout_s, fixed_shapes)
+        if why_not:
+            raise PipelineConfigError(f"transport='shared_memory' cannot run here: {why_not}; "
+                                      "use transport='process_group'")
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        placement = self.schedule.placement
+        peers = {placement.rank_of(s + d) for s in self.stages for d in (-1, 1)
+                 if 0 <= s + d < self.schedule.num_stages} - {self.rank}
+        return SharedMemoryTransport(self.rank, peers, _get_default_store(), "-".join(map(str, global_ranks)),
+                                     len(global_ranks), timeout_s, fixed_shapes)
+
     def _seed_shapes(self, shapes: Mapping[int, Any]) -> None:
         """Tell both ends of each boundary what will cross it, so no step has to exchange it."""
         last = self.schedule.num_stages - 1

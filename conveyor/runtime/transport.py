@@ -86,6 +86,45 @@ def check_frozen(expected: PayloadMeta, actual: PayloadMeta, rank: int, key: Tra
         )
 
 
+class FailureBoard:
+    """Failure messages through the process group's store, so that peers can say why a rank stopped.
+
+    Needs ``rank`` and ``num_ranks`` on the instance.
+    """
+
+    rank: int
+    num_ranks: int
+
+    def _store(self):
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            return _get_default_store()
+        except Exception:  # no store reachable: failures surface as lost connections
+            return None
+
+    def publish_failure(self, message: str) -> None:
+        store = self._store()
+        if store is not None:
+            # The store itself may be gone with a failing peer; the error we raise matters more.
+            with contextlib.suppress(Exception):
+                store.set(_FAILURE_KEY.format(rank=self.rank), message)
+
+    def peer_failures(self) -> str:
+        store = self._store()
+        if store is None:
+            return ""
+        messages = []
+        for rank in range(self.num_ranks):
+            key = _FAILURE_KEY.format(rank=rank)
+            try:
+                if rank != self.rank and store.check([key]):
+                    messages.append(f"rank {rank} failed: {store.get(key).decode()}")
+            except Exception:
+                continue
+        return "\n".join(messages)
+
+
 class Transport(ABC):
     """Interface of the executor's communication. ``post_recv`` never blocks; ``wait`` may."""
 
@@ -167,7 +206,7 @@ _TRAILER_BYTES = 24  # three int64: changed flag, structure bytes, body bytes
 _SAME = torch.zeros(_TRAILER_BYTES, dtype=torch.uint8)  # trailer of a transfer as expected
 
 
-class DistTransport(Transport):
+class DistTransport(FailureBoard, Transport):
     """torch.distributed isend/irecv with tags (gloo on CPU).
 
     Protocol per channel (direction, sending stage), both sides keeping the
@@ -202,6 +241,7 @@ class DistTransport(Transport):
         self.group = group
         self.rank = rank
         self.rank_to_global = rank_to_global
+        self.num_ranks = len(rank_to_global)
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         self.timeout_s = timeout_s
@@ -361,33 +401,3 @@ class DistTransport(Transport):
                 if channel in self.fifo_channels:
                     self.expected[channel] = meta
         self.steps_done += 1
-
-    # --- failure propagation through the store ---------------------------------
-    def _store(self):
-        try:
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            return _get_default_store()
-        except Exception:  # no store reachable: failures surface as lost connections
-            return None
-
-    def publish_failure(self, message: str) -> None:
-        store = self._store()
-        if store is not None:
-            # The store itself may be gone with a failing peer; the error we raise matters more.
-            with contextlib.suppress(Exception):
-                store.set(_FAILURE_KEY.format(rank=self.rank), message)
-
-    def peer_failures(self) -> str:
-        store = self._store()
-        if store is None:
-            return ""
-        messages = []
-        for rank in range(len(self.rank_to_global)):
-            key = _FAILURE_KEY.format(rank=rank)
-            try:
-                if rank != self.rank and store.check([key]):
-                    messages.append(f"rank {rank} failed: {store.get(key).decode()}")
-            except Exception:
-                continue
-        return "\n".join(messages)

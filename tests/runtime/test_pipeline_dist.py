@@ -22,14 +22,16 @@ from .parity import (
     schedule_grid,
 )
 
+TRANSPORTS = ("shared_memory", "process_group")
 
-def _train(rank, world_size, name, virtual, fixed_shapes):
+
+def _train(rank, world_size, name, virtual, fixed_shapes, transport="auto"):
     schedule = cs.build(name, ranks=world_size, microbatches=NUM_MICROBATCHES, virtual=virtual)
     cfg = config_for(schedule)
     mine = schedule.stages_of(rank)
     stages = {s: build_stage(s, cfg) for s in mine}
     pipe = conveyor.Pipeline([stages[s] for s in mine], schedule=schedule, loss_fn=lm_loss,
-                             timeout_s=60, fixed_shapes=fixed_shapes)
+                             timeout_s=60, fixed_shapes=fixed_shapes, transport=transport)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses, grads = [], None
     for step in range(NUM_STEPS):
@@ -45,11 +47,19 @@ def _train(rank, world_size, name, virtual, fixed_shapes):
     return losses, grads, params, sum(s.action.kind.is_compute for s in timeline.spans)
 
 
-@pytest.mark.parametrize(("name", "num_ranks", "virtual"), schedule_grid((1, 2, 4)))
-def test_every_schedule_is_bitwise_equal_to_one_device_across_processes(name, num_ranks, virtual):
+# Every schedule over the default transport (shared memory: run_ranks puts every rank on this
+# host), and a V=1 and a V=2 family over the process group's gloo point-to-point as well.
+_GRID = [(*case, "auto") for case in schedule_grid((1, 2, 4))] + [
+    ("1f1b", 4, 1, "process_group"), ("interleaved-1f1b", 2, 2, "process_group"), ("zbv", 2, 2, "process_group"),
+    ("dualpipev", 4, 2, "process_group"),
+]
+
+
+@pytest.mark.parametrize(("name", "num_ranks", "virtual", "transport"), _GRID)
+def test_every_schedule_is_bitwise_equal_to_one_device_across_processes(name, num_ranks, virtual, transport):
     schedule = cs.build(name, ranks=num_ranks, microbatches=NUM_MICROBATCHES, virtual=virtual)
     want_losses, want_grads, want_params = reference_run(schedule)
-    results = run_ranks(_train, num_ranks, args=(name, virtual, False), timeout_s=120)
+    results = run_ranks(_train, num_ranks, args=(name, virtual, False, transport), timeout_s=120)
     compute_actions = sum(len(p) for p in schedule.programs)
     for rank, (losses, grads, params, num_spans) in enumerate(results):
         for step, (got, want) in enumerate(zip(losses, want_losses)):
@@ -60,10 +70,11 @@ def test_every_schedule_is_bitwise_equal_to_one_device_across_processes(name, nu
         assert num_spans == compute_actions  # the measured timeline holds every compute action
 
 
-def test_fixed_shapes_mode_is_bitwise_equal_too():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_fixed_shapes_mode_is_bitwise_equal_too(transport):
     schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
     want_losses, _, want_params = reference_run(schedule)
-    results = run_ranks(_train, 2, args=("1f1b", 1, True), timeout_s=120)
+    results = run_ranks(_train, 2, args=("1f1b", 1, True, transport), timeout_s=120)
     for rank, (losses, _, params, _) in enumerate(results):
         assert all(torch.equal(g, w) for g, w in zip(losses, want_losses))
         for stage in schedule.stages_of(rank):
@@ -83,12 +94,12 @@ class _VariableLength(torch.nn.Module):
         return y.mean(dim=(1, 2)) if self.last else y
 
 
-def _variable_length(rank, world_size, name, virtual):
+def _variable_length(rank, world_size, name, virtual, transport="auto"):
     schedule = cs.build(name, ranks=world_size, microbatches=2, virtual=virtual)
     torch.manual_seed(0)
     modules = [_VariableLength(s == schedule.num_stages - 1) for s in range(schedule.num_stages)]
     pipe = conveyor.Pipeline([modules[s] for s in schedule.stages_of(rank)], schedule=schedule,
-                             loss_fn=lambda y, t: (y - t).pow(2).mean(), timeout_s=60)
+                             loss_fn=lambda y, t: (y - t).pow(2).mean(), timeout_s=60, transport=transport)
     losses = []
     for seq_len in (3, 7, 5):
         x = torch.randn(4, seq_len, 4, generator=torch.Generator().manual_seed(seq_len))
@@ -96,11 +107,14 @@ def _variable_length(rank, world_size, name, virtual):
     return losses, [p.grad.clone() for p in pipe.parameters()]
 
 
-@pytest.mark.parametrize(("name", "virtual"), [("1f1b", 1), ("zbv", 2), ("zb-h1", 1), ("dualpipev", 2)])
-def test_sequence_length_may_change_between_steps(name, virtual):
+@pytest.mark.parametrize(("name", "virtual", "transport"), [
+    ("1f1b", 1, "auto"), ("zbv", 2, "auto"), ("zb-h1", 1, "auto"), ("dualpipev", 2, "auto"),
+    ("zbv", 2, "process_group"), ("dualpipev", 2, "process_group"),
+])
+def test_sequence_length_may_change_between_steps(name, virtual, transport):
     if name not in cs.available():
         pytest.fail(f"built-in schedule {name} is missing")
-    results = run_ranks(_variable_length, 2, args=(name, virtual), timeout_s=60)
+    results = run_ranks(_variable_length, 2, args=(name, virtual, transport), timeout_s=60)
     torch.manual_seed(0)
     schedule = cs.build(name, ranks=2, microbatches=2, virtual=virtual)
     model = torch.nn.Sequential(*[_VariableLength(s == schedule.num_stages - 1) for s in range(schedule.num_stages)])
@@ -117,18 +131,19 @@ def test_sequence_length_may_change_between_steps(name, virtual):
         assert all(torch.equal(g, w) for g, w in zip(losses, want))
 
 
-def _mismatch(rank, world_size):
+def _mismatch(rank, world_size, transport):
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     module = torch.nn.Linear(4, 4) if rank == 0 else torch.nn.Linear(4, 1)
     pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                             timeout_s=30, fixed_shapes=True)
+                             timeout_s=30, fixed_shapes=True, transport=transport)
     pipe.step(torch.ones(2, 4))
     pipe.step(torch.ones(4, 4))  # microbatches of 2 rows, not 1: breaks the promise
 
 
-def test_fixed_shapes_violation_names_rank_stage_microbatch_and_tensor():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_fixed_shapes_violation_names_rank_stage_microbatch_and_tensor(transport):
     with pytest.raises(RankFailure) as info:
-        run_ranks(_mismatch, 2, timeout_s=60)
+        run_ranks(_mismatch, 2, args=(transport,), timeout_s=60)
     text = str(info.value)
     assert "rank 0, stage 0, microbatch 0" in text
     assert "(2, 4) float32" in text and "(1, 4) float32" in text
@@ -140,18 +155,19 @@ class _Boom(torch.nn.Module):
         raise ValueError("boom inside stage 2")
 
 
-def _pipeline_with_a_failing_stage(rank, world_size):
+def _pipeline_with_a_failing_stage(rank, world_size, transport):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=4)
     module = _Boom() if rank == 2 else torch.nn.Linear(4, 4)
-    return conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=120)
+    return conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=120,
+                             transport=transport)
 
 
-def _raise_uncaught(rank, world_size):
-    _pipeline_with_a_failing_stage(rank, world_size).step(torch.ones(4, 4))
+def _raise_uncaught(rank, world_size, transport):
+    _pipeline_with_a_failing_stage(rank, world_size, transport).step(torch.ones(4, 4))
 
 
-def _raise_in_stage(rank, world_size):
-    pipe = _pipeline_with_a_failing_stage(rank, world_size)
+def _raise_in_stage(rank, world_size, transport):
+    pipe = _pipeline_with_a_failing_stage(rank, world_size, transport)
     start = time.monotonic()
     try:
         pipe.step(torch.ones(4, 4))
@@ -160,22 +176,24 @@ def _raise_in_stage(rank, world_size):
     return "no error", 0.0
 
 
-def test_an_exception_in_one_rank_stops_every_rank_with_its_message():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_exception_in_one_rank_stops_every_rank_with_its_message(transport):
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_ranks(_raise_uncaught, 4, timeout_s=60)
+        run_ranks(_raise_uncaught, 4, args=(transport,), timeout_s=60)
     assert time.monotonic() - start < 30  # not the 120 s receive timeout
     text = str(info.value)
     assert "boom inside stage 2" in text and "rank 2, stage 2, microbatch 0" in text
 
 
-def _peer_messages(rank, world_size):
+def _peer_messages(rank, world_size, transport):
     # Each rank catches its own error so the test can read what every rank saw.
-    return _raise_in_stage(rank, world_size)
+    return _raise_in_stage(rank, world_size, transport)
 
 
-def test_peers_report_the_failing_ranks_message_not_a_bare_connection_error():
-    results = run_ranks(_peer_messages, 4, timeout_s=60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_peers_report_the_failing_ranks_message_not_a_bare_connection_error(transport):
+    results = run_ranks(_peer_messages, 4, args=(transport,), timeout_s=60)
     messages = [m for m, _ in results]
     assert "StageExecutionError" in messages[2] and "boom inside stage 2" in messages[2]
     for rank in (0, 1, 3):
@@ -184,10 +202,10 @@ def test_peers_report_the_failing_ranks_message_not_a_bare_connection_error():
     assert max(seconds for _, seconds in results) < 30
 
 
-def _silent_peer(rank, world_size):
+def _silent_peer(rank, world_size, transport):
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                             timeout_s=2)
+                             timeout_s=2, transport=transport)
     if rank == 1:
         time.sleep(6)  # never joins the step
         return "slept"
@@ -198,8 +216,9 @@ def _silent_peer(rank, world_size):
     return "no error"
 
 
-def test_a_receive_that_never_comes_times_out_naming_rank_stage_microbatch_action_and_peer():
-    results = run_ranks(_silent_peer, 2, timeout_s=60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_receive_that_never_comes_times_out_naming_rank_stage_microbatch_action_and_peer(transport):
+    results = run_ranks(_silent_peer, 2, args=(transport,), timeout_s=60)
     message = results[0]
     assert message.startswith("CommTimeout"), message
     assert "rank 0 waited 2 s" in message and "from rank 1" in message

@@ -1,0 +1,516 @@
+"""Ranks on one host talk through shared memory: one ring buffer per direction of each stage boundary.
+
+Why: on CPU, a torch.distributed (gloo) message costs 0.1-0.3 ms of calls and thread
+hand-offs on each side, and a pipeline pays that on every hop of its critical path.
+Here a send copies the payload straight into a ring the receiver has mapped and rings
+its doorbell; a waiting receiver sees the data within microseconds when it spins, or
+wakes on the doorbell (an abstract Unix datagram socket) when it sleeps.
+
+Layout of a ring (an anonymous ``memfd`` of the sender, opened by the receiver through
+``/proc/<pid>/fd``, so nothing is ever left behind in a file system): a 4 KiB control
+page (write position, read position, the sender's failure message) and a data area of
+``capacity`` bytes. Positions only grow; a message never straddles the end of the area
+(a WRAP record skips to its start). A message is a 64-byte header ``(kind, total
+bytes, direction, stage, microbatch, structure id, structure bytes, data bytes)``, then
+the pickled structure when the channel has not carried it before, then the data as
+:mod:`conveyor.runtime.wire` packs it. A message too large for the ring moves the
+channel to a larger ring (a SWITCH record names it). The sender publishes a message by
+storing the write position after the bytes: on x86-64 stores become visible in order,
+which is why this transport is offered on x86-64 Linux only.
+
+A send never blocks: when the ring is full the message waits in the sender's outbox and
+goes out on its next call into the transport. Every wait has the pipeline's timeout and
+notices a failed peer within a second: through the failure message the peer writes into
+its rings, through the process group's store, or because its process is gone.
+
+Example (what :class:`conveyor.Pipeline` does when every rank is on this host)::
+
+    transport = SharedMemoryTransport(rank, peers={0: ..., 2: ...}, store=store, ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import platform
+import select
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+import torch
+
+from conveyor.errors import CommTimeout, PeerFailure
+from conveyor.runtime.transport import FailureBoard, TransferKey, Transport, check_frozen
+from conveyor.runtime.wire import (
+    PayloadMeta,
+    flatten_payload,
+    matches,
+    pack_into,
+    quick_flatten,
+    unflatten_payload,
+    unpack,
+)
+
+log = logging.getLogger(__name__)
+
+_CONTROL_BYTES = 4096
+_WRITE, _READ, _FAILED, _FAILURE_LEN = 0, 8, 16, 24  # int64 word indices in the control page (own cache lines)
+_FAILURE_AT = 256  # byte offset of the failure message in the control page
+_HEADER = 64
+_DATA, _WRAP, _SWITCH = 1, 2, 3
+_INITIAL_CAPACITY = 256 * 1024
+_MAX_STRUCTURES = 64  # per channel; beyond, structures travel with every message
+_HEALTH_EVERY_S = 0.5
+
+
+def _padded(n: int) -> int:
+    return (n + _HEADER - 1) // _HEADER * _HEADER
+
+
+def shared_memory_supported() -> str:
+    """Empty when this machine can run the transport, else why not."""
+    if sys.platform != "linux" or not hasattr(os, "memfd_create"):
+        return "it needs Linux (memfd_create)"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"its lock-free rings rely on x86-64's store order; this machine is {platform.machine()}"
+    return ""
+
+
+class _Ring:
+    """One mapping of a ring: the control words and the data area as numpy and torch views."""
+
+    def __init__(self, fd: int, capacity: int) -> None:
+        self.fd = fd
+        self.capacity = capacity
+        self.map = mmap.mmap(fd, _CONTROL_BYTES + capacity)
+        self.control = numpy.frombuffer(self.map, dtype=numpy.int64, count=_CONTROL_BYTES // 8)
+        self.bytes = numpy.frombuffer(self.map, dtype=numpy.uint8, count=capacity, offset=_CONTROL_BYTES)
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8, count=capacity, offset=_CONTROL_BYTES)
+
+    @classmethod
+    def create(cls, name: str, capacity: int) -> _Ring:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(fd, _CONTROL_BYTES + capacity)
+        return cls(fd, capacity)
+
+    @classmethod
+    def open(cls, pid: int, fd: int, capacity: int) -> _Ring:
+        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        return cls(own, capacity)
+
+    def header(self, position: int) -> numpy.ndarray:
+        at = position % self.capacity
+        return self.bytes[at : at + _HEADER].view(numpy.int64)
+
+    def write_failure(self, message: str) -> None:
+        data = message.encode()[: _CONTROL_BYTES - _FAILURE_AT]
+        self.control.view(numpy.uint8)[_FAILURE_AT : _FAILURE_AT + len(data)] = numpy.frombuffer(data, numpy.uint8)
+        self.control[_FAILURE_LEN] = len(data)
+        self.control[_FAILED] = 1
+
+    def failure(self) -> str:
+        if not self.control[_FAILED]:
+            return ""
+        n = int(self.control[_FAILURE_LEN])
+        return bytes(self.control.view(numpy.uint8)[_FAILURE_AT : _FAILURE_AT + n]).decode(errors="replace")
+
+    def close(self) -> None:
+        # Views must go before the map can close; a received tensor never views a ring.
+        del self.control, self.bytes, self.tensor
+        with contextlib.suppress(BufferError, ValueError):
+            self.map.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+@dataclass
+class _Outgoing:
+    """Sender side of one ring: where the next message goes, and what waits for room."""
+
+    ring: _Ring
+    write: int = 0
+    generation: int = 0
+
+    def __post_init__(self) -> None:
+        self.outbox: deque = deque()
+
+    def free(self) -> int:
+        return self.ring.capacity - (self.write - int(self.ring.control[_READ]))
+
+
+@dataclass
+class _Incoming:
+    ring: _Ring
+    pid: int
+    read: int = 0
+
+
+class SharedMemoryTransport(FailureBoard, Transport):
+    """The executor's transport between ranks of one host (see the module docstring).
+
+    ``peers`` are the ranks this rank exchanges anything with; rings are set up lazily,
+    at the first step, through ``store`` (the process group's), so building a Pipeline
+    stays free of communication. ``spin_s``: how long a receiver polls before it sleeps
+    on its doorbell (long when every rank has a core, short when they share).
+    """
+
+    _instances: dict[str, int] = {}  # per process group: every rank builds its pipelines in the same order
+
+    def __init__(
+        self,
+        rank: int,
+        peers: set[int],
+        store,
+        store_prefix: str,
+        num_ranks: int,
+        timeout_s: float,
+        fixed_shapes: bool = False,
+        spin_s: float | None = None,
+    ) -> None:
+        self.rank = rank
+        self.peers = sorted(peers)
+        self.store = store
+        count = self._instances.get(store_prefix, 0)
+        self._instances[store_prefix] = count + 1
+        self.prefix = f"conveyor/shm/{store_prefix}/{count}"
+        self.num_ranks = num_ranks
+        self.timeout_s = timeout_s
+        self.fixed_shapes = fixed_shapes
+        self.spin_s = _default_spin_s(num_ranks) if spin_s is None else spin_s
+        self.outgoing: dict[int, _Outgoing] = {}
+        self.incoming: dict[int, _Incoming] = {}
+        self.doorbells: dict[int, str] = {}
+        self.pids: dict[int, int] = {}
+        self.arrived: dict[tuple[int, TransferKey], deque] = {}
+        self.sent_structures: dict[tuple[int, int], list[PayloadMeta]] = {}
+        self.last_structure: dict[tuple[int, int], int] = {}
+        self.received_structures: dict[tuple[int, int], list[PayloadMeta]] = {}
+        self.frozen: dict[tuple[int, int], PayloadMeta] = {}
+        self.fifo_channels: set = set()  # the process-group transport's notion; every channel works here
+        self.steps_done = 0
+        self.structures_sent = 0
+        self.socket: socket.socket | None = None
+        self._publish()
+
+    # --- set-up --------------------------------------------------------------------------
+    def _publish(self) -> None:
+        """Create our doorbell and outgoing rings and say where they are; waits for nobody."""
+        me = os.getpid()
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        name = f"\0conveyor-{me}-{self.prefix}-{self.rank}"
+        self.socket.bind(name)
+        self.socket.setblocking(False)
+        rings = {}
+        for peer in self.peers:
+            ring = _Ring.create(f"conveyor-{self.rank}-to-{peer}", _INITIAL_CAPACITY)
+            self.outgoing[peer] = _Outgoing(ring)
+            rings[str(peer)] = [ring.fd, ring.capacity]
+        self.store.set(f"{self.prefix}/{self.rank}", json.dumps({"pid": me, "doorbell": name, "rings": rings}))
+
+    def _connect(self, peer: int, wait_s: float, what: str) -> bool:
+        """Map ``peer``'s ring towards us; with ``wait_s`` 0, only if it has already published it."""
+        key = f"{self.prefix}/{peer}"
+        if wait_s <= 0:
+            if not self.store.check([key]):
+                return False
+        else:
+            try:
+                self.store.wait([key], _timedelta(wait_s))
+            except Exception as exc:
+                raise CommTimeout(
+                    f"rank {self.rank} waited {self.timeout_s:g} s for {what} from rank {peer} and it never "
+                    f"came; rank {peer} never built its end of this pipeline (it is slow, stuck or running "
+                    "something else)"
+                ) from exc
+        theirs = json.loads(self.store.get(key))
+        fd, capacity = theirs["rings"][str(self.rank)]
+        try:
+            ring = _Ring.open(theirs["pid"], fd, capacity)
+        except OSError as exc:
+            raise PeerFailure(
+                f"rank {self.rank} cannot map the shared-memory ring of rank {peer} (pid {theirs['pid']}): "
+                f"{exc}. Ranks in separate containers or PID namespaces cannot share memory this way; "
+                "pass transport='process_group' to conveyor.Pipeline"
+            ) from exc
+        self.incoming[peer] = _Incoming(ring, theirs["pid"])
+        self.doorbells[peer] = theirs["doorbell"]
+        self.pids[peer] = theirs["pid"]
+        return True
+
+    def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
+        """Both ends know ``meta`` as the channel's structure 0 before the first transfer."""
+        for table in (self.sent_structures, self.received_structures):
+            if not table.get(channel):
+                table[channel] = [meta]
+        self.last_structure.setdefault(channel, 0)
+        if self.fixed_shapes:
+            self.frozen.setdefault(channel, meta)
+
+    # --- sending ---------------------------------------------------------------------------
+    def send(self, dst: int, key: TransferKey, value: Any) -> None:
+        channel = key[:2]
+        structures = self.sent_structures.setdefault(channel, [])
+        leaves, spec = quick_flatten(value)
+        index = self.last_structure.get(channel)
+        expected = self.frozen.get(channel) if self.fixed_shapes else None
+        if expected is None and index is not None and index >= 0:
+            expected = structures[index]
+        if expected is not None and matches(expected, leaves, spec):
+            meta, encoded = expected, b""
+            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        else:
+            meta, tensors = flatten_payload(value)
+            if self.fixed_shapes and channel in self.frozen:
+                check_frozen(self.frozen[channel], meta, self.rank, key, dst)
+            index, encoded = self._structure_index(channel, structures, meta)
+            self.last_structure[channel] = index
+        if index is None:
+            index = self.last_structure[channel]
+        outgoing = self.outgoing[dst]
+        outgoing.outbox.append((key, index, encoded, meta, tensors))
+        self._pump(dst, outgoing)
+
+    def _structure_index(self, channel, structures: list[PayloadMeta], meta: PayloadMeta) -> tuple[int, bytes]:
+        for index in range(len(structures) - 1, -1, -1):
+            if structures[index] == meta:
+                return index, b""
+        self.structures_sent += 1
+        if len(structures) >= _MAX_STRUCTURES:
+            return -1, meta.encode()  # travels with the message, not remembered
+        structures.append(meta)
+        return len(structures) - 1, meta.encode()
+
+    def _pump(self, dst: int, outgoing: _Outgoing) -> None:
+        sent = False
+        while outgoing.outbox:
+            key, index, encoded, meta, tensors = outgoing.outbox[0]
+            data_bytes = meta.data_bytes
+            total = _HEADER + _padded(len(encoded)) + _padded(data_bytes)
+            if total + _HEADER > outgoing.ring.capacity // 2:
+                if not self._grow(dst, outgoing, total):
+                    break
+                sent = True
+                continue
+            at = outgoing.write % outgoing.ring.capacity
+            skip = outgoing.ring.capacity - at if at + total > outgoing.ring.capacity else 0
+            if outgoing.free() < skip + total:
+                break
+            ring = outgoing.ring
+            if skip:
+                ring.header(outgoing.write)[:2] = (_WRAP, skip)
+                outgoing.write += skip
+                at = 0
+            body = at + _HEADER
+            if encoded:
+                ring.bytes[body : body + len(encoded)] = numpy.frombuffer(encoded, numpy.uint8)
+                body += _padded(len(encoded))
+            if tensors:
+                pack_into(ring.tensor[body : body + data_bytes], tensors, meta)
+            ring.header(outgoing.write)[:] = (_DATA, total, key[0], key[1], key[2], index, len(encoded), data_bytes)
+            outgoing.write += total
+            ring.control[_WRITE] = outgoing.write  # publishes the message: stores land in order on x86-64
+            outgoing.outbox.popleft()
+            sent = True
+        if sent:
+            self._ring_doorbell(dst)
+
+    def _grow(self, dst: int, outgoing: _Outgoing, message_bytes: int) -> bool:
+        """Move the channel to a ring that holds ``message_bytes`` comfortably; False while the old one is full."""
+        at = outgoing.write % outgoing.ring.capacity
+        skip = outgoing.ring.capacity - at if at + _HEADER > outgoing.ring.capacity else 0
+        if outgoing.free() < skip + _HEADER:
+            return False
+        capacity = max(2 * outgoing.ring.capacity, 1 << (4 * message_bytes - 1).bit_length())
+        outgoing.generation += 1
+        ring = _Ring.create(f"conveyor-{self.rank}-to-{dst}-{outgoing.generation}", capacity)
+        old = outgoing.ring
+        if skip:
+            old.header(outgoing.write)[:2] = (_WRAP, skip)
+            outgoing.write += skip
+        old.header(outgoing.write)[:4] = (_SWITCH, _HEADER, ring.fd, capacity)
+        outgoing.write += _HEADER
+        old.control[_WRITE] = outgoing.write
+        # The receiver still maps the old ring until it reads the SWITCH; we are done with it.
+        old.close()
+        outgoing.ring, outgoing.write = ring, 0
+        return True
+
+    def _ring_doorbell(self, dst: int) -> None:
+        doorbell = self.doorbells.get(dst)
+        if doorbell is None:
+            if not self._connect(dst, 0, ""):
+                return  # it has not mapped our ring yet either: it drains it when it does
+            doorbell = self.doorbells[dst]
+        # A full doorbell already has wake-ups pending; a gone peer is noticed by its waiters.
+        with contextlib.suppress(BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+            self.socket.sendto(b"\1", doorbell)
+
+    def _pump_all(self) -> None:
+        for dst, outgoing in self.outgoing.items():
+            if outgoing.outbox:
+                self._pump(dst, outgoing)
+
+    # --- receiving -----------------------------------------------------------------------
+    def post_recv(self, src: int, key: TransferKey):
+        return (src, key)
+
+    def _drain(self, src: int, incoming: _Incoming) -> None:
+        ring = incoming.ring
+        while True:
+            written = int(ring.control[_WRITE])
+            if incoming.read == written:
+                return
+            header = ring.header(incoming.read)
+            kind, total = int(header[0]), int(header[1])
+            if kind == _WRAP:
+                incoming.read += total
+                ring.control[_READ] = incoming.read
+                continue
+            if kind == _SWITCH:
+                fd, capacity = int(header[2]), int(header[3])
+                ring.control[_READ] = incoming.read + total
+                incoming.ring = ring = _Ring.open(incoming.pid, fd, capacity)
+                incoming.read = 0
+                continue
+            direction, stage, microbatch, index, meta_bytes, data_bytes = (int(v) for v in header[2:8])
+            at = incoming.read % ring.capacity + _HEADER
+            channel = (direction, stage)
+            if meta_bytes:
+                meta = PayloadMeta.decode(ring.bytes[at : at + meta_bytes].tobytes())
+                at += _padded(meta_bytes)
+                if index >= 0:
+                    self.received_structures.setdefault(channel, []).append(meta)
+            else:
+                meta = self.received_structures[channel][index]
+            buffer = ring.tensor[at : at + data_bytes].clone() if data_bytes else None
+            incoming.read += total
+            ring.control[_READ] = incoming.read
+            self.arrived.setdefault((src, (direction, stage, microbatch)), deque()).append((meta, buffer))
+
+    def _poll(self) -> None:
+        for src, incoming in self.incoming.items():
+            if int(incoming.ring.control[_WRITE]) != incoming.read:
+                self._drain(src, incoming)
+        self._pump_all()
+
+    def ready(self, handle) -> bool:
+        self._poll()
+        return bool(self.arrived.get(handle))
+
+    def wait(self, handle, what: str) -> Any:
+        src, key = handle
+        if src not in self.incoming:
+            self._connect(src, self.timeout_s, what)
+        queue = self.arrived.get(handle)
+        if not queue:
+            self._wait_until(lambda: bool(self.arrived.get(handle)), src, what)
+            queue = self.arrived[handle]
+        meta, buffer = queue.popleft()
+        tensors = unpack(buffer, meta) if meta.tensors else []
+        return unflatten_payload(meta, tensors)
+
+    def _wait_until(self, done, src: int, what: str) -> None:
+        clock = time.perf_counter
+        start = clock()
+        spin_until = start + self.spin_s
+        deadline = start + self.timeout_s
+        next_health = start + _HEALTH_EVERY_S
+        while True:
+            self._poll()
+            if done():
+                return
+            now = clock()
+            if now < spin_until:
+                continue
+            if now >= next_health:
+                self._check_health(src, what)
+                next_health = now + _HEALTH_EVERY_S
+            if now >= deadline:
+                raise CommTimeout(
+                    f"rank {self.rank} waited {self.timeout_s:g} s for {what} from rank {src} "
+                    f"and it never came; rank {src} is slow, stuck or running another schedule "
+                    "(raise timeout_s= if the step is legitimately that slow)"
+                )
+            readable, _, _ = select.select([self.socket], [], [], min(next_health, deadline) - now)
+            if readable:
+                with contextlib.suppress(BlockingIOError):
+                    while self.socket.recv(4096):
+                        pass
+
+    def _check_health(self, src: int, what: str) -> None:
+        for peer, incoming in self.incoming.items():
+            message = incoming.ring.failure()
+            if message:
+                raise PeerFailure(_relayed(peer, message))
+        failures = self.peer_failures()
+        if failures:
+            raise PeerFailure(failures)
+        pid = self.pids.get(src)
+        if pid is not None:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise PeerFailure(
+                    f"rank {self.rank} waited for {what} from rank {src}, but rank {src} (pid {pid}) has "
+                    "exited; look at its output"
+                ) from None
+            except PermissionError:
+                pass
+
+    def finish_sends(self) -> None:
+        if any(o.outbox for o in self.outgoing.values()):
+            self._wait_until(lambda: not any(o.outbox for o in self.outgoing.values()), self.rank,
+                             "room in a peer's ring for the rest of this step's sends")
+
+    def end_step(self) -> None:
+        if self.fixed_shapes and self.steps_done == 0:
+            for channel, index in self.last_structure.items():
+                if index >= 0 and channel not in self.frozen:
+                    self.frozen[channel] = self.sent_structures[channel][index]
+        self.steps_done += 1
+
+    # --- failures ----------------------------------------------------------------------------
+    def publish_failure(self, message: str) -> None:
+        """Write ``message`` where every peer's waits look: our rings, then the store."""
+        for dst, outgoing in self.outgoing.items():
+            with contextlib.suppress(Exception):
+                outgoing.ring.write_failure(message)
+                self._ring_doorbell(dst)
+        super().publish_failure(message)
+
+    def _store(self):
+        return self.store
+
+
+def _relayed(peer: int, message: str) -> str:
+    # A peer that failed because its own peer did passes the original message on.
+    prefix = f"{PeerFailure.__name__}: "
+    return message[len(prefix):] if message.startswith(prefix) else f"rank {peer} failed: {message}"
+
+
+def _default_spin_s(num_ranks: int) -> float:
+    override = os.environ.get("CONVEYOR_SHM_SPIN_US")
+    if override:
+        return float(override) / 1e6
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    # A spinning rank holds a core: only worth it when every rank has one to itself.
+    return 0.002 if num_ranks <= cores else 0.00005
+
+
+def _timedelta(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+

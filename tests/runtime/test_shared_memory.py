@@ -1,0 +1,136 @@
+"""The shared-memory transport on its own: rings that wrap and grow, out-of-order keys, structures, failures."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+import torch
+
+import conveyor
+import conveyor.schedule as cs
+from conveyor.errors import CommTimeout, PeerFailure, PipelineConfigError
+from conveyor.runtime.shm import SharedMemoryTransport
+from conveyor.runtime.transport import DistTransport
+from conveyor.testing import run_ranks
+
+
+def _pair(rank, prefix, timeout_s=30.0):
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return SharedMemoryTransport(rank, {1 - rank}, _get_default_store(), prefix, 2, timeout_s)
+
+
+def _exchange(rank, world_size, payloads):
+    """Rank 0 sends every payload (key = its index); rank 1 receives them in reverse order."""
+    transport = _pair(rank, "exchange")
+    if rank == 0:
+        for index, value in enumerate(payloads):
+            transport.send(1, (0, 0, index), value)
+        transport.finish_sends()
+        return transport.structures_sent, transport.outgoing[1].ring.capacity
+    got = [None] * len(payloads)
+    for index in reversed(range(len(payloads))):
+        got[index] = transport.wait(transport.post_recv(0, (0, 0, index)), f"payload {index}")
+    return got
+
+
+def test_payloads_arrive_intact_whatever_order_they_are_waited_for():
+    payloads = [
+        torch.arange(6.0).reshape(2, 3),
+        {"hidden": torch.ones(2, 2, dtype=torch.bfloat16), "mask": torch.tensor([True, False]), "n": 3},
+        (torch.zeros(0), [torch.full((5,), 7, dtype=torch.int64)], None),
+        torch.arange(6.0).reshape(2, 3) + 1,  # the first structure again: not sent twice
+    ]
+    (structures, _), got = run_ranks(_exchange, 2, args=(payloads,), timeout_s=60)
+    assert structures == 3
+    assert torch.equal(got[0], payloads[0])
+    assert got[1]["n"] == 3 and torch.equal(got[1]["hidden"], payloads[1]["hidden"])
+    assert got[1]["hidden"].dtype == torch.bfloat16 and torch.equal(got[1]["mask"], payloads[1]["mask"])
+    assert got[2][0].shape == (0,) and torch.equal(got[2][1][0], payloads[2][1][0]) and got[2][2] is None
+    assert torch.equal(got[3], payloads[3])
+
+
+def test_many_messages_wrap_the_ring_and_a_large_one_moves_the_channel_to_a_larger_ring():
+    small = [torch.full((1000,), float(i)) for i in range(400)]  # 400 x 4 kB: the 256 kB ring wraps
+    large = torch.arange(1_000_000, dtype=torch.float32)  # 4 MB: larger than the ring
+    payloads = [*small, large, *small[:10]]
+    (_, capacity), got = run_ranks(_exchange, 2, args=(payloads,), timeout_s=60)
+    assert capacity >= 16 * 1024 * 1024
+    assert all(torch.equal(g, w) for g, w in zip(got, payloads))
+
+
+def _peer_process_gone(rank, world_size):
+    transport = _pair(rank, "gone", timeout_s=60.0)
+    if rank == 1:
+        transport.send(0, (1, 1, 0), torch.ones(2))
+        time.sleep(3)  # alive, silent: rank 0 is told its peer's process is a finished one
+        return "silent"
+    transport.wait(transport.post_recv(1, (1, 1, 0)), "the first gradient")
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    transport.pids[1] = finished.pid  # as if rank 1 had been killed without a word
+    start = time.monotonic()
+    with pytest.raises(PeerFailure) as info:
+        transport.wait(transport.post_recv(1, (1, 1, 1)), "the second gradient")
+    return str(info.value), time.monotonic() - start
+
+
+def test_a_peer_whose_process_is_gone_is_noticed_within_a_second_not_at_the_timeout():
+    (message, seconds), _ = run_ranks(_peer_process_gone, 2, timeout_s=60)
+    assert "rank 0 waited for the second gradient from rank 1, but rank 1" in message and "has exited" in message
+    assert seconds < 2.0
+
+
+def _survivor_view(rank, world_size):
+    transport = _pair(rank, "survivor", timeout_s=60.0)
+    if rank == 1:
+        transport.send(0, (1, 1, 0), torch.ones(2))
+        time.sleep(0.3)
+        transport.publish_failure("ValueError: broken stage")
+        return "failed on purpose"
+    transport.wait(transport.post_recv(1, (1, 1, 0)), "the first gradient")
+    start = time.monotonic()
+    with pytest.raises(PeerFailure) as info:
+        transport.wait(transport.post_recv(1, (1, 1, 1)), "the second gradient")
+    return str(info.value), time.monotonic() - start
+
+
+def test_a_failure_written_into_the_ring_reaches_the_waiting_peer_at_once():
+    (message, seconds), _ = run_ranks(_survivor_view, 2, timeout_s=60)
+    assert message == "rank 1 failed: ValueError: broken stage"
+    assert seconds < 2.0
+
+
+def _timeout(rank, world_size):
+    transport = _pair(rank, "timeout", timeout_s=1.0)
+    if rank == 1:
+        time.sleep(3)
+        return "slept"
+    with pytest.raises(CommTimeout) as info:
+        transport.wait(transport.post_recv(1, (1, 1, 0)), "stage 0's output gradient (0RECV_B0)")
+    return str(info.value)
+
+
+def test_a_receive_that_never_comes_times_out_with_what_it_waited_for():
+    message, _ = run_ranks(_timeout, 2, timeout_s=60)
+    assert message.startswith("rank 0 waited 1 s for stage 0's output gradient (0RECV_B0) from rank 1")
+
+
+def _chosen(rank, world_size, transport):
+    schedule = cs.build("gpipe", ranks=2, microbatches=2)
+    try:
+        pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, transport=transport)
+    except PipelineConfigError as exc:
+        return str(exc)
+    return type(pipe.transport).__name__
+
+
+def test_auto_takes_shared_memory_when_every_rank_is_on_this_host_else_the_process_group():
+    assert run_ranks(_chosen, 2, args=("auto",)) == [SharedMemoryTransport.__name__] * 2
+    # A launcher that reports fewer local ranks than ranks in all: some are elsewhere.
+    assert run_ranks(_chosen, 2, args=("auto",), env={"LOCAL_WORLD_SIZE": "1"}) == [DistTransport.__name__] * 2
+    assert run_ranks(_chosen, 2, args=("process_group",)) == [DistTransport.__name__] * 2
+    message = run_ranks(_chosen, 2, args=("nccl",))[0]
+    assert message == "transport must be 'auto', 'shared_memory' or 'process_group'; got 'nccl'"
