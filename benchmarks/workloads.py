@@ -379,6 +379,10 @@ def _detach_inputs(value) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
+_SAMPLE_SPAN_MS = 5.0  # a stage's passes are timed until they add up to this much
+_SAMPLE_MAX_RUNS = 64
+
+
 class StageCostProbe:
     """Every stage of a cut model, ready to time its passes on one microbatch in this process.
 
@@ -414,31 +418,44 @@ class StageCostProbe:
         return _as_args(self.loss_fn(out, self.target) if stage == self.num_stages - 1 else out)
 
     def sample(self) -> MeasuredCosts:
-        """Each stage's F, I and full backward, timed once (ms)."""
+        """Each stage's F, I and full backward (ms), as one pipeline step would meet them.
+
+        A stage whose three passes together take at least ``_SAMPLE_SPAN_MS`` is timed
+        once. Passes of microseconds (the overhead workload) are timed again and again,
+        up to that span, and averaged: one timer tick or one late wake-up would otherwise
+        stand for every microbatch of the simulated step.
+        """
         forward_ms, input_ms, backward_ms = [], [], []
-        for stage, module in enumerate(self.modules):
-            grad_inputs = [t for t in self.inputs[stage] if t.requires_grad]
-            start = time.perf_counter()
-            outs = self._forward(stage)
-            forward = time.perf_counter() - start
-            grads = tuple(torch.ones_like(o) for o in outs)
-            backward_input = 0.0
-            if grad_inputs:
-                start = time.perf_counter()
-                torch.autograd.grad(outs, grad_inputs, grads, retain_graph=False)
-                backward_input = time.perf_counter() - start
-                # I freed the graph; the full backward is timed on a fresh forward (untimed).
-                outs = self._forward(stage)
-            start = time.perf_counter()
-            torch.autograd.backward(outs, grads)
-            backward = time.perf_counter() - start
-            module.zero_grad(set_to_none=True)
-            for t in grad_inputs:
-                t.grad = None
-            forward_ms.append(forward * 1e3)
-            input_ms.append(backward_input * 1e3)
-            backward_ms.append(backward * 1e3)
+        for stage in range(self.num_stages):
+            runs = []
+            while not runs or (sum(sum(r) for r in runs) < _SAMPLE_SPAN_MS and len(runs) < _SAMPLE_MAX_RUNS):
+                runs.append(self._time_passes(stage))
+            forward_ms.append(sum(r[0] for r in runs) / len(runs))
+            input_ms.append(sum(r[1] for r in runs) / len(runs))
+            backward_ms.append(sum(r[2] for r in runs) / len(runs))
         return MeasuredCosts(tuple(forward_ms), tuple(input_ms), tuple(backward_ms))
+
+    def _time_passes(self, stage: int) -> tuple[float, float, float]:
+        module = self.modules[stage]
+        grad_inputs = [t for t in self.inputs[stage] if t.requires_grad]
+        start = time.perf_counter()
+        outs = self._forward(stage)
+        forward = time.perf_counter() - start
+        grads = tuple(torch.ones_like(o) for o in outs)
+        backward_input = 0.0
+        if grad_inputs:
+            start = time.perf_counter()
+            torch.autograd.grad(outs, grad_inputs, grads, retain_graph=False)
+            backward_input = time.perf_counter() - start
+            # I freed the graph; the full backward is timed on a fresh forward (untimed).
+            outs = self._forward(stage)
+        start = time.perf_counter()
+        torch.autograd.backward(outs, grads)
+        backward = time.perf_counter() - start
+        module.zero_grad(set_to_none=True)
+        for t in grad_inputs:
+            t.grad = None
+        return forward * 1e3, backward_input * 1e3, backward * 1e3
 
 
 def per_pass(
