@@ -69,6 +69,9 @@ def _serve(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # What torchrun tells every rank it starts on one machine (conveyor picks its transport by it).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     worker = Worker(rank, world_size, distributed=port is not None)
     try:
         if port is not None:

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,9 @@ class PayloadMeta:
 
     @staticmethod
     def decode(data: bytes) -> PayloadMeta:
-        return pickle.loads(data)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's pickled LeafSpec
+            return pickle.loads(data)
 
 
 def _aligned(n: int) -> int:
@@ -66,6 +69,11 @@ def _aligned(n: int) -> int:
 
 
 def flatten_payload(value: Any) -> tuple[PayloadMeta, list[torch.Tensor]]:
+    spec = _tensor_tuple_spec(value)
+    if spec is not None:  # the usual gradient payload: no pytree walk
+        tensors = list(value)
+        metas = tuple(TensorMeta(t.shape, t.dtype, t.requires_grad, f"[{i}]") for i, t in enumerate(tensors))
+        return PayloadMeta(spec, (True,) * len(tensors), (), metas), tensors
     leaves_with_path, spec = pytree.tree_flatten_with_path(value)
     is_tensor, plain, metas, tensors = [], [], [], []
     for path, leaf in leaves_with_path:
@@ -80,18 +88,36 @@ def flatten_payload(value: Any) -> tuple[PayloadMeta, list[torch.Tensor]]:
 
 
 _LEAF_SPEC = pytree.tree_flatten(0)[1]
+# One spec object per tuple length, shared by flatten_payload and quick_flatten, so that
+# matching a tuple of tensors against a channel's structure is an identity check.
+_TUPLE_SPECS: dict[int, pytree.TreeSpec] = {}
+
+
+def _tensor_tuple_spec(value: Any) -> pytree.TreeSpec | None:
+    if type(value) is not tuple:
+        return None
+    for item in value:
+        if not isinstance(item, torch.Tensor):
+            return None
+    spec = _TUPLE_SPECS.get(len(value))
+    if spec is None:
+        spec = _TUPLE_SPECS[len(value)] = pytree.tree_flatten(tuple(range(len(value))))[1]
+    return spec
 
 
 def quick_flatten(value: Any) -> tuple[list[Any], pytree.TreeSpec]:
     """Leaves and structure, with no paths: the cheap first look of every send."""
     if isinstance(value, torch.Tensor):
         return [value], _LEAF_SPEC
+    spec = _tensor_tuple_spec(value)
+    if spec is not None:
+        return list(value), spec
     return pytree.tree_flatten(value)
 
 
 def matches(meta: PayloadMeta, leaves: list[Any], spec: pytree.TreeSpec) -> bool:
     """Whether ``leaves``/``spec`` have exactly the structure ``meta`` describes (no allocation)."""
-    if len(leaves) != len(meta.is_tensor) or (spec is not _LEAF_SPEC and spec != meta.spec):
+    if len(leaves) != len(meta.is_tensor) or (spec is not meta.spec and spec != meta.spec):
         return False
     tensor_metas, plain = iter(meta.tensors), iter(meta.plain_leaves)
     for leaf, is_tensor in zip(leaves, meta.is_tensor):
