@@ -67,7 +67,7 @@ _WRITE, _READ, _FAILED, _FAILURE_LEN = 0, 8, 16, 24  # int64 word indices in the
 _FAILURE_AT = 256  # byte offset of the failure message in the control page
 _HEADER = 64
 _DATA, _WRAP, _SWITCH = 1, 2, 3
-_INITIAL_CAPACITY = 256 * 1024
+_INITIAL_CAPACITY = 64 * 1024  # grows with the payloads; every touched page counts in RSS
 _MAX_STRUCTURES = 64  # per channel; beyond, structures travel with every message
 _HEALTH_EVERY_S = 0.5
 

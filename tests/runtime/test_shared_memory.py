@@ -53,7 +53,7 @@ def test_payloads_arrive_intact_whatever_order_they_are_waited_for():
 
 
 def test_many_messages_wrap_the_ring_and_a_large_one_moves_the_channel_to_a_larger_ring():
-    small = [torch.full((1000,), float(i)) for i in range(400)]  # 400 x 4 kB: the 256 kB ring wraps
+    small = [torch.full((1000,), float(i)) for i in range(400)]  # 400 x 4 kB: the 64 kB ring wraps
     large = torch.arange(1_000_000, dtype=torch.float32)  # 4 MB: larger than the ring
     payloads = [*small, large, *small[:10]]
     (_, capacity), got = run_ranks(_exchange, 2, args=(payloads,), timeout_s=60)
