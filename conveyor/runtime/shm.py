@@ -39,6 +39,7 @@ import platform
 import select
 import socket
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -63,8 +64,10 @@ from conveyor.runtime.wire import (
 log = logging.getLogger(__name__)
 
 _CONTROL_BYTES = 4096
-_WRITE, _READ, _FAILED, _FAILURE_LEN = 0, 8, 16, 24  # int64 word indices in the control page (own cache lines)
-_FAILURE_AT = 256  # byte offset of the failure message in the control page
+# int64 word indices in the control page, each on its own cache line. _ASLEEP: the receiver
+# sleeps on its doorbell (ring it); _BLOCKED: the sender has messages waiting for room.
+_WRITE, _READ, _FAILED, _FAILURE_LEN, _ASLEEP, _BLOCKED = 0, 8, 16, 24, 32, 40
+_FAILURE_AT = 512  # byte offset of the failure message in the control page
 _HEADER = 64
 _DATA, _WRAP, _SWITCH = 1, 2, 3
 _INITIAL_CAPACITY = 64 * 1024  # grows with the payloads; every touched page counts in RSS
@@ -322,7 +325,9 @@ class SharedMemoryTransport(FailureBoard, Transport):
             outgoing.outbox.popleft()
             sent = True
         if sent:
-            self._ring_doorbell(dst)
+            _full_fence()
+            if outgoing.ring.control[_ASLEEP]:
+                self._ring_doorbell(dst)
 
     def _grow(self, dst: int, outgoing: _Outgoing, message_bytes: int) -> bool:
         """Move the channel to a ring that holds ``message_bytes`` comfortably; False while the old one is full."""
@@ -342,6 +347,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         old.control[_WRITE] = outgoing.write
         # The receiver still maps the old ring until it reads the SWITCH; we are done with it.
         old.close()
+        self._ring_doorbell(dst)  # it may be asleep, flagged on the old ring only
         outgoing.ring, outgoing.write = ring, 0
         return True
 
@@ -401,7 +407,17 @@ class SharedMemoryTransport(FailureBoard, Transport):
         for src, incoming in self.incoming.items():
             if int(incoming.ring.control[_WRITE]) != incoming.read:
                 self._drain(src, incoming)
+                _full_fence()
+                if incoming.ring.control[_BLOCKED]:
+                    self._ring_doorbell(src)  # we made room for a sender that sleeps until there is
         self._pump_all()
+
+    def _flag_sleep(self, value: int) -> None:
+        """Tell senders whether we sleep on our doorbell (for data, and for room if we have an outbox)."""
+        for incoming in self.incoming.values():
+            incoming.ring.control[_ASLEEP] = value
+        for outgoing in self.outgoing.values():
+            outgoing.ring.control[_BLOCKED] = value if outgoing.outbox else 0
 
     def ready(self, handle) -> bool:
         self._poll()
@@ -440,7 +456,16 @@ class SharedMemoryTransport(FailureBoard, Transport):
                     f"and it never came; rank {src} is slow, stuck or running another schedule "
                     "(raise timeout_s= if the step is legitimately that slow)"
                 )
+            # Say we sleep, then look once more: a sender that published before seeing the
+            # flag is found by this look, one that publishes after sees the flag and rings.
+            self._flag_sleep(1)
+            _full_fence()
+            self._poll()
+            if done():
+                self._flag_sleep(0)
+                return
             readable, _, _ = select.select([self.socket], [], [], min(next_health, deadline) - now)
+            self._flag_sleep(0)
             if readable:
                 with contextlib.suppress(BlockingIOError):
                     while self.socket.recv(4096):
@@ -527,6 +552,20 @@ def _tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
         tensors.append(tensor)
         offset += _aligned(n)
     return tensors
+
+
+_FENCE = threading.Lock()
+
+
+def _full_fence() -> None:
+    """Order this thread's earlier stores before its later loads.
+
+    x86-64 keeps stores in order and loads in order, but lets a load pass an earlier
+    store; a lock's atomic read-modify-write forbids that. Both sides of a sleep/ring
+    handshake store their flag or position, fence, then load the other's.
+    """
+    _FENCE.acquire()
+    _FENCE.release()
 
 
 def _relayed(peer: int, message: str) -> str:
