@@ -65,8 +65,9 @@ log = logging.getLogger(__name__)
 
 _CONTROL_BYTES = 4096
 # int64 word indices in the control page, each on its own cache line. _ASLEEP: the receiver
-# sleeps on its doorbell (ring it); _BLOCKED: the sender has messages waiting for room.
-_WRITE, _READ, _FAILED, _FAILURE_LEN, _ASLEEP, _BLOCKED = 0, 8, 16, 24, 32, 40
+# sleeps on its doorbell (ring it); _BLOCKED: the sender has messages waiting for room;
+# _MAPPED: the receiver has mapped the ring, so its data outlives the sender's process.
+_WRITE, _READ, _FAILED, _FAILURE_LEN, _ASLEEP, _BLOCKED, _MAPPED = 0, 8, 16, 24, 32, 40, 48
 _FAILURE_AT = 512  # byte offset of the failure message in the control page
 _HEADER = 64
 _DATA, _WRAP, _SWITCH = 1, 2, 3
@@ -131,8 +132,18 @@ class _Ring:
         del self.control, self.bytes, self.tensor
         with contextlib.suppress(BufferError, ValueError):
             self.map.close()
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        # The memfd's pages live as long as a descriptor or a mapping does: a Pipeline
+        # dropped by its user must give them back. The mapping goes with its last view.
+        self._close_fd()
 
 
 @dataclass
@@ -142,6 +153,7 @@ class _Outgoing:
     ring: _Ring
     write: int = 0
     generation: int = 0
+    used: bool = False  # carries (or announced) something its receiver must map to read
 
     def __post_init__(self) -> None:
         self.outbox: deque = deque()
@@ -248,7 +260,13 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self.incoming[peer] = _Incoming(ring, theirs["pid"])
         self.doorbells[peer] = theirs["doorbell"]
         self.pids[peer] = theirs["pid"]
+        self._mapped(peer, ring)
         return True
+
+    def _mapped(self, peer: int, ring: _Ring) -> None:
+        # Its sender may wait for this (finish_sends) before it lets its process end.
+        ring.control[_MAPPED] = 1
+        self._ring_doorbell(peer)
 
     def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
         """Both ends know ``meta`` as the channel's structure 0 before the first transfer."""
@@ -322,6 +340,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
             ring.header(outgoing.write)[:] = (_DATA, total, key[0], key[1], key[2], index, len(encoded), data_bytes)
             outgoing.write += total
             ring.control[_WRITE] = outgoing.write  # publishes the message: stores land in order on x86-64
+            outgoing.used = True
             outgoing.outbox.popleft()
             sent = True
         if sent:
@@ -348,7 +367,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         # The receiver still maps the old ring until it reads the SWITCH; we are done with it.
         old.close()
         self._ring_doorbell(dst)  # it may be asleep, flagged on the old ring only
-        outgoing.ring, outgoing.write = ring, 0
+        outgoing.ring, outgoing.write, outgoing.used = ring, 0, True
         return True
 
     def _ring_doorbell(self, dst: int) -> None:
@@ -386,6 +405,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
                 fd, capacity = int(header[2]), int(header[3])
                 ring.control[_READ] = incoming.read + total
                 incoming.ring = ring = _Ring.open(incoming.pid, fd, capacity)
+                self._mapped(src, ring)
                 incoming.read = 0
                 continue
             direction, stage, microbatch, index, meta_bytes, data_bytes = (int(v) for v in header[2:8])
@@ -492,9 +512,17 @@ class SharedMemoryTransport(FailureBoard, Transport):
                 pass
 
     def finish_sends(self) -> None:
-        if any(o.outbox for o in self.outgoing.values()):
-            self._wait_until(lambda: not any(o.outbox for o in self.outgoing.values()), self.rank,
-                             "room in a peer's ring for the rest of this step's sends")
+        """Return once every message of this step sits in a ring its receiver has mapped.
+
+        Then the data outlives this process: a rank whose last act is a send (an
+        evaluation forward, say) may exit right after its step.
+        """
+        if not self._sends_delivered():
+            self._wait_until(self._sends_delivered, self.rank,
+                             "its peers to take this step's messages (room in their rings, or their mapping them)")
+
+    def _sends_delivered(self) -> bool:
+        return all(not o.outbox and (not o.used or o.ring.control[_MAPPED]) for o in self.outgoing.values())
 
     def end_step(self) -> None:
         if self.fixed_shapes and self.steps_done == 0:
