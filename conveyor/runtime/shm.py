@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import mmap
 import os
 import platform
@@ -60,8 +59,6 @@ from conveyor.runtime.wire import (
     unflatten_payload,
     unpack,
 )
-
-log = logging.getLogger(__name__)
 
 _CONTROL_BYTES = 4096
 # int64 word indices in the control page, each on its own cache line. _ASLEEP: the receiver
@@ -295,8 +292,6 @@ class SharedMemoryTransport(FailureBoard, Transport):
                 check_frozen(self.frozen[channel], meta, self.rank, key, dst)
             index, encoded = self._structure_index(channel, structures, meta)
             self.last_structure[channel] = index
-        if index is None:
-            index = self.last_structure[channel]
         outgoing = self.outgoing[dst]
         outgoing.outbox.append((key, index, encoded, meta, tensors))
         self._pump(dst, outgoing)

@@ -72,6 +72,11 @@ def _peer_process_gone(rank, world_size):
     finished = subprocess.Popen(["true"])
     finished.wait()
     transport.pids[1] = finished.pid  # as if rank 1 had been killed without a word
+    return _wait_for_a_gradient_that_fails(transport)
+
+
+def _wait_for_a_gradient_that_fails(transport) -> tuple[str, float]:
+    """Rank 0's wait for a second gradient from rank 1: the PeerFailure's message, and how soon."""
     start = time.monotonic()
     with pytest.raises(PeerFailure) as info:
         transport.wait(transport.post_recv(1, (1, 1, 1)), "the second gradient")
@@ -92,10 +97,7 @@ def _survivor_view(rank, world_size):
         transport.publish_failure("ValueError: broken stage")
         return "failed on purpose"
     transport.wait(transport.post_recv(1, (1, 1, 0)), "the first gradient")
-    start = time.monotonic()
-    with pytest.raises(PeerFailure) as info:
-        transport.wait(transport.post_recv(1, (1, 1, 1)), "the second gradient")
-    return str(info.value), time.monotonic() - start
+    return _wait_for_a_gradient_that_fails(transport)
 
 
 def test_a_failure_written_into_the_ring_reaches_the_waiting_peer_at_once():
