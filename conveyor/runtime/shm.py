@@ -48,10 +48,16 @@ import numpy
 import torch
 
 from conveyor.errors import CommTimeout, PeerFailure
-from conveyor.runtime.transport import FailureBoard, TransferKey, Transport, check_frozen
+from conveyor.runtime.transport import (
+    FailureBoard,
+    TransferKey,
+    Transport,
+    check_frozen,
+    receive_timeout,
+)
 from conveyor.runtime.wire import (
     PayloadMeta,
-    _aligned,
+    aligned,
     flatten_payload,
     matches,
     pack_into,
@@ -466,11 +472,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
                 self._check_health(src, what)
                 next_health = now + _HEALTH_EVERY_S
             if now >= deadline:
-                raise CommTimeout(
-                    f"rank {self.rank} waited {self.timeout_s:g} s for {what} from rank {src} "
-                    f"and it never came; rank {src} is slow, stuck or running another schedule "
-                    "(raise timeout_s= if the step is legitimately that slow)"
-                )
+                raise receive_timeout(self.rank, self.timeout_s, what, src)
             # Say we sleep, then look once more: a sender that published before seeing the
             # flag is found by this look, one that publishes after sees the flag and rings.
             self._flag_sleep(1)
@@ -558,7 +560,7 @@ def _copy_into(ring: _Ring, at: int, tensors: list[torch.Tensor], meta: PayloadM
         n = tensor_meta.num_bytes
         if n:
             ring.bytes[offset : offset + n] = tensor.detach().numpy().reshape(-1).view(numpy.uint8)
-        offset += _aligned(n)
+        offset += aligned(n)
 
 
 def _tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
@@ -573,7 +575,7 @@ def _tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
         if tensor_meta.requires_grad:
             tensor.requires_grad_(True)
         tensors.append(tensor)
-        offset += _aligned(n)
+        offset += aligned(n)
     return tensors
 
 

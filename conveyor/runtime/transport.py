@@ -86,6 +86,15 @@ def check_frozen(expected: PayloadMeta, actual: PayloadMeta, rank: int, key: Tra
         )
 
 
+def receive_timeout(rank: int, timeout_s: float, what: str, src: int) -> CommTimeout:
+    """The error of a receive that never came, the same whichever transport waited."""
+    return CommTimeout(
+        f"rank {rank} waited {timeout_s:g} s for {what} from rank {src} "
+        f"and it never came; rank {src} is slow, stuck or running another schedule "
+        "(raise timeout_s= if the step is legitimately that slow)"
+    )
+
+
 class FailureBoard:
     """Failure messages through the process group's store, so that peers can say why a rank stopped.
 
@@ -375,11 +384,7 @@ class DistTransport(FailureBoard, Transport):
             if failure:
                 raise PeerFailure(failure) from exc
             if time.monotonic() >= deadline - 0.01:
-                raise CommTimeout(
-                    f"rank {self.rank} waited {self.timeout_s:g} s for {what} from rank {handle.src} "
-                    f"and it never came; rank {handle.src} is slow, stuck or running another schedule "
-                    "(raise timeout_s= if the step is legitimately that slow)"
-                ) from exc
+                raise receive_timeout(self.rank, self.timeout_s, what, handle.src) from exc
             raise PeerFailure(
                 f"rank {self.rank} lost its connection to rank {handle.src} while waiting for {what}: "
                 f"{exc}. Rank {handle.src} probably died; look at its output."

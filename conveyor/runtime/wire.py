@@ -52,7 +52,7 @@ class PayloadMeta:
 
     @property
     def data_bytes(self) -> int:
-        return sum(_aligned(t.num_bytes) for t in self.tensors)
+        return sum(aligned(t.num_bytes) for t in self.tensors)
 
     def encode(self) -> bytes:
         return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
@@ -64,7 +64,8 @@ class PayloadMeta:
             return pickle.loads(data)
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` rounded up to where the next tensor of a packed payload starts."""
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
@@ -155,7 +156,7 @@ def pack_into(buffer: torch.Tensor, tensors: list[torch.Tensor], meta: PayloadMe
     for tensor, tmeta in zip(tensors, meta.tensors):
         n = tmeta.num_bytes
         buffer[offset : offset + n].copy_(_as_bytes(tensor))
-        offset += _aligned(n)
+        offset += aligned(n)
 
 
 def unpack(buffer: torch.Tensor, meta: PayloadMeta) -> list[torch.Tensor]:
@@ -167,7 +168,7 @@ def unpack(buffer: torch.Tensor, meta: PayloadMeta) -> list[torch.Tensor]:
         if tmeta.requires_grad:
             view.requires_grad_(True)
         tensors.append(view)
-        offset += _aligned(n)
+        offset += aligned(n)
     return tensors
 
 
