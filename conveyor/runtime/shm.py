@@ -112,7 +112,10 @@ class _Ring:
     @classmethod
     def open(cls, pid: int, fd: int, capacity: int) -> _Ring:
         own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-        return cls(own, capacity)
+        ring = cls(own, capacity)
+        # The mapping keeps a descriptor of its own; only a ring's creator needs its number.
+        ring._close_fd()
+        return ring
 
     def header(self, position: int) -> numpy.ndarray:
         at = position % self.capacity

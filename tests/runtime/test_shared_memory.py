@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -139,23 +140,35 @@ def test_auto_takes_shared_memory_when_every_rank_is_on_this_host_else_the_proce
     assert message == "transport must be 'auto', 'shared_memory' or 'process_group'; got 'nccl'"
 
 
+def _conveyor_descriptors() -> tuple[int, int]:
+    """(ring descriptors, doorbell sockets) this process holds, told apart by their names."""
+    rings = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            rings += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:conveyor-")
+    with open("/proc/net/unix") as table:
+        doorbells = sum(f"@conveyor-{os.getpid()}-" in line for line in table)
+    return rings, doorbells
+
+
 def _pipelines_come_and_go(rank, world_size):
     import gc
 
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
-    before = None
-    for _ in range(6):
+    held = []
+    for _ in range(5):
         pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
                                  transport="shared_memory")
         pipe.step(torch.ones(2, 2), target=None)
+        held.append(_conveyor_descriptors())
         del pipe
         gc.collect()
-        if before is None:  # after the first: whatever the process group opens once is open
-            before = len(os.listdir("/proc/self/fd"))
-    return len(os.listdir("/proc/self/fd")) - before
+    return held, _conveyor_descriptors()
 
 
 def test_a_dropped_pipeline_gives_its_rings_and_doorbell_back():
-    # A pipeline holds 3 descriptors here (doorbell, its ring, the peer's): a leak would grow
-    # by 15 over five pipelines; the process group itself may open or close one meanwhile.
-    assert all(abs(growth) <= 1 for growth in run_ranks(_pipelines_come_and_go, 2, timeout_s=60))
+    for held, after in run_ranks(_pipelines_come_and_go, 2, timeout_s=60):
+        # A live pipeline: its ring (its descriptor and its mapping's), the peer's ring (the
+        # mapping's), its doorbell.
+        assert held == [(3, 1)] * 5
+        assert after == (0, 0)
