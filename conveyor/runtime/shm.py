@@ -182,7 +182,8 @@ class SharedMemoryTransport(FailureBoard, Transport):
     rank's doorbell and outgoing rings and publishes where they are in ``store`` (the
     process group's); it waits for nobody. A peer's rings are mapped when first needed,
     waiting at most ``timeout_s`` for that peer to have published them. ``spin_s``: how
-    long a receiver polls before it sleeps on its doorbell (default 50 µs).
+    long a receiver polls before it sleeps on its doorbell (default: 1 ms when this host has a
+    core for every rank, else 50 µs).
     """
 
     _instances: dict[str, int] = {}  # per process group: every rank builds its pipelines in the same order
@@ -207,7 +208,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self.num_ranks = num_ranks
         self.timeout_s = timeout_s
         self.fixed_shapes = fixed_shapes
-        self.spin_s = _default_spin_s() if spin_s is None else spin_s
+        self.spin_s = _default_spin_s(num_ranks) if spin_s is None else spin_s
         self.outgoing: dict[int, _Outgoing] = {}
         self.incoming: dict[int, _Incoming] = {}
         self.doorbells: dict[int, str] = {}
@@ -602,14 +603,34 @@ def _relayed(peer: int, message: str) -> str:
     return message[len(prefix):] if message.startswith(prefix) else f"rank {peer} failed: {message}"
 
 
-def _default_spin_s() -> float:
+def _default_spin_s(num_ranks: int) -> float:
     """How long a waiting rank polls before it sleeps on its doorbell.
 
-    Measured on a 2-core VM (overhead and emulated workloads, P=2): 0, 50, 300 and 2000 µs
-    give the same step times, so poll briefly and leave the core to others.
+    Measured on a 2-core VM, each figure an A/B in the same processes:
+
+    - every rank has a core (P=2): polling 1 ms instead of 50 µs took tiny-stage 1F1B
+      (M=64) from 58-60 to 42-46 ms a step and ZBV from 182 to 138 ms; the receiver's
+      core stays awake, so a message is seen when it lands, not after a wake-up. A
+      small GPT and 5 ms emulated stages did not change;
+    - more ranks than cores (P=4 on 2): 1 ms was no better and slightly worse than
+      50 µs, since a poller takes the core from a rank with work to do.
+
+    ``CONVEYOR_SHM_SPIN_US`` overrides both.
     """
     override = os.environ.get("CONVEYOR_SHM_SPIN_US")
-    return float(override) / 1e6 if override else 50e-6
+    if override:
+        return float(override) / 1e6
+    # Every process on this host counts (torchrun's LOCAL_WORLD_SIZE), not just this
+    # pipeline's ranks: data-parallel replicas compete for the same cores.
+    local_processes = max(num_ranks, int(os.environ.get("LOCAL_WORLD_SIZE") or 0))
+    return 1e-3 if local_processes <= _usable_cpus() else 50e-6
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def _timedelta(seconds: float):

@@ -172,3 +172,17 @@ def test_a_dropped_pipeline_gives_its_rings_and_doorbell_back():
         # mapping's), its doorbell.
         assert held == [(3, 1)] * 5
         assert after == (0, 0)
+
+
+def test_spin_is_long_only_when_every_local_process_has_a_core(monkeypatch):
+    from conveyor.runtime import shm
+
+    monkeypatch.delenv("CONVEYOR_SHM_SPIN_US", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(shm, "_usable_cpus", lambda: 4)
+    assert shm._default_spin_s(4) == 1e-3
+    assert shm._default_spin_s(5) == 50e-6
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # two replicas of a 4-rank pipeline on this host
+    assert shm._default_spin_s(4) == 50e-6
+    monkeypatch.setenv("CONVEYOR_SHM_SPIN_US", "300")
+    assert shm._default_spin_s(4) == 300e-6
