@@ -24,6 +24,7 @@ rewritten after every case, so an interrupted run keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -38,10 +39,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402  (after the path set-up, like every import below)
-import torch.distributed.pipelining  # noqa: E402, F401 - imported once here so forked ranks start fast
 
 from benchmarks import libraries as lib  # noqa: E402
-from benchmarks.ranks import RankFailure, RankGroup, RankTimeout  # noqa: E402
+from benchmarks.ranks import RankFailure, RankGroup, RankTimeout, Zygote  # noqa: E402
 from benchmarks.report import render  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     WORKLOADS,
@@ -238,7 +238,11 @@ def _last_line(error: BaseException) -> str:
 
 
 def run_case(
-    case: lib.Case, settings: Settings, costs: CostCache, conveyor_missing: str | None
+    case: lib.Case,
+    settings: Settings,
+    costs: CostCache,
+    conveyor_missing: str | None,
+    zygotes: dict[str, Zygote],
 ) -> dict:
     """Both libraries on ``case``, alternating, then an ideal sample; one JSON-ready record."""
     started = time.monotonic()
@@ -271,6 +275,7 @@ def run_case(
             1 if single else case.num_ranks,
             distributed=not single,
             timeout_s=settings.step_timeout_s,
+            zygote=zygotes.get(name),
         )
         try:
             group.call(lib.setup, name, case, settings.conveyor_options)
@@ -424,6 +429,28 @@ def main(argv: list[str] | None = None) -> int:
         libraries=tuple(n.strip() for n in args.libraries.split(",") if n.strip()),
         conveyor_options=_options(args.conveyor_option),
     )
+    # Before this process imports conveyor: each library's ranks fork from a process that
+    # imported that library alone, so peak RSS per rank is the library's own.
+    zygotes = {}
+    for name in settings.libraries:
+        # A library that fails to import gets none: _run says it is missing.
+        with contextlib.suppress(RankFailure):
+            zygotes[name] = Zygote(lib.LIBRARY_MODULES[name])
+    try:
+        return _run(args, argv, out, json_path, settings, zygotes)
+    finally:
+        for zygote in zygotes.values():
+            zygote.close()
+
+
+def _run(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    out: Path,
+    json_path: Path,
+    settings: Settings,
+    zygotes: dict[str, Zygote],
+) -> int:
     conveyor_missing = lib.conveyor_runtime_missing() if "conveyor" in settings.libraries else None
     if conveyor_missing:
         print(f"conveyor runtime not available ({conveyor_missing}): running the torch side alone")
@@ -459,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = CostCache(settings.cost_repeats)
     started = time.monotonic()
     for index, case in enumerate(cases, 1):
-        record = run_case(case, settings, costs, conveyor_missing)
+        record = run_case(case, settings, costs, conveyor_missing, zygotes)
         results["records"].append(record)
         results["meta"]["elapsed_s"] = time.monotonic() - started
         results["meta"]["load_average_end"] = os.getloadavg()

@@ -40,6 +40,12 @@ from benchmarks.ranks import Worker
 from benchmarks.workloads import Workload
 
 LIBRARIES = ("conveyor", "torch")
+# What each library's ranks import before a case (see benchmarks.ranks.Zygote): its own
+# modules only, so that a rank's memory is that library's.
+LIBRARY_MODULES = {
+    "conveyor": ["benchmarks.libraries", "conveyor.pipe", "conveyor.runtime.shm"],
+    "torch": ["benchmarks.libraries", "torch.distributed.pipelining"],
+}
 SINGLE = "single"  # the whole model in one process: the baseline of the real-compute workload
 
 # conveyor schedule name -> (torch class, placement style, one stage per rank?)

@@ -2,7 +2,10 @@
 
 The comparison keeps two groups alive at once, one per library, and steps them
 in turn (A B A B): each library runs in its own processes, so peak RSS per rank
-is its own, and neither library's steps overlap the other's. (A one-shot helper
+is its own, and neither library's steps overlap the other's. A group's ranks are
+forked from a :class:`Zygote`: a process that imported torch and one library, so that
+a rank carries the memory of its own library only (forked straight from the parent,
+every rank would also carry whatever the parent imported for the other side). (A one-shot helper
 such as ``conveyor.testing.run_ranks`` returns only when its ranks finish, so it
 cannot interleave two live groups.)
 
@@ -21,14 +24,17 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing as mp
 import os
+import signal
 import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -104,35 +110,154 @@ def _serve(
             dist.destroy_process_group()
 
 
+class Zygote:
+    """A process that imports ``modules`` once, then forks rank processes on request.
+
+    Forking is cheap and starts a rank with the imports done; forking from here rather
+    than from the benchmark's parent keeps the other library's modules out of the rank
+    (``torch.distributed.pipelining`` alone adds about 70 MiB to a process).
+
+    Example:
+        >>> with Zygote(["json"]) as zygote, RankGroup(2, zygote=zygote) as group:
+        ...     group.call(place)
+        [(0, 2), (1, 2)]
+    """
+
+    def __init__(self, modules: list[str]) -> None:
+        self.modules = list(modules)
+        context = mp.get_context("fork")
+        self._conn, child_end = context.Pipe()
+        self._proc = context.Process(
+            target=_zygote_main, args=(self.modules, child_end), daemon=True, name="bench-zygote"
+        )
+        self._proc.start()
+        child_end.close()
+        ok, detail = self._conn.recv()
+        if not ok:
+            self.close()
+            raise RankFailure(f"zygote importing {self.modules} failed:\n{detail}")
+
+    def fork(
+        self, world_size: int, port: int | None, timeout_s: float
+    ) -> tuple[list[Connection], list[_ForkedRank]]:
+        """``world_size`` ranks serving as :func:`_serve` does; their pipes and pids."""
+        self._conn.send((world_size, port, timeout_s))
+        conns = [Connection(reduction.recv_handle(self._conn)) for _ in range(world_size)]
+        pids = self._conn.recv()
+        return conns, [_ForkedRank(pid) for pid in pids]
+
+    def close(self) -> None:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self._conn.send(None)
+        self._proc.join(5.0)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._conn.close()
+
+    def __enter__(self) -> Zygote:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class _ForkedRank:
+    """What :class:`RankGroup` needs of a rank the zygote forked (it is the zygote's child)."""
+
+    pid: int
+
+    def is_alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _zygote_main(modules: list[str], conn: Connection) -> None:
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    except BaseException:
+        conn.send((False, traceback.format_exc()))
+        return
+    # Ranks are reaped by the kernel as they exit: nobody here waits for them.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    conn.send((True, None))
+    parent = os.getppid()
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        world_size, port, timeout_s = request
+        pids = []
+        for rank in range(world_size):
+            parent_end, child_end = mp.Pipe()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    conn.close()
+                    parent_end.close()
+                    _serve(rank, world_size, port, child_end, timeout_s)
+                    code = 0
+                finally:
+                    os._exit(code)
+            child_end.close()
+            reduction.send_handle(conn, parent_end.fileno(), parent)
+            parent_end.close()
+            pids.append(pid)
+        conn.send(pids)
+
+
 class RankGroup:
     """``world_size`` forked ranks, each in a gloo group (or none with ``distributed=False``).
 
-    Use as a context manager; :meth:`call` runs one function on every rank.
+    Use as a context manager; :meth:`call` runs one function on every rank. The ranks
+    are forked from ``zygote`` when given, else from this process.
     """
 
     def __init__(
-        self, world_size: int, *, distributed: bool = True, timeout_s: float = 120.0
+        self,
+        world_size: int,
+        *,
+        distributed: bool = True,
+        timeout_s: float = 120.0,
+        zygote: Zygote | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout_s = timeout_s
-        context = mp.get_context("fork")
         port = _free_port() if distributed else None
         self._conns: list[Connection] = []
-        self._procs: list[mp.Process] = []
-        for rank in range(world_size):
-            parent_end, child_end = context.Pipe()
-            proc = context.Process(
-                target=_serve,
-                args=(rank, world_size, port, child_end, timeout_s),
-                daemon=True,
-                name=f"bench-rank{rank}",
-            )
-            proc.start()
-            child_end.close()
-            self._conns.append(parent_end)
-            self._procs.append(proc)
+        self._procs: list[mp.Process | _ForkedRank] = []
+        if zygote is not None:
+            self._conns, self._procs = zygote.fork(world_size, port, timeout_s)
+        else:
+            context = mp.get_context("fork")
+            for rank in range(world_size):
+                parent_end, child_end = context.Pipe()
+                proc = context.Process(
+                    target=_serve,
+                    args=(rank, world_size, port, child_end, timeout_s),
+                    daemon=True,
+                    name=f"bench-rank{rank}",
+                )
+                proc.start()
+                child_end.close()
+                self._conns.append(parent_end)
+                self._procs.append(proc)
         self._collect("init_process_group", timeout_s)
 
     @property

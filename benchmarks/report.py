@@ -129,8 +129,9 @@ def summarize(results: dict) -> dict:
         if _shared(r) and _max_rss(r, "conveyor") and _max_rss(r, "torch")
     ]
     worst_rss = max(rss_ratios, default=(None, ""))
-    # Growth after setup began leaves out the forked parent (~320 MiB of torch imports in
-    # every rank), which is the same for both and hides the libraries' own memory.
+    # Peak RSS counts what a rank had when forked from its library's zygote (torch and
+    # that library's imports: torch.distributed.pipelining adds ~70 MiB, conveyor's
+    # runtime ~4); growth after setup began counts what building and stepping added.
     growth_ratios = [
         (_max_growth(r, "conveyor") / _max_growth(r, "torch"), _case_name(r))
         for r in records
