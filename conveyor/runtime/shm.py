@@ -209,6 +209,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self.timeout_s = timeout_s
         self.fixed_shapes = fixed_shapes
         self.spin_s = _default_spin_s(num_ranks) if spin_s is None else spin_s
+        self.last_wait_s = 0.0
         self.outgoing: dict[int, _Outgoing] = {}
         self.incoming: dict[int, _Incoming] = {}
         self.doorbells: dict[int, str] = {}
@@ -462,7 +463,16 @@ class SharedMemoryTransport(FailureBoard, Transport):
     def _wait_until(self, done, src: int, what: str) -> None:
         clock = time.perf_counter
         start = clock()
-        spin_until = start + self.spin_s
+        # A wait longer than the spin last time (a peer busy for milliseconds) will likely
+        # be long again: poll briefly and sleep, leaving the core to whoever computes.
+        spin_s = self.spin_s if self.last_wait_s <= self.spin_s else min(self.spin_s, _SHORT_SPIN_S)
+        spin_until = start + spin_s
+        try:
+            self._wait_loop(done, src, what, clock, start, spin_until)
+        finally:
+            self.last_wait_s = clock() - start
+
+    def _wait_loop(self, done, src: int, what: str, clock, start: float, spin_until: float) -> None:
         deadline = start + self.timeout_s
         next_health = start + _HEALTH_EVERY_S
         while True:
@@ -603,6 +613,9 @@ def _relayed(peer: int, message: str) -> str:
     return message[len(prefix):] if message.startswith(prefix) else f"rank {peer} failed: {message}"
 
 
+_SHORT_SPIN_S = 50e-6
+
+
 def _default_spin_s(num_ranks: int) -> float:
     """How long a waiting rank polls before it sleeps on its doorbell.
 
@@ -615,6 +628,8 @@ def _default_spin_s(num_ranks: int) -> float:
     - more ranks than cores (P=4 on 2): 1 ms was no better and slightly worse than
       50 µs, since a poller takes the core from a rank with work to do.
 
+    After a wait longer than this, the next wait polls 50 µs only (see ``_wait_until``).
+
     ``CONVEYOR_SHM_SPIN_US`` overrides both.
     """
     override = os.environ.get("CONVEYOR_SHM_SPIN_US")
@@ -623,7 +638,7 @@ def _default_spin_s(num_ranks: int) -> float:
     # Every process on this host counts (torchrun's LOCAL_WORLD_SIZE), not just this
     # pipeline's ranks: data-parallel replicas compete for the same cores.
     local_processes = max(num_ranks, int(os.environ.get("LOCAL_WORLD_SIZE") or 0))
-    return 1e-3 if local_processes <= _usable_cpus() else 50e-6
+    return 1e-3 if local_processes <= _usable_cpus() else _SHORT_SPIN_S
 
 
 def _usable_cpus() -> int:
