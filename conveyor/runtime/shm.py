@@ -37,6 +37,7 @@ import os
 import platform
 import select
 import socket
+import struct
 import sys
 import threading
 import time
@@ -73,6 +74,7 @@ _CONTROL_BYTES = 4096
 _WRITE, _READ, _FAILED, _FAILURE_LEN, _ASLEEP, _BLOCKED, _MAPPED = 0, 8, 16, 24, 32, 40, 48
 _FAILURE_AT = 512  # byte offset of the failure message in the control page
 _HEADER = 64
+_HEADER_FORMAT = "<8q"  # kind, total, direction, stage, microbatch, structure id, structure bytes, data bytes
 _DATA, _WRAP, _SWITCH = 1, 2, 3
 _INITIAL_CAPACITY = 64 * 1024  # grows with the payloads; every touched page counts in RSS
 _MAX_STRUCTURES = 64  # per channel; beyond, structures travel with every message
@@ -100,6 +102,10 @@ class _Ring:
         self.capacity = capacity
         self.map = mmap.mmap(fd, _CONTROL_BYTES + capacity)
         self.control = numpy.frombuffer(self.map, dtype=numpy.int64, count=_CONTROL_BYTES // 8)
+        # The same control words as plain ints: the hot path reads and writes them several
+        # times a message, and a memoryview item is 4x cheaper than a numpy scalar. Each is
+        # one aligned 8-byte load or store, as the ordering argument needs.
+        self.words = memoryview(self.map).cast("q")[: _CONTROL_BYTES // 8]
         self.bytes = numpy.frombuffer(self.map, dtype=numpy.uint8, count=capacity, offset=_CONTROL_BYTES)
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8, count=capacity, offset=_CONTROL_BYTES)
 
@@ -121,6 +127,12 @@ class _Ring:
         at = position % self.capacity
         return self.bytes[at : at + _HEADER].view(numpy.int64)
 
+    def write_header(self, position: int, *fields: int) -> None:
+        struct.pack_into(_HEADER_FORMAT, self.map, _CONTROL_BYTES + position % self.capacity, *fields)
+
+    def read_header(self, position: int) -> tuple[int, ...]:
+        return struct.unpack_from(_HEADER_FORMAT, self.map, _CONTROL_BYTES + position % self.capacity)
+
     def write_failure(self, message: str) -> None:
         data = message.encode()[: _CONTROL_BYTES - _FAILURE_AT]
         self.control.view(numpy.uint8)[_FAILURE_AT : _FAILURE_AT + len(data)] = numpy.frombuffer(data, numpy.uint8)
@@ -135,7 +147,8 @@ class _Ring:
 
     def close(self) -> None:
         # Views must go before the map can close; a received tensor never views a ring.
-        del self.control, self.bytes, self.tensor
+        self.words.release()
+        del self.control, self.bytes, self.tensor, self.words
         with contextlib.suppress(BufferError, ValueError):
             self.map.close()
         self._close_fd()
@@ -165,7 +178,7 @@ class _Outgoing:
         self.outbox: deque = deque()
 
     def free(self) -> int:
-        return self.ring.capacity - (self.write - int(self.ring.control[_READ]))
+        return self.ring.capacity - (self.write - self.ring.words[_READ])
 
 
 @dataclass
@@ -321,7 +334,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         sent = False
         while outgoing.outbox:
             key, index, encoded, meta, tensors = outgoing.outbox[0]
-            data_bytes = meta.data_bytes
+            data_bytes = _layout(meta).data_bytes
             total = _HEADER + _padded(len(encoded)) + _padded(data_bytes)
             if total + _HEADER > outgoing.ring.capacity // 2:
                 if not self._grow(dst, outgoing, total):
@@ -343,15 +356,15 @@ class SharedMemoryTransport(FailureBoard, Transport):
                 body += _padded(len(encoded))
             if tensors:
                 _copy_into(ring, body, tensors, meta)
-            ring.header(outgoing.write)[:] = (_DATA, total, key[0], key[1], key[2], index, len(encoded), data_bytes)
+            ring.write_header(outgoing.write, _DATA, total, key[0], key[1], key[2], index, len(encoded), data_bytes)
             outgoing.write += total
-            ring.control[_WRITE] = outgoing.write  # publishes the message: stores land in order on x86-64
+            ring.words[_WRITE] = outgoing.write  # publishes the message: stores land in order on x86-64
             outgoing.used = True
             outgoing.outbox.popleft()
             sent = True
         if sent:
             _full_fence()
-            if outgoing.ring.control[_ASLEEP]:
+            if outgoing.ring.words[_ASLEEP]:
                 self._ring_doorbell(dst)
 
     def _grow(self, dst: int, outgoing: _Outgoing, message_bytes: int) -> bool:
@@ -398,23 +411,20 @@ class SharedMemoryTransport(FailureBoard, Transport):
     def _drain(self, src: int, incoming: _Incoming) -> None:
         ring = incoming.ring
         while True:
-            written = int(ring.control[_WRITE])
-            if incoming.read == written:
+            if incoming.read == ring.words[_WRITE]:
                 return
-            header = ring.header(incoming.read)
-            kind, total = int(header[0]), int(header[1])
+            kind, total, direction, stage, microbatch, index, meta_bytes, data_bytes = ring.read_header(incoming.read)
             if kind == _WRAP:
                 incoming.read += total
-                ring.control[_READ] = incoming.read
+                ring.words[_READ] = incoming.read
                 continue
             if kind == _SWITCH:
-                fd, capacity = int(header[2]), int(header[3])
-                ring.control[_READ] = incoming.read + total
+                fd, capacity = direction, stage  # a SWITCH header's fields 2 and 3
+                ring.words[_READ] = incoming.read + total
                 incoming.ring = ring = _Ring.open(incoming.pid, fd, capacity)
                 self._mapped(src, ring)
                 incoming.read = 0
                 continue
-            direction, stage, microbatch, index, meta_bytes, data_bytes = (int(v) for v in header[2:8])
             at = incoming.read % ring.capacity + _HEADER
             channel = (direction, stage)
             if meta_bytes:
@@ -426,24 +436,24 @@ class SharedMemoryTransport(FailureBoard, Transport):
                 meta = self.received_structures[channel][index]
             buffer = ring.bytes[at : at + data_bytes].copy()
             incoming.read += total
-            ring.control[_READ] = incoming.read
+            ring.words[_READ] = incoming.read
             self.arrived.setdefault((src, (direction, stage, microbatch)), deque()).append((meta, buffer))
 
     def _poll(self) -> None:
         for src, incoming in self.incoming.items():
-            if int(incoming.ring.control[_WRITE]) != incoming.read:
+            if incoming.ring.words[_WRITE] != incoming.read:
                 self._drain(src, incoming)
                 _full_fence()
-                if incoming.ring.control[_BLOCKED]:
+                if incoming.ring.words[_BLOCKED]:
                     self._ring_doorbell(src)  # we made room for a sender that sleeps until there is
         self._pump_all()
 
     def _flag_sleep(self, value: int) -> None:
         """Tell senders whether we sleep on our doorbell (for data, and for room if we have an outbox)."""
         for incoming in self.incoming.values():
-            incoming.ring.control[_ASLEEP] = value
+            incoming.ring.words[_ASLEEP] = value
         for outgoing in self.outgoing.values():
-            outgoing.ring.control[_BLOCKED] = value if outgoing.outbox else 0
+            outgoing.ring.words[_BLOCKED] = value if outgoing.outbox else 0
 
     def ready(self, handle) -> bool:
         self._poll()
@@ -564,32 +574,58 @@ _NUMPY_DTYPES = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where each tensor of a payload lies in its packed bytes, and how to view it."""
+
+    numpy_ok: bool  # every dtype has a numpy twin (else wire's torch packing is used)
+    data_bytes: int
+    tensors: tuple[tuple[int, int, Any, torch.Size, bool], ...]  # offset, bytes, numpy dtype, shape, requires_grad
+
+
+_LAYOUTS: dict[int, tuple[PayloadMeta, _Layout]] = {}
+
+
+def _layout(meta: PayloadMeta) -> _Layout:
+    """``meta``'s layout, cached: a channel sends the same few structures every microbatch."""
+    cached = _LAYOUTS.get(id(meta))
+    if cached is not None and cached[0] is meta:
+        return cached[1]
+    entries, offset = [], 0
+    for t in meta.tensors:
+        n = t.num_bytes
+        entries.append((offset, n, _NUMPY_DTYPES.get(t.dtype), t.shape, t.requires_grad))
+        offset += aligned(n)
+    layout = _Layout(all(t.dtype in _NUMPY_DTYPES for t in meta.tensors), meta.data_bytes, tuple(entries))
+    if len(_LAYOUTS) >= 256:  # shapes that change every step must not grow this without bound
+        _LAYOUTS.clear()
+    _LAYOUTS[id(meta)] = (meta, layout)  # holding meta keeps its id from being reused
+    return layout
+
+
 def _copy_into(ring: _Ring, at: int, tensors: list[torch.Tensor], meta: PayloadMeta) -> None:
     """The tensors' bytes into the ring at ``at``, where :func:`_tensors_of` finds them."""
-    if not all(t.dtype in _NUMPY_DTYPES for t in meta.tensors):
-        pack_into(ring.tensor[at : at + meta.data_bytes], tensors, meta)
+    layout = _layout(meta)
+    if not layout.numpy_ok:
+        pack_into(ring.tensor[at : at + layout.data_bytes], tensors, meta)
         return
-    offset = at
-    for tensor, tensor_meta in zip(tensors, meta.tensors):
-        n = tensor_meta.num_bytes
+    target = ring.bytes
+    for tensor, (offset, n, _, _, _) in zip(tensors, layout.tensors):
         if n:
-            ring.bytes[offset : offset + n] = tensor.detach().numpy().reshape(-1).view(numpy.uint8)
-        offset += aligned(n)
+            target[at + offset : at + offset + n] = tensor.detach().numpy().reshape(-1).view(numpy.uint8)
 
 
 def _tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
     """The payload's tensors as views of ``buffer`` (a copy out of the ring, owned by them)."""
-    if not all(t.dtype in _NUMPY_DTYPES for t in meta.tensors):
+    layout = _layout(meta)
+    if not layout.numpy_ok:
         return unpack(torch.from_numpy(buffer), meta)
-    tensors, offset = [], 0
-    for tensor_meta in meta.tensors:
-        n = tensor_meta.num_bytes
-        array = buffer[offset : offset + n].view(_NUMPY_DTYPES[tensor_meta.dtype]).reshape(tensor_meta.shape)
-        tensor = torch.from_numpy(array)
-        if tensor_meta.requires_grad:
+    tensors = []
+    for offset, n, dtype, shape, requires_grad in layout.tensors:
+        tensor = torch.from_numpy(buffer[offset : offset + n].view(dtype).reshape(shape))
+        if requires_grad:
             tensor.requires_grad_(True)
         tensors.append(tensor)
-        offset += aligned(n)
     return tensors
 
 
