@@ -24,7 +24,6 @@ rewritten after every case, so an interrupted run keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -271,18 +270,20 @@ def run_case(
             status[name] = f"unavailable: {conveyor_missing}"
             continue
         single = name == lib.SINGLE
-        group = RankGroup(
-            1 if single else case.num_ranks,
-            distributed=not single,
-            timeout_s=settings.step_timeout_s,
-            zygote=zygotes.get(name),
-        )
+        group = None
         try:
+            group = RankGroup(
+                1 if single else case.num_ranks,
+                distributed=not single,
+                timeout_s=settings.step_timeout_s,
+                zygote=zygotes.get(name),
+            )
             group.call(lib.setup, name, case, settings.conveyor_options)
         except (RankFailure, RankTimeout) as error:
             kind = "refused" if "Refused" in str(error) else "failed"
             status[name] = f"{kind}: {_last_line(error)}"
-            group.kill()
+            if group is not None:
+                group.kill()
             continue
         groups[name], status[name] = group, "ok"
     # The ideal's stage costs are sampled in the same rotation, in one single-thread
@@ -293,6 +294,7 @@ def run_case(
         try:
             probe.call(lib.ideal_setup, case.workload, case.num_stages)
         except (RankFailure, RankTimeout) as error:
+            probe.kill()
             ideal_note, probe = f"failed: {_last_line(error)}", None
     samples: list[MeasuredCosts] = []
     # A B A B: one step of each side in turn, so drifting machine load hits all alike.
@@ -431,13 +433,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Before this process imports conveyor: each library's ranks fork from a process that
     # imported that library alone, so peak RSS per rank is the library's own.
-    zygotes = {}
+    zygotes: dict[str, Zygote] = {}
+    zygote_failures: dict[str, str] = {}
     for name in settings.libraries:
-        # A library that fails to import gets none: _run says it is missing.
-        with contextlib.suppress(RankFailure):
+        if name not in lib.LIBRARY_MODULES:
+            raise SystemExit(f"--libraries: unknown {name!r}; choose from {sorted(lib.LIBRARY_MODULES)}")
+        try:
             zygotes[name] = Zygote(lib.LIBRARY_MODULES[name])
+        except (RankFailure, RankTimeout) as error:
+            # Its ranks fork from this process instead; for conveyor, _run also says it is
+            # missing and runs torch alone.
+            zygote_failures[name] = str(error)
+            print(f"{name}: {_last_line(error)}", file=sys.stderr)
     try:
-        return _run(args, argv, out, json_path, settings, zygotes)
+        return _run(args, argv, out, json_path, settings, zygotes, zygote_failures)
     finally:
         for zygote in zygotes.values():
             zygote.close()
@@ -450,6 +459,7 @@ def _run(
     json_path: Path,
     settings: Settings,
     zygotes: dict[str, Zygote],
+    zygote_failures: dict[str, str],
 ) -> int:
     conveyor_missing = lib.conveyor_runtime_missing() if "conveyor" in settings.libraries else None
     if conveyor_missing:
@@ -468,6 +478,7 @@ def _run(
             "settings": asdict(settings),
             "sleep_ms": args.sleep_ms,
             "conveyor_missing": conveyor_missing,
+            "zygote_failures": zygote_failures,
         },
         "records": [],
     }

@@ -29,6 +29,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -123,35 +124,85 @@ class Zygote:
         [(0, 2), (1, 2)]
     """
 
-    def __init__(self, modules: list[str]) -> None:
+    def __init__(self, modules: list[str], timeout_s: float = 120.0) -> None:
         self.modules = list(modules)
+        self.timeout_s = timeout_s
         context = mp.get_context("fork")
         self._conn, child_end = context.Pipe()
         self._proc = context.Process(
-            target=_zygote_main, args=(self.modules, child_end), daemon=True, name="bench-zygote"
+            target=_zygote_main,
+            args=(self.modules, child_end, self._conn),
+            daemon=True,
+            name="bench-zygote",
         )
         self._proc.start()
         child_end.close()
-        ok, detail = self._conn.recv()
+        ok, detail = self._receive(f"importing {self.modules}")
         if not ok:
             self.close()
             raise RankFailure(f"zygote importing {self.modules} failed:\n{detail}")
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def _receive(self, what: str) -> Any:
+        try:
+            if not self._conn.poll(self.timeout_s):
+                self.close()
+                raise RankTimeout(f"zygote {what}: no answer within {self.timeout_s:.0f} s")
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self.close()
+            raise RankFailure(
+                f"zygote {what}: it is gone (exit code {self._proc.exitcode})"
+            ) from None
+
     def fork(
         self, world_size: int, port: int | None, timeout_s: float
     ) -> tuple[list[Connection], list[_ForkedRank]]:
-        """``world_size`` ranks serving as :func:`_serve` does; their pipes and pids."""
-        self._conn.send((world_size, port, timeout_s))
-        conns = [Connection(reduction.recv_handle(self._conn)) for _ in range(world_size)]
-        pids = self._conn.recv()
-        return conns, [_ForkedRank(pid) for pid in pids]
+        """``world_size`` ranks serving as :func:`_serve` does; their pipes and pids.
+
+        Any trouble (the zygote died, could not fork, or stopped answering) raises
+        :class:`RankFailure` or :class:`RankTimeout`, kills the ranks already made and
+        closes the zygote: its stream may be half read.
+        """
+        conns: list[Connection] = []
+        ranks: list[_ForkedRank] = []
+        try:
+            try:
+                self._conn.send((world_size, port, timeout_s))
+            except OSError:
+                raise RankFailure(
+                    f"zygote forking {world_size} ranks: it is gone (exit code {self._proc.exitcode})"
+                ) from None
+            for _ in range(world_size):
+                kind, value = self._receive("forking ranks")
+                if kind != "rank":
+                    raise RankFailure(f"zygote failed to fork ranks:\n{value}")
+                ranks.append(_ForkedRank(value))
+                if not self._conn.poll(self.timeout_s):
+                    raise RankTimeout(f"zygote sent no pipe for rank {len(conns)}")
+                conns.append(Connection(reduction.recv_handle(self._conn)))
+        except BaseException:
+            for conn in conns:
+                conn.close()
+            for rank in ranks:
+                rank.kill()
+            self.close()
+            raise
+        return conns, ranks
 
     def close(self) -> None:
+        """Stop the zygote (ranks it forked live on; their groups close them)."""
+        if self._conn.closed:
+            return
         with contextlib.suppress(BrokenPipeError, OSError):
             self._conn.send(None)
         self._proc.join(5.0)
         if self._proc.is_alive():
             self._proc.kill()
+            self._proc.join(1.0)
         self._conn.close()
 
     def __enter__(self) -> Zygote:
@@ -163,16 +214,24 @@ class Zygote:
 
 @dataclass
 class _ForkedRank:
-    """What :class:`RankGroup` needs of a rank the zygote forked (it is the zygote's child)."""
+    """What :class:`RankGroup` needs of a rank the zygote forked (it is the zygote's child).
+
+    The zygote lets the kernel reap its children, so a pid is gone as soon as its rank
+    exits; a signal to a gone pid is not an error.
+    """
 
     pid: int
 
     def is_alive(self) -> bool:
         try:
             os.kill(self.pid, 0)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone (PermissionError: reused by another user)
             return False
         return True
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, signal.SIGKILL)
 
     def join(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -180,7 +239,9 @@ class _ForkedRank:
             time.sleep(0.01)
 
 
-def _zygote_main(modules: list[str], conn: Connection) -> None:
+def _zygote_main(modules: list[str], conn: Connection, parents_end: Connection) -> None:
+    parents_end.close()  # the parent's end of our pipe, inherited by the fork
+    _die_with_parent()
     try:
         for name in modules:
             importlib.import_module(name)
@@ -190,8 +251,13 @@ def _zygote_main(modules: list[str], conn: Connection) -> None:
     # Ranks are reaped by the kernel as they exit: nobody here waits for them.
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     conn.send((True, None))
-    parent = os.getppid()
+    parent = mp.parent_process()
     while True:
+        # The parent may die without a word (killed): its sentinel says so, and we go
+        # (our ranks die with us, see _run_rank).
+        watched = [conn] + ([parent.sentinel] if parent is not None else [])
+        if parent is not None and parent.sentinel in wait(watched):
+            return
         try:
             request = conn.recv()
         except EOFError:
@@ -199,25 +265,63 @@ def _zygote_main(modules: list[str], conn: Connection) -> None:
         if request is None:
             return
         world_size, port, timeout_s = request
-        pids = []
-        for rank in range(world_size):
-            parent_end, child_end = mp.Pipe()
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    conn.close()
-                    parent_end.close()
-                    _serve(rank, world_size, port, child_end, timeout_s)
-                    code = 0
-                finally:
-                    os._exit(code)
-            child_end.close()
-            reduction.send_handle(conn, parent_end.fileno(), parent)
-            parent_end.close()
-            pids.append(pid)
-        conn.send(pids)
+        forked: list[int] = []
+        try:
+            for rank in range(world_size):
+                parent_end, child_end = mp.Pipe()
+                pid = os.fork()
+                if pid == 0:
+                    _run_rank(rank, world_size, port, child_end, timeout_s, [conn, parent_end])
+                child_end.close()
+                forked.append(pid)
+                conn.send(("rank", pid))
+                reduction.send_handle(conn, parent_end.fileno(), os.getppid())
+                parent_end.close()
+        except BaseException:
+            for pid in forked:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                conn.send(("error", traceback.format_exc()))
+            return  # the parent's read of our stream may be cut anywhere: start no more
+
+
+def _run_rank(
+    rank: int,
+    world_size: int,
+    port: int | None,
+    conn: Connection,
+    timeout_s: float,
+    inherited: list[Connection],
+) -> None:
+    """A forked rank's whole life; never returns (``os._exit``, so no zygote code runs on)."""
+    code = 1
+    try:
+        _die_with_parent()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for other in inherited:
+            other.close()
+        _serve(rank, world_size, port, conn, timeout_s)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent exits (Linux; elsewhere a no-op).
+
+    A zygote dies with the benchmark, a rank with its zygote: a killed benchmark leaves
+    no process behind, even one blocked in a collective.
+    """
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class RankGroup:
@@ -311,7 +415,7 @@ class RankGroup:
         """Kill this group's ranks (only the processes this group started)."""
         for proc in self._procs:
             if proc.is_alive():
-                os.kill(proc.pid, 9)
+                proc.kill()
             proc.join(1.0)
         for conn in self._conns:
             conn.close()

@@ -147,11 +147,14 @@ class _Ring:
 
     def close(self) -> None:
         # Views must go before the map can close; a received tensor never views a ring.
-        self.words.release()
-        del self.control, self.bytes, self.tensor, self.words
-        with contextlib.suppress(BufferError, ValueError):
-            self.map.close()
-        self._close_fd()
+        try:
+            with contextlib.suppress(BufferError):
+                self.words.release()
+            del self.control, self.bytes, self.tensor, self.words
+            with contextlib.suppress(BufferError, ValueError):
+                self.map.close()
+        finally:
+            self._close_fd()
 
     def _close_fd(self) -> None:
         if self.fd >= 0:
@@ -221,8 +224,10 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self.num_ranks = num_ranks
         self.timeout_s = timeout_s
         self.fixed_shapes = fixed_shapes
+        # An explicit spin (argument or CONVEYOR_SHM_SPIN_US) is kept as given; the default adapts.
+        self.adaptive_spin = spin_s is None and not os.environ.get("CONVEYOR_SHM_SPIN_US")
         self.spin_s = _default_spin_s(num_ranks) if spin_s is None else spin_s
-        self.last_wait_s = 0.0
+        self.last_wait_s = 0.0  # of the last receive that had to wait
         self.outgoing: dict[int, _Outgoing] = {}
         self.incoming: dict[int, _Incoming] = {}
         self.doorbells: dict[int, str] = {}
@@ -316,6 +321,8 @@ class SharedMemoryTransport(FailureBoard, Transport):
                 check_frozen(self.frozen[channel], meta, self.rank, key, dst)
             index, encoded = self._structure_index(channel, structures, meta)
             self.last_structure[channel] = index
+            if index >= 0:
+                meta = structures[index]  # the remembered object: its layout is cached
         outgoing = self.outgoing[dst]
         outgoing.outbox.append((key, index, encoded, meta, tensors))
         self._pump(dst, outgoing)
@@ -467,20 +474,27 @@ class SharedMemoryTransport(FailureBoard, Transport):
         if not queue:
             self._wait_until(lambda: bool(self.arrived.get(handle)), src, what)
             queue = self.arrived[handle]
+        else:
+            self.last_wait_s = 0.0  # it was here already
         meta, buffer = queue.popleft()
         return unflatten_payload(meta, _tensors_of(buffer, meta) if meta.tensors else [])
 
-    def _wait_until(self, done, src: int, what: str) -> None:
+    def _wait_until(self, done, src: int, what: str, *, receive: bool = True) -> None:
         clock = time.perf_counter
         start = clock()
-        # A wait longer than the spin last time (a peer busy for milliseconds) will likely
-        # be long again: poll briefly and sleep, leaving the core to whoever computes.
-        spin_s = self.spin_s if self.last_wait_s <= self.spin_s else min(self.spin_s, _SHORT_SPIN_S)
-        spin_until = start + spin_s
         try:
-            self._wait_loop(done, src, what, clock, start, spin_until)
+            self._wait_loop(done, src, what, clock, start, start + self.next_spin_s())
         finally:
-            self.last_wait_s = clock() - start
+            if receive:
+                self.last_wait_s = clock() - start
+
+    def next_spin_s(self) -> float:
+        """How long the next wait polls before it sleeps."""
+        if self.adaptive_spin and self.last_wait_s > self.spin_s:
+            # The last receive waited longer than a spin (a peer busy for milliseconds); the
+            # next likely will too: poll briefly, then leave the core to whoever computes.
+            return min(self.spin_s, _SHORT_SPIN_S)
+        return self.spin_s
 
     def _wait_loop(self, done, src: int, what: str, clock, start: float, spin_until: float) -> None:
         deadline = start + self.timeout_s
@@ -540,7 +554,8 @@ class SharedMemoryTransport(FailureBoard, Transport):
         """
         if not self._sends_delivered():
             self._wait_until(self._sends_delivered, self.rank,
-                             "its peers to take this step's messages (room in their rings, or their mapping them)")
+                             "its peers to take this step's messages (room in their rings, or their mapping them)",
+                             receive=False)
 
     def _sends_delivered(self) -> bool:
         return all(not o.outbox and (not o.used or o.ring.control[_MAPPED]) for o in self.outgoing.values())
@@ -583,13 +598,17 @@ class _Layout:
     tensors: tuple[tuple[int, int, Any, torch.Size, bool], ...]  # offset, bytes, numpy dtype, shape, requires_grad
 
 
-_LAYOUTS: dict[int, tuple[PayloadMeta, _Layout]] = {}
+_LAYOUTS: dict[int, tuple[tuple, _Layout]] = {}
 
 
 def _layout(meta: PayloadMeta) -> _Layout:
-    """``meta``'s layout, cached: a channel sends the same few structures every microbatch."""
-    cached = _LAYOUTS.get(id(meta))
-    if cached is not None and cached[0] is meta:
+    """``meta``'s layout, cached: a channel sends the same few structures every microbatch.
+
+    Keyed by the identity of ``meta.tensors`` (a layout depends on nothing else), which
+    the entry holds, so that the id cannot be reused while it is cached.
+    """
+    cached = _LAYOUTS.get(id(meta.tensors))
+    if cached is not None:
         return cached[1]
     entries, offset = [], 0
     for t in meta.tensors:
@@ -599,7 +618,7 @@ def _layout(meta: PayloadMeta) -> _Layout:
     layout = _Layout(all(t.dtype in _NUMPY_DTYPES for t in meta.tensors), meta.data_bytes, tuple(entries))
     if len(_LAYOUTS) >= 256:  # shapes that change every step must not grow this without bound
         _LAYOUTS.clear()
-    _LAYOUTS[id(meta)] = (meta, layout)  # holding meta keeps its id from being reused
+    _LAYOUTS[id(meta.tensors)] = (meta.tensors, layout)
     return layout
 
 
@@ -673,15 +692,28 @@ def _default_spin_s(num_ranks: int) -> float:
         return float(override) / 1e6
     # Every process on this host counts (torchrun's LOCAL_WORLD_SIZE), not just this
     # pipeline's ranks: data-parallel replicas compete for the same cores.
-    local_processes = max(num_ranks, int(os.environ.get("LOCAL_WORLD_SIZE") or 0))
+    try:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+    except ValueError:
+        local_world_size = 0
+    local_processes = max(num_ranks, local_world_size)
     return 1e-3 if local_processes <= _usable_cpus() else _SHORT_SPIN_S
 
 
-def _usable_cpus() -> int:
+def _usable_cpus() -> float:
+    """CPUs this process may run on: its affinity, capped by a cgroup v2 CPU quota if set."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus: float = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as limit:
+            quota, period = limit.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 def _timedelta(seconds: float):

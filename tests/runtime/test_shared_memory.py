@@ -186,3 +186,52 @@ def test_spin_is_long_only_when_every_local_process_has_a_core(monkeypatch):
     assert shm._default_spin_s(4) == 50e-6
     monkeypatch.setenv("CONVEYOR_SHM_SPIN_US", "300")
     assert shm._default_spin_s(4) == 300e-6
+
+
+def _in_process_pair(monkeypatch, prefix: str, spin_s=None):
+    """Both ends of one boundary in this process (a HashStore stands in for the group's)."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("CONVEYOR_SHM_SPIN_US", raising=False)
+    monkeypatch.setattr(SharedMemoryTransport, "_instances", {})
+    store = dist.HashStore()
+    sender = SharedMemoryTransport(0, {1}, store, prefix, 2, 10.0, spin_s=spin_s)
+    monkeypatch.setattr(SharedMemoryTransport, "_instances", {})  # the receiver is "another rank"
+    receiver = SharedMemoryTransport(1, {0}, store, prefix, 2, 10.0, spin_s=spin_s)
+    return sender, receiver
+
+
+def test_after_a_long_wait_the_next_wait_polls_briefly_unless_the_spin_was_given(monkeypatch):
+    from conveyor.runtime import shm
+
+    sender, receiver = _in_process_pair(monkeypatch, "adaptive")
+    receiver.spin_s = 1e-3
+    sender.send(1, (0, 0, 0), torch.ones(2))
+    receiver.wait(receiver.post_recv(0, (0, 0, 0)), "m0")  # already there: no wait
+    assert receiver.next_spin_s() == 1e-3
+    receiver.last_wait_s = 0.2  # a neighbour computed for 200 ms
+    assert receiver.next_spin_s() == shm._SHORT_SPIN_S
+    sender.send(1, (0, 0, 1), torch.ones(2))
+    receiver.wait(receiver.post_recv(0, (0, 0, 1)), "m1")
+    assert receiver.next_spin_s() == 1e-3  # the message was waiting: back to the long poll
+
+    _, fixed = _in_process_pair(monkeypatch, "fixed", spin_s=2e-3)
+    fixed.last_wait_s = 0.2
+    assert fixed.next_spin_s() == 2e-3  # an explicit spin is kept as given
+
+
+def test_a_structure_sent_again_reuses_its_cached_layout(monkeypatch):
+    from conveyor.runtime import shm
+
+    sender, receiver = _in_process_pair(monkeypatch, "layouts")
+    shm._LAYOUTS.clear()
+    cached = []
+    for microbatch in range(6):  # two structures, alternating: each is cached once per end
+        value = torch.full((3,), float(microbatch)) if microbatch % 2 else {"h": torch.ones(2, 2)}
+        sender.send(1, (0, 0, microbatch), value)
+        got = receiver.wait(receiver.post_recv(0, (0, 0, microbatch)), f"m{microbatch}")
+        expected = value if microbatch % 2 else value["h"]
+        assert torch.equal(got if microbatch % 2 else got["h"], expected)
+        cached.append(len(shm._LAYOUTS))
+    assert sender.structures_sent == 2
+    assert cached == [2, 4, 4, 4, 4, 4]  # the sender's and the receiver's copy of each structure
