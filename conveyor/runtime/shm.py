@@ -241,6 +241,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self.steps_done = 0
         self.structures_sent = 0
         self.socket: socket.socket | None = None
+        self.retired: list[_Ring] = []  # outgoing rings replaced by larger ones, not yet mapped by their receiver
         self._publish()
 
     # --- set-up --------------------------------------------------------------------------
@@ -389,12 +390,25 @@ class SharedMemoryTransport(FailureBoard, Transport):
             outgoing.write += skip
         old.header(outgoing.write)[:4] = (_SWITCH, _HEADER, ring.fd, capacity)
         outgoing.write += _HEADER
-        old.control[_WRITE] = outgoing.write
-        # The receiver still maps the old ring until it reads the SWITCH; we are done with it.
-        old.close()
+        old.words[_WRITE] = outgoing.write
+        # The receiver finds the new ring through the old one, which it may not have mapped
+        # yet (it opens a ring when it reads the SWITCH that names it, or on its first
+        # receive): the old ring's descriptor must outlive that, or the receiver's open of
+        # /proc/<pid>/fd/<n> finds nothing. Two growths before the receiver looked did that.
+        self.retired.append(old)
+        self._close_retired()
         self._ring_doorbell(dst)  # it may be asleep, flagged on the old ring only
         outgoing.ring, outgoing.write, outgoing.used = ring, 0, True
         return True
+
+    def _close_retired(self) -> None:
+        """Close the rings we moved away from once their receiver has mapped them."""
+        if self.retired:
+            mapped = [ring for ring in self.retired if ring.words[_MAPPED]]
+            if mapped:
+                self.retired = [ring for ring in self.retired if not ring.words[_MAPPED]]
+                for ring in mapped:
+                    ring.close()
 
     def _ring_doorbell(self, dst: int) -> None:
         doorbell = self.doorbells.get(dst)
@@ -407,6 +421,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
             self.socket.sendto(b"\1", doorbell)
 
     def _pump_all(self) -> None:
+        self._close_retired()
         for dst, outgoing in self.outgoing.items():
             if outgoing.outbox:
                 self._pump(dst, outgoing)
@@ -556,6 +571,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
             self._wait_until(self._sends_delivered, self.rank,
                              "its peers to take this step's messages (room in their rings, or their mapping them)",
                              receive=False)
+        self._close_retired()  # every ring before a mapped one has been mapped
 
     def _sends_delivered(self) -> bool:
         return all(not o.outbox and (not o.used or o.ring.control[_MAPPED]) for o in self.outgoing.values())

@@ -235,3 +235,17 @@ def test_a_structure_sent_again_reuses_its_cached_layout(monkeypatch):
         cached.append(len(shm._LAYOUTS))
     assert sender.structures_sent == 2
     assert cached == [2, 4, 4, 4, 4, 4]  # the sender's and the receiver's copy of each structure
+
+
+def test_a_ring_outgrown_twice_before_its_receiver_looked_is_still_found(monkeypatch):
+    # Each payload is too large for the ring before it: two SWITCHes in a row. The receiver
+    # opens the middle ring only when it reads the first SWITCH, so the sender must keep it.
+    sender, receiver = _in_process_pair(monkeypatch, "outgrown")
+    payloads = [torch.arange(25_000.0), torch.arange(250_000.0), torch.ones(3)]
+    for microbatch, value in enumerate(payloads):
+        sender.send(1, (0, 0, microbatch), value)
+    assert sender.outgoing[1].generation == 2 and len(sender.retired) == 2
+    got = [receiver.wait(receiver.post_recv(0, (0, 0, m)), f"m{m}") for m in range(len(payloads))]
+    assert all(torch.equal(g, w) for g, w in zip(got, payloads))
+    sender.finish_sends()
+    assert sender.retired == []  # mapped by the receiver, then closed
