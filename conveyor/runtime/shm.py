@@ -123,12 +123,10 @@ class _Ring:
         ring._close_fd()
         return ring
 
-    def header(self, position: int) -> numpy.ndarray:
-        at = position % self.capacity
-        return self.bytes[at : at + _HEADER].view(numpy.int64)
-
-    def write_header(self, position: int, *fields: int) -> None:
-        struct.pack_into(_HEADER_FORMAT, self.map, _CONTROL_BYTES + position % self.capacity, *fields)
+    def write_header(self, position: int, kind: int, total: int, *fields: int) -> None:
+        """A header at ``position``; fields a record kind does not use are zero."""
+        fields += (0,) * (6 - len(fields))
+        struct.pack_into(_HEADER_FORMAT, self.map, _CONTROL_BYTES + position % self.capacity, kind, total, *fields)
 
     def read_header(self, position: int) -> tuple[int, ...]:
         return struct.unpack_from(_HEADER_FORMAT, self.map, _CONTROL_BYTES + position % self.capacity)
@@ -355,7 +353,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
                 break
             ring = outgoing.ring
             if skip:
-                ring.header(outgoing.write)[:2] = (_WRAP, skip)
+                ring.write_header(outgoing.write, _WRAP, skip)
                 outgoing.write += skip
                 at = 0
             body = at + _HEADER
@@ -386,9 +384,9 @@ class SharedMemoryTransport(FailureBoard, Transport):
         ring = _Ring.create(f"conveyor-{self.rank}-to-{dst}-{outgoing.generation}", capacity)
         old = outgoing.ring
         if skip:
-            old.header(outgoing.write)[:2] = (_WRAP, skip)
+            old.write_header(outgoing.write, _WRAP, skip)
             outgoing.write += skip
-        old.header(outgoing.write)[:4] = (_SWITCH, _HEADER, ring.fd, capacity)
+        old.write_header(outgoing.write, _SWITCH, _HEADER, ring.fd, capacity)
         outgoing.write += _HEADER
         old.words[_WRITE] = outgoing.write
         # The receiver finds the new ring through the old one, which it may not have mapped
