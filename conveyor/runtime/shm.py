@@ -101,10 +101,9 @@ class _Ring:
         self.fd = fd
         self.capacity = capacity
         self.map = mmap.mmap(fd, _CONTROL_BYTES + capacity)
-        self.control = numpy.frombuffer(self.map, dtype=numpy.int64, count=_CONTROL_BYTES // 8)
-        # The same control words as plain ints: the hot path reads and writes them several
-        # times a message, and a memoryview item is 4x cheaper than a numpy scalar. Each is
-        # one aligned 8-byte load or store, as the ordering argument needs.
+        # The control page's int64 words as plain ints: the hot path reads and writes them
+        # several times a message, and a memoryview item is 4x cheaper than a numpy scalar.
+        # Each is one aligned 8-byte load or store, as the ordering argument needs.
         self.words = memoryview(self.map).cast("q")[: _CONTROL_BYTES // 8]
         self.bytes = numpy.frombuffer(self.map, dtype=numpy.uint8, count=capacity, offset=_CONTROL_BYTES)
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8, count=capacity, offset=_CONTROL_BYTES)
@@ -133,22 +132,22 @@ class _Ring:
 
     def write_failure(self, message: str) -> None:
         data = message.encode()[: _CONTROL_BYTES - _FAILURE_AT]
-        self.control.view(numpy.uint8)[_FAILURE_AT : _FAILURE_AT + len(data)] = numpy.frombuffer(data, numpy.uint8)
-        self.control[_FAILURE_LEN] = len(data)
-        self.control[_FAILED] = 1
+        self.map[_FAILURE_AT : _FAILURE_AT + len(data)] = data
+        self.words[_FAILURE_LEN] = len(data)
+        self.words[_FAILED] = 1
 
     def failure(self) -> str:
-        if not self.control[_FAILED]:
+        if not self.words[_FAILED]:
             return ""
-        n = int(self.control[_FAILURE_LEN])
-        return bytes(self.control.view(numpy.uint8)[_FAILURE_AT : _FAILURE_AT + n]).decode(errors="replace")
+        n = self.words[_FAILURE_LEN]
+        return self.map[_FAILURE_AT : _FAILURE_AT + n].decode(errors="replace")
 
     def close(self) -> None:
         # Views must go before the map can close; a received tensor never views a ring.
         try:
             with contextlib.suppress(BufferError):
                 self.words.release()
-            del self.control, self.bytes, self.tensor, self.words
+            del self.bytes, self.tensor, self.words
             with contextlib.suppress(BufferError, ValueError):
                 self.map.close()
         finally:
@@ -290,7 +289,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
 
     def _mapped(self, peer: int, ring: _Ring) -> None:
         # Its sender may wait for this (finish_sends) before it lets its process end.
-        ring.control[_MAPPED] = 1
+        ring.words[_MAPPED] = 1
         self._ring_doorbell(peer)
 
     def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
@@ -572,7 +571,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self._close_retired()  # every ring before a mapped one has been mapped
 
     def _sends_delivered(self) -> bool:
-        return all(not o.outbox and (not o.used or o.ring.control[_MAPPED]) for o in self.outgoing.values())
+        return all(not o.outbox and (not o.used or o.ring.words[_MAPPED]) for o in self.outgoing.values())
 
     def end_step(self) -> None:
         if self.fixed_shapes and self.steps_done == 0:
@@ -629,7 +628,7 @@ def _layout(meta: PayloadMeta) -> _Layout:
         n = t.num_bytes
         entries.append((offset, n, _NUMPY_DTYPES.get(t.dtype), t.shape, t.requires_grad))
         offset += aligned(n)
-    layout = _Layout(all(t.dtype in _NUMPY_DTYPES for t in meta.tensors), meta.data_bytes, tuple(entries))
+    layout = _Layout(all(entry[2] is not None for entry in entries), offset, tuple(entries))
     if len(_LAYOUTS) >= 256:  # shapes that change every step must not grow this without bound
         _LAYOUTS.clear()
     _LAYOUTS[id(meta.tensors)] = (meta.tensors, layout)
