@@ -139,52 +139,179 @@ def _pin(by_index: dict[int, torch.Tensor]):
     return hook
 
 
+class PlanCache:
+    """The I/W analysis of each graph shape seen, so microbatches after the first skip it.
+
+    Microbatches of a stage nearly always build the same autograd graph: the same node types,
+    edges and leaves. The analysis (which nodes are frontier nodes, which parameters each
+    reaches, how they group) depends on nothing else, so it is computed once per shape and
+    found again by the shape's signature, which the graph walk produces anyway. A graph of
+    another shape (another sequence length through a data-dependent branch, say) gets its own
+    entry; past ``max_entries`` shapes the oldest are forgotten.
+
+    Example:
+        >>> import torch
+        >>> lin, plans = torch.nn.Linear(3, 3), PlanCache()
+        >>> for _ in range(2):
+        ...     x = torch.randn(2, 3, requires_grad=True)
+        ...     backward_input([lin(x)], [torch.ones(2, 3)], [x], list(lin.parameters()), plans).backward_weight()
+        >>> plans.misses, plans.hits
+        (1, 1)
+    """
+
+    def __init__(self, max_entries: int = 64) -> None:
+        self.max_entries = max_entries
+        self.plans: dict[tuple, _Plan] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, signature: tuple) -> _Plan | None:
+        plan = self.plans.get(signature)
+        if plan is not None:
+            self.hits += 1
+        return plan
+
+    def put(self, signature: tuple, plan: _Plan) -> None:
+        self.misses += 1
+        if len(self.plans) >= self.max_entries:
+            del self.plans[next(iter(self.plans))]
+        self.plans[signature] = plan
+
+
+@dataclass
+class _Plan:
+    """The analysis of one graph shape, in node indices (discovery order) and parameter positions."""
+
+    runs_input_path: bool  # some stage input is reachable: I has an engine run to do
+    frontier: list[int]  # input-path nodes with an edge into the weight region
+    frontier_reach: list[frozenset[int]]  # per frontier node: parameter positions below its weight edges
+    weight_roots: list[tuple[int, frozenset[int]]]  # (root pair, parameters below) for roots off the input path
+    groupings: dict[tuple, list[tuple[list[int], list[int]]]] = field(default_factory=dict)
+
+
+_ACCUMULATE_GRAD = type(get_gradient_edge(torch.zeros(1, requires_grad=True)).node)
+
+
+def _walk(root_nodes: list[Node], leaf_kinds: dict[int, tuple[str, int]], input_grad_fns: dict[Node, int]):
+    """Nodes in discovery order, their successor indices, and the graph's signature.
+
+    The signature names every node's type, its edges by index, and what each leaf is (a
+    stage input or parameter by position, or something else), so two graphs with equal
+    signatures have the same analysis.
+    """
+    nodes: list[Node] = []
+    index: dict[Node, int] = {}
+    for node in root_nodes:
+        if node not in index:
+            index[node] = len(nodes)
+            nodes.append(node)
+    successors: list[tuple[int, ...]] = [()] * len(nodes)
+    kinds: list = [None] * len(nodes)
+    stack = list(range(len(nodes)))
+    while stack:
+        i = stack.pop()
+        node = nodes[i]
+        if type(node) is _ACCUMULATE_GRAD:
+            kinds[i] = leaf_kinds.get(id(node.variable), ("leaf", 0))
+            continue
+        if node in input_grad_fns:
+            kinds[i] = ("input", input_grad_fns[node])
+        nexts = []
+        for f, _ in node.next_functions:
+            if f is None:
+                continue
+            j = index.get(f)
+            if j is None:
+                j = index[f] = len(nodes)
+                nodes.append(f)
+                successors.append(())
+                kinds.append(None)
+                stack.append(j)
+            nexts.append(j)
+        successors[i] = tuple(nexts)
+    signature = (tuple(map(type, nodes)), tuple(successors), tuple(kinds))
+    return nodes, successors, kinds, signature
+
+
+def _analyse(successors: list[tuple[int, ...]], kinds: list, root_indices: list[int]) -> _Plan:
+    count = len(successors)
+    predecessors: list[list[int]] = [[] for _ in range(count)]
+    for i, nexts in enumerate(successors):
+        for j in nexts:
+            predecessors[j].append(i)
+    param_position = {i: kind[1] for i, kind in enumerate(kinds) if kind is not None and kind[0] == "param"}
+    inputs = [i for i, kind in enumerate(kinds) if kind is not None and kind[0] == "input"]
+    on_input_path = _reaching(inputs, predecessors)
+    in_weight_region = _reaching(list(param_position), predecessors) - on_input_path
+
+    def params_below(start: int) -> set[int]:
+        found, stack, seen = set(), [start], {start}
+        while stack:
+            i = stack.pop()
+            if i in param_position:
+                found.add(param_position[i])
+                continue
+            for j in successors[i]:
+                if j not in seen and j in in_weight_region:
+                    seen.add(j)
+                    stack.append(j)
+        return found
+
+    frontier = [i for i in range(count) if i in on_input_path and any(j in in_weight_region for j in successors[i])]
+    frontier_reach = []
+    for i in frontier:
+        reach: set[int] = set()
+        for j in successors[i]:
+            if j in in_weight_region:
+                reach |= params_below(j)
+        frontier_reach.append(frozenset(reach))
+    weight_roots = [
+        (pair, frozenset(params_below(i))) for pair, i in enumerate(root_indices) if i in in_weight_region
+    ]
+    return _Plan(bool(on_input_path), frontier, frontier_reach, weight_roots)
+
+
 def backward_input(
     roots: Sequence[Root],
     root_grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
+    plans: PlanCache | None = None,
 ) -> PendingWeightGrad:
-    """I: the inputs' gradients now, and what W needs later (parameters untouched until then)."""
+    """I: the inputs' gradients now, and what W needs later (parameters untouched until then).
+
+    ``plans`` remembers the graph analysis per graph shape (pass the same one for every
+    microbatch of a stage); without it every call analyses its graph afresh.
+    """
     pairs = [(_edge(r), _grad_or_one(r, g)) for r, g in zip(roots, root_grads) if g is not None or _is_scalar_loss(r)]
     if not pairs:
         return PendingWeightGrad([None] * len(inputs), [])
     root_edges = [e for e, _ in pairs]
-    input_nodes = {get_gradient_edge(x).node for x in inputs}
-    param_of = {}
-    for p in params:
+    leaf_kinds: dict[int, tuple[str, int]] = {}
+    input_grad_fns: dict[Node, int] = {}
+    for position, p in enumerate(params):
         if p.requires_grad:
-            param_of[get_gradient_edge(p).node] = p
+            leaf_kinds[id(p)] = ("param", position)
+    for position, x in enumerate(inputs):
+        if x.grad_fn is not None:
+            input_grad_fns.setdefault(x.grad_fn, position)
+        elif x.requires_grad:
+            leaf_kinds[id(x)] = ("input", position)  # an input is a stage input first, even if also a parameter
+    nodes, successors, kinds, signature = _walk([e.node for e in root_edges], leaf_kinds, input_grad_fns)
+    root_indices = [nodes.index(e.node) for e in root_edges]
+    signature = (signature, tuple(root_indices))
+    plan = plans.get(signature) if plans is not None else None
+    if plan is None:
+        plan = _analyse(successors, kinds, root_indices)
+        if plans is not None:
+            plans.put(signature, plan)
 
-    successors: dict[Node, list[Node]] = {}
-    predecessors: dict[Node, list[Node]] = {}
-    stack = [e.node for e in root_edges]
-    seen = set(stack)
-    order = list(stack)  # discovery order, so grouping and hooks are deterministic
-    while stack:
-        node = stack.pop()
-        nexts = [f for f, _ in node.next_functions if f is not None]
-        successors[node] = nexts
-        for f in nexts:
-            predecessors.setdefault(f, []).append(node)
-            if f not in seen:
-                seen.add(f)
-                order.append(f)
-                stack.append(f)
-
-    on_input_path = _reaching(input_nodes & seen, predecessors)
-    in_weight_region = _reaching(set(param_of) & seen, predecessors) - on_input_path
-
-    # Frontier items: (edge into the weight region's side, gradient source) per group.
-    frontier_nodes = [
-        n for n in order
-        if n in on_input_path and any(f in in_weight_region for f in successors.get(n, ()))
-    ]
+    frontier_nodes = [nodes[i] for i in plan.frontier]
     kept: dict[Node, tuple] = {}
     handles = [n.register_prehook(_keep(kept, n)) for n in frontier_nodes]
     try:
         live_inputs = [x for x in inputs if x.requires_grad]
-        if live_inputs and on_input_path:
+        if live_inputs and plan.runs_input_path:
             grads = _run_engine(root_edges, [g for _, g in pairs], live_inputs, accumulate=False)
         else:
             grads = [None] * len(live_inputs)
@@ -194,23 +321,37 @@ def backward_input(
     by_input = dict(zip(map(id, live_inputs), grads))
     input_grads = [by_input.get(id(x)) for x in inputs]
 
-    # Group frontier entries (and roots that lie in the weight region) by the parameters they reach.
-    entries: list[tuple[GradientEdge, torch.Tensor, Node | None, set]] = []
-    for edge, grad in pairs:
-        if edge.node in in_weight_region or edge.node in param_of:
-            entries.append((edge, grad, None, _params_below(edge.node, successors, in_weight_region, param_of)))
-    for node in frontier_nodes:
-        grads_in = kept.get(node)
-        if grads_in is None:
-            continue
-        reach = set()
-        for f in successors[node]:
-            if f in in_weight_region or f in param_of:
-                reach |= _params_below(f, successors, in_weight_region, param_of)
+    # Entries for W: roots in the weight region, then each kept gradient at a frontier node.
+    # Which of those exist depends on which gradients arrived (a branch may get none), so the
+    # grouping is remembered per pattern of arrivals.
+    entries: list[tuple[GradientEdge, torch.Tensor, Node | None]] = []
+    reaches: list[frozenset[int]] = []
+    for pair, reach in plan.weight_roots:
+        entries.append((pairs[pair][0], pairs[pair][1], None))
+        reaches.append(reach)
+    arrived = []
+    for node, reach in zip(frontier_nodes, plan.frontier_reach):
+        grads_in = kept.get(node) or ()
+        arrived.append(tuple(g is not None for g in grads_in))
         for i, g in enumerate(grads_in):
             if g is not None:
-                entries.append((GradientEdge(node, i), g, node, reach))
-    return PendingWeightGrad(input_grads, _group(entries, param_of))
+                entries.append((GradientEdge(node, i), g, node))
+                reaches.append(reach)
+    pattern = tuple(arrived)
+    grouping = plan.groupings.get(pattern)
+    if grouping is None:
+        grouping = plan.groupings[pattern] = _group(reaches)
+    groups = []
+    for members, param_positions in grouping:
+        group = _Group(params=[params[k] for k in param_positions])
+        for k in members:
+            edge, grad, node = entries[k]
+            group.edges.append(edge)
+            group.grads.append(grad)
+            if node is not None and node not in group.frontier:
+                group.frontier.append(node)
+        groups.append(group)
+    return PendingWeightGrad(input_grads, groups)
 
 
 def _keep(kept: dict, node: Node):
@@ -220,34 +361,21 @@ def _keep(kept: dict, node: Node):
     return hook
 
 
-def _reaching(targets: set[Node], predecessors: dict[Node, list[Node]]) -> set[Node]:
+def _reaching(targets: list[int], predecessors: list[list[int]]) -> set[int]:
     """Every node from which one of ``targets`` can be reached (targets included)."""
     found = set(targets)
     stack = list(targets)
     while stack:
-        for p in predecessors.get(stack.pop(), ()):
+        for p in predecessors[stack.pop()]:
             if p not in found:
                 found.add(p)
                 stack.append(p)
     return found
 
 
-def _params_below(start: Node, successors, region: set[Node], param_of: dict) -> set[Node]:
-    found, stack, seen = set(), [start], {start}
-    while stack:
-        node = stack.pop()
-        if node in param_of:
-            found.add(node)
-            continue
-        for f in successors.get(node, ()):
-            if f not in seen and (f in region or f in param_of):
-                seen.add(f)
-                stack.append(f)
-    return found
-
-
-def _group(entries, param_of: dict) -> list[_Group]:
-    parent = list(range(len(entries)))
+def _group(reaches: list[frozenset[int]]) -> list[tuple[list[int], list[int]]]:
+    """Entries that reach a common parameter share one engine run: ``(entries, parameter positions)``."""
+    parent = list(range(len(reaches)))
 
     def find(i: int) -> int:
         while parent[i] != i:
@@ -255,23 +383,17 @@ def _group(entries, param_of: dict) -> list[_Group]:
             i = parent[i]
         return i
 
-    param_rank = {node: i for i, node in enumerate(param_of)}
-    owner: dict[Node, int] = {}
-    for i, (_, _, _, reach) in enumerate(entries):
-        for pnode in reach:
-            if pnode in owner:
-                parent[find(i)] = find(owner[pnode])
+    owner: dict[int, int] = {}
+    for i, reach in enumerate(reaches):
+        for position in reach:
+            if position in owner:
+                parent[find(i)] = find(owner[position])
             else:
-                owner[pnode] = i
-    groups: dict[int, _Group] = {}
-    for i, (edge, grad, node, reach) in enumerate(entries):
-        group = groups.setdefault(find(i), _Group())
-        group.edges.append(edge)
-        group.grads.append(grad)
-        if node is not None and node not in group.frontier:
-            group.frontier.append(node)
-        for pnode in sorted(reach, key=lambda n: param_rank[n]):
-            if all(param_of[pnode] is not p for p in group.params):
-                group.params.append(param_of[pnode])
+                owner[position] = i
+    groups: dict[int, tuple[list[int], set[int]]] = {}
+    for i, reach in enumerate(reaches):
+        members, positions = groups.setdefault(find(i), ([], set()))
+        members.append(i)
+        positions |= reach
     # Groups keep a stable order: by first appearance, which follows the frontier order.
-    return [g for g in groups.values() if g.params]
+    return [(members, sorted(positions)) for members, positions in groups.values() if positions]
