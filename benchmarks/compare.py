@@ -24,6 +24,7 @@ rewritten after every case, so an interrupted run keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -64,6 +65,58 @@ class Settings:
     step_timeout_s: float
     libraries: tuple[str, ...]
     conveyor_options: dict
+
+
+class StealMeter:
+    """CPU time the hypervisor gave to someone else while this VM's CPUs wanted it.
+
+    Summed over chosen windows from ``/proc/stat`` (all CPUs, in clock ticks):
+    ``steal / (steal + busy)`` is the share of the CPU time this VM's CPUs wanted (to run
+    something, not idle) that the host spent elsewhere. On a shared host it swings from 1% to over 50% within seconds, and a step
+    whose ranks keep both CPUs busy loses more than one process that keeps one busy; so
+    every record says how much each side lost. None where ``/proc/stat`` has no steal.
+
+    Example:
+        >>> meter = StealMeter()
+        >>> with meter.window("conveyor"):
+        ...     pass
+        >>> set(meter.percent()) <= {"conveyor"}
+        True
+    """
+
+    def __init__(self) -> None:
+        self.ticks: dict[str, list[int]] = {}
+
+    @staticmethod
+    def read() -> tuple[int, int] | None:
+        """``(steal, wanted)`` clock ticks of all CPUs since boot (wanted: not idle), or None."""
+        try:
+            with open("/proc/stat") as stat:
+                fields = stat.readline().split()
+        except OSError:
+            return None
+        if len(fields) < 9 or fields[0] != "cpu":
+            return None
+        # user nice system idle iowait irq softirq steal (guest time is inside user)
+        ticks = [int(f) for f in fields[1:9]]
+        return ticks[7], sum(ticks) - ticks[3] - ticks[4]
+
+    @contextlib.contextmanager
+    def window(self, side: str):
+        """Count the ticks of the ``with`` body towards ``side``."""
+        start = self.read()
+        try:
+            yield
+        finally:
+            end = self.read()
+            if start is not None and end is not None:
+                totals = self.ticks.setdefault(side, [0, 0])
+                totals[0] += end[0] - start[0]
+                totals[1] += end[1] - start[1]
+
+    def percent(self) -> dict[str, float]:
+        """Per side: steal as a percentage of the CPU time wanted in its windows."""
+        return {side: 100.0 * steal / wanted for side, (steal, wanted) in self.ticks.items() if wanted > 0}
 
 
 def _ints(text: str) -> list[int]:
@@ -297,11 +350,13 @@ def run_case(
             probe.kill()
             ideal_note, probe = f"failed: {_last_line(error)}", None
     samples: list[MeasuredCosts] = []
+    steal = StealMeter()
     # A B A B: one step of each side in turn, so drifting machine load hits all alike.
     for rep in range(settings.warmup + settings.repeats):
         for name in list(groups):
             try:
-                per_rank_s = groups[name].call(lib.timed_step, timeout_s=settings.step_timeout_s)
+                with steal.window(name if rep >= settings.warmup else "warm-up"):
+                    per_rank_s = groups[name].call(lib.timed_step, timeout_s=settings.step_timeout_s)
             except (RankFailure, RankTimeout) as error:
                 status[name] = f"failed: {_last_line(error)}"
                 groups.pop(name).kill()
@@ -310,7 +365,8 @@ def run_case(
                 steps[name].append(max(per_rank_s) * 1e3)
         if probe is not None:
             try:
-                sample = probe.call(lib.ideal_sample)[0]
+                with steal.window("ideal" if rep >= settings.warmup else "warm-up"):
+                    sample = probe.call(lib.ideal_sample)[0]
             except (RankFailure, RankTimeout) as error:
                 ideal_note, probe, samples = f"failed: {_last_line(error)}", None, []
                 continue
@@ -343,6 +399,8 @@ def run_case(
         if group:
             group.close()
     record["ideal_note"] = ideal_note
+    # Share of CPU time the host took while each side's timed steps ran (see StealMeter).
+    record["steal_pct"] = {("single_process" if k == lib.SINGLE else k): v for k, v in steal.percent().items()}
     _add_ideal(record, case, sched, samples, fastest)
     record["notes"] = notes
     _add_ratios(record, case)
@@ -496,11 +554,14 @@ def _run(
     )
     costs = CostCache(settings.cost_repeats)
     started = time.monotonic()
+    run_steal = StealMeter()
     for index, case in enumerate(cases, 1):
-        record = run_case(case, settings, costs, conveyor_missing, zygotes)
+        with run_steal.window("run"):
+            record = run_case(case, settings, costs, conveyor_missing, zygotes)
         results["records"].append(record)
         results["meta"]["elapsed_s"] = time.monotonic() - started
         results["meta"]["load_average_end"] = os.getloadavg()
+        results["meta"]["steal_pct"] = run_steal.percent().get("run")
         json_path.write_text(json.dumps(results, indent=1))
         print(_progress_line(index, len(cases), case, record), flush=True)
     render(results, out)

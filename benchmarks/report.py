@@ -199,6 +199,9 @@ def _notes(r: dict) -> str:
     return "; ".join(notes).replace("|", "/")
 
 
+# Above this share of stolen CPU time a run's timings say more about the host than the code.
+STEAL_WARNING_PCT = 10.0
+
 _COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("schedule", lambda r: r["schedule"]),
     ("V", lambda r: str(r["virtual"])),
@@ -215,7 +218,14 @@ _COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
         "peak RSS MiB (growth) conveyor / torch",
         lambda r: f"{_rss_cell(r, 'conveyor')} / {_rss_cell(r, 'torch')}",
     ),
+    ("CPU steal % conveyor / torch / ideal (/ one process)", lambda r: _steal_cell(r)),
 ]
+
+
+def _steal_cell(r: dict) -> str:
+    steal = r.get("steal_pct") or {}
+    sides = ["conveyor", "torch", "ideal", *(["single_process"] if "single_process" in steal else [])]
+    return " / ".join(_fmt(steal.get(side), "{:.0f}") for side in sides)
 
 
 def _table(records: list[dict], extra: list[tuple[str, Callable[[dict], str]]] = ()) -> list[str]:
@@ -239,9 +249,23 @@ def markdown(results: dict, summary: dict) -> str:
         f"at end {_fmt(load_end and load_end[0], '{:.2f}')}.",
         "",
     ]
+    if meta.get("steal_pct") is not None:
+        lines += [
+            f"CPU steal while the cases ran: {meta['steal_pct']:.0f}% of the CPU time this VM wanted went "
+            "to other guests of the host (`/proc/stat`); each table's steal column gives it per side "
+            "(conveyor's timed steps / torch's / the ideal's samples, and the one-process run for the "
+            "GPT). Steps that keep every CPU busy lose more than one process does.",
+            "",
+        ]
     cpus = meta.get("cpus") or 1
     if max((load_start or [0])[0], (load_end or [0])[0]) > 0.5 * cpus:
         lines += ["**The machine was busy during this run: timings are noisy.**", ""]
+    if (meta.get("steal_pct") or 0) > STEAL_WARNING_PCT:
+        lines += [
+            f"**The host took {meta['steal_pct']:.0f}% of the CPU time this VM wanted: timings are noisy, "
+            "and a side that keeps more CPUs busy pays more of it.**",
+            "",
+        ]
     if meta.get("conveyor_missing"):
         lines += [
             f"conveyor's runtime was not available ({meta['conveyor_missing']}): torch side only.",
