@@ -34,7 +34,8 @@ from torch.utils import _pytree as pytree
 from conveyor.errors import ConveyorError, PeerFailure, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
-from conveyor.runtime.shm import SharedMemoryTransport, shared_memory_supported
+from conveyor.runtime.hybrid import HybridTransport, hosts_by_rank
+from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
 from conveyor.runtime.stage import LossFn, StageRunner
 from conveyor.runtime.transport import (
     BACKWARD,
@@ -53,6 +54,8 @@ from conveyor.schedule.lower import lower
 from conveyor.schedule.timeline import Span, Timeline
 
 log = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid")
 
 _FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -181,10 +184,14 @@ class Pipeline(_PipelineBase):
     ``transport``: ``"shared_memory"`` moves payloads through rings in shared
     memory (every rank on this host, CPU tensors, x86-64 Linux; a hop costs
     microseconds instead of gloo's 0.1-0.3 ms of calls), ``"process_group"``
-    through the group's point-to-point calls (gloo, NCCL); ``"auto"`` (default)
-    takes shared memory when the group's backend is gloo and the launcher says
-    every rank is on this host (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as torchrun
-    sets them), else the process group.
+    through the group's point-to-point calls (gloo, NCCL), ``"hybrid"`` shared
+    memory to the peers on this host and the process group to the others.
+    ``"auto"`` (default), when the group's backend is gloo: shared memory when the
+    launcher says every rank is on this host (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as
+    torchrun sets them); else the ranks tell each other their hosts (one
+    ``all_gather_object``) and every pair of ranks that talk uses shared memory
+    where they share a host: shared memory, hybrid or the process group. Other
+    backends (NCCL): the process group.
     """
 
     def __init__(
@@ -298,29 +305,68 @@ class Pipeline(_PipelineBase):
                         fixed_shapes: bool) -> Transport:
         import torch.distributed as dist
 
-        if kind not in ("auto", "shared_memory", "process_group"):
+        if kind not in TRANSPORTS:
             raise PipelineConfigError(
-                f"transport must be 'auto', 'shared_memory' or 'process_group'; got {kind!r}"
+                f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {kind!r}"
             )
         why_not = shared_memory_supported()
+        hosts = None
         if kind == "auto":
-            backend = str(dist.get_backend(group))
-            world_size = os.environ.get("WORLD_SIZE")
-            one_host = world_size is not None and os.environ.get("LOCAL_WORLD_SIZE") == world_size
-            kind = "shared_memory" if (not why_not and backend == "gloo" and one_host) else "process_group"
+            kind = "process_group"
+            if not why_not and str(dist.get_backend(group)) == "gloo":
+                world_size = os.environ.get("WORLD_SIZE")
+                if world_size is not None and os.environ.get("LOCAL_WORLD_SIZE") == world_size:
+                    kind = "shared_memory"  # the launcher says every rank is on this host
+                else:
+                    hosts = self._hosts(group)
+                    kind = self._transport_for(hosts)
         if kind == "process_group":
-            return DistTransport(group, global_ranks, self.rank, self.schedule.num_stages,
-                                 self.schedule.num_microbatches, timeout_s, fixed_shapes)
+            return self._process_group_transport(group, global_ranks, timeout_s, fixed_shapes)
         if why_not:
-            raise PipelineConfigError(f"transport='shared_memory' cannot run here: {why_not}; "
+            raise PipelineConfigError(f"transport={kind!r} cannot run here: {why_not}; "
                                       "use transport='process_group'")
         from torch.distributed.distributed_c10d import _get_default_store
 
+        peers = self._neighbours(self.rank)
+        prefix = "-".join(map(str, global_ranks))
+        if kind == "shared_memory":
+            return SharedMemoryTransport(self.rank, peers, _get_default_store(), prefix, len(global_ranks),
+                                         timeout_s, fixed_shapes)
+        hosts = hosts if hosts is not None else self._hosts(group)
+        local_peers = {peer for peer in peers if hosts[peer] == hosts[self.rank]}
+        local = SharedMemoryTransport(self.rank, local_peers, _get_default_store(), prefix, len(global_ranks),
+                                      timeout_s, fixed_shapes, local_ranks=hosts.count(hosts[self.rank]))
+        remote = self._process_group_transport(group, global_ranks, timeout_s, fixed_shapes)
+        return HybridTransport(local, remote, local_peers)
+
+    def _process_group_transport(self, group, global_ranks: list[int], timeout_s: float,
+                                 fixed_shapes: bool) -> DistTransport:
+        return DistTransport(group, global_ranks, self.rank, self.schedule.num_stages,
+                             self.schedule.num_microbatches, timeout_s, fixed_shapes)
+
+    def _neighbours(self, rank: int) -> set[int]:
+        """The ranks that ``rank`` sends to or receives from: those of its stages' neighbours."""
         placement = self.schedule.placement
-        peers = {placement.rank_of(s + d) for s in self.stages for d in (-1, 1)
-                 if 0 <= s + d < self.schedule.num_stages} - {self.rank}
-        return SharedMemoryTransport(self.rank, peers, _get_default_store(), "-".join(map(str, global_ranks)),
-                                     len(global_ranks), timeout_s, fixed_shapes)
+        return {placement.rank_of(s + d) for s in self.schedule.stages_of(rank) for d in (-1, 1)
+                if 0 <= s + d < self.schedule.num_stages} - {rank}
+
+    @staticmethod
+    def _hosts(group) -> list[int]:
+        """Every rank's host, as a number (a collective over ``group``: every rank is building its Pipeline)."""
+        import torch.distributed as dist
+
+        identities: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(identities, host_identity(), group=group)
+        return hosts_by_rank(identities)
+
+    def _transport_for(self, hosts: list[int]) -> str:
+        """Shared memory if every pair of ranks that talk shares a host, the process group if none
+        does, else both. Every rank reaches the same answer (same hosts, same schedule)."""
+        pairs = {(r, peer) for r in range(len(hosts)) for peer in self._neighbours(r)}
+        local = sum(hosts[a] == hosts[b] for a, b in pairs)
+        if pairs and local == len(pairs):
+            return "shared_memory"
+        return "hybrid" if local else "process_group"
 
     def _seed_shapes(self, shapes: Mapping[int, Any]) -> None:
         """Tell both ends of each boundary what will cross it, so no step has to exchange it."""

@@ -94,6 +94,30 @@ def shared_memory_supported() -> str:
     return ""
 
 
+def host_identity() -> str:
+    """Which processes can share memory with this one: same kernel boot and PID namespace.
+
+    Two ranks with the same identity can map each other's rings (``/proc/<pid>/fd`` needs
+    the same PID namespace); the hostname is there for people reading it.
+    ``CONVEYOR_HOST_ID`` replaces it (a launcher that knows better; tests that play
+    several hosts on one machine).
+
+    Example:
+        >>> host_identity() == host_identity()
+        True
+    """
+    override = os.environ.get("CONVEYOR_HOST_ID")
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+        pid_namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux: the transport is not offered there anyway
+        boot_id, pid_namespace = "", 0
+    return f"{socket.gethostname()}/{boot_id}/{pid_namespace}"
+
+
 class _Ring:
     """One mapping of a ring: the control words and the data area as numpy and torch views."""
 
@@ -196,7 +220,8 @@ class SharedMemoryTransport(FailureBoard, Transport):
     process group's); it waits for nobody. A peer's rings are mapped when first needed,
     waiting at most ``timeout_s`` for that peer to have published them. ``spin_s``: how
     long a receiver polls before it sleeps on its doorbell (default: 1 ms when this host has a
-    core for every rank, else 50 µs).
+    core for every rank, else 50 µs). ``local_ranks``: how many of the ``num_ranks`` run on
+    this host (all, unless some peers are reached another way: see :mod:`conveyor.runtime.hybrid`).
     """
 
     _instances: dict[str, int] = {}  # per process group: every rank builds its pipelines in the same order
@@ -211,6 +236,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         timeout_s: float,
         fixed_shapes: bool = False,
         spin_s: float | None = None,
+        local_ranks: int | None = None,
     ) -> None:
         self.rank = rank
         self.peers = sorted(peers)
@@ -223,7 +249,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self.fixed_shapes = fixed_shapes
         # An explicit spin (argument or CONVEYOR_SHM_SPIN_US) is kept as given; the default adapts.
         self.adaptive_spin = spin_s is None and not os.environ.get("CONVEYOR_SHM_SPIN_US")
-        self.spin_s = _default_spin_s(num_ranks) if spin_s is None else spin_s
+        self.spin_s = _default_spin_s(local_ranks or num_ranks) if spin_s is None else spin_s
         self.last_wait_s = 0.0  # of the last receive that had to wait
         self.outgoing: dict[int, _Outgoing] = {}
         self.incoming: dict[int, _Incoming] = {}
@@ -477,6 +503,11 @@ class SharedMemoryTransport(FailureBoard, Transport):
     def ready(self, handle) -> bool:
         self._poll()
         return bool(self.arrived.get(handle))
+
+    def progress(self) -> bool:
+        """Move queued sends along and take in what arrived; True while a send still waits for room."""
+        self._poll()
+        return any(outgoing.outbox for outgoing in self.outgoing.values())
 
     def wait(self, handle, what: str) -> Any:
         src, key = handle

@@ -133,11 +133,20 @@ def _chosen(rank, world_size, transport):
 
 def test_auto_takes_shared_memory_when_every_rank_is_on_this_host_else_the_process_group():
     assert run_ranks(_chosen, 2, args=("auto",)) == [SharedMemoryTransport.__name__] * 2
-    # A launcher that reports fewer local ranks than ranks in all: some are elsewhere.
-    assert run_ranks(_chosen, 2, args=("auto",), env={"LOCAL_WORLD_SIZE": "1"}) == [DistTransport.__name__] * 2
+    # A launcher that reports fewer local ranks than ranks in all: the ranks compare hosts
+    # (tests/runtime/test_hybrid.py plays several), and here they share one.
+    assert run_ranks(_chosen, 2, args=("auto",), env={"LOCAL_WORLD_SIZE": "1"}) == [SharedMemoryTransport.__name__] * 2
+    assert run_ranks(_chosen_apart, 2, env={"LOCAL_WORLD_SIZE": "1"}) == [DistTransport.__name__] * 2
     assert run_ranks(_chosen, 2, args=("process_group",)) == [DistTransport.__name__] * 2
     message = run_ranks(_chosen, 2, args=("nccl",))[0]
-    assert message == "transport must be 'auto', 'shared_memory' or 'process_group'; got 'nccl'"
+    assert message == (
+        "transport must be one of 'auto', 'shared_memory', 'process_group', 'hybrid'; got 'nccl'"
+    )
+
+
+def _chosen_apart(rank, world_size):
+    os.environ["CONVEYOR_HOST_ID"] = f"host-{rank}"
+    return _chosen(rank, world_size, "auto")
 
 
 def _conveyor_descriptors() -> tuple[int, int]:
