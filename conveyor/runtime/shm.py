@@ -515,10 +515,15 @@ class SharedMemoryTransport(FailureBoard, Transport):
             self._connect(src, self.timeout_s, what)
         queue = self.arrived.get(handle)
         if not queue:
+            self._poll()
+            queue = self.arrived.get(handle)
+        if not queue:
             self._wait_until(lambda: bool(self.arrived.get(handle)), src, what)
             queue = self.arrived[handle]
         else:
-            self.last_wait_s = 0.0  # it was here already
+            # It was in the ring already: no wait, however long the copy out took (a preempted
+            # copy must not make the next wait poll briefly).
+            self.last_wait_s = 0.0
         meta, buffer = queue.popleft()
         return unflatten_payload(meta, _tensors_of(buffer, meta) if meta.tensors else [])
 
