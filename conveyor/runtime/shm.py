@@ -94,6 +94,16 @@ def shared_memory_supported() -> str:
     return ""
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def host_identity() -> str:
     """Which processes can share memory with this one: same kernel boot and PID namespace.
 
@@ -302,6 +312,16 @@ class SharedMemoryTransport(FailureBoard, Transport):
         try:
             ring = _Ring.open(theirs["pid"], fd, capacity)
         except OSError as exc:
+            # A peer that failed and exited before we looked took its rings with it: its own
+            # message is the one that explains the step.
+            failures = self.peer_failures()
+            if failures:
+                raise PeerFailure(failures) from exc
+            if not _alive(theirs["pid"]):
+                raise PeerFailure(
+                    f"rank {self.rank} waited for {what} from rank {peer}, but rank {peer} (pid "
+                    f"{theirs['pid']}) has exited; look at its output"
+                ) from exc
             raise PeerFailure(
                 f"rank {self.rank} cannot map the shared-memory ring of rank {peer} (pid {theirs['pid']}): "
                 f"{exc}. Ranks in separate containers or PID namespaces cannot share memory this way; "
@@ -583,16 +603,11 @@ class SharedMemoryTransport(FailureBoard, Transport):
         if failures:
             raise PeerFailure(failures)
         pid = self.pids.get(src)
-        if pid is not None:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                raise PeerFailure(
-                    f"rank {self.rank} waited for {what} from rank {src}, but rank {src} (pid {pid}) has "
-                    "exited; look at its output"
-                ) from None
-            except PermissionError:
-                pass
+        if pid is not None and not _alive(pid):
+            raise PeerFailure(
+                f"rank {self.rank} waited for {what} from rank {src}, but rank {src} (pid {pid}) has "
+                "exited; look at its output"
+            )
 
     def finish_sends(self) -> None:
         """Return once every message of this step sits in a ring its receiver has mapped.

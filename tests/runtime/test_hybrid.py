@@ -71,20 +71,23 @@ def test_two_hosts_train_bitwise_equal_to_one_device(name, virtual):
 
 
 class _Slow(nn.Module):
-    """A last stage that takes its time, so the ring towards it fills up."""
+    """A linear stage whose forward takes at least ``seconds``."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, seconds: float) -> None:
         super().__init__()
         self.linear = nn.Linear(width, width)
+        self.seconds = seconds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.02)
+        time.sleep(self.seconds)
         return self.linear(x)
 
 
 def _stage(stage: int, width: int) -> nn.Module:
     torch.manual_seed(stage)
-    return _Slow(width) if stage == 3 else nn.Linear(width, width)
+    # Rank 1 sends an activation every 5 ms, the slow rank 3 takes one every 20 ms: rank 2,
+    # between them, always waits on rank 1 while its sends to rank 3 queue up.
+    return _Slow(width, {1: 0.005, 3: 0.02}.get(stage, 0.0))
 
 
 def _fill_the_ring(rank, world_size, width, microbatches, batch):
