@@ -355,7 +355,7 @@ def run_case(
     for rep in range(settings.warmup + settings.repeats):
         for name in list(groups):
             try:
-                with steal.window(name if rep >= settings.warmup else "warm-up"):
+                with steal.window(name) if rep >= settings.warmup else contextlib.nullcontext():
                     per_rank_s = groups[name].call(lib.timed_step, timeout_s=settings.step_timeout_s)
             except (RankFailure, RankTimeout) as error:
                 status[name] = f"failed: {_last_line(error)}"
@@ -365,7 +365,7 @@ def run_case(
                 steps[name].append(max(per_rank_s) * 1e3)
         if probe is not None:
             try:
-                with steal.window("ideal" if rep >= settings.warmup else "warm-up"):
+                with steal.window("ideal") if rep >= settings.warmup else contextlib.nullcontext():
                     sample = probe.call(lib.ideal_sample)[0]
             except (RankFailure, RankTimeout) as error:
                 ideal_note, probe, samples = f"failed: {_last_line(error)}", None, []
@@ -401,6 +401,8 @@ def run_case(
     record["ideal_note"] = ideal_note
     # Share of CPU time the host took while each side's timed steps ran (see StealMeter).
     record["steal_pct"] = {("single_process" if k == lib.SINGLE else k): v for k, v in steal.percent().items()}
+    # Clock ticks behind each figure (10 ms each, all CPUs): a handful make a coarse percentage.
+    record["steal_ticks_wanted"] = {("single_process" if k == lib.SINGLE else k): v[1] for k, v in steal.ticks.items()}
     _add_ideal(record, case, sched, samples, fastest)
     record["notes"] = notes
     _add_ratios(record, case)

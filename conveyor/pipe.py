@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from conveyor.errors import ConveyorError, PeerFailure, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
-from conveyor.runtime.hybrid import HybridTransport, hosts_by_rank
+from conveyor.runtime.hybrid import HostExchange, HybridTransport
 from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
 from conveyor.runtime.stage import LossFn, StageRunner
 from conveyor.runtime.transport import (
@@ -188,8 +188,8 @@ class Pipeline(_PipelineBase):
     memory to the peers on this host and the process group to the others.
     ``"auto"`` (default), when the group's backend is gloo: shared memory when the
     launcher says every rank is on this host (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as
-    torchrun sets them); else the ranks tell each other their hosts (one
-    ``all_gather_object``) and every pair of ranks that talk uses shared memory
+    torchrun sets them); else the ranks tell each other their hosts (through the
+    store, waiting at most ``timeout_s``) and every pair of ranks that talk uses shared memory
     where they share a host: shared memory, hybrid or the process group. Other
     backends (NCCL): the process group.
     """
@@ -310,16 +310,22 @@ class Pipeline(_PipelineBase):
                 f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {kind!r}"
             )
         why_not = shared_memory_supported()
+        backend = str(dist.get_backend(group))
         hosts = None
         if kind == "auto":
             kind = "process_group"
-            if not why_not and str(dist.get_backend(group)) == "gloo":
-                world_size = os.environ.get("WORLD_SIZE")
-                if world_size is not None and os.environ.get("LOCAL_WORLD_SIZE") == world_size:
-                    kind = "shared_memory"  # the launcher says every rank is on this host
-                else:
-                    hosts = self._hosts(group)
-                    kind = self._transport_for(hosts)
+            world_size = os.environ.get("WORLD_SIZE")
+            one_host = world_size is not None and os.environ.get("LOCAL_WORLD_SIZE") == world_size
+            if backend == "gloo" and one_host:
+                kind = "process_group" if why_not else "shared_memory"  # the launcher says all are here
+            elif backend == "gloo":
+                hosts = self._hosts(global_ranks, timeout_s, why_not)
+                kind = self._transport_for(hosts)
+        if kind == "hybrid" and backend != "gloo":
+            raise PipelineConfigError(
+                f"transport='hybrid' carries CPU tensors and needs the gloo backend; this group uses "
+                f"{backend!r}: use transport='process_group'"
+            )
         if kind == "process_group":
             return self._process_group_transport(group, global_ranks, timeout_s, fixed_shapes)
         if why_not:
@@ -332,7 +338,7 @@ class Pipeline(_PipelineBase):
         if kind == "shared_memory":
             return SharedMemoryTransport(self.rank, peers, _get_default_store(), prefix, len(global_ranks),
                                          timeout_s, fixed_shapes)
-        hosts = hosts if hosts is not None else self._hosts(group)
+        hosts = hosts if hosts is not None else self._hosts(global_ranks, timeout_s, why_not)
         local_peers = {peer for peer in peers if hosts[peer] == hosts[self.rank]}
         local = SharedMemoryTransport(self.rank, local_peers, _get_default_store(), prefix, len(global_ranks),
                                       timeout_s, fixed_shapes, local_ranks=hosts.count(hosts[self.rank]))
@@ -350,14 +356,13 @@ class Pipeline(_PipelineBase):
         return {placement.rank_of(s + d) for s in self.schedule.stages_of(rank) for d in (-1, 1)
                 if 0 <= s + d < self.schedule.num_stages} - {rank}
 
-    @staticmethod
-    def _hosts(group) -> list[int]:
-        """Every rank's host, as a number (a collective over ``group``: every rank is building its Pipeline)."""
-        import torch.distributed as dist
+    def _hosts(self, global_ranks: list[int], timeout_s: float, why_not: str) -> list[int]:
+        """Every rank's host, as a number; a rank that cannot share memory is a host of its own."""
+        from torch.distributed.distributed_c10d import _get_default_store
 
-        identities: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(identities, host_identity(), group=group)
-        return hosts_by_rank(identities)
+        identity = f"no-shared-memory/{global_ranks[self.rank]}" if why_not else host_identity()
+        return HostExchange.run(_get_default_store(), "-".join(map(str, global_ranks)), self.rank,
+                                len(global_ranks), identity, timeout_s)
 
     def _transport_for(self, hosts: list[int]) -> str:
         """Shared memory if every pair of ranks that talk shares a host, the process group if none

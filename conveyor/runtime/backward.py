@@ -142,12 +142,12 @@ def _pin(by_index: dict[int, torch.Tensor]):
 class PlanCache:
     """The I/W analysis of each graph shape seen, so microbatches after the first skip it.
 
-    Microbatches of a stage nearly always build the same autograd graph: the same node types,
-    edges and leaves. The analysis (which nodes are frontier nodes, which parameters each
+    Microbatches of a stage nearly always build the same autograd graph: the same edges
+    and leaves. The analysis (which nodes are frontier nodes, which parameters each
     reaches, how they group) depends on nothing else, so it is computed once per shape and
     found again by the shape's signature, which the graph walk produces anyway. A graph of
     another shape (another sequence length through a data-dependent branch, say) gets its own
-    entry; past ``max_entries`` shapes the oldest are forgotten.
+    entry; past ``max_entries`` shapes the least recently used is forgotten.
 
     Example:
         >>> import torch
@@ -160,21 +160,24 @@ class PlanCache:
     """
 
     def __init__(self, max_entries: int = 64) -> None:
+        if max_entries < 1:
+            raise ValueError(f"PlanCache needs room for at least one plan; got max_entries={max_entries}")
         self.max_entries = max_entries
         self.plans: dict[tuple, _Plan] = {}
         self.hits = 0
         self.misses = 0
 
     def get(self, signature: tuple) -> _Plan | None:
-        plan = self.plans.get(signature)
+        plan = self.plans.pop(signature, None)
         if plan is not None:
+            self.plans[signature] = plan  # most recently used last: a rare shape cannot evict the usual one
             self.hits += 1
         return plan
 
     def put(self, signature: tuple, plan: _Plan) -> None:
         self.misses += 1
         if len(self.plans) >= self.max_entries:
-            del self.plans[next(iter(self.plans))]
+            del self.plans[next(iter(self.plans))]  # the least recently used
         self.plans[signature] = plan
 
 
@@ -189,15 +192,16 @@ class _Plan:
     groupings: dict[tuple, list[tuple[list[int], list[int]]]] = field(default_factory=dict)
 
 
+_MAX_GROUPINGS = 16
 _ACCUMULATE_GRAD = type(get_gradient_edge(torch.zeros(1, requires_grad=True)).node)
 
 
 def _walk(root_nodes: list[Node], leaf_kinds: dict[int, tuple[str, int]], input_grad_fns: dict[Node, int]):
     """Nodes in discovery order, their successor indices, and the graph's signature.
 
-    The signature names every node's type, its edges by index, and what each leaf is (a
-    stage input or parameter by position, or something else), so two graphs with equal
-    signatures have the same analysis.
+    The signature names every node's edges by index and what each leaf is (a stage input
+    or parameter by position, or something else): all the analysis reads, so two graphs
+    with equal signatures have the same analysis.
     """
     nodes: list[Node] = []
     index: dict[Node, int] = {}
@@ -229,7 +233,8 @@ def _walk(root_nodes: list[Node], leaf_kinds: dict[int, tuple[str, int]], input_
                 stack.append(j)
             nexts.append(j)
         successors[i] = tuple(nexts)
-    signature = (tuple(map(type, nodes)), tuple(successors), tuple(kinds))
+    # The analysis reads nothing else (node types do not matter, only how nodes connect).
+    signature = (tuple(successors), tuple(kinds))
     return nodes, successors, kinds, signature
 
 
@@ -340,6 +345,8 @@ def backward_input(
     pattern = tuple(arrived)
     grouping = plan.groupings.get(pattern)
     if grouping is None:
+        if len(plan.groupings) >= _MAX_GROUPINGS:
+            plan.groupings.clear()  # arrival patterns that never repeat must not pile up
         grouping = plan.groupings[pattern] = _group(reaches)
     groups = []
     for members, param_positions in grouping:

@@ -8,8 +8,8 @@ network only where it crosses hosts.
 
 The one subtlety is progress. A shared-memory send that finds its ring full waits in
 the sender's outbox and moves on the sender's next call into that transport. A rank
-blocked in a gloo wait makes no such call, so while it has an outbox it polls the gloo
-receive instead of blocking on it, moving its shared-memory sends along in between.
+blocked in a gloo wait makes no such call, so while it has an outbox it waits for the
+gloo receive on a helper thread and moves its shared-memory sends along meanwhile.
 
 Example (what :class:`conveyor.Pipeline` builds when ranks 0-1 share a host and 2-3 share another)::
 
@@ -18,16 +18,55 @@ Example (what :class:`conveyor.Pipeline` builds when ranks 0-1 share a host and 
 
 from __future__ import annotations
 
+import datetime
+import threading
 import time
 from typing import Any
 
-from conveyor.errors import PeerFailure
+from conveyor.errors import CommTimeout
 from conveyor.runtime.shm import SharedMemoryTransport
-from conveyor.runtime.transport import DistTransport, TransferKey, Transport, receive_timeout
+from conveyor.runtime.transport import DistTransport, TransferKey, Transport
 from conveyor.runtime.wire import PayloadMeta
 
 _HEALTH_EVERY_S = 0.5
-_POLL_SLEEP_S = 20e-6
+_POLL_SLEEP_S = 50e-6
+
+
+class HostExchange:
+    """Every rank of a pipeline tells the others which host it runs on, through the store.
+
+    Not a process-group collective: a rank that never comes makes the others fail after
+    ``timeout_s`` with the ranks that are missing, like every other wait of a pipeline.
+    Rounds are numbered per group of ranks, in the order pipelines are built (the same on
+    every rank, as for the shared-memory rings).
+    """
+
+    _rounds: dict[str, int] = {}
+
+    @classmethod
+    def run(cls, store, group_key: str, rank: int, num_ranks: int, identity: str, timeout_s: float) -> list[int]:
+        """Each rank's host as a number (see :func:`hosts_by_rank`)."""
+        count = cls._rounds.get(group_key, 0)
+        cls._rounds[group_key] = count + 1
+        prefix = f"conveyor/hosts/{group_key}/{count}"
+        store.set(f"{prefix}/{rank}", identity)
+        keys = [f"{prefix}/{r}" for r in range(num_ranks)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except Exception as exc:
+            missing = [r for r, key in enumerate(keys) if not _has(store, key)]
+            raise CommTimeout(
+                f"rank {rank} waited {timeout_s:g} s for rank(s) {missing} to say which host they run on "
+                "while building a Pipeline; they never did (slow, stuck, or not building this pipeline)"
+            ) from exc
+        return hosts_by_rank([store.get(key).decode() for key in keys])
+
+
+def _has(store, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except Exception:  # the store itself is gone: count the key as missing
+        return False
 
 
 def hosts_by_rank(identities: list[str]) -> list[int]:
@@ -89,32 +128,44 @@ class HybridTransport(Transport):
         side, _, inner = handle
         if side is self.remote:
             self.local.progress()
-        return side.ready(inner)
+        return side.ready(inner)  # gloo: False until waited for (the executor blocks instead)
 
     def wait(self, handle, what: str) -> Any:
         side, src, inner = handle
         if side is self.local:
             # Gloo moves our remote sends on its own threads: nothing to do for them meanwhile.
             return self.local.wait(inner, what)
-        clock = time.monotonic
-        deadline = clock() + self.timeout_s
-        next_health = clock() + _HEALTH_EVERY_S
-        polled = False
-        while self.local.progress() and not self.remote.ready(inner):
-            if not polled:
-                polled = True
-                self.polled_waits += 1
-            now = clock()
-            if now >= next_health:
-                failures = self.peer_failures()
-                if failures:
-                    raise PeerFailure(failures)
-                next_health = now + _HEALTH_EVERY_S
-            if now >= deadline:
-                raise receive_timeout(self.rank, self.timeout_s, what, src)
-            time.sleep(_POLL_SLEEP_S)
-        # Nothing left in our outbox (or the data is here): blocking cannot starve a local peer.
-        return self.remote.wait(inner, what)
+        if not self.local.progress():
+            return self.remote.wait(inner, what)  # no send waits for room: blocking starves nobody
+        # Sends to a peer on this host wait for room in its ring. Gloo cannot say whether a
+        # receive has arrived without waiting for it (its is_completed stays False until
+        # wait), so a helper thread waits on the receive while this one keeps those sends
+        # moving; the wait keeps its own timeout and error messages.
+        self.polled_waits += 1
+        outcome: dict[str, Any] = {}
+        arrived = threading.Event()
+
+        def receive() -> None:
+            try:
+                outcome["value"] = self.remote.wait(inner, what)
+            except BaseException as exc:  # handed to the waiting thread, which raises it
+                outcome["error"] = exc
+            finally:
+                arrived.set()
+
+        # A daemon thread: if this rank fails meanwhile, its exit must not wait for gloo's timeout.
+        threading.Thread(target=receive, name=f"conveyor-recv-{src}", daemon=True).start()
+        next_health = time.monotonic() + _HEALTH_EVERY_S
+        while not arrived.wait(_POLL_SLEEP_S):
+            if not self.local.progress():
+                arrived.wait()  # the last queued send went out: nothing left to move
+                break
+            if time.monotonic() >= next_health:
+                self.local.check_health(src, what)
+                next_health = time.monotonic() + _HEALTH_EVERY_S
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def finish_sends(self) -> None:
         self.local.finish_sends()

@@ -105,12 +105,12 @@ def _alive(pid: int) -> bool:
 
 
 def host_identity() -> str:
-    """Which processes can share memory with this one: same kernel boot and PID namespace.
+    """Which processes can share rings with this one: same kernel boot, user and namespaces.
 
-    Two ranks with the same identity can map each other's rings (``/proc/<pid>/fd`` needs
-    the same PID namespace); the hostname is there for people reading it.
-    ``CONVEYOR_HOST_ID`` replaces it (a launcher that knows better; tests that play
-    several hosts on one machine).
+    Rings are mapped through ``/proc/<pid>/fd`` (same PID namespace, same user) and
+    doorbells are abstract Unix sockets (same network namespace); the hostname is there
+    for people reading it. ``CONVEYOR_HOST_ID`` replaces it (a launcher that knows
+    better; tests that play several hosts on one machine).
 
     Example:
         >>> host_identity() == host_identity()
@@ -122,10 +122,15 @@ def host_identity() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
             boot_id = boot.read().strip()
-        pid_namespace = os.stat("/proc/self/ns/pid").st_ino
     except OSError:  # not Linux: the transport is not offered there anyway
-        boot_id, pid_namespace = "", 0
-    return f"{socket.gethostname()}/{boot_id}/{pid_namespace}"
+        boot_id = "?"
+    namespaces = []
+    for kind in ("pid", "net"):
+        try:
+            namespaces.append(str(os.stat(f"/proc/self/ns/{kind}").st_ino))
+        except OSError:
+            namespaces.append("?")
+    return f"{socket.gethostname()}/{boot_id}/uid{os.getuid()}/{'/'.join(namespaces)}"
 
 
 class _Ring:
@@ -456,7 +461,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
     def _ring_doorbell(self, dst: int) -> None:
         doorbell = self.doorbells.get(dst)
         if doorbell is None:
-            if not self._connect(dst, 0, ""):
+            if not self._connect(dst, 0, "its doorbell"):
                 return  # it has not mapped our ring yet either: it drains it when it does
             doorbell = self.doorbells[dst]
         # A full doorbell already has wake-ups pending; a gone peer is noticed by its waiters.
@@ -575,7 +580,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
             if now < spin_until:
                 continue
             if now >= next_health:
-                self._check_health(src, what)
+                self.check_health(src, what)
                 next_health = now + _HEALTH_EVERY_S
             if now >= deadline:
                 raise receive_timeout(self.rank, self.timeout_s, what, src)
@@ -594,7 +599,8 @@ class SharedMemoryTransport(FailureBoard, Transport):
                     while self.socket.recv(4096):
                         pass
 
-    def _check_health(self, src: int, what: str) -> None:
+    def check_health(self, src: int, what: str) -> None:
+        """Raise PeerFailure if a peer has failed (its rings, the store) or, for ``src``, exited."""
         for peer, incoming in self.incoming.items():
             message = incoming.ring.failure()
             if message:

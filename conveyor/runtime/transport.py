@@ -256,6 +256,7 @@ class DistTransport(FailureBoard, Transport):
         self.timeout_s = timeout_s
         self.fixed_shapes = fixed_shapes
         self.pending_sends: list[tuple[list, list[torch.Tensor]]] = []
+        self.prune_at = 64
         self.fifo_channels: set[tuple[int, int]] = set()
         self.expected: dict[tuple[int, int], PayloadMeta] = {}
         self.last_meta: dict[tuple[int, int], PayloadMeta] = {}
@@ -313,12 +314,15 @@ class DistTransport(FailureBoard, Transport):
         self._remember_send(works, keep)
 
     def _remember_send(self, works: list, keep: list[torch.Tensor]) -> None:
-        # Buffers stay referenced until their sends complete.
+        # Buffers stay referenced until their sends complete. Gloo reports a send complete
+        # only once it has been waited for, so most stay until finish_sends; the list is
+        # pruned at doubling sizes, never rescanned on every send.
         self.pending_sends.append((works, keep))
-        if len(self.pending_sends) > 64:
+        if len(self.pending_sends) >= self.prune_at:
             self.pending_sends = [
                 (w, k) for w, k in self.pending_sends if not all(x.is_completed() for x in w)
             ]
+            self.prune_at = max(64, 2 * len(self.pending_sends))
 
     # --- receiving -----------------------------------------------------------------------
     def post_recv(self, src: int, key: TransferKey) -> _Recv:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.runtime.backward import PlanCache, backward_full, backward_input
+from conveyor.runtime.backward import PlanCache, backward_input
 
 
 class Chain(nn.Module):
@@ -49,6 +49,55 @@ class TwoInputs(nn.Module):
         return self.main(x) * mask, self.side(x)
 
 
+class Swapped(nn.Module):
+    """Two layers of one shape applied in either order: equal graphs but for which weight is where."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+        self.open_ = True  # True: first then second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = (self.first, self.second) if self.open_ else (self.second, self.first)
+        return b(torch.tanh(a(x)))
+
+
+class _TwoOutputs(torch.autograd.Function):
+    """One node with two outputs and a weight among its inputs: both outputs become roots."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor):
+        ctx.save_for_backward(x, weight)
+        return x @ weight, (x @ weight) * 2.0
+
+    @staticmethod
+    def backward(ctx, grad_a: torch.Tensor, grad_b: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad_a + grad_b * 2.0
+        return grad @ weight.T, x.T @ grad
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1.0, 1.0, 16).reshape(4, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _TwoOutputs.apply(torch.tanh(x), self.weight)
+
+
+class NonLeafInput(nn.Module):
+    """A stage input that is itself computed (the split must find it by its grad_fn)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
 class _Gate(torch.autograd.Function):
     """Identity whose backward lets the gradient through only when told to."""
 
@@ -80,6 +129,8 @@ def _inputs(module: nn.Module, step: int) -> list[torch.Tensor]:
     x = torch.randn(3, 4, generator=generator, requires_grad=True)
     if isinstance(module, TwoInputs):
         return [x, (torch.arange(4) % 2).float()]
+    if isinstance(module, NonLeafInput):
+        return [x * 1.5]
     return [x]
 
 
@@ -93,15 +144,21 @@ def _run(module: nn.Module, step: int, split: bool, plans: PlanCache | None):
         grads[1] = None  # the side branch receives no gradient
     live = [x for x in inputs if x.requires_grad]
     if not split:
-        return backward_full(outputs, grads, live)
+        # The reference is plain autograd, into .grad of the inputs (leaves or not) and parameters.
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+        params = [p for p in module.parameters() if p.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=live + params)
+        return [x.grad for x in live]
     params = [p for p in module.parameters() if p.requires_grad]
+    before = [None if p.grad is None else p.grad.clone() for p in params]
     pending = backward_input(outputs, grads, live, params, plans)
-    assert all(p.grad is None or step > 0 for p in params), "I must leave .grad alone"
+    for p, old in zip(params, before):  # I leaves every parameter's gradient as it was
+        assert (p.grad is None and old is None) or torch.equal(p.grad, old)
     pending.backward_weight()
     return pending.input_grads
 
 
-@pytest.mark.parametrize("make", [Chain, Tied, TwoInputs, Gated])
+@pytest.mark.parametrize("make", [Chain, Tied, TwoInputs, Gated, Swapped, TwoOutputs, NonLeafInput])
 @pytest.mark.parametrize("cached", [True, False], ids=["cached", "fresh"])
 def test_split_gives_a_full_backwards_gradients_bit_for_bit(make, cached):
     torch.manual_seed(0)
@@ -109,7 +166,7 @@ def test_split_gives_a_full_backwards_gradients_bit_for_bit(make, cached):
     split = copy.deepcopy(reference)
     plans = PlanCache() if cached else None
     for step in range(4):
-        if isinstance(reference, Gated):
+        if isinstance(reference, Gated | Swapped):
             reference.open_ = split.open_ = step % 2 == 0
         expected = _run(reference, step, split=False, plans=None)
         got = _run(split, step, split=True, plans=plans)
@@ -122,7 +179,9 @@ def test_split_gives_a_full_backwards_gradients_bit_for_bit(make, cached):
             if want.grad is not None:
                 assert torch.equal(want.grad, have.grad), f"{name} differs after microbatch {step}"
     if cached:
-        assert plans.misses == 1 and plans.hits == 3
+        # The swapped layers are two shapes (which weight sits where); every other graph is one.
+        shapes = 2 if isinstance(reference, Swapped) else 1
+        assert (plans.misses, plans.hits) == (shapes, 4 - shapes)
 
 
 def test_each_graph_shape_gets_its_own_plan_and_the_oldest_is_forgotten():
@@ -136,8 +195,11 @@ def test_each_graph_shape_gets_its_own_plan_and_the_oldest_is_forgotten():
             y = linear(y)
         backward_input([y], [torch.ones(2, 4)], [x], list(linear.parameters()), plans).backward_weight()
 
-    for depth in (1, 2, 1, 2, 3, 1):
+    for depth in (1, 2, 1, 3, 1):
         shape(depth)
-    # 1 and 2 are planned once each and found again; 3 pushes 1 out, so 1 is planned anew.
-    assert (plans.misses, plans.hits) == (4, 2)
+    # 1 and 2 are planned once each; 1 is found again, so 3 pushes out 2 (the least recently
+    # used), not 1, and the last 1 is found too.
+    assert (plans.misses, plans.hits) == (3, 2)
     assert len(plans.plans) == 2
+    with pytest.raises(ValueError, match="at least one plan"):
+        PlanCache(max_entries=0)

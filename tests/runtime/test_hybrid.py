@@ -15,6 +15,7 @@ from torch import nn
 
 import conveyor
 import conveyor.schedule as cs
+from conveyor.errors import CommTimeout, PeerFailure
 from conveyor.runtime.hybrid import HybridTransport
 from conveyor.runtime.shm import SharedMemoryTransport
 from conveyor.runtime.transport import DistTransport
@@ -26,10 +27,13 @@ from .test_pipeline_dist import _raise_in_stage, _train
 TWO_HOSTS = ("node-a", "node-a", "node-b", "node-b")
 
 
-def _chosen(rank, world_size, hosts):
+def _chosen(rank, world_size, hosts, transport="auto", launcher_env=True):
     os.environ["CONVEYOR_HOST_ID"] = hosts[rank]
+    if not launcher_env:  # a launcher that sets neither (mp.spawn, a custom one)
+        os.environ.pop("WORLD_SIZE", None)
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
     schedule = cs.build("1f1b", ranks=world_size, microbatches=world_size)
-    pipe = conveyor.Pipeline([nn.Linear(2, 2)], schedule=schedule)
+    pipe = conveyor.Pipeline([nn.Linear(2, 2)], schedule=schedule, transport=transport)
     transport = pipe.transport
     local = sorted(transport.local_peers) if isinstance(transport, HybridTransport) else None
     return type(transport).__name__, local
@@ -50,6 +54,12 @@ def test_auto_uses_shared_memory_exactly_between_ranks_of_one_host():
     # A launcher that undercounts its local ranks does not cost the shared memory.
     together = run_ranks(_chosen, 2, args=(("node-a", "node-a"),), env={"LOCAL_WORLD_SIZE": "1"})
     assert together == [(SharedMemoryTransport.__name__, None)] * 2
+    # No launcher variables at all: the same comparison decides.
+    unset = run_ranks(_chosen, 4, args=(TWO_HOSTS, "auto", False))
+    assert [name for name, _ in unset] == [HybridTransport.__name__] * 4
+    # Asked for by name on one host: every peer is local.
+    forced = run_ranks(_chosen, 2, args=(("node-a", "node-a"), "hybrid"))
+    assert forced == [(HybridTransport.__name__, [1]), (HybridTransport.__name__, [0])]
 
 
 def _train_on(rank, world_size, hosts, name, virtual):
@@ -83,37 +93,49 @@ class _Slow(nn.Module):
         return self.linear(x)
 
 
-def _stage(stage: int, width: int) -> nn.Module:
+def _stage(stage: int, width: int, schedule: cs.Schedule) -> nn.Module:
     torch.manual_seed(stage)
     # Rank 1 sends an activation every 5 ms, the slow rank 3 takes one every 20 ms: rank 2,
-    # between them, always waits on rank 1 while its sends to rank 3 queue up.
-    return _Slow(width, {1: 0.005, 3: 0.02}.get(stage, 0.0))
+    # between them, waits on rank 1 while its sends to rank 3 queue up.
+    rank = schedule.placement.rank_of(stage)
+    return _Slow(width, {1: 0.005, 3: 0.02}.get(rank, 0.0))
 
 
-def _fill_the_ring(rank, world_size, width, microbatches, batch):
+def _fill_the_ring(rank, world_size, name, virtual, width, batch):
     os.environ["CONVEYOR_HOST_ID"] = TWO_HOSTS[rank]
-    schedule = cs.build("gpipe", ranks=4, microbatches=microbatches)
-    pipe = conveyor.Pipeline([_stage(rank, width)], schedule=schedule,
-                             loss_fn=lambda y, t: (y - t).pow(2).mean(), timeout_s=60)
+    microbatches = len(batch[0]) // 4
+    schedule = cs.build(name, ranks=4, microbatches=microbatches, virtual=virtual)
+    mine = schedule.stages_of(rank)
+    modules = [_stage(s, width, schedule) for s in mine]
+    pipe = conveyor.Pipeline(modules, schedule=schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(), timeout_s=60)
+    first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
     x, y = batch
-    loss = pipe.step(x if rank == 0 else None, target=y if rank == 3 else None)
-    grads = {name: p.grad for name, p in pipe.runners[rank].module.named_parameters()}
+    loss = pipe.step(x if rank == first else None, target=y if rank == last else None)
+    grads = {s: {n: p.grad for n, p in m.named_parameters()} for s, m in zip(mine, modules)}
     return loss, grads, pipe.transport.polled_waits
 
 
-def test_a_rank_waiting_across_hosts_keeps_its_local_sends_moving():
-    # 16 KiB activations, 16 microbatches: rank 2's ring towards the slow rank 3 (64 KiB) fills
-    # while rank 2 waits for rank 1's next activation over the process group.
-    width, microbatches = 1024, 16
+@pytest.mark.parametrize(("name", "virtual"), [("gpipe", 1), ("interleaved-1f1b", 2)])
+def test_ranks_waiting_across_hosts_keep_their_local_sends_moving(name, virtual):
+    # 28 KiB activations, 16 microbatches: two fill a ring (64 KiB), so rings towards slow
+    # ranks fill while the ranks feeding them wait for data over the process group.
+    # Interleaved has the cycle (0 -> 1 -> 2 -> 3 -> 0 across both hosts) in which blocking
+    # there could stall a step.
+    width, microbatches = 1792, 16
     generator = torch.Generator().manual_seed(0)
     batch = (torch.randn(4 * microbatches, width, generator=generator),
              torch.randn(4 * microbatches, width, generator=generator))
-    results = run_ranks(_fill_the_ring, 4, args=(width, microbatches, batch), env={"LOCAL_WORLD_SIZE": "2"},
+    start = time.monotonic()
+    results = run_ranks(_fill_the_ring, 4, args=(name, virtual, width, batch), env={"LOCAL_WORLD_SIZE": "2"},
                         timeout_s=120)
-    assert results[2][2] > 0, "rank 2 never waited with sends queued: the test no longer covers that path"
+    assert time.monotonic() - start < 40  # the pipeline's own timeout is 60 s
+    assert sum(polled for _, _, polled in results) > 0, "no rank waited with sends queued: the path went untested"
 
-    stages = [_stage(s, width) for s in range(4)]
+    schedule = cs.build(name, ranks=4, microbatches=microbatches, virtual=virtual)
+    stages = [_stage(s, width, schedule) for s in range(schedule.num_stages)]
     model = nn.Sequential(*stages)
+    for stage in stages:
+        stage.seconds = 0.0
     expected_loss = torch.zeros(())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: a matmul's reduction order depends on it
@@ -126,10 +148,72 @@ def test_a_rank_waiting_across_hosts_keeps_its_local_sends_moving():
         torch.set_num_threads(threads)
     for rank, (loss, grads, _) in enumerate(results):
         assert torch.equal(loss, expected_loss)
-        for name, p in stages[rank].named_parameters():
-            assert torch.equal(grads[name], p.grad), f"rank {rank} {name}"
+        for stage in schedule.stages_of(rank):
+            for param_name, p in stages[stage].named_parameters():
+                assert torch.equal(grads[stage][param_name], p.grad), f"rank {rank} stage {stage} {param_name}"
 
 
+class _FakeLocal:
+    """A shared-memory side whose queued sends never drain (its peer is busy elsewhere)."""
+
+    def __init__(self, failure: str = "") -> None:
+        self.calls = 0
+        self.failure = failure
+
+    def progress(self) -> bool:
+        self.calls += 1
+        return True
+
+    def check_health(self, src: int, what: str) -> None:
+        if self.failure:
+            raise PeerFailure(self.failure)
+
+
+class _FakeRemote:
+    """A process-group side whose receive arrives after ``delay_s`` (or fails), seen only by waiting."""
+
+    timeout_s = 5.0
+
+    def __init__(self, delay_s: float, error: Exception | None = None) -> None:
+        self.delay_s = delay_s
+        self.error = error
+
+    def ready(self, handle) -> bool:
+        return False  # as gloo: a receive is never "completed" until waited for
+
+    def wait(self, handle, what: str):
+        time.sleep(self.delay_s)
+        if self.error is not None:
+            raise self.error
+        return f"payload of {what}"
+
+
+def _hybrid(local, remote) -> HybridTransport:
+    transport = HybridTransport.__new__(HybridTransport)
+    transport.rank, transport.local, transport.remote = 1, local, remote
+    transport.local_peers, transport.timeout_s, transport.polled_waits = frozenset({0}), 5.0, 0
+    return transport
+
+
+def test_a_process_group_receive_arrives_while_local_sends_stay_queued():
+    local = _FakeLocal()
+    transport = _hybrid(local, _FakeRemote(0.2))
+    start = time.monotonic()
+    assert transport.wait((transport.remote, 2, None), "stage 1's input") == "payload of stage 1's input"
+    assert time.monotonic() - start < 2.0  # not the 5 s timeout: the arrival was noticed
+    assert local.calls > 10  # the queued sends were offered the CPU all along
+    # The receive's own error (here its timeout) reaches the caller unchanged.
+    timed_out = _hybrid(_FakeLocal(), _FakeRemote(0.05, CommTimeout("rank 1 waited 5 s for x and it never came")))
+    with pytest.raises(CommTimeout, match="never came"):
+        timed_out.wait((timed_out.remote, 2, None), "x")
+
+
+def test_a_failed_peer_ends_a_process_group_wait_that_keeps_local_sends_moving():
+    transport = _hybrid(_FakeLocal("rank 0 failed: boom"), _FakeRemote(30.0))
+    start = time.monotonic()
+    with pytest.raises(PeerFailure, match="boom"):
+        transport.wait((transport.remote, 2, None), "stage 1's input")
+    assert time.monotonic() - start < 3.0
 def _failing_on(rank, world_size):
     os.environ["CONVEYOR_HOST_ID"] = TWO_HOSTS[rank]
     return _raise_in_stage(rank, world_size, "auto")

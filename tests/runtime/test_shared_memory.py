@@ -258,3 +258,12 @@ def test_a_ring_outgrown_twice_before_its_receiver_looked_is_still_found(monkeyp
     assert all(torch.equal(g, w) for g, w in zip(got, payloads))
     sender.finish_sends()
     assert sender.retired == []  # mapped by the receiver, then closed
+
+
+def test_a_peer_that_failed_and_took_its_rings_along_is_reported_by_its_own_message(monkeypatch):
+    sender, receiver = _in_process_pair(monkeypatch, "gone")
+    sender.publish_failure("StageExecutionError: boom on rank 0")
+    for outgoing in sender.outgoing.values():
+        outgoing.ring.close()  # what its process's exit does, before the receiver mapped the ring
+    with pytest.raises(PeerFailure, match="rank 0 failed: StageExecutionError: boom on rank 0"):
+        receiver.wait(receiver.post_recv(0, (0, 0, 0)), "stage 0's output")
