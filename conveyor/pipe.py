@@ -311,6 +311,7 @@ class Pipeline(_PipelineBase):
             )
         why_not = shared_memory_supported()
         backend = str(dist.get_backend(group))
+        prefix = "-".join(map(str, global_ranks))  # names this group's keys in the store
         hosts = None
         if kind == "auto":
             kind = "process_group"
@@ -319,7 +320,7 @@ class Pipeline(_PipelineBase):
             if backend == "gloo" and one_host:
                 kind = "process_group" if why_not else "shared_memory"  # the launcher says all are here
             elif backend == "gloo":
-                hosts = self._hosts(global_ranks, timeout_s, why_not)
+                hosts = self._hosts(global_ranks, prefix, timeout_s, why_not)
                 kind = self._transport_for(hosts)
         if kind == "hybrid" and backend != "gloo":
             raise PipelineConfigError(
@@ -334,11 +335,10 @@ class Pipeline(_PipelineBase):
         from torch.distributed.distributed_c10d import _get_default_store
 
         peers = self._neighbours(self.rank)
-        prefix = "-".join(map(str, global_ranks))
         if kind == "shared_memory":
             return SharedMemoryTransport(self.rank, peers, _get_default_store(), prefix, len(global_ranks),
                                          timeout_s, fixed_shapes)
-        hosts = hosts if hosts is not None else self._hosts(global_ranks, timeout_s, why_not)
+        hosts = hosts if hosts is not None else self._hosts(global_ranks, prefix, timeout_s, why_not)
         local_peers = {peer for peer in peers if hosts[peer] == hosts[self.rank]}
         local = SharedMemoryTransport(self.rank, local_peers, _get_default_store(), prefix, len(global_ranks),
                                       timeout_s, fixed_shapes, local_ranks=hosts.count(hosts[self.rank]))
@@ -356,13 +356,12 @@ class Pipeline(_PipelineBase):
         return {placement.rank_of(s + d) for s in self.schedule.stages_of(rank) for d in (-1, 1)
                 if 0 <= s + d < self.schedule.num_stages} - {rank}
 
-    def _hosts(self, global_ranks: list[int], timeout_s: float, why_not: str) -> list[int]:
+    def _hosts(self, global_ranks: list[int], prefix: str, timeout_s: float, why_not: str) -> list[int]:
         """Every rank's host, as a number; a rank that cannot share memory is a host of its own."""
         from torch.distributed.distributed_c10d import _get_default_store
 
         identity = f"no-shared-memory/{global_ranks[self.rank]}" if why_not else host_identity()
-        return HostExchange.run(_get_default_store(), "-".join(map(str, global_ranks)), self.rank,
-                                len(global_ranks), identity, timeout_s)
+        return HostExchange.run(_get_default_store(), prefix, self.rank, len(global_ranks), identity, timeout_s)
 
     def _transport_for(self, hosts: list[int]) -> str:
         """Shared memory if every pair of ranks that talk shares a host, the process group if none

@@ -197,11 +197,11 @@ _ACCUMULATE_GRAD = type(get_gradient_edge(torch.zeros(1, requires_grad=True)).no
 
 
 def _walk(root_nodes: list[Node], leaf_kinds: dict[int, tuple[str, int]], input_grad_fns: dict[Node, int]):
-    """Nodes in discovery order, their successor indices, and the graph's signature.
+    """Nodes in discovery order, their successor indices, each node's kind, each root's index.
 
-    The signature names every node's edges by index and what each leaf is (a stage input
-    or parameter by position, or something else): all the analysis reads, so two graphs
-    with equal signatures have the same analysis.
+    Kinds say what a leaf is (a stage input or parameter by position, or something else).
+    Successors, kinds and root indices are all the analysis reads (node types do not
+    matter, only how nodes connect), so together they are the graph's signature.
     """
     nodes: list[Node] = []
     index: dict[Node, int] = {}
@@ -233,9 +233,7 @@ def _walk(root_nodes: list[Node], leaf_kinds: dict[int, tuple[str, int]], input_
                 stack.append(j)
             nexts.append(j)
         successors[i] = tuple(nexts)
-    # The analysis reads nothing else (node types do not matter, only how nodes connect).
-    signature = (tuple(successors), tuple(kinds))
-    return nodes, successors, kinds, signature
+    return nodes, successors, kinds, [index[node] for node in root_nodes]
 
 
 def _analyse(successors: list[tuple[int, ...]], kinds: list, root_indices: list[int]) -> _Plan:
@@ -302,9 +300,8 @@ def backward_input(
             input_grad_fns.setdefault(x.grad_fn, position)
         elif x.requires_grad:
             leaf_kinds[id(x)] = ("input", position)  # an input is a stage input first, even if also a parameter
-    nodes, successors, kinds, signature = _walk([e.node for e in root_edges], leaf_kinds, input_grad_fns)
-    root_indices = [nodes.index(e.node) for e in root_edges]
-    signature = (signature, tuple(root_indices))
+    nodes, successors, kinds, root_indices = _walk([e.node for e in root_edges], leaf_kinds, input_grad_fns)
+    signature = (tuple(successors), tuple(kinds), tuple(root_indices))
     plan = plans.get(signature) if plans is not None else None
     if plan is None:
         plan = _analyse(successors, kinds, root_indices)

@@ -24,11 +24,10 @@ import time
 from typing import Any
 
 from conveyor.errors import CommTimeout
-from conveyor.runtime.shm import SharedMemoryTransport
+from conveyor.runtime.shm import _HEALTH_EVERY_S, SharedMemoryTransport
 from conveyor.runtime.transport import DistTransport, TransferKey, Transport
 from conveyor.runtime.wire import PayloadMeta
 
-_HEALTH_EVERY_S = 0.5
 _POLL_SLEEP_S = 50e-6
 
 
