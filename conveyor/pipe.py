@@ -337,11 +337,12 @@ class Pipeline(_PipelineBase):
         peers = self._neighbours(self.rank)
         if kind == "shared_memory":
             return SharedMemoryTransport(self.rank, peers, _get_default_store(), prefix, len(global_ranks),
-                                         timeout_s, fixed_shapes)
+                                         timeout_s, fixed_shapes, rank_to_global=global_ranks)
         hosts = hosts if hosts is not None else self._hosts(global_ranks, prefix, timeout_s, why_not)
         local_peers = {peer for peer in peers if hosts[peer] == hosts[self.rank]}
         local = SharedMemoryTransport(self.rank, local_peers, _get_default_store(), prefix, len(global_ranks),
-                                      timeout_s, fixed_shapes, local_ranks=hosts.count(hosts[self.rank]))
+                                      timeout_s, fixed_shapes, local_ranks=hosts.count(hosts[self.rank]),
+                                      rank_to_global=global_ranks)
         remote = self._process_group_transport(group, global_ranks, timeout_s, fixed_shapes)
         return HybridTransport(local, remote, local_peers)
 

@@ -237,6 +237,8 @@ class SharedMemoryTransport(FailureBoard, Transport):
     long a receiver polls before it sleeps on its doorbell (default: 1 ms when this host has a
     core for every rank, else 50 µs). ``local_ranks``: how many of the ``num_ranks`` run on
     this host (all, unless some peers are reached another way: see :mod:`conveyor.runtime.hybrid`).
+    ``rank_to_global``: this pipeline group's ranks in the default group (default: the same),
+    which name failures on the store.
     """
 
     _instances: dict[str, int] = {}  # per process group: every rank builds its pipelines in the same order
@@ -252,6 +254,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         fixed_shapes: bool = False,
         spin_s: float | None = None,
         local_ranks: int | None = None,
+        rank_to_global: list[int] | None = None,
     ) -> None:
         self.rank = rank
         self.peers = sorted(peers)
@@ -260,6 +263,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self._instances[store_prefix] = count + 1
         self.prefix = f"conveyor/shm/{store_prefix}/{count}"
         self.num_ranks = num_ranks
+        self.rank_to_global = list(range(num_ranks)) if rank_to_global is None else list(rank_to_global)
         self.timeout_s = timeout_s
         self.fixed_shapes = fixed_shapes
         # An explicit spin (argument or CONVEYOR_SHM_SPIN_US) is kept as given; the default adapts.
@@ -604,7 +608,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         for peer, incoming in self.incoming.items():
             message = incoming.ring.failure()
             if message:
-                raise PeerFailure(_relayed(peer, message))
+                raise PeerFailure(_relayed(peer, message, self.rank_to_global[peer]))
         failures = self.peer_failures()
         if failures:
             raise PeerFailure(failures)
@@ -732,10 +736,13 @@ def _full_fence() -> None:
     _FENCE.release()
 
 
-def _relayed(peer: int, message: str) -> str:
+def _relayed(peer: int, message: str, global_rank: int) -> str:
     # A peer that failed because its own peer did passes the original message on.
     prefix = f"{PeerFailure.__name__}: "
-    return message[len(prefix):] if message.startswith(prefix) else f"rank {peer} failed: {message}"
+    if message.startswith(prefix):
+        return message[len(prefix):]
+    named = f"rank {peer}" if peer == global_rank else f"rank {peer} (global rank {global_rank})"
+    return f"{named} failed: {message}"
 
 
 _SHORT_SPIN_S = 50e-6

@@ -49,7 +49,12 @@ from conveyor.runtime.wire import (
 TransferKey = tuple[int, int, int]  # (direction, stage, microbatch)
 # Evaluation forwards travel apart: their outputs carry no gradient, so their structure differs.
 FORWARD, BACKWARD, EVAL_FORWARD = 0, 1, 2
-_FAILURE_KEY = "conveyor/failure/{rank}"
+# Keyed by global rank: with several pipeline groups in one job (data x pipeline parallel)
+# group ranks repeat, and a failure must be named by the group it happened in.
+_FAILURE_KEY = "conveyor/failure/{global_rank}"
+# How many ranks of the job have published a failure: one store round trip tells a
+# waiting rank whether to look at all.
+_FAILURE_COUNT_KEY = "conveyor/failures"
 
 
 def detach_for_next_stage(value: Any) -> Any:
@@ -98,11 +103,15 @@ def receive_timeout(rank: int, timeout_s: float, what: str, src: int) -> CommTim
 class FailureBoard:
     """Failure messages through the process group's store, so that peers can say why a rank stopped.
 
-    Needs ``rank`` and ``num_ranks`` on the instance.
+    Needs ``rank``, ``num_ranks`` and ``rank_to_global`` (this pipeline group's ranks in the
+    default group) on the instance. A failure in this group is named by its group rank; one
+    in another group of the same job (another data-parallel replica) is reported too, as
+    such, so that every replica stops instead of waiting on a collective with a dead one.
     """
 
     rank: int
     num_ranks: int
+    rank_to_global: list[int]
 
     def _store(self):
         try:
@@ -117,21 +126,51 @@ class FailureBoard:
         if store is not None:
             # The store itself may be gone with a failing peer; the error we raise matters more.
             with contextlib.suppress(Exception):
-                store.set(_FAILURE_KEY.format(rank=self.rank), message)
+                store.set(_FAILURE_KEY.format(global_rank=self.rank_to_global[self.rank]), message)
+                store.add(_FAILURE_COUNT_KEY, 1)
 
     def peer_failures(self) -> str:
+        """What failed ranks published: those of this group first, else those of other groups."""
         store = self._store()
         if store is None:
             return ""
+        try:
+            if store.add(_FAILURE_COUNT_KEY, 0) == 0:
+                return ""
+        except Exception:
+            return ""
+        mine = self.rank_to_global[self.rank]
         messages = []
-        for rank in range(self.num_ranks):
-            key = _FAILURE_KEY.format(rank=rank)
-            try:
-                if rank != self.rank and store.check([key]):
-                    messages.append(f"rank {rank} failed: {store.get(key).decode()}")
-            except Exception:
-                continue
+        for rank, global_rank in enumerate(self.rank_to_global):
+            message = _published_failure(store, global_rank) if global_rank != mine else None
+            if message is not None:
+                named = f"rank {rank}" if rank == global_rank else f"rank {rank} (global rank {global_rank})"
+                messages.append(f"{named} failed: {message}")
+        if messages:
+            return "\n".join(messages)
+        ours = set(self.rank_to_global)
+        for global_rank in range(_world_size(max(self.rank_to_global) + 1)):
+            message = _published_failure(store, global_rank) if global_rank not in ours else None
+            if message is not None:
+                messages.append(f"global rank {global_rank}, in another pipeline group of this job, failed: {message}")
         return "\n".join(messages)
+
+
+def _published_failure(store, global_rank: int) -> str | None:
+    key = _FAILURE_KEY.format(global_rank=global_rank)
+    try:
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:
+        return None
+
+
+def _world_size(at_least: int) -> int:
+    try:
+        import torch.distributed as dist
+
+        return max(dist.get_world_size(), at_least) if dist.is_initialized() else at_least
+    except Exception:
+        return at_least
 
 
 class Transport(ABC):

@@ -373,22 +373,23 @@ def _run_attempt(plan: _Plan, start_method: str, deadline: float, last_attempt: 
     port = _free_port()
     handles: list[_RankHandle] = []
     with tempfile.TemporaryDirectory(prefix="conveyor-ranks-") as stack_dir:
-        abort = context.Event()
+        released = context.Event()  # set once every rank has reported, or been killed after a failure
         try:
             for rank in range(plan.world_size):
-                handles.append(_start_rank(context, plan, rank, port, Path(stack_dir), abort))
+                handles.append(_start_rank(context, plan, rank, port, Path(stack_dir), released))
             outcome = _collect_reports(handles, deadline)
             if outcome == "timeout":
                 _raise_timeout(plan, handles)
             errors = _errors_of(handles)
             if errors:
-                _stop_after_failure(handles, abort)
+                _stop_after_failure(handles, released)
                 errors = _errors_of(handles)  # ranks that failed before being killed
                 if not last_attempt and _lost_port_race(errors):
                     raise _PortTaken(port)
                 finished = [h.rank for h in handles if h.report and h.report[0] == "ok"]
                 killed = [h.rank for h in handles if h.killed]
                 raise RankFailure(errors, killed, finished, plan.world_size)
+            released.set()  # every rank has reported: rank 0 may close the store
             _wait_for_exit(handles)
             return [pickle.loads(handle.report[1]) for handle in handles]  # type: ignore[index]
         finally:
@@ -396,13 +397,13 @@ def _run_attempt(plan: _Plan, start_method: str, deadline: float, last_attempt: 
 
 
 def _start_rank(
-    context: Any, plan: _Plan, rank: int, port: int, stack_dir: Path, abort: Any
+    context: Any, plan: _Plan, rank: int, port: int, stack_dir: Path, released: Any
 ) -> _RankHandle:
     reader, writer = context.Pipe(duplex=False)
     stack_path = stack_dir / f"rank{rank}.stack.txt"
     process = context.Process(
         target=_rank_main,
-        args=(plan, rank, port, str(stack_path), writer, abort),
+        args=(plan, rank, port, str(stack_path), writer, released),
         name=f"conveyor-rank{rank}",
         daemon=True,
     )
@@ -483,7 +484,7 @@ def _errors_of(handles: list[_RankHandle]) -> list[RankError]:
     return sorted(errors, key=lambda error: (error.kind != "exit", error.seen_at))
 
 
-def _stop_after_failure(handles: list[_RankHandle], abort: Any) -> None:
+def _stop_after_failure(handles: list[_RankHandle], released: Any) -> None:
     """Kill the ranks still running, keep any report they managed to send, let failed ranks exit."""
     for handle in handles:
         if handle.report is None:
@@ -499,7 +500,7 @@ def _stop_after_failure(handles: list[_RankHandle], abort: Any) -> None:
         except (EOFError, OSError, pickle.UnpicklingError):
             pass  # killed halfway through writing: nothing usable
         handle.killed = handle.report is None
-    abort.set()
+    released.set()
     _wait_for_exit(handles)
 
 
@@ -588,7 +589,7 @@ _THIS_FILE = Path(__file__).name
 # Rank side: set up, run fn, report, tear down.
 
 
-def _rank_main(plan: _Plan, rank: int, port: int, stack_path: str, writer: Any, abort: Any) -> None:
+def _rank_main(plan: _Plan, rank: int, port: int, stack_path: str, writer: Any, released: Any) -> None:
     # First thing, so a stuck or crashing rank can always say where it is.
     stack_file = open(stack_path, "w")  # noqa: SIM115 (must stay open for the process's life)
     faulthandler.enable(file=stack_file, all_threads=True)
@@ -632,7 +633,11 @@ def _rank_main(plan: _Plan, rank: int, port: int, stack_path: str, writer: Any, 
         writer.close()
         if exit_code:
             # Let the parent kill the peers before this rank's sockets close (see the constant).
-            abort.wait(_FAILED_RANK_LINGER_S)
+            released.wait(_FAILED_RANK_LINGER_S)
+        elif rank == 0 and plan.init_process_group:
+            # Rank 0 hosts the store: peers still in their function (stopping after a failure,
+            # say) may need it, so it stays until every rank has reported or been killed.
+            released.wait(plan.timeout_s)
         if dist.is_initialized():
             dist.destroy_process_group()
     finally:
