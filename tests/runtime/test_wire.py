@@ -1,0 +1,71 @@
+"""The fast paths of the payload helpers agree with pytree's general walk, whatever the structure."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+from conveyor.runtime.stage import grad_leaves
+from conveyor.runtime.wire import PayloadMeta, flatten_payload, unflatten_payload
+
+Pair = namedtuple("Pair", "first second")
+
+
+def _values():
+    a = torch.randn(2, requires_grad=True)
+    b = torch.randn(2)  # carries no gradient
+    c = torch.nn.Parameter(torch.randn(3))
+    d = torch.randn(1, requires_grad=True) * 2  # not a leaf
+    return a, b, c, d
+
+
+def _structures():
+    a, b, c, d = _values()
+    return {
+        "one tensor": a,
+        "call of one tensor": ((a,), {}),
+        "mixed call": ((a, b, 3, None), {"mask": b, "extra": [d, "s", (c, 1.5)]}),
+        "dict order kept": {"z": d, "a": a},
+        "namedtuple": (Pair(a, d), {}),
+        "OrderedDict": OrderedDict(y=d, x=a),
+        "empty": ((), {}),
+        "nothing needs grad": ((b, 2), {}),
+    }
+
+
+@pytest.mark.parametrize("name", list(_structures()))
+def test_grad_leaves_finds_what_pytree_finds_in_the_same_order(name):
+    value = _structures()[name]
+    want = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
+    got = grad_leaves(value)
+    assert len(got) == len(want) and all(g is w for g, w in zip(got, want))
+
+
+def _payloads():
+    a, b, _, d = _values()
+    return {
+        "tensor": a.detach(),
+        "tuple of tensors": (a.detach(), b),
+        "empty tuple": (),
+        "tuple with a number": (b, 3),
+        "list": [b],
+        "dict": {"x": b, "n": 2},
+        "nested": ((b, (d.detach(),)), {"k": [b]}),
+    }
+
+
+@pytest.mark.parametrize("name", list(_payloads()))
+@pytest.mark.parametrize("decoded", [False, True], ids=["sender's meta", "received meta"])
+def test_unflatten_payload_rebuilds_the_sent_structure(name, decoded):
+    value = _payloads()[name]
+    meta, tensors = flatten_payload(value)
+    if decoded:
+        meta = PayloadMeta.decode(meta.encode())
+    rebuilt = unflatten_payload(meta, tensors)
+    want_leaves, want_spec = pytree.tree_flatten(value)
+    got_leaves, got_spec = pytree.tree_flatten(rebuilt)
+    assert type(rebuilt) is type(value) and got_spec == want_spec
+    assert all(g is w if isinstance(w, torch.Tensor) else g == w for g, w in zip(got_leaves, want_leaves, strict=True))
