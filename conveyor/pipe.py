@@ -33,6 +33,13 @@ from torch.utils import _pytree as pytree
 
 from conveyor.errors import ConveyorError, PeerFailure, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
+from conveyor.runtime.clip import (
+    EncodedNorms,
+    check_finite,
+    encode_norms,
+    parameter_norms,
+    total_norm,
+)
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.hybrid import HostExchange, HybridTransport
 from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
@@ -118,10 +125,69 @@ def share_tied_locally(runners: dict[int, StageRunner], tied_parameters) -> None
             runners[stage].params = [p for p in runners[stage].module.parameters() if p.requires_grad]
 
 
+def tied_copies_outside_their_first_stage(runners: dict[int, StageRunner], tied_parameters) -> set[int]:
+    """Ids of this rank's copies of tied parameters that the unsplit model counts elsewhere.
+
+    The unsplit model lists a tied parameter once, where its first stage uses it; the
+    copies on later stages (on other ranks: distinct objects) must not count again.
+    """
+    skip: set[int] = set()
+    for tied in tied_parameters:
+        first = min(stage for stage, _ in tied.uses)
+        kept = runners[first].module.get_parameter(dict(tied.uses)[first]) if first in runners else None
+        for stage, name in tied.uses:
+            if stage != first and stage in runners:
+                copy = runners[stage].module.get_parameter(name)
+                if copy is not kept:
+                    skip.add(id(copy))
+    return skip
+
+
 class _PipelineBase:
     """What the distributed and the in-process pipelines share: stages, programs, checks."""
 
     schedule: Schedule
+    runners: dict[int, StageRunner]
+    _tied_copies: set[int]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the whole pipeline's gradients by their total norm; returns that norm on every rank.
+
+        Equal, bit for bit, to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+        on the unsplit model whose parameters come stage by stage in this order (a tied
+        parameter counted once, at its first stage): every rank computes the same total
+        norm from all ranks' gradients and scales its own by the same factor. Clipping
+        with ``torch.nn.utils.clip_grad_norm_(pipe.parameters())`` instead would scale each
+        rank by its own norm. A collective on a distributed pipeline: call it on every rank.
+
+        Example:
+            >>> loss = pipe.step(x, target=y)                  # doctest: +SKIP
+            >>> norm = pipe.clip_grad_norm_(1.0)               # doctest: +SKIP
+            >>> optimizer.step(); optimizer.zero_grad()        # doctest: +SKIP
+        """
+        norm_type = float(norm_type)
+        mine: dict[int, EncodedNorms] = {}
+        seen: set[int] = set(self._tied_copies)
+        for stage in sorted(self.runners):
+            grads = []
+            for param in self.runners[stage].module.parameters():
+                if id(param) not in seen and param.grad is not None:
+                    grads.append(param.grad)
+                seen.add(id(param))
+            mine[stage] = encode_norms(parameter_norms(grads, norm_type))
+        by_stage = self._all_stage_norms(mine)
+        local = [p for p in self.parameters() if p.grad is not None]  # type: ignore[attr-defined]
+        device = local[0].grad.device if local else torch.device("cpu")
+        total = total_norm([by_stage.get(s, []) for s in range(self.schedule.num_stages)], norm_type, device)
+        if error_if_nonfinite:
+            check_finite(total, norm_type)
+        if local:
+            torch.nn.utils.clip_grads_with_norm_(local, max_norm, total)
+        return total
+
+    def _all_stage_norms(self, mine: dict[int, EncodedNorms]) -> dict[int, EncodedNorms]:
+        return mine  # every stage is in this process (overridden where they are not)
 
     def _make_runners(self, rank: int, stages: Sequence[int], modules: Sequence[torch.nn.Module],
                       loss_fn: LossFn | None, checkpoint_activations: bool) -> dict[int, StageRunner]:
@@ -231,6 +297,7 @@ class Pipeline(_PipelineBase):
         self.stages = self.schedule.stages_of(self.rank)
         self.runners = self._make_runners(self.rank, self.stages, modules, loss_fn, checkpoint_activations)
         share_tied_locally(self.runners, tied_parameters)
+        self._tied_copies = tied_copies_outside_their_first_stage(self.runners, tied_parameters)
         self._tied_groups = self._tied_process_groups(tied_parameters, group)
         ranks = list(range(world))
         global_ranks = ranks if group is None else [dist.get_global_rank(group, r) for r in ranks]
@@ -276,6 +343,13 @@ class Pipeline(_PipelineBase):
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
+
+    def _all_stage_norms(self, mine: dict[int, EncodedNorms]) -> dict[int, EncodedNorms]:
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.schedule.num_ranks
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return {stage: norms for theirs in gathered for stage, norms in theirs.items()}
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters (shared ones once), under the names their modules give them."""
@@ -605,6 +679,7 @@ class LocalPipeline(_PipelineBase):
             self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport))
         # In one process every copy of a tied parameter can simply be the same Parameter.
         share_tied_locally(self.runners, tied_parameters)
+        self._tied_copies = tied_copies_outside_their_first_stage(self.runners, tied_parameters)
         self._recorders: list[StepRecorder] = []
 
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any):

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 DEFAULTS = {"ranks": 4, "schedule": "1f1b", "microbatches": 8, "steps": 6, "batch_size": 16,
-            "virtual": None, "png": "out/demo_timeline.png", "lr": 1e-2}
+            "virtual": None, "png": "out/demo_timeline.png", "lr": 1e-2,
+            "clip": 0.5}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
     parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    parser.add_argument("--clip", type=float, default=DEFAULTS["clip"],
+                        help="clip the gradients' total norm to this (0: no clipping)")
     parser.add_argument("--png", default=DEFAULTS["png"], help="where to draw the measured vs simulated timeline")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -88,15 +91,18 @@ def worker(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         ids, targets = make_batch(cfg, args.batch_size, seed=step)
         loss = pipe.step(ids if rank == first else None, target=targets if rank == last else None)
+        norm = pipe.clip_grad_norm_(args.clip) if args.clip > 0 else None  # every rank takes part
         optimizer.step()
         optimizer.zero_grad()
         if rank == 0:
             want = reference_step(reference, ids, targets, schedule.num_microbatches, lm_loss)
+            want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), args.clip) if norm is not None else None
             reference_optimizer.step()
             reference_optimizer.zero_grad()
-            equal = torch.equal(loss, want)
+            equal = torch.equal(loss, want) and (norm is None or torch.equal(norm, want_norm))
             all_equal &= equal
-            print(f"step {step}: pipeline loss {loss.item():.7f}   single-device loss {want.item():.7f}   "
+            norms = "" if norm is None else f"   grad norm {norm.item():.6f} / {want_norm.item():.6f}"
+            print(f"step {step}: pipeline loss {loss.item():.7f}   single-device loss {want.item():.7f}{norms}   "
                   f"{'bitwise equal' if equal else 'DIFFERENT'}", flush=True)
     measured = pipe.timeline()
     if rank == 0:

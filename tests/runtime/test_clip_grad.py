@@ -1,0 +1,175 @@
+"""pipe.clip_grad_norm_: the unsplit model's clipping, bit for bit, on every rank at once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import conveyor
+import conveyor.schedule as cs
+from conveyor.pipe import LocalPipeline
+from conveyor.testing import run_ranks
+from conveyor.testing.models import (
+    build_stage,
+    lm_loss,
+    make_batch,
+    reference_model,
+    reference_step,
+)
+
+from ..frontend.test_pipeline_models import _batch, _gpt2
+from .parity import BATCH_SIZE, NUM_MICROBATCHES, NUM_STEPS, assert_same, config_for, schedule_grid
+
+
+def _one_device(cfg, max_norm: float, norm_type: float):
+    """Norms, gradients after the first clip, and parameters after NUM_STEPS clipped AdamW steps."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks' count: some CPU reductions depend on it
+    try:
+        model = reference_model(cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        norms, first_grads = [], None
+        for step in range(NUM_STEPS):
+            ids, targets = make_batch(cfg, BATCH_SIZE, seed=step)
+            reference_step(model, ids, targets, NUM_MICROBATCHES, lm_loss)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type))
+            if step == 0:
+                first_grads = [{n: p.grad.clone() for n, p in s.named_parameters()} for s in model.stages]
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(previous)
+    params = [{n: p.detach().clone() for n, p in s.named_parameters()} for s in model.stages]
+    return norms, first_grads, params
+
+
+def _unclipped_norm(cfg, norm_type: float) -> float:
+    model = reference_model(cfg)
+    ids, targets = make_batch(cfg, BATCH_SIZE, seed=0)
+    reference_step(model, ids, targets, NUM_MICROBATCHES, lm_loss)
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type).item()
+
+
+def _train_clipped(rank, world_size, name, virtual, max_norm, norm_type):
+    schedule = cs.build(name, ranks=world_size, microbatches=NUM_MICROBATCHES, virtual=virtual)
+    cfg = config_for(schedule)
+    mine = schedule.stages_of(rank)
+    stages = {s: build_stage(s, cfg) for s in mine}
+    pipe = conveyor.Pipeline([stages[s] for s in mine], schedule=schedule, loss_fn=lm_loss, timeout_s=60)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    norms, grads = [], None
+    for step in range(NUM_STEPS):
+        ids, targets = make_batch(cfg, BATCH_SIZE, seed=step)
+        pipe.step(ids if 0 in mine else None, target=targets if schedule.num_stages - 1 in mine else None)
+        norms.append(pipe.clip_grad_norm_(max_norm, norm_type))
+        if step == 0:
+            grads = {s: {n: p.grad.clone() for n, p in stages[s].named_parameters()} for s in mine}
+        optimizer.step()
+        optimizer.zero_grad()
+    return norms, grads, {s: {n: p.detach().clone() for n, p in stages[s].named_parameters()} for s in mine}
+
+
+@pytest.mark.parametrize(("name", "num_ranks", "virtual", "norm_type"), [
+    ("1f1b", 2, 1, 2.0),
+    ("zbv", 2, 2, 2.0),
+    ("interleaved-1f1b", 4, 2, math.inf),
+])
+def test_clipping_across_ranks_is_bitwise_the_unsplit_models(name, num_ranks, virtual, norm_type):
+    schedule = cs.build(name, ranks=num_ranks, microbatches=NUM_MICROBATCHES, virtual=virtual)
+    cfg = config_for(schedule)
+    max_norm = 0.5 * _unclipped_norm(cfg, norm_type)  # so that clipping scales the gradients
+    want_norms, want_grads, want_params = _one_device(cfg, max_norm, norm_type)
+    results = run_ranks(_train_clipped, num_ranks, args=(name, virtual, max_norm, norm_type), timeout_s=120)
+    for rank, (norms, grads, params) in enumerate(results):
+        for step, (got, want) in enumerate(zip(norms, want_norms, strict=True)):
+            assert torch.equal(got, want), f"rank {rank} step {step}: norm {got.item()} vs {want.item()}"
+        for stage in schedule.stages_of(rank):
+            assert_same(f"stage {stage} clipped grads", grads[stage], want_grads[stage])
+            assert_same(f"stage {stage} params after clipped steps", params[stage], want_params[stage])
+
+
+@pytest.mark.parametrize(("name", "num_ranks", "virtual"), schedule_grid((2,)))
+def test_clipping_in_one_process_is_bitwise_the_unsplit_models(name, num_ranks, virtual):
+    schedule = cs.build(name, ranks=num_ranks, microbatches=NUM_MICROBATCHES, virtual=virtual)
+    cfg = config_for(schedule)
+    max_norm = 0.5 * _unclipped_norm(cfg, 2.0)
+    want_norms, _, want_params = _one_device(cfg, max_norm, 2.0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
+        pipe = LocalPipeline(stages, schedule, loss_fn=lm_loss)
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        for step in range(NUM_STEPS):
+            ids, targets = make_batch(cfg, BATCH_SIZE, seed=step)
+            pipe.step(ids, target=targets)
+            assert torch.equal(pipe.clip_grad_norm_(max_norm), want_norms[step])
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(previous)
+    for stage, module in enumerate(stages):
+        assert_same(f"stage {stage}", {n: p.detach() for n, p in module.named_parameters()}, want_params[stage])
+
+
+def test_a_large_max_norm_leaves_the_gradients_alone_and_reports_the_norm():
+    schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
+    cfg = config_for(schedule)
+    stages = [build_stage(s, cfg) for s in range(2)]
+    pipe = LocalPipeline(stages, schedule, loss_fn=lm_loss)
+    ids, targets = make_batch(cfg, BATCH_SIZE, seed=0)
+    pipe.step(ids, target=targets)
+    before = [p.grad.clone() for p in pipe.parameters()]
+    norm = pipe.clip_grad_norm_(1e9)
+    assert torch.equal(norm, torch.nn.utils.get_total_norm(before))
+    assert all(torch.equal(p.grad, b) for p, b in zip(pipe.parameters(), before, strict=True))
+
+
+def _nonfinite(rank, world_size):
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=NUM_MICROBATCHES)
+    cfg = config_for(schedule)
+    stage = build_stage(rank, cfg)
+    pipe = conveyor.Pipeline([stage], schedule=schedule, loss_fn=lm_loss, timeout_s=60)
+    ids, targets = make_batch(cfg, BATCH_SIZE, seed=0)
+    pipe.step(ids if rank == 0 else None, target=targets if rank == world_size - 1 else None)
+    if rank == 1:
+        next(iter(stage.parameters())).grad[0] = float("inf")
+    try:
+        pipe.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_non_finite_norm_is_an_error_on_every_rank_not_only_where_it_is():
+    messages = run_ranks(_nonfinite, 2, timeout_s=60)
+    for message in messages:
+        assert "total norm of order 2.0" in message and "non-finite (inf)" in message, message
+
+
+def _gpt2_clipped(rank, world_size, max_norm):
+    model = _gpt2()
+    ids, labels = _batch()
+    pipe = conveyor.pipeline(model, example_args=(ids[:2],), example_kwargs={"labels": labels[:2]},
+                             schedule="1f1b", microbatches=NUM_MICROBATCHES, loss_fn=lambda out, _t: out.loss,
+                             timeout_s=60)
+    pipe.step(ids, labels=labels)
+    return pipe.clip_grad_norm_(max_norm).item()
+
+
+def test_a_tied_parameter_counts_once_as_in_the_unsplit_model():
+    model = _gpt2()
+    ids, labels = _batch()
+    for x, y in zip(torch.tensor_split(ids, NUM_MICROBATCHES), torch.tensor_split(labels, NUM_MICROBATCHES)):
+        (model(x, labels=y).loss / NUM_MICROBATCHES).backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+    wte = model.transformer.wte.weight.grad
+    counted_twice = math.sqrt(want**2 + wte.norm().item() ** 2)
+    norms = run_ranks(_gpt2_clipped, 2, args=(1.0,), timeout_s=120)
+    # The tied gradient is summed across ranks in another order than one device sums it:
+    # equal to rounding, as the tied parameter itself.
+    for norm in norms:
+        assert norm == pytest.approx(want, rel=1e-5) and norm != pytest.approx(counted_twice, rel=1e-3)
+    assert norms[0] == norms[1]
