@@ -348,7 +348,8 @@ class Pipeline(_PipelineBase):
         import torch.distributed as dist
 
         gathered: list = [None] * self.schedule.num_ranks
-        dist.all_gather_object(gathered, mine, group=self.group)
+        # Guarded like a step: a peer that failed is reported with its own message.
+        self._guarded(dist.all_gather_object, gathered, mine, self.group)
         return {stage: norms for theirs in gathered for stage, norms in theirs.items()}
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -173,3 +173,24 @@ def test_a_tied_parameter_counts_once_as_in_the_unsplit_model():
     for norm in norms:
         assert norm == pytest.approx(want, rel=1e-5) and norm != pytest.approx(counted_twice, rel=1e-3)
     assert norms[0] == norms[1]
+
+
+def _peer_gives_up_before_clipping(rank, world_size):
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
+    pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=60)
+    pipe.step(torch.ones(2, 2) if rank == 0 else None)
+    if rank == 1:
+        # As a rank that failed inside the pipeline does: say why, then go.
+        pipe.transport.publish_failure("ValueError: rank 1 gave up")
+        return "left"
+    try:
+        pipe.clip_grad_norm_(1.0)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_peer_that_never_joins_the_clipping_is_named_not_waited_for():
+    messages = run_ranks(_peer_gives_up_before_clipping, 2, timeout_s=60)
+    assert messages[1] == "left"
+    assert messages[0] == "PeerFailure: rank 1 failed: ValueError: rank 1 gave up", messages[0]
