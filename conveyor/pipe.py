@@ -40,7 +40,12 @@ from conveyor.runtime.clip import (
     parameter_norms,
     total_norm,
 )
-from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
+from conveyor.runtime.executor import (
+    RankExecutor,
+    StepRecorder,
+    merge_adjacent_backward_halves,
+    run_local,
+)
 from conveyor.runtime.hybrid import HostExchange, HybridTransport
 from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
 from conveyor.runtime.stage import LossFn, StageRunner
@@ -303,6 +308,7 @@ class Pipeline(_PipelineBase):
         global_ranks = ranks if group is None else [dist.get_global_rank(group, r) for r in ranks]
         self.transport = self._make_transport(transport, group, global_ranks, timeout_s, fixed_shapes)
         self.lowered = lower(self.schedule)
+        self.program = merge_adjacent_backward_halves(self.lowered.programs[self.rank])  # what step() runs
         self.eval_lowered = lower(forward_only(self.schedule))
         self.transport.fifo_channels = fifo_channels(self.lowered) | fifo_channels(self.eval_lowered, EVAL_FORWARD)
         if shapes:
@@ -552,7 +558,7 @@ class Pipeline(_PipelineBase):
         for runner in self.runners.values():
             runner.reset()
         with torch.enable_grad():
-            for _ in self.executor.run(self.lowered.programs[self.rank], first, targets, self._recorder,
+            for _ in self.executor.run(self.program, first, targets, self._recorder,
                                        keep_outputs=return_outputs):
                 raise AssertionError("a blocking transport never yields")
         self._sum_tied_gradients()
@@ -668,6 +674,7 @@ class LocalPipeline(_PipelineBase):
             )
         self.mailbox = LocalMailbox()
         self.lowered = lower(self.schedule)
+        self.programs = [merge_adjacent_backward_halves(p) for p in self.lowered.programs]  # what step() runs
         self.eval_lowered = lower(forward_only(self.schedule))
         self.executors: list[RankExecutor] = []
         self.runners: dict[int, StageRunner] = {}
@@ -691,7 +698,7 @@ class LocalPipeline(_PipelineBase):
         self._recorders = [StepRecorder() for _ in self.executors]
         with torch.enable_grad():
             run_local(self.executors, [
-                ex.run(self.lowered.programs[r], first if r == self.schedule.placement.rank_of(0) else None,
+                ex.run(self.programs[r], first if r == self.schedule.placement.rank_of(0) else None,
                        targets, self._recorders[r], keep_outputs=return_outputs)
                 for r, ex in enumerate(self.executors)
             ])
