@@ -154,15 +154,17 @@ class _PipelineBase:
     schedule: Schedule
     runners: dict[int, StageRunner]
     _tied_copies: set[int]
+    _parameter_order: dict[str, int] | None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the whole pipeline's gradients by their total norm; returns that norm on every rank.
 
         Equal, bit for bit, to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
-        on the unsplit model whose parameters come stage by stage in this order (a tied
-        parameter counted once, at its first stage): every rank computes the same total
-        norm from all ranks' gradients and scales its own by the same factor. Clipping
+        on the unsplit model: every rank computes the same total norm from all ranks'
+        gradients and scales its own by the same factor. The model's parameter order, which
+        the norm's rounding depends on, is ``parameter_order`` (name -> index, which
+        :func:`pipeline` passes) or else stage by stage; a tied parameter counts once. Clipping
         with ``torch.nn.utils.clip_grad_norm_(pipe.parameters())`` instead would scale each
         rank by its own norm. A collective on a distributed pipeline: call it on every rank.
 
@@ -172,27 +174,29 @@ class _PipelineBase:
             >>> optimizer.step(); optimizer.zero_grad()        # doctest: +SKIP
         """
         norm_type = float(norm_type)
-        mine: dict[int, EncodedNorms] = {}
+        order = self._parameter_order
+        places, grads = [], []
         seen: set[int] = set(self._tied_copies)
         for stage in sorted(self.runners):
-            grads = []
-            for param in self.runners[stage].module.parameters():
+            for position, (name, param) in enumerate(self.runners[stage].module.named_parameters()):
                 if id(param) not in seen and param.grad is not None:
+                    # The unsplit model's order where it is known, else stage by stage after it.
+                    known = order is not None and name in order
+                    places.append((order[name],) if known else (len(order or ()), stage, position))
                     grads.append(param.grad)
                 seen.add(id(param))
-            mine[stage] = encode_norms(parameter_norms(grads, norm_type))
-        by_stage = self._all_stage_norms(mine)
+        mine = encode_norms(places, grads, parameter_norms(grads, norm_type))
         local = [p for p in self.parameters() if p.grad is not None]  # type: ignore[attr-defined]
         device = local[0].grad.device if local else torch.device("cpu")
-        total = total_norm([by_stage.get(s, []) for s in range(self.schedule.num_stages)], norm_type, device)
+        total = total_norm(self._all_norms(mine), norm_type, device)
         if error_if_nonfinite:
             check_finite(total, norm_type)
         if local:
             torch.nn.utils.clip_grads_with_norm_(local, max_norm, total)
         return total
 
-    def _all_stage_norms(self, mine: dict[int, EncodedNorms]) -> dict[int, EncodedNorms]:
-        return mine  # every stage is in this process (overridden where they are not)
+    def _all_norms(self, mine: EncodedNorms) -> list[EncodedNorms]:
+        return [mine]  # every stage is in this process (overridden where they are not)
 
     def _make_runners(self, rank: int, stages: Sequence[int], modules: Sequence[torch.nn.Module],
                       loss_fn: LossFn | None, checkpoint_activations: bool) -> dict[int, StageRunner]:
@@ -263,6 +267,9 @@ class Pipeline(_PipelineBase):
     store, waiting at most ``timeout_s``) and every pair of ranks that talk uses shared memory
     where they share a host: shared memory, hybrid or the process group. Other
     backends (NCCL): the process group.
+    ``parameter_order`` ({parameter name: index in the unsplit model's
+    ``parameters()``}) tells :meth:`clip_grad_norm_` the model's order when it is
+    not stage by stage; :func:`pipeline` passes it.
     """
 
     def __init__(
@@ -281,6 +288,7 @@ class Pipeline(_PipelineBase):
         shapes: Mapping[int, Any] | None = None,
         tied_parameters: Sequence = (),
         transport: str = "auto",
+        parameter_order: Mapping[str, int] | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -303,6 +311,7 @@ class Pipeline(_PipelineBase):
         self.runners = self._make_runners(self.rank, self.stages, modules, loss_fn, checkpoint_activations)
         share_tied_locally(self.runners, tied_parameters)
         self._tied_copies = tied_copies_outside_their_first_stage(self.runners, tied_parameters)
+        self._parameter_order = dict(parameter_order) if parameter_order is not None else None
         self._tied_groups = self._tied_process_groups(tied_parameters, group)
         ranks = list(range(world))
         global_ranks = ranks if group is None else [dist.get_global_rank(group, r) for r in ranks]
@@ -350,13 +359,13 @@ class Pipeline(_PipelineBase):
         for _, p in self.named_parameters():
             yield p
 
-    def _all_stage_norms(self, mine: dict[int, EncodedNorms]) -> dict[int, EncodedNorms]:
+    def _all_norms(self, mine: EncodedNorms) -> list[EncodedNorms]:
         import torch.distributed as dist
 
         gathered: list = [None] * self.schedule.num_ranks
         # Guarded like a step: a peer that failed is reported with its own message.
         self._guarded(dist.all_gather_object, gathered, mine, self.group)
-        return {stage: norms for theirs in gathered for stage, norms in theirs.items()}
+        return gathered
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters (shared ones once), under the names their modules give them."""
@@ -659,6 +668,7 @@ class LocalPipeline(_PipelineBase):
         ranks: int | None = None,
         checkpoint_activations: bool = False,
         tied_parameters: Sequence = (),
+        parameter_order: Mapping[str, int] | None = None,
     ) -> None:
         modules = list(modules)
         if isinstance(schedule, str) and ranks is None:
@@ -688,6 +698,7 @@ class LocalPipeline(_PipelineBase):
         # In one process every copy of a tied parameter can simply be the same Parameter.
         share_tied_locally(self.runners, tied_parameters)
         self._tied_copies = tied_copies_outside_their_first_stage(self.runners, tied_parameters)
+        self._parameter_order = dict(parameter_order) if parameter_order is not None else None
         self._recorders: list[StepRecorder] = []
 
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any):
@@ -790,5 +801,7 @@ def pipeline(
     plan = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
                        **split_kwargs)
     modules = [plan.stage_module(stage, device) for stage in resolved.stages_of(rank)]
+    # Stage modules keep the model's parameter names, so the model's order can be looked up.
+    order = {name: index for index, (name, _) in enumerate(model.named_parameters())}
     return Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=plan.tied_groups,
-                    **pipeline_kwargs)
+                    parameter_order=order, **pipeline_kwargs)

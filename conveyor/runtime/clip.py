@@ -14,8 +14,10 @@ Example (one process, the whole model's norms at hand):
     >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
     >>> for p in [*a.parameters(), *b.parameters()]:
     ...     p.grad = torch.ones_like(p)
-    >>> norms = [parameter_norms([p.grad for p in m.parameters()], 2.0) for m in (a, b)]
-    >>> total = total_norm([encode_norms(n) for n in norms], 2.0, torch.device("cpu"))
+    >>> grads = [[p.grad for p in m.parameters()] for m in (a, b)]
+    >>> places = [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]  # (stage, position): the model's order here
+    >>> encoded = [encode_norms(k, g, parameter_norms(g, 2.0)) for k, g in zip(places, grads)]
+    >>> total = total_norm(encoded, 2.0, torch.device("cpu"))
     >>> torch.equal(total, torch.nn.utils.get_total_norm([p.grad for m in (a, b) for p in m.parameters()]))
     True
 """
@@ -25,18 +27,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-EncodedNorms = list[tuple[str, float]]  # (dtype name, value) per parameter, in parameter order
+# Per parameter: (its place in the unsplit model's parameter order, gradient dtype, norm dtype,
+# norm value). The place and the gradient's dtype decide where torch puts the norm in the
+# stacked vector; the norm's dtype (real for a complex gradient) is what the value is rebuilt as.
+EncodedNorms = list[tuple[tuple[int, ...], str, str, float]]
 
 
 def parameter_norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     """Each gradient's norm, computed as ``torch.nn.utils.get_total_norm`` computes it (foreach where it can)."""
     norms: list[torch.Tensor | None] = [None] * len(grads)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, grad in enumerate(grads):
-        groups.setdefault((grad.device, grad.dtype), []).append(index)
-    for (device, _), indices in groups.items():
-        tensors = [grads[i] for i in indices]
+    grouped = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
+    for (device, _), ([tensors], indices) in grouped.items():
         if device.type in ("cpu", "cuda"):
             values = torch._foreach_norm(tensors, norm_type)
         else:
@@ -46,27 +49,41 @@ def parameter_norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[tor
     return norms  # type: ignore[return-value]
 
 
-def encode_norms(norms: Sequence[torch.Tensor]) -> EncodedNorms:
-    """Norms as plain (dtype, float) pairs, to send to other ranks without losing a bit."""
-    return [(str(n.dtype).removeprefix("torch."), n.item()) for n in norms]
+def encode_norms(places: Sequence[tuple[int, ...]], grads: Sequence[torch.Tensor],
+                 norms: Sequence[torch.Tensor]) -> EncodedNorms:
+    """Norms as plain values, to send to other ranks without losing a bit (float64 holds every float16,
+    bfloat16 and float32 value); one device-to-host copy for all of them.
+
+    ``places``: each parameter's sort key in the unsplit model's parameter order.
+    """
+    if not norms:
+        return []
+    values = torch.stack([n.to(torch.float64) for n in norms]).tolist()
+    return [(place, _name(g.dtype), _name(n.dtype), v) for place, g, n, v in zip(places, grads, norms, values)]
 
 
-def total_norm(norms_in_model_order: Sequence[EncodedNorms], norm_type: float,
-               device: torch.device) -> torch.Tensor:
+def total_norm(norms: Sequence[EncodedNorms], norm_type: float, device: torch.device) -> torch.Tensor:
     """The norm of the per-parameter norms, stacked as torch stacks them for the unsplit model.
 
-    ``norms_in_model_order``: one list per stage, stages in order.
+    ``norms``: every rank's encoded norms, in any order; each carries its place in the model.
+    torch groups the gradients by (device, dtype), in the order of its own grouping function,
+    and stacks the norms group by group, in parameter order within a group; on one device that
+    is a grouping by the gradients' dtypes, reproduced here with the same function.
     """
-    flat = [(getattr(torch, dtype), value) for stage in norms_in_model_order for dtype, value in stage]
+    flat = sorted((entry for part in norms for entry in part), key=lambda entry: entry[0])
     if not flat:
         return torch.tensor(0.0, device=device)
-    # One device holds every parameter of the unsplit model, so torch's grouping by (device,
-    # dtype) is a grouping by dtype, groups in order of first appearance.
-    order: dict[torch.dtype, list[torch.Tensor]] = {}
-    for dtype, value in flat:
-        order.setdefault(dtype, []).append(torch.tensor(value, dtype=dtype, device=device))
-    stacked = torch.stack([norm for norms in order.values() for norm in norms])
+    placeholders = [torch.empty(0, dtype=getattr(torch, grad_dtype), device=device) for _, grad_dtype, _, _ in flat]
+    grouped = _group_tensors_by_device_and_dtype([placeholders], with_indices=True)
+    order = [i for _, indices in grouped.values() for i in indices]
+    stacked = torch.stack([
+        torch.tensor(flat[i][3], dtype=getattr(torch, flat[i][2]), device=device) for i in order
+    ])
     return torch.linalg.vector_norm(stacked, norm_type)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def check_finite(total: torch.Tensor, norm_type: float) -> None:

@@ -106,7 +106,8 @@ class FailureBoard:
     Needs ``rank``, ``num_ranks`` and ``rank_to_global`` (this pipeline group's ranks in the
     default group) on the instance. A failure in this group is named by its group rank; one
     in another group of the same job (another data-parallel replica) is reported too, as
-    such, so that every replica stops instead of waiting on a collective with a dead one.
+    such. Transports that look at the board while they wait (shared memory) thereby stop
+    every replica; the process group's looks only when one of its own waits fails.
     """
 
     rank: int

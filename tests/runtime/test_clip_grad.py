@@ -194,3 +194,70 @@ def test_a_peer_that_never_joins_the_clipping_is_named_not_waited_for():
     messages = run_ranks(_peer_gives_up_before_clipping, 2, timeout_s=60)
     assert messages[1] == "left"
     assert messages[0] == "PeerFailure: rank 1 failed: ValueError: rank 1 gave up", messages[0]
+
+
+def test_mixed_dtypes_stack_as_torch_stacks_them():
+    # torch stacks the norms group by group of gradient dtype, in its own grouping's order (not
+    # the order of first appearance): a pipeline must find the same order from its stages.
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.float16]
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(100):
+        stages = []
+        for _ in range(3):
+            module = torch.nn.Module()
+            for i in range(int(torch.randint(1, 5, (), generator=generator))):
+                dtype = dtypes[int(torch.randint(len(dtypes), (), generator=generator))]
+                size = int(torch.randint(1, 40, (), generator=generator))
+                param = torch.nn.Parameter(torch.zeros(size, dtype=dtype))
+                scale = 10.0 ** int(torch.randint(-3, 4, (), generator=generator))
+                param.grad = (torch.randn(size, dtype=torch.float64, generator=generator) * scale).to(dtype)
+                module.register_parameter(f"p{i}", param)
+            stages.append(module)
+        want = torch.nn.utils.get_total_norm([p.grad for m in stages for p in m.parameters()])
+        got = LocalPipeline(stages, "1f1b", microbatches=2).clip_grad_norm_(1e30)
+        assert torch.equal(got, want), f"trial {trial}: {got.item()} vs {want.item()}"
+
+
+class _HeadFirst(torch.nn.Module):
+    """Registers its head first and runs it last: parameters() is not the stages' order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(8, 3)
+        self.body1 = torch.nn.Linear(8, 8)
+        self.body2 = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body2(torch.relu(self.body1(x)))))
+
+
+def _head_first_norms(rank, world_size, trials):
+    torch.manual_seed(0)
+    model = _HeadFirst()
+    pipe = conveyor.pipeline(model, example_args=(torch.randn(2, 8),), split_points=["body2"], schedule="1f1b",
+                             microbatches=2, loss_fn=lambda y, t: y.sum(), timeout_s=60)
+    by_name = dict(pipe.named_parameters())
+    got = []
+    for trial in range(trials):
+        generator = torch.Generator().manual_seed(trial)
+        for name, param in model.named_parameters():  # every rank draws every gradient, keeps its own
+            grad = torch.randn(param.shape, generator=generator) * 10.0 ** int(torch.randint(-3, 4, (), generator=generator))
+            if name in by_name:
+                by_name[name].grad = grad
+        got.append(pipe.clip_grad_norm_(1e30))
+    return got
+
+
+def test_the_models_own_parameter_order_decides_the_rounding_not_the_stages():
+    trials = 60
+    torch.manual_seed(0)
+    model = _HeadFirst()
+    want = []
+    for trial in range(trials):
+        generator = torch.Generator().manual_seed(trial)
+        grads = [torch.randn(p.shape, generator=generator) * 10.0 ** int(torch.randint(-3, 4, (), generator=generator))
+                 for p in model.parameters()]
+        want.append(torch.nn.utils.get_total_norm(grads))
+    for got in run_ranks(_head_first_norms, 2, args=(trials,), timeout_s=120):
+        for trial, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(g, w), f"trial {trial}: {g.item()} vs {w.item()}"
