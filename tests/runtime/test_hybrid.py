@@ -95,10 +95,11 @@ class _Slow(nn.Module):
 
 def _stage(stage: int, width: int, schedule: cs.Schedule) -> nn.Module:
     torch.manual_seed(stage)
-    # Rank 1 sends an activation every 5 ms, the slow rank 3 takes one every 20 ms: rank 2,
-    # between them, waits on rank 1 while its sends to rank 3 queue up.
+    # Rank 1 sends an activation every 2 ms, the slow rank 3 takes one every 40 ms: rank 2,
+    # between them, waits on rank 1 while its sends to rank 3 queue up. (With 5 and 20 ms a
+    # loaded machine slowed rank 1 enough that rank 3 kept up and the rings never filled.)
     rank = schedule.placement.rank_of(stage)
-    return _Slow(width, {1: 0.005, 3: 0.02}.get(rank, 0.0))
+    return _Slow(width, {1: 0.002, 3: 0.04}.get(rank, 0.0))
 
 
 def _fill_the_ring(rank, world_size, name, virtual, width, batch):
