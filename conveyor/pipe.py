@@ -174,6 +174,15 @@ class _PipelineBase:
             >>> optimizer.step(); optimizer.zero_grad()        # doctest: +SKIP
         """
         norm_type = float(norm_type)
+        total = self._collective(self._total_norm, norm_type)
+        if error_if_nonfinite:
+            check_finite(total, norm_type)  # the same total on every rank: all raise, none waits
+        local = [p for p in self.parameters() if p.grad is not None]  # type: ignore[attr-defined]
+        if local:
+            torch.nn.utils.clip_grads_with_norm_(local, max_norm, total)
+        return total
+
+    def _total_norm(self, norm_type: float) -> torch.Tensor:
         order = self._parameter_order
         places, grads = [], []
         seen: set[int] = set(self._tied_copies)
@@ -186,14 +195,11 @@ class _PipelineBase:
                     grads.append(param.grad)
                 seen.add(id(param))
         mine = encode_norms(places, grads, parameter_norms(grads, norm_type))
-        local = [p for p in self.parameters() if p.grad is not None]  # type: ignore[attr-defined]
-        device = local[0].grad.device if local else torch.device("cpu")
-        total = total_norm(self._all_norms(mine), norm_type, device)
-        if error_if_nonfinite:
-            check_finite(total, norm_type)
-        if local:
-            torch.nn.utils.clip_grads_with_norm_(local, max_norm, total)
-        return total
+        device = grads[0].device if grads else torch.device("cpu")
+        return total_norm(self._all_norms(mine), norm_type, device)
+
+    def _collective(self, fn, *args):
+        return fn(*args)  # one process: nobody to tell (overridden where there is)
 
     def _all_norms(self, mine: EncodedNorms) -> list[EncodedNorms]:
         return [mine]  # every stage is in this process (overridden where they are not)
@@ -363,9 +369,13 @@ class Pipeline(_PipelineBase):
         import torch.distributed as dist
 
         gathered: list = [None] * self.schedule.num_ranks
-        # Guarded like a step: a peer that failed is reported with its own message.
-        self._guarded(dist.all_gather_object, gathered, mine, self.group)
+        dist.all_gather_object(gathered, mine, group=self.group)
         return gathered
+
+    def _collective(self, fn, *args):
+        # Guarded like a step: a rank that fails on its way to the exchange takes the
+        # pipeline down with its message, and a peer that failed is named.
+        return self._guarded(fn, *args)
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters (shared ones once), under the names their modules give them."""

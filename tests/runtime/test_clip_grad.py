@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -261,3 +262,27 @@ def test_the_models_own_parameter_order_decides_the_rounding_not_the_stages():
     for got in run_ranks(_head_first_norms, 2, args=(trials,), timeout_s=120):
         for trial, (g, w) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(g, w), f"trial {trial}: {g.item()} vs {w.item()}"
+
+
+def _norm_fails_on_rank_1(rank, world_size):
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
+    pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=60)
+    pipe.step(torch.ones(2, 2) if rank == 0 else None)
+    if rank == 1:
+        def broken(norm_type):
+            raise RuntimeError("rank 1 could not take its norms")
+
+        pipe._total_norm = broken  # a failure on the way to the exchange, as an odd gradient would give
+    start = time.monotonic()
+    try:
+        pipe.clip_grad_norm_(1.0)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_a_rank_that_fails_before_the_exchange_stops_its_peers_with_its_message():
+    (first, seconds), (second, _) = run_ranks(_norm_fails_on_rank_1, 2, timeout_s=60)
+    assert second == "RuntimeError: rank 1 could not take its norms"
+    assert first == "PeerFailure: rank 1 failed: RuntimeError: rank 1 could not take its norms", first
+    assert seconds < 30  # not the process group's timeout
