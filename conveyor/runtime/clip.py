@@ -1,13 +1,15 @@
 """Gradient clipping over a whole pipeline, bit for bit as ``clip_grad_norm_`` on the unsplit model.
 
-``torch.nn.utils.clip_grad_norm_`` takes the norm of each gradient, stacks those norms in
-parameter order (grouped by dtype, groups in order of first appearance) and takes the norm
-of that vector. Clipping each rank by its own parameters' norm would scale every rank by a
-different factor: training would silently leave single-device results. Here each rank
-computes its parameters' norms exactly as torch does, the norms travel to every rank
-(exactly: as float64, which holds any float16, bfloat16 or float32 value), and every rank
-stacks them in the unsplit model's order, so every rank finds the same total norm, equal to
-what one device finds, and scales its gradients by the same factor.
+``torch.nn.utils.clip_grad_norm_`` takes the norm of each gradient, stacks those norms
+(gradients grouped by device and dtype by torch's own grouping function, the groups in that
+function's order, parameter order within a group) and takes the norm of that vector. Clipping
+each rank by its own parameters' norm would scale every rank by a different factor: training
+would silently leave single-device results. Here each rank computes its parameters' norms
+exactly as torch does; the norms travel to every rank exactly (as float64, which holds any
+float16, bfloat16 or float32 value), each with its place in the unsplit model's parameter
+order; and every rank stacks them as torch would for the unsplit model, with the same grouping
+function. So every rank finds the same total norm, equal to what one device finds, and scales
+its gradients by the same factor.
 
 Example (one process, the whole model's norms at hand):
     >>> import torch
