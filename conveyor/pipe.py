@@ -204,6 +204,12 @@ class _PipelineBase:
     def _all_norms(self, mine: EncodedNorms) -> list[EncodedNorms]:
         return [mine]  # every stage is in this process (overridden where they are not)
 
+    def _tie(self, tied_parameters, parameter_order: Mapping[str, int] | None) -> None:
+        """Share tied copies within this process and remember what clipping needs to know of the model."""
+        share_tied_locally(self.runners, tied_parameters)
+        self._tied_copies = tied_copies_outside_their_first_stage(self.runners, tied_parameters)
+        self._parameter_order = dict(parameter_order) if parameter_order is not None else None
+
     def _make_runners(self, rank: int, stages: Sequence[int], modules: Sequence[torch.nn.Module],
                       loss_fn: LossFn | None, checkpoint_activations: bool) -> dict[int, StageRunner]:
         if isinstance(modules, torch.nn.Module):
@@ -315,9 +321,7 @@ class Pipeline(_PipelineBase):
             )
         self.stages = self.schedule.stages_of(self.rank)
         self.runners = self._make_runners(self.rank, self.stages, modules, loss_fn, checkpoint_activations)
-        share_tied_locally(self.runners, tied_parameters)
-        self._tied_copies = tied_copies_outside_their_first_stage(self.runners, tied_parameters)
-        self._parameter_order = dict(parameter_order) if parameter_order is not None else None
+        self._tie(tied_parameters, parameter_order)
         self._tied_groups = self._tied_process_groups(tied_parameters, group)
         ranks = list(range(world))
         global_ranks = ranks if group is None else [dist.get_global_rank(group, r) for r in ranks]
@@ -706,9 +710,7 @@ class LocalPipeline(_PipelineBase):
             transport: Transport = LocalTransport(self.mailbox, rank)
             self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport))
         # In one process every copy of a tied parameter can simply be the same Parameter.
-        share_tied_locally(self.runners, tied_parameters)
-        self._tied_copies = tied_copies_outside_their_first_stage(self.runners, tied_parameters)
-        self._parameter_order = dict(parameter_order) if parameter_order is not None else None
+        self._tie(tied_parameters, parameter_order)
         self._recorders: list[StepRecorder] = []
 
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any):

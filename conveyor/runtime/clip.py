@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 # Per parameter: (its place in the unsplit model's parameter order, gradient dtype, norm dtype,
 # norm value). The place and the gradient's dtype decide where torch puts the norm in the
@@ -42,7 +42,7 @@ def parameter_norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[tor
     norms: list[torch.Tensor | None] = [None] * len(grads)
     grouped = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
     for (device, _), ([tensors], indices) in grouped.items():
-        if device.type in ("cpu", "cuda"):
+        if _has_foreach_support(tensors, device):  # torch's own rule for foreach=None
             values = torch._foreach_norm(tensors, norm_type)
         else:
             values = [torch.linalg.vector_norm(t, norm_type) for t in tensors]

@@ -103,15 +103,14 @@ def receive_timeout(rank: int, timeout_s: float, what: str, src: int) -> CommTim
 class FailureBoard:
     """Failure messages through the process group's store, so that peers can say why a rank stopped.
 
-    Needs ``rank``, ``num_ranks`` and ``rank_to_global`` (this pipeline group's ranks in the
-    default group) on the instance. A failure in this group is named by its group rank; one
+    Needs ``rank`` and ``rank_to_global`` (this pipeline group's ranks in the default
+    group) on the instance. A failure in this group is named by its group rank; one
     in another group of the same job (another data-parallel replica) is reported too, as
     such. Transports that look at the board while they wait (shared memory) thereby stop
     every replica; the process group's looks only when one of its own waits fails.
     """
 
     rank: int
-    num_ranks: int
     rank_to_global: list[int]
 
     def _store(self):
