@@ -157,7 +157,7 @@ class _PipelineBase:
     _parameter_order: dict[str, int] | None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Clip the whole pipeline's gradients by their total norm; returns that norm on every rank.
 
         Equal, bit for bit, to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
@@ -167,6 +167,8 @@ class _PipelineBase:
         :func:`pipeline` passes) or else stage by stage; a tied parameter counts once. Clipping
         with ``torch.nn.utils.clip_grad_norm_(pipe.parameters())`` instead would scale each
         rank by its own norm. A collective on a distributed pipeline: call it on every rank.
+        ``foreach`` means what it means to torch and, like the other arguments, must be the
+        same on every rank.
 
         Example:
             >>> loss = pipe.step(x, target=y)                  # doctest: +SKIP
@@ -174,15 +176,15 @@ class _PipelineBase:
             >>> optimizer.step(); optimizer.zero_grad()        # doctest: +SKIP
         """
         norm_type = float(norm_type)
-        total = self._collective(self._total_norm, norm_type)
+        total = self._collective(self._total_norm, norm_type, foreach)
         if error_if_nonfinite:
             check_finite(total, norm_type)  # the same total on every rank: all raise, none waits
         local = [p for p in self.parameters() if p.grad is not None]  # type: ignore[attr-defined]
         if local:
-            torch.nn.utils.clip_grads_with_norm_(local, max_norm, total)
+            torch.nn.utils.clip_grads_with_norm_(local, max_norm, total, foreach=foreach)
         return total
 
-    def _total_norm(self, norm_type: float) -> torch.Tensor:
+    def _total_norm(self, norm_type: float, foreach: bool | None) -> torch.Tensor:
         order = self._parameter_order
         places, grads = [], []
         seen: set[int] = set(self._tied_copies)
@@ -194,7 +196,7 @@ class _PipelineBase:
                     places.append((order[name],) if known else (len(order or ()), stage, position))
                     grads.append(param.grad)
                 seen.add(id(param))
-        mine = encode_norms(places, grads, parameter_norms(grads, norm_type))
+        mine = encode_norms(places, grads, parameter_norms(grads, norm_type, foreach))
         device = grads[0].device if grads else torch.device("cpu")
         return total_norm(self._all_norms(mine), norm_type, device)
 

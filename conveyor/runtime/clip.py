@@ -29,7 +29,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+from torch.utils._foreach_utils import (
+    _device_has_foreach_support,
+    _group_tensors_by_device_and_dtype,
+    _has_foreach_support,
+)
 
 # Per parameter: (its place in the unsplit model's parameter order, gradient dtype, norm dtype,
 # norm value). The place and the gradient's dtype decide where torch puts the norm in the
@@ -37,13 +41,25 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_
 EncodedNorms = list[tuple[tuple[int, ...], str, str, float]]
 
 
-def parameter_norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """Each gradient's norm, computed as ``torch.nn.utils.get_total_norm`` computes it (foreach where it can)."""
+def parameter_norms(grads: Sequence[torch.Tensor], norm_type: float,
+                    foreach: bool | None = None) -> list[torch.Tensor]:
+    """Each gradient's norm, computed as ``torch.nn.utils.get_total_norm`` computes it.
+
+    ``foreach`` as in torch: ``None`` uses the foreach kernels where torch would, ``True``
+    insists on them (an error on a device that has none), ``False`` never uses them.
+    """
     norms: list[torch.Tensor | None] = [None] * len(grads)
     grouped = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
     for (device, _), ([tensors], indices) in grouped.items():
-        if _has_foreach_support(tensors, device):  # torch's own rule for foreach=None
+        if (foreach is None and _has_foreach_support(tensors, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
             values = torch._foreach_norm(tensors, norm_type)
+        elif foreach:
+            raise RuntimeError(
+                f"foreach=True was passed, but there are no foreach kernels for {device.type} tensors; "
+                "pass foreach=None (torch picks) or foreach=False"
+            )
         else:
             values = [torch.linalg.vector_norm(t, norm_type) for t in tensors]
         for i, value in zip(indices, values):

@@ -128,6 +128,24 @@ def test_a_large_max_norm_leaves_the_gradients_alone_and_reports_the_norm():
     assert all(torch.equal(p.grad, b) for p, b in zip(pipe.parameters(), before, strict=True))
 
 
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_foreach_means_what_it_means_to_torch(foreach):
+    schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
+    cfg = config_for(schedule)
+    ids, targets = make_batch(cfg, BATCH_SIZE, seed=0)
+    model = reference_model(cfg)
+    reference_step(model, ids, targets, NUM_MICROBATCHES, lm_loss)
+    stages = [build_stage(s, cfg) for s in range(2)]
+    pipe = LocalPipeline(stages, schedule, loss_fn=lm_loss)
+    pipe.step(ids, target=targets)
+    max_norm = 0.5 * torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=foreach)
+    assert torch.equal(pipe.clip_grad_norm_(max_norm, foreach=foreach), want)
+    for stage, module in enumerate(stages):
+        assert_same(f"stage {stage}", {n: p.grad for n, p in module.named_parameters()},
+                    {n: p.grad for n, p in model.stages[stage].named_parameters()})
+
+
 def _nonfinite(rank, world_size):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=NUM_MICROBATCHES)
     cfg = config_for(schedule)
@@ -269,7 +287,7 @@ def _norm_fails_on_rank_1(rank, world_size):
     pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=60)
     pipe.step(torch.ones(2, 2) if rank == 0 else None)
     if rank == 1:
-        def broken(norm_type):
+        def broken(norm_type, foreach):
             raise RuntimeError("rank 1 could not take its norms")
 
         pipe._total_norm = broken  # a failure on the way to the exchange, as an odd gradient would give
