@@ -198,6 +198,7 @@ def run_compare(
             )
             timelines.append(timeline)
         rows.append(row)
+    _check_finite("a simulated makespan", [row["makespan"] for row in rows if row["error"] is None])
     if timelines and png is not None:
         from conveyor.schedule.render import to_png
 
@@ -268,7 +269,37 @@ def _command_schedules(args: argparse.Namespace) -> int:
     return 0
 
 
+# Beyond this many compute actions a simulation takes minutes and a picture says nothing.
+MAX_SIMULATED_ACTIONS = 20_000_000
+
+
+def _check_size(ranks: int, microbatches: int, virtual: int | None) -> None:
+    stages = ranks * max(virtual or 1, 2)  # V-shaped schedules run 2 stages per rank by default
+    actions = 3 * stages * microbatches
+    if actions > MAX_SIMULATED_ACTIONS:
+        raise UsageError(
+            f"{ranks} ranks x {microbatches} microbatches means about {actions:.3g} actions to simulate; "
+            f"conveyor simulate takes up to {MAX_SIMULATED_ACTIONS:.0e}: give fewer ranks or microbatches"
+        )
+
+
+def _check_finite(what: str, values) -> None:
+    if not all(math.isfinite(v) for v in values):
+        raise UsageError(
+            f"{what} overflows a float with these costs and latency (a sum reached inf); give smaller numbers"
+        )
+
+
+def _png_of(path):
+    if path is None:
+        return None
+    from conveyor.schedule.render import png_path
+
+    return png_path(path)
+
+
 def _command_simulate(args: argparse.Namespace) -> int:
+    _check_size(args.ranks, args.microbatches, args.virtual)
     if args.compare:
         return _print_compare(
             args.ranks,
@@ -276,18 +307,20 @@ def _command_simulate(args: argparse.Namespace) -> int:
             args.virtual,
             args.costs,
             args.latency,
-            png=args.png or DEFAULT_COMPARE_PNG,
+            png=_png_of(args.png or DEFAULT_COMPARE_PNG),
             trace=args.trace,
             as_json=args.json,
         )
+    png = _png_of(args.png)
     timeline = simulate_one(
         args.schedule, args.ranks, args.microbatches, args.virtual, args.costs, args.latency
     )
+    _check_finite("the simulated timeline", [span.end for span in timeline.spans])
     written = []
-    if args.png:
+    if png:
         from conveyor.schedule.render import to_png
 
-        written.append(str(to_png(timeline, args.png)))
+        written.append(str(to_png(timeline, png)))
     if args.trace:
         from conveyor.schedule.render import write_chrome_trace
 
@@ -310,11 +343,11 @@ def _command_simulate(args: argparse.Namespace) -> int:
         "bubble_ratio": timeline.bubble_ratio,
         "peak_activations": peaks,
         "busy": _busy_per_rank(timeline),
-        "png": str(args.png) if args.png else None,
+        "png": str(png) if png else None,
         "trace": str(args.trace) if args.trace else None,
     }
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result, allow_nan=False))
         return 0
     print(
         f"{args.schedule}: {result['ranks']} ranks x {result['virtual']} stage(s) per rank = "
@@ -355,7 +388,8 @@ def _print_compare(ranks, microbatches, virtual, costs, latency, *, png, trace, 
                     "schedules": rows,
                     "png": str(png) if drawn else None,
                     "trace": str(trace) if drawn and trace else None,
-                }
+                },
+                allow_nan=False,
             )
         )
         return 0
@@ -381,6 +415,7 @@ def _command_demo(args: argparse.Namespace) -> int:
     from conveyor.train import demo
 
     options = demo.build_parser().parse_args(args.options)
+    demo.check_options(options)  # a wrong option fails before anything is printed or drawn
     status = _print_compare(
         options.ranks, options.microbatches, None, DEFAULT_COSTS, 0.0,
         png=DEFAULT_COMPARE_PNG, trace=None, as_json=False,

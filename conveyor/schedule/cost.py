@@ -51,9 +51,13 @@ class CostModel:
     latency: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.stages:
-            raise CostError("a cost model needs the costs of at least one stage")
-        if not math.isfinite(self.latency) or self.latency < 0:
+        if not isinstance(self.stages, tuple) or not self.stages:
+            raise CostError("a cost model needs the costs of at least one stage, as a tuple of StageCosts")
+        for index, stage in enumerate(self.stages):
+            if not isinstance(stage, StageCosts):
+                raise CostError(f"the costs of stage {index} must be a StageCosts, got {type(stage).__name__}")
+        if (not isinstance(self.latency, int | float) or isinstance(self.latency, bool)
+                or not math.isfinite(self.latency) or self.latency < 0):
             raise CostError(f"communication latency must be a finite number >= 0, got {self.latency!r}")
 
     @classmethod
@@ -75,8 +79,24 @@ class CostModel:
     def per_stage(
         cls, costs: Sequence[StageCosts | Sequence[float]], *, latency: float = 0.0
     ) -> CostModel:
-        """One entry per stage: a :class:`StageCosts` or ``(forward, backward_input, backward_weight[, bytes])``."""
-        return cls(tuple(c if isinstance(c, StageCosts) else StageCosts(*c) for c in costs), latency)
+        """One entry per stage: a :class:`StageCosts` or ``(forward, backward_input, backward_weight[, bytes])``.
+
+        Example:
+            >>> CostModel.per_stage([(1, 2, 1), (1, 2, 1, 4096)]).stages[1].activation_bytes
+            4096
+        """
+        stages = []
+        for index, entry in enumerate(costs):
+            if isinstance(entry, StageCosts):
+                stages.append(entry)
+            elif isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) in (3, 4):
+                stages.append(StageCosts(*entry))
+            else:
+                raise CostError(
+                    f"the costs of stage {index} must be a StageCosts or (forward, backward_input, "
+                    f"backward_weight[, activation_bytes]), got {entry!r}"
+                )
+        return cls(tuple(stages), latency)
 
     def check_stages(self, num_stages: int) -> None:
         if len(self.stages) != num_stages:

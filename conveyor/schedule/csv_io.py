@@ -48,7 +48,7 @@ UNSUPPORTED_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 _FORMATS = ("compute_only", "compute_comms")
 _OTHER_KIND_RE = re.compile(r"^(\d+)(" + "|".join(UNSUPPORTED_KINDS) + r")(\d*)$")
 _OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
-_HEADER_RE = re.compile(r"^schedule (.+): (\d+) ranks?, (\d+) stages?, (\d+) microbatch(?:es)?$")
+_HEADER_RE = re.compile(r"^schedule (.*): (\d+) ranks?, (\d+) stages?, (\d+) microbatch(?:es)?$")
 _RANK_LINE_RE = re.compile(r"^rank (\d+):(.*)$")
 
 
@@ -340,9 +340,10 @@ def parse_schedule(
     rows: dict[int, list[str]] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
-        if not line:
+        # The header whole first: a schedule's name may hold a '#'.
+        match = _HEADER_RE.match(raw.strip()) or _HEADER_RE.match(line)
+        if not line and not match:
             continue
-        match = _HEADER_RE.match(line)
         if match:
             header = (match.group(1), int(match.group(2)), int(match.group(3)), int(match.group(4)))
             continue
@@ -362,7 +363,7 @@ def parse_schedule(
             raise ScheduleError(f"the header says {header[1]} ranks but the text has lines for {len(rows)}")
     schedule = schedule_from_rows(
         [rows[r] for r in range(len(rows))],
-        name=name or "custom",
+        name="custom" if name is None else name,
         placement=placement,
         num_microbatches=num_microbatches,
     )

@@ -89,6 +89,8 @@ def register(
 
         return decorate
     _check_registration(name, builder, description, default_virtual, virtual_choices, placement)
+    # The built-ins first: a user's replace=True of a built-in name must outlive their loading.
+    _load_builtins()
     if name in _REGISTRY and not replace:
         raise ScheduleError(f"a schedule named {name!r} is already registered; pass replace=True to override it")
     _REGISTRY[name] = ScheduleInfo(name, builder, description, default_virtual, virtual_choices, placement)
@@ -97,6 +99,7 @@ def register(
 
 def unregister(name: str) -> None:
     """Forget the schedule ``name`` (a no-op if it is not registered)."""
+    _load_builtins()  # else a built-in forgotten before its first use would come back
     _REGISTRY.pop(name, None)
 
 
@@ -108,8 +111,8 @@ def _check_registration(
     virtual_choices: object,
     placement: object,
 ) -> None:
-    if not isinstance(name, str) or not name.strip():
-        raise ScheduleError(f"a schedule's name must be a non-empty string, got {name!r}")
+    if not isinstance(name, str) or not name.strip() or "\n" in name or "\r" in name:
+        raise ScheduleError(f"a schedule's name must be a non-empty string on one line, got {name!r}")
     if not callable(builder):
         raise ScheduleError(
             f"schedule {name!r}: builder must be callable as builder(num_ranks, num_microbatches, virtual), "

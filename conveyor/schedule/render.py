@@ -141,12 +141,25 @@ def to_png(
         >>> to_png(tl, tempfile.mkdtemp() + "/gpipe.png").suffix
         '.png'
     """
+    out = png_path(path)
     figure = draw(timelines, titles=titles, share_time=share_time, dpi=dpi)
-    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=dpi)
     logger.info("wrote %s", out)
     return out
+
+
+def png_path(path: str | os.PathLike) -> Path:
+    """The file :func:`to_png` writes for ``path``: ``.png`` added when it has no suffix.
+
+    Example:
+        >>> png_path("out/plan").name
+        'plan.png'
+    """
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{str(out)!r} is a folder; give a file name such as {str(out / 'timeline.png')!r}")
+    return out if out.suffix else out.with_name(out.name + ".png")
 
 
 def draw(

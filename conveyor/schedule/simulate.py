@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+from conveyor.errors import CostError
 from conveyor.schedule.cost import CostModel
 from conveyor.schedule.engine import run
 from conveyor.schedule.ir import Schedule
@@ -24,6 +25,11 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
     verify(schedule)
     if costs is None:
         costs = CostModel.uniform(schedule.num_stages)
+    if not isinstance(costs, CostModel):
+        raise CostError(
+            f"simulate() takes costs as a CostModel (e.g. CostModel.uniform(num_stages, 1, 1, 1) or "
+            f"CostModel.per_stage([...])), got {type(costs).__name__}"
+        )
     costs.check_stages(schedule.num_stages)
     # A schedule straight from lower() times exactly like its compute-only source (a receive
     # ends `latency` after the send that follows its producer), which steps ~40% faster.

@@ -94,21 +94,27 @@ class Timeline:
         return self._peaks(lambda stage: self.stage_activation_bytes[stage])
 
     def _peaks(self, weight) -> list[float]:
-        events: list[list[tuple[float, int, float]]] = [[] for _ in range(self.num_ranks)]
         split = {(s.action.stage, s.action.microbatch) for s in self.spans if s.action.kind is ActionKind.I}
-        for s in self.spans:
-            a = s.action
-            if a.kind is ActionKind.F:
-                # Order key 1 puts allocations after releases that happen at the same instant.
-                events[s.rank].append((s.start, 1, weight(a.stage)))
-            elif a.kind is ActionKind.W or (
-                a.kind is ActionKind.B and (a.stage, a.microbatch) not in split
-            ):
-                events[s.rank].append((s.end, 0, -weight(a.stage)))
+        by_rank: list[list[tuple[float, int, Span]]] = [[] for _ in range(self.num_ranks)]
+        for index, s in enumerate(self.spans):
+            by_rank[s.rank].append((s.start, index, s))
         peaks = []
-        for rank_events in events:
+        for rank_spans in by_rank:
+            # A rank runs its actions one after another: order events by time, then by the
+            # action's place in that sequence, so a release at the instant the next action
+            # allocates comes first, and a zero-length forward allocates before its own backward
+            # (also of zero length) releases.
+            events: list[tuple[float, int, float]] = []
+            for position, (_, _, s) in enumerate(sorted(rank_spans, key=lambda e: (e[0], e[1]))):
+                a = s.action
+                if a.kind is ActionKind.F:
+                    events.append((s.start, 2 * position, weight(a.stage)))
+                elif a.kind is ActionKind.W or (
+                    a.kind is ActionKind.B and (a.stage, a.microbatch) not in split
+                ):
+                    events.append((s.end, 2 * position + 1, -weight(a.stage)))
             live = peak = 0.0
-            for _, _, delta in sorted(rank_events):
+            for _, _, delta in sorted(events):
                 live += delta
                 peak = max(peak, live)
             peaks.append(peak)

@@ -42,12 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def launch(argv: Sequence[str] | None = None) -> int:
-    """Validate the arguments here, then run the workers under torchrun; returns its exit code."""
+def check_options(args: argparse.Namespace) -> None:
+    """Raise a ConveyorError (ValueError) naming the first option the demo cannot run with."""
     import conveyor.schedule as cs
 
-    args = build_parser().parse_args(argv)
+    for name in ("ranks", "microbatches", "steps", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     cs.build(args.schedule, ranks=args.ranks, microbatches=args.microbatches, virtual=args.virtual)
+
+
+def launch(argv: Sequence[str] | None = None) -> int:
+    """Validate the arguments here, then run the workers under torchrun; returns its exit code."""
+    args = build_parser().parse_args(argv)
+    check_options(args)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
                "-m", "conveyor.train.demo", "--worker", *(argv or [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -195,6 +195,11 @@ BAD_INPUTS = [
     (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--latency", "-1"], "argument --latency: must be a finite number >= 0, got '-1'"),
     (["simulate", "--schedule", "1f1b", "-m", "8"], "the following arguments are required: --ranks/-p"),
     (["simulate", "-p", "4", "-m", "8"], "one of the arguments --schedule --compare is required"),
+    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "1e308,1e308,1e308"], "the simulated timeline overflows a float"),
+    (["simulate", "--compare", "-p", "4", "-m", "8", "--latency", "1e308"], "a simulated makespan overflows a float"),
+    (["simulate", "--schedule", "1f1b", "-p", "100000000000000000000", "-m", "1"], "100000000000000000000 ranks x 1 microbatches means about 6e+20 actions"),
+    (["demo", "--schedule", "nope"], "unknown schedule 'nope'"),
+    (["demo", "--ranks", "0"], "--ranks must be at least 1, got 0"),
     ([], "the following arguments are required: command"),
 ]  # fmt: skip
 
@@ -206,6 +211,19 @@ def test_bad_input_exits_2_with_the_rule(capsys, argv, message):
     assert out == ""
     assert err.rstrip().splitlines()[-1].startswith(f"conveyor: error: {message}")
     assert "Traceback" not in err
+
+
+def test_a_png_path_without_suffix_reports_the_file_it_wrote(capsys, tmp_path):
+    result = simulate_json(capsys, "--schedule", "1f1b", "-p", "2", "-m", "2", "--png", str(tmp_path / "plan"))
+    assert result["png"] == str(tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_a_folder_as_png_path_is_an_error(capsys, tmp_path):
+    code, out, err = run(capsys, "simulate", "--schedule", "1f1b", "-p", "2", "-m", "2", "--png", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert "is a folder; give a file name such as" in err
+    assert not tmp_path.with_suffix(".png").exists()
 
 
 def test_unwritable_output_is_an_error_not_a_traceback(capsys, tmp_path):

@@ -433,3 +433,24 @@ def test_v_shaped_schedules_with_few_microbatches_keep_memory_bounded():
             assert max(zbv.peak_activations()) <= min(2 * num_ranks, 2 * num_microbatches)
             dualpipev = simulate("dualpipev", num_ranks, num_microbatches)
             assert max(dualpipev.peak_activations()) <= min(2 * num_ranks + 1, 2 * num_microbatches)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+def test_free_passes_hold_activations_as_long_as_costly_ones(name):
+    # A pass of zero cost still allocates at its start and frees at its end, in program order.
+    schedule = cs.build(name, ranks=4, microbatches=8)
+    unit = cs.simulate(schedule).peak_activations()
+    assert cs.simulate(schedule, CostModel.uniform(4, 0, 0, 0)).peak_activations() == unit
+    last_free = CostModel.per_stage([(1, 1, 1)] * 3 + [(0, 0, 0)])
+    assert cs.simulate(schedule, last_free).peak_activations() == unit
+
+
+def test_cost_models_say_what_they_expected():
+    from conveyor.errors import CostError
+
+    with pytest.raises(CostError, match="the costs of stage 1 must be a StageCosts or"):
+        CostModel.per_stage([(1, 1, 1), (1, 2)])
+    with pytest.raises(CostError, match="latency must be a finite number >= 0, got '1'"):
+        CostModel.uniform(2, latency="1")
+    with pytest.raises(CostError, match="simulate\\(\\) takes costs as a CostModel"):
+        cs.simulate(cs.build("1f1b", ranks=2, microbatches=2), (1, 1, 1))

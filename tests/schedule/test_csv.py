@@ -317,3 +317,11 @@ if __name__ == "__main__":
     DATA.mkdir(parents=True, exist_ok=True)
     for written_path in write_torch_csvs(DATA):
         print(written_path)
+
+
+@pytest.mark.parametrize("name", ["zb#custom", "", "a: b", "schedule x: 1 rank"])
+def test_the_text_form_reads_back_any_one_line_name(name):
+    built = cs.build("1f1b", ranks=2, microbatches=2)
+    schedule = Schedule(name, built.placement, built.num_microbatches, built.programs)
+    assert cs.parse_schedule(str(schedule)) == schedule
+    assert cs.parse_schedule(str(schedule) + "  # a trailing comment").programs == schedule.programs

@@ -171,7 +171,7 @@ def test_builders_that_go_wrong_get_a_message(registered, builder, kwargs, expec
 @pytest.mark.parametrize(
     ("args", "kwargs", "expected"),
     [
-        (("", lambda p, m, v: None), {}, "a schedule's name must be a non-empty string, got ''"),
+        (("", lambda p, m, v: None), {}, "a schedule's name must be a non-empty string on one line, got ''"),
         (("x", "not callable"), {}, "schedule 'x': builder must be callable as builder(num_ranks, num_microbatches, virtual)"),
         (("x", lambda p, m, v: None), {"placement": "diagonal"}, "schedule 'x': placement must be one of 'looped', 'vshape', 'infer'"),
         (("x", lambda p, m, v: None), {"default_virtual": 0}, "schedule 'x': default_virtual must be a positive integer, got 0"),
@@ -200,3 +200,25 @@ def test_build_names_what_it_cannot_serve():
 def test_module_examples_hold():
     result = doctest.testmod(importlib.import_module("conveyor.schedule.registry"))
     assert result.failed == 0 and result.attempted >= 4
+
+
+def test_a_built_in_name_replaced_before_the_built_ins_load_stays_replaced():
+    # A fresh interpreter: here the built-ins are loaded already.
+    import subprocess
+    import sys
+
+    script = """
+import conveyor.schedule as cs
+def mine(p, m, v):
+    return cs.build("gpipe", ranks=p, microbatches=m).programs
+cs.register("1f1b", mine, replace=True, description="mine")
+cs.unregister("zb-h2")
+assert cs.build("gpipe", ranks=2, microbatches=2).name == "gpipe"
+names = list(cs.available())
+assert names[0] == "gpipe" and "zb-h2" not in names, names
+assert cs.available()["1f1b"].description == "mine"
+assert [str(a) for a in cs.build("1f1b", ranks=2, microbatches=2).programs[0]] == ["0F0", "0F1", "0B0", "0B1"]
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr

@@ -419,3 +419,22 @@ def test_module_examples_hold():
     for name in ("conveyor.schedule.verify", "conveyor.schedule.engine"):
         result = doctest.testmod(importlib.import_module(name))
         assert result.failed == 0 and result.attempted >= 1, name
+
+
+@pytest.mark.parametrize("odd", [0.0, False], ids=["float", "bool"])
+def test_ids_that_hash_like_ints_are_refused_even_in_an_otherwise_valid_schedule(odd):
+    schedule = cs.build("1f1b", ranks=2, microbatches=2)
+    rank0 = tuple(Action(a.kind, odd, a.microbatch) for a in schedule.programs[0])
+    odd_schedule = Schedule(schedule.name, schedule.placement, 2, (rank0, schedule.programs[1]))
+    with pytest.raises(ScheduleError, match="the stage of an action must be an int"):
+        cs.verify(odd_schedule)
+
+
+def test_look_alike_actions_are_refused_even_in_an_otherwise_valid_schedule():
+    from collections import namedtuple
+
+    fake = namedtuple("Fake", "kind stage microbatch")
+    schedule = cs.build("1f1b", ranks=2, microbatches=2)
+    rank0 = tuple(fake(a.kind, a.stage, a.microbatch) for a in schedule.programs[0])
+    with pytest.raises(ScheduleError, match="expected an Action"):
+        cs.verify(Schedule(schedule.name, schedule.placement, 2, (rank0, schedule.programs[1])))
