@@ -523,6 +523,14 @@ class Pipeline(_PipelineBase):
         import torch.distributed as dist
 
         for param, subgroup in self._tied_groups:
+            if not param.requires_grad:
+                continue  # frozen on every rank (one model): as on one device, no gradient at all
+            # A copy that got no gradient this step adds nothing; if none did, the parameter
+            # keeps grad None, as on one device, so that the optimizer skips it.
+            got_one = torch.tensor([param.grad is not None], dtype=torch.int32, device=param.device)
+            dist.all_reduce(got_one, op=dist.ReduceOp.MAX, group=subgroup)
+            if not got_one.item():
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=subgroup)
