@@ -23,6 +23,7 @@ Example (every rank in one process):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,6 +48,7 @@ from conveyor.runtime.executor import (
     run_local,
 )
 from conveyor.runtime.hybrid import HostExchange, HybridTransport
+from conveyor.runtime.rng import StepRandomness
 from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
 from conveyor.runtime.stage import LossFn, StageRunner
 from conveyor.runtime.transport import (
@@ -150,6 +152,23 @@ def tied_copies_outside_their_first_stage(runners: dict[int, StageRunner], tied_
 
 class _PipelineBase:
     """What the distributed and the in-process pipelines share: stages, programs, checks."""
+
+    random_streams: bool = True
+
+    @contextlib.contextmanager
+    def _random_streams(self) -> Iterator[None]:
+        """One step's random streams for every stage of this process (see conveyor.runtime.rng)."""
+        if not self.random_streams:
+            yield
+            return
+        with StepRandomness() as streams:
+            for runner in self.runners.values():
+                runner.randomness = streams
+            try:
+                yield
+            finally:
+                for runner in self.runners.values():
+                    runner.randomness = None
 
     schedule: Schedule
     runners: dict[int, StageRunner]
@@ -284,6 +303,11 @@ class Pipeline(_PipelineBase):
     ``parameter_order`` ({parameter name: index in the unsplit model's
     ``parameters()``}) tells :meth:`clip_grad_norm_` the model's order when it is
     not stage by stage; :func:`pipeline` passes it.
+    ``random_streams`` (default True): random ops (dropout) draw, in the forward of each
+    stage and microbatch, from generators seeded for that (stage, microbatch) from one draw
+    of the global CPU generator per step, not from each rank's global stream, whose numbers
+    repeat on every rank seeded alike (see :mod:`conveyor.runtime.rng`). False leaves the
+    generators to the user.
     """
 
     def __init__(
@@ -303,6 +327,7 @@ class Pipeline(_PipelineBase):
         tied_parameters: Sequence = (),
         transport: str = "auto",
         parameter_order: Mapping[str, int] | None = None,
+        random_streams: bool = True,
     ) -> None:
         import torch.distributed as dist
 
@@ -335,6 +360,7 @@ class Pipeline(_PipelineBase):
         if shapes:
             self._seed_shapes(shapes)
         self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport)
+        self.random_streams = random_streams
         self.record_timeline = record_timeline
         self._recorder: StepRecorder | None = None
         self._last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
@@ -590,7 +616,7 @@ class Pipeline(_PipelineBase):
         self._recorder = StepRecorder() if self.record_timeline else None
         for runner in self.runners.values():
             runner.reset()
-        with torch.enable_grad():
+        with torch.enable_grad(), self._random_streams():
             for _ in self.executor.run(self.program, first, targets, self._recorder,
                                        keep_outputs=return_outputs):
                 raise AssertionError("a blocking transport never yields")
@@ -607,7 +633,7 @@ class Pipeline(_PipelineBase):
         first = self._split_inputs(args, kwargs) if 0 in self.runners else None
         for runner in self.runners.values():
             runner.reset()
-        with torch.no_grad():
+        with torch.no_grad(), self._random_streams():
             for _ in self.executor.run(self.eval_lowered.programs[self.rank], first, None, None):
                 raise AssertionError("a blocking transport never yields")
         self.transport.end_step()
@@ -679,6 +705,7 @@ class LocalPipeline(_PipelineBase):
     """Every rank of a schedule in one process and one thread, with the numerics of :class:`Pipeline`.
 
     ``modules`` holds one module per stage, indexed by stage. For debugging and fast tests.
+    The keywords mean what they mean to :class:`Pipeline` (``random_streams`` included).
     """
 
     def __init__(
@@ -693,8 +720,10 @@ class LocalPipeline(_PipelineBase):
         checkpoint_activations: bool = False,
         tied_parameters: Sequence = (),
         parameter_order: Mapping[str, int] | None = None,
+        random_streams: bool = True,
     ) -> None:
         modules = list(modules)
+        self.random_streams = random_streams
         if isinstance(schedule, str) and ranks is None:
             # One module per stage: the rank count follows from the schedule's stages per rank.
             info = available().get(schedule)
@@ -729,7 +758,7 @@ class LocalPipeline(_PipelineBase):
         for runner in self.runners.values():
             runner.reset()
         self._recorders = [StepRecorder() for _ in self.executors]
-        with torch.enable_grad():
+        with torch.enable_grad(), self._random_streams():
             run_local(self.executors, [
                 ex.run(self.programs[r], first if r == self.schedule.placement.rank_of(0) else None,
                        targets, self._recorders[r], keep_outputs=return_outputs)
@@ -745,7 +774,7 @@ class LocalPipeline(_PipelineBase):
         first = self._split_inputs(args, kwargs)
         for runner in self.runners.values():
             runner.reset()
-        with torch.no_grad():
+        with torch.no_grad(), self._random_streams():
             run_local(self.executors, [
                 ex.run(self.eval_lowered.programs[r], first if r == self.schedule.placement.rank_of(0) else None,
                        None, None)

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from conveyor.errors import PipelineConfigError, StageExecutionError
 from conveyor.runtime.backward import PendingWeightGrad, PlanCache, backward_full, backward_input
+from conveyor.runtime.rng import StepRandomness
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -97,6 +98,7 @@ class StageRunner:
         self.in_flight: dict[int, _InFlight] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
+        self.randomness: StepRandomness | None = None  # set by the pipeline for each step
 
     @property
     def is_first(self) -> bool:
@@ -118,6 +120,8 @@ class StageRunner:
                 *, keep_output: bool = False) -> Any:
         """Run F; returns the output to hand to the next stage (None on the last stage)."""
         args, kwargs = inputs
+        if self.randomness is not None:
+            self.randomness.seed_for(self.stage, microbatch)
         try:
             output = self._call(args, kwargs)
         except Exception as exc:
