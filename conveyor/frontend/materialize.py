@@ -18,8 +18,9 @@ Rules (``stage_tensors``):
   through all modules in one sequence. A tied tensor is initialised by the module
   that owns its first name (``transformer.wte`` for GPT-2's ``lm_head.weight``).
   Tensors no init method sets (parameters filled in ``__init__`` by hand, buffers
-  computed there) are left NaN (integers 0), so that forgetting to load them from a
-  checkpoint fails loudly; a warning lists them.
+  computed there) are left NaN (integers: their dtype's lowest value, which fails as an
+  index; bools: False), so that forgetting to load them from a checkpoint fails loudly; a
+  warning lists them (bools only when all False, which an init method may have meant).
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ def _fill_unset(tensors: Iterable[torch.Tensor]) -> None:
         for tensor in tensors:
             if tensor.is_floating_point() or tensor.is_complex():
                 tensor.fill_(float("nan"))
-            else:
+            elif tensor.dtype == torch.bool:
                 tensor.zero_()
+            else:
+                tensor.fill_(torch.iinfo(tensor.dtype).min)
 
 
 def materialize(
@@ -162,12 +165,21 @@ def materialize(
     visit(model, "")
     with torch.no_grad():
         for full, tensor in made.items():
-            if tensor.is_floating_point() and tensor.numel() and bool(torch.isnan(tensor).all()):
+            if not tensor.numel():
+                continue
+            if tensor.is_floating_point() or tensor.is_complex():
+                left = bool(torch.isnan(tensor).all())
+            elif tensor.dtype == torch.bool:
+                left = not bool(tensor.any())
+            else:
+                left = bool((tensor == torch.iinfo(tensor.dtype).min).all())
+            if left:
                 unset.append(full)
     if unset:
         logger.warning(
             "%d tensor(s) of this stage are not set by any init method (reset_parameters, "
-            "_init_weights) and are left NaN for loading from a checkpoint: %s",
+            "_init_weights) and are left NaN (integers: their lowest value; bools: False) for loading "
+            "from a checkpoint: %s",
             len(unset),
             ", ".join(unset[:10]) + (" ..." if len(unset) > 10 else ""),
         )

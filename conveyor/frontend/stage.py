@@ -202,6 +202,11 @@ def build_recipes(
                     subgraphs.setdefault(source.name, f"{_SUBGRAPH_PREFIX}{source.target}")
         if stage == num_stages - 1:
             outputs: list[Any] = list(traced.outputs)
+            # A parameter or buffer the model returns as it is (a learned temperature) is read
+            # by no node: the stage that returns it must hold it all the same.
+            for value in pytree.tree_leaves(traced.outputs):
+                if isinstance(value, fx.Node) and value.op == "placeholder" and value.name in traced.state_inputs:
+                    tensors.setdefault(value.name, _tensor_for(traced, value.name, _name_for_use(traced, value.name, ())))
         else:
             outputs = [
                 value

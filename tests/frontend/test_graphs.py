@@ -216,3 +216,33 @@ def test_single_stage_keeps_both_names_of_a_tied_tensor():
     assert {"lm_head.weight", "transformer.wte.weight"} <= set(stage.state_dict())
     assert stage.get_parameter("lm_head.weight") is stage.get_parameter("transformer.wte.weight")
     check_names(model, plan, [stage])
+
+
+class _ReturnsItsState(nn.Module):
+    """Returns a learned temperature and a buffer as they are, beside the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        self.log_temperature = nn.Parameter(torch.zeros(()))
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> dict:
+        for layer in self.layers:
+            x = layer(x)
+        return {"logits": x, "log_temperature": self.log_temperature, "scale": self.scale}
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_a_parameter_or_buffer_returned_as_it_is_lands_on_the_last_stage(num_stages):
+    torch.manual_seed(0)
+    model = _ReturnsItsState()
+    x = torch.randn(4, 4)
+    plan = frontend.split_model(model, num_stages, example_args=(x,),
+                                split_points=["layers.2"] if num_stages == 2 else None)
+    assert {"log_temperature", "scale"} <= set(plan.stage_module(num_stages - 1).state_dict())
+
+    def loss(out):
+        return (out["logits"] * out["log_temperature"].exp() * out["scale"]).sum()
+
+    check_parity(model, plan, (x,), loss_fn=loss)

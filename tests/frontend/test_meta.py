@@ -88,4 +88,32 @@ def test_meta_tensor_without_init_method_is_left_nan_with_a_warning(caplog):
         last = plan.stage_module(1)
     assert torch.isnan(last.get_parameter("gain")).all()
     assert torch.isfinite(last.get_parameter("layers.1.weight")).all()  # nn.Linear.reset_parameters
-    assert "gain" in caplog.text and "left NaN for loading" in caplog.text
+    assert "gain" in caplog.text and "left NaN (integers: their lowest value; bools: False) for loading" in caplog.text
+
+
+def test_integer_and_bool_buffers_no_init_method_sets_are_left_loud_with_a_warning(caplog):
+    class Positions(nn.Module):
+        def __init__(self, n: int = 6, width: int = 4):
+            super().__init__()
+            self.register_buffer("position_ids", torch.arange(n)[None])  # computed in __init__
+            self.register_buffer("keep", torch.tril(torch.ones(n, n, dtype=torch.bool)))
+            self.positions = nn.Embedding(n, width)
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+
+        def forward(self, x):
+            x = x + self.positions(self.position_ids)
+            x = (x @ x.transpose(1, 2)).masked_fill(~self.keep, float("-inf")).softmax(-1) @ x
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    with torch.device("meta"):
+        model = Positions()
+    plan = frontend.split_model(model, 2, example_args=(torch.randn(2, 6, 4),), split_points=["layers.1"])
+    with caplog.at_level(logging.WARNING, logger="conveyor.frontend.materialize"):
+        first = plan.stage_module(0)
+    # An index nobody set fails when used, instead of reading position 0 everywhere.
+    assert (first.get_buffer("position_ids") == torch.iinfo(torch.int64).min).all()
+    assert "position_ids, keep" in caplog.text
+    with pytest.raises(IndexError):
+        first(torch.randn(2, 6, 4))
