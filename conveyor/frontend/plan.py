@@ -107,6 +107,7 @@ class SplitPlan:
             id(self._tensor_by_name[name]) for group in tied_groups for name in group.names
         }
         self._shared_buffer_ids = _ids_held_by_several(stage_tensors, self._tensor_by_name)
+        _warn_of_shared_buffers_updated_in_place(traced, stage_tensors)
 
     @property
     def num_stages(self) -> int:
@@ -271,6 +272,37 @@ class SplitPlan:
 
     def __repr__(self) -> str:
         return f"SplitPlan(num_stages={self.num_stages}, split_points={list(self.split_points)})"
+
+
+def _warn_of_shared_buffers_updated_in_place(traced, stage_tensors: list[list[StageTensor]]) -> None:
+    """A buffer that forward updates in place (BatchNorm's running statistics) and that several
+    stages use: each stage updates its own copy, and nothing brings the copies together."""
+    updated = set()
+    for node in traced.nodes:
+        schema = getattr(node.target, "_schema", None)
+        # batch_norm's schema does not mark the running statistics it updates as written.
+        in_place = schema is not None and (
+            schema.is_mutable
+            or (schema.name.endswith("batch_norm") and len(node.args) > 5 and node.args[5] is True)
+        )
+        if node.op == "call_function" and in_place:
+            for source in node.all_input_nodes:
+                state = traced.state_inputs.get(source.name) if source.op == "placeholder" else None
+                if state is not None and state.kind == "buffer":
+                    updated.add(state.target)
+    holders: dict[str, list[int]] = {}
+    for stage, tensors in enumerate(stage_tensors):
+        for tensor_spec in tensors:
+            if tensor_spec.source in updated:
+                holders.setdefault(tensor_spec.source, []).append(stage)
+    shared = {name: stages for name, stages in holders.items() if len(stages) > 1}
+    if shared:
+        logger.warning(
+            "buffer(s) updated in place by forward are used on several stages, each of which updates "
+            "its own copy (the copies drift apart, and state_dict() keeps one of them): %s. Give the "
+            "module that updates them to one stage (split elsewhere), or use one module per use",
+            ", ".join(f"{name} (stages {', '.join(map(str, stages))})" for name, stages in sorted(shared.items())),
+        )
 
 
 def _ids_held_by_several(

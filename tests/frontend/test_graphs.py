@@ -246,3 +246,23 @@ def test_a_parameter_or_buffer_returned_as_it_is_lands_on_the_last_stage(num_sta
         return (out["logits"] * out["log_temperature"].exp() * out["scale"]).sum()
 
     check_parity(model, plan, (x,), loss_fn=loss)
+
+
+class _SharedNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.norm = nn.Linear(8, 8), nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.b(self.norm(self.a(x))))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_running_statistics_updated_on_two_stages_are_named_in_a_warning(caplog, training):
+    import logging
+
+    model = _SharedNorm().train(training)
+    with caplog.at_level(logging.WARNING, logger="conveyor.frontend.plan"):
+        frontend.split_model(model, 2, example_args=(torch.randn(4, 8),), split_points=["b"])
+    warned = "norm.running_mean (stages 0, 1), norm.running_var (stages 0, 1)" in caplog.text
+    assert warned == training  # in eval mode nothing is updated: nothing to warn of
