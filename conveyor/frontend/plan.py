@@ -673,10 +673,16 @@ def _dry_run(plan: SplitPlan) -> None:
             else:
                 outputs = module(*values)
         except Exception as error:
+            autocast = any("autocast" in str(node.target) for node in recipe.nodes)
+            advice = (
+                "The model enters torch.autocast in forward, which does not apply to the meta tensors "
+                "the split is checked on, so no split point helps: build the stages by hand, or move "
+                "the autocast region around the call of the model."
+                if autocast else "Try other split points, or build the stages by hand."
+            )
             raise SplitError(
                 f"stage {recipe.stage} failed on meta tensors while checking the split "
-                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
-                "Try other split points, or build the stages by hand."
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). {advice}"
             ) from error
         flat_outputs = pytree.tree_leaves(outputs) if recipe.is_last else list(outputs)
         names = [getattr(value, "name", f"output_{i}") for i, value in enumerate(recipe.outputs)]

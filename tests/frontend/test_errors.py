@@ -198,3 +198,18 @@ def test_stage_inputs_are_checked_against_the_example():
         second(torch.randn(2, 8, dtype=torch.float64))
     with pytest.raises(frontend.SplitError, match=r"stage must be in \[0, 2\); got 2"):
         plan.stage_module(2)
+
+
+def test_autocast_in_forward_is_named_as_the_reason_the_split_cannot_be_checked():
+    class Autocast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                x = self.layers[0](x)
+            return self.layers[1](x.float())
+
+    with pytest.raises(frontend.SplitError, match="enters torch.autocast in forward"):
+        frontend.split_model(Autocast(), 2, example_args=(torch.randn(2, 4),), split_points=["layers.1"])
