@@ -545,21 +545,37 @@ class Pipeline(_PipelineBase):
                 mine.append((self.runners[stage].module.get_parameter(name), subgroups[owners]))
         return mine
 
-    def _sum_tied_gradients(self) -> None:
+    def _set_tied_gradients_aside(self) -> list[torch.Tensor | None]:
+        """Take the tied copies' gradients of earlier steps out of the way: only this step's
+        share is summed across ranks (summing the whole .grad would count the earlier steps'
+        summed gradient again on every copy when the user accumulates over steps)."""
+        held = []
+        for param, _ in self._tied_groups:
+            held.append(param.grad)
+            param.grad = None
+        return held
+
+    def _sum_tied_gradients(self, held: list[torch.Tensor | None]) -> None:
         import torch.distributed as dist
 
-        for param, subgroup in self._tied_groups:
-            if not param.requires_grad:
-                continue  # frozen on every rank (one model): as on one device, no gradient at all
-            # A copy that got no gradient this step adds nothing; if none did, the parameter
-            # keeps grad None, as on one device, so that the optimizer skips it.
-            got_one = torch.tensor([param.grad is not None], dtype=torch.int32, device=param.device)
-            dist.all_reduce(got_one, op=dist.ReduceOp.MAX, group=subgroup)
-            if not got_one.item():
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=subgroup)
+        for (param, subgroup), earlier in zip(self._tied_groups, held, strict=True):
+            self._sum_tied_gradient(param, subgroup, dist)
+            if earlier is not None:
+                param.grad = earlier if param.grad is None else earlier.add_(param.grad)
+
+    @staticmethod
+    def _sum_tied_gradient(param: torch.nn.Parameter, subgroup, dist) -> None:
+        if not param.requires_grad:
+            return  # frozen on every rank (one model): as on one device, no gradient at all
+        # A copy that got no gradient this step adds nothing; if none did, the parameter
+        # keeps grad None, as on one device, so that the optimizer skips it.
+        got_one = torch.tensor([param.grad is not None], dtype=torch.int32, device=param.device)
+        dist.all_reduce(got_one, op=dist.ReduceOp.MAX, group=subgroup)
+        if not got_one.item():
+            return
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=subgroup)
 
     def _guarded(self, fn, *args):
         try:
@@ -616,11 +632,12 @@ class Pipeline(_PipelineBase):
         self._recorder = StepRecorder() if self.record_timeline else None
         for runner in self.runners.values():
             runner.reset()
+        held = self._set_tied_gradients_aside()
         with torch.enable_grad(), self._random_streams():
             for _ in self.executor.run(self.program, first, targets, self._recorder,
                                        keep_outputs=return_outputs):
                 raise AssertionError("a blocking transport never yields")
-        self._sum_tied_gradients()
+        self._sum_tied_gradients(held)
         loss = self._broadcast_loss()
         self.transport.end_step()
         if return_outputs:
