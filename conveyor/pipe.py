@@ -774,6 +774,7 @@ class LocalPipeline(_PipelineBase):
         targets = self._split_target(target)
         for runner in self.runners.values():
             runner.reset()
+        self.mailbox.messages.clear()  # a step that raised may have left messages behind
         self._recorders = [StepRecorder() for _ in self.executors]
         with torch.enable_grad(), self._random_streams():
             run_local(self.executors, [
@@ -791,6 +792,7 @@ class LocalPipeline(_PipelineBase):
         first = self._split_inputs(args, kwargs)
         for runner in self.runners.values():
             runner.reset()
+        self.mailbox.messages.clear()
         with torch.no_grad(), self._random_streams():
             run_local(self.executors, [
                 ex.run(self.eval_lowered.programs[r], first if r == self.schedule.placement.rank_of(0) else None,

@@ -48,6 +48,8 @@ def parameter_norms(grads: Sequence[torch.Tensor], norm_type: float,
     ``foreach`` as in torch: ``None`` uses the foreach kernels where torch would, ``True``
     insists on them (an error on a device that has none), ``False`` never uses them.
     """
+    if not grads:
+        return []  # a stage without parameters, or whose parameters are all frozen
     norms: list[torch.Tensor | None] = [None] * len(grads)
     grouped = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
     for (device, _), ([tensors], indices) in grouped.items():

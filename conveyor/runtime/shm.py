@@ -101,7 +101,14 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass
-    return True
+    # A process that exited but that its parent has not reaped yet (a launcher waiting on its
+    # children one by one) still answers signal 0: read its state.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
 
 
 def host_identity() -> str:
@@ -635,7 +642,9 @@ class SharedMemoryTransport(FailureBoard, Transport):
         return all(not o.outbox and (not o.used or o.ring.words[_MAPPED]) for o in self.outgoing.values())
 
     def end_step(self) -> None:
-        if self.fixed_shapes and self.steps_done == 0:
+        if self.fixed_shapes:
+            # Each channel is held to what it carried in the first step that used it (an
+            # evaluation pass before the first training step uses other channels).
             for channel, index in self.last_structure.items():
                 if index >= 0 and channel not in self.frozen:
                     self.frozen[channel] = self.sent_structures[channel][index]

@@ -442,10 +442,11 @@ class DistTransport(FailureBoard, Transport):
     def end_step(self) -> None:
         """Both sides now expect, per channel, the structure of its last transfer.
 
-        With fixed_shapes the expectation is set once, after the first step, and never moves.
+        With fixed_shapes each channel's expectation is set once, after the first step that
+        used it (an evaluation pass before the first training step uses other channels), and
+        never moves.
         """
-        if not (self.fixed_shapes and self.steps_done > 0):
-            for channel, meta in self.last_meta.items():
-                if channel in self.fifo_channels:
-                    self.expected[channel] = meta
+        for channel, meta in self.last_meta.items():
+            if channel in self.fifo_channels and not (self.fixed_shapes and channel in self.expected):
+                self.expected[channel] = meta
         self.steps_done += 1

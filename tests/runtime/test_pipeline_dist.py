@@ -158,6 +158,23 @@ def test_fixed_shapes_violation_names_rank_stage_microbatch_and_tensor(transport
     assert "SpecMismatchError" in text
 
 
+def _mismatch_after_an_evaluation(rank, world_size, transport):
+    schedule = cs.build("1f1b", ranks=2, microbatches=2)
+    module = torch.nn.Linear(4, 4) if rank == 0 else torch.nn.Linear(4, 1)
+    pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             timeout_s=30, fixed_shapes=True, transport=transport)
+    pipe.forward(torch.ones(2, 4))  # an evaluation first: its channels are not the training ones
+    pipe.step(torch.ones(2, 4))
+    pipe.step(torch.ones(4, 4))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_fixed_shapes_hold_when_an_evaluation_comes_before_the_first_step(transport):
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_mismatch_after_an_evaluation, 2, args=(transport,), timeout_s=60)
+    assert "SpecMismatchError" in str(info.value) and "(2, 4) float32" in str(info.value)
+
+
 class _Boom(torch.nn.Module):
     def forward(self, x):
         raise ValueError("boom inside stage 2")
