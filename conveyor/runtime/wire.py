@@ -138,9 +138,25 @@ def matches(meta: PayloadMeta, leaves: list[Any], spec: pytree.TreeSpec) -> bool
             want = next(tensor_metas)
             if leaf.shape != want.shape or leaf.dtype != want.dtype or leaf.requires_grad != want.requires_grad:
                 return False
-        elif isinstance(leaf, torch.Tensor) or leaf != next(plain):
+        elif isinstance(leaf, torch.Tensor) or _differs(leaf, next(plain)):
             return False
     return True
+
+
+def _differs(value: Any, known: Any) -> bool:
+    """Plain values compared as ``!=`` would, also for values whose ``!=`` is elementwise (numpy)."""
+    if value is known:
+        return False
+    if type(value) is not type(known):
+        return True
+    try:
+        result = value != known
+        if isinstance(result, bool):
+            return result
+        shape = getattr(value, "shape", None)
+        return shape != getattr(known, "shape", None) or bool(result.any())
+    except Exception:  # incomparable values: send the structure again
+        return True
 
 
 def unflatten_payload(meta: PayloadMeta, tensors: list[torch.Tensor]) -> Any:

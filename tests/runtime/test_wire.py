@@ -69,3 +69,41 @@ def test_unflatten_payload_rebuilds_the_sent_structure(name, decoded):
     got_leaves, got_spec = pytree.tree_flatten(rebuilt)
     assert type(rebuilt) is type(value) and got_spec == want_spec
     assert all(g is w if isinstance(w, torch.Tensor) else g == w for g, w in zip(got_leaves, want_leaves, strict=True))
+
+
+class _WithArray(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        import numpy
+
+        return self.linear(x), numpy.arange(3)  # a plain value whose != is elementwise
+
+
+class _TakesArray(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x, array):
+        return self.linear(x) * float(array.sum())
+
+
+def _numpy_across(rank, world_size, transport):
+    import conveyor
+    import conveyor.schedule as cs
+
+    module = _WithArray() if rank == 0 else _TakesArray()
+    pipe = conveyor.Pipeline([module], schedule=cs.build("1f1b", ranks=2, microbatches=2),
+                             loss_fn=lambda y, t: y.sum(), timeout_s=60, transport=transport)
+    return [pipe.step(torch.ones(4, 4) if rank == 0 else None).item() for _ in range(3)]
+
+
+@pytest.mark.parametrize("transport", ["process_group", "shared_memory"])
+def test_a_numpy_array_crosses_stages_as_a_plain_value(transport):
+    from conveyor.testing import run_ranks
+
+    losses = run_ranks(_numpy_across, 2, args=(transport,), timeout_s=60)
+    assert losses[0] == losses[1] and len(set(losses[0])) == 1
