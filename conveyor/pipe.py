@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch.utils import _pytree as pytree
@@ -154,6 +154,30 @@ class _PipelineBase:
     """What the distributed and the in-process pipelines share: stages, programs, checks."""
 
     random_streams: bool = True
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The parameters of this process's stages (shared ones once)."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This process's parameters (shared ones once), under the names their modules give them."""
+        yield from _named_unique(self.runners, lambda m: m.named_parameters())
+
+    def state_dict(self) -> dict[str, Any]:
+        """This process's parameters and buffers under their modules' names."""
+        state = {}
+        for runner in self.runners.values():
+            state.update(runner.module.state_dict())
+        return state
+
+    def train(self, mode: bool = True) -> Self:
+        for runner in self.runners.values():
+            runner.module.train(mode)
+        return self
+
+    def eval(self) -> Self:
+        return self.train(False)
 
     @contextlib.contextmanager
     def _random_streams(self) -> Iterator[None]:
@@ -393,10 +417,6 @@ class Pipeline(_PipelineBase):
         dist.all_gather_object(gathered, mine, group=self.group)
         return measured_timeline(self.schedule, gathered)
 
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        for _, p in self.named_parameters():
-            yield p
-
     def _all_norms(self, mine: EncodedNorms) -> list[EncodedNorms]:
         import torch.distributed as dist
 
@@ -408,25 +428,6 @@ class Pipeline(_PipelineBase):
         # Guarded like a step: a rank that fails on its way to the exchange takes the
         # pipeline down with its message, and a peer that failed is named.
         return self._guarded(fn, *args)
-
-    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """This rank's parameters (shared ones once), under the names their modules give them."""
-        yield from _named_unique(self.runners, lambda m: m.named_parameters())
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's parameters and buffers under their modules' names."""
-        state = {}
-        for runner in self.runners.values():
-            state.update(runner.module.state_dict())
-        return state
-
-    def train(self, mode: bool = True) -> Pipeline:
-        for runner in self.runners.values():
-            runner.module.train(mode)
-        return self
-
-    def eval(self) -> Pipeline:
-        return self.train(False)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -809,9 +810,6 @@ class LocalPipeline(_PipelineBase):
     def timeline(self) -> Timeline:
         return measured_timeline(self.schedule, [[(str(a), s, e) for a, s, e in r.events] for r in self._recorders])
 
-    def parameters(self) -> Iterator[torch.nn.Parameter]:
-        for _, p in _named_unique(self.runners, lambda m: m.named_parameters()):
-            yield p
 
 
 def pipeline(

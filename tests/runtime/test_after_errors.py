@@ -95,3 +95,13 @@ def test_an_exited_peer_not_yet_reaped_counts_as_gone():
     finally:
         os.waitpid(pid, 0)
     assert _alive(os.getpid())
+
+
+def test_the_in_process_pipeline_answers_what_the_distributed_one_does():
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), nn.Linear(4, 1)]
+    pipe = LocalPipeline(stages, schedule="1f1b", microbatches=2, loss_fn=_mse)
+    assert [name for name, _ in pipe.named_parameters()] == ["0.weight", "0.bias", "weight", "bias"]
+    assert pipe.eval() is pipe and not stages[0].training
+    assert pipe.train() is pipe and stages[0].training
+    assert set(pipe.state_dict()) == {"0.weight", "0.bias", "weight", "bias"}
