@@ -50,6 +50,7 @@ class StepRandomness:
 
     def __init__(self) -> None:
         self.base = 0
+        self._cuda = False
         self._cpu_state: torch.Tensor | None = None
         self._cuda_states: list[torch.Tensor] | None = None
 
