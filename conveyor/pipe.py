@@ -153,6 +153,10 @@ def tied_copies_outside_their_first_stage(runners: dict[int, StageRunner], tied_
 class _PipelineBase:
     """What the distributed and the in-process pipelines share: stages, programs, checks."""
 
+    schedule: Schedule
+    runners: dict[int, StageRunner]
+    _tied_copies: set[int]
+    _parameter_order: dict[str, int] | None
     random_streams: bool = True
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
@@ -193,11 +197,6 @@ class _PipelineBase:
             finally:
                 for runner in self.runners.values():
                     runner.randomness = None
-
-    schedule: Schedule
-    runners: dict[int, StageRunner]
-    _tied_copies: set[int]
-    _parameter_order: dict[str, int] | None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
@@ -560,23 +559,18 @@ class Pipeline(_PipelineBase):
         import torch.distributed as dist
 
         for (param, subgroup), earlier in zip(self._tied_groups, held, strict=True):
-            self._sum_tied_gradient(param, subgroup, dist)
+            # A frozen parameter (frozen on every rank: one model) gets no gradient, as on one
+            # device. A copy that got none this step adds nothing; if none did, the parameter
+            # keeps what it had, so that the optimizer skips a parameter nothing used.
+            if param.requires_grad:
+                got_one = torch.tensor([param.grad is not None], dtype=torch.int32, device=param.device)
+                dist.all_reduce(got_one, op=dist.ReduceOp.MAX, group=subgroup)
+                if got_one.item():
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=subgroup)
             if earlier is not None:
                 param.grad = earlier if param.grad is None else earlier.add_(param.grad)
-
-    @staticmethod
-    def _sum_tied_gradient(param: torch.nn.Parameter, subgroup, dist) -> None:
-        if not param.requires_grad:
-            return  # frozen on every rank (one model): as on one device, no gradient at all
-        # A copy that got no gradient this step adds nothing; if none did, the parameter
-        # keeps grad None, as on one device, so that the optimizer skips it.
-        got_one = torch.tensor([param.grad is not None], dtype=torch.int32, device=param.device)
-        dist.all_reduce(got_one, op=dist.ReduceOp.MAX, group=subgroup)
-        if not got_one.item():
-            return
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=subgroup)
 
     def _guarded(self, fn, *args):
         try:
