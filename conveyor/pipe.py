@@ -306,7 +306,10 @@ class Pipeline(_PipelineBase):
     ``fixed_shapes=True`` promises that what crosses each stage boundary keeps
     the shapes, dtypes and structure of the first step: later steps then send
     data only (no metadata), and a stage output that breaks the promise is an
-    error naming rank, stage, microbatch and tensor. By default shapes may
+    error naming rank, stage, microbatch and tensor. Each tensor then also keeps
+    the memory layout (strides) it had in the first step: a later one laid out
+    otherwise is copied into that layout (same values). By default a tensor arrives with
+    its own dense layout (a transpose stays a transpose), as on one device. By default shapes may
     change between microbatches and steps (variable sequence length).
     ``shapes`` ({stage: an example of that stage's output for ONE microbatch,
     tensors that carry a gradient marked ``requires_grad=True``}, the same on

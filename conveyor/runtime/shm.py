@@ -59,7 +59,9 @@ from conveyor.runtime.transport import (
 from conveyor.runtime.wire import (
     PayloadMeta,
     aligned,
+    flat_in_layout,
     flatten_payload,
+    in_layouts,
     matches,
     pack_into,
     quick_flatten,
@@ -379,6 +381,8 @@ class SharedMemoryTransport(FailureBoard, Transport):
             meta, tensors = flatten_payload(value)
             if self.fixed_shapes and channel in self.frozen:
                 check_frozen(self.frozen[channel], meta, self.rank, key, dst)
+                # Only a layout differs: keep the frozen one, as the process-group transport must.
+                meta, tensors = self.frozen[channel], in_layouts(tensors, self.frozen[channel])
             index, encoded = self._structure_index(channel, structures, meta)
             self.last_structure[channel] = index
             if index >= 0:
@@ -678,7 +682,8 @@ class _Layout:
 
     numpy_ok: bool  # every dtype has a numpy twin (else wire's torch packing is used)
     data_bytes: int
-    tensors: tuple[tuple[int, int, Any, torch.Size, bool], ...]  # offset, bytes, numpy dtype, shape, requires_grad
+    # offset, bytes, numpy dtype, shape, strides (None: row-major), requires_grad
+    tensors: tuple[tuple[int, int, Any, torch.Size, tuple[int, ...] | None, bool], ...]
 
 
 _LAYOUTS: dict[int, tuple[tuple, _Layout]] = {}
@@ -696,7 +701,7 @@ def _layout(meta: PayloadMeta) -> _Layout:
     entries, offset = [], 0
     for t in meta.tensors:
         n = t.num_bytes
-        entries.append((offset, n, _NUMPY_DTYPES.get(t.dtype), t.shape, t.requires_grad))
+        entries.append((offset, n, _NUMPY_DTYPES.get(t.dtype), t.shape, t.strides, t.requires_grad))
         offset += aligned(n)
     layout = _Layout(all(entry[2] is not None for entry in entries), offset, tuple(entries))
     if len(_LAYOUTS) >= 256:  # shapes that change every step must not grow this without bound
@@ -712,9 +717,9 @@ def _copy_into(ring: _Ring, at: int, tensors: list[torch.Tensor], meta: PayloadM
         pack_into(ring.tensor[at : at + layout.data_bytes], tensors, meta)
         return
     target = ring.bytes
-    for tensor, (offset, n, _, _, _) in zip(tensors, layout.tensors):
+    for tensor, (offset, n, *_) in zip(tensors, layout.tensors):
         if n:
-            target[at + offset : at + offset + n] = tensor.detach().numpy().reshape(-1).view(numpy.uint8)
+            target[at + offset : at + offset + n] = flat_in_layout(tensor).numpy().view(numpy.uint8)
 
 
 def _tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
@@ -723,8 +728,9 @@ def _tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
     if not layout.numpy_ok:
         return unpack(torch.from_numpy(buffer), meta)
     tensors = []
-    for offset, n, dtype, shape, requires_grad in layout.tensors:
-        tensor = torch.from_numpy(buffer[offset : offset + n].view(dtype).reshape(shape))
+    for offset, n, dtype, shape, strides, requires_grad in layout.tensors:
+        tensor = torch.from_numpy(buffer[offset : offset + n].view(dtype))
+        tensor = tensor.view(shape) if strides is None else tensor.as_strided(shape, strides)
         if requires_grad:
             tensor.requires_grad_(True)
         tensors.append(tensor)

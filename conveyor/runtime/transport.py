@@ -39,6 +39,7 @@ from conveyor.runtime.wire import (
     PayloadMeta,
     data_and_trailer,
     flatten_payload,
+    in_layouts,
     matches,
     pack,
     quick_flatten,
@@ -324,18 +325,14 @@ class DistTransport(FailureBoard, Transport):
         leaves, spec = quick_flatten(value)
         if expected is not None and matches(expected, leaves, spec):
             # The common case, on every transfer's critical path: as little as possible.
-            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-            if self.fixed_shapes:
-                first = pack(tensors, expected) if tensors else None  # no trailer: nothing can change
-            else:
-                first = data_and_trailer(tensors, expected, _SAME)
-            if first is not None:
-                self._remember_send([self._isend(first, dst, key, _FIRST)], [first])
-            self.last_meta[channel] = expected  # both sides must agree on what came last
+            self._send_as_expected([leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], expected, dst, key)
             return
         meta, tensors = flatten_payload(value)
         if self.fixed_shapes and expected is not None:
             check_frozen(expected, meta, self.rank, key, dst)
+            # Only a layout differs (a frozen channel carries data only): send it in the frozen one.
+            self._send_as_expected(in_layouts(tensors, expected), expected, dst, key)
+            return
         self.structures_sent += 1
         expected_bytes = expected.data_bytes if expected is not None else 0
         first = torch.empty(expected_bytes + _TRAILER_BYTES, dtype=torch.uint8)
@@ -351,6 +348,16 @@ class DistTransport(FailureBoard, Transport):
             works.append(self._isend(body, dst, key, _BODY))
         self.last_meta[channel] = meta
         self._remember_send(works, keep)
+
+    def _send_as_expected(self, tensors: list[torch.Tensor], expected: PayloadMeta, dst: int,
+                          key: TransferKey) -> None:
+        if self.fixed_shapes:
+            first = pack(tensors, expected) if tensors else None  # no trailer: nothing can change
+        else:
+            first = data_and_trailer(tensors, expected, _SAME)
+        if first is not None:
+            self._remember_send([self._isend(first, dst, key, _FIRST)], [first])
+        self.last_meta[key[:2]] = expected  # both sides must agree on what came last
 
     def _remember_send(self, works: list, keep: list[torch.Tensor]) -> None:
         # Buffers stay referenced until their sends complete. Gloo reports a send complete

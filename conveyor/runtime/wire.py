@@ -1,10 +1,16 @@
 """What crosses a stage boundary: any pytree of tensors and plain values.
 
 A payload is flattened into its tensor leaves plus a :class:`PayloadMeta`
-(tree structure, non-tensor leaves, and each tensor's shape, dtype and whether
-it carries a gradient). Tensors travel as one flat byte buffer, so one message
-carries a whole payload whatever its dtypes; the receiver rebuilds tensors as
-views of that buffer (no copy).
+(tree structure, non-tensor leaves, and each tensor's shape, dtype, layout and
+whether it carries a gradient). Tensors travel as one flat byte buffer, so one
+message carries a whole payload whatever its dtypes; the receiver rebuilds
+tensors as views of that buffer (no copy).
+
+A tensor laid out densely in another order than row-major (a transpose, a
+``channels_last`` image) keeps its strides across the boundary: the next stage's
+kernels then see what they would on one device, which is what keeps a pipeline's
+results bitwise one device's. A view with gaps (a slice) arrives row-major, as
+``clone()`` would give it.
 
 Example:
     >>> import torch
@@ -32,13 +38,40 @@ class TensorMeta:
     dtype: torch.dtype
     requires_grad: bool
     path: str
+    strides: tuple[int, ...] | None = None  # None: row-major; else the dense layout to rebuild
+
 
     @property
     def num_bytes(self) -> int:
         return self.shape.numel() * self.dtype.itemsize
 
     def describe(self) -> str:
-        return f"{tuple(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+        layout = "" if self.strides is None else f" with strides {self.strides}"
+        return f"{tuple(self.shape)} {str(self.dtype).removeprefix('torch.')}{layout}"
+
+
+def dense_strides(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides a receiver rebuilds ``tensor`` with: None for row-major.
+
+    A non-contiguous tensor whose elements fill a block of memory without gaps or
+    overlaps keeps its strides (its bytes travel in memory order); any other
+    becomes row-major, like ``clone()`` of it.
+
+    Example:
+        >>> import torch
+        >>> dense_strides(torch.ones(2, 3).t()), dense_strides(torch.ones(4, 4)[:, :2])
+        ((1, 3), None)
+    """
+    if tensor.is_contiguous():
+        return None
+    strides = tensor.stride()
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(tensor.shape, strides) if s != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(strides)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +112,18 @@ def flatten_payload(value: Any) -> tuple[PayloadMeta, list[torch.Tensor]]:
     spec = _tensor_tuple_spec(value)
     if spec is not None:  # the usual gradient payload: no pytree walk
         tensors = list(value)
-        metas = tuple(TensorMeta(t.shape, t.dtype, t.requires_grad, f"[{i}]") for i, t in enumerate(tensors))
+        metas = tuple(
+            TensorMeta(t.shape, t.dtype, t.requires_grad, f"[{i}]", dense_strides(t)) for i, t in enumerate(tensors)
+        )
         return PayloadMeta(spec, (True,) * len(tensors), (), metas), tensors
     leaves_with_path, spec = pytree.tree_flatten_with_path(value)
     is_tensor, plain, metas, tensors = [], [], [], []
     for path, leaf in leaves_with_path:
         if isinstance(leaf, torch.Tensor):
             is_tensor.append(True)
-            metas.append(TensorMeta(leaf.shape, leaf.dtype, leaf.requires_grad, pytree.keystr(path)))
+            metas.append(
+                TensorMeta(leaf.shape, leaf.dtype, leaf.requires_grad, pytree.keystr(path), dense_strides(leaf))
+            )
             tensors.append(leaf)
         else:
             is_tensor.append(False)
@@ -137,6 +174,8 @@ def matches(meta: PayloadMeta, leaves: list[Any], spec: pytree.TreeSpec) -> bool
                 return False
             want = next(tensor_metas)
             if leaf.shape != want.shape or leaf.dtype != want.dtype or leaf.requires_grad != want.requires_grad:
+                return False
+            if (want.strides is not None or not leaf.is_contiguous()) and dense_strides(leaf) != want.strides:
                 return False
         elif isinstance(leaf, torch.Tensor) or _differs(leaf, next(plain)):
             return False
@@ -195,7 +234,8 @@ def unpack(buffer: torch.Tensor, meta: PayloadMeta) -> list[torch.Tensor]:
     tensors, offset = [], 0
     for tmeta in meta.tensors:
         n = tmeta.num_bytes
-        view = buffer[offset : offset + n].view(tmeta.dtype).view(tmeta.shape)
+        view = buffer[offset : offset + n].view(tmeta.dtype)
+        view = view.view(tmeta.shape) if tmeta.strides is None else view.as_strided(tmeta.shape, tmeta.strides)
         if tmeta.requires_grad:
             view.requires_grad_(True)
         tensors.append(view)
@@ -213,6 +253,34 @@ def data_and_trailer(tensors: list[torch.Tensor], meta: PayloadMeta, trailer: to
     return buffer
 
 
+def in_layouts(tensors: list[torch.Tensor], meta: PayloadMeta) -> list[torch.Tensor]:
+    """``tensors`` laid out as ``meta`` says (a copy of each whose layout differs).
+
+    A frozen channel (``fixed_shapes=True``) carries data only, so the receiver rebuilds
+    the layout it was told first; values are the same, only their order in memory moves.
+    """
+    conformed = []
+    for tensor, tmeta in zip(tensors, meta.tensors):
+        if dense_strides(tensor) != tmeta.strides:
+            tensor = tensor.detach()
+            if tmeta.strides is None:
+                tensor = tensor.contiguous()
+            else:
+                tensor = torch.empty_strided(tmeta.shape, tmeta.strides, dtype=tmeta.dtype).copy_(tensor)
+        conformed.append(tensor)
+    return conformed
+
+
+def flat_in_layout(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements, 1-D, in the order :func:`unpack` lays them out (see :func:`dense_strides`)."""
+    tensor = tensor.detach()
+    if tensor.is_contiguous():
+        return tensor.reshape(-1)
+    if dense_strides(tensor) is not None:  # memory order: no copy
+        return tensor.as_strided((tensor.numel(),), (1,))
+    return tensor.contiguous().reshape(-1)
+
+
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().contiguous().reshape(-1)
+    flat = flat_in_layout(tensor)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
