@@ -46,3 +46,7 @@ class CommTimeout(ConveyorError, TimeoutError):
 
 class PeerFailure(ConveyorError, RuntimeError):
     """Another rank failed; this rank stopped instead of waiting for it. Carries the peer's message."""
+
+
+class PipelineStopped(ConveyorError, RuntimeError):
+    """The pipeline stopped after a failure (its process group is closed); build a new one to go on."""

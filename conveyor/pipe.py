@@ -24,6 +24,7 @@ Example (every rank in one process):
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,7 +33,7 @@ from typing import Any, Self
 import torch
 from torch.utils import _pytree as pytree
 
-from conveyor.errors import ConveyorError, PeerFailure, PipelineConfigError
+from conveyor.errors import ConveyorError, PeerFailure, PipelineConfigError, PipelineStopped
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.runtime.clip import (
     EncodedNorms,
@@ -334,6 +335,11 @@ class Pipeline(_PipelineBase):
     of the global CPU generator per step, not from each rank's global stream, whose numbers
     repeat on every rank seeded alike (see :mod:`conveyor.runtime.rng`). False leaves the
     generators to the user.
+
+    A failure on any rank stops the pipeline on every rank: the failing rank publishes
+    its message, closes ``group`` (the default process group when None, so that no
+    peer waits on its connections), and raises; peers raise :class:`PeerFailure` with
+    that message. The stopped pipeline then raises :class:`PipelineStopped`.
     """
 
     def __init__(
@@ -391,6 +397,8 @@ class Pipeline(_PipelineBase):
         self._recorder: StepRecorder | None = None
         self._last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
         self._global_ranks = global_ranks
+        self._stopped: str | None = None  # the failure that stopped this pipeline
+        self._keep_store = None
 
     # --- user API -----------------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any):
@@ -576,19 +584,24 @@ class Pipeline(_PipelineBase):
                 param.grad = earlier if param.grad is None else earlier.add_(param.grad)
 
     def _guarded(self, fn, *args):
+        if self._stopped is not None:
+            raise PipelineStopped(
+                f"rank {self.rank}: this pipeline stopped after a failure ({self._stopped}) and closed its "
+                "process group; start a new process group and build a new Pipeline to go on"
+            )
         try:
             return fn(*args)
         except ConveyorError as exc:
-            self._fail(exc)
+            self._fail(exc, exc)
             raise
         except Exception as exc:
             # A peer that failed closes its connections after publishing why; whichever
             # communication call notices first (send, post, wait, collective) reports that.
             cause = self._peer_cause(exc)
             if cause is None:
-                self._fail(exc)
+                self._fail(exc, exc)
                 raise
-            self._fail(cause)
+            self._fail(cause, exc)
             raise cause from exc
 
     def _peer_cause(self, exc: Exception) -> PeerFailure | None:
@@ -606,19 +619,44 @@ class Pipeline(_PipelineBase):
             )
         return None
 
-    def _fail(self, exc: BaseException) -> None:
-        # Tell the peers why, then close our connections so none of them waits for us.
+    def _fail(self, exc: BaseException, raised: BaseException) -> None:
+        """Tell the peers why, then close our connections so that none of them waits for us.
+
+        Peers blocked in a gloo receive from this rank only notice once its sockets close,
+        and those close only when nothing holds the group: not this pipeline, not a pending
+        send or receive, not the frames of ``raised``'s traceback (which the caller keeps,
+        in its ``except`` block, for as long as it likes). So the runtime's frames in that
+        traceback (and torch.distributed's) lose their local variables (the user's own frames
+        keep theirs). The
+        default store stays referenced: rank 0 serves it, and peers read the message there.
+        """
         message = f"{type(exc).__name__}: {exc}"
         self.transport.publish_failure(message)
+        self._stopped = message
         for runner in self.runners.values():
             runner.reset()
         import torch.distributed as dist
 
+        self._keep_store = self._default_store()  # rank 0 serves it to the peers
+        self._tied_groups = []
+        self.transport.release()
+        self.executor.recvs = {}
+        _clear_runtime_frames(raised.__traceback__)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group(self.group)
             except Exception as close_exc:  # already torn down by a peer's failure
                 log.debug("closing the process group after a failure: %s", close_exc)
+        self.group = None
+        gc.collect()  # the group's last references may sit in reference cycles
+
+    @staticmethod
+    def _default_store():
+        with contextlib.suppress(Exception):
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            return _get_default_store()
+        return None
 
     def _inputs_for_step(self, args, kwargs, target):
         first = self._split_inputs(args, kwargs) if 0 in self.runners else None
@@ -870,3 +908,21 @@ def pipeline(
     order = {name: index for index, (name, _) in enumerate(model.named_parameters())}
     return Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=plan.tied_groups,
                     parameter_order=order, **pipeline_kwargs)
+
+
+# Frames that may hold the process group or its pending work: conveyor's, and those of
+# torch.distributed's calls that raised (isend's frame holds the group).
+_RUNTIME_DIRS = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(torch.distributed.__file__)) + os.sep,
+)
+
+
+def _clear_runtime_frames(traceback) -> None:
+    """Drop the local variables of conveyor's and torch.distributed's finished frames in ``traceback``."""
+    while traceback is not None:
+        frame = traceback.tb_frame
+        if frame.f_code.co_filename.startswith(_RUNTIME_DIRS):
+            with contextlib.suppress(RuntimeError):  # a frame still running keeps its locals
+                frame.clear()
+        traceback = traceback.tb_next

@@ -204,6 +204,9 @@ class Transport(ABC):
     def end_step(self) -> None:  # noqa: B027 - only transports that learn per step need it
         """Called once every rank's step has finished."""
 
+    def release(self) -> None:  # noqa: B027 - only transports holding process-group work need it
+        """Drop every handle on the process group, after a failure, so that its connections can close."""
+
 
 @dataclass
 class LocalMailbox:
@@ -445,6 +448,12 @@ class DistTransport(FailureBoard, Transport):
             for work in works:
                 work.wait(datetime.timedelta(seconds=self.timeout_s))
         self.pending_sends.clear()
+
+    def release(self) -> None:
+        # A gloo pair closes only when nothing refers to its context any more; an outstanding
+        # send or receive does, and would leave peers waiting for this rank their full timeout.
+        self.pending_sends.clear()
+        self.group = None
 
     def end_step(self) -> None:
         """Both sides now expect, per channel, the structure of its last transfer.

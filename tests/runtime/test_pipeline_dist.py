@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
@@ -225,6 +226,46 @@ def test_peers_report_the_failing_ranks_message_not_a_bare_connection_error(tran
         assert "PeerFailure" in messages[rank], messages[rank]
         assert "rank 2 failed" in messages[rank] and "boom inside stage 2" in messages[rank]
     assert max(seconds for _, seconds in results) < 30
+
+
+def _failing_rank_lingers(rank, world_size, transport):
+    """Rank 2 catches its own failure and lives on, holding the exception, until every peer has reported."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    pipe = _pipeline_with_a_failing_stage(rank, world_size, transport)
+    start = time.monotonic()
+    try:
+        pipe.step(torch.ones(4, 4))
+    except Exception as exc:
+        seconds = time.monotonic() - start
+        if rank == 2:
+            held = exc  # as a script's `except` block would, while it logs and cleans up
+            store.wait([f"reported {peer}" for peer in (0, 1, 3)], datetime.timedelta(seconds=60))
+            try:
+                pipe.step(torch.ones(4, 4))
+            except Exception as again:
+                store.set("done", "1")
+                return f"{type(held).__name__}: {held}", f"{type(again).__name__}: {again}", dist.is_initialized()
+        store.set(f"reported {rank}", "1")
+        store.wait(["done"], datetime.timedelta(seconds=60))  # rank 0 serves the store: stay until rank 2 is done
+        return f"{type(exc).__name__}: {exc}", seconds
+    return "no error", 0.0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_peers_stop_fast_while_the_failing_rank_lives_on(transport):
+    """Its connections close at once, not when its process ends: peers do not wait out timeout_s (120 s)."""
+    results = run_ranks(_failing_rank_lingers, 4, args=(transport,), timeout_s=90)
+    held, again, initialized = results[2]
+    assert "boom inside stage 2" in held
+    assert again.startswith("PipelineStopped") and "boom inside stage 2" in again, again
+    assert not initialized  # the default process group is closed
+    for rank in (0, 1, 3):
+        message, seconds = results[rank]
+        assert "PeerFailure" in message and "rank 2 failed" in message and "boom inside stage 2" in message
+        assert seconds < 30, f"rank {rank} took {seconds:.1f} s to stop"
 
 
 def _silent_peer(rank, world_size, transport):
