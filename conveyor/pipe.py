@@ -861,6 +861,7 @@ def pipeline(
     unsplittable: Sequence[str] | None = None,
     group=None,
     device: torch.device | str | None = None,
+    both_modes: bool = False,
     **pipeline_kwargs: Any,
 ) -> Pipeline:
     """Trace and split an unchanged ``model``; return this rank's :class:`Pipeline`.
@@ -869,6 +870,9 @@ def pipeline(
     microbatch. Without ``split_points`` the model is cut into P x V stages
     balanced by ``split_method`` ("uniform", "parameters", "time",
     "type:<regex>"); with "time", rank 0's measurement decides for every rank.
+    ``both_modes=True`` traces the model in train and in eval mode, so that
+    ``pipe.eval()`` / ``pipe.train()`` switch dropout and BatchNorm as on the model
+    (one trace, in the model's current mode, otherwise; the other mode then raises).
     Each rank materialises only its own stages (a meta-device model works);
     parameters keep their original names, and tied parameters (GPT-2's ``wte`` and
     ``lm_head``) stay equal after every optimizer step.
@@ -903,7 +907,7 @@ def pipeline(
         split_points = chosen[0]
     plan = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
                        **split_kwargs)
-    modules = [plan.stage_module(stage, device) for stage in resolved.stages_of(rank)]
+    modules = [plan.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
     # Stage modules keep the model's parameter names, so the model's order can be looked up.
     order = {name: index for index, (name, _) in enumerate(model.named_parameters())}
     return Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=plan.tied_groups,

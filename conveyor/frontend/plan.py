@@ -102,6 +102,7 @@ class SplitPlan:
         self.stage_weights = stage_weights
         self.device = device
         self.seed = seed
+        self._other_mode_plan: SplitPlan | None = None  # with_mode(not training), traced on demand
         self._tensor_by_name = dict(named_tensors(traced.model))
         self._tied_ids = {
             id(self._tensor_by_name[name]) for group in tied_groups for name in group.names
@@ -133,11 +134,16 @@ class SplitPlan:
         """What ``stage`` returns (flattened for the last stage)."""
         return self._recipes[stage].output_specs
 
-    def stage_module(self, stage: int, device: torch.device | str | None = None) -> StageModule:
+    def stage_module(
+        self, stage: int, device: torch.device | str | None = None, *, both_modes: bool = False
+    ) -> StageModule:
         """Build the module of ``stage`` only, on ``device`` (default: ``self.device``).
 
         Tensors follow ``conveyor.frontend.materialize``: the model's own tensors where
         possible, copies for tied ones, fresh initialised ones for a meta model.
+        ``both_modes=True`` also traces the model in the other mode (once per plan) so
+        that the stage follows ``train()`` / ``eval()`` like the model would, dropout and
+        BatchNorm included, on the same parameters and buffers.
 
         Example:
             >>> import conveyor.frontend as frontend
@@ -157,7 +163,7 @@ class SplitPlan:
             {} if self._traced.trace_device == device else {self._traced.trace_device: device}
         )
         graph, submodules = build_graph(recipe, self._traced, device_map)
-        return StageModule(
+        module = StageModule(
             recipe,
             graph,
             tensors,
@@ -167,10 +173,27 @@ class SplitPlan:
             self._traced.out_spec,
             traced_training=self._traced.training,
         )
+        if both_modes:
+            other = self._other_mode()
+            if other.split_points != self.split_points:
+                raise SplitError(
+                    f"the model traced in the other mode cuts at {other.split_points}, not at "
+                    f"{self.split_points}; build each mode's stages with plan.with_mode()"
+                )
+            module.add_mode(other.training, other._recipes[stage],
+                            *build_graph(other._recipes[stage], other._traced, device_map))
+        return module
 
-    def stage_modules(self, device: torch.device | str | None = None) -> list[StageModule]:
+    def _other_mode(self) -> SplitPlan:
+        if self._other_mode_plan is None:
+            self._other_mode_plan = self.with_mode(not self.training)
+        return self._other_mode_plan
+
+    def stage_modules(
+        self, device: torch.device | str | None = None, *, both_modes: bool = False
+    ) -> list[StageModule]:
         """Every stage's module, for running them all in one process (tests, debugging)."""
-        return [self.stage_module(stage, device) for stage in range(self.num_stages)]
+        return [self.stage_module(stage, device, both_modes=both_modes) for stage in range(self.num_stages)]
 
     def _resolve_tensors(
         self, stage: int, device: torch.device

@@ -396,7 +396,9 @@ class StageModule(nn.Module):
         self._conveyor_out_spec = out_spec
         self._conveyor_traced_training = traced_training
         self.train(traced_training)
-        self._conveyor_run, self._conveyor_code = _compile(graph, recipe.stage)
+        run, code = _compile(graph, recipe.stage)
+        # Per mode (training flag): the compiled forward, its source and what it receives.
+        self._conveyor_runs = {traced_training: (run, code, self._conveyor_input_specs)}
 
     @property
     def stage(self) -> int:
@@ -408,22 +410,62 @@ class StageModule(nn.Module):
 
     @property
     def code(self) -> str:
-        """The generated Python source of this stage's forward."""
-        return self._conveyor_code
+        """The generated Python source of this stage's forward (in the current mode, if it has one)."""
+        run = self._conveyor_runs.get(self.training) or self._conveyor_runs[self._conveyor_traced_training]
+        return run[1]
+
+    @property
+    def modes(self) -> tuple[bool, ...]:
+        """The modes this stage can run in (``training`` flags): the traced one, and any added."""
+        return tuple(sorted(self._conveyor_runs, reverse=True))
+
+    def add_mode(self, training: bool, recipe: StageRecipe, graph: fx.Graph, submodules: dict[str, nn.Module]) -> None:
+        """Let this stage also run in the other mode, with ``graph`` traced in that mode.
+
+        The graph must use this stage's own tensors (the same cut of the same model
+        gives the same names), so both modes train and read one set of parameters and
+        buffers. :meth:`SplitPlan.stage_module` calls this when asked for both modes.
+        """
+        if training in self._conveyor_runs:
+            raise PipelineConfigError(f"stage {self.stage} already runs in {'train' if training else 'eval'} mode")
+        own = {name for name, _ in self.named_parameters(remove_duplicate=False)}
+        own |= {name for name, _ in self.named_buffers(remove_duplicate=False)}
+        missing = sorted(t.name for t in recipe.tensors.values() if t.name not in own)
+        if missing:
+            raise PipelineConfigError(
+                f"stage {self.stage} traced in {'train' if training else 'eval'} mode uses tensors the "
+                f"{'eval' if training else 'train'}-mode stage lacks: {', '.join(missing)}; build that mode's "
+                "stages on their own with plan.with_mode()"
+            )
+        suffix = "_train" if training else "_eval"
+        for node in graph.nodes:  # the other mode's nested graphs (cond, no_grad regions) get their own names
+            if node.op == "get_attr" and node.target in submodules:
+                node.target = f"{node.target}{suffix}"
+        for name, module in submodules.items():
+            self.add_module(f"{name}{suffix}", module)
+        graph.lint()
+        run, code = _compile(graph, self.stage)
+        input_specs = recipe.input_specs if self._conveyor_input_specs is not None else None
+        self._conveyor_runs[training] = (run, code, input_specs)
 
     @property
     def input_specs(self) -> tuple[ValueSpec, ...]:
-        return self._conveyor_input_specs or ()
+        runs = self._conveyor_runs.get(self.training) or self._conveyor_runs[self._conveyor_traced_training]
+        return runs[2] or ()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.training != self._conveyor_traced_training:
+        runs = self._conveyor_runs.get(self.training)
+        if runs is None:
             mode, traced = ("train", "eval") if self.training else ("eval", "train")
             raise PipelineConfigError(
                 f"stage {self.stage} was traced with the model in {traced} mode and is now in {mode} "
                 "mode; the traced operations fix dropout and BatchNorm behaviour to the traced mode. "
-                f"Build {mode}-mode stages with plan.with_mode(training={self.training}) (same cut, same "
+                "Trace both modes (conveyor.pipeline(..., both_modes=True), or "
+                "plan.stage_module(stage, both_modes=True)), build "
+                f"{mode}-mode stages with plan.with_mode(training={self.training}) (same cut, same "
                 "names), or put the stage back in its mode."
             )
+        run, _, input_specs = runs
         if self._conveyor_stage == 0:
             flat = self._flatten_model_inputs(args, kwargs)
         else:
@@ -433,8 +475,8 @@ class StageModule(nn.Module):
                     f"got keyword arguments {sorted(kwargs)}."
                 )
             flat = args
-            self._check_received(flat)
-        outputs = self._conveyor_run(self, *flat)
+            self._check_received(flat, input_specs)
+        outputs = run(self, *flat)
         if self._conveyor_stage == self._conveyor_num_stages - 1:
             return pytree.tree_unflatten(list(outputs), self._conveyor_out_spec)
         return tuple(outputs)
@@ -464,8 +506,7 @@ class StageModule(nn.Module):
                 _check_leaf(leaf, value)
         return flat
 
-    def _check_received(self, values: tuple[Any, ...]) -> None:
-        specs = self._conveyor_input_specs
+    def _check_received(self, values: tuple[Any, ...], specs: tuple[ValueSpec, ...] | None) -> None:
         if specs is None:
             return
         if len(values) != len(specs):
