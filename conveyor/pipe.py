@@ -309,9 +309,10 @@ class Pipeline(_PipelineBase):
     data only (no metadata), and a stage output that breaks the promise is an
     error naming rank, stage, microbatch and tensor. Each tensor then also keeps
     the memory layout (strides) it had in the first step: a later one laid out
-    otherwise is copied into that layout (same values). By default a tensor arrives with
-    its own dense layout (a transpose stays a transpose), as on one device. By default shapes may
-    change between microbatches and steps (variable sequence length).
+    otherwise is copied into that layout (same values). By default shapes may
+    change between microbatches and steps (variable sequence length), and each
+    tensor arrives in its own dense layout (a transpose stays a transpose), as on
+    one device.
     ``shapes`` ({stage: an example of that stage's output for ONE microbatch,
     tensors that carry a gradient marked ``requires_grad=True``}, the same on
     every rank) skips even the first step's exchange: with ``fixed_shapes=True``
@@ -626,9 +627,9 @@ class Pipeline(_PipelineBase):
         and those close only when nothing holds the group: not this pipeline, not a pending
         send or receive, not the frames of ``raised``'s traceback (which the caller keeps,
         in its ``except`` block, for as long as it likes). So the runtime's frames in that
-        traceback (and torch.distributed's) lose their local variables (the user's own frames
-        keep theirs). The
-        default store stays referenced: rank 0 serves it, and peers read the message there.
+        traceback (and torch.distributed's) lose their local variables; the user's own frames
+        keep theirs. The default store stays referenced: rank 0 serves it, and peers read
+        the message there.
         """
         message = f"{type(exc).__name__}: {exc}"
         self.transport.publish_failure(message)
@@ -640,7 +641,7 @@ class Pipeline(_PipelineBase):
         self._keep_store = self._default_store()  # rank 0 serves it to the peers
         self._tied_groups = []
         self.transport.release()
-        self.executor.recvs = {}
+        self.executor.forget_receives()
         _clear_runtime_frames(raised.__traceback__)
         if dist.is_initialized():
             try:

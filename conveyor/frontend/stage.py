@@ -408,11 +408,14 @@ class StageModule(nn.Module):
     def num_stages(self) -> int:
         return self._conveyor_num_stages
 
+    def _run_for_display(self) -> tuple:
+        """The current mode's compiled forward, source and input specs, else the traced mode's."""
+        return self._conveyor_runs.get(self.training) or self._conveyor_runs[self._conveyor_traced_training]
+
     @property
     def code(self) -> str:
         """The generated Python source of this stage's forward (in the current mode, if it has one)."""
-        run = self._conveyor_runs.get(self.training) or self._conveyor_runs[self._conveyor_traced_training]
-        return run[1]
+        return self._run_for_display()[1]
 
     @property
     def modes(self) -> tuple[bool, ...]:
@@ -450,8 +453,7 @@ class StageModule(nn.Module):
 
     @property
     def input_specs(self) -> tuple[ValueSpec, ...]:
-        runs = self._conveyor_runs.get(self.training) or self._conveyor_runs[self._conveyor_traced_training]
-        return runs[2] or ()
+        return self._run_for_display()[2] or ()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         runs = self._conveyor_runs.get(self.training)

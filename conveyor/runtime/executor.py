@@ -106,6 +106,10 @@ class RankExecutor:
             ActionKind.RECV_B: self._recv,
         }
 
+    def forget_receives(self) -> None:
+        """Drop the handles of posted receives (after a failure: they hold the process group)."""
+        self.recvs = {}
+
     # --- one step -----------------------------------------------------------------
     def run(
         self,
