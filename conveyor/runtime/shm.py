@@ -31,6 +31,7 @@ Example (what :class:`conveyor.Pipeline` does when every rank is on this host)::
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import mmap
 import os
@@ -63,7 +64,6 @@ from conveyor.runtime.wire import (
     flatten_payload,
     in_layouts,
     matches,
-    pack_into,
     quick_flatten,
     unflatten_payload,
     unpack,
@@ -155,6 +155,7 @@ class _Ring:
         self.words = memoryview(self.map).cast("q")[: _CONTROL_BYTES // 8]
         self.bytes = numpy.frombuffer(self.map, dtype=numpy.uint8, count=capacity, offset=_CONTROL_BYTES)
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8, count=capacity, offset=_CONTROL_BYTES)
+        self.address = self.bytes.ctypes.data  # of the data area, for copies that bypass torch
 
     @classmethod
     def create(cls, name: str, capacity: int) -> _Ring:
@@ -682,8 +683,10 @@ class _Layout:
 
     numpy_ok: bool  # every dtype has a numpy twin (else wire's torch packing is used)
     data_bytes: int
-    # offset, bytes, numpy dtype, shape, strides (None: row-major), requires_grad
-    tensors: tuple[tuple[int, int, Any, torch.Size, tuple[int, ...] | None, bool], ...]
+    # offset, bytes, numpy dtype, shape, strides (None: row-major), requires_grad, raw_ok
+    # (raw_ok: the bytes may be copied straight from the tensor's memory; not for complex
+    # dtypes, whose conjugate views keep their data unconjugated)
+    tensors: tuple[tuple[int, int, Any, torch.Size, tuple[int, ...] | None, bool, bool], ...]
 
 
 _LAYOUTS: dict[int, tuple[tuple, _Layout]] = {}
@@ -701,7 +704,8 @@ def _layout(meta: PayloadMeta) -> _Layout:
     entries, offset = [], 0
     for t in meta.tensors:
         n = t.num_bytes
-        entries.append((offset, n, _NUMPY_DTYPES.get(t.dtype), t.shape, t.strides, t.requires_grad))
+        entries.append((offset, n, _NUMPY_DTYPES.get(t.dtype), t.shape, t.strides, t.requires_grad,
+                        not t.dtype.is_complex))
         offset += aligned(n)
     layout = _Layout(all(entry[2] is not None for entry in entries), offset, tuple(entries))
     if len(_LAYOUTS) >= 256:  # shapes that change every step must not grow this without bound
@@ -711,15 +715,29 @@ def _layout(meta: PayloadMeta) -> _Layout:
 
 
 def _copy_into(ring: _Ring, at: int, tensors: list[torch.Tensor], meta: PayloadMeta) -> None:
-    """The tensors' bytes into the ring at ``at``, where :func:`_tensors_of` finds them."""
+    """The tensors' bytes into the ring at ``at``, where :func:`_tensors_of` finds them.
+
+    A CPU tensor whose bytes lie in one dense block, in the order the receiver reads
+    them, is copied with one ``memmove`` from its ``data_ptr()``: after the core has
+    been idle, every call into torch costs tens of microseconds (benchmarks/README.md,
+    finding 17), and the general path (detach, reshape, numpy view) makes four.
+    """
     layout = _layout(meta)
-    if not layout.numpy_ok:
-        pack_into(ring.tensor[at : at + layout.data_bytes], tensors, meta)
-        return
-    target = ring.bytes
-    for tensor, (offset, n, *_) in zip(tensors, layout.tensors):
-        if n:
-            target[at + offset : at + offset + n] = flat_in_layout(tensor).numpy().view(numpy.uint8)
+    for tensor, (offset, n, numpy_dtype, _, strides, _, raw_ok) in zip(tensors, layout.tensors):
+        if not n:
+            continue
+        start = at + offset
+        # A tensor the sender matched against ``meta`` with strides is dense in that layout;
+        # one without strides is row-major only if contiguous (a view with gaps is not).
+        if raw_ok and tensor.is_cpu and (strides is not None or tensor.is_contiguous()):
+            _memmove(ring.address + start, tensor.data_ptr(), n)
+        elif numpy_dtype is not None:
+            ring.bytes[start : start + n] = flat_in_layout(tensor).numpy().view(numpy.uint8)
+        else:
+            ring.tensor[start : start + n].copy_(flat_in_layout(tensor).view(torch.uint8))
+
+
+_memmove = ctypes.memmove
 
 
 def _tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
@@ -728,9 +746,11 @@ def _tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
     if not layout.numpy_ok:
         return unpack(torch.from_numpy(buffer), meta)
     tensors = []
-    for offset, n, dtype, shape, strides, requires_grad in layout.tensors:
-        tensor = torch.from_numpy(buffer[offset : offset + n].view(dtype))
-        tensor = tensor.view(shape) if strides is None else tensor.as_strided(shape, strides)
+    for offset, n, dtype, shape, strides, requires_grad, _ in layout.tensors:
+        array = buffer[offset : offset + n].view(dtype)
+        # Shaped by numpy, not torch: one call into torch fewer (see _copy_into).
+        tensor = torch.from_numpy(array.reshape(shape)) if strides is None else (
+            torch.from_numpy(array).as_strided(shape, strides))
         if requires_grad:
             tensor.requires_grad_(True)
         tensors.append(tensor)

@@ -158,8 +158,10 @@ class StageRunner:
             raise StageExecutionError(
                 f"loss_fn failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}"
             ) from exc
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() > 1:
-            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        # One look at the shape (each call into torch costs tens of µs on a core that idled).
+        shape = loss.shape if isinstance(loss, torch.Tensor) else None
+        if shape is None or len(shape) > 1 or (shape and shape[0] != 1):
+            got = f"a tensor of shape {tuple(shape)}" if shape is not None else type(loss).__name__
             raise PipelineConfigError(
                 f"loss_fn must return a scalar tensor; it returned {got} on {self._where(microbatch)} "
                 "(reduce it, e.g. with .mean() or .sum())"
@@ -169,7 +171,7 @@ class StageRunner:
                 f"the loss on {self._where(microbatch)} does not require grad: it does not depend on any "
                 "parameter or gradient-carrying input; check loss_fn and the model's output"
             )
-        return (loss if loss.dim() == 0 else loss.reshape(())) / self.num_microbatches
+        return (loss.reshape(()) if shape else loss) / self.num_microbatches
 
     def _roots(self, record: _InFlight, output_grads: list | None):
         if self.is_last:

@@ -274,6 +274,8 @@ def in_layouts(tensors: list[torch.Tensor], meta: PayloadMeta) -> list[torch.Ten
 def flat_in_layout(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s elements, 1-D, in the order :func:`unpack` lays them out (see :func:`dense_strides`)."""
     tensor = tensor.detach()
+    if tensor.is_conj() or tensor.is_neg():  # lazy views: their memory holds other values
+        tensor = tensor.resolve_conj().resolve_neg()
     if tensor.is_contiguous():
         return tensor.reshape(-1)
     if dense_strides(tensor) is not None:  # memory order: no copy

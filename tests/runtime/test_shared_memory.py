@@ -15,6 +15,7 @@ import conveyor.schedule as cs
 from conveyor.errors import CommTimeout, PeerFailure, PipelineConfigError
 from conveyor.runtime.shm import SharedMemoryTransport
 from conveyor.runtime.transport import DistTransport
+from conveyor.runtime.wire import dense_strides
 from conveyor.testing import run_ranks
 
 
@@ -52,6 +53,31 @@ def test_payloads_arrive_intact_whatever_order_they_are_waited_for():
     assert got[1]["hidden"].dtype == torch.bfloat16 and torch.equal(got[1]["mask"], payloads[1]["mask"])
     assert got[2][0].shape == (0,) and torch.equal(got[2][1][0], payloads[2][1][0]) and got[2][2] is None
     assert torch.equal(got[3], payloads[3])
+
+
+def test_bytes_are_taken_from_each_tensor_in_the_layout_it_is_sent_in():
+    # The same channel (one key series) sees one structure in several memory layouts; the
+    # send path copies dense CPU tensors straight from their memory and must not do so for
+    # a view with gaps, a conjugate view or a tensor in the middle of its storage.
+    base = torch.arange(48.0).reshape(6, 8)
+    complex_base = torch.complex(torch.arange(4.0), torch.arange(4.0) + 10)
+    payloads = [
+        base[:4, :4].contiguous(),  # the channel's structure: row-major (4, 4)
+        base[1:5, 2:6],  # same shape, gaps between rows
+        base[2:6, :4].contiguous()[:, :],  # contiguous, new values
+        base.view(48)[8:24].view(4, 4),  # contiguous, in the middle of its storage
+        (base[:4, :4] * 2).requires_grad_(True),  # gradient-carrying, from an op
+        complex_base.conj(),  # conjugate view: its memory holds the unconjugated values
+        complex_base,
+        base[:4, :4].contiguous().t(),  # dense, column-major: travels with its strides
+        base[:4, :4].t(),  # column-major with gaps: arrives row-major, as clone() gives it
+    ]
+    (_, _), got = run_ranks(_exchange, 2, args=(payloads,), timeout_s=60)
+    for sent, received in zip(payloads, got, strict=True):
+        assert torch.equal(received.detach(), sent.detach().resolve_conj())
+        assert received.stride() == (dense_strides(sent) or sent.contiguous().stride())
+    assert got[4].requires_grad and got[4].is_leaf
+    assert got[7].stride() == (1, 4) and got[8].is_contiguous()
 
 
 def test_many_messages_wrap_the_ring_and_a_large_one_moves_the_channel_to_a_larger_ring():
