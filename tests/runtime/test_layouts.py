@@ -53,6 +53,17 @@ def test_dense_layouts_keep_their_strides_and_views_with_gaps_become_row_major()
         assert torch.equal(flat_in_layout(tensor), received.as_strided((tensor.numel(),), (1,))), name
 
 
+def test_lazy_conjugate_and_negative_views_travel_as_their_values():
+    """A conjugate view's memory holds the unconjugated numbers: the wire sends its values."""
+    z = torch.complex(torch.arange(4.0), torch.arange(4.0) + 10)
+    for tensor in (z.conj(), torch._neg_view(torch.arange(3.0)), z.conj().reshape(2, 2).t()):
+        meta, tensors = flatten_payload((tensor, tensor))
+        received, again = unpack(pack(tensors, meta), meta)
+        assert torch.equal(received, tensor.resolve_conj().resolve_neg())
+        assert torch.equal(again, received)
+        assert not received.is_conj() and not received.is_neg()
+
+
 def test_a_changed_layout_is_a_changed_structure():
     """The send path that reuses last message's structure must notice a new layout."""
     tensor = torch.randn(3, 4)
