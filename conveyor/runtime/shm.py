@@ -685,7 +685,8 @@ class _Layout:
     data_bytes: int
     # offset, bytes, numpy dtype, shape, strides (None: row-major), requires_grad, raw_ok
     # (raw_ok: the bytes may be copied straight from the tensor's memory; not for complex
-    # dtypes, whose conjugate views keep their data unconjugated)
+    # dtypes, whose conjugate views keep their data unconjugated; _copy_into checks the
+    # negative bit, which real views can carry too)
     tensors: tuple[tuple[int, int, Any, torch.Size, tuple[int, ...] | None, bool, bool], ...]
 
 
@@ -728,8 +729,10 @@ def _copy_into(ring: _Ring, at: int, tensors: list[torch.Tensor], meta: PayloadM
             continue
         start = at + offset
         # A tensor the sender matched against ``meta`` with strides is dense in that layout;
-        # one without strides is row-major only if contiguous (a view with gaps is not).
-        if raw_ok and tensor.is_cpu and (strides is not None or tensor.is_contiguous()):
+        # one without strides is row-major only if contiguous (a view with gaps is not). A
+        # view with the negative bit (``z.conj().imag``) holds the negated values in memory.
+        if (raw_ok and tensor.is_cpu and not tensor.is_neg()
+                and (strides is not None or tensor.is_contiguous())):
             _memmove(ring.address + start, tensor.data_ptr(), n)
         elif numpy_dtype is not None:
             ring.bytes[start : start + n] = flat_in_layout(tensor).numpy().view(numpy.uint8)

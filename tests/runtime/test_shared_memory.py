@@ -69,6 +69,8 @@ def test_bytes_are_taken_from_each_tensor_in_the_layout_it_is_sent_in():
         (base[:4, :4] * 2).requires_grad_(True),  # gradient-carrying, from an op
         complex_base.conj(),  # conjugate view: its memory holds the unconjugated values
         complex_base,
+        complex_base.conj().imag,  # a real view with the negative bit: memory holds +10.., values -10..
+        torch._neg_view(torch.arange(4.0)).reshape(2, 2),  # the same, contiguous
         base[:4, :4].contiguous().t(),  # dense, column-major: travels with its strides
         base[:4, :4].t(),  # column-major with gaps: arrives row-major, as clone() gives it
     ]
@@ -77,7 +79,7 @@ def test_bytes_are_taken_from_each_tensor_in_the_layout_it_is_sent_in():
         assert torch.equal(received.detach(), sent.detach().resolve_conj())
         assert received.stride() == (dense_strides(sent) or sent.contiguous().stride())
     assert got[4].requires_grad and got[4].is_leaf
-    assert got[7].stride() == (1, 4) and got[8].is_contiguous()
+    assert got[9].stride() == (1, 4) and got[10].is_contiguous()
 
 
 def test_many_messages_wrap_the_ring_and_a_large_one_moves_the_channel_to_a_larger_ring():
