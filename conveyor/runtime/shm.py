@@ -60,7 +60,7 @@ from conveyor.runtime.transport import (
 from conveyor.runtime.wire import (
     PayloadMeta,
     aligned,
-    flat_in_layout,
+    as_bytes,
     flatten_payload,
     in_layouts,
     matches,
@@ -724,7 +724,7 @@ def _copy_into(ring: _Ring, at: int, tensors: list[torch.Tensor], meta: PayloadM
     finding 17), and the general path (detach, reshape, numpy view) makes four.
     """
     layout = _layout(meta)
-    for tensor, (offset, n, numpy_dtype, _, strides, _, raw_ok) in zip(tensors, layout.tensors):
+    for tensor, (offset, n, _, _, strides, _, raw_ok) in zip(tensors, layout.tensors):
         if not n:
             continue
         start = at + offset
@@ -734,10 +734,8 @@ def _copy_into(ring: _Ring, at: int, tensors: list[torch.Tensor], meta: PayloadM
         if (raw_ok and tensor.is_cpu and not tensor.is_neg()
                 and (strides is not None or tensor.is_contiguous())):
             _memmove(ring.address + start, tensor.data_ptr(), n)
-        elif numpy_dtype is not None:
-            ring.bytes[start : start + n] = flat_in_layout(tensor).numpy().view(numpy.uint8)
         else:
-            ring.tensor[start : start + n].copy_(flat_in_layout(tensor).view(torch.uint8))
+            ring.tensor[start : start + n].copy_(as_bytes(tensor))
 
 
 _memmove = ctypes.memmove

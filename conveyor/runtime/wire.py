@@ -214,7 +214,7 @@ def unflatten_payload(meta: PayloadMeta, tensors: list[torch.Tensor]) -> Any:
 def pack(tensors: list[torch.Tensor], meta: PayloadMeta) -> torch.Tensor:
     """All tensors' bytes in one uint8 buffer (each part aligned), ready to send."""
     if len(tensors) == 1 and tensors[0].numel() * tensors[0].element_size() % _ALIGN == 0:
-        return _as_bytes(tensors[0])
+        return as_bytes(tensors[0])
     buffer = torch.empty(meta.data_bytes, dtype=torch.uint8)
     pack_into(buffer, tensors, meta)
     return buffer
@@ -225,7 +225,7 @@ def pack_into(buffer: torch.Tensor, tensors: list[torch.Tensor], meta: PayloadMe
     offset = 0
     for tensor, tmeta in zip(tensors, meta.tensors):
         n = tmeta.num_bytes
-        buffer[offset : offset + n].copy_(_as_bytes(tensor))
+        buffer[offset : offset + n].copy_(as_bytes(tensor))
         offset += aligned(n)
 
 
@@ -246,7 +246,7 @@ def unpack(buffer: torch.Tensor, meta: PayloadMeta) -> list[torch.Tensor]:
 def data_and_trailer(tensors: list[torch.Tensor], meta: PayloadMeta, trailer: torch.Tensor) -> torch.Tensor:
     """The tensors' bytes as :func:`unpack` reads them, followed by ``trailer``: one new buffer."""
     if len(tensors) == 1 and meta.tensors[0].num_bytes == meta.data_bytes:
-        return torch.cat((_as_bytes(tensors[0]), trailer))
+        return torch.cat((as_bytes(tensors[0]), trailer))
     buffer = torch.empty(meta.data_bytes + trailer.numel(), dtype=torch.uint8)
     pack_into(buffer, tensors, meta)
     buffer[meta.data_bytes:].copy_(trailer)
@@ -283,6 +283,7 @@ def flat_in_layout(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1)
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes, 1-D uint8, in the order :func:`unpack` reads them."""
     flat = flat_in_layout(tensor)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
