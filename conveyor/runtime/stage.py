@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from conveyor.errors import PipelineConfigError, StageExecutionError
 from conveyor.runtime.backward import PendingWeightGrad, PlanCache, backward_full, backward_input
+from conveyor.runtime.recompute import RecomputeGuard
 from conveyor.runtime.rng import StepRandomness
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -99,6 +100,8 @@ class StageRunner:
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
         self.randomness: StepRandomness | None = None  # set by the pipeline for each step
+        # Recomputation must not write the buffers (BatchNorm's statistics) a second time.
+        self.recompute_guard = RecomputeGuard(module, f"rank {rank}, stage {stage}") if checkpoint_activations else None
 
     @property
     def is_first(self) -> bool:
@@ -113,7 +116,8 @@ class StageRunner:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+            return checkpoint(self.module, *args, use_reentrant=False, context_fn=self.recompute_guard.contexts,
+                              **kwargs)
         return self.module(*args, **kwargs)
 
     def forward(self, microbatch: int, inputs: tuple[tuple, dict], target: Any = None,
