@@ -87,7 +87,9 @@ class TracedModel:
         exported: the ``ExportedProgram``.
         nodes: compute nodes (``call_function``) in execution order.
         module_paths: for each node, the module paths it ran inside, outermost first
-            (the root ``""`` left out).
+            (the root ``""`` left out); a region's node has those of its whole body.
+        regions: node index -> :class:`Region`, for the nodes that are regions
+            (``torch.no_grad()``, autocast): each is one operation, so no stage starts inside.
         state_inputs: placeholder name -> parameter / buffer / constant it stands for.
         subgraphs: ``get_attr`` node name -> the nested graph module it loads
             (bodies of higher-order ops such as ``torch.no_grad`` regions).
@@ -149,7 +151,17 @@ class TracedModel:
                 self.subgraphs[node.name] = value
             elif node.op == "output":
                 self.outputs: list[Any] = list(node.args[0])
-        self.module_paths: list[tuple[str, ...]] = [_module_paths(node) for node in self.nodes]
+        # A region (torch.no_grad, autocast, ...) is one node whose body is a nested graph:
+        # it ran inside every module its body ran in, and it starts in the first of them.
+        self.module_paths: list[tuple[str, ...]] = []
+        self.regions: dict[int, Region] = {}
+        for index, node in enumerate(self.nodes):
+            body = [path for graph in self._bodies(node) for path in _body_paths(graph)]
+            own = _module_paths(node)
+            if body:
+                self.regions[index] = Region(_region_kind(node), body[0])
+                own = tuple(dict.fromkeys(own + tuple(path for paths in body for path in paths)))
+            self.module_paths.append(own)
         for node in self.nodes:
             _reject_data_dependent(model, node)
         self.in_spec: pytree.TreeSpec = exported.call_spec.in_spec
@@ -162,6 +174,9 @@ class TracedModel:
         self.aliases: dict[str, tuple[str, ...]] = {
             name: tuple(names) for names in names_of.values() if len(names) > 1 for name in names
         }
+
+    def _bodies(self, node: fx.Node) -> list[fx.GraphModule]:
+        return [self.subgraphs[arg.name] for arg in node.args if isinstance(arg, fx.Node) and arg.name in self.subgraphs]
 
     @property
     def kwarg_names(self) -> list[str]:
@@ -188,6 +203,42 @@ def _module_paths(node: fx.Node) -> tuple[str, ...]:
         if path and path not in paths:
             paths.append(path)
     return tuple(paths)
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A traced region (the body of ``torch.no_grad()``, ``torch.autocast``, ...): one node, never cut.
+
+    ``kind`` says what entered it, for messages; ``opening`` holds the module paths of its
+    first operation, the modules a stage may start with at the region's start.
+    """
+
+    kind: str
+    opening: tuple[str, ...]
+
+
+def _body_paths(graph: fx.GraphModule) -> list[tuple[str, ...]]:
+    """Module paths of each operation of a region's body, nested regions opened, in order."""
+    found = []
+    nested = {node.name: getattr(graph, node.target) for node in graph.graph.nodes if node.op == "get_attr"}
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        bodies = [nested[arg.name] for arg in node.args if isinstance(arg, fx.Node) and arg.name in nested]
+        if bodies:  # a region within the region: its operations, in order
+            found.extend(path for body in bodies for path in _body_paths(body))
+        else:
+            found.append(_module_paths(node))
+    return found
+
+
+def _region_kind(node: fx.Node) -> str:
+    name = getattr(node.target, "__name__", str(node.target))
+    if "set_grad_enabled" in name:
+        return "a torch.no_grad() / torch.enable_grad() region"
+    if "autocast" in name:
+        return "a torch.autocast region"
+    return f"a {name} region"
 
 
 def _is_data_dependent(value: Any) -> bool:

@@ -46,6 +46,7 @@ class ModuleSpans:
     def __init__(self, traced: TracedModel):
         self.first: dict[str, int] = {}
         self.last: dict[str, int] = {}
+        self.regions = traced.regions
         for index, paths in enumerate(traced.module_paths):
             for path in paths:
                 # A container (ModuleList) is iterated, never called, so it is not in
@@ -142,7 +143,7 @@ def resolve_split_points(
 
     Raises ``SplitError`` for a name that is no module (listing close names), a
     module that never ran, points out of execution order, or a cut inside an
-    ``unsplittable`` module.
+    ``unsplittable`` module or inside a region (``torch.no_grad()``, autocast).
     """
     check_module_names(model, names, "split point")
     positions = []
@@ -153,6 +154,13 @@ def resolve_split_points(
                 "microbatch, so there is nothing to cut before; name a module that forward calls."
             )
         position = spans.first[name]
+        region = spans.regions.get(position)
+        if region is not None and name not in region.opening:
+            opening = f"before {region.opening[-1]!r}" if region.opening else "before the region"
+            raise SplitError(
+                f"split point {name!r} runs inside {region.kind}, which is traced as one operation "
+                f"and cannot be cut; start the stage at the region ({opening}) or after it."
+            )
         if position == 0:
             raise SplitError(
                 f"split point {name!r} starts at the model's first operation, so stage 0 would be "
