@@ -731,9 +731,10 @@ def _copy_into(ring: _Ring, at: int, tensors: list[torch.Tensor], meta: PayloadM
         # A tensor the sender matched against ``meta`` with strides is dense in that layout;
         # one without strides is row-major only if contiguous (a view with gaps is not). A
         # view with the negative bit (``z.conj().imag``) holds the negated values in memory.
+        # Autograd's all-zeros gradient (a "zero tensor") has no memory: its data_ptr() is 0.
         if (raw_ok and tensor.is_cpu and not tensor.is_neg()
-                and (strides is not None or tensor.is_contiguous())):
-            _memmove(ring.address + start, tensor.data_ptr(), n)
+                and (strides is not None or tensor.is_contiguous()) and (address := tensor.data_ptr())):
+            _memmove(ring.address + start, address, n)
         else:
             ring.tensor[start : start + n].copy_(as_bytes(tensor))
 

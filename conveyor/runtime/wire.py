@@ -274,13 +274,17 @@ def in_layouts(tensors: list[torch.Tensor], meta: PayloadMeta) -> list[torch.Ten
 def flat_in_layout(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s elements, 1-D, in the order :func:`unpack` lays them out (see :func:`dense_strides`)."""
     tensor = tensor.detach()
-    if tensor.is_conj() or tensor.is_neg():  # lazy views: their memory holds other values
+    # The layout is the one the tensor was described with, decided before any copy below.
+    strides = dense_strides(tensor)
+    if tensor._is_zerotensor():  # autograd's "all zeros" gradient: no memory behind it
+        tensor = torch.zeros(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    elif tensor.is_conj() or tensor.is_neg():  # lazy views: their memory holds other values
         tensor = tensor.resolve_conj().resolve_neg()
-    if tensor.is_contiguous():
-        return tensor.reshape(-1)
-    if dense_strides(tensor) is not None:  # memory order: no copy
-        return tensor.as_strided((tensor.numel(),), (1,))
-    return tensor.contiguous().reshape(-1)
+    if strides is None:
+        return tensor.contiguous().reshape(-1)  # row-major (a view with gaps included)
+    if tensor.stride() != strides:  # a copy that did not keep them
+        tensor = torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+    return tensor.as_strided((tensor.numel(),), (1,))  # memory order: no copy
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

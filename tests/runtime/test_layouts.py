@@ -56,12 +56,55 @@ def test_dense_layouts_keep_their_strides_and_views_with_gaps_become_row_major()
 def test_lazy_conjugate_and_negative_views_travel_as_their_values():
     """A conjugate view's memory holds the unconjugated numbers: the wire sends its values."""
     z = torch.complex(torch.arange(4.0), torch.arange(4.0) + 10)
-    for tensor in (z.conj(), torch._neg_view(torch.arange(3.0)), z.conj().reshape(2, 2).t()):
+    wide = torch.complex(torch.arange(12.0), -torch.arange(12.0)).reshape(3, 4)
+    gapped = (wide.conj().imag.t(), wide.conj().t()[::2], wide.conj()[:, 1:3])  # resolving copies them
+    for tensor in (z.conj(), torch._neg_view(torch.arange(3.0)), z.conj().reshape(2, 2).t(), *gapped):
         meta, tensors = flatten_payload((tensor, tensor))
         received, again = unpack(pack(tensors, meta), meta)
         assert torch.equal(received, tensor.resolve_conj().resolve_neg())
         assert torch.equal(again, received)
         assert not received.is_conj() and not received.is_neg()
+
+
+def test_a_zero_tensor_gradient_travels_as_zeros():
+    """Autograd's all-zeros gradient (``sgn``'s, say) has no memory behind it (data_ptr() is 0)."""
+    for payload in ((torch._efficientzerotensor(4, 4),), (torch._efficientzerotensor(2, 3), torch.ones(2))):
+        meta, tensors = flatten_payload(payload)
+        buffer = pack(tensors, meta)
+        assert not buffer._is_zerotensor()  # gloo sends real memory only
+        received = unpack(buffer, meta)
+        for got, sent in zip(received, payload):
+            assert torch.equal(got, sent) and not got._is_zerotensor()
+
+
+class _SignOnly(torch.nn.Module):
+    """Uses its input only through sgn(), whose gradient autograd gives as a zero tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        return x.sgn() * self.weight
+
+
+def _sign_pipeline(rank, world_size, transport):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    module = [torch.nn.Linear(8, 8), _SignOnly()][rank]
+    pipe = conveyor.Pipeline([module], schedule=cs.build("1f1b", ranks=2, microbatches=2), loss_fn=_loss,
+                             timeout_s=60, transport=transport)
+    x, target = torch.randn(4, 8), torch.randn(4, 8)
+    loss = pipe.step(x if rank == 0 else None, target=target if rank == 1 else None)
+    return loss, [p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("transport", ["process_group", "shared_memory"])
+def test_a_stage_whose_input_gradient_is_a_zero_tensor_trains(transport):
+    """Used to kill the rank (a memmove from address 0) or fail in gloo ("has to be contiguous")."""
+    (_, first_grads), (loss, _) = run_ranks(_sign_pipeline, 2, args=(transport,), timeout_s=60)
+    assert torch.isfinite(loss)
+    assert all(torch.equal(grad, torch.zeros_like(grad)) for grad in first_grads)
 
 
 def test_a_changed_layout_is_a_changed_structure():
