@@ -7,13 +7,14 @@ without checkpointing: a BatchNorm stage counts every microbatch twice and its r
 mean moves twice as far. One device without checkpointing is the reference conveyor keeps
 bitwise, so the recomputation must leave buffers as it found them.
 
-Which buffers a forward writes cannot be read off the model: BatchNorm's kernel updates the
-running statistics without bumping their version counter. So the first checkpointed forward
-in each mode (train or eval) compares every buffer before and after, and learns the set;
-every recomputation then saves those buffers and puts them back when it ends. A buffer the
-first forward left alone but a later recomputation changes (version counter moved, or the
-attribute now holds another tensor) is added to the set, with a warning that one step
-updated it twice.
+Which buffers a forward writes cannot be read off the model or learned once: BatchNorm's
+kernel updates the running statistics without bumping their version counter, and which
+modules write depends on their modes (a BatchNorm frozen with ``.eval()`` for a while,
+then unfrozen) and on the branches a forward takes. So every recomputation saves every
+buffer of the stage and, when it ends, puts back those whose values (or tensor) changed,
+and only those: a buffer autograd saved for backward must keep its version. Buffers are
+usually small (normalisation statistics, rotary tables); the copy costs one pass over
+them per recomputed microbatch.
 
 Example:
     >>> import torch
@@ -30,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
@@ -39,82 +39,37 @@ class RecomputeGuard:
     """Hands ``torch.utils.checkpoint`` the contexts that keep ``module``'s buffers from being written twice.
 
     Pass :meth:`contexts` as ``context_fn`` to a non-reentrant ``checkpoint`` of ``module``.
-    ``where`` names the module in warnings (``"rank 1, stage 2"``).
     """
 
-    def __init__(self, module: torch.nn.Module, where: str = "this stage") -> None:
+    def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
-        self.where = where
-        self.written: dict[bool, set[str]] = {}  # per training flag: the buffers a forward writes
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """``(around the forward, around its recomputation)``, for ``checkpoint(context_fn=...)``."""
-        training = self.module.training
-        first = contextlib.nullcontext() if training in self.written else _LearnWrites(self, training)
-        return first, _RestoreBuffers(self, training)
-
-    def buffers(self) -> dict[str, torch.Tensor]:
-        return dict(self.module.named_buffers())
-
-    def put_back(self, name: str, tensor: torch.Tensor) -> None:
-        """Make ``tensor`` the module's buffer ``name`` again (after a forward that assigned another)."""
-        owner_name, _, attribute = name.rpartition(".")
-        owner = self.module.get_submodule(owner_name) if owner_name else self.module
-        owner._buffers[attribute] = tensor
-
-
-class _LearnWrites:
-    """Around the first checkpointed forward of a mode: which buffers it changes."""
-
-    def __init__(self, guard: RecomputeGuard, training: bool) -> None:
-        self.guard = guard
-        self.training = training
-
-    def __enter__(self) -> None:
-        self.before = {name: (buffer, buffer.clone()) for name, buffer in self.guard.buffers().items()}
-
-    def __exit__(self, *exc_info) -> None:
-        if exc_info[0] is not None:
-            return  # learn from a forward that completed
-        written = set()
-        for name, buffer in self.guard.buffers().items():
-            previous = self.before.get(name)
-            if previous is None or previous[0] is not buffer or not _same(previous[1], buffer):
-                written.add(name)
-        self.guard.written[self.training] = written
+        return contextlib.nullcontext(), _RestoreBuffers(self.module)
 
 
 class _RestoreBuffers:
-    """Around a recomputation: the buffers the forward writes are put back as they were."""
+    """Around a recomputation: every buffer it changed is put back as it was."""
 
-    def __init__(self, guard: RecomputeGuard, training: bool) -> None:
-        self.guard = guard
-        self.training = training
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
 
     def __enter__(self) -> None:
-        buffers = self.guard.buffers()
-        written = self.guard.written.setdefault(self.training, set())
-        self.saved = {name: (buffers[name], buffers[name].clone()) for name in written if name in buffers}
-        self.versions = {name: (buffer, buffer._version) for name, buffer in buffers.items()}
+        self.saved = [(name, buffer, buffer.clone()) for name, buffer in self.module.named_buffers()]
 
     def __exit__(self, *exc_info) -> None:
         with torch.no_grad():
-            for name, (tensor, values) in self.saved.items():
-                self.guard.put_back(name, tensor)
-                tensor.copy_(values)
-        newly_written = [
-            name for name, buffer in self.guard.buffers().items()
-            if name not in self.saved and (name not in self.versions or self.versions[name][0] is not buffer
-                                           or self.versions[name][1] != buffer._version)
-        ]
-        if newly_written:
-            self.guard.written[self.training].update(newly_written)
-            warnings.warn(
-                f"activation checkpointing on {self.guard.where}: the recomputed forward changed buffer(s) "
-                f"{', '.join(sorted(newly_written))}, which the first forward left alone, so this step "
-                "updated them twice; conveyor restores them after every recomputation from now on",
-                stacklevel=2,
-            )
+            for name, buffer, values in self.saved:
+                owner_name, _, attribute = name.rpartition(".")
+                owner = self.module.get_submodule(owner_name) if owner_name else self.module
+                if owner._buffers.get(attribute) is not buffer:  # the forward assigned another tensor
+                    owner._buffers[attribute] = buffer
+                if not _same(values, buffer):
+                    if buffer.shape != values.shape:  # resized in place
+                        buffer.resize_(values.shape)
+                    buffer.copy_(values)
+        self.saved = []
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

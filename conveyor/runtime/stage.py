@@ -101,7 +101,7 @@ class StageRunner:
         self.outputs: dict[int, Any] = {}
         self.randomness: StepRandomness | None = None  # set by the pipeline for each step
         # Recomputation must not write the buffers (BatchNorm's statistics) a second time.
-        self.recompute_guard = RecomputeGuard(module, f"rank {rank}, stage {stage}") if checkpoint_activations else None
+        self.recompute_guard = RecomputeGuard(module) if checkpoint_activations else None
 
     @property
     def is_first(self) -> bool:
