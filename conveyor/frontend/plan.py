@@ -496,8 +496,8 @@ def _unit_weights(
 ) -> list[float] | None:
     ends = [*starts[1:], len(traced.nodes)]
     if method == "uniform":
-        if any(unit.is_block for unit in units):
-            return [1.0 if unit.is_block else 0.0 for unit in units]
+        if any(unit.blocks for unit in units):
+            return [float(unit.blocks) for unit in units]
         return [1.0] * len(units)
     if method == "parameters":
         by_name = dict(named_tensors(model))

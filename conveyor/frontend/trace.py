@@ -159,7 +159,8 @@ class TracedModel:
             body = [path for graph in self._bodies(node) for path in _body_paths(graph)]
             own = _module_paths(node)
             if body:
-                self.regions[index] = Region(_region_kind(node), body[0])
+                # A stage starting at the region starts with the first module that runs in it.
+                self.regions[index] = Region(_region_kind(node), next((paths for paths in body if paths), ()))
                 own = tuple(dict.fromkeys(own + tuple(path for paths in body for path in paths)))
             self.module_paths.append(own)
         for node in self.nodes:
@@ -209,8 +210,9 @@ def _module_paths(node: fx.Node) -> tuple[str, ...]:
 class Region:
     """A traced region (the body of ``torch.no_grad()``, ``torch.autocast``, ...): one node, never cut.
 
-    ``kind`` says what entered it, for messages; ``opening`` holds the module paths of its
-    first operation, the modules a stage may start with at the region's start.
+    ``kind`` says what entered it, for messages; ``opening`` holds the module paths of the
+    first of its operations that runs inside a module: the modules a stage may start with at
+    the region's start.
     """
 
     kind: str

@@ -15,6 +15,7 @@ other modules met on the way from the root to those containers, taken whole
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections import Counter
 from collections.abc import Iterable
@@ -31,13 +32,16 @@ class Unit:
     """A module the balancer may start a stage with.
 
     ``start`` is the index (in ``TracedModel.nodes``) of the first operation that ran
-    inside it; ``is_block`` says whether it is one of the repeated blocks.
+    inside it; ``is_block`` says whether it is one of the repeated blocks; ``blocks``
+    counts the repeated blocks it stands for (more than one when a region traced as one
+    operation, a ``torch.no_grad()`` around several blocks, holds them).
     """
 
     name: str
     class_name: str
     start: int
     is_block: bool
+    blocks: int = 0
 
 
 class ModuleSpans:
@@ -103,7 +107,7 @@ def find_units(model: nn.Module, spans: ModuleSpans, unsplittable: Iterable[str]
 
     def add(path: str, module: nn.Module, is_block: bool) -> None:
         if path and spans.ran(path):
-            units.append(Unit(path, type(module).__name__, spans.first[path], is_block))
+            units.append(Unit(path, type(module).__name__, spans.first[path], is_block, int(is_block)))
 
     def visit(path: str, module: nn.Module) -> None:
         if path in whole:
@@ -126,11 +130,14 @@ def find_units(model: nn.Module, spans: ModuleSpans, unsplittable: Iterable[str]
 
     visit("", model)
     units.sort(key=lambda unit: unit.start)
-    # Two units can start at the same operation only if one ran inside the other's
-    # span; keep the outer (first listed) one.
+    # Two units start at the same operation when one ran inside the other's span, or when
+    # both run inside one region: keep the first listed, standing for the blocks of both.
     unique: list[Unit] = []
     for unit in units:
         if unique and unique[-1].start == unit.start:
+            kept = unique[-1]
+            unique[-1] = dataclasses.replace(kept, is_block=kept.is_block or unit.is_block,
+                                             blocks=kept.blocks + unit.blocks)
             continue
         unique.append(unit)
     return unique

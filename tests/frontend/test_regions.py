@@ -85,3 +85,60 @@ def test_training_through_the_region_matches_one_device():
             assert want.grad is None and got[name].grad is None, name  # under no_grad: no gradient
         else:
             assert torch.equal(got[name].grad, want.grad), name
+
+
+class _RootOpFirst(nn.Module):
+    """The region starts with an operation of the model's own forward, then runs ``f1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.f1 = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.pre(x)
+        with torch.no_grad():
+            frozen = self.f1(hidden * 2)
+        return self.head(frozen + hidden)
+
+
+def test_the_first_module_of_a_region_opened_by_the_models_own_code_may_start_a_stage():
+    model = _RootOpFirst()
+    x = torch.randn(4, 8)
+    balanced = frontend.split_model(model, 2, example_args=(x,))
+    named = frontend.split_model(model, 2, example_args=(x,), split_points=list(balanced.split_points))
+    assert balanced.split_points == named.split_points == ("f1",)
+    assert torch.equal(frontend.run_sequential(named.stage_modules(), (x,)), model(x))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(x).relu()
+
+
+class _FrozenBottom(nn.Module):
+    """Six blocks, the first three under one ``torch.no_grad()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for block in self.blocks[:3]:
+                x = block(x)
+        for block in self.blocks[3:]:
+            x = block(x)
+        return x
+
+
+def test_uniform_splitting_counts_every_block_a_region_holds():
+    stages = frontend.split_model(_FrozenBottom(), 2, example_args=(torch.randn(4, 8),),
+                                  split_method="uniform").stage_modules()
+    blocks = [sorted({name.split(".")[1] for name, _ in stage.named_parameters()}) for stage in stages]
+    assert blocks == [["0", "1", "2"], ["3", "4", "5"]]  # it was 4 / 2: the region counted as one block
