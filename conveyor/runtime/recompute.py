@@ -18,11 +18,11 @@ them per recomputed microbatch.
 
 Example:
     >>> import torch
+    >>> from functools import partial
     >>> from torch.utils.checkpoint import checkpoint
     >>> norm = torch.nn.BatchNorm1d(3)
-    >>> guard = RecomputeGuard(norm)
     >>> out = checkpoint(norm, torch.randn(4, 3, requires_grad=True), use_reentrant=False,
-    ...                  context_fn=guard.contexts)
+    ...                  context_fn=partial(recompute_contexts, norm))
     >>> out.sum().backward()
     >>> int(norm.num_batches_tracked)  # 2 with a plain checkpoint
     1
@@ -35,18 +35,13 @@ import contextlib
 import torch
 
 
-class RecomputeGuard:
-    """Hands ``torch.utils.checkpoint`` the contexts that keep ``module``'s buffers from being written twice.
+def recompute_contexts(module: torch.nn.Module) -> tuple[contextlib.AbstractContextManager,
+                                                       contextlib.AbstractContextManager]:
+    """``(around the forward, around its recomputation)`` for a non-reentrant ``checkpoint`` of ``module``.
 
-    Pass :meth:`contexts` as ``context_fn`` to a non-reentrant ``checkpoint`` of ``module``.
+    Pass ``functools.partial(recompute_contexts, module)`` as ``checkpoint(context_fn=...)``.
     """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-
-    def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        """``(around the forward, around its recomputation)``, for ``checkpoint(context_fn=...)``."""
-        return contextlib.nullcontext(), _RestoreBuffers(self.module)
+    return contextlib.nullcontext(), _RestoreBuffers(module)
 
 
 class _RestoreBuffers:

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from conveyor.errors import PipelineConfigError, StageExecutionError
 from conveyor.runtime.backward import PendingWeightGrad, PlanCache, backward_full, backward_input
-from conveyor.runtime.recompute import RecomputeGuard
+from conveyor.runtime.recompute import recompute_contexts
 from conveyor.runtime.rng import StepRandomness
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -101,7 +102,7 @@ class StageRunner:
         self.outputs: dict[int, Any] = {}
         self.randomness: StepRandomness | None = None  # set by the pipeline for each step
         # Recomputation must not write the buffers (BatchNorm's statistics) a second time.
-        self.recompute_guard = RecomputeGuard(module) if checkpoint_activations else None
+        self.recompute_contexts = functools.partial(recompute_contexts, module)
 
     @property
     def is_first(self) -> bool:
@@ -116,7 +117,7 @@ class StageRunner:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpoint(self.module, *args, use_reentrant=False, context_fn=self.recompute_guard.contexts,
+            return checkpoint(self.module, *args, use_reentrant=False, context_fn=self.recompute_contexts,
                               **kwargs)
         return self.module(*args, **kwargs)
 
