@@ -1,28 +1,38 @@
-"""Activation checkpointing that updates a stage's buffers once, as the forward without it does.
+"""Activation checkpointing that leaves a stage's buffers, and its gradients, as a run without it.
 
-``torch.utils.checkpoint`` runs a stage's forward a second time in backward. Modules that
-write to their buffers in forward (BatchNorm's running statistics and batch counter, any
-``self.steps += 1``) write again then, so after a step their buffers differ from a run
-without checkpointing: a BatchNorm stage counts every microbatch twice and its running
-mean moves twice as far. One device without checkpointing is the reference conveyor keeps
-bitwise, so the recomputation must leave buffers as it found them.
+``torch.utils.checkpoint`` runs a stage's forward a second time in backward. Two things go
+wrong with modules that write to their buffers in forward (BatchNorm's running statistics
+and batch counter, spectral norm's power-iteration vectors, a quantisation observer's
+range, any ``self.steps += 1``):
 
-Which buffers a forward writes cannot be read off the model or learned once: BatchNorm's
-kernel updates the running statistics without bumping their version counter, and which
-modules write depends on their modes (a BatchNorm frozen with ``.eval()`` for a while,
-then unfrozen) and on the branches a forward takes. So every recomputation saves every
-buffer of the stage and, when it ends, puts back those whose values (or tensor) changed,
-and only those: a buffer autograd saved for backward must keep its version. Buffers are
-usually small (normalisation statistics, rotary tables); the copy costs one pass over
-them per recomputed microbatch.
+* they write again, so after a step their buffers differ from a run without
+  checkpointing: a BatchNorm stage counts every microbatch twice and its running mean
+  moves twice as far;
+* a module that also *reads* such a buffer (spectral norm divides by the norm its vectors
+  give, an observer scales by its range) reads, in the recomputation, what later
+  forwards and the recomputation itself wrote, not what its forward read. The recomputed
+  activations differ, and so do the gradients, silently.
+
+One device without checkpointing is the reference conveyor keeps bitwise, so each
+recomputation starts from the buffers its forward started from and, when it ends, puts
+back the buffers it found. Which buffers a forward writes cannot be read off the model or
+learned once: BatchNorm's kernel updates the running statistics without bumping their
+version counter, and which modules write depends on their modes (a BatchNorm frozen with
+``.eval()`` for a while, then unfrozen) and on the branches a forward takes. So every
+buffer is compared, and only those whose values (or tensor) differ are written: a buffer
+autograd saved for backward must keep its version.
+
+Memory: the buffers as each forward found them live until that microbatch's
+recomputation. A buffer that no forward changes (a causal mask, a rotary table) is held
+once, not once per microbatch; one that changes (running statistics) costs a copy per
+microbatch in flight.
 
 Example:
     >>> import torch
-    >>> from functools import partial
     >>> from torch.utils.checkpoint import checkpoint
     >>> norm = torch.nn.BatchNorm1d(3)
     >>> out = checkpoint(norm, torch.randn(4, 3, requires_grad=True), use_reentrant=False,
-    ...                  context_fn=partial(recompute_contexts, norm))
+    ...                  context_fn=RecomputedBuffers(norm))
     >>> out.sum().backward()
     >>> int(norm.num_batches_tracked)  # 2 with a plain checkpoint
     1
@@ -34,37 +44,95 @@ import contextlib
 
 import torch
 
+# (module that holds the buffer, its attribute name, the tensor held, the values to have)
+_BufferState = tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]
 
-def recompute_contexts(module: torch.nn.Module) -> tuple[contextlib.AbstractContextManager,
-                                                       contextlib.AbstractContextManager]:
-    """``(around the forward, around its recomputation)`` for a non-reentrant ``checkpoint`` of ``module``.
 
-    Pass ``functools.partial(recompute_contexts, module)`` as ``checkpoint(context_fn=...)``.
+class RecomputedBuffers:
+    """``checkpoint(context_fn=...)`` for ``module``: each recomputation sees its forward's buffers.
+
+    Call it once per checkpointed forward (``checkpoint`` does); it returns the two
+    contexts, around the forward and around its recomputation, of that one microbatch.
     """
-    return contextlib.nullcontext(), _RestoreBuffers(module)
-
-
-class _RestoreBuffers:
-    """Around a recomputation: every buffer it changed is put back as it was."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
+        # The copy taken at the last forward, per buffer name: reused while the values hold.
+        self._last_copies: dict[str, torch.Tensor] = {}
+
+    def __call__(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        microbatch = _Microbatch(self)
+        return microbatch.around_forward(), microbatch.around_recomputation()
+
+    def current_state(self, *, reuse_copies: bool) -> list[_BufferState]:
+        states = []
+        for name, buffer in self.module.named_buffers():
+            owner_name, _, attribute = name.rpartition(".")
+            owner = self.module.get_submodule(owner_name) if owner_name else self.module
+            copy = self._last_copies.get(name) if reuse_copies else None
+            if copy is None or not _same(copy, buffer):
+                copy = buffer.clone()
+                if reuse_copies:
+                    self._last_copies[name] = copy
+            states.append((owner, attribute, buffer, copy))
+        return states
+
+
+class _Microbatch:
+    """The two contexts of one checkpointed forward. A recomputation may run more than once
+    (the zero-bubble schedules' I and W passes each unpack the saved tensors), so they are
+    plain classes, not generator-based contexts, which can be entered once only."""
+
+    def __init__(self, buffers: RecomputedBuffers) -> None:
+        self.buffers = buffers
+        self.at_forward: list[_BufferState] = []
+
+    def around_forward(self) -> contextlib.AbstractContextManager:
+        return _AroundForward(self)
+
+    def around_recomputation(self) -> contextlib.AbstractContextManager:
+        return _AroundRecomputation(self)
+
+
+class _AroundForward:
+    def __init__(self, microbatch: _Microbatch) -> None:
+        self.microbatch = microbatch
 
     def __enter__(self) -> None:
-        self.saved = [(name, buffer, buffer.clone()) for name, buffer in self.module.named_buffers()]
+        self.microbatch.at_forward = self.microbatch.buffers.current_state(reuse_copies=True)
 
     def __exit__(self, *exc_info) -> None:
-        with torch.no_grad():
-            for name, buffer, values in self.saved:
-                owner_name, _, attribute = name.rpartition(".")
-                owner = self.module.get_submodule(owner_name) if owner_name else self.module
-                if owner._buffers.get(attribute) is not buffer:  # the forward assigned another tensor
-                    owner._buffers[attribute] = buffer
-                if not _same(values, buffer):
-                    if buffer.shape != values.shape:  # resized in place
-                        buffer.resize_(values.shape)
-                    buffer.copy_(values)
-        self.saved = []
+        pass
+
+
+class _AroundRecomputation:
+    def __init__(self, microbatch: _Microbatch) -> None:
+        self.microbatch = microbatch
+        self.found: list[_BufferState] = []
+
+    def __enter__(self) -> None:
+        self.found = self.microbatch.buffers.current_state(reuse_copies=False)
+        _put(self.microbatch.at_forward)
+
+    def __exit__(self, *exc_info) -> None:
+        held = {(id(owner), attribute) for owner, attribute, _, _ in self.found}
+        for owner, attribute, _, _ in self.microbatch.at_forward:  # deleted since the forward: deleted again
+            if (id(owner), attribute) not in held:
+                owner._buffers.pop(attribute, None)
+        _put(self.found)
+        self.found = []
+
+
+def _put(states: list[_BufferState]) -> None:
+    """Make each module hold its tensor again, with the values given, writing only what differs."""
+    with torch.no_grad():
+        for owner, attribute, buffer, values in states:
+            if owner._buffers.get(attribute) is not buffer:  # a forward assigned another tensor
+                owner._buffers[attribute] = buffer
+            if not _same(values, buffer):
+                if buffer.shape != values.shape:  # resized in place
+                    buffer.resize_(values.shape)
+                buffer.copy_(values)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

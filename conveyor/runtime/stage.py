@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from conveyor.errors import PipelineConfigError, StageExecutionError
 from conveyor.runtime.backward import PendingWeightGrad, PlanCache, backward_full, backward_input
-from conveyor.runtime.recompute import recompute_contexts
+from conveyor.runtime.recompute import RecomputedBuffers
 from conveyor.runtime.rng import StepRandomness
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -102,7 +101,7 @@ class StageRunner:
         self.outputs: dict[int, Any] = {}
         self.randomness: StepRandomness | None = None  # set by the pipeline for each step
         # Recomputation must not write the buffers (BatchNorm's statistics) a second time.
-        self.recompute_contexts = functools.partial(recompute_contexts, module)
+        self.recompute_contexts = RecomputedBuffers(module)
 
     @property
     def is_first(self) -> bool:

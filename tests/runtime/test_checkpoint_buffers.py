@@ -7,8 +7,10 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from conveyor.pipe import LocalPipeline
+from conveyor.runtime.recompute import RecomputedBuffers
 
 NUM_MICROBATCHES = 4
 
@@ -95,3 +97,73 @@ def test_a_batch_norm_frozen_then_unfrozen_matches_one_device(schedule):
         assert torch.equal(got[1].running_var, want[1].running_var)
         for p, q in zip(got.parameters(), want.parameters()):
             assert torch.equal(p.grad, q.grad)
+
+
+class _Annealed(nn.Module):
+    """Reads the counter it bumps: its output depends on how many forwards ran before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return self.linear(x) / (1 + self.steps)
+
+
+def _spectral_stage(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(6, 6)), nn.Tanh())
+
+
+def _annealed_stage(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(_Annealed(), nn.Tanh())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zbv"])
+@pytest.mark.parametrize("make_stage", [_spectral_stage, _annealed_stage], ids=["spectral_norm", "counter"])
+def test_a_recomputation_reads_the_buffers_its_forward_read(schedule, make_stage):
+    """Spectral norm divides by the norm its power-iteration vectors give, and updates them
+    in every forward: recomputed from later vectors, its gradients used to differ."""
+    stages = [make_stage(seed) for seed in range(2)]
+    reference = copy.deepcopy(stages)
+    pipe = LocalPipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES, checkpoint_activations=True)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = torch.randn(16, 6, generator=generator), torch.randn(16, 6, generator=generator)
+        pipe.step(x, target=y)
+        _one_device(reference, x, y)
+    for got, want in zip(stages, reference):
+        for (name, p), q in zip(got.named_parameters(), want.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        for (name, b), c in zip(got.named_buffers(), want.buffers()):
+            assert torch.equal(b, c), name
+
+
+def test_a_buffer_no_forward_changes_is_held_once_for_all_microbatches():
+    """A causal mask must not cost a copy per microbatch in flight; running statistics do."""
+    module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    module.register_buffer("mask", torch.ones(64, 64).tril())
+    buffers = RecomputedBuffers(module)
+    microbatches = []
+    for _ in range(3):
+        around_forward, _ = buffers()
+        with around_forward:
+            module(torch.randn(5, 4))
+        microbatches.append({id(owner._buffers[attribute]): copy
+                             for owner, attribute, _, copy in around_forward.microbatch.at_forward})
+    mask, running_mean = id(module.mask), id(module[1].running_mean)
+    assert len({m[mask].data_ptr() for m in microbatches}) == 1
+    assert len({m[running_mean].data_ptr() for m in microbatches}) == 3
+
+
+def test_a_buffer_deleted_after_the_forward_stays_deleted():
+    module = nn.Linear(3, 3)
+    module.register_buffer("scratch", torch.zeros(3))
+    out = checkpoint(module, torch.randn(2, 3, requires_grad=True), use_reentrant=False,
+                     context_fn=RecomputedBuffers(module))
+    del module.scratch
+    out.sum().backward()  # the recomputation runs with the buffer its forward saw
+    assert "scratch" not in module._buffers
