@@ -909,8 +909,13 @@ def pipeline(
     plan = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
                        **split_kwargs)
     modules = [plan.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
-    # Stage modules keep the model's parameter names, so the model's order can be looked up.
-    order = {name: index for index, (name, _) in enumerate(model.named_parameters())}
+    # Stage modules keep the model's parameter names, so the model's order can be looked up. A
+    # tied parameter may sit in a stage under any of its names (torch.export picks one): each
+    # name gets the place of the tensor's first name, where torch's clipping counts it.
+    order: dict[str, int] = {}
+    first_place: dict[int, int] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        order[name] = first_place.setdefault(id(param), len(first_place))
     return Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=plan.tied_groups,
                     parameter_order=order, **pipeline_kwargs)
 

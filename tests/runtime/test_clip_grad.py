@@ -282,6 +282,58 @@ def test_the_models_own_parameter_order_decides_the_rounding_not_the_stages():
             assert torch.equal(g, w), f"trial {trial}: {g.item()} vs {w.item()}"
 
 
+class _FrozenLookupTiedHead(torch.nn.Module):
+    """The model's own code reads the tied weight (a frozen lookup): torch.export names it by
+    its other name, ``head.weight``, on the first stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        with torch.no_grad():
+            x = torch.nn.functional.embedding(ids, self.embed.weight)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _random_grads(model: torch.nn.Module, trial: int) -> dict[int, torch.Tensor]:
+    generator = torch.Generator().manual_seed(trial)
+    return {id(p): torch.randn(p.shape, generator=generator) * 10.0 ** int(torch.randint(-3, 4, (), generator=generator))
+            for p in model.parameters()}
+
+
+def _tied_alias_norms(rank, world_size, trials):
+    torch.manual_seed(0)
+    model = _FrozenLookupTiedHead()
+    pipe = conveyor.pipeline(model, example_args=(torch.zeros(2, 5, dtype=torch.long),), split_points=["layers.2"],
+                             schedule="1f1b", microbatches=2, loss_fn=lambda y, t: y.sum(), timeout_s=60)
+    mine = dict(pipe.named_parameters())
+    assert rank != 0 or "head.weight" in mine, sorted(mine)  # the alias this test is about
+    got = []
+    for trial in range(trials):
+        grads = _random_grads(model, trial)
+        for name, param in model.named_parameters(remove_duplicate=False):  # aliases included
+            if name in mine:
+                mine[name].grad = grads[id(param)].clone()
+        got.append(pipe.clip_grad_norm_(1e30))
+    return got
+
+
+def test_a_tied_parameter_held_under_its_other_name_keeps_the_models_order():
+    trials = 60
+    torch.manual_seed(0)
+    model = _FrozenLookupTiedHead()
+    want = [torch.nn.utils.get_total_norm(list(_random_grads(model, trial).values())) for trial in range(trials)]
+    for got in run_ranks(_tied_alias_norms, 2, args=(trials,), timeout_s=120):
+        for trial, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(g, w), f"trial {trial}: {g.item()} vs {w.item()}"
+
+
 def _norm_fails_on_rank_1(rank, world_size):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
     pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=60)
