@@ -61,10 +61,11 @@ class RecomputedBuffers:
         self._last_copies: dict[str, torch.Tensor] = {}
 
     def __call__(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        microbatch = _Microbatch(self)
-        return microbatch.around_forward(), microbatch.around_recomputation()
+        forward = _AroundForward(self)
+        return forward, _AroundRecomputation(forward)
 
     def current_state(self, *, reuse_copies: bool) -> list[_BufferState]:
+        """Every buffer with a copy of its values; ``reuse_copies``: the last forward's copy if equal."""
         states = []
         for name, buffer in self.module.named_buffers():
             owner_name, _, attribute = name.rpartition(".")
@@ -78,45 +79,32 @@ class RecomputedBuffers:
         return states
 
 
-class _Microbatch:
-    """The two contexts of one checkpointed forward. A recomputation may run more than once
-    (the zero-bubble schedules' I and W passes each unpack the saved tensors), so they are
-    plain classes, not generator-based contexts, which can be entered once only."""
-
+# Plain classes, not generator-based contexts (which can be entered once only): a recomputation
+# may run more than once, as the zero-bubble schedules' I and W passes each unpack saved tensors.
+class _AroundForward:
     def __init__(self, buffers: RecomputedBuffers) -> None:
         self.buffers = buffers
-        self.at_forward: list[_BufferState] = []
-
-    def around_forward(self) -> contextlib.AbstractContextManager:
-        return _AroundForward(self)
-
-    def around_recomputation(self) -> contextlib.AbstractContextManager:
-        return _AroundRecomputation(self)
-
-
-class _AroundForward:
-    def __init__(self, microbatch: _Microbatch) -> None:
-        self.microbatch = microbatch
+        self.found: list[_BufferState] = []
 
     def __enter__(self) -> None:
-        self.microbatch.at_forward = self.microbatch.buffers.current_state(reuse_copies=True)
+        self.found = self.buffers.current_state(reuse_copies=True)
 
     def __exit__(self, *exc_info) -> None:
         pass
 
 
 class _AroundRecomputation:
-    def __init__(self, microbatch: _Microbatch) -> None:
-        self.microbatch = microbatch
+    def __init__(self, forward: _AroundForward) -> None:
+        self.forward = forward
         self.found: list[_BufferState] = []
 
     def __enter__(self) -> None:
-        self.found = self.microbatch.buffers.current_state(reuse_copies=False)
-        _put(self.microbatch.at_forward)
+        self.found = self.forward.buffers.current_state(reuse_copies=False)
+        _put(self.forward.found)
 
     def __exit__(self, *exc_info) -> None:
         held = {(id(owner), attribute) for owner, attribute, _, _ in self.found}
-        for owner, attribute, _, _ in self.microbatch.at_forward:  # deleted since the forward: deleted again
+        for owner, attribute, _, _ in self.forward.found:  # deleted since the forward: deleted again
             if (id(owner), attribute) not in held:
                 owner._buffers.pop(attribute, None)
         _put(self.found)

@@ -100,7 +100,7 @@ class StageRunner:
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
         self.randomness: StepRandomness | None = None  # set by the pipeline for each step
-        # Recomputation must not write the buffers (BatchNorm's statistics) a second time.
+        # A recomputation reads the buffers its forward read and does not write them again.
         self.recompute_contexts = RecomputedBuffers(module)
 
     @property

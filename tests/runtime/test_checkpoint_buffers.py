@@ -153,7 +153,7 @@ def test_a_buffer_no_forward_changes_is_held_once_for_all_microbatches():
         with around_forward:
             module(torch.randn(5, 4))
         microbatches.append({id(owner._buffers[attribute]): copy
-                             for owner, attribute, _, copy in around_forward.microbatch.at_forward})
+                             for owner, attribute, _, copy in around_forward.found})
     mask, running_mean = id(module.mask), id(module[1].running_mean)
     assert len({m[mask].data_ptr() for m in microbatches}) == 1
     assert len({m[running_mean].data_ptr() for m in microbatches}) == 3
