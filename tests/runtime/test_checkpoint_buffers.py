@@ -33,9 +33,9 @@ def _one_device(stages: list[nn.Module], x: torch.Tensor, y: torch.Tensor) -> No
         (_mse(out, y_m) / NUM_MICROBATCHES).backward()
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_batch_norm_statistics_and_gradients_match_one_device_without_checkpointing(schedule):
-    stages = [_normed_stage(seed) for seed in range(2)]
+def _two_steps_both_ways(make_stage, schedule: str) -> tuple[list[nn.Module], list[nn.Module]]:
+    """Two steps of a checkpointing pipeline, and of one device without checkpointing, on the same data."""
+    stages = [make_stage(seed) for seed in range(2)]
     reference = copy.deepcopy(stages)
     pipe = LocalPipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES, checkpoint_activations=True)
     generator = torch.Generator().manual_seed(0)
@@ -43,6 +43,12 @@ def test_batch_norm_statistics_and_gradients_match_one_device_without_checkpoint
         x, y = torch.randn(16, 6, generator=generator), torch.randn(16, 6, generator=generator)
         pipe.step(x, target=y)
         _one_device(reference, x, y)
+    return stages, reference
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_batch_norm_statistics_and_gradients_match_one_device_without_checkpointing(schedule):
+    stages, reference = _two_steps_both_ways(_normed_stage, schedule)
     for got, want in zip(stages, reference):
         norm, want_norm = got[1], want[1]
         assert int(norm.num_batches_tracked) == 2 * NUM_MICROBATCHES  # one count per forward, not two
@@ -127,14 +133,7 @@ def _annealed_stage(seed: int) -> nn.Module:
 def test_a_recomputation_reads_the_buffers_its_forward_read(schedule, make_stage):
     """Spectral norm divides by the norm its power-iteration vectors give, and updates them
     in every forward: recomputed from later vectors, its gradients used to differ."""
-    stages = [make_stage(seed) for seed in range(2)]
-    reference = copy.deepcopy(stages)
-    pipe = LocalPipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES, checkpoint_activations=True)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(2):
-        x, y = torch.randn(16, 6, generator=generator), torch.randn(16, 6, generator=generator)
-        pipe.step(x, target=y)
-        _one_device(reference, x, y)
+    stages, reference = _two_steps_both_ways(make_stage, schedule)
     for got, want in zip(stages, reference):
         for (name, p), q in zip(got.named_parameters(), want.parameters()):
             assert torch.equal(p.grad, q.grad), name

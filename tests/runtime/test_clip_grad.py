@@ -237,6 +237,44 @@ def test_mixed_dtypes_stack_as_torch_stacks_them():
         assert torch.equal(got, want), f"trial {trial}: {got.item()} vs {want.item()}"
 
 
+def _assert_every_rank_got(per_rank: list[list[torch.Tensor]], want: list[torch.Tensor]) -> None:
+    for got in per_rank:
+        for trial, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(g, w), f"trial {trial}: {g.item()} vs {w.item()}"
+
+
+def _random_grads(model: torch.nn.Module, trial: int) -> dict[int, torch.Tensor]:
+    generator = torch.Generator().manual_seed(trial)
+    return {id(p): torch.randn(p.shape, generator=generator) * 10.0 ** int(torch.randint(-3, 4, (), generator=generator))
+            for p in model.parameters()}
+
+
+def _clip_norms_of_random_grads(model: torch.nn.Module, pipe, trials: int) -> list[torch.Tensor]:
+    """Every rank draws every gradient and keeps those of its own stages, under any of their names."""
+    mine = dict(pipe.named_parameters())
+    got = []
+    for trial in range(trials):
+        grads = _random_grads(model, trial)
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if name in mine:
+                mine[name].grad = grads[id(param)].clone()
+        got.append(pipe.clip_grad_norm_(1e30))
+    return got
+
+
+def _unsplit_norms(model: torch.nn.Module, trials: int) -> list[torch.Tensor]:
+    return [torch.nn.utils.get_total_norm(list(_random_grads(model, trial).values())) for trial in range(trials)]
+
+
+def _clip_norms_rank(rank, world_size, model_class, example, split_point, trials):
+    """This rank's parameter names, and the pipeline's total norm of each trial's random gradients."""
+    torch.manual_seed(0)
+    model = model_class()
+    pipe = conveyor.pipeline(model, example_args=(example,), split_points=[split_point], schedule="1f1b",
+                             microbatches=2, loss_fn=lambda y, t: y.sum(), timeout_s=60)
+    return sorted(dict(pipe.named_parameters())), _clip_norms_of_random_grads(model, pipe, trials)
+
+
 class _HeadFirst(torch.nn.Module):
     """Registers its head first and runs it last: parameters() is not the stages' order."""
 
@@ -250,36 +288,12 @@ class _HeadFirst(torch.nn.Module):
         return self.head(torch.relu(self.body2(torch.relu(self.body1(x)))))
 
 
-def _head_first_norms(rank, world_size, trials):
-    torch.manual_seed(0)
-    model = _HeadFirst()
-    pipe = conveyor.pipeline(model, example_args=(torch.randn(2, 8),), split_points=["body2"], schedule="1f1b",
-                             microbatches=2, loss_fn=lambda y, t: y.sum(), timeout_s=60)
-    by_name = dict(pipe.named_parameters())
-    got = []
-    for trial in range(trials):
-        generator = torch.Generator().manual_seed(trial)
-        for name, param in model.named_parameters():  # every rank draws every gradient, keeps its own
-            grad = torch.randn(param.shape, generator=generator) * 10.0 ** int(torch.randint(-3, 4, (), generator=generator))
-            if name in by_name:
-                by_name[name].grad = grad
-        got.append(pipe.clip_grad_norm_(1e30))
-    return got
-
-
 def test_the_models_own_parameter_order_decides_the_rounding_not_the_stages():
     trials = 60
     torch.manual_seed(0)
-    model = _HeadFirst()
-    want = []
-    for trial in range(trials):
-        generator = torch.Generator().manual_seed(trial)
-        grads = [torch.randn(p.shape, generator=generator) * 10.0 ** int(torch.randint(-3, 4, (), generator=generator))
-                 for p in model.parameters()]
-        want.append(torch.nn.utils.get_total_norm(grads))
-    for got in run_ranks(_head_first_norms, 2, args=(trials,), timeout_s=120):
-        for trial, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert torch.equal(g, w), f"trial {trial}: {g.item()} vs {w.item()}"
+    want = _unsplit_norms(_HeadFirst(), trials)
+    results = run_ranks(_clip_norms_rank, 2, args=(_HeadFirst, torch.randn(2, 8), "body2", trials), timeout_s=120)
+    _assert_every_rank_got([norms for _, norms in results], want)
 
 
 class _FrozenLookupTiedHead(torch.nn.Module):
@@ -301,37 +315,14 @@ class _FrozenLookupTiedHead(torch.nn.Module):
         return self.head(x)
 
 
-def _random_grads(model: torch.nn.Module, trial: int) -> dict[int, torch.Tensor]:
-    generator = torch.Generator().manual_seed(trial)
-    return {id(p): torch.randn(p.shape, generator=generator) * 10.0 ** int(torch.randint(-3, 4, (), generator=generator))
-            for p in model.parameters()}
-
-
-def _tied_alias_norms(rank, world_size, trials):
-    torch.manual_seed(0)
-    model = _FrozenLookupTiedHead()
-    pipe = conveyor.pipeline(model, example_args=(torch.zeros(2, 5, dtype=torch.long),), split_points=["layers.2"],
-                             schedule="1f1b", microbatches=2, loss_fn=lambda y, t: y.sum(), timeout_s=60)
-    mine = dict(pipe.named_parameters())
-    assert rank != 0 or "head.weight" in mine, sorted(mine)  # the alias this test is about
-    got = []
-    for trial in range(trials):
-        grads = _random_grads(model, trial)
-        for name, param in model.named_parameters(remove_duplicate=False):  # aliases included
-            if name in mine:
-                mine[name].grad = grads[id(param)].clone()
-        got.append(pipe.clip_grad_norm_(1e30))
-    return got
-
-
 def test_a_tied_parameter_held_under_its_other_name_keeps_the_models_order():
     trials = 60
     torch.manual_seed(0)
-    model = _FrozenLookupTiedHead()
-    want = [torch.nn.utils.get_total_norm(list(_random_grads(model, trial).values())) for trial in range(trials)]
-    for got in run_ranks(_tied_alias_norms, 2, args=(trials,), timeout_s=120):
-        for trial, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert torch.equal(g, w), f"trial {trial}: {g.item()} vs {w.item()}"
+    want = _unsplit_norms(_FrozenLookupTiedHead(), trials)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    results = run_ranks(_clip_norms_rank, 2, args=(_FrozenLookupTiedHead, ids, "layers.2", trials), timeout_s=120)
+    assert "head.weight" in results[0][0], results[0][0]  # the alias this test is about, on the first stage
+    _assert_every_rank_got([norms for _, norms in results], want)
 
 
 def _norm_fails_on_rank_1(rank, world_size):
