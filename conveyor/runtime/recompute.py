@@ -57,24 +57,23 @@ class RecomputedBuffers:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
-        # The copy taken at the last forward, per buffer name: reused while the values hold.
+        # The last copy taken of each buffer, by name: reused while the values hold (copies
+        # are never written, so any equal one serves a forward or a recomputation alike).
         self._last_copies: dict[str, torch.Tensor] = {}
 
     def __call__(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         forward = _AroundForward(self)
         return forward, _AroundRecomputation(forward)
 
-    def current_state(self, *, reuse_copies: bool) -> list[_BufferState]:
-        """Every buffer with a copy of its values; ``reuse_copies``: the last forward's copy if equal."""
+    def current_state(self) -> list[_BufferState]:
+        """Every buffer with a copy of its values: the last copy taken, if the values are the same."""
         states = []
         for name, buffer in self.module.named_buffers():
             owner_name, _, attribute = name.rpartition(".")
             owner = self.module.get_submodule(owner_name) if owner_name else self.module
-            copy = self._last_copies.get(name) if reuse_copies else None
+            copy = self._last_copies.get(name)
             if copy is None or not _same(copy, buffer):
-                copy = buffer.clone()
-                if reuse_copies:
-                    self._last_copies[name] = copy
+                copy = self._last_copies[name] = buffer.clone()
             states.append((owner, attribute, buffer, copy))
         return states
 
@@ -87,7 +86,7 @@ class _AroundForward:
         self.found: list[_BufferState] = []
 
     def __enter__(self) -> None:
-        self.found = self.buffers.current_state(reuse_copies=True)
+        self.found = self.buffers.current_state()
 
     def __exit__(self, *exc_info) -> None:
         pass
@@ -99,7 +98,7 @@ class _AroundRecomputation:
         self.found: list[_BufferState] = []
 
     def __enter__(self) -> None:
-        self.found = self.forward.buffers.current_state(reuse_copies=False)
+        self.found = self.forward.buffers.current_state()
         _put(self.forward.found)
 
     def __exit__(self, *exc_info) -> None:
