@@ -249,7 +249,13 @@ def _failing_rank_lingers(rank, world_size, transport):
                 store.set("done", "1")
                 return f"{type(held).__name__}: {held}", f"{type(again).__name__}: {again}", dist.is_initialized()
         store.set(f"reported {rank}", "1")
-        store.wait(["done"], datetime.timedelta(seconds=60))  # rank 0 serves the store: stay until rank 2 is done
+        store.wait(["done"], datetime.timedelta(seconds=60))
+        # Rank 0 serves the store: it leaves last, or a peer still reading the answer to its
+        # wait loses the connection ("Failed to recv, got 0 bytes").
+        if rank == 0:
+            store.wait(["left 1", "left 3"], datetime.timedelta(seconds=60))
+        else:
+            store.set(f"left {rank}", "1")
         return f"{type(exc).__name__}: {exc}", seconds
     return "no error", 0.0
 
