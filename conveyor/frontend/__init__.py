@@ -15,7 +15,9 @@ Limits of tracing (all reported with the module and source line that failed):
   raises ``SpecMismatchError`` on anything else: split again for another shape);
 * Python branching on tensor values (``if x.sum() > 0``, ``.item()``) cannot be traced;
 * outputs must be tensors, plain values and pytrees of them (tuple, list, dict,
-  Hugging Face ``ModelOutput``): pass ``use_cache=False`` to Hugging Face models;
+  Hugging Face ``ModelOutput``). A Hugging Face key/value cache is none of these and
+  training never uses it, so Hugging Face models are traced with ``use_cache`` off
+  (the model's config is left as it is) unless ``example_kwargs`` sets ``use_cache``;
 * devices met while tracing (``torch.arange(..., device=x.device)``) are recorded;
   a stage built on another device (a meta-device model, a cpu model built on cuda)
   has them rewritten to its own device. Composite ops such as dropout and

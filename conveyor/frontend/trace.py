@@ -15,8 +15,10 @@ What tracing costs, and its limits (see also ``conveyor.frontend`` docs):
 * Python control flow on tensor *values* (``if x.sum() > 0``, ``.item()``,
   ``.tolist()``) cannot be traced; the error names the module and source line.
 * Outputs must be pytrees of tensors and plain values (tuples, lists, dicts,
-  Hugging Face ``ModelOutput``). A Hugging Face KV cache is not: trace with
-  ``use_cache=False``.
+  Hugging Face ``ModelOutput``). A Hugging Face key/value cache is not, and training
+  never reads it: a Hugging Face model whose config has ``use_cache`` on is traced
+  with it off (its config is put back afterwards, and a log line says so). A
+  ``use_cache=True`` passed in ``example_kwargs`` is kept, and fails with that advice.
 * Devices met while tracing (``torch.arange(..., device=x.device)``) are recorded as
   constants; stages rewrite the trace device to their own device.
 * The train/eval mode is fixed (dropout, BatchNorm, ``if self.training``).
@@ -29,7 +31,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -313,10 +316,59 @@ def trace_model(
     if device.type == "meta":
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False)
+        with _key_value_cache_off(model, kwargs):
+            exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # noqa: BLE001 - any failure is explained the same way
         raise TracingError(explain_trace_failure(model, error)) from error
     return TracedModel(model, exported, device)
+
+
+@contextmanager
+def _key_value_cache_off(model: nn.Module, example_kwargs: Mapping[str, Any]) -> Iterator[None]:
+    """Within, the configs of the Hugging Face models in ``model`` have ``use_cache`` off.
+
+    Training never reads the key/value cache, and torch.export cannot return one (a
+    ``DynamicCache`` is not a pytree). The configs are switched for the trace only, and
+    put back however it ends. Passing ``use_cache=False`` to the traced call instead
+    would make it an input of the graph, which stage 0 would then demand at every step.
+    A ``use_cache`` in ``example_kwargs`` is the user's own choice, and is kept.
+    """
+    if "use_cache" in example_kwargs:
+        yield
+        return
+    switched: dict[int, tuple[Any, Any]] = {}  # id(config) -> (config, its use_cache)
+    owners: list[str] = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if not _is_hugging_face_model(module) or id(config) in switched:
+            continue
+        use_cache = getattr(config, "use_cache", False)
+        if use_cache:
+            switched[id(config)] = (config, use_cache)
+            owners.append(type(module).__name__)
+    if not switched:
+        yield
+        return
+    logger.info(
+        "tracing %s with use_cache=False (training never uses the key/value cache, which "
+        "torch.export cannot return; the model's config is left as it is)",
+        ", ".join(owners),
+    )
+    try:
+        for config, _ in switched.values():
+            config.use_cache = False
+        yield
+    finally:
+        for config, use_cache in switched.values():
+            config.use_cache = use_cache
+
+
+def _is_hugging_face_model(module: nn.Module) -> bool:
+    # Recognised by its base class's name: the frontend does not import transformers.
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
+        for cls in type(module).__mro__
+    )
 
 
 def explain_trace_failure(model: nn.Module, error: BaseException) -> str:
@@ -380,12 +432,17 @@ def _hint(error: BaseException) -> str:
             "forward (pass it as a plain Python argument)."
         )
     if "register a pytree" in text or "not a known type" in text:
-        hint = "the model returns or takes an object that is not a tensor, tuple, list or dict; "
         if "Cache" in text:
-            hint += (
-                "for Hugging Face models pass use_cache=False (in example_kwargs or the config); "
+            return (
+                "the model returns a Hugging Face key/value cache (the past_key_values or cache "
+                "field of its output), which torch.export cannot carry and training never uses: "
+                "pass use_cache=False in example_kwargs (without use_cache there, conveyor traces "
+                "Hugging Face models with their config's use_cache off)."
             )
-        return hint + "return tensors (or register the type with torch.utils._pytree)."
+        return (
+            "the model returns or takes an object that is not a tensor, tuple, list or dict; "
+            "return tensors (or register the type with torch.utils._pytree)."
+        )
     if "numpy" in text.lower():
         return "this code converts tensors to numpy; keep the computation in torch."
     return (

@@ -65,14 +65,41 @@ def test_data_dependent_shape_names_operation_and_module():
     assert "boolean indexing" in message
 
 
-def test_hugging_face_cache_output_suggests_use_cache_false():
+def test_hugging_face_cache_asked_for_in_example_kwargs_names_the_field_and_the_fix():
+    # The config's use_cache is turned off for tracing; one the user passes is theirs to keep.
+    model_class, config = gpt2(num_layers=1)
+    with torch.device("meta"):
+        model = model_class(config)
+    batch = {"input_ids": token_batch()["input_ids"], "use_cache": True}
+    with pytest.raises(frontend.TracingError) as caught:
+        frontend.split_model(model, 2, example_kwargs=batch)
+    message = str(caught.value)
+    assert "returns a Hugging Face key/value cache (the past_key_values or cache field" in message
+    assert "pass use_cache=False in example_kwargs" in message
+
+
+class GatedLogits(nn.Module):
+    """A Hugging Face model, then a Python branch on a tensor value: tracing fails after it."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids):
+        logits = self.inner(input_ids=input_ids).logits
+        if logits.sum() > 0:
+            return logits
+        return -logits
+
+
+def test_failed_trace_puts_the_hugging_face_config_back():
     model_class, config = gpt2(num_layers=1)
     config.use_cache = True
     with torch.device("meta"):
-        model = model_class(config)
-    batch = {"input_ids": token_batch()["input_ids"]}
-    with pytest.raises(frontend.TracingError, match="pass use_cache=False"):
-        frontend.split_model(model, 2, example_kwargs=batch)
+        model = GatedLogits(model_class(config))
+    with pytest.raises(frontend.TracingError, match="branches on tensor values"):
+        frontend.split_model(model, 2, example_args=(token_batch()["input_ids"],))
+    assert model.inner.config.use_cache is True
 
 
 def test_split_point_typo_lists_close_names():
