@@ -47,6 +47,29 @@ def llama(num_layers: int = 4):
     return LlamaForCausalLM, config
 
 
+def default_causal_lm(name: str) -> tuple[type, object]:
+    """A Hugging Face causal LM's class and DEFAULT config, only made small.
+
+    Nothing else is set: ``use_cache`` keeps its default (on), GPT-2 its dropout, tied
+    embeddings and 50256 token ids, as a user building the model from the config gets them.
+    Key/value heads are not grouped, as in both defaults (Llama's follows the attention
+    heads, Qwen2's 32 equals its 32): with groups, eager sdpa attention runs them grouped
+    while the traced graph repeats them, so gradients differ in rounding (test_hf's Llama).
+    """
+    import transformers
+
+    small = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, vocab_size=128)
+    builders = {
+        "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_layer=2, n_embd=32, n_head=4, vocab_size=128)),
+        "llama": ("LlamaForCausalLM", "LlamaConfig", dict(small, num_attention_heads=4)),
+        "qwen2": (
+            "Qwen2ForCausalLM", "Qwen2Config", dict(small, num_attention_heads=4, num_key_value_heads=4)
+        ),
+    }
+    model_name, config_name, sizes = builders[name]
+    return getattr(transformers, model_name), getattr(transformers, config_name)(**sizes)
+
+
 def token_batch(batch: int = 2, length: int = 12, seed: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (batch, length), generator=generator)

@@ -19,17 +19,19 @@ def check_parity(
     kwargs: dict | None = None,
     loss_fn: Callable[[Any], torch.Tensor] = lambda out: out.loss,
     seed: int = 0,
+    reference_kwargs: dict | None = None,
 ) -> list[frontend.StageModule]:
     """Assert outputs, untied gradients and buffers are bitwise equal; tied gradients allclose.
 
-    The reference is a deep copy of ``model`` run eagerly; the stages are built from
-    ``plan`` (they share the original model's untied tensors). Returns the stages.
+    The reference is a deep copy of ``model`` run eagerly, given ``reference_kwargs`` on top
+    of ``kwargs`` (``use_cache=False``, as a Hugging Face model is traced); the stages are
+    built from ``plan`` (they share the original model's untied tensors). Returns the stages.
     """
     kwargs = kwargs or {}
     model.zero_grad(set_to_none=True)  # stages share the model's untied parameters
     reference = copy.deepcopy(model)
     torch.manual_seed(seed)
-    expected = reference(*args, **kwargs)
+    expected = reference(*args, **kwargs, **(reference_kwargs or {}))
     loss_fn(expected).backward()
 
     stages = plan.stage_modules()
