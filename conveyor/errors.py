@@ -49,4 +49,8 @@ class PeerFailure(ConveyorError, RuntimeError):
 
 
 class PipelineStopped(ConveyorError, RuntimeError):
-    """The pipeline stopped after a failure (its process group is closed); build a new one to go on."""
+    """The pipeline stopped after a failure (its own process groups are closed); build a new one to go on."""
+
+
+class PipelineClosed(ConveyorError, RuntimeError):
+    """The pipeline was closed (``close()`` or the end of its ``with`` block); build a new one to go on."""

@@ -24,16 +24,16 @@ Example (every rank in one process):
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Self
 
 import torch
 from torch.utils import _pytree as pytree
 
-from conveyor.errors import ConveyorError, PeerFailure, PipelineConfigError, PipelineStopped
+from conveyor.errors import PipelineClosed, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.runtime.clip import (
     EncodedNorms,
@@ -49,6 +49,7 @@ from conveyor.runtime.executor import (
     run_local,
 )
 from conveyor.runtime.hybrid import HostExchange, HybridTransport
+from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.rng import StepRandomness
 from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
 from conveyor.runtime.stage import LossFn, StageRunner
@@ -183,6 +184,12 @@ class _PipelineBase:
 
     def eval(self) -> Self:
         return self.train(False)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()  # type: ignore[attr-defined]  # each pipeline knows what it holds
 
     @contextlib.contextmanager
     def _random_streams(self) -> Iterator[None]:
@@ -337,10 +344,17 @@ class Pipeline(_PipelineBase):
     repeat on every rank seeded alike (see :mod:`conveyor.runtime.rng`). False leaves the
     generators to the user.
 
+    The pipeline communicates on process groups of its own, built over ``group``'s ranks
+    (see :mod:`conveyor.runtime.lifecycle`); ``group`` itself is never used or closed.
     A failure on any rank stops the pipeline on every rank: the failing rank publishes
-    its message, closes ``group`` (the default process group when None, so that no
-    peer waits on its connections), and raises; peers raise :class:`PeerFailure` with
-    that message. The stopped pipeline then raises :class:`PipelineStopped`.
+    its message, closes the pipeline's own groups (so that no peer waits on its
+    connections), and raises; peers raise :class:`PeerFailure` with that message. The
+    stopped pipeline then raises :class:`PipelineStopped`; your process groups stay usable.
+
+    ``close()`` (or leaving ``with conveyor.Pipeline(...) as pipe:``) releases its rings,
+    sockets, pending work and process groups on this rank; it also happens when the
+    pipeline is garbage collected and at interpreter exit. Call it on every rank after the
+    last step; a closed pipeline raises :class:`PipelineClosed`.
     """
 
     def __init__(
@@ -370,7 +384,7 @@ class Pipeline(_PipelineBase):
                 "torch.distributed.init_process_group() first, or use conveyor.LocalPipeline to run "
                 "every rank in one process"
             )
-        self.group = group
+        self.group = group  # the user's: the pipeline communicates on groups of its own
         world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.schedule = resolve_schedule(schedule, microbatches, virtual, world)
@@ -379,13 +393,18 @@ class Pipeline(_PipelineBase):
                 f"schedule {self.schedule.name!r} has {self.schedule.num_ranks} ranks but the process group "
                 f"has {world}; build the schedule with ranks={world} (or launch {self.schedule.num_ranks} processes)"
             )
+        if transport not in TRANSPORTS:
+            raise PipelineConfigError(
+                f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {transport!r}"
+            )
         self.stages = self.schedule.stages_of(self.rank)
         self.runners = self._make_runners(self.rank, self.stages, modules, loss_fn, checkpoint_activations)
         self._tie(tied_parameters, parameter_order)
-        self._tied_groups = self._tied_process_groups(tied_parameters, group)
-        ranks = list(range(world))
-        global_ranks = ranks if group is None else [dist.get_global_rank(group, r) for r in ranks]
-        self.transport = self._make_transport(transport, group, global_ranks, timeout_s, fixed_shapes)
+        # Every check that needs no peer is above: from here on this rank holds process groups.
+        self._life = RankLifecycle(group, timeout_s)
+        self._tied_groups = self._tied_process_groups(tied_parameters)
+        global_ranks = self._life.global_ranks
+        self.transport = self._make_transport(transport, global_ranks, timeout_s, fixed_shapes)
         self.lowered = lower(self.schedule)
         self.program = merge_adjacent_backward_halves(self.lowered.programs[self.rank])  # what step() runs
         self.eval_lowered = lower(forward_only(self.schedule))
@@ -398,8 +417,13 @@ class Pipeline(_PipelineBase):
         self._recorder: StepRecorder | None = None
         self._last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
         self._global_ranks = global_ranks
-        self._stopped: str | None = None  # the failure that stopped this pipeline
-        self._keep_store = None
+        # After a failure nothing may keep work on the pipeline's groups alive. The callbacks
+        # hold no reference to this Pipeline, so the finalizer below can run when it is dropped.
+        self._life.attach(self.transport, on_release=[
+            self.executor.forget_receives, self._tied_groups.clear,
+            *(runner.reset for runner in self.runners.values()),
+        ])
+        self._finalizer = weakref.finalize(self, self._life.close)  # also runs at interpreter exit
 
     # --- user API -----------------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any):
@@ -409,52 +433,62 @@ class Pipeline(_PipelineBase):
         With ``return_outputs=True`` returns ``(loss, outputs)``; outputs are the
         merged last-stage outputs on the rank that runs the last stage, None elsewhere.
         """
-        return self._guarded(self._step, args, kwargs, target, return_outputs)
+        return self._life.guarded(self._step, args, kwargs, target, return_outputs)
 
     def forward(self, *args: Any, **kwargs: Any):
         """Forward only (evaluation, no autograd state): the merged model outputs on the
         rank that runs the last stage, None on the others."""
-        return self._guarded(self._forward, args, kwargs)
+        return self._life.guarded(self._forward, args, kwargs)
 
     __call__ = forward
 
     def timeline(self) -> Timeline:
         """The measured Timeline of the last step (a collective: call it on every rank)."""
-        import torch.distributed as dist
-
         events = [] if self._recorder is None else self._recorder.events
         mine = [(str(a), start, end) for a, start, end in events]
-        gathered: list = [None] * self.schedule.num_ranks
-        dist.all_gather_object(gathered, mine, group=self.group)
-        return measured_timeline(self.schedule, gathered)
+        return measured_timeline(self.schedule, self._collective(self._gather_objects, mine))
 
-    def _all_norms(self, mine: EncodedNorms) -> list[EncodedNorms]:
+    def close(self) -> None:
+        """Release this rank's rings, sockets, pending work and process groups (idempotent).
+
+        Call it on every rank after the last step, or build the pipeline in a ``with``
+        block. It never communicates. Later calls raise :class:`PipelineClosed`.
+
+        Example:
+            >>> with conveyor.Pipeline(stages, schedule=sched, loss_fn=loss_fn) as pipe:  # doctest: +SKIP
+            ...     loss = pipe.step(x, target=y)
+        """
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (a pipeline stopped by a failure is not closed until then)."""
+        return not self._finalizer.alive
+
+    def _gather_objects(self, mine: Any) -> list:
         import torch.distributed as dist
 
         gathered: list = [None] * self.schedule.num_ranks
-        dist.all_gather_object(gathered, mine, group=self.group)
+        dist.all_gather_object(gathered, mine, group=self._life.group)
         return gathered
+
+    def _all_norms(self, mine: EncodedNorms) -> list[EncodedNorms]:
+        return self._gather_objects(mine)
 
     def _collective(self, fn, *args):
         # Guarded like a step: a rank that fails on its way to the exchange takes the
         # pipeline down with its message, and a peer that failed is named.
-        return self._guarded(fn, *args)
+        return self._life.guarded(fn, *args)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
         return [r.module for r in self.runners.values()]
 
     # --- internals -----------------------------------------------------------------------
-    def _make_transport(self, kind: str, group, global_ranks: list[int], timeout_s: float,
+    def _make_transport(self, kind: str, global_ranks: list[int], timeout_s: float,
                         fixed_shapes: bool) -> Transport:
-        import torch.distributed as dist
-
-        if kind not in TRANSPORTS:
-            raise PipelineConfigError(
-                f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {kind!r}"
-            )
         why_not = shared_memory_supported()
-        backend = str(dist.get_backend(group))
+        backend = self._life.backend
         prefix = "-".join(map(str, global_ranks))  # names this group's keys in the store
         hosts = None
         if kind == "auto":
@@ -472,27 +506,26 @@ class Pipeline(_PipelineBase):
                 f"{backend!r}: use transport='process_group'"
             )
         if kind == "process_group":
-            return self._process_group_transport(group, global_ranks, timeout_s, fixed_shapes)
+            return self._process_group_transport(global_ranks, timeout_s, fixed_shapes)
         if why_not:
             raise PipelineConfigError(f"transport={kind!r} cannot run here: {why_not}; "
                                       "use transport='process_group'")
-        from torch.distributed.distributed_c10d import _get_default_store
-
+        store = self._life.store
         peers = self._neighbours(self.rank)
         if kind == "shared_memory":
-            return SharedMemoryTransport(self.rank, peers, _get_default_store(), prefix, len(global_ranks),
+            return SharedMemoryTransport(self.rank, peers, store, prefix, len(global_ranks),
                                          timeout_s, fixed_shapes, rank_to_global=global_ranks)
         hosts = hosts if hosts is not None else self._hosts(global_ranks, prefix, timeout_s, why_not)
         local_peers = {peer for peer in peers if hosts[peer] == hosts[self.rank]}
-        local = SharedMemoryTransport(self.rank, local_peers, _get_default_store(), prefix, len(global_ranks),
+        local = SharedMemoryTransport(self.rank, local_peers, store, prefix, len(global_ranks),
                                       timeout_s, fixed_shapes, local_ranks=hosts.count(hosts[self.rank]),
                                       rank_to_global=global_ranks)
-        remote = self._process_group_transport(group, global_ranks, timeout_s, fixed_shapes)
+        remote = self._process_group_transport(global_ranks, timeout_s, fixed_shapes)
         return HybridTransport(local, remote, local_peers)
 
-    def _process_group_transport(self, group, global_ranks: list[int], timeout_s: float,
+    def _process_group_transport(self, global_ranks: list[int], timeout_s: float,
                                  fixed_shapes: bool) -> DistTransport:
-        return DistTransport(group, global_ranks, self.rank, self.schedule.num_stages,
+        return DistTransport(self._life.group, global_ranks, self.rank, self.schedule.num_stages,
                              self.schedule.num_microbatches, timeout_s, fixed_shapes)
 
     def _neighbours(self, rank: int) -> set[int]:
@@ -503,10 +536,8 @@ class Pipeline(_PipelineBase):
 
     def _hosts(self, global_ranks: list[int], prefix: str, timeout_s: float, why_not: str) -> list[int]:
         """Every rank's host, as a number; a rank that cannot share memory is a host of its own."""
-        from torch.distributed.distributed_c10d import _get_default_store
-
         identity = f"no-shared-memory/{global_ranks[self.rank]}" if why_not else host_identity()
-        return HostExchange.run(_get_default_store(), prefix, self.rank, len(global_ranks), identity, timeout_s)
+        return HostExchange.run(self._life.store, prefix, self.rank, len(global_ranks), identity, timeout_s)
 
     def _transport_for(self, hosts: list[int]) -> str:
         """Shared memory if every pair of ranks that talk shares a host, the process group if none
@@ -534,14 +565,12 @@ class Pipeline(_PipelineBase):
             grads = tuple(torch.empty(t.shape, dtype=t.dtype) for t in tensors if t.requires_grad)
             self.transport.seed((BACKWARD, stage + 1), flatten_payload(grads)[0])
 
-    def _tied_process_groups(self, tied_parameters, group) -> list:
+    def _tied_process_groups(self, tied_parameters) -> list:
         """(parameter, subgroup) for each tied parameter whose copies live on several ranks.
 
         new_group is collective over the whole group, so every rank creates every subgroup,
         in the same order, whether it holds a copy or not.
         """
-        import torch.distributed as dist
-
         placement = self.schedule.placement
         subgroups: dict[tuple[int, ...], Any] = {}
         mine = []
@@ -550,8 +579,7 @@ class Pipeline(_PipelineBase):
             if len(owners) < 2:
                 continue
             if owners not in subgroups:
-                members = owners if group is None else [dist.get_global_rank(group, r) for r in owners]
-                subgroups[owners] = dist.new_group(list(members))
+                subgroups[owners] = self._life.subgroup(owners)
             if self.rank in owners:
                 stage, name = next((s, n) for s, n in tied.uses if s in self.runners)
                 mine.append((self.runners[stage].module.get_parameter(name), subgroups[owners]))
@@ -583,81 +611,6 @@ class Pipeline(_PipelineBase):
                     dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=subgroup)
             if earlier is not None:
                 param.grad = earlier if param.grad is None else earlier.add_(param.grad)
-
-    def _guarded(self, fn, *args):
-        if self._stopped is not None:
-            raise PipelineStopped(
-                f"rank {self.rank}: this pipeline stopped after a failure ({self._stopped}) and closed its "
-                "process group; start a new process group and build a new Pipeline to go on"
-            )
-        try:
-            return fn(*args)
-        except ConveyorError as exc:
-            self._fail(exc, exc)
-            raise
-        except Exception as exc:
-            # A peer that failed closes its connections after publishing why; whichever
-            # communication call notices first (send, post, wait, collective) reports that.
-            cause = self._peer_cause(exc)
-            if cause is None:
-                self._fail(exc, exc)
-                raise
-            self._fail(cause, exc)
-            raise cause from exc
-
-    def _peer_cause(self, exc: Exception) -> PeerFailure | None:
-        import torch.distributed as dist
-
-        if not isinstance(exc, RuntimeError):
-            return None
-        failures = self.transport.peer_failures()
-        if failures:
-            return PeerFailure(failures)
-        if isinstance(exc, dist.DistError) or "onnection" in str(exc):
-            return PeerFailure(
-                f"rank {self.rank} lost its connection to a peer during the step ({exc}); "
-                "a peer probably died: look at its output"
-            )
-        return None
-
-    def _fail(self, exc: BaseException, raised: BaseException) -> None:
-        """Tell the peers why, then close our connections so that none of them waits for us.
-
-        Peers blocked in a gloo receive from this rank only notice once its sockets close,
-        and those close only when nothing holds the group: not this pipeline, not a pending
-        send or receive, not the frames of ``raised``'s traceback (which the caller keeps,
-        in its ``except`` block, for as long as it likes). So the runtime's frames in that
-        traceback (and torch.distributed's) lose their local variables; the user's own frames
-        keep theirs. The default store stays referenced: rank 0 serves it, and peers read
-        the message there.
-        """
-        message = f"{type(exc).__name__}: {exc}"
-        self.transport.publish_failure(message)
-        self._stopped = message
-        for runner in self.runners.values():
-            runner.reset()
-        import torch.distributed as dist
-
-        self._keep_store = self._default_store()  # rank 0 serves it to the peers
-        self._tied_groups = []
-        self.transport.release()
-        self.executor.forget_receives()
-        _clear_runtime_frames(raised.__traceback__)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group(self.group)
-            except Exception as close_exc:  # already torn down by a peer's failure
-                log.debug("closing the process group after a failure: %s", close_exc)
-        self.group = None
-        gc.collect()  # the group's last references may sit in reference cycles
-
-    @staticmethod
-    def _default_store():
-        with contextlib.suppress(Exception):
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            return _get_default_store()
-        return None
 
     def _inputs_for_step(self, args, kwargs, target):
         first = self._split_inputs(args, kwargs) if 0 in self.runners else None
@@ -708,7 +661,7 @@ class Pipeline(_PipelineBase):
             packet[0] = total.double()
             packet[1] = _FLOAT_DTYPES.index(total.dtype) if total.dtype in _FLOAT_DTYPES else 0
         if self.schedule.num_ranks > 1:
-            dist.broadcast(packet, src=self._global_ranks[self._last_rank], group=self.group)
+            dist.broadcast(packet, src=self._global_ranks[self._last_rank], group=self._life.group)
         if last is not None:
             return total
         return packet[0].to(_FLOAT_DTYPES[int(packet[1])])
@@ -805,8 +758,20 @@ class LocalPipeline(_PipelineBase):
         # In one process every copy of a tied parameter can simply be the same Parameter.
         self._tie(tied_parameters, parameter_order)
         self._recorders: list[StepRecorder] = []
+        self.closed = False
+
+    def close(self) -> None:
+        """Refuse later calls (one process holds nothing else to release); as :meth:`Pipeline.close`."""
+        self.closed = True
+        self.mailbox.messages.clear()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise PipelineClosed("this pipeline was closed (close() or the end of its `with` block); "
+                                 "build a new LocalPipeline to go on")
 
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any):
+        self._check_open()
         first = self._split_inputs(args, kwargs)
         targets = self._split_target(target)
         for runner in self.runners.values():
@@ -826,6 +791,7 @@ class LocalPipeline(_PipelineBase):
         return loss
 
     def forward(self, *args: Any, **kwargs: Any):
+        self._check_open()
         first = self._split_inputs(args, kwargs)
         for runner in self.runners.values():
             runner.reset()
@@ -918,21 +884,3 @@ def pipeline(
         order[name] = first_place.setdefault(id(param), len(first_place))
     return Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=plan.tied_groups,
                     parameter_order=order, **pipeline_kwargs)
-
-
-# Frames that may hold the process group or its pending work: conveyor's, and those of
-# torch.distributed's calls that raised (isend's frame holds the group).
-_RUNTIME_DIRS = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(torch.distributed.__file__)) + os.sep,
-)
-
-
-def _clear_runtime_frames(traceback) -> None:
-    """Drop the local variables of conveyor's and torch.distributed's finished frames in ``traceback``."""
-    while traceback is not None:
-        frame = traceback.tb_frame
-        if frame.f_code.co_filename.startswith(_RUNTIME_DIRS):
-            with contextlib.suppress(RuntimeError):  # a frame still running keeps its locals
-                frame.clear()
-        traceback = traceback.tb_next

@@ -174,8 +174,9 @@ class HybridTransport(Transport):
         self.local.end_step()
         self.remote.end_step()
 
-    def release(self) -> None:
-        self.remote.release()
+    def close(self) -> None:
+        self.local.close()
+        self.remote.close()
 
     def publish_failure(self, message: str) -> None:
         self.local.publish_failure(message)  # our rings and the store, which the remote side reads too

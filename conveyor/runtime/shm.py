@@ -667,6 +667,22 @@ class SharedMemoryTransport(FailureBoard, Transport):
     def _store(self):
         return self.store
 
+    def close(self) -> None:
+        """Unmap every ring and close its descriptor and the doorbell: nothing of this transport remains.
+
+        The rings are anonymous memfds, so once the last mapping and descriptor are gone their
+        pages are too (no file system entry ever existed). Data already in a ring a peer has
+        mapped stays readable to that peer.
+        """
+        rings = [o.ring for o in self.outgoing.values()] + [i.ring for i in self.incoming.values()]
+        for ring in rings + self.retired:
+            ring.close()
+        self.outgoing, self.incoming, self.retired = {}, {}, []
+        self.arrived.clear()
+        if self.socket is not None:
+            self.socket.close()
+            self.socket = None
+
 
 # numpy copies a small CPU tensor in far fewer interpreter steps than torch's slicing and
 # copy_ (and interpreter steps are what a rank pays, cold, right after its compute).

@@ -204,8 +204,19 @@ class Transport(ABC):
     def end_step(self) -> None:  # noqa: B027 - only transports that learn per step need it
         """Called once every rank's step has finished."""
 
-    def release(self) -> None:  # noqa: B027 - only transports holding process-group work need it
-        """Drop every handle on the process group, after a failure, so that its connections can close."""
+    def close(self) -> None:  # noqa: B027 - only transports holding rings, sockets or work need it
+        """Release what this transport holds (rings, sockets, pending work); it is not used again.
+
+        Called after the last step and after a failure, before the pipeline's process groups
+        are destroyed: nothing may hold work on them then, or their connections stay open.
+        """
+
+    def publish_failure(self, message: str) -> None:  # noqa: B027 - in one process, nobody to tell
+        """Tell the peers that this rank failed, and why."""
+
+    def peer_failures(self) -> str:
+        """What failed peers published (empty when none did)."""
+        return ""
 
 
 @dataclass
@@ -449,7 +460,7 @@ class DistTransport(FailureBoard, Transport):
                 work.wait(datetime.timedelta(seconds=self.timeout_s))
         self.pending_sends.clear()
 
-    def release(self) -> None:
+    def close(self) -> None:
         # A gloo pair closes only when nothing refers to its context any more; an outstanding
         # send or receive does, and would leave peers waiting for this rank their full timeout.
         self.pending_sends.clear()

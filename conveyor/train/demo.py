@@ -113,6 +113,7 @@ def worker(args: argparse.Namespace) -> None:
             print(f"step {step}: pipeline loss {loss.item():.7f}   single-device loss {want.item():.7f}{norms}   "
                   f"{'bitwise equal' if equal else 'DIFFERENT'}", flush=True)
     measured = pipe.timeline()
+    pipe.close()  # its process groups and rings go now, not at interpreter exit
     if rank == 0:
         plan = cs.simulate(schedule, costs_from_timeline(measured, schedule.num_stages), time_unit="s")
         Path(args.png).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,250 @@
+"""A pipeline's life on one rank: its own process groups, what happens when a rank fails, and close.
+
+Everything a distributed pipeline opens lives here, so that "what happens when a rank dies"
+and "what does close() release" are answered in one file:
+
+- **Its own process groups.** A pipeline never communicates on the group it is given (the
+  user's: the default group when none). It builds a group of its own over the same ranks,
+  plus one per set of ranks that share a tied parameter, and uses only those. On a failure
+  it can then close *its* connections at once, which is what unblocks peers waiting in gloo,
+  while the user's groups stay usable: after a caught conveyor error, ``dist.barrier()``
+  and ``dist.destroy_process_group()`` work as before.
+- **Failure.** A rank that fails publishes its message (the transport's failure board: the
+  store, and for shared memory its rings), drops every handle on its groups, destroys them,
+  and raises; peers raise :class:`~conveyor.errors.PeerFailure` with that message. The
+  pipeline then refuses calls with :class:`~conveyor.errors.PipelineStopped`.
+- **Close.** ``close()`` (also on ``with``, when the pipeline is garbage collected, and at
+  interpreter exit) releases the transport's rings, sockets and pending work and destroys
+  the pipeline's groups, so that gloo's threads are joined while the interpreter is
+  still whole.
+
+Why close at exit matters: gloo runs collectives on worker threads, and a worker drops its
+reference to a finished collective's tensors only after the caller has returned from
+``wait()``. When that last reference goes during interpreter finalization, the worker
+must take the GIL to free the tensor's Python object, Python ends the thread instead, and
+the C++ runtime calls ``std::terminate`` ("terminate called without an active exception",
+SIGABRT): a run that did all its work fails. Destroying a group joins its workers, so a
+group destroyed before finalization cannot do that. The user's default group is no help
+here: importing ``torch._dynamo`` (an optimizer's constructor does) takes references to it
+that ``destroy_process_group()`` does not release, so its workers outlive the script.
+
+Example (what :class:`conveyor.Pipeline` does)::
+
+    life = RankLifecycle(user_group=None, timeout_s=300.0)
+    transport = DistTransport(life.group, life.global_ranks, life.rank, ...)
+    life.attach(transport, on_release=[executor.forget_receives])
+    loss = life.guarded(run_step, batch)      # a failure tells the peers and closes the groups
+    life.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from conveyor.errors import ConveyorError, PeerFailure, PipelineClosed, PipelineStopped
+
+log = logging.getLogger(__name__)
+
+OPEN, STOPPED, CLOSED = "open", "stopped", "closed"
+
+
+class RankLifecycle:
+    """This rank's process groups of one pipeline, its failure protocol and its close.
+
+    ``user_group``: the group the pipeline was given (None: the default group); the
+    pipeline's own group has the same ranks. ``timeout_s`` bounds the own groups'
+    collectives as the pipeline's receives are bounded.
+    """
+
+    def __init__(self, user_group, timeout_s: float) -> None:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.user_group = user_group
+        self.rank = dist.get_rank(user_group)
+        self.num_ranks = dist.get_world_size(user_group)
+        self.global_ranks = (list(range(self.num_ranks)) if user_group is None
+                             else [dist.get_global_rank(user_group, r) for r in range(self.num_ranks)])
+        self.backend = str(dist.get_backend(user_group))
+        # Failure messages travel through the store, which outlives every group (rank 0's
+        # process serves it); held here so that peers can still read them after the user
+        # destroyed the default group.
+        self.store = _get_default_store()
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.groups: list[Any] = []  # every group this pipeline made, the main one first
+        self.group = self._new_group(self.global_ranks, whole_job=user_group is None)
+        self.transport = None
+        self._on_release: list[Callable[[], None]] = []
+        self.state = OPEN
+        self.stopped_because: str | None = None
+
+    # --- set-up --------------------------------------------------------------------------
+    def _new_group(self, global_ranks: Sequence[int], whole_job: bool):
+        """A process group of this pipeline's own over ``global_ranks``.
+
+        Over the whole job every rank builds it, in the same order, as torch's naming of
+        groups requires; over a part of the job (one of several pipelines) only its members
+        do, with torch's local synchronisation.
+        """
+        import torch.distributed as dist
+
+        if whole_job:
+            group = dist.new_group(list(global_ranks), timeout=self.timeout)
+        else:
+            group = dist.new_group(list(global_ranks), timeout=self.timeout, use_local_synchronization=True)
+        self.groups.append(group)
+        return group
+
+    def subgroup(self, ranks: Sequence[int]):
+        """A group over some of the pipeline's ranks (those holding one tied parameter).
+
+        Collective over the whole job, as the pipelines' main groups are when no group was
+        given: every rank must call it with the same ranks, in the same order.
+        """
+        import torch.distributed as dist
+
+        members = [self.global_ranks[r] for r in ranks]
+        group = dist.new_group(members, timeout=self.timeout)
+        self.groups.append(group)
+        return group
+
+    def attach(self, transport, on_release: Sequence[Callable[[], None]] = ()) -> None:
+        """The transport this pipeline moves payloads with, and what else holds work on its groups."""
+        self.transport = transport
+        self._on_release = list(on_release)
+
+    # --- calls ---------------------------------------------------------------------------
+    def check_usable(self) -> None:
+        """Raise if the pipeline was closed or stopped by a failure."""
+        if self.state == CLOSED:
+            raise PipelineClosed(
+                f"rank {self.rank}: this pipeline was closed (pipe.close() or the end of its `with` block); "
+                "build a new Pipeline to go on"
+            )
+        if self.state == STOPPED:
+            raise PipelineStopped(
+                f"rank {self.rank}: this pipeline stopped after a failure ({self.stopped_because}) and closed "
+                "its own process groups (yours are untouched); build a new Pipeline to go on"
+            )
+
+    def guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; if it raises, every rank of the pipeline stops with the reason.
+
+        A peer that failed closes its connections after publishing why; whichever
+        communication call notices first (send, post, wait, collective) reports that.
+        """
+        self.check_usable()
+        try:
+            return fn(*args)
+        except ConveyorError as exc:
+            self.fail(exc, exc)
+            raise
+        except Exception as exc:
+            cause = self.peer_cause(exc)
+            if cause is None:
+                self.fail(exc, exc)
+                raise
+            self.fail(cause, exc)
+            raise cause from exc
+
+    def peer_cause(self, exc: Exception) -> PeerFailure | None:
+        """The failure of a peer that explains ``exc``, if one does."""
+        import torch.distributed as dist
+
+        if not isinstance(exc, RuntimeError) or self.transport is None:
+            return None
+        failures = self.transport.peer_failures()
+        if failures:
+            return PeerFailure(failures)
+        if isinstance(exc, dist.DistError) or "onnection" in str(exc):
+            return PeerFailure(
+                f"rank {self.rank} lost its connection to a peer during the step ({exc}); "
+                "a peer probably died: look at its output"
+            )
+        return None
+
+    # --- failure and close -----------------------------------------------------------------
+    def fail(self, exc: BaseException, raised: BaseException) -> None:
+        """Tell the peers why, then close this pipeline's connections so that none of them waits for us.
+
+        Peers blocked in a gloo receive from this rank only notice once its sockets close,
+        and those close only when nothing holds the group: not the transport, not a pending
+        send or receive, not the frames of ``raised``'s traceback (which the caller keeps, in
+        its ``except`` block, for as long as it likes). So the runtime's frames in that
+        traceback (and torch.distributed's) lose their local variables; the user's own
+        frames keep theirs.
+        """
+        if self.state != OPEN:
+            return
+        message = f"{type(exc).__name__}: {exc}"
+        if self.transport is not None:
+            self.transport.publish_failure(message)
+        self.state = STOPPED
+        self.stopped_because = message
+        _clear_runtime_frames(raised.__traceback__)
+        self._release()
+
+    def close(self) -> None:
+        """Release everything this pipeline holds on this rank; idempotent, never communicates.
+
+        Call it at the same point on every rank (after the last step): a peer still
+        waiting for this rank would see its connections close.
+        """
+        if self.state == CLOSED:
+            return
+        if self.state == OPEN and self.transport is not None:
+            # What this rank sent must have left before its connections go.
+            with contextlib.suppress(Exception):
+                self.transport.finish_sends()
+        self.state = CLOSED
+        self._release()
+
+    def _release(self) -> None:
+        for release in self._on_release:
+            release()
+        if self.transport is not None:
+            self.transport.close()
+        self._destroy_groups()
+
+    def _destroy_groups(self) -> None:
+        import torch.distributed as dist
+
+        groups, self.groups, self.group = self.groups, [], None
+        for group in groups:
+            # Gone from torch's tables when the user destroyed every group first (then
+            # dropping our reference is what ends it).
+            if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+                try:
+                    dist.destroy_process_group(group)
+                except Exception as exc:  # a peer's failure may have broken it already
+                    log.debug("destroying a pipeline process group: %s", exc)
+        del groups
+        # The last references may sit in reference cycles (an exception's frames); the
+        # destructor joins gloo's threads, which must happen while the interpreter is whole.
+        gc.collect()
+
+
+# Frames that may hold the process group or its pending work: conveyor's, and those of
+# torch.distributed's calls that raised (isend's frame holds the group).
+_RUNTIME_DIRS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.abspath(torch.distributed.__file__)) + os.sep,
+)
+
+
+def _clear_runtime_frames(traceback) -> None:
+    """Drop the local variables of conveyor's and torch.distributed's finished frames in ``traceback``."""
+    while traceback is not None:
+        frame = traceback.tb_frame
+        if frame.f_code.co_filename.startswith(_RUNTIME_DIRS):
+            with contextlib.suppress(RuntimeError):  # a frame still running keeps its locals
+                frame.clear()
+        traceback = traceback.tb_next

@@ -1,0 +1,140 @@
+"""A pipeline's life on a rank: close() leaves nothing behind, a closed pipeline refuses calls, and a
+caught conveyor error leaves the user's process groups usable (the pipeline only closes its own)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import conveyor
+import conveyor.schedule as cs
+from conveyor.errors import PeerFailure, PipelineClosed, PipelineConfigError, PipelineStopped
+from conveyor.testing import run_ranks
+from conveyor.testing.models import TinyConfig, build_stage, lm_loss, make_batch
+
+TRANSPORTS = ("shared_memory", "process_group", "hybrid")
+
+
+def _use_transport(rank: int, transport: str) -> None:
+    if transport == "hybrid":
+        os.environ["CONVEYOR_HOST_ID"] = f"host-{rank // 2}"  # ranks 0-1 and 2-3 play two hosts
+
+
+def _held_by_process() -> dict[str, object]:
+    """What a rank holds that a pipeline could leak: descriptors by kind, OS threads, Python threads."""
+    kinds: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        kind = "memfd" if target.startswith("/memfd:") else target.split(":")[0] if ":" in target else "file"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return {"fds": kinds, "os_threads": len(os.listdir("/proc/self/task")),
+            "python_threads": sorted(t.name for t in threading.enumerate()),
+            "dev_shm": sorted(os.listdir("/dev/shm"))}
+
+
+def _train_then_close(rank, world_size, transport):
+    import torch.distributed as dist
+
+    _use_transport(rank, transport)
+    dist.barrier()  # the default group's own threads and sockets exist before we look
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=4)
+    cfg = TinyConfig(num_stages=world_size, blocks_per_stage=1, dim=16, seq_len=8)
+    before = _held_by_process()
+    with conveyor.Pipeline([build_stage(rank, cfg)], schedule=schedule, loss_fn=lm_loss, timeout_s=60,
+                           transport=transport) as pipe:
+        ids, targets = make_batch(cfg, 8, seed=0)
+        pipe.step(ids if rank == 0 else None, target=targets if rank == world_size - 1 else None)
+        pipe.clip_grad_norm_(1.0)
+        pipe.timeline()
+        during = _held_by_process()
+    after = _held_by_process()
+    refused = []
+    for call in (lambda: pipe.step(None), lambda: pipe.forward(None), lambda: pipe.clip_grad_norm_(1.0),
+                 pipe.timeline):
+        try:
+            call()
+        except PipelineClosed as exc:
+            refused.append(str(exc))
+    pipe.close()  # a second close is a no-op
+    dist.barrier()  # the user's group still works
+    return before, during, after, refused, pipe.closed
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_close_releases_rings_sockets_threads_and_groups(transport):
+    results = run_ranks(_train_then_close, 4, args=(transport,), timeout_s=90)
+    for rank, (before, during, after, refused, closed) in enumerate(results):
+        assert during["os_threads"] > before["os_threads"], "the pipeline's own process groups have threads"
+        assert after == before, f"rank {rank} kept something after close: {before} -> {after}"
+        assert len(refused) == 4 and all("this pipeline was closed" in m for m in refused), refused
+        assert closed
+    if transport != "process_group":
+        assert any(r[1]["fds"].get("memfd", 0) > 0 for r in results), "shared memory rings were in use"
+
+
+def _caught_error_then_user_collectives(rank, world_size, transport):
+    """The first-contact script: a batch the microbatch count does not divide, caught and logged."""
+    import torch.distributed as dist
+
+    _use_transport(rank, transport)
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=4)
+    cfg = TinyConfig(num_stages=world_size, blocks_per_stage=1, dim=16, seq_len=8)
+    pipe = conveyor.Pipeline([build_stage(rank, cfg)], schedule=schedule, loss_fn=lm_loss, timeout_s=60,
+                             transport=transport)
+    ids, targets = make_batch(cfg, 6, seed=0)
+    try:
+        pipe.step(ids if rank == 0 else None, target=targets[:4] if rank == world_size - 1 else None)
+    except (PipelineConfigError, PeerFailure) as exc:
+        caught = f"{type(exc).__name__}: {exc}"
+    else:
+        caught = "no error"
+    try:
+        pipe.step(ids[:4] if rank == 0 else None, target=targets[:4] if rank == world_size - 1 else None)
+    except PipelineStopped as exc:
+        again = str(exc)
+    # The user's own lines after the error: all of them work.
+    global_rank = dist.get_rank()
+    total = torch.tensor([1.0])
+    dist.all_reduce(total)
+    dist.barrier()
+    dist.destroy_process_group()
+    return caught, again, global_rank, total.item(), dist.is_initialized()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_caught_error_leaves_the_users_process_group_usable(transport):
+    results = run_ranks(_caught_error_then_user_collectives, 4, args=(transport,), timeout_s=90)
+    for rank, (caught, again, global_rank, total, initialized) in enumerate(results):
+        if rank == 0:
+            assert caught.startswith("PipelineConfigError") and "batch size 6" in caught, caught
+        else:
+            assert caught.startswith("PeerFailure") and "rank 0 failed" in caught and "batch size 6" in caught, caught
+        assert "stopped after a failure" in again and "yours are untouched" in again
+        assert (global_rank, total, initialized) == (rank, 4.0, False)
+
+
+def test_a_pipeline_refuses_a_transport_it_does_not_know_before_building_anything():
+    def build(rank, world_size):
+        try:
+            conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule="1f1b", microbatches=2, transport="carrier-pigeon")
+        except PipelineConfigError as exc:
+            return str(exc)
+
+    messages = run_ranks(build, 2, timeout_s=60)
+    assert all("transport must be one of" in m and "'carrier-pigeon'" in m for m in messages)
+
+
+def test_the_in_process_pipeline_closes_too():
+    stages = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
+    with conveyor.LocalPipeline(stages, schedule="1f1b", microbatches=2,
+                                loss_fn=lambda y, t: (y - t).pow(2).mean()) as pipe:
+        pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
+    assert pipe.closed
+    with pytest.raises(PipelineClosed, match="this pipeline was closed"):
+        pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
