@@ -1,0 +1,134 @@
+"""Launch a short training script through torchrun again and again, and count the clean exits.
+
+A job that did its work and then aborts at exit is a failed job to its launcher. This
+starts :mod:`conveyor.testing.launch_check` with real ``torchrun`` launches over a plan
+that cycles through rank counts, transports, schedules and teardown orders, and counts a
+launch clean when torchrun's exit code is the one the teardown order means (0, or 1
+when the script leaves through an exception), no rank died of a signal, and nothing printed
+"terminate called".
+
+Example:
+    $ python tools/launch_stress.py --launches 300       # the full run (about 40 min on 2 cores)
+    >>> plan = launch_plan(20)
+    >>> sorted({launch.teardown for launch in plan}) == sorted(TEARDOWNS)
+    True
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from conveyor.testing.launch_check import TEARDOWNS
+
+RANKS = (2, 4)
+TRANSPORTS = ("shared_memory", "process_group", "hybrid")
+SCHEDULES = ("1f1b", "zb-h1", "zbv")
+_EXIT_CODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One torchrun launch of the short training script."""
+
+    ranks: int
+    transport: str
+    schedule: str
+    teardown: str
+
+    @property
+    def expected_exit_code(self) -> int:
+        return 1 if self.teardown == "exception" else 0
+
+    def describe(self) -> str:
+        return f"P={self.ranks} {self.transport} {self.schedule} teardown={self.teardown}"
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchResult:
+    launch: Launch
+    exit_code: int
+    seconds: float
+    problem: str  # empty when the launch ended cleanly
+
+    @property
+    def clean(self) -> bool:
+        return not self.problem
+
+
+def launch_plan(count: int) -> list[Launch]:
+    """``count`` launches that walk every combination of rank count, transport, schedule and teardown.
+
+    The 108 combinations are visited with a stride coprime to their number, so consecutive
+    launches differ and a short plan (20: CI's) already holds every value of each dimension
+    and every transport at both rank counts; a plan longer than 108 starts over.
+    """
+    combinations = list(itertools.product(sorted(TEARDOWNS), SCHEDULES, TRANSPORTS, RANKS))
+    stride = 5  # coprime to 108
+    picked = (combinations[(i * stride) % len(combinations)] for i in range(count))
+    return [Launch(ranks, transport, schedule, teardown) for teardown, schedule, transport, ranks in picked]
+
+
+def run_launch(launch: Launch, timeout_s: float = 180.0) -> LaunchResult:
+    """One real torchrun launch; what went wrong is in ``problem`` (with the end of its output)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={launch.ranks}",
+               "-m", "conveyor.testing.launch_check", "--schedule", launch.schedule,
+               "--transport", launch.transport, "--teardown", launch.teardown]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    start = time.monotonic()
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return LaunchResult(launch, -1, time.monotonic() - start, f"hung for {timeout_s:g} s\n{output[-2000:]}")
+    seconds = time.monotonic() - start
+    output = done.stdout + done.stderr
+    return LaunchResult(launch, done.returncode, seconds, _problem(launch, done.returncode, output))
+
+
+def _problem(launch: Launch, exit_code: int, output: str) -> str:
+    tail = output[-3000:]
+    if "terminate called" in output:
+        return f"a rank aborted ('terminate called'):\n{tail}"
+    codes = [int(code) for code in _EXIT_CODE.findall(output)]
+    if exit_code != launch.expected_exit_code:
+        return f"torchrun exited {exit_code}, expected {launch.expected_exit_code}:\n{tail}"
+    if launch.expected_exit_code and codes and codes[-1] != launch.expected_exit_code:
+        # torchrun lists the first failure ("Root Cause") last; later ranks may be its SIGTERMs.
+        return f"the first rank to fail exited {codes[-1]}, expected {launch.expected_exit_code}:\n{tail}"
+    if launch.expected_exit_code and "DeliberateExit" not in output:
+        return f"no rank left through the deliberate exception:\n{tail}"
+    return ""
+
+
+def run_plan(count: int, *, report=print, timeout_s: float = 180.0) -> list[LaunchResult]:
+    """Run ``launch_plan(count)`` one launch after another; ``report`` gets a line per launch."""
+    results = []
+    for index, launch in enumerate(launch_plan(count), 1):
+        result = run_launch(launch, timeout_s)
+        results.append(result)
+        verdict = "clean" if result.clean else "FAILED"
+        report(f"{index:4d}/{count} {verdict:7s} {result.seconds:5.1f} s  {launch.describe()}")
+        if not result.clean:
+            report(result.problem)
+    return results
+
+
+def summary(results: list[LaunchResult]) -> str:
+    """One line per dimension value and a total: ``clean / launched``."""
+    lines = [f"clean launches: {sum(r.clean for r in results)} of {len(results)}"]
+    for name in ("ranks", "transport", "schedule", "teardown"):
+        counts: dict[object, list[int]] = {}
+        for result in results:
+            tally = counts.setdefault(getattr(result.launch, name), [0, 0])
+            tally[0] += result.clean
+            tally[1] += 1
+        lines.append(f"  by {name}: " + ", ".join(f"{value} {c}/{n}" for value, (c, n) in counts.items()))
+    slowest = max((r.seconds for r in results), default=0.0)
+    lines.append(f"  slowest launch: {slowest:.1f} s")
+    return "\n".join(lines)
