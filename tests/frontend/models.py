@@ -28,7 +28,13 @@ def gpt2(num_layers: int = 4, dropout: float = 0.0):
     return GPT2LMHeadModel, config
 
 
-def llama(num_layers: int = 4):
+def llama(num_layers: int = 4, num_key_value_heads: int = 4):
+    """A tiny Llama; key/value heads not grouped unless ``num_key_value_heads`` < 4.
+
+    With grouped heads and no padding, eager sdpa attention runs the groups inside
+    ``scaled_dot_product_attention(enable_gqa=True)`` while the traced graph repeats the
+    key/value heads, so gradients differ in rounding (see test_hf's grouped-heads test).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -36,7 +42,7 @@ def llama(num_layers: int = 4):
         hidden_size=32,
         intermediate_size=48,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_key_value_heads,
         vocab_size=VOCAB,
         max_position_embeddings=32,
         use_cache=False,
@@ -54,7 +60,7 @@ def default_causal_lm(name: str) -> tuple[type, object]:
     embeddings and 50256 token ids, as a user building the model from the config gets them.
     Key/value heads are not grouped, as in both defaults (Llama's follows the attention
     heads, Qwen2's 32 equals its 32): with groups, eager sdpa attention runs them grouped
-    while the traced graph repeats them, so gradients differ in rounding (test_hf's Llama).
+    while the traced graph repeats them, so gradients differ in rounding (see ``llama``).
     """
     import transformers
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -78,6 +80,64 @@ def test_llama_parameters_balance_puts_embedding_and_head_on_the_ends(llama_mode
     ]
     assert plan.split_points == ("model.layers.2",)
     embedding = 96 * 32
-    layer = 32 * 32 + 2 * (32 * 16) + 32 * 32 + 3 * (32 * 48) + 2 * 32  # attention, mlp, 2 norms
+    layer = 4 * (32 * 32) + 3 * (32 * 48) + 2 * 32  # attention (q, k, v, o), mlp, 2 norms
     assert counts == [embedding + 2 * layer, 2 * layer + 32 + embedding]
     assert plan.stage_weights == tuple(float(count) for count in counts)
+
+
+def _grouped_heads_llama(num_stages):
+    model_class, config = llama(num_layers=4, num_key_value_heads=2)  # 2 groups of 2 heads
+    torch.manual_seed(0)
+    model = model_class(config).train()
+    batch = token_batch(seed=1)  # no padding: attention_mask is all ones
+    plan = frontend.split_model(model, num_stages, example_kwargs=batch, split_method="uniform")
+    return model, plan, batch
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_grouped_kv_heads_llama_trains_equal_to_rounding(num_stages):
+    """Grouped key/value heads: equal to rounding, not bitwise, to the eager model.
+
+    The traced graph must serve any attention_mask, so transformers' sdpa attention builds
+    the causal mask in it and, with a mask, repeats the key/value heads (repeat_kv). Eager,
+    with no padding in the batch, skips the mask (is_causal=True), and with no mask
+    transformers' sdpa attention (5.0 and 5.24 checked) hands the groups to
+    scaled_dot_product_attention(enable_gqa=True) instead. Forward values agree, but the
+    key/value gradients are summed over each group in another order: about 1 ulp (6e-8 in
+    the first step here), then carried by training. No traced graph can follow eager here:
+    eager's path depends on the mask's values, which the graph may not read.
+    """
+    model, plan, batch = _grouped_heads_llama(num_stages)
+    reference = copy.deepcopy(model)
+    stages = plan.stage_modules()
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    stage_optimizer = torch.optim.SGD([p for stage in stages for p in stage.parameters()], lr=0.1)
+    for _ in range(3):
+        reference_optimizer.zero_grad()
+        stage_optimizer.zero_grad()
+        expected = reference(**batch)
+        expected.loss.backward()
+        got = frontend.run_sequential(stages, (), batch, loss_fn=lambda out: out.loss)
+        torch.testing.assert_close(got.loss, expected.loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got.logits, expected.logits, rtol=1e-6, atol=1e-6)
+        stage_parameters = {n: p for stage in stages for n, p in stage.named_parameters()}
+        for name, parameter in reference.named_parameters():
+            torch.testing.assert_close(
+                stage_parameters[name].grad, parameter.grad, rtol=1e-6, atol=1e-6,
+                msg=lambda message, name=name: f"gradient of {name}: {message}",
+            )
+        reference_optimizer.step()
+        stage_optimizer.step()
+    for name, parameter in reference.named_parameters():
+        torch.testing.assert_close(
+            stage_parameters[name], parameter, rtol=1e-6, atol=1e-6,
+            msg=lambda message, name=name: f"{name} after 3 steps: {message}",
+        )
+
+
+def test_grouped_kv_heads_llama_is_bitwise_when_eager_takes_the_traced_path():
+    """With padding in the batch, eager builds the mask and repeats the heads too: bitwise."""
+    model, plan, batch = _grouped_heads_llama(2)
+    padded = {**batch, "attention_mask": batch["attention_mask"].clone()}
+    padded["attention_mask"][0, -3:] = 0
+    check_parity(model, plan, kwargs=padded)
