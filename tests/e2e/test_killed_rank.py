@@ -1,0 +1,20 @@
+"""A rank killed mid-step (SIGKILL in its stage's forward) stops every survivor within 30 s, naming it.
+
+The ranks are plain processes, not torchrun's, so nothing but the pipeline tells a survivor
+that its peer is gone. The full grid (every point, death and transport, many trials) is
+`python tools/kill_trials.py`; CI keeps one trial per transport.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.testing.kill_trials import TRANSPORTS, Trial, run_trial
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_survivors_of_a_killed_rank_stop_within_30_s_naming_it(transport):
+    result = run_trial(Trial("forward", "SIGKILL", transport), limit_s=30.0, hard_limit_s=150.0)
+    assert result.passed, result.problem
+    assert result.slowest_s < 30.0
