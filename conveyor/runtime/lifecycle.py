@@ -44,12 +44,20 @@ import datetime
 import gc
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from conveyor.errors import ConveyorError, PeerFailure, PipelineClosed, PipelineStopped
+from conveyor.runtime.shm import host_identity, process_alive
+
+# Where each rank says which process it is, so that a peer whose connection broke can tell
+# which rank died (a killed process publishes no failure of its own).
+_PROCESS_KEY = "conveyor/process/{global_rank}"
+# How long a rank whose connection broke waits for the failing peer's own message.
+_FAILURE_GRACE_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +86,9 @@ class RankLifecycle:
         # process serves it); held here so that peers can still read them after the user
         # destroyed the default group.
         self.store = _get_default_store()
+        with contextlib.suppress(Exception):
+            self.store.set(_PROCESS_KEY.format(global_rank=self.global_ranks[self.rank]),
+                           f"{os.getpid()} {host_identity()}")
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.groups: list[Any] = []  # every group this pipeline made, the main one first
         self.group = self._new_group(self.global_ranks, whole_job=user_group is None)
@@ -164,12 +175,42 @@ class RankLifecycle:
         failures = self.transport.peer_failures()
         if failures:
             return PeerFailure(failures)
-        if isinstance(exc, dist.DistError) or "onnection" in str(exc):
-            return PeerFailure(
-                f"rank {self.rank} lost its connection to a peer during the step ({exc}); "
-                "a peer probably died: look at its output"
-            )
-        return None
+        if not (isinstance(exc, dist.DistError) or "onnection" in str(exc)):
+            return None
+        # A broken connection: the failing peer (or the first rank to notice a dead one) may
+        # be about to say why; else name the ranks whose processes are gone.
+        deadline = time.monotonic() + _FAILURE_GRACE_S
+        while time.monotonic() < deadline:
+            dead = self.exited_peers()
+            failures = self.transport.peer_failures()
+            if failures or dead:
+                break
+            time.sleep(0.1)
+        if failures:
+            return PeerFailure(failures)
+        if dead:
+            return PeerFailure(f"rank {self.rank} lost its connection during the step: {'; '.join(dead)} "
+                               f"({exc})")
+        return PeerFailure(
+            f"rank {self.rank} lost its connection to a peer during the step ({exc}); "
+            "a peer probably died: look at its output"
+        )
+
+    def exited_peers(self) -> list[str]:
+        """'rank R (pid P) has exited' for each peer on this host whose process is gone."""
+        here = host_identity()
+        gone = []
+        for rank, global_rank in enumerate(self.global_ranks):
+            if rank == self.rank:
+                continue
+            try:
+                pid_text, _, host = self.store.get(_PROCESS_KEY.format(global_rank=global_rank)).decode().partition(" ")
+            except Exception:  # the store went with rank 0's process
+                continue
+            if host == here and not process_alive(int(pid_text)):
+                named = f"rank {rank}" if rank == global_rank else f"rank {rank} (global rank {global_rank})"
+                gone.append(f"{named} (pid {pid_text}) has exited")
+        return gone
 
     # --- failure and close -----------------------------------------------------------------
     def fail(self, exc: BaseException, raised: BaseException) -> None:

@@ -96,7 +96,8 @@ def shared_memory_supported() -> str:
     return ""
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) still runs; an unreaped zombie has exited."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -336,7 +337,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
             failures = self.peer_failures()
             if failures:
                 raise PeerFailure(failures) from exc
-            if not _alive(theirs["pid"]):
+            if not process_alive(theirs["pid"]):
                 raise PeerFailure(
                     f"rank {self.rank} waited for {what} from rank {peer}, but rank {peer} (pid "
                     f"{theirs['pid']}) has exited; look at its output"
@@ -625,7 +626,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         if failures:
             raise PeerFailure(failures)
         pid = self.pids.get(src)
-        if pid is not None and not _alive(pid):
+        if pid is not None and not process_alive(pid):
             raise PeerFailure(
                 f"rank {self.rank} waited for {what} from rank {src}, but rank {src} (pid {pid}) has "
                 "exited; look at its output"

@@ -12,7 +12,7 @@ from torch import nn
 import conveyor
 import conveyor.schedule as cs
 from conveyor.pipe import LocalPipeline
-from conveyor.runtime.shm import _alive
+from conveyor.runtime.shm import process_alive
 from conveyor.testing import run_ranks
 
 
@@ -89,12 +89,12 @@ def test_an_exited_peer_not_yet_reaped_counts_as_gone():
         os._exit(7)
     try:
         deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
+        while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not _alive(pid)  # a zombie: signal 0 still reaches it
+        assert not process_alive(pid)  # a zombie: signal 0 still reaches it
     finally:
         os.waitpid(pid, 0)
-    assert _alive(os.getpid())
+    assert process_alive(os.getpid())
 
 
 def test_the_in_process_pipeline_answers_what_the_distributed_one_does():
