@@ -54,3 +54,7 @@ class PipelineStopped(ConveyorError, RuntimeError):
 
 class PipelineClosed(ConveyorError, RuntimeError):
     """The pipeline was closed (``close()`` or the end of its ``with`` block); build a new one to go on."""
+
+
+class NonFiniteError(ConveyorError, FloatingPointError):
+    """A step's loss or gradients were not finite (``on_nonfinite="raise"``); names microbatch and stages."""

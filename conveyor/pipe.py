@@ -24,6 +24,7 @@ Example (every rank in one process):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import weakref
@@ -33,7 +34,7 @@ from typing import Any, Self
 import torch
 from torch.utils import _pytree as pytree
 
-from conveyor.errors import PipelineClosed, PipelineConfigError
+from conveyor.errors import NonFiniteError, PipelineClosed, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.runtime.clip import (
     EncodedNorms,
@@ -68,6 +69,7 @@ from conveyor.schedule import build as build_schedule
 from conveyor.schedule.ir import Action, ActionKind, Schedule
 from conveyor.schedule.lower import lower
 from conveyor.schedule.timeline import Span, Timeline
+from conveyor.schedule.verify import verify
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ def resolve_schedule(schedule: Schedule | str, microbatches: int | None, virtual
                 f"microbatches={microbatches} disagrees with the schedule's {schedule.num_microbatches}; "
                 "leave microbatches out when passing a Schedule"
             )
+        verify(schedule)  # a schedule of the user's own: a deadlock or a missing action fails here, not in a step
         return schedule
     if not isinstance(schedule, str):
         raise PipelineConfigError(f"schedule must be a Schedule or a schedule name, got {type(schedule).__name__}")
@@ -160,6 +163,7 @@ class _PipelineBase:
     _tied_copies: set[int]
     _parameter_order: dict[str, int] | None
     random_streams: bool = True
+    skipped_steps: int = 0  # steps dropped by on_nonfinite="skip"
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """The parameters of this process's stages (shared ones once)."""
@@ -253,6 +257,44 @@ class _PipelineBase:
     def _collective(self, fn, *args):
         return fn(*args)  # one process: nobody to tell (overridden where there is)
 
+    def _max_across_ranks(self, flags: torch.Tensor) -> torch.Tensor:
+        return flags  # every stage is in this process (overridden where they are not)
+
+    def _nonfinite_report(self) -> str:
+        """Empty, or where this step's loss or gradients stopped being finite (on every rank alike).
+
+        One small all-reduce: per stage, whether any of its gradients is non-finite, and the
+        first microbatch whose loss is; every rank then tells the same story.
+        """
+        num_stages = self.schedule.num_stages
+        flags = torch.zeros(num_stages + 1, dtype=torch.float64)
+        for stage, runner in self.runners.items():
+            grads = [p.grad for p in runner.module.parameters() if p.grad is not None]
+            if grads and not bool(torch.stack([g.detach().float().norm() for g in grads]).isfinite().all()):
+                flags[stage] = 1
+        last = self.runners.get(num_stages - 1)
+        if last is not None:
+            bad = [m for m in range(self.schedule.num_microbatches) if not bool(last.losses[m].isfinite().all())]
+            flags[num_stages] = bad[0] + 1 if bad else 0
+        flags = self._max_across_ranks(flags)
+        stages = [s for s in range(num_stages) if flags[s]]
+        microbatch = int(flags[num_stages]) - 1
+        parts = []
+        if microbatch >= 0:
+            parts.append(f"the loss of microbatch {microbatch} (stage {num_stages - 1}, the first such microbatch)")
+        if stages:
+            parts.append(f"the gradients of stage(s) {stages}")
+        return " and ".join(parts) + " are not finite" if parts else ""
+
+    def _after_nonfinite(self, report: str, on_nonfinite: str) -> None:
+        if on_nonfinite == "raise":
+            raise NonFiniteError(f"this step's {report}; pass on_nonfinite='skip' to drop such steps")
+        for param in self.parameters():
+            param.grad = None  # the optimizer then leaves every parameter and its state as they are
+        self.skipped_steps += 1
+        log.warning("conveyor: skipped a step: its %s; gradients dropped (%d step(s) skipped so far)",
+                    report, self.skipped_steps)
+
     def _all_norms(self, mine: EncodedNorms) -> list[EncodedNorms]:
         return [mine]  # every stage is in this process (overridden where they are not)
 
@@ -343,6 +385,10 @@ class Pipeline(_PipelineBase):
     of the global CPU generator per step, not from each rank's global stream, whose numbers
     repeat on every rank seeded alike (see :mod:`conveyor.runtime.rng`). False leaves the
     generators to the user.
+    ``model_signature`` (what :func:`pipeline` passes: :func:`model_signature` of the unsplit
+    model and its cut) is compared across ranks when the pipeline is built, with the schedule
+    (name, P, V, M and every rank's actions), the tied parameters and the options: ranks
+    built differently raise :class:`PipelineConfigError` saying what differs, before any step.
 
     The pipeline communicates on process groups of its own, built over ``group``'s ranks
     (see :mod:`conveyor.runtime.lifecycle`); ``group`` itself is never used or closed.
@@ -375,6 +421,7 @@ class Pipeline(_PipelineBase):
         transport: str = "auto",
         parameter_order: Mapping[str, int] | None = None,
         random_streams: bool = True,
+        model_signature: str | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -391,7 +438,8 @@ class Pipeline(_PipelineBase):
         if self.schedule.num_ranks != world:
             raise PipelineConfigError(
                 f"schedule {self.schedule.name!r} has {self.schedule.num_ranks} ranks but the process group "
-                f"has {world}; build the schedule with ranks={world} (or launch {self.schedule.num_ranks} processes)"
+                f"has {world}; build the schedule with ranks={world}, launch {self.schedule.num_ranks} processes, "
+                f"or give each pipeline its own ranks with group= (several pipelines in one job)"
             )
         if transport not in TRANSPORTS:
             raise PipelineConfigError(
@@ -402,6 +450,45 @@ class Pipeline(_PipelineBase):
         self._tie(tied_parameters, parameter_order)
         # Every check that needs no peer is above: from here on this rank holds process groups.
         self._life = RankLifecycle(group, timeout_s)
+        try:
+            self._life.agree(self._what_was_built(transport, fixed_shapes, shapes, tied_parameters,
+                                                  model_signature))
+            self._build_communication(transport, timeout_s, fixed_shapes, shapes, tied_parameters)
+        except BaseException:
+            # Disagreement: every rank raises alike. A transport that could not be built: the
+            # peers waiting for this rank time out naming it, as for any absent peer.
+            self._life.close()
+            raise
+        self.random_streams = random_streams
+        self.record_timeline = record_timeline
+        self._recorder: StepRecorder | None = None
+        self._last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
+        self._global_ranks = self._life.global_ranks
+        self._warned_target = False
+        # After a failure nothing may keep work on the pipeline's groups alive. The callbacks
+        # hold no reference to this Pipeline, so the finalizer below can run when it is dropped.
+        self._life.attach(self.transport, on_release=[
+            self.executor.forget_receives, self._tied_groups.clear,
+            *(runner.reset for runner in self.runners.values()),
+        ])
+        self._finalizer = weakref.finalize(self, self._life.close)  # also runs at interpreter exit
+
+    def _what_was_built(self, transport: str, fixed_shapes: bool, shapes, tied_parameters,
+                        model_signature: str | None) -> dict[str, str]:
+        """What every rank must agree on, as short strings (see RankLifecycle.agree)."""
+        sched = self.schedule
+        programs = hashlib.sha1(repr(sched.programs).encode()).hexdigest()[:12]
+        return {
+            "schedule": f"{sched.name} P={sched.num_ranks} V={sched.virtual} M={sched.num_microbatches} "
+                        f"programs {programs}",
+            "model": model_signature or "stages built by hand",
+            "tied parameters": repr([tuple(t.uses) for t in tied_parameters]),
+            "options": f"transport={transport!r} fixed_shapes={fixed_shapes} "
+                       f"shapes given for stages {sorted(shapes) if shapes else []}",
+        }
+
+    def _build_communication(self, transport: str, timeout_s: float, fixed_shapes: bool, shapes,
+                             tied_parameters) -> None:
         self._tied_groups = self._tied_process_groups(tied_parameters)
         global_ranks = self._life.global_ranks
         self.transport = self._make_transport(transport, global_ranks, timeout_s, fixed_shapes)
@@ -412,28 +499,29 @@ class Pipeline(_PipelineBase):
         if shapes:
             self._seed_shapes(shapes)
         self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport)
-        self.random_streams = random_streams
-        self.record_timeline = record_timeline
-        self._recorder: StepRecorder | None = None
-        self._last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
-        self._global_ranks = global_ranks
-        # After a failure nothing may keep work on the pipeline's groups alive. The callbacks
-        # hold no reference to this Pipeline, so the finalizer below can run when it is dropped.
-        self._life.attach(self.transport, on_release=[
-            self.executor.forget_receives, self._tied_groups.clear,
-            *(runner.reset for runner in self.runners.values()),
-        ])
-        self._finalizer = weakref.finalize(self, self._life.close)  # also runs at interpreter exit
 
     # --- user API -----------------------------------------------------------------------
-    def step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any):
+    def step(self, *args: Any, target: Any = None, return_outputs: bool = False,
+             on_nonfinite: str | None = None, **kwargs: Any):
         """One training step on the whole minibatch; returns the minibatch loss on every rank.
 
         Gradients accumulate in the parameters' ``.grad``; call your optimizer after.
         With ``return_outputs=True`` returns ``(loss, outputs)``; outputs are the
         merged last-stage outputs on the rank that runs the last stage, None elsewhere.
+        ``on_nonfinite`` (the same on every rank): ``"raise"`` raises :class:`NonFiniteError`
+        naming the first microbatch whose loss and the stages whose gradients are not finite
+        (the pipeline stays usable); ``"skip"`` drops this step's gradients instead (set
+        them to None, so ``optimizer.step()`` leaves parameters and optimizer state as they
+        were), logs a warning and counts it in ``skipped_steps``. None (default): no check.
+
+        Example:
+            >>> loss = pipe.step(x, target=y, on_nonfinite="skip")   # doctest: +SKIP
         """
-        return self._life.guarded(self._step, args, kwargs, target, return_outputs)
+        _check_nonfinite_mode(on_nonfinite)
+        result, report = self._life.guarded(self._step, args, kwargs, target, return_outputs, on_nonfinite)
+        if report:
+            self._after_nonfinite(report, on_nonfinite)
+        return result
 
     def forward(self, *args: Any, **kwargs: Any):
         """Forward only (evaluation, no autograd state): the merged model outputs on the
@@ -614,10 +702,15 @@ class Pipeline(_PipelineBase):
 
     def _inputs_for_step(self, args, kwargs, target):
         first = self._split_inputs(args, kwargs) if 0 in self.runners else None
-        targets = self._split_target(target) if (self.schedule.num_stages - 1) in self.runners else None
+        runs_last = (self.schedule.num_stages - 1) in self.runners
+        if target is not None and not runs_last and not self._warned_target:
+            self._warned_target = True
+            log.warning("conveyor: rank %d was given target=, but the last stage runs on rank %d: "
+                        "ignored here (pass target= there; None elsewhere)", self.rank, self._last_rank)
+        targets = self._split_target(target) if runs_last else None
         return first, targets
 
-    def _step(self, args, kwargs, target, return_outputs):
+    def _step(self, args, kwargs, target, return_outputs, on_nonfinite):
         first, targets = self._inputs_for_step(args, kwargs, target)
         self._recorder = StepRecorder() if self.record_timeline else None
         for runner in self.runners.values():
@@ -630,11 +723,18 @@ class Pipeline(_PipelineBase):
         self._sum_tied_gradients(held)
         loss = self._broadcast_loss()
         self.transport.end_step()
+        report = self._nonfinite_report() if on_nonfinite else ""
         if return_outputs:
             last = self.runners.get(self.schedule.num_stages - 1)
             outputs = merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)]) if last else None
-            return loss, outputs
-        return loss
+            return (loss, outputs), report
+        return loss, report
+
+    def _max_across_ranks(self, flags: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._life.group)
+        return flags
 
     def _forward(self, args, kwargs):
         first = self._split_inputs(args, kwargs) if 0 in self.runners else None
@@ -665,6 +765,11 @@ class Pipeline(_PipelineBase):
         if last is not None:
             return total
         return packet[0].to(_FLOAT_DTYPES[int(packet[1])])
+
+
+def _check_nonfinite_mode(on_nonfinite: str | None) -> None:
+    if on_nonfinite not in (None, "raise", "skip"):
+        raise PipelineConfigError(f"on_nonfinite must be None, 'raise' or 'skip'; got {on_nonfinite!r}")
 
 
 def summed_loss(last: StageRunner) -> torch.Tensor:
@@ -770,8 +875,10 @@ class LocalPipeline(_PipelineBase):
             raise PipelineClosed("this pipeline was closed (close() or the end of its `with` block); "
                                  "build a new LocalPipeline to go on")
 
-    def step(self, *args: Any, target: Any = None, return_outputs: bool = False, **kwargs: Any):
+    def step(self, *args: Any, target: Any = None, return_outputs: bool = False,
+             on_nonfinite: str | None = None, **kwargs: Any):
         self._check_open()
+        _check_nonfinite_mode(on_nonfinite)
         first = self._split_inputs(args, kwargs)
         targets = self._split_target(target)
         for runner in self.runners.values():
@@ -786,9 +893,12 @@ class LocalPipeline(_PipelineBase):
             ])
         last = self.runners[self.schedule.num_stages - 1]
         loss = summed_loss(last)
-        if return_outputs:
-            return loss, merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)])
-        return loss
+        result = (loss, merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)])
+                  ) if return_outputs else loss
+        report = self._nonfinite_report() if on_nonfinite else ""
+        if report:
+            self._after_nonfinite(report, on_nonfinite)
+        return result
 
     def forward(self, *args: Any, **kwargs: Any):
         self._check_open()
@@ -883,4 +993,21 @@ def pipeline(
     for name, param in model.named_parameters(remove_duplicate=False):
         order[name] = first_place.setdefault(id(param), len(first_place))
     return Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=plan.tied_groups,
-                    parameter_order=order, **pipeline_kwargs)
+                    parameter_order=order, model_signature=model_signature(model, plan.split_points),
+                    **pipeline_kwargs)
+
+
+def model_signature(model: torch.nn.Module, split_points: Sequence[str]) -> str:
+    """A short digest of a model's parameter and buffer names, shapes and dtypes and where it is cut.
+
+    Ranks whose digests differ were given different models (or cuts): the pipeline refuses to
+    start rather than hang or train garbage.
+
+    Example:
+        >>> model_signature(torch.nn.Linear(2, 3), []) == model_signature(torch.nn.Linear(2, 3), [])
+        True
+    """
+    entries = [(name, tuple(t.shape), str(t.dtype))
+               for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]]
+    digest = hashlib.sha1(repr((type(model).__name__, entries, list(split_points))).encode()).hexdigest()[:12]
+    return f"{type(model).__name__} with {len(entries)} tensors cut at {list(split_points)} ({digest})"

@@ -45,12 +45,18 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from conveyor.errors import ConveyorError, PeerFailure, PipelineClosed, PipelineStopped
+from conveyor.errors import (
+    ConveyorError,
+    PeerFailure,
+    PipelineClosed,
+    PipelineConfigError,
+    PipelineStopped,
+)
 from conveyor.runtime.shm import host_identity, process_alive
 
 # Where each rank says which process it is, so that a peer whose connection broke can tell
@@ -126,6 +132,31 @@ class RankLifecycle:
         group = dist.new_group(members, timeout=self.timeout)
         self.groups.append(group)
         return group
+
+    def agree(self, fields: Mapping[str, str]) -> None:
+        """Check that every rank built the same pipeline; raise PipelineConfigError on each if not.
+
+        ``fields`` (what was built: schedule, model, options, as short strings) are gathered
+        from every rank once, at construction, so that ranks given different schedules,
+        microbatch counts, split points or models fail at once with what differs, instead of
+        hanging in their first step. Every rank reaches the same verdict, so none waits.
+        """
+        import torch.distributed as dist
+
+        everyone: list = [None] * self.num_ranks
+        dist.all_gather_object(everyone, dict(fields), group=self.group)
+        for name in fields:
+            values = [theirs.get(name) for theirs in everyone]
+            if len(set(values)) > 1:
+                by_value: dict[Any, list[int]] = {}
+                for rank, value in enumerate(values):
+                    by_value.setdefault(value, []).append(rank)
+                told = "; ".join(f"rank(s) {ranks}: {value}" for value, ranks in by_value.items())
+                raise PipelineConfigError(
+                    f"the ranks of this pipeline were not built alike: their {name} differs ({told}). "
+                    "Build the pipeline with the same arguments on every rank (the same script, "
+                    "the same model and schedule)"
+                )
 
     def attach(self, transport, on_release: Sequence[Callable[[], None]] = ()) -> None:
         """The transport this pipeline moves payloads with, and what else holds work on its groups."""
