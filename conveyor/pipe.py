@@ -24,6 +24,7 @@ Example (every rank in one process):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -66,6 +67,7 @@ from conveyor.runtime.transport import (
 from conveyor.runtime.wire import flatten_payload
 from conveyor.schedule import available
 from conveyor.schedule import build as build_schedule
+from conveyor.schedule.grid import STUCK, render_grid
 from conveyor.schedule.ir import Action, ActionKind, Schedule
 from conveyor.schedule.lower import lower
 from conveyor.schedule.timeline import Span, Timeline
@@ -470,7 +472,8 @@ class Pipeline(_PipelineBase):
         self._life.attach(self.transport, on_release=[
             self.executor.forget_receives, self._tied_groups.clear,
             *(runner.reset for runner in self.runners.values()),
-        ])
+        ], position=self.executor.position, render=functools.partial(render_positions, self.lowered,
+                                                                      self.eval_lowered))
         self._finalizer = weakref.finalize(self, self._life.close)  # also runs at interpreter exit
 
     def _what_was_built(self, transport: str, fixed_shapes: bool, shapes, tied_parameters,
@@ -765,6 +768,31 @@ class Pipeline(_PipelineBase):
         if last is not None:
             return total
         return packet[0].to(_FLOAT_DTYPES[int(packet[1])])
+
+
+def render_positions(lowered: Schedule, eval_lowered: Schedule, positions: list[dict | None]) -> str:
+    """Every rank's position (see :mod:`conveyor.runtime.positions`) on the step x rank grid.
+
+    A line per rank says what it runs or waits for; the grid marks each rank's current action
+    ``>like this<`` in the programs the ranks run (training or evaluation, whichever they are in).
+    """
+    train = [merge_adjacent_backward_halves(p) for p in lowered.programs]
+    programs, marks, lines = train, {}, []
+    for rank, where in enumerate(positions):
+        if where is None:
+            lines.append(f"rank {rank}: no answer (its process is gone, or it cannot reach the store)")
+            continue
+        if not where["running"]:
+            lines.append(f"rank {rank}: between steps ({where['runs']} run(s) started)")
+            continue
+        index, action = where["index"], where["action"]
+        if index < len(train[rank]) and str(train[rank][index]) != action:
+            programs = list(eval_lowered.programs)  # it is evaluating
+        doing = "waits for" if "RECV" in action else "runs"
+        lines.append(f"rank {rank}: action {index} of {where['length']} in run {where['runs']}: {doing} {action}")
+        if index < where["length"]:
+            marks[(rank, index)] = STUCK
+    return "\n".join(lines) + "\n" + render_grid(programs, marks)
 
 
 def _check_nonfinite_mode(on_nonfinite: str | None) -> None:

@@ -94,6 +94,8 @@ class RankExecutor:
         self.transport = transport
         self.num_stages = placement.num_stages
         self.actions_done = 0
+        self.program: tuple[Action, ...] | None = None  # the one running now, None between runs
+        self.runs_started = 0
         self.lookahead = lookahead
         self.handlers: dict[ActionKind, Callable[[Action], Iterator]] = {
             ActionKind.F: self._forward,
@@ -138,6 +140,8 @@ class RankExecutor:
         self._post_ahead()
         clock = time.perf_counter
         self.actions_done = 0
+        self.program = program
+        self.runs_started += 1
         for action in program:
             start = clock()
             yield from self.handlers[action.kind](action)
@@ -146,6 +150,16 @@ class RankExecutor:
             if recorder is not None and action.kind not in _UNRECORDED:
                 recorder.add(action, start, clock())
         self.transport.finish_sends()
+        self.program = None
+
+    def position(self) -> dict[str, Any]:
+        """Where this rank stands, for "where is everyone" (read from another thread: plain values)."""
+        program, index = self.program, self.actions_done
+        if program is None:
+            return {"rank": self.rank, "running": False, "runs": self.runs_started}
+        action = str(program[index]) if index < len(program) else "finishing its sends"
+        return {"rank": self.rank, "running": True, "runs": self.runs_started, "index": index,
+                "length": len(program), "action": action}
 
     def _post_ahead(self) -> None:
         while self.posted < len(self.recv_actions) and self.posted < self.consumed + self.lookahead:

@@ -51,12 +51,14 @@ from typing import Any
 import torch
 
 from conveyor.errors import (
+    CommTimeout,
     ConveyorError,
     PeerFailure,
     PipelineClosed,
     PipelineConfigError,
     PipelineStopped,
 )
+from conveyor.runtime.positions import PositionBoard
 from conveyor.runtime.shm import host_identity, process_alive
 
 # Where each rank says which process it is, so that a peer whose connection broke can tell
@@ -99,6 +101,7 @@ class RankLifecycle:
         self.groups: list[Any] = []  # every group this pipeline made, the main one first
         self.group = self._new_group(self.global_ranks, whole_job=user_group is None)
         self.transport = None
+        self.board: PositionBoard | None = None
         self._on_release: list[Callable[[], None]] = []
         self.state = OPEN
         self.stopped_because: str | None = None
@@ -158,10 +161,23 @@ class RankLifecycle:
                     "the same model and schedule)"
                 )
 
-    def attach(self, transport, on_release: Sequence[Callable[[], None]] = ()) -> None:
-        """The transport this pipeline moves payloads with, and what else holds work on its groups."""
+    def attach(self, transport, on_release: Sequence[Callable[[], None]] = (),
+               position: Callable[[], dict[str, Any]] | None = None,
+               render: Callable[[list], str] | None = None) -> None:
+        """The transport this pipeline moves payloads with, and what else holds work on its groups.
+
+        ``position`` (the executor's) and ``render`` (positions -> picture) make this rank answer
+        "where is everyone" (:mod:`conveyor.runtime.positions`) until the pipeline closes.
+        """
+        import torch.distributed as dist
+
         self.transport = transport
         self._on_release = list(on_release)
+        if position is not None:
+            name = dist.distributed_c10d._get_process_group_name(self.group)
+            self.board = PositionBoard(self.store, f"conveyor/where/{name}", self.rank, self.num_ranks, position,
+                                       render=render)
+            self.board.start()
 
     # --- calls ---------------------------------------------------------------------------
     def check_usable(self) -> None:
@@ -187,6 +203,11 @@ class RankLifecycle:
         try:
             return fn(*args)
         except ConveyorError as exc:
+            if isinstance(exc, CommTimeout) and self.board is not None:
+                picture = self.board.picture()
+                if picture:
+                    exc.args = (f"{exc}\n\nwhere every rank of the pipeline stands (>action<: where it is):"
+                                f"\n{picture}",)
             self.fail(exc, exc)
             raise
         except Exception as exc:
@@ -280,6 +301,8 @@ class RankLifecycle:
         self._release()
 
     def _release(self) -> None:
+        if self.board is not None:
+            self.board.stop()
         for release in self._on_release:
             release()
         if self.transport is not None:

@@ -138,3 +138,55 @@ def test_the_in_process_pipeline_closes_too():
     assert pipe.closed
     with pytest.raises(PipelineClosed, match="this pipeline was closed"):
         pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
+
+
+def _one_rank_never_comes(rank, world_size, transport):
+    import time
+
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
+    pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             timeout_s=2, transport=transport)
+    if rank == 1:
+        time.sleep(8)  # alive, its watcher answering, but never in the step
+        return ""
+    try:
+        pipe.step(torch.ones(2, 4))
+    except Exception as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("transport", ["shared_memory", "process_group"])
+def test_a_timeout_shows_where_every_rank_stands(transport):
+    message = run_ranks(_one_rank_never_comes, 2, args=(transport,), timeout_s=60)[0]
+    assert "rank 0 waited 2 s for" in message
+    assert "where every rank of the pipeline stands" in message, message
+    assert "rank 0: action 4 of 8 in run 1" in message and "waits for 0RECV_B0" in message, message
+    assert "rank 1: between steps (0 run(s) started)" in message, message
+    assert ">0RECV_B0<" in message  # the grid, with rank 0's place marked
+
+
+def _picture_on_request(rank, world_size, trigger):
+    import time
+
+    os.environ["CONVEYOR_WHERE_TRIGGER"] = trigger
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
+    pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             timeout_s=60)
+    if rank == 0:
+        threading.Timer(0.5, lambda: open(trigger, "w").close()).start()  # as `touch` from a shell would
+    else:
+        time.sleep(4)  # rank 0 waits for this rank meanwhile
+    pipe.step(torch.ones(2, 4) if rank == 0 else None)
+    pipe.close()
+    if rank == 0:
+        with open(f"{trigger}.txt") as picture:
+            return picture.read(), os.path.exists(trigger)
+    return None
+
+
+def test_the_picture_on_request_from_a_trigger_file(tmp_path):
+    picture, trigger_left = run_ranks(_picture_on_request, 2, args=(str(tmp_path / "where"),), timeout_s=60)[0]
+    assert "rank 0: action" in picture and "waits for 0RECV_B0" in picture, picture
+    assert "rank 1: between steps" in picture and ">0RECV_B0<" in picture
+    assert not trigger_left
