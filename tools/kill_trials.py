@@ -1,7 +1,7 @@
 """Kill one rank of a 4-rank training run at each point, with each death, over each transport.
 
-    .venv/bin/python tools/kill_trials.py --trials 20     # the issue's count (about 3 h on 2 cores)
-    .venv/bin/python tools/kill_trials.py --trials 1      # one of each (about 10 min)
+    .venv/bin/python tools/kill_trials.py --trials 20     # the issue's count (about 45 min on 2 cores)
+    .venv/bin/python tools/kill_trials.py --trials 1      # one of each (about 3 min)
 
 Points: in a stage's forward, in its backward, while waiting for input, on the way into
 clip_grad_norm_'s exchange, in the user's optimizer step. Deaths: SIGKILL, SIGTERM,

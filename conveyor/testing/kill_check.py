@@ -67,14 +67,14 @@ class Trap(torch.nn.Module):
         return _Trap.apply(x, self)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--point", choices=POINTS, required=True)
     parser.add_argument("--death", choices=DEATHS, default="SIGKILL")
     parser.add_argument("--victim", type=int, default=1)
     parser.add_argument("--transport", default="shared_memory")
     parser.add_argument("--timeout-s", type=float, default=120.0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import torch.distributed as dist
 

@@ -1,6 +1,6 @@
 """Kill one rank of a training run at a chosen point and time how fast every survivor stops, and with what.
 
-Ranks are plain processes (see :mod:`conveyor.testing.kill_check`), so nothing but the
+Ranks are plain processes forked from this one (see :mod:`conveyor.testing.kill_check`), so nothing but the
 pipeline itself tells a survivor that its peer is gone. A trial passes when every survivor
 exits non-zero within ``limit_s`` of the victim's death with a message that names the dead
 rank, and no process is left to kill.
@@ -12,14 +12,16 @@ Example:
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 
+from conveyor.testing import kill_check
 from conveyor.testing.kill_check import DEATHS, POINTS
 
 TRANSPORTS = ("shared_memory", "process_group", "hybrid")
@@ -89,30 +91,63 @@ def run_trial(trial: Trial, limit_s: float = 30.0, hard_limit_s: float = 120.0) 
 
 
 def _run_ranks(trial: Trial, paths: list[str], hard_limit_s: float):
-    """Start every rank, note when each exits; kill what still runs after ``hard_limit_s``."""
+    """Start every rank, note when each exits; kill what still runs after ``hard_limit_s``.
+
+    Ranks are forked from this process, which has imported torch already (a trial then
+    costs a second or two, not a torch import per rank), and never touches torch.distributed.
+    """
+    _import_once_for_every_rank()
     port = _free_port()
+    context = multiprocessing.get_context("fork")
     procs = []
     for rank, path in enumerate(paths):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(trial.ranks), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(trial.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        with open(path, "wb") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "conveyor.testing.kill_check", "--point", trial.point, "--death",
-                 trial.death, "--victim", str(trial.victim), "--transport", trial.transport],
-                env=env, stdout=out, stderr=subprocess.STDOUT))
+        env = {"RANK": str(rank), "WORLD_SIZE": str(trial.ranks), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(trial.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        argv = ["--point", trial.point, "--death", trial.death, "--victim", str(trial.victim),
+                "--transport", trial.transport]
+        procs.append(context.Process(target=_rank_entry, args=(env, argv, path), name=f"kill-trial-rank{rank}"))
+        procs[-1].start()
     exited: dict[int, float] = {}
     start = time.monotonic()
     while len(exited) < trial.ranks and time.monotonic() - start < hard_limit_s:
         for rank, proc in enumerate(procs):
-            if rank not in exited and proc.poll() is not None:
+            if rank not in exited and proc.exitcode is not None:
                 exited[rank] = time.monotonic()
         time.sleep(0.05)
-    left = [rank for rank, proc in enumerate(procs) if proc.poll() is None]
+    left = [rank for rank, proc in enumerate(procs) if proc.exitcode is None]
     for rank in left:
         procs[rank].kill()
-        procs[rank].wait()
-    return exited, left, [proc.returncode for proc in procs]
+        procs[rank].join()
+    return exited, left, [proc.exitcode for proc in procs]
+
+
+def _import_once_for_every_rank() -> None:
+    """What each rank would import (torch._dynamo comes with the optimizer), imported in the parent."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    import conveyor.pipe  # noqa: F401
+    import conveyor.testing.models  # noqa: F401
+
+
+def _rank_entry(env: dict[str, str], argv: list[str], log_path: str) -> None:
+    """One rank, in a forked child: its output to ``log_path``; exit 1 with the traceback on an exception."""
+    with open(log_path, "wb") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    # The parent's sys.stdout/stderr may not write to fds 1 and 2 (pytest's capture): rebind them.
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.update(env)
+    code = 0
+    try:
+        kill_check.main(argv)
+    except BaseException:  # noqa: BLE001 - a survivor's error is what the trial reads
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown in a forked child
 
 
 def run_plan(trials_each: int, *, report=print) -> list[TrialResult]:
