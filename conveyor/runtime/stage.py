@@ -159,8 +159,10 @@ class StageRunner:
         try:
             loss = self.loss_fn(output, target)
         except Exception as exc:
+            hint = ("; the target was None here: pass target= to pipe.step on the rank that runs the last stage"
+                    if target is None else "")
             raise StageExecutionError(
-                f"loss_fn failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}"
+                f"loss_fn failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}{hint}"
             ) from exc
         # One look at the shape (each call into torch costs tens of µs on a core that idled).
         shape = loss.shape if isinstance(loss, torch.Tensor) else None

@@ -99,6 +99,8 @@ def _step_with(rank, world_size, case):
         return _error(lambda: pipe.step(torch.ones(3, 4) if rank == 0 else None, target=y if rank == 1 else None))
     if case == "inputs":
         return _error(lambda: pipe.step(None, target=y if rank == 1 else None))
+    if case == "target missing":
+        return _error(lambda: pipe.step(x if rank == 0 else None))
     if case == "target elsewhere":
         records = []
         handler = logging.Handler()
@@ -115,6 +117,9 @@ def _step_with(rank, world_size, case):
     ("batch", 1, "rank 0 failed: PipelineConfigError"),
     ("inputs", 0, "inputs are missing on the rank that runs stage 0"),
     ("inputs", 1, "rank 0 failed"),
+    ("target missing", 1, "loss_fn failed on rank 1, stage 1, microbatch 0: TypeError"),
+    ("target missing", 1, "the target was None here: pass target= to pipe.step on the rank that runs the last stage"),
+    ("target missing", 0, "rank 1 failed: StageExecutionError: loss_fn failed"),
 ])
 def test_bad_step_input_is_named_on_its_rank_and_reported_to_the_peers(case, rank, expected):
     assert expected in run_ranks(_step_with, 2, args=(case,), timeout_s=60)[rank]
