@@ -176,7 +176,7 @@ def _picture_on_request(rank, world_size, trigger):
     if rank == 0:
         threading.Timer(0.5, lambda: open(trigger, "w").close()).start()  # as `touch` from a shell would
     else:
-        time.sleep(4)  # rank 0 waits for this rank meanwhile
+        time.sleep(8)  # rank 0 waits for this rank meanwhile (the picture comes within about a second)
     pipe.step(torch.ones(2, 4) if rank == 0 else None)
     pipe.close()
     if rank == 0:
