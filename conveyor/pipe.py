@@ -27,7 +27,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Self
@@ -50,20 +49,18 @@ from conveyor.runtime.executor import (
     merge_adjacent_backward_halves,
     run_local,
 )
-from conveyor.runtime.hybrid import HostExchange, HybridTransport
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.rng import StepRandomness
-from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
 from conveyor.runtime.stage import LossFn, StageRunner
 from conveyor.runtime.transport import (
     BACKWARD,
     EVAL_FORWARD,
     FORWARD,
-    DistTransport,
     LocalMailbox,
     LocalTransport,
     Transport,
 )
+from conveyor.runtime.transports import build_transport, check_transport_name
 from conveyor.runtime.wire import flatten_payload
 from conveyor.schedule import available
 from conveyor.schedule import build as build_schedule
@@ -74,8 +71,6 @@ from conveyor.schedule.timeline import Span, Timeline
 from conveyor.schedule.verify import verify
 
 log = logging.getLogger(__name__)
-
-TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid")
 
 _FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -443,10 +438,7 @@ class Pipeline(_PipelineBase):
                 f"has {world}; build the schedule with ranks={world}, launch {self.schedule.num_ranks} processes, "
                 f"or give each pipeline its own ranks with group= (several pipelines in one job)"
             )
-        if transport not in TRANSPORTS:
-            raise PipelineConfigError(
-                f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {transport!r}"
-            )
+        check_transport_name(transport)
         self.stages = self.schedule.stages_of(self.rank)
         self.runners = self._make_runners(self.rank, self.stages, modules, loss_fn, checkpoint_activations)
         self._tie(tied_parameters, parameter_order)
@@ -493,8 +485,8 @@ class Pipeline(_PipelineBase):
     def _build_communication(self, transport: str, timeout_s: float, fixed_shapes: bool, shapes,
                              tied_parameters) -> None:
         self._tied_groups = self._tied_process_groups(tied_parameters)
-        global_ranks = self._life.global_ranks
-        self.transport = self._make_transport(transport, global_ranks, timeout_s, fixed_shapes)
+        self.transport = build_transport(transport, self.rank, self.schedule, self._life, timeout_s=timeout_s,
+                                         fixed_shapes=fixed_shapes)
         self.lowered = lower(self.schedule)
         self.program = merge_adjacent_backward_halves(self.lowered.programs[self.rank])  # what step() runs
         self.eval_lowered = lower(forward_only(self.schedule))
@@ -576,69 +568,6 @@ class Pipeline(_PipelineBase):
         return [r.module for r in self.runners.values()]
 
     # --- internals -----------------------------------------------------------------------
-    def _make_transport(self, kind: str, global_ranks: list[int], timeout_s: float,
-                        fixed_shapes: bool) -> Transport:
-        why_not = shared_memory_supported()
-        backend = self._life.backend
-        prefix = "-".join(map(str, global_ranks))  # names this group's keys in the store
-        hosts = None
-        if kind == "auto":
-            kind = "process_group"
-            world_size = os.environ.get("WORLD_SIZE")
-            one_host = world_size is not None and os.environ.get("LOCAL_WORLD_SIZE") == world_size
-            if backend == "gloo" and one_host:
-                kind = "process_group" if why_not else "shared_memory"  # the launcher says all are here
-            elif backend == "gloo":
-                hosts = self._hosts(global_ranks, prefix, timeout_s, why_not)
-                kind = self._transport_for(hosts)
-        if kind == "hybrid" and backend != "gloo":
-            raise PipelineConfigError(
-                f"transport='hybrid' carries CPU tensors and needs the gloo backend; this group uses "
-                f"{backend!r}: use transport='process_group'"
-            )
-        if kind == "process_group":
-            return self._process_group_transport(global_ranks, timeout_s, fixed_shapes)
-        if why_not:
-            raise PipelineConfigError(f"transport={kind!r} cannot run here: {why_not}; "
-                                      "use transport='process_group'")
-        store = self._life.store
-        peers = self._neighbours(self.rank)
-        if kind == "shared_memory":
-            return SharedMemoryTransport(self.rank, peers, store, prefix, len(global_ranks),
-                                         timeout_s, fixed_shapes, rank_to_global=global_ranks)
-        hosts = hosts if hosts is not None else self._hosts(global_ranks, prefix, timeout_s, why_not)
-        local_peers = {peer for peer in peers if hosts[peer] == hosts[self.rank]}
-        local = SharedMemoryTransport(self.rank, local_peers, store, prefix, len(global_ranks),
-                                      timeout_s, fixed_shapes, local_ranks=hosts.count(hosts[self.rank]),
-                                      rank_to_global=global_ranks)
-        remote = self._process_group_transport(global_ranks, timeout_s, fixed_shapes)
-        return HybridTransport(local, remote, local_peers)
-
-    def _process_group_transport(self, global_ranks: list[int], timeout_s: float,
-                                 fixed_shapes: bool) -> DistTransport:
-        return DistTransport(self._life.group, global_ranks, self.rank, self.schedule.num_stages,
-                             self.schedule.num_microbatches, timeout_s, fixed_shapes)
-
-    def _neighbours(self, rank: int) -> set[int]:
-        """The ranks that ``rank`` sends to or receives from: those of its stages' neighbours."""
-        placement = self.schedule.placement
-        return {placement.rank_of(s + d) for s in self.schedule.stages_of(rank) for d in (-1, 1)
-                if 0 <= s + d < self.schedule.num_stages} - {rank}
-
-    def _hosts(self, global_ranks: list[int], prefix: str, timeout_s: float, why_not: str) -> list[int]:
-        """Every rank's host, as a number; a rank that cannot share memory is a host of its own."""
-        identity = f"no-shared-memory/{global_ranks[self.rank]}" if why_not else host_identity()
-        return HostExchange.run(self._life.store, prefix, self.rank, len(global_ranks), identity, timeout_s)
-
-    def _transport_for(self, hosts: list[int]) -> str:
-        """Shared memory if every pair of ranks that talk shares a host, the process group if none
-        does, else both. Every rank reaches the same answer (same hosts, same schedule)."""
-        pairs = {(r, peer) for r in range(len(hosts)) for peer in self._neighbours(r)}
-        local = sum(hosts[a] == hosts[b] for a, b in pairs)
-        if pairs and local == len(pairs):
-            return "shared_memory"
-        return "hybrid" if local else "process_group"
-
     def _seed_shapes(self, shapes: Mapping[int, Any]) -> None:
         """Tell both ends of each boundary what will cross it, so no step has to exchange it."""
         last = self.schedule.num_stages - 1

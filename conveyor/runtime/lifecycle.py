@@ -60,12 +60,11 @@ from conveyor.errors import (
 )
 from conveyor.runtime.positions import PositionBoard
 from conveyor.runtime.shm import host_identity, process_alive
+from conveyor.runtime.transport import FAILURE_GRACE_S
 
 # Where each rank says which process it is, so that a peer whose connection broke can tell
 # which rank died (a killed process publishes no failure of its own).
 _PROCESS_KEY = "conveyor/process/{global_rank}"
-# How long a rank whose connection broke waits for the failing peer's own message.
-_FAILURE_GRACE_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +230,7 @@ class RankLifecycle:
             return None
         # A broken connection: the failing peer (or the first rank to notice a dead one) may
         # be about to say why; else name the ranks whose processes are gone.
-        deadline = time.monotonic() + _FAILURE_GRACE_S
+        deadline = time.monotonic() + FAILURE_GRACE_S
         while time.monotonic() < deadline:
             dead = self.exited_peers()
             failures = self.transport.peer_failures()

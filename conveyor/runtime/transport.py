@@ -56,6 +56,10 @@ _FAILURE_KEY = "conveyor/failure/{global_rank}"
 # How many ranks of the job have published a failure: one store round trip tells a
 # waiting rank whether to look at all.
 _FAILURE_COUNT_KEY = "conveyor/failures"
+# How long a rank whose connection broke looks for the failing peer's message before it
+# reports the broken connection alone (the peer publishes before it closes, but the
+# breakage of an unrelated pair of the group can reach this rank first).
+FAILURE_GRACE_S = 2.0
 
 
 def detach_for_next_stage(value: Any) -> Any:
@@ -129,6 +133,15 @@ class FailureBoard:
             with contextlib.suppress(Exception):
                 store.set(_FAILURE_KEY.format(global_rank=self.rank_to_global[self.rank]), message)
                 store.add(_FAILURE_COUNT_KEY, 1)
+
+    def peer_failures_within(self, grace_s: float) -> str:
+        """:meth:`peer_failures`, looking again for up to ``grace_s`` while there are none."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            failures = self.peer_failures()
+            if failures or time.monotonic() >= deadline:
+                return failures
+            time.sleep(0.05)
 
     def peer_failures(self) -> str:
         """What failed ranks published: those of this group first, else those of other groups."""
@@ -444,11 +457,15 @@ class DistTransport(FailureBoard, Transport):
         try:
             work.wait(datetime.timedelta(seconds=remaining))
         except Exception as exc:  # gloo reports both timeouts and dead peers as RuntimeError
-            failure = self.peer_failures()
+            if time.monotonic() >= deadline - 0.01:
+                failure = self.peer_failures()
+                if failure:
+                    raise PeerFailure(failure) from exc
+                raise receive_timeout(self.rank, self.timeout_s, what, handle.src) from exc
+            # A broken connection: the rank that failed first may still be publishing why.
+            failure = self.peer_failures_within(FAILURE_GRACE_S)
             if failure:
                 raise PeerFailure(failure) from exc
-            if time.monotonic() >= deadline - 0.01:
-                raise receive_timeout(self.rank, self.timeout_s, what, handle.src) from exc
             raise PeerFailure(
                 f"rank {self.rank} lost its connection to rank {handle.src} while waiting for {what}: "
                 f"{exc}. Rank {handle.src} probably died; look at its output."

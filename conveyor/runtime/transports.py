@@ -1,0 +1,95 @@
+"""Choosing and building a pipeline's transport: shared memory, the process group, or both.
+
+``"auto"`` (gloo): shared memory when the launcher says every rank is on this host
+(``LOCAL_WORLD_SIZE == WORLD_SIZE``, as torchrun sets them); else the ranks tell each other
+their hosts through the store and every pair of ranks that talk uses shared memory where
+they share a host: shared memory, hybrid or the process group. Other backends (NCCL): the
+process group.
+
+Example (what :class:`conveyor.Pipeline` does)::
+
+    transport = build_transport("auto", rank, schedule, life, timeout_s=300.0, fixed_shapes=False)
+"""
+
+from __future__ import annotations
+
+import os
+
+from conveyor.errors import PipelineConfigError
+from conveyor.runtime.hybrid import HostExchange, HybridTransport
+from conveyor.runtime.lifecycle import RankLifecycle
+from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
+from conveyor.runtime.transport import DistTransport, Transport
+from conveyor.schedule.ir import Schedule
+
+TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid")
+
+
+def check_transport_name(kind: str) -> None:
+    if kind not in TRANSPORTS:
+        raise PipelineConfigError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {kind!r}")
+
+
+def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycle, *, timeout_s: float,
+                    fixed_shapes: bool) -> Transport:
+    """This rank's transport of ``kind`` (one of :data:`TRANSPORTS`) over ``life``'s group and store."""
+    check_transport_name(kind)
+    global_ranks = life.global_ranks
+    why_not = shared_memory_supported()
+    prefix = "-".join(map(str, global_ranks))  # names this group's keys in the store
+    hosts = None
+    if kind == "auto":
+        kind = "process_group"
+        world_size = os.environ.get("WORLD_SIZE")
+        one_host = world_size is not None and os.environ.get("LOCAL_WORLD_SIZE") == world_size
+        if life.backend == "gloo" and one_host:
+            kind = "process_group" if why_not else "shared_memory"  # the launcher says all are here
+        elif life.backend == "gloo":
+            hosts = _hosts(rank, life, prefix, timeout_s, why_not)
+            kind = _transport_for(schedule, hosts)
+    if kind == "hybrid" and life.backend != "gloo":
+        raise PipelineConfigError(
+            f"transport='hybrid' carries CPU tensors and needs the gloo backend; this group uses "
+            f"{life.backend!r}: use transport='process_group'"
+        )
+
+    def process_group() -> DistTransport:
+        return DistTransport(life.group, global_ranks, rank, schedule.num_stages, schedule.num_microbatches,
+                             timeout_s, fixed_shapes)
+
+    if kind == "process_group":
+        return process_group()
+    if why_not:
+        raise PipelineConfigError(f"transport={kind!r} cannot run here: {why_not}; use transport='process_group'")
+    peers = neighbours(schedule, rank)
+    if kind == "shared_memory":
+        return SharedMemoryTransport(rank, peers, life.store, prefix, len(global_ranks), timeout_s, fixed_shapes,
+                                     rank_to_global=global_ranks)
+    hosts = hosts if hosts is not None else _hosts(rank, life, prefix, timeout_s, why_not)
+    local_peers = {peer for peer in peers if hosts[peer] == hosts[rank]}
+    local = SharedMemoryTransport(rank, local_peers, life.store, prefix, len(global_ranks), timeout_s,
+                                  fixed_shapes, local_ranks=hosts.count(hosts[rank]), rank_to_global=global_ranks)
+    return HybridTransport(local, process_group(), local_peers)
+
+
+def neighbours(schedule: Schedule, rank: int) -> set[int]:
+    """The ranks that ``rank`` sends to or receives from: those of its stages' neighbours."""
+    placement = schedule.placement
+    return {placement.rank_of(s + d) for s in schedule.stages_of(rank) for d in (-1, 1)
+            if 0 <= s + d < schedule.num_stages} - {rank}
+
+
+def _hosts(rank: int, life: RankLifecycle, prefix: str, timeout_s: float, why_not: str) -> list[int]:
+    """Every rank's host, as a number; a rank that cannot share memory is a host of its own."""
+    identity = f"no-shared-memory/{life.global_ranks[rank]}" if why_not else host_identity()
+    return HostExchange.run(life.store, prefix, rank, len(life.global_ranks), identity, timeout_s)
+
+
+def _transport_for(schedule: Schedule, hosts: list[int]) -> str:
+    """Shared memory if every pair of ranks that talk shares a host, the process group if none
+    does, else both. Every rank reaches the same answer (same hosts, same schedule)."""
+    pairs = {(r, peer) for r in range(len(hosts)) for peer in neighbours(schedule, r)}
+    local = sum(hosts[a] == hosts[b] for a, b in pairs)
+    if pairs and local == len(pairs):
+        return "shared_memory"
+    return "hybrid" if local else "process_group"
