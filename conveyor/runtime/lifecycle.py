@@ -58,7 +58,7 @@ from conveyor.errors import (
     PipelineConfigError,
     PipelineStopped,
 )
-from conveyor.runtime.positions import PositionBoard
+from conveyor.runtime.positions import HEARTBEAT_KEY, PositionBoard
 from conveyor.runtime.shm import host_identity, process_alive
 from conveyor.runtime.transport import FAILURE_GRACE_S
 
@@ -175,7 +175,7 @@ class RankLifecycle:
         if position is not None:
             name = dist.distributed_c10d._get_process_group_name(self.group)
             self.board = PositionBoard(self.store, f"conveyor/where/{name}", self.rank, self.num_ranks, position,
-                                       render=render)
+                                       render=render, global_rank=self.global_ranks[self.rank])
             self.board.start()
 
     # --- calls ---------------------------------------------------------------------------
@@ -229,14 +229,21 @@ class RankLifecycle:
         if not (isinstance(exc, dist.DistError) or "onnection" in str(exc)):
             return None
         # A broken connection: the failing peer (or the first rank to notice a dead one) may
-        # be about to say why; else name the ranks whose processes are gone.
-        deadline = time.monotonic() + FAILURE_GRACE_S
-        while time.monotonic() < deadline:
+        # be about to say why; else name the ranks whose processes are gone (on this host) or
+        # whose heartbeats stopped (on any host).
+        start = time.monotonic()
+        beats = self._heartbeats()
+        while time.monotonic() < start + FAILURE_GRACE_S:
             dead = self.exited_peers()
             failures = self.transport.peer_failures()
             if failures or dead:
                 break
             time.sleep(0.1)
+        if not (failures or dead):
+            now = self._heartbeats()
+            dead = [f"rank {rank} stopped answering (no heartbeat for {FAILURE_GRACE_S:g} s: its process "
+                    "died or froze)" for rank in range(self.num_ranks)
+                    if rank != self.rank and now.get(rank) == beats.get(rank)]
         if failures:
             return PeerFailure(failures)
         if dead:
@@ -246,6 +253,16 @@ class RankLifecycle:
             f"rank {self.rank} lost its connection to a peer during the step ({exc}); "
             "a peer probably died: look at its output"
         )
+
+    def _heartbeats(self) -> dict[int, int]:
+        """Each peer's heartbeat count (see conveyor.runtime.positions), where the store has one."""
+        beats = {}
+        for rank, global_rank in enumerate(self.global_ranks):
+            key = HEARTBEAT_KEY.format(global_rank=global_rank)
+            with contextlib.suppress(Exception):
+                if rank != self.rank and self.store.check([key]):
+                    beats[rank] = self.store.add(key, 0)
+        return beats
 
     def exited_peers(self) -> list[str]:
         """'rank R (pid P) has exited' for each peer on this host whose process is gone."""

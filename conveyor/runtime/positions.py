@@ -35,6 +35,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 TRIGGER_ENV = "CONVEYOR_WHERE_TRIGGER"
+# A counter each rank's watcher bumps every poll: a peer whose count stops moving has died or
+# frozen, which a rank on another host can tell when it cannot look at the peer's process.
+HEARTBEAT_KEY = "conveyor/heartbeat/{global_rank}"
 
 
 class PositionBoard:
@@ -42,8 +45,9 @@ class PositionBoard:
 
     def __init__(self, store, prefix: str, rank: int, num_ranks: int, position: Callable[[], dict[str, Any]],
                  *, render: Callable[[list[dict[str, Any] | None]], str] | None = None,
-                 poll_s: float = 0.5) -> None:
+                 poll_s: float = 0.5, global_rank: int | None = None) -> None:
         self.store = store
+        self.heartbeat_key = HEARTBEAT_KEY.format(global_rank=rank if global_rank is None else global_rank)
         self.prefix = prefix
         self.rank = rank
         self.num_ranks = num_ranks
@@ -91,8 +95,11 @@ class PositionBoard:
     # --- the watcher thread --------------------------------------------------------------------
     def _watch(self) -> None:
         trigger = os.environ.get(TRIGGER_ENV) if self.rank == 0 else None
+        with contextlib.suppress(Exception):
+            self.store.add(self.heartbeat_key, 1)  # at once: a peer may look before the first poll
         while not self._stop.wait(self.poll_s):
             try:
+                self.store.add(self.heartbeat_key, 1)
                 request = self.store.add(f"{self.prefix}/request", 0)
                 if request > self.answered:
                     self._answer(request)
