@@ -68,6 +68,19 @@ def test_ranks_given_different_models_or_split_points_are_refused_when_built(dif
         assert "their model differs" in message and detail in message, message
 
 
+def _hand_built_stages_that_do_not_fit(rank, world_size):
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
+    pipe = conveyor.Pipeline([torch.nn.Linear(4, 4) if rank == 0 else torch.nn.Linear(5, 4)], schedule=schedule,
+                             loss_fn=lambda y, t: y.sum(), timeout_s=30)
+    return _error(lambda: pipe.step(torch.ones(4, 4) if rank == 0 else None))
+
+
+def test_hand_built_stages_that_do_not_fit_are_named_at_the_first_microbatch():
+    messages = run_ranks(_hand_built_stages_that_do_not_fit, 2, timeout_s=60)
+    assert "forward failed on rank 1, stage 1, microbatch 0: RuntimeError" in messages[1], messages[1]
+    assert "rank 1 failed: StageExecutionError: forward failed on rank 1, stage 1, microbatch 0" in messages[0]
+
+
 def _deadlocking_schedule(rank, world_size):
     good = cs.build("1f1b", ranks=world_size, microbatches=2)
     programs = [list(p) for p in good.programs]

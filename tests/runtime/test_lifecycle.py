@@ -83,8 +83,10 @@ def _caught_error_then_user_collectives(rank, world_size, transport):
     import torch.distributed as dist
 
     _use_transport(rank, transport)
+    dist.barrier()  # the default group's own threads and sockets exist before we look
     schedule = cs.build("1f1b", ranks=world_size, microbatches=4)
     cfg = TinyConfig(num_stages=world_size, blocks_per_stage=1, dim=16, seq_len=8)
+    before = _held_by_process()
     pipe = conveyor.Pipeline([build_stage(rank, cfg)], schedule=schedule, loss_fn=lm_loss, timeout_s=60,
                              transport=transport)
     ids, targets = make_batch(cfg, 6, seed=0)
@@ -98,19 +100,22 @@ def _caught_error_then_user_collectives(rank, world_size, transport):
         pipe.step(ids[:4] if rank == 0 else None, target=targets[:4] if rank == world_size - 1 else None)
     except PipelineStopped as exc:
         again = str(exc)
+    left_behind = {k: (before[k], v) for k, v in _held_by_process().items() if v != before[k]}
     # The user's own lines after the error: all of them work.
     global_rank = dist.get_rank()
     total = torch.tensor([1.0])
     dist.all_reduce(total)
     dist.barrier()
     dist.destroy_process_group()
-    return caught, again, global_rank, total.item(), dist.is_initialized()
+    return caught, again, global_rank, total.item(), dist.is_initialized(), left_behind
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_caught_error_leaves_the_users_process_group_usable(transport):
+    """...and the stopped pipeline holds nothing any more (no close needed): rings, sockets, threads."""
     results = run_ranks(_caught_error_then_user_collectives, 4, args=(transport,), timeout_s=90)
-    for rank, (caught, again, global_rank, total, initialized) in enumerate(results):
+    for rank, (caught, again, global_rank, total, initialized, left_behind) in enumerate(results):
+        assert left_behind == {}, f"rank {rank} still holds after its failure: {left_behind}"
         if rank == 0:
             assert caught.startswith("PipelineConfigError") and "batch size 6" in caught, caught
         else:
