@@ -60,11 +60,14 @@ from conveyor.errors import (
 )
 from conveyor.runtime.positions import HEARTBEAT_KEY, PositionBoard
 from conveyor.runtime.shm import host_identity, process_alive
-from conveyor.runtime.transport import FAILURE_GRACE_S
 
 # Where each rank says which process it is, so that a peer whose connection broke can tell
 # which rank died (a killed process publishes no failure of its own).
 _PROCESS_KEY = "conveyor/process/{global_rank}"
+# How long a rank whose connection broke looks for the failing peer's message (the peer
+# publishes before it closes, but the breakage of any pair of the group can reach this rank
+# first) before it names the ranks whose processes or heartbeats are gone.
+FAILURE_GRACE_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -247,12 +250,8 @@ class RankLifecycle:
         if failures:
             return PeerFailure(failures)
         if dead:
-            return PeerFailure(f"rank {self.rank} lost its connection during the step: {'; '.join(dead)} "
-                               f"({exc})")
-        return PeerFailure(
-            f"rank {self.rank} lost its connection to a peer during the step ({exc}); "
-            "a peer probably died: look at its output"
-        )
+            return PeerFailure(f"{'; '.join(dead)} ({exc})")
+        return PeerFailure(f"{exc}; a peer probably died: look at its output")
 
     def _heartbeats(self) -> dict[int, int]:
         """Each peer's heartbeat count (see conveyor.runtime.positions), where the store has one."""

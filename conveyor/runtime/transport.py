@@ -56,10 +56,6 @@ _FAILURE_KEY = "conveyor/failure/{global_rank}"
 # How many ranks of the job have published a failure: one store round trip tells a
 # waiting rank whether to look at all.
 _FAILURE_COUNT_KEY = "conveyor/failures"
-# How long a rank whose connection broke looks for the failing peer's message before it
-# reports the broken connection alone (the peer publishes before it closes, but the
-# breakage of an unrelated pair of the group can reach this rank first).
-FAILURE_GRACE_S = 2.0
 
 
 def detach_for_next_stage(value: Any) -> Any:
@@ -105,6 +101,10 @@ def receive_timeout(rank: int, timeout_s: float, what: str, src: int) -> CommTim
     )
 
 
+class LostConnection(RuntimeError):
+    """A wait broke because a connection of the group closed; says what this rank waited for."""
+
+
 class FailureBoard:
     """Failure messages through the process group's store, so that peers can say why a rank stopped.
 
@@ -133,15 +133,6 @@ class FailureBoard:
             with contextlib.suppress(Exception):
                 store.set(_FAILURE_KEY.format(global_rank=self.rank_to_global[self.rank]), message)
                 store.add(_FAILURE_COUNT_KEY, 1)
-
-    def peer_failures_within(self, grace_s: float) -> str:
-        """:meth:`peer_failures`, looking again for up to ``grace_s`` while there are none."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            failures = self.peer_failures()
-            if failures or time.monotonic() >= deadline:
-                return failures
-            time.sleep(0.05)
 
     def peer_failures(self) -> str:
         """What failed ranks published: those of this group first, else those of other groups."""
@@ -462,13 +453,10 @@ class DistTransport(FailureBoard, Transport):
                 if failure:
                     raise PeerFailure(failure) from exc
                 raise receive_timeout(self.rank, self.timeout_s, what, handle.src) from exc
-            # A broken connection: the rank that failed first may still be publishing why.
-            failure = self.peer_failures_within(FAILURE_GRACE_S)
-            if failure:
-                raise PeerFailure(failure) from exc
-            raise PeerFailure(
-                f"rank {self.rank} lost its connection to rank {handle.src} while waiting for {what}: "
-                f"{exc}. Rank {handle.src} probably died; look at its output."
+            # Which rank failed first is for the pipeline's failure protocol to find out
+            # (conveyor.runtime.lifecycle): the breakage of any pair of the group reaches here.
+            raise LostConnection(
+                f"rank {self.rank} lost its connection while waiting for {what} from rank {handle.src}: {exc}"
             ) from exc
 
     def finish_sends(self) -> None:
