@@ -236,6 +236,7 @@ class RankLifecycle:
         # whose heartbeats stopped (on any host).
         start = time.monotonic()
         beats = self._heartbeats()
+        failures, dead = "", []
         while time.monotonic() < start + FAILURE_GRACE_S:
             dead = self.exited_peers()
             failures = self.transport.peer_failures()
