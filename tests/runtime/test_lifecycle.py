@@ -38,14 +38,21 @@ def _held_by_process() -> dict[str, object]:
             "dev_shm": sorted(os.listdir("/dev/shm"))}
 
 
-def _train_then_close(rank, world_size, transport):
+def _tiny_pipeline_setting(rank, world_size, transport):
+    """Schedule, model config and what the process holds before the pipeline is built."""
     import torch.distributed as dist
 
     _use_transport(rank, transport)
     dist.barrier()  # the default group's own threads and sockets exist before we look
     schedule = cs.build("1f1b", ranks=world_size, microbatches=4)
     cfg = TinyConfig(num_stages=world_size, blocks_per_stage=1, dim=16, seq_len=8)
-    before = _held_by_process()
+    return schedule, cfg, _held_by_process()
+
+
+def _train_then_close(rank, world_size, transport):
+    import torch.distributed as dist
+
+    schedule, cfg, before = _tiny_pipeline_setting(rank, world_size, transport)
     with conveyor.Pipeline([build_stage(rank, cfg)], schedule=schedule, loss_fn=lm_loss, timeout_s=60,
                            transport=transport) as pipe:
         ids, targets = make_batch(cfg, 8, seed=0)
@@ -82,11 +89,7 @@ def _caught_error_then_user_collectives(rank, world_size, transport):
     """The first-contact script: a batch the microbatch count does not divide, caught and logged."""
     import torch.distributed as dist
 
-    _use_transport(rank, transport)
-    dist.barrier()  # the default group's own threads and sockets exist before we look
-    schedule = cs.build("1f1b", ranks=world_size, microbatches=4)
-    cfg = TinyConfig(num_stages=world_size, blocks_per_stage=1, dim=16, seq_len=8)
-    before = _held_by_process()
+    schedule, cfg, before = _tiny_pipeline_setting(rank, world_size, transport)
     pipe = conveyor.Pipeline([build_stage(rank, cfg)], schedule=schedule, loss_fn=lm_loss, timeout_s=60,
                              transport=transport)
     ids, targets = make_batch(cfg, 6, seed=0)
