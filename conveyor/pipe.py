@@ -43,30 +43,18 @@ from conveyor.runtime.clip import (
     parameter_norms,
     total_norm,
 )
-from conveyor.runtime.executor import (
-    RankExecutor,
-    StepRecorder,
-    merge_adjacent_backward_halves,
-    run_local,
-)
+from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.rng import StepRandomness
 from conveyor.runtime.stage import LossFn, StageRunner
-from conveyor.runtime.transport import (
-    BACKWARD,
-    EVAL_FORWARD,
-    FORWARD,
-    LocalMailbox,
-    LocalTransport,
-    Transport,
-)
-from conveyor.runtime.transports import build_transport, check_transport_name
-from conveyor.runtime.wire import flatten_payload
+from conveyor.runtime.transport import LocalMailbox, LocalTransport, Transport
+from conveyor.runtime.transports import build_transport, check_transport_name, wire_channels
+from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, flatten_payload
 from conveyor.schedule import available
 from conveyor.schedule import build as build_schedule
 from conveyor.schedule.grid import STUCK, render_grid
-from conveyor.schedule.ir import Action, ActionKind, Schedule
-from conveyor.schedule.lower import lower
+from conveyor.schedule.ir import Action, Schedule
+from conveyor.schedule.passes import Executable, executable
 from conveyor.schedule.timeline import Span, Timeline
 from conveyor.schedule.verify import verify
 
@@ -91,28 +79,6 @@ def resolve_schedule(schedule: Schedule | str, microbatches: int | None, virtual
     if microbatches is None:
         raise PipelineConfigError(f"schedule={schedule!r} is a name: also pass microbatches=M")
     return build_schedule(schedule, ranks=num_ranks, microbatches=microbatches, virtual=virtual)
-
-
-def forward_only(schedule: Schedule) -> Schedule:
-    """The forward actions of ``schedule``, in the same per-rank order (for evaluation)."""
-    return schedule.with_programs([[a for a in p if a.kind is ActionKind.F] for p in schedule.programs])
-
-
-def fifo_channels(lowered: Schedule, forward_direction: int = FORWARD) -> set[tuple[int, int]]:
-    """Channels (direction, sending stage) whose receiver consumes in the order the sender sends."""
-    sent: dict[tuple[int, int], list[int]] = {}
-    received: dict[tuple[int, int], list[int]] = {}
-    for program in lowered.programs:
-        for a in program:
-            if a.kind is ActionKind.SEND_F:
-                sent.setdefault((forward_direction, a.stage), []).append(a.microbatch)
-            elif a.kind is ActionKind.SEND_B:
-                sent.setdefault((BACKWARD, a.stage), []).append(a.microbatch)
-            elif a.kind is ActionKind.RECV_F:
-                received.setdefault((forward_direction, a.stage - 1), []).append(a.microbatch)
-            elif a.kind is ActionKind.RECV_B:
-                received.setdefault((BACKWARD, a.stage + 1), []).append(a.microbatch)
-    return {c for c, order in sent.items() if received.get(c) == order}
 
 
 def _set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
@@ -464,8 +430,7 @@ class Pipeline(_PipelineBase):
         self._life.attach(self.transport, on_release=[
             self.executor.forget_receives, self._tied_groups.clear,
             *(runner.reset for runner in self.runners.values()),
-        ], position=self.executor.position, render=functools.partial(render_positions, self.lowered,
-                                                                      self.eval_lowered))
+        ], position=self.executor.position, render=functools.partial(render_positions, self.runs))
         self._finalizer = weakref.finalize(self, self._life.close)  # also runs at interpreter exit
 
     def _what_was_built(self, transport: str, fixed_shapes: bool, shapes, tied_parameters,
@@ -485,12 +450,11 @@ class Pipeline(_PipelineBase):
     def _build_communication(self, transport: str, timeout_s: float, fixed_shapes: bool, shapes,
                              tied_parameters) -> None:
         self._tied_groups = self._tied_process_groups(tied_parameters)
+        self.runs = executable(self.schedule)
         self.transport = build_transport(transport, self.rank, self.schedule, self._life, timeout_s=timeout_s,
-                                         fixed_shapes=fixed_shapes)
-        self.lowered = lower(self.schedule)
-        self.program = merge_adjacent_backward_halves(self.lowered.programs[self.rank])  # what step() runs
-        self.eval_lowered = lower(forward_only(self.schedule))
-        self.transport.fifo_channels = fifo_channels(self.lowered) | fifo_channels(self.eval_lowered, EVAL_FORWARD)
+                                         fixed_shapes=fixed_shapes,
+                                         in_order_channels=wire_channels(self.runs.train_in_order,
+                                                                         self.runs.eval_in_order))
         if shapes:
             self._seed_shapes(shapes)
         self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport)
@@ -649,7 +613,7 @@ class Pipeline(_PipelineBase):
             runner.reset()
         held = self._set_tied_gradients_aside()
         with torch.enable_grad(), self._random_streams():
-            for _ in self.executor.run(self.program, first, targets, self._recorder,
+            for _ in self.executor.run(self.runs.train_program(self.rank), first, targets, self._recorder,
                                        keep_outputs=return_outputs):
                 raise AssertionError("a blocking transport never yields")
         self._sum_tied_gradients(held)
@@ -673,7 +637,7 @@ class Pipeline(_PipelineBase):
         for runner in self.runners.values():
             runner.reset()
         with torch.no_grad(), self._random_streams():
-            for _ in self.executor.run(self.eval_lowered.programs[self.rank], first, None, None):
+            for _ in self.executor.run(self.runs.eval_program(self.rank), first, None, None):
                 raise AssertionError("a blocking transport never yields")
         self.transport.end_step()
         last = self.runners.get(self.schedule.num_stages - 1)
@@ -699,13 +663,13 @@ class Pipeline(_PipelineBase):
         return packet[0].to(_FLOAT_DTYPES[int(packet[1])])
 
 
-def render_positions(lowered: Schedule, eval_lowered: Schedule, positions: list[dict | None]) -> str:
+def render_positions(runs: Executable, positions: list[dict | None]) -> str:
     """Every rank's position (see :mod:`conveyor.runtime.positions`) on the step x rank grid.
 
     A line per rank says what it runs or waits for; the grid marks each rank's current action
     ``>like this<`` in the programs the ranks run (training or evaluation, whichever they are in).
     """
-    train = [merge_adjacent_backward_halves(p) for p in lowered.programs]
+    train = runs.train.programs
     programs, marks, lines = train, {}, []
     for rank, where in enumerate(positions):
         if where is None:
@@ -716,7 +680,7 @@ def render_positions(lowered: Schedule, eval_lowered: Schedule, positions: list[
             continue
         index, action = where["index"], where["action"]
         if index < len(train[rank]) and str(train[rank][index]) != action:
-            programs = list(eval_lowered.programs)  # it is evaluating
+            programs = runs.eval.programs  # it is evaluating
         doing = "waits for" if "RECV" in action else "runs"
         lines.append(f"rank {rank}: action {index} of {where['length']} in run {where['runs']}: {doing} {action}")
         if index < where["length"]:
@@ -805,9 +769,7 @@ class LocalPipeline(_PipelineBase):
                 f"stage (got {len(modules)})"
             )
         self.mailbox = LocalMailbox()
-        self.lowered = lower(self.schedule)
-        self.programs = [merge_adjacent_backward_halves(p) for p in self.lowered.programs]  # what step() runs
-        self.eval_lowered = lower(forward_only(self.schedule))
+        self.runs = executable(self.schedule)
         self.executors: list[RankExecutor] = []
         self.runners: dict[int, StageRunner] = {}
         for rank in range(self.schedule.num_ranks):
@@ -844,7 +806,7 @@ class LocalPipeline(_PipelineBase):
         self._recorders = [StepRecorder() for _ in self.executors]
         with torch.enable_grad(), self._random_streams():
             run_local(self.executors, [
-                ex.run(self.programs[r], first if r == self.schedule.placement.rank_of(0) else None,
+                ex.run(self.runs.train_program(r), first if r == self.schedule.placement.rank_of(0) else None,
                        targets, self._recorders[r], keep_outputs=return_outputs)
                 for r, ex in enumerate(self.executors)
             ])
@@ -865,7 +827,7 @@ class LocalPipeline(_PipelineBase):
         self.mailbox.messages.clear()
         with torch.no_grad(), self._random_streams():
             run_local(self.executors, [
-                ex.run(self.eval_lowered.programs[r], first if r == self.schedule.placement.rank_of(0) else None,
+                ex.run(self.runs.eval_program(r), first if r == self.schedule.placement.rank_of(0) else None,
                        None, None)
                 for r, ex in enumerate(self.executors)
             ])

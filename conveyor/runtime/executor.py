@@ -23,43 +23,11 @@ import torch
 
 from conveyor.errors import StageExecutionError
 from conveyor.runtime.stage import StageRunner
-from conveyor.runtime.transport import (
-    BACKWARD,
-    EVAL_FORWARD,
-    FORWARD,
-    Transport,
-    detach_for_next_stage,
-)
+from conveyor.runtime.transport import Transport, detach_for_next_stage
+from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD
 from conveyor.schedule.ir import Action, ActionKind, Placement
 
 _UNRECORDED = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
-
-
-def merge_adjacent_backward_halves(program: tuple[Action, ...]) -> tuple[Action, ...]:
-    """``program`` with each I directly followed by its own W run as one B.
-
-    A split backward pays for itself by sending the input gradient before the weight
-    gradient is computed. Where nothing comes between I and W (stage 0, whose inputs need
-    no gradient; a hand-over to a stage on the same rank) the split only costs: two
-    engine runs and the I/W bookkeeping instead of one run. B gives the same gradients
-    bit for bit (the split is built to match it) at the same point of the program, so the
-    rank's step differs only in taking less time.
-
-    Example:
-        >>> from conveyor.schedule.ir import Action
-        >>> program = tuple(map(Action.parse, ["0F0", "0I0", "0W0", "1I0", "1SEND_B0", "1W0"]))
-        >>> [str(a) for a in merge_adjacent_backward_halves(program)]
-        ['0F0', '0B0', '1I0', '1SEND_B0', '1W0']
-    """
-    merged: list[Action] = []
-    for action in program:
-        previous = merged[-1] if merged else None
-        if (action.kind is ActionKind.W and previous is not None and previous.kind is ActionKind.I
-                and previous.stage == action.stage and previous.microbatch == action.microbatch):
-            merged[-1] = Action(ActionKind.B, action.stage, action.microbatch)
-        else:
-            merged.append(action)
-    return tuple(merged)
 
 
 def as_stage_inputs(value: Any) -> tuple[tuple, dict]:

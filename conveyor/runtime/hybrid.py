@@ -25,8 +25,8 @@ from typing import Any
 
 from conveyor.errors import CommTimeout
 from conveyor.runtime.shm import _HEALTH_EVERY_S, SharedMemoryTransport
-from conveyor.runtime.transport import DistTransport, TransferKey, Transport
-from conveyor.runtime.wire import PayloadMeta
+from conveyor.runtime.transport import DistTransport, Transport
+from conveyor.runtime.wire import Channel, PayloadMeta, TransferKey
 
 _POLL_SLEEP_S = 50e-6
 
@@ -95,15 +95,9 @@ class HybridTransport(Transport):
         self.timeout_s = remote.timeout_s
         self.polled_waits = 0  # process-group waits that had to keep shared-memory sends moving
 
-    # The executor and Pipeline set and read these on whatever transport they hold.
     @property
-    def fifo_channels(self) -> set:
-        return self.remote.fifo_channels
-
-    @fifo_channels.setter
-    def fifo_channels(self, channels: set) -> None:
-        self.local.fifo_channels = channels
-        self.remote.fifo_channels = channels
+    def in_order_channels(self) -> frozenset:  # type: ignore[override]  # the process group's, which uses them
+        return self.remote.in_order_channels
 
     @property
     def structures_sent(self) -> int:
@@ -112,7 +106,7 @@ class HybridTransport(Transport):
     def _side(self, peer: int) -> Transport:
         return self.local if peer in self.local_peers else self.remote
 
-    def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
+    def seed(self, channel: Channel, meta: PayloadMeta) -> None:
         self.local.seed(channel, meta)
         self.remote.seed(channel, meta)
 

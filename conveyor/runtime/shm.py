@@ -50,17 +50,13 @@ import numpy
 import torch
 
 from conveyor.errors import CommTimeout, PeerFailure
-from conveyor.runtime.transport import (
-    FailureBoard,
-    TransferKey,
-    Transport,
-    check_frozen,
-    receive_timeout,
-)
+from conveyor.runtime.transport import FailureBoard, Transport, receive_timeout
 from conveyor.runtime.wire import (
     PayloadMeta,
+    TransferKey,
     aligned,
     as_bytes,
+    check_frozen,
     flatten_payload,
     in_layouts,
     matches,
@@ -290,7 +286,6 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self.last_structure: dict[tuple[int, int], int] = {}
         self.received_structures: dict[tuple[int, int], list[PayloadMeta]] = {}
         self.frozen: dict[tuple[int, int], PayloadMeta] = {}
-        self.fifo_channels: set = set()  # the process-group transport's notion; every channel works here
         self.steps_done = 0
         self.structures_sent = 0
         self.socket: socket.socket | None = None

@@ -34,9 +34,12 @@ from typing import Any
 import numpy
 import torch
 
-from conveyor.errors import CommTimeout, PeerFailure, SpecMismatchError
+from conveyor.errors import CommTimeout, PeerFailure
 from conveyor.runtime.wire import (
+    Channel,
     PayloadMeta,
+    TransferKey,
+    check_frozen,
     data_and_trailer,
     flatten_payload,
     in_layouts,
@@ -47,9 +50,6 @@ from conveyor.runtime.wire import (
     unpack,
 )
 
-TransferKey = tuple[int, int, int]  # (direction, stage, microbatch)
-# Evaluation forwards travel apart: their outputs carry no gradient, so their structure differs.
-FORWARD, BACKWARD, EVAL_FORWARD = 0, 1, 2
 # Keyed by global rank: with several pipeline groups in one job (data x pipeline parallel)
 # group ranks repeat, and a failure must be named by the group it happened in.
 _FAILURE_KEY = "conveyor/failure/{global_rank}"
@@ -68,28 +68,6 @@ def detach_for_next_stage(value: Any) -> Any:
             leaf.requires_grad_(True)
         leaves.append(leaf)
     return unflatten_payload(meta, leaves)
-
-
-def check_frozen(expected: PayloadMeta, actual: PayloadMeta, rank: int, key: TransferKey, dst: int) -> None:
-    """Raise SpecMismatchError naming the first tensor whose shape, dtype or place differs."""
-    direction, stage, microbatch = key
-    what = "output" if direction == FORWARD else "input gradient"
-    where = f"rank {rank}, stage {stage}, microbatch {microbatch}: the {what} sent to rank {dst}"
-    fix = ("(fixed_shapes=True froze the structure seen in the first step; pass fixed_shapes=False "
-           "to let shapes vary between microbatches and steps)")
-    if expected.spec != actual.spec or expected.is_tensor != actual.is_tensor:
-        raise SpecMismatchError(f"{where} has structure {actual.spec}, but the receiver was told {expected.spec} {fix}")
-    for want, got in zip(expected.tensors, actual.tensors):
-        if want.shape != got.shape or want.dtype != got.dtype or want.requires_grad != got.requires_grad:
-            raise SpecMismatchError(
-                f"{where}: tensor {got.path or '<value>'} is {got.describe()}"
-                f"{' (requires grad)' if got.requires_grad else ''}, but the receiver was told "
-                f"{want.describe()}{' (requires grad)' if want.requires_grad else ''} {fix}"
-            )
-    if expected.plain_leaves != actual.plain_leaves:
-        raise SpecMismatchError(
-            f"{where} carries the values {actual.plain_leaves}, but the receiver was told {expected.plain_leaves} {fix}"
-        )
 
 
 def receive_timeout(rank: int, timeout_s: float, what: str, src: int) -> CommTimeout:
@@ -179,9 +157,22 @@ def _world_size(at_least: int) -> int:
 
 
 class Transport(ABC):
-    """Interface of the executor's communication. ``post_recv`` never blocks; ``wait`` may."""
+    """What the executor and the pipelines need of a transport: the whole contract.
+
+    A transfer is addressed by its :data:`~conveyor.runtime.wire.TransferKey`; transfers of
+    one channel (direction, sending stage) are a stream. ``post_recv`` never blocks; ``wait``
+    may, for at most the transport's timeout, and names what it waited for when it gives up.
+
+    ``in_order_channels`` are the channels whose receiver consumes in the order the sender
+    sends (:func:`conveyor.schedule.passes.in_order_channels`, given when the transport is
+    built): a transport may post their receives ahead sized for the last transfer's structure.
+    ``structures_sent`` counts the transfers that carried their structure (shapes, dtypes, tree)
+    besides their data: after the first step it stays put unless shapes change.
+    """
 
     rank: int
+    in_order_channels: frozenset[Channel] = frozenset()
+    structures_sent: int = 0
 
     @abstractmethod
     def send(self, dst: int, key: TransferKey, value: Any) -> None:
@@ -203,7 +194,15 @@ class Transport(ABC):
         """Block until every send of this step has left (their buffers may then be freed)."""
 
     def can_block(self) -> bool:
+        """Whether ``wait`` blocks; False means the executor must yield until ``ready``."""
         return True
+
+    def seed(self, channel: Channel, meta: PayloadMeta) -> None:  # noqa: B027 - for structure-once transports
+        """Expect ``meta`` on ``channel`` from its first transfer on (both ends seed alike).
+
+        Transports that send a payload's structure only when it changes use it to skip even
+        the first exchange (``Pipeline(shapes=...)``); the others ignore it.
+        """
 
     def end_step(self) -> None:  # noqa: B027 - only transports that learn per step need it
         """Called once every rank's step has finished."""
@@ -301,6 +300,7 @@ class DistTransport(FailureBoard, Transport):
         num_microbatches: int,
         timeout_s: float,
         fixed_shapes: bool = False,
+        in_order_channels: frozenset[Channel] = frozenset(),
     ) -> None:
         import torch.distributed as dist
 
@@ -315,15 +315,15 @@ class DistTransport(FailureBoard, Transport):
         self.fixed_shapes = fixed_shapes
         self.pending_sends: list[tuple[list, list[torch.Tensor]]] = []
         self.prune_at = 64
-        self.fifo_channels: set[tuple[int, int]] = set()
+        self.in_order_channels = frozenset(in_order_channels)
         self.expected: dict[tuple[int, int], PayloadMeta] = {}
         self.last_meta: dict[tuple[int, int], PayloadMeta] = {}
         self.steps_done = 0
-        self.structures_sent = 0  # transfers that carried their structure (first use or a change)
+        self.structures_sent = 0
 
     def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
         """Expect ``meta`` on ``channel`` from the first transfer on (both ends must seed alike)."""
-        if channel in self.fifo_channels:
+        if channel in self.in_order_channels:
             self.expected[channel] = meta
 
     def _tag(self, key: TransferKey, part: int) -> int:
@@ -479,6 +479,6 @@ class DistTransport(FailureBoard, Transport):
         never moves.
         """
         for channel, meta in self.last_meta.items():
-            if channel in self.fifo_channels and not (self.fixed_shapes and channel in self.expected):
+            if channel in self.in_order_channels and not (self.fixed_shapes and channel in self.expected):
                 self.expected[channel] = meta
         self.steps_done += 1

@@ -14,13 +14,15 @@ Example (what :class:`conveyor.Pipeline` does)::
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from conveyor.errors import PipelineConfigError
 from conveyor.runtime.hybrid import HostExchange, HybridTransport
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
 from conveyor.runtime.transport import DistTransport, Transport
-from conveyor.schedule.ir import Schedule
+from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, Channel
+from conveyor.schedule.ir import ActionKind, Schedule
 
 TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid")
 
@@ -31,8 +33,12 @@ def check_transport_name(kind: str) -> None:
 
 
 def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycle, *, timeout_s: float,
-                    fixed_shapes: bool) -> Transport:
-    """This rank's transport of ``kind`` (one of :data:`TRANSPORTS`) over ``life``'s group and store."""
+                    fixed_shapes: bool, in_order_channels: frozenset[Channel] = frozenset()) -> Transport:
+    """This rank's transport of ``kind`` (one of :data:`TRANSPORTS`) over ``life``'s group and store.
+
+    ``in_order_channels``: see :class:`~conveyor.runtime.transport.Transport`
+    (:func:`wire_channels` turns the schedule layer's into the wire's).
+    """
     check_transport_name(kind)
     global_ranks = life.global_ranks
     why_not = shared_memory_supported()
@@ -55,7 +61,7 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
 
     def process_group() -> DistTransport:
         return DistTransport(life.group, global_ranks, rank, schedule.num_stages, schedule.num_microbatches,
-                             timeout_s, fixed_shapes)
+                             timeout_s, fixed_shapes, in_order_channels)
 
     if kind == "process_group":
         return process_group()
@@ -70,6 +76,18 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
     local = SharedMemoryTransport(rank, local_peers, life.store, prefix, len(global_ranks), timeout_s,
                                   fixed_shapes, local_ranks=hosts.count(hosts[rank]), rank_to_global=global_ranks)
     return HybridTransport(local, process_group(), local_peers)
+
+
+def wire_channels(train_in_order: Iterable[tuple[ActionKind, int]],
+                  eval_in_order: Iterable[tuple[ActionKind, int]]) -> frozenset[Channel]:
+    """The schedule layer's in-order channels (send kind, sending stage) as the wire names them.
+
+    Example:
+        >>> sorted(wire_channels({(ActionKind.SEND_F, 0), (ActionKind.SEND_B, 1)}, {(ActionKind.SEND_F, 0)}))
+        [(0, 0), (1, 1), (2, 0)]
+    """
+    training = {(FORWARD if kind is ActionKind.SEND_F else BACKWARD, stage) for kind, stage in train_in_order}
+    return frozenset(training | {(EVAL_FORWARD, stage) for _, stage in eval_in_order})
 
 
 def neighbours(schedule: Schedule, rank: int) -> set[int]:

@@ -29,7 +29,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from conveyor.errors import SpecMismatchError
+
 _ALIGN = 16
+
+TransferKey = tuple[int, int, int]  # (direction, stage, microbatch)
+Channel = tuple[int, int]  # (direction, sending stage): the transfers of one stream
+# Evaluation forwards travel apart: their outputs carry no gradient, so their structure differs.
+FORWARD, BACKWARD, EVAL_FORWARD = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,3 +298,25 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s bytes, 1-D uint8, in the order :func:`unpack` reads them."""
     flat = flat_in_layout(tensor)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def check_frozen(expected: PayloadMeta, actual: PayloadMeta, rank: int, key: TransferKey, dst: int) -> None:
+    """Raise SpecMismatchError naming the first tensor whose shape, dtype or place differs."""
+    direction, stage, microbatch = key
+    what = "output" if direction == FORWARD else "input gradient"
+    where = f"rank {rank}, stage {stage}, microbatch {microbatch}: the {what} sent to rank {dst}"
+    fix = ("(fixed_shapes=True froze the structure seen in the first step; pass fixed_shapes=False "
+           "to let shapes vary between microbatches and steps)")
+    if expected.spec != actual.spec or expected.is_tensor != actual.is_tensor:
+        raise SpecMismatchError(f"{where} has structure {actual.spec}, but the receiver was told {expected.spec} {fix}")
+    for want, got in zip(expected.tensors, actual.tensors):
+        if want.shape != got.shape or want.dtype != got.dtype or want.requires_grad != got.requires_grad:
+            raise SpecMismatchError(
+                f"{where}: tensor {got.path or '<value>'} is {got.describe()}"
+                f"{' (requires grad)' if got.requires_grad else ''}, but the receiver was told "
+                f"{want.describe()}{' (requires grad)' if want.requires_grad else ''} {fix}"
+            )
+    if expected.plain_leaves != actual.plain_leaves:
+        raise SpecMismatchError(
+            f"{where} carries the values {actual.plain_leaves}, but the receiver was told {expected.plain_leaves} {fix}"
+        )

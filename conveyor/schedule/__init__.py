@@ -24,6 +24,7 @@ from conveyor.schedule.csv_io import (
 from conveyor.schedule.grid import render_grid
 from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
 from conveyor.schedule.lower import lower
+from conveyor.schedule.passes import Executable, executable
 from conveyor.schedule.registry import available, build, register, unregister
 from conveyor.schedule.simulate import simulate
 from conveyor.schedule.timeline import Span, Timeline
@@ -33,6 +34,7 @@ __all__ = [
     "Action",
     "ActionKind",
     "CostModel",
+    "Executable",
     "Placement",
     "Schedule",
     "Span",
@@ -41,6 +43,7 @@ __all__ = [
     "available",
     "build",
     "dumps_csv",
+    "executable",
     "infer_placement",
     "load_csv",
     "loads_csv",

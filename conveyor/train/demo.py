@@ -115,7 +115,9 @@ def worker(args: argparse.Namespace) -> None:
     measured = pipe.timeline()
     pipe.close()  # its process groups and rings go now, not at interpreter exit
     if rank == 0:
-        plan = cs.simulate(schedule, costs_from_timeline(measured, schedule.num_stages), time_unit="s")
+        # The program the ranks ran (I+W pairs merged), timed with the costs they measured.
+        plan = cs.simulate(cs.executable(schedule).train, costs_from_timeline(measured, schedule.num_stages),
+                           time_unit="s")
         Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         side_by_side_png(plan, measured, args.png)
         print(f"last step: measured {measured.makespan * 1e3:.1f} ms, bubble {measured.bubble_ratio:.3f}; "

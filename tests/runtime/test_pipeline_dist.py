@@ -10,9 +10,7 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.runtime.executor import merge_adjacent_backward_halves
-from conveyor.schedule.ir import ActionKind
-from conveyor.schedule.lower import lower
+from conveyor.schedule.passes import executable
 from conveyor.testing import RankFailure, run_ranks
 from conveyor.testing.models import build_stage, lm_loss, make_batch
 
@@ -48,7 +46,10 @@ def _train(rank, world_size, name, virtual, fixed_shapes, transport="auto"):
         optimizer.zero_grad()
     timeline = pipe.timeline()
     params = {s: {n: p.detach().clone() for n, p in stages[s].named_parameters()} for s in mine}
-    return losses, grads, params, sum(s.action.kind.is_compute for s in timeline.spans)
+    ran = [[str(span.action) for span in sorted(timeline.spans, key=lambda span: span.start)
+            if span.rank == r and span.action.kind.is_compute]
+           for r in range(world_size)]
+    return losses, grads, params, ran
 
 
 # Every schedule over the default transport (shared memory: run_ranks puts every rank on this
@@ -64,19 +65,21 @@ def test_every_schedule_is_bitwise_equal_to_one_device_across_processes(name, nu
     schedule = cs.build(name, ranks=num_ranks, microbatches=NUM_MICROBATCHES, virtual=virtual)
     want_losses, want_grads, want_params = reference_run(schedule)
     results = run_ranks(_train, num_ranks, args=(name, virtual, False, transport), timeout_s=120)
-    # An I directly followed by its W runs as one B: one span where the schedule has two.
-    executed = [merge_adjacent_backward_halves(p) for p in lower(schedule).programs]
-    compute_actions = sum(a.kind.is_compute for p in executed for a in p)
-    merged = sum(a.kind is ActionKind.B for p in executed for a in p) - sum(
-        a.kind is ActionKind.B for p in schedule.programs for a in p)
-    assert compute_actions + merged == sum(len(p) for p in schedule.programs)
-    for rank, (losses, grads, params, num_spans) in enumerate(results):
+    # The measured timeline holds, rank by rank and in order, the compute actions of the
+    # program the pass chain made (an I directly followed by its W runs as one B), and the
+    # simulator times that very program.
+    runs = executable(schedule)
+    planned = [[str(a) for a in runs.train_program(r) if a.kind.is_compute] for r in range(num_ranks)]
+    simulated = cs.simulate(runs.train)
+    assert [[str(span.action) for span in simulated.spans if span.rank == r and span.action.kind.is_compute]
+            for r in range(num_ranks)] == planned
+    for rank, (losses, grads, params, ran) in enumerate(results):
         for step, (got, want) in enumerate(zip(losses, want_losses)):
             assert torch.equal(got, want), f"rank {rank} loss of step {step}: {got.item()} vs {want.item()}"
         for stage in schedule.stages_of(rank):
             assert_same(f"stage {stage} grads", grads[stage], want_grads[stage])
             assert_same(f"stage {stage} params after {NUM_STEPS} AdamW steps", params[stage], want_params[stage])
-        assert num_spans == compute_actions  # the measured timeline holds every compute action
+        assert ran == planned, f"rank {rank} ran another program than the one simulated"
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
