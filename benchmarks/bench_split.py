@@ -52,13 +52,13 @@ def child_llama(stage: int) -> None:
     num_parameters = sum(p.numel() for p in model.parameters())
     ids = torch.zeros(1, SEQUENCE, dtype=torch.long)
     start = time.perf_counter()
-    plan = frontend.split_model(
+    split = frontend.split_model(
         model, NUM_STAGES, example_kwargs={"input_ids": ids, "labels": ids}, split_method="uniform"
     )
     split_s = time.perf_counter() - start
     rss_after_split = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    module = plan.stage_module(stage, "cpu")
+    module = split.stage_module(stage, "cpu")
     build_s = time.perf_counter() - start
     stage_parameters = sum(p.numel() for p in module.parameters())
     assert all(p.device.type == "cpu" for p in module.parameters())
@@ -72,7 +72,7 @@ def child_llama(stage: int) -> None:
                 "rss_after_split": rss_after_split,
                 "num_parameters": num_parameters,
                 "stage_parameters": stage_parameters,
-                "split_points": list(plan.split_points),
+                "split_points": list(split.split_points),
             }
         )
     )
@@ -151,14 +151,14 @@ def bench_time_balance(repeats: int) -> None:
     ratios = {}
     for method in ("uniform", "time"):
         start = time.perf_counter()
-        plan = frontend.split_model(model, 4, example_args=(x,), split_method=method)
+        split = frontend.split_model(model, 4, example_args=(x,), split_method=method)
         split_s = time.perf_counter() - start
         # Measure the resulting stages a few times; keep each stage's best (noise only adds).
         costs = [
             min(values)
             for values in zip(
                 *(
-                    frontend.profile_stages(plan, (x,), None, torch.device("cpu"), repeats=repeats)
+                    frontend.profile_stages(split, (x,), None, torch.device("cpu"), repeats=repeats)
                     for _ in range(3)
                 )
             )
@@ -169,11 +169,11 @@ def bench_time_balance(repeats: int) -> None:
             ""
             if method != "time"
             else (
-                f" (profiled units summed: {', '.join(f'{w * 1e3:.1f}' for w in plan.stage_weights)})"
+                f" (profiled units summed: {', '.join(f'{w * 1e3:.1f}' for w in split.stage_weights)})"
             )
         )
         print(
-            f"   {method:>7}: split points {', '.join(plan.split_points)}; split {split_s:.1f} s; "
+            f"   {method:>7}: split points {', '.join(split.split_points)}; split {split_s:.1f} s; "
             f"stage ms {', '.join(f'{c * 1e3:.1f}' for c in costs)}{predicted}; slowest / mean = {ratio:.3f}"
         )
     print(

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from conveyor.errors import ConveyorError
+from conveyor.errors import ConveyorError, UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,6 @@ USAGE_ERROR = 2
 # (forward, input-gradient, weight-gradient) time per stage and microbatch.
 Costs = tuple[float, float, float]
 DEFAULT_COSTS: Costs = (1.0, 1.0, 1.0)
-
-
-class UsageError(ConveyorError, ValueError):
-    """A command-line argument that cannot work; printed as ``conveyor: error: ...``."""
 
 
 # --------------------------------------------------------------------------- argument types

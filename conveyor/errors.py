@@ -28,8 +28,23 @@ class CostError(ConveyorError, ValueError):
     """Costs given to the simulator are missing, negative or of the wrong length."""
 
 
+class UsageError(ConveyorError, ValueError):
+    """A command-line argument that cannot work; printed as ``conveyor: error: ...``."""
+
+
 class PipelineConfigError(ConveyorError, ValueError):
     """The pipeline was set up with arguments that cannot work (checked before any communication)."""
+
+
+class SplitError(PipelineConfigError):
+    """The model cannot be split as asked (unknown split point, too many stages, ...).
+
+    Found before any communication, like every :class:`PipelineConfigError`.
+    """
+
+
+class TracingError(SplitError):
+    """torch.export could not trace the model; the message names the module and the operation."""
 
 
 class StageExecutionError(ConveyorError, RuntimeError):
@@ -58,3 +73,11 @@ class PipelineClosed(ConveyorError, RuntimeError):
 
 class NonFiniteError(ConveyorError, FloatingPointError):
     """A step's loss or gradients were not finite (``on_nonfinite="raise"``); names microbatch and stages."""
+
+
+class LostConnection(RuntimeError):
+    """A wait broke because a connection of the group closed; says what this rank waited for.
+
+    Internal: the pipeline's lifecycle turns it into :class:`PeerFailure` naming the rank to
+    blame (one that published a failure, exited, or stopped its heartbeat).
+    """

@@ -46,7 +46,7 @@ from conveyor.runtime.clip import (
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.rng import StepRandomness
-from conveyor.runtime.stage import LossFn, StageRunner
+from conveyor.runtime.runner import LossFn, StageRunner
 from conveyor.runtime.transport import LocalMailbox, LocalTransport, Transport
 from conveyor.runtime.transports import build_transport, check_transport_name, wire_channels
 from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, flatten_payload
@@ -901,9 +901,9 @@ def pipeline(
         src = 0 if group is None else dist.get_global_rank(group, 0)
         dist.broadcast_object_list(chosen, src=src, group=group)
         split_points = chosen[0]
-    plan = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
+    split = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
                        **split_kwargs)
-    modules = [plan.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
+    modules = [split.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
     # Stage modules keep the model's parameter names, so the model's order can be looked up. A
     # tied parameter may sit in a stage under any of its names (torch.export picks one): each
     # name gets the place of the tensor's first name, where torch's clipping counts it.
@@ -911,8 +911,8 @@ def pipeline(
     first_place: dict[int, int] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         order[name] = first_place.setdefault(id(param), len(first_place))
-    return Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=plan.tied_groups,
-                    parameter_order=order, model_signature=model_signature(model, plan.split_points),
+    return Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=split.tied_groups,
+                    parameter_order=order, model_signature=model_signature(model, split.split_points),
                     **pipeline_kwargs)
 
 

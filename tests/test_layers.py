@@ -74,3 +74,26 @@ def test_the_schedule_layer_never_imports_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_error_class_lives_in_conveyor_errors():
+    """One home for errors: no library module defines its own exception class (private ones aside)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "conveyor"
+    homes = {}
+    for path in root.rglob("*.py"):
+        if path.name == "errors.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                bases = {getattr(base, "id", getattr(base, "attr", "")) for base in node.bases}
+                if any(base.endswith(("Error", "Exception", "Failure", "Timeout")) or base in {
+                        "RuntimeError", "ValueError", "ConveyorError"} for base in bases):
+                    homes[node.name] = str(path.relative_to(root))
+    # launch_check raises DeliberateExit on purpose, to test teardown after an exception: not
+    # an error conveyor reports to anyone.
+    allowed = {"DeliberateExit": "testing/launch_check.py", "HarnessConfigError": "testing/multiprocess.py",
+               "RankFailure": "testing/multiprocess.py", "RankTimeout": "testing/multiprocess.py"}
+    assert homes == allowed, f"error classes outside conveyor/errors.py: {set(homes.items()) - set(allowed.items())}"

@@ -24,7 +24,7 @@ Limits of tracing (all reported with the module and source line that failed):
   ``scaled_dot_product_attention`` stay whole in the graph and pick their kernel when
   they run, as in eager (checked on cpu only);
 * the train/eval mode is fixed when tracing: a stage in the other mode refuses to
-  run; ``plan.with_mode(training=False)`` traces the same cut for evaluation;
+  run; ``split.with_mode(training=False)`` traces the same cut for evaluation;
 * ``unsplittable`` only keeps cuts out of a module; it does not change tracing
   (no opaque leaf modules): code that cannot be traced must be made traceable, or
   the stages built by hand (any modules following the stage call convention work
@@ -32,7 +32,7 @@ Limits of tracing (all reported with the module and source line that failed):
 
 Tensors: stages hold the model's own tensors where they can (no copy), a copy of
 every tensor used by several stages (tied embeddings; the pipeline sums the copies'
-gradients, see ``SplitPlan.tied_groups``), and, for a meta-device model, only their
+gradients, see ``ModelSplit.tied_groups``), and, for a meta-device model, only their
 own tensors, allocated and initialised on the stage's device (see
 ``conveyor.frontend.materialize``).
 
@@ -41,22 +41,24 @@ Example:
     >>> import conveyor.frontend as frontend
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
     >>> x = torch.randn(2, 8)
-    >>> plan = frontend.split_model(model, 2, example_args=(x,))
-    >>> out = frontend.run_sequential(plan.stage_modules(), (x,))
+    >>> split = frontend.split_model(model, 2, example_args=(x,))
+    >>> out = frontend.run_sequential(split.stage_modules(), (x,))
     >>> torch.equal(out, model(x))
     True
 """
 
-from conveyor.frontend.errors import SplitError, TracingError
-from conveyor.frontend.plan import SPLIT_METHODS, SplitPlan, TiedParameter, split_model
+from conveyor.errors import SplitError, TracingError
 from conveyor.frontend.profile import profile_stages
 from conveyor.frontend.sequential import run_sequential
+from conveyor.frontend.split import SPLIT_METHODS, ModelSplit, TiedParameter, split_model
 from conveyor.frontend.stage import StageModule, ValueSpec
+
+SplitPlan = ModelSplit  # its name until 0.1: "plan" now means only a pipeline plan (schedule, cut, M)
 
 __all__ = [
     "SPLIT_METHODS",
     "SplitError",
-    "SplitPlan",
+    "ModelSplit",
     "StageModule",
     "TiedParameter",
     "TracingError",

@@ -7,7 +7,7 @@ Rules (``stage_tensors``):
   device. A tensor used by several stages (tied embeddings, a module called on two
   stages) is always a copy, in each of those stages, so that stages behave the same
   whether they live in one process or in several; the pipeline sums the copies'
-  gradients (see ``SplitPlan.tied_groups``).
+  gradients (see ``ModelSplit.tied_groups``).
 * A model on the meta device: only this stage's tensors are allocated, on the
   stage's device, and initialised the way the model's own init would: each module's
   ``reset_parameters()`` (what torch layers run in ``__init__``), then, for Hugging
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.frontend.errors import SplitError
+from conveyor.errors import SplitError
 
 logger = logging.getLogger(__name__)
 

@@ -17,21 +17,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
-from conveyor.frontend.errors import SplitError
+from conveyor.errors import SplitError
 from conveyor.frontend.stage import as_received
 
 if TYPE_CHECKING:
-    from conveyor.frontend.plan import SplitPlan
+    from conveyor.frontend.split import ModelSplit
 
 
 def profile_stages(
-    plan: SplitPlan,
+    split: ModelSplit,
     example_args: Sequence[Any],
     example_kwargs: Mapping[str, Any] | None,
     device: torch.device,
     repeats: int = 3,
 ) -> list[float]:
-    """Seconds of forward + backward of each stage of ``plan`` on ``device``.
+    """Seconds of forward + backward of each stage of ``split`` on ``device``.
 
     Each of ``repeats`` rounds runs every stage once (after one warm-up pass), and a
     stage keeps its best time over the rounds: a burst of load from other processes
@@ -41,8 +41,8 @@ def profile_stages(
         >>> import conveyor.frontend as frontend
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
         >>> x = torch.randn(4, 8)
-        >>> plan = frontend.split_model(model, 2, example_args=(x,))
-        >>> len(profile_stages(plan, (x,), None, torch.device("cpu")))
+        >>> split = frontend.split_model(model, 2, example_args=(x,))
+        >>> len(profile_stages(split, (x,), None, torch.device("cpu")))
         2
     """
     leaves = pytree.tree_leaves((tuple(example_args), dict(example_kwargs or {})))
@@ -56,17 +56,17 @@ def profile_stages(
     )
     # Stages of a real model share its tensors, so all can be kept at once; stages of a
     # meta model allocate their tensors, so each is built, timed and freed in turn.
-    on_meta = any(t.device.type == "meta" for t in plan.model.parameters())
+    on_meta = any(t.device.type == "meta" for t in split.model.parameters())
     kept = (
-        None if on_meta else [plan.stage_module(stage, device) for stage in range(plan.num_stages)]
+        None if on_meta else [split.stage_module(stage, device) for stage in range(split.num_stages)]
     )
     devices = [device] if device.type == "cuda" else []
-    best = [float("inf")] * plan.num_stages
+    best = [float("inf")] * split.num_stages
     with torch.random.fork_rng(devices=devices):
         for round_index in range(1 if on_meta else repeats):
             inputs: tuple[Any, ...] = ()
-            for stage in range(plan.num_stages):
-                module = plan.stage_module(stage, device) if kept is None else kept[stage]
+            for stage in range(split.num_stages):
+                module = split.stage_module(stage, device) if kept is None else kept[stage]
                 saved = _save_state(module)
                 warm_up = 1 if round_index == 0 else 0
                 timed = repeats if on_meta else 1
@@ -76,8 +76,8 @@ def profile_stages(
                         best[stage] = min(best[stage], seconds)
                     _restore_state(module, saved)
                 del module
-                if stage < plan.num_stages - 1:
-                    specs = plan.stage_output_specs(stage)
+                if stage < split.num_stages - 1:
+                    specs = split.stage_output_specs(stage)
                     inputs = tuple(
                         value.detach().requires_grad_(spec.requires_grad)
                         if isinstance(value, torch.Tensor)

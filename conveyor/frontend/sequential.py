@@ -10,7 +10,7 @@ Parity this gives (checked by tests/frontend): outputs and every untied
 parameter's gradient are bitwise equal (``torch.equal``) to the unsplit model's for
 the same inputs, because each stage runs the very operations eager mode runs, in
 the same order. A tied parameter (held by several stages, see
-``SplitPlan.tied_groups``) gets one gradient per copy; their sum equals the unsplit
+``ModelSplit.tied_groups``) gets one gradient per copy; their sum equals the unsplit
 gradient up to the order of the floating-point additions (``allclose``; with two
 copies the sum is even bitwise equal, since ``a + b == b + a``).
 """
@@ -24,11 +24,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.frontend.plan import SplitPlan
+from conveyor.frontend.split import ModelSplit
 
 
 def run_sequential(
-    stages: SplitPlan | Sequence[nn.Module],
+    stages: ModelSplit | Sequence[nn.Module],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     *,
@@ -37,7 +37,7 @@ def run_sequential(
     """Run ``stages`` on one microbatch; with ``loss_fn``, also run the backward pass.
 
     Args:
-        stages: a ``SplitPlan`` (its stage modules are built here, on ``plan.device``)
+        stages: a ``ModelSplit`` (its stage modules are built here, on ``split.device``)
             or the stage modules themselves (any modules following the stage call
             convention, e.g. built by hand).
         args, kwargs: the model's inputs, given to stage 0.
@@ -52,12 +52,12 @@ def run_sequential(
         >>> import conveyor.frontend as frontend
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
         >>> x = torch.randn(3, 4)
-        >>> plan = frontend.split_model(model, 2, example_args=(x,))
-        >>> out = run_sequential(plan.stage_modules(), (x,), loss_fn=lambda out: out.sum())
+        >>> split = frontend.split_model(model, 2, example_args=(x,))
+        >>> out = run_sequential(split.stage_modules(), (x,), loss_fn=lambda out: out.sum())
         >>> torch.equal(out, model(x))
         True
     """
-    modules = stages.stage_modules() if isinstance(stages, SplitPlan) else list(stages)
+    modules = stages.stage_modules() if isinstance(stages, ModelSplit) else list(stages)
     if not modules:
         raise ValueError("run_sequential needs at least one stage")
     received: list[tuple[Any, ...]] = []  # what each stage > 0 was given

@@ -79,7 +79,7 @@ class StageTensor:
 
 
 class StageRecipe:
-    """What one stage runs, as references into the traced graph (built once per plan).
+    """What one stage runs, as references into the traced graph (built once per split).
 
     ``inputs`` are traced nodes in placeholder order; ``outputs`` are traced nodes
     (or literal values, on the last stage) in output order.
@@ -365,8 +365,8 @@ class StageModule(nn.Module):
     Example:
         >>> import conveyor.frontend as frontend
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-        >>> plan = frontend.split_model(model, 2, example_args=(torch.randn(3, 4),))
-        >>> stage = plan.stage_module(1)
+        >>> split = frontend.split_model(model, 2, example_args=(torch.randn(3, 4),))
+        >>> stage = split.stage_module(1)
         >>> sorted(stage.state_dict())
         ['2.bias', '2.weight']
     """
@@ -427,7 +427,7 @@ class StageModule(nn.Module):
 
         The graph must use this stage's own tensors (the same cut of the same model
         gives the same names), so both modes train and read one set of parameters and
-        buffers. :meth:`SplitPlan.stage_module` calls this when asked for both modes.
+        buffers. :meth:`ModelSplit.stage_module` calls this when asked for both modes.
         """
         if training in self._conveyor_runs:
             raise PipelineConfigError(f"stage {self.stage} already runs in {'train' if training else 'eval'} mode")
@@ -438,7 +438,7 @@ class StageModule(nn.Module):
             raise PipelineConfigError(
                 f"stage {self.stage} traced in {'train' if training else 'eval'} mode uses tensors the "
                 f"{'eval' if training else 'train'}-mode stage lacks: {', '.join(missing)}; build that mode's "
-                "stages on their own with plan.with_mode()"
+                "stages on their own with split.with_mode()"
             )
         suffix = "_train" if training else "_eval"
         for node in graph.nodes:  # the other mode's nested graphs (cond, no_grad regions) get their own names
@@ -463,8 +463,8 @@ class StageModule(nn.Module):
                 f"stage {self.stage} was traced with the model in {traced} mode and is now in {mode} "
                 "mode; the traced operations fix dropout and BatchNorm behaviour to the traced mode. "
                 "Trace both modes (conveyor.pipeline(..., both_modes=True), or "
-                "plan.stage_module(stage, both_modes=True)), build "
-                f"{mode}-mode stages with plan.with_mode(training={self.training}) (same cut, same "
+                "split.stage_module(stage, both_modes=True)), build "
+                f"{mode}-mode stages with split.with_mode(training={self.training}) (same cut, same "
                 "names), or put the stage back in its mode."
             )
         run, _, input_specs = runs

@@ -43,7 +43,7 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from conveyor.frontend.errors import TracingError
+from conveyor.errors import TracingError
 
 logger = logging.getLogger(__name__)
 

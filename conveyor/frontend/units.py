@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from conveyor.frontend.errors import SplitError
+from conveyor.errors import SplitError
 from conveyor.frontend.trace import TracedModel
 
 

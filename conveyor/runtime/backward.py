@@ -139,7 +139,7 @@ def _pin(by_index: dict[int, torch.Tensor]):
     return hook
 
 
-class PlanCache:
+class GraphAnalysisCache:
     """The I/W analysis of each graph shape seen, so microbatches after the first skip it.
 
     Microbatches of a stage nearly always build the same autograd graph: the same edges
@@ -151,38 +151,38 @@ class PlanCache:
 
     Example:
         >>> import torch
-        >>> lin, plans = torch.nn.Linear(3, 3), PlanCache()
+        >>> lin, analyses = torch.nn.Linear(3, 3), GraphAnalysisCache()
         >>> for _ in range(2):
         ...     x = torch.randn(2, 3, requires_grad=True)
-        ...     backward_input([lin(x)], [torch.ones(2, 3)], [x], list(lin.parameters()), plans).backward_weight()
-        >>> plans.misses, plans.hits
+        ...     backward_input([lin(x)], [torch.ones(2, 3)], [x], list(lin.parameters()), analyses).backward_weight()
+        >>> analyses.misses, analyses.hits
         (1, 1)
     """
 
     def __init__(self, max_entries: int = 64) -> None:
         if max_entries < 1:
-            raise ValueError(f"PlanCache needs room for at least one plan; got max_entries={max_entries}")
+            raise ValueError(f"GraphAnalysisCache needs room for at least one analysis; got max_entries={max_entries}")
         self.max_entries = max_entries
-        self.plans: dict[tuple, _Plan] = {}
+        self.analyses: dict[tuple, _GraphAnalysis] = {}
         self.hits = 0
         self.misses = 0
 
-    def get(self, signature: tuple) -> _Plan | None:
-        plan = self.plans.pop(signature, None)
-        if plan is not None:
-            self.plans[signature] = plan  # most recently used last: a rare shape cannot evict the usual one
+    def get(self, signature: tuple) -> _GraphAnalysis | None:
+        analysis = self.analyses.pop(signature, None)
+        if analysis is not None:
+            self.analyses[signature] = analysis  # most recently used last: a rare shape cannot evict the usual one
             self.hits += 1
-        return plan
+        return analysis
 
-    def put(self, signature: tuple, plan: _Plan) -> None:
+    def put(self, signature: tuple, analysis: _GraphAnalysis) -> None:
         self.misses += 1
-        if len(self.plans) >= self.max_entries:
-            del self.plans[next(iter(self.plans))]  # the least recently used
-        self.plans[signature] = plan
+        if len(self.analyses) >= self.max_entries:
+            del self.analyses[next(iter(self.analyses))]  # the least recently used
+        self.analyses[signature] = analysis
 
 
 @dataclass
-class _Plan:
+class _GraphAnalysis:
     """The analysis of one graph shape, in node indices (discovery order) and parameter positions."""
 
     runs_input_path: bool  # some stage input is reachable: I has an engine run to do
@@ -236,7 +236,7 @@ def _walk(root_nodes: list[Node], leaf_kinds: dict[int, tuple[str, int]], input_
     return nodes, successors, kinds, [index[node] for node in root_nodes]
 
 
-def _analyse(successors: list[tuple[int, ...]], kinds: list, root_indices: list[int]) -> _Plan:
+def _analyse(successors: list[tuple[int, ...]], kinds: list, root_indices: list[int]) -> _GraphAnalysis:
     count = len(successors)
     predecessors: list[list[int]] = [[] for _ in range(count)]
     for i, nexts in enumerate(successors):
@@ -271,7 +271,7 @@ def _analyse(successors: list[tuple[int, ...]], kinds: list, root_indices: list[
     weight_roots = [
         (pair, frozenset(params_below(i))) for pair, i in enumerate(root_indices) if i in in_weight_region
     ]
-    return _Plan(bool(on_input_path), frontier, frontier_reach, weight_roots)
+    return _GraphAnalysis(bool(on_input_path), frontier, frontier_reach, weight_roots)
 
 
 def backward_input(
@@ -279,11 +279,11 @@ def backward_input(
     root_grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
-    plans: PlanCache | None = None,
+    analyses: GraphAnalysisCache | None = None,
 ) -> PendingWeightGrad:
     """I: the inputs' gradients now, and what W needs later (parameters untouched until then).
 
-    ``plans`` remembers the graph analysis per graph shape (pass the same one for every
+    ``analyses`` remembers the graph analysis per graph shape (pass the same one for every
     microbatch of a stage); without it every call analyses its graph afresh.
     """
     pairs = [(_edge(r), _grad_or_one(r, g)) for r, g in zip(roots, root_grads) if g is not None or _is_scalar_loss(r)]
@@ -302,18 +302,18 @@ def backward_input(
             leaf_kinds[id(x)] = ("input", position)  # an input is a stage input first, even if also a parameter
     nodes, successors, kinds, root_indices = _walk([e.node for e in root_edges], leaf_kinds, input_grad_fns)
     signature = (tuple(successors), tuple(kinds), tuple(root_indices))
-    plan = plans.get(signature) if plans is not None else None
-    if plan is None:
-        plan = _analyse(successors, kinds, root_indices)
-        if plans is not None:
-            plans.put(signature, plan)
+    analysis = analyses.get(signature) if analyses is not None else None
+    if analysis is None:
+        analysis = _analyse(successors, kinds, root_indices)
+        if analyses is not None:
+            analyses.put(signature, analysis)
 
-    frontier_nodes = [nodes[i] for i in plan.frontier]
+    frontier_nodes = [nodes[i] for i in analysis.frontier]
     kept: dict[Node, tuple] = {}
     handles = [n.register_prehook(_keep(kept, n)) for n in frontier_nodes]
     try:
         live_inputs = [x for x in inputs if x.requires_grad]
-        if live_inputs and plan.runs_input_path:
+        if live_inputs and analysis.runs_input_path:
             grads = _run_engine(root_edges, [g for _, g in pairs], live_inputs, accumulate=False)
         else:
             grads = [None] * len(live_inputs)
@@ -328,11 +328,11 @@ def backward_input(
     # grouping is remembered per pattern of arrivals.
     entries: list[tuple[GradientEdge, torch.Tensor, Node | None]] = []
     reaches: list[frozenset[int]] = []
-    for pair, reach in plan.weight_roots:
+    for pair, reach in analysis.weight_roots:
         entries.append((pairs[pair][0], pairs[pair][1], None))
         reaches.append(reach)
     arrived = []
-    for node, reach in zip(frontier_nodes, plan.frontier_reach):
+    for node, reach in zip(frontier_nodes, analysis.frontier_reach):
         grads_in = kept.get(node) or ()
         arrived.append(tuple(g is not None for g in grads_in))
         for i, g in enumerate(grads_in):
@@ -340,11 +340,11 @@ def backward_input(
                 entries.append((GradientEdge(node, i), g, node))
                 reaches.append(reach)
     pattern = tuple(arrived)
-    grouping = plan.groupings.get(pattern)
+    grouping = analysis.groupings.get(pattern)
     if grouping is None:
-        if len(plan.groupings) >= _MAX_GROUPINGS:
-            plan.groupings.clear()  # arrival patterns that never repeat must not pile up
-        grouping = plan.groupings[pattern] = _group(reaches)
+        if len(analysis.groupings) >= _MAX_GROUPINGS:
+            analysis.groupings.clear()  # arrival patterns that never repeat must not pile up
+        grouping = analysis.groupings[pattern] = _group(reaches)
     groups = []
     for members, param_positions in grouping:
         group = _Group(params=[params[k] for k in param_positions])

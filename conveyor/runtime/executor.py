@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import StageExecutionError
-from conveyor.runtime.stage import StageRunner
+from conveyor.runtime.runner import StageRunner
 from conveyor.runtime.transport import Transport, detach_for_next_stage
 from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD
 from conveyor.schedule.ir import Action, ActionKind, Placement

@@ -34,7 +34,7 @@ from typing import Any
 import numpy
 import torch
 
-from conveyor.errors import CommTimeout, PeerFailure
+from conveyor.errors import CommTimeout, LostConnection, PeerFailure
 from conveyor.runtime.wire import (
     Channel,
     PayloadMeta,
@@ -77,10 +77,6 @@ def receive_timeout(rank: int, timeout_s: float, what: str, src: int) -> CommTim
         f"and it never came; rank {src} is slow, stuck or running another schedule "
         "(raise timeout_s= if the step is legitimately that slow)"
     )
-
-
-class LostConnection(RuntimeError):
-    """A wait broke because a connection of the group closed; says what this rank waited for."""
 
 
 class FailureBoard:

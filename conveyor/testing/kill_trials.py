@@ -50,7 +50,7 @@ class TrialResult:
         return not self.problem
 
 
-def trial_plan(trials_each: int) -> list[Trial]:
+def trial_cases(trials_each: int) -> list[Trial]:
     """Every point x death x transport, ``trials_each`` times (a MemoryError cannot strike a wait)."""
     combos = [Trial(p, d, t) for p, d, t in itertools.product(POINTS, DEATHS, TRANSPORTS)
               if not (p == "waiting" and d == "MemoryError")]
@@ -152,7 +152,7 @@ def _rank_entry(env: dict[str, str], argv: list[str], log_path: str) -> None:
 
 def run_plan(trials_each: int, *, report=print) -> list[TrialResult]:
     results = []
-    plan = trial_plan(trials_each)
+    plan = trial_cases(trials_each)
     for index, trial in enumerate(plan, 1):
         result = run_trial(trial)
         results.append(result)

@@ -9,7 +9,7 @@ when the script leaves through an exception), no rank died of a signal, and noth
 
 Example:
     $ python tools/launch_stress.py --launches 300       # the full run (about 40 min on 2 cores)
-    >>> plan = launch_plan(20)
+    >>> plan = launch_cases(20)
     >>> sorted({launch.teardown for launch in plan}) == sorted(TEARDOWNS)
     True
 """
@@ -61,7 +61,7 @@ class LaunchResult:
         return not self.problem
 
 
-def launch_plan(count: int) -> list[Launch]:
+def launch_cases(count: int) -> list[Launch]:
     """``count`` launches that walk every combination of rank count, transport, schedule and teardown.
 
     The 108 combinations are visited with a stride coprime to their number, so consecutive
@@ -107,9 +107,9 @@ def _problem(launch: Launch, exit_code: int, output: str) -> str:
 
 
 def run_plan(count: int, *, report=print, timeout_s: float = 180.0) -> list[LaunchResult]:
-    """Run ``launch_plan(count)`` one launch after another; ``report`` gets a line per launch."""
+    """Run ``launch_cases(count)`` one launch after another; ``report`` gets a line per launch."""
     results = []
-    for index, launch in enumerate(launch_plan(count), 1):
+    for index, launch in enumerate(launch_cases(count), 1):
         result = run_launch(launch, timeout_s)
         results.append(result)
         verdict = "clean" if result.clean else "FAILED"

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.testing.launches import launch_plan, run_plan, summary
+from conveyor.testing.launches import launch_cases, run_plan, summary
 
 
 def test_the_short_plan_covers_every_value_of_every_dimension():
-    plan = launch_plan(20)
+    plan = launch_cases(20)
     assert {launch.ranks for launch in plan} == {2, 4}
     assert {launch.transport for launch in plan} == {"shared_memory", "process_group", "hybrid"}
     assert {launch.schedule for launch in plan} == {"1f1b", "zb-h1", "zbv"}

@@ -14,7 +14,7 @@ import conveyor.frontend as frontend
 
 def check_parity(
     model: torch.nn.Module,
-    plan: frontend.SplitPlan,
+    split: frontend.ModelSplit,
     args: tuple = (),
     kwargs: dict | None = None,
     loss_fn: Callable[[Any], torch.Tensor] = lambda out: out.loss,
@@ -25,7 +25,7 @@ def check_parity(
 
     The reference is a deep copy of ``model`` run eagerly, given ``reference_kwargs`` on top
     of ``kwargs`` (``use_cache=False``, as a Hugging Face model is traced); the stages are
-    built from ``plan`` (they share the original model's untied tensors). Returns the stages.
+    built from ``split`` (they share the original model's untied tensors). Returns the stages.
     """
     kwargs = kwargs or {}
     model.zero_grad(set_to_none=True)  # stages share the model's untied parameters
@@ -34,7 +34,7 @@ def check_parity(
     expected = reference(*args, **kwargs, **(reference_kwargs or {}))
     loss_fn(expected).backward()
 
-    stages = plan.stage_modules()
+    stages = split.stage_modules()
     torch.manual_seed(seed)
     got = frontend.run_sequential(stages, args, kwargs, loss_fn=loss_fn)
 
@@ -48,7 +48,7 @@ def check_parity(
         else:
             assert want == have
 
-    tied_names = {name for group in plan.tied_groups for name in group.names}
+    tied_names = {name for group in split.tied_groups for name in group.names}
     stage_grads: dict[str, torch.Tensor] = {}
     for stage in stages:
         for name, parameter in stage.named_parameters():
@@ -60,7 +60,7 @@ def check_parity(
             continue
         assert parameter.grad is not None and stage_grads[name] is not None, name
         assert torch.equal(parameter.grad, stage_grads[name]), f"gradient of {name} differs"
-    for group in plan.tied_groups:
+    for group in split.tied_groups:
         total = sum(stages[stage].get_parameter(name).grad for stage, name in group.uses)
         want = reference.get_parameter(group.names[0]).grad
         # Sum of one gradient per copy: equal up to the order of additions.
@@ -75,7 +75,7 @@ def check_parity(
 
 
 def check_names(
-    model: torch.nn.Module, plan: frontend.SplitPlan, stages: list[torch.nn.Module]
+    model: torch.nn.Module, split: frontend.ModelSplit, stages: list[torch.nn.Module]
 ) -> None:
     """Stage state_dict keys are model keys with equal values; every model tensor is on a stage."""
     model_state = model.state_dict()
@@ -87,7 +87,7 @@ def check_names(
             assert torch.equal(value, model_state[name]), name
         held |= set(state)
         names = {name for name, _ in stage.named_parameters(remove_duplicate=False)}
-        assert names == set(plan.stage_parameter_names(index))
+        assert names == set(split.stage_parameter_names(index))
     # Tied aliases count once: a key is covered if any name of the same tensor is held.
     alias_of = {}
     for name, tensor in [

@@ -116,10 +116,10 @@ def test_profile_stages_leaves_the_model_unchanged():
         nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 8)
     ).train()
     x = torch.randn(4, 8)
-    plan = frontend.split_model(model, 2, example_args=(x,), split_points=["2"])
+    split = frontend.split_model(model, 2, example_args=(x,), split_points=["2"])
     before = {name: value.clone() for name, value in model.state_dict().items()}
     rng = torch.get_rng_state()
-    costs = frontend.profile_stages(plan, (x,), None, torch.device("cpu"))
+    costs = frontend.profile_stages(split, (x,), None, torch.device("cpu"))
     assert len(costs) == 2 and all(cost > 0 for cost in costs)
     assert all(parameter.grad is None for parameter in model.parameters())
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
@@ -127,8 +127,8 @@ def test_profile_stages_leaves_the_model_unchanged():
 
 
 def test_balanced_split_of_a_plain_stack():
-    plan = frontend.split_model(
+    split = frontend.split_model(
         Stack(num_layers=8), 4, example_args=(torch.randn(2, 8),), split_method="uniform"
     )
-    assert plan.split_points == ("2", "4", "6")
-    assert plan.stage_weights == (2.0, 2.0, 2.0, 2.0)
+    assert split.split_points == ("2", "4", "6")
+    assert split.stage_weights == (2.0, 2.0, 2.0, 2.0)

@@ -21,8 +21,8 @@ def test_stages_of_both_modes_match_the_model_in_each_mode():
     model = SkipNet().train()
     reference = copy.deepcopy(model)
     x = torch.randn(6, 8)
-    plan = frontend.split_model(model, 2, example_args=(x,), split_points=["up"])
-    stages = plan.stage_modules(both_modes=True)
+    split = frontend.split_model(model, 2, example_args=(x,), split_points=["up"])
+    stages = split.stage_modules(both_modes=True)
     assert [stage.modes for stage in stages] == [(True, False), (True, False)]
     # Train mode: BatchNorm normalises by the batch and updates the model's running statistics.
     for stage in stages:

@@ -167,8 +167,8 @@ def test_unsplittable_keeps_cuts_out():
         )
     with pytest.raises(frontend.SplitError, match=r"only 1 unit\(s\) can start a stage \(blocks\)"):
         frontend.split_model(Blocks(), 3, example_args=x, unsplittable=["blocks"])
-    plan = frontend.split_model(Blocks(), 2, example_args=x, unsplittable=["blocks"])
-    assert plan.split_points == ("blocks",)
+    split = frontend.split_model(Blocks(), 2, example_args=x, unsplittable=["blocks"])
+    assert split.split_points == ("blocks",)
     with pytest.raises(
         frontend.SplitError,
         match="unsplittable module .block. names no module of Blocks. Close names: blocks",
@@ -200,8 +200,8 @@ def test_bad_split_methods():
 
 
 def test_stage_inputs_are_checked_against_the_example():
-    plan = frontend.split_model(Stack(num_layers=4), 2, example_args=(torch.randn(2, 8),))
-    first, second = plan.stage_modules()
+    split = frontend.split_model(Stack(num_layers=4), 2, example_args=(torch.randn(2, 8),))
+    first, second = split.stage_modules()
     with pytest.raises(SpecMismatchError) as caught:
         first(torch.randn(3, 8))
     assert (
@@ -224,7 +224,7 @@ def test_stage_inputs_are_checked_against_the_example():
     ):
         second(torch.randn(2, 8, dtype=torch.float64))
     with pytest.raises(frontend.SplitError, match=r"stage must be in \[0, 2\); got 2"):
-        plan.stage_module(2)
+        split.stage_module(2)
 
 
 def test_autocast_in_forward_is_named_as_the_reason_the_split_cannot_be_checked():

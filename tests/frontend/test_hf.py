@@ -30,19 +30,19 @@ def llama_model():
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_gpt2_parity_with_tied_embedding(gpt2_model, num_stages):
     batch = token_batch()
-    plan = frontend.split_model(
+    split = frontend.split_model(
         gpt2_model, num_stages, example_kwargs=batch, split_method="uniform"
     )
     expected_points = {
         2: ("transformer.h.2",),
         4: ("transformer.h.1", "transformer.h.2", "transformer.h.3"),
     }
-    assert plan.split_points == expected_points[num_stages]
+    assert split.split_points == expected_points[num_stages]
     # Dropout is on (train mode): same seed, same operations in the same order -> same masks.
-    stages = check_parity(gpt2_model, plan, kwargs=batch, seed=3)
-    check_names(gpt2_model, plan, stages)
+    stages = check_parity(gpt2_model, split, kwargs=batch, seed=3)
+    check_names(gpt2_model, split, stages)
 
-    (tied,) = plan.tied_groups
+    (tied,) = split.tied_groups
     assert tied.names == ("transformer.wte.weight", "lm_head.weight")
     assert tied.uses == ((0, "transformer.wte.weight"), (num_stages - 1, "lm_head.weight"))
     assert tied.stages == (0, num_stages - 1)
@@ -56,33 +56,33 @@ def test_gpt2_parity_with_tied_embedding(gpt2_model, num_stages):
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_llama_parity(llama_model, num_stages):
     batch = token_batch(seed=1)
-    plan = frontend.split_model(
+    split = frontend.split_model(
         llama_model, num_stages, example_kwargs=batch, split_method="uniform"
     )
-    assert plan.tied_groups == ()
-    stages = check_parity(llama_model, plan, kwargs=batch)
-    check_names(llama_model, plan, stages)
+    assert split.tied_groups == ()
+    stages = check_parity(llama_model, split, kwargs=batch)
+    check_names(llama_model, split, stages)
     # labels and attention_mask are passed through to the stages that use them.
     for stage in range(num_stages - 1):
-        names = [spec.name for spec in plan.stage_output_specs(stage)]
+        names = [spec.name for spec in split.stage_output_specs(stage)]
         assert "labels" in names
-    last_inputs = plan.stage_input_specs(num_stages - 1)
+    last_inputs = split.stage_input_specs(num_stages - 1)
     hidden = [spec for spec in last_inputs if spec.requires_grad]
     assert len(hidden) == 1 and hidden[0].shape == (2, 12, 32)
 
 
 def test_llama_parameters_balance_puts_embedding_and_head_on_the_ends(llama_model):
     batch = token_batch()
-    plan = frontend.split_model(llama_model, 2, example_kwargs=batch)  # split_method="parameters"
+    split = frontend.split_model(llama_model, 2, example_kwargs=batch)  # split_method="parameters"
     counts = [
-        sum(llama_model.get_parameter(name).numel() for name in plan.stage_parameter_names(stage))
+        sum(llama_model.get_parameter(name).numel() for name in split.stage_parameter_names(stage))
         for stage in range(2)
     ]
-    assert plan.split_points == ("model.layers.2",)
+    assert split.split_points == ("model.layers.2",)
     embedding = 96 * 32
     layer = 4 * (32 * 32) + 3 * (32 * 48) + 2 * 32  # attention (q, k, v, o), mlp, 2 norms
     assert counts == [embedding + 2 * layer, 2 * layer + 32 + embedding]
-    assert plan.stage_weights == tuple(float(count) for count in counts)
+    assert split.stage_weights == tuple(float(count) for count in counts)
 
 
 def _grouped_heads_llama(num_stages):
@@ -90,8 +90,8 @@ def _grouped_heads_llama(num_stages):
     torch.manual_seed(0)
     model = model_class(config).train()
     batch = token_batch(seed=1)  # no padding: attention_mask is all ones
-    plan = frontend.split_model(model, num_stages, example_kwargs=batch, split_method="uniform")
-    return model, plan, batch
+    split = frontend.split_model(model, num_stages, example_kwargs=batch, split_method="uniform")
+    return model, split, batch
 
 
 @pytest.mark.parametrize("num_stages", [2, 4])
@@ -107,9 +107,9 @@ def test_grouped_kv_heads_llama_trains_equal_to_rounding(num_stages):
     the first step here), then carried by training. No traced graph can follow eager here:
     eager's path depends on the mask's values, which the graph may not read.
     """
-    model, plan, batch = _grouped_heads_llama(num_stages)
+    model, split, batch = _grouped_heads_llama(num_stages)
     reference = copy.deepcopy(model)
-    stages = plan.stage_modules()
+    stages = split.stage_modules()
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     stage_optimizer = torch.optim.SGD([p for stage in stages for p in stage.parameters()], lr=0.1)
     for _ in range(3):
@@ -137,7 +137,7 @@ def test_grouped_kv_heads_llama_trains_equal_to_rounding(num_stages):
 
 def test_grouped_kv_heads_llama_is_bitwise_when_eager_takes_the_traced_path():
     """With padding in the batch, eager builds the mask and repeats the heads too: bitwise."""
-    model, plan, batch = _grouped_heads_llama(2)
+    model, split, batch = _grouped_heads_llama(2)
     padded = {**batch, "attention_mask": batch["attention_mask"].clone()}
     padded["attention_mask"][0, -3:] = 0
-    check_parity(model, plan, kwargs=padded)
+    check_parity(model, split, kwargs=padded)

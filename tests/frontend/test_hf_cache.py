@@ -38,7 +38,7 @@ def test_default_config_splits_with_the_cache_off_and_matches_eager(name, caplog
     batch = token_batch()
 
     with caplog.at_level(logging.INFO, logger=TRACE_LOGGER):
-        plan = frontend.split_model(model, 2, example_kwargs=batch, split_method="uniform")
+        split = frontend.split_model(model, 2, example_kwargs=batch, split_method="uniform")
     assert cache_off_messages(caplog) == [
         f"tracing {model_class.__name__} with use_cache=False (training never uses the "
         "key/value cache, which torch.export cannot return; the model's config is left as it is)"
@@ -47,7 +47,7 @@ def test_default_config_splits_with_the_cache_off_and_matches_eager(name, caplog
 
     # Stage 0 takes the batch as the model does, with no use_cache; the reference is the model
     # called as it was traced (eager GPT-2 with its cache on differs in gradient rounding).
-    check_parity(model, plan, kwargs=batch, seed=3, reference_kwargs={"use_cache": False})
+    check_parity(model, split, kwargs=batch, seed=3, reference_kwargs={"use_cache": False})
     assert model.config.use_cache is True
 
 
@@ -69,7 +69,7 @@ def test_wrapped_model_is_traced_with_the_cache_off(caplog):
     model = CausalLMWithOwnLoss(model_class(config))
     ids = token_batch()["input_ids"]
     with caplog.at_level(logging.INFO, logger=TRACE_LOGGER):
-        plan = frontend.split_model(
+        split = frontend.split_model(
             model, 2, example_args=(ids,), split_points=["inner.model.layers.1"]
         )
     (message,) = cache_off_messages(caplog)
@@ -77,7 +77,7 @@ def test_wrapped_model_is_traced_with_the_cache_off(caplog):
     assert model.inner.config.use_cache is True
     # The eager reference keeps its cache on (the wrapper takes no use_cache): for Llama, the
     # same arithmetic.
-    check_parity(model, plan, args=(ids,), loss_fn=lambda loss: loss)
+    check_parity(model, split, args=(ids,), loss_fn=lambda loss: loss)
 
 
 def test_use_cache_false_passed_by_the_user_is_kept_without_a_log_line(caplog):
@@ -86,7 +86,7 @@ def test_use_cache_false_passed_by_the_user_is_kept_without_a_log_line(caplog):
     model = model_class(config).eval()
     batch = {**token_batch(), "use_cache": False}
     with caplog.at_level(logging.INFO, logger=TRACE_LOGGER):
-        plan = frontend.split_model(model, 2, example_kwargs=batch)
+        split = frontend.split_model(model, 2, example_kwargs=batch)
     assert cache_off_messages(caplog) == []
-    assert "use_cache" in [spec.name for spec in plan.stage_input_specs(0)]
-    check_parity(model, plan, kwargs=batch)
+    assert "use_cache" in [spec.name for spec in split.stage_input_specs(0)]
+    check_parity(model, split, kwargs=batch)

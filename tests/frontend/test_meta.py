@@ -20,9 +20,9 @@ def test_meta_stages_load_into_a_real_model_bitwise(family):
     with torch.device("meta"):
         meta_model = model_class(config)
     batch = token_batch()
-    plan = frontend.split_model(meta_model, 4, example_kwargs=batch, split_method="uniform")
-    assert plan.device == torch.device("cpu")
-    stages = plan.stage_modules()
+    split = frontend.split_model(meta_model, 4, example_kwargs=batch, split_method="uniform")
+    assert split.device == torch.device("cpu")
+    stages = split.stage_modules()
     state = {}
     for stage in stages:
         for name, value in stage.state_dict().items():
@@ -31,7 +31,7 @@ def test_meta_stages_load_into_a_real_model_bitwise(family):
                 assert torch.equal(state[name], value)
             state[name] = value
     assert (
-        meta_model.get_parameter(plan.stage_parameter_names(0)[0]).device.type == "meta"
+        meta_model.get_parameter(split.stage_parameter_names(0)[0]).device.type == "meta"
     )  # untouched
     # Initialised like the model's own init: Hugging Face's std for weights, ones for norms.
     embedding = next(
@@ -41,7 +41,7 @@ def test_meta_stages_load_into_a_real_model_bitwise(family):
     # The stages' tensors, loaded into a real model, give the same loss and gradients.
     real = model_class(config)
     real.load_state_dict(state, strict=True)
-    for group in plan.tied_groups:
+    for group in split.tied_groups:
         values = [stages[stage].get_parameter(name) for stage, name in group.uses]
         assert all(torch.equal(values[0], value) for value in values[1:])
     plan_real = frontend.split_model(real, 4, example_kwargs=batch, split_method="uniform")
@@ -83,9 +83,9 @@ def test_meta_tensor_without_init_method_is_left_nan_with_a_warning(caplog):
 
     with torch.device("meta"):
         model = HandInit()
-    plan = frontend.split_model(model, 2, example_args=(torch.randn(3, 4),), split_method="uniform")
+    split = frontend.split_model(model, 2, example_args=(torch.randn(3, 4),), split_method="uniform")
     with caplog.at_level(logging.WARNING, logger="conveyor.frontend.materialize"):
-        last = plan.stage_module(1)
+        last = split.stage_module(1)
     assert torch.isnan(last.get_parameter("gain")).all()
     assert torch.isfinite(last.get_parameter("layers.1.weight")).all()  # nn.Linear.reset_parameters
     assert "gain" in caplog.text and "left NaN (integers: their lowest value; bools: False) for loading" in caplog.text
@@ -109,9 +109,9 @@ def test_integer_and_bool_buffers_no_init_method_sets_are_left_loud_with_a_warni
 
     with torch.device("meta"):
         model = Positions()
-    plan = frontend.split_model(model, 2, example_args=(torch.randn(2, 6, 4),), split_points=["layers.1"])
+    split = frontend.split_model(model, 2, example_args=(torch.randn(2, 6, 4),), split_points=["layers.1"])
     with caplog.at_level(logging.WARNING, logger="conveyor.frontend.materialize"):
-        first = plan.stage_module(0)
+        first = split.stage_module(0)
     # An index nobody set fails when used, instead of reading position 0 everywhere.
     assert (first.get_buffer("position_ids") == torch.iinfo(torch.int64).min).all()
     assert "position_ids, keep" in caplog.text

@@ -50,11 +50,11 @@ def test_two_encoders_train_through_the_pipeline_bitwise(schedule, num_ranks, vi
     model = TwoEncoders()
     example = tuple(t[: 4 // NUM_MICROBATCHES] for t in _batches()[0])
     sched = cs.build(schedule, ranks=num_ranks, microbatches=NUM_MICROBATCHES, virtual=virtual)
-    plan = frontend.split_model(model, sched.num_stages, example_args=example, split_points=split_points)
-    assert plan.stage_parameter_names(0)[0].startswith("image.")
-    assert plan.stage_parameter_names(1)[0].startswith("embed.")
-    pipe = LocalPipeline(plan.stage_modules(), sched, loss_fn=lambda out, _target: out["loss"],
-                         tied_parameters=plan.tied_groups)
+    split = frontend.split_model(model, sched.num_stages, example_args=example, split_points=split_points)
+    assert split.stage_parameter_names(0)[0].startswith("image.")
+    assert split.stage_parameter_names(1)[0].startswith("embed.")
+    pipe = LocalPipeline(split.stage_modules(), sched, loss_fn=lambda out, _target: out["loss"],
+                         tied_parameters=split.tied_groups)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     for batch in _batches():

@@ -1,4 +1,4 @@
-"""The I/W split against a full backward, bit for bit, and its per-shape plan cache."""
+"""The I/W split against a full backward, bit for bit, and its per-shape analysis cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.runtime.backward import PlanCache, backward_input
+from conveyor.runtime.backward import GraphAnalysisCache, backward_input
 
 
 class Chain(nn.Module):
@@ -134,7 +134,7 @@ def _inputs(module: nn.Module, step: int) -> list[torch.Tensor]:
     return [x]
 
 
-def _run(module: nn.Module, step: int, split: bool, plans: PlanCache | None):
+def _run(module: nn.Module, step: int, split: bool, analyses: GraphAnalysisCache | None):
     inputs = _inputs(module, step)
     outputs = module(*inputs)
     outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
@@ -151,7 +151,7 @@ def _run(module: nn.Module, step: int, split: bool, plans: PlanCache | None):
         return [x.grad for x in live]
     params = [p for p in module.parameters() if p.requires_grad]
     before = [None if p.grad is None else p.grad.clone() for p in params]
-    pending = backward_input(outputs, grads, live, params, plans)
+    pending = backward_input(outputs, grads, live, params, analyses)
     for p, old in zip(params, before):  # I leaves every parameter's gradient as it was
         assert (p.grad is None and old is None) or torch.equal(p.grad, old)
     pending.backward_weight()
@@ -164,12 +164,12 @@ def test_split_gives_a_full_backwards_gradients_bit_for_bit(make, cached):
     torch.manual_seed(0)
     reference = make()
     split = copy.deepcopy(reference)
-    plans = PlanCache() if cached else None
+    analyses = GraphAnalysisCache() if cached else None
     for step in range(4):
         if isinstance(reference, Gated | Swapped):
             reference.open_ = split.open_ = step % 2 == 0
-        expected = _run(reference, step, split=False, plans=None)
-        got = _run(split, step, split=True, plans=plans)
+        expected = _run(reference, step, split=False, analyses=None)
+        got = _run(split, step, split=True, analyses=analyses)
         for want, have in zip(expected, got):
             assert (want is None) == (have is None)
             if want is not None:
@@ -181,11 +181,11 @@ def test_split_gives_a_full_backwards_gradients_bit_for_bit(make, cached):
     if cached:
         # The swapped layers are two shapes (which weight sits where); every other graph is one.
         shapes = 2 if isinstance(reference, Swapped) else 1
-        assert (plans.misses, plans.hits) == (shapes, 4 - shapes)
+        assert (analyses.misses, analyses.hits) == (shapes, 4 - shapes)
 
 
 def test_each_graph_shape_gets_its_own_plan_and_the_oldest_is_forgotten():
-    plans = PlanCache(max_entries=2)
+    analyses = GraphAnalysisCache(max_entries=2)
     linear = nn.Linear(4, 4)
 
     def shape(depth: int) -> None:
@@ -193,13 +193,13 @@ def test_each_graph_shape_gets_its_own_plan_and_the_oldest_is_forgotten():
         y = x
         for _ in range(depth):
             y = linear(y)
-        backward_input([y], [torch.ones(2, 4)], [x], list(linear.parameters()), plans).backward_weight()
+        backward_input([y], [torch.ones(2, 4)], [x], list(linear.parameters()), analyses).backward_weight()
 
     for depth in (1, 2, 1, 3, 1):
         shape(depth)
     # 1 and 2 are planned once each; 1 is found again, so 3 pushes out 2 (the least recently
     # used), not 1, and the last 1 is found too.
-    assert (plans.misses, plans.hits) == (3, 2)
-    assert len(plans.plans) == 2
-    with pytest.raises(ValueError, match="at least one plan"):
-        PlanCache(max_entries=0)
+    assert (analyses.misses, analyses.hits) == (3, 2)
+    assert len(analyses.analyses) == 2
+    with pytest.raises(ValueError, match="at least one analysis"):
+        GraphAnalysisCache(max_entries=0)

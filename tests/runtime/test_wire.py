@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from conveyor.runtime.stage import grad_leaves
+from conveyor.runtime.runner import grad_leaves
 from conveyor.runtime.wire import PayloadMeta, flatten_payload, unflatten_payload
 
 Pair = namedtuple("Pair", "first second")

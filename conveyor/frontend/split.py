@@ -1,8 +1,8 @@
 """``split_model``: trace a model once, decide the cuts, and describe every stage.
 
-The plan is cheap to hold: it keeps the traced graph and, per stage, which slice
+The split is cheap to hold: it keeps the traced graph and, per stage, which slice
 of it to run and which tensors it needs. Stage modules are built on demand, one
-stage at a time (``SplitPlan.stage_module``), so each rank allocates only its own.
+stage at a time (``ModelSplit.stage_module``), so each rank allocates only its own.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from conveyor.errors import SplitError
 from conveyor.frontend.balance import partition
-from conveyor.frontend.errors import SplitError
 from conveyor.frontend.materialize import copy_tensor, materialize, named_tensors
 from conveyor.frontend.stage import (
     StageModule,
@@ -70,7 +70,7 @@ class TiedParameter:
         )
 
 
-class SplitPlan:
+class ModelSplit:
     """The result of ``split_model``: how a model is cut, and how to build each stage.
 
     Attributes:
@@ -102,7 +102,7 @@ class SplitPlan:
         self.stage_weights = stage_weights
         self.device = device
         self.seed = seed
-        self._other_mode_plan: SplitPlan | None = None  # with_mode(not training), traced on demand
+        self._other_mode_split: ModelSplit | None = None  # with_mode(not training), traced on demand
         self._tensor_by_name = dict(named_tensors(traced.model))
         self._tied_ids = {
             id(self._tensor_by_name[name]) for group in tied_groups for name in group.names
@@ -141,15 +141,15 @@ class SplitPlan:
 
         Tensors follow ``conveyor.frontend.materialize``: the model's own tensors where
         possible, copies for tied ones, fresh initialised ones for a meta model.
-        ``both_modes=True`` also traces the model in the other mode (once per plan) so
+        ``both_modes=True`` also traces the model in the other mode (once per split) so
         that the stage follows ``train()`` / ``eval()`` like the model would, dropout and
         BatchNorm included, on the same parameters and buffers.
 
         Example:
             >>> import conveyor.frontend as frontend
             >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-            >>> plan = frontend.split_model(model, 2, example_args=(torch.randn(3, 4),))
-            >>> plan.stage_module(1)(*plan.stage_module(0)(torch.randn(3, 4))).shape
+            >>> split = frontend.split_model(model, 2, example_args=(torch.randn(3, 4),))
+            >>> split.stage_module(1)(*split.stage_module(0)(torch.randn(3, 4))).shape
             torch.Size([3, 2])
         """
         if not 0 <= stage < self.num_stages:
@@ -178,16 +178,16 @@ class SplitPlan:
             if other.split_points != self.split_points:
                 raise SplitError(
                     f"the model traced in the other mode cuts at {other.split_points}, not at "
-                    f"{self.split_points}; build each mode's stages with plan.with_mode()"
+                    f"{self.split_points}; build each mode's stages with split.with_mode()"
                 )
             module.add_mode(other.training, other._recipes[stage],
                             *build_graph(other._recipes[stage], other._traced, device_map))
         return module
 
-    def _other_mode(self) -> SplitPlan:
-        if self._other_mode_plan is None:
-            self._other_mode_plan = self.with_mode(not self.training)
-        return self._other_mode_plan
+    def _other_mode(self) -> ModelSplit:
+        if self._other_mode_split is None:
+            self._other_mode_split = self.with_mode(not self.training)
+        return self._other_mode_split
 
     def stage_modules(
         self, device: torch.device | str | None = None, *, both_modes: bool = False
@@ -233,7 +233,7 @@ class SplitPlan:
         """The model's mode when it was traced (the stages run in that mode only)."""
         return self._traced.training
 
-    def with_mode(self, training: bool) -> SplitPlan:
+    def with_mode(self, training: bool) -> ModelSplit:
         """The same cut traced with the model in train (``True``) or eval mode.
 
         Dropout, BatchNorm and ``if self.training`` are fixed when tracing, so eval
@@ -242,9 +242,9 @@ class SplitPlan:
 
         Example:
             >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 4))
-            >>> plan = split_model(model, 2, example_args=(torch.randn(2, 4),))
-            >>> evaluation = plan.with_mode(training=False)
-            >>> (evaluation.training, evaluation.split_points == plan.split_points)
+            >>> split = split_model(model, 2, example_args=(torch.randn(2, 4),))
+            >>> evaluation = split.with_mode(training=False)
+            >>> (evaluation.training, evaluation.split_points == split.split_points)
             (False, True)
         """
         if training == self.training:
@@ -260,7 +260,7 @@ class SplitPlan:
         args, kwargs = pytree.tree_unflatten(example, self._traced.in_spec)
         try:
             model.train(training)
-            plan = split_model(
+            split = split_model(
                 model,
                 self.num_stages,
                 example_args=args,
@@ -270,9 +270,9 @@ class SplitPlan:
             )
         finally:
             model.train(was_training)
-        plan.seed = self.seed
-        plan.stage_weights = self.stage_weights
-        return plan
+        split.seed = self.seed
+        split.stage_weights = self.stage_weights
+        return split
 
     def describe(self) -> str:
         """A short table: per stage, where it starts, its parameters, what it sends on."""
@@ -294,7 +294,7 @@ class SplitPlan:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"SplitPlan(num_stages={self.num_stages}, split_points={list(self.split_points)})"
+        return f"ModelSplit(num_stages={self.num_stages}, split_points={list(self.split_points)})"
 
 
 def _warn_of_shared_buffers_updated_in_place(traced, stage_tensors: list[list[StageTensor]]) -> None:
@@ -349,7 +349,7 @@ def split_model(
     split_method: str = "parameters",
     unsplittable: Iterable[str] | None = None,
     device: torch.device | str | None = None,
-) -> SplitPlan:
+) -> ModelSplit:
     """Trace ``model`` (unchanged) on one example microbatch and cut it into stages.
 
     Args:
@@ -368,10 +368,10 @@ def split_model(
 
     Example:
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
-        >>> plan = split_model(model, 2, example_args=(torch.randn(2, 8),))
-        >>> plan.split_points
+        >>> split = split_model(model, 2, example_args=(torch.randn(2, 8),))
+        >>> split.split_points
         ('2',)
-        >>> plan.stage_parameter_names(1)
+        >>> split.stage_parameter_names(1)
         ('2.weight', '2.bias', '3.weight', '3.bias')
     """
     if not isinstance(num_stages, int) or num_stages < 1:
@@ -395,7 +395,7 @@ def split_model(
                 f"stages 1..{num_stages - 1}); got {len(names)}: {names}"
             )
         positions = resolve_split_points(model, spans, names, unsplittable)
-        return _make_plan(traced, positions, tuple(names), None, default_device, seed, num_stages)
+        return _make_split(traced, positions, tuple(names), None, default_device, seed, num_stages)
 
     units = find_units(model, spans, unsplittable)
     if not units:
@@ -403,7 +403,7 @@ def split_model(
     starts = [0] + [unit.start for unit in units[1:]]
     weights = _unit_weights(split_method, traced, units, starts, spans, model, num_stages)
     if weights is None:  # "time": profile every unit on its own first
-        unit_plan = _make_plan(
+        unit_split = _make_split(
             traced,
             starts[1:],
             tuple(u.name for u in units[1:]),
@@ -414,7 +414,7 @@ def split_model(
         )
         from conveyor.frontend.profile import profile_stages
 
-        weights = profile_stages(unit_plan, example_args, example_kwargs, default_device, repeats=5)
+        weights = profile_stages(unit_split, example_args, example_kwargs, default_device, repeats=5)
         logger.info("measured unit costs (s): %s", dict(zip((u.name for u in units), weights)))
     cut_allowed = [
         weights[j] > 0 and not any(spans.cuts_inside(starts[j], name) for name in unsplittable)
@@ -428,29 +428,29 @@ def split_model(
             f"so at most {len(allowed) + 1} stages. Use fewer stages, or pass split_points naming finer "
             "modules (any path in model.named_modules(), e.g. inside a block)."
         )
-    def plan_for(unit_weights: list[float]) -> SplitPlan:
+    def split_for(unit_weights: list[float]) -> ModelSplit:
         cuts = partition(unit_weights, num_stages, cut_allowed)
         bounds = [0, *cuts, len(units)]
         stage_weights = tuple(sum(unit_weights[a:b]) for a, b in zip(bounds, bounds[1:]))
-        plan = _make_plan(
+        split = _make_split(
             traced, [starts[j] for j in cuts], tuple(units[j].name for j in cuts), stage_weights,
             default_device, seed, num_stages,
         )
-        plan._unit_bounds = bounds
-        return plan
+        split._unit_bounds = bounds
+        return split
 
-    plan = plan_for(weights)
+    split = split_for(weights)
     if split_method == "time" and num_stages > 1:
-        plan = _calibrate(plan, plan_for, weights, example_args, example_kwargs, default_device)
-    return plan
+        split = _calibrate(split, split_for, weights, example_args, example_kwargs, default_device)
+    return split
 
 
-def _calibrate(plan, plan_for, weights, example_args, example_kwargs, device, rounds: int = 2):
-    """Time the stages of a time-balanced plan and re-balance with what they really cost.
+def _calibrate(split, split_for, weights, example_args, example_kwargs, device, rounds: int = 2):
+    """Time the stages of a time-balanced split and re-balance with what they really cost.
 
     Units profiled one by one each pay a fixed overhead that a stage of several units pays
     once, so summed unit times overstate stages made of many small units. Each round scales
-    every stage's units by measured / predicted and splits again; the plan whose slowest
+    every stage's units by measured / predicted and splits again; the split whose slowest
     measured stage is fastest wins.
     """
     from conveyor.frontend.profile import profile_stages
@@ -459,8 +459,8 @@ def _calibrate(plan, plan_for, weights, example_args, example_kwargs, device, ro
         measured = profile_stages(candidate, example_args, example_kwargs, device, repeats=5)
         return max(measured), measured
 
-    best, (best_time, measured) = plan, slowest(plan)
-    current, scaled = plan, list(weights)
+    best, (best_time, measured) = split, slowest(split)
+    current, scaled = split, list(weights)
     for _ in range(rounds):
         bounds = current._unit_bounds
         for stage, (a, b) in enumerate(zip(bounds, bounds[1:])):
@@ -468,7 +468,7 @@ def _calibrate(plan, plan_for, weights, example_args, example_kwargs, device, ro
             if predicted > 0:
                 factor = measured[stage] / predicted
                 scaled[a:b] = [w * factor for w in scaled[a:b]]
-        candidate = plan_for(scaled)
+        candidate = split_for(scaled)
         if candidate.split_points == current.split_points:
             break
         candidate_time, measured = slowest(candidate)
@@ -540,7 +540,7 @@ def _unit_weights(
     raise SplitError(f"split_method must be one of {', '.join(SPLIT_METHODS)}; got {method!r}")
 
 
-def _make_plan(
+def _make_split(
     traced: TracedModel,
     positions: Sequence[int],
     split_points: tuple[str, ...],
@@ -548,7 +548,7 @@ def _make_plan(
     device: torch.device,
     seed: int,
     num_stages: int,
-) -> SplitPlan:
+) -> ModelSplit:
     stage_of_node = []
     boundary = 0
     for index in range(len(traced.nodes)):
@@ -557,11 +557,11 @@ def _make_plan(
         stage_of_node.append(boundary)
     recipes = build_recipes(traced, stage_of_node, num_stages)
     stage_tensors, tied_groups = _assign_tensors(traced, recipes)
-    plan = SplitPlan(
+    split = ModelSplit(
         traced, recipes, stage_tensors, tied_groups, split_points, stage_weights, device, seed
     )
-    _dry_run(plan)
-    return plan
+    _dry_run(split)
+    return split
 
 
 def _assign_tensors(
@@ -646,9 +646,9 @@ def _stage_starts(recipes: list[StageRecipe], traced: TracedModel):
     return stage_of_position
 
 
-def _dry_run(plan: SplitPlan) -> None:
+def _dry_run(split: ModelSplit) -> None:
     """Run every stage on meta tensors: checks the cut and records the boundary specs."""
-    traced = plan._traced
+    traced = split._traced
     meta = torch.device("meta")
     meta_copies: dict[int, torch.Tensor] = {}
 
@@ -664,18 +664,18 @@ def _dry_run(plan: SplitPlan) -> None:
         torch.empty(leaf.shape, dtype=leaf.dtype, device=meta) if leaf.is_tensor else leaf.value
         for leaf in traced.example
     ]
-    plan._recipes[0].input_specs = tuple(
+    split._recipes[0].input_specs = tuple(
         ValueSpec(leaf.name, leaf.shape, leaf.dtype, False, leaf.value) for leaf in traced.example
     )
     values: Any = pytree.tree_unflatten(flat_inputs, traced.in_spec)
     device_map = {} if traced.trace_device == meta else {traced.trace_device: meta}
-    for recipe in plan._recipes:
+    for recipe in split._recipes:
         tensors = {}
-        for tensor_spec in plan._stage_tensors[recipe.stage]:
+        for tensor_spec in split._stage_tensors[recipe.stage]:
             if tensor_spec.kind == "constant":
                 source = traced.exported.constants[tensor_spec.source]
             else:
-                source = plan._tensor_by_name[tensor_spec.source]
+                source = split._tensor_by_name[tensor_spec.source]
             tensors[tensor_spec.name] = (as_meta(source), tensor_spec.persistent)
         graph, submodules = build_graph(recipe, traced, device_map)
         module = StageModule(
@@ -714,7 +714,7 @@ def _dry_run(plan: SplitPlan) -> None:
         recipe.output_specs = tuple(_spec(name, value) for name, value in zip(names, flat_outputs))
         if not recipe.is_last:
             values = tuple(as_received(value) for value in outputs)
-            plan._recipes[recipe.stage + 1].input_specs = recipe.output_specs
+            split._recipes[recipe.stage + 1].input_specs = recipe.output_specs
 
 
 def _spec(name: str, value: Any) -> ValueSpec:

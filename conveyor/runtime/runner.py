@@ -28,7 +28,12 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from conveyor.errors import PipelineConfigError, StageExecutionError
-from conveyor.runtime.backward import PendingWeightGrad, PlanCache, backward_full, backward_input
+from conveyor.runtime.backward import (
+    GraphAnalysisCache,
+    PendingWeightGrad,
+    backward_full,
+    backward_input,
+)
 from conveyor.runtime.recompute import RecomputedBuffers
 from conveyor.runtime.rng import StepRandomness
 
@@ -95,7 +100,7 @@ class StageRunner:
         self.checkpoint_activations = checkpoint_activations
         self.rank = rank
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.weight_grad_plans = PlanCache()  # the I/W graph analysis, once per graph shape
+        self.weight_grad_analyses = GraphAnalysisCache()  # the I/W graph analysis, once per graph shape
         self.in_flight: dict[int, _InFlight] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
@@ -207,7 +212,7 @@ class StageRunner:
             raise StageExecutionError(f"I on {self._where(microbatch)} without a forward before it")
         roots, grads = self._roots(record, output_grads)
         try:
-            record.pending = backward_input(roots, grads, record.inputs, self.params, self.weight_grad_plans)
+            record.pending = backward_input(roots, grads, record.inputs, self.params, self.weight_grad_analyses)
         except Exception as exc:
             raise StageExecutionError(f"input-gradient backward failed on {self._where(microbatch)}: {exc}") from exc
         record.roots, record.loss = [], None
