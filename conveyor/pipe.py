@@ -36,11 +36,14 @@ from torch.utils import _pytree as pytree
 
 from conveyor.errors import NonFiniteError, PipelineClosed, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
+from conveyor.parallel.mesh import layout_of
+from conveyor.parallel.replicas import Replicas, check_data_parallel
 from conveyor.runtime.clip import (
     EncodedNorms,
     check_finite,
     encode_norms,
     parameter_norms,
+    scale_local_grads,
     total_norm,
 )
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
@@ -127,6 +130,7 @@ class _PipelineBase:
     _parameter_order: dict[str, int] | None
     random_streams: bool = True
     skipped_steps: int = 0  # steps dropped by on_nonfinite="skip"
+    replicas: Replicas | None = None  # data parallelism over a mesh's "dp" dim
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """The parameters of this process's stages (shared ones once)."""
@@ -196,9 +200,11 @@ class _PipelineBase:
         total = self._collective(self._total_norm, norm_type, foreach)
         if error_if_nonfinite:
             check_finite(total, norm_type)  # the same total on every rank: all raise, none waits
-        local = [p for p in self.parameters() if p.grad is not None]  # type: ignore[attr-defined]
-        if local:
-            torch.nn.utils.clip_grads_with_norm_(local, max_norm, total, foreach=foreach)
+        with_grads = [p for p in self.parameters() if p.grad is not None]  # type: ignore[attr-defined]
+        if self.replicas is not None:
+            scale_local_grads([_local(p.grad) for p in with_grads], max_norm, total, foreach)
+        elif with_grads:
+            torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach=foreach)
         return total
 
     def _total_norm(self, norm_type: float, foreach: bool | None) -> torch.Tensor:
@@ -211,9 +217,12 @@ class _PipelineBase:
                     # The unsplit model's order where it is known, else stage by stage after it.
                     known = order is not None and name in order
                     places.append((order[name],) if known else (len(order or ()), stage, position))
-                    grads.append(param.grad)
+                    grads.append(_local(param.grad))
                 seen.add(id(param))
-        mine = encode_norms(places, grads, parameter_norms(grads, norm_type, foreach))
+        norms = parameter_norms(grads, norm_type, foreach)
+        if self.replicas is not None:
+            norms = self.replicas.whole_norms(norms, norm_type)  # a sharded gradient's norm from its shards
+        mine = encode_norms(places, grads, norms)
         device = grads[0].device if grads else torch.device("cpu")
         return total_norm(self._all_norms(mine), norm_type, device)
 
@@ -385,6 +394,8 @@ class Pipeline(_PipelineBase):
         parameter_order: Mapping[str, int] | None = None,
         random_streams: bool = True,
         model_signature: str | None = None,
+        mesh=None,
+        data_parallel: str | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -394,6 +405,12 @@ class Pipeline(_PipelineBase):
                 "torch.distributed.init_process_group() first, or use conveyor.LocalPipeline to run "
                 "every rank in one process"
             )
+        self.layout = None if mesh is None else layout_of(mesh)
+        if self.layout is not None:
+            if group is not None:
+                raise PipelineConfigError("give the pipeline mesh= or group=, not both (mesh['pp'] is its group)")
+            group = self.layout.pp_group
+        data_parallel = check_data_parallel(data_parallel, self.layout.dp_size if self.layout else 1)
         self.group = group  # the user's: the pipeline communicates on groups of its own
         world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -411,8 +428,9 @@ class Pipeline(_PipelineBase):
         # Every check that needs no peer is above: from here on this rank holds process groups.
         self._life = RankLifecycle(group, timeout_s)
         try:
-            self._life.agree(self._what_was_built(transport, fixed_shapes, shapes, tied_parameters,
-                                                  model_signature))
+            built = self._what_was_built(transport, fixed_shapes, shapes, tied_parameters, model_signature)
+            self._life.agree(built)
+            self.replicas = self._build_replicas(data_parallel, built)
             self._build_communication(transport, timeout_s, fixed_shapes, shapes, tied_parameters)
         except BaseException:
             # Disagreement: every rank raises alike. A transport that could not be built: the
@@ -446,6 +464,19 @@ class Pipeline(_PipelineBase):
             "options": f"transport={transport!r} fixed_shapes={fixed_shapes} "
                        f"shapes given for stages {sorted(shapes) if shapes else []}",
         }
+
+    def _build_replicas(self, data_parallel: str | None, built: dict[str, str]) -> Replicas | None:
+        """The data-parallel side: this rank's stages wrapped over their replicas' group."""
+        if data_parallel is None:
+            return None
+        group = self._life.replica_group(self.layout.dp_ranks)
+        # Replicas built alike: the same stages, schedule and model in every replica.
+        self._life.agree({**built, "data parallel": data_parallel}, group=group, who="replicas")
+        replicas = Replicas(data_parallel, group, self.layout.dp_size)
+        for stage, runner in self.runners.items():
+            runner.module = replicas.wrap(stage, runner.module)
+            runner.params = [p for p in runner.module.parameters() if p.requires_grad]
+        return replicas
 
     def _build_communication(self, transport: str, timeout_s: float, fixed_shapes: bool, shapes,
                              tied_parameters) -> None:
@@ -563,7 +594,8 @@ class Pipeline(_PipelineBase):
             if len(owners) < 2:
                 continue
             if owners not in subgroups:
-                subgroups[owners] = self._life.subgroup(owners)
+                replicas = self.layout.replica_ranks(list(owners)) if self.layout is not None else None
+                subgroups[owners] = self._life.subgroup(owners, replicas)
             if self.rank in owners:
                 stage, name = next((s, n) for s, n in tied.uses if s in self.runners)
                 mine.append((self.runners[stage].module.get_parameter(name), subgroups[owners]))
@@ -612,12 +644,21 @@ class Pipeline(_PipelineBase):
         for runner in self.runners.values():
             runner.reset()
         held = self._set_tied_gradients_aside()
+        replicas = self.replicas
+        if replicas is not None:
+            replicas.start_step()
         with torch.enable_grad(), self._random_streams():
             for _ in self.executor.run(self.runs.train_program(self.rank), first, targets, self._recorder,
-                                       keep_outputs=return_outputs):
+                                       keep_outputs=return_outputs,
+                                       gradients_final=self.runs.gradients_final(self.rank),
+                                       on_gradients_final=replicas.stage_done if replicas else None):
                 raise AssertionError("a blocking transport never yields")
+        if replicas is not None:
+            replicas.finish_step()
         self._sum_tied_gradients(held)
         loss = self._broadcast_loss()
+        if replicas is not None:
+            loss = replicas.mean(loss)  # the global minibatch's loss: the replicas' minibatches together
         self.transport.end_step()
         report = self._nonfinite_report() if on_nonfinite else ""
         if return_outputs:
@@ -686,6 +727,12 @@ def render_positions(runs: Executable, positions: list[dict | None]) -> str:
         if index < where["length"]:
             marks[(rank, index)] = STUCK
     return "\n".join(lines) + "\n" + render_grid(programs, marks)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a gradient: itself, or a data-parallel DTensor's local tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 def _check_nonfinite_mode(on_nonfinite: str | None) -> None:

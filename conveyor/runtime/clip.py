@@ -102,6 +102,30 @@ def total_norm(norms: Sequence[EncodedNorms], norm_type: float, device: torch.de
     return torch.linalg.vector_norm(stacked, norm_type)
 
 
+def scale_local_grads(grads: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor,
+                      foreach: bool | None = None) -> None:
+    """Scale gradients in place as ``torch.nn.utils.clip_grads_with_norm_`` scales parameters' ones.
+
+    For gradients that are not any parameter's ``.grad`` as torch would find it: the local
+    tensors of data-parallel DTensor gradients, whose shards each rank scales by the same
+    factor (torch's function reads ``p.grad`` and would mix DTensors with a plain total).
+    """
+    if not grads:
+        return
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula, to the bit
+    grouped = _group_tensors_by_device_and_dtype([list(grads)])
+    for (device, _), ([tensors], _) in grouped.items():
+        if (foreach is None and _has_foreach_support(tensors, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
+            torch._foreach_mul_(tensors, coefficient.to(device))
+        elif foreach:
+            raise RuntimeError(f"foreach=True was passed, but there are no foreach kernels for {device.type} tensors")
+        else:
+            for tensor in tensors:
+                tensor.mul_(coefficient.to(device))
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -16,7 +16,7 @@ Example (the whole pipeline in one process):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -89,7 +89,14 @@ class RankExecutor:
         recorder: StepRecorder | None,
         *,
         keep_outputs: bool = False,
+        gradients_final: Mapping[int, int] | None = None,
+        on_gradients_final: Callable[[int], None] | None = None,
     ) -> Iterator[None]:
+        """Run ``program`` once (a generator: see the module docstring).
+
+        ``on_gradients_final(stage)`` is called right after the action at each index of
+        ``gradients_final`` ({index: stage}), when that stage's weight gradients are complete.
+        """
         self.forward_inputs: dict[tuple[int, int], tuple[tuple, dict]] = {}
         self.to_send: dict[tuple[ActionKind, int, int], Any] = {}
         self.output_grads: dict[tuple[int, int], list] = {}
@@ -110,13 +117,16 @@ class RankExecutor:
         self.actions_done = 0
         self.program = program
         self.runs_started += 1
-        for action in program:
+        final = gradients_final if on_gradients_final is not None else {}
+        for index, action in enumerate(program):
             start = clock()
             yield from self.handlers[action.kind](action)
             self.actions_done += 1
             # Compute actions and receive waits: a wait shows where a rank idled for a peer.
             if recorder is not None and action.kind not in _UNRECORDED:
                 recorder.add(action, start, clock())
+            if index in final:
+                on_gradients_final(final[index])  # type: ignore[misc]  # set whenever final is not empty
         self.transport.finish_sends()
         self.program = None
 

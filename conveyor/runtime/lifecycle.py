@@ -125,40 +125,56 @@ class RankLifecycle:
         self.groups.append(group)
         return group
 
-    def subgroup(self, ranks: Sequence[int]):
+    def subgroup(self, ranks: Sequence[int], replicas: Sequence[Sequence[int]] | None = None):
         """A group over some of the pipeline's ranks (those holding one tied parameter).
 
         Collective over the whole job, as the pipelines' main groups are when no group was
-        given: every rank must call it with the same ranks, in the same order.
+        given: every rank must call it with the same ranks, in the same order. With data
+        parallelism, ``replicas`` lists those positions' global ranks in every replica's
+        pipeline: every rank builds each replica's group (torch names groups by the order the
+        job builds them) and gets back its own replica's.
         """
         import torch.distributed as dist
 
         members = [self.global_ranks[r] for r in ranks]
-        group = dist.new_group(members, timeout=self.timeout)
-        self.groups.append(group)
-        return group
+        mine = None
+        for replica in replicas or [members]:
+            group = dist.new_group(list(replica), timeout=self.timeout)
+            if self.global_ranks[self.rank] in replica:  # the others get no group to close
+                self.groups.append(group)
+                mine = group
+        return mine
 
-    def agree(self, fields: Mapping[str, str]) -> None:
+    def replica_group(self, global_ranks: Sequence[int]):
+        """A group of the pipeline's own over the ranks that hold this rank's stages in every
+        replica (data parallelism), built by its members only and closed with the others."""
+        return self._new_group(global_ranks, whole_job=False)
+
+    def agree(self, fields: Mapping[str, str], group=None, who: str = "ranks") -> None:
         """Check that every rank built the same pipeline; raise PipelineConfigError on each if not.
 
         ``fields`` (what was built: schedule, model, options, as short strings) are gathered
         from every rank once, at construction, so that ranks given different schedules,
         microbatch counts, split points or models fail at once with what differs, instead of
         hanging in their first step. Every rank reaches the same verdict, so none waits.
+        ``group`` (default: the pipeline's) and ``who`` (``"replicas"`` over the ranks holding
+        this rank's stages in every replica) say among whom.
         """
         import torch.distributed as dist
 
-        everyone: list = [None] * self.num_ranks
-        dist.all_gather_object(everyone, dict(fields), group=self.group)
+        group = self.group if group is None else group
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, dict(fields), group=group)
         for name in fields:
             values = [theirs.get(name) for theirs in everyone]
             if len(set(values)) > 1:
                 by_value: dict[Any, list[int]] = {}
                 for rank, value in enumerate(values):
                     by_value.setdefault(value, []).append(rank)
-                told = "; ".join(f"rank(s) {ranks}: {value}" for value, ranks in by_value.items())
+                label = "replica(s)" if who == "replicas" else "rank(s)"
+                told = "; ".join(f"{label} {ranks}: {value}" for value, ranks in by_value.items())
                 raise PipelineConfigError(
-                    f"the ranks of this pipeline were not built alike: their {name} differs ({told}). "
+                    f"the {who} of this pipeline were not built alike: their {name} differs ({told}). "
                     "Build the pipeline with the same arguments on every rank (the same script, "
                     "the same model and schedule)"
                 )

@@ -59,6 +59,11 @@ class Executable:
         """The actions ``rank`` runs in a forward-only (evaluation) pass, in order."""
         return self.eval.programs[rank]
 
+    def gradients_final(self, rank: int) -> dict[int, int]:
+        """{index in ``rank``'s training program: the stage whose weight gradients are final
+        once that action is done} (see :func:`last_weight_passes`)."""
+        return last_weight_passes(self.train.programs[rank])
+
 
 def executable(schedule: Schedule) -> Executable:
     """Verify ``schedule`` and run the pass chain: the programs every rank executes.
@@ -138,6 +143,24 @@ def in_order_channels(lowered: Schedule) -> frozenset[Channel]:
             elif a.kind is ActionKind.RECV_B:
                 received.setdefault((ActionKind.SEND_B, a.stage + 1), []).append(a.microbatch)
     return frozenset(c for c, order in sent.items() if received.get(c) == order)
+
+
+def last_weight_passes(program: Sequence[Action]) -> dict[int, int]:
+    """{index of each stage's last B or W in ``program``: that stage}.
+
+    After that action the stage's weight gradients of the step are complete, so a reduction
+    across data-parallel replicas can start while the rank runs the rest of its program.
+
+    Example:
+        >>> program = tuple(map(Action.parse, ["1F0", "0F0", "0B0", "1I0", "1W0", "0F1"]))
+        >>> last_weight_passes(program)
+        {2: 0, 4: 1}
+    """
+    last: dict[int, int] = {}
+    for index, action in enumerate(program):
+        if action.kind is ActionKind.B or action.kind is ActionKind.W:
+            last[action.stage] = index
+    return {index: stage for stage, index in sorted(last.items(), key=lambda item: item[1])}
 
 
 def _derived_from_verified(result: Schedule, lowered: Schedule) -> None:
