@@ -111,30 +111,9 @@ def bench_llama(stages: list[int]) -> None:
 
 def bench_time_balance(repeats: int) -> None:
     import torch
-    from torch import nn
 
     import conveyor.frontend as frontend
-
-    class Block(nn.Module):
-        def __init__(self, width: int, hidden: int):
-            super().__init__()
-            self.norm = nn.LayerNorm(width)
-            self.up = nn.Linear(width, hidden)
-            self.down = nn.Linear(hidden, width)
-
-        def forward(self, x):
-            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-    class Uneven(nn.Module):
-        def __init__(self, hiddens: list[int], width: int = 128):
-            super().__init__()
-            self.blocks = nn.ModuleList(Block(width, hidden) for hidden in hiddens)
-            self.head = nn.Linear(width, 1)
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return self.head(x).pow(2).mean()
+    from conveyor.testing.models import UnevenMLP
 
     # Blocks grow wider with depth (64 .. 2048): equal block counts put most work on the last stage.
     hiddens = [64 * (i + 1) for i in range(32)]
@@ -142,7 +121,7 @@ def bench_time_balance(repeats: int) -> None:
     # a barrier stall for a whole scheduler slice (~10-100 ms), swamping ms-long blocks.
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Uneven(hiddens)
+    model = UnevenMLP(hiddens)
     x = torch.randn(256, 128)
     print(
         f"2. {len(hiddens)} blocks, MLP widths {hiddens[0]}..{hiddens[-1]} -> 4 stages, batch {tuple(x.shape)}, "

@@ -41,15 +41,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402  (after the path set-up, like every import below)
 
 from benchmarks import libraries as lib  # noqa: E402
+from benchmarks.costs import MeasuredCosts, per_pass  # noqa: E402
 from benchmarks.ranks import RankFailure, RankGroup, RankTimeout, Zygote  # noqa: E402
 from benchmarks.report import render  # noqa: E402
-from benchmarks.workloads import (  # noqa: E402
-    WORKLOADS,
-    MeasuredCosts,
-    TinyGPT,
-    Workload,
-    per_pass,
-)
+from conveyor.testing.models import WORKLOADS, TinyGPT, Workload  # noqa: E402
 
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
 DEFAULT_VARIANTS = (
