@@ -36,11 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.ranks import Worker
+from conveyor.testing import Worker
 from conveyor.testing.models import Workload
 
 LIBRARIES = ("conveyor", "torch")
-# What each library's ranks import before a case (see benchmarks.ranks.Zygote): its own
+# What each library's ranks import before a case (see conveyor.testing.Zygote): its own
 # modules only, so that a rank's memory is that library's.
 LIBRARY_MODULES = {
     "conveyor": ["benchmarks.libraries", "conveyor.pipe", "conveyor.runtime.shm"],
@@ -211,7 +211,7 @@ def conveyor_runtime_missing() -> str | None:
 
 
 # ---------------------------------------------------------------------------
-# calls run on every rank of a benchmarks.ranks.RankGroup
+# calls run on every rank of a conveyor.testing.RankGroup
 # ---------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.compare import StealMeter
+from benchmarks.steal import StealMeter
 from benchmarks.report import markdown, summarize
 
 

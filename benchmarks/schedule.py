@@ -4,15 +4,19 @@ The target: a 64-rank, 2-stages-per-rank, 1024-microbatch interleaved 1F1B plan
 goes from name to simulated Timeline in under 2 s, so `conveyor simulate` and
 the checks before a run never make a user wait.
 
-Run:
-    .venv/bin/python benchmarks/bench_schedule.py [--schedule NAME] [-p 64] [-v 2] [-m 1024]
+Run through the one benchmark command:
+    .venv/bin/python -m benchmarks --schedule [--plan NAME] [--plan-ranks 64] [--plan-virtual 2]
+        [--plan-microbatches 1024] [--plan-repeat 3]
+
+Example:
+    >>> pick_schedule("1f1b", 2)
+    ('1f1b', 1, [])
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 import time
 from collections.abc import Callable
 
@@ -79,16 +83,13 @@ def time_once(name: str, ranks: int, virtual: int, microbatches: int, lower) -> 
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default=None, help="default: " + ", then ".join(PREFERRED))
-    parser.add_argument("-p", "--ranks", type=int, default=64)
-    parser.add_argument("-v", "--virtual", type=int, default=2)
-    parser.add_argument("-m", "--microbatches", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Time the plan ``args`` name (``plan``, ``plan_ranks``, ...) and print each phase's best."""
+    return _report(args.plan, args.plan_ranks, args.plan_virtual, args.plan_microbatches, args.plan_repeat)
 
-    name, virtual, notes = pick_schedule(args.schedule, args.virtual)
+
+def _report(asked: str | None, ranks: int, virtual: int, microbatches: int, repeat: int) -> int:
+    name, virtual, notes = pick_schedule(asked, virtual)
     lower = find_lower()
     if lower is None:
         notes.append("conveyor.schedule.lower.lower does not exist yet: lower phase skipped")
@@ -96,15 +97,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
 
     best: dict[str, float] = {}
-    for _ in range(args.repeat):
-        for phase, seconds in time_once(name, args.ranks, virtual, args.microbatches, lower).items():
+    for _ in range(repeat):
+        for phase, seconds in time_once(name, ranks, virtual, microbatches, lower).items():
             best[phase] = min(seconds, best.get(phase, float("inf")))
 
-    schedule = cs.build(name, ranks=args.ranks, microbatches=args.microbatches, virtual=virtual, check=False)
+    schedule = cs.build(name, ranks=ranks, microbatches=microbatches, virtual=virtual, check=False)
     num_actions = sum(len(program) for program in schedule.programs)
     print(
-        f"{name}: P={args.ranks} V={virtual} M={args.microbatches}, {num_actions} compute actions; "
-        f"best of {args.repeat}"
+        f"{name}: P={ranks} V={virtual} M={microbatches}, {num_actions} compute actions; "
+        f"best of {repeat}"
     )
     for phase in ("build", "lower", "verify", "simulate"):
         if phase in best:
@@ -118,6 +119,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  summary  {best['summary']:8.3f} s  (bubble ratio + peak activations, not in total)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
