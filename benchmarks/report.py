@@ -92,6 +92,38 @@ def _target(
     }
 
 
+def _overhead_medians(overhead: list[dict]) -> dict[str, float | None]:
+    """Per library: the median framework time per microbatch per stage over the P=2 cases."""
+    medians = {}
+    for name in LIBRARIES:
+        values = [
+            r[f"{name}_overhead_ms"]
+            for r in overhead
+            if r["ranks"] == 2 and r.get(f"{name}_overhead_ms") is not None
+        ]
+        medians[name] = statistics.median(values) if values else None
+    return medians
+
+
+def _worst_rss(records: list[dict]) -> tuple[tuple, tuple]:
+    """The worst conveyor / torch ratio of peak RSS, and of RSS growth, over shared cases."""
+    rss_ratios = [
+        (_max_rss(r, "conveyor") / _max_rss(r, "torch"), _case_name(r))
+        for r in records
+        if _shared(r) and _max_rss(r, "conveyor") and _max_rss(r, "torch")
+    ]
+    worst_rss = max(rss_ratios, default=(None, ""))
+    # Peak RSS counts what a rank had when forked from its library's zygote (torch and
+    # that library's imports: torch.distributed.pipelining adds ~70 MiB, conveyor's
+    # runtime ~4); growth after setup began counts what building and stepping added.
+    growth_ratios = [
+        (_max_growth(r, "conveyor") / _max_growth(r, "torch"), _case_name(r))
+        for r in records
+        if _shared(r) and _max_growth(r, "conveyor") is not None and _max_growth(r, "torch")
+    ]
+    return worst_rss, max(growth_ratios, default=(None, ""))
+
+
 def summarize(results: dict) -> dict:
     """Headline figures and the target checks of one run."""
     records = results["records"]
@@ -114,14 +146,7 @@ def summarize(results: dict) -> dict:
     worst_vs_torch = _worst(shared, "conveyor_vs_torch")
     worst_multi = _worst((r for r in shared if r["virtual"] > 1), "conveyor_vs_torch")
 
-    per_lib_overhead = {}
-    for name in LIBRARIES:
-        values = [
-            r[f"{name}_overhead_ms"]
-            for r in overhead
-            if r["ranks"] == 2 and r.get(f"{name}_overhead_ms") is not None
-        ]
-        per_lib_overhead[name] = statistics.median(values) if values else None
+    per_lib_overhead = _overhead_medians(overhead)
     summary["overhead_ms_per_microbatch_p2"] = per_lib_overhead
     overhead_ratio = None
     if per_lib_overhead["conveyor"] is not None and per_lib_overhead["torch"]:
@@ -134,21 +159,7 @@ def summarize(results: dict) -> dict:
         speedups[name] = None if best is None else {"speedup": best[key], "case": _case_name(best)}
     summary["gpt_best_speedup_vs_one_process"] = speedups
 
-    rss_ratios = [
-        (_max_rss(r, "conveyor") / _max_rss(r, "torch"), _case_name(r))
-        for r in records
-        if _shared(r) and _max_rss(r, "conveyor") and _max_rss(r, "torch")
-    ]
-    worst_rss = max(rss_ratios, default=(None, ""))
-    # Peak RSS counts what a rank had when forked from its library's zygote (torch and
-    # that library's imports: torch.distributed.pipelining adds ~70 MiB, conveyor's
-    # runtime ~4); growth after setup began counts what building and stepping added.
-    growth_ratios = [
-        (_max_growth(r, "conveyor") / _max_growth(r, "torch"), _case_name(r))
-        for r in records
-        if _shared(r) and _max_growth(r, "conveyor") is not None and _max_growth(r, "torch")
-    ]
-    worst_growth = max(growth_ratios, default=(None, ""))
+    worst_rss, worst_growth = _worst_rss(records)
 
     conveyor_speedup = speedups["conveyor"]
     summary["targets"] = [
@@ -247,9 +258,8 @@ def _table(records: list[dict], extra: list[tuple[str, Callable[[dict], str]]] =
     return lines
 
 
-def markdown(results: dict, summary: dict) -> str:
-    meta = results["meta"]
-    records = results["records"]
+def _preamble(meta: dict) -> list[str]:
+    """The run's title, machine, load and steal, with warnings where they make timings noisy."""
     load_start, load_end = meta.get("load_average_start"), meta.get("load_average_end")
     lines = [
         "# conveyor vs torch.distributed.pipelining",
@@ -282,6 +292,14 @@ def markdown(results: dict, summary: dict) -> str:
             f"conveyor's runtime was not available ({meta['conveyor_missing']}): torch side only.",
             "",
         ]
+    return lines
+
+
+def markdown(results: dict, summary: dict) -> str:
+    """``compare.md``: the run, the targets, the headline figures, one table per workload."""
+    meta = results["meta"]
+    records = results["records"]
+    lines = _preamble(meta)
     settings = meta.get("settings", {})
     lines += [
         f"Step time: median of {settings.get('repeats', '?')} steps after {settings.get('warmup', '?')} warm-up "
