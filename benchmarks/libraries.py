@@ -19,7 +19,7 @@ The peer is ``torch.distributed.pipelining`` (torch 2.13): manual
   and 2P-1-r), exactly 2 stages per rank; DualPipeV refuses ``M < 2P``.
 
 Example:
-    >>> from benchmarks.workloads import Emulated
+    >>> from conveyor.testing.models import Emulated
     >>> case = Case(Emulated(num_ranks=4), "zbv", virtual=2, num_microbatches=8)
     >>> torch_stage_ids(case, rank=1)
     [1, 6]
@@ -36,11 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.ranks import Worker
-from benchmarks.workloads import Workload
+from conveyor.testing import Worker
+from conveyor.testing.models import Workload
 
 LIBRARIES = ("conveyor", "torch")
-# What each library's ranks import before a case (see benchmarks.ranks.Zygote): its own
+# What each library's ranks import before a case (see conveyor.testing.Zygote): its own
 # modules only, so that a rank's memory is that library's.
 LIBRARY_MODULES = {
     "conveyor": ["benchmarks.libraries", "conveyor.pipe", "conveyor.runtime.shm"],
@@ -211,7 +211,7 @@ def conveyor_runtime_missing() -> str | None:
 
 
 # ---------------------------------------------------------------------------
-# calls run on every rank of a benchmarks.ranks.RankGroup
+# calls run on every rank of a conveyor.testing.RankGroup
 # ---------------------------------------------------------------------------
 
 
@@ -317,20 +317,20 @@ def gloo_one_way_ms(
 
 
 def measure_costs(worker: Worker, workload: Workload, num_stages: int, repeats: int):
-    """:func:`benchmarks.workloads.measure_stage_costs` in this (single-thread) process."""
-    from benchmarks.workloads import measure_stage_costs
+    """:func:`benchmarks.costs.measure_stage_costs` in this (single-thread) process."""
+    from benchmarks.costs import measure_stage_costs
 
     return measure_stage_costs(workload, num_stages, repeats=repeats)
 
 
 def ideal_setup(worker: Worker, workload: Workload, num_stages: int) -> int:
     """Build every stage of ``workload`` cut in ``num_stages`` in this process, for :func:`ideal_sample`."""
-    from benchmarks.workloads import StageCostProbe
+    from benchmarks.costs import StageCostProbe
 
     worker.state["probe"] = StageCostProbe(workload, num_stages)
     return num_stages
 
 
 def ideal_sample(worker: Worker):
-    """One :class:`~benchmarks.workloads.MeasuredCosts` sample: each stage's F, I, B timed once."""
+    """One :class:`~benchmarks.costs.MeasuredCosts` sample: each stage's F, I, B timed once."""
     return worker.state["probe"].sample()

@@ -1,8 +1,11 @@
-"""Summaries, the markdown table and the chart of a compare.py run.
+"""Summaries, the markdown table and the chart of a comparison run.
 
 :func:`summarize` checks the targets (benchmarks/README.md) against the records;
-:func:`render` writes ``compare.md`` and ``compare.png`` next to ``compare.json``,
-so a finished run can be re-drawn with ``compare.py --render-only``.
+:func:`render` writes ``compare.md`` and ``compare.png``; :func:`compact` keeps of a run
+what those two need (the targets, each case's medians and ratios), which is what
+``compare.json`` holds in git, so a finished run can be re-drawn with
+``python -m benchmarks --compare --render-only``. Every step time and sample stays in
+``compare.raw.json``, written by the run and not kept in git.
 
 Example:
     >>> summarize({"meta": {}, "records": []})["targets"][0]["status"]
@@ -11,12 +14,15 @@ Example:
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 LIBRARIES = ("conveyor", "torch")
+SUMMARY_NAME = "compare.json"
+RAW_NAME = "compare.raw.json"
 
 
 def _ok(record: dict, name: str) -> bool:
@@ -41,21 +47,26 @@ def _case_name(r: dict) -> str:
     return f"{r['schedule']} P={r['ranks']} V={r['virtual']} M={r['microbatches']}"
 
 
+def _highest(value: list[float] | float | None) -> float | None:
+    # A raw record has one figure per rank; the compact one keeps only the highest.
+    if isinstance(value, list):
+        return max(value) if value else None
+    return value
+
+
 def _max_rss(r: dict, name: str) -> float | None:
-    values = r.get(f"{name}_rss_mb")
-    return max(values) if values else None
+    return _highest(r.get(f"{name}_rss_mb"))
 
 
 def _max_growth(r: dict, name: str) -> float | None:
-    values = r.get(f"{name}_rss_growth_mb")
-    return max(values) if values else None
+    return _highest(r.get(f"{name}_rss_growth_mb"))
 
 
 def _rss_cell(r: dict, name: str) -> str:
     """Highest rank's peak RSS and, in brackets, the most any rank grew after setup began."""
-    growth = r.get(f"{name}_rss_growth_mb")
+    growth = _max_growth(r, name)
     peak = _fmt(_max_rss(r, name), "{:.0f}")
-    return peak if not growth else f"{peak} (+{max(growth):.0f})"
+    return peak if growth is None else f"{peak} (+{growth:.0f})"
 
 
 def _target(
@@ -81,6 +92,38 @@ def _target(
     }
 
 
+def _overhead_medians(overhead: list[dict]) -> dict[str, float | None]:
+    """Per library: the median framework time per microbatch per stage over the P=2 cases."""
+    medians = {}
+    for name in LIBRARIES:
+        values = [
+            r[f"{name}_overhead_ms"]
+            for r in overhead
+            if r["ranks"] == 2 and r.get(f"{name}_overhead_ms") is not None
+        ]
+        medians[name] = statistics.median(values) if values else None
+    return medians
+
+
+def _worst_rss(records: list[dict]) -> tuple[tuple, tuple]:
+    """The worst conveyor / torch ratio of peak RSS, and of RSS growth, over shared cases."""
+    rss_ratios = [
+        (_max_rss(r, "conveyor") / _max_rss(r, "torch"), _case_name(r))
+        for r in records
+        if _shared(r) and _max_rss(r, "conveyor") and _max_rss(r, "torch")
+    ]
+    worst_rss = max(rss_ratios, default=(None, ""))
+    # Peak RSS counts what a rank had when forked from its library's zygote (torch and
+    # that library's imports: torch.distributed.pipelining adds ~70 MiB, conveyor's
+    # runtime ~4); growth after setup began counts what building and stepping added.
+    growth_ratios = [
+        (_max_growth(r, "conveyor") / _max_growth(r, "torch"), _case_name(r))
+        for r in records
+        if _shared(r) and _max_growth(r, "conveyor") is not None and _max_growth(r, "torch")
+    ]
+    return worst_rss, max(growth_ratios, default=(None, ""))
+
+
 def summarize(results: dict) -> dict:
     """Headline figures and the target checks of one run."""
     records = results["records"]
@@ -103,14 +146,7 @@ def summarize(results: dict) -> dict:
     worst_vs_torch = _worst(shared, "conveyor_vs_torch")
     worst_multi = _worst((r for r in shared if r["virtual"] > 1), "conveyor_vs_torch")
 
-    per_lib_overhead = {}
-    for name in LIBRARIES:
-        values = [
-            r[f"{name}_overhead_ms"]
-            for r in overhead
-            if r["ranks"] == 2 and r.get(f"{name}_overhead_ms") is not None
-        ]
-        per_lib_overhead[name] = statistics.median(values) if values else None
+    per_lib_overhead = _overhead_medians(overhead)
     summary["overhead_ms_per_microbatch_p2"] = per_lib_overhead
     overhead_ratio = None
     if per_lib_overhead["conveyor"] is not None and per_lib_overhead["torch"]:
@@ -123,21 +159,7 @@ def summarize(results: dict) -> dict:
         speedups[name] = None if best is None else {"speedup": best[key], "case": _case_name(best)}
     summary["gpt_best_speedup_vs_one_process"] = speedups
 
-    rss_ratios = [
-        (_max_rss(r, "conveyor") / _max_rss(r, "torch"), _case_name(r))
-        for r in records
-        if _shared(r) and _max_rss(r, "conveyor") and _max_rss(r, "torch")
-    ]
-    worst_rss = max(rss_ratios, default=(None, ""))
-    # Peak RSS counts what a rank had when forked from its library's zygote (torch and
-    # that library's imports: torch.distributed.pipelining adds ~70 MiB, conveyor's
-    # runtime ~4); growth after setup began counts what building and stepping added.
-    growth_ratios = [
-        (_max_growth(r, "conveyor") / _max_growth(r, "torch"), _case_name(r))
-        for r in records
-        if _shared(r) and _max_growth(r, "conveyor") is not None and _max_growth(r, "torch")
-    ]
-    worst_growth = max(growth_ratios, default=(None, ""))
+    worst_rss, worst_growth = _worst_rss(records)
 
     conveyor_speedup = speedups["conveyor"]
     summary["targets"] = [
@@ -236,9 +258,8 @@ def _table(records: list[dict], extra: list[tuple[str, Callable[[dict], str]]] =
     return lines
 
 
-def markdown(results: dict, summary: dict) -> str:
-    meta = results["meta"]
-    records = results["records"]
+def _preamble(meta: dict) -> list[str]:
+    """The run's title, machine, load and steal, with warnings where they make timings noisy."""
     load_start, load_end = meta.get("load_average_start"), meta.get("load_average_end")
     lines = [
         "# conveyor vs torch.distributed.pipelining",
@@ -271,6 +292,14 @@ def markdown(results: dict, summary: dict) -> str:
             f"conveyor's runtime was not available ({meta['conveyor_missing']}): torch side only.",
             "",
         ]
+    return lines
+
+
+def markdown(results: dict, summary: dict) -> str:
+    """``compare.md``: the run, the targets, the headline figures, one table per workload."""
+    meta = results["meta"]
+    records = results["records"]
+    lines = _preamble(meta)
     settings = meta.get("settings", {})
     lines += [
         f"Step time: median of {settings.get('repeats', '?')} steps after {settings.get('warmup', '?')} warm-up "
@@ -428,3 +457,66 @@ def render(results: dict, out: Path) -> dict:
     (out / "compare.md").write_text(markdown(results, summary))
     chart(results, out / "compare.png")
     return summary
+
+
+# ---------------------------------------------------------------------------
+# the summary kept in git
+# ---------------------------------------------------------------------------
+
+# What a compact record keeps: what the markdown, the chart and the targets read.
+_KEPT = (
+    "workload", "schedule", "ranks", "virtual", "stages", "microbatches", "torch_class",
+    "ideal_ms", "ideal_fastest_ms", "ideal_speedup", "single_process_ms", "single_process_status",
+    *(f"{name}_{field}" for name in LIBRARIES for field in (
+        "ms", "status", "vs_ideal", "vs_ideal_fastest", "overhead_ms", "speedup",
+        "rss_mb", "rss_growth_mb",
+    )),
+    "conveyor_vs_torch", "steal_pct", "notes",
+)
+
+
+def _rounded(value: object) -> object:
+    # Six decimals: far below what the markdown shows (three at most), so it renders the same.
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rounded(item) for item in value]
+    return value
+
+
+def compact(results: dict) -> dict:
+    """``results`` without the per-step and per-sample figures: what ``compare.json`` keeps.
+
+    Per case: the medians, ratios and statuses, the highest rank's peak RSS and growth,
+    the steal per side. :func:`render` draws the same markdown and chart from it as from
+    the full results.
+
+    Example:
+        >>> record = {"workload": "emulated", "conveyor_ms": 1.23456789, "conveyor_steps_ms": [1.2],
+        ...           "conveyor_rss_mb": [180.0, 183.5]}
+        >>> compact({"meta": {}, "records": [record]})["records"]
+        [{'workload': 'emulated', 'conveyor_ms': 1.234568, 'conveyor_rss_mb': 183.5}]
+    """
+    records = []
+    for record in results["records"]:
+        kept = {key: record[key] for key in _KEPT if key in record}
+        for name in LIBRARIES:
+            for field in ("rss_mb", "rss_growth_mb"):
+                if f"{name}_{field}" in kept:
+                    kept[f"{name}_{field}"] = _highest(kept[f"{name}_{field}"])
+        records.append(_rounded(kept))
+    summary = results.get("summary") or summarize(results)
+    return {"meta": _rounded(results["meta"]), "summary": _rounded(summary), "records": records}
+
+
+def write_summary(results: dict, path: Path) -> None:
+    """Write :func:`compact` of ``results`` to ``path``: one line per case, so diffs read."""
+    small = compact(results)
+    lines = ["{", f' "meta": {json.dumps(small["meta"])},', f' "summary": {json.dumps(small["summary"], indent=1)},']
+    lines.append(' "records": [')
+    rows = [f"  {json.dumps(record)}" for record in small["records"]]
+    lines.append(",\n".join(rows))
+    lines += [" ]", "}"]
+    path.write_text("\n".join(lines) + "\n")

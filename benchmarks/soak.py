@@ -1,50 +1,36 @@
 """A soak: many steps of a small pipelined model, watching each rank for leaks and slow-down.
 
-One command (not part of the test suite)::
+Run through the one benchmark command (not part of the test suite)::
 
-    .venv/bin/python benchmarks/soak.py                  # 1,000 steps at P=4 under zbv (a few minutes)
-    .venv/bin/python benchmarks/soak.py --steps 200 --ranks 2 --schedule 1f1b
+    .venv/bin/python -m benchmarks --soak       # 1,000 steps at P=4 under zbv (a few minutes)
+    .venv/bin/python -m benchmarks --soak --soak-steps 200 --soak-ranks 2 --soak-schedule 1f1b
 
-It launches the ranks through torchrun; each rank trains with AdamW and clipping and
-records, per step, its wall time, RSS, open file descriptors and OS threads. At the end it
-prints, per rank: RSS growth after step 50 (target under 5 MiB), the median step time of
-the last 100 steps against steps 50-150 (target within 5%), and fds and threads at step 50
-and at the end (target: constant), with the host's CPU steal over the run. Exit code 0 when
-every target is met.
+The ranks are the library's own (``conveyor.testing.run_ranks``: one gloo group, the
+environment torchrun gives ranks on one machine, so conveyor picks the transport it would
+there); each trains with AdamW and clipping and records, per step, its wall time, RSS, open
+file descriptors and OS threads. At the end it prints, per rank: RSS growth after step 50
+(target under 5 MiB), the median step time of the last 100 steps against steps 50-150
+(target within 5%), and fds and threads at step 50 and at the end (target: constant), with
+the host's CPU steal over the run. Exit code 0 when every target is met.
+
+Example:
+    >>> f = figures([[0.01, 100 * 2**20, 12, 3]] * 10)
+    >>> round(f["drift"], 3), f["rss_growth_mib"], f["fds_end"]
+    (0.0, 0.0, 12)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.compare import StealMeter  # noqa: E402
+from benchmarks.steal import StealMeter
 
 RSS_GROWTH_LIMIT_MIB = 5.0
 DRIFT_LIMIT = 0.05
 SETTLED_STEP = 50
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--schedule", default="zbv")
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--transport", default="auto")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the directory ranks write to
-    return parser
 
 
 def _rss_bytes() -> int:
@@ -52,26 +38,25 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(args: argparse.Namespace) -> None:
+def soak_rank(
+    rank: int, world: int, steps: int, schedule_name: str, microbatches: int, transport: str
+) -> list[tuple[float, int, int, int]]:
+    """One rank's soak (run by ``run_ranks``): per step, (seconds, RSS bytes, fds, threads)."""
     import torch
-    import torch.distributed as dist
 
     import conveyor
     import conveyor.schedule as cs
     from conveyor.testing.models import TinyConfig, build_stage, lm_loss, make_batch
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    schedule = cs.build(args.schedule, ranks=world, microbatches=args.microbatches)
+    schedule = cs.build(schedule_name, ranks=world, microbatches=microbatches)
     cfg = TinyConfig(num_stages=schedule.num_stages, blocks_per_stage=1, dim=32, seq_len=16)
     first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
     records = []
     with conveyor.Pipeline([build_stage(s, cfg) for s in schedule.stages_of(rank)], schedule=schedule,
-                           loss_fn=lm_loss, transport=args.transport) as pipe:
+                           loss_fn=lm_loss, transport=transport) as pipe:
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-        for step in range(args.steps):
-            ids, targets = make_batch(cfg, 2 * args.microbatches, seed=step % 16)
+        for step in range(steps):
+            ids, targets = make_batch(cfg, 2 * microbatches, seed=step % 16)
             start = time.perf_counter()
             pipe.step(ids if rank == first else None, target=targets if rank == last else None)
             pipe.clip_grad_norm_(1.0)
@@ -80,11 +65,10 @@ def worker(args: argparse.Namespace) -> None:
             seconds = time.perf_counter() - start
             records.append((seconds, _rss_bytes(), len(os.listdir("/proc/self/fd")),
                             len(os.listdir("/proc/self/task"))))
-    Path(args.worker, f"rank{rank}.json").write_text(json.dumps(records))
-    dist.destroy_process_group()
+    return records
 
 
-def figures(records: list[list[float]]) -> dict[str, float]:
+def figures(records: list) -> dict[str, float]:
     """The soak's figures for one rank from its per-step (seconds, rss, fds, threads)."""
     settled = SETTLED_STEP if len(records) > SETTLED_STEP + 100 else 0
     times = [r[0] for r in records]
@@ -99,28 +83,24 @@ def figures(records: list[list[float]]) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    with tempfile.TemporaryDirectory(prefix="conveyor-soak-") as out:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={args.ranks}", str(Path(__file__).resolve()),
-                   *(argv if argv is not None else sys.argv[1:]), "--worker", out]
-        meter = StealMeter()
-        start = time.monotonic()
-        with meter.window("soak"):
-            code = subprocess.call(command, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        if code:
-            print(f"the soak's launch failed with exit code {code}")
-            return code
-        per_rank = [figures(json.loads(Path(out, f"rank{r}.json").read_text())) for r in range(args.ranks)]
+def run(args: argparse.Namespace) -> int:
+    """The soak ``args`` ask for (``soak_steps``, ``soak_ranks``, ...); 0 when every target is met."""
+    from conveyor.testing import run_ranks
+
+    steps, ranks, schedule = args.soak_steps, args.soak_ranks, args.soak_schedule
+    meter = StealMeter()
+    start = time.monotonic()
+    with meter.window("soak"):
+        per_rank = run_ranks(
+            soak_rank, ranks,
+            args=(steps, schedule, args.soak_microbatches, args.soak_transport),
+            timeout_s=max(600.0, 2.0 * steps),  # about 0.1 s a step at P=4 on a quiet machine
+        )
     steal = meter.percent().get("soak")
-    print(f"soak: {args.steps} steps, P={args.ranks} {args.schedule} M={args.microbatches}, "
+    print(f"soak: {steps} steps, P={ranks} {schedule} M={args.soak_microbatches}, "
           f"{time.monotonic() - start:.0f} s, host CPU steal {'n/a' if steal is None else f'{steal:.0f}%'}")
     ok = True
-    for rank, f in enumerate(per_rank):
+    for rank, f in enumerate(figures(records) for records in per_rank):
         good = (f["rss_growth_mib"] < RSS_GROWTH_LIMIT_MIB and abs(f["drift"]) <= DRIFT_LIMIT
                 and f["fds_settled"] == f["fds_end"] and f["threads_settled"] == f["threads_end"])
         ok &= good
@@ -131,7 +111,3 @@ def main(argv: list[str] | None = None) -> int:
     print("every target met" if ok else "a target was missed (RSS < 5 MiB growth, drift within 5%, fds and "
           "threads constant)")
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

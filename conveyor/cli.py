@@ -23,18 +23,34 @@ import logging
 import math
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
+import conveyor.schedule as cs
 from conveyor.errors import ConveyorError, UsageError
+from conveyor.schedule.compare import (
+    DEFAULT_COMPARE_PNG,
+    DEFAULT_COSTS,
+    Costs,
+    check_finite,
+    format_compare,
+    format_compare_table,
+    format_schedule_list,
+    format_simulation,
+    run_compare,
+    simulate_one,
+    simulation_summary,
+    virtual_description,
+)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_COMPARE_PNG = "out/compare.png"
 USAGE_ERROR = 2
 
-# (forward, input-gradient, weight-gradient) time per stage and microbatch.
-Costs = tuple[float, float, float]
-DEFAULT_COSTS: Costs = (1.0, 1.0, 1.0)
+# What the command prints is made in conveyor.schedule.compare; these stay importable from
+# here, where they lived first.
+__all__ = [
+    "DEFAULT_COMPARE_PNG", "DEFAULT_COSTS", "Costs", "UsageError", "build_parser",
+    "format_compare_table", "main", "run_compare", "simulate_one", "virtual_description",
+]
 
 
 # --------------------------------------------------------------------------- argument types
@@ -92,176 +108,11 @@ def parse_costs(text: str) -> Costs:
     return (values[0], values[1], values[2])
 
 
-# --------------------------------------------------------------------------- library-facing helpers
-
-
-def virtual_description(info) -> str:
-    """The stages per rank a registered schedule takes, e.g. ``"V=1"`` or ``"V>=1 (default 2)"``."""
-    if info.virtual_choices is None:
-        return f"V>=1 (default {info.default_virtual})"
-    if len(info.virtual_choices) == 1:
-        return f"V={info.virtual_choices[0]}"
-    choices = ",".join(map(str, info.virtual_choices))
-    return f"V in {choices} (default {info.default_virtual})"
-
-
-def simulate_one(
-    schedule: str,
-    ranks: int,
-    microbatches: int,
-    virtual: int | None = None,
-    costs: Costs = DEFAULT_COSTS,
-    latency: float = 0.0,
-):
-    """Build, verify and simulate one registered schedule on uniform per-stage costs.
-
-    Example:
-        >>> round(simulate_one("1f1b", 4, 8).bubble_ratio, 3)
-        0.273
-    """
-    import conveyor.schedule as cs
-
-    # simulate() verifies the schedule itself; build(check=True) would verify it twice.
-    built = cs.build(schedule, ranks=ranks, microbatches=microbatches, virtual=virtual, check=False)
-    forward, backward_input, backward_weight = costs
-    model = cs.CostModel.uniform(
-        built.num_stages, forward, backward_input, backward_weight, latency=latency
-    )
-    return cs.simulate(built, model)
-
-
-def run_compare(
-    ranks: int,
-    microbatches: int,
-    virtual: int | None = None,
-    costs: Costs | None = None,
-    png: str | Path | None = DEFAULT_COMPARE_PNG,
-    *,
-    latency: float = 0.0,
-    trace: str | Path | None = None,
-    same_model: bool = True,
-) -> list[dict]:
-    """Simulate every registered schedule for the same sizes; one row per schedule.
-
-    Each schedule runs its default V, or ``virtual`` where it accepts that value.
-    With ``same_model`` (the default) every schedule simulates the same model:
-    ``costs`` are those of 1/P of it, so a schedule with V stages per rank runs
-    each stage at ``costs / V`` and makespans compare directly;
-    ``peak_activation_share`` is the peak divided by V, in units of one
-    (1/P-model, microbatch) activation. A schedule that cannot serve the sizes
-    gets a row whose ``error`` holds the rule it breaks instead of figures. All
-    simulated ones are drawn into ``png`` on one time axis (``None`` draws
-    nothing) and, if given, into one Chrome trace.
-
-    Example:
-        >>> rows = run_compare(4, 8, png=None)
-        >>> [(r["schedule"], r["makespan"], r["peak_activations_max"]) for r in rows][:2]
-        [('gpipe', 33.0, 8), ('1f1b', 33.0, 4)]
-    """
-    import conveyor.schedule as cs
-
-    costs = DEFAULT_COSTS if costs is None else costs
-    rows, timelines = [], []
-    for name, info in cs.available().items():
-        accepts = virtual is not None and (
-            info.virtual_choices is None or virtual in info.virtual_choices
-        )
-        chosen = virtual if accepts else info.default_virtual
-        divisor = chosen if same_model else 1
-        stage_costs = (costs[0] / divisor, costs[1] / divisor, costs[2] / divisor)
-        row: dict = {"schedule": name, "virtual": chosen, "stage_costs": list(stage_costs)}
-        try:
-            timeline = simulate_one(name, ranks, microbatches, chosen, stage_costs, latency)
-        except ConveyorError as error:
-            # The rule is the first line; deadlock reports add rank-by-rank detail below it.
-            row.update(
-                makespan=None,
-                bubble_ratio=None,
-                peak_activations=None,
-                peak_activations_max=None,
-                peak_activation_share=None,
-                error=str(error).splitlines()[0],
-            )
-        else:
-            peaks = timeline.peak_activations()
-            row.update(
-                makespan=timeline.makespan,
-                bubble_ratio=timeline.bubble_ratio,
-                peak_activations=peaks,
-                peak_activations_max=max(peaks),
-                peak_activation_share=max(peaks) / divisor,
-                error=None,
-            )
-            timelines.append(timeline)
-        rows.append(row)
-    _check_finite("a simulated makespan", [row["makespan"] for row in rows if row["error"] is None])
-    if timelines and png is not None:
-        from conveyor.schedule.render import to_png
-
-        to_png(timelines, png, share_time=True)
-    if timelines and trace is not None:
-        from conveyor.schedule.render import write_chrome_trace
-
-        write_chrome_trace(timelines, trace)
-    return rows
-
-
-def _number(value: float) -> str:
-    # Two decimals at most, no trailing zeros, never exponent notation: 33, 28.5, 18.67, 3261.
-    return f"{value:.2f}".rstrip("0").rstrip(".")
-
-
-def format_compare_table(rows: Sequence[dict]) -> str:
-    """The rows of :func:`run_compare` as an aligned text table.
-
-    Example:
-        >>> print(format_compare_table([{"schedule": "1f1b", "virtual": 1, "makespan": 33.0,
-        ...     "bubble_ratio": 3 / 11, "peak_activations_max": 4,
-        ...     "peak_activation_share": 4.0, "error": None}]))
-        schedule  V  makespan  bubble  peak act.  = x model/P
-        1f1b      1        33   27.3%          4            4
-    """
-    header = ("schedule", "V", "makespan", "bubble", "peak act.", "= x model/P")
-    cells = []
-    for row in rows:
-        if row["error"] is None:
-            figures = (
-                _number(row["makespan"]),
-                f"{row['bubble_ratio']:.1%}",
-                str(row["peak_activations_max"]),
-                _number(row["peak_activation_share"]),
-            )
-            note = ""
-        else:
-            figures = ("-", "-", "-", "-")
-            note = f"cannot serve: {row['error']}"
-        cells.append((row["schedule"], str(row["virtual"]), *figures, note))
-    name_width = max([len(header[0])] + [len(c[0]) for c in cells]) + 1
-    widths = [name_width, 2, 10, 8, 11, 13]
-
-    def line(values: Sequence[str]) -> str:
-        text = f"{values[0]:<{widths[0]}}"
-        return text + "".join(f"{v:>{w}}" for v, w in zip(values[1:], widths[1:]))
-
-    out = [line(header)]
-    for *values, note in cells:
-        out.append(f"{line(values)}  {note}" if note else line(values))
-    return "\n".join(out)
-
-
 # --------------------------------------------------------------------------- commands
 
 
 def _command_schedules(args: argparse.Namespace) -> int:
-    import conveyor.schedule as cs
-
-    infos = list(cs.available().values())
-    name_width = max(len(info.name) for info in infos)
-    v_width = max(len(virtual_description(info)) for info in infos)
-    for info in infos:
-        print(
-            f"{info.name:<{name_width}}  {virtual_description(info):<{v_width}}  {info.description}".rstrip()
-        )
+    print(format_schedule_list(cs.available().values()))
     return 0
 
 
@@ -276,13 +127,6 @@ def _check_size(ranks: int, microbatches: int, virtual: int | None) -> None:
         raise UsageError(
             f"{ranks} ranks x {microbatches} microbatches means about {actions:.3g} actions to simulate; "
             f"conveyor simulate takes up to {MAX_SIMULATED_ACTIONS:.0e}: give fewer ranks or microbatches"
-        )
-
-
-def _check_finite(what: str, values) -> None:
-    if not all(math.isfinite(v) for v in values):
-        raise UsageError(
-            f"{what} overflows a float with these costs and latency (a sum reached inf); give smaller numbers"
         )
 
 
@@ -311,7 +155,7 @@ def _command_simulate(args: argparse.Namespace) -> int:
     timeline = simulate_one(
         args.schedule, args.ranks, args.microbatches, args.virtual, args.costs, args.latency
     )
-    _check_finite("the simulated timeline", [span.end for span in timeline.spans])
+    check_finite("the simulated timeline", [span.end for span in timeline.spans])
     written = []
     if png:
         from conveyor.schedule.render import to_png
@@ -321,61 +165,23 @@ def _command_simulate(args: argparse.Namespace) -> int:
         from conveyor.schedule.render import write_chrome_trace
 
         written.append(str(write_chrome_trace(timeline, args.trace)))
-    forward, backward_input, backward_weight = args.costs
-    peaks = timeline.peak_activations()
-    result = {
-        "schedule": args.schedule,
-        "ranks": timeline.num_ranks,
-        "virtual": timeline.metadata["virtual"],
-        "stages": timeline.num_ranks * timeline.metadata["virtual"],
-        "microbatches": args.microbatches,
-        "costs": {
-            "forward": forward,
-            "backward_input": backward_input,
-            "backward_weight": backward_weight,
-        },
-        "latency": args.latency,
-        "makespan": timeline.makespan,
-        "bubble_ratio": timeline.bubble_ratio,
-        "peak_activations": peaks,
-        "busy": _busy_per_rank(timeline),
-        "png": str(png) if png else None,
-        "trace": str(args.trace) if args.trace else None,
-    }
+    summary = simulation_summary(
+        args.schedule, timeline, args.microbatches, args.costs, args.latency
+    )
     if args.json:
-        print(json.dumps(result, allow_nan=False))
+        summary.update(png=str(png) if png else None, trace=str(args.trace) if args.trace else None)
+        print(json.dumps(summary, allow_nan=False))
         return 0
-    print(
-        f"{args.schedule}: {result['ranks']} ranks x {result['virtual']} stage(s) per rank = "
-        f"{result['stages']} stages, {args.microbatches} microbatches"
-    )
-    print(
-        f"costs per stage: forward {forward:g}, input-gradient {backward_input:g}, "
-        f"weight-gradient {backward_weight:g} (full backward {backward_input + backward_weight:g}); "
-        f"latency {args.latency:g}"
-    )
-    print(f"makespan          {timeline.makespan:g} units")
-    print(f"bubble ratio      {timeline.bubble_ratio:.1%}")
-    print("peak activations  " + " ".join(f"r{rank}:{peak}" for rank, peak in enumerate(peaks)))
-    print("                  (live microbatch-stages per rank)")
+    print(format_simulation(summary))
     for path in written:
         print(f"wrote {path}")
     return 0
 
 
-def _busy_per_rank(timeline) -> list[float]:
-    # One pass over the spans; Timeline.busy_time(rank) scans them all once per rank.
-    busy = [0.0] * timeline.num_ranks
-    for span in timeline.spans:
-        if span.action.kind.is_compute:
-            busy[span.rank] += span.end - span.start
-    return busy
-
-
 def _print_compare(ranks, microbatches, virtual, costs, latency, *, png, trace, as_json) -> int:
     rows = run_compare(ranks, microbatches, virtual, costs, png, latency=latency, trace=trace)
-    drawn = any(row["error"] is None for row in rows)
     if as_json:
+        drawn = any(row["error"] is None for row in rows)
         print(
             json.dumps(
                 {
@@ -389,20 +195,7 @@ def _print_compare(ranks, microbatches, virtual, costs, latency, *, png, trace, 
             )
         )
         return 0
-    print(
-        f"P={ranks} ranks, M={microbatches} microbatches; costs F,B,W = "
-        f"{','.join(f'{c:g}' for c in costs)} per 1/P of the model (each of V stages per rank: costs/V)"
-    )
-    print(format_compare_table(rows))
-    print(
-        "peak act.: live (stage, microbatch) activations on the busiest rank; x model/P: that / V"
-    )
-    if drawn:
-        print(f"wrote {png}")
-        if trace:
-            print(f"wrote {trace}")
-    else:
-        print("no schedule can serve these sizes; nothing drawn")
+    print(format_compare(rows, ranks, microbatches, costs, png, trace))
     return 0
 
 

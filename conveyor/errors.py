@@ -7,6 +7,10 @@ rank, stage and microbatch involved.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
 
 class ConveyorError(Exception):
     """Base class of every error conveyor raises on purpose."""
@@ -81,3 +85,140 @@ class LostConnection(RuntimeError):
     Internal: the pipeline's lifecycle turns it into :class:`PeerFailure` naming the rank to
     blame (one that published a failure, exited, or stopped its heartbeat).
     """
+
+
+# --- the test harness (conveyor.testing): ranks run in processes of their own -------------
+
+class HarnessConfigError(ConveyorError, ValueError):
+    """``run_ranks`` was called with arguments that cannot work (checked before any process starts)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankError:
+    """How one rank failed.
+
+    ``kind`` is ``"exception"`` (``fn`` or ``init_process_group`` raised), ``"result"``
+    (the return value could not be sent back) or ``"exit"`` (the process died without a
+    Python exception). ``details`` is the traceback text, or the crash stack if any.
+    """
+
+    rank: int
+    kind: str
+    summary: str
+    details: str
+    exit_code: int | None = None
+    phase: str = "fn"
+    seen_at: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """A few words: the exception type, or the exit code."""
+        if self.kind == "exit":
+            return f"exit code {self.exit_code}"
+        if self.kind == "result":
+            return "result not sent back"
+        return self.summary.split(":", 1)[0] if self.phase == "fn" else "init_process_group"
+
+    def render(self) -> str:
+        title = f"--- rank {self.rank}: {self.summary} ---"
+        return f"{title}\n{self.details.rstrip()}" if self.details.strip() else title
+
+
+class RankFailure(ConveyorError, RuntimeError):
+    """One or more ranks failed; the others were stopped.
+
+    ``errors`` holds one :class:`RankError` per failed rank, likely root causes first
+    (ranks that died, then ranks that raised, in the order they raised); ``killed`` the ranks still running when the harness killed them; ``finished``
+    the ranks that had returned.
+    """
+
+    def __init__(
+        self,
+        errors: Sequence[RankError],
+        killed: Sequence[int],
+        finished: Sequence[int],
+        world_size: int,
+    ) -> None:
+        self.errors = tuple(errors)
+        self.killed = tuple(killed)
+        self.finished = tuple(finished)
+        self.world_size = world_size
+        super().__init__(self._message())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.errors, self.killed, self.finished, self.world_size))
+
+    @property
+    def failed(self) -> tuple[int, ...]:
+        return tuple(error.rank for error in self.errors)
+
+    def _message(self) -> str:
+        failed = ", ".join(f"rank {error.rank} ({error.label})" for error in self.errors)
+        lines = [f"{len(self.errors)} of {self.world_size} ranks failed: {failed}"]
+        if self.killed:
+            lines.append(f"killed while still running: {_rank_list(self.killed)}")
+        if self.finished:
+            lines.append(f"finished: {_rank_list(self.finished)}")
+        header = "; ".join(lines) + "."
+        return "\n\n".join([header, *(error.render() for error in self.errors)])
+
+
+class RankTimeout(ConveyorError, TimeoutError):
+    """The run (or a group's call, named by ``what``) outlived its timeout.
+
+    ``stacks`` maps each unfinished rank to where it was stuck.
+    """
+
+    def __init__(
+        self,
+        timeout_s: float,
+        unfinished: Sequence[int],
+        stacks: Mapping[int, str],
+        finished: Sequence[int],
+        world_size: int,
+        what: str = "run_ranks",
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.what = what
+        self.unfinished = tuple(unfinished)
+        self.stacks = dict(stacks)
+        self.finished = tuple(finished)
+        self.world_size = world_size
+        super().__init__(self._message())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        args = (self.timeout_s, self.unfinished, self.stacks, self.finished, self.world_size, self.what)
+        return (type(self), args)
+
+    def _message(self) -> str:
+        header = (
+            f"{self.what} timed out after {self.timeout_s:g} s: "
+            f"{_rank_list(self.unfinished)} of {self.world_size} had not finished"
+        )
+        if self.finished:
+            header += f" ({_rank_list(self.finished)} finished)"
+        header += ". Python stacks at the timeout, most recent call first:"
+        sections = [
+            f"--- rank {rank} ---\n{self.stacks.get(rank, '').rstrip() or _NO_STACK}"
+            for rank in self.unfinished
+        ]
+        return "\n\n".join([header, *sections])
+
+
+
+_NO_STACK = "(no stack: the rank died or had not yet installed its stack-dump handler)"
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    if not ranks:
+        return "no rank"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(rank) for rank in ranks)
+
+
+class ZygoteFailure(ConveyorError, RuntimeError):
+    """A zygote could not import its modules, or died, or stopped answering; it is closed."""
+
+
+class GroupClosed(ConveyorError, RuntimeError):
+    """A call on a rank group that was closed or killed (a failed call kills its group)."""

@@ -1,5 +1,7 @@
-"""Test helpers for conveyor and its users: run a function on N torch.distributed ranks.
+"""Test helpers for conveyor and its users: run functions on N torch.distributed ranks.
 
+``run_ranks`` runs one function on fresh ranks; ``RankGroup`` keeps ranks alive between
+calls (optionally forked from a ``Zygote``); ``conveyor.testing.models`` is the model zoo.
 Importing this package does not import torch; ``run_ranks`` does, when called.
 
 Example:
@@ -10,18 +12,30 @@ Example:
 
 from conveyor.testing.multiprocess import (
     MAX_RESULT_BYTES,
+    GroupClosed,
     HarnessConfigError,
     RankError,
     RankFailure,
+    RankGroup,
     RankTimeout,
+    Worker,
+    Zygote,
+    ZygoteFailure,
+    place,
     run_ranks,
 )
 
 __all__ = [
     "MAX_RESULT_BYTES",
+    "GroupClosed",
     "HarnessConfigError",
     "RankError",
     "RankFailure",
+    "RankGroup",
     "RankTimeout",
+    "Worker",
+    "Zygote",
+    "ZygoteFailure",
+    "place",
     "run_ranks",
 ]

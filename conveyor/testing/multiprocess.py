@@ -41,6 +41,11 @@ state dicts, CPU tensors only: a CUDA tensor would initialise CUDA in the caller
 anything that cannot be pickled or weighs more than ``max_result_bytes`` fails the run
 with a message saying so.
 
+Ranks that live on between calls (a benchmark that steps two libraries' groups in turn)
+come from :class:`RankGroup` (``conveyor/testing/rank_group.py``): the same rank set-up and
+the same failure reports, with ranks optionally forked from a :class:`Zygote` that imported
+only the modules a rank should hold.
+
 Notes for test and benchmark authors:
 - mark such tests ``@pytest.mark.distributed`` (registered in ``tests/conftest.py``);
 - keep ``timeout_s`` below pytest-timeout's per-test limit (300 s in pyproject.toml), or
@@ -55,12 +60,10 @@ Notes for test and benchmark authors:
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import logging
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -73,7 +76,38 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from conveyor.errors import ConveyorError
+from conveyor.errors import (
+    GroupClosed,
+    HarnessConfigError,
+    RankError,
+    RankFailure,
+    RankTimeout,
+    ZygoteFailure,
+)
+from conveyor.testing.rank_group import RankGroup, Worker, Zygote, place
+from conveyor.testing.rank_support import (
+    die_with_parent,
+    install_stack_dump,
+    rank_environment,
+    read_stack,
+    wait_for_stacks,
+)
+from conveyor.testing.rank_support import free_port as _free_port
+
+__all__ = [
+    "MAX_RESULT_BYTES",
+    "GroupClosed",
+    "HarnessConfigError",
+    "RankError",
+    "RankFailure",
+    "RankGroup",
+    "RankTimeout",
+    "Worker",
+    "Zygote",
+    "ZygoteFailure",
+    "place",
+    "run_ranks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +116,6 @@ MAX_RESULT_BYTES = 256 * 2**20
 
 START_METHODS = ("fork", "spawn")
 
-# How long the harness waits for stuck ranks to write their stacks after SIGUSR1.
-_STACK_DUMP_WAIT_S = 2.0
 # How long a rank that failed waits for the parent to kill its peers before it tears down
 # its process group: closing its sockets first would make the peers fail with secondary
 # "connection closed" errors that hide the root cause.
@@ -98,121 +130,6 @@ _EXIT_GRACE_S = 5.0
 _PROCESS_GROUP_EXTRA_S = 60.0
 # Rank 0 may lose the race for the free port to another process: start over this often.
 _PORT_ATTEMPTS = 3
-_PR_SET_PDEATHSIG = 1
-
-
-class HarnessConfigError(ConveyorError, ValueError):
-    """``run_ranks`` was called with arguments that cannot work (checked before any process starts)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RankError:
-    """How one rank failed.
-
-    ``kind`` is ``"exception"`` (``fn`` or ``init_process_group`` raised), ``"result"``
-    (the return value could not be sent back) or ``"exit"`` (the process died without a
-    Python exception). ``details`` is the traceback text, or the crash stack if any.
-    """
-
-    rank: int
-    kind: str
-    summary: str
-    details: str
-    exit_code: int | None = None
-    phase: str = "fn"
-    seen_at: float = 0.0
-
-    @property
-    def label(self) -> str:
-        """A few words: the exception type, or the exit code."""
-        if self.kind == "exit":
-            return f"exit code {self.exit_code}"
-        if self.kind == "result":
-            return "result not sent back"
-        return self.summary.split(":", 1)[0] if self.phase == "fn" else "init_process_group"
-
-    def render(self) -> str:
-        title = f"--- rank {self.rank}: {self.summary} ---"
-        return f"{title}\n{self.details.rstrip()}" if self.details.strip() else title
-
-
-class RankFailure(ConveyorError, RuntimeError):
-    """One or more ranks failed; the others were stopped.
-
-    ``errors`` holds one :class:`RankError` per failed rank, likely root causes first
-    (ranks that died, then ranks that raised, in the order they raised); ``killed`` the ranks still running when the harness killed them; ``finished``
-    the ranks that had returned.
-    """
-
-    def __init__(
-        self,
-        errors: Sequence[RankError],
-        killed: Sequence[int],
-        finished: Sequence[int],
-        world_size: int,
-    ) -> None:
-        self.errors = tuple(errors)
-        self.killed = tuple(killed)
-        self.finished = tuple(finished)
-        self.world_size = world_size
-        super().__init__(self._message())
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.errors, self.killed, self.finished, self.world_size))
-
-    @property
-    def failed(self) -> tuple[int, ...]:
-        return tuple(error.rank for error in self.errors)
-
-    def _message(self) -> str:
-        failed = ", ".join(f"rank {error.rank} ({error.label})" for error in self.errors)
-        lines = [f"{len(self.errors)} of {self.world_size} ranks failed: {failed}"]
-        if self.killed:
-            lines.append(f"killed while still running: {_rank_list(self.killed)}")
-        if self.finished:
-            lines.append(f"finished: {_rank_list(self.finished)}")
-        header = "; ".join(lines) + "."
-        return "\n\n".join([header, *(error.render() for error in self.errors)])
-
-
-class RankTimeout(ConveyorError, TimeoutError):
-    """The run outlived its timeout; ``stacks`` maps each unfinished rank to where it was stuck."""
-
-    def __init__(
-        self,
-        timeout_s: float,
-        unfinished: Sequence[int],
-        stacks: Mapping[int, str],
-        finished: Sequence[int],
-        world_size: int,
-    ) -> None:
-        self.timeout_s = timeout_s
-        self.unfinished = tuple(unfinished)
-        self.stacks = dict(stacks)
-        self.finished = tuple(finished)
-        self.world_size = world_size
-        super().__init__(self._message())
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        args = (self.timeout_s, self.unfinished, self.stacks, self.finished, self.world_size)
-        return (type(self), args)
-
-    def _message(self) -> str:
-        header = (
-            f"run_ranks timed out after {self.timeout_s:g} s: "
-            f"{_rank_list(self.unfinished)} of {self.world_size} had not finished"
-        )
-        if self.finished:
-            header += f" ({_rank_list(self.finished)} finished)"
-        header += ". Python stacks at the timeout, most recent call first:"
-        sections = [
-            f"--- rank {rank} ---\n{self.stacks.get(rank, '').rstrip() or _NO_STACK}"
-            for rank in self.unfinished
-        ]
-        return "\n\n".join([header, *sections])
-
-
-_NO_STACK = "(no stack: the rank died or had not yet installed its stack-dump handler)"
 
 
 def run_ranks(
@@ -341,19 +258,6 @@ def _prepare_parent(start_method: str) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _rank_list(ranks: Sequence[int]) -> str:
-    ranks = sorted(ranks)
-    if not ranks:
-        return "no rank"
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(rank) for rank in ranks)
-
-
 # ---------------------------------------------------------------------------------------
 # Parent side: start the ranks, collect their reports, stop them.
 
@@ -472,7 +376,7 @@ def _exit_error(handle: _RankHandle) -> RankError:
         rank=handle.rank,
         kind="exit",
         summary=summary,
-        details=_read_text(handle.stack_path),
+        details=read_stack(handle.stack_path, _ENTRY),
         exit_code=code,
         seen_at=time.monotonic(),
     )
@@ -536,7 +440,7 @@ def _raise_timeout(plan: _Plan, handles: list[_RankHandle]) -> None:
         if handle.process.is_alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(handle.process.pid, signal.SIGUSR1)
-    stacks = _wait_for_stacks([h.stack_path for h in stuck])
+    stacks = wait_for_stacks([h.stack_path for h in stuck], _ENTRY)
     _kill_all(handles)
     finished = [h.rank for h in handles if h.report is not None]
     raise RankTimeout(
@@ -548,41 +452,8 @@ def _raise_timeout(plan: _Plan, handles: list[_RankHandle]) -> None:
     )
 
 
-def _wait_for_stacks(paths: list[Path]) -> list[str]:
-    """Read the dumped stacks once every file has stopped growing (or the wait is over)."""
-    end = time.monotonic() + _STACK_DUMP_WAIT_S
-    previous: list[int] = []
-    while True:
-        sizes = [path.stat().st_size if path.exists() else 0 for path in paths]
-        if (all(sizes) and sizes == previous) or time.monotonic() > end:
-            return [_read_text(path) for path in paths]
-        previous = sizes
-        time.sleep(0.05)
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return _trim_stack(path.read_text(errors="replace"))
-    except OSError:
-        return ""
-
-
-def _trim_stack(text: str) -> str:
-    """Drop the harness's frames (``_rank_main`` and its callers) from a faulthandler dump."""
-    kept: list[str] = []
-    skipping = False
-    for line in text.splitlines():
-        is_frame = line.startswith("  File ")
-        if is_frame and line.endswith(" in _rank_main") and _THIS_FILE in line:
-            skipping = True
-        elif not is_frame:
-            skipping = False
-        if not skipping:
-            kept.append(line)
-    return "\n".join(kept)
-
-
-_THIS_FILE = Path(__file__).name
+# The harness frame that calls the user's function: it and its callers leave the stacks.
+_ENTRY = (Path(__file__).name, "_rank_main")
 
 
 # ---------------------------------------------------------------------------------------
@@ -591,20 +462,9 @@ _THIS_FILE = Path(__file__).name
 
 def _rank_main(plan: _Plan, rank: int, port: int, stack_path: str, writer: Any, released: Any) -> None:
     # First thing, so a stuck or crashing rank can always say where it is.
-    stack_file = open(stack_path, "w")  # noqa: SIM115 (must stay open for the process's life)
-    faulthandler.enable(file=stack_file, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
-    _die_with_parent()
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(plan.world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(plan.world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+    stack_file = install_stack_dump(stack_path)  # noqa: F841 (open for the process's life)
+    die_with_parent()
+    os.environ.update(rank_environment(rank, plan.world_size, port))
     os.environ.update(plan.env)
 
     import torch
@@ -680,16 +540,3 @@ def _exception_error(rank: int, error: BaseException, phase: str) -> RankError:
     if phase == "init_process_group":
         summary = f"init_process_group failed: {summary}"
     return RankError(rank, "exception", summary, details, phase=phase, seen_at=time.monotonic())
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to kill this rank if the calling process dies (no orphaned ranks in CI)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable; ranks may outlive a killed parent")

@@ -12,8 +12,7 @@ from torch import nn
 
 import conveyor.frontend as frontend
 from conveyor.frontend.balance import partition
-
-from .models import Stack
+from conveyor.testing.models import Stack
 
 
 def _parts(weights, cuts):

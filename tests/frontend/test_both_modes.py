@@ -12,8 +12,7 @@ import conveyor
 import conveyor.frontend as frontend
 from conveyor.errors import PipelineConfigError
 from conveyor.testing import run_ranks
-
-from .models import SkipNet
+from conveyor.testing.models import SkipNet
 
 
 def test_stages_of_both_modes_match_the_model_in_each_mode():

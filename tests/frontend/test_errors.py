@@ -8,8 +8,7 @@ from torch import nn
 
 import conveyor.frontend as frontend
 from conveyor.errors import PipelineConfigError, SpecMismatchError
-
-from .models import Stack, gpt2, token_batch
+from conveyor.testing.models import Stack, gpt2, token_batch
 
 
 class Gate(nn.Module):

@@ -9,8 +9,8 @@ from torch import nn
 
 import conveyor.frontend as frontend
 from conveyor.errors import PipelineConfigError
+from conveyor.testing.models import SkipNet, Stack, TwoEncoders, two_encoder_batch
 
-from .models import SkipNet, Stack, TwoEncoders, two_encoder_batch
 from .parity import check_names, check_parity
 
 
@@ -205,7 +205,7 @@ def test_in_place_op_on_a_view_of_a_received_tensor():
 
 
 def test_single_stage_keeps_both_names_of_a_tied_tensor():
-    from .models import gpt2, token_batch
+    from conveyor.testing.models import gpt2, token_batch
 
     model_class, config = gpt2(num_layers=2)
     model = model_class(config)

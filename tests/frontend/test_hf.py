@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import conveyor.frontend as frontend
+from conveyor.testing.models import gpt2, llama, token_batch
 
-from .models import gpt2, llama, token_batch
 from .parity import check_names, check_parity
 
 

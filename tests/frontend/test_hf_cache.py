@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import conveyor.frontend as frontend
+from conveyor.testing.models import default_causal_lm, token_batch
 
-from .models import default_causal_lm, token_batch
 from .parity import check_parity
 
 TRACE_LOGGER = "conveyor.frontend.trace"

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import conveyor.frontend as frontend
+from conveyor.testing.models import gpt2, llama, token_batch
 
-from .models import gpt2, llama, token_batch
 from .parity import check_parity
 
 

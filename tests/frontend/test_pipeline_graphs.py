@@ -13,8 +13,7 @@ import torch
 import conveyor.schedule as cs
 from conveyor import frontend
 from conveyor.pipe import LocalPipeline
-
-from .models import TwoEncoders, two_encoder_batch
+from conveyor.testing.models import TwoEncoders, two_encoder_batch
 
 NUM_MICROBATCHES = 2
 NUM_STEPS = 3

@@ -1,6 +1,6 @@
 """Figures for conveyor.frontend: split cost on a big meta-device model, and time balancing.
 
-Run: .venv/bin/python benchmarks/bench_split.py [--quick]
+Run: .venv/bin/python -m benchmarks --split [--quick]
 
 1. A 32-layer Llama-style model (about 1.5B parameters) built on the meta device is
    split into 8 stages, and one stage is materialised on cpu, in a fresh process per
@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 LLAMA = dict(
     num_hidden_layers=32,
     hidden_size=2048,
@@ -84,11 +87,15 @@ def bench_llama(stages: list[int]) -> None:
         f"(one fresh process per measured stage, microbatch 1 x {SEQUENCE})"
     )
     for stage in stages:
+        # A fresh interpreter, as a rank starts: its import time and peak RSS are a rank's.
+        code = f"from benchmarks.split import child_llama; child_llama({stage})"
         result = subprocess.run(
-            [sys.executable, __file__, "--child-llama", str(stage)],
+            [sys.executable, "-c", code],
             capture_output=True,
             text=True,
             check=False,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
         )
         if result.returncode != 0:
             print(result.stderr[-3000:])
@@ -111,30 +118,9 @@ def bench_llama(stages: list[int]) -> None:
 
 def bench_time_balance(repeats: int) -> None:
     import torch
-    from torch import nn
 
     import conveyor.frontend as frontend
-
-    class Block(nn.Module):
-        def __init__(self, width: int, hidden: int):
-            super().__init__()
-            self.norm = nn.LayerNorm(width)
-            self.up = nn.Linear(width, hidden)
-            self.down = nn.Linear(hidden, width)
-
-        def forward(self, x):
-            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-    class Uneven(nn.Module):
-        def __init__(self, hiddens: list[int], width: int = 128):
-            super().__init__()
-            self.blocks = nn.ModuleList(Block(width, hidden) for hidden in hiddens)
-            self.head = nn.Linear(width, 1)
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return self.head(x).pow(2).mean()
+    from conveyor.testing.models import UnevenMLP
 
     # Blocks grow wider with depth (64 .. 2048): equal block counts put most work on the last stage.
     hiddens = [64 * (i + 1) for i in range(32)]
@@ -142,7 +128,7 @@ def bench_time_balance(repeats: int) -> None:
     # a barrier stall for a whole scheduler slice (~10-100 ms), swamping ms-long blocks.
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Uneven(hiddens)
+    model = UnevenMLP(hiddens)
     x = torch.randn(256, 128)
     print(
         f"2. {len(hiddens)} blocks, MLP widths {hiddens[0]}..{hiddens[-1]} -> 4 stages, batch {tuple(x.shape)}, "
@@ -182,20 +168,9 @@ def bench_time_balance(repeats: int) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child-llama", type=int, help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--quick", action="store_true", help="measure one Llama stage only, fewer repeats"
-    )
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
+    """Both measurements; ``args.quick`` measures one Llama stage and repeats less."""
     logging.basicConfig(level=logging.ERROR)
-    if args.child_llama is not None:
-        child_llama(args.child_llama)
-        return
     bench_llama([0] if args.quick else [0, NUM_STAGES // 2, NUM_STAGES - 1])
     bench_time_balance(repeats=3 if args.quick else 5)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,25 +1,30 @@
-"""Time the schedule layer on a big plan: build, lower, verify, simulate (best of 3).
+"""Time the schedule layer on a big plan: build, verify, passes, simulate (best of 3).
+
+"passes" is :func:`conveyor.schedule.executable` (lower, merge I+W, the forward-only
+programs): what every rank runs, which is what is simulated.
 
 The target: a 64-rank, 2-stages-per-rank, 1024-microbatch interleaved 1F1B plan
 goes from name to simulated Timeline in under 2 s, so `conveyor simulate` and
 the checks before a run never make a user wait.
 
-Run:
-    .venv/bin/python benchmarks/bench_schedule.py [--schedule NAME] [-p 64] [-v 2] [-m 1024]
+Run through the one benchmark command:
+    .venv/bin/python -m benchmarks --schedule [--plan NAME] [--plan-ranks 64] [--plan-virtual 2]
+        [--plan-microbatches 1024] [--plan-repeat 3]
+
+Example:
+    >>> pick_schedule("1f1b", 2)
+    ('1f1b', 1, [])
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 import time
-from collections.abc import Callable
 
 import conveyor.schedule as cs
-from conveyor.schedule.ir import Schedule
 
 TARGET_S = 2.0
+PHASES = ("build", "verify", "passes", "simulate")
 # The schedule the target is stated for, then stand-ins while it is not registered yet.
 PREFERRED = ("interleaved-1f1b", "looped-bfs", "1f1b")
 
@@ -48,30 +53,19 @@ def _fit_virtual(info, virtual: int) -> int:
     return info.default_virtual
 
 
-def find_lower() -> Callable[[Schedule], Schedule] | None:
-    try:
-        module = importlib.import_module("conveyor.schedule.lower")
-    except ModuleNotFoundError:
-        return None
-    return getattr(module, "lower", None)
-
-
-def time_once(name: str, ranks: int, virtual: int, microbatches: int, lower) -> dict[str, float]:
+def time_once(name: str, ranks: int, virtual: int, microbatches: int) -> dict[str, float]:
     times: dict[str, float] = {}
     start = time.perf_counter()
     schedule = cs.build(name, ranks=ranks, microbatches=microbatches, virtual=virtual, check=False)
     times["build"] = time.perf_counter() - start
-    if lower is not None:
-        start = time.perf_counter()
-        lowered = lower(schedule)
-        times["lower"] = time.perf_counter() - start
-    else:
-        lowered = schedule
     start = time.perf_counter()
-    cs.verify(lowered)
+    cs.verify(schedule)
     times["verify"] = time.perf_counter() - start
     start = time.perf_counter()
-    timeline = cs.simulate(lowered)  # the programs the runtime would execute
+    runs = cs.executable(schedule)  # verification remembered: lowering, merging, forward-only
+    times["passes"] = time.perf_counter() - start
+    start = time.perf_counter()
+    timeline = cs.simulate(runs.train)  # the programs the runtime executes
     times["simulate"] = time.perf_counter() - start
     start = time.perf_counter()
     timeline.bubble_ratio, timeline.peak_activations()  # noqa: B018 - timed for its cost
@@ -79,45 +73,36 @@ def time_once(name: str, ranks: int, virtual: int, microbatches: int, lower) -> 
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default=None, help="default: " + ", then ".join(PREFERRED))
-    parser.add_argument("-p", "--ranks", type=int, default=64)
-    parser.add_argument("-v", "--virtual", type=int, default=2)
-    parser.add_argument("-m", "--microbatches", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Time the plan ``args`` name (``plan``, ``plan_ranks``, ...) and print each phase's best."""
+    return _report(args.plan, args.plan_ranks, args.plan_virtual, args.plan_microbatches, args.plan_repeat)
 
-    name, virtual, notes = pick_schedule(args.schedule, args.virtual)
-    lower = find_lower()
-    if lower is None:
-        notes.append("conveyor.schedule.lower.lower does not exist yet: lower phase skipped")
+
+def _report(asked: str | None, ranks: int, virtual: int, microbatches: int, repeat: int) -> int:
+    name, virtual, notes = pick_schedule(asked, virtual)
     for note in notes:
         print(f"note: {note}")
 
     best: dict[str, float] = {}
-    for _ in range(args.repeat):
-        for phase, seconds in time_once(name, args.ranks, virtual, args.microbatches, lower).items():
+    for _ in range(repeat):
+        for phase, seconds in time_once(name, ranks, virtual, microbatches).items():
             best[phase] = min(seconds, best.get(phase, float("inf")))
 
-    schedule = cs.build(name, ranks=args.ranks, microbatches=args.microbatches, virtual=virtual, check=False)
+    schedule = cs.build(name, ranks=ranks, microbatches=microbatches, virtual=virtual, check=False)
     num_actions = sum(len(program) for program in schedule.programs)
     print(
-        f"{name}: P={args.ranks} V={virtual} M={args.microbatches}, {num_actions} compute actions; "
-        f"best of {args.repeat}"
+        f"{name}: P={ranks} V={virtual} M={microbatches}, {num_actions} compute actions; "
+        f"best of {repeat}"
     )
-    for phase in ("build", "lower", "verify", "simulate"):
+    for phase in PHASES:
         if phase in best:
             print(f"  {phase:<9}{best[phase]:8.3f} s")
         else:
             print(f"  {phase:<9}       - (skipped)")
-    total = sum(best[p] for p in ("build", "lower", "verify", "simulate") if p in best)
+    total = sum(best[p] for p in PHASES if p in best)
     verdict = "within" if total <= TARGET_S else "OVER"
     print(f"  {'total':<9}{total:8.3f} s  ({total / TARGET_S:.2f}x the {TARGET_S:g} s target: {verdict})")
-    print("  (simulate() reuses that verification: an immutable schedule remembers it passed)")
+    print("  (the passes and simulate() reuse that verification: an immutable schedule remembers it passed)")
     print(f"  summary  {best['summary']:8.3f} s  (bubble ratio + peak activations, not in total)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

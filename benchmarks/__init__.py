@@ -1,0 +1,1 @@
+"""conveyor's benchmarks: one command, ``python -m benchmarks`` (see benchmarks/README.md)."""

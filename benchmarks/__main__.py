@@ -1,0 +1,116 @@
+"""The one benchmark command: ``.venv/bin/python -m benchmarks`` (from the repository root).
+
+Flags pick what runs (several may be given; none means ``--compare``):
+
+    --compare    conveyor vs torch.distributed.pipelining on identical work (benchmarks/compare.py)
+    --schedule   the schedule layer on a big plan: build, lower, verify, simulate (benchmarks/schedule.py)
+    --split      the frontend: splitting a 1.5B meta-device Llama, time-balanced splits (benchmarks/split.py)
+    --soak       1,000 steps at P=4, watching each rank for leaks and drift (benchmarks/soak.py)
+
+``--quick`` shrinks the comparison's grid and the split's measurements. This module only
+reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
+the comparison measures.
+
+Example:
+    >>> args = build_parser().parse_args(["--compare", "--quick", "--workloads", "emulated"])
+    >>> selected(args), args.quick, args.workloads
+    (['compare'], True, 'emulated')
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+PARTS = ("compare", "schedule", "split", "soak")
+RESULTS = Path(__file__).resolve().parent / "results"
+# (schedule, stages per rank) compared by default; torch ships all but zb-h2.
+DEFAULT_VARIANTS = (
+    "gpipe:1,1f1b:1,interleaved-1f1b:2,looped-bfs:2,zb-h1:1,zb-h1:2,zb-h2:1,zbv:2,dualpipev:2"
+)
+
+
+def _add_compare(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--compare (conveyor vs torch.distributed.pipelining)")
+    add = group.add_argument
+    add("--workloads", default="emulated,overhead,gpt", help="comma list of emulated,overhead,gpt")
+    add("--schedules", default=DEFAULT_VARIANTS, help="comma list of name:V (default: %(default)s)")
+    add("--ranks", default="2,4,8", help="P values for the emulated workload")
+    add("--microbatches", default="8,16,32", help="M values for the emulated workload")
+    add("--overhead-ranks", default="2,4", help="P values for the overhead workload")
+    add("--overhead-microbatches", default="64", help="M values for the overhead workload")
+    add("--gpt-microbatches", default="8,16,32", help="M values for the GPT workload (P=2)")
+    add("--sleep-ms", type=float, default=5.0, help="emulated F, I and W time per block")
+    add("--repeats", type=int, default=5, help="timed steps per library per case")
+    add("--warmup", type=int, default=2, help="untimed steps per library per case")
+    add("--libraries", default="conveyor,torch", help="which sides to run")
+    add("--step-timeout-s", type=float, default=120.0, help="a step slower than this fails the case")
+    add(
+        "--conveyor-option", action="append", default=[], metavar="KEY=VALUE",
+        help="extra keyword for conveyor.Pipeline, e.g. fixed_shapes=True (repeatable; default none)",
+    )
+    add("--out", default=str(RESULTS), help="output folder (default: benchmarks/results)")
+    add(
+        "--render-only", action="store_true",
+        help="redraw compare.md / .png from the summary compare.json, measuring nothing",
+    )
+
+
+def _add_others(parser: argparse.ArgumentParser) -> None:
+    plan = parser.add_argument_group("--schedule (the schedule layer on a big plan)")
+    plan.add_argument("--plan", default=None, metavar="NAME",
+                      help="schedule to time (default: interleaved-1f1b, else looped-bfs, else 1f1b)")
+    plan.add_argument("--plan-ranks", type=int, default=64, metavar="P")
+    plan.add_argument("--plan-virtual", type=int, default=2, metavar="V")
+    plan.add_argument("--plan-microbatches", type=int, default=1024, metavar="M")
+    plan.add_argument("--plan-repeat", type=int, default=3, metavar="N", help="best of N")
+    soak = parser.add_argument_group("--soak (leaks and drift over many steps)")
+    soak.add_argument("--soak-steps", type=int, default=1000)
+    soak.add_argument("--soak-ranks", type=int, default=4)
+    soak.add_argument("--soak-schedule", default="zbv")
+    soak.add_argument("--soak-microbatches", type=int, default=8)
+    soak.add_argument("--soak-transport", default="auto")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of the command; the parts' own flags are grouped under each part's name."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__.split("\n\n")[1], allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parts = parser.add_argument_group("what runs (none given: --compare)")
+    parts.add_argument("--compare", action="store_true", help="conveyor vs torch.distributed.pipelining")
+    parts.add_argument("--schedule", action="store_true", help="time the schedule layer on a big plan")
+    parts.add_argument("--split", action="store_true", help="time the frontend's splitter")
+    parts.add_argument("--soak", action="store_true", help="many steps, watching for leaks and drift")
+    parts.add_argument(
+        "--quick", action="store_true",
+        help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats",
+    )
+    _add_compare(parser)
+    _add_others(parser)
+    return parser
+
+
+def selected(args: argparse.Namespace) -> list[str]:
+    """The parts to run, in a fixed order."""
+    return [part for part in PARTS if getattr(args, part)] or ["compare"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every selected part, one after the other; the worst exit status."""
+    args = build_parser().parse_args(argv)
+    status = 0
+    for part in selected(args):
+        module = importlib.import_module(f"benchmarks.{part}")
+        if part == "compare":
+            status = max(status, module.run(args, argv))
+        else:
+            status = max(status, module.run(args))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
