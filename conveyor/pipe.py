@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from conveyor.errors import NonFiniteError, PipelineClosed, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
+from conveyor.parallel import fsdp
 from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.replicas import Replicas, check_data_parallel
 from conveyor.runtime.clip import (
@@ -241,7 +242,7 @@ class _PipelineBase:
         num_stages = self.schedule.num_stages
         flags = torch.zeros(num_stages + 1, dtype=torch.float64)
         for stage, runner in self.runners.items():
-            grads = [p.grad for p in runner.module.parameters() if p.grad is not None]
+            grads = [_local(p.grad) for p in runner.module.parameters() if p.grad is not None]
             if grads and not bool(torch.stack([g.detach().float().norm() for g in grads]).isfinite().all()):
                 flags[stage] = 1
         last = self.runners.get(num_stages - 1)
@@ -272,6 +273,7 @@ class _PipelineBase:
 
     def _tie(self, tied_parameters, parameter_order: Mapping[str, int] | None) -> None:
         """Share tied copies within this process and remember what clipping needs to know of the model."""
+        self.tied_parameters = tuple(tied_parameters)
         share_tied_locally(self.runners, tied_parameters)
         self._tied_copies = tied_copies_outside_their_first_stage(self.runners, tied_parameters)
         self._parameter_order = dict(parameter_order) if parameter_order is not None else None
@@ -469,13 +471,12 @@ class Pipeline(_PipelineBase):
         """The data-parallel side: this rank's stages wrapped over their replicas' group."""
         if data_parallel is None:
             return None
+        fsdp.check_supported(self.schedule, data_parallel, self.tied_parameters)
         group = self._life.replica_group(self.layout.dp_ranks)
         # Replicas built alike: the same stages, schedule and model in every replica.
         self._life.agree({**built, "data parallel": data_parallel}, group=group, who="replicas")
-        replicas = Replicas(data_parallel, group, self.layout.dp_size)
-        for stage, runner in self.runners.items():
-            runner.module = replicas.wrap(stage, runner.module)
-            runner.params = [p for p in runner.module.parameters() if p.requires_grad]
+        replicas = Replicas(data_parallel, group, self.layout.dp_size, self.runners)
+        replicas.wrap()
         return replicas
 
     def _build_communication(self, transport: str, timeout_s: float, fixed_shapes: bool, shapes,
@@ -671,6 +672,8 @@ class Pipeline(_PipelineBase):
         import torch.distributed as dist
 
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._life.group)
+        if self.replicas is not None:  # a shard, or one replica's loss, may be the only bad one
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.replicas.group)
         return flags
 
     def _forward(self, args, kwargs):

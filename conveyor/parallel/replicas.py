@@ -16,21 +16,25 @@ forward, which in a pipeline runs many microbatches before their backwards, and 
 inside the autograd call that completes the last bucket, so it can neither follow the
 zero-bubble weight pass nor let the reduction run behind the rest of the pipeline.
 
+The mechanics (which flags, which FSDP internals, why each) are in :mod:`conveyor.parallel.fsdp`.
+
 Example (what :class:`conveyor.Pipeline` does with ``data_parallel="ddp"``)::
 
-    replicas = Replicas("ddp", dp_group, dp_size)
-    replicas.wrap(stage_module)
+    replicas = Replicas("ddp", dp_group, dp_size, runners)
+    replicas.wrap()
     replicas.start_step(); ...; replicas.stage_done(stage); ...; replicas.finish_step()
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from conveyor.errors import PipelineConfigError
+from conveyor.parallel import fsdp
+from conveyor.runtime.runner import StageRunner
 
 KINDS = ("ddp", "fsdp")
 
@@ -48,63 +52,58 @@ class Replicas:
     """This rank's stages across the data-parallel replicas: wrapping and per-step gradient sync.
 
     ``group`` is the pipeline's own group over the ranks holding these stages in every
-    replica (see :meth:`conveyor.runtime.lifecycle.RankLifecycle.replica_group`).
+    replica (see :meth:`conveyor.runtime.lifecycle.RankLifecycle.replica_group`); ``runners``
+    this rank's stage runners, whose modules :meth:`wrap` wraps in place.
     """
 
-    def __init__(self, kind: str, group, dp_size: int, device_type: str = "cpu") -> None:
+    def __init__(self, kind: str, group, dp_size: int, runners: Mapping[int, StageRunner],
+                 device_type: str = "cpu") -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
         self.kind = kind
         self.group = group
         self.dp_size = dp_size
+        self.runners = dict(runners)
         self.mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
-        self.modules: dict[int, torch.nn.Module] = {}
-        # Per stage of the last step: (started, finished) perf_counter seconds of its reduction,
-        # and when the step began waiting for it: the share hidden behind pipeline work.
+        # The last step's reductions, perf_counter seconds: per stage (started, back from the
+        # call that started it), then the wait for all of them at the step's end. What the rank
+        # spent inside those calls is the reduction's exposed part; the rest ran behind its work.
         self.reductions: dict[int, tuple[float, float]] = {}
-        self.wait_started = 0.0
+        self.final_wait: tuple[float, float] = (0.0, 0.0)
 
-    def wrap(self, stage: int, module: torch.nn.Module) -> torch.nn.Module:
-        """Wrap ``module`` (in place) for data parallelism over the "dp" group; returns it."""
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-        from torch.distributed.fsdp import fully_shard
-
-        if self.kind == "fsdp":
-            # Gathered once per step and kept until the step's last backward (torchtitan's choice
-            # for pipelines): resharding after each microbatch's forward would gather again.
-            fully_shard(module, mesh=self.mesh, reshard_after_forward=False)
-        else:
-            replicate(module, mesh=self.mesh)
-        self.modules[stage] = module
-        return module
+    def wrap(self) -> None:
+        """Wrap every stage module (in place) over the "dp" group; the runners read its parameters."""
+        for runner in self.runners.values():
+            if self.kind == "fsdp":
+                fsdp.shard_stage(runner.module, self.mesh)
+            else:
+                fsdp.replicate_stage(runner.module, self.mesh)
+            runner.refresh_params()
 
     def start_step(self) -> None:
-        """Before a step: no gradient sync and no resharding until each stage's last backward."""
+        """Before a step: parameters gathered once, no gradient sync until each stage's last backward."""
         self.reductions = {}
-        for module in self.modules.values():
-            module.set_is_last_backward(False)
-            module.set_reshard_after_backward(False)
-            module.set_requires_gradient_sync(False)
+        fsdp.before_step(self.runners.values())
 
     def stage_done(self, stage: int) -> None:
         """After ``stage``'s last backward of the step: start reducing its gradients now."""
-        module = self.modules[stage]
         start = time.perf_counter()
-        module.set_is_last_backward(True)
-        module.set_reshard_after_backward(True)
-        module.set_requires_gradient_sync(True)
-        for state in _state_of(module)._state_ctx.all_states:
-            for param_group in state._fsdp_param_groups:
-                param_group.post_backward()
+        fsdp.after_last_backward(self.runners[stage])
         self.reductions[stage] = (start, time.perf_counter())
 
     def finish_step(self) -> None:
         """After the step: wait for every reduction; gradients then hold the replicas' mean."""
-        self.wait_started = time.perf_counter()
-        for stage, module in self.modules.items():
-            _state_of(module)._root_post_backward_final_callback()
-            started, _ = self.reductions.get(stage, (self.wait_started, 0.0))
-            self.reductions[stage] = (started, time.perf_counter())
+        start = time.perf_counter()
+        fsdp.after_step(self.runners.values())
+        self.final_wait = (start, time.perf_counter())
+
+    def timing(self) -> dict[str, float]:
+        """The last step's reduction time spent in calls (exposed), from the first start to the end."""
+        if not self.reductions:
+            return {}
+        exposed = sum(end - start for start, end in self.reductions.values())
+        exposed += self.final_wait[1] - self.final_wait[0]
+        return {"exposed_s": exposed, "span_s": self.final_wait[1] - min(s for s, _ in self.reductions.values())}
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` over the replicas (every replica gets the same result)."""
@@ -131,9 +130,3 @@ class Replicas:
             stacked = stacked.pow(1.0 / norm_type)
         return [value.to(n.dtype) for value, n in zip(stacked, shard_norms)]
 
-
-def _state_of(module: torch.nn.Module):
-    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
-    from torch.distributed.fsdp import fully_shard
-
-    return replicate.state(module) if isinstance(module, ReplicateModule) else fully_shard.state(module)

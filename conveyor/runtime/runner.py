@@ -99,7 +99,8 @@ class StageRunner:
         self.num_microbatches = num_microbatches
         self.checkpoint_activations = checkpoint_activations
         self.rank = rank
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.params: list[torch.nn.Parameter] = []
+        self.refresh_params()
         self.weight_grad_analyses = GraphAnalysisCache()  # the I/W graph analysis, once per graph shape
         self.in_flight: dict[int, _InFlight] = {}
         self.losses: dict[int, torch.Tensor] = {}
@@ -107,6 +108,16 @@ class StageRunner:
         self.randomness: StepRandomness | None = None  # set by the pipeline for each step
         # A recomputation reads the buffers its forward read and does not write them again.
         self.recompute_contexts = RecomputedBuffers(module)
+
+    def refresh_params(self) -> None:
+        """Read the module's gradient-carrying parameters again (I hands them to W as its targets).
+
+        Call it after something put other Parameter objects in the module: FSDP's unshard puts
+        the gathered parameters, whose ``.grad`` its reduce-scatter reads, in place of the
+        sharded ones (see :mod:`conveyor.parallel.fsdp`). Cached rather than read per
+        microbatch: the walk over the module costs a little on every I.
+        """
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
 
     @property
     def is_first(self) -> bool:

@@ -1,16 +1,19 @@
 """Pipeline x data parallelism on a ("dp", "pp") DeviceMesh, against one process on the whole batch.
 
-The reference trains the unsplit model on the global minibatch, accumulating replica 0's
-microbatches, then replica 1's (each loss divided by M x dp), which is what the replicas
-compute together once their gradients are averaged. Averaging sums in another order than
-one process does, so the comparison is to rounding (1e-6 relative), not bitwise; it is
-bitwise for dp=2 with one microbatch per replica, where (a + b) / 2 and a / 2 + b / 2 are
-the same floats.
+Each replica trains on its own rows of every global minibatch. Two single-process references
+train the unsplit model on the whole minibatch:
+
+- ``per_replica``: each replica's microbatches accumulated on their own (loss / M), then the
+  replicas' gradients and losses averaged (summed in replica order, divided by dp): the order
+  in which the replicas' reduction adds. Halving is exact in floating point, so with
+  ``data_parallel="ddp"`` and ``"fsdp"`` alike the pipeline must equal it bit for bit;
+- ``accumulated``: replica 0's microbatches, then replica 1's, each loss divided by M x dp,
+  all in one ``.grad``: equal to the pipeline to rounding only (1e-6 relative).
 
 The model is a stack of MLP stages: every parameter has a gradient well above rounding. (An
 attention block's key bias has a gradient that is exactly zero in exact arithmetic; AdamW
 divides its rounding noise by its own tiny running magnitude and moves the bias by about
-the learning rate either way, which no reduction order reproduces.)
+the learning rate either way, which no other summation order reproduces.)
 """
 
 from __future__ import annotations
@@ -116,13 +119,23 @@ def _one_thread():
         torch.set_num_threads(previous)
 
 
-def _reference(num_stages: int, dp: int, clip: bool):
+def _reference(num_stages: int, dp: int, clip: bool, order: str = "per_replica"):
     model = Whole(num_stages)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, norms = [], []
     for step in range(NUM_STEPS):
         ids, targets = make_batch(seed=step)
-        losses.append(reference_step(model, ids, targets, NUM_MICROBATCHES * dp, lm_loss))
+        if order == "accumulated":
+            losses.append(reference_step(model, ids, targets, NUM_MICROBATCHES * dp, lm_loss))
+        else:
+            replica_losses, replica_grads = [], []
+            for x, y in zip(ids.chunk(dp), targets.chunk(dp)):
+                replica_losses.append(reference_step(model, x, y, NUM_MICROBATCHES, lm_loss))
+                replica_grads.append([p.grad for p in model.parameters()])
+                optimizer.zero_grad()
+            for param, grads in zip(model.parameters(), zip(*replica_grads)):
+                param.grad = _average(list(grads))
+            losses.append(_average(replica_losses))
         if clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
         optimizer.step()
@@ -131,15 +144,31 @@ def _reference(num_stages: int, dp: int, clip: bool):
     return losses, norms, params
 
 
+def _average(values: list[torch.Tensor]) -> torch.Tensor:
+    total = values[0]
+    for value in values[1:]:
+        total = total + value
+    return total / len(values)
+
+
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
 
 
-def max_relative_difference(name: str, virtual: int, kind: str, dp: int = 2, pp: int = 2, clip: bool = True):
-    """Run the pipeline replicas and the one-process reference; the worst relative difference."""
+def max_relative_difference(name: str, virtual: int, kind: str, dp: int = 2, pp: int = 2, clip: bool = False,
+                            orders: tuple[str, ...] = ("per_replica", "accumulated")) -> dict[str, float]:
+    """Run the pipeline replicas once; the worst relative difference to each reference (0.0: bitwise)."""
     results = run_ranks(_train, dp * pp, args=(name, virtual, kind, dp, clip), timeout_s=180)
-    with _one_thread():
-        want_losses, want_norms, want_params = _reference(pp * virtual, dp, clip)
+    # Every replica and every rank of a replica agree on the loss, bit for bit.
+    assert all(torch.equal(r[0][-1], results[0][0][-1]) for r in results)
+    worst = {}
+    for order in orders:
+        with _one_thread():
+            worst[order] = _worst(results, *_reference(pp * virtual, dp, clip, order))
+    return worst
+
+
+def _worst(results, want_losses, want_norms, want_params) -> float:
     worst = 0.0
     for losses, norms, params, _ in results:
         for got, want in zip(losses, want_losses, strict=True):
@@ -149,17 +178,31 @@ def max_relative_difference(name: str, virtual: int, kind: str, dp: int = 2, pp:
         for stage, named in params.items():
             for parameter_name, value in named.items():
                 worst = max(worst, _relative(value, want_params[stage][parameter_name]))
-    # Every replica and every rank of a replica agree on the loss, bit for bit.
-    assert all(torch.equal(r[0][-1], results[0][0][-1]) for r in results)
-    return worst, results
+    return worst
+
+
+PARITY_CASES = [("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2)]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind", ["ddp"])
-@pytest.mark.parametrize(("name", "virtual"), [("1f1b", 1), ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("name", "virtual"), PARITY_CASES)
 def test_pp2_x_dp2_matches_one_process_on_the_whole_batch(name, virtual, kind):
-    worst, _ = max_relative_difference(name, virtual, kind)
-    assert worst <= TOLERANCE, f"{name} V={virtual} {kind}: max relative difference {worst:.3g}"
+    worst = max_relative_difference(name, virtual, kind)
+    assert worst["per_replica"] == 0.0, f"{name} V={virtual} {kind}: not bitwise ({worst['per_replica']:.3g})"
+    assert worst["accumulated"] <= TOLERANCE, f"{name} V={virtual} {kind}: {worst['accumulated']:.3g}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_clip_grad_norm_spans_every_stage_and_replica(kind):
+    # ddp: every replica holds whole gradients, so the norm is the one process's, bit for bit;
+    # fsdp: each gradient's norm comes from its shards' norms, equal to rounding.
+    worst = max_relative_difference("zbv", 2, kind, clip=True, orders=("per_replica",))
+    if kind == "ddp":
+        assert worst["per_replica"] == 0.0, worst
+    else:
+        assert worst["per_replica"] <= TOLERANCE, worst
 
 
 def _one_replica(rank, world_size):
