@@ -161,6 +161,8 @@ class _PipelineBase:
     _parameter_order: dict[str, int] | None
     random_streams: bool = True
     skipped_steps: int = 0  # steps dropped by on_nonfinite="skip"
+    tied_parameters: tuple = ()  # as given: checkpoints save a tied tensor once, under its first name
+    model_info: dict | None = None  # the unsplit model's class, names, config (set by pipeline())
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """The parameters of this process's stages (shared ones once)."""
@@ -177,6 +179,20 @@ class _PipelineBase:
         for runner in self.runners.values():
             state.update(runner.module.state_dict())
         return state
+
+    def load_pretrained(self, path: str) -> Any:
+        """Fill this process's stages from a Hugging Face safetensors directory (see
+        :mod:`conveyor.frontend.pretrained`): each rank reads only the files and tensors of its
+        own stages. Returns what was read (files, tensors, bytes); kept as ``pretrained_report``.
+
+        Example:
+            >>> pipe.load_pretrained("gpt2-dir").bytes_read     # doctest: +SKIP
+        """
+        from conveyor.frontend.pretrained import load_pretrained
+
+        self.pretrained_report = load_pretrained(path, [r.module for r in self.runners.values()],
+                                                 [t.names for t in self.tied_parameters if hasattr(t, "names")])
+        return self.pretrained_report
 
     def train(self, mode: bool = True) -> Self:
         for runner in self.runners.values():
@@ -297,6 +313,7 @@ class _PipelineBase:
 
     def _tie(self, tied_parameters, parameter_order: Mapping[str, int] | None) -> None:
         """Share tied copies within this process and remember what clipping needs to know of the model."""
+        self.tied_parameters = tuple(tied_parameters)
         share_tied_locally(self.runners, tied_parameters)
         self._tied_copies = tied_copies_outside_their_first_stage(self.runners, tied_parameters)
         self._parameter_order = dict(parameter_order) if parameter_order is not None else None
@@ -920,6 +937,7 @@ def pipeline(
     import torch.distributed as dist
 
     from conveyor.frontend import split_model
+    from conveyor.frontend.pretrained import model_info
 
     if not dist.is_available() or not dist.is_initialized():
         raise PipelineConfigError(
@@ -949,9 +967,11 @@ def pipeline(
     first_place: dict[int, int] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         order[name] = first_place.setdefault(id(param), len(first_place))
-    return Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=plan.tied_groups,
+    pipe = Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=plan.tied_groups,
                     parameter_order=order, model_signature=model_signature(model, plan.split_points),
                     **pipeline_kwargs)
+    pipe.model_info = model_info(model)  # what checkpoints record, and export writes back (config.json)
+    return pipe
 
 
 def model_signature(model: torch.nn.Module, split_points: Sequence[str]) -> str:
