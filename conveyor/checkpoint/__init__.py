@@ -16,6 +16,8 @@ and ``conveyor export CHECKPOINT_DIR OUT_DIR`` writes safetensors (+ config.json
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads.
 """
 
+# The function shadows its module's name on the package: imported here, before anything else can.
+from conveyor.checkpoint.export import export
 from conveyor.checkpoint.files import checkpoints, latest
 from conveyor.checkpoint.loading import load, to_state_dict
 from conveyor.checkpoint.saving import save
@@ -24,9 +26,3 @@ from conveyor.frontend.pretrained import PretrainedReport, load_pretrained
 __all__ = ["PretrainedReport", "checkpoints", "export", "latest", "load", "load_pretrained", "save",
            "to_state_dict"]
 
-
-def export(checkpoint: str, out_dir: str, max_shard_size: int | str = "5GB") -> list[str]:
-    """Write a checkpoint as Hugging Face safetensors (see :mod:`conveyor.checkpoint.export`)."""
-    from conveyor.checkpoint.export import export as _export
-
-    return _export(checkpoint, out_dir, max_shard_size=max_shard_size)
