@@ -96,7 +96,9 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
         restore_rng({key.rsplit(".", 1)[-1]: t for key, t in state.items() if key.startswith(plan["rng"])})
     by_rank = meta.get("extra_by_rank")
     if by_rank and plan["rng"] is not None and str(target.global_rank) in by_rank:
-        return decode(by_rank[str(target.global_rank)])
+        return decode(by_rank[str(target.global_rank)])  # the same layout: this rank's own
+    if by_rank:
+        log.warning("conveyor: the ranks saved different extras; another layout gets the coordinator's")
     return decode(meta["extra"])
 
 
@@ -233,8 +235,9 @@ def _finish_optimizer(target: Target, optimizer: torch.optim.Optimizer, plan: di
 
 def _plan_rng(target: Target, meta: dict, metadata: Metadata, state: dict) -> str | None:
     if meta["layout"] != target.layout:
-        log.info("conveyor: random generator states not restored: saved with %s, loading into %s",
-                 meta["layout"], target.layout)
+        # Another layout draws other numbers anyway (other ranks run other stages): say so, go on.
+        log.warning("conveyor: random generator states not restored: the checkpoint was saved with %s, "
+                    "this is %s", meta["layout"], target.layout)
         return None
     prefix = f"rng.rank{target.global_rank}."
     for key, entry in metadata.state_dict_metadata.items():

@@ -35,6 +35,7 @@ from torch import nn
 
 from conveyor.errors import CheckpointError
 from conveyor.frontend import StageModule
+from conveyor.frontend.pretrained import model_info
 from conveyor.pipe import LocalPipeline, Pipeline, _PipelineBase
 
 
@@ -96,10 +97,7 @@ def target_of(obj: Any) -> Target:
 
 
 def _of_module(module: nn.Module) -> Target:
-    target = Target({}, {}, {}, {}, [], {"processes": 1, "global_ranks": [0], "stages": None}, None)
-    from conveyor.frontend.pretrained import model_info
-
-    target.model_info = model_info(module)
+    target = Target({}, {}, {}, {}, [], {"processes": 1, "global_ranks": [0], "stages": None}, model_info(module))
     seen: dict[int, str] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         _add(target, 0, name, name, tensor, seen)
