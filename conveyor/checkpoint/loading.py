@@ -61,6 +61,7 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     state: dict[str, torch.Tensor] = {}
     plan: dict[str, Any] = {}
     problem = None
+    held = dict(optimizer.state) if optimizer is not None else {}  # put back if the load is refused
     try:
         directory = files.resolve(path)
         meta, metadata = files.read_meta(directory), files.read_dcp_metadata(directory)
@@ -73,12 +74,17 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     except (_Refusal, CheckpointError) as exc:
         kind = exc.kind if isinstance(exc, _Refusal) else type(exc)
         problem = (kind.__name__, str(exc))
+    except Exception as exc:  # anything else, too, must reach the peers before they wait in DCP
+        log.exception("conveyor: planning the load failed on this rank")
+        problem = (CheckpointError.__name__, f"{type(exc).__name__}: {exc}")
     verdicts = target.gather((problem, sorted(k for k in state if k.startswith("model."))))
     first = next((p for p, _ in verdicts if p is not None), None)
     if first is None:  # every rank holds every rank's list: all reach the same verdict
         first = _unexpected(meta, metadata, [names for _, names in verdicts], directory)
     if first is not None:
-        _undo(plan.get("optimizer"), optimizer)
+        if optimizer is not None:
+            optimizer.state.clear()
+            optimizer.state.update(held)
         kinds = {k.__name__: k for k in (CheckpointError, CheckpointIncompleteError, CheckpointMismatchError)}
         raise kinds.get(first[0], CheckpointError)(first[1])
     outcome = target.guard(_read, state, directory, target)
@@ -162,7 +168,7 @@ def _plan_optimizer(target: Target, optimizer: torch.optim.Optimizer, meta: dict
     container = target.container()
     names = {id(p): n for n, p in container.named_parameters()}
     stateful = set(saved["stateful"]) & set(names.values())
-    plan = {"container": container, "names": names, "held": dict(optimizer.state), "stateful": stateful,
+    plan = {"container": container, "names": names, "stateful": stateful,
             "saved_values": {k: decode(v) for k, v in saved["values"].items()}}
     known = set(names.values())
     if not stateful:
@@ -202,13 +208,6 @@ def _fqn_of(key: str, known: set[str]) -> str | None:
         if body in known:
             return body
     return None
-
-
-def _undo(plan: dict[str, Any] | None, optimizer: Any) -> None:
-    """A refused load leaves the optimizer's state as it was."""
-    if plan is not None and optimizer is not None:
-        optimizer.state.clear()
-        optimizer.state.update(plan["held"])
 
 
 def _finish_optimizer(target: Target, optimizer: torch.optim.Optimizer, plan: dict, state: dict) -> None:

@@ -55,6 +55,9 @@ def save(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
         mine["lr_scheduler"] = encode(lr_scheduler.state_dict(), "sched", tensors) if lr_scheduler else None
     except CheckpointError as exc:
         mine["problem"] = str(exc)
+    except Exception as exc:  # anything else, too, must reach the peers before they wait in DCP
+        log.exception("conveyor: preparing the checkpoint failed on this rank")
+        mine["problem"] = f"{type(exc).__name__}: {exc}"
     mine["aliases"], mine["order"] = target.aliases, target.order
     everyone = target.gather(mine)  # every rank learns of any rank's problem: all raise, none waits
     for theirs in everyone:

@@ -184,3 +184,16 @@ def test_extra_must_be_json(tmp_path):
     with pytest.raises(CheckpointError, match=r"extra\.f is a builtin_function_or_method, which a checkpoint cannot hold"):
         ckpt.save(tmp_path / "c", model, extra={"f": print})
     assert not (tmp_path / "c").exists()
+
+
+def test_a_refused_optimizer_load_leaves_its_state_as_it_was(tmp_path):
+    model, optimizer, _ = _trained_module()
+    ckpt.save(tmp_path / "c", model, optimizer)
+    other = tied_lm(4)
+    amsgrad = torch.optim.AdamW(other.parameters(), lr=1e-2, amsgrad=True)
+    reference_step(other, *lm_batch(0), MICROBATCHES, ce_loss)
+    amsgrad.step()
+    before = named_optimizer_state(amsgrad, _names(other))
+    with pytest.raises(CheckpointMismatchError, match="max_exp_avg_sq"):
+        ckpt.load(tmp_path / "c", other, amsgrad)  # the checkpoint has no max_exp_avg_sq
+    assert_same_tensors(named_optimizer_state(amsgrad, _names(other)), before, "optimizer after a refusal")
