@@ -5,6 +5,7 @@ Commands:
   conveyor simulate --schedule 1f1b --ranks 4 --microbatches 8 [--png F] [--trace F] [--json]
   conveyor simulate --compare --ranks 4 --microbatches 8      every schedule side by side
   conveyor demo                            the compare for P=4, M=8, drawn to out/compare.png
+  conveyor export CHECKPOINT_DIR OUT_DIR   a checkpoint as Hugging Face safetensors (+ config.json)
 
 User mistakes print ``conveyor: error: ...`` and exit with status 2, never a traceback.
 
@@ -215,6 +216,15 @@ def _command_demo(args: argparse.Namespace) -> int:
     return demo.launch(args.options)
 
 
+def _command_export(args: argparse.Namespace) -> int:
+    """A checkpoint as safetensors; the work is conveyor.checkpoint.export's."""
+    from conveyor.checkpoint.export import export
+
+    written = export(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size)
+    print(f"wrote {len(written)} safetensors file(s) to {args.out_dir}")
+    return 0
+
+
 # --------------------------------------------------------------------------- parser and entry point
 
 
@@ -303,6 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("options", nargs=argparse.REMAINDER, help="options of the training demo")
     demo.set_defaults(handler=_command_demo)
+
+    export = commands.add_parser("export", help="write a checkpoint as Hugging Face safetensors (+ config.json)")
+    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a checkpoint, or a directory with `latest`")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="where the safetensors files go")
+    export.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="shard files above this size, e.g. 5GB or 500MiB (default 5GB)")
+    export.set_defaults(handler=_command_export)
     return parser
 
 

@@ -79,6 +79,22 @@ class NonFiniteError(ConveyorError, FloatingPointError):
     """A step's loss or gradients were not finite (``on_nonfinite="raise"``); names microbatch and stages."""
 
 
+class CheckpointError(ConveyorError, ValueError):
+    """A checkpoint cannot be written or read as asked (a bad path, a value JSON cannot hold, I/O)."""
+
+
+class CheckpointIncompleteError(CheckpointError):
+    """A directory is not a complete conveyor checkpoint: an interrupted save, or a file missing or cut short."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint does not fit what it is loaded into; names the first missing or mismatched key and the shapes."""
+
+
+class PretrainedWeightsError(CheckpointError):
+    """Pretrained weights (safetensors) do not fit the model: a tensor missing, or of another shape."""
+
+
 class LostConnection(RuntimeError):
     """A wait broke because a connection of the group closed; says what this rank waited for.
 

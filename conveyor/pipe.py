@@ -132,6 +132,8 @@ class _PipelineBase:
     random_streams: bool = True
     skipped_steps: int = 0  # steps dropped by on_nonfinite="skip"
     replicas: Replicas | None = None  # data parallelism over a mesh's "dp" dim
+    tied_parameters: tuple = ()  # as given: checkpoints save a tied tensor once, under its first name
+    model_info: dict | None = None  # the unsplit model's class, names, config (set by pipeline())
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """The parameters of this process's stages (shared ones once)."""
@@ -148,6 +150,20 @@ class _PipelineBase:
         for runner in self.runners.values():
             state.update(runner.module.state_dict())
         return state
+
+    def load_pretrained(self, path: str) -> Any:
+        """Fill this process's stages from a Hugging Face safetensors directory (see
+        :mod:`conveyor.frontend.pretrained`): each rank reads only the files and tensors of its
+        own stages. Returns what was read (files, tensors, bytes); kept as ``pretrained_report``.
+
+        Example:
+            >>> pipe.load_pretrained("gpt2-dir").bytes_read     # doctest: +SKIP
+        """
+        from conveyor.frontend.pretrained import load_pretrained
+
+        self.pretrained_report = load_pretrained(path, [r.module for r in self.runners.values()],
+                                                 [t.names for t in self.tied_parameters if hasattr(t, "names")])
+        return self.pretrained_report
 
     def train(self, mode: bool = True) -> Self:
         for runner in self.runners.values():
@@ -932,6 +948,7 @@ def pipeline(
     import torch.distributed as dist
 
     from conveyor.frontend import split_model
+    from conveyor.frontend.pretrained import model_info
 
     if not dist.is_available() or not dist.is_initialized():
         raise PipelineConfigError(
@@ -961,9 +978,11 @@ def pipeline(
     first_place: dict[int, int] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         order[name] = first_place.setdefault(id(param), len(first_place))
-    return Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=split.tied_groups,
+    pipe = Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=split.tied_groups,
                     parameter_order=order, model_signature=model_signature(model, split.split_points),
                     **pipeline_kwargs)
+    pipe.model_info = model_info(model)  # what checkpoints record, and export writes back (config.json)
+    return pipe
 
 
 def model_signature(model: torch.nn.Module, split_points: Sequence[str]) -> str:

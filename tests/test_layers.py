@@ -29,6 +29,7 @@ FORBIDDEN = {
     "pipe": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "microbatch": ("conveyor.schedule", "conveyor.runtime", "conveyor.frontend", "conveyor.pipe",
                    "conveyor.train", "conveyor.cli"),
+    "checkpoint": ("conveyor.train", "conveyor.cli"),
     "train": ("conveyor.cli",),
 }
 # The runtime may use these parts of the schedule layer and no other.

@@ -1,0 +1,157 @@
+"""What one process saves and loads: its tensors under model-wide names, and whom it talks to.
+
+A :class:`Target` is the same view of a distributed :class:`~conveyor.Pipeline` (this rank's
+stages), a :class:`~conveyor.LocalPipeline` (every stage, one process) or a plain
+``nn.Module`` (the unsplit model, one process), so saving and loading are one code path.
+
+Names. Stages built by :func:`conveyor.pipeline` (or ``split_model``) keep the unsplit
+model's names, so a tensor has the same key whatever the layout: that is what makes
+resharding across pp sizes, schedules and V a non-event. A tied tensor (GPT-2's
+``transformer.wte.weight`` / ``lm_head.weight``) is keyed once, by its first name; its other
+names are recorded as aliases, and every rank holding a copy loads the same key. Stages
+built by hand have no model-wide names: their tensors are keyed ``stages.<s>.<name>``, as in
+a module holding the stages in a ``ModuleList`` called ``stages``, and such checkpoints load
+into any layout with the same stages.
+
+The optimizer. One user optimizer may hold the parameters of several stage modules (V > 1,
+or a LocalPipeline). torch's ``get/set_optimizer_state_dict`` key state by a module's
+parameter names, so :meth:`Target.container` builds a module whose ``named_parameters()``
+are exactly this process's parameters under their checkpoint names (the same Parameter
+objects the optimizer holds): the helpers then key optimizer state by model-wide names.
+
+Data parallelism (later): replicas over a "dp" dimension hold identical tensors under the
+same names, so a group spanning every replica can be given as the pipeline's
+``checkpoint_group``; DCP's planner then writes each replicated tensor once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.errors import CheckpointError
+from conveyor.frontend import StageModule
+from conveyor.frontend.pretrained import model_info
+from conveyor.pipe import LocalPipeline, Pipeline, _PipelineBase
+
+
+@dataclass
+class Target:
+    """This process's share of a checkpoint (see the module docstring)."""
+
+    tensors: dict[str, torch.Tensor]  # checkpoint name -> the tensor saved and loaded in place
+    params: dict[str, nn.Parameter]  # the parameters among them, for the optimizer
+    copies: dict[str, list[torch.Tensor]]  # other local tensors of one name (filled after a load)
+    aliases: dict[str, str]  # another name of a tensor -> its checkpoint name
+    order: list[tuple[int, str]]  # (stage, name) of each tensor here, to order a hand-built model
+    layout: dict[str, Any]  # processes, global ranks, stage placement: when RNG states may be restored
+    model_info: dict[str, Any] | None
+    group: Any = None  # torch.distributed group of every process of the checkpoint; None: one process
+    guard: Callable[..., Any] = field(default=lambda fn, *args: fn(*args))
+    rank: int = 0  # in ``group``
+    global_rank: int = 0
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's ``value`` in group-rank order (one collective; just ``[value]`` alone)."""
+        if self.group is None:
+            return [value]
+        import torch.distributed as dist
+
+        def exchange() -> list[Any]:
+            everyone: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(everyone, value, group=self.group)
+            return everyone
+
+        return self.guard(exchange)
+
+    def container(self) -> nn.Module:
+        """A module whose ``named_parameters()`` are this process's parameters under checkpoint names."""
+        root = nn.Module()
+        for name, param in self.params.items():
+            owner = root
+            *path, leaf = name.split(".")
+            for part in path:
+                # Straight into the tables: a model's names may shadow nn.Module attributes ("training").
+                owner = owner._modules.setdefault(part, nn.Module())
+            owner._parameters[leaf] = param
+        return root
+
+
+def target_of(obj: Any) -> Target:
+    """The :class:`Target` of a pipeline or an unsplit module."""
+    if isinstance(obj, _PipelineBase):
+        return _of_pipeline(obj)
+    if isinstance(obj, nn.Module):
+        return _of_module(obj)
+    raise CheckpointError(
+        f"checkpoints save and load a conveyor Pipeline, a LocalPipeline or an nn.Module; got {type(obj).__name__}"
+    )
+
+
+def _of_module(module: nn.Module) -> Target:
+    target = Target({}, {}, {}, {}, [], {"processes": 1, "global_ranks": [0], "stages": None}, model_info(module))
+    seen: dict[int, str] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        _add(target, 0, name, name, tensor, seen)
+    return target
+
+
+def _of_pipeline(pipe: _PipelineBase) -> Target:
+    runners = dict(sorted(pipe.runners.items()))
+    schedule = pipe.schedule
+    placement = [schedule.placement.rank_of(s) for s in range(schedule.num_stages)]
+    aliases: dict[str, str] = {}
+    if all(isinstance(r.module, StageModule) for r in runners.values()):
+        first = {name: tied.names[0] for tied in pipe.tied_parameters for name in getattr(tied, "names", ())}
+        aliases = {name: canonical for name, canonical in first.items() if name != canonical}
+
+        def key(stage: int, name: str) -> str:
+            return first.get(name, name)
+    else:
+        tied_keys = {}
+        for tied in pipe.tied_parameters:
+            stage0, name0 = min(tied.uses)
+            tied_keys.update({use: f"stages.{stage0}.{name0}" for use in tied.uses})
+
+        def key(stage: int, name: str) -> str:
+            return tied_keys.get((stage, name), f"stages.{stage}.{name}")
+
+    if isinstance(pipe, Pipeline):
+        life = pipe._life
+        life.check_usable()
+        layout = {"processes": schedule.num_ranks, "global_ranks": list(life.global_ranks), "stages": placement}
+        target = Target({}, {}, {}, dict(aliases), [], layout, pipe.model_info,
+                        group=getattr(pipe, "checkpoint_group", None) or life.group, guard=pipe._collective,
+                        rank=life.rank, global_rank=life.global_ranks[life.rank])
+    else:
+        assert isinstance(pipe, LocalPipeline)
+        layout = {"processes": 1, "global_ranks": [0], "stages": placement}
+        target = Target({}, {}, {}, dict(aliases), [], layout, pipe.model_info)
+    seen: dict[int, str] = {}
+    for stage, runner in runners.items():
+        for name, tensor in runner.module.state_dict(keep_vars=True).items():
+            _add(target, stage, name, key(stage, name), tensor, seen)
+    return target
+
+
+def _add(target: Target, stage: int, name: str, canonical: str, tensor: torch.Tensor, seen: dict[int, str]) -> None:
+    if id(tensor) in seen:  # one tensor under two names (tied within a module, or shared by local stages)
+        if seen[id(tensor)] != canonical:
+            target.aliases.setdefault(canonical, seen[id(tensor)])
+        return
+    seen[id(tensor)] = canonical
+    if canonical in target.tensors:  # a second local copy of a tensor several stages use
+        target.copies.setdefault(canonical, []).append(tensor)
+        return
+    target.tensors[canonical] = tensor
+    target.order.append((stage, canonical))
+    if isinstance(tensor, nn.Parameter):
+        target.params[canonical] = tensor
