@@ -132,6 +132,7 @@ class _PipelineBase:
     random_streams: bool = True
     skipped_steps: int = 0  # steps dropped by on_nonfinite="skip"
     replicas: Replicas | None = None  # data parallelism over a mesh's "dp" dim
+    checkpoint_group = None  # with replicas: a group over every rank of every replica
     tied_parameters: tuple = ()  # as given: checkpoints save a tied tensor once, under its first name
     model_info: dict | None = None  # the unsplit model's class, names, config (set by pipeline())
 
@@ -493,6 +494,9 @@ class Pipeline(_PipelineBase):
         self._life.agree({**built, "data parallel": data_parallel}, group=group, who="replicas")
         replicas = Replicas(data_parallel, group, self.layout.dp_size, self.runners)
         replicas.wrap()
+        # Checkpoints are written by every replica together: DCP writes a replicated tensor
+        # once and each shard of a sharded one by its holder.
+        self.checkpoint_group = self._life.job_group(sorted(r for p in self.layout.pipelines for r in p))
         return replicas
 
     def _build_communication(self, transport: str, timeout_s: float, fixed_shapes: bool, shapes,
@@ -922,6 +926,7 @@ def pipeline(
     split_method: str = "parameters",
     unsplittable: Sequence[str] | None = None,
     group=None,
+    mesh=None,
     device: torch.device | str | None = None,
     both_modes: bool = False,
     **pipeline_kwargs: Any,
@@ -937,7 +942,8 @@ def pipeline(
     (one trace, in the model's current mode, otherwise; the other mode then raises).
     Each rank materialises only its own stages (a meta-device model works);
     parameters keep their original names, and tied parameters (GPT-2's ``wte`` and
-    ``lm_head``) stay equal after every optimizer step.
+    ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
+    and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
 
     Example (on each of 2 ranks)::
 
@@ -955,15 +961,16 @@ def pipeline(
             "torch.distributed is not initialised: launch with torchrun and call "
             "torch.distributed.init_process_group() first"
         )
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    pp_group = group if mesh is None else layout_of(mesh).pp_group
+    world = dist.get_world_size(pp_group)
+    rank = dist.get_rank(pp_group)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
                         unsplittable=unsplittable, device=device)
     if split_points is None and split_method == "time" and world > 1:
         # Timings differ from rank to rank: one rank decides, so that every rank cuts alike.
         chosen: list = [None]
-        if rank == 0:
+        if dist.get_rank(group) == 0:  # with a mesh, the job's rank 0: every replica cuts alike
             chosen[0] = list(split_model(model, resolved.num_stages, split_method="time", **split_kwargs).split_points)
         src = 0 if group is None else dist.get_global_rank(group, 0)
         dist.broadcast_object_list(chosen, src=src, group=group)
@@ -978,7 +985,7 @@ def pipeline(
     first_place: dict[int, int] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         order[name] = first_place.setdefault(id(param), len(first_place))
-    pipe = Pipeline(modules, resolved, loss_fn, group=group, tied_parameters=split.tied_groups,
+    pipe = Pipeline(modules, resolved, loss_fn, group=group, mesh=mesh, tied_parameters=split.tied_groups,
                     parameter_order=order, model_signature=model_signature(model, split.split_points),
                     **pipeline_kwargs)
     pipe.model_info = model_info(model)  # what checkpoints record, and export writes back (config.json)

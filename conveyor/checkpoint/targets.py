@@ -19,9 +19,10 @@ parameter names, so :meth:`Target.container` builds a module whose ``named_param
 are exactly this process's parameters under their checkpoint names (the same Parameter
 objects the optimizer holds): the helpers then key optimizer state by model-wide names.
 
-Data parallelism (later): replicas over a "dp" dimension hold identical tensors under the
-same names, so a group spanning every replica can be given as the pipeline's
-``checkpoint_group``; DCP's planner then writes each replicated tensor once.
+Data parallelism: replicas over a "dp" dimension hold the same tensors under the same names
+(whole with ``"ddp"``, as DTensor shards with ``"fsdp"``); the pipeline's
+``checkpoint_group`` spans every replica, and DCP writes each replicated tensor once and each
+shard by its holder.
 """
 
 from __future__ import annotations
@@ -127,10 +128,16 @@ def _of_pipeline(pipe: _PipelineBase) -> Target:
     if isinstance(pipe, Pipeline):
         life = pipe._life
         life.check_usable()
-        layout = {"processes": schedule.num_ranks, "global_ranks": list(life.global_ranks), "stages": placement}
-        target = Target({}, {}, {}, dict(aliases), [], layout, pipe.model_info,
-                        group=getattr(pipe, "checkpoint_group", None) or life.group, guard=pipe._collective,
-                        rank=life.rank, global_rank=life.global_ranks[life.rank])
+        group, global_ranks, rank = life.group, list(life.global_ranks), life.rank
+        if pipe.checkpoint_group is not None:  # data parallelism: every replica writes its part
+            import torch.distributed as dist
+
+            group = pipe.checkpoint_group
+            global_ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+            rank = dist.get_rank(group)
+        layout = {"processes": len(global_ranks), "global_ranks": global_ranks, "stages": placement}
+        target = Target({}, {}, {}, dict(aliases), [], layout, pipe.model_info, group=group,
+                        guard=pipe._collective, rank=rank, global_rank=life.global_ranks[life.rank])
     else:
         assert isinstance(pipe, LocalPipeline)
         layout = {"processes": 1, "global_ranks": [0], "stages": placement}

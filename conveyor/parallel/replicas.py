@@ -64,7 +64,10 @@ class Replicas:
         self.group = group
         self.dp_size = dp_size
         self.runners = dict(runners)
-        self.mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
+        # Named after the group, not just "dp": torch's DTensor caches (sharding propagation)
+        # take two meshes over the same ranks and names for one, and would hand a later
+        # pipeline's tensors the mesh, and so the destroyed group, of an earlier one.
+        self.mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"dp_{group.group_name}",))
         # The last step's reductions, perf_counter seconds: per stage (started, back from the
         # call that started it), then the wait for all of them at the step's end. What the rank
         # spent inside those calls is the reduction's exposed part; the rest ran behind its work.

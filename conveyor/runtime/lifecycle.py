@@ -145,6 +145,11 @@ class RankLifecycle:
                 mine = group
         return mine
 
+    def job_group(self, global_ranks: Sequence[int]):
+        """A group of the pipeline's own over every rank of every replica (checkpoints span them
+        all); every rank of the job builds it at the same point, as torch's naming requires."""
+        return self._new_group(global_ranks, whole_job=True)
+
     def replica_group(self, global_ranks: Sequence[int]):
         """A group of the pipeline's own over the ranks that hold this rank's stages in every
         replica (data parallelism), built by its members only and closed with the others."""
