@@ -545,7 +545,19 @@ class Pipeline(_PipelineBase):
         """The measured Timeline of the last step (a collective: call it on every rank)."""
         events = [] if self._recorder is None else self._recorder.events
         mine = [(str(a), start, end) for a, start, end in events]
-        return measured_timeline(self.schedule, self._collective(self._gather_objects, mine))
+        reductions = self.replicas.spans() if self.replicas is not None else []
+        gathered = self._collective(self._gather_objects, (mine, reductions))
+        timeline = measured_timeline(self.schedule, [events for events, _ in gathered])
+        if self.replicas is not None:
+            # Per rank: (stage or "wait", start, end) of the calls that reduced gradients across
+            # replicas, on the timeline's clock: what of the reduction the rank spent waiting.
+            origin = min((start for events, _ in gathered for _, start, _ in events), default=0.0)
+            timeline.metadata["data_parallel"] = {
+                "kind": self.replicas.kind, "replicas": self.replicas.dp_size,
+                "reductions": [[(what, start - origin, end - origin) for what, start, end in spans]
+                               for _, spans in gathered],
+            }
+        return timeline
 
     def close(self) -> None:
         """Release this rank's rings, sockets, pending work and process groups (idempotent).
@@ -578,6 +590,26 @@ class Pipeline(_PipelineBase):
         # Guarded like a step: a rank that fails on its way to the exchange takes the
         # pipeline down with its message, and a peer that failed is named.
         return self._life.guarded(fn, *args)
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this rank runs stage 0: the one that reads the minibatch's inputs."""
+        return 0 in self.runners
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether this rank runs the last stage: the one that reads the targets."""
+        return self.schedule.num_stages - 1 in self.runners
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica (0 without data parallelism)."""
+        return self.layout.dp_rank if self.layout is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        """How many replicas of the pipeline train together (1 without data parallelism)."""
+        return self.layout.dp_size if self.layout is not None else 1
 
     @property
     def modules(self) -> list[torch.nn.Module]:

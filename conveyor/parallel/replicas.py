@@ -100,13 +100,10 @@ class Replicas:
         fsdp.after_step(self.runners.values())
         self.final_wait = (start, time.perf_counter())
 
-    def timing(self) -> dict[str, float]:
-        """The last step's reduction time spent in calls (exposed), from the first start to the end."""
-        if not self.reductions:
-            return {}
-        exposed = sum(end - start for start, end in self.reductions.values())
-        exposed += self.final_wait[1] - self.final_wait[0]
-        return {"exposed_s": exposed, "span_s": self.final_wait[1] - min(s for s, _ in self.reductions.values())}
+    def spans(self) -> list[tuple[str, float, float]]:
+        """The last step's reduction calls: (stage, start, end) each, then ("wait", start, end)."""
+        calls = [(str(stage), start, end) for stage, (start, end) in sorted(self.reductions.items())]
+        return calls + [("wait", *self.final_wait)] if self.reductions else []
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` over the replicas (every replica gets the same result)."""

@@ -1,0 +1,196 @@
+"""Pipeline x data parallelism against one process: the parity harness tests and benchmarks share.
+
+Each replica trains on its own rows of every global minibatch of a stack of MLP stages
+(:class:`MLPStage`: every parameter has a gradient well above rounding). Two single-process
+references train the unsplit model (:class:`MLPStack`) on the whole minibatch:
+
+- ``per_replica``: each replica's microbatches accumulated on their own (loss / M), then the
+  replicas' gradients and losses averaged (summed in replica order, divided by dp): the order
+  in which the replicas' reduction adds. Halving is exact in floating point, so with
+  ``data_parallel="ddp"`` and ``"fsdp"`` alike a pipeline equals it bit for bit;
+- ``accumulated``: replica 0's microbatches, then replica 1's, each loss divided by M x dp,
+  all in one ``.grad``: equal to rounding only.
+
+(An attention block's key bias has a gradient that is exactly zero in exact arithmetic; AdamW
+divides its rounding noise by its own tiny running magnitude and moves the bias by about the
+learning rate either way, which no other summation order reproduces: hence MLP stages.)
+
+Example:
+    >>> worst = max_relative_difference("zbv", 2, "fsdp")   # doctest: +SKIP
+    >>> worst["per_replica"], worst["accumulated"] < 1e-6     # doctest: +SKIP
+    (0.0, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import conveyor
+import conveyor.schedule as cs
+from conveyor.testing.models import lm_loss, reference_step
+from conveyor.testing.multiprocess import run_ranks
+
+NUM_MICROBATCHES = 2
+BATCH_SIZE = 8  # the global minibatch: BATCH_SIZE / dp rows per replica
+NUM_STEPS = 3
+TOLERANCE = 1e-6
+
+
+VOCAB, DIM, SEQ = 32, 16, 8
+
+
+class MLPStage(torch.nn.Module):
+    """Stage ``stage`` of ``num_stages``: embedding first, a residual MLP, the head last."""
+
+    def __init__(self, stage: int, num_stages: int) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(100 + stage)
+            self.embed = torch.nn.Embedding(VOCAB, DIM) if stage == 0 else None
+            self.norm = torch.nn.LayerNorm(DIM)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM, 2 * DIM), torch.nn.GELU(), torch.nn.Linear(2 * DIM, DIM))
+            self.head = torch.nn.Linear(DIM, VOCAB) if stage == num_stages - 1 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        x = x + self.mlp(self.norm(x))
+        return self.head(x) if self.head is not None else x
+
+
+class MLPStack(torch.nn.Module):
+    """Every MLPStage in one module: the one-process reference."""
+
+    def __init__(self, num_stages: int) -> None:
+        super().__init__()
+        self.stages = torch.nn.ModuleList(MLPStage(s, num_stages) for s in range(num_stages))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def make_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global minibatch of step ``seed``: token ids and next-token targets."""
+    tokens = torch.randint(0, VOCAB, (BATCH_SIZE, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def mesh_of(dp: int, pp: int):
+    """The ("dp", "pp") mesh of a dp x pp job (inside a rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor: gathered from the replicas when it is a sharded DTensor."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().clone()
+
+
+def train_replicas(rank, world_size, name, virtual, kind, dp, clip):
+    """A rank of a dp x (world / dp) job: NUM_STEPS AdamW steps on its replica's rows of each minibatch.
+
+    Returns the losses, the clipped norms (``clip``), the full parameters per stage and the
+    last step's data-parallel timing (see :meth:`conveyor.Pipeline.timeline`).
+    """
+    mesh = mesh_of(dp, world_size // dp)
+    schedule = cs.build(name, ranks=world_size // dp, microbatches=NUM_MICROBATCHES, virtual=virtual)
+    dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    mine = schedule.stages_of(pp_rank)
+    modules = [MLPStage(s, schedule.num_stages) for s in mine]
+    pipe = conveyor.Pipeline(modules, schedule=schedule, loss_fn=lm_loss, mesh=mesh, data_parallel=kind,
+                             timeout_s=60)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses, norms = [], []
+    first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
+    for step in range(NUM_STEPS):
+        ids, targets = make_batch(seed=step)
+        ids, targets = ids.chunk(dp)[dp_rank], targets.chunk(dp)[dp_rank]  # this replica's shard
+        losses.append(pipe.step(ids if pp_rank == first else None, target=targets if pp_rank == last else None))
+        if clip:
+            norms.append(pipe.clip_grad_norm_(0.5))
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {s: {n: full_tensor(p) for n, p in module.named_parameters()} for s, module in zip(mine, modules)}
+    timeline = pipe.timeline()
+    pipe.close()
+    return losses, norms, params, timeline.metadata.get("data_parallel")
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the reference with the ranks' one thread: some CPU kernels sum in a thread-dependent order."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def reference(num_stages: int, dp: int, clip: bool, order: str = "per_replica"):
+    """One process on the whole minibatch (``order``: see the module docstring): losses, norms, parameters."""
+    model = MLPStack(num_stages)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, norms = [], []
+    for step in range(NUM_STEPS):
+        ids, targets = make_batch(seed=step)
+        if order == "accumulated":
+            losses.append(reference_step(model, ids, targets, NUM_MICROBATCHES * dp, lm_loss))
+        else:
+            replica_losses, replica_grads = [], []
+            for x, y in zip(ids.chunk(dp), targets.chunk(dp)):
+                replica_losses.append(reference_step(model, x, y, NUM_MICROBATCHES, lm_loss))
+                replica_grads.append([p.grad for p in model.parameters()])
+                optimizer.zero_grad()
+            for param, grads in zip(model.parameters(), zip(*replica_grads)):
+                param.grad = _average(list(grads))
+            losses.append(_average(replica_losses))
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {s: {n: p.detach().clone() for n, p in stage.named_parameters()} for s, stage in enumerate(model.stages)}
+    return losses, norms, params
+
+
+def _average(values: list[torch.Tensor]) -> torch.Tensor:
+    total = values[0]
+    for value in values[1:]:
+        total = total + value
+    return total / len(values)
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+def max_relative_difference(name: str, virtual: int, kind: str, dp: int = 2, pp: int = 2, clip: bool = False,
+                            orders: tuple[str, ...] = ("per_replica", "accumulated")) -> dict[str, float]:
+    """Run the pipeline replicas once; the worst relative difference to each reference (0.0: bitwise)."""
+    results = run_ranks(train_replicas, dp * pp, args=(name, virtual, kind, dp, clip), timeout_s=180)
+    # Every replica and every rank of a replica agree on the loss, bit for bit.
+    assert all(torch.equal(r[0][-1], results[0][0][-1]) for r in results)
+    worst = {}
+    for order in orders:
+        with one_thread():
+            worst[order] = _worst(results, *reference(pp * virtual, dp, clip, order))
+    return worst
+
+
+def _worst(results, want_losses, want_norms, want_params) -> float:
+    worst = 0.0
+    for losses, norms, params, _ in results:
+        for got, want in zip(losses, want_losses, strict=True):
+            worst = max(worst, _relative(got, want))
+        for got, want in zip(norms, want_norms, strict=True):
+            worst = max(worst, _relative(got, want))
+        for stage, named in params.items():
+            for parameter_name, value in named.items():
+                worst = max(worst, _relative(value, want_params[stage][parameter_name]))
+    return worst
