@@ -6,6 +6,9 @@ Flags pick what runs (several may be given; none means ``--compare``):
     --schedule   the schedule layer on a big plan: build, lower, verify, simulate (benchmarks/schedule.py)
     --split      the frontend: splitting a 1.5B meta-device Llama, time-balanced splits (benchmarks/split.py)
     --soak       1,000 steps at P=4, watching each rank for leaks and drift (benchmarks/soak.py)
+    --parallel   pp=2 x dp=2: parity with one process, and the share of the reduction hidden (benchmarks/parallel.py)
+    --data       where data is read: each rank's peak RSS with a 200 MB dataset (benchmarks/data.py)
+    --checkpoint checkpoint save / load of a 100M-parameter model, pretrained bytes per rank (benchmarks/checkpoint.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -24,7 +27,7 @@ import importlib
 import sys
 from pathlib import Path
 
-PARTS = ("compare", "schedule", "split", "soak")
+PARTS = ("compare", "schedule", "split", "soak", "parallel", "data", "checkpoint")
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
 DEFAULT_VARIANTS = (
@@ -72,6 +75,11 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     soak.add_argument("--soak-schedule", default="zbv")
     soak.add_argument("--soak-microbatches", type=int, default=8)
     soak.add_argument("--soak-transport", default="auto")
+    others = parser.add_argument_group("--parallel, --data, --checkpoint")
+    others.add_argument("--parallel-steps", type=int, default=12, help="steps per overlap case (half each way)")
+    others.add_argument("--data-mb", type=int, default=200, help="dataset size for --data")
+    others.add_argument("--ckpt-layers", type=int, default=9, help="GPT-2-like layers for --checkpoint (9: ~100M)")
+    others.add_argument("--ckpt-out", default=None, help="scratch folder for --checkpoint (default: a temporary one)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,9 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--schedule", action="store_true", help="time the schedule layer on a big plan")
     parts.add_argument("--split", action="store_true", help="time the frontend's splitter")
     parts.add_argument("--soak", action="store_true", help="many steps, watching for leaks and drift")
+    parts.add_argument("--parallel", action="store_true", help="pipeline x data parallelism: parity and overlap")
+    parts.add_argument("--data", action="store_true", help="peak RSS per rank with a 200 MB dataset")
+    parts.add_argument("--checkpoint", action="store_true", help="checkpoint and pretrained-weight I/O")
     parts.add_argument(
         "--quick", action="store_true",
-        help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats",
+        help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only",
     )
     _add_compare(parser)
     _add_others(parser)

@@ -445,7 +445,7 @@ class Pipeline(_PipelineBase):
         self.runners = self._make_runners(self.rank, self.stages, modules, loss_fn, checkpoint_activations)
         self._tie(tied_parameters, parameter_order)
         # Every check that needs no peer is above: from here on this rank holds process groups.
-        self._life = RankLifecycle(group, timeout_s)
+        self._life = RankLifecycle(group, timeout_s, self.layout.pipelines if self.layout is not None else None)
         try:
             built = self._what_was_built(transport, fixed_shapes, shapes, tied_parameters, model_signature)
             self._life.agree(built)
@@ -489,14 +489,14 @@ class Pipeline(_PipelineBase):
         if data_parallel is None:
             return None
         fsdp.check_supported(self.schedule, data_parallel, self.tied_parameters)
-        group = self._life.replica_group(self.layout.dp_ranks)
+        group = self._life.replica_group()
         # Replicas built alike: the same stages, schedule and model in every replica.
         self._life.agree({**built, "data parallel": data_parallel}, group=group, who="replicas")
         replicas = Replicas(data_parallel, group, self.layout.dp_size, self.runners)
         replicas.wrap()
         # Checkpoints are written by every replica together: DCP writes a replicated tensor
         # once and each shard of a sharded one by its holder.
-        self.checkpoint_group = self._life.job_group(sorted(r for p in self.layout.pipelines for r in p))
+        self.checkpoint_group = self._life.job_group()
         return replicas
 
     def _build_communication(self, transport: str, timeout_s: float, fixed_shapes: bool, shapes,

@@ -41,6 +41,7 @@ Example (on each of 4 ranks, pp=2 x dp=2)::
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -51,6 +52,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from conveyor.errors import PipelineConfigError, UsageError
 from conveyor.runtime.runner import StageRunner
 from conveyor.schedule.ir import ActionKind, Schedule
+
+# FSDP warns when a wrapped module returns a view, since an in-place op on it would skip a
+# hook; conveyor never writes a stage's output in place (the next stage gets fresh leaves).
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
 
 # Stage modules between before_step and their reduce-scatter: after_last_backward refuses
 # any other (a reduce outside a step would average a partial or stale gradient).

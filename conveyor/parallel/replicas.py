@@ -103,7 +103,7 @@ class Replicas:
     def spans(self) -> list[tuple[str, float, float]]:
         """The last step's reduction calls: (stage, start, end) each, then ("wait", start, end)."""
         calls = [(str(stage), start, end) for stage, (start, end) in sorted(self.reductions.items())]
-        return calls + [("wait", *self.final_wait)] if self.reductions else []
+        return calls + [("wait", *self.final_wait)] if self.final_wait[1] > 0 else calls
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` over the replicas (every replica gets the same result)."""

@@ -82,7 +82,7 @@ class RankLifecycle:
     collectives as the pipeline's receives are bounded.
     """
 
-    def __init__(self, user_group, timeout_s: float) -> None:
+    def __init__(self, user_group, timeout_s: float, pipelines: Sequence[Sequence[int]] | None = None) -> None:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
 
@@ -101,7 +101,17 @@ class RankLifecycle:
                            f"{os.getpid()} {host_identity()}")
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.groups: list[Any] = []  # every group this pipeline made, the main one first
-        self.group = self._new_group(self.global_ranks, whole_job=user_group is None)
+        # With data parallelism (``pipelines``: every replica's global ranks), every rank of
+        # the job builds every replica's groups, in one order: torch then names groups by a
+        # job-wide count. Groups built by their members only are named by their ranks and the
+        # number of groups alive, which comes back to an earlier value once a closed pipeline's
+        # groups are gone: a later group would reuse a dead one's name, and its rendezvous
+        # could read the dead group's addresses left in the store.
+        self.pipelines = [list(p) for p in pipelines] if pipelines is not None else None
+        if self.pipelines is not None:
+            self.group = self._each_of(self.pipelines)
+        else:
+            self.group = self._new_group(self.global_ranks, whole_job=user_group is None)
         self.transport = None
         self.board: PositionBoard | None = None
         self._on_release: list[Callable[[], None]] = []
@@ -145,15 +155,30 @@ class RankLifecycle:
                 mine = group
         return mine
 
-    def job_group(self, global_ranks: Sequence[int]):
-        """A group of the pipeline's own over every rank of every replica (checkpoints span them
-        all); every rank of the job builds it at the same point, as torch's naming requires."""
-        return self._new_group(global_ranks, whole_job=True)
+    def job_group(self):
+        """A group of the pipeline's own over every rank of every replica (checkpoints span them all)."""
+        assert self.pipelines is not None, "only a pipeline with replicas has a job group"
+        return self._new_group(sorted(r for p in self.pipelines for r in p), whole_job=True)
 
-    def replica_group(self, global_ranks: Sequence[int]):
+    def replica_group(self):
         """A group of the pipeline's own over the ranks that hold this rank's stages in every
-        replica (data parallelism), built by its members only and closed with the others."""
-        return self._new_group(global_ranks, whole_job=False)
+        replica (data parallelism); every rank of the job builds every position's."""
+        assert self.pipelines is not None, "only a pipeline with replicas has replica groups"
+        return self._each_of([list(position) for position in zip(*self.pipelines)])
+
+    def _each_of(self, memberships: Sequence[Sequence[int]]):
+        """Build a group over each of ``memberships`` (collective over the whole job); keep and
+        return the one this rank belongs to."""
+        import torch.distributed as dist
+
+        me = dist.get_rank()
+        mine = None
+        for members in memberships:
+            group = dist.new_group(list(members), timeout=self.timeout)
+            if me in members:
+                self.groups.append(group)
+                mine = group
+        return mine
 
     def agree(self, fields: Mapping[str, str], group=None, who: str = "ranks") -> None:
         """Check that every rank built the same pipeline; raise PipelineConfigError on each if not.

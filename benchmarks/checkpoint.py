@@ -5,8 +5,8 @@ The model is built from a config in code (no download): GPT-2's 50257-token voca
 768-wide layers, 9 of them (about 103M parameters, tied embedding counted once). The
 checkpoint holds the model and AdamW's two moments (after one step): about 3x the weights.
 
-Run (CPU, gloo, local processes):
-    .venv/bin/python benchmarks/checkpoint_io.py [--layers 9] [--out /tmp/conveyor-ckpt-bench]
+Run through the one benchmark command (CPU, gloo, local processes):
+    .venv/bin/python -m benchmarks --checkpoint [--ckpt-layers 9] [--ckpt-out /tmp/conveyor-ckpt-bench]
 """
 
 from __future__ import annotations
@@ -80,25 +80,23 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=9)
-    parser.add_argument("--out", default=None, help="scratch directory (default: a temporary one)")
-    args = parser.parse_args()
-    out = Path(args.out or tempfile.mkdtemp(prefix="conveyor-ckpt-bench-"))
+def run(args: argparse.Namespace) -> int:
+    """Save and load at pp=2, then read pretrained weights at pp=4; print the figures."""
+    layers = args.ckpt_layers
+    out = Path(args.ckpt_out or tempfile.mkdtemp(prefix="conveyor-ckpt-bench-"))
     try:
-        ranks = run_ranks(_save_and_load, 2, args=(args.layers, str(out / "ckpt" / "step_1")), timeout_s=1200)
+        ranks = run_ranks(_save_and_load, 2, args=(layers, str(out / "ckpt" / "step_1")), timeout_s=1200)
         params = sum(r["params"] for r in ranks) - 50257 * 768  # the tied embedding is held on both ends
         size = _size(out / "ckpt" / "step_1")
-        print(f"model: {params / 1e6:.1f}M parameters (GPT-2-like, {args.layers} layers), pp=2, AdamW state")
+        print(f"model: {params / 1e6:.1f}M parameters (GPT-2-like, {layers} layers), pp=2, AdamW state")
         print(f"save: {max(r['save_s'] for r in ranks):.2f} s   load: {max(r['load_s'] for r in ranks):.2f} s   "
               f"on disk: {size / 1e6:.0f} MB ({size / (params * 4):.2f}x the fp32 weights)")
 
         from transformers import GPT2LMHeadModel
 
         hf_dir = out / "hf"
-        GPT2LMHeadModel(_config(args.layers)).save_pretrained(hf_dir, max_shard_size="100MB")
-        ranks = run_ranks(_pretrained, 4, args=(args.layers, str(hf_dir)), timeout_s=1200)
+        GPT2LMHeadModel(_config(layers)).save_pretrained(hf_dir, max_shard_size="100MB")
+        ranks = run_ranks(_pretrained, 4, args=(layers, str(hf_dir)), timeout_s=1200)
         total = ranks[0]["total"]
         print(f"pretrained at pp=4 from {len(list(hf_dir.glob('*.safetensors')))} shards, {total / 1e6:.0f} MB:")
         for rank, r in enumerate(ranks):
@@ -107,9 +105,6 @@ def main() -> None:
         print(f"  all ranks: {sum(r['bytes'] for r in ranks) / total:.2f}x the files "
               "(the tied embedding is read by the first and the last rank)")
     finally:
-        if args.out is None:
+        if args.ckpt_out is None:
             shutil.rmtree(out, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    main()
+    return 0
