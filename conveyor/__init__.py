@@ -32,6 +32,6 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module_name), attr)
         globals()[name] = value
         return value
-    if name in {"schedule", "errors", "runtime", "frontend", "testing", "checkpoint"}:
+    if name in {"schedule", "errors", "runtime", "frontend", "testing", "checkpoint", "parallel"}:
         return importlib.import_module(f"conveyor.{name}")
     raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

@@ -6,3 +6,7 @@
   conveyor's runtime (B and the I/W split) correct under data parallelism;
 - :mod:`conveyor.parallel.data`: data loaders opened only on the ranks that read data.
 """
+
+from conveyor.parallel.data import data_loader
+
+__all__ = ["data_loader"]
