@@ -18,12 +18,14 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Pipeline": ("conveyor.pipe", "Pipeline"),
-    "pipeline": ("conveyor.pipe", "pipeline"),
-    "LocalPipeline": ("conveyor.pipe", "LocalPipeline"),
+    "pipeline": ("conveyor.build", "pipeline"),
+    "LocalPipeline": ("conveyor.local", "LocalPipeline"),
 }
 
 if TYPE_CHECKING:
-    from conveyor.pipe import LocalPipeline, Pipeline, pipeline  # noqa: F401
+    from conveyor.build import pipeline  # noqa: F401
+    from conveyor.local import LocalPipeline  # noqa: F401
+    from conveyor.pipe import Pipeline  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

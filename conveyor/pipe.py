@@ -23,7 +23,6 @@ Example (every rank in one process):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
@@ -32,94 +31,43 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Self
 
 import torch
-from torch.utils import _pytree as pytree
 
-from conveyor.errors import NonFiniteError, PipelineClosed, PipelineConfigError
+from conveyor.errors import NonFiniteError, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.parallel import fsdp
+from conveyor.parallel.loss import broadcast_loss
 from conveyor.parallel.mesh import layout_of
+from conveyor.parallel.norms import describe_nonfinite, encoded_norms, local_part, nonfinite_flags
 from conveyor.parallel.replicas import Replicas, check_data_parallel
+from conveyor.parallel.tied import (
+    TiedGradients,
+    share_tied_locally,
+    tied_copies_outside_their_first_stage,
+)
 from conveyor.runtime.clip import (
     EncodedNorms,
     check_finite,
-    encode_norms,
-    parameter_norms,
     scale_local_grads,
     total_norm,
 )
-from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
+from conveyor.runtime.executor import RankExecutor, StepRecorder
 from conveyor.runtime.lifecycle import RankLifecycle
-from conveyor.runtime.rng import StepRandomness
-from conveyor.runtime.runner import LossFn, StageRunner
-from conveyor.runtime.transport import LocalMailbox, LocalTransport, Transport
-from conveyor.runtime.transports import build_transport, check_transport_name, wire_channels
-from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, flatten_payload
-from conveyor.schedule import available
-from conveyor.schedule import build as build_schedule
-from conveyor.schedule.grid import STUCK, render_grid
-from conveyor.schedule.ir import Action, Schedule
-from conveyor.schedule.passes import Executable, executable
-from conveyor.schedule.timeline import Span, Timeline
-from conveyor.schedule.verify import verify
+from conveyor.runtime.rng import step_random_streams
+from conveyor.runtime.runner import LossFn, StageRunner, named_unique
+from conveyor.runtime.transports import (
+    build_transport,
+    check_transport_name,
+    seed_shapes,
+    wire_channels,
+)
+from conveyor.schedule.grid import render_positions
+from conveyor.schedule.ir import Schedule
+from conveyor.schedule.passes import executable
+from conveyor.schedule.registry import resolve_schedule
+from conveyor.schedule.timeline import Timeline, measured_timeline
 
 log = logging.getLogger(__name__)
 
-_FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-
-
-def resolve_schedule(schedule: Schedule | str, microbatches: int | None, virtual: int | None,
-                     num_ranks: int) -> Schedule:
-    """A Schedule object as given, or built by name for ``num_ranks`` ranks."""
-    if isinstance(schedule, Schedule):
-        if microbatches is not None and microbatches != schedule.num_microbatches:
-            raise PipelineConfigError(
-                f"microbatches={microbatches} disagrees with the schedule's {schedule.num_microbatches}; "
-                "leave microbatches out when passing a Schedule"
-            )
-        verify(schedule)  # a schedule of the user's own: a deadlock or a missing action fails here, not in a step
-        return schedule
-    if not isinstance(schedule, str):
-        raise PipelineConfigError(f"schedule must be a Schedule or a schedule name, got {type(schedule).__name__}")
-    if microbatches is None:
-        raise PipelineConfigError(f"schedule={schedule!r} is a name: also pass microbatches=M")
-    return build_schedule(schedule, ranks=num_ranks, microbatches=microbatches, virtual=virtual)
-
-
-def _set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
-    owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    setattr(owner, leaf, param)
-
-
-def share_tied_locally(runners: dict[int, StageRunner], tied_parameters) -> None:
-    """Stages of one rank that use the same tied parameter get one Parameter object."""
-    for tied in tied_parameters:
-        local = [(stage, name) for stage, name in tied.uses if stage in runners]
-        if len(local) < 2:
-            continue
-        first_stage, first_name = local[0]
-        shared = runners[first_stage].module.get_parameter(first_name)
-        for stage, name in local[1:]:
-            _set_parameter(runners[stage].module, name, shared)
-            runners[stage].params = [p for p in runners[stage].module.parameters() if p.requires_grad]
-
-
-def tied_copies_outside_their_first_stage(runners: dict[int, StageRunner], tied_parameters) -> set[int]:
-    """Ids of this rank's copies of tied parameters that the unsplit model counts elsewhere.
-
-    The unsplit model lists a tied parameter once, where its first stage uses it; the
-    copies on later stages (on other ranks: distinct objects) must not count again.
-    """
-    skip: set[int] = set()
-    for tied in tied_parameters:
-        first = min(stage for stage, _ in tied.uses)
-        kept = runners[first].module.get_parameter(dict(tied.uses)[first]) if first in runners else None
-        for stage, name in tied.uses:
-            if stage != first and stage in runners:
-                copy = runners[stage].module.get_parameter(name)
-                if copy is not kept:
-                    skip.add(id(copy))
-    return skip
 
 
 class _PipelineBase:
@@ -143,7 +91,7 @@ class _PipelineBase:
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This process's parameters (shared ones once), under the names their modules give them."""
-        yield from _named_unique(self.runners, lambda m: m.named_parameters())
+        yield from named_unique(self.runners, lambda m: m.named_parameters())
 
     def state_dict(self) -> dict[str, Any]:
         """This process's parameters and buffers under their modules' names."""
@@ -180,21 +128,6 @@ class _PipelineBase:
     def __exit__(self, *exc_info: object) -> None:
         self.close()  # type: ignore[attr-defined]  # each pipeline knows what it holds
 
-    @contextlib.contextmanager
-    def _random_streams(self) -> Iterator[None]:
-        """One step's random streams for every stage of this process (see conveyor.runtime.rng)."""
-        if not self.random_streams:
-            yield
-            return
-        with StepRandomness() as streams:
-            for runner in self.runners.values():
-                runner.randomness = streams
-            try:
-                yield
-            finally:
-                for runner in self.runners.values():
-                    runner.randomness = None
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Clip the whole pipeline's gradients by their total norm; returns that norm on every rank.
@@ -220,28 +153,15 @@ class _PipelineBase:
             check_finite(total, norm_type)  # the same total on every rank: all raise, none waits
         with_grads = [p for p in self.parameters() if p.grad is not None]  # type: ignore[attr-defined]
         if self.replicas is not None:
-            scale_local_grads([_local(p.grad) for p in with_grads], max_norm, total, foreach)
+            scale_local_grads([local_part(p.grad) for p in with_grads], max_norm, total, foreach)
         elif with_grads:
             torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach=foreach)
         return total
 
     def _total_norm(self, norm_type: float, foreach: bool | None) -> torch.Tensor:
-        order = self._parameter_order
-        places, grads = [], []
-        seen: set[int] = set(self._tied_copies)
-        for stage in sorted(self.runners):
-            for position, (name, param) in enumerate(self.runners[stage].module.named_parameters()):
-                if id(param) not in seen and param.grad is not None:
-                    # The unsplit model's order where it is known, else stage by stage after it.
-                    known = order is not None and name in order
-                    places.append((order[name],) if known else (len(order or ()), stage, position))
-                    grads.append(_local(param.grad))
-                seen.add(id(param))
-        norms = parameter_norms(grads, norm_type, foreach)
-        if self.replicas is not None:
-            norms = self.replicas.whole_norms(norms, norm_type)  # a sharded gradient's norm from its shards
-        mine = encode_norms(places, grads, norms)
-        device = grads[0].device if grads else torch.device("cpu")
+        mine = encoded_norms(self.runners, self._tied_copies, self._parameter_order, norm_type, foreach,
+                             self.replicas)
+        device = next((p.device for p in self.parameters()), torch.device("cpu"))
         return total_norm(self._all_norms(mine), norm_type, device)
 
     def _collective(self, fn, *args):
@@ -251,30 +171,10 @@ class _PipelineBase:
         return flags  # every stage is in this process (overridden where they are not)
 
     def _nonfinite_report(self) -> str:
-        """Empty, or where this step's loss or gradients stopped being finite (on every rank alike).
-
-        One small all-reduce: per stage, whether any of its gradients is non-finite, and the
-        first microbatch whose loss is; every rank then tells the same story.
-        """
-        num_stages = self.schedule.num_stages
-        flags = torch.zeros(num_stages + 1, dtype=torch.float64)
-        for stage, runner in self.runners.items():
-            grads = [_local(p.grad) for p in runner.module.parameters() if p.grad is not None]
-            if grads and not bool(torch.stack([g.detach().float().norm() for g in grads]).isfinite().all()):
-                flags[stage] = 1
-        last = self.runners.get(num_stages - 1)
-        if last is not None:
-            bad = [m for m in range(self.schedule.num_microbatches) if not bool(last.losses[m].isfinite().all())]
-            flags[num_stages] = bad[0] + 1 if bad else 0
-        flags = self._max_across_ranks(flags)
-        stages = [s for s in range(num_stages) if flags[s]]
-        microbatch = int(flags[num_stages]) - 1
-        parts = []
-        if microbatch >= 0:
-            parts.append(f"the loss of microbatch {microbatch} (stage {num_stages - 1}, the first such microbatch)")
-        if stages:
-            parts.append(f"the gradients of stage(s) {stages}")
-        return " and ".join(parts) + " are not finite" if parts else ""
+        """Empty, or where this step's loss or gradients stopped being finite (on every rank alike)."""
+        flags = self._max_across_ranks(nonfinite_flags(self.runners, self.schedule.num_stages,
+                                                       self.schedule.num_microbatches))
+        return describe_nonfinite(flags)
 
     def _after_nonfinite(self, report: str, on_nonfinite: str) -> None:
         if on_nonfinite == "raise":
@@ -465,9 +365,10 @@ class Pipeline(_PipelineBase):
         # After a failure nothing may keep work on the pipeline's groups alive. The callbacks
         # hold no reference to this Pipeline, so the finalizer below can run when it is dropped.
         self._life.attach(self.transport, on_release=[
-            self.executor.forget_receives, self._tied_groups.clear,
+            self.executor.forget_receives, self._tied_gradients.clear,
             *(runner.reset for runner in self.runners.values()),
-        ], position=self.executor.position, render=functools.partial(render_positions, self.runs))
+        ], position=self.executor.position, render=functools.partial(render_positions, self.runs.train.programs,
+                                                                      self.runs.eval.programs))
         self._finalizer = weakref.finalize(self, self._life.close)  # also runs at interpreter exit
 
     def _what_was_built(self, transport: str, fixed_shapes: bool, shapes, tied_parameters,
@@ -501,14 +402,15 @@ class Pipeline(_PipelineBase):
 
     def _build_communication(self, transport: str, timeout_s: float, fixed_shapes: bool, shapes,
                              tied_parameters) -> None:
-        self._tied_groups = self._tied_process_groups(tied_parameters)
+        self._tied_gradients = TiedGradients(self.runners, tied_parameters, self.schedule.placement, self._life,
+                                             self.layout)
         self.runs = executable(self.schedule)
         self.transport = build_transport(transport, self.rank, self.schedule, self._life, timeout_s=timeout_s,
                                          fixed_shapes=fixed_shapes,
                                          in_order_channels=wire_channels(self.runs.train_in_order,
                                                                          self.runs.eval_in_order))
         if shapes:
-            self._seed_shapes(shapes)
+            seed_shapes(self.transport, shapes, self.schedule.num_stages)
         self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport)
 
     # --- user API -----------------------------------------------------------------------
@@ -616,71 +518,6 @@ class Pipeline(_PipelineBase):
         return [r.module for r in self.runners.values()]
 
     # --- internals -----------------------------------------------------------------------
-    def _seed_shapes(self, shapes: Mapping[int, Any]) -> None:
-        """Tell both ends of each boundary what will cross it, so no step has to exchange it."""
-        last = self.schedule.num_stages - 1
-        for stage, example in shapes.items():
-            if not isinstance(stage, int) or not 0 <= stage < last:
-                raise PipelineConfigError(
-                    f"shapes= names stage {stage!r}, but only the outputs of stages 0..{last - 1} cross "
-                    "a stage boundary; key each example by the stage that outputs it"
-                )
-            meta, tensors = flatten_payload(example)
-            self.transport.seed((FORWARD, stage), meta)
-            detached = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), example)
-            self.transport.seed((EVAL_FORWARD, stage), flatten_payload(detached)[0])
-            # What comes back: one gradient per gradient-carrying output, in flatten order.
-            grads = tuple(torch.empty(t.shape, dtype=t.dtype) for t in tensors if t.requires_grad)
-            self.transport.seed((BACKWARD, stage + 1), flatten_payload(grads)[0])
-
-    def _tied_process_groups(self, tied_parameters) -> list:
-        """(parameter, subgroup) for each tied parameter whose copies live on several ranks.
-
-        new_group is collective over the whole group, so every rank creates every subgroup,
-        in the same order, whether it holds a copy or not.
-        """
-        placement = self.schedule.placement
-        subgroups: dict[tuple[int, ...], Any] = {}
-        mine = []
-        for tied in tied_parameters:
-            owners = tuple(sorted({placement.rank_of(stage) for stage, _ in tied.uses}))
-            if len(owners) < 2:
-                continue
-            if owners not in subgroups:
-                replicas = self.layout.replica_ranks(list(owners)) if self.layout is not None else None
-                subgroups[owners] = self._life.subgroup(owners, replicas)
-            if self.rank in owners:
-                stage, name = next((s, n) for s, n in tied.uses if s in self.runners)
-                mine.append((self.runners[stage].module.get_parameter(name), subgroups[owners]))
-        return mine
-
-    def _set_tied_gradients_aside(self) -> list[torch.Tensor | None]:
-        """Take the tied copies' gradients of earlier steps out of the way: only this step's
-        share is summed across ranks (summing the whole .grad would count the earlier steps'
-        summed gradient again on every copy when the user accumulates over steps)."""
-        held = []
-        for param, _ in self._tied_groups:
-            held.append(param.grad)
-            param.grad = None
-        return held
-
-    def _sum_tied_gradients(self, held: list[torch.Tensor | None]) -> None:
-        import torch.distributed as dist
-
-        for (param, subgroup), earlier in zip(self._tied_groups, held, strict=True):
-            # A frozen parameter (frozen on every rank: one model) gets no gradient, as on one
-            # device. A copy that got none this step adds nothing; if none did, the parameter
-            # keeps what it had, so that the optimizer skips a parameter nothing used.
-            if param.requires_grad:
-                got_one = torch.tensor([param.grad is not None], dtype=torch.int32, device=param.device)
-                dist.all_reduce(got_one, op=dist.ReduceOp.MAX, group=subgroup)
-                if got_one.item():
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
-                    dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=subgroup)
-            if earlier is not None:
-                param.grad = earlier if param.grad is None else earlier.add_(param.grad)
-
     def _inputs_for_step(self, args, kwargs, target):
         first = self._split_inputs(args, kwargs) if 0 in self.runners else None
         runs_last = (self.schedule.num_stages - 1) in self.runners
@@ -696,11 +533,11 @@ class Pipeline(_PipelineBase):
         self._recorder = StepRecorder() if self.record_timeline else None
         for runner in self.runners.values():
             runner.reset()
-        held = self._set_tied_gradients_aside()
+        held = self._tied_gradients.set_aside()
         replicas = self.replicas
         if replicas is not None:
             replicas.start_step()
-        with torch.enable_grad(), self._random_streams():
+        with torch.enable_grad(), step_random_streams(self.runners.values(), self.random_streams):
             for _ in self.executor.run(self.runs.train_program(self.rank), first, targets, self._recorder,
                                        keep_outputs=return_outputs,
                                        gradients_final=self.runs.gradients_final(self.rank),
@@ -708,8 +545,9 @@ class Pipeline(_PipelineBase):
                 raise AssertionError("a blocking transport never yields")
         if replicas is not None:
             replicas.finish_step()
-        self._sum_tied_gradients(held)
-        loss = self._broadcast_loss()
+        self._tied_gradients.sum(held)
+        loss = broadcast_loss(self.runners.get(self.schedule.num_stages - 1), self._global_ranks[self._last_rank],
+                              self._life.group, self.schedule.num_ranks)
         if replicas is not None:
             loss = replicas.mean(loss)  # the global minibatch's loss: the replicas' minibatches together
         self.transport.end_step()
@@ -732,7 +570,7 @@ class Pipeline(_PipelineBase):
         first = self._split_inputs(args, kwargs) if 0 in self.runners else None
         for runner in self.runners.values():
             runner.reset()
-        with torch.no_grad(), self._random_streams():
+        with torch.no_grad(), step_random_streams(self.runners.values(), self.random_streams):
             for _ in self.executor.run(self.runs.eval_program(self.rank), first, None, None):
                 raise AssertionError("a blocking transport never yields")
         self.transport.end_step()
@@ -743,298 +581,7 @@ class Pipeline(_PipelineBase):
         last.outputs.clear()
         return outputs
 
-    def _broadcast_loss(self) -> torch.Tensor:
-        import torch.distributed as dist
-
-        last = self.runners.get(self.schedule.num_stages - 1)
-        packet = torch.zeros(2, dtype=torch.float64)
-        if last is not None:
-            total = summed_loss(last)
-            packet[0] = total.double()
-            packet[1] = _FLOAT_DTYPES.index(total.dtype) if total.dtype in _FLOAT_DTYPES else 0
-        if self.schedule.num_ranks > 1:
-            dist.broadcast(packet, src=self._global_ranks[self._last_rank], group=self._life.group)
-        if last is not None:
-            return total
-        return packet[0].to(_FLOAT_DTYPES[int(packet[1])])
-
-
-def render_positions(runs: Executable, positions: list[dict | None]) -> str:
-    """Every rank's position (see :mod:`conveyor.runtime.positions`) on the step x rank grid.
-
-    A line per rank says what it runs or waits for; the grid marks each rank's current action
-    ``>like this<`` in the programs the ranks run (training or evaluation, whichever they are in).
-    """
-    train = runs.train.programs
-    programs, marks, lines = train, {}, []
-    for rank, where in enumerate(positions):
-        if where is None:
-            lines.append(f"rank {rank}: no answer (its process is gone, or it cannot reach the store)")
-            continue
-        if not where["running"]:
-            lines.append(f"rank {rank}: between steps ({where['runs']} run(s) started)")
-            continue
-        index, action = where["index"], where["action"]
-        if index < len(train[rank]) and str(train[rank][index]) != action:
-            programs = runs.eval.programs  # it is evaluating
-        doing = "waits for" if "RECV" in action else "runs"
-        lines.append(f"rank {rank}: action {index} of {where['length']} in run {where['runs']}: {doing} {action}")
-        if index < where["length"]:
-            marks[(rank, index)] = STUCK
-    return "\n".join(lines) + "\n" + render_grid(programs, marks)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of a gradient: itself, or a data-parallel DTensor's local tensor."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
-
 
 def _check_nonfinite_mode(on_nonfinite: str | None) -> None:
     if on_nonfinite not in (None, "raise", "skip"):
         raise PipelineConfigError(f"on_nonfinite must be None, 'raise' or 'skip'; got {on_nonfinite!r}")
-
-
-def summed_loss(last: StageRunner) -> torch.Tensor:
-    """Sum of the microbatch losses (each already divided by M), in microbatch order."""
-    losses = [last.losses[m] for m in range(last.num_microbatches)]
-    total = losses[0]
-    for loss in losses[1:]:
-        total = total + loss
-    return total
-
-
-def measured_timeline(schedule: Schedule, per_rank_events: list) -> Timeline:
-    """Build a Timeline (seconds from the earliest start) from each rank's (action, start, end)."""
-    starts = [start for events in per_rank_events for _, start, _ in events]
-    origin = min(starts, default=0.0)
-    spans = [
-        Span(rank, Action.parse(a) if isinstance(a, str) else a, start - origin, end - origin)
-        for rank, events in enumerate(per_rank_events)
-        for a, start, end in events
-    ]
-    return Timeline.from_spans(
-        schedule.num_ranks, spans,
-        title=f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches}",
-        source="measured", time_unit="s",
-        metadata={"schedule": schedule.name, "ranks": schedule.num_ranks, "virtual": schedule.virtual,
-                  "microbatches": schedule.num_microbatches},
-    )
-
-
-def _named_unique(runners: dict[int, StageRunner], items) -> Iterator[tuple[str, Any]]:
-    seen_ids: set[int] = set()
-    seen_names: set[str] = set()
-    for stage, runner in runners.items():
-        for name, value in items(runner.module):
-            if id(value) in seen_ids:
-                continue
-            seen_ids.add(id(value))
-            if name in seen_names:
-                name = f"stage{stage}.{name}"  # two hand-built stages may reuse a local name
-            seen_names.add(name)
-            yield name, value
-
-
-class LocalPipeline(_PipelineBase):
-    """Every rank of a schedule in one process and one thread, with the numerics of :class:`Pipeline`.
-
-    ``modules`` holds one module per stage, indexed by stage. For debugging and fast tests.
-    The keywords mean what they mean to :class:`Pipeline` (``random_streams`` included).
-    """
-
-    def __init__(
-        self,
-        modules: Sequence[torch.nn.Module],
-        schedule: Schedule | str,
-        loss_fn: LossFn | None = None,
-        *,
-        microbatches: int | None = None,
-        virtual: int | None = None,
-        ranks: int | None = None,
-        checkpoint_activations: bool = False,
-        tied_parameters: Sequence = (),
-        parameter_order: Mapping[str, int] | None = None,
-        random_streams: bool = True,
-    ) -> None:
-        modules = list(modules)
-        self.random_streams = random_streams
-        if isinstance(schedule, str) and ranks is None:
-            # One module per stage: the rank count follows from the schedule's stages per rank.
-            info = available().get(schedule)
-            stages_per_rank = virtual or (info.default_virtual if info is not None else 1)
-            ranks = max(1, len(modules) // stages_per_rank)
-        self.schedule = resolve_schedule(schedule, microbatches, virtual, ranks or 1)
-        if len(modules) != self.schedule.num_stages:
-            raise PipelineConfigError(
-                f"schedule {self.schedule.name!r} has {self.schedule.num_stages} stages; pass one module per "
-                f"stage (got {len(modules)})"
-            )
-        self.mailbox = LocalMailbox()
-        self.runs = executable(self.schedule)
-        self.executors: list[RankExecutor] = []
-        self.runners: dict[int, StageRunner] = {}
-        for rank in range(self.schedule.num_ranks):
-            stages = self.schedule.stages_of(rank)
-            runners = self._make_runners(rank, stages, [modules[s] for s in stages], loss_fn,
-                                         checkpoint_activations)
-            self.runners.update(runners)
-            transport: Transport = LocalTransport(self.mailbox, rank)
-            self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport))
-        # In one process every copy of a tied parameter can simply be the same Parameter.
-        self._tie(tied_parameters, parameter_order)
-        self._recorders: list[StepRecorder] = []
-        self.closed = False
-
-    def close(self) -> None:
-        """Refuse later calls (one process holds nothing else to release); as :meth:`Pipeline.close`."""
-        self.closed = True
-        self.mailbox.messages.clear()
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise PipelineClosed("this pipeline was closed (close() or the end of its `with` block); "
-                                 "build a new LocalPipeline to go on")
-
-    def step(self, *args: Any, target: Any = None, return_outputs: bool = False,
-             on_nonfinite: str | None = None, **kwargs: Any):
-        self._check_open()
-        _check_nonfinite_mode(on_nonfinite)
-        first = self._split_inputs(args, kwargs)
-        targets = self._split_target(target)
-        for runner in self.runners.values():
-            runner.reset()
-        self.mailbox.messages.clear()  # a step that raised may have left messages behind
-        self._recorders = [StepRecorder() for _ in self.executors]
-        with torch.enable_grad(), self._random_streams():
-            run_local(self.executors, [
-                ex.run(self.runs.train_program(r), first if r == self.schedule.placement.rank_of(0) else None,
-                       targets, self._recorders[r], keep_outputs=return_outputs)
-                for r, ex in enumerate(self.executors)
-            ])
-        last = self.runners[self.schedule.num_stages - 1]
-        loss = summed_loss(last)
-        result = (loss, merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)])
-                  ) if return_outputs else loss
-        report = self._nonfinite_report() if on_nonfinite else ""
-        if report:
-            self._after_nonfinite(report, on_nonfinite)
-        return result
-
-    def forward(self, *args: Any, **kwargs: Any):
-        self._check_open()
-        first = self._split_inputs(args, kwargs)
-        for runner in self.runners.values():
-            runner.reset()
-        self.mailbox.messages.clear()
-        with torch.no_grad(), self._random_streams():
-            run_local(self.executors, [
-                ex.run(self.runs.eval_program(r), first if r == self.schedule.placement.rank_of(0) else None,
-                       None, None)
-                for r, ex in enumerate(self.executors)
-            ])
-        last = self.runners[self.schedule.num_stages - 1]
-        outputs = merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)])
-        last.outputs.clear()
-        return outputs
-
-    __call__ = forward
-
-    def timeline(self) -> Timeline:
-        return measured_timeline(self.schedule, [[(str(a), s, e) for a, s, e in r.events] for r in self._recorders])
-
-
-
-def pipeline(
-    model: torch.nn.Module,
-    *,
-    example_args: tuple = (),
-    example_kwargs: dict | None = None,
-    split_points: Sequence[str] | None = None,
-    schedule: Schedule | str = "1f1b",
-    microbatches: int | None = None,
-    virtual: int | None = None,
-    loss_fn: LossFn | None = None,
-    split_method: str = "parameters",
-    unsplittable: Sequence[str] | None = None,
-    group=None,
-    mesh=None,
-    device: torch.device | str | None = None,
-    both_modes: bool = False,
-    **pipeline_kwargs: Any,
-) -> Pipeline:
-    """Trace and split an unchanged ``model``; return this rank's :class:`Pipeline`.
-
-    The same call on every rank. ``example_args`` / ``example_kwargs`` are ONE
-    microbatch. Without ``split_points`` the model is cut into P x V stages
-    balanced by ``split_method`` ("uniform", "parameters", "time",
-    "type:<regex>"); with "time", rank 0's measurement decides for every rank.
-    ``both_modes=True`` traces the model in train and in eval mode, so that
-    ``pipe.eval()`` / ``pipe.train()`` switch dropout and BatchNorm as on the model
-    (one trace, in the model's current mode, otherwise; the other mode then raises).
-    Each rank materialises only its own stages (a meta-device model works);
-    parameters keep their original names, and tied parameters (GPT-2's ``wte`` and
-    ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
-    and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
-
-    Example (on each of 2 ranks)::
-
-        pipe = conveyor.pipeline(model, example_args=(ids[:2],), split_points=["model.layers.4"],
-                                 schedule="1f1b", microbatches=8, loss_fn=lambda out, y: out.loss)
-        loss = pipe.step(ids, labels=labels)
-    """
-    import torch.distributed as dist
-
-    from conveyor.frontend import split_model
-    from conveyor.frontend.pretrained import model_info
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise PipelineConfigError(
-            "torch.distributed is not initialised: launch with torchrun and call "
-            "torch.distributed.init_process_group() first"
-        )
-    pp_group = group if mesh is None else layout_of(mesh).pp_group
-    world = dist.get_world_size(pp_group)
-    rank = dist.get_rank(pp_group)
-    resolved = resolve_schedule(schedule, microbatches, virtual, world)
-    split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
-                        unsplittable=unsplittable, device=device)
-    if split_points is None and split_method == "time" and world > 1:
-        # Timings differ from rank to rank: one rank decides, so that every rank cuts alike.
-        chosen: list = [None]
-        if dist.get_rank(group) == 0:  # with a mesh, the job's rank 0: every replica cuts alike
-            chosen[0] = list(split_model(model, resolved.num_stages, split_method="time", **split_kwargs).split_points)
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast_object_list(chosen, src=src, group=group)
-        split_points = chosen[0]
-    split = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
-                       **split_kwargs)
-    modules = [split.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
-    # Stage modules keep the model's parameter names, so the model's order can be looked up. A
-    # tied parameter may sit in a stage under any of its names (torch.export picks one): each
-    # name gets the place of the tensor's first name, where torch's clipping counts it.
-    order: dict[str, int] = {}
-    first_place: dict[int, int] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        order[name] = first_place.setdefault(id(param), len(first_place))
-    pipe = Pipeline(modules, resolved, loss_fn, group=group, mesh=mesh, tied_parameters=split.tied_groups,
-                    parameter_order=order, model_signature=model_signature(model, split.split_points),
-                    **pipeline_kwargs)
-    pipe.model_info = model_info(model)  # what checkpoints record, and export writes back (config.json)
-    return pipe
-
-
-def model_signature(model: torch.nn.Module, split_points: Sequence[str]) -> str:
-    """A short digest of a model's parameter and buffer names, shapes and dtypes and where it is cut.
-
-    Ranks whose digests differ were given different models (or cuts): the pipeline refuses to
-    start rather than hang or train garbage.
-
-    Example:
-        >>> model_signature(torch.nn.Linear(2, 3), []) == model_signature(torch.nn.Linear(2, 3), [])
-        True
-    """
-    entries = [(name, tuple(t.shape), str(t.dtype))
-               for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]]
-    digest = hashlib.sha1(repr((type(model).__name__, entries, list(split_points))).encode()).hexdigest()[:12]
-    return f"{type(model).__name__} with {len(entries)} tensors cut at {list(split_points)} ({digest})"

@@ -37,7 +37,8 @@ from torch import nn
 from conveyor.errors import CheckpointError
 from conveyor.frontend import StageModule
 from conveyor.frontend.pretrained import model_info
-from conveyor.pipe import LocalPipeline, Pipeline, _PipelineBase
+from conveyor.local import LocalPipeline
+from conveyor.pipe import Pipeline, _PipelineBase
 
 
 @dataclass

@@ -10,7 +10,7 @@ forward inputs, outputs waiting to be sent, output gradients received, input
 gradients waiting to be sent. Stage pairs on the same rank hand over directly.
 
 Example (the whole pipeline in one process):
-    >>> # see conveyor.pipe.LocalPipeline for the user-facing form
+    >>> # see conveyor.local.LocalPipeline for the user-facing form
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
+
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -75,3 +78,25 @@ class StepRandomness:
         torch.set_rng_state(self._cpu_state)
         if self._cuda_states is not None:
             torch.cuda.set_rng_state_all(self._cuda_states)
+
+
+@contextlib.contextmanager
+def step_random_streams(runners: Iterable, enabled: bool = True) -> Iterator[None]:
+    """One step's random streams for every stage runner of this process (a no-op when not ``enabled``).
+
+    Example:
+        >>> with step_random_streams([], enabled=True):
+        ...     pass
+    """
+    if not enabled:
+        yield
+        return
+    runners = list(runners)
+    with StepRandomness() as streams:
+        for runner in runners:
+            runner.randomness = streams
+        try:
+            yield
+        finally:
+            for runner in runners:
+                runner.randomness = None

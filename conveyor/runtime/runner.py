@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,3 +253,19 @@ class StageRunner:
 
 def _detached(value: Any) -> Any:
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
+
+
+def named_unique(runners: dict[int, StageRunner], items) -> Iterator[tuple[str, Any]]:
+    """``items(module)`` of every runner's module, each object once; a name two hand-built stages
+    both use gets its stage as prefix for the later one (``stage1.weight``)."""
+    seen_ids: set[int] = set()
+    seen_names: set[str] = set()
+    for stage, runner in runners.items():
+        for name, value in items(runner.module):
+            if id(value) in seen_ids:
+                continue
+            seen_ids.add(id(value))
+            if name in seen_names:
+                name = f"stage{stage}.{name}"  # two hand-built stages may reuse a local name
+            seen_names.add(name)
+            yield name, value

@@ -14,14 +14,18 @@ Example (what :class:`conveyor.Pipeline` does)::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
 
 from conveyor.errors import PipelineConfigError
 from conveyor.runtime.hybrid import HostExchange, HybridTransport
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
 from conveyor.runtime.transport import DistTransport, Transport
-from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, Channel
+from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, Channel, flatten_payload
 from conveyor.schedule.ir import ActionKind, Schedule
 
 TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid")
@@ -111,3 +115,22 @@ def _transport_for(schedule: Schedule, hosts: list[int]) -> str:
     if pairs and local == len(pairs):
         return "shared_memory"
     return "hybrid" if local else "process_group"
+
+
+def seed_shapes(transport: Transport, shapes: Mapping[int, Any], num_stages: int) -> None:
+    """Tell both ends of each boundary what will cross it (``Pipeline(shapes=...)``), so no step
+    has to exchange it: ``shapes`` maps a stage to an example of its output for one microbatch."""
+    last = num_stages - 1
+    for stage, example in shapes.items():
+        if not isinstance(stage, int) or not 0 <= stage < last:
+            raise PipelineConfigError(
+                f"shapes= names stage {stage!r}, but only the outputs of stages 0..{last - 1} cross "
+                "a stage boundary; key each example by the stage that outputs it"
+            )
+        meta, tensors = flatten_payload(example)
+        transport.seed((FORWARD, stage), meta)
+        detached = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), example)
+        transport.seed((EVAL_FORWARD, stage), flatten_payload(detached)[0])
+        # What comes back: one gradient per gradient-carrying output, in flatten order.
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype) for t in tensors if t.requires_grad)
+        transport.seed((BACKWARD, stage + 1), flatten_payload(grads)[0])

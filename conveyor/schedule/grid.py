@@ -94,3 +94,35 @@ def _text(action: object) -> str:
         return str(action)
     except Exception:  # noqa: BLE001
         return repr(action)
+
+
+def render_positions(train: Sequence[Sequence[object]], evaluation: Sequence[Sequence[object]],
+                     positions: Sequence[dict | None]) -> str:
+    """Every rank's position (see :mod:`conveyor.runtime.positions`) on the step x rank grid.
+
+    A line per rank says what it runs or waits for; the grid marks each rank's current action
+    ``>like this<`` in the programs the ranks run (``train`` or ``evaluation``, one program per
+    rank, whichever they are in).
+
+    Example:
+        >>> print(render_positions([["0F0", "0B0"]], [["0F0"]], [{"running": True, "index": 1, "length": 2,
+        ...                                                        "runs": 1, "action": "0B0"}]))  # doctest: +ELLIPSIS
+        rank 0: action 1 of 2 in run 1: runs 0B0
+        ...
+    """
+    programs, marks, lines = train, {}, []
+    for rank, where in enumerate(positions):
+        if where is None:
+            lines.append(f"rank {rank}: no answer (its process is gone, or it cannot reach the store)")
+            continue
+        if not where["running"]:
+            lines.append(f"rank {rank}: between steps ({where['runs']} run(s) started)")
+            continue
+        index, action = where["index"], where["action"]
+        if index < len(train[rank]) and str(train[rank][index]) != action:
+            programs = evaluation  # it is evaluating
+        doing = "waits for" if "RECV" in action else "runs"
+        lines.append(f"rank {rank}: action {index} of {where['length']} in run {where['runs']}: {doing} {action}")
+        if index < where["length"]:
+            marks[(rank, index)] = STUCK
+    return "\n".join(lines) + "\n" + render_grid(programs, marks)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.errors import ConveyorError, ScheduleError
+from conveyor.errors import ConveyorError, PipelineConfigError, ScheduleError
 from conveyor.schedule.ir import Placement, Schedule
 
 Builder = Callable[[int, int, int], Any]  # -> Schedule, or rows of actions (returned or yielded)
@@ -244,3 +244,28 @@ def _placement(info: ScheduleInfo, ranks: int, virtual: int) -> Placement | None
 def _load_builtins() -> None:
     # Imported for their register() calls; late so registry has no import cycle.
     import conveyor.schedule.builtin  # noqa: F401
+
+
+def resolve_schedule(schedule: Schedule | str, microbatches: int | None, virtual: int | None,
+                     num_ranks: int) -> Schedule:
+    """A Schedule object as given (verified), or built by name for ``num_ranks`` ranks.
+
+    Example:
+        >>> resolve_schedule("1f1b", 8, None, 4).num_microbatches
+        8
+    """
+    if isinstance(schedule, Schedule):
+        if microbatches is not None and microbatches != schedule.num_microbatches:
+            raise PipelineConfigError(
+                f"microbatches={microbatches} disagrees with the schedule's {schedule.num_microbatches}; "
+                "leave microbatches out when passing a Schedule"
+            )
+        from conveyor.schedule.verify import verify  # verify imports this module's neighbours
+
+        verify(schedule)  # a schedule of the user's own: a deadlock or a missing action fails here, not in a step
+        return schedule
+    if not isinstance(schedule, str):
+        raise PipelineConfigError(f"schedule must be a Schedule or a schedule name, got {type(schedule).__name__}")
+    if microbatches is None:
+        raise PipelineConfigError(f"schedule={schedule!r} is a name: also pass microbatches=M")
+    return build(schedule, ranks=num_ranks, microbatches=microbatches, virtual=virtual)

@@ -136,3 +136,31 @@ class Timeline:
     @classmethod
     def from_spans(cls, num_ranks: int, spans: Sequence[Span], **kwargs) -> Timeline:
         return cls(num_ranks, tuple(sorted(spans, key=lambda s: (s.start, s.rank))), **kwargs)
+
+
+def measured_timeline(schedule, per_rank_events: Sequence[Sequence[tuple]]) -> Timeline:
+    """A Timeline (seconds from the earliest start) of each rank's ``(action, start, end)`` of a step.
+
+    ``schedule`` names the plan it ran (its name, ranks, V and M title the picture); actions
+    may be :class:`Action` or their text.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> tl = measured_timeline(cs.build("1f1b", ranks=1, microbatches=1), [[("0F0", 1.0, 1.5), ("0B0", 1.5, 2.5)]])
+        >>> tl.makespan
+        1.5
+    """
+    starts = [start for events in per_rank_events for _, start, _ in events]
+    origin = min(starts, default=0.0)
+    spans = [
+        Span(rank, Action.parse(a) if isinstance(a, str) else a, start - origin, end - origin)
+        for rank, events in enumerate(per_rank_events)
+        for a, start, end in events
+    ]
+    return Timeline.from_spans(
+        schedule.num_ranks, spans,
+        title=f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches}",
+        source="measured", time_unit="s",
+        metadata={"schedule": schedule.name, "ranks": schedule.num_ranks, "virtual": schedule.virtual,
+                  "microbatches": schedule.num_microbatches},
+    )

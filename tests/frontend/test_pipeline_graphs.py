@@ -12,7 +12,7 @@ import torch
 
 import conveyor.schedule as cs
 from conveyor import frontend
-from conveyor.pipe import LocalPipeline
+from conveyor.local import LocalPipeline
 from conveyor.testing.models import TwoEncoders, two_encoder_batch
 
 NUM_MICROBATCHES = 2

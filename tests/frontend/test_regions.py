@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import conveyor.frontend as frontend
-from conveyor.pipe import LocalPipeline
+from conveyor.local import LocalPipeline
 
 
 class FrozenMiddle(nn.Module):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from conveyor.pipe import LocalPipeline
+from conveyor.local import LocalPipeline
 from conveyor.runtime.recompute import RecomputedBuffers
 
 NUM_MICROBATCHES = 4

@@ -10,7 +10,7 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.pipe import LocalPipeline
+from conveyor.local import LocalPipeline
 from conveyor.testing import run_ranks
 from conveyor.testing.models import (
     build_stage,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import conveyor.schedule as cs
-from conveyor.pipe import LocalPipeline
+from conveyor.local import LocalPipeline
 from conveyor.testing.models import build_stage, lm_loss, make_batch
 
 from .parity import (

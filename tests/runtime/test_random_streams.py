@@ -8,7 +8,7 @@ from torch import nn
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.pipe import LocalPipeline
+from conveyor.local import LocalPipeline
 from conveyor.testing import run_ranks
 
 WIDTH, BATCH, MICROBATCHES = 16, 8, 4

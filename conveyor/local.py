@@ -1,0 +1,143 @@
+"""LocalPipeline: every rank of a schedule in one process and one thread, for debugging and fast tests.
+
+Its numerics are :class:`conveyor.Pipeline`'s, bit for bit: the same executor runs every
+rank's program, with an in-process mailbox for a transport.
+
+Example:
+    >>> import torch, conveyor
+    >>> stages = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
+    >>> pipe = conveyor.LocalPipeline(stages, schedule="1f1b", microbatches=2,
+    ...                               loss_fn=lambda y, t: (y - t).pow(2).mean())
+    >>> loss = pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
+    >>> loss.shape
+    torch.Size([])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from conveyor.errors import PipelineClosed, PipelineConfigError
+from conveyor.microbatch import merge_outputs
+from conveyor.parallel.loss import summed_loss
+from conveyor.pipe import _check_nonfinite_mode, _PipelineBase
+from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
+from conveyor.runtime.rng import step_random_streams
+from conveyor.runtime.runner import LossFn, StageRunner
+from conveyor.runtime.transport import LocalMailbox, LocalTransport, Transport
+from conveyor.schedule import available
+from conveyor.schedule.ir import Schedule
+from conveyor.schedule.passes import executable
+from conveyor.schedule.registry import resolve_schedule
+from conveyor.schedule.timeline import Timeline, measured_timeline
+
+
+class LocalPipeline(_PipelineBase):
+    """Every rank of a schedule in one process and one thread, with the numerics of :class:`Pipeline`.
+
+    ``modules`` holds one module per stage, indexed by stage. For debugging and fast tests.
+    The keywords mean what they mean to :class:`Pipeline` (``random_streams`` included).
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[torch.nn.Module],
+        schedule: Schedule | str,
+        loss_fn: LossFn | None = None,
+        *,
+        microbatches: int | None = None,
+        virtual: int | None = None,
+        ranks: int | None = None,
+        checkpoint_activations: bool = False,
+        tied_parameters: Sequence = (),
+        parameter_order: Mapping[str, int] | None = None,
+        random_streams: bool = True,
+    ) -> None:
+        modules = list(modules)
+        self.random_streams = random_streams
+        if isinstance(schedule, str) and ranks is None:
+            # One module per stage: the rank count follows from the schedule's stages per rank.
+            info = available().get(schedule)
+            stages_per_rank = virtual or (info.default_virtual if info is not None else 1)
+            ranks = max(1, len(modules) // stages_per_rank)
+        self.schedule = resolve_schedule(schedule, microbatches, virtual, ranks or 1)
+        if len(modules) != self.schedule.num_stages:
+            raise PipelineConfigError(
+                f"schedule {self.schedule.name!r} has {self.schedule.num_stages} stages; pass one module per "
+                f"stage (got {len(modules)})"
+            )
+        self.mailbox = LocalMailbox()
+        self.runs = executable(self.schedule)
+        self.executors: list[RankExecutor] = []
+        self.runners: dict[int, StageRunner] = {}
+        for rank in range(self.schedule.num_ranks):
+            stages = self.schedule.stages_of(rank)
+            runners = self._make_runners(rank, stages, [modules[s] for s in stages], loss_fn,
+                                         checkpoint_activations)
+            self.runners.update(runners)
+            transport: Transport = LocalTransport(self.mailbox, rank)
+            self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport))
+        # In one process every copy of a tied parameter can simply be the same Parameter.
+        self._tie(tied_parameters, parameter_order)
+        self._recorders: list[StepRecorder] = []
+        self.closed = False
+
+    def close(self) -> None:
+        """Refuse later calls (one process holds nothing else to release); as :meth:`Pipeline.close`."""
+        self.closed = True
+        self.mailbox.messages.clear()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise PipelineClosed("this pipeline was closed (close() or the end of its `with` block); "
+                                 "build a new LocalPipeline to go on")
+
+    def step(self, *args: Any, target: Any = None, return_outputs: bool = False,
+             on_nonfinite: str | None = None, **kwargs: Any):
+        self._check_open()
+        _check_nonfinite_mode(on_nonfinite)
+        first = self._split_inputs(args, kwargs)
+        targets = self._split_target(target)
+        for runner in self.runners.values():
+            runner.reset()
+        self.mailbox.messages.clear()  # a step that raised may have left messages behind
+        self._recorders = [StepRecorder() for _ in self.executors]
+        with torch.enable_grad(), step_random_streams(self.runners.values(), self.random_streams):
+            run_local(self.executors, [
+                ex.run(self.runs.train_program(r), first if r == self.schedule.placement.rank_of(0) else None,
+                       targets, self._recorders[r], keep_outputs=return_outputs)
+                for r, ex in enumerate(self.executors)
+            ])
+        last = self.runners[self.schedule.num_stages - 1]
+        loss = summed_loss(last)
+        result = (loss, merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)])
+                  ) if return_outputs else loss
+        report = self._nonfinite_report() if on_nonfinite else ""
+        if report:
+            self._after_nonfinite(report, on_nonfinite)
+        return result
+
+    def forward(self, *args: Any, **kwargs: Any):
+        self._check_open()
+        first = self._split_inputs(args, kwargs)
+        for runner in self.runners.values():
+            runner.reset()
+        self.mailbox.messages.clear()
+        with torch.no_grad(), step_random_streams(self.runners.values(), self.random_streams):
+            run_local(self.executors, [
+                ex.run(self.runs.eval_program(r), first if r == self.schedule.placement.rank_of(0) else None,
+                       None, None)
+                for r, ex in enumerate(self.executors)
+            ])
+        last = self.runners[self.schedule.num_stages - 1]
+        outputs = merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)])
+        last.outputs.clear()
+        return outputs
+
+    __call__ = forward
+
+    def timeline(self) -> Timeline:
+        return measured_timeline(self.schedule, [[(str(a), s, e) for a, s, e in r.events] for r in self._recorders])

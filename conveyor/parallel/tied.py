@@ -1,0 +1,118 @@
+"""Tied parameters across stages: one Parameter within a rank, gradients summed across ranks.
+
+A parameter several stages use (GPT-2's token embedding and LM head) has a copy in each of
+them. Copies on one rank become one Parameter (:func:`share_tied_locally`); copies on
+several ranks have this step's gradient summed across exactly those ranks at the end of
+every step (:class:`TiedGradients`), so they stay equal after each optimizer step (the
+summation order differs from one device: equal to rounding, not bitwise). With data
+parallelism each replica sums its own copies, after the replicas' mean.
+
+Example (what :class:`conveyor.Pipeline` does)::
+
+    share_tied_locally(runners, tied_parameters)
+    tied = TiedGradients(runners, tied_parameters, placement, life, layout)
+    held = tied.set_aside(); ...run the step...; tied.sum(held)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from conveyor.runtime.runner import StageRunner
+
+
+def _set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    setattr(owner, leaf, param)
+
+
+def share_tied_locally(runners: dict[int, StageRunner], tied_parameters) -> None:
+    """Stages of one rank that use the same tied parameter get one Parameter object."""
+    for tied in tied_parameters:
+        local = [(stage, name) for stage, name in tied.uses if stage in runners]
+        if len(local) < 2:
+            continue
+        first_stage, first_name = local[0]
+        shared = runners[first_stage].module.get_parameter(first_name)
+        for stage, name in local[1:]:
+            _set_parameter(runners[stage].module, name, shared)
+            runners[stage].params = [p for p in runners[stage].module.parameters() if p.requires_grad]
+
+
+def tied_copies_outside_their_first_stage(runners: dict[int, StageRunner], tied_parameters) -> set[int]:
+    """Ids of this rank's copies of tied parameters that the unsplit model counts elsewhere.
+
+    The unsplit model lists a tied parameter once, where its first stage uses it; the
+    copies on later stages (on other ranks: distinct objects) must not count again.
+    """
+    skip: set[int] = set()
+    for tied in tied_parameters:
+        first = min(stage for stage, _ in tied.uses)
+        kept = runners[first].module.get_parameter(dict(tied.uses)[first]) if first in runners else None
+        for stage, name in tied.uses:
+            if stage != first and stage in runners:
+                copy = runners[stage].module.get_parameter(name)
+                if copy is not kept:
+                    skip.add(id(copy))
+    return skip
+
+
+class TiedGradients:
+    """This rank's copies of tied parameters that live on several ranks, each with its group.
+
+    Building it creates one process group per set of ranks sharing a parameter: collective
+    over the whole job, so every rank builds every group, in the same order, whether it
+    holds a copy or not (``life``: the pipeline's :class:`~conveyor.runtime.lifecycle.RankLifecycle`;
+    ``layout``: a :class:`~conveyor.parallel.mesh.MeshLayout` with replicas, else None).
+    """
+
+    def __init__(self, runners: Mapping[int, StageRunner], tied_parameters: Sequence, placement, life,
+                 layout=None) -> None:
+        subgroups: dict[tuple[int, ...], Any] = {}
+        self.copies: list[tuple[torch.nn.Parameter, Any]] = []
+        for tied in tied_parameters:
+            owners = tuple(sorted({placement.rank_of(stage) for stage, _ in tied.uses}))
+            if len(owners) < 2:
+                continue
+            if owners not in subgroups:
+                replicas = layout.replica_ranks(list(owners)) if layout is not None else None
+                subgroups[owners] = life.subgroup(owners, replicas)
+            if life.rank in owners:
+                stage, name = next((s, n) for s, n in tied.uses if s in runners)
+                self.copies.append((runners[stage].module.get_parameter(name), subgroups[owners]))
+
+    def clear(self) -> None:
+        """Forget the copies and their groups (after a failure: nothing may hold the groups)."""
+        self.copies.clear()
+
+    def set_aside(self) -> list[torch.Tensor | None]:
+        """Take the tied copies' gradients of earlier steps out of the way: only this step's
+        share is summed across ranks (summing the whole .grad would count the earlier steps'
+        summed gradient again on every copy when the user accumulates over steps)."""
+        held = []
+        for param, _ in self.copies:
+            held.append(param.grad)
+            param.grad = None
+        return held
+
+    def sum(self, held: list[torch.Tensor | None]) -> None:
+        """Sum this step's gradient of every copy across the ranks holding one; add back what was held."""
+        import torch.distributed as dist
+
+        for (param, subgroup), earlier in zip(self.copies, held, strict=True):
+            # A frozen parameter (frozen on every rank: one model) gets no gradient, as on one
+            # device. A copy that got none this step adds nothing; if none did, the parameter
+            # keeps what it had, so that the optimizer skips a parameter nothing used.
+            if param.requires_grad:
+                got_one = torch.tensor([param.grad is not None], dtype=torch.int32, device=param.device)
+                dist.all_reduce(got_one, op=dist.ReduceOp.MAX, group=subgroup)
+                if got_one.item():
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+                    dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=subgroup)
+            if earlier is not None:
+                param.grad = earlier if param.grad is None else earlier.add_(param.grad)
