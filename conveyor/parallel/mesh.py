@@ -57,6 +57,25 @@ class MeshLayout:
         return [[pipeline[r] for r in pipeline_ranks] for pipeline in self.pipelines]
 
 
+def pipeline_mesh(pp: int, device_type: str = "cpu"):
+    """The job's ("dp", "pp") DeviceMesh for pipelines of ``pp`` ranks: dp = world size / pp.
+
+    Example (on each of 4 ranks)::
+
+        mesh = pipeline_mesh(2)          # 2 replicas of a 2-rank pipeline
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if not isinstance(pp, int) or pp < 1 or world % pp:
+        raise PipelineConfigError(
+            f"the job has {world} ranks, which is not a multiple of the pipeline size pp={pp}: launch "
+            f"dp x {pp} processes, or choose a pp that divides {world}"
+        )
+    return init_device_mesh(device_type, (world // pp, pp), mesh_dim_names=DIM_NAMES)
+
+
 def layout_of(mesh) -> MeshLayout:
     """Read a ("dp", "pp") or ("pp",) device mesh; raise PipelineConfigError on any other.
 

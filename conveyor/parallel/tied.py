@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from conveyor.parallel.norms import local_part
 from conveyor.runtime.runner import StageRunner
 
 
@@ -113,6 +114,7 @@ class TiedGradients:
                 if got_one.item():
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
-                    dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=subgroup)
+                    # A replicated DTensor's local tensor is all of it (the replicas' mean already).
+                    dist.all_reduce(local_part(param.grad), op=dist.ReduceOp.SUM, group=subgroup)
             if earlier is not None:
                 param.grad = earlier if param.grad is None else earlier.add_(param.grad)

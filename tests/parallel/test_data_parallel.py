@@ -33,6 +33,7 @@ from conveyor.testing.data_parallel import (
     VOCAB,
     MLPStack,
     MLPStage,
+    full_tensor,
     make_batch,
     max_relative_difference,
     mesh_of,
@@ -161,3 +162,49 @@ def test_only_the_first_and_last_ranks_open_the_data_and_each_replica_reads_its_
         first_rows[dp_rank] = {row for batch in at_first for row in batch}
     assert not first_rows[0] & first_rows[1]  # the replicas read disjoint shares
     assert len(first_rows[0] | first_rows[1]) == VOCAB
+
+
+def _tied(rank, world_size, kind):
+    from conveyor.parallel.mesh import pipeline_mesh
+
+    from ..checkpoint.models import SPLITS, ce_loss, lm_batch, tied_lm
+
+    mesh = pipeline_mesh(2)
+    ids, _ = lm_batch(0)
+    pipe = conveyor.pipeline(tied_lm(0), example_args=(ids[:2],), split_points=SPLITS[2], schedule="1f1b",
+                             microbatches=2, loss_fn=ce_loss, mesh=mesh, data_parallel=kind, timeout_s=60)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    copies = []
+    for step in range(3):
+        ids, targets = lm_batch(step, batch=8)
+        pipe.step(ids.chunk(2)[pipe.dp_rank], target=targets.chunk(2)[pipe.dp_rank])
+        optimizer.step()
+        optimizer.zero_grad()
+        named = dict(pipe.named_parameters())
+        copies.append(full_tensor(named.get("embed.weight", named.get("head.weight"))))
+    pipe.close()
+    return copies
+
+
+@pytest.mark.distributed
+def test_tied_copies_stay_equal_across_stages_and_replicas():
+    results = run_ranks(_tied, 4, args=("ddp",), timeout_s=120)
+    for step in range(3):
+        first = results[0][step]
+        assert all(torch.equal(copies[step], first) for copies in results), f"step {step}"
+
+
+@pytest.mark.distributed
+def test_fsdp_refuses_tied_parameters_and_a_world_that_pp_does_not_divide():
+    with pytest.raises(RankFailure) as raised:
+        run_ranks(_tied, 4, args=("fsdp",), timeout_s=120)
+    assert "data_parallel='fsdp' cannot hold the tied parameter" in str(raised.value)
+    with pytest.raises(RankFailure) as raised:
+        run_ranks(_not_a_multiple, 3, timeout_s=60)
+    assert "not a multiple of the pipeline size pp=2" in str(raised.value)
+
+
+def _not_a_multiple(rank, world_size):
+    from conveyor.parallel.mesh import pipeline_mesh
+
+    pipeline_mesh(2)
