@@ -66,11 +66,21 @@ def _resume(rank, world_size, kind, name, virtual, path):
     return extra, saved, want, got, want_params, got_params
 
 
-def _one_replica(rank, world_size, path):
+def _one_replica(rank, world_size, path, again):
     pipe, optimizer, _ = _build(None, "1f1b", 1, seed=3, dp=1)
     ckpt.load(path, pipe, optimizer)
     params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
     moments = {n: optimizer.state[p]["exp_avg"].clone() for n, p in pipe.named_parameters()}
+    ckpt.save(again, pipe, optimizer)  # and back: one replica's checkpoint, for two replicas
+    pipe.close()
+    return params, moments
+
+
+def _two_replicas(rank, world_size, kind, path):
+    pipe, optimizer, _ = _build(kind, "zbv", 2, seed=4, dp=DP)
+    ckpt.load(path, pipe, optimizer)
+    params = {n: _full(p) for n, p in pipe.named_parameters()}
+    moments = {n: _full(optimizer.state[p]["exp_avg"]) for n, p in pipe.named_parameters()}
     pipe.close()
     return params, moments
 
@@ -91,8 +101,16 @@ def test_a_dp_job_resumes_bitwise_and_reshards(tmp_path, kind, name, virtual):
     state = ckpt.to_state_dict(path)
     assert all(torch.equal(state[n], value) for n, value in saved.items())
     assert set(saved) <= set(state)
-    # One replica of the same pipeline (dp=2 -> dp=1), 1F1B whatever the job ran.
-    for params, moments in run_ranks(_one_replica, PP, args=(path,), timeout_s=120):
+    # One replica of the same pipeline (dp=2 -> dp=1), 1F1B whatever the job ran; and back
+    # (dp=1 -> dp=2, under ZB-V), optimizer state included.
+    again = str(tmp_path / "one_replica")
+    moments = {}
+    for params, moments_here in run_ranks(_one_replica, PP, args=(path, again), timeout_s=120):
         for parameter_name, value in params.items():
             assert torch.equal(value, saved[parameter_name]), parameter_name
-        assert all(m.abs().sum() > 0 for m in moments.values())  # Adam's moments came back too
+        assert all(m.abs().sum() > 0 for m in moments_here.values())  # Adam's moments came back too
+        moments.update(moments_here)
+    for params, moments_here in run_ranks(_two_replicas, DP * PP, args=(kind, again), timeout_s=120):
+        for parameter_name, value in params.items():
+            assert torch.equal(value, saved[parameter_name]), parameter_name
+            assert torch.equal(moments_here[parameter_name], moments[parameter_name]), parameter_name
