@@ -11,9 +11,9 @@ import pytest
 import conveyor.schedule as cs
 from conveyor.errors import ScheduleError
 from conveyor.schedule.cost import CostModel
-from conveyor.schedule.engine import run
 from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
 from conveyor.schedule.lower import lower
+from conveyor.schedule.simulate import step_timed as run
 from conveyor.schedule.verify import verify
 
 K = ActionKind
