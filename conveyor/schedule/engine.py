@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import add, floordiv, length_hint, mul
+from operator import add, floordiv, is_, length_hint, mul
 from typing import NamedTuple
 
 from conveyor.schedule.ir import Action, ActionKind, Schedule
@@ -458,33 +458,51 @@ def runs_clean(schedule: Schedule) -> bool:
         >>> runs_clean(cs.lower(cs.build("zbv", ranks=2, microbatches=4)))
         True
     """
+    return checked_pass(schedule) is not None
+
+
+def checked_pass(
+    schedule: Schedule, make_row: RowMaker | None = None, duration: Callable[[Action], float] | None = None
+) -> Progress | None:
+    """One pass of :func:`runs_clean`, on rows from ``make_row`` (no echo: no latency), or None if not clean.
+
+    A simulation without latency steps its rows through this pass, so that one
+    pass both verifies the schedule and times it.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> progress = checked_pass(cs.build("1f1b", ranks=2, microbatches=2))
+        >>> progress.completed, progress.starts
+        (True, [[], []])
+    """
     space = CodeSpace.of(schedule)
     region_size = space.region_size
     num_actions = sum(map(len, schedule.programs))
     if num_actions < 2 * region_size or not _plain_actions(schedule):
-        return False  # fewer actions than forwards + backwards: incomplete (and no tables sized S x M)
+        return None  # fewer actions than forwards + backwards: incomplete (and no tables sized S x M)
     split_mark = (REGION_SPLIT_MARK - REGION_G) * region_size
 
-    def make_row(kind: ActionKind, stage: int, base: int, need_delta: int, need_is_remote: bool) -> Row:
+    def marked_row(kind: ActionKind, stage: int, base: int, need_delta: int, need_is_remote: bool) -> Row:
+        took = None if make_row is None else make_row(kind, stage, base, need_delta, need_is_remote).took
         # An I also marks its (stage, microbatch), so that W can be matched with I, not with B.
-        return Row(base, need_delta, None, split_mark if kind is ActionKind.I else 0)
+        return Row(base, need_delta, took, split_mark if kind is ActionKind.I else 0)
 
     try:
-        progress = step_schedule(schedule, space, make_row, extra_regions=1)
+        progress = step_schedule(schedule, space, marked_row, extra_regions=1, duration=duration)
     except (UnknownAction, AttributeError, TypeError, IndexError):
-        return False
-    if not progress.completed:
-        return False
+        return None
     finish = progress.finish
-    if finish[: 2 * region_size].count(None):  # a forward or a backward missing
-        return False
+    if not progress.completed or finish[: 2 * region_size].count(None):  # a forward or a backward missing
+        return None
     # Every action ran; each finished its own code once unless duplicated.
     if REGION_NONE * region_size - finish[2 * region_size : REGION_NONE * region_size].count(None) != num_actions:
-        return False
-    # A W exactly where the backward was an I (B-then-W and I-without-W both fail). Every
-    # finished slot holds 0.0 in a pass without durations, so the two regions compare as lists.
+        return None
+    # A W exactly where the backward was an I (B-then-W and I-without-W both fail).
     weights = finish[REGION_W * region_size : (REGION_W + 1) * region_size]
-    return weights == finish[REGION_SPLIT_MARK * region_size :]
+    marks = finish[REGION_SPLIT_MARK * region_size :]
+    if list(map(is_, weights, repeat(None))) != list(map(is_, marks, repeat(None))):
+        return None
+    return progress
 
 
 def _plain_actions(schedule: Schedule) -> bool:

@@ -39,11 +39,12 @@ from conveyor.schedule.engine import (
     Row,
     UnknownAction,
     blocked_ranks,
+    checked_pass,
     step_schedule,
 )
 from conveyor.schedule.ir import Action, ActionKind, Schedule, gc_paused
 from conveyor.schedule.timeline import Span, Timeline
-from conveyor.schedule.verify import verify
+from conveyor.schedule.verify import check_shape, verify
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: str = "unit") -> Timeline:
@@ -57,19 +58,29 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
         >>> cs.simulate(cs.build("1f1b", ranks=2, microbatches=2), costs).makespan
         12.0
     """
-    verify(schedule)
-    if costs is None:
-        costs = CostModel.uniform(schedule.num_stages)
-    if not isinstance(costs, CostModel):
-        raise CostError(
-            f"simulate() takes costs as a CostModel (e.g. CostModel.uniform(num_stages, 1, 1, 1) or "
-            f"CostModel.per_stage([...])), got {type(costs).__name__}"
-        )
-    costs.check_stages(schedule.num_stages)
-    # A schedule straight from lower() times exactly like its compute-only source (a receive
-    # ends `latency` after the send that follows its producer), which steps ~40% faster.
-    source = schedule._checked.get("lowered_from", schedule)
-    result = step_timed(source, costs.duration, costs.latency)
+    checked = getattr(schedule, "_checked", None)
+    unverified = isinstance(schedule, Schedule) and checked is not None and not checked
+    if unverified:
+        check_shape(schedule)  # the rest of verify() may come with the timing (below)
+    else:
+        verify(schedule)
+    try:
+        costs = _checked_costs(schedule, costs)
+    except CostError:
+        verify(schedule)  # a broken schedule is named before broken costs
+        raise
+    if unverified and not costs.latency:
+        # Without latency the timed pass can check everything verify() checks: one pass, not two.
+        result = _step_timed_and_checked(schedule, costs.duration)
+        if result is None:
+            verify(schedule)
+            raise AssertionError(f"schedule {schedule.name!r} failed the timed check but verifies")
+        schedule._checked["verified"] = True
+    else:
+        verify(schedule)
+        # A schedule straight from lower() times exactly like its compute-only source (a receive
+        # ends `latency` after the send that follows its producer), which steps ~40% faster.
+        result = step_timed(schedule._checked.get("lowered_from", schedule), costs.duration, costs.latency)
     assert result.completed, "verify() passed but the engine blocked"
     # The engine lists each rank's spans in time order already; a global sort would be
     # about 40% of the simulation at P=64, M=1024 and nothing reads spans in that order.
@@ -87,6 +98,18 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
             "microbatches": schedule.num_microbatches,
         },
     )
+
+
+def _checked_costs(schedule: Schedule, costs: CostModel | None) -> CostModel:
+    if costs is None:
+        costs = CostModel.uniform(schedule.num_stages)
+    if not isinstance(costs, CostModel):
+        raise CostError(
+            f"simulate() takes costs as a CostModel (e.g. CostModel.uniform(num_stages, 1, 1, 1) or "
+            f"CostModel.per_stage([...])), got {type(costs).__name__}"
+        )
+    costs.check_stages(schedule.num_stages)
+    return costs
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +158,20 @@ def step_timed(schedule: Schedule, duration: Callable[[Action], float], latency:
     with gc_paused():
         spans = _spans(schedule.programs, progress.starts, progress.ends)
     return TimedRun(spans, blocked_ranks(schedule, space, progress))
+
+
+def _step_timed_and_checked(schedule: Schedule, duration: Callable[[Action], float]) -> TimedRun | None:
+    """:func:`step_timed` without latency, through the verifier's checks: None if the schedule is not clean."""
+    took_of = _duration_table(duration)
+
+    def make_row(kind: ActionKind, stage: int, base: int, need_delta: int, need_is_remote: bool) -> Row:
+        return Row(base, need_delta, took_of(kind, stage), 0)
+
+    with gc_paused():
+        progress = checked_pass(schedule, make_row, duration)
+        if progress is None:
+            return None
+        return TimedRun(_spans(schedule.programs, progress.starts, progress.ends), ())
 
 
 def _duration_table(duration: Callable[[Action], float]) -> Callable[[ActionKind, int], object]:

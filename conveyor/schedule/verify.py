@@ -58,7 +58,7 @@ def verify(schedule: Schedule) -> None:
         >>> verify(cs.build("1f1b", ranks=4, microbatches=8))
         >>> verify(cs.lower(cs.build("1f1b", ranks=4, microbatches=8)))
     """
-    _check_shape(schedule)
+    check_shape(schedule)
     checked = getattr(schedule, "_checked", None)
     if checked is not None and checked.get("verified"):
         return  # this very (immutable) schedule passed before
@@ -85,7 +85,8 @@ def _diagnose(schedule: Schedule) -> None:
 # -- 1. shape -----------------------------------------------------------------------------------
 
 
-def _check_shape(schedule: object) -> None:
+def check_shape(schedule: object) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` is a Schedule with a Placement and one program per rank."""
     if not isinstance(schedule, Schedule):
         raise ScheduleError(
             f"verify() expects a Schedule, got {type(schedule).__name__}; build one with "
