@@ -107,3 +107,19 @@ def test_simulate_checks_and_times_an_unverified_schedule_in_one_pass():
         cs.simulate(broken)
     with pytest.raises(ScheduleError, match="is never forwarded"):
         cs.simulate(broken, cs.CostModel.uniform(unchecked.num_stages, latency=0.5))
+
+
+def test_a_lowered_schedule_is_checked_through_its_source_and_diagnosed_itself():
+    source = cs.build("interleaved-1f1b", ranks=2, microbatches=4, virtual=2)
+    lowered = cs.lower(source)
+    assert lowered._checked["lowered_from"] is source
+    cs.verify(lowered)
+    assert lowered._checked["verified"]
+    swap = Schedule.from_programs(
+        "swap", Placement.looped(2), 2, [["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]]
+    )
+    lowered_swap = cs.lower(swap)
+    with pytest.raises(ScheduleError) as raised:
+        cs.verify(lowered_swap)
+    # The message names the lowered programs' own actions (the receives it waits in).
+    assert "1RECV_F1" in str(raised.value) and "deadlocks" in str(raised.value)
