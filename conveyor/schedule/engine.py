@@ -337,10 +337,10 @@ def step_ranks(
     microbatch out of range.
     """
     num_ranks, num_microbatches, size = len(programs), space.num_microbatches, space.size
-    # Per code, the rank parked on it (an index beats a dict). A valid schedule has at most one
-    # waiter per code (its one consumer on another rank); an invalid one that overwrites the slot
-    # stops where it would have anyway (the producer is behind a rank waiting for it).
-    waiting: list[int | None] = [None] * size
+    # Per code, the rank parked on it (a dict: a list indexed by code steps no faster within noise
+    # and holds 8 bytes per code). A valid schedule has at most one waiter per code (its one consumer
+    # on another rank); an invalid one that overwrites the slot stops where it would have anyway.
+    waiting: dict[int, int] = {}
     clock = [0.0] * num_ranks
     starts, ends = [[] for _ in range(num_ranks)], [[] for _ in range(num_ranks)]
     start_appenders, end_appenders = [times.append for times in starts], [times.append for times in ends]
@@ -368,9 +368,8 @@ def step_ranks(
                 finish[code] = now
                 if echo:
                     finish[code + echo] = now + latency
-                if waiting[code] is not None:
-                    work.append(waiting[code])
-                    waiting[code] = None
+                if code in waiting:
+                    work.append(waiting.pop(code))
             for action in remaining[rank]:
                 # -- look up: the action's code and need (and, for the caller, duration and echo)
                 base, need_delta, took, echo = table[id(action.kind)][action.stage]
@@ -393,10 +392,8 @@ def step_ranks(
                 finish[code] = now  # -- finish the code (and its echo), wake whoever waits for it
                 if echo:
                     finish[code + echo] = now + latency
-                woken = waiting[code]
-                if woken is not None:
-                    work.append(woken)
-                    waiting[code] = None
+                if code in waiting:
+                    work.append(waiting.pop(code))
             clock[rank] = now
     except KeyError:
         raise UnknownAction(action) from None
