@@ -361,7 +361,8 @@ def step_ranks(
                 if ready > now:
                     now = ready
                 if took is not None:
-                    took = duration(action) if took is ASK_DURATION else took
+                    if took is ASK_DURATION:
+                        took = duration(action)
                     add_start(now)
                     now += took
                     add_end(now)
@@ -385,7 +386,8 @@ def step_ranks(
                 if ready > now:  # -- run: once both the rank and what it needs are ready
                     now = ready
                 if took is not None:
-                    took = duration(action) if took is ASK_DURATION else took
+                    if took is ASK_DURATION:
+                        took = duration(action)
                     add_start(now)
                     now += took
                     add_end(now)
