@@ -341,6 +341,7 @@ def step_ranks(
     # and holds 8 bytes per code). A valid schedule has at most one waiter per code (its one consumer
     # on another rank); an invalid one that overwrites the slot stops where it would have anyway.
     waiting: dict[int, int] = {}
+    # An echo without latency (the verifier's mark of an I) keeps `now` itself: no new float per mark.
     clock = [0.0] * num_ranks
     starts, ends = [[] for _ in range(num_ranks)], [[] for _ in range(num_ranks)]
     start_appenders, end_appenders = [times.append for times in starts], [times.append for times in ends]
@@ -368,7 +369,7 @@ def step_ranks(
                     add_end(now)
                 finish[code] = now
                 if echo:
-                    finish[code + echo] = now + latency
+                    finish[code + echo] = now + latency if latency else now
                 if code in waiting:
                     work.append(waiting.pop(code))
             for action in remaining[rank]:
@@ -393,7 +394,7 @@ def step_ranks(
                     add_end(now)
                 finish[code] = now  # -- finish the code (and its echo), wake whoever waits for it
                 if echo:
-                    finish[code + echo] = now + latency
+                    finish[code + echo] = now + latency if latency else now
                 if code in waiting:
                     work.append(waiting.pop(code))
             clock[rank] = now
