@@ -1,4 +1,19 @@
-"""Simulate a schedule with per-stage costs: a Timeline of every action.
+"""The simulator: when each action of a schedule starts and ends, on per-stage costs.
+
+:func:`simulate` verifies a schedule, then times it with :func:`step_timed`,
+which runs the engine's stepping loop (:mod:`conveyor.schedule.engine`) with
+rows that carry each action's duration:
+
+- a compute action starts once its rank is free and what it needs is done,
+  and takes ``duration(action)`` (looked up once per (kind, stage) for a
+  :class:`CostModel`);
+- lowered programs run their SEND/RECV explicitly: a send takes no time, a
+  receive ends ``latency`` after its send. In compute-only programs an action
+  that needs another rank's output starts ``latency`` after it. Each code then
+  has a second slot, ``size`` further on, holding when it reaches another rank;
+- a schedule straight from ``lower()`` times like its compute-only source,
+  which is stepped instead (fewer actions);
+- spans come out per rank in time order, built in bulk.
 
 Example:
     >>> import conveyor.schedule as cs
@@ -9,32 +24,63 @@ Example:
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+
 from conveyor.errors import CostError
 from conveyor.schedule.cost import CostModel
-from conveyor.schedule.engine import run
-from conveyor.schedule.ir import Schedule
-from conveyor.schedule.timeline import Timeline
-from conveyor.schedule.verify import verify
+from conveyor.schedule.engine import (
+    ASK_DURATION,
+    COMM_KIND_IDS,
+    Blocked,
+    CodeSpace,
+    Row,
+    UnknownAction,
+    blocked_ranks,
+    checked_pass,
+    step_schedule,
+)
+from conveyor.schedule.ir import Action, ActionKind, Schedule, gc_paused
+from conveyor.schedule.timeline import Span, Timeline
+from conveyor.schedule.verify import check_shape, verify
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: str = "unit") -> Timeline:
     """Verify ``schedule``, then run it on ``costs`` (unit F=I=W=1, zero latency by default).
 
     ``time_unit`` names the unit of the costs ("s" for measured seconds).
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> costs = cs.CostModel.uniform(2, forward=1.0, backward_input=2.0, backward_weight=1.0)
+        >>> cs.simulate(cs.build("1f1b", ranks=2, microbatches=2), costs).makespan
+        12.0
     """
-    verify(schedule)
-    if costs is None:
-        costs = CostModel.uniform(schedule.num_stages)
-    if not isinstance(costs, CostModel):
-        raise CostError(
-            f"simulate() takes costs as a CostModel (e.g. CostModel.uniform(num_stages, 1, 1, 1) or "
-            f"CostModel.per_stage([...])), got {type(costs).__name__}"
-        )
-    costs.check_stages(schedule.num_stages)
-    # A schedule straight from lower() times exactly like its compute-only source (a receive
-    # ends `latency` after the send that follows its producer), which steps ~40% faster.
-    source = schedule._checked.get("lowered_from", schedule)
-    result = run(source, costs.duration, costs.latency)
+    checked = getattr(schedule, "_checked", None)
+    unverified = isinstance(schedule, Schedule) and checked is not None and not checked
+    if unverified:
+        check_shape(schedule)  # the rest of verify() may come with the timing (below)
+    else:
+        verify(schedule)
+    try:
+        costs = _checked_costs(schedule, costs)
+    except CostError:
+        verify(schedule)  # a broken schedule is named before broken costs
+        raise
+    if unverified and not costs.latency:
+        # Without latency the timed pass can check everything verify() checks: one pass, not two.
+        result = _step_timed_and_checked(schedule, costs.duration)
+        if result is None:
+            verify(schedule)
+            raise AssertionError(f"schedule {schedule.name!r} failed the timed check but verifies")
+        schedule._checked["verified"] = True
+    else:
+        verify(schedule)
+        # A schedule straight from lower() times exactly like its compute-only source (a receive
+        # ends `latency` after the send that follows its producer), which steps ~40% faster.
+        result = step_timed(schedule._checked.get("lowered_from", schedule), costs.duration, costs.latency)
     assert result.completed, "verify() passed but the engine blocked"
     # The engine lists each rank's spans in time order already; a global sort would be
     # about 40% of the simulation at P=64, M=1024 and nothing reads spans in that order.
@@ -52,3 +98,111 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
             "microbatches": schedule.num_microbatches,
         },
     )
+
+
+def _checked_costs(schedule: Schedule, costs: CostModel | None) -> CostModel:
+    if costs is None:
+        costs = CostModel.uniform(schedule.num_stages)
+    if not isinstance(costs, CostModel):
+        raise CostError(
+            f"simulate() takes costs as a CostModel (e.g. CostModel.uniform(num_stages, 1, 1, 1) or "
+            f"CostModel.per_stage([...])), got {type(costs).__name__}"
+        )
+    costs.check_stages(schedule.num_stages)
+    return costs
+
+
+@dataclass(frozen=True, slots=True)
+class TimedRun:
+    """What :func:`step_timed` found: a span per compute action run, and the ranks that stopped early."""
+
+    spans: tuple[Span, ...]
+    blocked: tuple[Blocked, ...]
+
+    @property
+    def completed(self) -> bool:
+        return not self.blocked
+
+
+def step_timed(schedule: Schedule, duration: Callable[[Action], float], latency: float = 0.0) -> TimedRun:
+    """Step every rank's program with timings: each compute action run gets a :class:`Span`.
+
+    Unlike :func:`simulate` it does not verify first: a schedule that blocks
+    comes back with its ``blocked`` ranks (and the spans up to there); a
+    malformed one raises the verifier's error.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> run = step_timed(cs.build("1f1b", ranks=2, microbatches=2), lambda action: 1.0)
+        >>> run.completed, [str(span.action) for span in run.spans if span.rank == 1]
+        (True, ['1F0', '1B0', '1F1', '1B1'])
+    """
+    space = CodeSpace.of(schedule)
+    if sum(map(len, schedule.programs)) < space.region_size:
+        verify(schedule)  # not every stage can even run forward: say what is missing, not size tables by S x M
+    latency = float(latency)
+    # With latency, every code has a second, "remote" slot finished `latency` later: an action
+    # whose need comes from another rank reads that slot, so the loop has no branch for it.
+    copy_offset = space.size if latency else 0
+    took_of = _duration_table(duration)
+
+    def make_row(kind: ActionKind, stage: int, base: int, need_delta: int, need_is_remote: bool) -> Row:
+        return Row(base, need_delta + (copy_offset if need_is_remote else 0), took_of(kind, stage), copy_offset)
+
+    try:
+        with gc_paused():
+            progress = step_schedule(schedule, space, make_row, 2 if latency else 1, 0, latency, duration)
+    except (AttributeError, TypeError, IndexError, UnknownAction) as error:
+        verify(schedule)
+        raise AssertionError(f"engine failed on a schedule that verifies: {error!r}") from error
+    with gc_paused():
+        spans = _spans(schedule.programs, progress.starts, progress.ends)
+    return TimedRun(spans, blocked_ranks(schedule, space, progress))
+
+
+def _step_timed_and_checked(schedule: Schedule, duration: Callable[[Action], float]) -> TimedRun | None:
+    """:func:`step_timed` without latency, through the verifier's checks: None if the schedule is not clean."""
+    took_of = _duration_table(duration)
+
+    def make_row(kind: ActionKind, stage: int, base: int, need_delta: int, need_is_remote: bool) -> Row:
+        return Row(base, need_delta, took_of(kind, stage), 0)
+
+    with gc_paused():
+        progress = checked_pass(schedule, make_row, duration)
+        if progress is None:
+            return None
+        return TimedRun(_spans(schedule.programs, progress.starts, progress.ends), ())
+
+
+def _duration_table(duration: Callable[[Action], float]) -> Callable[[ActionKind, int], object]:
+    """(kind, stage) -> duration, None for communication, or ASK_DURATION to call ``duration`` per action."""
+    owner = getattr(duration, "__self__", None)
+    if isinstance(owner, CostModel) and getattr(duration, "__func__", None) is CostModel.duration:
+        # A CostModel's duration depends on (kind, stage) only: look it up once.
+        return lambda kind, stage: owner.duration(Action(kind, stage, 0)) if kind.is_compute else None
+    return lambda kind, stage: ASK_DURATION if kind.is_compute else None
+
+
+_span_new = object.__new__
+_set_span_fields = tuple(Span.__dict__[name].__set__ for name in ("rank", "action", "start", "end"))
+
+
+def _spans(programs: Sequence[Sequence[Action]], starts: list[list[float]], ends: list[list[float]]) -> tuple[Span, ...]:
+    """Spans of the compute actions, built without Span.__init__ (frozen: 4 object.__setattr__ calls each)."""
+    set_rank, set_action, set_start, set_end = _set_span_fields
+    out: list[Span] = []
+    for rank, program in enumerate(programs):
+        count = len(starts[rank])
+        if not count:
+            continue
+        actions = program if count == len(program) else [a for a in program if id(a.kind) not in COMM_KIND_IDS][:count]
+        spans = list(map(_span_new, repeat(Span, count)))
+        for setter, values in (
+            (set_rank, repeat(rank, count)),
+            (set_action, actions),
+            (set_start, starts[rank]),
+            (set_end, ends[rank]),
+        ):
+            deque(map(setter, spans, values), maxlen=0)  # consume in C
+        out.extend(spans)
+    return tuple(out)

@@ -11,7 +11,7 @@
    backwarded once (``B``, or ``I`` then ``W``);
 4. lowered programs: every SEND has its RECV on the peer rank and vice versa,
    and every compute action whose input or output crosses ranks has them;
-5. order and deadlock, by running the programs (``engine.step``): sends never
+5. order and deadlock, by running the programs (``engine.stuck_ranks``): sends never
    block, a receive waits for its send. A rank that runs an action before
    something it needs from its own program is reported as such; otherwise the
    message names every blocked rank, what it waits for, from which rank, what
@@ -21,7 +21,8 @@ A valid schedule costs one fused pass of the engine (``engine.runs_clean``:
 each action looked up and stepped once, then C-speed counts); only a schedule
 that fails it is walked through the checks above, one by one, for the message.
 A Schedule that passed remembers it (it is immutable), so ``simulate`` after
-``build`` or ``verify`` does not step it again.
+``build`` or ``verify`` does not step it again; one straight from ``lower()``
+is checked through its compute-only source.
 
 Example:
     >>> from conveyor.schedule.ir import Placement, Schedule
@@ -39,26 +40,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from conveyor.errors import ScheduleError
-from conveyor.schedule.engine import (
-    REGION_BY_KIND_ID,
-    REGION_F,
-    REGION_G,
-    REGION_RECV_B,
-    REGION_RECV_F,
-    REGION_SEND_B,
-    REGION_SEND_F,
-    REGION_W,
-    Blocked,
-    CodeSpace,
-    blocked_ranks,
-    runs_clean,
-    step,
-)
+from conveyor.schedule.engine import Blocked, CodeSpace, runs_clean, stuck_ranks
 from conveyor.schedule.grid import AWAITED, STUCK, render_grid
 from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
 
 K = ActionKind
-_KNOWN_KIND_IDS = frozenset(REGION_BY_KIND_ID)
+# By id(): ActionKind members are singletons, and a plain "F" string compares equal to ActionKind.F.
+_KNOWN_KIND_IDS = frozenset(map(id, ActionKind))
+_COMM_KIND_IDS = frozenset(id(kind) for kind in ActionKind if kind.is_comm)
 _MAX_LISTED_RANKS = 8
 
 
@@ -70,11 +59,11 @@ def verify(schedule: Schedule) -> None:
         >>> verify(cs.build("1f1b", ranks=4, microbatches=8))
         >>> verify(cs.lower(cs.build("1f1b", ranks=4, microbatches=8)))
     """
-    _check_shape(schedule)
+    check_shape(schedule)
     checked = getattr(schedule, "_checked", None)
     if checked is not None and checked.get("verified"):
         return  # this very (immutable) schedule passed before
-    if _plain_actions(schedule) and runs_clean(schedule):
+    if _source_runs_clean(checked) or runs_clean(schedule):
         if checked is not None:
             checked["verified"] = True
         return
@@ -82,36 +71,36 @@ def verify(schedule: Schedule) -> None:
     raise AssertionError(f"schedule {schedule.name!r} failed the fast check but no violation was found")
 
 
-def _plain_actions(schedule: Schedule) -> bool:
-    """Every action a real Action with int ids (C loops): the fast check looks actions up by
-    hash, where ``0.0``, ``False`` and look-alike objects would pass for the real thing."""
-    for program in schedule.programs:
-        if program and not (
-            set(map(type, program)) == {Action}
-            and set(map(type, (a.stage for a in program))) == {int}
-            and set(map(type, (a.microbatch for a in program))) == {int}
-        ):
-            return False
-    return True
+def _source_runs_clean(checked: dict | None) -> bool:
+    """Whether this schedule came straight from lower() of a schedule that runs clean.
+
+    Such a schedule is valid exactly when its compute-only source is: lower()
+    puts each RECV right before the action that consumes it and each SEND right
+    after the one that produces it, on every crossing, so the two step alike
+    (``simulate`` times the source for the same reason). The source has about a
+    third of the actions. When it fails, the lowered schedule is diagnosed itself.
+    """
+    source = None if checked is None else checked.get("lowered_from")
+    return source is not None and (source._checked.get("verified", False) or runs_clean(source))
 
 
 def _diagnose(schedule: Schedule) -> None:
     """The checks one by one, in the documented order: raise at the first violation."""
-    space = CodeSpace(schedule.num_stages, schedule.num_microbatches, schedule.placement.stage_to_rank)
-    codes, kinds, region_stages = _check_actions(schedule, space)
-    comm_start = REGION_SEND_F * space.num_stages
-    lowered = any(max(ks) >= comm_start for ks in region_stages if ks)
+    space = CodeSpace.of(schedule)
+    codes, kinds = _check_actions(schedule, space)
+    lowered = any(not _COMM_KIND_IDS.isdisjoint(map(id, rank_kinds)) for rank_kinds in kinds)
     _check_each_once(schedule, space, codes, kinds)
     _check_complete(schedule, space, codes, kinds)
     if lowered:
         _check_comms(schedule, space, codes, kinds)
-    _check_runs(schedule, space, codes, region_stages, lowered)
+    _check_runs(schedule, space, codes, lowered)
 
 
 # -- 1. shape -----------------------------------------------------------------------------------
 
 
-def _check_shape(schedule: object) -> None:
+def check_shape(schedule: object) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` is a Schedule with a Placement and one program per rank."""
     if not isinstance(schedule, Schedule):
         raise ScheduleError(
             f"verify() expects a Schedule, got {type(schedule).__name__}; build one with "
@@ -146,8 +135,8 @@ def _check_shape(schedule: object) -> None:
 
 def _check_actions(
     schedule: Schedule, space: CodeSpace
-) -> tuple[list[list[int]], list[list[ActionKind]], list[list[int]]]:
-    """Codes, kinds and region-stages of every rank's actions; raises at the first bad action.
+) -> tuple[list[list[int]], list[list[ActionKind]]]:
+    """Codes and kinds of every rank's actions; raises at the first bad action.
 
     The fast path checks whole programs with set/min/max (C loops); only a
     program that fails one of them is walked action by action for the message.
@@ -156,21 +145,12 @@ def _check_actions(
     stage_to_rank = space.stage_to_rank
     codes: list[list[int]] = []
     kinds: list[list[ActionKind]] = []
-    region_stages: list[list[int]] = []
+    allowed = space.allowed_region_stages()
     for rank, program in enumerate(schedule.programs):
         own_stages = {s for s, r in enumerate(stage_to_rank) if r == rank}
-        # What may appear on this rank, as region * S + stage: its own stages' passes, and
-        # sends/receives only towards neighbour stages on other ranks.
-        allowed = {region * S + s for s in own_stages for region in (REGION_F, REGION_G, REGION_W)}
-        for s in own_stages:
-            if s > 0 and stage_to_rank[s - 1] != rank:
-                allowed.update((REGION_RECV_F * S + s, REGION_SEND_B * S + s))
-            if s < S - 1 and stage_to_rank[s + 1] != rank:
-                allowed.update((REGION_SEND_F * S + s, REGION_RECV_B * S + s))
         ok = True
         rank_kinds: list[ActionKind] = []
         rank_codes: list[int] = []
-        rank_region_stages: list[int] = []
         if program:
             ok = set(map(type, program)) == {Action}
             if ok:
@@ -189,16 +169,14 @@ def _check_actions(
                 )
             if ok:
                 rank_codes = space.encode_fields(kind_ids, stages, microbatches)
-                rank_region_stages = space.region_stages(rank_codes)
-                ok = set(rank_region_stages) <= allowed
+                ok = set(space.region_stages(rank_codes)) <= allowed[rank]
         if not ok:
             for i, action in enumerate(program):
                 _check_action(schedule, rank, i, action, own_stages)
             raise AssertionError(f"rank {rank}'s program failed a fast check that no action fails")
         codes.append(rank_codes)
         kinds.append(rank_kinds)
-        region_stages.append(rank_region_stages)
-    return codes, kinds, region_stages
+    return codes, kinds
 
 
 def _comm_fits(action: Action, stage_to_rank: tuple[int, ...]) -> bool:
@@ -375,8 +353,8 @@ def _check_comms(
         return  # each comm action is unique and sits on a crossing: all are there
     where = {code: (rank, i) for rank, rank_codes in enumerate(codes) for i, code in enumerate(rank_codes)}
 
-    def at(region: int, stage: int, microbatch: int) -> tuple[int, int] | None:
-        return where.get(space.code(region, stage, microbatch))
+    def at(kind: ActionKind, stage: int, microbatch: int) -> tuple[int, int] | None:
+        return where.get(space.code(kind, stage, microbatch))
 
     for rank, program in enumerate(schedule.programs):
         for i, action in enumerate(program):
@@ -385,28 +363,28 @@ def _check_comms(
             if kind is K.F or kind is K.SEND_F or kind is K.RECV_F:
                 checks = []
                 if kind is K.F and s > 0 and stage_to_rank[s - 1] != rank:
-                    checks.append((REGION_RECV_F, s, REGION_SEND_F, s - 1, "before"))
+                    checks.append((K.RECV_F, s, K.SEND_F, s - 1, "before"))
                 if kind is K.F and s < S - 1 and stage_to_rank[s + 1] != rank:
-                    checks.append((REGION_SEND_F, s, REGION_RECV_F, s + 1, "after"))
+                    checks.append((K.SEND_F, s, K.RECV_F, s + 1, "after"))
             elif kind is K.B or kind is K.I:
                 checks = []
                 if s < S - 1 and stage_to_rank[s + 1] != rank:
-                    checks.append((REGION_RECV_B, s, REGION_SEND_B, s + 1, "before"))
+                    checks.append((K.RECV_B, s, K.SEND_B, s + 1, "before"))
                 if s > 0 and stage_to_rank[s - 1] != rank:
-                    checks.append((REGION_SEND_B, s, REGION_RECV_B, s - 1, "after"))
+                    checks.append((K.SEND_B, s, K.RECV_B, s - 1, "after"))
             else:
                 continue
-            for own_region, own_stage, peer_region, peer_stage, side in checks:
-                own = at(own_region, own_stage, m)
-                peer = at(peer_region, peer_stage, m)
-                own_label = _code_label(own_region, own_stage, m)
-                peer_label = _code_label(peer_region, peer_stage, m)
+            for own_kind, own_stage, peer_kind, peer_stage, side in checks:
+                own = at(own_kind, own_stage, m)
+                peer = at(peer_kind, peer_stage, m)
+                own_label = str(Action(own_kind, own_stage, m))
+                peer_label = str(Action(peer_kind, peer_stage, m))
                 peer_rank = stage_to_rank[peer_stage]
                 if own is not None and peer is not None:
                     continue
                 if own is None and peer is not None:
                     # The peer's SEND/RECV is an orphan; ours belongs next to `action`.
-                    verb = "sends" if peer_region in (REGION_SEND_F, REGION_SEND_B) else "receives"
+                    verb = "sends" if peer_kind in (K.SEND_F, K.SEND_B) else "receives"
                     raise ScheduleError(
                         f"rank {peer_rank} {verb} {peer_label} at step {peer[1]}, but rank {rank} has no matching "
                         f"{own_label}: add it {side} {action} (step {i}) on rank {rank}",
@@ -414,7 +392,7 @@ def _check_comms(
                     )
                 if own is not None and peer is None:
                     peer_side = "before" if side == "after" else "after"
-                    peer_compute = _peer_compute(peer_region, peer_stage, m, at)
+                    peer_compute = _peer_compute(peer_kind, peer_stage, m, at)
                     marks = {own: STUCK}
                     if peer_compute[1] is not None:
                         marks[peer_compute[1]] = AWAITED
@@ -434,19 +412,14 @@ def _check_comms(
     raise AssertionError("communication counts differ but every crossing has its SEND and RECV")
 
 
-def _code_label(region: int, stage: int, microbatch: int) -> str:
-    name = {REGION_SEND_F: "SEND_F", REGION_RECV_F: "RECV_F", REGION_SEND_B: "SEND_B", REGION_RECV_B: "RECV_B"}
-    return f"{stage}{name[region]}{microbatch}"
-
-
 def _peer_compute(
-    peer_region: int, stage: int, microbatch: int, at: Callable[[int, int, int], tuple[int, int] | None]
+    peer_kind: ActionKind, stage: int, microbatch: int, at: Callable[[ActionKind, int, int], tuple[int, int] | None]
 ) -> tuple[str, tuple[int, int] | None]:
     """The compute action next to which the peer's SEND/RECV belongs (its label and where it is)."""
-    if peer_region in (REGION_SEND_F, REGION_RECV_F):
-        where = at(REGION_F, stage, microbatch)
+    if peer_kind in (K.SEND_F, K.RECV_F):
+        where = at(K.F, stage, microbatch)
         return (f"{stage}F{microbatch}" + ("" if where is None else f" (step {where[1]})")), where
-    where = at(REGION_G, stage, microbatch)
+    where = at(K.B, stage, microbatch)  # B and I share a code
     return f"the backward of stage {stage}, microbatch {microbatch}" + (
         "" if where is None else f" (step {where[1]})"
     ), where
@@ -455,13 +428,8 @@ def _peer_compute(
 # -- 5. order and deadlock -----------------------------------------------------------------------
 
 
-def _check_runs(
-    schedule: Schedule, space: CodeSpace, codes: list[list[int]], region_stages: list[list[int]], lowered: bool
-) -> None:
-    deltas = space.need_deltas(lowered)
-    needs = [space.needs(c, deltas, ks) for c, ks in zip(codes, region_stages)]
-    position = step(schedule.num_ranks, codes, needs, space)
-    blocked = blocked_ranks(schedule, space, codes, needs, position)
+def _check_runs(schedule: Schedule, space: CodeSpace, codes: list[list[int]], lowered: bool) -> None:
+    blocked = stuck_ranks(schedule)
     if not blocked:
         return
     _check_order(schedule, space, codes, lowered)
@@ -470,33 +438,29 @@ def _check_runs(
 
 def _check_order(schedule: Schedule, space: CodeSpace, codes: list[list[int]], lowered: bool) -> None:
     """Report an action placed before something it needs from its own rank (the usual root of a deadlock)."""
-    M, SM, S = space.num_microbatches, space.region_size, space.num_stages
+    last = space.num_stages - 1
     stage_to_rank = space.stage_to_rank
     for rank, program in enumerate(schedule.programs):
         step_of = {code: i for i, code in enumerate(codes[rank])}
         for i, action in enumerate(program):
-            code = codes[rank][i]
-            region, s, m = space.split(code)
-            base = s * M + m
-            before: list[int] = []  # codes that must come earlier on this rank
-            if region == REGION_G:
-                before.append(REGION_F * SM + base)
-                if s < S - 1 and stage_to_rank[s + 1] == rank:
-                    before.append(REGION_G * SM + base + M)
-                if lowered and s < S - 1 and stage_to_rank[s + 1] != rank:
-                    before.append(REGION_RECV_B * SM + base)
-            elif region == REGION_F:
+            kind, s, m = action.kind, action.stage, action.microbatch
+            before: list[tuple[ActionKind, int]] = []  # (kind, stage) of microbatch m that must come earlier here
+            if kind is K.B or kind is K.I:
+                before.append((K.F, s))
+                if s < last and stage_to_rank[s + 1] == rank:
+                    before.append((K.B, s + 1))
+                if lowered and s < last and stage_to_rank[s + 1] != rank:
+                    before.append((K.RECV_B, s))
+            elif kind is K.F:
                 if s > 0 and stage_to_rank[s - 1] == rank:
-                    before.append(REGION_F * SM + base - M)
+                    before.append((K.F, s - 1))
                 if lowered and s > 0 and stage_to_rank[s - 1] != rank:
-                    before.append(REGION_RECV_F * SM + base)
-            elif region == REGION_W:
-                before.append(REGION_G * SM + base)
-            elif region == REGION_SEND_F:
-                before.append(REGION_F * SM + base)
-            elif region == REGION_SEND_B:
-                before.append(REGION_G * SM + base)
-            for need in before:
+                    before.append((K.RECV_F, s))
+            elif kind is K.W or kind is K.SEND_B:
+                before.append((K.B, s))
+            elif kind is K.SEND_F:
+                before.append((K.F, s))
+            for need in (space.code(need_kind, need_stage, m) for need_kind, need_stage in before):
                 j = step_of.get(need)
                 if j is not None and j > i:
                     needed = program[j]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import conveyor.schedule as cs
-from conveyor.schedule.engine import run
 from conveyor.schedule.lower import lower
+from conveyor.schedule.simulate import step_timed as run
 
 
 def _by_action(timeline):

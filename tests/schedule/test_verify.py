@@ -11,9 +11,9 @@ import pytest
 import conveyor.schedule as cs
 from conveyor.errors import ScheduleError
 from conveyor.schedule.cost import CostModel
-from conveyor.schedule.engine import run
 from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
 from conveyor.schedule.lower import lower
+from conveyor.schedule.simulate import step_timed as run
 from conveyor.schedule.verify import verify
 
 K = ActionKind
@@ -416,7 +416,7 @@ def test_a_quarter_million_actions_verify_lower_and_simulate_in_seconds():
 
 
 def test_module_examples_hold():
-    for name in ("conveyor.schedule.verify", "conveyor.schedule.engine"):
+    for name in ("conveyor.schedule.verify", "conveyor.schedule.engine", "conveyor.schedule.simulate"):
         result = doctest.testmod(importlib.import_module(name))
         assert result.failed == 0 and result.attempted >= 1, name
 
