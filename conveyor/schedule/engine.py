@@ -57,6 +57,7 @@ from itertools import repeat
 from operator import add, floordiv, is_, length_hint, mul
 from typing import NamedTuple
 
+from conveyor.errors import UnknownAction
 from conveyor.schedule.ir import Action, ActionKind, Schedule
 
 # Regions of the code space. B and I share one: each (stage, microbatch) has one of them.
@@ -291,14 +292,6 @@ def rank_tables(space: CodeSpace, lowered: bool, make_row: RowMaker) -> list[dic
         row = make_row(kind, stage, base, deltas[region_stage], remote[region_stage])
         tables[space.stage_to_rank[stage]].setdefault(id(kind), {})[stage] = row
     return tables
-
-
-class UnknownAction(Exception):
-    """An action missed its rank's table: malformed, misplaced, or a SEND/RECV met by compute-only tables."""
-
-    def __init__(self, action: object) -> None:
-        super().__init__(action)
-        self.action = action
 
 
 @dataclass(slots=True)

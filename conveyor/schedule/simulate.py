@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
-from conveyor.errors import CostError
+from conveyor.errors import CostError, UnknownAction
 from conveyor.schedule.cost import CostModel
 from conveyor.schedule.engine import (
     ASK_DURATION,
@@ -37,7 +37,6 @@ from conveyor.schedule.engine import (
     Blocked,
     CodeSpace,
     Row,
-    UnknownAction,
     blocked_ranks,
     checked_pass,
     step_schedule,
