@@ -86,7 +86,7 @@ def makespan_ms(sched, costs: MeasuredCosts) -> float:
     """conveyor's simulated makespan of ``sched``'s executed programs with ``costs`` (ms), latency 0."""
     import conveyor.schedule as cs
 
-    return cs.simulate(cs.executable(sched).train, cs.CostModel.per_stage(costs.as_rows())).makespan
+    return cs.simulate(cs.executable(sched).compute, cs.CostModel.per_stage(costs.as_rows())).makespan
 
 
 def _serial_ms(costs: MeasuredCosts, num_microbatches: int) -> float:

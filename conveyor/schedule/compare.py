@@ -20,7 +20,7 @@ from pathlib import Path
 
 from conveyor.errors import ConveyorError, CostError
 from conveyor.schedule.cost import CostModel
-from conveyor.schedule.passes import executable
+from conveyor.schedule.passes import merge_backward_halves
 from conveyor.schedule.registry import ScheduleInfo, available, build
 from conveyor.schedule.simulate import simulate
 from conveyor.schedule.timeline import Timeline
@@ -88,19 +88,19 @@ def simulate_one(
     """Build, verify and simulate one registered schedule on uniform per-stage costs.
 
     What is timed is what the ranks run (:func:`conveyor.schedule.passes.executable`): an I
-    directly followed by its own W is one B there.
+    directly followed by its own W is one B there (:func:`~conveyor.schedule.passes.merge_backward_halves`).
 
     Example:
         >>> round(simulate_one("1f1b", 4, 8).bubble_ratio, 3)
         0.273
     """
-    # executable() verifies the schedule itself; build(check=True) would verify it twice.
+    # simulate() checks and times the merged programs in one pass; build(check=True) would check twice.
     built = build(schedule, ranks=ranks, microbatches=microbatches, virtual=virtual, check=False)
     forward, backward_input, backward_weight = costs
     model = CostModel.uniform(
         built.num_stages, forward, backward_input, backward_weight, latency=latency
     )
-    return simulate(executable(built).train, model)
+    return simulate(merge_backward_halves(built), model)  # times exactly like the lowered programs
 
 
 def _compare_row(

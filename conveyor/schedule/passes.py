@@ -24,8 +24,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Container, Sequence
 
 from conveyor.errors import ScheduleError
 from conveyor.schedule.ir import Action, ActionKind, Schedule
@@ -36,20 +36,45 @@ from conveyor.schedule.verify import verify
 Channel = tuple[ActionKind, int]
 
 
-@dataclass(frozen=True)
 class Executable:
-    """What the ranks of ``schedule`` run: its training and evaluation programs, lowered.
+    """What the ranks of ``schedule`` run: its training and evaluation programs.
 
-    ``train`` and ``eval`` are schedules (one program per rank); ``train`` verifies and
-    simulates like any other (``eval`` has no backward, which verify() calls incomplete).
-    ``train_in_order`` and ``eval_in_order`` are their FIFO channels.
+    ``train`` (lowered: sends and receives in place) verifies and simulates like any other
+    schedule; ``compute`` is its compute actions alone, which time exactly like it in the
+    simulator and come without lowering (``conveyor simulate`` at P=256 steps it).
+    ``eval`` (lowered forwards; verify() calls it incomplete: it has no backward), and
+    ``train_in_order`` / ``eval_in_order`` (their FIFO channels) are built when first read.
     """
 
-    schedule: Schedule
-    train: Schedule
-    eval: Schedule
-    train_in_order: frozenset[Channel]
-    eval_in_order: frozenset[Channel]
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+
+    @functools.cached_property
+    def compute(self) -> Schedule:
+        """The training programs' compute actions (:func:`merge_backward_halves` of the source)."""
+        compute = merge_backward_halves(self.schedule)
+        compute._checked["verified"] = True  # see executable()
+        return compute
+
+    @functools.cached_property
+    def train(self) -> Schedule:
+        """The training programs, lowered (what each rank's executor runs)."""
+        train = lower(self.compute)
+        train._checked["verified"] = True  # lower() also records that it times like ``compute``
+        return train
+
+    @functools.cached_property
+    def eval(self) -> Schedule:
+        """The forward-only (evaluation) programs, lowered."""
+        return lower(forward_only(self.schedule))
+
+    @functools.cached_property
+    def train_in_order(self) -> frozenset[Channel]:
+        return in_order_channels(self.train)
+
+    @functools.cached_property
+    def eval_in_order(self) -> frozenset[Channel]:
+        return in_order_channels(self.eval)
 
     def train_program(self, rank: int) -> tuple[Action, ...]:
         """The actions ``rank`` runs in a training step, in order."""
@@ -66,7 +91,11 @@ class Executable:
 
 
 def executable(schedule: Schedule) -> Executable:
-    """Verify ``schedule`` and run the pass chain: the programs every rank executes.
+    """Verify ``schedule``; the pass chain's programs for every rank (each built when first read).
+
+    Lowering and merging a verified schedule keep it deadlock-free and complete (property
+    tests in tests/schedule check every built-in and random schedules), so the training
+    programs are marked verified: simulate() does not check them again.
 
     Example:
         >>> import conveyor.schedule as cs
@@ -77,11 +106,28 @@ def executable(schedule: Schedule) -> Executable:
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"executable() expects a Schedule, got {type(schedule).__name__}")
     verify(schedule)
-    lowered = lower(schedule)
-    train = lowered.with_programs([merge_adjacent_backward_halves(p) for p in lowered.programs])
-    evaluation = lower(forward_only(schedule))
-    _derived_from_verified(train, lowered)
-    return Executable(schedule, train, evaluation, in_order_channels(train), in_order_channels(evaluation))
+    return Executable(schedule)
+
+
+def merge_backward_halves(schedule: Schedule) -> Schedule:
+    """``schedule`` with each I that lowering leaves right before its own W merged with it into one B.
+
+    That is stage 0's (no input gradient to send) and those whose input gradient stays on the
+    rank (the previous stage runs there); elsewhere lowering puts the send between them. It
+    neither checks ``schedule`` nor needs it lowered: ``simulate()`` of the result, which checks
+    it, times exactly what the ranks run.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> [str(a) for a in merge_backward_halves(cs.build("zb-h1", ranks=2, microbatches=1)).programs[0]]
+        ['0F0', '0B0']
+    """
+    placement = schedule.placement
+    programs = []
+    for rank, program in enumerate(schedule.programs):
+        keeps_gradient = {s for s in placement.stages_of(rank) if s == 0 or placement.rank_of(s - 1) == rank}
+        programs.append(merge_adjacent_backward_halves(program, keeps_gradient))
+    return schedule.with_programs(programs)
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -95,7 +141,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     return schedule.with_programs([[a for a in p if a.kind is ActionKind.F] for p in schedule.programs])
 
 
-def merge_adjacent_backward_halves(program: Sequence[Action]) -> tuple[Action, ...]:
+def merge_adjacent_backward_halves(program: Sequence[Action], stages: Container[int] | None = None) -> tuple[Action, ...]:
     """``program`` with each I directly followed by its own W run as one B.
 
     A split backward pays for itself by sending the input gradient before the weight
@@ -103,7 +149,10 @@ def merge_adjacent_backward_halves(program: Sequence[Action]) -> tuple[Action, .
     no gradient; a hand-over to a stage on the same rank) the split only costs: two
     engine runs and the I/W bookkeeping instead of one run. B gives the same gradients
     bit for bit (the runtime's split is built to match it) at the same point of the
-    program, so the rank's step differs only in taking less time.
+    program, so the rank's step differs only in taking less time. ``stages`` limits the
+    merging to those stages (None: every stage); in a lowered program a send sits between an
+    I and its W wherever the input gradient leaves the rank, so lowering then merging gives
+    what merging the stages that keep it, then lowering, gives.
 
     Example:
         >>> program = tuple(map(Action.parse, ["0F0", "0I0", "0W0", "1I0", "1SEND_B0", "1W0"]))
@@ -114,7 +163,8 @@ def merge_adjacent_backward_halves(program: Sequence[Action]) -> tuple[Action, .
     for action in program:
         previous = merged[-1] if merged else None
         if (action.kind is ActionKind.W and previous is not None and previous.kind is ActionKind.I
-                and previous.stage == action.stage and previous.microbatch == action.microbatch):
+                and previous.stage == action.stage and previous.microbatch == action.microbatch
+                and (stages is None or action.stage in stages)):
             merged[-1] = Action(ActionKind.B, action.stage, action.microbatch)
         else:
             merged.append(action)
@@ -161,18 +211,3 @@ def last_weight_passes(program: Sequence[Action]) -> dict[int, int]:
         if action.kind is ActionKind.B or action.kind is ActionKind.W:
             last[action.stage] = index
     return {index: stage for stage, index in sorted(last.items(), key=lambda item: item[1])}
-
-
-def _derived_from_verified(result: Schedule, lowered: Schedule) -> None:
-    """Record what holds of ``result`` by construction, so simulate() need not find it again.
-
-    Lowering and merging a verified schedule keep it deadlock-free and complete (property
-    tests in tests/schedule check every built-in), so ``result`` is marked verified. When the
-    lowering put every receive right before its consumer and every send right after its
-    producer, the program times exactly like its compute actions alone, which the engine
-    steps about 40% faster; merging changes only an I directly followed by its W, which no
-    communication separates, so that holds of the merged program too.
-    """
-    result._checked["verified"] = True
-    if "lowered_from" in lowered._checked:
-        result._checked["lowered_from"] = result.compute_only()

@@ -116,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
     pipe.close()  # its process groups and rings go now, not at interpreter exit
     if rank == 0:
         # The program the ranks ran (I+W pairs merged), timed with the costs they measured.
-        plan = cs.simulate(cs.executable(schedule).train, costs_from_timeline(measured, schedule.num_stages),
+        plan = cs.simulate(cs.executable(schedule).compute, costs_from_timeline(measured, schedule.num_stages),
                            time_unit="s")
         Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         side_by_side_png(plan, measured, args.png)

@@ -73,7 +73,12 @@ def _fresh(schedule: Schedule) -> Schedule:
 def _check_chain(schedule: Schedule) -> None:
     runs = executable(schedule)
     lowered = lower(schedule)
+    # Merging before lowering (only where lowering leaves I and W side by side) gives what
+    # merging the lowered programs gives; the compute actions alone are that, less the comms.
     assert runs.train.programs == tuple(merge_adjacent_backward_halves(p) for p in lowered.programs)
+    assert runs.compute.programs == _fresh(runs.train).compute_only().programs
+    assert cs.simulate(runs.compute).spans == cs.simulate(_fresh(runs.compute)).spans
+    verify(_fresh(runs.compute))
     assert runs.eval == lower(forward_only(schedule))
     verify(_fresh(runs.train))  # what the chain marks as verified verifies from scratch
     # The fast path the chain lets simulate() take times exactly like the full program.
