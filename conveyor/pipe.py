@@ -9,16 +9,9 @@ The same script runs on every rank::
     optimizer = torch.optim.AdamW(pipe.parameters()); optimizer.step()
 
 Results are bitwise identical to one device running, for each microbatch i
-in order, ``(loss_fn(model(x_i), y_i) / M).backward()``.
-
-Example (every rank in one process):
-    >>> import torch, conveyor
-    >>> stages = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
-    >>> pipe = conveyor.LocalPipeline(stages, schedule="1f1b", microbatches=2,
-    ...                               loss_fn=lambda y, t: (y - t).pow(2).mean())
-    >>> loss = pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
-    >>> loss.shape
-    torch.Size([])
+in order, ``(loss_fn(model(x_i), y_i) / M).backward()``. Every rank in one process:
+:class:`conveyor.local.LocalPipeline`; several replicas on a ("dp", "pp") mesh:
+``mesh=`` and :mod:`conveyor.parallel`.
 """
 
 from __future__ import annotations
