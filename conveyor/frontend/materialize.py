@@ -125,7 +125,6 @@ def materialize(
         id_of[name] = id(tensor)
     wanted = {first_name[id_of[name]] for name in names}
     made: dict[str, torch.Tensor] = {}
-    unset: list[str] = []
 
     def owned(module: nn.Module, prefix: str, recurse: bool) -> list[tuple[str, torch.Tensor]]:
         found = []
@@ -163,6 +162,18 @@ def materialize(
                 made[full] = fresh_tensor
 
     visit(model, "")
+    _warn_of_unset(made)
+    missing = [name for name in names if first_name[id_of[name]] not in made]
+    if missing:
+        raise SplitError(
+            f"could not materialise {missing} (internal error: no owning module found)"
+        )
+    return {name: made[first_name[id_of[name]]] for name in names}
+
+
+def _warn_of_unset(made: dict[str, torch.Tensor]) -> None:
+    """Log the tensors of ``made`` that no init method set (still holding ``_fill_unset``'s mark)."""
+    unset: list[str] = []
     with torch.no_grad():
         for full, tensor in made.items():
             if not tensor.numel():
@@ -183,12 +194,6 @@ def materialize(
             len(unset),
             ", ".join(unset[:10]) + (" ..." if len(unset) > 10 else ""),
         )
-    missing = [name for name in names if first_name[id_of[name]] not in made]
-    if missing:
-        raise SplitError(
-            f"could not materialise {missing} (internal error: no owning module found)"
-        )
-    return {name: made[first_name[id_of[name]]] for name in names}
 
 
 def _own_tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[str, torch.Tensor]]:

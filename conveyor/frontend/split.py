@@ -8,7 +8,6 @@ stage at a time (``ModelSplit.stage_module``), so each rank allocates only its o
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +19,18 @@ from torch import nn
 from conveyor.errors import SplitError
 from conveyor.frontend.balance import partition
 from conveyor.frontend.materialize import copy_tensor, materialize, named_tensors
+from conveyor.frontend.planning import SPLIT_METHODS as SPLIT_METHODS  # re-exported: public here
+from conveyor.frontend.planning import (
+    _calibrate,
+    _cut_allowed,
+    _dry_run,
+    _unit_weights,
+)
 from conveyor.frontend.stage import (
     StageModule,
     StageRecipe,
     StageTensor,
     ValueSpec,
-    as_received,
     build_graph,
     build_recipes,
 )
@@ -39,8 +44,6 @@ from conveyor.frontend.units import (
 )
 
 logger = logging.getLogger(__name__)
-
-SPLIT_METHODS = ("uniform", "parameters", "time", "type:<regex>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,158 +389,102 @@ def split_model(
     default_device = torch.device(device) if device is not None else model_device(model)
     if default_device.type == "meta":
         default_device = torch.device("cpu")
-
     if split_points is not None:
-        names = list(split_points)
-        if len(names) != num_stages - 1:
-            raise SplitError(
-                f"{num_stages} stages need {num_stages - 1} split points (the modules that start "
-                f"stages 1..{num_stages - 1}); got {len(names)}: {names}"
-            )
-        positions = resolve_split_points(model, spans, names, unsplittable)
-        return _make_split(traced, positions, tuple(names), None, default_device, seed, num_stages)
+        return _split_at_named_points(
+            traced, spans, model, split_points, unsplittable, default_device, seed, num_stages
+        )
+    return _balanced_split(
+        traced, spans, model, num_stages, split_method, unsplittable,
+        example_args, example_kwargs, default_device, seed,
+    )
 
+
+def _split_at_named_points(
+    traced: TracedModel,
+    spans: ModuleSpans,
+    model: nn.Module,
+    split_points: Sequence[str],
+    unsplittable: list[str],
+    device: torch.device,
+    seed: int,
+    num_stages: int,
+) -> ModelSplit:
+    """The split whose stages 1.. start with the modules ``split_points`` name."""
+    names = list(split_points)
+    if len(names) != num_stages - 1:
+        raise SplitError(
+            f"{num_stages} stages need {num_stages - 1} split points (the modules that start "
+            f"stages 1..{num_stages - 1}); got {len(names)}: {names}"
+        )
+    positions = resolve_split_points(model, spans, names, unsplittable)
+    return _make_split(traced, positions, tuple(names), None, device, seed, num_stages)
+
+
+def _balanced_split(
+    traced: TracedModel,
+    spans: ModuleSpans,
+    model: nn.Module,
+    num_stages: int,
+    split_method: str,
+    unsplittable: list[str],
+    example_args: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None,
+    device: torch.device,
+    seed: int,
+) -> ModelSplit:
+    """The split that balances ``split_method``'s weights of the model's units over the stages."""
     units = find_units(model, spans, unsplittable)
     if not units:
         units = [Unit("", type(model).__name__, 0, False)]
     starts = [0] + [unit.start for unit in units[1:]]
     weights = _unit_weights(split_method, traced, units, starts, spans, model, num_stages)
     if weights is None:  # "time": profile every unit on its own first
-        unit_split = _make_split(
-            traced,
-            starts[1:],
-            tuple(u.name for u in units[1:]),
-            None,
-            default_device,
-            seed,
-            len(units),
-        )
-        from conveyor.frontend.profile import profile_stages
+        weights = _profile_units(traced, units, starts, example_args, example_kwargs, device, seed)
+    cut_allowed = _cut_allowed(
+        model, units, starts, weights, spans, unsplittable, num_stages, split_method
+    )
 
-        weights = profile_stages(unit_split, example_args, example_kwargs, default_device, repeats=5)
-        logger.info("measured unit costs (s): %s", dict(zip((u.name for u in units), weights)))
-    cut_allowed = [
-        weights[j] > 0 and not any(spans.cuts_inside(starts[j], name) for name in unsplittable)
-        for j in range(len(units))
-    ]
-    if num_stages - 1 > sum(cut_allowed[1:]):
-        allowed = [units[j].name for j in range(1, len(units)) if cut_allowed[j]]
-        raise SplitError(
-            f"cannot split {type(model).__name__} into {num_stages} stages with split_method="
-            f"{split_method!r}: only {len(allowed)} unit(s) can start a stage ({_short_list(allowed)}), "
-            f"so at most {len(allowed) + 1} stages. Use fewer stages, or pass split_points naming finer "
-            "modules (any path in model.named_modules(), e.g. inside a block)."
-        )
     def split_for(unit_weights: list[float]) -> ModelSplit:
         cuts = partition(unit_weights, num_stages, cut_allowed)
         bounds = [0, *cuts, len(units)]
         stage_weights = tuple(sum(unit_weights[a:b]) for a, b in zip(bounds, bounds[1:]))
         split = _make_split(
             traced, [starts[j] for j in cuts], tuple(units[j].name for j in cuts), stage_weights,
-            default_device, seed, num_stages,
+            device, seed, num_stages,
         )
         split._unit_bounds = bounds
         return split
 
     split = split_for(weights)
     if split_method == "time" and num_stages > 1:
-        split = _calibrate(split, split_for, weights, example_args, example_kwargs, default_device)
+        split = _calibrate(split, split_for, weights, example_args, example_kwargs, device)
     return split
 
 
-def _calibrate(split, split_for, weights, example_args, example_kwargs, device, rounds: int = 2):
-    """Time the stages of a time-balanced split and re-balance with what they really cost.
-
-    Units profiled one by one each pay a fixed overhead that a stage of several units pays
-    once, so summed unit times overstate stages made of many small units. Each round scales
-    every stage's units by measured / predicted and splits again; the split whose slowest
-    measured stage is fastest wins.
-    """
-    from conveyor.frontend.profile import profile_stages
-
-    def slowest(candidate) -> tuple[float, list[float]]:
-        measured = profile_stages(candidate, example_args, example_kwargs, device, repeats=5)
-        return max(measured), measured
-
-    best, (best_time, measured) = split, slowest(split)
-    current, scaled = split, list(weights)
-    for _ in range(rounds):
-        bounds = current._unit_bounds
-        for stage, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            predicted = sum(scaled[a:b])
-            if predicted > 0:
-                factor = measured[stage] / predicted
-                scaled[a:b] = [w * factor for w in scaled[a:b]]
-        candidate = split_for(scaled)
-        if candidate.split_points == current.split_points:
-            break
-        candidate_time, measured = slowest(candidate)
-        logger.info("time balance: slowest stage %.4g s with %s", candidate_time, candidate.split_points)
-        if candidate_time < best_time:
-            best, best_time = candidate, candidate_time
-        current = candidate
-    return best
-
-
-def _short_list(names: list[str], limit: int = 8) -> str:
-    if len(names) <= limit:
-        return ", ".join(names) or "none"
-    return ", ".join(names[:limit]) + f", ... ({len(names)} in all)"
-
-
-def _unit_weights(
-    method: str,
+def _profile_units(
     traced: TracedModel,
     units: list[Unit],
     starts: list[int],
-    spans: ModuleSpans,
-    model: nn.Module,
-    num_stages: int,
-) -> list[float] | None:
-    ends = [*starts[1:], len(traced.nodes)]
-    if method == "uniform":
-        if any(unit.blocks for unit in units):
-            return [float(unit.blocks) for unit in units]
-        return [1.0] * len(units)
-    if method == "parameters":
-        by_name = dict(named_tensors(model))
-        weights = []
-        for start, end in zip(starts, ends):
-            seen: dict[int, int] = {}
-            for node in traced.nodes[start:end]:
-                for source in node.all_input_nodes:
-                    state = traced.state_inputs.get(source.name)
-                    if state is not None and state.kind == "parameter":
-                        tensor = by_name[state.target]
-                        seen[id(tensor)] = tensor.numel()
-            weights.append(float(sum(seen.values())))
-        return weights
-    if method == "time":
-        return None
-    if method.startswith("type:"):
-        try:
-            pattern = re.compile(method[len("type:") :])
-        except re.error as error:
-            raise SplitError(
-                f"split_method {method!r}: bad regular expression ({error})"
-            ) from error
-        weights = [0.0] * len(units)
-        matched = 0
-        for name, module in model.named_modules():
-            if name and pattern.search(type(module).__name__) and spans.ran(name):
-                first = spans.first[name]
-                index = max(j for j, start in enumerate(starts) if start <= first)
-                weights[index] += 1.0
-                matched += 1
-        if matched == 0:
-            classes = sorted(
-                {type(m).__name__ for n, m in model.named_modules() if n and spans.ran(n)}
-            )
-            raise SplitError(
-                f"split_method {method!r}: no module class matches; classes that ran: {_short_list(classes, 12)}"
-            )
-        return weights
-    raise SplitError(f"split_method must be one of {', '.join(SPLIT_METHODS)}; got {method!r}")
+    example_args: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None,
+    device: torch.device,
+    seed: int,
+) -> list[float]:
+    """Each unit's measured forward+backward seconds: the weights of ``split_method="time"``."""
+    unit_split = _make_split(
+        traced,
+        starts[1:],
+        tuple(u.name for u in units[1:]),
+        None,
+        device,
+        seed,
+        len(units),
+    )
+    from conveyor.frontend.profile import profile_stages
+
+    weights = profile_stages(unit_split, example_args, example_kwargs, device, repeats=5)
+    logger.info("measured unit costs (s): %s", dict(zip((u.name for u in units), weights)))
+    return weights
 
 
 def _make_split(
@@ -644,80 +591,3 @@ def _stage_starts(recipes: list[StageRecipe], traced: TracedModel):
         return stage
 
     return stage_of_position
-
-
-def _dry_run(split: ModelSplit) -> None:
-    """Run every stage on meta tensors: checks the cut and records the boundary specs."""
-    traced = split._traced
-    meta = torch.device("meta")
-    meta_copies: dict[int, torch.Tensor] = {}
-
-    def as_meta(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in meta_copies:
-            data = torch.empty_like(tensor, device=meta)
-            if isinstance(tensor, nn.Parameter):
-                data = nn.Parameter(data, requires_grad=tensor.requires_grad)
-            meta_copies[id(tensor)] = data
-        return meta_copies[id(tensor)]
-
-    flat_inputs = [
-        torch.empty(leaf.shape, dtype=leaf.dtype, device=meta) if leaf.is_tensor else leaf.value
-        for leaf in traced.example
-    ]
-    split._recipes[0].input_specs = tuple(
-        ValueSpec(leaf.name, leaf.shape, leaf.dtype, False, leaf.value) for leaf in traced.example
-    )
-    values: Any = pytree.tree_unflatten(flat_inputs, traced.in_spec)
-    device_map = {} if traced.trace_device == meta else {traced.trace_device: meta}
-    for recipe in split._recipes:
-        tensors = {}
-        for tensor_spec in split._stage_tensors[recipe.stage]:
-            if tensor_spec.kind == "constant":
-                source = traced.exported.constants[tensor_spec.source]
-            else:
-                source = split._tensor_by_name[tensor_spec.source]
-            tensors[tensor_spec.name] = (as_meta(source), tensor_spec.persistent)
-        graph, submodules = build_graph(recipe, traced, device_map)
-        module = StageModule(
-            recipe,
-            graph,
-            tensors,
-            submodules,
-            traced.example,
-            traced.in_spec,
-            traced.out_spec,
-            check_inputs=False,
-            traced_training=traced.training,
-        )
-        try:
-            if recipe.is_first:
-                args, kwargs = values
-                outputs = module(*args, **kwargs)
-            else:
-                outputs = module(*values)
-        except Exception as error:
-            autocast = any("autocast" in str(node.target) for node in recipe.nodes)
-            advice = (
-                "The model enters torch.autocast in forward, which does not apply to the meta tensors "
-                "the split is checked on, so no split point helps: build the stages by hand, or move "
-                "the autocast region around the call of the model."
-                if autocast else "Try other split points, or build the stages by hand."
-            )
-            raise SplitError(
-                f"stage {recipe.stage} failed on meta tensors while checking the split "
-                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). {advice}"
-            ) from error
-        flat_outputs = pytree.tree_leaves(outputs) if recipe.is_last else list(outputs)
-        names = [getattr(value, "name", f"output_{i}") for i, value in enumerate(recipe.outputs)]
-        if recipe.is_last:
-            names = [f"output_{i}" for i in range(len(flat_outputs))]
-        recipe.output_specs = tuple(_spec(name, value) for name, value in zip(names, flat_outputs))
-        if not recipe.is_last:
-            values = tuple(as_received(value) for value in outputs)
-            split._recipes[recipe.stage + 1].input_specs = recipe.output_specs
-
-
-def _spec(name: str, value: Any) -> ValueSpec:
-    if isinstance(value, torch.Tensor):
-        return ValueSpec(name, tuple(value.shape), value.dtype, value.requires_grad)
-    return ValueSpec(name, None, None, False, value)

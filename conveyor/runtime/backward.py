@@ -323,6 +323,22 @@ def backward_input(
     by_input = dict(zip(map(id, live_inputs), grads))
     input_grads = [by_input.get(id(x)) for x in inputs]
 
+    groups = _weight_groups(analysis, pairs, frontier_nodes, kept, params)
+    return PendingWeightGrad(input_grads, groups)
+
+
+def _weight_groups(
+    analysis: _GraphAnalysis,
+    pairs: list[tuple[GradientEdge, torch.Tensor]],
+    frontier_nodes: list[Node],
+    kept: dict[Node, tuple],
+    params: Sequence[torch.Tensor],
+) -> list[_Group]:
+    """What W runs, as groups of gradient edges that reach common parameters.
+
+    ``pairs``: the roots' edges and gradients; ``kept``: the gradients the input pass saw
+    arrive at each frontier node.
+    """
     # Entries for W: roots in the weight region, then each kept gradient at a frontier node.
     # Which of those exist depends on which gradients arrived (a branch may get none), so the
     # grouping is remembered per pattern of arrivals.
@@ -355,7 +371,7 @@ def backward_input(
             if node is not None and node not in group.frontier:
                 group.frontier.append(node)
         groups.append(group)
-    return PendingWeightGrad(input_grads, groups)
+    return groups
 
 
 def _keep(kept: dict, node: Node):

@@ -2,7 +2,8 @@
 
 Simulated plans and measured runs share the :class:`Timeline` type, so they
 share these renderers too, and :func:`side_by_side_png` lays the plan of a step
-over what really happened.
+over what really happened. The Chrome-trace writer is :mod:`conveyor.schedule.chrome_trace`;
+its functions are importable from here too.
 
 matplotlib (Agg backend) is imported inside the drawing functions only, so
 importing this module stays cheap and never needs a display.
@@ -18,13 +19,16 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+# The Chrome-trace writer has its own module; these names stay importable from here.
+from conveyor.schedule.chrome_trace import MICROSECONDS_PER_UNIT as MICROSECONDS_PER_UNIT
+from conveyor.schedule.chrome_trace import to_chrome_trace as to_chrome_trace
+from conveyor.schedule.chrome_trace import write_chrome_trace as write_chrome_trace
 from conveyor.schedule.ir import ActionKind
 from conveyor.schedule.timeline import Span, Timeline
 
@@ -44,16 +48,6 @@ KIND_NAMES: dict[ActionKind, str] = {
     ActionKind.W: "W weight gradient",
 }
 COMM_COLOR = "#7f7f7f"
-
-# Microseconds per time unit in Chrome traces. A simulated unit is shown as one
-# millisecond: Perfetto's ruler then reads "1 ms" per unit, which is easy to count.
-MICROSECONDS_PER_UNIT: dict[str, float] = {
-    "unit": 1_000.0,
-    "s": 1_000_000.0,
-    "ms": 1_000.0,
-    "us": 1.0,
-    "ns": 0.001,
-}
 
 # Label and layout limits that keep big pictures fast and small ones legible.
 _LABEL_FONT_PT = 7.0
@@ -499,104 +493,3 @@ def _ordinal(number: int) -> str:
         number % 10 if number % 100 not in (11, 12, 13) else 0, "th"
     )
     return f"{number}{suffix}"
-
-
-# --------------------------------------------------------------------------- Chrome trace
-
-
-def to_chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict:
-    """Chrome-trace JSON (a dict) of one or several timelines; open it in ui.perfetto.dev.
-
-    Every span becomes one complete (``"X"``) event named like ``"F s2 m5"``, with
-    ``args`` holding kind, stage, microbatch and rank. Each rank is a process
-    (``pid``); compute runs on thread 0 and communication on thread 1. Times are
-    microseconds from the timeline's start: seconds are converted exactly, and a
-    simulated unit is shown as 1 ms (:data:`MICROSECONDS_PER_UNIT`). Several
-    timelines get consecutive pids, their processes named after each title.
-
-    Example:
-        >>> import conveyor.schedule as cs
-        >>> tl = cs.simulate(cs.build("gpipe", ranks=2, microbatches=1))
-        >>> event = [e for e in to_chrome_trace(tl)["traceEvents"] if e["ph"] == "X"][1]
-        >>> event["name"], event["pid"], event["ts"], event["dur"]
-        ('F s1 m0', 1, 1000.0, 1000.0)
-    """
-    panels = [timelines] if isinstance(timelines, Timeline) else list(timelines)
-    events: list[dict] = []
-    pid_offset = 0
-    for timeline in panels:
-        scale = MICROSECONDS_PER_UNIT.get(timeline.time_unit)
-        if scale is None:
-            known = ", ".join(MICROSECONDS_PER_UNIT)
-            raise ValueError(
-                f"cannot convert time unit {timeline.time_unit!r} to microseconds; "
-                f"use one of {known} for Timeline.time_unit"
-            )
-        prefix = f"{timeline.title or timeline.source}: " if len(panels) > 1 else ""
-        for rank in range(timeline.num_ranks):
-            pid = pid_offset + rank
-            events.append(_metadata("process_name", pid, 0, {"name": f"{prefix}rank {rank}"}))
-            events.append(_metadata("process_sort_index", pid, 0, {"sort_index": pid}))
-            events.append(_metadata("thread_name", pid, 0, {"name": "compute"}))
-            events.append(_metadata("thread_name", pid, 1, {"name": "communication"}))
-        origin = timeline.start
-        for span in timeline.spans:
-            action = span.action
-            is_compute = action.kind.is_compute
-            events.append(
-                {
-                    "name": f"{action.kind.value} s{action.stage} m{action.microbatch}",
-                    "cat": "compute" if is_compute else "communication",
-                    "ph": "X",
-                    "ts": round((span.start - origin) * scale, 3),
-                    "dur": round((span.end - span.start) * scale, 3),
-                    "pid": pid_offset + span.rank,
-                    "tid": 0 if is_compute else 1,
-                    "args": {
-                        "kind": action.kind.value,
-                        "stage": action.stage,
-                        "microbatch": action.microbatch,
-                        "rank": span.rank,
-                        "action": str(action),
-                    },
-                }
-            )
-        pid_offset += timeline.num_ranks
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "timelines": [
-                {
-                    "title": t.title,
-                    "source": t.source,
-                    "time_unit": t.time_unit,
-                    "microseconds_per_unit": MICROSECONDS_PER_UNIT[t.time_unit],
-                    "makespan": t.makespan,
-                    "bubble_ratio": t.bubble_ratio,
-                }
-                for t in panels
-            ]
-        },
-    }
-
-
-def write_chrome_trace(timelines: Timeline | Sequence[Timeline], path: str | os.PathLike) -> Path:
-    """Write :func:`to_chrome_trace` to ``path`` (parents created); returns the path.
-
-    Example:
-        >>> import tempfile, conveyor.schedule as cs
-        >>> tl = cs.simulate(cs.build("gpipe", ranks=2, microbatches=1))
-        >>> write_chrome_trace(tl, tempfile.mkdtemp() + "/t.json").name
-        't.json'
-    """
-    trace = to_chrome_trace(timelines)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # json.dumps runs the C encoder; json.dump to a file falls back to the pure-Python one (10x slower).
-    out.write_text(json.dumps(trace, separators=(",", ":")))
-    return out
-
-
-def _metadata(name: str, pid: int, tid: int, args: dict) -> dict:
-    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}

@@ -258,10 +258,10 @@ def test_after_a_long_wait_the_next_wait_polls_briefly_unless_the_spin_was_given
 
 
 def test_a_structure_sent_again_reuses_its_cached_layout(monkeypatch):
-    from conveyor.runtime import shm
+    from conveyor.runtime import shm_ring
 
     sender, receiver = _in_process_pair(monkeypatch, "layouts")
-    shm._LAYOUTS.clear()
+    shm_ring._LAYOUTS.clear()
     cached = []
     for microbatch in range(6):  # two structures, alternating: each is cached once per end
         value = torch.full((3,), float(microbatch)) if microbatch % 2 else {"h": torch.ones(2, 2)}
@@ -269,7 +269,7 @@ def test_a_structure_sent_again_reuses_its_cached_layout(monkeypatch):
         got = receiver.wait(receiver.post_recv(0, (0, 0, microbatch)), f"m{microbatch}")
         expected = value if microbatch % 2 else value["h"]
         assert torch.equal(got if microbatch % 2 else got["h"], expected)
-        cached.append(len(shm._LAYOUTS))
+        cached.append(len(shm_ring._LAYOUTS))
     assert sender.structures_sent == 2
     assert cached == [2, 4, 4, 4, 4, 4]  # the sender's and the receiver's copy of each structure
 

@@ -1,0 +1,230 @@
+"""The steps of ``split_model`` that weigh, choose and check a cut.
+
+``split_model`` (:mod:`conveyor.frontend.split`) traces the model and builds the
+``ModelSplit``; what it asks along the way lives here: how much each unit weighs under a
+``split_method``, where a cut may go, how a time-balanced cut is calibrated against
+measured stages, and the dry run on meta tensors that checks a cut and records what
+crosses each boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from conveyor.errors import SplitError
+from conveyor.frontend.materialize import named_tensors
+from conveyor.frontend.stage import StageModule, ValueSpec, as_received, build_graph
+from conveyor.frontend.trace import TracedModel
+from conveyor.frontend.units import ModuleSpans, Unit
+
+if TYPE_CHECKING:
+    from conveyor.frontend.split import ModelSplit
+
+# split_model's messages, under the name they have always had (users filter on it).
+logger = logging.getLogger("conveyor.frontend.split")
+
+SPLIT_METHODS = ("uniform", "parameters", "time", "type:<regex>")
+
+
+def _cut_allowed(
+    model: nn.Module,
+    units: list[Unit],
+    starts: list[int],
+    weights: list[float],
+    spans: ModuleSpans,
+    unsplittable: list[str],
+    num_stages: int,
+    split_method: str,
+) -> list[bool]:
+    """Per unit, whether a stage may start with it; raises if too few may for ``num_stages``."""
+    cut_allowed = [
+        weights[j] > 0 and not any(spans.cuts_inside(starts[j], name) for name in unsplittable)
+        for j in range(len(units))
+    ]
+    if num_stages - 1 > sum(cut_allowed[1:]):
+        allowed = [units[j].name for j in range(1, len(units)) if cut_allowed[j]]
+        raise SplitError(
+            f"cannot split {type(model).__name__} into {num_stages} stages with split_method="
+            f"{split_method!r}: only {len(allowed)} unit(s) can start a stage ({_short_list(allowed)}), "
+            f"so at most {len(allowed) + 1} stages. Use fewer stages, or pass split_points naming finer "
+            "modules (any path in model.named_modules(), e.g. inside a block)."
+        )
+    return cut_allowed
+
+
+def _calibrate(split, split_for, weights, example_args, example_kwargs, device, rounds: int = 2):
+    """Time the stages of a time-balanced split and re-balance with what they really cost.
+
+    Units profiled one by one each pay a fixed overhead that a stage of several units pays
+    once, so summed unit times overstate stages made of many small units. Each round scales
+    every stage's units by measured / predicted and splits again; the split whose slowest
+    measured stage is fastest wins.
+    """
+    from conveyor.frontend.profile import profile_stages
+
+    def slowest(candidate) -> tuple[float, list[float]]:
+        measured = profile_stages(candidate, example_args, example_kwargs, device, repeats=5)
+        return max(measured), measured
+
+    best, (best_time, measured) = split, slowest(split)
+    current, scaled = split, list(weights)
+    for _ in range(rounds):
+        bounds = current._unit_bounds
+        for stage, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            predicted = sum(scaled[a:b])
+            if predicted > 0:
+                factor = measured[stage] / predicted
+                scaled[a:b] = [w * factor for w in scaled[a:b]]
+        candidate = split_for(scaled)
+        if candidate.split_points == current.split_points:
+            break
+        candidate_time, measured = slowest(candidate)
+        logger.info("time balance: slowest stage %.4g s with %s", candidate_time, candidate.split_points)
+        if candidate_time < best_time:
+            best, best_time = candidate, candidate_time
+        current = candidate
+    return best
+
+
+def _short_list(names: list[str], limit: int = 8) -> str:
+    if len(names) <= limit:
+        return ", ".join(names) or "none"
+    return ", ".join(names[:limit]) + f", ... ({len(names)} in all)"
+
+
+def _unit_weights(
+    method: str,
+    traced: TracedModel,
+    units: list[Unit],
+    starts: list[int],
+    spans: ModuleSpans,
+    model: nn.Module,
+    num_stages: int,
+) -> list[float] | None:
+    ends = [*starts[1:], len(traced.nodes)]
+    if method == "uniform":
+        if any(unit.blocks for unit in units):
+            return [float(unit.blocks) for unit in units]
+        return [1.0] * len(units)
+    if method == "parameters":
+        by_name = dict(named_tensors(model))
+        weights = []
+        for start, end in zip(starts, ends):
+            seen: dict[int, int] = {}
+            for node in traced.nodes[start:end]:
+                for source in node.all_input_nodes:
+                    state = traced.state_inputs.get(source.name)
+                    if state is not None and state.kind == "parameter":
+                        tensor = by_name[state.target]
+                        seen[id(tensor)] = tensor.numel()
+            weights.append(float(sum(seen.values())))
+        return weights
+    if method == "time":
+        return None
+    if method.startswith("type:"):
+        try:
+            pattern = re.compile(method[len("type:") :])
+        except re.error as error:
+            raise SplitError(
+                f"split_method {method!r}: bad regular expression ({error})"
+            ) from error
+        weights = [0.0] * len(units)
+        matched = 0
+        for name, module in model.named_modules():
+            if name and pattern.search(type(module).__name__) and spans.ran(name):
+                first = spans.first[name]
+                index = max(j for j, start in enumerate(starts) if start <= first)
+                weights[index] += 1.0
+                matched += 1
+        if matched == 0:
+            classes = sorted(
+                {type(m).__name__ for n, m in model.named_modules() if n and spans.ran(n)}
+            )
+            raise SplitError(
+                f"split_method {method!r}: no module class matches; classes that ran: {_short_list(classes, 12)}"
+            )
+        return weights
+    raise SplitError(f"split_method must be one of {', '.join(SPLIT_METHODS)}; got {method!r}")
+
+
+def _dry_run(split: ModelSplit) -> None:
+    """Run every stage on meta tensors: checks the cut and records the boundary specs."""
+    traced = split._traced
+    meta = torch.device("meta")
+    meta_copies: dict[int, torch.Tensor] = {}
+
+    def as_meta(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in meta_copies:
+            data = torch.empty_like(tensor, device=meta)
+            if isinstance(tensor, nn.Parameter):
+                data = nn.Parameter(data, requires_grad=tensor.requires_grad)
+            meta_copies[id(tensor)] = data
+        return meta_copies[id(tensor)]
+
+    flat_inputs = [
+        torch.empty(leaf.shape, dtype=leaf.dtype, device=meta) if leaf.is_tensor else leaf.value
+        for leaf in traced.example
+    ]
+    split._recipes[0].input_specs = tuple(
+        ValueSpec(leaf.name, leaf.shape, leaf.dtype, False, leaf.value) for leaf in traced.example
+    )
+    values: Any = pytree.tree_unflatten(flat_inputs, traced.in_spec)
+    device_map = {} if traced.trace_device == meta else {traced.trace_device: meta}
+    for recipe in split._recipes:
+        tensors = {}
+        for tensor_spec in split._stage_tensors[recipe.stage]:
+            if tensor_spec.kind == "constant":
+                source = traced.exported.constants[tensor_spec.source]
+            else:
+                source = split._tensor_by_name[tensor_spec.source]
+            tensors[tensor_spec.name] = (as_meta(source), tensor_spec.persistent)
+        graph, submodules = build_graph(recipe, traced, device_map)
+        module = StageModule(
+            recipe,
+            graph,
+            tensors,
+            submodules,
+            traced.example,
+            traced.in_spec,
+            traced.out_spec,
+            check_inputs=False,
+            traced_training=traced.training,
+        )
+        try:
+            if recipe.is_first:
+                args, kwargs = values
+                outputs = module(*args, **kwargs)
+            else:
+                outputs = module(*values)
+        except Exception as error:
+            autocast = any("autocast" in str(node.target) for node in recipe.nodes)
+            advice = (
+                "The model enters torch.autocast in forward, which does not apply to the meta tensors "
+                "the split is checked on, so no split point helps: build the stages by hand, or move "
+                "the autocast region around the call of the model."
+                if autocast else "Try other split points, or build the stages by hand."
+            )
+            raise SplitError(
+                f"stage {recipe.stage} failed on meta tensors while checking the split "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). {advice}"
+            ) from error
+        flat_outputs = pytree.tree_leaves(outputs) if recipe.is_last else list(outputs)
+        names = [getattr(value, "name", f"output_{i}") for i, value in enumerate(recipe.outputs)]
+        if recipe.is_last:
+            names = [f"output_{i}" for i in range(len(flat_outputs))]
+        recipe.output_specs = tuple(_spec(name, value) for name, value in zip(names, flat_outputs))
+        if not recipe.is_last:
+            values = tuple(as_received(value) for value in outputs)
+            split._recipes[recipe.stage + 1].input_specs = recipe.output_specs
+
+
+def _spec(name: str, value: Any) -> ValueSpec:
+    if isinstance(value, torch.Tensor):
+        return ValueSpec(name, tuple(value.shape), value.dtype, value.requires_grad)
+    return ValueSpec(name, None, None, False, value)
