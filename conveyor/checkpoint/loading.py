@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class _Refusal(Exception):
-    """A problem found while planning a load, with the error class every rank will raise."""
+    """A problem found while preparing a load, with the error class every rank will raise."""
 
     def __init__(self, kind: type[CheckpointError], message: str) -> None:
         super().__init__(message)
@@ -75,7 +75,7 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
         kind = exc.kind if isinstance(exc, _Refusal) else type(exc)
         problem = (kind.__name__, str(exc))
     except Exception as exc:  # anything else, too, must reach the peers before they wait in DCP
-        log.exception("conveyor: planning the load failed on this rank")
+        log.exception("conveyor: preparing the load failed on this rank")
         problem = (CheckpointError.__name__, f"{type(exc).__name__}: {exc}")
     verdicts = target.gather((problem, sorted(k for k in state if k.startswith("model."))))
     first = next((p for p, _ in verdicts if p is not None), None)

@@ -19,8 +19,8 @@ from torch import nn
 from conveyor.errors import SplitError
 from conveyor.frontend.balance import partition
 from conveyor.frontend.materialize import copy_tensor, materialize, named_tensors
-from conveyor.frontend.planning import SPLIT_METHODS as SPLIT_METHODS  # re-exported: public here
-from conveyor.frontend.planning import (
+from conveyor.frontend.split_steps import SPLIT_METHODS as SPLIT_METHODS  # re-exported: public here
+from conveyor.frontend.split_steps import (
     _calibrate,
     _cut_allowed,
     _dry_run,

@@ -8,8 +8,8 @@ Example:
     >>> import conveyor.schedule as cs
     >>> tl = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
     >>> trace = to_chrome_trace(tl)
-    >>> [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"][:3]
-    ['F s0 m0', 'F s0 m1', 'F s1 m0']
+    >>> sorted((e["ts"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X")[:3]
+    [(0.0, 'F s0 m0'), (1000.0, 'F s0 m1'), (1000.0, 'F s1 m0')]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def to_chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict:
     Example:
         >>> import conveyor.schedule as cs
         >>> tl = cs.simulate(cs.build("gpipe", ranks=2, microbatches=1))
-        >>> event = [e for e in to_chrome_trace(tl)["traceEvents"] if e["ph"] == "X"][1]
+        >>> event = next(e for e in to_chrome_trace(tl)["traceEvents"] if e.get("name") == "F s1 m0")
         >>> event["name"], event["pid"], event["ts"], event["dur"]
         ('F s1 m0', 1, 1000.0, 1000.0)
     """

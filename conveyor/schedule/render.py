@@ -13,8 +13,8 @@ Example:
     >>> from conveyor.schedule.render import to_chrome_trace
     >>> tl = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
     >>> trace = to_chrome_trace(tl)
-    >>> [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"][:3]
-    ['F s0 m0', 'F s0 m1', 'F s1 m0']
+    >>> sorted((e["ts"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X")[:3]
+    [(0.0, 'F s0 m0'), (1000.0, 'F s0 m1'), (1000.0, 'F s1 m0')]
 """
 
 from __future__ import annotations
