@@ -105,3 +105,13 @@ def test_every_error_class_lives_in_conveyor_errors():
     # an error conveyor reports to anyone.
     allowed = {"DeliberateExit": "testing/launch_check.py"}
     assert homes == allowed, f"error classes outside conveyor/errors.py: {set(homes.items()) - set(allowed.items())}"
+
+
+def test_a_pipeline_without_replicas_does_not_load_fsdp():
+    # FSDP2 and DTensor add ~45 MiB to every rank's memory: only data parallelism may load them.
+    code = (
+        "import sys, conveyor, conveyor.pipe, conveyor.local, conveyor.build\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.fsdp', 'torch.distributed.tensor'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -44,10 +44,13 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+if TYPE_CHECKING:  # FSDP2 and DTensor weigh ~45 MiB per process: imported only where used
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from conveyor.errors import PipelineConfigError, UsageError
 from conveyor.runtime.runner import StageRunner
@@ -80,6 +83,9 @@ def replicate_stage(module: torch.nn.Module, dp_mesh: DeviceMesh) -> FSDPModule:
 
 
 def _check_stage_mesh(module: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+
     if not isinstance(dp_mesh, DeviceMesh) or dp_mesh.ndim != 1:
         got = f"a {dp_mesh.ndim}-D mesh" if isinstance(dp_mesh, DeviceMesh) else type(dp_mesh).__name__
         raise PipelineConfigError(f"a stage is wrapped over the 1-D data-parallel mesh (mesh['dp']), got {got}")
@@ -104,6 +110,8 @@ def shard_stage(module: torch.nn.Module, dp_mesh: DeviceMesh, *,
         >>> type(next(stage.parameters())).__name__                 # doctest: +SKIP
         'DTensor'
     """
+    from torch.distributed.fsdp import fully_shard
+
     _check_stage_mesh(module, dp_mesh)
     kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
     sharded = fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, **kwargs)
@@ -165,6 +173,8 @@ def check_supported(schedule: Schedule, data_parallel: str = "fsdp", tied_parame
 
 
 def _fsdp_modules(module: torch.nn.Module) -> list[FSDPModule]:
+    from torch.distributed.fsdp import FSDPModule
+
     found = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not found or found[0] is not module:
         raise UsageError(

@@ -54,6 +54,14 @@ def test_pp2_x_dp2_matches_one_process_on_the_whole_batch(name, virtual, kind):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize(("name", "virtual"), [("gpipe", 1), ("looped-bfs", 2), ("zb-h1", 1), ("zb-h2", 1),
+                                               ("dualpipev", 2)])
+def test_every_other_built_in_schedule_runs_data_parallel_bitwise(name, virtual):
+    worst = max_relative_difference(name, virtual, "ddp", orders=("per_replica",))
+    assert worst["per_replica"] == 0.0, f"{name} V={virtual}: not bitwise ({worst['per_replica']:.3g})"
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_clip_grad_norm_spans_every_stage_and_replica(kind):
     # ddp: every replica holds whole gradients, so the norm is the one process's, bit for bit;
