@@ -173,7 +173,8 @@ class ConveyorRunner:
             raise Refused(f"conveyor.Pipeline: {type(error).__name__}: {error}") from error
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> Any:
-        return self.pipe.step(x, target=y)
+        # Data only where it is read, as a user's script passes it (else a warning per case).
+        return self.pipe.step(x if self.pipe.needs_inputs else None, target=y if self.pipe.needs_target else None)
 
 
 class SingleProcessRunner:
