@@ -17,6 +17,7 @@ import resource
 import tempfile
 from pathlib import Path
 
+import numpy
 import torch
 
 from conveyor.testing.multiprocess import run_ranks
@@ -41,7 +42,7 @@ class _Tokens(torch.utils.data.Dataset):
     """Rows of SEQ + 1 byte tokens, read whole into memory from ``path``."""
 
     def __init__(self, path: str) -> None:
-        self.tokens = torch.from_file(path, size=Path(path).stat().st_size, dtype=torch.uint8)
+        self.tokens = torch.from_numpy(numpy.fromfile(path, dtype=numpy.uint8))  # read, not mapped
         self.rows = self.tokens.numel() // (SEQ + 1)
 
     def __len__(self) -> int:
