@@ -97,7 +97,7 @@ class LossConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = _f("${run.dir}/checkpoints", "where checkpoints go")
+    dir: str | None = _f(None, "where checkpoints go (None: <run.dir>/checkpoints)")
     interval: int = _f(100, "steps between checkpoints (0: only at the end)")
     keep_last: int = _f(2, "checkpoints kept (0: all)")
     resume: bool | str = _f(False, "false | true (the latest in dir) | a checkpoint path")
@@ -126,6 +126,11 @@ class TrainConfig:
         return self.parallel.pp * self.parallel.dp
 
     @property
+    def checkpoint_dir(self) -> str:
+        """``checkpoint.dir``, or ``<run.dir>/checkpoints`` when it is None."""
+        return self.checkpoint.dir if self.checkpoint.dir is not None else f"{self.run.dir}/checkpoints"
+
+    @property
     def replica_batch_size(self) -> int:
         """Sequences per step on one replica: ``train.batch_size / dp``."""
         return self.train.batch_size // self.parallel.dp
@@ -141,7 +146,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
 
     Example:
         >>> cfg = load_config(None, ["train.steps=20", "parallel.microbatches=2"])
-        >>> cfg.train.steps, cfg.parallel.microbatches, cfg.checkpoint.dir
+        >>> cfg.train.steps, cfg.parallel.microbatches, cfg.checkpoint_dir
         (20, 2, 'runs/train/checkpoints')
     """
     layers = []
@@ -305,7 +310,7 @@ def _merge(nodes: Sequence[Any]) -> TrainConfig:
     except InterpolationResolutionError as error:
         key = getattr(error, "full_key", None) or "?"
         raise ConfigError(f"{key}: cannot resolve an interpolation: {str(error).splitlines()[0]}; "
-                          f"interpolations look like ${{run.dir}}/checkpoints") from None
+                          f"interpolations look like ${{run.dir}}/ckpt") from None
     cfg.optim.betas = tuple(cfg.optim.betas)  # OmegaConf may hand a list back
     return cfg
 

@@ -187,4 +187,4 @@ def _check_checkpoint(cfg: Any, problems: list[str]) -> None:
     resume = cfg.checkpoint.resume
     if isinstance(resume, str) and not Path(resume).expanduser().exists():
         problems.append(f"checkpoint.resume={resume!r}: no such checkpoint; expected false, true (the "
-                        f"latest in checkpoint.dir) or an existing checkpoint path")
+                        f"latest in the checkpoint directory) or an existing checkpoint path")
