@@ -48,6 +48,8 @@ RANGES = {
     "run.log_interval": (1, None, False),
 }
 
+_SIZE_KEYS = ("parallel.", "train.batch_size", "model.layers")
+
 
 def validate(cfg: Any, *, world_size: int | None = None) -> None:
     """Raise a ConfigError listing every rule ``cfg`` breaks (nothing when it keeps them all).
@@ -59,7 +61,8 @@ def validate(cfg: Any, *, world_size: int | None = None) -> None:
     _check_model(cfg, problems)
     _check_data(cfg, problems)
     _check_optim(cfg, problems)
-    if not problems:  # the sizes below divide by these; only meaningful once they are in range
+    # The size rules divide by these: meaningful only once they are in range.
+    if not any(p.startswith(_SIZE_KEYS) for p in problems):
         _check_parallel(cfg, problems, world_size)
     _check_checkpoint(cfg, problems)
     if problems:

@@ -116,6 +116,8 @@ def test_sizes_that_do_not_divide():
 def test_every_problem_is_reported_at_once():
     message = _refusal(["train.precision=fp16", "optim.lr=-1", "loss.normalize=token"])
     assert message.startswith("3 problems in the config:")
+    both = _refusal(["train.precision=fp16", "parallel.microbatches=3"])  # a size rule is not hidden
+    assert both.startswith("2 problems") and "parallel.microbatches=3" in both
 
 
 def test_malformed_input():
