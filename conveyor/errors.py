@@ -95,6 +95,11 @@ class PretrainedWeightsError(CheckpointError):
     """Pretrained weights (safetensors) do not fit the model: a tensor missing, or of another shape."""
 
 
+class ConfigError(ConveyorError, ValueError):
+    """A training config cannot work: an unknown key (with the allowed keys and a close match),
+    or a value of the wrong type, outside its choices or range; found before anything starts."""
+
+
 class LostConnection(RuntimeError):
     """A wait broke because a connection of the group closed; says what this rank waited for.
 

@@ -1,1 +1,1 @@
-"""Training entry points built on Pipeline (the demo trainer)."""
+"""Training on Pipeline: typed configs (config), data where it is read (data), the demo trainer (demo)."""

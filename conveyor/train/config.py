@@ -1,0 +1,342 @@
+"""Typed training configs: a YAML file plus dotted command-line overrides, checked before anything starts.
+
+A :class:`TrainConfig` has one section per concern (``model``, ``data``, ``parallel``,
+``optim``, ``train``, ``loss``, ``checkpoint``, ``run``); every field has a default, so no
+file at all gives a small byte-level GPT trained on the Python standard library's sources,
+pipelined over 2 CPU ranks. :func:`load_config` layers the defaults, the YAML file and the
+overrides (OmegaConf structured configs: later wins), then checks every key and value;
+a mistake raises :class:`~conveyor.errors.ConfigError` naming the key, what came and what is
+allowed (an unknown key also lists its section's keys and a close match).
+:func:`save_config` writes the resolved config; loading that file gives an equal config.
+
+Example:
+    >>> cfg = load_config(None, ["parallel.pp=2", "optim.lr=3e-4"])
+    >>> cfg.parallel.pp, cfg.optim.lr, cfg.model.name
+    (2, 0.0003, 'gpt')
+    >>> load_config(None, ["optim.lrr=1"])
+    Traceback (most recent call last):
+    ...
+    conveyor.errors.ConfigError: unknown key 'optim.lrr' (command-line override 'optim.lrr=1'); did you mean 'optim.lr'? The keys of section 'optim' are: lr, betas, weight_decay, warmup_steps, lr_schedule, min_lr_ratio
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conveyor.errors import ConfigError
+
+
+def _f(default: Any, help: str) -> Any:
+    # The help text rides in the field's metadata, so `conveyor train --help` can list it.
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f("gpt", "gpt | llama | mpt | hf:<transformers class name> | a local pretrained directory")
+    layers: int = _f(4, "transformer blocks")
+    width: int = _f(128, "hidden size")
+    heads: int = _f(4, "attention heads (must divide width)")
+    seq_len: int = _f(128, "tokens per training sequence (the vocabulary comes from the tokenizer)")
+
+
+@dataclass
+class DataConfig:
+    # Any: a single path or glob, "stdlib", or a list of paths/globs (OmegaConf has no str | list).
+    source: Any = _f("stdlib", "'stdlib' (the Python standard library's .py sources) or local files/globs")
+    format: str | None = _f(None, "text | jsonl | parquet; None: from each file's suffix")
+    text_key: str = _f("text", "the field holding the text in jsonl records and parquet columns")
+    tokenizer: str = _f("bytes", "'bytes' (vocab 256) or a local tokenizer directory")
+    val_fraction: float = _f(0.05, "share of the documents (files or records) held out for validation")
+    max_bytes: int | None = _f(None, "read at most this many bytes of the corpus (None: all)")
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = _f(2, "pipeline ranks")
+    virtual: int | None = _f(None, "stages per rank (None: the schedule's default)")
+    schedule: str = _f("1f1b", "schedule name (see `conveyor schedules`)")
+    microbatches: int = _f(4, "microbatches per step (must divide the per-replica batch)")
+    dp: int = _f(1, "data-parallel replicas")
+    data_parallel: str = _f("ddp", "ddp | fsdp (how replicas share gradients)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-3, "peak learning rate (AdamW)")
+    betas: tuple[float, float] = _f((0.9, 0.95), "AdamW betas")
+    weight_decay: float = _f(0.1, "AdamW weight decay")
+    warmup_steps: int = _f(50, "linear warm-up steps")
+    lr_schedule: str = _f("cosine", "cosine | constant (after warm-up)")
+    min_lr_ratio: float = _f(0.1, "cosine's final lr as a fraction of lr")
+
+
+@dataclass
+class LoopConfig:
+    steps: int = _f(500, "optimizer steps")
+    batch_size: int = _f(16, "global batch (sequences per step over all replicas)")
+    eval_interval: int = _f(100, "steps between validations (0: never)")
+    eval_batches: int = _f(8, "validation batches per evaluation")
+    clip: float = _f(1.0, "clip the gradients' total norm to this (0: no clipping)")
+    activation_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    precision: str = _f("fp32", "fp32 | bf16")
+    seed: int = _f(0, "seed of the model's initialisation and the data order")
+
+
+@dataclass
+class LossConfig:
+    normalize: str = _f("microbatch", "microbatch (mean per microbatch) | tokens (mean over the step's tokens)")
+    on_nonfinite: str = _f("skip", "skip (drop the step) | stop (end the run) when loss or gradients are not finite")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = _f(None, "where checkpoints go (None: <run.dir>/checkpoints)")
+    interval: int = _f(100, "steps between checkpoints (0: only at the end)")
+    keep_last: int = _f(2, "checkpoints kept (0: all)")
+    resume: bool | str = _f(False, "false | true (the latest in dir) | a checkpoint path")
+
+
+@dataclass
+class RunConfig:
+    dir: str = _f("runs/train", "the run's directory: config, logs, pictures")
+    log_interval: int = _f(10, "steps between progress lines")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the run needs: ``pp x dp``."""
+        return self.parallel.pp * self.parallel.dp
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """``checkpoint.dir``, or ``<run.dir>/checkpoints`` when it is None."""
+        return self.checkpoint.dir if self.checkpoint.dir is not None else f"{self.run.dir}/checkpoints"
+
+    @property
+    def replica_batch_size(self) -> int:
+        """Sequences per step on one replica: ``train.batch_size / dp``."""
+        return self.train.batch_size // self.parallel.dp
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *,
+                world_size: int | None = None) -> TrainConfig:
+    """The defaults, then the YAML file at ``path`` (if any), then ``overrides`` (``"section.key=value"``), checked.
+
+    ``world_size`` (when known, e.g. from the launcher) must equal ``parallel.pp x parallel.dp``.
+    Raises :class:`~conveyor.errors.ConfigError` for an unknown key, a value of the wrong
+    type or outside its choices or range, naming key, value and what is allowed.
+
+    Example:
+        >>> cfg = load_config(None, ["train.steps=20", "parallel.microbatches=2"])
+        >>> cfg.train.steps, cfg.parallel.microbatches, cfg.checkpoint_dir
+        (20, 2, 'runs/train/checkpoints')
+    """
+    layers = []
+    if path is not None:
+        layers.append((_read_yaml(Path(path)), f"in {path}"))
+    if overrides:
+        layers.append((_read_overrides(overrides), None))
+    for node, where in layers:
+        _check_keys(node, TrainConfig, "", where, overrides)
+    cfg = _merge([node for node, _ in layers])
+    from conveyor.train.config_checks import validate
+
+    validate(cfg, world_size=world_size)
+    return cfg
+
+
+def save_config(cfg: TrainConfig, path: str | Path) -> Path:
+    """Write ``cfg`` (resolved: no interpolations left) as YAML at ``path``; returns the path.
+
+    Example:
+        >>> import tempfile
+        >>> cfg = load_config(None, ["optim.lr=3e-4"])
+        >>> out = save_config(cfg, Path(tempfile.mkdtemp()) / "config.yaml")
+        >>> load_config(out) == cfg
+        True
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config_yaml(cfg))
+    return path
+
+
+def config_yaml(cfg: TrainConfig) -> str:
+    """``cfg`` as YAML text (what :func:`save_config` writes)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+
+
+def field_help(section: str, key: str) -> str:
+    """The help text of ``section.key`` (for command-line help).
+
+    Example:
+        >>> field_help("parallel", "pp")
+        'pipeline ranks'
+    """
+    cls = _section_types()[section]
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == key)
+
+
+def _section_types() -> dict[str, type]:
+    return {f.name: _field_type(TrainConfig, f.name) for f in dataclasses.fields(TrainConfig)}
+
+
+def _field_type(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def _read_yaml(path: Path) -> Any:
+    from omegaconf import DictConfig, OmegaConf
+
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}; expected a YAML file such as configs/gpt.yaml "
+                          f"(or leave it out to use the defaults)")
+    try:
+        node = OmegaConf.load(path)
+    except Exception as error:  # noqa: BLE001 - YAML's own message says where the syntax broke
+        raise ConfigError(f"cannot read {path} as YAML: {error}") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path} holds a {type(node).__name__}, expected a mapping of sections "
+                          f"({', '.join(_section_types())})")
+    return node
+
+
+def _read_overrides(overrides: Sequence[str]) -> Any:
+    from omegaconf import OmegaConf
+
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not of the form section.key=value; "
+                              f"e.g. parallel.pp=2 or optim.lr=3e-4")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except Exception as error:  # noqa: BLE001 - the grammar's message names the bad item
+        raise ConfigError(f"cannot read the overrides {list(overrides)}: {error}") from None
+
+
+def _origin(where: str | None, key: str, overrides: Sequence[str]) -> str:
+    if where is not None:
+        return where
+    def names(item: str) -> bool:
+        name = item.split("=", 1)[0].strip()
+        return name == key or name.startswith(key + ".")
+
+    item = next((o for o in overrides if names(o)), None)
+    return f"command-line override {item!r}" if item else "command-line overrides"
+
+
+def _check_keys(node: Any, cls: type, prefix: str, where: str | None, overrides: Sequence[str]) -> None:
+    """Every key of ``node`` is a field of ``cls`` (recursively), else a ConfigError with a close match."""
+    from omegaconf import DictConfig
+
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in node:
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(_unknown_key(full, str(key), prefix, names, _origin(where, full, overrides)))
+        kind = _field_type(cls, key)
+        value = node._get_node(key)
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, DictConfig):
+                raise ConfigError(f"{full!r} is a section, not a value ({_origin(where, full, overrides)}); "
+                                  f"set its keys instead, e.g. {full}.{dataclasses.fields(kind)[0].name}=...")
+            _check_keys(value, kind, f"{full}.", where, overrides)
+        elif _wrong_length(kind, value):
+            raise ConfigError(f"{full}={_plain(value)!r} ({_origin(where, full, overrides)}): expected "
+                              f"{len(typing.get_args(kind))} values, e.g. {full}={list(_default(cls, key))}")
+        elif isinstance(value, DictConfig) and kind is not Any:
+            raise ConfigError(f"{full!r} is a value, not a section ({_origin(where, full, overrides)}): "
+                              f"its keys {list(value)} cannot be set; give {full}=<value>")
+
+
+def _wrong_length(kind: Any, value: Any) -> bool:
+    """A fixed-length tuple field given a list of another length (OmegaConf's own error names no key)."""
+    from omegaconf import ListConfig
+
+    return (typing.get_origin(kind) is tuple and isinstance(value, ListConfig)
+            and len(value) != len(typing.get_args(kind)))
+
+
+def _plain(value: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def _default(cls: type, key: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == key)
+
+
+def _unknown_key(full: str, key: str, prefix: str, names: Sequence[str], origin: str) -> str:
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    hint = f"; did you mean {prefix + close[0]!r}?" if close else ";"
+    if prefix:
+        return (f"unknown key {full!r} ({origin}){hint} The keys of section {prefix[:-1]!r} are: "
+                f"{', '.join(names)}")
+    return f"unknown section {full!r} ({origin}){hint} The sections are: {', '.join(names)}"
+
+
+def _merge(nodes: Sequence[Any]) -> TrainConfig:
+    """Defaults <- each node in turn, as a TrainConfig; OmegaConf's type errors become ConfigErrors."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError, ValidationError
+
+    schema = OmegaConf.structured(TrainConfig)
+    try:
+        merged = OmegaConf.merge(schema, *nodes)
+        cfg = OmegaConf.to_object(merged)
+    except ValidationError as error:
+        raise ConfigError(_type_message(error, nodes)) from None
+    except InterpolationResolutionError as error:
+        key = getattr(error, "full_key", None) or "?"
+        raise ConfigError(f"{key}: cannot resolve an interpolation: {str(error).splitlines()[0]}; "
+                          f"interpolations look like ${{run.dir}}/ckpt") from None
+    cfg.optim.betas = tuple(cfg.optim.betas)  # OmegaConf may hand a list back
+    return cfg
+
+
+def _type_message(error: Exception, nodes: Sequence[Any]) -> str:
+    key = getattr(error, "full_key", None) or ""
+    section, _, name = key.partition(".")
+    expected = "?"
+    if name and section in _section_types():
+        expected = _describe_type(_field_type(_section_types()[section], name))
+    value = _value_at(nodes, key)
+    reason = str(error).splitlines()[0]
+    return f"{key}={value!r}: expected {expected} ({reason})"
+
+
+def _value_at(nodes: Sequence[Any], key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    value = None
+    for node in nodes:
+        found = OmegaConf.select(node, key, default=None) if key else None
+        if found is not None:
+            value = _plain(found)
+    return value
+
+
+def _describe_type(kind: Any) -> str:
+    text = getattr(kind, "__name__", None) if isinstance(kind, type) else None
+    return text or str(kind).replace("typing.", "")

@@ -1,0 +1,193 @@
+"""The rules a :class:`~conveyor.train.config.TrainConfig` must keep, checked before anything starts.
+
+:func:`validate` gathers every broken rule and raises one
+:class:`~conveyor.errors.ConfigError` listing them; each line names the key, the value and
+what is allowed, so one run of ``conveyor train`` shows every mistake at once.
+
+Example:
+    >>> from conveyor.train.config import TrainConfig
+    >>> cfg = TrainConfig()
+    >>> cfg.parallel.microbatches = 3
+    >>> validate(cfg)
+    Traceback (most recent call last):
+    ...
+    conveyor.errors.ConfigError: parallel.microbatches=3: must divide the per-replica batch train.batch_size / parallel.dp = 16 / 1 = 16; try one of 1, 2, 4, 8, 16
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from conveyor.errors import ConfigError
+from conveyor.train import sources
+
+MODEL_NAMES = ("gpt", "llama", "mpt")
+CHOICES = {
+    "parallel.data_parallel": ("ddp", "fsdp"),
+    "optim.lr_schedule": ("cosine", "constant"),
+    "train.precision": ("fp32", "bf16"),
+    "loss.normalize": ("microbatch", "tokens"),
+    "loss.on_nonfinite": ("skip", "stop"),
+}
+# key -> (lowest, highest, whether the lowest itself is refused); None: unbounded.
+RANGES = {
+    "model.layers": (1, None, False), "model.width": (1, None, False), "model.heads": (1, None, False),
+    "model.seq_len": (1, None, False),
+    "data.val_fraction": (0.0, 1.0, False), "data.max_bytes": (1, None, False),
+    "parallel.pp": (1, None, False), "parallel.virtual": (1, None, False),
+    "parallel.microbatches": (1, None, False), "parallel.dp": (1, None, False),
+    "optim.lr": (0.0, None, True), "optim.weight_decay": (0.0, None, False),
+    "optim.warmup_steps": (0, None, False), "optim.min_lr_ratio": (0.0, 1.0, False),
+    "train.steps": (1, None, False), "train.batch_size": (1, None, False),
+    "train.eval_interval": (0, None, False), "train.eval_batches": (1, None, False),
+    "train.clip": (0.0, None, False), "train.seed": (0, None, False),
+    "checkpoint.interval": (0, None, False), "checkpoint.keep_last": (0, None, False),
+    "run.log_interval": (1, None, False),
+}
+
+_SIZE_KEYS = ("parallel.", "train.batch_size", "model.layers")
+
+
+def validate(cfg: Any, *, world_size: int | None = None) -> None:
+    """Raise a ConfigError listing every rule ``cfg`` breaks (nothing when it keeps them all).
+
+    ``world_size``, when known, must equal ``parallel.pp x parallel.dp``.
+    """
+    problems: list[str] = []
+    _check_choices_and_ranges(cfg, problems)
+    _check_model(cfg, problems)
+    _check_data(cfg, problems)
+    _check_optim(cfg, problems)
+    # The size rules divide by these: meaningful only once they are in range.
+    if not any(p.startswith(_SIZE_KEYS) for p in problems):
+        _check_parallel(cfg, problems, world_size)
+    _check_checkpoint(cfg, problems)
+    if problems:
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
+        raise ConfigError(f"{len(problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _get(cfg: Any, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _check_choices_and_ranges(cfg: Any, problems: list[str]) -> None:
+    for key, choices in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            problems.append(f"{key}={value!r}: expected one of {', '.join(choices)}{_close(value, choices)}")
+    for key, (low, high, low_open) in RANGES.items():
+        value = _get(cfg, key)
+        if value is None:
+            continue
+        too_low = value <= low if low_open else value < low
+        too_high = high is not None and (value >= high if key == "data.val_fraction" else value > high)
+        if too_low or too_high:
+            problems.append(f"{key}={value!r}: expected {_describe_range(key, low, high, low_open)}")
+
+
+def _describe_range(key: str, low: float, high: float | None, low_open: bool) -> str:
+    if high is None:
+        return f"a value > {low}" if low_open else f"a value >= {low}"
+    upper = "<" if key == "data.val_fraction" else "<="
+    return f"{low} <= value {upper} {high}"
+
+
+def _close(value: Any, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_model(cfg: Any, problems: list[str]) -> None:
+    name, model = cfg.model.name, cfg.model
+    if name.startswith("hf:"):
+        if not name[3:].isidentifier():
+            problems.append(f"model.name={name!r}: after 'hf:' comes a transformers class name, "
+                            f"e.g. hf:GPT2LMHeadModel")
+    elif name not in MODEL_NAMES and not Path(name).expanduser().is_dir():
+        problems.append(f"model.name={name!r}: expected one of {', '.join(MODEL_NAMES)}, "
+                        f"hf:<transformers class name>, or a local pretrained directory (no directory "
+                        f"{name!r} here){_close(name, MODEL_NAMES)}")
+    if model.heads >= 1 and model.width >= 1 and model.width % model.heads:
+        problems.append(f"model.heads={model.heads}: must divide model.width={model.width}")
+
+
+def _check_data(cfg: Any, problems: list[str]) -> None:
+    data = cfg.data
+    if data.format is not None and data.format not in sources.FORMATS:
+        problems.append(f"data.format={data.format!r}: expected one of {', '.join(sources.FORMATS)}, or "
+                        f"null to infer it from each file's suffix{_close(data.format, sources.FORMATS)}")
+    try:
+        files = sources.source_files(data.source)
+        if any(sources.file_format(path, data.format) == "parquet" for path in files):
+            sources.require_pyarrow()
+    except ConfigError as error:
+        problems.append(str(error))
+    if data.tokenizer != "bytes" and not Path(data.tokenizer).expanduser().is_dir():
+        problems.append(f"data.tokenizer={data.tokenizer!r}: expected 'bytes' or a local tokenizer "
+                        f"directory (no directory {data.tokenizer!r} here)")
+    if cfg.train.eval_interval > 0 and data.val_fraction == 0:
+        problems.append(f"data.val_fraction=0 leaves nothing to validate on, but train.eval_interval="
+                        f"{cfg.train.eval_interval}; set data.val_fraction (e.g. 0.05) or train.eval_interval=0")
+
+
+def _check_optim(cfg: Any, problems: list[str]) -> None:
+    betas = cfg.optim.betas
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        problems.append(f"optim.betas={list(betas)!r}: expected two numbers in [0, 1), e.g. [0.9, 0.95]")
+
+
+def _check_parallel(cfg: Any, problems: list[str], world_size: int | None) -> None:
+    par, loop = cfg.parallel, cfg.train
+    if loop.batch_size % par.dp:
+        problems.append(f"train.batch_size={loop.batch_size}: must split evenly over parallel.dp={par.dp} "
+                        f"replicas; try a multiple of {par.dp}")
+        return
+    per_replica = loop.batch_size // par.dp
+    if per_replica % par.microbatches:
+        divisors = ", ".join(str(d) for d in range(1, per_replica + 1) if per_replica % d == 0)
+        problems.append(f"parallel.microbatches={par.microbatches}: must divide the per-replica batch "
+                        f"train.batch_size / parallel.dp = {loop.batch_size} / {par.dp} = {per_replica}; "
+                        f"try one of {divisors}")
+    if world_size is not None and par.pp * par.dp != world_size:
+        problems.append(f"parallel.pp x parallel.dp = {par.pp} x {par.dp} = {par.pp * par.dp}, but the job "
+                        f"has {world_size} ranks; make pp x dp equal {world_size}")
+    _check_schedule(cfg, problems)
+
+
+def _check_schedule(cfg: Any, problems: list[str]) -> None:
+    """The schedule exists and serves these sizes (building it is pure Python and quick)."""
+    import conveyor.schedule as cs
+    from conveyor.errors import ScheduleError
+
+    par = cfg.parallel
+    known = cs.available()
+    if par.schedule not in known:
+        problems.append(f"parallel.schedule={par.schedule!r}: expected one of {', '.join(known)}"
+                        f"{_close(par.schedule, list(known))}")
+        return
+    virtual = par.virtual if par.virtual is not None else known[par.schedule].default_virtual
+    try:
+        cs.build(par.schedule, ranks=par.pp, microbatches=par.microbatches, virtual=virtual)
+    except ScheduleError as error:
+        problems.append(f"parallel.schedule={par.schedule!r} with parallel.pp={par.pp}, "
+                        f"parallel.microbatches={par.microbatches}, virtual={virtual}: "
+                        f"{str(error).splitlines()[0]}")
+        return
+    stages = par.pp * virtual
+    if cfg.model.name in MODEL_NAMES and cfg.model.layers < stages:
+        problems.append(f"model.layers={cfg.model.layers}: the pipeline has parallel.pp x virtual = "
+                        f"{par.pp} x {virtual} = {stages} stages, each needs a block; give at least "
+                        f"{stages} layers or fewer stages")
+
+
+def _check_checkpoint(cfg: Any, problems: list[str]) -> None:
+    resume = cfg.checkpoint.resume
+    if isinstance(resume, str) and not Path(resume).expanduser().exists():
+        problems.append(f"checkpoint.resume={resume!r}: no such checkpoint; expected false, true (the "
+                        f"latest in the checkpoint directory) or an existing checkpoint path")

@@ -1,0 +1,404 @@
+"""Training data: a corpus of documents, a tokenizer, fixed windows, and a resumable per-replica loader.
+
+The default corpus is the Python standard library's own ``.py`` sources, read as bytes in
+sorted order: no download, and the same bytes on every machine with this Python (its
+tests and any installed packages are left out, since distributions ship those apart).
+Local text files, JSON lines and Parquet work too. Documents (files, or records) are split
+into training and validation by a hash of their names, so the split does not depend on
+the order they were read in; the token stream of each split is cut into ``seq_len + 1``
+windows (:class:`TokenBlocks`). :class:`ResumableLoader` draws one replica's share of them,
+shuffled per epoch like ``DistributedSampler``; its ``state_dict()`` (plain JSON values) goes
+into a checkpoint so a resumed run draws the batches an uninterrupted one would.
+:func:`resumable_loader` builds the dataset only on the ranks that read data.
+
+Example:
+    >>> splits = build_splits(DataConfig(max_bytes=200_000), seq_len=64)
+    >>> loader = ResumableLoader(splits.train, batch_size=4, seed=0)
+    >>> ids, targets = next(loader)
+    >>> ids.shape, bool((ids[:, 1:] == targets[:, :-1]).all())
+    (torch.Size([4, 64]), True)
+    >>> loader.state_dict()
+    {'epoch': 0, 'position': 4, 'seed': 0}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.data import Dataset
+
+from conveyor.errors import CheckpointMismatchError, ConfigError
+from conveyor.train import sources
+from conveyor.train.config import DataConfig
+
+# Directories of the stdlib left out of the corpus: installed packages are not the stdlib, and
+# Debian-like distributions ship the test suites as separate packages.
+_STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+
+
+class Document(NamedTuple):
+    """One unit of the corpus: a file, or a record of a JSON-lines or Parquet file."""
+
+    name: str
+    data: bytes
+
+
+# --- corpus ---------------------------------------------------------------------------------
+
+def stdlib_documents(max_bytes: int | None = None) -> list[Document]:
+    """The standard library's ``.py`` files as documents, named by their path under the stdlib, sorted.
+
+    ``max_bytes`` caps the total (the last document is cut short to fit).
+
+    Example:
+        >>> docs = stdlib_documents(max_bytes=10_000)
+        >>> sum(len(d.data) for d in docs), docs[0].name
+        (10000, '__future__.py')
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _STDLIB_SKIP)  # pruned in place: never walked
+        rel = Path(folder).relative_to(root)
+        names += [(rel / f).as_posix() for f in files if f.endswith(".py")]
+    # Sort the whole list, not per folder: the order must not depend on the walk.
+    return _cap((Document(name, (root / name).read_bytes()) for name in sorted(names)), max_bytes)
+
+
+def file_documents(files: Sequence[Path], fmt: str | None = None, text_key: str = "text",
+                   max_bytes: int | None = None) -> list[Document]:
+    """The documents of local files: a text file is one document, a JSON line or Parquet row one each.
+
+    ``fmt`` (text | jsonl | parquet) applies to every file; None infers it from each suffix.
+    """
+    def documents() -> Iterator[Document]:
+        for path in files:
+            kind = sources.file_format(Path(path), fmt)
+            if kind == "text":
+                yield Document(str(path), Path(path).read_bytes())
+            elif kind == "jsonl":
+                yield from _jsonl_documents(Path(path), text_key)
+            else:
+                yield from _parquet_documents(Path(path), text_key)
+
+    return _cap(documents(), max_bytes)
+
+
+def read_documents(cfg: DataConfig) -> list[Document]:
+    """The documents ``cfg.source`` names ("stdlib" or local files), capped at ``cfg.max_bytes``."""
+    files = sources.source_files(cfg.source)
+    if not files:
+        return stdlib_documents(cfg.max_bytes)
+    return file_documents(files, cfg.format, cfg.text_key, cfg.max_bytes)
+
+
+def _cap(documents: Iterator[Document] | Sequence[Document], max_bytes: int | None) -> list[Document]:
+    kept, total = [], 0
+    for doc in documents:
+        if max_bytes is not None and total + len(doc.data) >= max_bytes:
+            if max_bytes > total:
+                kept.append(Document(doc.name, doc.data[: max_bytes - total]))
+            break
+        kept.append(doc)
+        total += len(doc.data)
+    return kept
+
+
+def _jsonl_documents(path: Path, text_key: str) -> Iterator[Document]:
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"{path}:{number} is not JSON ({error}); expected one JSON object per "
+                                  f"line, or data.format=text to read the file as plain text") from None
+            yield Document(f"{path}:{number}", _text_field(record, text_key, f"{path}:{number}"))
+
+
+def _parquet_documents(path: Path, text_key: str) -> Iterator[Document]:
+    pq = sources.require_pyarrow()
+    table = pq.read_table(path)
+    if text_key not in table.column_names:
+        raise ConfigError(f"{path} has no column data.text_key={text_key!r}; its columns are "
+                          f"{', '.join(table.column_names)}; set data.text_key to the one holding the text")
+    for row, text in enumerate(table.column(text_key).to_pylist()):
+        yield Document(f"{path}:{row}", _as_bytes(text, text_key, f"{path} row {row}"))
+
+
+def _text_field(record: Any, text_key: str, where: str) -> bytes:
+    if not isinstance(record, dict) or text_key not in record:
+        keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+        raise ConfigError(f"{where} has no key data.text_key={text_key!r} (it has: {keys}); set "
+                          f"data.text_key to the field holding the text")
+    return _as_bytes(record[text_key], text_key, where)
+
+
+def _as_bytes(text: Any, text_key: str, where: str) -> bytes:
+    if not isinstance(text, str):
+        raise ConfigError(f"{where}: {text_key!r} holds {type(text).__name__}, expected a string of text")
+    return text.encode("utf-8")
+
+
+def split_documents(documents: Sequence[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
+    """``(train, validation)``: ``round(val_fraction x n)`` documents (at least one when the fraction
+    is > 0) held out, chosen by a hash of their names; both keep the corpus order.
+
+    A corpus of one document is cut instead: its last ``val_fraction`` of bytes is validation.
+    """
+    if val_fraction <= 0 or not documents:
+        return list(documents), []
+    if len(documents) == 1:
+        doc = documents[0]
+        cut = len(doc.data) - max(1, round(len(doc.data) * val_fraction))
+        return [Document(doc.name, doc.data[:cut])], [Document(doc.name + "#validation", doc.data[cut:])]
+    count = min(len(documents) - 1, max(1, round(val_fraction * len(documents))))
+    # A hash of the name, not the position: adding a file moves no other file across the split.
+    by_hash = sorted(range(len(documents)), key=lambda i: hashlib.sha256(documents[i].name.encode()).digest())
+    held = set(by_hash[:count])
+    return ([d for i, d in enumerate(documents) if i not in held],
+            [d for i, d in enumerate(documents) if i in held])
+
+
+def fingerprint(documents: Sequence[Document]) -> str:
+    """A short hash of the documents' names and bytes: equal fingerprints, equal corpora."""
+    digest = hashlib.sha256()
+    for doc in documents:
+        digest.update(hashlib.sha256(doc.name.encode()).digest() + hashlib.sha256(doc.data).digest())
+    return digest.hexdigest()[:16]
+
+
+# --- tokenizers -----------------------------------------------------------------------------
+
+class ByteTokenizer:
+    """Bytes as tokens: vocabulary 256, nothing to download, no end-of-document token."""
+
+    vocab_size = 256
+    eos_id: int | None = None
+
+    def encode(self, data: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class PretrainedTokenizer:
+    """A local tokenizer directory, via ``transformers.AutoTokenizer`` (never downloads)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"data.tokenizer={str(directory)!r}: cannot load a tokenizer from it ({error}); "
+                              f"expected a directory with tokenizer.json or the tokenizer's files, or 'bytes'") from None
+        self.vocab_size = len(self.tokenizer)
+        self.eos_id = self.tokenizer.eos_token_id
+
+    def encode(self, data: bytes) -> torch.Tensor:
+        ids = self.tokenizer(data.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+
+def load_tokenizer(spec: str) -> ByteTokenizer | PretrainedTokenizer:
+    """``"bytes"`` or a local tokenizer directory (``data.tokenizer``); both have ``vocab_size``,
+    ``eos_id``, ``encode(bytes) -> tensor`` and ``decode(ids) -> str``.
+
+    Example:
+        >>> load_tokenizer("bytes").encode(b"hi").tolist()
+        [104, 105]
+    """
+    return ByteTokenizer() if spec == "bytes" else PretrainedTokenizer(spec)
+
+
+def token_stream(documents: Sequence[Document], tokenizer: Any) -> torch.Tensor:
+    """The documents' tokens end to end (each followed by the tokenizer's ``eos_id``, if it has one).
+
+    Held in the narrowest dtype the vocabulary fits (uint8 for bytes): the stdlib corpus is
+    ~12 M tokens, 96 MB as int64 on every rank that reads data.
+    """
+    dtype = torch.uint8 if tokenizer.vocab_size <= 256 else torch.int32
+    eos = [] if tokenizer.eos_id is None else [torch.tensor([tokenizer.eos_id], dtype=dtype)]
+    parts = [piece for doc in documents for piece in [tokenizer.encode(doc.data).to(dtype), *eos]]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+
+
+# --- windows and splits ---------------------------------------------------------------------
+
+class TokenBlocks(Dataset):
+    """Fixed windows of ``seq_len + 1`` tokens, ``seq_len`` apart; item i is ``(ids, targets)``,
+    both ``seq_len`` long int64, the targets the ids shifted by one.
+
+    Example:
+        >>> blocks = TokenBlocks(torch.arange(10), seq_len=4)
+        >>> len(blocks), blocks[1]
+        (2, (tensor([4, 5, 6, 7]), tensor([5, 6, 7, 8])))
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        if seq_len < 1:
+            raise ConfigError(f"model.seq_len={seq_len}: expected a value >= 1")
+        self.tokens, self.seq_len = tokens, seq_len
+        self._count = max(0, (len(tokens) - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not -self._count <= index < self._count:
+            raise IndexError(f"block {index} of {self._count}")
+        start = (index % self._count) * self.seq_len
+        window = self.tokens[start: start + self.seq_len + 1].long()
+        return window[:-1], window[1:]
+
+
+@dataclass
+class DataSplits:
+    """What a rank that reads data holds: training and validation windows, the tokenizer, the corpus hash."""
+
+    train: TokenBlocks
+    val: TokenBlocks | None
+    tokenizer: Any
+    fingerprint: str
+
+
+def build_splits(cfg: DataConfig, seq_len: int) -> DataSplits:
+    """Read, split, tokenize and window the corpus ``cfg`` names (``val`` is None when
+    ``cfg.val_fraction`` is 0). A split too short for one window is a ConfigError."""
+    documents = read_documents(cfg)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    train_docs, val_docs = split_documents(documents, cfg.val_fraction)
+    train = TokenBlocks(token_stream(train_docs, tokenizer), seq_len)
+    val = TokenBlocks(token_stream(val_docs, tokenizer), seq_len) if val_docs else None
+    for name, blocks in (("training", train), ("validation", val)):
+        if blocks is not None and len(blocks) == 0:
+            raise ConfigError(f"the {name} split has {len(blocks.tokens)} tokens, fewer than model.seq_len + 1 "
+                              f"= {seq_len + 1}; give more data (data.source, data.max_bytes), a smaller "
+                              f"model.seq_len, or another data.val_fraction")
+    return DataSplits(train, val, tokenizer, fingerprint(documents))
+
+
+def splits_factory(cfg: DataConfig, seq_len: int) -> Callable[[], DataSplits]:
+    """A function that builds the splits on its first call and returns the same ones after,
+    so the training and validation loaders of one rank share one read of the corpus."""
+    built: list[DataSplits] = []
+
+    def splits() -> DataSplits:
+        if not built:
+            built.append(build_splits(cfg, seq_len))
+        return built[0]
+
+    return splits
+
+
+# --- the resumable loader -------------------------------------------------------------------
+
+class ResumableLoader:
+    """Endless batches of one replica's share of ``dataset``, resumable from ``state_dict()``.
+
+    Each epoch orders the samples by a permutation seeded with ``seed + epoch`` (no shuffle:
+    in order), drops the last ``len % dp_size`` so the replicas get equal shares, and gives
+    replica r every ``dp_size``-th sample from r, as ``DistributedSampler`` does; the share's
+    last incomplete batch is dropped and the next epoch begins. A batch is ``(ids, targets)``,
+    each ``[batch_size, seq_len]``.
+
+    Example:
+        >>> loader = ResumableLoader(TokenBlocks(torch.arange(100), 4), batch_size=2, seed=1)
+        >>> first = [next(loader) for _ in range(3)]
+        >>> again = ResumableLoader(TokenBlocks(torch.arange(100), 4), batch_size=2)
+        >>> again.load_state_dict({"epoch": 0, "position": 4, "seed": 1})
+        >>> bool((next(again)[0] == first[2][0]).all())
+        True
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, *, seed: int = 0, dp_rank: int = 0, dp_size: int = 1,
+                 shuffle: bool = True) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise ConfigError(f"dp_rank={dp_rank}: expected 0 <= dp_rank < dp_size={dp_size}")
+        self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
+        self.dp_rank, self.dp_size, self.shuffle = dp_rank, dp_size, shuffle
+        self.epoch, self.position = 0, 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, its share), kept between batches
+        share = len(dataset) // dp_size
+        if batch_size < 1 or share < batch_size:
+            raise ConfigError(f"a replica's share of the data is {share} sequences ({len(dataset)} over "
+                              f"{dp_size} replicas), fewer than its batch of {batch_size}; give more data "
+                              f"or a smaller train.batch_size")
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return (len(self.dataset) // self.dp_size) // self.batch_size
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        """This replica's sample indices in ``epoch``, in the order they are drawn."""
+        count = len(self.dataset)
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(count, generator=generator).tolist()
+        else:
+            order = list(range(count))
+        return order[: count - count % self.dp_size][self.dp_rank:: self.dp_size]
+
+    def __iter__(self) -> ResumableLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.position + self.batch_size > len(self.dataset) // self.dp_size:
+            self.epoch, self.position = self.epoch + 1, 0
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, self.epoch_indices(self.epoch))
+        indices = self._order[1][self.position: self.position + self.batch_size]
+        self.position += self.batch_size
+        samples = [self.dataset[i] for i in indices]
+        return tuple(torch.stack(parts) for parts in zip(*samples))
+
+    def restart(self) -> None:
+        """Back to the first batch of epoch 0 (e.g. before each validation, to score the same batches)."""
+        self.epoch, self.position = 0, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the loader stands: ``{"epoch", "position", "seed"}``, plain ints (JSON-able)."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`); its seed replaces this loader's."""
+        missing = {"epoch", "position", "seed"} - set(state)
+        if missing or not all(isinstance(state[k], int) and state[k] >= 0 for k in ("epoch", "position", "seed")):
+            raise CheckpointMismatchError(f"data loader state {state!r}: expected non-negative ints under "
+                                          f"'epoch', 'position' and 'seed' (from ResumableLoader.state_dict())")
+        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+        self._order = None
+
+
+def resumable_loader(pipe: Any, dataset_factory: Callable[[], Any], batch_size: int, *, seed: int = 0,
+                     shuffle: bool = True) -> ResumableLoader | None:
+    """A :class:`ResumableLoader` over this replica's share of ``dataset_factory()``, or None on a rank
+    that reads no data (the factory is not called there).
+
+    ``pipe`` is a :class:`conveyor.Pipeline` (its ``needs_inputs``, ``needs_target``, ``dp_rank``
+    and ``dp_size``); ``batch_size`` is one replica's batch. The first and last rank of a
+    replica draw the same batches (same replica, same seed).
+
+    Example:
+        >>> splits = splits_factory(cfg.data, cfg.model.seq_len)                   # doctest: +SKIP
+        >>> train = resumable_loader(pipe, lambda: splits().train, cfg.replica_batch_size,
+        ...                          seed=cfg.train.seed)                          # doctest: +SKIP
+    """
+    if not (pipe.needs_inputs or pipe.needs_target):
+        return None
+    return ResumableLoader(dataset_factory(), batch_size, seed=seed, dp_rank=pipe.dp_rank,
+                           dp_size=pipe.dp_size, shuffle=shuffle)

@@ -1,0 +1,70 @@
+"""Where a corpus comes from: "stdlib", or local files and globs, each with a format.
+
+Shared by the config checks (a source that matches nothing is refused before anything
+starts) and the readers in :mod:`conveyor.train.data`.
+
+Example:
+    >>> file_format(Path("shard-000.parquet"), None), file_format(Path("notes.md"), None)
+    ('parquet', 'text')
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from conveyor.errors import ConfigError
+
+STDLIB = "stdlib"
+FORMATS = ("text", "jsonl", "parquet")
+# Suffixes that name a structured format; every other file is read as plain text.
+_SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+
+
+def source_patterns(source: Any) -> list[str]:
+    """``data.source`` as a list of strings ("stdlib", paths or globs); a ConfigError for anything else."""
+    items = [source] if isinstance(source, str) else source
+    if not isinstance(items, Sequence) or isinstance(items, str) or not items or not all(
+            isinstance(item, str) and item for item in items):
+        raise ConfigError(f"data.source={source!r}: expected 'stdlib', a path or glob, or a list of them, "
+                          f"e.g. data.source=corpus/*.txt")
+    return list(items)
+
+
+def source_files(source: Any) -> list[Path]:
+    """The files ``data.source`` names, sorted within each pattern (globs may use ``**``); [] for "stdlib".
+
+    Raises ConfigError for a pattern that matches no file, or "stdlib" mixed with files.
+    """
+    patterns = source_patterns(source)
+    if STDLIB in patterns:
+        if len(patterns) > 1:
+            raise ConfigError(f"data.source={source!r}: 'stdlib' stands alone; give it or local files, not both")
+        return []
+    files: list[Path] = []
+    for pattern in patterns:
+        path = Path(pattern).expanduser()
+        matched = [path] if path.is_file() else sorted(
+            Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not matched:
+            raise ConfigError(f"data.source: {pattern!r} matches no file; expected 'stdlib' or existing "
+                              f"files/globs (relative to {Path.cwd()})")
+        files += [m for m in matched if m not in files]
+    return files
+
+
+def file_format(path: Path, fmt: str | None) -> str:
+    """``fmt`` if given, else the format ``path``'s suffix names (text when it names none)."""
+    return fmt if fmt is not None else _SUFFIX_FORMATS.get(path.suffix.lower(), "text")
+
+
+def require_pyarrow() -> Any:
+    """``pyarrow.parquet``, or a ConfigError that says how to install it."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("data: reading Parquet needs pyarrow, which is not installed; "
+                          "install it with `python -m pip install pyarrow`, or give text/jsonl files") from None
+    return pq

@@ -1,0 +1,133 @@
+"""conveyor.train.config: defaults, YAML + overrides, every refusal, and the save/load round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conveyor.errors import ConfigError
+from conveyor.train.config import TrainConfig, config_yaml, field_help, load_config, save_config
+
+
+def _refusal(overrides, **kwargs) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, overrides, **kwargs)
+    assert isinstance(caught.value, ValueError)
+    return str(caught.value)
+
+
+def test_defaults_are_a_small_byte_level_gpt_on_two_ranks():
+    cfg = load_config()
+    assert cfg == TrainConfig()
+    assert (cfg.model.name, cfg.data.source, cfg.data.tokenizer) == ("gpt", "stdlib", "bytes")
+    assert (cfg.parallel.pp, cfg.parallel.dp, cfg.world_size) == (2, 1, 2)
+    assert cfg.replica_batch_size % cfg.parallel.microbatches == 0
+    assert cfg.checkpoint.dir is None and cfg.checkpoint_dir == "runs/train/checkpoints"
+    assert cfg.optim.betas == (0.9, 0.95) and cfg.checkpoint.resume is False
+
+
+def test_every_field_has_help():
+    for section in dataclasses.fields(TrainConfig):
+        for key in dataclasses.fields(type(getattr(TrainConfig(), section.name))):
+            assert field_help(section.name, key.name), f"{section.name}.{key.name}"
+
+
+def test_yaml_then_overrides_later_wins(tmp_path):
+    path = tmp_path / "gpt.yaml"
+    path.write_text("parallel:\n  pp: 4\n  microbatches: 8\noptim:\n  lr: 1.0e-2\nrun:\n  dir: out/a\n")
+    cfg = load_config(path, ["parallel.pp=2", "optim.lr=3e-4", "optim.betas=[0.8,0.9]",
+                             "checkpoint.resume=true", "parallel.virtual=null"])
+    assert (cfg.parallel.pp, cfg.parallel.microbatches, cfg.optim.lr) == (2, 8, 3e-4)
+    assert cfg.optim.betas == (0.8, 0.9) and cfg.checkpoint.resume is True
+    assert cfg.checkpoint_dir == "out/a/checkpoints"
+
+
+def test_a_world_size_that_fits_is_accepted():
+    assert load_config(None, ["parallel.pp=2", "parallel.dp=2"], world_size=4).world_size == 4
+
+
+def test_save_then_load_gives_an_equal_config(tmp_path):
+    cfg = load_config(None, ["optim.lr=3e-4", "parallel.schedule=interleaved-1f1b", "parallel.virtual=2",
+                             "data.max_bytes=1000", "run.dir=elsewhere", "checkpoint.dir=${run.dir}/ckpt"])
+    path = save_config(cfg, tmp_path / "sub" / "config.yaml")
+    again = load_config(path)
+    assert again == cfg and again.checkpoint_dir == "elsewhere/ckpt"
+    assert "${" not in config_yaml(cfg)  # resolved: what ran is what the file says
+
+
+def test_unknown_key_names_its_section_keys_and_a_close_match():
+    message = _refusal(["optim.lrr=1"])
+    assert "unknown key 'optim.lrr'" in message and "did you mean 'optim.lr'" in message
+    assert "lr, betas, weight_decay, warmup_steps, lr_schedule, min_lr_ratio" in message
+    assert "command-line override 'optim.lrr=1'" in message
+
+
+def test_unknown_section_and_unknown_key_in_yaml(tmp_path):
+    assert "did you mean 'optim'" in _refusal(["optimizer.lr=1"])
+    path = tmp_path / "c.yaml"
+    path.write_text("parallel:\n  microbatch: 2\n")
+    with pytest.raises(ConfigError, match=r"parallel.microbatch.*c.yaml.*did you mean 'parallel.microbatches'"):
+        load_config(path)
+
+
+def test_sections_and_values_are_not_confused():
+    assert "is a section, not a value" in _refusal(["optim=3"])
+    assert "is a value, not a section" in _refusal(["optim.lr.x=3"])
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("optim.lr=abc", "optim.lr='abc': expected float"),
+    ("train.steps=1.5", "train.steps=1.5: expected int"),
+    ("optim.betas=[0.9]", "expected 2 values"),
+    ("optim.betas=[0.9,1.2]", "expected two numbers in [0, 1)"),
+    ("optim.lr=-1", "optim.lr=-1.0: expected a value > 0.0"),
+    ("data.val_fraction=1.0", "data.val_fraction=1.0: expected 0.0 <= value < 1.0"),
+    ("train.precision=fp16", "expected one of fp32, bf16 (did you mean 'bf16'?)"),
+    ("parallel.data_parallel=zero", "expected one of ddp, fsdp"),
+    ("loss.normalize=token", "did you mean 'tokens'"),
+    ("loss.on_nonfinite=raise", "expected one of skip, stop"),
+    ("optim.lr_schedule=linear", "expected one of cosine, constant"),
+    ("parallel.schedule=1f1c", "did you mean '1f1b'"),
+    ("model.name=gtp", "did you mean 'gpt'"),
+    ("model.name=hf:not a class", "transformers class name"),
+    ("model.heads=3", "model.heads=3: must divide model.width=128"),
+    ("model.layers=1", "give at least 2 layers"),
+    ("data.format=csv", "expected one of text, jsonl, parquet"),
+    ("data.source=no/such/*.txt", "'no/such/*.txt' matches no file"),
+    ("data.source=[stdlib,a.txt]", "'stdlib' stands alone"),
+    ("data.tokenizer=gpt2", "expected 'bytes' or a local tokenizer directory"),
+    ("checkpoint.resume=/no/such/ckpt", "no such checkpoint"),
+    ("checkpoint.dir=${nope}", "cannot resolve an interpolation"),
+])
+def test_a_bad_value_names_key_value_and_what_is_allowed(override, expected):
+    assert expected in _refusal([override])
+
+
+def test_sizes_that_do_not_divide():
+    message = _refusal(["parallel.microbatches=3"])
+    assert "parallel.microbatches=3: must divide the per-replica batch" in message and "1, 2, 4, 8, 16" in message
+    assert "must split evenly over parallel.dp=3" in _refusal(["parallel.dp=3"])
+    assert "but the job has 3 ranks" in _refusal([], world_size=3)
+    assert "zbv" in _refusal(["parallel.schedule=zbv", "parallel.virtual=3"])
+    assert "nothing to validate on" in _refusal(["data.val_fraction=0"])
+
+
+def test_every_problem_is_reported_at_once():
+    message = _refusal(["train.precision=fp16", "optim.lr=-1", "loss.normalize=token"])
+    assert message.startswith("3 problems in the config:")
+    both = _refusal(["train.precision=fp16", "parallel.microbatches=3"])  # a size rule is not hidden
+    assert both.startswith("2 problems") and "parallel.microbatches=3" in both
+
+
+def test_malformed_input():
+    assert "is not of the form section.key=value" in _refusal(["noequals"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/no/such/config.yaml")
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping of sections"):
+        load_config(path)
