@@ -22,7 +22,7 @@ import torch
 
 from conveyor.errors import PipelineClosed, PipelineConfigError
 from conveyor.microbatch import merge_outputs
-from conveyor.parallel.loss import summed_loss
+from conveyor.parallel.loss import set_loss_divisor, summed_loss
 from conveyor.pipe import _check_nonfinite_mode, _PipelineBase
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.rng import step_random_streams
@@ -96,11 +96,18 @@ class LocalPipeline(_PipelineBase):
                                  "build a new LocalPipeline to go on")
 
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False,
-             on_nonfinite: str | None = None, **kwargs: Any):
+             on_nonfinite: str | None = None, normalize_by: float | torch.Tensor | None = None, **kwargs: Any):
+        """One training step on the whole minibatch, as :meth:`Pipeline.step` (one replica).
+
+        Example (a per-token loss: ``loss_fn`` sums, the step divides by the token count)::
+
+            loss = pipe.step(x, target=y, normalize_by=conveyor.parallel.count_tokens(pipe, y))
+        """
         self._check_open()
         _check_nonfinite_mode(on_nonfinite)
         first = self._split_inputs(args, kwargs)
         targets = self._split_target(target)
+        set_loss_divisor(self.runners, self.schedule.num_stages, normalize_by)
         for runner in self.runners.values():
             runner.reset()
         self.mailbox.messages.clear()  # a step that raised may have left messages behind

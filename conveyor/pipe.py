@@ -28,7 +28,7 @@ import torch
 from conveyor.errors import NonFiniteError, PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.parallel import fsdp
-from conveyor.parallel.loss import broadcast_loss
+from conveyor.parallel.loss import broadcast_loss, set_loss_divisor
 from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.norms import describe_nonfinite, encoded_norms, local_part, nonfinite_flags
 from conveyor.parallel.replicas import Replicas, check_data_parallel
@@ -408,7 +408,7 @@ class Pipeline(_PipelineBase):
 
     # --- user API -----------------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False,
-             on_nonfinite: str | None = None, **kwargs: Any):
+             on_nonfinite: str | None = None, normalize_by: float | torch.Tensor | None = None, **kwargs: Any):
         """One training step on the whole minibatch; returns the minibatch loss on every rank.
 
         Gradients accumulate in the parameters' ``.grad``; call your optimizer after.
@@ -419,12 +419,16 @@ class Pipeline(_PipelineBase):
         (the pipeline stays usable); ``"skip"`` drops this step's gradients instead (set
         them to None, so ``optimizer.step()`` leaves parameters and optimizer state as they
         were), logs a warning and counts it in ``skipped_steps``. None (default): no check.
+        ``normalize_by`` (read where the last stage runs): None divides each microbatch's loss
+        by M; N, the global minibatch's token count (:func:`conveyor.parallel.count_tokens`),
+        divides ``loss_fn``'s per-microbatch SUM by N, per token (:mod:`conveyor.parallel.loss`).
 
         Example:
             >>> loss = pipe.step(x, target=y, on_nonfinite="skip")   # doctest: +SKIP
         """
         _check_nonfinite_mode(on_nonfinite)
-        result, report = self._life.guarded(self._step, args, kwargs, target, return_outputs, on_nonfinite)
+        result, report = self._life.guarded(self._step, args, kwargs, target, return_outputs, on_nonfinite,
+                                            normalize_by)
         if report:
             self._after_nonfinite(report, on_nonfinite)
         return result
@@ -521,8 +525,9 @@ class Pipeline(_PipelineBase):
         targets = self._split_target(target) if runs_last else None
         return first, targets
 
-    def _step(self, args, kwargs, target, return_outputs, on_nonfinite):
+    def _step(self, args, kwargs, target, return_outputs, on_nonfinite, normalize_by):
         first, targets = self._inputs_for_step(args, kwargs, target)
+        set_loss_divisor(self.runners, self.schedule.num_stages, normalize_by, self.dp_size)
         self._recorder = StepRecorder() if self.record_timeline else None
         for runner in self.runners.values():
             runner.reset()

@@ -97,6 +97,9 @@ class StageRunner:
         self.module = module
         self.loss_fn = loss_fn
         self.num_microbatches = num_microbatches
+        # What each microbatch's loss is divided by: M (the mean over microbatches) unless the
+        # step normalizes by a token count (see conveyor.parallel.loss.set_loss_divisor).
+        self.loss_divisor: int | float = num_microbatches
         self.checkpoint_activations = checkpoint_activations
         self.rank = rank
         self.params: list[torch.nn.Parameter] = []
@@ -193,7 +196,7 @@ class StageRunner:
                 f"the loss on {self._where(microbatch)} does not require grad: it does not depend on any "
                 "parameter or gradient-carrying input; check loss_fn and the model's output"
             )
-        return (loss.reshape(()) if shape else loss) / self.num_microbatches
+        return (loss.reshape(()) if shape else loss) / self.loss_divisor
 
     def _roots(self, record: _InFlight, output_grads: list | None):
         if self.is_last:

@@ -54,10 +54,11 @@ def check_options(args: argparse.Namespace) -> None:
 
 def launch(argv: Sequence[str] | None = None) -> int:
     """Validate the arguments here, then run the workers under torchrun; returns its exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)  # `python -m conveyor.train.demo --png ...` too
     args = build_parser().parse_args(argv)
     check_options(args)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
-               "-m", "conveyor.train.demo", "--worker", *(argv or [])]
+               "-m", "conveyor.train.demo", "--worker", *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.call(command, env=env)
 
@@ -98,6 +99,9 @@ def worker(args: argparse.Namespace) -> None:
     all_equal = True
     for step in range(args.steps):
         ids, targets = make_batch(cfg, args.batch_size, seed=step)
+        # Every rank starts the step together: rank 0 checks the last step on one device between
+        # steps, and without the barrier the timeline drew that work as the other ranks' waiting.
+        dist.barrier()
         loss = pipe.step(ids if rank == first else None, target=targets if rank == last else None)
         norm = pipe.clip_grad_norm_(args.clip) if args.clip > 0 else None  # every rank takes part
         optimizer.step()
