@@ -5,6 +5,7 @@ Commands:
   conveyor simulate --schedule 1f1b --ranks 4 --microbatches 8 [--png F] [--trace F] [--json]
   conveyor simulate --compare --ranks 4 --microbatches 8      every schedule side by side
   conveyor demo                            the compare for P=4, M=8, drawn to out/compare.png
+  conveyor train [CONFIG.yaml] [key=value ...]   train a model (defaults: a small GPT on the stdlib, 2 ranks)
   conveyor export CHECKPOINT_DIR OUT_DIR   a checkpoint as Hugging Face safetensors (+ config.json)
 
 User mistakes print ``conveyor: error: ...`` and exit with status 2, never a traceback.
@@ -216,6 +217,13 @@ def _command_demo(args: argparse.Namespace) -> int:
     return demo.launch(args.options)
 
 
+def _command_train(args: argparse.Namespace) -> int:
+    """Check the config, then train on local ranks (or as this rank, under torchrun)."""
+    from conveyor.train import launch
+
+    return launch.main(args.arguments)
+
+
 def _command_export(args: argparse.Namespace) -> int:
     """A checkpoint as safetensors; the work is conveyor.checkpoint.export's."""
     from conveyor.checkpoint.export import export
@@ -246,6 +254,16 @@ def _attach_option_values(argv: Sequence[str]) -> list[str]:
         else:
             out.append(token)
     return out
+
+
+def _add_train(commands) -> None:
+    train = commands.add_parser(
+        "train", help="train a model pipelined over local CPU ranks: conveyor train [CONFIG.yaml] [key=value ...]",
+        description="Train from a YAML config and section.key=value overrides (no arguments: a small GPT "
+        "on the Python standard library's sources, over 2 local ranks).")
+    train.add_argument("arguments", nargs="*", metavar="CONFIG.yaml | key=value",
+                       help="an optional YAML config first, then overrides such as train.steps=50")
+    train.set_defaults(handler=_command_train)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("options", nargs=argparse.REMAINDER, help="options of the training demo")
     demo.set_defaults(handler=_command_demo)
+
+    _add_train(commands)
 
     export = commands.add_parser("export", help="write a checkpoint as Hugging Face safetensors (+ config.json)")
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a checkpoint, or a directory with `latest`")

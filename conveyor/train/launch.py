@@ -1,0 +1,114 @@
+"""``conveyor train [CONFIG.yaml] [key=value ...]``: check the config, then start the ranks and train.
+
+The config is loaded and validated in this process before anything starts, so a mistake
+costs no process. Outside a launcher, :func:`launch` starts ``pp x dp`` local workers with
+torch's elastic launcher (what ``torchrun`` runs: a c10d rendezvous on a free local port);
+under ``torchrun`` (``RANK`` or ``TORCHELASTIC_RUN_ID`` in the environment) this process is
+already one of the ranks, and it trains as it is.
+
+Example:
+    $ conveyor train                                    # the defaults: stdlib sources, 2 ranks
+    $ conveyor train configs/gpt.yaml train.steps=50 parallel.pp=2
+    $ torchrun --nproc-per-node 2 -m conveyor.cli train train.steps=50
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Sequence
+
+from conveyor.train.config import TrainConfig, load_config
+
+
+def split_arguments(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG.yaml] [key=value ...]`` -> (the config path or None, the overrides).
+
+    Example:
+        >>> split_arguments(["run.yaml", "train.steps=5"])
+        ('run.yaml', ['train.steps=5'])
+        >>> split_arguments(["train.steps=5"])
+        (None, ['train.steps=5'])
+    """
+    args = list(args)
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def already_launched() -> bool:
+    """Whether this process is a rank of a launch already (torchrun, or another launcher setting RANK)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
+
+
+def prepare(args: Sequence[str]) -> TrainConfig:
+    """The checked config the arguments name (raises ConfigError, naming the key, on a mistake).
+
+    Under a launcher, the launched world size must match ``parallel.pp x parallel.dp``.
+
+    Example:
+        >>> prepare(["train.steps=3"]).train.steps
+        3
+    """
+    path, overrides = split_arguments(args)
+    world = int(os.environ["WORLD_SIZE"]) if already_launched() and "WORLD_SIZE" in os.environ else None
+    return load_config(path, overrides, world_size=world)
+
+
+def worker(cfg: TrainConfig) -> dict:
+    """One rank: join the process group the launcher set up, train, leave it; returns the summary."""
+    import torch
+    import torch.distributed as dist
+
+    from conveyor.train.loop import train
+
+    # Each rank gets one of the few cores; more threads per rank only contend for them.
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        summary = train(cfg)
+    finally:
+        dist.destroy_process_group()
+    if summary["stopped"]:
+        raise SystemExit(1)
+    return summary
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for the rendezvous)."""
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+def launch(cfg: TrainConfig, *, max_restarts: int = 0) -> int:
+    """Run :func:`worker` on ``pp x dp`` local ranks through torch's elastic launcher; returns an exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size,
+                          run_id=f"conveyor-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint=f"localhost:{free_port()}", max_restarts=max_restarts,
+                          monitor_interval=0.5)
+    print(f"conveyor train: {cfg.world_size} local ranks (pp={cfg.parallel.pp} x dp={cfg.parallel.dp}), "
+          f"run dir {cfg.run.dir}", flush=True)
+    try:
+        elastic_launch(config, worker)(cfg)
+    except ChildFailedError as error:
+        print(f"conveyor train: a rank failed:\n{error.format_msg()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(args: Sequence[str]) -> int:
+    """``conveyor train``'s work after argument parsing: check, then launch or run this rank.
+
+    Raises ConfigError (which the command prints as ``conveyor: error: ...``) before starting anything.
+    """
+    cfg = prepare(args)
+    if already_launched():
+        worker(cfg)
+        return 0
+    return launch(cfg)

@@ -1,0 +1,350 @@
+"""The training loop behind ``conveyor train``: one call of :func:`train` on every rank.
+
+Each rank seeds, builds the model from ``cfg.model`` (the same initialisation everywhere),
+keeps its own stages of the pipeline, and runs ``cfg.train.steps`` optimizer steps: AdamW
+with a linear warm-up and a cosine (or constant) learning rate, gradient clipping, a
+non-finite step skipped or fatal (``loss.on_nonfinite``), a validation loss through
+``pipe.forward`` every ``train.eval_interval`` steps, checkpoints every
+``checkpoint.interval`` steps and at the end (with the data loader's position, so a resumed
+run draws the batches the uninterrupted one would). Rank 0 writes ``<run.dir>/metrics.jsonl``
+(one JSON object per step, and one per validation), ``<run.dir>/config.yaml`` (the resolved
+config) and prints progress and a summary.
+
+Example (on each rank of a ``torchrun --nproc-per-node 2`` launch, after
+``torch.distributed.init_process_group("gloo")``)::
+
+    cfg = load_config(None, ["train.steps=20"], world_size=2)
+    summary = train(cfg)          # {"steps": 20, "first_loss": ..., "last_loss": ..., ...}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import conveyor
+from conveyor.errors import ConfigError, NonFiniteError
+from conveyor.parallel import count_tokens
+from conveyor.train.config import TrainConfig, save_config
+from conveyor.train.data import load_tokenizer, resumable_loader, splits_factory
+
+# --- pieces ---------------------------------------------------------------------------------
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    """The model ``cfg.model`` names, freshly initialised from the current torch seed (no download).
+
+    Dropout is off: the runs are short, and without it a resumed run repeats the
+    uninterrupted one bit for bit.
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> model = build_model(load_config(None, ["model.layers=2", "model.width=32"]), 256)
+        >>> model.config.n_layer, model.config.vocab_size
+        (2, 256)
+    """
+    m = cfg.model
+    if m.name == "gpt":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=m.layers, n_embd=m.width, n_head=m.heads, n_positions=m.seq_len,
+                            vocab_size=vocab_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            use_cache=False, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(config)
+    if m.name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(num_hidden_layers=m.layers, hidden_size=m.width, num_attention_heads=m.heads,
+                             intermediate_size=4 * m.width, max_position_embeddings=m.seq_len,
+                             vocab_size=vocab_size, use_cache=False, bos_token_id=0, eos_token_id=0)
+        return LlamaForCausalLM(config)
+    raise ConfigError(f"model.name={m.name!r}: the training loop builds 'gpt' and 'llama' so far")
+
+
+def lm_loss(reduction: str = "mean"):
+    """A ``loss_fn`` for ``conveyor.pipeline``: cross entropy of the output's logits against the targets.
+
+    ``reduction="sum"`` is for the per-token normalisation (``pipe.step(normalize_by=N)``).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> out = SimpleNamespace(logits=torch.zeros(1, 3, 4))
+        >>> round(lm_loss()(out, torch.tensor([[0, 1, 2]])).item(), 4)     # ln 4
+        1.3863
+    """
+    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = output.logits if hasattr(output, "logits") else output["logits"]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                 target.reshape(-1), reduction=reduction)
+
+    return loss_fn
+
+
+def lr_lambda(cfg: TrainConfig):
+    """The learning rate's factor at each step: linear warm-up to 1, then cosine down to
+    ``optim.min_lr_ratio`` at ``train.steps`` (or constant 1), for ``torch.optim.lr_scheduler.LambdaLR``.
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> f = lr_lambda(load_config(None, ["optim.warmup_steps=10", "train.steps=110"]))
+        >>> f(0), f(9), round(f(59), 3), round(f(109), 3)
+        (0.1, 1.0, 0.55, 0.1)
+    """
+    warmup, total, floor = cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio
+    cosine = cfg.optim.lr_schedule == "cosine"
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if not cosine or total <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup + 1) / (total - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_pipeline(cfg: TrainConfig, model: torch.nn.Module) -> Any:
+    """This rank's pipeline of ``model`` (over a ("dp", "pp") mesh when ``parallel.dp`` > 1)."""
+    p = cfg.parallel
+    mesh = None
+    if p.dp > 1:
+        from conveyor.parallel.mesh import pipeline_mesh
+
+        mesh = pipeline_mesh(p.pp)
+    microbatch = cfg.replica_batch_size // p.microbatches
+    example = torch.zeros(microbatch, cfg.model.seq_len, dtype=torch.long)
+    extra = {"mesh": mesh, "data_parallel": p.data_parallel} if mesh is not None else {}
+    return conveyor.pipeline(model, example_args=(example,), split_method="parameters", schedule=p.schedule,
+                             microbatches=p.microbatches, virtual=p.virtual,
+                             loss_fn=lm_loss("sum" if cfg.loss.normalize == "tokens" else "mean"),
+                             checkpoint_activations=cfg.train.activation_checkpointing, **extra)
+
+
+@dataclass
+class Run:
+    """What the loop carries between steps (one per rank)."""
+
+    cfg: TrainConfig
+    pipe: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_data: Any
+    val_data: Any
+    step: int = 0
+    metrics: Any = None  # the open metrics.jsonl on rank 0
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    train_time: float = 0.0
+    stopped: str | None = None
+
+    @property
+    def rank0(self) -> bool:
+        return dist.get_rank() == 0
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Seed, build model, pipeline, optimizer, schedule and loaders, and resume if asked."""
+    if cfg.train.precision != "fp32":
+        raise ConfigError(f"train.precision={cfg.train.precision!r}: the training loop runs fp32 only so far")
+    torch.manual_seed(cfg.train.seed)  # every rank initialises the whole model alike, keeps its stages
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+    pipe = build_pipeline(cfg, build_model(cfg, vocab))
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    splits = splits_factory(cfg.data, cfg.model.seq_len)
+    batch = cfg.replica_batch_size
+    train_data = resumable_loader(pipe, lambda: splits().train, batch, seed=cfg.train.seed)
+    val_data = None
+    if cfg.train.eval_interval > 0 and cfg.data.val_fraction > 0:
+        val_data = resumable_loader(pipe, lambda: splits().val, batch, seed=cfg.train.seed, shuffle=False)
+    run = Run(cfg, pipe, optimizer, scheduler, train_data, val_data)
+    resume(run)
+    if run.rank0:
+        out = Path(cfg.run.dir)
+        save_config(cfg, out / "config.yaml")
+        # A resumed run continues the log; a fresh one starts it over.
+        run.metrics = open(out / "metrics.jsonl", "a" if run.step else "w")  # noqa: SIM115 - closed in finish
+    return run
+
+
+def resume(run: Run) -> None:
+    """Load ``checkpoint.resume`` (true: the latest under the checkpoint dir, if any) into ``run``."""
+    from conveyor.checkpoint import latest, load
+
+    wanted = run.cfg.checkpoint.resume
+    if wanted is False or wanted in ("false", ""):
+        return
+    path = latest(run.cfg.checkpoint_dir) if wanted is True or wanted == "true" else Path(wanted)
+    if path is None:
+        if run.rank0:
+            print(f"conveyor train: no checkpoint under {run.cfg.checkpoint_dir} yet; starting from step 0")
+        return
+    extra = load(path, run.pipe, run.optimizer, run.scheduler) or {}
+    run.step = int(extra.get("step", 0))
+    if run.train_data is not None and "data" in extra:
+        run.train_data.load_state_dict(extra["data"])
+    if run.rank0:
+        print(f"conveyor train: resumed from {path} at step {run.step}")
+
+
+# --- the loop -------------------------------------------------------------------------------
+
+def train_step(run: Run) -> float:
+    """One optimizer step; returns the step's loss (the same on every rank)."""
+    cfg, pipe = run.cfg, run.pipe
+    x = y = None
+    if run.train_data is not None:
+        x, y = next(run.train_data)
+    normalize_by = None
+    if cfg.loss.normalize == "tokens":
+        normalize_by = count_tokens(pipe, y if pipe.needs_target else None)
+    mode = "skip" if cfg.loss.on_nonfinite == "skip" else "raise"
+    loss = pipe.step(x if pipe.needs_inputs else None, target=y if pipe.needs_target else None,
+                     on_nonfinite=mode, normalize_by=normalize_by)
+    if cfg.train.clip > 0:
+        pipe.clip_grad_norm_(cfg.train.clip)  # a collective: every rank takes part
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    return float(loss)
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """The mean validation loss over ``train.eval_batches`` batches (the same ones each time), on every rank."""
+    pipe, data = run.pipe, run.val_data
+    total = torch.zeros(2, dtype=torch.float64)  # (loss sum, batches), non-zero on last-stage ranks only
+    if data is not None:
+        data.restart()
+    for _ in range(run.cfg.train.eval_batches):
+        x, y = next(data) if data is not None else (None, None)
+        out = pipe.forward(x if pipe.needs_inputs else None)
+        if pipe.needs_target:
+            total += torch.tensor([lm_loss()(out, y).item(), 1.0], dtype=torch.float64)
+    # Every replica's last stage holds its share; the sum over all ranks is the mean's parts.
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def save_checkpoint(run: Run) -> Path:
+    """A checkpoint of the whole run at ``<checkpoint dir>/step_<N>`` (a collective)."""
+    from conveyor.checkpoint import save
+
+    keep = run.cfg.checkpoint.keep_last or None
+    data = run.train_data.state_dict() if run.train_data is not None else None
+    path = Path(run.cfg.checkpoint_dir) / f"step_{run.step:06d}"
+    return save(path, run.pipe, run.optimizer, run.scheduler, extra={"step": run.step, "data": data},
+                keep_last=keep)
+
+
+def validate_now(run: Run, start: float) -> None:
+    """Evaluate, log the validation loss and print it on rank 0."""
+    loss = evaluate(run)
+    run.val_losses.append(loss)
+    run.log({"step": run.step, "val_loss": loss, "elapsed": round(time.perf_counter() - start, 3)})
+    if run.rank0:
+        print(f"step {run.step:5d}  validation loss {loss:.4f}", flush=True)
+
+
+def loop(run: Run) -> Path | None:
+    """Steps from ``run.step`` to ``train.steps``, with validations and checkpoints; returns the last checkpoint."""
+    cfg = run.cfg
+    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    evaluating = cfg.train.eval_interval > 0 and cfg.data.val_fraction > 0
+    start = time.perf_counter()
+    if evaluating and run.step == 0:
+        validate_now(run, start)  # the loss before training, to compare the last one with
+    saved = None
+    while run.step < cfg.train.steps:
+        lr = run.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler moves on after it)
+        began = time.perf_counter()
+        try:
+            loss = train_step(run)
+        except NonFiniteError as error:
+            run.stopped = f"step {run.step + 1}: {error}"
+            break
+        took = time.perf_counter() - began
+        run.step += 1
+        run.tokens += tokens_per_step
+        run.train_time += took
+        run.losses.append(loss)
+        run.log({"step": run.step, "loss": loss, "lr": lr, "tokens_per_s": round(tokens_per_step / took, 1),
+                 "elapsed": round(time.perf_counter() - start, 3)})
+        if run.rank0 and (run.step % cfg.run.log_interval == 0 or run.step == 1):
+            print(f"step {run.step:5d}  loss {loss:.4f}  lr {lr:.2e}  {tokens_per_step / took:,.0f} tokens/s",
+                  flush=True)
+        if evaluating and (run.step % cfg.train.eval_interval == 0 or run.step == cfg.train.steps):
+            validate_now(run, start)
+        interval = cfg.checkpoint.interval
+        if (interval and run.step % interval == 0) or run.step == cfg.train.steps:
+            saved = save_checkpoint(run)
+    return saved
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says, on this rank of an initialised process group of ``pp x dp`` ranks.
+
+    Returns (on every rank) a summary: steps, first and last training and validation
+    losses, tokens per second, the last checkpoint, and why it stopped early (or None).
+
+    Example (each rank, under torchrun)::
+
+        dist.init_process_group("gloo")
+        summary = train(load_config("configs/gpt.yaml", world_size=dist.get_world_size()))
+    """
+    if dist.get_world_size() != cfg.world_size:
+        raise ConfigError(f"parallel.pp x parallel.dp = {cfg.world_size}, but {dist.get_world_size()} "
+                          f"ranks were launched")
+    run = setup(cfg)
+    try:
+        saved = loop(run)
+    finally:
+        run.pipe.close()
+        if run.metrics is not None:
+            run.metrics.close()
+    summary = {"steps": run.step, "first_loss": run.losses[0] if run.losses else None,
+               "last_loss": run.losses[-1] if run.losses else None,
+               "first_val_loss": run.val_losses[0] if run.val_losses else None,
+               "last_val_loss": run.val_losses[-1] if run.val_losses else None,
+               "tokens_per_s": run.tokens / run.train_time if run.train_time else None,
+               "checkpoint": str(saved) if saved else None, "stopped": run.stopped}
+    if run.rank0:
+        print(format_summary(summary, cfg))
+    return summary
+
+
+def format_summary(summary: dict[str, Any], cfg: TrainConfig) -> str:
+    """The end-of-run lines rank 0 prints.
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> print(format_summary({"steps": 2, "first_loss": 5.5, "last_loss": 5.0, "first_val_loss": None,
+        ...     "last_val_loss": None, "tokens_per_s": 100.0, "checkpoint": "c/step_2", "stopped": None},
+        ...     load_config(None)))
+        done: 2 steps; training loss 5.5000 -> 5.0000; 100 tokens/s
+        checkpoint: c/step_2; metrics: runs/train/metrics.jsonl
+    """
+    def pair(first: float | None, last: float | None, name: str) -> str:
+        return f"; {name} loss {first:.4f} -> {last:.4f}" if first is not None else ""
+
+    head = f"done: {summary['steps']} steps" if not summary["stopped"] else f"stopped at {summary['stopped']}"
+    rate = f"; {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
+    lines = [head + pair(summary["first_loss"], summary["last_loss"], "training")
+             + pair(summary["first_val_loss"], summary["last_val_loss"], "validation") + rate,
+             f"checkpoint: {summary['checkpoint']}; metrics: {cfg.run.dir}/metrics.jsonl"]
+    return "\n".join(lines)
