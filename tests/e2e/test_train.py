@@ -1,0 +1,90 @@
+"""`conveyor train` as a user runs it: a real command, torch's elastic launcher, 2 local ranks.
+
+One tiny run (6 steps, checkpoints at 3 and 6) is shared by the tests; a second run resumes
+from its step-3 checkpoint and must repeat steps 4-6 bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conveyor.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["train.steps=6", "model.layers=2", "model.width=32", "model.seq_len=64", "data.max_bytes=200000",
+        "data.val_fraction=0.3", "parallel.pp=2", "train.batch_size=8", "parallel.microbatches=2",
+        "optim.warmup_steps=1", "train.eval_interval=3", "train.eval_batches=2", "checkpoint.interval=3",
+        "checkpoint.keep_last=0", "run.log_interval=1"]
+
+
+def conveyor_train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "conveyor.cli", "train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in metrics(run_dir) if "loss" in m}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    where = tmp_path_factory.mktemp("train")
+    done = conveyor_train(*TINY, f"run.dir={where / 'run'}", cwd=where)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return where / "run", done
+
+
+def test_tiny_run_trains_and_writes_its_files(tiny_run):
+    run_dir, done = tiny_run
+    assert "2 local ranks" in done.stdout and "done: 6 steps" in done.stdout
+    assert (run_dir / "config.yaml").is_file()
+    lines = metrics(run_dir)
+    steps = [m for m in lines if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6]
+    assert all({"lr", "tokens_per_s", "elapsed"} <= set(m) for m in steps)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.05
+    val = [m["val_loss"] for m in lines if "val_loss" in m]
+    assert len(val) == 3 and val[-1] < val[0]  # before training, at step 3 and at step 6
+    assert (run_dir / "checkpoints" / "step_000003").is_dir() and (run_dir / "checkpoints" / "step_000006").is_dir()
+
+
+def test_resumed_run_repeats_the_uninterrupted_steps_bitwise(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    resumed = tmp_path / "resumed"
+    done = conveyor_train(*TINY, f"run.dir={resumed}", f"checkpoint.resume={run_dir / 'checkpoints' / 'step_000003'}",
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resumed from" in done.stdout and "at step 3" in done.stdout
+    want, got = step_losses(run_dir), step_losses(resumed)
+    assert sorted(got) == [4, 5, 6]
+    assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]  # exact floats, from JSON
+
+
+def test_a_bad_override_exits_2_naming_the_key_before_any_process(capsys, monkeypatch, tmp_path):
+    from conveyor.train import launch
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a process was started for a config that does not validate")
+
+    monkeypatch.setattr(launch, "launch", no_launch)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    code = main(["train", "train.stepz=5", f"run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("conveyor: error: unknown key 'train.stepz'") and "train.steps" in err
+    assert not (tmp_path / "run").exists()
+    assert main(["train", "parallel.pp=0"]) == 2
+    assert "parallel.pp" in capsys.readouterr().err
