@@ -8,7 +8,10 @@ non-finite step skipped or fatal (``loss.on_nonfinite``), a validation loss thro
 ``checkpoint.interval`` steps and at the end (with the data loader's position, so a resumed
 run draws the batches the uninterrupted one would). Rank 0 writes ``<run.dir>/metrics.jsonl``
 (one JSON object per step, and one per validation), ``<run.dir>/config.yaml`` (the resolved
-config) and prints progress and a summary.
+config), ``loss.png`` (training and validation curves), ``timeline.png`` (the last step measured
+beside its simulation) and ``timeline.json`` (its Chrome/Perfetto trace), and shows progress
+(:class:`conveyor.train.report.Progress`) and a summary (bubble measured vs simulated, peak
+memory per rank, where the files are).
 
 Example (on each rank of a ``torchrun --nproc-per-node 2`` launch, after
 ``torch.distributed.init_process_group("gloo")``)::
@@ -34,6 +37,13 @@ from conveyor.errors import ConfigError, NonFiniteError
 from conveyor.parallel import count_tokens
 from conveyor.train.config import TrainConfig, save_config
 from conveyor.train.data import load_tokenizer, resumable_loader, splits_factory
+from conveyor.train.report import (
+    Progress,
+    peak_rss_mib,
+    report_lines,
+    write_loss_plot,
+    write_timeline,
+)
 
 # --- pieces ---------------------------------------------------------------------------------
 
@@ -144,6 +154,7 @@ class Run:
     tokens: int = 0
     train_time: float = 0.0
     stopped: str | None = None
+    progress: Any = None  # a Progress; shows only on rank 0
 
     @property
     def rank0(self) -> bool:
@@ -257,8 +268,7 @@ def validate_now(run: Run, start: float) -> None:
     loss = evaluate(run)
     run.val_losses.append(loss)
     run.log({"step": run.step, "val_loss": loss, "elapsed": round(time.perf_counter() - start, 3)})
-    if run.rank0:
-        print(f"step {run.step:5d}  validation loss {loss:.4f}", flush=True)
+    run.progress.validation(run.step, loss)
 
 
 def loop(run: Run) -> Path | None:
@@ -267,6 +277,7 @@ def loop(run: Run) -> Path | None:
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
     evaluating = cfg.train.eval_interval > 0 and cfg.data.val_fraction > 0
     start = time.perf_counter()
+    run.progress = Progress(cfg.train.steps, run.step, cfg.run.log_interval, enabled=run.rank0)
     if evaluating and run.step == 0:
         validate_now(run, start)  # the loss before training, to compare the last one with
     saved = None
@@ -285,9 +296,7 @@ def loop(run: Run) -> Path | None:
         run.losses.append(loss)
         run.log({"step": run.step, "loss": loss, "lr": lr, "tokens_per_s": round(tokens_per_step / took, 1),
                  "elapsed": round(time.perf_counter() - start, 3)})
-        if run.rank0 and (run.step % cfg.run.log_interval == 0 or run.step == 1):
-            print(f"step {run.step:5d}  loss {loss:.4f}  lr {lr:.2e}  {tokens_per_step / took:,.0f} tokens/s",
-                  flush=True)
+        run.progress.step(run.step, loss, lr, tokens_per_step / took, took)
         if evaluating and (run.step % cfg.train.eval_interval == 0 or run.step == cfg.train.steps):
             validate_now(run, start)
         interval = cfg.checkpoint.interval
@@ -300,7 +309,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train as ``cfg`` says, on this rank of an initialised process group of ``pp x dp`` ranks.
 
     Returns (on every rank) a summary: steps, first and last training and validation
-    losses, tokens per second, the last checkpoint, and why it stopped early (or None).
+    losses, tokens per second, the last checkpoint, why it stopped early (or None), peak RSS
+    per rank, and (for a run that finished its steps) the last step's measured and simulated
+    bubble and the plots' paths.
 
     Example (each rank, under torchrun)::
 
@@ -311,18 +322,28 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         raise ConfigError(f"parallel.pp x parallel.dp = {cfg.world_size}, but {dist.get_world_size()} "
                           f"ranks were launched")
     run = setup(cfg)
+    pictures: dict[str, Any] = {}
     try:
         saved = loop(run)
+        if run.losses and run.stopped is None:
+            # A collective, so before close; a run stopped by a non-finite step has no whole step to draw.
+            pictures = write_timeline(run.pipe, cfg.run.dir, run.rank0)
     finally:
+        if run.progress is not None:
+            run.progress.close()
         run.pipe.close()
         if run.metrics is not None:
             run.metrics.close()
+    if run.rank0:
+        out = Path(cfg.run.dir)
+        pictures["loss_png"] = str(write_loss_plot(out / "metrics.jsonl", out / "loss.png"))
     summary = {"steps": run.step, "first_loss": run.losses[0] if run.losses else None,
                "last_loss": run.losses[-1] if run.losses else None,
                "first_val_loss": run.val_losses[0] if run.val_losses else None,
                "last_val_loss": run.val_losses[-1] if run.val_losses else None,
                "tokens_per_s": run.tokens / run.train_time if run.train_time else None,
-               "checkpoint": str(saved) if saved else None, "stopped": run.stopped}
+               "checkpoint": str(saved) if saved else None, "stopped": run.stopped,
+               "peak_rss_mib": peak_rss_mib(), **pictures}
     if run.rank0:
         print(format_summary(summary, cfg))
     return summary
@@ -346,5 +367,9 @@ def format_summary(summary: dict[str, Any], cfg: TrainConfig) -> str:
     rate = f"; {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
     lines = [head + pair(summary["first_loss"], summary["last_loss"], "training")
              + pair(summary["first_val_loss"], summary["last_val_loss"], "validation") + rate,
+             *report_lines(summary),
              f"checkpoint: {summary['checkpoint']}; metrics: {cfg.run.dir}/metrics.jsonl"]
+    files = [summary[key] for key in ("loss_png", "timeline_png", "timeline_trace") if summary.get(key)]
+    if files:
+        lines.append("files: " + ", ".join(files))
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """`conveyor train` as a user runs it: a real command, torch's elastic launcher, 2 local ranks.
 
-One tiny run (6 steps, checkpoints at 3 and 6) is shared by the tests; a second run resumes
+One tiny run (6 steps, checkpoints at 3 and 6) is shared by the tests (its files: metrics,
+config, checkpoints, loss and timeline plots, the trace; its summary); a second run resumes
 from its step-3 checkpoint and must repeat steps 4-6 bit for bit.
 """
 
@@ -58,6 +59,13 @@ def test_tiny_run_trains_and_writes_its_files(tiny_run):
     val = [m["val_loss"] for m in lines if "val_loss" in m]
     assert len(val) == 3 and val[-1] < val[0]  # before training, at step 3 and at step 6
     assert (run_dir / "checkpoints" / "step_000003").is_dir() and (run_dir / "checkpoints" / "step_000006").is_dir()
+    for png in ("loss.png", "timeline.png"):
+        assert (run_dir / png).read_bytes()[:4] == b"\x89PNG", png
+    trace = json.loads((run_dir / "timeline.json").read_text())
+    assert trace["traceEvents"]
+    assert "bubble (last step): measured" in done.stdout and "simulated" in done.stdout
+    assert "peak memory (RSS): rank 0" in done.stdout and "rank 1" in done.stdout
+    assert "step     6/6" in done.stdout and "ETA" in done.stdout  # the plain lines: stdout is a pipe
 
 
 def test_resumed_run_repeats_the_uninterrupted_steps_bitwise(tiny_run, tmp_path):

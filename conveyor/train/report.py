@@ -1,0 +1,182 @@
+"""What ``conveyor train`` shows and leaves behind besides the model: progress and the run directory's pictures.
+
+* :class:`Progress`: rank 0's live line (a ``tqdm`` bar on a terminal, plain lines otherwise)
+  with step/total, loss, the last validation loss, tokens/s and the time left.
+* :func:`write_timeline`: ``timeline.png`` (the last step measured, beside its simulation fed
+  with the stage costs measured in that step) and ``timeline.json`` (a Chrome/Perfetto trace).
+* :func:`write_loss_plot`: ``loss.png``, the training and validation curves of ``metrics.jsonl``.
+* :func:`peak_rss_mib`: every rank's peak resident memory.
+
+Example (rank 0, after a run)::
+
+    write_loss_plot("runs/train/metrics.jsonl", "runs/train/loss.png")
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+
+def format_eta(seconds: float) -> str:
+    """``seconds`` as ``H:MM:SS`` (or ``M:SS`` under an hour).
+
+    Example:
+        >>> format_eta(75), format_eta(3725.2)
+        ('1:15', '1:02:05')
+    """
+    seconds = int(round(max(0.0, seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class Progress:
+    """Rank 0's progress: a ``tqdm`` bar when stdout is a terminal, else one plain line per logged step.
+
+    The plain lines stay for logs and pipes, where a redrawn bar would be a mess of carriage returns.
+
+    Example:
+        >>> p = Progress(total=4, initial=0, log_interval=1, enabled=True, live=False)
+        >>> p.step(1, loss=5.0, lr=1e-3, tokens_per_s=1000.0, took=0.5)   # doctest: +ELLIPSIS
+        step     1/4  loss 5.0000  lr 1.00e-03  1,000 tokens/s  ETA ...
+        >>> p.close()
+    """
+
+    def __init__(self, total: int, initial: int, log_interval: int, enabled: bool, live: bool | None = None):
+        self.total, self.initial, self.log_interval, self.enabled = total, initial, log_interval, enabled
+        self.val_loss: float | None = None
+        self.elapsed = 0.0  # training time of the steps this process ran: the ETA's rate
+        live = sys.stdout.isatty() if live is None else live
+        self.bar = None
+        if enabled and live:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stdout)
+
+    def eta(self, step: int) -> float:
+        done = step - self.initial
+        return self.elapsed / done * (self.total - step) if done > 0 else 0.0
+
+    def step(self, step: int, loss: float, lr: float, tokens_per_s: float, took: float) -> None:
+        """Record one finished step (``step`` counts from 1) and show it."""
+        self.elapsed += took
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}"}
+            if self.val_loss is not None:
+                postfix["val"] = f"{self.val_loss:.4f}"
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(1)  # tqdm draws its own ETA from the rate of updates
+        elif step % self.log_interval == 0 or step == 1 or step == self.total:
+            val = f"  val {self.val_loss:.4f}" if self.val_loss is not None else ""
+            print(f"step {step:5d}/{self.total}  loss {loss:.4f}{val}  lr {lr:.2e}  {tokens_per_s:,.0f} tokens/s"
+                  f"  ETA {format_eta(self.eta(step))}", flush=True)
+
+    def validation(self, step: int, loss: float) -> None:
+        """Record and show a validation loss."""
+        self.val_loss = loss
+        if not self.enabled:
+            return
+        line = f"step {step:5d}  validation loss {loss:.4f}"
+        if self.bar is not None:
+            self.bar.write(line)  # above the bar, which redraws below it
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def write_timeline(pipe: Any, run_dir: str | Path, rank0: bool) -> dict[str, Any]:
+    """``timeline.png`` and ``timeline.json`` of the pipeline's last step (a collective: every rank calls it).
+
+    Returns, on every rank, the measured and simulated bubble ratios and the files' paths
+    (which only rank 0 writes).
+    """
+    import conveyor.schedule as cs
+    from conveyor.schedule.cost import costs_from_timeline
+    from conveyor.schedule.render import side_by_side_png, write_chrome_trace
+
+    measured = pipe.timeline()
+    schedule = pipe.schedule
+    # The program the ranks ran (I+W pairs merged), timed with the stage costs they measured:
+    # what this step would have taken with no waiting beyond the schedule's own.
+    plan = cs.simulate(cs.executable(schedule).compute, costs_from_timeline(measured, schedule.num_stages),
+                       time_unit="s")
+    out = Path(run_dir)
+    png, trace = out / "timeline.png", out / "timeline.json"
+    if rank0:
+        side_by_side_png(plan, measured, png)
+        write_chrome_trace(measured, trace)
+    return {"measured_bubble": measured.bubble_ratio, "simulated_bubble": plan.bubble_ratio,
+            "measured_step_s": measured.makespan, "simulated_step_s": plan.makespan,
+            "timeline_png": str(png), "timeline_trace": str(trace)}
+
+
+def write_loss_plot(metrics_path: str | Path, path: str | Path) -> Path:
+    """``path``: the training loss per step and the validation losses of ``metrics_path`` (a metrics.jsonl)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    figure, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    try:
+        if train:
+            ax.plot(*zip(*train, strict=True), label="training", linewidth=1.2)
+        if val:
+            ax.plot(*zip(*val, strict=True), label="validation", marker="o", linewidth=1.5)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(out, bbox_inches="tight")
+    finally:
+        plt.close(figure)
+    return out
+
+
+def peak_rss_mib() -> list[float]:
+    """Every rank's peak resident set size in MiB, indexed by rank (a collective)."""
+    # ru_maxrss is in KiB on Linux (bytes on macOS, where it reads 1024x too large).
+    mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if sys.platform == "darwin":
+        mine /= 1024
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return [float(x) for x in gathered]
+
+
+def report_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary's lines on the pipeline and memory (empty for what the run did not measure).
+
+    Example:
+        >>> print("\\n".join(report_lines({"measured_bubble": 0.41, "simulated_bubble": 0.25,
+        ...     "measured_step_s": 0.2, "simulated_step_s": 0.15, "peak_rss_mib": [812.0, 790.5]})))
+        bubble (last step): measured 0.410, simulated 0.250; step 200.0 ms measured, 150.0 ms simulated
+        peak memory (RSS): rank 0 812 MiB, rank 1 790 MiB
+    """
+    lines = []
+    if summary.get("measured_bubble") is not None:
+        lines.append(f"bubble (last step): measured {summary['measured_bubble']:.3f}, simulated "
+                     f"{summary['simulated_bubble']:.3f}; step {summary['measured_step_s'] * 1e3:.1f} ms measured, "
+                     f"{summary['simulated_step_s'] * 1e3:.1f} ms simulated")
+    if summary.get("peak_rss_mib"):
+        lines.append("peak memory (RSS): " + ", ".join(f"rank {r} {m:.0f} MiB"
+                                                        for r, m in enumerate(summary["peak_rss_mib"])))
+    return lines
+
