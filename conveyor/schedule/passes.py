@@ -48,6 +48,7 @@ class Executable:
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
+        self._gradients_final: dict[int, dict[int, int]] = {}
 
     @functools.cached_property
     def compute(self) -> Schedule:
@@ -86,8 +87,11 @@ class Executable:
 
     def gradients_final(self, rank: int) -> dict[int, int]:
         """{index in ``rank``'s training program: the stage whose weight gradients are final
-        once that action is done} (see :func:`last_weight_passes`)."""
-        return last_weight_passes(self.train.programs[rank])
+        once that action is done} (see :func:`last_weight_passes`); found once, read every step."""
+        found = self._gradients_final.get(rank)
+        if found is None:
+            found = self._gradients_final[rank] = last_weight_passes(self.train.programs[rank])
+        return found
 
 
 def executable(schedule: Schedule) -> Executable:
