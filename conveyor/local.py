@@ -26,7 +26,7 @@ from conveyor.parallel.loss import set_loss_divisor, summed_loss
 from conveyor.pipe import _check_nonfinite_mode, _PipelineBase
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.rng import step_random_streams
-from conveyor.runtime.runner import LossFn, StageRunner
+from conveyor.runtime.runner import LossFn, StageRunner, build_runners
 from conveyor.runtime.transport import LocalMailbox, LocalTransport, Transport
 from conveyor.schedule import available
 from conveyor.schedule.ir import Schedule
@@ -55,6 +55,7 @@ class LocalPipeline(_PipelineBase):
         tied_parameters: Sequence = (),
         parameter_order: Mapping[str, int] | None = None,
         random_streams: bool = True,
+        autocast: str | torch.dtype | None = None,
     ) -> None:
         modules = list(modules)
         self.random_streams = random_streams
@@ -75,8 +76,8 @@ class LocalPipeline(_PipelineBase):
         self.runners: dict[int, StageRunner] = {}
         for rank in range(self.schedule.num_ranks):
             stages = self.schedule.stages_of(rank)
-            runners = self._make_runners(rank, stages, [modules[s] for s in stages], loss_fn,
-                                         checkpoint_activations)
+            runners = build_runners(self.schedule, rank, [modules[s] for s in stages], loss_fn,
+                                    checkpoint_activations, autocast)
             self.runners.update(runners)
             transport: Transport = LocalTransport(self.mailbox, rank)
             self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport))

@@ -45,8 +45,9 @@ from conveyor.runtime.clip import (
 )
 from conveyor.runtime.executor import RankExecutor, StepRecorder
 from conveyor.runtime.lifecycle import RankLifecycle
+from conveyor.runtime.precision import autocast_dtype
 from conveyor.runtime.rng import step_random_streams
-from conveyor.runtime.runner import LossFn, StageRunner, named_unique
+from conveyor.runtime.runner import LossFn, StageRunner, build_runners, named_unique
 from conveyor.runtime.transports import (
     build_transport,
     check_transport_name,
@@ -188,28 +189,6 @@ class _PipelineBase:
         self._tied_copies = tied_copies_outside_their_first_stage(self.runners, tied_parameters)
         self._parameter_order = dict(parameter_order) if parameter_order is not None else None
 
-    def _make_runners(self, rank: int, stages: Sequence[int], modules: Sequence[torch.nn.Module],
-                      loss_fn: LossFn | None, checkpoint_activations: bool) -> dict[int, StageRunner]:
-        if isinstance(modules, torch.nn.Module):
-            modules = [modules]
-        modules = list(modules)
-        if len(modules) != len(stages):
-            raise PipelineConfigError(
-                f"schedule {self.schedule.name!r} places stages {list(stages)} on rank {rank}, so pass "
-                f"{len(stages)} module(s) in that order; got {len(modules)}"
-            )
-        for i, module in enumerate(modules):
-            if not isinstance(module, torch.nn.Module):
-                raise PipelineConfigError(
-                    f"module {i} for stage {stages[i]} on rank {rank} is a {type(module).__name__}, not an nn.Module"
-                )
-        return {
-            s: StageRunner(s, self.schedule.num_stages, m, loss_fn=loss_fn,
-                           num_microbatches=self.schedule.num_microbatches,
-                           checkpoint_activations=checkpoint_activations, rank=rank)
-            for s, m in zip(stages, modules)
-        }
-
     def _split_inputs(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
         if all(a is None for a in args) and not kwargs:
             raise PipelineConfigError(
@@ -273,6 +252,10 @@ class Pipeline(_PipelineBase):
     model and its cut) is compared across ranks when the pipeline is built, with the schedule
     (name, P, V, M and every rank's actions), the tied parameters and the options: ranks
     built differently raise :class:`PipelineConfigError` saying what differs, before any step.
+    ``autocast`` (``"bf16"``, ``"fp16"``, a dtype, or None): each stage's forward and the loss run
+    under ``torch.autocast(<the stage's device type>, dtype)``, the region a single-device
+    ``with torch.autocast(...): loss = loss_fn(model(x), y)`` uses, so results stay bitwise equal
+    to that run; activations cross stages in the dtype their op produced (bf16: half the bytes).
 
     The pipeline communicates on process groups of its own, built over ``group``'s ranks
     (see :mod:`conveyor.runtime.lifecycle`); ``group`` itself is never used or closed.
@@ -308,6 +291,7 @@ class Pipeline(_PipelineBase):
         model_signature: str | None = None,
         mesh=None,
         data_parallel: str | None = None,
+        autocast: str | torch.dtype | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -335,12 +319,12 @@ class Pipeline(_PipelineBase):
             )
         check_transport_name(transport)
         self.stages = self.schedule.stages_of(self.rank)
-        self.runners = self._make_runners(self.rank, self.stages, modules, loss_fn, checkpoint_activations)
+        self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast)
         self._tie(tied_parameters, parameter_order)
         # Every check that needs no peer is above: from here on this rank holds process groups.
         self._life = RankLifecycle(group, timeout_s, self.layout.pipelines if self.layout is not None else None)
         try:
-            built = self._what_was_built(transport, fixed_shapes, shapes, tied_parameters, model_signature)
+            built = self._what_was_built(transport, fixed_shapes, shapes, tied_parameters, model_signature, autocast)
             self._life.agree(built)
             self.replicas = self._build_replicas(data_parallel, built)
             self._build_communication(transport, timeout_s, fixed_shapes, shapes, tied_parameters)
@@ -365,7 +349,7 @@ class Pipeline(_PipelineBase):
         self._finalizer = weakref.finalize(self, self._life.close)  # also runs at interpreter exit
 
     def _what_was_built(self, transport: str, fixed_shapes: bool, shapes, tied_parameters,
-                        model_signature: str | None) -> dict[str, str]:
+                        model_signature: str | None, autocast) -> dict[str, str]:
         """What every rank must agree on, as short strings (see RankLifecycle.agree)."""
         sched = self.schedule
         programs = hashlib.sha1(repr(sched.programs).encode()).hexdigest()[:12]
@@ -375,7 +359,8 @@ class Pipeline(_PipelineBase):
             "model": model_signature or "stages built by hand",
             "tied parameters": repr([tuple(t.uses) for t in tied_parameters]),
             "options": f"transport={transport!r} fixed_shapes={fixed_shapes} "
-                       f"shapes given for stages {sorted(shapes) if shapes else []}",
+                       f"shapes given for stages {sorted(shapes) if shapes else []} "
+                       f"autocast={autocast_dtype(autocast)}",
         }
 
     def _build_replicas(self, data_parallel: str | None, built: dict[str, str]) -> Replicas | None:

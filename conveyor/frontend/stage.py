@@ -303,6 +303,7 @@ def build_graph(
         for module in subgraph.modules():
             if isinstance(module, fx.GraphModule):
                 _rewrite_devices(module.graph, device_map)
+                _drop_metadata_assertions(module.graph)
                 module.recompile()
         submodules[attribute] = subgraph
     for node in recipe.nodes:
@@ -310,6 +311,7 @@ def build_graph(
     result = tuple(fx.node.map_arg(value, lambda source: env[source]) for value in recipe.outputs)
     graph.output(result)
     _rewrite_devices(graph, device_map)
+    _drop_metadata_assertions(graph)
     if not recipe.is_first:
         _clone_inputs_mutated_in_place(graph)
     graph.lint()
@@ -338,6 +340,15 @@ def _register(root: nn.Module, path: str, tensor: torch.Tensor, persistent: bool
         owner.register_parameter(leaf, tensor)
     else:
         owner.register_buffer(leaf, tensor, persistent=persistent)
+
+
+def _drop_metadata_assertions(graph: fx.Graph) -> None:
+    # torch.export guards each traced `.to(dtype)` with an assertion of the dtype it saw. Under
+    # autocast the tensor before the cast may be bf16 where tracing saw fp32: the cast itself
+    # is what the model asked for, the assertion only what tracing happened to see.
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
 
 
 def _compile(graph: fx.Graph, stage: int) -> tuple[Callable[..., Any], str]:

@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from conveyor.runtime.backward import (
     backward_full,
     backward_input,
 )
+from conveyor.runtime.precision import autocast_dtype, autocast_region
 from conveyor.runtime.recompute import RecomputedBuffers
 from conveyor.runtime.rng import StepRandomness
 
@@ -91,6 +92,7 @@ class StageRunner:
         num_microbatches: int,
         checkpoint_activations: bool = False,
         rank: int = 0,
+        autocast: torch.dtype | None = None,
     ) -> None:
         self.stage = stage
         self.num_stages = num_stages
@@ -102,6 +104,8 @@ class StageRunner:
         self.loss_divisor: int | float = num_microbatches
         self.checkpoint_activations = checkpoint_activations
         self.rank = rank
+        # Forward and loss run under this autocast dtype (None: as the parameters are).
+        self.autocast = autocast
         self.params: list[torch.nn.Parameter] = []
         self.refresh_params()
         self.weight_grad_analyses = GraphAnalysisCache()  # the I/W graph analysis, once per graph shape
@@ -145,6 +149,10 @@ class StageRunner:
         args, kwargs = inputs
         if self.randomness is not None:
             self.randomness.seed_for(self.stage, microbatch)
+        with autocast_region(self.module, self.autocast):
+            return self._forward(microbatch, args, kwargs, target, keep_output)
+
+    def _forward(self, microbatch: int, args: tuple, kwargs: dict, target: Any, keep_output: bool) -> Any:
         try:
             output = self._call(args, kwargs)
         except Exception as exc:
@@ -252,6 +260,36 @@ class StageRunner:
         self.in_flight.clear()
         self.losses.clear()
         self.outputs.clear()
+
+
+def build_runners(schedule: Any, rank: int, modules: Sequence[torch.nn.Module] | torch.nn.Module,
+                  loss_fn: LossFn | None, checkpoint_activations: bool = False,
+                  autocast: str | torch.dtype | None = None) -> dict[int, StageRunner]:
+    """A :class:`StageRunner` for each stage ``schedule`` places on ``rank``, over ``modules`` in that order.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> runners = build_runners(cs.build("gpipe", ranks=1, microbatches=2), 0, [torch.nn.Linear(2, 2)], None)
+        >>> list(runners), runners[0].num_microbatches
+        ([0], 2)
+    """
+    stages = schedule.stages_of(rank)
+    modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+    if len(modules) != len(stages):
+        raise PipelineConfigError(
+            f"schedule {schedule.name!r} places stages {list(stages)} on rank {rank}, so pass "
+            f"{len(stages)} module(s) in that order; got {len(modules)}"
+        )
+    for i, module in enumerate(modules):
+        if not isinstance(module, torch.nn.Module):
+            raise PipelineConfigError(
+                f"module {i} for stage {stages[i]} on rank {rank} is a {type(module).__name__}, not an nn.Module"
+            )
+    return {
+        s: StageRunner(s, schedule.num_stages, m, loss_fn=loss_fn, num_microbatches=schedule.num_microbatches,
+                       checkpoint_activations=checkpoint_activations, rank=rank, autocast=autocast_dtype(autocast))
+        for s, m in zip(stages, modules)
+    }
 
 
 def _detached(value: Any) -> Any:

@@ -85,7 +85,7 @@ class LoopConfig:
     eval_batches: int = _f(8, "validation batches per evaluation")
     clip: float = _f(1.0, "clip the gradients' total norm to this (0: no clipping)")
     activation_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
-    precision: str = _f("fp32", "fp32 | bf16")
+    precision: str = _f("fp32", "fp32 | bf16 (forward and loss under torch.autocast bf16; fp32 parameters and gradients)")
     seed: int = _f(0, "seed of the model's initialisation and the data order")
 
 

@@ -105,7 +105,8 @@ def build_pipeline(cfg: TrainConfig, model: torch.nn.Module) -> Any:
     return conveyor.pipeline(model, example_args=(example,), split_method="parameters", schedule=p.schedule,
                              microbatches=p.microbatches, virtual=p.virtual,
                              loss_fn=lm_loss("sum" if cfg.loss.normalize == "tokens" else "mean"),
-                             checkpoint_activations=cfg.train.activation_checkpointing, **extra)
+                             checkpoint_activations=cfg.train.activation_checkpointing,
+                             autocast=cfg.train.precision, **extra)
 
 
 @dataclass
@@ -139,8 +140,6 @@ class Run:
 
 def setup(cfg: TrainConfig) -> Run:
     """Seed, build model, pipeline, optimizer, schedule and loaders, and resume if asked."""
-    if cfg.train.precision != "fp32":
-        raise ConfigError(f"train.precision={cfg.train.precision!r}: the training loop runs fp32 only so far")
     torch.manual_seed(cfg.train.seed)  # every rank initialises the whole model alike, keeps its stages
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)

@@ -1,0 +1,75 @@
+"""Mixed precision for stages: each stage's forward (and loss) under the autocast region one device would use.
+
+``torch.autocast`` decides per operation which dtype to compute in, so running every stage
+of a model under the same region as the whole model gives the same operations in the same
+dtypes: the pipeline stays bitwise equal to a single-device run under
+``torch.autocast(device_type, dtype)``. What crosses stages keeps the dtype its op produced
+(a bf16 matmul's output crosses as bf16: half the bytes of fp32).
+
+Example:
+    >>> autocast_dtype("bf16"), autocast_dtype(None)
+    (torch.bfloat16, None)
+    >>> region = autocast_region(torch.nn.Linear(2, 2), torch.bfloat16)
+    >>> with region:
+    ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
+    torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+
+from conveyor.errors import PipelineConfigError
+
+_NAMES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": None, "float32": None, "no": None,
+}
+
+
+def autocast_dtype(spec: str | torch.dtype | None) -> torch.dtype | None:
+    """The dtype an ``autocast=`` argument asks for, or None for no autocast.
+
+    Accepts ``"bf16"``, ``"fp16"``, ``"fp32"`` (none), their long names, a torch dtype, or None.
+
+    Example:
+        >>> autocast_dtype(torch.float16), autocast_dtype("fp32")
+        (torch.float16, None)
+    """
+    if spec is None or isinstance(spec, torch.dtype) and spec in (torch.bfloat16, torch.float16):
+        return spec
+    if isinstance(spec, str) and spec.lower() in _NAMES:
+        return _NAMES[spec.lower()]
+    raise PipelineConfigError(
+        f"autocast={spec!r} is not a mixed precision conveyor knows; use 'bf16', 'fp16', "
+        "torch.bfloat16, torch.float16, or None (full precision)"
+    )
+
+
+def module_device_type(module: torch.nn.Module) -> str:
+    """The device type of ``module``'s first parameter or buffer ("cpu" for a module with neither).
+
+    Example:
+        >>> module_device_type(torch.nn.Linear(1, 1))
+        'cpu'
+    """
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        return tensor.device.type
+    return "cpu"
+
+
+def autocast_region(module: torch.nn.Module, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """A fresh context to run ``module``'s forward in: ``torch.autocast`` on its device, or nothing.
+
+    Example:
+        >>> with autocast_region(torch.nn.Linear(2, 2), None):
+        ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
+        torch.float32
+    """
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(module_device_type(module), dtype=dtype)
