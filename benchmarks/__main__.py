@@ -9,6 +9,7 @@ Flags pick what runs (several may be given; none means ``--compare``):
     --parallel   pp=2 x dp=2: parity with one process, and the share of the reduction hidden (benchmarks/parallel.py)
     --data       where data is read: each rank's peak RSS with a 200 MB dataset (benchmarks/data.py)
     --checkpoint checkpoint save / load of a 100M-parameter model, pretrained bytes per rank (benchmarks/checkpoint.py)
+    --train      conveyor train: tokens/s at pp=2 vs pp=1, peak RSS per rank on a 200 MB corpus (benchmarks/train.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -27,7 +28,7 @@ import importlib
 import sys
 from pathlib import Path
 
-PARTS = ("compare", "schedule", "split", "soak", "parallel", "data", "checkpoint")
+PARTS = ("compare", "schedule", "split", "soak", "parallel", "data", "checkpoint", "train")
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
 DEFAULT_VARIANTS = (
@@ -80,6 +81,10 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     others.add_argument("--data-mb", type=int, default=200, help="dataset size for --data")
     others.add_argument("--ckpt-layers", type=int, default=9, help="GPT-2-like layers for --checkpoint (9: ~100M)")
     others.add_argument("--ckpt-out", default=None, help="scratch folder for --checkpoint (default: a temporary one)")
+    train = parser.add_argument_group("--train (conveyor train end to end)")
+    train.add_argument("--train-rounds", type=int, default=3, help="pp=1 / pp=2 pairs, sides alternating")
+    train.add_argument("--train-steps", type=int, default=30, help="steps per throughput run")
+    train.add_argument("--train-skip-throughput", action="store_true", help="measure memory only")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--parallel", action="store_true", help="pipeline x data parallelism: parity and overlap")
     parts.add_argument("--data", action="store_true", help="peak RSS per rank with a 200 MB dataset")
     parts.add_argument("--checkpoint", action="store_true", help="checkpoint and pretrained-weight I/O")
+    parts.add_argument("--train", action="store_true", help="conveyor train: pp=2 speed-up, memory per rank")
     parts.add_argument(
         "--quick", action="store_true",
         help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only",
