@@ -87,6 +87,8 @@ class LoopConfig:
     activation_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     precision: str = _f("fp32", "fp32 | bf16 (forward and loss under torch.autocast bf16; fp32 parameters and gradients)")
     seed: int = _f(0, "seed of the model's initialisation and the data order")
+    sample_tokens: int = _f(48, "tokens generated greedily after training, shown and in <run.dir>/sample.txt (0: none)")
+    sample_prompt: str | None = _f(None, "the sample's prompt (None: the start of the validation text, or 'def ')")
 
 
 @dataclass
@@ -107,6 +109,7 @@ class CheckpointConfig:
 class RunConfig:
     dir: str = _f("runs/train", "the run's directory: config, logs, pictures")
     log_interval: int = _f(10, "steps between progress lines")
+    tensorboard: bool = _f(True, "rank 0 writes TensorBoard events under <run.dir>/tensorboard (if installed)")
 
 
 @dataclass

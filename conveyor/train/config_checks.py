@@ -44,6 +44,7 @@ RANGES = {
     "train.steps": (1, None, False), "train.batch_size": (1, None, False),
     "train.eval_interval": (0, None, False), "train.eval_batches": (1, None, False),
     "train.clip": (0.0, None, False), "train.seed": (0, None, False),
+    "train.sample_tokens": (0, None, False),
     "checkpoint.interval": (0, None, False), "checkpoint.keep_last": (0, None, False),
     "run.log_interval": (1, None, False),
 }
@@ -134,6 +135,9 @@ def _check_data(cfg: Any, problems: list[str]) -> None:
     if cfg.train.eval_interval > 0 and data.val_fraction == 0:
         problems.append(f"data.val_fraction=0 leaves nothing to validate on, but train.eval_interval="
                         f"{cfg.train.eval_interval}; set data.val_fraction (e.g. 0.05) or train.eval_interval=0")
+    if cfg.train.sample_prompt == "":
+        problems.append("train.sample_prompt='': expected a text to continue (e.g. 'def '), or null for the "
+                        "start of the validation text; train.sample_tokens=0 turns the sample off")
 
 
 def _check_optim(cfg: Any, problems: list[str]) -> None:

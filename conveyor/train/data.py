@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sysconfig
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +36,6 @@ from torch.utils.data import Dataset
 from conveyor.errors import CheckpointMismatchError, ConfigError
 from conveyor.train import sources
 from conveyor.train.config import DataConfig
-
-# Directories of the stdlib left out of the corpus: installed packages are not the stdlib, and
-# Debian-like distributions ship the test suites as separate packages.
-_STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
 
 
 class Document(NamedTuple):
@@ -63,14 +57,8 @@ def stdlib_documents(max_bytes: int | None = None) -> list[Document]:
         >>> sum(len(d.data) for d in docs), docs[0].name
         (10000, '__future__.py')
     """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    names = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in _STDLIB_SKIP)  # pruned in place: never walked
-        rel = Path(folder).relative_to(root)
-        names += [(rel / f).as_posix() for f in files if f.endswith(".py")]
-    # Sort the whole list, not per folder: the order must not depend on the walk.
-    return _cap((Document(name, (root / name).read_bytes()) for name in sorted(names)), max_bytes)
+    root = sources.stdlib_root()
+    return _cap((Document(name, (root / name).read_bytes()) for name in sources.stdlib_names()), max_bytes)
 
 
 def file_documents(files: Sequence[Path], fmt: str | None = None, text_key: str = "text",
@@ -101,6 +89,7 @@ def read_documents(cfg: DataConfig) -> list[Document]:
 
 
 def _cap(documents: Iterator[Document] | Sequence[Document], max_bytes: int | None) -> list[Document]:
+    # conveyor.train.data_check repeats this and split_documents on sizes (its tests compare the two).
     kept, total = [], 0
     for doc in documents:
         if max_bytes is not None and total + len(doc.data) >= max_bytes:
@@ -161,10 +150,7 @@ def split_documents(documents: Sequence[Document], val_fraction: float) -> tuple
         doc = documents[0]
         cut = len(doc.data) - max(1, round(len(doc.data) * val_fraction))
         return [Document(doc.name, doc.data[:cut])], [Document(doc.name + "#validation", doc.data[cut:])]
-    count = min(len(documents) - 1, max(1, round(val_fraction * len(documents))))
-    # A hash of the name, not the position: adding a file moves no other file across the split.
-    by_hash = sorted(range(len(documents)), key=lambda i: hashlib.sha256(documents[i].name.encode()).digest())
-    held = set(by_hash[:count])
+    held = sources.held_out([d.name for d in documents], val_fraction)
     return ([d for i, d in enumerate(documents) if i not in held],
             [d for i, d in enumerate(documents) if i in held])
 

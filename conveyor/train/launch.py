@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Sequence
 
 from conveyor.train.config import TrainConfig, load_config
+from conveyor.train.data_check import check_data
 
 
 def split_arguments(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -46,7 +47,8 @@ def already_launched() -> bool:
 def prepare(args: Sequence[str]) -> TrainConfig:
     """The checked config the arguments name (raises ConfigError, naming the key, on a mistake).
 
-    Under a launcher, the launched world size must match ``parallel.pp x parallel.dp``.
+    Under a launcher, the launched world size must match ``parallel.pp x parallel.dp``. The
+    data's splits must hold what the ranks need (:func:`~conveyor.train.data_check.check_data`).
 
     Example:
         >>> prepare(["train.steps=3"]).train.steps
@@ -54,7 +56,9 @@ def prepare(args: Sequence[str]) -> TrainConfig:
     """
     path, overrides = split_arguments(args)
     world = int(os.environ["WORLD_SIZE"]) if already_launched() and "WORLD_SIZE" in os.environ else None
-    return load_config(path, overrides, world_size=world)
+    cfg = load_config(path, overrides, world_size=world)
+    check_data(cfg)  # a split too short for a batch fails here, not in every rank after the launch
+    return cfg
 
 
 def worker(cfg: TrainConfig) -> dict:

@@ -9,9 +9,10 @@ non-finite step skipped or fatal (``loss.on_nonfinite``), a validation loss thro
 run draws the batches the uninterrupted one would). Rank 0 writes ``<run.dir>/metrics.jsonl``
 (one JSON object per step, and one per validation), ``<run.dir>/config.yaml`` (the resolved
 config), ``loss.png`` (training and validation curves), ``timeline.png`` (the last step measured
-beside its simulation) and ``timeline.json`` (its Chrome/Perfetto trace), and shows progress
-(:class:`conveyor.train.report.Progress`) and a summary (bubble measured vs simulated, peak
-memory per rank, where the files are).
+beside its simulation), ``timeline.json`` (its Chrome/Perfetto trace), ``sample.txt`` (a greedy
+continuation after training, :mod:`conveyor.train.sample`) and TensorBoard events under
+``tensorboard/``, and shows progress (:class:`conveyor.train.report.Progress`) and a summary
+(bubble measured vs simulated, peak memory per rank, where the files are, the sample).
 
 Example (on each rank of a ``torchrun --nproc-per-node 2`` launch, after
 ``torch.distributed.init_process_group("gloo")``)::
@@ -40,11 +41,13 @@ from conveyor.train.data import load_tokenizer, resumable_loader, splits_factory
 from conveyor.train.models import build_model
 from conveyor.train.report import (
     Progress,
+    open_tensorboard,
     peak_rss_mib,
     report_lines,
     write_loss_plot,
     write_timeline,
 )
+from conveyor.train.sample import sample_lines, write_sample
 
 # --- pieces ---------------------------------------------------------------------------------
 
@@ -127,6 +130,7 @@ class Run:
     train_time: float = 0.0
     stopped: str | None = None
     progress: Any = None  # a Progress; shows only on rank 0
+    tensorboard: Any = None  # rank 0's TensorBoardLog, when run.tensorboard is on and it is installed
 
     @property
     def rank0(self) -> bool:
@@ -136,6 +140,8 @@ class Run:
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.log(record)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -160,6 +166,7 @@ def setup(cfg: TrainConfig) -> Run:
         save_config(cfg, out / "config.yaml")
         # A resumed run continues the log; a fresh one starts it over.
         run.metrics = open(out / "metrics.jsonl", "a" if run.step else "w")  # noqa: SIM115 - closed in finish
+        run.tensorboard = open_tensorboard(out, cfg.run.tensorboard, run.step)
     return run
 
 
@@ -281,7 +288,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     Returns (on every rank) a summary: steps, first and last training and validation
     losses, tokens per second, the last checkpoint, why it stopped early (or None), peak RSS
     per rank, and (for a run that finished its steps) the last step's measured and simulated
-    bubble and the plots' paths.
+    bubble and the plots' paths, and the sample's prompt and text (``train.sample_tokens`` > 0).
 
     Example (each rank, under torchrun)::
 
@@ -293,17 +300,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                           f"ranks were launched")
     run = setup(cfg)
     pictures: dict[str, Any] = {}
+    sample: dict[str, Any] = {}
     try:
         saved = loop(run)
         if run.losses and run.stopped is None:
             # A collective, so before close; a run stopped by a non-finite step has no whole step to draw.
             pictures = write_timeline(run.pipe, cfg.run.dir, run.rank0)
+            if run.tensorboard is not None:
+                run.tensorboard.log({"step": run.step, **pictures})  # the bubbles
+        if cfg.train.sample_tokens and run.stopped is None:
+            sample = write_sample(run)  # forwards through the pipeline: a collective, before close
     finally:
         if run.progress is not None:
             run.progress.close()
         run.pipe.close()
         if run.metrics is not None:
             run.metrics.close()
+        if run.tensorboard is not None:
+            run.tensorboard.close()
     if run.rank0:
         out = Path(cfg.run.dir)
         pictures["loss_png"] = str(write_loss_plot(out / "metrics.jsonl", out / "loss.png"))
@@ -313,7 +327,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                "last_val_loss": run.val_losses[-1] if run.val_losses else None,
                "tokens_per_s": run.tokens / run.train_time if run.train_time else None,
                "checkpoint": str(saved) if saved else None, "stopped": run.stopped,
-               "peak_rss_mib": peak_rss_mib(), **pictures}
+               "peak_rss_mib": peak_rss_mib(), **pictures, **sample}
     if run.rank0:
         print(format_summary(summary, cfg))
     return summary
@@ -342,4 +356,4 @@ def format_summary(summary: dict[str, Any], cfg: TrainConfig) -> str:
     files = [summary[key] for key in ("loss_png", "timeline_png", "timeline_trace") if summary.get(key)]
     if files:
         lines.append("files: " + ", ".join(files))
-    return "\n".join(lines)
+    return "\n".join(lines + sample_lines(summary))

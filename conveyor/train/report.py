@@ -6,6 +6,8 @@
   with the stage costs measured in that step) and ``timeline.json`` (a Chrome/Perfetto trace).
 * :func:`write_loss_plot`: ``loss.png``, the training and validation curves of ``metrics.jsonl``.
 * :func:`peak_rss_mib`: every rank's peak resident memory.
+* :class:`TensorBoardLog`: the metrics as TensorBoard scalars under ``<run.dir>/tensorboard``
+  (when ``tensorboard`` is installed and ``run.tensorboard`` is on).
 
 Example (rank 0, after a run)::
 
@@ -180,3 +182,54 @@ def report_lines(summary: dict[str, Any]) -> list[str]:
                                                         for r, m in enumerate(summary["peak_rss_mib"])))
     return lines
 
+
+
+class TensorBoardLog:
+    """Rank 0's TensorBoard events: each metrics.jsonl record as scalars, and the last step's bubble.
+
+    Tags: ``train/loss``, ``train/lr``, ``train/tokens_per_s``, ``val/loss``,
+    ``bubble/measured``, ``bubble/simulated``; the step is the record's ``step``, so the
+    scalars equal metrics.jsonl's (as float32). Build it with :func:`open_tensorboard`.
+
+    Example:
+        >>> import tempfile
+        >>> board = open_tensorboard(tempfile.mkdtemp(), enabled=True)
+        >>> board.log({"step": 1, "loss": 5.5, "lr": 1e-3, "tokens_per_s": 900.0, "elapsed": 0.1})
+        >>> board.close()
+    """
+
+    TAGS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "val_loss": "val/loss",
+            "measured_bubble": "bubble/measured", "simulated_bubble": "bubble/simulated"}
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Each value of ``record`` (a metrics.jsonl record, or the summary's bubbles) that has a tag, at its step."""
+        for key, tag in self.TAGS.items():
+            if record.get(key) is not None:
+                self.writer.add_scalar(tag, record[key], global_step=record["step"])
+        self.writer.flush()  # a run killed later still leaves what it logged
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def open_tensorboard(run_dir: str | Path, enabled: bool = True, step: int = 0) -> TensorBoardLog | None:
+    """A :class:`TensorBoardLog` writing under ``<run_dir>/tensorboard``, or None when off or when
+    ``tensorboard`` is not installed (it is optional: the run goes on without it).
+
+    ``step`` > 0 (a resumed run) drops the events a previous run logged from that step on, so the
+    curves do not fold back.
+
+    Example:
+        >>> open_tensorboard("runs/train", enabled=False) is None
+        True
+    """
+    if not enabled:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return TensorBoardLog(SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=step or None))

@@ -1,7 +1,8 @@
 """Where a corpus comes from: "stdlib", or local files and globs, each with a format.
 
 Shared by the config checks (a source that matches nothing is refused before anything
-starts) and the readers in :mod:`conveyor.train.data`.
+starts), the launcher's data check (:mod:`conveyor.train.data_check`) and the readers in
+:mod:`conveyor.train.data`; it imports no torch, so the launcher stays quick.
 
 Example:
     >>> file_format(Path("shard-000.parquet"), None), file_format(Path("notes.md"), None)
@@ -11,6 +12,9 @@ Example:
 from __future__ import annotations
 
 import glob
+import hashlib
+import os
+import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,48 @@ STDLIB = "stdlib"
 FORMATS = ("text", "jsonl", "parquet")
 # Suffixes that name a structured format; every other file is read as plain text.
 _SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+# Directories of the stdlib left out of the corpus: installed packages are not the stdlib, and
+# Debian-like distributions ship the test suites as separate packages.
+_STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+
+
+def stdlib_root() -> Path:
+    """The directory of this Python's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_names() -> list[str]:
+    """The standard library's ``.py`` files, as paths under :func:`stdlib_root`, sorted (tests and packages left out).
+
+    Example:
+        >>> names = stdlib_names()
+        >>> "os.py" in names and "json/decoder.py" in names, names == sorted(names)
+        (True, True)
+    """
+    root = stdlib_root()
+    names = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _STDLIB_SKIP)  # pruned in place: never walked
+        rel = Path(folder).relative_to(root)
+        names += [(rel / f).as_posix() for f in files if f.endswith(".py")]
+    # Sort the whole list, not per folder: the order must not depend on the walk.
+    return sorted(names)
+
+
+def held_out(names: Sequence[str], val_fraction: float) -> set[int]:
+    """The indices of the documents held out for validation: ``round(val_fraction x n)`` of them
+    (at least one when the fraction is > 0, never all), chosen by a hash of their names.
+
+    Example:
+        >>> sorted(held_out([f"f{i}.py" for i in range(10)], 0.2))
+        [2, 5]
+    """
+    if val_fraction <= 0 or len(names) < 2:
+        return set()
+    count = min(len(names) - 1, max(1, round(val_fraction * len(names))))
+    # A hash of the name, not the position: adding a file moves no other file across the split.
+    by_hash = sorted(range(len(names)), key=lambda i: hashlib.sha256(names[i].encode()).digest())
+    return set(by_hash[:count])
 
 
 def source_patterns(source: Any) -> list[str]:

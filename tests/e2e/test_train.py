@@ -1,7 +1,8 @@
 """`conveyor train` as a user runs it: a real command, torch's elastic launcher, 2 local ranks.
 
 One tiny run (6 steps, checkpoints at 3 and 6) is shared by the tests (its files: metrics,
-config, checkpoints, loss and timeline plots, the trace; its summary); a second run resumes
+config, checkpoints, loss and timeline plots, the trace, the sample, TensorBoard events; its
+summary); a second run resumes
 from its step-3 checkpoint and must repeat steps 4-6 bit for bit.
 """
 
@@ -66,6 +67,38 @@ def test_tiny_run_trains_and_writes_its_files(tiny_run):
     assert "bubble (last step): measured" in done.stdout and "simulated" in done.stdout
     assert "peak memory (RSS): rank 0" in done.stdout and "rank 1" in done.stdout
     assert "step     6/6" in done.stdout and "ETA" in done.stdout  # the plain lines: stdout is a pipe
+
+
+def test_tiny_run_shows_a_greedy_sample_and_logs_its_metrics_to_tensorboard(tiny_run):
+    import re
+
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conveyor.train.config import DataConfig
+    from conveyor.train.data import build_splits, load_tokenizer
+
+    run_dir, done = tiny_run
+    # The prompt is the validation text's start; 48 greedy tokens follow it.
+    val = build_splits(DataConfig(max_bytes=200000, val_fraction=0.3), 64).val
+    prompt = load_tokenizer("bytes").decode(val.tokens[:32])
+    assert (run_dir / "sample.txt").read_text().startswith(prompt)
+    assert f"sample (greedy, after training; {run_dir / 'sample.txt'}):" in done.stdout
+    assert f"  | {prompt.splitlines()[0]}" in done.stdout and "⟨" in done.stdout
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    def scalars(tag: str) -> list[tuple[int, float]]:
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    def f32(key: str) -> list[tuple[int, float]]:  # TensorBoard keeps float32
+        return [(m["step"], float(np.float32(m[key]))) for m in metrics(run_dir) if key in m]
+
+    for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("train/tokens_per_s", "tokens_per_s"),
+                     ("val/loss", "val_loss")):
+        assert scalars(tag) == f32(key) and scalars(tag), tag
+    measured = float(re.search(r"bubble \(last step\): measured ([0-9.]+)", done.stdout).group(1))
+    [(step, bubble)] = scalars("bubble/measured")
+    assert step == 6 and abs(bubble - measured) < 6e-4 and len(scalars("bubble/simulated")) == 1
 
 
 def test_resumed_run_repeats_the_uninterrupted_steps_bitwise(tiny_run, tmp_path):

@@ -1,0 +1,129 @@
+"""conveyor.train.data_check: the launcher's sizes of the splits equal what the ranks build, and a short
+split stops `conveyor train` (exit 2) before any process starts."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conveyor.errors import ConfigError
+from conveyor.train import data_check
+from conveyor.train.config import load_config
+from conveyor.train.data import (
+    build_splits,
+    load_tokenizer,
+    read_documents,
+    split_documents,
+    token_stream,
+)
+from conveyor.train.data_check import check_data
+
+SMALL = ["model.seq_len=4", "train.batch_size=2", "parallel.microbatches=1", "train.eval_interval=1"]
+
+
+def built_tokens(cfg) -> tuple[int, int]:
+    splits = build_splits(cfg.data, cfg.model.seq_len)
+    return len(splits.train.tokens), len(splits.val.tokens) if splits.val is not None else 0
+
+
+def checked_tokens(cfg) -> tuple[int, int]:
+    sizes = check_data(cfg)
+    return sizes["training"].tokens, sizes["validation"].tokens if sizes["validation"] else 0
+
+
+@pytest.mark.parametrize("extra", [["data.max_bytes=150000", "data.val_fraction=0.2"],
+                                   ["data.max_bytes=9000", "data.val_fraction=0.3"]])
+def test_the_stdlib_sizes_equal_the_built_splits(extra):
+    cfg = load_config(None, SMALL + extra)
+    assert checked_tokens(cfg) == built_tokens(cfg)
+
+
+def test_text_files_capped_and_split_equal_the_built_splits(tmp_path):
+    for i, size in enumerate([300, 5000, 70, 1200, 999]):
+        (tmp_path / f"f{i}.txt").write_bytes(bytes(range(97, 123)) * (size // 26) + b"x" * (size % 26))
+    for extra in (["data.max_bytes=6000", "data.val_fraction=0.4"], ["data.val_fraction=0.25"]):
+        cfg = load_config(None, SMALL + [f"data.source={tmp_path}/*.txt", *extra])
+        assert checked_tokens(cfg) == built_tokens(cfg), extra
+    one = load_config(None, SMALL + [f"data.source={tmp_path}/f1.txt", "data.val_fraction=0.25"])
+    assert checked_tokens(one) == built_tokens(one) == (3750, 1250)  # one document: cut at its end
+
+
+def test_json_lines_are_read_when_small_and_left_to_the_ranks_when_large(tmp_path, monkeypatch):
+    for name in ("a", "b"):
+        lines = [json.dumps({"text": f"{name} record {i} " * (i + 3)}) for i in range(20)]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = load_config(None, SMALL + [f"data.source={tmp_path}/*.jsonl", "data.val_fraction=0.2"])
+    assert checked_tokens(cfg) == built_tokens(cfg)
+    monkeypatch.setattr(data_check, "READ_BUDGET", 100)
+    assert check_data(cfg) == {"training": None, "validation": None}
+
+
+def write_tokenizer(path) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", eos_token="</s>").save_pretrained(path)
+    return str(path)
+
+
+def test_a_tokenizer_directory_counts_short_splits_exactly_and_leaves_long_ones_unread(tmp_path, monkeypatch):
+    tokenizer = write_tokenizer(tmp_path / "tok")
+    (tmp_path / "d").mkdir()
+    for i in range(6):
+        (tmp_path / "d" / f"{i}.txt").write_text("hello world " * 20 * (i + 1))  # 40 (i + 1) tokens + </s>
+    cfg = load_config(None, SMALL + [f"data.source={tmp_path}/d/*.txt", f"data.tokenizer={tokenizer}",
+                                     "data.val_fraction=0.2", "model.seq_len=512"])
+    train, val = split_documents(read_documents(cfg.data), 0.2)
+    tok = load_tokenizer(tokenizer)
+    with pytest.raises(ConfigError) as error:
+        check_data(cfg)
+    message = str(error.value)
+    assert f"training split of data.source={cfg.data.source!r} holds {len(token_stream(train, tok))} tokens" in message
+    assert f"validation split of data.source={cfg.data.source!r} holds {len(token_stream(val, tok))} tokens" in message
+    assert f"data.tokenizer={tokenizer!r}" in message
+
+    def never(spec):
+        raise AssertionError("a split of many bytes per needed token was tokenized")
+
+    monkeypatch.setattr("conveyor.train.data.load_tokenizer", never)
+    small = load_config(None, SMALL + [f"data.source={tmp_path}/d/*.txt", f"data.tokenizer={tokenizer}",
+                                       "data.val_fraction=0.2", "model.seq_len=1"])
+    assert check_data(small)["training"].tokens is None  # >= 240 bytes for 3 tokens: no tokenizer needed
+
+
+def test_a_tiny_corpus_exits_2_naming_keys_and_sizes_before_any_process(tmp_path, capsys, monkeypatch):
+    from conveyor.cli import main
+    from conveyor.train import launch
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a process was started for data too short for one batch")
+
+    monkeypatch.setattr(launch, "launch", no_launch)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("print('hello')\n" * 20)  # 300 bytes
+    began = time.perf_counter()
+    code = main(["train", f"data.source={tiny}", "model.seq_len=512", f"run.dir={tmp_path / 'run'}"])
+    took = time.perf_counter() - began
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("conveyor: error: data: 2 splits are too short"), err
+    assert "the training split" in err and "holds 285 tokens (285 bytes in 1 document)" in err
+    assert "the validation split" in err and "holds 15 tokens" in err
+    for key in ("data.source", "data.val_fraction", "model.seq_len + 1 = 513", "train.batch_size=16",
+                "16 x 512 + 1 = 8193 tokens", "train.eval_interval=0"):
+        assert key in err, key
+    assert not (tmp_path / "run").exists() and took < 5
+
+
+def test_the_default_corpus_passes_quickly():
+    cfg = load_config(None, [])
+    began = time.perf_counter()
+    sizes = check_data(cfg)
+    took = time.perf_counter() - began
+    assert sizes["training"].tokens > 10_000_000 and sizes["validation"].tokens > 100_000
+    assert took < 2.0, f"the data check took {took:.2f} s on the stdlib corpus"
