@@ -25,6 +25,7 @@ from conveyor.microbatch import merge_outputs
 from conveyor.parallel.loss import set_loss_divisor, summed_loss
 from conveyor.pipe import _check_nonfinite_mode, _PipelineBase
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
+from conveyor.runtime.memory import MemoryReport, memory_report, reset_device_peaks
 from conveyor.runtime.rng import step_random_streams
 from conveyor.runtime.runner import LossFn, StageRunner, build_runners
 from conveyor.runtime.transport import LocalMailbox, LocalTransport, Transport
@@ -56,6 +57,7 @@ class LocalPipeline(_PipelineBase):
         parameter_order: Mapping[str, int] | None = None,
         random_streams: bool = True,
         autocast: str | torch.dtype | None = None,
+        measure_memory: bool = False,
     ) -> None:
         modules = list(modules)
         self.random_streams = random_streams
@@ -80,7 +82,8 @@ class LocalPipeline(_PipelineBase):
                                     checkpoint_activations, autocast)
             self.runners.update(runners)
             transport: Transport = LocalTransport(self.mailbox, rank)
-            self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport))
+            self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport,
+                                               measure_memory=measure_memory))
         # In one process every copy of a tied parameter can simply be the same Parameter.
         self._tie(tied_parameters, parameter_order)
         self._recorders: list[StepRecorder] = []
@@ -113,6 +116,9 @@ class LocalPipeline(_PipelineBase):
             runner.reset()
         self.mailbox.messages.clear()  # a step that raised may have left messages behind
         self._recorders = [StepRecorder() for _ in self.executors]
+        meters = [ex.memory_meter for ex in self.executors if ex.memory_meter is not None]
+        if meters:
+            reset_device_peaks(meters)  # ranks share this process's devices: reset each once
         with torch.enable_grad(), step_random_streams(self.runners.values(), self.random_streams):
             run_local(self.executors, [
                 ex.run(self.runs.train_program(r), first if r == self.schedule.placement.rank_of(0) else None,
@@ -146,6 +152,23 @@ class LocalPipeline(_PipelineBase):
         return outputs
 
     __call__ = forward
+
+    def memory(self) -> list[MemoryReport]:
+        """Each rank's activation memory in the last training step (``measure_memory=True``), by rank.
+
+        Peak bytes autograd held for backward, and one stage-microbatch's bytes: see
+        :class:`conveyor.runtime.memory.MemoryReport`.
+
+        Example:
+            >>> import torch, conveyor
+            >>> pipe = conveyor.LocalPipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "gpipe",
+            ...                               microbatches=2, measure_memory=True,
+            ...                               loss_fn=lambda y, t: (y - t).sum())
+            >>> _ = pipe.step(torch.ones(8, 4), target=torch.zeros(8, 1))
+            >>> [(r.peak_bytes, r.stage_bytes) for r in pipe.memory()]   # each Linear saves its 4 x 4 input
+            [(128, {0: 64}), (128, {1: 64})]
+        """
+        return [memory_report(ex.memory_meter, "LocalPipeline") for ex in self.executors]
 
     def timeline(self) -> Timeline:
         return measured_timeline(self.schedule, [[(str(a), s, e) for a, s, e in r.events] for r in self._recorders])

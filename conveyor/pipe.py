@@ -45,6 +45,7 @@ from conveyor.runtime.clip import (
 )
 from conveyor.runtime.executor import RankExecutor, StepRecorder
 from conveyor.runtime.lifecycle import RankLifecycle
+from conveyor.runtime.memory import MemoryReport, memory_report
 from conveyor.runtime.precision import autocast_dtype
 from conveyor.runtime.rng import step_random_streams
 from conveyor.runtime.runner import LossFn, StageRunner, build_runners, named_unique
@@ -256,6 +257,8 @@ class Pipeline(_PipelineBase):
     under ``torch.autocast(<the stage's device type>, dtype)``, the region a single-device
     ``with torch.autocast(...): loss = loss_fn(model(x), y)`` uses, so results stay bitwise equal
     to that run; activations cross stages in the dtype their op produced (bf16: half the bytes).
+    ``measure_memory=True`` counts, every step, the bytes autograd saves for backward; read them with
+    :meth:`memory` (it costs a few percent of a small step, hence off by default).
 
     The pipeline communicates on process groups of its own, built over ``group``'s ranks
     (see :mod:`conveyor.runtime.lifecycle`); ``group`` itself is never used or closed.
@@ -292,6 +295,7 @@ class Pipeline(_PipelineBase):
         mesh=None,
         data_parallel: str | None = None,
         autocast: str | torch.dtype | None = None,
+        measure_memory: bool = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -320,6 +324,7 @@ class Pipeline(_PipelineBase):
         check_transport_name(transport)
         self.stages = self.schedule.stages_of(self.rank)
         self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast)
+        self.measure_memory = measure_memory
         self._tie(tied_parameters, parameter_order)
         # Every check that needs no peer is above: from here on this rank holds process groups.
         self._life = RankLifecycle(group, timeout_s, self.layout.pipelines if self.layout is not None else None)
@@ -389,7 +394,8 @@ class Pipeline(_PipelineBase):
                                                                          self.runs.eval_in_order))
         if shapes:
             seed_shapes(self.transport, shapes, self.schedule.num_stages)
-        self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport)
+        self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport,
+                                     measure_memory=self.measure_memory)
 
     # --- user API -----------------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False,
@@ -424,6 +430,18 @@ class Pipeline(_PipelineBase):
         return self._life.guarded(self._forward, args, kwargs)
 
     __call__ = forward
+
+    def memory(self, all_ranks: bool = False) -> MemoryReport | list[MemoryReport]:
+        """Peak bytes of activations autograd held in the last step, and one stage-microbatch's bytes
+        (``measure_memory=True``): this rank's :class:`~conveyor.runtime.memory.MemoryReport`, or with
+        ``all_ranks=True`` every rank's, by rank (a collective: call it on every rank).
+
+        Example:
+            >>> [report.peak_bytes for report in pipe.memory(all_ranks=True)]   # doctest: +SKIP
+        """
+        if not all_ranks:
+            return memory_report(self.executor.memory_meter, "Pipeline")
+        return self._collective(lambda: self._gather_objects(memory_report(self.executor.memory_meter, "Pipeline")))
 
     def timeline(self) -> Timeline:
         """The measured Timeline of the last step (a collective: call it on every rank)."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import StageExecutionError
+from conveyor.runtime.memory import MemoryMeter
 from conveyor.runtime.runner import StageRunner
 from conveyor.runtime.transport import Transport, detach_for_next_stage
 from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD
@@ -55,6 +56,7 @@ class RankExecutor:
         runners: dict[int, StageRunner],
         transport: Transport,
         lookahead: int = 4,
+        measure_memory: bool = False,
     ) -> None:
         self.rank = rank
         self.placement = placement
@@ -75,6 +77,10 @@ class RankExecutor:
             ActionKind.RECV_F: self._recv,
             ActionKind.RECV_B: self._recv,
         }
+        # What autograd saves in this rank's forwards, counted (see conveyor.runtime.memory).
+        self.memory_meter = MemoryMeter(rank, runners) if measure_memory else None
+        for runner in runners.values():
+            runner.memory_meter = self.memory_meter
 
     def forget_receives(self) -> None:
         """Drop the handles of posted receives (after a failure: they hold the process group)."""
@@ -103,6 +109,8 @@ class RankExecutor:
         self.targets = targets
         self.keep_outputs = keep_outputs
         self.forward_direction = FORWARD if torch.is_grad_enabled() else EVAL_FORWARD
+        if self.memory_meter is not None and torch.is_grad_enabled():
+            self.memory_meter.start_step()
         if first_stage_inputs is not None:
             for m, inputs in enumerate(first_stage_inputs):
                 self.forward_inputs[(0, m)] = inputs
@@ -189,7 +197,11 @@ class RankExecutor:
     def _backward_input(self, action: Action) -> Iterator[None]:
         s, m = action.stage, action.microbatch
         grads = self.output_grads.pop((s, m), None)
+        meter = self.memory_meter
+        held = meter.live_bytes if meter is not None else 0
         self._hand_back(s, m, self.runners[s].backward_input(m, grads))
+        if meter is not None:
+            meter.input_pass_done(s, m, held)
         return
         yield
 

@@ -34,6 +34,7 @@ from conveyor.runtime.backward import (
     backward_full,
     backward_input,
 )
+from conveyor.runtime.memory import MemoryMeter
 from conveyor.runtime.precision import autocast_dtype, autocast_region
 from conveyor.runtime.recompute import RecomputedBuffers
 from conveyor.runtime.rng import StepRandomness
@@ -113,6 +114,7 @@ class StageRunner:
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
         self.randomness: StepRandomness | None = None  # set by the pipeline for each step
+        self.memory_meter: MemoryMeter | None = None  # set by the executor with measure_memory
         # A recomputation reads the buffers its forward read and does not write them again.
         self.recompute_contexts = RecomputedBuffers(module)
 
@@ -150,7 +152,11 @@ class StageRunner:
         if self.randomness is not None:
             self.randomness.seed_for(self.stage, microbatch)
         with autocast_region(self.module, self.autocast):
-            return self._forward(microbatch, args, kwargs, target, keep_output)
+            meter = self.memory_meter
+            if meter is None or not torch.is_grad_enabled():
+                return self._forward(microbatch, args, kwargs, target, keep_output)
+            with meter.saving(self.stage, microbatch):
+                return self._forward(microbatch, args, kwargs, target, keep_output)
 
     def _forward(self, microbatch: int, args: tuple, kwargs: dict, target: Any, keep_output: bool) -> Any:
         try:

@@ -23,24 +23,50 @@ from conveyor.schedule.ir import Action, ActionKind
 
 @dataclass(frozen=True, slots=True)
 class StageCosts:
-    """Time of each pass of one stage on one microbatch, plus its activation memory."""
+    """Time of each pass of one stage on one microbatch, plus its activation memory.
+
+    ``activation_bytes``: what a forward leaves for backward. ``weight_activation_bytes``: the
+    part of it still held from the input-gradient pass (I) to the weight-gradient pass (W),
+    the zero-bubble paper's M_W (None: all of it). I frees what only the input gradient
+    needed: with conveyor's I/W split, the saved tensors of the operations between the stage's
+    outputs (or loss) and its last operation that also leads to a weight, e.g. a final
+    activation function's input; :meth:`conveyor.LocalPipeline.memory` measures both.
+
+    Example:
+        >>> StageCosts(1, 1, 1, activation_bytes=2048, weight_activation_bytes=1536).weight_kept
+        1536
+    """
 
     forward: float
     backward_input: float
     backward_weight: float
     activation_bytes: float = 0.0
+    weight_activation_bytes: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward_input", "backward_weight", "activation_bytes"):
+        for name in ("forward", "backward_input", "backward_weight", "activation_bytes", "weight_activation_bytes"):
             value = getattr(self, name)
+            if value is None and name == "weight_activation_bytes":
+                continue
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                 raise CostError(f"stage cost {name} must be a finite number, got {value!r}")
             if value < 0:
                 raise CostError(f"stage cost {name} must be >= 0, got {value}")
 
+        if self.weight_activation_bytes is not None and self.weight_activation_bytes > self.activation_bytes:
+            raise CostError(
+                f"weight_activation_bytes ({self.weight_activation_bytes}) is what W keeps of activation_bytes "
+                f"({self.activation_bytes}), so it cannot be larger; give at most activation_bytes (or None: all)"
+            )
+
     @property
     def full_backward(self) -> float:
         return self.backward_input + self.backward_weight
+
+    @property
+    def weight_kept(self) -> float:
+        """The activation bytes held from I until W (all of them unless ``weight_activation_bytes`` says less)."""
+        return self.activation_bytes if self.weight_activation_bytes is None else self.weight_activation_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,16 +96,18 @@ class CostModel:
         *,
         latency: float = 0.0,
         activation_bytes: float = 0.0,
+        weight_activation_bytes: float | None = None,
     ) -> CostModel:
-        """Every stage costs the same."""
-        stage = StageCosts(forward, backward_input, backward_weight, activation_bytes)
+        """Every stage costs the same (see :class:`StageCosts` for the bytes)."""
+        stage = StageCosts(forward, backward_input, backward_weight, activation_bytes, weight_activation_bytes)
         return cls((stage,) * num_stages, latency)
 
     @classmethod
     def per_stage(
         cls, costs: Sequence[StageCosts | Sequence[float]], *, latency: float = 0.0
     ) -> CostModel:
-        """One entry per stage: a :class:`StageCosts` or ``(forward, backward_input, backward_weight[, bytes])``.
+        """One entry per stage: a :class:`StageCosts` or ``(forward, backward_input, backward_weight[, bytes[,
+        weight bytes]])`` (see :class:`StageCosts`).
 
         Example:
             >>> CostModel.per_stage([(1, 2, 1), (1, 2, 1, 4096)]).stages[1].activation_bytes
@@ -89,12 +117,12 @@ class CostModel:
         for index, entry in enumerate(costs):
             if isinstance(entry, StageCosts):
                 stages.append(entry)
-            elif isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) in (3, 4):
+            elif isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) in (3, 4, 5):
                 stages.append(StageCosts(*entry))
             else:
                 raise CostError(
                     f"the costs of stage {index} must be a StageCosts or (forward, backward_input, "
-                    f"backward_weight[, activation_bytes]), got {entry!r}"
+                    f"backward_weight[, activation_bytes[, weight_activation_bytes]]), got {entry!r}"
                 )
         return cls(tuple(stages), latency)
 

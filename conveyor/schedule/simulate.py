@@ -90,6 +90,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
         source="simulated",
         time_unit=time_unit,
         stage_activation_bytes=tuple(s.activation_bytes for s in costs.stages),
+        stage_weight_activation_bytes=tuple(s.weight_kept for s in costs.stages),
         metadata={
             "schedule": schedule.name,
             "ranks": schedule.num_ranks,

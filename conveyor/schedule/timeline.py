@@ -39,7 +39,9 @@ class Span:
 class Timeline:
     """What each rank did when. ``source`` is ``"simulated"`` or ``"measured"``.
 
-    ``stage_activation_bytes[stage]`` (optional) weighs live activations in bytes.
+    ``stage_activation_bytes[stage]`` (optional) weighs live activations in bytes;
+    ``stage_weight_activation_bytes[stage]`` (optional: all of them) is the part a split
+    backward's W still needs after its I (see :class:`~conveyor.schedule.cost.StageCosts`).
     ``spans`` come in no particular order across ranks; :meth:`spans_of` sorts one rank's.
     """
 
@@ -49,6 +51,7 @@ class Timeline:
     source: str = "simulated"
     time_unit: str = "unit"
     stage_activation_bytes: tuple[float, ...] = ()
+    stage_weight_activation_bytes: tuple[float, ...] = ()
     metadata: dict = field(default_factory=dict)
 
     @property
@@ -82,18 +85,31 @@ class Timeline:
     def peak_activations(self) -> list[int]:
         """Per rank, the most (stage, microbatch) activations alive at once.
 
-        An activation lives from the start of its forward to the end of its last
-        backward pass (B, or W after I): W still needs the stage's saved inputs.
+        An activation lives, whole, from the start of its forward to the end of its last
+        backward pass (B, or W after I): W still needs the stage's saved inputs. That bounds
+        what a split backward holds; :meth:`peak_activation_bytes` counts what I frees.
         """
-        return [int(p) for p in self._peaks(lambda stage: 1)]
+        return [int(p) for p in self._peaks(lambda stage: 1, lambda stage: 1)]
 
     def peak_activation_bytes(self) -> list[float]:
-        """Like :meth:`peak_activations`, weighted by ``stage_activation_bytes``."""
+        """Like :meth:`peak_activations`, weighted by ``stage_activation_bytes``; between a
+        split backward's I and W only ``stage_weight_activation_bytes`` stay (the zero-bubble
+        paper's M_W: I frees what only the input gradient needed).
+
+        Example:
+            >>> import conveyor.schedule as cs
+            >>> sched = cs.executable(cs.build("zb-h1", ranks=2, microbatches=4)).compute
+            >>> costs = cs.CostModel.uniform(2, activation_bytes=4.0, weight_activation_bytes=3.0)
+            >>> cs.simulate(sched).peak_activations(), cs.simulate(sched, costs).peak_activation_bytes()
+            ([2, 2], [8.0, 7.0])
+        """
         if not self.stage_activation_bytes:
             return [0.0] * self.num_ranks
-        return self._peaks(lambda stage: self.stage_activation_bytes[stage])
+        full = self.stage_activation_bytes
+        kept = self.stage_weight_activation_bytes or full
+        return self._peaks(lambda stage: full[stage], lambda stage: kept[stage])
 
-    def _peaks(self, weight) -> list[float]:
+    def _peaks(self, weight, kept) -> list[float]:
         split = {(s.action.stage, s.action.microbatch) for s in self.spans if s.action.kind is ActionKind.I}
         by_rank: list[list[tuple[float, int, Span]]] = [[] for _ in range(self.num_ranks)]
         for index, s in enumerate(self.spans):
@@ -109,9 +125,11 @@ class Timeline:
                 a = s.action
                 if a.kind is ActionKind.F:
                     events.append((s.start, 2 * position, weight(a.stage)))
-                elif a.kind is ActionKind.W or (
-                    a.kind is ActionKind.B and (a.stage, a.microbatch) not in split
-                ):
+                elif a.kind is ActionKind.I:
+                    events.append((s.end, 2 * position + 1, kept(a.stage) - weight(a.stage)))
+                elif a.kind is ActionKind.W:
+                    events.append((s.end, 2 * position + 1, -kept(a.stage)))
+                elif a.kind is ActionKind.B and (a.stage, a.microbatch) not in split:
                     events.append((s.end, 2 * position + 1, -weight(a.stage)))
             live = peak = 0.0
             for _, _, delta in sorted(events):
