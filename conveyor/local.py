@@ -23,7 +23,8 @@ import torch
 from conveyor.errors import PipelineClosed, PipelineConfigError
 from conveyor.microbatch import merge_outputs
 from conveyor.parallel.loss import set_loss_divisor, summed_loss
-from conveyor.pipe import _check_nonfinite_mode, _PipelineBase
+from conveyor.parallel.norms import check_nonfinite_mode
+from conveyor.pipe import _PipelineBase
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.memory import MemoryReport, memory_report, reset_device_peaks
 from conveyor.runtime.rng import step_random_streams
@@ -108,7 +109,7 @@ class LocalPipeline(_PipelineBase):
             loss = pipe.step(x, target=y, normalize_by=conveyor.parallel.count_tokens(pipe, y))
         """
         self._check_open()
-        _check_nonfinite_mode(on_nonfinite)
+        check_nonfinite_mode(on_nonfinite)
         first = self._split_inputs(args, kwargs)
         targets = self._split_target(target)
         set_loss_divisor(self.runners, self.schedule.num_stages, normalize_by)

@@ -30,7 +30,13 @@ from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.parallel import fsdp
 from conveyor.parallel.loss import broadcast_loss, set_loss_divisor
 from conveyor.parallel.mesh import layout_of
-from conveyor.parallel.norms import describe_nonfinite, encoded_norms, local_part, nonfinite_flags
+from conveyor.parallel.norms import (
+    check_nonfinite_mode,
+    describe_nonfinite,
+    encoded_norms,
+    local_part,
+    nonfinite_flags,
+)
 from conveyor.parallel.replicas import Replicas, check_data_parallel
 from conveyor.parallel.tied import (
     TiedGradients,
@@ -230,17 +236,13 @@ class Pipeline(_PipelineBase):
     tensors that carry a gradient marked ``requires_grad=True``}, the same on
     every rank) skips even the first step's exchange: with ``fixed_shapes=True``
     only data ever travels, and the first output that differs is an error.
-    ``transport``: ``"shared_memory"`` moves payloads through rings in shared
-    memory (every rank on this host, CPU tensors, x86-64 Linux; a hop costs
-    microseconds instead of gloo's 0.1-0.3 ms of calls), ``"process_group"``
-    through the group's point-to-point calls (gloo, NCCL), ``"hybrid"`` shared
-    memory to the peers on this host and the process group to the others.
-    ``"auto"`` (default), when the group's backend is gloo: shared memory when the
-    launcher says every rank is on this host (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as
-    torchrun sets them); else the ranks tell each other their hosts (through the
-    store, waiting at most ``timeout_s``) and every pair of ranks that talk uses shared memory
-    where they share a host: shared memory, hybrid or the process group. Other
-    backends (NCCL): the process group.
+    ``transport``: ``"shared_memory"`` (rings in shared memory: every rank on this host, CPU
+    tensors, x86-64 Linux; a hop costs microseconds, a gloo message 0.1-0.3 ms),
+    ``"process_group"`` (the group's point-to-point calls: gloo, NCCL), ``"hybrid"`` (shared
+    memory to the peers on this host, the process group to the others) or ``"auto"``
+    (default): with gloo, shared memory where every pair of ranks that talk shares a host
+    (``LOCAL_WORLD_SIZE == WORLD_SIZE``, else the ranks compare hosts through the store within
+    ``timeout_s``); with other backends (NCCL), the process group.
     ``parameter_order`` ({parameter name: index in the unsplit model's
     ``parameters()``}) tells :meth:`clip_grad_norm_` the model's order when it is
     not stage by stage; :func:`pipeline` passes it.
@@ -417,7 +419,7 @@ class Pipeline(_PipelineBase):
         Example:
             >>> loss = pipe.step(x, target=y, on_nonfinite="skip")   # doctest: +SKIP
         """
-        _check_nonfinite_mode(on_nonfinite)
+        check_nonfinite_mode(on_nonfinite)
         result, report = self._life.guarded(self._step, args, kwargs, target, return_outputs, on_nonfinite,
                                             normalize_by)
         if report:
@@ -581,11 +583,6 @@ class Pipeline(_PipelineBase):
         outputs = merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)])
         last.outputs.clear()
         return outputs
-
-
-def _check_nonfinite_mode(on_nonfinite: str | None) -> None:
-    if on_nonfinite not in (None, "raise", "skip"):
-        raise PipelineConfigError(f"on_nonfinite must be None, 'raise' or 'skip'; got {on_nonfinite!r}")
 
 
 # Names that lived in this module until 0.1; importing them from here still works.

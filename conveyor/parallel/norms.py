@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
+from conveyor.errors import PipelineConfigError
 from conveyor.runtime.clip import EncodedNorms, encode_norms, parameter_norms
 from conveyor.runtime.runner import StageRunner
 
@@ -65,6 +66,16 @@ def nonfinite_flags(runners: Mapping[int, StageRunner], num_stages: int, num_mic
         bad = [m for m in range(num_microbatches) if not bool(last.losses[m].isfinite().all())]
         flags[num_stages] = bad[0] + 1 if bad else 0
     return flags
+
+
+def check_nonfinite_mode(on_nonfinite: str | None) -> None:
+    """Refuse an ``on_nonfinite`` other than None, ``"raise"`` or ``"skip"``.
+
+    Example:
+        >>> check_nonfinite_mode("skip")
+    """
+    if on_nonfinite not in (None, "raise", "skip"):
+        raise PipelineConfigError(f"on_nonfinite must be None, 'raise' or 'skip'; got {on_nonfinite!r}")
 
 
 def describe_nonfinite(flags: torch.Tensor) -> str:
