@@ -110,6 +110,8 @@ class RunConfig:
     dir: str = _f("runs/train", "the run's directory: config, logs, pictures")
     log_interval: int = _f(10, "steps between progress lines")
     tensorboard: bool = _f(True, "rank 0 writes TensorBoard events under <run.dir>/tensorboard (if installed)")
+    max_restarts: int = _f(0, "times the launcher restarts every rank after one fails; each restart "
+                              "resumes from the latest checkpoint this job wrote (0: a failure ends the run)")
 
 
 @dataclass

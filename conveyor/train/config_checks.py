@@ -46,7 +46,7 @@ RANGES = {
     "train.clip": (0.0, None, False), "train.seed": (0, None, False),
     "train.sample_tokens": (0, None, False),
     "checkpoint.interval": (0, None, False), "checkpoint.keep_last": (0, None, False),
-    "run.log_interval": (1, None, False),
+    "run.log_interval": (1, None, False), "run.max_restarts": (0, None, False),
 }
 
 _SIZE_KEYS = ("parallel.", "train.batch_size", "model.layers")

@@ -4,11 +4,15 @@ The config is loaded and validated in this process before anything starts, so a 
 costs no process. Outside a launcher, :func:`launch` starts ``pp x dp`` local workers with
 torch's elastic launcher (what ``torchrun`` runs: a c10d rendezvous on a free local port);
 under ``torchrun`` (``RANK`` or ``TORCHELASTIC_RUN_ID`` in the environment) this process is
-already one of the ranks, and it trains as it is.
+already one of the ranks, and it trains as it is. With ``run.max_restarts=N`` (or ``torchrun
+--max-restarts N``), a failed rank ends its round and the launcher starts every rank again, up
+to N times; each restarted round resumes from the newest checkpoint the job wrote
+(:mod:`conveyor.train.restarts`).
 
 Example:
     $ conveyor train                                    # the defaults: stdlib sources, 2 ranks
     $ conveyor train configs/gpt.yaml train.steps=50 parallel.pp=2
+    $ conveyor train run.max_restarts=2 checkpoint.interval=50     # survive up to 2 failed rounds
     $ torchrun --nproc-per-node 2 -m conveyor.cli train train.steps=50
 """
 
@@ -19,6 +23,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from conveyor.train.config import TrainConfig, load_config
 from conveyor.train.data_check import check_data
@@ -70,7 +75,7 @@ def worker(cfg: TrainConfig) -> dict:
 
     # Each rank gets one of the few cores; more threads per rank only contend for them.
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_group()
     try:
         summary = train(cfg)
     finally:
@@ -80,6 +85,24 @@ def worker(cfg: TrainConfig) -> dict:
     return summary
 
 
+def join_group() -> None:
+    """Join the gloo process group the launcher's environment names (``env://``), with this round's own store keys.
+
+    The elastic launcher keeps one store for the whole job: after a restart, the failed
+    round's keys (its ranks' addresses, its pipelines' rings) would still answer the new
+    round's lookups, and it would connect to processes that are gone.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import default_pg_timeout
+
+    from conveyor.train.restarts import round_prefix
+
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=default_pg_timeout))
+    store.set_timeout(default_pg_timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore(round_prefix(), store), rank=rank,
+                            world_size=world_size)
+
+
 def free_port() -> int:
     """A TCP port free on this machine now (for the rendezvous)."""
     with socket.socket() as probe:
@@ -87,23 +110,51 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(cfg: TrainConfig, *, max_restarts: int = 0) -> int:
-    """Run :func:`worker` on ``pp x dp`` local ranks through torch's elastic launcher; returns an exit status."""
+def launch(cfg: TrainConfig) -> int:
+    """Run :func:`worker` on ``pp x dp`` local ranks through torch's elastic launcher; returns an exit status.
+
+    When a rank fails, the launcher ends the others; with ``run.max_restarts`` left it starts
+    every rank again (each then resumes from the latest checkpoint this job wrote), else the
+    failure is reported, naming the rank, and the status is 1.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    restarts = cfg.run.max_restarts
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size,
                           run_id=f"conveyor-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                          rdzv_endpoint=f"localhost:{free_port()}", max_restarts=max_restarts,
+                          rdzv_endpoint=f"localhost:{free_port()}", max_restarts=restarts,
                           monitor_interval=0.5)
     print(f"conveyor train: {cfg.world_size} local ranks (pp={cfg.parallel.pp} x dp={cfg.parallel.dp}), "
-          f"run dir {cfg.run.dir}", flush=True)
+          f"run dir {cfg.run.dir}" + (f", up to {restarts} restart(s)" if restarts else ""), flush=True)
     try:
         elastic_launch(config, worker)(cfg)
     except ChildFailedError as error:
-        print(f"conveyor train: a rank failed:\n{error.format_msg()}", file=sys.stderr)
+        print(f"conveyor train: {describe_failure(error, restarts)}\n{error.format_msg()}", file=sys.stderr)
         return 1
     return 0
+
+
+def describe_failure(error: Any, restarts: int) -> str:
+    """One line naming the rank whose failure ended the run (a ``ChildFailedError``'s).
+
+    A rank that died of a signal is named first: the others' errors are then mostly its
+    peers noticing that it is gone.
+
+    Example:
+        >>> from types import SimpleNamespace as NS
+        >>> dead = NS(pid=42, exitcode=-9, timestamp=5, signal_name=lambda: "SIGKILL")
+        >>> print(describe_failure(NS(failures={1: dead}), 0))
+        rank 1 (pid 42) died of SIGKILL; no restarts were allowed (run.max_restarts=0)
+    """
+    failures = error.failures
+    rank = min(failures, key=lambda r: (failures[r].exitcode >= 0, failures[r].timestamp, r))
+    failure = failures[rank]
+    how = (f"died of {failure.signal_name()}" if failure.exitcode < 0
+           else f"exited with status {failure.exitcode}")
+    spent = (f"after {restarts} restart(s), none left (run.max_restarts={restarts})" if restarts
+             else "no restarts were allowed (run.max_restarts=0)")
+    return f"rank {rank} (pid {failure.pid}) {how}; {spent}"
 
 
 def main(args: Sequence[str]) -> int:

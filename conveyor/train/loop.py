@@ -47,6 +47,7 @@ from conveyor.train.report import (
     write_loss_plot,
     write_timeline,
 )
+from conveyor.train.restarts import continue_log
 from conveyor.train.sample import sample_lines, write_sample
 
 # --- pieces ---------------------------------------------------------------------------------
@@ -164,30 +165,41 @@ def setup(cfg: TrainConfig) -> Run:
     if run.rank0:
         out = Path(cfg.run.dir)
         save_config(cfg, out / "config.yaml")
-        # A resumed run continues the log; a fresh one starts it over.
-        run.metrics = open(out / "metrics.jsonl", "a" if run.step else "w")  # noqa: SIM115 - closed in finish
+        # A resumed run continues the log after its step; a fresh one starts it over.
+        run.metrics = continue_log(out / "metrics.jsonl", run.step)
         run.tensorboard = open_tensorboard(out, cfg.run.tensorboard, run.step)
     return run
 
 
 def resume(run: Run) -> None:
-    """Load ``checkpoint.resume`` (true: the latest under the checkpoint dir, if any) into ``run``."""
-    from conveyor.checkpoint import latest, load
+    """Load ``checkpoint.resume`` (true: the latest under the checkpoint dir, if any) into ``run``.
 
-    wanted = run.cfg.checkpoint.resume
-    if wanted is False or wanted in ("false", ""):
-        return
-    path = latest(run.cfg.checkpoint_dir) if wanted is True or wanted == "true" else Path(wanted)
+    A restarted round of an elastic launch (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from
+    the newest checkpoint this job wrote, if any, whatever ``checkpoint.resume`` says.
+    """
+    from conveyor.checkpoint import latest, load
+    from conveyor.train.restarts import job_started, restart_checkpoint, restart_round
+
+    wanted, restarted = run.cfg.checkpoint.resume, restart_round()
+    why = f"restart {restarted} after a failed round: " if restarted else ""
+    path = restart_checkpoint(run.cfg.checkpoint_dir, job_started()) if restarted else None
+    if path is None:
+        if wanted is False or wanted in ("false", ""):
+            if restarted and run.rank0:
+                print(f"conveyor train: {why}no checkpoint of this job under {run.cfg.checkpoint_dir}; "
+                      f"starting again from step 0", flush=True)
+            return
+        path = latest(run.cfg.checkpoint_dir) if wanted is True or wanted == "true" else Path(wanted)
     if path is None:
         if run.rank0:
-            print(f"conveyor train: no checkpoint under {run.cfg.checkpoint_dir} yet; starting from step 0")
+            print(f"conveyor train: {why}no checkpoint under {run.cfg.checkpoint_dir} yet; starting from step 0")
         return
     extra = load(path, run.pipe, run.optimizer, run.scheduler) or {}
     run.step = int(extra.get("step", 0))
     if run.train_data is not None and "data" in extra:
         run.train_data.load_state_dict(extra["data"])
     if run.rank0:
-        print(f"conveyor train: resumed from {path} at step {run.step}")
+        print(f"conveyor train: {why}resumed from {path} at step {run.step}", flush=True)
 
 
 # --- the loop -------------------------------------------------------------------------------

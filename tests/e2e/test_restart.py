@@ -1,0 +1,202 @@
+"""A rank SIGKILLed mid-run: `conveyor train` with run.max_restarts=1 restarts by itself and ends bit for bit
+where an uninterrupted run ends; with run.max_restarts=0 it stops promptly, naming the rank.
+
+The runs are real commands (the elastic launcher, 2 local ranks); the test finds a rank among
+the launcher's child processes and kills it once the first checkpoint exists, long before the
+last step. The tiny steps take ~10-40 ms on 2 shared cores, so STEPS leaves seconds to spare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, INTERVAL, EVAL = 60, 6, 20
+TINY = [f"train.steps={STEPS}", "model.layers=2", "model.width=32", "model.heads=2", "model.seq_len=32",
+        "data.max_bytes=100000", "data.val_fraction=0.3", "parallel.pp=2", "train.batch_size=4",
+        "parallel.microbatches=2", "optim.warmup_steps=1", f"train.eval_interval={EVAL}", "train.eval_batches=1",
+        f"checkpoint.interval={INTERVAL}", "checkpoint.keep_last=2", "run.log_interval=25"]
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                                                            "TORCHELASTIC_RESTART_COUNT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+class Job:
+    """A `conveyor train` command in the background; its output goes to files (a full pipe would stall it)."""
+
+    def __init__(self, where: Path, *args: str) -> None:
+        self.where, self.run_dir = where, where / "run"
+        self.out, self.err = open(where / "stdout", "w+"), open(where / "stderr", "w+")  # noqa: SIM115
+        self.process = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "train", *TINY, *args,
+                                         f"run.dir={self.run_dir}"], cwd=where, env=environment(),
+                                        stdout=self.out, stderr=self.err, text=True)
+        self.seen: set[int] = set()  # every rank process the launcher had
+
+    def ranks(self) -> list[int]:
+        """The launcher's rank processes now (its children bar multiprocessing's resource tracker), by pid."""
+        found = [pid for pid, command in children(self.process.pid) if "spawn_main" in command]
+        self.seen.update(found)
+        return sorted(found)
+
+    def wait_for(self, what: str, ready, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if self.process.poll() is not None:
+                pytest.fail(f"the run ended (status {self.process.returncode}) before {what}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} after {timeout_s:g} s:\n{self.output()}")
+            self.ranks()
+            time.sleep(0.01)
+
+    def finish(self, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while self.process.poll() is None:
+            if time.monotonic() > deadline:
+                self.process.kill()
+                for pid in self.ranks():
+                    os.kill(pid, signal.SIGKILL)
+                pytest.fail(f"the run did not end within {timeout_s:g} s (killed now):\n{self.output()}")
+            self.ranks()
+            time.sleep(0.05)
+        return self.process.returncode
+
+    def output(self) -> str:
+        return (self.where / "stdout").read_text() + (self.where / "stderr").read_text()[-6000:]
+
+    def checkpoint(self, step: int) -> Path:
+        return self.run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose parent is ``pid``, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid:
+                found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except (OSError, IndexError, ValueError):
+            continue  # it ended while we looked
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_a_rank_after_the_first_checkpoint(job: Job, which: int) -> int:
+    job.wait_for("the first checkpoint", lambda: (job.checkpoint(INTERVAL) / "conveyor.json").is_file())
+    victim = job.ranks()[which]
+    logged = [m["step"] for m in records(job.run_dir) if "loss" in m]
+    assert logged and logged[-1] < STEPS // 2, f"killing at step {logged[-1:]}: too late to tell a restart"
+    os.kill(victim, signal.SIGKILL)
+    return victim
+
+
+def records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint holds (model, optimizer, RNG), read in this one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from conveyor.checkpoint.files import SafeFileSystemReader, quiet_single_process
+
+    reader = SafeFileSystemReader(path)
+    entries = reader.read_metadata().state_dict_metadata
+    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in entries.items()
+             if isinstance(entry, TensorStorageMetadata)}
+    with quiet_single_process():
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def comparable_meta(path: Path) -> dict:
+    meta = json.loads((path / "conveyor.json").read_text())
+    return {key: meta[key] for key in ("extra", "lr_scheduler", "optimizer", "model")}
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bitwise_like_an_uninterrupted_run(tmp_path):
+    shm_before = {p.name for p in Path("/dev/shm").iterdir()} if Path("/dev/shm").is_dir() else set()
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "killed").mkdir()
+    whole = Job(tmp_path / "whole")
+    assert whole.finish(timeout_s=60) == 0, whole.output()
+
+    killed = Job(tmp_path / "killed", "run.max_restarts=1")
+    started = time.monotonic()
+    victim = kill_a_rank_after_the_first_checkpoint(killed, which=0)
+    assert killed.finish(timeout_s=60) == 0, killed.output()
+    print(f"killed rank pid {victim}; the job restarted and ended {time.monotonic() - started:.1f} s after it began")
+    out, err = (killed.where / "stdout").read_text(), (killed.where / "stderr").read_text()
+    assert f"(pid: {victim})" in err and "SIGKILL" in err, err[-3000:]
+    assert out.count("2 local ranks") == 1 and "up to 1 restart(s)" in out
+    resumed = re.search(r"restart 1 after a failed round: resumed from (\S+) at step (\d+)", out)
+    assert resumed, out
+    step = int(resumed.group(2))
+    assert INTERVAL <= step < STEPS and step % INTERVAL == 0
+    assert f"done: {STEPS} steps" in out
+
+    # The final checkpoints: every tensor (parameters, AdamW's moments, torch's RNGs) equal, bit for bit.
+    want, got = checkpoint_tensors(whole.checkpoint(STEPS)), checkpoint_tensors(killed.checkpoint(STEPS))
+    assert sorted(got) == sorted(want) and any(k.startswith("optim.") for k in want)
+    # Python's own generator is never seeded (training draws nothing from it): each process starts its own.
+    unequal = [key for key in want if not key.endswith(".python") and not torch.equal(want[key], got[key])]
+    assert not unequal, f"{len(unequal)} tensors differ, e.g. {unequal[:5]}"
+    assert comparable_meta(killed.checkpoint(STEPS)) == comparable_meta(whole.checkpoint(STEPS))
+
+    # The log has every step once, with the uninterrupted run's values.
+    def values(run_dir: Path) -> list[tuple]:
+        return [(m["step"], m.get("loss"), m.get("lr"), m.get("val_loss")) for m in records(run_dir)]
+
+    logged = records(killed.run_dir)
+    assert [m["step"] for m in logged if "loss" in m] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in logged if "val_loss" in m] == list(range(0, STEPS + 1, EVAL))
+    assert values(killed.run_dir) == values(whole.run_dir)
+
+    # Nothing of the killed round is left: no rank process, no half-written checkpoint, no shared memory.
+    assert not [pid for pid in killed.seen if alive(pid)], "rank processes outlived the job"
+    assert len(killed.seen) == 4  # two rounds of two ranks
+    assert not [p.name for p in (killed.run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    shm_after = {p.name for p in Path("/dev/shm").iterdir()} if Path("/dev/shm").is_dir() else set()
+    assert not [name for name in shm_after - shm_before if "conveyor" in name]
+
+
+@pytest.mark.timeout(120)
+def test_without_restarts_a_killed_rank_ends_the_job_promptly_naming_it(tmp_path):
+    job = Job(tmp_path, "run.max_restarts=0")
+    victim = kill_a_rank_after_the_first_checkpoint(job, which=1)
+    killed_at = time.monotonic()
+    status = job.finish(timeout_s=60)
+    took = time.monotonic() - killed_at
+    err = (tmp_path / "stderr").read_text()
+    assert status == 1, job.output()
+    assert took < 20, f"the job took {took:.1f} s to end after its rank was killed"
+    named = re.search(rf"conveyor train: rank (\d) \(pid {victim}\) died of SIGKILL; no restarts were allowed "
+                      r"\(run.max_restarts=0\)", err)
+    assert named, err[-3000:]
+    assert "resumed" not in (tmp_path / "stdout").read_text()
+    assert not [pid for pid in job.seen if alive(pid)], "rank processes outlived the job"
