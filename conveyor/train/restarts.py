@@ -8,7 +8,7 @@ one higher. Such a round must not trip over what the failed one left:
   shared-memory rings): :func:`round_prefix` gives each round keys of its own;
 - the run resumes from the newest complete checkpoint *this job* wrote
   (:func:`restart_checkpoint`): one from an older run in the same directory, written
-  before this job started, is not this job's progress;
+  before this job's launcher started (:func:`job_started`), is not this job's progress;
 - ``metrics.jsonl`` has records of steps after that checkpoint (and maybe a line cut
   short): :func:`continue_log` drops them, so every step is logged once.
 
@@ -54,10 +54,45 @@ def round_prefix(environ: Mapping[str, str] | None = None) -> str:
     return f"conveyor/round{restart_round(environ)}"
 
 
-def job_started(pid: int | None = None) -> float | None:
-    """When the job began: the start (seconds since the epoch) of the launcher, the parent of every rank.
+def launcher_pid() -> int:
+    """The process id of the launcher above this rank: the nearest ancestor that is not a rank itself.
 
-    ``pid``: the process whose start to read (default: this process's parent). None when
+    A rank's environment holds ``TORCHELASTIC_RUN_ID`` from its start (torchrun's) or from
+    the launcher's setting it (a function launched by ``elastic_launch``); the launcher's own
+    does not. Usually the parent; a wrapper between launcher and rank (``torchrun --no-python
+    run.sh``) is a rank by this test and is passed over.
+
+    Example:
+        >>> launcher_pid() > 0
+        True
+    """
+    parent = pid = os.getppid()
+    for _ in range(32):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return parent
+        if not any(entry.startswith(b"TORCHELASTIC_RUN_ID=") for entry in environ):
+            return pid
+        above = _parent_of(pid)
+        if above is None or above <= 1:
+            return parent
+        pid = above
+    return parent
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        # The name (field 2) may hold spaces and parentheses: the fields after it are plain.
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def job_started(pid: int | None = None) -> float | None:
+    """When the job began: the start (seconds since the epoch) of its launcher, which outlives every round.
+
+    ``pid``: the process whose start to read (default: :func:`launcher_pid`). None when
     ``/proc`` cannot tell (not Linux).
 
     Example:
@@ -65,15 +100,14 @@ def job_started(pid: int | None = None) -> float | None:
         >>> job_started(os.getpid()) <= time.time()
         True
     """
-    pid = os.getppid() if pid is None else pid
+    pid = launcher_pid() if pid is None else pid
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                     if line.startswith("btime "))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
-    # The name (field 2) may hold spaces and parentheses; the start time is field 22.
-    ticks = int(stat.rsplit(")", 1)[1].split()[19])
+    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: the start, in clock ticks after boot
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 

@@ -66,13 +66,21 @@ class Job:
         deadline = time.monotonic() + timeout_s
         while self.process.poll() is None:
             if time.monotonic() > deadline:
-                self.process.kill()
-                for pid in self.ranks():
-                    os.kill(pid, signal.SIGKILL)
+                self.stop()
                 pytest.fail(f"the run did not end within {timeout_s:g} s (killed now):\n{self.output()}")
             self.ranks()
-            time.sleep(0.05)
+            time.sleep(0.1)
         return self.process.returncode
+
+    def stop(self) -> None:
+        """Kill whatever of the job still runs (a failed test leaves no process behind)."""
+        if self.process.poll() is None:
+            for pid in self.ranks():  # still the launcher's children: not some later process with a reused pid
+                os.kill(pid, signal.SIGKILL)
+            self.process.kill()
+        self.process.wait()
+        self.out.close()
+        self.err.close()
 
     def output(self) -> str:
         return (self.where / "stdout").read_text() + (self.where / "stderr").read_text()[-6000:]
@@ -81,19 +89,45 @@ class Job:
         return self.run_dir / "checkpoints" / f"step_{step:06d}"
 
 
+@pytest.fixture
+def start(tmp_path):
+    """``start(name, *overrides)``: a Job in ``tmp_path/name``, stopped at the end of the test whatever happens."""
+    jobs: list[Job] = []
+
+    def start_job(name: str, *args: str) -> Job:
+        (tmp_path / name).mkdir()
+        jobs.append(Job(tmp_path / name, *args))
+        return jobs[-1]
+
+    yield start_job
+    for job in jobs:
+        job.stop()
+
+
 def children(pid: int) -> list[tuple[int, str]]:
     """(pid, command line) of the processes whose parent is ``pid``, from /proc."""
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        # Each thread's children file lists those it started (Linux >= 3.5, CONFIG_PROC_CHILDREN).
+        pids = {int(p) for task in tasks.iterdir() for p in (task / "children").read_text().split()}
+    except FileNotFoundError:
+        pids = {int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and parent_of(int(e.name)) == pid}
+    except OSError:
+        return []  # it has ended
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for child in sorted(pids):
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if parent == pid:
-                found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
-        except (OSError, IndexError, ValueError):
+            found.append((child, Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except OSError:
             continue  # it ended while we looked
     return found
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def alive(pid: int) -> bool:
@@ -107,7 +141,8 @@ def kill_a_rank_after_the_first_checkpoint(job: Job, which: int) -> int:
     job.wait_for("the first checkpoint", lambda: (job.checkpoint(INTERVAL) / "conveyor.json").is_file())
     victim = job.ranks()[which]
     logged = [m["step"] for m in records(job.run_dir) if "loss" in m]
-    assert logged and logged[-1] < STEPS // 2, f"killing at step {logged[-1:]}: too late to tell a restart"
+    # Normally a step or two after the checkpoint; later only when this process was starved of CPU.
+    assert logged and logged[-1] < STEPS - 2 * INTERVAL, f"killing at step {logged[-1:]}: too late to tell"
     os.kill(victim, signal.SIGKILL)
     return victim
 
@@ -138,18 +173,16 @@ def comparable_meta(path: Path) -> dict:
     return {key: meta[key] for key in ("extra", "lr_scheduler", "optimizer", "model")}
 
 
-@pytest.mark.timeout(150)
-def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bitwise_like_an_uninterrupted_run(tmp_path):
+@pytest.mark.timeout(300)
+def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bitwise_like_an_uninterrupted_run(start):
     shm_before = {p.name for p in Path("/dev/shm").iterdir()} if Path("/dev/shm").is_dir() else set()
-    (tmp_path / "whole").mkdir()
-    (tmp_path / "killed").mkdir()
-    whole = Job(tmp_path / "whole")
-    assert whole.finish(timeout_s=60) == 0, whole.output()
-
-    killed = Job(tmp_path / "killed", "run.max_restarts=1")
+    # Side by side, for less wall time: much of a run is waiting (rendezvous, the launcher's polls).
+    whole = start("whole")
+    killed = start("killed", "run.max_restarts=1")
     started = time.monotonic()
     victim = kill_a_rank_after_the_first_checkpoint(killed, which=0)
-    assert killed.finish(timeout_s=60) == 0, killed.output()
+    assert killed.finish(timeout_s=150) == 0, killed.output()
+    assert whole.finish(timeout_s=60) == 0, whole.output()
     print(f"killed rank pid {victim}; the job restarted and ended {time.monotonic() - started:.1f} s after it began")
     out, err = (killed.where / "stdout").read_text(), (killed.where / "stderr").read_text()
     assert f"(pid: {victim})" in err and "SIGKILL" in err, err[-3000:]
@@ -185,18 +218,19 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bitwise_like_a
     assert not [name for name in shm_after - shm_before if "conveyor" in name]
 
 
-@pytest.mark.timeout(120)
-def test_without_restarts_a_killed_rank_ends_the_job_promptly_naming_it(tmp_path):
-    job = Job(tmp_path, "run.max_restarts=0")
+@pytest.mark.timeout(180)
+def test_without_restarts_a_killed_rank_ends_the_job_promptly_naming_it(start):
+    job = start("job", "run.max_restarts=0")
     victim = kill_a_rank_after_the_first_checkpoint(job, which=1)
     killed_at = time.monotonic()
     status = job.finish(timeout_s=60)
     took = time.monotonic() - killed_at
-    err = (tmp_path / "stderr").read_text()
+    print(f"killed rank pid {victim}; the job ended {took:.1f} s later")
+    err = (job.where / "stderr").read_text()
     assert status == 1, job.output()
     assert took < 20, f"the job took {took:.1f} s to end after its rank was killed"
     named = re.search(rf"conveyor train: rank (\d) \(pid {victim}\) died of SIGKILL; no restarts were allowed "
                       r"\(run.max_restarts=0\)", err)
     assert named, err[-3000:]
-    assert "resumed" not in (tmp_path / "stdout").read_text()
+    assert "resumed" not in (job.where / "stdout").read_text()
     assert not [pid for pid in job.seen if alive(pid)], "rank processes outlived the job"

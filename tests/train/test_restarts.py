@@ -1,12 +1,14 @@
-"""What a restarted round relies on, in one process: the round's store prefix, the job's start, which
+"""What a restarted round relies on, without ranks: the round's store prefix, the job's start, which
 checkpoint is this job's, the metrics log cut back to the resumed step, and the failure's one-line name."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +23,8 @@ from conveyor.train.restarts import (
     restart_round,
     round_prefix,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_each_round_has_its_own_store_prefix():
@@ -45,6 +49,17 @@ def test_job_started_is_when_the_parent_process_started():
         child.wait()
     assert started is not None and before - 2 <= started <= time.time() + 2
     assert job_started(2**22 + 12345) is None  # no such process
+
+
+def test_the_launcher_is_the_nearest_ancestor_that_is_not_a_rank():
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    rank = "from conveyor.train.restarts import launcher_pid; print(launcher_pid())"
+    wrapper = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {rank!r}], check=True)"
+    # pytest (no TORCHELASTIC_RUN_ID) -> a wrapper (has it) -> the rank (has it): the launcher is pytest.
+    done = subprocess.run([sys.executable, "-c", wrapper], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == os.getpid()
 
 
 def fake_checkpoint(parent, name, saved_at):
