@@ -25,7 +25,8 @@ STEPS, INTERVAL, EVAL = 60, 6, 20
 TINY = [f"train.steps={STEPS}", "model.layers=2", "model.width=32", "model.heads=2", "model.seq_len=32",
         "data.max_bytes=100000", "data.val_fraction=0.3", "parallel.pp=2", "train.batch_size=4",
         "parallel.microbatches=2", "optim.warmup_steps=1", f"train.eval_interval={EVAL}", "train.eval_batches=1",
-        f"checkpoint.interval={INTERVAL}", "checkpoint.keep_last=2", "run.log_interval=25"]
+        f"checkpoint.interval={INTERVAL}", "checkpoint.keep_last=2", "run.log_interval=25",
+        "train.sample_tokens=0", "run.tensorboard=false"]
 
 
 def environment() -> dict[str, str]:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ["train.steps=6", "model.layers=2", "model.width=32", "model.heads=2", "model.seq_len=32",
         "data.max_bytes=100000", "data.val_fraction=0.3", "parallel.pp=2", "train.batch_size=4",
         "parallel.microbatches=2", "optim.warmup_steps=1", "train.eval_interval=3", "train.eval_batches=1",
-        "checkpoint.interval=3", "run.log_interval=1"]
+        "checkpoint.interval=3", "run.log_interval=1", "train.sample_tokens=0", "run.tensorboard=false"]
 
 
 @pytest.mark.timeout(150)
