@@ -1,1 +1,1 @@
-"""Training on Pipeline: typed configs (config), data where it is read (data), the loop (loop), `conveyor train`'s launcher (launch), the demo trainer (demo)."""
+"""Training on Pipeline: typed configs (config, config_checks), data where it is read (data, sources, data_check), the models (models), the loop (loop), end-of-run sampling (sample), progress and pictures (report), `conveyor train`'s launcher and restarts (launch, restarts), the parity demo (demo)."""

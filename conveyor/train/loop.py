@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,7 @@ class Run:
 
 def setup(cfg: TrainConfig) -> Run:
     """Seed, build model, pipeline, optimizer, schedule and loaders, and resume if asked."""
+    random.seed(cfg.train.seed)  # checkpoints hold Python's state too: seeded, a rerun writes the same
     torch.manual_seed(cfg.train.seed)  # every rank initialises the whole model alike, keeps its stages
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
