@@ -274,7 +274,9 @@ def _add_train(commands) -> None:
     train = commands.add_parser(
         "train", help="train a model pipelined over local CPU ranks: conveyor train [CONFIG.yaml] [key=value ...]",
         description="Train from a YAML config and section.key=value overrides (no arguments: a small GPT "
-        "on the Python standard library's sources, over 2 local ranks).")
+        "on the Python standard library's sources, over 2 local ranks). Recipes: configs/gpt.yaml (the defaults), "
+        "configs/llama.yaml, configs/mpt.yaml, configs/llama-1b.yaml; model.name also takes hf:<transformers class> "
+        "or a local pretrained directory.")
     train.add_argument("arguments", nargs="*", metavar="CONFIG.yaml | key=value",
                        help="an optional YAML config first, then overrides such as train.steps=50")
     train.add_argument("--dry-run", action="store_true",

@@ -131,8 +131,6 @@ def activation_bytes(split: Any, example: torch.Tensor, checkpointed: bool) -> l
     Every stage runs on the meta device, in order, each on what the one before returned, the
     last with the training loss; no storage is allocated.
     """
-    from conveyor.frontend.sequential import _as_received
-
     inputs: tuple = (example.to("meta"),)
     target = torch.zeros(example.shape, dtype=torch.long, device="meta")
     found = []
@@ -143,7 +141,9 @@ def activation_bytes(split: Any, example: torch.Tensor, checkpointed: bool) -> l
         found.append((_saved_by(module, inputs, target if last else None, checkpointed=True)[1] if checkpointed
                       else full, full))
         if not last:
-            inputs = tuple(_as_received(v) for v in (output if isinstance(output, tuple) else (output,)))
+            # What the next rank receives: fresh leaves (the graph behind them stays on this stage).
+            inputs = tuple(v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+                           for v in (output if isinstance(output, tuple) else (output,)))
     return found
 
 
@@ -188,13 +188,14 @@ class _SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, module: torch.nn.Module) -> None:
         self.bytes = 0
         self._parameters = {id(p) for p in module.parameters()}
-        self._seen: list[torch.Tensor] = []  # kept alive, so that ids stay unique
+        self._seen: dict[int, torch.Tensor] = {}  # holding them keeps their ids unique
         super().__init__(self._pack, lambda packed: packed)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Views (a transposed weight, a reshaped activation) count as the tensor they view.
         base = tensor._base if tensor._base is not None else tensor
-        if id(base) not in self._parameters and all(base is not seen for seen in self._seen):
-            self._seen.append(base)
+        if id(base) not in self._parameters and id(base) not in self._seen:
+            self._seen[id(base)] = base
             self.bytes += base.numel() * base.element_size()
         return tensor
 
