@@ -46,8 +46,8 @@ class ModelConfig:
     heads: int = _f(4, "attention heads (must divide width)")
     seq_len: int = _f(128, "tokens per training sequence (the vocabulary comes from the tokenizer)")
     intermediate: int | None = _f(None, "MLP hidden size (None: 4 x width; mpt: a multiple of width)")
-    kv_heads: int | None = _f(None, "key/value heads, grouped-query attention (None: heads; llama and hf: "
-                              "models that have them)")
+    kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (None: heads); llama, and "
+                              "hf: classes that have them")
     hf_config: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "extra transformers config fields over the derived ones (a pretrained directory: over its "
                 "config.json), e.g. model.hf_config.rope_theta=500000"})
