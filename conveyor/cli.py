@@ -6,6 +6,7 @@ Commands:
   conveyor simulate --compare --ranks 4 --microbatches 8      every schedule side by side
   conveyor demo                            the compare for P=4, M=8, drawn to out/compare.png
   conveyor train [CONFIG.yaml] [key=value ...]   train a model (defaults: a small GPT on the stdlib, 2 ranks)
+  conveyor train CONFIG.yaml --dry-run     its split and memory per rank, nothing allocated or started
   conveyor export CHECKPOINT_DIR OUT_DIR   a checkpoint as Hugging Face safetensors (+ config.json)
 
 User mistakes print ``conveyor: error: ...`` and exit with status 2, never a traceback.
@@ -221,6 +222,10 @@ def _command_train(args: argparse.Namespace) -> int:
     """Check the config, then train on local ranks (or as this rank, under torchrun)."""
     from conveyor.train import launch
 
+    if args.dry_run:
+        from conveyor.train.dry_run import dry_run
+
+        return dry_run(launch.prepare(args.arguments))
     return launch.main(args.arguments)
 
 
@@ -256,13 +261,28 @@ def _attach_option_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _train_options_first(argv: list[str]) -> list[str]:
+    # argparse ends `CONFIG.yaml key=value ...` (nargs="*") at the first option and refuses the
+    # rest, so "conveyor train c.yaml --dry-run train.steps=3" would fail; the flag moves first.
+    if argv[:1] != ["train"]:
+        return argv
+    rest = argv[1:]
+    return ["train", *[a for a in rest if a == "--dry-run"], *[a for a in rest if a != "--dry-run"]]
+
+
 def _add_train(commands) -> None:
     train = commands.add_parser(
         "train", help="train a model pipelined over local CPU ranks: conveyor train [CONFIG.yaml] [key=value ...]",
         description="Train from a YAML config and section.key=value overrides (no arguments: a small GPT "
-        "on the Python standard library's sources, over 2 local ranks).")
+        "on the Python standard library's sources, over 2 local ranks). Recipes: configs/gpt.yaml (the defaults), "
+        "configs/llama.yaml, configs/mpt.yaml, configs/llama-1b.yaml; model.name also takes hf:<transformers class> "
+        "or a local pretrained directory.")
     train.add_argument("arguments", nargs="*", metavar="CONFIG.yaml | key=value",
                        help="an optional YAML config first, then overrides such as train.steps=50")
+    train.add_argument("--dry-run", action="store_true",
+                       help="start nothing: build the model on the meta device, split it as the run would and "
+                       "print each stage's rank, modules and parameters and the predicted memory per rank "
+                       "(fp32 parameters, gradients, AdamW state, and the activations the schedule keeps in flight)")
     train.set_defaults(handler=_command_train)
 
 
@@ -358,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The demo's own options belong to the training demo's parser, not this one.
             args = argparse.Namespace(handler=_command_demo, options=argv[1:])
         else:
-            args = parser.parse_args(_attach_option_values(argv))
+            args = parser.parse_args(_attach_option_values(_train_options_first(argv)))
     except SystemExit as exit_:
         # argparse already printed "conveyor: error: ..." (or the help, with code 0).
         return exit_.code if isinstance(exit_.code, int) else USAGE_ERROR

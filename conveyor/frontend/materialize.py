@@ -176,7 +176,7 @@ def _warn_of_unset(made: dict[str, torch.Tensor]) -> None:
     unset: list[str] = []
     with torch.no_grad():
         for full, tensor in made.items():
-            if not tensor.numel():
+            if not tensor.numel() or tensor.is_meta:  # a stage built on meta (to size it) holds no values
                 continue
             if tensor.is_floating_point() or tensor.is_complex():
                 left = bool(torch.isnan(tensor).all())

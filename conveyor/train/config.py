@@ -39,11 +39,18 @@ def _f(default: Any, help: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = _f("gpt", "gpt | llama | mpt | hf:<transformers class name> | a local pretrained directory")
+    name: str = _f("gpt", "gpt | llama | mpt | hf:<transformers class name> | a local pretrained directory "
+                          "(config.json + safetensors; its config.json sets the sizes below)")
     layers: int = _f(4, "transformer blocks")
     width: int = _f(128, "hidden size")
     heads: int = _f(4, "attention heads (must divide width)")
     seq_len: int = _f(128, "tokens per training sequence (the vocabulary comes from the tokenizer)")
+    intermediate: int | None = _f(None, "MLP hidden size (None: 4 x width; mpt: a multiple of width)")
+    kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (None: heads); llama, and "
+                              "hf: classes that have them")
+    hf_config: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "extra transformers config fields over the derived ones (a pretrained directory: over its "
+                "config.json), e.g. model.hf_config.rope_theta=500000"})
 
 
 @dataclass
@@ -269,7 +276,7 @@ def _check_keys(node: Any, cls: type, prefix: str, where: str | None, overrides:
         elif _wrong_length(kind, value):
             raise ConfigError(f"{full}={_plain(value)!r} ({_origin(where, full, overrides)}): expected "
                               f"{len(typing.get_args(kind))} values, e.g. {full}={list(_default(cls, key))}")
-        elif isinstance(value, DictConfig) and kind is not Any:
+        elif isinstance(value, DictConfig) and kind is not Any and typing.get_origin(kind) is not dict:
             raise ConfigError(f"{full!r} is a value, not a section ({_origin(where, full, overrides)}): "
                               f"its keys {list(value)} cannot be set; give {full}=<value>")
 

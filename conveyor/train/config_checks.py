@@ -35,7 +35,7 @@ CHOICES = {
 # key -> (lowest, highest, whether the lowest itself is refused); None: unbounded.
 RANGES = {
     "model.layers": (1, None, False), "model.width": (1, None, False), "model.heads": (1, None, False),
-    "model.seq_len": (1, None, False),
+    "model.seq_len": (1, None, False), "model.intermediate": (1, None, False), "model.kv_heads": (1, None, False),
     "data.val_fraction": (0.0, 1.0, False), "data.max_bytes": (1, None, False),
     "parallel.pp": (1, None, False), "parallel.virtual": (1, None, False),
     "parallel.microbatches": (1, None, False), "parallel.dp": (1, None, False),
@@ -116,6 +116,26 @@ def _check_model(cfg: Any, problems: list[str]) -> None:
                         f"{name!r} here){_close(name, MODEL_NAMES)}")
     if model.heads >= 1 and model.width >= 1 and model.width % model.heads:
         problems.append(f"model.heads={model.heads}: must divide model.width={model.width}")
+    _check_model_sizes(model, problems)
+    # Seeing into a class or a directory imports transformers: only when one is named, or config fields are.
+    if not (name in MODEL_NAMES and not model.hf_config) and not any(p.startswith("model.name") for p in problems):
+        from conveyor.train.models import check_model
+
+        problems.extend(check_model(model))
+
+
+def _check_model_sizes(model: Any, problems: list[str]) -> None:
+    kv, heads = model.kv_heads, model.heads
+    if kv is not None and kv >= 1 and heads >= 1:
+        if model.name in ("gpt", "mpt") and kv != heads:
+            problems.append(f"model.kv_heads={kv}: {model.name} has no grouped-query attention; leave it null "
+                            f"(or use model.name=llama)")
+        elif heads % kv:
+            problems.append(f"model.kv_heads={kv}: must divide model.heads={heads}")
+    mlp = model.intermediate
+    if model.name == "mpt" and mlp is not None and mlp >= 1 and model.width >= 1 and mlp % model.width:
+        problems.append(f"model.intermediate={mlp}: mpt's MLP is a whole multiple of model.width={model.width}; "
+                        f"try {max(1, round(mlp / model.width)) * model.width}")
 
 
 def _check_data(cfg: Any, problems: list[str]) -> None:
@@ -177,17 +197,45 @@ def _check_schedule(cfg: Any, problems: list[str]) -> None:
         return
     virtual = par.virtual if par.virtual is not None else known[par.schedule].default_virtual
     try:
-        cs.build(par.schedule, ranks=par.pp, microbatches=par.microbatches, virtual=virtual)
+        schedule = cs.build(par.schedule, ranks=par.pp, microbatches=par.microbatches, virtual=virtual)
     except ScheduleError as error:
         problems.append(f"parallel.schedule={par.schedule!r} with parallel.pp={par.pp}, "
                         f"parallel.microbatches={par.microbatches}, virtual={virtual}: "
                         f"{str(error).splitlines()[0]}")
         return
     stages = par.pp * virtual
-    if cfg.model.name in MODEL_NAMES and cfg.model.layers < stages:
+    sized_here = cfg.model.name in MODEL_NAMES or cfg.model.name.startswith("hf:")  # a directory sizes itself
+    if sized_here and cfg.model.layers < stages:
         problems.append(f"model.layers={cfg.model.layers}: the pipeline has parallel.pp x virtual = "
                         f"{par.pp} x {virtual} = {stages} stages, each needs a block; give at least "
                         f"{stages} layers or fewer stages")
+    _check_tied_replicas(cfg, schedule, problems)
+
+
+def _check_tied_replicas(cfg: Any, schedule: Any, problems: list[str]) -> None:
+    """Replicas of a pipeline whose first and last stage share the embedding: what the pipeline
+    would refuse on every rank (conveyor.parallel.fsdp.check_supported), said here before any starts."""
+    par = cfg.parallel
+    stages = schedule.num_stages
+    same_rank = schedule.placement.rank_of(0) == schedule.placement.rank_of(stages - 1)
+    if par.dp == 1 or stages == 1 or not (par.data_parallel == "fsdp" or same_rank):
+        return
+    if any(p.startswith("model.") for p in problems):
+        return
+    from conveyor.train.models import ties_embeddings
+
+    if not ties_embeddings(cfg.model):
+        return
+    if par.data_parallel == "fsdp":
+        problems.append(f"parallel.data_parallel='fsdp' with model.name={cfg.model.name!r}: its embedding is tied "
+                        f"to the output head on the first and last stage, and FSDP cannot shard one parameter "
+                        f"for two stages; use parallel.data_parallel=ddp, an untied model (llama, or "
+                        f"model.hf_config.tie_word_embeddings=false), or parallel.dp=1")
+    else:
+        problems.append(f"parallel.schedule={par.schedule!r} puts the first and last stage on one rank, where "
+                        f"model.name={cfg.model.name!r} uses its tied embedding twice, which replicas "
+                        f"(parallel.dp={par.dp}) cannot reduce; use a schedule such as 1f1b or interleaved-1f1b, "
+                        f"an untied model, or parallel.dp=1")
 
 
 def _check_checkpoint(cfg: Any, problems: list[str]) -> None:

@@ -39,7 +39,7 @@ from conveyor.errors import ConfigError, NonFiniteError
 from conveyor.parallel import count_tokens
 from conveyor.train.config import TrainConfig, save_config
 from conveyor.train.data import load_tokenizer, resumable_loader, splits_factory
-from conveyor.train.models import build_model
+from conveyor.train.models import build_model, load_weights
 from conveyor.train.report import (
     Progress,
     open_tensorboard,
@@ -153,6 +153,10 @@ def setup(cfg: TrainConfig) -> Run:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
     pipe = build_pipeline(cfg, build_model(cfg, vocab))
+    loaded = load_weights(cfg, pipe)  # a pretrained directory: each rank reads its own stages' tensors
+    if loaded is not None and dist.get_rank() == 0:
+        print(f"conveyor train: rank 0 loaded {loaded.tensors} tensors ({loaded.bytes_read:,} of "
+              f"{loaded.total_bytes:,} bytes) from {cfg.model.name}", flush=True)
     o = cfg.optim
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))

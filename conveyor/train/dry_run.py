@@ -1,0 +1,278 @@
+"""``conveyor train CONFIG --dry-run``: the run's split and memory per rank, with nothing allocated.
+
+In the launcher process, without starting a rank: the model is built on the meta device
+(shapes, no storage), traced and cut into the configured stages by the very call a run makes
+(``conveyor.frontend.split_model`` with the schedule's stage count and ``split_method=
+"parameters"``, as :func:`conveyor.train.loop.build_pipeline` does), and for each stage the
+table gives its rank, its first and last module, its blocks and parameters. Memory per rank is
+predicted as
+
+* parameters, gradients and AdamW's two moments, all fp32: 16 bytes per parameter of the
+  rank's stages (``fsdp`` shards them over the ``dp`` replicas but gathers one stage whole
+  while it runs);
+* activations: each stage's forward on one microbatch is run on the meta device under
+  ``torch.autograd.graph.saved_tensors_hooks``, which sees every tensor autograd keeps for the
+  backward (parameters left out; the last stage's loss included; with
+  ``train.activation_checkpointing`` only what the checkpoint keeps, plus one stage's full set
+  while it is recomputed). The schedule simulator (``conveyor.schedule.simulate``, uniform
+  pass costs) weighs each (stage, microbatch) in flight with those bytes and gives each rank's
+  peak.
+
+Not counted: the framework itself (~0.4 GiB per rank on CPU), communication buffers,
+allocator slack, the data.
+
+Example:
+    >>> from conveyor.train.config import load_config
+    >>> cfg = load_config(None, ["model.layers=2", "model.width=32", "model.seq_len=16"])
+    >>> plan = plan_run(cfg)
+    >>> [(row.stage, row.rank) for row in plan.stages], plan.total_parameters
+    ([(0, 0), (1, 1)], 34176)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from conveyor.train.config import TrainConfig
+
+BYTES_PER_PARAMETER = 16  # fp32: the parameter, its gradient, AdamW's exp_avg and exp_avg_sq
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")  # a module path down to its first numbered part: a block
+
+
+@dataclass
+class StageRow:
+    """One stage of the split: where it runs, what it holds, what one microbatch keeps for backward."""
+
+    stage: int
+    rank: int
+    first: str
+    last: str
+    blocks: int
+    parameters: int
+    activation_bytes: int  # what one microbatch keeps until its backward (checkpointed: the inputs)
+    recompute_bytes: int  # the stage's full set, alive while a checkpointed stage recomputes
+
+
+@dataclass
+class RankRow:
+    """One rank's predicted memory (bytes), with the schedule's peak in-flight microbatch-stages."""
+
+    rank: int
+    state_bytes: int
+    activation_bytes: int
+    in_flight: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+@dataclass
+class RunPlan:
+    """What :func:`plan_run` found: the model, the split per stage, the memory per rank."""
+
+    model_class: str
+    total_parameters: int
+    stages: list[StageRow] = field(default_factory=list)
+    ranks: list[RankRow] = field(default_factory=list)
+    tied: list[str] = field(default_factory=list)
+
+
+def plan_run(cfg: TrainConfig) -> RunPlan:
+    """The split and the memory per rank of the run ``cfg`` describes, computed on the meta device.
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> plan = plan_run(load_config(None, ["model.name=llama", "model.layers=2", "model.width=32"]))
+        >>> plan.stages[0].first, plan.stages[1].last
+        ('model.embed_tokens', 'lm_head')
+    """
+    from conveyor.frontend import split_model
+    from conveyor.schedule.registry import resolve_schedule
+    from conveyor.train.data import load_tokenizer
+    from conveyor.train.models import build_model
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+    model = build_model(cfg, vocab, device="meta")
+    p = cfg.parallel
+    schedule = resolve_schedule(p.schedule, p.microbatches, p.virtual, p.pp)
+    example = torch.zeros(cfg.replica_batch_size // p.microbatches, cfg.model.seq_len, dtype=torch.long)
+    split = split_model(model, schedule.num_stages, example_args=(example,), split_method="parameters")
+    sizes = {name: t.numel() for name, t in model.named_parameters(remove_duplicate=False)}
+    saved = activation_bytes(split, example, cfg.train.activation_checkpointing)
+    plan = RunPlan(type(model).__name__, sum(t.numel() for t in model.parameters()),
+                   tied=[" = ".join(group.names) for group in split.tied_groups])
+    for stage in range(split.num_stages):
+        names = split.stage_parameter_names(stage)
+        modules = [_block_of(name) for name in names] or ["(no parameters)"]
+        blocks = {m for m in modules if _BLOCK.match(m + ".")}
+        plan.stages.append(StageRow(stage, schedule.placement.rank_of(stage), modules[0], modules[-1], len(blocks),
+                                    sum(sizes[name] for name in names), *saved[stage]))
+    plan.ranks = _rank_memory(cfg, schedule, plan.stages)
+    return plan
+
+
+def _block_of(name: str) -> str:
+    """``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.3``; ``lm_head.weight`` -> ``lm_head``."""
+    module = name.rsplit(".", 1)[0] if "." in name else name
+    match = _BLOCK.match(module + ".")
+    return match.group(1) if match else module
+
+
+def activation_bytes(split: Any, example: torch.Tensor, checkpointed: bool) -> list[tuple[int, int]]:
+    """Per stage, the bytes autograd keeps for the backward of one microbatch (parameters excluded):
+    ``(kept, full)``, where ``kept`` is what a checkpointed stage keeps (``full`` without checkpointing).
+
+    Every stage runs on the meta device, in order, each on what the one before returned, the
+    last with the training loss; no storage is allocated.
+    """
+    inputs: tuple = (example.to("meta"),)
+    target = torch.zeros(example.shape, dtype=torch.long, device="meta")
+    found = []
+    for stage in range(split.num_stages):
+        module = split.stage_module(stage, "meta")
+        last = stage == split.num_stages - 1
+        output, full = _saved_by(module, inputs, target if last else None, checkpointed=False)
+        found.append((_saved_by(module, inputs, target if last else None, checkpointed=True)[1] if checkpointed
+                      else full, full))
+        if not last:
+            # What the next rank receives: fresh leaves (the graph behind them stays on this stage).
+            inputs = tuple(v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
+                           for v in (output if isinstance(output, tuple) else (output,)))
+    return found
+
+
+def _saved_by(module: torch.nn.Module, inputs: tuple, target: torch.Tensor | None, *,
+              checkpointed: bool) -> tuple[Any, int]:
+    """The stage's output on ``inputs`` and the bytes autograd saved for it (with the loss, given a target)."""
+    from conveyor.train.loop import lm_loss
+
+    saved = _SavedTensors(module)
+    with saved, _CpuAttention():
+        if checkpointed:
+            output = torch.utils.checkpoint.checkpoint(module, *inputs, use_reentrant=False)
+        else:
+            output = module(*inputs)
+        if target is not None:
+            lm_loss()(output, target)
+    return output, saved.bytes
+
+
+class _CpuAttention(torch.overrides.TorchFunctionMode):
+    """``scaled_dot_product_attention`` as a CPU rank runs it (the fused kernel, which keeps the
+    log-sum-exp), not as meta tensors would (the math path, keeping the seq x seq probabilities)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is not torch.ops.aten.scaled_dot_product_attention.default:
+            return func(*args, **kwargs)
+        query, key, value, *rest = args
+        options = {**dict(zip(("attn_mask", "dropout_p", "is_causal"), rest)), **kwargs}
+        if options.get("enable_gqa") and key.shape[-3] != query.shape[-3]:
+            # Grouped-query attention: the fused CPU kernel is sized as if each query head had its own.
+            repeats = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+            query, key, value, options.get("dropout_p", 0.0), options.get("is_causal", False),
+            attn_mask=options.get("attn_mask"), scale=options.get("scale"))[0]
+
+
+class _SavedTensors(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes of the tensors autograd saves inside the block, each storage once."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.bytes = 0
+        self._parameters = {id(p) for p in module.parameters()}
+        self._seen: dict[int, torch.Tensor] = {}  # holding them keeps their ids unique
+        super().__init__(self._pack, lambda packed: packed)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Views (a transposed weight, a reshaped activation) count as the tensor they view.
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in self._parameters and id(base) not in self._seen:
+            self._seen[id(base)] = base
+            self.bytes += base.numel() * base.element_size()
+        return tensor
+
+
+def _rank_memory(cfg: TrainConfig, schedule: Any, stages: list[StageRow]) -> list[RankRow]:
+    import conveyor.schedule as cs
+
+    costs = cs.CostModel(tuple(cs.StageCosts(1.0, 1.0, 1.0, float(row.activation_bytes)) for row in stages))
+    timeline = cs.simulate(schedule, costs)
+    peak_bytes, peak_count = timeline.peak_activation_bytes(), timeline.peak_activations()
+    dp, fsdp = cfg.parallel.dp, cfg.parallel.data_parallel == "fsdp" and cfg.parallel.dp > 1
+    rows = []
+    for rank in range(schedule.num_ranks):
+        mine = [row for row in stages if row.rank == rank]
+        parameters = sum(row.parameters for row in mine)
+        state = BYTES_PER_PARAMETER * parameters
+        if fsdp:
+            state = state // dp + 4 * max(row.parameters for row in mine)  # shards + one stage gathered
+        extra = 0
+        if cfg.train.activation_checkpointing:
+            extra = max(row.recompute_bytes for row in mine)  # one stage recomputed whole in backward
+        rows.append(RankRow(rank, state, int(peak_bytes[rank]) + extra, peak_count[rank]))
+    return rows
+
+
+def format_plan(plan: RunPlan, cfg: TrainConfig) -> str:
+    """The dry run's text: a header, the stage table, the rank table, how memory was estimated.
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> cfg = load_config(None, ["model.layers=2", "model.width=32", "model.seq_len=16"])
+        >>> print(format_plan(plan_run(cfg), cfg).splitlines()[0])  # doctest: +ELLIPSIS
+        conveyor train --dry-run: GPT2LMHeadModel, 34,176 parameters (0.00B); pp=2 x dp=1, schedule 1f1b...
+    """
+    p = cfg.parallel
+    micro = cfg.replica_batch_size // p.microbatches
+    lines = [f"conveyor train --dry-run: {plan.model_class}, {plan.total_parameters:,} parameters "
+             f"({plan.total_parameters / 1e9:.2f}B); pp={p.pp} x dp={p.dp}, schedule {p.schedule}, "
+             f"{len(plan.stages)} stages, {p.microbatches} microbatches of {micro} x {cfg.model.seq_len} tokens"]
+    width = max(len(r.first) for r in plan.stages) + 2
+    lines.append(f"{'stage':>5}  {'rank':>4}  {'first module':<{width}}{'last module':<{width}}{'blocks':>6}  "
+                 f"{'parameters':>14}  {'kept/microbatch':>16}")
+    for r in plan.stages:
+        lines.append(f"{r.stage:>5}  {r.rank:>4}  {r.first:<{width}}{r.last:<{width}}{r.blocks:>6}  "
+                     f"{r.parameters:>14,}  {_gib(r.activation_bytes):>16}")
+    lines.append(f"{'rank':>5}  {'params+grads+AdamW':>18}  {'in flight':>9}  {'activations':>11}  {'total':>9}")
+    for r in plan.ranks:
+        lines.append(f"{r.rank:>5}  {_gib(r.state_bytes):>18}  {r.in_flight:>9}  {_gib(r.activation_bytes):>11}  "
+                     f"{_gib(r.total_bytes):>9}")
+    if plan.tied:
+        lines.append("tied: " + "; ".join(plan.tied) + " (each stage holding it keeps a copy)")
+    sharded = p.data_parallel == "fsdp" and p.dp > 1
+    lines += [
+        "memory per rank = parameters, gradients and AdamW's two moments in fp32 (16 bytes per parameter"
+        + ("; fsdp: sharded over the dp replicas, plus one stage gathered whole" if sharded else "") + ")",
+        "  + activations: what autograd keeps for one microbatch of each stage, measured by running its forward "
+        "on the meta device" + ("; with activation checkpointing, what the checkpoint keeps, plus one stage's "
+                                "full set while it is recomputed" if cfg.train.activation_checkpointing else ""),
+        "    x the microbatches in flight at the peak of the schedule's simulation (uniform pass costs)",
+        "  not counted: the framework (~0.4 GiB per rank on CPU), communication buffers, the data",
+        "nothing was allocated and no rank was started",
+    ]
+    return "\n".join(lines)
+
+
+def _gib(size: float) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**26 else f"{size / 2**20:.2f} MiB"
+
+
+def dry_run(cfg: TrainConfig) -> int:
+    """Print the plan of the run ``cfg`` describes; returns 0 (the exit status).
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> dry_run(load_config(None, ["model.layers=2", "model.width=32"]))  # doctest: +ELLIPSIS
+        conveyor train --dry-run: GPT2LMHeadModel, ...
+        0
+    """
+    print(format_plan(plan_run(cfg), cfg))
+    return 0

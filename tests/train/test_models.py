@@ -1,0 +1,122 @@
+"""conveyor.train.models: the recipes, hf:<class>, a pretrained directory, and the refusals said before any rank.
+
+In one process, no ranks: each model is built and split by the same tracing frontend a run
+uses; the stages run in a row must give the unsplit model's loss and gradients bit for bit (a
+tied embedding's two copies: their sum, up to the order of additions).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import conveyor.frontend as frontend
+from conveyor.errors import ConfigError
+from conveyor.train.config import TrainConfig, load_config
+from conveyor.train.models import build_model, ties_embeddings
+from tests.frontend.parity import check_parity
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+SMALL = ["model.layers=2", "model.width=32", "model.heads=4", "model.seq_len=16"]
+
+
+def _refusal(overrides) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, overrides)
+    return str(caught.value)
+
+
+def _splits_exactly(model: torch.nn.Module, num_stages: int = 2) -> frontend.ModelSplit:
+    """Cut as a run cuts; the stages in a row give the model's loss and gradients (tied ones summed)."""
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    split = frontend.split_model(model, num_stages, example_kwargs={"input_ids": ids, "labels": ids})
+    check_parity(model, split, kwargs={"input_ids": ids, "labels": ids})
+    return split
+
+
+@pytest.mark.parametrize("name, cls, tied", [("gpt", "GPT2LMHeadModel", True), ("llama", "LlamaForCausalLM", False),
+                                             ("mpt", "MptForCausalLM", True)])
+def test_each_recipe_builds_splits_and_ties_as_it_should(name, cls, tied):
+    cfg = load_config(None, [f"model.name={name}", *SMALL, "model.layers=4"])
+    torch.manual_seed(0)
+    model = build_model(cfg, 256)
+    assert type(model).__name__ == cls
+    assert ties_embeddings(cfg.model) is tied
+    split = _splits_exactly(model, num_stages=4 if name == "mpt" else 2)
+    assert bool(split.tied_groups) is tied  # gpt and mpt: the embedding is also the head, on both end stages
+    dropouts = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert all(p == 0 for p in dropouts)  # resumes repeat a run bit for bit only without dropout
+
+
+def test_model_keys_reach_the_transformers_config():
+    cfg = load_config(None, ["model.name=llama", *SMALL, "model.kv_heads=2", "model.intermediate=48",
+                             "model.hf_config.rope_theta=500000", "model.hf_config.rms_norm_eps=1e-5"])
+    config = build_model(cfg, 300, device="meta").config
+    assert (config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (2, 48, 300)
+    assert config.rope_parameters["rope_theta"] == 500000 and config.rms_norm_eps == 1e-5
+    assert config.tie_word_embeddings is False
+    mpt = build_model(load_config(None, ["model.name=mpt", *SMALL, "model.intermediate=96"]), 256, device="meta")
+    assert mpt.config.expansion_ratio == 3 and mpt.config.attn_config.alibi
+    gpt = build_model(load_config(None, [*SMALL, "model.intermediate=40"]), 256, device="meta")
+    assert gpt.config.n_inner == 40 and all(p.is_meta for p in gpt.parameters())
+
+
+def test_hf_class_builds_from_its_config_class_with_derived_sizes_and_splits():
+    # No grouped heads here: eager attention then takes another kernel than the traced stages, equal
+    # only to rounding (tests/frontend/test_hf.py); the derived num_key_value_heads is a doctest.
+    cfg = load_config(None, ["model.name=hf:Qwen2ForCausalLM", *SMALL, "model.hf_config.tie_word_embeddings=true"])
+    torch.manual_seed(0)
+    model = build_model(cfg, 256)
+    c = model.config
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (2, 32, 4, 4)
+    assert (c.intermediate_size, c.max_position_embeddings, c.vocab_size, c.use_cache) == (128, 16, 256, False)
+    assert c.tie_word_embeddings and ties_embeddings(cfg.model)  # hf_config goes over what is derived
+    assert len(_splits_exactly(model).tied_groups) == 1
+
+
+def test_a_pretrained_directory_builds_on_meta_from_its_config(tmp_path):
+    torch.manual_seed(0)
+    build_model(load_config(None, ["model.name=llama", *SMALL]), 256).save_pretrained(tmp_path,
+                                                                                      safe_serialization=True)
+    cfg = load_config(None, [f"model.name={tmp_path}", "model.seq_len=16", "model.width=64"])  # width: ignored
+    model = build_model(cfg, 256)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.hidden_size == 32
+    assert all(p.is_meta for p in model.parameters())  # the ranks read their stages' weights from the files
+    assert "takes at most 16 positions" in _refusal([f"model.name={tmp_path}", "model.seq_len=32"])
+    with pytest.raises(ConfigError, match="the tokenizer has 1000 ids but the pretrained model"):
+        build_model(cfg, 1000)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.name=hf:Qwen2ForCausalLm"], "has no class 'Qwen2ForCausalLm'; did you mean 'Qwen2ForCausalLM'?"),
+    (["model.name=hf:BertModel"], "BertModel is a transformers class but not a causal language model"),
+    (["model.name=hf:LlamaConfig"], "not a causal language model"),
+    (["model.hf_config.n_embdd=3"], "GPT2Config has no field 'n_embdd'; did you mean 'n_embd'?"),
+    (["model.name=llama", "model.hf_config.rms_norm_eps=abc"], "LlamaConfig refuses the config"),
+    (["model.name=gpt", "model.kv_heads=2"], "gpt has no grouped-query attention"),
+    (["model.name=llama", "model.kv_heads=3"], "model.kv_heads=3: must divide model.heads=4"),
+    (["model.name=mpt", "model.intermediate=200"], "a whole multiple of model.width=128; try 256"),
+    (["model.intermediate=0"], "model.intermediate=0: expected a value >= 1"),
+    (["parallel.dp=2", "parallel.data_parallel=fsdp"], "embedding is tied to the output head"),
+    (["model.name=mpt", "parallel.dp=2", "parallel.schedule=zbv"], "puts the first and last stage on one rank"),
+])
+def test_model_mistakes_are_refused_before_any_rank(overrides, expected):
+    assert expected in _refusal(overrides)
+
+
+def test_a_directory_without_config_json_is_refused(tmp_path):
+    assert "no config.json there" in _refusal([f"model.name={tmp_path}"])
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "architectures": ["BertForMaskedLM"]}')
+    assert "BertForMaskedLM is a transformers class but not a causal language model" in _refusal(
+        [f"model.name={tmp_path}"])
+
+
+def test_untied_models_shard_and_the_recipe_files_load():
+    load_config(None, ["model.name=llama", "parallel.dp=2", "parallel.data_parallel=fsdp"])
+    load_config(None, ["model.name=mpt", "parallel.dp=2", "parallel.schedule=interleaved-1f1b", "parallel.virtual=2"])
+    assert load_config(CONFIGS / "gpt.yaml") == TrainConfig()  # gpt.yaml writes the defaults out
+    names = {name: load_config(CONFIGS / f"{name}.yaml").model.name for name in ("llama", "mpt", "llama-1b")}
+    assert names == {"llama": "llama", "mpt": "mpt", "llama-1b": "llama"}
