@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import sys
+import textwrap
 from collections.abc import Sequence
 
 import conveyor.schedule as cs
@@ -271,12 +272,15 @@ def _train_options_first(argv: list[str]) -> list[str]:
 
 
 def _add_train(commands) -> None:
+    from conveyor.train.config import config_reference
+
     train = commands.add_parser(
         "train", help="train a model pipelined over local CPU ranks: conveyor train [CONFIG.yaml] [key=value ...]",
-        description="Train from a YAML config and section.key=value overrides (no arguments: a small GPT "
+        description=textwrap.fill("Train from a YAML config and section.key=value overrides (no arguments: a small GPT "
         "on the Python standard library's sources, over 2 local ranks). Recipes: configs/gpt.yaml (the defaults), "
         "configs/llama.yaml, configs/mpt.yaml, configs/llama-1b.yaml; model.name also takes hf:<transformers class> "
-        "or a local pretrained directory.")
+        "or a local pretrained directory.", width=100), epilog=config_reference(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("arguments", nargs="*", metavar="CONFIG.yaml | key=value",
                        help="an optional YAML config first, then overrides such as train.steps=50")
     train.add_argument("--dry-run", action="store_true",

@@ -209,6 +209,22 @@ def field_help(section: str, key: str) -> str:
     return next(f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.name == key)
 
 
+def config_reference() -> str:
+    """Every key with its default and help text, one per line (``conveyor train --help`` lists them).
+
+    Example:
+        >>> config_reference().splitlines()[1].split()[:2]
+        ['model.name', '(gpt):']
+    """
+    lines = ["configuration keys (section.key (default): meaning):"]
+    defaults = TrainConfig()
+    for section, cls in _section_types().items():
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(defaults, section), f.name)
+            lines.append(f"  {section}.{f.name} ({value}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
 def _section_types() -> dict[str, type]:
     return {f.name: _field_type(TrainConfig, f.name) for f in dataclasses.fields(TrainConfig)}
 
