@@ -24,6 +24,7 @@ from conveyor.errors import PipelineClosed, PipelineConfigError
 from conveyor.microbatch import merge_outputs
 from conveyor.parallel.loss import set_loss_divisor, summed_loss
 from conveyor.pipe import _check_nonfinite_mode, _PipelineBase
+from conveyor.runtime.compile import CompileSpec
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.rng import step_random_streams
 from conveyor.runtime.runner import LossFn, StageRunner, build_runners
@@ -56,6 +57,7 @@ class LocalPipeline(_PipelineBase):
         parameter_order: Mapping[str, int] | None = None,
         random_streams: bool = True,
         autocast: str | torch.dtype | None = None,
+        compile: CompileSpec = False,
     ) -> None:
         modules = list(modules)
         self.random_streams = random_streams
@@ -77,7 +79,7 @@ class LocalPipeline(_PipelineBase):
         for rank in range(self.schedule.num_ranks):
             stages = self.schedule.stages_of(rank)
             runners = build_runners(self.schedule, rank, [modules[s] for s in stages], loss_fn,
-                                    checkpoint_activations, autocast)
+                                    checkpoint_activations, autocast, compile)
             self.runners.update(runners)
             transport: Transport = LocalTransport(self.mailbox, rank)
             self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport))

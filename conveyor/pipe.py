@@ -43,6 +43,7 @@ from conveyor.runtime.clip import (
     scale_local_grads,
     total_norm,
 )
+from conveyor.runtime.compile import CompileSpec, describe_compile
 from conveyor.runtime.executor import RankExecutor, StepRecorder
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.precision import autocast_dtype
@@ -256,6 +257,8 @@ class Pipeline(_PipelineBase):
     under ``torch.autocast(<the stage's device type>, dtype)``, the region a single-device
     ``with torch.autocast(...): loss = loss_fn(model(x), y)`` uses, so results stay bitwise equal
     to that run; activations cross stages in the dtype their op produced (bf16: half the bytes).
+    ``compile`` (True, or a dict of ``torch.compile`` keywords): each stage's forward runs compiled;
+    see :mod:`conveyor.runtime.compile` (shapes, autocast, checkpointing, the I/W split).
 
     The pipeline communicates on process groups of its own, built over ``group``'s ranks
     (see :mod:`conveyor.runtime.lifecycle`); ``group`` itself is never used or closed.
@@ -292,6 +295,7 @@ class Pipeline(_PipelineBase):
         mesh=None,
         data_parallel: str | None = None,
         autocast: str | torch.dtype | None = None,
+        compile: CompileSpec = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -319,7 +323,8 @@ class Pipeline(_PipelineBase):
             )
         check_transport_name(transport)
         self.stages = self.schedule.stages_of(self.rank)
-        self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast)
+        self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast,
+                                     compile)
         self._tie(tied_parameters, parameter_order)
         # Every check that needs no peer is above: from here on this rank holds process groups.
         self._life = RankLifecycle(group, timeout_s, self.layout.pipelines if self.layout is not None else None)
@@ -360,7 +365,8 @@ class Pipeline(_PipelineBase):
             "tied parameters": repr([tuple(t.uses) for t in tied_parameters]),
             "options": f"transport={transport!r} fixed_shapes={fixed_shapes} "
                        f"shapes given for stages {sorted(shapes) if shapes else []} "
-                       f"autocast={autocast_dtype(autocast)}",
+                       f"autocast={autocast_dtype(autocast)} "
+                       f"compile={describe_compile(self.runners[self.stages[0]].compile)}",
         }
 
     def _build_replicas(self, data_parallel: str | None, built: dict[str, str]) -> Replicas | None:
