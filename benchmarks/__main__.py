@@ -10,6 +10,7 @@ Flags pick what runs (several may be given; none means ``--compare``):
     --data       where data is read: each rank's peak RSS with a 200 MB dataset (benchmarks/data.py)
     --checkpoint checkpoint save / load of a 100M-parameter model, pretrained bytes per rank (benchmarks/checkpoint.py)
     --train      conveyor train: tokens/s at pp=2 vs pp=1, peak RSS per rank on a 200 MB corpus (benchmarks/train.py)
+    --compile    compile=True vs eager: the GPT workload's step time at P=2 (benchmarks/compile.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -28,7 +29,7 @@ import importlib
 import sys
 from pathlib import Path
 
-PARTS = ("compare", "schedule", "split", "soak", "parallel", "data", "checkpoint", "train")
+PARTS = ("compare", "schedule", "split", "soak", "parallel", "data", "checkpoint", "train", "compile")
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
 DEFAULT_VARIANTS = (
@@ -85,6 +86,9 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--train-rounds", type=int, default=3, help="pp=1 / pp=2 pairs, sides alternating")
     train.add_argument("--train-steps", type=int, default=30, help="steps per throughput run")
     train.add_argument("--train-skip-throughput", action="store_true", help="measure memory only")
+    compiled = parser.add_argument_group("--compile (compile=True vs eager)")
+    compiled.add_argument("--compile-rounds", type=int, default=6, help="rounds, the side going first alternating")
+    compiled.add_argument("--compile-steps", type=int, default=3, help="timed steps per side per round")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--data", action="store_true", help="peak RSS per rank with a 200 MB dataset")
     parts.add_argument("--checkpoint", action="store_true", help="checkpoint and pretrained-weight I/O")
     parts.add_argument("--train", action="store_true", help="conveyor train: pp=2 speed-up, memory per rank")
+    parts.add_argument("--compile", action="store_true", help="compile=True vs eager step time, GPT at P=2")
     parts.add_argument(
         "--quick", action="store_true",
         help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only",

@@ -53,6 +53,8 @@ def pipeline(
     parameters keep their original names, and tied parameters (GPT-2's ``wte`` and
     ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
     and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
+    Other keywords go to :class:`Pipeline`: ``compile=True`` compiles each traced stage
+    (a GraphModule with its own code, so each counts its own recompiles), ``autocast=``, ...
 
     Example (on each of 2 ranks)::
 

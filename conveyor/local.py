@@ -25,6 +25,7 @@ from conveyor.microbatch import merge_outputs
 from conveyor.parallel.loss import set_loss_divisor, summed_loss
 from conveyor.parallel.norms import check_nonfinite_mode
 from conveyor.pipe import _PipelineBase
+from conveyor.runtime.compile import CompileSpec
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
 from conveyor.runtime.memory import MemoryReport, memory_report, reset_device_peaks
 from conveyor.runtime.rng import step_random_streams
@@ -59,6 +60,7 @@ class LocalPipeline(_PipelineBase):
         random_streams: bool = True,
         autocast: str | torch.dtype | None = None,
         measure_memory: bool = False,
+        compile: CompileSpec = False,
     ) -> None:
         modules = list(modules)
         self.random_streams = random_streams
@@ -80,7 +82,7 @@ class LocalPipeline(_PipelineBase):
         for rank in range(self.schedule.num_ranks):
             stages = self.schedule.stages_of(rank)
             runners = build_runners(self.schedule, rank, [modules[s] for s in stages], loss_fn,
-                                    checkpoint_activations, autocast)
+                                    checkpoint_activations, autocast, compile)
             self.runners.update(runners)
             transport: Transport = LocalTransport(self.mailbox, rank)
             self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport,

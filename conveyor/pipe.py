@@ -49,6 +49,7 @@ from conveyor.runtime.clip import (
     scale_local_grads,
     total_norm,
 )
+from conveyor.runtime.compile import CompileSpec, describe_compile
 from conveyor.runtime.executor import RankExecutor, StepRecorder
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.memory import MemoryReport, memory_report
@@ -255,12 +256,12 @@ class Pipeline(_PipelineBase):
     model and its cut) is compared across ranks when the pipeline is built, with the schedule
     (name, P, V, M and every rank's actions), the tied parameters and the options: ranks
     built differently raise :class:`PipelineConfigError` saying what differs, before any step.
-    ``autocast`` (``"bf16"``, ``"fp16"``, a dtype, or None): each stage's forward and the loss run
-    under ``torch.autocast(<the stage's device type>, dtype)``, the region a single-device
-    ``with torch.autocast(...): loss = loss_fn(model(x), y)`` uses, so results stay bitwise equal
-    to that run; activations cross stages in the dtype their op produced (bf16: half the bytes).
-    ``measure_memory=True`` counts, every step, the bytes autograd saves for backward; read them with
-    :meth:`memory` (it costs a few percent of a small step, hence off by default).
+    ``autocast`` (``"bf16"``, ``"fp16"``, a dtype): each stage's forward and loss run under the
+    ``torch.autocast`` region of a single-device run, bitwise equal to it; activations cross in
+    their op's dtype (:mod:`conveyor.runtime.precision`). ``measure_memory=True`` counts the bytes
+    autograd saves for backward, read by :meth:`memory` (a few percent of a small step: off by
+    default). ``compile`` (True, or ``torch.compile`` keywords): each stage's forward compiled
+    (:mod:`conveyor.runtime.compile`: shapes, autocast, checkpointing, the I/W split).
 
     The pipeline communicates on process groups of its own, built over ``group``'s ranks
     (see :mod:`conveyor.runtime.lifecycle`); ``group`` itself is never used or closed.
@@ -298,6 +299,7 @@ class Pipeline(_PipelineBase):
         data_parallel: str | None = None,
         autocast: str | torch.dtype | None = None,
         measure_memory: bool = False,
+        compile: CompileSpec = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -325,7 +327,8 @@ class Pipeline(_PipelineBase):
             )
         check_transport_name(transport)
         self.stages = self.schedule.stages_of(self.rank)
-        self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast)
+        self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast,
+                                     compile)
         self.measure_memory = measure_memory
         self._tie(tied_parameters, parameter_order)
         # Every check that needs no peer is above: from here on this rank holds process groups.
@@ -367,7 +370,8 @@ class Pipeline(_PipelineBase):
             "tied parameters": repr([tuple(t.uses) for t in tied_parameters]),
             "options": f"transport={transport!r} fixed_shapes={fixed_shapes} "
                        f"shapes given for stages {sorted(shapes) if shapes else []} "
-                       f"autocast={autocast_dtype(autocast)}",
+                       f"autocast={autocast_dtype(autocast)} "
+                       f"compile={describe_compile(self.runners[self.stages[0]].compile)}",
         }
 
     def _build_replicas(self, data_parallel: str | None, built: dict[str, str]) -> Replicas | None:

@@ -19,6 +19,12 @@ Frontier nodes that reach a common parameter (a weight used twice) form one
 group and one ``autograd.grad`` call, so the engine sums their contributions
 as a full backward does.
 
+A compiled region (``torch.compile``: AOTAutograd) is one autograd node whose one
+backward graph computes its inputs' and its weights' gradients together. Where such a
+node is a frontier node, W would have to run that whole graph again; instead I runs
+the full backward of the microbatch (parameter gradients included, bitwise B) and W
+has nothing left to do (``PendingWeightGrad.fused``).
+
 Example:
     >>> import torch
     >>> lin = torch.nn.Linear(3, 3)
@@ -37,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 Root = torch.Tensor | GradientEdge
@@ -109,6 +116,7 @@ class PendingWeightGrad:
 
     input_grads: list[torch.Tensor | None]
     groups: list[_Group]
+    fused: bool = False  # I ran the full backward (a compiled region): W has nothing to do
 
     def backward_weight(self) -> None:
         """W: accumulate every parameter's gradient into ``.grad``."""
@@ -189,11 +197,21 @@ class _GraphAnalysis:
     frontier: list[int]  # input-path nodes with an edge into the weight region
     frontier_reach: list[frozenset[int]]  # per frontier node: parameter positions below its weight edges
     weight_roots: list[tuple[int, frozenset[int]]]  # (root pair, parameters below) for roots off the input path
+    fused: bool = False  # a frontier node is a compiled region: input and weight gradients in one graph
     groupings: dict[tuple, list[tuple[list[int], list[int]]]] = field(default_factory=dict)
 
 
 _MAX_GROUPINGS = 16
 _ACCUMULATE_GRAD = type(get_gradient_edge(torch.zeros(1, requires_grad=True)).node)
+_FUSED = ("fused", 0)
+
+
+def _is_fused(node: Node) -> bool:
+    """Whether ``node`` is the backward of a compiled region (AOTAutograd makes a Function class per graph)."""
+    if not isinstance(node, BackwardCFunction):  # a C++ node: an eager op
+        return False
+    forward = node._forward_cls
+    return forward.__name__ == "CompiledFunction" and forward.__module__.startswith("torch._functorch")
 
 
 def _walk(root_nodes: list[Node], leaf_kinds: dict[int, tuple[str, int]], input_grad_fns: dict[Node, int]):
@@ -220,6 +238,8 @@ def _walk(root_nodes: list[Node], leaf_kinds: dict[int, tuple[str, int]], input_
             continue
         if node in input_grad_fns:
             kinds[i] = ("input", input_grad_fns[node])
+        elif _is_fused(node):
+            kinds[i] = _FUSED
         nexts = []
         for f, _ in node.next_functions:
             if f is None:
@@ -271,7 +291,8 @@ def _analyse(successors: list[tuple[int, ...]], kinds: list, root_indices: list[
     weight_roots = [
         (pair, frozenset(params_below(i))) for pair, i in enumerate(root_indices) if i in in_weight_region
     ]
-    return _GraphAnalysis(bool(on_input_path), frontier, frontier_reach, weight_roots)
+    fused = any(kinds[i] == _FUSED for i in frontier)
+    return _GraphAnalysis(bool(on_input_path), frontier, frontier_reach, weight_roots, fused=fused)
 
 
 def backward_input(
@@ -307,6 +328,8 @@ def backward_input(
         analysis = _analyse(successors, kinds, root_indices)
         if analyses is not None:
             analyses.put(signature, analysis)
+    if analysis.fused:
+        return PendingWeightGrad(backward_full(roots, root_grads, inputs), [], fused=True)
 
     frontier_nodes = [nodes[i] for i in analysis.frontier]
     kept: dict[Node, tuple] = {}

@@ -18,7 +18,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,12 +35,14 @@ from conveyor.runtime.backward import (
     backward_full,
     backward_input,
 )
+from conveyor.runtime.compile import CompileSpec, compile_options, compile_stage
 from conveyor.runtime.memory import MemoryMeter
 from conveyor.runtime.precision import autocast_dtype, autocast_region
 from conveyor.runtime.recompute import RecomputedBuffers
 from conveyor.runtime.rng import StepRandomness
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,6 +97,7 @@ class StageRunner:
         checkpoint_activations: bool = False,
         rank: int = 0,
         autocast: torch.dtype | None = None,
+        compile: Mapping[str, Any] | None = None,
     ) -> None:
         self.stage = stage
         self.num_stages = num_stages
@@ -117,6 +121,10 @@ class StageRunner:
         self.memory_meter: MemoryMeter | None = None  # set by the executor with measure_memory
         # A recomputation reads the buffers its forward read and does not write them again.
         self.recompute_contexts = RecomputedBuffers(module)
+        # torch.compile options (None: eager); the module stays as given, its calls go through `call`.
+        self.compile = compile
+        self.call = module if compile is None else compile_stage(module, stage, compile)
+        self.fused_backward = False  # a compiled region made I run the full backward (logged once)
 
     def refresh_params(self) -> None:
         """Read the module's gradient-carrying parameters again (I hands them to W as its targets).
@@ -141,9 +149,9 @@ class StageRunner:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpoint(self.module, *args, use_reentrant=False, context_fn=self.recompute_contexts,
+            return checkpoint(self.call, *args, use_reentrant=False, context_fn=self.recompute_contexts,
                               **kwargs)
-        return self.module(*args, **kwargs)
+        return self.call(*args, **kwargs)
 
     def forward(self, microbatch: int, inputs: tuple[tuple, dict], target: Any = None,
                 *, keep_output: bool = False) -> Any:
@@ -244,6 +252,11 @@ class StageRunner:
         except Exception as exc:
             raise StageExecutionError(f"input-gradient backward failed on {self._where(microbatch)}: {exc}") from exc
         record.roots, record.loss = [], None
+        if record.pending.fused and not self.fused_backward:
+            self.fused_backward = True
+            log.warning("conveyor: stage %d (rank %d) holds a compiled region (torch.compile) whose one backward "
+                        "graph computes its input and weight gradients together: its I runs the full backward and "
+                        "its W has nothing left to do (no I/W split on this stage)", self.stage, self.rank)
         return record.pending.input_grads
 
     def backward_weight(self, microbatch: int) -> None:
@@ -270,7 +283,8 @@ class StageRunner:
 
 def build_runners(schedule: Any, rank: int, modules: Sequence[torch.nn.Module] | torch.nn.Module,
                   loss_fn: LossFn | None, checkpoint_activations: bool = False,
-                  autocast: str | torch.dtype | None = None) -> dict[int, StageRunner]:
+                  autocast: str | torch.dtype | None = None, compile: CompileSpec = False,
+                  ) -> dict[int, StageRunner]:
     """A :class:`StageRunner` for each stage ``schedule`` places on ``rank``, over ``modules`` in that order.
 
     Example:
@@ -280,6 +294,7 @@ def build_runners(schedule: Any, rank: int, modules: Sequence[torch.nn.Module] |
         ([0], 2)
     """
     stages = schedule.stages_of(rank)
+    options = compile_options(compile)
     modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
     if len(modules) != len(stages):
         raise PipelineConfigError(
@@ -293,7 +308,8 @@ def build_runners(schedule: Any, rank: int, modules: Sequence[torch.nn.Module] |
             )
     return {
         s: StageRunner(s, schedule.num_stages, m, loss_fn=loss_fn, num_microbatches=schedule.num_microbatches,
-                       checkpoint_activations=checkpoint_activations, rank=rank, autocast=autocast_dtype(autocast))
+                       checkpoint_activations=checkpoint_activations, rank=rank, autocast=autocast_dtype(autocast),
+                       compile=options)
         for s, m in zip(stages, modules)
     }
 

@@ -1,0 +1,207 @@
+"""``compile=``: stages compiled with torch.compile train as the same stages compiled and run one after another.
+
+The reference is one device: each stage module compiled on its own (``torch.compile(stage)``,
+the graphs the pipeline compiles) and run stage after stage per microbatch, with
+``(loss / M).backward()``. Under ``aot_eager`` the pipeline is bitwise that run (every
+schedule's I/W, fused or split, gives exactly B's gradients); under inductor, within 1e-6.
+Compiles are slow on small machines: ``aot_eager`` everywhere but one inductor test. Across
+processes: dualpipev over gloo, and zbv with FSDP2 replicas (pp=2 x dp=2).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+
+import conveyor
+import conveyor.schedule as cs
+from conveyor.errors import PipelineConfigError
+from conveyor.local import LocalPipeline
+from conveyor.testing import run_ranks
+from conveyor.testing.data_parallel import max_relative_difference
+from conveyor.testing.models import TinyConfig, build_stage, lm_loss, make_batch
+
+AOT = {"backend": "aot_eager"}
+M, BATCH, STEPS = 4, 8, 3
+FUSED = "holds a compiled region"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the reduction order of CPU kernels depends on it
+    yield
+    torch.set_num_threads(previous)
+
+
+def _schedule(name: str) -> cs.Schedule:
+    return cs.build(name, ranks=2, microbatches=M, virtual=cs.available()[name].default_virtual)
+
+
+def _train(step, params, batches):
+    """Losses and parameters after len(batches) AdamW steps of ``step(ids, targets)``."""
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for ids, targets in batches:
+        losses.append(step(ids, targets))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, [p.detach().clone() for p in params]
+
+
+def _reference(stages, batches, options, autocast=None):
+    """Each stage compiled on its own, run stage after stage: gradient accumulation over M microbatches."""
+    compiled = [torch.compile(stage, **options) for stage in stages]
+
+    def step(ids, targets):
+        total = None
+        for x, y in zip(torch.tensor_split(ids, M), torch.tensor_split(targets, M)):
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                value = compiled[0](x)
+                for stage in compiled[1:]:
+                    value = stage(*value) if isinstance(value, tuple) else stage(value)
+                loss = lm_loss(value, y) / M
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
+    return _train(step, [p for s in stages for p in s.parameters()], batches)
+
+
+def _local(stages, schedule, batches, **kwargs):
+    pipe = LocalPipeline(stages, schedule, lm_loss, **kwargs)
+    return _train(lambda ids, y: pipe.step(ids, target=y), [p for s in stages for p in s.parameters()], batches)
+
+
+def _assert_equal(got, want, rel=0.0):
+    for step, (g, w) in enumerate(zip(got[0], want[0])):
+        assert (g - w).abs() <= rel * w.abs(), f"loss of step {step}: {g.item()!r} vs {w.item()!r}"
+    for i, (g, w) in enumerate(zip(got[1], want[1])):
+        err = ((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()
+        assert err <= rel, f"parameter {i} after {STEPS} AdamW steps: relative difference {err:.3g} > {rel}"
+
+
+def _tiny(schedule, **cfg):
+    cfg = TinyConfig(num_stages=schedule.num_stages, **cfg)
+    return cfg, [make_batch(cfg, BATCH, seed=step) for step in range(STEPS)]
+
+
+def _fallback_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if FUSED in r.getMessage()]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_compiled_stages_train_bitwise_as_the_compiled_stages_run_in_turn(name, caplog):
+    schedule = _schedule(name)
+    cfg, batches = _tiny(schedule)
+    want = _reference([build_stage(s, cfg) for s in range(schedule.num_stages)], batches, AOT)
+    with caplog.at_level(logging.WARNING, logger="conveyor"):
+        got = _local([build_stage(s, cfg) for s in range(schedule.num_stages)], schedule, batches, compile=AOT)
+    _assert_equal(got, want)
+    lines = _fallback_lines(caplog)
+    if name == "1f1b":
+        assert lines == []  # no I/W: nothing falls back
+    else:
+        # Every stage whose inputs carry a gradient runs I as B, said once over 3 steps x 4 microbatches;
+        # stage 0 keeps its split (an empty I, then W).
+        assert sorted(line.split(" (rank")[0] for line in lines) == [
+            f"conveyor: stage {s}" for s in range(1, schedule.num_stages)]
+
+
+def test_checkpointing_and_autocast_compose_with_compile():
+    schedule = _schedule("zb-h1")
+    cfg, batches = _tiny(schedule)
+    want = _reference([build_stage(s, cfg) for s in range(2)], batches, AOT, autocast=torch.bfloat16)
+    got = _local([build_stage(s, cfg) for s in range(2)], schedule, batches, compile=AOT, autocast="bf16",
+                 checkpoint_activations=True)
+    _assert_equal(got, want)
+
+
+class _Counting:
+    """An aot_eager backend that counts the graphs it compiles."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        self.graphs += 1
+        return aot_eager(gm, example_inputs)
+
+
+def test_a_varying_sequence_length_recompiles_once_per_stage_not_per_step():
+    schedule = _schedule("1f1b")
+    cfg = TinyConfig(num_stages=2, seq_len=12)
+    backend = _Counting()
+    pipe = LocalPipeline([build_stage(s, cfg) for s in range(2)], schedule, lm_loss, compile={"backend": backend})
+    graphs = []
+    for step, length in enumerate((12, 9, 11, 7, 12, 10)):
+        ids, targets = make_batch(cfg, BATCH, seed=step)
+        pipe.step(ids[:, :length].contiguous(), target=targets[:, :length].contiguous())
+        graphs.append(backend.graphs)
+    # Per stage: a graph for the first shapes; at most one more, with the length dynamic, at the first
+    # new length (none where torch already knows the stage's length varies: its automatic-dynamic
+    # profile of conveyor_stage_<s> outlives a pipeline); then none, whatever the length.
+    assert graphs[0] == 2 and graphs[1] <= 4 and set(graphs[1:]) == {graphs[1]}, graphs
+
+
+def test_the_default_inductor_backend_trains_within_1e_6_of_the_compiled_stages(tmp_path, monkeypatch):
+    # Two small stages (few kernels for gcc) on a zero-bubble schedule.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold cache, as on CI
+    schedule = _schedule("zb-h2")
+
+    def stages():
+        torch.manual_seed(0)
+        first = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32), torch.nn.Tanh())
+        return [first, torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.GELU(), torch.nn.Linear(16, 32))]
+
+    _, batches = _tiny(schedule)
+    want = _reference(stages(), batches, {})
+    got = _local(stages(), schedule, batches, compile=True)
+    _assert_equal(got, want, rel=1e-6)
+
+
+def _train_ranks(rank, world_size, name):
+    schedule = _schedule(name)
+    cfg, batches = _tiny(schedule)
+    mine = schedule.stages_of(rank)
+    stages = [build_stage(s, cfg) for s in mine]
+    pipe = conveyor.Pipeline(stages, schedule, lm_loss, timeout_s=60, compile=AOT)
+    first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
+    losses, _ = _train(lambda ids, y: pipe.step(ids if rank == first else None,
+                                                     target=y if rank == last else None),
+                            [p for s in stages for p in s.parameters()], batches)
+    pipe.close()
+    return losses, dict(zip(mine, [[p.detach().clone() for p in s.parameters()] for s in stages]))
+
+
+@pytest.mark.distributed
+def test_compiled_dualpipev_across_processes_is_bitwise_the_compiled_stages_in_turn():
+    schedule = _schedule("dualpipev")
+    cfg, batches = _tiny(schedule)
+    want_losses, want_params = _reference([build_stage(s, cfg) for s in range(schedule.num_stages)], batches, AOT)
+    sizes = [sum(1 for _ in build_stage(s, cfg).parameters()) for s in range(schedule.num_stages)]
+    starts = [sum(sizes[:s]) for s in range(schedule.num_stages)]
+    for losses, per_stage in run_ranks(_train_ranks, 2, args=("dualpipev",), timeout_s=120):
+        assert all(torch.equal(g, w) for g, w in zip(losses, want_losses))
+        for stage, params in per_stage.items():
+            for i, p in enumerate(params):
+                assert torch.equal(p, want_params[starts[stage] + i]), f"stage {stage} parameter {i}"
+
+
+@pytest.mark.distributed
+def test_compiled_stages_under_fsdp_replicas_stay_bitwise_the_per_replica_reference(monkeypatch):
+    # pp=2 x dp=2, zbv, FSDP2 per stage: the MLP stages' aot_eager graphs run eager's kernels.
+    monkeypatch.setattr(conveyor, "Pipeline", functools.partial(conveyor.Pipeline, compile=AOT))
+    assert max_relative_difference("zbv", 2, "fsdp", orders=("per_replica",)) == {"per_replica": 0.0}
+
+
+@pytest.mark.parametrize(("spec", "fragment"), [("yes", "takes True, False or a dict"),
+                                                 ({"backend": "aot_eager", "modes": "x"}, "['modes']")])
+def test_a_compile_argument_torch_cannot_take_is_refused_naming_it(spec, fragment):
+    with pytest.raises(PipelineConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        LocalPipeline([torch.nn.Linear(2, 2)], "gpipe", microbatches=1, compile=spec)
