@@ -244,9 +244,8 @@ class Pipeline(_PipelineBase):
     (default): with gloo, shared memory where every pair of ranks that talk shares a host
     (``LOCAL_WORLD_SIZE == WORLD_SIZE``, else the ranks compare hosts through the store within
     ``timeout_s``); with other backends (NCCL), the process group.
-    ``parameter_order`` ({parameter name: index in the unsplit model's
-    ``parameters()``}) tells :meth:`clip_grad_norm_` the model's order when it is
-    not stage by stage; :func:`pipeline` passes it.
+    ``parameter_order`` ({name: index in the unsplit model's ``parameters()``}, which
+    :func:`pipeline` passes) tells :meth:`clip_grad_norm_` the model's order.
     ``random_streams`` (default True): random ops (dropout) draw, in the forward of each
     stage and microbatch, from generators seeded for that (stage, microbatch) from one draw
     of the global CPU generator per step, not from each rank's global stream, whose numbers
@@ -329,7 +328,7 @@ class Pipeline(_PipelineBase):
         self.stages = self.schedule.stages_of(self.rank)
         self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast,
                                      compile)
-        self.measure_memory = measure_memory
+        self.measure_memory, self.random_streams = measure_memory, random_streams
         self._tie(tied_parameters, parameter_order)
         # Every check that needs no peer is above: from here on this rank holds process groups.
         self._life = RankLifecycle(group, timeout_s, self.layout.pipelines if self.layout is not None else None)
@@ -343,7 +342,6 @@ class Pipeline(_PipelineBase):
             # peers waiting for this rank time out naming it, as for any absent peer.
             self._life.close()
             raise
-        self.random_streams = random_streams
         self.record_timeline = record_timeline
         self._recorder: StepRecorder | None = None
         self._last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
