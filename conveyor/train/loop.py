@@ -131,6 +131,7 @@ class Run:
     tokens: int = 0
     train_time: float = 0.0
     stopped: str | None = None
+    skipped: int = 0  # steps dropped for a non-finite loss or gradient (loss.on_nonfinite=skip)
     progress: Any = None  # a Progress; shows only on rank 0
     tensorboard: Any = None  # rank 0's TensorBoardLog, when run.tensorboard is on and it is installed
 
@@ -211,7 +212,12 @@ def resume(run: Run) -> None:
 # --- the loop -------------------------------------------------------------------------------
 
 def train_step(run: Run) -> float:
-    """One optimizer step; returns the step's loss (the same on every rank)."""
+    """One optimizer step; returns the step's loss (the same on every rank).
+
+    A step whose loss or gradients are not finite, under ``loss.on_nonfinite=skip``, leaves
+    parameters and optimizer state as they were (``pipe.skipped_steps`` counts it); the data
+    and the learning-rate schedule move on, as they would for any step.
+    """
     cfg, pipe = run.cfg, run.pipe
     x = y = None
     if run.train_data is not None:
@@ -289,8 +295,10 @@ def loop(run: Run) -> Path | None:
         run.tokens += tokens_per_step
         run.train_time += took
         run.losses.append(loss)
+        skipped = run.pipe.skipped_steps > run.skipped
+        run.skipped = run.pipe.skipped_steps
         run.log({"step": run.step, "loss": loss, "lr": lr, "tokens_per_s": round(tokens_per_step / took, 1),
-                 "elapsed": round(time.perf_counter() - start, 3)})
+                 "elapsed": round(time.perf_counter() - start, 3), **({"skipped": True} if skipped else {})})
         run.progress.step(run.step, loss, lr, tokens_per_step / took, took)
         if evaluating and (run.step % cfg.train.eval_interval == 0 or run.step == cfg.train.steps):
             validate_now(run, start)
@@ -344,7 +352,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                "first_val_loss": run.val_losses[0] if run.val_losses else None,
                "last_val_loss": run.val_losses[-1] if run.val_losses else None,
                "tokens_per_s": run.tokens / run.train_time if run.train_time else None,
-               "checkpoint": str(saved) if saved else None, "stopped": run.stopped,
+               "checkpoint": str(saved) if saved else None, "stopped": run.stopped, "skipped_steps": run.skipped,
                "peak_rss_mib": peak_rss_mib(), **pictures, **sample}
     if run.rank0:
         print(format_summary(summary, cfg))
@@ -367,6 +375,8 @@ def format_summary(summary: dict[str, Any], cfg: TrainConfig) -> str:
 
     head = f"done: {summary['steps']} steps" if not summary["stopped"] else f"stopped at {summary['stopped']}"
     rate = f"; {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
+    if summary.get("skipped_steps"):
+        rate += f"; {summary['skipped_steps']} step(s) skipped (loss or gradients not finite)"
     lines = [head + pair(summary["first_loss"], summary["last_loss"], "training")
              + pair(summary["first_val_loss"], summary["last_val_loss"], "validation") + rate,
              *report_lines(summary),

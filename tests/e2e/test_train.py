@@ -132,3 +132,21 @@ def test_a_bad_override_exits_2_naming_the_key_before_any_process(capsys, monkey
     assert not (tmp_path / "run").exists()
     assert main(["train", "parallel.pp=0"]) == 2
     assert "parallel.pp" in capsys.readouterr().err
+
+
+def test_a_nonfinite_step_is_skipped_and_counted_or_stops_the_run(tmp_path):
+    # A learning rate of 1e9 sends the parameters past what float32 holds after one step.
+    blowup = [*TINY[:5], "train.batch_size=8", "parallel.microbatches=2", "train.steps=3", "optim.lr=1e9",
+              "optim.warmup_steps=1", "train.eval_interval=0", "train.sample_tokens=0", "run.tensorboard=false"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    runs = {mode: subprocess.Popen([sys.executable, "-m", "conveyor.cli", "train", *blowup,
+                                    f"loss.on_nonfinite={mode}", f"run.dir={tmp_path / mode}"],
+                                   cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for mode in ("skip", "stop")}  # side by side: each is mostly start-up
+    (skip_out, skip_err), (stop_out, stop_err) = (runs[m].communicate(timeout=240) for m in ("skip", "stop"))
+    assert runs["skip"].returncode == 0, skip_out + skip_err
+    assert "done: 3 steps" in skip_out and "2 step(s) skipped (loss or gradients not finite)" in skip_out
+    assert [m.get("skipped", False) for m in metrics(tmp_path / "skip") if "loss" in m] == [False, True, True]
+    assert runs["stop"].returncode == 1, stop_out + stop_err
+    assert "stopped at step 2:" in stop_out and "not finite" in stop_out
