@@ -42,3 +42,29 @@ def _pytest_process_stays_out_of_distributed() -> Iterator[None]:
             "this test initialised CUDA in the pytest process, which forked ranks cannot use; "
             "touch CUDA only inside ranks started with start_method='spawn'"
         )
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test: CPU kernels' reduction order depends on the thread
+    count, so bitwise comparisons with ranks (one thread each) need the same."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``conveyor train`` in this process may check, print and exit, but never start ranks
+    (and does not believe itself launched already)."""
+    from conveyor.train import launch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("conveyor train started ranks in a test that expects none")
+
+    monkeypatch.setattr(launch, "launch", refuse)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)

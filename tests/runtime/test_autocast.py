@@ -60,12 +60,7 @@ def assert_runs_equal(got, want):
         assert_same(f"stage {stage} params after {NUM_STEPS} AdamW steps", g, w)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # the reduction order of CPU kernels depends on it
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the ranks' thread count: same reduction order
 
 
 @pytest.mark.parametrize("name", sorted(cs.available()))

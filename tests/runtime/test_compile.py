@@ -29,12 +29,7 @@ M, BATCH, STEPS = 4, 8, 3
 FUSED = "holds a compiled region"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # the reduction order of CPU kernels depends on it
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the ranks' thread count: same reduction order
 
 
 def _schedule(name: str) -> cs.Schedule:

@@ -95,16 +95,8 @@ def test_a_tokenizer_directory_counts_short_splits_exactly_and_leaves_long_ones_
     assert check_data(small)["training"].tokens is None  # >= 240 bytes for 3 tokens: no tokenizer needed
 
 
-def test_a_tiny_corpus_exits_2_naming_keys_and_sizes_before_any_process(tmp_path, capsys, monkeypatch):
+def test_a_tiny_corpus_exits_2_naming_keys_and_sizes_before_any_process(tmp_path, capsys, no_launch):
     from conveyor.cli import main
-    from conveyor.train import launch
-
-    def no_launch(*args, **kwargs):
-        raise AssertionError("a process was started for data too short for one batch")
-
-    monkeypatch.setattr(launch, "launch", no_launch)
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("print('hello')\n" * 20)  # 300 bytes
     began = time.perf_counter()
