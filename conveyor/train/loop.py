@@ -153,7 +153,9 @@ def setup(cfg: TrainConfig) -> Run:
     torch.manual_seed(cfg.train.seed)  # every rank initialises the whole model alike, keeps its stages
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
-    pipe = build_pipeline(cfg, build_model(cfg, vocab))
+    # On the meta device: each rank allocates and initialises only its own stages (conveyor.frontend
+    # seeds each module from its path, so every split and rank gets the same values).
+    pipe = build_pipeline(cfg, build_model(cfg, vocab, device="meta"))
     loaded = load_weights(cfg, pipe)  # a pretrained directory: each rank reads its own stages' tensors
     if loaded is not None and dist.get_rank() == 0:
         print(f"conveyor train: rank 0 loaded {loaded.tensors} tensors ({loaded.bytes_read:,} of "
