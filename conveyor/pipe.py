@@ -368,7 +368,7 @@ class Pipeline(_PipelineBase):
             "tied parameters": repr([tuple(t.uses) for t in tied_parameters]),
             "options": f"transport={transport!r} fixed_shapes={fixed_shapes} "
                        f"shapes given for stages {sorted(shapes) if shapes else []} "
-                       f"autocast={autocast_dtype(autocast)} "
+                       f"autocast={autocast_dtype(autocast)} measure_memory={self.measure_memory} "
                        f"compile={describe_compile(self.runners[self.stages[0]].compile)}",
         }
 
@@ -443,9 +443,10 @@ class Pipeline(_PipelineBase):
         Example:
             >>> [report.peak_bytes for report in pipe.memory(all_ranks=True)]   # doctest: +SKIP
         """
+        mine = memory_report(self.executor.memory_meter, "Pipeline")  # refuses before any collective
         if not all_ranks:
-            return memory_report(self.executor.memory_meter, "Pipeline")
-        return self._collective(lambda: self._gather_objects(memory_report(self.executor.memory_meter, "Pipeline")))
+            return mine
+        return self._collective(lambda: self._gather_objects(mine))
 
     def timeline(self) -> Timeline:
         """The measured Timeline of the last step (a collective: call it on every rank)."""

@@ -219,8 +219,8 @@ def open_tensorboard(run_dir: str | Path, enabled: bool = True, step: int = 0) -
     """A :class:`TensorBoardLog` writing under ``<run_dir>/tensorboard``, or None when off or when
     ``tensorboard`` is not installed (it is optional: the run goes on without it).
 
-    ``step`` > 0 (a resumed run) drops the events a previous run logged from that step on, so the
-    curves do not fold back.
+    A resumed run (``step`` > 0) drops the events a previous run logged after that step, and a
+    fresh one (``step`` 0) all of them, so the curves match ``metrics.jsonl`` and do not fold back.
 
     Example:
         >>> open_tensorboard("runs/train", enabled=False) is None
@@ -232,4 +232,6 @@ def open_tensorboard(run_dir: str | Path, enabled: bool = True, step: int = 0) -
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return TensorBoardLog(SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=step or None))
+    # Events at or after purge_step are dropped: a run resumed at step S logs from S + 1 (S is
+    # logged already), and a fresh run (step 0) drops whatever an earlier run left in the directory.
+    return TensorBoardLog(SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=step + 1 if step else 0))
