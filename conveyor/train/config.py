@@ -171,8 +171,31 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     cfg = _merge([node for node, _ in layers])
     from conveyor.train.config_checks import validate
 
+    expand_home(cfg)
     validate(cfg, world_size=world_size)
     return cfg
+
+
+def expand_home(cfg: TrainConfig) -> None:
+    """Expand a leading ``~`` in every path the config holds, once, so checks and ranks read the same paths.
+
+    Example:
+        >>> cfg = load_config(None, ["run.dir=~/runs/a"])
+        >>> cfg.run.dir.startswith("~")
+        False
+    """
+    import os
+
+    def expand(value: Any) -> Any:
+        return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+    cfg.model.name = expand(cfg.model.name)
+    source = cfg.data.source
+    cfg.data.source = [expand(s) for s in source] if isinstance(source, list | tuple) else expand(source)
+    cfg.data.tokenizer = expand(cfg.data.tokenizer)
+    cfg.run.dir = expand(cfg.run.dir)
+    cfg.checkpoint.dir = expand(cfg.checkpoint.dir)
+    cfg.checkpoint.resume = expand(cfg.checkpoint.resume)
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> Path:
