@@ -52,7 +52,7 @@ def train_command(run_dir: str, overrides: list[str]) -> list[str]:
 def run_train(run_dir: str, overrides: list[str], timeout_s: float = 900) -> str:
     """Run ``conveyor train`` to the end; returns its output (raises on a non-zero exit)."""
     done = subprocess.run(train_command(run_dir, overrides), capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})  # a thread per rank
     if done.returncode != 0:
         raise RuntimeError(f"conveyor train {' '.join(overrides)} exited {done.returncode}:\n"
                            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

@@ -66,23 +66,42 @@ def prepare(args: Sequence[str]) -> TrainConfig:
     return cfg
 
 
-def worker(cfg: TrainConfig) -> dict:
-    """One rank: join the process group the launcher set up, train, leave it; returns the summary."""
+def worker(cfg: TrainConfig, exit_when_stopped: bool = True) -> dict:
+    """One rank: join the process group the launcher set up, train, leave it; returns the summary.
+
+    A run stopped on purpose (``loss.on_nonfinite=stop``) exits 1 when ``exit_when_stopped``;
+    :func:`launch` passes False and reads the summary instead, so that the elastic agent does not
+    take the stop for a crash and restart a run that would stop again at the same step.
+    """
     import torch
     import torch.distributed as dist
 
     from conveyor.train.loop import train
 
-    # Each rank gets one of the few cores; more threads per rank only contend for them.
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads_per_rank())
     join_group()
     try:
         summary = train(cfg)
     finally:
         dist.destroy_process_group()
-    if summary["stopped"]:
+    if summary["stopped"] and exit_when_stopped:
         raise SystemExit(1)
     return summary
+
+
+def threads_per_rank(environ: dict[str, str] | None = None, cores: int | None = None) -> int:
+    """``OMP_NUM_THREADS`` when set, else this host's cores shared by its ranks (at least 1).
+
+    Example:
+        >>> threads_per_rank({"LOCAL_WORLD_SIZE": "2"}, cores=2), threads_per_rank({"OMP_NUM_THREADS": "3"}, cores=2)
+        (1, 3)
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
+        return int(environ["OMP_NUM_THREADS"])
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
 def join_group() -> None:
@@ -128,10 +147,12 @@ def launch(cfg: TrainConfig) -> int:
     print(f"conveyor train: {cfg.world_size} local ranks (pp={cfg.parallel.pp} x dp={cfg.parallel.dp}), "
           f"run dir {cfg.run.dir}" + (f", up to {restarts} restart(s)" if restarts else ""), flush=True)
     try:
-        elastic_launch(config, worker)(cfg)
+        summaries = elastic_launch(config, worker)(cfg, False)
     except ChildFailedError as error:
         print(f"conveyor train: {describe_failure(error, restarts)}\n{error.format_msg()}", file=sys.stderr)
         return 1
+    if any(summary and summary.get("stopped") for summary in summaries.values()):
+        return 1  # stopped on purpose (the summary said why): not restarted, since it would stop again
     return 0
 
 

@@ -132,7 +132,9 @@ def test_a_nonfinite_step_is_skipped_and_counted_or_stops_the_run(tmp_path):
               "optim.warmup_steps=1", "train.eval_interval=0", "train.sample_tokens=0", "run.tensorboard=false"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    runs = {mode: subprocess.Popen([sys.executable, "-m", "conveyor.cli", "train", *blowup,
+    # A stop is on purpose: even with restarts allowed the launcher does not run it again.
+    extra = {"skip": [], "stop": ["run.max_restarts=1"]}
+    runs = {mode: subprocess.Popen([sys.executable, "-m", "conveyor.cli", "train", *blowup, *extra[mode],
                                     f"loss.on_nonfinite={mode}", f"run.dir={tmp_path / mode}"],
                                    cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for mode in ("skip", "stop")}  # side by side: each is mostly start-up
@@ -142,3 +144,4 @@ def test_a_nonfinite_step_is_skipped_and_counted_or_stops_the_run(tmp_path):
     assert [m.get("skipped", False) for m in metrics(tmp_path / "skip") if "loss" in m] == [False, True, True]
     assert runs["stop"].returncode == 1, stop_out + stop_err
     assert "stopped at step 2:" in stop_out and "not finite" in stop_out
+    assert stop_out.count("stopped at step") == 1 and "restart 1" not in stop_out + stop_err
