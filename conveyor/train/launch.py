@@ -37,9 +37,12 @@ def split_arguments(args: Sequence[str]) -> tuple[str | None, list[str]]:
         ('run.yaml', ['train.steps=5'])
         >>> split_arguments(["train.steps=5"])
         (None, ['train.steps=5'])
+        >>> split_arguments(["runs/lr=3e-4/config.yaml"])
+        ('runs/lr=3e-4/config.yaml', [])
     """
     args = list(args)
-    if args and "=" not in args[0]:
+    # A config path may hold "=" (runs/lr=3e-4/config.yaml): a YAML name or a file is the config.
+    if args and ("=" not in args[0] or args[0].endswith((".yaml", ".yml")) or os.path.isfile(args[0])):
         return args[0], args[1:]
     return None, args
 
