@@ -213,7 +213,9 @@ def _rank_memory(cfg: TrainConfig, schedule: Any, stages: list[StageRow]) -> lis
         parameters = sum(row.parameters for row in mine)
         state = BYTES_PER_PARAMETER * parameters
         if fsdp:
-            state = state // dp + 4 * max(row.parameters for row in mine)  # shards + one stage gathered
+            # Shards, plus every stage of the rank gathered for the whole step (conveyor gathers
+            # once per step, not per microbatch) and its gradients whole until their reduce-scatter.
+            state = state // dp + 8 * parameters
         extra = 0
         if cfg.train.activation_checkpointing:
             extra = max(row.recompute_bytes for row in mine)  # one stage recomputed whole in backward
@@ -250,7 +252,8 @@ def format_plan(plan: RunPlan, cfg: TrainConfig) -> str:
     sharded = p.data_parallel == "fsdp" and p.dp > 1
     lines += [
         "memory per rank = parameters, gradients and AdamW's two moments in fp32 (16 bytes per parameter"
-        + ("; fsdp: sharded over the dp replicas, plus one stage gathered whole" if sharded else "") + ")",
+        + ("; fsdp: sharded over the dp replicas, plus the rank's stages gathered with whole gradients for the step"
+           if sharded else "") + ")",
         "  + activations: what autograd keeps for one microbatch of each stage, measured by running its forward "
         "on the meta device" + ("; with activation checkpointing, what the checkpoint keeps, plus one stage's "
                                 "full set while it is recomputed" if cfg.train.activation_checkpointing else ""),

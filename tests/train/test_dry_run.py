@@ -63,10 +63,15 @@ def test_checkpointing_and_fsdp_shrink_the_prediction():
     base = [*SMALL, "model.name=llama", "parallel.dp=2", "parallel.microbatches=2"]
     plain = plan_run(load_config(None, base))
     checkpointed = plan_run(load_config(None, [*base, "train.activation_checkpointing=true"]))
-    sharded = plan_run(load_config(None, [*base, "parallel.data_parallel=fsdp"]))
     assert all(c.activation_bytes < p.activation_bytes for c, p in zip(checkpointed.stages, plain.stages))
     assert all(c.recompute_bytes == p.activation_bytes for c, p in zip(checkpointed.stages, plain.stages))
-    assert all(s.state_bytes < p.state_bytes for s, p in zip(sharded.ranks, plain.ranks))
+    # fsdp: 16 bytes per parameter sharded over dp, plus the rank's stages gathered with whole
+    # gradients for the step (8 bytes per parameter): no saving at dp=2, a quarter at dp=4.
+    for dp, share in ((2, 1.0), (4, 0.75)):
+        wide = [*SMALL, "model.name=llama", f"parallel.dp={dp}", "parallel.microbatches=2"]
+        replicated = plan_run(load_config(None, wide))
+        sharded = plan_run(load_config(None, [*wide, "parallel.data_parallel=fsdp"]))
+        assert all(s.state_bytes == share * p.state_bytes for s, p in zip(sharded.ranks, replicated.ranks))
 
 
 def test_the_flag_goes_anywhere_and_starts_no_process(capsys, tmp_path, no_launch):
