@@ -35,7 +35,9 @@ def _held_by_process() -> dict[str, object]:
         kinds[kind] = kinds.get(kind, 0) + 1
     return {"fds": kinds, "os_threads": len(os.listdir("/proc/self/task")),
             "python_threads": sorted(t.name for t in threading.enumerate()),
-            "dev_shm": sorted(os.listdir("/dev/shm"))}
+            # /dev/shm is the host's: Python's multiprocessing semaphores (sem.mp-*) of any other
+            # process (a launcher, a compile worker, another test run) come and go there.
+            "dev_shm": sorted(name for name in os.listdir("/dev/shm") if not name.startswith("sem.mp-"))}
 
 
 def _tiny_pipeline_setting(rank, world_size, transport):
