@@ -9,7 +9,7 @@ when the script leaves through an exception), no rank died of a signal, and noth
 
 Example:
     $ python tools/launch_stress.py --launches 300       # the full run (about 40 min on 2 cores)
-    >>> plan = launch_cases(20)
+    >>> plan = launch_cases(9)
     >>> sorted({launch.teardown for launch in plan}) == sorted(TEARDOWNS)
     True
 """
@@ -62,15 +62,23 @@ class LaunchResult:
 
 
 def launch_cases(count: int) -> list[Launch]:
-    """``count`` launches that walk every combination of rank count, transport, schedule and teardown.
+    """``count`` launches: first one per teardown order that together hold every value of every
+    dimension, then a walk over every combination of rank count, transport, schedule and teardown.
 
-    The 108 combinations are visited with a stride coprime to their number, so consecutive
-    launches differ and a short plan (20: CI's) already holds every value of each dimension
-    and every transport at both rank counts; a plan longer than 108 starts over.
+    The first six pair each teardown order with another (transport, rank count) and cycle the
+    schedules, so a short plan (CI's 9) already holds each teardown order, each schedule and
+    every transport at both rank counts. After them the 108 combinations are visited with a
+    stride coprime to their number, so consecutive launches differ; a plan longer than that
+    starts over.
     """
-    combinations = list(itertools.product(sorted(TEARDOWNS), SCHEDULES, TRANSPORTS, RANKS))
+    teardowns = sorted(TEARDOWNS)
+    pairs = list(itertools.product(RANKS, TRANSPORTS))
+    covering = [(teardowns[i], SCHEDULES[i % len(SCHEDULES)], pairs[i][1], pairs[i][0])
+                for i in range(min(len(teardowns), len(pairs)))]
+    combinations = list(itertools.product(teardowns, SCHEDULES, TRANSPORTS, RANKS))
     stride = 5  # coprime to 108
-    picked = (combinations[(i * stride) % len(combinations)] for i in range(count))
+    walk = (combinations[(i * stride) % len(combinations)] for i in itertools.count())
+    picked = itertools.islice(itertools.chain(covering, walk), count)
     return [Launch(ranks, transport, schedule, teardown) for teardown, schedule, transport, ranks in picked]
 
 
