@@ -20,12 +20,14 @@ _LAZY = {
     "Pipeline": ("conveyor.pipe", "Pipeline"),
     "pipeline": ("conveyor.build", "pipeline"),
     "LocalPipeline": ("conveyor.local", "LocalPipeline"),
+    "MasterWeights": ("conveyor.runtime.main_grad", "MasterWeights"),
 }
 
 if TYPE_CHECKING:
     from conveyor.build import pipeline  # noqa: F401
     from conveyor.local import LocalPipeline  # noqa: F401
     from conveyor.pipe import Pipeline  # noqa: F401
+    from conveyor.runtime.main_grad import MasterWeights  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

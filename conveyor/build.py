@@ -17,6 +17,7 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel.mesh import layout_of
 from conveyor.pipe import Pipeline
+from conveyor.runtime.main_grad import cast_for_tracing
 from conveyor.runtime.runner import LossFn
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.registry import resolve_schedule
@@ -76,6 +77,7 @@ def pipeline(
     world = dist.get_world_size(pp_group)
     rank = dist.get_rank(pp_group)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
+    cast_for_tracing(model, pipeline_kwargs)  # param_dtype=: the model itself, in place, then traced
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
                         unsplittable=unsplittable, device=device)
     if split_points is None and split_method == "time" and world > 1:

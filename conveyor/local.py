@@ -27,6 +27,7 @@ from conveyor.parallel.norms import check_nonfinite_mode
 from conveyor.pipe import _PipelineBase
 from conveyor.runtime.compile import CompileSpec
 from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
+from conveyor.runtime.main_grad import param_precision
 from conveyor.runtime.memory import MemoryReport, memory_report, reset_device_peaks
 from conveyor.runtime.rng import step_random_streams
 from conveyor.runtime.runner import LossFn, StageRunner, build_runners
@@ -59,6 +60,8 @@ class LocalPipeline(_PipelineBase):
         parameter_order: Mapping[str, int] | None = None,
         random_streams: bool = True,
         autocast: str | torch.dtype | None = None,
+        param_dtype: str | torch.dtype | None = None,
+        grad_accum_dtype: str | torch.dtype | None = None,
         measure_memory: bool = False,
         compile: CompileSpec = False,
     ) -> None:
@@ -78,11 +81,12 @@ class LocalPipeline(_PipelineBase):
         self.mailbox = LocalMailbox()
         self.runs = executable(self.schedule)
         self.executors: list[RankExecutor] = []
+        precision = param_precision(param_dtype, grad_accum_dtype)
         self.runners: dict[int, StageRunner] = {}
         for rank in range(self.schedule.num_ranks):
             stages = self.schedule.stages_of(rank)
             runners = build_runners(self.schedule, rank, [modules[s] for s in stages], loss_fn,
-                                    checkpoint_activations, autocast, compile)
+                                    checkpoint_activations, autocast, compile, precision)
             self.runners.update(runners)
             transport: Transport = LocalTransport(self.mailbox, rank)
             self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport,

@@ -52,6 +52,7 @@ from conveyor.runtime.clip import (
 from conveyor.runtime.compile import CompileSpec, describe_compile
 from conveyor.runtime.executor import RankExecutor, StepRecorder
 from conveyor.runtime.lifecycle import RankLifecycle
+from conveyor.runtime.main_grad import describe_params, drop_gradients, gradient, param_precision
 from conveyor.runtime.memory import MemoryReport, memory_report
 from conveyor.runtime.precision import autocast_dtype
 from conveyor.runtime.rng import step_random_streams
@@ -69,7 +70,6 @@ from conveyor.schedule.registry import resolve_schedule
 from conveyor.schedule.timeline import Timeline, measured_timeline
 
 log = logging.getLogger(__name__)
-
 
 
 class _PipelineBase:
@@ -153,11 +153,8 @@ class _PipelineBase:
         total = self._collective(self._total_norm, norm_type, foreach)
         if error_if_nonfinite:
             check_finite(total, norm_type)  # the same total on every rank: all raise, none waits
-        with_grads = [p for p in self.parameters() if p.grad is not None]  # type: ignore[attr-defined]
-        if self.replicas is not None:
-            scale_local_grads([local_part(p.grad) for p in with_grads], max_norm, total, foreach)
-        elif with_grads:
-            torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach=foreach)
+        grads = [local_part(g) for g in map(gradient, self.parameters()) if g is not None]  # main_grad if any
+        scale_local_grads(grads, max_norm, total, foreach)  # as torch's clip_grads_with_norm_, to the bit
         return total
 
     def _total_norm(self, norm_type: float, foreach: bool | None) -> torch.Tensor:
@@ -181,8 +178,7 @@ class _PipelineBase:
     def _after_nonfinite(self, report: str, on_nonfinite: str) -> None:
         if on_nonfinite == "raise":
             raise NonFiniteError(f"this step's {report}; pass on_nonfinite='skip' to drop such steps")
-        for param in self.parameters():
-            param.grad = None  # the optimizer then leaves every parameter and its state as they are
+        drop_gradients(self.parameters())  # the optimizer then leaves every parameter and its state as they are
         self.skipped_steps += 1
         log.warning("conveyor: skipped a step: its %s; gradients dropped (%d step(s) skipped so far)",
                     report, self.skipped_steps)
@@ -261,6 +257,9 @@ class Pipeline(_PipelineBase):
     autograd saves for backward, read by :meth:`memory` (a few percent of a small step: off by
     default). ``compile`` (True, or ``torch.compile`` keywords): each stage's forward compiled
     (:mod:`conveyor.runtime.compile`: shapes, autocast, checkpointing, the I/W split).
+    ``param_dtype="bf16"`` casts the stages to bf16; their gradients then accumulate over the
+    microbatches in an fp32 ``param.main_grad`` (``grad_accum_dtype``), for :class:`conveyor.MasterWeights`
+    (:mod:`conveyor.runtime.main_grad`: bitwise equal to one device doing the same).
 
     The pipeline communicates on process groups of its own, built over ``group``'s ranks
     (see :mod:`conveyor.runtime.lifecycle`); ``group`` itself is never used or closed.
@@ -294,9 +293,9 @@ class Pipeline(_PipelineBase):
         parameter_order: Mapping[str, int] | None = None,
         random_streams: bool = True,
         model_signature: str | None = None,
-        mesh=None,
-        data_parallel: str | None = None,
+        mesh=None, data_parallel: str | None = None,
         autocast: str | torch.dtype | None = None,
+        param_dtype: str | torch.dtype | None = None, grad_accum_dtype: str | torch.dtype | None = None,
         measure_memory: bool = False,
         compile: CompileSpec = False,
     ) -> None:
@@ -327,7 +326,7 @@ class Pipeline(_PipelineBase):
         check_transport_name(transport)
         self.stages = self.schedule.stages_of(self.rank)
         self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast,
-                                     compile)
+                                     compile, param_precision(param_dtype, grad_accum_dtype, data_parallel))
         self.measure_memory, self.random_streams = measure_memory, random_streams
         self._tie(tied_parameters, parameter_order)
         # Every check that needs no peer is above: from here on this rank holds process groups.
@@ -369,7 +368,8 @@ class Pipeline(_PipelineBase):
             "options": f"transport={transport!r} fixed_shapes={fixed_shapes} "
                        f"shapes given for stages {sorted(shapes) if shapes else []} "
                        f"autocast={autocast_dtype(autocast)} measure_memory={self.measure_memory} "
-                       f"compile={describe_compile(self.runners[self.stages[0]].compile)}",
+                       f"compile={describe_compile(self.runners[self.stages[0]].compile)} "
+                       f"parameters={describe_params(self.runners[self.stages[0]].param_precision)}",
         }
 
     def _build_replicas(self, data_parallel: str | None, built: dict[str, str]) -> Replicas | None:

@@ -20,6 +20,7 @@ import torch
 
 from conveyor.errors import PipelineConfigError
 from conveyor.runtime.clip import EncodedNorms, encode_norms, parameter_norms
+from conveyor.runtime.main_grad import gradient
 from conveyor.runtime.runner import StageRunner
 
 
@@ -42,10 +43,11 @@ def encoded_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], par
     seen: set[int] = set(tied_copies)
     for stage in sorted(runners):
         for position, (name, param) in enumerate(runners[stage].module.named_parameters()):
-            if id(param) not in seen and param.grad is not None:
+            grad = gradient(param)  # main_grad where the gradient accumulates there
+            if id(param) not in seen and grad is not None:
                 known = parameter_order is not None and name in parameter_order
                 places.append((parameter_order[name],) if known else (len(parameter_order or ()), stage, position))
-                grads.append(local_part(param.grad))
+                grads.append(local_part(grad))
             seen.add(id(param))
     norms = parameter_norms(grads, norm_type, foreach)
     if replicas is not None:
@@ -58,7 +60,7 @@ def nonfinite_flags(runners: Mapping[int, StageRunner], num_stages: int, num_mic
     whose loss is not (0: none). Combine every rank's with an all-reduce MAX."""
     flags = torch.zeros(num_stages + 1, dtype=torch.float64)
     for stage, runner in runners.items():
-        grads = [local_part(p.grad) for p in runner.module.parameters() if p.grad is not None]
+        grads = [local_part(g) for g in map(gradient, runner.module.parameters()) if g is not None]
         if grads and not bool(torch.stack([g.detach().float().norm() for g in grads]).isfinite().all()):
             flags[stage] = 1
     last = runners.get(num_stages - 1)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from conveyor.parallel.norms import local_part
+from conveyor.runtime.main_grad import gradient_attribute
 from conveyor.runtime.runner import StageRunner
 
 
@@ -96,8 +97,8 @@ class TiedGradients:
         summed gradient again on every copy when the user accumulates over steps)."""
         held = []
         for param, _ in self.copies:
-            held.append(param.grad)
-            param.grad = None
+            held.append(getattr(param, gradient_attribute(param)))  # main_grad where it accumulates there
+            setattr(param, gradient_attribute(param), None)
         return held
 
     def sum(self, held: list[torch.Tensor | None]) -> None:
@@ -105,16 +106,20 @@ class TiedGradients:
         import torch.distributed as dist
 
         for (param, subgroup), earlier in zip(self.copies, held, strict=True):
+            attribute = gradient_attribute(param)  # "main_grad" where the gradient accumulates there
             # A frozen parameter (frozen on every rank: one model) gets no gradient, as on one
             # device. A copy that got none this step adds nothing; if none did, the parameter
             # keeps what it had, so that the optimizer skips a parameter nothing used.
             if param.requires_grad:
-                got_one = torch.tensor([param.grad is not None], dtype=torch.int32, device=param.device)
+                grad = getattr(param, attribute)
+                got_one = torch.tensor([grad is not None], dtype=torch.int32, device=param.device)
                 dist.all_reduce(got_one, op=dist.ReduceOp.MAX, group=subgroup)
                 if got_one.item():
-                    if param.grad is None:
-                        param.grad = torch.zeros_like(param)
+                    if grad is None:
+                        grad = torch.zeros_like(param, dtype=torch.float32 if attribute == "main_grad" else None)
+                        setattr(param, attribute, grad)
                     # A replicated DTensor's local tensor is all of it (the replicas' mean already).
-                    dist.all_reduce(local_part(param.grad), op=dist.ReduceOp.SUM, group=subgroup)
+                    dist.all_reduce(local_part(grad), op=dist.ReduceOp.SUM, group=subgroup)
+            grad = getattr(param, attribute)
             if earlier is not None:
-                param.grad = earlier if param.grad is None else earlier.add_(param.grad)
+                setattr(param, attribute, earlier if grad is None else earlier.add_(grad))

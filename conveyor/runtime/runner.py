@@ -36,6 +36,7 @@ from conveyor.runtime.backward import (
     backward_input,
 )
 from conveyor.runtime.compile import CompileSpec, compile_options, compile_stage
+from conveyor.runtime.main_grad import ParamPrecision, apply_param_precision
 from conveyor.runtime.memory import MemoryMeter
 from conveyor.runtime.precision import autocast_dtype, autocast_region
 from conveyor.runtime.recompute import RecomputedBuffers
@@ -98,7 +99,11 @@ class StageRunner:
         rank: int = 0,
         autocast: torch.dtype | None = None,
         compile: Mapping[str, Any] | None = None,
+        param_precision: ParamPrecision | None = None,
     ) -> None:
+        # Cast before anything reads the parameters or compiles the forward (the objects stay).
+        self.param_precision = param_precision
+        apply_param_precision(module, param_precision)
         self.stage = stage
         self.num_stages = num_stages
         self.module = module
@@ -284,8 +289,11 @@ class StageRunner:
 def build_runners(schedule: Any, rank: int, modules: Sequence[torch.nn.Module] | torch.nn.Module,
                   loss_fn: LossFn | None, checkpoint_activations: bool = False,
                   autocast: str | torch.dtype | None = None, compile: CompileSpec = False,
-                  ) -> dict[int, StageRunner]:
+                  param_precision: ParamPrecision | None = None) -> dict[int, StageRunner]:
     """A :class:`StageRunner` for each stage ``schedule`` places on ``rank``, over ``modules`` in that order.
+
+    ``param_precision`` (:func:`conveyor.runtime.main_grad.param_precision`): the stages' parameter
+    dtype and where their gradients accumulate.
 
     Example:
         >>> import conveyor.schedule as cs
@@ -309,7 +317,7 @@ def build_runners(schedule: Any, rank: int, modules: Sequence[torch.nn.Module] |
     return {
         s: StageRunner(s, schedule.num_stages, m, loss_fn=loss_fn, num_microbatches=schedule.num_microbatches,
                        checkpoint_activations=checkpoint_activations, rank=rank, autocast=autocast_dtype(autocast),
-                       compile=options)
+                       compile=options, param_precision=param_precision)
         for s, m in zip(stages, modules)
     }
 
