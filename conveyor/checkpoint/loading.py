@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from conveyor.checkpoint import files
 from conveyor.checkpoint.saving import FLAT, group_values
-from conveyor.checkpoint.targets import Target, target_of
+from conveyor.checkpoint.targets import Target, target_of, with_masters
 from conveyor.checkpoint.values import decode, restore_rng, tensor_keys
 from conveyor.errors import CheckpointError, CheckpointIncompleteError, CheckpointMismatchError
 
@@ -49,7 +49,8 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     ``pipe`` may also be a LocalPipeline or the plain unsplit ``nn.Module`` (one process,
     no process group). ``path`` may be a parent directory with a ``latest`` marker. Random
     generators are restored when the layout (processes, global ranks, stage placement) is
-    the one saved, else left alone with a log line. Raises :class:`CheckpointMismatchError`
+    the one saved, else left alone with a log line. A :class:`~conveyor.MasterWeights` loads the
+    checkpoint's weights into its fp32 masters, then rounds them into the parameters. Raises :class:`CheckpointMismatchError`
     or :class:`CheckpointIncompleteError` on every rank, before anything is changed.
 
     Example:
@@ -58,6 +59,7 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
         100
     """
     target = target_of(pipe)
+    masters, optimizer = with_masters(target, optimizer)  # a MasterWeights: into its fp32 masters
     state: dict[str, torch.Tensor] = {}
     prepared: dict[str, Any] = {}
     problem = None
@@ -94,6 +96,8 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
         with torch.no_grad():
             for copy in copies:
                 copy.copy_(target.tensors[name])
+    if masters is not None:
+        masters.copy_to_params()  # the bf16 parameters: their masters rounded
     if optimizer is not None:
         _finish_optimizer(target, optimizer, prepared["optimizer"], state)
     if lr_scheduler is not None:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from conveyor.checkpoint import files
-from conveyor.checkpoint.targets import Target, target_of
+from conveyor.checkpoint.targets import Target, target_of, with_masters
 from conveyor.checkpoint.values import capture_rng, check_json, encode
 from conveyor.errors import CheckpointError
 
@@ -35,7 +35,8 @@ def save(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     scheduler's state, every rank's random generators and ``extra`` (JSON; each rank's own
     is kept when they differ) come along. The directory appears complete or not at all:
     ``path``'s parent also gets a ``latest`` marker, and ``keep_last=K`` removes all but the
-    last K checkpoints conveyor wrote there. Returns ``path``.
+    last K checkpoints conveyor wrote there. Returns ``path``. With a :class:`~conveyor.MasterWeights`
+    for ``optimizer``, its fp32 masters are saved in place of the bf16 parameters, by their names.
 
     Example:
         >>> conveyor.checkpoint.save("ckpt/step_100", pipe, optimizer, scheduler,   # doctest: +SKIP
@@ -45,6 +46,7 @@ def save(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
         raise CheckpointError(f"keep_last must be a whole number >= 1 (or None: keep all); got {keep_last!r}")
     final = Path(path)
     target = target_of(pipe)
+    _, optimizer = with_masters(target, optimizer)  # a MasterWeights: its fp32 masters, by the params' names
     mine: dict[str, Any] = {"problem": None, "token": uuid.uuid4().hex[:12], "rank": target.global_rank}
     tensors: dict[str, torch.Tensor] = {}
     try:

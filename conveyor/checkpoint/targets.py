@@ -39,6 +39,7 @@ from conveyor.frontend import StageModule
 from conveyor.frontend.pretrained import model_info
 from conveyor.local import LocalPipeline
 from conveyor.pipe import Pipeline, _PipelineBase
+from conveyor.runtime.main_grad import MasterWeights
 
 
 @dataclass
@@ -85,6 +86,22 @@ class Target:
                 owner = owner._modules.setdefault(part, nn.Module())
             owner._parameters[leaf] = param
         return root
+
+
+def with_masters(target: Target, optimizer: Any) -> tuple[MasterWeights | None, Any]:
+    """``(master_weights, torch_optimizer)``: for a :class:`~conveyor.MasterWeights`, its fp32
+    masters stand in for the low-precision parameters in ``target`` (saved and loaded under the
+    parameters' names: a checkpoint holds the fp32 weights, which load into a bf16 model rounded,
+    as its parameters are) and its inner optimizer's state is keyed by them; else ``(None, optimizer)``.
+    """
+    if not isinstance(optimizer, MasterWeights):
+        return None, optimizer
+    master_of = {id(p): m for p, m in zip(optimizer.params, optimizer.masters)}
+    for name, param in list(target.params.items()):
+        master = master_of.get(id(param))
+        if master is not None:
+            target.params[name] = target.tensors[name] = master
+    return optimizer, optimizer.optimizer
 
 
 def target_of(obj: Any) -> Target:

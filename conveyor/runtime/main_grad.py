@@ -21,9 +21,12 @@ master) + the optimizer's state over the masters (AdamW: 8): 18 bytes, against 1
 parameters and gradients with AdamW; what it buys is bf16 compute and half the activation
 bytes. :meth:`MasterWeights.memory` reports it per rank.
 
-Not supported yet (refused with a message): data parallelism (``data_parallel=``), and
-``conveyor.checkpoint.save/load`` with a :class:`MasterWeights` (save its ``state_dict()``
-with ``torch.save`` per rank: masters and optimizer state by parameter name).
+Checkpoints: ``conveyor.checkpoint.save(path, pipe, master_weights)`` saves the fp32 masters
+in place of the bf16 parameters (under the model's names, so they reshard like any checkpoint)
+and the inner optimizer's state keyed by those names; ``load`` with a :class:`MasterWeights`
+fills the masters and rounds them into the parameters (without one, a bf16 pipeline gets the
+same rounded values). ``save(path, pipe)`` alone saves the bf16 parameters. Not supported yet
+(refused with a message): data parallelism (``data_parallel=``).
 
 Example:
     >>> import torch, conveyor
@@ -287,9 +290,15 @@ class MasterWeights:
         for param, master in zip(self.params, self.masters):
             master.grad = param.main_grad  # shared, not copied: clipping already scaled it in place
         self.optimizer.step()
-        for param, master in zip(self.params, self.masters):
-            param.copy_(master)  # round to nearest even, as .to(bf16)
+        for master in self.masters:
             master.grad = None
+        self.copy_to_params()
+
+    @torch.no_grad()
+    def copy_to_params(self) -> None:
+        """Each parameter becomes its master rounded to the parameter's dtype (nearest even, as ``.to``)."""
+        for param, master in zip(self.params, self.masters):
+            param.copy_(master)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every ``main_grad`` (None, or zeros with ``set_to_none=False``) and ``.grad``."""
@@ -313,9 +322,9 @@ class MasterWeights:
                 f"this MasterWeights holds {len(self.names)} parameters ({self.names[:3]}...), the state "
                 f"{len(state['names'])} ({state['names'][:3]}...): load the state saved by the same rank of "
                 "the same pipeline layout")
-        for name, param, master in zip(self.names, self.params, self.masters):
+        for name, master in zip(self.names, self.masters):
             master.copy_(state["masters"][name])
-            param.copy_(master)
+        self.copy_to_params()
         self.optimizer.load_state_dict(state["optimizer"])
 
     def memory(self) -> dict[int, ParameterMemory]:

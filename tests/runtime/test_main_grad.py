@@ -248,3 +248,35 @@ def test_two_processes_are_bitwise_one_device_and_tied_copies_sum_main_grad():
     want_grads, want_params = tied_reference()
     assert_close_to({**grads0, **grads1}, want_grads, "main_grad")
     assert_close_to({**params0, **params1}, want_params, "param")
+
+
+def test_a_checkpoint_holds_the_fp32_masters_and_resumes_bitwise(tmp_path):
+    from conveyor.checkpoint import load, save
+
+    def build():
+        pipe = mlp_pipe()
+        return pipe, conveyor.MasterWeights(pipe, torch.optim.AdamW, lr=LR)
+
+    x, y = torch.randn(4, 8).to(BF16), torch.randn(4, 2)
+
+    def train(pipe, optimizer, steps):
+        for _ in range(steps):
+            pipe.step(x, target=y)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    pipe, optimizer = build()
+    train(pipe, optimizer, 2)
+    save(tmp_path / "ckpt", pipe, optimizer)
+    train(pipe, optimizer, 1)
+    again, again_optimizer = build()
+    load(tmp_path / "ckpt", again, again_optimizer)
+    train(again, again_optimizer, 1)
+    for a, b in [*zip(optimizer.masters, again_optimizer.masters), *zip(optimizer.params, again_optimizer.params)]:
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    plain = mlp_pipe()  # no MasterWeights: the bf16 parameters get the masters rounded
+    load(tmp_path / "ckpt", plain)
+    saved = conveyor.MasterWeights(build()[0], torch.optim.AdamW, lr=LR)
+    load(tmp_path / "ckpt", saved.pipe, saved)
+    assert all(torch.equal(p, m.to(BF16)) for p, m in zip(plain.parameters(), saved.masters))
+    assert not all(torch.equal(m, p.float()) for p, m in zip(saved.params, saved.masters)), "masters were rounded"
