@@ -7,9 +7,11 @@ gradients in bf16 would lose the small ones to rounding, so with ``grad_accum_dt
 (the default with a ``param_dtype``) each parameter gets an fp32 buffer ``param.main_grad``:
 after each microbatch's weight gradient (a full B, or W after I: a hook on the parameter's
 gradient accumulation, which fires once per engine run that reaches it), the bf16 gradient of
-that microbatch is added into ``main_grad`` and ``.grad`` is dropped. Microbatches reach a
-stage's W in microbatch order in every built-in schedule, so the sum is the one a single
-device forms looping over microbatches (:class:`conveyor.testing.main_grad.MainGradReference`).
+that microbatch is added into ``main_grad`` and ``.grad`` is dropped. Every built-in schedule
+runs a stage's weight gradients in microbatch order, so the sum is, bit for bit, the one a single
+device forms looping over microbatches (:class:`conveyor.testing.main_grad.MainGradReference`);
+a custom schedule that reorders them, or a parameter two stages use (tied), gets it to rounding
+(each use's bf16 gradient is added on its own, where one device sums them in bf16 first).
 
 :class:`MasterWeights` is the optimizer side: fp32 master copies of the bf16 parameters, an
 optimizer over them, ``main_grad`` as their gradient, and the rounded masters copied back into

@@ -94,6 +94,20 @@ def test_every_schedule_with_bf16_params_and_fp32_main_grad_is_bitwise_one_devic
     assert_equal_runs(got, reference_run(schedule))
 
 
+def test_fp32_accumulation_is_not_what_bf16_gradients_sum_to():
+    """The parity above would not notice main_grad if bf16 .grad sums were the same: they are not."""
+    schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
+    cfg = config_for(schedule)
+    ids, targets = make_batch(cfg, BATCH_SIZE, seed=0)
+    ref = MainGradReference(reference_model(cfg), torch.optim.AdamW, lr=LR)
+    ref.accumulate(ids, targets, NUM_MICROBATCHES, lm_loss)
+    plain = reference_model(cfg).to(BF16)
+    for x, y in zip(torch.tensor_split(ids, NUM_MICROBATCHES), torch.tensor_split(targets, NUM_MICROBATCHES)):
+        (lm_loss(plain(x), y) / NUM_MICROBATCHES).backward()
+    bf16_sums = [p.grad.float() for p in plain.parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(ref.main_grads, bf16_sums))
+
+
 def test_clipping_reads_main_grad_bitwise_as_one_device():
     schedule = cs.build("zbv", ranks=2, microbatches=NUM_MICROBATCHES, virtual=2)
     want = reference_run(schedule, max_norm=0.05)
@@ -139,6 +153,12 @@ def test_memory_per_rank_counts_params_main_grad_masters_and_optimizer_state():
     after = optimizer.memory()  # AdamW: exp_avg and exp_avg_sq in fp32, a step count per parameter
     assert {r: m.optimizer_bytes for r, m in after.items()} == {0: 8 * sizes[0] + 2 * 4, 1: 8 * sizes[1] + 2 * 4}
     assert after[0].total_bytes == 2 * 144 + 4 * 144 + 4 * 144 + 8 * 144 + 8
+
+
+def test_bf16_parameters_without_main_grad_accumulate_in_bf16_grad():
+    pipe = mlp_pipe(grad_accum_dtype="none")
+    pipe.step(torch.ones(4, 8, dtype=BF16), target=torch.zeros(4, 2))
+    assert all(p.grad.dtype == BF16 and not hasattr(p, "main_grad") for p in pipe.parameters())
 
 
 def test_data_parallel_and_odd_dtypes_are_refused_saying_what_to_do():
