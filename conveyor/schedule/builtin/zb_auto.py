@@ -31,8 +31,9 @@ Phases of the search, for P ranks, M microbatches and memory limit L:
 The times of step 1 are those :func:`~conveyor.schedule.simulate.simulate` computes for
 the programs found (each action starts when its rank is free and its inputs have
 arrived), so the makespan kept is the simulated one. With no costs given,
-T_F = T_I = T_W = 1 and no latency; there ZB-H1 already meets the lower bound
-(P-1) T_F + M(T_F+T_I+T_W), and both return it (below). Once T_W < T_F < T_I or
+T_F = T_I = T_W = 1 and no latency; there ZB-H1 and ZB-H2 already meet the lower
+bound (P-1) T_F + M(T_F+T_I+T_W): ZB-1p returns ZB-H1, ZB-2p ZB-H2, whose ranks have
+no gap from their first action to their last (below). Once T_W < T_F < T_I or
 messages take time, the search wins: e.g. P=8, M=32, T = (1, 1.5, 0.5), latency 0.1:
 ZB-2p 107.4 against ZB-H2's 107.9 (1F1B 123.8). Even at the lower bound the idle fraction of
 :attr:`Timeline.bubble_ratio` keeps the start-up skew, rank r starting r x T_F late,
@@ -41,17 +42,17 @@ Serves every P >= 1 and M >= 1, exactly V = 1.
 
 Programs of build("zb-2p", ranks=4, microbatches=8), V=1, one line per rank::
 
-    rank 0: 0F0 0F1 0F2 0F3 0I0 0W0 0F4 0I1 0W1 0F5 0I2 0W2 0F6 0I3 0W3 0F7 0I4 0W4 0I5 0W5 0I6
+    rank 0: 0F0 0F1 0F2 0F3 0F4 0F5 0F6 0I0 0W0 0F7 0I1 0W1 0I2 0W2 0I3 0W3 0I4 0W4 0I5 0W5 0I6
             0W6 0I7 0W7
-    rank 1: 1F0 1F1 1F2 1I0 1F3 1I1 1W0 1F4 1I2 1W1 1F5 1I3 1W2 1F6 1I4 1W3 1F7 1I5 1W4 1I6 1W5
-            1I7 1W6 1W7
-    rank 2: 2F0 2F1 2I0 2F2 2I1 2F3 2I2 2W0 2F4 2I3 2W1 2F5 2I4 2W2 2F6 2I5 2W3 2F7 2I6 2W4 2I7
+    rank 1: 1F0 1F1 1F2 1F3 1F4 1I0 1F5 1I1 1F6 1I2 1W0 1F7 1I3 1W1 1I4 1W2 1I5 1W3 1I6 1W4 1I7
+            1W5 1W6 1W7
+    rank 2: 2F0 2F1 2F2 2I0 2F3 2I1 2F4 2I2 2F5 2I3 2F6 2I4 2W0 2F7 2I5 2W1 2I6 2W2 2I7 2W3 2W4
             2W5 2W6 2W7
-    rank 3: 3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3F6 3I6 3W3 3F7 3I7 3W4
+    rank 3: 3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3F4 3I4 3F5 3I5 3F6 3I6 3W0 3F7 3I7 3W1 3W2 3W3 3W4
             3W5 3W6 3W7
 
 Simulated with F=I=W=1 (so B=2), no latency: makespan 27, idle fraction 0.111,
-peak live activations per rank [4, 4, 4, 4].
+peak live activations per rank [7, 7, 7, 7].
 """
 
 from __future__ import annotations
