@@ -8,7 +8,9 @@ decides which rank runs each stage: ``"looped"`` (stage s on rank s % P, the
 default), ``"vshape"`` (rank r runs stages r and 2P-1-r; V must be 2),
 ``"infer"`` (from where each stage's actions are), or a callable
 ``(num_ranks, virtual) -> Placement``. :func:`build` verifies the result and
-raises the verifier's message for an invalid one. A builder raises
+raises the verifier's message for an invalid one. A builder registered with
+``uses_costs=True`` plans for measured costs: :func:`build` then passes it
+``costs=`` (a :class:`~conveyor.schedule.cost.CostModel`, or None for its default). A builder raises
 :class:`ScheduleError` stating the rule when it cannot serve the sizes asked.
 
 Example:
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.errors import ConveyorError, PipelineConfigError, ScheduleError
+from conveyor.schedule.cost import CostModel
 from conveyor.schedule.ir import Placement, Schedule
 
 Builder = Callable[[int, int, int], Any]  # -> Schedule, or rows of actions (returned or yielded)
@@ -45,6 +48,7 @@ class ScheduleInfo:
     default_virtual: int
     virtual_choices: tuple[int, ...] | None  # None: any V >= 1
     placement: PlacementSpec = "looped"  # used when the builder returns plain rows
+    uses_costs: bool = False  # build() passes the builder costs=CostModel | None
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
@@ -59,11 +63,13 @@ def register(
     virtual_choices: tuple[int, ...] | None = (1,),
     replace: bool = False,
     placement: PlacementSpec = "looped",
+    uses_costs: bool = False,
 ) -> Any:
     """Make ``build(name, ...)`` call ``builder(num_ranks, num_microbatches, virtual)``.
 
     Without ``builder``, returns a decorator. ``placement`` applies when the
-    builder returns or yields rows of actions (see the module docstring).
+    builder returns or yields rows of actions (see the module docstring); with
+    ``uses_costs``, the builder also takes ``costs=`` (see :func:`build`).
 
     Example:
         >>> import conveyor.schedule as cs
@@ -84,6 +90,7 @@ def register(
                 virtual_choices=virtual_choices,
                 replace=replace,
                 placement=placement,
+                uses_costs=uses_costs,
             )
             return fn
 
@@ -93,7 +100,9 @@ def register(
     _load_builtins()
     if name in _REGISTRY and not replace:
         raise ScheduleError(f"a schedule named {name!r} is already registered; pass replace=True to override it")
-    _REGISTRY[name] = ScheduleInfo(name, builder, description, default_virtual, virtual_choices, placement)
+    _REGISTRY[name] = ScheduleInfo(
+        name, builder, description, default_virtual, virtual_choices, placement, bool(uses_costs)
+    )
     return None
 
 
@@ -149,10 +158,21 @@ def available() -> dict[str, ScheduleInfo]:
     return dict(_REGISTRY)
 
 
-def build(name: str, *, ranks: int, microbatches: int, virtual: int | None = None, check: bool = True) -> Schedule:
+def build(
+    name: str, *, ranks: int, microbatches: int, virtual: int | None = None, check: bool = True,
+    costs: CostModel | None = None,
+) -> Schedule:
     """The schedule ``name`` for ``ranks`` ranks and ``microbatches`` microbatches, verified.
 
     ``virtual`` is the number of stages per rank for the schedules that take one.
+    ``costs`` (one entry per stage) reach the builders registered with ``uses_costs``
+    (ZB-1p, ZB-2p search their order for them); the others ignore them.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> costs = cs.CostModel.uniform(2, 1.0, 2.0, 0.5)
+        >>> str(build("zb-1p", ranks=2, microbatches=3, costs=costs)).splitlines()[0]
+        'schedule zb-1p: 2 ranks, 2 stages, 3 microbatches'
     """
     from conveyor.schedule.ir import _check_positive
     from conveyor.schedule.verify import verify
@@ -171,7 +191,10 @@ def build(name: str, *, ranks: int, microbatches: int, virtual: int | None = Non
         raise ScheduleError(f"schedule {name!r} runs {choices} stage(s) per rank, not virtual={virtual}")
     sizes = f"ranks={ranks}, microbatches={microbatches}, virtual={virtual}"
     try:
-        result = info.builder(ranks, microbatches, virtual)
+        if info.uses_costs:
+            result = info.builder(ranks, microbatches, virtual, costs=costs)
+        else:
+            result = info.builder(ranks, microbatches, virtual)
         schedule = _as_schedule(result, info, ranks, microbatches, virtual, sizes)
     except ConveyorError:
         raise

@@ -9,6 +9,7 @@
 | zb-h1, zb-h2      | any V (default 1)    | Qi et al., ICLR 2024                            |
 | zbv               | 2, V-shaped          | Qi et al., ICLR 2024 (arXiv version)            |
 | dualpipev         | 2, V-shaped          | DeepSeek-AI 2024, deepseek-ai/DualPipe          |
+| zb-1p, zb-2p      | 1, searched for costs| Qi et al., ICLR 2024, Section 3 (automatic)     |
 
 Every one serves every P >= 1 and M >= 1.
 """
@@ -23,3 +24,4 @@ from conveyor.schedule.builtin import zb_h1
 from conveyor.schedule.builtin import zb_h2
 from conveyor.schedule.builtin import zbv
 from conveyor.schedule.builtin import dualpipev
+from conveyor.schedule.builtin import zb_auto
