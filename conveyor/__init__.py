@@ -20,12 +20,14 @@ _LAZY = {
     "Pipeline": ("conveyor.pipe", "Pipeline"),
     "pipeline": ("conveyor.build", "pipeline"),
     "LocalPipeline": ("conveyor.local", "LocalPipeline"),
+    "Plan": ("conveyor.plan.result", "Plan"),
 }
 
 if TYPE_CHECKING:
     from conveyor.build import pipeline  # noqa: F401
     from conveyor.local import LocalPipeline  # noqa: F401
     from conveyor.pipe import Pipeline  # noqa: F401
+    from conveyor.plan.result import Plan  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:
@@ -34,6 +36,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module_name), attr)
         globals()[name] = value
         return value
-    if name in {"schedule", "errors", "runtime", "frontend", "testing", "checkpoint", "parallel"}:
+    if name in {"schedule", "errors", "runtime", "frontend", "testing", "checkpoint", "parallel", "plan"}:
+        # conveyor.plan is a package and, being callable, the function too: conveyor.plan(model, ...)
         return importlib.import_module(f"conveyor.{name}")
     raise AttributeError(f"module 'conveyor' has no attribute {name!r}")
