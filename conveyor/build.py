@@ -38,6 +38,8 @@ def pipeline(
     mesh=None,
     device: torch.device | str | None = None,
     both_modes: bool = False,
+    plan: Any = None,
+    plan_options: dict | None = None,
     **pipeline_kwargs: Any,
 ) -> Pipeline:
     """Trace and split an unchanged ``model``; return this rank's :class:`Pipeline`.
@@ -53,6 +55,11 @@ def pipeline(
     parameters keep their original names, and tied parameters (GPT-2's ``wte`` and
     ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
     and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
+    ``plan`` (a :class:`~conveyor.plan.Plan` or the path of a plan file) sets ``schedule``,
+    ``microbatches``, ``virtual`` and ``split_points`` (the example is resized to the plan's
+    microbatch); ``schedule="auto"`` makes one: rank 0 profiles and plans
+    (``conveyor.plan(model, example_args, **plan_options)``; ``global_batch`` defaults to
+    ``microbatches`` (or 2 x ranks) x the example's batch) and every rank takes its plan.
     Other keywords go to :class:`Pipeline`: ``compile=True`` compiles each traced stage
     (a GraphModule with its own code, so each counts its own recompiles), ``autocast=``, ...
 
@@ -75,6 +82,11 @@ def pipeline(
     pp_group = group if mesh is None else layout_of(mesh).pp_group
     world = dist.get_world_size(pp_group)
     rank = dist.get_rank(pp_group)
+    if plan is not None or schedule == "auto":
+        plan = plan if plan is not None else _auto_plan(model, example_args, example_kwargs, world, microbatches,
+                                                        group, plan_options)
+        schedule, microbatches, virtual, split_points, (example_args, example_kwargs) = _from_plan(
+            plan, world, example_args, example_kwargs)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
                         unsplittable=unsplittable, device=device)
@@ -101,6 +113,43 @@ def pipeline(
                     **pipeline_kwargs)
     pipe.model_info = model_info(model)  # what checkpoints record, and export writes back (config.json)
     return pipe
+
+
+def _auto_plan(model, example_args, example_kwargs, world, microbatches, group, options):
+    """Rank 0's plan, broadcast: timings differ from rank to rank, and every rank must cut alike."""
+    import torch.distributed as dist
+
+    from conveyor.plan.measure import _batch_size
+    from conveyor.plan.planner import plan as make_plan
+
+    options = dict(options or {})
+    size = _batch_size(tuple(example_args), example_kwargs)
+    options.setdefault("global_batch", (microbatches or 2 * world) * size)
+    if microbatches is not None:
+        options.setdefault("microbatches", [microbatches])
+    chosen: list = [None]
+    if dist.get_rank(group) == 0:
+        chosen[0] = make_plan(model, tuple(example_args), example_kwargs=example_kwargs, ranks=world, **options)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(chosen, src=src, group=group)
+    return chosen[0]
+
+
+def _from_plan(plan, world: int, example_args, example_kwargs):
+    """(schedule, microbatches, virtual, split_points, (example_args, example_kwargs)) of a plan, checked
+    against the group; the example is resized to the plan's microbatch."""
+    from conveyor.plan import as_plan
+    from conveyor.plan.measure import _batch_size, resize_batch
+
+    plan = as_plan(plan)
+    if plan.ranks != world:
+        raise PipelineConfigError(
+            f"the plan is for {plan.ranks} pipeline ranks but the group has {world}; plan again with "
+            f"--ranks {world} (or launch {plan.ranks} ranks)")
+    example = (tuple(example_args), example_kwargs)
+    if _batch_size(*example) != plan.microbatch_size:
+        example = resize_batch(example, plan.microbatch_size)
+    return plan.schedule, plan.microbatches, plan.virtual, list(plan.split_points), example
 
 
 def model_signature(model: torch.nn.Module, split_points: Sequence[str]) -> str:

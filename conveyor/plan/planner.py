@@ -19,7 +19,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from conveyor.errors import PlanError
-from conveyor.plan.analytic import DEFAULT_BYTES_PER_SECOND, DEFAULT_FLOPS_PER_SECOND, analytic_units
+from conveyor.plan.analytic import (
+    DEFAULT_BYTES_PER_SECOND,
+    DEFAULT_FLOPS_PER_SECOND,
+    analytic_units,
+)
 from conveyor.plan.costs import CostTable, combine
 from conveyor.plan.measure import _batch_size, profile_units, resize_batch
 from conveyor.plan.result import Plan, format_size, parse_size
