@@ -38,8 +38,7 @@ def pipeline(
     mesh=None,
     device: torch.device | str | None = None,
     both_modes: bool = False,
-    plan: Any = None,
-    plan_options: dict | None = None,
+    plan: Any = None, plan_options: dict | None = None,
     **pipeline_kwargs: Any,
 ) -> Pipeline:
     """Trace and split an unchanged ``model``; return this rank's :class:`Pipeline`.
@@ -55,11 +54,8 @@ def pipeline(
     parameters keep their original names, and tied parameters (GPT-2's ``wte`` and
     ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
     and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
-    ``plan`` (a :class:`~conveyor.plan.Plan` or the path of a plan file) sets ``schedule``,
-    ``microbatches``, ``virtual`` and ``split_points`` (the example is resized to the plan's
-    microbatch); ``schedule="auto"`` makes one: rank 0 profiles and plans
-    (``conveyor.plan(model, example_args, **plan_options)``; ``global_batch`` defaults to
-    ``microbatches`` (or 2 x ranks) x the example's batch) and every rank takes its plan.
+    ``plan`` (a :class:`~conveyor.plan.Plan` or its file) sets schedule, microbatches, virtual and split
+    points; ``schedule="auto"``: rank 0 plans (``conveyor.plan(..., **plan_options)``), every rank follows.
     Other keywords go to :class:`Pipeline`: ``compile=True`` compiles each traced stage
     (a GraphModule with its own code, so each counts its own recompiles), ``autocast=``, ...
 
@@ -82,22 +78,15 @@ def pipeline(
     pp_group = group if mesh is None else layout_of(mesh).pp_group
     world = dist.get_world_size(pp_group)
     rank = dist.get_rank(pp_group)
-    if plan is not None or schedule == "auto":
-        plan = plan if plan is not None else _auto_plan(model, example_args, example_kwargs, world, microbatches,
-                                                        group, plan_options)
+    if plan is not None or schedule == "auto":  # the example is resized to the plan's microbatch
+        plan = plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, group, plan_options)
         schedule, microbatches, virtual, split_points, (example_args, example_kwargs) = _from_plan(
             plan, world, example_args, example_kwargs)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
                         unsplittable=unsplittable, device=device)
     if split_points is None and split_method == "time" and world > 1:
-        # Timings differ from rank to rank: one rank decides, so that every rank cuts alike.
-        chosen: list = [None]
-        if dist.get_rank(group) == 0:  # with a mesh, the job's rank 0: every replica cuts alike
-            chosen[0] = list(split_model(model, resolved.num_stages, split_method="time", **split_kwargs).split_points)
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast_object_list(chosen, src=src, group=group)
-        split_points = chosen[0]
+        split_points = _time_split_points(model, resolved.num_stages, group, split_kwargs)
     split = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
                        **split_kwargs)
     modules = [split.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
@@ -115,8 +104,24 @@ def pipeline(
     return pipe
 
 
+def _time_split_points(model, num_stages: int, group, split_kwargs: dict) -> list:
+    """Rank 0's time-balanced cut, broadcast: timings differ from rank to rank, so one rank decides
+    and every rank cuts alike (with a mesh, the job's rank 0: every replica cuts alike)."""
+    import torch.distributed as dist
+
+    from conveyor.frontend import split_model
+
+    chosen: list = [None]
+    if dist.get_rank(group) == 0:
+        chosen[0] = list(split_model(model, num_stages, split_method="time", **split_kwargs).split_points)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(chosen, src=src, group=group)
+    return chosen[0]
+
+
 def _auto_plan(model, example_args, example_kwargs, world, microbatches, group, options):
-    """Rank 0's plan, broadcast: timings differ from rank to rank, and every rank must cut alike."""
+    """Rank 0's plan, broadcast: timings differ from rank to rank, and every rank must cut alike.
+    ``global_batch`` defaults to ``microbatches`` (or 2 x ranks) x the example's batch."""
     import torch.distributed as dist
 
     from conveyor.plan.measure import _batch_size

@@ -128,7 +128,8 @@ def _nothing_fits(result: SearchResult) -> str:
 
 
 def _line(c: Candidate) -> str:
-    return (f"{c.schedule} V={c.virtual} M={c.microbatches} split {','.join(c.split_points)}: step "
+    points = c.split_points if len(c.split_points) <= 4 else (*c.split_points[:3], f"... ({len(c.split_points)})")
+    return (f"{c.schedule} V={c.virtual} M={c.microbatches} split {','.join(points)}: step "
             f"{c.step_time:.4g} s, bubble {c.bubble:.1%}, peak {format_size(c.peak_memory)}/rank")
 
 
@@ -155,9 +156,12 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
                       ("failed", "could not be built")):
         if outcome.get(key):
             lost.append(f"{outcome[key]} {text}")
+    memory = chosen.memory_per_rank
+    fullest = max(range(len(memory)), key=memory.__getitem__)
+    per_rank = (", ".join(format_size(m) for m in memory) if len(memory) <= 8 else
+                f"{format_size(min(memory))} to {format_size(memory[fullest])} (rank {fullest})")
     lines.append(f"chosen: {chosen.schedule} V={chosen.virtual} M={chosen.microbatches} (microbatch of "
-                 f"{chosen.microbatch_size}); memory per rank: "
-                 f"{', '.join(format_size(m) for m in chosen.memory_per_rank)}")
+                 f"{chosen.microbatch_size}); memory per rank: {per_rank}")
     lines.append(f"others: {'; '.join(lost)}")
     if chosen.best_over_memory:
         lines.append(f"fastest over memory: {chosen.best_over_memory}")

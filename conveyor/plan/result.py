@@ -98,7 +98,8 @@ class Plan:
                           "stage_times_s": list(self.stage_times)},
             "memory_limit_bytes": None if math.isinf(self.memory_limit) else self.memory_limit,
             "alternatives": self.alternatives, "outcome": self.outcome, "best_over_memory": self.best_over_memory,
-            "settings": self.settings, "costs": None if self.costs is None else self.costs.to_json(),
+            "settings": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in self.settings.items()},
+            "costs": None if self.costs is None else self.costs.to_json(),
         }
 
     def save(self, path: str | Path) -> Path:

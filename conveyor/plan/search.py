@@ -210,17 +210,25 @@ class _Context:
             c.verdict = f"failed: {str(error).splitlines()[0]}"
             return
         sums = self.sums(c.microbatches)
-        first = self._simulate(schedule, sums, list(c.cuts))
+        first = self._simulate(schedule, sums, list(c.cuts), c.microbatches)
         options = [first]
         in_flight = first[4]
+
+        def estimate(cuts) -> float:  # the heaviest stage as the split's DP weighs it
+            return max(sums.static(i, j) + in_flight[s] * sums.activations(i, j)
+                       for s, (i, j) in enumerate(bounds_of(cuts, len(sums.units))))
+
         time_limit = max(first[3]) * (1 + self.tolerance)
         for limit in (time_limit, math.inf):
             try:
                 cuts = lightest_split(sums, schedule.num_stages, in_flight, limit)
             except PlanError:
                 continue
-            if all(tuple(cuts) != tuple(o[0]) for o in options):
-                options.append(self._simulate(schedule, sums, cuts))
+            lighter = estimate(cuts) < 0.99 * min(estimate(o[0]) for o in options)
+            # Simulating costs more than the DP: only a split that may fit, or be lighter, is worth it.
+            worth = lighter and (limit != math.inf or estimate(cuts) <= self.limit)
+            if worth and all(tuple(cuts) != tuple(o[0]) for o in options):
+                options.append(self._simulate(schedule, sums, cuts, c.microbatches))
             if any(o[2] <= self.limit for o in options):
                 break
         cuts, step, peak, stage_times, _, bubble, memory = min(options, key=self._preference(options))
@@ -243,7 +251,7 @@ class _Context:
 
         return key
 
-    def _simulate(self, schedule, sums: StageSums, cuts: list[int]):
+    def _simulate(self, schedule, sums: StageSums, cuts: list[int], microbatches: int):
         """(cuts, step, peak memory, stage times, in-flight microbatches per stage, bubble, memory per rank)."""
         stages = bounds_of(cuts, len(sums.units))
         costs = [cs.StageCosts(sums.forward(i, j), sums.backward_input(i, j), sums.backward_weight(i, j),
@@ -260,4 +268,7 @@ class _Context:
                 in_flight[s] = peaks[rank] / activations if activations else 1.0
             memory.append(sum(sums.static(*stages[s]) for s in mine) + peaks[rank])
         stage_times = [sums.time(i, j) for i, j in stages]
-        return cuts, timeline.makespan, max(memory), stage_times, in_flight, timeline.bubble_ratio, memory
+        # Every span starts at 0 or later; the busy time is known without walking the spans again.
+        step = max(span.end for span in timeline.spans)
+        bubble = 1 - microbatches * sum(stage_times) / (self.ranks * step) if step > 0 else 0.0
+        return cuts, step, max(memory), stage_times, in_flight, bubble, memory
