@@ -21,6 +21,7 @@ _LAZY = {
     "pipeline": ("conveyor.build", "pipeline"),
     "LocalPipeline": ("conveyor.local", "LocalPipeline"),
     "MasterWeights": ("conveyor.runtime.main_grad", "MasterWeights"),
+    "Plan": ("conveyor.plan.result", "Plan"),
 }
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from conveyor.local import LocalPipeline  # noqa: F401
     from conveyor.pipe import Pipeline  # noqa: F401
     from conveyor.runtime.main_grad import MasterWeights  # noqa: F401
+    from conveyor.plan.result import Plan  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:
@@ -36,6 +38,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module_name), attr)
         globals()[name] = value
         return value
-    if name in {"schedule", "errors", "runtime", "frontend", "testing", "checkpoint", "parallel"}:
+    if name in {"schedule", "errors", "runtime", "frontend", "testing", "checkpoint", "parallel", "plan"}:
+        # conveyor.plan is a package and, being callable, the function too: conveyor.plan(model, ...)
         return importlib.import_module(f"conveyor.{name}")
     raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

@@ -39,6 +39,7 @@ def pipeline(
     mesh=None,
     device: torch.device | str | None = None,
     both_modes: bool = False,
+    plan: Any = None, plan_options: dict | None = None,
     **pipeline_kwargs: Any,
 ) -> Pipeline:
     """Trace and split an unchanged ``model``; return this rank's :class:`Pipeline`.
@@ -54,6 +55,8 @@ def pipeline(
     parameters keep their original names, and tied parameters (GPT-2's ``wte`` and
     ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
     and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
+    ``plan`` (a :class:`~conveyor.plan.Plan` or its file) sets schedule, microbatches, virtual and split
+    points; ``schedule="auto"``: rank 0 plans (``conveyor.plan(..., **plan_options)``), every rank follows.
     Other keywords go to :class:`Pipeline`: ``compile=True`` compiles each traced stage
     (a GraphModule with its own code, so each counts its own recompiles), ``autocast=``, ...
 
@@ -76,18 +79,16 @@ def pipeline(
     pp_group = group if mesh is None else layout_of(mesh).pp_group
     world = dist.get_world_size(pp_group)
     rank = dist.get_rank(pp_group)
+    if plan is not None or schedule == "auto":  # the example is resized to the plan's microbatch
+        plan = plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, group, plan_options)
+        schedule, microbatches, virtual, split_points, (example_args, example_kwargs) = _from_plan(
+            plan, world, example_args, example_kwargs)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     cast_for_tracing(model, pipeline_kwargs)  # param_dtype=: the model itself, in place, then traced
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
                         unsplittable=unsplittable, device=device)
     if split_points is None and split_method == "time" and world > 1:
-        # Timings differ from rank to rank: one rank decides, so that every rank cuts alike.
-        chosen: list = [None]
-        if dist.get_rank(group) == 0:  # with a mesh, the job's rank 0: every replica cuts alike
-            chosen[0] = list(split_model(model, resolved.num_stages, split_method="time", **split_kwargs).split_points)
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast_object_list(chosen, src=src, group=group)
-        split_points = chosen[0]
+        split_points = _time_split_points(model, resolved.num_stages, group, split_kwargs)
     split = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
                        **split_kwargs)
     modules = [split.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
@@ -103,6 +104,59 @@ def pipeline(
                     **pipeline_kwargs)
     pipe.model_info = model_info(model)  # what checkpoints record, and export writes back (config.json)
     return pipe
+
+
+def _time_split_points(model, num_stages: int, group, split_kwargs: dict) -> list:
+    """Rank 0's time-balanced cut, broadcast: timings differ from rank to rank, so one rank decides
+    and every rank cuts alike (with a mesh, the job's rank 0: every replica cuts alike)."""
+    import torch.distributed as dist
+
+    from conveyor.frontend import split_model
+
+    chosen: list = [None]
+    if dist.get_rank(group) == 0:
+        chosen[0] = list(split_model(model, num_stages, split_method="time", **split_kwargs).split_points)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(chosen, src=src, group=group)
+    return chosen[0]
+
+
+def _auto_plan(model, example_args, example_kwargs, world, microbatches, group, options):
+    """Rank 0's plan, broadcast: timings differ from rank to rank, and every rank must cut alike.
+    ``global_batch`` defaults to ``microbatches`` (or 2 x ranks) x the example's batch."""
+    import torch.distributed as dist
+
+    from conveyor.plan.measure import _batch_size
+    from conveyor.plan.planner import plan as make_plan
+
+    options = dict(options or {})
+    size = _batch_size(tuple(example_args), example_kwargs)
+    options.setdefault("global_batch", (microbatches or 2 * world) * size)
+    if microbatches is not None:
+        options.setdefault("microbatches", [microbatches])
+    chosen: list = [None]
+    if dist.get_rank(group) == 0:
+        chosen[0] = make_plan(model, tuple(example_args), example_kwargs=example_kwargs, ranks=world, **options)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(chosen, src=src, group=group)
+    return chosen[0]
+
+
+def _from_plan(plan, world: int, example_args, example_kwargs):
+    """(schedule, microbatches, virtual, split_points, (example_args, example_kwargs)) of a plan, checked
+    against the group; the example is resized to the plan's microbatch."""
+    from conveyor.plan import as_plan
+    from conveyor.plan.measure import _batch_size, resize_batch
+
+    plan = as_plan(plan)
+    if plan.ranks != world:
+        raise PipelineConfigError(
+            f"the plan is for {plan.ranks} pipeline ranks but the group has {world}; plan again with "
+            f"--ranks {world} (or launch {plan.ranks} ranks)")
+    example = (tuple(example_args), example_kwargs)
+    if _batch_size(*example) != plan.microbatch_size:
+        example = resize_batch(example, plan.microbatch_size)
+    return plan.schedule, plan.microbatches, plan.virtual, list(plan.split_points), example
 
 
 def model_signature(model: torch.nn.Module, split_points: Sequence[str]) -> str:

@@ -8,6 +8,8 @@ Commands:
   conveyor train [CONFIG.yaml] [key=value ...]   train a model (defaults: a small GPT on the stdlib, 2 ranks)
   conveyor train CONFIG.yaml --dry-run     its split and memory per rank, nothing allocated or started
   conveyor export CHECKPOINT_DIR OUT_DIR   a checkpoint as Hugging Face safetensors (+ config.json)
+  conveyor plan MODEL --ranks P --global-batch B --memory-per-rank 4GiB [--top K] [--out plan.json]
+                                           the fastest split x schedule x M x V that fits, simulated
 
 User mistakes print ``conveyor: error: ...`` and exit with status 2, never a traceback.
 
@@ -230,6 +232,13 @@ def _command_train(args: argparse.Namespace) -> int:
     return launch.main(args.arguments)
 
 
+def _command_plan(args: argparse.Namespace) -> int:
+    """Profile the model's units and search for the fastest plan; the work is conveyor.plan's."""
+    from conveyor.train import plan_command
+
+    return plan_command.run(args)
+
+
 def _command_export(args: argparse.Namespace) -> int:
     """A checkpoint as safetensors; the work is conveyor.checkpoint.export's."""
     from conveyor.checkpoint.export import export
@@ -288,6 +297,13 @@ def _add_train(commands) -> None:
                        "print each stage's rank, modules and parameters and the predicted memory per rank "
                        "(fp32 parameters, gradients, AdamW state, and the activations the schedule keeps in flight)")
     train.set_defaults(handler=_command_train)
+
+
+def _add_plan(commands) -> None:
+    from conveyor.train.plan_command import add_parser
+
+    add_parser(commands, positive_int)
+    commands.choices["plan"].set_defaults(handler=_command_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_command_demo)
 
     _add_train(commands)
+    _add_plan(commands)
 
     export = commands.add_parser("export", help="write a checkpoint as Hugging Face safetensors (+ config.json)")
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a checkpoint, or a directory with `latest`")

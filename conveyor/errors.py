@@ -95,6 +95,11 @@ class PretrainedWeightsError(CheckpointError):
     """Pretrained weights (safetensors) do not fit the model: a tensor missing, or of another shape."""
 
 
+class PlanError(ConveyorError, ValueError):
+    """A pipeline plan cannot be made or used: no candidate fits the memory, a plan file is malformed,
+    or a plan disagrees with the run (its ranks, its modules)."""
+
+
 class ConfigError(ConveyorError, ValueError):
     """A training config cannot work: an unknown key (with the allowed keys and a close match),
     or a value of the wrong type, outside its choices or range; found before anything starts."""

@@ -29,6 +29,10 @@ FORBIDDEN = {
     "pipe": ("conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "local": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "build": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
+    # The planner sits at the pipe level: frontend, schedule and the runtime below it; build, train and
+    # the command line above it.
+    "plan": ("conveyor.pipe", "conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train",
+             "conveyor.cli", "conveyor.parallel"),
     "microbatch": ("conveyor.schedule", "conveyor.runtime", "conveyor.frontend", "conveyor.pipe",
                    "conveyor.train", "conveyor.cli"),
     "checkpoint": ("conveyor.train", "conveyor.cli"),

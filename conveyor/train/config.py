@@ -72,6 +72,8 @@ class ParallelConfig:
     microbatches: int = _f(4, "microbatches per step (must divide the per-replica batch)")
     dp: int = _f(1, "data-parallel replicas")
     data_parallel: str = _f("ddp", "ddp | fsdp (how replicas share gradients)")
+    plan: str | None = _f(None, "a plan file from `conveyor plan --out`: its schedule, virtual, microbatches and "
+                                "split points replace these keys' (None: split by parameters)")
 
 
 @dataclass
@@ -172,8 +174,30 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     from conveyor.train.config_checks import validate
 
     expand_home(cfg)
+    apply_plan(cfg)
     validate(cfg, world_size=world_size)
     return cfg
+
+
+def apply_plan(cfg: TrainConfig) -> None:
+    """Take schedule, virtual and microbatches from ``parallel.plan`` (a ConfigError if it cannot be read).
+
+    Example:
+        >>> cfg = TrainConfig()
+        >>> apply_plan(cfg)   # no plan: nothing changes
+        >>> cfg.parallel.schedule
+        '1f1b'
+    """
+    if not cfg.parallel.plan:
+        return
+    from conveyor.errors import PlanError
+    from conveyor.plan.result import Plan
+
+    try:
+        plan = Plan.load(cfg.parallel.plan)
+    except PlanError as error:
+        raise ConfigError(f"parallel.plan={cfg.parallel.plan!r}: {error}") from None
+    cfg.parallel.schedule, cfg.parallel.virtual, cfg.parallel.microbatches = plan.schedule, plan.virtual, plan.microbatches
 
 
 def expand_home(cfg: TrainConfig) -> None:
@@ -196,6 +220,7 @@ def expand_home(cfg: TrainConfig) -> None:
     cfg.run.dir = expand(cfg.run.dir)
     cfg.checkpoint.dir = expand(cfg.checkpoint.dir)
     cfg.checkpoint.resume = expand(cfg.checkpoint.resume)
+    cfg.parallel.plan = expand(cfg.parallel.plan)
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> Path:

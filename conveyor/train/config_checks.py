@@ -181,7 +181,30 @@ def _check_parallel(cfg: Any, problems: list[str], world_size: int | None) -> No
     if world_size is not None and par.pp * par.dp != world_size:
         problems.append(f"parallel.pp x parallel.dp = {par.pp} x {par.dp} = {par.pp * par.dp}, but the job "
                         f"has {world_size} ranks; make pp x dp equal {world_size}")
+    _check_plan(cfg, problems)
     _check_schedule(cfg, problems)
+
+
+def _check_plan(cfg: Any, problems: list[str]) -> None:
+    """A plan (already applied by load_config) is for this many pipeline ranks."""
+    if not getattr(cfg.parallel, "plan", None):
+        return
+    from conveyor.errors import PlanError
+    from conveyor.plan.result import Plan
+
+    try:
+        plan = Plan.load(cfg.parallel.plan)
+    except PlanError as error:
+        problems.append(f"parallel.plan={cfg.parallel.plan!r}: {error}")
+        return
+    if plan.ranks != cfg.parallel.pp:
+        problems.append(f"parallel.plan={cfg.parallel.plan!r} is for {plan.ranks} pipeline ranks but parallel.pp="
+                        f"{cfg.parallel.pp}; set parallel.pp={plan.ranks} or plan again with --ranks {cfg.parallel.pp}")
+    elif plan.global_batch != cfg.replica_batch_size:
+        problems.append(f"parallel.plan={cfg.parallel.plan!r} was made for a batch of {plan.global_batch} per "
+                        f"replica, the run has train.batch_size / parallel.dp = {cfg.replica_batch_size}; set "
+                        f"train.batch_size={plan.global_batch * cfg.parallel.dp} or plan again with --global-batch "
+                        f"{cfg.replica_batch_size}")
 
 
 def _check_schedule(cfg: Any, problems: list[str]) -> None:

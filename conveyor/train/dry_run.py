@@ -92,6 +92,7 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
         ('model.embed_tokens', 'lm_head')
     """
     from conveyor.frontend import split_model
+    from conveyor.plan.result import Plan
     from conveyor.schedule.registry import resolve_schedule
     from conveyor.train.data import load_tokenizer
     from conveyor.train.models import build_model
@@ -102,7 +103,9 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     p = cfg.parallel
     schedule = resolve_schedule(p.schedule, p.microbatches, p.virtual, p.pp)
     example = torch.zeros(cfg.replica_batch_size // p.microbatches, cfg.model.seq_len, dtype=torch.long)
-    split = split_model(model, schedule.num_stages, example_args=(example,), split_method="parameters")
+    split_points = list(Plan.load(p.plan).split_points) if p.plan else None  # the cut the run will make
+    split = split_model(model, schedule.num_stages, example_args=(example,), split_method="parameters",
+                        split_points=split_points)
     sizes = {name: t.numel() for name, t in model.named_parameters(remove_duplicate=False)}
     saved = activation_bytes(split, example, cfg.train.activation_checkpointing)
     plan = RunPlan(type(model).__name__, sum(t.numel() for t in model.parameters()),

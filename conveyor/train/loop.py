@@ -37,6 +37,7 @@ import torch.distributed as dist
 import conveyor
 from conveyor.errors import ConfigError, NonFiniteError
 from conveyor.parallel import count_tokens
+from conveyor.plan.result import Plan
 from conveyor.train.config import TrainConfig, save_config
 from conveyor.train.data import load_tokenizer, resumable_loader, splits_factory
 from conveyor.train.models import build_model, load_weights
@@ -107,7 +108,10 @@ def build_pipeline(cfg: TrainConfig, model: torch.nn.Module) -> Any:
     microbatch = cfg.replica_batch_size // p.microbatches
     example = torch.zeros(microbatch, cfg.model.seq_len, dtype=torch.long)
     extra = {"mesh": mesh, "data_parallel": p.data_parallel} if mesh is not None else {}
+    # load_config took schedule, virtual and microbatches from the plan already; the cut is the plan's too.
+    split_points = list(Plan.load(p.plan).split_points) if p.plan else None
     return conveyor.pipeline(model, example_args=(example,), split_method="parameters", schedule=p.schedule,
+                             split_points=split_points,
                              microbatches=p.microbatches, virtual=p.virtual,
                              loss_fn=lm_loss("sum" if cfg.loss.normalize == "tokens" else "mean"),
                              checkpoint_activations=cfg.train.activation_checkpointing,

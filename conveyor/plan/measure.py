@@ -1,0 +1,268 @@
+"""Profile every splittable unit of a model on a real device: F, I, W time and bytes.
+
+The model is cut before every unit (``conveyor.frontend.split_model`` with the units' names as
+split points), so each unit runs exactly as it would at the start of a stage: on what the unit
+before it sends. Per unit and round: forward (counting the bytes autograd saves, and which of
+them feed an operation together with a parameter: what the weight gradient W still needs after
+I), the input gradient alone (I, graph kept), then the weight gradient (W). Each time keeps its
+best over the rounds. On CUDA every timed span is closed by a synchronize. The model is left as
+it was (gradients, buffers, the random state).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conveyor.errors import PlanError
+from conveyor.frontend import split_model
+from conveyor.frontend.stage import as_received
+from conveyor.frontend.trace import trace_model
+from conveyor.frontend.units import ModuleSpans, find_units
+from conveyor.plan.costs import CostTable, UnitCost
+
+logger = logging.getLogger(__name__)
+
+
+def unit_split(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,
+               unsplittable: Sequence[str] = ()):
+    """The model cut before every unit: ``(split, units)``, one stage per unit.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        >>> split, units = unit_split(model, (torch.randn(2, 4),), None)
+        >>> split.num_stages, [unit.name for unit in units]
+        (2, ['0', '1'])
+    """
+    traced = trace_model(model, tuple(example_args), example_kwargs)
+    units = find_units(model, ModuleSpans(traced), unsplittable)
+    if len(units) < 2:
+        raise PlanError(f"{type(model).__name__} has {len(units)} splittable unit(s); a pipeline plan needs at least "
+                        "2 (repeated blocks in a ModuleList/Sequential, or several child modules)")
+    names = [unit.name for unit in units[1:]]
+    split = split_model(model, len(units), example_args=tuple(example_args), example_kwargs=example_kwargs,
+                        split_points=names, unsplittable=unsplittable)
+    return split, units
+
+
+def profile_units(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None = None,
+                  *, device: torch.device | str | None = None, repeats: int = 3,
+                  unsplittable: Sequence[str] = ()) -> CostTable:
+    """Every unit's measured F, I, W seconds and bytes for one microbatch like ``example_args``.
+
+    Example:
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        >>> table = profile_units(model, (torch.randn(4, 8),), repeats=1)
+        >>> table.names, table.units[0].parameter_bytes
+        (['0', '1', '2'], 288.0)
+    """
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise PlanError("profile_units runs the model, but its parameters are on the meta device; use "
+                        "analytic_units (costs from the shapes) or build the model on a real device")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    split, units = unit_split(model, example_args, example_kwargs, unsplittable)
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(device),
+                                        (tuple(example_args), dict(example_kwargs or {})))
+    modules = [split.stage_module(stage, device) for stage in range(split.num_stages)]
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    best = [[float("inf")] * 3 for _ in units]
+    sizes: list[tuple[float, float]] = []
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        for round_index in range(repeats + 1):  # round 0 warms up and counts bytes
+            inputs: tuple = ()
+            for stage, module in enumerate(modules):
+                saved = _save_state(module)
+                times, outputs, counted = _run_unit(module, stage, args, kwargs, inputs, device,
+                                                    count=round_index == 0)
+                _restore_state(module, saved)
+                if round_index == 0:
+                    sizes.append(counted)
+                else:
+                    best[stage] = [min(a, b) for a, b in zip(best[stage], times)]
+                if stage < len(modules) - 1:
+                    inputs = tuple(as_received(v) for v in outputs)
+    best = _pooled(best, [(u.class_name, sizes[i]) for i, u in enumerate(units)])
+    out = []
+    for stage, unit in enumerate(units):
+        names = split.stage_parameter_names(stage)
+        parameters = sum(by_name[name].numel() for name in names)
+        parameter_bytes = sum(by_name[name].numel() * by_name[name].element_size() for name in names)
+        sent = 0.0 if stage == len(units) - 1 else _spec_bytes(split.stage_output_specs(stage))
+        out.append(UnitCost(unit.name, *best[stage], sizes[stage][0], sizes[stage][1], float(parameter_bytes),
+                            float(parameters), sent, unit.is_block))
+    logger.info("measured unit costs (s): %s", {u.name: round(u.full, 6) for u in out})
+    return CostTable(tuple(out), _batch_size(example_args, example_kwargs), source=f"measured on {device.type}")
+
+
+def _pooled(best: list[list[float]], kinds: list[tuple]) -> list[list[float]]:
+    """Each unit's times, pooled over the units of its kind (same class, same saved bytes: the repeated
+    blocks): the median of their best times, or the lower of two. They do the same work, and on a loaded
+    host a burst that outlasts every round of one unit is still rare across many."""
+    groups: dict[tuple, list[int]] = {}
+    for index, kind in enumerate(kinds):
+        groups.setdefault(kind, []).append(index)
+    pooled = [list(times) for times in best]
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        for part in range(3):
+            values = sorted(best[i][part] for i in members)
+            value = values[0] if len(values) == 2 else values[len(values) // 2]
+            for i in members:
+                pooled[i][part] = value
+    return pooled
+
+
+def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool):
+    """Forward, I, W of one unit: ((F, I, W) seconds, outputs, (saved bytes, bytes W needs))."""
+    received = tuple(as_received(value) for value in inputs)
+    _synchronize(device)
+    start = time.perf_counter()
+    if count:
+        counter = _SavedBytes(module)
+        with counter, counter.mode:
+            outputs = module(*args, **kwargs) if stage == 0 else module(*received)
+        counted = counter.result()
+    else:
+        outputs = module(*args, **kwargs) if stage == 0 else module(*received)
+        counted = (0.0, 0.0)
+    _synchronize(device)
+    forward = time.perf_counter() - start
+    tensors = [v for v in pytree.tree_leaves(outputs) if isinstance(v, torch.Tensor) and v.requires_grad]
+    grads = [torch.ones_like(t) for t in tensors]
+    wanted_inputs = [v for v in received if isinstance(v, torch.Tensor) and v.requires_grad]
+    weights = [p for p in module.parameters() if p.requires_grad]
+    backward_input = backward_weight = 0.0
+    if tensors and wanted_inputs:
+        start = time.perf_counter()
+        torch.autograd.grad(tensors, wanted_inputs, grads, retain_graph=bool(weights), allow_unused=True)
+        _synchronize(device)
+        backward_input = time.perf_counter() - start
+    if tensors and weights:
+        start = time.perf_counter()
+        torch.autograd.grad(tensors, weights, grads, allow_unused=True)
+        _synchronize(device)
+        backward_weight = time.perf_counter() - start
+    return (forward, backward_input, backward_weight), outputs, counted
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes autograd saves in a forward (parameters excluded, each storage once), and the part of them
+    that feeds an operation together with a parameter (what the weight gradient needs)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.parameters = {id(p) for p in module.parameters()}
+        self.saved: dict[int, torch.Tensor] = {}  # holding them keeps their ids unique
+        self.mode = _WeightInputs(set(self.parameters))
+        self.views: dict[int, set[int]] = {}
+        self._alive: list[torch.Tensor] = []
+        super().__init__(self._pack, lambda packed: packed)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in self.parameters and id(tensor) not in self.parameters:
+            self.saved.setdefault(id(base), base)
+            # Autograd saves an operation's inputs before the operation runs (and the mode sees it):
+            # which of them W needs is decided in result().
+            self.views.setdefault(id(base), set()).add(id(tensor))
+            self._alive.append(tensor)
+        return tensor
+
+    def result(self) -> tuple[float, float]:
+        total = sum(t.numel() * t.element_size() for t in self.saved.values())
+        needed = self.mode.needed
+        kept = sum(t.numel() * t.element_size() for key, t in self.saved.items()
+                   if key in needed or not needed.isdisjoint(self.views[key]))
+        return float(total), float(kept)
+
+
+class _WeightInputs(TorchDispatchMode):
+    """Which tensors enter an operation together with a parameter (or a view or cast of one)."""
+
+    def __init__(self, parameter_ids: set[int]) -> None:
+        super().__init__()
+        self.from_parameters = parameter_ids
+        self.needed: set[int] = set()
+        self._alive: list[torch.Tensor] = []  # keeps ids unique while the forward runs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        marked = [id(t) in self.from_parameters for t in tensors]
+        if tensors and all(marked):
+            for value in pytree.tree_leaves(out):
+                if isinstance(value, torch.Tensor):
+                    self.from_parameters.add(id(value))
+                    self._alive.append(value)
+        elif any(marked):
+            for tensor, is_parameter in zip(tensors, marked):
+                if not is_parameter:
+                    self.needed.add(id(tensor))
+                    self._alive.append(tensor)
+        return out
+
+
+def _spec_bytes(specs) -> float:
+    total = 0
+    for spec in specs:
+        if spec.shape is not None and spec.dtype is not None:
+            numel = 1
+            for size in spec.shape:
+                numel *= size
+            total += numel * torch.empty((), dtype=spec.dtype).element_size()
+    return float(total)
+
+
+def _batch_size(example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None) -> int:
+    for leaf in pytree.tree_leaves((tuple(example_args), dict(example_kwargs or {}))):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return int(leaf.shape[0])
+    return 1
+
+
+def resize_batch(example: Any, size: int) -> Any:
+    """``example`` (a pytree of tensors, batch first) with ``size`` samples: its rows repeated or cut.
+
+    Example:
+        >>> resize_batch((torch.arange(4).view(2, 2),), 3)[0].tolist()
+        [[0, 1], [2, 3], [0, 1]]
+    """
+    leaves = [leaf for leaf in pytree.tree_leaves(example) if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1]
+    if not leaves:
+        return example
+    batch = leaves[0].shape[0]
+
+    def resize(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0 or tensor.shape[0] != batch:
+            return tensor
+        index = torch.arange(size, device=tensor.device) % batch
+        return tensor.index_select(0, index)
+
+    return pytree.tree_map_only(torch.Tensor, resize, example)
+
+
+def _save_state(module: torch.nn.Module) -> tuple[list[Any], list[torch.Tensor]]:
+    grads = [parameter.grad for parameter in module.parameters()]
+    buffers = [buffer.detach().clone() for buffer in module.buffers()]
+    return grads, buffers
+
+
+def _restore_state(module: torch.nn.Module, saved: tuple[list[Any], list[torch.Tensor]]) -> None:
+    grads, buffers = saved
+    for parameter, grad in zip(module.parameters(), grads):
+        parameter.grad = grad
+    with torch.no_grad():
+        for buffer, value in zip(module.buffers(), buffers):
+            buffer.copy_(value)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

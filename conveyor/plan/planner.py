@@ -1,0 +1,178 @@
+"""``conveyor.plan()``: unit costs (measured, or from the cost model on the meta device), then the search.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    >>> chosen = plan(model, torch.randn(2, 16), ranks=2, global_batch=8, memory_per_rank="1GiB",
+    ...               schedules=["1f1b"], repeats=1)
+    >>> chosen.schedule, chosen.ranks, len(chosen.split_points)
+    ('1f1b', 2, 1)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from conveyor.errors import PlanError
+from conveyor.plan.analytic import (
+    DEFAULT_BYTES_PER_SECOND,
+    DEFAULT_FLOPS_PER_SECOND,
+    analytic_units,
+)
+from conveyor.plan.costs import CostTable, combine
+from conveyor.plan.measure import _batch_size, profile_units, resize_batch
+from conveyor.plan.result import Plan, format_size, parse_size
+from conveyor.plan.search import (
+    DEFAULT_BALANCE_TOLERANCE,
+    DEFAULT_BANDWIDTH,
+    DEFAULT_LATENCY,
+    Candidate,
+    SearchResult,
+    microbatch_choices,
+    search,
+)
+
+
+def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch: int,
+         memory_per_rank: str | float = math.inf, example_kwargs: Mapping[str, Any] | None = None,
+         schedules: Sequence[str] | None = None, microbatches: Sequence[int] | None = None,
+         virtual: Sequence[int] = (1, 2), costs: CostTable | None = None, device: torch.device | str | None = None,
+         repeats: int = 3, unsplittable: Sequence[str] = (), bandwidth: float = DEFAULT_BANDWIDTH,
+         latency: float = DEFAULT_LATENCY, optimizer_bytes_per_parameter: float = 8.0,
+         flops_per_second: float = DEFAULT_FLOPS_PER_SECOND, bytes_per_second: float = DEFAULT_BYTES_PER_SECOND,
+         balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE, top: int = 5) -> Plan:
+    """The fastest plan (schedule, V, microbatches, split points) for ``ranks`` ranks whose predicted
+    memory per rank (parameters, gradients, optimizer state, activations) fits ``memory_per_rank``.
+
+    ``example`` is ONE microbatch (a tensor, or a tuple of forward's positional arguments; batch first).
+    The units are profiled on ``device`` (default: the model's), at the example's size and at one more
+    microbatch size the search may pick; a model on the meta device gets costs from the cost model
+    (:mod:`conveyor.plan.analytic`, ``flops_per_second``, ``seq_len`` from the example's second
+    dimension). ``costs`` skips both. Raises :class:`~conveyor.errors.PlanError` when nothing fits,
+    naming the lightest candidate's peak.
+    """
+    limit = parse_size(memory_per_rank)
+    args = example if isinstance(example, tuple) else (example,)
+    if costs is None:
+        costs = unit_costs(model, args, example_kwargs, global_batch=global_batch, ranks=ranks,
+                           microbatches=microbatches, device=device, repeats=repeats, unsplittable=unsplittable,
+                           flops_per_second=flops_per_second, bytes_per_second=bytes_per_second)
+    result = search(costs, ranks=ranks, global_batch=global_batch, memory_per_rank=limit, schedules=schedules,
+                    microbatches=microbatches, virtual=virtual, bandwidth=bandwidth, latency=latency,
+                    optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
+                    balance_tolerance=balance_tolerance)
+    return choose(result, costs, top=top)
+
+
+def unit_costs(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, *, global_batch: int,
+               ranks: int, microbatches: Sequence[int] | None = None, device=None, repeats: int = 3,
+               unsplittable: Sequence[str] = (), flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
+               bytes_per_second: float = DEFAULT_BYTES_PER_SECOND) -> CostTable:
+    """The units' costs: the cost model for a meta-device model, else measured at the example's
+    microbatch size and (when the search may pick others) at a second one, the time's fixed part
+    fitted through both.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        >>> unit_costs(model, (torch.randn(2, 8),), None, global_batch=8, ranks=2, repeats=1).microbatch_size
+        2
+    """
+    size = _batch_size(args, kwargs)
+    if any(p.device.type == "meta" for p in model.parameters()):
+        leaf = next((t for t in pytree.tree_leaves((args, dict(kwargs or {}))) if isinstance(t, torch.Tensor)), None)
+        seq_len = int(leaf.shape[1]) if leaf is not None and leaf.dim() >= 2 else 1
+        return analytic_units(model, microbatch_size=size, seq_len=seq_len, flops_per_second=flops_per_second,
+                              bytes_per_second=bytes_per_second)
+    table = profile_units(model, args, kwargs, device=device, repeats=repeats, unsplittable=unsplittable)
+    ms = list(microbatches) if microbatches is not None else microbatch_choices(global_batch, ranks)
+    sizes = sorted({global_batch // m for m in ms} - {size})
+    if not sizes:
+        return table
+    other = max((s for s in sizes if s <= 4 * size), default=sizes[0])
+    resized = resize_batch((args, dict(kwargs or {})), other)
+    second = profile_units(model, resized[0], resized[1], device=device, repeats=repeats, unsplittable=unsplittable)
+    return combine(table, second) if other > size else combine(second, table)
+
+
+def choose(result: SearchResult, costs: CostTable, *, top: int = 5) -> Plan:
+    """The fastest fitting candidate of ``result`` as a :class:`Plan` (a PlanError if none fits)."""
+    fitting = result.fitting
+    settings = result.settings
+    if not fitting:
+        raise PlanError(_nothing_fits(result))
+    best = fitting[0]
+    over = result.best_over_memory()
+    return Plan(best.schedule, settings["ranks"], best.virtual, best.microbatches, settings["global_batch"],
+                best.split_points, best.step_time, best.bubble, best.memory_per_rank, best.stage_times,
+                settings["memory_per_rank"], costs,
+                [_cells(c.schedule, c.virtual, c.microbatches, c.split_points, c.step_time, c.bubble, c.peak_memory)
+                 for c in fitting[1:top]], result.counts(),
+                None if over is None else _line(over), settings)
+
+
+def _nothing_fits(result: SearchResult) -> str:
+    simulated = [c for c in result.candidates if c.memory_per_rank]
+    limit = format_size(result.settings["memory_per_rank"])
+    if not simulated:
+        reasons = sorted({c.verdict for c in result.candidates})
+        return f"no candidate could be simulated: {'; '.join(reasons)}"
+    lightest = min(simulated, key=lambda c: c.peak_memory)
+    return (f"no plan fits {limit} per rank: the lightest of {len(simulated)} simulated candidates, "
+            f"{_line(lightest)}, needs {format_size(lightest.peak_memory)} on its fullest rank; give more "
+            f"memory per rank, more ranks, or a smaller global batch")
+
+
+def _line(c: Candidate) -> str:
+    points = c.split_points if len(c.split_points) <= 4 else (*c.split_points[:3], f"... ({len(c.split_points)})")
+    return (f"{c.schedule} V={c.virtual} M={c.microbatches} split {','.join(points)}: step "
+            f"{c.step_time:.4g} s, bubble {c.bubble:.1%}, peak {format_size(c.peak_memory)}/rank")
+
+
+def format_plan(chosen: Plan, *, top: int = 5) -> str:
+    """The table ``conveyor plan`` prints: the best plans, then why the others lost.
+
+    Example:
+        >>> chosen = Plan("1f1b", 2, 1, 4, 8, ("layers.2",), 1.5, 0.2, (1e9, 9e8), (0.3, 0.3), 4e9,
+        ...               outcome={"fits": 3, "over memory": 2})
+        >>> print(format_plan(chosen).splitlines()[2])
+          1  1f1b              1    4  layers.2                                   1.5 s   20.0%     953.67 MiB
+    """
+    lines = [f"{'#':>3}  {'schedule':<16} {'V':>2} {'M':>4}  {'split points':<40} {'step':>8} {'bubble':>7} "
+             f"{'peak/rank':>14}",
+             "-" * 102,
+             f"{1:>3}  " + _cells(chosen.schedule, chosen.virtual, chosen.microbatches, chosen.split_points,
+                                  chosen.step_time, chosen.bubble, max(chosen.memory_per_rank))]
+    for index, line in enumerate(chosen.alternatives[: top - 1], start=2):
+        lines.append(f"{index:>3}  {line}")
+    outcome = chosen.outcome
+    lost = [f"{outcome.get('fits', 1) - 1} fit but were slower"]
+    for key, text in (("slower (bound)", "could not beat the best (lower bound, not simulated)"),
+                      ("over memory", f"were over {format_size(chosen.memory_limit)} per rank"),
+                      ("failed", "could not be built")):
+        if outcome.get(key):
+            lost.append(f"{outcome[key]} {text}")
+    memory = chosen.memory_per_rank
+    fullest = max(range(len(memory)), key=memory.__getitem__)
+    per_rank = (", ".join(format_size(m) for m in memory) if len(memory) <= 8 else
+                f"{format_size(min(memory))} to {format_size(memory[fullest])} (rank {fullest})")
+    lines.append(f"chosen: {chosen.schedule} V={chosen.virtual} M={chosen.microbatches} (microbatch of "
+                 f"{chosen.microbatch_size}); memory per rank: {per_rank}")
+    lines.append(f"others: {'; '.join(lost)}")
+    if chosen.best_over_memory:
+        lines.append(f"fastest over memory: {chosen.best_over_memory}")
+    if chosen.costs is not None:
+        lines.append(f"costs: {len(chosen.costs.units)} units, {chosen.costs.source}")
+    return "\n".join(lines)
+
+
+def _cells(schedule, virtual, microbatches, split_points, step, bubble, peak) -> str:
+    points = ",".join(split_points)
+    if len(points) > 40:
+        points = points[:37] + "..."
+    return (f"{schedule:<16} {virtual:>2} {microbatches:>4}  {points:<40} {step:>8.4g} s {bubble:>6.1%} "
+            f"{format_size(peak):>14}")

@@ -1,0 +1,274 @@
+"""The search: split points x schedule x microbatches x stages per rank, each simulated.
+
+For every microbatch count M (divisors of the global batch, at least the rank count when
+one is) the unit costs are rescaled to the microbatch size; for every V, the fastest split
+of the units into P x V stages is found once (:func:`~conveyor.plan.split.fastest_split`)
+and shared by every schedule of that V. Candidates are visited in order of a lower bound on
+their step (the busiest rank's compute, plus the forwards before it); one whose bound is
+above the best step found so far is not simulated. Each simulated candidate gets the
+memory of each rank: parameters, gradients and optimizer state of its stages, plus the
+activations at the simulation's peak. When a lighter split is within ``balance_tolerance``
+of the fastest one's slowest stage (fewer blocks where the schedule keeps more microbatches
+in flight), it is simulated too and kept when it fits where the other does not, or runs as
+fast; a candidate over ``memory_per_rank`` also tries the lightest split at any speed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import conveyor.schedule as cs
+from conveyor.errors import ConveyorError, PlanError
+from conveyor.plan.costs import CostTable
+from conveyor.plan.split import StageSums, bounds_of, fastest_split, lightest_split
+
+# How far (relative) a lighter split's slowest stage may exceed the fastest split's.
+DEFAULT_BALANCE_TOLERANCE = 0.03
+# Point-to-point bandwidth (bytes/s) and latency (s) between neighbouring ranks when not given:
+# two processes on one host exchanging through shared memory.
+DEFAULT_BANDWIDTH = 2e9
+DEFAULT_LATENCY = 50e-6
+
+
+@dataclass
+class Candidate:
+    """One (schedule, V, M, split) and what simulating it predicted; ``verdict`` is ``"fits"``,
+    ``"over memory"``, ``"slower (bound)"`` (not simulated: its lower bound is above the best step)
+    or ``"failed: ..."``."""
+
+    schedule: str
+    virtual: int
+    microbatches: int
+    cuts: tuple[int, ...] = ()
+    split_points: tuple[str, ...] = ()
+    step_time: float = math.inf
+    bubble: float = math.nan
+    memory_per_rank: tuple[float, ...] = ()
+    stage_times: tuple[float, ...] = ()
+    lower_bound: float = 0.0
+    verdict: str = "pending"
+
+    @property
+    def peak_memory(self) -> float:
+        return max(self.memory_per_rank, default=math.nan)
+
+    def describe(self) -> str:
+        """One line: schedule, V, M, predicted step and peak memory."""
+        memory = f", peak {self.peak_memory / 2**30:.3g} GiB/rank" if self.memory_per_rank else ""
+        return f"{self.schedule} V={self.virtual} M={self.microbatches}: step {self.step_time:.4g} s{memory}"
+
+
+@dataclass
+class SearchResult:
+    """Every candidate looked at (fastest fitting first), the microbatch size of each M, the settings used."""
+
+    candidates: list[Candidate]
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def fitting(self) -> list[Candidate]:
+        return sorted((c for c in self.candidates if c.verdict == "fits"), key=lambda c: (c.step_time, c.peak_memory))
+
+    def counts(self) -> dict[str, int]:
+        """How many candidates ended how (``failed: ...`` counted as ``failed``)."""
+        out: dict[str, int] = {}
+        for c in self.candidates:
+            key = "failed" if c.verdict.startswith("failed") else c.verdict
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def best_over_memory(self) -> Candidate | None:
+        over = [c for c in self.candidates if c.verdict == "over memory"]
+        return min(over, key=lambda c: c.step_time, default=None)
+
+
+def microbatch_choices(global_batch: int, ranks: int) -> list[int]:
+    """Divisors M of the global batch with M >= ranks (every divisor when none is that large).
+
+    Example:
+        >>> microbatch_choices(16, 2), microbatch_choices(4, 8)
+        ([2, 4, 8, 16], [1, 2, 4])
+    """
+    divisors = [m for m in range(1, global_batch + 1) if global_batch % m == 0]
+    return [m for m in divisors if m >= ranks] or divisors
+
+
+def schedule_choices(schedules: Sequence[str] | None, virtual: Sequence[int]) -> list[tuple[str, int]]:
+    """(name, V) pairs to try: every registered schedule (or those named) with each V it runs.
+
+    Example:
+        >>> schedule_choices(["1f1b", "zbv"], (1, 2))
+        [('1f1b', 1), ('zbv', 2)]
+    """
+    known = cs.available()
+    names = list(known) if schedules is None else list(schedules)
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise PlanError(f"unknown schedule(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    pairs = []
+    for name in names:
+        choices = known[name].virtual_choices
+        pairs += [(name, v) for v in virtual if choices is None or v in choices]
+    return pairs
+
+
+def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: float,
+           schedules: Sequence[str] | None = None, microbatches: Sequence[int] | None = None,
+           virtual: Sequence[int] = (1, 2), bandwidth: float = DEFAULT_BANDWIDTH, latency: float = DEFAULT_LATENCY,
+           optimizer_bytes_per_parameter: float = 8.0,
+           balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE) -> SearchResult:
+    """Simulate the candidates worth simulating; see the module docstring.
+
+    Example:
+        >>> from conveyor.plan.costs import synthetic_table
+        >>> table = synthetic_table([("embed", 1, 0, 1, 8, 64)] + [(f"b{i}", 1, 1, 1, 8, 64, True) for i in range(4)])
+        >>> result = search(table, ranks=2, global_batch=4, memory_per_rank=1e6, schedules=["1f1b"])
+        >>> best = result.fitting[0]
+        >>> best.schedule, best.microbatches, best.split_points
+        ('1f1b', 4, ('b2',))
+    """
+    _check_sizes(ranks, global_batch, memory_per_rank, len(table.units))
+    ms = list(microbatches) if microbatches is not None else microbatch_choices(global_batch, ranks)
+    bad = [m for m in ms if global_batch % m]
+    if bad:
+        raise PlanError(f"microbatch counts {bad} do not divide the global batch {global_batch}")
+    context = _Context(table, ranks, global_batch, memory_per_rank, bandwidth, latency, optimizer_bytes_per_parameter,
+                       balance_tolerance)
+    queue = []
+    for m in ms:
+        for name, v in schedule_choices(schedules, virtual):
+            candidate = Candidate(name, v, m)
+            if ranks * v > len(table.units):
+                candidate.verdict = f"failed: {ranks * v} stages need {ranks * v} units, the model has {len(table.units)}"
+            else:
+                candidate.cuts = tuple(context.fastest(m, v))
+                candidate.lower_bound = context.lower_bound(candidate)
+            queue.append(candidate)
+    best = math.inf
+    for candidate in sorted(queue, key=lambda c: c.lower_bound):
+        if candidate.verdict != "pending":
+            continue
+        if candidate.lower_bound > best:
+            candidate.verdict = "slower (bound)"
+            continue
+        context.evaluate(candidate)
+        if candidate.verdict == "fits":
+            best = min(best, candidate.step_time)
+    settings = dict(ranks=ranks, global_batch=global_batch, memory_per_rank=memory_per_rank, bandwidth=bandwidth,
+                    latency=latency, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
+                    balance_tolerance=balance_tolerance)
+    return SearchResult(queue, settings)
+
+
+def _check_sizes(ranks: int, global_batch: int, memory_per_rank: float, units: int) -> None:
+    for name, value in (("ranks", ranks), ("global_batch", global_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(memory_per_rank, int | float) or not memory_per_rank > 0:
+        raise PlanError(f"memory_per_rank must be a positive number of bytes, got {memory_per_rank!r}")
+    if ranks > units:
+        raise PlanError(f"{ranks} ranks need at least {ranks} splittable units, the model has {units}; "
+                        "use fewer ranks")
+
+
+class _Context:
+    """What the candidates share: rescaled costs and fastest splits per (M, V), built schedules."""
+
+    def __init__(self, table, ranks, global_batch, limit, bandwidth, latency, optimizer_bytes, tolerance):
+        self.table, self.ranks, self.global_batch, self.limit = table, ranks, global_batch, limit
+        self.bandwidth, self.latency, self.tolerance = bandwidth, latency, tolerance
+        self.optimizer_bytes = optimizer_bytes
+        self._sums: dict[int, StageSums] = {}
+        self._fastest: dict[tuple[int, int], list[int]] = {}
+
+    def sums(self, m: int) -> StageSums:
+        if m not in self._sums:
+            self._sums[m] = StageSums(self.table.at(self.global_batch // m), optimizer_bytes=self.optimizer_bytes)
+        return self._sums[m]
+
+    def fastest(self, m: int, v: int) -> list[int]:
+        if (m, v) not in self._fastest:
+            self._fastest[(m, v)] = fastest_split(self.sums(m), self.ranks * v)
+        return self._fastest[(m, v)]
+
+    def lower_bound(self, c: Candidate) -> float:
+        """No schedule runs faster: with one stage per rank, the busiest rank's compute for all
+        microbatches plus the forwards of the first microbatch on the stages before it; with more, the
+        mean rank's compute (which rank holds which stage is the schedule's)."""
+        sums, stages = self.sums(c.microbatches), bounds_of(c.cuts, len(self.table.units))
+        times = [sums.time(i, j) for i, j in stages]
+        if c.virtual == 1:
+            return max(sums.forward(0, i) + c.microbatches * t for (i, _), t in zip(stages, times))
+        return c.microbatches * sum(times) / self.ranks
+
+    def evaluate(self, c: Candidate) -> None:
+        try:
+            schedule = cs.build(c.schedule, ranks=self.ranks, microbatches=c.microbatches, virtual=c.virtual)
+        except ConveyorError as error:
+            c.verdict = f"failed: {str(error).splitlines()[0]}"
+            return
+        sums = self.sums(c.microbatches)
+        first = self._simulate(schedule, sums, list(c.cuts), c.microbatches)
+        options = [first]
+        in_flight = first[4]
+
+        def estimate(cuts) -> float:  # the heaviest stage as the split's DP weighs it
+            return max(sums.static(i, j) + in_flight[s] * sums.activations(i, j)
+                       for s, (i, j) in enumerate(bounds_of(cuts, len(sums.units))))
+
+        time_limit = max(first[3]) * (1 + self.tolerance)
+        for limit in (time_limit, math.inf):
+            try:
+                cuts = lightest_split(sums, schedule.num_stages, in_flight, limit)
+            except PlanError:
+                continue
+            lighter = estimate(cuts) < 0.99 * min(estimate(o[0]) for o in options)
+            # Simulating costs more than the DP: only a split that may fit, or be lighter, is worth it.
+            worth = lighter and (limit != math.inf or estimate(cuts) <= self.limit)
+            if worth and all(tuple(cuts) != tuple(o[0]) for o in options):
+                options.append(self._simulate(schedule, sums, cuts, c.microbatches))
+            if any(o[2] <= self.limit for o in options):
+                break
+        cuts, step, peak, stage_times, _, bubble, memory = min(options, key=self._preference(options))
+        names = self.table.names
+        c.cuts, c.split_points = tuple(cuts), tuple(names[i] for i in cuts)
+        c.step_time, c.bubble, c.memory_per_rank, c.stage_times = step, bubble, tuple(memory), tuple(stage_times)
+        c.verdict = "fits" if peak <= self.limit else "over memory"
+
+    def _preference(self, options):
+        fastest_fitting = min((o[1] for o in options if o[2] <= self.limit), default=None)
+
+        def key(option):
+            fits = option[2] <= self.limit
+            if not fits:
+                return (1, option[2], option[1])
+            # Among fitting splits, anything within a tenth of the tolerance of the fastest counts as as
+            # fast, and the lighter one wins.
+            close = option[1] <= fastest_fitting * (1 + self.tolerance / 10)
+            return (0, 0.0 if close else option[1], option[2])
+
+        return key
+
+    def _simulate(self, schedule, sums: StageSums, cuts: list[int], microbatches: int):
+        """(cuts, step, peak memory, stage times, in-flight microbatches per stage, bubble, memory per rank)."""
+        stages = bounds_of(cuts, len(sums.units))
+        costs = [cs.StageCosts(sums.forward(i, j), sums.backward_input(i, j), sums.backward_weight(i, j),
+                               sums.activations(i, j), sums.weight_kept(i, j)) for i, j in stages]
+        sent = max((sums.units[j - 1].output_bytes for _, j in stages[:-1]), default=0.0)
+        latency = self.latency + sent / self.bandwidth
+        timeline = cs.simulate(schedule, cs.CostModel(tuple(costs), latency), time_unit="s")
+        peaks = timeline.peak_activation_bytes()
+        memory, in_flight = [], [1.0] * len(stages)
+        for rank in range(self.ranks):
+            mine = schedule.stages_of(rank)
+            activations = sum(sums.activations(*stages[s]) for s in mine)
+            for s in mine:
+                in_flight[s] = peaks[rank] / activations if activations else 1.0
+            memory.append(sum(sums.static(*stages[s]) for s in mine) + peaks[rank])
+        stage_times = [sums.time(i, j) for i, j in stages]
+        # Every span starts at 0 or later; the busy time is known without walking the spans again.
+        step = max(span.end for span in timeline.spans)
+        bubble = 1 - microbatches * sum(stage_times) / (self.ranks * step) if step > 0 else 0.0
+        return cuts, step, max(memory), stage_times, in_flight, bubble, memory

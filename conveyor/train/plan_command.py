@@ -1,0 +1,126 @@
+"""``conveyor plan MODEL``: the model a name stands for, its plan, the table, the plan file.
+
+``MODEL`` is a recipe (``gpt``, ``llama``, ``mpt``), ``hf:<transformers class>``, a config YAML
+as ``conveyor train`` takes (its ``model`` section; ``--set section.key=value`` overrides any
+key, e.g. ``--set model.layers=8 --set model.hf_config.rope_theta=5e5``), or
+``package.module:function`` returning ``(model, example_microbatch)``. Config models get one
+microbatch of token ids of ``model.seq_len`` for the smallest microbatch the search may pick.
+``--analytic`` builds the model on the meta device and costs it from its shapes instead of
+running it (a 70B config plans in seconds).
+
+Example:
+    >>> from conveyor.cli import main
+    >>> main(["plan", "gpt", "--ranks", "2", "--global-batch", "4", "--memory-per-rank", "1GiB", "--analytic",
+    ...       "--set", "model.layers=2", "--set", "model.width=32"])  # doctest: +ELLIPSIS
+      #  schedule ...
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+from conveyor.errors import UsageError
+
+
+def add_parser(commands: Any, positive_int: Any) -> None:
+    """The ``plan`` subcommand's options, on the ``conveyor`` parser's ``commands``."""
+    plan = commands.add_parser(
+        "plan", help="choose split, schedule, microbatches and stages per rank for a model under a memory budget",
+        description="Profile each splittable unit of MODEL (F, I, W time; activation and parameter memory), "
+        "simulate every schedule x microbatch count x stages per rank on the best split for it, and print the "
+        "fastest plans that fit --memory-per-rank (parameters, gradients, AdamW state and activations).")
+    plan.add_argument("model", metavar="MODEL",
+                      help="gpt | llama | mpt | hf:<class> | CONFIG.yaml | package.module:function")
+    plan.add_argument("--ranks", "-p", type=positive_int, required=True, metavar="P")
+    plan.add_argument("--global-batch", "-b", type=positive_int, required=True, metavar="B",
+                      help="samples per optimizer step over the pipeline")
+    plan.add_argument("--memory-per-rank", default="inf", metavar="SIZE", help="e.g. 4GiB, 80GB (default: no limit)")
+    plan.add_argument("--top", type=positive_int, default=5, metavar="K", help="plans to list (default 5)")
+    plan.add_argument("--out", metavar="PLAN.json", help="write the chosen plan here")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="a config override for recipe/config models, e.g. model.layers=8 (repeatable)")
+    plan.add_argument("--schedules", metavar="A,B", help="only these schedules (default: every registered one)")
+    plan.add_argument("--analytic", action="store_true",
+                      help="cost the model from its shapes on the meta device instead of running it")
+    plan.add_argument("--flops", type=float, default=None, metavar="FLOP/S",
+                      help="sustained device throughput for --analytic (default 4e14)")
+    plan.add_argument("--repeats", type=positive_int, default=3, help="timed rounds per unit (best kept)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model, plan it, print the table, write the file."""
+    import time
+
+    from conveyor.plan import format_plan, parse_size
+    from conveyor.plan.planner import plan
+
+    limit = parse_size(args.memory_per_rank)
+    started = time.perf_counter()
+    model, example = resolve_model(args.model, args.set, analytic=args.analytic,
+                                   microbatch=_smallest_microbatch(args.global_batch, args.ranks))
+    options: dict[str, Any] = {}
+    if args.flops is not None:
+        options["flops_per_second"] = args.flops
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
+    chosen = plan(model, example, ranks=args.ranks, global_batch=args.global_batch, memory_per_rank=limit,
+                  schedules=schedules, repeats=args.repeats, top=args.top, **options)
+    print(format_plan(chosen, top=args.top))
+    print(f"planned in {time.perf_counter() - started:.1f} s")
+    if args.out:
+        print(f"wrote {chosen.save(args.out)}")
+    return 0
+
+
+def _smallest_microbatch(global_batch: int, ranks: int) -> int:
+    from conveyor.plan.search import microbatch_choices
+
+    return global_batch // max(microbatch_choices(global_batch, ranks))
+
+
+def resolve_model(spec: str, overrides: list[str], *, analytic: bool, microbatch: int) -> tuple[Any, Any]:
+    """``(model, example microbatch)`` for ``MODEL``: a ``module:function``'s result, else the model
+    a ``conveyor train`` config describes with ``microbatch`` sequences of ``model.seq_len`` zeros.
+
+    Example:
+        >>> model, example = resolve_model("gpt", ["model.layers=2", "model.width=32"], analytic=True, microbatch=2)
+        >>> type(model).__name__, tuple(example.shape), next(model.parameters()).device.type
+        ('GPT2LMHeadModel', (2, 128), 'meta')
+    """
+    import torch
+
+    if ":" in spec and not spec.startswith("hf:") and not spec.endswith((".yaml", ".yml")):
+        if overrides:
+            raise UsageError(f"--set applies to recipe and config models, not to {spec!r} (a Python function)")
+        return _from_function(spec, analytic)
+    from conveyor.train.config import load_config
+    from conveyor.train.data import load_tokenizer
+    from conveyor.train.models import build_model
+
+    is_file = spec.endswith((".yaml", ".yml"))
+    cfg = load_config(spec if is_file else None, ([] if is_file else [f"model.name={spec}"]) + list(overrides))
+    vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, vocab, device="meta" if analytic else None)
+    model.train()
+    return model, torch.zeros(microbatch, cfg.model.seq_len, dtype=torch.long)
+
+
+def _from_function(spec: str, analytic: bool) -> tuple[Any, Any]:
+    module_name, _, function_name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as error:
+        raise UsageError(f"MODEL {spec!r}: cannot load {function_name!r} from module {module_name!r} ({error}); "
+                         "expected package.module:function returning (model, example_microbatch)") from None
+    result = function()
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise UsageError(f"MODEL {spec!r}: {function_name}() returned {type(result).__name__}; expected a pair "
+                         "(model, example_microbatch)")
+    model, example = result
+    if analytic:
+        model = model.to("meta")
+    return model, example
+
