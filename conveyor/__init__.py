@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from conveyor.build import pipeline  # noqa: F401
     from conveyor.local import LocalPipeline  # noqa: F401
     from conveyor.pipe import Pipeline  # noqa: F401
-    from conveyor.runtime.main_grad import MasterWeights  # noqa: F401
     from conveyor.plan.result import Plan  # noqa: F401
+    from conveyor.runtime.main_grad import MasterWeights  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:
