@@ -92,18 +92,23 @@ def pipeline(
     split = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
                        **split_kwargs)
     modules = [split.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
-    # Stage modules keep the model's parameter names, so the model's order can be looked up. A
-    # tied parameter may sit in a stage under any of its names (torch.export picks one): each
-    # name gets the place of the tensor's first name, where torch's clipping counts it.
+    pipe = Pipeline(modules, resolved, loss_fn, group=group, mesh=mesh, tied_parameters=split.tied_groups,
+                    parameter_order=_parameter_order(model), model_signature=model_signature(model, split.split_points),
+                    **pipeline_kwargs)
+    pipe.model_info = model_info(model)  # what checkpoints record, and export writes back (config.json)
+    return pipe
+
+
+def _parameter_order(model: torch.nn.Module) -> dict[str, int]:
+    """Each parameter name's place in the model's order. Stage modules keep the model's names, so
+    the order can be looked up; a tied parameter may sit in a stage under any of its names
+    (torch.export picks one): each name gets the place of the tensor's first name, where torch's
+    clipping counts it."""
     order: dict[str, int] = {}
     first_place: dict[int, int] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         order[name] = first_place.setdefault(id(param), len(first_place))
-    pipe = Pipeline(modules, resolved, loss_fn, group=group, mesh=mesh, tied_parameters=split.tied_groups,
-                    parameter_order=order, model_signature=model_signature(model, split.split_points),
-                    **pipeline_kwargs)
-    pipe.model_info = model_info(model)  # what checkpoints record, and export writes back (config.json)
-    return pipe
+    return order
 
 
 def _time_split_points(model, num_stages: int, group, split_kwargs: dict) -> list:
