@@ -239,7 +239,7 @@ class Pipeline(_PipelineBase):
     memory to the peers on this host, the process group to the others) or ``"auto"``
     (default): with gloo, shared memory where every pair of ranks that talk shares a host
     (``LOCAL_WORLD_SIZE == WORLD_SIZE``, else the ranks compare hosts through the store within
-    ``timeout_s``); with other backends (NCCL), the process group.
+    ``timeout_s``); with NCCL, ``"ordered"`` (:mod:`conveyor.runtime.ordered`; gloo runs it too).
     ``parameter_order`` ({name: index in the unsplit model's ``parameters()``}, which
     :func:`pipeline` passes) tells :meth:`clip_grad_norm_` the model's order.
     ``random_streams`` (default True): random ops (dropout) draw, in the forward of each

@@ -116,7 +116,11 @@ class RankExecutor:
                 self.forward_inputs[(0, m)] = inputs
         # Receives are posted a few ahead of their use: early enough that the data
         # finds its buffer waiting, late enough not to hold every activation at once.
-        self.recv_actions = [a for a in program if a.kind is ActionKind.RECV_F or a.kind is ActionKind.RECV_B]
+        # An order-matched transport (NCCL) posts where its plan says, in batches, instead.
+        self.plan = (self.transport.plan(program, self.forward_direction == FORWARD)
+                     if getattr(self.transport, "ordered", False) else None)
+        self.recv_actions = [] if self.plan is not None else [
+            a for a in program if a.kind is ActionKind.RECV_F or a.kind is ActionKind.RECV_B]
         self.recvs: dict[Action, Any] = {}
         self.posted = 0
         self.consumed = 0
@@ -126,8 +130,11 @@ class RankExecutor:
         self.program = program
         self.runs_started += 1
         final = gradients_final if on_gradients_final is not None else {}
+        plan = self.plan or {}
         for index, action in enumerate(program):
             start = clock()
+            if action in plan:
+                self._post_batches(plan[action])
             yield from self.handlers[action.kind](action)
             self.actions_done += 1
             # Compute actions and receive waits: a wait shows where a rank idled for a peer.
@@ -158,6 +165,31 @@ class RankExecutor:
                 key = (BACKWARD, action.stage + 1, action.microbatch)
             self.recvs[action] = self.transport.post_recv(src, key)
             self.posted += 1
+
+    def _post_batches(self, batches: tuple[tuple[Action, ...], ...]) -> None:
+        """Post what an order-matched transport's plan puts here: each batch over one channel."""
+        for batch in batches:
+            if batch[0].kind is ActionKind.SEND_F or batch[0].kind is ActionKind.SEND_B:
+                peer = self._peer(batch[0])
+                self.transport.post_sends(peer, [(self._key(a), self.to_send.pop((a.kind, a.stage, a.microbatch)))
+                                                 for a in batch])
+            else:
+                handles = self.transport.post_recvs(self._peer(batch[0]), [self._key(a) for a in batch])
+                self.recvs.update(zip(batch, handles))
+
+    def _peer(self, action: Action) -> int:
+        kind, s = action.kind, action.stage
+        forward = kind is ActionKind.SEND_F or kind is ActionKind.RECV_B
+        return self.placement.rank_of(s + 1 if forward else s - 1)
+
+    def _key(self, action: Action) -> tuple[int, int, int]:
+        """The transfer a SEND_* or RECV_* action names: (direction, sending stage, microbatch)."""
+        kind, s, m = action.kind, action.stage, action.microbatch
+        if kind is ActionKind.SEND_F:
+            return (self.forward_direction, s, m)
+        if kind is ActionKind.RECV_F:
+            return (self.forward_direction, s - 1, m)
+        return (BACKWARD, s if kind is ActionKind.SEND_B else s + 1, m)
 
     # --- handlers -------------------------------------------------------------------
     def _forward(self, action: Action) -> Iterator[None]:
@@ -211,6 +243,8 @@ class RankExecutor:
         yield
 
     def _send_forward(self, action: Action) -> Iterator[None]:
+        if self.plan is not None:  # posted with its batch
+            return
         s, m = action.stage, action.microbatch
         value = self.to_send.pop((ActionKind.SEND_F, s, m))
         self.transport.send(self.placement.rank_of(s + 1), (self.forward_direction, s, m), value)
@@ -218,6 +252,8 @@ class RankExecutor:
         yield
 
     def _send_backward(self, action: Action) -> Iterator[None]:
+        if self.plan is not None:  # posted with its batch
+            return
         s, m = action.stage, action.microbatch
         value = self.to_send.pop((ActionKind.SEND_B, s, m))
         self.transport.send(self.placement.rank_of(s - 1), (BACKWARD, s, m), value)

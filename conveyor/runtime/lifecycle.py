@@ -117,6 +117,10 @@ class RankLifecycle:
         self._on_release: list[Callable[[], None]] = []
         self.state = OPEN
         self.stopped_because: str | None = None
+        # NCCL waits are the streams': a rank waiting for a peer that failed blocks in a kernel
+        # until the communicator is aborted, so the watcher aborts once the store names a failure.
+        self.abort_on_failure = self.backend == "nccl"
+        self.aborted_because: str | None = None
 
     # --- set-up --------------------------------------------------------------------------
     def _new_group(self, global_ranks: Sequence[int], whole_job: bool):
@@ -224,8 +228,48 @@ class RankLifecycle:
         if position is not None:
             name = dist.distributed_c10d._get_process_group_name(self.group)
             self.board = PositionBoard(self.store, f"conveyor/where/{name}", self.rank, self.num_ranks, position,
-                                       render=render, global_rank=self.global_ranks[self.rank])
+                                       render=render, global_rank=self.global_ranks[self.rank],
+                                       on_poll=self._abort_on_peer_failure)
             self.board.start()
+
+    def channel_groups(self, channels: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+        """A group of the pipeline's own per channel (src, dst), both group ranks: {channel: group}
+        for the channels this rank is on (an order-matched transport's; see conveyor.runtime.ordering).
+
+        Built as the main group was: by every rank of the job, in one order (with data
+        parallelism every replica's), or by their two members alone under a group of the user's.
+        """
+        import torch.distributed as dist
+
+        mine = {}
+        for src, dst in sorted(set(channels)):
+            if self.pipelines is not None:
+                group = self._each_of([[replica[src], replica[dst]] for replica in self.pipelines])
+            elif self.user_group is None:
+                group = dist.new_group([self.global_ranks[src], self.global_ranks[dst]], timeout=self.timeout)
+                if self.rank in (src, dst):
+                    self.groups.append(group)
+                else:
+                    group = None  # not a member: nothing to keep or close
+            elif self.rank in (src, dst):
+                group = self._new_group([self.global_ranks[src], self.global_ranks[dst]], whole_job=False)
+            else:
+                group = None
+            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                mine[(src, dst)] = group
+        return mine
+
+    def _abort_on_peer_failure(self) -> None:
+        """Run by the watcher thread: abort this pipeline's communicators once a peer published a failure."""
+        if not self.abort_on_failure or self.state != OPEN or self.aborted_because or self.transport is None:
+            return
+        failures = self.transport.peer_failures()
+        if failures:
+            self.aborted_because = failures
+            log.warning("conveyor: rank %d aborts its communicators: %s", self.rank, failures)
+            for group in list(self.groups):
+                with contextlib.suppress(Exception):
+                    group.abort()
 
     # --- calls ---------------------------------------------------------------------------
     def check_usable(self) -> None:
@@ -380,7 +424,11 @@ class RankLifecycle:
             # dropping our reference is what ends it).
             if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
                 try:
-                    dist.destroy_process_group(group)
+                    if self.backend == "nccl" and self.state == STOPPED:
+                        # Destroying waits for pending work, which a failed peer never completes.
+                        dist.distributed_c10d._abort_process_group(group)
+                    else:
+                        dist.destroy_process_group(group)
                 except Exception as exc:  # a peer's failure may have broken it already
                     log.debug("destroying a pipeline process group: %s", exc)
         del groups

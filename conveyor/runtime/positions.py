@@ -45,7 +45,8 @@ class PositionBoard:
 
     def __init__(self, store, prefix: str, rank: int, num_ranks: int, position: Callable[[], dict[str, Any]],
                  *, render: Callable[[list[dict[str, Any] | None]], str] | None = None,
-                 poll_s: float = 0.5, global_rank: int | None = None) -> None:
+                 poll_s: float = 0.5, global_rank: int | None = None,
+                 on_poll: Callable[[], None] | None = None) -> None:
         self.store = store
         self.heartbeat_key = HEARTBEAT_KEY.format(global_rank=rank if global_rank is None else global_rank)
         self.prefix = prefix
@@ -54,6 +55,7 @@ class PositionBoard:
         self.position = position
         self.render = render
         self.poll_s = poll_s
+        self.on_poll = on_poll  # also run by the watcher each poll (the lifecycle's failure watch)
         self.answered = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -100,6 +102,8 @@ class PositionBoard:
         while not self._stop.wait(self.poll_s):
             try:
                 self.store.add(self.heartbeat_key, 1)
+                if self.on_poll is not None:
+                    self.on_poll()
                 request = self.store.add(f"{self.prefix}/request", 0)
                 if request > self.answered:
                     self._answer(request)

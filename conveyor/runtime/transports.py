@@ -3,8 +3,8 @@
 ``"auto"`` (gloo): shared memory when the launcher says every rank is on this host
 (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as torchrun sets them); else the ranks tell each other
 their hosts through the store and every pair of ranks that talk uses shared memory where
-they share a host: shared memory, hybrid or the process group. Other backends (NCCL): the
-process group.
+they share a host: shared memory, hybrid or the process group. NCCL (whose point-to-point
+ignores tags): ``"ordered"`` (:mod:`conveyor.runtime.ordered`), which gloo runs too, to check it.
 
 Example (what :class:`conveyor.Pipeline` does)::
 
@@ -23,12 +23,14 @@ from torch.utils import _pytree as pytree
 from conveyor.errors import PipelineConfigError
 from conveyor.runtime.hybrid import HostExchange, HybridTransport
 from conveyor.runtime.lifecycle import RankLifecycle
+from conveyor.runtime.ordered import OrderedTransport
+from conveyor.runtime.ordering import sender_orders
 from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
 from conveyor.runtime.transport import DistTransport, Transport
 from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, Channel, flatten_payload
 from conveyor.schedule.ir import ActionKind, Schedule
 
-TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid")
+TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid", "ordered")
 
 
 def check_transport_name(kind: str) -> None:
@@ -57,6 +59,10 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
         elif life.backend == "gloo":
             hosts = _hosts(rank, life, prefix, timeout_s, why_not)
             kind = _transport_for(schedule, hosts)
+    if life.backend == "nccl" and kind in ("auto", "process_group"):
+        kind = "ordered"  # the tagged protocol's CPU buffers and multi-part messages cannot run on NCCL
+    if kind == "ordered":
+        return ordered_transport(rank, schedule, life, timeout_s)
     if kind == "hybrid" and life.backend != "gloo":
         raise PipelineConfigError(
             f"transport='hybrid' carries CPU tensors and needs the gloo backend; this group uses "
@@ -80,6 +86,18 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
     local = SharedMemoryTransport(rank, local_peers, life.store, prefix, len(global_ranks), timeout_s,
                                   fixed_shapes, local_ranks=hosts.count(hosts[rank]), rank_to_global=global_ranks)
     return HybridTransport(local, process_group(), local_peers)
+
+
+def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeout_s: float) -> OrderedTransport:
+    """The order-matched transport over a process group per channel; buffers on this rank's GPU under NCCL."""
+    import torch.distributed as dist
+
+    channels = set(sender_orders(schedule, training=True)) | set(sender_orders(schedule, training=False))
+    groups = life.channel_groups(sorted(channels))
+    device = torch.device("cuda", torch.cuda.current_device()) if life.backend == "nccl" else torch.device("cpu")
+    prefix = dist.distributed_c10d._get_process_group_name(life.group)
+    return OrderedTransport(rank, life.global_ranks, schedule, groups, life.store, prefix, timeout_s, device,
+                            life.backend)
 
 
 def wire_channels(train_in_order: Iterable[tuple[ActionKind, int]],

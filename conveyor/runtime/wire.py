@@ -300,12 +300,14 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def check_frozen(expected: PayloadMeta, actual: PayloadMeta, rank: int, key: TransferKey, dst: int) -> None:
-    """Raise SpecMismatchError naming the first tensor whose shape, dtype or place differs."""
+def check_frozen(expected: PayloadMeta, actual: PayloadMeta, rank: int, key: TransferKey, dst: int,
+                 fix: str | None = None) -> None:
+    """Raise SpecMismatchError naming the first tensor whose shape, dtype or place differs
+    (``fix``: how to avoid it, said at the end; by default, about ``fixed_shapes``)."""
     direction, stage, microbatch = key
-    what = "output" if direction == FORWARD else "input gradient"
+    what = "input gradient" if direction == BACKWARD else "output"
     where = f"rank {rank}, stage {stage}, microbatch {microbatch}: the {what} sent to rank {dst}"
-    fix = ("(fixed_shapes=True froze the structure seen in the first step; pass fixed_shapes=False "
+    fix = fix or ("(fixed_shapes=True froze the structure seen in the first step; pass fixed_shapes=False "
            "to let shapes vary between microbatches and steps)")
     if expected.spec != actual.spec or expected.is_tensor != actual.is_tensor:
         raise SpecMismatchError(f"{where} has structure {actual.spec}, but the receiver was told {expected.spec} {fix}")

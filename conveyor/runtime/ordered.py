@@ -1,0 +1,249 @@
+"""The transport for NCCL: transfers matched by order, data only, one communicator per channel.
+
+NCCL ignores tags and matches point-to-point operations by order, so this transport never
+relies on them (on gloo it sends tag 0 alike, which makes gloo match by order too: the CPU
+check of the same logic). What it does differently from
+:class:`~conveyor.runtime.transport.DistTransport`:
+
+- **Order.** Each channel (src rank, dst rank) has a process group of its two ranks, so its
+  transfers complete in their own order whatever the other direction does; a rank posts a
+  channel's receives in the order the sender sends (:mod:`conveyor.runtime.ordering` plans
+  where: the executor asks :meth:`OrderedTransport.plan`).
+- **Data only.** The structure of each transfer (shapes, dtypes, tree) travels once, through
+  the store, the first time that transfer (direction, stage, microbatch) happens; from then
+  on, and from the start for stages given in ``Pipeline(shapes=...)``, only the bytes travel,
+  into a buffer the receiver sized ahead. A later transfer of another structure is an error
+  (SpecMismatchError) naming rank, stage, microbatch and tensor, as with ``fixed_shapes``.
+- **Device.** Receive buffers live on ``device`` (the stage's GPU under NCCL), send buffers too.
+- **Batches.** What a rank posts over one channel at one point goes in one
+  ``torch.distributed.batch_isend_irecv``; waiting for a receive waits for its batch.
+- **Failure.** Under NCCL a wait is the stream's (the host goes on), so a peer's failure
+  cannot surface in a wait: the pipeline's watcher thread reads the store's failure board
+  every poll and aborts the communicators once a peer published one
+  (:mod:`conveyor.runtime.lifecycle`), which ends every kernel waiting on them. Under gloo
+  a wait blocks the host until ``timeout_s``, and the failing rank's closed connections end it;
+  either way the message comes from the store. The first step's wait for a structure
+  looks at the board every :data:`FAILURE_POLL_S`.
+
+Example (what :func:`conveyor.runtime.transports.build_transport` does for NCCL)::
+
+    transport = OrderedTransport(life, rank, schedule, channel_groups, timeout_s=300.0, device=device)
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from conveyor.errors import LostConnection, PeerFailure
+from conveyor.runtime.ordering import Plan, post_plan, sender_orders
+from conveyor.runtime.transport import FailureBoard, Transport, receive_timeout
+from conveyor.runtime.wire import (
+    PayloadMeta,
+    TransferKey,
+    as_bytes,
+    check_frozen,
+    flatten_payload,
+    in_layouts,
+    matches,
+    pack_into,
+    quick_flatten,
+    unflatten_payload,
+    unpack,
+)
+from conveyor.schedule.ir import Action, Schedule
+
+# How often a waiting rank looks at the store's failure board (gloo; NCCL: the watcher's poll).
+FAILURE_POLL_S = 0.5
+_STRUCTURE_KEY = "conveyor/ordered/{prefix}/{direction}/{stage}/{microbatch}"
+_FIX = ("(transport='ordered', NCCL's, sends data only once a transfer's structure is known; keep each "
+        "microbatch's shapes as in the first step (pad variable lengths), or use gloo with "
+        "transport='process_group')")
+
+
+@dataclass
+class _Receive:
+    src: int
+    key: TransferKey
+    meta: PayloadMeta
+    buffer: torch.Tensor | None
+    works: list = field(default_factory=list)  # the whole batch's: it completes together
+
+
+class OrderedTransport(FailureBoard, Transport):
+    """Order-matched, data-only point-to-point over one process group per channel (NCCL, or gloo to test it).
+
+    ``channel_groups``: {(src, dst): the process group of those two ranks} for every channel
+    this rank sends or receives on. ``prefix`` names this pipeline's keys in ``store``.
+    """
+
+    ordered = True
+
+    def __init__(self, rank: int, rank_to_global: list[int], schedule: Schedule, channel_groups: dict, store,
+                 prefix: str, timeout_s: float, device: torch.device, backend: str) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank = rank
+        self.rank_to_global = rank_to_global
+        self.schedule = schedule
+        self.channel_groups = channel_groups
+        self.store = store
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        self.device = torch.device(device)
+        self.stream_waits = backend == "nccl"  # a wait orders the stream; the host goes on
+        self.known: dict[TransferKey, PayloadMeta] = {}
+        self.seeded: dict[tuple[int, int], PayloadMeta] = {}
+        self.pending_sends: list[tuple[list, list[torch.Tensor]]] = []
+        self.structures_sent = 0
+        self._orders: dict[bool, dict] = {}
+        self._plans: dict[tuple[int, bool], tuple[tuple[Action, ...], Plan]] = {}
+
+    def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
+        """Every transfer of ``channel`` has structure ``meta`` (both ends seed alike)."""
+        self.seeded[channel] = meta
+
+    def plan(self, program: tuple[Action, ...], training: bool) -> Plan:
+        """Where this rank posts what, in ``program`` (see :func:`conveyor.runtime.ordering.post_plan`)."""
+        cached = self._plans.get((id(program), training))
+        if cached is not None and cached[0] is program:
+            return cached[1]
+        if training not in self._orders:
+            self._orders[training] = sender_orders(self.schedule, training)
+        plan = post_plan(program, self.rank, self.schedule.placement, self._orders[training], training)
+        self._plans[(id(program), training)] = (program, plan)
+        return plan
+
+    # --- structures ------------------------------------------------------------------------
+    def _structure(self, key: TransferKey) -> PayloadMeta | None:
+        return self.known.get(key) or self.seeded.get(key[:2])
+
+    def _store_key(self, key: TransferKey) -> str:
+        direction, stage, microbatch = key
+        return _STRUCTURE_KEY.format(prefix=self.prefix, direction=direction, stage=stage, microbatch=microbatch)
+
+    def _fetch_structure(self, src: int, key: TransferKey, what: str) -> PayloadMeta:
+        """The structure ``src`` published for ``key`` (its first time), waited for through the store."""
+        name = self._store_key(key)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                self.store.wait([name], datetime.timedelta(seconds=FAILURE_POLL_S))
+                break
+            except Exception as exc:  # not there yet (or the store is gone: then the deadline says so)
+                failures = self.peer_failures()
+                if failures:
+                    raise PeerFailure(failures) from exc
+                if time.monotonic() >= deadline:
+                    raise receive_timeout(self.rank, self.timeout_s, f"the structure of {what}", src) from exc
+        meta = PayloadMeta.decode(self.store.get(name))
+        self.known[key] = meta
+        return meta
+
+    # --- sending ---------------------------------------------------------------------------
+    def send(self, dst: int, key: TransferKey, value: Any) -> None:
+        self.post_sends(dst, [(key, value)])
+
+    def post_sends(self, dst: int, items: list[tuple[TransferKey, Any]]) -> None:
+        """Send each (key, value) of ``items`` to ``dst``, in order, as one batch."""
+        ops, keep = [], []
+        group = self.channel_groups[(self.rank, dst)]
+        for key, value in items:
+            body = self._body(dst, key, value)
+            if body is not None:
+                keep.append(body)
+                ops.append(self.dist.P2POp(self.dist.isend, body, self.rank_to_global[dst], group=group))
+        if ops:
+            self.pending_sends.append((self.dist.batch_isend_irecv(ops), keep))
+
+    def _body(self, dst: int, key: TransferKey, value: Any) -> torch.Tensor | None:
+        """The bytes of ``value`` as the receiver expects them (publishing the structure the first time)."""
+        meta = self._structure(key)
+        leaves, spec = quick_flatten(value)
+        if meta is None:
+            meta, tensors = flatten_payload(value)
+            self.store.set(self._store_key(key), meta.encode())
+            self.known[key] = meta
+            self.structures_sent += 1
+        elif matches(meta, leaves, spec):
+            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        else:
+            actual, tensors = flatten_payload(value)
+            check_frozen(meta, actual, self.rank, key, dst, fix=_FIX)
+            tensors = in_layouts(tensors, meta)
+        if not tensors:
+            return None
+        if len(tensors) == 1 and meta.tensors[0].num_bytes == meta.data_bytes:
+            body = as_bytes(tensors[0])
+        else:
+            body = torch.empty(meta.data_bytes, dtype=torch.uint8, device=self.device)
+            pack_into(body, tensors, meta)
+        return body if body.device == self.device else body.to(self.device)
+
+    # --- receiving -------------------------------------------------------------------------
+    def post_recv(self, src: int, key: TransferKey) -> _Receive:
+        return self.post_recvs(src, [key])[0]
+
+    def post_recvs(self, src: int, keys: list[TransferKey]) -> list[_Receive]:
+        """Post the receives of ``keys`` from ``src``, in order, as one batch."""
+        handles, ops = [], []
+        group = self.channel_groups[(src, self.rank)]
+        for key in keys:
+            meta = self._structure(key) or self._fetch_structure(src, key, f"transfer {key}")
+            buffer = torch.empty(meta.data_bytes, dtype=torch.uint8, device=self.device) if meta.tensors else None
+            handles.append(_Receive(src, key, meta, buffer))
+            if buffer is not None:
+                ops.append(self.dist.P2POp(self.dist.irecv, buffer, self.rank_to_global[src], group=group))
+        works = self.dist.batch_isend_irecv(ops) if ops else []
+        for handle in handles:
+            handle.works = works  # the same list: waited once for all (a gloo work waits once)
+        return handles
+
+    def ready(self, handle: _Receive) -> bool:
+        return all(work.is_completed() for work in handle.works)
+
+    def wait(self, handle: _Receive, what: str) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+        for work in handle.works:
+            self._await(work, deadline, handle.src, what)
+        handle.works.clear()  # one list per batch: its other receives are complete too
+        tensors = unpack(handle.buffer, handle.meta) if handle.buffer is not None else []
+        return unflatten_payload(handle.meta, tensors)
+
+    def _await(self, work, deadline: float, src: int, what: str) -> None:
+        """Wait for ``work``: under NCCL the stream waits (the watcher aborts on a peer's failure);
+        under gloo the host, at most until ``deadline`` (a gloo wait that times out closes the
+        pair, so it cannot be cut into slices that look at the store in between)."""
+        if self.stream_waits:
+            work.wait()
+            return
+        try:
+            work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except Exception as exc:  # gloo reports both timeouts and dead peers as RuntimeError
+            failures = self.peer_failures()
+            if failures:
+                raise PeerFailure(failures) from exc
+            if time.monotonic() >= deadline - 0.01:
+                raise receive_timeout(self.rank, self.timeout_s, what, src) from exc
+            raise LostConnection(
+                f"rank {self.rank} lost its connection while waiting for {what} from rank {src}: {exc}"
+            ) from exc
+
+    def finish_sends(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for works, _ in self.pending_sends:
+            for work in works:
+                if self.stream_waits:
+                    work.wait()
+                else:
+                    work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        self.pending_sends.clear()
+
+    def close(self) -> None:
+        self.pending_sends.clear()
+        self.channel_groups = {}

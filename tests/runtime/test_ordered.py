@@ -1,0 +1,73 @@
+"""transport='ordered' (NCCL's) over gloo ranks: transfers matched by order, bitwise equal to one device.
+
+Gloo matches by order too when every tag is the same, so these runs check the order logic
+(receives posted in the sender's order, one process group per channel, data only after the
+first structure) that NCCL relies on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import conveyor
+import conveyor.schedule as cs
+from conveyor.testing import run_ranks
+
+from .parity import NUM_MICROBATCHES, assert_same, reference_run, schedule_grid
+from .test_pipeline_dist import _raise_in_stage, _train
+
+
+def _every_schedule(rank, world_size, cases):
+    return [_train(rank, world_size, name, virtual, False, "ordered") for name, virtual in cases]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_every_schedule_is_bitwise_equal_to_one_device_when_matched_by_order(num_ranks):
+    """Every built-in schedule (V in {1, 2} where it takes it), one set of ranks building each in turn."""
+    cases = [(name, virtual) for name, _, virtual in schedule_grid((num_ranks,))]
+    results = run_ranks(_every_schedule, num_ranks, args=(cases,), timeout_s=240)
+    for index, (name, virtual) in enumerate(cases):
+        schedule = cs.build(name, ranks=num_ranks, microbatches=NUM_MICROBATCHES, virtual=virtual)
+        want_losses, want_grads, want_params = reference_run(schedule)
+        for rank in range(num_ranks):
+            losses, grads, params, _ = results[rank][index]
+            where = f"{name} P={num_ranks} V={virtual} rank {rank}"
+            assert all(torch.equal(got, want) for got, want in zip(losses, want_losses)), where
+            for stage in schedule.stages_of(rank):
+                assert_same(f"{where} stage {stage} grads", grads[stage], want_grads[stage])
+                assert_same(f"{where} stage {stage} params", params[stage], want_params[stage])
+
+
+def _structures_then_data(rank, world_size):
+    schedule = cs.build("1f1b", ranks=2, microbatches=2)
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=30,
+                             transport="ordered")
+    sent = []
+    for _ in range(3):
+        pipe.step(torch.ones(4, 4))
+        sent.append(pipe.transport.structures_sent)
+    try:
+        pipe.step(torch.ones(6, 4))  # microbatches of 3 rows, not 2
+    except Exception as exc:
+        return sent, f"{type(exc).__name__}: {exc}"
+    return sent, "no error"
+
+
+def test_structures_travel_once_then_data_only_and_a_change_is_named():
+    results = run_ranks(_structures_then_data, 2, timeout_s=60)
+    (sent0, error0), (sent1, _) = results
+    assert sent0 == [2, 2, 2] and sent1 == [2, 2, 2]  # two microbatches' outputs / gradients, in step 1 only
+    assert "SpecMismatchError" in error0 and "rank 0, stage 0, microbatch 0" in error0
+    assert "transport='ordered'" in error0 and "(3, 4) float32" in error0
+
+
+def test_peers_report_the_failing_ranks_message():
+    results = run_ranks(_raise_in_stage, 4, args=("ordered",), timeout_s=60)
+    messages = [m for m, _ in results]
+    assert "boom inside stage 2" in messages[2]
+    for rank in (0, 1, 3):
+        assert "PeerFailure" in messages[rank] and "rank 2 failed" in messages[rank], messages[rank]
+    assert max(seconds for _, seconds in results) < 30

@@ -1,0 +1,101 @@
+"""The order-matched posts (NCCL's) of every built-in schedule, checked statically: pure Python, no ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+import conveyor.schedule as cs
+from conveyor.errors import ScheduleError
+from conveyor.runtime.ordering import check_posts, post_plan, sender_orders, transfer_of
+from conveyor.schedule.ir import Action, ActionKind, Placement
+from conveyor.schedule.passes import executable
+
+
+def _cases():
+    for name, info in sorted(cs.available().items()):
+        virtuals = info.virtual_choices if info.virtual_choices is not None else (1, 2, 3)
+        for ranks in (2, 4, 8):
+            for virtual in virtuals:
+                for microbatches in sorted({1, 2, ranks, 2 * ranks + 1}):
+                    yield name, ranks, virtual, microbatches
+
+
+def _sends_in_programs(programs, placement, training):
+    sent = {}
+    for rank, program in enumerate(programs):
+        for action in program:
+            if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                peer, key = transfer_of(action, placement, training)
+                sent.setdefault((rank, peer), []).append(key)
+    return sent
+
+
+def _receives_in_programs(programs, placement, training):
+    received = {}
+    for rank, program in enumerate(programs):
+        for action in program:
+            if action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                peer, key = transfer_of(action, placement, training)
+                received.setdefault((peer, rank), []).append(key)
+    return received
+
+
+@pytest.mark.parametrize("name", sorted(cs.available()))
+def test_every_builtin_schedule_posts_in_matching_order_and_cannot_deadlock(name):
+    """For every pair of ranks the sends a -> b meet, in order, the receives b posts from a (same
+    stage, microbatch, kind), and simulated posts and waits of every rank complete (model: one
+    communicator per channel, in-order completion, batches complete together)."""
+    checked = reordered = 0
+    for case_name, ranks, virtual, microbatches in _cases():
+        if case_name != name:
+            continue
+        try:
+            schedule = cs.build(name, ranks=ranks, microbatches=microbatches, virtual=virtual)
+        except ScheduleError:
+            continue  # sizes this schedule does not serve
+        runs = executable(schedule)
+        for training, lowered in ((True, runs.train), (False, runs.eval)):
+            orders = sender_orders(schedule, training)
+            where = f"{name} P={ranks} V={virtual} M={microbatches} {'train' if training else 'eval'}"
+            # The runtime's sender order is the lowered programs' (it has no lower() of its own).
+            assert orders == _sends_in_programs(lowered.programs, schedule.placement, training), where
+            received = _receives_in_programs(lowered.programs, schedule.placement, training)
+            assert {pair: sorted(keys) for pair, keys in orders.items()} == \
+                   {pair: sorted(keys) for pair, keys in received.items()}, where
+            reordered += received != orders  # receivers that consume out of the sender's order
+            plans = [post_plan(p, r, schedule.placement, orders, training) for r, p in enumerate(lowered.programs)]
+            assert check_posts(lowered.programs, plans, schedule.placement, training) is None, where
+            checked += 1
+    assert checked >= 6, f"{name}: only {checked} sizes checked"
+    if name in ("interleaved-1f1b", "zbv", "dualpipev"):
+        assert reordered, f"{name}: expected some size whose receiver consumes out of the sender's order"
+
+
+def _plans(rows, placement):
+    programs = [tuple(map(Action.parse, row)) for row in rows]
+    orders = {}
+    for rank, program in enumerate(programs):
+        for action in program:
+            if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                peer, key = transfer_of(action, placement, True)
+                orders.setdefault((rank, peer), []).append(key)
+    return programs, [post_plan(p, r, placement, orders, True) for r, p in enumerate(programs)]
+
+
+def test_the_simulation_finds_ranks_that_wait_for_each_other():
+    # Each rank receives before it sends what the other waits for: no order of posts helps.
+    placement = Placement.looped(2, 1)
+    programs, plans = _plans([["0RECV_B0", "0B0", "0F0", "0SEND_F0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]],
+                             placement)
+    problem = check_posts(programs, plans, placement)
+    assert problem is not None and "rank 0 waits" in problem and "rank 1 waits" in problem
+
+
+def test_the_simulation_finds_receives_posted_out_of_the_senders_order():
+    placement = Placement.looped(2, 1)
+    programs, plans = _plans([["0F0", "0SEND_F0", "0F1", "0SEND_F1"], ["1RECV_F1", "1F1", "1RECV_F0", "1F0"]],
+                             placement)
+    assert check_posts(programs, plans, placement) is None  # the plan posts F0's receive first
+    swapped = [plans[0], {Action.parse("1RECV_F1"): ((Action.parse("1RECV_F1"), Action.parse("1RECV_F0")),)}]
+    problem = check_posts(programs, swapped, placement)
+    assert problem is not None and "rank 0 sends rank 1" in problem
