@@ -24,5 +24,12 @@ def test_the_gpu_checks_logic_passes_on_cpu():
     done = _run("--device", "cpu", "--no-compile")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert lines[-1].startswith("10/10 passed on cpu"), done.stdout
-    assert sum(" ok " in line and "bitwise" in line for line in lines) == 10, done.stdout
+    from conveyor.schedule.registry import available
+
+    schedules = sorted(available())
+    # every built-in through LocalPipeline, autocast bf16, and a gloo Pipeline
+    expected = len(schedules) + 2
+    assert lines[-1].startswith(f"{expected}/{expected} passed on cpu"), done.stdout
+    assert sum(" ok " in line and "bitwise" in line for line in lines) == expected, done.stdout
+    for name in schedules:
+        assert any(f"LocalPipeline {name} " in line for line in lines), (name, done.stdout)
