@@ -17,6 +17,7 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel.mesh import layout_of
 from conveyor.pipe import Pipeline
+from conveyor.runtime.device import resolve_device
 from conveyor.runtime.runner import LossFn
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.registry import resolve_schedule
@@ -49,7 +50,8 @@ def pipeline(
     ``both_modes=True`` traces the model in train and in eval mode, so that
     ``pipe.eval()`` / ``pipe.train()`` switch dropout and BatchNorm as on the model
     (one trace, in the model's current mode, otherwise; the other mode then raises).
-    Each rank materialises only its own stages (a meta-device model works);
+    Each rank materialises only its own stages (a meta-device model works) on ``device``
+    (default ``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU; "time" profiles there too);
     parameters keep their original names, and tied parameters (GPT-2's ``wte`` and
     ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
     and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
@@ -76,6 +78,7 @@ def pipeline(
     world = dist.get_world_size(pp_group)
     rank = dist.get_rank(pp_group)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
+    device = resolve_device(device)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
                         unsplittable=unsplittable, device=device)
     if split_points is None and split_method == "time" and world > 1:
@@ -96,7 +99,7 @@ def pipeline(
     first_place: dict[int, int] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         order[name] = first_place.setdefault(id(param), len(first_place))
-    pipe = Pipeline(modules, resolved, loss_fn, group=group, mesh=mesh, tied_parameters=split.tied_groups,
+    pipe = Pipeline(modules, resolved, loss_fn, group=group, mesh=mesh, tied_parameters=split.tied_groups, device=device,
                     parameter_order=order, model_signature=model_signature(model, split.split_points),
                     **pipeline_kwargs)
     pipe.model_info = model_info(model)  # what checkpoints record, and export writes back (config.json)

@@ -427,9 +427,11 @@ class Pipeline(_PipelineBase):
     def _make_norm_exchange(self) -> NormExchange:
         import torch.distributed as dist
 
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
+
         def gather_tensor(vector: torch.Tensor) -> torch.Tensor:
             out = vector.new_empty(vector.numel() * self.schedule.num_ranks)
-            dist.all_gather_into_tensor(out, vector, group=self._life.group)
+            gather(out, vector, group=self._life.group)
             return out
 
         return NormExchange(self._gather_objects, gather_tensor, self.device, self._comm_device)
