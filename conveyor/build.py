@@ -50,10 +50,9 @@ def pipeline(
     ``both_modes=True`` traces the model in train and in eval mode, so that
     ``pipe.eval()`` / ``pipe.train()`` switch dropout and BatchNorm as on the model
     (one trace, in the model's current mode, otherwise; the other mode then raises).
-    Each rank materialises only its own stages (a meta-device model works) on ``device``
-    (default ``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU; "time" profiles there too);
-    parameters keep their original names, and tied parameters (GPT-2's ``wte`` and
-    ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
+    Each rank materialises only its own stages (a meta-device model works) on ``device`` (default
+    ``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU; "time" profiles there too); parameters
+    keep their original names, and tied parameters (GPT-2's ``wte`` and ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
     and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
     Other keywords go to :class:`Pipeline`: ``compile=True`` compiles each traced stage
     (a GraphModule with its own code, so each counts its own recompiles), ``autocast=``, ...
@@ -78,9 +77,8 @@ def pipeline(
     world = dist.get_world_size(pp_group)
     rank = dist.get_rank(pp_group)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
-    device = resolve_device(device)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
-                        unsplittable=unsplittable, device=device)
+                        unsplittable=unsplittable, device=resolve_device(device))
     if split_points is None and split_method == "time" and world > 1:
         # Timings differ from rank to rank: one rank decides, so that every rank cuts alike.
         chosen: list = [None]
@@ -91,6 +89,7 @@ def pipeline(
         split_points = chosen[0]
     split = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
                        **split_kwargs)
+    device = split_kwargs["device"]
     modules = [split.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
     # Stage modules keep the model's parameter names, so the model's order can be looked up. A
     # tied parameter may sit in a stage under any of its names (torch.export picks one): each

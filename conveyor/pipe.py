@@ -213,6 +213,9 @@ class Pipeline(_PipelineBase):
     last step; a closed pipeline raises :class:`PipelineClosed`.
     """
 
+    _recorder: StepRecorder | EventRecorder | None = None  # the last step's, when recorded
+    _warned_target = False  # told once that target= is read on the last stage's rank only
+
     def __init__(
         self,
         modules: Sequence[torch.nn.Module] | torch.nn.Module,
@@ -265,8 +268,7 @@ class Pipeline(_PipelineBase):
             )
         check_transport_name(transport)
         self.stages = self.schedule.stages_of(self.rank)
-        self.device = resolve_device(device)
-        place_modules([modules] if isinstance(modules, torch.nn.Module) else modules, self.stages, self.device)
+        self.device = place_modules(modules, self.stages, resolve_device(device))
         self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast,
                                      compile)
         self.measure_memory, self.random_streams = measure_memory, random_streams
@@ -284,13 +286,8 @@ class Pipeline(_PipelineBase):
             self._life.close()
             raise
         self.record_timeline = record_timeline
-        self._recorder: StepRecorder | EventRecorder | None = None
         self._last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
         self._global_ranks = self._life.global_ranks
-        self._comm_device = collective_device(self._life.backend, self.device)
-        self._broadcast_loss = LossBroadcast(self._global_ranks[self._last_rank], self._life.group,
-                                             self.schedule.num_ranks, self.device, self._comm_device)
-        self._warned_target = False
         # After a failure nothing may keep work on the pipeline's groups alive. The callbacks
         # hold no reference to this Pipeline, so the finalizer below can run when it is dropped.
         self._life.attach(self.transport, on_release=[
@@ -342,6 +339,10 @@ class Pipeline(_PipelineBase):
                                                                          self.runs.eval_in_order))
         if shapes:
             seed_shapes(self.transport, shapes, self.schedule.num_stages)
+        self._comm_device = collective_device(self._life.backend, self.device)
+        last_rank = self._life.global_ranks[self.schedule.placement.rank_of(self.schedule.num_stages - 1)]
+        self._broadcast_loss = LossBroadcast(last_rank, self._life.group, self.schedule.num_ranks, self.device,
+                                             self._comm_device)
         self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport,
                                      measure_memory=self.measure_memory, device=self.device)
 

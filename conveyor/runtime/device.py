@@ -90,17 +90,18 @@ def collective_device(backend: str, device: torch.device) -> torch.device:
     return device if backend == "nccl" else _CPU
 
 
-def place_modules(modules: Iterable[torch.nn.Module], stages: Iterable[int], device: torch.device) -> None:
-    """Put every stage module on ``device``: a module on the CPU is moved there (in place, its
-    Parameter objects kept); one with a tensor on another device (meta: not materialised, or
-    another accelerator) is an error naming the stage, the tensor and both devices.
+def place_modules(modules: Iterable[torch.nn.Module] | torch.nn.Module, stages: Iterable[int],
+                  device: torch.device) -> torch.device:
+    """Put every stage module on ``device`` and return it: a module on the CPU is moved there (in
+    place, its Parameter objects kept); one with a tensor on another device (meta: not
+    materialised, or another accelerator) is an error naming the stage, the tensor and both devices.
 
     Example:
         >>> layer = torch.nn.Linear(2, 2)
-        >>> place_modules([layer], [0], torch.device("cpu")); layer.weight.device
-        device(type='cpu')
+        >>> place_modules([layer], [0], torch.device("cpu")), layer.weight.device
+        (device(type='cpu'), device(type='cpu'))
     """
-    for module, stage in zip(modules, stages):
+    for module, stage in zip([modules] if isinstance(modules, torch.nn.Module) else modules, stages):
         move = False
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if tensor.device == device:
@@ -116,6 +117,7 @@ def place_modules(modules: Iterable[torch.nn.Module], stages: Iterable[int], dev
             )
         if move:
             module.to(device)
+    return device
 
 
 def to_device(value: Any, device: torch.device) -> Any:
