@@ -341,8 +341,7 @@ class Pipeline(_PipelineBase):
             seed_shapes(self.transport, shapes, self.schedule.num_stages)
         self._comm_device = collective_device(self._life.backend, self.device)
         last_rank = self._life.global_ranks[self.schedule.placement.rank_of(self.schedule.num_stages - 1)]
-        self._broadcast_loss = LossBroadcast(last_rank, self._life.group, self.schedule.num_ranks, self.device,
-                                             self._comm_device)
+        self._broadcast_loss = LossBroadcast(last_rank, self.schedule.num_ranks, self.device, self._comm_device)
         self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport,
                                      measure_memory=self.measure_memory, device=self.device)
 
@@ -496,7 +495,7 @@ class Pipeline(_PipelineBase):
         if replicas is not None:
             replicas.finish_step()
         self._tied_gradients.sum(held)
-        loss = self._broadcast_loss(self.runners.get(self.schedule.num_stages - 1))
+        loss = self._broadcast_loss(self.runners.get(self.schedule.num_stages - 1), self._life.group)
         if replicas is not None:
             loss = replicas.mean(loss)  # the global minibatch's loss: the replicas' minibatches together
         self.transport.end_step()

@@ -25,8 +25,8 @@ over the whole batch it is equal to rounding.
 Example (what :class:`conveyor.Pipeline` does around a step)::
 
     set_loss_divisor(runners, num_stages, normalize_by, dp_size)     # before it
-    broadcast = LossBroadcast(src=global_rank_of_the_last_stage, group=group, num_ranks=P)   # once
-    loss = broadcast(runners.get(last_stage))                                               # after it
+    broadcast = LossBroadcast(src=global_rank_of_the_last_stage, num_ranks=P)   # once
+    loss = broadcast(runners.get(last_stage), group)                             # after it
 """
 
 from __future__ import annotations
@@ -57,19 +57,20 @@ class LossBroadcast:
     """The minibatch loss, on every rank of ``group``, with no host read after the first step.
 
     The last stage's runner sums it; ``src`` (that rank's global rank) broadcasts value and
-    dtype as one float64 tensor on ``comm_device`` (the backend's: the stage's GPU with NCCL,
+    dtype over ``group`` (given per call: holding the group would keep its connections open
+    after a failure closed it) as one float64 tensor on ``comm_device`` (the backend's: the stage's GPU with NCCL,
     the CPU with gloo). The other ranks read the dtype once, in the first step, and from then
     on only convert: the loss comes back on ``device`` (the stage device), as a device tensor.
     A loss whose dtype changes after the first step is an error on the last stage's rank.
     """
 
-    def __init__(self, src: int, group, num_ranks: int, device: torch.device = _CPU,
+    def __init__(self, src: int, num_ranks: int, device: torch.device = _CPU,
                  comm_device: torch.device = _CPU) -> None:
-        self.src, self.group, self.num_ranks = src, group, num_ranks
+        self.src, self.num_ranks = src, num_ranks
         self.device, self.comm_device = device, comm_device
         self.dtype: torch.dtype | None = None
 
-    def __call__(self, last: StageRunner | None) -> torch.Tensor:
+    def __call__(self, last: StageRunner | None, group) -> torch.Tensor:
         """The step's loss (``last``: this rank's last-stage runner, None where it runs elsewhere)."""
         import torch.distributed as dist
 
@@ -87,7 +88,7 @@ class LossBroadcast:
             packet[0] = total.detach()  # a copy on the device the backend takes (gloo: to the CPU)
             packet[1] = _FLOAT_DTYPES.index(total.dtype) if total.dtype in _FLOAT_DTYPES else 0
         if self.num_ranks > 1:
-            dist.broadcast(packet, src=self.src, group=self.group)
+            dist.broadcast(packet, src=self.src, group=group)
         if total is not None:
             return total
         if self.dtype is None:
