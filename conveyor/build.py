@@ -17,6 +17,7 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel.mesh import layout_of
 from conveyor.pipe import Pipeline
+from conveyor.runtime.device import resolve_device
 from conveyor.runtime.main_grad import cast_for_tracing
 from conveyor.runtime.runner import LossFn
 from conveyor.schedule.ir import Schedule
@@ -51,9 +52,9 @@ def pipeline(
     ``both_modes=True`` traces the model in train and in eval mode, so that
     ``pipe.eval()`` / ``pipe.train()`` switch dropout and BatchNorm as on the model
     (one trace, in the model's current mode, otherwise; the other mode then raises).
-    Each rank materialises only its own stages (a meta-device model works);
-    parameters keep their original names, and tied parameters (GPT-2's ``wte`` and
-    ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
+    Each rank materialises only its own stages (a meta-device model works) on ``device`` (default
+    ``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU; "time" profiles there too); parameters
+    keep their original names, and tied parameters (GPT-2's ``wte`` and ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
     and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
     ``plan`` (a :class:`~conveyor.plan.Plan` or its file) sets schedule, microbatches, virtual and split
     points; ``schedule="auto"``: rank 0 plans (``conveyor.plan(..., **plan_options)``), every rank follows.
@@ -86,15 +87,16 @@ def pipeline(
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     cast_for_tracing(model, pipeline_kwargs)  # param_dtype=: the model itself, in place, then traced
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
-                        unsplittable=unsplittable, device=device)
+                        unsplittable=unsplittable, device=resolve_device(device))
     if split_points is None and split_method == "time" and world > 1:
         split_points = _time_split_points(model, resolved.num_stages, group, split_kwargs)
     split = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
                        **split_kwargs)
+    device = split_kwargs["device"]
     modules = [split.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
     pipe = Pipeline(modules, resolved, loss_fn, group=group, mesh=mesh, tied_parameters=split.tied_groups,
-                    parameter_order=_parameter_order(model), model_signature=model_signature(model, split.split_points),
-                    **pipeline_kwargs)
+                    device=device, parameter_order=_parameter_order(model),
+                    model_signature=model_signature(model, split.split_points), **pipeline_kwargs)
     pipe.model_info = model_info(model)  # what checkpoints record, and export writes back (config.json)
     return pipe
 

@@ -26,11 +26,13 @@ from conveyor.parallel.loss import set_loss_divisor, summed_loss
 from conveyor.parallel.norms import check_nonfinite_mode
 from conveyor.pipe import _PipelineBase
 from conveyor.runtime.compile import CompileSpec
-from conveyor.runtime.executor import RankExecutor, StepRecorder, run_local
+from conveyor.runtime.device import module_device, place_modules, resolve_device
+from conveyor.runtime.executor import RankExecutor, run_local
 from conveyor.runtime.main_grad import param_precision
 from conveyor.runtime.memory import MemoryReport, memory_report, reset_device_peaks
 from conveyor.runtime.rng import step_random_streams
 from conveyor.runtime.runner import LossFn, StageRunner, build_runners
+from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder
 from conveyor.runtime.transport import LocalMailbox, LocalTransport, Transport
 from conveyor.schedule import available
 from conveyor.schedule.ir import Schedule
@@ -44,6 +46,8 @@ class LocalPipeline(_PipelineBase):
 
     ``modules`` holds one module per stage, indexed by stage. For debugging and fast tests.
     The keywords mean what they mean to :class:`Pipeline` (``random_streams`` included).
+    ``device``: the one device every stage runs on (CPU modules are moved there); by default
+    where the modules already are (the CPU for modules without tensors).
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class LocalPipeline(_PipelineBase):
         grad_accum_dtype: str | torch.dtype | None = None,
         measure_memory: bool = False,
         compile: CompileSpec = False,
+        device: torch.device | str | None = None,
     ) -> None:
         modules = list(modules)
         self.random_streams = random_streams
@@ -78,6 +83,8 @@ class LocalPipeline(_PipelineBase):
                 f"schedule {self.schedule.name!r} has {self.schedule.num_stages} stages; pass one module per "
                 f"stage (got {len(modules)})"
             )
+        self.device = resolve_device(device if device is not None else module_device(modules) or "cpu")
+        place_modules(modules, range(len(modules)), self.device)
         self.mailbox = LocalMailbox()
         self.runs = executable(self.schedule)
         self.executors: list[RankExecutor] = []
@@ -90,10 +97,10 @@ class LocalPipeline(_PipelineBase):
             self.runners.update(runners)
             transport: Transport = LocalTransport(self.mailbox, rank)
             self.executors.append(RankExecutor(rank, self.schedule.placement, runners, transport,
-                                               measure_memory=measure_memory))
+                                               measure_memory=measure_memory, device=self.device))
         # In one process every copy of a tied parameter can simply be the same Parameter.
         self._tie(tied_parameters, parameter_order)
-        self._recorders: list[StepRecorder] = []
+        self._recorders: list[StepRecorder | EventRecorder] = []
         self.closed = False
 
     def close(self) -> None:
@@ -122,7 +129,7 @@ class LocalPipeline(_PipelineBase):
         for runner in self.runners.values():
             runner.reset()
         self.mailbox.messages.clear()  # a step that raised may have left messages behind
-        self._recorders = [StepRecorder() for _ in self.executors]
+        self._recorders = [make_recorder(self.device) for _ in self.executors]
         meters = [ex.memory_meter for ex in self.executors if ex.memory_meter is not None]
         if meters:
             reset_device_peaks(meters)  # ranks share this process's devices: reset each once

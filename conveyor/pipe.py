@@ -25,38 +25,30 @@ from typing import Any, Self
 
 import torch
 
-from conveyor.errors import NonFiniteError, PipelineConfigError
+from conveyor.errors import PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.parallel import fsdp
-from conveyor.parallel.loss import broadcast_loss, set_loss_divisor
+from conveyor.parallel.loss import LossBroadcast, set_loss_divisor
 from conveyor.parallel.mesh import layout_of
-from conveyor.parallel.norms import (
-    check_nonfinite_mode,
-    describe_nonfinite,
-    encoded_norms,
-    local_part,
-    nonfinite_flags,
-)
+from conveyor.parallel.norm_exchange import NormExchange
+from conveyor.parallel.norms import check_nonfinite_mode
 from conveyor.parallel.replicas import Replicas, check_data_parallel
 from conveyor.parallel.tied import (
     TiedGradients,
     share_tied_locally,
     tied_copies_outside_their_first_stage,
 )
-from conveyor.runtime.clip import (
-    EncodedNorms,
-    check_finite,
-    scale_local_grads,
-    total_norm,
-)
+from conveyor.pipe_grads import GradientChecks
 from conveyor.runtime.compile import CompileSpec, describe_compile
-from conveyor.runtime.executor import RankExecutor, StepRecorder
+from conveyor.runtime.device import collective_device, place_modules, resolve_device, to_device
+from conveyor.runtime.executor import RankExecutor
 from conveyor.runtime.lifecycle import RankLifecycle
-from conveyor.runtime.main_grad import describe_params, drop_gradients, gradient, param_precision
+from conveyor.runtime.main_grad import describe_params, param_precision
 from conveyor.runtime.memory import MemoryReport, memory_report
 from conveyor.runtime.precision import autocast_dtype
 from conveyor.runtime.rng import step_random_streams
 from conveyor.runtime.runner import LossFn, StageRunner, build_runners, named_unique
+from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder, replica_timeline
 from conveyor.runtime.transports import (
     build_transport,
     check_transport_name,
@@ -67,12 +59,12 @@ from conveyor.schedule.grid import render_positions
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.passes import executable
 from conveyor.schedule.registry import resolve_schedule
-from conveyor.schedule.timeline import Timeline, measured_timeline
+from conveyor.schedule.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
 
-class _PipelineBase:
+class _PipelineBase(GradientChecks):
     """What the distributed and the in-process pipelines share: stages, programs, checks."""
 
     schedule: Schedule
@@ -80,7 +72,6 @@ class _PipelineBase:
     _tied_copies: set[int]
     _parameter_order: dict[str, int] | None
     random_streams: bool = True
-    skipped_steps: int = 0  # steps dropped by on_nonfinite="skip"
     replicas: Replicas | None = None  # data parallelism over a mesh's "dp" dim
     checkpoint_group = None  # with replicas: a group over every rank of every replica
     tied_parameters: tuple = ()  # as given: checkpoints save a tied tensor once, under its first name
@@ -130,62 +121,6 @@ class _PipelineBase:
     def __exit__(self, *exc_info: object) -> None:
         self.close()  # type: ignore[attr-defined]  # each pipeline knows what it holds
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
-        """Clip the whole pipeline's gradients by their total norm; returns that norm on every rank.
-
-        Equal, bit for bit, to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
-        on the unsplit model: every rank computes the same total norm from all ranks'
-        gradients and scales its own by the same factor. The model's parameter order, which
-        the norm's rounding depends on, is ``parameter_order`` (name -> index, which
-        :func:`pipeline` passes) or else stage by stage; a tied parameter counts once. Clipping
-        with ``torch.nn.utils.clip_grad_norm_(pipe.parameters())`` instead would scale each
-        rank by its own norm. A collective on a distributed pipeline: call it on every rank.
-        ``foreach`` means what it means to torch and, like the other arguments, must be the
-        same on every rank.
-
-        Example:
-            >>> loss = pipe.step(x, target=y)                  # doctest: +SKIP
-            >>> norm = pipe.clip_grad_norm_(1.0)               # doctest: +SKIP
-            >>> optimizer.step(); optimizer.zero_grad()        # doctest: +SKIP
-        """
-        norm_type = float(norm_type)
-        total = self._collective(self._total_norm, norm_type, foreach)
-        if error_if_nonfinite:
-            check_finite(total, norm_type)  # the same total on every rank: all raise, none waits
-        grads = [local_part(g) for g in map(gradient, self.parameters()) if g is not None]  # main_grad if any
-        scale_local_grads(grads, max_norm, total, foreach)  # as torch's clip_grads_with_norm_, to the bit
-        return total
-
-    def _total_norm(self, norm_type: float, foreach: bool | None) -> torch.Tensor:
-        mine = encoded_norms(self.runners, self._tied_copies, self._parameter_order, norm_type, foreach,
-                             self.replicas)
-        device = next((p.device for p in self.parameters()), torch.device("cpu"))
-        return total_norm(self._all_norms(mine), norm_type, device)
-
-    def _collective(self, fn, *args):
-        return fn(*args)  # one process: nobody to tell (overridden where there is)
-
-    def _max_across_ranks(self, flags: torch.Tensor) -> torch.Tensor:
-        return flags  # every stage is in this process (overridden where they are not)
-
-    def _nonfinite_report(self) -> str:
-        """Empty, or where this step's loss or gradients stopped being finite (on every rank alike)."""
-        flags = self._max_across_ranks(nonfinite_flags(self.runners, self.schedule.num_stages,
-                                                       self.schedule.num_microbatches))
-        return describe_nonfinite(flags)
-
-    def _after_nonfinite(self, report: str, on_nonfinite: str) -> None:
-        if on_nonfinite == "raise":
-            raise NonFiniteError(f"this step's {report}; pass on_nonfinite='skip' to drop such steps")
-        drop_gradients(self.parameters())  # the optimizer then leaves every parameter and its state as they are
-        self.skipped_steps += 1
-        log.warning("conveyor: skipped a step: its %s; gradients dropped (%d step(s) skipped so far)",
-                    report, self.skipped_steps)
-
-    def _all_norms(self, mine: EncodedNorms) -> list[EncodedNorms]:
-        return [mine]  # every stage is in this process (overridden where they are not)
-
     def _tie(self, tied_parameters, parameter_order: Mapping[str, int] | None) -> None:
         """Share tied copies within this process and remember what clipping needs to know of the model."""
         self.tied_parameters = tuple(tied_parameters)
@@ -198,11 +133,15 @@ class _PipelineBase:
             raise PipelineConfigError(
                 "inputs are missing on the rank that runs stage 0: pass the minibatch to pipe.step(...) there"
             )
+        if self.device.type != "cpu":  # the minibatch may come from a CPU data loader
+            args, kwargs = to_device((args, kwargs), self.device)
         return split_microbatches(args, kwargs, self.schedule.num_microbatches)
 
     def _split_target(self, target: Any) -> list[Any]:
         if target is None:
             return [None] * self.schedule.num_microbatches
+        if self.device.type != "cpu":
+            target = to_device(target, self.device)
         return split_value(target, self.schedule.num_microbatches, "target")
 
 
@@ -260,6 +199,9 @@ class Pipeline(_PipelineBase):
     ``param_dtype="bf16"`` casts the stages to bf16; their gradients then accumulate over the
     microbatches in an fp32 ``param.main_grad`` (``grad_accum_dtype``), for :class:`conveyor.MasterWeights`
     (:mod:`conveyor.runtime.main_grad`: bitwise equal to one device doing the same).
+    ``device`` (default ``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU): where this
+    rank's stages, what they receive, the loss, norms and every buffer live; CPU modules are
+    moved there (:mod:`conveyor.runtime.device`); messages travel on the backend's device.
 
     The pipeline communicates on process groups of its own, built over ``group``'s ranks
     (see :mod:`conveyor.runtime.lifecycle`); ``group`` itself is never used or closed.
@@ -273,6 +215,9 @@ class Pipeline(_PipelineBase):
     pipeline is garbage collected and at interpreter exit. Call it on every rank after the
     last step; a closed pipeline raises :class:`PipelineClosed`.
     """
+
+    _recorder: StepRecorder | EventRecorder | None = None  # the last step's, when recorded
+    _warned_target = False  # told once that target= is read on the last stage's rank only
 
     def __init__(
         self,
@@ -298,6 +243,7 @@ class Pipeline(_PipelineBase):
         param_dtype: str | torch.dtype | None = None, grad_accum_dtype: str | torch.dtype | None = None,
         measure_memory: bool = False,
         compile: CompileSpec = False,
+        device: torch.device | str | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -325,6 +271,7 @@ class Pipeline(_PipelineBase):
             )
         check_transport_name(transport)
         self.stages = self.schedule.stages_of(self.rank)
+        self.device = place_modules(modules, self.stages, resolve_device(device))
         self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast,
                                      compile, param_precision(param_dtype, grad_accum_dtype, data_parallel))
         self.measure_memory, self.random_streams = measure_memory, random_streams
@@ -342,10 +289,8 @@ class Pipeline(_PipelineBase):
             self._life.close()
             raise
         self.record_timeline = record_timeline
-        self._recorder: StepRecorder | None = None
         self._last_rank = self.schedule.placement.rank_of(self.schedule.num_stages - 1)
         self._global_ranks = self._life.global_ranks
-        self._warned_target = False
         # After a failure nothing may keep work on the pipeline's groups alive. The callbacks
         # hold no reference to this Pipeline, so the finalizer below can run when it is dropped.
         self._life.attach(self.transport, on_release=[
@@ -380,7 +325,7 @@ class Pipeline(_PipelineBase):
         group = self._life.replica_group()
         # Replicas built alike: the same stages, schedule and model in every replica.
         self._life.agree({**built, "data parallel": data_parallel}, group=group, who="replicas")
-        replicas = Replicas(data_parallel, group, self.layout.dp_size, self.runners)
+        replicas = Replicas(data_parallel, group, self.layout.dp_size, self.runners, self.device.type)
         replicas.wrap()
         # Checkpoints are written by every replica together: DCP writes a replicated tensor
         # once and each shard of a sharded one by its holder.
@@ -398,8 +343,11 @@ class Pipeline(_PipelineBase):
                                                                          self.runs.eval_in_order))
         if shapes:
             seed_shapes(self.transport, shapes, self.schedule.num_stages)
+        self._comm_device = collective_device(self._life.backend, self.device)
+        last_rank = self._life.global_ranks[self.schedule.placement.rank_of(self.schedule.num_stages - 1)]
+        self._broadcast_loss = LossBroadcast(last_rank, self.schedule.num_ranks, self.device, self._comm_device)
         self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport,
-                                     measure_memory=self.measure_memory)
+                                     measure_memory=self.measure_memory, device=self.device)
 
     # --- user API -----------------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False,
@@ -454,17 +402,7 @@ class Pipeline(_PipelineBase):
         mine = [(str(a), start, end) for a, start, end in events]
         reductions = self.replicas.spans() if self.replicas is not None else []
         gathered = self._collective(self._gather_objects, (mine, reductions))
-        timeline = measured_timeline(self.schedule, [events for events, _ in gathered])
-        if self.replicas is not None:
-            # Per rank: (stage or "wait", start, end) of the calls that reduced gradients across
-            # replicas, on the timeline's clock: what of the reduction the rank spent waiting.
-            origin = min((start for events, _ in gathered for _, start, _ in events), default=0.0)
-            timeline.metadata["data_parallel"] = {
-                "kind": self.replicas.kind, "replicas": self.replicas.dp_size,
-                "reductions": [[(what, start - origin, end - origin) for what, start, end in spans]
-                               for _, spans in gathered],
-            }
-        return timeline
+        return replica_timeline(self.schedule, gathered, self.replicas)
 
     def close(self) -> None:
         """Release this rank's rings, sockets, pending work and process groups (idempotent).
@@ -490,8 +428,17 @@ class Pipeline(_PipelineBase):
         dist.all_gather_object(gathered, mine, group=self._life.group)
         return gathered
 
-    def _all_norms(self, mine: EncodedNorms) -> list[EncodedNorms]:
-        return self._gather_objects(mine)
+    def _make_norm_exchange(self) -> NormExchange:
+        import torch.distributed as dist
+
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
+
+        def gather_tensor(vector: torch.Tensor) -> torch.Tensor:
+            out = vector.new_empty(vector.numel() * self.schedule.num_ranks)
+            gather(out, vector, group=self._life.group)
+            return out
+
+        return NormExchange(self._gather_objects, gather_tensor, self.device, self._comm_device)
 
     def _collective(self, fn, *args):
         # Guarded like a step: a rank that fails on its way to the exchange takes the
@@ -536,7 +483,7 @@ class Pipeline(_PipelineBase):
     def _step(self, args, kwargs, target, return_outputs, on_nonfinite, normalize_by):
         first, targets = self._inputs_for_step(args, kwargs, target)
         set_loss_divisor(self.runners, self.schedule.num_stages, normalize_by, self.dp_size)
-        self._recorder = StepRecorder() if self.record_timeline else None
+        self._recorder = make_recorder(self.device) if self.record_timeline else None
         for runner in self.runners.values():
             runner.reset()
         held = self._tied_gradients.set_aside()
@@ -552,8 +499,7 @@ class Pipeline(_PipelineBase):
         if replicas is not None:
             replicas.finish_step()
         self._tied_gradients.sum(held)
-        loss = broadcast_loss(self.runners.get(self.schedule.num_stages - 1), self._global_ranks[self._last_rank],
-                              self._life.group, self.schedule.num_ranks)
+        loss = self._broadcast_loss(self.runners.get(self.schedule.num_stages - 1), self._life.group)
         if replicas is not None:
             loss = replicas.mean(loss)  # the global minibatch's loss: the replicas' minibatches together
         self.transport.end_step()
@@ -567,6 +513,7 @@ class Pipeline(_PipelineBase):
     def _max_across_ranks(self, flags: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
+        flags = flags.to(self._comm_device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._life.group)
         if self.replicas is not None:  # a shard, or one replica's loss, may be the only bad one
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.replicas.group)

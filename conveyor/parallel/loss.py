@@ -25,7 +25,8 @@ over the whole batch it is equal to rounding.
 Example (what :class:`conveyor.Pipeline` does around a step)::
 
     set_loss_divisor(runners, num_stages, normalize_by, dp_size)     # before it
-    loss = broadcast_loss(runners.get(last_stage), src=global_rank_of_the_last_stage, group=group, num_ranks=P)
+    broadcast = LossBroadcast(src=global_rank_of_the_last_stage, num_ranks=P)   # once
+    loss = broadcast(runners.get(last_stage), group)                             # after it
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.runtime.runner import StageRunner
 
+_CPU = torch.device("cpu")
 _FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
@@ -51,21 +53,47 @@ def summed_loss(last: StageRunner) -> torch.Tensor:
     return total
 
 
-def broadcast_loss(last: StageRunner | None, src: int, group, num_ranks: int) -> torch.Tensor:
-    """The minibatch loss, on every rank of ``group``: the last stage's runner sums it (``last``
-    there, None elsewhere) and ``src`` (its global rank) sends value and dtype in one message."""
-    import torch.distributed as dist
+class LossBroadcast:
+    """The minibatch loss, on every rank of ``group``, with no host read after the first step.
 
-    packet = torch.zeros(2, dtype=torch.float64)
-    if last is not None:
-        total = summed_loss(last)
-        packet[0] = total.double()
-        packet[1] = _FLOAT_DTYPES.index(total.dtype) if total.dtype in _FLOAT_DTYPES else 0
-    if num_ranks > 1:
-        dist.broadcast(packet, src=src, group=group)
-    if last is not None:
-        return total
-    return packet[0].to(_FLOAT_DTYPES[int(packet[1])])
+    The last stage's runner sums it; ``src`` (that rank's global rank) broadcasts value and
+    dtype over ``group`` (given per call: holding the group would keep its connections open
+    after a failure closed it) as one float64 tensor on ``comm_device`` (the backend's: the stage's GPU with NCCL,
+    the CPU with gloo). The other ranks read the dtype once, in the first step, and from then
+    on only convert: the loss comes back on ``device`` (the stage device), as a device tensor.
+    A loss whose dtype changes after the first step is an error on the last stage's rank.
+    """
+
+    def __init__(self, src: int, num_ranks: int, device: torch.device = _CPU,
+                 comm_device: torch.device = _CPU) -> None:
+        self.src, self.num_ranks = src, num_ranks
+        self.device, self.comm_device = device, comm_device
+        self.dtype: torch.dtype | None = None
+
+    def __call__(self, last: StageRunner | None, group) -> torch.Tensor:
+        """The step's loss (``last``: this rank's last-stage runner, None where it runs elsewhere)."""
+        import torch.distributed as dist
+
+        packet = torch.zeros(2, dtype=torch.float64, device=self.comm_device)
+        total = None
+        if last is not None:
+            total = summed_loss(last)
+            if self.dtype is not None and total.dtype != self.dtype:
+                raise PipelineConfigError(
+                    f"the loss was {self.dtype} in the first step and is {total.dtype} now (rank {last.rank}); "
+                    "the other ranks return it in the first step's dtype: keep loss_fn's dtype fixed, or "
+                    "build a new pipeline"
+                )
+            self.dtype = total.dtype
+            packet[0] = total.detach()  # a copy on the device the backend takes (gloo: to the CPU)
+            packet[1] = _FLOAT_DTYPES.index(total.dtype) if total.dtype in _FLOAT_DTYPES else 0
+        if self.num_ranks > 1:
+            dist.broadcast(packet, src=self.src, group=group)
+        if total is not None:
+            return total
+        if self.dtype is None:
+            self.dtype = _FLOAT_DTYPES[int(packet[1])]  # the first step's one host read
+        return packet[0].to(self.device, self.dtype)
 
 
 def loss_divisor(normalize_by: int | float | torch.Tensor | None, num_microbatches: int, dp_size: int = 1,

@@ -30,9 +30,11 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else tensor
 
 
-def encoded_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], parameter_order: Mapping[str, int] | None,
-                  norm_type: float, foreach: bool | None, replicas=None) -> EncodedNorms:
-    """This rank's gradient norms, each with its place in the unsplit model's order.
+def local_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], parameter_order: Mapping[str, int] | None,
+                norm_type: float, foreach: bool | None, replicas=None,
+                ) -> tuple[list[tuple[int, ...]], list[torch.Tensor], list[torch.Tensor]]:
+    """This rank's gradients' places in the unsplit model's order, the gradients, and their norms
+    (device tensors: nothing read on the host).
 
     ``tied_copies``: ids of copies the unsplit model counts elsewhere (skipped);
     ``parameter_order``: name -> index in the unsplit model (else stage by stage after it);
@@ -52,21 +54,36 @@ def encoded_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], par
     norms = parameter_norms(grads, norm_type, foreach)
     if replicas is not None:
         norms = replicas.whole_norms(norms, norm_type)  # a sharded gradient's norm from its shards
-    return encode_norms(places, grads, norms)
+    return places, grads, norms
 
 
-def nonfinite_flags(runners: Mapping[int, StageRunner], num_stages: int, num_microbatches: int) -> torch.Tensor:
+def encoded_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], parameter_order: Mapping[str, int] | None,
+                  norm_type: float, foreach: bool | None, replicas=None) -> EncodedNorms:
+    """This rank's gradient norms as plain values, each with its place in the unsplit model's order
+    (:func:`local_norms`, read on the host: one device-to-host copy)."""
+    return encode_norms(*local_norms(runners, tied_copies, parameter_order, norm_type, foreach, replicas))
+
+
+def nonfinite_flags(runners: Mapping[int, StageRunner], num_stages: int, num_microbatches: int,
+                    device: torch.device | None = None) -> torch.Tensor:
     """Per stage, 1 where one of its gradients here is not finite; last, 1 + the first microbatch
-    whose loss is not (0: none). Combine every rank's with an all-reduce MAX."""
-    flags = torch.zeros(num_stages + 1, dtype=torch.float64)
+    whose loss is not (0: none). Combine every rank's with an all-reduce MAX.
+
+    A float64 tensor on ``device`` (the stage device; default the CPU), computed there without a
+    host read: only :func:`describe_nonfinite` reads it, once.
+    """
+    flags = torch.zeros(num_stages + 1, dtype=torch.float64, device=device)
     for stage, runner in runners.items():
         grads = [local_part(g) for g in map(gradient, runner.module.parameters()) if g is not None]
-        if grads and not bool(torch.stack([g.detach().float().norm() for g in grads]).isfinite().all()):
-            flags[stage] = 1
+        if grads:
+            norms = torch.stack([g.detach().float().norm() for g in grads])
+            flags[stage] = (~norms.isfinite().all()).to(flags.device, torch.float64)
     last = runners.get(num_stages - 1)
     if last is not None:
-        bad = [m for m in range(num_microbatches) if not bool(last.losses[m].isfinite().all())]
-        flags[num_stages] = bad[0] + 1 if bad else 0
+        bad = ~torch.stack([last.losses[m].isfinite().all() for m in range(num_microbatches)])
+        numbers = torch.arange(1, num_microbatches + 1, device=bad.device)
+        first = torch.where(bad, numbers, 0).masked_fill(~bad, num_microbatches + 1).min()
+        flags[num_stages] = torch.where(first <= num_microbatches, first, 0).to(flags.device, torch.float64)
     return flags
 
 
@@ -87,9 +104,10 @@ def describe_nonfinite(flags: torch.Tensor) -> str:
         >>> describe_nonfinite(torch.tensor([0.0, 1.0, 3.0]))
         'the loss of microbatch 2 (stage 1, the first such microbatch) and the gradients of stage(s) [1] are not finite'
     """
-    num_stages = len(flags) - 1
-    stages = [s for s in range(num_stages) if flags[s]]
-    microbatch = int(flags[num_stages]) - 1
+    values = flags.tolist()  # the check's one host read (on a GPU, its one synchronisation)
+    num_stages = len(values) - 1
+    stages = [s for s in range(num_stages) if values[s]]
+    microbatch = int(values[num_stages]) - 1
     parts = []
     if microbatch >= 0:
         parts.append(f"the loss of microbatch {microbatch} (stage {num_stages - 1}, the first such microbatch)")

@@ -76,6 +76,7 @@ class TiedGradients:
                  layout=None) -> None:
         subgroups: dict[tuple[int, ...], Any] = {}
         self.copies: list[tuple[torch.nn.Parameter, Any]] = []
+        self.summed_before: set[int] = set()  # copies some rank had a gradient for in an earlier step
         for tied in tied_parameters:
             owners = tuple(sorted({placement.rank_of(stage) for stage, _ in tied.uses}))
             if len(owners) < 2:
@@ -102,24 +103,40 @@ class TiedGradients:
         return held
 
     def sum(self, held: list[torch.Tensor | None]) -> None:
-        """Sum this step's gradient of every copy across the ranks holding one; add back what was held."""
+        """Sum this step's gradient of every copy across the ranks holding one; add back what was held.
+
+        A frozen parameter (frozen on every rank: one model) gets no gradient, as on one device.
+        A copy that got none this step adds nothing (zeros). Until some copy of a parameter got a
+        gradient, the ranks first ask each other whether any did (a host read of one flag) and,
+        if none did, the parameter keeps what it had, so that the optimizer skips a parameter
+        nothing used; from then on the sum runs without asking (no host round trip per step),
+        so a parameter that every copy leaves unused in a later step gets zeros, not None.
+        """
         import torch.distributed as dist
 
         for (param, subgroup), earlier in zip(self.copies, held, strict=True):
             attribute = gradient_attribute(param)  # "main_grad" where the gradient accumulates there
-            # A frozen parameter (frozen on every rank: one model) gets no gradient, as on one
-            # device. A copy that got none this step adds nothing; if none did, the parameter
-            # keeps what it had, so that the optimizer skips a parameter nothing used.
-            if param.requires_grad:
+            if param.requires_grad and self._any_gradient(param, attribute, subgroup):
                 grad = getattr(param, attribute)
-                got_one = torch.tensor([grad is not None], dtype=torch.int32, device=param.device)
-                dist.all_reduce(got_one, op=dist.ReduceOp.MAX, group=subgroup)
-                if got_one.item():
-                    if grad is None:
-                        grad = torch.zeros_like(param, dtype=torch.float32 if attribute == "main_grad" else None)
-                        setattr(param, attribute, grad)
-                    # A replicated DTensor's local tensor is all of it (the replicas' mean already).
-                    dist.all_reduce(local_part(grad), op=dist.ReduceOp.SUM, group=subgroup)
+                if grad is None:
+                    grad = torch.zeros_like(param, dtype=torch.float32 if attribute == "main_grad" else None)
+                    setattr(param, attribute, grad)
+                # A replicated DTensor's local tensor is all of it (the replicas' mean already).
+                dist.all_reduce(local_part(grad), op=dist.ReduceOp.SUM, group=subgroup)
             grad = getattr(param, attribute)
             if earlier is not None:
                 setattr(param, attribute, earlier if grad is None else earlier.add_(grad))
+
+    def _any_gradient(self, param: torch.nn.Parameter, attribute: str, subgroup) -> bool:
+        """Whether some copy of ``param`` got a gradient (in ``attribute``); asked only until one did
+        (every rank of ``subgroup`` reads the same flag, so all stop asking at the same step)."""
+        import torch.distributed as dist
+
+        if id(param) in self.summed_before:
+            return True
+        got_one = torch.tensor([getattr(param, attribute) is not None], dtype=torch.int32, device=param.device)
+        dist.all_reduce(got_one, op=dist.ReduceOp.MAX, group=subgroup)
+        if not got_one.item():
+            return False
+        self.summed_before.add(id(param))
+        return True

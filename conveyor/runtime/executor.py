@@ -15,16 +15,17 @@ Example (the whole pipeline in one process):
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from conveyor.errors import StageExecutionError
+from conveyor.runtime.device import to_device
 from conveyor.runtime.memory import MemoryMeter
 from conveyor.runtime.runner import StageRunner
-from conveyor.runtime.transport import Transport, detach_for_next_stage
+from conveyor.runtime.timing import EventRecorder, StepRecorder
+from conveyor.runtime.transport import LocalTransport, Transport, detach_for_next_stage
 from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD
 from conveyor.schedule.ir import Action, ActionKind, Placement
 
@@ -36,18 +37,14 @@ def as_stage_inputs(value: Any) -> tuple[tuple, dict]:
     return (value, {}) if isinstance(value, tuple) else ((value,), {})
 
 
-class StepRecorder:
-    """Start and end of every action of a step (perf_counter seconds); cheap enough to stay on."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[Action, float, float]] = []
-
-    def add(self, action: Action, start: float, end: float) -> None:
-        self.events.append((action, start, end))
-
-
 class RankExecutor:
-    """Runs ``program`` (a lowered program of ``rank``) on the stage runners of this rank."""
+    """Runs ``program`` (a lowered program of ``rank``) on the stage runners of this rank.
+
+    ``device``: the stage device (None: wherever the values already are). What arrives is
+    moved there; what leaves is moved to the transport's device (its ``device`` attribute:
+    a transport over NCCL says the stage's GPU; without one, the CPU, which gloo and shared
+    memory carry; in one process, nowhere). Neither moves anything when both are the CPU.
+    """
 
     def __init__(
         self,
@@ -57,8 +54,12 @@ class RankExecutor:
         transport: Transport,
         lookahead: int = 4,
         measure_memory: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         self.rank = rank
+        self.device = device
+        wire = getattr(transport, "device", None if isinstance(transport, LocalTransport) else torch.device("cpu"))
+        self.wire_device = wire if wire is not None and device is not None and wire != device else None
         self.placement = placement
         self.runners = runners
         self.transport = transport
@@ -92,7 +93,7 @@ class RankExecutor:
         program: tuple[Action, ...],
         first_stage_inputs: list[tuple[tuple, dict]] | None,
         targets: list[Any] | None,
-        recorder: StepRecorder | None,
+        recorder: StepRecorder | EventRecorder | None,
         *,
         keep_outputs: bool = False,
         gradients_final: Mapping[int, int] | None = None,
@@ -125,7 +126,7 @@ class RankExecutor:
         self.posted = 0
         self.consumed = 0
         self._post_ahead()
-        clock = time.perf_counter
+        clock = recorder.mark if recorder is not None else _no_clock
         self.actions_done = 0
         self.program = program
         self.runs_started += 1
@@ -247,6 +248,8 @@ class RankExecutor:
             return
         s, m = action.stage, action.microbatch
         value = self.to_send.pop((ActionKind.SEND_F, s, m))
+        if self.wire_device is not None:
+            value = to_device(value, self.wire_device)
         self.transport.send(self.placement.rank_of(s + 1), (self.forward_direction, s, m), value)
         return
         yield
@@ -256,6 +259,8 @@ class RankExecutor:
             return
         s, m = action.stage, action.microbatch
         value = self.to_send.pop((ActionKind.SEND_B, s, m))
+        if self.wire_device is not None:
+            value = to_device(value, self.wire_device)
         self.transport.send(self.placement.rank_of(s - 1), (BACKWARD, s, m), value)
         return
         yield
@@ -271,10 +276,19 @@ class RankExecutor:
         if action.kind is ActionKind.RECV_F:
             what = f"the input of stage {s}, microbatch {m} ({action})"
             value = self.transport.wait(handle, what)
+            if self.wire_device is not None:
+                value = to_device(value, self.device)
             self.forward_inputs[(s, m)] = as_stage_inputs(value)
         else:
             what = f"the output gradient of stage {s}, microbatch {m} ({action})"
-            self.output_grads[(s, m)] = list(self.transport.wait(handle, what))
+            grads = self.transport.wait(handle, what)
+            if self.wire_device is not None:
+                grads = to_device(grads, self.device)
+            self.output_grads[(s, m)] = list(grads)
+
+
+def _no_clock() -> None:
+    return None
 
 
 def run_local(executors: list[RankExecutor], runs: list[Iterator[None]]) -> None:

@@ -1,0 +1,114 @@
+"""What both pipelines do with a step's gradients: clipping by the total norm, the non-finite check.
+
+Both stay on the stage device: clipping sends its norms through a tensor all-gather (the
+layout of which parameters have gradients travels once, see
+:mod:`conveyor.parallel.norm_exchange`); the non-finite check combines device flags with an
+all-reduce and reads them on the host once per step, only when the step was asked to
+(``on_nonfinite``): that read is the one host synchronisation a checked step makes, since
+``"skip"`` must decide, in Python, whether to drop the gradients.
+
+Example:
+    >>> import torch, conveyor
+    >>> pipe = conveyor.LocalPipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2,
+    ...                               loss_fn=lambda y, t: (y - t).pow(2).mean())
+    >>> loss = pipe.step(torch.ones(4, 2), target=torch.zeros(4, 1), on_nonfinite="raise")
+    >>> pipe.clip_grad_norm_(1.0).shape
+    torch.Size([])
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from conveyor.errors import NonFiniteError
+from conveyor.parallel.norm_exchange import NormExchange
+from conveyor.parallel.norms import describe_nonfinite, local_norms, local_part, nonfinite_flags
+from conveyor.runtime.clip import check_finite, scale_local_grads
+from conveyor.runtime.main_grad import drop_gradients, gradient
+
+log = logging.getLogger("conveyor.pipe")
+
+
+class GradientChecks:
+    """Clipping and the non-finite check, for a pipeline that has ``runners``, ``schedule``,
+    ``replicas``, ``device`` and ``parameters()``."""
+
+    device: torch.device = torch.device("cpu")  # the stage device
+    skipped_steps: int = 0  # steps dropped by on_nonfinite="skip"
+    _norm_exchange: NormExchange | None = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+        """Clip the whole pipeline's gradients by their total norm; returns that norm on every rank.
+
+        Equal, bit for bit, to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+        on the unsplit model: every rank computes the same total norm from all ranks'
+        gradients and scales its own by the same factor. The model's parameter order, which
+        the norm's rounding depends on, is ``parameter_order`` (name -> index, which
+        :func:`pipeline` passes) or else stage by stage; a tied parameter counts once. Clipping
+        with ``torch.nn.utils.clip_grad_norm_(pipe.parameters())`` instead would scale each
+        rank by its own norm. A collective on a distributed pipeline: call it on every rank.
+        ``foreach`` means what it means to torch and, like the other arguments, must be the
+        same on every rank. Which parameters have gradients is exchanged on the first call
+        only; later calls make no host round trip (see :meth:`forget_norm_layout`).
+        ``error_if_nonfinite=True`` reads the total on the host (a synchronisation on a GPU).
+
+        Example:
+            >>> loss = pipe.step(x, target=y)                  # doctest: +SKIP
+            >>> norm = pipe.clip_grad_norm_(1.0)               # doctest: +SKIP
+            >>> optimizer.step(); optimizer.zero_grad()        # doctest: +SKIP
+        """
+        norm_type = float(norm_type)
+        total = self._collective(self._total_norm, norm_type, foreach)
+        if error_if_nonfinite:
+            check_finite(total, norm_type)  # the same total on every rank: all raise, none waits
+        grads = [local_part(g) for g in map(gradient, self.parameters()) if g is not None]  # main_grad if any
+        scale_local_grads(grads, max_norm, total, foreach)  # as torch's clip_grads_with_norm_, to the bit
+        return total
+
+    def forget_norm_layout(self) -> None:
+        """Make the next :meth:`clip_grad_norm_` exchange again which parameters have gradients.
+
+        Call it on every rank after changing which parameters train (freezing some, say):
+        the ranks agree on that once, so that later calls need no host round trip, and a rank
+        whose parameters with gradients changed since raises until this is called.
+
+        Example:
+            >>> pipe.forget_norm_layout()   # doctest: +SKIP
+        """
+        if self._norm_exchange is not None:
+            self._norm_exchange.forget()
+
+    def _total_norm(self, norm_type: float, foreach: bool | None) -> torch.Tensor:
+        places, grads, norms = local_norms(self.runners, self._tied_copies, self._parameter_order, norm_type,
+                                           foreach, self.replicas)
+        if self._norm_exchange is None:
+            self._norm_exchange = self._make_norm_exchange()
+        return self._norm_exchange.total(places, grads, norms, norm_type, foreach)
+
+    def _make_norm_exchange(self) -> NormExchange:
+        # Every stage is in this process: nothing to exchange (overridden where they are not).
+        return NormExchange(lambda mine: [mine], lambda vector: vector, self.device, self.device)
+
+    def _collective(self, fn, *args):
+        return fn(*args)  # one process: nobody to tell (overridden where there is)
+
+    def _max_across_ranks(self, flags: torch.Tensor) -> torch.Tensor:
+        return flags  # every stage is in this process (overridden where they are not)
+
+    def _nonfinite_report(self) -> str:
+        """Empty, or where this step's loss or gradients stopped being finite (on every rank alike)."""
+        flags = self._max_across_ranks(nonfinite_flags(self.runners, self.schedule.num_stages,
+                                                       self.schedule.num_microbatches, self.device))
+        return describe_nonfinite(flags)  # the one host read
+
+    def _after_nonfinite(self, report: str, on_nonfinite: str) -> None:
+        if on_nonfinite == "raise":
+            raise NonFiniteError(f"this step's {report}; pass on_nonfinite='skip' to drop such steps")
+        drop_gradients(self.parameters())  # the optimizer then leaves every parameter and its state as they are
+        self.forget_norm_layout()  # every rank dropped its gradients alike: the layout changed everywhere
+        self.skipped_steps += 1
+        log.warning("conveyor: skipped a step: its %s; gradients dropped (%d step(s) skipped so far)",
+                    report, self.skipped_steps)

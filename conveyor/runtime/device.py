@@ -1,0 +1,147 @@
+"""Where a pipeline runs: the stage device, and the device each backend communicates on.
+
+Everything a rank computes lives on one device, the *stage device*: the stage modules, the
+activations and gradients it receives, the loss, the norms and every buffer the runtime
+makes. By default it is ``cuda:<LOCAL_RANK>`` when CUDA is available (the GPU torchrun gives
+the process), else the CPU. What crosses between ranks travels on the device the backend
+needs: the stage's GPU with NCCL, the CPU with gloo (:func:`collective_device`); the
+executor moves payloads between the two only where they differ, so the CPU path copies
+nothing.
+
+Example:
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    >>> to_device((torch.ones(2), {"n": 3}), torch.device("cpu"))[1]
+    {'n': 3}
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from conveyor.errors import PipelineConfigError
+
+_CPU = torch.device("cpu")
+
+
+def resolve_device(device: torch.device | str | None = None) -> torch.device:
+    """The stage device ``device`` names; None: ``cuda:<LOCAL_RANK>`` when CUDA is available, else CPU.
+
+    Raises :class:`PipelineConfigError` for a name torch does not know, the meta device, or a
+    device this machine does not have, saying which exist.
+
+    Example:
+        >>> resolve_device(None) if not torch.cuda.is_available() else torch.device("cpu")
+        device(type='cpu')
+    """
+    if device is None:
+        if not torch.cuda.is_available():
+            return _CPU
+        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        return _check_cuda(torch.device("cuda", local_rank), f"the default device (LOCAL_RANK={local_rank})")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise PipelineConfigError(
+            f"device={device!r} is not a device torch knows ({exc}); pass e.g. 'cpu', 'cuda' or 'cuda:1', "
+            "or leave it out (cuda:<LOCAL_RANK> when CUDA is available, else cpu)"
+        ) from None
+    if resolved.type == "meta":
+        raise PipelineConfigError(
+            "device='meta' holds no data, so a pipeline cannot run there; pass the device to run on "
+            "(conveyor.pipeline materialises a meta-device model's stages on it)"
+        )
+    if resolved.type == "cuda":
+        return _check_cuda(resolved, f"device={device!r}")
+    backend = getattr(torch, resolved.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if resolved.type != "cpu" and callable(is_available) and not is_available():
+        raise PipelineConfigError(f"device={device!r}: torch.{resolved.type} is not available on this machine; "
+                                  "pass device='cpu' or run where that device exists")
+    return resolved
+
+
+def _check_cuda(device: torch.device, what: str) -> torch.device:
+    if not torch.cuda.is_available():
+        raise PipelineConfigError(f"{what} is a CUDA device, but CUDA is not available here "
+                                  "(torch.cuda.is_available() is False); pass device='cpu'")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise PipelineConfigError(
+            f"{what} names cuda:{index}, but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1}); "
+            "pass one of those, or launch at most one process per GPU (torchrun sets LOCAL_RANK)"
+        )
+    return torch.device("cuda", index)
+
+
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """Where ``backend``'s collectives and messages take their tensors: NCCL the stage's GPU, others the CPU.
+
+    Example:
+        >>> collective_device("gloo", torch.device("cpu")), collective_device("nccl", torch.device("cuda", 1))
+        (device(type='cpu'), device(type='cuda', index=1))
+    """
+    return device if backend == "nccl" else _CPU
+
+
+def place_modules(modules: Iterable[torch.nn.Module] | torch.nn.Module, stages: Iterable[int],
+                  device: torch.device) -> torch.device:
+    """Put every stage module on ``device`` and return it: a module on the CPU is moved there (in
+    place, its Parameter objects kept); one with a tensor on another device (meta: not
+    materialised, or another accelerator) is an error naming the stage, the tensor and both devices.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> place_modules([layer], [0], torch.device("cpu")), layer.weight.device
+        (device(type='cpu'), device(type='cpu'))
+    """
+    for module, stage in zip([modules] if isinstance(modules, torch.nn.Module) else modules, stages):
+        move = False
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if tensor.device == device:
+                continue
+            if tensor.device.type == "cpu":
+                move = True
+                continue
+            fix = ("materialise it first (conveyor.pipeline does: it builds each rank's stages on the device)"
+                   if tensor.device.type == "meta" else f"move it with module.to({str(device)!r})")
+            raise PipelineConfigError(
+                f"stage {stage}: {name!r} is on {tensor.device}, but the pipeline's device is {device}; "
+                f"{fix}, or pass device={str(tensor.device)!r} to run there"
+            )
+        if move:
+            module.to(device)
+    return device
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor on ``device`` (those already there untouched). A moved tensor is a
+    fresh leaf that requires grad where the original did: what a stage receives from a peer.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> to_device(x, torch.device("cpu")) is x
+        True
+    """
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else _moved(value, device)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t if t.device == device else _moved(t, device), value)
+
+
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    moved = tensor.detach().to(device)
+    return moved.requires_grad_(True) if tensor.requires_grad else moved
+
+
+def module_device(modules: Iterable[torch.nn.Module]) -> torch.device | None:
+    """The device of the first parameter or buffer of ``modules`` (None when they hold none)."""
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            return tensor.device
+    return None

@@ -1,0 +1,173 @@
+"""The stage device: resolution, placement, the executor's moves, and the CUDA-event timeline (on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import conveyor
+import conveyor.local
+from conveyor.errors import PipelineConfigError
+from conveyor.runtime.device import place_modules, resolve_device, to_device
+from conveyor.runtime.executor import RankExecutor
+from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder
+from conveyor.runtime.transport import LocalMailbox, LocalTransport
+from conveyor.schedule import build
+from conveyor.testing.multiprocess import run_ranks
+
+
+def _loss(y, t):
+    return (y - t).pow(2).mean()
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """Pretend this machine has 4 GPUs (nothing is allocated: only names are resolved)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_the_default_is_the_cpu_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert resolve_device(None) == torch.device("cpu")
+    assert resolve_device("cpu") == resolve_device(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_the_default_is_the_local_ranks_gpu_with_cuda(cuda, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert resolve_device(None) == torch.device("cuda", 2)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert resolve_device(None) == torch.device("cuda", 0)
+    assert resolve_device("cuda") == torch.device("cuda", 0)  # an index, so that it compares with tensors'
+    assert resolve_device("cuda:3") == torch.device("cuda", 3)
+
+
+def test_a_device_that_does_not_exist_is_a_clear_error(cuda, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(PipelineConfigError, match=r"LOCAL_RANK=5.*cuda:5.*4 CUDA device\(s\) \(cuda:0..cuda:3\)"):
+        resolve_device(None)
+    with pytest.raises(PipelineConfigError, match="cuda:7"):
+        resolve_device("cuda:7")
+    with pytest.raises(PipelineConfigError, match="'gpu0' is not a device torch knows"):
+        resolve_device("gpu0")
+    with pytest.raises(PipelineConfigError, match="meta"):
+        resolve_device("meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(PipelineConfigError, match="CUDA is not available here.*device='cpu'"):
+        resolve_device("cuda:0")
+
+
+def test_explicit_cpu_runs_and_moves_cpu_inputs_nowhere():
+    pipe = conveyor.LocalPipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "1f1b", microbatches=2,
+                                  loss_fn=_loss, device="cpu")
+    assert pipe.device == torch.device("cpu")
+    assert pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1)).device == torch.device("cpu")
+
+
+def test_a_module_on_another_device_is_named_in_the_error():
+    with torch.device("meta"):
+        late = torch.nn.Linear(4, 1)
+    with pytest.raises(PipelineConfigError, match=r"stage 1: 'weight' is on meta, but the pipeline's device is cpu.*"
+                                                  r"materialise it first"):
+        conveyor.LocalPipeline([torch.nn.Linear(4, 4), late], "1f1b", microbatches=2, loss_fn=_loss, device="cpu")
+
+
+def test_cpu_modules_are_moved_in_place_keeping_their_parameters():
+    layer = torch.nn.Linear(2, 2)
+    weight = layer.weight
+    place_modules([layer], [0], torch.device("cpu"))
+    assert layer.weight is weight
+    x = torch.ones(2, requires_grad=True)
+    assert to_device(x, torch.device("cpu")) is x
+    moved = to_device({"a": x, "n": 1}, torch.device("meta"))
+    assert moved["a"].device.type == "meta" and moved["a"].is_leaf and moved["a"].requires_grad and moved["n"] == 1
+
+
+def _meta_stage(rank, world_size):
+    with torch.device("meta"):
+        module = torch.nn.Linear(4, 4)
+    try:
+        conveyor.Pipeline([module], "gpipe", _loss, microbatches=2, device="cpu")
+    except PipelineConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_pipeline_refuses_a_meta_stage_before_talking_to_anyone():
+    [message] = run_ranks(_meta_stage, 1, timeout_s=60)
+    assert "stage 0: 'weight' is on meta, but the pipeline's device is cpu" in message
+
+
+class _Wire:
+    """A transport stand-in: only what RankExecutor reads when it is built."""
+
+    def __init__(self, device=None):
+        if device is not None:
+            self.device = device
+
+
+def test_the_executor_moves_payloads_only_between_different_devices():
+    schedule = build("gpipe", ranks=1, microbatches=1)
+    runners = {}
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+
+    def wire_of(transport, device):
+        return RankExecutor(0, schedule.placement, runners, transport, device=device).wire_device
+
+    assert wire_of(_Wire(), cpu) is None  # gloo and shared memory on the CPU: nothing moves
+    assert wire_of(_Wire(), gpu) == cpu  # gloo under a GPU stage: through the CPU
+    assert wire_of(_Wire(gpu), gpu) is None  # NCCL: the stage's own GPU
+    assert wire_of(LocalTransport(LocalMailbox(), 0), gpu) is None  # one process: nowhere
+    assert wire_of(_Wire(), None) is None
+
+
+class FakeEvent:
+    """torch.cuda.Event's interface, with a fake device clock in milliseconds."""
+
+    clock = 0.0
+    synchronized = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at = None
+
+    def record(self, stream=None) -> None:
+        FakeEvent.clock += 1.0
+        self.at = FakeEvent.clock
+
+    def synchronize(self) -> None:
+        FakeEvent.synchronized += 1
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return other.at - self.at
+
+
+def test_a_gpu_stage_times_its_actions_with_events_resolved_once():
+    assert isinstance(make_recorder(torch.device("cpu")), StepRecorder)
+    assert isinstance(make_recorder(None), StepRecorder)
+    assert isinstance(make_recorder(torch.device("cuda", 1), FakeEvent), EventRecorder)
+    FakeEvent.synchronized = 0
+    recorder = EventRecorder(FakeEvent)
+    first = recorder.mark()
+    recorder.add("0F0", first, recorder.mark())
+    recorder.add("0B0", recorder.mark(), recorder.mark())
+    assert FakeEvent.synchronized == 0  # nothing waits while the step runs
+    (a, a0, a1), (b, b0, b1) = recorder.events
+    assert recorder.events is recorder.events and FakeEvent.synchronized == 1
+    assert (a, b) == ("0F0", "0B0")
+    assert (a1 - a0, b0 - a0, b1 - a0) == pytest.approx((1e-3, 2e-3, 3e-3))
+
+
+def test_a_timeline_from_events_has_every_action(monkeypatch):
+    monkeypatch.setattr(conveyor.local, "make_recorder", lambda device: EventRecorder(FakeEvent))
+    FakeEvent.synchronized = 0
+    pipe = conveyor.LocalPipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "1f1b", microbatches=2,
+                                  loss_fn=_loss)
+    pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
+    timeline = pipe.timeline()
+    assert FakeEvent.synchronized == 2  # one per rank's recorder, when read
+    assert sorted(str(span.action) for span in timeline.spans if span.action.kind.name in "FB") == \
+        ["0B0", "0B1", "0F0", "0F1", "1B0", "1B1", "1F0", "1F1"]
