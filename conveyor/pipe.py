@@ -338,7 +338,7 @@ class Pipeline(_PipelineBase):
                                              self.layout)
         self.runs = executable(self.schedule)
         self.transport = build_transport(transport, self.rank, self.schedule, self._life, timeout_s=timeout_s,
-                                         fixed_shapes=fixed_shapes,
+                                         fixed_shapes=fixed_shapes, device=self.device,
                                          in_order_channels=wire_channels(self.runs.train_in_order,
                                                                          self.runs.eval_in_order))
         if shapes:

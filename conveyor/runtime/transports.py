@@ -39,8 +39,11 @@ def check_transport_name(kind: str) -> None:
 
 
 def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycle, *, timeout_s: float,
-                    fixed_shapes: bool, in_order_channels: frozenset[Channel] = frozenset()) -> Transport:
+                    fixed_shapes: bool, in_order_channels: frozenset[Channel] = frozenset(),
+                    device: torch.device | None = None) -> Transport:
     """This rank's transport of ``kind`` (one of :data:`TRANSPORTS`) over ``life``'s group and store.
+
+    ``device``: the stage device; under NCCL the ordered transport's buffers live there.
 
     ``in_order_channels``: see :class:`~conveyor.runtime.transport.Transport`
     (:func:`wire_channels` turns the schedule layer's into the wire's).
@@ -62,7 +65,7 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
     if life.backend == "nccl" and kind in ("auto", "process_group"):
         kind = "ordered"  # the tagged protocol's CPU buffers and multi-part messages cannot run on NCCL
     if kind == "ordered":
-        return ordered_transport(rank, schedule, life, timeout_s)
+        return ordered_transport(rank, schedule, life, timeout_s, device)
     if kind == "hybrid" and life.backend != "gloo":
         raise PipelineConfigError(
             f"transport='hybrid' carries CPU tensors and needs the gloo backend; this group uses "
@@ -88,13 +91,18 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
     return HybridTransport(local, process_group(), local_peers)
 
 
-def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeout_s: float) -> OrderedTransport:
-    """The order-matched transport over a process group per channel; buffers on this rank's GPU under NCCL."""
+def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeout_s: float,
+                      device: torch.device | None = None) -> OrderedTransport:
+    """The order-matched transport over a process group per channel; buffers on this rank's GPU under NCCL
+    (the stage device when it is a GPU, else the current CUDA device)."""
     import torch.distributed as dist
 
     channels = set(sender_orders(schedule, training=True)) | set(sender_orders(schedule, training=False))
     groups = life.channel_groups(sorted(channels))
-    device = torch.device("cuda", torch.cuda.current_device()) if life.backend == "nccl" else torch.device("cpu")
+    if life.backend != "nccl":
+        device = torch.device("cpu")
+    elif device is None or device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
     prefix = dist.distributed_c10d._get_process_group_name(life.group)
     return OrderedTransport(rank, life.global_ranks, schedule, groups, life.store, prefix, timeout_s, device,
                             life.backend)
