@@ -163,7 +163,7 @@ def _from_plan(plan, world: int, example_args, example_kwargs):
     example = (tuple(example_args), example_kwargs)
     if _batch_size(*example) != plan.microbatch_size:
         example = resize_batch(example, plan.microbatch_size)
-    return plan.schedule, plan.microbatches, plan.virtual, list(plan.split_points), example
+    return plan.schedule_spec(), plan.microbatches, plan.virtual, list(plan.split_points), example
 
 
 def model_signature(model: torch.nn.Module, split_points: Sequence[str]) -> str:

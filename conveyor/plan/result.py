@@ -16,6 +16,9 @@ from typing import Any
 
 from conveyor.errors import PlanError
 from conveyor.plan.costs import CostTable
+from conveyor.schedule.cost import CostModel, StageCosts
+from conveyor.schedule.ir import Schedule
+from conveyor.schedule.registry import build
 
 PLAN_FORMAT = "conveyor-plan/1"
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -73,6 +76,7 @@ class Plan:
     outcome: dict[str, int] = field(default_factory=dict)
     best_over_memory: str | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    schedule_costs: CostModel | None = None  # a cost-planned schedule's (zb-1p, zb-2p) costs: its order's source
 
     @property
     def microbatch_size(self) -> int:
@@ -82,9 +86,23 @@ class Plan:
     def num_stages(self) -> int:
         return self.ranks * self.virtual
 
+    def schedule_spec(self) -> str | Schedule:
+        """The schedule to run: its name, or, for a schedule that plans its order for the costs
+        (zb-1p, zb-2p), that schedule built for the costs it was simulated with (a name alone would
+        rebuild it for uniform costs, another order than the one predicted).
+
+        Example:
+            >>> Plan("1f1b", 2, 1, 4, 8, ("layers.2",), 1.5, 0.2, (1e9, 9e8), (0.3, 0.3), 4e9).schedule_spec()
+            '1f1b'
+        """
+        if self.schedule_costs is None:
+            return self.schedule
+        return build(self.schedule, ranks=self.ranks, microbatches=self.microbatches, virtual=self.virtual,
+                     costs=self.schedule_costs)
+
     def pipeline_kwargs(self) -> dict[str, Any]:
         """``schedule``, ``microbatches``, ``virtual`` and ``split_points`` for ``conveyor.pipeline``."""
-        return {"schedule": self.schedule, "microbatches": self.microbatches, "virtual": self.virtual,
+        return {"schedule": self.schedule_spec(), "microbatches": self.microbatches, "virtual": self.virtual,
                 "split_points": list(self.split_points)}
 
     def to_json(self) -> dict[str, Any]:
@@ -100,6 +118,7 @@ class Plan:
             "alternatives": self.alternatives, "outcome": self.outcome, "best_over_memory": self.best_over_memory,
             "settings": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in self.settings.items()},
             "costs": None if self.costs is None else self.costs.to_json(),
+            "schedule_costs": None if self.schedule_costs is None else _cost_model_json(self.schedule_costs),
         }
 
     def save(self, path: str | Path) -> Path:
@@ -125,7 +144,8 @@ class Plan:
                        math.inf if data.get("memory_limit_bytes") is None else float(data["memory_limit_bytes"]),
                        None if data.get("costs") is None else CostTable.from_json(data["costs"]),
                        list(data.get("alternatives", [])), dict(data.get("outcome", {})),
-                       data.get("best_over_memory"), dict(data.get("settings", {})))
+                       data.get("best_over_memory"), dict(data.get("settings", {})),
+                       None if data.get("schedule_costs") is None else _cost_model(data["schedule_costs"]))
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"{where} is malformed ({type(error).__name__}: {error}); write it again with "
                             f"`conveyor plan ... --out`") from None
@@ -153,6 +173,17 @@ class Plan:
         except json.JSONDecodeError as error:
             raise PlanError(f"the plan {str(path)!r} is not JSON ({error})") from None
         return cls.from_json(data, f"the plan {str(path)!r}")
+
+
+def _cost_model_json(costs: CostModel) -> dict[str, Any]:
+    return {"latency": costs.latency,
+            "stages": [[c.forward, c.backward_input, c.backward_weight, c.activation_bytes, c.weight_activation_bytes]
+                       for c in costs.stages]}
+
+
+def _cost_model(data: dict[str, Any]) -> CostModel:
+    return CostModel(tuple(StageCosts(*(None if v is None else float(v) for v in stage)) for stage in data["stages"]),
+                     float(data["latency"]))
 
 
 def as_plan(plan: Plan | str | Path) -> Plan:

@@ -49,6 +49,7 @@ class Candidate:
     stage_times: tuple[float, ...] = ()
     lower_bound: float = 0.0
     verdict: str = "pending"
+    schedule_costs: cs.CostModel | None = None  # what a cost-planned schedule (zb-1p, zb-2p) was built for
 
     @property
     def peak_memory(self) -> float:
@@ -204,12 +205,17 @@ class _Context:
         return c.microbatches * sum(times) / self.ranks
 
     def evaluate(self, c: Candidate) -> None:
+        sums = self.sums(c.microbatches)
+        info = cs.available().get(c.schedule)
+        # A schedule that plans its order for the costs gets the fastest split's; the plan keeps them,
+        # so that the pipeline builds the very order that was simulated.
+        c.schedule_costs = self._cost_model(sums, list(c.cuts)) if info is not None and info.uses_costs else None
         try:
-            schedule = cs.build(c.schedule, ranks=self.ranks, microbatches=c.microbatches, virtual=c.virtual)
+            schedule = cs.build(c.schedule, ranks=self.ranks, microbatches=c.microbatches, virtual=c.virtual,
+                                costs=c.schedule_costs)
         except ConveyorError as error:
             c.verdict = f"failed: {str(error).splitlines()[0]}"
             return
-        sums = self.sums(c.microbatches)
         first = self._simulate(schedule, sums, list(c.cuts), c.microbatches)
         options = [first]
         in_flight = first[4]
@@ -251,14 +257,18 @@ class _Context:
 
         return key
 
-    def _simulate(self, schedule, sums: StageSums, cuts: list[int], microbatches: int):
-        """(cuts, step, peak memory, stage times, in-flight microbatches per stage, bubble, memory per rank)."""
+    def _cost_model(self, sums: StageSums, cuts: list[int]) -> cs.CostModel:
+        """Per-stage costs of the split at ``cuts``; one message latency, of the largest boundary's bytes."""
         stages = bounds_of(cuts, len(sums.units))
         costs = [cs.StageCosts(sums.forward(i, j), sums.backward_input(i, j), sums.backward_weight(i, j),
                                sums.activations(i, j), sums.weight_kept(i, j)) for i, j in stages]
         sent = max((sums.units[j - 1].output_bytes for _, j in stages[:-1]), default=0.0)
-        latency = self.latency + sent / self.bandwidth
-        timeline = cs.simulate(schedule, cs.CostModel(tuple(costs), latency), time_unit="s")
+        return cs.CostModel(tuple(costs), self.latency + sent / self.bandwidth)
+
+    def _simulate(self, schedule, sums: StageSums, cuts: list[int], microbatches: int):
+        """(cuts, step, peak memory, stage times, in-flight microbatches per stage, bubble, memory per rank)."""
+        stages = bounds_of(cuts, len(sums.units))
+        timeline = cs.simulate(schedule, self._cost_model(sums, cuts), time_unit="s")
         peaks = timeline.peak_activation_bytes()
         memory, in_flight = [], [1.0] * len(stages)
         for rank in range(self.ranks):

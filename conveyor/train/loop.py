@@ -108,9 +108,12 @@ def build_pipeline(cfg: TrainConfig, model: torch.nn.Module) -> Any:
     microbatch = cfg.replica_batch_size // p.microbatches
     example = torch.zeros(microbatch, cfg.model.seq_len, dtype=torch.long)
     extra = {"mesh": mesh, "data_parallel": p.data_parallel} if mesh is not None else {}
-    # load_config took schedule, virtual and microbatches from the plan already; the cut is the plan's too.
-    split_points = list(Plan.load(p.plan).split_points) if p.plan else None
-    return conveyor.pipeline(model, example_args=(example,), split_method="parameters", schedule=p.schedule,
+    # load_config took schedule, virtual and microbatches from the plan already; the cut is the plan's too,
+    # and so is the schedule's order where it was planned for the measured costs (zb-1p, zb-2p).
+    plan = Plan.load(p.plan) if p.plan else None
+    split_points = list(plan.split_points) if plan else None
+    schedule = plan.schedule_spec() if plan else p.schedule
+    return conveyor.pipeline(model, example_args=(example,), split_method="parameters", schedule=schedule,
                              split_points=split_points,
                              microbatches=p.microbatches, virtual=p.virtual,
                              loss_fn=lm_loss("sum" if cfg.loss.normalize == "tokens" else "mean"),

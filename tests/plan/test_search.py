@@ -92,3 +92,27 @@ def test_a_32_stage_plan_of_a_large_llama_is_quick():
     plan = cp.choose(cp.search(table, ranks=32, global_batch=128, memory_per_rank=cp.parse_size("80GiB")), table)
     assert time.perf_counter() - started < 20
     assert plan.num_stages == 32 and len(plan.memory_per_rank) == 32
+
+
+def _orders(schedule) -> list[list[str]]:
+    return [[str(action) for action in program] for program in schedule.programs]
+
+
+def test_a_cost_planned_schedule_runs_the_order_the_planner_simulated(tmp_path):
+    # Skewed costs (W light, I heavy) where zb-2p's searched order differs from its uniform-cost one:
+    # the plan file must rebuild the simulated order, not the name's default.
+    rows = [(f"layers.{i}", 1.0, 1.5, 0.5, 4 * MB, 10 * MB, True) for i in range(8)]
+    table = cp.synthetic_table(rows)
+    plan = cp.choose(cp.search(table, ranks=4, global_batch=16, memory_per_rank=float("inf"),
+                               schedules=["zb-2p"], virtual=[1], latency=0.1), table)
+    assert plan.schedule == "zb-2p" and plan.schedule_costs is not None
+    import conveyor.schedule as cs
+
+    simulated = cs.build("zb-2p", ranks=4, microbatches=plan.microbatches, costs=plan.schedule_costs)
+    uniform = cs.build("zb-2p", ranks=4, microbatches=plan.microbatches)
+    loaded = cp.Plan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded.schedule_costs == plan.schedule_costs
+    assert _orders(loaded.pipeline_kwargs()["schedule"]) == _orders(simulated)
+    assert _orders(simulated) != _orders(uniform)  # else the test would prove nothing
+    step = cs.simulate(loaded.schedule_spec(), plan.schedule_costs, time_unit="s").spans
+    assert max(span.end for span in step) == pytest.approx(plan.step_time)
