@@ -168,7 +168,7 @@ def test_auto_takes_shared_memory_when_every_rank_is_on_this_host_else_the_proce
     assert run_ranks(_chosen, 2, args=("process_group",)) == [DistTransport.__name__] * 2
     message = run_ranks(_chosen, 2, args=("nccl",))[0]
     assert message == (
-        "transport must be one of 'auto', 'shared_memory', 'process_group', 'hybrid'; got 'nccl'"
+        "transport must be one of 'auto', 'shared_memory', 'process_group', 'hybrid', 'ordered'; got 'nccl'"
     )
 
 
