@@ -25,8 +25,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
-from operator import add, floordiv
+from itertools import chain
 
 from conveyor.schedule.ir import NUM_COMPUTE_KINDS, Schedule
 
@@ -48,27 +47,35 @@ class PackedRun:
     ends: tuple[array, ...]
 
 
-def key_tables(stage_to_rank: Sequence[int], num_microbatches: int) -> tuple[list[int], list[int], list[bool]]:
-    """Per (kind, stage) key ``kind * S + stage``: the delta from a code to its finish slot, to
-    the slot it needs, and whether that need comes from another rank."""
+def key_tables(
+    stage_to_rank: Sequence[int], num_microbatches: int, took: Sequence[float], latency: float = 0.0
+) -> list[list[tuple | None]]:
+    """Per rank, per (kind, stage) key ``kind * S + stage``: ``(slot, need, mark, took[, lat])``,
+    the deltas from a code to its finish slot, to the slot it needs and to a second slot it
+    finishes, its duration (and the latency of its need); None where the key is not the rank's.
+
+    Slots: F, G (B or I), W, then MARK (what only an I finishes: a W waits for it, so a W after a B
+    never runs) and the always-done row (what a first-stage forward waits for).
+    """
     S, M = len(stage_to_rank), num_microbatches
     SM = S * M
-    finish = [0] * S + [0] * S + [-SM] * S + [-SM] * S
-    need: list[int] = []
-    remote: list[bool] = []
+    tables: list[list[tuple | None]] = [[None] * (NUM_COMPUTE_KINDS * S) for _ in range(max(stage_to_rank) + 1)]
     for kind in range(NUM_COMPUTE_KINDS):
         for s in range(S):
             if kind == _F:
-                need.append(-M if s > 0 else 3 * SM)  # F(s-1, m); stage 0: the always-done row
-                remote.append(s > 0 and stage_to_rank[s - 1] != stage_to_rank[s])
+                slot, need = 0, (-M if s > 0 else 4 * SM)  # F(s-1, m); stage 0: the always-done row
+                remote = s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]
             elif kind == _W:
-                need.append(-2 * SM)  # I(s, m)
-                remote.append(False)
+                slot, need, remote = -SM, 0, False  # the W code is its I's MARK slot
             else:  # B or I: the input gradient of s+1, or on the last stage its own forward
-                offset = 0 if kind == _B else -SM
-                need.append(offset + (M if s < S - 1 else -SM))
-                remote.append(s < S - 1 and stage_to_rank[s + 1] != stage_to_rank[s])
-    return finish, need, remote
+                slot = 0 if kind == _B else -SM
+                need = slot + (M if s < S - 1 else -SM)
+                remote = s < S - 1 and stage_to_rank[s + 1] != stage_to_rank[s]
+            mark = SM if kind == _I else slot
+            key = kind * S + s
+            row = (slot, need, mark, took[key]) + ((latency if remote else 0.0,) if latency else ())
+            tables[stage_to_rank[s]][key] = row
+    return tables
 
 
 def step_packed(schedule: Schedule, took: Sequence[float], latency: float = 0.0) -> PackedRun | None:
@@ -78,122 +85,112 @@ def step_packed(schedule: Schedule, took: Sequence[float], latency: float = 0.0)
     SM = S * M
     codes = [p.codes for p in schedule.programs]
     num_actions = sum(map(len, codes))
-    if num_actions < 2 * SM or not _on_their_ranks(schedule, codes):
-        return None  # incomplete (and no tables sized S x M), or an action off its rank
-    finish_delta, need_delta, remote = key_tables(schedule.placement.stage_to_rank, M)
-    lat = [latency if r else 0.0 for r in remote] if latency else None
-    finish = array("d", [UNSET]) * (3 * SM + M)
-    finish[3 * SM:] = array("d", [float("-inf")]) * M
-    # Per rank, each action's (kind, stage) key, finish slot and needed slot (4 + 16 bytes each).
-    keys = [array("I", map(floordiv, c, repeat(M))) for c in codes]
-    slots = [array("q", map(add, c, map(finish_delta.__getitem__, k))) for c, k in zip(codes, keys)]
-    needs = [array("q", map(add, c, map(need_delta.__getitem__, k))) for c, k in zip(codes, keys)]
-    tooks = [map(took.__getitem__, k) for k in keys]
-    if lat is None:
-        clean = _loop(list(map(zip, slots, needs, tooks)), finish)
-    else:
-        clean = _loop_with_latency(list(map(zip, slots, needs, tooks, (map(lat.__getitem__, k) for k in keys))), finish)
-    if not clean or not _each_once(finish, SM, num_actions) or not _weights_follow_inputs(codes, SM):
+    if num_actions < 2 * SM:
+        return None  # incomplete (and no tables sized S x M)
+    tables = key_tables(schedule.placement.stage_to_rank, M, took, latency)
+    finish = array("d", [UNSET]) * (4 * SM + M)
+    finish[4 * SM:] = array("d", [float("-inf")]) * M
+    producer = list(schedule.placement.stage_to_rank) * 4  # per row (code // M) of the finish table
+    starts = tuple(array("d") for _ in codes)
+    ends = tuple(array("d") for _ in codes)
+    loop = _loop_with_latency if latency else _loop
+    try:
+        clean = loop(list(map(iter, codes)), tables, finish, producer, M, starts, ends)
+    except TypeError:  # a key missing from the rank's table: an action off its rank
         return None
-    ends = tuple(array("d", map(finish.__getitem__, s)) for s in slots)
-    # A rank's action starts when both the rank (its previous action's end) and its need are ready.
-    starts = []
-    for rank_ends, rank_needs, rank_keys in zip(ends, needs, keys):
-        ready = map(finish.__getitem__, rank_needs)
-        if lat is not None:
-            ready = map(add, ready, map(lat.__getitem__, rank_keys))
-        starts.append(array("d", map(max, chain((0.0,), rank_ends[:-1]), ready)))
-    return PackedRun(tuple(starts), ends)
+    if not clean or _count_unset(finish, 0, 2 * SM):
+        return None  # a rank stopped early, or a (stage, microbatch) not forwarded or not backwarded
+    if 3 * SM - _count_unset(finish, 0, 3 * SM) != num_actions:
+        return None  # an action twice (or B and I of one (stage, microbatch))
+    if _count_unset(finish, 3 * SM, 4 * SM) != _count_unset(finish, 2 * SM, 3 * SM):
+        return None  # an I without its W (a W waits for its I, so none runs without one)
+    return PackedRun(starts, ends)
 
 
-def _loop(rank_steps: list, finish: array) -> bool:
+def _loop(remaining: list, tables: list, finish: array, producer: list[int], M: int,
+          starts: tuple[array, ...], ends: tuple[array, ...]) -> bool:
     """The engine's stepping loop on slots: whether every rank reached its end.
 
-    A rank runs its next action once the slot it needs is done, else it is parked on that
-    slot and another rank runs; finishing a slot wakes the rank parked on it.
+    A rank runs its next action once the slot it needs is done, else it is parked and
+    another rank runs. ``producer[slot // M]`` is the rank that finishes a slot; when a rank
+    stops, the ranks parked on what it finished go on (no look-up per finished slot).
     """
-    num_ranks = len(rank_steps)
-    waiting: dict[int, int] = {}
+    num_ranks = len(remaining)
+    waiters: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
     clock = [0.0] * num_ranks
-    parked: list[tuple | None] = [None] * num_ranks
+    parked: list[int | None] = [None] * num_ranks
     work = list(range(num_ranks - 1, -1, -1))
     while work:
         rank = work.pop()
-        now = clock[rank]
-        steps = rank_steps[rank]
+        now, table, add_start, add_end = clock[rank], tables[rank], starts[rank].append, ends[rank].append
+        codes = remaining[rank]
         if parked[rank] is not None:  # -- resume: the parked action first
-            steps, parked[rank] = chain((parked[rank],), steps), None
-        for slot, need, took in steps:
-            ready = finish[need]
-            if ready == UNSET:
-                waiting[need] = rank
-                parked[rank] = (slot, need, took)
-                break
+            codes, parked[rank] = chain((parked[rank],), codes), None
+        for code in codes:
+            slot, need, mark, took = table[code // M]
+            ready = finish[code + need]
             if ready > now:
                 now = ready
+            elif ready == UNSET:
+                waiters[producer[(code + need) // M]].append((code + need, rank))
+                parked[rank] = code
+                break
+            add_start(now)
             now += took
-            finish[slot] = now
-            if slot in waiting:
-                work.append(waiting.pop(slot))
+            finish[code + slot] = now
+            finish[code + mark] = now
+            add_end(now)
         clock[rank] = now
+        if waiters[rank]:
+            _wake(waiters, rank, finish, work)
     return all(p is None for p in parked)
 
 
-def _loop_with_latency(rank_steps: list, finish: array) -> bool:
+def _loop_with_latency(remaining: list, tables: list, finish: array, producer: list[int], M: int,
+                       starts: tuple[array, ...], ends: tuple[array, ...]) -> bool:
     """:func:`_loop` where what another rank produced arrives ``lat`` later."""
-    num_ranks = len(rank_steps)
-    waiting: dict[int, int] = {}
+    num_ranks = len(remaining)
+    waiters: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
     clock = [0.0] * num_ranks
-    parked: list[tuple | None] = [None] * num_ranks
+    parked: list[int | None] = [None] * num_ranks
     work = list(range(num_ranks - 1, -1, -1))
     while work:
         rank = work.pop()
-        now = clock[rank]
-        steps = rank_steps[rank]
+        now, table, add_start, add_end = clock[rank], tables[rank], starts[rank].append, ends[rank].append
+        codes = remaining[rank]
         if parked[rank] is not None:
-            steps, parked[rank] = chain((parked[rank],), steps), None
-        for slot, need, took, lat in steps:
-            ready = finish[need]
+            codes, parked[rank] = chain((parked[rank],), codes), None
+        for code in codes:
+            slot, need, mark, took, lat = table[code // M]
+            ready = finish[code + need]
             if ready == UNSET:
-                waiting[need] = rank
-                parked[rank] = (slot, need, took, lat)
+                waiters[producer[(code + need) // M]].append((code + need, rank))
+                parked[rank] = code
                 break
             ready += lat
             if ready > now:
                 now = ready
+            add_start(now)
             now += took
-            finish[slot] = now
-            if slot in waiting:
-                work.append(waiting.pop(slot))
+            finish[code + slot] = now
+            finish[code + mark] = now
+            add_end(now)
         clock[rank] = now
+        if waiters[rank]:
+            _wake(waiters, rank, finish, work)
     return all(p is None for p in parked)
 
 
-def _on_their_ranks(schedule: Schedule, codes: list[array]) -> bool:
-    """Every action's stage on the action's rank (the engine's tables reject the others)."""
-    S, M = schedule.num_stages, schedule.num_microbatches
-    for rank, rank_codes in enumerate(codes):
-        own = {kind * S + s for s in schedule.placement.stages_of(rank) for kind in range(NUM_COMPUTE_KINDS)}
-        if rank_codes and not set(map(floordiv, rank_codes, repeat(M))) <= own:
-            return False
-    return True
-
-
-def _each_once(finish: array, SM: int, num_actions: int) -> bool:
-    """Every F and B/I done, and as many slots done as there are actions (none twice)."""
-    if _count_unset(finish, 0, 2 * SM):
-        return False
-    return 3 * SM - _count_unset(finish, 0, 3 * SM) == num_actions
+def _wake(waiters: list[list[tuple[int, int]]], rank: int, finish: array, work: list[int]) -> None:
+    """Put the ranks parked on a slot ``rank`` has finished back to work."""
+    still = []
+    for need, waiter in waiters[rank]:
+        if finish[need] == UNSET:
+            still.append((need, waiter))
+        else:
+            work.append(waiter)
+    waiters[rank] = still
 
 
 def _count_unset(finish: array, start: int, stop: int) -> int:
     return sum(finish[at:min(at + _CHUNK, stop)].count(UNSET) for at in range(start, stop, _CHUNK))
-
-
-def _weights_follow_inputs(codes: list[array], SM: int) -> bool:
-    """A W exactly where the backward was an I (B-then-W and I-without-W both fail)."""
-    inputs, weights = range(2 * SM, 3 * SM).__contains__, range(3 * SM, 4 * SM).__contains__
-    for rank_codes in codes:  # no action twice (checked before): sets will do
-        if set(map(add, filter(inputs, rank_codes), repeat(SM))) != set(filter(weights, rank_codes)):
-            return False
-    return True

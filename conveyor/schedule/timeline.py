@@ -45,15 +45,29 @@ class Span:
         return self.end - self.start
 
 
-class _PackedSpan(Span):
-    """A Span of a :class:`PackedSpans` whose action is made when read (iterating 3M spans to
-    read their ends makes no Action). Equal to, and hashed like, the Span of the same fields."""
+class _RankSpans:
+    """What the spans of one rank of a :class:`PackedSpans` read their fields from."""
 
-    __slots__ = ("_program", "_code")
+    __slots__ = ("rank", "program", "starts", "ends")
+
+    def __init__(self, rank: int, program: PackedProgram, starts: array, ends: array) -> None:
+        self.rank, self.program, self.starts, self.ends = rank, program, starts, ends
+
+
+class _PackedSpan(Span):
+    """A Span of a :class:`PackedSpans`, made with two fields (its rank's arrays and its index)
+    and reading the others when asked: iterating 3M spans to read their ends makes no Action.
+    Equal to, and hashed like, the Span of the same fields."""
+
+    __slots__ = ("_of", "_at")
+
+    rank = property(lambda self: self._of.rank)  # type: ignore[assignment]
+    start = property(lambda self: self._of.starts[self._at])  # type: ignore[assignment]
+    end = property(lambda self: self._of.ends[self._at])  # type: ignore[assignment]
 
     @property
     def action(self) -> Action:  # type: ignore[override]
-        return self._program.action_of(self._code)
+        return self._of.program[self._at]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Span):
@@ -68,8 +82,7 @@ class _PackedSpan(Span):
 
 
 _span_new = object.__new__
-_SPAN_SETTERS = tuple(Span.__dict__[name].__set__ for name in ("rank", "start", "end")) + tuple(
-    _PackedSpan.__dict__[name].__set__ for name in ("_program", "_code"))
+_set_of, _set_at = _PackedSpan.__dict__["_of"].__set__, _PackedSpan.__dict__["_at"].__set__
 
 
 class PackedSpans(Sequence[Span]):
@@ -77,7 +90,8 @@ class PackedSpans(Sequence[Span]):
 
     Per rank, its (compute-only) program and the start and end of each of its actions: 24
     bytes per action where Span objects take over 150. Sequence of :class:`Span` like the
-    tuple it replaces (and equal to it).
+    tuple it replaces (and equal to it). A rank's actions run one after another, each starting
+    no earlier than the previous one ended (the summaries rely on it).
 
     Example:
         >>> import conveyor.schedule as cs
@@ -100,12 +114,11 @@ class PackedSpans(Sequence[Span]):
         count = len(self.starts[rank])
         if not count:
             return []
-        program = self.programs[rank]
+        of = _RankSpans(rank, self.programs[rank], self.starts[rank], self.ends[rank])
         with gc_paused():
             spans = list(map(_span_new, repeat(_PackedSpan, count)))
-            for setter, values in zip(_SPAN_SETTERS, (repeat(rank, count), self.starts[rank], self.ends[rank],
-                                                      repeat(program, count), program.codes)):
-                deque(map(setter, spans, values), maxlen=0)
+            deque(map(_set_of, spans, repeat(of, count)), maxlen=0)
+            deque(map(_set_at, spans, range(count)), maxlen=0)
         return spans
 
     def __iter__(self) -> Iterator[Span]:
@@ -162,14 +175,14 @@ class Timeline:
 
     @property
     def start(self) -> float:
-        if isinstance(self.spans, PackedSpans):
-            return min((min(times) for times in self.spans.starts if times), default=0.0)
+        if isinstance(self.spans, PackedSpans):  # a rank's actions run one after another
+            return min((times[0] for times in self.spans.starts if times), default=0.0)
         return min((s.start for s in self.spans), default=0.0)
 
     @property
     def end(self) -> float:
         if isinstance(self.spans, PackedSpans):
-            return max((max(times) for times in self.spans.ends if times), default=0.0)
+            return max((times[-1] for times in self.spans.ends if times), default=0.0)
         return max((s.end for s in self.spans), default=0.0)
 
     @property

@@ -25,7 +25,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import add
+from operator import add, mul
 
 from conveyor.errors import ScheduleError
 from conveyor.schedule.ir import (
@@ -190,18 +190,31 @@ def _column_codes(kind: ActionKind, stages: Sequence[int], microbatches: Sequenc
     n = len(stages)
     if index is None or not n:
         return None if index is None else array("q")
-    first = stages[0]
-    if type(stages) is range or set(map(type, stages)) != {int} or stages.count(first) != n or not 0 <= first < S:
-        part = PackedProgram.from_fields([kind] * n, list(stages), list(microbatches), S, M)
-        return None if part is None else part.codes
-    base = (index * S + first) * M
-    if type(microbatches) is range:  # one stage, a range of microbatches: a range of codes
-        if not (0 <= microbatches[0] < M and 0 <= microbatches[-1] < M):
-            return None
-        return array("q", range(base + microbatches.start, base + microbatches.stop, microbatches.step))
-    if set(map(type, microbatches)) != {int} or min(microbatches) < 0 or max(microbatches) >= M:
+    if not _within(stages, S) or not _within(microbatches, M):
         return None
-    return array("q", map(add, microbatches, repeat(base)))
+    first = stages[0]
+    try:  # array("q") refuses what is not an int: no pass over the types
+        if stages.count(first) != n:
+            key = map(add, stages, repeat(index * S))
+            return array("q", map(add, map(mul, key, repeat(M)), microbatches))
+        if type(first) is not int:
+            return None
+        base = (index * S + first) * M
+        if type(microbatches) is range:  # one stage, a range of microbatches: a range of codes
+            return array("q", range(base + microbatches.start, base + microbatches.stop, microbatches.step))
+        return array("q", map(add, microbatches, repeat(base)))
+    except TypeError:
+        return None
+
+
+def _within(values: Sequence[int], bound: int) -> bool:
+    """Every value in ``0..bound-1`` (C loops; a range by its ends)."""
+    if type(values) is range:
+        return not values or (0 <= values[0] < bound and 0 <= values[-1] < bound)
+    try:
+        return min(values) >= 0 and max(values) < bound
+    except TypeError:  # not numbers
+        return False
 
 
 def check_sizes(name: str, num_ranks: int, num_microbatches: int, virtual: int) -> None:
