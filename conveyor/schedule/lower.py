@@ -82,7 +82,7 @@ def lower(schedule: Schedule) -> Schedule:
 
 # How many actions the packed lowering has lowered in this process (tests check that a rank's
 # runtime lowers its own program only).
-actions_lowered = 0
+lowering_stats = {"actions": 0}
 _NONE = -(1 << 62)  # a delta that makes a code negative: no communication there
 
 
@@ -105,9 +105,8 @@ def _lower_packed(schedule: Schedule) -> Schedule:
 
 
 def _lower_codes(program: PackedProgram, before: list[int], after: list[int]) -> array:
-    global actions_lowered
     codes, M = program.codes, program.num_microbatches
-    actions_lowered += len(codes)
+    lowering_stats["actions"] += len(codes)
     befores = map(add, codes, map(before.__getitem__, map(floordiv, codes, repeat(M))))
     afters = map(add, codes, map(after.__getitem__, map(floordiv, codes, repeat(M))))
     return array("q", filter((-1).__lt__, chain.from_iterable(zip(befores, codes, afters))))
