@@ -53,6 +53,8 @@ class Executable:
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
         self._gradients_final: dict[int, dict[int, int]] = {}
+        # A rank's programs as Actions, made once: its executor walks them every step.
+        self._programs: dict[tuple[str, int], tuple[Action, ...]] = {}
 
     @functools.cached_property
     def compute(self) -> Schedule:
@@ -86,19 +88,25 @@ class Executable:
         return in_order_channels(self.eval)
 
     def train_program(self, rank: int) -> tuple[Action, ...]:
-        """The actions ``rank`` runs in a training step, in order."""
-        return self.train.programs[rank]
+        """The actions ``rank`` runs in a training step, in order (only this rank's are lowered)."""
+        found = self._programs.get(("train", rank))
+        if found is None:
+            found = self._programs["train", rank] = tuple(self.train.programs[rank])
+        return found
 
     def eval_program(self, rank: int) -> tuple[Action, ...]:
         """The actions ``rank`` runs in a forward-only (evaluation) pass, in order."""
-        return self.eval.programs[rank]
+        found = self._programs.get(("eval", rank))
+        if found is None:
+            found = self._programs["eval", rank] = tuple(self.eval.programs[rank])
+        return found
 
     def gradients_final(self, rank: int) -> dict[int, int]:
         """{index in ``rank``'s training program: the stage whose weight gradients are final
         once that action is done} (see :func:`last_weight_passes`); found once, read every step."""
         found = self._gradients_final.get(rank)
         if found is None:
-            found = self._gradients_final[rank] = last_weight_passes(self.train.programs[rank])
+            found = self._gradients_final[rank] = last_weight_passes(self.train_program(rank))
         return found
 
 
