@@ -453,7 +453,7 @@ def runs_clean(schedule: Schedule) -> bool:
         True
     """
     if fast_eligible(schedule):
-        return step_packed(schedule, [0.0] * (NUM_COMPUTE_KINDS * schedule.num_stages)) is not None
+        return step_packed(schedule, [0.0] * (NUM_COMPUTE_KINDS * schedule.num_stages), record=False) is not None
     return checked_pass(schedule) is not None
 
 

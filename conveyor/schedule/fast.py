@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -78,9 +79,12 @@ def key_tables(
     return tables
 
 
-def step_packed(schedule: Schedule, took: Sequence[float], latency: float = 0.0) -> PackedRun | None:
+def step_packed(
+    schedule: Schedule, took: Sequence[float], latency: float = 0.0, record: bool = True
+) -> PackedRun | None:
     """Run a :func:`fast_eligible` schedule, ``took[key]`` the duration of each (kind, stage)
-    key; None unless it runs clean (``engine.runs_clean``'s verdict)."""
+    key; None unless it runs clean (``engine.runs_clean``'s verdict). ``record=False``
+    keeps no times (a verdict only: the run's arrays are empty)."""
     S, M = schedule.num_stages, schedule.num_microbatches
     SM = S * M
     codes = [p.codes for p in schedule.programs]
@@ -91,8 +95,8 @@ def step_packed(schedule: Schedule, took: Sequence[float], latency: float = 0.0)
     finish = array("d", [UNSET]) * (4 * SM + M)
     finish[4 * SM:] = array("d", [float("-inf")]) * M
     producer = list(schedule.placement.stage_to_rank) * 4  # per row (code // M) of the finish table
-    starts = tuple(array("d") for _ in codes)
-    ends = tuple(array("d") for _ in codes)
+    starts = tuple(array("d") if record else deque(maxlen=0) for _ in codes)
+    ends = tuple(array("d") if record else deque(maxlen=0) for _ in codes)
     loop = _loop_with_latency if latency else _loop
     try:
         clean = loop(list(map(iter, codes)), tables, finish, producer, M, starts, ends)
@@ -104,7 +108,7 @@ def step_packed(schedule: Schedule, took: Sequence[float], latency: float = 0.0)
         return None  # an action twice (or B and I of one (stage, microbatch))
     if _count_unset(finish, 3 * SM, 4 * SM) != _count_unset(finish, 2 * SM, 3 * SM):
         return None  # an I without its W (a W waits for its I, so none runs without one)
-    return PackedRun(starts, ends)
+    return PackedRun(starts, ends) if record else PackedRun((), ())
 
 
 def _loop(remaining: list, tables: list, finish: array, producer: list[int], M: int,

@@ -1,9 +1,15 @@
 """The schedule IR: actions, placements and per-rank programs, as plain data.
 
 An :class:`Action` is ``(kind, stage, microbatch)``. A :class:`Schedule` is a
-:class:`Placement` (which rank runs each stage) plus one ordered tuple of
+:class:`Placement` (which rank runs each stage) plus one ordered sequence of
 compute actions per rank. Communication actions (``SEND_F`` ...) are inserted
 by :func:`conveyor.schedule.lower.lower`; users never have to write them.
+
+A program of well-formed actions is held as a :class:`PackedProgram`: one integer
+code per action (8 bytes, where an Action object takes 56), read as Actions like a
+tuple; a 256-rank schedule has millions of actions. A program holding anything else
+stays the tuple it was given, so that :func:`~conveyor.schedule.verify.verify` can
+name what is wrong.
 
 Actions print and parse in the compact form of ``torch.distributed.pipelining``
 (``2F0`` = stage 2 forward of microbatch 0, ``1SEND_B3``), so schedules written

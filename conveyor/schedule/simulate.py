@@ -1,7 +1,10 @@
 """The simulator: when each action of a schedule starts and ends, on per-stage costs.
 
-:func:`simulate` verifies a schedule, then times it with :func:`step_timed`,
-which runs the engine's stepping loop (:mod:`conveyor.schedule.engine`) with
+:func:`simulate` verifies and times a packed compute-only schedule (or the one a
+lowered schedule came from) in one pass of :mod:`conveyor.schedule.fast`, its
+spans kept as per-rank arrays (:class:`~conveyor.schedule.timeline.PackedSpans`).
+Any other schedule it verifies, then times with :func:`step_timed`, which runs
+the engine's stepping loop (:mod:`conveyor.schedule.engine`) with
 rows that carry each action's duration:
 
 - a compute action starts once its rank is free and what it needs is done,

@@ -190,6 +190,8 @@ class Timeline:
         return self.end - self.start
 
     def spans_of(self, rank: int) -> list[Span]:
+        if isinstance(self.spans, PackedSpans):  # in time order already
+            return self.spans.rank_spans(rank)
         return sorted((s for s in self.spans if s.rank == rank), key=lambda s: s.start)
 
     def busy_time(self, rank: int) -> float:
