@@ -36,7 +36,14 @@ _CHUNK = 1 << 16
 
 
 def fast_eligible(schedule: Schedule) -> bool:
-    """Whether :func:`step_packed` serves ``schedule``: packed programs of compute actions only."""
+    """Whether :func:`step_packed` serves ``schedule``: packed programs of compute actions only.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> sched = cs.build("1f1b", ranks=2, microbatches=2)
+        >>> fast_eligible(sched), fast_eligible(cs.lower(sched))
+        (True, False)
+    """
     return isinstance(schedule, Schedule) and schedule.packed and not schedule.is_lowered
 
 
@@ -57,6 +64,10 @@ def key_tables(
 
     Slots: F, G (B or I), W, then MARK (what only an I finishes: a W waits for it, so a W after a B
     never runs) and the always-done row (what a first-stage forward waits for).
+
+    Example:
+        >>> key_tables((0, 1), 1, [1.0] * 8)[1][1]   # F of stage 1 on rank 1: needs F of stage 0
+        (0, -1, 0, 1.0)
     """
     S, M = len(stage_to_rank), num_microbatches
     SM = S * M

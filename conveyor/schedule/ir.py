@@ -297,7 +297,12 @@ class PackedProgram(Sequence[Action]):
 
 
 def packed_programs(programs: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int) -> list | None:
-    """Every program as a :class:`PackedProgram` of these sizes, or None if one cannot be packed."""
+    """Every program as a :class:`PackedProgram` of these sizes, or None if one cannot be packed.
+
+    Example:
+        >>> [len(p) for p in packed_programs([[F(0, 0), B(0, 0)], []], 1, 1)], packed_programs([["0F0"]], 1, 1)
+        ([2, 0], None)
+    """
     out = []
     for program in programs:
         if type(program) is PackedProgram and (program.num_stages, program.num_microbatches) == (
