@@ -535,7 +535,8 @@ class Schedule:
         )
 
     def with_programs(self, programs: Sequence[Sequence[Action]]) -> Schedule:
-        return Schedule(self.name, self.placement, self.num_microbatches, tuple(programs))
+        programs = tuple(p if isinstance(p, PackedProgram) else tuple(p) for p in programs)
+        return Schedule(self.name, self.placement, self.num_microbatches, programs)
 
     def __str__(self) -> str:
         lines = [
