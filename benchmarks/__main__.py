@@ -11,6 +11,8 @@ Flags pick what runs (several may be given; none means ``--compare``):
     --checkpoint checkpoint save / load of a 100M-parameter model, pretrained bytes per rank (benchmarks/checkpoint.py)
     --train      conveyor train: tokens/s at pp=2 vs pp=1, peak RSS per rank on a 200 MB corpus (benchmarks/train.py)
     --compile    compile=True vs eager: the GPT workload's step time at P=2 (benchmarks/compile.py)
+    --schedule-scale  every built-in at P=256, M=2048: seconds and MB; one rank's start-up at P=64
+                 (benchmarks/schedule_scale.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -29,7 +31,9 @@ import importlib
 import sys
 from pathlib import Path
 
-PARTS = ("compare", "schedule", "split", "soak", "parallel", "data", "checkpoint", "train", "compile")
+PARTS = (
+    "compare", "schedule", "schedule_scale", "split", "soak", "parallel", "data", "checkpoint", "train", "compile",
+)
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
 DEFAULT_VARIANTS = (
@@ -71,6 +75,15 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--plan-virtual", type=int, default=2, metavar="V")
     plan.add_argument("--plan-microbatches", type=int, default=1024, metavar="M")
     plan.add_argument("--plan-repeat", type=int, default=3, metavar="N", help="best of N")
+    scale = parser.add_argument_group("--schedule-scale (every built-in at P=256, M=2048, in fresh processes)")
+    scale.add_argument("--scale-ranks", type=int, default=256, metavar="P")
+    scale.add_argument("--scale-microbatches", type=int, default=2048, metavar="M")
+    scale.add_argument("--scale-schedules", default=None, metavar="A,B", help="default: every built-in")
+    scale.add_argument("--scale-root", default=None, metavar="PATH", help="run another checkout's conveyor")
+    scale.add_argument("--startup-ranks", type=int, default=64, metavar="P")
+    scale.add_argument("--startup-microbatches", type=int, default=1024, metavar="M")
+    scale.add_argument("--startup-schedules", default=None, metavar="A,B",
+                       help="default: interleaved-1f1b,zbv")
     soak = parser.add_argument_group("--soak (leaks and drift over many steps)")
     soak.add_argument("--soak-steps", type=int, default=1000)
     soak.add_argument("--soak-ranks", type=int, default=4)
@@ -101,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     parts = parser.add_argument_group("what runs (none given: --compare)")
     parts.add_argument("--compare", action="store_true", help="conveyor vs torch.distributed.pipelining")
     parts.add_argument("--schedule", action="store_true", help="time the schedule layer on a big plan")
+    parts.add_argument("--schedule-scale", action="store_true",
+                       help="every built-in schedule at P=256, M=2048: seconds and MB (fresh processes)")
     parts.add_argument("--split", action="store_true", help="time the frontend's splitter")
     parts.add_argument("--soak", action="store_true", help="many steps, watching for leaks and drift")
     parts.add_argument("--parallel", action="store_true", help="pipeline x data parallelism: parity and overlap")

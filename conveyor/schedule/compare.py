@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from operator import sub
 from pathlib import Path
 
 from conveyor.errors import ConveyorError, CostError
@@ -23,7 +24,7 @@ from conveyor.schedule.cost import CostModel
 from conveyor.schedule.passes import merge_backward_halves
 from conveyor.schedule.registry import ScheduleInfo, available, build
 from conveyor.schedule.simulate import simulate
-from conveyor.schedule.timeline import Timeline
+from conveyor.schedule.timeline import PackedSpans, Timeline
 
 # (forward, input-gradient, weight-gradient) time per stage and microbatch.
 Costs = tuple[float, float, float]
@@ -271,6 +272,8 @@ def busy_per_rank(timeline: Timeline) -> list[float]:
         >>> busy_per_rank(simulate_one("1f1b", 2, 2))
         [6.0, 6.0]
     """
+    if isinstance(timeline.spans, PackedSpans):  # the same sums, in the same order
+        return [sum(map(sub, ends, starts), 0.0) for starts, ends in zip(timeline.spans.starts, timeline.spans.ends)]
     busy = [0.0] * timeline.num_ranks
     for span in timeline.spans:
         if span.action.kind.is_compute:

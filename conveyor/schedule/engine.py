@@ -58,7 +58,8 @@ from operator import add, floordiv, is_, length_hint, mul
 from typing import NamedTuple
 
 from conveyor.errors import UnknownAction
-from conveyor.schedule.ir import Action, ActionKind, Schedule
+from conveyor.schedule.fast import fast_eligible, step_packed
+from conveyor.schedule.ir import NUM_COMPUTE_KINDS, Action, ActionKind, Schedule
 
 # Regions of the code space. B and I share one: each (stage, microbatch) has one of them.
 REGION_F, REGION_G, REGION_W = 0, 1, 2
@@ -451,6 +452,8 @@ def runs_clean(schedule: Schedule) -> bool:
         >>> runs_clean(cs.lower(cs.build("zbv", ranks=2, microbatches=4)))
         True
     """
+    if fast_eligible(schedule):
+        return step_packed(schedule, [0.0] * (NUM_COMPUTE_KINDS * schedule.num_stages), record=False) is not None
     return checked_pass(schedule) is not None
 
 

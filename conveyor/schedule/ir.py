@@ -1,9 +1,15 @@
 """The schedule IR: actions, placements and per-rank programs, as plain data.
 
 An :class:`Action` is ``(kind, stage, microbatch)``. A :class:`Schedule` is a
-:class:`Placement` (which rank runs each stage) plus one ordered tuple of
+:class:`Placement` (which rank runs each stage) plus one ordered sequence of
 compute actions per rank. Communication actions (``SEND_F`` ...) are inserted
 by :func:`conveyor.schedule.lower.lower`; users never have to write them.
+
+A program of well-formed actions is held as a :class:`PackedProgram`: one integer
+code per action (8 bytes, where an Action object takes 56), read as Actions like a
+tuple; a 256-rank schedule has millions of actions. A program holding anything else
+stays the tuple it was given, so that :func:`~conveyor.schedule.verify.verify` can
+name what is wrong.
 
 Actions print and parse in the compact form of ``torch.distributed.pipelining``
 (``2F0`` = stage 2 forward of microbatch 0, ``1SEND_B3``), so schedules written
@@ -23,13 +29,16 @@ Example:
 from __future__ import annotations
 
 import gc
+import hashlib
 import re
+from array import array
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import repeat
+from operator import add, floordiv, mod, mul
 
 from conveyor.errors import ScheduleError
 
@@ -128,6 +137,187 @@ def actions_in_bulk(kinds: Sequence[ActionKind], stages: Sequence[int], microbat
         deque(map(_set_microbatch, actions, microbatches), maxlen=0)
     return actions
 
+# -- packed programs ---------------------------------------------------------------------------------
+
+KINDS: tuple[ActionKind, ...] = tuple(ActionKind)
+"""Kind indices of packed codes: F, B, I, W (compute, 0..3), then SEND_F, RECV_F, SEND_B, RECV_B."""
+KIND_INDEX: dict[int, int] = {id(kind): index for index, kind in enumerate(KINDS)}
+NUM_COMPUTE_KINDS = 4
+
+
+class PackedProgram(Sequence[Action]):
+    """One rank's program as integer codes ``(kind_index * S + stage) * M + microbatch``.
+
+    A sequence of :class:`Action` like the tuple it replaces (equal to it, same hash), holding
+    8 bytes per action instead of an object: a 256-rank schedule has millions of actions.
+    Actions are made when read. ``source`` (a function returning the codes) defers the work
+    until the program is first read: a rank's runtime lowers only its own program.
+
+    Example:
+        >>> program = PackedProgram.of([F(1, 0), B(1, 0)], num_stages=2, num_microbatches=1)
+        >>> [str(a) for a in program], program == (F(1, 0), B(1, 0)), len(program)
+        (['1F0', '1B0'], True, 2)
+    """
+
+    __slots__ = ("_codes", "_source", "num_stages", "num_microbatches", "compute_only", "__weakref__")
+
+    def __init__(self, codes: array | Callable[[], array], num_stages: int, num_microbatches: int,
+                 compute_only: bool | None = None) -> None:
+        self._codes, self._source = (codes, None) if isinstance(codes, array) else (None, codes)
+        self.num_stages, self.num_microbatches = num_stages, num_microbatches
+        # Known without reading the codes where the maker knows it (builders, merging, lowering).
+        self.compute_only = compute_only
+
+    @classmethod
+    def of(cls, actions: Iterable[Action], num_stages: int, num_microbatches: int) -> PackedProgram | None:
+        """``actions`` packed, or None unless each is an Action with int ids in range."""
+        actions = list(actions)
+        if actions and set(map(type, actions)) != {Action}:
+            return None
+        return cls.from_fields([a.kind for a in actions], [a.stage for a in actions],
+                               [a.microbatch for a in actions], num_stages, num_microbatches)
+
+    @classmethod
+    def from_fields(cls, kinds: Sequence[ActionKind], stages: Sequence[int], microbatches: Sequence[int],
+                    num_stages: int, num_microbatches: int) -> PackedProgram | None:
+        """Pack three parallel sequences; None unless every field is an in-range int or ActionKind."""
+        S, M = num_stages, num_microbatches
+        if kinds:
+            try:
+                indices = list(map(KIND_INDEX.__getitem__, map(id, kinds)))
+            except KeyError:
+                return None
+            if (set(map(type, stages)) != {int} or set(map(type, microbatches)) != {int}
+                    or min(stages) < 0 or max(stages) >= S or min(microbatches) < 0 or max(microbatches) >= M):
+                return None
+            compute_only = max(indices) < NUM_COMPUTE_KINDS
+        else:
+            indices, compute_only = [], True
+        keys = map(add, map(mul, indices, repeat(S)), stages)
+        codes = array("q", map(add, map(mul, keys, repeat(M)), microbatches))
+        return cls(codes, S, M, compute_only)
+
+    @property
+    def codes(self) -> array:
+        """The codes (made now if the program was deferred)."""
+        if self._codes is None:
+            self._codes = self._source()
+            self._source = None
+            if self.compute_only is None:
+                self.compute_only = not self._codes or max(self._codes) < NUM_COMPUTE_KINDS * self.num_stages * self.num_microbatches
+        return self._codes
+
+    @property
+    def made(self) -> bool:
+        """Whether the codes exist yet (False: deferred, not read so far)."""
+        return self._codes is not None
+
+    def fields(self) -> tuple[list[ActionKind], list[int], list[int]]:
+        """(kinds, stages, microbatches) of every action, in order."""
+        codes, S, M = self.codes, self.num_stages, self.num_microbatches
+        keys = list(map(floordiv, codes, repeat(M)))
+        return (list(map(KINDS.__getitem__, map(floordiv, keys, repeat(S)))), list(map(mod, keys, repeat(S))),
+                list(map(mod, codes, repeat(M))))
+
+    def actions(self) -> list[Action]:
+        """Every action, made in bulk."""
+        return actions_in_bulk(*self.fields())
+
+    def action_of(self, code: int) -> Action:
+        key, microbatch = divmod(code, self.num_microbatches)
+        index, stage = divmod(key, self.num_stages)
+        return Action(KINDS[index], stage, microbatch)
+
+    def code_of(self, action: object) -> int | None:
+        """The code of ``action``, None if it cannot be in this program."""
+        if type(action) is not Action or type(action.stage) is not int or type(action.microbatch) is not int:
+            return None
+        index = KIND_INDEX.get(id(action.kind))
+        if index is None or not (0 <= action.stage < self.num_stages and 0 <= action.microbatch < self.num_microbatches):
+            return None
+        return (index * self.num_stages + action.stage) * self.num_microbatches + action.microbatch
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204 - int or slice, as a tuple's
+        if isinstance(index, slice):
+            part = PackedProgram(self.codes[index], self.num_stages, self.num_microbatches)
+            return tuple(part.actions())
+        return self.action_of(self.codes[index])
+
+    def __iter__(self) -> Iterator[Action]:
+        return iter(self.actions())
+
+    def __reversed__(self) -> Iterator[Action]:
+        return reversed(self.actions())
+
+    def __contains__(self, action: object) -> bool:
+        code = self.code_of(action)
+        return code is not None and code in self.codes
+
+    def count(self, action: object) -> int:
+        code = self.code_of(action)
+        return 0 if code is None else self.codes.count(code)
+
+    def index(self, action: object, start: int = 0, stop: int | None = None) -> int:
+        code = self.code_of(action)
+        if code is None:
+            raise ValueError(f"{action!r} is not in the program")
+        return self.codes.index(code, start, len(self) if stop is None else stop)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedProgram):
+            if (other.num_stages, other.num_microbatches) == (self.num_stages, self.num_microbatches):
+                return self.codes == other.codes
+            return tuple(self) == tuple(other)
+        if isinstance(other, tuple | list):
+            return len(other) == len(self) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __add__(self, other: object) -> tuple:
+        if isinstance(other, tuple | PackedProgram):
+            return tuple(self) + tuple(other)
+        return NotImplemented
+
+    def __radd__(self, other: object) -> tuple:
+        if isinstance(other, tuple):
+            return other + tuple(self)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        # Cheap and deterministic (the runtime hashes every rank's repr to check that ranks agree).
+        codes = self.codes
+        digest = hashlib.sha1(codes.tobytes()).hexdigest()[:12]
+        shown = " ".join(map(str, self[:3])) + (" ..." if len(codes) > 3 else "")
+        return f"PackedProgram({len(codes)} actions: {shown}; S={self.num_stages} M={self.num_microbatches} sha1 {digest})"
+
+
+def packed_programs(programs: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int) -> list | None:
+    """Every program as a :class:`PackedProgram` of these sizes, or None if one cannot be packed.
+
+    Example:
+        >>> [len(p) for p in packed_programs([[F(0, 0), B(0, 0)], []], 1, 1)], packed_programs([["0F0"]], 1, 1)
+        ([2, 0], None)
+    """
+    out = []
+    for program in programs:
+        if type(program) is PackedProgram and (program.num_stages, program.num_microbatches) == (
+                num_stages, num_microbatches):
+            out.append(program)
+            continue
+        packed = PackedProgram.of(program, num_stages, num_microbatches)
+        if packed is None:
+            return None
+        out.append(packed)
+    return out
+
+
+
+
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the papers
     """Forward of ``stage`` on ``microbatch``."""
     return Action(ActionKind.F, stage, microbatch)
@@ -219,6 +409,7 @@ def _check_positive(**values: int) -> None:
 
 
 Program = tuple[Action, ...]
+_PROGRAM_TYPES = (tuple, list, PackedProgram)
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,18 +442,20 @@ class Schedule:
                 f"got {type(self.placement).__name__}"
             )
         programs = self.programs
-        if not isinstance(programs, tuple | list) or any(not isinstance(p, tuple | list) for p in programs):
+        if not isinstance(programs, tuple | list) or any(not isinstance(p, _PROGRAM_TYPES) for p in programs):
             raise ScheduleError(
                 f"schedule {self.name!r}: programs must be one sequence of actions per rank, got "
                 f"{programs!r:.80}; Schedule.from_programs(...) also reads action strings such as '2F0'"
             )
-        # Tuples all the way down: a Schedule is immutable (tuple(t) of a tuple is t itself: no copy).
-        object.__setattr__(self, "programs", tuple(map(tuple, programs)))
-        if len(self.programs) != self.placement.num_ranks:
+        if len(programs) != self.placement.num_ranks:
             raise ScheduleError(
-                f"schedule {self.name!r} has programs for {len(self.programs)} ranks "
+                f"schedule {self.name!r} has programs for {len(programs)} ranks "
                 f"but its placement has {self.placement.num_ranks} ranks"
             )
+        # Packed where every action is a well-formed Action (8 bytes each); else tuples all the way
+        # down, so that verify() can name what is wrong. Either way a Schedule is immutable.
+        packed = packed_programs(programs, self.placement.num_stages, self.num_microbatches)
+        object.__setattr__(self, "programs", tuple(map(tuple, programs)) if packed is None else tuple(packed))
 
     @classmethod
     def from_programs(
@@ -298,12 +491,24 @@ class Schedule:
         return self.num_stages // self.num_ranks
 
     @property
+    def packed(self) -> bool:
+        """Whether every program is a :class:`PackedProgram` (the fast paths need that)."""
+        return all(type(p) is PackedProgram for p in self.programs)
+
+    @property
     def splits_backward(self) -> bool:
         """Whether any stage runs its backward as I then W."""
+        if self.packed:
+            SM = self.num_stages * self.num_microbatches
+            is_split = range(2 * SM, 3 * SM).__contains__  # I's codes
+            return any(any(map(is_split, p.codes)) for p in self.programs)
         return any(a.kind is ActionKind.I for program in self.programs for a in program)
 
     @property
     def is_lowered(self) -> bool:
+        if self.packed:
+            return not all(p.compute_only if p.compute_only is not None else len(p) == 0 or max(p.codes) < (
+                NUM_COMPUTE_KINDS * self.num_stages * self.num_microbatches) for p in self.programs)
         return any(a.kind.is_comm for program in self.programs for a in program)
 
     def stages_of(self, rank: int) -> list[int]:
@@ -316,6 +521,12 @@ class Schedule:
 
     def compute_only(self) -> Schedule:
         """The same schedule with communication actions removed."""
+        if self.packed:
+            S, M = self.num_stages, self.num_microbatches
+            below = (NUM_COMPUTE_KINDS * S * M).__gt__
+            programs = tuple(p if p.compute_only else PackedProgram(array("q", filter(below, p.codes)), S, M, True)
+                             for p in self.programs)
+            return Schedule(self.name, self.placement, self.num_microbatches, programs)
         return Schedule(
             self.name,
             self.placement,
@@ -324,7 +535,8 @@ class Schedule:
         )
 
     def with_programs(self, programs: Sequence[Sequence[Action]]) -> Schedule:
-        return Schedule(self.name, self.placement, self.num_microbatches, tuple(map(tuple, programs)))
+        programs = tuple(p if isinstance(p, PackedProgram) else tuple(p) for p in programs)
+        return Schedule(self.name, self.placement, self.num_microbatches, programs)
 
     def __str__(self) -> str:
         lines = [

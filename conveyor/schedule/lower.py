@@ -22,14 +22,24 @@ Example:
 
 from __future__ import annotations
 
+import functools
+from array import array
 from collections import deque
 from collections.abc import Sequence
-from itertools import chain, compress
-from operator import add
+from itertools import chain, compress, repeat
+from operator import add, floordiv
 
 from conveyor.errors import ScheduleError
 from conveyor.schedule.engine import COMM_KIND_IDS
-from conveyor.schedule.ir import Action, ActionKind, Schedule, actions_in_bulk, gc_paused
+from conveyor.schedule.ir import (
+    NUM_COMPUTE_KINDS,
+    Action,
+    ActionKind,
+    PackedProgram,
+    Schedule,
+    actions_in_bulk,
+    gc_paused,
+)
 
 K = ActionKind
 
@@ -50,6 +60,8 @@ def lower(schedule: Schedule) -> Schedule:
     """
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"lower() expects a Schedule, got {type(schedule).__name__}")
+    if schedule.packed and not schedule.is_lowered:
+        return _lower_packed(schedule)
     try:
         with gc_paused():
             before, after = _comm_tables(schedule.placement.stage_to_rank)
@@ -66,6 +78,53 @@ def lower(schedule: Schedule) -> Schedule:
         # so this schedule simulates exactly like its source: simulate() may step the source.
         lowered._checked["lowered_from"] = schedule
     return lowered
+
+
+# How many actions the packed lowering has lowered in this process (tests check that a rank's
+# runtime lowers its own program only).
+lowering_stats = {"actions": 0}
+_NONE = -(1 << 62)  # a delta that makes a code negative: no communication there
+
+
+def _lower_packed(schedule: Schedule) -> Schedule:
+    """:func:`lower` of packed compute-only programs, each lowered when first read.
+
+    A comm code is its compute action's code plus a delta that depends on the (kind, stage)
+    only (kinds are indexed F B I W SEND_F RECV_F SEND_B RECV_B): lowering is C loops over
+    the codes.
+    """
+    before, after = _packed_comm_deltas(schedule.placement.stage_to_rank, schedule.num_microbatches)
+    programs = tuple(
+        PackedProgram(functools.partial(_lower_codes, program, before, after),
+                      program.num_stages, program.num_microbatches, compute_only=False)
+        for program in schedule.programs
+    )
+    lowered = Schedule(schedule.name, schedule.placement, schedule.num_microbatches, programs)
+    lowered._checked["lowered_from"] = schedule  # see lower(): it simulates like its source
+    return lowered
+
+
+def _lower_codes(program: PackedProgram, before: list[int], after: list[int]) -> array:
+    codes, M = program.codes, program.num_microbatches
+    lowering_stats["actions"] += len(codes)
+    befores = map(add, codes, map(before.__getitem__, map(floordiv, codes, repeat(M))))
+    afters = map(add, codes, map(after.__getitem__, map(floordiv, codes, repeat(M))))
+    return array("q", filter((-1).__lt__, chain.from_iterable(zip(befores, codes, afters))))
+
+
+def _packed_comm_deltas(stage_to_rank: tuple[int, ...], num_microbatches: int) -> tuple[list[int], list[int]]:
+    """Per compute key ``kind * S + stage``: the code delta of the comm that goes before / after it."""
+    S = len(stage_to_rank)
+    SM = S * num_microbatches
+    before_kinds, after_kinds = _comm_tables(stage_to_rank)
+    index = {id(kind): i for i, kind in enumerate(_KINDS)}
+    before, after = [], []
+    for key in range(NUM_COMPUTE_KINDS * S):
+        kind_index = key // S
+        for table, out in ((before_kinds, before), (after_kinds, after)):
+            comm = table[key]
+            out.append(_NONE if comm is None else (index[id(comm)] - kind_index) * SM)
+    return before, after
 
 
 def _lower_rank(

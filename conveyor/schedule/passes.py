@@ -25,10 +25,14 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Container, Sequence
+from array import array
+from collections.abc import Callable, Container, Sequence
+from itertools import compress, islice, repeat
+from operator import and_, floordiv, mod, sub
 
 from conveyor.errors import ScheduleError
-from conveyor.schedule.ir import Action, ActionKind, Schedule
+from conveyor.schedule.fast import fast_eligible
+from conveyor.schedule.ir import Action, ActionKind, PackedProgram, Schedule
 from conveyor.schedule.lower import lower
 from conveyor.schedule.verify import verify
 
@@ -49,6 +53,8 @@ class Executable:
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
         self._gradients_final: dict[int, dict[int, int]] = {}
+        # A rank's programs as Actions, made once: its executor walks them every step.
+        self._programs: dict[tuple[str, int], tuple[Action, ...]] = {}
 
     @functools.cached_property
     def compute(self) -> Schedule:
@@ -71,26 +77,36 @@ class Executable:
 
     @functools.cached_property
     def train_in_order(self) -> frozenset[Channel]:
+        if fast_eligible(self.schedule):  # without lowering every rank's program
+            return packed_in_order_channels(self.schedule)
         return in_order_channels(self.train)
 
     @functools.cached_property
     def eval_in_order(self) -> frozenset[Channel]:
+        if fast_eligible(self.schedule):
+            return packed_in_order_channels(self.schedule, forward_only=True)
         return in_order_channels(self.eval)
 
     def train_program(self, rank: int) -> tuple[Action, ...]:
-        """The actions ``rank`` runs in a training step, in order."""
-        return self.train.programs[rank]
+        """The actions ``rank`` runs in a training step, in order (only this rank's are lowered)."""
+        found = self._programs.get(("train", rank))
+        if found is None:
+            found = self._programs["train", rank] = tuple(self.train.programs[rank])
+        return found
 
     def eval_program(self, rank: int) -> tuple[Action, ...]:
         """The actions ``rank`` runs in a forward-only (evaluation) pass, in order."""
-        return self.eval.programs[rank]
+        found = self._programs.get(("eval", rank))
+        if found is None:
+            found = self._programs["eval", rank] = tuple(self.eval.programs[rank])
+        return found
 
     def gradients_final(self, rank: int) -> dict[int, int]:
         """{index in ``rank``'s training program: the stage whose weight gradients are final
         once that action is done} (see :func:`last_weight_passes`); found once, read every step."""
         found = self._gradients_final.get(rank)
         if found is None:
-            found = self._gradients_final[rank] = last_weight_passes(self.train.programs[rank])
+            found = self._gradients_final[rank] = last_weight_passes(self.train_program(rank))
         return found
 
 
@@ -130,8 +146,31 @@ def merge_backward_halves(schedule: Schedule) -> Schedule:
     programs = []
     for rank, program in enumerate(schedule.programs):
         keeps_gradient = {s for s in placement.stages_of(rank) if s == 0 or placement.rank_of(s - 1) == rank}
-        programs.append(merge_adjacent_backward_halves(program, keeps_gradient))
+        if type(program) is PackedProgram and program.compute_only:
+            # Merged when first read: a rank's runtime reads its own program only.
+            merge = functools.partial(_merge_packed, program, frozenset(keeps_gradient))
+            programs.append(PackedProgram(merge, program.num_stages, program.num_microbatches, True))
+        else:
+            programs.append(merge_adjacent_backward_halves(program, keeps_gradient))
     return schedule.with_programs(programs)
+
+
+def _merge_packed(program: PackedProgram, stages: frozenset[int]) -> array:
+    """:func:`merge_adjacent_backward_halves` on codes: an I code plus S x M is its own W, minus it its B."""
+    codes, S, M = program.codes, program.num_stages, program.num_microbatches
+    if not stages or len(codes) < 2:
+        return codes
+    SM = S * M
+    before_own_weight = map(SM.__eq__, map(sub, islice(codes, 1, None), codes))
+    merged_input = map(frozenset(2 * S + s for s in stages).__contains__, map(floordiv, codes, repeat(M)))
+    at = list(compress(range(len(codes) - 1), map(and_, before_own_weight, merged_input)))
+    if not at:
+        return codes
+    merged, keep = array("q", codes), bytearray(b"\x01") * len(codes)
+    for i in at:
+        merged[i] -= SM
+        keep[i + 1] = 0
+    return array("q", compress(merged, keep))
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -142,7 +181,17 @@ def forward_only(schedule: Schedule) -> Schedule:
         >>> [str(a) for a in forward_only(cs.build("1f1b", ranks=2, microbatches=2)).programs[1]]
         ['1F0', '1F1']
     """
+    if schedule.packed:
+        forwards = (schedule.num_stages * schedule.num_microbatches).__gt__  # F codes come first
+        return schedule.with_programs([
+            PackedProgram(functools.partial(_filtered, forwards, p), p.num_stages, p.num_microbatches, True)
+            for p in schedule.programs
+        ])
     return schedule.with_programs([[a for a in p if a.kind is ActionKind.F] for p in schedule.programs])
+
+
+def _filtered(keep: Callable[[int], bool], program: PackedProgram) -> array:
+    return array("q", filter(keep, program.codes))
 
 
 def merge_adjacent_backward_halves(program: Sequence[Action], stages: Container[int] | None = None) -> tuple[Action, ...]:
@@ -197,6 +246,41 @@ def in_order_channels(lowered: Schedule) -> frozenset[Channel]:
             elif a.kind is ActionKind.RECV_B:
                 received.setdefault((ActionKind.SEND_B, a.stage + 1), []).append(a.microbatch)
     return frozenset(c for c, order in sent.items() if received.get(c) == order)
+
+
+def packed_in_order_channels(schedule: Schedule, forward_only: bool = False) -> frozenset[Channel]:
+    """:func:`in_order_channels` of the lowered training (or evaluation) programs of a verified,
+    packed, compute-only ``schedule``, read off its compute actions without lowering them.
+
+    Lowering puts each send right after the action that produces it and each receive right
+    before the one that consumes it, and merging I+W keeps the backward where the I was:
+    a channel's sends go in the order of its sending stage's forwards (backwards), its
+    receives in that of the receiving stage's.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> sched = cs.build("1f1b", ranks=2, microbatches=2)
+        >>> packed_in_order_channels(sched) == in_order_channels(cs.lower(sched))
+        True
+    """
+    S, M = schedule.num_stages, schedule.num_microbatches
+    SM, stage_to_rank = S * M, schedule.placement.stage_to_rank
+    forward: dict[int, list[int]] = {}
+    backward: dict[int, list[int]] = {}
+    for rank, program in enumerate(schedule.programs):
+        codes = program.codes
+        forwards = list(filter(range(SM).__contains__, codes))  # s * M + m
+        backwards = [] if forward_only else list(map(mod, filter(range(SM, 3 * SM).__contains__, codes), repeat(SM)))
+        for s in schedule.placement.stages_of(rank):
+            of_stage = range(s * M, (s + 1) * M).__contains__
+            forward[s] = list(map(sub, filter(of_stage, forwards), repeat(s * M)))
+            backward[s] = list(map(sub, filter(of_stage, backwards), repeat(s * M)))
+    channels = {(ActionKind.SEND_F, s) for s in range(S - 1)
+                if stage_to_rank[s] != stage_to_rank[s + 1] and forward[s] and forward[s] == forward[s + 1]}
+    if not forward_only:
+        channels |= {(ActionKind.SEND_B, s) for s in range(1, S)
+                     if stage_to_rank[s] != stage_to_rank[s - 1] and backward[s] and backward[s] == backward[s - 1]}
+    return frozenset(channels)
 
 
 def last_weight_passes(program: Sequence[Action]) -> dict[int, int]:

@@ -1,7 +1,10 @@
 """The simulator: when each action of a schedule starts and ends, on per-stage costs.
 
-:func:`simulate` verifies a schedule, then times it with :func:`step_timed`,
-which runs the engine's stepping loop (:mod:`conveyor.schedule.engine`) with
+:func:`simulate` verifies and times a packed compute-only schedule (or the one a
+lowered schedule came from) in one pass of :mod:`conveyor.schedule.fast`, its
+spans kept as per-rank arrays (:class:`~conveyor.schedule.timeline.PackedSpans`).
+Any other schedule it verifies, then times with :func:`step_timed`, which runs
+the engine's stepping loop (:mod:`conveyor.schedule.engine`) with
 rows that carry each action's duration:
 
 - a compute action starts once its rank is free and what it needs is done,
@@ -41,8 +44,9 @@ from conveyor.schedule.engine import (
     checked_pass,
     step_schedule,
 )
-from conveyor.schedule.ir import Action, ActionKind, Schedule, gc_paused
-from conveyor.schedule.timeline import Span, Timeline
+from conveyor.schedule.fast import fast_eligible, step_packed
+from conveyor.schedule.ir import KINDS, NUM_COMPUTE_KINDS, Action, ActionKind, Schedule, gc_paused
+from conveyor.schedule.timeline import PackedSpans, Span, Timeline
 from conveyor.schedule.verify import check_shape, verify
 
 
@@ -68,6 +72,42 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
     except CostError:
         verify(schedule)  # a broken schedule is named before broken costs
         raise
+    source = schedule._checked.get("lowered_from", schedule)  # times exactly like it (see lower())
+    if fast_eligible(source) and type(costs).duration is CostModel.duration:
+        spans = _simulate_packed(schedule, source, costs)
+    else:
+        spans = _simulate_stepped(schedule, costs, unverified)
+    return Timeline(
+        schedule.num_ranks,
+        spans,
+        title=f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches}",
+        source="simulated",
+        time_unit=time_unit,
+        stage_activation_bytes=tuple(s.activation_bytes for s in costs.stages),
+        stage_weight_activation_bytes=tuple(s.weight_kept for s in costs.stages),
+        metadata={
+            "schedule": schedule.name,
+            "ranks": schedule.num_ranks,
+            "virtual": schedule.virtual,
+            "microbatches": schedule.num_microbatches,
+        },
+    )
+
+
+def _simulate_packed(schedule: Schedule, source: Schedule, costs: CostModel) -> PackedSpans:
+    """Verify and time a packed compute-only schedule (or the one ``schedule`` was lowered from) in one pass."""
+    S = source.num_stages
+    took = [costs.duration(Action(kind, s, 0)) for kind in KINDS[:NUM_COMPUTE_KINDS] for s in range(S)]
+    run = step_packed(source, took, costs.latency)
+    if run is None:
+        verify(schedule)
+        raise AssertionError(f"schedule {schedule.name!r} failed the timed check but verifies")
+    schedule._checked["verified"] = True
+    return PackedSpans(source.programs, run.starts, run.ends)
+
+
+def _simulate_stepped(schedule: Schedule, costs: CostModel, unverified: bool) -> tuple[Span, ...]:
+    """Time any other schedule with the engine (lowered by hand, or a CostModel of the user's)."""
     if unverified and not costs.latency:
         # Without latency the timed pass can check everything verify() checks: one pass, not two.
         result = _step_timed_and_checked(schedule, costs.duration)
@@ -83,21 +123,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
     assert result.completed, "verify() passed but the engine blocked"
     # The engine lists each rank's spans in time order already; a global sort would be
     # about 40% of the simulation at P=64, M=1024 and nothing reads spans in that order.
-    return Timeline(
-        schedule.num_ranks,
-        tuple(result.spans),
-        title=f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches}",
-        source="simulated",
-        time_unit=time_unit,
-        stage_activation_bytes=tuple(s.activation_bytes for s in costs.stages),
-        stage_weight_activation_bytes=tuple(s.weight_kept for s in costs.stages),
-        metadata={
-            "schedule": schedule.name,
-            "ranks": schedule.num_ranks,
-            "virtual": schedule.virtual,
-            "microbatches": schedule.num_microbatches,
-        },
-    )
+    return tuple(result.spans)
 
 
 def _checked_costs(schedule: Schedule, costs: CostModel | None) -> CostModel:

@@ -15,10 +15,20 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, chain, repeat
+from operator import floordiv, sub
 
-from conveyor.schedule.ir import Action, ActionKind
+from conveyor.schedule.ir import (
+    Action,
+    ActionKind,
+    PackedProgram,
+    gc_paused,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +43,115 @@ class Span:
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+
+class _RankSpans:
+    """What the spans of one rank of a :class:`PackedSpans` read their fields from."""
+
+    __slots__ = ("rank", "program", "starts", "ends")
+
+    def __init__(self, rank: int, program: PackedProgram, starts: array, ends: array) -> None:
+        self.rank, self.program, self.starts, self.ends = rank, program, starts, ends
+
+
+class _PackedSpan(Span):
+    """A Span of a :class:`PackedSpans`, made with two fields (its rank's arrays and its index)
+    and reading the others when asked: iterating 3M spans to read their ends makes no Action.
+    Equal to, and hashed like, the Span of the same fields."""
+
+    __slots__ = ("_of", "_at")
+
+    rank = property(lambda self: self._of.rank)  # type: ignore[assignment]
+    start = property(lambda self: self._of.starts[self._at])  # type: ignore[assignment]
+    end = property(lambda self: self._of.ends[self._at])  # type: ignore[assignment]
+
+    @property
+    def action(self) -> Action:  # type: ignore[override]
+        return self._of.program[self._at]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Span):
+            return NotImplemented
+        return (self.rank, self.action, self.start, self.end) == (other.rank, other.action, other.start, other.end)
+
+    def __hash__(self) -> int:
+        return hash((self.rank, self.action, self.start, self.end))
+
+    def __repr__(self) -> str:
+        return f"Span(rank={self.rank!r}, action={self.action!r}, start={self.start!r}, end={self.end!r})"
+
+
+_span_new = object.__new__
+_set_of, _set_at = _PackedSpan.__dict__["_of"].__set__, _PackedSpan.__dict__["_at"].__set__
+
+
+class PackedSpans(Sequence[Span]):
+    """A simulated timeline's spans, rank by rank in program order, made when read.
+
+    Per rank, its (compute-only) program and the start and end of each of its actions: 24
+    bytes per action where Span objects take over 150. Sequence of :class:`Span` like the
+    tuple it replaces (and equal to it). A rank's actions run one after another, each starting
+    no earlier than the previous one ended (the summaries rely on it).
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> spans = cs.simulate(cs.build("1f1b", ranks=2, microbatches=1)).spans
+        >>> len(spans), spans[1]
+        (4, Span(rank=0, action=Action(kind=<ActionKind.B: 'B'>, stage=0, microbatch=0), start=4.0, end=6.0))
+    """
+
+    __slots__ = ("programs", "starts", "ends", "_offsets")
+
+    def __init__(self, programs: Sequence[PackedProgram], starts: Sequence[array], ends: Sequence[array]) -> None:
+        self.programs, self.starts, self.ends = tuple(programs), tuple(starts), tuple(ends)
+        self._offsets = list(accumulate(map(len, self.starts), initial=0))
+
+    def __len__(self) -> int:
+        return self._offsets[-1]
+
+    def rank_spans(self, rank: int) -> list[Span]:
+        """The spans of ``rank``, made in bulk (Span.__init__ of a frozen dataclass costs 4x more)."""
+        count = len(self.starts[rank])
+        if not count:
+            return []
+        of = _RankSpans(rank, self.programs[rank], self.starts[rank], self.ends[rank])
+        with gc_paused():
+            spans = list(map(_span_new, repeat(_PackedSpan, count)))
+            deque(map(_set_of, spans, repeat(of, count)), maxlen=0)
+            deque(map(_set_at, spans, range(count)), maxlen=0)
+        return spans
+
+    def __iter__(self) -> Iterator[Span]:
+        return chain.from_iterable(map(self.rank_spans, range(len(self.starts))))
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204 - int or slice, as a tuple's
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("span index out of range")
+        rank = bisect_right(self._offsets, index) - 1
+        at = index - self._offsets[rank]
+        return Span(rank, self.programs[rank][at], self.starts[rank][at], self.ends[rank][at])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedSpans):
+            return (self.starts, self.ends, self.programs) == (other.starts, other.ends, other.programs)
+        if isinstance(other, tuple | list):
+            return len(other) == len(self) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"PackedSpans({len(self)} spans on {len(self.starts)} ranks)"
+
+    def deltas(self, rank: int, by_key: Sequence[float]) -> Iterator[float]:
+        """``by_key[kind * S + stage]`` of each action of ``rank``, in program order."""
+        program = self.programs[rank]
+        return map(by_key.__getitem__, map(floordiv, program.codes, repeat(program.num_microbatches)))
 
 
 @dataclass(frozen=True)
@@ -56,10 +175,14 @@ class Timeline:
 
     @property
     def start(self) -> float:
+        if isinstance(self.spans, PackedSpans):  # a rank's actions run one after another
+            return min((times[0] for times in self.spans.starts if times), default=0.0)
         return min((s.start for s in self.spans), default=0.0)
 
     @property
     def end(self) -> float:
+        if isinstance(self.spans, PackedSpans):
+            return max((times[-1] for times in self.spans.ends if times), default=0.0)
         return max((s.end for s in self.spans), default=0.0)
 
     @property
@@ -67,9 +190,13 @@ class Timeline:
         return self.end - self.start
 
     def spans_of(self, rank: int) -> list[Span]:
+        if isinstance(self.spans, PackedSpans):  # in time order already
+            return self.spans.rank_spans(rank)
         return sorted((s for s in self.spans if s.rank == rank), key=lambda s: s.start)
 
     def busy_time(self, rank: int) -> float:
+        if isinstance(self.spans, PackedSpans):  # compute actions only, in program order
+            return sum(map(sub, self.spans.ends[rank], self.spans.starts[rank]))
         return sum(s.duration for s in self.spans if s.rank == rank and s.action.kind.is_compute)
 
     @property
@@ -79,7 +206,11 @@ class Timeline:
         if total <= 0:
             return 0.0
         # One pass over the spans (busy_time per rank would scan them num_ranks times).
-        busy = sum(s.end - s.start for s in self.spans if s.action.kind.is_compute)
+        if isinstance(self.spans, PackedSpans):  # the same sum, in the same order
+            spans = self.spans
+            busy = sum(chain.from_iterable(map(map, repeat(sub), spans.ends, spans.starts)))
+        else:
+            busy = sum(s.end - s.start for s in self.spans if s.action.kind.is_compute)
         return (total - busy) / total
 
     def peak_activations(self) -> list[int]:
@@ -110,6 +241,8 @@ class Timeline:
         return self._peaks(lambda stage: full[stage], lambda stage: kept[stage])
 
     def _peaks(self, weight, kept) -> list[float]:
+        if isinstance(self.spans, PackedSpans):
+            return self._packed_peaks(weight, kept)
         split = {(s.action.stage, s.action.microbatch) for s in self.spans if s.action.kind is ActionKind.I}
         by_rank: list[list[tuple[float, int, Span]]] = [[] for _ in range(self.num_ranks)]
         for index, s in enumerate(self.spans):
@@ -137,6 +270,19 @@ class Timeline:
                 peak = max(peak, live)
             peaks.append(peak)
         return peaks
+
+    def _packed_peaks(self, weight, kept) -> list[float]:
+        """:meth:`_peaks` of a simulated timeline: a rank's actions run one after another, each
+        starting no earlier than the last one ended, so its events come in program order
+        already (what the sort gives) and the running sum is a C loop."""
+        spans = self.spans
+        if not spans.programs:
+            return []
+        S = spans.programs[0].num_stages
+        # What each (kind, stage) adds to the live activations, as the sorted events of _peaks.
+        by_key = [weight(s) for s in range(S)] + [-weight(s) for s in range(S)]  # F, B
+        by_key += [kept(s) - weight(s) for s in range(S)] + [-kept(s) for s in range(S)]  # I, W
+        return [max(accumulate(spans.deltas(rank, by_key), initial=0.0)) for rank in range(self.num_ranks)]
 
     def summary(self) -> dict:
         """A JSON-ready dict of the headline figures."""

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from conveyor.errors import ScheduleError
 from conveyor.schedule.engine import Blocked, CodeSpace, runs_clean, stuck_ranks
 from conveyor.schedule.grid import AWAITED, STUCK, render_grid
-from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
+from conveyor.schedule.ir import Action, ActionKind, PackedProgram, Placement, Schedule
 
 K = ActionKind
 # By id(): ActionKind members are singletons, and a plain "F" string compares equal to ActionKind.F.
@@ -120,7 +120,7 @@ def check_shape(schedule: object) -> None:
             f"schedule {schedule.name!r} needs one program per rank ({placement.num_ranks}), got {got}"
         )
     for rank, program in enumerate(programs):
-        if not isinstance(program, tuple | list):
+        if not isinstance(program, tuple | list | PackedProgram):
             raise ScheduleError(
                 f"schedule {schedule.name!r}: the program of rank {rank} must be a sequence of actions, "
                 f"got {type(program).__name__}"

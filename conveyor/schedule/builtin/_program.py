@@ -22,18 +22,33 @@ Example:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from itertools import compress, repeat
+from operator import add, mul
 
 from conveyor.errors import ScheduleError
-from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule, actions_in_bulk
+from conveyor.schedule.ir import (
+    KIND_INDEX,
+    NUM_COMPUTE_KINDS,
+    Action,
+    ActionKind,
+    PackedProgram,
+    Placement,
+    Schedule,
+    actions_in_bulk,
+)
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 
 
 class ProgramWriter:
-    """One rank's program, appended action by action, turned into Actions in one go.
+    """One rank's program, appended action by action or column by column, encoded in one go.
+
+    Columns stay as given until :meth:`packed` encodes them: a column of one stage over a
+    range of microbatches is a range of codes, built with no loop per action. The sequences
+    a column is given are read then: do not change them after handing them over.
 
     Example:
         >>> writer = ProgramWriter()
@@ -42,23 +57,27 @@ class ProgramWriter:
         ['0F0', '0I0', '0W0']
     """
 
-    __slots__ = ("kinds", "stages", "microbatches")
+    __slots__ = ("_segments", "_rows", "_length")
 
     def __init__(self) -> None:
-        self.kinds: list[ActionKind] = []
-        self.stages: list[int] = []
-        self.microbatches: list[int] = []
+        # ("rows", (kinds, stages, microbatches)) from add(), or ("weave", columns).
+        self._segments: list[tuple[str, object]] = []
+        self._rows: tuple[list, list, list] | None = None
+        self._length = 0
 
     def add(self, kind: ActionKind, stage: int, microbatch: int) -> None:
-        self.kinds.append(kind)
-        self.stages.append(stage)
-        self.microbatches.append(microbatch)
+        if self._rows is None:
+            self._rows = ([], [], [])
+            self._segments.append(("rows", self._rows))
+        kinds, stages, microbatches = self._rows
+        kinds.append(kind)
+        stages.append(stage)
+        microbatches.append(microbatch)
+        self._length += 1
 
     def extend(self, kind: ActionKind, stages: Sequence[int], microbatches: Sequence[int]) -> None:
         """Append ``kind`` for each (stage, microbatch) pair of the two sequences."""
-        self.kinds.extend(repeat(kind, len(stages)))
-        self.stages.extend(stages)
-        self.microbatches.extend(microbatches)
+        self.weave([(kind, stages, microbatches)])
 
     def weave(self, columns: Sequence[tuple[ActionKind, Sequence[int], Sequence[int]]]) -> None:
         """Append n steps, step j running ``columns[0]``'s j-th action, then ``columns[1]``'s, ...
@@ -72,18 +91,11 @@ class ProgramWriter:
             >>> [str(a) for a in writer.actions()]
             ['0F2', '0B0', '0F3', '0B1']
         """
-        width, steps = len(columns), len(columns[0][1])
+        steps = len(columns[0][1])
         assert all(len(c[1]) == len(c[2]) == steps for c in columns), "columns of different lengths"
-        kinds: list = [None] * (width * steps)
-        stages: list = [0] * (width * steps)
-        microbatches: list = [0] * (width * steps)
-        for offset, (kind, column_stages, column_microbatches) in enumerate(columns):
-            kinds[offset::width] = repeat(kind, steps)
-            stages[offset::width] = column_stages
-            microbatches[offset::width] = column_microbatches
-        self.kinds.extend(kinds)
-        self.stages.extend(stages)
-        self.microbatches.extend(microbatches)
+        self._rows = None
+        self._segments.append(("weave", list(columns)))
+        self._length += len(columns) * steps
 
     def forward(self, stage: int, microbatch: int) -> None:
         self.add(_F, stage, microbatch)
@@ -99,17 +111,110 @@ class ProgramWriter:
         self.add(_W, stage, microbatch)
 
     def __len__(self) -> int:
-        return len(self.kinds)
+        return self._length
 
     def actions(self, below: int | None = None) -> tuple[Action, ...]:
         """The program as Actions; with ``below``, only those of microbatches ``< below``."""
-        kinds, stages, microbatches = self.kinds, self.stages, self.microbatches
+        return tuple(actions_in_bulk(*self._fields(below)))
+
+    def packed(self, num_stages: int, num_microbatches: int, below: int | None = None) -> PackedProgram:
+        """The program as integer codes (see :class:`PackedProgram`), then the writer is emptied.
+
+        Example:
+            >>> writer = ProgramWriter()
+            >>> writer.forward(1, 0); writer.backward(1, 0)
+            >>> [str(a) for a in writer.packed(2, 1)]
+            ['1F0', '1B0']
+        """
+        program = None
+        if below is None:  # with padding microbatches (>= M, no code) the fields are filtered first
+            program = self._packed(num_stages, num_microbatches)
+        if program is None:
+            program = PackedProgram.from_fields(*self._fields(below), num_stages, num_microbatches)
+        if program is None:
+            raise ScheduleError(f"a builder wrote an action outside {num_stages} stages x {num_microbatches} microbatches")
+        self.__init__()  # a P=256 build holds one rank's columns at a time
+        return program
+
+    def _packed(self, S: int, M: int) -> PackedProgram | None:
+        codes, compute_only = array("q"), True
+        for what, segment in self._segments:
+            if what == "rows":
+                part = PackedProgram.from_fields(*segment, S, M)
+                if part is None:
+                    return None
+                compute_only &= part.compute_only
+                codes.extend(part.codes)
+                continue
+            columns = [_column_codes(kind, stages, microbatches, S, M) for kind, stages, microbatches in segment]
+            if any(c is None for c in columns):
+                return None
+            compute_only &= all(KIND_INDEX[id(kind)] < NUM_COMPUTE_KINDS for kind, _, _ in segment)
+            if len(columns) == 1:
+                codes.extend(columns[0])
+                continue
+            woven = array("q", bytes(8 * len(columns) * len(columns[0])))
+            for offset, column in enumerate(columns):
+                woven[offset::len(columns)] = column
+            codes.extend(woven)
+        return PackedProgram(codes, S, M, compute_only)
+
+    def _fields(self, below: int | None) -> tuple[list, list, list]:
+        kinds: list = []
+        stages: list = []
+        microbatches: list = []
+        for what, segment in self._segments:
+            if what == "rows":
+                for out, values in zip((kinds, stages, microbatches), segment):
+                    out.extend(values)
+                continue
+            width, steps = len(segment), len(segment[0][1])
+            woven: tuple[list, list, list] = ([None] * (width * steps), [0] * (width * steps), [0] * (width * steps))
+            for offset, (kind, column_stages, column_microbatches) in enumerate(segment):
+                woven[0][offset::width] = repeat(kind, steps)
+                woven[1][offset::width] = column_stages
+                woven[2][offset::width] = column_microbatches
+            for out, values in zip((kinds, stages, microbatches), woven):
+                out.extend(values)
         if below is not None:
             keep = [m < below for m in microbatches]
             kinds = list(compress(kinds, keep))
             stages = list(compress(stages, keep))
             microbatches = list(compress(microbatches, keep))
-        return tuple(actions_in_bulk(kinds, stages, microbatches))
+        return kinds, stages, microbatches
+
+
+def _column_codes(kind: ActionKind, stages: Sequence[int], microbatches: Sequence[int], S: int, M: int) -> array | None:
+    """The codes of one column; None where an id is no int in range (the caller words it)."""
+    index = KIND_INDEX.get(id(kind))
+    n = len(stages)
+    if index is None or not n:
+        return None if index is None else array("q")
+    if not _within(stages, S) or not _within(microbatches, M):
+        return None
+    first = stages[0]
+    try:  # array("q") refuses what is not an int: no pass over the types
+        if stages.count(first) != n:
+            key = map(add, stages, repeat(index * S))
+            return array("q", map(add, map(mul, key, repeat(M)), microbatches))
+        if type(first) is not int:
+            return None
+        base = (index * S + first) * M
+        if type(microbatches) is range:  # one stage, a range of microbatches: a range of codes
+            return array("q", range(base + microbatches.start, base + microbatches.stop, microbatches.step))
+        return array("q", map(add, microbatches, repeat(base)))
+    except TypeError:
+        return None
+
+
+def _within(values: Sequence[int], bound: int) -> bool:
+    """Every value in ``0..bound-1`` (C loops; a range by its ends)."""
+    if type(values) is range:
+        return not values or (0 <= values[0] < bound and 0 <= values[-1] < bound)
+    try:
+        return min(values) >= 0 and max(values) < bound
+    except TypeError:  # not numbers
+        return False
 
 
 def check_sizes(name: str, num_ranks: int, num_microbatches: int, virtual: int) -> None:
@@ -267,7 +372,7 @@ def handcrafted_zero_bubble(
             split_backward=True,
             weights_behind=weights_behind_per_rank * rank,
         )
-        writers.append(writer)
+        writers.append(writer.packed(num_ranks * virtual, num_microbatches))  # one rank's lists at a time
     return make_schedule(name, Placement.looped(num_ranks, virtual), num_microbatches, writers)
 
 
@@ -275,11 +380,15 @@ def make_schedule(
     name: str,
     placement: Placement,
     num_microbatches: int,
-    writers: Sequence[ProgramWriter],
+    writers: Sequence[ProgramWriter | PackedProgram],
     below: int | None = None,
 ) -> Schedule:
-    """A Schedule from one writer per rank (``below``: drop the padding microbatches >= it)."""
-    return Schedule(name, placement, num_microbatches, tuple(w.actions(below) for w in writers))
+    """A Schedule from one writer (or its :meth:`ProgramWriter.packed` program) per rank (``below``:
+    drop the padding microbatches >= it; writers only). Builders pack each rank's writer as soon as
+    it is written, so that a P=256 build holds one rank's lists at a time."""
+    S = placement.num_stages
+    programs = tuple(w if isinstance(w, PackedProgram) else w.packed(S, num_microbatches, below) for w in writers)
+    return Schedule(name, placement, num_microbatches, programs)
 
 
 def listing(schedule: Schedule, width: int = 96) -> str:

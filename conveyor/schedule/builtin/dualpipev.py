@@ -73,8 +73,8 @@ def dualpipev(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Schedu
     check_virtual("dualpipev", virtual, 2)
     P = num_ranks
     padded = max(num_microbatches, 2 * P)
-    writers = [_rank_program(rank, P, padded) for rank in range(P)]
     below = num_microbatches if padded > num_microbatches else None  # leave the padding out
+    writers = [_rank_program(rank, P, padded).packed(2 * P, num_microbatches, below) for rank in range(P)]
     return make_schedule("dualpipev", Placement.vshape(P), num_microbatches, writers, below=below)
 
 

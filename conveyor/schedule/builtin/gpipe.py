@@ -51,7 +51,7 @@ def gpipe(num_ranks: int, num_microbatches: int, virtual: int = 1) -> Schedule:
         stages, microbatches = [rank] * num_microbatches, range(num_microbatches)
         writer.extend(ActionKind.F, stages, microbatches)
         writer.extend(ActionKind.B, stages, microbatches)
-        writers.append(writer)
+        writers.append(writer.packed(num_ranks, num_microbatches))
     return make_schedule("gpipe", Placement.looped(num_ranks, 1), num_microbatches, writers)
 
 

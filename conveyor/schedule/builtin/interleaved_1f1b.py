@@ -73,7 +73,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual: int = 2) ->
         looped_one_f_one_b(
             writer, rank=rank, num_ranks=num_ranks, virtual=virtual, rounds=rounds, warmup=warmup
         )
-        writers.append(writer)
+        writers.append(writer.packed(num_ranks * virtual, num_microbatches))
     placement = Placement.looped(num_ranks, virtual)
     return make_schedule("interleaved-1f1b", placement, num_microbatches, writers)
 

@@ -55,7 +55,7 @@ def looped_bfs(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Sched
             writer.extend(ActionKind.F, [local * num_ranks + rank] * num_microbatches, microbatches)
         for local in reversed(range(virtual)):
             writer.extend(ActionKind.B, [local * num_ranks + rank] * num_microbatches, microbatches)
-        writers.append(writer)
+        writers.append(writer.packed(num_ranks * virtual, num_microbatches))
     placement = Placement.looped(num_ranks, virtual)
     return make_schedule("looped-bfs", placement, num_microbatches, writers)
 

@@ -61,7 +61,7 @@ def one_f_one_b(num_ranks: int, num_microbatches: int, virtual: int = 1) -> Sche
             rounds=rounds,
             warmup=num_ranks - 1 - rank,
         )
-        writers.append(writer)
+        writers.append(writer.packed(num_ranks, num_microbatches))
     return make_schedule("1f1b", Placement.looped(num_ranks, 1), num_microbatches, writers)
 
 

@@ -69,10 +69,8 @@ def zbv(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Schedule:
     check_virtual("zbv", virtual, 2)
     P = num_ranks
     padded = max(num_microbatches, 2 * P - 1)
-    writers = []
-    for rank in range(P):
-        writers.append(_rank_program(rank, P, padded))
     below = num_microbatches if padded > num_microbatches else None  # leave the padding out
+    writers = [_rank_program(rank, P, padded).packed(2 * P, num_microbatches, below) for rank in range(P)]
     return make_schedule("zbv", Placement.vshape(P), num_microbatches, writers, below=below)
 
 
