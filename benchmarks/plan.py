@@ -133,6 +133,16 @@ def measured_timeline(worker):
 # ---------------------------------------------------------------------------
 
 
+def cores_for(workload) -> int | None:
+    """The cores a workload's ranks share: the machine's for real compute, None for sleeping blocks.
+
+    Example:
+        >>> cores_for(Emulated(num_ranks=4)) is None
+        True
+    """
+    return None if isinstance(workload, Emulated) else os.cpu_count()
+
+
 def _predict(case: lib.Case, profiled: dict, calibration):
     import conveyor.schedule as cs
     from conveyor.plan.calibrate import predict_step
@@ -140,8 +150,8 @@ def _predict(case: lib.Case, profiled: dict, calibration):
     sched = cs.build(case.schedule, ranks=case.num_ranks, microbatches=case.num_microbatches,
                      virtual=case.virtual)
     extra = [sum(profiled["optimizer_s"][s] for s in sched.stages_of(r)) for r in range(case.num_ranks)]
-    return predict_step(sched, profiled["rows_s"], calibration,
-                        message_bytes=profiled["message_bytes"], rank_extra_s=extra)
+    return predict_step(sched, profiled["rows_s"], calibration, message_bytes=profiled["message_bytes"],
+                        rank_extra_s=extra, cores=cores_for(case.workload))
 
 
 def _rotate(items: list, by: int) -> list:
@@ -163,6 +173,7 @@ def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> l
     predictions = {case: _predict(case, profiles[case.num_stages], calibration) for case in cases}
     groups: dict[lib.Case, RankGroup] = {}
     steps: dict[lib.Case, list[float]] = {case: [] for case in cases}
+    loads: dict[lib.Case, list[float]] = {case: [] for case in cases}
     steal = StealMeter()
     try:
         for case in cases:
@@ -176,6 +187,7 @@ def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> l
                         wall = max(groups[case].call(timed_step))
                     if timed:
                         steps[case].append(wall)
+                        loads[case].append(os.getloadavg()[0])
         measured = {case: groups[case].call(measured_timeline)[0] for case in cases}
     finally:
         for group in groups.values():
@@ -198,6 +210,8 @@ def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> l
             "ratio_min": min(times) / prediction.step_s, "ratio_max": max(times) / prediction.step_s,
             "last_step_compute_makespan_ms": compute_makespan(measured[case]) * 1e3,
             "steal_pct": steal_pct.get(case.label()),
+            "load_average": statistics.median(loads[case]),
+            "cores": cores_for(case.workload),
             "stage_costs_ms": [[x * 1e3 for x in row] for row in profiles[case.num_stages]["rows_s"]],
             # The last step's own median F, I, W per stage (I holds a whole B where it ran unsplit).
             "last_step_stage_costs_ms": [
@@ -215,7 +229,7 @@ def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> l
 # ---------------------------------------------------------------------------
 
 COLUMNS = ("workload", "P", "schedule", "V", "M", "predicted ms", "measured ms (min-max)",
-           "measured / predicted (min-max)", "steal %")
+           "measured / predicted (min-max)", "steal %", "load")
 
 
 def table(records: list[dict]) -> str:
@@ -225,9 +239,9 @@ def table(records: list[dict]) -> str:
         >>> row = {"workload": "gpt", "ranks": 2, "schedule": "1f1b", "virtual": 1, "microbatches": 8,
         ...        "predicted_ms": 100.0, "measured_ms": 102.0, "measured_min_ms": 101.0,
         ...        "measured_max_ms": 110.0, "ratio": 1.02, "ratio_min": 1.01, "ratio_max": 1.1,
-        ...        "steal_pct": 3.0}
+        ...        "steal_pct": 3.0, "load_average": 1.5}
         >>> table([row]).splitlines()[-1]
-        '| gpt | 2 | 1f1b | 1 | 8 | 100.0 | 102.0 (101.0-110.0) | 1.020 (1.010-1.100) | 3 |'
+        '| gpt | 2 | 1f1b | 1 | 8 | 100.0 | 102.0 (101.0-110.0) | 1.020 (1.010-1.100) | 3 | 1.5 |'
     """
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in records:
@@ -235,7 +249,7 @@ def table(records: list[dict]) -> str:
         lines.append(
             f"| {r['workload']} | {r['ranks']} | {r['schedule']} | {r['virtual']} | {r['microbatches']} "
             f"| {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} ({r['measured_min_ms']:.1f}-{r['measured_max_ms']:.1f}) "
-            f"| {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {steal} |"
+            f"| {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {steal} | {r['load_average']:.1f} |"
         )
     return "\n".join(lines)
 

@@ -41,7 +41,7 @@ from typing import Any
 import conveyor.schedule as cs
 from conveyor.schedule.cost import CostModel, StageCosts
 from conveyor.schedule.ir import ActionKind, Schedule
-from conveyor.schedule.timeline import Timeline
+from conveyor.schedule.timeline import Span, Timeline
 
 CALIBRATION_SCHEDULE = "1f1b"
 LARGE_MESSAGE_SHAPE = (2048, 128)  # rows x width of float32: 1 MiB per message
@@ -84,7 +84,10 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Prediction:
-    """A plan's predicted step: ``step_s = makespan_s + step_s of the calibration + max(rank_extra_s)``."""
+    """A plan's predicted step: ``step_s = makespan_s + step_s of the calibration + the ranks' extra``.
+
+    The ranks' extra is the longest ``rank_extra_s``, or their sum over the cores when they share fewer.
+    """
 
     step_s: float
     makespan_s: float
@@ -132,12 +135,15 @@ def predict_step(
     *,
     message_bytes: float = 0.0,
     rank_extra_s: Sequence[float] = (),
+    cores: int | None = None,
 ) -> Prediction:
     """The step time of ``schedule`` on per-stage ``costs`` (seconds) on the calibrated machine.
 
     What is simulated is what the ranks run (:func:`conveyor.schedule.executable`), with
     :func:`with_overheads` costs and ``calibration.latency(message_bytes)`` per message;
-    ``rank_extra_s`` is each rank's time after the schedule (its optimizer step).
+    ``rank_extra_s`` is each rank's time after the schedule (its optimizer step). ``cores``:
+    CPU cores the ranks share when fewer than the ranks and the stages compute on the CPU
+    (:func:`shared_cores_timeline`); None: one device per rank.
 
     Example:
         >>> import conveyor.schedule as cs
@@ -148,10 +154,91 @@ def predict_step(
     """
     model = costs if isinstance(costs, CostModel) else CostModel.per_stage(costs)
     model = replace(with_overheads(schedule, model, calibration), latency=calibration.latency(message_bytes))
-    timeline = cs.simulate(cs.executable(schedule).compute, model, time_unit="s")
+    if cores is not None and cores < schedule.num_ranks:
+        timeline = shared_cores_timeline(schedule, model, cores)
+    else:
+        timeline = cs.simulate(cs.executable(schedule).compute, model, time_unit="s")
     extra = tuple(float(x) for x in rank_extra_s)
-    step = timeline.makespan + calibration.step_s + max(extra, default=0.0)
+    after = max(extra, default=0.0)
+    if cores is not None and cores < len(extra):
+        after = max(after, sum(extra) / cores)  # every rank steps its optimizer at once
+    step = timeline.makespan + calibration.step_s + after
     return Prediction(step, timeline.makespan, timeline, extra)
+
+
+_KEYS = {ActionKind.F: ("F",), ActionKind.I: ("I", "B"), ActionKind.B: ("B",), ActionKind.W: ("W",)}
+
+
+def _needs(action, last: int) -> list[tuple[str, int, int]]:
+    """What a compute action waits for, by (kind, stage, microbatch): the data flow of a step."""
+    s, m = action.stage, action.microbatch
+    if action.kind is ActionKind.F:
+        return [("F", s - 1, m)] if s > 0 else []
+    if action.kind is ActionKind.W:
+        return [("I", s, m)]
+    return [("F", s, m)] + ([("B", s + 1, m)] if s < last else [])
+
+
+def shared_cores_timeline(schedule: Schedule, costs: CostModel, cores: int) -> Timeline:
+    """Time ``schedule``'s executed programs on ``costs`` when its ranks share ``cores`` CPU cores.
+
+    Each rank runs its actions in order once their inputs are there (``costs.latency`` after a
+    producer on another rank ends); the ranks computing at a moment share the cores equally
+    (each at ``min(1, cores / running)`` of full speed), as the kernel shares them between
+    single-thread processes. With ``cores`` >= ranks it times like :func:`conveyor.schedule.simulate`.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> sched = cs.build("gpipe", ranks=2, microbatches=2)
+        >>> shared_cores_timeline(sched, CostModel.uniform(2), cores=1).makespan
+        12.0
+    """
+    compute = cs.executable(schedule).compute
+    programs, rank_of, last = compute.programs, compute.placement.rank_of, compute.num_stages - 1
+    done: dict[tuple[str, int, int], float] = {}
+    position, free_at = [0] * compute.num_ranks, [0.0] * compute.num_ranks
+    running: dict[int, list] = {}  # rank -> [action, work left, start]
+    spans: list[Span] = []
+    now = 0.0
+
+    def ready_at(rank: int) -> float | None:
+        action = programs[rank][position[rank]]
+        times = [free_at[rank]]
+        for need in _needs(action, last):
+            if need not in done:
+                return None
+            times.append(done[need] + (costs.latency if rank_of(need[1]) != rank else 0.0))
+        return max(times)
+
+    while True:
+        waiting = {}
+        for rank in range(compute.num_ranks):
+            if rank not in running and position[rank] < len(programs[rank]):
+                when = ready_at(rank)
+                if when is not None and when <= now:
+                    action = programs[rank][position[rank]]
+                    running[rank] = [action, costs.duration(action), now]
+                elif when is not None:
+                    waiting[rank] = when
+        if not running and not waiting:
+            break
+        rate = min(1.0, cores / len(running)) if running else 1.0
+        finish = now + min(left for _, left, _ in running.values()) / rate if running else float("inf")
+        later = min(finish, min(waiting.values(), default=float("inf")))
+        for rank, item in list(running.items()):
+            item[1] -= (later - now) * rate
+            if item[1] <= 1e-12 * max(1.0, later):
+                action = item[0]
+                spans.append(Span(rank, action, item[2], later))
+                for kind in _KEYS[action.kind]:
+                    done[(kind, action.stage, action.microbatch)] = later
+                free_at[rank], position[rank] = later, position[rank] + 1
+                del running[rank]
+        now = later
+    if any(p < len(program) for p, program in zip(position, programs)):
+        raise AssertionError(f"{schedule.name}: ranks stopped at {position} in the shared-cores timing")
+    return Timeline.from_spans(compute.num_ranks, spans, title=f"{schedule.name} on {cores} cores",
+                               source="simulated", time_unit="s")
 
 
 def _producer_ends(timeline: Timeline) -> dict[tuple[str, int, int], float]:
