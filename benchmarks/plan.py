@@ -3,10 +3,13 @@
 For each workload (emulated: blocks that sleep; gpt: the zoo's small GPT) and P, each plan
 (the default split with a schedule and V) is predicted, then run:
 
-* prediction: conveyor's simulator on per-stage F / I / W costs profiled before the runs in
-  one single-thread process (median of ``PROFILE_SAMPLES`` samples; the last stage's F holds
-  the loss), plus this machine's :class:`~conveyor.plan.calibrate.Calibration` (measured once at
-  the start) and each rank's optimizer step (AdamW, profiled the same way);
+* prediction: conveyor's simulator on per-stage F / I / W costs profiled in one single-thread
+  process (the last stage's F holds the loss), plus this machine's
+  :class:`~conveyor.plan.calibrate.Calibration` (measured once at the start) and each rank's
+  optimizer step (AdamW, profiled the same way). ``predicted_ms``: the costs are the median of
+  two samples per round taken between the rounds, so they see the machine when the steps do;
+  ``predicted_before_ms``: the median of ``PROFILE_SAMPLES`` samples taken before the runs, as
+  a planner profiles once;
 * measurement: every plan keeps its own live group of P ranks; round after round each plan
   takes ``--predict-steps`` steps, the plans' order rotating per round (after ``--predict-warmup``
   untimed steps each). A step: zero the gradients, barrier, ``pipe.step``, ``optimizer.step()``;
@@ -86,6 +89,7 @@ def profile(worker, workload, num_stages: int, samples: int = PROFILE_SAMPLES) -
     from benchmarks.costs import StageCostProbe, per_pass
 
     probe = StageCostProbe(workload, num_stages)
+    worker.state[("probe", num_stages)] = probe
     probe.sample()  # warm-up
     costs = per_pass([probe.sample() for _ in range(samples)], statistics.median)
     message = max(
@@ -96,6 +100,11 @@ def profile(worker, workload, num_stages: int, samples: int = PROFILE_SAMPLES) -
         "message_bytes": message,
         "optimizer_s": [_optimizer_seconds(module) for module in probe.modules],
     }
+
+
+def profile_sample(worker, num_stages: int):
+    """One more sample of the stages :func:`profile` built: each stage's F, I, B once (ms)."""
+    return worker.state[("probe", num_stages)].sample()
 
 
 def setup(worker, case: lib.Case) -> list[int]:
@@ -143,6 +152,12 @@ def cores_for(workload) -> int | None:
     return None if isinstance(workload, Emulated) else os.cpu_count()
 
 
+def _rows_s(samples) -> list[tuple[float, float, float]]:
+    from benchmarks.costs import per_pass
+
+    return [(f / 1e3, i / 1e3, w / 1e3) for f, i, w in per_pass(samples, statistics.median).as_rows()]
+
+
 def _predict(case: lib.Case, profiled: dict, calibration):
     import conveyor.schedule as cs
     from conveyor.plan.calibrate import predict_step
@@ -159,18 +174,8 @@ def _rotate(items: list, by: int) -> list:
     return items[by:] + items[:by]
 
 
-def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> list[dict]:
-    """Predict and run every case of one (workload, P); one record per case."""
-    from conveyor.plan.calibrate import compute_makespan
-    from conveyor.schedule.cost import costs_from_timeline
-    from conveyor.schedule.render import side_by_side_png
-
-    profiles: dict[int, dict] = {}
-    with RankGroup(1, distributed=False, timeout_s=args.step_timeout_s) as probe:
-        for case in cases:
-            if case.num_stages not in profiles:
-                profiles[case.num_stages] = probe.call(profile, workload, case.num_stages)[0]
-    predictions = {case: _predict(case, profiles[case.num_stages], calibration) for case in cases}
+def _measure(cases: list[lib.Case], probe: RankGroup, rotation: dict[int, list], args) -> dict:
+    """Every plan's group, the rounds (plans rotating, cost samples between rounds), the last timelines."""
     groups: dict[lib.Case, RankGroup] = {}
     steps: dict[lib.Case, list[float]] = {case: [] for case in cases}
     loads: dict[lib.Case, list[float]] = {case: [] for case in cases}
@@ -188,47 +193,76 @@ def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> l
                     if timed:
                         steps[case].append(wall)
                         loads[case].append(os.getloadavg()[0])
+            for stages in rotation if timed else ():
+                # The costs again, between the steps: the same moments of the machine as the steps.
+                rotation[stages] += [probe.call(profile_sample, stages)[0] for _ in range(2)]
         measured = {case: groups[case].call(measured_timeline)[0] for case in cases}
     finally:
         for group in groups.values():
             group.close()
-    steal_pct = steal.percent()
+    return {"steps": steps, "loads": loads, "steal": steal.percent(), "timelines": measured}
+
+
+def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> list[dict]:
+    """Predict and run every case of one (workload, P); one record per case."""
+    profiles: dict[int, dict] = {}
+    with RankGroup(1, distributed=False, timeout_s=args.step_timeout_s) as probe:
+        for case in cases:
+            if case.num_stages not in profiles:
+                profiles[case.num_stages] = probe.call(profile, workload, case.num_stages)[0]
+        rotation: dict[int, list] = {stages: [] for stages in profiles}
+        run = _measure(cases, probe, rotation, args)
     records = []
     for case in cases:
-        prediction, times = predictions[case], steps[case]
-        median = statistics.median(times)
-        png = out / f"{workload.name}-P{case.num_ranks}-{case.schedule}-V{case.virtual}.png"
-        side_by_side_png(prediction.timeline, measured[case], png)
-        records.append({
-            "workload": workload.name, "ranks": case.num_ranks, "schedule": case.schedule,
-            "virtual": case.virtual, "microbatches": case.num_microbatches,
-            "predicted_ms": prediction.step_s * 1e3, "predicted_makespan_ms": prediction.makespan_s * 1e3,
-            "predicted_optimizer_ms": max(prediction.rank_extra_s, default=0.0) * 1e3,
-            "measured_ms": median * 1e3, "measured_min_ms": min(times) * 1e3, "measured_max_ms": max(times) * 1e3,
-            "steps_ms": [t * 1e3 for t in times],
-            "ratio": median / prediction.step_s,
-            "ratio_min": min(times) / prediction.step_s, "ratio_max": max(times) / prediction.step_s,
-            "last_step_compute_makespan_ms": compute_makespan(measured[case]) * 1e3,
-            "steal_pct": steal_pct.get(case.label()),
-            "load_average": statistics.median(loads[case]),
-            "cores": cores_for(case.workload),
-            "stage_costs_ms": [[x * 1e3 for x in row] for row in profiles[case.num_stages]["rows_s"]],
-            # The last step's own median F, I, W per stage (I holds a whole B where it ran unsplit).
-            "last_step_stage_costs_ms": [
-                [c.forward * 1e3, c.backward_input * 1e3, c.backward_weight * 1e3]
-                for c in costs_from_timeline(measured[case], case.num_stages).stages
-            ],
-            "message_bytes": profiles[case.num_stages]["message_bytes"],
-            "png": png.name,
-        })
+        profiled = profiles[case.num_stages]
+        before = _predict(case, profiled, calibration)
+        prediction = _predict(case, {**profiled, "rows_s": _rows_s(rotation[case.num_stages])}, calibration)
+        records.append(_record(case, prediction, before, profiled, rotation[case.num_stages], run, out))
     return records
+
+
+def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, run: dict, out: Path) -> dict:
+    """One case's JSON record; draws its PNG (the prediction above the last measured step)."""
+    from conveyor.plan.calibrate import compute_makespan
+    from conveyor.schedule.cost import costs_from_timeline
+    from conveyor.schedule.render import side_by_side_png
+
+    workload, times, measured = case.workload, run["steps"][case], run["timelines"][case]
+    median = statistics.median(times)
+    png = out / f"{workload.name}-P{case.num_ranks}-{case.schedule}-V{case.virtual}.png"
+    side_by_side_png(prediction.timeline, measured, png)
+    return {
+        "workload": workload.name, "ranks": case.num_ranks, "schedule": case.schedule,
+        "virtual": case.virtual, "microbatches": case.num_microbatches,
+        "predicted_ms": prediction.step_s * 1e3, "predicted_makespan_ms": prediction.makespan_s * 1e3,
+        "predicted_before_ms": before.step_s * 1e3,
+        "ratio_to_before": median / before.step_s,
+        "predicted_optimizer_ms": max(prediction.rank_extra_s, default=0.0) * 1e3,
+        "measured_ms": median * 1e3, "measured_min_ms": min(times) * 1e3, "measured_max_ms": max(times) * 1e3,
+        "steps_ms": [t * 1e3 for t in times],
+        "ratio": median / prediction.step_s,
+        "ratio_min": min(times) / prediction.step_s, "ratio_max": max(times) / prediction.step_s,
+        "last_step_compute_makespan_ms": compute_makespan(measured) * 1e3,
+        "steal_pct": run["steal"].get(case.label()),
+        "load_average": statistics.median(run["loads"][case]),
+        "cores": cores_for(case.workload),
+        "stage_costs_ms": [[x * 1e3 for x in row] for row in _rows_s(samples)],
+        "stage_costs_before_ms": [[x * 1e3 for x in row] for row in profiled["rows_s"]],
+        # The last step's own median F, I, W per stage (I holds a whole B where it ran unsplit).
+        "last_step_stage_costs_ms": [
+            [c.forward * 1e3, c.backward_input * 1e3, c.backward_weight * 1e3]
+            for c in costs_from_timeline(measured, case.num_stages).stages
+        ],
+        "message_bytes": profiled["message_bytes"],
+        "png": png.name,
+    }
 
 
 # ---------------------------------------------------------------------------
 # the report
 # ---------------------------------------------------------------------------
 
-COLUMNS = ("workload", "P", "schedule", "V", "M", "predicted ms", "measured ms (min-max)",
+COLUMNS = ("workload", "P", "schedule", "V", "M", "predicted ms", "profile-before ms", "measured ms (min-max)",
            "measured / predicted (min-max)", "steal %", "load")
 
 
@@ -241,14 +275,15 @@ def table(records: list[dict]) -> str:
         ...        "measured_max_ms": 110.0, "ratio": 1.02, "ratio_min": 1.01, "ratio_max": 1.1,
         ...        "steal_pct": 3.0, "load_average": 1.5}
         >>> table([row]).splitlines()[-1]
-        '| gpt | 2 | 1f1b | 1 | 8 | 100.0 | 102.0 (101.0-110.0) | 1.020 (1.010-1.100) | 3 | 1.5 |'
+        '| gpt | 2 | 1f1b | 1 | 8 | 100.0 | - | 102.0 (101.0-110.0) | 1.020 (1.010-1.100) | 3 | 1.5 |'
     """
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in records:
         steal = "-" if r.get("steal_pct") is None else f"{r['steal_pct']:.0f}"
+        before = "-" if r.get("predicted_before_ms") is None else f"{r['predicted_before_ms']:.1f}"
         lines.append(
             f"| {r['workload']} | {r['ranks']} | {r['schedule']} | {r['virtual']} | {r['microbatches']} "
-            f"| {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} ({r['measured_min_ms']:.1f}-{r['measured_max_ms']:.1f}) "
+            f"| {r['predicted_ms']:.1f} | {before} | {r['measured_ms']:.1f} ({r['measured_min_ms']:.1f}-{r['measured_max_ms']:.1f}) "
             f"| {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {steal} | {r['load_average']:.1f} |"
         )
     return "\n".join(lines)
