@@ -237,7 +237,8 @@ def shared_cores_timeline(schedule: Schedule, costs: CostModel, cores: int) -> T
         now = later
     if any(p < len(program) for p, program in zip(position, programs)):
         raise AssertionError(f"{schedule.name}: ranks stopped at {position} in the shared-cores timing")
-    return Timeline.from_spans(compute.num_ranks, spans, title=f"{schedule.name} on {cores} cores",
+    return Timeline.from_spans(compute.num_ranks, spans, title=(f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} "
+                                      f"M={schedule.num_microbatches}, {cores} shared cores"),
                                source="simulated", time_unit="s")
 
 
