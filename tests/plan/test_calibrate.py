@@ -107,3 +107,17 @@ def test_a_real_run_gives_a_finite_calibration(one_thread):
     for value in (cal.receive_s, cal.latency_s, cal.step_s):
         assert math.isfinite(value) and value >= 0
     assert cal.samples["steps"] == 2
+
+
+def test_the_benchmark_report_names_the_fastest_plan_and_the_predicted_one():
+    from benchmarks.plan import fastest, parse_plans, table
+
+    rows = [{"workload": "gpt", "ranks": 2, "schedule": name, "virtual": v, "microbatches": 8,
+             "predicted_ms": p, "predicted_before_ms": p, "measured_ms": m, "measured_min_ms": m,
+             "measured_max_ms": m, "ratio": m / p, "ratio_min": m / p, "ratio_max": m / p,
+             "steal_pct": None, "load_average": 1.0}
+            for (name, v), p, m in zip(parse_plans("1f1b,interleaved-1f1b:2"), (100.0, 90.0), (104.0, 103.0))]
+    assert "| gpt | 2 | interleaved-1f1b | 2 | 8 | 90.0 | 90.0 | 103.0" in table(rows)
+    assert fastest(rows) == [
+        "gpt P=2: fastest measured interleaved-1f1b V=2 (103.0 ms); predicted fastest interleaved-1f1b V=2: same"
+    ]
