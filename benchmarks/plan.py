@@ -5,7 +5,7 @@ For each workload (emulated: blocks that sleep; gpt: the zoo's small GPT) and P,
 
 * prediction: conveyor's simulator on per-stage F / I / W costs profiled in one single-thread
   process (the last stage's F holds the loss), plus this machine's
-  :class:`~conveyor.plan.calibrate.Calibration` (measured once at the start) and each rank's
+  :class:`~conveyor.plan.calibrate.Calibration` (measured at the start, once per P) and each rank's
   optimizer step (AdamW, profiled the same way). ``predicted_ms``: the costs are the median of
   two samples per round taken between the rounds, so they see the machine when the steps do;
   ``predicted_before_ms``: the median of ``PROFILE_SAMPLES`` samples taken before the runs, as
@@ -320,9 +320,9 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
         "# Predicted vs measured step time (`python -m benchmarks --plan`)", "",
         f"Started {meta['started']}, {meta['cpus']} CPUs, load average {meta['load_start']} at start, "
         f"{meta['load_end']} at end; {meta['elapsed_s']:.0f} s.", "",
-        "Calibration (this machine, P=2, 1F1B of sleeping blocks): " + ", ".join(
+        *(f"Calibration at P={ranks} (this machine, 1F1B of sleeping blocks): " + ", ".join(
             f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-            for k, v in meta["calibration"].items() if k != "samples"), "",
+            for k, v in figures.items() if k != "samples") for ranks, figures in meta["calibration"].items()), "",
         table(records), "",
         f"|measured / predicted - 1| over all cases: median {statistics.median(abs(r - 1) for r in ratios):.3f}, "
         f"worst {max(abs(r - 1) for r in ratios):.3f}; within 5%: "
@@ -341,16 +341,19 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
             "load_start": round(os.getloadavg()[0], 2)}
-    calibration = calibrate()
-    meta["calibration"] = calibration.as_dict()
+    rank_counts = [int(p) for p in args.predict_ranks.split(",")]
+    # One calibration per rank count: P processes on this machine's cores wake and hand over
+    # messages differently at P=2 and P=4.
+    calibrations = {ranks: calibrate(ranks=ranks) for ranks in rank_counts}
+    meta["calibration"] = {str(ranks): c.as_dict() for ranks, c in calibrations.items()}
     print("calibration:", json.dumps(meta["calibration"]), flush=True)
     plans = parse_plans(args.predict_schedules)
     records: list[dict] = []
     for name in filter(None, args.predict_workloads.split(",")):
-        for ranks in (int(p) for p in args.predict_ranks.split(",")):
+        for ranks in rank_counts:
             workload = build_workload(name, ranks)
             cases = [lib.Case(workload, s, v, args.predict_microbatches) for s, v in plans]
-            cell = run_cell(workload, cases, calibration, args, out)
+            cell = run_cell(workload, cases, calibrations[ranks], args, out)
             print(table(cell), flush=True)
             records.extend(cell)
     meta.update(load_end=round(os.getloadavg()[0], 2), elapsed_s=time.monotonic() - started,
