@@ -217,11 +217,27 @@ def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> l
         profiled = profiles[case.num_stages]
         before = _predict(case, profiled, calibration)
         prediction = _predict(case, {**profiled, "rows_s": _rows_s(rotation[case.num_stages])}, calibration)
-        records.append(_record(case, prediction, before, profiled, rotation[case.num_stages], run, out))
+        records.append(_record(case, prediction, before, profiled, rotation[case.num_stages], run, out,
+                               calibration))
     return records
 
 
-def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, run: dict, out: Path) -> dict:
+def _replay(case: lib.Case, measured, calibration) -> float:
+    """Simulated makespan (s) of ``case`` on the per-stage span medians of its ``measured`` step."""
+    import dataclasses
+
+    import conveyor.schedule as cs
+    from conveyor.plan.calibrate import predict_step
+    from conveyor.schedule.cost import costs_from_timeline
+
+    sched = cs.build(case.schedule, ranks=case.num_ranks, microbatches=case.num_microbatches,
+                     virtual=case.virtual)
+    costs = costs_from_timeline(measured, case.num_stages)
+    return predict_step(sched, costs, dataclasses.replace(calibration, action_s=0.0)).makespan_s
+
+
+def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, run: dict, out: Path,
+            calibration) -> dict:
     """One case's JSON record; draws its PNG (the prediction above the last measured step)."""
     from conveyor.plan.calibrate import compute_makespan
     from conveyor.schedule.cost import costs_from_timeline
@@ -229,6 +245,7 @@ def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, r
 
     workload, times, measured = case.workload, run["steps"][case], run["timelines"][case]
     median = statistics.median(times)
+    replay = _replay(case, measured, calibration)
     png = out / f"{workload.name}-P{case.num_ranks}-{case.schedule}-V{case.virtual}.png"
     side_by_side_png(prediction.timeline, measured, png)
     return {
@@ -253,6 +270,12 @@ def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, r
             [c.forward * 1e3, c.backward_input * 1e3, c.backward_weight * 1e3]
             for c in costs_from_timeline(measured, case.num_stages).stages
         ],
+        # The last step replayed: the simulator on that step's own per-stage span medians (which
+        # hold the runtime's per-action time and any sharing of cores), with the calibration's
+        # receive and latency; against that step's compute makespan. Near 1: the error is in the
+        # profiled costs, not in what the simulator adds to them.
+        "replay_makespan_ms": replay * 1e3,
+        "replay_ratio": compute_makespan(measured) / replay,
         "message_bytes": profiled["message_bytes"],
         "png": png.name,
     }
