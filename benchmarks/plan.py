@@ -84,6 +84,28 @@ def _optimizer_seconds(module, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def split_sample(worker, num_stages: int) -> list[tuple[float, float]]:
+    """Each stage's I and W as conveyor's runtime splits them (ms), on the probe's stages."""
+    import torch
+
+    from conveyor.plan.calibrate import split_backward_seconds
+    from conveyor.runtime.backward import GraphAnalysisCache
+
+    probe = worker.state[("probe", num_stages)]
+    caches = worker.state.setdefault(("analyses", num_stages), [GraphAnalysisCache() for _ in range(num_stages)])
+    out = []
+    for stage, module in enumerate(probe.modules):
+        outs = probe._forward(stage)
+        inputs = [t for t in probe.inputs[stage] if t.requires_grad]
+        i, w = split_backward_seconds(list(outs), [torch.ones_like(o) for o in outs], inputs,
+                                      list(module.parameters()), caches[stage])
+        module.zero_grad(set_to_none=True)
+        for t in inputs:
+            t.grad = None
+        out.append((i * 1e3, w * 1e3))
+    return out
+
+
 def profile(worker, workload, num_stages: int, samples: int = PROFILE_SAMPLES) -> dict:
     """Per-stage F, I, W (s, median of ``samples``), the largest boundary message, each stage's AdamW step."""
     from benchmarks.costs import StageCostProbe, per_pass
@@ -92,19 +114,22 @@ def profile(worker, workload, num_stages: int, samples: int = PROFILE_SAMPLES) -
     worker.state[("probe", num_stages)] = probe
     probe.sample()  # warm-up
     costs = per_pass([probe.sample() for _ in range(samples)], statistics.median)
+    split_sample(worker, num_stages)  # warm-up (and the graph analyses)
+    split = _split_rows_s([split_sample(worker, num_stages) for _ in range(samples)])
     message = max(
         (sum(t.numel() * t.element_size() for t in inputs) for inputs in probe.inputs[1:]), default=0
     )
     return {
         "rows_s": [(f / 1e3, i / 1e3, w / 1e3) for f, i, w in costs.as_rows()],
+        "split_s": split,
         "message_bytes": message,
         "optimizer_s": [_optimizer_seconds(module) for module in probe.modules],
     }
 
 
 def profile_sample(worker, num_stages: int):
-    """One more sample of the stages :func:`profile` built: each stage's F, I, B once (ms)."""
-    return worker.state[("probe", num_stages)].sample()
+    """One more sample of the stages :func:`profile` built: each stage's F, I, B, and I, W split (ms)."""
+    return worker.state[("probe", num_stages)].sample(), split_sample(worker, num_stages)
 
 
 def setup(worker, case: lib.Case) -> list[int]:
@@ -152,6 +177,12 @@ def cores_for(workload) -> int | None:
     return None if isinstance(workload, Emulated) else os.cpu_count()
 
 
+def _split_rows_s(samples: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Per stage, the median I and W (s) over samples of :func:`split_sample`."""
+    return [(statistics.median(i for i, _ in column) / 1e3, statistics.median(w for _, w in column) / 1e3)
+            for column in zip(*samples)]
+
+
 def _rows_s(samples) -> list[tuple[float, float, float]]:
     from benchmarks.costs import per_pass
 
@@ -165,7 +196,12 @@ def _predict(case: lib.Case, profiled: dict, calibration):
     sched = cs.build(case.schedule, ranks=case.num_ranks, microbatches=case.num_microbatches,
                      virtual=case.virtual)
     extra = [sum(profiled["optimizer_s"][s] for s in sched.stages_of(r)) for r in range(case.num_ranks)]
-    return predict_step(sched, profiled["rows_s"], calibration, message_bytes=profiled["message_bytes"],
+    # A stage whose W runs on its own pays the runtime's split I and W; elsewhere one full B.
+    split = {a.stage for program in cs.executable(sched).compute.programs for a in program
+             if a.kind is cs.ActionKind.W}
+    rows = [(f, *profiled["split_s"][s]) if s in split else (f, i, w)
+            for s, (f, i, w) in enumerate(profiled["rows_s"])]
+    return predict_step(sched, rows, calibration, message_bytes=profiled["message_bytes"],
                         rank_extra_s=extra, cores=cores_for(case.workload))
 
 
@@ -216,7 +252,10 @@ def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> l
     for case in cases:
         profiled = profiles[case.num_stages]
         before = _predict(case, profiled, calibration)
-        prediction = _predict(case, {**profiled, "rows_s": _rows_s(rotation[case.num_stages])}, calibration)
+        samples = rotation[case.num_stages]
+        rotated = {**profiled, "rows_s": _rows_s([costs for costs, _ in samples]),
+                   "split_s": _split_rows_s([split for _, split in samples])}
+        prediction = _predict(case, rotated, calibration)
         records.append(_record(case, prediction, before, profiled, rotation[case.num_stages], run, out,
                                calibration))
     return records
@@ -263,7 +302,8 @@ def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, r
         "steal_pct": run["steal"].get(case.label()),
         "load_average": statistics.median(run["loads"][case]),
         "cores": cores_for(case.workload),
-        "stage_costs_ms": [[x * 1e3 for x in row] for row in _rows_s(samples)],
+        "stage_costs_ms": [[x * 1e3 for x in row] for row in _rows_s([costs for costs, _ in samples])],
+        "stage_split_costs_ms": [[x * 1e3 for x in row] for row in _split_rows_s([split for _, split in samples])],
         "stage_costs_before_ms": [[x * 1e3 for x in row] for row in profiled["rows_s"]],
         # The last step's own median F, I, W per stage (I holds a whole B where it ran unsplit).
         "last_step_stage_costs_ms": [
