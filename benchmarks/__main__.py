@@ -13,6 +13,7 @@ Flags pick what runs (several may be given; none means ``--compare``):
     --compile    compile=True vs eager: the GPT workload's step time at P=2 (benchmarks/compile.py)
     --schedule-scale  every built-in at P=256, M=2048: seconds and MB; one rank's start-up at P=64
                  (benchmarks/schedule_scale.py)
+    --plan       predicted vs measured step time, plan by plan, emulated and GPT at P=2, 4 (benchmarks/plan.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -33,6 +34,7 @@ from pathlib import Path
 
 PARTS = (
     "compare", "schedule", "schedule_scale", "split", "soak", "parallel", "data", "checkpoint", "train", "compile",
+    "plan",
 )
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
@@ -69,7 +71,7 @@ def _add_compare(parser: argparse.ArgumentParser) -> None:
 
 def _add_others(parser: argparse.ArgumentParser) -> None:
     plan = parser.add_argument_group("--schedule (the schedule layer on a big plan)")
-    plan.add_argument("--plan", default=None, metavar="NAME",
+    plan.add_argument("--schedule-name", default=None, metavar="NAME",
                       help="schedule to time (default: interleaved-1f1b, else looped-bfs, else 1f1b)")
     plan.add_argument("--plan-ranks", type=int, default=64, metavar="P")
     plan.add_argument("--plan-virtual", type=int, default=2, metavar="V")
@@ -100,6 +102,16 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--train-steps", type=int, default=12, help="steps per throughput run (the first 4 untimed)")
     train.add_argument("--train-skip-throughput", action="store_true", help="measure memory only")
     train.add_argument("--train-skip-memory", action="store_true", help="measure throughput only")
+    predict = parser.add_argument_group("--plan (predicted vs measured step time)")
+    predict.add_argument("--predict-workloads", default="emulated,gpt", help="comma list of emulated,gpt")
+    predict.add_argument("--predict-ranks", default="2,4", help="P values (default: %(default)s)")
+    predict.add_argument("--predict-schedules", default="1f1b:1,zb-h1:1,interleaved-1f1b:2,gpipe:1",
+                         help="plans as name:V, the default split (default: %(default)s)")
+    predict.add_argument("--predict-microbatches", type=int, default=8, metavar="M")
+    predict.add_argument("--predict-rounds", type=int, default=4, help="timed rounds, plans rotating")
+    predict.add_argument("--predict-steps", type=int, default=3, help="timed steps per plan per round")
+    predict.add_argument("--predict-warmup", type=int, default=2, help="untimed steps per plan first")
+    predict.add_argument("--predict-out", default=str(RESULTS / "plan"), help="output folder")
     compiled = parser.add_argument_group("--compile (compile=True vs eager)")
     compiled.add_argument("--compile-rounds", type=int, default=6, help="rounds, the side going first alternating")
     compiled.add_argument("--compile-steps", type=int, default=3, help="timed steps per side per round")
@@ -123,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--checkpoint", action="store_true", help="checkpoint and pretrained-weight I/O")
     parts.add_argument("--train", action="store_true", help="conveyor train: pp=2 speed-up, memory per rank")
     parts.add_argument("--compile", action="store_true", help="compile=True vs eager step time, GPT at P=2")
+    parts.add_argument("--plan", action="store_true", help="predicted vs measured step time per plan")
     parts.add_argument(
         "--quick", action="store_true",
         help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only",

@@ -8,7 +8,7 @@ goes from name to simulated Timeline in under 2 s, so `conveyor simulate` and
 the checks before a run never make a user wait.
 
 Run through the one benchmark command:
-    .venv/bin/python -m benchmarks --schedule [--plan NAME] [--plan-ranks 64] [--plan-virtual 2]
+    .venv/bin/python -m benchmarks --schedule [--schedule-name NAME] [--plan-ranks 64] [--plan-virtual 2]
         [--plan-microbatches 1024] [--plan-repeat 3]
 
 Example:
@@ -75,8 +75,8 @@ def time_once(name: str, ranks: int, virtual: int, microbatches: int) -> dict[st
 
 
 def run(args: argparse.Namespace) -> int:
-    """Time the plan ``args`` name (``plan``, ``plan_ranks``, ...) and print each phase's best."""
-    return _report(args.plan, args.plan_ranks, args.plan_virtual, args.plan_microbatches, args.plan_repeat)
+    """Time the plan ``args`` name (``schedule_name``, ``plan_ranks``, ...) and print each phase's best."""
+    return _report(args.schedule_name, args.plan_ranks, args.plan_virtual, args.plan_microbatches, args.plan_repeat)
 
 
 def _report(asked: str | None, ranks: int, virtual: int, microbatches: int, repeat: int) -> int:

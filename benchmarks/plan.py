@@ -1,0 +1,428 @@
+"""Predicted against measured step time, plan by plan: ``python -m benchmarks --plan``.
+
+For each workload (emulated: blocks that sleep; gpt: the zoo's small GPT) and P, each plan
+(the default split with a schedule and V) is predicted, then run:
+
+* prediction: conveyor's simulator on per-stage F / I / W costs profiled in one single-thread
+  process (the last stage's F holds the loss), plus this machine's
+  :class:`~conveyor.plan.calibrate.Calibration` (measured at the start, once per P) and each rank's
+  optimizer step (AdamW, profiled the same way). ``predicted_ms``: the costs are the median of
+  two samples per round taken between the rounds, so they see the machine when the steps do;
+  ``predicted_before_ms``: the median of ``PROFILE_SAMPLES`` samples taken before the runs, as
+  a planner profiles once;
+* measurement: every plan keeps its own live group of P ranks; round after round each plan
+  takes ``--predict-steps`` steps, the plans' order rotating per round (after ``--predict-warmup``
+  untimed steps each). A step: zero the gradients, barrier, ``pipe.step``, ``optimizer.step()``;
+  the slowest rank's wall time. Reported: the median, min and max, with the host's CPU steal
+  over the plan's timed steps.
+
+It writes ``plan.json``, ``plan.md`` and one PNG per case (the simulated plan above the
+measured last step, one time axis) under ``--predict-out`` (default ``benchmarks/results/plan``).
+
+Example:
+    >>> parse_plans("1f1b:1,interleaved-1f1b:2")
+    [('1f1b', 1), ('interleaved-1f1b', 2)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks import libraries as lib
+from benchmarks.steal import StealMeter
+from conveyor.testing import RankGroup
+from conveyor.testing.models import Emulated, TinyGPT
+
+PROFILE_SAMPLES = 7
+DEFAULT_PLANS = "1f1b:1,zb-h1:1,interleaved-1f1b:2,gpipe:1"
+
+
+def parse_plans(text: str) -> list[tuple[str, int]]:
+    """``name:V`` comma list -> ``[(name, V), ...]`` (V defaults to 1)."""
+    plans = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, virtual = item.partition(":")
+        plans.append((name, int(virtual or 1)))
+    return plans
+
+
+def build_workload(name: str, ranks: int):
+    """The zoo's workload ``name`` at P = ``ranks`` (its defaults: 5 ms sleeps; an 8-layer GPT)."""
+    if name == "emulated":
+        return Emulated(num_ranks=ranks)
+    if name == "gpt":
+        return TinyGPT(num_ranks=ranks)
+    raise ValueError(f"--predict-workloads takes emulated and gpt, got {name!r}")
+
+
+# ---------------------------------------------------------------------------
+# calls run in the ranks (a profiling process, or a plan's group)
+# ---------------------------------------------------------------------------
+
+
+def _optimizer_seconds(module, repeats: int = 5) -> float:
+    import torch
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    times = []
+    for index in range(repeats + 2):  # the first steps allocate AdamW's state
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        start = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if index >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def split_sample(worker, num_stages: int) -> list[tuple[float, float]]:
+    """Each stage's I and W as conveyor's runtime splits them (ms), on the probe's stages."""
+    import torch
+
+    from conveyor.plan.calibrate import split_backward_seconds
+    from conveyor.runtime.backward import GraphAnalysisCache
+
+    probe = worker.state[("probe", num_stages)]
+    caches = worker.state.setdefault(("analyses", num_stages), [GraphAnalysisCache() for _ in range(num_stages)])
+    out = []
+    for stage, module in enumerate(probe.modules):
+        outs = probe._forward(stage)
+        inputs = [t for t in probe.inputs[stage] if t.requires_grad]
+        i, w = split_backward_seconds(list(outs), [torch.ones_like(o) for o in outs], inputs,
+                                      list(module.parameters()), caches[stage])
+        module.zero_grad(set_to_none=True)
+        for t in inputs:
+            t.grad = None
+        out.append((i * 1e3, w * 1e3))
+    return out
+
+
+def profile(worker, workload, num_stages: int, samples: int = PROFILE_SAMPLES) -> dict:
+    """Per-stage F, I, W (s, median of ``samples``), the largest boundary message, each stage's AdamW step."""
+    from benchmarks.costs import StageCostProbe, per_pass
+
+    probe = StageCostProbe(workload, num_stages)
+    worker.state[("probe", num_stages)] = probe
+    probe.sample()  # warm-up
+    costs = per_pass([probe.sample() for _ in range(samples)], statistics.median)
+    split_sample(worker, num_stages)  # warm-up (and the graph analyses)
+    split = _split_rows_s([split_sample(worker, num_stages) for _ in range(samples)])
+    message = max(
+        (sum(t.numel() * t.element_size() for t in inputs) for inputs in probe.inputs[1:]), default=0
+    )
+    return {
+        "rows_s": [(f / 1e3, i / 1e3, w / 1e3) for f, i, w in costs.as_rows()],
+        "split_s": split,
+        "message_bytes": message,
+        "optimizer_s": [_optimizer_seconds(module) for module in probe.modules],
+    }
+
+
+def profile_sample(worker, num_stages: int):
+    """One more sample of the stages :func:`profile` built: each stage's F, I, B, and I, W split (ms)."""
+    return worker.state[("probe", num_stages)].sample(), split_sample(worker, num_stages)
+
+
+def setup(worker, case: lib.Case) -> list[int]:
+    """Build conveyor's pipeline for ``case`` on this rank, with an AdamW over its stages."""
+    import torch
+
+    runner = lib.ConveyorRunner(case, worker.rank)
+    params = [p for module in runner.modules for p in module.parameters()]
+    worker.state.update(runner=runner, optimizer=torch.optim.AdamW(params, lr=1e-4),
+                        batch=case.workload.batch(case.num_microbatches))
+    return list(runner.stage_ids)
+
+
+def timed_step(worker) -> float:
+    """Zero the gradients, barrier, then the timed part: ``pipe.step`` and ``optimizer.step()``."""
+    import torch.distributed as dist
+
+    runner, optimizer = worker.state["runner"], worker.state["optimizer"]
+    optimizer.zero_grad(set_to_none=True)
+    x, y = worker.state["batch"]
+    dist.barrier()
+    start = time.perf_counter()
+    runner.step(x, y)
+    optimizer.step()
+    return time.perf_counter() - start
+
+
+def measured_timeline(worker):
+    """The last step's measured Timeline (a collective over the group)."""
+    return worker.state["runner"].pipe.timeline()
+
+
+# ---------------------------------------------------------------------------
+# one (workload, P): every plan predicted, then run in rotation
+# ---------------------------------------------------------------------------
+
+
+def cores_for(workload) -> int | None:
+    """The cores a workload's ranks share: the machine's for real compute, None for sleeping blocks.
+
+    Example:
+        >>> cores_for(Emulated(num_ranks=4)) is None
+        True
+    """
+    return None if isinstance(workload, Emulated) else os.cpu_count()
+
+
+def _split_rows_s(samples: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Per stage, the median I and W (s) over samples of :func:`split_sample`."""
+    return [(statistics.median(i for i, _ in column) / 1e3, statistics.median(w for _, w in column) / 1e3)
+            for column in zip(*samples)]
+
+
+def _rows_s(samples) -> list[tuple[float, float, float]]:
+    from benchmarks.costs import per_pass
+
+    return [(f / 1e3, i / 1e3, w / 1e3) for f, i, w in per_pass(samples, statistics.median).as_rows()]
+
+
+def _predict(case: lib.Case, profiled: dict, calibration):
+    import conveyor.schedule as cs
+    from conveyor.plan.calibrate import predict_step
+
+    sched = cs.build(case.schedule, ranks=case.num_ranks, microbatches=case.num_microbatches,
+                     virtual=case.virtual)
+    extra = [sum(profiled["optimizer_s"][s] for s in sched.stages_of(r)) for r in range(case.num_ranks)]
+    # A stage whose W runs on its own pays the runtime's split I and W; elsewhere one full B.
+    split = {a.stage for program in cs.executable(sched).compute.programs for a in program
+             if a.kind is cs.ActionKind.W}
+    rows = [(f, *profiled["split_s"][s]) if s in split else (f, i, w)
+            for s, (f, i, w) in enumerate(profiled["rows_s"])]
+    return predict_step(sched, rows, calibration, message_bytes=profiled["message_bytes"],
+                        rank_extra_s=extra, cores=cores_for(case.workload))
+
+
+def _rotate(items: list, by: int) -> list:
+    by %= len(items)
+    return items[by:] + items[:by]
+
+
+def _measure(cases: list[lib.Case], probe: RankGroup, rotation: dict[int, list], args) -> dict:
+    """Every plan's group, the rounds (plans rotating, cost samples between rounds), the last timelines."""
+    groups: dict[lib.Case, RankGroup] = {}
+    steps: dict[lib.Case, list[float]] = {case: [] for case in cases}
+    loads: dict[lib.Case, list[float]] = {case: [] for case in cases}
+    steal = StealMeter()
+    try:
+        for case in cases:
+            groups[case] = RankGroup(case.num_ranks, timeout_s=args.step_timeout_s)
+            groups[case].call(setup, case)
+        for round_index in range(1 + args.predict_rounds):
+            timed = round_index > 0
+            for case in _rotate(cases, round_index):
+                for _ in range(args.predict_steps if timed else args.predict_warmup):
+                    with steal.window(case.label()) if timed else contextlib.nullcontext():
+                        wall = max(groups[case].call(timed_step))
+                    if timed:
+                        steps[case].append(wall)
+                        loads[case].append(os.getloadavg()[0])
+            for stages in rotation if timed else ():
+                # The costs again, between the steps: the same moments of the machine as the steps.
+                rotation[stages] += [probe.call(profile_sample, stages)[0] for _ in range(2)]
+        measured = {case: groups[case].call(measured_timeline)[0] for case in cases}
+    finally:
+        for group in groups.values():
+            group.close()
+    return {"steps": steps, "loads": loads, "steal": steal.percent(), "timelines": measured}
+
+
+def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> list[dict]:
+    """Predict and run every case of one (workload, P); one record per case."""
+    profiles: dict[int, dict] = {}
+    with RankGroup(1, distributed=False, timeout_s=args.step_timeout_s) as probe:
+        for case in cases:
+            if case.num_stages not in profiles:
+                profiles[case.num_stages] = probe.call(profile, workload, case.num_stages)[0]
+        rotation: dict[int, list] = {stages: [] for stages in profiles}
+        run = _measure(cases, probe, rotation, args)
+    records = []
+    for case in cases:
+        profiled = profiles[case.num_stages]
+        before = _predict(case, profiled, calibration)
+        samples = rotation[case.num_stages]
+        rotated = {**profiled, "rows_s": _rows_s([costs for costs, _ in samples]),
+                   "split_s": _split_rows_s([split for _, split in samples])}
+        prediction = _predict(case, rotated, calibration)
+        records.append(_record(case, prediction, before, profiled, rotation[case.num_stages], run, out,
+                               calibration))
+    return records
+
+
+def _replay(case: lib.Case, measured, calibration) -> float:
+    """Simulated makespan (s) of ``case`` on the per-stage span medians of its ``measured`` step."""
+    import dataclasses
+
+    import conveyor.schedule as cs
+    from conveyor.plan.calibrate import predict_step
+    from conveyor.schedule.cost import costs_from_timeline
+
+    sched = cs.build(case.schedule, ranks=case.num_ranks, microbatches=case.num_microbatches,
+                     virtual=case.virtual)
+    costs = costs_from_timeline(measured, case.num_stages)
+    return predict_step(sched, costs, dataclasses.replace(calibration, action_s=0.0)).makespan_s
+
+
+def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, run: dict, out: Path,
+            calibration) -> dict:
+    """One case's JSON record; draws its PNG (the prediction above the last measured step)."""
+    from conveyor.plan.calibrate import compute_makespan
+    from conveyor.schedule.cost import costs_from_timeline
+    from conveyor.schedule.render import side_by_side_png
+
+    workload, times, measured = case.workload, run["steps"][case], run["timelines"][case]
+    median = statistics.median(times)
+    replay = _replay(case, measured, calibration)
+    png = out / f"{workload.name}-P{case.num_ranks}-{case.schedule}-V{case.virtual}.png"
+    side_by_side_png(prediction.timeline, measured, png)
+    return {
+        "workload": workload.name, "ranks": case.num_ranks, "schedule": case.schedule,
+        "virtual": case.virtual, "microbatches": case.num_microbatches,
+        "predicted_ms": prediction.step_s * 1e3, "predicted_makespan_ms": prediction.makespan_s * 1e3,
+        "predicted_before_ms": before.step_s * 1e3,
+        "ratio_to_before": median / before.step_s,
+        "predicted_optimizer_ms": max(prediction.rank_extra_s, default=0.0) * 1e3,
+        "measured_ms": median * 1e3, "measured_min_ms": min(times) * 1e3, "measured_max_ms": max(times) * 1e3,
+        "steps_ms": [t * 1e3 for t in times],
+        "ratio": median / prediction.step_s,
+        "ratio_min": min(times) / prediction.step_s, "ratio_max": max(times) / prediction.step_s,
+        "last_step_compute_makespan_ms": compute_makespan(measured) * 1e3,
+        "steal_pct": run["steal"].get(case.label()),
+        "load_average": statistics.median(run["loads"][case]),
+        "cores": cores_for(case.workload),
+        "stage_costs_ms": [[x * 1e3 for x in row] for row in _rows_s([costs for costs, _ in samples])],
+        "stage_split_costs_ms": [[x * 1e3 for x in row] for row in _split_rows_s([split for _, split in samples])],
+        "stage_costs_before_ms": [[x * 1e3 for x in row] for row in profiled["rows_s"]],
+        # The last step's own median F, I, W per stage (I holds a whole B where it ran unsplit).
+        "last_step_stage_costs_ms": [
+            [c.forward * 1e3, c.backward_input * 1e3, c.backward_weight * 1e3]
+            for c in costs_from_timeline(measured, case.num_stages).stages
+        ],
+        # The last step replayed: the simulator on that step's own per-stage span medians (which
+        # hold the runtime's per-action time and any sharing of cores), with the calibration's
+        # receive and latency; against that step's compute makespan. Near 1: the error is in the
+        # profiled costs, not in what the simulator adds to them.
+        "replay_makespan_ms": replay * 1e3,
+        "replay_ratio": compute_makespan(measured) / replay,
+        "message_bytes": profiled["message_bytes"],
+        "png": png.name,
+    }
+
+
+# ---------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------
+
+COLUMNS = ("workload", "P", "schedule", "V", "M", "predicted ms", "profile-before ms", "measured ms (min-max)",
+           "measured / predicted (min-max)", "steal %", "load")
+
+
+def table(records: list[dict]) -> str:
+    """The markdown table of the records, one line per case.
+
+    Example:
+        >>> row = {"workload": "gpt", "ranks": 2, "schedule": "1f1b", "virtual": 1, "microbatches": 8,
+        ...        "predicted_ms": 100.0, "measured_ms": 102.0, "measured_min_ms": 101.0,
+        ...        "measured_max_ms": 110.0, "ratio": 1.02, "ratio_min": 1.01, "ratio_max": 1.1,
+        ...        "steal_pct": 3.0, "load_average": 1.5}
+        >>> table([row]).splitlines()[-1]
+        '| gpt | 2 | 1f1b | 1 | 8 | 100.0 | - | 102.0 (101.0-110.0) | 1.020 (1.010-1.100) | 3 | 1.5 |'
+    """
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in records:
+        steal = "-" if r.get("steal_pct") is None else f"{r['steal_pct']:.0f}"
+        before = "-" if r.get("predicted_before_ms") is None else f"{r['predicted_before_ms']:.1f}"
+        lines.append(
+            f"| {r['workload']} | {r['ranks']} | {r['schedule']} | {r['virtual']} | {r['microbatches']} "
+            f"| {r['predicted_ms']:.1f} | {before} | {r['measured_ms']:.1f} ({r['measured_min_ms']:.1f}-{r['measured_max_ms']:.1f}) "
+            f"| {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {steal} | {r['load_average']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def fastest(records: list[dict]) -> list[str]:
+    """Per (workload, P): the plan measured fastest, and whether the prediction picked the same.
+
+    Example:
+        >>> rows = [{"workload": "gpt", "ranks": 2, "schedule": s, "virtual": 1, "measured_ms": m,
+        ...          "predicted_ms": p} for s, m, p in (("1f1b", 10, 9), ("zb-h1", 9, 8))]
+        >>> fastest(rows)
+        ['gpt P=2: fastest measured zb-h1 V=1 (9.0 ms); predicted fastest zb-h1 V=1: same']
+    """
+    lines = []
+    cells = sorted({(r["workload"], r["ranks"]) for r in records}, key=lambda c: (c[0], c[1]))
+    for workload, ranks in cells:
+        rows = [r for r in records if r["workload"] == workload and r["ranks"] == ranks]
+        best = min(rows, key=lambda r: r["measured_ms"])
+        picked = min(rows, key=lambda r: r["predicted_ms"])
+        verdict = "same" if picked is best else (
+            f"differs ({picked['measured_ms'] / best['measured_ms']:.3f}x the fastest measured)")
+        lines.append(
+            f"{workload} P={ranks}: fastest measured {best['schedule']} V={best['virtual']} "
+            f"({best['measured_ms']:.1f} ms); predicted fastest {picked['schedule']} V={picked['virtual']}: {verdict}"
+        )
+    return lines
+
+
+def _write(out: Path, meta: dict, records: list[dict]) -> None:
+    (out / "plan.json").write_text(json.dumps({"meta": meta, "cases": records}, indent=1) + "\n")
+    ratios = [r["ratio"] for r in records]
+    text = [
+        "# Predicted vs measured step time (`python -m benchmarks --plan`)", "",
+        f"Started {meta['started']}, {meta['cpus']} CPUs, load average {meta['load_start']} at start, "
+        f"{meta['load_end']} at end; {meta['elapsed_s']:.0f} s.", "",
+        *(f"Calibration at P={ranks} (this machine, 1F1B of sleeping blocks): " + ", ".join(
+            f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in figures.items() if k != "samples") for ranks, figures in meta["calibration"].items()), "",
+        table(records), "",
+        f"|measured / predicted - 1| over all cases: median {statistics.median(abs(r - 1) for r in ratios):.3f}, "
+        f"worst {max(abs(r - 1) for r in ratios):.3f}; within 5%: "
+        f"{sum(abs(r - 1) <= 0.05 for r in ratios)} of {len(ratios)}.", "",
+        *[f"- {line}" for line in fastest(records)], "",
+    ]
+    (out / "plan.md").write_text("\n".join(text))
+
+
+def run(args) -> int:
+    """Calibrate, then every (workload, P) cell; print and write the table."""
+    from conveyor.plan.calibrate import calibrate
+
+    started = time.monotonic()
+    out = Path(args.predict_out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
+            "load_start": round(os.getloadavg()[0], 2)}
+    rank_counts = [int(p) for p in args.predict_ranks.split(",")]
+    # One calibration per rank count: P processes on this machine's cores wake and hand over
+    # messages differently at P=2 and P=4.
+    calibrations = {ranks: calibrate(ranks=ranks) for ranks in rank_counts}
+    meta["calibration"] = {str(ranks): c.as_dict() for ranks, c in calibrations.items()}
+    print("calibration:", json.dumps(meta["calibration"]), flush=True)
+    plans = parse_plans(args.predict_schedules)
+    records: list[dict] = []
+    for name in filter(None, args.predict_workloads.split(",")):
+        for ranks in rank_counts:
+            workload = build_workload(name, ranks)
+            cases = [lib.Case(workload, s, v, args.predict_microbatches) for s, v in plans]
+            cell = run_cell(workload, cases, calibrations[ranks], args, out)
+            print(table(cell), flush=True)
+            records.extend(cell)
+    meta.update(load_end=round(os.getloadavg()[0], 2), elapsed_s=time.monotonic() - started,
+                steps_per_round=args.predict_steps, rounds=args.predict_rounds, warmup=args.predict_warmup)
+    _write(out, meta, records)
+    print(table(records))
+    print("\n".join(fastest(records)))
+    print(f"wrote {out / 'plan.md'}, {out / 'plan.json'} and a PNG per case")
+    return 0
