@@ -198,7 +198,7 @@ def main() -> None:
     from conveyor.testing.multiprocess import run_ranks
 
     names = sorted(cs.available())
-    rows = [row for ranks in run_ranks(count_rank, 2, args=(names, ["process_group", "shared_memory"]),
+    rows = [row for ranks in run_ranks(count_rank, 2, args=(names, ["process_group", "shared_memory", "ordered"]),
                                        timeout_s=280) for row in ranks]
     for kind in ("ddp", "fsdp"):
         for ranks in run_ranks(count_rank, 4, args=(["1f1b", "zbv"], ["shared_memory"], 2, kind), timeout_s=280):

@@ -45,9 +45,10 @@ def _assert_quiet(rows: list[dict]) -> None:
 @pytest.mark.timeout(200)
 def test_no_host_round_trip_after_the_first_step_under_every_schedule_and_transport():
     names = sorted(cs.available())
-    results = run_ranks(count_rank, 2, args=(names, ["process_group", "shared_memory"]), timeout_s=180)
+    transports = ["process_group", "shared_memory", "ordered"]  # "ordered": NCCL's, here on gloo
+    results = run_ranks(count_rank, 2, args=(names, transports), timeout_s=180)
     rows = [row for ranks in results for row in ranks]
-    assert len(rows) == 2 * 2 * len(names)
+    assert len(rows) == 2 * len(transports) * len(names)
     _assert_quiet(rows)
 
 
