@@ -246,7 +246,6 @@ class Pipeline(_PipelineBase):
         device: torch.device | str | None = None,
     ) -> None:
         import torch.distributed as dist
-
         if not dist.is_available() or not dist.is_initialized():
             raise PipelineConfigError(
                 "torch.distributed is not initialised: launch with torchrun and call "
@@ -272,6 +271,7 @@ class Pipeline(_PipelineBase):
         check_transport_name(transport)
         self.stages = self.schedule.stages_of(self.rank)
         self.device = place_modules(modules, self.stages, resolve_device(device))
+        self._comm_device = collective_device(str(dist.get_backend(group)), self.device)  # before any group
         self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast,
                                      compile, param_precision(param_dtype, grad_accum_dtype, data_parallel))
         self.measure_memory, self.random_streams = measure_memory, random_streams
@@ -343,7 +343,6 @@ class Pipeline(_PipelineBase):
                                                                          self.runs.eval_in_order))
         if shapes:
             seed_shapes(self.transport, shapes, self.schedule.num_stages)
-        self._comm_device = collective_device(self._life.backend, self.device)
         last_rank = self._life.global_ranks[self.schedule.placement.rank_of(self.schedule.num_stages - 1)]
         self._broadcast_loss = LossBroadcast(last_rank, self.schedule.num_ranks, self.device, self._comm_device)
         self.executor = RankExecutor(self.rank, self.schedule.placement, self.runners, self.transport,

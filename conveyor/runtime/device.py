@@ -86,8 +86,19 @@ def collective_device(backend: str, device: torch.device) -> torch.device:
     Example:
         >>> collective_device("gloo", torch.device("cpu")), collective_device("nccl", torch.device("cuda", 1))
         (device(type='cpu'), device(type='cuda', index=1))
+
+    Raises :class:`PipelineConfigError` for NCCL with a stage device that is not a GPU: NCCL
+    carries CUDA tensors only, and the loss, norms and flags travel from the stage device.
     """
-    return device if backend == "nccl" else _CPU
+    if backend != "nccl":
+        return _CPU
+    if device.type != "cuda":
+        raise PipelineConfigError(
+            f"the process group's backend 'nccl' carries CUDA tensors only, but the pipeline's device {device} "
+            "is not a GPU; pass device='cuda:<LOCAL_RANK>' (or leave device out), or init the process group "
+            "with 'gloo' to run on the CPU"
+        )
+    return device
 
 
 def place_modules(modules: Iterable[torch.nn.Module] | torch.nn.Module, stages: Iterable[int],

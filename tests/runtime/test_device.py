@@ -8,7 +8,7 @@ import torch
 import conveyor
 import conveyor.local
 from conveyor.errors import PipelineConfigError
-from conveyor.runtime.device import place_modules, resolve_device, to_device
+from conveyor.runtime.device import collective_device, place_modules, resolve_device, to_device
 from conveyor.runtime.executor import RankExecutor
 from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder
 from conveyor.runtime.transport import LocalMailbox, LocalTransport
@@ -99,6 +99,31 @@ def _meta_stage(rank, world_size):
 def test_pipeline_refuses_a_meta_stage_before_talking_to_anyone():
     [message] = run_ranks(_meta_stage, 1, timeout_s=60)
     assert "stage 0: 'weight' is on meta, but the pipeline's device is cpu" in message
+
+
+def test_nccl_refuses_a_stage_device_it_cannot_carry():
+    # NCCL carries CUDA tensors only: the loss, the norms and the non-finite flags travel on the stage device.
+    assert collective_device("nccl", torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert collective_device("gloo", torch.device("cuda", 1)) == torch.device("cpu")
+    with pytest.raises(PipelineConfigError, match="backend 'nccl'.*device cpu.*device='cuda:<LOCAL_RANK>'.*gloo"):
+        collective_device("nccl", torch.device("cpu"))
+
+
+def _nccl_cpu_stage(rank, world_size):
+    import torch.distributed as dist
+
+    dist.get_backend = lambda group=None: "nccl"  # this forked rank only: gloo underneath, NCCL to the pipeline
+    try:
+        conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss, device="cpu")
+    except PipelineConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_a_pipeline_on_nccl_with_a_cpu_stage_device_fails_before_talking_to_anyone():
+    [message] = run_ranks(_nccl_cpu_stage, 1, timeout_s=60)
+    assert "backend 'nccl'" in message and "device cpu" in message
 
 
 class _Wire:
