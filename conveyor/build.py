@@ -80,12 +80,12 @@ def pipeline(
     pp_group = group if mesh is None else layout_of(mesh).pp_group
     world = dist.get_world_size(pp_group)
     rank = dist.get_rank(pp_group)
+    cast_for_tracing(model, pipeline_kwargs)  # param_dtype=: the model itself, in place, then planned and traced
     if plan is not None or schedule == "auto":  # the example is resized to the plan's microbatch
         plan = plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, group, plan_options)
         schedule, microbatches, virtual, split_points, (example_args, example_kwargs) = _from_plan(
             plan, world, example_args, example_kwargs)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
-    cast_for_tracing(model, pipeline_kwargs)  # param_dtype=: the model itself, in place, then traced
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
                         unsplittable=unsplittable, device=resolve_device(device))
     if split_points is None and split_method == "time" and world > 1:

@@ -40,7 +40,13 @@ from conveyor.parallel.tied import (
 )
 from conveyor.pipe_grads import GradientChecks
 from conveyor.runtime.compile import CompileSpec, describe_compile
-from conveyor.runtime.device import collective_device, place_modules, resolve_device, to_device
+from conveyor.runtime.device import (
+    collective_device,
+    make_current,
+    place_modules,
+    resolve_device,
+    to_device,
+)
 from conveyor.runtime.executor import RankExecutor
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.main_grad import describe_params, param_precision
@@ -271,7 +277,7 @@ class Pipeline(_PipelineBase):
         check_transport_name(transport)
         self.stages = self.schedule.stages_of(self.rank)
         self.device = place_modules(modules, self.stages, resolve_device(device))
-        self._comm_device = collective_device(str(dist.get_backend(group)), self.device)  # before any group
+        self._comm_device = make_current(collective_device(str(dist.get_backend(group)), self.device))  # NCCL: its GPU
         self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast,
                                      compile, param_precision(param_dtype, grad_accum_dtype, data_parallel))
         self.measure_memory, self.random_streams = measure_memory, random_streams

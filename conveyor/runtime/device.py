@@ -101,6 +101,22 @@ def collective_device(backend: str, device: torch.device) -> torch.device:
     return device
 
 
+def make_current(device: torch.device) -> torch.device:
+    """Make a GPU stage device the current CUDA device (nothing for other devices); returns it.
+
+    NCCL builds its communicators, and runs the object collectives of start-up and checkpoints, on
+    the *current* device: a script that never called ``torch.cuda.set_device`` would otherwise
+    put every rank of a node on ``cuda:0``.
+
+    Example:
+        >>> make_current(torch.device("cpu"))  # a CPU stage: nothing to do
+        device(type='cpu')
+    """
+    if device.type == "cuda" and device.index is not None and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
+    return device
+
+
 def place_modules(modules: Iterable[torch.nn.Module] | torch.nn.Module, stages: Iterable[int],
                   device: torch.device) -> torch.device:
     """Put every stage module on ``device`` and return it: a module on the CPU is moved there (in

@@ -196,3 +196,17 @@ def test_a_timeline_from_events_has_every_action(monkeypatch):
     assert FakeEvent.synchronized == 2  # one per rank's recorder, when read
     assert sorted(str(span.action) for span in timeline.spans if span.action.kind.name in "FB") == \
         ["0B0", "0B1", "0F0", "0F1", "1B0", "1B1", "1F0", "1F1"]
+
+
+def test_a_gpu_stage_device_becomes_the_current_cuda_device(monkeypatch):
+    # NCCL makes its communicators and object collectives on the current device: a rank whose
+    # stage is cuda:1 must not leave cuda:0 current (every rank of a node would share it).
+    from conveyor.runtime.device import make_current
+
+    current, chosen = [0], []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: (chosen.append(device), current.__setitem__(0, 1)))
+    make_current(torch.device("cuda", 1))
+    make_current(torch.device("cuda", 1))  # already current: no second call
+    make_current(torch.device("cpu"))
+    assert chosen == [torch.device("cuda", 1)]
