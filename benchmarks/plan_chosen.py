@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Sequence
 
@@ -89,8 +90,10 @@ def choose(worker, workload, global_microbatches: int, calibration: dict):
     example = workload.batch(1)[0]
     costs = emulated_costs(workload) if isinstance(workload, Emulated) else None
     global_batch = workload.rows_per_microbatch * global_microbatches
+    # The emulated ranks sleep (a device each); the GPT's share this machine's cores.
+    cores = None if isinstance(workload, Emulated) else os.cpu_count()
     return conveyor.plan(whole, example, ranks=workload.num_ranks, global_batch=global_batch, costs=costs,
-                         calibration=calibration)
+                         calibration=calibration, cores=cores)
 
 
 def chosen_case(plan, workload) -> lib.Case:

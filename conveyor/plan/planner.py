@@ -49,7 +49,7 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
          latency: float = DEFAULT_LATENCY, optimizer_bytes_per_parameter: float = 8.0,
          flops_per_second: float = DEFAULT_FLOPS_PER_SECOND, bytes_per_second: float = DEFAULT_BYTES_PER_SECOND,
          balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE, top: int = 5,
-         calibration: Calibration | dict | bool | None = None) -> Plan:
+         calibration: Calibration | dict | bool | None = None, cores: int | None | str = "auto") -> Plan:
     """The fastest plan (schedule, V, microbatches, split points) for ``ranks`` ranks whose predicted
     memory per rank (parameters, gradients, optimizer state, activations) fits ``memory_per_rank``.
 
@@ -64,15 +64,16 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
     measure this machine's now on ``ranks`` ranks) makes each predicted step the one a real step
     is checked against (:func:`~conveyor.plan.predict.predict_split`): the runtime's per-action and
     per-receive time, message latency, the step's own time, and each rank's AdamW step (timed here
-    on copies of the parameters); ranks on a CPU share its cores.
+    on copies of the parameters). ``cores``: the CPU cores the ranks share ("auto": the machine's
+    when the model computes on the CPU; None: a device per rank, as for blocks that only wait).
     """
     limit = parse_size(memory_per_rank)
     calibration = calibration_of(calibration, ranks)
-    rate, cores = 0.0, None
+    rate = 0.0
     if calibration is not None and not any(p.device.type == "meta" for p in model.parameters()):
         rate = optimizer_seconds_per_parameter(model)
         where = torch.device(device) if device is not None else next(model.parameters()).device
-        cores = os.cpu_count() if where.type == "cpu" else None
+        cores = (os.cpu_count() if where.type == "cpu" else None) if cores == "auto" else cores
     args = example if isinstance(example, tuple) else (example,)
     if costs is None:
         costs = unit_costs(model, args, example_kwargs, global_batch=global_batch, ranks=ranks,
