@@ -30,7 +30,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,12 +66,19 @@ class Refused(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    """One comparison point: the same work for both libraries."""
+    """One comparison point: the same work for both libraries.
+
+    ``split``: blocks per stage (None: the workload's default cut); ``plan``: the
+    ``conveyor.plan()`` result the case runs (its schedule, built for its costs where it
+    plans its order by them), None for a built-in schedule by name.
+    """
 
     workload: Workload
     schedule: str
     virtual: int
     num_microbatches: int
+    split: tuple[int, ...] | None = None
+    plan: Any = field(default=None, compare=False)
 
     @property
     def num_ranks(self) -> int:
@@ -82,10 +89,42 @@ class Case:
         return self.num_ranks * self.virtual
 
     def label(self) -> str:
+        cut = "" if self.split is None else f" split={'+'.join(map(str, self.split))}"
         return (
             f"{self.workload.name} {self.schedule} P={self.num_ranks} V={self.virtual} "
-            f"M={self.num_microbatches}"
+            f"M={self.num_microbatches}{cut}"
         )
+
+    def build_stage(self, stage: int) -> torch.nn.Module:
+        """Stage ``stage`` of this case's cut: the workload's default, or ``split``'s block counts."""
+        if self.split is None:
+            return self.workload.build_stage(stage, self.num_stages)
+        return build_blocks(self.workload, stage, self.split)
+
+
+def build_blocks(workload: Workload, stage: int, split: tuple[int, ...]) -> torch.nn.Module:
+    """Stage ``stage`` of ``workload`` cut into stages of ``split[s]`` blocks (same weights as any cut).
+
+    A GPT stage 0 also holds the embeddings, the last the final norm and head (a stage may hold no
+    block besides them).
+
+    Example:
+        >>> from conveyor.testing.models import Emulated
+        >>> [len(build_blocks(Emulated(num_ranks=2), s, (1, 3)).blocks) for s in range(2)]
+        [1, 3]
+    """
+    from conveyor.testing.models.workloads import BlockStack, GPTStage, SleepBlock, TinyGPT
+
+    start = sum(split[:stage])
+    blocks = range(start, start + split[stage])
+    if isinstance(workload, TinyGPT):
+        return GPTStage(workload, blocks, first=stage == 0, last=stage == len(split) - 1)
+    out = []
+    for index in blocks:
+        torch.manual_seed(workload.seed * 100_003 + index)  # as Emulated.build_stage seeds block ``index``
+        out.append(SleepBlock(workload.width, workload.forward_ms / 1e3, workload.input_grad_ms / 1e3,
+                              workload.weight_grad_ms / 1e3))
+    return BlockStack(out)
 
 
 def torch_stage_ids(case: Case, rank: int) -> list[int]:
@@ -155,16 +194,18 @@ class ConveyorRunner:
         from conveyor.errors import ConveyorError
 
         try:
-            sched = conveyor.schedule.build(
-                case.schedule,
-                ranks=case.num_ranks,
-                microbatches=case.num_microbatches,
-                virtual=case.virtual,
-            )
+            sched = case.plan.schedule_spec() if case.plan is not None else case.schedule
+            if isinstance(sched, str):
+                sched = conveyor.schedule.build(
+                    sched,
+                    ranks=case.num_ranks,
+                    microbatches=case.num_microbatches,
+                    virtual=case.virtual,
+                )
         except ConveyorError as error:
             raise Refused(f"{type(error).__name__}: {error}") from error
         self.stage_ids = sched.stages_of(rank)
-        self.modules = [case.workload.build_stage(s, sched.num_stages) for s in self.stage_ids]
+        self.modules = [case.build_stage(s) for s in self.stage_ids]
         try:
             self.pipe = conveyor.Pipeline(
                 self.modules, schedule=sched, loss_fn=case.workload.loss_fn

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from benchmarks import libraries as lib
+from benchmarks import plan_chosen
 from benchmarks.steal import StealMeter
 from conveyor.testing import RankGroup
 from conveyor.testing.models import Emulated, TinyGPT
@@ -138,8 +139,11 @@ def setup(worker, case: lib.Case) -> list[int]:
 
     runner = lib.ConveyorRunner(case, worker.rank)
     params = [p for module in runner.modules for p in module.parameters()]
+    # A chosen plan splits the benchmark's global batch into its own microbatch count.
+    rows = case.plan.global_batch if case.plan is not None else None
+    units = rows // case.workload.rows_per_microbatch if rows else case.num_microbatches
     worker.state.update(runner=runner, optimizer=torch.optim.AdamW(params, lr=1e-4),
-                        batch=case.workload.batch(case.num_microbatches))
+                        batch=case.workload.batch(units))
     return list(runner.stage_ids)
 
 
@@ -239,17 +243,29 @@ def _measure(cases: list[lib.Case], probe: RankGroup, rotation: dict[int, list],
     return {"steps": steps, "loads": loads, "steal": steal.percent(), "timelines": measured}
 
 
-def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> list[dict]:
-    """Predict and run every case of one (workload, P); one record per case."""
+def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path, chosen: bool = False) -> list[dict]:
+    """Predict and run every case of one (workload, P); one record per case. ``chosen``: add the
+    case of ``conveyor.plan()``'s own plan (:mod:`benchmarks.plan_chosen`), predicted by the planner."""
+    from conveyor.plan.predict import predict_plan
+
     profiles: dict[int, dict] = {}
     with RankGroup(1, distributed=False, timeout_s=args.step_timeout_s) as probe:
+        if chosen:
+            plan = probe.call(plan_chosen.choose, workload, args.predict_microbatches, calibration.as_dict())[0]
+            cases = [*cases, plan_chosen.chosen_case(plan, workload)]
+            print(f"{workload.name} P={workload.num_ranks}: conveyor.plan chose {plan_chosen.describe(plan)} "
+                  f"(predicted {plan.step_time * 1e3:.1f} ms)", flush=True)
         for case in cases:
-            if case.num_stages not in profiles:
+            if case.plan is None and case.num_stages not in profiles:
                 profiles[case.num_stages] = probe.call(profile, workload, case.num_stages)[0]
         rotation: dict[int, list] = {stages: [] for stages in profiles}
         run = _measure(cases, probe, rotation, args)
     records = []
     for case in cases:
+        if case.plan is not None:
+            prediction = predict_plan(case.plan, calibration)
+            records.append(_record(case, prediction, prediction, None, None, run, out, calibration))
+            continue
         profiled = profiles[case.num_stages]
         before = _predict(case, profiled, calibration)
         samples = rotation[case.num_stages]
@@ -261,21 +277,28 @@ def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path) -> l
     return records
 
 
+def _schedule(case: lib.Case):
+    import conveyor.schedule as cs
+
+    spec = case.plan.schedule_spec() if case.plan is not None else case.schedule
+    if not isinstance(spec, str):
+        return spec
+    return cs.build(spec, ranks=case.num_ranks, microbatches=case.num_microbatches, virtual=case.virtual)
+
+
 def _replay(case: lib.Case, measured, calibration) -> float:
     """Simulated makespan (s) of ``case`` on the per-stage span medians of its ``measured`` step."""
     import dataclasses
 
-    import conveyor.schedule as cs
     from conveyor.plan.calibrate import predict_step
     from conveyor.schedule.cost import costs_from_timeline
 
-    sched = cs.build(case.schedule, ranks=case.num_ranks, microbatches=case.num_microbatches,
-                     virtual=case.virtual)
+    sched = _schedule(case)
     costs = costs_from_timeline(measured, case.num_stages)
     return predict_step(sched, costs, dataclasses.replace(calibration, action_s=0.0)).makespan_s
 
 
-def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, run: dict, out: Path,
+def _record(case: lib.Case, prediction, before, profiled: dict | None, samples: list | None, run: dict, out: Path,
             calibration) -> dict:
     """One case's JSON record; draws its PNG (the prediction above the last measured step)."""
     from conveyor.plan.calibrate import compute_makespan
@@ -285,7 +308,8 @@ def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, r
     workload, times, measured = case.workload, run["steps"][case], run["timelines"][case]
     median = statistics.median(times)
     replay = _replay(case, measured, calibration)
-    png = out / f"{workload.name}-P{case.num_ranks}-{case.schedule}-V{case.virtual}.png"
+    kind = "chosen-" if case.plan is not None else ""
+    png = out / f"{workload.name}-P{case.num_ranks}-{kind}{case.schedule}-V{case.virtual}.png"
     side_by_side_png(prediction.timeline, measured, png)
     return {
         "workload": workload.name, "ranks": case.num_ranks, "schedule": case.schedule,
@@ -302,9 +326,7 @@ def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, r
         "steal_pct": run["steal"].get(case.label()),
         "load_average": statistics.median(run["loads"][case]),
         "cores": cores_for(case.workload),
-        "stage_costs_ms": [[x * 1e3 for x in row] for row in _rows_s([costs for costs, _ in samples])],
-        "stage_split_costs_ms": [[x * 1e3 for x in row] for row in _split_rows_s([split for _, split in samples])],
-        "stage_costs_before_ms": [[x * 1e3 for x in row] for row in profiled["rows_s"]],
+        **_profile_fields(case, profiled, samples),
         # The last step's own median F, I, W per stage (I holds a whole B where it ran unsplit).
         "last_step_stage_costs_ms": [
             [c.forward * 1e3, c.backward_input * 1e3, c.backward_weight * 1e3]
@@ -316,8 +338,24 @@ def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, r
         # profiled costs, not in what the simulator adds to them.
         "replay_makespan_ms": replay * 1e3,
         "replay_ratio": compute_makespan(measured) / replay,
-        "message_bytes": profiled["message_bytes"],
         "png": png.name,
+    }
+
+
+def _profile_fields(case: lib.Case, profiled: dict | None, samples: list | None) -> dict:
+    """A built-in case's profiled stage costs; a chosen plan's own (the planner's per-stage sums)."""
+    if profiled is None:
+        plan = case.plan
+        return {"chosen": True, "plan": plan_chosen.describe(plan), "split_points": list(plan.split_points),
+                "blocks_per_stage": list(case.split), "planned_step_ms": plan.step_time * 1e3,
+                "planned_stage_times_ms": [t * 1e3 for t in plan.stage_times], "plan_outcome": plan.outcome,
+                "plan_alternatives": plan.alternatives, "costs_source": plan.costs.source}
+    return {
+        "chosen": False,
+        "stage_costs_ms": [[x * 1e3 for x in row] for row in _rows_s([costs for costs, _ in samples])],
+        "stage_split_costs_ms": [[x * 1e3 for x in row] for row in _split_rows_s([split for _, split in samples])],
+        "stage_costs_before_ms": [[x * 1e3 for x in row] for row in profiled["rows_s"]],
+        "message_bytes": profiled["message_bytes"],
     }
 
 
@@ -344,8 +382,9 @@ def table(records: list[dict]) -> str:
     for r in records:
         steal = "-" if r.get("steal_pct") is None else f"{r['steal_pct']:.0f}"
         before = "-" if r.get("predicted_before_ms") is None else f"{r['predicted_before_ms']:.1f}"
+        schedule = f"chosen: {r['plan']}" if r.get("chosen") else r["schedule"]
         lines.append(
-            f"| {r['workload']} | {r['ranks']} | {r['schedule']} | {r['virtual']} | {r['microbatches']} "
+            f"| {r['workload']} | {r['ranks']} | {schedule} | {r['virtual']} | {r['microbatches']} "
             f"| {r['predicted_ms']:.1f} | {before} | {r['measured_ms']:.1f} ({r['measured_min_ms']:.1f}-{r['measured_max_ms']:.1f}) "
             f"| {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {steal} | {r['load_average']:.1f} |"
         )
@@ -364,7 +403,7 @@ def fastest(records: list[dict]) -> list[str]:
     lines = []
     cells = sorted({(r["workload"], r["ranks"]) for r in records}, key=lambda c: (c[0], c[1]))
     for workload, ranks in cells:
-        rows = [r for r in records if r["workload"] == workload and r["ranks"] == ranks]
+        rows = [r for r in records if r["workload"] == workload and r["ranks"] == ranks and not r.get("chosen")]
         best = min(rows, key=lambda r: r["measured_ms"])
         picked = min(rows, key=lambda r: r["predicted_ms"])
         verdict = "same" if picked is best else (
@@ -391,6 +430,9 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
         f"worst {max(abs(r - 1) for r in ratios):.3f}; within 5%: "
         f"{sum(abs(r - 1) <= 0.05 for r in ratios)} of {len(ratios)}.", "",
         *[f"- {line}" for line in fastest(records)], "",
+        "The planner's own plan (`conveyor.plan(..., calibration=...)`, no memory limit) against the "
+        "fastest built-in with the default split, measured in the same run:", "",
+        *[f"- {line}" for line in plan_chosen.verdicts(records)], "",
     ]
     (out / "plan.md").write_text("\n".join(text))
 
@@ -416,7 +458,7 @@ def run(args) -> int:
         for ranks in rank_counts:
             workload = build_workload(name, ranks)
             cases = [lib.Case(workload, s, v, args.predict_microbatches) for s, v in plans]
-            cell = run_cell(workload, cases, calibrations[ranks], args, out)
+            cell = run_cell(workload, cases, calibrations[ranks], args, out, chosen=not args.predict_no_chosen)
             print(table(cell), flush=True)
             records.extend(cell)
     meta.update(load_end=round(os.getloadavg()[0], 2), elapsed_s=time.monotonic() - started,
@@ -424,5 +466,6 @@ def run(args) -> int:
     _write(out, meta, records)
     print(table(records))
     print("\n".join(fastest(records)))
+    print("\n".join(plan_chosen.verdicts(records)))
     print(f"wrote {out / 'plan.md'}, {out / 'plan.json'} and a PNG per case")
     return 0

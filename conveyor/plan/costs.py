@@ -27,7 +27,9 @@ class UnitCost:
     """One unit's cost for one microbatch: seconds of forward (F), input gradient (I) and weight
     gradient (W); ``activation_bytes`` kept from F to backward, ``weight_activation_bytes`` of them
     still held from I to W; ``parameter_bytes`` / ``parameters`` it holds; ``output_bytes`` sent on
-    when a stage ends after it.
+    when a stage ends after it. I and W are what the runtime pays when it splits a backward (its I
+    keeps the gradients at the weights' frontier, W re-enters there); ``backward``: one full backward
+    run unsplit, which costs less than I + W (0: not measured, I + W stands for it).
 
     Example:
         >>> UnitCost("model.layers.0", 1.0, 1.0, 1.0, 4096, 2048, 1024, 256).full
@@ -44,9 +46,12 @@ class UnitCost:
     parameters: float = 0.0
     output_bytes: float = 0.0
     is_block: bool = False
+    backward: float = 0.0
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self)[1:-1]:
+        for field in dataclasses.fields(self):
+            if field.name in ("name", "is_block"):
+                continue
             value = getattr(self, field.name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise PlanError(f"unit {self.name!r}: {field.name} must be a finite number >= 0, got {value!r}")
@@ -55,6 +60,16 @@ class UnitCost:
     def full(self) -> float:
         """F + I + W: the unit's compute per microbatch."""
         return self.forward + self.backward_input + self.backward_weight
+
+    @property
+    def merged_backward(self) -> float:
+        """The backward's time where the runtime runs it unsplit: ``backward``, or I + W when not measured.
+
+        Example:
+            >>> UnitCost("u", 1.0, 2.0, 2.0, backward=3.0).merged_backward, UnitCost("u", 1.0, 2.0, 2.0).merged_backward
+            (3.0, 4.0)
+        """
+        return self.backward or self.backward_input + self.backward_weight
 
 
 @dataclass(frozen=True)
@@ -95,11 +110,15 @@ class CostTable:
         fixed = self.fixed or [(0.0, 0.0, 0.0)] * len(self.units)
         out = []
         for unit, (f0, i0, w0) in zip(self.units, fixed):
+            split = unit.backward_input + unit.backward_weight
+            resized = i0 + (unit.backward_input - i0) * ratio + w0 + (unit.backward_weight - w0) * ratio
             out.append(dataclasses.replace(
                 unit,
                 forward=f0 + (unit.forward - f0) * ratio,
                 backward_input=i0 + (unit.backward_input - i0) * ratio,
                 backward_weight=w0 + (unit.backward_weight - w0) * ratio,
+                # The unsplit backward keeps its ratio to I + W (the same work, walked once).
+                backward=unit.backward * resized / split if split > 0 else unit.backward,
                 activation_bytes=unit.activation_bytes * ratio,
                 weight_activation_bytes=unit.weight_activation_bytes * ratio,
                 output_bytes=unit.output_bytes * ratio,

@@ -26,6 +26,7 @@ from conveyor.frontend.stage import as_received
 from conveyor.frontend.trace import trace_model
 from conveyor.frontend.units import ModuleSpans, find_units
 from conveyor.plan.costs import CostTable, UnitCost
+from conveyor.runtime.backward import GraphAnalysisCache, backward_input
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ def profile_units(model: torch.nn.Module, example_args: Sequence[Any], example_k
                                         (tuple(example_args), dict(example_kwargs or {})))
     modules = [split.stage_module(stage, device) for stage in range(split.num_stages)]
     by_name = dict(model.named_parameters(remove_duplicate=False))
-    best = [[float("inf")] * 3 for _ in units]
+    best = [[float("inf")] * 4 for _ in units]
+    analyses = [GraphAnalysisCache() for _ in units]  # one per stage, as the runtime keeps them
     sizes: list[tuple[float, float]] = []
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
@@ -80,7 +82,7 @@ def profile_units(model: torch.nn.Module, example_args: Sequence[Any], example_k
             for stage, module in enumerate(modules):
                 saved = _save_state(module)
                 times, outputs, counted = _run_unit(module, stage, args, kwargs, inputs, device,
-                                                    count=round_index == 0)
+                                                    count=round_index == 0, analyses=analyses[stage])
                 _restore_state(module, saved)
                 if round_index == 0:
                     sizes.append(counted)
@@ -95,8 +97,8 @@ def profile_units(model: torch.nn.Module, example_args: Sequence[Any], example_k
         parameters = sum(by_name[name].numel() for name in names)
         parameter_bytes = sum(by_name[name].numel() * by_name[name].element_size() for name in names)
         sent = 0.0 if stage == len(units) - 1 else _spec_bytes(split.stage_output_specs(stage))
-        out.append(UnitCost(unit.name, *best[stage], sizes[stage][0], sizes[stage][1], float(parameter_bytes),
-                            float(parameters), sent, unit.is_block))
+        out.append(UnitCost(unit.name, *best[stage][:3], sizes[stage][0], sizes[stage][1], float(parameter_bytes),
+                            float(parameters), sent, unit.is_block, backward=best[stage][3]))
     logger.info("measured unit costs (s): %s", {u.name: round(u.full, 6) for u in out})
     return CostTable(tuple(out), _batch_size(example_args, example_kwargs), source=f"measured on {device.type}")
 
@@ -112,7 +114,7 @@ def _pooled(best: list[list[float]], kinds: list[tuple]) -> list[list[float]]:
     for members in groups.values():
         if len(members) < 2:
             continue
-        for part in range(3):
+        for part in range(len(best[members[0]])):
             values = sorted(best[i][part] for i in members)
             value = values[0] if len(values) == 2 else values[len(values) // 2]
             for i in members:
@@ -120,37 +122,51 @@ def _pooled(best: list[list[float]], kinds: list[tuple]) -> list[list[float]]:
     return pooled
 
 
-def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool):
-    """Forward, I, W of one unit: ((F, I, W) seconds, outputs, (saved bytes, bytes W needs))."""
+def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool, analyses=None):
+    """Forward, I, W, B of one unit: ((F, I, W, B) seconds, outputs, (saved bytes, bytes W needs)).
+
+    I and W are the runtime's own split (``conveyor.runtime.backward``: I keeps the gradients at the
+    weights' frontier, W re-enters there), which costs more than one full backward; B is that full
+    backward, on a second forward (untimed), for where the runtime does not split.
+    """
     received = tuple(as_received(value) for value in inputs)
+
+    def forward():
+        return module(*args, **kwargs) if stage == 0 else module(*received)
+
     _synchronize(device)
     start = time.perf_counter()
     if count:
         counter = _SavedBytes(module)
         with counter, counter.mode:
-            outputs = module(*args, **kwargs) if stage == 0 else module(*received)
+            outputs = forward()
         counted = counter.result()
     else:
-        outputs = module(*args, **kwargs) if stage == 0 else module(*received)
+        outputs = forward()
         counted = (0.0, 0.0)
     _synchronize(device)
-    forward = time.perf_counter() - start
+    times = [time.perf_counter() - start, 0.0, 0.0, 0.0]
     tensors = [v for v in pytree.tree_leaves(outputs) if isinstance(v, torch.Tensor) and v.requires_grad]
-    grads = [torch.ones_like(t) for t in tensors]
-    wanted_inputs = [v for v in received if isinstance(v, torch.Tensor) and v.requires_grad]
-    weights = [p for p in module.parameters() if p.requires_grad]
-    backward_input = backward_weight = 0.0
-    if tensors and wanted_inputs:
+    if tensors:
+        wanted_inputs = [v for v in received if isinstance(v, torch.Tensor) and v.requires_grad]
+        weights = [p for p in module.parameters() if p.requires_grad]
+        grads = [torch.ones_like(t) for t in tensors]
         start = time.perf_counter()
-        torch.autograd.grad(tensors, wanted_inputs, grads, retain_graph=bool(weights), allow_unused=True)
+        pending = backward_input(tensors, grads, wanted_inputs, weights, analyses)
         _synchronize(device)
-        backward_input = time.perf_counter() - start
-    if tensors and weights:
+        middle = time.perf_counter()
+        pending.backward_weight()
+        _synchronize(device)
+        times[1:3] = middle - start, time.perf_counter() - middle
+        if not wanted_inputs:  # no input gradient to give: all of it is weight work
+            times[1:3] = 0.0, times[1] + times[2]
+        again = [v for v in pytree.tree_leaves(forward()) if isinstance(v, torch.Tensor) and v.requires_grad]
+        _synchronize(device)
         start = time.perf_counter()
-        torch.autograd.grad(tensors, weights, grads, allow_unused=True)
+        torch.autograd.backward(again, grads)
         _synchronize(device)
-        backward_weight = time.perf_counter() - start
-    return (forward, backward_input, backward_weight), outputs, counted
+        times[3] = time.perf_counter() - start
+    return tuple(times), outputs, counted
 
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):

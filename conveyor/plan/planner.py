@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,8 +25,10 @@ from conveyor.plan.analytic import (
     DEFAULT_FLOPS_PER_SECOND,
     analytic_units,
 )
+from conveyor.plan.calibrate import Calibration
 from conveyor.plan.costs import CostTable, combine
 from conveyor.plan.measure import _batch_size, profile_units, resize_batch
+from conveyor.plan.predict import calibration_of, optimizer_seconds_per_parameter
 from conveyor.plan.result import Plan, format_size, parse_size
 from conveyor.plan.search import (
     DEFAULT_BALANCE_TOLERANCE,
@@ -45,7 +48,8 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
          repeats: int = 3, unsplittable: Sequence[str] = (), bandwidth: float = DEFAULT_BANDWIDTH,
          latency: float = DEFAULT_LATENCY, optimizer_bytes_per_parameter: float = 8.0,
          flops_per_second: float = DEFAULT_FLOPS_PER_SECOND, bytes_per_second: float = DEFAULT_BYTES_PER_SECOND,
-         balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE, top: int = 5) -> Plan:
+         balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE, top: int = 5,
+         calibration: Calibration | dict | bool | None = None, cores: int | None | str = "auto") -> Plan:
     """The fastest plan (schedule, V, microbatches, split points) for ``ranks`` ranks whose predicted
     memory per rank (parameters, gradients, optimizer state, activations) fits ``memory_per_rank``.
 
@@ -55,8 +59,21 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
     (:mod:`conveyor.plan.analytic`, ``flops_per_second``, ``seq_len`` from the example's second
     dimension). ``costs`` skips both. Raises :class:`~conveyor.errors.PlanError` when nothing fits,
     naming the lightest candidate's peak.
+
+    ``calibration`` (a :class:`~conveyor.plan.calibrate.Calibration`, its ``as_dict()``, or True to
+    measure this machine's now on ``ranks`` ranks) makes each predicted step the one a real step
+    is checked against (:func:`~conveyor.plan.predict.predict_split`): the runtime's per-action and
+    per-receive time, message latency, the step's own time, and each rank's AdamW step (timed here
+    on copies of the parameters). ``cores``: the CPU cores the ranks share ("auto": the machine's
+    when the model computes on the CPU; None: a device per rank, as for blocks that only wait).
     """
     limit = parse_size(memory_per_rank)
+    calibration = calibration_of(calibration, ranks)
+    rate = 0.0
+    if calibration is not None and not any(p.device.type == "meta" for p in model.parameters()):
+        rate = optimizer_seconds_per_parameter(model)
+        where = torch.device(device) if device is not None else next(model.parameters()).device
+        cores = (os.cpu_count() if where.type == "cpu" else None) if cores == "auto" else cores
     args = example if isinstance(example, tuple) else (example,)
     if costs is None:
         costs = unit_costs(model, args, example_kwargs, global_batch=global_batch, ranks=ranks,
@@ -65,7 +82,8 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
     result = search(costs, ranks=ranks, global_batch=global_batch, memory_per_rank=limit, schedules=schedules,
                     microbatches=microbatches, virtual=virtual, bandwidth=bandwidth, latency=latency,
                     optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
-                    balance_tolerance=balance_tolerance)
+                    balance_tolerance=balance_tolerance, calibration=calibration,
+                    optimizer_s_per_parameter=rate, cores=cores)
     return choose(result, costs, top=top)
 
 

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 import conveyor.schedule as cs
 from conveyor.errors import ConveyorError, PlanError
+from conveyor.plan.calibrate import Calibration
 from conveyor.plan.costs import CostTable
+from conveyor.plan.predict import predict_split, stage_costs
 from conveyor.plan.split import StageSums, bounds_of, fastest_split, lightest_split
 
 # How far (relative) a lighter split's slowest stage may exceed the fastest split's.
@@ -119,8 +121,14 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
            schedules: Sequence[str] | None = None, microbatches: Sequence[int] | None = None,
            virtual: Sequence[int] = (1, 2), bandwidth: float = DEFAULT_BANDWIDTH, latency: float = DEFAULT_LATENCY,
            optimizer_bytes_per_parameter: float = 8.0,
-           balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE) -> SearchResult:
+           balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE, calibration: Calibration | None = None,
+           optimizer_s_per_parameter: float = 0.0, cores: int | None = None) -> SearchResult:
     """Simulate the candidates worth simulating; see the module docstring.
+
+    With a ``calibration`` each step is :func:`~conveyor.plan.predict.predict_split`'s: the
+    calibration's overheads and message latency (instead of ``bandwidth`` and ``latency``), its
+    per-step time, and each rank's optimizer step at ``optimizer_s_per_parameter``, on ``cores``
+    shared CPU cores (None: a device per rank).
 
     Example:
         >>> from conveyor.plan.costs import synthetic_table
@@ -137,6 +145,7 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
         raise PlanError(f"microbatch counts {bad} do not divide the global batch {global_batch}")
     context = _Context(table, ranks, global_batch, memory_per_rank, bandwidth, latency, optimizer_bytes_per_parameter,
                        balance_tolerance)
+    context.calibration, context.optimizer_rate, context.cores = calibration, optimizer_s_per_parameter, cores
     queue = []
     for m in ms:
         for name, v in schedule_choices(schedules, virtual):
@@ -159,7 +168,9 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
             best = min(best, candidate.step_time)
     settings = dict(ranks=ranks, global_batch=global_batch, memory_per_rank=memory_per_rank, bandwidth=bandwidth,
                     latency=latency, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
-                    balance_tolerance=balance_tolerance)
+                    balance_tolerance=balance_tolerance,
+                    calibration=None if calibration is None else calibration.as_dict(),
+                    optimizer_s_per_parameter=optimizer_s_per_parameter, cores=cores)
     return SearchResult(queue, settings)
 
 
@@ -181,6 +192,8 @@ class _Context:
         self.table, self.ranks, self.global_batch, self.limit = table, ranks, global_batch, limit
         self.bandwidth, self.latency, self.tolerance = bandwidth, latency, tolerance
         self.optimizer_bytes = optimizer_bytes
+        self.calibration: Calibration | None = None
+        self.optimizer_rate, self.cores = 0.0, None
         self._sums: dict[int, StageSums] = {}
         self._fastest: dict[tuple[int, int], list[int]] = {}
 
@@ -266,9 +279,14 @@ class _Context:
         return cs.CostModel(tuple(costs), self.latency + sent / self.bandwidth)
 
     def _simulate(self, schedule, sums: StageSums, cuts: list[int], microbatches: int):
-        """(cuts, step, peak memory, stage times, in-flight microbatches per stage, bubble, memory per rank)."""
+        """(cuts, step, peak memory, stage times, in-flight microbatches per stage, bubble, memory per rank).
+
+        What is simulated is what the ranks run: the executed programs, a stage whose backward is
+        not split paying its full B."""
         stages = bounds_of(cuts, len(sums.units))
-        timeline = cs.simulate(schedule, self._cost_model(sums, cuts), time_unit="s")
+        sent = max((sums.units[j - 1].output_bytes for _, j in stages[:-1]), default=0.0)
+        model = stage_costs(schedule, sums, cuts, latency=self.latency + sent / self.bandwidth)
+        timeline = cs.simulate(cs.executable(schedule).compute, model, time_unit="s")
         peaks = timeline.peak_activation_bytes()
         memory, in_flight = [], [1.0] * len(stages)
         for rank in range(self.ranks):
@@ -280,5 +298,10 @@ class _Context:
         stage_times = [sums.time(i, j) for i, j in stages]
         # Every span starts at 0 or later; the busy time is known without walking the spans again.
         step = max(span.end for span in timeline.spans)
+        if self.calibration is not None:
+            parameters = [sum(u.parameters for s in schedule.stages_of(rank) for u in sums.units[slice(*stages[s])])
+                          for rank in range(self.ranks)]
+            step = predict_split(schedule, model, self.calibration, message_bytes=sent, rank_parameters=parameters,
+                                 optimizer_s_per_parameter=self.optimizer_rate, cores=self.cores).step_s
         bubble = 1 - microbatches * sum(stage_times) / (self.ranks * step) if step > 0 else 0.0
         return cuts, step, max(memory), stage_times, in_flight, bubble, memory

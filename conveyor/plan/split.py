@@ -74,6 +74,7 @@ class StageSums:
         self._f = prefix(u.forward for u in units)
         self._i = prefix(u.backward_input for u in units)
         self._w = prefix(u.backward_weight for u in units)
+        self._b = prefix(u.merged_backward for u in units)
         self._act = prefix(u.activation_bytes for u in units)
         self._kept = prefix(u.weight_activation_bytes for u in units)
         # Parameters, their gradients (same dtype), and the optimizer's state per parameter.
@@ -87,6 +88,10 @@ class StageSums:
 
     def backward_weight(self, i: int, j: int) -> float:
         return self._w[j] - self._w[i]
+
+    def backward(self, i: int, j: int) -> float:
+        """The units' backward run unsplit (one B), where the runtime does not split it into I and W."""
+        return self._b[j] - self._b[i]
 
     def time(self, i: int, j: int) -> float:
         return self.forward(i, j) + self.backward_input(i, j) + self.backward_weight(i, j)

@@ -48,6 +48,9 @@ def add_parser(commands: Any, positive_int: Any) -> None:
     plan.add_argument("--flops", type=float, default=None, metavar="FLOP/S",
                       help="sustained device throughput for --analytic (default 4e14)")
     plan.add_argument("--repeats", type=positive_int, default=3, help="timed rounds per unit (best kept)")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="measure this machine's runtime overheads first (a few seconds) and predict the step "
+                           "with them and each rank's AdamW step: the step a real run is checked against")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if args.flops is not None:
         options["flops_per_second"] = args.flops
+    if getattr(args, "calibrate", False):
+        options["calibration"] = True
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
     chosen = plan(model, example, ranks=args.ranks, global_batch=args.global_batch, memory_per_rank=limit,
                   schedules=schedules, repeats=args.repeats, top=args.top, **options)
