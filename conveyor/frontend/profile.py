@@ -67,14 +67,14 @@ def profile_stages(
             inputs: tuple[Any, ...] = ()
             for stage in range(split.num_stages):
                 module = split.stage_module(stage, device) if kept is None else kept[stage]
-                saved = _save_state(module)
+                saved = save_module_state(module)
                 warm_up = 1 if round_index == 0 else 0
                 timed = repeats if on_meta else 1
                 for run in range(warm_up + timed):
                     seconds, outputs = _time_once(module, stage, args, kwargs, inputs, device)
                     if run >= warm_up:
                         best[stage] = min(best[stage], seconds)
-                    _restore_state(module, saved)
+                    restore_module_state(module, saved)
                 del module
                 if stage < split.num_stages - 1:
                     specs = split.stage_output_specs(stage)
@@ -90,7 +90,7 @@ def profile_stages(
 def _time_once(module, stage, args, kwargs, inputs, device) -> tuple[float, Any]:
     """Forward, then backward with ones as output gradients; seconds of both."""
     received = tuple(as_received(value) for value in inputs)
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     outputs = module(*args, **kwargs) if stage == 0 else module(*received)
     tensors = [
@@ -100,17 +100,25 @@ def _time_once(module, stage, args, kwargs, inputs, device) -> tuple[float, Any]
     ]
     if tensors:
         torch.autograd.backward(tensors, [torch.ones_like(tensor) for tensor in tensors])
-    _synchronize(device)
+    synchronize(device)
     return time.perf_counter() - start, outputs
 
 
-def _save_state(module: torch.nn.Module) -> tuple[list[Any], list[torch.Tensor]]:
+def save_module_state(module: torch.nn.Module) -> tuple[list[Any], list[torch.Tensor]]:
+    """A module's gradients and a copy of its buffers, for :func:`restore_module_state` after a timed run.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(2); saved = save_module_state(bn); _ = bn(torch.randn(4, 2))
+        >>> restore_module_state(bn, saved); bn.running_mean.tolist()
+        [0.0, 0.0]
+    """
     grads = [parameter.grad for parameter in module.parameters()]
     buffers = [buffer.detach().clone() for buffer in module.buffers()]
     return grads, buffers
 
 
-def _restore_state(module: torch.nn.Module, saved: tuple[list[Any], list[torch.Tensor]]) -> None:
+def restore_module_state(module: torch.nn.Module, saved: tuple[list[Any], list[torch.Tensor]]) -> None:
+    """Put back what :func:`save_module_state` saved: timing leaves no trace on the model."""
     grads, buffers = saved
     for parameter, grad in zip(module.parameters(), grads):
         parameter.grad = grad
@@ -119,6 +127,7 @@ def _restore_state(module: torch.nn.Module, saved: tuple[list[Any], list[torch.T
             buffer.copy_(value)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for a GPU's queued work, so that a host clock times it (nothing on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conveyor.errors import PlanError
 from conveyor.frontend import split_model
+from conveyor.frontend.profile import restore_module_state, save_module_state, synchronize
 from conveyor.frontend.stage import as_received
 from conveyor.frontend.trace import trace_model
 from conveyor.frontend.units import ModuleSpans, find_units
@@ -80,10 +81,10 @@ def profile_units(model: torch.nn.Module, example_args: Sequence[Any], example_k
         for round_index in range(repeats + 1):  # round 0 warms up and counts bytes
             inputs: tuple = ()
             for stage, module in enumerate(modules):
-                saved = _save_state(module)
+                saved = save_module_state(module)
                 times, outputs, counted = _run_unit(module, stage, args, kwargs, inputs, device,
                                                     count=round_index == 0, analyses=analyses[stage])
-                _restore_state(module, saved)
+                restore_module_state(module, saved)
                 if round_index == 0:
                     sizes.append(counted)
                 else:
@@ -134,7 +135,7 @@ def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool, analy
     def forward():
         return module(*args, **kwargs) if stage == 0 else module(*received)
 
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     if count:
         counter = _SavedBytes(module)
@@ -144,7 +145,7 @@ def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool, analy
     else:
         outputs = forward()
         counted = (0.0, 0.0)
-    _synchronize(device)
+    synchronize(device)
     times = [time.perf_counter() - start, 0.0, 0.0, 0.0]
     tensors = [v for v in pytree.tree_leaves(outputs) if isinstance(v, torch.Tensor) and v.requires_grad]
     if tensors:
@@ -153,18 +154,18 @@ def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool, analy
         grads = [torch.ones_like(t) for t in tensors]
         start = time.perf_counter()
         pending = backward_input(tensors, grads, wanted_inputs, weights, analyses)
-        _synchronize(device)
+        synchronize(device)
         middle = time.perf_counter()
         pending.backward_weight()
-        _synchronize(device)
+        synchronize(device)
         times[1:3] = middle - start, time.perf_counter() - middle
         if not wanted_inputs:  # no input gradient to give: all of it is weight work
             times[1:3] = 0.0, times[1] + times[2]
         again = [v for v in pytree.tree_leaves(forward()) if isinstance(v, torch.Tensor) and v.requires_grad]
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         torch.autograd.backward(again, grads)
-        _synchronize(device)
+        synchronize(device)
         times[3] = time.perf_counter() - start
     return tuple(times), outputs, counted
 
@@ -263,22 +264,3 @@ def resize_batch(example: Any, size: int) -> Any:
 
     return pytree.tree_map_only(torch.Tensor, resize, example)
 
-
-def _save_state(module: torch.nn.Module) -> tuple[list[Any], list[torch.Tensor]]:
-    grads = [parameter.grad for parameter in module.parameters()]
-    buffers = [buffer.detach().clone() for buffer in module.buffers()]
-    return grads, buffers
-
-
-def _restore_state(module: torch.nn.Module, saved: tuple[list[Any], list[torch.Tensor]]) -> None:
-    grads, buffers = saved
-    for parameter, grad in zip(module.parameters(), grads):
-        parameter.grad = grad
-    with torch.no_grad():
-        for buffer, value in zip(module.buffers(), buffers):
-            buffer.copy_(value)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
