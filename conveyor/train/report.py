@@ -158,9 +158,13 @@ def peak_rss_mib() -> list[float]:
     mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if sys.platform == "darwin":
         mine /= 1024
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return [float(x) for x in gathered]
+    # Through the store, not a collective: this is the last exchange of a run, and a gloo collective
+    # this close to the interpreter's exit can leave its worker thread freeing the collective's
+    # Python tensors during finalisation, which aborts the process (SIGABRT, "terminate called
+    # without an active exception") after a successful run.
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"conveyor/peak_rss/{dist.get_rank()}", repr(mine))
+    return [float(store.get(f"conveyor/peak_rss/{rank}").decode()) for rank in range(dist.get_world_size())]
 
 
 def report_lines(summary: dict[str, Any]) -> list[str]:
