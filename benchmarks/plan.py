@@ -66,23 +66,12 @@ def build_workload(name: str, ranks: int):
 # ---------------------------------------------------------------------------
 
 
-def _optimizer_seconds(module, repeats: int = 5) -> float:
-    import torch
+def _optimizer_seconds(module) -> float:
+    """A median AdamW step over ``module``'s parameters, timed as the planner times it."""
+    from conveyor.plan.predict import optimizer_seconds_per_parameter
 
-    params = [p for p in module.parameters() if p.requires_grad]
-    if not params:
-        return 0.0
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
-    times = []
-    for index in range(repeats + 2):  # the first steps allocate AdamW's state
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        start = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if index >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    count = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return optimizer_seconds_per_parameter(module) * count if count else 0.0
 
 
 def split_sample(worker, num_stages: int) -> list[tuple[float, float]]:
