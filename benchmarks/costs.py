@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from benchmarks.libraries import build_blocks
 from conveyor.testing.models.workloads import Workload
 
 
@@ -81,15 +82,20 @@ class StageCostProbe:
         (2, 0.0)
     """
 
-    def __init__(self, workload: Workload, num_stages: int) -> None:
-        x, self.target = workload.batch(1)
+    def __init__(self, workload: Workload, num_stages: int, *, split: tuple[int, ...] | None = None,
+                 microbatch_rows: int | None = None) -> None:
+        # ``split`` (blocks per stage) and ``microbatch_rows`` probe a plan's own cut and microbatch.
+        rows = workload.rows_per_microbatch if microbatch_rows is None else microbatch_rows
+        x, target = workload.batch(-(-rows // workload.rows_per_microbatch))
+        x, self.target = x[:rows], target[:rows]
         self.loss_fn = workload.loss_fn
         self.num_stages = num_stages
         self.modules: list[nn.Module] = []
         self.inputs: list[tuple] = []
         stage_input: tuple = (x,)
         for stage in range(num_stages):
-            module = workload.build_stage(stage, num_stages)
+            module = (workload.build_stage(stage, num_stages) if split is None
+                      else build_blocks(workload, stage, split))
             inputs = stage_input if stage == 0 else _detach_inputs(stage_input)
             self.modules.append(module)
             self.inputs.append(inputs)

@@ -74,15 +74,30 @@ def _optimizer_seconds(module) -> float:
     return optimizer_seconds_per_parameter(module) * count if count else 0.0
 
 
-def split_sample(worker, num_stages: int) -> list[tuple[float, float]]:
+def probe_cut(case: lib.Case) -> tuple[int, tuple[int, ...] | None, int]:
+    """What a case's stage costs are probed on: (stages, blocks per stage or None, rows per microbatch).
+
+    A built-in runs the workload's default cut on its own microbatch; a chosen plan its own cut,
+    its global batch split into its microbatch count.
+
+    Example:
+        >>> probe_cut(lib.Case(TinyGPT(num_ranks=2), "1f1b", 1, 8))
+        (2, None, 2)
+    """
+    if case.plan is None:
+        return case.num_stages, case.split, case.workload.rows_per_microbatch
+    return case.num_stages, case.split, case.plan.global_batch // case.plan.microbatches
+
+
+def split_sample(worker, cut: tuple) -> list[tuple[float, float]]:
     """Each stage's I and W as conveyor's runtime splits them (ms), on the probe's stages."""
     import torch
 
     from conveyor.plan.calibrate import split_backward_seconds
     from conveyor.runtime.backward import GraphAnalysisCache
 
-    probe = worker.state[("probe", num_stages)]
-    caches = worker.state.setdefault(("analyses", num_stages), [GraphAnalysisCache() for _ in range(num_stages)])
+    probe = worker.state[("probe", cut)]
+    caches = worker.state.setdefault(("analyses", cut), [GraphAnalysisCache() for _ in range(probe.num_stages)])
     out = []
     for stage, module in enumerate(probe.modules):
         outs = probe._forward(stage)
@@ -96,16 +111,18 @@ def split_sample(worker, num_stages: int) -> list[tuple[float, float]]:
     return out
 
 
-def profile(worker, workload, num_stages: int, samples: int = PROFILE_SAMPLES) -> dict:
-    """Per-stage F, I, W (s, median of ``samples``), the largest boundary message, each stage's AdamW step."""
+def profile(worker, workload, cut: tuple, samples: int = PROFILE_SAMPLES) -> dict:
+    """Per-stage F, I, W (s, median of ``samples``), the largest boundary message, each stage's AdamW step,
+    on ``cut`` (:func:`probe_cut`)."""
     from benchmarks.costs import StageCostProbe, per_pass
 
-    probe = StageCostProbe(workload, num_stages)
-    worker.state[("probe", num_stages)] = probe
+    num_stages, split, rows = cut
+    probe = StageCostProbe(workload, num_stages, split=split, microbatch_rows=rows)
+    worker.state[("probe", cut)] = probe
     probe.sample()  # warm-up
     costs = per_pass([probe.sample() for _ in range(samples)], statistics.median)
-    split_sample(worker, num_stages)  # warm-up (and the graph analyses)
-    split = _split_rows_s([split_sample(worker, num_stages) for _ in range(samples)])
+    split_sample(worker, cut)  # warm-up (and the graph analyses)
+    split = _split_rows_s([split_sample(worker, cut) for _ in range(samples)])
     message = max(
         (sum(t.numel() * t.element_size() for t in inputs) for inputs in probe.inputs[1:]), default=0
     )
@@ -117,9 +134,9 @@ def profile(worker, workload, num_stages: int, samples: int = PROFILE_SAMPLES) -
     }
 
 
-def profile_sample(worker, num_stages: int):
+def profile_sample(worker, cut: tuple):
     """One more sample of the stages :func:`profile` built: each stage's F, I, B, and I, W split (ms)."""
-    return worker.state[("probe", num_stages)].sample(), split_sample(worker, num_stages)
+    return worker.state[("probe", cut)].sample(), split_sample(worker, cut)
 
 
 def setup(worker, case: lib.Case) -> list[int]:
@@ -186,8 +203,7 @@ def _predict(case: lib.Case, profiled: dict, calibration):
     import conveyor.schedule as cs
     from conveyor.plan.calibrate import predict_step
 
-    sched = cs.build(case.schedule, ranks=case.num_ranks, microbatches=case.num_microbatches,
-                     virtual=case.virtual)
+    sched = _schedule(case)
     extra = [sum(profiled["optimizer_s"][s] for s in sched.stages_of(r)) for r in range(case.num_ranks)]
     # A stage whose W runs on its own pays the runtime's split I and W; elsewhere one full B.
     split = {a.stage for program in cs.executable(sched).compute.programs for a in program
@@ -203,7 +219,7 @@ def _rotate(items: list, by: int) -> list:
     return items[by:] + items[:by]
 
 
-def _measure(cases: list[lib.Case], probe: RankGroup, rotation: dict[int, list], args) -> dict:
+def _measure(cases: list[lib.Case], probe: RankGroup, rotation: dict[tuple, list], args) -> dict:
     """Every plan's group, the rounds (plans rotating, cost samples between rounds), the last timelines."""
     groups: dict[lib.Case, RankGroup] = {}
     steps: dict[lib.Case, list[float]] = {case: [] for case in cases}
@@ -222,9 +238,9 @@ def _measure(cases: list[lib.Case], probe: RankGroup, rotation: dict[int, list],
                     if timed:
                         steps[case].append(wall)
                         loads[case].append(os.getloadavg()[0])
-            for stages in rotation if timed else ():
+            for cut in rotation if timed else ():
                 # The costs again, between the steps: the same moments of the machine as the steps.
-                rotation[stages] += [probe.call(profile_sample, stages)[0] for _ in range(2)]
+                rotation[cut] += [probe.call(profile_sample, cut)[0] for _ in range(2)]
         measured = {case: groups[case].call(measured_timeline)[0] for case in cases}
     finally:
         for group in groups.values():
@@ -234,10 +250,15 @@ def _measure(cases: list[lib.Case], probe: RankGroup, rotation: dict[int, list],
 
 def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path, chosen: bool = False) -> list[dict]:
     """Predict and run every case of one (workload, P); one record per case. ``chosen``: add the
-    case of ``conveyor.plan()``'s own plan (:mod:`benchmarks.plan_chosen`), predicted by the planner."""
+    case of ``conveyor.plan()``'s own plan (:mod:`benchmarks.plan_chosen`).
+
+    Every case, the chosen one too, is predicted from its own stages' costs sampled between the
+    rounds (``predicted_ms``); ``predicted_before_ms`` is the prediction made before the runs: the
+    profile's for a built-in, the planner's own step for the chosen plan.
+    """
     from conveyor.plan.predict import predict_plan
 
-    profiles: dict[int, dict] = {}
+    profiles: dict[tuple, dict] = {}
     with RankGroup(1, distributed=False, timeout_s=args.step_timeout_s) as probe:
         if chosen:
             plan = probe.call(plan_chosen.choose, workload, args.predict_microbatches, calibration.as_dict())[0]
@@ -245,24 +266,20 @@ def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path, chos
             print(f"{workload.name} P={workload.num_ranks}: conveyor.plan chose {plan_chosen.describe(plan)} "
                   f"(predicted {plan.step_time * 1e3:.1f} ms)", flush=True)
         for case in cases:
-            if case.plan is None and case.num_stages not in profiles:
-                profiles[case.num_stages] = probe.call(profile, workload, case.num_stages)[0]
-        rotation: dict[int, list] = {stages: [] for stages in profiles}
+            cut = probe_cut(case)
+            if cut not in profiles:
+                profiles[cut] = probe.call(profile, workload, cut)[0]
+        rotation: dict[tuple, list] = {cut: [] for cut in profiles}
         run = _measure(cases, probe, rotation, args)
     records = []
     for case in cases:
-        if case.plan is not None:
-            prediction = predict_plan(case.plan, calibration)
-            records.append(_record(case, prediction, prediction, None, None, run, out, calibration))
-            continue
-        profiled = profiles[case.num_stages]
-        before = _predict(case, profiled, calibration)
-        samples = rotation[case.num_stages]
+        cut = probe_cut(case)
+        profiled, samples = profiles[cut], rotation[cut]
         rotated = {**profiled, "rows_s": _rows_s([costs for costs, _ in samples]),
                    "split_s": _split_rows_s([split for _, split in samples])}
         prediction = _predict(case, rotated, calibration)
-        records.append(_record(case, prediction, before, profiled, rotation[case.num_stages], run, out,
-                               calibration))
+        before = predict_plan(case.plan, calibration) if case.plan is not None else _predict(case, profiled, calibration)
+        records.append(_record(case, prediction, before, profiled, samples, run, out, calibration))
     return records
 
 
@@ -287,7 +304,7 @@ def _replay(case: lib.Case, measured, calibration) -> float:
     return predict_step(sched, costs, dataclasses.replace(calibration, action_s=0.0)).makespan_s
 
 
-def _record(case: lib.Case, prediction, before, profiled: dict | None, samples: list | None, run: dict, out: Path,
+def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, run: dict, out: Path,
             calibration) -> dict:
     """One case's JSON record; draws its PNG (the prediction above the last measured step)."""
     from conveyor.plan.calibrate import compute_makespan
@@ -331,21 +348,22 @@ def _record(case: lib.Case, prediction, before, profiled: dict | None, samples: 
     }
 
 
-def _profile_fields(case: lib.Case, profiled: dict | None, samples: list | None) -> dict:
-    """A built-in case's profiled stage costs; a chosen plan's own (the planner's per-stage sums)."""
-    if profiled is None:
-        plan = case.plan
-        return {"chosen": True, "plan": plan_chosen.describe(plan), "split_points": list(plan.split_points),
-                "blocks_per_stage": list(case.split), "planned_step_ms": plan.step_time * 1e3,
-                "planned_stage_times_ms": [t * 1e3 for t in plan.stage_times], "plan_outcome": plan.outcome,
-                "plan_alternatives": plan.alternatives, "costs_source": plan.costs.source}
-    return {
-        "chosen": False,
+def _profile_fields(case: lib.Case, profiled: dict, samples: list) -> dict:
+    """The case's stage costs (sampled between the rounds, and before); a chosen plan's own figures too."""
+    fields = {
+        "chosen": case.plan is not None,
         "stage_costs_ms": [[x * 1e3 for x in row] for row in _rows_s([costs for costs, _ in samples])],
         "stage_split_costs_ms": [[x * 1e3 for x in row] for row in _split_rows_s([split for _, split in samples])],
         "stage_costs_before_ms": [[x * 1e3 for x in row] for row in profiled["rows_s"]],
         "message_bytes": profiled["message_bytes"],
     }
+    if case.plan is not None:
+        plan = case.plan
+        fields.update({"plan": plan_chosen.describe(plan), "split_points": list(plan.split_points),
+                       "blocks_per_stage": list(case.split), "planned_step_ms": plan.step_time * 1e3,
+                       "planned_stage_times_ms": [t * 1e3 for t in plan.stage_times], "plan_outcome": plan.outcome,
+                       "plan_alternatives": plan.alternatives, "costs_source": plan.costs.source})
+    return fields
 
 
 # ---------------------------------------------------------------------------

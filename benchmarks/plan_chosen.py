@@ -144,8 +144,11 @@ def verdicts(records: list[dict]) -> list[str]:
         else:
             verdict = ("as fast (within the noise; median "
                        f"{'at most' if c['measured_ms'] <= best['measured_ms'] else 'above'} the best's)")
+        planned = ("" if c.get("predicted_before_ms") is None else
+                   f" (the planner's own, before the runs: {c['predicted_before_ms']:.1f} ms, ratio "
+                   f"{c['measured_ms'] / c['predicted_before_ms']:.3f})")
         lines.append(
-            f"{workload} P={ranks}: chosen {c['plan']}: predicted {c['predicted_ms']:.1f} ms, measured "
+            f"{workload} P={ranks}: chosen {c['plan']}: predicted {c['predicted_ms']:.1f} ms{planned}, measured "
             f"{c['measured_ms']:.1f} ({c['measured_min_ms']:.1f}-{c['measured_max_ms']:.1f}), ratio {c['ratio']:.3f}; "
             f"best built-in {best['schedule']} V={best['virtual']} {best['measured_ms']:.1f} "
             f"({best['measured_min_ms']:.1f}-{best['measured_max_ms']:.1f}): {verdict}")
