@@ -7,6 +7,8 @@ first structure) that NCCL relies on.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -71,3 +73,48 @@ def test_peers_report_the_failing_ranks_message():
     for rank in (0, 1, 3):
         assert "PeerFailure" in messages[rank] and "rank 2 failed" in messages[rank], messages[rank]
     assert max(seconds for _, seconds in results) < 30
+
+
+def _watcher_aborts_on_a_published_failure(rank, world_size):
+    import torch.distributed as dist
+
+    schedule = cs.build("1f1b", ranks=2, microbatches=2)
+    torch.manual_seed(0)
+    pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             timeout_s=30, transport="ordered")
+    pipe.step(torch.ones(4, 4))
+    life, seen = pipe._life, {}
+    if rank == 0:
+        aborted: list[list[int]] = []
+        real_abort = dist.ProcessGroup.abort
+        # Recorded, not done: gloo's groups must stay usable for the clean close below.
+        dist.ProcessGroup.abort = lambda group: aborted.append(dist.get_process_group_ranks(group))
+        life.transport.peer_failures = lambda: "rank 1 failed: boom (published by the test)"
+        try:
+            seen["gloo_setting"] = life.abort_on_failure
+            time.sleep(1.5)  # three polls of the watcher under gloo's setting: nothing aborted
+            seen["aborted_under_gloo"] = list(aborted)
+            life.abort_on_failure = True  # NCCL's setting: the watcher thread acts by itself
+            deadline = time.monotonic() + 10
+            while not aborted and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.5)  # later polls abort nothing twice
+            seen.update(aborted=aborted, groups=[dist.get_process_group_ranks(g) for g in life.groups],
+                        because=life.aborted_because)
+        finally:
+            dist.ProcessGroup.abort = real_abort
+            del life.transport.peer_failures
+            life.abort_on_failure, life.aborted_because = False, None
+    dist.barrier()
+    pipe.close()
+    return seen
+
+
+def test_the_watcher_aborts_every_communicator_once_a_peer_publishes_a_failure():
+    """NCCL's waits are the streams': the pipeline's watcher thread, not a wait, must notice a failure
+    on the store and abort the communicators (each once). Checked with gloo ranks under NCCL's setting."""
+    seen = run_ranks(_watcher_aborts_on_a_published_failure, 2, timeout_s=60)[0]
+    assert seen["gloo_setting"] is False and seen["aborted_under_gloo"] == []
+    assert len(seen["groups"]) >= 2  # the pipeline's group and its channels' groups
+    assert sorted(seen["aborted"]) == sorted(seen["groups"]), seen
+    assert "boom (published by the test)" in seen["because"]
