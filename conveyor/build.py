@@ -141,6 +141,7 @@ def _auto_plan(model, example_args, example_kwargs, world, microbatches, group, 
     options.setdefault("global_batch", (microbatches or 2 * world) * size)
     if microbatches is not None:
         options.setdefault("microbatches", [microbatches])
+    options.setdefault("threads", None)  # rank 0 profiles with the threads it trains with
     chosen: list = [None]
     if dist.get_rank(group) == 0:
         chosen[0] = make_plan(model, tuple(example_args), example_kwargs=example_kwargs, ranks=world, **options)

@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ from conveyor.plan.search import (
     microbatch_choices,
     search,
 )
+from conveyor.runtime.device import cpu_threads_per_rank
 
 
 def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch: int,
@@ -49,7 +51,8 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
          latency: float = DEFAULT_LATENCY, optimizer_bytes_per_parameter: float = 8.0,
          flops_per_second: float = DEFAULT_FLOPS_PER_SECOND, bytes_per_second: float = DEFAULT_BYTES_PER_SECOND,
          balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE, top: int = 5,
-         calibration: Calibration | dict | bool | None = None, cores: int | None | str = "auto") -> Plan:
+         calibration: Calibration | dict | bool | None = None, cores: int | None | str = "auto",
+         threads: int | None | str = "auto") -> Plan:
     """The fastest plan (schedule, V, microbatches, split points) for ``ranks`` ranks whose predicted
     memory per rank (parameters, gradients, optimizer state, activations) fits ``memory_per_rank``.
 
@@ -66,25 +69,46 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
     per-receive time, message latency, the step's own time, and each rank's AdamW step (timed here
     on copies of the parameters). ``cores``: the CPU cores the ranks share ("auto": the machine's
     when the model computes on the CPU; None: a device per rank, as for blocks that only wait).
+    ``threads``: the CPU threads each rank computes with, which a model on the CPU is profiled
+    at ("auto": ``OMP_NUM_THREADS`` when set, else the machine's cores shared by ``ranks`` ranks,
+    as ``conveyor train`` gives its local ranks; None: this process's torch setting).
     """
     limit = parse_size(memory_per_rank)
     calibration = calibration_of(calibration, ranks)
+    measured = not any(p.device.type == "meta" for p in model.parameters())
+    where = torch.device(device) if device is not None else next(model.parameters()).device
+    if threads == "auto":
+        threads = cpu_threads_per_rank(ranks) if measured and where.type == "cpu" else None
     rate = 0.0
-    if calibration is not None and not any(p.device.type == "meta" for p in model.parameters()):
-        rate = optimizer_seconds_per_parameter(model)
-        where = torch.device(device) if device is not None else next(model.parameters()).device
-        cores = (os.cpu_count() if where.type == "cpu" else None) if cores == "auto" else cores
-    args = example if isinstance(example, tuple) else (example,)
-    if costs is None:
-        costs = unit_costs(model, args, example_kwargs, global_batch=global_batch, ranks=ranks,
-                           microbatches=microbatches, device=device, repeats=repeats, unsplittable=unsplittable,
-                           flops_per_second=flops_per_second, bytes_per_second=bytes_per_second)
+    with _torch_threads(threads):
+        if calibration is not None and measured:
+            rate = optimizer_seconds_per_parameter(model)
+            cores = (os.cpu_count() if where.type == "cpu" else None) if cores == "auto" else cores
+        args = example if isinstance(example, tuple) else (example,)
+        if costs is None:
+            costs = unit_costs(model, args, example_kwargs, global_batch=global_batch, ranks=ranks,
+                               microbatches=microbatches, device=device, repeats=repeats, unsplittable=unsplittable,
+                               flops_per_second=flops_per_second, bytes_per_second=bytes_per_second)
     result = search(costs, ranks=ranks, global_batch=global_batch, memory_per_rank=limit, schedules=schedules,
                     microbatches=microbatches, virtual=virtual, bandwidth=bandwidth, latency=latency,
                     optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
                     balance_tolerance=balance_tolerance, calibration=calibration,
                     optimizer_s_per_parameter=rate, cores=cores)
     return choose(result, costs, top=top)
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int | None):
+    """torch's intra-op threads set to ``count`` for the block (None: unchanged), then put back."""
+    if count is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def unit_costs(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, *, global_batch: int,

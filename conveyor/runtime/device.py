@@ -172,3 +172,20 @@ def module_device(modules: Iterable[torch.nn.Module]) -> torch.device | None:
         for tensor in [*module.parameters(), *module.buffers()]:
             return tensor.device
     return None
+
+
+def cpu_threads_per_rank(local_ranks: int, environ: dict[str, str] | None = None, cores: int | None = None) -> int:
+    """The CPU threads each of ``local_ranks`` ranks on this host computes with: ``OMP_NUM_THREADS``
+    when set, else the host's cores shared among them (at least 1). Training and planning on the
+    CPU use the same count, so that a unit profiled for a plan runs as fast as it will in a rank.
+
+    Example:
+        >>> cpu_threads_per_rank(2, {}, cores=2), cpu_threads_per_rank(2, {"OMP_NUM_THREADS": "3"}, cores=2)
+        (1, 3)
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
+        return int(environ["OMP_NUM_THREADS"])
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_ranks))

@@ -93,18 +93,16 @@ def worker(cfg: TrainConfig, exit_when_stopped: bool = True) -> dict:
 
 
 def threads_per_rank(environ: dict[str, str] | None = None, cores: int | None = None) -> int:
-    """``OMP_NUM_THREADS`` when set, else this host's cores shared by its ranks (at least 1).
+    """``OMP_NUM_THREADS`` when set, else this host's cores shared by its ranks (``LOCAL_WORLD_SIZE``).
 
     Example:
         >>> threads_per_rank({"LOCAL_WORLD_SIZE": "2"}, cores=2), threads_per_rank({"OMP_NUM_THREADS": "3"}, cores=2)
         (1, 3)
     """
+    from conveyor.runtime.device import cpu_threads_per_rank
+
     environ = os.environ if environ is None else environ
-    if environ.get("OMP_NUM_THREADS", "").isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
-        return int(environ["OMP_NUM_THREADS"])
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    return cpu_threads_per_rank(int(environ.get("LOCAL_WORLD_SIZE", "1") or 1), environ, cores)
 
 
 def join_group() -> None:

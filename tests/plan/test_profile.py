@@ -69,3 +69,30 @@ def test_a_meta_model_is_costed_from_its_shapes():
     assert table.source.startswith("analytic") and len(table.units) == 11
     plan = cp.plan(model, torch.zeros(1, 64, dtype=torch.long), ranks=4, global_batch=8, costs=table)
     assert plan.num_stages in (4, 8)
+
+
+def test_a_cpu_model_is_profiled_with_the_threads_each_rank_computes_with(monkeypatch):
+    """conveyor train gives each of P local ranks the host's cores / P threads (or OMP_NUM_THREADS);
+    a unit profiled with all of them would look P times faster than it runs in a rank."""
+    import conveyor.plan.planner as planner
+
+    seen: list[int] = []
+    real = planner.unit_costs
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "unit_costs", spy)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        for threads in ("auto", 1, None):
+            cp.plan(model, torch.randn(2, 8), ranks=2, global_batch=8, schedules=["1f1b"], microbatches=[4],
+                    repeats=1, threads=threads)
+            assert torch.get_num_threads() == 2  # the caller's setting is put back
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == [1, 1, 2]
