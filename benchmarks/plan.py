@@ -446,7 +446,7 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
 
 def run(args) -> int:
     """Calibrate, then every (workload, P) cell; print and write the table."""
-    from conveyor.plan.calibrate import calibrate
+    from conveyor.calibration import calibrate
 
     started = time.monotonic()
     out = Path(args.predict_out)

@@ -29,6 +29,8 @@ FORBIDDEN = {
     "pipe": ("conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "local": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "build": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
+    # Measures a calibration on real pipelines for the planner below it.
+    "calibration": ("conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     # The planner sits at the pipe level: frontend, schedule and the runtime below it; build, train and
     # the command line above it.
     "plan": ("conveyor.pipe", "conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train",
@@ -43,6 +45,10 @@ RUNTIME_SCHEDULE_ALLOWED = ("conveyor.schedule.ir", "conveyor.schedule.timeline"
 
 
 def _imports(path: Path) -> list[str]:
+    """Every conveyor module ``path`` imports, also through the lazy top level (``conveyor.Pipeline``
+    is conveyor.pipe, ``conveyor.schedule.build`` conveyor.schedule)."""
+    import conveyor
+
     tree = ast.parse(path.read_text(), filename=str(path))
     names = []
     for node in ast.walk(tree):
@@ -50,6 +56,9 @@ def _imports(path: Path) -> list[str]:
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "conveyor":
+            lazy = conveyor._LAZY.get(node.attr)
+            names.append(lazy[0] if lazy else f"conveyor.{node.attr}")
     return names
 
 

@@ -51,7 +51,7 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
          latency: float = DEFAULT_LATENCY, optimizer_bytes_per_parameter: float = 8.0,
          flops_per_second: float = DEFAULT_FLOPS_PER_SECOND, bytes_per_second: float = DEFAULT_BYTES_PER_SECOND,
          balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE, top: int = 5,
-         calibration: Calibration | dict | bool | None = None, cores: int | None | str = "auto",
+         calibration: Calibration | dict | None = None, cores: int | None | str = "auto",
          threads: int | None | str = "auto") -> Plan:
     """The fastest plan (schedule, V, microbatches, split points) for ``ranks`` ranks whose predicted
     memory per rank (parameters, gradients, optimizer state, activations) fits ``memory_per_rank``.
@@ -63,8 +63,8 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
     dimension). ``costs`` skips both. Raises :class:`~conveyor.errors.PlanError` when nothing fits,
     naming the lightest candidate's peak.
 
-    ``calibration`` (a :class:`~conveyor.plan.calibrate.Calibration`, its ``as_dict()``, or True to
-    measure this machine's now on ``ranks`` ranks) makes each predicted step the one a real step
+    ``calibration`` (a :class:`~conveyor.plan.calibrate.Calibration` or its ``as_dict()``; measure
+    one with :func:`conveyor.calibration.calibrate`) makes each predicted step the one a real step
     is checked against (:func:`~conveyor.plan.predict.predict_split`): the runtime's per-action and
     per-receive time, message latency, the step's own time, and each rank's AdamW step (timed here
     on copies of the parameters). ``cores``: the CPU cores the ranks share ("auto": the machine's

@@ -27,6 +27,7 @@ from dataclasses import fields
 import torch
 
 import conveyor.schedule as cs
+from conveyor.errors import PlanError
 from conveyor.plan.calibrate import Calibration, Prediction, predict_step
 from conveyor.plan.split import StageSums, bounds_of
 from conveyor.schedule.ir import ActionKind, Schedule
@@ -80,9 +81,8 @@ def predict_split(schedule: Schedule, model: cs.CostModel, calibration: Calibrat
     return predict_step(schedule, model, calibration, message_bytes=message_bytes, rank_extra_s=extra, cores=cores)
 
 
-def calibration_of(value: Calibration | dict | bool | None, ranks: int) -> Calibration | None:
-    """A :class:`Calibration` from one, from its ``as_dict()``, or measured now (``True``: on ``ranks``
-    ranks, a few seconds); None stays None.
+def calibration_of(value: Calibration | dict | None, ranks: int) -> Calibration | None:
+    """A :class:`Calibration` from one or from its ``as_dict()``; None stays None.
 
     Example:
         >>> calibration_of({"receive_s": 1e-4, "transport": "x", "samples": {}}, 2).receive_s
@@ -91,9 +91,11 @@ def calibration_of(value: Calibration | dict | bool | None, ranks: int) -> Calib
     if value is None or value is False:
         return None
     if value is True:
-        from conveyor.plan.calibrate import calibrate
-
-        return calibrate(ranks=ranks)
+        # Measuring starts real pipelines, a layer above the planner.
+        raise PlanError(
+            f"calibration=True: the planner does not start pipelines; measure this machine with "
+            f"conveyor.calibration.calibrate(ranks={ranks}) (a few seconds) and pass the result, or its as_dict() "
+            "from an earlier run (`conveyor plan --calibrate` does this)")
     if isinstance(value, dict):
         names = {f.name for f in fields(Calibration)}
         return Calibration(**{k: v for k, v in value.items() if k in names})

@@ -8,11 +8,11 @@ import random
 import pytest
 
 import conveyor.schedule as cs
+from conveyor.calibration import measure_steps
 from conveyor.plan.calibrate import (
     Calibration,
     calibration_from_timelines,
     compute_makespan,
-    measure_steps,
     predict_step,
     shared_cores_timeline,
     with_overheads,
@@ -121,3 +121,14 @@ def test_the_benchmark_report_names_the_fastest_plan_and_the_predicted_one():
     assert fastest(rows) == [
         "gpt P=2: fastest measured interleaved-1f1b V=2 (103.0 ms); predicted fastest interleaved-1f1b V=2: same"
     ]
+
+
+def test_the_planner_asks_for_a_measured_calibration_rather_than_starting_pipelines():
+    import torch
+
+    import conveyor
+    from conveyor.errors import PlanError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(PlanError, match=r"conveyor\.calibration\.calibrate\(ranks=2\)"):
+        conveyor.plan(model, torch.randn(2, 4), ranks=2, global_batch=4, calibration=True)
