@@ -45,6 +45,7 @@ import gc
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -121,6 +122,10 @@ class RankLifecycle:
         # until the communicator is aborted, so the watcher aborts once the store names a failure.
         self.abort_on_failure = self.backend == "nccl"
         self.aborted_because: str | None = None
+        # Rank 0's token, agreed at construction: this pipeline's store keys carry it, because a
+        # group's name comes back once a closed pipeline's groups are gone, and a later pipeline on
+        # the same ranks must not read the keys the dead one left in the store.
+        self.token: str | None = None
 
     # --- set-up --------------------------------------------------------------------------
     def _new_group(self, global_ranks: Sequence[int], whole_job: bool):
@@ -198,7 +203,9 @@ class RankLifecycle:
 
         group = self.group if group is None else group
         everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, dict(fields), group=group)
+        dist.all_gather_object(everyone, {**fields, "_token": uuid.uuid4().hex}, group=group)
+        if self.token is None and group is self.group:
+            self.token = everyone[0]["_token"]
         for name in fields:
             values = [theirs.get(name) for theirs in everyone]
             if len(set(values)) > 1:
@@ -221,16 +228,21 @@ class RankLifecycle:
         ``position`` (the executor's) and ``render`` (positions -> picture) make this rank answer
         "where is everyone" (:mod:`conveyor.runtime.positions`) until the pipeline closes.
         """
-        import torch.distributed as dist
 
         self.transport = transport
         self._on_release = list(on_release)
         if position is not None:
-            name = dist.distributed_c10d._get_process_group_name(self.group)
-            self.board = PositionBoard(self.store, f"conveyor/where/{name}", self.rank, self.num_ranks, position,
-                                       render=render, global_rank=self.global_ranks[self.rank],
+            self.board = PositionBoard(self.store, f"conveyor/where/{self.store_prefix()}", self.rank, self.num_ranks,
+                                       position, render=render, global_rank=self.global_ranks[self.rank],
                                        on_poll=self._abort_on_peer_failure)
             self.board.start()
+
+    def store_prefix(self) -> str:
+        """This pipeline's own part of a store key: its group's name and the token its ranks agreed on."""
+        import torch.distributed as dist
+
+        name = dist.distributed_c10d._get_process_group_name(self.group)
+        return f"{name}/{self.token}" if self.token is not None else name
 
     def channel_groups(self, channels: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
         """A group of the pipeline's own per channel (src, dst), both group ranks: {channel: group}

@@ -95,7 +95,6 @@ def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeou
                       device: torch.device | None = None) -> OrderedTransport:
     """The order-matched transport over a process group per channel; buffers on this rank's GPU under NCCL
     (the stage device when it is a GPU, else the current CUDA device)."""
-    import torch.distributed as dist
 
     channels = set(sender_orders(schedule, training=True)) | set(sender_orders(schedule, training=False))
     groups = life.channel_groups(sorted(channels))
@@ -103,8 +102,7 @@ def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeou
         device = torch.device("cpu")
     elif device is None or device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    prefix = dist.distributed_c10d._get_process_group_name(life.group)
-    return OrderedTransport(rank, life.global_ranks, schedule, groups, life.store, prefix, timeout_s, device,
+    return OrderedTransport(rank, life.global_ranks, schedule, groups, life.store, life.store_prefix(), timeout_s, device,
                             life.backend)
 
 

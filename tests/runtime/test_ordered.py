@@ -118,3 +118,28 @@ def test_the_watcher_aborts_every_communicator_once_a_peer_publishes_a_failure()
     assert len(seen["groups"]) >= 2  # the pipeline's group and its channels' groups
     assert sorted(seen["aborted"]) == sorted(seen["groups"]), seen
     assert "boom (published by the test)" in seen["because"]
+
+
+def _store_prefixes_of_two_pipelines_in_turn(rank, world_size):
+    schedule = cs.build("1f1b", ranks=2, microbatches=2)
+    prefixes = []
+    for rows in (2, 3):  # the second pipeline's microbatches have another shape
+        torch.manual_seed(0)
+        pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                                 timeout_s=30, transport="ordered")
+        pipe.step(torch.ones(2 * rows, 4))
+        prefixes.append((pipe._life.store_prefix(), pipe.transport.prefix))
+        pipe.close()
+    return prefixes
+
+
+def test_each_pipeline_keys_the_store_with_a_token_its_ranks_agreed_on():
+    """Under group=, a group's name comes back once a closed pipeline's groups are gone: the keys of
+    the structures that travelled once (and the position board's) carry a token of the pipeline's
+    own, so a later pipeline on the same ranks never sizes its buffers from a dead one's (gloo
+    aborted the process on the size mismatch)."""
+    results = run_ranks(_store_prefixes_of_two_pipelines_in_turn, 2, timeout_s=90)
+    assert results[0] == results[1]  # every rank of a pipeline uses the same keys
+    (first, first_transport), (second, second_transport) = results[0]
+    assert first == first_transport and second == second_transport
+    assert first != second and first.split("/")[-1] != second.split("/")[-1]
