@@ -8,8 +8,8 @@ one counts whole, a sharded one by its shard's norm combined over the replicas.
 
 Example (what :meth:`conveyor.Pipeline.clip_grad_norm_` does)::
 
-    mine = encoded_norms(runners, tied_copies, parameter_order, 2.0, None, replicas)
-    total = total_norm(everyone_s(mine), 2.0, device)
+    places, grads, norms = local_norms(runners, tied_copies, parameter_order, 2.0, None, replicas)
+    total = norm_exchange.total(places, grads, norms, 2.0, None)   # a NormExchange
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.runtime.clip import EncodedNorms, encode_norms, parameter_norms
+from conveyor.runtime.clip import parameter_norms
 from conveyor.runtime.main_grad import gradient
 from conveyor.runtime.runner import StageRunner
 
@@ -55,13 +55,6 @@ def local_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], param
     if replicas is not None:
         norms = replicas.whole_norms(norms, norm_type)  # a sharded gradient's norm from its shards
     return places, grads, norms
-
-
-def encoded_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], parameter_order: Mapping[str, int] | None,
-                  norm_type: float, foreach: bool | None, replicas=None) -> EncodedNorms:
-    """This rank's gradient norms as plain values, each with its place in the unsplit model's order
-    (:func:`local_norms`, read on the host: one device-to-host copy)."""
-    return encode_norms(*local_norms(runners, tied_copies, parameter_order, norm_type, foreach, replicas))
 
 
 def nonfinite_flags(runners: Mapping[int, StageRunner], num_stages: int, num_microbatches: int,

@@ -5,22 +5,20 @@
 function's order, parameter order within a group) and takes the norm of that vector. Clipping
 each rank by its own parameters' norm would scale every rank by a different factor: training
 would silently leave single-device results. Here each rank computes its parameters' norms
-exactly as torch does; the norms travel to every rank exactly (as float64, which holds any
-float16, bfloat16 or float32 value), each with its place in the unsplit model's parameter
-order; and every rank stacks them as torch would for the unsplit model, with the same grouping
-function. So every rank finds the same total norm, equal to what one device finds, and scales
-its gradients by the same factor.
+exactly as torch does (:func:`parameter_norms`); :class:`conveyor.parallel.norm_exchange.NormExchange`
+gathers every rank's norms, each with its place in the unsplit model's parameter order, and
+every rank stacks them as torch would for the unsplit model, with the same grouping function.
+So every rank finds the same total norm, equal to what one device finds, and scales its
+gradients by the same factor (:func:`scale_local_grads`).
 
-Example (one process, the whole model's norms at hand):
+Example (one process, one dtype: the stacked norms in parameter order are torch's vector):
     >>> import torch
     >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
     >>> for p in [*a.parameters(), *b.parameters()]:
     ...     p.grad = torch.ones_like(p)
-    >>> grads = [[p.grad for p in m.parameters()] for m in (a, b)]
-    >>> places = [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]  # (stage, position): the model's order here
-    >>> encoded = [encode_norms(k, g, parameter_norms(g, 2.0)) for k, g in zip(places, grads)]
-    >>> total = total_norm(encoded, 2.0, torch.device("cpu"))
-    >>> torch.equal(total, torch.nn.utils.get_total_norm([p.grad for m in (a, b) for p in m.parameters()]))
+    >>> grads = [p.grad for m in (a, b) for p in m.parameters()]
+    >>> total = torch.linalg.vector_norm(torch.stack(parameter_norms(grads, 2.0)), 2.0)
+    >>> torch.equal(total, torch.nn.utils.get_total_norm(grads))
     True
 """
 
@@ -34,11 +32,6 @@ from torch.utils._foreach_utils import (
     _group_tensors_by_device_and_dtype,
     _has_foreach_support,
 )
-
-# Per parameter: (its place in the unsplit model's parameter order, gradient dtype, norm dtype,
-# norm value). The place and the gradient's dtype decide where torch puts the norm in the
-# stacked vector; the norm's dtype (real for a complex gradient) is what the value is rebuilt as.
-EncodedNorms = list[tuple[tuple[int, ...], str, str, float]]
 
 
 def parameter_norms(grads: Sequence[torch.Tensor], norm_type: float,
@@ -69,39 +62,6 @@ def parameter_norms(grads: Sequence[torch.Tensor], norm_type: float,
     return norms  # type: ignore[return-value]
 
 
-def encode_norms(places: Sequence[tuple[int, ...]], grads: Sequence[torch.Tensor],
-                 norms: Sequence[torch.Tensor]) -> EncodedNorms:
-    """Norms as plain values, to send to other ranks without losing a bit (float64 holds every float16,
-    bfloat16 and float32 value); one device-to-host copy for all of them.
-
-    ``places``: each parameter's sort key in the unsplit model's parameter order.
-    """
-    if not norms:
-        return []
-    values = torch.stack([n.to(torch.float64) for n in norms]).tolist()
-    return [(place, _name(g.dtype), _name(n.dtype), v) for place, g, n, v in zip(places, grads, norms, values)]
-
-
-def total_norm(norms: Sequence[EncodedNorms], norm_type: float, device: torch.device) -> torch.Tensor:
-    """The norm of the per-parameter norms, stacked as torch stacks them for the unsplit model.
-
-    ``norms``: every rank's encoded norms, in any order; each carries its place in the model.
-    torch groups the gradients by (device, dtype), in the order of its own grouping function,
-    and stacks the norms group by group, in parameter order within a group; on one device that
-    is a grouping by the gradients' dtypes, reproduced here with the same function.
-    """
-    flat = sorted((entry for part in norms for entry in part), key=lambda entry: entry[0])
-    if not flat:
-        return torch.tensor(0.0, device=device)
-    placeholders = [torch.empty(0, dtype=getattr(torch, grad_dtype), device=device) for _, grad_dtype, _, _ in flat]
-    grouped = _group_tensors_by_device_and_dtype([placeholders], with_indices=True)
-    order = [i for _, indices in grouped.values() for i in indices]
-    stacked = torch.stack([
-        torch.tensor(flat[i][3], dtype=getattr(torch, flat[i][2]), device=device) for i in order
-    ])
-    return torch.linalg.vector_norm(stacked, norm_type)
-
-
 def scale_local_grads(grads: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor,
                       foreach: bool | None = None) -> None:
     """Scale gradients in place as ``torch.nn.utils.clip_grads_with_norm_`` scales parameters' ones.
@@ -124,10 +84,6 @@ def scale_local_grads(grads: Sequence[torch.Tensor], max_norm: float, total: tor
         else:
             for tensor in tensors:
                 tensor.mul_(coefficient.to(device))
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def check_finite(total: torch.Tensor, norm_type: float) -> None:

@@ -126,21 +126,22 @@ class RankExecutor:
         self.posted = 0
         self.consumed = 0
         self._post_ahead()
-        clock = recorder.mark if recorder is not None else _no_clock
         self.actions_done = 0
         self.program = program
         self.runs_started += 1
         final = gradients_final if on_gradients_final is not None else {}
         plan = self.plan or {}
         for index, action in enumerate(program):
-            start = clock()
+            # Compute actions and receive waits: a wait shows where a rank idled for a peer. Only
+            # those are marked (on a GPU each mark records a CUDA event).
+            recorded = recorder is not None and action.kind not in _UNRECORDED
+            start = recorder.mark() if recorded else None
             if action in plan:
                 self._post_batches(plan[action])
             yield from self.handlers[action.kind](action)
             self.actions_done += 1
-            # Compute actions and receive waits: a wait shows where a rank idled for a peer.
-            if recorder is not None and action.kind not in _UNRECORDED:
-                recorder.add(action, start, clock())
+            if recorded:
+                recorder.add(action, start, recorder.mark())
             if index in final:
                 on_gradients_final(final[index])  # type: ignore[misc]  # set whenever final is not empty
         self.transport.finish_sends()
@@ -285,10 +286,6 @@ class RankExecutor:
             if self.wire_device is not None:
                 grads = to_device(grads, self.device)
             self.output_grads[(s, m)] = list(grads)
-
-
-def _no_clock() -> None:
-    return None
 
 
 def run_local(executors: list[RankExecutor], runs: list[Iterator[None]]) -> None:

@@ -280,8 +280,11 @@ class RankLifecycle:
             self.aborted_because = failures
             log.warning("conveyor: rank %d aborts its communicators: %s", self.rank, failures)
             for group in list(self.groups):
-                with contextlib.suppress(Exception):
+                try:
                     group.abort()
+                except Exception as exc:  # the others still need aborting; say which did not
+                    log.warning("conveyor: rank %d could not abort group %s: %s: %s", self.rank,
+                                getattr(group, "group_name", group), type(exc).__name__, exc)
 
     # --- calls ---------------------------------------------------------------------------
     def check_usable(self) -> None:
