@@ -136,11 +136,12 @@ def place_modules(modules: Iterable[torch.nn.Module] | torch.nn.Module, stages: 
             if tensor.device.type == "cpu":
                 move = True
                 continue
-            fix = ("materialise it first (conveyor.pipeline does: it builds each rank's stages on the device)"
-                   if tensor.device.type == "meta" else f"move it with module.to({str(device)!r})")
+            fix = ("materialise it first, e.g. module.to_empty(device=...) then load or initialise its weights "
+                   "(conveyor.pipeline does this: it builds each rank's stages on the device)"
+                   if tensor.device.type == "meta" else
+                   f"move it with module.to({str(device)!r}), or pass device={str(tensor.device)!r} to run there")
             raise PipelineConfigError(
-                f"stage {stage}: {name!r} is on {tensor.device}, but the pipeline's device is {device}; "
-                f"{fix}, or pass device={str(tensor.device)!r} to run there"
+                f"stage {stage}: {name!r} is on {tensor.device}, but the pipeline's device is {device}; {fix}"
             )
         if move:
             module.to(device)
@@ -167,10 +168,17 @@ def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def module_device(modules: Iterable[torch.nn.Module]) -> torch.device | None:
-    """The device of the first parameter or buffer of ``modules`` (None when they hold none)."""
+    """The device of the first parameter or buffer of ``modules`` that holds data (None when none
+    does: a meta tensor says where nothing is, and placing such a stage names it).
+
+    Example:
+        >>> module_device([torch.nn.Linear(2, 2, device="meta"), torch.nn.Linear(2, 2)])
+        device(type='cpu')
+    """
     for module in modules:
         for tensor in [*module.parameters(), *module.buffers()]:
-            return tensor.device
+            if tensor.device.type != "meta":
+                return tensor.device
     return None
 
 

@@ -210,3 +210,11 @@ def test_a_gpu_stage_device_becomes_the_current_cuda_device(monkeypatch):
     make_current(torch.device("cuda", 1))  # already current: no second call
     make_current(torch.device("cpu"))
     assert chosen == [torch.device("cuda", 1)]
+
+
+def test_stages_all_on_meta_without_a_device_are_named_not_blamed_on_a_device_argument():
+    with torch.device("meta"):
+        stages = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
+    with pytest.raises(PipelineConfigError, match=r"stage 0: 'weight' is on meta.*to_empty") as info:
+        conveyor.LocalPipeline(stages, "1f1b", microbatches=2, loss_fn=_loss)
+    assert "device='meta'" not in str(info.value)  # the caller passed no device; running on meta is no fix
