@@ -28,9 +28,10 @@ from conveyor.plan.calibrate import (
     calibration_from_timelines,
 )
 from conveyor.schedule.timeline import Timeline
+from conveyor.testing.models.workloads import Workload
 
 
-def passes_alone(workload, num_stages: int, repeats: int = 5) -> dict[tuple[str, int], float]:
+def passes_alone(workload: Workload, num_stages: int, repeats: int = 5) -> dict[tuple[str, int], float]:
     """Each stage's forward (with the loss on the last) and full backward, timed alone in this process.
 
     The median of ``repeats`` runs after one warm-up; stage s is fed stage s - 1's output.
@@ -95,7 +96,7 @@ def _rank_close(worker) -> None:
     worker.state.pop("pipe").close()
 
 
-def measure_steps(workload, *, ranks: int, microbatches: int, steps: int, warmup: int,
+def measure_steps(workload: Workload, *, ranks: int, microbatches: int, steps: int, warmup: int,
                   transport: str = "auto", timeout_s: float = 120.0) -> tuple[list[Timeline], list[float], str]:
     """Run ``workload`` under 1F1B on ``ranks`` fresh ranks: each timed step's timeline and wall time.
 

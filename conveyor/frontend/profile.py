@@ -128,6 +128,10 @@ def restore_module_state(module: torch.nn.Module, saved: tuple[list[Any], list[t
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for a GPU's queued work, so that a host clock times it (nothing on the CPU)."""
+    """Wait for a GPU's queued work, so that a host clock times it (nothing on the CPU).
+
+    Example:
+        >>> synchronize(torch.device("cpu"))  # returns at once
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)

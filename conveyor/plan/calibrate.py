@@ -328,7 +328,8 @@ def calibration_from_timelines(
     )
 
 
-def split_backward_seconds(roots, root_grads, inputs, params, analyses=None) -> tuple[float, float]:
+def split_backward_seconds(roots: Sequence[Any], root_grads: Sequence[Any], inputs: Sequence[Any],
+                           params: Sequence[Any], analyses: Any = None) -> tuple[float, float]:
     """Seconds of conveyor's input-gradient pass (I) then weight-gradient pass (W) on one graph.
 
     What the runtime runs where a schedule splits a backward (``conveyor.runtime.backward``):

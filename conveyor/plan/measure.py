@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 def unit_split(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,
-               unsplittable: Sequence[str] = ()):
+               unsplittable: Sequence[str] = ()) -> tuple[Any, list]:
     """The model cut before every unit: ``(split, units)``, one stage per unit.
 
     Example:

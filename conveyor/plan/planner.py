@@ -112,7 +112,8 @@ def _torch_threads(count: int | None):
 
 
 def unit_costs(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, *, global_batch: int,
-               ranks: int, microbatches: Sequence[int] | None = None, device=None, repeats: int = 3,
+               ranks: int, microbatches: Sequence[int] | None = None, device: torch.device | str | None = None,
+               repeats: int = 3,
                unsplittable: Sequence[str] = (), flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
                bytes_per_second: float = DEFAULT_BYTES_PER_SECOND) -> CostTable:
     """The units' costs: the cost model for a meta-device model, else measured at the example's

@@ -29,6 +29,7 @@ import torch
 import conveyor.schedule as cs
 from conveyor.errors import PlanError
 from conveyor.plan.calibrate import Calibration, Prediction, predict_step
+from conveyor.plan.result import Plan
 from conveyor.plan.split import StageSums, bounds_of
 from conveyor.schedule.ir import ActionKind, Schedule
 
@@ -127,7 +128,7 @@ def optimizer_seconds_per_parameter(model: torch.nn.Module, repeats: int = 5) ->
     return sorted(times)[len(times) // 2] / count
 
 
-def predict_plan(plan, calibration: Calibration) -> Prediction:
+def predict_plan(plan: Plan, calibration: Calibration) -> Prediction:
     """The calibrated step of a chosen :class:`~conveyor.plan.result.Plan` from its own unit costs, with the
     optimizer rate and cores it was planned with (its ``settings``): what ``conveyor.plan(...,
     calibration=...)`` predicted, with the simulated timeline.

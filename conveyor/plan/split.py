@@ -118,13 +118,25 @@ def bounds_of(cuts: Sequence[int], count: int) -> list[tuple[int, int]]:
 
 
 def fastest_split(sums: StageSums, stages: int) -> list[int]:
-    """The cuts whose slowest stage (F + I + W per microbatch) is fastest."""
+    """The cuts whose slowest stage (F + I + W per microbatch) is fastest.
+
+    Example:
+        >>> sums = StageSums([UnitCost(n, 1, 1, 1, 0) for n in "abc"] + [UnitCost("d", 3, 3, 3, 0)], optimizer_bytes=8)
+        >>> fastest_split(sums, 2)
+        [3]
+    """
     return min_max_partition(len(sums.units), stages, lambda s, i, j: sums.time(i, j))
 
 
 def lightest_split(sums: StageSums, stages: int, in_flight: Sequence[float], time_limit: float) -> list[int]:
     """The cuts whose heaviest stage (parameters, gradients, optimizer state, and ``in_flight[s]``
-    microbatches of activations) is lightest, among those whose stages all take at most ``time_limit``."""
+    microbatches of activations) is lightest, among those whose stages all take at most ``time_limit``.
+
+    Example:
+        >>> sums = StageSums([UnitCost(n, 1, 1, 1, 10) for n in "abcd"], optimizer_bytes=8)
+        >>> lightest_split(sums, 2, in_flight=[2, 1], time_limit=9.0)
+        [1]
+    """
 
     def memory(s: int, i: int, j: int) -> float:
         if sums.time(i, j) > time_limit:
