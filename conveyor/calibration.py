@@ -19,6 +19,9 @@ import statistics
 import time
 from dataclasses import replace
 
+import torch
+import torch.distributed as dist
+
 import conveyor.schedule as cs
 from conveyor.pipe import Pipeline
 from conveyor.plan.calibrate import (
@@ -28,7 +31,8 @@ from conveyor.plan.calibrate import (
     calibration_from_timelines,
 )
 from conveyor.schedule.timeline import Timeline
-from conveyor.testing.models.workloads import Workload
+from conveyor.testing import RankGroup
+from conveyor.testing.models.workloads import Emulated, Workload
 
 
 def passes_alone(workload: Workload, num_stages: int, repeats: int = 5) -> dict[tuple[str, int], float]:
@@ -42,8 +46,6 @@ def passes_alone(workload: Workload, num_stages: int, repeats: int = 5) -> dict[
         >>> sorted(alone), alone[("F", 0)] > 0.001
         ([('B', 0), ('B', 1), ('F', 0), ('F', 1)], True)
     """
-    import torch
-
     x, target = workload.batch(1)
     out: dict[tuple[str, int], float] = {}
     for stage in range(num_stages):
@@ -64,8 +66,6 @@ def passes_alone(workload: Workload, num_stages: int, repeats: int = 5) -> dict[
     return out
 
 
-
-
 # calls run on every rank of a conveyor.testing.RankGroup
 
 
@@ -78,8 +78,6 @@ def _rank_setup(worker, workload, microbatches: int, transport: str) -> str:
 
 
 def _rank_step(worker) -> float:
-    import torch.distributed as dist
-
     pipe = worker.state["pipe"]
     x, y = worker.state["batch"]
     dist.barrier()
@@ -104,8 +102,6 @@ def measure_steps(workload: Workload, *, ranks: int, microbatches: int, steps: i
         >>> from conveyor.testing.models import Emulated
         >>> tls, walls, _ = measure_steps(Emulated(2), ranks=2, microbatches=2, steps=1, warmup=0)  # doctest: +SKIP
     """
-    from conveyor.testing import RankGroup
-
     timelines, walls = [], []
     with RankGroup(ranks, timeout_s=timeout_s) as group:
         transport_name = group.call(_rank_setup, workload, microbatches, transport)[0]
@@ -132,8 +128,6 @@ def calibrate(*, ranks: int = 2, microbatches: int = 8, steps: int = 6, warmup: 
         True
         >>> # then: conveyor.plan(model, example, ranks=2, global_batch=16, calibration=that)
     """
-    from conveyor.testing.models import Emulated
-
     def run(width: int, rows: int) -> tuple[Calibration, float]:
         workload = Emulated(ranks, sleep_ms, sleep_ms, sleep_ms, blocks_per_rank=1,
                             width=width, rows_per_microbatch=rows)

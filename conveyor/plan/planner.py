@@ -76,7 +76,8 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
     limit = parse_size(memory_per_rank)
     calibration = calibration_of(calibration, ranks)
     measured = not any(p.device.type == "meta" for p in model.parameters())
-    where = torch.device(device) if device is not None else next(model.parameters()).device
+    first = next(model.parameters(), None)
+    where = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
     if threads == "auto":
         threads = cpu_threads_per_rank(ranks) if measured and where.type == "cpu" else None
     rate = 0.0

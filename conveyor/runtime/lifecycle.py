@@ -228,7 +228,6 @@ class RankLifecycle:
         ``position`` (the executor's) and ``render`` (positions -> picture) make this rank answer
         "where is everyone" (:mod:`conveyor.runtime.positions`) until the pipeline closes.
         """
-
         self.transport = transport
         self._on_release = list(on_release)
         if position is not None:

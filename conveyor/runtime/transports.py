@@ -95,7 +95,6 @@ def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeou
                       device: torch.device | None = None) -> OrderedTransport:
     """The order-matched transport over a process group per channel; buffers on this rank's GPU under NCCL
     (the stage device when it is a GPU, else the current CUDA device)."""
-
     channels = set(sender_orders(schedule, training=True)) | set(sender_orders(schedule, training=False))
     groups = life.channel_groups(sorted(channels))
     if life.backend != "nccl":
