@@ -17,7 +17,7 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel.mesh import layout_of
 from conveyor.pipe import Pipeline
-from conveyor.runtime.device import resolve_device
+from conveyor.runtime.device import make_current, resolve_device
 from conveyor.runtime.main_grad import cast_for_tracing
 from conveyor.runtime.runner import LossFn
 from conveyor.schedule.ir import Schedule
@@ -52,8 +52,8 @@ def pipeline(
     ``both_modes=True`` traces the model in train and in eval mode, so that
     ``pipe.eval()`` / ``pipe.train()`` switch dropout and BatchNorm as on the model
     (one trace, in the model's current mode, otherwise; the other mode then raises).
-    Each rank materialises only its own stages (a meta-device model works) on ``device`` (default
-    ``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU; "time" profiles there too); parameters
+    Each rank materialises only its own stages (a meta-device model works) on ``device`` (default and
+    ``"cuda"``: this process's GPU when CUDA is available, else the CPU; "time" profiles there too); parameters
     keep their original names, and tied parameters (GPT-2's ``wte`` and ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
     and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
     ``plan`` (a :class:`~conveyor.plan.Plan` or its file) sets schedule, microbatches, virtual and split
@@ -80,6 +80,8 @@ def pipeline(
     pp_group = group if mesh is None else layout_of(mesh).pp_group
     world = dist.get_world_size(pp_group)
     rank = dist.get_rank(pp_group)
+    # This process's GPU, current before the first collective (the plan's and the cut's broadcasts).
+    device = make_current(resolve_device(device))
     cast_for_tracing(model, pipeline_kwargs)  # param_dtype=: the model itself, in place, then planned and traced
     if plan is not None or schedule == "auto":  # the example is resized to the plan's microbatch
         plan = plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, group, plan_options)
@@ -87,12 +89,11 @@ def pipeline(
             plan, world, example_args, example_kwargs)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
-                        unsplittable=unsplittable, device=resolve_device(device))
+                        unsplittable=unsplittable, device=device)
     if split_points is None and split_method == "time" and world > 1:
         split_points = _time_split_points(model, resolved.num_stages, group, split_kwargs)
     split = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
                        **split_kwargs)
-    device = split_kwargs["device"]
     modules = [split.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
     pipe = Pipeline(modules, resolved, loss_fn, group=group, mesh=mesh, tied_parameters=split.tied_groups,
                     device=device, parameter_order=_parameter_order(model),

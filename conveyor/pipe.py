@@ -41,7 +41,7 @@ from conveyor.parallel.tied import (
 from conveyor.pipe_grads import GradientChecks
 from conveyor.runtime.compile import CompileSpec, describe_compile
 from conveyor.runtime.device import (
-    collective_device,
+    group_device,
     make_current,
     place_modules,
     resolve_device,
@@ -205,9 +205,11 @@ class Pipeline(_PipelineBase):
     ``param_dtype="bf16"`` casts the stages to bf16; their gradients then accumulate over the
     microbatches in an fp32 ``param.main_grad`` (``grad_accum_dtype``), for :class:`conveyor.MasterWeights`
     (:mod:`conveyor.runtime.main_grad`: bitwise equal to one device doing the same).
-    ``device`` (default ``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU): where this
-    rank's stages, what they receive, the loss, norms and every buffer live; CPU modules are
-    moved there (:mod:`conveyor.runtime.device`); messages travel on the backend's device.
+    ``device`` (default: this process's GPU when CUDA is available, ``cuda:<LOCAL_RANK>`` among
+    the GPUs it sees, else the CPU; ``"cuda"`` means the same GPU): where this rank's stages, what
+    they receive, the loss, norms and every buffer live; CPU modules are moved there and a GPU is
+    made the current CUDA device, whatever the backend (:mod:`conveyor.runtime.device`); messages
+    travel on the backend's device.
 
     The pipeline communicates on process groups of its own, built over ``group``'s ranks
     (see :mod:`conveyor.runtime.lifecycle`); ``group`` itself is never used or closed.
@@ -276,8 +278,8 @@ class Pipeline(_PipelineBase):
             )
         check_transport_name(transport)
         self.stages = self.schedule.stages_of(self.rank)
-        self.device = place_modules(modules, self.stages, resolve_device(device))
-        self._comm_device = make_current(collective_device(str(dist.get_backend(group)), self.device))  # NCCL: its GPU
+        self.device = make_current(place_modules(modules, self.stages, resolve_device(device)))  # any backend
+        self._comm_device = group_device(self.device, group)  # NCCL: the stage's GPU; gloo: the CPU
         self.runners = build_runners(self.schedule, self.rank, modules, loss_fn, checkpoint_activations, autocast,
                                      compile, param_precision(param_dtype, grad_accum_dtype, data_parallel))
         self.measure_memory, self.random_streams = measure_memory, random_streams

@@ -2,11 +2,13 @@
 
 Everything a rank computes lives on one device, the *stage device*: the stage modules, the
 activations and gradients it receives, the loss, the norms and every buffer the runtime
-makes. By default it is ``cuda:<LOCAL_RANK>`` when CUDA is available (the GPU torchrun gives
-the process), else the CPU. What crosses between ranks travels on the device the backend
-needs: the stage's GPU with NCCL, the CPU with gloo (:func:`collective_device`); the
-executor moves payloads between the two only where they differ, so the CPU path copies
-nothing.
+makes, and the batches a data loader hands it. By default it is this process's GPU when CUDA
+is available (:func:`local_gpu`: ``LOCAL_RANK``'s among the GPUs this process sees), else the
+CPU. What crosses between ranks travels on the device the backend needs: the stage's GPU with
+NCCL, the CPU with gloo (:func:`collective_device`, :func:`group_device`); the executor moves
+payloads between the two only where they differ, so the CPU path copies nothing. A GPU stage
+device is made the current CUDA device (:func:`make_current`) before anything communicates,
+whatever the backend: NCCL, FSDP2 and the object collectives all work on the current device.
 
 Example:
     >>> resolve_device("cpu")
@@ -17,8 +19,9 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -26,30 +29,64 @@ from torch.utils import _pytree as pytree
 
 from conveyor.errors import PipelineConfigError
 
+log = logging.getLogger(__name__)
+
 _CPU = torch.device("cpu")
 
 
-def resolve_device(device: torch.device | str | None = None) -> torch.device:
-    """The stage device ``device`` names; None: ``cuda:<LOCAL_RANK>`` when CUDA is available, else CPU.
+def local_gpu(environ: Mapping[str, str] | None = None, warn: bool = True) -> torch.device:
+    """This process's GPU: ``cuda:<LOCAL_RANK mod the GPUs it sees>``; without ``LOCAL_RANK``, the current one.
 
-    Raises :class:`PipelineConfigError` for a name torch does not know, the meta device, or a
-    device this machine does not have, saying which exist.
+    A launcher that gives each process its own GPU (``CUDA_VISIBLE_DEVICES`` set to one device per
+    process) leaves each process one GPU to see, ``cuda:0``, whatever its ``LOCAL_RANK``; torchrun
+    over every GPU gives ``LOCAL_RANK`` < the GPU count. More local ranks than GPUs share them
+    round-robin (logged when ``warn``): fine over gloo, refused by NCCL, which takes one GPU per rank.
+
+    Example (a launcher that gave this process GPU 3 alone, as ``cuda:0``):
+        >>> from unittest import mock
+        >>> with mock.patch("torch.cuda.device_count", return_value=1):
+        ...     local_gpu({"LOCAL_RANK": "3", "CUDA_VISIBLE_DEVICES": "3"})
+        device(type='cuda', index=0)
+    """
+    environ = os.environ if environ is None else environ
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise PipelineConfigError("this process sees no CUDA device (torch.cuda.device_count() is 0); "
+                                  "pass device='cpu', or check CUDA_VISIBLE_DEVICES")
+    raw = environ.get("LOCAL_RANK", "")
+    if not raw.isdigit():
+        return torch.device("cuda", torch.cuda.current_device())
+    local_rank = int(raw)
+    index = local_rank % count
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    own = count == 1 and len(visible) == 1  # the launcher gave this process one GPU of its own
+    if warn and local_rank >= count and not own:
+        log.warning("conveyor: LOCAL_RANK=%d but this process sees %d CUDA device(s): it runs on cuda:%d, which "
+                    "other local ranks share (fine over gloo; NCCL needs one GPU per rank: launch at most %d "
+                    "process(es) per node, or give each its own GPU with CUDA_VISIBLE_DEVICES)",
+                    local_rank, count, index, count)
+    return torch.device("cuda", index)
+
+
+def resolve_device(device: torch.device | str | None = None) -> torch.device:
+    """The stage device ``device`` names; None: :func:`local_gpu` when CUDA is available, else CPU.
+
+    ``"cuda"`` without an index is this process's GPU too (:func:`local_gpu`), not ``cuda:0`` on
+    every rank. Raises :class:`PipelineConfigError` for a name torch does not know, the meta
+    device, or a device this machine does not have, saying which exist.
 
     Example:
         >>> resolve_device(None) if not torch.cuda.is_available() else torch.device("cpu")
         device(type='cpu')
     """
     if device is None:
-        if not torch.cuda.is_available():
-            return _CPU
-        local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-        return _check_cuda(torch.device("cuda", local_rank), f"the default device (LOCAL_RANK={local_rank})")
+        return local_gpu() if torch.cuda.is_available() else _CPU
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise PipelineConfigError(
             f"device={device!r} is not a device torch knows ({exc}); pass e.g. 'cpu', 'cuda' or 'cuda:1', "
-            "or leave it out (cuda:<LOCAL_RANK> when CUDA is available, else cpu)"
+            "or leave it out (this process's GPU when CUDA is available, else cpu)"
         ) from None
     if resolved.type == "meta":
         raise PipelineConfigError(
@@ -70,14 +107,15 @@ def _check_cuda(device: torch.device, what: str) -> torch.device:
     if not torch.cuda.is_available():
         raise PipelineConfigError(f"{what} is a CUDA device, but CUDA is not available here "
                                   "(torch.cuda.is_available() is False); pass device='cpu'")
+    if device.index is None:
+        return local_gpu()
     count = torch.cuda.device_count()
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= count:
+    if device.index >= count:
         raise PipelineConfigError(
-            f"{what} names cuda:{index}, but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1}); "
-            "pass one of those, or launch at most one process per GPU (torchrun sets LOCAL_RANK)"
+            f"{what} names cuda:{device.index}, but this process sees {count} CUDA device(s) "
+            f"(cuda:0..cuda:{count - 1}); pass one of those, or 'cuda' (this process's GPU)"
         )
-    return torch.device("cuda", index)
+    return device
 
 
 def collective_device(backend: str, device: torch.device) -> torch.device:
@@ -101,12 +139,27 @@ def collective_device(backend: str, device: torch.device) -> torch.device:
     return device
 
 
+def group_device(device: torch.device, group: Any = None) -> torch.device:
+    """Where a collective on ``group`` (None: the default group) takes the tensors of a rank whose
+    stage device is ``device``: :func:`collective_device` of the group's backend.
+
+    Example (on a gloo group)::
+
+        total = totals.to(group_device(pipe.device))
+        dist.all_reduce(total)
+    """
+    import torch.distributed as dist
+
+    return collective_device(str(dist.get_backend(group)), device)
+
+
 def make_current(device: torch.device) -> torch.device:
     """Make a GPU stage device the current CUDA device (nothing for other devices); returns it.
 
-    NCCL builds its communicators, and runs the object collectives of start-up and checkpoints, on
-    the *current* device: a script that never called ``torch.cuda.set_device`` would otherwise
-    put every rank of a node on ``cuda:0``.
+    NCCL builds its communicators, runs the object collectives of start-up and checkpoints, and
+    FSDP2 and ``replicate`` place their parameters, on the *current* device, whatever the backend
+    (gloo, or the ``cpu:gloo,cuda:nccl`` of a backend-less ``init_process_group()``): a script
+    that never called ``torch.cuda.set_device`` would otherwise put every rank of a node on ``cuda:0``.
 
     Example:
         >>> make_current(torch.device("cpu"))  # a CPU stage: nothing to do

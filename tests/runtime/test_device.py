@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import pytest
 import torch
 
@@ -44,16 +47,50 @@ def test_the_default_is_the_local_ranks_gpu_with_cuda(cuda, monkeypatch):
     assert resolve_device("cuda:3") == torch.device("cuda", 3)
 
 
-def test_a_device_that_does_not_exist_is_a_clear_error(cuda, monkeypatch):
+def test_more_local_ranks_than_gpus_share_them_round_robin_with_a_warning(cuda, monkeypatch, caplog):
+    # Before: cuda:<LOCAL_RANK> raised for LOCAL_RANK >= the GPUs this process sees (pp=2 on one GPU,
+    # the test harness's LOCAL_RANK=rank, launchers that give each process one GPU).
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "5")
-    with pytest.raises(PipelineConfigError, match=r"LOCAL_RANK=5.*cuda:5.*4 CUDA device\(s\) \(cuda:0..cuda:3\)"):
-        resolve_device(None)
-    with pytest.raises(PipelineConfigError, match="cuda:7"):
+    with caplog.at_level(logging.WARNING, logger="conveyor.runtime.device"):
+        assert resolve_device(None) == torch.device("cuda", 1)
+    assert "LOCAL_RANK=5 but this process sees 4 CUDA device(s): it runs on cuda:1" in caplog.text
+    assert "NCCL needs one GPU per rank" in caplog.text
+
+
+def test_a_process_given_its_own_gpu_runs_on_it_whatever_its_local_rank(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # the launcher's: GPU 3 alone, seen as cuda:0
+    with caplog.at_level(logging.WARNING, logger="conveyor.runtime.device"):
+        assert resolve_device(None) == resolve_device("cuda") == torch.device("cuda", 0)
+    assert caplog.text == ""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # one GPU for every local rank: shared, and said so
+    with caplog.at_level(logging.WARNING, logger="conveyor.runtime.device"):
+        assert resolve_device(None) == torch.device("cuda", 0)
+    assert "cuda:0, which other local ranks share" in caplog.text
+
+
+def test_cuda_without_an_index_is_this_processes_gpu_not_cuda0_everywhere(cuda, monkeypatch):
+    # Before: device="cuda" took the current device, cuda:0 on every rank that had not set one.
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert resolve_device("cuda") == resolve_device(torch.device("cuda")) == torch.device("cuda", 2)
+    monkeypatch.delenv("LOCAL_RANK")  # no launcher: the GPU the script made current
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("cuda") == resolve_device(None) == torch.device("cuda", 3)
+
+
+def test_a_device_that_does_not_exist_is_a_clear_error(cuda, monkeypatch):
+    with pytest.raises(PipelineConfigError, match=r"cuda:7.*sees 4 CUDA device\(s\) \(cuda:0..cuda:3\)"):
         resolve_device("cuda:7")
     with pytest.raises(PipelineConfigError, match="'gpu0' is not a device torch knows"):
         resolve_device("gpu0")
     with pytest.raises(PipelineConfigError, match="meta"):
         resolve_device("meta")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(PipelineConfigError, match="sees no CUDA device"):
+        resolve_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(PipelineConfigError, match="CUDA is not available here.*device='cpu'"):
         resolve_device("cuda:0")
@@ -218,3 +255,74 @@ def test_stages_all_on_meta_without_a_device_are_named_not_blamed_on_a_device_ar
     with pytest.raises(PipelineConfigError, match=r"stage 0: 'weight' is on meta.*to_empty") as info:
         conveyor.LocalPipeline(stages, "1f1b", microbatches=2, loss_fn=_loss)
     assert "device='meta'" not in str(info.value)  # the caller passed no device; running on meta is no fix
+
+
+def _fake_gpus(monkeypatch_like, count: int = 2) -> list:
+    """Pretend ``count`` GPUs, with cuda:0 current; returns the list set_device appends to."""
+    chosen: list = []
+    current = [0]
+    monkeypatch_like.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch_like.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch_like.setattr(torch.cuda, "current_device", lambda: current[0])
+
+    def set_device(device):
+        chosen.append(torch.device(device))
+        current[0] = torch.device(device).index
+
+    monkeypatch_like.setattr(torch.cuda, "set_device", set_device)
+    return chosen
+
+
+def _gpu_stage_under(rank, world_size, backend):
+    import torch.distributed as dist
+
+    import conveyor.pipe
+
+    patch = pytest.MonkeyPatch()
+    chosen = _fake_gpus(patch)
+    patch.setattr(dist, "get_backend", lambda group=None: backend)  # gloo underneath in this forked rank
+    patch.setattr(conveyor.pipe, "place_modules", lambda modules, stages, device: device)  # nothing to move
+    with contextlib.suppress(Exception):  # no real GPU: what follows fails; the device was chosen before
+        conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss, device="cuda:1")
+    return chosen[:1]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["gloo", "undefined"])
+def test_a_gpu_stage_is_made_current_whatever_the_backend(backend):
+    # Before: only the backend string "nccl" made the stage's GPU current; under gloo or a backend-less
+    # init_process_group() ("undefined": cpu:gloo,cuda:nccl) FSDP2 and replicate put every rank on cuda:0.
+    assert run_ranks(_gpu_stage_under, 1, args=(backend,), timeout_s=60) == [[torch.device("cuda", 1)]]
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("how", [{"schedule": "auto"}, {"split_method": "time"}])
+def test_pipeline_makes_the_gpu_current_before_its_first_broadcast(monkeypatch, how):
+    # Before: schedule="auto" and split_method="time" broadcast rank 0's choice before the device was
+    # set, so NCCL ran every rank's object collective on cuda:0; device="cuda" also meant cuda:0.
+    import torch.distributed as dist
+
+    import conveyor.build
+    import conveyor.frontend
+    import conveyor.plan.planner
+
+    chosen = _fake_gpus(monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for name, value in {"is_available": True, "is_initialized": True, "get_world_size": 2, "get_rank": 0}.items():
+        monkeypatch.setattr(dist, name, lambda *a, value=value, **k: value)
+    monkeypatch.setattr(conveyor.plan.planner, "plan", lambda *a, **k: "rank 0's plan")
+    monkeypatch.setattr(conveyor.frontend, "split_model", lambda *a, **k: type("Split", (), {"split_points": []}))
+    current_at_broadcast = []
+
+    def broadcast(objects, src=0, group=None):
+        current_at_broadcast.append(torch.cuda.current_device())
+        raise _Stop
+
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+    with pytest.raises(_Stop):
+        conveyor.build.pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)),
+                                example_args=(torch.ones(1, 2),), microbatches=2, device="cuda", **how)
+    assert chosen == [torch.device("cuda", 1)] and current_at_broadcast == [1]
