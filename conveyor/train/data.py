@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from conveyor.errors import CheckpointMismatchError, ConfigError
+from conveyor.runtime.device import to_device
 from conveyor.train import sources
 from conveyor.train.config import DataConfig
 
@@ -300,7 +301,7 @@ class ResumableLoader:
     in order), drops the last ``len % dp_size`` so the replicas get equal shares, and gives
     replica r every ``dp_size``-th sample from r, as ``DistributedSampler`` does; the share's
     last incomplete batch is dropped and the next epoch begins. A batch is ``(ids, targets)``,
-    each ``[batch_size, seq_len]``.
+    each ``[batch_size, seq_len]``, on ``device`` (None: where the dataset's tensors are).
 
     Example:
         >>> loader = ResumableLoader(TokenBlocks(torch.arange(100), 4), batch_size=2, seed=1)
@@ -312,10 +313,10 @@ class ResumableLoader:
     """
 
     def __init__(self, dataset: Any, batch_size: int, *, seed: int = 0, dp_rank: int = 0, dp_size: int = 1,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, device: torch.device | None = None) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ConfigError(f"dp_rank={dp_rank}: expected 0 <= dp_rank < dp_size={dp_size}")
-        self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
+        self.dataset, self.batch_size, self.seed, self.device = dataset, batch_size, seed, device
         self.dp_rank, self.dp_size, self.shuffle = dp_rank, dp_size, shuffle
         self.epoch, self.position = 0, 0
         self._order: tuple[int, list[int]] | None = None  # (epoch, its share), kept between batches
@@ -350,7 +351,8 @@ class ResumableLoader:
         indices = self._order[1][self.position: self.position + self.batch_size]
         self.position += self.batch_size
         samples = [self.dataset[i] for i in indices]
-        return tuple(torch.stack(parts) for parts in zip(*samples))
+        batch = tuple(torch.stack(parts) for parts in zip(*samples))
+        return batch if self.device is None else to_device(batch, self.device)
 
     def restart(self) -> None:
         """Back to the first batch of epoch 0 (e.g. before each validation, to score the same batches)."""
@@ -377,7 +379,8 @@ def resumable_loader(pipe: Any, dataset_factory: Callable[[], Any], batch_size: 
 
     ``pipe`` is a :class:`conveyor.Pipeline` (its ``needs_inputs``, ``needs_target``, ``dp_rank``
     and ``dp_size``); ``batch_size`` is one replica's batch. The first and last rank of a
-    replica draw the same batches (same replica, same seed).
+    replica draw the same batches (same replica, same seed). Batches arrive on the pipeline's
+    stage device (``pipe.device``), where its stages and its loss read them.
 
     Example:
         >>> splits = splits_factory(cfg.data, cfg.model.seq_len)                   # doctest: +SKIP
@@ -387,4 +390,4 @@ def resumable_loader(pipe: Any, dataset_factory: Callable[[], Any], batch_size: 
     if not (pipe.needs_inputs or pipe.needs_target):
         return None
     return ResumableLoader(dataset_factory(), batch_size, seed=seed, dp_rank=pipe.dp_rank,
-                           dp_size=pipe.dp_size, shuffle=shuffle)
+                           dp_size=pipe.dp_size, shuffle=shuffle, device=getattr(pipe, "device", None))

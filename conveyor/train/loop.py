@@ -38,6 +38,7 @@ import conveyor
 from conveyor.errors import ConfigError, NonFiniteError
 from conveyor.parallel import count_tokens
 from conveyor.plan.result import Plan
+from conveyor.runtime.device import group_device, to_device
 from conveyor.train.config import TrainConfig, save_config
 from conveyor.train.data import load_tokenizer, resumable_loader, splits_factory
 from conveyor.train.models import build_model, load_weights
@@ -246,17 +247,32 @@ def train_step(run: Run) -> float:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float:
-    """The mean validation loss over ``train.eval_batches`` batches (the same ones each time), on every rank."""
+def validation_sums(run: Run) -> torch.Tensor:
+    """This rank's (loss sum, batches) over ``train.eval_batches`` batches (the same ones each time), float64
+    on the stage device; non-zero on the ranks that run the last stage only.
+
+    The loss is computed where the logits are (the targets go there, :func:`~conveyor.runtime.device.to_device`)
+    and added there: no host read per batch.
+    """
     pipe, data = run.pipe, run.val_data
-    total = torch.zeros(2, dtype=torch.float64)  # (loss sum, batches), non-zero on last-stage ranks only
+    total = torch.zeros(2, dtype=torch.float64, device=pipe.device)
     if data is not None:
         data.restart()
     for _ in range(run.cfg.train.eval_batches):
         x, y = next(data) if data is not None else (None, None)
         out = pipe.forward(x if pipe.needs_inputs else None)
         if pipe.needs_target:
-            total += torch.tensor([lm_loss()(out, y).item(), 1.0], dtype=torch.float64)
+            loss = lm_loss()(out, to_device(y, pipe.device)).double()
+            total += torch.stack([loss, torch.ones_like(loss)])
+    return total
+
+
+def evaluate(run: Run) -> float:
+    """The mean validation loss over ``train.eval_batches`` batches (the same ones each time), on every rank.
+
+    A collective over the default group, on the device its backend carries (NCCL: the stage's GPU).
+    """
+    total = validation_sums(run).to(group_device(run.pipe.device))
     # Every replica's last stage holds its share; the sum over all ranks is the mean's parts.
     dist.all_reduce(total)
     return float(total[0] / total[1])

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from conveyor.runtime.device import group_device
+
 DEFAULT_PROMPT = "def "
 PROMPT_TOKENS = 32  # of the validation text, when train.sample_prompt is None
 
@@ -71,7 +73,8 @@ def greedy_tokens(pipe: Any, prompt: Sequence[int], steps: int, *, seq_len: int,
             x = torch.zeros(rows, seq_len, dtype=torch.long)  # 0 pads: positions the context never attends to
             x[:, : len(window)] = torch.tensor(window, dtype=torch.long)
         output = pipe.forward(x)
-        token = torch.full((1,), -1, dtype=torch.long, device=_device(distributed))
+        # Where the token's collective runs (NCCL: the stage's GPU; gloo: the CPU).
+        token = torch.full((1,), -1, dtype=torch.long, device=group_device(pipe.device) if distributed else "cpu")
         if output is not None:
             token[0] = _logits(output)[0, len(window) - 1].argmax()
         if distributed:
@@ -82,13 +85,6 @@ def greedy_tokens(pipe: Any, prompt: Sequence[int], steps: int, *, seq_len: int,
         if made[-1] == eos_id:
             break
     return made
-
-
-def _device(distributed: bool) -> torch.device:
-    """Where the token's collective runs: NCCL reduces CUDA tensors only."""
-    if distributed and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @torch.no_grad()
