@@ -196,7 +196,8 @@ class Pipeline(_PipelineBase):
     model and its cut) is compared across ranks when the pipeline is built, with the schedule
     (name, P, V, M and every rank's actions), the tied parameters and the options: ranks
     built differently raise :class:`PipelineConfigError` saying what differs, before any step.
-    ``autocast`` (``"bf16"``, ``"fp16"``, a dtype): each stage's forward and loss run under the
+    ``autocast`` (``"bf16"`` or ``torch.bfloat16``; fp16 is refused: it needs loss scaling, which
+    cannot reach a backward run inside ``step()``): each stage's forward and loss run under the
     ``torch.autocast`` region of a single-device run, bitwise equal to it; activations cross in
     their op's dtype (:mod:`conveyor.runtime.precision`). ``measure_memory=True`` counts the bytes
     autograd saves for backward, read by :meth:`memory` (a few percent of a small step: off by

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import PipelineConfigError
+from conveyor.runtime.precision import refuse_fp16
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -92,11 +93,15 @@ def _short(dtype: torch.dtype) -> str:
 
 def _dtype(spec: str | torch.dtype, what: str) -> torch.dtype:
     if isinstance(spec, torch.dtype) and spec.is_floating_point:
-        return spec
-    if isinstance(spec, str) and spec.lower() in _DTYPES:
-        return _DTYPES[spec.lower()]
-    raise PipelineConfigError(f"{what}={spec!r} is not a floating-point dtype conveyor knows; use 'bf16', "
-                              "'fp16', 'fp32' or a torch dtype")
+        dtype = spec
+    elif isinstance(spec, str) and spec.lower() in _DTYPES:
+        dtype = _DTYPES[spec.lower()]
+    else:
+        raise PipelineConfigError(f"{what}={spec!r} is not a floating-point dtype conveyor knows; use 'bf16', "
+                                  "'fp32' or a torch dtype")
+    if dtype == torch.float16 and what == "param_dtype":  # fp16 weights compute fp16 gradients: unscaled
+        refuse_fp16(what, spec)
+    return dtype
 
 
 def param_precision(param_dtype: str | torch.dtype | None, grad_accum_dtype: str | torch.dtype | None = None,

@@ -31,23 +31,49 @@ _NAMES = {
 }
 
 
+def refuse_fp16(what: str, spec: object) -> None:
+    """Raise :class:`PipelineConfigError` for fp16 compute, saying why and what to use instead.
+
+    fp16's small range makes small gradients underflow to zero unless the loss is scaled up
+    before backward and the gradients scaled back down (``torch.amp.GradScaler``). A pipeline
+    runs every backward inside ``step()``, where no ``GradScaler`` can reach the loss, so an
+    fp16 run would silently train on zeroed gradients. bf16 has fp32's range and needs no scaling.
+
+    Example:
+        >>> refuse_fp16("autocast", "fp16")
+        Traceback (most recent call last):
+        ...
+        conveyor.errors.PipelineConfigError: autocast='fp16': fp16 needs loss scaling ...
+    """
+    raise PipelineConfigError(
+        f"{what}={spec!r}: fp16 needs loss scaling (its small gradients underflow to zero without it), "
+        "and a pipeline runs every backward inside step(), where torch.amp.GradScaler cannot scale the loss; "
+        f"use {what}='bf16' (fp32's range, no scaling; as fast on GPUs from Ampere on) or None (fp32)"
+    )
+
+
 def autocast_dtype(spec: str | torch.dtype | None) -> torch.dtype | None:
     """The dtype an ``autocast=`` argument asks for, or None for no autocast.
 
-    Accepts ``"bf16"``, ``"fp16"``, ``"fp32"`` (none), their long names, a torch dtype, or None.
+    Accepts ``"bf16"``, ``"fp32"`` (none), their long names, ``torch.bfloat16``, or None; fp16 is
+    refused with the reason (:func:`refuse_fp16`).
 
     Example:
-        >>> autocast_dtype(torch.float16), autocast_dtype("fp32")
-        (torch.float16, None)
+        >>> autocast_dtype(torch.bfloat16), autocast_dtype("fp32")
+        (torch.bfloat16, None)
     """
     if spec is None or isinstance(spec, torch.dtype) and spec in (torch.bfloat16, torch.float16):
-        return spec
-    if isinstance(spec, str) and spec.lower() in _NAMES:
-        return _NAMES[spec.lower()]
-    raise PipelineConfigError(
-        f"autocast={spec!r} is not a mixed precision conveyor knows; use 'bf16', 'fp16', "
-        "torch.bfloat16, torch.float16, or None (full precision)"
-    )
+        dtype = spec
+    elif isinstance(spec, str) and spec.lower() in _NAMES:
+        dtype = _NAMES[spec.lower()]
+    else:
+        raise PipelineConfigError(
+            f"autocast={spec!r} is not a mixed precision conveyor knows; use 'bf16', torch.bfloat16, "
+            "or None (full precision)"
+        )
+    if dtype == torch.float16:
+        refuse_fp16("autocast", spec)
+    return dtype
 
 
 def module_device_type(module: torch.nn.Module) -> str:

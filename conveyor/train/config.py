@@ -94,7 +94,8 @@ class LoopConfig:
     eval_batches: int = _f(8, "validation batches per evaluation")
     clip: float = _f(1.0, "clip the gradients' total norm to this (0: no clipping)")
     activation_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
-    precision: str = _f("fp32", "fp32 | bf16 (forward and loss under torch.autocast bf16; fp32 parameters and gradients)")
+    precision: str = _f("fp32", "fp32 | bf16 (forward and loss under torch.autocast bf16; fp32 parameters and "
+                                "gradients); fp16 is refused: it needs loss scaling, which a pipeline cannot apply")
     seed: int = _f(0, "seed of the model's initialisation and the data order")
     sample_tokens: int = _f(48, "tokens generated greedily after training, shown and in <run.dir>/sample.txt (0: none)")
     sample_prompt: str | None = _f(None, "the sample's prompt (None: the start of the validation text, or 'def ')")

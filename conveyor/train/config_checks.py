@@ -80,7 +80,11 @@ def _get(cfg: Any, key: str) -> Any:
 def _check_choices_and_ranges(cfg: Any, problems: list[str]) -> None:
     for key, choices in CHOICES.items():
         value = _get(cfg, key)
-        if value not in choices:
+        if key == "train.precision" and str(value).lower() in ("fp16", "float16", "half"):
+            problems.append(f"train.precision={value!r}: fp16 needs loss scaling (small gradients underflow to "
+                            f"zero without it), which cannot reach the backward pipe.step runs inside; use "
+                            f"train.precision=bf16 (fp32's range, no scaling needed) or fp32")
+        elif value not in choices:
             problems.append(f"{key}={value!r}: expected one of {', '.join(choices)}{_close(value, choices)}")
     for key, (low, high, low_open) in RANGES.items():
         value = _get(cfg, key)

@@ -94,6 +94,17 @@ def test_an_unknown_precision_is_refused_naming_the_choices():
         LocalPipeline([build_stage(s, cfg) for s in range(2)], "1f1b", lm_loss, microbatches=2, autocast="int8")
 
 
+@pytest.mark.parametrize("kwargs", [{"autocast": "fp16"}, {"autocast": torch.float16}, {"autocast": "half"},
+                                    {"param_dtype": "fp16"}, {"param_dtype": torch.float16}])
+def test_fp16_is_refused_with_the_reason_and_what_to_use(kwargs):
+    # Before: accepted, and trained on gradients no loss scaling could keep from underflowing (the backward
+    # runs inside step, out of a GradScaler's reach).
+    cfg = TinyConfigFor2()
+    [(what, spec)] = kwargs.items()
+    with pytest.raises(PipelineConfigError, match=rf"{what}=.*fp16 needs loss scaling.*GradScaler.*{what}='bf16'"):
+        LocalPipeline([build_stage(s, cfg) for s in range(2)], "1f1b", lm_loss, microbatches=2, **kwargs)
+
+
 def TinyConfigFor2():  # noqa: N802 - reads as a constant
     return config_for(cs.build("1f1b", ranks=2, microbatches=2))
 

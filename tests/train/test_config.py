@@ -83,7 +83,7 @@ def test_sections_and_values_are_not_confused():
     ("optim.betas=[0.9,1.2]", "expected two numbers in [0, 1)"),
     ("optim.lr=-1", "optim.lr=-1.0: expected a value > 0.0"),
     ("data.val_fraction=1.0", "data.val_fraction=1.0: expected 0.0 <= value < 1.0"),
-    ("train.precision=fp16", "expected one of fp32, bf16 (did you mean 'bf16'?)"),
+    ("train.precision=fp8", "expected one of fp32, bf16"),
     ("parallel.data_parallel=zero", "expected one of ddp, fsdp"),
     ("loss.normalize=token", "did you mean 'tokens'"),
     ("loss.on_nonfinite=raise", "expected one of skip, stop"),
@@ -131,3 +131,8 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="expected a mapping of sections"):
         load_config(path)
+
+
+def test_fp16_precision_is_refused_with_the_reason_and_bf16_offered():
+    with pytest.raises(ConfigError, match=r"train.precision='fp16': fp16 needs loss scaling.*train.precision=bf16"):
+        load_config(None, ["train.precision=fp16"])
