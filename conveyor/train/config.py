@@ -122,6 +122,10 @@ class RunConfig:
     tensorboard: bool = _f(True, "rank 0 writes TensorBoard events under <run.dir>/tensorboard (if installed)")
     max_restarts: int = _f(0, "times the launcher restarts every rank after one fails; each restart "
                               "resumes from the latest checkpoint this job wrote (0: a failure ends the run)")
+    device: str = _f("auto", "auto | cpu | cuda: auto trains on the GPUs (NCCL) when this machine has one per "
+                             "local rank, else on the CPU (gloo), saying why; cuda insists on the GPUs")
+    share_gpus: bool = _f(False, "with fewer GPUs than local ranks, put several ranks on one GPU (over gloo, "
+                                 "with a warning: slower than a GPU per rank) instead of training on the CPU")
 
 
 @dataclass

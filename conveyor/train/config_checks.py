@@ -31,6 +31,7 @@ CHOICES = {
     "train.precision": ("fp32", "bf16"),
     "loss.normalize": ("microbatch", "tokens"),
     "loss.on_nonfinite": ("skip", "stop"),
+    "run.device": ("auto", "cpu", "cuda"),
 }
 # key -> (lowest, highest, whether the lowest itself is refused); None: unbounded.
 RANGES = {

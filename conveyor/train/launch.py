@@ -9,6 +9,12 @@ already one of the ranks, and it trains as it is. With ``run.max_restarts=N`` (o
 to N times; each restarted round resumes from the newest checkpoint the job wrote
 (:mod:`conveyor.train.restarts`).
 
+Devices (:func:`choose_devices`, ``run.device`` and ``run.share_gpus``): with a GPU per local
+rank, each rank trains on its own GPU and the ranks talk over NCCL; with none, on the CPU over
+gloo, as always. With fewer GPUs than ranks (the default ``pp=2`` on a one-GPU machine) the run
+stays on the CPU and says so in one line, unless ``run.share_gpus=true`` puts several ranks on
+one GPU over gloo (with a warning: every boundary tensor then goes through the host).
+
 Example:
     $ conveyor train                                    # the defaults: stdlib sources, 2 ranks
     $ conveyor train configs/gpt.yaml train.steps=50 parallel.pp=2
@@ -23,10 +29,14 @@ import socket
 import sys
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from conveyor.train.config import TrainConfig, load_config
 from conveyor.train.data_check import check_data
+
+if TYPE_CHECKING:
+    import torch
 
 
 def split_arguments(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -56,7 +66,8 @@ def prepare(args: Sequence[str]) -> TrainConfig:
     """The checked config the arguments name (raises ConfigError, naming the key, on a mistake).
 
     Under a launcher, the launched world size must match ``parallel.pp x parallel.dp``. The
-    data's splits must hold what the ranks need (:func:`~conveyor.train.data_check.check_data`).
+    data's splits must hold what the ranks need (:func:`~conveyor.train.data_check.check_data`), and
+    ``run.device=cuda`` needs a GPU per local rank (:func:`choose_devices`).
 
     Example:
         >>> prepare(["train.steps=3"]).train.steps
@@ -66,11 +77,13 @@ def prepare(args: Sequence[str]) -> TrainConfig:
     world = int(os.environ["WORLD_SIZE"]) if already_launched() and "WORLD_SIZE" in os.environ else None
     cfg = load_config(path, overrides, world_size=world)
     check_data(cfg)  # a split too short for a batch fails here, not in every rank after the launch
+    choose_devices(cfg, local_ranks() if already_launched() else cfg.world_size)  # run.device=cuda without GPUs
     return cfg
 
 
-def worker(cfg: TrainConfig, exit_when_stopped: bool = True) -> dict:
-    """One rank: join the process group the launcher set up, train, leave it; returns the summary.
+def worker(cfg: TrainConfig, exit_when_stopped: bool = True, say_note: bool = True) -> dict:
+    """One rank: join the process group the launcher set up (NCCL or gloo, :func:`choose_devices`), train,
+    leave it; returns the summary. Rank 0 prints the devices' note when ``say_note`` (under torchrun).
 
     A run stopped on purpose (``loss.on_nonfinite=stop``) exits 1 when ``exit_when_stopped``;
     :func:`launch` passes False and reads the summary instead, so that the elastic agent does not
@@ -82,7 +95,12 @@ def worker(cfg: TrainConfig, exit_when_stopped: bool = True) -> dict:
     from conveyor.train.loop import train
 
     torch.set_num_threads(threads_per_rank())
-    join_group()
+    devices = choose_devices(cfg, local_ranks())
+    if devices.note and say_note and os.environ.get("RANK", "0") == "0":
+        print(f"conveyor train: {devices.note}", flush=True)
+    if devices.device == "cuda":
+        stage_device(cfg)  # this rank's GPU current before the group exists: NCCL binds to it
+    join_group(devices.backend)
     try:
         summary = train(cfg)
     finally:
@@ -105,8 +123,91 @@ def threads_per_rank(environ: dict[str, str] | None = None, cores: int | None = 
     return cpu_threads_per_rank(int(environ.get("LOCAL_WORLD_SIZE", "1") or 1), environ, cores)
 
 
-def join_group() -> None:
-    """Join the gloo process group the launcher's environment names (``env://``), with this round's own store keys.
+def local_ranks(environ: dict[str, str] | None = None) -> int:
+    """How many ranks of this job run on this machine: ``LOCAL_WORLD_SIZE`` (else ``WORLD_SIZE``, else 1).
+
+    Example:
+        >>> local_ranks({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}), local_ranks({})
+        (4, 1)
+    """
+    environ = os.environ if environ is None else environ
+    return int(environ.get("LOCAL_WORLD_SIZE") or environ.get("WORLD_SIZE") or 1)
+
+
+@dataclass(frozen=True)
+class Devices:
+    """How this machine's ranks train: the process group's ``backend`` ("nccl" or "gloo"), each rank's
+    stage ``device`` ("cuda": its own GPU, :func:`conveyor.runtime.device.local_gpu`; or "cpu"), and
+    the ``note`` the launcher prints once (None: nothing to say)."""
+
+    backend: str
+    device: str
+    note: str | None = None
+
+
+def choose_devices(cfg: TrainConfig, ranks: int, gpus: int | None = None) -> Devices:
+    """Where ``ranks`` local ranks train, by ``run.device`` and ``run.share_gpus``, on a machine with ``gpus``
+    CUDA GPUs (None: the ones torch sees). Every rank of a machine decides alike.
+
+    A GPU per rank: NCCL, each rank on its own GPU. No GPU (``auto``) or ``run.device=cpu``: gloo on the
+    CPU. Fewer GPUs than ranks: the CPU with a note saying why and what to change, or with
+    ``run.share_gpus=true`` the GPUs shared round-robin over gloo (NCCL takes one GPU per rank), with
+    a warning. Raises ConfigError for ``run.device=cuda`` where the GPUs cannot be used.
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> cfg = load_config(None)
+        >>> choose_devices(cfg, 2, gpus=0), choose_devices(cfg, 2, gpus=2)
+        (Devices(backend='gloo', device='cpu', note=None), Devices(backend='nccl', device='cuda', note=None))
+        >>> print(choose_devices(cfg, 2, gpus=1).note)
+        2 ranks but 1 GPU here: training on the CPU; set parallel.pp x parallel.dp = 1 to train on the GPU, or run.share_gpus=true to put the 2 ranks on it (over gloo, slower)
+    """
+    import torch
+
+    from conveyor.errors import ConfigError
+
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    want = cfg.run.device
+    if want == "cpu" or (want == "auto" and gpus == 0):
+        return Devices("gloo", "cpu")
+    if gpus == 0:
+        raise ConfigError("run.device='cuda', but torch sees no CUDA GPU here (torch.cuda.is_available() is False "
+                          "or CUDA_VISIBLE_DEVICES hides them); use run.device=auto or cpu, or a CUDA build of torch")
+    if gpus >= ranks:
+        return Devices("nccl", "cuda")
+    several = f"{ranks} ranks but {gpus} GPU{'s' if gpus > 1 else ''} here"
+    if cfg.run.share_gpus:
+        return Devices("gloo", "cuda", f"warning: {several}: they share the GPUs (run.share_gpus=true) over gloo, "
+                                       f"so every boundary tensor goes through the host; a GPU per rank (NCCL) is faster")
+    one = "it" if gpus == 1 else "them"
+    advice = (f"set parallel.pp x parallel.dp = {gpus} to train on the GPU{'s' if gpus > 1 else ''}, or "
+              f"run.share_gpus=true to put the {ranks} ranks on {one} (over gloo, slower)")
+    if want == "cuda":
+        raise ConfigError(f"run.device='cuda' needs a GPU per rank (NCCL): {several}; {advice}")
+    return Devices("gloo", "cpu", f"{several}: training on the CPU; {advice}")
+
+
+def stage_device(cfg: TrainConfig) -> torch.device:
+    """This rank's stage device under :func:`choose_devices`; a GPU is made the current CUDA device.
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> stage_device(load_config(None, ["run.device=cpu"]))
+        device(type='cpu')
+    """
+    import torch
+
+    from conveyor.runtime.device import local_gpu, make_current
+
+    if choose_devices(cfg, local_ranks()).device == "cpu":
+        return torch.device("cpu")
+    return make_current(local_gpu(warn=False))  # sharing was said once, by the launcher
+
+
+def join_group(backend: str = "gloo") -> None:
+    """Join the ``backend`` process group the launcher's environment names (``env://``), with this round's
+    own store keys.
 
     The elastic launcher keeps one store for the whole job: after a restart, the failed
     round's keys (its ranks' addresses, its pipelines' rings) would still answer the new
@@ -119,7 +220,7 @@ def join_group() -> None:
 
     store, rank, world_size = next(dist.rendezvous("env://", timeout=default_pg_timeout))
     store.set_timeout(default_pg_timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore(round_prefix(), store), rank=rank,
+    dist.init_process_group(backend, store=dist.PrefixStore(round_prefix(), store), rank=rank,
                             world_size=world_size)
 
 
@@ -145,10 +246,15 @@ def launch(cfg: TrainConfig) -> int:
                           run_id=f"conveyor-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"localhost:{free_port()}", max_restarts=restarts,
                           monitor_interval=0.5)
-    print(f"conveyor train: {cfg.world_size} local ranks (pp={cfg.parallel.pp} x dp={cfg.parallel.dp}), "
+    devices = choose_devices(cfg, cfg.world_size)  # a ConfigError here, before any rank starts
+    on = ("a GPU each over NCCL" if devices.backend == "nccl" else
+          "shared GPUs over gloo" if devices.device == "cuda" else "the CPU over gloo")
+    print(f"conveyor train: {cfg.world_size} local ranks (pp={cfg.parallel.pp} x dp={cfg.parallel.dp}) on {on}, "
           f"run dir {cfg.run.dir}" + (f", up to {restarts} restart(s)" if restarts else ""), flush=True)
+    if devices.note:
+        print(f"conveyor train: {devices.note}", flush=True)
     try:
-        summaries = elastic_launch(config, worker)(cfg, False)
+        summaries = elastic_launch(config, worker)(cfg, False, False)  # the note is said: not again by rank 0
     except ChildFailedError as error:
         print(f"conveyor train: {describe_failure(error, restarts)}\n{error.format_msg()}", file=sys.stderr)
         return 1

@@ -99,13 +99,17 @@ def lr_lambda(cfg: TrainConfig):
 
 
 def build_pipeline(cfg: TrainConfig, model: torch.nn.Module) -> Any:
-    """This rank's pipeline of ``model`` (over a ("dp", "pp") mesh when ``parallel.dp`` > 1)."""
+    """This rank's pipeline of ``model`` (over a ("dp", "pp") mesh when ``parallel.dp`` > 1), on the
+    device :func:`~conveyor.train.launch.choose_devices` gives this rank (its GPU, or the CPU)."""
+    from conveyor.train.launch import stage_device
+
     p = cfg.parallel
+    device = stage_device(cfg)
     mesh = None
     if p.dp > 1:
         from conveyor.parallel.mesh import pipeline_mesh
 
-        mesh = pipeline_mesh(p.pp)
+        mesh = pipeline_mesh(p.pp, device.type)
     microbatch = cfg.replica_batch_size // p.microbatches
     example = torch.zeros(microbatch, cfg.model.seq_len, dtype=torch.long)
     extra = {"mesh": mesh, "data_parallel": p.data_parallel} if mesh is not None else {}
@@ -119,7 +123,7 @@ def build_pipeline(cfg: TrainConfig, model: torch.nn.Module) -> Any:
                              microbatches=p.microbatches, virtual=p.virtual,
                              loss_fn=lm_loss("sum" if cfg.loss.normalize == "tokens" else "mean"),
                              checkpoint_activations=cfg.train.activation_checkpointing,
-                             autocast=cfg.train.precision, **extra)
+                             autocast=cfg.train.precision, device=device, **extra)
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""The trainer's data, loss and collectives go where the stage is (issue 33): checked with meta tensors,
-which are another device than the CPU, and NCCL's rule (CUDA tensors only) standing in as "meta only"."""
+"""The trainer's devices (issue 33): data, loss and collectives go where the stage is (checked with meta
+tensors, another device than the CPU, and NCCL's rule, CUDA tensors only, standing in as "meta only"),
+and `conveyor train` picks NCCL with a GPU per rank, gloo otherwise (GPUs faked by monkeypatching)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import torch
 import torch.distributed as dist
 
 import conveyor.runtime.device
+from conveyor.errors import ConfigError
+from conveyor.train import launch
+from conveyor.train.config import load_config
 from conveyor.train.data import ResumableLoader, TokenBlocks, resumable_loader
-from conveyor.train.loop import evaluate, validation_sums
+from conveyor.train.launch import choose_devices, prepare
+from conveyor.train.loop import build_pipeline, evaluate, validation_sums
 
 META, CPU = torch.device("meta"), torch.device("cpu")
 
@@ -95,3 +100,100 @@ def test_the_loader_hands_batches_over_on_the_stage_device():
     x, y = next(resumable_loader(_Pipe(CPU), lambda: blocks, 2))
     want = next(ResumableLoader(blocks, 2))
     assert torch.equal(x, want[0]) and torch.equal(y, want[1]) and x.device == CPU
+
+
+# --- conveyor train's devices and backend (issue 33, finding 12) ------------------------------
+
+def _cfg(*overrides):
+    return load_config(None, list(overrides))
+
+
+@pytest.mark.parametrize("overrides, ranks, gpus, want", [
+    ((), 2, 0, ("gloo", "cpu")),  # no GPU: as always
+    ((), 2, 2, ("nccl", "cuda")),  # a GPU per rank
+    ((), 2, 8, ("nccl", "cuda")),
+    ((), 1, 1, ("nccl", "cuda")),  # pp=1 on one GPU
+    ((), 2, 1, ("gloo", "cpu")),  # the default pp=2 on one GPU: the CPU, with a note
+    (("run.share_gpus=true",), 2, 1, ("gloo", "cuda")),  # asked for: shared, over gloo, with a warning
+    (("run.share_gpus=true",), 2, 2, ("nccl", "cuda")),  # nothing to share
+    (("run.device=cpu",), 2, 2, ("gloo", "cpu")),
+    (("run.device=cuda", "run.share_gpus=true"), 4, 2, ("gloo", "cuda")),
+])
+def test_the_backend_is_nccl_with_a_gpu_per_rank_and_gloo_otherwise(overrides, ranks, gpus, want):
+    devices = choose_devices(_cfg(*overrides), ranks, gpus=gpus)
+    assert (devices.backend, devices.device) == want
+    if want == ("gloo", "cpu") and gpus and not overrides:
+        assert devices.note == (f"{ranks} ranks but {gpus} GPU here: training on the CPU; set parallel.pp x "
+                                f"parallel.dp = 1 to train on the GPU, or run.share_gpus=true to put the 2 ranks "
+                                f"on it (over gloo, slower)")
+    elif devices.backend == "gloo" and devices.device == "cuda":
+        assert devices.note.startswith(f"warning: {ranks} ranks but {gpus} GPU") and "over gloo" in devices.note
+    else:
+        assert devices.note is None
+
+
+def test_insisting_on_gpus_that_cannot_serve_is_a_config_error(monkeypatch):
+    with pytest.raises(ConfigError, match="run.device='cuda', but torch sees no CUDA GPU"):
+        choose_devices(_cfg("run.device=cuda"), 2, gpus=0)
+    with pytest.raises(ConfigError, match=r"needs a GPU per rank \(NCCL\): 4 ranks but 2 GPUs.*run.share_gpus=true"):
+        choose_devices(_cfg("run.device=cuda"), 4, gpus=2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no CUDA GPU"):  # before any rank starts
+        prepare(["run.device=cuda", "data.max_bytes=200000", "train.eval_interval=0", "data.val_fraction=0"])
+
+
+@pytest.fixture
+def rank1_of_2(monkeypatch):
+    """This process as rank 1 of 2 on one machine; returns set_device's calls (GPUs are faked per test)."""
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: chosen.append(torch.device(device)))
+    return chosen
+
+
+def _gpus(monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+@pytest.mark.parametrize("gpus, backend, current", [(2, "nccl", [torch.device("cuda", 1)]), (1, "gloo", [])])
+def test_each_rank_joins_the_chosen_backend_on_its_own_gpu(monkeypatch, rank1_of_2, gpus, backend, current):
+    # Before: every rank joined gloo, whatever GPUs there were, and none set its GPU before the group.
+    import conveyor.train.loop
+
+    _gpus(monkeypatch, gpus)
+    joined = []
+    monkeypatch.setattr(launch, "join_group", lambda backend="gloo": joined.append(backend))
+    monkeypatch.setattr(conveyor.train.loop, "train", lambda cfg: {"stopped": None})
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    launch.worker(_cfg())
+    assert joined == [backend] and rank1_of_2 == current
+
+
+@pytest.mark.parametrize("gpus, device", [(2, torch.device("cuda", 1)), (1, CPU), (0, CPU)])
+def test_the_pipeline_is_built_on_the_chosen_device(monkeypatch, rank1_of_2, gpus, device):
+    # Before: no device was passed, so the pipeline's default (cuda:<LOCAL_RANK>) ran on one GPU too.
+    import conveyor
+
+    _gpus(monkeypatch, gpus)
+    built = {}
+    monkeypatch.setattr(conveyor, "pipeline", lambda model, **kwargs: built.update(kwargs))
+    build_pipeline(_cfg(), torch.nn.Linear(2, 2))
+    assert built["device"] == device
+
+
+def test_the_launcher_says_why_a_one_gpu_machine_trains_on_the_cpu(monkeypatch, capsys):
+    import torch.distributed.launcher.api as api
+
+    _gpus(monkeypatch, 1)
+    calls = []
+    monkeypatch.setattr(api, "elastic_launch", lambda config, fn: lambda *args: calls.append(args) or {0: {}, 1: {}})
+    assert launch.launch(_cfg()) == 0
+    out = capsys.readouterr().out
+    assert "2 local ranks (pp=2 x dp=1) on the CPU over gloo" in out
+    assert out.count("2 ranks but 1 GPU here: training on the CPU") == 1 and "Traceback" not in out
+    assert calls[0][1:] == (False, False)  # the ranks do not say it again
