@@ -216,7 +216,7 @@ def check_first_step(programs: Sequence[Sequence[Action]], plans: Sequence[Plan]
 
     Example:
         >>> import conveyor.schedule as cs
-        >>> sched = cs.build("zb-h1", ranks=3, microbatches=3, virtual=2)
+        >>> sched = cs.build("zb-h1", ranks=3, microbatches=4, virtual=2)
         >>> orders = sender_orders(sched, training=True)
         >>> programs = cs.executable(sched).train.programs
         >>> plans = [post_plan(p, r, sched.placement, orders, True) for r, p in enumerate(programs)]
