@@ -8,7 +8,11 @@ check of the same logic). What it does differently from
 - **Order.** Each channel (src rank, dst rank) has a process group of its two ranks, so its
   transfers complete in their own order whatever the other direction does; a rank posts a
   channel's receives in the order the sender sends (:mod:`conveyor.runtime.ordering` plans
-  where: the executor asks :meth:`OrderedTransport.plan`).
+  where: the executor asks :meth:`OrderedTransport.plan`). Each group's communicator is made
+  when the pipeline is built, in one order on every rank
+  (:meth:`~conveyor.runtime.lifecycle.RankLifecycle.channel_groups`): made at a channel's first
+  transfer, it would block the host inside the first step, where a peer may wait for this
+  rank's structures (:func:`conveyor.runtime.ordering.check_first_step`).
 - **Data only.** The structure of each transfer (shapes, dtypes, tree) travels once, through
   the store, the first time that transfer (direction, stage, microbatch) happens; from then
   on, and from the start for stages given in ``Pipeline(shapes=...)``, only the bytes travel,
