@@ -155,6 +155,7 @@ class OrderedTransport(FailureBoard, Transport):
 
     def post_sends(self, dst: int, items: list[tuple[TransferKey, Any]]) -> None:
         """Send each (key, value) of ``items`` to ``dst``, in order, as one batch."""
+        self._release_sent()
         ops, keep = [], []
         group = self.channel_groups[(self.rank, dst)]
         for key, value in items:
@@ -164,6 +165,19 @@ class OrderedTransport(FailureBoard, Transport):
                 ops.append(self.dist.P2POp(self.dist.isend, body, self.rank_to_global[dst], group=group))
         if ops:
             self.pending_sends.append((self.dist.batch_isend_irecv(ops), keep))
+
+    def _release_sent(self) -> None:
+        """Let go of the sends that completed, and of their buffers (a stage's output or
+        gradient, or a packed copy): held to the end of the step, a step's sends would all stay
+        alive at once. ``is_completed`` only asks (under NCCL it queries the work's CUDA event, no
+        host sync); ``wait`` on a completed work returns at once, raising what it failed with."""
+        done, still = [], []
+        for entry in self.pending_sends:
+            (done if all(work.is_completed() for work in entry[0]) else still).append(entry)
+        for works, _ in done:
+            for work in works:
+                work.wait()
+        self.pending_sends = still
 
     def _body(self, dst: int, key: TransferKey, value: Any) -> torch.Tensor | None:
         """The bytes of ``value`` as the receiver expects them (publishing the structure the first time)."""
@@ -195,6 +209,7 @@ class OrderedTransport(FailureBoard, Transport):
 
     def post_recvs(self, src: int, keys: list[TransferKey]) -> list[_Receive]:
         """Post the receives of ``keys`` from ``src``, in order, as one batch."""
+        self._release_sent()
         handles, ops = [], []
         group = self.channel_groups[(src, self.rank)]
         for key in keys:
@@ -216,6 +231,7 @@ class OrderedTransport(FailureBoard, Transport):
         for work in handle.works:
             self._await(work, deadline, handle.src, what)
         handle.works.clear()  # one list per batch: its other receives are complete too
+        self._release_sent()
         tensors = unpack(handle.buffer, handle.meta) if handle.buffer is not None else []
         return unflatten_payload(handle.meta, tensors)
 
