@@ -18,7 +18,9 @@ check of the same logic). What it does differently from
   on, and from the start for stages given in ``Pipeline(shapes=...)``, only the bytes travel,
   into a buffer the receiver sized ahead. A later transfer of another structure is an error
   (SpecMismatchError) naming rank, stage, microbatch and tensor, as with ``fixed_shapes``.
-- **Device.** Receive buffers live on ``device`` (the stage's GPU under NCCL), send buffers too.
+- **Device.** Receive buffers live on ``device`` (the stage's GPU under NCCL), send buffers too,
+  packed there; a send's buffer is let go once its work completed (asked as later transfers
+  post and at waits), not held to the end of the step.
 - **Batches.** What a rank posts over one channel at one point goes in one
   ``torch.distributed.batch_isend_irecv``; waiting for a receive waits for its batch.
 - **Failure.** Under NCCL a wait is the stream's (the host goes on), so a peer's failure

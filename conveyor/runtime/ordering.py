@@ -14,7 +14,10 @@ receive from b could wait for a transfer that b sends only after the send arrive
 communicator per direction, a send waits only for its receiver to post, as with tags.
 What a rank posts over one channel at one point goes as one batch
 (``torch.distributed.batch_isend_irecv``). :func:`check_posts` simulates every rank's posts
-and waits under that model and names the ranks that would wait forever.
+and waits under that model and names the ranks that would wait forever; :func:`check_first_step`
+replays what blocks the *host* in a first step under NCCL (a structure not yet published, a
+communicator made at its first use), which is why the runtime makes every channel's
+communicator when the pipeline is built.
 
 Pure Python over :mod:`conveyor.schedule.ir`: the schedule layer's programs are its input.
 
