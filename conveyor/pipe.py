@@ -286,7 +286,7 @@ class Pipeline(_PipelineBase):
         self.measure_memory, self.random_streams = measure_memory, random_streams
         self._tie(tied_parameters, parameter_order)
         # Every check that needs no peer is above: from here on this rank holds process groups.
-        self._life = RankLifecycle(group, timeout_s, self.layout.pipelines if self.layout is not None else None)
+        self._life = RankLifecycle(group, timeout_s, getattr(self.layout, "pipelines", None), device=self._comm_device)
         try:
             built = self._what_was_built(transport, fixed_shapes, shapes, tied_parameters, model_signature, autocast)
             self._life.agree(built)

@@ -47,6 +47,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,15 +76,60 @@ log = logging.getLogger(__name__)
 OPEN, STOPPED, CLOSED = "open", "stopped", "closed"
 
 
+@dataclass(frozen=True)
+class GroupCreation:
+    """How a pipeline makes its process groups (see :func:`group_creation`).
+
+    ``split``: groups over ranks of the user's group are split from it, every rank of that
+    group taking part in each split (torch binds NCCL communicators to a device and splits
+    them eagerly); else only their members create them. ``eager_device``: the device each new
+    group's communicator is created on at once (``new_group(device_id=...)``), None where
+    torch does so itself (a split) or the backend connects in its constructor (gloo).
+    """
+
+    split: bool
+    eager_device: torch.device | None
+
+
+def group_creation(backend: str, bound_device: torch.device | None, device: torch.device | None) -> GroupCreation:
+    """How to make a pipeline's groups on ``backend`` so that no communicator is made inside a step.
+
+    NCCL creates a group's communicator lazily, at its first operation, and creating it blocks
+    the host until every member is there: a rank could then block in a step, waiting for a
+    peer that itself waits (for a structure, :func:`conveyor.runtime.ordering.check_first_step`)
+    on this rank. So under NCCL every group is connected when it is made, on ``device`` (the
+    one its operations use), in the order the pipeline makes them, the same on every rank.
+    When the default group was bound to a device (``init_process_group(device_id=...)``),
+    torch already does that, by splitting the default communicator, which every rank of the
+    parent group must join: groups over part of the job are then split from the user's group.
+
+    Example:
+        >>> group_creation("nccl", None, torch.device("cuda", 1))
+        GroupCreation(split=False, eager_device=device(type='cuda', index=1))
+        >>> group_creation("nccl", torch.device("cuda", 1), torch.device("cuda", 1))
+        GroupCreation(split=True, eager_device=None)
+        >>> group_creation("gloo", None, torch.device("cpu"))
+        GroupCreation(split=False, eager_device=None)
+    """
+    nccl = "nccl" in backend
+    if nccl and bound_device is not None:
+        return GroupCreation(split=True, eager_device=None)
+    eager = device if nccl and device is not None and device.type != "cpu" else None
+    return GroupCreation(split=False, eager_device=eager)
+
+
 class RankLifecycle:
     """This rank's process groups of one pipeline, its failure protocol and its close.
 
     ``user_group``: the group the pipeline was given (None: the default group); the
     pipeline's own group has the same ranks. ``timeout_s`` bounds the own groups'
-    collectives as the pipeline's receives are bounded.
+    collectives as the pipeline's receives are bounded. ``device``: where the pipeline's
+    collectives and transfers run (under NCCL its GPU: each group's communicator is made
+    there at once, see :func:`group_creation`; None: the current CUDA device).
     """
 
-    def __init__(self, user_group, timeout_s: float, pipelines: Sequence[Sequence[int]] | None = None) -> None:
+    def __init__(self, user_group, timeout_s: float, pipelines: Sequence[Sequence[int]] | None = None,
+                 device: torch.device | None = None) -> None:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
 
@@ -102,6 +148,10 @@ class RankLifecycle:
                            f"{os.getpid()} {host_identity()}")
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.groups: list[Any] = []  # every group this pipeline made, the main one first
+        if device is None and "nccl" in self.backend and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.creation = group_creation(self.backend, dist.distributed_c10d._get_default_group().bound_device_id,
+                                       device)
         # With data parallelism (``pipelines``: every replica's global ranks), every rank of
         # the job builds every replica's groups, in one order: torch then names groups by a
         # job-wide count. Groups built by their members only are named by their ranks and the
@@ -129,18 +179,30 @@ class RankLifecycle:
 
     # --- set-up --------------------------------------------------------------------------
     def _new_group(self, global_ranks: Sequence[int], whole_job: bool):
-        """A process group of this pipeline's own over ``global_ranks``.
+        """A process group of this pipeline's own over ``global_ranks`` (None on a rank outside it).
 
-        Over the whole job every rank builds it, in the same order, as torch's naming of
-        groups requires; over a part of the job (one of several pipelines) only its members
-        do, with torch's local synchronisation.
+        ``whole_job``: every rank of the job calls this, in the same order, as torch's naming of
+        groups requires. Else only the ranks of the user's group do: then the group is split
+        from the user's group (every rank of it taking part) when torch splits communicators
+        eagerly, else made by its members alone, with torch's local synchronisation. Either way
+        its communicator is made now, not at its first operation (see :func:`group_creation`).
         """
         import torch.distributed as dist
 
+        how, me = self.creation, self.global_ranks[self.rank]
         if whole_job:
-            group = dist.new_group(list(global_ranks), timeout=self.timeout)
+            group = dist.new_group(list(global_ranks), timeout=self.timeout, device_id=how.eager_device)
+        elif how.split:
+            # split_group names the ranks by their place in the parent group; non-members get None.
+            parent = [dist.get_group_rank(self.user_group, r) for r in global_ranks]
+            group = dist.split_group(parent_pg=self.user_group, split_ranks=[parent], timeout=self.timeout)
+        elif me in global_ranks:
+            group = dist.new_group(list(global_ranks), timeout=self.timeout, use_local_synchronization=True,
+                                   device_id=how.eager_device)
         else:
-            group = dist.new_group(list(global_ranks), timeout=self.timeout, use_local_synchronization=True)
+            group = None
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            return None
         self.groups.append(group)
         return group
 
@@ -151,18 +213,14 @@ class RankLifecycle:
         given: every rank must call it with the same ranks, in the same order. With data
         parallelism, ``replicas`` lists those positions' global ranks in every replica's
         pipeline: every rank builds each replica's group (torch names groups by the order the
-        job builds them) and gets back its own replica's.
+        job builds them) and gets back its own replica's. Split from the user's group when
+        torch splits communicators eagerly (then the ranks of other pipelines, which never
+        call this, need not take part).
         """
-        import torch.distributed as dist
-
         members = [self.global_ranks[r] for r in ranks]
-        mine = None
-        for replica in replicas or [members]:
-            group = dist.new_group(list(replica), timeout=self.timeout)
-            if self.global_ranks[self.rank] in replica:  # the others get no group to close
-                self.groups.append(group)
-                mine = group
-        return mine
+        if replicas is None and self.creation.split and self.user_group is not None:
+            return self._new_group(members, whole_job=False)
+        return self._each_of(replicas or [members])
 
     def job_group(self):
         """A group of the pipeline's own over every rank of every replica (checkpoints span them all)."""
@@ -183,9 +241,8 @@ class RankLifecycle:
         me = dist.get_rank()
         mine = None
         for members in memberships:
-            group = dist.new_group(list(members), timeout=self.timeout)
+            group = self._new_group(members, whole_job=True)
             if me in members:
-                self.groups.append(group)
                 mine = group
         return mine
 
@@ -248,25 +305,19 @@ class RankLifecycle:
         for the channels this rank is on (an order-matched transport's; see conveyor.runtime.ordering).
 
         Built as the main group was: by every rank of the job, in one order (with data
-        parallelism every replica's), or by their two members alone under a group of the user's.
+        parallelism every replica's), or by the ranks of a group of the user's. Each is
+        connected as it is made, in sorted channel order on every rank: a communicator made at
+        a channel's first transfer would block its rank inside a step (see
+        :func:`conveyor.runtime.ordering.check_first_step`).
         """
-        import torch.distributed as dist
-
         mine = {}
         for src, dst in sorted(set(channels)):
+            pair = [self.global_ranks[src], self.global_ranks[dst]]
             if self.pipelines is not None:
                 group = self._each_of([[replica[src], replica[dst]] for replica in self.pipelines])
-            elif self.user_group is None:
-                group = dist.new_group([self.global_ranks[src], self.global_ranks[dst]], timeout=self.timeout)
-                if self.rank in (src, dst):
-                    self.groups.append(group)
-                else:
-                    group = None  # not a member: nothing to keep or close
-            elif self.rank in (src, dst):
-                group = self._new_group([self.global_ranks[src], self.global_ranks[dst]], whole_job=False)
             else:
-                group = None
-            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                group = self._new_group(pair, whole_job=self.user_group is None)
+            if group is not None:
                 mine[(src, dst)] = group
         return mine
 

@@ -8,13 +8,19 @@ check of the same logic). What it does differently from
 - **Order.** Each channel (src rank, dst rank) has a process group of its two ranks, so its
   transfers complete in their own order whatever the other direction does; a rank posts a
   channel's receives in the order the sender sends (:mod:`conveyor.runtime.ordering` plans
-  where: the executor asks :meth:`OrderedTransport.plan`).
+  where: the executor asks :meth:`OrderedTransport.plan`). Each group's communicator is made
+  when the pipeline is built, in one order on every rank
+  (:meth:`~conveyor.runtime.lifecycle.RankLifecycle.channel_groups`): made at a channel's first
+  transfer, it would block the host inside the first step, where a peer may wait for this
+  rank's structures (:func:`conveyor.runtime.ordering.check_first_step`).
 - **Data only.** The structure of each transfer (shapes, dtypes, tree) travels once, through
   the store, the first time that transfer (direction, stage, microbatch) happens; from then
   on, and from the start for stages given in ``Pipeline(shapes=...)``, only the bytes travel,
   into a buffer the receiver sized ahead. A later transfer of another structure is an error
   (SpecMismatchError) naming rank, stage, microbatch and tensor, as with ``fixed_shapes``.
-- **Device.** Receive buffers live on ``device`` (the stage's GPU under NCCL), send buffers too.
+- **Device.** Receive buffers live on ``device`` (the stage's GPU under NCCL), send buffers too,
+  packed there; a send's buffer is let go once its work completed (asked as later transfers
+  post and at waits), not held to the end of the step.
 - **Batches.** What a rank posts over one channel at one point goes in one
   ``torch.distributed.batch_isend_irecv``; waiting for a receive waits for its batch.
 - **Failure.** Under NCCL a wait is the stream's (the host goes on), so a peer's failure
@@ -151,6 +157,7 @@ class OrderedTransport(FailureBoard, Transport):
 
     def post_sends(self, dst: int, items: list[tuple[TransferKey, Any]]) -> None:
         """Send each (key, value) of ``items`` to ``dst``, in order, as one batch."""
+        self._release_sent()
         ops, keep = [], []
         group = self.channel_groups[(self.rank, dst)]
         for key, value in items:
@@ -160,6 +167,19 @@ class OrderedTransport(FailureBoard, Transport):
                 ops.append(self.dist.P2POp(self.dist.isend, body, self.rank_to_global[dst], group=group))
         if ops:
             self.pending_sends.append((self.dist.batch_isend_irecv(ops), keep))
+
+    def _release_sent(self) -> None:
+        """Let go of the sends that completed, and of their buffers (a stage's output or
+        gradient, or a packed copy): held to the end of the step, a step's sends would all stay
+        alive at once. ``is_completed`` only asks (under NCCL it queries the work's CUDA event, no
+        host sync); ``wait`` on a completed work returns at once, raising what it failed with."""
+        done, still = [], []
+        for entry in self.pending_sends:
+            (done if all(work.is_completed() for work in entry[0]) else still).append(entry)
+        for works, _ in done:
+            for work in works:
+                work.wait()
+        self.pending_sends = still
 
     def _body(self, dst: int, key: TransferKey, value: Any) -> torch.Tensor | None:
         """The bytes of ``value`` as the receiver expects them (publishing the structure the first time)."""
@@ -191,6 +211,7 @@ class OrderedTransport(FailureBoard, Transport):
 
     def post_recvs(self, src: int, keys: list[TransferKey]) -> list[_Receive]:
         """Post the receives of ``keys`` from ``src``, in order, as one batch."""
+        self._release_sent()
         handles, ops = [], []
         group = self.channel_groups[(src, self.rank)]
         for key in keys:
@@ -212,6 +233,7 @@ class OrderedTransport(FailureBoard, Transport):
         for work in handle.works:
             self._await(work, deadline, handle.src, what)
         handle.works.clear()  # one list per batch: its other receives are complete too
+        self._release_sent()
         tensors = unpack(handle.buffer, handle.meta) if handle.buffer is not None else []
         return unflatten_payload(handle.meta, tensors)
 

@@ -14,7 +14,10 @@ receive from b could wait for a transfer that b sends only after the send arrive
 communicator per direction, a send waits only for its receiver to post, as with tags.
 What a rank posts over one channel at one point goes as one batch
 (``torch.distributed.batch_isend_irecv``). :func:`check_posts` simulates every rank's posts
-and waits under that model and names the ranks that would wait forever.
+and waits under that model and names the ranks that would wait forever; :func:`check_first_step`
+replays what blocks the *host* in a first step under NCCL (a structure not yet published, a
+communicator made at its first use), which is why the runtime makes every channel's
+communicator when the pipeline is built.
 
 Pure Python over :mod:`conveyor.schedule.ir`: the schedule layer's programs are its input.
 
@@ -146,35 +149,120 @@ def check_posts(programs: Sequence[Sequence[Action]], plans: Sequence[Plan], pla
     receive before anything after it runs or is posted (a send may wait for its receiver,
     never the sender's program).
     """
-    events: list[list[tuple[str, Any]]] = []
-    fifo: dict[tuple[int, int, str], list[tuple[Key, int]]] = {}  # channel side -> (key, batch id)
-    batch_ops: list[int] = []  # per batch id: operations not yet complete
+    posts = _posts(programs, plans, placement, training)
+    if isinstance(posts, str):
+        return posts
+    return _simulate(posts.events, posts.fifo, posts.batch_ops)
+
+
+class _Posts:
+    """Every rank's posts and waits in program order, and what each batch carries."""
+
+    def __init__(self) -> None:
+        self.events: list[list[tuple[str, Any]]] = []
+        self.fifo: dict[tuple[int, int, str], list[tuple[Key, int]]] = {}  # channel side -> (key, batch id)
+        self.batch_ops: list[int] = []  # per batch id: operations not yet complete
+        self.batches: list[tuple[tuple[int, int], bool, list[Key]]] = []  # per batch id: channel, sends?, keys
+
+
+def _posts(programs: Sequence[Sequence[Action]], plans: Sequence[Plan], placement: Placement,
+           training: bool) -> _Posts | str:
+    """The posts and waits of every rank, or what makes them unusable (a wait never posted, mismatched orders)."""
+    out = _Posts()
     where: dict[tuple[int, Action], int] = {}  # (rank, receive action) -> its batch id
     for rank, (program, plan) in enumerate(zip(programs, plans)):
         mine: list[tuple[str, Any]] = []
         for action in program:
             for batch in plan.get(action, ()):
-                batch_id = len(batch_ops)
-                batch_ops.append(len(batch))
+                batch_id = len(out.batch_ops)
+                out.batch_ops.append(len(batch))
+                keys = []
                 for op in batch:
                     peer, key = transfer_of(op, placement, training)
                     sending = op.kind in (K.SEND_F, K.SEND_B)
                     side = (rank, peer, "send") if sending else (peer, rank, "recv")
-                    fifo.setdefault(side, []).append((key, batch_id))
+                    out.fifo.setdefault(side, []).append((key, batch_id))
+                    keys.append(key)
                     if not sending:
                         where[(rank, op)] = batch_id
+                out.batches.append((side[:2], sending, keys))
                 mine.append(("post", batch_id))
             if action.kind in (K.RECV_F, K.RECV_B):
                 if (rank, action) not in where:
                     return f"rank {rank} waits at {action} for a receive it never posted"
                 mine.append(("wait", where[(rank, action)]))
-        events.append(mine)
-    for (src, dst, side), ops in fifo.items():
-        other = fifo.get((src, dst, "recv" if side == "send" else "send"), [])
+        out.events.append(mine)
+    for (src, dst, side), ops in out.fifo.items():
+        other = out.fifo.get((src, dst, "recv" if side == "send" else "send"), [])
         if [key for key, _ in ops] != [key for key, _ in other]:
-            return (f"rank {src} sends rank {dst} {[key for key, _ in fifo.get((src, dst, 'send'), [])]}, "
-                    f"but rank {dst} receives {[key for key, _ in fifo.get((src, dst, 'recv'), [])]}")
-    return _simulate(events, fifo, batch_ops)
+            return (f"rank {src} sends rank {dst} {[key for key, _ in out.fifo.get((src, dst, 'send'), [])]}, "
+                    f"but rank {dst} receives {[key for key, _ in out.fifo.get((src, dst, 'recv'), [])]}")
+    return out
+
+
+def check_first_step(programs: Sequence[Sequence[Action]], plans: Sequence[Plan], placement: Placement,
+                     training: bool = True, *, lazy_communicators: bool, structures_known: bool = False) -> str | None:
+    """None if no rank's host blocks forever in a first step under NCCL; else who waits for what.
+
+    The data's completion is :func:`check_posts`'s: here only what blocks the *host* counts, as
+    NCCL does it (a wait on a NCCL work orders the stream and returns; posting returns at once):
+
+    - **structure**: posting a receive whose structure is not known yet (the first time that
+      transfer happens, not given in ``Pipeline(shapes=...)``) waits until the sender reached
+      the post that sends it (it publishes the structure there, before posting);
+    - **communicator** (``lazy_communicators``): a channel's communicator is created at the
+      first operation on it, and creating it (``ncclCommInitRank``) blocks until both its ranks
+      reached their first post on that channel (after the structure waits of that post).
+
+    ``structures_known``: every structure was given (or a step already ran). A rank that
+    blocks on neither runs its program to the end, so the host cannot deadlock.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> sched = cs.build("zb-h1", ranks=3, microbatches=4, virtual=2)
+        >>> orders = sender_orders(sched, training=True)
+        >>> programs = cs.executable(sched).train.programs
+        >>> plans = [post_plan(p, r, sched.placement, orders, True) for r, p in enumerate(programs)]
+        >>> check_first_step(programs, plans, sched.placement, lazy_communicators=True) is None
+        False
+        >>> check_first_step(programs, plans, sched.placement, lazy_communicators=False) is None
+        True
+    """
+    posts = _posts(programs, plans, placement, training)
+    if isinstance(posts, str):
+        return posts
+    published: set[Key] = set()
+    created: set[tuple[int, int]] = set() if lazy_communicators else {channel for channel, _, _ in posts.batches}
+    arrived: dict[tuple[int, int], set[int]] = {}
+    at = [0] * len(posts.events)
+    blocked: dict[int, str] = {}
+    moved = True
+    while moved:
+        moved = False
+        for rank, mine in enumerate(posts.events):
+            while at[rank] < len(mine):
+                what, batch_id = mine[at[rank]]
+                if what == "post":
+                    channel, sending, keys = posts.batches[batch_id]
+                    missing = [] if sending or structures_known else [k for k in keys if k not in published]
+                    if missing:
+                        blocked[rank] = f"the structure of {missing[0]} from rank {channel[0]}"
+                        break
+                    if sending:
+                        published.update(keys)
+                    if channel not in created:
+                        arrived.setdefault(channel, set()).add(rank)
+                        if len(arrived[channel]) < 2:
+                            blocked[rank] = f"rank {channel[1 - channel.index(rank)]} to create channel {channel}"
+                            break
+                        created.add(channel)
+                blocked.pop(rank, None)
+                at[rank] += 1
+                moved = True
+    if all(at[rank] == len(mine) for rank, mine in enumerate(posts.events)):
+        return None
+    return "; ".join(f"rank {rank} blocks in its host event #{at[rank]}, waiting for {blocked[rank]}"
+                     for rank in sorted(blocked))
 
 
 def _simulate(events: list[list[tuple[str, Any]]], fifo: dict[tuple[int, int, str], list[tuple[Key, int]]],

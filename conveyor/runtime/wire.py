@@ -219,10 +219,16 @@ def unflatten_payload(meta: PayloadMeta, tensors: list[torch.Tensor]) -> Any:
 
 
 def pack(tensors: list[torch.Tensor], meta: PayloadMeta) -> torch.Tensor:
-    """All tensors' bytes in one uint8 buffer (each part aligned), ready to send."""
+    """All tensors' bytes in one uint8 buffer (each part aligned), ready to send, on the tensors' device.
+
+    Example:
+        >>> x = torch.ones(3, device="meta")  # another device than the CPU: no copy through the host
+        >>> pack([x, x], flatten_payload((x, x))[0]).device
+        device(type='meta')
+    """
     if len(tensors) == 1 and tensors[0].numel() * tensors[0].element_size() % _ALIGN == 0:
         return as_bytes(tensors[0])
-    buffer = torch.empty(meta.data_bytes, dtype=torch.uint8)
+    buffer = torch.empty(meta.data_bytes, dtype=torch.uint8, device=tensors[0].device)
     pack_into(buffer, tensors, meta)
     return buffer
 
@@ -253,8 +259,8 @@ def unpack(buffer: torch.Tensor, meta: PayloadMeta) -> list[torch.Tensor]:
 def data_and_trailer(tensors: list[torch.Tensor], meta: PayloadMeta, trailer: torch.Tensor) -> torch.Tensor:
     """The tensors' bytes as :func:`unpack` reads them, followed by ``trailer``: one new buffer."""
     if len(tensors) == 1 and meta.tensors[0].num_bytes == meta.data_bytes:
-        return torch.cat((as_bytes(tensors[0]), trailer))
-    buffer = torch.empty(meta.data_bytes + trailer.numel(), dtype=torch.uint8)
+        return torch.cat((as_bytes(tensors[0]), trailer.to(tensors[0].device)))
+    buffer = torch.empty(meta.data_bytes + trailer.numel(), dtype=torch.uint8, device=tensors[0].device)
     pack_into(buffer, tensors, meta)
     buffer[meta.data_bytes:].copy_(trailer)
     return buffer
@@ -265,6 +271,7 @@ def in_layouts(tensors: list[torch.Tensor], meta: PayloadMeta) -> list[torch.Ten
 
     A frozen channel (``fixed_shapes=True``) carries data only, so the receiver rebuilds
     the layout it was told first; values are the same, only their order in memory moves.
+    Each copy stays on its tensor's device.
     """
     conformed = []
     for tensor, tmeta in zip(tensors, meta.tensors):
@@ -273,7 +280,8 @@ def in_layouts(tensors: list[torch.Tensor], meta: PayloadMeta) -> list[torch.Ten
             if tmeta.strides is None:
                 tensor = tensor.contiguous()
             else:
-                tensor = torch.empty_strided(tmeta.shape, tmeta.strides, dtype=tmeta.dtype).copy_(tensor)
+                tensor = torch.empty_strided(tmeta.shape, tmeta.strides, dtype=tmeta.dtype,
+                                             device=tensor.device).copy_(tensor)
         conformed.append(tensor)
     return conformed
 

@@ -14,6 +14,7 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
+from conveyor.runtime.ordered import OrderedTransport
 from conveyor.testing import run_ranks
 
 from .parity import NUM_MICROBATCHES, assert_same, reference_run, schedule_grid
@@ -143,3 +144,75 @@ def test_each_pipeline_keys_the_store_with_a_token_its_ranks_agreed_on():
     (first, first_transport), (second, second_transport) = results[0]
     assert first == first_transport and second == second_transport
     assert first != second and first.split("/")[-1] != second.split("/")[-1]
+
+
+class _Work:
+    """A send's work as NCCL's behaves: complete once its CUDA event is (here: when the test says)."""
+
+    def __init__(self, done: set) -> None:
+        self.done, self.waited = done, False
+
+    def is_completed(self) -> bool:
+        return self in self.done
+
+    def wait(self) -> bool:
+        assert self in self.done, "waited for a send that had not completed: that would block the host"
+        self.waited = True
+        return True
+
+
+class _Dist:
+    """torch.distributed's point-to-point as the ordered transport calls it, recording each batch's work."""
+
+    P2POp = staticmethod(lambda op, tensor, peer, group: tensor)
+    isend = irecv = None
+
+    def __init__(self) -> None:
+        self.done: set = set()
+        self.works: list[_Work] = []
+
+    def batch_isend_irecv(self, ops):
+        self.works.append(_Work(self.done))
+        return [self.works[-1]]
+
+
+def test_a_send_lets_go_of_its_buffer_once_its_work_completed_not_at_the_end_of_the_step():
+    """Under NCCL a send's work completes on the GPU; the transport asks (is_completed: a CUDA
+    event query, no host sync) as later transfers post and at waits, and drops the work and its
+    buffer then, instead of holding every send of the step until finish_sends. (gloo's send
+    works complete only inside wait(): there they are held to the end of the step, as before.)"""
+    import weakref
+
+    transport = OrderedTransport(0, [0, 1], cs.build("1f1b", ranks=2, microbatches=4), {(0, 1): "group"},
+                                 _Store(), "test", 30.0, torch.device("cpu"), "nccl")
+    transport.dist = fake = _Dist()
+    outputs = [torch.full((3, 5), float(m)) for m in range(4)]
+    transport.post_sends(1, [((0, 0, 0), outputs[0])])
+    transport.post_sends(1, [((0, 0, 1), outputs[1])])
+    freed = weakref.ref(transport.pending_sends[0][1][0])
+    assert len(transport.pending_sends) == 2
+    fake.done.add(fake.works[0])  # the first send arrived
+    outputs[0] = None  # the stage let go of its output: only the transport could hold it now
+    transport.post_sends(1, [((0, 0, 2), outputs[2])])  # a later post looks
+    assert len(transport.pending_sends) == 2 and freed() is None and fake.works[0].waited
+    assert not fake.works[1].waited  # not complete: neither waited for nor dropped
+    fake.done.update(fake.works[1:])
+    transport.finish_sends()
+    assert transport.pending_sends == []
+
+
+class _Store(dict):
+    def set(self, key, value):
+        self[key] = value
+
+
+def test_the_ordered_transport_packs_and_lays_out_on_its_device():
+    """Under NCCL the bytes are made on the stage's GPU: the meta device stands in (a copy
+    between it and the CPU raises)."""
+    transport = OrderedTransport(0, [0, 1], cs.build("1f1b", ranks=2, microbatches=2), {}, _Store(), "test",
+                                 30.0, torch.device("meta"), "nccl")
+    x = torch.ones(3, 5, device="meta")
+    assert transport._body(1, (0, 0, 0), (x, 2 * x)).device.type == "meta"  # the first time: packed
+    assert transport._body(1, (0, 0, 1), x.t()).device.type == "meta"
+    # Told "transposed" the first time, later given a row-major tensor: re-laid out on the device.
+    assert transport._body(1, (0, 0, 1), x.t().contiguous()).device.type == "meta"

@@ -6,7 +6,13 @@ import pytest
 
 import conveyor.schedule as cs
 from conveyor.errors import ScheduleError
-from conveyor.runtime.ordering import check_posts, post_plan, sender_orders, transfer_of
+from conveyor.runtime.ordering import (
+    check_first_step,
+    check_posts,
+    post_plan,
+    sender_orders,
+    transfer_of,
+)
 from conveyor.schedule.ir import Action, ActionKind, Placement
 from conveyor.schedule.passes import executable
 
@@ -99,3 +105,60 @@ def test_the_simulation_finds_receives_posted_out_of_the_senders_order():
     swapped = [plans[0], {Action.parse("1RECV_F1"): ((Action.parse("1RECV_F1"), Action.parse("1RECV_F0")),)}]
     problem = check_posts(programs, swapped, placement)
     assert problem is not None and "rank 0 sends rank 1" in problem
+
+
+def _first_steps():
+    """Every built-in schedule's train and eval programs with their post plans, P in 2..8, V in 1..2."""
+    for name, info in sorted(cs.available().items()):
+        for ranks in range(2, 9):
+            for virtual in (v for v in info.virtual_choices or (1, 2) if v <= 2):
+                for microbatches in sorted({ranks, ranks + 1, 2 * ranks}):
+                    try:
+                        schedule = cs.build(name, ranks=ranks, microbatches=microbatches, virtual=virtual)
+                    except ScheduleError:
+                        continue
+                    runs = executable(schedule)
+                    for training, lowered in ((True, runs.train), (False, runs.eval)):
+                        orders = sender_orders(schedule, training)
+                        plans = [post_plan(p, r, schedule.placement, orders, training)
+                                 for r, p in enumerate(lowered.programs)]
+                        yield (name, ranks, virtual, microbatches, training), lowered.programs, plans, schedule.placement
+
+
+def test_nccl_first_step_host_replay_of_every_builtin_schedule():
+    """NCCL's host-blocking rules in a first step (a structure waits for its sender's post; a
+    communicator created at its first use waits for both ranks): with communicators created
+    lazily, zb-h1 at V=2, P>=3 and more microbatches than ranks deadlocks (rank 0 creating the
+    wrap-around channel from the last rank, which waits for a structure down a chain that ends
+    at rank 0); with communicators created when the pipeline is built (what the runtime does,
+    see RankLifecycle.channel_groups), nothing does."""
+    lazy, checked = [], 0
+    for case, programs, plans, placement in _first_steps():
+        training = case[-1]
+        if check_first_step(programs, plans, placement, training, lazy_communicators=True) is not None:
+            lazy.append(case)
+        problem = check_first_step(programs, plans, placement, training, lazy_communicators=False)
+        assert problem is None, f"{case}: {problem}"
+        # Given structures (shapes=, or any later step), nothing blocks the host, whatever the communicators.
+        assert check_first_step(programs, plans, placement, training, lazy_communicators=True,
+                                structures_known=True) is None, case
+        checked += 1
+    print(f"NCCL first-step replay: {checked} programs checked; with lazy communicators {len(lazy)} deadlock: "
+          f"{sorted(set(c[0] for c in lazy))}")
+    assert checked > 350
+    assert sorted(lazy) == sorted(("zb-h1", p, 2, m, True) for p in range(3, 9) for m in (p + 1, 2 * p))
+
+
+def test_the_first_step_replay_names_who_blocks_on_what():
+    placement = Placement.looped(2, 1)
+    programs, plans = _plans([["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]],
+                             placement)
+    assert check_first_step(programs, plans, placement, lazy_communicators=True) is None
+    # Rank 1 posts the gradient's send first: its channel's creation waits for rank 0, whose
+    # receive of it comes after the forward's send, whose creation waits for rank 1.
+    programs, plans = _plans([["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1SEND_B0", "1RECV_F0", "1F0", "1B0"]],
+                             placement)
+    problem = check_first_step(programs, plans, placement, lazy_communicators=True)
+    assert problem is not None and "rank 0 blocks" in problem and "to create channel (0, 1)" in problem, problem
+    assert "rank 1 blocks" in problem and "to create channel (1, 0)" in problem, problem
+    assert check_first_step(programs, plans, placement, lazy_communicators=False) is None

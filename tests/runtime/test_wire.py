@@ -9,7 +9,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 from conveyor.runtime.runner import grad_leaves
-from conveyor.runtime.wire import PayloadMeta, flatten_payload, unflatten_payload
+from conveyor.runtime.wire import (
+    PayloadMeta,
+    data_and_trailer,
+    flatten_payload,
+    in_layouts,
+    pack,
+    unflatten_payload,
+)
 
 Pair = namedtuple("Pair", "first second")
 
@@ -107,3 +114,18 @@ def test_a_numpy_array_crosses_stages_as_a_plain_value(transport):
 
     losses = run_ranks(_numpy_across, 2, args=(transport,), timeout_s=60)
     assert losses[0] == losses[1] and len(set(losses[0])) == 1
+
+
+def test_packing_and_layouts_stay_on_the_payloads_device():
+    """A GPU payload is packed and re-laid out on its GPU, never through the host: the meta
+    device stands in (a copy between it and the CPU raises)."""
+    x = torch.ones(3, 5, device="meta")
+    meta, tensors = flatten_payload((x, x.t()))
+    assert pack(tensors, meta).device.type == "meta"
+    assert data_and_trailer(tensors, meta, torch.zeros(8, dtype=torch.uint8)).device.type == "meta"
+    # A frozen channel told "transposed" gets a row-major tensor: re-laid out where it is.
+    told, _ = flatten_payload(x.t())
+    (laid,) = in_layouts([x.t().contiguous()], told)
+    assert laid.device.type == "meta" and laid.stride() == x.t().stride()
+    (row_major,) = in_layouts([x.t()], flatten_payload(x.t().contiguous())[0])
+    assert row_major.device.type == "meta" and row_major.is_contiguous()
