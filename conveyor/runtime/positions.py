@@ -102,8 +102,12 @@ class PositionBoard:
         while not self._stop.wait(self.poll_s):
             try:
                 self.store.add(self.heartbeat_key, 1)
-                if self.on_poll is not None:
-                    self.on_poll()
+            except Exception as exc:  # the store is gone (its process died): say so once, then stop
+                log.debug("where is everyone: watcher stops: %s", exc)
+                self._poll()
+                return
+            self._poll()
+            try:
                 request = self.store.add(f"{self.prefix}/request", 0)
                 if request > self.answered:
                     self._answer(request)
@@ -117,6 +121,14 @@ class PositionBoard:
             except Exception as exc:  # the store is gone (rank 0 exited): nothing left to answer
                 log.debug("where is everyone: watcher stops: %s", exc)
                 return
+
+    def _poll(self) -> None:
+        """Run ``on_poll``; what it raises is logged, and the next poll runs it again."""
+        if self.on_poll is not None:
+            try:
+                self.on_poll()
+            except Exception:
+                log.warning("conveyor: the watcher's poll failed", exc_info=True)
 
     def _answer(self, request: int) -> None:
         self.answered = max(self.answered, request)

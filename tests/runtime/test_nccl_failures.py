@@ -1,0 +1,160 @@
+"""The failure protocol under NCCL's setting, on gloo ranks: the watcher, not a wait, finds a dead peer.
+
+Under NCCL a rank waiting for a peer waits on the GPU's streams, so no wait of the host ever
+notices that the peer was killed (it publishes nothing) or froze; only the pipeline's watcher
+thread can, from the store: the peer's process gone from this host, its heartbeat stopped, or a
+call running past timeout_s. It then aborts every communicator of the pipeline, once, together,
+and the waiting call raises what it saw. Here the ranks are gloo's with the watcher switched to
+NCCL's setting; the peer's death is played by its data plane going silent, as a dead NCCL peer's
+is (its sockets stay open), while its process in the store is a stand-in that is SIGKILLed, its
+heartbeat stops and it publishes nothing. ``ProcessGroup.abort`` is recorded, not done (gloo
+ignores it): the watcher's abort is what the survivor's test waits for.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+import conveyor
+import conveyor.schedule as cs
+from conveyor.runtime import aborts, lifecycle
+from conveyor.runtime.shm import host_identity
+from conveyor.testing import run_ranks
+
+SCENARIOS = ("killed", "frozen", "stuck")
+_ABORTED_KEY = "test/aborted/{scenario}"
+
+
+class _Stage(torch.nn.Module):
+    """A linear stage whose forward runs ``trap`` when armed (the victim's death or its stall)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.trap = None
+
+    def forward(self, x):
+        if self.trap is not None:
+            trap, self.trap = self.trap, None
+            trap()
+        return self.linear(x)
+
+
+def _play_dead(life, scenario: str) -> None:
+    """Rank 1 as a killed (or frozen) NCCL peer: silent data plane, no heartbeat, nothing published."""
+    if scenario == "killed":  # its process, as the store names it, is gone
+        stand_in = subprocess.Popen(["sleep", "60"])
+        stand_in.kill()  # SIGKILL
+        stand_in.wait()
+        life.store.set(lifecycle._PROCESS_KEY.format(global_rank=1), f"{stand_in.pid} {host_identity()}")
+    if scenario != "stuck":
+        life.board.stop()  # the heartbeat stops
+    life.transport.publish_failure = lambda message: None  # a killed process publishes nothing
+    # Silent until the survivor's watcher aborted (or long enough for the test to fail without it);
+    # polled: a store.wait would hold the store's connection, and with it this rank's heartbeat.
+    deadline = time.monotonic() + 15
+    while not life.store.check([_ABORTED_KEY.format(scenario=scenario)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if scenario != "stuck":
+        raise RuntimeError("the victim leaves: its connections close")
+
+
+def _scenario(rank, scenario):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    stage = _Stage()
+    pipe = conveyor.Pipeline([stage], schedule=cs.build("1f1b", ranks=2, microbatches=2),
+                             loss_fn=lambda y, t: y.sum(), timeout_s=60, transport="ordered")
+    pipe.step(torch.ones(4, 4))  # a normal step first: heartbeats beat, structures are known
+    life, seen = pipe._life, {}
+    if rank == 1:
+        stage.trap = lambda: _play_dead(life, scenario)
+    else:
+        aborted, real_abort = [], dist.ProcessGroup.abort
+
+        def record(group):
+            aborted.append((dist.get_process_group_ranks(group), threading.current_thread().name))
+            life.store.set(_ABORTED_KEY.format(scenario=scenario), "1")
+
+        dist.ProcessGroup.abort = record
+        life.abort_on_failure = True  # NCCL's setting
+        life.silence_s, life.timeout_s = 2.0, (3.0 if scenario == "stuck" else 60.0)
+        seen["groups"] = [dist.get_process_group_ranks(group) for group in life.groups]
+    started = time.monotonic()
+    try:
+        pipe.step(torch.ones(4, 4))
+        seen["error"] = "no error"
+    except Exception as exc:
+        seen["error"] = f"{type(exc).__name__}: {exc}"
+    seen["seconds"] = time.monotonic() - started
+    if rank == 0:
+        dist.ProcessGroup.abort = real_abort
+        seen["aborted"] = aborted
+    dist.barrier()  # the user's group is untouched
+    pipe.close()
+    return seen
+
+
+def _every_scenario(rank, world_size):
+    return {scenario: _scenario(rank, scenario) for scenario in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def survivor():
+    return run_ranks(_every_scenario, 2, timeout_s=150)[0]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_watcher_aborts_every_communicator_once_by_itself(survivor, scenario):
+    seen = survivor[scenario]
+    assert len(seen["groups"]) >= 2  # the pipeline's group and its channels' groups
+    assert sorted(ranks for ranks, _ in seen["aborted"]) == sorted(seen["groups"]), seen
+    assert {thread for _, thread in seen["aborted"]} == {"conveyor-where-0"}  # the watcher, by itself
+    assert seen["seconds"] < 12, seen  # seconds, not the victim's 15 s nor the 60 s timeout
+
+
+def test_the_survivors_error_names_the_dead_or_silent_rank(survivor):
+    assert survivor["killed"]["error"].startswith("PeerFailure: rank 1 (pid "), survivor["killed"]
+    assert "has exited" in survivor["killed"]["error"]
+    assert survivor["frozen"]["error"].startswith("PeerFailure: rank 1 stopped answering (no heartbeat for ")
+    stuck = survivor["stuck"]["error"]
+    assert stuck.startswith("CommTimeout: rank 0: a pipeline call has waited more than timeout_s=3 s"), stuck
+    assert "where every rank of the pipeline stands" in stuck and "rank 1" in stuck.split("stands")[1]
+
+
+class _FakeNccl:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def _group_start(self) -> None:
+        self.calls.append("start")
+
+    def _group_end(self) -> None:
+        self.calls.append("end")
+
+
+class _FakeGroup:
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.group_name, self.calls = name, calls
+
+    def abort(self) -> None:
+        self.calls.append(f"abort {self.group_name}")
+
+
+def test_communicators_are_aborted_together_in_one_nccl_group_call_and_each_once(monkeypatch):
+    """pytorch#119797 / NCCL#1013: one abort after another can deadlock; inside ncclGroupStart/End
+    NCCL aborts them together (torch's _abort_process_group does so for the whole job)."""
+    calls: list[str] = []
+    monkeypatch.setattr(aborts, "nccl_backend", lambda groups: _FakeNccl(calls) if groups else None)
+    groups = [_FakeGroup(name, calls) for name in ("main", "0->1", "1->0")]
+    aborter = aborts.GroupAborter(0)
+    aborter.abort(groups[:2])  # the watcher
+    aborter.abort(groups)  # the failing call's close: only what is left
+    aborter.abort(groups)
+    assert calls == ["start", "abort main", "abort 0->1", "end", "start", "abort 1->0", "end"]
