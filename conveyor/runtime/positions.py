@@ -57,6 +57,7 @@ class PositionBoard:
         self.poll_s = poll_s
         self.on_poll = on_poll  # also run by the watcher each poll (the lifecycle's failure watch)
         self.answered = 0
+        self._poll_failed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -127,8 +128,10 @@ class PositionBoard:
         if self.on_poll is not None:
             try:
                 self.on_poll()
-            except Exception:
-                log.warning("conveyor: the watcher's poll failed", exc_info=True)
+            except Exception:  # said once at warning level: it runs every poll
+                log.log(logging.DEBUG if self._poll_failed else logging.WARNING,
+                        "conveyor: the watcher's poll failed", exc_info=True)
+                self._poll_failed = True
 
     def _answer(self, request: int) -> None:
         self.answered = max(self.answered, request)

@@ -101,8 +101,39 @@ def _scenario(rank, scenario):
     return seen
 
 
+def _peer_closes_then_exits(rank):
+    """Rank 1 closes its pipeline and its process exits (a stand-in's), as at the end of a run:
+    no death, though its heartbeat stops and its process is gone."""
+    import torch.distributed as dist
+
+    pipe = conveyor.Pipeline([_Stage()], schedule=cs.build("1f1b", ranks=2, microbatches=2),
+                             loss_fn=lambda y, t: y.sum(), timeout_s=60, transport="ordered")
+    pipe.step(torch.ones(4, 4))
+    life, seen = pipe._life, {}
+    if rank == 0:
+        aborted, real_abort = [], dist.ProcessGroup.abort
+        dist.ProcessGroup.abort = lambda group: aborted.append(dist.get_process_group_ranks(group))
+        life.abort_on_failure, life.silence_s = True, 1.0
+    dist.barrier()
+    if rank == 1:
+        pipe.close()
+        stand_in = subprocess.Popen(["sleep", "60"])
+        stand_in.kill()
+        stand_in.wait()
+        life.store.set(lifecycle._PROCESS_KEY.format(global_rank=1), f"{stand_in.pid} {host_identity()}")
+    dist.barrier()
+    if rank == 0:
+        time.sleep(3.0)  # six polls: past the silence allowed, with the peer's process gone
+        dist.ProcessGroup.abort = real_abort
+        seen.update(aborted=aborted, error=repr(life.abort_error))
+    dist.barrier()
+    pipe.close()
+    return seen
+
+
 def _every_scenario(rank, world_size):
-    return {scenario: _scenario(rank, scenario) for scenario in SCENARIOS}
+    seen = {scenario: _scenario(rank, scenario) for scenario in SCENARIOS}
+    return {**seen, "closed": _peer_closes_then_exits(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +157,10 @@ def test_the_survivors_error_names_the_dead_or_silent_rank(survivor):
     stuck = survivor["stuck"]["error"]
     assert stuck.startswith("CommTimeout: rank 0: a pipeline call has waited more than timeout_s=3 s"), stuck
     assert "where every rank of the pipeline stands" in stuck and "rank 1" in stuck.split("stands")[1]
+
+
+def test_a_peer_that_closed_its_pipeline_may_exit_without_being_taken_for_dead(survivor):
+    assert survivor["closed"] == {"aborted": [], "error": "None"}
 
 
 class _FakeNccl:
