@@ -12,7 +12,11 @@ and "what does close() release" are answered in one file:
 - **Failure.** A rank that fails publishes its message (the transport's failure board: the
   store, and for shared memory its rings), drops every handle on its groups, destroys them,
   and raises; peers raise :class:`~conveyor.errors.PeerFailure` with that message. The
-  pipeline then refuses calls with :class:`~conveyor.errors.PipelineStopped`.
+  pipeline then refuses calls with :class:`~conveyor.errors.PipelineStopped`. Under NCCL,
+  whose waits are the GPU's streams, the watcher thread also looks for a killed peer (its
+  process gone, its heartbeat stopped) and for a call past ``timeout_s``, aborts every
+  communicator of the pipeline together (:mod:`conveyor.runtime.aborts`), and the waiting
+  call raises what it saw.
 - **Close.** ``close()`` (also on ``with``, when the pipeline is garbage collected, and at
   interpreter exit) releases the transport's rings, sockets and pending work and destroys
   the pipeline's groups, so that gloo's threads are joined while the interpreter is
