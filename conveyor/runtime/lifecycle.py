@@ -43,6 +43,7 @@ Example (what :class:`conveyor.Pipeline` does)::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import gc
@@ -81,6 +82,9 @@ SILENCE_S = 10.0
 # Where a rank says that it closed this pipeline cleanly: its process may then exit, and its
 # heartbeat stop, without a peer taking it for dead.
 _LEFT_KEY = "conveyor/left/{prefix}/{global_rank}"
+# Under NCCL the watcher ends a wait past timeout_s and says where everyone is; NCCL's own
+# watchdog (which ends the process) is given this much longer, so that it comes second.
+NCCL_WATCHDOG_SLACK_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +116,8 @@ class RankLifecycle:
         with contextlib.suppress(Exception):
             self.store.set(_PROCESS_KEY.format(global_rank=self.global_ranks[self.rank]),
                            f"{os.getpid()} {host_identity()}")
-        self.timeout = datetime.timedelta(seconds=timeout_s)
+        slack = NCCL_WATCHDOG_SLACK_S if self.backend == "nccl" else 0.0
+        self.timeout = datetime.timedelta(seconds=timeout_s + slack)
         self.groups: list[Any] = []  # every group this pipeline made, the main one first
         # With data parallelism (``pipelines``: every replica's global ranks), every rank of
         # the job builds every replica's groups, in one order: torch then names groups by a
@@ -141,6 +146,9 @@ class RankLifecycle:
         self._aborter = GroupAborter(self.rank)  # the watcher's and a failing call's aborts, each group once
         self._beats: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat count, when it last moved)
         self._call_started: float | None = None  # monotonic time the running pipeline call began
+        self._stale_failures = ""  # what peers had published before this pipeline began
+        # (began, its end's CUDA event) of each call whose GPU work may still run, oldest first
+        self._in_flight: collections.deque[tuple[float, Any]] = collections.deque()
         # Rank 0's token, agreed at construction: this pipeline's store keys carry it, because a
         # group's name comes back once a closed pipeline's groups are gone, and a later pipeline on
         # the same ranks must not read the keys the dead one left in the store.
@@ -249,6 +257,9 @@ class RankLifecycle:
         """
         self.transport = transport
         self._on_release = list(on_release)
+        # The store's failure board is the job's: what an earlier pipeline's ranks published is
+        # no failure of this one's (the watcher acts only on news).
+        self._stale_failures = transport.peer_failures()
         if position is not None:
             self.board = PositionBoard(self.store, f"conveyor/where/{self.store_prefix()}", self.rank, self.num_ranks,
                                        position, render=render, global_rank=self.global_ranks[self.rank],
@@ -315,7 +326,7 @@ class RankLifecycle:
             return PeerFailure(f"rank {self.rank} lost the job's store ({type(exc).__name__}: {exc}): the "
                                "process serving it (global rank 0, or the launcher) has died")
         failures = self.transport.peer_failures()
-        if failures:
+        if failures and failures != self._stale_failures:
             return PeerFailure(failures)
         dead = self.exited_peers() + self._silent_peers()
         if dead:
@@ -335,17 +346,18 @@ class RankLifecycle:
         return silent
 
     def _timeout_verdict(self) -> CommTimeout | None:
-        """A pipeline call that has run longer than timeout_s: where everyone is, as a gloo wait says it."""
-        started = self._call_started
+        """A pipeline call, or the GPU work it queued, running longer than timeout_s."""
+        while self._in_flight and self._in_flight[0][1].query():  # the host returned, the kernels too
+            self._in_flight.popleft()
+        began = [self._call_started, *(call[0] for call in list(self._in_flight)[:1])]
+        started = min((b for b in began if b is not None), default=None)
         if started is None or time.monotonic() - started <= self.timeout_s:
             return None
-        picture = self.board.picture() if self.board is not None else ""
-        where = f"\n\nwhere every rank of the pipeline stands (>action<: where it is):\n{picture}" if picture else ""
         return CommTimeout(
             f"rank {self.rank}: a pipeline call has waited more than timeout_s={self.timeout_s:g} s for its "
             "peers (NCCL waits on the GPU's streams, so this rank's watcher aborted the pipeline's "
             "communicators); a peer is slow, stuck or running another schedule (raise timeout_s= if the "
-            f"step is legitimately that slow){where}"
+            "step is legitimately that slow)"
         )
 
     # --- calls ---------------------------------------------------------------------------
@@ -357,7 +369,7 @@ class RankLifecycle:
                 "build a new Pipeline to go on"
             )
         if self.state == OPEN and self.abort_error is not None:  # aborted between calls
-            error = self.abort_error
+            error = self._with_picture(self.abort_error)
             self.fail(error, error)
             raise error
         if self.state == STOPPED:
@@ -377,7 +389,7 @@ class RankLifecycle:
         """
         self.check_usable()
         outer = self._call_started  # a call inside a call: the outer one's clock runs on
-        self._call_started = outer if outer is not None else time.monotonic()
+        started = self._call_started = outer if outer is not None else time.monotonic()
         try:
             result = fn(*args)
         except Exception as exc:
@@ -389,24 +401,32 @@ class RankLifecycle:
         finally:
             self._call_started = outer
         if self.abort_error is not None:
-            error = self.abort_error
+            error = self._with_picture(self.abort_error)
             self.fail(error, error)
             raise error
+        if self.abort_on_failure and outer is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            done = torch.cuda.Event()  # the watcher asks it (no wait) whether the call's kernels ended
+            done.record()
+            self._in_flight.append((started, done))
         return result
 
     def _explain(self, exc: Exception) -> Exception:
         """What to raise for ``exc``: the watcher's finding, a peer's failure, or ``exc`` itself."""
         if self.abort_error is not None:
-            return self.abort_error
+            return self._with_picture(self.abort_error)
         if isinstance(exc, ConveyorError):
-            if isinstance(exc, CommTimeout) and self.board is not None:
-                picture = self.board.picture()
-                if picture:
-                    exc.args = (f"{exc}\n\nwhere every rank of the pipeline stands (>action<: where it is):"
-                                f"\n{picture}",)
-            return exc
+            return self._with_picture(exc)
         cause = self.peer_cause(exc)
         return exc if cause is None else cause
+
+    def _with_picture(self, error: Exception) -> Exception:
+        """A timeout says where every rank stands (asked through the store; the data plane is stuck)."""
+        if isinstance(error, CommTimeout) and self.board is not None and "where every rank" not in str(error):
+            picture = self.board.picture()
+            if picture:
+                error.args = (f"{error}\n\nwhere every rank of the pipeline stands (>action<: where it is):"
+                              f"\n{picture}",)
+        return error
 
     def peer_cause(self, exc: Exception) -> PeerFailure | None:
         """The failure of a peer that explains ``exc``, if one does."""

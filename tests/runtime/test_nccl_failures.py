@@ -16,6 +16,7 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from conveyor.runtime import aborts, lifecycle
 from conveyor.runtime.shm import host_identity
 from conveyor.testing import run_ranks
 
-SCENARIOS = ("killed", "frozen", "stuck")
+SCENARIOS = ("killed", "frozen", "stuck", "queued")
 _ABORTED_KEY = "test/aborted/{scenario}"
 
 
@@ -43,6 +44,20 @@ class _Stage(torch.nn.Module):
             trap, self.trap = self.trap, None
             trap()
         return self.linear(x)
+
+
+class _KernelsThatNeverEnd:
+    """torch.cuda.Event for the lifecycle: the call's GPU work never ends (a peer died after the host returned)."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
+
+
+_GPU = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                                                        Event=_KernelsThatNeverEnd))
 
 
 def _play_dead(life, scenario: str) -> None:
@@ -73,8 +88,10 @@ def _scenario(rank, scenario):
                              loss_fn=lambda y, t: y.sum(), timeout_s=60, transport="ordered")
     pipe.step(torch.ones(4, 4))  # a normal step first: heartbeats beat, structures are known
     life, seen = pipe._life, {}
-    if rank == 1:
+    if rank == 1 and scenario != "queued":
         stage.trap = lambda: _play_dead(life, scenario)
+    elif rank == 1:
+        pass
     else:
         aborted, real_abort = [], dist.ProcessGroup.abort
 
@@ -84,7 +101,9 @@ def _scenario(rank, scenario):
 
         dist.ProcessGroup.abort = record
         life.abort_on_failure = True  # NCCL's setting
-        life.silence_s, life.timeout_s = 2.0, (3.0 if scenario == "stuck" else 60.0)
+        life.silence_s, life.timeout_s = 2.0, (3.0 if scenario in ("stuck", "queued") else 60.0)
+        if scenario == "queued":
+            lifecycle.torch = _GPU
         seen["groups"] = [dist.get_process_group_ranks(group) for group in life.groups]
     started = time.monotonic()
     try:
@@ -93,7 +112,17 @@ def _scenario(rank, scenario):
     except Exception as exc:
         seen["error"] = f"{type(exc).__name__}: {exc}"
     seen["seconds"] = time.monotonic() - started
+    if scenario == "queued":  # the host returned, the kernels wait on: the next call says why
+        deadline = time.monotonic() + 10
+        while rank == 0 and not aborted and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            pipe.step(torch.ones(4, 4))
+            seen["then"] = "no error"
+        except Exception as exc:
+            seen["then"] = f"{type(exc).__name__}: {exc}"
     if rank == 0:
+        lifecycle.torch = torch
         dist.ProcessGroup.abort = real_abort
         seen["aborted"] = aborted
     dist.barrier()  # the user's group is untouched
@@ -132,6 +161,8 @@ def _peer_closes_then_exits(rank):
 
 
 def _every_scenario(rank, world_size):
+    # One pipeline after another on the same ranks: "closed" also checks that what earlier
+    # pipelines' ranks published on the job's failure board is no failure of a later one.
     seen = {scenario: _scenario(rank, scenario) for scenario in SCENARIOS}
     return {**seen, "closed": _peer_closes_then_exits(rank)}
 
@@ -157,6 +188,10 @@ def test_the_survivors_error_names_the_dead_or_silent_rank(survivor):
     stuck = survivor["stuck"]["error"]
     assert stuck.startswith("CommTimeout: rank 0: a pipeline call has waited more than timeout_s=3 s"), stuck
     assert "where every rank of the pipeline stands" in stuck and "rank 1" in stuck.split("stands")[1]
+    queued = survivor["queued"]
+    assert queued["error"] == "no error", queued  # the step's host part went through
+    assert queued["then"].startswith("CommTimeout: rank 0: a pipeline call has waited more than timeout_s=3 s")
+    assert "where every rank of the pipeline stands" in queued["then"]
 
 
 def test_a_peer_that_closed_its_pipeline_may_exit_without_being_taken_for_dead(survivor):
