@@ -537,7 +537,7 @@ class RankLifecycle:
     def _release(self) -> None:
         if self.board is not None:
             self.board.stop()
-            if self.state == CLOSED:  # peers still finishing must not take our exit for a death
+            if self.state == CLOSED and self.abort_error is None:  # our exit is then no death to peers
                 with contextlib.suppress(Exception):
                     self.store.set(self._left_key(self.rank), "closed")
         for release in self._on_release:
@@ -553,7 +553,7 @@ class RankLifecycle:
         # Gone from torch's tables when the user destroyed every group first (then dropping our
         # reference is what ends it).
         live = [group for group in groups if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map]
-        if self.backend == "nccl" and self.state == STOPPED:
+        if self.backend == "nccl" and (self.state == STOPPED or self.abort_error is not None):
             # Destroying waits for pending work, which a failed peer never completes: abort
             # instead, those the watcher has not aborted yet, together; then torch forgets them.
             self._aborter.abort(live)
