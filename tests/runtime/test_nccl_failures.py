@@ -229,3 +229,27 @@ def test_communicators_are_aborted_together_in_one_nccl_group_call_and_each_once
     aborter.abort(groups)  # the failing call's close: only what is left
     aborter.abort(groups)
     assert calls == ["start", "abort main", "abort 0->1", "end", "start", "abort 1->0", "end"]
+
+
+def _close_after_the_watchers_abort(rank, world_size):
+    import torch.distributed as dist
+
+    life = lifecycle.RankLifecycle(None, timeout_s=30.0)
+    life.subgroup([0])  # a second group of the pipeline's (a tied parameter's)
+    groups = list(life.groups)
+    names = {id(group): f"group {index}" for index, group in enumerate(groups)}
+    aborted, real_abort = [], dist.ProcessGroup.abort
+    dist.ProcessGroup.abort = lambda group: aborted.append(names[id(group)])
+    try:
+        life._aborter.abort(groups[:1])  # the watcher got to the first one
+        life.backend, life.state = "nccl", lifecycle.STOPPED  # then the call failed under NCCL
+        life._destroy_groups()
+    finally:
+        dist.ProcessGroup.abort = real_abort
+    forgotten = all(group not in dist.distributed_c10d._world.pg_map for group in groups)
+    return aborted, forgotten, len(groups)
+
+
+def test_closing_after_a_failure_aborts_what_the_watcher_did_not_and_torch_forgets_every_group():
+    aborted, forgotten, count = run_ranks(_close_after_the_watchers_abort, 1, timeout_s=60)[0]
+    assert count == 2 and aborted == ["group 0", "group 1"] and forgotten
