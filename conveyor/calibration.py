@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import conveyor.schedule as cs
+from conveyor.frontend.profile import synchronize
 from conveyor.pipe import Pipeline
 from conveyor.plan.calibrate import (
     CALIBRATION_SCHEDULE,
@@ -52,12 +53,17 @@ def passes_alone(workload: Workload, num_stages: int, repeats: int = 5) -> dict[
         module = workload.build_stage(stage, num_stages)
         last = stage == num_stages - 1
         forward, backward = [], []
+        device = x.device
         for _ in range(repeats + 1):
+            # On a GPU the host only queues the passes: each clock reads after the device caught up.
+            synchronize(device)
             start = time.perf_counter()
             y = module(x)
             loss = workload.loss_fn(y, target) if last else y
+            synchronize(device)
             middle = time.perf_counter()
             loss.backward(torch.ones_like(loss))
+            synchronize(device)
             forward.append(middle - start)
             backward.append(time.perf_counter() - middle)
         out[("F", stage)] = statistics.median(forward[1:])
@@ -80,9 +86,11 @@ def _rank_setup(worker, workload, microbatches: int, transport: str) -> str:
 def _rank_step(worker) -> float:
     pipe = worker.state["pipe"]
     x, y = worker.state["batch"]
+    synchronize(pipe.device)  # on a GPU: nothing of an earlier step still queued
     dist.barrier()
     start = time.perf_counter()
     pipe.step(x if pipe.needs_inputs else None, target=y if pipe.needs_target else None)
+    synchronize(pipe.device)  # the step's queued work is part of its time
     return time.perf_counter() - start
 
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -241,6 +241,20 @@ def after_last_backward(runner: StageRunner) -> None:
     for fsdp_module in _fsdp_modules(root):
         for param_group in fsdp_module._get_fsdp_state()._fsdp_param_groups:
             param_group.post_backward()  # reduce-scatter (gradients present) and reshard
+
+
+def reduction_streams(runner: StageRunner) -> list[Any]:
+    """The streams this stage's gradient reductions ran on (FSDP2's reduce-scatter / all-reduce
+    streams, those its post-backward used), for timing them with events where they ran.
+
+    Example:
+        >>> streams = reduction_streams(pipe.runners[0])   # after after_last_backward   # doctest: +SKIP
+    """
+    streams: list[Any] = []
+    for fsdp_module in _fsdp_modules(runner.module):
+        for param_group in fsdp_module._get_fsdp_state()._fsdp_param_groups:
+            streams.extend(s for s in param_group.comm_ctx._last_post_reduce_events if s not in streams)
+    return streams
 
 
 def stage_hook(runners: Mapping[int, StageRunner]) -> Callable[[int], None]:

@@ -27,7 +27,6 @@ Example (what :class:`conveyor.Pipeline` does with ``data_parallel="ddp"``)::
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -35,6 +34,7 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel import fsdp
 from conveyor.runtime.runner import StageRunner
+from conveyor.runtime.timing import SpanTimer
 
 KINDS = ("ddp", "fsdp")
 
@@ -68,11 +68,11 @@ class Replicas:
         # take two meshes over the same ranks and names for one, and would hand a later
         # pipeline's tensors the mesh, and so the destroyed group, of an earlier one.
         self.mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"dp_{group.group_name}",))
-        # The last step's reductions, perf_counter seconds: per stage (started, back from the
-        # call that started it), then the wait for all of them at the step's end. What the rank
-        # spent inside those calls is the reduction's exposed part; the rest ran behind its work.
-        self.reductions: dict[int, tuple[float, float]] = {}
-        self.final_wait: tuple[float, float] = (0.0, 0.0)
+        # The last step's reductions: per stage (started, and done where it ran), then the wait
+        # for all of them at the step's end. What the rank spent waiting is the reduction's
+        # exposed part; the rest ran behind its work. On a GPU timed with events (the host's
+        # calls only queue the work), on the streams FSDP reduced on.
+        self.timer = SpanTimer(torch.device(device_type))
 
     def wrap(self) -> None:
         """Wrap every stage module (in place) over the "dp" group; the runners read its parameters."""
@@ -85,25 +85,27 @@ class Replicas:
 
     def start_step(self) -> None:
         """Before a step: parameters gathered once, no gradient sync until each stage's last backward."""
-        self.reductions = {}
+        self.timer.clear()
         fsdp.before_step(self.runners.values())
 
     def stage_done(self, stage: int) -> None:
         """After ``stage``'s last backward of the step: start reducing its gradients now."""
-        start = time.perf_counter()
+        started = self.timer.start()
         fsdp.after_last_backward(self.runners[stage])
-        self.reductions[stage] = (start, time.perf_counter())
+        self.timer.end(str(stage), started, fsdp.reduction_streams(self.runners[stage]) if self.timer.on_device else ())
 
     def finish_step(self) -> None:
         """After the step: wait for every reduction; gradients then hold the replicas' mean."""
-        start = time.perf_counter()
+        started = self.timer.start()
         fsdp.after_step(self.runners.values())
-        self.final_wait = (start, time.perf_counter())
+        self.timer.end("wait", started)
 
     def spans(self) -> list[tuple[str, float, float]]:
-        """The last step's reduction calls: (stage, start, end) each, then ("wait", start, end)."""
-        calls = [(str(stage), start, end) for stage, (start, end) in sorted(self.reductions.items())]
-        return calls + [("wait", *self.final_wait)] if self.final_wait[1] > 0 else calls
+        """The last step's reductions: (stage, start, end) each, then ("wait", start, end); on a GPU
+        the first call after a step waits for the device."""
+        spans = self.timer.spans()
+        calls = sorted((span for span in spans if span[0] != "wait"), key=lambda span: int(span[0]))
+        return calls + [span for span in spans if span[0] == "wait"]
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` over the replicas (every replica gets the same result)."""

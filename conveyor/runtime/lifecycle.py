@@ -12,7 +12,11 @@ and "what does close() release" are answered in one file:
 - **Failure.** A rank that fails publishes its message (the transport's failure board: the
   store, and for shared memory its rings), drops every handle on its groups, destroys them,
   and raises; peers raise :class:`~conveyor.errors.PeerFailure` with that message. The
-  pipeline then refuses calls with :class:`~conveyor.errors.PipelineStopped`.
+  pipeline then refuses calls with :class:`~conveyor.errors.PipelineStopped`. Under NCCL,
+  whose waits are the GPU's streams, the watcher thread also looks for a killed peer (its
+  process gone, its heartbeat stopped) and for a call past ``timeout_s``, aborts every
+  communicator of the pipeline together (:mod:`conveyor.runtime.aborts`), and the waiting
+  call raises what it saw.
 - **Close.** ``close()`` (also on ``with``, when the pipeline is garbage collected, and at
   interpreter exit) releases the transport's rings, sockets and pending work and destroys
   the pipeline's groups, so that gloo's threads are joined while the interpreter is
@@ -39,6 +43,7 @@ Example (what :class:`conveyor.Pipeline` does)::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import gc
@@ -60,6 +65,7 @@ from conveyor.errors import (
     PipelineConfigError,
     PipelineStopped,
 )
+from conveyor.runtime.aborts import GroupAborter
 from conveyor.runtime.positions import HEARTBEAT_KEY, PositionBoard
 from conveyor.runtime.shm import host_identity, process_alive
 
@@ -70,6 +76,16 @@ _PROCESS_KEY = "conveyor/process/{global_rank}"
 # publishes before it closes, but the breakage of any pair of the group can reach this rank
 # first) before it names the ranks whose processes or heartbeats are gone.
 FAILURE_GRACE_S = 2.0
+# How long a peer's heartbeat may stand still before the watcher (NCCL) takes the peer for dead.
+# Well above the watcher's poll (0.5 s) and the longest thing a watcher does between beats
+# (drawing "where is everyone", up to 3 s): a live peer's watcher never pauses that long.
+SILENCE_S = 10.0
+# Where a rank says that it closed this pipeline cleanly: its process may then exit, and its
+# heartbeat stop, without a peer taking it for dead.
+_LEFT_KEY = "conveyor/left/{prefix}/{global_rank}"
+# Under NCCL the watcher ends a wait past timeout_s and says where everyone is; NCCL's own
+# watchdog (which ends the process) is given this much longer, so that it comes second.
+NCCL_WATCHDOG_SLACK_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +162,8 @@ class RankLifecycle:
         with contextlib.suppress(Exception):
             self.store.set(_PROCESS_KEY.format(global_rank=self.global_ranks[self.rank]),
                            f"{os.getpid()} {host_identity()}")
-        self.timeout = datetime.timedelta(seconds=timeout_s)
+        slack = NCCL_WATCHDOG_SLACK_S if self.backend == "nccl" else 0.0
+        self.timeout = datetime.timedelta(seconds=timeout_s + slack)
         self.groups: list[Any] = []  # every group this pipeline made, the main one first
         if device is None and "nccl" in self.backend and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
@@ -169,9 +186,19 @@ class RankLifecycle:
         self.state = OPEN
         self.stopped_because: str | None = None
         # NCCL waits are the streams': a rank waiting for a peer that failed blocks in a kernel
-        # until the communicator is aborted, so the watcher aborts once the store names a failure.
+        # until the communicator is aborted, so the watcher aborts once the store names a failure,
+        # a peer's process is gone or its heartbeat stopped, or a call waited past timeout_s.
         self.abort_on_failure = self.backend == "nccl"
         self.aborted_because: str | None = None
+        self.abort_error: ConveyorError | None = None  # what the watcher aborted for, raised by the call
+        self.timeout_s = timeout_s
+        self.silence_s = SILENCE_S
+        self._aborter = GroupAborter(self.rank)  # the watcher's and a failing call's aborts, each group once
+        self._beats: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat count, when it last moved)
+        self._call_started: float | None = None  # monotonic time the running pipeline call began
+        self._stale_failures = ""  # what peers had published before this pipeline began
+        # (began, its end's CUDA event) of each call whose GPU work may still run, oldest first
+        self._in_flight: collections.deque[tuple[float, Any]] = collections.deque()
         # Rank 0's token, agreed at construction: this pipeline's store keys carry it, because a
         # group's name comes back once a closed pipeline's groups are gone, and a later pipeline on
         # the same ranks must not read the keys the dead one left in the store.
@@ -287,6 +314,9 @@ class RankLifecycle:
         """
         self.transport = transport
         self._on_release = list(on_release)
+        # The store's failure board is the job's: what an earlier pipeline's ranks published is
+        # no failure of this one's (the watcher acts only on news).
+        self._stale_failures = transport.peer_failures()
         if position is not None:
             self.board = PositionBoard(self.store, f"conveyor/where/{self.store_prefix()}", self.rank, self.num_ranks,
                                        position, render=render, global_rank=self.global_ranks[self.rank],
@@ -322,19 +352,64 @@ class RankLifecycle:
         return mine
 
     def _abort_on_peer_failure(self) -> None:
-        """Run by the watcher thread: abort this pipeline's communicators once a peer published a failure."""
-        if not self.abort_on_failure or self.state != OPEN or self.aborted_because or self.transport is None:
+        """Run by the watcher thread each poll under NCCL: abort this pipeline's communicators once
+        a peer published a failure, a peer's process is gone or its heartbeat stopped, or a call
+        has waited longer than timeout_s.
+
+        A killed peer publishes nothing, and a rank waiting for it waits in a kernel that only
+        an abort ends (else NCCL's watchdog ends the process). What the watcher saw becomes
+        :attr:`abort_error`, which the waiting call raises.
+        """
+        if not self.abort_on_failure or self.state != OPEN or self.abort_error is not None or self.transport is None:
             return
+        error = self._peer_verdict() or self._timeout_verdict()
+        if error is None:
+            return
+        self.abort_error, self.aborted_because = error, str(error)
+        log.warning("conveyor: rank %d aborts its communicators: %s", self.rank, error)
+        self._aborter.abort(list(self.groups))
+
+    def _peer_verdict(self) -> PeerFailure | None:
+        """A peer's failure: published, or its process gone, or its heartbeat silent for ``silence_s``."""
+        try:
+            self.store.add(HEARTBEAT_KEY.format(global_rank=self.global_ranks[self.rank]), 0)
+        except Exception as exc:  # the store's server is a process of the job (rank 0, or the launcher's)
+            return PeerFailure(f"rank {self.rank} lost the job's store ({type(exc).__name__}: {exc}): the "
+                               "process serving it (global rank 0, or the launcher) has died")
         failures = self.transport.peer_failures()
-        if failures:
-            self.aborted_because = failures
-            log.warning("conveyor: rank %d aborts its communicators: %s", self.rank, failures)
-            for group in list(self.groups):
-                try:
-                    group.abort()
-                except Exception as exc:  # the others still need aborting; say which did not
-                    log.warning("conveyor: rank %d could not abort group %s: %s: %s", self.rank,
-                                getattr(group, "group_name", group), type(exc).__name__, exc)
+        if failures and failures != self._stale_failures:
+            return PeerFailure(failures)
+        dead = self.exited_peers() + self._silent_peers()
+        if dead:
+            return PeerFailure(f"{'; '.join(dead)}; rank {self.rank} aborted the pipeline's communicators")
+        return None
+
+    def _silent_peers(self) -> list[str]:
+        """'rank R stopped answering ...' for each peer whose heartbeat has not moved for ``silence_s``."""
+        now, silent = time.monotonic(), []
+        for rank, count in self._heartbeats().items():
+            seen = self._beats.get(rank)
+            if seen is None or seen[0] != count:
+                self._beats[rank] = (count, now)
+            elif now - seen[1] > self.silence_s and not self._left(rank):
+                silent.append(f"rank {rank} stopped answering (no heartbeat for {now - seen[1]:.0f} s: "
+                              "its process died or froze)")
+        return silent
+
+    def _timeout_verdict(self) -> CommTimeout | None:
+        """A pipeline call, or the GPU work it queued, running longer than timeout_s."""
+        while self._in_flight and self._in_flight[0][1].query():  # the host returned, the kernels too
+            self._in_flight.popleft()
+        began = [self._call_started, *(call[0] for call in list(self._in_flight)[:1])]
+        started = min((b for b in began if b is not None), default=None)
+        if started is None or time.monotonic() - started <= self.timeout_s:
+            return None
+        return CommTimeout(
+            f"rank {self.rank}: a pipeline call has waited more than timeout_s={self.timeout_s:g} s for its "
+            "peers (NCCL waits on the GPU's streams, so this rank's watcher aborted the pipeline's "
+            "communicators); a peer is slow, stuck or running another schedule (raise timeout_s= if the "
+            "step is legitimately that slow)"
+        )
 
     # --- calls ---------------------------------------------------------------------------
     def check_usable(self) -> None:
@@ -344,6 +419,10 @@ class RankLifecycle:
                 f"rank {self.rank}: this pipeline was closed (pipe.close() or the end of its `with` block); "
                 "build a new Pipeline to go on"
             )
+        if self.state == OPEN and self.abort_error is not None:  # aborted between calls
+            error = self._with_picture(self.abort_error)
+            self.fail(error, error)
+            raise error
         if self.state == STOPPED:
             raise PipelineStopped(
                 f"rank {self.rank}: this pipeline stopped after a failure ({self.stopped_because}) and closed "
@@ -354,26 +433,51 @@ class RankLifecycle:
         """``fn(*args)``; if it raises, every rank of the pipeline stops with the reason.
 
         A peer that failed closes its connections after publishing why; whichever
-        communication call notices first (send, post, wait, collective) reports that.
+        communication call notices first (send, post, wait, collective) reports that. Under
+        NCCL the watcher may abort the communicators while ``fn`` runs (a dead or silent peer,
+        a wait past timeout_s): then what it saw is raised, whether ``fn`` broke or returned
+        results that the abort made worthless.
         """
         self.check_usable()
+        outer = self._call_started  # a call inside a call: the outer one's clock runs on
+        started = self._call_started = outer if outer is not None else time.monotonic()
         try:
-            return fn(*args)
-        except ConveyorError as exc:
-            if isinstance(exc, CommTimeout) and self.board is not None:
-                picture = self.board.picture()
-                if picture:
-                    exc.args = (f"{exc}\n\nwhere every rank of the pipeline stands (>action<: where it is):"
-                                f"\n{picture}",)
-            self.fail(exc, exc)
-            raise
+            result = fn(*args)
         except Exception as exc:
-            cause = self.peer_cause(exc)
-            if cause is None:
-                self.fail(exc, exc)
+            error = self._explain(exc)
+            self.fail(error, exc)
+            if error is exc:
                 raise
-            self.fail(cause, exc)
-            raise cause from exc
+            raise error from exc
+        finally:
+            self._call_started = outer
+        if self.abort_error is not None:
+            error = self._with_picture(self.abort_error)
+            self.fail(error, error)
+            raise error
+        if self.abort_on_failure and outer is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            done = torch.cuda.Event()  # the watcher asks it (no wait) whether the call's kernels ended
+            done.record()
+            self._in_flight.append((started, done))
+        return result
+
+    def _explain(self, exc: Exception) -> Exception:
+        """What to raise for ``exc``: the watcher's finding, a peer's failure, or ``exc`` itself."""
+        if self.abort_error is not None:
+            return self._with_picture(self.abort_error)
+        if isinstance(exc, ConveyorError):
+            return self._with_picture(exc)
+        cause = self.peer_cause(exc)
+        return exc if cause is None else cause
+
+    def _with_picture(self, error: Exception) -> Exception:
+        """A timeout says where every rank stands (asked through the store; the data plane is stuck)."""
+        if isinstance(error, CommTimeout) and self.board is not None and "where every rank" not in str(error):
+            picture = self.board.picture()
+            if picture:
+                error.args = (f"{error}\n\nwhere every rank of the pipeline stands (>action<: where it is):"
+                              f"\n{picture}",)
+        return error
 
     def peer_cause(self, exc: Exception) -> PeerFailure | None:
         """The failure of a peer that explains ``exc``, if one does."""
@@ -430,10 +534,20 @@ class RankLifecycle:
                 pid_text, _, host = self.store.get(_PROCESS_KEY.format(global_rank=global_rank)).decode().partition(" ")
             except Exception:  # the store went with rank 0's process
                 continue
-            if host == here and not process_alive(int(pid_text)):
+            if host == here and not process_alive(int(pid_text)) and not self._left(rank):
                 named = f"rank {rank}" if rank == global_rank else f"rank {rank} (global rank {global_rank})"
                 gone.append(f"{named} (pid {pid_text}) has exited")
         return gone
+
+    def _left(self, rank: int) -> bool:
+        """Whether ``rank`` closed this pipeline cleanly (its process may be gone: nothing failed)."""
+        try:
+            return bool(self.store.check([self._left_key(rank)]))
+        except Exception:  # no group left to name the key by, or no store
+            return False
+
+    def _left_key(self, rank: int) -> str:
+        return _LEFT_KEY.format(prefix=self.store_prefix(), global_rank=self.global_ranks[rank])
 
     # --- failure and close -----------------------------------------------------------------
     def fail(self, exc: BaseException, raised: BaseException) -> None:
@@ -474,6 +588,9 @@ class RankLifecycle:
     def _release(self) -> None:
         if self.board is not None:
             self.board.stop()
+            if self.state == CLOSED and self.abort_error is None:  # our exit is then no death to peers
+                with contextlib.suppress(Exception):
+                    self.store.set(self._left_key(self.rank), "closed")
         for release in self._on_release:
             release()
         if self.transport is not None:
@@ -484,19 +601,22 @@ class RankLifecycle:
         import torch.distributed as dist
 
         groups, self.groups, self.group = self.groups, [], None
-        for group in groups:
-            # Gone from torch's tables when the user destroyed every group first (then
-            # dropping our reference is what ends it).
-            if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+        # Gone from torch's tables when the user destroyed every group first (then dropping our
+        # reference is what ends it).
+        live = [group for group in groups if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map]
+        if self.backend == "nccl" and (self.state == STOPPED or self.abort_error is not None):
+            # Destroying waits for pending work, which a failed peer never completes: abort
+            # instead, those the watcher has not aborted yet, together; then torch forgets them.
+            self._aborter.abort(live)
+            for group in live:
+                dist.distributed_c10d._cleanup_process_group_global_state(group)
+        else:
+            for group in live:
                 try:
-                    if self.backend == "nccl" and self.state == STOPPED:
-                        # Destroying waits for pending work, which a failed peer never completes.
-                        dist.distributed_c10d._abort_process_group(group)
-                    else:
-                        dist.destroy_process_group(group)
+                    dist.destroy_process_group(group)
                 except Exception as exc:  # a peer's failure may have broken it already
                     log.debug("destroying a pipeline process group: %s", exc)
-        del groups
+        del groups, live
         # The last references may sit in reference cycles (an exception's frames); the
         # destructor joins gloo's threads, which must happen while the interpreter is whole.
         gc.collect()

@@ -57,6 +57,7 @@ class PositionBoard:
         self.poll_s = poll_s
         self.on_poll = on_poll  # also run by the watcher each poll (the lifecycle's failure watch)
         self.answered = 0
+        self._poll_failed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -102,8 +103,12 @@ class PositionBoard:
         while not self._stop.wait(self.poll_s):
             try:
                 self.store.add(self.heartbeat_key, 1)
-                if self.on_poll is not None:
-                    self.on_poll()
+            except Exception as exc:  # the store is gone (its process died): say so once, then stop
+                log.debug("where is everyone: watcher stops: %s", exc)
+                self._poll()
+                return
+            self._poll()
+            try:
                 request = self.store.add(f"{self.prefix}/request", 0)
                 if request > self.answered:
                     self._answer(request)
@@ -117,6 +122,16 @@ class PositionBoard:
             except Exception as exc:  # the store is gone (rank 0 exited): nothing left to answer
                 log.debug("where is everyone: watcher stops: %s", exc)
                 return
+
+    def _poll(self) -> None:
+        """Run ``on_poll``; what it raises is logged, and the next poll runs it again."""
+        if self.on_poll is not None:
+            try:
+                self.on_poll()
+            except Exception:  # said once at warning level: it runs every poll
+                log.log(logging.DEBUG if self._poll_failed else logging.WARNING,
+                        "conveyor: the watcher's poll failed", exc_info=True)
+                self._poll_failed = True
 
     def _answer(self, request: int) -> None:
         self.answered = max(self.answered, request)
