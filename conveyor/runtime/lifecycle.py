@@ -16,7 +16,9 @@ and "what does close() release" are answered in one file:
   whose waits are the GPU's streams, the watcher thread also looks for a killed peer (its
   process gone, its heartbeat stopped) and for a call past ``timeout_s``, aborts every
   communicator of the pipeline together (:mod:`conveyor.runtime.aborts`), and the waiting
-  call raises what it saw.
+  call raises what it saw. What the store says of the peers' health (their processes,
+  heartbeats, clean exits and published failures) is read by :mod:`conveyor.runtime.peers`;
+  this module decides what to do with it.
 - **Close.** ``close()`` (also on ``with``, when the pipeline is garbage collected, and at
   interpreter exit) releases the transport's rings, sockets and pending work and destroys
   the pipeline's groups, so that gloo's threads are joined while the interpreter is
@@ -60,29 +62,14 @@ import torch
 from conveyor.errors import (
     CommTimeout,
     ConveyorError,
-    PeerFailure,
     PipelineClosed,
     PipelineConfigError,
     PipelineStopped,
 )
 from conveyor.runtime.aborts import GroupAborter
-from conveyor.runtime.positions import HEARTBEAT_KEY, PositionBoard
-from conveyor.runtime.shm import host_identity, process_alive
+from conveyor.runtime.peers import PeerHealth
+from conveyor.runtime.positions import PositionBoard
 
-# Where each rank says which process it is, so that a peer whose connection broke can tell
-# which rank died (a killed process publishes no failure of its own).
-_PROCESS_KEY = "conveyor/process/{global_rank}"
-# How long a rank whose connection broke looks for the failing peer's message (the peer
-# publishes before it closes, but the breakage of any pair of the group can reach this rank
-# first) before it names the ranks whose processes or heartbeats are gone.
-FAILURE_GRACE_S = 2.0
-# How long a peer's heartbeat may stand still before the watcher (NCCL) takes the peer for dead.
-# Well above the watcher's poll (0.5 s) and the longest thing a watcher does between beats
-# (drawing "where is everyone", up to 3 s): a live peer's watcher never pauses that long.
-SILENCE_S = 10.0
-# Where a rank says that it closed this pipeline cleanly: its process may then exit, and its
-# heartbeat stop, without a peer taking it for dead.
-_LEFT_KEY = "conveyor/left/{prefix}/{global_rank}"
 # Under NCCL the watcher ends a wait past timeout_s and says where everyone is; NCCL's own
 # watchdog (which ends the process) is given this much longer, so that it comes second.
 NCCL_WATCHDOG_SLACK_S = 60.0
@@ -159,9 +146,7 @@ class RankLifecycle:
         # process serves it); held here so that peers can still read them after the user
         # destroyed the default group.
         self.store = _get_default_store()
-        with contextlib.suppress(Exception):
-            self.store.set(_PROCESS_KEY.format(global_rank=self.global_ranks[self.rank]),
-                           f"{os.getpid()} {host_identity()}")
+        self.peers = PeerHealth(self.store, self.rank, self.global_ranks, prefix=self.store_prefix)
         slack = NCCL_WATCHDOG_SLACK_S if self.backend == "nccl" else 0.0
         self.timeout = datetime.timedelta(seconds=timeout_s + slack)
         self.groups: list[Any] = []  # every group this pipeline made, the main one first
@@ -192,11 +177,8 @@ class RankLifecycle:
         self.aborted_because: str | None = None
         self.abort_error: ConveyorError | None = None  # what the watcher aborted for, raised by the call
         self.timeout_s = timeout_s
-        self.silence_s = SILENCE_S
         self._aborter = GroupAborter(self.rank)  # the watcher's and a failing call's aborts, each group once
-        self._beats: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat count, when it last moved)
         self._call_started: float | None = None  # monotonic time the running pipeline call began
-        self._stale_failures = ""  # what peers had published before this pipeline began
         # (began, its end's CUDA event) of each call whose GPU work may still run, oldest first
         self._in_flight: collections.deque[tuple[float, Any]] = collections.deque()
         # Rank 0's token, agreed at construction: this pipeline's store keys carry it, because a
@@ -314,9 +296,7 @@ class RankLifecycle:
         """
         self.transport = transport
         self._on_release = list(on_release)
-        # The store's failure board is the job's: what an earlier pipeline's ranks published is
-        # no failure of this one's (the watcher acts only on news).
-        self._stale_failures = transport.peer_failures()
+        self.peers.read_failures_from(transport)
         if position is not None:
             self.board = PositionBoard(self.store, f"conveyor/where/{self.store_prefix()}", self.rank, self.num_ranks,
                                        position, render=render, global_rank=self.global_ranks[self.rank],
@@ -362,39 +342,12 @@ class RankLifecycle:
         """
         if not self.abort_on_failure or self.state != OPEN or self.abort_error is not None or self.transport is None:
             return
-        error = self._peer_verdict() or self._timeout_verdict()
+        error = self.peers.verdict() or self._timeout_verdict()
         if error is None:
             return
         self.abort_error, self.aborted_because = error, str(error)
         log.warning("conveyor: rank %d aborts its communicators: %s", self.rank, error)
         self._aborter.abort(list(self.groups))
-
-    def _peer_verdict(self) -> PeerFailure | None:
-        """A peer's failure: published, or its process gone, or its heartbeat silent for ``silence_s``."""
-        try:
-            self.store.add(HEARTBEAT_KEY.format(global_rank=self.global_ranks[self.rank]), 0)
-        except Exception as exc:  # the store's server is a process of the job (rank 0, or the launcher's)
-            return PeerFailure(f"rank {self.rank} lost the job's store ({type(exc).__name__}: {exc}): the "
-                               "process serving it (global rank 0, or the launcher) has died")
-        failures = self.transport.peer_failures()
-        if failures and failures != self._stale_failures:
-            return PeerFailure(failures)
-        dead = self.exited_peers() + self._silent_peers()
-        if dead:
-            return PeerFailure(f"{'; '.join(dead)}; rank {self.rank} aborted the pipeline's communicators")
-        return None
-
-    def _silent_peers(self) -> list[str]:
-        """'rank R stopped answering ...' for each peer whose heartbeat has not moved for ``silence_s``."""
-        now, silent = time.monotonic(), []
-        for rank, count in self._heartbeats().items():
-            seen = self._beats.get(rank)
-            if seen is None or seen[0] != count:
-                self._beats[rank] = (count, now)
-            elif now - seen[1] > self.silence_s and not self._left(rank):
-                silent.append(f"rank {rank} stopped answering (no heartbeat for {now - seen[1]:.0f} s: "
-                              "its process died or froze)")
-        return silent
 
     def _timeout_verdict(self) -> CommTimeout | None:
         """A pipeline call, or the GPU work it queued, running longer than timeout_s."""
@@ -467,7 +420,7 @@ class RankLifecycle:
             return self._with_picture(self.abort_error)
         if isinstance(exc, ConveyorError):
             return self._with_picture(exc)
-        cause = self.peer_cause(exc)
+        cause = self.peers.cause(exc)
         return exc if cause is None else cause
 
     def _with_picture(self, error: Exception) -> Exception:
@@ -478,76 +431,6 @@ class RankLifecycle:
                 error.args = (f"{error}\n\nwhere every rank of the pipeline stands (>action<: where it is):"
                               f"\n{picture}",)
         return error
-
-    def peer_cause(self, exc: Exception) -> PeerFailure | None:
-        """The failure of a peer that explains ``exc``, if one does."""
-        import torch.distributed as dist
-
-        if not isinstance(exc, RuntimeError) or self.transport is None:
-            return None
-        failures = self.transport.peer_failures()
-        if failures:
-            return PeerFailure(failures)
-        if not (isinstance(exc, dist.DistError) or "onnection" in str(exc)):
-            return None
-        # A broken connection: the failing peer (or the first rank to notice a dead one) may
-        # be about to say why; else name the ranks whose processes are gone (on this host) or
-        # whose heartbeats stopped (on any host).
-        start = time.monotonic()
-        beats = self._heartbeats()
-        failures, dead = "", []
-        while time.monotonic() < start + FAILURE_GRACE_S:
-            dead = self.exited_peers()
-            failures = self.transport.peer_failures()
-            if failures or dead:
-                break
-            time.sleep(0.1)
-        if not (failures or dead):
-            now = self._heartbeats()
-            dead = [f"rank {rank} stopped answering (no heartbeat for {FAILURE_GRACE_S:g} s: its process "
-                    "died or froze)" for rank in range(self.num_ranks)
-                    if rank != self.rank and now.get(rank) == beats.get(rank)]
-        if failures:
-            return PeerFailure(failures)
-        if dead:
-            return PeerFailure(f"{'; '.join(dead)} ({exc})")
-        return PeerFailure(f"{exc}; a peer probably died: look at its output")
-
-    def _heartbeats(self) -> dict[int, int]:
-        """Each peer's heartbeat count (see conveyor.runtime.positions), where the store has one."""
-        beats = {}
-        for rank, global_rank in enumerate(self.global_ranks):
-            key = HEARTBEAT_KEY.format(global_rank=global_rank)
-            with contextlib.suppress(Exception):
-                if rank != self.rank and self.store.check([key]):
-                    beats[rank] = self.store.add(key, 0)
-        return beats
-
-    def exited_peers(self) -> list[str]:
-        """'rank R (pid P) has exited' for each peer on this host whose process is gone."""
-        here = host_identity()
-        gone = []
-        for rank, global_rank in enumerate(self.global_ranks):
-            if rank == self.rank:
-                continue
-            try:
-                pid_text, _, host = self.store.get(_PROCESS_KEY.format(global_rank=global_rank)).decode().partition(" ")
-            except Exception:  # the store went with rank 0's process
-                continue
-            if host == here and not process_alive(int(pid_text)) and not self._left(rank):
-                named = f"rank {rank}" if rank == global_rank else f"rank {rank} (global rank {global_rank})"
-                gone.append(f"{named} (pid {pid_text}) has exited")
-        return gone
-
-    def _left(self, rank: int) -> bool:
-        """Whether ``rank`` closed this pipeline cleanly (its process may be gone: nothing failed)."""
-        try:
-            return bool(self.store.check([self._left_key(rank)]))
-        except Exception:  # no group left to name the key by, or no store
-            return False
-
-    def _left_key(self, rank: int) -> str:
-        return _LEFT_KEY.format(prefix=self.store_prefix(), global_rank=self.global_ranks[rank])
 
     # --- failure and close -----------------------------------------------------------------
     def fail(self, exc: BaseException, raised: BaseException) -> None:
@@ -589,8 +472,7 @@ class RankLifecycle:
         if self.board is not None:
             self.board.stop()
             if self.state == CLOSED and self.abort_error is None:  # our exit is then no death to peers
-                with contextlib.suppress(Exception):
-                    self.store.set(self._left_key(self.rank), "closed")
+                self.peers.say_left()
         for release in self._on_release:
             release()
         if self.transport is not None:

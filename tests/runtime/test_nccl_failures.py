@@ -23,7 +23,7 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.runtime import aborts, lifecycle
+from conveyor.runtime import aborts, lifecycle, peers
 from conveyor.runtime.shm import host_identity
 from conveyor.testing import run_ranks
 
@@ -66,7 +66,7 @@ def _play_dead(life, scenario: str) -> None:
         stand_in = subprocess.Popen(["sleep", "60"])
         stand_in.kill()  # SIGKILL
         stand_in.wait()
-        life.store.set(lifecycle._PROCESS_KEY.format(global_rank=1), f"{stand_in.pid} {host_identity()}")
+        life.store.set(peers._PROCESS_KEY.format(global_rank=1), f"{stand_in.pid} {host_identity()}")
     if scenario != "stuck":
         life.board.stop()  # the heartbeat stops
     life.transport.publish_failure = lambda message: None  # a killed process publishes nothing
@@ -102,7 +102,7 @@ def _scenario(rank, scenario):
         dist.ProcessGroup.abort = record
         life.abort_on_failure = True  # NCCL's setting
         # Short limits only where they are the point: a live peer's heartbeat may pause on a busy machine.
-        life.silence_s, life.timeout_s = (2.0 if scenario == "frozen" else 60.0), (3.0 if scenario == "stuck" else 60.0)
+        life.peers.silence_s, life.timeout_s = (2.0 if scenario == "frozen" else 60.0), (3.0 if scenario == "stuck" else 60.0)
         if scenario == "queued":
             lifecycle.torch = _GPU
         seen["groups"] = [dist.get_process_group_ranks(group) for group in life.groups]
@@ -143,14 +143,14 @@ def _peer_closes_then_exits(rank):
     if rank == 0:
         aborted, real_abort = [], dist.ProcessGroup.abort
         dist.ProcessGroup.abort = lambda group: aborted.append(dist.get_process_group_ranks(group))
-        life.abort_on_failure, life.silence_s = True, 0.5
+        life.abort_on_failure, life.peers.silence_s = True, 0.5
     dist.barrier()
     if rank == 1:
         pipe.close()
         stand_in = subprocess.Popen(["sleep", "60"])
         stand_in.kill()
         stand_in.wait()
-        life.store.set(lifecycle._PROCESS_KEY.format(global_rank=1), f"{stand_in.pid} {host_identity()}")
+        life.store.set(peers._PROCESS_KEY.format(global_rank=1), f"{stand_in.pid} {host_identity()}")
     dist.barrier()
     if rank == 0:
         time.sleep(2.0)  # four polls: past the silence allowed, with the peer's process gone
