@@ -27,16 +27,13 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before torch: cuBLAS's bits then repeat
 
 import argparse  # noqa: E402 - after the environment torch reads at import
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
+import importlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
-from gpu_rows import hf_rows, ranks, split_bw, train_rows, world1  # noqa: E402
-from gpu_rows.common import Context  # noqa: E402
+from gpu_rows.common import Context, nvidia_smi_gpus  # noqa: E402
 
 SKIPPED = "no CUDA GPU: skipped"
 NO_CUDA_EXIT = 2
@@ -44,66 +41,45 @@ NO_CUDA_EXIT = 2
 
 @dataclass(frozen=True)
 class Row:
-    """One line of the table: ``run(ctx)`` gives (passed, detail); ``budget_s`` on one H100."""
+    """One line of the table: ``gpu_rows.<target>(ctx, *args)`` gives (passed, detail); ``budget_s`` on one H100.
+
+    Targets are imported when their row runs: a machine that only learns it has no GPU imports little.
+    """
 
     id: str
     title: str
-    run: Callable[[Context], tuple[bool, str]]
+    target: str
     budget_s: float
+    args: tuple = ()
     gpu_only: bool = False
 
-
-def _world1(part: str) -> Callable[[Context], tuple[bool, str]]:
-    def run(ctx: Context) -> tuple[bool, str]:
-        ok, detail, _ = world1.world1_rows(ctx, [part])[part]
-        return ok, detail
-    return run
-
-
-def environment_row(ctx: Context) -> tuple[bool, str]:
-    """What this torch sees against what nvidia-smi sees."""
-    seen = nvidia_smi_gpus()
-    count = torch.cuda.device_count()
-    detail = f"{torch.cuda.get_device_name(ctx.device)}; torch {torch.__version__}, CUDA {torch.version.cuda}; " \
-             f"torch sees {count} GPU(s), nvidia-smi {len(seen) if isinstance(seen, list) else seen}"
-    return count >= 1, detail
+    def run(self, ctx: Context) -> tuple[bool, str]:
+        module, _, function = self.target.rpartition(".")
+        return getattr(importlib.import_module(f"gpu_rows.{module}"), function)(ctx, *self.args)
 
 
 ROWS = [
-    Row("env", "the GPU this torch runs on", environment_row, 5, gpu_only=True),
-    Row("ranks2", "2 gloo ranks, one device: every schedule x transport", lambda c: ranks.schedules_row(c, 2), 60),
-    Row("ranks4", "4 gloo ranks, one device: every schedule x transport", lambda c: ranks.schedules_row(c, 4), 90),
-    Row("tied", "tied GPT-2 (conveyor.pipeline), 2 gloo ranks", hf_rows.tied_row, 30),
-    Row("clip", "clip_grad_norm_ + on_nonfinite=skip, 2 gloo ranks", ranks.clip_skip_row, 20),
-    Row("ddp", "dp=2 x pp=2 ddp, 4 gloo ranks", lambda c: ranks.replicas_row(c, "ddp"), 25),
-    Row("fsdp", "dp=2 x pp=2 fsdp, 4 gloo ranks", lambda c: ranks.replicas_row(c, "fsdp"), 25),
-    Row("lag", "device lags the host, ordered transport, 2 gloo ranks", ranks.lag_row, 20),
-    Row("world1", "world 1: every collective, checkpoint resume", _world1("collectives"), 20),
-    Row("world1-bf16", "world 1: bf16 weights, fp32 main grads", _world1("bf16"), 15),
-    Row("world1-syncs", "world 1: steps 2+ under sync debug 'error'", _world1("syncs"), 30, gpu_only=True),
-    Row("train-pp1", "conveyor train pp=1: eval, ckpt, resume, bf16, tokens", train_rows.train_pp1_row, 60),
-    Row("train-default", "conveyor train: the default run", train_rows.train_default_row, 45),
-    Row("traced-gpt2", "traced GPT-2: every schedule, ckpt+dropout+compile+bf16", lambda c: hf_rows.traced_row(
-        c, "gpt2"), 60),
-    Row("traced-llama", "traced Llama: every schedule, ckpt+dropout+compile+bf16", lambda c: hf_rows.traced_row(
-        c, "llama"), 60),
-    Row("split-bw", "GPT stages: split backward I + W against fused B", split_bw.split_backward_row, 15),
+    Row("env", "the GPU this torch runs on", "common.environment_row", 5, gpu_only=True),
+    Row("ranks2", "2 gloo ranks, one device: every schedule x transport", "ranks.schedules_row", 40, (2,)),
+    Row("ranks4", "4 gloo ranks, one device: every schedule x transport", "ranks.schedules_row", 60, (4,)),
+    Row("tied", "tied GPT-2 (conveyor.pipeline), 2 gloo ranks", "hf_rows.tied_row", 25),
+    Row("clip", "clip_grad_norm_ + on_nonfinite=skip, 2 gloo ranks", "ranks.clip_skip_row", 15),
+    Row("ddp", "dp=2 x pp=2 ddp, 4 gloo ranks", "ranks.replicas_row", 20, ("ddp",)),
+    Row("fsdp", "dp=2 x pp=2 fsdp, 4 gloo ranks", "ranks.replicas_row", 20, ("fsdp",)),
+    Row("lag", "device lags the host, ordered transport, 2 gloo ranks", "ranks.lag_row", 15),
+    Row("world1", "world 1: every collective, checkpoint resume", "world1.world1_row", 20, ("collectives",)),
+    Row("world1-bf16", "world 1: bf16 weights, fp32 main grads", "world1.world1_row", 15, ("bf16",)),
+    Row("world1-syncs", "world 1: steps 2+ under sync debug 'error'", "world1.world1_row", 30, ("syncs",),
+        gpu_only=True),
+    Row("train-pp1", "conveyor train pp=1: eval, ckpt, resume, bf16, tokens", "train_rows.train_pp1_row", 60),
+    Row("train-default", "conveyor train: the default run", "train_rows.train_default_row", 35),
+    Row("traced-gpt2", "traced GPT-2: every schedule, ckpt+dropout+compile+bf16", "hf_rows.traced_row", 50,
+        ("gpt2",)),
+    Row("traced-llama", "traced Llama: every schedule, ckpt+dropout+compile+bf16", "hf_rows.traced_row", 50,
+        ("llama",)),
+    Row("split-bw", "GPT stages: split backward I + W against fused B", "split_bw.split_backward_row", 15),
 ]
 # In-process rows that compile come after every row that forks ranks: fork after inductor's threads is unsafe.
-
-
-def nvidia_smi_gpus() -> list[str] | None | str:
-    """The GPUs ``nvidia-smi -L`` lists; None without nvidia-smi; a message when it fails."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        done = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"nvidia-smi -L failed: {exc}"
-    if done.returncode != 0:
-        return f"nvidia-smi -L exited {done.returncode}: {(done.stderr or done.stdout).strip()[:200]}"
-    return [line for line in done.stdout.splitlines() if line.startswith("GPU ")]
 
 
 def no_cuda_answer() -> tuple[int, str]:

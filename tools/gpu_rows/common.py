@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 
 from conveyor.testing import run_ranks
-from conveyor.testing.data_parallel import MLPStack, MLPStage, make_batch  # noqa: F401 (re-exported)
+from conveyor.testing.data_parallel import MLPStack, make_batch
 
 MICROBATCHES_PER_RANK = 2  # M = 2P: every built-in schedule takes it at every P
 LR = 1e-2
@@ -182,3 +184,26 @@ def mlp_state(stages: Mapping[int, torch.nn.Module], attribute: str) -> dict[str
             full = getattr(value, "full_tensor", None)  # a DTensor (fsdp): gathered, a collective
             out[f"{s}.{n}"] = None if value is None else (full() if full is not None else value)
     return cpu(out)
+
+
+def nvidia_smi_gpus() -> list[str] | None | str:
+    """The GPUs ``nvidia-smi -L`` lists; None without nvidia-smi; a message when it fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"nvidia-smi -L failed: {exc}"
+    if done.returncode != 0:
+        return f"nvidia-smi -L exited {done.returncode}: {(done.stderr or done.stdout).strip()[:200]}"
+    return [line for line in done.stdout.splitlines() if line.startswith("GPU ")]
+
+
+def environment_row(ctx: Context) -> tuple[bool, str]:
+    """What this torch sees against what nvidia-smi sees."""
+    seen = nvidia_smi_gpus()
+    count = torch.cuda.device_count()
+    return count >= 1, (f"{torch.cuda.get_device_name(ctx.device)}; torch {torch.__version__}, CUDA "
+                        f"{torch.version.cuda}; torch sees {count} GPU(s), nvidia-smi "
+                        f"{len(seen) if isinstance(seen, list) else seen}")

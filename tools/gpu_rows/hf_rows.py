@@ -166,7 +166,7 @@ def traced_row(ctx: Context, name: str) -> tuple[bool, str]:
     deterministic(ctx.device)
     model = hf_model(name, dropout=0.1).to(ctx.device)
     example = token_ids(0)[:2].to(ctx.device)
-    splits, references, failures, done = {}, {}, [], 0
+    splits, references, failures, done, worst_tied = {}, {}, [], 0, 0.0
     for schedule_name in schedule_names(ctx.quick):
         schedule = cs.build(schedule_name, ranks=2, microbatches=4, virtual=cs.available()[schedule_name].default_virtual)
         n = schedule.num_stages
@@ -177,12 +177,19 @@ def traced_row(ctx: Context, name: str) -> tuple[bool, str]:
             if not torch.isfinite(references[n]["loss"]):
                 return False, f"the reference loss over {n} stages is {references[n]['loss'].item()}"
         got = _traced_run(model, splits[n], schedule, ctx)
-        ok, detail = compare({"loss": got["loss"], **got["grads"]},
-                             {"loss": references[n]["loss"], **references[n]["grads"]})
+        # A tied weight's uses add into one gradient in the schedule's order: equal to rounding only.
+        tied = {name for group in splits[n].tied_groups for name in group.names}
+        want = references[n]
+        ok, detail = compare({"loss": got["loss"], **{k: v for k, v in got["grads"].items() if k not in tied}},
+                             {"loss": want["loss"], **{k: v for k, v in want["grads"].items() if k not in tied}})
+        for name in tied & set(want["grads"]):
+            gap = ((got["grads"][name] - want["grads"][name]).abs().max() / want["grads"][name].abs().max()).item()
+            worst_tied = max(worst_tied, gap)
         done += 1
-        if not ok:
-            failures.append(f"{schedule_name}: {detail}")
-    options = "ckpt+dropout+bf16" + ("+compile" if ctx.compile else " (no compile)")
+        if not ok or worst_tied > 1e-5:
+            failures.append(f"{schedule_name}: {detail if not ok else f'tied grads differ by {worst_tied:.2g}'}")
+    options = "ckpt+dropout+bf16" + ("+compile" if ctx.compile else ", no compile")
     if failures:
         return False, f"{len(failures)}/{done} differ from gpipe; {failures[0]}"
-    return True, f"{done}/{done} schedules' grads bitwise gpipe's over the same stages ({options})"
+    tied_note = f"; tied within {worst_tied:.1g}" if worst_tied else ""
+    return True, f"{done}/{done} schedules' grads bitwise gpipe's over the same stages ({options}){tied_note}"

@@ -4,7 +4,7 @@ under ``torch.cuda.set_sync_debug_mode("error")``. One rank process runs the par
 
 Example::
 
-    results = world1_rows(Context(torch.device("cpu")), ["collectives", "bf16"])
+    ok, detail = world1_row(Context(torch.device("cpu")), "bf16")
 """
 
 from __future__ import annotations
@@ -192,7 +192,8 @@ def _world1_rank(rank: int, world: int, device: str, parts: list[str], quick: bo
     return out
 
 
-def world1_rows(ctx: Context, parts: list[str]) -> dict[str, tuple[bool, str, float]]:
-    """The parts asked for, in one rank process: NCCL on a GPU, gloo on the CPU."""
-    return launch(_world1_rank, 1, ctx, parts, ctx.quick, backend="nccl" if ctx.cuda else "gloo",
-                  timeout_s=300)[0]
+def world1_row(ctx: Context, part: str) -> tuple[bool, str]:
+    """One part ("collectives", "bf16", "syncs") in a rank process of its own: NCCL on a GPU, gloo on the CPU."""
+    ok, detail, _ = launch(_world1_rank, 1, ctx, [part], ctx.quick, backend="nccl" if ctx.cuda else "gloo",
+                           timeout_s=300)[0][part]
+    return ok, detail
