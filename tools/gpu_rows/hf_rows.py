@@ -145,14 +145,14 @@ def tied_row(ctx: Context) -> tuple[bool, str]:
                  f"tied within {worst:.1g}"
 
 
-def _traced_run(model, split, schedule, ctx: Context) -> dict:
+def _traced_run(model, split, schedule, ctx: Context, seed: int = 7) -> dict:
     """One step of ``schedule`` over the cut, every option on; step-1 losses and grads by name."""
     model.zero_grad(set_to_none=True)  # stage modules share the model's untied parameters
     stages = [split.stage_module(s, ctx.device) for s in range(schedule.num_stages)]
     pipe = conveyor.LocalPipeline(stages, schedule, _hf_loss, tied_parameters=split.tied_groups,
                                   checkpoint_activations=True, autocast="bf16", compile=ctx.compile,
                                   device=ctx.device)
-    torch.manual_seed(7)  # the step's random streams (dropout) come from the CPU generator
+    torch.manual_seed(seed)  # the step's random streams (dropout) come from the CPU generator
     ids = token_ids(1).to(ctx.device)
     loss = pipe.step(ids, labels=ids)
     out = {"loss": cpu(loss), "grads": _named(stages, "grad")}
@@ -176,6 +176,10 @@ def traced_row(ctx: Context, name: str) -> tuple[bool, str]:
             references[n] = _traced_run(model, splits[n], cs.build("gpipe", ranks=n, microbatches=4), ctx)
             if not torch.isfinite(references[n]["loss"]):
                 return False, f"the reference loss over {n} stages is {references[n]['loss'].item()}"
+            if len(references) == 1:  # dropout draws: another seed, another loss (else the row tests no dropout)
+                other = _traced_run(model, splits[n], cs.build("gpipe", ranks=n, microbatches=4), ctx, seed=8)
+                if torch.equal(other["loss"], references[n]["loss"]):
+                    return False, "two seeds gave the same loss: dropout drew nothing"
         got = _traced_run(model, splits[n], schedule, ctx)
         # A tied weight's uses add into one gradient in the schedule's order: equal to rounding only.
         tied = {name for group in splits[n].tied_groups for name in group.names}

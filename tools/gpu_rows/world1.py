@@ -194,6 +194,6 @@ def _world1_rank(rank: int, world: int, device: str, parts: list[str], quick: bo
 
 def world1_row(ctx: Context, part: str) -> tuple[bool, str]:
     """One part ("collectives", "bf16", "syncs") in a rank process of its own: NCCL on a GPU, gloo on the CPU."""
-    ok, detail, _ = launch(_world1_rank, 1, ctx, [part], ctx.quick, backend="nccl" if ctx.cuda else "gloo",
-                           timeout_s=300)[0][part]
-    return ok, detail
+    backend = "nccl" if ctx.cuda else "gloo"
+    ok, detail, _ = launch(_world1_rank, 1, ctx, [part], ctx.quick, backend=backend, timeout_s=300)[0][part]
+    return ok, f"{detail} [{backend}]"
