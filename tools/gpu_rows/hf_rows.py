@@ -186,9 +186,9 @@ def traced_row(ctx: Context, name: str) -> tuple[bool, str]:
         want = references[n]
         ok, detail = compare({"loss": got["loss"], **{k: v for k, v in got["grads"].items() if k not in tied}},
                              {"loss": want["loss"], **{k: v for k, v in want["grads"].items() if k not in tied}})
-        for name in tied & set(want["grads"]):
-            gap = ((got["grads"][name] - want["grads"][name]).abs().max() / want["grads"][name].abs().max()).item()
-            worst_tied = max(worst_tied, gap)
+        for tied_name in tied & set(want["grads"]):
+            got_grad, want_grad = got["grads"][tied_name], want["grads"][tied_name]
+            worst_tied = max(worst_tied, ((got_grad - want_grad).abs().max() / want_grad.abs().max()).item())
         done += 1
         if not ok or worst_tied > 1e-5:
             failures.append(f"{schedule_name}: {detail if not ok else f'tied grads differ by {worst_tied:.2g}'}")
