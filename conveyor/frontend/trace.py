@@ -49,6 +49,7 @@ from conveyor.frontend.attention import (
     is_hugging_face_model,
     warn_of_repeated_heads,
 )
+from conveyor.frontend.functions import custom_functions_met, refusal
 
 logger = logging.getLogger(__name__)
 
@@ -321,10 +322,13 @@ def trace_model(
     if device.type == "meta":
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     try:
-        with _key_value_cache_off(model, kwargs), eager_attention_path(model, args, kwargs):
+        with (_key_value_cache_off(model, kwargs), eager_attention_path(model, args, kwargs),
+              custom_functions_met(model) as functions):
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # noqa: BLE001 - any failure is explained the same way
         raise TracingError(explain_trace_failure(model, error)) from error
+    if functions:  # their backward is not in the graph: the stages would train another model
+        raise TracingError(refusal(model, functions))
     traced = TracedModel(model, exported, device)
     warn_of_repeated_heads(model, traced.nodes, args, kwargs)
     return traced
