@@ -116,20 +116,31 @@ def warn_of_repeated_heads(model: nn.Module, nodes: Sequence[fx.Node], args: Seq
     said = _warned.setdefault(model, set())
     if found and tuple(found) not in said:
         said.add(tuple(found))
-        given = _path_inputs_given(model, args, kwargs) or ["attention_mask or position_ids"]
         logger.warning(
             "conveyor: %s (%d module%s with grouped key/value heads) will not be bitwise equal to eager "
-            "on batches without padding: %s %s an input of the traced graph, and eager transformers "
-            "reads its values to choose the attention path (no padding: no mask, is_causal, the groups "
-            "inside scaled_dot_product_attention), which a graph serving every batch cannot; the graph "
-            "applies the mask and repeats the key/value heads, whose gradients sum in another order "
-            "(rounding). Batches with padding match bitwise. For bitwise parity without "
-            "padding, leave %s out of the inputs (the model then counts positions and masks causally itself).",
+            "on batches without padding: %s. Eager transformers, given no padding, drops the mask and runs "
+            "the groups inside scaled_dot_product_attention (is_causal); the graph applies the mask and "
+            "repeats the key/value heads, whose gradients sum in another order (rounding). Batches with "
+            "padding match bitwise.",
             found[0] if len(found) == 1 else f"{found[0]} and {len(found) - 1} more",
-            len(found), "" if len(found) == 1 else "s", " and ".join(given),
-            "is" if len(given) == 1 else "are", " and ".join(given),
+            len(found), "" if len(found) == 1 else "s", _why_masked(model, args, kwargs),
         )
     return found
+
+
+def _why_masked(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    given = _path_inputs_given(model, args, kwargs) if is_hugging_face_model(model) else None
+    if given is None:
+        return (f"{type(model).__name__} is not a Hugging Face model itself, so conveyor cannot tell whether "
+                "the attention mask and positions it hands on read tensor values; trace the Hugging Face "
+                "model itself, without attention_mask and position_ids, for bitwise parity")
+    if given:
+        names = " and ".join(given)
+        return (f"{names} {'is an input' if len(given) == 1 else 'are inputs'} of the traced graph, and eager "
+                "transformers reads the values to choose the attention path, which a graph serving every "
+                f"batch cannot; for bitwise parity without padding, leave {names} out of the inputs")
+    return ("this transformers version's masking_utils lacks is_torchdynamo_exporting or "
+            "find_packed_sequence_indices, through which conveyor makes eager's choice while tracing")
 
 
 def _innermost_module(node: fx.Node) -> str:
