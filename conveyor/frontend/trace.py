@@ -24,6 +24,10 @@ What tracing costs, and its limits (see also ``conveyor.frontend`` docs):
 * The train/eval mode is fixed (dropout, BatchNorm, ``if self.training``).
 * A shape or scalar read from tensor data (``x[mask]``, ``.item()``) is refused,
   since stages exchange tensors of known shapes.
+* A custom ``torch.autograd.Function`` is refused: export keeps its forward, not its
+  backward (``conveyor.frontend.functions``).
+* A Hugging Face model given neither ``attention_mask`` nor ``position_ids`` is traced on
+  the attention path eager takes (``conveyor.frontend.attention``).
 """
 
 from __future__ import annotations
