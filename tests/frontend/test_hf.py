@@ -141,3 +141,22 @@ def test_grouped_kv_heads_follow_the_attention_implementation_the_user_asks_for(
         model, split = _grouped_heads_llama(2, batch, attn_implementation="eager")
     assert _attention_calls(split) == [] and "grouped key/value heads" not in caplog.text
     check_parity(model, split, kwargs=batch)
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return self.lm(input_ids).logits
+
+
+def test_grouped_kv_heads_inside_a_wrapper_model_are_named_in_a_warning(caplog):
+    """Only a Hugging Face model traced itself is known to take no mask: a wrapper is warned of."""
+    model_class, config = llama(num_layers=2)
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="conveyor.frontend.attention"):
+        frontend.split_model(_Wrapper(model_class(config)), 2, example_args=(token_batch()["input_ids"],))
+    assert "lm.model.layers.0.self_attn and 1 more" in caplog.text
+    assert "_Wrapper is not a Hugging Face model itself" in caplog.text
