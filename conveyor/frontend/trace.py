@@ -24,6 +24,10 @@ What tracing costs, and its limits (see also ``conveyor.frontend`` docs):
 * The train/eval mode is fixed (dropout, BatchNorm, ``if self.training``).
 * A shape or scalar read from tensor data (``x[mask]``, ``.item()``) is refused,
   since stages exchange tensors of known shapes.
+* A custom ``torch.autograd.Function`` is refused: export keeps its forward, not its
+  backward (``conveyor.frontend.functions``).
+* A Hugging Face model given neither ``attention_mask`` nor ``position_ids`` is traced on
+  the attention path eager takes (``conveyor.frontend.attention``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from conveyor.errors import TracingError
+from conveyor.frontend.attention import (
+    eager_attention_path,
+    is_hugging_face_model,
+    warn_of_repeated_heads,
+)
+from conveyor.frontend.functions import custom_functions_met, refusal
 
 logger = logging.getLogger(__name__)
 
@@ -316,11 +326,16 @@ def trace_model(
     if device.type == "meta":
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     try:
-        with _key_value_cache_off(model, kwargs):
+        with (_key_value_cache_off(model, kwargs), eager_attention_path(model, args, kwargs),
+              custom_functions_met(model) as functions):
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # noqa: BLE001 - any failure is explained the same way
         raise TracingError(explain_trace_failure(model, error)) from error
-    return TracedModel(model, exported, device)
+    if functions:  # their backward is not in the graph: the stages would train another model
+        raise TracingError(refusal(model, functions))
+    traced = TracedModel(model, exported, device)
+    warn_of_repeated_heads(model, traced.nodes, args, kwargs)
+    return traced
 
 
 @contextmanager
@@ -340,7 +355,7 @@ def _key_value_cache_off(model: nn.Module, example_kwargs: Mapping[str, Any]) ->
     owners: list[str] = []
     for module in model.modules():
         config = getattr(module, "config", None)
-        if not _is_hugging_face_model(module) or id(config) in switched:
+        if not is_hugging_face_model(module) or id(config) in switched:
             continue
         use_cache = getattr(config, "use_cache", False)
         if use_cache:
@@ -361,14 +376,6 @@ def _key_value_cache_off(model: nn.Module, example_kwargs: Mapping[str, Any]) ->
     finally:
         for config, use_cache in switched.values():
             config.use_cache = use_cache
-
-
-def _is_hugging_face_model(module: nn.Module) -> bool:
-    # Recognised by its base class's name: the frontend does not import transformers.
-    return any(
-        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
-        for cls in type(module).__mro__
-    )
 
 
 def explain_trace_failure(model: nn.Module, error: BaseException) -> str:

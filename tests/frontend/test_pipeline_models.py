@@ -49,8 +49,8 @@ def _llama():
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped, as Llama 3's
         max_position_embeddings=16,
         use_cache=False,
         bos_token_id=0,

@@ -39,7 +39,8 @@ def _splits_exactly(model: torch.nn.Module, num_stages: int = 2) -> frontend.Mod
 @pytest.mark.parametrize("name, cls, tied", [("gpt", "GPT2LMHeadModel", True), ("llama", "LlamaForCausalLM", False),
                                              ("mpt", "MptForCausalLM", True)])
 def test_each_recipe_builds_splits_and_ties_as_it_should(name, cls, tied):
-    cfg = load_config(None, [f"model.name={name}", *SMALL, "model.layers=4"])
+    grouped = ["model.kv_heads=2"] if name == "llama" else []  # as configs/llama.yaml: grouped heads, bitwise
+    cfg = load_config(None, [f"model.name={name}", *SMALL, "model.layers=4", *grouped])
     torch.manual_seed(0)
     model = build_model(cfg, 256)
     assert type(model).__name__ == cls
@@ -64,14 +65,13 @@ def test_model_keys_reach_the_transformers_config():
 
 
 def test_hf_class_builds_from_its_config_class_with_derived_sizes_and_splits():
-    # No grouped heads here: eager attention then takes another kernel than the traced stages, equal
-    # only to rounding (tests/frontend/test_hf.py); the derived num_key_value_heads is a doctest.
-    cfg = load_config(None, ["model.name=hf:Qwen2ForCausalLM", *SMALL, "model.hf_config.tie_word_embeddings=true"])
+    cfg = load_config(None, ["model.name=hf:Qwen2ForCausalLM", *SMALL, "model.kv_heads=2",
+                             "model.hf_config.tie_word_embeddings=true"])
     torch.manual_seed(0)
     model = build_model(cfg, 256)
     c = model.config
     assert type(model).__name__ == "Qwen2ForCausalLM"
-    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (2, 32, 4, 4)
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (2, 32, 4, 2)
     assert (c.intermediate_size, c.max_position_embeddings, c.vocab_size, c.use_cache) == (128, 16, 256, False)
     assert c.tie_word_embeddings and ties_embeddings(cfg.model)  # hf_config goes over what is derived
     assert len(_splits_exactly(model).tied_groups) == 1

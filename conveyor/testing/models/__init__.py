@@ -33,7 +33,15 @@ from conveyor.testing.models.graphs import (
     UnevenMLP,
     two_encoder_batch,
 )
-from conveyor.testing.models.hf import VOCAB, default_causal_lm, gpt2, llama, token_batch
+from conveyor.testing.models.hf import (
+    GROUPED_FAMILIES,
+    VOCAB,
+    default_causal_lm,
+    gpt2,
+    grouped_heads_lm,
+    llama,
+    token_batch,
+)
 from conveyor.testing.models.tiny_lm import (
     Block,
     ReferenceModel,
@@ -58,6 +66,7 @@ from conveyor.testing.models.workloads import (
 )
 
 __all__ = [
+    "GROUPED_FAMILIES",
     "VOCAB",
     "WORKLOADS",
     "Block",
@@ -81,6 +90,7 @@ __all__ = [
     "build_stage",
     "default_causal_lm",
     "gpt2",
+    "grouped_heads_lm",
     "llama",
     "lm_loss",
     "make_batch",
