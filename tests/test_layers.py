@@ -114,10 +114,7 @@ def test_every_error_class_lives_in_conveyor_errors():
                 if any(base.endswith(("Error", "Exception", "Failure", "Timeout")) or base in {
                         "RuntimeError", "ValueError", "ConveyorError"} for base in bases):
                     homes[node.name] = str(path.relative_to(root))
-    # launch_check raises DeliberateExit on purpose, to test teardown after an exception: not
-    # an error conveyor reports to anyone.
-    allowed = {"DeliberateExit": "testing/launch_check.py"}
-    assert homes == allowed, f"error classes outside conveyor/errors.py: {set(homes.items()) - set(allowed.items())}"
+    assert homes == {}, f"error classes outside conveyor/errors.py: {homes}"
 
 
 def test_a_pipeline_without_replicas_does_not_load_fsdp():

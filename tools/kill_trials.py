@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from conveyor.testing.kill_trials import run_plan, summary
+from rigs.kill_trials import run_plan, summary
 
 
 def main() -> int:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.testing.kill_trials import TRANSPORTS, Trial, run_trial
+from tests.rigs import kill_trials
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", kill_trials.TRANSPORTS)
 def test_survivors_of_a_killed_rank_stop_within_30_s_naming_it(transport):
-    result = run_trial(Trial("forward", "SIGKILL", transport), limit_s=30.0, hard_limit_s=150.0)
+    trial = kill_trials.Trial("forward", "SIGKILL", transport)
+    result = kill_trials.run_trial(trial, limit_s=30.0, hard_limit_s=150.0)
     assert result.passed, result.problem
     assert result.slowest_s < 30.0

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.testing.launches import launch_cases, run_plan, summary
+from tests.rigs import launches
 
 
 def test_the_short_plan_covers_every_value_of_every_dimension():
-    plan = launch_cases(9)
+    plan = launches.launch_cases(9)
     assert {launch.ranks for launch in plan} == {2, 4}
     assert {launch.transport for launch in plan} == {"shared_memory", "process_group", "hybrid"}
     assert {launch.schedule for launch in plan} == {"1f1b", "zb-h1", "zbv"}
@@ -25,6 +25,6 @@ def test_the_short_plan_covers_every_value_of_every_dimension():
 @pytest.mark.timeout(900)
 def test_nine_launches_all_exit_cleanly():
     lines: list[str] = []
-    results = run_plan(9, report=lines.append, timeout_s=180)
+    results = launches.run_plan(9, report=lines.append, timeout_s=180)
     failed = [r for r in results if not r.clean]
-    assert not failed, summary(results) + "\n" + "\n\n".join(f"{r.launch.describe()}:\n{r.problem}" for r in failed)
+    assert not failed, launches.summary(results) + "\n" + "\n\n".join(f"{r.launch.describe()}:\n{r.problem}" for r in failed)

@@ -1,7 +1,7 @@
 """After the first step, a step makes no object collective and reads no tensor on the host.
 
 Proved on the CPU by patching the calls that would synchronise a GPU (see
-:mod:`conveyor.testing.host_syncs`): every built-in schedule, both transports, clipping and
+``tools/rigs/host_syncs.py``): every built-in schedule, both transports, clipping and
 the non-finite check in every step, and with data-parallel replicas.
 """
 
@@ -16,15 +16,15 @@ import torch.distributed as dist
 import conveyor
 import conveyor.schedule as cs
 from conveyor.testing.data_parallel import MLPStage, make_batch
-from conveyor.testing.host_syncs import HostSyncCounter, count_rank, table
 from conveyor.testing.models import lm_loss
 from conveyor.testing.multiprocess import run_ranks
+from tests.rigs import host_syncs
 
 
 def test_the_counter_sees_every_kind_of_read_and_puts_everything_back():
     before = (torch.Tensor.item, dist.all_gather_object)
     t = torch.ones(2)
-    with HostSyncCounter() as counter:
+    with host_syncs.HostSyncCounter() as counter:
         assert dist.all_gather_object is not before[1]
         t.sum().item(), t.tolist(), t.cpu(), bool(t[0]), int(t[0]), float(t[0])
         assert f"{t.sum():.1f}" == "2.0"  # formatting reads the tensor once (item inside is not counted again)
@@ -34,7 +34,7 @@ def test_the_counter_sees_every_kind_of_read_and_puts_everything_back():
 
 
 def _assert_quiet(rows: list[dict]) -> None:
-    print(table(rows))
+    print(host_syncs.table(rows))
     for row in rows:
         assert row["unexpected"] == [], row
         assert (row["object_collectives"], row["host_syncs"]) == (0, 0), row
@@ -46,7 +46,7 @@ def _assert_quiet(rows: list[dict]) -> None:
 def test_no_host_round_trip_after_the_first_step_under_every_schedule_and_transport():
     names = sorted(cs.available())
     transports = ["process_group", "shared_memory", "ordered"]  # "ordered": NCCL's, here on gloo
-    results = run_ranks(count_rank, 2, args=(names, transports), timeout_s=180)
+    results = run_ranks(host_syncs.count_rank, 2, args=(names, transports), timeout_s=180)
     rows = [row for ranks in results for row in ranks]
     assert len(rows) == 2 * len(transports) * len(names)
     _assert_quiet(rows)
@@ -56,7 +56,7 @@ def test_no_host_round_trip_after_the_first_step_under_every_schedule_and_transp
 @pytest.mark.timeout(200)
 def test_no_host_round_trip_after_the_first_step_with_replicas():
     # fsdp: its norms also combine shards over the replicas; ddp takes the same path with less.
-    results = run_ranks(count_rank, 4, args=(["1f1b"], ["shared_memory"], 2, "fsdp"), timeout_s=90)
+    results = run_ranks(host_syncs.count_rank, 4, args=(["1f1b"], ["shared_memory"], 2, "fsdp"), timeout_s=90)
     _assert_quiet([row for ranks in results for row in ranks])
 
 
@@ -65,7 +65,7 @@ def test_local_pipeline_steps_read_nothing_either():
         schedule = cs.build(name, ranks=2, microbatches=4, virtual=info.default_virtual)
         pipe = conveyor.LocalPipeline([MLPStage(s, schedule.num_stages) for s in range(schedule.num_stages)],
                                       schedule, lm_loss)
-        counter = HostSyncCounter()
+        counter = host_syncs.HostSyncCounter()
         for step in range(2):
             ids, targets = make_batch(seed=step)
             with counter if step else contextlib.nullcontext():

@@ -1,7 +1,7 @@
 """Launch a short training script through torchrun again and again, and count the clean exits.
 
 A job that did its work and then aborts at exit is a failed job to its launcher. This
-starts :mod:`conveyor.testing.launch_check` with real ``torchrun`` launches over a plan
+starts :mod:`rigs.launch_check` with real ``torchrun`` launches over a plan
 that cycles through rank counts, transports, schedules and teardown orders, and counts a
 launch clean when torchrun's exit code is the one the teardown order means (0, or 1
 when the script leaves through an exception), no rank died of a signal, and nothing printed
@@ -23,8 +23,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from conveyor.testing.launch_check import TEARDOWNS
+from rigs.launch_check import TEARDOWNS
 
 RANKS = (2, 4)
 TRANSPORTS = ("shared_memory", "process_group", "hybrid")
@@ -85,7 +86,7 @@ def launch_cases(count: int) -> list[Launch]:
 def run_launch(launch: Launch, timeout_s: float = 180.0) -> LaunchResult:
     """One real torchrun launch; what went wrong is in ``problem`` (with the end of its output)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={launch.ranks}",
-               "-m", "conveyor.testing.launch_check", "--schedule", launch.schedule,
+               str(Path(__file__).with_name("launch_check.py")), "--schedule", launch.schedule,
                "--transport", launch.transport, "--teardown", launch.teardown]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     start = time.monotonic()

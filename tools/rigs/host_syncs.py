@@ -14,7 +14,7 @@ only when the step is given ``on_nonfinite`` (the skip decision is a Python bool
 
 :func:`count_rank` trains every built-in schedule (pipeline parallel, optionally with
 replicas) a few steps with clipping and the non-finite check, and counts per step after the
-first; ``python -m conveyor.testing.host_syncs`` prints the table.
+first; ``python tools/host_syncs.py`` prints the table.
 
 Example:
     >>> import torch

@@ -1,12 +1,12 @@
 """One short pipelined training run under torchrun, ended the way ``--teardown`` says.
 
-This is what the launch stress (:mod:`conveyor.testing.launches`) starts again and again:
+This is what the launch stress (:mod:`rigs.launches`) starts again and again:
 a user's script, from ``init_process_group`` to the end of the process, with the teardown
 orders users write. Every order must end with exit code 0 (``exception``: the exception's
 code, 1), never with an abort at exit.
 
 Example:
-    $ torchrun --standalone --nproc-per-node=2 -m conveyor.testing.launch_check --teardown drop-first
+    $ torchrun --standalone --nproc-per-node=2 tools/rigs/launch_check.py --teardown drop-first
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ TEARDOWNS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m conveyor.testing.launch_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="torchrun ... tools/rigs/launch_check.py", description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--microbatches", type=int, default=4)
