@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from benchmarks import libraries as lib
 from benchmarks.costs import MeasuredCosts, per_pass
 from benchmarks.steal import StealMeter
-from conveyor.testing import GroupClosed, RankFailure, RankGroup, RankTimeout, Zygote, ZygoteFailure
+from conveyor.errors import GroupClosed, RankFailure, RankTimeout, ZygoteFailure
+from conveyor.ranks import RankGroup, Zygote
 from conveyor.testing.models import TinyGPT, Workload
 
 # What a group that fails to start or to step raises (its ranks are gone by then).

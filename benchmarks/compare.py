@@ -33,7 +33,7 @@ from benchmarks import libraries as lib
 from benchmarks.cases import GROUP_ERRORS, CostCache, Settings, last_line, run_case
 from benchmarks.report import RAW_NAME, SUMMARY_NAME, render, write_summary
 from benchmarks.steal import StealMeter
-from conveyor.testing import RankGroup, Zygote
+from conveyor.ranks import RankGroup, Zygote
 from conveyor.testing.models import WORKLOADS
 
 # What --quick sets: a small grid, 1 warm-up and 3 timed rounds (~3 min).

@@ -36,7 +36,7 @@ from pathlib import Path
 from benchmarks import libraries as lib
 from benchmarks import plan_chosen
 from benchmarks.steal import StealMeter
-from conveyor.testing import RankGroup
+from conveyor.ranks import RankGroup
 from conveyor.testing.models import Emulated, TinyGPT
 
 PROFILE_SAMPLES = 7

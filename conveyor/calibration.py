@@ -31,9 +31,9 @@ from conveyor.plan.calibrate import (
     Calibration,
     calibration_from_timelines,
 )
+from conveyor.plan.emulated import Emulated, Workload
+from conveyor.ranks import RankGroup
 from conveyor.schedule.timeline import Timeline
-from conveyor.testing import RankGroup
-from conveyor.testing.models.workloads import Emulated, Workload
 
 
 def passes_alone(workload: Workload, num_stages: int, repeats: int = 5) -> dict[tuple[str, int], float]:
@@ -42,7 +42,7 @@ def passes_alone(workload: Workload, num_stages: int, repeats: int = 5) -> dict[
     The median of ``repeats`` runs after one warm-up; stage s is fed stage s - 1's output.
 
     Example:
-        >>> from conveyor.testing.models import Emulated
+        >>> from conveyor.plan.emulated import Emulated
         >>> alone = passes_alone(Emulated(2, 1.0, 1.0, 1.0), 2, repeats=1)
         >>> sorted(alone), alone[("F", 0)] > 0.001
         ([('B', 0), ('B', 1), ('F', 0), ('F', 1)], True)
@@ -72,7 +72,7 @@ def passes_alone(workload: Workload, num_stages: int, repeats: int = 5) -> dict[
     return out
 
 
-# calls run on every rank of a conveyor.testing.RankGroup
+# calls run on every rank of a conveyor.ranks.RankGroup
 
 
 def _rank_setup(worker, workload, microbatches: int, transport: str) -> str:
@@ -107,7 +107,7 @@ def measure_steps(workload: Workload, *, ranks: int, microbatches: int, steps: i
     """Run ``workload`` under 1F1B on ``ranks`` fresh ranks: each timed step's timeline and wall time.
 
     Example:
-        >>> from conveyor.testing.models import Emulated
+        >>> from conveyor.plan.emulated import Emulated
         >>> tls, walls, _ = measure_steps(Emulated(2), ranks=2, microbatches=2, steps=1, warmup=0)  # doctest: +SKIP
     """
     timelines, walls = [], []

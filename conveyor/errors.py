@@ -123,7 +123,8 @@ class UnknownAction(Exception):
         self.action = action
 
 
-# --- the test harness (conveyor.testing): ranks run in processes of their own -------------
+# --- local ranks in processes of their own: conveyor.ranks.RankGroup (the calibration's, the
+# benchmarks') and conveyor.testing.run_ranks (tests') raise these to their callers ------------
 
 class HarnessConfigError(ConveyorError, ValueError):
     """``run_ranks`` was called with arguments that cannot work (checked before any process starts)."""

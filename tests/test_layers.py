@@ -39,7 +39,13 @@ FORBIDDEN = {
                    "conveyor.train", "conveyor.cli"),
     "checkpoint": ("conveyor.train", "conveyor.cli"),
     "train": ("conveyor.cli",),
+    # Local ranks that live between calls (the calibration's, the benchmarks'): errors and torch only.
+    "ranks": ("conveyor.schedule", "conveyor.runtime", "conveyor.frontend", "conveyor.pipe", "conveyor.parallel",
+              "conveyor.plan", "conveyor.local", "conveyor.build", "conveyor.calibration", "conveyor.checkpoint",
+              "conveyor.train", "conveyor.cli"),
 }
+# Test support is for tests and users' tests: no library module (anything outside conveyor/testing/) imports it.
+TEST_SUPPORT = "conveyor.testing"
 # The runtime may use these parts of the schedule layer and no other.
 RUNTIME_SCHEDULE_ALLOWED = ("conveyor.schedule.ir", "conveyor.schedule.timeline")
 
@@ -74,6 +80,11 @@ def _modules():
 def test_imports_point_down_only(path):
     layer = _layer(path)
     for name in _imports(path):
+        if layer != "testing":
+            assert not (name == TEST_SUPPORT or name.startswith(TEST_SUPPORT + ".")), (
+                f"conveyor/{path.relative_to(PACKAGE)} imports {name}: the library must not depend on its "
+                "test support; move what it needs into the library proper"
+            )
         for banned in FORBIDDEN.get(layer, ()):
             assert not (name == banned or name.startswith(banned + ".")), (
                 f"conveyor/{path.relative_to(PACKAGE)} ({layer} layer) imports {name}"

@@ -41,10 +41,12 @@ state dicts, CPU tensors only: a CUDA tensor would initialise CUDA in the caller
 anything that cannot be pickled or weighs more than ``max_result_bytes`` fails the run
 with a message saying so.
 
-Ranks that live on between calls (a benchmark that steps two libraries' groups in turn)
-come from :class:`RankGroup` (``conveyor/testing/rank_group.py``): the same rank set-up and
-the same failure reports, with ranks optionally forked from a :class:`Zygote` that imported
-only the modules a rank should hold.
+Ranks that live on between calls (the calibration stepping a pipeline, a benchmark that
+steps two libraries' groups in turn) come from the library's :class:`conveyor.ranks.RankGroup`:
+the same rank set-up (:mod:`conveyor.ranks.support`) and the same failure reports. The two
+stay apart because they answer different needs: this one runs a function once on fresh
+ranks under fork or spawn, with any backend and environment, and reports every failed
+rank; a group keeps forked gloo ranks and their state between calls.
 
 Notes for test and benchmark authors:
 - mark such tests ``@pytest.mark.distributed`` (registered in ``tests/conftest.py``);
@@ -76,38 +78,17 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from conveyor.errors import (
-    GroupClosed,
-    HarnessConfigError,
-    RankError,
-    RankFailure,
-    RankTimeout,
-    ZygoteFailure,
-)
-from conveyor.testing.rank_group import RankGroup, Worker, Zygote, place
-from conveyor.testing.rank_support import (
+from conveyor.errors import HarnessConfigError, RankError, RankFailure, RankTimeout
+from conveyor.ranks.support import (
     die_with_parent,
     install_stack_dump,
     rank_environment,
     read_stack,
     wait_for_stacks,
 )
-from conveyor.testing.rank_support import free_port as _free_port
+from conveyor.ranks.support import free_port as _free_port
 
-__all__ = [
-    "MAX_RESULT_BYTES",
-    "GroupClosed",
-    "HarnessConfigError",
-    "RankError",
-    "RankFailure",
-    "RankGroup",
-    "RankTimeout",
-    "Worker",
-    "Zygote",
-    "ZygoteFailure",
-    "place",
-    "run_ranks",
-]
+__all__ = ["MAX_RESULT_BYTES", "HarnessConfigError", "RankError", "RankFailure", "RankTimeout", "run_ranks"]
 
 logger = logging.getLogger(__name__)
 

@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     import conveyor.schedule as cs
     from conveyor.schedule.cost import costs_from_timeline
     from conveyor.schedule.render import side_by_side_png
-    from conveyor.testing.models import (
+    from conveyor.train.tiny_lm import (
         TinyConfig,
         build_stage,
         lm_loss,

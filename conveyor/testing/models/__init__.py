@@ -1,16 +1,17 @@
 """The model zoo: every model the tests, the demo and the benchmarks build, in one place.
 
-- :mod:`~conveyor.testing.models.tiny_lm`: a small transformer language model cut into
-  stages by hand (stages hand each other a tuple of mixed values), its one-module
-  reference and single-device gradient accumulation; the runtime's parity tests, the demo,
-  the kill trials and the soak train it.
+- :mod:`~conveyor.train.tiny_lm` (library code, since ``conveyor demo`` trains it): a small
+  transformer language model cut into stages by hand (stages hand each other a tuple of
+  mixed values), its one-module reference and single-device gradient accumulation; the
+  runtime's parity tests, the demo, the kill trials and the soak train it.
 - :mod:`~conveyor.testing.models.hf`: tiny Hugging Face causal LMs (GPT-2, Llama, Qwen2;
   configs only, no downloads) and token batches, for the frontend's tracing tests.
 - :mod:`~conveyor.testing.models.graphs`: hand-made graphs for the splitter (skips, two
   encoders, plain stacks, blocks of uneven cost).
 - :mod:`~conveyor.testing.models.workloads`: the benchmark's workloads (emulated device
-  time, tiny stages, a small GPT), each a record that builds stage ``s`` of ``n`` with the
-  same weights however the model is cut.
+  time, from :mod:`conveyor.plan.emulated` where the calibration finds it; tiny stages; a
+  small GPT), each a record that builds stage ``s`` of ``n`` with the same weights however
+  the model is cut.
 
 Every name is importable from here.
 
@@ -42,17 +43,6 @@ from conveyor.testing.models.hf import (
     llama,
     token_batch,
 )
-from conveyor.testing.models.tiny_lm import (
-    Block,
-    ReferenceModel,
-    TinyConfig,
-    TinyStage,
-    build_stage,
-    lm_loss,
-    make_batch,
-    reference_model,
-    reference_step,
-)
 from conveyor.testing.models.workloads import (
     WORKLOADS,
     BlockStack,
@@ -63,6 +53,17 @@ from conveyor.testing.models.workloads import (
     SleepBlock,
     TinyGPT,
     Workload,
+)
+from conveyor.train.tiny_lm import (
+    Block,
+    ReferenceModel,
+    TinyConfig,
+    TinyStage,
+    build_stage,
+    lm_loss,
+    make_batch,
+    reference_model,
+    reference_step,
 )
 
 __all__ = [

@@ -1,7 +1,7 @@
 """What the two ways of running ranks share: how a failure reads, and a rank's set-up.
 
-:func:`~conveyor.testing.multiprocess.run_ranks` runs one function on fresh ranks and
-returns; :class:`~conveyor.testing.rank_group.RankGroup` keeps ranks alive and runs call
+:func:`conveyor.testing.run_ranks` runs one function on fresh ranks and
+returns; :class:`~conveyor.ranks.RankGroup` keeps ranks alive and runs call
 after call on them (the benchmark alternates two libraries' groups step by step). Both
 report a failed rank as a :class:`RankError` inside :class:`RankFailure`, a hang as
 :class:`RankTimeout` with every stuck rank's Python stack, give every rank the environment

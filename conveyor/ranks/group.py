@@ -1,11 +1,11 @@
 """Ranks that stay alive between calls, optionally forked from a process that imported little.
 
-:func:`~conveyor.testing.multiprocess.run_ranks` returns only when its ranks finish, so two
+:func:`conveyor.testing.run_ranks` returns only when its ranks finish, so two
 groups cannot take turns step by step. A :class:`RankGroup` keeps its ranks: each
 :meth:`RankGroup.call` sends one function to every rank, which runs ``fn(worker, *args)``
 and answers; the next call finds the rank as the last one left it (``worker.state``). The
 benchmark keeps one group per library and steps them in turn (A B A B), so drifting load
-hits both alike.
+hits both alike; the calibration steps a pipeline on one.
 
 A group's ranks are forked from this process, or from a :class:`Zygote`: a process that
 imported a chosen list of modules and nothing else, so a rank holds what a user's rank of
@@ -14,10 +14,10 @@ the parent imported for the other side: ``torch.distributed.pipelining`` alone i
 70 MiB).
 
 Failures read as in ``run_ranks``: a rank that raises or dies fails the call with
-:class:`~conveyor.testing.RankFailure` (its traceback, or how it died) and the whole group
+:class:`~conveyor.errors.RankFailure` (its traceback, or how it died) and the whole group
 is killed, since its peers may be blocked in a receive from it; a call that outlives its
 timeout has every unfinished rank dump its Python stack, then raises
-:class:`~conveyor.testing.RankTimeout`. Every rank runs one torch thread, has the
+:class:`~conveyor.errors.RankTimeout`. Every rank runs one torch thread, has the
 environment torchrun gives ranks on one machine and, unless ``distributed=False``, joins
 a gloo process group of its own group's ranks; it dies with the process that made it.
 
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from conveyor.errors import GroupClosed, RankError, RankFailure, RankTimeout, ZygoteFailure
-from conveyor.testing.rank_support import (
+from conveyor.ranks.support import (
     die_with_parent,
     free_port,
     install_stack_dump,
