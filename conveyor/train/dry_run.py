@@ -92,7 +92,6 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
         ('model.embed_tokens', 'lm_head')
     """
     from conveyor.frontend import split_model
-    from conveyor.plan.result import Plan
     from conveyor.schedule.registry import resolve_schedule
     from conveyor.train.data import load_tokenizer
     from conveyor.train.models import build_model
@@ -103,7 +102,7 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     p = cfg.parallel
     schedule = resolve_schedule(p.schedule, p.microbatches, p.virtual, p.pp)
     example = torch.zeros(cfg.replica_batch_size // p.microbatches, cfg.model.seq_len, dtype=torch.long)
-    split_points = list(Plan.load(p.plan).split_points) if p.plan else None  # the cut the run will make
+    split_points = list(cfg.plan.split_points) if cfg.plan else None  # the cut the run will make
     split = split_model(model, schedule.num_stages, example_args=(example,), split_method="parameters",
                         split_points=split_points)
     sizes = {name: t.numel() for name, t in model.named_parameters(remove_duplicate=False)}
