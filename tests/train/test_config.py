@@ -148,7 +148,7 @@ def test_the_plan_file_is_read_once_and_the_pipeline_is_given_that_plan(tmp_path
     import conveyor
     from conveyor.plan.result import Plan
     from conveyor.train import loop
-    from conveyor.train.dry_run import plan_run
+    from conveyor.train.dry_run import run_layout
 
     path = Plan("gpipe", 2, 1, 8, 16, ("transformer.h.3",), 1.0, 0.1, (1e6, 1e6), (0.5, 0.5),
                 float("inf")).save(tmp_path / "plan.json")
@@ -159,7 +159,7 @@ def test_the_plan_file_is_read_once_and_the_pipeline_is_given_that_plan(tmp_path
     assert (cfg.parallel.schedule, cfg.parallel.microbatches) == ("gpipe", 8)
     path.unlink()
     rank_cfg = pickle.loads(pickle.dumps(cfg))  # what the launcher hands each rank
-    assert [row.first for row in plan_run(rank_cfg).stages] == ["transformer.wte", "transformer.h.3"]
+    assert [row.first for row in run_layout(rank_cfg).stages] == ["transformer.wte", "transformer.h.3"]
     monkeypatch.setattr(conveyor, "pipeline", lambda model, **kwargs: kwargs)
     given = loop.build_pipeline(rank_cfg, torch.nn.Linear(1, 1))
     assert given["plan"] is rank_cfg.plan and given["plan"].split_points == ("transformer.h.3",)
