@@ -112,7 +112,7 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     predict.add_argument("--predict-steps", type=int, default=3, help="timed steps per plan per round")
     predict.add_argument("--predict-warmup", type=int, default=2, help="untimed steps per plan first")
     predict.add_argument("--predict-no-chosen", action="store_true",
-                         help="leave out conveyor.plan()'s own plan (by default measured with the others)")
+                         help="leave out conveyor.plan.plan()'s own plan (by default measured with the others)")
     predict.add_argument("--predict-out", default=str(RESULTS / "plan"), help="output folder")
     compiled = parser.add_argument_group("--compile (compile=True vs eager)")
     compiled.add_argument("--compile-rounds", type=int, default=6, help="rounds, the side going first alternating")

@@ -69,7 +69,7 @@ class Case:
     """One comparison point: the same work for both libraries.
 
     ``split``: blocks per stage (None: the workload's default cut); ``plan``: the
-    ``conveyor.plan()`` result the case runs (its schedule, built for its costs where it
+    ``conveyor.plan.plan()`` result the case runs (its schedule, built for its costs where it
     plans its order by them), None for a built-in schedule by name.
     """
 

@@ -250,7 +250,7 @@ def _measure(cases: list[lib.Case], probe: RankGroup, rotation: dict[tuple, list
 
 def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path, chosen: bool = False) -> list[dict]:
     """Predict and run every case of one (workload, P); one record per case. ``chosen``: add the
-    case of ``conveyor.plan()``'s own plan (:mod:`benchmarks.plan_chosen`).
+    case of ``conveyor.plan.plan()``'s own plan (:mod:`benchmarks.plan_chosen`).
 
     Every case, the chosen one too, is predicted from its own stages' costs sampled between the
     rounds (``predicted_ms``); ``predicted_before_ms`` is the prediction made before the runs: the
@@ -437,7 +437,7 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
         f"worst {max(abs(r - 1) for r in ratios):.3f}; within 5%: "
         f"{sum(abs(r - 1) <= 0.05 for r in ratios)} of {len(ratios)}.", "",
         *[f"- {line}" for line in fastest(records)], "",
-        "The planner's own plan (`conveyor.plan(..., calibration=...)`, no memory limit) against the "
+        "The planner's own plan (`conveyor.plan.plan(..., calibration=...)`, no memory limit) against the "
         "fastest built-in with the default split, measured in the same run:", "",
         *[f"- {line}" for line in plan_chosen.verdicts(records)], "",
     ]

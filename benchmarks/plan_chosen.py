@@ -1,6 +1,6 @@
 """The planner's own plan as a case of ``python -m benchmarks --plan``.
 
-For each (workload, P), ``conveyor.plan()`` runs on the whole model (the workload's one-stage
+For each (workload, P), ``conveyor.plan.plan()`` runs on the whole model (the workload's one-stage
 cut), one microbatch as the example and the benchmark's global batch, with no memory limit
 (these models take a few MiB a rank) and this machine's calibration, so that its predicted
 step is the one the run checks. It runs in the benchmark's single-thread profiling process,
@@ -83,7 +83,7 @@ def emulated_costs(workload: Emulated):
 
 
 def choose(worker, workload, global_microbatches: int, calibration: dict):
-    """``conveyor.plan()`` for ``workload`` at its P (runs in the profiling process)."""
+    """``conveyor.plan.plan()`` for ``workload`` at its P (runs in the profiling process)."""
     import conveyor
 
     whole = workload.build_stage(0, 1)
@@ -92,8 +92,8 @@ def choose(worker, workload, global_microbatches: int, calibration: dict):
     global_batch = workload.rows_per_microbatch * global_microbatches
     # The emulated ranks sleep (a device each); the GPT's share this machine's cores.
     cores = None if isinstance(workload, Emulated) else os.cpu_count()
-    return conveyor.plan(whole, example, ranks=workload.num_ranks, global_batch=global_batch, costs=costs,
-                         calibration=calibration, cores=cores)
+    return conveyor.plan.plan(whole, example, ranks=workload.num_ranks, global_batch=global_batch, costs=costs,
+                              calibration=calibration, cores=cores)
 
 
 def chosen_case(plan, workload) -> lib.Case:

@@ -39,6 +39,5 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name in {"schedule", "errors", "runtime", "frontend", "testing", "checkpoint", "parallel", "plan"}:
-        # conveyor.plan is a package and, being callable, the function too: conveyor.plan(model, ...)
         return importlib.import_module(f"conveyor.{name}")
     raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

@@ -57,7 +57,7 @@ def pipeline(
     keep their original names, and tied parameters (GPT-2's ``wte`` and ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
     and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
     ``plan`` (a :class:`~conveyor.plan.Plan` or its file) sets schedule, microbatches, virtual and split
-    points; ``schedule="auto"``: rank 0 plans (``conveyor.plan(..., **plan_options)``), every rank follows.
+    points; ``schedule="auto"``: rank 0 plans (``conveyor.plan.plan(..., **plan_options)``), every rank follows.
     Other keywords go to :class:`Pipeline`: ``compile=True`` compiles each traced stage
     (a GraphModule with its own code, so each counts its own recompiles), ``autocast=``, ...
 

@@ -38,25 +38,18 @@ from conveyor.schedule.compare import (
     Costs,
     check_finite,
     format_compare,
-    format_compare_table,
     format_schedule_list,
     format_simulation,
     run_compare,
     simulate_one,
     simulation_summary,
-    virtual_description,
 )
 
 logger = logging.getLogger(__name__)
 
 USAGE_ERROR = 2
 
-# What the command prints is made in conveyor.schedule.compare; these stay importable from
-# here, where they lived first.
-__all__ = [
-    "DEFAULT_COMPARE_PNG", "DEFAULT_COSTS", "Costs", "UsageError", "build_parser",
-    "format_compare_table", "main", "run_compare", "simulate_one", "virtual_description",
-]
+__all__ = ["build_parser", "main"]
 
 
 # --------------------------------------------------------------------------- argument types

@@ -542,14 +542,3 @@ class Pipeline(_PipelineBase):
         last.outputs.clear()
         return outputs
 
-
-# Names that lived in this module until 0.1; importing them from here still works.
-_MOVED = {"LocalPipeline": "conveyor.local", "pipeline": "conveyor.build", "model_signature": "conveyor.build"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib  # by name: this module sits below the two it points to
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module 'conveyor.pipe' has no attribute {name!r}")

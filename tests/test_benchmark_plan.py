@@ -1,4 +1,4 @@
-"""`python -m benchmarks --plan`: conveyor.plan()'s own plan is a case measured with the built-ins."""
+"""`python -m benchmarks --plan`: conveyor.plan.plan()'s own plan is a case measured with the built-ins."""
 
 from __future__ import annotations
 

@@ -53,8 +53,6 @@ from conveyor.frontend.sequential import run_sequential
 from conveyor.frontend.split import SPLIT_METHODS, ModelSplit, TiedParameter, split_model
 from conveyor.frontend.stage import StageModule, ValueSpec
 
-SplitPlan = ModelSplit  # its name until 0.1: "plan" now means only a pipeline plan (schedule, cut, M)
-
 __all__ = [
     "SPLIT_METHODS",
     "SplitError",

@@ -1,14 +1,12 @@
 """Pipeline plans: which split, schedule, microbatch count and stages per rank, under a memory budget.
 
-``conveyor.plan(model, example, ranks=P, global_batch=B, memory_per_rank="4GiB")`` profiles
+``conveyor.plan.plan(model, example, ranks=P, global_batch=B, memory_per_rank="4GiB")`` profiles
 every splittable unit of the model (F, I, W time; activation and parameter bytes), or costs it
 from its shapes on the meta device, searches split points x schedule x M x V by simulating
 each candidate, and returns the fastest :class:`Plan` that fits. ``conveyor.pipeline(...,
 plan=plan_or_path)`` and ``conveyor train parallel.plan=PATH`` run it; ``conveyor plan`` is the
 command line.
 
-The package itself is callable: ``conveyor.plan(...)`` is :func:`conveyor.plan.planner.plan`
-(``import conveyor.plan`` makes ``conveyor.plan`` this package, so the two must be one object).
 Importing it does not import torch (the plan file and the search are pure Python);
 the profiling parts load on first use.
 
@@ -21,8 +19,6 @@ Example:
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
 from conveyor.plan.costs import CostTable, UnitCost, synthetic_table
@@ -49,11 +45,3 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module 'conveyor.plan' has no attribute {name!r}")
-
-
-class _CallablePackage(types.ModuleType):
-    def __call__(self, *args: Any, **kwargs: Any) -> Plan:
-        return __getattr__("plan")(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage

@@ -1,4 +1,4 @@
-"""``conveyor.plan()``: unit costs (measured, or from the cost model on the meta device), then the search.
+"""``conveyor.plan.plan()``: unit costs (measured, or from the cost model on the meta device), then the search.
 
 Example:
     >>> import torch

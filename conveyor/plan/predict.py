@@ -130,15 +130,15 @@ def optimizer_seconds_per_parameter(model: torch.nn.Module, repeats: int = 5) ->
 
 def predict_plan(plan: Plan, calibration: Calibration) -> Prediction:
     """The calibrated step of a chosen :class:`~conveyor.plan.result.Plan` from its own unit costs, with the
-    optimizer rate and cores it was planned with (its ``settings``): what ``conveyor.plan(...,
+    optimizer rate and cores it was planned with (its ``settings``): what ``conveyor.plan.plan(...,
     calibration=...)`` predicted, with the simulated timeline.
 
     Example:
         >>> import torch, conveyor
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(2)])
         >>> cal = Calibration(step_s=1e-3)
-        >>> chosen = conveyor.plan(model, torch.randn(2, 8), ranks=2, global_batch=4, schedules=["1f1b"],
-        ...                        repeats=1, calibration=cal)
+        >>> chosen = conveyor.plan.plan(model, torch.randn(2, 8), ranks=2, global_batch=4, schedules=["1f1b"],
+        ...                             repeats=1, calibration=cal)
         >>> abs(predict_plan(chosen, cal).step_s - chosen.step_time) < 1e-12
         True
     """

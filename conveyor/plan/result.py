@@ -49,6 +49,7 @@ def parse_size(value: str | float) -> float:
 class Plan:
     """What the planner chose for ``ranks`` ranks and a global batch of ``global_batch`` samples.
 
+    ``conveyor.pipeline(..., plan=plan)`` runs it (the only way a chosen split reaches a pipeline).
     ``split_points``: the module each stage after the first starts with. ``step_time`` (seconds),
     ``bubble`` and ``memory_per_rank`` (bytes) are predictions of the simulation on ``costs``.
     ``alternatives``: the next best candidates (one line each); ``outcome``: how many candidates
@@ -56,8 +57,8 @@ class Plan:
 
     Example:
         >>> plan = Plan("1f1b", 2, 1, 4, 8, ("layers.2",), 1.5, 0.2, (1e9, 9e8), (0.3, 0.3), 4e9)
-        >>> plan.microbatch_size, plan.pipeline_kwargs()["split_points"]
-        (2, ['layers.2'])
+        >>> plan.microbatch_size, plan.split_points
+        (2, ('layers.2',))
     """
 
     schedule: str
@@ -99,11 +100,6 @@ class Plan:
             return self.schedule
         return build(self.schedule, ranks=self.ranks, microbatches=self.microbatches, virtual=self.virtual,
                      costs=self.schedule_costs)
-
-    def pipeline_kwargs(self) -> dict[str, Any]:
-        """``schedule``, ``microbatches``, ``virtual`` and ``split_points`` for ``conveyor.pipeline``."""
-        return {"schedule": self.schedule_spec(), "microbatches": self.microbatches, "virtual": self.virtual,
-                "split_points": list(self.split_points)}
 
     def to_json(self) -> dict[str, Any]:
         """The plan as a JSON-ready dict (what :meth:`save` writes)."""

@@ -8,7 +8,7 @@ check of the same logic). What it does differently from
 - **Order.** Each channel (src rank, dst rank) has a process group of its two ranks, so its
   transfers complete in their own order whatever the other direction does; a rank posts a
   channel's receives in the order the sender sends (:mod:`conveyor.runtime.ordering` plans
-  where: the executor asks :meth:`OrderedTransport.plan`). Each group's communicator is made
+  where: the executor asks :meth:`OrderedTransport.post_plan`). Each group's communicator is made
   when the pipeline is built, in one order on every rank
   (:meth:`~conveyor.runtime.lifecycle.RankLifecycle.channel_groups`): made at a channel's first
   transfer, it would block the host inside the first step, where a peer may wait for this
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import LostConnection, PeerFailure
-from conveyor.runtime.ordering import Plan, post_plan, sender_orders
+from conveyor.runtime.ordering import PostPlan, post_plan, sender_orders
 from conveyor.runtime.transport import FailureBoard, Transport, receive_timeout
 from conveyor.runtime.wire import (
     PayloadMeta,
@@ -108,22 +108,22 @@ class OrderedTransport(FailureBoard, Transport):
         self.pending_sends: list[tuple[list, list[torch.Tensor]]] = []
         self.structures_sent = 0
         self._orders: dict[bool, dict] = {}
-        self._plans: dict[tuple[int, bool], tuple[tuple[Action, ...], Plan]] = {}
+        self._post_plans: dict[tuple[int, bool], tuple[tuple[Action, ...], PostPlan]] = {}
 
     def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
         """Every transfer of ``channel`` has structure ``meta`` (both ends seed alike)."""
         self.seeded[channel] = meta
 
-    def plan(self, program: tuple[Action, ...], training: bool) -> Plan:
+    def post_plan(self, program: tuple[Action, ...], training: bool) -> PostPlan:
         """Where this rank posts what, in ``program`` (see :func:`conveyor.runtime.ordering.post_plan`)."""
-        cached = self._plans.get((id(program), training))
+        cached = self._post_plans.get((id(program), training))
         if cached is not None and cached[0] is program:
             return cached[1]
         if training not in self._orders:
             self._orders[training] = sender_orders(self.schedule, training)
-        plan = post_plan(program, self.rank, self.schedule.placement, self._orders[training], training)
-        self._plans[(id(program), training)] = (program, plan)
-        return plan
+        posting = post_plan(program, self.rank, self.schedule.placement, self._orders[training], training)
+        self._post_plans[(id(program), training)] = (program, posting)
+        return posting
 
     # --- structures ------------------------------------------------------------------------
     def _structure(self, key: TransferKey) -> PayloadMeta | None:

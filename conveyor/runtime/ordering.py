@@ -48,7 +48,7 @@ FORWARD, BACKWARD, EVAL_FORWARD = 0, 1, 2
 Key = tuple[int, int, int]  # (direction, sending stage, microbatch)
 Orders = Mapping[tuple[int, int], Sequence[Key]]  # (src, dst) -> what src sends dst, in order
 # First comm action of a run -> what is posted there: one batch of actions per channel.
-Plan = dict[Action, tuple[tuple[Action, ...], ...]]
+PostPlan = dict[Action, tuple[tuple[Action, ...], ...]]
 
 
 def sender_orders(schedule: Schedule, training: bool) -> dict[tuple[int, int], list[Key]]:
@@ -95,7 +95,7 @@ def _receive_of(key: Key) -> Action:
     return Action(K.RECV_B, stage - 1, m) if direction == BACKWARD else Action(K.RECV_F, stage + 1, m)
 
 
-def post_plan(program: Sequence[Action], rank: int, placement: Placement, orders: Orders, training: bool) -> Plan:
+def post_plan(program: Sequence[Action], rank: int, placement: Placement, orders: Orders, training: bool) -> PostPlan:
     """Where ``rank`` posts its sends and receives: {first action of a run of comm actions: batches}.
 
     A batch is what goes over one channel (src, dst) at that point, in order: the sends of the
@@ -106,7 +106,7 @@ def post_plan(program: Sequence[Action], rank: int, placement: Placement, orders
     position = {pair[0]: {key: i for i, key in enumerate(keys)} for pair, keys in orders.items() if pair[1] == rank}
     posted = dict.fromkeys(position, 0)
     sent: dict[int, list[Key]] = {}
-    plan: Plan = {}
+    posting: PostPlan = {}
     index = 0
     while index < len(program):
         if program[index].kind.is_compute:
@@ -128,17 +128,17 @@ def post_plan(program: Sequence[Action], rank: int, placement: Placement, orders
                     posted[peer] += 1
             index += 1
         if batches:
-            plan[first] = tuple(tuple(batch) for batch in batches.values())
+            posting[first] = tuple(tuple(batch) for batch in batches.values())
     for peer, keys in sent.items():
         if list(orders.get((rank, peer), ())) != keys:
             raise ValueError(f"rank {rank} sends rank {peer} {keys}, not in the order {list(orders.get((rank, peer), ()))}")
-    return plan
+    return posting
 
 
 Op = tuple[int, int, str, int]  # (src, dst, "send" or "recv", n-th on that channel and side)
 
 
-def check_posts(programs: Sequence[Sequence[Action]], plans: Sequence[Plan], placement: Placement,
+def check_posts(programs: Sequence[Sequence[Action]], post_plans: Sequence[PostPlan], placement: Placement,
                 training: bool = True) -> str | None:
     """None if every rank's posts complete when matched by order; else what goes wrong.
 
@@ -149,7 +149,7 @@ def check_posts(programs: Sequence[Sequence[Action]], plans: Sequence[Plan], pla
     receive before anything after it runs or is posted (a send may wait for its receiver,
     never the sender's program).
     """
-    posts = _posts(programs, plans, placement, training)
+    posts = _posts(programs, post_plans, placement, training)
     if isinstance(posts, str):
         return posts
     return _simulate(posts.events, posts.fifo, posts.batch_ops)
@@ -165,15 +165,15 @@ class _Posts:
         self.batches: list[tuple[tuple[int, int], bool, list[Key]]] = []  # per batch id: channel, sends?, keys
 
 
-def _posts(programs: Sequence[Sequence[Action]], plans: Sequence[Plan], placement: Placement,
+def _posts(programs: Sequence[Sequence[Action]], post_plans: Sequence[PostPlan], placement: Placement,
            training: bool) -> _Posts | str:
     """The posts and waits of every rank, or what makes them unusable (a wait never posted, mismatched orders)."""
     out = _Posts()
     where: dict[tuple[int, Action], int] = {}  # (rank, receive action) -> its batch id
-    for rank, (program, plan) in enumerate(zip(programs, plans)):
+    for rank, (program, posting) in enumerate(zip(programs, post_plans)):
         mine: list[tuple[str, Any]] = []
         for action in program:
-            for batch in plan.get(action, ()):
+            for batch in posting.get(action, ()):
                 batch_id = len(out.batch_ops)
                 out.batch_ops.append(len(batch))
                 keys = []
@@ -200,7 +200,7 @@ def _posts(programs: Sequence[Sequence[Action]], plans: Sequence[Plan], placemen
     return out
 
 
-def check_first_step(programs: Sequence[Sequence[Action]], plans: Sequence[Plan], placement: Placement,
+def check_first_step(programs: Sequence[Sequence[Action]], post_plans: Sequence[PostPlan], placement: Placement,
                      training: bool = True, *, lazy_communicators: bool, structures_known: bool = False) -> str | None:
     """None if no rank's host blocks forever in a first step under NCCL; else who waits for what.
 
@@ -222,13 +222,13 @@ def check_first_step(programs: Sequence[Sequence[Action]], plans: Sequence[Plan]
         >>> sched = cs.build("zb-h1", ranks=3, microbatches=4, virtual=2)
         >>> orders = sender_orders(sched, training=True)
         >>> programs = cs.executable(sched).train.programs
-        >>> plans = [post_plan(p, r, sched.placement, orders, True) for r, p in enumerate(programs)]
-        >>> check_first_step(programs, plans, sched.placement, lazy_communicators=True) is None
+        >>> post_plans = [post_plan(p, r, sched.placement, orders, True) for r, p in enumerate(programs)]
+        >>> check_first_step(programs, post_plans, sched.placement, lazy_communicators=True) is None
         False
-        >>> check_first_step(programs, plans, sched.placement, lazy_communicators=False) is None
+        >>> check_first_step(programs, post_plans, sched.placement, lazy_communicators=False) is None
         True
     """
-    posts = _posts(programs, plans, placement, training)
+    posts = _posts(programs, post_plans, placement, training)
     if isinstance(posts, str):
         return posts
     published: set[Key] = set()

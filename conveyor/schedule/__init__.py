@@ -1,6 +1,7 @@
 """Schedules as data: build, verify, simulate and draw pipeline schedules.
 
-Pure Python: importing this package never imports torch.
+A :class:`Schedule` is made by :func:`build` (a registered schedule), :func:`load_csv` (a file), or by
+hand with :meth:`Schedule.from_programs`. Pure Python: importing this package never imports torch.
 
 Example:
     >>> import conveyor.schedule as cs
@@ -19,7 +20,6 @@ from conveyor.schedule.csv_io import (
     loads_csv,
     parse_schedule,
     save_csv,
-    schedule_from_rows,
 )
 from conveyor.schedule.grid import render_grid
 from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
@@ -52,7 +52,6 @@ __all__ = [
     "register",
     "render_grid",
     "save_csv",
-    "schedule_from_rows",
     "simulate",
     "unregister",
     "verify",

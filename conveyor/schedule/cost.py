@@ -156,8 +156,8 @@ def costs_from_timeline(timeline, num_stages: int, *, latency: float = 0.0) -> C
 
     Example:
         >>> import conveyor.schedule as cs
-        >>> plan = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
-        >>> costs_from_timeline(plan, 2).stages[0].forward
+        >>> simulated = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
+        >>> costs_from_timeline(simulated, 2).stages[0].forward
         1.0
     """
     durations: dict[tuple[int, ActionKind], list[float]] = {}

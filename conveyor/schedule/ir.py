@@ -17,7 +17,7 @@ for torchtitan load unchanged.
 
 Example:
     >>> from conveyor.schedule.ir import Action, Placement, Schedule
-    >>> sched = Schedule.from_strings(
+    >>> sched = Schedule.from_programs(
     ...     "tiny", Placement.looped(2, 1), 1, [["0F0", "0B0"], ["1F0", "1B0"]]
     ... )
     >>> sched.stages_of(1)
@@ -474,8 +474,6 @@ class Schedule:
         from conveyor.schedule.csv_io import schedule_from_rows
 
         return schedule_from_rows(programs, name=name, placement=placement, num_microbatches=num_microbatches)
-
-    from_strings = from_programs
 
     @property
     def num_ranks(self) -> int:

@@ -1,7 +1,7 @@
 """Draw timelines: PNG pictures and Chrome-trace JSON (opens in Perfetto).
 
-Simulated plans and measured runs share the :class:`Timeline` type, so they
-share these renderers too, and :func:`side_by_side_png` lays the plan of a step
+Simulated and measured steps share the :class:`Timeline` type, so they
+share these renderers too, and :func:`side_by_side_png` lays the simulated step
 over what really happened. The Chrome-trace writer is :mod:`conveyor.schedule.chrome_trace`;
 its functions are importable from here too.
 
@@ -147,8 +147,8 @@ def png_path(path: str | os.PathLike) -> Path:
     """The file :func:`to_png` writes for ``path``: ``.png`` added when it has no suffix.
 
     Example:
-        >>> png_path("out/plan").name
-        'plan.png'
+        >>> png_path("out/timeline").name
+        'timeline.png'
     """
     out = Path(path)
     if out.is_dir():
@@ -237,15 +237,15 @@ def side_by_side_png(
     *,
     titles: Sequence[str | None] | None = None,
 ) -> Path:
-    """Draw the plan of a step above its measured run, on one time axis when the units agree.
+    """Draw the simulated step above its measured run, on one time axis when the units agree.
 
     The measured title also gives its makespan as a multiple of the simulated one
     when both are in the same unit (a simulator fed with profiled seconds).
 
     Example:
         >>> import tempfile, conveyor.schedule as cs
-        >>> plan = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
-        >>> side_by_side_png(plan, plan, tempfile.mkdtemp() + "/both.png").name
+        >>> simulated = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
+        >>> side_by_side_png(simulated, simulated, tempfile.mkdtemp() + "/both.png").name
         'both.png'
     """
     if simulated.num_ranks != measured.num_ranks:
@@ -264,12 +264,12 @@ def side_by_side_png(
 
 
 def compare_summary(simulated: Timeline, measured: Timeline) -> dict:
-    """Headline figures of a plan and its measured run, with their ratio when units agree.
+    """Headline figures of a simulated step and its measured run, with their ratio when units agree.
 
     Example:
         >>> import conveyor.schedule as cs
-        >>> plan = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
-        >>> compare_summary(plan, plan)["makespan_ratio"]
+        >>> simulated = cs.simulate(cs.build("1f1b", ranks=2, microbatches=2))
+        >>> compare_summary(simulated, simulated)["makespan_ratio"]
         1.0
     """
     ratio = None

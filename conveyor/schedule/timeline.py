@@ -2,7 +2,7 @@
 
 A :class:`Timeline` is every compute action's start and end per rank. Makespan,
 bubble ratio and peak live activations are derived from the spans, so a
-simulated plan and a measured step are summarised by the same code and can be
+simulated step and a measured one are summarised by the same code and can be
 drawn side by side.
 
 Example:
@@ -305,7 +305,7 @@ class Timeline:
 def measured_timeline(schedule, per_rank_events: Sequence[Sequence[tuple]]) -> Timeline:
     """A Timeline (seconds from the earliest start) of each rank's ``(action, start, end)`` of a step.
 
-    ``schedule`` names the plan it ran (its name, ranks, V and M title the picture); actions
+    ``schedule`` names the schedule it ran (its name, ranks, V and M title the picture); actions
     may be :class:`Action` or their text.
 
     Example:

@@ -27,9 +27,12 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.errors import ConfigError
+
+if TYPE_CHECKING:
+    from conveyor.plan.result import Plan
 
 
 def _f(default: Any, help: str) -> Any:
@@ -154,6 +157,33 @@ class TrainConfig:
         """Sequences per step on one replica: ``train.batch_size / dp``."""
         return self.train.batch_size // self.parallel.dp
 
+    @property
+    def plan(self) -> Plan | None:
+        """The :class:`~conveyor.plan.Plan` that ``parallel.plan`` names (None without one).
+
+        Read from its file once (by :func:`load_config`) and kept with the config, which carries it
+        to every rank: the checks, ``--dry-run`` and the pipeline all see the plan that was read first,
+        whatever happens to the file later. A ConfigError if the file cannot be read.
+
+        Example:
+            >>> TrainConfig().plan is None
+            True
+        """
+        path = self.parallel.plan
+        if not path:
+            return None
+        read = self.__dict__.get("_plan_read")  # (path, Plan): not a field, so neither saved nor compared
+        if read is None or read[0] != path:
+            from conveyor.errors import PlanError
+            from conveyor.plan.result import Plan
+
+            try:
+                read = (path, Plan.load(path))
+            except PlanError as error:
+                raise ConfigError(f"parallel.plan={path!r}: {error}") from None
+            self.__dict__["_plan_read"] = read
+        return read[1]
+
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *,
                 world_size: int | None = None) -> TrainConfig:
@@ -193,16 +223,10 @@ def apply_plan(cfg: TrainConfig) -> None:
         >>> cfg.parallel.schedule
         '1f1b'
     """
-    if not cfg.parallel.plan:
-        return
-    from conveyor.errors import PlanError
-    from conveyor.plan.result import Plan
-
-    try:
-        plan = Plan.load(cfg.parallel.plan)
-    except PlanError as error:
-        raise ConfigError(f"parallel.plan={cfg.parallel.plan!r}: {error}") from None
-    cfg.parallel.schedule, cfg.parallel.virtual, cfg.parallel.microbatches = plan.schedule, plan.virtual, plan.microbatches
+    plan = cfg.plan  # the one read of the file: the config keeps it
+    if plan is not None:
+        cfg.parallel.schedule, cfg.parallel.virtual, cfg.parallel.microbatches = (plan.schedule, plan.virtual,
+                                                                                  plan.microbatches)
 
 
 def expand_home(cfg: TrainConfig) -> None:

@@ -194,13 +194,10 @@ def _check_plan(cfg: Any, problems: list[str]) -> None:
     """A plan (already applied by load_config) is for this many pipeline ranks."""
     if not getattr(cfg.parallel, "plan", None):
         return
-    from conveyor.errors import PlanError
-    from conveyor.plan.result import Plan
-
     try:
-        plan = Plan.load(cfg.parallel.plan)
-    except PlanError as error:
-        problems.append(f"parallel.plan={cfg.parallel.plan!r}: {error}")
+        plan = cfg.plan  # read once, by the config
+    except ConfigError as error:
+        problems.append(str(error))
         return
     if plan.ranks != cfg.parallel.pp:
         problems.append(f"parallel.plan={cfg.parallel.plan!r} is for {plan.ranks} pipeline ranks but parallel.pp="

@@ -24,8 +24,8 @@ allocator slack, the data.
 Example:
     >>> from conveyor.train.config import load_config
     >>> cfg = load_config(None, ["model.layers=2", "model.width=32", "model.seq_len=16"])
-    >>> plan = plan_run(cfg)
-    >>> [(row.stage, row.rank) for row in plan.stages], plan.total_parameters
+    >>> layout = run_layout(cfg)
+    >>> [(row.stage, row.rank) for row in layout.stages], layout.total_parameters
     ([(0, 0), (1, 1)], 34176)
 """
 
@@ -72,8 +72,8 @@ class RankRow:
 
 
 @dataclass
-class RunPlan:
-    """What :func:`plan_run` found: the model, the split per stage, the memory per rank."""
+class RunLayout:
+    """What :func:`run_layout` found: the model, the split per stage, the memory per rank."""
 
     model_class: str
     total_parameters: int
@@ -82,17 +82,16 @@ class RunPlan:
     tied: list[str] = field(default_factory=list)
 
 
-def plan_run(cfg: TrainConfig) -> RunPlan:
+def run_layout(cfg: TrainConfig) -> RunLayout:
     """The split and the memory per rank of the run ``cfg`` describes, computed on the meta device.
 
     Example:
         >>> from conveyor.train.config import load_config
-        >>> plan = plan_run(load_config(None, ["model.name=llama", "model.layers=2", "model.width=32"]))
-        >>> plan.stages[0].first, plan.stages[1].last
+        >>> layout = run_layout(load_config(None, ["model.name=llama", "model.layers=2", "model.width=32"]))
+        >>> layout.stages[0].first, layout.stages[1].last
         ('model.embed_tokens', 'lm_head')
     """
     from conveyor.frontend import split_model
-    from conveyor.plan.result import Plan
     from conveyor.schedule.registry import resolve_schedule
     from conveyor.train.data import load_tokenizer
     from conveyor.train.models import build_model
@@ -103,21 +102,21 @@ def plan_run(cfg: TrainConfig) -> RunPlan:
     p = cfg.parallel
     schedule = resolve_schedule(p.schedule, p.microbatches, p.virtual, p.pp)
     example = torch.zeros(cfg.replica_batch_size // p.microbatches, cfg.model.seq_len, dtype=torch.long)
-    split_points = list(Plan.load(p.plan).split_points) if p.plan else None  # the cut the run will make
+    split_points = list(cfg.plan.split_points) if cfg.plan else None  # the cut the run will make
     split = split_model(model, schedule.num_stages, example_args=(example,), split_method="parameters",
                         split_points=split_points)
     sizes = {name: t.numel() for name, t in model.named_parameters(remove_duplicate=False)}
     saved = activation_bytes(split, example, cfg.train.activation_checkpointing)
-    plan = RunPlan(type(model).__name__, sum(t.numel() for t in model.parameters()),
+    layout = RunLayout(type(model).__name__, sum(t.numel() for t in model.parameters()),
                    tied=[" = ".join(group.names) for group in split.tied_groups])
     for stage in range(split.num_stages):
         names = split.stage_parameter_names(stage)
         modules = [_block_of(name) for name in names] or ["(no parameters)"]
         blocks = {m for m in modules if _BLOCK.match(m + ".")}
-        plan.stages.append(StageRow(stage, schedule.placement.rank_of(stage), modules[0], modules[-1], len(blocks),
+        layout.stages.append(StageRow(stage, schedule.placement.rank_of(stage), modules[0], modules[-1], len(blocks),
                                     sum(sizes[name] for name in names), *saved[stage]))
-    plan.ranks = _rank_memory(cfg, schedule, plan.stages)
-    return plan
+    layout.ranks = _rank_memory(cfg, schedule, layout.stages)
+    return layout
 
 
 def _block_of(name: str) -> str:
@@ -226,32 +225,32 @@ def _rank_memory(cfg: TrainConfig, schedule: Any, stages: list[StageRow]) -> lis
     return rows
 
 
-def format_plan(plan: RunPlan, cfg: TrainConfig) -> str:
+def format_layout(layout: RunLayout, cfg: TrainConfig) -> str:
     """The dry run's text: a header, the stage table, the rank table, how memory was estimated.
 
     Example:
         >>> from conveyor.train.config import load_config
         >>> cfg = load_config(None, ["model.layers=2", "model.width=32", "model.seq_len=16"])
-        >>> print(format_plan(plan_run(cfg), cfg).splitlines()[0])  # doctest: +ELLIPSIS
+        >>> print(format_layout(run_layout(cfg), cfg).splitlines()[0])  # doctest: +ELLIPSIS
         conveyor train --dry-run: GPT2LMHeadModel, 34,176 parameters (0.00B); pp=2 x dp=1, schedule 1f1b...
     """
     p = cfg.parallel
     micro = cfg.replica_batch_size // p.microbatches
-    lines = [f"conveyor train --dry-run: {plan.model_class}, {plan.total_parameters:,} parameters "
-             f"({plan.total_parameters / 1e9:.2f}B); pp={p.pp} x dp={p.dp}, schedule {p.schedule}, "
-             f"{len(plan.stages)} stages, {p.microbatches} microbatches of {micro} x {cfg.model.seq_len} tokens"]
-    width = max(len(r.first) for r in plan.stages) + 2
+    lines = [f"conveyor train --dry-run: {layout.model_class}, {layout.total_parameters:,} parameters "
+             f"({layout.total_parameters / 1e9:.2f}B); pp={p.pp} x dp={p.dp}, schedule {p.schedule}, "
+             f"{len(layout.stages)} stages, {p.microbatches} microbatches of {micro} x {cfg.model.seq_len} tokens"]
+    width = max(len(r.first) for r in layout.stages) + 2
     lines.append(f"{'stage':>5}  {'rank':>4}  {'first module':<{width}}{'last module':<{width}}{'blocks':>6}  "
                  f"{'parameters':>14}  {'kept/microbatch':>16}")
-    for r in plan.stages:
+    for r in layout.stages:
         lines.append(f"{r.stage:>5}  {r.rank:>4}  {r.first:<{width}}{r.last:<{width}}{r.blocks:>6}  "
                      f"{r.parameters:>14,}  {_gib(r.activation_bytes):>16}")
     lines.append(f"{'rank':>5}  {'params+grads+AdamW':>18}  {'in flight':>9}  {'activations':>11}  {'total':>9}")
-    for r in plan.ranks:
+    for r in layout.ranks:
         lines.append(f"{r.rank:>5}  {_gib(r.state_bytes):>18}  {r.in_flight:>9}  {_gib(r.activation_bytes):>11}  "
                      f"{_gib(r.total_bytes):>9}")
-    if plan.tied:
-        lines.append("tied: " + "; ".join(plan.tied) + " (each stage holding it keeps a copy)")
+    if layout.tied:
+        lines.append("tied: " + "; ".join(layout.tied) + " (each stage holding it keeps a copy)")
     sharded = p.data_parallel == "fsdp" and p.dp > 1
     lines += [
         "memory per rank = parameters, gradients and AdamW's two moments in fp32 (16 bytes per parameter"
@@ -272,7 +271,7 @@ def _gib(size: float) -> str:
 
 
 def dry_run(cfg: TrainConfig) -> int:
-    """Print the plan of the run ``cfg`` describes; returns 0 (the exit status).
+    """Print the split and the memory per rank of the run ``cfg`` describes; returns 0 (the exit status).
 
     Example:
         >>> from conveyor.train.config import load_config
@@ -280,5 +279,5 @@ def dry_run(cfg: TrainConfig) -> int:
         conveyor train --dry-run: GPT2LMHeadModel, ...
         0
     """
-    print(format_plan(plan_run(cfg), cfg))
+    print(format_layout(run_layout(cfg), cfg))
     return 0

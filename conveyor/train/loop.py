@@ -37,7 +37,6 @@ import torch.distributed as dist
 import conveyor
 from conveyor.errors import ConfigError, NonFiniteError
 from conveyor.parallel import count_tokens
-from conveyor.plan.result import Plan
 from conveyor.runtime.device import group_device, to_device
 from conveyor.train.config import TrainConfig, save_config
 from conveyor.train.data import load_tokenizer, resumable_loader, splits_factory
@@ -113,14 +112,10 @@ def build_pipeline(cfg: TrainConfig, model: torch.nn.Module) -> Any:
     microbatch = cfg.replica_batch_size // p.microbatches
     example = torch.zeros(microbatch, cfg.model.seq_len, dtype=torch.long)
     extra = {"mesh": mesh, "data_parallel": p.data_parallel} if mesh is not None else {}
-    # load_config took schedule, virtual and microbatches from the plan already; the cut is the plan's too,
-    # and so is the schedule's order where it was planned for the measured costs (zb-1p, zb-2p).
-    plan = Plan.load(p.plan) if p.plan else None
-    split_points = list(plan.split_points) if plan else None
-    schedule = plan.schedule_spec() if plan else p.schedule
-    return conveyor.pipeline(model, example_args=(example,), split_method="parameters", schedule=schedule,
-                             split_points=split_points,
-                             microbatches=p.microbatches, virtual=p.virtual,
+    # With a plan (read once, by load_config), the pipeline takes schedule, microbatches, virtual and the cut
+    # from it, the schedule's order too where it was planned for the measured costs (zb-1p, zb-2p).
+    return conveyor.pipeline(model, example_args=(example,), split_method="parameters", plan=cfg.plan,
+                             schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual,
                              loss_fn=lm_loss("sum" if cfg.loss.normalize == "tokens" else "mean"),
                              checkpoint_activations=cfg.train.activation_checkpointing,
                              autocast=cfg.train.precision, device=device, **extra)

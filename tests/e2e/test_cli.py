@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 import conveyor.schedule as cs
-from conveyor.cli import main, run_compare
+from conveyor.cli import main
 from conveyor.errors import ScheduleError
 from conveyor.schedule import registry
 from conveyor.schedule.builtin.one_f_one_b import one_f_one_b
+from conveyor.schedule.compare import run_compare
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -131,4 +131,4 @@ def test_the_planner_asks_for_a_measured_calibration_rather_than_starting_pipeli
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     with pytest.raises(PlanError, match=r"conveyor\.calibration\.calibrate\(ranks=2\)"):
-        conveyor.plan(model, torch.randn(2, 4), ranks=2, global_batch=4, calibration=True)
+        conveyor.plan.plan(model, torch.randn(2, 4), ranks=2, global_batch=4, calibration=True)

@@ -22,7 +22,7 @@ def _auto_then_from_file(rank, world_size, path):
                                            "schedules": ["1f1b", "zb-h1"]}, timeout_s=60)
     auto = (pipe.schedule.name, pipe.schedule.num_microbatches)
     loss = pipe.step(x, target=y)
-    plan = conveyor.plan(_model(), x[:2], ranks=2, global_batch=8, schedules=["gpipe"], microbatches=[2], repeats=1)
+    plan = conveyor.plan.plan(_model(), x[:2], ranks=2, global_batch=8, schedules=["gpipe"], microbatches=[2], repeats=1)
     if rank == 0:
         plan.save(path)
     torch.distributed.barrier()

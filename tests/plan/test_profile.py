@@ -25,8 +25,8 @@ def tiny_llama(vocab: int = 512, width: int = 32, layers: int = 4):
 def test_profiled_units_of_a_llama_and_its_plan(one_thread):
     model = tiny_llama()
     example = torch.zeros(2, 32, dtype=torch.long)
-    plan = conveyor.plan(model, example, ranks=2, global_batch=8, memory_per_rank="1GiB", repeats=2,
-                         schedules=["1f1b", "zb-h1", "zbv"])
+    plan = conveyor.plan.plan(model, example, ranks=2, global_batch=8, memory_per_rank="1GiB", repeats=2,
+                              schedules=["1f1b", "zb-h1", "zbv"])
     units = {unit.name: unit for unit in plan.costs.units}
     assert {"model.embed_tokens", "model.layers.0", "model.layers.3", "model.norm", "lm_head"} <= set(units)
     block, head = units["model.layers.0"], units["lm_head"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from conveyor.errors import ConfigError
 from conveyor.train.config import TrainConfig, config_yaml, field_help, load_config, save_config
@@ -136,3 +137,30 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
 def test_fp16_precision_is_refused_with_the_reason_and_bf16_offered():
     with pytest.raises(ConfigError, match=r"train.precision='fp16': fp16 needs loss scaling.*train.precision=bf16"):
         load_config(None, ["train.precision=fp16"])
+
+
+def test_the_plan_file_is_read_once_and_the_pipeline_is_given_that_plan(tmp_path, monkeypatch):
+    # Before: load_config, the checks, --dry-run and every rank's pipeline each read parallel.plan again
+    # (a file changed or removed meanwhile gave them another plan, or none), and the pipeline was given a
+    # schedule and split points rather than the plan.
+    import pickle
+
+    import conveyor
+    from conveyor.plan.result import Plan
+    from conveyor.train import loop
+    from conveyor.train.dry_run import run_layout
+
+    path = Plan("gpipe", 2, 1, 8, 16, ("transformer.h.3",), 1.0, 0.1, (1e6, 1e6), (0.5, 0.5),
+                float("inf")).save(tmp_path / "plan.json")
+    reads = []
+    load = Plan.load
+    monkeypatch.setattr(Plan, "load", staticmethod(lambda p: reads.append(p) or load(p)))
+    cfg = load_config(None, [f"parallel.plan={path}"])
+    assert (cfg.parallel.schedule, cfg.parallel.microbatches) == ("gpipe", 8)
+    path.unlink()
+    rank_cfg = pickle.loads(pickle.dumps(cfg))  # what the launcher hands each rank
+    assert [row.first for row in run_layout(rank_cfg).stages] == ["transformer.wte", "transformer.h.3"]
+    monkeypatch.setattr(conveyor, "pipeline", lambda model, **kwargs: kwargs)
+    given = loop.build_pipeline(rank_cfg, torch.nn.Linear(1, 1))
+    assert given["plan"] is rank_cfg.plan and given["plan"].split_points == ("transformer.h.3",)
+    assert len(reads) == 1

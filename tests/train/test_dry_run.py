@@ -16,7 +16,7 @@ import pytest
 
 from conveyor.cli import main
 from conveyor.train.config import load_config
-from conveyor.train.dry_run import BYTES_PER_PARAMETER, plan_run
+from conveyor.train.dry_run import BYTES_PER_PARAMETER, run_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.layers=4", "model.width=32", "model.heads=4", "model.seq_len=32", "train.batch_size=8",
@@ -46,31 +46,31 @@ def test_llama_1b_dry_run_prints_one_row_per_stage_and_allocates_nothing():
     assert peak_gib < 1.5, f"the dry run of a 1B model peaked at {peak_gib:.2f} GiB"  # its fp32 weights: 3.75 GiB
 
 
-def test_the_plan_follows_the_schedule_placement_and_the_tied_embedding():
-    plan = plan_run(load_config(None, [*SMALL, "model.name=mpt", "parallel.schedule=zbv"]))
-    assert [(row.stage, row.rank) for row in plan.stages] == [(0, 0), (1, 1), (2, 1), (3, 0)]  # the V
-    assert plan.tied == ["transformer.wte.weight = lm_head.weight"]
-    assert plan.stages[0].first == "transformer.wte" and plan.stages[-1].last == "lm_head"
-    assert [row.blocks for row in plan.stages] == [1, 1, 1, 1]
+def test_the_layout_follows_the_schedule_placement_and_the_tied_embedding():
+    layout = run_layout(load_config(None, [*SMALL, "model.name=mpt", "parallel.schedule=zbv"]))
+    assert [(row.stage, row.rank) for row in layout.stages] == [(0, 0), (1, 1), (2, 1), (3, 0)]  # the V
+    assert layout.tied == ["transformer.wte.weight = lm_head.weight"]
+    assert layout.stages[0].first == "transformer.wte" and layout.stages[-1].last == "lm_head"
+    assert [row.blocks for row in layout.stages] == [1, 1, 1, 1]
     wte = 256 * 32
-    assert sum(row.parameters for row in plan.stages) == plan.total_parameters + wte  # held by two stages
-    rank0 = plan.ranks[0]
-    assert rank0.state_bytes == BYTES_PER_PARAMETER * (plan.stages[0].parameters + plan.stages[3].parameters)
+    assert sum(row.parameters for row in layout.stages) == layout.total_parameters + wte  # held by two stages
+    rank0 = layout.ranks[0]
+    assert rank0.state_bytes == BYTES_PER_PARAMETER * (layout.stages[0].parameters + layout.stages[3].parameters)
     assert rank0.in_flight >= 2 and rank0.activation_bytes > 0
 
 
 def test_checkpointing_and_fsdp_shrink_the_prediction():
     base = [*SMALL, "model.name=llama", "parallel.dp=2", "parallel.microbatches=2"]
-    plain = plan_run(load_config(None, base))
-    checkpointed = plan_run(load_config(None, [*base, "train.activation_checkpointing=true"]))
+    plain = run_layout(load_config(None, base))
+    checkpointed = run_layout(load_config(None, [*base, "train.activation_checkpointing=true"]))
     assert all(c.activation_bytes < p.activation_bytes for c, p in zip(checkpointed.stages, plain.stages))
     assert all(c.recompute_bytes == p.activation_bytes for c, p in zip(checkpointed.stages, plain.stages))
     # fsdp: 16 bytes per parameter sharded over dp, plus the rank's stages gathered with whole
     # gradients for the step (8 bytes per parameter): no saving at dp=2, a quarter at dp=4.
     for dp, share in ((2, 1.0), (4, 0.75)):
         wide = [*SMALL, "model.name=llama", f"parallel.dp={dp}", "parallel.microbatches=2"]
-        replicated = plan_run(load_config(None, wide))
-        sharded = plan_run(load_config(None, [*wide, "parallel.data_parallel=fsdp"]))
+        replicated = run_layout(load_config(None, wide))
+        sharded = run_layout(load_config(None, [*wide, "parallel.data_parallel=fsdp"]))
         assert all(s.state_bytes == share * p.state_bytes for s, p in zip(sharded.ranks, replicated.ranks))
 
 

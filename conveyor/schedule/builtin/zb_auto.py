@@ -91,7 +91,7 @@ class Knobs:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class RankOrders:
     """What the search found: each rank's kinds in order (0 F, 1 I, 2 W), their makespan, and
     their longest span of one rank, first start to last end (the paper's iteration time)."""
 
@@ -100,7 +100,7 @@ class Plan:
     span: float
     knobs: Knobs | None  # None: a handcrafted schedule won
 
-    def beats(self, other: Plan) -> bool:
+    def beats(self, other: RankOrders) -> bool:
         """Ends sooner, or as soon with a shorter longest span (floats equal to 1e-9 relative)."""
         if self.makespan < other.makespan * (1 - _EPS):
             return True
@@ -144,8 +144,8 @@ class _ListScheduler:
         self.kinds: list[list[int]] = [[] for _ in range(P)]
         self.heap = [(0.0, r) for r in range(P)]
 
-    def run(self, bound: float) -> Plan | None:
-        """The plan, or None once a rank cannot end by ``bound`` (the best makespan known)."""
+    def run(self, bound: float) -> RankOrders | None:
+        """Each rank's kinds in order, or None once a rank cannot end by ``bound`` (the best makespan known)."""
         heap, free, remaining = self.heap, self.free, self.remaining
         pop, choose, commit = heapq.heappop, self._choose, self._commit
         left = 3 * self.num_ranks * self.num_microbatches
@@ -166,7 +166,7 @@ class _ListScheduler:
                 return None
             left -= 1
         span = max(end - start for start, end in zip(self.first, free))
-        return Plan(tuple(map(tuple, self.kinds)), max(free), span, self.knobs)
+        return RankOrders(tuple(map(tuple, self.kinds)), max(free), span, self.knobs)
 
     def _first_holding_weights(self) -> int:
         holding = [r for r in range(self.num_ranks) if self.done_w[r] < self.done_i[r]]
@@ -302,18 +302,19 @@ def span_bounds(
     return bounds
 
 
-def search(num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: int) -> Plan:
-    """Steps 1, 2 and 4 alone: the best list-scheduled plan (:func:`zb_auto` adds step 3).
+def search(num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: int) -> RankOrders:
+    """Steps 1, 2 and 4 alone: the best list-scheduled orders (:func:`zb_auto` adds step 3).
 
     Example:
-        >>> plan = search(2, 3, CostModel.uniform(2), 4)
-        >>> plan.makespan, plan.span, plan.kinds[0]
+        >>> found = search(2, 3, CostModel.uniform(2), 4)
+        >>> found.makespan, found.span, found.kinds[0]
         (10.0, 9.0, (0, 0, 0, 1, 2, 1, 2, 1, 2))
     """
-    return _search(num_ranks, num_microbatches, costs, memory_limit, Plan((), _INF, _INF, None))
+    return _search(num_ranks, num_microbatches, costs, memory_limit, RankOrders((), _INF, _INF, None))
 
 
-def _search(num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: int, best: Plan) -> Plan:
+def _search(num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: int,
+            best: RankOrders) -> RankOrders:
     plain = _Costs(costs, num_ranks)
     bounds = span_bounds(num_ranks, num_microbatches, costs, memory_limit)
     floor = max(skew + span for skew, span in bounds) * (1 + _EPS)
@@ -321,11 +322,11 @@ def _search(num_ranks: int, num_microbatches: int, costs: CostModel, memory_limi
     for knobs in knob_grid(num_ranks, memory_limit):
         if best.makespan <= floor and best.span <= floor_span:
             break
-        plan = _ListScheduler(num_ranks, num_microbatches, plain, memory_limit, knobs).run(
+        found = _ListScheduler(num_ranks, num_microbatches, plain, memory_limit, knobs).run(
             best.makespan * (1 + _EPS)
         )
-        if plan is not None and plan.beats(best):
-            best = plan
+        if found is not None and found.beats(best):
+            best = found
     return best
 
 
@@ -361,34 +362,34 @@ def zb_auto(
     if not isinstance(costs, CostModel):
         raise CostError(f"schedule {name!r}: costs must be a CostModel, got {type(costs).__name__}")
     costs.check_stages(num_ranks)
-    handcrafted, plan = _best_handcrafted(num_ranks, num_microbatches, costs, memory_limit)
-    plan = _search(num_ranks, num_microbatches, costs, memory_limit, plan)
-    if plan.knobs is None and handcrafted is not None:
+    handcrafted, found = _best_handcrafted(num_ranks, num_microbatches, costs, memory_limit)
+    found = _search(num_ranks, num_microbatches, costs, memory_limit, found)
+    if found.knobs is None and handcrafted is not None:
         return Schedule(name, handcrafted.placement, num_microbatches, handcrafted.programs)
-    return _schedule_of(name, num_ranks, num_microbatches, plan)
+    return _schedule_of(name, num_ranks, num_microbatches, found)
 
 
 def _best_handcrafted(
     num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: int
-) -> tuple[Schedule | None, Plan]:
+) -> tuple[Schedule | None, RankOrders]:
     """ZB-H1 or ZB-H2, the better of those within the limit, and its simulated score (no kinds)."""
     from conveyor.schedule.simulate import simulate  # simulate imports the registry's neighbours
 
-    best, score = None, Plan((), _INF, _INF, None)
+    best, score = None, RankOrders((), _INF, _INF, None)
     for builder, peak in ((zb_h1, num_ranks), (zb_h2, 2 * num_ranks - 1)):
         if min(peak, num_microbatches) > memory_limit:
             continue
         schedule = builder(num_ranks, num_microbatches)
         timeline = simulate(schedule, costs)
-        candidate = Plan((), timeline.makespan, max(b - a for a, b in _rank_spans(timeline)), None)
+        candidate = RankOrders((), timeline.makespan, max(b - a for a, b in _rank_spans(timeline)), None)
         if candidate.beats(score):
             best, score = schedule, candidate
     return best, score
 
 
-def _schedule_of(name: str, num_ranks: int, num_microbatches: int, plan: Plan) -> Schedule:
+def _schedule_of(name: str, num_ranks: int, num_microbatches: int, found: RankOrders) -> Schedule:
     writers = []
-    for rank, kinds in enumerate(plan.kinds):
+    for rank, kinds in enumerate(found.kinds):
         writer, counts = ProgramWriter(), [0, 0, 0]
         for kind in kinds:
             writer.add(_KINDS[kind], rank, counts[kind])
