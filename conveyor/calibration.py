@@ -10,7 +10,7 @@ and ``python -m benchmarks --plan`` call it.
 Example::
 
     from conveyor.calibration import calibrate
-    chosen = conveyor.plan(model, example, ranks=2, global_batch=16, calibration=calibrate(ranks=2))
+    chosen = conveyor.plan.plan(model, example, ranks=2, global_batch=16, calibration=calibrate(ranks=2))
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def calibrate(*, ranks: int = 2, microbatches: int = 8, steps: int = 6, warmup: 
     Example:
         >>> calibrate(ranks=2).latency_s < 0.01   # doctest: +SKIP
         True
-        >>> # then: conveyor.plan(model, example, ranks=2, global_batch=16, calibration=that)
+        >>> # then: conveyor.plan.plan(model, example, ranks=2, global_batch=16, calibration=that)
     """
     def run(width: int, rows: int) -> tuple[Calibration, float]:
         workload = Emulated(ranks, sleep_ms, sleep_ms, sleep_ms, blocks_per_rank=1,
