@@ -42,14 +42,14 @@ def _f(default: Any, help: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = _f("gpt", "gpt | llama | mpt | hf:<transformers class name> | a local pretrained directory "
+    name: str = _f("gpt", "gpt | llama | mpt | moe | hf:<transformers class name> | a local pretrained directory "
                           "(config.json + safetensors; its config.json sets the sizes below)")
     layers: int = _f(4, "transformer blocks")
     width: int = _f(128, "hidden size")
     heads: int = _f(4, "attention heads (must divide width)")
     seq_len: int = _f(128, "tokens per training sequence (the vocabulary comes from the tokenizer)")
-    intermediate: int | None = _f(None, "MLP hidden size (None: 4 x width; mpt: a multiple of width)")
-    kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (None: heads); llama, and "
+    intermediate: int | None = _f(None, "MLP hidden size (None: 4 x width; mpt: a multiple of width; moe: per expert)")
+    kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (None: heads); llama, moe, and "
                               "hf: classes that have them")
     hf_config: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "extra transformers config fields over the derived ones (a pretrained directory: over its "

@@ -24,7 +24,7 @@ from typing import Any
 from conveyor.errors import ConfigError
 from conveyor.train import sources
 
-MODEL_NAMES = ("gpt", "llama", "mpt")
+MODEL_NAMES = ("gpt", "llama", "mpt", "moe")
 CHOICES = {
     "parallel.data_parallel": ("ddp", "fsdp"),
     "optim.lr_schedule": ("cosine", "constant"),

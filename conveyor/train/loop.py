@@ -3,11 +3,12 @@
 Each rank seeds, builds the model from ``cfg.model`` (the same initialisation everywhere),
 keeps its own stages of the pipeline, and runs ``cfg.train.steps`` optimizer steps: AdamW
 with a linear warm-up and a cosine (or constant) learning rate, gradient clipping, a
-non-finite step skipped or fatal (``loss.on_nonfinite``), a validation loss through
-``pipe.forward`` every ``train.eval_interval`` steps, checkpoints every
+non-finite step skipped or fatal (``loss.on_nonfinite``), a validation loss (the language
+model's alone) through ``pipe.forward`` every ``train.eval_interval`` steps, checkpoints every
 ``checkpoint.interval`` steps and at the end (with the data loader's position, so a resumed
 run draws the batches the uninterrupted one would). Rank 0 writes ``<run.dir>/metrics.jsonl``
-(one JSON object per step, and one per validation), ``<run.dir>/config.yaml`` (the resolved
+(one JSON object per step, with ``lm_loss`` and ``aux_loss`` beside ``loss`` for a
+mixture-of-experts model, and one per validation), ``<run.dir>/config.yaml`` (the resolved
 config), ``loss.png`` (training and validation curves), ``timeline.png`` (the last step measured
 beside its simulation), ``timeline.json`` (its Chrome/Perfetto trace), ``sample.txt`` (a greedy
 continuation after training, :mod:`conveyor.train.sample`) and TensorBoard events under
@@ -37,10 +38,11 @@ import torch.distributed as dist
 import conveyor
 from conveyor.errors import ConfigError, NonFiniteError
 from conveyor.parallel import count_tokens
+from conveyor.parallel.loss import loss_divisor
 from conveyor.runtime.device import group_device, to_device
 from conveyor.train.config import TrainConfig, save_config
 from conveyor.train.data import load_tokenizer, resumable_loader, splits_factory
-from conveyor.train.models import build_model, load_weights
+from conveyor.train.models import aux_loss_coefficient, build_model, load_weights
 from conveyor.train.report import (
     Progress,
     open_tensorboard,
@@ -73,6 +75,66 @@ def lm_loss(reduction: str = "mean"):
     return loss_fn
 
 
+class LossWithAux:
+    """A ``loss_fn`` for a mixture-of-experts model: the language-model loss plus ``coefficient`` x the
+    model's auxiliary (load-balancing) loss, as Mixtral's own forward adds them, recording both parts.
+
+    Each call (one per microbatch, on the last stage) appends the two parts, detached, to
+    ``parts``; :meth:`step_parts` scales and sums them as the pipeline scales and sums the loss,
+    so the step's language-model and auxiliary losses are reported exactly, without a second
+    forward. With ``reduction="sum"`` (``loss.normalize=tokens``) the auxiliary loss, a mean
+    over the microbatch's tokens, counts once per target token, so after the division by the
+    step's token count it is the token-weighted mean of the microbatches' auxiliary losses.
+
+    Example:
+        >>> out = {"logits": torch.zeros(1, 3, 4), "aux_loss": torch.tensor(2.0)}
+        >>> loss_fn = LossWithAux(0.5)
+        >>> round(loss_fn(out, torch.tensor([[0, 1, 2]])).item(), 4)     # ln 4 + 0.5 x 2
+        2.3863
+        >>> [round(v, 4) for v in loss_fn.step_parts(divisor=1).tolist()]
+        [1.3863, 1.0]
+    """
+
+    def __init__(self, coefficient: float, reduction: str = "mean") -> None:
+        self.coefficient, self.reduction = coefficient, reduction
+        self.lm = lm_loss(reduction)
+        self.parts: list[torch.Tensor] = []
+
+    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        lm = self.lm(output, target)
+        aux = output.get("aux_loss") if isinstance(output, dict) else getattr(output, "aux_loss", None)
+        if aux is None:
+            raise ConfigError(f"the model's output has no aux_loss (it has: {', '.join(_keys(output))}); a "
+                              f"mixture-of-experts model returns it when built with output_router_logits=True")
+        aux = self.coefficient * aux.to(lm.dtype)
+        if self.reduction == "sum":
+            aux = aux * (target != -100).sum()  # cross_entropy's ignore_index: the tokens the sum counts
+        self.parts.append(torch.stack([lm.detach(), aux.detach()]))
+        return lm + aux
+
+    def step_parts(self, divisor: int | float) -> torch.Tensor:
+        """(language-model, auxiliary) loss of the step's microbatches, each divided by ``divisor`` as the
+        pipeline divides the loss and summed in microbatch order; clears ``parts``."""
+        parts, self.parts = self.parts, []
+        total = parts[0] / divisor
+        for part in parts[1:]:
+            total = total + part / divisor
+        return total
+
+
+def _keys(output: Any) -> list[str]:
+    return list(output.keys()) if hasattr(output, "keys") else [type(output).__name__]
+
+
+def train_loss(cfg: TrainConfig, model: torch.nn.Module) -> Any:
+    """The pipeline's ``loss_fn`` for ``model``: :func:`lm_loss`, or :class:`LossWithAux` for a
+    mixture-of-experts model that returns an auxiliary loss (``moe``, or any with
+    ``output_router_logits=True``)."""
+    reduction = "sum" if cfg.loss.normalize == "tokens" else "mean"
+    coefficient = aux_loss_coefficient(model)
+    return lm_loss(reduction) if coefficient is None else LossWithAux(coefficient, reduction)
+
+
 def lr_lambda(cfg: TrainConfig):
     """The learning rate's factor at each step: linear warm-up to 1, then cosine down to
     ``optim.min_lr_ratio`` at ``train.steps`` (or constant 1), for ``torch.optim.lr_scheduler.LambdaLR``.
@@ -97,9 +159,10 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
-def build_pipeline(cfg: TrainConfig, model: torch.nn.Module) -> Any:
+def build_pipeline(cfg: TrainConfig, model: torch.nn.Module, loss_fn: Any = None) -> Any:
     """This rank's pipeline of ``model`` (over a ("dp", "pp") mesh when ``parallel.dp`` > 1), on the
-    device :func:`~conveyor.train.launch.choose_devices` gives this rank (its GPU, or the CPU)."""
+    device :func:`~conveyor.train.launch.choose_devices` gives this rank (its GPU, or the CPU), with
+    ``loss_fn`` (None: :func:`train_loss`'s for the model)."""
     from conveyor.train.launch import stage_device
 
     p = cfg.parallel
@@ -116,7 +179,7 @@ def build_pipeline(cfg: TrainConfig, model: torch.nn.Module) -> Any:
     # from it, the schedule's order too where it was planned for the measured costs (zb-1p, zb-2p).
     return conveyor.pipeline(model, example_args=(example,), split_method="parameters", plan=cfg.plan,
                              schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual,
-                             loss_fn=lm_loss("sum" if cfg.loss.normalize == "tokens" else "mean"),
+                             loss_fn=loss_fn if loss_fn is not None else train_loss(cfg, model),
                              checkpoint_activations=cfg.train.activation_checkpointing,
                              autocast=cfg.train.precision, device=device, **extra)
 
@@ -134,6 +197,7 @@ class Run:
     step: int = 0
     metrics: Any = None  # the open metrics.jsonl on rank 0
     losses: list[float] = field(default_factory=list)
+    aux_losses: list[float] = field(default_factory=list)  # a mixture-of-experts model's auxiliary part
     val_losses: list[float] = field(default_factory=list)
     tokens: int = 0
     train_time: float = 0.0
@@ -141,6 +205,7 @@ class Run:
     skipped: int = 0  # steps dropped for a non-finite loss or gradient (loss.on_nonfinite=skip)
     progress: Any = None  # a Progress; shows only on rank 0
     tensorboard: Any = None  # rank 0's TensorBoardLog, when run.tensorboard is on and it is installed
+    loss_fn: Any = None  # the pipeline's: a LossWithAux records the parts of each step's loss
 
     @property
     def rank0(self) -> bool:
@@ -162,7 +227,17 @@ def setup(cfg: TrainConfig) -> Run:
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
     # On the meta device: each rank allocates and initialises only its own stages (conveyor.frontend
     # seeds each module from its path, so every split and rank gets the same values).
-    pipe = build_pipeline(cfg, build_model(cfg, vocab, device="meta"))
+    model = build_model(cfg, vocab, device="meta")
+    loss_fn = train_loss(cfg, model)
+    if isinstance(loss_fn, LossWithAux):
+        # transformers' MoE layers pick histc's dtype by the device type (int32 off the CPU, which the
+        # CPU kernel refuses); traced on meta, the trace keeps the meta choice. On the stage's device
+        # the trace takes the branch the stages will run, at the cost of every rank holding the whole
+        # model once, until the stages are cut from it.
+        from conveyor.train.launch import stage_device
+
+        model = build_model(cfg, vocab, device=stage_device(cfg))
+    pipe = build_pipeline(cfg, model, loss_fn)
     loaded = load_weights(cfg, pipe)  # a pretrained directory: each rank reads its own stages' tensors
     if loaded is not None and dist.get_rank() == 0:
         print(f"conveyor train: rank 0 loaded {loaded.tensors} tensors ({loaded.bytes_read:,} of "
@@ -176,7 +251,7 @@ def setup(cfg: TrainConfig) -> Run:
     val_data = None
     if cfg.train.eval_interval > 0 and cfg.data.val_fraction > 0:
         val_data = resumable_loader(pipe, lambda: splits().val, batch, seed=cfg.train.seed, shuffle=False)
-    run = Run(cfg, pipe, optimizer, scheduler, train_data, val_data)
+    run = Run(cfg, pipe, optimizer, scheduler, train_data, val_data, loss_fn=loss_fn)
     resume(run)
     if run.rank0:
         out = Path(cfg.run.dir)
@@ -220,8 +295,11 @@ def resume(run: Run) -> None:
 
 # --- the loop -------------------------------------------------------------------------------
 
-def train_step(run: Run) -> float:
-    """One optimizer step; returns the step's loss (the same on every rank).
+def train_step(run: Run) -> tuple[float, dict[str, float]]:
+    """One optimizer step; returns the step's loss and its parts (the same on every rank).
+
+    The parts are ``{"lm_loss": ..., "aux_loss": ...}`` for a model with an auxiliary loss
+    (:func:`loss_parts`), else empty.
 
     A step whose loss or gradients are not finite, under ``loss.on_nonfinite=skip``, leaves
     parameters and optimizer state as they were (``pipe.skipped_steps`` counts it); the data
@@ -235,20 +313,52 @@ def train_step(run: Run) -> float:
     if cfg.loss.normalize == "tokens":
         normalize_by = count_tokens(pipe, y if pipe.needs_target else None)
     mode = "skip" if cfg.loss.on_nonfinite == "skip" else "raise"
+    if isinstance(run.loss_fn, LossWithAux):
+        run.loss_fn.parts.clear()  # a step that failed earlier may have left some
     loss = pipe.step(x if pipe.needs_inputs else None, target=y if pipe.needs_target else None,
                      on_nonfinite=mode, normalize_by=normalize_by)
+    parts = loss_parts(run, normalize_by)
     if cfg.train.clip > 0:
         pipe.clip_grad_norm_(cfg.train.clip)  # a collective: every rank takes part
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
-    return float(loss)
+    return float(loss), parts
+
+
+def loss_parts(run: Run, normalize_by: Any = None) -> dict[str, float]:
+    """The step's language-model and auxiliary losses, on every rank (empty without an auxiliary loss).
+
+    The last stage's :class:`LossWithAux` recorded each microbatch's parts; they are divided by
+    what the pipeline divided the loss by and summed in microbatch order, as the pipeline sums the
+    loss, and then summed over the replicas' last stages and divided by their count (the mean the
+    pipeline takes of the replicas' losses). Their sum is the step's loss up to the rounding of
+    one addition. One small collective over the default group, as :func:`evaluate`'s.
+    """
+    pipe = run.pipe
+    if not isinstance(run.loss_fn, LossWithAux):
+        return {}
+    total = torch.zeros(2, dtype=torch.float64, device=pipe.device)
+    if pipe.needs_target:
+        got, wanted = len(run.loss_fn.parts), run.cfg.parallel.microbatches
+        if got != wanted:
+            raise RuntimeError(f"the loss function ran {got} times in a step of {wanted} microbatches; "
+                                 f"expected once per microbatch")
+        divisor = loss_divisor(normalize_by, wanted, pipe.dp_size)
+        total += run.loss_fn.step_parts(divisor).double()
+    total = total.to(group_device(pipe.device))
+    dist.all_reduce(total)
+    lm, aux = (total / pipe.dp_size).tolist()
+    return {"lm_loss": lm, "aux_loss": aux}
 
 
 @torch.no_grad()
 def validation_sums(run: Run) -> torch.Tensor:
     """This rank's (loss sum, batches) over ``train.eval_batches`` batches (the same ones each time), float64
     on the stage device; non-zero on the ranks that run the last stage only.
+
+    The language-model loss alone, also for a model with an auxiliary loss: that is what the
+    model is judged by, and what compares with other models.
 
     The loss is computed where the logits are (the targets go there, :func:`~conveyor.runtime.device.to_device`)
     and added there: no host read per batch.
@@ -310,7 +420,7 @@ def loop(run: Run) -> Path | None:
         lr = run.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler moves on after it)
         began = time.perf_counter()
         try:
-            loss = train_step(run)
+            loss, parts = train_step(run)
         except NonFiniteError as error:
             run.stopped = f"step {run.step + 1}: {error}"
             break
@@ -319,11 +429,13 @@ def loop(run: Run) -> Path | None:
         run.tokens += tokens_per_step
         run.train_time += took
         run.losses.append(loss)
+        if parts:
+            run.aux_losses.append(parts["aux_loss"])
         skipped = run.pipe.skipped_steps > run.skipped
         run.skipped = run.pipe.skipped_steps
-        run.log({"step": run.step, "loss": loss, "lr": lr, "tokens_per_s": round(tokens_per_step / took, 1),
+        run.log({"step": run.step, "loss": loss, **parts, "lr": lr, "tokens_per_s": round(tokens_per_step / took, 1),
                  "elapsed": round(time.perf_counter() - start, 3), **({"skipped": True} if skipped else {})})
-        run.progress.step(run.step, loss, lr, tokens_per_step / took, took)
+        run.progress.step(run.step, loss, lr, tokens_per_step / took, took, parts=parts)
         if evaluating and (run.step % cfg.train.eval_interval == 0 or run.step == cfg.train.steps):
             validate_now(run, start)
         interval = cfg.checkpoint.interval
@@ -376,6 +488,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                "first_val_loss": run.val_losses[0] if run.val_losses else None,
                "last_val_loss": run.val_losses[-1] if run.val_losses else None,
                "tokens_per_s": run.tokens / run.train_time if run.train_time else None,
+               "first_aux_loss": run.aux_losses[0] if run.aux_losses else None,
+               "last_aux_loss": run.aux_losses[-1] if run.aux_losses else None,
                "checkpoint": str(saved) if saved else None, "stopped": run.stopped, "skipped_steps": run.skipped,
                "peak_rss_mib": peak_rss_mib(), **pictures, **sample}
     if run.rank0:
@@ -402,6 +516,7 @@ def format_summary(summary: dict[str, Any], cfg: TrainConfig) -> str:
     if summary.get("skipped_steps"):
         rate += f"; {summary['skipped_steps']} step(s) skipped (loss or gradients not finite)"
     lines = [head + pair(summary["first_loss"], summary["last_loss"], "training")
+             + pair(summary.get("first_aux_loss"), summary.get("last_aux_loss"), "auxiliary")
              + pair(summary["first_val_loss"], summary["last_val_loss"], "validation") + rate,
              *report_lines(summary),
              f"checkpoint: {summary['checkpoint']}; metrics: {cfg.run.dir}/metrics.jsonl"]

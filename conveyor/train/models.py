@@ -4,7 +4,11 @@
 
 * a recipe: ``gpt`` (GPT-2: learned positions, LayerNorm, embedding tied to the head),
   ``llama`` (RMSNorm, rotary positions, SwiGLU, an untied head, grouped-query attention
-  through ``model.kv_heads``) or ``mpt`` (ALiBi instead of positions, no biases, tied head);
+  through ``model.kv_heads``), ``mpt`` (ALiBi instead of positions, no biases, tied head) or
+  ``moe`` (Mixtral: llama's blocks with a mixture of SwiGLU experts, 4 experts and 2 per token
+  unless ``model.hf_config`` says otherwise, ``model.intermediate`` per expert; its router
+  logits reach the loss, which adds ``router_aux_loss_coef`` x the load-balancing loss, see
+  :func:`aux_loss_coefficient`);
 * ``hf:<class>``, any transformers causal-LM class (``hf:Qwen2ForCausalLM``), built from its
   config class with the sizes derived from ``model.layers/width/heads/seq_len/intermediate/
   kv_heads`` and the tokenizer's vocabulary;
@@ -36,7 +40,7 @@ import torch
 from conveyor.errors import ConfigError
 from conveyor.train.config import ModelConfig, TrainConfig
 
-RECIPES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mpt": "MptForCausalLM"}
+RECIPES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mpt": "MptForCausalLM", "moe": "MixtralForCausalLM"}
 # Where a config class keeps the context length and the MLP width, under the first of these it has.
 _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 _MLP_FIELDS = ("intermediate_size", "n_inner", "ffn_dim")
@@ -119,7 +123,37 @@ def _mpt_fields(m: ModelConfig, vocab: int) -> dict[str, Any]:
                 attn_config={"alibi": True, "attn_pdrop": 0}, use_cache=False)
 
 
-_RECIPE_FIELDS = {"gpt": _gpt_fields, "llama": _llama_fields, "mpt": _mpt_fields}
+def _moe_fields(m: ModelConfig, vocab: int) -> dict[str, Any]:
+    # Mixtral's intermediate_size is one expert's; 2 of 4 experts per token keep a token's MLP work at
+    # 2 x intermediate. The router logits must come out for the loss to add the load-balancing loss.
+    return dict(_llama_fields(m, vocab), num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                router_aux_loss_coef=0.02, router_jitter_noise=0.0)
+
+
+_RECIPE_FIELDS = {"gpt": _gpt_fields, "llama": _llama_fields, "mpt": _mpt_fields, "moe": _moe_fields}
+
+
+def aux_loss_coefficient(model: torch.nn.Module) -> float | None:
+    """The weight of ``model``'s auxiliary (load-balancing) loss in the training loss, or None if it has none.
+
+    A transformers mixture-of-experts model (Mixtral, Qwen2-MoE, OLMoE, ...) built with
+    ``output_router_logits=True`` returns ``aux_loss`` (its load-balancing loss over the router
+    logits of every layer) and adds ``router_aux_loss_coef`` x it to the language-model loss
+    when given labels; ``conveyor train`` gives the pipeline's loss the same sum.
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> cfg = load_config(None, ["model.name=moe", "model.layers=2", "model.width=32"])
+        >>> aux_loss_coefficient(build_model(cfg, 256, device="meta"))
+        0.02
+        >>> aux_loss_coefficient(build_model(load_config(None, ["model.layers=2"]), 256, device="meta")) is None
+        True
+    """
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return None
+    coefficient = getattr(config, "router_aux_loss_coef", None)
+    return float(coefficient) if coefficient is not None else None
 
 
 def derived_fields(config_class: type, m: ModelConfig, vocab_size: int) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """What ``conveyor train`` shows and leaves behind besides the model: progress and the run directory's pictures.
 
 * :class:`Progress`: rank 0's live line (a ``tqdm`` bar on a terminal, plain lines otherwise)
-  with step/total, loss, the last validation loss, tokens/s and the time left.
+  with step/total, loss (and its language-model and auxiliary parts, for a mixture-of-experts
+  model), the last validation loss, tokens/s and the time left.
 * :func:`write_timeline`: ``timeline.png`` (the last step measured, beside its simulation fed
   with the stage costs measured in that step) and ``timeline.json`` (a Chrome/Perfetto trace).
-* :func:`write_loss_plot`: ``loss.png``, the training and validation curves of ``metrics.jsonl``.
+* :func:`write_loss_plot`: ``loss.png``, the training and validation curves of ``metrics.jsonl`` (and
+  the auxiliary loss in a panel of its own, where the run has one).
 * :func:`peak_rss_mib`: every rank's peak resident memory.
 * :class:`TensorBoardLog`: the metrics as TensorBoard scalars under ``<run.dir>/tensorboard``
   (when ``tensorboard`` is installed and ``run.tensorboard`` is on).
@@ -47,6 +49,8 @@ class Progress:
         >>> p = Progress(total=4, initial=0, log_interval=1, enabled=True, live=False)
         >>> p.step(1, loss=5.0, lr=1e-3, tokens_per_s=1000.0, took=0.5)   # doctest: +ELLIPSIS
         step     1/4  loss 5.0000  lr 1.00e-03  1,000 tokens/s  ETA ...
+        >>> p.step(2, 5.0, 1e-3, 1000.0, 0.5, parts={"lm_loss": 4.96, "aux_loss": 0.04})  # doctest: +ELLIPSIS
+        step     2/4  loss 5.0000 (lm 4.9600 + aux 0.0400)  lr 1.00e-03  1,000 tokens/s  ETA ...
         >>> p.close()
     """
 
@@ -65,20 +69,26 @@ class Progress:
         done = step - self.initial
         return self.elapsed / done * (self.total - step) if done > 0 else 0.0
 
-    def step(self, step: int, loss: float, lr: float, tokens_per_s: float, took: float) -> None:
-        """Record one finished step (``step`` counts from 1) and show it."""
+    def step(self, step: int, loss: float, lr: float, tokens_per_s: float, took: float,
+             parts: dict[str, float] | None = None) -> None:
+        """Record one finished step (``step`` counts from 1) and show it, with ``parts``
+        (``lm_loss``, ``aux_loss``) where the loss has an auxiliary part."""
         self.elapsed += took
         if not self.enabled:
             return
         if self.bar is not None:
-            postfix = {"loss": f"{loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}"}
+            postfix = {"loss": f"{loss:.4f}"}
+            if parts:
+                postfix.update(lm=f"{parts['lm_loss']:.4f}", aux=f"{parts['aux_loss']:.4f}")
+            postfix["tok/s"] = f"{tokens_per_s:,.0f}"
             if self.val_loss is not None:
                 postfix["val"] = f"{self.val_loss:.4f}"
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(1)  # tqdm draws its own ETA from the rate of updates
         elif step % self.log_interval == 0 or step == 1 or step == self.total:
             val = f"  val {self.val_loss:.4f}" if self.val_loss is not None else ""
-            print(f"step {step:5d}/{self.total}  loss {loss:.4f}{val}  lr {lr:.2e}  {tokens_per_s:,.0f} tokens/s"
+            split = f" (lm {parts['lm_loss']:.4f} + aux {parts['aux_loss']:.4f})" if parts else ""
+            print(f"step {step:5d}/{self.total}  loss {loss:.4f}{split}{val}  lr {lr:.2e}  {tokens_per_s:,.0f} tokens/s"
                   f"  ETA {format_eta(self.eta(step))}", flush=True)
 
     def validation(self, step: int, loss: float) -> None:
@@ -125,23 +135,40 @@ def write_timeline(pipe: Any, run_dir: str | Path, rank0: bool) -> dict[str, Any
 
 
 def write_loss_plot(metrics_path: str | Path, path: str | Path) -> Path:
-    """``path``: the training loss per step and the validation losses of ``metrics_path`` (a metrics.jsonl)."""
+    """``path``: the training loss per step and the validation losses of ``metrics_path`` (a metrics.jsonl).
+
+    A run with an auxiliary loss also draws the language-model part beside the total (the
+    validation loss is a language-model loss too), and the auxiliary part below, on its own
+    scale (it is some hundred times smaller).
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
 
     records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    figure, ax = plt.subplots(figsize=(7, 4), dpi=100)
+
+    def curve(key: str) -> list[tuple[int, float]]:
+        return [(r["step"], r[key]) for r in records if r.get(key) is not None]
+
+    train, lm, aux, val = curve("loss"), curve("lm_loss"), curve("aux_loss"), curve("val_loss")
+    figure, axes = plt.subplots(2 if aux else 1, 1, figsize=(7, 6 if aux else 4), dpi=100, sharex=True,
+                                squeeze=False, height_ratios=[2, 1] if aux else None)
+    ax = axes[0][0]
     try:
-        if train:
-            ax.plot(*zip(*train, strict=True), label="training", linewidth=1.2)
-        if val:
-            ax.plot(*zip(*val, strict=True), label="validation", marker="o", linewidth=1.5)
-        ax.set_xlabel("step")
+        for points, label, style in ((train, "training" if not lm else "training (total)", {"linewidth": 1.2}),
+                                     (lm, "training (language model)", {"linewidth": 1.2}),
+                                     (val, "validation", {"marker": "o", "linewidth": 1.5})):
+            if points:
+                ax.plot(*zip(*points, strict=True), label=label, **style)
         ax.set_ylabel("loss")
+        if aux:
+            low = axes[1][0]
+            low.plot(*zip(*aux, strict=True), label="auxiliary (load balancing)", color="tab:red", linewidth=1.2)
+            low.set_ylabel("auxiliary loss")
+            low.grid(alpha=0.3)
+            low.legend()
+        axes[-1][0].set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
         out = Path(path)
@@ -191,7 +218,8 @@ def report_lines(summary: dict[str, Any]) -> list[str]:
 class TensorBoardLog:
     """Rank 0's TensorBoard events: each metrics.jsonl record as scalars, and the last step's bubble.
 
-    Tags: ``train/loss``, ``train/lr``, ``train/tokens_per_s``, ``val/loss``,
+    Tags: ``train/loss``, ``train/lm_loss`` and ``train/aux_loss`` (a model with an auxiliary
+    loss), ``train/lr``, ``train/tokens_per_s``, ``val/loss``,
     ``bubble/measured``, ``bubble/simulated``; the step is the record's ``step``, so the
     scalars equal metrics.jsonl's (as float32). Build it with :func:`open_tensorboard`.
 
@@ -202,7 +230,7 @@ class TensorBoardLog:
         >>> board.close()
     """
 
-    TAGS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "val_loss": "val/loss",
+    TAGS = {"loss": "train/loss", "lm_loss": "train/lm_loss", "aux_loss": "train/aux_loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "val_loss": "val/loss",
             "measured_bubble": "bubble/measured", "simulated_bubble": "bubble/simulated"}
 
     def __init__(self, writer: Any) -> None:

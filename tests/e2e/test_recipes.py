@@ -5,6 +5,7 @@ Every run also takes one loop path no other test takes, so the suite stays short
 * gpt: ``train.activation_checkpointing=true``;
 * llama: 4 ranks, ``parallel.pp=2 x parallel.dp=2`` with ``parallel.data_parallel=fsdp``;
 * mpt: the ``zbv`` schedule (V=2: the tied embedding's first and last stage on one rank);
+* moe: its own zbv, and the loss's language-model and auxiliary parts reported apart;
 * a local pretrained directory (a ``hf:Qwen2ForCausalLM`` saved with ``save_pretrained``) with
   ``loss.normalize=tokens``, whose first loss must be the saved model's own loss on that batch.
 """
@@ -37,6 +38,7 @@ def _trained(done, run_dir: Path, steps: int = 3) -> list[float]:
     ("gpt", "activation checkpointing", ["train.activation_checkpointing=true"]),
     ("llama", "pp=2 x dp=2 fsdp", ["parallel.dp=2", "parallel.data_parallel=fsdp"]),
     ("mpt", "zbv (V=2)", ["parallel.schedule=zbv", "model.layers=4"]),
+    ("moe", "zbv with an auxiliary loss", ["model.layers=4", "model.kv_heads=2", "model.intermediate=32"]),
 ])
 def test_recipe_trains(recipe, path, extra, tmp_path):
     run_dir = tmp_path / "run"
@@ -45,6 +47,14 @@ def test_recipe_trains(recipe, path, extra, tmp_path):
     assert losses[-1] < losses[0], f"{recipe} with {path}: {losses}"
     if recipe == "llama":
         assert "4 local ranks (pp=2 x dp=2)" in done.stdout and "rank 3" in done.stdout
+    steps = [m for m in metrics(run_dir) if "loss" in m]
+    assert all(("aux_loss" in m) == (recipe == "moe") for m in steps), steps
+    if recipe == "moe":
+        assert all(m["aux_loss"] > 0 and m["lm_loss"] + m["aux_loss"] == pytest.approx(m["loss"], rel=1e-6)
+                   for m in steps), steps
+        first = steps[0]
+        assert f"loss {first['loss']:.4f} (lm {first['lm_loss']:.4f} + aux {first['aux_loss']:.4f})" in done.stdout
+        assert "; auxiliary loss " in done.stdout and (run_dir / "loss.png").is_file()
 
 
 def test_training_from_a_pretrained_directory_starts_from_its_weights(tmp_path):

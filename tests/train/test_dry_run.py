@@ -85,7 +85,7 @@ def test_the_flag_goes_anywhere_and_starts_no_process(capsys, tmp_path, no_launc
     assert "model.layers=1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("recipe", ["gpt", "llama", "mpt"])
+@pytest.mark.parametrize("recipe", ["gpt", "llama", "mpt", "moe"])
 def test_every_recipe_dry_runs(recipe, capsys):
     assert main(["train", str(ROOT / "configs" / f"{recipe}.yaml"), "--dry-run"]) == 0
     assert capsys.readouterr().out.count(" MiB") >= 6

@@ -7,14 +7,19 @@ tied embedding's two copies: their sum, up to the order of additions).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 
 import conveyor.frontend as frontend
+import conveyor.schedule as cs
 from conveyor.errors import ConfigError
+from conveyor.local import LocalPipeline
+from conveyor.parallel.loss import loss_divisor
 from conveyor.train.config import TrainConfig, load_config
+from conveyor.train.loop import LossWithAux, train_loss
 from conveyor.train.models import build_model, ties_embeddings
 from tests.frontend.parity import check_parity
 
@@ -39,6 +44,7 @@ def _splits_exactly(model: torch.nn.Module, num_stages: int = 2) -> frontend.Mod
 @pytest.mark.parametrize("name, cls, tied", [("gpt", "GPT2LMHeadModel", True), ("llama", "LlamaForCausalLM", False),
                                              ("mpt", "MptForCausalLM", True)])
 def test_each_recipe_builds_splits_and_ties_as_it_should(name, cls, tied):
+    # moe: test_moe_recipe_under_zbv_equals_one_device_with_its_loss_parts
     grouped = ["model.kv_heads=2"] if name == "llama" else []  # as configs/llama.yaml: grouped heads, bitwise
     cfg = load_config(None, [f"model.name={name}", *SMALL, "model.layers=4", *grouped])
     torch.manual_seed(0)
@@ -118,5 +124,58 @@ def test_untied_models_shard_and_the_recipe_files_load():
     load_config(None, ["model.name=llama", "parallel.dp=2", "parallel.data_parallel=fsdp"])
     load_config(None, ["model.name=mpt", "parallel.dp=2", "parallel.schedule=interleaved-1f1b", "parallel.virtual=2"])
     assert load_config(CONFIGS / "gpt.yaml") == TrainConfig()  # gpt.yaml writes the defaults out
-    names = {name: load_config(CONFIGS / f"{name}.yaml").model.name for name in ("llama", "mpt", "llama-1b")}
-    assert names == {"llama": "llama", "mpt": "mpt", "llama-1b": "llama"}
+    names = {name: load_config(CONFIGS / f"{name}.yaml").model.name for name in ("llama", "mpt", "llama-1b", "moe")}
+    assert names == {"llama": "llama", "mpt": "mpt", "llama-1b": "llama", "moe": "moe"}
+    moe = load_config(CONFIGS / "moe.yaml")
+    assert moe.parallel.schedule == "zbv" and moe.model.kv_heads < moe.model.heads
+
+
+def _moe_steps(model, loss_fn, step, batches):
+    """Per AdamW step: the loss, the (language-model, auxiliary) parts, and the parameters at the end."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    results = []
+    for x, y in batches:
+        loss = step(x, y)
+        results.append((loss, loss_fn.step_parts(loss_divisor(None, 4))))
+        optimizer.step()
+        optimizer.zero_grad()
+    return results, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_moe_recipe_under_zbv_equals_one_device_with_its_loss_parts():
+    """The moe recipe (grouped heads, router logits to the loss) pipelined under zbv, loss parts included."""
+    cfg = load_config(None, ["model.name=moe", *SMALL, "model.layers=4", "model.kv_heads=2", "model.intermediate=24"])
+    torch.manual_seed(0)
+    model = build_model(cfg, 256)
+    assert type(model).__name__ == "MixtralForCausalLM" and not ties_embeddings(cfg.model)
+    assert model.config.num_key_value_heads == 2 and model.config.output_router_logits
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 256, (8, 16), generator=generator), torch.randint(0, 256, (8, 16), generator=generator))
+               for _ in range(2)]
+
+    ref_fn = train_loss(cfg, reference)
+    assert isinstance(ref_fn, LossWithAux) and ref_fn.coefficient == 0.02
+
+    def one_device(x, y):
+        total = None
+        for xi, yi in zip(torch.tensor_split(x, 4), torch.tensor_split(y, 4)):
+            loss = ref_fn(reference(xi), yi) / 4
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
+    want, want_params = _moe_steps(reference, ref_fn, one_device, batches)
+    schedule = cs.build("zbv", ranks=2, microbatches=4)
+    split = frontend.split_model(model, schedule.num_stages, example_args=(batches[0][0][:2],),
+                                 split_method="parameters")
+    loss_fn = train_loss(cfg, model)
+    pipe = LocalPipeline(split.stage_modules(), schedule, loss_fn=loss_fn)
+    got, got_params = _moe_steps(model, loss_fn, lambda x, y: pipe.step(x, target=y), batches)
+    for (loss, parts), (want_loss, want_parts) in zip(got, want):
+        assert torch.equal(loss, want_loss) and torch.equal(parts, want_parts), (loss, parts, want_loss, want_parts)
+        assert parts[1] > 0 and torch.allclose(parts.sum(), loss)  # the parts add up to the loss, to rounding
+    for name, value in got_params.items():
+        assert torch.equal(value, want_params[name]), f"{name} differs after 2 steps"
+    with pytest.raises(ConfigError, match="no aux_loss .* output_router_logits=True"):
+        loss_fn({"logits": torch.zeros(1, 2, 4, requires_grad=True)}, torch.zeros(1, 2, dtype=torch.long))
