@@ -8,12 +8,11 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +64,11 @@ def launch(fn: Callable[..., Any], world: int, ctx: Context, *args: Any, backend
                      env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if ctx.cuda else None)
 
 
+def by_stage(model: Any, tensor_of: Callable[[torch.nn.Parameter], Any]) -> dict[str, Any]:
+    """{"<stage>.<name>": tensor_of(parameter)} over every stage of a stacked reference model."""
+    return {f"{s}.{n}": tensor_of(p) for s, st in enumerate(model.stages) for n, p in st.named_parameters()}
+
+
 def cpu(value: Any) -> Any:
     """Tensors (in dicts, lists, tuples) copied to the CPU: what a rank may return."""
     if isinstance(value, torch.Tensor):
@@ -103,15 +107,6 @@ def first_failure(results: Mapping[str, tuple[bool, str]]) -> tuple[bool, str]:
     return True, f"{len(results)}/{len(results)} bitwise"
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """The ranks' one thread: some CPU kernels reduce in a thread-count-dependent order."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 class Timer:
@@ -167,11 +162,10 @@ def mlp_reference(num_stages: int, device: torch.device, microbatches: int, step
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         if step == 0:
-            grads = {f"{s}.{n}": p.grad for s, st in enumerate(model.stages) for n, p in st.named_parameters()}
-            grads = cpu(grads)
+            grads = cpu(by_stage(model, lambda p: p.grad))
         optimizer.step()
         optimizer.zero_grad()
-    params = {f"{s}.{n}": p for s, st in enumerate(model.stages) for n, p in st.named_parameters()}
+    params = by_stage(model, lambda p: p)
     return cpu({"losses": losses, "norms": norms, "grads": grads, "params": params})
 
 

@@ -23,6 +23,7 @@ from .common import (
     LR,
     MICROBATCHES_PER_RANK,
     Context,
+    by_stage,
     compare,
     cpu,
     deterministic,
@@ -181,11 +182,10 @@ def _replica_reference(num_stages: int, device: torch.device, dp: int) -> dict:
             param.grad = (each[0] + each[1]) / 2
         losses.append((replica_losses[0] + replica_losses[1]) / 2)
         if step == 0:
-            grads = {f"{s}.{n}": p.grad for s, st in enumerate(model.stages) for n, p in st.named_parameters()}
-            grads = cpu(grads)
+            grads = cpu(by_stage(model, lambda p: p.grad))
         optimizer.step()
         optimizer.zero_grad()
-    params = {f"{s}.{n}": p for s, st in enumerate(model.stages) for n, p in st.named_parameters()}
+    params = by_stage(model, lambda p: p)
     return cpu({"losses": losses, "norms": [], "grads": grads, "params": params})
 
 
