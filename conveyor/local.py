@@ -22,8 +22,8 @@ import torch
 
 from conveyor.errors import PipelineClosed, PipelineConfigError
 from conveyor.microbatch import merge_outputs
+from conveyor.parallel.clipping import check_nonfinite_mode
 from conveyor.parallel.loss import set_loss_divisor, summed_loss
-from conveyor.parallel.norms import check_nonfinite_mode
 from conveyor.pipe import _PipelineBase
 from conveyor.runtime.compile import CompileSpec
 from conveyor.runtime.device import module_device, place_modules, resolve_device

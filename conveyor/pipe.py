@@ -28,10 +28,9 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.parallel import fsdp
+from conveyor.parallel.clipping import NormExchange, check_nonfinite_mode
 from conveyor.parallel.loss import LossBroadcast, set_loss_divisor
 from conveyor.parallel.mesh import layout_of
-from conveyor.parallel.norm_exchange import NormExchange
-from conveyor.parallel.norms import check_nonfinite_mode
 from conveyor.parallel.replicas import Replicas, check_data_parallel
 from conveyor.parallel.tied import (
     TiedGradients,

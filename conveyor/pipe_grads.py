@@ -2,7 +2,7 @@
 
 Both stay on the stage device: clipping sends its norms through a tensor all-gather (the
 layout of which parameters have gradients travels once, see
-:mod:`conveyor.parallel.norm_exchange`); the non-finite check combines device flags with an
+:mod:`conveyor.parallel.clipping`); the non-finite check combines device flags with an
 all-reduce and reads them on the host once per step, only when the step was asked to
 (``on_nonfinite``): that read is the one host synchronisation a checked step makes, since
 ``"skip"`` must decide, in Python, whether to drop the gradients.
@@ -23,9 +23,15 @@ import logging
 import torch
 
 from conveyor.errors import NonFiniteError
-from conveyor.parallel.norm_exchange import NormExchange
-from conveyor.parallel.norms import describe_nonfinite, local_norms, local_part, nonfinite_flags
-from conveyor.runtime.clip import check_finite, scale_local_grads
+from conveyor.parallel.clipping import (
+    NormExchange,
+    check_finite,
+    describe_nonfinite,
+    local_norms,
+    local_part,
+    nonfinite_flags,
+    scale_local_grads,
+)
 from conveyor.runtime.main_grad import drop_gradients, gradient
 
 log = logging.getLogger("conveyor.pipe")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from conveyor.parallel.norms import local_part
+from conveyor.parallel.clipping import local_part
 from conveyor.runtime.main_grad import gradient_attribute
 from conveyor.runtime.runner import StageRunner
 

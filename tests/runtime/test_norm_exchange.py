@@ -7,7 +7,7 @@ import torch
 
 import conveyor
 from conveyor.errors import PipelineConfigError
-from conveyor.parallel.norm_exchange import NormExchange
+from conveyor.parallel.clipping import NormExchange
 
 
 def _stages():

@@ -40,7 +40,7 @@ import conveyor.schedule as cs
 _TENSOR_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
 # (file name ending, function) of the expected reads: the CPU generator's draw, the asked-for check.
 _CPU_GENERATOR = ("conveyor/runtime/rng.py", "__enter__")
-_ASKED = ("conveyor/parallel/norms.py", "describe_nonfinite")
+_ASKED = ("conveyor/parallel/clipping.py", "describe_nonfinite")
 
 
 class HostSyncCounter:
