@@ -3,7 +3,7 @@
 Flags pick what runs (several may be given; none means ``--compare``):
 
     --compare    conveyor vs torch.distributed.pipelining on identical work (benchmarks/compare.py)
-    --schedule   the schedule layer on a big plan: build, lower, verify, simulate (benchmarks/schedule.py)
+    --schedule   the schedule layer on a big schedule: build, lower, verify, simulate (benchmarks/schedule.py)
     --split      the frontend: splitting a 1.5B meta-device Llama, time-balanced splits (benchmarks/split.py)
     --soak       1,000 steps at P=4, watching each rank for leaks and drift (benchmarks/soak.py)
     --parallel   pp=2 x dp=2: parity with one process, and the share of the reduction hidden (benchmarks/parallel.py)
@@ -70,13 +70,13 @@ def _add_compare(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_others(parser: argparse.ArgumentParser) -> None:
-    plan = parser.add_argument_group("--schedule (the schedule layer on a big plan)")
-    plan.add_argument("--schedule-name", default=None, metavar="NAME",
+    sizes = parser.add_argument_group("--schedule (the schedule layer on a big schedule)")
+    sizes.add_argument("--schedule-name", default=None, metavar="NAME",
                       help="schedule to time (default: interleaved-1f1b, else looped-bfs, else 1f1b)")
-    plan.add_argument("--plan-ranks", type=int, default=64, metavar="P")
-    plan.add_argument("--plan-virtual", type=int, default=2, metavar="V")
-    plan.add_argument("--plan-microbatches", type=int, default=1024, metavar="M")
-    plan.add_argument("--plan-repeat", type=int, default=3, metavar="N", help="best of N")
+    sizes.add_argument("--schedule-ranks", type=int, default=64, metavar="P")
+    sizes.add_argument("--schedule-virtual", type=int, default=2, metavar="V")
+    sizes.add_argument("--schedule-microbatches", type=int, default=1024, metavar="M")
+    sizes.add_argument("--schedule-repeat", type=int, default=3, metavar="N", help="best of N")
     scale = parser.add_argument_group("--schedule-scale (every built-in at P=256, M=2048, in fresh processes)")
     scale.add_argument("--scale-ranks", type=int, default=256, metavar="P")
     scale.add_argument("--scale-microbatches", type=int, default=2048, metavar="M")

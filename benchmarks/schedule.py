@@ -1,15 +1,15 @@
-"""Time the schedule layer on a big plan: build, verify, passes, simulate (best of 3).
+"""Time the schedule layer on a big schedule: build, verify, passes, simulate (best of 3).
 
 "passes" is :func:`conveyor.schedule.executable` (lower, merge I+W, the forward-only
 programs): what every rank runs, which is what is simulated.
 
-The target: a 64-rank, 2-stages-per-rank, 1024-microbatch interleaved 1F1B plan
+The target: a 64-rank, 2-stages-per-rank, 1024-microbatch interleaved 1F1B schedule
 goes from name to simulated Timeline in under 2 s, so `conveyor simulate` and
 the checks before a run never make a user wait.
 
 Run through the one benchmark command:
-    .venv/bin/python -m benchmarks --schedule [--schedule-name NAME] [--plan-ranks 64] [--plan-virtual 2]
-        [--plan-microbatches 1024] [--plan-repeat 3]
+    .venv/bin/python -m benchmarks --schedule [--schedule-name NAME] [--schedule-ranks 64] [--schedule-virtual 2]
+        [--schedule-microbatches 1024] [--schedule-repeat 3]
 
 Example:
     >>> pick_schedule("1f1b", 2)
@@ -75,8 +75,8 @@ def time_once(name: str, ranks: int, virtual: int, microbatches: int) -> dict[st
 
 
 def run(args: argparse.Namespace) -> int:
-    """Time the plan ``args`` name (``schedule_name``, ``plan_ranks``, ...) and print each phase's best."""
-    return _report(args.schedule_name, args.plan_ranks, args.plan_virtual, args.plan_microbatches, args.plan_repeat)
+    """Time the schedule ``args`` name (``schedule_name``, ``schedule_ranks``, ...) and print each phase's best."""
+    return _report(args.schedule_name, args.schedule_ranks, args.schedule_virtual, args.schedule_microbatches, args.schedule_repeat)
 
 
 def _report(asked: str | None, ranks: int, virtual: int, microbatches: int, repeat: int) -> int:

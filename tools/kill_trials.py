@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rigs.kill_trials import run_plan, summary
+from rigs.kill_trials import run_cases, summary
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=1, help="trials of each point x death x transport")
     args = parser.parse_args()
-    results = run_plan(args.trials, report=lambda line: print(line, flush=True))
+    results = run_cases(args.trials, report=lambda line: print(line, flush=True))
     print(summary(results))
     return 0 if all(r.passed for r in results) else 1
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rigs.launches import run_plan, summary
+from rigs.launches import run_cases, summary
 
 
 def main() -> int:
@@ -20,7 +20,7 @@ def main() -> int:
     parser.add_argument("--launches", type=int, default=300)
     parser.add_argument("--timeout-s", type=float, default=180.0, help="a launch running longer counts as hung")
     args = parser.parse_args()
-    results = run_plan(args.launches, report=lambda line: print(line, flush=True), timeout_s=args.timeout_s)
+    results = run_cases(args.launches, report=lambda line: print(line, flush=True), timeout_s=args.timeout_s)
     print(summary(results))
     return 0 if all(r.clean for r in results) else 1
 

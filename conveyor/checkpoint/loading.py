@@ -67,7 +67,7 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     try:
         directory = files.resolve(path)
         meta, metadata = files.read_meta(directory), files.read_dcp_metadata(directory)
-        _plan_model(target, meta, metadata, directory, state)
+        _expect_model_tensors(target, meta, metadata, directory, state)
         if optimizer is not None:
             prepared["optimizer"] = _prepare_optimizer(target, optimizer, meta, metadata, directory, state)
         prepared["rng"] = _prepare_rng(target, meta, metadata, state)
@@ -139,7 +139,7 @@ def _expect(metadata: Metadata, key: str, shape: torch.Size, directory: Path, wh
             "with the configuration it was saved with"))
 
 
-def _plan_model(target: Target, meta: dict, metadata: Metadata, directory: Path, state: dict) -> None:
+def _expect_model_tensors(target: Target, meta: dict, metadata: Metadata, directory: Path, state: dict) -> None:
     aliases = meta["model"]["aliases"]
     for name, tensor in target.tensors.items():
         key = f"model.{aliases.get(name, name)}"  # a module may know a tied tensor by another first name

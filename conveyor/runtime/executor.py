@@ -117,10 +117,10 @@ class RankExecutor:
                 self.forward_inputs[(0, m)] = inputs
         # Receives are posted a few ahead of their use: early enough that the data
         # finds its buffer waiting, late enough not to hold every activation at once.
-        # An order-matched transport (NCCL) posts where its post plan says, in batches, instead.
-        self.post_plan = (self.transport.post_plan(program, self.forward_direction == FORWARD)
+        # An order-matched transport (NCCL) posts where its posting says, in batches, instead.
+        self.posting = (self.transport.posting_of(program, self.forward_direction == FORWARD)
                      if getattr(self.transport, "ordered", False) else None)
-        self.recv_actions = [] if self.post_plan is not None else [
+        self.recv_actions = [] if self.posting is not None else [
             a for a in program if a.kind is ActionKind.RECV_F or a.kind is ActionKind.RECV_B]
         self.recvs: dict[Action, Any] = {}
         self.posted = 0
@@ -130,7 +130,7 @@ class RankExecutor:
         self.program = program
         self.runs_started += 1
         final = gradients_final if on_gradients_final is not None else {}
-        posting = self.post_plan or {}
+        posting = self.posting or {}
         for index, action in enumerate(program):
             # Compute actions and receive waits: a wait shows where a rank idled for a peer. Only
             # those are marked (on a GPU each mark records a CUDA event).
@@ -169,7 +169,7 @@ class RankExecutor:
             self.posted += 1
 
     def _post_batches(self, batches: tuple[tuple[Action, ...], ...]) -> None:
-        """Post what an order-matched transport's post plan puts here: each batch over one channel."""
+        """Post what an order-matched transport's posting puts here: each batch over one channel."""
         for batch in batches:
             if batch[0].kind is ActionKind.SEND_F or batch[0].kind is ActionKind.SEND_B:
                 peer = self._peer(batch[0])
@@ -245,7 +245,7 @@ class RankExecutor:
         yield
 
     def _send_forward(self, action: Action) -> Iterator[None]:
-        if self.post_plan is not None:  # posted with its batch
+        if self.posting is not None:  # posted with its batch
             return
         s, m = action.stage, action.microbatch
         value = self.to_send.pop((ActionKind.SEND_F, s, m))
@@ -256,7 +256,7 @@ class RankExecutor:
         yield
 
     def _send_backward(self, action: Action) -> Iterator[None]:
-        if self.post_plan is not None:  # posted with its batch
+        if self.posting is not None:  # posted with its batch
             return
         s, m = action.stage, action.microbatch
         value = self.to_send.pop((ActionKind.SEND_B, s, m))

@@ -7,8 +7,8 @@ check of the same logic). What it does differently from
 
 - **Order.** Each channel (src rank, dst rank) has a process group of its two ranks, so its
   transfers complete in their own order whatever the other direction does; a rank posts a
-  channel's receives in the order the sender sends (:mod:`conveyor.runtime.ordering` plans
-  where: the executor asks :meth:`OrderedTransport.post_plan`). Each group's communicator is made
+  channel's receives in the order the sender sends (:mod:`conveyor.runtime.ordering` works out
+  where: the executor asks :meth:`OrderedTransport.posting_of`). Each group's communicator is made
   when the pipeline is built, in one order on every rank
   (:meth:`~conveyor.runtime.lifecycle.RankLifecycle.channel_groups`): made at a channel's first
   transfer, it would block the host inside the first step, where a peer may wait for this
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import LostConnection, PeerFailure
-from conveyor.runtime.ordering import PostPlan, post_plan, sender_orders
+from conveyor.runtime.ordering import Posting, posting_of, sender_orders
 from conveyor.runtime.transport import FailureBoard, Transport, receive_timeout
 from conveyor.runtime.wire import (
     PayloadMeta,
@@ -108,21 +108,21 @@ class OrderedTransport(FailureBoard, Transport):
         self.pending_sends: list[tuple[list, list[torch.Tensor]]] = []
         self.structures_sent = 0
         self._orders: dict[bool, dict] = {}
-        self._post_plans: dict[tuple[int, bool], tuple[tuple[Action, ...], PostPlan]] = {}
+        self._postings: dict[tuple[int, bool], tuple[tuple[Action, ...], Posting]] = {}
 
     def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
         """Every transfer of ``channel`` has structure ``meta`` (both ends seed alike)."""
         self.seeded[channel] = meta
 
-    def post_plan(self, program: tuple[Action, ...], training: bool) -> PostPlan:
-        """Where this rank posts what, in ``program`` (see :func:`conveyor.runtime.ordering.post_plan`)."""
-        cached = self._post_plans.get((id(program), training))
+    def posting_of(self, program: tuple[Action, ...], training: bool) -> Posting:
+        """Where this rank posts what, in ``program`` (see :func:`conveyor.runtime.ordering.posting_of`)."""
+        cached = self._postings.get((id(program), training))
         if cached is not None and cached[0] is program:
             return cached[1]
         if training not in self._orders:
             self._orders[training] = sender_orders(self.schedule, training)
-        posting = post_plan(program, self.rank, self.schedule.placement, self._orders[training], training)
-        self._post_plans[(id(program), training)] = (program, posting)
+        posting = posting_of(program, self.rank, self.schedule.placement, self._orders[training], training)
+        self._postings[(id(program), training)] = (program, posting)
         return posting
 
     # --- structures ------------------------------------------------------------------------

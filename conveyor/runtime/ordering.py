@@ -20,6 +20,12 @@ communicator made at its first use), which is why the runtime makes every channe
 communicator when the pipeline is built.
 
 Pure Python over :mod:`conveyor.schedule.ir`: the schedule layer's programs are its input.
+:func:`check_posts` and :func:`check_first_step` step the ranks with a loop of their own, not
+the schedule engine's (:mod:`conveyor.schedule.engine`): there each action waits for one
+thing, the action that produced its (kind, stage, microbatch). Here what is stepped is the
+posts, and a wait ends when every operation of a batch has met the operation at the same
+position of its channel's queue on the peer: several needs per wait, matched by position in a
+channel rather than by name, and the posting order itself is what may deadlock.
 
 Example:
     >>> import conveyor.schedule as cs
@@ -28,7 +34,7 @@ Example:
     >>> orders[(0, 1)]
     [(0, 0, 0), (0, 0, 1)]
     >>> lowered = cs.executable(sched).train
-    >>> posts = [post_plan(p, r, sched.placement, orders, True) for r, p in enumerate(lowered.programs)]
+    >>> posts = [posting_of(p, r, sched.placement, orders, True) for r, p in enumerate(lowered.programs)]
     >>> [[[str(a) for a in batch] for batch in batches] for batches in posts[1].values()]
     [[['1RECV_F0']], [['1SEND_B0'], ['1RECV_F1']], [['1SEND_B1']]]
     >>> check_posts(lowered.programs, posts, sched.placement) is None
@@ -48,7 +54,7 @@ FORWARD, BACKWARD, EVAL_FORWARD = 0, 1, 2
 Key = tuple[int, int, int]  # (direction, sending stage, microbatch)
 Orders = Mapping[tuple[int, int], Sequence[Key]]  # (src, dst) -> what src sends dst, in order
 # First comm action of a run -> what is posted there: one batch of actions per channel.
-PostPlan = dict[Action, tuple[tuple[Action, ...], ...]]
+Posting = dict[Action, tuple[tuple[Action, ...], ...]]
 
 
 def sender_orders(schedule: Schedule, training: bool) -> dict[tuple[int, int], list[Key]]:
@@ -95,7 +101,7 @@ def _receive_of(key: Key) -> Action:
     return Action(K.RECV_B, stage - 1, m) if direction == BACKWARD else Action(K.RECV_F, stage + 1, m)
 
 
-def post_plan(program: Sequence[Action], rank: int, placement: Placement, orders: Orders, training: bool) -> PostPlan:
+def posting_of(program: Sequence[Action], rank: int, placement: Placement, orders: Orders, training: bool) -> Posting:
     """Where ``rank`` posts its sends and receives: {first action of a run of comm actions: batches}.
 
     A batch is what goes over one channel (src, dst) at that point, in order: the sends of the
@@ -106,7 +112,7 @@ def post_plan(program: Sequence[Action], rank: int, placement: Placement, orders
     position = {pair[0]: {key: i for i, key in enumerate(keys)} for pair, keys in orders.items() if pair[1] == rank}
     posted = dict.fromkeys(position, 0)
     sent: dict[int, list[Key]] = {}
-    posting: PostPlan = {}
+    posting: Posting = {}
     index = 0
     while index < len(program):
         if program[index].kind.is_compute:
@@ -138,7 +144,7 @@ def post_plan(program: Sequence[Action], rank: int, placement: Placement, orders
 Op = tuple[int, int, str, int]  # (src, dst, "send" or "recv", n-th on that channel and side)
 
 
-def check_posts(programs: Sequence[Sequence[Action]], post_plans: Sequence[PostPlan], placement: Placement,
+def check_posts(programs: Sequence[Sequence[Action]], postings: Sequence[Posting], placement: Placement,
                 training: bool = True) -> str | None:
     """None if every rank's posts complete when matched by order; else what goes wrong.
 
@@ -149,7 +155,7 @@ def check_posts(programs: Sequence[Sequence[Action]], post_plans: Sequence[PostP
     receive before anything after it runs or is posted (a send may wait for its receiver,
     never the sender's program).
     """
-    posts = _posts(programs, post_plans, placement, training)
+    posts = _posts(programs, postings, placement, training)
     if isinstance(posts, str):
         return posts
     return _simulate(posts.events, posts.fifo, posts.batch_ops)
@@ -165,12 +171,12 @@ class _Posts:
         self.batches: list[tuple[tuple[int, int], bool, list[Key]]] = []  # per batch id: channel, sends?, keys
 
 
-def _posts(programs: Sequence[Sequence[Action]], post_plans: Sequence[PostPlan], placement: Placement,
+def _posts(programs: Sequence[Sequence[Action]], postings: Sequence[Posting], placement: Placement,
            training: bool) -> _Posts | str:
     """The posts and waits of every rank, or what makes them unusable (a wait never posted, mismatched orders)."""
     out = _Posts()
     where: dict[tuple[int, Action], int] = {}  # (rank, receive action) -> its batch id
-    for rank, (program, posting) in enumerate(zip(programs, post_plans)):
+    for rank, (program, posting) in enumerate(zip(programs, postings)):
         mine: list[tuple[str, Any]] = []
         for action in program:
             for batch in posting.get(action, ()):
@@ -200,7 +206,7 @@ def _posts(programs: Sequence[Sequence[Action]], post_plans: Sequence[PostPlan],
     return out
 
 
-def check_first_step(programs: Sequence[Sequence[Action]], post_plans: Sequence[PostPlan], placement: Placement,
+def check_first_step(programs: Sequence[Sequence[Action]], postings: Sequence[Posting], placement: Placement,
                      training: bool = True, *, lazy_communicators: bool, structures_known: bool = False) -> str | None:
     """None if no rank's host blocks forever in a first step under NCCL; else who waits for what.
 
@@ -222,13 +228,13 @@ def check_first_step(programs: Sequence[Sequence[Action]], post_plans: Sequence[
         >>> sched = cs.build("zb-h1", ranks=3, microbatches=4, virtual=2)
         >>> orders = sender_orders(sched, training=True)
         >>> programs = cs.executable(sched).train.programs
-        >>> post_plans = [post_plan(p, r, sched.placement, orders, True) for r, p in enumerate(programs)]
-        >>> check_first_step(programs, post_plans, sched.placement, lazy_communicators=True) is None
+        >>> postings = [posting_of(p, r, sched.placement, orders, True) for r, p in enumerate(programs)]
+        >>> check_first_step(programs, postings, sched.placement, lazy_communicators=True) is None
         False
-        >>> check_first_step(programs, post_plans, sched.placement, lazy_communicators=False) is None
+        >>> check_first_step(programs, postings, sched.placement, lazy_communicators=False) is None
         True
     """
-    posts = _posts(programs, post_plans, placement, training)
+    posts = _posts(programs, postings, placement, training)
     if isinstance(posts, str):
         return posts
     published: set[Key] = set()

@@ -1,6 +1,6 @@
 """Chrome-trace JSON of timelines (opens in ui.perfetto.dev, or chrome://tracing).
 
-Simulated plans and measured runs share the :class:`Timeline` type, so one writer serves
+Simulated schedules and measured runs share the :class:`Timeline` type, so one writer serves
 both; :mod:`conveyor.schedule.render` draws the same timelines as pictures (and keeps
 these names importable).
 

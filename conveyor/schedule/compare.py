@@ -88,7 +88,7 @@ def simulate_one(
 ) -> Timeline:
     """Build, verify and simulate one registered schedule on uniform per-stage costs.
 
-    A schedule that plans for costs (``uses_costs``: ZB-1p, ZB-2p) is built for these.
+    A schedule searched for costs (``uses_costs``: ZB-1p, ZB-2p) is built for these.
 
     What is timed is what the ranks run (:func:`conveyor.schedule.passes.executable`): an I
     directly followed by its own W is one B there (:func:`~conveyor.schedule.passes.merge_backward_halves`).
@@ -99,13 +99,13 @@ def simulate_one(
     """
     forward, backward_input, backward_weight = costs
     info = available().get(schedule) if isinstance(schedule, str) else None
-    planned = None
+    search_costs = None
     if info is not None and info.uses_costs:  # ZB-1p, ZB-2p: searched for these very costs
-        planned = CostModel.uniform(
+        search_costs = CostModel.uniform(
             ranks * (virtual or info.default_virtual), forward, backward_input, backward_weight, latency=latency
         )
     # simulate() checks and times the merged programs in one pass; build(check=True) would check twice.
-    built = build(schedule, ranks=ranks, microbatches=microbatches, virtual=virtual, check=False, costs=planned)
+    built = build(schedule, ranks=ranks, microbatches=microbatches, virtual=virtual, check=False, costs=search_costs)
     model = CostModel.uniform(
         built.num_stages, forward, backward_input, backward_weight, latency=latency
     )

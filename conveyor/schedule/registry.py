@@ -9,7 +9,7 @@ default), ``"vshape"`` (rank r runs stages r and 2P-1-r; V must be 2),
 ``"infer"`` (from where each stage's actions are), or a callable
 ``(num_ranks, virtual) -> Placement``. :func:`build` verifies the result and
 raises the verifier's message for an invalid one. A builder registered with
-``uses_costs=True`` plans for measured costs: :func:`build` then passes it
+``uses_costs=True`` is searched for measured costs: :func:`build` then passes it
 ``costs=`` (a :class:`~conveyor.schedule.cost.CostModel`, or None for its default). A builder raises
 :class:`ScheduleError` stating the rule when it cannot serve the sizes asked.
 

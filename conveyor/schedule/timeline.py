@@ -1,4 +1,4 @@
-"""The one Timeline type: simulated plans and measured runs alike.
+"""The one Timeline type: simulated schedules and measured runs alike.
 
 A :class:`Timeline` is every compute action's start and end per rank. Makespan,
 bubble ratio and peak live activations are derived from the spans, so a

@@ -142,7 +142,7 @@ def run_ranks(
     kwargs = dict(kwargs or {})
     _check_arguments(fn, world_size, args, kwargs, timeout_s, start_method, max_result_bytes)
     _prepare_parent(start_method)
-    plan = _Plan(
+    job = _RankJob(
         fn=fn,
         world_size=world_size,
         args=tuple(args),
@@ -153,11 +153,11 @@ def run_ranks(
         env=dict(env or {}),
         max_result_bytes=max_result_bytes,
     )
-    deadline = time.monotonic() + plan.timeout_s
+    deadline = time.monotonic() + job.timeout_s
     for attempt in range(1, _PORT_ATTEMPTS + 1):
         try:
             return _run_attempt(
-                plan, start_method, deadline, last_attempt=attempt == _PORT_ATTEMPTS
+                job, start_method, deadline, last_attempt=attempt == _PORT_ATTEMPTS
             )
         except _PortTaken as taken:
             logger.warning(
@@ -167,7 +167,7 @@ def run_ranks(
 
 
 @dataclass(frozen=True, slots=True)
-class _Plan:
+class _RankJob:
     """Everything a rank needs to know, fixed for the whole call (pickled for spawned ranks)."""
 
     fn: Callable[..., Any]
@@ -253,18 +253,18 @@ class _RankHandle:
     killed: bool = False
 
 
-def _run_attempt(plan: _Plan, start_method: str, deadline: float, last_attempt: bool) -> list[Any]:
+def _run_attempt(job: _RankJob, start_method: str, deadline: float, last_attempt: bool) -> list[Any]:
     context = get_context(start_method)
     port = _free_port()
     handles: list[_RankHandle] = []
     with tempfile.TemporaryDirectory(prefix="conveyor-ranks-") as stack_dir:
         released = context.Event()  # set once every rank has reported, or been killed after a failure
         try:
-            for rank in range(plan.world_size):
-                handles.append(_start_rank(context, plan, rank, port, Path(stack_dir), released))
+            for rank in range(job.world_size):
+                handles.append(_start_rank(context, job, rank, port, Path(stack_dir), released))
             outcome = _collect_reports(handles, deadline)
             if outcome == "timeout":
-                _raise_timeout(plan, handles)
+                _raise_timeout(job, handles)
             errors = _errors_of(handles)
             if errors:
                 _stop_after_failure(handles, released)
@@ -273,7 +273,7 @@ def _run_attempt(plan: _Plan, start_method: str, deadline: float, last_attempt: 
                     raise _PortTaken(port)
                 finished = [h.rank for h in handles if h.report and h.report[0] == "ok"]
                 killed = [h.rank for h in handles if h.killed]
-                raise RankFailure(errors, killed, finished, plan.world_size)
+                raise RankFailure(errors, killed, finished, job.world_size)
             released.set()  # every rank has reported: rank 0 may close the store
             _wait_for_exit(handles)
             return [pickle.loads(handle.report[1]) for handle in handles]  # type: ignore[index]
@@ -282,13 +282,13 @@ def _run_attempt(plan: _Plan, start_method: str, deadline: float, last_attempt: 
 
 
 def _start_rank(
-    context: Any, plan: _Plan, rank: int, port: int, stack_dir: Path, released: Any
+    context: Any, job: _RankJob, rank: int, port: int, stack_dir: Path, released: Any
 ) -> _RankHandle:
     reader, writer = context.Pipe(duplex=False)
     stack_path = stack_dir / f"rank{rank}.stack.txt"
     process = context.Process(
         target=_rank_main,
-        args=(plan, rank, port, str(stack_path), writer, released),
+        args=(job, rank, port, str(stack_path), writer, released),
         name=f"conveyor-rank{rank}",
         daemon=True,
     )
@@ -415,7 +415,7 @@ def _lost_port_race(errors: list[RankError]) -> bool:
     )
 
 
-def _raise_timeout(plan: _Plan, handles: list[_RankHandle]) -> None:
+def _raise_timeout(job: _RankJob, handles: list[_RankHandle]) -> None:
     stuck = [h for h in handles if h.report is None]
     for handle in stuck:
         if handle.process.is_alive():
@@ -425,11 +425,11 @@ def _raise_timeout(plan: _Plan, handles: list[_RankHandle]) -> None:
     _kill_all(handles)
     finished = [h.rank for h in handles if h.report is not None]
     raise RankTimeout(
-        plan.timeout_s,
+        job.timeout_s,
         [h.rank for h in stuck],
         {h.rank: stack for h, stack in zip(stuck, stacks)},
         finished,
-        plan.world_size,
+        job.world_size,
     )
 
 
@@ -441,12 +441,12 @@ _ENTRY = (Path(__file__).name, "_rank_main")
 # Rank side: set up, run fn, report, tear down.
 
 
-def _rank_main(plan: _Plan, rank: int, port: int, stack_path: str, writer: Any, released: Any) -> None:
+def _rank_main(job: _RankJob, rank: int, port: int, stack_path: str, writer: Any, released: Any) -> None:
     # First thing, so a stuck or crashing rank can always say where it is.
     stack_file = install_stack_dump(stack_path)  # noqa: F841 (open for the process's life)
     die_with_parent()
-    os.environ.update(rank_environment(rank, plan.world_size, port))
-    os.environ.update(plan.env)
+    os.environ.update(rank_environment(rank, job.world_size, port))
+    os.environ.update(job.env)
 
     import torch
     import torch.distributed as dist
@@ -455,17 +455,17 @@ def _rank_main(plan: _Plan, rank: int, port: int, stack_path: str, writer: Any, 
     exit_code = 0
     phase = "init_process_group"
     try:
-        if plan.init_process_group:
+        if job.init_process_group:
             dist.init_process_group(
-                plan.backend,
+                job.backend,
                 rank=rank,
-                world_size=plan.world_size,
-                timeout=timedelta(seconds=plan.timeout_s + _PROCESS_GROUP_EXTRA_S),
+                world_size=job.world_size,
+                timeout=timedelta(seconds=job.timeout_s + _PROCESS_GROUP_EXTRA_S),
             )
         phase = "fn"
-        result = plan.fn(rank, plan.world_size, *plan.args, **plan.kwargs)
+        result = job.fn(rank, job.world_size, *job.args, **job.kwargs)
         phase = "result"
-        report: tuple[str, Any] = ("ok", _pickle_result(result, plan.max_result_bytes))
+        report: tuple[str, Any] = ("ok", _pickle_result(result, job.max_result_bytes))
     except BaseException as error:  # noqa: BLE001 (report everything, SystemExit included)
         report = ("error", _exception_error(rank, error, phase))
         exit_code = 1
@@ -475,10 +475,10 @@ def _rank_main(plan: _Plan, rank: int, port: int, stack_path: str, writer: Any, 
         if exit_code:
             # Let the parent kill the peers before this rank's sockets close (see the constant).
             released.wait(_FAILED_RANK_LINGER_S)
-        elif rank == 0 and plan.init_process_group:
+        elif rank == 0 and job.init_process_group:
             # Rank 0 hosts the store: peers still in their function (stopping after a failure,
             # say) may need it, so it stays until every rank has reported or been killed.
-            released.wait(plan.timeout_s)
+            released.wait(job.timeout_s)
         if dist.is_initialized():
             dist.destroy_process_group()
     finally:

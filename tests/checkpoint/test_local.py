@@ -77,8 +77,8 @@ def test_to_state_dict_equals_the_unsplit_model_trained_alike(tmp_path):
     """A LocalPipeline of traced stages, trained with AdamW, against the unsplit model (untied: bitwise)."""
     model, optimizer, _ = _trained_module(tie=False)
     start = tied_lm(0, tie=False)
-    plan = frontend.split_model(start, 4, split_points=SPLITS[4], example_args=(lm_batch(0)[0][:2],))
-    pipe = conveyor.LocalPipeline(plan.stage_modules(), schedule="1f1b", microbatches=MICROBATCHES,
+    split = frontend.split_model(start, 4, split_points=SPLITS[4], example_args=(lm_batch(0)[0][:2],))
+    pipe = conveyor.LocalPipeline(split.stage_modules(), schedule="1f1b", microbatches=MICROBATCHES,
                                   loss_fn=ce_loss)
     pipe_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     pipe_sched = torch.optim.lr_scheduler.StepLR(pipe_opt, step_size=1, gamma=0.5)

@@ -9,7 +9,7 @@ from conveyor.errors import ScheduleError
 from conveyor.runtime.ordering import (
     check_first_step,
     check_posts,
-    post_plan,
+    posting_of,
     sender_orders,
     transfer_of,
 )
@@ -69,15 +69,15 @@ def test_every_builtin_schedule_posts_in_matching_order_and_cannot_deadlock(name
             assert {pair: sorted(keys) for pair, keys in orders.items()} == \
                    {pair: sorted(keys) for pair, keys in received.items()}, where
             reordered += received != orders  # receivers that consume out of the sender's order
-            plans = [post_plan(p, r, schedule.placement, orders, training) for r, p in enumerate(lowered.programs)]
-            assert check_posts(lowered.programs, plans, schedule.placement, training) is None, where
+            postings = [posting_of(p, r, schedule.placement, orders, training) for r, p in enumerate(lowered.programs)]
+            assert check_posts(lowered.programs, postings, schedule.placement, training) is None, where
             checked += 1
     assert checked >= 6, f"{name}: only {checked} sizes checked"
     if name in ("interleaved-1f1b", "zbv", "dualpipev"):
         assert reordered, f"{name}: expected some size whose receiver consumes out of the sender's order"
 
 
-def _plans(rows, placement):
+def _postings_for(rows, placement):
     programs = [tuple(map(Action.parse, row)) for row in rows]
     orders = {}
     for rank, program in enumerate(programs):
@@ -85,30 +85,30 @@ def _plans(rows, placement):
             if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
                 peer, key = transfer_of(action, placement, True)
                 orders.setdefault((rank, peer), []).append(key)
-    return programs, [post_plan(p, r, placement, orders, True) for r, p in enumerate(programs)]
+    return programs, [posting_of(p, r, placement, orders, True) for r, p in enumerate(programs)]
 
 
 def test_the_simulation_finds_ranks_that_wait_for_each_other():
     # Each rank receives before it sends what the other waits for: no order of posts helps.
     placement = Placement.looped(2, 1)
-    programs, plans = _plans([["0RECV_B0", "0B0", "0F0", "0SEND_F0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]],
+    programs, postings = _postings_for([["0RECV_B0", "0B0", "0F0", "0SEND_F0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]],
                              placement)
-    problem = check_posts(programs, plans, placement)
+    problem = check_posts(programs, postings, placement)
     assert problem is not None and "rank 0 waits" in problem and "rank 1 waits" in problem
 
 
 def test_the_simulation_finds_receives_posted_out_of_the_senders_order():
     placement = Placement.looped(2, 1)
-    programs, plans = _plans([["0F0", "0SEND_F0", "0F1", "0SEND_F1"], ["1RECV_F1", "1F1", "1RECV_F0", "1F0"]],
+    programs, postings = _postings_for([["0F0", "0SEND_F0", "0F1", "0SEND_F1"], ["1RECV_F1", "1F1", "1RECV_F0", "1F0"]],
                              placement)
-    assert check_posts(programs, plans, placement) is None  # the plan posts F0's receive first
-    swapped = [plans[0], {Action.parse("1RECV_F1"): ((Action.parse("1RECV_F1"), Action.parse("1RECV_F0")),)}]
+    assert check_posts(programs, postings, placement) is None  # the posting posts F0's receive first
+    swapped = [postings[0], {Action.parse("1RECV_F1"): ((Action.parse("1RECV_F1"), Action.parse("1RECV_F0")),)}]
     problem = check_posts(programs, swapped, placement)
     assert problem is not None and "rank 0 sends rank 1" in problem
 
 
 def _first_steps():
-    """Every built-in schedule's train and eval programs with their post plans, P in 2..8, V in 1..2."""
+    """Every built-in schedule's train and eval programs with their postings, P in 2..8, V in 1..2."""
     for name, info in sorted(cs.available().items()):
         for ranks in range(2, 9):
             for virtual in (v for v in info.virtual_choices or (1, 2) if v <= 2):
@@ -120,9 +120,9 @@ def _first_steps():
                     runs = executable(schedule)
                     for training, lowered in ((True, runs.train), (False, runs.eval)):
                         orders = sender_orders(schedule, training)
-                        plans = [post_plan(p, r, schedule.placement, orders, training)
+                        postings = [posting_of(p, r, schedule.placement, orders, training)
                                  for r, p in enumerate(lowered.programs)]
-                        yield (name, ranks, virtual, microbatches, training), lowered.programs, plans, schedule.placement
+                        yield (name, ranks, virtual, microbatches, training), lowered.programs, postings, schedule.placement
 
 
 def test_nccl_first_step_host_replay_of_every_builtin_schedule():
@@ -133,14 +133,14 @@ def test_nccl_first_step_host_replay_of_every_builtin_schedule():
     at rank 0); with communicators created when the pipeline is built (what the runtime does,
     see RankLifecycle.channel_groups), nothing does."""
     lazy, checked = [], 0
-    for case, programs, plans, placement in _first_steps():
+    for case, programs, postings, placement in _first_steps():
         training = case[-1]
-        if check_first_step(programs, plans, placement, training, lazy_communicators=True) is not None:
+        if check_first_step(programs, postings, placement, training, lazy_communicators=True) is not None:
             lazy.append(case)
-        problem = check_first_step(programs, plans, placement, training, lazy_communicators=False)
+        problem = check_first_step(programs, postings, placement, training, lazy_communicators=False)
         assert problem is None, f"{case}: {problem}"
         # Given structures (shapes=, or any later step), nothing blocks the host, whatever the communicators.
-        assert check_first_step(programs, plans, placement, training, lazy_communicators=True,
+        assert check_first_step(programs, postings, placement, training, lazy_communicators=True,
                                 structures_known=True) is None, case
         checked += 1
     print(f"NCCL first-step replay: {checked} programs checked; with lazy communicators {len(lazy)} deadlock: "
@@ -151,14 +151,14 @@ def test_nccl_first_step_host_replay_of_every_builtin_schedule():
 
 def test_the_first_step_replay_names_who_blocks_on_what():
     placement = Placement.looped(2, 1)
-    programs, plans = _plans([["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]],
+    programs, postings = _postings_for([["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]],
                              placement)
-    assert check_first_step(programs, plans, placement, lazy_communicators=True) is None
+    assert check_first_step(programs, postings, placement, lazy_communicators=True) is None
     # Rank 1 posts the gradient's send first: its channel's creation waits for rank 0, whose
     # receive of it comes after the forward's send, whose creation waits for rank 1.
-    programs, plans = _plans([["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1SEND_B0", "1RECV_F0", "1F0", "1B0"]],
+    programs, postings = _postings_for([["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1SEND_B0", "1RECV_F0", "1F0", "1B0"]],
                              placement)
-    problem = check_first_step(programs, plans, placement, lazy_communicators=True)
+    problem = check_first_step(programs, postings, placement, lazy_communicators=True)
     assert problem is not None and "rank 0 blocks" in problem and "to create channel (0, 1)" in problem, problem
     assert "rank 1 blocks" in problem and "to create channel (1, 0)" in problem, problem
-    assert check_first_step(programs, plans, placement, lazy_communicators=False) is None
+    assert check_first_step(programs, postings, placement, lazy_communicators=False) is None

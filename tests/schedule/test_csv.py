@@ -195,12 +195,12 @@ def write_torch_csvs(directory: Path) -> list[Path]:
     for stem, (class_name, placement) in TORCH_SCHEDULES.items():
         stages = [0, 2 * TORCH_RANKS - 1] if placement == "vshape" else [0, TORCH_RANKS]
         schedule_class = getattr(torch_schedules, class_name)
-        plan = schedule_class(
+        torch_schedule = schedule_class(
             mock_stages(TORCH_RANKS, stages), TORCH_MICROBATCHES, loss_fn=lambda output, target: output
         )
         for suffix, form in (("", "compute_only"), ("_comms", "compute_comms")):
             path = directory / f"{stem}{suffix}.csv"
-            plan._dump_csv(str(path), format=form)
+            torch_schedule._dump_csv(str(path), format=form)
             written.append(path)
     return written
 

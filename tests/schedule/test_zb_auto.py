@@ -91,17 +91,17 @@ def test_the_search_beats_the_handcrafted_schedules_on_profiled_costs():
                 for name in ("1f1b", "zb-h1", "zb-h2", "zb-1p", "zb-2p")}
     assert makespan["zb-2p"] == pytest.approx(107.4) and makespan["zb-h2"] == pytest.approx(107.9)
     assert makespan["zb-1p"] <= makespan["zb-h1"] < makespan["1f1b"]
-    plan = za.search(8, 32, costs, 16)
-    assert plan.knobs is not None and plan.makespan == pytest.approx(makespan["zb-2p"])
+    found = za.search(8, 32, costs, 16)
+    assert found.knobs is not None and found.makespan == pytest.approx(makespan["zb-2p"])
 
 
-def test_the_plans_times_are_the_simulators():
+def test_the_searched_orders_times_are_the_simulators():
     costs = _per_stage(4, "w<f<i", 0.3, skew_last=True)
     for limit in (4, 6, 8):
-        plan = za.search(4, 11, costs, limit)
-        timeline = cs.simulate(za._schedule_of("plan", 4, 11, plan), costs)
-        assert timeline.makespan == pytest.approx(plan.makespan)
-        assert max(b - a for a, b in za._rank_spans(timeline)) == pytest.approx(plan.span)
+        found = za.search(4, 11, costs, limit)
+        timeline = cs.simulate(za._schedule_of("found", 4, 11, found), costs)
+        assert timeline.makespan == pytest.approx(found.makespan)
+        assert max(b - a for a, b in za._rank_spans(timeline)) == pytest.approx(found.span)
 
 
 def test_small_sizes_and_tight_limits_still_verify():

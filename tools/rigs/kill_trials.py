@@ -150,13 +150,13 @@ def _rank_entry(env: dict[str, str], argv: list[str], log_path: str) -> None:
     os._exit(code)  # skip interpreter teardown in a forked child
 
 
-def run_plan(trials_each: int, *, report=print) -> list[TrialResult]:
+def run_cases(trials_each: int, *, report=print) -> list[TrialResult]:
     results = []
-    plan = trial_cases(trials_each)
-    for index, trial in enumerate(plan, 1):
+    trials = trial_cases(trials_each)
+    for index, trial in enumerate(trials, 1):
         result = run_trial(trial)
         results.append(result)
-        report(f"{index:4d}/{len(plan)} {'pass' if result.passed else 'FAIL'}  slowest {result.slowest_s:5.1f} s  "
+        report(f"{index:4d}/{len(trials)} {'pass' if result.passed else 'FAIL'}  slowest {result.slowest_s:5.1f} s  "
                f"{trial.describe()}")
         if not result.passed:
             report(result.problem)

@@ -9,8 +9,8 @@ when the script leaves through an exception), no rank died of a signal, and noth
 
 Example:
     $ python tools/launch_stress.py --launches 300       # the full run (about 40 min on 2 cores)
-    >>> plan = launch_cases(9)
-    >>> sorted({launch.teardown for launch in plan}) == sorted(TEARDOWNS)
+    >>> cases = launch_cases(9)
+    >>> sorted({launch.teardown for launch in cases}) == sorted(TEARDOWNS)
     True
 """
 
@@ -67,7 +67,7 @@ def launch_cases(count: int) -> list[Launch]:
     dimension, then a walk over every combination of rank count, transport, schedule and teardown.
 
     The first six pair each teardown order with another (transport, rank count) and cycle the
-    schedules, so a short plan (CI's 9) already holds each teardown order, each schedule and
+    schedules, so a short run (CI's 9) already holds each teardown order, each schedule and
     every transport at both rank counts. After them the 108 combinations are visited with a
     stride coprime to their number, so consecutive launches differ; a plan longer than that
     starts over.
@@ -115,7 +115,7 @@ def _problem(launch: Launch, exit_code: int, output: str) -> str:
     return ""
 
 
-def run_plan(count: int, *, report=print, timeout_s: float = 180.0) -> list[LaunchResult]:
+def run_cases(count: int, *, report=print, timeout_s: float = 180.0) -> list[LaunchResult]:
     """Run ``launch_cases(count)`` one launch after another; ``report`` gets a line per launch."""
     results = []
     for index, launch in enumerate(launch_cases(count), 1):
