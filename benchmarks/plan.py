@@ -5,7 +5,7 @@ For each workload (emulated: blocks that sleep; gpt: the zoo's small GPT) and P,
 
 * prediction: conveyor's simulator on per-stage F / I / W costs profiled in one single-thread
   process (the last stage's F holds the loss), plus this machine's
-  :class:`~conveyor.plan.calibrate.Calibration` (measured at the start, once per P) and each rank's
+  :class:`~conveyor.plan.calibration.Calibration` (measured at the start, once per P) and each rank's
   optimizer step (AdamW, profiled the same way). ``predicted_ms``: the costs are the median of
   two samples per round taken between the rounds, so they see the machine when the steps do;
   ``predicted_before_ms``: the median of ``PROFILE_SAMPLES`` samples taken before the runs, as
@@ -68,7 +68,7 @@ def build_workload(name: str, ranks: int):
 
 def _optimizer_seconds(module) -> float:
     """A median AdamW step over ``module``'s parameters, timed as the planner times it."""
-    from conveyor.plan.predict import optimizer_seconds_per_parameter
+    from conveyor.plan.profile import optimizer_seconds_per_parameter
 
     count = sum(p.numel() for p in module.parameters() if p.requires_grad)
     return optimizer_seconds_per_parameter(module) * count if count else 0.0
@@ -93,7 +93,7 @@ def split_sample(worker, cut: tuple) -> list[tuple[float, float]]:
     """Each stage's I and W as conveyor's runtime splits them (ms), on the probe's stages."""
     import torch
 
-    from conveyor.plan.calibrate import split_backward_seconds
+    from conveyor.plan.profile import split_backward_seconds
     from conveyor.runtime.backward import GraphAnalysisCache
 
     probe = worker.state[("probe", cut)]
@@ -201,7 +201,7 @@ def _rows_s(samples) -> list[tuple[float, float, float]]:
 
 def _predict(case: lib.Case, profiled: dict, calibration):
     import conveyor.schedule as cs
-    from conveyor.plan.calibrate import predict_step
+    from conveyor.plan.predict import predict_step
 
     sched = _schedule(case)
     extra = [sum(profiled["optimizer_s"][s] for s in sched.stages_of(r)) for r in range(case.num_ranks)]
@@ -296,7 +296,7 @@ def _replay(case: lib.Case, measured, calibration) -> float:
     """Simulated makespan (s) of ``case`` on the per-stage span medians of its ``measured`` step."""
     import dataclasses
 
-    from conveyor.plan.calibrate import predict_step
+    from conveyor.plan.predict import predict_step
     from conveyor.schedule.cost import costs_from_timeline
 
     sched = _schedule(case)
@@ -307,7 +307,7 @@ def _replay(case: lib.Case, measured, calibration) -> float:
 def _record(case: lib.Case, prediction, before, profiled: dict, samples: list, run: dict, out: Path,
             calibration) -> dict:
     """One case's JSON record; draws its PNG (the prediction above the last measured step)."""
-    from conveyor.plan.calibrate import compute_makespan
+    from conveyor.plan.calibration import compute_makespan
     from conveyor.schedule.cost import costs_from_timeline
     from conveyor.schedule.render import side_by_side_png
 
@@ -446,7 +446,7 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
 
 def run(args) -> int:
     """Calibrate, then every (workload, P) cell; print and write the table."""
-    from conveyor.calibration import calibrate
+    from conveyor.plan.calibration import calibrate
 
     started = time.monotonic()
     out = Path(args.predict_out)

@@ -53,8 +53,8 @@ def emulated_costs(workload: Emulated):
     import torch
 
     from benchmarks.costs import StageCostProbe, per_pass
-    from conveyor.plan.calibrate import split_backward_seconds
     from conveyor.plan.costs import CostTable, UnitCost
+    from conveyor.plan.profile import split_backward_seconds
     from conveyor.runtime.backward import GraphAnalysisCache
 
     blocks = workload.num_blocks

@@ -134,8 +134,8 @@ def _auto_plan(model, example_args, example_kwargs, world, microbatches, group, 
     ``global_batch`` defaults to ``microbatches`` (or 2 x ranks) x the example's batch."""
     import torch.distributed as dist
 
-    from conveyor.plan.measure import _batch_size
     from conveyor.plan.planner import plan as make_plan
+    from conveyor.plan.profile import _batch_size
 
     options = dict(options or {})
     size = _batch_size(tuple(example_args), example_kwargs)
@@ -155,7 +155,7 @@ def _from_plan(plan, world: int, example_args, example_kwargs):
     """(schedule, microbatches, virtual, split_points, (example_args, example_kwargs)) of a plan, checked
     against the group; the example is resized to the plan's microbatch."""
     from conveyor.plan import as_plan
-    from conveyor.plan.measure import _batch_size, resize_batch
+    from conveyor.plan.profile import _batch_size, resize_batch
 
     plan = as_plan(plan)
     if plan.ranks != world:

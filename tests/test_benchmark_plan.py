@@ -9,7 +9,7 @@ import pytest
 from benchmarks import libraries as lib
 from benchmarks import plan as bench
 from benchmarks import plan_chosen
-from conveyor.plan.calibrate import Calibration
+from conveyor.plan.calibration import Calibration
 from conveyor.testing.models import Emulated
 
 

@@ -29,8 +29,6 @@ FORBIDDEN = {
     "pipe": ("conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "local": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "build": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
-    # Measures a calibration on real pipelines for the planner below it.
-    "calibration": ("conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     # The planner sits at the pipe level: frontend, schedule and the runtime below it; build, train and
     # the command line above it.
     "plan": ("conveyor.pipe", "conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train",
@@ -41,7 +39,7 @@ FORBIDDEN = {
     "train": ("conveyor.cli",),
     # Local ranks that live between calls (the calibration's, the benchmarks'): errors and torch only.
     "ranks": ("conveyor.schedule", "conveyor.runtime", "conveyor.frontend", "conveyor.pipe", "conveyor.parallel",
-              "conveyor.plan", "conveyor.local", "conveyor.build", "conveyor.calibration", "conveyor.checkpoint",
+              "conveyor.plan", "conveyor.local", "conveyor.build", "conveyor.checkpoint",
               "conveyor.train", "conveyor.cli"),
 }
 # Test support is for tests and users' tests: no library module (anything outside conveyor/testing/) imports it.

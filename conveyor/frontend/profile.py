@@ -6,6 +6,13 @@ made inside the timed span, as a real output gradient would arrive). The best of
 a few rounds is kept: other processes on the machine only ever add time. The model
 is left as it was: gradients, buffers (BatchNorm statistics) and the random
 generator state are restored.
+
+Profiling's home is :mod:`conveyor.plan.profile` (each unit's F, I, W and bytes, for the
+planner). This stage timer stays in the frontend because ``split_method="time"`` is a
+frontend option (``split_model`` balances by it, whatever pipeline calls it) and the frontend
+may not import the planner, which imports the frontend; the timing rules both follow
+(:func:`synchronize`, :func:`save_module_state` / :func:`restore_module_state`) are defined here
+once and used there.
 """
 
 from __future__ import annotations

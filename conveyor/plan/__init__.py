@@ -30,7 +30,7 @@ _LAZY = {
     "choose": "conveyor.plan.planner",
     "format_plan": "conveyor.plan.planner",
     "unit_costs": "conveyor.plan.planner",
-    "profile_units": "conveyor.plan.measure",
+    "profile_units": "conveyor.plan.profile",
     "analytic_units": "conveyor.plan.analytic",
 }
 

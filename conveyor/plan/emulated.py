@@ -5,7 +5,7 @@ block's forward, input-gradient and weight-gradient parts each *sleep* a set tim
 P=8 ranks run on two cores as they would on P devices (a sleeping rank frees its core, like a
 rank waiting on its GPU). An I pass (``autograd.grad`` w.r.t. the stage input only) runs only
 the input-gradient sleeps, a W pass only the weight-gradient sleeps. The calibration
-(:mod:`conveyor.calibration`) times the runtime on it; the benchmarks build it too.
+(:mod:`conveyor.plan.calibration`) times the runtime on it; the benchmarks build it too.
 
 Weights are seeded by the global block index, so any cut of the model holds the same weights.
 

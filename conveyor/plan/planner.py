@@ -26,10 +26,14 @@ from conveyor.plan.analytic import (
     DEFAULT_FLOPS_PER_SECOND,
     analytic_units,
 )
-from conveyor.plan.calibrate import Calibration
+from conveyor.plan.calibration import Calibration, calibration_of
 from conveyor.plan.costs import CostTable, combine
-from conveyor.plan.measure import _batch_size, profile_units, resize_batch
-from conveyor.plan.predict import calibration_of, optimizer_seconds_per_parameter
+from conveyor.plan.profile import (
+    _batch_size,
+    optimizer_seconds_per_parameter,
+    profile_units,
+    resize_batch,
+)
 from conveyor.plan.result import Plan, format_size, parse_size
 from conveyor.plan.search import (
     DEFAULT_BALANCE_TOLERANCE,
@@ -63,8 +67,8 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
     dimension). ``costs`` skips both. Raises :class:`~conveyor.errors.PlanError` when nothing fits,
     naming the lightest candidate's peak.
 
-    ``calibration`` (a :class:`~conveyor.plan.calibrate.Calibration` or its ``as_dict()``; measure
-    one with :func:`conveyor.calibration.calibrate`) makes each predicted step the one a real step
+    ``calibration`` (a :class:`~conveyor.plan.calibration.Calibration` or its ``as_dict()``; measure
+    one with :func:`conveyor.plan.calibration.calibrate`) makes each predicted step the one a real step
     is checked against (:func:`~conveyor.plan.predict.predict_split`): the runtime's per-action and
     per-receive time, message latency, the step's own time, and each rank's AdamW step (timed here
     on copies of the parameters). ``cores``: the CPU cores the ranks share ("auto": the machine's

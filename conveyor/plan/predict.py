@@ -1,17 +1,24 @@
-"""A split's step as the ranks run it: per-stage costs for the executed programs, and the
-calibrated prediction a benchmark checks against a measured step.
+"""A plan's step as the ranks run it: per-stage costs for the executed programs, simulated with
+what a real step pays beyond compute (the :class:`~conveyor.plan.calibration.Calibration`).
 
 The runtime splits a stage's backward into I and W only where the schedule's executed
 programs (:func:`conveyor.schedule.executable`) keep a W on its own; elsewhere it runs one
 full backward (B), which costs less than the split I + W. :func:`stage_costs` gives each
-stage the one it pays. :func:`predict_split` adds what a real step pays beyond compute
-(:mod:`conveyor.plan.calibrate`: per action, per receive, latency and bytes, the step's own
-time) and each rank's optimizer step, when a calibration is given.
+stage the one it pays. :func:`predict_step` simulates what the ranks run with the
+calibration's overheads (:func:`with_overheads`: per action, per receive; latency and bytes
+per message), the step's own time and each rank's optimizer step; :func:`predict_split` and
+:func:`predict_plan` do it for a split of profiled units and for a chosen plan.
 
 Example:
     >>> import conveyor.schedule as cs
+    >>> sched = cs.build("1f1b", ranks=2, microbatches=4)
+    >>> costs = cs.CostModel.uniform(2, 0.010, 0.010, 0.010)
+    >>> from conveyor.plan.calibration import Calibration
+    >>> cal = Calibration(receive_s=1e-4, latency_s=3e-4, step_s=1e-3)
+    >>> round(predict_step(sched, costs, cal).step_s, 4)
+    0.1527
     >>> from conveyor.plan.costs import UnitCost
-    >>> from conveyor.plan.split import StageSums
+    >>> from conveyor.plan.balance import StageSums
     >>> sums = StageSums([UnitCost("a", 1.0, 2.0, 2.0, backward=3.0)] * 2, optimizer_bytes=8)
     >>> model = stage_costs(cs.build("1f1b", ranks=2, microbatches=2), sums, [1], latency=0.0)
     >>> [(s.forward, s.backward_input, s.backward_weight) for s in model.stages]
@@ -20,18 +27,33 @@ Example:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import fields
-
-import torch
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import conveyor.schedule as cs
-from conveyor.errors import PlanError
-from conveyor.plan.calibrate import Calibration, Prediction, predict_step
+from conveyor.plan.balance import StageSums, bounds_of
 from conveyor.plan.result import Plan
-from conveyor.plan.split import StageSums, bounds_of
+from conveyor.schedule.cost import CostModel, StageCosts
 from conveyor.schedule.ir import ActionKind, Schedule
+from conveyor.schedule.simulate import simulate_shared_cores
+from conveyor.schedule.timeline import Timeline
+
+if TYPE_CHECKING:  # the record only: measuring one loads torch, predicting with it does not
+    from conveyor.plan.calibration import Calibration
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan's predicted step: ``step_s = makespan_s + step_s of the calibration + the ranks' extra``.
+
+    The ranks' extra is the longest ``rank_extra_s``, or their sum over the cores when they share fewer.
+    """
+
+    step_s: float
+    makespan_s: float
+    timeline: Timeline
+    rank_extra_s: tuple[float, ...]
 
 
 def split_stages(schedule: Schedule) -> set[int]:
@@ -44,6 +66,78 @@ def split_stages(schedule: Schedule) -> set[int]:
     """
     programs = cs.executable(schedule).compute.programs
     return {a.stage for program in programs for a in program if a.kind is ActionKind.W}
+
+
+def with_overheads(schedule: Schedule, costs: CostModel, calibration: Calibration) -> CostModel:
+    """``costs`` with what the runtime adds: ``action_s`` per compute action, ``receive_s`` per message taken.
+
+    Every forward and input gradient gets ``action_s``; a weight gradient too on a stage whose W
+    runs on its own in ``schedule``'s executed programs (elsewhere I + W run as one B, one action).
+    ``receive_s`` goes to a forward of stage s > 0 whose stage s - 1 runs on another rank, and
+    to an input gradient (so a full backward) of stage s < S - 1 whose stage s + 1 does.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> sched = cs.build("1f1b", ranks=2, microbatches=2)
+        >>> from conveyor.plan.calibration import Calibration
+        >>> model = with_overheads(sched, CostModel.uniform(2), Calibration(action_s=0.25, receive_s=0.5))
+        >>> [(s.forward, s.backward_input, s.backward_weight) for s in model.stages]
+        [(1.25, 1.75, 1.0), (1.75, 1.25, 1.0)]
+    """
+    split = split_stages(schedule)
+    rank_of = schedule.placement.rank_of
+    last = len(costs.stages) - 1
+    act, receive = calibration.action_s, calibration.receive_s
+    stages = []
+    for stage, c in enumerate(costs.stages):
+        takes_input = stage > 0 and rank_of(stage - 1) != rank_of(stage)
+        takes_grad = stage < last and rank_of(stage + 1) != rank_of(stage)
+        stages.append(replace(
+            c,
+            forward=c.forward + act + (receive if takes_input else 0.0),
+            backward_input=c.backward_input + act + (receive if takes_grad else 0.0),
+            backward_weight=c.backward_weight + (act if stage in split else 0.0),
+        ))
+    return CostModel(tuple(stages), costs.latency)
+
+
+def predict_step(
+    schedule: Schedule,
+    costs: CostModel | Sequence[StageCosts | Sequence[float]],
+    calibration: Calibration,
+    *,
+    message_bytes: float = 0.0,
+    rank_extra_s: Sequence[float] = (),
+    cores: int | None = None,
+) -> Prediction:
+    """The step time of ``schedule`` on per-stage ``costs`` (seconds) on the calibrated machine.
+
+    What is simulated is what the ranks run (:func:`conveyor.schedule.executable`), with
+    :func:`with_overheads` costs and ``calibration.latency(message_bytes)`` per message;
+    ``rank_extra_s`` is each rank's time after the schedule (its optimizer step). ``cores``:
+    CPU cores the ranks share when fewer than the ranks and the stages compute on the CPU
+    (:func:`conveyor.schedule.simulate.simulate_shared_cores`); None: one device per rank.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> sched = cs.build("gpipe", ranks=2, microbatches=2)
+        >>> from conveyor.plan.calibration import Calibration
+        >>> p = predict_step(sched, [(0.01, 0.01, 0.01)] * 2, Calibration(), rank_extra_s=[0.002, 0.001])
+        >>> round(p.makespan_s, 3), round(p.step_s, 3)
+        (0.09, 0.092)
+    """
+    model = costs if isinstance(costs, CostModel) else CostModel.per_stage(costs)
+    model = replace(with_overheads(schedule, model, calibration), latency=calibration.latency(message_bytes))
+    if cores is not None and cores < schedule.num_ranks:
+        timeline = simulate_shared_cores(schedule, model, cores)
+    else:
+        timeline = cs.simulate(cs.executable(schedule).compute, model, time_unit="s")
+    extra = tuple(float(x) for x in rank_extra_s)
+    after = max(extra, default=0.0)
+    if cores is not None and cores < len(extra):
+        after = max(after, sum(extra) / cores)  # every rank steps its optimizer at once
+    step = timeline.makespan + calibration.step_s + after
+    return Prediction(step, timeline.makespan, timeline, extra)
 
 
 def stage_costs(schedule: Schedule, sums: StageSums, cuts: Sequence[int], *, latency: float) -> cs.CostModel:
@@ -73,6 +167,7 @@ def predict_split(schedule: Schedule, model: cs.CostModel, calibration: Calibrat
         >>> import conveyor.schedule as cs
         >>> sched = cs.build("gpipe", ranks=2, microbatches=2)
         >>> model = cs.CostModel.uniform(2, 0.01, 0.01, 0.01)
+        >>> from conveyor.plan.calibration import Calibration
         >>> p = predict_split(sched, model, Calibration(step_s=0.001), message_bytes=0, rank_parameters=[1e3, 2e3],
         ...                   optimizer_s_per_parameter=1e-6, cores=None)
         >>> round(p.step_s, 4)
@@ -80,52 +175,6 @@ def predict_split(schedule: Schedule, model: cs.CostModel, calibration: Calibrat
     """
     extra = [optimizer_s_per_parameter * n for n in rank_parameters]
     return predict_step(schedule, model, calibration, message_bytes=message_bytes, rank_extra_s=extra, cores=cores)
-
-
-def calibration_of(value: Calibration | dict | None, ranks: int) -> Calibration | None:
-    """A :class:`Calibration` from one or from its ``as_dict()``; None stays None.
-
-    Example:
-        >>> calibration_of({"receive_s": 1e-4, "transport": "x", "samples": {}}, 2).receive_s
-        0.0001
-    """
-    if value is None or value is False:
-        return None
-    if value is True:
-        # Measuring starts real pipelines, a layer above the planner.
-        raise PlanError(
-            f"calibration=True: the planner does not start pipelines; measure this machine with "
-            f"conveyor.calibration.calibrate(ranks={ranks}) (a few seconds) and pass the result, or its as_dict() "
-            "from an earlier run (`conveyor plan --calibrate` does this)")
-    if isinstance(value, dict):
-        names = {f.name for f in fields(Calibration)}
-        return Calibration(**{k: v for k, v in value.items() if k in names})
-    return value
-
-
-def optimizer_seconds_per_parameter(model: torch.nn.Module, repeats: int = 5) -> float:
-    """Seconds an AdamW step takes per parameter of ``model``, timed on copies (the model is untouched).
-
-    Example:
-        >>> optimizer_seconds_per_parameter(torch.nn.Linear(64, 64), repeats=1) > 0
-        True
-    """
-    copies = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters() if p.requires_grad]
-    count = sum(p.numel() for p in copies)
-    if not count:
-        return 0.0
-    optimizer = torch.optim.AdamW(copies, lr=1e-4)
-    times = []
-    for index in range(repeats + 2):  # the first steps allocate AdamW's state
-        for p in copies:
-            p.grad = torch.zeros_like(p)
-        start = time.perf_counter()
-        optimizer.step()
-        if copies[0].device.type == "cuda":
-            torch.cuda.synchronize(copies[0].device)
-        if index >= 2:
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] / count
 
 
 def predict_plan(plan: Plan, calibration: Calibration) -> Prediction:
@@ -136,6 +185,7 @@ def predict_plan(plan: Plan, calibration: Calibration) -> Prediction:
     Example:
         >>> import torch, conveyor
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(2)])
+        >>> from conveyor.plan.calibration import Calibration
         >>> cal = Calibration(step_s=1e-3)
         >>> chosen = conveyor.plan.plan(model, torch.randn(2, 8), ranks=2, global_batch=4, schedules=["1f1b"],
         ...                             repeats=1, calibration=cal)

@@ -2,7 +2,7 @@
 
 For every microbatch count M (divisors of the global batch, at least the rank count when
 one is) the unit costs are rescaled to the microbatch size; for every V, the fastest split
-of the units into P x V stages is found once (:func:`~conveyor.plan.split.fastest_split`)
+of the units into P x V stages is found once (:func:`~conveyor.plan.balance.fastest_split`)
 and shared by every schedule of that V. Candidates are visited in order of a lower bound on
 their step (the busiest rank's compute, plus the forwards before it); one whose bound is
 above the best step found so far is not simulated. Each simulated candidate gets the
@@ -18,13 +18,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import conveyor.schedule as cs
 from conveyor.errors import ConveyorError, PlanError
-from conveyor.plan.calibrate import Calibration
+from conveyor.plan.balance import StageSums, bounds_of, fastest_split, lightest_split
 from conveyor.plan.costs import CostTable
 from conveyor.plan.predict import predict_split, stage_costs
-from conveyor.plan.split import StageSums, bounds_of, fastest_split, lightest_split
+
+if TYPE_CHECKING:  # measuring a calibration loads torch; searching with one does not
+    from conveyor.plan.calibration import Calibration
 
 # How far (relative) a lighter split's slowest stage may exceed the fastest split's.
 DEFAULT_BALANCE_TOLERANCE = 0.03

@@ -2,7 +2,7 @@
 
 :class:`RankGroup` forks ``world_size`` processes (from this one, or from a :class:`Zygote`
 that imported little), joins them in a gloo group and runs call after call on them; the
-calibration (:mod:`conveyor.calibration`) steps a pipeline on them, the benchmarks alternate
+calibration (:mod:`conveyor.plan.calibration`) steps a pipeline on them, the benchmarks alternate
 two libraries' groups. A failed or hung call raises
 :class:`~conveyor.errors.RankFailure` or :class:`~conveyor.errors.RankTimeout` with every
 rank's traceback or stack. Tests that run one function on fresh ranks use

@@ -38,6 +38,14 @@ The parts, in the order a pass uses them:
 - :func:`step_schedule`: picks the tables of compute-only or lowered programs
   and runs the loop; :func:`blocked_ranks` words where ranks stopped.
 
+The same loop on packed compute-only programs, with integers and float arrays in place of
+actions, is :mod:`conveyor.schedule.fast` (its verdicts and times are this loop's, bit for
+bit). Three steppers keep a loop of their own, each saying why where it lives: ranks sharing
+CPU cores (:func:`conveyor.schedule.simulate.simulate_shared_cores`: an action's end depends
+on every rank at once), zb-auto's list scheduler (:mod:`conveyor.schedule.builtin.zb_auto`:
+it writes the programs as it steps), and NCCL's posts matched by order
+(:mod:`conveyor.runtime.ordering`: a wait needs a whole batch of operations).
+
 Example:
     >>> import conveyor.schedule as cs
     >>> runs_clean(cs.build("1f1b", ranks=2, microbatches=2))

@@ -46,6 +46,7 @@ from conveyor.schedule.engine import (
 )
 from conveyor.schedule.fast import fast_eligible, step_packed
 from conveyor.schedule.ir import KINDS, NUM_COMPUTE_KINDS, Action, ActionKind, Schedule, gc_paused
+from conveyor.schedule.passes import executable
 from conveyor.schedule.timeline import PackedSpans, Span, Timeline
 from conveyor.schedule.verify import check_shape, verify
 
@@ -232,3 +233,75 @@ def _spans(programs: Sequence[Sequence[Action]], starts: list[list[float]], ends
             deque(map(setter, spans, values), maxlen=0)  # consume in C
         out.extend(spans)
     return tuple(out)
+
+
+def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: int) -> Timeline:
+    """Time ``schedule``'s executed programs on ``costs`` when its ranks share ``cores`` CPU cores.
+
+    Each rank runs its actions in order once what they need is done (the engine's data flow:
+    :meth:`CodeSpace.need_deltas`, ``costs.latency`` after a producer on another rank ends); the
+    ranks computing at a moment share the cores equally (each at ``min(1, cores / running)`` of
+    full speed), as the kernel shares them between single-thread processes. With ``cores`` >=
+    ranks it times like :func:`simulate`.
+
+    Why a loop of its own rather than the engine's :func:`~conveyor.schedule.engine.step_ranks`:
+    that loop runs one rank as far as it can before the next, and fixes an action's end when it
+    starts (start + duration). Here an action's end depends on how many ranks compute at every
+    moment until it finishes, which is known only by advancing every rank together in time
+    order: an event loop over the moments an action ends or a waiting one becomes ready.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> sched = cs.build("gpipe", ranks=2, microbatches=2)
+        >>> simulate_shared_cores(sched, CostModel.uniform(2), cores=1).makespan
+        12.0
+    """
+    compute = executable(schedule).compute
+    programs = compute.programs
+    space = CodeSpace.of(compute)
+    deltas, remote = space.need_deltas(lowered=False), space.remote_needs(lowered=False)
+    codes = [space.encode(program) for program in programs]
+    # Per code, when it was done; REGION_NONE (what a first-stage forward needs) is done from the start.
+    done: list[float | None] = space.finish_table()
+    num_ranks = compute.num_ranks
+    position, free_at = [0] * num_ranks, [0.0] * num_ranks
+    running: dict[int, list] = {}  # rank -> [action, work left, start]
+    spans: list[Span] = []
+    now = 0.0
+
+    def ready_at(rank: int) -> float | None:
+        code = codes[rank][position[rank]]
+        region_stage = code // space.num_microbatches
+        finished = done[code + deltas[region_stage]]
+        if finished is None:
+            return None
+        return max(free_at[rank], finished + (costs.latency if remote[region_stage] else 0.0))
+
+    while True:
+        waiting = {}
+        for rank in range(num_ranks):
+            if rank not in running and position[rank] < len(programs[rank]):
+                when = ready_at(rank)
+                if when is not None and when <= now:
+                    action = programs[rank][position[rank]]
+                    running[rank] = [action, costs.duration(action), now]
+                elif when is not None:
+                    waiting[rank] = when
+        if not running and not waiting:
+            break
+        rate = min(1.0, cores / len(running)) if running else 1.0
+        finish = now + min(left for _, left, _ in running.values()) / rate if running else float("inf")
+        later = min(finish, min(waiting.values(), default=float("inf")))
+        for rank, item in list(running.items()):
+            item[1] -= (later - now) * rate
+            if item[1] <= 1e-12 * max(1.0, later):
+                spans.append(Span(rank, item[0], item[2], later))
+                done[codes[rank][position[rank]]] = later
+                free_at[rank], position[rank] = later, position[rank] + 1
+                del running[rank]
+        now = later
+    if any(p < len(program) for p, program in zip(position, programs)):
+        raise AssertionError(f"{schedule.name}: ranks stopped at {position} in the shared-cores timing")
+    return Timeline.from_spans(num_ranks, spans, title=(f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} "
+                                                        f"M={schedule.num_microbatches}, {cores} shared cores"),
+                               source="simulated", time_unit="s")

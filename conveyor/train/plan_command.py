@@ -68,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
     if args.flops is not None:
         options["flops_per_second"] = args.flops
     if getattr(args, "calibrate", False):
-        from conveyor.calibration import calibrate
+        import conveyor
+        from conveyor.plan.calibration import calibrate
 
-        options["calibration"] = calibrate(ranks=args.ranks)
+        options["calibration"] = calibrate(conveyor.Pipeline, ranks=args.ranks)
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
     chosen = plan(model, example, ranks=args.ranks, global_batch=args.global_batch, memory_per_rank=limit,
                   schedules=schedules, repeats=args.repeats, top=args.top, **options)

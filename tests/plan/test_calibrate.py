@@ -7,18 +7,18 @@ import random
 
 import pytest
 
+import conveyor
 import conveyor.schedule as cs
-from conveyor.calibration import measure_steps
-from conveyor.plan.calibrate import (
+from conveyor.plan.calibration import (
     Calibration,
     calibration_from_timelines,
     compute_makespan,
-    predict_step,
-    shared_cores_timeline,
-    with_overheads,
+    measure_steps,
 )
+from conveyor.plan.predict import predict_step, with_overheads
 from conveyor.schedule.cost import CostModel
 from conveyor.schedule.ir import Action
+from conveyor.schedule.simulate import simulate_shared_cores
 from conveyor.schedule.timeline import Span, Timeline
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("interleaved-1f1b", 2),
@@ -82,11 +82,11 @@ def test_shared_cores_with_a_core_per_rank_time_like_the_simulator(name, virtual
             latency=0.1,
         )
         expected = cs.simulate(cs.executable(sched).compute, costs).makespan
-        assert shared_cores_timeline(sched, costs, cores=ranks).makespan == pytest.approx(expected)
+        assert simulate_shared_cores(sched, costs, cores=ranks).makespan == pytest.approx(expected)
         # Fewer cores than ranks never speeds a step up, and one core runs everything in turn.
-        assert shared_cores_timeline(sched, costs, cores=2).makespan >= expected - 1e-9
+        assert simulate_shared_cores(sched, costs, cores=2).makespan >= expected - 1e-9
         serial = sum(costs.duration(a) for p in cs.executable(sched).compute.programs for a in p)
-        assert shared_cores_timeline(sched, costs, cores=1).makespan >= serial - 1e-9
+        assert simulate_shared_cores(sched, costs, cores=1).makespan >= serial - 1e-9
 
 
 def test_ranks_sharing_cores_share_their_optimizer_steps():
@@ -101,7 +101,7 @@ def test_a_real_run_gives_a_finite_calibration(one_thread):
     from conveyor.testing.models import Emulated
 
     workload = Emulated(2, 0.5, 0.5, 0.5, blocks_per_rank=1)
-    timelines, walls, transport = measure_steps(workload, ranks=2, microbatches=4, steps=2, warmup=1)
+    timelines, walls, transport = measure_steps(conveyor.Pipeline, workload, ranks=2, microbatches=4, steps=2, warmup=1)
     assert len(timelines) == len(walls) == 2 and transport
     cal = calibration_from_timelines(timelines, walls, transport=transport)
     for value in (cal.receive_s, cal.latency_s, cal.step_s):
@@ -130,5 +130,5 @@ def test_the_planner_asks_for_a_measured_calibration_rather_than_starting_pipeli
     from conveyor.errors import PlanError
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    with pytest.raises(PlanError, match=r"conveyor\.calibration\.calibrate\(ranks=2\)"):
+    with pytest.raises(PlanError, match=r"conveyor\.plan\.calibration\.calibrate\(conveyor\.Pipeline, ranks=2\)"):
         conveyor.plan.plan(model, torch.randn(2, 4), ranks=2, global_batch=4, calibration=True)

@@ -8,7 +8,7 @@ import pytest
 
 import conveyor.plan as cp
 from conveyor.errors import PlanError
-from conveyor.plan.split import bounds_of, min_max_partition
+from conveyor.plan.balance import bounds_of, cut_units
 
 MB = 2**20
 
@@ -77,7 +77,7 @@ def test_schedules_and_microbatch_counts_come_from_the_registry_and_the_batch():
 
 def test_min_max_partition_and_sizes():
     weights = [5, 1, 1, 1, 1, 1, 1, 5]
-    assert min_max_partition(8, 3, lambda s, i, j: sum(weights[i:j])) == [1, 6]  # 5 | 5 | 6, squares 86 < 88
+    assert cut_units(8, 3, lambda s, i, j: sum(weights[i:j])) == [1, 6]  # 5 | 5 | 6, squares 86 < 88
     assert cp.parse_size("1.5GiB") == 1.5 * 2**30
     with pytest.raises(PlanError, match="4GiB"):
         cp.parse_size("4 gigs")

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-import conveyor.calibration as calibration
+import conveyor.plan.calibration as calibration
 from conveyor.parallel import replicas as replicas_module
 from conveyor.parallel.replicas import Replicas
 from conveyor.runtime.timing import EventRecorder, SpanTimer

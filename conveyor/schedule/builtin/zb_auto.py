@@ -30,7 +30,13 @@ Phases of the search, for P ranks, M microbatches and memory limit L:
 
 The times of step 1 are those :func:`~conveyor.schedule.simulate.simulate` computes for
 the programs found (each action starts when its rank is free and its inputs have
-arrived), so the makespan kept is the simulated one. With no costs given,
+arrived), so the makespan kept is the simulated one. The list scheduler keeps its own clock
+rather than calling the engine's stepping loop (:mod:`conveyor.schedule.engine`), because
+that loop steps programs already written, one rank as far as it can go, while here the
+program is being written: which action a rank runs next depends on what its neighbours
+have finished by that moment, so every rank advances together in time order (a heap of
+events), and a run stops as soon as it cannot beat the best found. The handcrafted
+candidates of step 3 are timed by :func:`~conveyor.schedule.simulate.simulate` itself. With no costs given,
 T_F = T_I = T_W = 1 and no latency; there ZB-H1 and ZB-H2 already meet the lower
 bound (P-1) T_F + M(T_F+T_I+T_W): ZB-1p returns ZB-H1, ZB-2p ZB-H2, whose ranks have
 no gap from their first action to their last (below). Once T_W < T_F < T_I or

@@ -1,9 +1,10 @@
-"""Contiguous partitions of the units into stages: the fastest, and the lightest within a time bound.
+"""The planner's balance: contiguous partitions of the units into stages, the fastest, and the
+lightest within a time bound, on prefix sums of the profiled unit costs (:class:`StageSums`).
 
-Both are the classic min-max dynamic programme over (stages made, units covered); ties on
-the largest stage are broken by the sum of squares, so the other stages come out even too.
-Stages may hold any number of units: a heavy embedding or head gets a stage with fewer
-blocks by itself.
+Both are conveyor's one min-max partition (:func:`conveyor.frontend.balance.min_max_partition`,
+which ``split_method="time"`` uses too): the largest stage first, ties broken by the sum of
+squares, so the other stages come out even too. Stages may hold any number of units: a heavy
+embedding or head gets a stage with fewer blocks by itself.
 """
 
 from __future__ import annotations
@@ -13,48 +14,27 @@ from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 from conveyor.errors import PlanError
+from conveyor.frontend.balance import min_max_partition
 from conveyor.plan.costs import UnitCost
 
 INF = math.inf
 
 
-def min_max_partition(count: int, stages: int, cost: Callable[[int, int, int], float]) -> list[int]:
-    """Cuts ``[c1, ..., c_{S-1}]`` (stage s holds units ``[c_s, c_{s+1})``) minimising the largest
-    ``cost(stage, first, end)``; ``inf`` marks a stage that is not allowed. Raises ``PlanError`` when
-    no partition is allowed.
+def cut_units(count: int, stages: int, cost: Callable[[int, int, int], float]) -> list[int]:
+    """:func:`~conveyor.frontend.balance.min_max_partition` of ``count`` units into ``stages``, each stage
+    costing ``cost(stage, first, end)`` (``inf``: not allowed); a :class:`PlanError` when none is allowed.
 
     Example:
         >>> weights = [4, 1, 1, 1, 1, 4]
-        >>> min_max_partition(6, 3, lambda s, i, j: sum(weights[i:j]))
+        >>> cut_units(6, 3, lambda s, i, j: sum(weights[i:j]))
         [1, 5]
     """
     if not 1 <= stages <= count:
         raise PlanError(f"cannot cut {count} units into {stages} stages: each stage needs at least one unit")
-    best: list[list[tuple[float, float]]] = [[(INF, INF)] * (count + 1) for _ in range(stages + 1)]
-    back = [[0] * (count + 1) for _ in range(stages + 1)]
-    best[0][0] = (0.0, 0.0)
-    for s in range(1, stages + 1):
-        row, previous = best[s], best[s - 1]
-        for j in range(s, count - (stages - s) + 1):
-            chosen, where = (INF, INF), 0
-            for i in range(s - 1, j):
-                worst, squares = previous[i]
-                if worst == INF:
-                    continue
-                c = cost(s - 1, i, j)
-                if c == INF:
-                    continue
-                value = (c if c > worst else worst, squares + c * c)
-                if value < chosen:
-                    chosen, where = value, i
-            row[j], back[s][j] = chosen, where
-    if best[stages][count][0] == INF:
-        raise PlanError(f"no way to cut the {count} units into {stages} stages within the limits")
-    cuts, j = [], count
-    for s in range(stages, 0, -1):
-        j = back[s][j]
-        cuts.append(j)
-    return cuts[::-1][1:]
+    try:
+        return min_max_partition(count, stages, cost)
+    except ValueError:
+        raise PlanError(f"no way to cut the {count} units into {stages} stages within the limits") from None
 
 
 class StageSums:
@@ -125,7 +105,7 @@ def fastest_split(sums: StageSums, stages: int) -> list[int]:
         >>> fastest_split(sums, 2)
         [3]
     """
-    return min_max_partition(len(sums.units), stages, lambda s, i, j: sums.time(i, j))
+    return cut_units(len(sums.units), stages, lambda s, i, j: sums.time(i, j))
 
 
 def lightest_split(sums: StageSums, stages: int, in_flight: Sequence[float], time_limit: float) -> list[int]:
@@ -143,4 +123,4 @@ def lightest_split(sums: StageSums, stages: int, in_flight: Sequence[float], tim
             return INF
         return sums.static(i, j) + in_flight[s] * sums.activations(i, j)
 
-    return min_max_partition(len(sums.units), stages, memory)
+    return cut_units(len(sums.units), stages, memory)
