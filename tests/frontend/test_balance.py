@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import conveyor.frontend as frontend
-from conveyor.frontend.balance import partition
+from conveyor.frontend.balance import min_max_partition, partition
 from conveyor.testing.models import Stack
 
 
@@ -56,6 +56,34 @@ def test_partition_is_optimal(weights, num_parts, data):
     )
     got = _parts(weights, cuts)
     assert (max(got), sum(p * p for p in got)) == best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(st.integers(0, 20), min_size=1, max_size=8),
+    num_parts=st.integers(1, 4),
+    factors=st.lists(st.integers(1, 3), min_size=4, max_size=4),
+    limit=st.integers(5, 60),
+)
+def test_the_planners_partition_weighs_each_part_its_own_way_and_may_forbid_some(weights, num_parts, factors,
+                                                                                 limit):
+    # The planner's use: a part's cost depends on the part (its in-flight activations), inf forbids it.
+    def cost(part, first, end):
+        total = sum(weights[first:end]) * factors[part]
+        return float("inf") if total > limit else float(total)
+
+    def costs_of(cuts):
+        bounds = [0, *cuts, len(weights)]
+        return [cost(p, a, b) for p, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+    scores = [(max(costs_of(list(c))), sum(x * x for x in costs_of(list(c))))
+              for c in itertools.combinations(range(1, len(weights)), num_parts - 1)]
+    if not scores or min(scores)[0] == float("inf"):
+        with pytest.raises(ValueError):
+            min_max_partition(len(weights), num_parts, cost)
+        return
+    got = costs_of(min_max_partition(len(weights), num_parts, cost))
+    assert (max(got), sum(x * x for x in got)) == min(scores)
 
 
 class Mixed(nn.Module):
