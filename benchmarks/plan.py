@@ -446,6 +446,7 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
 
 def run(args) -> int:
     """Calibrate, then every (workload, P) cell; print and write the table."""
+    import conveyor
     from conveyor.plan.calibration import calibrate
 
     started = time.monotonic()
@@ -456,7 +457,7 @@ def run(args) -> int:
     rank_counts = [int(p) for p in args.predict_ranks.split(",")]
     # One calibration per rank count: P processes on this machine's cores wake and hand over
     # messages differently at P=2 and P=4.
-    calibrations = {ranks: calibrate(ranks=ranks) for ranks in rank_counts}
+    calibrations = {ranks: calibrate(conveyor.Pipeline, ranks=ranks) for ranks in rank_counts}
     meta["calibration"] = {str(ranks): c.as_dict() for ranks, c in calibrations.items()}
     print("calibration:", json.dumps(meta["calibration"]), flush=True)
     plans = parse_plans(args.predict_schedules)
