@@ -1,6 +1,7 @@
 """What both pipelines do with a step's gradients: clipping by the total norm, the non-finite check.
 
-Both stay on the stage device: clipping sends its norms through a tensor all-gather (the
+The pipeline's methods only: the norms, their exchange, the scaling and the flags are
+:mod:`conveyor.parallel.clipping`. Both stay on the stage device: clipping sends its norms through a tensor all-gather (the
 layout of which parameters have gradients travels once, see
 :mod:`conveyor.parallel.clipping`); the non-finite check combines device flags with an
 all-reduce and reads them on the host once per step, only when the step was asked to

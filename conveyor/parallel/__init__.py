@@ -7,6 +7,8 @@
 - :mod:`conveyor.parallel.data`: data loaders opened only on the ranks that read data;
 - :mod:`conveyor.parallel.loss`: the step's loss, and :func:`count_tokens` for a per-token loss
   (``pipe.step(..., normalize_by=count_tokens(pipe, y))``).
+- :mod:`conveyor.parallel.clipping`: clipping by the whole pipeline's total gradient norm (bit for bit
+  torch's on the unsplit model) and the non-finite check, over every stage and replica.
 """
 
 from conveyor.parallel.data import data_loader
