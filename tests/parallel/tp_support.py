@@ -1,0 +1,121 @@
+"""Rank functions shared by the tensor-parallel tests: a model under TP against the same model on one device."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from conveyor.parallel.tensor import parallelize_stage
+from conveyor.testing.models import gpt2, grouped_heads_lm, token_batch
+
+MODELS = ("gpt2", "llama", "qwen2", "mixtral")
+
+
+def build(name: str, num_layers: int = 2) -> torch.nn.Module:
+    model_class, config = gpt2(num_layers=num_layers) if name == "gpt2" else grouped_heads_lm(name, num_layers)
+    torch.manual_seed(0)
+    return model_class(config).train()
+
+
+def tp_mesh(tp: int):
+    return init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def loss_and_grads(model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {name: whole(param.grad).detach().clone() for name, param in model.named_parameters()}
+    return whole(loss).detach(), grads
+
+
+def tp_parity(rank: int, world_size: int, name: str) -> dict:
+    """Loss and every gradient of the TP model against one device: max relative difference, and the shard kinds."""
+    reference = build(name)
+    model = copy.deepcopy(reference)
+    batch = token_batch(seed=1)
+    want_loss, want_grads = loss_and_grads(reference, batch)
+    parallelize_stage(model, tp_mesh(world_size))
+    got_loss, got_grads = loss_and_grads(model, batch)
+    sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor) and
+                     any(not pl.is_replicate() for pl in p.placements))
+    assert set(got_grads) == set(want_grads)
+    values_equal = all(torch.equal(whole(p), reference.get_parameter(n)) for n, p in model.named_parameters())
+    return {
+        "loss": relative(got_loss, want_loss),
+        "grads": max(relative(got_grads[n], want_grads[n]) for n in want_grads),
+        "sharded": sharded,
+        "values_equal": values_equal,
+        "tied": name == "gpt2" and model.lm_head.weight is model.transformer.wte.weight,
+    }
+
+
+def split_backward_parity(rank: int, world_size: int) -> dict:
+    """A TP Llama taking hidden states as a pipeline stage does: I then W against one full backward (B)."""
+    from conveyor.runtime.backward import backward_full, backward_input
+
+    model = parallelize_stage(build("llama"), tp_mesh(world_size))
+    params = [p for p in model.parameters() if p.requires_grad]
+    ids = token_batch(seed=2)["input_ids"]
+    hidden = torch.randn(*ids.shape, 32, generator=torch.Generator().manual_seed(3))
+    results = []
+    for split in (False, True):
+        model.zero_grad(set_to_none=True)
+        stage_input = hidden.clone().requires_grad_(True)
+        loss = model(inputs_embeds=stage_input, labels=ids).loss
+        if split:
+            pending = backward_input([loss], [None], [stage_input], params)
+            assert all(p.grad is None for p in params)  # I leaves the weights to W
+            pending.backward_weight()
+            input_grad = pending.input_grads[0]
+        else:
+            (input_grad,) = backward_full([loss], [None], [stage_input])
+        grads = {n: p.grad.to_local().clone() if isinstance(p.grad, DTensor) else p.grad.clone()
+                 for n, p in model.named_parameters() if p.grad is not None}
+        results.append((input_grad.clone(), grads))
+    (full_input, full_grads), (split_input, split_grads) = results
+    return {
+        "input": torch.equal(full_input, split_input),
+        "names": sorted(full_grads) == sorted(split_grads),
+        "unequal": [n for n in full_grads if not torch.equal(full_grads[n], split_grads[n])],
+        "sharded_grads": sum(isinstance(p.grad, DTensor) for p in params),
+    }
+
+
+def mesh_layouts(rank: int, world_size: int) -> dict:
+    """layout_of on 4 ranks: the layouts it reads and the meshes it refuses (their messages)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from conveyor.errors import PipelineConfigError
+    from conveyor.parallel.mesh import layout_of
+
+    def read(shape, names):
+        layout = layout_of(init_device_mesh("cpu", shape, mesh_dim_names=names))
+        return (layout.pp_ranks, layout.dp_ranks, list(layout.tp_ranks), layout.pp_rank, layout.dp_rank,
+                layout.tp_rank, layout.tp_size, layout.tp_mesh is not None)
+
+    def refused(make):
+        try:
+            layout_of(make())
+        except PipelineConfigError as error:
+            return str(error)
+        return None
+
+    return {
+        "pp_tp": read((2, 2), ("pp", "tp")),
+        "dp_pp": read((2, 2), ("dp", "pp")),
+        "pp_dp_tp": read((2, 1, 2), ("pp", "dp", "tp")),
+        "unknown": refused(lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))),
+        "order": refused(lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))),
+        "world": refused(lambda: DeviceMesh("cpu", torch.arange(2).reshape(1, 2), mesh_dim_names=("pp", "tp"))),
+    }
