@@ -16,7 +16,7 @@ import pytest
 
 from conveyor.testing import run_ranks
 
-from .tp_support import MODELS, mesh_layouts, split_backward_parity, tp_parity
+from .tp_support import MODELS, RECIPES, mesh_layouts, split_backward_parity, tp_parity
 
 TOLERANCE = 1e-5
 # What "auto" shards in each 2-layer model (parameters that become Shard/_StridedShard DTensors).
@@ -25,11 +25,14 @@ SHARDED = {
     "llama": 16,  # embed, head, per layer q/k/v/o + gate/up/down
     "qwen2": 22,  # as llama, plus q/k/v biases
     "mixtral": 10,  # embed, head, per layer q/k/v/o; router and experts stay whole
+    "recipe:gpt": 13,  # conveyor train's recipes: GPT-2 as above
+    "recipe:llama": 16,
+    "recipe:mpt": 9,  # wte (tied head), per layer fused Wqkv (a Linear, strided), out_proj, up, down
 }
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", MODELS + RECIPES)
 def test_auto_plan_matches_one_device(name):
     result = run_ranks(tp_parity, 2, args=(name,), timeout_s=200)[0]
     assert result["values_equal"], "parallelizing changed a parameter's value"

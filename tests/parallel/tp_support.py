@@ -12,10 +12,22 @@ from conveyor.parallel.tensor import parallelize_stage
 from conveyor.testing.models import gpt2, grouped_heads_lm, token_batch
 
 MODELS = ("gpt2", "llama", "qwen2", "mixtral")
+RECIPES = ("recipe:gpt", "recipe:llama", "recipe:mpt")
 
 
 def build(name: str, num_layers: int = 2) -> torch.nn.Module:
-    model_class, config = gpt2(num_layers=num_layers) if name == "gpt2" else grouped_heads_lm(name, num_layers)
+    """A tiny Hugging Face model, or one of ``conveyor train``'s recipes (``recipe:mpt``) at the same sizes."""
+    if name.startswith("recipe:"):
+        from conveyor.train.config import ModelConfig
+        from conveyor.train.models import model_config
+
+        model_class, config = model_config(
+            ModelConfig(name=name.removeprefix("recipe:"), layers=num_layers, width=32, heads=4, seq_len=32, kv_heads=2
+                        if name == "recipe:llama" else None), 96)
+    elif name == "gpt2":
+        model_class, config = gpt2(num_layers=num_layers)
+    else:
+        model_class, config = grouped_heads_lm(name, num_layers)
     torch.manual_seed(0)
     return model_class(config).train()
 
@@ -118,4 +130,43 @@ def mesh_layouts(rank: int, world_size: int) -> dict:
         "unknown": refused(lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))),
         "order": refused(lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))),
         "world": refused(lambda: DeviceMesh("cpu", torch.arange(2).reshape(1, 2), mesh_dim_names=("pp", "tp"))),
+    }
+
+
+def traced_parity(rank: int, world_size: int, name: str) -> dict:
+    """Two traced stages of ``name``, parallelized by the unchanged model's "auto" plan, against eager TP.
+
+    Tied copies (GPT-2's embedding and head on different stages) are compared summed, as the
+    pipeline sums them.
+    """
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    import conveyor.frontend as frontend
+    from conveyor.parallel.tensor import tensor_parallel_plan
+    from conveyor.parallel.tensor.traced import parallelize_traced_stage, parameter_placements
+
+    model = build(name)
+    batch = token_batch(seed=1)
+    mesh = tp_mesh(world_size)
+    eager = parallelize_stage(copy.deepcopy(model), mesh)
+    want = eager(**batch).loss
+    want.backward()
+    split = frontend.split_model(model, 2, example_kwargs=batch, split_method="uniform")
+    placements = parameter_placements(model, tensor_parallel_plan(model, world_size))
+    stages = [parallelize_traced_stage(split.stage_module(i), mesh, placements) for i in range(2)]
+    with implicit_replication():  # tensors the graph makes itself (positions) meet DTensors, also in backward
+        got = frontend.run_sequential(stages, (), batch, loss_fn=lambda out: out.loss).loss
+    grads: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for param_name, param in stage.named_parameters():
+            grads[param_name] = grads.get(param_name, 0) + whole(param.grad)
+    for group in split.tied_groups:
+        total = sum(grads.pop(n) for n in group.names)
+        grads[group.names[0]] = total
+    sharded = sorted(n for stage in stages for n, p in stage.named_parameters()
+                     if any(not pl.is_replicate() for pl in p.placements))
+    return {
+        "loss_equal": torch.equal(got.detach(), want.detach()),
+        "grads": max(relative(g, whole(eager.get_parameter(n).grad)) for n, g in grads.items()),
+        "sharded": sharded,
     }

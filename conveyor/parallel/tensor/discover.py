@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -38,6 +39,8 @@ HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "n_heads"
 KV_HEAD_COUNT_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 # Width attributes an attention module may use in its forward, besides head counts (GPT-2's split).
 WIDTH_ATTRIBUTES = ("split_size", "embed_dim", "all_head_size", "inner_dim")
+# Keyword inputs of an attention's forward that carry one bias per head (ALiBi), built for all heads.
+PER_HEAD_INPUTS = ("position_bias", "alibi")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Block:
     heads: int = 0
     kv_heads: int = 0
     local_attributes: tuple[str, ...] = ()
+    head_inputs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -162,7 +166,10 @@ def _attention(name, parent, inputs, output, found, fused: bool = False) -> Bloc
         if isinstance(value, int) and not isinstance(value, bool) and value in (heads, kv_heads, query_width):
             local.append(attribute)
     kind = "fused_attention" if fused else "attention"
-    return Block(name, kind, inputs, output, heads=heads, kv_heads=kv_heads, local_attributes=tuple(local))
+    parameters = inspect.signature(parent.forward).parameters
+    head_inputs = tuple(name for name in PER_HEAD_INPUTS if name in parameters)
+    return Block(name, kind, inputs, output, heads=heads, kv_heads=kv_heads, local_attributes=tuple(local),
+                 head_inputs=head_inputs)
 
 
 def _parameterised_leaves(module: nn.Module) -> list[str]:

@@ -79,8 +79,8 @@ def tensor_parallel_plan(
 
 def _block_plan(block: Block, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {}
-    if block.local_attributes:
-        plan[block.name] = LocalHeads(block.local_attributes)
+    if block.local_attributes or block.head_inputs:
+        plan[block.name] = LocalHeads(block.local_attributes, block.head_inputs)
     if sequence_parallel:
         plan[block.name] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True

@@ -137,18 +137,22 @@ class TransposedRowwiseParallel(RowwiseParallel):
 
 
 class LocalHeads(ParallelStyle):
-    """Divide an attention module's integer width attributes (head counts, GPT-2's ``split_size``) by the TP size.
+    """An attention module made to see its rank's heads only; its parameters are left to its projections' styles.
 
-    Its parameters are left alone; the module's projections get their own styles.
+    Its integer width ``attributes`` (head counts used in ``view``, GPT-2's ``split_size``) are
+    divided by the TP size, and a per-head bias given as one of ``head_inputs`` (MPT's ALiBi
+    ``position_bias``, ``[heads, ...]``, built for all heads by the model) is sliced to this
+    rank's heads on the way in.
 
     Example::
 
-        parallelize_module(attention, tp_mesh, {"": LocalHeads(("num_heads", "split_size"))})
+        parallelize_module(attention, tp_mesh, {"attn": LocalHeads(("n_heads",), ("position_bias",))})
     """
 
-    def __init__(self, attributes: tuple[str, ...]) -> None:
+    def __init__(self, attributes: tuple[str, ...], head_inputs: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.attributes = tuple(attributes)
+        self.head_inputs = tuple(head_inputs)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         size = device_mesh.size()
@@ -157,10 +161,22 @@ class LocalHeads(ParallelStyle):
             if value % size:
                 raise ValueError(f"{name}={value} of {type(module).__name__} is not divisible by tp={size}")
             setattr(module, name, value // size)
+        if self.head_inputs:
+            module.register_forward_pre_hook(
+                partial(_local_head_inputs, self.head_inputs, device_mesh.get_local_rank(), size), with_kwargs=True
+            )
         return module
 
     def __repr__(self) -> str:
-        return f"LocalHeads({self.attributes})"
+        return f"LocalHeads({self.attributes}, head_inputs={self.head_inputs})"
+
+
+def _local_head_inputs(names, rank: int, size: int, module, args, kwargs):
+    for name in names:
+        value = kwargs.get(name)
+        if value is not None and not isinstance(value, DTensor):
+            kwargs[name] = value.chunk(size, dim=0)[rank]
+    return args, kwargs
 
 
 def is_dtensor(value: object) -> bool:
