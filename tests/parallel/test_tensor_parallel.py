@@ -45,6 +45,22 @@ def test_auto_plan_matches_one_device(name):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("name", ["llama", "gpt2", "recipe:mpt"])
+def test_sequence_parallel_matches_one_device(name):
+    # Norms and dropout run on sequence shards; each block gathers its input and
+    # reduce-scatters its output (the same sums as the all-reduce, another split of the work).
+    result = run_ranks(tp_parity, 2, args=(name, True), timeout_s=200)[0]
+    assert result["loss"] <= TOLERANCE and result["grads"] <= TOLERANCE, result
+    assert len(result["sharded"]) == SHARDED[name]
+
+
+@pytest.mark.distributed
+def test_loss_parallel_keeps_the_logits_sharded_under_the_models_own_loss():
+    result = run_ranks(tp_parity, 2, args=("llama", False, True), timeout_s=200)[0]
+    assert result["loss"] <= TOLERANCE and result["grads"] <= TOLERANCE, result
+
+
+@pytest.mark.distributed
 def test_weight_gradient_split_is_bitwise_on_a_tensor_parallel_stage():
     result = run_ranks(split_backward_parity, 2, timeout_s=200)[0]
     assert result["input"] and result["names"]

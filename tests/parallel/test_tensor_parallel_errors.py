@@ -97,3 +97,11 @@ def test_auto_plan_uses_the_modules_own_names_and_leaves_experts_whole():
     assert set(plan) == {"model.embed_tokens", "lm_head"} | {
         f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"}
     assert isinstance(plan["model.layers.0.self_attn.o_proj"], RowwiseParallel)
+
+
+def test_sequence_parallel_refuses_a_module_between_the_blocks_it_cannot_place():
+    model_class, config = grouped_heads_lm("mixtral", num_layers=1)
+    with pytest.raises(PipelineConfigError) as raised:
+        tensor_parallel_plan(model_class(config), 2, sequence_parallel=True)
+    assert "sequence_parallel=True cannot place model.layers.0.mlp.gate (MixtralTopKRouter)" in str(raised.value)
+    assert "Use sequence_parallel=False" in str(raised.value)

@@ -51,14 +51,24 @@ def loss_and_grads(model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[st
     return whole(loss).detach(), grads
 
 
-def tp_parity(rank: int, world_size: int, name: str) -> dict:
-    """Loss and every gradient of the TP model against one device: max relative difference, and the shard kinds."""
+def tp_parity(rank: int, world_size: int, name: str, sequence_parallel: bool = False,
+              loss_parallel: bool = False) -> dict:
+    """Loss and every gradient of the TP model against one device: max relative difference, and what is sharded.
+
+    ``loss_parallel``: the head's logits stay sharded on the vocabulary and the model's own loss
+    runs under torch's ``loss_parallel()``.
+    """
+    from contextlib import nullcontext
+
+    from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
+
     reference = build(name)
     model = copy.deepcopy(reference)
     batch = token_batch(seed=1)
     want_loss, want_grads = loss_and_grads(reference, batch)
-    parallelize_stage(model, tp_mesh(world_size))
-    got_loss, got_grads = loss_and_grads(model, batch)
+    parallelize_stage(model, tp_mesh(world_size), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    with parallel_loss() if loss_parallel else nullcontext():
+        got_loss, got_grads = loss_and_grads(model, batch)
     sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor) and
                      any(not pl.is_replicate() for pl in p.placements))
     assert set(got_grads) == set(want_grads)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel.tensor.discover import Block, Found, Projection, discover
 from conveyor.parallel.tensor.styles import (
-    LocalHeads,
+    LocalBlock,
     PackedColwiseParallel,
     TransposedColwiseParallel,
     TransposedRowwiseParallel,
@@ -56,6 +56,10 @@ def tensor_parallel_plan(
     experts stay replicated. ``sequence_parallel`` shards the activations between blocks on the
     sequence (dim 1): norms run ``SequenceParallel``, the blocks gather their input.
 
+    Under sequence parallelism the activations between blocks are DTensors of the global shape
+    (the model's own code, positions and masks, reads the whole sequence length), and
+    a module that is none of those above (an MoE router) is refused.
+
     Example::
 
         plan = tensor_parallel_plan(llama, 2)
@@ -65,26 +69,24 @@ def tensor_parallel_plan(
     _refuse_unplaced(module, found)
     _check_divisible(module, found, tp_size)
     plan: dict[str, ParallelStyle] = {}
-    shard_sequence = Shard(1) if sequence_parallel else Replicate()
     if found.embedding is not None:
-        plan[found.embedding[0]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=shard_sequence)
+        plan[found.embedding[0]] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel else Replicate(),
+            use_local_output=not sequence_parallel,
+        )
     for block in found.blocks:
         plan.update(_block_plan(block, sequence_parallel))
     if sequence_parallel:
-        plan.update({name: SequenceParallel() for name in _norms(module, found)})
+        plan.update(_sequence_parallel_plan(module, found))
     if found.head is not None:
-        plan[found.head.name] = _head_style(found.head, shard_sequence, loss_parallel)
+        plan[found.head.name] = _head_style(found.head, Shard(1) if sequence_parallel else Replicate(), loss_parallel)
     return plan
 
 
 def _block_plan(block: Block, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {}
-    if block.local_attributes or block.head_inputs:
-        plan[block.name] = LocalHeads(block.local_attributes, block.head_inputs)
-    if sequence_parallel:
-        plan[block.name] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        )
+    if block.local_attributes or block.head_inputs or sequence_parallel:
+        plan[block.name] = LocalBlock(block.local_attributes, block.head_inputs, gather_sequence=sequence_parallel)
     packed = 3 if block.kind == "fused_attention" else 1
     for projection in block.inputs:
         if projection.transposed:
@@ -93,11 +95,33 @@ def _block_plan(block: Block, sequence_parallel: bool) -> dict[str, ParallelStyl
             plan[projection.name] = PackedColwiseParallel(packed=packed)
         else:
             plan[projection.name] = ColwiseParallel()
-    output_layout = Shard(1) if sequence_parallel else Replicate()
-    if block.output.transposed:
-        plan[block.output.name] = TransposedRowwiseParallel(output_layouts=output_layout)
-    else:
-        plan[block.output.name] = RowwiseParallel(output_layouts=output_layout)
+    # Under sequence parallelism the block's output is reduce-scattered onto the sequence and
+    # stays a DTensor, so that the model's own code between blocks sees the global shape.
+    layout = dict(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else {}
+    rowwise = TransposedRowwiseParallel if block.output.transposed else RowwiseParallel
+    plan[block.output.name] = rowwise(**layout)
+    return plan
+
+
+def _sequence_parallel_plan(module: nn.Module, found: Found) -> dict[str, ParallelStyle]:
+    """Norms on the sequence shards; other embeddings (positions) made sequence-sharded to meet the tokens'."""
+    norms = _norms(module, found)
+    plan: dict[str, ParallelStyle] = {name: SequenceParallel() for name in norms}
+    covered = set(norms) | {p.name for block in found.blocks for p in (*block.inputs, block.output)}
+    covered |= {name for name in (found.head.name if found.head else None,
+                                  found.embedding[0] if found.embedding else None) if name}
+    for name, leaf in module.named_modules():
+        if name in covered or list(leaf.children()) or not list(leaf.parameters(recurse=False)):
+            continue
+        if isinstance(leaf, nn.Embedding):
+            plan[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                             use_local_output=False)
+            continue
+        raise PipelineConfigError(
+            f"sequence_parallel=True cannot place {name} ({type(leaf).__name__}): it is neither a norm, an "
+            f"embedding, nor part of an attention or MLP block, and would meet sequence-sharded activations. "
+            f"Use sequence_parallel=False, or {PLAN_ADVICE}"
+        )
     return plan
 
 

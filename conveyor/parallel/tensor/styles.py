@@ -9,20 +9,22 @@
   the parameter keeps its name, shape and full-tensor value (``full_tensor()``, a checkpoint's
   value) in the original ``q|k|v`` order. DTensor's ``addmm`` keeps that placement, so the
   module's local output is exactly this rank's heads of q, k and v.
-- :class:`LocalHeads`: an attention module's own width attributes (GPT-2's ``split_size``, a
-  ``num_heads`` used in ``view``) divided by the TP size, because the module now sees its heads only.
+- :class:`LocalBlock`: an attention module's own width attributes (GPT-2's ``split_size``, a
+  ``num_heads`` used in ``view``) divided by the TP size, because the module now sees its heads only;
+  per-head biases sliced, and the sequence gathered on the way in under sequence parallelism.
 
 Example (on each of 2 ranks)::
 
-    parallelize_module(gpt2_attention, tp_mesh, {
-        "": LocalHeads(("split_size",)),
-        "c_attn": TransposedColwiseParallel(packed=3),
-        "c_proj": TransposedRowwiseParallel(),
+    parallelize_module(gpt2_block, tp_mesh, {
+        "attn": LocalBlock(("split_size",)),
+        "attn.c_attn": TransposedColwiseParallel(packed=3),
+        "attn.c_proj": TransposedRowwiseParallel(),
     })
 """
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 from torch import nn
@@ -136,23 +138,29 @@ class TransposedRowwiseParallel(RowwiseParallel):
         )
 
 
-class LocalHeads(ParallelStyle):
-    """An attention module made to see its rank's heads only; its parameters are left to its projections' styles.
+class LocalBlock(ParallelStyle):
+    """What an attention or MLP block sees on its TP rank; its parameters are left to its projections' styles.
 
-    Its integer width ``attributes`` (head counts used in ``view``, GPT-2's ``split_size``) are
-    divided by the TP size, and a per-head bias given as one of ``head_inputs`` (MPT's ALiBi
-    ``position_bias``, ``[heads, ...]``, built for all heads by the model) is sliced to this
-    rank's heads on the way in.
+    - ``attributes``: integer widths the block's forward uses (head counts in ``view``, GPT-2's
+      ``split_size``), divided by the TP size: the block computes its rank's heads only;
+    - ``head_inputs``: keyword inputs holding one bias per head (MPT's ALiBi ``position_bias``,
+      ``[heads, ...]``, built for all heads by the model), sliced to this rank's heads;
+    - ``gather_sequence``: under sequence parallelism the block's first input arrives as a
+      DTensor sharded on the sequence; it is gathered (torch's ``redistribute``) and handed to
+      the block as a whole local tensor, positional or keyword alike (torch's
+      ``PrepareModuleInput`` needs to know which, and Hugging Face blocks differ).
 
     Example::
 
-        parallelize_module(attention, tp_mesh, {"attn": LocalHeads(("n_heads",), ("position_bias",))})
+        parallelize_module(attention, tp_mesh, {"attn": LocalBlock(("n_heads",), ("position_bias",))})
     """
 
-    def __init__(self, attributes: tuple[str, ...], head_inputs: tuple[str, ...] = ()) -> None:
+    def __init__(self, attributes: tuple[str, ...] = (), head_inputs: tuple[str, ...] = (),
+                 gather_sequence: bool = False) -> None:
         super().__init__()
         self.attributes = tuple(attributes)
         self.head_inputs = tuple(head_inputs)
+        self.gather_sequence = gather_sequence
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         size = device_mesh.size()
@@ -161,22 +169,33 @@ class LocalHeads(ParallelStyle):
             if value % size:
                 raise ValueError(f"{name}={value} of {type(module).__name__} is not divisible by tp={size}")
             setattr(module, name, value // size)
-        if self.head_inputs:
+        if self.head_inputs or self.gather_sequence:
+            first = next(iter(inspect.signature(module.forward).parameters))
             module.register_forward_pre_hook(
-                partial(_local_head_inputs, self.head_inputs, device_mesh.get_local_rank(), size), with_kwargs=True
+                partial(_block_inputs, self, first, device_mesh.get_local_rank(), size), with_kwargs=True
             )
         return module
 
     def __repr__(self) -> str:
-        return f"LocalHeads({self.attributes}, head_inputs={self.head_inputs})"
+        return (f"LocalBlock({self.attributes}, head_inputs={self.head_inputs}, "
+                f"gather_sequence={self.gather_sequence})")
 
 
-def _local_head_inputs(names, rank: int, size: int, module, args, kwargs):
-    for name in names:
+def _block_inputs(style: LocalBlock, first: str, rank: int, size: int, module, args, kwargs):
+    for name in style.head_inputs:
         value = kwargs.get(name)
         if value is not None and not isinstance(value, DTensor):
             kwargs[name] = value.chunk(size, dim=0)[rank]
+    if style.gather_sequence:
+        if args and isinstance(args[0], DTensor):
+            args = (_whole(args[0]), *args[1:])
+        elif isinstance(kwargs.get(first), DTensor):
+            kwargs[first] = _whole(kwargs[first])
     return args, kwargs
+
+
+def _whole(value: DTensor):
+    return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local()
 
 
 def is_dtensor(value: object) -> bool:
