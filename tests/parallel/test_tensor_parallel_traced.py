@@ -11,10 +11,11 @@ user's partial gradient and then add them.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conveyor.testing import run_ranks
 
-from .tp_support import traced_parity
+from .tp_support import traced_parity, traced_pp_x_tp, traced_tp_alone
 
 TOLERANCE = 1e-5
 
@@ -29,3 +30,16 @@ def test_traced_stages_match_eager_tensor_parallel(name):
     assert result["grads"] <= TOLERANCE, result
     assert "lm_head.weight" in result["sharded"]
     assert not any("embed" in n or "wte" in n for n in result["sharded"])  # kept whole in a traced stage
+
+
+@pytest.mark.distributed
+def test_pp2_x_tp2_adds_nothing_to_tensor_parallel_alone():
+    # The same traced TP stages, once on 2 ranks one after the other, once on 4 ranks as a
+    # 2-stage pipeline whose TP ranks each talk to the matching TP rank: bitwise equal.
+    alone = run_ranks(traced_tp_alone, 2, args=("llama",), timeout_s=240)
+    piped = run_ranks(traced_pp_x_tp, 4, args=("llama",), timeout_s=240)
+    for result in piped:
+        want = alone[result["tp_rank"]]
+        assert result["grads"] and all(torch.equal(g, want["grads"][n]) for n, g in result["grads"].items())
+        if result["pp_rank"] == 1:
+            assert torch.equal(result["loss"], want["loss"])

@@ -180,3 +180,74 @@ def traced_parity(rank: int, world_size: int, name: str) -> dict:
         "grads": max(relative(g, whole(eager.get_parameter(n).grad)) for n, g in grads.items()),
         "sharded": sharded,
     }
+
+
+def _traced_stages(name: str, tp_mesh_, batch):
+    import conveyor.frontend as frontend
+    from conveyor.parallel.tensor import tensor_parallel_plan
+    from conveyor.parallel.tensor.traced import parallelize_traced_stage, parameter_placements
+
+    model = build(name)
+    split = frontend.split_model(model, 2, example_kwargs=batch, split_method="uniform")
+    placements = parameter_placements(model, tensor_parallel_plan(model, tp_mesh_.size()))
+    return split, lambda stage: parallelize_traced_stage(split.stage_module(stage), tp_mesh_, placements)
+
+
+def _local_grads(stage) -> dict[str, torch.Tensor]:
+    return {n: p.grad.to_local().clone() for n, p in stage.named_parameters() if p.grad is not None}
+
+
+def traced_tp_alone(rank: int, world_size: int, name: str) -> dict:
+    """Both traced TP stages on every rank of one TP group (no pipeline): the loss and each rank's local grads."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    import conveyor.frontend as frontend
+
+    batch = token_batch(seed=1)
+    _, make = _traced_stages(name, tp_mesh(world_size), batch)
+    stages = [make(0), make(1)]
+    with implicit_replication():
+        loss = frontend.run_sequential(stages, (), batch, loss_fn=lambda out: out.loss).loss
+    return {"loss": loss.detach(), "grads": {**_local_grads(stages[0]), **_local_grads(stages[1])}}
+
+
+def traced_pp_x_tp(rank: int, world_size: int, name: str) -> dict:
+    """pp=2 x tp=2: each TP rank of stage 0 sends its whole (replicated) outputs to the matching TP rank of stage 1."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from conveyor.parallel.mesh import layout_of
+
+    layout = layout_of(init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "tp")))
+    batch = token_batch(seed=1)
+    split, make = _traced_stages(name, layout.tp_mesh, batch)
+    stage = make(layout.pp_rank)
+    peer = layout.pp_ranks[1 - layout.pp_rank]
+    with implicit_replication():
+        if layout.pp_rank == 0:
+            outputs = stage(**batch)
+            tensors = [value for value in outputs if isinstance(value, torch.Tensor)]
+            for value in tensors:
+                dist.send(value.detach().contiguous(), peer)
+            needing = [value for value in tensors if value.requires_grad]
+            grads = [torch.empty_like(value) for value in needing]
+            for grad in grads:
+                dist.recv(grad, peer)
+            torch.autograd.backward(needing, grads)
+            loss = None
+        else:
+            received = []
+            for spec in split.stage_input_specs(1):
+                if not spec.is_tensor:
+                    received.append(spec.value)
+                    continue
+                value = torch.empty(spec.shape, dtype=spec.dtype)
+                dist.recv(value, peer)
+                received.append(value.requires_grad_(spec.requires_grad))
+            loss = stage(*received).loss
+            loss.backward()
+            for value in received:
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    dist.send(value.grad.contiguous(), peer)
+            loss = loss.detach()
+    return {"pp_rank": layout.pp_rank, "tp_rank": layout.tp_rank, "loss": loss, "grads": _local_grads(stage)}

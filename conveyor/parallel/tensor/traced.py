@@ -21,6 +21,22 @@ a row-parallel projection's partial sums are all-reduced where the next operatio
 whole (the residual add), as ``RowwiseParallel``'s output does. Sequence parallel is not taken
 here (its styles act on module inputs and outputs, which a traced stage does not have).
 
+What the prototype needs and leaves open:
+
+* The stage's forward and backward (F, B, I and W) run under torch's
+  ``implicit_replication()``: tensors the graph makes itself (``arange`` positions) meet
+  DTensors, in the forward and in the backward formulas that saved them. Wiring this into the
+  pipeline means the runner enters it around a TP stage's actions.
+* A row-split (vocab-parallel) embedding stays whole here: DTensor's masked partial sum must be
+  reduced right after the lookup, and the traced graph casts it first (``aten.to``).
+* CPU's fused attention kernel has no DTensor sharding rule in torch; one is registered here
+  (by heads or batch, as torch's CUDA kernels have). On CUDA torch's own rules apply.
+* Mixtral's experts run ``transformers.grouped_mm_fallback``, a custom op without a sharding
+  rule: its traced stages are refused by DTensor (eager TP leaves the experts whole and works).
+* Against eager TP the loss is bitwise equal and gradients agree to rounding: DTensor sums a
+  replicated activation's partial gradients from its users (q, k, v) before one all-reduce.
+  Between themselves, pipelined traced TP stages equal traced TP alone bit for bit.
+
 Example (on each of 2 ranks)::
 
     split = conveyor.frontend.split_model(model, 2, example_kwargs=batch)
