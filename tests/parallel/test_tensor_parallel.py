@@ -16,7 +16,7 @@ import pytest
 
 from conveyor.testing import run_ranks
 
-from .tp_support import MODELS, RECIPES, mesh_layouts, split_backward_parity, tp_parity
+from .tp_support import MODELS, RECIPES, mesh_layouts, meta_shards, split_backward_parity, tp_parity
 
 TOLERANCE = 1e-5
 # What "auto" shards in each 2-layer model (parameters that become Shard/_StridedShard DTensors).
@@ -86,3 +86,14 @@ def test_mesh_layout_reads_tp_innermost_and_refuses_what_cannot_work():
         assert "'tp' must be the innermost (last) dim" in result["order"]
         assert "mesh_dim_names=('pp', 'tp')" in result["order"]
         assert "pp=1 x tp=2 covers 2 ranks but the job has 4" in result["world"]
+
+
+@pytest.mark.distributed
+def test_a_model_on_the_meta_device_materializes_only_each_ranks_shards():
+    results = run_ranks(meta_shards, 2, timeout_s=120)
+    assert results[0] == results[1] and len(results[0]) == 16
+    shapes = {name: (whole_shape, local) for name, whole_shape, local, device in results[0]}
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == ((32, 32), (16, 32))
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == ((32, 48), (32, 24))
+    assert shapes["model.embed_tokens.weight"] == ((96, 32), (48, 32))
+    assert {device for *_, device in results[0]} == {"cpu"}

@@ -15,7 +15,7 @@ import torch
 
 from conveyor.testing import run_ranks
 
-from .tp_support import traced_parity, traced_pp_x_tp, traced_tp_alone
+from .tp_support import traced_parity, traced_pp_x_tp, traced_split_backward, traced_tp_alone
 
 TOLERANCE = 1e-5
 
@@ -43,3 +43,9 @@ def test_pp2_x_tp2_adds_nothing_to_tensor_parallel_alone():
         assert result["grads"] and all(torch.equal(g, want["grads"][n]) for n, g in result["grads"].items())
         if result["pp_rank"] == 1:
             assert torch.equal(result["loss"], want["loss"])
+
+
+@pytest.mark.distributed
+def test_weight_gradient_split_is_bitwise_on_a_traced_tensor_parallel_stage():
+    result = run_ranks(traced_split_backward, 2, timeout_s=240)[0]
+    assert result["inputs"] and result["names"] and result["unequal"] == [], result

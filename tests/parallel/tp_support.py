@@ -251,3 +251,49 @@ def traced_pp_x_tp(rank: int, world_size: int, name: str) -> dict:
                     dist.send(value.grad.contiguous(), peer)
             loss = loss.detach()
     return {"pp_rank": layout.pp_rank, "tp_rank": layout.tp_rank, "loss": loss, "grads": _local_grads(stage)}
+
+
+def meta_shards(rank: int, world_size: int) -> list:
+    """A Llama built on the meta device, parallelized, then materialized: each rank allocates its shards only."""
+    model_class, config = grouped_heads_lm("llama", 2)
+    with torch.device("meta"):
+        model = model_class(config)
+    parallelize_stage(model, tp_mesh(world_size))
+    model.to_empty(device="cpu")
+    return [(name, tuple(p.shape), tuple(p.to_local().shape), p.to_local().device.type)
+            for name, p in model.named_parameters() if isinstance(p, DTensor)]
+
+
+def traced_split_backward(rank: int, world_size: int) -> dict:
+    """I then W against B on the last traced TP stage of a Llama (random received activations)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from conveyor.runtime.backward import backward_full, backward_input
+
+    batch = token_batch(seed=1)
+    split, make = _traced_stages("llama", tp_mesh(world_size), batch)
+    stage = make(1)
+    specs = split.stage_input_specs(1)
+    generator = torch.Generator().manual_seed(0)
+    received = [spec.value if not spec.is_tensor else batch["labels"] if not spec.dtype.is_floating_point
+                else torch.randn(spec.shape, generator=generator, dtype=spec.dtype) for spec in specs]
+    results = []
+    with implicit_replication():
+        for split_backward in (False, True):
+            stage.zero_grad(set_to_none=True)
+            inputs = [v.clone().requires_grad_(s.requires_grad) if s.is_tensor else v for v, s in zip(received, specs)]
+            live = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+            loss = stage(*inputs).loss
+            if split_backward:
+                pending = backward_input([loss], [None], live, list(stage.parameters()))
+                pending.backward_weight()
+                input_grads = pending.input_grads
+            else:
+                input_grads = backward_full([loss], [None], live)
+            results.append((input_grads, _local_grads(stage)))
+    (full_inputs, full), (split_inputs, split_grads) = results
+    return {
+        "inputs": len(full_inputs) > 0 and all(torch.equal(a, b) for a, b in zip(full_inputs, split_inputs)),
+        "names": sorted(full) == sorted(split_grads) and len(full) > 0,
+        "unequal": [n for n in full if not torch.equal(full[n], split_grads[n])],
+    }
