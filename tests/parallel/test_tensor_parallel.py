@@ -16,7 +16,15 @@ import pytest
 
 from conveyor.testing import run_ranks
 
-from .tp_support import MODELS, RECIPES, mesh_layouts, meta_shards, split_backward_parity, tp_parity
+from .tp_support import (
+    MODELS,
+    RECIPES,
+    manual_stage_plan,
+    mesh_layouts,
+    meta_shards,
+    split_backward_parity,
+    tp_parity,
+)
 
 TOLERANCE = 1e-5
 # What "auto" shards in each 2-layer model (parameters that become Shard/_StridedShard DTensors).
@@ -97,3 +105,10 @@ def test_a_model_on_the_meta_device_materializes_only_each_ranks_shards():
     assert shapes["model.layers.0.mlp.down_proj.weight"] == ((32, 48), (32, 24))
     assert shapes["model.embed_tokens.weight"] == ((96, 32), (48, 32))
     assert {device for *_, device in results[0]} == {"cpu"}
+
+
+@pytest.mark.distributed
+def test_a_manual_stage_takes_the_users_plan():
+    result = run_ranks(manual_stage_plan, 2, timeout_s=120)[0]
+    assert result["sharded"] == ["fc.bias", "fc.weight", "proj.bias", "proj.weight"]  # proj.bias: Replicate
+    assert result["input"] <= TOLERANCE and result["grads"] <= TOLERANCE, result

@@ -297,3 +297,39 @@ def traced_split_backward(rank: int, world_size: int) -> dict:
         "names": sorted(full) == sorted(split_grads) and len(full) > 0,
         "unequal": [n for n in full if not torch.equal(full[n], split_grads[n])],
     }
+
+
+class ManualStage(torch.nn.Module):
+    """A hand-written stage (no tracing): a norm and a plain MLP on hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(32)
+        self.fc = torch.nn.Linear(32, 64)
+        self.proj = torch.nn.Linear(64, 32)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.proj(torch.nn.functional.gelu(self.fc(self.norm(hidden))))
+
+
+def manual_stage_plan(rank: int, world_size: int) -> dict:
+    """A manual stage under the user's own plan, against the same stage on one device."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    reference = ManualStage()
+    model = copy.deepcopy(reference)
+    parallelize_stage(model, tp_mesh(world_size), {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    hidden = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1))
+    results = []
+    for module in (reference, model):
+        stage_input = hidden.clone().requires_grad_(True)
+        module(stage_input).square().mean().backward()
+        grads = {n: whole(p.grad) for n, p in module.named_parameters()}
+        results.append((stage_input.grad, grads))
+    (want_input, want), (got_input, got) = results
+    return {
+        "input": relative(got_input, want_input),
+        "grads": max(relative(got[n], want[n]) for n in want),
+        "sharded": sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)),
+    }
