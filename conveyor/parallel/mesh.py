@@ -1,9 +1,10 @@
-"""Where a rank stands in a job of ``dp`` pipeline replicas of ``pp`` ranks each.
+"""Where a rank stands in a job of ``dp`` pipeline replicas of ``pp`` stages of ``tp`` ranks each.
 
-A :class:`~torch.distributed.device_mesh.DeviceMesh` with named dims "dp" and "pp" lays the
+A :class:`~torch.distributed.device_mesh.DeviceMesh` with named dims "dp", "pp" and "tp" lays the
 job out: ranks along "pp" form one pipeline, ranks along "dp" hold the same stages in
-different replicas. :func:`layout_of` reads what a pipeline needs from it and refuses a mesh
-it cannot use, before any communication.
+different replicas, ranks along "tp" share one stage's tensors (tensor parallel, innermost, so
+that its frequent collectives stay inside a node). :func:`layout_of` reads what a pipeline needs
+from it and refuses a mesh it cannot use, before any communication.
 
 Example (4 ranks: 2 replicas of a 2-rank pipeline)::
 
@@ -11,6 +12,12 @@ Example (4 ranks: 2 replicas of a 2-rank pipeline)::
     layout = layout_of(mesh)
     layout.pp_ranks        # global ranks of this rank's pipeline, e.g. [0, 1]
     layout.dp_ranks        # global ranks holding the same stages, e.g. [0, 2]
+
+With tensor parallelism (4 ranks: 2 stages of 2 TP ranks; rank 1 is stage 0's second TP rank)::
+
+    layout = layout_of(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")))
+    layout.pp_ranks        # on rank 1: [1, 3], the matching TP rank of every stage
+    layout.tp_ranks        # on rank 1: [0, 1]
 """
 
 from __future__ import annotations
@@ -20,21 +27,28 @@ from dataclasses import dataclass
 from conveyor.errors import PipelineConfigError
 
 DIM_NAMES = ("dp", "pp")
+KNOWN_DIMS = ("dp", "pp", "tp")
 
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """This rank's pipeline and its replicas, as global ranks.
+    """This rank's pipeline, its replicas and its tensor-parallel peers, as global ranks.
 
     ``pipelines[r]`` lists the global ranks of replica ``r``'s pipeline, in pipeline-rank
-    order; this rank is ``pipelines[dp_rank][pp_rank]``. ``pp_group`` is the mesh's group
-    along "pp" (the one a pipeline is given as ``group=``).
+    order, among the ranks at this rank's TP position (each TP rank talks to the matching TP
+    rank of the neighbouring stage); this rank is ``pipelines[dp_rank][pp_rank]``. ``pp_group``
+    is the mesh's group along "pp" (the one a pipeline is given as ``group=``). ``tp_ranks``
+    holds this stage's TP ranks (this rank is ``tp_ranks[tp_rank]``) and ``tp_mesh`` the 1-D
+    "tp" sub-mesh that :func:`conveyor.parallel.tensor.parallelize_stage` takes (None without a "tp" dim).
     """
 
     pipelines: tuple[tuple[int, ...], ...]
     dp_rank: int
     pp_rank: int
     pp_group: object
+    tp_ranks: tuple[int, ...] = ()
+    tp_rank: int = 0
+    tp_mesh: object = None
 
     @property
     def dp_size(self) -> int:
@@ -43,6 +57,15 @@ class MeshLayout:
     @property
     def pp_size(self) -> int:
         return len(self.pipelines[0])
+
+    @property
+    def tp_size(self) -> int:
+        return max(1, len(self.tp_ranks))
+
+    @property
+    def tp_group(self) -> object:
+        """The process group of this stage's TP ranks (None without a "tp" dim)."""
+        return None if self.tp_mesh is None else self.tp_mesh.get_group()
 
     @property
     def pp_ranks(self) -> list[int]:
@@ -77,13 +100,42 @@ def pipeline_mesh(pp: int, device_type: str = "cpu"):
 
 
 def layout_of(mesh) -> MeshLayout:
-    """Read a ("dp", "pp") or ("pp",) device mesh; raise PipelineConfigError on any other.
+    """Read a mesh with a "pp" dim and any of "dp" and "tp" ("tp" last); raise PipelineConfigError on any other.
 
     Example::
 
         layout = layout_of(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")))
+        layout = layout_of(init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp")))
     """
     import torch.distributed as dist
+
+    names = _checked_dim_names(mesh)
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        sizes = " x ".join(f"{name}={size}" for name, size in zip(names, mesh.mesh.shape))
+        raise PipelineConfigError(
+            f"the mesh {sizes} covers {mesh.size()} ranks but the job has {world}: a mesh must cover every "
+            f"rank (world size = {' x '.join(names)}); choose sizes whose product is {world}"
+        )
+    # One grid indexed (dp, pp, tp), a missing dim of size 1.
+    grid = mesh.mesh
+    for name in KNOWN_DIMS:
+        if name not in names:
+            grid = grid.unsqueeze(-1)
+            names = (*names, name)
+    grid = grid.permute(*(names.index(name) for name in KNOWN_DIMS))
+    me = dist.get_rank()
+    dp_rank, pp_rank, tp_rank = (int(i) for i in (grid == me).nonzero()[0])
+    pipelines = tuple(tuple(row) for row in grid[:, :, tp_rank].tolist())
+    has_tp = "tp" in tuple(mesh.mesh_dim_names)
+    return MeshLayout(
+        pipelines, dp_rank, pp_rank, mesh["pp"].get_group(),
+        tp_ranks=tuple(grid[dp_rank, pp_rank, :].tolist()) if has_tp else (),
+        tp_rank=tp_rank, tp_mesh=mesh["tp"] if has_tp else None,
+    )
+
+
+def _checked_dim_names(mesh) -> tuple[str, ...]:
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
@@ -92,30 +144,23 @@ def layout_of(mesh) -> MeshLayout:
             "with init_device_mesh(device, (dp, pp), mesh_dim_names=('dp', 'pp'))"
         )
     names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in KNOWN_DIMS]
+    if unknown:
+        raise PipelineConfigError(
+            f"the mesh has dims {names}; conveyor knows 'pp', 'dp' and 'tp' only (got {unknown}). Name the "
+            "dims, e.g. init_device_mesh('cpu', (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp'))"
+        )
+    if len(set(names)) != len(names):
+        raise PipelineConfigError(f"the mesh names a dim twice: {names}; name each of 'pp', 'dp', 'tp' once")
     if "pp" not in names:
         raise PipelineConfigError(
             f"the mesh has dims {names or '(unnamed)'} but no 'pp' dim: name its dims, e.g. "
             "init_device_mesh('cpu', (dp, pp), mesh_dim_names=('dp', 'pp'))"
         )
-    unknown = [n for n in names if n not in DIM_NAMES]
-    if unknown:
+    if "tp" in names and names[-1] != "tp":
+        wanted = tuple(n for n in names if n != "tp") + ("tp",)
         raise PipelineConfigError(
-            f"the mesh has dims {names}; conveyor uses 'dp' and 'pp' only (got {unknown}). "
-            "Give the pipeline a ('dp', 'pp') mesh, or its 'pp' sub-mesh"
+            f"the mesh has dims {names}: 'tp' must be the innermost (last) dim, so that a stage's "
+            f"tensor-parallel ranks are neighbours (one node); build it with mesh_dim_names={wanted}"
         )
-    world = dist.get_world_size()
-    if mesh.size() != world:
-        raise PipelineConfigError(
-            f"the mesh covers {mesh.size()} ranks but the job has {world}: a ('dp', 'pp') mesh must "
-            f"cover every rank (world size = dp x pp; {world} is not {mesh.size()})"
-        )
-    grid = mesh.mesh.tolist()
-    if names == ("pp",):
-        pipelines = (tuple(grid),)
-    elif names == ("pp", "dp"):
-        pipelines = tuple(zip(*grid))
-    else:
-        pipelines = tuple(tuple(row) for row in grid)
-    me = dist.get_rank()
-    dp_rank = next(r for r, pipeline in enumerate(pipelines) if me in pipeline)
-    return MeshLayout(pipelines, dp_rank, pipelines[dp_rank].index(me), mesh["pp"].get_group())
+    return names

@@ -1,0 +1,171 @@
+"""Tensor parallelism on a traced stage: its parameters sharded by the plan, its graph run on DTensors.
+
+What tracing leaves to work with. ``conveyor.frontend`` traces the unchanged model with
+``torch.export`` into ATen operations and cuts that graph into stages. A stage module keeps
+every parameter under its original name (``model.layers.1.self_attn.q_proj.weight``), but in
+plain containers: there is no ``nn.Linear`` or ``nn.Embedding`` left to hang
+``parallelize_module``'s hooks on; a projection is ``aten.linear(x, <get_attr weight>)``. Shapes
+are baked into the graph as the trace saw them: a Hugging Face ``view(*shape, -1, head_dim)``
+keeps its ``-1``, but MPT's ``reshape(b, s, self.n_heads, head_dim)`` records ``n_heads`` (4) as a
+constant, and ALiBi's per-head bias is a whole-model tensor.
+
+So a traced stage is not parallelized module by module. The plan is still the one "auto" (or
+the user) writes for the unchanged model, by the same names; :func:`parameter_placements`
+reads from each style where its module's parameters go (ColwiseParallel on a Linear: rows
+sharded, ...), and :func:`parallelize_traced_stage` distributes the stage's parameters so and
+runs its graph on DTensors: the inputs enter as replicated DTensors, DTensor's sharding
+propagation decides every collective, the outputs leave replicated and local. Every baked
+shape stays right because a DTensor keeps the global shape (the graph's 4 heads are the whole
+tensor's 4 heads, 2 of them on each rank). The communication matches the module-wise styles:
+a row-parallel projection's partial sums are all-reduced where the next operation needs them
+whole (the residual add), as ``RowwiseParallel``'s output does. Sequence parallel is not taken
+here (its styles act on module inputs and outputs, which a traced stage does not have).
+
+What the prototype needs and leaves open:
+
+* The stage's forward and backward (F, B, I and W) run under torch's
+  ``implicit_replication()``: tensors the graph makes itself (``arange`` positions) meet
+  DTensors, in the forward and in the backward formulas that saved them. Wiring this into the
+  pipeline means the runner enters it around a TP stage's actions.
+* A row-split (vocab-parallel) embedding stays whole here: DTensor's masked partial sum must be
+  reduced right after the lookup, and the traced graph casts it first (``aten.to``).
+* CPU's fused attention kernel has no DTensor sharding rule in torch; one is registered here
+  (by heads or batch, as torch's CUDA kernels have). On CUDA torch's own rules apply.
+* Mixtral's experts run ``transformers.grouped_mm_fallback``, a custom op without a sharding
+  rule: its traced stages are refused by DTensor (eager TP leaves the experts whole and works).
+* Against eager TP the loss is bitwise equal and gradients agree to rounding: DTensor sums a
+  replicated activation's partial gradients from its users (q, k, v) before one all-reduce.
+  Between themselves, pipelined traced TP stages equal traced TP alone bit for bit.
+
+Example (on each of 2 ranks)::
+
+    split = conveyor.frontend.split_model(model, 2, example_kwargs=batch)
+    placements = parameter_placements(model, tensor_parallel_plan(model, 2))
+    stage = parallelize_traced_stage(split.stage_module(1), tp_mesh, placements)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from conveyor.errors import PipelineConfigError
+from conveyor.parallel.tensor.plan import matching_modules
+from conveyor.parallel.tensor.styles import is_transposed_projection
+
+
+def parameter_placements(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, object]:
+    """Where each planned parameter of ``model`` goes (by its original name), as the plan's styles put it.
+
+    Example::
+
+        parameter_placements(llama, {"model.layers.0.mlp.up_proj": ColwiseParallel()})
+        # {'model.layers.0.mlp.up_proj.weight': Shard(dim=0)}
+    """
+    placements: dict[str, object] = {}
+    for pattern, style in plan.items():
+        for name in matching_modules(model, pattern):
+            for param_name, placement in _module_placements(model.get_submodule(name), style).items():
+                placements[f"{name}.{param_name}"] = placement
+    return placements
+
+
+def _module_placements(module: nn.Module, style: ParallelStyle) -> dict[str, object]:
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return {}  # LocalHeads, SequenceParallel, PrepareModule*: no parameter of theirs moves
+    colwise = isinstance(style, ColwiseParallel)
+    packed = getattr(style, "packed", 1)
+
+    def column(dim: int):
+        return Shard(dim) if packed == 1 else _StridedShard(dim, split_factor=packed)
+
+    if isinstance(module, nn.Embedding):
+        # A vocab-parallel lookup gives a masked partial sum that DTensor must reduce right after
+        # the lookup (its mask lives on that one output); a traced graph casts it first
+        # (aten.to), which drops the mask. So a traced stage keeps its row-split embedding whole.
+        return {"weight": Shard(1) if colwise else Replicate()}
+    if isinstance(module, nn.Linear):
+        found = {"weight": column(0) if colwise else Shard(1), "bias": column(0) if colwise else Replicate()}
+    elif is_transposed_projection(module):
+        found = {"weight": column(1) if colwise else Shard(0), "bias": column(0) if colwise else Replicate()}
+    else:
+        raise PipelineConfigError(f"{type(style).__name__} takes a Linear, Embedding or Conv1D, got {type(module).__name__}")
+    return {name: placement for name, placement in found.items() if getattr(module, name, None) is not None}
+
+
+def parallelize_traced_stage(stage: nn.Module, tp_mesh, placements: Mapping[str, object]) -> nn.Module:
+    """Distribute ``stage``'s parameters (placements by original name, the rest replicated) and run it on DTensors.
+
+    In place; the stage keeps its names. Its inputs are taken as this TP rank's whole (replicated)
+    tensors, its outputs are given back whole and local, as the neighbouring stages exchange them.
+
+    Example (on each of 2 ranks)::
+
+        parallelize_traced_stage(split.stage_module(0), tp_mesh, parameter_placements(model, plan))
+    """
+    _register_cpu_attention_sharding()
+    own = dict(stage.named_parameters())
+    for name, param in own.items():
+        owner_name, _, attribute = name.rpartition(".")
+        placement = placements.get(name, Replicate())
+        owner = stage.get_submodule(owner_name)
+        owner.register_parameter(attribute, nn.Parameter(
+            distribute_tensor(param.detach(), tp_mesh, [placement]), requires_grad=param.requires_grad))
+    stage.register_forward_pre_hook(_inputs_as_dtensors(tp_mesh), with_kwargs=True)
+    stage.register_forward_hook(_outputs_whole)
+    return stage
+
+
+def _inputs_as_dtensors(tp_mesh):
+    def hook(module, args, kwargs):
+        def wrap(value):
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                return DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False)
+            return value
+
+        return pytree.tree_map(wrap, args), pytree.tree_map(wrap, kwargs)
+
+    return hook
+
+
+def _outputs_whole(module, args, output):
+    def unwrap(value):
+        if isinstance(value, DTensor):
+            return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local()
+        return value
+
+    return pytree.tree_map(unwrap, output)
+
+
+_ATTENTION_SHARDING_REGISTERED = False
+
+
+def _register_cpu_attention_sharding() -> None:
+    """Tell DTensor that CPU's fused attention splits by heads (dim 1) or batch (dim 0), as the CUDA kernels do.
+
+    torch registers sharding strategies for the CUDA flash/efficient kernels but not for the
+    CPU flash kernel a traced ``scaled_dot_product_attention`` dispatches to on CPU; eager TP
+    never meets it as a DTensor (each rank attends over its local heads as plain tensors).
+    """
+    global _ATTENTION_SHARDING_REGISTERED
+    if _ATTENTION_SHARDING_REGISTERED:
+        return
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    def _forward(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+        return [([p, p], [p, p, p, None, None]) for p in (Replicate(), Shard(1), Shard(0))]
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    def _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=None, scale=None):
+        return [([p, p, p], [p, p, p, p, p, p, None, None]) for p in (Replicate(), Shard(1), Shard(0))]
+
+    _ATTENTION_SHARDING_REGISTERED = True
