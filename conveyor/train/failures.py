@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,10 @@ def launcher_log(path: str | os.PathLike) -> Iterator[Path]:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     loggers = [logging.getLogger(name) for name in LAUNCHER_LOGGERS]
     kept = [(logger.propagate, logger.level) for logger in loggers]
+    notice = _RoundFailedNotice(path)
     for logger in loggers:
         logger.addHandler(handler)
+        logger.addHandler(notice)
         logger.propagate = False
         if logger.level == logging.NOTSET or logger.level > logging.INFO:
             logger.setLevel(logging.INFO)  # the file may say more than the terminal did: restarts, rounds
@@ -63,8 +66,35 @@ def launcher_log(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         for logger, (propagate, level) in zip(loggers, kept):
             logger.removeHandler(handler)
+            logger.removeHandler(notice)
             logger.propagate, logger.level = propagate, level
         handler.close()
+
+
+class _RoundFailedNotice(logging.Handler):
+    """One line on stderr when the launcher sees a rank fail (its record, traceback and all, goes to the log):
+    with restarts left, the only word the user gets that a round failed before the next one resumes."""
+
+    def __init__(self, log_path: Path) -> None:
+        super().__init__(logging.ERROR)
+        self.log_path = log_path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not str(record.msg).startswith("failed (exitcode") or len(record.args or ()) < 3:
+            return
+        code, local_rank, pid = record.args[:3]
+        how = f"exit code {code}" if not isinstance(code, int) or code >= 0 else _signal_name(-code)
+        print(f"conveyor train: rank {local_rank} (pid {pid}) failed ({how}); the launcher stops this round's "
+              f"ranks (details: {self.log_path})", file=sys.stderr, flush=True)
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def root_cause(error: Any) -> tuple[int, Any]:
