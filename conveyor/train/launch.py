@@ -9,6 +9,15 @@ already one of the ranks, and it trains as it is. With ``run.max_restarts=N`` (o
 to N times; each restarted round resumes from the newest checkpoint the job wrote
 (:mod:`conveyor.train.restarts`).
 
+This is the one launcher of training runs: ``conveyor demo`` is ``configs/demo.yaml`` run
+through it. What the launcher's process can check is checked before any rank starts (the
+config, the data, the devices, the resume checkpoint: :mod:`conveyor.train.preflight`), and a
+failed rank ends the output with the rank, its error and what to do
+(:mod:`conveyor.train.failures`). Ranks started elsewhere start for other reasons: tests run
+functions on ranks with :func:`conveyor.testing.run_ranks`, the calibration keeps live ranks
+(:class:`conveyor.ranks.RankGroup`), and the rigs in ``tools/`` start real ``torchrun``
+(a user's own launcher) and plain processes (kill trials, where no agent may stop the survivors).
+
 Devices (:func:`choose_devices`, ``run.device`` and ``run.share_gpus``): with a GPU per local
 rank, each rank trains on its own GPU and the ranks talk over NCCL; with none, on the CPU over
 gloo, as always. With fewer GPUs than ranks (the default ``pp=2`` on a one-GPU machine) the run
