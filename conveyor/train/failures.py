@@ -37,8 +37,11 @@ _USER_ERRORS = ("ConfigError", "CheckpointError", "CheckpointIncompleteError", "
 
 
 @contextlib.contextmanager
-def launcher_log(path: str | os.PathLike) -> Iterator[Path]:
+def launcher_log(path: str | os.PathLike, notify: bool = True) -> Iterator[Path]:
     """Within the block, torch elastic's log lines go to ``path`` (appended), not to the terminal.
+
+    With ``notify``, each rank failure the launcher sees still prints one line to stderr (a run
+    with restarts left says so before the next round resumes).
 
     Example:
         >>> import tempfile
@@ -54,7 +57,7 @@ def launcher_log(path: str | os.PathLike) -> Iterator[Path]:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     loggers = [logging.getLogger(name) for name in LAUNCHER_LOGGERS]
     kept = [(logger.propagate, logger.level) for logger in loggers]
-    notice = _RoundFailedNotice(path)
+    notice = _RoundFailedNotice(path) if notify else logging.NullHandler()
     for logger in loggers:
         logger.addHandler(handler)
         logger.addHandler(notice)

@@ -269,7 +269,8 @@ def launch(cfg: TrainConfig) -> int:
           f"run dir {cfg.run.dir}" + (f", up to {restarts} restart(s)" if restarts else ""), flush=True)
     if devices.note:
         print(f"conveyor train: {devices.note}", flush=True)
-    with launcher_log(Path(cfg.run.dir) / "launch.log") as log_path:
+    # Without restarts the report below is the only word; with them, each failed round says so in one line.
+    with launcher_log(Path(cfg.run.dir) / "launch.log", notify=restarts > 0) as log_path:
         try:
             summaries = elastic_launch(config, worker)(cfg, False, False)  # the note is said: not again by rank 0
         except ChildFailedError as error:
