@@ -4,7 +4,8 @@ Commands:
   conveyor schedules                       every registered schedule, the V it takes, what it does
   conveyor simulate --schedule 1f1b --ranks 4 --microbatches 8 [--png F] [--trace F] [--json]
   conveyor simulate --compare --ranks 4 --microbatches 8      every schedule side by side
-  conveyor demo                            the compare for P=4, M=8, drawn to out/compare.png
+  conveyor demo [key=value ...]            every schedule compared (out/compare.png), then the parity demo:
+                                           conveyor train configs/demo.yaml, each step checked against one device
   conveyor train [CONFIG.yaml] [key=value ...]   train a model (defaults: a small GPT on the stdlib, 2 ranks)
   conveyor train CONFIG.yaml --dry-run     its split and memory per rank, nothing allocated or started
   conveyor export CHECKPOINT_DIR OUT_DIR   a checkpoint as Hugging Face safetensors (+ config.json)
@@ -200,19 +201,34 @@ def _print_compare(ranks, microbatches, virtual, costs, latency, *, png, trace, 
 
 
 def _command_demo(args: argparse.Namespace) -> int:
-    """The plan of every schedule for the demo's sizes, then the real pipelined training run."""
-    from conveyor.train import demo
+    """The plan of every schedule for the demo's sizes, then ``conveyor train configs/demo.yaml`` (with parity)."""
+    from conveyor.train import launch
 
-    options = demo.build_parser().parse_args(args.options)
-    demo.check_options(options)  # a wrong option fails before anything is printed or drawn
+    cfg = launch.prepare([str(demo_recipe()), *args.overrides])  # a wrong key fails before anything is drawn
     status = _print_compare(
-        options.ranks, options.microbatches, None, DEFAULT_COSTS, 0.0,
+        cfg.parallel.pp, cfg.parallel.microbatches, None, DEFAULT_COSTS, 0.0,
         png=DEFAULT_COMPARE_PNG, trace=None, as_json=False,
     )
     if status:
         return status
     print()
-    return demo.launch(args.options)
+    return launch.run(cfg)
+
+
+def demo_recipe():
+    """``configs/demo.yaml`` beside the package: the recipe ``conveyor demo`` trains.
+
+    Example:
+        >>> demo_recipe().name
+        'demo.yaml'
+    """
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    if not recipe.is_file():
+        raise UsageError(f"conveyor demo trains {recipe}, which is not there: run it from a checkout of the "
+                         f"repository (the configs/ folder beside conveyor/)")
+    return recipe
 
 
 def _command_train(args: argparse.Namespace) -> int:
@@ -360,10 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="plan every schedule, then train a small transformer pipelined over local CPU ranks "
-        "(options: conveyor demo -- --help)",
+        help="plan every schedule, then train a small transformer pipelined over local CPU ranks, each step "
+        "checked bitwise against one device: conveyor train configs/demo.yaml [key=value ...]",
+        description="Simulate every schedule for the demo's ranks and microbatches (out/compare.png), then run "
+        "`conveyor train configs/demo.yaml` with the overrides given: rank 0 also trains the unsplit model on "
+        "one device (train.parity) and prints each step's loss and gradient norm beside the pipeline's.",
     )
-    demo.add_argument("options", nargs=argparse.REMAINDER, help="options of the training demo")
+    demo.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="overrides of configs/demo.yaml, e.g. parallel.pp=4 parallel.schedule=zbv train.steps=10")
     demo.set_defaults(handler=_command_demo)
 
     _add_train(commands)
@@ -389,11 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv[:1] == ["demo"]:
-            # The demo's own options belong to the training demo's parser, not this one.
-            args = argparse.Namespace(handler=_command_demo, options=argv[1:])
-        else:
-            args = parser.parse_args(_attach_option_values(_train_options_first(argv)))
+        args = parser.parse_args(_attach_option_values(_train_options_first(argv)))
     except SystemExit as exit_:
         # argparse already printed "conveyor: error: ..." (or the help, with code 0).
         return exit_.code if isinstance(exit_.code, int) else USAGE_ERROR

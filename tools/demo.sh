@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up .venv/ (quick when done) and runs the demo with its embedded defaults.
+# Sets up .venv/ (quick when done) and runs the parity demo: conveyor train configs/demo.yaml [key=value ...].
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

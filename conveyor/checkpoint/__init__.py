@@ -19,10 +19,10 @@ and ``conveyor export CHECKPOINT_DIR OUT_DIR`` writes safetensors (+ config.json
 # The function shadows its module's name on the package: imported here, before anything else can.
 from conveyor.checkpoint.export import export
 from conveyor.checkpoint.files import checkpoints, latest
-from conveyor.checkpoint.loading import load, to_state_dict
+from conveyor.checkpoint.loading import check, load, to_state_dict
 from conveyor.checkpoint.saving import save
 from conveyor.frontend.pretrained import PretrainedReport, load_pretrained
 
-__all__ = ["PretrainedReport", "checkpoints", "export", "latest", "load", "load_pretrained", "save",
+__all__ = ["PretrainedReport", "check", "checkpoints", "export", "latest", "load", "load_pretrained", "save",
            "to_state_dict"]
 

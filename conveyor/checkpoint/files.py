@@ -111,6 +111,11 @@ def resolve(path: str | os.PathLike) -> Path:
     if path.name.startswith(".") and _PARTIAL in path.name:
         raise CheckpointIncompleteError(f"{path} is an unfinished save (a rank stopped while writing it), "
                                         f"not a checkpoint{hint}")
+    if path.is_dir() and (path / META_FILE).is_file():
+        raise CheckpointIncompleteError(
+            f"{path} is not a complete conveyor checkpoint: its {META_FILE} is not the JSON a save writes (cut "
+            f"short, or changed by hand); use another checkpoint{hint}"
+        )
     if path.is_dir():
         held = sorted(p.name for p in path.iterdir())[:6]
         raise CheckpointIncompleteError(

@@ -112,6 +112,48 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     return decode(meta["extra"])
 
 
+def check(path: str | os.PathLike, model: torch.nn.Module | None = None, *, optimizer: str | None = None,
+          lr_scheduler: bool = False) -> Path:
+    """The checkpoint directory ``path`` names, checked in this one process without reading a tensor.
+
+    Raises what :func:`load` would raise on every rank, so that a launcher refuses a checkpoint
+    before any rank starts: :class:`CheckpointIncompleteError` unless ``conveyor.json``, DCP's
+    index and every stored tensor's bytes are there; :class:`CheckpointMismatchError` unless
+    ``model`` (the unsplit model: on the meta device is enough) has exactly the checkpoint's
+    tensors with their shapes, unless it holds the state of an ``optimizer`` of that class name,
+    and (``lr_scheduler=True``) a learning-rate scheduler's; :class:`CheckpointError` for
+    metadata that cannot be read.
+
+    Example:
+        >>> conveyor.checkpoint.check("runs/train/checkpoints", model, optimizer="AdamW")  # doctest: +SKIP
+        PosixPath('runs/train/checkpoints/step_000500')
+    """
+    directory = files.resolve(path)
+    try:
+        meta, metadata = files.read_meta(directory), files.read_dcp_metadata(directory)
+        problem = files.missing_bytes(directory, metadata, list(metadata.state_dict_metadata))
+        if problem:
+            raise _Refusal(CheckpointIncompleteError, problem)
+        if model is not None:
+            state: dict[str, torch.Tensor] = {}
+            _plan_model(target_of(model), meta, metadata, directory, state)
+            unexpected = _unexpected(meta, metadata, [sorted(state)], directory)
+            if unexpected is not None:
+                raise _Refusal(CheckpointMismatchError, unexpected[1])
+        saved = meta.get("optimizer")
+        if optimizer is not None and (saved is None or saved.get("class") != optimizer):
+            held = f"the state of a {saved.get('class')}" if saved else "no optimizer state"
+            raise _Refusal(CheckpointMismatchError, f"the checkpoint {directory} holds {held}, not of a {optimizer}")
+        if lr_scheduler and meta.get("lr_scheduler") is None:
+            raise _Refusal(CheckpointMismatchError, f"the checkpoint {directory} holds no LR scheduler state")
+    except _Refusal as refusal:
+        raise refusal.kind(str(refusal)) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # conveyor.json edited by hand or cut
+        raise CheckpointError(f"the checkpoint {directory} has metadata conveyor cannot read ({type(error).__name__}: "
+                              f"{error}): it was changed after the save; use another checkpoint") from None
+    return directory
+
+
 def _read(state: dict[str, torch.Tensor], directory: Path, target: Target) -> Any:
     try:
         with files.quiet_single_process():

@@ -102,6 +102,9 @@ class LoopConfig:
     seed: int = _f(0, "seed of the model's initialisation and the data order")
     sample_tokens: int = _f(48, "tokens generated greedily after training, shown and in <run.dir>/sample.txt (0: none)")
     sample_prompt: str | None = _f(None, "the sample's prompt (None: the start of the validation text, or 'def ')")
+    # train.parity (conveyor.train.parity): rank 0 checks every step against one device.
+    parity: bool = _f(False, "rank 0 also trains the unsplit model on one device and prints each step's loss and "
+                             "gradient norm beside the pipeline's, and whether they are bitwise equal")
 
 
 @dataclass

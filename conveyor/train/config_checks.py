@@ -23,6 +23,7 @@ from typing import Any
 
 from conveyor.errors import ConfigError
 from conveyor.train import sources
+from conveyor.train.parity import parity_problems
 
 MODEL_NAMES = ("gpt", "llama", "mpt", "moe")
 CHOICES = {
@@ -67,6 +68,7 @@ def validate(cfg: Any, *, world_size: int | None = None) -> None:
     if not any(p.startswith(_SIZE_KEYS) for p in problems):
         _check_parallel(cfg, problems, world_size)
     _check_checkpoint(cfg, problems)
+    problems.extend(parity_problems(cfg))
     if problems:
         if len(problems) == 1:
             raise ConfigError(problems[0])

@@ -9,6 +9,15 @@ already one of the ranks, and it trains as it is. With ``run.max_restarts=N`` (o
 to N times; each restarted round resumes from the newest checkpoint the job wrote
 (:mod:`conveyor.train.restarts`).
 
+This is the one launcher of training runs: ``conveyor demo`` is ``configs/demo.yaml`` run
+through it. What the launcher's process can check is checked before any rank starts (the
+config, the data, the devices, the resume checkpoint: :mod:`conveyor.train.preflight`), and a
+failed rank ends the output with the rank, its error and what to do
+(:mod:`conveyor.train.failures`). Ranks started elsewhere start for other reasons: tests run
+functions on ranks with :func:`conveyor.testing.run_ranks`, the calibration keeps live ranks
+(:class:`conveyor.ranks.RankGroup`), and the rigs in ``tools/`` start real ``torchrun``
+(a user's own launcher) and plain processes (kill trials, where no agent may stop the survivors).
+
 Devices (:func:`choose_devices`, ``run.device`` and ``run.share_gpus``): with a GPU per local
 rank, each rank trains on its own GPU and the ranks talk over NCCL; with none, on the CPU over
 gloo, as always. With fewer GPUs than ranks (the default ``pp=2`` on a one-GPU machine) the run
@@ -30,10 +39,12 @@ import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from conveyor.train.config import TrainConfig, load_config
 from conveyor.train.data_check import check_data
+from conveyor.train.preflight import check_resume
 
 if TYPE_CHECKING:
     import torch
@@ -236,10 +247,15 @@ def launch(cfg: TrainConfig) -> int:
 
     When a rank fails, the launcher ends the others; with ``run.max_restarts`` left it starts
     every rank again (each then resumes from the latest checkpoint this job wrote), else the
-    failure is reported, naming the rank, and the status is 1.
+    status is 1 and the last lines printed name the rank, its error and what to do
+    (:func:`~conveyor.train.failures.failure_report`); the launcher's own log, tracebacks
+    included, goes to ``<run.dir>/launch.log``. A run whose ``train.parity`` check found a
+    step that differs from one device also ends with status 1.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from conveyor.train.failures import failure_report, launcher_log
 
     restarts = cfg.run.max_restarts
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size,
@@ -253,36 +269,21 @@ def launch(cfg: TrainConfig) -> int:
           f"run dir {cfg.run.dir}" + (f", up to {restarts} restart(s)" if restarts else ""), flush=True)
     if devices.note:
         print(f"conveyor train: {devices.note}", flush=True)
-    try:
-        summaries = elastic_launch(config, worker)(cfg, False, False)  # the note is said: not again by rank 0
-    except ChildFailedError as error:
-        print(f"conveyor train: {describe_failure(error, restarts)}\n{error.format_msg()}", file=sys.stderr)
-        return 1
+    # Without restarts the report below is the only word; with them, each failed round says so in one line.
+    with launcher_log(Path(cfg.run.dir) / "launch.log", notify=restarts > 0) as log_path:
+        try:
+            summaries = elastic_launch(config, worker)(cfg, False, False)  # the note is said: not again by rank 0
+        except ChildFailedError as error:
+            with open(log_path, "a") as log:
+                log.write(error.format_msg() + "\n")
+            sys.stdout.flush()
+            print(failure_report(error, restarts, log_path), file=sys.stderr, flush=True)
+            return 1
     if any(summary and summary.get("stopped") for summary in summaries.values()):
         return 1  # stopped on purpose (the summary said why): not restarted, since it would stop again
+    if any(summary and summary.get("parity_equal") is False for summary in summaries.values()):
+        return 1  # train.parity found a step that one device computes differently (rank 0 said which)
     return 0
-
-
-def describe_failure(error: Any, restarts: int) -> str:
-    """One line naming the rank whose failure ended the run (a ``ChildFailedError``'s).
-
-    A rank that died of a signal is named first: the others' errors are then mostly its
-    peers noticing that it is gone.
-
-    Example:
-        >>> from types import SimpleNamespace as NS
-        >>> dead = NS(pid=42, exitcode=-9, timestamp=5, signal_name=lambda: "SIGKILL")
-        >>> print(describe_failure(NS(failures={1: dead}), 0))
-        rank 1 (pid 42) died of SIGKILL; no restarts were allowed (run.max_restarts=0)
-    """
-    failures = error.failures
-    rank = min(failures, key=lambda r: (failures[r].exitcode >= 0, failures[r].timestamp, r))
-    failure = failures[rank]
-    how = (f"died of {failure.signal_name()}" if failure.exitcode < 0
-           else f"exited with status {failure.exitcode}")
-    spent = (f"after {restarts} restart(s), none left (run.max_restarts={restarts})" if restarts
-             else "no restarts were allowed (run.max_restarts=0)")
-    return f"rank {rank} (pid {failure.pid}) {how}; {spent}"
 
 
 def main(args: Sequence[str]) -> int:
@@ -290,8 +291,15 @@ def main(args: Sequence[str]) -> int:
 
     Raises ConfigError (which the command prints as ``conveyor: error: ...``) before starting anything.
     """
-    cfg = prepare(args)
+    return run(prepare(args))
+
+
+def run(cfg: TrainConfig) -> int:
+    """Train ``cfg`` (checked by :func:`prepare`): as this rank under a launcher, else on local ranks that
+    :func:`launch` starts once the resume checkpoint, if any, has been checked here
+    (:func:`~conveyor.train.preflight.check_resume`); returns the exit status."""
     if already_launched():
         worker(cfg)
         return 0
+    check_resume(cfg)  # a checkpoint the ranks would refuse is refused here, before any rank starts
     return launch(cfg)

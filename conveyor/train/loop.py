@@ -206,6 +206,7 @@ class Run:
     progress: Any = None  # a Progress; shows only on rank 0
     tensorboard: Any = None  # rank 0's TensorBoardLog, when run.tensorboard is on and it is installed
     loss_fn: Any = None  # the pipeline's: a LossWithAux records the parts of each step's loss
+    parity: Any = None  # under train.parity: rank 0 trains one device beside the pipeline (conveyor.train.parity)
 
     @property
     def rank0(self) -> bool:
@@ -253,6 +254,9 @@ def setup(cfg: TrainConfig) -> Run:
         val_data = resumable_loader(pipe, lambda: splits().val, batch, seed=cfg.train.seed, shuffle=False)
     run = Run(cfg, pipe, optimizer, scheduler, train_data, val_data, loss_fn=loss_fn)
     resume(run)
+    from conveyor.train.parity import start_parity
+
+    run.parity = start_parity(run, vocab)  # None unless train.parity
     if run.rank0:
         out = Path(cfg.run.dir)
         save_config(cfg, out / "config.yaml")
@@ -318,11 +322,12 @@ def train_step(run: Run) -> tuple[float, dict[str, float]]:
     loss = pipe.step(x if pipe.needs_inputs else None, target=y if pipe.needs_target else None,
                      on_nonfinite=mode, normalize_by=normalize_by)
     parts = loss_parts(run, normalize_by)
-    if cfg.train.clip > 0:
-        pipe.clip_grad_norm_(cfg.train.clip)  # a collective: every rank takes part
+    norm = pipe.clip_grad_norm_(cfg.train.clip) if cfg.train.clip > 0 else None  # a collective: every rank
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
+    if run.parity is not None:
+        run.parity.step(run.step + 1, x, y, loss, norm)  # the same step on one device, printed beside this one
     return float(loss), parts
 
 
@@ -494,6 +499,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                "peak_rss_mib": peak_rss_mib(), **pictures, **sample}
     if run.rank0:
         print(format_summary(summary, cfg))
+    if run.parity is not None:
+        summary["parity_equal"] = run.parity.finish()  # rank 0: whether every step was bitwise equal
     return summary
 
 

@@ -165,21 +165,25 @@ def test_compare_simulates_the_same_model_whatever_v():
 
 
 def test_readme_demo_command_trains_bitwise_equal_and_draws_both_pictures(tmp_path):
-    """The README's first command, as a new user runs it (shorter: 2 ranks, 2 steps)."""
+    """The README's demo command, as a new user runs it (shorter: 2 steps): `conveyor train configs/demo.yaml`."""
     root = Path(__file__).resolve().parents[2]
-    png = tmp_path / "timeline.png"
+    run_dir = tmp_path / "demo"
     done = subprocess.run(
-        ["bash", "tools/demo.sh", "--ranks", "2", "--steps", "2", "--png", str(png)],
+        ["bash", "tools/demo.sh", "train.steps=2", f"run.dir={run_dir}"],
         cwd=root, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout
+    lines = done.stdout.splitlines()
     for name in cs.available():
-        assert any(line.startswith(name + " ") for line in out.splitlines())
-    assert "wrote out/compare.png" in out
-    assert sum(line.startswith("step ") and line.endswith("bitwise equal") for line in out.splitlines()) == 2
-    assert "every step bitwise equal to single-device training" in out
-    assert png.read_bytes()[:8] == PNG_SIGNATURE
+        assert any(line.startswith(name + " ") for line in lines)
+    assert "wrote out/compare.png" in lines
+    assert "conveyor train: 2 local ranks (pp=2 x dp=1)" in done.stdout  # the one launcher of `conveyor train`
+    compared = [line for line in lines if line.startswith(("step 1: ", "step 2: "))]
+    assert len(compared) == 2 and all(" | one device " in line and " grad norm " in line for line in compared)
+    assert all(line.endswith("bitwise equal") for line in compared), compared
+    assert lines[-1] == "parity: all 2 steps bitwise equal to single-device training (loss and gradient norm, torch.equal)"
+    assert any(line.startswith("bubble (last step): measured ") for line in lines)
+    assert (run_dir / "timeline.png").read_bytes()[:8] == PNG_SIGNATURE
     assert (root / "out" / "compare.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
@@ -199,8 +203,8 @@ BAD_INPUTS = [
     (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "1e308,1e308,1e308"], "the simulated timeline overflows a float"),
     (["simulate", "--compare", "-p", "4", "-m", "8", "--latency", "1e308"], "a simulated makespan overflows a float"),
     (["simulate", "--schedule", "1f1b", "-p", "100000000000000000000", "-m", "1"], "100000000000000000000 ranks x 1 microbatches means about 6e+20 actions"),
-    (["demo", "--schedule", "nope"], "unknown schedule 'nope'"),
-    (["demo", "--ranks", "0"], "--ranks must be at least 1, got 0"),
+    (["demo", "parallel.schedule=nope"], "parallel.schedule='nope': expected one of gpipe, 1f1b"),
+    (["demo", "parallel.pp=0"], "parallel.pp=0: expected"),
     ([], "the following arguments are required: command"),
 ]  # fmt: skip
 

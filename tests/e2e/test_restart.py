@@ -139,7 +139,7 @@ def alive(pid: int) -> bool:
 
 
 def kill_a_rank_after_the_first_checkpoint(job: Job, which: int) -> int:
-    job.wait_for("the first checkpoint", lambda: (job.checkpoint(INTERVAL) / "conveyor.json").is_file())
+    job.wait_for("the first checkpoint", lambda: (job.checkpoint(INTERVAL) / "conveyor.json").is_file(), timeout_s=150)
     victim = job.ranks()[which]
     logged = [m["step"] for m in records(job.run_dir) if "loss" in m]
     # Normally a step or two after the checkpoint; later only when this process was starved of CPU.
@@ -186,7 +186,10 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_bitwise_like_a
     assert whole.finish(timeout_s=60) == 0, whole.output()
     print(f"killed rank pid {victim}; the job restarted and ended {time.monotonic() - started:.1f} s after it began")
     out, err = (killed.where / "stdout").read_text(), (killed.where / "stderr").read_text()
-    assert f"(pid: {victim})" in err and "SIGKILL" in err, err[-3000:]
+    assert re.search(rf"conveyor train: rank \d \(pid {victim}\) failed \(SIGKILL\); the launcher stops this "
+                     r"round's ranks", err), err[-3000:]
+    assert "Traceback" not in err  # the launcher's own log, tracebacks and all, is in launch.log
+    assert f"(pid: {victim})" in (killed.run_dir / "launch.log").read_text()
     assert out.count("2 local ranks") == 1 and "up to 1 restart(s)" in out
     resumed = re.search(r"restart 1 after a failed round: resumed from (\S+) at step (\d+)", out)
     assert resumed, out
@@ -229,8 +232,10 @@ def test_without_restarts_a_killed_rank_ends_the_job_promptly_naming_it(start):
     err = (job.where / "stderr").read_text()
     assert status == 1, job.output()
     assert took < 20, f"the job took {took:.1f} s to end after its rank was killed"
-    named = re.search(rf"conveyor train: rank (\d) \(pid {victim}\) died of SIGKILL; no restarts were allowed "
-                      r"\(run.max_restarts=0\)", err)
-    assert named, err[-3000:]
+    last = err.rstrip().splitlines()[-3:]  # the cause, last: which rank, how, what to do
+    assert re.fullmatch(rf"conveyor train: rank \d \(pid {victim}\) died of SIGKILL", last[0]), err[-3000:]
+    assert last[1] == (f"conveyor train: no restarts were allowed (run.max_restarts=0); every rank's traceback is "
+                       f"in {job.run_dir / 'launch.log'}")
+    assert last[2].startswith("conveyor train: what to do: find out what stopped the rank")
     assert "resumed" not in (job.where / "stdout").read_text()
     assert not [pid for pid in job.seen if alive(pid)], "rank processes outlived the job"

@@ -15,7 +15,7 @@ import pytest
 
 from conveyor.errors import ConfigError
 from conveyor.train.config import load_config
-from conveyor.train.launch import describe_failure
+from conveyor.train.failures import describe_failure
 from conveyor.train.restarts import (
     continue_log,
     job_started,

@@ -1,9 +1,9 @@
-"""The model zoo: every model the tests, the demo and the benchmarks build, in one place.
+"""The model zoo: every model the tests and the benchmarks build, in one place.
 
-- :mod:`~conveyor.train.tiny_lm` (library code, since ``conveyor demo`` trains it): a small
-  transformer language model cut into stages by hand (stages hand each other a tuple of
-  mixed values), its one-module reference and single-device gradient accumulation; the
-  runtime's parity tests, the demo, the kill trials and the soak train it.
+- :mod:`~conveyor.testing.models.tiny_lm`: a small transformer language model cut into
+  stages by hand (stages hand each other a tuple of mixed values), its one-module reference
+  and single-device gradient accumulation; the runtime's parity tests, the kill trials and
+  the soak train it (``conveyor demo`` trains a recipe model instead: ``configs/demo.yaml``).
 - :mod:`~conveyor.testing.models.hf`: tiny Hugging Face causal LMs (GPT-2, Llama, Qwen2;
   configs only, no downloads) and token batches, for the frontend's tracing tests.
 - :mod:`~conveyor.testing.models.graphs`: hand-made graphs for the splitter (skips, two
@@ -43,6 +43,17 @@ from conveyor.testing.models.hf import (
     llama,
     token_batch,
 )
+from conveyor.testing.models.tiny_lm import (
+    Block,
+    ReferenceModel,
+    TinyConfig,
+    TinyStage,
+    build_stage,
+    lm_loss,
+    make_batch,
+    reference_model,
+    reference_step,
+)
 from conveyor.testing.models.workloads import (
     WORKLOADS,
     BlockStack,
@@ -53,17 +64,6 @@ from conveyor.testing.models.workloads import (
     SleepBlock,
     TinyGPT,
     Workload,
-)
-from conveyor.train.tiny_lm import (
-    Block,
-    ReferenceModel,
-    TinyConfig,
-    TinyStage,
-    build_stage,
-    lm_loss,
-    make_batch,
-    reference_model,
-    reference_step,
 )
 
 __all__ = [
