@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import conveyor.schedule as cs
 from conveyor.frontend.profile import synchronize
+from conveyor.options import TransferOptions
 from conveyor.pipe import Pipeline
 from conveyor.plan.calibrate import (
     CALIBRATION_SCHEDULE,
@@ -78,9 +79,9 @@ def passes_alone(workload: Workload, num_stages: int, repeats: int = 5) -> dict[
 def _rank_setup(worker, workload, microbatches: int, transport: str) -> str:
     sched = cs.build(CALIBRATION_SCHEDULE, ranks=worker.world_size, microbatches=microbatches)
     modules = [workload.build_stage(s, sched.num_stages) for s in sched.stages_of(worker.rank)]
-    pipe = Pipeline(modules, schedule=sched, loss_fn=workload.loss_fn, transport=transport)
+    pipe = Pipeline(modules, schedule=sched, loss_fn=workload.loss_fn, transfer=TransferOptions(transport=transport))
     worker.state.update(pipe=pipe, batch=workload.batch(microbatches))
-    return type(pipe.transport).__name__
+    return type(pipe.ranks.transport).__name__
 
 
 def _rank_step(worker) -> float:
