@@ -55,6 +55,18 @@ def _set(record: Any, name: str, value: Any) -> None:
     object.__setattr__(record, name, value)  # a frozen record normalising itself, in __post_init__
 
 
+def _describe_fields(record: Any) -> str:
+    """``name=value`` for every field of ``record``, the same text on every rank (a function given
+    as a torch.compile backend by its name, not its address)."""
+    from conveyor.runtime.compile import describe_compile
+
+    parts = []
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        parts.append(f"{f.name}={describe_compile(value) if f.name == 'compile' else value}")
+    return " ".join(parts)
+
+
 def _dtype_name(value: Any, what: str) -> str | None:
     """``torch.bfloat16`` / ``"bfloat16"`` / ``"BF16"`` -> ``"bf16"`` (None stays None)."""
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -77,7 +89,7 @@ class StageOptions:
 
     Example:
         >>> StageOptions(checkpoint_activations=True, autocast="bf16").describe()
-        'checkpoint_activations=True autocast=bf16 params as given compile=off random_streams=True measure_memory=False record_timeline=True'
+        'checkpoint_activations=True autocast=bf16 param_dtype=None grad_accum_dtype=None compile=off random_streams=True measure_memory=False record_timeline=True'
     """
 
     checkpoint_activations: bool = _f(False, "recompute each stage's activations in backward (saves memory, "
@@ -132,14 +144,8 @@ class StageOptions:
         return param_precision(self.param_dtype, self.grad_accum_dtype, data_parallel)
 
     def describe(self) -> str:
-        """What the ranks compare when a pipeline is built (see :class:`PipelineConfigError`)."""
-        from conveyor.runtime.compile import describe_compile
-        from conveyor.runtime.main_grad import describe_params
-
-        return (f"checkpoint_activations={self.checkpoint_activations} autocast={self.autocast or 'off'} "
-                f"params {describe_params(self.param_precision())} compile={describe_compile(self.compile)} "
-                f"random_streams={self.random_streams} measure_memory={self.measure_memory} "
-                f"record_timeline={self.record_timeline}")
+        """What the ranks compare when a pipeline is built: every field (a new one included), stably."""
+        return _describe_fields(self)
 
 
 @dataclass(frozen=True)

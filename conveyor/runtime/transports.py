@@ -21,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from conveyor.errors import PipelineConfigError
+from conveyor.options import TRANSPORTS
 from conveyor.runtime.hybrid import HostExchange, HybridTransport
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.ordered import OrderedTransport
@@ -29,8 +30,6 @@ from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_me
 from conveyor.runtime.transport import DistTransport, Transport
 from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, Channel, flatten_payload
 from conveyor.schedule.ir import ActionKind, Schedule
-
-TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid", "ordered")
 
 
 def check_transport_name(kind: str) -> None:
