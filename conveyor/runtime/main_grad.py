@@ -271,7 +271,7 @@ class MasterWeights:
         if missing:
             raise PipelineConfigError(
                 f"MasterWeights needs parameters that accumulate in main_grad; {missing[0]!r} (and "
-                f"{len(missing) - 1} more) do not: build the pipeline with param_dtype='bf16' (its "
+                f"{len(missing) - 1} more) do not: build the pipeline with stage=StageOptions(param_dtype='bf16') (its "
                 "grad_accum_dtype defaults to fp32), or use a plain torch optimizer over pipe.parameters()")
         self.masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
         self.optimizer = optimizer_cls(self.masters, **kwargs)

@@ -140,7 +140,7 @@ def _transport_for(schedule: Schedule, hosts: list[int]) -> str:
 
 
 def seed_shapes(transport: Transport, shapes: Mapping[int, Any], num_stages: int) -> None:
-    """Tell both ends of each boundary what will cross it (``Pipeline(shapes=...)``), so no step
+    """Tell both ends of each boundary what will cross it (``TransferOptions(shapes=...)``), so no step
     has to exchange it: ``shapes`` maps a stage to an example of its output for one microbatch."""
     last = num_stages - 1
     for stage, example in shapes.items():
