@@ -98,7 +98,8 @@ def test_ranks_given_different_stage_options_refuse_to_build_saying_what_differs
 
 
 def _public(cls) -> dict[str, str]:
-    return {name: type(inspect.getattr_static(cls, name)).__name__ for name in dir(cls) if not name.startswith("_")}
+    return {name: type(inspect.getattr_static(cls,
+                                              name)).__name__ for name in dir(cls) if not name.startswith("_")}
 
 
 def test_one_pipeline_class_with_one_public_api_over_both_backends():
@@ -111,7 +112,8 @@ def test_one_pipeline_class_with_one_public_api_over_both_backends():
         assert name in _public(conveyor.Pipeline), name
     pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
     assert type(pipe.memory()).__name__ == "MemoryReport" and len(pipe.memory(all_ranks=True)) == 2
-    assert (pipe.needs_inputs, pipe.needs_target, pipe.dp_rank, pipe.dp_size, len(pipe.modules)) == (True, True, 0, 1, 2)
+    assert (pipe.needs_inputs, pipe.needs_target, pipe.dp_rank, pipe.dp_size, len(pipe.modules)) == (True, True, 0,
+                                                                                                     1, 2)
     pipe.close()
     assert pipe.closed
 

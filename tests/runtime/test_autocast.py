@@ -41,7 +41,8 @@ def reference_autocast_run(schedule):
 def local_autocast_run(schedule, checkpoint_activations=False):
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
-    pipe = LocalPipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(autocast="bf16", checkpoint_activations=checkpoint_activations))
+    pipe = LocalPipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(autocast="bf16",
+                                                                                checkpoint_activations=checkpoint_activations))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     for step in range(NUM_STEPS):
@@ -91,7 +92,8 @@ def test_recomputed_activations_run_under_the_same_autocast():
 def test_an_unknown_precision_is_refused_naming_the_choices():
     cfg = TinyConfigFor2()
     with pytest.raises(PipelineConfigError, match="autocast='int8'.*'bf16'"):
-        LocalPipeline([build_stage(s, cfg) for s in range(2)], "1f1b", lm_loss, microbatches=2, stage=conveyor.StageOptions(autocast="int8"))
+        LocalPipeline([build_stage(s, cfg) for s in range(2)], "1f1b", lm_loss, microbatches=2,
+                      stage=conveyor.StageOptions(autocast="int8"))
 
 
 @pytest.mark.parametrize("kwargs", [{"autocast": "fp16"}, {"autocast": torch.float16}, {"autocast": "half"},

@@ -19,8 +19,7 @@ from conveyor.testing import run_ranks
 
 def _linear_pipeline(rank, schedule):
     torch.manual_seed(rank)
-    return conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule,
-                             loss_fn=lambda y, t: (y - t).pow(2).mean(),
+    return conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(),
                              transfer=conveyor.TransferOptions(timeout_s=30))
 
 
@@ -183,7 +182,8 @@ class _Failing(torch.nn.Module):
 def _stage_fails(rank, world_size, where):
     schedule = cs.build("zb-h1", ranks=world_size, microbatches=4)
     module = _Failing(where) if rank == 1 else torch.nn.Linear(4, 4)
-    pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.pow(2).mean(), transfer=conveyor.TransferOptions(timeout_s=30))
+    pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.pow(2).mean(),
+                             transfer=conveyor.TransferOptions(timeout_s=30))
     return _error(lambda: pipe.step(torch.ones(8, 4) if rank == 0 else None))
 
 

@@ -58,7 +58,8 @@ def _train_clipped(rank, world_size, name, virtual, max_norm, norm_type):
     cfg = config_for(schedule)
     mine = schedule.stages_of(rank)
     stages = {s: build_stage(s, cfg) for s in mine}
-    pipe = conveyor.Pipeline([stages[s] for s in mine], schedule=schedule, loss_fn=lm_loss, transfer=conveyor.TransferOptions(timeout_s=60))
+    pipe = conveyor.Pipeline([stages[s] for s in mine], schedule=schedule, loss_fn=lm_loss,
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     norms, grads = [], None
     for step in range(NUM_STEPS):
@@ -150,7 +151,8 @@ def _nonfinite(rank, world_size):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=NUM_MICROBATCHES)
     cfg = config_for(schedule)
     stage = build_stage(rank, cfg)
-    pipe = conveyor.Pipeline([stage], schedule=schedule, loss_fn=lm_loss, transfer=conveyor.TransferOptions(timeout_s=60))
+    pipe = conveyor.Pipeline([stage], schedule=schedule, loss_fn=lm_loss,
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     ids, targets = make_batch(cfg, BATCH_SIZE, seed=0)
     pipe.step(ids if rank == 0 else None, target=targets if rank == world_size - 1 else None)
     if rank == 1:
@@ -196,7 +198,8 @@ def test_a_tied_parameter_counts_once_as_in_the_unsplit_model():
 
 def _peer_gives_up_before_clipping(rank, world_size):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
-    pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(), transfer=conveyor.TransferOptions(timeout_s=60))
+    pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     pipe.step(torch.ones(2, 2) if rank == 0 else None)
     if rank == 1:
         # As a rank that failed inside the pipeline does: say why, then go.
@@ -328,7 +331,8 @@ def test_a_tied_parameter_held_under_its_other_name_keeps_the_models_order():
 
 def _norm_fails_on_rank_1(rank, world_size):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
-    pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(), transfer=conveyor.TransferOptions(timeout_s=60))
+    pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     pipe.step(torch.ones(2, 2) if rank == 0 else None)
     if rank == 1:
         def broken(norm_type, foreach):

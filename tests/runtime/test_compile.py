@@ -94,7 +94,8 @@ def test_compiled_stages_train_bitwise_as_the_compiled_stages_run_in_turn(name, 
     cfg, batches = _tiny(schedule)
     want = _reference([build_stage(s, cfg) for s in range(schedule.num_stages)], batches, AOT)
     with caplog.at_level(logging.WARNING, logger="conveyor"):
-        got = _local([build_stage(s, cfg) for s in range(schedule.num_stages)], schedule, batches, conveyor.StageOptions(compile=AOT))
+        got = _local([build_stage(s, cfg) for s in range(schedule.num_stages)], schedule, batches,
+                     conveyor.StageOptions(compile=AOT))
     _assert_equal(got, want)
     lines = _fallback_lines(caplog)
     if name == "1f1b":
@@ -132,7 +133,8 @@ def test_a_varying_sequence_length_recompiles_once_per_stage_not_per_step():
     schedule = _schedule("1f1b")
     cfg = TinyConfig(num_stages=2, seq_len=12)
     backend = _Counting()
-    pipe = LocalPipeline([build_stage(s, cfg) for s in range(2)], schedule, lm_loss, stage=conveyor.StageOptions(compile={"backend": backend}))
+    pipe = LocalPipeline([build_stage(s, cfg) for s in range(2)], schedule, lm_loss,
+                         stage=conveyor.StageOptions(compile={"backend": backend}))
     graphs = []
     for step, length in enumerate((12, 9, 11, 7, 12, 10)):
         ids, targets = make_batch(cfg, BATCH, seed=step)
@@ -165,7 +167,8 @@ def _train_ranks(rank, world_size, name):
     cfg, batches = _tiny(schedule)
     mine = schedule.stages_of(rank)
     stages = [build_stage(s, cfg) for s in mine]
-    pipe = conveyor.Pipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(compile=AOT), transfer=conveyor.TransferOptions(timeout_s=60))
+    pipe = conveyor.Pipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(compile=AOT),
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
     losses, _ = _train(lambda ids, y: pipe.step(ids if rank == first else None,
                                                      target=y if rank == last else None),

@@ -151,7 +151,8 @@ def _nccl_cpu_stage(rank, world_size):
 
     dist.get_backend = lambda group=None: "nccl"  # this forked rank only: gloo underneath, NCCL to the pipeline
     try:
-        conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss, layout=conveyor.Layout(device="cpu"))
+        conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss,
+                          layout=conveyor.Layout(device="cpu"))
     except PipelineConfigError as exc:
         return str(exc)
     return "no error"
@@ -283,7 +284,8 @@ def _gpu_stage_under(rank, world_size, backend):
     patch.setattr(dist, "get_backend", lambda group=None: backend)  # gloo underneath in this forked rank
     patch.setattr(conveyor.pipe, "place_modules", lambda modules, stages, device: device)  # nothing to move
     with contextlib.suppress(Exception):  # no real GPU: what follows fails; the device was chosen before
-        conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss, layout=conveyor.Layout(device="cuda:1"))
+        conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss,
+                          layout=conveyor.Layout(device="cuda:1"))
     return chosen[:1]
 
 

@@ -132,7 +132,8 @@ def test_a_caught_error_leaves_the_users_process_group_usable(transport):
 def test_a_pipeline_refuses_a_transport_it_does_not_know_before_building_anything():
     def build(rank, world_size):
         try:
-            conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule="1f1b", microbatches=2, transfer=conveyor.TransferOptions(transport="carrier-pigeon"))
+            conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule="1f1b", microbatches=2,
+                              transfer=conveyor.TransferOptions(transport="carrier-pigeon"))
         except PipelineConfigError as exc:
             return str(exc)
 

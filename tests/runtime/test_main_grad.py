@@ -248,7 +248,8 @@ def _train_across_ranks(rank, world_size):
         schedule = cs.build(name, ranks=2, microbatches=NUM_MICROBATCHES)
         cfg = config_for(schedule)
         stage = build_stage(rank, cfg)
-        with conveyor.Pipeline([stage], schedule, lm_loss, stage=conveyor.StageOptions(param_dtype="bf16"), transfer=conveyor.TransferOptions(timeout_s=60)) as pipe:
+        with conveyor.Pipeline([stage], schedule, lm_loss, stage=conveyor.StageOptions(param_dtype="bf16"),
+                               transfer=conveyor.TransferOptions(timeout_s=60)) as pipe:
             results[name] = pipeline_run(pipe, [stage if s == rank else None for s in range(2)], cfg, max_norm=0.05)
     tied = conveyor.pipeline(tied_model(), example_args=(TIED_IDS[:2],), split_points=["layers.1"],
                              schedule="1f1b", microbatches=4, loss_fn=tied_loss,

@@ -432,7 +432,8 @@ def test_a_wrong_shape_given_up_front_fails_on_the_first_step():
 def _bad_shapes_key(rank, world_size):
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     try:
-        conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, transfer=conveyor.TransferOptions(shapes={1: torch.zeros(1, 2)}))
+        conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule,
+                          transfer=conveyor.TransferOptions(shapes={1: torch.zeros(1, 2)}))
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"

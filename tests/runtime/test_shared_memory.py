@@ -153,7 +153,8 @@ def test_a_receive_that_never_comes_times_out_with_what_it_waited_for():
 def _chosen(rank, world_size, transport):
     schedule = cs.build("gpipe", ranks=2, microbatches=2)
     try:
-        pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, transfer=conveyor.TransferOptions(transport=transport))
+        pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule,
+                                 transfer=conveyor.TransferOptions(transport=transport))
     except PipelineConfigError as exc:
         return str(exc)
     return type(pipe.ranks.transport).__name__

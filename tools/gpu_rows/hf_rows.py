@@ -150,7 +150,8 @@ def _traced_run(model, split, schedule, ctx: Context, seed: int = 7) -> dict:
     model.zero_grad(set_to_none=True)  # stage modules share the model's untied parameters
     stages = [split.stage_module(s, ctx.device) for s in range(schedule.num_stages)]
     pipe = conveyor.LocalPipeline(stages, schedule, _hf_loss, device=ctx.device,
-                                  stage=conveyor.StageOptions(checkpoint_activations=True, autocast="bf16", compile=ctx.compile),
+                                  stage=conveyor.StageOptions(checkpoint_activations=True, autocast="bf16",
+                                                              compile=ctx.compile),
                                   model=conveyor.WholeModel(tied_parameters=split.tied_groups))
     torch.manual_seed(seed)  # the step's random streams (dropout) come from the CPU generator
     ids = token_ids(1).to(ctx.device)
