@@ -194,7 +194,8 @@ def test_compiled_dualpipev_across_processes_is_bitwise_the_compiled_stages_in_t
 @pytest.mark.distributed
 def test_compiled_stages_under_fsdp_replicas_stay_bitwise_the_per_replica_reference(monkeypatch):
     # pp=2 x dp=2, zbv, FSDP2 per stage: the MLP stages' aot_eager graphs run eager's kernels.
-    monkeypatch.setattr(conveyor, "Pipeline", functools.partial(conveyor.Pipeline, compile=AOT))
+    monkeypatch.setattr(conveyor, "Pipeline", functools.partial(conveyor.Pipeline,
+                                                                   stage=conveyor.StageOptions(compile=AOT)))
     assert max_relative_difference("zbv", 2, "fsdp", orders=("per_replica",)) == {"per_replica": 0.0}
 
 

@@ -214,7 +214,7 @@ def tied_reference():
 def train_tied(pipe):
     optimizer = conveyor.MasterWeights(pipe, torch.optim.AdamW, lr=LR)
     for _ in range(2):
-        local = isinstance(pipe, LocalPipeline)
+        local = pipe.ranks.in_process
         pipe.step(TIED_IDS if local or pipe.needs_inputs else None,
                   target=TIED_IDS if local or pipe.needs_target else None)
         grads = {n: p.main_grad.clone() for n, p in zip(optimizer.names, optimizer.params)}
