@@ -204,13 +204,17 @@ class Layout:
         conveyor.errors.PipelineConfigError: give the pipeline mesh= or group=, not both (mesh['pp'] is its group)
     """
 
-    group: Any = None  # a torch.distributed ProcessGroup: the pipeline's ranks (None: the default group)
-    mesh: Any = None  # a ("dp", "pp") DeviceMesh (conveyor.parallel.pipeline_mesh)
-    data_parallel: str | None = None  # "ddp" (default with a mesh of dp > 1) | "fsdp"
-    device: Any = None  # the stages' device (None: this process's GPU when CUDA is available, else the CPU)
-    in_process: bool = False  # every rank in this process (conveyor.LocalPipeline)
-    ranks: int | None = None  # in process: how many ranks (None: from the modules and the schedule)
-    # The tensor-parallel layout (conveyor.parallel.tensor) goes here, as one more field.
+    group: Any = _f(None, "a torch.distributed ProcessGroup: the pipeline's ranks (None: the default group); "
+                          "the pipeline communicates on groups of its own over them")
+    mesh: Any = _f(None, "a ('dp', 'pp') DeviceMesh (conveyor.parallel.pipeline_mesh): dp replicas of the pipeline")
+    data_parallel: str | None = _f(None, "ddp (the default with a mesh of dp > 1) | fsdp: how replicas share "
+                                         "gradients")
+    device: Any = _f(None, "the stages' device (None or 'cuda': this process's GPU when CUDA is available, else "
+                           "the CPU; in process: where the modules are)")
+    in_process: bool = _f(False, "every rank in this process, one thread (conveyor.LocalPipeline)")
+    ranks: int | None = _f(None, "in process: how many ranks (None: the modules over the schedule's stages per rank)")
+    # The tensor-parallel layout (conveyor.parallel.tensor) goes here, as one more field, with its checks
+    # against the fields above in __post_init__.
 
     def __post_init__(self) -> None:
         if self.group is not None and self.mesh is not None:
@@ -254,10 +258,13 @@ class WholeModel:
         'stages built by hand, tied parameters []'
     """
 
-    tied_parameters: Sequence = ()  # records with `uses`: (stage, name) pairs (conveyor.frontend's TiedGroup)
-    parameter_order: Mapping[str, int] | None = None  # {name: index in the model's parameters()}, for clipping
-    signature: str | None = None  # conveyor.build.model_signature of the model and its cut
-    info: dict | None = None  # the model's class, names, config: what checkpoints record
+    tied_parameters: Sequence = _f((), "records with `uses` ((stage, name) pairs, conveyor.frontend's TiedGroup): "
+                                       "copies on one rank become one Parameter, copies on several ranks have "
+                                       "their gradients summed after every step")
+    parameter_order: Mapping[str, int] | None = _f(None, "{name: index in the model's parameters()}: the order "
+                                                         "clip_grad_norm_ sums the norms in (None: stage by stage)")
+    signature: str | None = _f(None, "conveyor.build.model_signature of the model and its cut, compared across ranks")
+    info: dict | None = _f(None, "the model's class, names and config: what checkpoints record and export writes")
 
     def __post_init__(self) -> None:
         _set(self, "tied_parameters", tuple(self.tied_parameters))
@@ -285,7 +292,7 @@ class SplitOptions:
 
     method: str = _f("parameters", "uniform | parameters | time (rank 0 measures, every rank follows) | "
                                    "type:<regex> (cut before modules whose class matches)")
-    unsplittable: Sequence[str] | None = None  # module paths never cut inside
+    unsplittable: Sequence[str] | None = _f(None, "module paths never cut inside")
     both_modes: bool = _f(False, "trace in train and eval mode, so pipe.eval()/pipe.train() switch dropout and "
                                  "BatchNorm (else one trace, in the model's current mode)")
 
@@ -304,12 +311,12 @@ class PipelineOptions:
         'bf16'
     """
 
-    stage: StageOptions = field(default_factory=StageOptions)
-    transfer: TransferOptions = field(default_factory=TransferOptions)
-    layout: Layout = field(default_factory=Layout)
-    split: SplitOptions = field(default_factory=SplitOptions)
-    virtual: int | None = None  # stages per rank, for a schedule given by name (None: the schedule's default)
-    plan_options: Mapping[str, Any] | None = None  # schedule="auto": keywords of conveyor.plan.plan
+    stage: StageOptions = field(default_factory=StageOptions, metadata={"help": "what each stage does"})
+    transfer: TransferOptions = field(default_factory=TransferOptions, metadata={"help": "how bytes move"})
+    layout: Layout = field(default_factory=Layout, metadata={"help": "where the ranks are"})
+    split: SplitOptions = field(default_factory=SplitOptions, metadata={"help": "how the model is cut"})
+    virtual: int | None = _f(None, "stages per rank, for a schedule given by name (None: the schedule's default)")
+    plan_options: Mapping[str, Any] | None = _f(None, "with schedule='auto': keywords of conveyor.plan.plan")
 
     def __post_init__(self) -> None:
         for name, kind in (("stage", StageOptions), ("transfer", TransferOptions), ("layout", Layout),

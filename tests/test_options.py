@@ -78,7 +78,8 @@ def test_a_new_stage_option_is_one_field_the_ranks_compare_without_more_code():
     assert [f.name for f in dataclasses.fields(StageOptions)] == [
         "checkpoint_activations", "autocast", "param_dtype", "grad_accum_dtype", "compile", "random_streams",
         "measure_memory", "record_timeline"]
-    assert all(f.metadata.get("help") for f in dataclasses.fields(StageOptions))  # each field says what it does
+    for record in (StageOptions, TransferOptions, Layout, WholeModel, SplitOptions, PipelineOptions):
+        assert all(f.metadata.get("help") for f in dataclasses.fields(record)), record  # each field says what it does
 
 
 def _two_ranks_built_differently(rank, world_size):
