@@ -46,8 +46,10 @@ def parity_problems(cfg: Any) -> list[str]:
     rules = [
         (cfg.parallel.dp != 1, f"parallel.dp={cfg.parallel.dp} replicas have no single-device reference here; "
                                f"set parallel.dp=1"),
-        (cfg.train.precision != "fp32", f"train.precision={cfg.train.precision!r}: the reference trains in fp32; "
-                                        f"set train.precision=fp32"),
+        (cfg.stage.autocast is not None, f"stage.autocast={cfg.stage.autocast!r}: the reference trains in fp32; "
+                                         f"set stage.autocast=null"),
+        (cfg.stage.param_dtype is not None, f"stage.param_dtype={cfg.stage.param_dtype!r}: the reference trains "
+                                            f"fp32 parameters; set stage.param_dtype=null"),
         (cfg.loss.normalize != "microbatch", f"loss.normalize={cfg.loss.normalize!r}: the reference divides each "
                                              f"microbatch's loss by M; set loss.normalize=microbatch"),
         (cfg.model.name == "moe", "model.name='moe': its auxiliary loss has no reference here; use gpt, llama or mpt"),

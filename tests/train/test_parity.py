@@ -21,7 +21,8 @@ def test_parity_is_off_by_default_and_the_demo_recipe_turns_it_on():
 
 @pytest.mark.parametrize("override, rule", [
     ("parallel.dp=2", "parallel.dp=2 replicas have no single-device reference here; set parallel.dp=1"),
-    ("train.precision=bf16", "train.precision='bf16': the reference trains in fp32"),
+    ("stage.autocast=bf16", "stage.autocast='bf16': the reference trains in fp32"),
+    ("stage.param_dtype=bf16", "stage.param_dtype='bf16': the reference trains fp32 parameters"),
     ("loss.normalize=tokens", "loss.normalize='tokens': the reference divides each microbatch's loss by M"),
     ("run.max_restarts=1", "run.max_restarts=1: a restarted round resumes, the reference cannot"),
 ])
