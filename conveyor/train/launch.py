@@ -265,8 +265,10 @@ def launch(cfg: TrainConfig) -> int:
     devices = choose_devices(cfg, cfg.world_size)  # a ConfigError here, before any rank starts
     on = ("a GPU each over NCCL" if devices.backend == "nccl" else
           "shared GPUs over gloo" if devices.device == "cuda" else "the CPU over gloo")
-    print(f"conveyor train: {cfg.world_size} local ranks (pp={cfg.parallel.pp} x dp={cfg.parallel.dp}) on {on}, "
-          f"run dir {cfg.run.dir}" + (f", up to {restarts} restart(s)" if restarts else ""), flush=True)
+    ranks = (f"1 process holding every rank (pp={cfg.parallel.pp}, parallel.in_process)" if cfg.parallel.in_process
+             else f"{cfg.world_size} local ranks (pp={cfg.parallel.pp} x dp={cfg.parallel.dp})")
+    print(f"conveyor train: {ranks} on {on}, run dir {cfg.run.dir}"
+          + (f", up to {restarts} restart(s)" if restarts else ""), flush=True)
     if devices.note:
         print(f"conveyor train: {devices.note}", flush=True)
     # Without restarts the report below is the only word; with them, each failed round says so in one line.
