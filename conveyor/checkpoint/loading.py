@@ -136,7 +136,7 @@ def check(path: str | os.PathLike, model: torch.nn.Module | None = None, *, opti
             raise _Refusal(CheckpointIncompleteError, problem)
         if model is not None:
             state: dict[str, torch.Tensor] = {}
-            _plan_model(target_of(model), meta, metadata, directory, state)
+            _expect_model_tensors(target_of(model), meta, metadata, directory, state)
             unexpected = _unexpected(meta, metadata, [sorted(state)], directory)
             if unexpected is not None:
                 raise _Refusal(CheckpointMismatchError, unexpected[1])
