@@ -57,24 +57,25 @@ def run(args: argparse.Namespace) -> int:
     """Build the model, plan it, print the table, write the file."""
     import time
 
-    from conveyor.plan import format_plan, parse_size
+    from conveyor.plan import Machine, Measurement, SearchSpace, format_plan, parse_size
     from conveyor.plan.planner import plan
 
     limit = parse_size(args.memory_per_rank)
     started = time.perf_counter()
     model, example = resolve_model(args.model, args.set, analytic=args.analytic,
                                    microbatch=_smallest_microbatch(args.global_batch, args.ranks))
-    options: dict[str, Any] = {}
-    if args.flops is not None:
-        options["flops_per_second"] = args.flops
+    machine = Machine() if args.flops is None else Machine(flops_per_second=args.flops)
     if getattr(args, "calibrate", False):
+        import dataclasses
+
         import conveyor
         from conveyor.plan.calibration import calibrate
 
-        options["calibration"] = calibrate(conveyor.Pipeline, ranks=args.ranks)
+        machine = dataclasses.replace(machine, calibration=calibrate(conveyor.Pipeline, ranks=args.ranks))
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
     chosen = plan(model, example, ranks=args.ranks, global_batch=args.global_batch, memory_per_rank=limit,
-                  schedules=schedules, repeats=args.repeats, top=args.top, **options)
+                  schedules=schedules, space=SearchSpace(top=args.top), machine=machine,
+                  measure=Measurement(repeats=args.repeats))
     print(format_plan(chosen, top=args.top))
     print(f"planned in {time.perf_counter() - started:.1f} s")
     if args.out:
