@@ -50,10 +50,11 @@ def pipeline(
     stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh) and
     ``data_parallel`` run ``dp`` replicas, as :class:`Pipeline` does. ``plan`` (a
     :class:`~conveyor.plan.Plan` or its file) sets schedule, microbatches, virtual and split points;
-    ``schedule="auto"``: rank 0 plans (``conveyor.plan.plan(..., **options.plan_options)``), every
-    rank follows. ``options`` (:class:`~conveyor.options.PipelineOptions`) holds the rest, as
-    records: ``virtual``, ``split`` (method, unsplittable modules, ``both_modes``), ``stage``
-    (``StageOptions(compile=True)`` compiles each traced stage, ``autocast="bf16"``, ...),
+    ``schedule="auto"``: rank 0 plans (``conveyor.plan.plan()`` with ``options.plan_options``, a
+    :class:`~conveyor.plan.PlanOptions`), every rank follows. ``options``
+    (:class:`~conveyor.options.PipelineOptions`) holds the rest, as records: ``virtual``, ``split``
+    (method, unsplittable modules, ``both_modes``), ``stage`` (``StageOptions(compile=True)``
+    compiles each traced stage, ``autocast="bf16"``, ...),
     ``transfer``, and ``layout`` (``Layout(in_process=True, ranks=P)``: every stage in this process,
     no launcher needed).
 
@@ -153,18 +154,26 @@ def _by_rank_zero(layout: Layout, decide: Any) -> Any:
 
 def _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options):
     """Rank 0's plan, broadcast: timings differ from rank to rank, and every rank must cut alike.
-    ``global_batch`` defaults to ``microbatches`` (or 2 x ranks) x the example's batch."""
+    ``global_batch`` defaults to ``microbatches`` (or 2 x ranks) x the example's batch; the microbatch
+    counts tried to ``microbatches`` when given; threads "auto" to the threads rank 0 trains with."""
+    from conveyor.plan.options import PlanOptions
     from conveyor.plan.planner import plan as make_plan
     from conveyor.plan.profile import _batch_size
 
-    plan_options = dict(options.plan_options or {})
+    chosen = options.plan_options if options.plan_options is not None else PlanOptions()
+    if not isinstance(chosen, PlanOptions):
+        raise PipelineConfigError(f"PipelineOptions.plan_options takes a conveyor.plan.PlanOptions; got "
+                                  f"{type(chosen).__name__}")
     size = _batch_size(tuple(example_args), example_kwargs)
-    plan_options.setdefault("global_batch", (microbatches or 2 * world) * size)
-    if microbatches is not None:
-        plan_options.setdefault("microbatches", [microbatches])
-    plan_options.setdefault("threads", None)  # rank 0 profiles with the threads it trains with
-    return _by_rank_zero(layout, lambda: make_plan(model, tuple(example_args), example_kwargs=example_kwargs,
-                                                   ranks=world, **plan_options))
+    global_batch = chosen.global_batch or (microbatches or 2 * world) * size
+    counts = chosen.microbatches or (None if microbatches is None else [microbatches])
+    machine = chosen.machine
+    if machine.threads == "auto":  # this process already computes with the threads it trains with
+        machine = dataclasses.replace(machine, threads=None)
+    return _by_rank_zero(layout, lambda: make_plan(
+        model, tuple(example_args), example_kwargs=example_kwargs, ranks=world, global_batch=global_batch,
+        memory_per_rank=chosen.memory_per_rank, schedules=chosen.schedules, microbatches=counts,
+        space=chosen.space, machine=machine, measure=chosen.measure))
 
 
 def _from_plan(plan, world: int, example_args, example_kwargs):
