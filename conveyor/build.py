@@ -82,11 +82,10 @@ def pipeline(
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
                         unsplittable=options.split.unsplittable, device=device)
-    if split_points is None and options.split.method == "time" and world > 1:
-        split_points = _by_rank_zero(layout, lambda: list(split_model(
-            model, resolved.num_stages, split_method="time", **split_kwargs).split_points))
-    split = split_model(model, resolved.num_stages, split_points=split_points, split_method=options.split.method,
-                        **split_kwargs)
+    method = options.split.method
+    if split_points is None and method == "time":
+        split_points, method = _time_split_points(model, resolved.num_stages, layout, split_kwargs), "parameters"
+    split = split_model(model, resolved.num_stages, split_points=split_points, split_method=method, **split_kwargs)
     stages = range(resolved.num_stages) if layout.in_process else resolved.stages_of(rank)
     modules = [split.stage_module(stage, device, both_modes=options.split.both_modes) for stage in stages]
     whole = WholeModel(split.tied_groups, _parameter_order(model), model_signature(model, split.split_points),
@@ -150,6 +149,16 @@ def _by_rank_zero(layout: Layout, decide: Any) -> Any:
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast_object_list(chosen, src=src, group=group)
     return chosen[0]
+
+
+def _time_split_points(model, num_stages: int, layout: Layout, split_kwargs: dict) -> list[str]:
+    """``split_method="time"``: the planner measures the units and stages on rank 0 and chooses the split
+    points (:func:`conveyor.plan.time_split.time_split`); every rank cuts at them (timings differ from
+    rank to rank)."""
+    from conveyor.plan import time_split
+
+    given = dict(split_kwargs, unsplittable=tuple(split_kwargs["unsplittable"] or ()))
+    return _by_rank_zero(layout, lambda: list(time_split.time_split(model, num_stages, **given).split_points))
 
 
 def _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options):

@@ -46,9 +46,9 @@ import torch.distributed as dist
 
 import conveyor.schedule as cs
 from conveyor.errors import PlanError
-from conveyor.frontend.profile import synchronize
 from conveyor.options import TransferOptions
 from conveyor.plan.emulated import Emulated, Workload
+from conveyor.plan.profile import synchronize
 from conveyor.ranks import RankGroup
 from conveyor.schedule.ir import ActionKind
 from conveyor.schedule.timeline import Timeline
