@@ -437,7 +437,7 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
         f"worst {max(abs(r - 1) for r in ratios):.3f}; within 5%: "
         f"{sum(abs(r - 1) <= 0.05 for r in ratios)} of {len(ratios)}.", "",
         *[f"- {line}" for line in fastest(records)], "",
-        "The planner's own plan (`conveyor.plan.plan(..., calibration=...)`, no memory limit) against the "
+        "The planner's own plan (`conveyor.plan.plan(..., machine=Machine(calibration=...))`, no memory limit) against the "
         "fastest built-in with the default split, measured in the same run:", "",
         *[f"- {line}" for line in plan_chosen.verdicts(records)], "",
     ]

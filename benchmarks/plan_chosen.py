@@ -92,8 +92,9 @@ def choose(worker, workload, global_microbatches: int, calibration: dict):
     global_batch = workload.rows_per_microbatch * global_microbatches
     # The emulated ranks sleep (a device each); the GPT's share this machine's cores.
     cores = None if isinstance(workload, Emulated) else os.cpu_count()
-    return conveyor.plan.plan(whole, example, ranks=workload.num_ranks, global_batch=global_batch, costs=costs,
-                              calibration=calibration, cores=cores)
+    return conveyor.plan.plan(whole, example, ranks=workload.num_ranks, global_batch=global_batch,
+                              machine=conveyor.plan.Machine(calibration=calibration, cores=cores),
+                              measure=conveyor.plan.Measurement(costs=costs))
 
 
 def chosen_case(plan, workload) -> lib.Case:

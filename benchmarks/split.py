@@ -120,6 +120,7 @@ def bench_time_balance(repeats: int) -> None:
     import torch
 
     import conveyor.frontend as frontend
+    from conveyor.plan.time_split import profile_stages, time_split
     from conveyor.testing.models import UnevenMLP
 
     # Blocks grow wider with depth (64 .. 2048): equal block counts put most work on the last stage.
@@ -137,14 +138,18 @@ def bench_time_balance(repeats: int) -> None:
     ratios = {}
     for method in ("uniform", "time"):
         start = time.perf_counter()
-        split = frontend.split_model(model, 4, example_args=(x,), split_method=method)
+        if method == "time":  # the planner measures and chooses the split points; the frontend cuts there
+            chosen = time_split(model, 4, example_args=(x,))
+            split = frontend.split_model(model, 4, example_args=(x,), split_points=chosen.split_points)
+        else:
+            split = frontend.split_model(model, 4, example_args=(x,), split_method=method)
         split_s = time.perf_counter() - start
         # Measure the resulting stages a few times; keep each stage's best (noise only adds).
         costs = [
             min(values)
             for values in zip(
                 *(
-                    frontend.profile_stages(split, (x,), None, torch.device("cpu"), repeats=repeats)
+                    profile_stages(split, (x,), None, torch.device("cpu"), repeats=repeats)
                     for _ in range(3)
                 )
             )
@@ -155,7 +160,7 @@ def bench_time_balance(repeats: int) -> None:
             ""
             if method != "time"
             else (
-                f" (profiled units summed: {', '.join(f'{w * 1e3:.1f}' for w in split.stage_weights)})"
+                f" (measured while splitting: {', '.join(f'{w * 1e3:.1f}' for w in chosen.stage_seconds)})"
             )
         )
         print(

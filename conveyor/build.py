@@ -50,10 +50,11 @@ def pipeline(
     stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh) and
     ``data_parallel`` run ``dp`` replicas, as :class:`Pipeline` does. ``plan`` (a
     :class:`~conveyor.plan.Plan` or its file) sets schedule, microbatches, virtual and split points;
-    ``schedule="auto"``: rank 0 plans (``conveyor.plan.plan(..., **options.plan_options)``), every
-    rank follows. ``options`` (:class:`~conveyor.options.PipelineOptions`) holds the rest, as
-    records: ``virtual``, ``split`` (method, unsplittable modules, ``both_modes``), ``stage``
-    (``StageOptions(compile=True)`` compiles each traced stage, ``autocast="bf16"``, ...),
+    ``schedule="auto"``: rank 0 plans (``conveyor.plan.plan()`` with ``options.plan_options``, a
+    :class:`~conveyor.plan.PlanOptions`), every rank follows. ``options``
+    (:class:`~conveyor.options.PipelineOptions`) holds the rest, as records: ``virtual``, ``split``
+    (method, unsplittable modules, ``both_modes``), ``stage`` (``StageOptions(compile=True)``
+    compiles each traced stage, ``autocast="bf16"``, ...),
     ``transfer``, and ``layout`` (``Layout(in_process=True, ranks=P)``: every stage in this process,
     no launcher needed).
 
@@ -81,11 +82,10 @@ def pipeline(
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
                         unsplittable=options.split.unsplittable, device=device)
-    if split_points is None and options.split.method == "time" and world > 1:
-        split_points = _by_rank_zero(layout, lambda: list(split_model(
-            model, resolved.num_stages, split_method="time", **split_kwargs).split_points))
-    split = split_model(model, resolved.num_stages, split_points=split_points, split_method=options.split.method,
-                        **split_kwargs)
+    method = options.split.method
+    if split_points is None and method == "time":
+        split_points, method = _time_split_points(model, resolved.num_stages, layout, split_kwargs), "parameters"
+    split = split_model(model, resolved.num_stages, split_points=split_points, split_method=method, **split_kwargs)
     stages = range(resolved.num_stages) if layout.in_process else resolved.stages_of(rank)
     modules = [split.stage_module(stage, device, both_modes=options.split.both_modes) for stage in stages]
     whole = WholeModel(split.tied_groups, _parameter_order(model), model_signature(model, split.split_points),
@@ -151,20 +151,38 @@ def _by_rank_zero(layout: Layout, decide: Any) -> Any:
     return chosen[0]
 
 
+def _time_split_points(model, num_stages: int, layout: Layout, split_kwargs: dict) -> list[str]:
+    """``split_method="time"``: the planner measures the units and stages on rank 0 and chooses the split
+    points (:func:`conveyor.plan.time_split.time_split`); every rank cuts at them (timings differ from
+    rank to rank)."""
+    from conveyor.plan import time_split
+
+    given = dict(split_kwargs, unsplittable=tuple(split_kwargs["unsplittable"] or ()))
+    return _by_rank_zero(layout, lambda: list(time_split.time_split(model, num_stages, **given).split_points))
+
+
 def _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options):
     """Rank 0's plan, broadcast: timings differ from rank to rank, and every rank must cut alike.
-    ``global_batch`` defaults to ``microbatches`` (or 2 x ranks) x the example's batch."""
+    ``global_batch`` defaults to ``microbatches`` (or 2 x ranks) x the example's batch; the microbatch
+    counts tried to ``microbatches`` when given; threads "auto" to the threads rank 0 trains with."""
+    from conveyor.plan.options import PlanOptions
     from conveyor.plan.planner import plan as make_plan
     from conveyor.plan.profile import _batch_size
 
-    plan_options = dict(options.plan_options or {})
+    chosen = options.plan_options if options.plan_options is not None else PlanOptions()
+    if not isinstance(chosen, PlanOptions):
+        raise PipelineConfigError(f"PipelineOptions.plan_options takes a conveyor.plan.PlanOptions; got "
+                                  f"{type(chosen).__name__}")
     size = _batch_size(tuple(example_args), example_kwargs)
-    plan_options.setdefault("global_batch", (microbatches or 2 * world) * size)
-    if microbatches is not None:
-        plan_options.setdefault("microbatches", [microbatches])
-    plan_options.setdefault("threads", None)  # rank 0 profiles with the threads it trains with
-    return _by_rank_zero(layout, lambda: make_plan(model, tuple(example_args), example_kwargs=example_kwargs,
-                                                   ranks=world, **plan_options))
+    global_batch = chosen.global_batch or (microbatches or 2 * world) * size
+    counts = chosen.microbatches or (None if microbatches is None else [microbatches])
+    machine = chosen.machine
+    if machine.threads == "auto":  # this process already computes with the threads it trains with
+        machine = dataclasses.replace(machine, threads=None)
+    return _by_rank_zero(layout, lambda: make_plan(
+        model, tuple(example_args), example_kwargs=example_kwargs, ranks=world, global_batch=global_batch,
+        memory_per_rank=chosen.memory_per_rank, schedules=chosen.schedules, microbatches=counts,
+        space=chosen.space, machine=machine, measure=chosen.measure))
 
 
 def _from_plan(plan, world: int, example_args, example_kwargs):

@@ -316,7 +316,9 @@ class PipelineOptions:
     layout: Layout = field(default_factory=Layout, metadata={"help": "where the ranks are"})
     split: SplitOptions = field(default_factory=SplitOptions, metadata={"help": "how the model is cut"})
     virtual: int | None = _f(None, "stages per rank, for a schedule given by name (None: the schedule's default)")
-    plan_options: Mapping[str, Any] | None = _f(None, "with schedule='auto': keywords of conveyor.plan.plan")
+    # Typed Any: the record lives in conveyor.plan, above this module (conveyor.pipeline checks the type).
+    plan_options: Any = _f(None, "with schedule='auto': a conveyor.plan.PlanOptions (memory per rank, schedules, "
+                                 "search space, machine, measurement; None: its defaults)")
 
     def __post_init__(self) -> None:
         for name, kind in (("stage", StageOptions), ("transfer", TransferOptions), ("layout", Layout),

@@ -48,7 +48,6 @@ Example:
 """
 
 from conveyor.errors import SplitError, TracingError
-from conveyor.frontend.profile import profile_stages
 from conveyor.frontend.sequential import run_sequential
 from conveyor.frontend.split import SPLIT_METHODS, ModelSplit, TiedParameter, split_model
 from conveyor.frontend.stage import StageModule, ValueSpec
@@ -61,7 +60,6 @@ __all__ = [
     "TiedParameter",
     "TracingError",
     "ValueSpec",
-    "profile_stages",
     "run_sequential",
     "split_model",
 ]

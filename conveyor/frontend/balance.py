@@ -1,8 +1,9 @@
 """Cut a row of segments into contiguous parts whose heaviest part is lightest (pure Python).
 
 The one min-max partition of conveyor: the frontend's splitter reduces every balancing method
-(count of blocks, parameters, measured time for ``split_method="time"``, count of matching
-module types) to one row of segment weights and cuts it with :func:`partition`; the planner
+(count of blocks, parameters, count of matching module types) to one row of segment weights and
+cuts it with :func:`partition`; so does the planner's cut by measured time
+(:mod:`conveyor.plan.time_split`, ``split_method="time"``), and the planner's search
 (:mod:`conveyor.plan.balance`) cuts its profiled units with :func:`min_max_partition`, whose
 cost of a part may depend on the part (memory with its in-flight activations) and may forbid it.
 

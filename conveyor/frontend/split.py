@@ -21,7 +21,6 @@ from conveyor.frontend.balance import partition
 from conveyor.frontend.materialize import copy_tensor, materialize, named_tensors
 from conveyor.frontend.split_steps import SPLIT_METHODS as SPLIT_METHODS  # re-exported: public here
 from conveyor.frontend.split_steps import (
-    _calibrate,
     _cut_allowed,
     _dry_run,
     _unit_weights,
@@ -362,12 +361,13 @@ def split_model(
         split_points: ``num_stages - 1`` module paths to start stages 1.. with
             (``"model.layers.4"``); if given, ``split_method`` is not used.
         split_method: ``"uniform"`` (equal number of repeated blocks per stage),
-            ``"parameters"`` (balance parameter counts), ``"time"`` (balance the
-            forward+backward time of each unit, measured on ``device`` first), or
-            ``"type:<regex>"`` (balance the number of modules whose class name matches).
+            ``"parameters"`` (balance parameter counts), or ``"type:<regex>"`` (balance
+            the number of modules whose class name matches). Balancing measured time
+            runs the model: :func:`conveyor.plan.time_split.time_split` chooses the
+            split points (``conveyor.pipeline`` does, with ``SplitOptions(method="time")``).
         unsplittable: module paths never cut inside.
-        device: where ``"time"`` profiles and where stages are built by default
-            (default: the model's device, or cpu for a meta-device model).
+        device: where stages are built by default (default: the model's device, or cpu
+            for a meta-device model).
 
     Example:
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
@@ -394,8 +394,7 @@ def split_model(
             traced, spans, model, split_points, unsplittable, default_device, seed, num_stages
         )
     return _balanced_split(
-        traced, spans, model, num_stages, split_method, unsplittable,
-        example_args, example_kwargs, default_device, seed,
+        traced, spans, model, num_stages, split_method, unsplittable, default_device, seed
     )
 
 
@@ -427,8 +426,6 @@ def _balanced_split(
     num_stages: int,
     split_method: str,
     unsplittable: list[str],
-    example_args: Sequence[Any],
-    example_kwargs: Mapping[str, Any] | None,
     device: torch.device,
     seed: int,
 ) -> ModelSplit:
@@ -438,53 +435,16 @@ def _balanced_split(
         units = [Unit("", type(model).__name__, 0, False)]
     starts = [0] + [unit.start for unit in units[1:]]
     weights = _unit_weights(split_method, traced, units, starts, spans, model, num_stages)
-    if weights is None:  # "time": profile every unit on its own first
-        weights = _profile_units(traced, units, starts, example_args, example_kwargs, device, seed)
     cut_allowed = _cut_allowed(
         model, units, starts, weights, spans, unsplittable, num_stages, split_method
     )
-
-    def split_for(unit_weights: list[float]) -> ModelSplit:
-        cuts = partition(unit_weights, num_stages, cut_allowed)
-        bounds = [0, *cuts, len(units)]
-        stage_weights = tuple(sum(unit_weights[a:b]) for a, b in zip(bounds, bounds[1:]))
-        split = _make_split(
-            traced, [starts[j] for j in cuts], tuple(units[j].name for j in cuts), stage_weights,
-            device, seed, num_stages,
-        )
-        split._unit_bounds = bounds
-        return split
-
-    split = split_for(weights)
-    if split_method == "time" and num_stages > 1:
-        split = _calibrate(split, split_for, weights, example_args, example_kwargs, device)
-    return split
-
-
-def _profile_units(
-    traced: TracedModel,
-    units: list[Unit],
-    starts: list[int],
-    example_args: Sequence[Any],
-    example_kwargs: Mapping[str, Any] | None,
-    device: torch.device,
-    seed: int,
-) -> list[float]:
-    """Each unit's measured forward+backward seconds: the weights of ``split_method="time"``."""
-    unit_split = _make_split(
-        traced,
-        starts[1:],
-        tuple(u.name for u in units[1:]),
-        None,
-        device,
-        seed,
-        len(units),
+    cuts = partition(weights, num_stages, cut_allowed)
+    bounds = [0, *cuts, len(units)]
+    stage_weights = tuple(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+    return _make_split(
+        traced, [starts[j] for j in cuts], tuple(units[j].name for j in cuts), stage_weights,
+        device, seed, num_stages,
     )
-    from conveyor.frontend.profile import profile_stages
-
-    weights = profile_stages(unit_split, example_args, example_kwargs, device, repeats=5)
-    logger.info("measured unit costs (s): %s", dict(zip((u.name for u in units), weights)))
-    return weights
 
 
 def _make_split(

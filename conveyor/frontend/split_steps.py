@@ -2,9 +2,9 @@
 
 ``split_model`` (:mod:`conveyor.frontend.split`) traces the model and builds the
 ``ModelSplit``; what it asks along the way lives here: how much each unit weighs under a
-``split_method``, where a cut may go, how a time-balanced cut is calibrated against
-measured stages, and the dry run on meta tensors that checks a cut and records what
-crosses each boundary.
+``split_method``, where a cut may go, and the dry run on meta tensors that checks a cut and
+records what crosses each boundary. A cut by measured time is the planner's
+(:mod:`conveyor.plan.time_split`): it hands ``split_model`` the split points.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # split_model's messages, under the name they have always had (users filter on it).
 logger = logging.getLogger("conveyor.frontend.split")
 
-SPLIT_METHODS = ("uniform", "parameters", "time", "type:<regex>")
+SPLIT_METHODS = ("uniform", "parameters", "type:<regex>")
 
 
 def _cut_allowed(
@@ -58,40 +58,6 @@ def _cut_allowed(
     return cut_allowed
 
 
-def _calibrate(split, split_for, weights, example_args, example_kwargs, device, rounds: int = 2):
-    """Time the stages of a time-balanced split and re-balance with what they really cost.
-
-    Units profiled one by one each pay a fixed overhead that a stage of several units pays
-    once, so summed unit times overstate stages made of many small units. Each round scales
-    every stage's units by measured / predicted and splits again; the split whose slowest
-    measured stage is fastest wins.
-    """
-    from conveyor.frontend.profile import profile_stages
-
-    def slowest(candidate) -> tuple[float, list[float]]:
-        measured = profile_stages(candidate, example_args, example_kwargs, device, repeats=5)
-        return max(measured), measured
-
-    best, (best_time, measured) = split, slowest(split)
-    current, scaled = split, list(weights)
-    for _ in range(rounds):
-        bounds = current._unit_bounds
-        for stage, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            predicted = sum(scaled[a:b])
-            if predicted > 0:
-                factor = measured[stage] / predicted
-                scaled[a:b] = [w * factor for w in scaled[a:b]]
-        candidate = split_for(scaled)
-        if candidate.split_points == current.split_points:
-            break
-        candidate_time, measured = slowest(candidate)
-        logger.info("time balance: slowest stage %.4g s with %s", candidate_time, candidate.split_points)
-        if candidate_time < best_time:
-            best, best_time = candidate, candidate_time
-        current = candidate
-    return best
-
-
 def _short_list(names: list[str], limit: int = 8) -> str:
     if len(names) <= limit:
         return ", ".join(names) or "none"
@@ -106,7 +72,7 @@ def _unit_weights(
     spans: ModuleSpans,
     model: nn.Module,
     num_stages: int,
-) -> list[float] | None:
+) -> list[float]:
     ends = [*starts[1:], len(traced.nodes)]
     if method == "uniform":
         if any(unit.blocks for unit in units):
@@ -126,7 +92,11 @@ def _unit_weights(
             weights.append(float(sum(seen.values())))
         return weights
     if method == "time":
-        return None
+        raise SplitError(
+            "split_method='time' measures the model, which is the planner's work: pass the split points "
+            "conveyor.plan.time_split.time_split(model, num_stages, example_args=...) chooses, or let "
+            "conveyor.pipeline do it (options=PipelineOptions(split=SplitOptions(method='time')))"
+        )
     if method.startswith("type:"):
         try:
             pattern = re.compile(method[len("type:") :])

@@ -5,7 +5,8 @@ every splittable unit of the model (F, I, W time; activation and parameter bytes
 from its shapes on the meta device, searches split points x schedule x M x V by simulating
 each candidate, and returns the fastest :class:`Plan` that fits. ``conveyor.pipeline(...,
 plan=plan_or_path)`` and ``conveyor train parallel.plan=PATH`` run it; ``conveyor plan`` is the
-command line.
+command line. Options beyond the everyday keywords come as records (:mod:`conveyor.plan.options`):
+``space=SearchSpace(...)``, ``machine=Machine(...)``, ``measure=Measurement(...)``.
 
 Importing it does not import torch (the plan file and the search are pure Python);
 the profiling parts load on first use.
@@ -22,6 +23,7 @@ import importlib
 from typing import Any
 
 from conveyor.plan.costs import CostTable, UnitCost, synthetic_table
+from conveyor.plan.options import Machine, Measurement, PlanOptions, SearchSpace
 from conveyor.plan.result import Plan, as_plan, format_size, parse_size
 from conveyor.plan.search import Candidate, SearchResult, search
 
@@ -34,9 +36,9 @@ _LAZY = {
     "analytic_units": "conveyor.plan.analytic",
 }
 
-__all__ = ["Candidate", "CostTable", "Plan", "SearchResult", "UnitCost", "analytic_units", "as_plan", "choose",
-           "format_plan", "format_size", "parse_size", "plan", "profile_units", "search", "synthetic_table",
-           "unit_costs"]
+__all__ = ["Candidate", "CostTable", "Machine", "Measurement", "Plan", "PlanOptions", "SearchResult", "SearchSpace",
+           "UnitCost", "analytic_units", "as_plan", "choose", "format_plan", "format_size", "parse_size", "plan",
+           "profile_units", "search", "synthetic_table", "unit_costs"]
 
 
 def __getattr__(name: str) -> Any:

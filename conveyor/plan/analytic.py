@@ -23,11 +23,7 @@ from torch import nn
 from conveyor.errors import PlanError
 from conveyor.frontend.units import is_block_container
 from conveyor.plan.costs import CostTable, UnitCost
-
-# Sustained dense throughput and memory bandwidth of the device the plan is for (an H100 at ~40%
-# of its bf16 peak, and its HBM3), used only when the costs cannot be measured.
-DEFAULT_FLOPS_PER_SECOND = 400e12
-DEFAULT_BYTES_PER_SECOND = 2.0e12
+from conveyor.plan.options import DEFAULT_BYTES_PER_SECOND, DEFAULT_FLOPS_PER_SECOND
 
 
 def module_units(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:

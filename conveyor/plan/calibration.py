@@ -30,7 +30,7 @@ Example:
     >>> calibration_from_timelines([run], [9.5]).step_s
     0.5
     >>> # measured: conveyor.plan.plan(model, example, ranks=2, global_batch=16,
-    >>> #                              calibration=calibrate(conveyor.Pipeline, ranks=2))
+    >>> #               machine=conveyor.plan.Machine(calibration=calibrate(conveyor.Pipeline, ranks=2)))
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ import torch.distributed as dist
 
 import conveyor.schedule as cs
 from conveyor.errors import PlanError
-from conveyor.frontend.profile import synchronize
 from conveyor.options import TransferOptions
 from conveyor.plan.emulated import Emulated, Workload
+from conveyor.plan.profile import synchronize
 from conveyor.ranks import RankGroup
 from conveyor.schedule.ir import ActionKind
 from conveyor.schedule.timeline import Timeline
@@ -104,9 +104,10 @@ def calibration_of(value: Calibration | dict | None, ranks: int) -> Calibration 
     if value is True:
         # Measuring runs real pipelines, whose class sits above the planner: the caller hands it over.
         raise PlanError(
-            f"calibration=True: the planner does not start pipelines; measure this machine with "
+            f"Machine(calibration=True): the planner does not start pipelines; measure this machine with "
             f"conveyor.plan.calibration.calibrate(conveyor.Pipeline, ranks={ranks}) (a few seconds) and pass the "
-            "result, or its as_dict() from an earlier run (`conveyor plan --calibrate` does this)")
+            "result as Machine(calibration=...), or its as_dict() from an earlier run (`conveyor plan "
+            "--calibrate` does this)")
     if isinstance(value, dict):
         names = {f.name for f in fields(Calibration)}
         return Calibration(**{k: v for k, v in value.items() if k in names})
@@ -306,7 +307,8 @@ def calibrate(make_pipeline: Callable[..., Any], *, ranks: int = 2, microbatches
         >>> import conveyor
         >>> calibrate(conveyor.Pipeline, ranks=2).latency_s < 0.01   # doctest: +SKIP
         True
-        >>> # then: conveyor.plan.plan(model, example, ranks=2, global_batch=16, calibration=that)
+        >>> # then: conveyor.plan.plan(model, example, ranks=2, global_batch=16,
+        >>> #                               machine=conveyor.plan.Machine(calibration=that))
     """
     def run(width: int, rows: int) -> tuple[Calibration, float]:
         workload = Emulated(ranks, sleep_ms, sleep_ms, sleep_ms, blocks_per_rank=1,

@@ -4,7 +4,7 @@ Example:
     >>> import torch
     >>> model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     >>> chosen = plan(model, torch.randn(2, 16), ranks=2, global_batch=8, memory_per_rank="1GiB",
-    ...               schedules=["1f1b"], repeats=1)
+    ...               schedules=["1f1b"], measure=Measurement(repeats=1))
     >>> chosen.schedule, chosen.ranks, len(chosen.split_points)
     ('1f1b', 2, 1)
 """
@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -21,13 +22,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from conveyor.errors import PlanError
-from conveyor.plan.analytic import (
-    DEFAULT_BYTES_PER_SECOND,
-    DEFAULT_FLOPS_PER_SECOND,
-    analytic_units,
-)
-from conveyor.plan.calibration import Calibration, calibration_of
+from conveyor.plan.analytic import analytic_units
+from conveyor.plan.calibration import calibration_of
 from conveyor.plan.costs import CostTable, combine
+from conveyor.plan.options import Machine, Measurement, SearchSpace
 from conveyor.plan.profile import (
     _batch_size,
     optimizer_seconds_per_parameter,
@@ -35,71 +33,71 @@ from conveyor.plan.profile import (
     resize_batch,
 )
 from conveyor.plan.result import Plan, format_size, parse_size
-from conveyor.plan.search import (
-    DEFAULT_BALANCE_TOLERANCE,
-    DEFAULT_BANDWIDTH,
-    DEFAULT_LATENCY,
-    Candidate,
-    SearchResult,
-    microbatch_choices,
-    search,
-)
+from conveyor.plan.search import Candidate, SearchResult, microbatch_choices, search
 from conveyor.runtime.device import cpu_threads_per_rank
 
 
 def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch: int,
          memory_per_rank: str | float = math.inf, example_kwargs: Mapping[str, Any] | None = None,
          schedules: Sequence[str] | None = None, microbatches: Sequence[int] | None = None,
-         virtual: Sequence[int] = (1, 2), costs: CostTable | None = None, device: torch.device | str | None = None,
-         repeats: int = 3, unsplittable: Sequence[str] = (), bandwidth: float = DEFAULT_BANDWIDTH,
-         latency: float = DEFAULT_LATENCY, optimizer_bytes_per_parameter: float = 8.0,
-         flops_per_second: float = DEFAULT_FLOPS_PER_SECOND, bytes_per_second: float = DEFAULT_BYTES_PER_SECOND,
-         balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE, top: int = 5,
-         calibration: Calibration | dict | None = None, cores: int | None | str = "auto",
-         threads: int | None | str = "auto") -> Plan:
+         space: SearchSpace = SearchSpace(), machine: Machine = Machine(),
+         measure: Measurement = Measurement()) -> Plan:
     """The fastest plan (schedule, V, microbatches, split points) for ``ranks`` ranks whose predicted
-    memory per rank (parameters, gradients, optimizer state, activations) fits ``memory_per_rank``.
+    memory per rank (parameters, gradients, optimizer state, activations) fits ``memory_per_rank``
+    (bytes, or a size such as ``"8GiB"``), trying ``schedules`` (default: every registered one) and
+    ``microbatches`` (default: the divisors of ``global_batch`` of at least ``ranks``).
 
     ``example`` is ONE microbatch (a tensor, or a tuple of forward's positional arguments; batch first).
-    The units are profiled on ``device`` (default: the model's), at the example's size and at one more
-    microbatch size the search may pick; a model on the meta device gets costs from the cost model
-    (:mod:`conveyor.plan.analytic`, ``flops_per_second``, ``seq_len`` from the example's second
-    dimension). ``costs`` skips both. Raises :class:`~conveyor.errors.PlanError` when nothing fits,
-    naming the lightest candidate's peak.
+    The rest comes in records (:mod:`conveyor.plan.options`): ``space`` (:class:`SearchSpace`:
+    stages per rank, balance tolerance, how many plans to list), ``machine`` (:class:`Machine`:
+    links, throughput, optimizer state, cores, threads, calibration) and ``measure``
+    (:class:`Measurement`: device, repeats, given costs, unsplittable modules).
 
-    ``calibration`` (a :class:`~conveyor.plan.calibration.Calibration` or its ``as_dict()``; measure
-    one with :func:`conveyor.plan.calibration.calibrate`) makes each predicted step the one a real step
-    is checked against (:func:`~conveyor.plan.predict.predict_split`): the runtime's per-action and
-    per-receive time, message latency, the step's own time, and each rank's AdamW step (timed here
-    on copies of the parameters). ``cores``: the CPU cores the ranks share ("auto": the machine's
-    when the model computes on the CPU; None: a device per rank, as for blocks that only wait).
-    ``threads``: the CPU threads each rank computes with, which a model on the CPU is profiled
-    at ("auto": ``OMP_NUM_THREADS`` when set, else the machine's cores shared by ``ranks`` ranks,
-    as ``conveyor train`` gives its local ranks; None: this process's torch setting).
+    The units are profiled on ``measure.device`` (default: the model's), at the example's size and at
+    one more microbatch size the search may pick; a model on the meta device gets costs from the cost
+    model (:mod:`conveyor.plan.analytic`, ``machine.flops_per_second``, ``seq_len`` from the example's
+    second dimension). ``measure.costs`` skips both. Raises :class:`~conveyor.errors.PlanError` when
+    nothing fits, naming the lightest candidate's peak.
+
+    ``machine.calibration`` (a :class:`~conveyor.plan.calibration.Calibration` or its ``as_dict()``;
+    measure one with :func:`conveyor.plan.calibration.calibrate`) makes each predicted step the one a
+    real step is checked against (:func:`~conveyor.plan.predict.predict_split`): the runtime's
+    per-action and per-receive time, message latency, the step's own time, and each rank's AdamW
+    step (timed here on copies of the parameters). ``machine.cores``: the CPU cores the ranks share
+    ("auto": the machine's when the model computes on the CPU; None: a device per rank, as for
+    blocks that only wait). ``machine.threads``: the CPU threads each rank computes with, which a
+    model on the CPU is profiled at ("auto": ``OMP_NUM_THREADS`` when set, else the machine's cores
+    shared by ``ranks`` ranks, as ``conveyor train`` gives its local ranks; None: this process's
+    torch setting).
     """
+    for name, value, kind in (("space", space, SearchSpace), ("machine", machine, Machine),
+                              ("measure", measure, Measurement)):
+        if not isinstance(value, kind):
+            raise PlanError(f"plan(): {name}= takes a conveyor.plan.{kind.__name__}; got {type(value).__name__}")
     limit = parse_size(memory_per_rank)
-    calibration = calibration_of(calibration, ranks)
+    calibration = calibration_of(machine.calibration, ranks)
     measured = not any(p.device.type == "meta" for p in model.parameters())
     first = next(model.parameters(), None)
+    device = measure.device
     where = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+    threads, cores = machine.threads, machine.cores
     if threads == "auto":
         threads = cpu_threads_per_rank(ranks) if measured and where.type == "cpu" else None
+    if cores == "auto":
+        cores = os.cpu_count() if calibration is not None and measured and where.type == "cpu" else None
     rate = 0.0
+    costs = measure.costs
     with _torch_threads(threads):
         if calibration is not None and measured:
             rate = optimizer_seconds_per_parameter(model)
-            cores = (os.cpu_count() if where.type == "cpu" else None) if cores == "auto" else cores
         args = example if isinstance(example, tuple) else (example,)
         if costs is None:
             costs = unit_costs(model, args, example_kwargs, global_batch=global_batch, ranks=ranks,
-                               microbatches=microbatches, device=device, repeats=repeats, unsplittable=unsplittable,
-                               flops_per_second=flops_per_second, bytes_per_second=bytes_per_second)
+                               microbatches=microbatches, machine=machine, measure=measure)
+    resolved = dataclasses.replace(machine, calibration=calibration, cores=cores, threads=threads)
     result = search(costs, ranks=ranks, global_batch=global_batch, memory_per_rank=limit, schedules=schedules,
-                    microbatches=microbatches, virtual=virtual, bandwidth=bandwidth, latency=latency,
-                    optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
-                    balance_tolerance=balance_tolerance, calibration=calibration,
-                    optimizer_s_per_parameter=rate, cores=cores)
-    return choose(result, costs, top=top)
+                    microbatches=microbatches, space=space, machine=resolved, optimizer_s_per_parameter=rate)
+    return choose(result, costs, top=space.top)
 
 
 @contextlib.contextmanager
@@ -117,25 +115,25 @@ def _torch_threads(count: int | None):
 
 
 def unit_costs(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, *, global_batch: int,
-               ranks: int, microbatches: Sequence[int] | None = None, device: torch.device | str | None = None,
-               repeats: int = 3,
-               unsplittable: Sequence[str] = (), flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
-               bytes_per_second: float = DEFAULT_BYTES_PER_SECOND) -> CostTable:
+               ranks: int, microbatches: Sequence[int] | None = None, machine: Machine = Machine(),
+               measure: Measurement = Measurement()) -> CostTable:
     """The units' costs: the cost model for a meta-device model, else measured at the example's
     microbatch size and (when the search may pick others) at a second one, the time's fixed part
     fitted through both.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-        >>> unit_costs(model, (torch.randn(2, 8),), None, global_batch=8, ranks=2, repeats=1).microbatch_size
+        >>> unit_costs(model, (torch.randn(2, 8),), None, global_batch=8, ranks=2,
+        ...            measure=Measurement(repeats=1)).microbatch_size
         2
     """
     size = _batch_size(args, kwargs)
     if any(p.device.type == "meta" for p in model.parameters()):
         leaf = next((t for t in pytree.tree_leaves((args, dict(kwargs or {}))) if isinstance(t, torch.Tensor)), None)
         seq_len = int(leaf.shape[1]) if leaf is not None and leaf.dim() >= 2 else 1
-        return analytic_units(model, microbatch_size=size, seq_len=seq_len, flops_per_second=flops_per_second,
-                              bytes_per_second=bytes_per_second)
+        return analytic_units(model, microbatch_size=size, seq_len=seq_len, flops_per_second=machine.flops_per_second,
+                              bytes_per_second=machine.bytes_per_second)
+    device, repeats, unsplittable = measure.device, measure.repeats, measure.unsplittable
     table = profile_units(model, args, kwargs, device=device, repeats=repeats, unsplittable=unsplittable)
     ms = list(microbatches) if microbatches is not None else microbatch_choices(global_batch, ranks)
     sizes = sorted({global_batch // m for m in ms} - {size})

@@ -180,7 +180,7 @@ def predict_split(schedule: Schedule, model: cs.CostModel, calibration: Calibrat
 def predict_plan(plan: Plan, calibration: Calibration) -> Prediction:
     """The calibrated step of a chosen :class:`~conveyor.plan.result.Plan` from its own unit costs, with the
     optimizer rate and cores it was planned with (its ``settings``): what ``conveyor.plan.plan(...,
-    calibration=...)`` predicted, with the simulated timeline.
+    machine=Machine(calibration=...))`` predicted, with the simulated timeline.
 
     Example:
         >>> import torch, conveyor
@@ -188,7 +188,8 @@ def predict_plan(plan: Plan, calibration: Calibration) -> Prediction:
         >>> from conveyor.plan.calibration import Calibration
         >>> cal = Calibration(step_s=1e-3)
         >>> chosen = conveyor.plan.plan(model, torch.randn(2, 8), ranks=2, global_batch=4, schedules=["1f1b"],
-        ...                             repeats=1, calibration=cal)
+        ...                             machine=conveyor.plan.Machine(calibration=cal),
+        ...                             measure=conveyor.plan.Measurement(repeats=1))
         >>> abs(predict_plan(chosen, cal).step_s - chosen.step_time) < 1e-12
         True
     """

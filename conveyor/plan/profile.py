@@ -2,10 +2,10 @@
 
 :func:`profile_units` times the units (:func:`~conveyor.plan.analytic.analytic_units` costs them from
 their shapes instead); :func:`split_backward_seconds` one graph's I and W as the runtime runs them;
-:func:`optimizer_seconds_per_parameter` an AdamW step. ``split_method="time"`` of the frontend
-times whole stages with :func:`conveyor.frontend.profile.profile_stages` (the frontend cannot reach
-this layer); both share its timing rules (:func:`~conveyor.frontend.profile.synchronize`, the
-model's state saved and restored around a timed run).
+:func:`optimizer_seconds_per_parameter` an AdamW step. ``split_method="time"``
+(:mod:`conveyor.plan.time_split`) weighs units with :func:`profile_units` and times whole stages;
+both follow the timing rules here (:func:`synchronize`, the model's state saved and restored
+around a timed run: :func:`save_module_state`, :func:`restore_module_state`).
 
 
 The model is cut before every unit (``conveyor.frontend.split_model`` with the units' names as
@@ -32,7 +32,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conveyor.errors import PlanError
 from conveyor.frontend import split_model
-from conveyor.frontend.profile import restore_module_state, save_module_state, synchronize
 from conveyor.frontend.stage import as_received
 from conveyor.frontend.trace import trace_model
 from conveyor.frontend.units import ModuleSpans, find_units
@@ -131,6 +130,39 @@ def _pooled(best: list[list[float]], kinds: list[tuple]) -> list[list[float]]:
             for i in members:
                 pooled[i][part] = value
     return pooled
+
+
+def save_module_state(module: torch.nn.Module) -> tuple[list[Any], list[torch.Tensor]]:
+    """A module's gradients and a copy of its buffers, for :func:`restore_module_state` after a timed run.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(2); saved = save_module_state(bn); _ = bn(torch.randn(4, 2))
+        >>> restore_module_state(bn, saved); bn.running_mean.tolist()
+        [0.0, 0.0]
+    """
+    grads = [parameter.grad for parameter in module.parameters()]
+    buffers = [buffer.detach().clone() for buffer in module.buffers()]
+    return grads, buffers
+
+
+def restore_module_state(module: torch.nn.Module, saved: tuple[list[Any], list[torch.Tensor]]) -> None:
+    """Put back what :func:`save_module_state` saved: timing leaves no trace on the model."""
+    grads, buffers = saved
+    for parameter, grad in zip(module.parameters(), grads):
+        parameter.grad = grad
+    with torch.no_grad():
+        for buffer, value in zip(module.buffers(), buffers):
+            buffer.copy_(value)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for a GPU's queued work, so that a host clock times it (nothing on the CPU).
+
+    Example:
+        >>> synchronize(torch.device("cpu"))  # returns at once
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 IN_FLIGHT = 4  # microbatches a unit's passes are timed with, as a pipeline keeps several alive

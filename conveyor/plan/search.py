@@ -7,7 +7,7 @@ and shared by every schedule of that V. Candidates are visited in order of a low
 their step (the busiest rank's compute, plus the forwards before it); one whose bound is
 above the best step found so far is not simulated. Each simulated candidate gets the
 memory of each rank: parameters, gradients and optimizer state of its stages, plus the
-activations at the simulation's peak. When a lighter split is within ``balance_tolerance``
+activations at the simulation's peak. When a lighter split is within ``SearchSpace.balance_tolerance``
 of the fastest one's slowest stage (fewer blocks where the schedule keeps more microbatches
 in flight), it is simulated too and kept when it fits where the other does not, or runs as
 fast; a candidate over ``memory_per_rank`` also tries the lightest split at any speed.
@@ -24,17 +24,11 @@ import conveyor.schedule as cs
 from conveyor.errors import ConveyorError, PlanError
 from conveyor.plan.balance import StageSums, bounds_of, fastest_split, lightest_split
 from conveyor.plan.costs import CostTable
+from conveyor.plan.options import Machine, SearchSpace
 from conveyor.plan.predict import predict_split, stage_costs
 
 if TYPE_CHECKING:  # measuring a calibration loads torch; searching with one does not
     from conveyor.plan.calibration import Calibration
-
-# How far (relative) a lighter split's slowest stage may exceed the fastest split's.
-DEFAULT_BALANCE_TOLERANCE = 0.03
-# Point-to-point bandwidth (bytes/s) and latency (s) between neighbouring ranks when not given:
-# two processes on one host exchanging through shared memory.
-DEFAULT_BANDWIDTH = 2e9
-DEFAULT_LATENCY = 50e-6
 
 
 @dataclass
@@ -122,16 +116,16 @@ def schedule_choices(schedules: Sequence[str] | None, virtual: Sequence[int]) ->
 
 def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: float,
            schedules: Sequence[str] | None = None, microbatches: Sequence[int] | None = None,
-           virtual: Sequence[int] = (1, 2), bandwidth: float = DEFAULT_BANDWIDTH, latency: float = DEFAULT_LATENCY,
-           optimizer_bytes_per_parameter: float = 8.0,
-           balance_tolerance: float = DEFAULT_BALANCE_TOLERANCE, calibration: Calibration | None = None,
-           optimizer_s_per_parameter: float = 0.0, cores: int | None = None) -> SearchResult:
+           space: SearchSpace = SearchSpace(), machine: Machine = Machine(),
+           optimizer_s_per_parameter: float = 0.0) -> SearchResult:
     """Simulate the candidates worth simulating; see the module docstring.
 
-    With a ``calibration`` each step is :func:`~conveyor.plan.predict.predict_split`'s: the
-    calibration's overheads and message latency (instead of ``bandwidth`` and ``latency``), its
-    per-step time, and each rank's optimizer step at ``optimizer_s_per_parameter``, on ``cores``
-    shared CPU cores (None: a device per rank).
+    ``space`` adds the stages per rank to try and the balance tolerance; ``machine`` the links
+    (``bandwidth``, ``latency``) and the optimizer state per parameter. With a
+    ``machine.calibration`` (a :class:`~conveyor.plan.calibration.Calibration`) each step is
+    :func:`~conveyor.plan.predict.predict_split`'s: the calibration's overheads and message
+    latency (instead of the links'), its per-step time, and each rank's optimizer step at
+    ``optimizer_s_per_parameter``, on ``machine.cores`` shared CPU cores (None or "auto": a device per rank).
 
     Example:
         >>> from conveyor.plan.costs import synthetic_table
@@ -141,17 +135,23 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
         >>> best.schedule, best.microbatches, best.split_points
         ('1f1b', 4, ('b2',))
     """
+    calibration = machine.calibration
+    if calibration is not None and not hasattr(calibration, "as_dict"):
+        raise PlanError(f"search() takes Machine(calibration=) as a conveyor.plan.calibration.Calibration, got "
+                        f"{type(calibration).__name__}; conveyor.plan.plan() converts its as_dict(), or pass "
+                        "Calibration(**that)")
+    cores = None if machine.cores == "auto" else machine.cores  # "auto" needs the model's device: plan() resolves it
     _check_sizes(ranks, global_batch, memory_per_rank, len(table.units))
     ms = list(microbatches) if microbatches is not None else microbatch_choices(global_batch, ranks)
     bad = [m for m in ms if global_batch % m]
     if bad:
         raise PlanError(f"microbatch counts {bad} do not divide the global batch {global_batch}")
-    context = _Context(table, ranks, global_batch, memory_per_rank, bandwidth, latency, optimizer_bytes_per_parameter,
-                       balance_tolerance)
+    context = _Context(table, ranks, global_batch, memory_per_rank, machine.bandwidth, machine.latency,
+                       machine.optimizer_bytes_per_parameter, space.balance_tolerance)
     context.calibration, context.optimizer_rate, context.cores = calibration, optimizer_s_per_parameter, cores
     queue = []
     for m in ms:
-        for name, v in schedule_choices(schedules, virtual):
+        for name, v in schedule_choices(schedules, space.virtual):
             candidate = Candidate(name, v, m)
             if ranks * v > len(table.units):
                 candidate.verdict = f"failed: {ranks * v} stages need {ranks * v} units, the model has {len(table.units)}"
@@ -169,9 +169,10 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
         context.evaluate(candidate)
         if candidate.verdict == "fits":
             best = min(best, candidate.step_time)
-    settings = dict(ranks=ranks, global_batch=global_batch, memory_per_rank=memory_per_rank, bandwidth=bandwidth,
-                    latency=latency, optimizer_bytes_per_parameter=optimizer_bytes_per_parameter,
-                    balance_tolerance=balance_tolerance,
+    settings = dict(ranks=ranks, global_batch=global_batch, memory_per_rank=memory_per_rank,
+                    bandwidth=machine.bandwidth, latency=machine.latency,
+                    optimizer_bytes_per_parameter=machine.optimizer_bytes_per_parameter,
+                    balance_tolerance=space.balance_tolerance,
                     calibration=None if calibration is None else calibration.as_dict(),
                     optimizer_s_per_parameter=optimizer_s_per_parameter, cores=cores)
     return SearchResult(queue, settings)

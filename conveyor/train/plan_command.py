@@ -38,7 +38,7 @@ def add_parser(commands: Any, positive_int: Any) -> None:
     plan.add_argument("--global-batch", "-b", type=positive_int, required=True, metavar="B",
                       help="samples per optimizer step over the pipeline")
     plan.add_argument("--memory-per-rank", default="inf", metavar="SIZE", help="e.g. 4GiB, 80GB (default: no limit)")
-    plan.add_argument("--top", type=positive_int, default=5, metavar="K", help="plans to list (default 5)")
+    plan.add_argument("--top", type=positive_int, default=5, metavar="K", help="plans to list (SearchSpace.top; default 5)")
     plan.add_argument("--out", metavar="PLAN.json", help="write the chosen plan here")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="a config override for recipe/config models, e.g. model.layers=8 (repeatable)")
@@ -46,35 +46,37 @@ def add_parser(commands: Any, positive_int: Any) -> None:
     plan.add_argument("--analytic", action="store_true",
                       help="cost the model from its shapes on the meta device instead of running it")
     plan.add_argument("--flops", type=float, default=None, metavar="FLOP/S",
-                      help="sustained device throughput for --analytic (default 4e14)")
-    plan.add_argument("--repeats", type=positive_int, default=3, help="timed rounds per unit (best kept)")
+                      help="sustained device throughput for --analytic (Machine.flops_per_second; default 4e14)")
+    plan.add_argument("--repeats", type=positive_int, default=3, help="timed rounds per unit, best kept (Measurement.repeats)")
     plan.add_argument("--calibrate", action="store_true",
                       help="measure this machine's runtime overheads first (a few seconds) and predict the step "
-                           "with them and each rank's AdamW step: the step a real run is checked against")
+                           "with them and each rank's AdamW step: the step a real run is checked against "
+                           "(Machine.calibration)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Build the model, plan it, print the table, write the file."""
     import time
 
-    from conveyor.plan import format_plan, parse_size
+    from conveyor.plan import Machine, Measurement, SearchSpace, format_plan, parse_size
     from conveyor.plan.planner import plan
 
     limit = parse_size(args.memory_per_rank)
     started = time.perf_counter()
     model, example = resolve_model(args.model, args.set, analytic=args.analytic,
                                    microbatch=_smallest_microbatch(args.global_batch, args.ranks))
-    options: dict[str, Any] = {}
-    if args.flops is not None:
-        options["flops_per_second"] = args.flops
+    machine = Machine() if args.flops is None else Machine(flops_per_second=args.flops)
     if getattr(args, "calibrate", False):
+        import dataclasses
+
         import conveyor
         from conveyor.plan.calibration import calibrate
 
-        options["calibration"] = calibrate(conveyor.Pipeline, ranks=args.ranks)
+        machine = dataclasses.replace(machine, calibration=calibrate(conveyor.Pipeline, ranks=args.ranks))
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
     chosen = plan(model, example, ranks=args.ranks, global_batch=args.global_batch, memory_per_rank=limit,
-                  schedules=schedules, repeats=args.repeats, top=args.top, **options)
+                  schedules=schedules, space=SearchSpace(top=args.top), machine=machine,
+                  measure=Measurement(repeats=args.repeats))
     print(format_plan(chosen, top=args.top))
     print(f"planned in {time.perf_counter() - started:.1f} s")
     if args.out:

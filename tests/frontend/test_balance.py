@@ -131,26 +131,7 @@ def test_split_methods_on_mixed_blocks():
     by_type = frontend.split_model(model, 2, example_args=x, split_method="type:^Narrow$")
     assert by_type.split_points == ("blocks.4",)  # two Narrow blocks per stage; Wide ones weigh 0
     assert by_type.stage_weights == (2.0, 2.0)
-    # Measured: a Wide block costs far more than a Narrow one, so each gets its own stage.
-    by_time = frontend.split_model(model, 3, example_args=x, split_method="time")
-    assert by_time.split_points[0] == "blocks.1"
-    assert all(weight > 0 for weight in by_time.stage_weights)
-    assert torch.equal(frontend.run_sequential(by_time, x), model(*x))
-
-
-def test_profile_stages_leaves_the_model_unchanged():
-    model = nn.Sequential(
-        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 8)
-    ).train()
-    x = torch.randn(4, 8)
-    split = frontend.split_model(model, 2, example_args=(x,), split_points=["2"])
-    before = {name: value.clone() for name, value in model.state_dict().items()}
-    rng = torch.get_rng_state()
-    costs = frontend.profile_stages(split, (x,), None, torch.device("cpu"))
-    assert len(costs) == 2 and all(cost > 0 for cost in costs)
-    assert all(parameter.grad is None for parameter in model.parameters())
-    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
-    assert torch.equal(rng, torch.get_rng_state())
+    # Balancing by measured time is the planner's (tests/plan/test_time_split.py).
 
 
 def test_balanced_split_of_a_plain_stack():

@@ -131,4 +131,5 @@ def test_the_planner_asks_for_a_measured_calibration_rather_than_starting_pipeli
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     with pytest.raises(PlanError, match=r"conveyor\.plan\.calibration\.calibrate\(conveyor\.Pipeline, ranks=2\)"):
-        conveyor.plan.plan(model, torch.randn(2, 4), ranks=2, global_batch=4, calibration=True)
+        conveyor.plan.plan(model, torch.randn(2, 4), ranks=2, global_batch=4,
+                           machine=conveyor.plan.Machine(calibration=True))

@@ -25,8 +25,8 @@ def tiny_llama(vocab: int = 512, width: int = 32, layers: int = 4):
 def test_profiled_units_of_a_llama_and_its_plan(one_thread):
     model = tiny_llama()
     example = torch.zeros(2, 32, dtype=torch.long)
-    plan = conveyor.plan.plan(model, example, ranks=2, global_batch=8, memory_per_rank="1GiB", repeats=2,
-                              schedules=["1f1b", "zb-h1", "zbv"])
+    plan = conveyor.plan.plan(model, example, ranks=2, global_batch=8, memory_per_rank="1GiB",
+                              schedules=["1f1b", "zb-h1", "zbv"], measure=cp.Measurement(repeats=2))
     units = {unit.name: unit for unit in plan.costs.units}
     assert {"model.embed_tokens", "model.layers.0", "model.layers.3", "model.norm", "lm_head"} <= set(units)
     block, head = units["model.layers.0"], units["lm_head"]
@@ -67,7 +67,7 @@ def test_a_meta_model_is_costed_from_its_shapes():
         model = tiny_llama(vocab=4096, width=64, layers=8)
     table = cp.unit_costs(model, (torch.zeros(1, 64, dtype=torch.long),), None, global_batch=8, ranks=4)
     assert table.source.startswith("analytic") and len(table.units) == 11
-    plan = cp.plan(model, torch.zeros(1, 64, dtype=torch.long), ranks=4, global_batch=8, costs=table)
+    plan = cp.plan(model, torch.zeros(1, 64, dtype=torch.long), ranks=4, global_batch=8, measure=cp.Measurement(costs=table))
     assert plan.num_stages in (4, 8)
 
 
@@ -91,7 +91,7 @@ def test_a_cpu_model_is_profiled_with_the_threads_each_rank_computes_with(monkey
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
         for threads in ("auto", 1, None):
             cp.plan(model, torch.randn(2, 8), ranks=2, global_batch=8, schedules=["1f1b"], microbatches=[4],
-                    repeats=1, threads=threads)
+                    machine=cp.Machine(threads=threads), measure=cp.Measurement(repeats=1))
             assert torch.get_num_threads() == 2  # the caller's setting is put back
     finally:
         torch.set_num_threads(previous)

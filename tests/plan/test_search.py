@@ -105,7 +105,8 @@ def test_a_cost_planned_schedule_runs_the_order_the_planner_simulated(tmp_path):
     rows = [(f"layers.{i}", 1.0, 1.5, 0.5, 4 * MB, 10 * MB, True) for i in range(8)]
     table = cp.synthetic_table(rows)
     plan = cp.choose(cp.search(table, ranks=4, global_batch=16, memory_per_rank=float("inf"),
-                               schedules=["zb-2p"], virtual=[1], latency=0.1), table)
+                               schedules=["zb-2p"], space=cp.SearchSpace(virtual=[1]),
+                               machine=cp.Machine(latency=0.1)), table)
     assert plan.schedule == "zb-2p" and plan.schedule_costs is not None
     import conveyor.schedule as cs
 

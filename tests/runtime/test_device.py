@@ -310,13 +310,14 @@ def test_pipeline_makes_the_gpu_current_before_its_first_broadcast(monkeypatch, 
     import conveyor.build
     import conveyor.frontend
     import conveyor.plan.planner
+    import conveyor.plan.time_split
 
     chosen = _fake_gpus(monkeypatch)
     monkeypatch.setenv("LOCAL_RANK", "1")
     for name, value in {"is_available": True, "is_initialized": True, "get_world_size": 2, "get_rank": 0}.items():
         monkeypatch.setattr(dist, name, lambda *a, value=value, **k: value)
     monkeypatch.setattr(conveyor.plan.planner, "plan", lambda *a, **k: "rank 0's plan")
-    monkeypatch.setattr(conveyor.frontend, "split_model", lambda *a, **k: type("Split", (), {"split_points": []}))
+    monkeypatch.setattr(conveyor.plan.time_split, "time_split", lambda *a, **k: type("Split", (), {"split_points": []}))
     current_at_broadcast = []
 
     def broadcast(objects, src=0, group=None):
