@@ -75,6 +75,8 @@ START_METHODS = ("fork", "spawn")
 _FAILURE_SETTLE_S = 0.25
 # Rank 0 may lose the race for the free port to another process: start over this often.
 _PORT_ATTEMPTS = 3
+# How long killed ranks may take to go, all together.
+_KILL_WAIT_S = 10.0
 # Grace for a one-call group's ranks to leave their process group and exit by themselves.
 _EXIT_GRACE_S = 5.0
 
@@ -276,8 +278,11 @@ class RankGroup:
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
+        # SIGKILL cannot be ignored, but a busy machine may take a while to tear a rank down:
+        # waiting here reaps it, so no zombie of this group outlives the call.
+        deadline = time.monotonic() + _KILL_WAIT_S
         for proc in self._procs:
-            proc.join(1.0)
+            proc.join(max(0.1, deadline - time.monotonic()))
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []

@@ -140,14 +140,14 @@ def serve(rank: int, spec: RankSpec, conn: Connection) -> bool:
                 timeout=timedelta(seconds=spec.timeout_s + PROCESS_GROUP_EXTRA_S),
             )
     except BaseException as error:  # noqa: BLE001 (reported, never swallowed)
-        conn.send(("error", exception_error(rank, error, "init_process_group")))
+        _send(conn, ("error", exception_error(rank, error, "init_process_group")))
         conn.poll(FAILED_RANK_LINGER_S)  # see the module docstring: the parent kills the peers first
         return False
     try:
         if spec.first_call is None:
-            conn.send(("ok", None))  # set up: the group may call
+            _send(conn, ("ok", None))  # set up: the group may call
         else:
-            conn.send(_answer(worker, spec.first_call, spec.max_result_bytes))
+            _send(conn, _answer(worker, spec.first_call, spec.max_result_bytes))
         _serve_calls(worker, conn, spec.max_result_bytes)
     finally:
         if dist.is_initialized():
@@ -163,7 +163,15 @@ def _serve_calls(worker: Worker, conn: Connection, max_result_bytes: int) -> Non
             return
         if call is None:
             return
-        conn.send(_answer(worker, call, max_result_bytes))
+        _send(conn, _answer(worker, call, max_result_bytes))
+
+
+def _send(conn: Connection, answer: tuple[str, Any]) -> None:
+    # What the call printed goes out first: a rank that failed is killed, not flushed at exit.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    conn.send(answer)
 
 
 def _answer(worker: Worker, call: Call, max_result_bytes: int) -> tuple[str, Any]:
