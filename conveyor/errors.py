@@ -127,7 +127,7 @@ class UnknownAction(Exception):
 # benchmarks') and conveyor.testing.run_ranks (tests') raise these to their callers ------------
 
 class HarnessConfigError(ConveyorError, ValueError):
-    """``run_ranks`` was called with arguments that cannot work (checked before any process starts)."""
+    """``run_ranks`` or a ``RankGroup`` was given arguments that cannot work (checked before any process starts)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,13 @@
-"""Local ranks that stay alive between calls: how the library starts ranks of its own.
+"""Local ranks in processes of their own: the one way conveyor starts, watches and stops them.
 
-:class:`RankGroup` forks ``world_size`` processes (from this one, or from a :class:`Zygote`
-that imported little), joins them in a gloo group and runs call after call on them; the
-calibration (:mod:`conveyor.plan.calibration`) steps a pipeline on them, the benchmarks alternate
-two libraries' groups. A failed or hung call raises
+:class:`RankGroup` starts ``world_size`` processes (forked or spawned from this one, or forked
+from a :class:`Zygote` that imported little), joins them in a process group and runs call
+after call on them: the calibration (:mod:`conveyor.plan.calibration`) steps a pipeline on
+them, the benchmarks alternate two libraries' groups. :func:`run_once` is a group for one
+call, what :func:`conveyor.testing.run_ranks` runs for tests. A failed or hung call raises
 :class:`~conveyor.errors.RankFailure` or :class:`~conveyor.errors.RankTimeout` with every
-rank's traceback or stack. Tests that run one function on fresh ranks use
-:func:`conveyor.testing.run_ranks`, which shares this package's rank set-up
-(:mod:`conveyor.ranks.support`). Importing this package does not import torch.
+failed rank's traceback or every stuck rank's stack. Importing this package does not import
+torch.
 
 Example:
     >>> with RankGroup(2, distributed=False) as group:
@@ -15,6 +15,8 @@ Example:
     [(0, 2), (1, 2)]
 """
 
-from conveyor.ranks.group import RankGroup, Worker, Zygote, place
+from conveyor.ranks.group import MAX_RESULT_BYTES, RankGroup, run_once
+from conveyor.ranks.rank import Worker, place
+from conveyor.ranks.zygote import Zygote
 
-__all__ = ["RankGroup", "Worker", "Zygote", "place"]
+__all__ = ["MAX_RESULT_BYTES", "RankGroup", "Worker", "Zygote", "place", "run_once"]

@@ -1,346 +1,95 @@
-"""Ranks that stay alive between calls, optionally forked from a process that imported little.
+"""Local ranks, each in a process of its own: the one way conveyor starts, watches and stops them.
 
-:func:`conveyor.testing.run_ranks` returns only when its ranks finish, so two
-groups cannot take turns step by step. A :class:`RankGroup` keeps its ranks: each
-:meth:`RankGroup.call` sends one function to every rank, which runs ``fn(worker, *args)``
-and answers; the next call finds the rank as the last one left it (``worker.state``). The
+A :class:`RankGroup` keeps its ranks: each :meth:`RankGroup.call` sends one function to
+every rank, which runs ``fn(worker, *args)`` and answers; the next call finds the rank as
+the last one left it (``worker.state``). The calibration steps a pipeline on one; the
 benchmark keeps one group per library and steps them in turn (A B A B), so drifting load
-hits both alike; the calibration steps a pipeline on one.
+hits both alike. :func:`run_once` is a group that lives for one call, made with the call
+(``conveyor.testing.run_ranks`` is it): start, run ``fn(rank, world_size, ...)`` on every
+rank, close.
 
-A group's ranks are forked from this process, or from a :class:`Zygote`: a process that
-imported a chosen list of modules and nothing else, so a rank holds what a user's rank of
-that library would (forked from the benchmark's parent, every rank would also carry what
-the parent imported for the other side: ``torch.distributed.pipelining`` alone is about
-70 MiB).
+Ranks are forked from this process (or spawned: ``start_method="spawn"``, needed for
+CUDA), or forked from a :class:`~conveyor.ranks.Zygote` that imported little. Either way
+each runs :func:`conveyor.ranks.rank.rank_main`, and the parent watches them the same way:
 
-Failures read as in ``run_ranks``: a rank that raises or dies fails the call with
-:class:`~conveyor.errors.RankFailure` (its traceback, or how it died) and the whole group
-is killed, since its peers may be blocked in a receive from it; a call that outlives its
-timeout has every unfinished rank dump its Python stack, then raises
-:class:`~conveyor.errors.RankTimeout`. Every rank runs one torch thread, has the
-environment torchrun gives ranks on one machine and, unless ``distributed=False``, joins
-a gloo process group of its own group's ranks; it dies with the process that made it.
+- a rank that raises fails the call with :class:`~conveyor.errors.RankFailure`: the parent
+  keeps listening a moment for other failures and deaths (a dead rank is the likely root
+  cause of its peers' "connection reset"), then kills the group, since the peers may be
+  blocked in a receive from the failed rank; the failure names every failed rank (its
+  traceback, or how it died), the ranks killed while running and those that had finished;
+- a call that outlives its timeout has every unfinished rank dump its Python stack, then
+  kills the group and raises :class:`~conveyor.errors.RankTimeout` showing where each was;
+- rank 0 losing the race for its free port to another process starts the ranks over;
+- every rank dies with the process that made it, and :meth:`RankGroup.close` or
+  :meth:`RankGroup.kill` leaves no process behind.
+
+Every rank runs one torch thread, has the environment torchrun gives ranks on one machine
+and, unless ``distributed=False``, joins a process group (gloo by default) of its group's
+ranks.
 
 Example:
     >>> with RankGroup(2, distributed=False) as group:
     ...     group.call(place)
     [(0, 2), (1, 2)]
+    >>> run_once(lambda rank, world_size, step: rank * step, 3, args=(10,), init_process_group=False)
+    [0, 10, 20]
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
+import logging
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import timedelta
-from multiprocessing import reduction
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, NoReturn
 
-from conveyor.errors import GroupClosed, RankError, RankFailure, RankTimeout, ZygoteFailure
-from conveyor.ranks.support import (
-    die_with_parent,
-    free_port,
-    install_stack_dump,
-    rank_environment,
-    read_stack,
-    wait_for_stacks,
+from conveyor.errors import GroupClosed, HarnessConfigError, RankError, RankFailure, RankTimeout
+from conveyor.ranks.rank import (
+    ENTRY,
+    MAX_RESULT_BYTES,
+    Call,
+    RankSpec,
+    place,
+    rank_main,
+    stack_path,
 )
+from conveyor.ranks.support import free_port, read_stack, wait_for_stacks
+from conveyor.ranks.zygote import Zygote
 
+__all__ = ["MAX_RESULT_BYTES", "START_METHODS", "RankGroup", "place", "run_once"]
 
-@dataclass
-class Worker:
-    """What a call sees inside a rank: its place in the group and a per-process state dict."""
+logger = logging.getLogger(__name__)
 
-    rank: int
-    world_size: int
-    distributed: bool
-    state: dict[str, Any] = field(default_factory=dict)
-
-
-def place(worker: Worker) -> tuple[int, int]:
-    """``(rank, world_size)`` of the calling rank: the smallest useful call.
-
-    Example:
-        >>> place(Worker(1, 2, distributed=False))
-        (1, 2)
-    """
-    return worker.rank, worker.world_size
-
-
-@dataclass(frozen=True, slots=True)
-class _RankSpec:
-    """What a rank needs to start serving (sent to a zygote, or given to a forked process)."""
-
-    world_size: int
-    port: int | None
-    timeout_s: float
-    stack_dir: str
-
-
-def _serve(rank: int, spec: _RankSpec, conn: Connection) -> None:
-    """Set up this rank, then run calls from ``conn`` until told to stop (or the pipe closes)."""
-    stack_file = install_stack_dump(str(Path(spec.stack_dir) / f"rank{rank}.stack.txt"))  # noqa: F841
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(rank_environment(rank, spec.world_size, spec.port))
-    worker = Worker(rank, spec.world_size, distributed=spec.port is not None)
-    try:
-        if spec.port is not None:
-            dist.init_process_group(
-                "gloo", rank=rank, world_size=spec.world_size,
-                timeout=timedelta(seconds=spec.timeout_s),
-            )
-        conn.send((True, None))
-    except BaseException:
-        conn.send((False, ("init_process_group", traceback.format_exc())))
-        return
-    try:
-        _serve_calls(worker, conn)
-    finally:
-        if spec.port is not None and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _serve_calls(worker: Worker, conn: Connection) -> None:
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:
-            return
-        if message is None:
-            return
-        fn, args = message
-        try:
-            conn.send((True, fn(worker, *args)))
-        except BaseException:
-            conn.send((False, ("fn", traceback.format_exc())))
-
-
-class Zygote:
-    """A process that imports ``modules`` once, then forks rank processes on request.
-
-    Forking is cheap and starts a rank with the imports done; forking from here rather
-    than from the caller keeps the caller's other imports out of the rank.
-
-    Example:
-        >>> with Zygote(["json"]) as zygote, RankGroup(2, zygote=zygote, distributed=False) as group:
-        ...     group.call(place)
-        [(0, 2), (1, 2)]
-    """
-
-    def __init__(self, modules: list[str], timeout_s: float = 120.0) -> None:
-        self.modules = list(modules)
-        self.timeout_s = timeout_s
-        context = mp.get_context("fork")
-        self._conn, child_end = context.Pipe()
-        self._proc = context.Process(
-            target=_zygote_main, args=(self.modules, child_end, self._conn),
-            daemon=True, name="conveyor-zygote",
-        )
-        self._proc.start()
-        child_end.close()
-        ok, detail = self._receive(f"importing {self.modules}")
-        if not ok:
-            self.close()
-            raise ZygoteFailure(f"zygote importing {self.modules} failed:\n{detail}")
-
-    @property
-    def pid(self) -> int | None:
-        """The zygote's process id (its ranks are its children)."""
-        return self._proc.pid
-
-    def _receive(self, what: str) -> Any:
-        try:
-            if not self._conn.poll(self.timeout_s):
-                self.close()
-                raise ZygoteFailure(f"zygote {what}: no answer within {self.timeout_s:.0f} s")
-            return self._conn.recv()
-        except (EOFError, OSError):
-            self.close()
-            raise ZygoteFailure(
-                f"zygote {what}: it is gone (exit code {self._proc.exitcode})"
-            ) from None
-
-    def fork(self, spec: _RankSpec) -> tuple[list[Connection], list[_ForkedRank]]:
-        """``spec.world_size`` ranks serving calls; their pipes and pids.
-
-        Any trouble (the zygote died, could not fork, or stopped answering) raises
-        :class:`ZygoteFailure`, kills the ranks already made and closes the zygote: its
-        stream may be half read.
-        """
-        conns: list[Connection] = []
-        ranks: list[_ForkedRank] = []
-        try:
-            try:
-                self._conn.send(spec)
-            except OSError:
-                raise ZygoteFailure(
-                    f"zygote forking {spec.world_size} ranks: it is gone (exit code {self._proc.exitcode})"
-                ) from None
-            for _ in range(spec.world_size):
-                kind, value = self._receive("forking ranks")
-                if kind != "rank":
-                    raise ZygoteFailure(f"zygote failed to fork ranks:\n{value}")
-                ranks.append(_ForkedRank(value))
-                if not self._conn.poll(self.timeout_s):
-                    raise ZygoteFailure(f"zygote sent no pipe for rank {len(conns)}")
-                conns.append(Connection(reduction.recv_handle(self._conn)))
-        except BaseException:
-            for conn in conns:
-                conn.close()
-            for rank in ranks:
-                rank.kill()
-            self.close()
-            raise
-        return conns, ranks
-
-    def close(self) -> None:
-        """Stop the zygote (ranks it forked live on; their groups close them)."""
-        if self._conn.closed:
-            return
-        with contextlib.suppress(BrokenPipeError, OSError):
-            self._conn.send(None)
-        self._proc.join(5.0)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(1.0)
-        self._conn.close()
-
-    def __enter__(self) -> Zygote:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-@dataclass
-class _ForkedRank:
-    """What :class:`RankGroup` needs of a rank the zygote forked (it is the zygote's child).
-
-    The zygote lets the kernel reap its children, so a pid is gone as soon as its rank
-    exits (and its exit code with it); a signal to a gone pid is not an error.
-    """
-
-    pid: int
-    exitcode: int | None = None
-
-    def is_alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-        except (ProcessLookupError, PermissionError):  # gone (PermissionError: reused by another user)
-            return False
-        return True
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(self.pid, signal.SIGKILL)
-
-    def join(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-
-def _zygote_main(modules: list[str], conn: Connection, parents_end: Connection) -> None:
-    parents_end.close()  # the parent's end of our pipe, inherited by the fork
-    die_with_parent()
-    try:
-        for name in modules:
-            importlib.import_module(name)
-    except BaseException:
-        conn.send((False, traceback.format_exc()))
-        return
-    # Ranks are reaped by the kernel as they exit: nobody here waits for them.
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    conn.send((True, None))
-    parent = mp.parent_process()
-    while True:
-        # The parent may die without a word (killed): its sentinel says so, and we go
-        # (our ranks die with us, see _run_forked_rank).
-        watched = [conn] + ([parent.sentinel] if parent is not None else [])
-        if parent is not None and parent.sentinel in wait(watched):
-            return
-        try:
-            spec = conn.recv()
-        except EOFError:
-            return
-        if spec is None or not _fork_ranks(spec, conn):
-            return
-
-
-def _fork_ranks(spec: _RankSpec, conn: Connection) -> bool:
-    """Fork ``spec.world_size`` ranks, sending each one's pid and pipe; False after a failure."""
-    forked: list[int] = []
-    try:
-        for rank in range(spec.world_size):
-            parent_end, child_end = mp.Pipe()
-            pid = os.fork()
-            if pid == 0:
-                _run_forked_rank(rank, spec, child_end, [conn, parent_end])
-            child_end.close()
-            forked.append(pid)
-            conn.send(("rank", pid))
-            reduction.send_handle(conn, parent_end.fileno(), os.getppid())
-            parent_end.close()
-    except BaseException:
-        for pid in forked:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            conn.send(("error", traceback.format_exc()))
-        return False  # the parent's read of our stream may be cut anywhere: start no more
-    return True
-
-
-def _run_forked_rank(
-    rank: int, spec: _RankSpec, conn: Connection, inherited: list[Connection]
-) -> None:
-    """A zygote-forked rank's whole life; never returns (``os._exit``: no zygote code runs on)."""
-    code = 1
-    try:
-        die_with_parent()
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for other in inherited:
-            other.close()
-        _serve(rank, spec, conn)
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-
-
-def _run_process_rank(rank: int, spec: _RankSpec, conn: Connection) -> None:
-    die_with_parent()
-    _serve(rank, spec, conn)
-
-
-# The harness frame that calls the user's function: it and its callers leave the stacks.
-_ENTRY = (Path(__file__).name, "_serve_calls")
+START_METHODS = ("fork", "spawn")
+# After the first failure, how long the parent keeps listening for other failures and deaths
+# before it kills the ranks still running.
+_FAILURE_SETTLE_S = 0.25
+# Rank 0 may lose the race for the free port to another process: start over this often.
+_PORT_ATTEMPTS = 3
+# How long killed ranks may take to go, all together.
+_KILL_WAIT_S = 10.0
+# Grace for a one-call group's ranks to leave their process group and exit by themselves.
+_EXIT_GRACE_S = 5.0
 
 
 class RankGroup:
-    """``world_size`` live ranks, each in a gloo group (or none with ``distributed=False``).
+    """``world_size`` live ranks, each in a process group (none with ``distributed=False``).
 
-    Use as a context manager; :meth:`call` runs one function on every rank. The ranks
-    are forked from ``zygote`` when given, else from this process. ``timeout_s`` bounds
-    the set-up and, unless a call says otherwise, each call.
+    Use as a context manager; :meth:`call` runs one function on every rank. The ranks are
+    forked from ``zygote`` when given, else started from this process by ``start_method``
+    (``"fork"``, or ``"spawn"`` for ranks that use CUDA). ``timeout_s`` bounds the set-up
+    and, unless a call says otherwise, each call. ``env`` adds environment variables in
+    every rank (after the standard ones, so it may override them); ``max_result_bytes``
+    limits one rank's pickled answer.
 
     Example:
         >>> with RankGroup(2, distributed=False) as group:
@@ -355,37 +104,58 @@ class RankGroup:
         distributed: bool = True,
         timeout_s: float = 120.0,
         zygote: Zygote | None = None,
+        start_method: str = "fork",
+        backend: str = "gloo",
+        env: Mapping[str, str] | None = None,
+        max_result_bytes: int = MAX_RESULT_BYTES,
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.world_size = world_size
-        self.timeout_s = timeout_s
-        self._stack_dir = tempfile.mkdtemp(prefix="conveyor-group-")
-        spec = _RankSpec(world_size, free_port() if distributed else None, timeout_s, self._stack_dir)
-        self._conns: list[Connection] = []
-        self._procs: list[Any] = []  # multiprocessing.Process or _ForkedRank
-        try:
-            if zygote is not None:
-                self._conns, self._procs = zygote.fork(spec)
-            else:
-                self._start_here(spec)
-            self._collect("init_process_group", timeout_s)
-        except BaseException:
-            self.kill()
-            raise
+        _check_options(world_size, timeout_s, start_method, max_result_bytes)
+        if zygote is not None and start_method != "fork":
+            raise HarnessConfigError(f"a zygote forks its ranks; start_method={start_method!r} cannot apply")
+        spec = RankSpec(world_size, None, float(timeout_s), "", backend, dict(env or {}), max_result_bytes)
+        self._open(spec, distributed, zygote, start_method, "init_process_group on a rank group")
 
-    def _start_here(self, spec: _RankSpec) -> None:
-        context = mp.get_context("fork")
+    def _open(
+        self, spec: RankSpec, distributed: bool, zygote: Zygote | None, start_method: str, label: str
+    ) -> list[Any]:
+        """Start the ranks and return their first answers (set-up, or ``spec.first_call``)."""
+        self.world_size = spec.world_size
+        self.timeout_s = spec.timeout_s
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []  # multiprocessing.Process, or a zygote's _ForkedRank
+        self._stack_dir: str | None = None
+        deadline = time.monotonic() + spec.timeout_s
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            self._stack_dir = tempfile.mkdtemp(prefix="conveyor-ranks-")
+            attempt_spec = replace(spec, port=free_port() if distributed else None, stack_dir=self._stack_dir)
+            try:
+                self._start(attempt_spec, zygote, start_method)
+                return self._collect(label, deadline, spec.timeout_s)
+            except RankFailure as failure:
+                if attempt == _PORT_ATTEMPTS or not _lost_port_race(failure.errors):
+                    raise
+                logger.warning("port %d was taken before rank 0 could listen on it; retrying", attempt_spec.port)
+            except BaseException:
+                self.kill()
+                raise
+        raise AssertionError("unreachable: the last attempt re-raises instead of retrying")
+
+    def _start(self, spec: RankSpec, zygote: Zygote | None, start_method: str) -> None:
+        if zygote is not None:
+            self._conns, self._procs = zygote.fork(spec)
+            return
+        context = mp.get_context(start_method)
         for rank in range(spec.world_size):
             parent_end, child_end = context.Pipe()
-            proc = context.Process(
-                target=_run_process_rank, args=(rank, spec, child_end),
-                daemon=True, name=f"conveyor-rank{rank}",
-            )
-            proc.start()
-            child_end.close()  # only the rank holds it now: its death reads as end-of-file
             self._conns.append(parent_end)
-            self._procs.append(proc)
+            try:
+                proc = context.Process(
+                    target=rank_main, args=(rank, spec, child_end), daemon=True, name=f"conveyor-rank{rank}"
+                )
+                proc.start()
+                self._procs.append(proc)
+            finally:
+                child_end.close()  # only the rank holds it now: its death reads as end-of-file
 
     @property
     def pids(self) -> list[int]:
@@ -398,69 +168,98 @@ class RankGroup:
         ``fn`` and ``args`` travel pickled (a function defined at module level), and so
         do the results.
         """
+        call = Call(fn, args)
         if not self._conns:
-            raise GroupClosed(f"{getattr(fn, '__name__', repr(fn))}: this rank group is closed")
+            raise GroupClosed(f"{call.name}: this rank group is closed")
         for conn in self._conns:
-            conn.send((fn, args))
-        return self._collect(getattr(fn, "__name__", repr(fn)), timeout_s or self.timeout_s)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                conn.send(call)  # a rank that is gone is reported by _collect
+        timeout = timeout_s or self.timeout_s
+        return self._collect(f"{call.name} on a rank group", time.monotonic() + timeout, timeout)
 
-    def _collect(self, what: str, timeout_s: float) -> list[Any]:
-        results: list[Any] = [None] * self.world_size
-        pending = dict(zip(self._conns, range(self.world_size)))
-        finished: list[int] = []
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                self._raise_timeout(what, timeout_s, sorted(pending.values()), finished)
-            for conn in ready:
-                rank = pending.pop(conn)
-                try:
-                    ok, value = conn.recv()
-                except (EOFError, OSError):
-                    self._raise_failure(self._death(rank), pending.values(), finished)
-                if not ok:
-                    phase, details = value
-                    lines = [line for line in details.strip().splitlines() if line.strip()]
-                    summary = lines[-1] if lines else "raised"
-                    if phase != "fn":
-                        summary = f"{phase} failed: {summary}"
-                    error = RankError(rank, "exception", summary, details, phase=phase)
-                    self._raise_failure(error, pending.values(), finished)
-                results[rank] = value
-                finished.append(rank)
-        return results
+    def _collect(self, label: str, deadline: float, timeout_s: float) -> list[Any]:
+        """Every rank's answer, or a failure (after a short settling time) or a timeout."""
+        answers: dict[int, tuple[str, Any]] = {}
+        settle_end: float | None = None
+        while len(answers) < self.world_size:
+            now = time.monotonic()
+            if settle_end is not None and now >= min(settle_end, deadline):
+                break  # a failure seen before the deadline is the story, not the timeout
+            pending = [rank for rank in range(self.world_size) if rank not in answers]
+            if now >= deadline:
+                self._raise_timeout(label, timeout_s, pending, sorted(answers))
+            watched: dict[Any, int] = {}
+            for rank in pending:
+                watched[self._conns[rank]] = rank
+                sentinel = getattr(self._procs[rank], "sentinel", None)
+                if sentinel is not None:  # also a death while a child of the rank holds its pipe
+                    watched[sentinel] = rank
+            until = deadline if settle_end is None else min(deadline, settle_end)
+            for rank in {watched[ready] for ready in wait(list(watched), timeout=until - now)}:
+                answer = self._read(rank)
+                if answer is not None:
+                    answers[rank] = answer
+            if settle_end is None and any(kind != "ok" for kind, _ in answers.values()):
+                settle_end = time.monotonic() + _FAILURE_SETTLE_S
+        if any(kind != "ok" for kind, _ in answers.values()) or len(answers) < self.world_size:
+            self._raise_failure(answers)
+        payloads = [answers[rank][1] for rank in range(self.world_size)]
+        return [None if payload is None else pickle.loads(payload) for payload in payloads]
+
+    def _read(self, rank: int) -> tuple[str, Any] | None:
+        """The rank's answer if one is there; its death if it has ended without one; else None."""
+        conn, proc = self._conns[rank], self._procs[rank]
+        try:
+            if conn.poll():
+                return conn.recv()
+            if proc.is_alive():
+                return None
+        except (EOFError, OSError, pickle.UnpicklingError):
+            pass  # the rank died before (or while) writing its answer
+        return "error", self._death(rank)
 
     def _death(self, rank: int) -> RankError:
         proc = self._procs[rank]
         proc.join(1.0)
         code = proc.exitcode
-        return RankError(
-            rank, "exit",
-            f"died without answering (exit code {'unknown' if code is None else code})",
-            read_stack(Path(self._stack_dir) / f"rank{rank}.stack.txt", _ENTRY),
-            exit_code=code,
-        )
+        if code is None:
+            summary = "died without answering (exit code unknown), no Python exception"
+        elif code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            summary = f"killed by {name} (exit code {code}), no Python exception"
+        else:
+            summary = f"died with exit code {code}, no Python exception (os._exit, or a crash in native code)"
+        stack = read_stack(self._stack_path(rank), ENTRY)
+        return RankError(rank, "exit", summary, stack, exit_code=code, seen_at=time.monotonic())
 
-    def _raise_failure(self, error: RankError, running: Any, finished: list[int]) -> NoReturn:
-        killed = sorted(running)
+    def _stack_path(self, rank: int) -> Path:
+        return stack_path(self._stack_dir or "", rank)
+
+    def _raise_failure(self, answers: dict[int, tuple[str, Any]]) -> NoReturn:
+        for rank in range(self.world_size):
+            if rank not in answers:
+                answer = self._read(rank)  # a rank that has just died is a failure, not a kill
+                if answer is not None:
+                    answers[rank] = answer
+        killed = [rank for rank in range(self.world_size) if rank not in answers]
+        finished = sorted(rank for rank, (kind, _) in answers.items() if kind == "ok")
+        errors = [value for kind, value in answers.values() if kind != "ok"]
+        # A dead process is a root cause; its peers' exceptions ("connection reset") follow from it.
+        errors.sort(key=lambda error: (error.kind != "exit", error.seen_at))
         self.kill()  # its peers may be blocked in a receive from the failed rank
-        raise RankFailure([error], killed, sorted(finished), self.world_size)
+        raise RankFailure(errors, killed, finished, self.world_size)
 
-    def _raise_timeout(
-        self, what: str, timeout_s: float, stuck: list[int], finished: list[int]
-    ) -> NoReturn:
-        paths = [Path(self._stack_dir) / f"rank{rank}.stack.txt" for rank in stuck]
+    def _raise_timeout(self, label: str, timeout_s: float, stuck: list[int], finished: list[int]) -> NoReturn:
         for rank in stuck:
             if self._procs[rank].is_alive():
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(self._procs[rank].pid, signal.SIGUSR1)
-        stacks = wait_for_stacks(paths, _ENTRY)
+        stacks = wait_for_stacks([self._stack_path(rank) for rank in stuck], ENTRY)
         self.kill()
-        raise RankTimeout(
-            timeout_s, stuck, dict(zip(stuck, stacks)), sorted(finished), self.world_size,
-            what=f"{what} on a rank group",
-        )
+        raise RankTimeout(timeout_s, stuck, dict(zip(stuck, stacks)), finished, self.world_size, what=label)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every rank to leave its process group and exit; kill those that do not."""
@@ -470,6 +269,8 @@ class RankGroup:
         deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                logger.warning("rank process %d did not exit when asked to; killing it", proc.pid)
         self.kill()
 
     def kill(self) -> None:
@@ -477,14 +278,110 @@ class RankGroup:
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
-            proc.join(1.0)
+        # SIGKILL cannot be ignored, but a busy machine may take a while to tear a rank down:
+        # waiting here reaps it, so no zombie of this group outlives the call.
+        deadline = time.monotonic() + _KILL_WAIT_S
+        for proc in self._procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
-        shutil.rmtree(self._stack_dir, ignore_errors=True)
+        if self._stack_dir is not None:
+            shutil.rmtree(self._stack_dir, ignore_errors=True)
 
     def __enter__(self) -> RankGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def run_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    timeout_s: float = 120.0,
+    backend: str = "gloo",
+    start_method: str = "fork",
+    init_process_group: bool = True,
+    env: Mapping[str, str] | None = None,
+    max_result_bytes: int = MAX_RESULT_BYTES,
+) -> list[Any]:
+    """A rank group for one call: ``fn(rank, world_size, *args, **kwargs)`` on every rank, by rank.
+
+    The call is part of the ranks' start (under fork, ``fn`` is not pickled: a lambda or a
+    closure works), and ``timeout_s`` bounds the whole run, set-up included; failures and
+    hangs read as a group's (``what="run_ranks"``). Arguments that cannot work raise
+    :class:`~conveyor.errors.HarnessConfigError` before any process starts.
+
+    Example:
+        >>> run_once(lambda rank, world_size: (rank, world_size), 2, init_process_group=False)
+        [(0, 2), (1, 2)]
+    """
+    call = Call(fn, tuple(args), dict(kwargs or {}), by_rank=True)
+    if not callable(fn):
+        raise HarnessConfigError(f"fn must be callable as fn(rank, world_size, ...); got {fn!r}")
+    _check_options(world_size, timeout_s, start_method, max_result_bytes)
+    if start_method == "spawn":
+        _check_picklable(call)
+    _check_parent(start_method)
+    spec = RankSpec(
+        world_size, None, float(timeout_s), "", backend, dict(env or {}), max_result_bytes, first_call=call
+    )
+    group = RankGroup.__new__(RankGroup)  # the same group, started with its one call
+    results = group._open(spec, init_process_group, None, start_method, "run_ranks")
+    group.close(_EXIT_GRACE_S)
+    return results
+
+
+def _check_options(world_size: int, timeout_s: float, start_method: str, max_result_bytes: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise HarnessConfigError(f"world_size must be an int >= 1; got {world_size!r}")
+    if not timeout_s > 0:
+        raise HarnessConfigError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
+    if max_result_bytes < 1:
+        raise HarnessConfigError(f"max_result_bytes must be >= 1; got {max_result_bytes!r}")
+    if start_method not in START_METHODS:
+        raise HarnessConfigError(f"start_method must be one of {START_METHODS}; got {start_method!r}")
+
+
+def _check_picklable(call: Call) -> None:
+    for what, value in (("fn", call.fn), ("args", call.args), ("kwargs", call.kwargs)):
+        try:
+            pickle.dumps(value)
+        except Exception as error:
+            raise HarnessConfigError(
+                f"start_method='spawn' pickles {what} to send it to the ranks, and this failed "
+                f"({type(error).__name__}: {error}). Define the rank function at module level "
+                "(no lambda, closure or nested function), pass picklable arguments, "
+                "or use start_method='fork'."
+            ) from error
+
+
+def _check_parent(start_method: str) -> None:
+    """Import torch here so forked ranks inherit it, and refuse a parent that would poison them."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise HarnessConfigError(
+            "the calling process has initialised torch.distributed; ranks must own their "
+            "process groups. Call torch.distributed.destroy_process_group() in the caller, "
+            "or move the distributed code into the function given to run_ranks."
+        )
+    if start_method == "fork" and torch.cuda.is_initialized():
+        raise HarnessConfigError(
+            "the calling process has initialised CUDA, which forked ranks cannot use; "
+            "pass start_method='spawn' or keep CUDA out of the test process."
+        )
+
+
+def _lost_port_race(errors: Sequence[RankError]) -> bool:
+    return any(
+        error.rank == 0
+        and error.phase == "init_process_group"
+        and ("EADDRINUSE" in error.details or "address already in use" in error.details.lower())
+        for error in errors
+    )

@@ -1,11 +1,9 @@
-"""What the two ways of running ranks share: how a failure reads, and a rank's set-up.
+"""What a rank group's two sides share: a free port, a rank's environment, its stack dumps.
 
-:func:`conveyor.testing.run_ranks` runs one function on fresh ranks and
-returns; :class:`~conveyor.ranks.RankGroup` keeps ranks alive and runs call
-after call on them (the benchmark alternates two libraries' groups step by step). Both
-report a failed rank as a :class:`RankError` inside :class:`RankFailure`, a hang as
-:class:`RankTimeout` with every stuck rank's Python stack, give every rank the environment
-torchrun gives ranks on one machine, and tie every rank's life to its parent's.
+The parent (:mod:`conveyor.ranks.group`) picks the port and reads the stacks a hung or
+crashed rank dumped; the rank (:mod:`conveyor.ranks.rank`) sets its environment to what
+torchrun gives ranks on one machine, installs its stack dump and ties its life to its
+parent's.
 
 Importing this module does not import torch.
 

@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from conveyor.errors import ConveyorError
+from conveyor.ranks import group as rank_group
 from conveyor.testing import (
     HarnessConfigError,
     RankFailure,
     RankTimeout,
     run_ranks,
 )
-from conveyor.testing import multiprocess as harness
 
 pytestmark = pytest.mark.distributed
 
@@ -249,9 +249,9 @@ def test_port_taken_before_rank_zero_listens_is_retried(monkeypatch: pytest.Monk
         squatter.listen()
         taken_port = squatter.getsockname()[1]
         offered = [taken_port]
-        free_port = harness._free_port
+        free_port = rank_group.free_port
         monkeypatch.setattr(
-            harness, "_free_port", lambda: offered.pop() if offered else free_port()
+            rank_group, "free_port", lambda: offered.pop() if offered else free_port()
         )
 
         results = run_ranks(_sum_of_ranks, 2, timeout_s=60)
@@ -280,7 +280,8 @@ def test_hang_times_out_with_each_ranks_stack() -> None:
     assert " in _hang" in timeout.stacks[0]
     for rank in range(3):
         assert f"--- rank {rank} ---\n{timeout.stacks[rank]}" in message
-        assert "_rank_main" not in timeout.stacks[rank]  # harness frames are trimmed
+        assert "_call_user_function" not in timeout.stacks[rank]  # harness frames are trimmed
+        assert "rank_main" not in timeout.stacks[rank]
 
 
 # --- start methods and arguments ------------------------------------------------------

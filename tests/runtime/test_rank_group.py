@@ -155,3 +155,55 @@ def test_a_rank_that_dies_is_named_as_dead():
         group.call(_exit_hard)
     error = caught.value.errors[0]
     assert (error.rank, error.kind, error.exit_code) == (1, "exit", 3)
+
+
+def _print_then_fail(worker) -> None:
+    print(f"rank {worker.rank} was here", flush=False)
+    if worker.rank == 0:
+        raise RuntimeError("after printing")
+    time.sleep(60)
+
+
+def test_a_failed_ranks_output_is_not_lost_when_the_group_is_killed(capfd: pytest.CaptureFixture[str]):
+    group = RankGroup(2, distributed=False, timeout_s=60)
+    with pytest.raises(RankFailure) as caught:
+        group.call(_print_then_fail)
+    assert caught.value.failed == (0,)
+    assert caught.value.killed == (1,)
+    assert "rank 0 was here" in capfd.readouterr().out
+
+
+def _fail_everywhere(worker) -> None:
+    raise KeyError(f"missing on rank {worker.rank}")
+
+
+def test_every_rank_that_fails_is_in_the_report():
+    with RankGroup(3, distributed=False, timeout_s=60) as group, pytest.raises(RankFailure) as caught:
+        group.call(_fail_everywhere)
+    failure = caught.value
+    assert sorted(failure.failed) == [0, 1, 2]
+    assert failure.killed == failure.finished == ()
+    for rank in range(3):
+        assert f"KeyError: 'missing on rank {rank}'" in str(failure)
+
+
+def _read_env(worker) -> str:
+    return os.environ["CONVEYOR_GROUP_TEST"]
+
+
+def test_a_spawned_group_keeps_state_and_sets_the_callers_env():
+    with RankGroup(
+        2, start_method="spawn", env={"CONVEYOR_GROUP_TEST": "seen"}, timeout_s=90
+    ) as group:
+        group.call(_remember, 5)
+        assert group.call(_recall) == [5, 6]
+        assert group.call(_read_env) == ["seen", "seen"]
+        pids = group.pids
+    assert _gone(pids)
+
+
+def test_bad_options_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        RankGroup(2, start_method="forkserver")
+    with Zygote([]) as zygote, pytest.raises(ValueError, match="a zygote forks its ranks"):
+        RankGroup(2, zygote=zygote, start_method="spawn")
