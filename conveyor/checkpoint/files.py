@@ -188,7 +188,8 @@ def publish(partial: Path, final: Path, keep_last: int | None) -> None:
             shutil.rmtree(stale)
 
 
-def new_meta(**fields: Any) -> dict[str, Any]:
+def new_meta(fields: dict[str, Any]) -> dict[str, Any]:
+    """``conveyor.json``'s content: the format, version, time and torch version, then ``fields``."""
     return {"format": FORMAT, "version": VERSION, "saved_at": time.time(), "torch": torch.__version__, **fields}
 
 

@@ -146,14 +146,14 @@ def _meta(target: Target, everyone: list[dict], optimizer: Any) -> dict[str, Any
     known = info.get("state_names") if info else None
     order = [n for n in known if n in placed] if known else []
     order += sorted((n for n in placed if n not in set(order)), key=placed.__getitem__)
-    meta = files.new_meta(
-        model={"info": info, "names": order, "aliases": aliases},
-        layout=target.layout,
-        lr_scheduler=everyone[0]["lr_scheduler"],
-        extra=everyone[0]["extra"],
-        rng_ranks=[theirs["rank"] for theirs in everyone],
-        optimizer=None,
-    )
+    meta = files.new_meta({
+        "model": {"info": info, "names": order, "aliases": aliases},
+        "layout": target.layout,
+        "lr_scheduler": everyone[0]["lr_scheduler"],
+        "extra": everyone[0]["extra"],
+        "rng_ranks": [theirs["rank"] for theirs in everyone],
+        "optimizer": None,
+    })
     if any(theirs["extra"] != everyone[0]["extra"] for theirs in everyone):
         meta["extra_by_rank"] = {str(theirs["rank"]): theirs["extra"] for theirs in everyone}
     if optimizer is not None:

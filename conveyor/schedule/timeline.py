@@ -298,8 +298,14 @@ class Timeline:
         }
 
     @classmethod
-    def from_spans(cls, num_ranks: int, spans: Sequence[Span], **kwargs) -> Timeline:
-        return cls(num_ranks, tuple(sorted(spans, key=lambda s: (s.start, s.rank))), **kwargs)
+    def from_spans(cls, num_ranks: int, spans: Sequence[Span], *, title: str = "", source: str = "simulated",
+                   time_unit: str = "unit", stage_activation_bytes: Sequence[float] = (),
+                   stage_weight_activation_bytes: Sequence[float] = (), metadata: dict | None = None) -> Timeline:
+        """A Timeline of ``spans`` in any order (sorted here by start, then rank); the other fields as the
+        constructor's."""
+        return cls(num_ranks, tuple(sorted(spans, key=lambda s: (s.start, s.rank))), title=title, source=source,
+                   time_unit=time_unit, stage_activation_bytes=tuple(stage_activation_bytes),
+                   stage_weight_activation_bytes=tuple(stage_weight_activation_bytes), metadata=dict(metadata or {}))
 
 
 def measured_timeline(schedule, per_rank_events: Sequence[Sequence[tuple]]) -> Timeline:
