@@ -330,7 +330,8 @@ def markdown(results: dict, summary: dict) -> str:
         f"Against the fastest-cost ideal instead, the worst emulated conveyor / ideal is "
         f"{_fmt(fastest.get('value'), '{:.3f}')} ({fastest.get('case') or '-'}).",
         "",
-        f"Overhead (P=2, median over schedules, ms per microbatch per stage): conveyor {_fmt(overhead['conveyor'], '{:.3f}')}, "
+        f"Overhead (P=2, median over schedules, ms per microbatch per stage): "
+        f"conveyor {_fmt(overhead['conveyor'], '{:.3f}')}, "
         f"torch {_fmt(overhead['torch'], '{:.3f}')}; raw gloo one-way message {_fmt(gloo, '{:.3f}')} ms "
         f"(isend/irecv + wait; blocking send/recv: {_fmt(summary.get('gloo_one_way_blocking_ms'), '{:.3f}')} ms).",
     ]

@@ -76,7 +76,9 @@ def time_once(name: str, ranks: int, virtual: int, microbatches: int) -> dict[st
 
 def run(args: argparse.Namespace) -> int:
     """Time the schedule ``args`` name (``schedule_name``, ``schedule_ranks``, ...) and print each phase's best."""
-    return _report(args.schedule_name, args.schedule_ranks, args.schedule_virtual, args.schedule_microbatches, args.schedule_repeat)
+    return _report(
+        args.schedule_name, args.schedule_ranks, args.schedule_virtual, args.schedule_microbatches, args.schedule_repeat
+    )
 
 
 def _report(asked: str | None, ranks: int, virtual: int, microbatches: int, repeat: int) -> int:

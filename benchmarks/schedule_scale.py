@@ -75,7 +75,9 @@ sys.exit(code)
 """
 
 
-def _run_child(command: list[str], root: Path, meter: StealMeter, side: str, timeout_s: float) -> tuple[float, float, str]:
+def _run_child(
+    command: list[str], root: Path, meter: StealMeter, side: str, timeout_s: float
+) -> tuple[float, float, str]:
     """Run ``command`` on ``root``'s conveyor: (wall s, max RSS MB, its stdout)."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     with meter.window(side):

@@ -15,9 +15,10 @@ class StealMeter:
 
     Summed over chosen windows from ``/proc/stat`` (all CPUs, in clock ticks):
     ``steal / (steal + busy)`` is the share of the CPU time this VM's CPUs wanted (to run
-    something, not idle) that the host spent elsewhere. On a shared host it swings from 1% to over 50% within seconds, and a step
-    whose ranks keep both CPUs busy loses more than one process that keeps one busy; so
-    every record says how much each side lost. None where ``/proc/stat`` has no steal.
+    something, not idle) that the host spent elsewhere. On a shared host it swings from 1%
+    to over 50% within seconds, and a step whose ranks keep both CPUs busy loses more than
+    one process that keeps one busy; so every record says how much each side lost. None
+    where ``/proc/stat`` has no steal.
 
     Example:
         >>> meter = StealMeter()

@@ -255,7 +255,8 @@ def missing_bytes(path: Path, metadata: Metadata, keys: list[str]) -> str | None
             sizes[info.relative_path] = file.stat().st_size if file.is_file() else None
         size = sizes[info.relative_path]
         if size is None or size < info.offset + info.length:
-            what = "is missing" if size is None else f"has {size} bytes, fewer than the {info.offset + info.length} it should"
+            expected = info.offset + info.length
+            what = "is missing" if size is None else f"has {size} bytes, fewer than the {expected} it should"
             return (f"checkpoint {path} is incomplete: {index.fqn!r} is stored in {info.relative_path}, which {what}; "
                     "the files were removed or the copy was cut short: copy the whole directory again, or use "
                     "an earlier checkpoint")

@@ -190,7 +190,9 @@ class TracedModel:
         }
 
     def _bodies(self, node: fx.Node) -> list[fx.GraphModule]:
-        return [self.subgraphs[arg.name] for arg in node.args if isinstance(arg, fx.Node) and arg.name in self.subgraphs]
+        return [
+            self.subgraphs[arg.name] for arg in node.args if isinstance(arg, fx.Node) and arg.name in self.subgraphs
+        ]
 
     @property
     def kwarg_names(self) -> list[str]:

@@ -164,8 +164,10 @@ class Plan:
         try:
             data = json.loads(path.read_text())
         except OSError as error:
-            raise PlanError(f"cannot read the plan {str(path)!r}: {error.strerror or error}; write one with "
-                            f"`conveyor plan MODEL --ranks P --global-batch B --memory-per-rank SIZE --out PATH`") from None
+            raise PlanError(
+                f"cannot read the plan {str(path)!r}: {error.strerror or error}; write one with "
+                f"`conveyor plan MODEL --ranks P --global-batch B --memory-per-rank SIZE --out PATH`"
+            ) from None
         except json.JSONDecodeError as error:
             raise PlanError(f"the plan {str(path)!r} is not JSON ({error})") from None
         return cls.from_json(data, f"the plan {str(path)!r}")
@@ -186,10 +188,11 @@ def as_plan(plan: Plan | str | Path) -> Plan:
     """A :class:`Plan` as given, or loaded from a path.
 
     Example:
-        >>> as_plan("/nowhere/plan.json")
+        >>> as_plan("/nowhere/plan.json")  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        conveyor.errors.PlanError: cannot read the plan '/nowhere/plan.json': No such file or directory; write one with `conveyor plan MODEL --ranks P --global-batch B --memory-per-rank SIZE --out PATH`
+        conveyor.errors.PlanError: cannot read the plan '/nowhere/plan.json': No such file or directory; write one with
+        `conveyor plan MODEL --ranks P --global-batch B --memory-per-rank SIZE --out PATH`
     """
     if isinstance(plan, Plan):
         return plan

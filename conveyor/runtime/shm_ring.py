@@ -1,4 +1,5 @@
-"""The shared-memory rings under :class:`conveyor.runtime.shm.SharedMemoryTransport`: their memory, their layout, and who may map them.
+"""The shared-memory rings under :class:`conveyor.runtime.shm.SharedMemoryTransport`: their memory,
+their layout, and who may map them.
 
 Layout of a ring (an anonymous ``memfd`` of the sender, opened by the receiver through
 ``/proc/<pid>/fd``, so nothing is ever left behind in a file system): a 4 KiB control

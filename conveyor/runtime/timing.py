@@ -47,7 +47,9 @@ class EventRecorder:
     queued it (a GPU that lags the host runs its kernels later than that).
     """
 
-    def __init__(self, event_class: Any = None, stream: Any = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, event_class: Any = None, stream: Any = None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.event_class = event_class if event_class is not None else torch.cuda.Event
         self.stream = stream  # the stage device's current stream (None: the current device's)
         self.clock = clock

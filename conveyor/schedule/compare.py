@@ -67,10 +67,11 @@ def check_finite(what: str, values: Iterable[float]) -> None:
     """Refuse figures that overflowed to infinity (huge costs or latency), naming ``what``.
 
     Example:
-        >>> check_finite("a makespan", [1.0, float("inf")])
+        >>> check_finite("a makespan", [1.0, float("inf")])  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        conveyor.errors.CostError: a makespan overflows a float with these costs and latency (a sum reached inf); give smaller numbers
+        conveyor.errors.CostError: a makespan overflows a float with these costs and latency (a sum reached inf);
+        give smaller numbers
     """
     if not all(math.isfinite(v) for v in values):
         raise CostError(

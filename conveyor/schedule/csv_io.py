@@ -123,7 +123,8 @@ def _read_row(row: object, rank: int, drop: frozenset[str], source: str) -> tupl
     if isinstance(row, str | bytes) or not isinstance(row, Iterable):
         raise ScheduleError(
             f"{source}the row of rank {rank} must be a sequence of actions or action strings, "
-            f"got {type(row).__name__}" + (f" {row!r}: split it into one string per action" if isinstance(row, str) else "")
+            f"got {type(row).__name__}"
+            + (f" {row!r}: split it into one string per action" if isinstance(row, str) else "")
         )
     items = list(row)
     if set(map(type, items)) <= {Action}:

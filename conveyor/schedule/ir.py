@@ -204,7 +204,9 @@ class PackedProgram(Sequence[Action]):
             self._codes = self._source()
             self._source = None
             if self.compute_only is None:
-                self.compute_only = not self._codes or max(self._codes) < NUM_COMPUTE_KINDS * self.num_stages * self.num_microbatches
+                self.compute_only = (
+                    not self._codes or max(self._codes) < NUM_COMPUTE_KINDS * self.num_stages * self.num_microbatches
+                )
         return self._codes
 
     @property
@@ -233,7 +235,9 @@ class PackedProgram(Sequence[Action]):
         if type(action) is not Action or type(action.stage) is not int or type(action.microbatch) is not int:
             return None
         index = KIND_INDEX.get(id(action.kind))
-        if index is None or not (0 <= action.stage < self.num_stages and 0 <= action.microbatch < self.num_microbatches):
+        if index is None or not (
+            0 <= action.stage < self.num_stages and 0 <= action.microbatch < self.num_microbatches
+        ):
             return None
         return (index * self.num_stages + action.stage) * self.num_microbatches + action.microbatch
 
@@ -293,7 +297,10 @@ class PackedProgram(Sequence[Action]):
         codes = self.codes
         digest = hashlib.sha1(codes.tobytes()).hexdigest()[:12]
         shown = " ".join(map(str, self[:3])) + (" ..." if len(codes) > 3 else "")
-        return f"PackedProgram({len(codes)} actions: {shown}; S={self.num_stages} M={self.num_microbatches} sha1 {digest})"
+        return (
+            f"PackedProgram({len(codes)} actions: {shown}; "
+            f"S={self.num_stages} M={self.num_microbatches} sha1 {digest})"
+        )
 
 
 def packed_programs(programs: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int) -> list | None:

@@ -158,7 +158,9 @@ def _lower_rank(
             kinds = [
                 None if k is None or (id(k), s, m) in present else k for k, s, m in zip(kinds, stages, microbatches)
             ]
-        new = actions_in_bulk(list(filter(None, kinds)), list(compress(stages, kinds)), list(compress(microbatches, kinds)))
+        new = actions_in_bulk(
+            list(filter(None, kinds)), list(compress(stages, kinds)), list(compress(microbatches, kinds))
+        )
         # Scatter the new actions back to their positions (None elsewhere).
         aligned: list[Action | None] = [None] * len(kinds)
         deque(map(aligned.__setitem__, compress(range(len(kinds)), kinds), new), maxlen=0)

@@ -194,7 +194,9 @@ def _filtered(keep: Callable[[int], bool], program: PackedProgram) -> array:
     return array("q", filter(keep, program.codes))
 
 
-def merge_adjacent_backward_halves(program: Sequence[Action], stages: Container[int] | None = None) -> tuple[Action, ...]:
+def merge_adjacent_backward_halves(
+    program: Sequence[Action], stages: Container[int] | None = None
+) -> tuple[Action, ...]:
     """``program`` with each I directly followed by its own W run as one B.
 
     A split backward pays for itself by sending the input gradient before the weight

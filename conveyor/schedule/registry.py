@@ -213,7 +213,9 @@ def build(
     return schedule
 
 
-def _as_schedule(result: object, info: ScheduleInfo, ranks: int, microbatches: int, virtual: int, sizes: str) -> Schedule:
+def _as_schedule(
+    result: object, info: ScheduleInfo, ranks: int, microbatches: int, virtual: int, sizes: str
+) -> Schedule:
     """The builder's result as a Schedule of the sizes asked."""
     from conveyor.schedule.csv_io import schedule_from_rows
 

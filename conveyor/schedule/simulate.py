@@ -214,7 +214,9 @@ _span_new = object.__new__
 _set_span_fields = tuple(Span.__dict__[name].__set__ for name in ("rank", "action", "start", "end"))
 
 
-def _spans(programs: Sequence[Sequence[Action]], starts: list[list[float]], ends: list[list[float]]) -> tuple[Span, ...]:
+def _spans(
+    programs: Sequence[Sequence[Action]], starts: list[list[float]], ends: list[list[float]]
+) -> tuple[Span, ...]:
     """Spans of the compute actions, built without Span.__init__ (frozen: 4 object.__setattr__ calls each)."""
     set_rank, set_action, set_start, set_end = _set_span_fields
     out: list[Span] = []

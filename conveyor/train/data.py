@@ -188,8 +188,10 @@ class PretrainedTokenizer:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         except (OSError, ValueError) as error:
-            raise ConfigError(f"data.tokenizer={str(directory)!r}: cannot load a tokenizer from it ({error}); "
-                              f"expected a directory with tokenizer.json or the tokenizer's files, or 'bytes'") from None
+            raise ConfigError(
+                f"data.tokenizer={str(directory)!r}: cannot load a tokenizer from it ({error}); "
+                f"expected a directory with tokenizer.json or the tokenizer's files, or 'bytes'"
+            ) from None
         self.vocab_size = len(self.tokenizer)
         self.eos_id = self.tokenizer.eos_token_id
 

@@ -138,7 +138,8 @@ def raised(failure: Any) -> str | None:
 
     Example:
         >>> from types import SimpleNamespace as NS
-        >>> raised(NS(message={"message": "CheckpointError: save failed\\nTraceback ...\\n  File x\\nOSError: disk full"}))
+        >>> message = "CheckpointError: save failed\\nTraceback ...\\n  File x\\nOSError: disk full"
+        >>> raised(NS(message={"message": message}))
         'CheckpointError: save failed (under it: OSError: disk full)'
     """
     message = getattr(failure, "message", None)
@@ -171,7 +172,8 @@ def failure_report(error: Any, restarts: int, log_path: str | os.PathLike) -> st
 def _advice(failure: Any, exception: str | None, restarts: int) -> str:
     if failure.exitcode < 0:
         name = failure.signal_name()
-        why = " (SIGKILL from outside, often the kernel's out-of-memory killer: see `dmesg`)" if name == "SIGKILL" else ""
+        killed = " (SIGKILL from outside, often the kernel's out-of-memory killer: see `dmesg`)"
+        why = killed if name == "SIGKILL" else ""
         again = "" if restarts else "; run.max_restarts=N with checkpoint.interval restarts a run after such a loss"
         return f"find out what stopped the rank{why}, then run the same command again{again}"
     if exception is not None and exception.split(":", 1)[0] in _USER_ERRORS:

@@ -170,8 +170,9 @@ def choose_devices(cfg: TrainConfig, ranks: int, gpus: int | None = None) -> Dev
         >>> cfg = load_config(None)
         >>> choose_devices(cfg, 2, gpus=0), choose_devices(cfg, 2, gpus=2)
         (Devices(backend='gloo', device='cpu', note=None), Devices(backend='nccl', device='cuda', note=None))
-        >>> print(choose_devices(cfg, 2, gpus=1).note)
-        2 ranks but 1 GPU here: training on the CPU; set parallel.pp x parallel.dp = 1 to train on the GPU, or run.share_gpus=true to put the 2 ranks on it (over gloo, slower)
+        >>> print(choose_devices(cfg, 2, gpus=1).note)  # doctest: +NORMALIZE_WHITESPACE
+        2 ranks but 1 GPU here: training on the CPU; set parallel.pp x parallel.dp = 1 to train on the GPU, or
+        run.share_gpus=true to put the 2 ranks on it (over gloo, slower)
     """
     import torch
 
@@ -189,8 +190,12 @@ def choose_devices(cfg: TrainConfig, ranks: int, gpus: int | None = None) -> Dev
         return Devices("nccl", "cuda")
     several = f"{ranks} ranks but {gpus} GPU{'s' if gpus > 1 else ''} here"
     if cfg.run.share_gpus:
-        return Devices("gloo", "cuda", f"warning: {several}: they share the GPUs (run.share_gpus=true) over gloo, "
-                                       f"so every boundary tensor goes through the host; a GPU per rank (NCCL) is faster")
+        return Devices(
+            "gloo",
+            "cuda",
+            f"warning: {several}: they share the GPUs (run.share_gpus=true) over gloo, "
+            f"so every boundary tensor goes through the host; a GPU per rank (NCCL) is faster",
+        )
     one = "it" if gpus == 1 else "them"
     advice = (f"set parallel.pp x parallel.dp = {gpus} to train on the GPU{'s' if gpus > 1 else ''}, or "
               f"run.share_gpus=true to put the {ranks} ranks on {one} (over gloo, slower)")

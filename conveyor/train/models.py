@@ -199,10 +199,12 @@ def causal_lm_class(name: str, where: str) -> type:
     Example:
         >>> causal_lm_class("Qwen2ForCausalLM", "model.name").__name__
         'Qwen2ForCausalLM'
-        >>> causal_lm_class("BertModel", "model.name")
+        >>> causal_lm_class("BertModel", "model.name")  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        conveyor.errors.ConfigError: model.name: BertModel is a transformers class but not a causal language model; expected one such as GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM (any of transformers' *ForCausalLM classes)
+        conveyor.errors.ConfigError: model.name: BertModel is a transformers class but not a causal language model;
+        expected one such as GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM (any of transformers' *ForCausalLM
+        classes)
     """
     import transformers
 
@@ -236,10 +238,11 @@ def pretrained_config(directory: str, overrides: dict[str, Any] | None = None) -
     ``overrides`` (``model.hf_config``) go over the file's fields.
 
     Example:
-        >>> pretrained_config("/nowhere")
+        >>> pretrained_config("/nowhere")  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        conveyor.errors.ConfigError: model.name='/nowhere': no config.json there; a pretrained model directory holds config.json and model.safetensors (what save_pretrained(..., safe_serialization=True) writes)
+        conveyor.errors.ConfigError: model.name='/nowhere': no config.json there; a pretrained model directory holds
+        config.json and model.safetensors (what save_pretrained(..., safe_serialization=True) writes)
     """
     from transformers import AutoConfig
 

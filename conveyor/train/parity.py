@@ -35,8 +35,8 @@ def parity_problems(cfg: Any) -> list[str]:
         >>> from conveyor.train.config import TrainConfig
         >>> cfg = TrainConfig()
         >>> cfg.train.parity, cfg.parallel.dp = True, 2
-        >>> parity_problems(cfg)
-        ['train.parity=true compares one pipeline with one device: parallel.dp=2 replicas have no single-device reference here; set parallel.dp=1']
+        >>> parity_problems(cfg)  # doctest: +ELLIPSIS
+        ['train.parity=true compares one pipeline with one device: parallel.dp=2 replicas ...; set parallel.dp=1']
     """
     if not getattr(cfg.train, "parity", False):
         return []

@@ -26,7 +26,8 @@ def resume_path(cfg: Any) -> Path | None:
 
     Example:
         >>> from conveyor.train.config import load_config
-        >>> resume_path(load_config(None)), resume_path(load_config(None, ["checkpoint.resume=true", "checkpoint.dir=/no"]))
+        >>> resumed = load_config(None, ["checkpoint.resume=true", "checkpoint.dir=/no"])
+        >>> resume_path(load_config(None)), resume_path(resumed)
         (None, None)
     """
     wanted = cfg.checkpoint.resume

@@ -230,7 +230,8 @@ class TensorBoardLog:
         >>> board.close()
     """
 
-    TAGS = {"loss": "train/loss", "lm_loss": "train/lm_loss", "aux_loss": "train/aux_loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "val_loss": "val/loss",
+    TAGS = {"loss": "train/loss", "lm_loss": "train/lm_loss", "aux_loss": "train/aux_loss", "lr": "train/lr",
+            "tokens_per_s": "train/tokens_per_s", "val_loss": "val/loss",
             "measured_bubble": "bubble/measured", "simulated_bubble": "bubble/simulated"}
 
     def __init__(self, writer: Any) -> None:

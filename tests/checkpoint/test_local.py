@@ -151,7 +151,9 @@ def test_a_truncated_checkpoint_is_refused_naming_the_file(tmp_path):
     ckpt.save(tmp_path / "c", model, optimizer)
     (data,) = [p for p in (tmp_path / "c").iterdir() if p.suffix == ".distcp"]
     data.write_bytes(data.read_bytes()[:1000])
-    with pytest.raises(CheckpointIncompleteError, match=rf"'model\.[a-z.0-9]+' is stored in {data.name}, which has 1000"):
+    with pytest.raises(
+        CheckpointIncompleteError, match=rf"'model\.[a-z.0-9]+' is stored in {data.name}, which has 1000"
+    ):
         ckpt.load(tmp_path / "c", tied_lm(3))
     data.unlink()
     with pytest.raises(CheckpointIncompleteError, match=f"{data.name}, which is missing"):
@@ -181,7 +183,9 @@ def test_extra_must_be_json(tmp_path):
     model = tied_lm(0)
     with pytest.raises(CheckpointError, match=r"extra\.t is a tensor"):
         ckpt.save(tmp_path / "c", model, extra={"t": torch.ones(1)})
-    with pytest.raises(CheckpointError, match=r"extra\.f is a builtin_function_or_method, which a checkpoint cannot hold"):
+    with pytest.raises(
+        CheckpointError, match=r"extra\.f is a builtin_function_or_method, which a checkpoint cannot hold"
+    ):
         ckpt.save(tmp_path / "c", model, extra={"f": print})
     assert not (tmp_path / "c").exists()
 

@@ -181,7 +181,9 @@ def test_readme_demo_command_trains_bitwise_equal_and_draws_both_pictures(tmp_pa
     compared = [line for line in lines if line.startswith(("step 1: ", "step 2: "))]
     assert len(compared) == 2 and all(" | one device " in line and " grad norm " in line for line in compared)
     assert all(line.endswith("bitwise equal") for line in compared), compared
-    assert lines[-1] == "parity: all 2 steps bitwise equal to single-device training (loss and gradient norm, torch.equal)"
+    assert lines[-1] == (
+        "parity: all 2 steps bitwise equal to single-device training (loss and gradient norm, torch.equal)"
+    )
     assert any(line.startswith("bubble (last step): measured ") for line in lines)
     assert (run_dir / "timeline.png").read_bytes()[:8] == PNG_SIGNATURE
     assert (root / "out" / "compare.png").read_bytes()[:8] == PNG_SIGNATURE
@@ -189,20 +191,30 @@ def test_readme_demo_command_trains_bitwise_equal_and_draws_both_pictures(tmp_pa
 
 BAD_INPUTS = [
     (["simulate", "--schedule", "nope", "-p", "4", "-m", "8"], "unknown schedule 'nope'; known schedules: 1f1b"),
-    (["simulate", "--schedule", "1f1b", "-p", "0", "-m", "8"], "argument --ranks/-p: must be a positive integer (>= 1), got 0"),
-    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "x"], "argument --microbatches/-m: expected a positive integer, got 'x'"),
-    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "-v", "2"], "schedule '1f1b' runs 1 stage(s) per rank, not virtual=2"),
-    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "1,-1,1"], "argument --costs: the input-gradient cost must be a finite number >= 0, got '-1'"),
-    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "-1,1,1"], "argument --costs: the forward cost must be a finite number >= 0, got '-1'"),
-    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "1,1"], "argument --costs: expected three comma-separated numbers F,B,W"),
-    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "1,a,1"], "argument --costs: the input-gradient cost must be a number, got 'a'"),
+    (["simulate", "--schedule", "1f1b", "-p", "0", "-m", "8"],
+     "argument --ranks/-p: must be a positive integer (>= 1), got 0"),
+    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "x"],
+     "argument --microbatches/-m: expected a positive integer, got 'x'"),
+    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "-v", "2"],
+     "schedule '1f1b' runs 1 stage(s) per rank, not virtual=2"),
+    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "1,-1,1"],
+     "argument --costs: the input-gradient cost must be a finite number >= 0, got '-1'"),
+    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "-1,1,1"],
+     "argument --costs: the forward cost must be a finite number >= 0, got '-1'"),
+    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "1,1"],
+     "argument --costs: expected three comma-separated numbers F,B,W"),
+    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "1,a,1"],
+     "argument --costs: the input-gradient cost must be a number, got 'a'"),
     (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs"], "argument --costs: expected one argument"),
-    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--latency", "-1"], "argument --latency: must be a finite number >= 0, got '-1'"),
+    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--latency", "-1"],
+     "argument --latency: must be a finite number >= 0, got '-1'"),
     (["simulate", "--schedule", "1f1b", "-m", "8"], "the following arguments are required: --ranks/-p"),
     (["simulate", "-p", "4", "-m", "8"], "one of the arguments --schedule --compare is required"),
-    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "1e308,1e308,1e308"], "the simulated timeline overflows a float"),
+    (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--costs", "1e308,1e308,1e308"],
+     "the simulated timeline overflows a float"),
     (["simulate", "--compare", "-p", "4", "-m", "8", "--latency", "1e308"], "a simulated makespan overflows a float"),
-    (["simulate", "--schedule", "1f1b", "-p", "100000000000000000000", "-m", "1"], "100000000000000000000 ranks x 1 microbatches means about 6e+20 actions"),
+    (["simulate", "--schedule", "1f1b", "-p", "100000000000000000000", "-m", "1"],
+     "100000000000000000000 ranks x 1 microbatches means about 6e+20 actions"),
     (["demo", "parallel.schedule=nope"], "parallel.schedule='nope': expected one of gpipe, 1f1b"),
     (["demo", "parallel.pp=0"], "parallel.pp=0: expected"),
     ([], "the following arguments are required: command"),

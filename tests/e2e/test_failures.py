@@ -55,7 +55,9 @@ def test_a_rank_that_raises_mid_run_ends_the_job_with_the_cause_last(job):
     last = err.rstrip().splitlines()[-3:]
     assert last[0].startswith("conveyor train: rank ") and " failed: CheckpointError: " in last[0], err[-4000:]
     log = job.run_dir / "launch.log"
-    assert last[1] == f"conveyor train: no restarts were allowed (run.max_restarts=0); every rank's traceback is in {log}"
+    assert last[1] == (
+        f"conveyor train: no restarts were allowed (run.max_restarts=0); every rank's traceback is in {log}"
+    )
     assert last[2] == "conveyor train: what to do: change what the error names, then run the same command again"
     assert "Traceback" not in err and "ProcessRaisedException" not in err
     assert "Traceback" in log.read_text() and "Root Cause" in log.read_text()

@@ -38,7 +38,9 @@ def test_a_rank_whose_gradients_changed_says_so_until_the_layout_is_forgotten():
     _fill(stages)
     pipe.clip_grad_norm_(1.0)
     stages[1].bias.grad = None
-    with pytest.raises(PipelineConfigError, match=r"changed since clip_grad_norm_ first exchanged them \(6 then, 5 now"):
+    with pytest.raises(
+        PipelineConfigError, match=r"changed since clip_grad_norm_ first exchanged them \(6 then, 5 now"
+    ):
         pipe.clip_grad_norm_(1.0)
     pipe.forget_norm_layout()
     want = torch.nn.utils.get_total_norm([p.grad for m in stages for p in m.parameters() if p.grad is not None])

@@ -122,7 +122,8 @@ def _first_steps():
                         orders = sender_orders(schedule, training)
                         postings = [posting_of(p, r, schedule.placement, orders, training)
                                  for r, p in enumerate(lowered.programs)]
-                        yield (name, ranks, virtual, microbatches, training), lowered.programs, postings, schedule.placement
+                        key = (name, ranks, virtual, microbatches, training)
+                        yield key, lowered.programs, postings, schedule.placement
 
 
 def test_nccl_first_step_host_replay_of_every_builtin_schedule():

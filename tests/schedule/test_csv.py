@@ -234,14 +234,22 @@ def write_torch_csvs(directory: Path) -> list[Path]:
             "stages [1] have no actions, but stage 2 does: stages are numbered 0..S-1 without gaps, each with its "
             "forward and backward",
         ),
-        ("0F0,0B0\n\n", {"placement": Placement.looped(2)}, "the placement has 2 ranks but there are 1 rows of actions"),
+        (
+            "0F0,0B0\n\n",
+            {"placement": Placement.looped(2)},
+            "the placement has 2 ranks but there are 1 rows of actions",
+        ),
         (
             "0F0,0SEND_F0,0B0\n1RECV_F0,1F0,1B0\n",
             {"format": "compute_only"},
             "format='compute_only' but rank 0 has the communication action 0SEND_F0 (its step 1); load with "
             "format='compute_comms', or remove the SEND/RECV cells",
         ),
-        ("0F0\n", {"format": "compute"}, "format must be one of ('compute_only', 'compute_comms') or None, got 'compute'"),
+        (
+            "0F0\n",
+            {"format": "compute"},
+            "format must be one of ('compute_only', 'compute_comms') or None, got 'compute'",
+        ),
         ("0F0\n", {"drop": ("FSDP",)}, "drop= names unknown action kinds ['FSDP']"),
         ("", {}, "no programs: expected one row of actions per rank"),
     ],

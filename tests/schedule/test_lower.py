@@ -52,7 +52,9 @@ def test_forward_only_programs_lower_too():
     assert programs_as_text(lower(schedule)) == ["0F0 0SEND_F0 0F1 0SEND_F1", "1RECV_F0 1F0 1RECV_F1 1F1"]
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev"])
+@pytest.mark.parametrize(
+    "name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev"]
+)
 def test_every_builtin_lowers_to_a_valid_program_with_the_same_timing(name):
     for num_ranks, num_microbatches in SIZES:
         schedule = cs.build(name, ranks=num_ranks, microbatches=num_microbatches)
@@ -116,7 +118,10 @@ def test_lowering_a_big_schedule_keeps_every_action_and_adds_the_rest():
         (lambda: "1f1b", "lower() expects a Schedule, got str"),
         (
             lambda: Schedule(
-                "odd", Placement.looped(2), 1, ((Action.parse("0F0"), "0B0"), (Action.parse("1F0"), Action.parse("1B0")))
+                "odd",
+                Placement.looped(2),
+                1,
+                ((Action.parse("0F0"), "0B0"), (Action.parse("1F0"), Action.parse("1B0"))),
             ),
             "rank 0, step 1: found the string '0B0' where an Action belongs",
         ),

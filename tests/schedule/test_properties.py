@@ -38,7 +38,8 @@ def placements(draw) -> Placement:
     if shape == "looped":
         return Placement.looped(num_ranks, virtual)
     # Any assignment that gives every rank at least one stage.
-    extra = draw(st.lists(st.integers(0, num_ranks - 1), min_size=num_ranks * (virtual - 1), max_size=num_ranks * (virtual - 1)))
+    count = num_ranks * (virtual - 1)
+    extra = draw(st.lists(st.integers(0, num_ranks - 1), min_size=count, max_size=count))
     return Placement(num_ranks, tuple(draw(st.permutations(list(range(num_ranks)) + extra))))
 
 
@@ -68,7 +69,11 @@ def random_pass_order(num_stages: int, num_microbatches: int, split: list[bool],
                 needs[Action(K.W, s, m)] = [backward]
     for action in list(needs):
         if action.kind in (K.B, K.I) and action.stage < num_stages - 1:
-            after = next(a for a in needs if a.kind in (K.B, K.I) and (a.stage, a.microbatch) == (action.stage + 1, action.microbatch))
+            after = next(
+                a
+                for a in needs
+                if a.kind in (K.B, K.I) and (a.stage, a.microbatch) == (action.stage + 1, action.microbatch)
+            )
             needs[action].append(after)
     waiting_on = {a: len(n) for a, n in needs.items()}
     unblocks: dict[Action, list[Action]] = {a: [] for a in needs}

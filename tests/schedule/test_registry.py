@@ -32,7 +32,9 @@ def gpipe_rows(num_ranks: int, num_microbatches: int) -> list[list[str]]:
 
 def test_the_original_signature_still_registers_a_schedule_builder(registered):
     def builder(num_ranks, num_microbatches, virtual):
-        return Schedule.from_programs("mine", Placement.looped(num_ranks), num_microbatches, gpipe_rows(num_ranks, num_microbatches))
+        return Schedule.from_programs(
+            "mine", Placement.looped(num_ranks), num_microbatches, gpipe_rows(num_ranks, num_microbatches)
+        )
 
     registered.append("mine")
     assert cs.register("mine", builder, description="d", default_virtual=1, virtual_choices=(1,), replace=False) is None
@@ -119,7 +121,8 @@ def test_an_invalid_user_schedule_raises_the_verifiers_message(registered):
         (
             lambda p, m, v: [["0F0", "0B0"]],
             {},
-            "the builder of schedule 'bad' gave programs for 1 ranks, but ranks=2, microbatches=1, virtual=1 asks for 2",
+            "the builder of schedule 'bad' gave programs for 1 ranks, but ranks=2, microbatches=1, virtual=1 asks "
+            "for 2",
         ),
         (
             lambda p, m, v: [["0F0", "0B0"], ["1F0", "1Q0"]],
@@ -172,12 +175,32 @@ def test_builders_that_go_wrong_get_a_message(registered, builder, kwargs, expec
     ("args", "kwargs", "expected"),
     [
         (("", lambda p, m, v: None), {}, "a schedule's name must be a non-empty string on one line, got ''"),
-        (("x", "not callable"), {}, "schedule 'x': builder must be callable as builder(num_ranks, num_microbatches, virtual)"),
-        (("x", lambda p, m, v: None), {"placement": "diagonal"}, "schedule 'x': placement must be one of 'looped', 'vshape', 'infer'"),
-        (("x", lambda p, m, v: None), {"default_virtual": 0}, "schedule 'x': default_virtual must be a positive integer, got 0"),
+        (
+            ("x", "not callable"),
+            {},
+            "schedule 'x': builder must be callable as builder(num_ranks, num_microbatches, virtual)",
+        ),
+        (
+            ("x", lambda p, m, v: None),
+            {"placement": "diagonal"},
+            "schedule 'x': placement must be one of 'looped', 'vshape', 'infer'",
+        ),
+        (
+            ("x", lambda p, m, v: None),
+            {"default_virtual": 0},
+            "schedule 'x': default_virtual must be a positive integer, got 0",
+        ),
         (("x", lambda p, m, v: None), {"virtual_choices": [1]}, "schedule 'x': virtual_choices must be a tuple"),
-        (("x", lambda p, m, v: None), {"default_virtual": 2}, "schedule 'x': default_virtual=2 is not among virtual_choices=(1,)"),
-        (("1f1b", lambda p, m, v: None), {}, "a schedule named '1f1b' is already registered; pass replace=True to override it"),
+        (
+            ("x", lambda p, m, v: None),
+            {"default_virtual": 2},
+            "schedule 'x': default_virtual=2 is not among virtual_choices=(1,)",
+        ),
+        (
+            ("1f1b", lambda p, m, v: None),
+            {},
+            "a schedule named '1f1b' is already registered; pass replace=True to override it",
+        ),
     ],
 )
 def test_bad_registrations_are_refused(args, kwargs, expected):

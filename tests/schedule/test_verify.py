@@ -107,8 +107,14 @@ def test_malformed_containers_are_rejected_when_built(make, expected):
             "rank 0, step 0: the microbatch of an action must be an int, got None (NoneType) in "
             "Action(kind=F, stage=0, microbatch=None)",
         ),
-        (raw([Action(K.F, -1, 0)], []), "rank 0, step 0: action -1F0 names stage -1, but the schedule has 2 stages (0..1)"),
-        (raw([Action(K.F, 2, 0)], []), "rank 0, step 0: action 2F0 names stage 2, but the schedule has 2 stages (0..1)"),
+        (
+            raw([Action(K.F, -1, 0)], []),
+            "rank 0, step 0: action -1F0 names stage -1, but the schedule has 2 stages (0..1)",
+        ),
+        (
+            raw([Action(K.F, 2, 0)], []),
+            "rank 0, step 0: action 2F0 names stage 2, but the schedule has 2 stages (0..1)",
+        ),
         (
             raw([Action(K.F, 0, -1)], []),
             "rank 0, step 0: action 0F-1 names microbatch -1; microbatch ids run from 0 to num_microbatches - 1",
@@ -159,7 +165,10 @@ def test_an_action_error_marks_its_cell_in_the_grid():
 @pytest.mark.parametrize(
     ("sched", "expected"),
     [
-        (schedule("0F0 0F0 0B0", "1F0 1B0"), "rank 0 runs 0F0 twice, at steps 0 and 1; each action must appear exactly once"),
+        (
+            schedule("0F0 0F0 0B0", "1F0 1B0"),
+            "rank 0 runs 0F0 twice, at steps 0 and 1; each action must appear exactly once",
+        ),
         (
             schedule("0F0 0B0 0I0 0W0", "1F0 1B0"),
             "stage 0 microbatch 0 has two backward passes on rank 0: 0B0 at step 1 and 0I0 at step 2; "

@@ -151,8 +151,10 @@ def test_moe_recipe_under_zbv_equals_one_device_with_its_loss_parts():
     assert model.config.num_key_value_heads == 2 and model.config.output_router_logits
     reference = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 256, (8, 16), generator=generator), torch.randint(0, 256, (8, 16), generator=generator))
-               for _ in range(2)]
+    batches = [
+        (torch.randint(0, 256, (8, 16), generator=generator), torch.randint(0, 256, (8, 16), generator=generator))
+        for _ in range(2)
+    ]
 
     ref_fn = train_loss(cfg, reference)
     assert isinstance(ref_fn, LossWithAux) and ref_fn.coefficient == 0.02

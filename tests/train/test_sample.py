@@ -56,5 +56,6 @@ def test_the_summary_shows_prompt_and_continuation_apart():
     lines = sample_lines({"sample_prompt": "x = ", "sample": "1\n" + "\n" * 40 + "y", "sample_txt": "r/sample.txt"})
     assert lines[0] == "sample (greedy, after training; r/sample.txt):"
     assert lines[1] == "  | x = ⟨1" and lines[-1] == "  | y⟩" and len(lines) < 8
-    assert sample_lines({"sample_prompt": "a", "sample": "\x06b\x1b[2J", "sample_txt": "s"})[1] == "  | a⟨\\x06b\\x1b[2J⟩"
+    escaped = sample_lines({"sample_prompt": "a", "sample": "\x06b\x1b[2J", "sample_txt": "s"})[1]
+    assert escaped == "  | a⟨\\x06b\\x1b[2J⟩"
     assert sample_lines({"steps": 3}) == []

@@ -148,7 +148,9 @@ def _norms(module: nn.Module, found: Found) -> list[str]:
 
 def _refuse_unplaced(module: nn.Module, found: Found) -> None:
     if found.unplaced:
-        lines = "; ".join(f"{name} ({type(module.get_submodule(name)).__name__}): {why}" for name, why in found.unplaced)
+        lines = "; ".join(
+            f"{name} ({type(module.get_submodule(name)).__name__}): {why}" for name, why in found.unplaced
+        )
         raise PipelineConfigError(f"tensor_parallel='auto' cannot place {lines}. To parallelize it, {PLAN_ADVICE}")
 
 
@@ -257,7 +259,9 @@ def parallelize_stage(
             raise PipelineConfigError(f"tensor_parallel takes 'auto' or a dict of ParallelStyles, got {plan!r}")
         plan = tensor_parallel_plan(module, tp_size, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     elif not isinstance(plan, Mapping):
-        raise PipelineConfigError(f"tensor_parallel takes 'auto' or a dict of ParallelStyles, got {type(plan).__name__}")
+        raise PipelineConfigError(
+            f"tensor_parallel takes 'auto' or a dict of ParallelStyles, got {type(plan).__name__}"
+        )
     check_plan(module, plan, tp_size)
     tied = _tied_parameters(module)
     parallelize_module(module, tp_mesh, dict(plan))
@@ -282,7 +286,8 @@ def _retie(module: nn.Module, tied: list[list[str]]) -> None:
                 raise PipelineConfigError(
                     f"{names[0]} and {name} are one tied parameter, but the plan shards them differently "
                     f"({getattr(first, 'placements', 'whole')} and {getattr(other, 'placements', 'whole')}): give "
-                    "both the same sharding (embedding RowwiseParallel and head ColwiseParallel both shard the vocabulary)"
+                    "both the same sharding (embedding RowwiseParallel and head ColwiseParallel both shard the "
+                    "vocabulary)"
                 )
             owner, _, attribute = name.rpartition(".")
             module.get_submodule(owner).register_parameter(attribute, first)

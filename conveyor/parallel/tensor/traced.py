@@ -95,7 +95,9 @@ def _module_placements(module: nn.Module, style: ParallelStyle) -> dict[str, obj
     elif is_transposed_projection(module):
         found = {"weight": column(1) if colwise else Shard(0), "bias": column(0) if colwise else Replicate()}
     else:
-        raise PipelineConfigError(f"{type(style).__name__} takes a Linear, Embedding or Conv1D, got {type(module).__name__}")
+        raise PipelineConfigError(
+            f"{type(style).__name__} takes a Linear, Embedding or Conv1D, got {type(module).__name__}"
+        )
     return {name: placement for name, placement in found.items() if getattr(module, name, None) is not None}
 
 

@@ -132,7 +132,9 @@ class ProgramWriter:
         if program is None:
             program = PackedProgram.from_fields(*self._fields(below), num_stages, num_microbatches)
         if program is None:
-            raise ScheduleError(f"a builder wrote an action outside {num_stages} stages x {num_microbatches} microbatches")
+            raise ScheduleError(
+                f"a builder wrote an action outside {num_stages} stages x {num_microbatches} microbatches"
+            )
         self.__init__()  # a P=256 build holds one rank's columns at a time
         return program
 

@@ -1,4 +1,5 @@
-"""A small transformer language model cut into stages by hand: what the runtime's parity tests, the kill trials and the soak train.
+"""A small transformer language model cut into stages by hand: what the runtime's parity tests,
+the kill trials and the soak train.
 
 Stages pass a tuple ``(hidden, mask, depth, summary)`` to one another on
 purpose: a float tensor that carries a gradient, a bool mask that does not, a
