@@ -94,5 +94,6 @@ def run(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|")
     for rank, r in enumerate(ranks):
         place = {0: "first", 1: "middle", 2: "last"}[r["pp"]]
-        print(f"| {rank} | {r['dp']} | {place} | {'yes' if r['opened'] else 'no'} | {r['built']:.0f} | {r['peak']:.0f} |")
+        opened = "yes" if r["opened"] else "no"
+        print(f"| {rank} | {r['dp']} | {place} | {opened} | {r['built']:.0f} | {r['peak']:.0f} |")
     return 0

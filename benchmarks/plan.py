@@ -278,7 +278,8 @@ def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path, chos
         rotated = {**profiled, "rows_s": _rows_s([costs for costs, _ in samples]),
                    "split_s": _split_rows_s([split for _, split in samples])}
         prediction = _predict(case, rotated, calibration)
-        before = predict_plan(case.plan, calibration) if case.plan is not None else _predict(case, profiled, calibration)
+        before = (predict_plan(case.plan, calibration) if case.plan is not None
+                  else _predict(case, profiled, calibration))
         records.append(_record(case, prediction, before, profiled, samples, run, out, calibration))
     return records
 
@@ -392,7 +393,8 @@ def table(records: list[dict]) -> str:
         schedule = f"chosen: {r['plan']}" if r.get("chosen") else r["schedule"]
         lines.append(
             f"| {r['workload']} | {r['ranks']} | {schedule} | {r['virtual']} | {r['microbatches']} "
-            f"| {r['predicted_ms']:.1f} | {before} | {r['measured_ms']:.1f} ({r['measured_min_ms']:.1f}-{r['measured_max_ms']:.1f}) "
+            f"| {r['predicted_ms']:.1f} | {before} "
+            f"| {r['measured_ms']:.1f} ({r['measured_min_ms']:.1f}-{r['measured_max_ms']:.1f}) "
             f"| {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {steal} | {r['load_average']:.1f} |"
         )
     return "\n".join(lines)
@@ -437,8 +439,8 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
         f"worst {max(abs(r - 1) for r in ratios):.3f}; within 5%: "
         f"{sum(abs(r - 1) <= 0.05 for r in ratios)} of {len(ratios)}.", "",
         *[f"- {line}" for line in fastest(records)], "",
-        "The planner's own plan (`conveyor.plan.plan(..., machine=Machine(calibration=...))`, no memory limit) against the "
-        "fastest built-in with the default split, measured in the same run:", "",
+        "The planner's own plan (`conveyor.plan.plan(..., machine=Machine(calibration=...))`, no memory limit) "
+        "against the fastest built-in with the default split, measured in the same run:", "",
         *[f"- {line}" for line in plan_chosen.verdicts(records)], "",
     ]
     (out / "plan.md").write_text("\n".join(text))

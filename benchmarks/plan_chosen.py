@@ -127,8 +127,9 @@ def verdicts(records: list[dict]) -> list[str]:
         ...         {"workload": "gpt", "ranks": 2, "schedule": "zb-h1", "virtual": 2, "chosen": True,
         ...          "plan": "zb-h1 V=2 M=4 split blocks.4", "predicted_ms": 9.0, "measured_ms": 9.2,
         ...          "measured_min_ms": 9.0, "measured_max_ms": 9.4, "ratio": 1.022}]
-        >>> verdicts(rows)[0]
-        'gpt P=2: chosen zb-h1 V=2 M=4 split blocks.4: predicted 9.0 ms, measured 9.2 (9.0-9.4), ratio 1.022; best built-in 1f1b V=1 10.0 (9.5-11.0): faster'
+        >>> print(verdicts(rows)[0])  # doctest: +NORMALIZE_WHITESPACE
+        gpt P=2: chosen zb-h1 V=2 M=4 split blocks.4: predicted 9.0 ms, measured 9.2 (9.0-9.4), ratio 1.022;
+        best built-in 1f1b V=1 10.0 (9.5-11.0): faster
     """
     lines = []
     for workload, ranks in sorted({(r["workload"], r["ranks"]) for r in records}):

@@ -165,8 +165,8 @@ class RankFailure(ConveyorError, RuntimeError):
     """One or more ranks failed; the others were stopped.
 
     ``errors`` holds one :class:`RankError` per failed rank, likely root causes first
-    (ranks that died, then ranks that raised, in the order they raised); ``killed`` the ranks still running when the harness killed them; ``finished``
-    the ranks that had returned.
+    (ranks that died, then ranks that raised, in the order they raised); ``killed`` the ranks
+    still running when the harness killed them; ``finished`` the ranks that had returned.
     """
 
     def __init__(

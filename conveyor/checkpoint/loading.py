@@ -50,8 +50,9 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     no process group). ``path`` may be a parent directory with a ``latest`` marker. Random
     generators are restored when the layout (processes, global ranks, stage placement) is
     the one saved, else left alone with a log line. A :class:`~conveyor.MasterWeights` loads the
-    checkpoint's weights into its fp32 masters, then rounds them into the parameters. Raises :class:`CheckpointMismatchError`
-    or :class:`CheckpointIncompleteError` on every rank, before anything is changed.
+    checkpoint's weights into its fp32 masters, then rounds them into the parameters. Raises
+    :class:`CheckpointMismatchError` or :class:`CheckpointIncompleteError` on every rank, before
+    anything is changed.
 
     Example:
         >>> extra = conveyor.checkpoint.load("ckpt/step_100", pipe, optimizer)   # doctest: +SKIP

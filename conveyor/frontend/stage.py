@@ -206,7 +206,8 @@ def build_recipes(
             # by no node: the stage that returns it must hold it all the same.
             for value in pytree.tree_leaves(traced.outputs):
                 if isinstance(value, fx.Node) and value.op == "placeholder" and value.name in traced.state_inputs:
-                    tensors.setdefault(value.name, _tensor_for(traced, value.name, _name_for_use(traced, value.name, ())))
+                    use_name = _name_for_use(traced, value.name, ())
+                    tensors.setdefault(value.name, _tensor_for(traced, value.name, use_name))
         else:
             outputs = [
                 value
@@ -473,7 +474,8 @@ class StageModule(nn.Module):
             raise PipelineConfigError(
                 f"stage {self.stage} was traced with the model in {traced} mode and is now in {mode} "
                 "mode; the traced operations fix dropout and BatchNorm behaviour to the traced mode. "
-                "Trace both modes (conveyor.pipeline(..., options=PipelineOptions(split=SplitOptions(both_modes=True))), or "
+                "Trace both modes (conveyor.pipeline(..., "
+                "options=PipelineOptions(split=SplitOptions(both_modes=True))), or "
                 "split.stage_module(stage, both_modes=True)), build "
                 f"{mode}-mode stages with split.with_mode(training={self.training}) (same cut, same "
                 "names), or put the stage back in its mode."

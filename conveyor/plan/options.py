@@ -11,10 +11,11 @@ checks and normalises its own fields; importing this module does not import torc
 Example:
     >>> SearchSpace(virtual=[1, 2, 4], top=3).virtual
     (1, 2, 4)
-    >>> Machine(bandwidth=0)
+    >>> Machine(bandwidth=0)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    conveyor.errors.PlanError: Machine.bandwidth must be a positive number (bytes per second between neighbouring ranks), got 0; drop it for the default 2e+09
+    conveyor.errors.PlanError: Machine.bandwidth must be a positive number (bytes per second between
+        neighbouring ranks), got 0; drop it for the default 2e+09
 """
 
 from __future__ import annotations
@@ -120,10 +121,11 @@ class Machine:
     """What the ranks run on: how fast they talk and compute, optimizer state, cores, threads, calibration.
 
     Example:
-        >>> Machine(cores=0)
+        >>> Machine(cores=0)  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        conveyor.errors.PlanError: Machine.cores must be a positive int, 'auto' or None, got 0; give the CPU cores the ranks share, None for a device per rank
+        conveyor.errors.PlanError: Machine.cores must be a positive int, 'auto' or None, got 0; give the CPU
+            cores the ranks share, None for a device per rank
     """
 
     bandwidth: float = _f(DEFAULT_BANDWIDTH, "bytes per second between neighbouring ranks (without a calibration)")
@@ -156,10 +158,11 @@ class Measurement:
     """How the units' costs are obtained: measured where and how often, or given.
 
     Example:
-        >>> Measurement(repeats=0)
+        >>> Measurement(repeats=0)  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        conveyor.errors.PlanError: Measurement.repeats must be a positive int, got 0; time each unit at least once (repeats=1)
+        conveyor.errors.PlanError: Measurement.repeats must be a positive int, got 0; time each unit at least
+            once (repeats=1)
     """
 
     device: Any = _f(None, "where the units are profiled (a torch.device or its name; None: the model's)")

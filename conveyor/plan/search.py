@@ -154,7 +154,8 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
         for name, v in schedule_choices(schedules, space.virtual):
             candidate = Candidate(name, v, m)
             if ranks * v > len(table.units):
-                candidate.verdict = f"failed: {ranks * v} stages need {ranks * v} units, the model has {len(table.units)}"
+                candidate.verdict = (f"failed: {ranks * v} stages need {ranks * v} units, "
+                                     f"the model has {len(table.units)}")
             else:
                 candidate.cuts = tuple(context.fastest(m, v))
                 candidate.lower_bound = context.lower_bound(candidate)

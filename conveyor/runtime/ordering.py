@@ -68,7 +68,8 @@ def sender_orders(schedule: Schedule, training: bool) -> dict[tuple[int, int], l
     last = place.num_stages - 1
     orders: dict[tuple[int, int], list[Key]] = {}
     for rank, program in enumerate(schedule.programs):
-        placed = {(a.kind, a.stage, a.microbatch) for a in program if a.kind in (K.SEND_F, K.SEND_B)} if training else set()
+        placed = ({(a.kind, a.stage, a.microbatch) for a in program if a.kind in (K.SEND_F, K.SEND_B)}
+                  if training else set())
         for a in program:
             s, m = a.stage, a.microbatch
             key = peer = None
@@ -137,7 +138,8 @@ def posting_of(program: Sequence[Action], rank: int, placement: Placement, order
             posting[first] = tuple(tuple(batch) for batch in batches.values())
     for peer, keys in sent.items():
         if list(orders.get((rank, peer), ())) != keys:
-            raise ValueError(f"rank {rank} sends rank {peer} {keys}, not in the order {list(orders.get((rank, peer), ()))}")
+            expected = list(orders.get((rank, peer), ()))
+            raise ValueError(f"rank {rank} sends rank {peer} {keys}, not in the order {expected}")
     return posting
 
 

@@ -100,8 +100,8 @@ def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeou
         device = torch.device("cpu")
     elif device is None or device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    return OrderedTransport(rank, life.global_ranks, schedule, groups, life.store, life.store_prefix(), timeout_s, device,
-                            life.backend)
+    return OrderedTransport(rank, life.global_ranks, schedule, groups, life.store, life.store_prefix(), timeout_s,
+                            device, life.backend)
 
 
 def wire_channels(train_in_order: Iterable[tuple[ActionKind, int]],

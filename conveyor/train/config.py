@@ -16,10 +16,12 @@ Example:
     >>> cfg = load_config(None, ["parallel.pp=2", "optim.lr=3e-4"])
     >>> cfg.parallel.pp, cfg.optim.lr, cfg.model.name
     (2, 0.0003, 'gpt')
-    >>> load_config(None, ["optim.lrr=1"])
+    >>> load_config(None, ["optim.lrr=1"])  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    conveyor.errors.ConfigError: unknown key 'optim.lrr' (command-line override 'optim.lrr=1'); did you mean 'optim.lr'? The keys of section 'optim' are: lr, betas, weight_decay, warmup_steps, lr_schedule, min_lr_ratio
+    conveyor.errors.ConfigError: unknown key 'optim.lrr' (command-line override 'optim.lrr=1'); did you mean
+        'optim.lr'? The keys of section 'optim' are: lr, betas, weight_decay, warmup_steps, lr_schedule,
+        min_lr_ratio
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ Example:
     >>> from conveyor.train.config import TrainConfig
     >>> cfg = TrainConfig()
     >>> cfg.parallel.microbatches = 3
-    >>> validate(cfg)
+    >>> validate(cfg)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    conveyor.errors.ConfigError: parallel.microbatches=3: must divide the per-replica batch train.batch_size / parallel.dp = 16 / 1 = 16; try one of 1, 2, 4, 8, 16
+    conveyor.errors.ConfigError: parallel.microbatches=3: must divide the per-replica batch
+        train.batch_size / parallel.dp = 16 / 1 = 16; try one of 1, 2, 4, 8, 16
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ def add_parser(commands: Any, positive_int: Any) -> None:
     plan.add_argument("--global-batch", "-b", type=positive_int, required=True, metavar="B",
                       help="samples per optimizer step over the pipeline")
     plan.add_argument("--memory-per-rank", default="inf", metavar="SIZE", help="e.g. 4GiB, 80GB (default: no limit)")
-    plan.add_argument("--top", type=positive_int, default=5, metavar="K", help="plans to list (SearchSpace.top; default 5)")
+    plan.add_argument("--top", type=positive_int, default=5, metavar="K",
+                      help="plans to list (SearchSpace.top; default 5)")
     plan.add_argument("--out", metavar="PLAN.json", help="write the chosen plan here")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="a config override for recipe/config models, e.g. model.layers=8 (repeatable)")
@@ -47,7 +48,8 @@ def add_parser(commands: Any, positive_int: Any) -> None:
                       help="cost the model from its shapes on the meta device instead of running it")
     plan.add_argument("--flops", type=float, default=None, metavar="FLOP/S",
                       help="sustained device throughput for --analytic (Machine.flops_per_second; default 4e14)")
-    plan.add_argument("--repeats", type=positive_int, default=3, help="timed rounds per unit, best kept (Measurement.repeats)")
+    plan.add_argument("--repeats", type=positive_int, default=3,
+                      help="timed rounds per unit, best kept (Measurement.repeats)")
     plan.add_argument("--calibrate", action="store_true",
                       help="measure this machine's runtime overheads first (a few seconds) and predict the step "
                            "with them and each rank's AdamW step: the step a real run is checked against "

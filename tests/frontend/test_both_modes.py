@@ -78,7 +78,8 @@ def _train_then_evaluate(rank, world_size):
     model, x, y = _model_and_batch()
     pipe = conveyor.pipeline(model, example_args=(x[:2],), split_points=["mid"], schedule="1f1b",
                              microbatches=4, loss_fn=nn.functional.mse_loss,
-                             options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=60), split=conveyor.SplitOptions(both_modes=True)))
+                             options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=60),
+                                                              split=conveyor.SplitOptions(both_modes=True)))
     pipe.step(x, target=y)
     pipe.eval()
     evaluated = pipe.forward(x)

@@ -138,7 +138,8 @@ def test_more_stages_than_units():
     with pytest.raises(frontend.SplitError) as caught:
         frontend.split_model(Stack(num_layers=3), 4, example_args=(torch.randn(2, 8),))
     assert (
-        "cannot split Stack into 4 stages with split_method='parameters': only 2 unit(s) can start a stage (1, 2), so at most 3 stages"
+        "cannot split Stack into 4 stages with split_method='parameters': "
+        "only 2 unit(s) can start a stage (1, 2), so at most 3 stages"
         in str(caught.value)
     )
     assert "pass split_points naming finer modules" in str(caught.value)

@@ -123,7 +123,8 @@ def test_normalize_by_that_cannot_be_a_token_count_names_rank_and_value(bad):
 
 def _two_ranks(rank, world_size, bad):
     schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
-    pipe = conveyor.Pipeline([MLPStage(rank, 2)], schedule=schedule, loss_fn=sum_loss, transfer=conveyor.TransferOptions(timeout_s=60))
+    pipe = conveyor.Pipeline([MLPStage(rank, 2)], schedule=schedule, loss_fn=sum_loss,
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     ids, targets = padded_batch()
     target = targets if pipe.needs_target else None
     count = count_tokens(pipe, target)

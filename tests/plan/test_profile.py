@@ -67,7 +67,8 @@ def test_a_meta_model_is_costed_from_its_shapes():
         model = tiny_llama(vocab=4096, width=64, layers=8)
     table = cp.unit_costs(model, (torch.zeros(1, 64, dtype=torch.long),), None, global_batch=8, ranks=4)
     assert table.source.startswith("analytic") and len(table.units) == 11
-    plan = cp.plan(model, torch.zeros(1, 64, dtype=torch.long), ranks=4, global_batch=8, measure=cp.Measurement(costs=table))
+    plan = cp.plan(model, torch.zeros(1, 64, dtype=torch.long), ranks=4, global_batch=8,
+                   measure=cp.Measurement(costs=table))
     assert plan.num_stages in (4, 8)
 
 

@@ -248,8 +248,10 @@ def _assert_every_rank_got(per_rank: list[list[torch.Tensor]], want: list[torch.
 
 def _random_grads(model: torch.nn.Module, trial: int) -> dict[int, torch.Tensor]:
     generator = torch.Generator().manual_seed(trial)
-    return {id(p): torch.randn(p.shape, generator=generator) * 10.0 ** int(torch.randint(-3, 4, (), generator=generator))
-            for p in model.parameters()}
+    return {
+        id(p): torch.randn(p.shape, generator=generator) * 10.0 ** int(torch.randint(-3, 4, (), generator=generator))
+        for p in model.parameters()
+    }
 
 
 def _clip_norms_of_random_grads(model: torch.nn.Module, pipe, trials: int) -> list[torch.Tensor]:

@@ -176,7 +176,8 @@ def _across_ranks(rank, world_size, transport, fixed_shapes):
     module = _modules()[rank]
     pipe = conveyor.Pipeline([module], schedule=cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES),
                              loss_fn=_loss,
-                             transfer=conveyor.TransferOptions(timeout_s=60, transport=transport, fixed_shapes=fixed_shapes))
+                             transfer=conveyor.TransferOptions(timeout_s=60, transport=transport,
+                                                               fixed_shapes=fixed_shapes))
     x, target = _batch()
     results = []
     for _ in range(2):  # the second step takes the send paths that reuse the first step's structure

@@ -253,7 +253,8 @@ def _train_across_ranks(rank, world_size):
             results[name] = pipeline_run(pipe, [stage if s == rank else None for s in range(2)], cfg, max_norm=0.05)
     tied = conveyor.pipeline(tied_model(), example_args=(TIED_IDS[:2],), split_points=["layers.1"],
                              schedule="1f1b", microbatches=4, loss_fn=tied_loss,
-                             options=conveyor.PipelineOptions(stage=conveyor.StageOptions(param_dtype="bf16"), transfer=conveyor.TransferOptions(timeout_s=60)))
+                             options=conveyor.PipelineOptions(stage=conveyor.StageOptions(param_dtype="bf16"),
+                                                              transfer=conveyor.TransferOptions(timeout_s=60)))
     results["tied"] = train_tied(tied)
     tied.close()
     return results

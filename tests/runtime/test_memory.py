@@ -66,7 +66,8 @@ def cases() -> list[tuple[str, int, int]]:
 def local_reports(schedule: cs.Schedule, checkpoint_activations: bool = False) -> list:
     stages = [uniform_stage(s) for s in range(schedule.num_stages)]
     pipe = conveyor.LocalPipeline(stages, schedule, loss_fn,
-                                  stage=conveyor.StageOptions(measure_memory=True, checkpoint_activations=checkpoint_activations))
+                                  stage=conveyor.StageOptions(measure_memory=True,
+                                                              checkpoint_activations=checkpoint_activations))
     x, t = batch(schedule.num_microbatches)
     for _ in range(2):  # the second step's figures stand alone: nothing of the first is left held
         pipe.step(x, target=t)

@@ -103,7 +103,8 @@ def _scenario(rank, scenario):
         dist.ProcessGroup.abort = record
         life.abort_on_failure = True  # NCCL's setting
         # Short limits only where they are the point: a live peer's heartbeat may pause on a busy machine.
-        life.peers.silence_s, life.timeout_s = (2.0 if scenario == "frozen" else 60.0), (3.0 if scenario == "stuck" else 60.0)
+        life.peers.silence_s = 2.0 if scenario == "frozen" else 60.0
+        life.timeout_s = 3.0 if scenario == "stuck" else 60.0
         if scenario == "queued":
             lifecycle.torch = _GPU
         seen["groups"] = [dist.get_process_group_ranks(group) for group in life.groups]

@@ -71,7 +71,9 @@ def _tied_rank(rank: int, world: int, device: str) -> dict:
     example = token_ids(0)[:2]
     with conveyor.pipeline(model, example_args=(example,), example_kwargs={"labels": example}, schedule="1f1b",
                            microbatches=4, loss_fn=_hf_loss,
-                           options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=120), layout=conveyor.Layout(device=device), split=conveyor.SplitOptions(method="uniform"))) as pipe:
+                           options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=120),
+                                                            layout=conveyor.Layout(device=device),
+                                                            split=conveyor.SplitOptions(method="uniform"))) as pipe:
         got = _train(pipe, pipe.modules, device)
     if rank != 0:
         return {"got": got}
@@ -169,7 +171,8 @@ def traced_row(ctx: Context, name: str) -> tuple[bool, str]:
     example = token_ids(0)[:2].to(ctx.device)
     splits, references, failures, done, worst_tied = {}, {}, [], 0, 0.0
     for schedule_name in schedule_names(ctx.quick):
-        schedule = cs.build(schedule_name, ranks=2, microbatches=4, virtual=cs.available()[schedule_name].default_virtual)
+        virtual = cs.available()[schedule_name].default_virtual
+        schedule = cs.build(schedule_name, ranks=2, microbatches=4, virtual=virtual)
         n = schedule.num_stages
         if n not in splits:
             splits[n] = split_model(model, n, example_args=(example,), example_kwargs={"labels": example},

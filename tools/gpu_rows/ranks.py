@@ -112,7 +112,8 @@ def _clip_skip_rank(rank: int, world: int, device: str) -> dict:
     reference = mlp_reference(schedule.num_stages, device, schedule.num_microbatches, STEPS, clip=0.05) \
         if rank == 0 else None
     with conveyor.Pipeline(list(stages.values()), schedule, lm_loss,
-                           transfer=conveyor.TransferOptions(timeout_s=120), layout=conveyor.Layout(device=device)) as pipe:
+                           transfer=conveyor.TransferOptions(timeout_s=120),
+                           layout=conveyor.Layout(device=device)) as pipe:
         clipped = _train_mlp(pipe, stages, device, clip=0.05)
         # A non-finite loss: the step is dropped on every rank, the optimizer leaves everything alone.
         if pipe.needs_target:
@@ -243,8 +244,9 @@ def _lag_rank(rank: int, world: int, device: str) -> dict:
     stages = {s: MLPStage(s, schedule.num_stages) for s in schedule.stages_of(rank)}
     lagging = [Lagging(m, LAG_MS, per_ms) for m in stages.values()]
     reference = mlp_reference(schedule.num_stages, device, schedule.num_microbatches, STEPS) if rank == 0 else None
-    with conveyor.Pipeline(lagging, schedule, lm_loss, transfer=conveyor.TransferOptions(transport="ordered",
-                                                                                         timeout_s=120), layout=conveyor.Layout(device=device)) as pipe:
+    with conveyor.Pipeline(lagging, schedule, lm_loss,
+                           transfer=conveyor.TransferOptions(transport="ordered", timeout_s=120),
+                           layout=conveyor.Layout(device=device)) as pipe:
         got = _train_mlp(pipe, stages, device)
         timeline = pipe.timeline()
     spans = [(s.rank, s.action.kind.name, s.action.stage, s.action.microbatch, s.start, s.end) for s in timeline.spans]

@@ -119,7 +119,8 @@ class HostSyncCounter:
 
     def unexpected(self) -> list[str]:
         """Each unexpected call as ``what at file:function xN``."""
-        return [f"{what} at {where} x{n}" for (what, where), n in sorted(self.calls.items()) if _unexpected(what, where)]
+        return [f"{what} at {where} x{n}"
+                for (what, where), n in sorted(self.calls.items()) if _unexpected(what, where)]
 
 
 def _made_at(where: str, place: tuple[str, str]) -> bool:

@@ -26,7 +26,8 @@ TEARDOWNS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchrun ... tools/rigs/launch_check.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="torchrun ... tools/rigs/launch_check.py",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--microbatches", type=int, default=4)
