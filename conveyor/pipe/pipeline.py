@@ -25,17 +25,14 @@ from typing import Any, Self
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.microbatch import merge_outputs, split_microbatches, split_value
 from conveyor.options import Layout, StageOptions, TransferOptions, WholeModel, check_together
 from conveyor.parallel.clipping import check_nonfinite_mode
-from conveyor.parallel.loss import set_loss_divisor
 from conveyor.parallel.tied import share_tied_locally, tied_copies_outside_their_first_stage
 from conveyor.pipe.distributed import DistributedRanks
 from conveyor.pipe.ranks import InProcessRanks
+from conveyor.pipe.steps import forward_only, train_step
 from conveyor.pipe_grads import GradientChecks
-from conveyor.runtime.device import to_device
 from conveyor.runtime.memory import MemoryReport
-from conveyor.runtime.rng import step_random_streams
 from conveyor.runtime.runner import LossFn, StageRunner, build_runners, named_unique
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.timeline import Timeline
@@ -157,7 +154,7 @@ class Pipeline(GradientChecks):
             >>> loss = pipe.step(x, target=y, on_nonfinite="skip")   # doctest: +SKIP
         """
         check_nonfinite_mode(on_nonfinite)
-        result, report = self.ranks.guarded(self._step, args, kwargs, target, return_outputs, on_nonfinite,
+        result, report = self.ranks.guarded(train_step, self, args, kwargs, target, return_outputs, on_nonfinite,
                                             normalize_by)
         if report:
             self._after_nonfinite(report, on_nonfinite)
@@ -166,68 +163,9 @@ class Pipeline(GradientChecks):
     def forward(self, *args: Any, **kwargs: Any):
         """Forward only (evaluation, no autograd state): the merged model outputs where the last
         stage runs, None elsewhere."""
-        return self.ranks.guarded(self._forward, args, kwargs)
+        return self.ranks.guarded(forward_only, self, args, kwargs)
 
     __call__ = forward
-
-    def _step(self, args, kwargs, target, return_outputs, on_nonfinite, normalize_by):
-        first, targets = self._inputs_for_step(args, kwargs, target)
-        set_loss_divisor(self.runners, self.schedule.num_stages, normalize_by, self.dp_size)
-        for runner in self.runners.values():
-            runner.reset()
-        self.ranks.start(True, self.stage.record_timeline)
-        with torch.enable_grad(), step_random_streams(self.runners.values(), self.stage.random_streams):
-            self.ranks.run(True, first, targets, return_outputs)
-        loss = self.ranks.finish_step(self.runners)
-        report = self._nonfinite_report() if on_nonfinite else ""
-        if return_outputs:
-            return (loss, self._outputs(clear=False)), report
-        return loss, report
-
-    def _forward(self, args, kwargs):
-        first = self._split_inputs(args, kwargs) if self.needs_inputs else None
-        for runner in self.runners.values():
-            runner.reset()
-        self.ranks.start(False, False)
-        with torch.no_grad(), step_random_streams(self.runners.values(), self.stage.random_streams):
-            self.ranks.run(False, first, None, False)
-        self.ranks.finish_forward()
-        return self._outputs(clear=True)
-
-    def _outputs(self, clear: bool) -> Any:
-        last = self.runners.get(self.schedule.num_stages - 1)
-        if last is None:
-            return None
-        outputs = merge_outputs([last.outputs[m] for m in range(self.schedule.num_microbatches)])
-        if clear:
-            last.outputs.clear()
-        return outputs
-
-    def _inputs_for_step(self, args, kwargs, target):
-        first = self._split_inputs(args, kwargs) if self.needs_inputs else None
-        if target is not None and not self.needs_target and not self._warned_target:
-            self._warned_target = True
-            log.warning("conveyor: rank %d was given target=, but the last stage runs on rank %d: ignored here "
-                        "(pass target= there; None elsewhere)", self.ranks.rank,
-                        self.schedule.placement.rank_of(self.schedule.num_stages - 1))
-        targets = self._split_target(target) if self.needs_target else None
-        return first, targets
-
-    def _split_inputs(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
-        if all(a is None for a in args) and not kwargs:
-            raise PipelineConfigError(
-                "inputs are missing on the rank that runs stage 0: pass the minibatch to pipe.step(...) there"
-            )
-        if self.device.type != "cpu":  # the minibatch may come from a CPU data loader
-            args, kwargs = to_device((args, kwargs), self.device)
-        return split_microbatches(args, kwargs, self.schedule.num_microbatches)
-
-    def _split_target(self, target: Any) -> list[Any]:
-        if target is None:
-            return [None] * self.schedule.num_microbatches
-        if self.device.type != "cpu":
-            target = to_device(target, self.device)
-        return split_value(target, self.schedule.num_microbatches, "target")
 
     # --- what the step measured ----------------------------------------------------------
     def memory(self, all_ranks: bool = False) -> MemoryReport | list[MemoryReport]:

@@ -80,10 +80,7 @@ def _collect_plain(value: Any, found: list[torch.Tensor]) -> bool:
             found.append(value)
         return True
     if kind is tuple or kind is list or kind is dict:
-        for item in (value.values() if kind is dict else value):
-            if not _collect_plain(item, found):
-                return False
-        return True
+        return all(_collect_plain(item, found) for item in (value.values() if kind is dict else value))
     return kind in _PLAIN_LEAVES
 
 
