@@ -41,7 +41,8 @@ def _pipe(world_size: int, layers: int):
     split = [f"transformer.h.{per * i}" for i in range(1, world_size)]
     pipe = conveyor.pipeline(model, example_args=(ids[:1],), example_kwargs={"labels": ids[:1]},
                              split_points=split, schedule="1f1b", microbatches=2,
-                             loss_fn=lambda out, labels: out.loss, timeout_s=600)
+                             loss_fn=lambda out, labels: out.loss,
+                             options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=600)))
     return pipe, ids
 
 

@@ -44,8 +44,9 @@ def _timed(rank: int, world_size: int, name: str, virtual: int, rounds: int, ste
     workload = TinyGPT(num_ranks=world_size)
     schedule = cs.build(name, ranks=world_size, microbatches=MICROBATCHES, virtual=virtual)
     pipes = {side: conveyor.Pipeline([workload.build_stage(s, schedule.num_stages) for s in schedule.stages_of(rank)],
-                                     schedule=schedule, loss_fn=workload.loss_fn, timeout_s=900,
-                                     compile=side == "compiled")
+                                     schedule=schedule, loss_fn=workload.loss_fn,
+                                     stage=conveyor.StageOptions(compile=side == "compiled"),
+                                     transfer=conveyor.TransferOptions(timeout_s=900))
              for side in SIDES}
     x, y = workload.batch(MICROBATCHES)
 

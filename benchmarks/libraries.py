@@ -182,11 +182,32 @@ class TorchRunner:
         return torch.stack(losses).mean() if losses else None
 
 
+def option_records(options: dict[str, Any]) -> dict[str, Any]:
+    """``--conveyor-option`` keys sorted into the records they are fields of: ``{"stage": StageOptions(...),
+    "transfer": TransferOptions(...)}`` (only those given), for ``conveyor.Pipeline``."""
+    import dataclasses
+
+    from conveyor.options import StageOptions, TransferOptions
+
+    records, known = {}, set()
+    for keyword, record in (("stage", StageOptions), ("transfer", TransferOptions)):
+        names = {f.name for f in dataclasses.fields(record)}
+        known |= names
+        mine = {key: value for key, value in options.items() if key in names}
+        if mine:
+            records[keyword] = record(**mine)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise SystemExit(f"--conveyor-option {unknown}: not a field of StageOptions or TransferOptions; "
+                         f"use one of {sorted(known)}")
+    return records
+
+
 class ConveyorRunner:
     """conveyor: ``schedule.build`` then ``Pipeline(modules, schedule, loss_fn).step``.
 
-    ``options`` are extra keyword arguments for ``conveyor.Pipeline`` (none by
-    default: the benchmark measures what a user gets without tuning).
+    ``options`` are fields of conveyor's option records (``fixed_shapes``, ``compile``, ...), none by
+    default: the benchmark measures what a user gets without tuning.
     """
 
     def __init__(self, case: Case, rank: int, options: dict[str, Any] | None = None) -> None:
@@ -208,7 +229,7 @@ class ConveyorRunner:
         self.modules = [case.build_stage(s) for s in self.stage_ids]
         try:
             self.pipe = conveyor.Pipeline(
-                self.modules, schedule=sched, loss_fn=case.workload.loss_fn
+                self.modules, schedule=sched, loss_fn=case.workload.loss_fn, **option_records(options or {})
             )
         except ConveyorError as error:
             raise Refused(f"conveyor.Pipeline: {type(error).__name__}: {error}") from error

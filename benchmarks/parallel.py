@@ -53,14 +53,14 @@ def _timed(rank: int, world_size: int, kind: str, name: str, virtual: int, steps
     schedule = cs.build(name, ranks=2, microbatches=8, virtual=virtual)
     stages = [_Stage(s) for s in schedule.stages_of(mesh.get_local_rank("pp"))]
     pipe = conveyor.Pipeline(stages, schedule=schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(), mesh=mesh,
-                             data_parallel=kind, timeout_s=120)
-    early = pipe.runs.gradients_final
+                             data_parallel=kind, transfer=conveyor.TransferOptions(timeout_s=120))
+    early = pipe.ranks.runs.gradients_final
     x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(pipe.dp_rank))
     records = []
     for step in range(steps):
         at_end = step % 2 == 1  # alternate, so that a busy spell of the machine slows both alike
         # Without the positions the replicas reduce every stage when the step ends.
-        object.__setattr__(pipe.runs, "gradients_final", (lambda r: {}) if at_end else early)
+        object.__setattr__(pipe.ranks.runs, "gradients_final", (lambda r: {}) if at_end else early)
         dist.barrier()
         start = time.perf_counter()
         pipe.step(x if pipe.needs_inputs else None, target=x if pipe.needs_target else None)

@@ -53,7 +53,7 @@ def soak_rank(
     first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
     records = []
     with conveyor.Pipeline([build_stage(s, cfg) for s in schedule.stages_of(rank)], schedule=schedule,
-                           loss_fn=lm_loss, transport=transport) as pipe:
+                           loss_fn=lm_loss, transfer=conveyor.TransferOptions(transport=transport)) as pipe:
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
         for step in range(steps):
             ids, targets = make_batch(cfg, 2 * microbatches, seed=step % 16)

@@ -22,11 +22,25 @@ _LAZY = {
     "LocalPipeline": ("conveyor.local", "LocalPipeline"),
     "MasterWeights": ("conveyor.runtime.main_grad", "MasterWeights"),
     "Plan": ("conveyor.plan.result", "Plan"),
+    "StageOptions": ("conveyor.options", "StageOptions"),
+    "TransferOptions": ("conveyor.options", "TransferOptions"),
+    "Layout": ("conveyor.options", "Layout"),
+    "WholeModel": ("conveyor.options", "WholeModel"),
+    "SplitOptions": ("conveyor.options", "SplitOptions"),
+    "PipelineOptions": ("conveyor.options", "PipelineOptions"),
 }
 
 if TYPE_CHECKING:
     from conveyor.build import pipeline  # noqa: F401
     from conveyor.local import LocalPipeline  # noqa: F401
+    from conveyor.options import (  # noqa: F401
+        Layout,
+        PipelineOptions,
+        SplitOptions,
+        StageOptions,
+        TransferOptions,
+        WholeModel,
+    )
     from conveyor.pipe import Pipeline  # noqa: F401
     from conveyor.plan.result import Plan  # noqa: F401
     from conveyor.runtime.main_grad import MasterWeights  # noqa: F401
@@ -38,6 +52,6 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module_name), attr)
         globals()[name] = value
         return value
-    if name in {"schedule", "errors", "runtime", "frontend", "testing", "checkpoint", "parallel", "plan"}:
+    if name in {"schedule", "errors", "runtime", "frontend", "testing", "checkpoint", "parallel", "plan", "options"}:
         return importlib.import_module(f"conveyor.{name}")
     raise AttributeError(f"module 'conveyor' has no attribute {name!r}")

@@ -8,6 +8,7 @@ Example (on each of 2 ranks)::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -15,10 +16,10 @@ from typing import Any
 import torch
 
 from conveyor.errors import PipelineConfigError
+from conveyor.options import Layout, PipelineOptions, WholeModel
 from conveyor.parallel.mesh import layout_of
 from conveyor.pipe import Pipeline
 from conveyor.runtime.device import make_current, resolve_device
-from conveyor.runtime.main_grad import cast_for_tracing
 from conveyor.runtime.runner import LossFn
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.registry import resolve_schedule
@@ -32,34 +33,29 @@ def pipeline(
     split_points: Sequence[str] | None = None,
     schedule: Schedule | str = "1f1b",
     microbatches: int | None = None,
-    virtual: int | None = None,
     loss_fn: LossFn | None = None,
-    split_method: str = "parameters",
-    unsplittable: Sequence[str] | None = None,
-    group=None,
-    mesh=None,
-    device: torch.device | str | None = None,
-    both_modes: bool = False,
-    plan: Any = None, plan_options: dict | None = None,
-    **pipeline_kwargs: Any,
+    mesh: Any = None,
+    data_parallel: str | None = None,
+    plan: Any = None,
+    options: PipelineOptions = PipelineOptions(),
 ) -> Pipeline:
-    """Trace and split an unchanged ``model``; return this rank's :class:`Pipeline`.
+    """Trace and split an unchanged ``model``; return this process's :class:`Pipeline`.
 
-    The same call on every rank. ``example_args`` / ``example_kwargs`` are ONE
-    microbatch. Without ``split_points`` the model is cut into P x V stages
-    balanced by ``split_method`` ("uniform", "parameters", "time",
-    "type:<regex>"); with "time", rank 0's measurement decides for every rank.
-    ``both_modes=True`` traces the model in train and in eval mode, so that
-    ``pipe.eval()`` / ``pipe.train()`` switch dropout and BatchNorm as on the model
-    (one trace, in the model's current mode, otherwise; the other mode then raises).
-    Each rank materialises only its own stages (a meta-device model works) on ``device`` (default and
-    ``"cuda"``: this process's GPU when CUDA is available, else the CPU; "time" profiles there too); parameters
-    keep their original names, and tied parameters (GPT-2's ``wte`` and ``lm_head``) stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh)
-    and ``data_parallel=`` run ``dp`` replicas of the pipeline, as :class:`Pipeline` does.
-    ``plan`` (a :class:`~conveyor.plan.Plan` or its file) sets schedule, microbatches, virtual and split
-    points; ``schedule="auto"``: rank 0 plans (``conveyor.plan.plan(..., **plan_options)``), every rank follows.
-    Other keywords go to :class:`Pipeline`: ``compile=True`` compiles each traced stage
-    (a GraphModule with its own code, so each counts its own recompiles), ``autocast=``, ...
+    The same call on every rank. ``example_args`` / ``example_kwargs`` are ONE microbatch. Without
+    ``split_points`` the model is cut into P x V stages balanced by ``options.split.method``
+    ("uniform", "parameters", "time", "type:<regex>"); with "time", rank 0's measurement decides
+    for every rank. Each rank materialises only its own stages (a meta-device model works) on
+    ``options.layout.device`` (default: this process's GPU when CUDA is available, else the CPU);
+    parameters keep their original names, and tied parameters (GPT-2's ``wte`` and ``lm_head``)
+    stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh) and
+    ``data_parallel`` run ``dp`` replicas, as :class:`Pipeline` does. ``plan`` (a
+    :class:`~conveyor.plan.Plan` or its file) sets schedule, microbatches, virtual and split points;
+    ``schedule="auto"``: rank 0 plans (``conveyor.plan.plan(..., **options.plan_options)``), every
+    rank follows. ``options`` (:class:`~conveyor.options.PipelineOptions`) holds the rest, as
+    records: ``virtual``, ``split`` (method, unsplittable modules, ``both_modes``), ``stage``
+    (``StageOptions(compile=True)`` compiles each traced stage, ``autocast="bf16"``, ...),
+    ``transfer``, and ``layout`` (``Layout(in_process=True, ranks=P)``: every stage in this process,
+    no launcher needed).
 
     Example (on each of 2 ranks)::
 
@@ -67,39 +63,63 @@ def pipeline(
                                  schedule="1f1b", microbatches=8, loss_fn=lambda out, y: out.loss)
         loss = pipe.step(ids, labels=labels)
     """
-    import torch.distributed as dist
-
     from conveyor.frontend import split_model
     from conveyor.frontend.pretrained import model_info
 
-    if not dist.is_available() or not dist.is_initialized():
-        raise PipelineConfigError(
-            "torch.distributed is not initialised: launch with torchrun and call "
-            "torch.distributed.init_process_group() first"
-        )
-    pp_group = group if mesh is None else layout_of(mesh).pp_group
-    world = dist.get_world_size(pp_group)
-    rank = dist.get_rank(pp_group)
+    layout = options.layout.with_shortcuts(mesh, data_parallel)
+    world, rank, group = _ranks_of(layout, schedule, split_points, options.virtual, plan)
     # This process's GPU, current before the first collective (the plan's and the cut's broadcasts).
-    device = make_current(resolve_device(device))
-    cast_for_tracing(model, pipeline_kwargs)  # param_dtype=: the model itself, in place, then planned and traced
+    device = resolve_device(layout.device) if layout.in_process else make_current(resolve_device(layout.device))
+    precision = options.stage.param_precision()
+    if precision is not None:  # the model itself, in place, then planned and traced: stages check dtypes
+        model.to(precision.param_dtype)
+    virtual = options.virtual
     if plan is not None or schedule == "auto":  # the example is resized to the plan's microbatch
-        plan = plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, group, plan_options)
+        plan = plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options)
         schedule, microbatches, virtual, split_points, (example_args, example_kwargs) = _from_plan(
             plan, world, example_args, example_kwargs)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
-                        unsplittable=unsplittable, device=device)
-    if split_points is None and split_method == "time" and world > 1:
-        split_points = _time_split_points(model, resolved.num_stages, group, split_kwargs)
-    split = split_model(model, resolved.num_stages, split_points=split_points, split_method=split_method,
-                       **split_kwargs)
-    modules = [split.stage_module(stage, device, both_modes=both_modes) for stage in resolved.stages_of(rank)]
-    pipe = Pipeline(modules, resolved, loss_fn, group=group, mesh=mesh, tied_parameters=split.tied_groups,
-                    device=device, parameter_order=_parameter_order(model),
-                    model_signature=model_signature(model, split.split_points), **pipeline_kwargs)
-    pipe.model_info = model_info(model)  # what checkpoints record, and export writes back (config.json)
-    return pipe
+                        unsplittable=options.split.unsplittable, device=device)
+    if split_points is None and options.split.method == "time" and world > 1:
+        split_points = _by_rank_zero(layout, lambda: list(split_model(
+            model, resolved.num_stages, split_method="time", **split_kwargs).split_points))
+    split = split_model(model, resolved.num_stages, split_points=split_points, split_method=options.split.method,
+                        **split_kwargs)
+    stages = range(resolved.num_stages) if layout.in_process else resolved.stages_of(rank)
+    modules = [split.stage_module(stage, device, both_modes=options.split.both_modes) for stage in stages]
+    whole = WholeModel(split.tied_groups, _parameter_order(model), model_signature(model, split.split_points),
+                       model_info(model))  # model_info: what checkpoints record, and export writes back
+    return Pipeline(modules, resolved, loss_fn, layout=dataclasses.replace(layout, device=device),
+                    stage=options.stage, transfer=options.transfer, model=whole)
+
+
+def _ranks_of(layout: Layout, schedule: Any, split_points: Sequence[str] | None, virtual: int | None,
+              plan: Any) -> tuple[int, int, Any]:
+    """(pipeline ranks, this process's rank, the pipeline's group) of ``layout``."""
+    if layout.in_process:
+        if layout.ranks is not None:
+            return layout.ranks, 0, None
+        if isinstance(schedule, Schedule):
+            return schedule.num_ranks, 0, None
+        if plan is not None:
+            from conveyor.plan import as_plan
+
+            return as_plan(plan).ranks, 0, None
+        if split_points is not None:
+            return max(1, (len(split_points) + 1) // (virtual or 1)), 0, None
+        raise PipelineConfigError("an in-process pipeline of a schedule given by name needs its rank count: "
+                                  "Layout(in_process=True, ranks=P), split_points=, or a Schedule")
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise PipelineConfigError(
+            "torch.distributed is not initialised: launch with torchrun and call "
+            "torch.distributed.init_process_group() first, or build every stage in this process with "
+            "options=PipelineOptions(layout=Layout(in_process=True, ranks=P))"
+        )
+    group = layout.group if layout.mesh is None else layout_of(layout.mesh).pp_group
+    return dist.get_world_size(group), dist.get_rank(group), layout.group
 
 
 def _parameter_order(model: torch.nn.Module) -> dict[str, int]:
@@ -114,41 +134,37 @@ def _parameter_order(model: torch.nn.Module) -> dict[str, int]:
     return order
 
 
-def _time_split_points(model, num_stages: int, group, split_kwargs: dict) -> list:
-    """Rank 0's time-balanced cut, broadcast: timings differ from rank to rank, so one rank decides
-    and every rank cuts alike (with a mesh, the job's rank 0: every replica cuts alike)."""
+def _by_rank_zero(layout: Layout, decide: Any) -> Any:
+    """Rank 0's ``decide()``, broadcast: timings differ from rank to rank, so one rank decides and
+    every rank cuts alike (with a mesh, the job's rank 0: every replica cuts alike). In one process,
+    rank 0 is here."""
+    if layout.in_process:
+        return decide()
     import torch.distributed as dist
 
-    from conveyor.frontend import split_model
-
+    group = layout.group
     chosen: list = [None]
     if dist.get_rank(group) == 0:
-        chosen[0] = list(split_model(model, num_stages, split_method="time", **split_kwargs).split_points)
+        chosen[0] = decide()
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast_object_list(chosen, src=src, group=group)
     return chosen[0]
 
 
-def _auto_plan(model, example_args, example_kwargs, world, microbatches, group, options):
+def _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options):
     """Rank 0's plan, broadcast: timings differ from rank to rank, and every rank must cut alike.
     ``global_batch`` defaults to ``microbatches`` (or 2 x ranks) x the example's batch."""
-    import torch.distributed as dist
-
     from conveyor.plan.planner import plan as make_plan
     from conveyor.plan.profile import _batch_size
 
-    options = dict(options or {})
+    plan_options = dict(options.plan_options or {})
     size = _batch_size(tuple(example_args), example_kwargs)
-    options.setdefault("global_batch", (microbatches or 2 * world) * size)
+    plan_options.setdefault("global_batch", (microbatches or 2 * world) * size)
     if microbatches is not None:
-        options.setdefault("microbatches", [microbatches])
-    options.setdefault("threads", None)  # rank 0 profiles with the threads it trains with
-    chosen: list = [None]
-    if dist.get_rank(group) == 0:
-        chosen[0] = make_plan(model, tuple(example_args), example_kwargs=example_kwargs, ranks=world, **options)
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(chosen, src=src, group=group)
-    return chosen[0]
+        plan_options.setdefault("microbatches", [microbatches])
+    plan_options.setdefault("threads", None)  # rank 0 profiles with the threads it trains with
+    return _by_rank_zero(layout, lambda: make_plan(model, tuple(example_args), example_kwargs=example_kwargs,
+                                                   ranks=world, **plan_options))
 
 
 def _from_plan(plan, world: int, example_args, example_kwargs):

@@ -1,4 +1,4 @@
-"""What both pipelines do with a step's gradients: clipping by the total norm, the non-finite check.
+"""What a pipeline does with a step's gradients: clipping by the total norm, the non-finite check.
 
 The pipeline's methods only: the norms, their exchange, the scaling and the flags are
 :mod:`conveyor.parallel.clipping`. Both stay on the stage device: clipping sends its norms through a tensor all-gather (the
@@ -39,8 +39,9 @@ log = logging.getLogger("conveyor.pipe")
 
 
 class GradientChecks:
-    """Clipping and the non-finite check, for a pipeline that has ``runners``, ``schedule``,
-    ``replicas``, ``device`` and ``parameters()``."""
+    """Clipping and the non-finite check of :class:`conveyor.Pipeline` (its ``runners``, ``schedule``,
+    ``replicas``, ``device``, ``parameters()``), combined across ranks by its ranks backend (``ranks``:
+    a gather and an all-reduce over torch.distributed, nothing to combine in one process)."""
 
     device: torch.device = torch.device("cpu")  # the stage device
     skipped_steps: int = 0  # steps dropped by on_nonfinite="skip"
@@ -68,7 +69,7 @@ class GradientChecks:
             >>> optimizer.step(); optimizer.zero_grad()        # doctest: +SKIP
         """
         norm_type = float(norm_type)
-        total = self._collective(self._total_norm, norm_type, foreach)
+        total = self.ranks.guarded(self._total_norm, norm_type, foreach)
         if error_if_nonfinite:
             check_finite(total, norm_type)  # the same total on every rank: all raise, none waits
         grads = [local_part(g) for g in map(gradient, self.parameters()) if g is not None]  # main_grad if any
@@ -92,22 +93,12 @@ class GradientChecks:
         places, grads, norms = local_norms(self.runners, self._tied_copies, self._parameter_order, norm_type,
                                            foreach, self.replicas)
         if self._norm_exchange is None:
-            self._norm_exchange = self._make_norm_exchange()
+            self._norm_exchange = self.ranks.norm_exchange()  # over the ranks backend's collectives
         return self._norm_exchange.total(places, grads, norms, norm_type, foreach)
-
-    def _make_norm_exchange(self) -> NormExchange:
-        # Every stage is in this process: nothing to exchange (overridden where they are not).
-        return NormExchange(lambda mine: [mine], lambda vector: vector, self.device, self.device)
-
-    def _collective(self, fn, *args):
-        return fn(*args)  # one process: nobody to tell (overridden where there is)
-
-    def _max_across_ranks(self, flags: torch.Tensor) -> torch.Tensor:
-        return flags  # every stage is in this process (overridden where they are not)
 
     def _nonfinite_report(self) -> str:
         """Empty, or where this step's loss or gradients stopped being finite (on every rank alike)."""
-        flags = self._max_across_ranks(nonfinite_flags(self.runners, self.schedule.num_stages,
+        flags = self.ranks.max_across_ranks(nonfinite_flags(self.runners, self.schedule.num_stages,
                                                        self.schedule.num_microbatches, self.device))
         return describe_nonfinite(flags)  # the one host read
 

@@ -26,6 +26,9 @@ FORBIDDEN = {
     "runtime": ("conveyor.frontend", "conveyor.pipe", "conveyor.parallel", "conveyor.checkpoint",
                 "conveyor.train", "conveyor.cli"),
     "parallel": ("conveyor.frontend", "conveyor.pipe", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
+    # The option records sit beside the runtime, which takes the stage record whole: nothing above it.
+    "options": ("conveyor.frontend", "conveyor.pipe", "conveyor.parallel", "conveyor.plan", "conveyor.local",
+                "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "pipe": ("conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "local": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "build": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),

@@ -37,8 +37,7 @@ from torch import nn
 from conveyor.errors import CheckpointError
 from conveyor.frontend import StageModule
 from conveyor.frontend.pretrained import model_info
-from conveyor.local import LocalPipeline
-from conveyor.pipe import Pipeline, _PipelineBase
+from conveyor.pipe import Pipeline
 from conveyor.runtime.main_grad import MasterWeights
 
 
@@ -106,7 +105,7 @@ def with_masters(target: Target, optimizer: Any) -> tuple[MasterWeights | None, 
 
 def target_of(obj: Any) -> Target:
     """The :class:`Target` of a pipeline or an unsplit module."""
-    if isinstance(obj, _PipelineBase):
+    if isinstance(obj, Pipeline):
         return _of_pipeline(obj)
     if isinstance(obj, nn.Module):
         return _of_module(obj)
@@ -123,7 +122,7 @@ def _of_module(module: nn.Module) -> Target:
     return target
 
 
-def _of_pipeline(pipe: _PipelineBase) -> Target:
+def _of_pipeline(pipe: Pipeline) -> Target:
     runners = dict(sorted(pipe.runners.items()))
     schedule = pipe.schedule
     placement = [schedule.placement.rank_of(s) for s in range(schedule.num_stages)]
@@ -143,8 +142,8 @@ def _of_pipeline(pipe: _PipelineBase) -> Target:
         def key(stage: int, name: str) -> str:
             return tied_keys.get((stage, name), f"stages.{stage}.{name}")
 
-    if isinstance(pipe, Pipeline):
-        life = pipe._life
+    if not pipe.ranks.in_process:
+        life = pipe.ranks.life
         life.check_usable()
         group, global_ranks, rank = life.group, list(life.global_ranks), life.rank
         if pipe.checkpoint_group is not None:  # data parallelism: every replica writes its part
@@ -155,9 +154,8 @@ def _of_pipeline(pipe: _PipelineBase) -> Target:
             rank = dist.get_rank(group)
         layout = {"processes": len(global_ranks), "global_ranks": global_ranks, "stages": placement}
         target = Target({}, {}, {}, dict(aliases), [], layout, pipe.model_info, group=group,
-                        guard=pipe._collective, rank=rank, global_rank=life.global_ranks[life.rank])
-    else:
-        assert isinstance(pipe, LocalPipeline)
+                        guard=pipe.ranks.guarded, rank=rank, global_rank=life.global_ranks[life.rank])
+    else:  # every rank in this process
         layout = {"processes": 1, "global_ranks": [0], "stages": placement}
         target = Target({}, {}, {}, dict(aliases), [], layout, pipe.model_info)
     seen: dict[int, str] = {}

@@ -473,7 +473,7 @@ class StageModule(nn.Module):
             raise PipelineConfigError(
                 f"stage {self.stage} was traced with the model in {traced} mode and is now in {mode} "
                 "mode; the traced operations fix dropout and BatchNorm behaviour to the traced mode. "
-                "Trace both modes (conveyor.pipeline(..., both_modes=True), or "
+                "Trace both modes (conveyor.pipeline(..., options=PipelineOptions(split=SplitOptions(both_modes=True))), or "
                 "split.stage_module(stage, both_modes=True)), build "
                 f"{mode}-mode stages with split.with_mode(training={self.training}) (same cut, same "
                 "names), or put the stage back in its mode."

@@ -30,8 +30,8 @@ Example (on each of 4 ranks, pp=2 x dp=2)::
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     stages = [shard_stage(build_stage(s), mesh["dp"]) for s in sched.stages_of(pp_rank)]
-    pipe = conveyor.Pipeline(stages, schedule=sched, loss_fn=loss_fn, group=mesh["pp"].get_group())
-    pipe.executor.after_last_backward = stage_hook(pipe.runners)
+    pipe = conveyor.Pipeline(stages, schedule=sched, loss_fn=loss_fn, layout=conveyor.Layout(group=mesh["pp"].get_group()))
+    pipe.ranks.executor.after_last_backward = stage_hook(pipe.runners)
     optimizer = torch.optim.AdamW(pipe.parameters())     # the sharded parameters
     before_step(pipe.runners.values())
     loss = pipe.step(my_shard_of_x, target=my_shard_of_y)
@@ -225,7 +225,7 @@ def after_last_backward(runner: StageRunner) -> None:
     at the same point of the same program.
 
     Example:
-        >>> pipe.executor.after_last_backward = stage_hook(pipe.runners)   # calls this   # doctest: +SKIP
+        >>> pipe.ranks.executor.after_last_backward = stage_hook(pipe.runners)   # calls this   # doctest: +SKIP
     """
     root = runner.module
     if root not in _awaiting_reduce:
@@ -261,7 +261,7 @@ def stage_hook(runners: Mapping[int, StageRunner]) -> Callable[[int], None]:
     """The callback for ``RankExecutor.after_last_backward``: :func:`after_last_backward` by stage.
 
     Example:
-        >>> pipe.executor.after_last_backward = stage_hook(pipe.runners)   # doctest: +SKIP
+        >>> pipe.ranks.executor.after_last_backward = stage_hook(pipe.runners)   # doctest: +SKIP
     """
     def reduce_stage(stage: int) -> None:
         after_last_backward(runners[stage])

@@ -32,11 +32,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from conveyor.errors import PipelineConfigError
+from conveyor.options import DATA_PARALLEL_KINDS as KINDS
 from conveyor.parallel import fsdp
 from conveyor.runtime.runner import StageRunner
 from conveyor.runtime.timing import SpanTimer
-
-KINDS = ("ddp", "fsdp")
 
 
 def check_data_parallel(kind: str | None, dp_size: int) -> str | None:

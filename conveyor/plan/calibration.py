@@ -47,6 +47,7 @@ import torch.distributed as dist
 import conveyor.schedule as cs
 from conveyor.errors import PlanError
 from conveyor.frontend.profile import synchronize
+from conveyor.options import TransferOptions
 from conveyor.plan.emulated import Emulated, Workload
 from conveyor.ranks import RankGroup
 from conveyor.schedule.ir import ActionKind
@@ -240,9 +241,10 @@ def _rank_setup(worker, make_pipeline: Callable[..., Any], workload: Workload, m
                 transport: str) -> str:
     sched = cs.build(CALIBRATION_SCHEDULE, ranks=worker.world_size, microbatches=microbatches)
     modules = [workload.build_stage(s, sched.num_stages) for s in sched.stages_of(worker.rank)]
-    pipe = make_pipeline(modules, schedule=sched, loss_fn=workload.loss_fn, transport=transport)
+    pipe = make_pipeline(modules, schedule=sched, loss_fn=workload.loss_fn,
+                         transfer=TransferOptions(transport=transport))
     worker.state.update(pipe=pipe, batch=workload.batch(microbatches))
-    return type(pipe.transport).__name__
+    return type(pipe.ranks.transport).__name__
 
 
 def _rank_step(worker) -> float:
@@ -269,7 +271,7 @@ def measure_steps(make_pipeline: Callable[..., Any], workload: Workload, *, rank
                   timeout_s: float = 120.0) -> tuple[list[Timeline], list[float], str]:
     """Run ``workload`` under 1F1B on ``ranks`` fresh ranks: each timed step's timeline and wall time.
 
-    ``make_pipeline(modules, schedule=, loss_fn=, transport=)`` builds each rank's pipeline
+    ``make_pipeline(modules, schedule=, loss_fn=, transfer=)`` builds each rank's pipeline
     (``conveyor.Pipeline``; it travels to the ranks pickled, so a class or a module-level function).
 
     Example:

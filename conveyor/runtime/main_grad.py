@@ -1,6 +1,6 @@
 """bf16 parameters with fp32 gradient accumulation across microbatches (Megatron's ``main_grad``).
 
-``param_dtype="bf16"`` on a pipeline casts each stage module to bf16 (``module.to``, as
+``StageOptions(param_dtype="bf16")`` on a pipeline casts each stage module to bf16 (``module.to``, as
 ``model.to(torch.bfloat16)`` would: parameters and floating-point buffers), so forward and
 backward run in bf16 and every activation crosses stages in bf16. Summing the microbatches'
 gradients in bf16 would lose the small ones to rounding, so with ``grad_accum_dtype="fp32"``
@@ -33,7 +33,8 @@ same rounded values). ``save(path, pipe)`` alone saves the bf16 parameters. Not 
 Example:
     >>> import torch, conveyor
     >>> pipe = conveyor.LocalPipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "1f1b", microbatches=2,
-    ...                               loss_fn=lambda y, t: (y.float() - t).pow(2).mean(), param_dtype="bf16")
+    ...                               loss_fn=lambda y, t: (y.float() - t).pow(2).mean(),
+    ...                               stage=conveyor.StageOptions(param_dtype="bf16"))
     >>> optimizer = conveyor.MasterWeights(pipe, torch.optim.AdamW, lr=1e-3)
     >>> loss = pipe.step(torch.ones(4, 4, dtype=torch.bfloat16), target=torch.zeros(4, 1))
     >>> p = next(pipe.parameters()); p.dtype, p.main_grad.dtype, p.grad
@@ -173,19 +174,6 @@ def _accumulate(param: torch.Tensor, dtype: torch.dtype) -> None:
     param.grad = None
 
 
-def cast_for_tracing(model: torch.nn.Module, pipeline_kwargs: dict[str, Any]) -> None:
-    """Cast ``model`` in place to the ``param_dtype`` among a pipeline's keywords (if any), before
-    it is traced: traced stages check that what they receive has the dtype the trace saw.
-
-    Example:
-        >>> lin = torch.nn.Linear(2, 2); cast_for_tracing(lin, {"param_dtype": "bf16"}); lin.weight.dtype
-        torch.bfloat16
-    """
-    precision = param_precision(pipeline_kwargs.get("param_dtype"), pipeline_kwargs.get("grad_accum_dtype"))
-    if precision is not None:
-        model.to(precision.param_dtype)
-
-
 def has_main_grad(param: torch.Tensor) -> bool:
     """Whether ``param``'s gradient accumulates in ``param.main_grad`` (see :func:`apply_param_precision`).
 
@@ -262,8 +250,9 @@ class MasterWeights:
 
     Example:
         >>> import torch, conveyor
-        >>> pipe = conveyor.LocalPipeline([torch.nn.Linear(2, 1)], "gpipe", microbatches=1, param_dtype="bf16",
-        ...                               loss_fn=lambda y, t: y.float().sum())
+        >>> pipe = conveyor.LocalPipeline([torch.nn.Linear(2, 1)], "gpipe", microbatches=1,
+        ...                               loss_fn=lambda y, t: y.float().sum(),
+        ...                               stage=conveyor.StageOptions(param_dtype="bf16"))
         >>> optimizer = conveyor.MasterWeights(pipe, torch.optim.SGD, lr=0.5)
         >>> _ = pipe.step(torch.ones(1, 2, dtype=torch.bfloat16), target=None)
         >>> before = optimizer.masters[0].clone(); optimizer.step()
@@ -282,7 +271,7 @@ class MasterWeights:
         if missing:
             raise PipelineConfigError(
                 f"MasterWeights needs parameters that accumulate in main_grad; {missing[0]!r} (and "
-                f"{len(missing) - 1} more) do not: build the pipeline with param_dtype='bf16' (its "
+                f"{len(missing) - 1} more) do not: build the pipeline with stage=StageOptions(param_dtype='bf16') (its "
                 "grad_accum_dtype defaults to fp32), or use a plain torch optimizer over pipe.parameters()")
         self.masters = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in self.params]
         self.optimizer = optimizer_cls(self.masters, **kwargs)

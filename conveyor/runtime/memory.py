@@ -278,7 +278,8 @@ def memory_report(meter: MemoryMeter | None, pipeline: str) -> MemoryReport:
     if meter is None:
         raise PipelineConfigError(
             f"memory() reports what autograd saved in the last step, but this {pipeline} was built without "
-            f"measuring it; pass measure_memory=True to {pipeline}(...) (it slows each step: see conveyor.runtime.memory)"
+            f"measuring it; build it with stage=StageOptions(measure_memory=True) (it slows each step: see "
+            f"conveyor.runtime.memory)"
         )
     return meter.report()
 

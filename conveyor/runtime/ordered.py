@@ -15,7 +15,7 @@ check of the same logic). What it does differently from
   rank's structures (:func:`conveyor.runtime.ordering.check_first_step`).
 - **Data only.** The structure of each transfer (shapes, dtypes, tree) travels once, through
   the store, the first time that transfer (direction, stage, microbatch) happens; from then
-  on, and from the start for stages given in ``Pipeline(shapes=...)``, only the bytes travel,
+  on, and from the start for stages given in ``TransferOptions(shapes=...)``, only the bytes travel,
   into a buffer the receiver sized ahead. A later transfer of another structure is an error
   (SpecMismatchError) naming rank, stage, microbatch and tensor, as with ``fixed_shapes``.
 - **Device.** Receive buffers live on ``device`` (the stage's GPU under NCCL), send buffers too,

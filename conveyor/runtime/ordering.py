@@ -214,7 +214,7 @@ def check_first_step(programs: Sequence[Sequence[Action]], postings: Sequence[Po
     NCCL does it (a wait on a NCCL work orders the stream and returns; posting returns at once):
 
     - **structure**: posting a receive whose structure is not known yet (the first time that
-      transfer happens, not given in ``Pipeline(shapes=...)``) waits until the sender reached
+      transfer happens, not given in ``TransferOptions(shapes=...)``) waits until the sender reached
       the post that sends it (it publishes the structure there, before posting);
     - **communicator** (``lazy_communicators``): a channel's communicator is created at the
       first operation on it, and creating it (``ncclCommInitRank``) blocks until both its ranks

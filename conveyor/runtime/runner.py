@@ -19,9 +19,9 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -35,12 +35,15 @@ from conveyor.runtime.backward import (
     backward_full,
     backward_input,
 )
-from conveyor.runtime.compile import CompileSpec, compile_options, compile_stage
+from conveyor.runtime.compile import compile_options, compile_stage
 from conveyor.runtime.main_grad import ParamPrecision, apply_param_precision
 from conveyor.runtime.memory import MemoryMeter
-from conveyor.runtime.precision import autocast_dtype, autocast_region
+from conveyor.runtime.precision import autocast_region
 from conveyor.runtime.recompute import RecomputedBuffers
 from conveyor.runtime.rng import StepRandomness
+
+if TYPE_CHECKING:
+    from conveyor.options import StageOptions
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 log = logging.getLogger(__name__)
@@ -85,7 +88,8 @@ def _collect_plain(value: Any, found: list[torch.Tensor]) -> bool:
 
 
 class StageRunner:
-    """Runs ``module`` as stage ``stage`` of ``num_stages``."""
+    """Runs ``module`` as stage ``stage`` of ``num_stages``, as ``options`` (a
+    :class:`~conveyor.options.StageOptions`, whole; None: its defaults) say."""
 
     def __init__(
         self,
@@ -95,15 +99,17 @@ class StageRunner:
         *,
         loss_fn: LossFn | None,
         num_microbatches: int,
-        checkpoint_activations: bool = False,
         rank: int = 0,
-        autocast: torch.dtype | None = None,
-        compile: Mapping[str, Any] | None = None,
-        param_precision: ParamPrecision | None = None,
+        options: StageOptions | None = None,
     ) -> None:
+        if options is None:
+            from conveyor.options import StageOptions
+
+            options = StageOptions()
+        self.options = options
         # Cast before anything reads the parameters or compiles the forward (the objects stay).
-        self.param_precision = param_precision
-        apply_param_precision(module, param_precision)
+        self.param_precision: ParamPrecision | None = options.param_precision()
+        apply_param_precision(module, self.param_precision)
         self.stage = stage
         self.num_stages = num_stages
         self.module = module
@@ -112,10 +118,10 @@ class StageRunner:
         # What each microbatch's loss is divided by: M (the mean over microbatches) unless the
         # step normalizes by a token count (see conveyor.parallel.loss.set_loss_divisor).
         self.loss_divisor: int | float = num_microbatches
-        self.checkpoint_activations = checkpoint_activations
+        self.checkpoint_activations = options.checkpoint_activations
         self.rank = rank
         # Forward and loss run under this autocast dtype (None: as the parameters are).
-        self.autocast = autocast
+        self.autocast = options.autocast_dtype
         self.params: list[torch.nn.Parameter] = []
         self.refresh_params()
         self.weight_grad_analyses = GraphAnalysisCache()  # the I/W graph analysis, once per graph shape
@@ -127,7 +133,7 @@ class StageRunner:
         # A recomputation reads the buffers its forward read and does not write them again.
         self.recompute_contexts = RecomputedBuffers(module)
         # torch.compile options (None: eager); the module stays as given, its calls go through `call`.
-        self.compile = compile
+        compile = self.compile = compile_options(options.compile)
         self.call = module if compile is None else compile_stage(module, stage, compile)
         self.fused_backward = False  # a compiled region made I run the full backward (logged once)
 
@@ -287,13 +293,9 @@ class StageRunner:
 
 
 def build_runners(schedule: Any, rank: int, modules: Sequence[torch.nn.Module] | torch.nn.Module,
-                  loss_fn: LossFn | None, checkpoint_activations: bool = False,
-                  autocast: str | torch.dtype | None = None, compile: CompileSpec = False,
-                  param_precision: ParamPrecision | None = None) -> dict[int, StageRunner]:
-    """A :class:`StageRunner` for each stage ``schedule`` places on ``rank``, over ``modules`` in that order.
-
-    ``param_precision`` (:func:`conveyor.runtime.main_grad.param_precision`): the stages' parameter
-    dtype and where their gradients accumulate.
+                  loss_fn: LossFn | None, options: StageOptions | None = None) -> dict[int, StageRunner]:
+    """A :class:`StageRunner` for each stage ``schedule`` places on ``rank``, over ``modules`` in that order,
+    each doing what ``options`` (a :class:`~conveyor.options.StageOptions`, passed whole) says.
 
     Example:
         >>> import conveyor.schedule as cs
@@ -302,7 +304,6 @@ def build_runners(schedule: Any, rank: int, modules: Sequence[torch.nn.Module] |
         ([0], 2)
     """
     stages = schedule.stages_of(rank)
-    options = compile_options(compile)
     modules = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
     if len(modules) != len(stages):
         raise PipelineConfigError(
@@ -316,8 +317,7 @@ def build_runners(schedule: Any, rank: int, modules: Sequence[torch.nn.Module] |
             )
     return {
         s: StageRunner(s, schedule.num_stages, m, loss_fn=loss_fn, num_microbatches=schedule.num_microbatches,
-                       checkpoint_activations=checkpoint_activations, rank=rank, autocast=autocast_dtype(autocast),
-                       compile=options, param_precision=param_precision)
+                       rank=rank, options=options)
         for s, m in zip(stages, modules)
     }
 

@@ -182,7 +182,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
             raise PeerFailure(
                 f"rank {self.rank} cannot map the shared-memory ring of rank {peer} (pid {theirs['pid']}): "
                 f"{exc}. Ranks in separate containers or PID namespaces cannot share memory this way; "
-                "pass transport='process_group' to conveyor.Pipeline"
+                "pass transfer=conveyor.TransferOptions(transport='process_group') to conveyor.Pipeline"
             ) from exc
         self.incoming[peer] = _Incoming(ring, theirs["pid"])
         self.doorbells[peer] = theirs["doorbell"]

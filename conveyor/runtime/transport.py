@@ -197,7 +197,7 @@ class Transport(ABC):
         """Expect ``meta`` on ``channel`` from its first transfer on (both ends seed alike).
 
         Transports that send a payload's structure only when it changes use it to skip even
-        the first exchange (``Pipeline(shapes=...)``); the others ignore it.
+        the first exchange (``TransferOptions(shapes=...)``); the others ignore it.
         """
 
     def end_step(self) -> None:  # noqa: B027 - only transports that learn per step need it

@@ -21,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from conveyor.errors import PipelineConfigError
+from conveyor.options import TRANSPORTS
 from conveyor.runtime.hybrid import HostExchange, HybridTransport
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.ordered import OrderedTransport
@@ -29,8 +30,6 @@ from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_me
 from conveyor.runtime.transport import DistTransport, Transport
 from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, Channel, flatten_payload
 from conveyor.schedule.ir import ActionKind, Schedule
-
-TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid", "ordered")
 
 
 def check_transport_name(kind: str) -> None:
@@ -141,7 +140,7 @@ def _transport_for(schedule: Schedule, hosts: list[int]) -> str:
 
 
 def seed_shapes(transport: Transport, shapes: Mapping[int, Any], num_stages: int) -> None:
-    """Tell both ends of each boundary what will cross it (``Pipeline(shapes=...)``), so no step
+    """Tell both ends of each boundary what will cross it (``TransferOptions(shapes=...)``), so no step
     has to exchange it: ``shapes`` maps a stage to an example of its output for one microbatch."""
     last = num_stages - 1
     for stage, example in shapes.items():

@@ -104,7 +104,7 @@ def train_replicas(rank, world_size, name, virtual, kind, dp, clip):
     mine = schedule.stages_of(pp_rank)
     modules = [MLPStage(s, schedule.num_stages) for s in mine]
     pipe = conveyor.Pipeline(modules, schedule=schedule, loss_fn=lm_loss, mesh=mesh, data_parallel=kind,
-                             timeout_s=60)
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses, norms = [], []
     first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)

@@ -1,7 +1,10 @@
 """Typed training configs: a YAML file plus dotted command-line overrides, checked before anything starts.
 
-A :class:`TrainConfig` has one section per concern (``model``, ``data``, ``parallel``,
-``optim``, ``train``, ``loss``, ``checkpoint``, ``run``); every field has a default, so no
+A :class:`TrainConfig` has one section per concern (``model``, ``data``, ``parallel``, ``stage``,
+``transfer``, ``optim``, ``train``, ``loss``, ``checkpoint``, ``run``); ``stage`` and ``transfer``
+ARE the pipeline's option records (:class:`~conveyor.options.StageOptions`,
+:class:`~conveyor.options.TransferOptions`), passed whole to :func:`conveyor.pipeline`, their checks
+included. Every field has a default, so no
 file at all gives a small byte-level GPT trained on the Python standard library's sources,
 pipelined over 2 CPU ranks. :func:`load_config` layers the defaults, the YAML file and the
 overrides (OmegaConf structured configs: later wins), then checks every key and value;
@@ -29,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from conveyor.errors import ConfigError
+from conveyor.errors import ConfigError, PipelineConfigError
+from conveyor.options import StageOptions, TransferOptions
 
 if TYPE_CHECKING:
     from conveyor.plan.result import Plan
@@ -77,6 +81,8 @@ class ParallelConfig:
     data_parallel: str = _f("ddp", "ddp | fsdp (how replicas share gradients)")
     plan: str | None = _f(None, "a plan file from `conveyor plan --out`: its schedule, virtual, microbatches and "
                                 "split points replace these keys' (None: split by parameters)")
+    in_process: bool = _f(False, "every pipeline rank in this one process (no launcher; parallel.dp=1): the "
+                                 "same losses, bit for bit, as parallel.pp processes")
 
 
 @dataclass
@@ -96,9 +102,6 @@ class LoopConfig:
     eval_interval: int = _f(100, "steps between validations (0: never)")
     eval_batches: int = _f(8, "validation batches per evaluation")
     clip: float = _f(1.0, "clip the gradients' total norm to this (0: no clipping)")
-    activation_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
-    precision: str = _f("fp32", "fp32 | bf16 (forward and loss under torch.autocast bf16; fp32 parameters and "
-                                "gradients); fp16 is refused: it needs loss scaling, which a pipeline cannot apply")
     seed: int = _f(0, "seed of the model's initialisation and the data order")
     sample_tokens: int = _f(48, "tokens generated greedily after training, shown and in <run.dir>/sample.txt (0: none)")
     sample_prompt: str | None = _f(None, "the sample's prompt (None: the start of the validation text, or 'def ')")
@@ -136,6 +139,8 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    stage: StageOptions = field(default_factory=StageOptions)  # what each stage does: the pipeline's own record
+    transfer: TransferOptions = field(default_factory=TransferOptions)  # how bytes move: the pipeline's own record
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -144,8 +149,8 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        """Ranks the run needs: ``pp x dp``."""
-        return self.parallel.pp * self.parallel.dp
+        """Processes the run needs: ``pp x dp`` (1 with ``parallel.in_process``)."""
+        return 1 if self.parallel.in_process else self.parallel.pp * self.parallel.dp
 
     @property
     def checkpoint_dir(self) -> str:
@@ -205,12 +210,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
         layers.append((_read_overrides(overrides), None))
     for node, where in layers:
         _check_keys(node, TrainConfig, "", where, overrides)
-    cfg = _merge([node for node, _ in layers])
+    cfg, record_problems = _merge([node for node, _ in layers])
     from conveyor.train.config_checks import validate
 
     expand_home(cfg)
     apply_plan(cfg)
-    validate(cfg, world_size=world_size)
+    validate(cfg, world_size=world_size, problems=record_problems)
     return cfg
 
 
@@ -401,14 +406,26 @@ def _unknown_key(full: str, key: str, prefix: str, names: Sequence[str], origin:
     return f"unknown section {full!r} ({origin}){hint} The sections are: {', '.join(names)}"
 
 
-def _merge(nodes: Sequence[Any]) -> TrainConfig:
-    """Defaults <- each node in turn, as a TrainConfig; OmegaConf's type errors become ConfigErrors."""
+RECORD_SECTIONS = ("stage", "transfer")  # conveyor.options records: they check themselves when made
+
+
+def _merge(nodes: Sequence[Any]) -> tuple[TrainConfig, list[str]]:
+    """Defaults <- each node in turn, as a TrainConfig; OmegaConf's type errors become ConfigErrors.
+    Also returns what the option records refused (each such section is left at its defaults, so that
+    the other checks still run and every problem is reported at once)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import InterpolationResolutionError, ValidationError
 
     schema = OmegaConf.structured(TrainConfig)
+    problems: list[str] = []
     try:
         merged = OmegaConf.merge(schema, *nodes)
+        for section in RECORD_SECTIONS:
+            try:
+                OmegaConf.to_object(merged[section])
+            except PipelineConfigError as error:  # the record's own check, as the pipeline makes it
+                problems.append(f"{section}.{error}")
+                merged[section] = schema[section]
         cfg = OmegaConf.to_object(merged)
     except ValidationError as error:
         raise ConfigError(_type_message(error, nodes)) from None
@@ -417,7 +434,7 @@ def _merge(nodes: Sequence[Any]) -> TrainConfig:
         raise ConfigError(f"{key}: cannot resolve an interpolation: {str(error).splitlines()[0]}; "
                           f"interpolations look like ${{run.dir}}/ckpt") from None
     cfg.optim.betas = tuple(cfg.optim.betas)  # OmegaConf may hand a list back
-    return cfg
+    return cfg, problems
 
 
 def _type_message(error: Exception, nodes: Sequence[Any]) -> str:

@@ -28,7 +28,6 @@ MODEL_NAMES = ("gpt", "llama", "mpt", "moe")
 CHOICES = {
     "parallel.data_parallel": ("ddp", "fsdp"),
     "optim.lr_schedule": ("cosine", "constant"),
-    "train.precision": ("fp32", "bf16"),
     "loss.normalize": ("microbatch", "tokens"),
     "loss.on_nonfinite": ("skip", "stop"),
     "run.device": ("auto", "cpu", "cuda"),
@@ -53,12 +52,13 @@ RANGES = {
 _SIZE_KEYS = ("parallel.", "train.batch_size", "model.layers")
 
 
-def validate(cfg: Any, *, world_size: int | None = None) -> None:
+def validate(cfg: Any, *, world_size: int | None = None, problems: Sequence[str] = ()) -> None:
     """Raise a ConfigError listing every rule ``cfg`` breaks (nothing when it keeps them all).
 
-    ``world_size``, when known, must equal ``parallel.pp x parallel.dp``.
+    ``world_size``, when known, must equal ``parallel.pp x parallel.dp``. ``problems``: found before
+    (the option records' own refusals), listed with the rest.
     """
-    problems: list[str] = []
+    problems = list(problems)
     _check_choices_and_ranges(cfg, problems)
     _check_model(cfg, problems)
     _check_data(cfg, problems)
@@ -81,11 +81,7 @@ def _get(cfg: Any, key: str) -> Any:
 def _check_choices_and_ranges(cfg: Any, problems: list[str]) -> None:
     for key, choices in CHOICES.items():
         value = _get(cfg, key)
-        if key == "train.precision" and str(value).lower() in ("fp16", "float16", "half"):
-            problems.append(f"train.precision={value!r}: fp16 needs loss scaling (small gradients underflow to "
-                            f"zero without it), which cannot reach the backward pipe.step runs inside; use "
-                            f"train.precision=bf16 (fp32's range, no scaling needed) or fp32")
-        elif value not in choices:
+        if value not in choices:
             problems.append(f"{key}={value!r}: expected one of {', '.join(choices)}{_close(value, choices)}")
     for key, (low, high, low_open) in RANGES.items():
         value = _get(cfg, key)
@@ -183,9 +179,15 @@ def _check_parallel(cfg: Any, problems: list[str], world_size: int | None) -> No
         problems.append(f"parallel.microbatches={par.microbatches}: must divide the per-replica batch "
                         f"train.batch_size / parallel.dp = {loop.batch_size} / {par.dp} = {per_replica}; "
                         f"try one of {divisors}")
-    if world_size is not None and par.pp * par.dp != world_size:
+    if par.in_process and par.dp != 1:
+        problems.append(f"parallel.in_process=true runs one replica's pipeline ranks in one process, but "
+                        f"parallel.dp={par.dp}; set parallel.dp=1 or parallel.in_process=false")
+    if world_size is not None and cfg.world_size != world_size:
         problems.append(f"parallel.pp x parallel.dp = {par.pp} x {par.dp} = {par.pp * par.dp}, but the job "
-                        f"has {world_size} ranks; make pp x dp equal {world_size}")
+                        f"has {world_size} ranks; make pp x dp equal {world_size}"
+                        if not par.in_process else
+                        f"parallel.in_process=true runs in one process, but the job has {world_size} ranks; "
+                        f"launch one process")
     _check_plan(cfg, problems)
     _check_schedule(cfg, problems)
 

@@ -13,7 +13,7 @@ predicted as
 * activations: each stage's forward on one microbatch is run on the meta device under
   ``torch.autograd.graph.saved_tensors_hooks``, which sees every tensor autograd keeps for the
   backward (parameters left out; the last stage's loss included; with
-  ``train.activation_checkpointing`` only what the checkpoint keeps, plus one stage's full set
+  ``stage.checkpoint_activations`` only what the checkpoint keeps, plus one stage's full set
   while it is recomputed). The schedule simulator (``conveyor.schedule.simulate``, uniform
   pass costs) weighs each (stage, microbatch) in flight with those bytes and gives each rank's
   peak.
@@ -106,7 +106,7 @@ def run_layout(cfg: TrainConfig) -> RunLayout:
     split = split_model(model, schedule.num_stages, example_args=(example,), split_method="parameters",
                         split_points=split_points)
     sizes = {name: t.numel() for name, t in model.named_parameters(remove_duplicate=False)}
-    saved = activation_bytes(split, example, cfg.train.activation_checkpointing)
+    saved = activation_bytes(split, example, cfg.stage.checkpoint_activations)
     layout = RunLayout(type(model).__name__, sum(t.numel() for t in model.parameters()),
                    tied=[" = ".join(group.names) for group in split.tied_groups])
     for stage in range(split.num_stages):
@@ -219,7 +219,7 @@ def _rank_memory(cfg: TrainConfig, schedule: Any, stages: list[StageRow]) -> lis
             # once per step, not per microbatch) and its gradients whole until their reduce-scatter.
             state = state // dp + 8 * parameters
         extra = 0
-        if cfg.train.activation_checkpointing:
+        if cfg.stage.checkpoint_activations:
             extra = max(row.recompute_bytes for row in mine)  # one stage recomputed whole in backward
         rows.append(RankRow(rank, state, int(peak_bytes[rank]) + extra, peak_count[rank]))
     return rows
@@ -258,7 +258,7 @@ def format_layout(layout: RunLayout, cfg: TrainConfig) -> str:
            if sharded else "") + ")",
         "  + activations: what autograd keeps for one microbatch of each stage, measured by running its forward "
         "on the meta device" + ("; with activation checkpointing, what the checkpoint keeps, plus one stage's "
-                                "full set while it is recomputed" if cfg.train.activation_checkpointing else ""),
+                                "full set while it is recomputed" if cfg.stage.checkpoint_activations else ""),
         "    x the microbatches in flight at the peak of the schedule's simulation (uniform pass costs)",
         "  not counted: the framework (~0.4 GiB per rank on CPU), communication buffers, the data",
         "nothing was allocated and no rank was started",

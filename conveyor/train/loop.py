@@ -160,9 +160,10 @@ def lr_lambda(cfg: TrainConfig):
 
 
 def build_pipeline(cfg: TrainConfig, model: torch.nn.Module, loss_fn: Any = None) -> Any:
-    """This rank's pipeline of ``model`` (over a ("dp", "pp") mesh when ``parallel.dp`` > 1), on the
-    device :func:`~conveyor.train.launch.choose_devices` gives this rank (its GPU, or the CPU), with
-    ``loss_fn`` (None: :func:`train_loss`'s for the model)."""
+    """This rank's pipeline of ``model`` (over a ("dp", "pp") mesh when ``parallel.dp`` > 1; every rank in
+    this process with ``parallel.in_process``), on the device :func:`~conveyor.train.launch.choose_devices`
+    gives this rank (its GPU, or the CPU), with ``loss_fn`` (None: :func:`train_loss`'s for the model).
+    The config's ``stage`` and ``transfer`` sections are the pipeline's records, passed whole."""
     from conveyor.train.launch import stage_device
 
     p = cfg.parallel
@@ -174,14 +175,15 @@ def build_pipeline(cfg: TrainConfig, model: torch.nn.Module, loss_fn: Any = None
         mesh = pipeline_mesh(p.pp, device.type)
     microbatch = cfg.replica_batch_size // p.microbatches
     example = torch.zeros(microbatch, cfg.model.seq_len, dtype=torch.long)
-    extra = {"mesh": mesh, "data_parallel": p.data_parallel} if mesh is not None else {}
+    layout = conveyor.Layout(device=device, in_process=p.in_process, ranks=p.pp if p.in_process else None)
+    options = conveyor.PipelineOptions(virtual=p.virtual, stage=cfg.stage, transfer=cfg.transfer, layout=layout,
+                                       split=conveyor.SplitOptions(method="parameters"))
     # With a plan (read once, by load_config), the pipeline takes schedule, microbatches, virtual and the cut
     # from it, the schedule's order too where it was planned for the measured costs (zb-1p, zb-2p).
-    return conveyor.pipeline(model, example_args=(example,), split_method="parameters", plan=cfg.plan,
-                             schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual,
+    return conveyor.pipeline(model, example_args=(example,), plan=cfg.plan, schedule=p.schedule,
+                             microbatches=p.microbatches,
                              loss_fn=loss_fn if loss_fn is not None else train_loss(cfg, model),
-                             checkpoint_activations=cfg.train.activation_checkpointing,
-                             autocast=cfg.train.precision, device=device, **extra)
+                             mesh=mesh, data_parallel=p.data_parallel if mesh is not None else None, options=options)
 
 
 @dataclass

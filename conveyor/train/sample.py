@@ -59,12 +59,10 @@ def greedy_tokens(pipe: Any, prompt: Sequence[int], steps: int, *, seq_len: int,
 
         ids = greedy_tokens(pipe, tokenizer.encode(b"def ").tolist(), 48, seq_len=128, rows=16)
     """
-    from conveyor.pipe import Pipeline
-
     if not prompt:
         raise ValueError("greedy_tokens needs a prompt of at least one token; got none")
-    distributed = isinstance(pipe, Pipeline)
-    reads = pipe.needs_inputs if distributed else True
+    distributed = not pipe.ranks.in_process
+    reads = pipe.needs_inputs
     context, made = list(prompt), []
     for _ in range(steps):
         window = context[-seq_len:]

@@ -32,8 +32,8 @@ def _build(kind: str | None, name: str, virtual: int, seed: int, dp: int):
     model = tied_lm(seed, tie=False)  # fsdp shards each stage on its own: no parameter shared by two
     ids, _ = lm_batch(0)
     pipe = conveyor.pipeline(model, example_args=(ids[:2],), split_points=SPLITS[PP * virtual], schedule=name,
-                             microbatches=MICROBATCHES, virtual=virtual, loss_fn=ce_loss, mesh=mesh,
-                             data_parallel=kind, timeout_s=60)
+                             microbatches=MICROBATCHES, loss_fn=ce_loss, mesh=mesh, data_parallel=kind,
+                             options=conveyor.PipelineOptions(virtual=virtual, transfer=conveyor.TransferOptions(timeout_s=60)))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     replica = mesh.get_local_rank("dp") if mesh is not None else 0
     return pipe, optimizer, replica

@@ -67,7 +67,8 @@ def _pipeline_from_pretrained(rank, world_size, hf_dir, ckpt_dir):
     ids = _ids()
     pipe = conveyor.pipeline(model, example_args=(ids[:2],), split_points=SPLIT, schedule="1f1b",
                              microbatches=2, loss_fn=lambda out, labels: out.loss,
-                             example_kwargs={"labels": ids[:2]}, timeout_s=60)
+                             example_kwargs={"labels": ids[:2]},
+                             options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=60)))
     report = pipe.load_pretrained(hf_dir)
     share = sum(t.numel() * t.element_size() for r in pipe.runners.values() for t in r.module.state_dict().values())
     pretrained_logits = pipe(ids, labels=ids)  # traced in train mode; every dropout is 0

@@ -40,8 +40,8 @@ def _traced_once_here():
 def _pipeline(world_size, schedule, virtual, seed):
     stages = world_size * (virtual or 1)
     return conveyor.pipeline(tied_lm(seed), example_args=(lm_batch(0)[0][:2],), split_points=SPLITS[stages],
-                             schedule=schedule, microbatches=MICROBATCHES, virtual=virtual, loss_fn=ce_loss,
-                             timeout_s=60)
+                             schedule=schedule, microbatches=MICROBATCHES, loss_fn=ce_loss,
+                             options=conveyor.PipelineOptions(virtual=virtual, transfer=conveyor.TransferOptions(timeout_s=60)))
 
 
 def _by_first_name(pipe, optimizer):

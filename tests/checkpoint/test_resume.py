@@ -23,7 +23,7 @@ pytestmark = pytest.mark.distributed
 def _build(rank, world_size, name, virtual, seed):
     schedule = cs.build(name, ranks=world_size, microbatches=2, virtual=virtual)
     stages = [drop_stage(s, schedule.num_stages, seed) for s in schedule.stages_of(rank)]
-    pipe = conveyor.Pipeline(stages, schedule=schedule, loss_fn=mse, timeout_s=60)
+    pipe = conveyor.Pipeline(stages, schedule=schedule, loss_fn=mse, transfer=conveyor.TransferOptions(timeout_s=60))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
     return pipe, optimizer, scheduler

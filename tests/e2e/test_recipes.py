@@ -2,7 +2,7 @@
 
 Every run also takes one loop path no other test takes, so the suite stays short:
 
-* gpt: ``train.activation_checkpointing=true``;
+* gpt: ``stage.checkpoint_activations=true``;
 * llama: 4 ranks, ``parallel.pp=2 x parallel.dp=2`` with ``parallel.data_parallel=fsdp``;
 * mpt: the ``zbv`` schedule (V=2: the tied embedding's first and last stage on one rank);
 * moe: its own zbv, and the loss's language-model and auxiliary parts reported apart;
@@ -35,7 +35,7 @@ def _trained(done, run_dir: Path, steps: int = 3) -> list[float]:
 
 
 @pytest.mark.parametrize("recipe, path, extra", [
-    ("gpt", "activation checkpointing", ["train.activation_checkpointing=true"]),
+    ("gpt", "activation checkpointing", ["stage.checkpoint_activations=true"]),
     ("llama", "pp=2 x dp=2 fsdp", ["parallel.dp=2", "parallel.data_parallel=fsdp"]),
     ("mpt", "zbv (V=2)", ["parallel.schedule=zbv", "model.layers=4"]),
     ("moe", "zbv with an auxiliary loss", ["model.layers=4", "model.kv_heads=2", "model.intermediate=32"]),

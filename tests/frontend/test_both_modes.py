@@ -76,8 +76,9 @@ def _model_and_batch():
 def _train_then_evaluate(rank, world_size):
     torch.set_num_threads(1)
     model, x, y = _model_and_batch()
-    pipe = conveyor.pipeline(model, example_args=(x[:2],), split_points=["mid"], schedule="1f1b", microbatches=4,
-                             loss_fn=nn.functional.mse_loss, timeout_s=60, both_modes=True)
+    pipe = conveyor.pipeline(model, example_args=(x[:2],), split_points=["mid"], schedule="1f1b",
+                             microbatches=4, loss_fn=nn.functional.mse_loss,
+                             options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=60), split=conveyor.SplitOptions(both_modes=True)))
     pipe.step(x, target=y)
     pipe.eval()
     evaluated = pipe.forward(x)

@@ -39,7 +39,8 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _train_one_step(rank, world_size):
     pipe = conveyor.pipeline(_frozen_model(), example_args=(IDS[:2],), split_points=["layers.1"],
-                             schedule="1f1b", microbatches=2, loss_fn=_loss, timeout_s=60)
+                             schedule="1f1b", microbatches=2, loss_fn=_loss,
+                             options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=60)))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.1)  # weight decay would move a zero grad
     pipe.step(IDS, target=IDS)
     grads = {n: p.grad for n, p in pipe.named_parameters()}
@@ -105,7 +106,8 @@ def _accumulate_over_steps(rank, world_size, transport):
     tied = [SimpleNamespace(uses=[(0, "emb.weight"), (1, "head.weight")])]
     module = [_Embed(), _Head()][rank]
     pipe = conveyor.Pipeline([module], schedule=cs.build("1f1b", ranks=2, microbatches=2), loss_fn=_mse,
-                             tied_parameters=tied, transport=transport, timeout_s=60)
+                             transfer=conveyor.TransferOptions(transport=transport, timeout_s=60),
+                             model=conveyor.WholeModel(tied_parameters=tied))
     grads = []
     for step in range(3):  # no zero_grad: the user accumulates over steps
         x, y = _steps(step)

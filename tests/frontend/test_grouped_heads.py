@@ -20,6 +20,7 @@ import torch
 import conveyor.schedule as cs
 from conveyor import frontend
 from conveyor.local import LocalPipeline
+from conveyor.options import StageOptions
 from conveyor.testing.models import GROUPED_FAMILIES, grouped_heads_lm
 
 NUM_MICROBATCHES = 4
@@ -70,7 +71,7 @@ def _pipelined(family, schedule, bf16):
     sched = cs.build(schedule, ranks=2, microbatches=NUM_MICROBATCHES)
     stages = copy.deepcopy(_split(family, sched.num_stages).stage_modules())  # fresh weights, one trace
     pipe = LocalPipeline(stages, sched, loss_fn=lambda out, _target: out.loss,
-                         autocast=torch.bfloat16 if bf16 else None)
+                         stage=StageOptions(autocast=torch.bfloat16 if bf16 else None))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses, grads = [], None
     for step in range(NUM_STEPS):

@@ -13,6 +13,7 @@ import torch
 import conveyor.schedule as cs
 from conveyor import frontend
 from conveyor.local import LocalPipeline
+from conveyor.options import WholeModel
 from conveyor.testing.models import TwoEncoders, two_encoder_batch
 
 NUM_MICROBATCHES = 2
@@ -53,7 +54,7 @@ def test_two_encoders_train_through_the_pipeline_bitwise(schedule, num_ranks, vi
     assert split.stage_parameter_names(0)[0].startswith("image.")
     assert split.stage_parameter_names(1)[0].startswith("embed.")
     pipe = LocalPipeline(split.stage_modules(), sched, loss_fn=lambda out, _target: out["loss"],
-                         tied_parameters=split.tied_groups)
+                         model=WholeModel(tied_parameters=split.tied_groups))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     for batch in _batches():

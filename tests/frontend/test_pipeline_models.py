@@ -80,15 +80,9 @@ def _train(rank, world_size, which, schedule, virtual, own_loss):
     model = MODELS[which]()
     ids, labels = _batch()
     example_kwargs = {"labels": labels[:2]} if own_loss else {}
-    pipe = conveyor.pipeline(
-        model,
-        example_args=(ids[:2],),
-        example_kwargs=example_kwargs,
-        schedule=schedule,
-        microbatches=NUM_MICROBATCHES,
-        virtual=virtual,
-        loss_fn=_own_loss if own_loss else _external_loss,
-    )
+    pipe = conveyor.pipeline(model, example_args=(ids[:2],), example_kwargs=example_kwargs, schedule=schedule,
+                             microbatches=NUM_MICROBATCHES, loss_fn=_own_loss if own_loss else _external_loss,
+                             options=conveyor.PipelineOptions(virtual=virtual))
     names = dict(pipe.named_parameters()).keys()
     assert set(names) <= set(model.state_dict()), "stage parameter names must be the model's own"
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)

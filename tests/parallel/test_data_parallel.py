@@ -112,7 +112,7 @@ def _misbuilt(rank, world_size, case):
     schedule = cs.build("1f1b", ranks=2, microbatches=microbatches)
     group = mesh["dp"].get_group() if case == "group and mesh" else None
     conveyor.Pipeline([MLPStage(pp_rank, 2)], schedule=schedule, loss_fn=lm_loss, mesh=mesh,
-                      group=group, timeout_s=30)
+                      transfer=conveyor.TransferOptions(timeout_s=30), layout=conveyor.Layout(group=group))
 
 
 @pytest.mark.distributed
@@ -136,7 +136,7 @@ def _loaders(rank, world_size):
     mesh = mesh_of(2, 3)
     schedule = cs.build("1f1b", ranks=3, microbatches=NUM_MICROBATCHES)
     pipe = conveyor.Pipeline([MLPStage(mesh.get_local_rank("pp"), 3)], schedule=schedule, loss_fn=lm_loss,
-                             mesh=mesh, timeout_s=60)
+                             mesh=mesh, transfer=conveyor.TransferOptions(timeout_s=60))
     opened = []
 
     def dataset():
@@ -180,7 +180,8 @@ def _tied(rank, world_size, kind):
     mesh = pipeline_mesh(2)
     ids, _ = lm_batch(0)
     pipe = conveyor.pipeline(tied_lm(0), example_args=(ids[:2],), split_points=SPLITS[2], schedule="1f1b",
-                             microbatches=2, loss_fn=ce_loss, mesh=mesh, data_parallel=kind, timeout_s=60)
+                             microbatches=2, loss_fn=ce_loss, mesh=mesh, data_parallel=kind,
+                             options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=60)))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     copies = []
     for step in range(3):

@@ -123,7 +123,7 @@ def test_normalize_by_that_cannot_be_a_token_count_names_rank_and_value(bad):
 
 def _two_ranks(rank, world_size, bad):
     schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
-    pipe = conveyor.Pipeline([MLPStage(rank, 2)], schedule=schedule, loss_fn=sum_loss, timeout_s=60)
+    pipe = conveyor.Pipeline([MLPStage(rank, 2)], schedule=schedule, loss_fn=sum_loss, transfer=conveyor.TransferOptions(timeout_s=60))
     ids, targets = padded_batch()
     target = targets if pipe.needs_target else None
     count = count_tokens(pipe, target)
@@ -157,14 +157,14 @@ def _replicas(rank, world_size, dp, kind):
     mesh = mesh_of(dp, 2)
     schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
     pipe = conveyor.Pipeline([MLPStage(mesh.get_local_rank("pp"), 2)], schedule=schedule, loss_fn=sum_loss,
-                             mesh=mesh, data_parallel=kind, timeout_s=60)
+                             mesh=mesh, data_parallel=kind, transfer=conveyor.TransferOptions(timeout_s=60))
     ids, targets = padded_batch()
     ids, targets = ids.chunk(dp)[pipe.dp_rank], targets.chunk(dp)[pipe.dp_rank]  # this replica's rows
     target = targets if pipe.needs_target else None
     count = count_tokens(pipe, target)
     loss = pipe.step(ids if pipe.needs_inputs else None, target=target, normalize_by=count)
     grads = {n: full_tensor(p.grad) for n, p in pipe.named_parameters()}
-    stage = pipe.schedule.stages_of(pipe.rank)[0]
+    stage = pipe.schedule.stages_of(pipe.ranks.rank)[0]
     pipe.close()
     return count, loss, stage, grads
 

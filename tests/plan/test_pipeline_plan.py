@@ -18,8 +18,8 @@ def _auto_then_from_file(rank, world_size, path):
     torch.set_num_threads(1)
     x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 2)
     pipe = conveyor.pipeline(_model(), example_args=(x[:1],), schedule="auto", loss_fn=nn.functional.mse_loss,
-                             plan_options={"global_batch": 8, "memory_per_rank": "1GiB", "repeats": 1,
-                                           "schedules": ["1f1b", "zb-h1"]}, timeout_s=60)
+                             options=conveyor.PipelineOptions(plan_options={"global_batch": 8, "memory_per_rank": "1GiB", "repeats": 1,
+                                           "schedules": ["1f1b", "zb-h1"]}, transfer=conveyor.TransferOptions(timeout_s=60)))
     auto = (pipe.schedule.name, pipe.schedule.num_microbatches)
     loss = pipe.step(x, target=y)
     plan = conveyor.plan.plan(_model(), x[:2], ranks=2, global_batch=8, schedules=["gpipe"], microbatches=[2], repeats=1)
@@ -27,7 +27,7 @@ def _auto_then_from_file(rank, world_size, path):
         plan.save(path)
     torch.distributed.barrier()
     again = conveyor.pipeline(_model(), example_args=(x[:1],), plan=path, loss_fn=nn.functional.mse_loss,
-                              timeout_s=60)
+                              options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=60)))
     again.step(x, target=y)
     return auto, loss, (again.schedule.name, again.schedule.num_microbatches)
 

@@ -73,7 +73,7 @@ def _clip_with_an_empty_rank(rank, world_size):
     torch.manual_seed(0)
     module = nn.Linear(4, 4) if rank == 0 else nn.Tanh()
     pipe = conveyor.Pipeline([module], schedule=cs.build("1f1b", ranks=2, microbatches=2), loss_fn=_mse,
-                             timeout_s=60)
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     pipe.step(torch.randn(4, 4) if rank == 0 else None, target=torch.randn(4, 4) if rank == 1 else None)
     return pipe.clip_grad_norm_(1e9)
 

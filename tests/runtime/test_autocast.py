@@ -41,7 +41,8 @@ def reference_autocast_run(schedule):
 def local_autocast_run(schedule, checkpoint_activations=False):
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
-    pipe = LocalPipeline(stages, schedule, lm_loss, autocast="bf16", checkpoint_activations=checkpoint_activations)
+    pipe = LocalPipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(autocast="bf16",
+                                                                                checkpoint_activations=checkpoint_activations))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     for step in range(NUM_STEPS):
@@ -91,7 +92,8 @@ def test_recomputed_activations_run_under_the_same_autocast():
 def test_an_unknown_precision_is_refused_naming_the_choices():
     cfg = TinyConfigFor2()
     with pytest.raises(PipelineConfigError, match="autocast='int8'.*'bf16'"):
-        LocalPipeline([build_stage(s, cfg) for s in range(2)], "1f1b", lm_loss, microbatches=2, autocast="int8")
+        LocalPipeline([build_stage(s, cfg) for s in range(2)], "1f1b", lm_loss, microbatches=2,
+                      stage=conveyor.StageOptions(autocast="int8"))
 
 
 @pytest.mark.parametrize("kwargs", [{"autocast": "fp16"}, {"autocast": torch.float16}, {"autocast": "half"},
@@ -99,10 +101,9 @@ def test_an_unknown_precision_is_refused_naming_the_choices():
 def test_fp16_is_refused_with_the_reason_and_what_to_use(kwargs):
     # Before: accepted, and trained on gradients no loss scaling could keep from underflowing (the backward
     # runs inside step, out of a GradScaler's reach).
-    cfg = TinyConfigFor2()
     [(what, spec)] = kwargs.items()
     with pytest.raises(PipelineConfigError, match=rf"{what}=.*fp16 needs loss scaling.*GradScaler.*{what}='bf16'"):
-        LocalPipeline([build_stage(s, cfg) for s in range(2)], "1f1b", lm_loss, microbatches=2, **kwargs)
+        conveyor.StageOptions(**kwargs)  # refused when the record is made, before any stage exists
 
 
 def TinyConfigFor2():  # noqa: N802 - reads as a constant
@@ -148,8 +149,9 @@ def _train_bf16(rank, world_size, transport):
     crossing = []
     if rank == 1:  # what arrives from stage 0, as stage 1 sees it
         stage.register_forward_pre_hook(lambda module, args: crossing.append(args[0].dtype))
-    pipe = conveyor.Pipeline([stage], schedule="1f1b", microbatches=NUM_MICROBATCHES, loss_fn=mse, timeout_s=60,
-                             transport=transport, autocast="bf16")
+    pipe = conveyor.Pipeline([stage], schedule="1f1b", microbatches=NUM_MICROBATCHES, loss_fn=mse,
+                             stage=conveyor.StageOptions(autocast="bf16"),
+                             transfer=conveyor.TransferOptions(timeout_s=60, transport=transport))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     for x, y in mlp_batches():

@@ -17,10 +17,10 @@ from conveyor.errors import ConveyorError
 from conveyor.testing import run_ranks
 
 
-def _linear_pipeline(rank, schedule, **kwargs):
+def _linear_pipeline(rank, schedule):
     torch.manual_seed(rank)
     return conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(),
-                             timeout_s=30, **kwargs)
+                             transfer=conveyor.TransferOptions(timeout_s=30))
 
 
 def _error(call) -> str:
@@ -70,8 +70,9 @@ def test_ranks_given_different_models_or_split_points_are_refused_when_built(dif
 
 def _hand_built_stages_that_do_not_fit(rank, world_size):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
-    pipe = conveyor.Pipeline([torch.nn.Linear(4, 4) if rank == 0 else torch.nn.Linear(5, 4)], schedule=schedule,
-                             loss_fn=lambda y, t: y.sum(), timeout_s=30)
+    pipe = conveyor.Pipeline([torch.nn.Linear(4, 4) if rank == 0 else torch.nn.Linear(5, 4)],
+                             schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             transfer=conveyor.TransferOptions(timeout_s=30))
     return _error(lambda: pipe.step(torch.ones(4, 4) if rank == 0 else None))
 
 
@@ -181,7 +182,8 @@ class _Failing(torch.nn.Module):
 def _stage_fails(rank, world_size, where):
     schedule = cs.build("zb-h1", ranks=world_size, microbatches=4)
     module = _Failing(where) if rank == 1 else torch.nn.Linear(4, 4)
-    pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.pow(2).mean(), timeout_s=30)
+    pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.pow(2).mean(),
+                             transfer=conveyor.TransferOptions(timeout_s=30))
     return _error(lambda: pipe.step(torch.ones(8, 4) if rank == 0 else None))
 
 

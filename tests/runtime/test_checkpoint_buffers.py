@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from conveyor.local import LocalPipeline
+from conveyor.options import StageOptions
 from conveyor.runtime.recompute import RecomputedBuffers
 
 NUM_MICROBATCHES = 4
@@ -37,7 +38,8 @@ def _two_steps_both_ways(make_stage, schedule: str) -> tuple[list[nn.Module], li
     """Two steps of a checkpointing pipeline, and of one device without checkpointing, on the same data."""
     stages = [make_stage(seed) for seed in range(2)]
     reference = copy.deepcopy(stages)
-    pipe = LocalPipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES, checkpoint_activations=True)
+    pipe = LocalPipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES,
+                         stage=StageOptions(checkpoint_activations=True))
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):
         x, y = torch.randn(16, 6, generator=generator), torch.randn(16, 6, generator=generator)
@@ -75,7 +77,8 @@ class _CountsWhenArmed(nn.Module):
 
 def test_a_buffer_that_starts_being_written_later_is_written_once_per_forward():
     module = _CountsWhenArmed()
-    pipe = LocalPipeline([module], "gpipe", _mse, microbatches=NUM_MICROBATCHES, checkpoint_activations=True)
+    pipe = LocalPipeline([module], "gpipe", _mse, microbatches=NUM_MICROBATCHES,
+                         stage=StageOptions(checkpoint_activations=True))
     x, y = torch.randn(8, 3), torch.randn(8, 3)
     pipe.step(x, target=y)
     module.armed = True
@@ -88,7 +91,8 @@ def test_a_batch_norm_frozen_then_unfrozen_matches_one_device(schedule):
     """The fine-tuning recipe: BatchNorm in eval mode for a while inside a training stage."""
     stages = [_normed_stage(seed) for seed in range(2)]
     reference = copy.deepcopy(stages)
-    pipe = LocalPipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES, checkpoint_activations=True)
+    pipe = LocalPipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES,
+                         stage=StageOptions(checkpoint_activations=True))
     generator = torch.Generator().manual_seed(0)
     for frozen in (True, False, False):
         for stage, twin in zip(stages, reference):

@@ -58,7 +58,8 @@ def _train_clipped(rank, world_size, name, virtual, max_norm, norm_type):
     cfg = config_for(schedule)
     mine = schedule.stages_of(rank)
     stages = {s: build_stage(s, cfg) for s in mine}
-    pipe = conveyor.Pipeline([stages[s] for s in mine], schedule=schedule, loss_fn=lm_loss, timeout_s=60)
+    pipe = conveyor.Pipeline([stages[s] for s in mine], schedule=schedule, loss_fn=lm_loss,
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     norms, grads = [], None
     for step in range(NUM_STEPS):
@@ -150,7 +151,8 @@ def _nonfinite(rank, world_size):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=NUM_MICROBATCHES)
     cfg = config_for(schedule)
     stage = build_stage(rank, cfg)
-    pipe = conveyor.Pipeline([stage], schedule=schedule, loss_fn=lm_loss, timeout_s=60)
+    pipe = conveyor.Pipeline([stage], schedule=schedule, loss_fn=lm_loss,
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     ids, targets = make_batch(cfg, BATCH_SIZE, seed=0)
     pipe.step(ids if rank == 0 else None, target=targets if rank == world_size - 1 else None)
     if rank == 1:
@@ -173,7 +175,7 @@ def _gpt2_clipped(rank, world_size, max_norm):
     ids, labels = _batch()
     pipe = conveyor.pipeline(model, example_args=(ids[:2],), example_kwargs={"labels": labels[:2]},
                              schedule="1f1b", microbatches=NUM_MICROBATCHES, loss_fn=lambda out, _t: out.loss,
-                             timeout_s=60)
+                             options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=60)))
     pipe.step(ids, labels=labels)
     return pipe.clip_grad_norm_(max_norm).item()
 
@@ -196,11 +198,12 @@ def test_a_tied_parameter_counts_once_as_in_the_unsplit_model():
 
 def _peer_gives_up_before_clipping(rank, world_size):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
-    pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=60)
+    pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     pipe.step(torch.ones(2, 2) if rank == 0 else None)
     if rank == 1:
         # As a rank that failed inside the pipeline does: say why, then go.
-        pipe.transport.publish_failure("ValueError: rank 1 gave up")
+        pipe.ranks.transport.publish_failure("ValueError: rank 1 gave up")
         return "left"
     try:
         pipe.clip_grad_norm_(1.0)
@@ -271,7 +274,8 @@ def _clip_norms_rank(rank, world_size, model_class, example, split_point, trials
     torch.manual_seed(0)
     model = model_class()
     pipe = conveyor.pipeline(model, example_args=(example,), split_points=[split_point], schedule="1f1b",
-                             microbatches=2, loss_fn=lambda y, t: y.sum(), timeout_s=60)
+                             microbatches=2, loss_fn=lambda y, t: y.sum(),
+                             options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=60)))
     return sorted(dict(pipe.named_parameters())), _clip_norms_of_random_grads(model, pipe, trials)
 
 
@@ -327,7 +331,8 @@ def test_a_tied_parameter_held_under_its_other_name_keeps_the_models_order():
 
 def _norm_fails_on_rank_1(rank, world_size):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
-    pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=60)
+    pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     pipe.step(torch.ones(2, 2) if rank == 0 else None)
     if rank == 1:
         def broken(norm_type, foreach):

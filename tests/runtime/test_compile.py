@@ -66,8 +66,8 @@ def _reference(stages, batches, options, autocast=None):
     return _train(step, [p for s in stages for p in s.parameters()], batches)
 
 
-def _local(stages, schedule, batches, **kwargs):
-    pipe = LocalPipeline(stages, schedule, lm_loss, **kwargs)
+def _local(stages, schedule, batches, options):
+    pipe = LocalPipeline(stages, schedule, lm_loss, stage=options)
     return _train(lambda ids, y: pipe.step(ids, target=y), [p for s in stages for p in s.parameters()], batches)
 
 
@@ -94,7 +94,8 @@ def test_compiled_stages_train_bitwise_as_the_compiled_stages_run_in_turn(name, 
     cfg, batches = _tiny(schedule)
     want = _reference([build_stage(s, cfg) for s in range(schedule.num_stages)], batches, AOT)
     with caplog.at_level(logging.WARNING, logger="conveyor"):
-        got = _local([build_stage(s, cfg) for s in range(schedule.num_stages)], schedule, batches, compile=AOT)
+        got = _local([build_stage(s, cfg) for s in range(schedule.num_stages)], schedule, batches,
+                     conveyor.StageOptions(compile=AOT))
     _assert_equal(got, want)
     lines = _fallback_lines(caplog)
     if name == "1f1b":
@@ -110,8 +111,8 @@ def test_checkpointing_and_autocast_compose_with_compile():
     schedule = _schedule("zb-h1")
     cfg, batches = _tiny(schedule)
     want = _reference([build_stage(s, cfg) for s in range(2)], batches, AOT, autocast=torch.bfloat16)
-    got = _local([build_stage(s, cfg) for s in range(2)], schedule, batches, compile=AOT, autocast="bf16",
-                 checkpoint_activations=True)
+    got = _local([build_stage(s, cfg) for s in range(2)], schedule, batches,
+                 conveyor.StageOptions(compile=AOT, autocast="bf16", checkpoint_activations=True))
     _assert_equal(got, want)
 
 
@@ -132,7 +133,8 @@ def test_a_varying_sequence_length_recompiles_once_per_stage_not_per_step():
     schedule = _schedule("1f1b")
     cfg = TinyConfig(num_stages=2, seq_len=12)
     backend = _Counting()
-    pipe = LocalPipeline([build_stage(s, cfg) for s in range(2)], schedule, lm_loss, compile={"backend": backend})
+    pipe = LocalPipeline([build_stage(s, cfg) for s in range(2)], schedule, lm_loss,
+                         stage=conveyor.StageOptions(compile={"backend": backend}))
     graphs = []
     for step, length in enumerate((12, 9, 11, 7, 12, 10)):
         ids, targets = make_batch(cfg, BATCH, seed=step)
@@ -156,7 +158,7 @@ def test_the_default_inductor_backend_trains_within_1e_6_of_the_compiled_stages(
 
     _, batches = _tiny(schedule)
     want = _reference(stages(), batches, {})
-    got = _local(stages(), schedule, batches, compile=True)
+    got = _local(stages(), schedule, batches, conveyor.StageOptions(compile=True))
     _assert_equal(got, want, rel=1e-6)
 
 
@@ -165,7 +167,8 @@ def _train_ranks(rank, world_size, name):
     cfg, batches = _tiny(schedule)
     mine = schedule.stages_of(rank)
     stages = [build_stage(s, cfg) for s in mine]
-    pipe = conveyor.Pipeline(stages, schedule, lm_loss, timeout_s=60, compile=AOT)
+    pipe = conveyor.Pipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(compile=AOT),
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
     losses, _ = _train(lambda ids, y: pipe.step(ids if rank == first else None,
                                                      target=y if rank == last else None),
@@ -191,7 +194,8 @@ def test_compiled_dualpipev_across_processes_is_bitwise_the_compiled_stages_in_t
 @pytest.mark.distributed
 def test_compiled_stages_under_fsdp_replicas_stay_bitwise_the_per_replica_reference(monkeypatch):
     # pp=2 x dp=2, zbv, FSDP2 per stage: the MLP stages' aot_eager graphs run eager's kernels.
-    monkeypatch.setattr(conveyor, "Pipeline", functools.partial(conveyor.Pipeline, compile=AOT))
+    monkeypatch.setattr(conveyor, "Pipeline", functools.partial(conveyor.Pipeline,
+                                                                   stage=conveyor.StageOptions(compile=AOT)))
     assert max_relative_difference("zbv", 2, "fsdp", orders=("per_replica",)) == {"per_replica": 0.0}
 
 
@@ -199,4 +203,4 @@ def test_compiled_stages_under_fsdp_replicas_stay_bitwise_the_per_replica_refere
                                                  ({"backend": "aot_eager", "modes": "x"}, "['modes']")])
 def test_a_compile_argument_torch_cannot_take_is_refused_naming_it(spec, fragment):
     with pytest.raises(PipelineConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
-        LocalPipeline([torch.nn.Linear(2, 2)], "gpipe", microbatches=1, compile=spec)
+        LocalPipeline([torch.nn.Linear(2, 2)], "gpipe", microbatches=1, stage=conveyor.StageOptions(compile=spec))

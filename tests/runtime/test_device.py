@@ -126,7 +126,7 @@ def _meta_stage(rank, world_size):
     with torch.device("meta"):
         module = torch.nn.Linear(4, 4)
     try:
-        conveyor.Pipeline([module], "gpipe", _loss, microbatches=2, device="cpu")
+        conveyor.Pipeline([module], "gpipe", _loss, microbatches=2, layout=conveyor.Layout(device="cpu"))
     except PipelineConfigError as exc:
         return str(exc)
     return "no error"
@@ -151,7 +151,8 @@ def _nccl_cpu_stage(rank, world_size):
 
     dist.get_backend = lambda group=None: "nccl"  # this forked rank only: gloo underneath, NCCL to the pipeline
     try:
-        conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss, device="cpu")
+        conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss,
+                          layout=conveyor.Layout(device="cpu"))
     except PipelineConfigError as exc:
         return str(exc)
     return "no error"
@@ -224,7 +225,7 @@ def test_a_gpu_stage_times_its_actions_with_events_resolved_once():
 
 
 def test_a_timeline_from_events_has_every_action(monkeypatch):
-    monkeypatch.setattr(conveyor.local, "make_recorder", lambda device: EventRecorder(FakeEvent))
+    monkeypatch.setattr(conveyor.pipe.ranks, "make_recorder", lambda device: EventRecorder(FakeEvent))
     FakeEvent.synchronized = 0
     pipe = conveyor.LocalPipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "1f1b", microbatches=2,
                                   loss_fn=_loss)
@@ -281,9 +282,10 @@ def _gpu_stage_under(rank, world_size, backend):
     patch = pytest.MonkeyPatch()
     chosen = _fake_gpus(patch)
     patch.setattr(dist, "get_backend", lambda group=None: backend)  # gloo underneath in this forked rank
-    patch.setattr(conveyor.pipe, "place_modules", lambda modules, stages, device: device)  # nothing to move
+    patch.setattr(conveyor.pipe.distributed, "place_modules", lambda modules, stages, device: device)  # nothing to move
     with contextlib.suppress(Exception):  # no real GPU: what follows fails; the device was chosen before
-        conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss, device="cuda:1")
+        conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss,
+                          layout=conveyor.Layout(device="cuda:1"))
     return chosen[:1]
 
 
@@ -299,9 +301,9 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("how", [{"schedule": "auto"}, {"split_method": "time"}])
-def test_pipeline_makes_the_gpu_current_before_its_first_broadcast(monkeypatch, how):
-    # Before: schedule="auto" and split_method="time" broadcast rank 0's choice before the device was
+@pytest.mark.parametrize(("schedule", "method"), [("auto", "parameters"), ("1f1b", "time")])
+def test_pipeline_makes_the_gpu_current_before_its_first_broadcast(monkeypatch, schedule, method):
+    # Before: schedule="auto" and split method "time" broadcast rank 0's choice before the device was
     # set, so NCCL ran every rank's object collective on cuda:0; device="cuda" also meant cuda:0.
     import torch.distributed as dist
 
@@ -324,5 +326,7 @@ def test_pipeline_makes_the_gpu_current_before_its_first_broadcast(monkeypatch, 
     monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
     with pytest.raises(_Stop):
         conveyor.build.pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)),
-                                example_args=(torch.ones(1, 2),), microbatches=2, device="cuda", **how)
+                                example_args=(torch.ones(1, 2),), microbatches=2, schedule=schedule,
+                                options=conveyor.PipelineOptions(split=conveyor.SplitOptions(method=method),
+                                                                 layout=conveyor.Layout(device="cuda")))
     assert chosen == [torch.device("cuda", 1)] and current_at_broadcast == [1]

@@ -60,7 +60,9 @@ def _recorded_groups(rank, world_size, how):
             mock.patch.object(dist, "new_group", new_group), mock.patch.object(dist, "split_group", split_group):
         torch.manual_seed(0)
         pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=cs.build("1f1b", ranks=2, microbatches=2),
-                                 loss_fn=lambda y, t: y.sum(), group=user, timeout_s=30, transport="ordered")
+                                 loss_fn=lambda y, t: y.sum(),
+                                 transfer=conveyor.TransferOptions(timeout_s=30, transport="ordered"),
+                                 layout=conveyor.Layout(group=user))
         loss = pipe.step(torch.ones(4, 4) if dist.get_rank(user) == 0 else None)
         pipe.close()
     return calls, loss

@@ -33,8 +33,9 @@ def _chosen(rank, world_size, hosts, transport="auto", launcher_env=True):
         os.environ.pop("WORLD_SIZE", None)
         os.environ.pop("LOCAL_WORLD_SIZE", None)
     schedule = cs.build("1f1b", ranks=world_size, microbatches=world_size)
-    pipe = conveyor.Pipeline([nn.Linear(2, 2)], schedule=schedule, transport=transport)
-    transport = pipe.transport
+    pipe = conveyor.Pipeline([nn.Linear(2, 2)], schedule=schedule,
+                             transfer=conveyor.TransferOptions(transport=transport))
+    transport = pipe.ranks.transport
     local = sorted(transport.local_peers) if isinstance(transport, HybridTransport) else None
     return type(transport).__name__, local
 
@@ -108,12 +109,13 @@ def _fill_the_ring(rank, world_size, name, virtual, width, batch):
     schedule = cs.build(name, ranks=4, microbatches=microbatches, virtual=virtual)
     mine = schedule.stages_of(rank)
     modules = [_stage(s, width, schedule) for s in mine]
-    pipe = conveyor.Pipeline(modules, schedule=schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(), timeout_s=60)
+    pipe = conveyor.Pipeline(modules, schedule=schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(),
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
     x, y = batch
     loss = pipe.step(x if rank == first else None, target=y if rank == last else None)
     grads = {s: {n: p.grad for n, p in m.named_parameters()} for s, m in zip(mine, modules)}
-    return loss, grads, pipe.transport.polled_waits
+    return loss, grads, pipe.ranks.transport.polled_waits
 
 
 @pytest.mark.parametrize(("name", "virtual"), [("gpipe", 1), ("interleaved-1f1b", 2)])

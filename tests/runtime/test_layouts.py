@@ -93,7 +93,7 @@ def _sign_pipeline(rank, world_size, transport):
     torch.manual_seed(0)
     module = [torch.nn.Linear(8, 8), _SignOnly()][rank]
     pipe = conveyor.Pipeline([module], schedule=cs.build("1f1b", ranks=2, microbatches=2), loss_fn=_loss,
-                             timeout_s=60, transport=transport)
+                             transfer=conveyor.TransferOptions(timeout_s=60, transport=transport))
     x, target = torch.randn(4, 8), torch.randn(4, 8)
     loss = pipe.step(x if rank == 0 else None, target=target if rank == 1 else None)
     return loss, [p.grad.clone() for p in module.parameters()]
@@ -175,7 +175,8 @@ def _across_ranks(rank, world_size, transport, fixed_shapes):
     torch.set_num_threads(1)
     module = _modules()[rank]
     pipe = conveyor.Pipeline([module], schedule=cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES),
-                             loss_fn=_loss, timeout_s=60, transport=transport, fixed_shapes=fixed_shapes)
+                             loss_fn=_loss,
+                             transfer=conveyor.TransferOptions(timeout_s=60, transport=transport, fixed_shapes=fixed_shapes))
     x, target = _batch()
     results = []
     for _ in range(2):  # the second step takes the send paths that reuse the first step's structure
@@ -230,7 +231,7 @@ def _changing_layout(rank, world_size, transport):
     torch.manual_seed(0)
     module = [_LayoutChanger(), _LayoutRecorder()][rank]
     pipe = conveyor.Pipeline([module], schedule=cs.build("1f1b", ranks=2, microbatches=2), loss_fn=_loss,
-                             timeout_s=60, transport=transport, fixed_shapes=True)
+                             transfer=conveyor.TransferOptions(timeout_s=60, transport=transport, fixed_shapes=True))
     x, target = torch.randn(4, 16), torch.randn(4)
     losses = [pipe.step(x if rank == 0 else None, target=target if rank == 1 else None) for _ in range(2)]
     return losses, getattr(module, "seen_strides", None)

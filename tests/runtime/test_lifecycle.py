@@ -55,8 +55,8 @@ def _train_then_close(rank, world_size, transport):
     import torch.distributed as dist
 
     schedule, cfg, before = _tiny_pipeline_setting(rank, world_size, transport)
-    with conveyor.Pipeline([build_stage(rank, cfg)], schedule=schedule, loss_fn=lm_loss, timeout_s=60,
-                           transport=transport) as pipe:
+    with conveyor.Pipeline([build_stage(rank, cfg)], schedule=schedule, loss_fn=lm_loss,
+                           transfer=conveyor.TransferOptions(timeout_s=60, transport=transport)) as pipe:
         ids, targets = make_batch(cfg, 8, seed=0)
         pipe.step(ids if rank == 0 else None, target=targets if rank == world_size - 1 else None)
         pipe.clip_grad_norm_(1.0)
@@ -92,8 +92,8 @@ def _caught_error_then_user_collectives(rank, world_size, transport):
     import torch.distributed as dist
 
     schedule, cfg, before = _tiny_pipeline_setting(rank, world_size, transport)
-    pipe = conveyor.Pipeline([build_stage(rank, cfg)], schedule=schedule, loss_fn=lm_loss, timeout_s=60,
-                             transport=transport)
+    pipe = conveyor.Pipeline([build_stage(rank, cfg)], schedule=schedule, loss_fn=lm_loss,
+                             transfer=conveyor.TransferOptions(timeout_s=60, transport=transport))
     ids, targets = make_batch(cfg, 6, seed=0)
     try:
         pipe.step(ids if rank == 0 else None, target=targets[:4] if rank == world_size - 1 else None)
@@ -132,7 +132,8 @@ def test_a_caught_error_leaves_the_users_process_group_usable(transport):
 def test_a_pipeline_refuses_a_transport_it_does_not_know_before_building_anything():
     def build(rank, world_size):
         try:
-            conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule="1f1b", microbatches=2, transport="carrier-pigeon")
+            conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule="1f1b", microbatches=2,
+                              transfer=conveyor.TransferOptions(transport="carrier-pigeon"))
         except PipelineConfigError as exc:
             return str(exc)
 
@@ -155,7 +156,7 @@ def _one_rank_never_comes(rank, world_size, transport):
 
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
     pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                             timeout_s=2, transport=transport)
+                             transfer=conveyor.TransferOptions(timeout_s=2, transport=transport))
     if rank == 1:
         time.sleep(8)  # alive, its watcher answering, but never in the step
         return ""
@@ -182,7 +183,7 @@ def _picture_on_request(rank, world_size, trigger):
     os.environ["CONVEYOR_WHERE_TRIGGER"] = trigger
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
     pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                             timeout_s=60)
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     if rank == 0:
         threading.Timer(0.5, lambda: open(trigger, "w").close()).start()  # as `touch` from a shell would
     else:

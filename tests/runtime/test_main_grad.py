@@ -81,7 +81,7 @@ def assert_same(what, got, want):
 def local_run(schedule, max_norm=None):
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
-    pipe = LocalPipeline(stages, schedule, lm_loss, param_dtype="bf16")
+    pipe = LocalPipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(param_dtype="bf16"))
     return pipeline_run(pipe, stages, cfg, max_norm)
 
 
@@ -115,11 +115,12 @@ def test_clipping_reads_main_grad_bitwise_as_one_device():
     assert_equal_runs(local_run(schedule, max_norm=0.05), want)
 
 
-def mlp_pipe(**kwargs):
+def mlp_pipe(grad_accum_dtype=None):
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(8, 16), nn.GELU()), nn.Linear(16, 2)]
-    return LocalPipeline(stages, "zb-h1", microbatches=2, param_dtype="bf16",
-                         loss_fn=lambda out, t: nn.functional.mse_loss(out.float(), t), **kwargs)
+    return LocalPipeline(stages, "zb-h1", microbatches=2,
+                         loss_fn=lambda out, t: nn.functional.mse_loss(out.float(), t),
+                         stage=conveyor.StageOptions(param_dtype="bf16", grad_accum_dtype=grad_accum_dtype))
 
 
 def test_the_nonfinite_check_reads_main_grad_and_skip_leaves_the_masters_alone():
@@ -213,7 +214,7 @@ def tied_reference():
 def train_tied(pipe):
     optimizer = conveyor.MasterWeights(pipe, torch.optim.AdamW, lr=LR)
     for _ in range(2):
-        local = isinstance(pipe, LocalPipeline)
+        local = pipe.ranks.in_process
         pipe.step(TIED_IDS if local or pipe.needs_inputs else None,
                   target=TIED_IDS if local or pipe.needs_target else None)
         grads = {n: p.main_grad.clone() for n, p in zip(optimizer.names, optimizer.params)}
@@ -232,7 +233,8 @@ def test_a_tied_parameter_on_one_rank_accumulates_both_uses_in_main_grad():
     # Traced stages check what they receive against the trace: trace the model in bf16.
     split = split_model(tied_model().to(BF16), 2, split_points=["layers.1"], example_args=(TIED_IDS[:2],))
     pipe = LocalPipeline([split.stage_module(s) for s in range(2)], "1f1b", tied_loss, microbatches=4,
-                         tied_parameters=split.tied_groups, param_dtype="bf16")
+                         stage=conveyor.StageOptions(param_dtype="bf16"),
+                         model=conveyor.WholeModel(tied_parameters=split.tied_groups))
     grads, params = train_tied(pipe)
     want_grads, want_params = tied_reference()
     # The two uses' bf16 gradients reach main_grad one by one, not summed in bf16 first: close, not bitwise.
@@ -246,10 +248,12 @@ def _train_across_ranks(rank, world_size):
         schedule = cs.build(name, ranks=2, microbatches=NUM_MICROBATCHES)
         cfg = config_for(schedule)
         stage = build_stage(rank, cfg)
-        with conveyor.Pipeline([stage], schedule, lm_loss, param_dtype="bf16", timeout_s=60) as pipe:
+        with conveyor.Pipeline([stage], schedule, lm_loss, stage=conveyor.StageOptions(param_dtype="bf16"),
+                               transfer=conveyor.TransferOptions(timeout_s=60)) as pipe:
             results[name] = pipeline_run(pipe, [stage if s == rank else None for s in range(2)], cfg, max_norm=0.05)
     tied = conveyor.pipeline(tied_model(), example_args=(TIED_IDS[:2],), split_points=["layers.1"],
-                             schedule="1f1b", microbatches=4, loss_fn=tied_loss, param_dtype="bf16", timeout_s=60)
+                             schedule="1f1b", microbatches=4, loss_fn=tied_loss,
+                             options=conveyor.PipelineOptions(stage=conveyor.StageOptions(param_dtype="bf16"), transfer=conveyor.TransferOptions(timeout_s=60)))
     results["tied"] = train_tied(tied)
     tied.close()
     return results

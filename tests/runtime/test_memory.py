@@ -65,12 +65,12 @@ def cases() -> list[tuple[str, int, int]]:
 
 def local_reports(schedule: cs.Schedule, checkpoint_activations: bool = False) -> list:
     stages = [uniform_stage(s) for s in range(schedule.num_stages)]
-    pipe = conveyor.LocalPipeline(stages, schedule, loss_fn, measure_memory=True,
-                                  checkpoint_activations=checkpoint_activations)
+    pipe = conveyor.LocalPipeline(stages, schedule, loss_fn,
+                                  stage=conveyor.StageOptions(measure_memory=True, checkpoint_activations=checkpoint_activations))
     x, t = batch(schedule.num_microbatches)
     for _ in range(2):  # the second step's figures stand alone: nothing of the first is left held
         pipe.step(x, target=t)
-    return pipe.memory()
+    return pipe.memory(all_ranks=True)
 
 
 def simulated(schedule: cs.Schedule, reports: list) -> tuple[list[float], list[float]]:
@@ -133,7 +133,8 @@ def test_measuring_changes_no_result_and_memory_needs_the_flag():
     results = []
     for measure in (False, True):
         stages = [uniform_stage(s) for s in range(2)]
-        pipe = conveyor.LocalPipeline(stages, schedule, loss_fn, measure_memory=measure)
+        pipe = conveyor.LocalPipeline(stages, schedule, loss_fn,
+                                      stage=conveyor.StageOptions(measure_memory=measure))
         results.append((pipe.step(x, target=t), [p.grad for p in pipe.parameters()]))
         if not measure:
             with pytest.raises(PipelineConfigError, match="measure_memory=True"):
@@ -150,7 +151,8 @@ def test_an_inplace_write_to_a_saved_tensor_is_still_caught():
             y.add_(1)
             return z
 
-    pipe = conveyor.LocalPipeline([Writes(), uniform_stage(1)], "1f1b", loss_fn, microbatches=2, measure_memory=True)
+    pipe = conveyor.LocalPipeline([Writes(), uniform_stage(1)], "1f1b", loss_fn, microbatches=2,
+                                  stage=conveyor.StageOptions(measure_memory=True))
     with pytest.raises(StageExecutionError, match="modified by an inplace operation"):
         pipe.step(torch.randn(2 * MB, WIDTH, requires_grad=True), target=torch.zeros(2 * MB))
 
@@ -158,7 +160,8 @@ def test_an_inplace_write_to_a_saved_tensor_is_still_caught():
 def _measure_across_processes(rank, world_size, name, transport):
     schedule = cs.build(name, ranks=world_size, microbatches=2 * world_size)
     stages = [uniform_stage(s) for s in schedule.stages_of(rank)]
-    with conveyor.Pipeline(stages, schedule, loss_fn, timeout_s=60, measure_memory=True, transport=transport) as pipe:
+    with conveyor.Pipeline(stages, schedule, loss_fn, stage=conveyor.StageOptions(measure_memory=True),
+                           transfer=conveyor.TransferOptions(timeout_s=60, transport=transport)) as pipe:
         x, t = batch(schedule.num_microbatches)
         pipe.step(x if pipe.needs_inputs else None, target=t if pipe.needs_target else None)
         return pipe.memory(), pipe.memory(all_ranks=True)

@@ -85,9 +85,10 @@ def _scenario(rank, scenario):
     torch.manual_seed(0)
     stage = _Stage()
     pipe = conveyor.Pipeline([stage], schedule=cs.build("1f1b", ranks=2, microbatches=2),
-                             loss_fn=lambda y, t: y.sum(), timeout_s=60, transport="ordered")
+                             loss_fn=lambda y, t: y.sum(),
+                             transfer=conveyor.TransferOptions(timeout_s=60, transport="ordered"))
     pipe.step(torch.ones(4, 4))  # a normal step first: heartbeats beat, structures are known
-    life, seen = pipe._life, {}
+    life, seen = pipe.ranks.life, {}
     if rank == 1 and scenario != "queued":
         stage.trap = lambda: _play_dead(life, scenario)
     elif rank == 1:
@@ -137,9 +138,10 @@ def _peer_closes_then_exits(rank):
     import torch.distributed as dist
 
     pipe = conveyor.Pipeline([_Stage()], schedule=cs.build("1f1b", ranks=2, microbatches=2),
-                             loss_fn=lambda y, t: y.sum(), timeout_s=60, transport="ordered")
+                             loss_fn=lambda y, t: y.sum(),
+                             transfer=conveyor.TransferOptions(timeout_s=60, transport="ordered"))
     pipe.step(torch.ones(4, 4))
-    life, seen = pipe._life, {}
+    life, seen = pipe.ranks.life, {}
     if rank == 0:
         aborted, real_abort = [], dist.ProcessGroup.abort
         dist.ProcessGroup.abort = lambda group: aborted.append(dist.get_process_group_ranks(group))

@@ -46,12 +46,12 @@ def _structures_then_data(rank, world_size):
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     torch.manual_seed(0)
     module = torch.nn.Linear(4, 4)
-    pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=30,
-                             transport="ordered")
+    pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             transfer=conveyor.TransferOptions(timeout_s=30, transport="ordered"))
     sent = []
     for _ in range(3):
         pipe.step(torch.ones(4, 4))
-        sent.append(pipe.transport.structures_sent)
+        sent.append(pipe.ranks.transport.structures_sent)
     try:
         pipe.step(torch.ones(6, 4))  # microbatches of 3 rows, not 2
     except Exception as exc:
@@ -82,9 +82,9 @@ def _watcher_aborts_on_a_published_failure(rank, world_size):
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     torch.manual_seed(0)
     pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                             timeout_s=30, transport="ordered")
+                             transfer=conveyor.TransferOptions(timeout_s=30, transport="ordered"))
     pipe.step(torch.ones(4, 4))
-    life, seen = pipe._life, {}
+    life, seen = pipe.ranks.life, {}
     if rank == 0:
         aborted: list[list[int]] = []
         real_abort = dist.ProcessGroup.abort
@@ -127,9 +127,9 @@ def _store_prefixes_of_two_pipelines_in_turn(rank, world_size):
     for rows in (2, 3):  # the second pipeline's microbatches have another shape
         torch.manual_seed(0)
         pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                                 timeout_s=30, transport="ordered")
+                                 transfer=conveyor.TransferOptions(timeout_s=30, transport="ordered"))
         pipe.step(torch.ones(2 * rows, 4))
-        prefixes.append((pipe._life.store_prefix(), pipe.transport.prefix))
+        prefixes.append((pipe.ranks.life.store_prefix(), pipe.ranks.transport.prefix))
         pipe.close()
     return prefixes
 

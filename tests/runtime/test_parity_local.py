@@ -7,6 +7,7 @@ import torch
 
 import conveyor.schedule as cs
 from conveyor.local import LocalPipeline
+from conveyor.options import StageOptions
 from conveyor.testing.models import build_stage, lm_loss, make_batch
 
 from .parity import (
@@ -32,7 +33,7 @@ def run_local(schedule, checkpoint_activations=False):
 def _run_local(schedule, checkpoint_activations):
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
-    pipe = LocalPipeline(stages, schedule, lm_loss, checkpoint_activations=checkpoint_activations)
+    pipe = LocalPipeline(stages, schedule, lm_loss, stage=StageOptions(checkpoint_activations=checkpoint_activations))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses, first_grads = [], None
     for step in range(NUM_STEPS):

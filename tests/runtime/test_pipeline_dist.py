@@ -33,7 +33,7 @@ def _train(rank, world_size, name, virtual, fixed_shapes, transport="auto"):
     mine = schedule.stages_of(rank)
     stages = {s: build_stage(s, cfg) for s in mine}
     pipe = conveyor.Pipeline([stages[s] for s in mine], schedule=schedule, loss_fn=lm_loss,
-                             timeout_s=60, fixed_shapes=fixed_shapes, transport=transport)
+                             transfer=conveyor.TransferOptions(timeout_s=60, fixed_shapes=fixed_shapes, transport=transport))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses, grads = [], None
     for step in range(NUM_STEPS):
@@ -111,7 +111,8 @@ def _variable_length(rank, world_size, name, virtual, transport="auto"):
     torch.manual_seed(0)
     modules = [_VariableLength(s == schedule.num_stages - 1) for s in range(schedule.num_stages)]
     pipe = conveyor.Pipeline([modules[s] for s in schedule.stages_of(rank)], schedule=schedule,
-                             loss_fn=lambda y, t: (y - t).pow(2).mean(), timeout_s=60, transport=transport)
+                             loss_fn=lambda y, t: (y - t).pow(2).mean(),
+                             transfer=conveyor.TransferOptions(timeout_s=60, transport=transport))
     losses = []
     for seq_len in (3, 7, 5):
         x = torch.randn(4, seq_len, 4, generator=torch.Generator().manual_seed(seq_len))
@@ -147,7 +148,7 @@ def _mismatch(rank, world_size, transport):
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     module = torch.nn.Linear(4, 4) if rank == 0 else torch.nn.Linear(4, 1)
     pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                             timeout_s=30, fixed_shapes=True, transport=transport)
+                             transfer=conveyor.TransferOptions(timeout_s=30, fixed_shapes=True, transport=transport))
     pipe.step(torch.ones(2, 4))
     pipe.step(torch.ones(4, 4))  # microbatches of 2 rows, not 1: breaks the promise
 
@@ -166,7 +167,7 @@ def _mismatch_after_an_evaluation(rank, world_size, transport):
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     module = torch.nn.Linear(4, 4) if rank == 0 else torch.nn.Linear(4, 1)
     pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                             timeout_s=30, fixed_shapes=True, transport=transport)
+                             transfer=conveyor.TransferOptions(timeout_s=30, fixed_shapes=True, transport=transport))
     pipe.forward(torch.ones(2, 4))  # an evaluation first: its channels are not the training ones
     pipe.step(torch.ones(2, 4))
     pipe.step(torch.ones(4, 4))
@@ -187,8 +188,8 @@ class _Boom(torch.nn.Module):
 def _pipeline_with_a_failing_stage(rank, world_size, transport):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=4)
     module = _Boom() if rank == 2 else torch.nn.Linear(4, 4)
-    return conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(), timeout_s=120,
-                             transport=transport)
+    return conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(),
+                             transfer=conveyor.TransferOptions(timeout_s=120, transport=transport))
 
 
 def _raise_uncaught(rank, world_size, transport):
@@ -280,7 +281,7 @@ def test_peers_stop_fast_while_the_failing_rank_lives_on(transport):
 def _silent_peer(rank, world_size, transport):
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                             timeout_s=2, transport=transport)
+                             transfer=conveyor.TransferOptions(timeout_s=2, transport=transport))
     if rank == 1:
         time.sleep(6)  # never joins the step
         return "slept"
@@ -309,15 +310,15 @@ def _bad_setup(rank, world_size, case):
             conveyor.Pipeline([torch.nn.Linear(2, 2)] * 2, schedule=schedule)
         elif case == "loss":
             pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y,
-                                     timeout_s=20)
+                                     transfer=conveyor.TransferOptions(timeout_s=20))
             pipe.step(torch.ones(2, 2) if rank == 0 else None)
         elif case == "inputs":
             pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                                     timeout_s=20)
+                                     transfer=conveyor.TransferOptions(timeout_s=20))
             pipe.step(None)
         elif case == "batch":
             pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                                     timeout_s=20)
+                                     transfer=conveyor.TransferOptions(timeout_s=20))
             pipe.step(torch.ones(3, 2))
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
@@ -354,7 +355,8 @@ class _DataDependentWidth(torch.nn.Module):
 def _data_dependent(rank, world_size):
     schedule = cs.build("1f1b", ranks=2, microbatches=4)
     pipe = conveyor.Pipeline([_DataDependentWidth(rank == 0)], schedule=schedule,
-                             loss_fn=lambda y, t: (y - t).pow(2).mean(), timeout_s=60)
+                             loss_fn=lambda y, t: (y - t).pow(2).mean(),
+                             transfer=conveyor.TransferOptions(timeout_s=60))
     losses = []
     for step in range(4):
         x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
@@ -387,14 +389,13 @@ def _given_shapes(rank, world_size, fixed_shapes, example_rows):
     modules = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
     schedule = cs.build("1f1b", ranks=2, microbatches=4)
     pipe = conveyor.Pipeline([modules[rank]], schedule=schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(),
-                             timeout_s=30, fixed_shapes=fixed_shapes,
-                             shapes={0: torch.zeros(example_rows, 4, requires_grad=True)})
+                             transfer=conveyor.TransferOptions(timeout_s=30, fixed_shapes=fixed_shapes, shapes={0: torch.zeros(example_rows, 4, requires_grad=True)}))
     losses = []
     for step in range(3):
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
         losses.append(pipe.step(x, target=torch.zeros(8, 1)))
     evaluation = pipe.forward(torch.ones(8, 4))
-    return losses, modules[rank].weight.grad.clone(), pipe.transport.structures_sent, evaluation
+    return losses, modules[rank].weight.grad.clone(), pipe.ranks.transport.structures_sent, evaluation
 
 
 @pytest.mark.parametrize("fixed_shapes", [True, False])
@@ -431,7 +432,8 @@ def test_a_wrong_shape_given_up_front_fails_on_the_first_step():
 def _bad_shapes_key(rank, world_size):
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     try:
-        conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, shapes={1: torch.zeros(1, 2)})
+        conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule,
+                          transfer=conveyor.TransferOptions(shapes={1: torch.zeros(1, 2)}))
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"

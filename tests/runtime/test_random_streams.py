@@ -9,6 +9,7 @@ from torch import nn
 import conveyor
 import conveyor.schedule as cs
 from conveyor.local import LocalPipeline
+from conveyor.options import StageOptions
 from conveyor.testing import run_ranks
 
 WIDTH, BATCH, MICROBATCHES = 16, 8, 4
@@ -28,10 +29,10 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-def _local_step(name: str, virtual: int, **options) -> tuple[torch.Tensor, dict]:
+def _local_step(name: str, virtual: int, options: StageOptions = StageOptions()) -> tuple[torch.Tensor, dict]:
     schedule = cs.build(name, ranks=2, microbatches=MICROBATCHES, virtual=virtual)
     stages = [_stage(s) for s in range(schedule.num_stages)]
-    pipe = LocalPipeline(stages, schedule, loss_fn=_loss, **options)
+    pipe = LocalPipeline(stages, schedule, loss_fn=_loss, stage=options)
     torch.manual_seed(0)
     x, y = _batch()
     loss = pipe.step(x, target=y)
@@ -49,7 +50,7 @@ def test_masks_depend_on_stage_and_microbatch_not_on_the_schedule(name, virtual)
 
 def test_recomputed_forwards_draw_the_same_masks():
     want_loss, want_grads = _local_step("1f1b", 1)
-    loss, grads = _local_step("1f1b", 1, checkpoint_activations=True)
+    loss, grads = _local_step("1f1b", 1, StageOptions(checkpoint_activations=True))
     assert torch.equal(loss, want_loss)
     assert all(torch.equal(grads[k], want_grads[k]) for k in want_grads)
 
@@ -66,7 +67,7 @@ def test_a_step_takes_one_number_from_the_users_stream_and_is_reproducible():
 
 
 def test_random_streams_false_leaves_the_generators_to_the_user():
-    _, grads = _local_step("1f1b", 1, random_streams=False)
+    _, grads = _local_step("1f1b", 1, StageOptions(random_streams=False))
     _, streamed = _local_step("1f1b", 1)
     assert not all(torch.equal(grads[k], streamed[k]) for k in grads)
 
@@ -81,7 +82,7 @@ class _MaskOfOnes(nn.Module):
 def _masks_on_two_ranks(rank, world_size):
     torch.manual_seed(0)  # every rank seeded alike, as most training scripts do
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
-    pipe = conveyor.Pipeline([_MaskOfOnes()], schedule=schedule, timeout_s=60)
+    pipe = conveyor.Pipeline([_MaskOfOnes()], schedule=schedule, transfer=conveyor.TransferOptions(timeout_s=60))
     out = pipe.forward(torch.zeros(2, 1, 64) if rank == 0 else None)
     return out
 

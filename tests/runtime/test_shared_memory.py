@@ -153,10 +153,11 @@ def test_a_receive_that_never_comes_times_out_with_what_it_waited_for():
 def _chosen(rank, world_size, transport):
     schedule = cs.build("gpipe", ranks=2, microbatches=2)
     try:
-        pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, transport=transport)
+        pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule,
+                                 transfer=conveyor.TransferOptions(transport=transport))
     except PipelineConfigError as exc:
         return str(exc)
-    return type(pipe.transport).__name__
+    return type(pipe.ranks.transport).__name__
 
 
 def test_auto_takes_shared_memory_when_every_rank_is_on_this_host_else_the_process_group():
@@ -195,7 +196,7 @@ def _pipelines_come_and_go(rank, world_size):
     held = []
     for _ in range(5):
         pipe = conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
-                                 transport="shared_memory")
+                                 transfer=conveyor.TransferOptions(transport="shared_memory"))
         pipe.step(torch.ones(2, 2), target=None)
         held.append(_conveyor_descriptors())
         del pipe

@@ -104,7 +104,8 @@ def _numpy_across(rank, world_size, transport):
 
     module = _WithArray() if rank == 0 else _TakesArray()
     pipe = conveyor.Pipeline([module], schedule=cs.build("1f1b", ranks=2, microbatches=2),
-                             loss_fn=lambda y, t: y.sum(), timeout_s=60, transport=transport)
+                             loss_fn=lambda y, t: y.sum(),
+                             transfer=conveyor.TransferOptions(timeout_s=60, transport=transport))
     return [pipe.step(torch.ones(4, 4) if rank == 0 else None).item() for _ in range(3)]
 
 

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from conveyor.errors import ConfigError
-from conveyor.train.config import TrainConfig, config_yaml, field_help, load_config, save_config
+from conveyor.train.config import (
+    TrainConfig,
+    config_reference,
+    config_yaml,
+    field_help,
+    load_config,
+    save_config,
+)
 
 
 def _refusal(overrides, **kwargs) -> str:
@@ -84,7 +91,8 @@ def test_sections_and_values_are_not_confused():
     ("optim.betas=[0.9,1.2]", "expected two numbers in [0, 1)"),
     ("optim.lr=-1", "optim.lr=-1.0: expected a value > 0.0"),
     ("data.val_fraction=1.0", "data.val_fraction=1.0: expected 0.0 <= value < 1.0"),
-    ("train.precision=fp8", "expected one of fp32, bf16"),
+    ("stage.autocast=fp8", "stage.autocast='fp8' is not a mixed precision conveyor knows; use 'bf16'"),
+    ("transfer.transport=pigeon", "transfer.transport must be one of 'auto'"),
     ("parallel.data_parallel=zero", "expected one of ddp, fsdp"),
     ("loss.normalize=token", "did you mean 'tokens'"),
     ("loss.on_nonfinite=raise", "expected one of skip, stop"),
@@ -115,9 +123,9 @@ def test_sizes_that_do_not_divide():
 
 
 def test_every_problem_is_reported_at_once():
-    message = _refusal(["train.precision=fp16", "optim.lr=-1", "loss.normalize=token"])
+    message = _refusal(["stage.autocast=fp16", "optim.lr=-1", "loss.normalize=token"])
     assert message.startswith("3 problems in the config:")
-    both = _refusal(["train.precision=fp16", "parallel.microbatches=3"])  # a size rule is not hidden
+    both = _refusal(["stage.autocast=fp16", "parallel.microbatches=3"])  # a size rule is not hidden
     assert both.startswith("2 problems") and "parallel.microbatches=3" in both
 
 
@@ -135,8 +143,23 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
 
 
 def test_fp16_precision_is_refused_with_the_reason_and_bf16_offered():
-    with pytest.raises(ConfigError, match=r"train.precision='fp16': fp16 needs loss scaling.*train.precision=bf16"):
-        load_config(None, ["train.precision=fp16"])
+    # The stage: section IS the pipeline's StageOptions: the refusal is the record's own.
+    with pytest.raises(ConfigError, match=r"stage.autocast='fp16': fp16 needs loss scaling.*autocast='bf16'"):
+        load_config(None, ["stage.autocast=fp16"])
+
+
+def test_the_stage_and_transfer_sections_are_the_pipelines_records():
+    from conveyor.options import StageOptions, TransferOptions
+
+    cfg = load_config(None, ["stage.autocast=bfloat16", "stage.param_dtype=bf16", "transfer.timeout_s=30"])
+    assert cfg.stage == StageOptions(autocast="bf16", param_dtype="bf16", grad_accum_dtype="fp32")
+    assert cfg.transfer == TransferOptions(timeout_s=30.0)
+    assert "stage.checkpoint_activations (False): recompute" in config_reference()
+
+
+def test_in_process_runs_one_process_and_one_replica():
+    assert load_config(None, ["parallel.in_process=true"]).world_size == 1
+    assert "set parallel.dp=1" in _refusal(["parallel.in_process=true", "parallel.dp=2"])
 
 
 def test_the_plan_file_is_read_once_and_the_pipeline_is_given_that_plan(tmp_path, monkeypatch):

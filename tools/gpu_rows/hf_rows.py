@@ -70,8 +70,8 @@ def _tied_rank(rank: int, world: int, device: str) -> dict:
     model = hf_model("gpt2")
     example = token_ids(0)[:2]
     with conveyor.pipeline(model, example_args=(example,), example_kwargs={"labels": example}, schedule="1f1b",
-                           microbatches=4, loss_fn=_hf_loss, split_method="uniform", device=device,
-                           timeout_s=120) as pipe:
+                           microbatches=4, loss_fn=_hf_loss,
+                           options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=120), layout=conveyor.Layout(device=device), split=conveyor.SplitOptions(method="uniform"))) as pipe:
         got = _train(pipe, pipe.modules, device)
     if rank != 0:
         return {"got": got}
@@ -149,9 +149,10 @@ def _traced_run(model, split, schedule, ctx: Context, seed: int = 7) -> dict:
     """One step of ``schedule`` over the cut, every option on; step-1 losses and grads by name."""
     model.zero_grad(set_to_none=True)  # stage modules share the model's untied parameters
     stages = [split.stage_module(s, ctx.device) for s in range(schedule.num_stages)]
-    pipe = conveyor.LocalPipeline(stages, schedule, _hf_loss, tied_parameters=split.tied_groups,
-                                  checkpoint_activations=True, autocast="bf16", compile=ctx.compile,
-                                  device=ctx.device)
+    pipe = conveyor.LocalPipeline(stages, schedule, _hf_loss, device=ctx.device,
+                                  stage=conveyor.StageOptions(checkpoint_activations=True, autocast="bf16",
+                                                              compile=ctx.compile),
+                                  model=conveyor.WholeModel(tied_parameters=split.tied_groups))
     torch.manual_seed(seed)  # the step's random streams (dropout) come from the CPU generator
     ids = token_ids(1).to(ctx.device)
     loss = pipe.step(ids, labels=ids)

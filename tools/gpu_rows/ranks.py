@@ -81,8 +81,9 @@ def _schedules_rank(rank: int, world: int, device: str, names: list[str]) -> dic
                                                             STEPS)
         for transport in TRANSPORTS:
             stages = {s: MLPStage(s, schedule.num_stages) for s in schedule.stages_of(rank)}
-            with conveyor.Pipeline(list(stages.values()), schedule, lm_loss, transport=transport, device=device,
-                                   timeout_s=120) as pipe:
+            with conveyor.Pipeline(list(stages.values()), schedule, lm_loss,
+                                   transfer=conveyor.TransferOptions(transport=transport, timeout_s=120),
+                                   layout=conveyor.Layout(device=device)) as pipe:
                 results[(name, transport)] = (schedule.num_stages, _train_mlp(pipe, stages, device))
     return {"results": results, "references": references}
 
@@ -110,7 +111,8 @@ def _clip_skip_rank(rank: int, world: int, device: str) -> dict:
     stages = {s: MLPStage(s, schedule.num_stages) for s in schedule.stages_of(rank)}
     reference = mlp_reference(schedule.num_stages, device, schedule.num_microbatches, STEPS, clip=0.05) \
         if rank == 0 else None
-    with conveyor.Pipeline(list(stages.values()), schedule, lm_loss, device=device, timeout_s=120) as pipe:
+    with conveyor.Pipeline(list(stages.values()), schedule, lm_loss,
+                           transfer=conveyor.TransferOptions(timeout_s=120), layout=conveyor.Layout(device=device)) as pipe:
         clipped = _train_mlp(pipe, stages, device, clip=0.05)
         # A non-finite loss: the step is dropped on every rank, the optimizer leaves everything alone.
         if pipe.needs_target:
@@ -157,8 +159,9 @@ def _replicas_rank(rank: int, world: int, device: str, kind: str) -> dict:
     schedule = cs.build("1f1b", ranks=world // dp, microbatches=2)
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     stages = {s: MLPStage(s, schedule.num_stages) for s in schedule.stages_of(pp_rank)}
-    with conveyor.Pipeline(list(stages.values()), schedule, lm_loss, mesh=mesh, data_parallel=kind, device=device,
-                           timeout_s=120) as pipe:
+    with conveyor.Pipeline(list(stages.values()), schedule, lm_loss, mesh=mesh, data_parallel=kind,
+                           transfer=conveyor.TransferOptions(timeout_s=120),
+                           layout=conveyor.Layout(device=device)) as pipe:
         got = _train_mlp(pipe, stages, device, dp=(dp_rank, dp))
     return {"got": got, "reference": _replica_reference(schedule.num_stages, device, dp) if rank == 0 else None}
 
@@ -240,7 +243,8 @@ def _lag_rank(rank: int, world: int, device: str) -> dict:
     stages = {s: MLPStage(s, schedule.num_stages) for s in schedule.stages_of(rank)}
     lagging = [Lagging(m, LAG_MS, per_ms) for m in stages.values()]
     reference = mlp_reference(schedule.num_stages, device, schedule.num_microbatches, STEPS) if rank == 0 else None
-    with conveyor.Pipeline(lagging, schedule, lm_loss, transport="ordered", device=device, timeout_s=120) as pipe:
+    with conveyor.Pipeline(lagging, schedule, lm_loss, transfer=conveyor.TransferOptions(transport="ordered",
+                                                                                         timeout_s=120), layout=conveyor.Layout(device=device)) as pipe:
         got = _train_mlp(pipe, stages, device)
         timeline = pipe.timeline()
     spans = [(s.rank, s.action.kind.name, s.action.stage, s.action.microbatch, s.start, s.end) for s in timeline.spans]

@@ -46,7 +46,7 @@ def _losses(run_dir: Path) -> tuple[dict[int, float], list[float]]:
 def train_pp1_row(ctx: Context) -> tuple[bool, str]:
     """6 steps at pp=1 (bf16, per-token loss, validation at 0/3/6, checkpoints at 3/6), then a run
     resumed from step 3 whose steps 4-6 must repeat the first run's losses exactly."""
-    options = [*TINY, "parallel.pp=1", "train.precision=bf16", "loss.normalize=tokens"]
+    options = [*TINY, "parallel.pp=1", "stage.autocast=bf16", "loss.normalize=tokens"]
     with tempfile.TemporaryDirectory() as where:
         where = Path(where)
         done = conveyor_train(*options, f"run.dir={where / 'run'}", cwd=where)

@@ -82,17 +82,18 @@ def _verdict(got: dict, want: dict, what: str) -> tuple[bool, str]:
     return True, "bitwise"
 
 
-def _pipe(device, schedule=None, **options):
+def _pipe(device, schedule=None, loss_fn=_sum_loss, stage=conveyor.StageOptions()):
     schedule = schedule or _schedule()
     stages = {s: MLPStage(s, 2) for s in range(2)}
-    pipe = conveyor.Pipeline(list(stages.values()), schedule, options.pop("loss_fn", _sum_loss), device=device,
-                             timeout_s=120, **options)
+    pipe = conveyor.Pipeline(list(stages.values()), schedule, loss_fn, stage=stage,
+                             transfer=conveyor.TransferOptions(timeout_s=120),
+                             layout=conveyor.Layout(device=device))
     return pipe, stages
 
 
 def collectives(device: torch.device) -> tuple[bool, str]:
     """Per-token loss, skip check, clipping, forward, timeline, memory, checkpoint save and resume."""
-    pipe, stages = _pipe(device, measure_memory=True)
+    pipe, stages = _pipe(device, stage=conveyor.StageOptions(measure_memory=True))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
     ok, detail = _verdict(_steps(pipe, stages, optimizer, device, 1, 2), _reference(device), "steps 1-2: ")
     if not ok:
@@ -107,7 +108,7 @@ def collectives(device: torch.device) -> tuple[bool, str]:
         conveyor.checkpoint.save(path, pipe, optimizer, extra={"step": 2})
         went_on = _steps(pipe, stages, optimizer, device, 3, 4)
         pipe.close()
-        pipe, stages = _pipe(device, measure_memory=True)
+        pipe, stages = _pipe(device, stage=conveyor.StageOptions(measure_memory=True))
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
         extra = conveyor.checkpoint.load(path, pipe, optimizer)
         resumed = _steps(pipe, stages, optimizer, device, 3, 4)
@@ -120,7 +121,7 @@ def collectives(device: torch.device) -> tuple[bool, str]:
 
 def bf16_main_grads(device: torch.device) -> tuple[bool, str]:
     """param_dtype="bf16" + MasterWeights against MainGradReference on the same device, bitwise."""
-    pipe, stages = _pipe(device, loss_fn=lm_loss, param_dtype="bf16")
+    pipe, stages = _pipe(device, loss_fn=lm_loss, stage=conveyor.StageOptions(param_dtype="bf16"))
     optimizer = conveyor.MasterWeights(pipe, torch.optim.AdamW, lr=LR)
     reference = MainGradReference(MLPStack(2).to(device), torch.optim.AdamW, lr=LR)
     names = [f"{s}.{n}" for s, st in enumerate(reference.model.stages) for n, _ in st.named_parameters()]
@@ -154,7 +155,7 @@ def sync_free(device: torch.device, quick: bool) -> tuple[bool, str]:
     """Steps 2.. (step and clip) with the GPU set to raise on any host synchronisation."""
     names = ["interleaved-1f1b", "zbv"] if quick else ["interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "looped-bfs"]
     for name in names:
-        for options in ({}, {"loss_fn": lm_loss, "param_dtype": "bf16"}):
+        for options in ({}, {"loss_fn": lm_loss, "stage": conveyor.StageOptions(param_dtype="bf16")}):
             pipe, stages = _pipe(device, _schedule(name), **options)
             optimizer = conveyor.MasterWeights(pipe, torch.optim.AdamW, lr=LR) if options \
                 else torch.optim.AdamW(pipe.parameters(), lr=LR)

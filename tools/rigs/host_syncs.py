@@ -147,8 +147,8 @@ def count_rank(rank: int, world_size: int, schedules: list[str], transports: lis
         schedule = cs.build(name, ranks=world_size // dp, microbatches=2 * (world_size // dp), virtual=virtual)
         for transport in transports:
             modules = [MLPStage(s, schedule.num_stages) for s in schedule.stages_of(pp_rank)]
-            pipe = conveyor.Pipeline(modules, schedule, lm_loss, transport=transport, timeout_s=60, mesh=mesh,
-                                     data_parallel=data_parallel)
+            pipe = conveyor.Pipeline(modules, schedule, lm_loss, mesh=mesh, data_parallel=data_parallel,
+                                     transfer=conveyor.TransferOptions(transport=transport, timeout_s=60))
             optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
             counter = HostSyncCounter()
             for step in range(steps):

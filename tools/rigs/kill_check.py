@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
             return self.trap(out)
 
     stage = Trapped()
-    pipe = conveyor.Pipeline([stage], schedule=schedule, loss_fn=lm_loss, transport=args.transport,
-                             timeout_s=args.timeout_s)
+    pipe = conveyor.Pipeline([stage], schedule=schedule, loss_fn=lm_loss,
+                             transfer=conveyor.TransferOptions(transport=args.transport, timeout_s=args.timeout_s))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     for step in range(3):
         step_of[0] = step

@@ -70,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def make_pipeline():
         return conveyor.Pipeline([build_stage(s, cfg) for s in schedule.stages_of(rank)], schedule=schedule,
-                                 loss_fn=lm_loss, transport=args.transport, timeout_s=60)
+                                 loss_fn=lm_loss,
+                                 transfer=conveyor.TransferOptions(transport=args.transport, timeout_s=60))
 
     if args.teardown == "with":
         with make_pipeline() as pipe:

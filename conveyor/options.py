@@ -1,0 +1,332 @@
+"""A pipeline's options as typed records, one per concern, each checking itself.
+
+- :class:`StageOptions`: what each stage does (activation checkpointing, autocast, parameter and
+  accumulation dtypes, compile, random streams, memory measurement, the timeline).
+- :class:`TransferOptions`: how bytes move between stages (transport, timeout, fixed shapes).
+- :class:`Layout`: where the ranks are (a process group or a ("dp", "pp") mesh, the data-parallel
+  kind, the device, or every rank in this process).
+- :class:`WholeModel`: what :func:`conveyor.pipeline` learned about the unsplit model (tied
+  parameters, parameter order, signature), which a hand-built pipeline may leave out.
+- :class:`SplitOptions` and :class:`PipelineOptions`: how :func:`conveyor.pipeline` cuts the model,
+  and every record it passes on, in one.
+
+Each record is frozen; its ``__post_init__`` normalises what it was given (``torch.bfloat16`` ->
+``"bf16"``) and refuses a bad value or combination with a message that names the fix, when the
+record is made, before any rank communicates. The records pass whole from
+:func:`conveyor.pipeline` to :class:`conveyor.Pipeline` and to each stage's runner, and what the
+ranks compare when a pipeline is built is their :meth:`describe` text. A new option is one field
+of one record. ``conveyor train``'s config sections are these same records (OmegaConf structured
+configs): each field's ``help`` metadata is its documentation, there and here.
+
+Example:
+    >>> import torch
+    >>> StageOptions(autocast=torch.bfloat16, checkpoint_activations=True).autocast
+    'bf16'
+    >>> StageOptions(param_dtype="bf16").grad_accum_dtype
+    'fp32'
+    >>> TransferOptions(transport="carrier pigeon")
+    Traceback (most recent call last):
+    ...
+    conveyor.errors.PipelineConfigError: transport must be one of 'auto', 'shared_memory', 'process_group', 'hybrid', 'ordered'; got 'carrier pigeon'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from conveyor.errors import PipelineConfigError
+
+DATA_PARALLEL_KINDS = ("ddp", "fsdp")
+TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid", "ordered")
+
+
+def _f(default: Any, help: str) -> Any:
+    # The help text rides in the field's metadata: the field's documentation, which
+    # `conveyor train --help` lists as well.
+    return field(default=default, metadata={"help": help})
+
+
+def _set(record: Any, name: str, value: Any) -> None:
+    object.__setattr__(record, name, value)  # a frozen record normalising itself, in __post_init__
+
+
+def _describe_fields(record: Any) -> str:
+    """``name=value`` for every field of ``record``, the same text on every rank (a function given
+    as a torch.compile backend by its name, not its address)."""
+    from conveyor.runtime.compile import describe_compile
+
+    parts = []
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        parts.append(f"{f.name}={describe_compile(value) if f.name == 'compile' else value}")
+    return " ".join(parts)
+
+
+def _dtype_name(value: Any, what: str) -> str | None:
+    """``torch.bfloat16`` / ``"bfloat16"`` / ``"BF16"`` -> ``"bf16"`` (None stays None)."""
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype) and value in names:
+        return names[value]
+    aliases = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+               "fp32": "fp32", "float32": "fp32", "float": "fp32", "fp64": "fp64", "float64": "fp64",
+               "none": "none", "no": "none"}
+    if isinstance(value, str) and value.lower() in aliases:
+        return aliases[value.lower()]
+    raise PipelineConfigError(f"{what}={value!r} is not a dtype conveyor knows; use 'bf16', 'fp32' or a "
+                              "torch floating-point dtype")
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """What each stage does, the same on every stage and rank (a field of ``conveyor train``'s ``stage:``).
+
+    Example:
+        >>> StageOptions(checkpoint_activations=True, autocast="bf16").describe()
+        'checkpoint_activations=True autocast=bf16 param_dtype=None grad_accum_dtype=None compile=off random_streams=True measure_memory=False record_timeline=True'
+    """
+
+    checkpoint_activations: bool = _f(False, "recompute each stage's activations in backward (saves memory, "
+                                             "costs a forward)")
+    autocast: str | None = _f(None, "bf16: each stage's forward and loss under torch.autocast bf16, bitwise as "
+                                    "one device; None or fp32: full precision; fp16 is refused (it needs loss "
+                                    "scaling, which cannot reach a backward inside step())")
+    param_dtype: str | None = _f(None, "bf16: the stages cast to bf16, their gradients summed over the "
+                                       "microbatches in fp32 main_grad (use conveyor.MasterWeights); None: "
+                                       "parameters as given")
+    grad_accum_dtype: str | None = _f(None, "where gradients accumulate over microbatches with param_dtype: fp32 "
+                                            "(main_grad, the default below fp32) or none (.grad, in param_dtype)")
+    compile: Any = _f(False, "true, or a mapping of torch.compile keywords (backend, mode, dynamic, fullgraph, "
+                             "options): each stage's forward compiled; false: eager")
+    random_streams: bool = _f(True, "random ops (dropout) draw from generators seeded per (stage, microbatch) "
+                                    "from one draw of the global CPU generator per step; false leaves the "
+                                    "generators to the user")
+    measure_memory: bool = _f(False, "count the bytes autograd saves for backward, read by pipe.memory() "
+                                     "(a few percent of a small step)")
+    record_timeline: bool = _f(True, "time every action of each step, read by pipe.timeline()")
+
+    def __post_init__(self) -> None:
+        from conveyor.runtime.compile import compile_options
+        from conveyor.runtime.main_grad import param_precision
+        from conveyor.runtime.precision import autocast_dtype
+
+        autocast = autocast_dtype(self.autocast)  # refuses fp16 and names bf16
+        _set(self, "autocast", None if autocast is None else "bf16")
+        param, accum = _dtype_name(self.param_dtype, "param_dtype"), _dtype_name(self.grad_accum_dtype,
+                                                                                  "grad_accum_dtype")
+        precision = param_precision(param, accum)  # refuses fp16 weights and an accumulation without them
+        _set(self, "param_dtype", param)
+        if precision is not None:
+            accum = "fp32" if precision.grad_accum_dtype is not None else "none"
+        _set(self, "grad_accum_dtype", accum)
+        options = compile_options(self.compile)  # refuses keywords torch.compile does not take
+        _set(self, "compile", False if options is None else (True if options == {} else dict(options)))
+        for name in ("checkpoint_activations", "random_streams", "measure_memory", "record_timeline"):
+            if not isinstance(getattr(self, name), bool):
+                raise PipelineConfigError(f"StageOptions.{name} takes True or False; got {getattr(self, name)!r}")
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype of the stages' autocast region (None: none)."""
+        return torch.bfloat16 if self.autocast == "bf16" else None
+
+    def param_precision(self, data_parallel: str | None = None) -> Any:
+        """The stages' :class:`~conveyor.runtime.main_grad.ParamPrecision` (None: parameters as given),
+        checked against the data-parallel kind."""
+        from conveyor.runtime.main_grad import param_precision
+
+        return param_precision(self.param_dtype, self.grad_accum_dtype, data_parallel)
+
+    def describe(self) -> str:
+        """What the ranks compare when a pipeline is built: every field (a new one included), stably."""
+        return _describe_fields(self)
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """How bytes move between stages (a field of ``conveyor train``'s ``transfer:``).
+
+    Example:
+        >>> TransferOptions(fixed_shapes=True, timeout_s=60).describe()
+        "transport='auto' timeout_s=60.0 fixed_shapes=True shapes given for stages []"
+    """
+
+    transport: str = _f("auto", "auto | shared_memory (rings in shared memory: every rank on this host, CPU "
+                                "tensors) | process_group (the group's point-to-point calls) | hybrid (shared "
+                                "memory to peers on this host, the group to others) | ordered (transfers "
+                                "matched by order: NCCL's choice under auto)")
+    timeout_s: float = _f(300.0, "seconds any blocking receive waits before it fails naming what it waited for")
+    fixed_shapes: bool = _f(False, "promise that what crosses each stage boundary keeps the first step's shapes, "
+                                   "dtypes, structure and strides: later steps send data only; a stage output "
+                                   "that breaks the promise is an error naming rank, stage, microbatch, tensor")
+    shapes: Any = _f(None, "{stage: an example of its output for ONE microbatch}, the same on every rank: skips "
+                           "even the first step's exchange of shapes")
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise PipelineConfigError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; "
+                                      f"got {self.transport!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) or self.timeout_s <= 0:
+            raise PipelineConfigError(f"timeout_s must be a positive number of seconds; got {self.timeout_s!r} "
+                                      "(set it above your slowest step: 300 by default)")
+        _set(self, "timeout_s", float(self.timeout_s))
+        if self.shapes is not None and not isinstance(self.shapes, Mapping):
+            raise PipelineConfigError(f"shapes takes {{stage: an example output of that stage}}; got "
+                                      f"{type(self.shapes).__name__}")
+
+    def describe(self) -> str:
+        """What the ranks compare when a pipeline is built (the timeout may differ between ranks)."""
+        return (f"transport={self.transport!r} timeout_s={self.timeout_s} fixed_shapes={self.fixed_shapes} "
+                f"shapes given for stages {sorted(self.shapes) if self.shapes else []}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the pipeline's ranks are: one process (``in_process``), a process group, or a mesh.
+
+    ``mesh`` (a ("dp", "pp") DeviceMesh) runs ``dp`` replicas of the pipeline with gradients shared
+    the ``data_parallel`` way; ``group`` gives a pipeline its own ranks among the job's (several
+    pipelines in one job); neither: the default process group. ``in_process=True`` runs every rank
+    here, in one thread, with the numerics of the distributed pipeline, bit for bit.
+
+    Example:
+        >>> Layout(in_process=True).describe()
+        'every rank in this process'
+        >>> Layout(group=object(), mesh=object())
+        Traceback (most recent call last):
+        ...
+        conveyor.errors.PipelineConfigError: give the pipeline mesh= or group=, not both (mesh['pp'] is its group)
+    """
+
+    group: Any = None  # a torch.distributed ProcessGroup: the pipeline's ranks (None: the default group)
+    mesh: Any = None  # a ("dp", "pp") DeviceMesh (conveyor.parallel.pipeline_mesh)
+    data_parallel: str | None = None  # "ddp" (default with a mesh of dp > 1) | "fsdp"
+    device: Any = None  # the stages' device (None: this process's GPU when CUDA is available, else the CPU)
+    in_process: bool = False  # every rank in this process (conveyor.LocalPipeline)
+    ranks: int | None = None  # in process: how many ranks (None: from the modules and the schedule)
+    # The tensor-parallel layout (conveyor.parallel.tensor) goes here, as one more field.
+
+    def __post_init__(self) -> None:
+        if self.group is not None and self.mesh is not None:
+            raise PipelineConfigError("give the pipeline mesh= or group=, not both (mesh['pp'] is its group)")
+        if self.data_parallel is not None and self.data_parallel not in DATA_PARALLEL_KINDS:
+            raise PipelineConfigError(f"data_parallel must be 'ddp', 'fsdp' or None; got {self.data_parallel!r}")
+        if self.in_process and (self.group is not None or self.mesh is not None):
+            raise PipelineConfigError("in_process=True runs every rank here: give it no group= or mesh= (use a "
+                                      "distributed pipeline for those)")
+        if self.ranks is not None and not self.in_process:
+            raise PipelineConfigError(f"Layout(ranks={self.ranks}) counts the ranks of an in-process pipeline; "
+                                      "a distributed one takes its group's size: add in_process=True or drop ranks")
+
+    def with_shortcuts(self, mesh: Any, data_parallel: str | None) -> Layout:
+        """This layout with the everyday ``mesh=`` / ``data_parallel=`` keywords in it (given once).
+
+        Example:
+            >>> Layout().with_shortcuts(None, "fsdp").data_parallel
+            'fsdp'
+        """
+        for name, value in (("mesh", mesh), ("data_parallel", data_parallel)):
+            if value is not None and getattr(self, name) is not None and getattr(self, name) is not value:
+                raise PipelineConfigError(f"{name}= is given twice, as a keyword and in layout=: give it once")
+        return dataclasses.replace(self, mesh=mesh if mesh is not None else self.mesh,
+                                   data_parallel=data_parallel if data_parallel is not None else self.data_parallel)
+
+    def describe(self) -> str:
+        """What the ranks compare (the device itself differs from rank to rank, its kind does not)."""
+        if self.in_process:
+            return "every rank in this process"
+        where = "a mesh" if self.mesh is not None else "a group" if self.group is not None else "the default group"
+        return f"{where}, data_parallel={self.data_parallel}"
+
+
+@dataclass(frozen=True)
+class WholeModel:
+    """What a pipeline knows of the unsplit model its stages came from (:func:`conveyor.pipeline` fills it).
+
+    Example:
+        >>> WholeModel().describe()
+        'stages built by hand, tied parameters []'
+    """
+
+    tied_parameters: Sequence = ()  # records with `uses`: (stage, name) pairs (conveyor.frontend's TiedGroup)
+    parameter_order: Mapping[str, int] | None = None  # {name: index in the model's parameters()}, for clipping
+    signature: str | None = None  # conveyor.build.model_signature of the model and its cut
+    info: dict | None = None  # the model's class, names, config: what checkpoints record
+
+    def __post_init__(self) -> None:
+        _set(self, "tied_parameters", tuple(self.tied_parameters))
+        for tied in self.tied_parameters:
+            if not hasattr(tied, "uses"):
+                raise PipelineConfigError(f"tied_parameters takes records with `uses` ((stage, name) pairs), as "
+                                          f"conveyor.frontend finds them; got {type(tied).__name__}")
+
+    def describe(self) -> str:
+        """What the ranks compare: the signature and the tied parameters' uses."""
+        return (f"{self.signature or 'stages built by hand'}, tied parameters "
+                f"{[tuple(t.uses) for t in self.tied_parameters]}")
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """How :func:`conveyor.pipeline` cuts a model (without ``split_points``).
+
+    Example:
+        >>> SplitOptions(method="bogus")
+        Traceback (most recent call last):
+        ...
+        conveyor.errors.PipelineConfigError: split method 'bogus' unknown; use 'uniform', 'parameters', 'time' or 'type:<regex>'
+    """
+
+    method: str = _f("parameters", "uniform | parameters | time (rank 0 measures, every rank follows) | "
+                                   "type:<regex> (cut before modules whose class matches)")
+    unsplittable: Sequence[str] | None = None  # module paths never cut inside
+    both_modes: bool = _f(False, "trace in train and eval mode, so pipe.eval()/pipe.train() switch dropout and "
+                                 "BatchNorm (else one trace, in the model's current mode)")
+
+    def __post_init__(self) -> None:
+        if self.method not in ("uniform", "parameters", "time") and not self.method.startswith("type:"):
+            raise PipelineConfigError(f"split method {self.method!r} unknown; use 'uniform', 'parameters', "
+                                      "'time' or 'type:<regex>'")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """Every record :func:`conveyor.pipeline` passes on, beside its everyday keywords.
+
+    Example:
+        >>> PipelineOptions(stage=StageOptions(autocast="bf16"), layout=Layout(in_process=True)).stage.autocast
+        'bf16'
+    """
+
+    stage: StageOptions = field(default_factory=StageOptions)
+    transfer: TransferOptions = field(default_factory=TransferOptions)
+    layout: Layout = field(default_factory=Layout)
+    split: SplitOptions = field(default_factory=SplitOptions)
+    virtual: int | None = None  # stages per rank, for a schedule given by name (None: the schedule's default)
+    plan_options: Mapping[str, Any] | None = None  # schedule="auto": keywords of conveyor.plan.plan
+
+    def __post_init__(self) -> None:
+        for name, kind in (("stage", StageOptions), ("transfer", TransferOptions), ("layout", Layout),
+                           ("split", SplitOptions)):
+            if not isinstance(getattr(self, name), kind):
+                raise PipelineConfigError(f"PipelineOptions.{name} takes a {kind.__name__}; got "
+                                          f"{type(getattr(self, name)).__name__}")
+
+
+def check_together(stage: StageOptions, data_parallel: str | None) -> None:
+    """The checks that span two records: bf16 weights with main_grad, and the data-parallel kind the
+    layout resolved to (None with one replica).
+
+    Example:
+        >>> check_together(StageOptions(param_dtype="bf16"), "ddp")
+        Traceback (most recent call last):
+        ...
+        conveyor.errors.PipelineConfigError: param_dtype='bf16' with gradients accumulated in float32 main_grad does not work with data_parallel='ddp' yet (the replicas' reduction reads .grad, not main_grad): drop data_parallel=, or use autocast='bf16' with fp32 parameters, which data parallelism supports
+    """
+    stage.param_precision(data_parallel)

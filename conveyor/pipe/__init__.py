@@ -1,0 +1,17 @@
+"""conveyor.Pipeline: one class over a ranks backend (every rank in this process, or one per process).
+
+- :mod:`conveyor.pipe.pipeline`: :class:`Pipeline`, written once.
+- :mod:`conveyor.pipe.ranks`: the in-process backend (:class:`InProcessRanks`).
+- :mod:`conveyor.pipe.distributed`: the torch.distributed backend (:class:`DistributedRanks`).
+
+Example:
+    >>> from conveyor.pipe import Pipeline
+    >>> Pipeline.__name__
+    'Pipeline'
+"""
+
+from conveyor.pipe.distributed import DistributedRanks
+from conveyor.pipe.pipeline import Pipeline
+from conveyor.pipe.ranks import InProcessRanks
+
+__all__ = ["DistributedRanks", "InProcessRanks", "Pipeline"]

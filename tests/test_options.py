@@ -1,0 +1,128 @@
+"""conveyor.options: the records normalise what they are given and refuse bad values and combinations
+naming the fix; the ranks compare them; one Pipeline class, with one public API, over both backends;
+no public callable of the pipeline API takes more than 12 parameters or forwards **kwargs."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+import conveyor
+import conveyor.schedule as cs
+from conveyor.errors import PipelineConfigError
+from conveyor.options import (
+    Layout,
+    PipelineOptions,
+    SplitOptions,
+    StageOptions,
+    TransferOptions,
+    WholeModel,
+)
+from conveyor.testing import run_ranks
+
+
+def test_values_are_normalised_so_that_equal_options_compare_equal():
+    assert StageOptions(autocast=torch.bfloat16) == StageOptions(autocast="BFloat16") == StageOptions(autocast="bf16")
+    assert StageOptions(autocast="fp32").autocast is None
+    assert StageOptions(param_dtype=torch.bfloat16) == StageOptions(param_dtype="bf16", grad_accum_dtype="fp32")
+    assert StageOptions(param_dtype="bf16", grad_accum_dtype="none").grad_accum_dtype == "none"
+    assert StageOptions(compile={}) == StageOptions(compile=True)
+    assert TransferOptions(timeout_s=30).timeout_s == 30.0
+
+
+@pytest.mark.parametrize(("make", "says"), [
+    (lambda: StageOptions(autocast="fp16"), r"autocast='fp16': fp16 needs loss scaling.*use autocast='bf16'"),
+    (lambda: StageOptions(param_dtype="half"), r"param_dtype='fp16': fp16 needs loss scaling"),
+    (lambda: StageOptions(grad_accum_dtype="fp32"), r"grad_accum_dtype='fp32' needs param_dtype="),
+    (lambda: StageOptions(param_dtype="bf16", grad_accum_dtype="bf16"), r"accumulate.*in 'fp32' main_grad"),
+    (lambda: StageOptions(compile={"mode": "fast", "speed": 2}), r"compile= got \['speed'\].*use only"),
+    (lambda: StageOptions(checkpoint_activations="yes"), r"checkpoint_activations takes True or False"),
+    (lambda: TransferOptions(transport="tcp"), r"transport must be one of 'auto'"),
+    (lambda: TransferOptions(timeout_s=0), r"timeout_s must be a positive number.*set it above your slowest step"),
+    (lambda: Layout(group=object(), mesh=object()), r"mesh= or group=, not both"),
+    (lambda: Layout(data_parallel="zero3"), r"data_parallel must be 'ddp', 'fsdp' or None"),
+    (lambda: Layout(ranks=2), r"add in_process=True or drop ranks"),
+    (lambda: Layout(in_process=True, group=object()), r"in_process=True runs every rank here"),
+    (lambda: WholeModel(tied_parameters=[("wte", "lm_head")]), r"records with `uses`"),
+    (lambda: SplitOptions(method="layers"), r"use 'uniform', 'parameters', 'time' or 'type:<regex>'"),
+    (lambda: PipelineOptions(stage=TransferOptions()), r"PipelineOptions.stage takes a StageOptions"),
+])
+def test_a_bad_value_or_combination_is_refused_when_the_record_is_made(make, says):
+    with pytest.raises(PipelineConfigError, match=says):
+        make()
+
+
+def test_records_are_frozen_and_pipeline_refuses_anything_else():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        StageOptions().autocast = "bf16"
+    with pytest.raises(PipelineConfigError, match=r"stage= takes a conveyor.options.StageOptions; got dict"):
+        conveyor.LocalPipeline([torch.nn.Linear(2, 1)], "gpipe", microbatches=1, stage={"autocast": "bf16"})
+
+
+def test_bf16_main_grad_with_replicas_is_refused_across_records():
+    from conveyor.options import check_together
+
+    check_together(StageOptions(param_dtype="bf16"), None)  # one replica: fine
+    with pytest.raises(PipelineConfigError, match=r"drop data_parallel=, or use autocast='bf16'"):
+        check_together(StageOptions(param_dtype="bf16"), "fsdp")
+
+
+def test_a_new_stage_option_is_one_field_the_ranks_compare_without_more_code():
+    # describe() walks the fields: a new field is compared across ranks with no change elsewhere.
+    Extended = dataclasses.make_dataclass("Extended", [("new_option", int, dataclasses.field(default=3))],
+                                          bases=(StageOptions,), frozen=True)
+    assert Extended().describe().endswith("record_timeline=True new_option=3")
+    assert [f.name for f in dataclasses.fields(StageOptions)] == [
+        "checkpoint_activations", "autocast", "param_dtype", "grad_accum_dtype", "compile", "random_streams",
+        "measure_memory", "record_timeline"]
+    assert all(f.metadata.get("help") for f in dataclasses.fields(StageOptions))  # each field says what it does
+
+
+def _two_ranks_built_differently(rank, world_size):
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
+    try:
+        conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule, lambda y, t: y.sum(),
+                          stage=StageOptions(checkpoint_activations=rank == 1),
+                          transfer=TransferOptions(timeout_s=30))
+    except PipelineConfigError as error:
+        return str(error)
+    return "built"
+
+
+def test_ranks_given_different_stage_options_refuse_to_build_saying_what_differs():
+    for message in run_ranks(_two_ranks_built_differently, 2, timeout_s=60):
+        assert "their stage options differs" in message and "checkpoint_activations=True" in message, message
+
+
+def _public(cls) -> dict[str, str]:
+    return {name: type(inspect.getattr_static(cls,
+                                              name)).__name__ for name in dir(cls) if not name.startswith("_")}
+
+
+def test_one_pipeline_class_with_one_public_api_over_both_backends():
+    pipe = conveyor.LocalPipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "gpipe",
+                                  lambda y, t: (y - t).sum(), microbatches=2, stage=StageOptions(measure_memory=True))
+    assert type(pipe) is conveyor.Pipeline and type(pipe.ranks).__name__ == "InProcessRanks"
+    for name in ("step", "forward", "clip_grad_norm_", "forget_norm_layout", "memory", "timeline", "state_dict",
+                 "parameters", "named_parameters", "load_pretrained", "train", "eval", "close", "closed",
+                 "needs_inputs", "needs_target", "dp_rank", "dp_size", "modules", "replicas", "checkpoint_group"):
+        assert name in _public(conveyor.Pipeline), name
+    pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
+    assert type(pipe.memory()).__name__ == "MemoryReport" and len(pipe.memory(all_ranks=True)) == 2
+    assert (pipe.needs_inputs, pipe.needs_target, pipe.dp_rank, pipe.dp_size, len(pipe.modules)) == (True, True, 0,
+                                                                                                     1, 2)
+    pipe.close()
+    assert pipe.closed
+
+
+@pytest.mark.parametrize("function", [
+    conveyor.Pipeline.__init__, conveyor.pipeline, conveyor.LocalPipeline,
+    conveyor.runtime.runner.StageRunner.__init__, conveyor.runtime.runner.build_runners,
+])
+def test_no_public_callable_takes_more_than_12_parameters_or_forwards_keywords(function):
+    parameters = [p for name, p in inspect.signature(function).parameters.items() if name != "self"]
+    assert len(parameters) <= 12, f"{function.__qualname__} takes {len(parameters)} parameters"
+    assert all(p.kind is not p.VAR_KEYWORD for p in parameters), function.__qualname__
