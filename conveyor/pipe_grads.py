@@ -91,7 +91,7 @@ class GradientChecks:
 
     def _total_norm(self, norm_type: float, foreach: bool | None) -> torch.Tensor:
         places, grads, norms = local_norms(self.runners, self._tied_copies, self._parameter_order, norm_type,
-                                           foreach, self.replicas)
+                                           foreach, self.replicas, getattr(self.ranks, "tensor_parallel", None))
         if self._norm_exchange is None:
             self._norm_exchange = self.ranks.norm_exchange()  # over the ranks backend's collectives
         return self._norm_exchange.total(places, grads, norms, norm_type, foreach)
