@@ -196,6 +196,8 @@ class DistributedRanks:
         """Replicas' reductions, tied copies' sums, and the loss on every rank."""
         if self.replicas is not None:
             self.replicas.finish_step()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.settle_gradients(runner.module for runner in runners.values())
         self.tied_gradients.sum(self._held)
         loss = self._broadcast_loss(runners.get(self.schedule.num_stages - 1), self.life.group)
         if self.replicas is not None:

@@ -243,12 +243,15 @@ def clipping_and_ties(rank: int, world_size: int, name: str) -> dict:
                              microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
                              options=PipelineOptions(split=SplitOptions(method="uniform")))
     pipe.step(**batch)
+    # After a step every gradient has its parameter's placements (DTensor's backward leaves Partial ones).
+    settled = all(p.grad.placements == p.placements for p in pipe.parameters() if isinstance(p.grad, DTensor))
     norm = pipe.clip_grad_norm_(0.05)
     grads = {n: whole(p.grad) for n, p in pipe.named_parameters()}
     result = {
         "norm": relative(norm, want_norm),
         "grads": max(relative(g, _reference_grad(reference, n)) for n, g in grads.items()),
         "tied": [list(t.names) for t in pipe.tied_parameters],
+        "settled": settled,
     }
     optimizer = _optimizer(pipe.parameters())
     optimizer.step()

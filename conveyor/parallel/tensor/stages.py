@@ -132,6 +132,21 @@ class TensorParallelStages:
             "stage parameters and placements": f"{len(entries)} parameters ({digest})",
         }
 
+    def settle_gradients(self, modules) -> None:
+        """Give every DTensor gradient its parameter's placements (at the end of a step).
+
+        DTensor's backward leaves many weight gradients ``Partial`` (each TP rank's partial sum, of
+        the whole parameter's shape: a sharded parameter's gradient as large as the parameter).
+        Reduced here, once per step, to the parameter's own placements (a reduce-scatter or an
+        all-reduce over the TP ranks), the optimizer, clipping and tied sums read each rank's part.
+        The same for every TP rank, in the modules' parameter order.
+        """
+        for module in modules:
+            for param in module.parameters():
+                grad = param.grad
+                if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+                    param.grad = grad.redistribute(param.device_mesh, param.placements)
+
     def whole_norms(self, grads: list, norms: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
         """Each gradient's norm over every TP shard: a sharded gradient's local norms combined over the
         TP group (the p-th root of the summed p-th powers, or the max), a replicated one as is."""
