@@ -25,8 +25,8 @@ from .tp_support import build, relative, whole
 
 MICROBATCHES = 4
 STEPS = 3
-# One decoder layer per stage (2 or 4 stages): a traced TP stage holding two attention layers
-# fails in DTensor's reshape of the second one (a view of a non-contiguous local tensor).
+# One decoder layer per stage (2 or 4 stages), to keep the 4-rank test short; a stage of several
+# layers is tested in test_tensor_parallel_traced.
 
 
 def _loss_fn(output, target):
