@@ -172,17 +172,18 @@ def hand_built_refusals(rank: int, world_size: int) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     from conveyor.errors import PipelineConfigError
+    from conveyor.options import Layout
 
     torch.set_num_threads(1)
     pp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp_rank = layout_of(pp_tp).pp_rank
 
-    def attempt(make_mesh, plan, inner_of_stage_1=64):
+    def attempt(make_mesh, plan, inner_of_stage_1=64, sequence_parallel=False):
         torch.manual_seed(0)
         stage = _Stage(64 if pp_rank == 0 else inner_of_stage_1)
         try:
-            pipe = conveyor.Pipeline([stage], "gpipe", _square_loss, microbatches=2, mesh=make_mesh(),
-                                     tensor_parallel=plan)
+            layout = Layout(mesh=make_mesh(), tensor_parallel=plan, sequence_parallel=sequence_parallel)
+            pipe = conveyor.Pipeline([stage], "gpipe", _square_loss, microbatches=2, layout=layout)
         except PipelineConfigError as error:
             return str(error)
         pipe.close()
@@ -195,6 +196,7 @@ def hand_built_refusals(rank: int, world_size: int) -> dict:
         "pattern matching nothing": attempt(lambda: pp_tp, {**_hand_built_plan(), "mlp.up": ColwiseParallel()}),
         "size tp does not divide (stage 1)": attempt(lambda: pp_tp, _hand_built_plan(), inner_of_stage_1=33),
         "a plan that is not ParallelStyles": attempt(lambda: pp_tp, {"fc": "colwise"}),
+        "sequence_parallel in a pipeline": attempt(lambda: pp_tp, "auto", sequence_parallel=True),
         "good plan": attempt(lambda: pp_tp, _hand_built_plan()),
     }
 
@@ -232,6 +234,8 @@ def clipping_and_ties(rank: int, world_size: int, name: str) -> dict:
     """One 1F1B step of traced ``name`` on pp=2 x tp=2, then clip_grad_norm_: the total norm and the
     clipped gradients against one device; for GPT-2 (wte on stage 0, its tied lm_head on stage 1),
     the tied copies after an AdamW step."""
+    from conveyor.options import Layout
+
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     batch = token_batch(batch=2 * MICROBATCHES, length=12, seed=1)
@@ -239,15 +243,18 @@ def clipping_and_ties(rank: int, world_size: int, name: str) -> dict:
     for kwargs in _microbatches(batch):
         (reference(**kwargs).loss / MICROBATCHES).backward()
     want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    layout = Layout(mesh=mesh, tensor_parallel="auto")
     pipe = conveyor.pipeline(build(name, 2), example_kwargs=_microbatches(batch)[0], schedule="1f1b",
-                             microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
-                             options=PipelineOptions(split=SplitOptions(method="uniform")))
-    pipe.step(**batch)
+                             microbatches=MICROBATCHES, loss_fn=_loss_fn,
+                             options=PipelineOptions(split=SplitOptions(method="uniform"), layout=layout))
+    loss = pipe.step(**batch)
+    want_loss = sum(reference(**kwargs).loss.detach() / MICROBATCHES for kwargs in _microbatches(batch))
     # After a step every gradient has its parameter's placements (DTensor's backward leaves Partial ones).
     settled = all(p.grad.placements == p.placements for p in pipe.parameters() if isinstance(p.grad, DTensor))
     norm = pipe.clip_grad_norm_(0.05)
     grads = {n: whole(p.grad) for n, p in pipe.named_parameters()}
     result = {
+        "loss": relative(loss, want_loss),
         "norm": relative(norm, want_norm),
         "grads": max(relative(g, _reference_grad(reference, n)) for n, g in grads.items()),
         "tied": [list(t.names) for t in pipe.tied_parameters],

@@ -61,10 +61,12 @@ def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()
     """
     from conveyor.parallel.tensor.traced import parameter_placements
 
-    if layout.sequence_parallel:
+    _refuse_sequence_parallel(layout)
+    if layout.loss_parallel:
         raise PipelineConfigError(
-            "sequence_parallel=True is not available for traced stages (its styles act on module inputs and "
-            "outputs, which a traced stage does not have): drop it, or build the stages by hand")
+            "loss_parallel=True is not available for traced stages yet: DTensor's propagation through the traced "
+            "graph leaves the logits Partial, not vocabulary-sharded, and torch's loss_parallel() refuses them. "
+            "Drop it (the logits are gathered for the loss), or build the stages by hand")
     plan = layout.tensor_parallel
     if isinstance(plan, str):
         plan = tensor_parallel_plan(model, tp_size, loss_parallel=layout.loss_parallel)
@@ -179,6 +181,7 @@ def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, t
     """
     from conveyor.options import describe_plan
 
+    _refuse_sequence_parallel(layout)
     tp_size = tp_mesh.size()
     if placements is not None:
         from conveyor.parallel.tensor.traced import parallelize_traced_stage
@@ -195,6 +198,14 @@ def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, t
                 module.register_forward_hook(_outputs_whole)
     return TensorParallelStages(tp_mesh, describe_plan(layout.tensor_parallel), placements is not None,
                                 layout.loss_parallel, last_stage)
+
+
+def _refuse_sequence_parallel(layout: Any) -> None:
+    if layout.sequence_parallel:
+        raise PipelineConfigError(
+            "sequence_parallel=True is not wired into pipeline stages yet: a traced stage has no module inputs "
+            "and outputs for its styles to act on, and stage boundaries carry whole (replicated) tensors. Drop it "
+            "(tensor_parallel alone), or use parallelize_stage(..., sequence_parallel=True) outside a pipeline")
 
 
 def _hand_built_plans(modules: Mapping[int, nn.Module], layout: Any, tp_size: int) -> dict[int, dict]:
