@@ -266,7 +266,8 @@ class Layout:
             raise PipelineConfigError(
                 f"tensor_parallel={describe_plan(plan)} needs a DeviceMesh with a 'tp' dim (tp innermost), got {where}: "
                 "mesh=init_device_mesh(device, (pp, tp), mesh_dim_names=('pp', 'tp'))")
-        if plan is None and "tp" in dims and self.mesh.size(dims.index("tp")) > 1:
+        # (A mesh without "pp" is refused by conveyor.parallel.mesh.layout_of, saying so.)
+        if plan is None and "tp" in dims and "pp" in dims and self.mesh.size(dims.index("tp")) > 1:
             raise PipelineConfigError(
                 f"the mesh has a 'tp' dim of size {self.mesh.size(dims.index('tp'))} but tensor_parallel is None: every "
                 "TP rank would run the whole stage (the same work twice). Give tensor_parallel='auto' (or a plan), or "
