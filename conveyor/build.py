@@ -36,6 +36,7 @@ def pipeline(
     loss_fn: LossFn | None = None,
     mesh: Any = None,
     data_parallel: str | None = None,
+    tensor_parallel: Any = None,
     plan: Any = None,
     options: PipelineOptions = PipelineOptions(),
 ) -> Pipeline:
@@ -48,7 +49,10 @@ def pipeline(
     ``options.layout.device`` (default: this process's GPU when CUDA is available, else the CPU);
     parameters keep their original names, and tied parameters (GPT-2's ``wte`` and ``lm_head``)
     stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh) and
-    ``data_parallel`` run ``dp`` replicas, as :class:`Pipeline` does. ``plan`` (a
+    ``data_parallel`` run ``dp`` replicas, as :class:`Pipeline` does. A ("pp", "tp") mesh with
+    ``tensor_parallel`` ("auto", or {module-name pattern: torch ParallelStyle}) parallelizes each
+    traced stage by the unchanged model's plan (its parameters keep their names; each TP rank
+    holds its shards and talks to the matching TP rank of the neighbouring stages). ``plan`` (a
     :class:`~conveyor.plan.Plan` or its file) sets schedule, microbatches, virtual and split points;
     ``schedule="auto"``: rank 0 plans (``conveyor.plan.plan()`` with ``options.plan_options``, a
     :class:`~conveyor.plan.PlanOptions`), every rank follows. ``options``
@@ -67,7 +71,7 @@ def pipeline(
     from conveyor.frontend import split_model
     from conveyor.frontend.pretrained import model_info
 
-    layout = options.layout.with_shortcuts(mesh, data_parallel)
+    layout = options.layout.with_shortcuts(mesh, data_parallel, tensor_parallel)
     world, rank, group = _ranks_of(layout, schedule, split_points, options.virtual, plan)
     # This process's GPU, current before the first collective (the plan's and the cut's broadcasts).
     device = resolve_device(layout.device) if layout.in_process else make_current(resolve_device(layout.device))
@@ -89,9 +93,20 @@ def pipeline(
     stages = range(resolved.num_stages) if layout.in_process else resolved.stages_of(rank)
     modules = [split.stage_module(stage, device, both_modes=options.split.both_modes) for stage in stages]
     whole = WholeModel(split.tied_groups, _parameter_order(model), model_signature(model, split.split_points),
-                       model_info(model))  # model_info: what checkpoints record, and export writes back
+                       model_info(model),  # model_info: what checkpoints record, and export writes back
+                       parameter_placements=_tensor_parallel_placements(model, layout, split.tied_groups))
     return Pipeline(modules, resolved, loss_fn, layout=dataclasses.replace(layout, device=device),
                     stage=options.stage, transfer=options.transfer, model=whole)
+
+
+def _tensor_parallel_placements(model: torch.nn.Module, layout: Layout, tied_groups) -> dict | None:
+    """The unchanged model's tensor-parallel plan as placements by parameter name (None: no TP),
+    the same on every rank: each rank's traced stages are parallelized by it in the pipeline."""
+    if layout.tensor_parallel is None:
+        return None
+    from conveyor.parallel.tensor.stages import model_placements
+
+    return model_placements(model, layout, layout_of(layout.mesh).tp_size, tied_groups)
 
 
 def _ranks_of(layout: Layout, schedule: Any, split_points: Sequence[str] | None, virtual: int | None,

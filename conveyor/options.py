@@ -24,10 +24,11 @@ Example:
     'bf16'
     >>> StageOptions(param_dtype="bf16").grad_accum_dtype
     'fp32'
-    >>> TransferOptions(transport="carrier pigeon")
+    >>> TransferOptions(transport="carrier pigeon")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    conveyor.errors.PipelineConfigError: transport must be one of 'auto', 'shared_memory', 'process_group', 'hybrid', 'ordered'; got 'carrier pigeon'
+    conveyor.errors.PipelineConfigError: transport must be one of 'auto', 'shared_memory', 'process_group',
+    'hybrid', 'ordered'; got 'carrier pigeon'
 """
 
 from __future__ import annotations
@@ -88,8 +89,10 @@ class StageOptions:
     """What each stage does, the same on every stage and rank (a field of ``conveyor train``'s ``stage:``).
 
     Example:
-        >>> StageOptions(checkpoint_activations=True, autocast="bf16").describe()
-        'checkpoint_activations=True autocast=bf16 param_dtype=None grad_accum_dtype=None compile=off random_streams=True measure_memory=False record_timeline=True'
+        >>> options = StageOptions(checkpoint_activations=True, autocast="bf16")
+        >>> print(options.describe())  # doctest: +NORMALIZE_WHITESPACE
+        checkpoint_activations=True autocast=bf16 param_dtype=None grad_accum_dtype=None compile=off
+        random_streams=True measure_memory=False record_timeline=True
     """
 
     checkpoint_activations: bool = _f(False, "recompute each stage's activations in backward (saves memory, "
@@ -191,8 +194,11 @@ class Layout:
     """Where the pipeline's ranks are: one process (``in_process``), a process group, or a mesh.
 
     ``mesh`` (a ("dp", "pp") DeviceMesh) runs ``dp`` replicas of the pipeline with gradients shared
-    the ``data_parallel`` way; ``group`` gives a pipeline its own ranks among the job's (several
-    pipelines in one job); neither: the default process group. ``in_process=True`` runs every rank
+    the ``data_parallel`` way; a mesh with a "tp" dim (innermost) takes ``tensor_parallel`` ("auto"
+    or {module-name pattern: torch ParallelStyle}): each stage is parallelized over its "tp" ranks,
+    each of which talks to the matching TP rank of the neighbouring stages; ``group`` gives a
+    pipeline its own ranks among the job's (several pipelines in one job); neither: the default
+    process group. ``in_process=True`` runs every rank
     here, in one thread, with the numerics of the distributed pipeline, bit for bit.
 
     Example:
@@ -206,15 +212,21 @@ class Layout:
 
     group: Any = _f(None, "a torch.distributed ProcessGroup: the pipeline's ranks (None: the default group); "
                           "the pipeline communicates on groups of its own over them")
-    mesh: Any = _f(None, "a ('dp', 'pp') DeviceMesh (conveyor.parallel.pipeline_mesh): dp replicas of the pipeline")
+    mesh: Any = _f(None, "a DeviceMesh with a 'pp' dim and any of 'dp', 'tp' (pp outermost, tp innermost; "
+                         "conveyor.parallel.pipeline_mesh): dp replicas of the pipeline, tp shards of each stage")
     data_parallel: str | None = _f(None, "ddp (the default with a mesh of dp > 1) | fsdp: how replicas share "
                                          "gradients")
     device: Any = _f(None, "the stages' device (None or 'cuda': this process's GPU when CUDA is available, else "
                            "the CPU; in process: where the modules are)")
     in_process: bool = _f(False, "every rank in this process, one thread (conveyor.LocalPipeline)")
     ranks: int | None = _f(None, "in process: how many ranks (None: the modules over the schedule's stages per rank)")
-    # The tensor-parallel layout (conveyor.parallel.tensor) goes here, as one more field, with its checks
-    # against the fields above in __post_init__.
+    tensor_parallel: Any = _f(None, "tensor parallelism inside each stage over the mesh's 'tp' dim "
+                                    "(conveyor.parallel.tensor): 'auto' (the plan found by the modules' structure) "
+                                    "or {module-name pattern: torch ParallelStyle}; None: off")
+    sequence_parallel: bool = _f(False, "with tensor_parallel='auto': activations between blocks on sequence "
+                                        "shards (not wired into pipeline stages yet: refused)")
+    loss_parallel: bool = _f(False, "with tensor_parallel: logits stay vocabulary-sharded and the last stage's "
+                                    "loss runs under torch's loss_parallel() (hand-built stages)")
 
     def __post_init__(self) -> None:
         if self.group is not None and self.mesh is not None:
@@ -227,26 +239,89 @@ class Layout:
         if self.ranks is not None and not self.in_process:
             raise PipelineConfigError(f"Layout(ranks={self.ranks}) counts the ranks of an in-process pipeline; "
                                       "a distributed one takes its group's size: add in_process=True or drop ranks")
+        self._check_tensor_parallel()
 
-    def with_shortcuts(self, mesh: Any, data_parallel: str | None) -> Layout:
+    def _check_tensor_parallel(self) -> None:
+        """tensor_parallel and a mesh's "tp" dim come together; the plan holds ParallelStyles (the
+        same checks on every rank, before any communication)."""
+        plan = self.tensor_parallel
+        for name in ("sequence_parallel", "loss_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise PipelineConfigError(f"Layout.{name} takes True or False; got {getattr(self, name)!r}")
+            if getattr(self, name) and plan is None:
+                raise PipelineConfigError(f"{name}=True is part of tensor parallelism: give tensor_parallel='auto' "
+                                          "(or a plan) and a mesh with a 'tp' dim, or drop it")
+        if plan is not None and not (plan == "auto" if isinstance(plan, str) else isinstance(plan, Mapping)):
+            raise PipelineConfigError(f"tensor_parallel takes 'auto' or a dict {{module-name pattern: torch "
+                                      f"ParallelStyle}} (None: off); got {plan!r}")
+        if isinstance(plan, Mapping):
+            from torch.distributed.tensor.parallel import (
+                ParallelStyle,  # only here: DTensor is heavy to import
+            )
+
+            for pattern, style in plan.items():
+                if not isinstance(pattern, str) or not isinstance(style, ParallelStyle):
+                    raise PipelineConfigError(
+                        f"the tensor-parallel plan maps {pattern!r} to {type(style).__name__}; it takes module-name "
+                        "patterns to torch ParallelStyles (ColwiseParallel(), RowwiseParallel(), ...)")
+            if not plan:
+                raise PipelineConfigError("tensor_parallel={} is an empty plan: give 'auto', a plan, or None (off)")
+        if self.sequence_parallel and plan != "auto":
+            raise PipelineConfigError("sequence_parallel=True goes with tensor_parallel='auto' (a plan of your own "
+                                      "says itself where activations are sequence-sharded: use SequenceParallel())")
+        dims = tuple(getattr(self.mesh, "mesh_dim_names", None) or ())
+        if plan is not None and (self.in_process or "tp" not in dims):
+            where = ("an in-process pipeline" if self.in_process else
+                     f"a mesh with dims {dims}" if self.mesh is not None else "a pipeline without a mesh")
+            raise PipelineConfigError(
+                f"tensor_parallel={describe_plan(plan)} needs a DeviceMesh with a 'tp' dim (tp innermost), "
+                f"got {where}: "
+                "mesh=init_device_mesh(device, (pp, tp), mesh_dim_names=('pp', 'tp'))")
+        # (A mesh without "pp" is refused by conveyor.parallel.mesh.layout_of, saying so.)
+        if plan is None and "tp" in dims and "pp" in dims and self.mesh.size(dims.index("tp")) > 1:
+            raise PipelineConfigError(
+                f"the mesh has a 'tp' dim of size {self.mesh.size(dims.index('tp'))} but tensor_parallel is None: "
+                "every "
+                "TP rank would run the whole stage (the same work twice). Give tensor_parallel='auto' (or a plan), or "
+                "a mesh without 'tp'")
+
+    def with_shortcuts(self, mesh: Any, data_parallel: str | None, tensor_parallel: Any = None) -> Layout:
         """This layout with the everyday ``mesh=`` / ``data_parallel=`` keywords in it (given once).
 
         Example:
             >>> Layout().with_shortcuts(None, "fsdp").data_parallel
             'fsdp'
         """
-        for name, value in (("mesh", mesh), ("data_parallel", data_parallel)):
+        given = {"mesh": mesh, "data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
+        for name, value in given.items():
             if value is not None and getattr(self, name) is not None and getattr(self, name) is not value:
                 raise PipelineConfigError(f"{name}= is given twice, as a keyword and in layout=: give it once")
-        return dataclasses.replace(self, mesh=mesh if mesh is not None else self.mesh,
-                                   data_parallel=data_parallel if data_parallel is not None else self.data_parallel)
+        return dataclasses.replace(self, **{name: value if value is not None else getattr(self, name)
+                                            for name, value in given.items()})
 
     def describe(self) -> str:
         """What the ranks compare (the device itself differs from rank to rank, its kind does not)."""
         if self.in_process:
             return "every rank in this process"
         where = "a mesh" if self.mesh is not None else "a group" if self.group is not None else "the default group"
-        return f"{where}, data_parallel={self.data_parallel}"
+        text = f"{where}, data_parallel={self.data_parallel}"
+        if self.tensor_parallel is not None:
+            text += (f", tensor_parallel={describe_plan(self.tensor_parallel)} "
+                     f"sequence_parallel={self.sequence_parallel} loss_parallel={self.loss_parallel}")
+        return text
+
+
+def describe_plan(plan: Any) -> str:
+    """A tensor-parallel plan as the ranks compare it: 'auto', or each pattern and its style's type, sorted.
+
+    Example:
+        >>> from torch.distributed.tensor.parallel import ColwiseParallel
+        >>> describe_plan({"mlp.fc": ColwiseParallel()})
+        "{'mlp.fc': ColwiseParallel}"
+    """
+    if not isinstance(plan, Mapping):
+        return repr(plan)
+    return "{" + ", ".join(f"{pattern!r}: {type(style).__name__}" for pattern, style in sorted(plan.items())) + "}"
 
 
 @dataclass(frozen=True)
@@ -265,6 +340,10 @@ class WholeModel:
                                                          "clip_grad_norm_ sums the norms in (None: stage by stage)")
     signature: str | None = _f(None, "conveyor.build.model_signature of the model and its cut, compared across ranks")
     info: dict | None = _f(None, "the model's class, names and config: what checkpoints record and export writes")
+    parameter_placements: Mapping[str, Any] | None = _f(None, "traced stages under tensor parallelism: each "
+                                                              "parameter's placement by its original name, from the "
+                                                              "unchanged model's plan; None: stages that torch's "
+                                                              "parallelize_module takes as they are")
 
     def __post_init__(self) -> None:
         _set(self, "tied_parameters", tuple(self.tied_parameters))
@@ -275,8 +354,12 @@ class WholeModel:
 
     def describe(self) -> str:
         """What the ranks compare: the signature and the tied parameters' uses."""
-        return (f"{self.signature or 'stages built by hand'}, tied parameters "
+        text = (f"{self.signature or 'stages built by hand'}, tied parameters "
                 f"{[tuple(t.uses) for t in self.tied_parameters]}")
+        if self.parameter_placements is not None:
+            placements = sorted((n, repr(p)) for n, p in self.parameter_placements.items())
+            text += f", traced parameter placements {placements}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -284,10 +367,11 @@ class SplitOptions:
     """How :func:`conveyor.pipeline` cuts a model (without ``split_points``).
 
     Example:
-        >>> SplitOptions(method="bogus")
+        >>> SplitOptions(method="bogus")  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        conveyor.errors.PipelineConfigError: split method 'bogus' unknown; use 'uniform', 'parameters', 'time' or 'type:<regex>'
+        conveyor.errors.PipelineConfigError: split method 'bogus' unknown; use 'uniform', 'parameters', 'time'
+        or 'type:<regex>'
     """
 
     method: str = _f("parameters", "uniform | parameters | time (rank 0 measures, every rank follows) | "
@@ -333,9 +417,11 @@ def check_together(stage: StageOptions, data_parallel: str | None) -> None:
     layout resolved to (None with one replica).
 
     Example:
-        >>> check_together(StageOptions(param_dtype="bf16"), "ddp")
+        >>> check_together(StageOptions(param_dtype="bf16"), "ddp")  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        conveyor.errors.PipelineConfigError: param_dtype='bf16' with gradients accumulated in float32 main_grad does not work with data_parallel='ddp' yet (the replicas' reduction reads .grad, not main_grad): drop data_parallel=, or use autocast='bf16' with fp32 parameters, which data parallelism supports
+        conveyor.errors.PipelineConfigError: param_dtype='bf16' with gradients accumulated in float32 main_grad
+        does not work with data_parallel='ddp' yet (the replicas' reduction reads .grad, not main_grad): drop
+        data_parallel=, or use autocast='bf16' with fp32 parameters, which data parallelism supports
     """
     stage.param_precision(data_parallel)

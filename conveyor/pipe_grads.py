@@ -1,8 +1,8 @@
 """What a pipeline does with a step's gradients: clipping by the total norm, the non-finite check.
 
 The pipeline's methods only: the norms, their exchange, the scaling and the flags are
-:mod:`conveyor.parallel.clipping`. Both stay on the stage device: clipping sends its norms through a tensor all-gather (the
-layout of which parameters have gradients travels once, see
+:mod:`conveyor.parallel.clipping`. Both stay on the stage device: clipping sends its norms
+through a tensor all-gather (the layout of which parameters have gradients travels once, see
 :mod:`conveyor.parallel.clipping`); the non-finite check combines device flags with an
 all-reduce and reads them on the host once per step, only when the step was asked to
 (``on_nonfinite``): that read is the one host synchronisation a checked step makes, since
@@ -91,7 +91,7 @@ class GradientChecks:
 
     def _total_norm(self, norm_type: float, foreach: bool | None) -> torch.Tensor:
         places, grads, norms = local_norms(self.runners, self._tied_copies, self._parameter_order, norm_type,
-                                           foreach, self.replicas)
+                                           foreach, self.replicas, getattr(self.ranks, "tensor_parallel", None))
         if self._norm_exchange is None:
             self._norm_exchange = self.ranks.norm_exchange()  # over the ranks backend's collectives
         return self._norm_exchange.total(places, grads, norms, norm_type, foreach)

@@ -133,7 +133,7 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def local_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], parameter_order: Mapping[str, int] | None,
-                norm_type: float, foreach: bool | None, replicas=None,
+                norm_type: float, foreach: bool | None, replicas=None, tensor_parallel=None,
                 ) -> tuple[list[tuple[int, ...]], list[torch.Tensor], list[torch.Tensor]]:
     """This rank's gradients' places in the unsplit model's order, the gradients, and their norms
     (device tensors: nothing read on the host).
@@ -143,7 +143,7 @@ def local_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], param
     ``replicas``: a :class:`~conveyor.parallel.replicas.Replicas` whose sharded gradients'
     norms are combined over the replicas (a collective over them), or None.
     """
-    places, grads = [], []
+    places, grads, whole = [], [], []
     seen: set[int] = set(tied_copies)
     for stage in sorted(runners):
         for position, (name, param) in enumerate(runners[stage].module.named_parameters()):
@@ -152,10 +152,13 @@ def local_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], param
                 known = parameter_order is not None and name in parameter_order
                 places.append((parameter_order[name],) if known else (len(parameter_order or ()), stage, position))
                 grads.append(local_part(grad))
+                whole.append(grad)
             seen.add(id(param))
     norms = parameter_norms(grads, norm_type, foreach)
     if replicas is not None:
         norms = replicas.whole_norms(norms, norm_type)  # a sharded gradient's norm from its shards
+    if tensor_parallel is not None:
+        norms = tensor_parallel.whole_norms(whole, norms, norm_type)  # a TP-sharded one's from its TP shards
     return places, grads, norms
 
 

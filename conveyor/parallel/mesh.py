@@ -49,6 +49,9 @@ class MeshLayout:
     tp_ranks: tuple[int, ...] = ()
     tp_rank: int = 0
     tp_mesh: object = None
+    # Every pipeline of the job, one per (replica, TP position), in that order: the pipelines'
+    # own groups are built by every rank, for each of them, in this one order.
+    every_pipeline: tuple[tuple[int, ...], ...] = ()
 
     @property
     def dp_size(self) -> int:
@@ -75,9 +78,15 @@ class MeshLayout:
     def dp_ranks(self) -> list[int]:
         return [pipeline[self.pp_rank] for pipeline in self.pipelines]
 
+    @property
+    def group_pipelines(self) -> list[list[int]]:
+        """Every pipeline of the job (each replica's, at each TP position): whose groups every rank builds."""
+        return [list(p) for p in (self.every_pipeline or self.pipelines)]
+
     def replica_ranks(self, pipeline_ranks: list[int]) -> list[list[int]]:
-        """For each replica, the global ranks at the pipeline positions ``pipeline_ranks``."""
-        return [[pipeline[r] for r in pipeline_ranks] for pipeline in self.pipelines]
+        """For each pipeline of the job (each replica, each TP position), the global ranks at the
+        pipeline positions ``pipeline_ranks``."""
+        return [[pipeline[r] for r in pipeline_ranks] for pipeline in self.group_pipelines]
 
 
 def pipeline_mesh(pp: int, device_type: str = "cpu"):
@@ -132,6 +141,7 @@ def layout_of(mesh) -> MeshLayout:
         pipelines, dp_rank, pp_rank, mesh["pp"].get_group(),
         tp_ranks=tuple(grid[dp_rank, pp_rank, :].tolist()) if has_tp else (),
         tp_rank=tp_rank, tp_mesh=mesh["tp"] if has_tp else None,
+        every_pipeline=tuple(tuple(grid[d, :, t].tolist()) for d in range(grid.shape[0]) for t in range(grid.shape[2])),
     )
 
 

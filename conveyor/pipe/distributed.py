@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.options import Layout, TransferOptions
+from conveyor.options import Layout, TransferOptions, WholeModel
 from conveyor.parallel import fsdp
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import LossBroadcast
@@ -42,6 +42,7 @@ from conveyor.schedule.registry import resolve_schedule
 from conveyor.schedule.timeline import Timeline
 
 if TYPE_CHECKING:
+    from conveyor.parallel.tensor.stages import TensorParallelStages
     from conveyor.pipe.pipeline import Pipeline
 
 
@@ -71,6 +72,24 @@ class DistributedRanks:
         self.dp_rank = self.mesh_layout.dp_rank if self.mesh_layout is not None else 0
         self.dp_size = self.mesh_layout.dp_size if self.mesh_layout is not None else 1
         self.data_parallel = check_data_parallel(layout.data_parallel, self.dp_size)
+        self.tensor_parallel: TensorParallelStages | None = None
+        if layout.tensor_parallel is not None and self.dp_size > 1:
+            raise PipelineConfigError(
+                f"tensor parallelism with data-parallel replicas (a mesh of dp={self.dp_size} with a 'tp' dim) is "
+                "not wired into the pipeline yet: use a ('pp', 'tp') mesh, or data parallelism without tp")
+
+    def parallelize(self, by_rank: dict[int, list], model: WholeModel) -> TensorParallelStages | None:
+        """This rank's stages parallelized over the mesh's "tp" dim (Layout.tensor_parallel; None: off)."""
+        if self.layout.tensor_parallel is None:
+            return None
+        # DTensor is loaded for tensor parallelism only.
+        from conveyor.parallel.tensor.stages import parallelize_pipeline_stages
+
+        stages = dict(zip(self.schedule.stages_of(self.rank), by_rank[self.rank], strict=True))
+        self.tensor_parallel = parallelize_pipeline_stages(stages, self.layout, self.mesh_layout.tp_mesh,
+                                                           self.schedule.num_stages - 1, model.parameter_placements)
+        self._tp_stages = stages
+        return self.tensor_parallel
 
     def resolve(self, schedule: Schedule | str, microbatches: int | None, virtual: int | None,
                 modules: Sequence[torch.nn.Module]) -> Schedule:
@@ -96,10 +115,13 @@ class DistributedRanks:
     def connect(self, pipe: Pipeline, built: dict[str, str]) -> None:
         """Own groups, agreement with every rank on ``built``, replicas, transport, executor."""
         # Every check that needs no peer is done: from here on this rank holds process groups.
-        self.life = RankLifecycle(self.group, self.transfer.timeout_s, getattr(self.mesh_layout, "pipelines", None),
-                                  device=self.comm_device)
+        self.life = RankLifecycle(self.group, self.transfer.timeout_s,
+                                  getattr(self.mesh_layout, "group_pipelines", None), device=self.comm_device)
         try:
             self.life.agree(built)
+            if self.tensor_parallel is not None:  # the TP ranks of this rank's stages hold alike shards
+                self.life.agree({**built, **self.tensor_parallel.stage_fields(self._tp_stages)},
+                                group=self.tensor_parallel.tp_group, who="tensor-parallel ranks")
             self.replicas = self._build_replicas(pipe, built)
             self._build_communication(pipe)
         except BaseException:
@@ -174,6 +196,8 @@ class DistributedRanks:
         """Replicas' reductions, tied copies' sums, and the loss on every rank."""
         if self.replicas is not None:
             self.replicas.finish_step()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.settle_gradients(runner.module for runner in runners.values())
         self.tied_gradients.sum(self._held)
         loss = self._broadcast_loss(runners.get(self.schedule.num_stages - 1), self.life.group)
         if self.replicas is not None:

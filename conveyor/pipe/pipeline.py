@@ -46,8 +46,10 @@ class Pipeline(GradientChecks):
     ``modules``: the stages this rank runs, in ``schedule.stages_of(rank)`` order (in process: one
     per stage, by stage). ``schedule``: a :class:`~conveyor.schedule.Schedule` or a name (then
     ``microbatches=`` and, for some schedules, ``virtual=``). ``mesh`` (a ("dp", "pp") DeviceMesh)
-    and ``data_parallel`` ("ddp" by default, or "fsdp") run ``dp`` replicas; they are the
-    everyday fields of ``layout`` (:class:`~conveyor.options.Layout`: the process group, the
+    and ``data_parallel`` ("ddp" by default, or "fsdp") run ``dp`` replicas; a ("pp", "tp") mesh
+    and ``tensor_parallel`` ("auto", or {module-name pattern: torch ParallelStyle}) parallelize
+    each stage over its TP ranks with torch's ``parallelize_module``; they are the everyday
+    fields of ``layout`` (:class:`~conveyor.options.Layout`: the process group, the
     device, or every rank in this process). ``stage`` (:class:`~conveyor.options.StageOptions`):
     what each stage does (activation checkpointing, autocast, bf16 parameters, compile, random
     streams, memory measurement). ``transfer`` (:class:`~conveyor.options.TransferOptions`): how
@@ -87,6 +89,7 @@ class Pipeline(GradientChecks):
         virtual: int | None = None,
         mesh: Any = None,
         data_parallel: str | None = None,
+        tensor_parallel: Any = None,
         layout: Layout = Layout(),
         stage: StageOptions = StageOptions(),
         transfer: TransferOptions = TransferOptions(),
@@ -97,7 +100,7 @@ class Pipeline(GradientChecks):
             if not isinstance(value, kind):
                 raise PipelineConfigError(f"{name}= takes a conveyor.options.{kind.__name__}; got "
                                           f"{type(value).__name__}")
-        self.layout = layout.with_shortcuts(mesh, data_parallel)
+        self.layout = layout.with_shortcuts(mesh, data_parallel, tensor_parallel)
         self.stage, self.transfer, self.model = stage, transfer, model
         backend = InProcessRanks if self.layout.in_process else DistributedRanks
         self.ranks: InProcessRanks | DistributedRanks = backend(self.layout, transfer)
@@ -106,9 +109,14 @@ class Pipeline(GradientChecks):
             modules = list(modules)
         self.schedule = self.ranks.resolve(schedule, microbatches, virtual, modules)
         self.device, by_rank = self.ranks.place(modules)
+        # Tensor parallelism inside each stage (a mesh's "tp" dim), before runners read the parameters.
+        self.tensor_parallel = self.ranks.parallelize(by_rank, model)
         self.runners: dict[int, StageRunner] = {}
         for rank, mine in by_rank.items():
             self.runners.update(build_runners(self.schedule, rank, mine, loss_fn, stage))
+        if self.tensor_parallel is not None:
+            for runner in self.runners.values():
+                runner.context = self.tensor_parallel.context(runner.stage)
         self._tie(model)
         self.ranks.connect(self, self._what_was_built())
 

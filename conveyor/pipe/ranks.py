@@ -62,6 +62,10 @@ class InProcessRanks:
         self.closed = False
         self._recorders: list[StepRecorder | EventRecorder] = []
 
+    def parallelize(self, by_rank: dict[int, list], model: Any) -> None:
+        """Nothing: tensor parallelism spans processes (Layout refuses it in process)."""
+        return None
+
     def resolve(self, schedule: Schedule | str, microbatches: int | None, virtual: int | None,
                 modules: Sequence[torch.nn.Module]) -> Schedule:
         """The schedule, its rank count following from one module per stage when it is a name."""

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -133,6 +134,9 @@ class StageRunner:
         compile = self.compile = compile_options(options.compile)
         self.call = module if compile is None else compile_stage(module, stage, compile)
         self.fused_backward = False  # a compiled region made I run the full backward (logged once)
+        # What F, B, I and W run under, besides autocast: a tensor-parallel stage's DTensor contexts
+        # (implicit replication, loss_parallel), set by the pipeline that parallelized it.
+        self.context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def refresh_params(self) -> None:
         """Read the module's gradient-carrying parameters again (I hands them to W as its targets).
@@ -167,7 +171,7 @@ class StageRunner:
         args, kwargs = inputs
         if self.randomness is not None:
             self.randomness.seed_for(self.stage, microbatch)
-        with autocast_region(self.module, self.autocast):
+        with self.context(), autocast_region(self.module, self.autocast):
             meter = self.memory_meter
             if meter is None or not torch.is_grad_enabled():
                 return self._forward(microbatch, args, kwargs, target, keep_output)
@@ -245,7 +249,8 @@ class StageRunner:
         record = self._take(microbatch, "B")
         roots, grads = self._roots(record, output_grads)
         try:
-            return backward_full(roots, grads, record.inputs)
+            with self.context():
+                return backward_full(roots, grads, record.inputs)
         except Exception as exc:
             raise StageExecutionError(f"backward failed on {self._where(microbatch)}: {exc}") from exc
 
@@ -256,7 +261,8 @@ class StageRunner:
             raise StageExecutionError(f"I on {self._where(microbatch)} without a forward before it")
         roots, grads = self._roots(record, output_grads)
         try:
-            record.pending = backward_input(roots, grads, record.inputs, self.params, self.weight_grad_analyses)
+            with self.context():
+                record.pending = backward_input(roots, grads, record.inputs, self.params, self.weight_grad_analyses)
         except Exception as exc:
             raise StageExecutionError(f"input-gradient backward failed on {self._where(microbatch)}: {exc}") from exc
         record.roots, record.loss = [], None
@@ -273,7 +279,8 @@ class StageRunner:
         if record.pending is None:
             raise StageExecutionError(f"W on {self._where(microbatch)} before its I")
         try:
-            record.pending.backward_weight()
+            with self.context():
+                record.pending.backward_weight()
         except Exception as exc:
             raise StageExecutionError(f"weight-gradient backward failed on {self._where(microbatch)}: {exc}") from exc
 

@@ -50,7 +50,8 @@ class MLPStage(torch.nn.Module):
             torch.manual_seed(100 + stage)
             self.embed = torch.nn.Embedding(VOCAB, DIM) if stage == 0 else None
             self.norm = torch.nn.LayerNorm(DIM)
-            self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM, 2 * DIM), torch.nn.GELU(), torch.nn.Linear(2 * DIM, DIM))
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM, 2 * DIM), torch.nn.GELU(),
+                                           torch.nn.Linear(2 * DIM, DIM))
             self.head = torch.nn.Linear(DIM, VOCAB) if stage == num_stages - 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,7 @@ def mesh_layouts(rank: int, world_size: int) -> dict:
     }
 
 
-def traced_parity(rank: int, world_size: int, name: str) -> dict:
+def traced_parity(rank: int, world_size: int, name: str, num_layers: int = 2) -> dict:
     """Two traced stages of ``name``, parallelized by the unchanged model's "auto" plan, against eager TP.
 
     Tied copies (GPT-2's embedding and head on different stages) are compared summed, as the
@@ -155,7 +155,7 @@ def traced_parity(rank: int, world_size: int, name: str) -> dict:
     from conveyor.parallel.tensor import tensor_parallel_plan
     from conveyor.parallel.tensor.traced import parallelize_traced_stage, parameter_placements
 
-    model = build(name)
+    model = build(name, num_layers)
     batch = token_batch(seed=1)
     mesh = tp_mesh(world_size)
     eager = parallelize_stage(copy.deepcopy(model), mesh)

@@ -30,7 +30,9 @@ What the prototype needs and leaves open:
 * A row-split (vocab-parallel) embedding stays whole here: DTensor's masked partial sum must be
   reduced right after the lookup, and the traced graph casts it first (``aten.to``).
 * CPU's fused attention kernel has no DTensor sharding rule in torch; one is registered here
-  (by heads or batch, as torch's CUDA kernels have). On CUDA torch's own rules apply.
+  (by heads or batch, as torch's CUDA kernels have), and its local outputs are kept in the
+  memory layout DTensor describes (else a stage's second attention layer fails in a reshape).
+  On CUDA torch's own rules apply.
 * Mixtral's experts run ``transformers.grouped_mm_fallback``, a custom op without a sharding
   rule: its traced stages are refused by DTensor (eager TP leaves the experts whole and works).
 * Against eager TP the loss is bitwise equal and gradients agree to rounding: DTensor sums a
@@ -148,6 +150,42 @@ def _outputs_whole(module, args, output):
 _ATTENTION_SHARDING_REGISTERED = False
 
 
+def _keep_layouts_as_described(op) -> None:
+    """Make ``op``'s local outputs keep the memory layout their DTensor says they have.
+
+    DTensor describes an output's strides from the op's meta kernel, and decides from them
+    whether a later ``reshape`` is a view. The CPU flash-attention kernel lays its local output
+    out one way on its first call and another way later (contiguous by heads): the next
+    reshape's view then fails on the second attention layer of a stage. Here the local result
+    is copied into the described layout (the same values: only their order in memory changes).
+    """
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+
+    def handler(op_call, args, kwargs):
+        del handlers[op]  # the default dispatch, then the layouts
+        try:
+            outputs = op_call(*args, **kwargs)
+        finally:
+            handlers[op] = handler
+        return type(outputs)(_as_described(value) for value in outputs)
+
+    handlers[op] = handler
+
+
+def _as_described(value):
+    if not isinstance(value, DTensor) or value.dim() == 0:
+        return value
+    local = value._local_tensor
+    order = sorted(range(value.dim()), key=lambda dim: -value.stride()[dim])
+    inverse = [order.index(dim) for dim in range(value.dim())]
+    wanted = local.permute(order).contiguous().permute(inverse)
+    if wanted.stride() == local.stride():
+        return value
+    return DTensor(wanted, value._spec, requires_grad=value.requires_grad)
+
+
 def _register_cpu_attention_sharding() -> None:
     """Tell DTensor that CPU's fused attention splits by heads (dim 1) or batch (dim 0), as the CUDA kernels do.
 
@@ -169,5 +207,9 @@ def _register_cpu_attention_sharding() -> None:
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
     def _backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=None, scale=None):
         return [([p, p, p], [p, p, p, p, p, p, None, None]) for p in (Replicate(), Shard(1), Shard(0))]
+
+    for op in (aten._scaled_dot_product_flash_attention_for_cpu.default,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
+        _keep_layouts_as_described(op)
 
     _ATTENTION_SHARDING_REGISTERED = True

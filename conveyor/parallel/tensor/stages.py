@@ -1,0 +1,252 @@
+"""Tensor parallelism wired into a pipeline: each stage parallelized over its "tp" ranks.
+
+A pipeline on a mesh with a "tp" dim and ``Layout.tensor_parallel`` set parallelizes its stages
+before their runners are built:
+
+- traced stages (:func:`conveyor.pipeline`): the plan comes from the unchanged model, once, the
+  same on every rank; :func:`conveyor.parallel.tensor.traced.parallelize_traced_stage` distributes
+  each stage's parameters by their original names (:attr:`WholeModel.parameter_placements`);
+- hand-built stages: torch's ``parallelize_module`` with the plan ("auto" per stage, or the
+  user's); a pattern may match in some stages only, so what each rank found is gathered and a
+  pattern that matches no module of any stage, or any rank's bad size, is refused on every rank
+  with the same message, before any step.
+
+Across a stage boundary each TP rank sends its whole (replicated) local tensor to the matching
+TP rank of the next stage: a stage's outputs leave as plain tensors of the global shape, its
+inputs enter as replicated DTensors (traced) or as the first styles' inputs (hand-built). The
+last stage keeps its logits vocabulary-sharded with ``loss_parallel``. What the TP ranks of one
+stage agree on when the pipeline is built: the plan, and every parameter's name, global and
+local shape and placements (:meth:`TensorParallelStages.stage_fields`).
+
+Example (on each of 4 ranks: 2 stages of 2 TP ranks)::
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pipe = conveyor.pipeline(model, example_kwargs=batch, schedule="1f1b", microbatches=4,
+                             mesh=mesh, tensor_parallel="auto", loss_fn=lambda out, _: out.loss)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from conveyor.errors import PipelineConfigError
+from conveyor.parallel.tensor.plan import (
+    check_plan,
+    matching_modules,
+    parallelize_stage,
+    tensor_parallel_plan,
+)
+
+
+def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()) -> dict[str, Any]:
+    """The unchanged model's plan as placements by parameter name, for its traced stages (the same on every rank).
+
+    ``layout`` is the :class:`~conveyor.options.Layout` (its ``tensor_parallel``, ``loss_parallel``).
+    Tied copies on several stages (GPT-2's embedding and head) must be sharded alike, since their
+    gradients are summed shard by shard across ranks: a traced stage keeps the embedding whole, so
+    every copy of a tied parameter whose uses the plan shards differently stays whole (Replicate).
+
+    Example::
+
+        placements = model_placements(llama, Layout(mesh=mesh, tensor_parallel="auto"), 2)
+    """
+    from conveyor.parallel.tensor.traced import parameter_placements
+
+    _refuse_sequence_parallel(layout)
+    if layout.loss_parallel:
+        raise PipelineConfigError(
+            "loss_parallel=True is not available for traced stages yet: DTensor's propagation through the traced "
+            "graph leaves the logits Partial, not vocabulary-sharded, and torch's loss_parallel() refuses them. "
+            "Drop it (the logits are gathered for the loss), or build the stages by hand")
+    plan = layout.tensor_parallel
+    if isinstance(plan, str):
+        plan = tensor_parallel_plan(model, tp_size, loss_parallel=layout.loss_parallel)
+    else:
+        check_plan(model, plan, tp_size)
+    placements = parameter_placements(model, plan)
+    for group in tied_groups:
+        names = list(group.names)
+        if len({repr(placements.get(name, Replicate())) for name in names}) > 1:
+            for name in names:
+                placements[name] = Replicate()
+    return placements
+
+
+@dataclass
+class TensorParallelStages:
+    """What a pipeline's tensor parallelism holds: the TP mesh, its group, the plan, how stages run."""
+
+    tp_mesh: Any
+    plan_text: str
+    traced: bool
+    loss_parallel: bool
+    last_stage: int
+
+    @property
+    def tp_group(self) -> Any:
+        return self.tp_mesh.get_group()
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp_mesh.size()
+
+    def context(self, stage: int) -> Callable[[], contextlib.AbstractContextManager]:
+        """What stage ``stage``'s F, B, I and W run under: implicit replication for a traced stage
+        (tensors its graph makes itself meet DTensors, in forward and backward), loss_parallel()
+        on the last stage when asked."""
+        from torch.distributed.tensor.experimental import implicit_replication
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        parallel_loss = self.loss_parallel and stage == self.last_stage
+
+        @contextlib.contextmanager
+        def entered():
+            with contextlib.ExitStack() as stack:
+                if self.traced:
+                    stack.enter_context(implicit_replication())
+                if parallel_loss:
+                    stack.enter_context(loss_parallel())
+                yield
+
+        return entered if (self.traced or parallel_loss) else contextlib.nullcontext
+
+    def stage_fields(self, modules: Mapping[int, nn.Module]) -> dict[str, str]:
+        """What the TP ranks of these stages agree on: the plan, every parameter's name, shapes, placements."""
+        entries = []
+        for stage, module in sorted(modules.items()):
+            for name, param in module.named_parameters():
+                placements = tuple(map(repr, getattr(param, "placements", ()))) or ("whole",)
+                local = param.to_local() if isinstance(param, DTensor) else param
+                entries.append((stage, name, tuple(param.shape), tuple(local.shape), placements))
+        digest = hashlib.sha1(repr(entries).encode()).hexdigest()[:12]
+        return {
+            "tensor parallel": f"tp={self.tp_size} plan {self.plan_text} traced={self.traced} "
+                               f"loss_parallel={self.loss_parallel}; boundaries: whole local tensors (Replicate)",
+            "stage parameters and placements": f"{len(entries)} parameters ({digest})",
+        }
+
+    def settle_gradients(self, modules) -> None:
+        """Give every DTensor gradient its parameter's placements (at the end of a step).
+
+        DTensor's backward leaves many weight gradients ``Partial`` (each TP rank's partial sum, of
+        the whole parameter's shape: a sharded parameter's gradient as large as the parameter).
+        Reduced here, once per step, to the parameter's own placements (a reduce-scatter or an
+        all-reduce over the TP ranks), the optimizer, clipping and tied sums read each rank's part.
+        The same for every TP rank, in the modules' parameter order.
+        """
+        for module in modules:
+            for param in module.parameters():
+                grad = param.grad
+                if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+                    param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+    def whole_norms(self, grads: list, norms: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+        """Each gradient's norm over every TP shard: a sharded gradient's local norms combined over the
+        TP group (the p-th root of the summed p-th powers, or the max), a replicated one as is."""
+        import torch.distributed as dist
+
+        sharded = [i for i, g in enumerate(grads) if isinstance(g, DTensor) and
+                   any(not p.is_replicate() for p in g.placements)]
+        if not sharded:
+            return list(norms)
+        stacked = torch.stack([norms[i].to(torch.float64) for i in sharded])
+        if norm_type == float("inf"):
+            dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=self.tp_group)
+        else:
+            stacked = stacked.pow(norm_type)
+            dist.all_reduce(stacked, group=self.tp_group)
+            stacked = stacked.pow(1.0 / norm_type)
+        combined = list(norms)
+        for i, value in zip(sharded, stacked):
+            combined[i] = value.to(norms[i].dtype)
+        return combined
+
+
+def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, tp_mesh: Any, last_stage: int,
+                                placements: Mapping[str, Any] | None) -> TensorParallelStages:
+    """Parallelize this rank's stages ({stage: module}) in place over ``tp_mesh`` as ``layout`` says.
+
+    ``placements`` (traced stages): each parameter's placement by name, from the unchanged model;
+    None: the stages are hand-built modules, parallelized with torch's ``parallelize_module``
+    (checked across every rank of the job first: a collective).
+    """
+    from conveyor.options import describe_plan
+
+    _refuse_sequence_parallel(layout)
+    tp_size = tp_mesh.size()
+    if placements is not None:
+        from conveyor.parallel.tensor.traced import parallelize_traced_stage
+
+        for module in modules.values():
+            parallelize_traced_stage(module, tp_mesh, placements)
+    else:
+        plans = _hand_built_plans(modules, layout, tp_size)
+        for stage, module in modules.items():
+            if plans[stage]:
+                parallelize_stage(module, tp_mesh, plans[stage], sequence_parallel=layout.sequence_parallel,
+                                  loss_parallel=layout.loss_parallel)
+            if not (layout.loss_parallel and stage == last_stage):
+                module.register_forward_hook(_outputs_whole)
+    return TensorParallelStages(tp_mesh, describe_plan(layout.tensor_parallel), placements is not None,
+                                layout.loss_parallel, last_stage)
+
+
+def _refuse_sequence_parallel(layout: Any) -> None:
+    if layout.sequence_parallel:
+        raise PipelineConfigError(
+            "sequence_parallel=True is not wired into pipeline stages yet: a traced stage has no module inputs "
+            "and outputs for its styles to act on, and stage boundaries carry whole (replicated) tensors. Drop it "
+            "(tensor_parallel alone), or use parallelize_stage(..., sequence_parallel=True) outside a pipeline")
+
+
+def _hand_built_plans(modules: Mapping[int, nn.Module], layout: Any, tp_size: int) -> dict[int, dict]:
+    """Each stage's plan, checked on every rank of the job together: the first problem any rank
+    found (or a pattern no stage has) is raised on every rank with the same message."""
+    import torch.distributed as dist
+
+    plans: dict[int, dict] = {}
+    problem, matched = None, set()
+    for stage, module in sorted(modules.items()):
+        try:
+            if isinstance(layout.tensor_parallel, str):
+                plans[stage] = tensor_parallel_plan(module, tp_size, sequence_parallel=layout.sequence_parallel,
+                                                    loss_parallel=layout.loss_parallel)
+            else:
+                plans[stage] = {p: s for p, s in layout.tensor_parallel.items() if matching_modules(module, p)}
+                check_plan(module, plans[stage], tp_size)
+            matched |= set(plans[stage])
+        except PipelineConfigError as error:
+            problem = problem or f"stage {stage}: {error}"
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (problem, sorted(matched)))
+    for rank, (theirs, _) in enumerate(everyone):
+        if theirs is not None:
+            raise PipelineConfigError(f"tensor parallelism refused (found on rank {rank}), {theirs}")
+    if not isinstance(layout.tensor_parallel, str):
+        found = {pattern for _, theirs in everyone for pattern in theirs}
+        missing = [pattern for pattern in layout.tensor_parallel if pattern not in found]
+        if missing:
+            raise PipelineConfigError(
+                f"the tensor-parallel plan's pattern(s) {missing} match no module of any stage (each pattern is "
+                "matched atom by atom against the stage modules' own submodule names, as parallelize_module "
+                "matches them); fix or drop them")
+    return plans
+
+
+def _outputs_whole(module: nn.Module, args: Any, output: Any) -> Any:
+    """A stage's DTensor outputs as whole local tensors: what the matching TP rank of the next stage receives."""
+    def unwrap(value):
+        if isinstance(value, DTensor):
+            return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local()
+        return value
+
+    return pytree.tree_map(unwrap, output)

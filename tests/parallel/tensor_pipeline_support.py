@@ -1,0 +1,280 @@
+"""Rank functions of the pipeline-with-tensor-parallelism tests (pp=2 x tp=2 on 4 gloo ranks).
+
+The pipeline against two references, each computed by every rank itself from the same seed:
+TP alone (the same traced stages, parallelized by the same plan, run one after the other on this
+rank's TP group, no pipeline) and one device (the unchanged model). Both run the pipeline's
+microbatch loop: for each microbatch in order, ``(loss / M).backward()``; then AdamW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import conveyor
+from conveyor.microbatch import split_microbatches
+from conveyor.options import PipelineOptions, SplitOptions
+from conveyor.parallel.mesh import layout_of
+from conveyor.testing.models import token_batch
+
+from .tp_support import build, relative, whole
+
+MICROBATCHES = 4
+STEPS = 3
+# One decoder layer per stage (2 or 4 stages), to keep the 4-rank test short; a stage of several
+# layers is tested in test_tensor_parallel_traced.
+
+
+def _loss_fn(output, target):
+    return output.loss
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _microbatches(batch):
+    return [kwargs for _, kwargs in split_microbatches((), batch, MICROBATCHES)]
+
+
+def _train(step_loss, params, batch, context=contextlib.nullcontext):
+    """STEPS steps of the pipeline's microbatch loop (forward and backward under ``context``): the losses."""
+    optimizer = _optimizer(params)
+    losses = []
+    for _ in range(STEPS):
+        total = None
+        for kwargs in _microbatches(batch):
+            with context():
+                loss = step_loss(kwargs)  # forward and backward of (loss / M)
+            total = loss if total is None else total + loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses
+
+
+def _one_device(batch, layers: int):
+    model = build("llama", layers)
+
+    def step_loss(kwargs):
+        loss = model(**kwargs).loss / MICROBATCHES
+        loss.backward()
+        return loss.detach()
+
+    losses = _train(step_loss, list(model.parameters()), batch)
+    return losses, dict(model.named_parameters())
+
+
+def _tp_alone(num_stages: int, tp_mesh, batch):
+    """The traced stages of the cut the pipeline makes, parallelized alike, run in order on one TP group."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    import conveyor.frontend as frontend
+    from conveyor.options import Layout
+    from conveyor.parallel.tensor.stages import model_placements
+    from conveyor.parallel.tensor.traced import parallelize_traced_stage
+
+    model = build("llama", num_stages)
+    example = _microbatches(batch)[0]
+    split = frontend.split_model(model, num_stages, example_kwargs=example, split_method="uniform")
+    placements = model_placements(model, Layout(tensor_parallel="auto", mesh=_FakeTpMesh()), tp_mesh.size(),
+                                  split.tied_groups)
+    stages = [parallelize_traced_stage(split.stage_module(s), tp_mesh, placements) for s in range(num_stages)]
+    params = [p for stage in stages for p in stage.parameters()]
+
+    def step_loss(kwargs):
+        return frontend.run_sequential(stages, (), kwargs, loss_fn=lambda out: out.loss / MICROBATCHES
+                                       ).loss.detach() / MICROBATCHES
+
+    losses = _train(step_loss, params, batch, implicit_replication)
+    named = {n: p for stage in stages for n, p in stage.named_parameters()}
+    return losses, named
+
+
+class _FakeTpMesh:
+    """Layout's check reads only a mesh's dim names: the TP-alone reference has no pipeline mesh."""
+
+    mesh_dim_names = ("pp", "tp")
+
+
+def every_schedule(rank: int, world_size: int, names: tuple[str, ...] | None = None) -> dict:
+    """pp=2 x tp=2, each built-in schedule: losses and parameters against TP alone (torch.equal) and one device."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    tp_mesh = layout_of(mesh).tp_mesh
+    batch = token_batch(batch=2 * MICROBATCHES, length=12, seed=1)  # microbatches of 2 rows
+    alone: dict[int, tuple] = {}
+    device: dict[int, tuple] = {}
+    results = {}
+    for name in names or conveyor.schedule.available():
+        layers = 2 * conveyor.schedule.available()[name].default_virtual
+        model = build("llama", layers)
+        pipe = conveyor.pipeline(model, example_kwargs=_microbatches(batch)[0], schedule=name,
+                                 microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
+                                 options=PipelineOptions(split=SplitOptions(method="uniform")))
+        stages = pipe.schedule.num_stages
+        if stages not in alone:
+            alone[stages] = _tp_alone(stages, tp_mesh, batch)
+            device[stages] = _one_device(batch, layers)
+        (want_losses, want_params), (device_losses, device_params) = alone[stages], device[stages]
+        optimizer = _optimizer(pipe.parameters())
+        losses = []
+        for _ in range(STEPS):
+            losses.append(pipe.step(**batch))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        mine = dict(pipe.named_parameters())
+        # full_tensor is a collective over the TP group: every one in the same order, none skipped.
+        full = {n: whole(p).detach() for n, p in mine.items()}
+        want = {n: whole(want_params[n]).detach() for n in mine}
+        results[name] = {
+            "stages": stages,
+            "sharded": sum(isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
+                           for p in mine.values()),
+            "losses_equal_tp": all(torch.equal(a, b) for a, b in zip(losses, want_losses)),
+            "params_equal_tp": all(torch.equal(full[n], want[n]) for n in full),
+            "loss_rel": max(relative(a, b) for a, b in zip(losses, device_losses)),
+            "param_rel": max(relative(full[n], device_params[n].detach()) for n in full),
+        }
+        pipe.close()
+    return results
+
+
+class _Stage(torch.nn.Module):
+    """A hand-built stage: a norm and a plain MLP of ``inner`` hidden units on hidden states."""
+
+    def __init__(self, inner: int = 64) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(32)
+        self.fc = torch.nn.Linear(32, inner)
+        self.proj = torch.nn.Linear(inner, 32)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.proj(torch.nn.functional.gelu(self.fc(self.norm(hidden))))
+
+
+def _square_loss(output, target):
+    return (output - target).square().mean()
+
+
+def _hand_built_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
+
+
+def hand_built_refusals(rank: int, world_size: int) -> dict:
+    """Bad tensor-parallel input to Pipeline on 4 ranks: each case's message on this rank (None: it was built)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from conveyor.errors import PipelineConfigError
+    from conveyor.options import Layout
+
+    torch.set_num_threads(1)
+    pp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp_rank = layout_of(pp_tp).pp_rank
+
+    def attempt(make_mesh, plan, inner_of_stage_1=64, sequence_parallel=False):
+        torch.manual_seed(0)
+        stage = _Stage(64 if pp_rank == 0 else inner_of_stage_1)
+        try:
+            layout = Layout(mesh=make_mesh(), tensor_parallel=plan, sequence_parallel=sequence_parallel)
+            pipe = conveyor.Pipeline([stage], "gpipe", _square_loss, microbatches=2, layout=layout)
+        except PipelineConfigError as error:
+            return str(error)
+        pipe.close()
+        return None
+
+    return {
+        "tp mesh, no tensor_parallel": attempt(lambda: pp_tp, None),
+        "tensor_parallel, no tp dim": attempt(
+            lambda: init_device_mesh("cpu", (4,), mesh_dim_names=("pp",)), "auto"),
+        "pattern matching nothing": attempt(lambda: pp_tp, {**_hand_built_plan(), "mlp.up": ColwiseParallel()}),
+        "size tp does not divide (stage 1)": attempt(lambda: pp_tp, _hand_built_plan(), inner_of_stage_1=33),
+        "a plan that is not ParallelStyles": attempt(lambda: pp_tp, {"fc": "colwise"}),
+        "sequence_parallel in a pipeline": attempt(lambda: pp_tp, "auto", sequence_parallel=True),
+        "good plan": attempt(lambda: pp_tp, _hand_built_plan()),
+    }
+
+
+def hand_built_parity(rank: int, world_size: int) -> dict:
+    """Two hand-built stages under the user's plan on pp=2 x tp=2 (gpipe and zb-h1), against one device."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp_rank = layout_of(mesh).pp_rank
+    torch.manual_seed(0)
+    whole_model = torch.nn.Sequential(_Stage(), _Stage())
+    generator = torch.Generator().manual_seed(1)
+    hidden, target = torch.randn(8, 6, 32, generator=generator), torch.randn(8, 6, 32, generator=generator)
+    want_loss = sum(_square_loss(whole_model(h), t) / MICROBATCHES
+                    for h, t in zip(hidden.chunk(MICROBATCHES), target.chunk(MICROBATCHES)))
+    want_loss.backward()
+    results = {}
+    for name in ("gpipe", "zb-h1"):
+        stage = copy.deepcopy(whole_model[pp_rank])
+        stage.zero_grad(set_to_none=True)
+        pipe = conveyor.Pipeline([stage], name, _square_loss, microbatches=MICROBATCHES, mesh=mesh,
+                                 tensor_parallel=_hand_built_plan())
+        loss = pipe.step(hidden, target=target)
+        grads = {n: whole(p.grad) for n, p in pipe.named_parameters()}
+        results[name] = {
+            "loss": relative(loss, want_loss.detach()),
+            "grads": max(relative(g, whole_model[pp_rank].get_parameter(n).grad) for n, g in grads.items()),
+            "sharded": sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor)),
+        }
+        pipe.close()
+    return results
+
+
+def clipping_and_ties(rank: int, world_size: int, name: str) -> dict:
+    """One 1F1B step of traced ``name`` on pp=2 x tp=2, then clip_grad_norm_: the total norm and the
+    clipped gradients against one device; for GPT-2 (wte on stage 0, its tied lm_head on stage 1),
+    the tied copies after an AdamW step."""
+    from conveyor.options import Layout
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    batch = token_batch(batch=2 * MICROBATCHES, length=12, seed=1)
+    reference = build(name, 2)
+    for kwargs in _microbatches(batch):
+        (reference(**kwargs).loss / MICROBATCHES).backward()
+    want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    layout = Layout(mesh=mesh, tensor_parallel="auto")
+    pipe = conveyor.pipeline(build(name, 2), example_kwargs=_microbatches(batch)[0], schedule="1f1b",
+                             microbatches=MICROBATCHES, loss_fn=_loss_fn,
+                             options=PipelineOptions(split=SplitOptions(method="uniform"), layout=layout))
+    loss = pipe.step(**batch)
+    want_loss = sum(reference(**kwargs).loss.detach() / MICROBATCHES for kwargs in _microbatches(batch))
+    # After a step every gradient has its parameter's placements (DTensor's backward leaves Partial ones).
+    settled = all(p.grad.placements == p.placements for p in pipe.parameters() if isinstance(p.grad, DTensor))
+    norm = pipe.clip_grad_norm_(0.05)
+    grads = {n: whole(p.grad) for n, p in pipe.named_parameters()}
+    result = {
+        "loss": relative(loss, want_loss),
+        "norm": relative(norm, want_norm),
+        "grads": max(relative(g, _reference_grad(reference, n)) for n, g in grads.items()),
+        "tied": [list(t.names) for t in pipe.tied_parameters],
+        "settled": settled,
+    }
+    optimizer = _optimizer(pipe.parameters())
+    optimizer.step()
+    if name == "gpt2":  # stage 0 holds wte, stage 1 lm_head: equal after the step (a gather over pp)
+        import torch.distributed as dist
+
+        mine = {n: whole(p).detach() for n, p in pipe.named_parameters() if n in ("transformer.wte.weight",
+                                                                                    "lm_head.weight")}
+        everyone: list = [None] * world_size
+        dist.all_gather_object(everyone, mine)
+        copies = [value for theirs in everyone for value in theirs.values()]
+        result["tied_equal"] = len(copies) == 4 and all(torch.equal(copies[0], c) for c in copies[1:])
+    pipe.close()
+    return result
+
+
+def _reference_grad(model: torch.nn.Module, name: str) -> torch.Tensor:
+    param = dict(model.named_parameters(remove_duplicate=False))[name]
+    return param.grad

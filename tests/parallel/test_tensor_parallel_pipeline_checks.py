@@ -1,0 +1,77 @@
+"""Tensor parallelism in a pipeline: bad input refused on every rank alike, before any step; hand-built
+stages under the user's plan; clipping over TP shards; GPT-2's tied embedding and head on two stages."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.testing import run_ranks
+
+from .tensor_pipeline_support import clipping_and_ties, hand_built_parity, hand_built_refusals
+
+TOLERANCE = 1e-5
+
+REFUSALS = {
+    # case: parts of the message every rank raises
+    "tp mesh, no tensor_parallel": ["the mesh has a 'tp' dim of size 2 but tensor_parallel is None",
+                                    "tensor_parallel='auto'"],
+    "tensor_parallel, no tp dim": ["tensor_parallel='auto' needs a DeviceMesh with a 'tp' dim",
+                                   "mesh_dim_names=('pp', 'tp')"],
+    "pattern matching nothing": ["pattern(s) ['mlp.up'] match no module of any stage"],
+    "size tp does not divide (stage 1)": ["found on rank 2", "stage 1: tensor parallel size tp=2 does not divide "
+                                          "the out_features of fc (Linear), 33, which ColwiseParallel splits"],
+    "a plan that is not ParallelStyles": ["maps 'fc' to str; it takes module-name patterns to torch ParallelStyles"],
+    "sequence_parallel in a pipeline": ["sequence_parallel=True is not wired into pipeline stages yet"],
+}
+
+
+@pytest.mark.distributed
+def test_bad_tensor_parallel_input_is_refused_alike_on_every_rank_before_any_step():
+    results = run_ranks(hand_built_refusals, 4, timeout_s=300)
+    for case, parts in REFUSALS.items():
+        messages = {result[case] for result in results}
+        assert len(messages) == 1, (case, messages)  # the same message on every rank
+        (message,) = messages
+        assert message is not None, case
+        for part in parts:
+            assert part in message, (case, message)
+    assert all(result["good plan"] is None for result in results)
+
+
+@pytest.mark.distributed
+def test_hand_built_stages_take_the_users_plan():
+    results = run_ranks(hand_built_parity, 4, timeout_s=300)
+    for result in results:
+        for name, found in result.items():
+            assert found["sharded"] == ["fc.bias", "fc.weight", "proj.bias", "proj.weight"], (name, found)
+            assert found["loss"] <= TOLERANCE and found["grads"] <= TOLERANCE, (name, found)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_clipping_counts_every_tp_shard_once_and_tied_copies_stay_equal(name):
+    results = run_ranks(clipping_and_ties, 4, args=(name,), timeout_s=400)
+    for result in results:
+        assert result["loss"] <= TOLERANCE, result
+        assert result["settled"] and result["norm"] <= TOLERANCE and result["grads"] <= TOLERANCE, result
+    if name == "gpt2":
+        assert results[0]["tied"] == [["transformer.wte.weight", "lm_head.weight"]]
+        assert all(result["tied_equal"] for result in results)
+
+
+def test_traced_stages_refuse_what_is_not_wired_yet():
+    # Checked on the unchanged model before any rank communicates: the same on every rank.
+    from conveyor.errors import PipelineConfigError
+    from conveyor.options import Layout
+    from conveyor.parallel.tensor.stages import model_placements
+
+    from .tp_support import build
+
+    class TpMesh:  # Layout reads a mesh's dim names only
+        mesh_dim_names = ("pp", "tp")
+
+    model = build("llama")
+    for option, message in (("loss_parallel", "loss_parallel=True is not available for traced stages yet"),
+                            ("sequence_parallel", "sequence_parallel=True is not wired into pipeline stages yet")):
+        with pytest.raises(PipelineConfigError, match=message):
+            model_placements(model, Layout(mesh=TpMesh(), tensor_parallel="auto", **{option: True}), 2)
