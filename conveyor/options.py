@@ -38,8 +38,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from conveyor.errors import PipelineConfigError
 
 DATA_PARALLEL_KINDS = ("ddp", "fsdp")
@@ -70,6 +68,8 @@ def _describe_fields(record: Any) -> str:
 
 def _dtype_name(value: Any, what: str) -> str | None:
     """``torch.bfloat16`` / ``"bfloat16"`` / ``"BF16"`` -> ``"bf16"`` (None stays None)."""
+    import torch  # here, not above: conveyor train's config (and so the CLI) reads these records without torch
+
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
     if value is None:
         return None
@@ -135,8 +135,10 @@ class StageOptions:
                 raise PipelineConfigError(f"StageOptions.{name} takes True or False; got {getattr(self, name)!r}")
 
     @property
-    def autocast_dtype(self) -> torch.dtype | None:
+    def autocast_dtype(self) -> Any:
         """The dtype of the stages' autocast region (None: none)."""
+        import torch
+
         return torch.bfloat16 if self.autocast == "bf16" else None
 
     def param_precision(self, data_parallel: str | None = None) -> Any:

@@ -304,10 +304,11 @@ def config_reference() -> str:
         ['model.name', '(gpt):']
     """
     lines = ["configuration keys (section.key (default): meaning):"]
-    defaults = TrainConfig()
+    # The fields' own defaults, not TrainConfig(): making the option records would import torch, and
+    # `conveyor --help` (which shows this) and `conveyor simulate` run without it.
     for section, cls in _section_types().items():
         for f in dataclasses.fields(cls):
-            value = getattr(getattr(defaults, section), f.name)
+            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             lines.append(f"  {section}.{f.name} ({value}): {f.metadata.get('help', '')}")
     return "\n".join(lines)
 
