@@ -1,7 +1,10 @@
 """Checkpoints of a pp=2 x dp=2 job: bitwise resume, and resharding to one replica and to one process.
 
 Replicas write one checkpoint together (DCP writes a replicated tensor once, each shard of a
-sharded one by its holder); it loads into any layout, as the pipeline-only ones do.
+sharded one by its holder); it loads into any layout, as the pipeline-only ones do. One test per
+data-parallel kind runs both schedules (1F1B, and ZB-V with V=2) inside the same rank groups, one
+after the other (three rank groups a kind instead of three per schedule); each assertion names
+the schedule it checks.
 """
 
 from __future__ import annotations
@@ -85,32 +88,50 @@ def _two_replicas(rank, world_size, kind, path):
     return params, moments
 
 
-@pytest.mark.parametrize(("kind", "name", "virtual"), [("ddp", "1f1b", 1), ("ddp", "zbv", 2),
-                                                       ("fsdp", "1f1b", 1), ("fsdp", "zbv", 2)])
-def test_a_dp_job_resumes_bitwise_and_reshards(tmp_path, kind, name, virtual):
-    path = str(tmp_path / "step_2")
-    results = run_ranks(_resume, DP * PP, args=(kind, name, virtual, path), timeout_s=180)
-    saved = {}
-    for extra, saved_here, want, got, want_params, got_params in results:
-        assert extra == {"step": 2}
-        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (got, want)
-        for parameter_name, value in want_params.items():
-            assert torch.equal(got_params[parameter_name], value), parameter_name
-        saved.update(saved_here)
-    # One process: the unsplit model's state dict holds exactly what the replicas held.
-    state = ckpt.to_state_dict(path)
-    assert all(torch.equal(state[n], value) for n, value in saved.items())
-    assert set(saved) <= set(state)
+SCHEDULES = (("1f1b", 1), ("zbv", 2))
+
+
+def _resume_each(rank, world_size, kind, paths):
+    return [_resume(rank, world_size, kind, name, virtual, path) for (name, virtual), path in zip(SCHEDULES, paths)]
+
+
+def _one_replica_each(rank, world_size, paths, agains):
+    return [_one_replica(rank, world_size, path, again) for path, again in zip(paths, agains)]
+
+
+def _two_replicas_each(rank, world_size, kind, agains):
+    return [_two_replicas(rank, world_size, kind, again) for again in agains]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_dp_job_resumes_bitwise_and_reshards(tmp_path, kind):
+    paths = [str(tmp_path / f"{name}_step_2") for name, _ in SCHEDULES]
+    by_rank = run_ranks(_resume_each, DP * PP, args=(kind, paths), timeout_s=240)
+    saved = {name: {} for name, _ in SCHEDULES}
+    for results in by_rank:
+        for (name, _), (extra, saved_here, want, got, want_params, got_params) in zip(SCHEDULES, results):
+            assert extra == {"step": 2}, name
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (name, got, want)
+            for parameter_name, value in want_params.items():
+                assert torch.equal(got_params[parameter_name], value), (name, parameter_name)
+            saved[name].update(saved_here)
+    for (name, _), path in zip(SCHEDULES, paths):
+        # One process: the unsplit model's state dict holds exactly what the replicas held.
+        state = ckpt.to_state_dict(path)
+        assert all(torch.equal(state[n], value) for n, value in saved[name].items()), name
+        assert set(saved[name]) <= set(state), name
     # One replica of the same pipeline (dp=2 -> dp=1), 1F1B whatever the job ran; and back
     # (dp=1 -> dp=2, under ZB-V), optimizer state included.
-    again = str(tmp_path / "one_replica")
-    moments = {}
-    for params, moments_here in run_ranks(_one_replica, PP, args=(path, again), timeout_s=120):
-        for parameter_name, value in params.items():
-            assert torch.equal(value, saved[parameter_name]), parameter_name
-        assert all(m.abs().sum() > 0 for m in moments_here.values())  # Adam's moments came back too
-        moments.update(moments_here)
-    for params, moments_here in run_ranks(_two_replicas, DP * PP, args=(kind, again), timeout_s=120):
-        for parameter_name, value in params.items():
-            assert torch.equal(value, saved[parameter_name]), parameter_name
-            assert torch.equal(moments_here[parameter_name], moments[parameter_name]), parameter_name
+    agains = [str(tmp_path / f"{name}_one_replica") for name, _ in SCHEDULES]
+    moments = {name: {} for name, _ in SCHEDULES}
+    for results in run_ranks(_one_replica_each, PP, args=(paths, agains), timeout_s=120):
+        for (name, _), (params, moments_here) in zip(SCHEDULES, results):
+            for parameter_name, value in params.items():
+                assert torch.equal(value, saved[name][parameter_name]), (name, parameter_name)
+            assert all(m.abs().sum() > 0 for m in moments_here.values()), name  # Adam's moments came back too
+            moments[name].update(moments_here)
+    for results in run_ranks(_two_replicas_each, DP * PP, args=(kind, agains), timeout_s=120):
+        for (name, _), (params, moments_here) in zip(SCHEDULES, results):
+            for parameter_name, value in params.items():
+                assert torch.equal(value, saved[name][parameter_name]), (name, parameter_name)
+                assert torch.equal(moments_here[parameter_name], moments[name][parameter_name]), (name, parameter_name)

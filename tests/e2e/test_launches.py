@@ -1,7 +1,10 @@
 """Real torchrun launches of a short training script end cleanly, whatever the teardown order.
 
-The full run (300 launches) is `python tools/launch_stress.py`; CI keeps 9, enough to cover
-every rank count, transport, schedule and teardown order once, so that an abort at exit shows.
+The full run (300 launches) is `python tools/launch_stress.py`; CI keeps the first 6 of its plan,
+which pair each teardown order with another (rank count, transport) and cycle the schedules, so
+every value of every dimension, and every (rank count, transport) pair, is launched once and an
+abort at exit shows. (CI ran 9 before: launches 7-9 were the stress walk's first repeats of values
+already covered, about 20 s each on 2 loaded cores; the stress tool still walks them.)
 """
 
 from __future__ import annotations
@@ -10,9 +13,11 @@ import pytest
 
 from tests.rigs import launches
 
+CI_LAUNCHES = 6
+
 
 def test_the_short_run_covers_every_value_of_every_dimension():
-    cases = launches.launch_cases(9)
+    cases = launches.launch_cases(CI_LAUNCHES)
     assert {launch.ranks for launch in cases} == {2, 4}
     assert {launch.transport for launch in cases} == {"shared_memory", "process_group", "hybrid"}
     assert {launch.schedule for launch in cases} == {"1f1b", "zb-h1", "zbv"}
@@ -23,8 +28,8 @@ def test_the_short_run_covers_every_value_of_every_dimension():
 
 
 @pytest.mark.timeout(900)
-def test_nine_launches_all_exit_cleanly():
+def test_the_ci_launches_all_exit_cleanly():
     lines: list[str] = []
-    results = launches.run_cases(9, report=lines.append, timeout_s=180)
+    results = launches.run_cases(CI_LAUNCHES, report=lines.append, timeout_s=180)
     failed = [r for r in results if not r.clean]
     assert not failed, launches.summary(results) + "\n" + "\n\n".join(f"{r.launch.describe()}:\n{r.problem}" for r in failed)

@@ -67,7 +67,7 @@ def launch_cases(count: int) -> list[Launch]:
     dimension, then a walk over every combination of rank count, transport, schedule and teardown.
 
     The first six pair each teardown order with another (transport, rank count) and cycle the
-    schedules, so a short run (CI's 9) already holds each teardown order, each schedule and
+    schedules, so a short run (CI's 6) already holds each teardown order, each schedule and
     every transport at both rank counts. After them the 108 combinations are visited with a
     stride coprime to their number, so consecutive launches differ; a plan longer than that
     starts over.
