@@ -36,7 +36,8 @@ def _build(kind: str | None, name: str, virtual: int, seed: int, dp: int):
     ids, _ = lm_batch(0)
     pipe = conveyor.pipeline(model, example_args=(ids[:2],), split_points=SPLITS[PP * virtual], schedule=name,
                              microbatches=MICROBATCHES, loss_fn=ce_loss, mesh=mesh, data_parallel=kind,
-                             options=conveyor.PipelineOptions(virtual=virtual, transfer=conveyor.TransferOptions(timeout_s=60)))
+                             options=conveyor.PipelineOptions(virtual=virtual,
+                                                              transfer=conveyor.TransferOptions(timeout_s=60)))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     replica = mesh.get_local_rank("dp") if mesh is not None else 0
     return pipe, optimizer, replica

@@ -32,4 +32,5 @@ def test_the_ci_launches_all_exit_cleanly():
     lines: list[str] = []
     results = launches.run_cases(CI_LAUNCHES, report=lines.append, timeout_s=180)
     failed = [r for r in results if not r.clean]
-    assert not failed, launches.summary(results) + "\n" + "\n\n".join(f"{r.launch.describe()}:\n{r.problem}" for r in failed)
+    problems = "\n\n".join(f"{r.launch.describe()}:\n{r.problem}" for r in failed)
+    assert not failed, launches.summary(results) + "\n" + problems

@@ -38,7 +38,8 @@ def _train(rank, world_size, name, virtual, fixed_shapes, transport="auto"):
     mine = schedule.stages_of(rank)
     stages = {s: build_stage(s, cfg) for s in mine}
     pipe = conveyor.Pipeline([stages[s] for s in mine], schedule=schedule, loss_fn=lm_loss,
-                             transfer=conveyor.TransferOptions(timeout_s=60, fixed_shapes=fixed_shapes, transport=transport))
+                             transfer=conveyor.TransferOptions(timeout_s=60, fixed_shapes=fixed_shapes,
+                                                               transport=transport))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses, grads = [], None
     for step in range(NUM_STEPS):
@@ -104,7 +105,8 @@ def _check_schedule(case, schedule, results):
             assert torch.equal(got, want), f"{case}: rank {rank} loss of step {step}: {got.item()} vs {want.item()}"
         for stage in schedule.stages_of(rank):
             assert_same(f"{case}: stage {stage} grads", grads[stage], want_grads[stage])
-            assert_same(f"{case}: stage {stage} params after {NUM_STEPS} AdamW steps", params[stage], want_params[stage])
+            assert_same(f"{case}: stage {stage} params after {NUM_STEPS} AdamW steps", params[stage],
+                        want_params[stage])
         assert ran == planned, f"{case}: rank {rank} ran another program than the one simulated"
 
 
@@ -354,7 +356,8 @@ def _bad_setup(rank, world_size, case):
 @pytest.mark.parametrize(("case", "rank", "expected"), [
     ("world", 0, "has 3 ranks but the process group has 2"),
     ("modules", 1, "places stages [1] on rank 1, so pass 1 module(s) in that order; got 2"),
-    ("loss", 1, "loss_fn must return a scalar tensor; it returned a tensor of shape (1, 2) on rank 1, stage 1, microbatch 0"),
+    ("loss", 1, "loss_fn must return a scalar tensor; it returned a tensor of shape (1, 2) on rank 1, stage 1, "
+                "microbatch 0"),
     ("inputs", 0, "inputs are missing on the rank that runs stage 0"),
     ("batch", 0, "batch size 3 on dim 0, which 2 microbatches do not divide"),
 ])
@@ -415,7 +418,9 @@ def _given_shapes(rank, world_size, fixed_shapes, example_rows):
     modules = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
     schedule = cs.build("1f1b", ranks=2, microbatches=4)
     pipe = conveyor.Pipeline([modules[rank]], schedule=schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(),
-                             transfer=conveyor.TransferOptions(timeout_s=30, fixed_shapes=fixed_shapes, shapes={0: torch.zeros(example_rows, 4, requires_grad=True)}))
+                             transfer=conveyor.TransferOptions(
+                                 timeout_s=30, fixed_shapes=fixed_shapes,
+                                 shapes={0: torch.zeros(example_rows, 4, requires_grad=True)}))
     losses = []
     for step in range(3):
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
