@@ -10,38 +10,7 @@ import conveyor.frontend as frontend
 from conveyor.errors import SplitError
 from conveyor.plan.time_split import profile_stages, time_split
 from conveyor.testing.models import Stack
-
-
-class Wide(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(32, 512)
-        self.down = nn.Linear(512, 32)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
-class Narrow(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(32, 32)
-
-    def forward(self, x):
-        return torch.relu(self.linear(x))
-
-
-class Mixed(nn.Module):
-    """Blocks of two classes with very different costs."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Wide(), Wide(), Narrow(), Narrow(), Narrow(), Narrow()])
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
+from tests.frontend.test_balance import Mixed  # blocks of two very different costs
 
 
 def test_a_time_split_gives_each_costly_block_its_own_stage():
