@@ -27,9 +27,11 @@ import argparse
 import json
 import logging
 import math
+import shutil
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 
 import conveyor.schedule as cs
 from conveyor.errors import ConveyorError, UsageError
@@ -204,7 +206,10 @@ def _command_demo(args: argparse.Namespace) -> int:
     """The plan of every schedule for the demo's sizes, then ``conveyor train configs/demo.yaml`` (with parity)."""
     from conveyor.train import launch
 
-    cfg = launch.prepare([str(demo_recipe()), *args.overrides])  # a wrong key fails before anything is drawn
+    shortcuts = [f"{key}={value}" for key, value in (("parallel.pp", args.ranks), ("train.steps", args.steps),
+                                                      ("parallel.schedule", args.schedule)) if value is not None]
+    # A wrong key fails here, before anything is drawn; key=value overrides come after the flags and win.
+    cfg = launch.prepare([str(demo_recipe()), *shortcuts, *args.overrides])
     status = _print_compare(
         cfg.parallel.pp, cfg.parallel.microbatches, None, DEFAULT_COSTS, 0.0,
         png=DEFAULT_COMPARE_PNG, trace=None, as_json=False,
@@ -212,7 +217,12 @@ def _command_demo(args: argparse.Namespace) -> int:
     if status:
         return status
     print()
-    return launch.run(cfg)
+    status = launch.run(cfg)
+    timeline = Path(cfg.run.dir) / "timeline.png"
+    if status == 0 and args.png is not None and timeline.is_file():
+        shutil.copyfile(timeline, args.png)
+        print(f"conveyor demo: the last step's timeline, measured beside its simulation: {args.png}")
+    return status
 
 
 def demo_recipe():
@@ -222,7 +232,6 @@ def demo_recipe():
         >>> demo_recipe().name
         'demo.yaml'
     """
-    from pathlib import Path
 
     recipe = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     if not recipe.is_file():
@@ -384,6 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("overrides", nargs="*", metavar="key=value",
                       help="overrides of configs/demo.yaml, e.g. parallel.pp=4 parallel.schedule=zbv train.steps=10")
+    demo.add_argument("--ranks", type=positive_int, help="pipeline ranks: short for parallel.pp=N")
+    demo.add_argument("--steps", type=positive_int, help="training steps: short for train.steps=N")
+    demo.add_argument("--schedule", help="schedule name: short for parallel.schedule=NAME")
+    demo.add_argument("--png", help="also copy the last step's timeline picture (<run.dir>/timeline.png) here")
     demo.set_defaults(handler=_command_demo)
 
     _add_train(commands)

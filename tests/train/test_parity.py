@@ -57,3 +57,21 @@ def test_the_reference_reports_each_step_and_the_ones_that_differ(capfd):
     assert [line.rsplit("   ", 1)[1] for line in steps] == ["bitwise equal", "bitwise equal", "DIFFERENT"]
     assert all(" | one device " in line and " grad norm " in line for line in steps)
     assert "parity: MISMATCH with single-device training at 1 of 3 steps (steps 3)" in lines
+
+
+def test_the_demo_flags_are_short_for_their_keys_and_overrides_win(monkeypatch, tmp_path):
+    import conveyor.cli as cli
+    from conveyor.train import launch
+
+    seen = {}
+    monkeypatch.setattr(cli, "_print_compare", lambda *args, **kwargs: 0)
+    monkeypatch.setattr(launch, "run", lambda cfg: seen.setdefault("cfg", cfg) and 0)
+    run_dir = tmp_path / "run"
+    (run_dir).mkdir()
+    (run_dir / "timeline.png").write_bytes(b"picture")
+    png = tmp_path / "copy.png"
+    status = cli.main(["demo", "--ranks", "4", "--steps", "3", "--schedule", "gpipe", "--png", str(png),
+                       f"run.dir={run_dir}", "train.steps=5"])
+    cfg = seen["cfg"]
+    assert status == 0 and (cfg.parallel.pp, cfg.parallel.schedule, cfg.train.steps) == (4, "gpipe", 5)
+    assert png.read_bytes() == b"picture"
