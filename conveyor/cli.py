@@ -299,6 +299,24 @@ def _train_options_first(argv: list[str]) -> list[str]:
     return ["train", *[a for a in rest if a == "--dry-run"], *[a for a in rest if a != "--dry-run"]]
 
 
+def _add_demo(commands) -> None:
+    demo = commands.add_parser(
+        "demo",
+        help="plan every schedule, then train a small transformer pipelined over local CPU ranks, each step "
+        "checked bitwise against one device: conveyor train configs/demo.yaml [key=value ...]",
+        description="Simulate every schedule for the demo's ranks and microbatches (out/compare.png), then run "
+        "`conveyor train configs/demo.yaml` with the overrides given: rank 0 also trains the unsplit model on "
+        "one device (train.parity) and prints each step's loss and gradient norm beside the pipeline's.",
+    )
+    demo.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="overrides of configs/demo.yaml, e.g. parallel.pp=4 parallel.schedule=zbv train.steps=10")
+    demo.add_argument("--ranks", type=positive_int, help="pipeline ranks: short for parallel.pp=N")
+    demo.add_argument("--steps", type=positive_int, help="training steps: short for train.steps=N")
+    demo.add_argument("--schedule", help="schedule name: short for parallel.schedule=NAME")
+    demo.add_argument("--png", help="also copy the last step's timeline picture (<run.dir>/timeline.png) here")
+    demo.set_defaults(handler=_command_demo)
+
+
 def _add_train(commands) -> None:
     from conveyor.train.config import config_reference
 
@@ -383,21 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.set_defaults(handler=_command_simulate)
 
-    demo = commands.add_parser(
-        "demo",
-        help="plan every schedule, then train a small transformer pipelined over local CPU ranks, each step "
-        "checked bitwise against one device: conveyor train configs/demo.yaml [key=value ...]",
-        description="Simulate every schedule for the demo's ranks and microbatches (out/compare.png), then run "
-        "`conveyor train configs/demo.yaml` with the overrides given: rank 0 also trains the unsplit model on "
-        "one device (train.parity) and prints each step's loss and gradient norm beside the pipeline's.",
-    )
-    demo.add_argument("overrides", nargs="*", metavar="key=value",
-                      help="overrides of configs/demo.yaml, e.g. parallel.pp=4 parallel.schedule=zbv train.steps=10")
-    demo.add_argument("--ranks", type=positive_int, help="pipeline ranks: short for parallel.pp=N")
-    demo.add_argument("--steps", type=positive_int, help="training steps: short for train.steps=N")
-    demo.add_argument("--schedule", help="schedule name: short for parallel.schedule=NAME")
-    demo.add_argument("--png", help="also copy the last step's timeline picture (<run.dir>/timeline.png) here")
-    demo.set_defaults(handler=_command_demo)
+    _add_demo(commands)
 
     _add_train(commands)
     _add_plan(commands)
