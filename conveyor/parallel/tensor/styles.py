@@ -104,7 +104,9 @@ class TransposedColwiseParallel(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not is_transposed_projection(module):
-            raise NotImplementedError(f"{type(self).__name__} takes a Conv1D-like layer, got {type(module).__name__}")
+            raise TypeError(f"{type(self).__name__} takes a Conv1D-like layer (a weight laid out (in, out), as "
+                            f"GPT-2's), got {type(module).__name__}: give an nn.Linear torch's own "
+                            f"ColwiseParallel/RowwiseParallel")
         return distribute_module(
             module, device_mesh, self._partition,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
@@ -129,7 +131,9 @@ class TransposedRowwiseParallel(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not is_transposed_projection(module):
-            raise NotImplementedError(f"{type(self).__name__} takes a Conv1D-like layer, got {type(module).__name__}")
+            raise TypeError(f"{type(self).__name__} takes a Conv1D-like layer (a weight laid out (in, out), as "
+                            f"GPT-2's), got {type(module).__name__}: give an nn.Linear torch's own "
+                            f"ColwiseParallel/RowwiseParallel")
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
             module, device_mesh, self._partition,
