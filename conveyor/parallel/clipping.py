@@ -117,6 +117,24 @@ def scale_local_grads(grads: Sequence[torch.Tensor], max_norm: float, total: tor
                 tensor.mul_(coefficient.to(device))
 
 
+def combine_shard_norms(norms: Sequence[torch.Tensor], norm_type: float, group) -> list[torch.Tensor]:
+    """Whole-tensor norms from each rank's shard norms, over ``group`` (FSDP replicas, TP ranks): the
+    p-th root of the summed p-th powers, or the max for the infinity norm, computed in float64 and
+    returned in each norm's dtype. One all-reduce; every rank of ``group`` gets the same values."""
+    import torch.distributed as dist
+
+    if not norms:
+        return []
+    stacked = torch.stack([n.to(torch.float64) for n in norms])
+    if norm_type == float("inf"):
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
+    else:
+        stacked = stacked.pow(norm_type)
+        dist.all_reduce(stacked, group=group)
+        stacked = stacked.pow(1.0 / norm_type)
+    return [value.to(n.dtype) for value, n in zip(stacked, norms)]
+
+
 def check_finite(total: torch.Tensor, norm_type: float) -> None:
     """Raise as torch does when the total norm is NaN or infinite (every rank finds the same total)."""
     if torch.logical_or(total.isnan(), total.isinf()):

@@ -118,16 +118,9 @@ class Replicas:
         """Each gradient's norm from this rank's part of it: as is when replicated ("ddp"), else
         combined over the replicas' shards ("fsdp": the p-th root of the summed p-th powers,
         or the max for the infinity norm). Every replica gets the same values."""
-        import torch.distributed as dist
+        from conveyor.parallel.clipping import combine_shard_norms
 
-        if self.kind != "fsdp" or not shard_norms:
+        if self.kind != "fsdp":
             return list(shard_norms)
-        stacked = torch.stack([n.to(torch.float64) for n in shard_norms])
-        if norm_type == float("inf"):
-            dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=self.group)
-        else:
-            stacked = stacked.pow(norm_type)
-            dist.all_reduce(stacked, group=self.group)
-            stacked = stacked.pow(1.0 / norm_type)
-        return [value.to(n.dtype) for value, n in zip(stacked, shard_norms)]
+        return combine_shard_norms(shard_norms, norm_type, self.group)
 

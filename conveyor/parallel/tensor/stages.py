@@ -152,22 +152,13 @@ class TensorParallelStages:
     def whole_norms(self, grads: list, norms: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
         """Each gradient's norm over every TP shard: a sharded gradient's local norms combined over the
         TP group (the p-th root of the summed p-th powers, or the max), a replicated one as is."""
-        import torch.distributed as dist
+        from conveyor.parallel.clipping import combine_shard_norms
 
         sharded = [i for i, g in enumerate(grads) if isinstance(g, DTensor) and
                    any(not p.is_replicate() for p in g.placements)]
-        if not sharded:
-            return list(norms)
-        stacked = torch.stack([norms[i].to(torch.float64) for i in sharded])
-        if norm_type == float("inf"):
-            dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=self.tp_group)
-        else:
-            stacked = stacked.pow(norm_type)
-            dist.all_reduce(stacked, group=self.tp_group)
-            stacked = stacked.pow(1.0 / norm_type)
         combined = list(norms)
-        for i, value in zip(sharded, stacked):
-            combined[i] = value.to(norms[i].dtype)
+        for i, value in zip(sharded, combine_shard_norms([norms[i] for i in sharded], norm_type, self.tp_group)):
+            combined[i] = value
         return combined
 
 
