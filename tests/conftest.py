@@ -13,11 +13,46 @@ from collections.abc import Iterator
 import pytest
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--extended", action="store_true",
+        help="also run the extended tier: the wider grids whose every promise CI already checks on a narrower one",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "distributed: starts torch.distributed ranks in subprocesses (conveyor.testing.run_ranks)",
     )
+    config.addinivalue_line(
+        "markers",
+        "extended: a wider grid of a promise that a narrower CI test already checks; "
+        "runs with --extended (bash tools/test.sh --extended)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Leave the extended tier out unless ``--extended`` is given, and say how many were left out.
+
+    CI's suite must stay within 15 minutes on 2 cores; each test moved to the extended tier keeps
+    a narrower twin in CI (the same promise on fewer ranks, transports or variants).
+    """
+    if config.getoption("--extended"):
+        return
+    extended = [item for item in items if item.get_closest_marker("extended")]
+    if extended:
+        config.hook.pytest_deselected(items=extended)
+        items[:] = [item for item in items if not item.get_closest_marker("extended")]
+        config._conveyor_extended_left_out = len(extended)  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    left_out = getattr(config, "_conveyor_extended_left_out", 0)
+    if left_out:
+        terminalreporter.write_line(
+            f"{left_out} extended-tier tests left out (a narrower twin of each is in this run); "
+            "everything: bash tools/test.sh --extended")
 
 
 @pytest.fixture(autouse=True)
