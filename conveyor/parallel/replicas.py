@@ -56,7 +56,7 @@ class Replicas:
     """
 
     def __init__(self, kind: str, group, dp_size: int, runners: Mapping[int, StageRunner],
-                 device_type: str = "cpu") -> None:
+                 device_type: str = "cpu", mesh=None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
         self.kind = kind
@@ -66,7 +66,11 @@ class Replicas:
         # Named after the group, not just "dp": torch's DTensor caches (sharding propagation)
         # take two meshes over the same ranks and names for one, and would hand a later
         # pipeline's tensors the mesh, and so the destroyed group, of an earlier one.
-        self.mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"dp_{group.group_name}",))
+        # ``mesh`` (tensor parallelism): the "dp" sub-mesh of the mesh whose "tp" sub-mesh the
+        # parameters are DTensors on, as FSDP2 requires of a 2-D (dp, tp) composition; the user's
+        # mesh, alive as long as the user keeps it, so no cache can outlive its groups.
+        self.mesh = mesh if mesh is not None else DeviceMesh.from_group(
+            group, device_type, mesh_dim_names=(f"dp_{group.group_name}",))
         # The last step's reductions: per stage (started, and done where it ran), then the wait
         # for all of them at the step's end. What the rank spent waiting is the reduction's
         # exposed part; the rest ran behind its work. On a GPU timed with events (the host's
