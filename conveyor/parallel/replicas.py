@@ -11,6 +11,11 @@ the step and each stage's reduction is started by hand right after its last back
 step (the executor says when), and waited for when the step ends: the reduction overlaps
 whatever the rank still runs.
 
+With tensor parallelism (a ("pp", "dp", "tp") mesh) the stages' parameters are DTensors over
+"tp"; they are wrapped over the "dp" sub-mesh of the same mesh, as torchtitan composes FSDP2
+with TP (``parallelize_module`` on "tp", then ``fully_shard`` on "dp"): each parameter becomes
+a DTensor over ("dp", "tp"), and each TP shard's gradient is reduced over its own replicas.
+
 Why not ``DistributedDataParallel``: its reducer starts from autograd hooks armed by the
 forward, which in a pipeline runs many microbatches before their backwards, and it finishes
 inside the autograd call that completes the last bucket, so it can neither follow the
@@ -52,7 +57,12 @@ class Replicas:
 
     ``group`` is the pipeline's own group over the ranks holding these stages in every
     replica (see :meth:`conveyor.runtime.lifecycle.RankLifecycle.replica_group`); ``runners``
-    this rank's stage runners, whose modules :meth:`wrap` wraps in place.
+    this rank's stage runners, whose modules :meth:`wrap` wraps in place. ``mesh``: the 1-D
+    "dp" mesh to wrap over, where the stages are tensor parallel (the "dp" sub-mesh of the mesh
+    whose "tp" sub-mesh holds their DTensors: FSDP2's 2-D composition); None: one over ``group``.
+    Each TP rank's replicas then reduce its own shard's gradient: FSDP2 first gives a gradient
+    that DTensor's backward left ``Partial`` over "tp" its parameter's placement, then reduces
+    the local tensor over "dp".
     """
 
     def __init__(self, kind: str, group, dp_size: int, runners: Mapping[int, StageRunner],

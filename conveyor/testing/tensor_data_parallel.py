@@ -6,9 +6,10 @@ same placements, each wrapped with torch's own ``fully_shard`` (``"fsdp"``) or `
 (``"ddp"``) over the "dp" sub-mesh (torch's 2-D composition), then run one after the other on
 this replica's rows: for each microbatch in order ``(loss / M).backward()``, the replicas'
 reduction only after the last one (``set_requires_gradient_sync``), as the pipeline reduces once
-per step. The loss is the replicas' mean. Both sides clip with torch's formula by a norm no
-gradient reaches (so the scale is exactly 1): the pipeline's total norm is compared with the
-norm of the gathered gradients.
+per step. The loss is the replicas' mean. The pipeline clips by a norm no gradient reaches (its
+scale is exactly 1, so the reference need not clip): its total norm is compared with torch's own
+norm of the reference's DTensor gradients. Hand-built stages (:class:`MLPBlock` under the user's
+plan) are compared the same way against ``parallelize_module`` then ``fully_shard`` / ``replicate``.
 
 Used by tests/parallel/test_tensor_data_parallel.py (pp=1 x dp=2 x tp=2, 4 ranks) and by
 ``python -m benchmarks --tp-parity`` (pp=2 x dp=2 x tp=2, 8 ranks).
@@ -36,6 +37,7 @@ from conveyor.testing.models import gpt2, grouped_heads_lm, token_batch
 MICROBATCHES = 4
 STEPS = 3
 ROWS_PER_REPLICA = 2 * MICROBATCHES  # microbatches of 2 rows
+HIDDEN = 32  # the hand-built stages' width
 NO_CLIPPING = 1e9  # a max_norm above every total norm here: the clip scale is exactly 1
 
 
@@ -98,13 +100,20 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def torch_total_norm(params) -> torch.Tensor:
-    """The total 2-norm of the gradients as torch computes it on DTensors (torchtitan's way, no pipeline)."""
-    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return total.full_tensor() if isinstance(total, DTensor) else total
+    """The total 2-norm of the gradients as torch computes it on DTensors (torchtitan's way, no pipeline):
+    per mesh (torch stacks DTensors of one mesh only: a parameter TP left whole is over "dp" alone),
+    then over those totals."""
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+    totals = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
+    return torch.linalg.vector_norm(torch.stack([whole(total) for total in totals]))
 
 
-def tp_dp_alone(name: str, num_stages: int, mesh, kind: str) -> tuple[list, list, dict]:
-    """The traced stages of the pipeline's cut under TP x DP, no pipeline: losses, norms, parameters."""
+def tp_dp_alone(name: str, num_stages: int, mesh, kind: str, pipeline_stages: int = 1) -> tuple[list, list, dict]:
+    """The model cut in ``num_stages`` traced stages (the pipeline's cut), under TP x DP, no pipeline:
+    losses, norms, parameters. ``pipeline_stages``: the model's layers as for that many stages."""
     from torch.distributed.tensor.experimental import implicit_replication
 
     import conveyor.frontend as frontend
@@ -113,31 +122,21 @@ def tp_dp_alone(name: str, num_stages: int, mesh, kind: str) -> tuple[list, list
     from conveyor.parallel.tensor.traced import parallelize_traced_stage
 
     layout = layout_of(mesh)
-    model = build(name, _layers(name, num_stages))
+    model = build(name, _layers(name, max(num_stages, pipeline_stages)))
     example = _microbatches(_batches(0, layout.dp_size, layout.dp_rank))[0]
     split = frontend.split_model(model, num_stages, example_kwargs=example, split_method="uniform")
     placements = model_placements(model, Layout(tensor_parallel="auto", mesh=_NoPipelineMesh()), layout.tp_size,
                                   split.tied_groups)
     stages = [_wrapped_over_dp(parallelize_traced_stage(split.stage_module(s), layout.tp_mesh, placements),
                                mesh["dp"], kind) for s in range(num_stages)]
-    params = [p for stage in stages for p in stage.parameters()]
-    optimizer = _optimizer(params)
-    losses, norms = [], []
-    for step in range(STEPS):
-        total = None
-        for number, kwargs in enumerate(_microbatches(_batches(step, layout.dp_size, layout.dp_rank))):
-            for stage in stages:  # reduce over the replicas once, after the last microbatch
-                stage.set_requires_gradient_sync(number == MICROBATCHES - 1)
-            with implicit_replication():
-                output = frontend.run_sequential(stages, (), kwargs, loss_fn=lambda out: out.loss / MICROBATCHES)
-            loss = output.loss.detach() / MICROBATCHES
-            total = loss if total is None else total + loss
-        dist.all_reduce(total, group=mesh["dp"].get_group())
-        losses.append(total / layout.dp_size)
-        norms.append(torch_total_norm(params))
-        torch.nn.utils.clip_grads_with_norm_(params, NO_CLIPPING, torch.tensor(1.0))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+
+    def microbatch_loss(kwargs):
+        with implicit_replication():
+            output = frontend.run_sequential(stages, (), kwargs, loss_fn=lambda out: out.loss / MICROBATCHES)
+        return output.loss.detach() / MICROBATCHES
+
+    losses, norms = _train_alone(stages, mesh, lambda step: _microbatches(_batches(step, layout.dp_size,
+                                                                                  layout.dp_rank)), microbatch_loss)
     return losses, norms, {n: p for stage in stages for n, p in stage.named_parameters()}
 
 
@@ -166,10 +165,125 @@ def pipeline_run(name: str, schedule: str, mesh, kind: str) -> tuple[list, list,
     return losses, norms, params, pipe
 
 
+class MLPBlock(torch.nn.Module):
+    """A hand-built stage: a norm and a plain MLP on hidden states, with a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.fc = torch.nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.proj = torch.nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.proj(torch.nn.functional.gelu(self.fc(self.norm(hidden))))
+
+
+def _square_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output - target).square().mean()
+
+
+def _block_plan() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
+
+
+def _blocks(num_stages: int) -> list[MLPBlock]:
+    torch.manual_seed(0)
+    return [MLPBlock() for _ in range(num_stages)]
+
+
+def _hidden_batch(step: int, dp_size: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This replica's rows of step ``step``'s hidden states and targets."""
+    generator = torch.Generator().manual_seed(100 + step)
+    rows = ROWS_PER_REPLICA * dp_size
+    hidden, target = (torch.randn(rows, 6, HIDDEN, generator=generator) for _ in range(2))
+    return hidden.chunk(dp_size)[dp_rank], target.chunk(dp_size)[dp_rank]
+
+
+def _by_stage(modules) -> dict:
+    return {f"{stage}.{name}": p for stage, module in modules for name, p in module.named_parameters()}
+
+
+def hand_built_run(schedule: str, mesh, kind: str) -> tuple[list, list, dict, conveyor.Pipeline]:
+    """:func:`pipeline_run` for hand-built stages (:class:`MLPBlock`) under the user's plan; parameters by
+    "stage.name"."""
+    import conveyor.schedule as cs
+
+    layout = layout_of(mesh)
+    plan = cs.build(schedule, ranks=layout.pp_size, microbatches=MICROBATCHES)
+    blocks = _blocks(plan.num_stages)
+    pipe = conveyor.Pipeline([blocks[s] for s in plan.stages_of(layout.pp_rank)], plan, _square_loss, mesh=mesh,
+                             tensor_parallel=_block_plan(), data_parallel=kind,
+                             transfer=TransferOptions(timeout_s=120))
+    optimizer = _optimizer(pipe.parameters())
+    losses, norms = [], []
+    for step in range(STEPS):
+        hidden, target = _hidden_batch(step, layout.dp_size, layout.dp_rank)
+        losses.append(pipe.step(hidden, target=target))
+        norms.append(pipe.clip_grad_norm_(NO_CLIPPING))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, norms, _by_stage((s, r.module) for s, r in sorted(pipe.runners.items())), pipe
+
+
+def hand_built_alone(num_stages: int, mesh, kind: str) -> tuple[list, list, dict]:
+    """:func:`tp_dp_alone` for the hand-built stages: parallelize_module, then fully_shard / replicate."""
+    from conveyor.parallel.tensor import parallelize_stage
+
+    layout = layout_of(mesh)
+    stages = [_wrapped_over_dp(parallelize_stage(block, layout.tp_mesh, _block_plan()), mesh["dp"], kind)
+              for block in _blocks(num_stages)]
+
+    def microbatch_loss(inputs):
+        output = inputs[0]
+        for stage in stages:
+            output = stage(output)
+        loss = _square_loss(output, inputs[1])
+        (loss / MICROBATCHES).backward()
+        return loss.detach() / MICROBATCHES
+
+    def batches(step):
+        return zip(*(t.chunk(MICROBATCHES) for t in _hidden_batch(step, layout.dp_size, layout.dp_rank)))
+
+    losses, norms = _train_alone(stages, mesh, batches, microbatch_loss)
+    return losses, norms, _by_stage(enumerate(stages))
+
+
+def _train_alone(stages, mesh, batches, microbatch_loss) -> tuple[list, list]:
+    """STEPS steps of the microbatch loop over ``stages`` wrapped over "dp": the replicas' mean losses and
+    torch's total norms. The replicas reduce once per step, after the last microbatch, as the pipeline does."""
+    params = [p for stage in stages for p in stage.parameters()]
+    optimizer = _optimizer(params)
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = None
+        for number, inputs in enumerate(batches(step)):
+            for stage in stages:
+                stage.set_requires_gradient_sync(number == MICROBATCHES - 1)
+            loss = microbatch_loss(inputs)
+            total = loss if total is None else total + loss
+        dist.all_reduce(total, group=mesh["dp"].get_group())
+        losses.append(total / mesh["dp"].size())
+        norms.append(torch_total_norm(params))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, norms
+
+
 def compare(name: str, schedule: str, mesh, kind: str) -> dict:
-    """One case: the pipeline against TP x DP alone (torch.equal), norms to rounding."""
-    losses, norms, params, pipe = pipeline_run(name, schedule, mesh, kind)
-    want_losses, want_norms, want_params = tp_dp_alone(name, pipe.schedule.num_stages, mesh, kind)
+    """One case: the pipeline against TP x DP alone (torch.equal), norms to rounding. ``name``: a
+    model for :func:`build` (traced stages, tensor_parallel="auto"), or "hand-built"."""
+    if name == "hand-built":
+        losses, norms, params, pipe = hand_built_run(schedule, mesh, kind)
+        want_losses, want_norms, want_params = hand_built_alone(pipe.schedule.num_stages, mesh, kind)
+    else:
+        losses, norms, params, pipe = pipeline_run(name, schedule, mesh, kind)
+        # Copies of a tied parameter on several stages: the reference keeps it one Parameter in one
+        # stage (FSDP2 cannot share one between two roots), so the summation order differs.
+        reference_stages = 1 if pipe.tied_parameters else pipe.schedule.num_stages
+        want_losses, want_norms, want_params = tp_dp_alone(name, reference_stages, mesh, kind,
+                                                           pipeline_stages=pipe.schedule.num_stages)
     # Gathers are collectives over the (dp, tp) mesh: every rank, the same order, none skipped.
     full = {n: gathered(p).detach() for n, p in params.items()}
     want = {n: gathered(want_params[n]).detach() for n in params}
@@ -184,6 +298,8 @@ def compare(name: str, schedule: str, mesh, kind: str) -> dict:
         "shards_equal": all(_local(p).equal(_local(want_params[n])) and _placed(p) == _placed(want_params[n])
                             for n, p in params.items()),
         "norm_rel": max(relative(a, b) for a, b in zip(norms, want_norms, strict=True)),
+        "loss_rel": max(relative(a, b) for a, b in zip(losses, want_losses, strict=True)),
+        "param_rel": max(relative(full[n], want[n]) for n in full),
         "tied": [list(t.names) for t in pipe.tied_parameters],
     }
     if pipe.tied_parameters:

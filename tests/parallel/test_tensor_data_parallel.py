@@ -9,9 +9,11 @@ After 3 AdamW steps the pipeline's losses and parameters (each rank's shards and
 tensors) are torch.equal to the same traced stages under TP x DP without a pipeline (torch's
 ``fully_shard`` / ``replicate`` over "dp" on the TP-sharded parameters, reduced once per step);
 ``clip_grad_norm_``'s total matches torch's own norm of the DTensor gradients to rounding (it
-combines shard norms in float64: each shard counted once across dp and tp). GPT-2's embedding
-and head, tied within the one stage, stay one Parameter. Every case runs on one launch of
-ranks (``conftest``-free: a module fixture), with the refusals of bad input.
+combines shard norms in float64: each shard counted once across dp and tp; a parameter TP left
+whole is sharded over "dp" only). GPT-2's embedding and head, tied within the one stage, stay one
+Parameter. Hand-built stages under the user's plan (``Pipeline(..., tensor_parallel={...})``) are
+compared with ``parallelize_module`` then ``fully_shard`` / ``replicate``. Every case runs on one
+launch of ranks (a module fixture), followed by the refusals of bad input.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from conveyor.testing.tensor_data_parallel import cases_and_refusals
 
 SHAPE = (1, 2, 2)  # pp, dp, tp
 CASES = [("llama", "1f1b", "ddp"), ("llama", "1f1b", "fsdp"), ("llama", "zbv", "ddp"), ("llama", "zbv", "fsdp"),
-         ("gpt2", "1f1b", "fsdp")]
+         ("gpt2", "1f1b", "fsdp"), ("hand-built", "1f1b", "fsdp"), ("hand-built", "zbv", "ddp")]
 NORM_ROUNDING = 1e-6
 
 
