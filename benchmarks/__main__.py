@@ -14,6 +14,7 @@ Flags pick what runs (several may be given; none means ``--compare``):
     --schedule-scale  every built-in at P=256, M=2048: seconds and MB; one rank's start-up at P=64
                  (benchmarks/schedule_scale.py)
     --plan       predicted vs measured step time, plan by plan, emulated and GPT at P=2, 4 (benchmarks/plan.py)
+    --tp-parity  pp=2 x dp=2 x tp=2 on 8 ranks: torch.equal to TP x DP without the pipeline (benchmarks/tp_parity.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -34,7 +35,7 @@ from pathlib import Path
 
 PARTS = (
     "compare", "schedule", "schedule_scale", "split", "soak", "parallel", "data", "checkpoint", "train", "compile",
-    "plan",
+    "plan", "tp_parity",
 )
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
@@ -138,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--train", action="store_true", help="conveyor train: pp=2 speed-up, memory per rank")
     parts.add_argument("--compile", action="store_true", help="compile=True vs eager step time, GPT at P=2")
     parts.add_argument("--plan", action="store_true", help="predicted vs measured step time per plan")
+    parts.add_argument("--tp-parity", action="store_true",
+                       help="pp=2 x dp=2 x tp=2 (8 ranks), ddp and fsdp, 1f1b and zbv: parity without the pipeline")
     parts.add_argument(
         "--quick", action="store_true",
         help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only",

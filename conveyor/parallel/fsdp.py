@@ -134,9 +134,10 @@ def check_supported(schedule: Schedule, data_parallel: str = "fsdp", tied_parame
     - a schedule where a stage's weight gradient of some microbatch comes from no B or W (an I
       without its W, a forward-only program) or from two: the stage's reduction would run
       before its gradient is complete, or never;
-    - tied parameters with two uses on one rank (``"ddp"``), or at all (``"fsdp"``): each
-      stage is its own FSDP2 root, so one Parameter cannot sit in two of them, and the
-      pipeline's cross-rank sum of tied gradients works on whole gradients, not on shards.
+    - tied parameters with two uses on one rank: each stage is its own FSDP2 root, so one
+      Parameter cannot sit in two of them. Uses on different ranks are fine with both kinds:
+      the copies have one shape, so ``"fsdp"`` shards them alike over "dp" (and TP alike over
+      "tp"), and the pipeline's cross-rank sum adds shard to matching shard.
 
     Example:
         >>> import conveyor.schedule as cs
@@ -145,15 +146,13 @@ def check_supported(schedule: Schedule, data_parallel: str = "fsdp", tied_parame
     placement = schedule.placement
     for tied in tied_parameters:
         ranks = [placement.rank_of(stage) for stage, _ in tied.uses]
-        if data_parallel == "fsdp" or len(set(ranks)) < len(ranks):
+        if len(set(ranks)) < len(ranks):
             raise PipelineConfigError(
                 f"data_parallel={data_parallel!r} cannot hold the tied parameter used as {list(tied.uses)} "
                 f"(stages on ranks {ranks}): each stage is its own FSDP2 root and one Parameter cannot be "
-                "wrapped by two of them" + (", nor can a tied gradient be summed across ranks shard by shard"
-                                            if data_parallel == "fsdp" else "")
-                + ". Untie it, keep its uses in one stage, or use "
-                + ("data_parallel='ddp' with " if data_parallel == "fsdp" else "")
-                + "a schedule that puts its stages on different ranks"
+                "wrapped by two of them. Untie it, keep its uses in one stage, or use a schedule that puts "
+                "its stages on different ranks (1f1b rather than zbv, whose V puts the first and last stage "
+                "on rank 0)"
             )
     weight_grads: dict[tuple[int, int], int] = {}
     for program in schedule.programs:

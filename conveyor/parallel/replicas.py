@@ -11,6 +11,11 @@ the step and each stage's reduction is started by hand right after its last back
 step (the executor says when), and waited for when the step ends: the reduction overlaps
 whatever the rank still runs.
 
+With tensor parallelism (a ("pp", "dp", "tp") mesh) the stages' parameters are DTensors over
+"tp"; they are wrapped over the "dp" sub-mesh of the same mesh, as torchtitan composes FSDP2
+with TP (``parallelize_module`` on "tp", then ``fully_shard`` on "dp"): each parameter becomes
+a DTensor over ("dp", "tp"), and each TP shard's gradient is reduced over its own replicas.
+
 Why not ``DistributedDataParallel``: its reducer starts from autograd hooks armed by the
 forward, which in a pipeline runs many microbatches before their backwards, and it finishes
 inside the autograd call that completes the last bucket, so it can neither follow the
@@ -52,11 +57,16 @@ class Replicas:
 
     ``group`` is the pipeline's own group over the ranks holding these stages in every
     replica (see :meth:`conveyor.runtime.lifecycle.RankLifecycle.replica_group`); ``runners``
-    this rank's stage runners, whose modules :meth:`wrap` wraps in place.
+    this rank's stage runners, whose modules :meth:`wrap` wraps in place. ``mesh``: the 1-D
+    "dp" mesh to wrap over, where the stages are tensor parallel (the "dp" sub-mesh of the mesh
+    whose "tp" sub-mesh holds their DTensors: FSDP2's 2-D composition); None: one over ``group``.
+    Each TP rank's replicas then reduce its own shard's gradient: FSDP2 first gives a gradient
+    that DTensor's backward left ``Partial`` over "tp" its parameter's placement, then reduces
+    the local tensor over "dp".
     """
 
     def __init__(self, kind: str, group, dp_size: int, runners: Mapping[int, StageRunner],
-                 device_type: str = "cpu") -> None:
+                 device_type: str = "cpu", mesh=None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
         self.kind = kind
@@ -66,7 +76,11 @@ class Replicas:
         # Named after the group, not just "dp": torch's DTensor caches (sharding propagation)
         # take two meshes over the same ranks and names for one, and would hand a later
         # pipeline's tensors the mesh, and so the destroyed group, of an earlier one.
-        self.mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"dp_{group.group_name}",))
+        # ``mesh`` (tensor parallelism): the "dp" sub-mesh of the mesh whose "tp" sub-mesh the
+        # parameters are DTensors on, as FSDP2 requires of a 2-D (dp, tp) composition; the user's
+        # mesh, alive as long as the user keeps it, so no cache can outlive its groups.
+        self.mesh = mesh if mesh is not None else DeviceMesh.from_group(
+            group, device_type, mesh_dim_names=(f"dp_{group.group_name}",))
         # The last step's reductions: per stage (started, and done where it ran), then the wait
         # for all of them at the step's end. What the rank spent waiting is the reduction's
         # exposed part; the rest ran behind its work. On a GPU timed with events (the host's

@@ -73,10 +73,6 @@ class DistributedRanks:
         self.dp_size = self.mesh_layout.dp_size if self.mesh_layout is not None else 1
         self.data_parallel = check_data_parallel(layout.data_parallel, self.dp_size)
         self.tensor_parallel: TensorParallelStages | None = None
-        if layout.tensor_parallel is not None and self.dp_size > 1:
-            raise PipelineConfigError(
-                f"tensor parallelism with data-parallel replicas (a mesh of dp={self.dp_size} with a 'tp' dim) is "
-                "not wired into the pipeline yet: use a ('pp', 'tp') mesh, or data parallelism without tp")
 
     def parallelize(self, by_rank: dict[int, list], model: WholeModel) -> TensorParallelStages | None:
         """This rank's stages parallelized over the mesh's "tp" dim (Layout.tensor_parallel; None: off)."""
@@ -144,15 +140,27 @@ class DistributedRanks:
         if self.data_parallel is None:
             return None
         fsdp.check_supported(self.schedule, self.data_parallel, pipe.tied_parameters)
-        group = self.life.replica_group()
+        group = self.life.replica_group(self._replica_memberships())
         # Replicas built alike: the same stages, schedule and model in every replica.
         self.life.agree({**built, "data parallel": self.data_parallel}, group=group, who="replicas")
-        replicas = Replicas(self.data_parallel, group, self.dp_size, pipe.runners, self.device.type)
+        # With TP the stages' parameters are DTensors on the mesh's "tp" sub-mesh: torch's 2-D
+        # composition (FSDP2 on TP-sharded parameters) needs the "dp" sub-mesh of that same mesh.
+        dp_mesh = self.layout.mesh["dp"] if self.tensor_parallel is not None else None
+        replicas = Replicas(self.data_parallel, group, self.dp_size, pipe.runners, self.device.type, mesh=dp_mesh)
         replicas.wrap()
         # Checkpoints are written by every replica together: DCP writes a replicated tensor
         # once and each shard of a sharded one by its holder.
         self.checkpoint_group = self.life.job_group()
         return replicas
+
+    def _replica_memberships(self) -> list[list[int]]:
+        """The global ranks holding the same stages and the same TP shard in every replica: one list
+        per (TP position, pipeline position), in the one order every rank builds their groups."""
+        layout = self.mesh_layout
+        pipelines = layout.group_pipelines  # one per (replica, TP position), replica-major
+        tp_size = len(pipelines) // layout.dp_size
+        return [[pipelines[replica * tp_size + position][rank] for replica in range(layout.dp_size)]
+                for position in range(tp_size) for rank in range(layout.pp_size)]
 
     def _build_communication(self, pipe: Pipeline) -> None:
         transfer, schedule = self.transfer, self.schedule

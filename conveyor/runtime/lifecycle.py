@@ -236,11 +236,13 @@ class RankLifecycle:
         assert self.pipelines is not None, "only a pipeline with replicas has a job group"
         return self._new_group(sorted(r for p in self.pipelines for r in p), whole_job=True)
 
-    def replica_group(self):
+    def replica_group(self, memberships: Sequence[Sequence[int]] | None = None):
         """A group of the pipeline's own over the ranks that hold this rank's stages in every
-        replica (data parallelism); every rank of the job builds every position's."""
+        replica (data parallelism); every rank of the job builds every position's.
+        ``memberships``: every such group's global ranks (with tensor parallelism, one per
+        pipeline position and TP position); default: each pipeline position across the pipelines."""
         assert self.pipelines is not None, "only a pipeline with replicas has replica groups"
-        return self._each_of([list(position) for position in zip(*self.pipelines)])
+        return self._each_of(memberships or [list(position) for position in zip(*self.pipelines)])
 
     def _each_of(self, memberships: Sequence[Sequence[int]]):
         """Build a group over each of ``memberships`` (collective over the whole job); keep and

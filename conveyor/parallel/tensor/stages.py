@@ -154,8 +154,12 @@ class TensorParallelStages:
         TP group (the p-th root of the summed p-th powers, or the max), a replicated one as is."""
         from conveyor.parallel.clipping import combine_shard_norms
 
+        # The "tp" dim is the gradient mesh's last: alone, or after "dp" under FSDP2 (whose
+        # replicas already combined their own shards' norms). A parameter TP left whole is, under
+        # FSDP2, a DTensor over "dp" only: nothing to combine over "tp".
+        tp_dim = self.tp_mesh.mesh_dim_names[-1]
         sharded = [i for i, g in enumerate(grads) if isinstance(g, DTensor) and
-                   any(not p.is_replicate() for p in g.placements)]
+                   g.device_mesh.mesh_dim_names[-1] == tp_dim and not g.placements[-1].is_replicate()]
         combined = list(norms)
         for i, value in zip(sharded, combine_shard_norms([norms[i] for i in sharded], norm_type, self.tp_group)):
             combined[i] = value

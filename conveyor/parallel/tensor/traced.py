@@ -114,13 +114,14 @@ def parallelize_traced_stage(stage: nn.Module, tp_mesh, placements: Mapping[str,
         parallelize_traced_stage(split.stage_module(0), tp_mesh, parameter_placements(model, plan))
     """
     _register_cpu_attention_sharding()
-    own = dict(stage.named_parameters())
-    for name, param in own.items():
+    distributed: dict[int, nn.Parameter] = {}
+    for name, param in list(stage.named_parameters(remove_duplicate=False)):
         owner_name, _, attribute = name.rpartition(".")
-        placement = placements.get(name, Replicate())
-        owner = stage.get_submodule(owner_name)
-        owner.register_parameter(attribute, nn.Parameter(
-            distribute_tensor(param.detach(), tp_mesh, [placement]), requires_grad=param.requires_grad))
+        if id(param) not in distributed:  # a parameter tied within the stage stays one Parameter
+            placement = placements.get(name, Replicate())
+            distributed[id(param)] = nn.Parameter(distribute_tensor(param.detach(), tp_mesh, [placement]),
+                                                  requires_grad=param.requires_grad)
+        stage.get_submodule(owner_name).register_parameter(attribute, distributed[id(param)])
     stage.register_forward_pre_hook(_inputs_as_dtensors(tp_mesh), with_kwargs=True)
     stage.register_forward_hook(_outputs_whole)
     return stage
