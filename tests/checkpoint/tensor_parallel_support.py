@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import conveyor
 import conveyor.checkpoint as ckpt
+from conveyor.errors import CheckpointMismatchError
 from conveyor.microbatch import split_microbatches
 from conveyor.options import PipelineOptions, SplitOptions, TransferOptions
 from conveyor.testing.models import gpt2, token_batch
@@ -23,8 +24,9 @@ LAYERS = 4  # one layer a stage at pp=4, two at pp=2
 TIED = {"lm_head.weight": "transformer.wte.weight"}  # the name the last stage holds -> the tensor's first name
 
 
-def build_model(seed: int = 0) -> torch.nn.Module:
+def build_model(seed: int = 0, **config_fields) -> torch.nn.Module:
     model_class, config = gpt2(num_layers=LAYERS)
+    config.update(config_fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return model_class(config).train()
@@ -117,7 +119,7 @@ def _load_at(mesh, data_parallel: str | None, paths: dict[str, str], name: str) 
 
 def load_at_pp1_tp2(rank: int, world_size: int, paths: dict[str, str]) -> dict:
     """On 2 ranks: the pp=2 x tp=2 checkpoint loaded by one stage split over tp=2; then, into the same
-    pipeline and a fresh optimizer, the one saved at pp=4."""
+    pipeline and a fresh optimizer, the one saved at pp=4; then a checkpoint of a wider GPT-2, refused."""
     torch.set_num_threads(1)
     pipe = _pipeline(init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp")), seed=8)
     results = {"sharded": sorted(n for n, p in pipe.named_parameters()
@@ -126,6 +128,12 @@ def load_at_pp1_tp2(rank: int, world_size: int, paths: dict[str, str]) -> dict:
         optimizer = _optimizer(pipe)
         assert ckpt.load(paths[name], pipe, optimizer) == {"step": 2}
         results[name] = held(pipe, optimizer)
+    try:
+        ckpt.load(paths["wider"], pipe, optimizer)
+    except CheckpointMismatchError as error:
+        results["refusal"] = str(error)
+    results["after refusal"] = held(pipe, optimizer)  # unchanged: the refusal came before any read
+    _steps(pipe, optimizer, 2, 1)  # and the pipeline still trains
     pipe.close()
     return results
 

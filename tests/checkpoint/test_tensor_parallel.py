@@ -5,11 +5,12 @@ A tiny GPT-2 (column, row and packed q|k|v shards, replicated norms, a tied embe
 the unsplit model's names and global shapes. The checkpoint then loads, parameters and optimizer
 state torch.equal to what was saved, at pp=4 (tp=1: whole tensors), at pp=2 x dp=2 (ddp
 replicas) and at pp=1 x tp=2 (one stage, sharded); the one saved again at pp=4 loads at tp=2
-too. Resume is bitwise: 2 steps, save, load, 2 steps gives the losses and parameters of 4
-uninterrupted steps. ``to_state_dict`` and ``conveyor export`` give whole Hugging Face weights,
-torch.equal to the trained pipeline's; ``from_pretrained`` on them gives the pipeline's logits
-within 1e-5 relative (tensor parallelism sums the row-parallel projections in another order:
-~3e-7 here). One launch of 4 ranks and one of 2.
+too, and a checkpoint of a wider GPT-2 is refused on both ranks alike. Resume is bitwise:
+2 steps, save, load, 2 steps gives the losses and parameters of 4 uninterrupted steps.
+``to_state_dict`` and ``conveyor export`` give whole Hugging Face weights, torch.equal to the
+trained pipeline's; ``from_pretrained`` on them gives the pipeline's logits within 1e-5
+relative (tensor parallelism sums the row-parallel projections in another order: ~3e-7 here).
+One launch of 4 ranks and one of 2.
 """
 
 from __future__ import annotations
@@ -72,10 +73,10 @@ def _exported_logits(directory):
         torch.set_num_threads(previous)
 
 
-@pytest.mark.timeout(600)  # two launches of ranks that trace and parallelize GPT-2 five times in all
+@pytest.mark.timeout(900)  # two launches of ranks that trace and parallelize GPT-2 five times in all
 def test_tp_shards_reshard_to_every_layout_resume_bitwise_and_export(tmp_path):
     paths = {name: str(tmp_path / name) for name in ("step_2", "step_4", "pp4", "dp2")}
-    ranks = run_ranks(save_resume_and_reshard, 4, args=(paths,), timeout_s=360)
+    ranks = run_ranks(save_resume_and_reshard, 4, args=(paths,), timeout_s=480)
     saved = _merge([rank["saved"] for rank in ranks])
     assert set(saved[0]) == {TIED.get(n, n) for n, _ in build_model().named_parameters()}
     assert set(saved[1]) == set(saved[0])  # every parameter has AdamW state
@@ -88,13 +89,20 @@ def test_tp_shards_reshard_to_every_layout_resume_bitwise_and_export(tmp_path):
     _assert_same(_merge([rank["pp4"] for rank in ranks]), saved, "pp=4, tp=1")
     _assert_same(_merge([rank["dp2"] for rank in ranks]), saved, "pp=2 x dp=2 (ddp), tp=1")
 
-    pp1_tp2 = run_ranks(load_at_pp1_tp2, 2, args=(paths,), timeout_s=180)
+    paths["wider"] = str(tmp_path / "wider")
+    ckpt.save(paths["wider"], build_model(n_embd=64))  # another configuration, saved from one process
+    pp1_tp2 = run_ranks(load_at_pp1_tp2, 2, args=(paths,), timeout_s=240)
     assert "transformer.h.0.attn.c_attn.weight" in pp1_tp2[0]["sharded"]  # a packed q|k|v shard
+    refusals = {rank["refusal"] for rank in pp1_tp2}  # every rank raises the same error
+    assert len(refusals) == 1 and "'transformer.wte.weight' has shape [96, 32] here but [96, 64]" in refusals.pop()
+    for rank in pp1_tp2:
+        _assert_same(rank["after refusal"], rank["pp4"], "after a refused load")
     _assert_same(_merge([rank["step_2"] for rank in pp1_tp2]), saved, "pp=1 x tp=2")
     _assert_same(_merge([rank["pp4"] for rank in pp1_tp2]), saved, "pp=1 x tp=2 from the pp=4 checkpoint")
 
     # One process: the trained pipeline's whole weights, by their Hugging Face names.
     trained = _merge([rank["resume_after"][0] for rank in ranks])[0]
+    assert ckpt.check(paths["step_4"], build_model(), optimizer="AdamW", lr_scheduler=False).name == "step_4"
     state = ckpt.to_state_dict(paths["step_4"])
     assert list(state) == list(build_model().state_dict())
     assert state["lm_head.weight"] is state["transformer.wte.weight"]
