@@ -75,9 +75,9 @@ def held(pipe, optimizer) -> tuple[dict, dict]:
 
 
 def save_resume_and_reshard(rank: int, world_size: int, paths: dict[str, str]) -> dict:
-    """On 4 ranks. pp=2 x tp=2: 2 steps, save; 2 more; save again, with the logits; load the first
-    checkpoint (into the trained pipeline and a fresh optimizer) and run the same 2 steps again.
-    Then the first checkpoint loaded at pp=4 and at pp=2 x dp=2 (ddp), each saved again."""
+    """On 4 ranks. pp=2 x tp=2: 2 steps, save; 2 more; save again, with the logits; a new pp=2 x tp=2
+    pipeline and optimizer load the first checkpoint and run the same 2 steps again. Then the first
+    checkpoint loaded at pp=4 and at pp=2 x dp=2 (ddp), each saved again."""
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pipe = _pipeline(mesh, seed=0)
@@ -89,15 +89,17 @@ def save_resume_and_reshard(rank: int, world_size: int, paths: dict[str, str]) -
     ckpt.save(paths["step_4"], pipe, optimizer, extra={"step": 4})
     logits = pipe.forward(**batch(9))  # traced in train mode; every dropout is 0
     want_after = held(pipe, optimizer)
+    pipe.close()
 
-    optimizer = _optimizer(pipe)  # no state: the checkpoint brings it
+    pipe = _pipeline(mesh, seed=3)  # a new job: other values until loaded, an optimizer with no state
+    optimizer = _optimizer(pipe)
     extra = ckpt.load(paths["step_2"], pipe, optimizer)
     loaded = held(pipe, optimizer)
     got = _steps(pipe, optimizer, 2, 2)
     got_after = held(pipe, optimizer)
     pipe.close()
     result = {
-        "extra": extra, "saved": saved, "loaded_in_place": loaded,
+        "extra": extra, "saved": saved, "resumed": loaded,
         "resume_losses": (want, got), "resume_after": (want_after, got_after),
         "logits": None if logits is None else _whole(logits.logits),
     }
