@@ -2,7 +2,8 @@
 
 Tensors are written with ``torch.distributed.checkpoint`` (DCP) under the unsplit model's
 names, so a checkpoint saved with pp=4 under 1f1b loads with pp=2 under zbv, with pp=1, or
-into the plain model. Everything else is JSON; nothing pickled is ever loaded.
+into the plain model. Tensor-parallel stages save their DTensor shards by the same names, and
+load into any pp, dp and tp. Everything else is JSON; nothing pickled is ever loaded.
 
 Example (on every rank)::
 

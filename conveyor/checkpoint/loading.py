@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from conveyor.checkpoint import files
 from conveyor.checkpoint.saving import FLAT, group_values
+from conveyor.checkpoint.shards import Landing
 from conveyor.checkpoint.targets import Target, target_of, with_masters
 from conveyor.checkpoint.values import decode, restore_rng, tensor_keys
 from conveyor.errors import CheckpointError, CheckpointIncompleteError, CheckpointMismatchError
@@ -44,11 +45,12 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
          lr_scheduler: Any = None) -> Any:
     """Load the checkpoint at ``path`` into ``pipe`` (and ``optimizer``, ``lr_scheduler``); return its ``extra``.
 
-    A collective on a distributed pipeline: call it on every rank. Any pp size, schedule and
-    V load a checkpoint saved under any other (tensors are keyed by the model's names);
+    A collective on a distributed pipeline: call it on every rank. Any pp size, schedule, V,
+    dp and tp load a checkpoint saved under any other (tensors are keyed by the model's names,
+    DTensor shards resharded by DCP);
     ``pipe`` may also be a LocalPipeline or the plain unsplit ``nn.Module`` (one process,
     no process group). ``path`` may be a parent directory with a ``latest`` marker. Random
-    generators are restored when the layout (processes, global ranks, stage placement) is
+    generators are restored when the layout (processes, global ranks, stage placement, tp) is
     the one saved, else left alone with a log line. A :class:`~conveyor.MasterWeights` loads the
     checkpoint's weights into its fp32 masters, then rounds them into the parameters. Raises
     :class:`CheckpointMismatchError` or :class:`CheckpointIncompleteError` on every rank, before
@@ -65,12 +67,14 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     prepared: dict[str, Any] = {}
     problem = None
     held = dict(optimizer.state) if optimizer is not None else {}  # put back if the load is refused
+    landing = Landing()  # DTensor shards DCP cannot load in place (packed q|k|v) land beside them
     try:
         directory = files.resolve(path)
         meta, metadata = files.read_meta(directory), files.read_dcp_metadata(directory)
-        _expect_model_tensors(target, meta, metadata, directory, state)
+        _expect_model_tensors(target, meta, metadata, directory, state, landing)
         if optimizer is not None:
-            prepared["optimizer"] = _prepare_optimizer(target, optimizer, meta, metadata, directory, state)
+            prepared["optimizer"] = _prepare_optimizer(target, optimizer, meta, metadata, directory, state,
+                                                       landing)
         prepared["rng"] = _prepare_rng(target, meta, metadata, state)
         prepared["sched"] = _prepare_sched(meta, metadata, directory, state, lr_scheduler)
         _check_bytes(directory, metadata, state)
@@ -93,6 +97,7 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     outcome = target.guard(_read, state, directory, target)
     if isinstance(outcome, BaseException):
         raise CheckpointError(f"reading {directory} failed on some rank: {outcome}") from outcome
+    landing.settle()
     for name, copies in target.copies.items():
         with torch.no_grad():
             for copy in copies:
@@ -137,7 +142,7 @@ def check(path: str | os.PathLike, model: torch.nn.Module | None = None, *, opti
             raise _Refusal(CheckpointIncompleteError, problem)
         if model is not None:
             state: dict[str, torch.Tensor] = {}
-            _expect_model_tensors(target_of(model), meta, metadata, directory, state)
+            _expect_model_tensors(target_of(model), meta, metadata, directory, state, Landing())
             unexpected = _unexpected(meta, metadata, [sorted(state)], directory)
             if unexpected is not None:
                 raise _Refusal(CheckpointMismatchError, unexpected[1])
@@ -182,12 +187,13 @@ def _expect(metadata: Metadata, key: str, shape: torch.Size, directory: Path, wh
             "with the configuration it was saved with"))
 
 
-def _expect_model_tensors(target: Target, meta: dict, metadata: Metadata, directory: Path, state: dict) -> None:
+def _expect_model_tensors(target: Target, meta: dict, metadata: Metadata, directory: Path, state: dict,
+                          landing: Landing) -> None:
     aliases = meta["model"]["aliases"]
     for name, tensor in target.tensors.items():
         key = f"model.{aliases.get(name, name)}"  # a module may know a tied tensor by another first name
         _expect(metadata, key, tensor.shape, directory, "tensor", meta)
-        state[key] = tensor.detach()
+        state[key] = landing.receive(tensor)
 
 
 def _unexpected(meta: dict, metadata: Metadata, requested: list[list[str]], directory: Path) -> Any:
@@ -203,7 +209,7 @@ def _unexpected(meta: dict, metadata: Metadata, requested: list[list[str]], dire
 
 
 def _prepare_optimizer(target: Target, optimizer: torch.optim.Optimizer, meta: dict, metadata: Metadata,
-                    directory: Path, state: dict) -> dict[str, Any]:
+                       directory: Path, state: dict, landing: Landing) -> dict[str, Any]:
     saved = meta.get("optimizer")
     if saved is None:
         raise _Refusal(CheckpointMismatchError, f"the checkpoint {directory} holds no optimizer state; "
@@ -236,7 +242,7 @@ def _prepare_optimizer(target: Target, optimizer: torch.optim.Optimizer, meta: d
         fqn = _fqn_of(key, known)
         if key.startswith("state.") and fqn in stateful and isinstance(value, torch.Tensor):
             _expect(metadata, f"optim.{key}", value.shape, directory, "optimizer state", meta)
-            state[f"optim.{key}"] = value
+            state[f"optim.{key}"] = landing.receive(value)
     for key in metadata.state_dict_metadata:
         if key.startswith("optim.state.") and _fqn_of(key[len("optim."):], known) in stateful \
                 and key not in state and key[len("optim."):] not in saved["values"]:

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from conveyor.checkpoint import files
+from conveyor.checkpoint.shards import storable
 from conveyor.checkpoint.targets import Target, target_of, with_masters
 from conveyor.checkpoint.values import capture_rng, check_json, encode
 from conveyor.errors import CheckpointError
@@ -89,6 +90,8 @@ def save(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
 def _write(tensors: dict[str, torch.Tensor], partial: Path, target: Target) -> Any:
     if target.coordinator:
         files.remove_leftovers(partial.parent, keep=partial)  # what earlier interrupted saves left behind
+    # Packed DTensor shards are gathered here, where a failed peer is named rather than awaited.
+    tensors = {key: storable(tensor) for key, tensor in tensors.items()}
     writer = FileSystemWriter(partial, overwrite=True)
     try:
         with files.quiet_single_process():

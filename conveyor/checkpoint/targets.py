@@ -23,6 +23,12 @@ Data parallelism: replicas over a "dp" dimension hold the same tensors under the
 (whole with ``"ddp"``, as DTensor shards with ``"fsdp"``); the pipeline's
 ``checkpoint_group`` spans every replica, and DCP writes each replicated tensor once and each
 shard by its holder.
+
+Tensor parallelism: a TP stage's parameters (and their AdamW state) are DTensors; each is saved
+under its original name and global shape, every TP rank writing its own shard (see
+:mod:`conveyor.checkpoint.shards`), and DCP reshards on load to any pp, dp or tp. The
+``checkpoint_group`` of a TP pipeline spans every rank of the job, and the layout that decides
+whether random states come back records tp.
 """
 
 from __future__ import annotations
@@ -153,6 +159,8 @@ def _of_pipeline(pipe: Pipeline) -> Target:
             global_ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
             rank = dist.get_rank(group)
         layout = {"processes": len(global_ranks), "global_ranks": global_ranks, "stages": placement}
+        if getattr(pipe.ranks, "tensor_parallel", None) is not None:  # same ranks and stages, other shards
+            layout["tp"] = pipe.ranks.mesh_layout.tp_size
         target = Target({}, {}, {}, dict(aliases), [], layout, pipe.model_info, group=group,
                         guard=pipe.ranks.guarded, rank=rank, global_rank=life.global_ranks[life.rank])
     else:  # every rank in this process

@@ -51,7 +51,7 @@ class DistributedRanks:
 
     in_process = False
     replicas: Replicas | None = None  # data parallelism over a mesh's "dp" dim
-    checkpoint_group = None  # with replicas: a group over every rank of every replica
+    checkpoint_group = None  # with replicas or TP: a group over every rank of the job
     _recorder: StepRecorder | EventRecorder | None = None  # the last step's, when recorded
 
     def __init__(self, layout: Layout, transfer: TransferOptions) -> None:
@@ -119,6 +119,9 @@ class DistributedRanks:
                 self.life.agree({**built, **self.tensor_parallel.stage_fields(self._tp_stages)},
                                 group=self.tensor_parallel.tp_group, who="tensor-parallel ranks")
             self.replicas = self._build_replicas(pipe, built)
+            if self.tensor_parallel is not None and self.checkpoint_group is None:
+                # Every TP position's pipeline writes its shards into the same checkpoint.
+                self.checkpoint_group = self.life.job_group()
             self._build_communication(pipe)
         except BaseException:
             # Disagreement: every rank raises alike. A transport that could not be built: the

@@ -218,7 +218,8 @@ class Pipeline(GradientChecks):
 
     @property
     def checkpoint_group(self) -> Any:
-        """With replicas: the group over every rank of every replica that writes checkpoints (else None)."""
+        """With replicas or tensor parallelism: the group over every rank of the job that writes checkpoints
+        (else None)."""
         return self.ranks.checkpoint_group
 
     @property
