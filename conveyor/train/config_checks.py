@@ -243,6 +243,10 @@ def _check_plan(cfg: Any, problems: list[str]) -> None:
     if plan.ranks != cfg.parallel.pp:
         problems.append(f"parallel.plan={cfg.parallel.plan!r} is for {plan.ranks} pipeline ranks but parallel.pp="
                         f"{cfg.parallel.pp}; set parallel.pp={plan.ranks} or plan again with --ranks {cfg.parallel.pp}")
+    elif getattr(plan, "tensor_parallel", 1) != cfg.parallel.tp:
+        problems.append(f"parallel.plan={cfg.parallel.plan!r} is for pipeline ranks of {plan.tensor_parallel} "
+                        f"tensor-parallel ranks but parallel.tp={cfg.parallel.tp}; set parallel.tp="
+                        f"{plan.tensor_parallel} or plan again with --tp {cfg.parallel.tp}")
     elif plan.global_batch != cfg.replica_batch_size:
         problems.append(f"parallel.plan={cfg.parallel.plan!r} was made for a batch of {plan.global_batch} per "
                         f"replica, the run has train.batch_size / parallel.dp = {cfg.replica_batch_size}; set "

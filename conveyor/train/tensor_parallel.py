@@ -193,3 +193,53 @@ def checkpoints_written(cfg: TrainConfig) -> bool:
 
 CHECKPOINT_NOTE = ("checkpoints are not written at parallel.tp > 1 yet: conveyor.checkpoint does not hold "
                    "tensor-parallel (DTensor) shards")
+
+
+def tensor_parallel_option(model: torch.nn.Module, tp: int, seq_len: int) -> Any:
+    """What tp does to ``model``, for the planner (:class:`conveyor.plan.tensor.TensorParallelOption`): per
+    planned module, the parameters tp shards (as a traced stage places them) and, per sample of ``seq_len``
+    tokens, the bytes of its collectives: a row-parallel projection all-reduces its output in the forward, a
+    column-parallel one its input's gradient in the backward, the LM head gathers its logits; or, where the
+    "auto" plan refuses this tp, why.
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> model = _meta_model(load_config(None, ["model.name=llama", "model.kv_heads=2"]))
+        >>> tensor_parallel_option(model, 4, 128).refused  # doctest: +ELLIPSIS
+        'tensor parallel size tp=4 does not divide the number of key/value heads of model.layers.0.self_attn...'
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from conveyor.errors import PipelineConfigError
+    from conveyor.parallel.tensor.discover import discover, projection_of
+    from conveyor.parallel.tensor.plan import matching_modules, tensor_parallel_plan
+    from conveyor.parallel.tensor.traced import parameter_placements
+    from conveyor.plan.tensor import ModuleSplit, TensorParallelOption
+
+    if tp == 1:
+        return TensorParallelOption(1)
+    try:
+        plan = tensor_parallel_plan(model, tp)
+    except PipelineConfigError as error:
+        return TensorParallelOption(tp, refused=str(error))
+    placements = parameter_placements(model, plan)
+    head = discover(model).head
+    element = next(model.parameters()).element_size()
+    splits = []
+    for pattern, style in plan.items():
+        for name in matching_modules(model, pattern):
+            module = model.get_submodule(name)
+            sharded = sum(p.numel() for key, p in module.named_parameters(prefix=name)
+                          if key in placements and placements[key].is_shard())
+            projection = projection_of(name, module)
+            if not sharded or projection is None:
+                continue  # a block's head counts, a traced stage's whole embedding: nothing split, nothing sent
+            tokens = seq_len * element
+            rowwise, colwise = isinstance(style, RowwiseParallel), isinstance(style, ColwiseParallel)
+            gathered = head is not None and name == head.name
+            splits.append(ModuleSplit(name, float(sharded),
+                                      forward_bytes=float(projection.out_features * tokens) if rowwise or gathered
+                                      else 0.0,
+                                      backward_bytes=float(projection.in_features * tokens) if colwise else 0.0,
+                                      forward_collectives=int(rowwise or gathered), backward_collectives=int(colwise)))
+    return TensorParallelOption(tp, tuple(splits))

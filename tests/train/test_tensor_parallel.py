@@ -19,7 +19,9 @@ TINY = ["train.steps=2", "model.layers=2", "model.width=32", "model.heads=2", "m
         "data.max_bytes=50000", "data.val_fraction=0.2", "parallel.pp=2", "parallel.tp=2", "train.batch_size=4",
         "parallel.microbatches=2", "optim.warmup_steps=1", "train.eval_interval=2", "train.eval_batches=1",
         "train.sample_tokens=0", "run.tensorboard=false", "run.device=cpu", "run.log_interval=1"]
-RECIPE_SIZES = {"gpt": [], "llama": ["model.kv_heads=2", "model.intermediate=64"], "mpt": ["model.intermediate=64"]}
+# gpt also generates its sample (forwards through the TP pipeline after training).
+RECIPE_SIZES = {"gpt": ["train.sample_tokens=4"], "llama": ["model.kv_heads=2", "model.intermediate=64"],
+                "mpt": ["model.intermediate=64"]}
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -51,9 +53,11 @@ def test_the_world_must_be_pp_x_dp_x_tp_and_tp_must_stay_inside_a_node():
         load_config(None, ["parallel.tp=4", "parallel.pp=1"], world_size=6)
     from conveyor.train.launch import check_tp_inside_nodes
 
-    cfg = load_config(None, ["parallel.tp=2", "parallel.pp=4"], world_size=8)
-    assert cfg.world_size == 8
+    cfg = load_config(ROOT / "configs" / "llama-tp.yaml", world_size=8)  # the two-node recipe: pp=4 x tp=2
+    assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.world_size) == (4, 1, 2, 8)
     check_tp_inside_nodes(cfg, 4)  # two nodes of 4: each TP pair inside one
+    replicas = load_config(ROOT / "configs" / "llama-tp.yaml", ["parallel.pp=2", "parallel.dp=2"], world_size=8)
+    assert replicas.world_size == 8 and replicas.replica_batch_size == 4
     with pytest.raises(ConfigError, match="a tensor-parallel group would span nodes"):
         check_tp_inside_nodes(load_config(None, ["parallel.tp=4", "parallel.pp=2"]), 2)
 
@@ -103,7 +107,7 @@ def _train_recipes(rank: int, world_size: int, run_dir: str) -> dict:
             if local is not None and local().numel() < param.numel():
                 sharded[param_name] = (tuple(param.shape), tuple(local().shape))
         found[name] = {"steps": summary["steps"], "losses": [summary["first_loss"], summary["last_loss"]],
-                       "val": summary["last_val_loss"], "sharded": sharded}
+                       "val": summary["last_val_loss"], "sharded": sharded, "sample": summary.get("sample")}
     return found
 
 
@@ -120,6 +124,8 @@ def test_the_recipes_train_on_two_stages_of_two_tensor_parallel_ranks(tmp_path):
             assert sharded, (name, rank)  # this rank's stage holds TP shards
             assert all(math.prod(local) * 2 == math.prod(shape) for shape, local in sharded.values()), (name, sharded)
         assert not (tmp_path / name / "checkpoints").exists()  # not at tp > 1 yet (conveyor.checkpoint)
+    samples = {result["gpt"]["sample"] for result in results}
+    assert len(samples) == 1 and (tmp_path / "gpt" / "sample.txt").is_file(), samples
 
 
 def test_the_dry_run_gives_each_rank_its_shards_at_the_chosen_tp():
