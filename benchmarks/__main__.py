@@ -15,6 +15,8 @@ Flags pick what runs (several may be given; none means ``--compare``):
                  (benchmarks/schedule_scale.py)
     --plan       predicted vs measured step time, plan by plan, emulated and GPT at P=2, 4 (benchmarks/plan.py)
     --tp-parity  pp=2 x dp=2 x tp=2 on 8 ranks: torch.equal to TP x DP without the pipeline (benchmarks/tp_parity.py)
+    --tp         conveyor train's llama at pp=2 x tp=2 vs pp=2: each rank's parameter, gradient and AdamW bytes,
+                 the step-time ratio with steal (benchmarks/tp_memory.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -35,7 +37,7 @@ from pathlib import Path
 
 PARTS = (
     "compare", "schedule", "schedule_scale", "split", "soak", "parallel", "data", "checkpoint", "train", "compile",
-    "plan", "tp_parity",
+    "plan", "tp_parity", "tp_memory",
 )
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
@@ -118,6 +120,8 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     compiled = parser.add_argument_group("--compile (compile=True vs eager)")
     compiled.add_argument("--compile-rounds", type=int, default=6, help="rounds, the side going first alternating")
     compiled.add_argument("--compile-steps", type=int, default=3, help="timed steps per side per round")
+    tp = parser.add_argument_group("--tp (tensor parallelism in conveyor train)")
+    tp.add_argument("--tp-steps", type=int, default=8, help="steps per side, the first 2 untimed and the last measured")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--plan", action="store_true", help="predicted vs measured step time per plan")
     parts.add_argument("--tp-parity", action="store_true",
                        help="pp=2 x dp=2 x tp=2 (8 ranks), ddp and fsdp, 1f1b and zbv: parity without the pipeline")
+    parts.add_argument("--tp", dest="tp_memory", action="store_true",
+                       help="tensor parallelism in conveyor train: bytes per rank and step time, tp=2 vs tp=1")
     parts.add_argument(
         "--quick", action="store_true",
         help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only",

@@ -104,9 +104,17 @@ class SearchSpace:
                                   "how far (relative) a lighter split's slowest stage may exceed the fastest "
                                   "split's and still be preferred when memory is short")
     top: int = _f(5, "plans the result lists (the chosen one first)")
+    tensor_parallel: Sequence[Any] = _f((), "tensor-parallel sizes to try, as conveyor.plan.tensor."
+                                            "TensorParallelOption records (what each tp does to the model); "
+                                            "given, the ranks are pp x tp (empty: tp=1, the ranks are pp)")
 
     def __post_init__(self) -> None:
         _set(self, "virtual", _positive_ints(self, "virtual", self.virtual, "e.g. virtual=(1, 2)"))
+        options = tuple(self.tensor_parallel or ())
+        if not all(hasattr(option, "tp") and hasattr(option, "modules") for option in options):
+            raise PlanError("SearchSpace.tensor_parallel takes conveyor.plan.tensor.TensorParallelOption records "
+                            f"(one per tp to try), got {self.tensor_parallel!r}")
+        _set(self, "tensor_parallel", options)
         if self.virtual is None:
             raise PlanError("SearchSpace.virtual must be positive ints, got None; e.g. virtual=(1, 2)")
         _positive(self, "balance_tolerance", "a fraction of the fastest split's slowest stage",
@@ -130,6 +138,8 @@ class Machine:
 
     bandwidth: float = _f(DEFAULT_BANDWIDTH, "bytes per second between neighbouring ranks (without a calibration)")
     latency: float = _f(DEFAULT_LATENCY, "seconds per message between neighbouring ranks (without a calibration)")
+    tensor_bandwidth: float | None = _f(None, "bytes per second inside a tensor-parallel group, one node (None: "
+                                              "bandwidth)")
     flops_per_second: float = _f(DEFAULT_FLOPS_PER_SECOND,
                                  "sustained device throughput, for costs from the cost model (a meta-device model)")
     bytes_per_second: float = _f(DEFAULT_BYTES_PER_SECOND,
@@ -146,6 +156,8 @@ class Machine:
     def __post_init__(self) -> None:
         _positive(self, "bandwidth", "bytes per second between neighbouring ranks", DEFAULT_BANDWIDTH)
         _positive(self, "latency", "seconds per message", DEFAULT_LATENCY, zero=True)
+        if self.tensor_bandwidth is not None:
+            _positive(self, "tensor_bandwidth", "bytes per second inside a tensor-parallel group", DEFAULT_BANDWIDTH)
         _positive(self, "flops_per_second", "sustained FLOP/s of one device", DEFAULT_FLOPS_PER_SECOND)
         _positive(self, "bytes_per_second", "memory bytes per second of one device", DEFAULT_BYTES_PER_SECOND)
         _positive(self, "optimizer_bytes_per_parameter", "bytes of optimizer state per parameter", 8.0, zero=True)

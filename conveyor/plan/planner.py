@@ -34,6 +34,7 @@ from conveyor.plan.profile import (
 )
 from conveyor.plan.result import Plan, format_size, parse_size
 from conveyor.plan.search import Candidate, SearchResult, microbatch_choices, search
+from conveyor.plan.tensor import TensorParallelOption, report_lines, search_tensor_parallel
 from conveyor.runtime.device import cpu_threads_per_rank
 
 
@@ -95,9 +96,30 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
             costs = unit_costs(model, args, example_kwargs, global_batch=global_batch, ranks=ranks,
                                microbatches=microbatches, machine=machine, measure=measure)
     resolved = dataclasses.replace(machine, calibration=calibration, cores=cores, threads=threads)
-    result = search(costs, ranks=ranks, global_batch=global_batch, memory_per_rank=limit, schedules=schedules,
-                    microbatches=microbatches, space=space, machine=resolved, optimizer_s_per_parameter=rate)
-    return choose(result, costs, top=space.top)
+
+    def search_one(table: CostTable, pipeline_ranks: int, option: TensorParallelOption | None) -> SearchResult:
+        if option is not None and option.tp > 1 and calibration is not None:
+            raise PlanError("a calibration predicts steps of whole stages only (tp=1); plan without --calibrate "
+                            "to compare tensor-parallel sizes")
+        return search(table, ranks=pipeline_ranks, global_batch=global_batch, memory_per_rank=limit,
+                      schedules=schedules, microbatches=microbatches, space=space, machine=resolved,
+                      optimizer_s_per_parameter=rate, tensor_parallel=option)
+
+    if not space.tensor_parallel:
+        return choose(search_one(costs, ranks, None), costs, top=space.top)
+    return _choose_tensor_parallel(costs, ranks, space, search_one, limit)
+
+
+def _choose_tensor_parallel(costs: CostTable, ranks: int, space: SearchSpace, search_one, limit: float) -> Plan:
+    """Search every tp of ``space.tensor_parallel`` at pp = ranks / tp; the chosen tp's plan, with the tp table."""
+    chosen, outcomes = search_tensor_parallel(costs, space.tensor_parallel, ranks=ranks, search_one=search_one,
+                                              memory_per_rank=limit)
+    report = report_lines(outcomes, ranks)
+    if chosen is None:
+        raise PlanError("no tensor-parallel size gives a plan that fits:\n" + "\n".join(report))
+    plan = choose(chosen.result, costs, top=space.top)
+    plan.tensor_parallel, plan.tensor_parallel_report = chosen.tp, report
+    return plan
 
 
 @contextlib.contextmanager
@@ -188,10 +210,16 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
         >>> print(format_plan(chosen).splitlines()[2])
           1  1f1b              1    4  layers.2                                   1.5 s   20.0%     953.67 MiB
     """
-    lines = [f"{'#':>3}  {'schedule':<16} {'V':>2} {'M':>4}  {'split points':<40} {'step':>8} {'bubble':>7} "
-             f"{'peak/rank':>14}",
-             "-" * 102,
-             f"{1:>3}  " + _cells(chosen.schedule, chosen.virtual, chosen.microbatches, chosen.split_points,
+    lines = []
+    if chosen.tensor_parallel_report:
+        lines += [*chosen.tensor_parallel_report,
+                  f"chosen tp={chosen.tensor_parallel}: {chosen.ranks} pipeline ranks x {chosen.tensor_parallel} "
+                  f"tensor-parallel ranks (conveyor train parallel.pp={chosen.ranks} parallel.tp="
+                  f"{chosen.tensor_parallel}); its best plans (memory: one TP rank's):", ""]
+    lines += [f"{'#':>3}  {'schedule':<16} {'V':>2} {'M':>4}  {'split points':<40} {'step':>8} {'bubble':>7} "
+              f"{'peak/rank':>14}",
+              "-" * 102,
+              f"{1:>3}  " + _cells(chosen.schedule, chosen.virtual, chosen.microbatches, chosen.split_points,
                                   chosen.step_time, chosen.bubble, max(chosen.memory_per_rank))]
     for index, line in enumerate(chosen.alternatives[: top - 1], start=2):
         lines.append(f"{index:>3}  {line}")

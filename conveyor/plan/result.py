@@ -78,6 +78,8 @@ class Plan:
     best_over_memory: str | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     schedule_costs: CostModel | None = None  # a cost-planned schedule's (zb-1p, zb-2p) costs: its order's source
+    tensor_parallel: int = 1  # each of the ``ranks`` pipeline ranks is a group of this many TP ranks
+    tensor_parallel_report: list[str] = field(default_factory=list)  # the tp search's table: a line per tp, why
 
     @property
     def microbatch_size(self) -> int:
@@ -115,6 +117,7 @@ class Plan:
             "settings": {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in self.settings.items()},
             "costs": None if self.costs is None else self.costs.to_json(),
             "schedule_costs": None if self.schedule_costs is None else _cost_model_json(self.schedule_costs),
+            "tensor_parallel": self.tensor_parallel, "tensor_parallel_report": self.tensor_parallel_report,
         }
 
     def save(self, path: str | Path) -> Path:
@@ -141,7 +144,8 @@ class Plan:
                        None if data.get("costs") is None else CostTable.from_json(data["costs"]),
                        list(data.get("alternatives", [])), dict(data.get("outcome", {})),
                        data.get("best_over_memory"), dict(data.get("settings", {})),
-                       None if data.get("schedule_costs") is None else _cost_model(data["schedule_costs"]))
+                       None if data.get("schedule_costs") is None else _cost_model(data["schedule_costs"]),
+                       int(data.get("tensor_parallel", 1)), list(data.get("tensor_parallel_report", [])))
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"{where} is malformed ({type(error).__name__}: {error}); write it again with "
                             f"`conveyor plan ... --out`") from None

@@ -26,6 +26,7 @@ from conveyor.plan.balance import StageSums, bounds_of, fastest_split, lightest_
 from conveyor.plan.costs import CostTable
 from conveyor.plan.options import Machine, SearchSpace
 from conveyor.plan.predict import predict_split, stage_costs
+from conveyor.plan.tensor import TensorParallelOption, shard_units
 
 if TYPE_CHECKING:  # measuring a calibration loads torch; searching with one does not
     from conveyor.plan.calibration import Calibration
@@ -117,7 +118,8 @@ def schedule_choices(schedules: Sequence[str] | None, virtual: Sequence[int]) ->
 def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: float,
            schedules: Sequence[str] | None = None, microbatches: Sequence[int] | None = None,
            space: SearchSpace = SearchSpace(), machine: Machine = Machine(),
-           optimizer_s_per_parameter: float = 0.0) -> SearchResult:
+           optimizer_s_per_parameter: float = 0.0,
+           tensor_parallel: TensorParallelOption | None = None) -> SearchResult:
     """Simulate the candidates worth simulating; see the module docstring.
 
     ``space`` adds the stages per rank to try and the balance tolerance; ``machine`` the links
@@ -126,6 +128,9 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
     :func:`~conveyor.plan.predict.predict_split`'s: the calibration's overheads and message
     latency (instead of the links'), its per-step time, and each rank's optimizer step at
     ``optimizer_s_per_parameter``, on ``machine.cores`` shared CPU cores (None or "auto": a device per rank).
+    ``tensor_parallel`` (a :class:`~conveyor.plan.tensor.TensorParallelOption`): each of the ``ranks``
+    pipeline ranks is a group of its ``tp`` ranks, the units costed as one of them
+    (:func:`~conveyor.plan.tensor.shard_units`).
 
     Example:
         >>> from conveyor.plan.costs import synthetic_table
@@ -149,6 +154,7 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
     context = _Context(table, ranks, global_batch, memory_per_rank, machine.bandwidth, machine.latency,
                        machine.optimizer_bytes_per_parameter, space.balance_tolerance)
     context.calibration, context.optimizer_rate, context.cores = calibration, optimizer_s_per_parameter, cores
+    context.tensor, context.tensor_bandwidth = tensor_parallel, machine.tensor_bandwidth or machine.bandwidth
     queue = []
     for m in ms:
         for name, v in schedule_choices(schedules, space.virtual):
@@ -176,6 +182,8 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
                     balance_tolerance=space.balance_tolerance,
                     calibration=None if calibration is None else calibration.as_dict(),
                     optimizer_s_per_parameter=optimizer_s_per_parameter, cores=cores)
+    if tensor_parallel is not None:
+        settings["tensor_parallel"] = tensor_parallel.tp
     return SearchResult(queue, settings)
 
 
@@ -200,11 +208,17 @@ class _Context:
         self.calibration: Calibration | None = None
         self.optimizer_rate, self.cores = 0.0, None
         self._sums: dict[int, StageSums] = {}
+        self.tensor: TensorParallelOption | None = None
+        self.tensor_bandwidth = bandwidth
         self._fastest: dict[tuple[int, int], list[int]] = {}
 
     def sums(self, m: int) -> StageSums:
         if m not in self._sums:
-            self._sums[m] = StageSums(self.table.at(self.global_batch // m), optimizer_bytes=self.optimizer_bytes)
+            size = self.global_batch // m
+            units = self.table.at(size)
+            if self.tensor is not None:
+                units = shard_units(units, self.tensor, size, bandwidth=self.tensor_bandwidth, latency=self.latency)
+            self._sums[m] = StageSums(units, optimizer_bytes=self.optimizer_bytes)
         return self._sums[m]
 
     def fastest(self, m: int, v: int) -> list[int]:

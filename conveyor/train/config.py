@@ -81,6 +81,11 @@ class ParallelConfig:
     microbatches: int = _f(4, "microbatches per step (must divide the per-replica batch)")
     dp: int = _f(1, "data-parallel replicas")
     data_parallel: str = _f("ddp", "ddp | fsdp (how replicas share gradients)")
+    tp: int = _f(1, "tensor-parallel ranks per stage: the mesh is (pp, dp, tp), tp innermost, so a stage's TP "
+                    "ranks are neighbours (one node); tensor_parallel='auto' splits attention, MLPs, embedding "
+                    "and head")
+    sequence_parallel: bool = _f(False, "with parallel.tp > 1: activations between blocks sharded on the "
+                                        "sequence (norms and dropout per shard)")
     plan: str | None = _f(None, "a plan file from `conveyor plan --out`: its schedule, virtual, microbatches and "
                                 "split points replace these keys' (None: split by parameters)")
     in_process: bool = _f(False, "every pipeline rank in this one process (no launcher; parallel.dp=1): the "
@@ -154,8 +159,8 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes the run needs: ``pp x dp`` (1 with ``parallel.in_process``)."""
-        return 1 if self.parallel.in_process else self.parallel.pp * self.parallel.dp
+        """Processes the run needs: ``pp x dp x tp`` (1 with ``parallel.in_process``)."""
+        return 1 if self.parallel.in_process else self.parallel.pp * self.parallel.dp * self.parallel.tp
 
     @property
     def checkpoint_dir(self) -> str:
@@ -199,7 +204,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
                 world_size: int | None = None) -> TrainConfig:
     """The defaults, then the YAML file at ``path`` (if any), then ``overrides`` (``"section.key=value"``), checked.
 
-    ``world_size`` (when known, e.g. from the launcher) must equal ``parallel.pp x parallel.dp``.
+    ``world_size`` (when known, e.g. from the launcher) must equal ``parallel.pp x parallel.dp x parallel.tp``.
     Raises :class:`~conveyor.errors.ConfigError` for an unknown key, a value of the wrong
     type or outside its choices or range, naming key, value and what is allowed.
 

@@ -40,7 +40,7 @@ RANGES = {
     "model.seq_len": (1, None, False), "model.intermediate": (1, None, False), "model.kv_heads": (1, None, False),
     "data.val_fraction": (0.0, 1.0, False), "data.max_bytes": (1, None, False),
     "parallel.pp": (1, None, False), "parallel.virtual": (1, None, False),
-    "parallel.microbatches": (1, None, False), "parallel.dp": (1, None, False),
+    "parallel.microbatches": (1, None, False), "parallel.dp": (1, None, False), "parallel.tp": (1, None, False),
     "optim.lr": (0.0, None, True), "optim.weight_decay": (0.0, None, False),
     "optim.warmup_steps": (0, None, False), "optim.min_lr_ratio": (0.0, 1.0, False),
     "train.steps": (1, None, False), "train.batch_size": (1, None, False),
@@ -57,7 +57,7 @@ _SIZE_KEYS = ("parallel.", "train.batch_size", "model.layers")
 def validate(cfg: Any, *, world_size: int | None = None, problems: Sequence[str] = ()) -> None:
     """Raise a ConfigError listing every rule ``cfg`` breaks (nothing when it keeps them all).
 
-    ``world_size``, when known, must equal ``parallel.pp x parallel.dp``. ``problems``: found before
+    ``world_size``, when known, must equal ``parallel.pp x parallel.dp x parallel.tp``. ``problems``: found before
     (the option records' own refusals), listed with the rest.
     """
     problems = list(problems)
@@ -185,14 +185,50 @@ def _check_parallel(cfg: Any, problems: list[str], world_size: int | None) -> No
     if par.in_process and par.dp != 1:
         problems.append(f"parallel.in_process=true runs one replica's pipeline ranks in one process, but "
                         f"parallel.dp={par.dp}; set parallel.dp=1 or parallel.in_process=false")
+    if par.in_process and par.tp != 1:
+        problems.append(f"parallel.in_process=true runs every pipeline rank in one process, but parallel.tp="
+                        f"{par.tp} needs a process per tensor-parallel rank; set parallel.tp=1 or "
+                        f"parallel.in_process=false")
     if world_size is not None and cfg.world_size != world_size:
-        problems.append(f"parallel.pp x parallel.dp = {par.pp} x {par.dp} = {par.pp * par.dp}, but the job "
-                        f"has {world_size} ranks; make pp x dp equal {world_size}"
-                        if not par.in_process else
+        problems.append(_world_mismatch(par, world_size) if not par.in_process else
                         f"parallel.in_process=true runs in one process, but the job has {world_size} ranks; "
                         f"launch one process")
     _check_plan(cfg, problems)
     _check_schedule(cfg, problems)
+    _check_tensor_parallel(cfg, problems)
+
+
+def _world_mismatch(par: Any, world_size: int) -> str:
+    """The launched ranks are not ``pp x dp x tp``: say so, with the sizes that would fit."""
+    product = par.pp * par.dp * par.tp
+    text = (f"parallel.pp x parallel.dp x parallel.tp = {par.pp} x {par.dp} x {par.tp} = {product}, but the job "
+            f"has {world_size} ranks; make pp x dp x tp equal {world_size}")
+    if world_size % par.tp:
+        text += f" (parallel.tp={par.tp} must divide the {world_size} ranks)"
+    elif par.tp > 1 and world_size % (par.tp * par.dp) == 0:
+        text += f", e.g. parallel.pp={world_size // (par.tp * par.dp)} with parallel.dp={par.dp} x parallel.tp={par.tp}"
+    return text
+
+
+def _check_tensor_parallel(cfg: Any, problems: list[str]) -> None:
+    """sequence_parallel goes with tp; the model takes the "auto" plan at tp (built on the meta device)."""
+    par = cfg.parallel
+    if par.sequence_parallel and par.tp == 1:
+        problems.append("parallel.sequence_parallel=true shards the activations over the tensor-parallel ranks, but "
+                        "parallel.tp=1; set parallel.tp > 1 (e.g. 2) or parallel.sequence_parallel=false")
+        return
+    if par.tp == 1:
+        return
+    from conveyor.train.tensor_parallel import CHECKPOINT_NOTE, checkpoints_written
+
+    if cfg.checkpoint.resume not in (False, "false", "") and not checkpoints_written(cfg):
+        problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r} with parallel.tp={par.tp}: {CHECKPOINT_NOTE}, "
+                        f"nor loaded; resume with parallel.tp=1 or set checkpoint.resume=false")
+    if any(p.startswith(("model.", "data.tokenizer")) for p in problems):
+        return
+    from conveyor.train.tensor_parallel import tensor_parallel_problems
+
+    problems.extend(tensor_parallel_problems(cfg))
 
 
 def _check_plan(cfg: Any, problems: list[str]) -> None:
@@ -207,6 +243,10 @@ def _check_plan(cfg: Any, problems: list[str]) -> None:
     if plan.ranks != cfg.parallel.pp:
         problems.append(f"parallel.plan={cfg.parallel.plan!r} is for {plan.ranks} pipeline ranks but parallel.pp="
                         f"{cfg.parallel.pp}; set parallel.pp={plan.ranks} or plan again with --ranks {cfg.parallel.pp}")
+    elif getattr(plan, "tensor_parallel", 1) != cfg.parallel.tp:
+        problems.append(f"parallel.plan={cfg.parallel.plan!r} is for pipeline ranks of {plan.tensor_parallel} "
+                        f"tensor-parallel ranks but parallel.tp={cfg.parallel.tp}; set parallel.tp="
+                        f"{plan.tensor_parallel} or plan again with --tp {cfg.parallel.tp}")
     elif plan.global_batch != cfg.replica_batch_size:
         problems.append(f"parallel.plan={cfg.parallel.plan!r} was made for a batch of {plan.global_batch} per "
                         f"replica, the run has train.batch_size / parallel.dp = {cfg.replica_batch_size}; set "

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,13 @@ class StageRow:
     parameters: int
     activation_bytes: int  # what one microbatch keeps until its backward (checkpointed: the inputs)
     recompute_bytes: int  # the stage's full set, alive while a checkpointed stage recomputes
+    local_parameters: int = -1  # on one tensor-parallel rank (parallel.tp > 1); -1: all of ``parameters``
+    shards: list = field(default_factory=list)  # its parameters' shards on one TP rank (tensor_parallel.Shard)
+
+    @property
+    def held(self) -> int:
+        """Parameters one rank of this stage holds: its TP shard's, else all of them."""
+        return self.parameters if self.local_parameters < 0 else self.local_parameters
 
 
 @dataclass
@@ -115,8 +123,22 @@ def run_layout(cfg: TrainConfig) -> RunLayout:
         blocks = {m for m in modules if _BLOCK.match(m + ".")}
         layout.stages.append(StageRow(stage, schedule.placement.rank_of(stage), modules[0], modules[-1], len(blocks),
                                     sum(sizes[name] for name in names), *saved[stage]))
+    if p.tp > 1:
+        _add_shards(cfg, model, split, layout.stages)
     layout.ranks = _rank_memory(cfg, schedule, layout.stages)
     return layout
+
+
+def _add_shards(cfg: TrainConfig, model: torch.nn.Module, split: Any, stages: list[StageRow]) -> None:
+    """Each stage's parameters as one TP rank holds them, placed as the pipeline places them (the same plan)."""
+    from conveyor.train.tensor_parallel import model_placements_for, parameter_shards
+
+    placements = model_placements_for(cfg, model, split.tied_groups)
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    for row in stages:
+        names = split.stage_parameter_names(row.stage)
+        row.shards = parameter_shards([(name, tensors[name]) for name in names], placements, cfg.parallel.tp)
+        row.local_parameters = sum(shard.local_bytes // tensors[shard.name].element_size() for shard in row.shards)
 
 
 def _block_of(name: str) -> str:
@@ -212,7 +234,7 @@ def _rank_memory(cfg: TrainConfig, schedule: Any, stages: list[StageRow]) -> lis
     rows = []
     for rank in range(schedule.num_ranks):
         mine = [row for row in stages if row.rank == rank]
-        parameters = sum(row.parameters for row in mine)
+        parameters = sum(row.held for row in mine)
         state = BYTES_PER_PARAMETER * parameters
         if fsdp:
             # Shards, plus every stage of the rank gathered for the whole step (conveyor gathers
@@ -237,7 +259,8 @@ def format_layout(layout: RunLayout, cfg: TrainConfig) -> str:
     p = cfg.parallel
     micro = cfg.replica_batch_size // p.microbatches
     lines = [f"conveyor train --dry-run: {layout.model_class}, {layout.total_parameters:,} parameters "
-             f"({layout.total_parameters / 1e9:.2f}B); pp={p.pp} x dp={p.dp}, schedule {p.schedule}, "
+             f"({layout.total_parameters / 1e9:.2f}B); pp={p.pp} x dp={p.dp}{f' x tp={p.tp}' if p.tp > 1 else ''}, "
+             f"schedule {p.schedule}, "
              f"{len(layout.stages)} stages, {p.microbatches} microbatches of {micro} x {cfg.model.seq_len} tokens"]
     width = max(len(r.first) for r in layout.stages) + 2
     lines.append(f"{'stage':>5}  {'rank':>4}  {'first module':<{width}}{'last module':<{width}}{'blocks':>6}  "
@@ -251,6 +274,8 @@ def format_layout(layout: RunLayout, cfg: TrainConfig) -> str:
                      f"{_gib(r.total_bytes):>9}")
     if layout.tied:
         lines.append("tied: " + "; ".join(layout.tied) + " (each stage holding it keeps a copy)")
+    if p.tp > 1:
+        lines += shard_lines(layout, cfg)
     sharded = p.data_parallel == "fsdp" and p.dp > 1
     lines += [
         "memory per rank = parameters, gradients and AdamW's two moments in fp32 (16 bytes per parameter"
@@ -261,9 +286,49 @@ def format_layout(layout: RunLayout, cfg: TrainConfig) -> str:
                                 "full set while it is recomputed" if cfg.stage.checkpoint_activations else ""),
         "    x the microbatches in flight at the peak of the schedule's simulation (uniform pass costs)",
         "  not counted: the framework (~0.4 GiB per rank on CPU), communication buffers, the data",
+        *(["  with tp: parameters, gradients and AdamW state are each TP rank's shards (above); activations are "
+           "the whole stage's, an upper bound (TP splits those inside attention and the MLP)"] if p.tp > 1 else []),
         "nothing was allocated and no rank was started",
     ]
     return "\n".join(lines)
+
+
+def global_ranks(parallel: Any, pipeline_rank: int) -> list[int]:
+    """The global ranks holding pipeline rank ``pipeline_rank``'s stages on the ("pp", "dp", "tp") mesh, tp innermost.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> global_ranks(SimpleNamespace(pp=2, dp=2, tp=2), 1)
+        [4, 5, 6, 7]
+    """
+    per_stage = parallel.dp * parallel.tp
+    return list(range(pipeline_rank * per_stage, (pipeline_rank + 1) * per_stage))
+
+
+def shard_lines(layout: RunLayout, cfg: TrainConfig) -> list[str]:
+    """Each pipeline rank's parameters as one of its TP ranks holds them: name pattern (blocks as ``*``), how
+    many, whole shape, placement, local shape, local bytes; and the rank's bytes against the whole stage's."""
+    from conveyor.train.tensor_parallel import mesh_shape
+
+    p = cfg.parallel
+    mesh = " x ".join(f"{name}={size}" for name, size in mesh_shape(p))
+    lines = [f"tensor parallel: tp={p.tp} on the mesh {mesh} (tp innermost: a stage's TP ranks are consecutive "
+             f"global ranks, inside one node); the parameters one TP rank holds:"]
+    for rank in sorted({row.rank for row in layout.stages}):
+        shards = [shard for row in layout.stages if row.rank == rank for shard in row.shards]
+        whole = sum(math.prod(s.shape) * (s.local_bytes // max(1, math.prod(s.local_shape))) for s in shards)
+        local = sum(s.local_bytes for s in shards)
+        lines.append(f"  pipeline rank {rank} (global ranks {', '.join(map(str, global_ranks(p, rank)))}): "
+                     f"{_gib(local)} of its stages' {_gib(whole)} of parameters on each")
+        groups: dict[tuple, list] = {}
+        for s in shards:
+            key = (re.sub(r"\.\d+\.", ".*.", s.name), s.shape, s.placement, s.local_shape)
+            groups.setdefault(key, []).append(s.local_bytes)
+        width = max(len(key[0]) for key in groups) + 2
+        for (pattern, shape, placement, local_shape), sizes in groups.items():
+            lines.append(f"    {pattern:<{width}}x{len(sizes):<4}{str(shape):<16}{placement:<13}-> "
+                         f"{str(local_shape):<16}{_gib(sum(sizes)):>12}")
+    return lines
 
 
 def _gib(size: float) -> str:

@@ -1,7 +1,7 @@
 """``conveyor train [CONFIG.yaml] [key=value ...]``: check the config, then start the ranks and train.
 
 The config is loaded and validated in this process before anything starts, so a mistake
-costs no process. Outside a launcher, :func:`launch` starts ``pp x dp`` local workers with
+costs no process. Outside a launcher, :func:`launch` starts ``pp x dp x tp`` local workers with
 torch's elastic launcher (what ``torchrun`` runs: a c10d rendezvous on a free local port);
 under ``torchrun`` (``RANK`` or ``TORCHELASTIC_RUN_ID`` in the environment) this process is
 already one of the ranks, and it trains as it is. With ``run.max_restarts=N`` (or ``torchrun
@@ -76,7 +76,8 @@ def already_launched() -> bool:
 def prepare(args: Sequence[str]) -> TrainConfig:
     """The checked config the arguments name (raises ConfigError, naming the key, on a mistake).
 
-    Under a launcher, the launched world size must match ``parallel.pp x parallel.dp``. The
+    Under a launcher, the launched world size must match ``parallel.pp x parallel.dp x parallel.tp``, and
+    ``parallel.tp`` must divide the ranks of each node (a TP group inside one node). The
     data's splits must hold what the ranks need (:func:`~conveyor.train.data_check.check_data`), and
     ``run.device=cuda`` needs a GPU per local rank (:func:`choose_devices`).
 
@@ -87,9 +88,34 @@ def prepare(args: Sequence[str]) -> TrainConfig:
     path, overrides = split_arguments(args)
     world = int(os.environ["WORLD_SIZE"]) if already_launched() and "WORLD_SIZE" in os.environ else None
     cfg = load_config(path, overrides, world_size=world)
+    if already_launched():
+        check_tp_inside_nodes(cfg, local_ranks())
     check_data(cfg)  # a split too short for a batch fails here, not in every rank after the launch
     choose_devices(cfg, local_ranks() if already_launched() else cfg.world_size)  # run.device=cuda without GPUs
     return cfg
+
+
+def check_tp_inside_nodes(cfg: TrainConfig, local: int) -> None:
+    """``parallel.tp`` divides ``local``, the ranks a launcher starts on each node, so that every TP group (its
+    collectives run in every layer) lies inside one node; a ConfigError naming the fix otherwise.
+
+    The mesh is ("pp", "dp", "tp") with tp innermost, and torchrun numbers a node's ranks consecutively.
+
+    Example:
+        >>> check_tp_inside_nodes(load_config(None, ["parallel.tp=2"]), 4)
+        >>> check_tp_inside_nodes(load_config(None, ["parallel.tp=4", "parallel.pp=1"]), 2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        conveyor.errors.ConfigError: parallel.tp=4 does not divide the 2 ranks each node runs (LOCAL_WORLD_SIZE)...
+    """
+    from conveyor.errors import ConfigError
+
+    tp = cfg.parallel.tp
+    if tp > 1 and local % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide the {local} ranks each node runs (LOCAL_WORLD_SIZE): a "
+                          f"tensor-parallel group would span nodes, its per-layer collectives over the network; "
+                          f"launch a multiple of {tp} ranks per node (torchrun --nproc-per-node), or choose a "
+                          f"parallel.tp that divides {local}")
 
 
 def worker(cfg: TrainConfig, exit_when_stopped: bool = True, say_note: bool = True) -> dict:
@@ -248,7 +274,7 @@ def free_port() -> int:
 
 
 def launch(cfg: TrainConfig) -> int:
-    """Run :func:`worker` on ``pp x dp`` local ranks through torch's elastic launcher; returns an exit status.
+    """Run :func:`worker` on ``pp x dp x tp`` local ranks through torch's elastic launcher; returns an exit status.
 
     When a rank fails, the launcher ends the others; with ``run.max_restarts`` left it starts
     every rank again (each then resumes from the latest checkpoint this job wrote), else the
@@ -271,7 +297,8 @@ def launch(cfg: TrainConfig) -> int:
     on = ("a GPU each over NCCL" if devices.backend == "nccl" else
           "shared GPUs over gloo" if devices.device == "cuda" else "the CPU over gloo")
     ranks = (f"1 process holding every rank (pp={cfg.parallel.pp}, parallel.in_process)" if cfg.parallel.in_process
-             else f"{cfg.world_size} local ranks (pp={cfg.parallel.pp} x dp={cfg.parallel.dp})")
+             else f"{cfg.world_size} local ranks (pp={cfg.parallel.pp} x dp={cfg.parallel.dp}"
+             + (f" x tp={cfg.parallel.tp})" if cfg.parallel.tp > 1 else ")"))
     print(f"conveyor train: {ranks} on {on}, run dir {cfg.run.dir}"
           + (f", up to {restarts} restart(s)" if restarts else ""), flush=True)
     if devices.note:

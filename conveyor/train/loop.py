@@ -160,30 +160,30 @@ def lr_lambda(cfg: TrainConfig):
 
 
 def build_pipeline(cfg: TrainConfig, model: torch.nn.Module, loss_fn: Any = None) -> Any:
-    """This rank's pipeline of ``model`` (over a ("dp", "pp") mesh when ``parallel.dp`` > 1; every rank in
-    this process with ``parallel.in_process``), on the device :func:`~conveyor.train.launch.choose_devices`
+    """This rank's pipeline of ``model`` (over a ("dp", "pp") mesh when ``parallel.dp`` > 1, a ("pp"[, "dp"],
+    "tp") mesh with ``tensor_parallel="auto"`` when ``parallel.tp`` > 1; every rank in this process with
+    ``parallel.in_process``), on the device :func:`~conveyor.train.launch.choose_devices`
     gives this rank (its GPU, or the CPU), with ``loss_fn`` (None: :func:`train_loss`'s for the model).
     The config's ``stage`` and ``transfer`` sections are the pipeline's records, passed whole."""
     from conveyor.train.launch import stage_device
+    from conveyor.train.tensor_parallel import training_mesh
 
     p = cfg.parallel
     device = stage_device(cfg)
-    mesh = None
-    if p.dp > 1:
-        from conveyor.parallel.mesh import pipeline_mesh
-
-        mesh = pipeline_mesh(p.pp, device.type)
+    mesh = training_mesh(p, device.type)  # (pp[, dp], tp) with tp innermost; ("dp", "pp") for replicas alone
     microbatch = cfg.replica_batch_size // p.microbatches
     example = torch.zeros(microbatch, cfg.model.seq_len, dtype=torch.long)
-    layout = conveyor.Layout(device=device, in_process=p.in_process, ranks=p.pp if p.in_process else None)
+    layout = conveyor.Layout(device=device, in_process=p.in_process, ranks=p.pp if p.in_process else None,
+                             mesh=mesh, data_parallel=p.data_parallel if p.dp > 1 else None,
+                             tensor_parallel="auto" if p.tp > 1 else None,
+                             sequence_parallel=p.sequence_parallel and p.tp > 1)
     options = conveyor.PipelineOptions(virtual=p.virtual, stage=cfg.stage, transfer=cfg.transfer, layout=layout,
                                        split=conveyor.SplitOptions(method="parameters"))
     # With a plan (read once, by load_config), the pipeline takes schedule, microbatches, virtual and the cut
     # from it, the schedule's order too where it was planned for the measured costs (zb-1p, zb-2p).
     return conveyor.pipeline(model, example_args=(example,), plan=cfg.plan, schedule=p.schedule,
                              microbatches=p.microbatches,
-                             loss_fn=loss_fn if loss_fn is not None else train_loss(cfg, model),
-                             mesh=mesh, data_parallel=p.data_parallel if mesh is not None else None, options=options)
+                             loss_fn=loss_fn if loss_fn is not None else train_loss(cfg, model), options=options)
 
 
 @dataclass
@@ -355,7 +355,8 @@ def loss_parts(run: Run, normalize_by: Any = None) -> dict[str, float]:
         total += run.loss_fn.step_parts(divisor).double()
     total = total.to(group_device(pipe.device))
     dist.all_reduce(total)
-    lm, aux = (total / pipe.dp_size).tolist()
+    # Every TP rank of a last stage holds the same parts: counted once per replica.
+    lm, aux = (total / (pipe.dp_size * run.cfg.parallel.tp)).tolist()
     return {"lm_loss": lm, "aux_loss": aux}
 
 
@@ -420,6 +421,11 @@ def loop(run: Run) -> Path | None:
     evaluating = cfg.train.eval_interval > 0 and cfg.data.val_fraction > 0
     start = time.perf_counter()
     run.progress = Progress(cfg.train.steps, run.step, cfg.run.log_interval, enabled=run.rank0)
+    from conveyor.train.tensor_parallel import CHECKPOINT_NOTE, checkpoints_written
+
+    checkpointing = checkpoints_written(cfg)
+    if not checkpointing and run.rank0:
+        print(f"conveyor train: {CHECKPOINT_NOTE}", flush=True)
     if evaluating and run.step == 0:
         validate_now(run, start)  # the loss before training, to compare the last one with
     saved = None
@@ -446,13 +452,13 @@ def loop(run: Run) -> Path | None:
         if evaluating and (run.step % cfg.train.eval_interval == 0 or run.step == cfg.train.steps):
             validate_now(run, start)
         interval = cfg.checkpoint.interval
-        if (interval and run.step % interval == 0) or run.step == cfg.train.steps:
+        if checkpointing and ((interval and run.step % interval == 0) or run.step == cfg.train.steps):
             saved = save_checkpoint(run)
     return saved
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says, on this rank of an initialised process group of ``pp x dp`` ranks.
+    """Train as ``cfg`` says, on this rank of an initialised process group of ``pp x dp x tp`` ranks.
 
     Returns (on every rank) a summary: steps, first and last training and validation
     losses, tokens per second, the last checkpoint, why it stopped early (or None), peak RSS
@@ -465,7 +471,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         summary = train(load_config("configs/gpt.yaml", world_size=dist.get_world_size()))
     """
     if dist.get_world_size() != cfg.world_size:
-        raise ConfigError(f"parallel.pp x parallel.dp = {cfg.world_size}, but {dist.get_world_size()} "
+        raise ConfigError(f"parallel.pp x parallel.dp x parallel.tp = {cfg.world_size}, but {dist.get_world_size()} "
                           f"ranks were launched")
     run = setup(cfg)
     pictures: dict[str, Any] = {}

@@ -46,6 +46,10 @@ def parity_problems(cfg: Any) -> list[str]:
     rules = [
         (cfg.parallel.dp != 1, f"parallel.dp={cfg.parallel.dp} replicas have no single-device reference here; "
                                f"set parallel.dp=1"),
+        (cfg.parallel.tp != 1, f"parallel.tp={cfg.parallel.tp}: tensor parallelism "
+                                              f"sums the row-parallel projections' partial products in another "
+                                              f"order, so its steps match one device to rounding, not bit for "
+                                              f"bit; set parallel.tp=1"),
         (cfg.stage.autocast is not None, f"stage.autocast={cfg.stage.autocast!r}: the reference trains in fp32; "
                                          f"set stage.autocast=null"),
         (cfg.stage.param_dtype is not None, f"stage.param_dtype={cfg.stage.param_dtype!r}: the reference trains "

@@ -6,12 +6,19 @@ key, e.g. ``--set model.layers=8 --set model.hf_config.rope_theta=5e5``), or
 ``package.module:function`` returning ``(model, example_microbatch)``. Config models get one
 microbatch of token ids of ``model.seq_len`` for the smallest microbatch the search may pick.
 ``--analytic`` builds the model on the meta device and costs it from its shapes instead of
-running it (a 70B config plans in seconds).
+running it (a 70B config plans in seconds). ``--tp`` (default ``auto``: every divisor of ``--ranks``)
+tries each tensor-parallel size with ``pp = ranks / tp`` pipeline ranks (tp innermost), the model's
+units costed as one TP rank runs them (:mod:`conveyor.plan.tensor`), and prints a line per tp with
+its best plan and why it won or lost (a size tp does not divide, over memory, how much slower);
+``--tp 1`` plans a pipeline of ``--ranks`` ranks alone.
 
 Example:
     >>> from conveyor.cli import main
     >>> main(["plan", "gpt", "--ranks", "2", "--global-batch", "4", "--memory-per-rank", "1GiB", "--analytic",
     ...       "--set", "model.layers=2", "--set", "model.width=32"])  # doctest: +ELLIPSIS
+    tensor parallel: 2 ranks as pp x tp (tp innermost, inside a node)...
+       1    2  ...
+       2    1  ...
       #  schedule ...
     0
 """
@@ -50,6 +57,10 @@ def add_parser(commands: Any, positive_int: Any) -> None:
                       help="sustained device throughput for --analytic (Machine.flops_per_second; default 4e14)")
     plan.add_argument("--repeats", type=positive_int, default=3,
                       help="timed rounds per unit, best kept (Measurement.repeats)")
+    plan.add_argument("--tp", default="auto", metavar="auto|T,T",
+                      help="tensor-parallel sizes to try, each with pp = P / tp (tp innermost, inside a node): 'auto' "
+                           "(default): every divisor of --ranks; '1': a pipeline of P ranks alone "
+                           "(SearchSpace.tensor_parallel)")
     plan.add_argument("--calibrate", action="store_true",
                       help="measure this machine's runtime overheads first (a few seconds) and predict the step "
                            "with them and each rank's AdamW step: the step a real run is checked against "
@@ -76,14 +87,45 @@ def run(args: argparse.Namespace) -> int:
 
         machine = dataclasses.replace(machine, calibration=calibrate(conveyor.Pipeline, ranks=args.ranks))
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
+    options = tensor_parallel_options(model, example, args.ranks, getattr(args, "tp", "1"))
     chosen = plan(model, example, ranks=args.ranks, global_batch=args.global_batch, memory_per_rank=limit,
-                  schedules=schedules, space=SearchSpace(top=args.top), machine=machine,
+                  schedules=schedules, space=SearchSpace(top=args.top, tensor_parallel=options), machine=machine,
                   measure=Measurement(repeats=args.repeats))
     print(format_plan(chosen, top=args.top))
     print(f"planned in {time.perf_counter() - started:.1f} s")
     if args.out:
         print(f"wrote {chosen.save(args.out)}")
     return 0
+
+
+def tensor_parallel_options(model: Any, example: Any, ranks: int, spec: str) -> tuple:
+    """The :class:`~conveyor.plan.tensor.TensorParallelOption` records ``--tp`` asks for (empty for tp=1 alone:
+    the ranks are the pipeline's, as before tensor parallelism).
+
+    Example:
+        >>> model, example = resolve_model("llama", ["model.layers=2", "model.width=32", "model.heads=2"],
+        ...                                analytic=True, microbatch=1)
+        >>> [(o.tp, o.refused is None) for o in tensor_parallel_options(model, example, 4, "auto")]
+        [(1, True), (2, True), (4, False)]
+    """
+    from conveyor.plan.tensor import tp_sizes
+    from conveyor.train.tensor_parallel import tensor_parallel_option
+
+    if spec.strip() == "auto":
+        sizes = tp_sizes(ranks)
+    else:
+        try:
+            sizes = sorted({int(part) for part in spec.split(",") if part.strip()})
+        except ValueError:
+            raise UsageError(f"--tp {spec!r}: expected 'auto' or tensor-parallel sizes such as 1,2,4") from None
+        bad = [tp for tp in sizes if tp < 1 or ranks % tp]
+        if bad or not sizes:
+            raise UsageError(f"--tp {spec!r}: each size must divide --ranks {ranks} (pp = ranks / tp); "
+                             f"try some of {', '.join(map(str, tp_sizes(ranks)))}")
+    if sizes == [1]:
+        return ()
+    seq_len = int(example.shape[1]) if getattr(example, "dim", lambda: 0)() >= 2 else 1
+    return tuple(tensor_parallel_option(model, tp, seq_len) for tp in sizes)
 
 
 def _smallest_microbatch(global_batch: int, ranks: int) -> int:

@@ -47,7 +47,7 @@ def test_the_plan_command_prints_the_table_and_writes_a_plan_train_accepts(tmp_p
     out = tmp_path / "plan.json"
     status = main(["plan", "gpt", "--ranks", "2", "--global-batch", "8", "--memory-per-rank", "2GiB", "--top", "3",
                    "--set", "model.layers=4", "--set", "model.width=32", "--set", "model.seq_len=32",
-                   "--repeats", "1", "--schedules", "1f1b,zb-h1,interleaved-1f1b", "--out", str(out)])
+                   "--repeats", "1", "--schedules", "1f1b,zb-h1,interleaved-1f1b", "--tp", "1", "--out", str(out)])
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert "schedule" in printed and "chosen:" in printed and "others:" in printed and "wrote" in printed
