@@ -28,7 +28,7 @@ from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import LossBroadcast
 from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.replicas import Replicas, check_data_parallel
-from conveyor.parallel.tied import TiedGradients
+from conveyor.parallel.tied import TiedGradients, tied_copies_outside_their_first_stage
 from conveyor.runtime.device import group_device, make_current, place_modules, resolve_device
 from conveyor.runtime.executor import RankExecutor
 from conveyor.runtime.lifecycle import RankLifecycle
@@ -151,6 +151,8 @@ class DistributedRanks:
         dp_mesh = self.layout.mesh["dp"] if self.tensor_parallel is not None else None
         replicas = Replicas(self.data_parallel, group, self.dp_size, pipe.runners, self.device.type, mesh=dp_mesh)
         replicas.wrap()
+        # Wrapping swapped the stages' Parameters for FSDP2's: clipping must skip the new copies.
+        pipe._tied_copies = tied_copies_outside_their_first_stage(pipe.runners, pipe.tied_parameters)
         # Checkpoints are written by every replica together: DCP writes a replicated tensor
         # once and each shard of a sharded one by its holder.
         self.checkpoint_group = self.life.job_group()

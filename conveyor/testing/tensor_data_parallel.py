@@ -137,7 +137,8 @@ def tp_dp_alone(name: str, num_stages: int, mesh, kind: str, pipeline_stages: in
 
     losses, norms = _train_alone(stages, mesh, lambda step: _microbatches(_batches(step, layout.dp_size,
                                                                                   layout.dp_rank)), microbatch_loss)
-    return losses, norms, {n: p for stage in stages for n, p in stage.named_parameters()}
+    # A tied parameter under each of its names: the pipeline's stages hold it under either.
+    return losses, norms, {n: p for stage in stages for n, p in stage.named_parameters(remove_duplicate=False)}
 
 
 def _layers(name: str, num_stages: int) -> int:
