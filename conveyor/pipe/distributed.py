@@ -108,7 +108,12 @@ class DistributedRanks:
     def place(self, modules: Sequence[torch.nn.Module]) -> tuple[torch.device, dict[int, list]]:
         """This rank's device (its modules moved there, a GPU made current), and its modules."""
         stages = self.schedule.stages_of(self.rank)
-        self.device = make_current(place_modules(modules, stages, resolve_device(self.layout.device)))
+        listed = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+        # A meta-device model's traced stages under tensor parallelism are materialized shard by
+        # shard when parallelized (conveyor.parallel.tensor.shards), on this device.
+        placed = [(m, s) for m, s in zip(listed, stages) if getattr(m, "_conveyor_shard_source", None) is None]
+        self.device = make_current(place_modules([m for m, _ in placed], [s for _, s in placed],
+                                                 resolve_device(self.layout.device)))
         self.comm_device = group_device(self.device, self.group)  # NCCL: the stage's GPU; gloo: the CPU
         return self.device, {self.rank: modules if isinstance(modules, torch.nn.Module) else list(modules)}
 

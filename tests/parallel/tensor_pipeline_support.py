@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -346,3 +347,56 @@ def traced_refusals(rank: int, world_size: int) -> dict:
         "pattern matching nothing": attempt({"model.layers.*.mlp.up": ColwiseParallel()}),
     }
 
+
+def meta_model_shards(rank: int, world_size: int) -> dict:
+    """conveyor.pipeline on a Llama built on the meta device, pp=2 x tp=2: what each rank materialized whole,
+    the storage its sharded parameters hold, and one 1F1B step."""
+    import torch.distributed as dist
+
+    import conveyor.parallel.tensor.shards as shards
+    from conveyor.testing.models import grouped_heads_lm
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    whole_names: list[str] = []
+    defer = shards.defer_materialization
+
+    def recording(stage, source):  # what the shard path materializes whole (the replicated modules only)
+        def materialize(names):
+            whole_names.extend(names)
+            return source.materialize(names)
+
+        return defer(stage, dataclasses.replace(source, materialize=materialize))
+
+    shards.defer_materialization = recording
+    model_class, config = grouped_heads_lm("llama", 2)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = model_class(config)
+    batch = token_batch(batch=2 * MICROBATCHES, length=12, seed=1)
+    try:
+        pipe = conveyor.pipeline(model, example_kwargs=_microbatches(batch)[0], schedule="1f1b",
+                                 microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
+                                 options=PipelineOptions(split=SplitOptions(method="uniform")))
+    finally:
+        shards.defer_materialization = defer
+    params = dict(pipe.named_parameters())
+    sharded = {n: p for n, p in params.items() if isinstance(p, DTensor) and not p.placements[0].is_replicate()}
+    local = {n: p.to_local() for n, p in sharded.items()}
+    tp_group = layout_of(mesh).tp_mesh.get_group()
+    mine = {n: p.to_local() for n, p in params.items()}
+    theirs: list = [None] * 2
+    dist.all_gather_object(theirs, mine, group=tp_group)
+    result = {
+        "sharded": sorted(sharded),
+        "whole": sorted(set(whole_names)),
+        # each sharded parameter's storage is its local shard: nothing larger was kept behind it
+        "storage_is_local": all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in local.values()),
+        "local_is_half": all(t.numel() * 2 == sharded[n].numel() for n, t in local.items()),
+        "finite": all(bool(torch.isfinite(t).all()) for t in mine.values()),
+        "replicated_equal": all(torch.equal(theirs[0][n], theirs[1][n]) for n in mine if n not in sharded),
+        "shards_differ": all(not torch.equal(theirs[0][n], theirs[1][n]) for n in sharded),
+        "loss": float(pipe.step(**batch)),
+    }
+    pipe.close()
+    return result

@@ -11,6 +11,7 @@ from .tensor_pipeline_support import (
     clipping_and_ties,
     hand_built_parity,
     hand_built_refusals,
+    meta_model_shards,
     traced_refusals,
 )
 
@@ -112,3 +113,15 @@ def test_traced_stages_refuse_what_is_not_wired_yet():
         with pytest.raises(PipelineConfigError, match=message):
             model_placements(model, Layout(mesh=TpMesh(), tensor_parallel="auto", **{option: True}), 2)
 
+
+@pytest.mark.distributed
+def test_a_meta_model_is_split_first_then_each_rank_materializes_only_its_shards():
+    results = run_ranks(meta_model_shards, 4, timeout_s=300)
+    for rank, result in enumerate(results):
+        stage = rank // 2
+        assert len(result["sharded"]) == 7 + stage, result  # per layer q/k/v/o + gate/up/down; lm_head on stage 1
+        # only replicated modules went through whole materialization; no sharded parameter did
+        assert result["whole"] and not set(result["whole"]) & set(result["sharded"]), result
+        assert result["storage_is_local"] and result["local_is_half"], result
+        assert result["finite"] and result["replicated_equal"] and result["shards_differ"], result
+    assert len({result["loss"] for result in results}) == 1
