@@ -170,7 +170,10 @@ class DistributedRanks:
                                          in_order_channels=wire_channels(self.runs.train_in_order,
                                                                          self.runs.eval_in_order))
         if transfer.shapes:
-            seed_shapes(self.transport, transfer.shapes, schedule.num_stages)
+            shapes = transfer.shapes
+            if self.tensor_parallel is not None:  # what crosses is each TP rank's local part
+                shapes = self.tensor_parallel.local_examples(shapes)
+            seed_shapes(self.transport, shapes, schedule.num_stages)
         self.last_rank = schedule.placement.rank_of(schedule.num_stages - 1)
         self._broadcast_loss = LossBroadcast(self.life.global_ranks[self.last_rank], schedule.num_ranks,
                                              self.device, self.comm_device)

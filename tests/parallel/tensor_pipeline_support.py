@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import conveyor
 from conveyor.microbatch import split_microbatches
-from conveyor.options import PipelineOptions, SplitOptions
+from conveyor.options import PipelineOptions, SplitOptions, TransferOptions
 from conveyor.parallel.mesh import layout_of
 from conveyor.testing.models import token_batch
 
@@ -251,8 +251,11 @@ def hand_built_parity(rank: int, world_size: int) -> dict:
 
         stage = copy.deepcopy(whole_model[pp_rank])
         stage.zero_grad(set_to_none=True)
+        # With sequence parallelism the whole example output is given: each TP rank seeds its shard's shape.
+        shapes = {0: torch.zeros(2, 6, 32, requires_grad=True)} if sequence_parallel else None
         pipe = conveyor.Pipeline([stage], name, _square_loss, microbatches=MICROBATCHES,
-                                 layout=Layout(mesh=mesh, tensor_parallel=plan, sequence_parallel=sequence_parallel))
+                                 layout=Layout(mesh=mesh, tensor_parallel=plan, sequence_parallel=sequence_parallel),
+                                 transfer=TransferOptions(shapes=shapes, fixed_shapes=sequence_parallel))
         loss = pipe.step(hidden, target=target)
         grads = {n: whole(p.grad) for n, p in pipe.named_parameters()}
         results[name] = {

@@ -165,6 +165,25 @@ class TensorParallelStages:
                                     f"{list(spec.shape)}")
         return "; ".join(received) or "no boundary received here"
 
+    def local_examples(self, shapes: Mapping[int, Any]) -> dict[int, Any]:
+        """``TransferOptions(shapes=...)``'s whole example outputs as this TP rank sends them: each
+        tensor cut to its local part at its boundary placement (its sequence shard under sequence
+        parallelism), so the seeded shapes are the ones that cross.
+
+        Example::
+
+            tp.local_examples({0: torch.zeros(2, 12, 32)})    # {0: a [2, 6, 32] tensor} at tp=2 with SP
+        """
+        rank = self.tp_mesh.get_local_rank()
+
+        def local(value):
+            if isinstance(value, torch.Tensor) and isinstance(boundary_placement(value, self.sequence_parallel),
+                                                              Shard):
+                return value.chunk(self.tp_size, dim=1)[rank].requires_grad_(value.requires_grad)
+            return value
+
+        return {stage: pytree.tree_map(local, example) for stage, example in shapes.items()}
+
     def settle_gradients(self, modules) -> None:
         """Give every DTensor gradient its parameter's placements (at the end of a step).
 
