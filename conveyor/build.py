@@ -9,6 +9,7 @@ Example (on each of 2 ranks)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -91,12 +92,28 @@ def pipeline(
         split_points, method = _time_split_points(model, resolved.num_stages, layout, split_kwargs), "parameters"
     split = split_model(model, resolved.num_stages, split_points=split_points, split_method=method, **split_kwargs)
     stages = range(resolved.num_stages) if layout.in_process else resolved.stages_of(rank)
-    modules = [split.stage_module(stage, device, both_modes=options.split.both_modes) for stage in stages]
+    modules = _stage_modules(split, stages, model, layout, device, options.split.both_modes)
     whole = WholeModel(split.tied_groups, _parameter_order(model), model_signature(model, split.split_points),
                        model_info(model),  # model_info: what checkpoints record, and export writes back
                        parameter_placements=_tensor_parallel_placements(model, layout, split.tied_groups))
     return Pipeline(modules, resolved, loss_fn, layout=dataclasses.replace(layout, device=device),
                     stage=options.stage, transfer=options.transfer, model=whole)
+
+
+def _stage_modules(split, stages, model: torch.nn.Module, layout: Layout, device, both_modes: bool) -> list:
+    """This rank's stage modules; under tensor parallelism a meta-device model's stay on meta, for
+    each TP rank to materialize its own shards only (conveyor.parallel.tensor.shards)."""
+    on_meta = layout.tensor_parallel is not None and any(p.is_meta for p in model.parameters())
+    modules = [split.stage_module(stage, device, both_modes=both_modes, keep_meta=on_meta) for stage in stages]
+    if on_meta:
+        from conveyor.frontend.materialize import _initialise, materialize
+        from conveyor.parallel.tensor.shards import ShardSource, defer_materialization
+
+        source = ShardSource(model, split.seed, torch.device(device),
+                             functools.partial(materialize, model, device=torch.device(device), seed=split.seed),
+                             lambda module, path, seed: _initialise(model, module, path, seed, torch.device(device)))
+        modules = [defer_materialization(module, source) for module in modules]
+    return modules
 
 
 def _tensor_parallel_placements(model: torch.nn.Module, layout: Layout, tied_groups) -> dict | None:

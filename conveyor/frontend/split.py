@@ -137,7 +137,8 @@ class ModelSplit:
         return self._recipes[stage].output_specs
 
     def stage_module(
-        self, stage: int, device: torch.device | str | None = None, *, both_modes: bool = False
+        self, stage: int, device: torch.device | str | None = None, *, both_modes: bool = False,
+        keep_meta: bool = False,
     ) -> StageModule:
         """Build the module of ``stage`` only, on ``device`` (default: ``self.device``).
 
@@ -145,7 +146,9 @@ class ModelSplit:
         possible, copies for tied ones, fresh initialised ones for a meta model.
         ``both_modes=True`` also traces the model in the other mode (once per split) so
         that the stage follows ``train()`` / ``eval()`` like the model would, dropout and
-        BatchNorm included, on the same parameters and buffers.
+        BatchNorm included, on the same parameters and buffers. ``keep_meta=True`` leaves a meta
+        model's tensors on the meta device (the graph still runs on ``device``), for the caller to
+        materialize (tensor parallelism: each rank its own shards).
 
         Example:
             >>> import conveyor.frontend as frontend
@@ -160,7 +163,7 @@ class ModelSplit:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         recipe = self._recipes[stage]
-        tensors = self._resolve_tensors(stage, device)
+        tensors = self._resolve_tensors(stage, device, keep_meta)
         device_map = (
             {} if self._traced.trace_device == device else {self._traced.trace_device: device}
         )
@@ -198,7 +201,7 @@ class ModelSplit:
         return [self.stage_module(stage, device, both_modes=both_modes) for stage in range(self.num_stages)]
 
     def _resolve_tensors(
-        self, stage: int, device: torch.device
+        self, stage: int, device: torch.device, keep_meta: bool = False
     ) -> dict[str, tuple[torch.Tensor, bool]]:
         resolved: dict[str, tuple[torch.Tensor, bool]] = {}
         copies: dict[int, torch.Tensor] = {}
@@ -216,7 +219,10 @@ class ModelSplit:
                 continue
             tensor = self._tensor_by_name[tensor_spec.source]
             if tensor.device.type == "meta":
-                on_meta.append(tensor_spec)
+                if keep_meta:
+                    resolved[tensor_spec.name] = (tensor, tensor_spec.persistent)
+                else:
+                    on_meta.append(tensor_spec)
                 continue
             shared = id(tensor) in self._tied_ids or id(tensor) in self._shared_buffer_ids
             if shared or tensor.device != device:

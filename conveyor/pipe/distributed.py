@@ -104,7 +104,12 @@ class DistributedRanks:
     def place(self, modules: Sequence[torch.nn.Module]) -> tuple[torch.device, dict[int, list]]:
         """This rank's device (its modules moved there, a GPU made current), and its modules."""
         stages = self.schedule.stages_of(self.rank)
-        self.device = make_current(place_modules(modules, stages, resolve_device(self.layout.device)))
+        listed = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
+        # A meta-device model's traced stages under tensor parallelism are materialized shard by
+        # shard when parallelized (conveyor.parallel.tensor.shards), on this device.
+        placed = [(m, s) for m, s in zip(listed, stages) if getattr(m, "_conveyor_shard_source", None) is None]
+        self.device = make_current(place_modules([m for m, _ in placed], [s for _, s in placed],
+                                                 resolve_device(self.layout.device)))
         self.comm_device = group_device(self.device, self.group)  # NCCL: the stage's GPU; gloo: the CPU
         return self.device, {self.rank: modules if isinstance(modules, torch.nn.Module) else list(modules)}
 
@@ -178,7 +183,10 @@ class DistributedRanks:
                                          in_order_channels=wire_channels(self.runs.train_in_order,
                                                                          self.runs.eval_in_order))
         if transfer.shapes:
-            seed_shapes(self.transport, transfer.shapes, schedule.num_stages)
+            shapes = transfer.shapes
+            if self.tensor_parallel is not None:  # what crosses is each TP rank's local part
+                shapes = self.tensor_parallel.local_examples(shapes)
+            seed_shapes(self.transport, shapes, schedule.num_stages)
         self.last_rank = schedule.placement.rank_of(schedule.num_stages - 1)
         self._broadcast_loss = LossBroadcast(self.life.global_ranks[self.last_rank], schedule.num_ranks,
                                              self.device, self.comm_device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -17,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import conveyor
 from conveyor.microbatch import split_microbatches
-from conveyor.options import PipelineOptions, SplitOptions
+from conveyor.options import PipelineOptions, SplitOptions, TransferOptions
 from conveyor.parallel.mesh import layout_of
 from conveyor.testing.models import token_batch
 
@@ -147,13 +148,16 @@ def every_schedule(rank: int, world_size: int, names: tuple[str, ...] | None = N
 class _Stage(torch.nn.Module):
     """A hand-built stage: a norm and a plain MLP of ``inner`` hidden units on hidden states."""
 
-    def __init__(self, inner: int = 64) -> None:
+    def __init__(self, inner: int = 64, adapter: bool = False) -> None:
         super().__init__()
+        # adapter: a projection no attention or MLP pattern explains, which "auto" cannot place
+        self.pre = torch.nn.Sequential(torch.nn.Linear(32, 32)) if adapter else torch.nn.Identity()
         self.norm = torch.nn.LayerNorm(32)
         self.fc = torch.nn.Linear(32, inner)
         self.proj = torch.nn.Linear(inner, 32)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = self.pre(hidden)
         return hidden + self.proj(torch.nn.functional.gelu(self.fc(self.norm(hidden))))
 
 
@@ -169,6 +173,7 @@ def _hand_built_plan():
 
 def hand_built_refusals(rank: int, world_size: int) -> dict:
     """Bad tensor-parallel input to Pipeline on 4 ranks: each case's message on this rank (None: it was built)."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     from conveyor.errors import PipelineConfigError
@@ -178,9 +183,9 @@ def hand_built_refusals(rank: int, world_size: int) -> dict:
     pp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp_rank = layout_of(pp_tp).pp_rank
 
-    def attempt(make_mesh, plan, inner_of_stage_1=64, sequence_parallel=False):
+    def attempt(make_mesh, plan, inner_of_stage_1=64, sequence_parallel=False, adapter_on_stage_1=False):
         torch.manual_seed(0)
-        stage = _Stage(64 if pp_rank == 0 else inner_of_stage_1)
+        stage = _Stage(64 if pp_rank == 0 else inner_of_stage_1, adapter=adapter_on_stage_1 and pp_rank == 1)
         try:
             layout = Layout(mesh=make_mesh(), tensor_parallel=plan, sequence_parallel=sequence_parallel)
             pipe = conveyor.Pipeline([stage], "gpipe", _square_loss, microbatches=2, layout=layout)
@@ -196,13 +201,37 @@ def hand_built_refusals(rank: int, world_size: int) -> dict:
         "pattern matching nothing": attempt(lambda: pp_tp, {**_hand_built_plan(), "mlp.up": ColwiseParallel()}),
         "size tp does not divide (stage 1)": attempt(lambda: pp_tp, _hand_built_plan(), inner_of_stage_1=33),
         "a plan that is not ParallelStyles": attempt(lambda: pp_tp, {"fc": "colwise"}),
-        "sequence_parallel in a pipeline": attempt(lambda: pp_tp, "auto", sequence_parallel=True),
+        "sequence_parallel with hand-built stages": attempt(lambda: pp_tp, "auto", sequence_parallel=True),
+        "auto cannot place a module (stage 1)": attempt(lambda: pp_tp, "auto", adapter_on_stage_1=True),
+        "intermediate tp does not divide, auto (stage 1)": attempt(lambda: pp_tp, "auto", inner_of_stage_1=33),
+        "unknown dim name": attempt(
+            lambda: init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "ep", "tp")), "auto"),
+        "mesh covering 2 of 4 ranks": attempt(
+            lambda: DeviceMesh("cpu", torch.arange(2).reshape(1, 2), mesh_dim_names=("pp", "tp")), "auto"),
         "good plan": attempt(lambda: pp_tp, _hand_built_plan()),
+        "sequence length tp does not divide (first step)": _odd_sequence(pp_tp, pp_rank),
     }
 
 
+def _odd_sequence(mesh, pp_rank: int) -> str | None:
+    """A step of sequence-parallel hand-built stages on sequences of 5 over tp=2: the message it fails with."""
+    from conveyor.options import Layout
+
+    torch.manual_seed(0)
+    pipe = conveyor.Pipeline([_Stage()], "gpipe", _square_loss, microbatches=2,
+                             layout=Layout(mesh=mesh, tensor_parallel="auto", sequence_parallel=True))
+    try:
+        pipe.step(torch.randn(4, 5, 32), target=torch.randn(4, 5, 32) if pp_rank == 1 else None)
+    except Exception as error:  # the stage-0 ranks' message; the others are told which peer failed
+        return f"{type(error).__name__}: {error}"
+    finally:
+        pipe.close()
+    return None
+
+
 def hand_built_parity(rank: int, world_size: int) -> dict:
-    """Two hand-built stages under the user's plan on pp=2 x tp=2 (gpipe and zb-h1), against one device."""
+    """Two hand-built stages on pp=2 x tp=2 against one device: the user's plan (gpipe, zb-h1), "auto"
+    with sequence parallelism (1f1b)."""
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp_rank = layout_of(mesh).pp_rank
@@ -214,17 +243,26 @@ def hand_built_parity(rank: int, world_size: int) -> dict:
                     for h, t in zip(hidden.chunk(MICROBATCHES), target.chunk(MICROBATCHES)))
     want_loss.backward()
     results = {}
-    for name in ("gpipe", "zb-h1"):
+    # The user's plan; and "auto" with sequence parallelism, whose stages are one MLP each (the
+    # block is the stage itself: its fc gathers the sequence) fed whole hidden states on stage 0.
+    for name, plan, sequence_parallel in (("gpipe", _hand_built_plan(), False), ("zb-h1", _hand_built_plan(), False),
+                                          ("1f1b", "auto", True)):
+        from conveyor.options import Layout
+
         stage = copy.deepcopy(whole_model[pp_rank])
         stage.zero_grad(set_to_none=True)
-        pipe = conveyor.Pipeline([stage], name, _square_loss, microbatches=MICROBATCHES, mesh=mesh,
-                                 tensor_parallel=_hand_built_plan())
+        # With sequence parallelism the whole example output is given: each TP rank seeds its shard's shape.
+        shapes = {0: torch.zeros(2, 6, 32, requires_grad=True)} if sequence_parallel else None
+        pipe = conveyor.Pipeline([stage], name, _square_loss, microbatches=MICROBATCHES,
+                                 layout=Layout(mesh=mesh, tensor_parallel=plan, sequence_parallel=sequence_parallel),
+                                 transfer=TransferOptions(shapes=shapes, fixed_shapes=sequence_parallel))
         loss = pipe.step(hidden, target=target)
         grads = {n: whole(p.grad) for n, p in pipe.named_parameters()}
         results[name] = {
             "loss": relative(loss, want_loss.detach()),
             "grads": max(relative(g, whole_model[pp_rank].get_parameter(n).grad) for n, g in grads.items()),
-            "sharded": sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor)),
+            "sharded": sorted(n for n, p in pipe.named_parameters()
+                              if isinstance(p, DTensor) and not p.placements[0].is_replicate()),
         }
         pipe.close()
     return results
@@ -278,3 +316,90 @@ def clipping_and_ties(rank: int, world_size: int, name: str) -> dict:
 def _reference_grad(model: torch.nn.Module, name: str) -> torch.Tensor:
     param = dict(model.named_parameters(remove_duplicate=False))[name]
     return param.grad
+
+
+def traced_refusals(rank: int, world_size: int) -> dict:
+    """Bad tensor-parallel input to conveyor.pipeline (traced stages) on pp=2 x tp=2: each case's message
+    on this rank (None: it was built). Each is refused from the unchanged model, before any step."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from conveyor.errors import PipelineConfigError
+    from conveyor.testing.models import grouped_heads_lm
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    batch = token_batch(batch=2, length=8, seed=1)
+
+    def attempt(plan="auto", **config):
+        model_class, model_config = grouped_heads_lm("llama", 2, **config)
+        torch.manual_seed(0)
+        try:
+            pipe = conveyor.pipeline(model_class(model_config), example_kwargs=batch, schedule="gpipe", microbatches=2,
+                                     loss_fn=_loss_fn, mesh=mesh, tensor_parallel=plan,
+                                     options=PipelineOptions(split=SplitOptions(method="uniform")))
+        except PipelineConfigError as error:
+            return str(error)
+        pipe.close()
+        return None
+
+    return {
+        "vocabulary 97": attempt(vocab_size=97),
+        "key/value heads 1": attempt(num_key_value_heads=1),
+        "attention heads 3": attempt(hidden_size=48, num_attention_heads=3, num_key_value_heads=3),
+        "intermediate 33": attempt(intermediate_size=33),
+        "pattern matching nothing": attempt({"model.layers.*.mlp.up": ColwiseParallel()}),
+    }
+
+
+def meta_model_shards(rank: int, world_size: int) -> dict:
+    """conveyor.pipeline on a Llama built on the meta device, pp=2 x tp=2: what each rank materialized whole,
+    the storage its sharded parameters hold, and one 1F1B step."""
+    import torch.distributed as dist
+
+    import conveyor.parallel.tensor.shards as shards
+    from conveyor.testing.models import grouped_heads_lm
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    whole_names: list[str] = []
+    defer = shards.defer_materialization
+
+    def recording(stage, source):  # what the shard path materializes whole (the replicated modules only)
+        def materialize(names):
+            whole_names.extend(names)
+            return source.materialize(names)
+
+        return defer(stage, dataclasses.replace(source, materialize=materialize))
+
+    shards.defer_materialization = recording
+    model_class, config = grouped_heads_lm("llama", 2)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = model_class(config)
+    batch = token_batch(batch=2 * MICROBATCHES, length=12, seed=1)
+    try:
+        pipe = conveyor.pipeline(model, example_kwargs=_microbatches(batch)[0], schedule="1f1b",
+                                 microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
+                                 options=PipelineOptions(split=SplitOptions(method="uniform")))
+    finally:
+        shards.defer_materialization = defer
+    params = dict(pipe.named_parameters())
+    sharded = {n: p for n, p in params.items() if isinstance(p, DTensor) and not p.placements[0].is_replicate()}
+    local = {n: p.to_local() for n, p in sharded.items()}
+    tp_group = layout_of(mesh).tp_mesh.get_group()
+    mine = {n: p.to_local() for n, p in params.items()}
+    theirs: list = [None] * 2
+    dist.all_gather_object(theirs, mine, group=tp_group)
+    result = {
+        "sharded": sorted(sharded),
+        "whole": sorted(set(whole_names)),
+        # each sharded parameter's storage is its local shard: nothing larger was kept behind it
+        "storage_is_local": all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in local.values()),
+        "local_is_half": all(t.numel() * 2 == sharded[n].numel() for n, t in local.items()),
+        "finite": all(bool(torch.isfinite(t).all()) for t in mine.values()),
+        "replicated_equal": all(torch.equal(theirs[0][n], theirs[1][n]) for n in mine if n not in sharded),
+        "shards_differ": all(not torch.equal(theirs[0][n], theirs[1][n]) for n in sharded),
+        "loss": float(pipe.step(**batch)),
+    }
+    pipe.close()
+    return result

@@ -80,6 +80,15 @@ def test_a_plan_that_splits_a_size_tp_does_not_divide_is_refused():
     assert "tp=2 does not divide the out_features of fc (Linear), 33, which ColwiseParallel splits" in str(raised.value)
 
 
+def test_a_plan_that_splits_a_hidden_size_tp_does_not_divide_is_refused():
+    # ColwiseParallel on an embedding splits its hidden size (embedding_dim)
+    model = nn.Sequential(nn.Embedding(64, 33))
+    with pytest.raises(PipelineConfigError) as raised:
+        check_plan(model, {"0": ColwiseParallel()}, 2)
+    assert "tp=2 does not divide the embedding_dim of 0 (Embedding), 33, which ColwiseParallel splits" in str(
+        raised.value)
+
+
 def test_a_plan_value_that_is_not_a_parallel_style_is_refused():
     with pytest.raises(PipelineConfigError, match="maps 'fc' to str; it takes torch ParallelStyles"):
         check_plan(MLP(inner=64), {"fc": "colwise"}, 2)

@@ -7,7 +7,13 @@ import pytest
 
 from conveyor.testing import run_ranks
 
-from .tensor_pipeline_support import clipping_and_ties, hand_built_parity, hand_built_refusals
+from .tensor_pipeline_support import (
+    clipping_and_ties,
+    hand_built_parity,
+    hand_built_refusals,
+    meta_model_shards,
+    traced_refusals,
+)
 
 TOLERANCE = 1e-5
 
@@ -21,7 +27,25 @@ REFUSALS = {
     "size tp does not divide (stage 1)": ["found on rank 2", "stage 1: tensor parallel size tp=2 does not divide "
                                           "the out_features of fc (Linear), 33, which ColwiseParallel splits"],
     "a plan that is not ParallelStyles": ["maps 'fc' to str; it takes module-name patterns to torch ParallelStyles"],
-    "sequence_parallel in a pipeline": ["sequence_parallel=True is not wired into pipeline stages yet"],
+    "auto cannot place a module (stage 1)": ["found on rank 2", "stage 1: tensor_parallel='auto' cannot place pre.0 "
+                                             "(Linear): a projection (32 -> 32)", "give parallelize_stage"],
+    "intermediate tp does not divide, auto (stage 1)": ["found on rank 2", "does not divide the intermediate (hidden) "
+                                                        "size of the module (_Stage): 33 is not a multiple of 2"],
+    "unknown dim name": ["conveyor knows 'pp', 'dp' and 'tp' only (got ['ep'])"],
+    "mesh covering 2 of 4 ranks": ["the mesh pp=1 x tp=2 covers 2 ranks but the job has 4"],
+}
+
+TRACED_REFUSALS = {
+    # conveyor.pipeline on an unchanged Llama (traced stages): refused from the model, before any step
+    "vocabulary 97": "does not divide the vocabulary (embedding rows) of model.embed_tokens (Embedding): 97 is not a "
+                     "multiple of 2",
+    "key/value heads 1": "does not divide the number of key/value heads of model.layers.0.self_attn (LlamaAttention): "
+                         "1 is not a multiple of 2",
+    "attention heads 3": "does not divide the number of attention heads of model.layers.0.self_attn (LlamaAttention): "
+                         "3 is not a multiple of 2",
+    "intermediate 33": "does not divide the intermediate (hidden) size of model.layers.0.mlp (LlamaMLP): 33 is not a "
+                       "multiple of 2",
+    "pattern matching nothing": "pattern 'model.layers.*.mlp.up' matches no module of this LlamaForCausalLM",
 }
 
 
@@ -35,15 +59,28 @@ def test_bad_tensor_parallel_input_is_refused_alike_on_every_rank_before_any_ste
         assert message is not None, case
         for part in parts:
             assert part in message, (case, message)
-    assert all(result["good plan"] is None for result in results)
+    # data-dependent: at the first forward on stage 0's ranks, passed on to every rank with the same words
+    odd = [result["sequence length tp does not divide (first step)"] for result in results]
+    assert all("sharded on the sequence (dim 1), and tp=2 does not divide its length 5" in m for m in odd), odd
+    # built: a good plan, and "auto" with sequence parallelism on hand-built stages
+    assert all(result["good plan"] is None and result["sequence_parallel with hand-built stages"] is None
+               for result in results)
 
 
 @pytest.mark.distributed
-def test_hand_built_stages_take_the_users_plan():
+def test_bad_input_to_traced_stages_is_refused_alike_on_every_rank_before_any_step():
+    results = run_ranks(traced_refusals, 4, timeout_s=300)
+    for case, part in TRACED_REFUSALS.items():
+        messages = {result[case] for result in results}
+        assert len(messages) == 1 and part in next(iter(messages)), (case, messages)
+
+
+@pytest.mark.distributed
+def test_hand_built_stages_take_the_users_plan_and_sequence_parallel():
     results = run_ranks(hand_built_parity, 4, timeout_s=300)
     for result in results:
         for name, found in result.items():
-            assert found["sharded"] == ["fc.bias", "fc.weight", "proj.bias", "proj.weight"], (name, found)
+            assert found["sharded"] == ["fc.bias", "fc.weight", "proj.weight"], (name, found)  # proj.bias: Replicate
             assert found["loss"] <= TOLERANCE and found["grads"] <= TOLERANCE, (name, found)
 
 
@@ -72,6 +109,19 @@ def test_traced_stages_refuse_what_is_not_wired_yet():
 
     model = build("llama")
     for option, message in (("loss_parallel", "loss_parallel=True is not available for traced stages yet"),
-                            ("sequence_parallel", "sequence_parallel=True is not wired into pipeline stages yet")):
+                            ("sequence_parallel", "sequence_parallel=True is not available for traced stages")):
         with pytest.raises(PipelineConfigError, match=message):
             model_placements(model, Layout(mesh=TpMesh(), tensor_parallel="auto", **{option: True}), 2)
+
+
+@pytest.mark.distributed
+def test_a_meta_model_is_split_first_then_each_rank_materializes_only_its_shards():
+    results = run_ranks(meta_model_shards, 4, timeout_s=300)
+    for rank, result in enumerate(results):
+        stage = rank // 2
+        assert len(result["sharded"]) == 7 + stage, result  # per layer q/k/v/o + gate/up/down; lm_head on stage 1
+        # only replicated modules went through whole materialization; no sharded parameter did
+        assert result["whole"] and not set(result["whole"]) & set(result["sharded"]), result
+        assert result["storage_is_local"] and result["local_is_half"], result
+        assert result["finite"] and result["replicated_equal"] and result["shards_differ"], result
+    assert len({result["loss"] for result in results}) == 1

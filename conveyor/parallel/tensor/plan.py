@@ -85,7 +85,15 @@ def tensor_parallel_plan(
 
 def _block_plan(block: Block, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {}
-    if block.local_attributes or block.head_inputs or sequence_parallel:
+    # A block that is the module itself (a hand-built stage holding one MLP) has no name for a
+    # style of its own: under sequence parallelism its input projections gather the sequence.
+    at_root = block.name == ""
+    if at_root and (block.local_attributes or block.head_inputs):
+        raise PipelineConfigError(
+            f"tensor_parallel='auto' cannot place the {block.kind} that is the module itself: its attributes "
+            f"{list(block.local_attributes + block.head_inputs)} must be made local by a style on the block, and the "
+            "module has no name to hang it on. Wrap it in a parent module, or " + PLAN_ADVICE)
+    if (block.local_attributes or block.head_inputs or sequence_parallel) and not at_root:
         plan[block.name] = LocalBlock(block.local_attributes, block.head_inputs, gather_sequence=sequence_parallel)
     packed = 3 if block.kind == "fused_attention" else 1
     for projection in block.inputs:
@@ -95,6 +103,8 @@ def _block_plan(block: Block, sequence_parallel: bool) -> dict[str, ParallelStyl
             plan[projection.name] = PackedColwiseParallel(packed=packed)
         else:
             plan[projection.name] = ColwiseParallel()
+        if at_root and sequence_parallel:  # the activations arrive sequence-sharded: gathered here
+            plan[projection.name].input_layouts = (Shard(1),)
     # Under sequence parallelism the block's output is reduce-scattered onto the sequence and
     # stays a DTensor, so that the model's own code between blocks sees the global shape.
     layout = dict(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else {}

@@ -11,12 +11,17 @@ before their runners are built:
   pattern that matches no module of any stage, or any rank's bad size, is refused on every rank
   with the same message, before any step.
 
-Across a stage boundary each TP rank sends its whole (replicated) local tensor to the matching
-TP rank of the next stage: a stage's outputs leave as plain tensors of the global shape, its
-inputs enter as replicated DTensors (traced) or as the first styles' inputs (hand-built). The
+Across a stage boundary each TP rank sends to the matching TP rank of the next stage exactly
+its local part, as :func:`boundary_placement` says: with ``sequence_parallel`` (hand-built stages)
+a floating-point activation of 2 dims or more is sharded on the sequence (dim 1, ``Shard(1)``),
+so each rank sends its ``seq / tp`` rows and the next stage takes them back as a DTensor of the
+global shape (:func:`_received_as_shards`); anything else crosses whole (``Replicate``): a traced
+stage's outputs leave as plain tensors of the global shape and enter as replicated DTensors. The
 last stage keeps its logits vocabulary-sharded with ``loss_parallel``. What the TP ranks of one
-stage agree on when the pipeline is built: the plan, and every parameter's name, global and
-local shape and placements (:meth:`TensorParallelStages.stage_fields`).
+stage agree on when the pipeline is built: the plan, every parameter's name, global and local
+shape and placements, and each boundary's placement and local shapes (a traced stage's received
+shapes are known from the trace; a hand-built one's follow the rule and the first step's
+exchange of shapes) (:meth:`TensorParallelStages.stage_fields`).
 
 Example (on each of 4 ranks: 2 stages of 2 TP ranks)::
 
@@ -36,7 +41,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel.tensor.plan import (
@@ -61,7 +66,7 @@ def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()
     """
     from conveyor.parallel.tensor.traced import parameter_placements
 
-    _refuse_sequence_parallel(layout)
+    _refuse_traced_sequence_parallel(layout)
     if layout.loss_parallel:
         raise PipelineConfigError(
             "loss_parallel=True is not available for traced stages yet: DTensor's propagation through the traced "
@@ -90,6 +95,7 @@ class TensorParallelStages:
     traced: bool
     loss_parallel: bool
     last_stage: int
+    sequence_parallel: bool = False
 
     @property
     def tp_group(self) -> Any:
@@ -120,7 +126,8 @@ class TensorParallelStages:
         return entered if (self.traced or parallel_loss) else contextlib.nullcontext
 
     def stage_fields(self, modules: Mapping[int, nn.Module]) -> dict[str, str]:
-        """What the TP ranks of these stages agree on: the plan, every parameter's name, shapes, placements."""
+        """What the TP ranks of these stages agree on: the plan, every parameter's name, shapes,
+        placements, and what crosses each boundary (placements, local shapes where known)."""
         entries = []
         for stage, module in sorted(modules.items()):
             for name, param in module.named_parameters():
@@ -130,9 +137,52 @@ class TensorParallelStages:
         digest = hashlib.sha1(repr(entries).encode()).hexdigest()[:12]
         return {
             "tensor parallel": f"tp={self.tp_size} plan {self.plan_text} traced={self.traced} "
-                               f"loss_parallel={self.loss_parallel}; boundaries: whole local tensors (Replicate)",
+                               f"loss_parallel={self.loss_parallel} sequence_parallel={self.sequence_parallel}",
             "stage parameters and placements": f"{len(entries)} parameters ({digest})",
+            "stage boundaries": self.describe_boundaries(modules),
         }
+
+    def describe_boundaries(self, modules: Mapping[int, nn.Module]) -> str:
+        """Each received boundary's placement and local shape: a traced stage's from its trace, a
+        hand-built stage's by the rule (its shapes come with the first step's exchange).
+
+        Example::
+
+            tp.describe_boundaries({1: stage})   # 'stage 1 receives hidden: [2, 12, 32] Replicate local [2, 12, 32]'
+        """
+        if not self.traced:
+            rule = (f"floating tensors of >= 2 dims Shard(1) (each TP rank sends its 1/{self.tp_size} of the "
+                    "sequence), the rest Replicate (whole)" if self.sequence_parallel else "every tensor Replicate "
+                    "(whole)")
+            return f"hand-built stages {sorted(modules)}: {rule}"
+        received = []
+        for stage, module in sorted(modules.items()):
+            if stage == 0:
+                continue
+            for spec in getattr(module, "input_specs", ()):
+                if spec.is_tensor:
+                    received.append(f"stage {stage} receives {spec.name}: {list(spec.shape)} Replicate local "
+                                    f"{list(spec.shape)}")
+        return "; ".join(received) or "no boundary received here"
+
+    def local_examples(self, shapes: Mapping[int, Any]) -> dict[int, Any]:
+        """``TransferOptions(shapes=...)``'s whole example outputs as this TP rank sends them: each
+        tensor cut to its local part at its boundary placement (its sequence shard under sequence
+        parallelism), so the seeded shapes are the ones that cross.
+
+        Example::
+
+            tp.local_examples({0: torch.zeros(2, 12, 32)})    # {0: a [2, 6, 32] tensor} at tp=2 with SP
+        """
+        rank = self.tp_mesh.get_local_rank()
+
+        def local(value):
+            if isinstance(value, torch.Tensor) and isinstance(boundary_placement(value, self.sequence_parallel),
+                                                              Shard):
+                return value.chunk(self.tp_size, dim=1)[rank].requires_grad_(value.requires_grad)
+            return value
+
+        return {stage: pytree.tree_map(local, example) for stage, example in shapes.items()}
 
     def settle_gradients(self, modules) -> None:
         """Give every DTensor gradient its parameter's placements (at the end of a step).
@@ -176,31 +226,96 @@ def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, t
     """
     from conveyor.options import describe_plan
 
-    _refuse_sequence_parallel(layout)
     tp_size = tp_mesh.size()
+    sequence_parallel = bool(layout.sequence_parallel)
     if placements is not None:
         from conveyor.parallel.tensor.traced import parallelize_traced_stage
 
+        _refuse_traced_sequence_parallel(layout)
         for module in modules.values():
             parallelize_traced_stage(module, tp_mesh, placements)
     else:
         plans = _hand_built_plans(modules, layout, tp_size)
         for stage, module in modules.items():
             if plans[stage]:
-                parallelize_stage(module, tp_mesh, plans[stage], sequence_parallel=layout.sequence_parallel,
+                parallelize_stage(module, tp_mesh, plans[stage], sequence_parallel=sequence_parallel,
                                   loss_parallel=layout.loss_parallel)
-            if not (layout.loss_parallel and stage == last_stage):
+            if sequence_parallel:
+                module.register_forward_pre_hook(_received_as_shards(tp_mesh, whole=stage == 0), with_kwargs=True)
+            if stage != last_stage:
+                module.register_forward_hook(_sent_as_local_parts(stage, tp_mesh, sequence_parallel))
+            elif not layout.loss_parallel:
                 module.register_forward_hook(_outputs_whole)
     return TensorParallelStages(tp_mesh, describe_plan(layout.tensor_parallel), placements is not None,
-                                layout.loss_parallel, last_stage)
+                                layout.loss_parallel, last_stage, sequence_parallel)
 
 
-def _refuse_sequence_parallel(layout: Any) -> None:
+def boundary_placement(value: Any, sequence_parallel: bool) -> Any:
+    """How ``value`` crosses a stage boundary between TP ranks: ``Shard(1)`` (its sequence rows split
+    over the TP ranks) for a floating-point activation of 2 dims or more under sequence parallelism,
+    else ``Replicate()`` (each TP rank sends the whole tensor).
+
+    Example::
+
+        boundary_placement(torch.zeros(2, 12, 32), sequence_parallel=True)    # Shard(dim=1)
+    """
+    if sequence_parallel and isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2:
+        return Shard(1)
+    return Replicate()
+
+
+def _sent_as_local_parts(stage: int, tp_mesh: Any, sequence_parallel: bool) -> Callable:
+    """A forward hook giving ``stage``'s outputs as what its TP rank sends the next stage's: the local
+    part of each tensor at its boundary placement (a DTensor redistributed there first; a plain
+    tensor, the same on every TP rank, taken as replicated: a shard of it is this rank's slice)."""
+    def local_part(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        placement = boundary_placement(value, sequence_parallel)
+        if not isinstance(value, DTensor):
+            if placement.is_replicate():
+                return value
+            value = DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False)
+        if isinstance(placement, Shard) and value.shape[1] % value.device_mesh.size():
+            raise PipelineConfigError(
+                f"stage {stage} sends an activation of shape {list(value.shape)} sharded on the sequence (dim 1), "
+                f"and tp={value.device_mesh.size()} does not divide its length {value.shape[1]}: give sequences "
+                f"whose length is a multiple of {value.device_mesh.size()} (pad them), or drop sequence_parallel")
+        return value.redistribute(placements=[placement] * value.device_mesh.ndim).to_local()
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        return pytree.tree_map(local_part, output)
+
+    return hook
+
+
+def _received_as_shards(tp_mesh: Any, whole: bool) -> Callable:
+    """A forward pre-hook taking a stage's floating inputs of 2 dims or more as DTensors of the global
+    shape sharded on the sequence (``Shard(1)``), as the norms and blocks of the "auto" plan under
+    sequence parallelism expect them: a received sequence shard as it is (its gradient goes back to
+    the sender as this rank's shard), or on the first stage (``whole``) the user's whole tensor,
+    the same on every TP rank, split there."""
+    def as_dtensor(value):
+        if isinstance(value, DTensor) or isinstance(boundary_placement(value, True), Replicate):
+            return value
+        if whole:
+            return DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False).redistribute(
+                placements=[Shard(1)])
+        return DTensor.from_local(value, tp_mesh, [Shard(1)], run_check=False)
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        return pytree.tree_map(as_dtensor, args), pytree.tree_map(as_dtensor, kwargs)
+
+    return hook
+
+
+def _refuse_traced_sequence_parallel(layout: Any) -> None:
     if layout.sequence_parallel:
         raise PipelineConfigError(
-            "sequence_parallel=True is not wired into pipeline stages yet: a traced stage has no module inputs "
-            "and outputs for its styles to act on, and stage boundaries carry whole (replicated) tensors. Drop it "
-            "(tensor_parallel alone), or use parallelize_stage(..., sequence_parallel=True) outside a pipeline")
+            "sequence_parallel=True is not available for traced stages (conveyor.pipeline): a traced stage has no "
+            "norm or block modules left for torch's SequenceParallel and PrepareModuleInput styles to act on. Build "
+            "the stages by hand (conveyor.Pipeline(modules, ..., layout=Layout(mesh=mesh, tensor_parallel='auto', "
+            "sequence_parallel=True))), or drop sequence_parallel")
 
 
 def _hand_built_plans(modules: Mapping[int, nn.Module], layout: Any, tp_size: int) -> dict[int, dict]:

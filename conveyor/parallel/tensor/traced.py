@@ -113,15 +113,23 @@ def parallelize_traced_stage(stage: nn.Module, tp_mesh, placements: Mapping[str,
 
         parallelize_traced_stage(split.stage_module(0), tp_mesh, parameter_placements(model, plan))
     """
+    from conveyor.parallel.tensor.shards import materialize_stage_shards, shard_source
+
     _register_cpu_attention_sharding()
     distributed: dict[int, nn.Parameter] = {}
     for name, param in list(stage.named_parameters(remove_duplicate=False)):
         owner_name, _, attribute = name.rpartition(".")
         if id(param) not in distributed:  # a parameter tied within the stage stays one Parameter
             placement = placements.get(name, Replicate())
-            distributed[id(param)] = nn.Parameter(distribute_tensor(param.detach(), tp_mesh, [placement]),
-                                                  requires_grad=param.requires_grad)
+            # A meta tensor is described, not sent: each rank takes its own (meta) shard.
+            src = None if param.is_meta else 0
+            distributed[id(param)] = nn.Parameter(
+                distribute_tensor(param.detach(), tp_mesh, [placement], src_data_rank=src),
+                requires_grad=param.requires_grad)
         stage.get_submodule(owner_name).register_parameter(attribute, distributed[id(param)])
+    source = shard_source(stage)
+    if source is not None:  # a meta-device model's stage: each rank allocates its own shards only
+        materialize_stage_shards(stage, tp_mesh, source)
     stage.register_forward_pre_hook(_inputs_as_dtensors(tp_mesh), with_kwargs=True)
     stage.register_forward_hook(_outputs_whole)
     return stage
