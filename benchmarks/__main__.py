@@ -14,6 +14,8 @@ Flags pick what runs (several may be given; none means ``--compare``):
     --schedule-scale  every built-in at P=256, M=2048: seconds and MB; one rank's start-up at P=64
                  (benchmarks/schedule_scale.py)
     --plan       predicted vs measured step time, plan by plan, emulated and GPT at P=2, 4 (benchmarks/plan.py)
+    --varlen     batching by length vs padding to the longest at pp=2: tokens/s, padding, simulated step;
+                 with --varlen-parity the schedule x transport parity table instead (benchmarks/varlen.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -34,7 +36,7 @@ from pathlib import Path
 
 PARTS = (
     "compare", "schedule", "schedule_scale", "split", "soak", "parallel", "data", "checkpoint", "train", "compile",
-    "plan",
+    "plan", "varlen",
 )
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
@@ -117,6 +119,11 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     compiled = parser.add_argument_group("--compile (compile=True vs eager)")
     compiled.add_argument("--compile-rounds", type=int, default=6, help="rounds, the side going first alternating")
     compiled.add_argument("--compile-steps", type=int, default=3, help="timed steps per side per round")
+    varlen = parser.add_argument_group("--varlen (batching by length vs padding to the longest)")
+    varlen.add_argument("--varlen-parity", action="store_true", help="the schedule x transport parity table instead")
+    varlen.add_argument("--varlen-bytes", type=int, default=600_000, help="bytes of stdlib definitions read")
+    varlen.add_argument("--varlen-rounds", type=int, default=4, help="rounds, the side going first alternating")
+    varlen.add_argument("--varlen-steps", type=int, default=4, help="steps per side per round (the first untimed)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--train", action="store_true", help="conveyor train: pp=2 speed-up, memory per rank")
     parts.add_argument("--compile", action="store_true", help="compile=True vs eager step time, GPT at P=2")
     parts.add_argument("--plan", action="store_true", help="predicted vs measured step time per plan")
+    parts.add_argument("--varlen", action="store_true", help="batching by length vs padding, at pp=2")
     parts.add_argument(
         "--quick", action="store_true",
         help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only",

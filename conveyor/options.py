@@ -388,6 +388,8 @@ class SplitOptions:
     unsplittable: Sequence[str] | None = _f(None, "module paths never cut inside")
     both_modes: bool = _f(False, "trace in train and eval mode, so pipe.eval()/pipe.train() switch dropout and "
                                  "BatchNorm (else one trace, in the model's current mode)")
+    dynamic_shapes: Any = _f(None, "{input name: {dim: name}}: dims that may differ between microbatches, e.g. "
+                                   "{'input_ids': {1: 'seq'}, 'labels': {1: 'seq'}} (conveyor.frontend.dynamic)")
 
     def __post_init__(self) -> None:
         if self.method not in ("uniform", "parameters", "time") and not self.method.startswith("type:"):
