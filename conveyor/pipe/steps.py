@@ -71,6 +71,7 @@ def forward_only(pipe: Any, args: tuple, kwargs: dict) -> Any:
     """Forward of every microbatch without autograd state: the merged outputs where the last stage
     runs, None elsewhere."""
     first = _split_inputs(pipe, args, kwargs) if pipe.needs_inputs else None
+    pipe._given_microbatches = False  # a minibatch cut here: its outputs come back merged
     for runner in pipe.runners.values():
         runner.reset()
     pipe.ranks.start(False, False)

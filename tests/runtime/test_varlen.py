@@ -92,6 +92,8 @@ def test_in_process_variable_lengths_return_one_output_per_microbatch():
     loss, outputs = pipe.step(microbatches=inputs, targets=targets, return_outputs=True)
     assert [tuple(o.shape) for o in outputs] == [(x.shape[0], x.shape[1], cfg.vocab_size) for (x,) in inputs]
     assert torch.equal(loss, reference_varlen("1f1b", 1, 2)[0][0])
+    merged = pipe.forward(torch.cat([x for (x,) in inputs[:1]] * 2))  # a minibatch again: merged outputs
+    assert isinstance(merged, torch.Tensor) and merged.shape[0] == 2 * inputs[0][0].shape[0]
 
 
 @pytest.mark.parametrize(("given", "message"), [
