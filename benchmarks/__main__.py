@@ -17,6 +17,8 @@ Flags pick what runs (several may be given; none means ``--compare``):
     --tp-parity  pp=2 x dp=2 x tp=2 on 8 ranks: torch.equal to TP x DP without the pipeline (benchmarks/tp_parity.py)
     --tp         conveyor train's llama at pp=2 x tp=2 vs pp=2: each rank's parameter, gradient and AdamW bytes,
                  the step-time ratio with steal (benchmarks/tp_memory.py)
+    --varlen     batching by length vs padding to the longest at pp=2: tokens/s, padding, simulated step;
+                 with --varlen-parity the schedule x transport parity table instead (benchmarks/varlen.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -37,7 +39,7 @@ from pathlib import Path
 
 PARTS = (
     "compare", "schedule", "schedule_scale", "split", "soak", "parallel", "data", "checkpoint", "train", "compile",
-    "plan", "tp_parity", "tp_memory",
+    "plan", "tp_parity", "tp_memory", "varlen",
 )
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
@@ -122,6 +124,11 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     compiled.add_argument("--compile-steps", type=int, default=3, help="timed steps per side per round")
     tp = parser.add_argument_group("--tp (tensor parallelism in conveyor train)")
     tp.add_argument("--tp-steps", type=int, default=8, help="steps per side, the first 2 untimed and the last measured")
+    varlen = parser.add_argument_group("--varlen (batching by length vs padding to the longest)")
+    varlen.add_argument("--varlen-parity", action="store_true", help="the schedule x transport parity table instead")
+    varlen.add_argument("--varlen-bytes", type=int, default=600_000, help="bytes of stdlib definitions read")
+    varlen.add_argument("--varlen-rounds", type=int, default=4, help="rounds, the side going first alternating")
+    varlen.add_argument("--varlen-steps", type=int, default=4, help="steps per side per round (the first untimed)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pp=2 x dp=2 x tp=2 (8 ranks), ddp and fsdp, 1f1b and zbv: parity without the pipeline")
     parts.add_argument("--tp", dest="tp_memory", action="store_true",
                        help="tensor parallelism in conveyor train: bytes per rank and step time, tp=2 vs tp=1")
+    parts.add_argument("--varlen", action="store_true", help="batching by length vs padding, at pp=2")
     parts.add_argument(
         "--quick", action="store_true",
         help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only",

@@ -86,7 +86,8 @@ def pipeline(
             plan, world, example_args, example_kwargs)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
-                        unsplittable=options.split.unsplittable, device=device)
+                        unsplittable=options.split.unsplittable, device=device,
+                        dynamic_shapes=options.split.dynamic_shapes)
     method = options.split.method
     if split_points is None and method == "time":
         split_points, method = _time_split_points(model, resolved.num_stages, layout, split_kwargs), "parameters"
@@ -190,6 +191,7 @@ def _time_split_points(model, num_stages: int, layout: Layout, split_kwargs: dic
     from conveyor.plan import time_split
 
     given = dict(split_kwargs, unsplittable=tuple(split_kwargs["unsplittable"] or ()))
+    given.pop("dynamic_shapes")  # timed on the example's shapes
     return _by_rank_zero(layout, lambda: list(time_split.time_split(model, num_stages, **given).split_points))
 
 

@@ -62,6 +62,45 @@ def split_microbatches(
     return list(zip(arg_parts, kwarg_parts))
 
 
+def check_given_microbatches(microbatches: Any, num_microbatches: int) -> list[tuple[tuple, dict]]:
+    """``(args, kwargs)`` of each microbatch the caller split itself, in order.
+
+    Each microbatch is a dict of keyword inputs, a tuple (or list) of positional ones, or one
+    tensor (the single positional input); each may have its own shapes (sequence length, batch
+    size). Raises :class:`PipelineConfigError` naming the first that is neither, or when there
+    are not ``num_microbatches`` of them.
+
+    Example:
+        >>> parts = check_given_microbatches([{"ids": torch.ones(1, 3)}, (torch.ones(2, 5),)], 2)
+        >>> [(args, sorted(kwargs)) for args, kwargs in parts][0], parts[1][0][0].shape
+        (((), ['ids']), torch.Size([2, 5]))
+    """
+    if isinstance(microbatches, (dict, torch.Tensor)) or not isinstance(microbatches, (list, tuple)):
+        raise PipelineConfigError(
+            f"microbatches= takes a list of the {num_microbatches} microbatches (each a dict of keyword "
+            f"inputs or a tuple of positional ones); got {type(microbatches).__name__}"
+        )
+    if len(microbatches) != num_microbatches:
+        raise PipelineConfigError(
+            f"microbatches= holds {len(microbatches)} microbatches, but the schedule runs {num_microbatches}: "
+            f"pass exactly {num_microbatches} (or build the schedule with microbatches={len(microbatches)})"
+        )
+    parts = []
+    for index, microbatch in enumerate(microbatches):
+        if isinstance(microbatch, dict):
+            parts.append(((), dict(microbatch)))
+        elif isinstance(microbatch, (tuple, list)):
+            parts.append((tuple(microbatch), {}))
+        elif isinstance(microbatch, torch.Tensor):
+            parts.append(((microbatch,), {}))
+        else:
+            raise PipelineConfigError(
+                f"microbatch {index} is a {type(microbatch).__name__}; each microbatch is a dict of keyword "
+                "inputs, a tuple of positional inputs or one tensor"
+            )
+    return parts
+
+
 def merge_outputs(outputs: list[Any]) -> Any:
     """Concatenate microbatch outputs along dim 0 (tensors); other leaves come from microbatch 0.
 

@@ -172,6 +172,9 @@ class TransferOptions:
                                    "that breaks the promise is an error naming rank, stage, microbatch, tensor")
     shapes: Any = _f(None, "{stage: an example of its output for ONE microbatch}, the same on every rank: skips "
                            "even the first step's exchange of shapes")
+    variable_shapes: bool = _f(False, "microbatches of different shapes in every step (pipe.step(microbatches=...)): "
+                                      "transport='ordered' then agrees on each transfer's shape every step, not "
+                                      "once (the other transports carry each transfer's shape anyway)")
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -184,11 +187,15 @@ class TransferOptions:
         if self.shapes is not None and not isinstance(self.shapes, Mapping):
             raise PipelineConfigError(f"shapes takes {{stage: an example output of that stage}}; got "
                                       f"{type(self.shapes).__name__}")
+        if self.variable_shapes and (self.fixed_shapes or self.shapes is not None):
+            raise PipelineConfigError("variable_shapes=True lets every microbatch have its own shapes; "
+                                      "fixed_shapes=True and shapes= promise the opposite: choose one")
 
     def describe(self) -> str:
         """What the ranks compare when a pipeline is built (the timeout may differ between ranks)."""
         return (f"transport={self.transport!r} timeout_s={self.timeout_s} fixed_shapes={self.fixed_shapes} "
-                f"shapes given for stages {sorted(self.shapes) if self.shapes else []}")
+                f"shapes given for stages {sorted(self.shapes) if self.shapes else []}"
+                f"{' variable_shapes=True' if self.variable_shapes else ''}")
 
 
 @dataclass(frozen=True)
@@ -381,6 +388,8 @@ class SplitOptions:
     unsplittable: Sequence[str] | None = _f(None, "module paths never cut inside")
     both_modes: bool = _f(False, "trace in train and eval mode, so pipe.eval()/pipe.train() switch dropout and "
                                  "BatchNorm (else one trace, in the model's current mode)")
+    dynamic_shapes: Any = _f(None, "{input name: {dim: name}}: dims that may differ between microbatches, e.g. "
+                                   "{'input_ids': {1: 'seq'}, 'labels': {1: 'seq'}} (conveyor.frontend.dynamic)")
 
     def __post_init__(self) -> None:
         if self.method not in ("uniform", "parameters", "time") and not self.method.startswith("type:"):

@@ -275,6 +275,7 @@ class ModelSplit:
                 example_kwargs=kwargs,
                 split_points=self.split_points,
                 device=self.device,
+                dynamic_shapes=self._traced.dynamic_shapes,
             )
         finally:
             model.train(was_training)
@@ -357,6 +358,7 @@ def split_model(
     split_method: str = "parameters",
     unsplittable: Iterable[str] | None = None,
     device: torch.device | str | None = None,
+    dynamic_shapes: Mapping[str, Any] | None = None,
 ) -> ModelSplit:
     """Trace ``model`` (unchanged) on one example microbatch and cut it into stages.
 
@@ -374,6 +376,9 @@ def split_model(
         unsplittable: module paths never cut inside.
         device: where stages are built by default (default: the model's device, or cpu
             for a meta-device model).
+        dynamic_shapes: ``{input name: {dim: name}}``, dims that may differ between
+            microbatches (``{"input_ids": {1: "seq"}, "labels": {1: "seq"}}``: any sequence
+            length); see :mod:`conveyor.frontend.dynamic`.
 
     Example:
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
@@ -390,7 +395,7 @@ def split_model(
     if split_points is not None:
         check_module_names(model, split_points, "split point")
     seed = torch.initial_seed()
-    traced = trace_model(model, example_args, example_kwargs)
+    traced = trace_model(model, example_args, example_kwargs, dynamic_shapes)
     spans = ModuleSpans(traced)
     default_device = torch.device(device) if device is not None else model_device(model)
     if default_device.type == "meta":

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.errors import SplitError
+from conveyor.frontend.dynamic import symbolic_dims
 from conveyor.frontend.materialize import named_tensors
 from conveyor.frontend.stage import StageModule, ValueSpec, as_received, build_graph
 from conveyor.frontend.trace import TracedModel
@@ -142,7 +143,7 @@ def _dry_run(split: ModelSplit) -> None:
         for leaf in traced.example
     ]
     split._recipes[0].input_specs = tuple(
-        ValueSpec(leaf.name, leaf.shape, leaf.dtype, False, leaf.value) for leaf in traced.example
+        ValueSpec(leaf.name, leaf.shape, leaf.dtype, False, leaf.value, leaf.dynamic) for leaf in traced.example
     )
     values: Any = pytree.tree_unflatten(flat_inputs, traced.in_spec)
     device_map = {} if traced.trace_device == meta else {traced.trace_device: meta}
@@ -188,13 +189,17 @@ def _dry_run(split: ModelSplit) -> None:
         names = [getattr(value, "name", f"output_{i}") for i, value in enumerate(recipe.outputs)]
         if recipe.is_last:
             names = [f"output_{i}" for i in range(len(flat_outputs))]
-        recipe.output_specs = tuple(_spec(name, value) for name, value in zip(names, flat_outputs))
+        traced_values = [getattr(node, "meta", {}).get("val") for node in recipe.outputs]
+        if recipe.is_last:  # the model's outputs, flattened: which dims vary is not needed there
+            traced_values = [None] * len(flat_outputs)
+        recipe.output_specs = tuple(_spec(name, value, symbolic_dims(traced))
+                                    for name, value, traced in zip(names, flat_outputs, traced_values))
         if not recipe.is_last:
             values = tuple(as_received(value) for value in outputs)
             split._recipes[recipe.stage + 1].input_specs = recipe.output_specs
 
 
-def _spec(name: str, value: Any) -> ValueSpec:
+def _spec(name: str, value: Any, dynamic: tuple[int, ...] = ()) -> ValueSpec:
     if isinstance(value, torch.Tensor):
-        return ValueSpec(name, tuple(value.shape), value.dtype, value.requires_grad)
+        return ValueSpec(name, tuple(value.shape), value.dtype, value.requires_grad, dynamic=dynamic)
     return ValueSpec(name, None, None, False, value)

@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.errors import PipelineConfigError, SpecMismatchError
+from conveyor.frontend.dynamic import describe_shape, fits
 from conveyor.frontend.trace import ExampleLeaf, StateInput, TracedModel
 
 # Attribute names on a StageModule that can never clash with a model's module names.
@@ -56,6 +57,7 @@ class ValueSpec:
     dtype: torch.dtype | None
     requires_grad: bool = False
     value: Any = None
+    dynamic: tuple[int, ...] = ()  # dims traced as dynamic: any size fits (conveyor.frontend.dynamic)
 
     @property
     def is_tensor(self) -> bool:
@@ -65,7 +67,7 @@ class ValueSpec:
         if not self.is_tensor:
             return f"{self.name}={self.value!r}"
         grad = ", grad" if self.requires_grad else ""
-        return f"{self.name}: {list(self.shape)} {str(self.dtype).removeprefix('torch.')}{grad}"
+        return f"{self.name}: {describe_shape(self.shape, self.dynamic)} {str(self.dtype).removeprefix('torch.')}{grad}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -532,7 +534,7 @@ class StageModule(nn.Module):
         for spec, value in zip(specs, values):
             if spec.is_tensor and (
                 not isinstance(value, torch.Tensor)
-                or tuple(value.shape) != spec.shape
+                or not fits(spec.shape, spec.dynamic, value.shape)
                 or value.dtype != spec.dtype
             ):
                 got = (
@@ -552,7 +554,7 @@ def _check_leaf(leaf: ExampleLeaf, value: Any) -> None:
     if leaf.is_tensor:
         if (
             isinstance(value, torch.Tensor)
-            and tuple(value.shape) == leaf.shape
+            and fits(leaf.shape, leaf.dynamic, value.shape)
             and value.dtype == leaf.dtype
         ):
             return
@@ -568,5 +570,6 @@ def _check_leaf(leaf: ExampleLeaf, value: Any) -> None:
     raise SpecMismatchError(
         f"stage 0 input {leaf.name!r}: the model was split for {leaf.describe()}, got {got}. "
         "Stages are specialised to the example microbatch's shapes and non-tensor values: "
-        "split with an example like this one (or pad inputs to the example's shape)."
+        "split with an example like this one (or pad inputs to the example's shape), or let a dim vary with "
+        "split_model(..., dynamic_shapes={name: {dim: 'seq'}}) (SplitOptions(dynamic_shapes=...))."
     )

@@ -53,6 +53,14 @@ from conveyor.frontend.attention import (
     is_hugging_face_model,
     warn_of_repeated_heads,
 )
+from conveyor.frontend.dynamic import (
+    check_stayed_dynamic,
+    concrete_shape,
+    describe_shape,
+    export_dynamic_shapes,
+    is_data_dependent,
+    symbolic_dims,
+)
 from conveyor.frontend.functions import custom_functions_met, refusal
 
 logger = logging.getLogger(__name__)
@@ -82,6 +90,7 @@ class ExampleLeaf:
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
     value: Any = None
+    dynamic: tuple[int, ...] = ()  # dims traced as dynamic (conveyor.frontend.dynamic): any size fits
 
     @property
     def is_tensor(self) -> bool:
@@ -89,7 +98,8 @@ class ExampleLeaf:
 
     def describe(self) -> str:
         if self.is_tensor:
-            return f"tensor{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+            shape = list(self.shape) if not self.dynamic else describe_shape(self.shape, self.dynamic)
+            return f"tensor{shape} {str(self.dtype).removeprefix('torch.')}"
         return repr(self.value)
 
 
@@ -116,6 +126,7 @@ class TracedModel:
         self.model = model
         # Dropout, BatchNorm and any `if self.training` are fixed in the graph.
         self.training = model.training
+        self.dynamic_shapes: Mapping[str, Any] | None = None  # what trace_model was asked to keep dynamic
         self.exported = exported
         self.trace_device = trace_device
         signature = exported.graph_signature
@@ -258,19 +269,9 @@ def _region_kind(node: fx.Node) -> str:
     return f"a {name} region"
 
 
-def _is_data_dependent(value: Any) -> bool:
-    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        return True
-    if isinstance(value, torch.Tensor):
-        return any(isinstance(size, torch.SymInt) for size in value.shape)
-    if isinstance(value, tuple | list):
-        return any(_is_data_dependent(item) for item in value)
-    return False
-
-
 def _reject_data_dependent(model: nn.Module, node: fx.Node) -> None:
     """Stages are specialised to fixed shapes: a shape or scalar read from tensor data breaks that."""
-    if not _is_data_dependent(node.meta.get("val")):
+    if not is_data_dependent(node.meta.get("val")):
         return
     stack = node.meta.get("nn_module_stack") or {}
     path, type_name = list(stack.values())[-1] if stack else ("", type(model).__qualname__)
@@ -295,7 +296,7 @@ def _reject_data_dependent(model: nn.Module, node: fx.Node) -> None:
 def _example_leaf(node: fx.Node) -> ExampleLeaf:
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
-        return ExampleLeaf(node.name, tuple(int(d) for d in value.shape), value.dtype)
+        return ExampleLeaf(node.name, concrete_shape(value), value.dtype, dynamic=symbolic_dims(value))
     return ExampleLeaf(node.name, None, None, value)
 
 
@@ -309,9 +310,13 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def trace_model(
-    model: nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None
+    model: nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,
+    dynamic_shapes: Mapping[str, Any] | None = None,
 ) -> TracedModel:
     """Trace ``model`` on one example microbatch; raise ``TracingError`` naming the failure.
+
+    ``dynamic_shapes`` ({input name: {dim: name}}): dims that may differ between microbatches
+    (:mod:`conveyor.frontend.dynamic`); the others are fixed to the example's.
 
     Example inputs on another device than a meta-device model are moved to the meta
     device first, so a model built with ``torch.device("meta")`` can be traced with
@@ -330,12 +335,17 @@ def trace_model(
     try:
         with (_key_value_cache_off(model, kwargs), eager_attention_path(model, args, kwargs),
               custom_functions_met(model) as functions):
-            exported = torch.export.export(model, args, kwargs, strict=False)
+            exported = torch.export.export(model, args, kwargs, strict=False,
+                                           dynamic_shapes=export_dynamic_shapes(model, args, kwargs, dynamic_shapes))
+    except TracingError:
+        raise
     except Exception as error:  # noqa: BLE001 - any failure is explained the same way
         raise TracingError(explain_trace_failure(model, error)) from error
     if functions:  # their backward is not in the graph: the stages would train another model
         raise TracingError(refusal(model, functions))
     traced = TracedModel(model, exported, device)
+    check_stayed_dynamic(dynamic_shapes, model, args, kwargs, traced.example, traced.in_spec)
+    traced.dynamic_shapes = dynamic_shapes
     warn_of_repeated_heads(model, traced.nodes, args, kwargs)
     return traced
 

@@ -179,7 +179,7 @@ class DistributedRanks:
         self.runs = executable(schedule)
         self.transport = build_transport(transfer.transport, self.rank, schedule, self.life,
                                          timeout_s=transfer.timeout_s, fixed_shapes=transfer.fixed_shapes,
-                                         device=self.device,
+                                         device=self.device, variable_shapes=transfer.variable_shapes,
                                          in_order_channels=wire_channels(self.runs.train_in_order,
                                                                          self.runs.eval_in_order))
         if transfer.shapes:

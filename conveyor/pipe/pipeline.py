@@ -30,7 +30,7 @@ from conveyor.parallel.clipping import check_nonfinite_mode
 from conveyor.parallel.tied import share_tied_locally, tied_copies_outside_their_first_stage
 from conveyor.pipe.distributed import DistributedRanks
 from conveyor.pipe.ranks import InProcessRanks
-from conveyor.pipe.steps import forward_only, train_step
+from conveyor.pipe.steps import forward_only, presplit, train_step
 from conveyor.pipe_grads import GradientChecks
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.runner import LossFn, StageRunner, build_runners, named_unique
@@ -157,13 +157,14 @@ class Pipeline(GradientChecks):
         ``normalize_by`` (read where the last stage runs): None divides each microbatch's loss by M;
         N, the global minibatch's token count (:func:`conveyor.parallel.count_tokens`), divides
         ``loss_fn``'s per-microbatch SUM by N (:mod:`conveyor.parallel.loss`).
+        ``microbatches=[...]``, ``targets=[...]``: M microbatches of their own shapes (``steps.presplit``).
 
         Example:
             >>> loss = pipe.step(x, target=y, on_nonfinite="skip")   # doctest: +SKIP
         """
         check_nonfinite_mode(on_nonfinite)
         result, report = self.ranks.guarded(train_step, self, args, kwargs, target, return_outputs, on_nonfinite,
-                                            normalize_by)
+                                            normalize_by, presplit(kwargs))
         if report:
             self._after_nonfinite(report, on_nonfinite)
         return result

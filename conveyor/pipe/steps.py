@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.microbatch import merge_outputs, split_microbatches, split_value
+from conveyor.microbatch import check_given_microbatches, merge_outputs, split_microbatches, split_value
 from conveyor.parallel.loss import set_loss_divisor
 from conveyor.runtime.device import to_device
 from conveyor.runtime.rng import step_random_streams
@@ -23,10 +23,18 @@ log = logging.getLogger("conveyor.pipe")
 
 
 def train_step(pipe: Any, args: tuple, kwargs: dict, target: Any, return_outputs: bool,
-               on_nonfinite: str | None, normalize_by: Any) -> tuple[Any, str]:
+               on_nonfinite: str | None, normalize_by: Any,
+               given: tuple[Any, Any, bool] = (None, None, False)) -> tuple[Any, str]:
     """One training step of ``pipe`` (a :class:`~conveyor.pipe.Pipeline`): ``(loss or (loss, outputs),
-    the non-finite report)``; the report is empty unless ``on_nonfinite`` asked for the check."""
-    first, targets = _inputs_for_step(pipe, args, kwargs, target)
+    the non-finite report)``; the report is empty unless ``on_nonfinite`` asked for the check.
+    ``given``: ``(microbatches, targets, whether the caller split them)`` (each list may be None
+    where this rank does not read it)."""
+    microbatches, given_targets, presplit = given
+    if presplit:
+        first, targets = _given_inputs_for_step(pipe, args, kwargs, target, microbatches, given_targets)
+    else:
+        first, targets = _inputs_for_step(pipe, args, kwargs, target)
+    pipe._given_microbatches = presplit
     set_loss_divisor(pipe.runners, pipe.schedule.num_stages, normalize_by, pipe.dp_size)
     for runner in pipe.runners.values():
         runner.reset()
@@ -40,10 +48,30 @@ def train_step(pipe: Any, args: tuple, kwargs: dict, target: Any, return_outputs
     return loss, report
 
 
+def presplit(kwargs: dict) -> tuple[Any, Any, bool]:
+    """Take ``microbatches=`` and ``targets=`` out of :meth:`Pipeline.step`'s keywords: ``(microbatches,
+    targets, whether the caller split the minibatch itself)``.
+
+    ``microbatches=[mb_0, ..., mb_{M-1}]`` (None where stage 0 does not run): each a dict of keyword
+    inputs or a tuple of positional ones, each with its own shapes (sequence length, batch size);
+    ``targets=[t_0, ...]`` likewise (optional, as ``target=``). ``targets`` given as a tensor without
+    ``microbatches`` stays a model input of that name. Outputs come back as a list, one per microbatch.
+
+    Example:
+        >>> keywords = {"microbatches": [(1,), (2,)], "mask": None}
+        >>> presplit(keywords), keywords
+        (([(1,), (2,)], None, True), {'mask': None})
+        >>> loss = pipe.step(microbatches=[{"ids": a}, {"ids": b}], targets=[ta, tb])   # doctest: +SKIP
+    """
+    given = "microbatches" in kwargs or isinstance(kwargs.get("targets"), list | tuple)
+    return kwargs.pop("microbatches", None), kwargs.pop("targets", None) if given else None, given
+
+
 def forward_only(pipe: Any, args: tuple, kwargs: dict) -> Any:
     """Forward of every microbatch without autograd state: the merged outputs where the last stage
     runs, None elsewhere."""
     first = _split_inputs(pipe, args, kwargs) if pipe.needs_inputs else None
+    pipe._given_microbatches = False  # a minibatch cut here: its outputs come back merged
     for runner in pipe.runners.values():
         runner.reset()
     pipe.ranks.start(False, False)
@@ -59,7 +87,9 @@ def last_outputs(pipe: Any, clear: bool) -> Any:
     last = pipe.runners.get(pipe.schedule.num_stages - 1)
     if last is None:
         return None
-    outputs = merge_outputs([last.outputs[m] for m in range(pipe.schedule.num_microbatches)])
+    outputs = [last.outputs[m] for m in range(pipe.schedule.num_microbatches)]
+    if not getattr(pipe, "_given_microbatches", False):  # microbatches given one by one come back so
+        outputs = merge_outputs(outputs)
     if clear:
         last.outputs.clear()
     return outputs
@@ -73,6 +103,39 @@ def _inputs_for_step(pipe: Any, args: tuple, kwargs: dict, target: Any):
                     "(pass target= there; None elsewhere)", pipe.ranks.rank,
                     pipe.schedule.placement.rank_of(pipe.schedule.num_stages - 1))
     targets = _split_target(pipe, target) if pipe.needs_target else None
+    return first, targets
+
+
+def _given_inputs_for_step(pipe: Any, args: tuple, kwargs: dict, target: Any, microbatches: Any,
+                           given_targets: Any):
+    """``microbatches=`` / ``targets=``: the caller's own microbatches, each with its own shapes."""
+    if args or kwargs or target is not None:
+        raise PipelineConfigError(
+            "pipe.step(microbatches=..., targets=...) takes the microbatches already split: pass no "
+            f"positional inputs, keyword inputs or target= beside them (got {len(args)} positional, "
+            f"keywords {sorted(kwargs)}, target {'given' if target is not None else 'None'})"
+        )
+    num = pipe.schedule.num_microbatches
+    first = None
+    if pipe.needs_inputs:
+        if microbatches is None:
+            raise PipelineConfigError(
+                f"rank {pipe.ranks.rank} runs stage 0 and was given targets= but no microbatches=: pass the "
+                f"{num} microbatches there"
+            )
+        first = check_given_microbatches(microbatches, num)
+        if pipe.device.type != "cpu":
+            first = to_device(first, pipe.device)
+    targets = None
+    if pipe.needs_target:
+        targets = [None] * num if given_targets is None else list(given_targets)
+        if len(targets) != num:
+            raise PipelineConfigError(
+                f"targets= holds {len(targets)} targets, but the schedule runs {num} microbatches: pass one "
+                "target per microbatch (or None)"
+            )
+        if pipe.device.type != "cpu":
+            targets = to_device(targets, pipe.device)
     return first, targets
 
 

@@ -18,6 +18,11 @@ check of the same logic). What it does differently from
   on, and from the start for stages given in ``TransferOptions(shapes=...)``, only the bytes travel,
   into a buffer the receiver sized ahead. A later transfer of another structure is an error
   (SpecMismatchError) naming rank, stage, microbatch and tensor, as with ``fixed_shapes``.
+- **Variable shapes** (``TransferOptions(variable_shapes=True)``, for ``pipe.step(microbatches=...)``
+  whose microbatches differ in length): every step is a first step. Each transfer's structure
+  travels through the store under that step's number, the receiver sizes its buffer from it and
+  deletes the key; the data still travels alone, matched by order. The host waits for a structure
+  at the posts where a first step waits for it, which the ordering proves deadlock-free.
 - **Device.** Receive buffers live on ``device`` (the stage's GPU under NCCL), send buffers too,
   packed there; a send's buffer is let go once its work completed (asked as later transfers
   post and at waits), not held to the end of the step.
@@ -66,8 +71,10 @@ from conveyor.schedule.ir import Action, Schedule
 # How often a waiting rank looks at the store's failure board (gloo; NCCL: the watcher's poll).
 FAILURE_POLL_S = 0.5
 _STRUCTURE_KEY = "conveyor/ordered/{prefix}/{direction}/{stage}/{microbatch}"
+_STEP_STRUCTURE_KEY = "conveyor/ordered/{prefix}/step{step}/{direction}/{stage}/{microbatch}"
 _FIX = ("(transport='ordered', NCCL's, sends data only once a transfer's structure is known; keep each "
-        "microbatch's shapes as in the first step (pad variable lengths), or use gloo with "
+        "microbatch's shapes as in the first step (pad variable lengths), pass "
+        "TransferOptions(variable_shapes=True) to agree on shapes every step, or use gloo with "
         "transport='process_group')")
 
 
@@ -90,7 +97,8 @@ class OrderedTransport(FailureBoard, Transport):
     ordered = True
 
     def __init__(self, rank: int, rank_to_global: list[int], schedule: Schedule, channel_groups: dict, store,
-                 prefix: str, timeout_s: float, device: torch.device, backend: str) -> None:
+                 prefix: str, timeout_s: float, device: torch.device, backend: str, *,
+                 variable_shapes: bool = False) -> None:
         import torch.distributed as dist
 
         self.dist = dist
@@ -109,10 +117,19 @@ class OrderedTransport(FailureBoard, Transport):
         self.structures_sent = 0
         self._orders: dict[bool, dict] = {}
         self._postings: dict[tuple[int, bool], tuple[tuple[Action, ...], Posting]] = {}
+        self.variable_shapes = variable_shapes
+        self.steps_done = 0  # names each step's structures under variable_shapes
 
     def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
         """Every transfer of ``channel`` has structure ``meta`` (both ends seed alike)."""
-        self.seeded[channel] = meta
+        if not self.variable_shapes:
+            self.seeded[channel] = meta
+
+    def end_step(self) -> None:
+        """Under ``variable_shapes`` the next step agrees on its structures afresh."""
+        self.steps_done += 1
+        if self.variable_shapes:
+            self.known.clear()
 
     def posting_of(self, program: tuple[Action, ...], training: bool) -> Posting:
         """Where this rank posts what, in ``program`` (see :func:`conveyor.runtime.ordering.posting_of`)."""
@@ -131,6 +148,9 @@ class OrderedTransport(FailureBoard, Transport):
 
     def _store_key(self, key: TransferKey) -> str:
         direction, stage, microbatch = key
+        if self.variable_shapes:
+            return _STEP_STRUCTURE_KEY.format(prefix=self.prefix, step=self.steps_done, direction=direction,
+                                              stage=stage, microbatch=microbatch)
         return _STRUCTURE_KEY.format(prefix=self.prefix, direction=direction, stage=stage, microbatch=microbatch)
 
     def _fetch_structure(self, src: int, key: TransferKey, what: str) -> PayloadMeta:
@@ -149,6 +169,8 @@ class OrderedTransport(FailureBoard, Transport):
                     raise receive_timeout(self.rank, self.timeout_s, f"the structure of {what}", src) from exc
         meta = PayloadMeta.decode(self.store.get(name))
         self.known[key] = meta
+        if self.variable_shapes:  # read by this rank only, once: the store does not grow step by step
+            self.store.delete_key(name)
         return meta
 
     # --- sending ---------------------------------------------------------------------------

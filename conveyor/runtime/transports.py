@@ -39,10 +39,12 @@ def check_transport_name(kind: str) -> None:
 
 def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycle, *, timeout_s: float,
                     fixed_shapes: bool, in_order_channels: frozenset[Channel] = frozenset(),
-                    device: torch.device | None = None) -> Transport:
+                    device: torch.device | None = None, variable_shapes: bool = False) -> Transport:
     """This rank's transport of ``kind`` (one of :data:`TRANSPORTS`) over ``life``'s group and store.
 
     ``device``: the stage device; under NCCL the ordered transport's buffers live there.
+    ``variable_shapes``: microbatches change shapes every step; the ordered transport then agrees on
+    each transfer's structure every step (the others carry it with the data when it changes).
 
     ``in_order_channels``: see :class:`~conveyor.runtime.transport.Transport`
     (:func:`wire_channels` turns the schedule layer's into the wire's).
@@ -64,7 +66,7 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
     if life.backend == "nccl" and kind in ("auto", "process_group"):
         kind = "ordered"  # the tagged protocol's CPU buffers and multi-part messages cannot run on NCCL
     if kind == "ordered":
-        return ordered_transport(rank, schedule, life, timeout_s, device)
+        return ordered_transport(rank, schedule, life, timeout_s, device, variable_shapes)
     if kind == "hybrid" and life.backend != "gloo":
         raise PipelineConfigError(
             f"transport='hybrid' carries CPU tensors and needs the gloo backend; this group uses "
@@ -91,7 +93,7 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
 
 
 def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeout_s: float,
-                      device: torch.device | None = None) -> OrderedTransport:
+                      device: torch.device | None = None, variable_shapes: bool = False) -> OrderedTransport:
     """The order-matched transport over a process group per channel; buffers on this rank's GPU under NCCL
     (the stage device when it is a GPU, else the current CUDA device)."""
     channels = set(sender_orders(schedule, training=True)) | set(sender_orders(schedule, training=False))
@@ -101,7 +103,7 @@ def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeou
     elif device is None or device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     return OrderedTransport(rank, life.global_ranks, schedule, groups, life.store, life.store_prefix(), timeout_s,
-                            device, life.backend)
+                            device, life.backend, variable_shapes=variable_shapes)
 
 
 def wire_channels(train_in_order: Iterable[tuple[ActionKind, int]],

@@ -65,12 +65,16 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # Any: a single path or glob, "stdlib", or a list of paths/globs (OmegaConf has no str | list).
-    source: Any = _f("stdlib", "'stdlib' (the Python standard library's .py sources) or local files/globs")
+    source: Any = _f("stdlib", "'stdlib' (the Python standard library's .py sources), 'stdlib-definitions' (each "
+                               "function or class of them one document) or local files/globs")
     format: str | None = _f(None, "text | jsonl | parquet; None: from each file's suffix")
     text_key: str = _f("text", "the field holding the text in jsonl records and parquet columns")
     tokenizer: str = _f("bytes", "'bytes' (vocab 256) or a local tokenizer directory")
     val_fraction: float = _f(0.05, "share of the documents (files or records) held out for validation")
     max_bytes: int | None = _f(None, "read at most this many bytes of the corpus (None: all)")
+    batching: str = _f("windows", "windows (seq_len tokens across documents) | by_length (each document cut at its "
+                                  "end, microbatches of similar lengths, no padding across documents; with "
+                                  "loss.normalize=tokens every token weighs the same)")
 
 
 @dataclass

@@ -31,6 +31,7 @@ CHOICES = {
     "parallel.data_parallel": ("ddp", "fsdp"),
     "optim.lr_schedule": ("cosine", "constant"),
     "loss.normalize": ("microbatch", "tokens"),
+    "data.batching": ("windows", "by_length"),
     "loss.on_nonfinite": ("skip", "stop"),
     "run.device": ("auto", "cpu", "cuda"),
 }

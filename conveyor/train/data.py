@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 
 from conveyor.errors import CheckpointMismatchError, ConfigError
 from conveyor.runtime.device import to_device
-from conveyor.train import sources
+from conveyor.train import corpus, sources
 from conveyor.train.config import DataConfig
 
 
@@ -83,6 +83,8 @@ def file_documents(files: Sequence[Path], fmt: str | None = None, text_key: str 
 
 def read_documents(cfg: DataConfig) -> list[Document]:
     """The documents ``cfg.source`` names ("stdlib" or local files), capped at ``cfg.max_bytes``."""
+    if cfg.source == corpus.SOURCE_NAME:
+        return [Document(*definition) for definition in corpus.definition_documents(cfg.max_bytes)]
     files = sources.source_files(cfg.source)
     if not files:
         return stdlib_documents(cfg.max_bytes)
@@ -393,3 +395,168 @@ def resumable_loader(pipe: Any, dataset_factory: Callable[[], Any], batch_size: 
         return None
     return ResumableLoader(dataset_factory(), batch_size, seed=seed, dp_rank=pipe.dp_rank,
                            dp_size=pipe.dp_size, shuffle=shuffle, device=getattr(pipe, "device", None))
+
+
+# --- batching by length (data.batching=by_length) ---------------------------------------------
+
+def document_pieces(documents: Sequence[Any], tokenizer: Any, seq_len: int) -> list[torch.Tensor]:
+    """Each document's tokens (and its end-of-document token, if the tokenizer has one) cut at its end:
+    pieces of at most ``seq_len + 1`` tokens that never hold two documents; pieces under 2 tokens
+    (nothing to predict) are left out.
+
+    Example:
+        >>> [len(p) for p in document_pieces([Document("a", b"x" * 9), Document("b", b"yz")], ByteTokenizer(), 4)]
+        [5, 4, 2]
+    """
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    pieces = []
+    for doc in documents:
+        tokens = tokenizer.encode(doc.data).long()
+        if eos:
+            tokens = torch.cat((tokens, torch.tensor(eos, dtype=torch.long)))
+        # Consecutive pieces of one document overlap by one token, as windows do: every token is predicted once.
+        for start in range(0, max(len(tokens) - 1, 0), seq_len):
+            piece = tokens[start: start + seq_len + 1]
+            if len(piece) >= 2:
+                pieces.append(piece)
+    return pieces
+
+
+def length_microbatches(pieces: Sequence[torch.Tensor], token_budget: int, pad_to: int | None = None,
+                        rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(ids, targets)`` microbatches of ``pieces`` in the given order.
+
+    By length (``pad_to`` None): as many pieces as fit ``token_budget`` at the longest one's length,
+    each microbatch as long as its longest piece; give the pieces sorted by length and the padding
+    is what is left between pieces of nearly one length. Padded to ``pad_to`` with ``rows`` pieces
+    each: the fixed-shape baseline. Padding is id 0 in ``ids`` and -100 (ignored) in ``targets``.
+
+    Example:
+        >>> pieces = [torch.arange(5), torch.arange(4), torch.arange(3)]
+        >>> [tuple(ids.shape) for ids, _ in length_microbatches(pieces, token_budget=8)]
+        [(2, 4), (1, 2)]
+    """
+    batches, start = [], 0
+    while start < len(pieces):
+        if pad_to is None:
+            count = 1
+            while start + count < len(pieces) and (count + 1) * (len(pieces[start]) - 1) <= token_budget:
+                count += 1
+        else:
+            count = rows or 1
+        group = pieces[start: start + count]
+        length = pad_to if pad_to is not None else max(len(p) for p in group) - 1
+        ids = torch.zeros(len(group), length, dtype=torch.long)
+        targets = torch.full((len(group), length), -100, dtype=torch.long)
+        for row, piece in enumerate(group):
+            ids[row, : len(piece) - 1] = piece[:-1]
+            targets[row, : len(piece) - 1] = piece[1:]
+        batches.append((ids, targets))
+        start += count
+    return batches
+
+
+def padding_share(microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The share of target positions that are padding (-100) in ``microbatches``."""
+    total = sum(targets.numel() for _, targets in microbatches)
+    padded = sum(int((targets == -100).sum()) for _, targets in microbatches)
+    return padded / total if total else 0.0
+
+
+class LengthBatchLoader:
+    """Endless steps of ``num_microbatches`` microbatches batched by length, resumable like
+    :class:`ResumableLoader` (same ``state_dict`` keys; ``position`` counts microbatches).
+
+    Each epoch shuffles the pieces (seed + epoch), gives replica r every ``dp_size``-th, sorts
+    them by length within pools of a few hundred (so a step still mixes the corpus) and cuts
+    them into microbatches of at most ``token_budget`` tokens (:func:`length_microbatches`). A step
+    is a list of ``(ids, targets)``, one per microbatch, each of its own length and rows.
+
+    Example:
+        >>> pieces = document_pieces([Document(str(i), b"x" * (3 + 7 * i)) for i in range(20)], ByteTokenizer(), 16)
+        >>> loader = LengthBatchLoader(pieces, token_budget=32, num_microbatches=2, seed=0)
+        >>> step = next(loader)
+        >>> len(step), all(ids.shape == targets.shape for ids, targets in step)
+        (2, True)
+    """
+
+    POOL = 512  # pieces sorted together: long enough to group lengths, short enough to mix the corpus
+
+    def __init__(self, pieces: Sequence[torch.Tensor], token_budget: int, num_microbatches: int, *, seed: int = 0,
+                 dp_rank: int = 0, dp_size: int = 1, shuffle: bool = True, device: torch.device | None = None) -> None:
+        if token_budget < 1 or num_microbatches < 1:
+            raise ConfigError(f"batching by length needs a positive token budget and microbatch count; got "
+                              f"{token_budget} and {num_microbatches}")
+        self.pieces, self.token_budget, self.num_microbatches = list(pieces), token_budget, num_microbatches
+        self.seed, self.dp_rank, self.dp_size, self.shuffle, self.device = seed, dp_rank, dp_size, shuffle, device
+        self.epoch, self.position = 0, 0
+        self._batches: tuple[int, list] | None = None
+        if len(self.epoch_batches(0)) < num_microbatches:
+            raise ConfigError(f"a replica's share of the data makes {len(self.epoch_batches(0))} microbatches, "
+                              f"fewer than one step's {num_microbatches}; give more data or fewer microbatches")
+
+    def epoch_batches(self, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This replica's microbatches in ``epoch``, in the order they are drawn."""
+        count = len(self.pieces)
+        order = (torch.randperm(count, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+                 if self.shuffle else list(range(count)))
+        mine = [self.pieces[i] for i in order[: count - count % self.dp_size][self.dp_rank:: self.dp_size]]
+        batches = []
+        for start in range(0, len(mine), self.POOL):
+            pool = sorted(mine[start: start + self.POOL], key=len, reverse=True)
+            batches += length_microbatches(pool, self.token_budget)
+        return batches
+
+    def __iter__(self) -> LengthBatchLoader:
+        return self
+
+    def __next__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._batches is None or self._batches[0] != self.epoch:
+            self._batches = (self.epoch, self.epoch_batches(self.epoch))
+        if self.position + self.num_microbatches > len(self._batches[1]):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._batches = (self.epoch, self.epoch_batches(self.epoch))
+        step = self._batches[1][self.position: self.position + self.num_microbatches]
+        self.position += self.num_microbatches
+        return step if self.device is None else to_device(step, self.device)
+
+    restart = ResumableLoader.restart
+    state_dict = ResumableLoader.state_dict
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`); its seed replaces this loader's."""
+        ResumableLoader.load_state_dict(self, state)  # type: ignore[arg-type]
+        self._batches = None
+
+
+def length_loader(pipe: Any, cfg: DataConfig, seq_len: int, batch_size: int, num_microbatches: int, *,
+                  seed: int = 0) -> LengthBatchLoader | None:
+    """``data.batching=by_length``: a :class:`LengthBatchLoader` over this replica's share of the training
+    documents (each cut at its end, microbatches of ``batch_size / num_microbatches x seq_len`` tokens at
+    most), or None on a rank that reads no data.
+
+    Example:
+        >>> train = length_loader(pipe, cfg.data, cfg.model.seq_len, cfg.replica_batch_size, 4)   # doctest: +SKIP
+        >>> [ids.shape for ids, targets in next(train)]                                           # doctest: +SKIP
+    """
+    if not (pipe.needs_inputs or pipe.needs_target):
+        return None
+    train_docs, _ = split_documents(read_documents(cfg), cfg.val_fraction)
+    pieces = document_pieces(train_docs, load_tokenizer(cfg.tokenizer), seq_len)
+    budget = max(1, batch_size // num_microbatches) * seq_len
+    return LengthBatchLoader(pieces, budget, num_microbatches, seed=seed, dp_rank=pipe.dp_rank, dp_size=pipe.dp_size,
+                             device=getattr(pipe, "device", None))
+
+
+def by_length_options(model: Any, transfer: Any) -> tuple[Any, Any]:
+    """The split and transfer records of a pipeline fed by :func:`length_loader`: the model's first input
+    traced with dynamic rows and length (:mod:`conveyor.frontend.dynamic`), and transfers that agree on
+    shapes every step (``TransferOptions(variable_shapes=True)``, for the ordered transport)."""
+    import dataclasses
+    import inspect
+
+    from conveyor.options import SplitOptions
+
+    first = next(iter(inspect.signature(model.forward).parameters))
+    split = SplitOptions(method="parameters", dynamic_shapes={first: {0: "rows", 1: "length"}})
+    return split, dataclasses.replace(transfer, variable_shapes=True)

@@ -41,7 +41,7 @@ from conveyor.parallel import count_tokens
 from conveyor.parallel.loss import loss_divisor
 from conveyor.runtime.device import group_device, to_device
 from conveyor.train.config import TrainConfig, save_config
-from conveyor.train.data import load_tokenizer, resumable_loader, splits_factory
+from conveyor.train.data import by_length_options, length_loader, load_tokenizer, resumable_loader, splits_factory
 from conveyor.train.models import aux_loss_coefficient, build_model, load_weights
 from conveyor.train.report import (
     Progress,
@@ -177,8 +177,11 @@ def build_pipeline(cfg: TrainConfig, model: torch.nn.Module, loss_fn: Any = None
                              mesh=mesh, data_parallel=p.data_parallel if p.dp > 1 else None,
                              tensor_parallel="auto" if p.tp > 1 else None,
                              sequence_parallel=p.sequence_parallel and p.tp > 1)
-    options = conveyor.PipelineOptions(virtual=p.virtual, stage=cfg.stage, transfer=cfg.transfer, layout=layout,
-                                       split=conveyor.SplitOptions(method="parameters"))
+    split, transfer = conveyor.SplitOptions(method="parameters"), cfg.transfer
+    if cfg.data.batching == "by_length":  # every microbatch its own rows and length: one trace for all
+        split, transfer = by_length_options(model, transfer)
+    options = conveyor.PipelineOptions(virtual=p.virtual, stage=cfg.stage, transfer=transfer, layout=layout,
+                                       split=split)
     # With a plan (read once, by load_config), the pipeline takes schedule, microbatches, virtual and the cut
     # from it, the schedule's order too where it was planned for the measured costs (zb-1p, zb-2p).
     return conveyor.pipeline(model, example_args=(example,), plan=cfg.plan, schedule=p.schedule,
@@ -251,6 +254,9 @@ def setup(cfg: TrainConfig) -> Run:
     splits = splits_factory(cfg.data, cfg.model.seq_len)
     batch = cfg.replica_batch_size
     train_data = resumable_loader(pipe, lambda: splits().train, batch, seed=cfg.train.seed)
+    if cfg.data.batching == "by_length":
+        train_data = length_loader(pipe, cfg.data, cfg.model.seq_len, batch, pipe.schedule.num_microbatches,
+                                   seed=cfg.train.seed)
     val_data = None
     if cfg.train.eval_interval > 0 and cfg.data.val_fraction > 0:
         val_data = resumable_loader(pipe, lambda: splits().val, batch, seed=cfg.train.seed, shuffle=False)
@@ -314,21 +320,26 @@ def train_step(run: Run) -> tuple[float, dict[str, float]]:
     cfg, pipe = run.cfg, run.pipe
     x = y = None
     if run.train_data is not None:
-        x, y = next(run.train_data)
+        x, y = next(run.train_data) if cfg.data.batching != "by_length" else zip(*next(run.train_data))
     normalize_by = None
     if cfg.loss.normalize == "tokens":
-        normalize_by = count_tokens(pipe, y if pipe.needs_target else None)
+        counted = y if cfg.data.batching != "by_length" or y is None else torch.cat([t.reshape(-1) for t in y])
+        normalize_by = count_tokens(pipe, counted if pipe.needs_target else None)
     mode = "skip" if cfg.loss.on_nonfinite == "skip" else "raise"
     if isinstance(run.loss_fn, LossWithAux):
         run.loss_fn.parts.clear()  # a step that failed earlier may have left some
-    loss = pipe.step(x if pipe.needs_inputs else None, target=y if pipe.needs_target else None,
-                     on_nonfinite=mode, normalize_by=normalize_by)
+    if cfg.data.batching == "by_length":  # microbatches of their own lengths (conveyor.train.data.length_loader)
+        loss = pipe.step(microbatches=[(ids,) for ids in x] if pipe.needs_inputs else None,
+                         targets=list(y) if pipe.needs_target else None, on_nonfinite=mode, normalize_by=normalize_by)
+    else:
+        loss = pipe.step(x if pipe.needs_inputs else None, target=y if pipe.needs_target else None,
+                         on_nonfinite=mode, normalize_by=normalize_by)
     parts = loss_parts(run, normalize_by)
     norm = pipe.clip_grad_norm_(cfg.train.clip) if cfg.train.clip > 0 else None  # a collective: every rank
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
-    if run.parity is not None:
+    if run.parity is not None and cfg.data.batching != "by_length":
         run.parity.step(run.step + 1, x, y, loss, norm)  # the same step on one device, printed beside this one
     return float(loss), parts
 

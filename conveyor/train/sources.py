@@ -85,10 +85,12 @@ def source_files(source: Any) -> list[Path]:
     Raises ConfigError for a pattern that matches no file, or "stdlib" mixed with files.
     """
     patterns = source_patterns(source)
-    if STDLIB in patterns:
-        if len(patterns) > 1:
-            raise ConfigError(f"data.source={source!r}: 'stdlib' stands alone; give it or local files, not both")
-        return []
+    for embedded in (STDLIB, "stdlib-definitions"):  # the latter: conveyor.train.corpus, one document per def
+        if embedded in patterns:
+            if len(patterns) > 1:
+                raise ConfigError(f"data.source={source!r}: {embedded!r} stands alone; give it or local files, "
+                                  "not both")
+            return []
     files: list[Path] = []
     for pattern in patterns:
         path = Path(pattern).expanduser()
