@@ -197,11 +197,11 @@ class CheckpointPolicy:
         if isinstance(value, Mapping):
             unknown = sorted(set(value) - set(CHECKPOINT_KEYS))
             if unknown:
-                raise PipelineConfigError(f"a checkpoint policy takes the keys {', '.join(CHECKPOINT_KEYS)}; got "
-                                          f"{', '.join(map(str, unknown))}")
+                raise PipelineConfigError(f"checkpoint={dict(value)}: a policy takes the keys "
+                                          f"{', '.join(CHECKPOINT_KEYS)}; got {', '.join(map(str, unknown))}")
             return cls(**value)
-        raise PipelineConfigError(f"a checkpoint policy is true, false, a CheckpointPolicy or a mapping such as "
-                                  f"{{'every': 2}}; got {value!r}")
+        raise PipelineConfigError(f"checkpoint={value!r}: a policy is true, false, a CheckpointPolicy or a mapping "
+                                  "such as {'every': 2}")
 
 
 def _checkpoint_policies(value: Any) -> Any:

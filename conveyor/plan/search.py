@@ -25,7 +25,7 @@ from conveyor.errors import ConveyorError, PlanError
 from conveyor.plan.balance import StageSums, bounds_of, fastest_split, lightest_split
 from conveyor.plan.costs import CostTable
 from conveyor.plan.options import Machine, SearchSpace
-from conveyor.plan.predict import predict_split, stage_costs
+from conveyor.plan.predict import fit_by_checkpointing, predict_split, stage_costs
 
 if TYPE_CHECKING:  # measuring a calibration loads torch; searching with one does not
     from conveyor.plan.calibration import Calibration
@@ -49,6 +49,7 @@ class Candidate:
     lower_bound: float = 0.0
     verdict: str = "pending"
     schedule_costs: cs.CostModel | None = None  # what a cost-planned schedule (zb-1p, zb-2p) was built for
+    checkpoint: tuple = ()  # a policy per stage that made it fit (conveyor.plan.predict.fit_by_checkpointing)
 
     @property
     def peak_memory(self) -> float:
@@ -57,7 +58,9 @@ class Candidate:
     def describe(self) -> str:
         """One line: schedule, V, M, predicted step and peak memory."""
         memory = f", peak {self.peak_memory / 2**30:.3g} GiB/rank" if self.memory_per_rank else ""
-        return f"{self.schedule} V={self.virtual} M={self.microbatches}: step {self.step_time:.4g} s{memory}"
+        checkpoint = f", checkpoint {list(self.checkpoint)}" if self.checkpoint else ""
+        return (f"{self.schedule} V={self.virtual} M={self.microbatches}: step {self.step_time:.4g} s{memory}"
+                f"{checkpoint}")
 
 
 @dataclass
@@ -260,6 +263,13 @@ class _Context:
         c.cuts, c.split_points = tuple(cuts), tuple(names[i] for i in cuts)
         c.step_time, c.bubble, c.memory_per_rank, c.stage_times = step, bubble, tuple(memory), tuple(stage_times)
         c.verdict = "fits" if peak <= self.limit else "over memory"
+        if c.verdict == "over memory":  # checkpointing blocks of the fullest ranks' first stages may make it fit
+            fit = fit_by_checkpointing(schedule, sums, list(cuts), ranks=self.ranks, memory_limit=self.limit,
+                                       latency=self.latency)
+            if fit is not None:
+                c.checkpoint, c.memory_per_rank = fit.policies, fit.memory_per_rank
+                c.step_time += fit.added_s  # the recomputations' share of the step
+                c.verdict = "fits"
 
     def _preference(self, options):
         fastest_fitting = min((o[1] for o in options if o[2] <= self.limit), default=None)
