@@ -208,6 +208,10 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
                 f"{format_size(min(memory))} to {format_size(memory[fullest])} (rank {fullest})")
     lines.append(f"chosen: {chosen.schedule} V={chosen.virtual} M={chosen.microbatches} (microbatch of "
                  f"{chosen.microbatch_size}); memory per rank: {per_rank}")
+    if chosen.checkpoint:  # what it needs to fit: stage.checkpoint, applied by the pipeline
+        lines.append("activation checkpointing to fit: " + "; ".join(
+            f"stage {s}: {'none' if p is None else ', '.join(f'{k}={v}' for k, v in p.items())}"
+            for s, p in enumerate(chosen.checkpoint)))
     lines.append(f"others: {'; '.join(lost)}")
     if chosen.best_over_memory:
         lines.append(f"fastest over memory: {chosen.best_over_memory}")

@@ -8,6 +8,7 @@ import pytest
 
 from conveyor.errors import PipelineConfigError
 from conveyor.plan.costs import CostTable, UnitCost
+from conveyor.plan.planner import choose, format_plan
 from conveyor.plan.result import Plan
 from conveyor.plan.search import search
 from conveyor.train.config import TrainConfig, apply_plan
@@ -33,12 +34,16 @@ def test_a_plan_over_memory_fits_by_checkpointing_the_first_stage_first():
     limit = 0.6 * free.peak_memory
     tight = _best(limit)
     assert tight is not None and tight.peak_memory <= limit, tight
-    assert tight.checkpoint and tight.checkpoint[0] is not None, tight.checkpoint
+    assert tight.checkpoint and tight.checkpoint[0] is not None, tight.checkpoint  # tried once nothing fit
     # The first stage holds the most microbatches under 1F1B: it checkpoints at least as much as the last.
     levels = [0 if p is None else 3 - p["every"] for p in tight.checkpoint]
     assert levels[0] >= levels[-1]
     assert tight.step_time > free.step_time  # the recomputations cost time
     assert _best(0.01 * free.peak_memory) is None  # below even every block checkpointed: nothing fits
+    result = search(_table(), ranks=2, global_batch=8, memory_per_rank=limit, schedules=["1f1b"], microbatches=[8])
+    plan = choose(result, _table())
+    assert plan.checkpoint == tight.checkpoint
+    assert "activation checkpointing to fit: stage 0: every=" in format_plan(plan)
 
 
 def test_the_policies_travel_in_the_plan_file_and_into_the_config(tmp_path):
