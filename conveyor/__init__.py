@@ -23,6 +23,7 @@ _LAZY = {
     "MasterWeights": ("conveyor.runtime.main_grad", "MasterWeights"),
     "Plan": ("conveyor.plan.result", "Plan"),
     "StageOptions": ("conveyor.options", "StageOptions"),
+    "CheckpointPolicy": ("conveyor.options", "CheckpointPolicy"),
     "TransferOptions": ("conveyor.options", "TransferOptions"),
     "Layout": ("conveyor.options", "Layout"),
     "WholeModel": ("conveyor.options", "WholeModel"),
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from conveyor.build import pipeline  # noqa: F401
     from conveyor.local import LocalPipeline  # noqa: F401
     from conveyor.options import (  # noqa: F401
+        CheckpointPolicy,
         Layout,
         PipelineOptions,
         SplitOptions,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.options import Layout, PipelineOptions, WholeModel
+from conveyor.options import Layout, PipelineOptions, StageOptions, WholeModel
 from conveyor.parallel.mesh import layout_of
 from conveyor.pipe import Pipeline
 from conveyor.runtime.device import make_current, resolve_device
@@ -79,11 +79,12 @@ def pipeline(
     precision = options.stage.param_precision()
     if precision is not None:  # the model itself, in place, then planned and traced: stages check dtypes
         model.to(precision.param_dtype)
-    virtual = options.virtual
+    virtual, stage_options = options.virtual, options.stage
     if plan is not None or schedule == "auto":  # the example is resized to the plan's microbatch
         plan = plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options)
         schedule, microbatches, virtual, split_points, (example_args, example_kwargs) = _from_plan(
             plan, world, example_args, example_kwargs)
+        stage_options = _plan_checkpoint(plan, stage_options)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
                         unsplittable=options.split.unsplittable, device=device,
@@ -98,7 +99,7 @@ def pipeline(
                        model_info(model),  # model_info: what checkpoints record, and export writes back
                        parameter_placements=_tensor_parallel_placements(model, layout, split.tied_groups))
     return Pipeline(modules, resolved, loss_fn, layout=dataclasses.replace(layout, device=device),
-                    stage=options.stage, transfer=options.transfer, model=whole)
+                    stage=stage_options, transfer=options.transfer, model=whole)
 
 
 def _stage_modules(split, stages, model: torch.nn.Module, layout: Layout, device, both_modes: bool) -> list:
@@ -193,6 +194,17 @@ def _time_split_points(model, num_stages: int, layout: Layout, split_kwargs: dic
     given = dict(split_kwargs, unsplittable=tuple(split_kwargs["unsplittable"] or ()))
     given.pop("dynamic_shapes")  # timed on the example's shapes
     return _by_rank_zero(layout, lambda: list(time_split.time_split(model, num_stages, **given).split_points))
+
+
+def _plan_checkpoint(plan: Any, stage: StageOptions) -> StageOptions:
+    """The stage options with the plan's checkpoint policies, where it needs some to fit and the
+    user gave none (a user's own ``checkpoint=`` wins)."""
+    from conveyor.plan import as_plan
+
+    policies = as_plan(plan).checkpoint
+    if not policies or stage.checkpoint is not None:
+        return stage
+    return dataclasses.replace(stage, checkpoint=list(policies))
 
 
 def _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options):

@@ -2,6 +2,7 @@
 
 - :class:`StageOptions`: what each stage does (activation checkpointing, autocast, parameter and
   accumulation dtypes, compile, random streams, memory measurement, the timeline).
+- :class:`CheckpointPolicy`: which part of a stage recomputes its activations in backward, per stage.
 - :class:`TransferOptions`: how bytes move between stages (transport, timeout, fixed shapes).
 - :class:`Layout`: where the ranks are (a process group or a ("dp", "pp") mesh, the data-parallel
   kind, the device, or every rank in this process).
@@ -62,7 +63,13 @@ def _describe_fields(record: Any) -> str:
     parts = []
     for f in dataclasses.fields(record):
         value = getattr(record, f.name)
-        parts.append(f"{f.name}={describe_compile(value) if f.name == 'compile' else value}")
+        if f.name == "compile":
+            value = describe_compile(value)
+        elif isinstance(value, CheckpointPolicy):
+            value = value.describe()
+        elif f.name == "checkpoint" and isinstance(value, tuple):
+            value = "[" + ", ".join(str(p.describe() if p else None) for p in value) + "]"
+        parts.append(f"{f.name}={value}")
     return " ".join(parts)
 
 
@@ -83,6 +90,130 @@ def _dtype_name(value: Any, what: str) -> str | None:
     raise PipelineConfigError(f"{what}={value!r} is not a dtype conveyor knows; use 'bf16', 'fp32' or a "
                               "torch floating-point dtype")
 
+CHECKPOINT_KEYS = ("every", "blocks", "save")
+# Names for groups of operators whose outputs a selective checkpoint keeps (the rest is recomputed).
+SAVE_PRESETS = {
+    "matmul": ("mm", "bmm", "addmm", "baddbmm"),
+    "attention": ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"),
+}
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Which part of one stage recomputes its activations in backward (``torch.utils.checkpoint``).
+
+    No ``every`` and no ``blocks``: the whole stage is one checkpointed region (what
+    ``checkpoint_activations=True`` does). ``every=N``: the stage's blocks are its outermost
+    modules that are items of a ``ModuleList`` or ``Sequential`` (``model.layers.3``), and blocks 0,
+    N, 2N, ... of the stage (counted from its first block) each recompute on their own; the rest
+    of the stage (embedding, head, the other blocks) keeps its activations. ``blocks``: a regular
+    expression; the outermost modules whose full names match it are the blocks instead. ``save``:
+    torch's per-operator policy (``create_selective_checkpoint_contexts``) inside each region: the
+    outputs of these operators are kept, the rest recomputed; operator names (``"mm"``,
+    ``"aten.addmm"``) or the groups ``"matmul"`` and ``"attention"``.
+
+    Example:
+        >>> CheckpointPolicy(every=2, save=("matmul",)).describe()
+        'every=2 save=matmul'
+        >>> CheckpointPolicy(every=0)  # doctest: +NORMALIZE_WHITESPACE
+        Traceback (most recent call last):
+        ...
+        conveyor.errors.PipelineConfigError: CheckpointPolicy.every takes a positive whole number of blocks
+        (1: every block, 2: every other); got 0
+    """
+
+    every: int | None = _f(None, "checkpoint every Nth block of the stage (1: each block on its own), "
+                                 "None: the whole stage as one region unless blocks= is given")
+    blocks: str | None = _f(None, "a regular expression over module names: the outermost matching modules are "
+                                  "the blocks (None: items of a ModuleList or Sequential)")
+    save: tuple[str, ...] = _f((), "operators whose outputs are kept rather than recomputed (torch's selective "
+                                   "checkpointing): 'matmul', 'attention' or aten operator names")
+
+    def __post_init__(self) -> None:
+        if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int)
+                                       or self.every < 1):
+            raise PipelineConfigError("CheckpointPolicy.every takes a positive whole number of blocks (1: every "
+                                      f"block, 2: every other); got {self.every!r}")
+        if self.blocks is not None:
+            import re
+
+            if not isinstance(self.blocks, str):
+                raise PipelineConfigError(f"CheckpointPolicy.blocks takes a regular expression; got {self.blocks!r}")
+            try:
+                re.compile(self.blocks)
+            except re.error as error:
+                raise PipelineConfigError(f"CheckpointPolicy.blocks={self.blocks!r} is not a regular expression: "
+                                          f"{error}") from None
+        save = (self.save,) if isinstance(self.save, str) else self.save
+        if not isinstance(save, Sequence) or not all(isinstance(name, str) for name in save):
+            raise PipelineConfigError(f"CheckpointPolicy.save takes operator names; got {self.save!r}")
+        _set(self, "save", tuple(save))
+        self.saved_operators()  # refuses a name torch does not know
+
+    @property
+    def per_block(self) -> bool:
+        """Whether blocks recompute one by one (else the whole stage is one region)."""
+        return self.every is not None or self.blocks is not None
+
+    def saved_operators(self) -> tuple[Any, ...]:
+        """The aten operator packets whose outputs a region keeps (``save``, groups expanded)."""
+        import torch
+
+        found = []
+        for name in self.save:
+            for op in SAVE_PRESETS.get(name, (name,)):
+                packet = getattr(torch.ops.aten, op.removeprefix("aten.").split(".")[0], None)
+                if not isinstance(packet, torch._ops.OpOverloadPacket):
+                    raise PipelineConfigError(f"CheckpointPolicy.save: {name!r} is no aten operator; use "
+                                              f"{', '.join(map(repr, SAVE_PRESETS))} or a name such as 'mm'")
+                found.append(packet)
+        return tuple(found)
+
+    def describe(self) -> str:
+        """Short and stable: what the ranks compare and tables print."""
+        parts = [f"every={self.every}"] if self.every is not None else []
+        parts += [f"blocks={self.blocks}"] if self.blocks is not None else []
+        parts += [f"save={'+'.join(self.save)}"] if self.save else []
+        return " ".join(parts) or "stage"
+
+    __str__ = describe
+
+    @classmethod
+    def parse(cls, value: Any) -> CheckpointPolicy | None:
+        """A policy from what a user or a config gives: None/False (none), True (whole stage), a
+        policy, or a mapping of its fields.
+
+        Example:
+            >>> CheckpointPolicy.parse({"every": 2})
+            CheckpointPolicy(every=2, blocks=None, save=())
+        """
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - set(CHECKPOINT_KEYS))
+            if unknown:
+                raise PipelineConfigError(f"checkpoint={dict(value)}: a policy takes the keys "
+                                          f"{', '.join(CHECKPOINT_KEYS)}; got {', '.join(map(str, unknown))}")
+            return cls(**value)
+        raise PipelineConfigError(f"checkpoint={value!r}: a policy is true, false, a CheckpointPolicy or a mapping "
+                                  "such as {'every': 2}")
+
+
+def _checkpoint_policies(value: Any) -> Any:
+    """``StageOptions.checkpoint`` normalised: None, one policy for every stage, or a tuple per stage."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        policies = tuple(CheckpointPolicy.parse(item) for item in value)
+        if not policies:
+            raise PipelineConfigError("StageOptions.checkpoint got an empty list; give one policy per stage "
+                                      "(None for a stage that keeps its activations) or one for all")
+        return policies if any(policies) else None
+    return CheckpointPolicy.parse(value)
+
 
 @dataclass(frozen=True)
 class StageOptions:
@@ -92,7 +223,16 @@ class StageOptions:
         >>> options = StageOptions(checkpoint_activations=True, autocast="bf16")
         >>> print(options.describe())  # doctest: +NORMALIZE_WHITESPACE
         checkpoint_activations=True autocast=bf16 param_dtype=None grad_accum_dtype=None compile=off
-        random_streams=True measure_memory=False record_timeline=True
+        random_streams=True measure_memory=False record_timeline=True checkpoint=stage
+
+    Checkpointing per stage and per block: ``checkpoint=`` takes a :class:`CheckpointPolicy` (or
+    its fields as a mapping) for every stage, or a list with one per stage (None: that stage keeps
+    its activations), so the first stages, which hold the most microbatches under 1F1B, recompute
+    more than the last:
+
+        >>> options = StageOptions(checkpoint=[{"every": 1}, {"every": 2}, None])
+        >>> [str(options.checkpoint_policy(stage, 3)) for stage in range(3)]
+        ['every=1', 'every=2', 'None']
     """
 
     checkpoint_activations: bool = _f(False, "recompute each stage's activations in backward (saves memory, "
@@ -113,6 +253,9 @@ class StageOptions:
     measure_memory: bool = _f(False, "count the bytes autograd saves for backward, read by pipe.memory() "
                                      "(a few percent of a small step)")
     record_timeline: bool = _f(True, "time every action of each step, read by pipe.timeline()")
+    checkpoint: Any = _f(None, "activation checkpointing per block and stage: a policy {every: N, blocks: regex, "
+                               "save: [matmul, ...]} for every stage, or a list of one per stage (null: none); "
+                               "checkpoint_activations=true is {} (the whole stage)")
 
     def __post_init__(self) -> None:
         from conveyor.runtime.compile import compile_options
@@ -133,6 +276,24 @@ class StageOptions:
         for name in ("checkpoint_activations", "random_streams", "measure_memory", "record_timeline"):
             if not isinstance(getattr(self, name), bool):
                 raise PipelineConfigError(f"StageOptions.{name} takes True or False; got {getattr(self, name)!r}")
+        policies = _checkpoint_policies(self.checkpoint)
+        if self.checkpoint_activations and policies not in (None, CheckpointPolicy()):
+            raise PipelineConfigError("give checkpoint_activations=True (the whole of every stage) or checkpoint= "
+                                      f"(per block and stage), not both; got checkpoint={self.checkpoint!r}")
+        if self.checkpoint_activations:
+            policies = CheckpointPolicy()
+        _set(self, "checkpoint", policies)
+
+    def checkpoint_policy(self, stage: int, num_stages: int) -> CheckpointPolicy | None:
+        """What stage ``stage`` of ``num_stages`` checkpoints (None: nothing)."""
+        policies = self.checkpoint
+        if not isinstance(policies, tuple):
+            return policies
+        if len(policies) != num_stages:
+            raise PipelineConfigError(f"StageOptions.checkpoint lists {len(policies)} policies for a pipeline of "
+                                      f"{num_stages} stages; give one per stage (None where a stage keeps its "
+                                      "activations) or one policy for all")
+        return policies[stage]
 
     @property
     def autocast_dtype(self) -> Any:

@@ -74,10 +74,10 @@ def test_a_new_stage_option_is_one_field_the_ranks_compare_without_more_code():
     # describe() walks the fields: a new field is compared across ranks with no change elsewhere.
     Extended = dataclasses.make_dataclass("Extended", [("new_option", int, dataclasses.field(default=3))],
                                           bases=(StageOptions,), frozen=True)
-    assert Extended().describe().endswith("record_timeline=True new_option=3")
+    assert Extended().describe().endswith("record_timeline=True checkpoint=None new_option=3")
     assert [f.name for f in dataclasses.fields(StageOptions)] == [
         "checkpoint_activations", "autocast", "param_dtype", "grad_accum_dtype", "compile", "random_streams",
-        "measure_memory", "record_timeline"]
+        "measure_memory", "record_timeline", "checkpoint"]
     for record in (StageOptions, TransferOptions, Layout, WholeModel, SplitOptions, PipelineOptions):
         assert all(f.metadata.get("help") for f in dataclasses.fields(record)), record  # each field says what it does
 

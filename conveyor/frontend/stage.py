@@ -413,6 +413,7 @@ class StageModule(nn.Module):
         run, code = _compile(graph, recipe.stage)
         # Per mode (training flag): the compiled forward, its source and what it receives.
         self._conveyor_runs = {traced_training: (run, code, self._conveyor_input_specs)}
+        self._conveyor_graphs = {traced_training: graph}  # per mode: what wrap_blocks regroups
 
     @property
     def stage(self) -> int:
@@ -464,6 +465,23 @@ class StageModule(nn.Module):
         run, code = _compile(graph, self.stage)
         input_specs = recipe.input_specs if self._conveyor_input_specs is not None else None
         self._conveyor_runs[training] = (run, code, input_specs)
+        self._conveyor_graphs[training] = graph
+
+    def block_names(self, pattern: str | None = None) -> list[str]:
+        """The blocks this stage runs, in order (see :mod:`conveyor.frontend.regions`)."""
+        from conveyor.frontend.regions import graph_blocks
+
+        return graph_blocks(self._conveyor_graphs[self._conveyor_traced_training], pattern)
+
+    def wrap_blocks(self, chosen: set[str], wrap: Callable, pattern: str | None = None) -> None:
+        """Run each block in ``chosen`` as ``wrap(function, block)(*values)``, in every mode (the
+        activation checkpointing of :class:`~conveyor.options.CheckpointPolicy`)."""
+        from conveyor.frontend.regions import wrap_blocks
+
+        for training, graph in self._conveyor_graphs.items():
+            regrouped = wrap_blocks(graph, chosen, wrap, pattern)
+            run, code = _compile(regrouped, self.stage)
+            self._conveyor_runs[training] = (run, code, self._conveyor_runs[training][2])
 
     @property
     def input_specs(self) -> tuple[ValueSpec, ...]:

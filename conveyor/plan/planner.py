@@ -180,7 +180,7 @@ def choose(result: SearchResult, costs: CostTable, *, top: int = 5) -> Plan:
                 settings["memory_per_rank"], costs,
                 [_cells(c.schedule, c.virtual, c.microbatches, c.split_points, c.step_time, c.bubble, c.peak_memory)
                  for c in fitting[1:top]], result.counts(),
-                None if over is None else _line(over), settings, best.schedule_costs)
+                None if over is None else _line(over), settings, best.schedule_costs, best.checkpoint)
 
 
 def _nothing_fits(result: SearchResult) -> str:
@@ -236,6 +236,10 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
                 f"{format_size(min(memory))} to {format_size(memory[fullest])} (rank {fullest})")
     lines.append(f"chosen: {chosen.schedule} V={chosen.virtual} M={chosen.microbatches} (microbatch of "
                  f"{chosen.microbatch_size}); memory per rank: {per_rank}")
+    if chosen.checkpoint:  # what it needs to fit: stage.checkpoint, applied by the pipeline
+        lines.append("activation checkpointing to fit: " + "; ".join(
+            f"stage {s}: {'none' if p is None else ', '.join(f'{k}={v}' for k, v in p.items())}"
+            for s, p in enumerate(chosen.checkpoint)))
     lines.append(f"others: {'; '.join(lost)}")
     if chosen.best_over_memory:
         lines.append(f"fastest over memory: {chosen.best_over_memory}")

@@ -210,3 +210,85 @@ def predict_plan(plan: Plan, calibration: Calibration) -> Prediction:
     return predict_split(schedule, model, calibration, message_bytes=sent, rank_parameters=parameters,
                          optimizer_s_per_parameter=plan.settings.get("optimizer_s_per_parameter", 0.0),
                          cores=plan.settings.get("cores"))
+
+
+# What the planner may give a stage, lightest last: nothing, every other block, every block.
+CHECKPOINT_CHOICES: tuple[dict[str, int] | None, ...] = (None, {"every": 2}, {"every": 1})
+
+
+@dataclass(frozen=True)
+class CheckpointFit:
+    """A policy per stage (None: none) that brings every rank within the memory limit, with the
+    memory per rank simulated under it and what the recomputations add to the simulated step."""
+
+    policies: tuple[dict[str, int] | None, ...]
+    added_s: float
+    memory_per_rank: tuple[float, ...]
+
+
+def checkpointed_costs(schedule: Schedule, sums: StageSums, cuts: Sequence[int], policies: Sequence[dict | None],
+                       *, latency: float) -> tuple[CostModel, list[float]]:
+    """:func:`stage_costs` with each stage's blocks checkpointed as ``policies`` say, and per stage
+    the bytes one of its checkpointed blocks rebuilds in backward (0: none).
+
+    A checkpointed block keeps only its input (the unit before it's output) from F to backward, and
+    its I pays its forward again (the recomputation), as ``conveyor.runtime.checkpointing`` runs it.
+
+    Example:
+        >>> from conveyor.plan.costs import UnitCost
+        >>> units = [UnitCost(f"layers.{k}", 1.0, 1.0, 1.0, 100, output_bytes=10, is_block=True) for k in range(4)]
+        >>> sums = StageSums(units, optimizer_bytes=8)
+        >>> model, rebuilt = checkpointed_costs(cs.build("1f1b", ranks=2, microbatches=2), sums, [2],
+        ...                                     [{"every": 1}, None], latency=0.0)
+        >>> [(s.backward_input, s.activation_bytes) for s in model.stages], rebuilt
+        ([(4.0, 10.0), (2.0, 200.0)], [100.0, 0.0])
+    """
+    model = stage_costs(schedule, sums, cuts, latency=latency)
+    stages, rebuilt = [], []
+    for costs, (i, j), policy in zip(model.stages, bounds_of(cuts, len(sums.units)), policies):
+        blocks = [k for k in range(i, j) if sums.units[k].is_block]
+        chosen = blocks[::policy["every"]] if policy else []
+        saved = sum(sums.units[k].activation_bytes - (sums.units[k - 1].output_bytes if k else 0.0) for k in chosen)
+        activations = max(costs.activation_bytes - saved, 0.0)
+        stages.append(replace(costs, backward_input=costs.backward_input + sum(sums.units[k].forward for k in chosen),
+                              activation_bytes=activations,
+                              weight_activation_bytes=min(costs.weight_activation_bytes, activations)))
+        rebuilt.append(float(max((sums.units[k].activation_bytes for k in chosen), default=0.0)))
+    return replace(model, stages=tuple(stages)), rebuilt
+
+
+def fit_by_checkpointing(schedule: Schedule, sums: StageSums, cuts: Sequence[int], *, ranks: int,
+                         memory_limit: float, latency: float) -> CheckpointFit | None:
+    """Policies per stage from :data:`CHECKPOINT_CHOICES` under which every rank fits ``memory_limit``
+    (parameters, gradients, optimizer state, the simulated peak of activations and one rebuilt
+    block), or None. Greedy: while a rank is over, its first stage that can checkpoint more does
+    (the first stages hold the most microbatches under 1F1B), so the fewest blocks pay a recomputation.
+
+    Example:
+        >>> from conveyor.plan.costs import UnitCost
+        >>> units = [UnitCost(f"layers.{k}", 1.0, 1.0, 1.0, 100, output_bytes=10, is_block=True) for k in range(4)]
+        >>> fit = fit_by_checkpointing(cs.build("1f1b", ranks=2, microbatches=4), StageSums(units, optimizer_bytes=8),
+        ...                            [2], ranks=2, memory_limit=300, latency=0.0)
+        >>> fit.policies, fit.memory_per_rank
+        (({'every': 2}, None), (300.0, 200.0))
+    """
+    level = [0] * schedule.num_stages
+    stages = bounds_of(cuts, len(sums.units))
+    plain = None
+    while True:
+        policies = tuple(CHECKPOINT_CHOICES[k] for k in level)
+        model, rebuilt = checkpointed_costs(schedule, sums, cuts, policies, latency=latency)
+        timeline = cs.simulate(cs.executable(schedule).compute, model, time_unit="s")
+        peaks = timeline.peak_activation_bytes()
+        memory = [sum(sums.static(*stages[s]) for s in schedule.stages_of(rank)) + peaks[rank]
+                  + max((rebuilt[s] for s in schedule.stages_of(rank)), default=0.0) for rank in range(ranks)]
+        makespan = max(span.end for span in timeline.spans)
+        plain = makespan if plain is None else plain
+        over = [rank for rank in range(ranks) if memory[rank] > memory_limit]
+        if not over:
+            return CheckpointFit(policies, makespan - plain, tuple(memory))
+        rank = max(over, key=lambda r: memory[r])
+        more = [s for s in sorted(schedule.stages_of(rank)) if level[s] + 1 < len(CHECKPOINT_CHOICES)]
+        if not more:
+            return None
+        level[more[0]] += 1

@@ -209,6 +209,11 @@ class MemoryMeter:
         kept = max(0, self.forward_bytes.get((stage, microbatch), 0) - freed)
         self.weight_bytes[stage] = max(self.weight_bytes.get(stage, 0), kept)
 
+    def count_kept(self, tensor: torch.Tensor) -> object:
+        """Count ``tensor``, kept for backward outside autograd's saved tensors (selective
+        checkpointing keeps operator outputs itself), until the returned handle dies."""
+        return self._pack(tensor)
+
     def report(self) -> MemoryReport:
         """What the last training step held (see :class:`MemoryReport`)."""
         device_peak = None

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import checkpoint
 
 from conveyor.errors import PipelineConfigError, StageExecutionError
 from conveyor.runtime.backward import (
@@ -36,11 +35,11 @@ from conveyor.runtime.backward import (
     backward_full,
     backward_input,
 )
+from conveyor.runtime.checkpointing import StageCheckpointing
 from conveyor.runtime.compile import compile_options, compile_stage
 from conveyor.runtime.main_grad import ParamPrecision, apply_param_precision
 from conveyor.runtime.memory import MemoryMeter
 from conveyor.runtime.precision import autocast_region
-from conveyor.runtime.recompute import RecomputedBuffers
 from conveyor.runtime.rng import StepRandomness
 
 if TYPE_CHECKING:
@@ -116,7 +115,6 @@ class StageRunner:
         # What each microbatch's loss is divided by: M (the mean over microbatches) unless the
         # step normalizes by a token count (see conveyor.parallel.loss.set_loss_divisor).
         self.loss_divisor: int | float = num_microbatches
-        self.checkpoint_activations = options.checkpoint_activations
         self.rank = rank
         # Forward and loss run under this autocast dtype (None: as the parameters are).
         self.autocast = options.autocast_dtype
@@ -128,11 +126,15 @@ class StageRunner:
         self.outputs: dict[int, Any] = {}
         self.randomness: StepRandomness | None = None  # set by the pipeline for each step
         self.memory_meter: MemoryMeter | None = None  # set by the executor with measure_memory
-        # A recomputation reads the buffers its forward read and does not write them again.
-        self.recompute_contexts = RecomputedBuffers(module)
+        # What this stage recomputes in backward (None: nothing); per block, it wraps the blocks now.
+        policy = options.checkpoint_policy(stage, num_stages)
+        self.checkpointing = None if policy is None else StageCheckpointing(module, policy, hold=self._memory_hold)
+        self.checkpoint_activations = policy is not None
         # torch.compile options (None: eager); the module stays as given, its calls go through `call`.
         compile = self.compile = compile_options(options.compile)
         self.call = module if compile is None else compile_stage(module, stage, compile)
+        if self.checkpointing is not None and self.checkpointing.whole_stage:
+            self.call = self.checkpointing.checkpointed(self.call)
         self.fused_backward = False  # a compiled region made I run the full backward (logged once)
         # What F, B, I and W run under, besides autocast: a tensor-parallel stage's DTensor contexts
         # (implicit replication, loss_parallel), set by the pipeline that parallelized it.
@@ -160,10 +162,12 @@ class StageRunner:
         return f"rank {self.rank}, stage {self.stage}, microbatch {microbatch}"
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpoint(self.call, *args, use_reentrant=False, context_fn=self.recompute_contexts,
-                              **kwargs)
         return self.call(*args, **kwargs)
+
+    def _memory_hold(self) -> Any:
+        """What counts the operator outputs a selective checkpoint keeps (None: not measuring)."""
+        meter = self.memory_meter
+        return None if meter is None else meter.count_kept
 
     def forward(self, microbatch: int, inputs: tuple[tuple, dict], target: Any = None,
                 *, keep_output: bool = False) -> Any:

@@ -234,7 +234,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
 
 
 def apply_plan(cfg: TrainConfig) -> None:
-    """Take schedule, virtual and microbatches from ``parallel.plan`` (a ConfigError if it cannot be read).
+    """Take schedule, virtual and microbatches from ``parallel.plan`` (a ConfigError if it cannot be read),
+    and its checkpoint policies per stage where it needs some and ``stage.checkpoint`` is not set.
 
     Example:
         >>> cfg = TrainConfig()
@@ -246,6 +247,8 @@ def apply_plan(cfg: TrainConfig) -> None:
     if plan is not None:
         cfg.parallel.schedule, cfg.parallel.virtual, cfg.parallel.microbatches = (plan.schedule, plan.virtual,
                                                                                   plan.microbatches)
+        if plan.checkpoint and cfg.stage.checkpoint is None:  # the policies the plan needs to fit its memory
+            cfg.stage = dataclasses.replace(cfg.stage, checkpoint=list(plan.checkpoint))
 
 
 def expand_home(cfg: TrainConfig) -> None:

@@ -12,11 +12,13 @@ predicted as
   while it runs);
 * activations: each stage's forward on one microbatch is run on the meta device under
   ``torch.autograd.graph.saved_tensors_hooks``, which sees every tensor autograd keeps for the
-  backward (parameters left out; the last stage's loss included; with
-  ``stage.checkpoint_activations`` only what the checkpoint keeps, plus one stage's full set
-  while it is recomputed). The schedule simulator (``conveyor.schedule.simulate``, uniform
-  pass costs) weighs each (stage, microbatch) in flight with those bytes and gives each rank's
-  peak.
+  backward (parameters left out; the last stage's loss included; with checkpointing
+  (``stage.checkpoint_activations`` or a ``stage.checkpoint`` policy per stage) the stage runs
+  with its policy applied as a rank applies it, so what is counted is what the checkpoints keep,
+  the outputs a selective policy saves included, plus, once per rank, the set one checkpointed
+  region rebuilds while it is recomputed: the whole stage's, or one block's share). The schedule
+  simulator (``conveyor.schedule.simulate``, uniform pass costs) weighs each (stage, microbatch)
+  in flight with those bytes and gives each rank's peak.
 
 Not counted: the framework itself (~0.4 GiB per rank on CPU), communication buffers,
 allocator slack, the data.
@@ -38,6 +40,7 @@ from typing import Any
 
 import torch
 
+from conveyor.options import CheckpointPolicy, StageOptions
 from conveyor.train.config import TrainConfig
 
 BYTES_PER_PARAMETER = 16  # fp32: the parameter, its gradient, AdamW's exp_avg and exp_avg_sq
@@ -55,7 +58,7 @@ class StageRow:
     blocks: int
     parameters: int
     activation_bytes: int  # what one microbatch keeps until its backward (checkpointed: the inputs)
-    recompute_bytes: int  # the stage's full set, alive while a checkpointed stage recomputes
+    recompute_bytes: int  # what one checkpointed region of the stage rebuilds in backward (0: none)
     local_parameters: int = -1  # on one tensor-parallel rank (parallel.tp > 1); -1: all of ``parameters``
     shards: list = field(default_factory=list)  # its parameters' shards on one TP rank (tensor_parallel.Shard)
 
@@ -71,8 +74,9 @@ class RankRow:
 
     rank: int
     state_bytes: int
-    activation_bytes: int
+    activation_bytes: int  # the schedule's peak of kept activations, plus recompute_bytes
     in_flight: int
+    recompute_bytes: int = 0  # the largest region of the rank's stages rebuilt in backward, at the peak
 
     @property
     def total_bytes(self) -> int:
@@ -114,7 +118,7 @@ def run_layout(cfg: TrainConfig) -> RunLayout:
     split = split_model(model, schedule.num_stages, example_args=(example,), split_method="parameters",
                         split_points=split_points)
     sizes = {name: t.numel() for name, t in model.named_parameters(remove_duplicate=False)}
-    saved = activation_bytes(split, example, cfg.stage.checkpoint_activations)
+    saved = activation_bytes(split, example, cfg.stage)
     layout = RunLayout(type(model).__name__, sum(t.numel() for t in model.parameters()),
                    tied=[" = ".join(group.names) for group in split.tied_groups])
     for stage in range(split.num_stages):
@@ -148,9 +152,11 @@ def _block_of(name: str) -> str:
     return match.group(1) if match else module
 
 
-def activation_bytes(split: Any, example: torch.Tensor, checkpointed: bool) -> list[tuple[int, int]]:
+def activation_bytes(split: Any, example: torch.Tensor, options: StageOptions) -> list[tuple[int, int]]:
     """Per stage, the bytes autograd keeps for the backward of one microbatch (parameters excluded):
-    ``(kept, full)``, where ``kept`` is what a checkpointed stage keeps (``full`` without checkpointing).
+    ``(kept, recompute)``, where ``kept`` is what the stage keeps under its checkpoint policy in
+    ``options`` (everything without one) and ``recompute`` what one of its checkpointed regions
+    rebuilds in backward (0 without a policy).
 
     Every stage runs on the meta device, in order, each on what the one before returned, the
     last with the training loss; no storage is allocated.
@@ -161,9 +167,9 @@ def activation_bytes(split: Any, example: torch.Tensor, checkpointed: bool) -> l
     for stage in range(split.num_stages):
         module = split.stage_module(stage, "meta")
         last = stage == split.num_stages - 1
-        output, full = _saved_by(module, inputs, target if last else None, checkpointed=False)
-        found.append((_saved_by(module, inputs, target if last else None, checkpointed=True)[1] if checkpointed
-                      else full, full))
+        output, full = _saved_by(module, inputs, target if last else None)
+        found.append(_checkpointed_bytes(split, stage, inputs, target if last else None, full,
+                                         options.checkpoint_policy(stage, split.num_stages)))
         if not last:
             # What the next rank receives: fresh leaves (the graph behind them stays on this stage).
             inputs = tuple(v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
@@ -171,17 +177,35 @@ def activation_bytes(split: Any, example: torch.Tensor, checkpointed: bool) -> l
     return found
 
 
+def _checkpointed_bytes(split: Any, stage: int, inputs: tuple, target: torch.Tensor | None, full: int,
+                        policy: CheckpointPolicy | None) -> tuple[int, int]:
+    """``(kept, recompute)`` of one stage under ``policy``, applied to a fresh meta copy of the stage."""
+    from conveyor.runtime.checkpointing import StageCheckpointing
+
+    if policy is None:
+        return full, 0
+    module = split.stage_module(stage, "meta")
+    counter: list[_SavedTensors] = []
+    checkpointing = StageCheckpointing(module, policy, hold=lambda: counter[-1]._pack)
+    call = checkpointing.checkpointed(module) if checkpointing.whole_stage else module
+    kept = _saved_by(module, inputs, target, call=call, counters=counter)[1]
+    if checkpointing.whole_stage:
+        return kept, full  # the whole stage rebuilt in its backward
+    # Per block: what the checkpointed blocks do not keep, rebuilt one block at a time.
+    return kept, max(full - kept, 0) // len(checkpointing.blocks)
+
+
 def _saved_by(module: torch.nn.Module, inputs: tuple, target: torch.Tensor | None, *,
-              checkpointed: bool) -> tuple[Any, int]:
-    """The stage's output on ``inputs`` and the bytes autograd saved for it (with the loss, given a target)."""
+              call: Any = None, counters: list | None = None) -> tuple[Any, int]:
+    """The stage's output on ``inputs`` and the bytes autograd saved for it (with the loss, given a
+    target), running it as ``call`` (default: the module) and appending the counter to ``counters``."""
     from conveyor.train.loop import lm_loss
 
     saved = _SavedTensors(module)
+    if counters is not None:
+        counters.append(saved)
     with saved, _CpuAttention():
-        if checkpointed:
-            output = torch.utils.checkpoint.checkpoint(module, *inputs, use_reentrant=False)
-        else:
-            output = module(*inputs)
+        output = (call or module)(*inputs)
         if target is not None:
             lm_loss()(output, target)
     return output, saved.bytes
@@ -240,10 +264,8 @@ def _rank_memory(cfg: TrainConfig, schedule: Any, stages: list[StageRow]) -> lis
             # Shards, plus every stage of the rank gathered for the whole step (conveyor gathers
             # once per step, not per microbatch) and its gradients whole until their reduce-scatter.
             state = state // dp + 8 * parameters
-        extra = 0
-        if cfg.stage.checkpoint_activations:
-            extra = max(row.recompute_bytes for row in mine)  # one stage recomputed whole in backward
-        rows.append(RankRow(rank, state, int(peak_bytes[rank]) + extra, peak_count[rank]))
+        extra = max((row.recompute_bytes for row in mine), default=0)  # one region recomputed at a time
+        rows.append(RankRow(rank, state, int(peak_bytes[rank]) + extra, peak_count[rank], extra))
     return rows
 
 
@@ -282,8 +304,8 @@ def format_layout(layout: RunLayout, cfg: TrainConfig) -> str:
         + ("; fsdp: sharded over the dp replicas, plus the rank's stages gathered with whole gradients for the step"
            if sharded else "") + ")",
         "  + activations: what autograd keeps for one microbatch of each stage, measured by running its forward "
-        "on the meta device" + ("; with activation checkpointing, what the checkpoint keeps, plus one stage's "
-                                "full set while it is recomputed" if cfg.stage.checkpoint_activations else ""),
+        "on the meta device" + (f"; with activation checkpointing ({_policies(cfg)}), what the checkpoints keep, plus "
+                                "one region's set while it is recomputed" if cfg.stage.checkpoint else ""),
         "    x the microbatches in flight at the peak of the schedule's simulation (uniform pass costs)",
         "  not counted: the framework (~0.4 GiB per rank on CPU), communication buffers, the data",
         *(["  with tp: parameters, gradients and AdamW state are each TP rank's shards (above); activations are "
@@ -329,6 +351,13 @@ def shard_lines(layout: RunLayout, cfg: TrainConfig) -> list[str]:
             lines.append(f"    {pattern:<{width}}x{len(sizes):<4}{str(shape):<16}{placement:<13}-> "
                          f"{str(local_shape):<16}{_gib(sum(sizes)):>12}")
     return lines
+
+
+def _policies(cfg: TrainConfig) -> str:
+    policies = cfg.stage.checkpoint
+    if isinstance(policies, tuple):
+        return "; ".join(f"stage {s}: {p.describe() if p else 'none'}" for s, p in enumerate(policies))
+    return f"every stage: {policies.describe()}"
 
 
 def _gib(size: float) -> str:
