@@ -219,8 +219,7 @@ class Pipeline(GradientChecks):
 
     @property
     def checkpoint_group(self) -> Any:
-        """With replicas or tensor parallelism: the group over every rank of the job that writes checkpoints
-        (else None)."""
+        """With replicas or TP: the group over every rank of the job, that writes checkpoints (else None)."""
         return self.ranks.checkpoint_group
 
     @property
