@@ -241,13 +241,19 @@ def _check_plan(cfg: Any, problems: list[str]) -> None:
     except ConfigError as error:
         problems.append(str(error))
         return
-    if plan.ranks != cfg.parallel.pp:
+    tp = getattr(plan, "tensor_parallel", 1)
+    if plan.ranks != cfg.parallel.pp and tp != 1:
+        problems.append(f"parallel.plan={cfg.parallel.plan!r} is for {plan.ranks} pipeline ranks of {tp} "
+                        f"tensor-parallel ranks but parallel.pp={cfg.parallel.pp}; set parallel.pp={plan.ranks} "
+                        f"parallel.tp={tp}, or plan again with --ranks {cfg.parallel.pp * cfg.parallel.tp} --tp "
+                        f"{cfg.parallel.tp}")
+    elif plan.ranks != cfg.parallel.pp:
         problems.append(f"parallel.plan={cfg.parallel.plan!r} is for {plan.ranks} pipeline ranks but parallel.pp="
                         f"{cfg.parallel.pp}; set parallel.pp={plan.ranks} or plan again with --ranks {cfg.parallel.pp}")
-    elif getattr(plan, "tensor_parallel", 1) != cfg.parallel.tp:
-        problems.append(f"parallel.plan={cfg.parallel.plan!r} is for pipeline ranks of {plan.tensor_parallel} "
-                        f"tensor-parallel ranks but parallel.tp={cfg.parallel.tp}; set parallel.tp="
-                        f"{plan.tensor_parallel} or plan again with --tp {cfg.parallel.tp}")
+    elif tp != cfg.parallel.tp:
+        problems.append(f"parallel.plan={cfg.parallel.plan!r} is for pipeline ranks of {tp} tensor-parallel ranks "
+                        f"but parallel.tp={cfg.parallel.tp}; set parallel.tp={tp} or plan again with --tp "
+                        f"{cfg.parallel.tp}")
     elif plan.global_batch != cfg.replica_batch_size:
         problems.append(f"parallel.plan={cfg.parallel.plan!r} was made for a batch of {plan.global_batch} per "
                         f"replica, the run has train.batch_size / parallel.dp = {cfg.replica_batch_size}; set "
