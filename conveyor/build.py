@@ -83,7 +83,7 @@ def pipeline(
     if plan is not None or schedule == "auto":  # the example is resized to the plan's microbatch
         plan = plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options)
         schedule, microbatches, virtual, split_points, (example_args, example_kwargs) = _from_plan(
-            plan, world, example_args, example_kwargs)
+            plan, world, example_args, example_kwargs, _tp_size(layout))
         stage_options = _plan_checkpoint(plan, stage_options)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
@@ -231,9 +231,9 @@ def _auto_plan(model, example_args, example_kwargs, world, microbatches, layout,
         space=chosen.space, machine=machine, measure=chosen.measure))
 
 
-def _from_plan(plan, world: int, example_args, example_kwargs):
+def _from_plan(plan, world: int, example_args, example_kwargs, tp_size: int):
     """(schedule, microbatches, virtual, split_points, (example_args, example_kwargs)) of a plan, checked
-    against the group; the example is resized to the plan's microbatch."""
+    against the group and the mesh's "tp" size; the example is resized to the plan's microbatch."""
     from conveyor.plan import as_plan
     from conveyor.plan.profile import _batch_size, resize_batch
 
@@ -242,10 +242,23 @@ def _from_plan(plan, world: int, example_args, example_kwargs):
         raise PipelineConfigError(
             f"the plan is for {plan.ranks} pipeline ranks but the group has {world}; plan again with "
             f"--ranks {world} (or launch {plan.ranks} ranks)")
+    if plan.tensor_parallel != tp_size:
+        raise PipelineConfigError(
+            f"the plan is for pipeline ranks of {plan.tensor_parallel} tensor-parallel ranks but the mesh's \"tp\" "
+            f"size is {tp_size}; build the pipeline on a mesh with tp={plan.tensor_parallel} (and "
+            f"tensor_parallel=\"auto\"), or plan again with --tp {tp_size}")
     example = (tuple(example_args), example_kwargs)
     if _batch_size(*example) != plan.microbatch_size:
         example = resize_batch(example, plan.microbatch_size)
     return plan.schedule_spec(), plan.microbatches, plan.virtual, list(plan.split_points), example
+
+
+def _tp_size(layout: Layout) -> int:
+    """The size of the layout's "tp" mesh dim when tensor parallelism is on (1: off)."""
+    mesh = layout.mesh
+    if layout.tensor_parallel is None or mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return 1
+    return mesh["tp"].size()
 
 
 def model_signature(model: torch.nn.Module, split_points: Sequence[str]) -> str:

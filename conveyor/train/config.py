@@ -235,7 +235,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
 
 def apply_plan(cfg: TrainConfig) -> None:
     """Take schedule, virtual and microbatches from ``parallel.plan`` (a ConfigError if it cannot be read),
-    and its checkpoint policies per stage where it needs some and ``stage.checkpoint`` is not set.
+    its pp and tp where they split the same ranks per replica as ``parallel.pp x parallel.tp`` (the plan
+    chose between stages and tensor-parallel ranks; other counts are refused by the checks), and its
+    checkpoint policies per stage where it needs some and ``stage.checkpoint`` is not set.
 
     Example:
         >>> cfg = TrainConfig()
@@ -247,6 +249,8 @@ def apply_plan(cfg: TrainConfig) -> None:
     if plan is not None:
         cfg.parallel.schedule, cfg.parallel.virtual, cfg.parallel.microbatches = (plan.schedule, plan.virtual,
                                                                                   plan.microbatches)
+        if plan.ranks * plan.tensor_parallel == cfg.parallel.pp * cfg.parallel.tp:
+            cfg.parallel.pp, cfg.parallel.tp = plan.ranks, plan.tensor_parallel
         if plan.checkpoint and cfg.stage.checkpoint is None:  # the policies the plan needs to fit its memory
             cfg.stage = dataclasses.replace(cfg.stage, checkpoint=list(plan.checkpoint))
 

@@ -220,11 +220,6 @@ def _check_tensor_parallel(cfg: Any, problems: list[str]) -> None:
         return
     if par.tp == 1:
         return
-    from conveyor.train.tensor_parallel import CHECKPOINT_NOTE, checkpoints_written
-
-    if cfg.checkpoint.resume not in (False, "false", "") and not checkpoints_written(cfg):
-        problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r} with parallel.tp={par.tp}: {CHECKPOINT_NOTE}, "
-                        f"nor loaded; resume with parallel.tp=1 or set checkpoint.resume=false")
     if any(p.startswith(("model.", "data.tokenizer")) for p in problems):
         return
     from conveyor.train.tensor_parallel import tensor_parallel_problems

@@ -432,11 +432,6 @@ def loop(run: Run) -> Path | None:
     evaluating = cfg.train.eval_interval > 0 and cfg.data.val_fraction > 0
     start = time.perf_counter()
     run.progress = Progress(cfg.train.steps, run.step, cfg.run.log_interval, enabled=run.rank0)
-    from conveyor.train.tensor_parallel import CHECKPOINT_NOTE, checkpoints_written
-
-    checkpointing = checkpoints_written(cfg)
-    if not checkpointing and run.rank0:
-        print(f"conveyor train: {CHECKPOINT_NOTE}", flush=True)
     if evaluating and run.step == 0:
         validate_now(run, start)  # the loss before training, to compare the last one with
     saved = None
@@ -463,7 +458,7 @@ def loop(run: Run) -> Path | None:
         if evaluating and (run.step % cfg.train.eval_interval == 0 or run.step == cfg.train.steps):
             validate_now(run, start)
         interval = cfg.checkpoint.interval
-        if checkpointing and ((interval and run.step % interval == 0) or run.step == cfg.train.steps):
+        if (interval and run.step % interval == 0) or run.step == cfg.train.steps:
             saved = save_checkpoint(run)
     return saved
 

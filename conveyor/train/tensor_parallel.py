@@ -173,28 +173,6 @@ def _placement_text(placement: Any) -> str:
     return f"Shard({placement.dim})"
 
 
-# conveyor.checkpoint does not hold DTensor shards yet (issue 31, item 7, in progress): DCP refuses the
-# TP-sharded parameters and AdamW moments of a stage. Until it does, a run at parallel.tp > 1 writes no
-# checkpoint and cannot resume (refused before any rank starts). True here turns both back on.
-TENSOR_PARALLEL_CHECKPOINTS = False
-
-
-def checkpoints_written(cfg: TrainConfig) -> bool:
-    """Whether the run writes checkpoints: always, except at ``parallel.tp`` > 1 until the checkpoint layer
-    holds DTensor shards (:data:`TENSOR_PARALLEL_CHECKPOINTS`).
-
-    Example:
-        >>> from conveyor.train.config import load_config
-        >>> checkpoints_written(load_config(None)), checkpoints_written(load_config(None, ["parallel.tp=2"]))
-        (True, False)
-    """
-    return cfg.parallel.tp == 1 or TENSOR_PARALLEL_CHECKPOINTS
-
-
-CHECKPOINT_NOTE = ("checkpoints are not written at parallel.tp > 1 yet: conveyor.checkpoint does not hold "
-                   "tensor-parallel (DTensor) shards")
-
-
 def tensor_parallel_option(model: torch.nn.Module, tp: int, seq_len: int) -> Any:
     """What tp does to ``model``, for the planner (:class:`conveyor.plan.tensor.TensorParallelOption`): per
     planned module, the parameters tp shards (as a traced stage places them) and, per sample of ``seq_len``

@@ -41,3 +41,20 @@ def test_auto_plans_on_rank_0_and_a_plan_file_sets_schedule_and_microbatches(tmp
     (auto0, _, again0), (auto1, _, again1) = results
     assert auto0 == auto1 and auto0[0] in ("1f1b", "zb-h1")
     assert again0 == again1 == ("gpipe", 2)
+
+
+def test_a_plan_for_tensor_parallel_ranks_is_refused_without_a_tp_mesh():
+    import dataclasses
+
+    import pytest
+
+    from conveyor.errors import PipelineConfigError
+    from conveyor.plan.result import Plan
+
+    plan = dataclasses.replace(Plan("gpipe", 2, 1, 2, 8, ("2",), 1.0, 0.1, (1e6, 1e6), (0.5, 0.5), 4e9),
+                               tensor_parallel=2)
+    layout = conveyor.Layout(in_process=True, ranks=2)
+    with pytest.raises(PipelineConfigError, match='pipeline ranks of 2 tensor-parallel ranks but the mesh\'s "tp" '
+                                                  'size is 1; build the pipeline on a mesh with tp=2'):
+        conveyor.pipeline(_model(), example_args=(torch.zeros(4, 16),), plan=plan, loss_fn=nn.functional.mse_loss,
+                          options=conveyor.PipelineOptions(layout=layout))

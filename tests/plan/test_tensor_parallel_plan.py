@@ -88,3 +88,7 @@ def test_the_plan_command_searches_tp_and_train_checks_the_plans_tp(tmp_path, ca
                                           f"parallel.tp={other}; set parallel.tp={tp}"):
         load_config(None, [*train, f"parallel.tp={other}"])
     assert load_config(None, [*train, f"parallel.tp={tp}"]).parallel.tp == tp
+    # The same 4 ranks split otherwise in the config (pp=4 x tp=1, or 1 x 4): the plan's split is taken.
+    for config_pp, config_tp in ((4, 1), (1, 4)):
+        cfg = load_config(None, [*train[:-1], f"parallel.pp={config_pp}", f"parallel.tp={config_tp}"])
+        assert (cfg.parallel.pp, cfg.parallel.tp) == (pp, tp)

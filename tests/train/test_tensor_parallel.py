@@ -1,5 +1,6 @@
 """`conveyor train` with ``parallel.tp``: the keys' checks before any rank starts, and the gpt, llama and mpt
-recipes trained on 4 ranks (pp=2 x tp=2) in one rank group, their blocks' parameters sharded over the TP pair."""
+recipes trained on 4 ranks (pp=2 x tp=2) in one rank group, their blocks' parameters sharded over the TP pair,
+gpt resumed from a checkpoint of TP shards bitwise."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ TINY = ["train.steps=2", "model.layers=2", "model.width=32", "model.heads=2", "m
         "data.max_bytes=50000", "data.val_fraction=0.2", "parallel.pp=2", "parallel.tp=2", "train.batch_size=4",
         "parallel.microbatches=2", "optim.warmup_steps=1", "train.eval_interval=2", "train.eval_batches=1",
         "train.sample_tokens=0", "run.tensorboard=false", "run.device=cpu", "run.log_interval=1"]
-# gpt also generates its sample (forwards through the TP pipeline after training).
-RECIPE_SIZES = {"gpt": ["train.sample_tokens=4"], "llama": ["model.kv_heads=2", "model.intermediate=64"],
-                "mpt": ["model.intermediate=64"]}
+# gpt also generates its sample (forwards through the TP pipeline after training) and checkpoints every step.
+RECIPE_SIZES = {"gpt": ["train.sample_tokens=4", "checkpoint.interval=1"],
+                "llama": ["model.kv_heads=2", "model.intermediate=64"], "mpt": ["model.intermediate=64"]}
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -74,15 +75,6 @@ def test_sequence_parallel_reaches_the_pipeline_or_its_refusal_is_said_before_an
         assert cfg.parallel.sequence_parallel is True
 
 
-def test_resuming_at_tp_is_refused_while_checkpoints_hold_no_tensor_parallel_shards():
-    from conveyor.train.tensor_parallel import TENSOR_PARALLEL_CHECKPOINTS
-
-    if TENSOR_PARALLEL_CHECKPOINTS:
-        pytest.skip("checkpoints hold tensor-parallel shards: resuming is allowed")
-    with pytest.raises(ConfigError, match="checkpoint.resume=True with parallel.tp=2: checkpoints are not written"):
-        load_config(None, ["model.layers=2", "model.width=32", "parallel.tp=2", "checkpoint.resume=true"])
-
-
 def _train_recipes(rank: int, world_size: int, run_dir: str) -> dict:
     import conveyor.train.loop as loop
     from conveyor.train.loop import train
@@ -108,6 +100,12 @@ def _train_recipes(rank: int, world_size: int, run_dir: str) -> dict:
                 sharded[param_name] = (tuple(param.shape), tuple(local().shape))
         found[name] = {"steps": summary["steps"], "losses": [summary["first_loss"], summary["last_loss"]],
                        "val": summary["last_val_loss"], "sharded": sharded, "sample": summary.get("sample")}
+    # gpt again from its step-1 checkpoint (DTensor shards through DCP): step 2 as the uninterrupted run's.
+    cfg = load_config(ROOT / "configs" / "gpt.yaml",
+                      [*TINY, *RECIPE_SIZES["gpt"], f"run.dir={run_dir}/gpt_resumed",
+                       f"checkpoint.resume={run_dir}/gpt/checkpoints/step_000001"], world_size=world_size)
+    resumed = train(cfg)
+    found["gpt_resumed"] = {"steps": resumed["steps"], "last_loss": resumed["last_loss"]}
     return found
 
 
@@ -123,7 +121,9 @@ def test_the_recipes_train_on_two_stages_of_two_tensor_parallel_ranks(tmp_path):
             sharded = run[name]["sharded"]
             assert sharded, (name, rank)  # this rank's stage holds TP shards
             assert all(math.prod(local) * 2 == math.prod(shape) for shape, local in sharded.values()), (name, sharded)
-        assert not (tmp_path / name / "checkpoints").exists()  # not at tp > 1 yet (conveyor.checkpoint)
+        assert (tmp_path / name / "checkpoints").is_dir(), name  # DTensor shards, through DCP
+    for result in results:  # resumed at step 1: step 2's loss exactly as without the stop
+        assert result["gpt_resumed"] == {"steps": 2, "last_loss": result["gpt"]["losses"][1]}, result
     samples = {result["gpt"]["sample"] for result in results}
     assert len(samples) == 1 and (tmp_path / "gpt" / "sample.txt").is_file(), samples
 
