@@ -41,10 +41,6 @@ TRACED_REFUSALS = {
                      "multiple of 2",
     "key/value heads 1": "does not divide the number of key/value heads of model.layers.0.self_attn (LlamaAttention): "
                          "1 is not a multiple of 2",
-    "attention heads 3": "does not divide the number of attention heads of model.layers.0.self_attn (LlamaAttention): "
-                         "3 is not a multiple of 2",
-    "intermediate 33": "does not divide the intermediate (hidden) size of model.layers.0.mlp (LlamaMLP): 33 is not a "
-                       "multiple of 2",
     "pattern matching nothing": "pattern 'model.layers.*.mlp.up' matches no module of this LlamaForCausalLM",
 }
 

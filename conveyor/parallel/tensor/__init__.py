@@ -9,7 +9,11 @@
 - :mod:`~conveyor.parallel.tensor.styles`: the few ParallelStyles torch lacks (GPT-2's Conv1D,
   a fused q|k|v kept in its original layout through ``_StridedShard``, what a block sees on its rank);
 - :mod:`~conveyor.parallel.tensor.traced`: the same plan on a traced stage (no modules left:
-  parameters distributed by name, the graph run on DTensors).
+  parameters distributed by name, the graph run on DTensors);
+- :mod:`~conveyor.parallel.tensor.stages`: a pipeline's stages parallelized, and what crosses a
+  stage boundary (each TP rank's local part: its sequence shard under ``sequence_parallel``);
+- :mod:`~conveyor.parallel.tensor.shards`: a meta-device model's traced stages materialized shard
+  by shard (no rank allocates a whole sharded tensor).
 
 Summation order: TP changes it in the row-parallel projections (each rank's partial product,
 then the all-reduce), in the gradients of replicated activations (partial input gradients
