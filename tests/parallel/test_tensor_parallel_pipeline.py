@@ -23,10 +23,18 @@ TOLERANCE = 1e-5
 ADAMW_AFTER_3_STEPS = 1e-3  # relative to the largest parameter; see the module docstring
 
 
+# Traced stages under every schedule are the extended tier: each schedule re-traces a Llama (about 8 s on
+# 2 cores). CI runs a V=1 and a V=2 family with the I/W split here, and every schedule with TP stages
+# (hand-built, sequence parallel) in test_tensor_parallel_sequence.py.
+CI_SCHEDULES = ("1f1b", "zbv")
+
+
 @pytest.mark.distributed
-def test_every_schedule_with_tensor_parallel_stages_adds_nothing_to_tp_alone():
-    results = run_ranks(every_schedule, 4, timeout_s=900)
-    assert set(results[0]) == set(conveyor.schedule.available())
+@pytest.mark.parametrize("names", [CI_SCHEDULES, pytest.param(None, marks=pytest.mark.extended)],
+                         ids=["1f1b-zbv", "every-schedule"])
+def test_every_schedule_with_tensor_parallel_stages_adds_nothing_to_tp_alone(names):
+    results = run_ranks(every_schedule, 4, args=(names,), timeout_s=900)
+    assert set(results[0]) == set(names or conveyor.schedule.available())
     for rank, by_schedule in enumerate(results):
         for name, result in by_schedule.items():
             assert result["sharded"] > 0, (rank, name, result)
