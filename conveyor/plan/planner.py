@@ -180,7 +180,7 @@ def choose(result: SearchResult, costs: CostTable, *, top: int = 5) -> Plan:
                 settings["memory_per_rank"], costs,
                 [_cells(c.schedule, c.virtual, c.microbatches, c.split_points, c.step_time, c.bubble, c.peak_memory)
                  for c in fitting[1:top]], result.counts(),
-                None if over is None else _line(over), settings, best.schedule_costs, best.checkpoint)
+                None if over is None else _line(over), settings, best.schedule_costs, checkpoint=best.checkpoint)
 
 
 def _nothing_fits(result: SearchResult) -> str:
