@@ -406,7 +406,7 @@ def document_pieces(documents: Sequence[Any], tokenizer: Any, seq_len: int) -> l
 
     Example:
         >>> [len(p) for p in document_pieces([Document("a", b"x" * 9), Document("b", b"yz")], ByteTokenizer(), 4)]
-        [5, 4, 2]
+        [5, 5, 2]
     """
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     pieces = []
