@@ -339,7 +339,7 @@ def train_step(run: Run) -> tuple[float, dict[str, float]]:
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
-    if run.parity is not None and cfg.data.batching != "by_length":
+    if run.parity is not None:  # never with by_length (parity_problems refuses it)
         run.parity.step(run.step + 1, x, y, loss, norm)  # the same step on one device, printed beside this one
     return float(loss), parts
 

@@ -50,6 +50,8 @@ def parity_problems(cfg: Any) -> list[str]:
                                               f"sums the row-parallel projections' partial products in another "
                                               f"order, so its steps match one device to rounding, not bit for "
                                               f"bit; set parallel.tp=1"),
+        (getattr(cfg.data, "batching", "windows") == "by_length",
+         "data.batching=by_length: the reference steps fixed windows; set data.batching=windows"),
         (cfg.stage.autocast is not None, f"stage.autocast={cfg.stage.autocast!r}: the reference trains in fp32; "
                                          f"set stage.autocast=null"),
         (cfg.stage.param_dtype is not None, f"stage.param_dtype={cfg.stage.param_dtype!r}: the reference trains "

@@ -25,6 +25,7 @@ def test_parity_is_off_by_default_and_the_demo_recipe_turns_it_on():
     ("stage.param_dtype=bf16", "stage.param_dtype='bf16': the reference trains fp32 parameters"),
     ("loss.normalize=tokens", "loss.normalize='tokens': the reference divides each microbatch's loss by M"),
     ("run.max_restarts=1", "run.max_restarts=1: a restarted round resumes, the reference cannot"),
+    ("data.batching=by_length", "data.batching=by_length: the reference steps fixed windows"),
 ])
 def test_what_parity_cannot_check_is_refused_with_the_key(override, rule):
     with pytest.raises(ConfigError, match="train.parity=true compares one pipeline with one device: "
