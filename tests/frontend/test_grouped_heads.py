@@ -89,9 +89,13 @@ CASES = [
     *[(family, "zbv", True) for family in ("llama", "mixtral")],
     ("qwen2", "zb-h1", True),
 ]
+# The whole family x schedule x precision grid is the extended tier (80 cases, about 3 minutes).
+EXTENDED_CASES = [pytest.param(family, schedule, bf16, marks=pytest.mark.extended)
+                  for family in GROUPED_FAMILIES for schedule in sorted(cs.available()) for bf16 in (False, True)
+                  if (family, schedule, bf16) not in CASES]
 
 
-@pytest.mark.parametrize(("family", "schedule", "bf16"), CASES)
+@pytest.mark.parametrize(("family", "schedule", "bf16"), CASES + EXTENDED_CASES)
 def test_grouped_query_model_trains_bitwise_equal_to_one_device(family, schedule, bf16):
     losses, grads, params = _pipelined(family, schedule, bf16)
     want_losses, want_grads, want_params = _reference(family, bf16)
