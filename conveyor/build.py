@@ -83,7 +83,8 @@ def pipeline(
     if plan is not None or schedule == "auto":  # the example is resized to the plan's microbatch
         plan = plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options)
         schedule, microbatches, virtual, split_points, (example_args, example_kwargs) = _from_plan(
-            plan, world, example_args, example_kwargs, _tp_size(layout))
+            plan, world, example_args, example_kwargs,
+            1 if layout.tensor_parallel is None or layout.mesh is None else layout_of(layout.mesh).tp_size)
         stage_options = _plan_checkpoint(plan, stage_options)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
@@ -251,14 +252,6 @@ def _from_plan(plan, world: int, example_args, example_kwargs, tp_size: int):
     if _batch_size(*example) != plan.microbatch_size:
         example = resize_batch(example, plan.microbatch_size)
     return plan.schedule_spec(), plan.microbatches, plan.virtual, list(plan.split_points), example
-
-
-def _tp_size(layout: Layout) -> int:
-    """The size of the layout's "tp" mesh dim when tensor parallelism is on (1: off)."""
-    mesh = layout.mesh
-    if layout.tensor_parallel is None or mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
-        return 1
-    return mesh["tp"].size()
 
 
 def model_signature(model: torch.nn.Module, split_points: Sequence[str]) -> str:
