@@ -33,8 +33,12 @@ What the prototype needs and leaves open:
   (by heads or batch, as torch's CUDA kernels have), and its local outputs are kept in the
   memory layout DTensor describes (else a stage's second attention layer fails in a reshape).
   On CUDA torch's own rules apply.
-* Mixtral's experts run ``transformers.grouped_mm_fallback``, a custom op without a sharding
-  rule: its traced stages are refused by DTensor (eager TP leaves the experts whole and works).
+* Mixtral's experts run ``transformers.grouped_mm_fallback``, a custom op DTensor has no
+  sharding rule for. Any such opaque custom op in a stage's graph (and its companions, such as
+  the ``_backward`` op its autograd formula calls) is given one rule here: every input and
+  output replicated (:func:`_replicate_opaque_custom_ops`). So for Mixtral, TP shards the
+  attention (and the LM head) while the router and the experts stay whole on every TP rank,
+  each computing every expert on the whole tokens, as one device does (no expert parallelism).
 * Against eager TP the loss is bitwise equal and gradients agree to rounding: DTensor sums a
   replicated activation's partial gradients from its users (q, k, v) before one all-reduce.
   Between themselves, pipelined traced TP stages equal traced TP alone bit for bit.
@@ -116,6 +120,7 @@ def parallelize_traced_stage(stage: nn.Module, tp_mesh, placements: Mapping[str,
     from conveyor.parallel.tensor.shards import materialize_stage_shards, shard_source
 
     _register_cpu_attention_sharding()
+    _replicate_opaque_custom_ops(stage)
     distributed: dict[int, nn.Parameter] = {}
     for name, param in list(stage.named_parameters(remove_duplicate=False)):
         owner_name, _, attribute = name.rpartition(".")
@@ -222,3 +227,48 @@ def _register_cpu_attention_sharding() -> None:
         _keep_layouts_as_described(op)
 
     _ATTENTION_SHARDING_REGISTERED = True
+
+
+# Namespaces whose operators DTensor either knows or must not be taught blindly.
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "_c10d_functional", "c10d", "c10d_functional", "higher_order"})
+
+
+def _replicate_opaque_custom_ops(stage: nn.Module) -> None:
+    """Give each custom op of ``stage``'s graphs that DTensor has no rule for a replicated one.
+
+    A custom op (``torch.library.custom_op``, such as transformers' ``grouped_mm_fallback`` that
+    Mixtral's experts run) is opaque to DTensor, which refuses it. Replicating every input and
+    output is right for any op that computes from its inputs alone: each TP rank runs it on whole
+    tensors, exactly as one device does (a sharded or partial input is gathered or reduced
+    first). Its companions (ops of the same namespace whose names extend its own, such as the
+    ``grouped_mm_fallback_backward`` its autograd formula calls) never appear in the forward
+    graph, so they are taken too. A rule torch or the user registered is left alone.
+    """
+    from torch.distributed.tensor.experimental import register_sharding
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    known = (set(propagator.op_strategy_funcs) | set(propagator.op_single_dim_strategy_funcs)
+             | set(propagator.op_to_rules))
+    graphs = list(getattr(stage, "_conveyor_graphs", {}).values())
+    graphs += [module.graph for module in stage.modules() if isinstance(module, torch.fx.GraphModule)]
+    found = {node.target for graph in graphs for node in graph.nodes
+             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+             and node.target.namespace not in _TORCH_NAMESPACES}
+    all_names = torch._C._dispatch_get_all_op_names()
+    for op in sorted(found, key=str):
+        namespace, _, name = op._schema.name.partition("::")
+        for qualified in sorted(n for n in all_names if n == op._schema.name or n.startswith(f"{namespace}::{name}_")):
+            packet = getattr(getattr(torch.ops, namespace), qualified.partition("::")[2])
+            for overload in packet.overloads():
+                companion = getattr(packet, overload)
+                if companion not in known:
+                    register_sharding(companion)(_replicated(len(companion._schema.returns)))
+                    known.add(companion)
+
+
+def _replicated(returns: int):
+    def strategy(*args, **kwargs):
+        inputs = [Replicate() if hasattr(arg, "placements") else None for arg in args]
+        return [([Replicate()] * returns, inputs)]
+
+    return strategy
