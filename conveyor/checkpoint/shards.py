@@ -9,8 +9,18 @@ One placement has no single chunk: torch's ``_StridedShard`` of a packed project
 fused ``c_attn`` holds ``[q_r | k_r | v_r]`` on TP rank r, three slices of the global tensor).
 DCP's planner refuses it (the ranks' chunks overlap). Such a tensor goes through DCP as a
 replicated DTensor (DTensor's ``redistribute``: the same global value in the original ``q|k|v``
-order, written once), and is loaded into a replicated stand-in that ``distribute_tensor`` cuts
-back into this rank's packed shard.
+order, written once), and is loaded into a replicated stand-in that is cut back into this rank's
+packed shard.
+
+Under FSDP2 over "dp" the packed bias is strided twice, ``(_StridedShard(0, sf=2),
+_StridedShard(0, sf=3))``: FSDP2 chunks each TP rank's ``[q_r | k_r | v_r]`` over the replicas.
+torch 2.13 gets such a tensor wrong in one step: ``full_tensor()`` (a redistribute of both mesh
+dims at once) duplicates some elements and drops others, and ``distribute_tensor`` cuts the whole
+tensor into other shards than the ones FSDP2 holds. So a packed tensor is gathered one mesh dim
+at a time, the outermost first (FSDP2's own all-gather over "dp", which gives back the TP rank's
+packed shard, then the TP gather), and a tensor strided over several mesh dims is cut back by the
+positions that gather gives each of this rank's elements (:func:`_local_positions`), so the cut is
+the gather's exact inverse.
 
 Example (on each TP rank)::
 
@@ -46,8 +56,40 @@ def is_packed(tensor: torch.Tensor) -> bool:
 
 
 def _replicated(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` replicated on every mesh dim, gathered one dim at a time, the outermost first (a collective)."""
     _, replicate, _ = _dtensor_types()
-    return tensor.redistribute(placements=[replicate()] * tensor.device_mesh.ndim)
+    placements = list(tensor.placements)
+    for dim in range(tensor.device_mesh.ndim):
+        if not placements[dim].is_replicate():
+            placements[dim] = replicate()
+            tensor = tensor.redistribute(placements=placements)
+    return tensor
+
+
+def _sharded_on_several_dims(tensor: torch.Tensor) -> bool:
+    return sum(not placement.is_replicate() for placement in tensor.placements) > 1
+
+
+def _local_positions(tensor: torch.Tensor) -> torch.Tensor:
+    """Where each element of this rank's local shard of ``tensor`` sits in the whole tensor (flat indices, in the
+    local shard's order), as :func:`_replicated` gathers it: a collective over ``tensor``'s mesh.
+
+    Each rank numbers its local elements with codes no other rank uses (its coordinate in the
+    mesh, then the element), the codes are gathered exactly as the values are, and each rank
+    finds its own codes in the whole.
+    """
+    dtensor, _, _ = _dtensor_types()
+    mesh, local = tensor.device_mesh, tensor.to_local()
+    coordinate = 0
+    for size, index in zip(mesh.shape, mesh.get_coordinate()):
+        coordinate = coordinate * size + index
+    span = max(local.numel(), 1)
+    codes = torch.arange(local.numel(), dtype=torch.int64, device=local.device).reshape(local.shape)
+    codes = dtensor.from_local(codes + coordinate * span, mesh, tensor.placements, run_check=False,
+                               shape=tensor.shape, stride=tensor.stride())
+    whole = _replicated(codes).to_local().flatten()
+    mine = torch.nonzero(whole // span == coordinate).flatten()
+    return mine[torch.argsort(whole[mine] % span)]
 
 
 def storable(tensor: torch.Tensor) -> torch.Tensor:
@@ -93,12 +135,19 @@ class Landing:
         return stand_in
 
     def settle(self) -> None:
-        """Cut every loaded stand-in into its tensor's shard (local slicing, no communication)."""
+        """Cut every loaded stand-in into its tensor's shard: local slicing, except that a tensor strided over
+        several mesh dims (packed over "tp" and sharded by FSDP2 over "dp") asks the mesh where its
+        elements sit (:func:`_local_positions`, a collective, in the same order on every rank)."""
         from torch.distributed.tensor import distribute_tensor
 
         with torch.no_grad():
             for tensor, stand_in in self._stand_ins:
+                local = tensor.to_local()
+                if _sharded_on_several_dims(tensor):
+                    positions = _local_positions(tensor)
+                    local.copy_(stand_in.to_local().flatten()[positions].reshape(local.shape))
+                    continue
                 shard = distribute_tensor(stand_in.to_local(), tensor.device_mesh, tensor.placements,
                                           src_data_rank=None)
-                tensor.to_local().copy_(shard.to_local())
+                local.copy_(shard.to_local())
         self._stand_ins.clear()
