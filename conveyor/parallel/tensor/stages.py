@@ -57,8 +57,11 @@ def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()
 
     ``layout`` is the :class:`~conveyor.options.Layout` (its ``tensor_parallel``, ``loss_parallel``).
     Tied copies on several stages (GPT-2's embedding and head) must be sharded alike, since their
-    gradients are summed shard by shard across ranks: a traced stage keeps the embedding whole, so
-    every copy of a tied parameter whose uses the plan shards differently stays whole (Replicate).
+    gradients are summed shard by shard across ranks, each TP rank with the matching TP rank of the
+    other stage (:class:`~conveyor.parallel.tied.TiedGradients`). The "auto" plan shards both ends of
+    the vocabulary alike (the embedding vocab-parallel, the head colwise: both ``Shard(0)``); only
+    where a user's plan places the copies differently (one end left out, or the embedding colwise)
+    does every copy of that parameter stay whole (``Replicate``).
 
     Example::
 

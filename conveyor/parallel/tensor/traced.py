@@ -27,8 +27,12 @@ What the prototype needs and leaves open:
   ``implicit_replication()``: tensors the graph makes itself (``arange`` positions) meet
   DTensors, in the forward and in the backward formulas that saved them. Wiring this into the
   pipeline means the runner enters it around a TP stage's actions.
-* A row-split (vocab-parallel) embedding stays whole here: DTensor's masked partial sum must be
-  reduced right after the lookup, and the traced graph casts it first (``aten.to``).
+* The token embedding is vocab-parallel (``Shard(0)``: each TP rank its rows of the vocabulary),
+  as the LM head is colwise (``Shard(0)`` too), so tied copies (GPT-2's ``wte`` and ``lm_head``)
+  are sharded alike at both ends. DTensor's lookup on such a weight gives a masked partial sum
+  whose mask lives on that one output; the traced graph would cast it first (``aten.to``) and
+  lose the mask, so the stage's graph looks it up through :func:`vocab_parallel_embedding`,
+  which reduces it at once (as ``RowwiseParallel`` does on an ``nn.Embedding``'s output).
 * CPU's fused attention kernel has no DTensor sharding rule in torch; one is registered here
   (by heads or batch, as torch's CUDA kernels have), and its local outputs are kept in the
   memory layout DTensor describes (else a stage's second attention layer fails in a reshape).
@@ -92,10 +96,9 @@ def _module_placements(module: nn.Module, style: ParallelStyle) -> dict[str, obj
         return Shard(dim) if packed == 1 else _StridedShard(dim, split_factor=packed)
 
     if isinstance(module, nn.Embedding):
-        # A vocab-parallel lookup gives a masked partial sum that DTensor must reduce right after
-        # the lookup (its mask lives on that one output); a traced graph casts it first
-        # (aten.to), which drops the mask. So a traced stage keeps its row-split embedding whole.
-        return {"weight": Shard(1) if colwise else Replicate()}
+        # Row-wise: vocab-parallel (each rank its rows of the vocabulary); the traced lookup is
+        # reduced at once (_reduce_vocab_parallel_lookups), as RowwiseParallel's output does.
+        return {"weight": Shard(1) if colwise else Shard(0)}
     if isinstance(module, nn.Linear):
         found = {"weight": column(0) if colwise else Shard(1), "bias": column(0) if colwise else Replicate()}
     elif is_transposed_projection(module):
@@ -135,9 +138,64 @@ def parallelize_traced_stage(stage: nn.Module, tp_mesh, placements: Mapping[str,
     source = shard_source(stage)
     if source is not None:  # a meta-device model's stage: each rank allocates its own shards only
         materialize_stage_shards(stage, tp_mesh, source)
+    _reduce_vocab_parallel_lookups(stage, placements)
     stage.register_forward_pre_hook(_inputs_as_dtensors(tp_mesh), with_kwargs=True)
     stage.register_forward_hook(_outputs_whole)
     return stage
+
+
+def vocab_parallel_embedding(weight: DTensor, indices: DTensor, *options) -> DTensor:
+    """``aten.embedding`` on a vocabulary-sharded (``Shard(0)``) weight, its partial sums reduced at once.
+
+    DTensor looks each index up in the rank holding its row: the other ranks give zeros, and
+    the output is a ``_MaskPartial`` whose mask (which indices this rank held) lives on that
+    output alone. Redistributing it to ``Replicate`` here, in the same call, is the all-reduce
+    ``RowwiseParallel`` does on an ``nn.Embedding``'s output (the same values as eager TP);
+    left in the graph, the next operation (a cast, ``aten.to``) would make a new DTensor
+    without the mask. The backward is DTensor's own: each rank's rows of the weight gradient.
+
+    Example (on each of 2 ranks)::
+
+        weight = distribute_tensor(torch.randn(96, 32), tp_mesh, [Shard(0)])
+        ids = DTensor.from_local(torch.tensor([[1, 95]]), tp_mesh, [Replicate()])
+        vocab_parallel_embedding(weight, ids).placements    # (Replicate(),)
+    """
+    looked_up = torch.ops.aten.embedding.default(weight, indices, *options)
+    if not (isinstance(looked_up, DTensor) and any(p.is_partial() for p in looked_up.placements)):
+        return looked_up
+    whole = [Replicate()] * looked_up.device_mesh.ndim
+    reduced = looked_up.redistribute(placements=whole)
+    # Through a local tensor and back: the gradient arriving here is often Partial (the graph's
+    # row-parallel users), and torch cannot turn a Partial gradient into the lookup's masked
+    # one; from_local's backward all-reduces it to Replicate first, as RowwiseParallel's local
+    # output has it all-reduced before the lookup's backward.
+    return DTensor.from_local(reduced.to_local(), looked_up.device_mesh, whole, run_check=False)
+
+
+def _reduce_vocab_parallel_lookups(stage: nn.Module, placements: Mapping[str, object]) -> int:
+    """Make every lookup of a ``Shard(0)`` embedding weight in ``stage``'s graphs (each mode's)
+    a :func:`vocab_parallel_embedding`; recompile the graphs changed. How many were rewritten.
+
+    The lookups are found by their weight: an ``aten.embedding`` whose weight is a ``get_attr`` of
+    a parameter the plan puts at ``Shard(0)`` (by its original name). A stage that is not a traced
+    stage module (no graphs) is left as it is.
+    """
+    graphs = getattr(stage, "_conveyor_graphs", None)  # a StageModule's graph per mode, edited in place
+    if not graphs:
+        return 0
+    rewritten = 0
+    for graph in graphs.values():
+        lookups = [node for node in graph.nodes if node.op == "call_function" and
+                   node.target is torch.ops.aten.embedding.default and node.args[0].op == "get_attr" and
+                   placements.get(node.args[0].target) == Shard(0)]
+        for node in lookups:
+            node.target = vocab_parallel_embedding
+        rewritten += len(lookups)
+    if rewritten:
+        # The stage's own recompilation of every mode from its graphs: wrap_blocks with no block
+        # chosen (activation checkpointing, which wraps blocks later, starts from the edited graphs).
+        stage.wrap_blocks(set(), lambda function, block: function)
+    return rewritten
 
 
 def _inputs_as_dtensors(tp_mesh):

@@ -1,0 +1,143 @@
+"""Rank functions of the tied-embedding tests under tensor parallelism: GPT-2 (wte = lm_head) at pp=2 x tp=2.
+
+The embedding (vocab-parallel) and the LM head (colwise) are both ``Shard(0)`` on "tp", so each TP
+rank holds half of the vocabulary's rows of the one tied matrix on both stages, and its gradient
+is summed with the matching TP rank's on the other stage. The references, computed by every rank
+itself from the same seed, hold the tied copies as the pipeline does: on one rank (zbv puts stage 0
+and the last stage on rank 0) one shared Parameter, on two ranks two copies whose gradients are
+summed shard by shard after the step's backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import conveyor
+from conveyor.options import Layout, PipelineOptions, SplitOptions
+from conveyor.parallel.mesh import layout_of
+from conveyor.testing.models import token_batch
+
+from .tensor_pipeline_support import MICROBATCHES, STEPS, _FakeTpMesh, _microbatches, _optimizer, _train
+from .tp_support import build, relative, whole
+
+TIED = ("transformer.wte.weight", "lm_head.weight")
+
+
+def _loss_fn(output, target):
+    return output.loss
+
+
+def _one_device(batch, layers: int):
+    model = build("gpt2", layers)
+
+    def step_loss(kwargs):
+        loss = model(**kwargs).loss / MICROBATCHES
+        loss.backward()
+        return loss.detach()
+
+    losses = _train(step_loss, list(model.parameters()), batch)
+    return losses, {name: model.get_parameter(name) for name, _ in model.named_parameters(remove_duplicate=False)}
+
+
+def _one_device_grads(batch, layers: int) -> dict[str, torch.Tensor]:
+    """One step's gradients on one device (the tied matrix's: both uses summed), by every name."""
+    model = build("gpt2", layers)
+    for kwargs in _microbatches(batch):
+        (model(**kwargs).loss / MICROBATCHES).backward()
+    return {name: model.get_parameter(name).grad for name, _ in model.named_parameters(remove_duplicate=False)}
+
+
+def _tp_alone(num_stages: int, tp_mesh, batch, shared: bool):
+    """The pipeline's traced stages, parallelized alike, run in order on one TP group; the tied copies
+    one Parameter (``shared``) or summed shard by shard after each step's backward, as the pipeline does."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    import conveyor.frontend as frontend
+    from conveyor.parallel.tensor.stages import model_placements
+    from conveyor.parallel.tensor.traced import parallelize_traced_stage
+
+    model = build("gpt2", num_stages)
+    split = frontend.split_model(model, num_stages, example_kwargs=_microbatches(batch)[0], split_method="uniform")
+    placements = model_placements(model, Layout(tensor_parallel="auto", mesh=_FakeTpMesh()), tp_mesh.size(),
+                                  split.tied_groups)
+    stages = [parallelize_traced_stage(split.stage_module(s), tp_mesh, placements) for s in range(num_stages)]
+    first, last = stages[0], stages[-1]
+    if shared:
+        last.get_submodule("lm_head").register_parameter("weight", first.get_parameter(TIED[0]))
+    params = list({id(p): p for stage in stages for p in stage.parameters()}.values())
+    microbatch = iter(range(10**9))
+
+    def step_loss(kwargs):
+        loss = frontend.run_sequential(stages, (), kwargs, loss_fn=lambda out: out.loss / MICROBATCHES
+                                       ).loss.detach() / MICROBATCHES
+        if next(microbatch) % MICROBATCHES == MICROBATCHES - 1:
+            _settle_and_sum_tied(stages, shared)
+        return loss
+
+    losses = _train(step_loss, params, batch, implicit_replication)
+    return losses, {n: p for stage in stages for n, p in stage.named_parameters()}
+
+
+def _settle_and_sum_tied(stages, shared: bool) -> None:
+    """What the pipeline does at the end of a step: each gradient at its parameter's placements, then
+    the two tied copies' local shards summed (the all-reduce of the tied group, here on one rank)."""
+    for stage in stages:
+        for param in stage.parameters():
+            if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+    if shared:
+        return
+    embedding, head = stages[0].get_parameter(TIED[0]), stages[-1].get_parameter(TIED[1])
+    total = embedding.grad.to_local() + head.grad.to_local()
+    embedding.grad.to_local().copy_(total)
+    head.grad.to_local().copy_(total)
+
+
+def tied_pp_x_tp(rank: int, world_size: int, names: tuple[str, ...] = ("1f1b", "zbv")) -> dict:
+    """pp=2 x tp=2 traced GPT-2 (tied), each schedule of ``names``: 3 AdamW steps against TP alone
+    (torch.equal) and one device; the tied shards' local shapes and their first step's gradients."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    layout = layout_of(mesh)
+    batch = token_batch(batch=2 * MICROBATCHES, length=12, seed=1)
+    results = {}
+    for name in names:
+        layers = 2 * conveyor.schedule.available()[name].default_virtual
+        pipe = conveyor.pipeline(build("gpt2", layers), example_kwargs=_microbatches(batch)[0], schedule=name,
+                                 microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
+                                 options=PipelineOptions(split=SplitOptions(method="uniform")))
+        stages = pipe.schedule.num_stages
+        placement = pipe.schedule.placement
+        shared = placement.rank_of(0) == placement.rank_of(stages - 1)
+        want_losses, want_params = _tp_alone(stages, layout.tp_mesh, batch, shared)
+        device_losses, device_params = _one_device(batch, layers)
+        optimizer = _optimizer(pipe.parameters())
+        device_grads = _one_device_grads(batch, layers)
+        losses, tied_grads, grad_rel = [], {}, None
+        for step in range(STEPS):
+            losses.append(pipe.step(**batch))
+            if step == 0:
+                tied_grads = {n: p.grad.to_local().clone() for n, p in pipe.named_parameters() if n in TIED}
+                grad_rel = max(relative(whole(p.grad), device_grads[n]) for n, p in pipe.named_parameters())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        mine = dict(pipe.named_parameters())
+        full = {n: whole(p).detach() for n, p in mine.items()}  # a collective over TP: every rank, same order
+        results[name] = {
+            "pp_rank": layout.pp_rank,
+            "tp_rank": layout.tp_rank,
+            "shared": shared,
+            "tied_local_shapes": {n: (tuple(p.shape), tuple(p.to_local().shape)) for n, p in mine.items()
+                                  if n in TIED},
+            "tied_grads": tied_grads,
+            "losses_equal_tp": all(torch.equal(a, b) for a, b in zip(losses, want_losses, strict=True)),
+            "params_unequal_tp": [n for n in full if not torch.equal(full[n], whole(want_params[n]).detach())],
+            "param_rel_tp": max(relative(full[n], whole(want_params[n]).detach()) for n in full),
+            "grad_rel": grad_rel,
+            "loss_rel": max(relative(a, b) for a, b in zip(losses, device_losses, strict=True)),
+            "param_rel": max(relative(full[n], device_params[n].detach()) for n in full),
+        }
+        pipe.close()
+    return results
