@@ -16,12 +16,15 @@ its local part, as :func:`boundary_placement` says: with ``sequence_parallel`` (
 a floating-point activation of 2 dims or more is sharded on the sequence (dim 1, ``Shard(1)``),
 so each rank sends its ``seq / tp`` rows and the next stage takes them back as a DTensor of the
 global shape (:func:`_received_as_shards`); anything else crosses whole (``Replicate``): a traced
-stage's outputs leave as plain tensors of the global shape and enter as replicated DTensors. The
-last stage keeps its logits vocabulary-sharded with ``loss_parallel``. What the TP ranks of one
-stage agree on when the pipeline is built: the plan, every parameter's name, global and local
-shape and placements, and each boundary's placement and local shapes (a traced stage's received
-shapes are known from the trace; a hand-built one's follow the rule and the first step's
-exchange of shapes) (:meth:`TensorParallelStages.stage_fields`).
+stage's outputs leave as plain tensors of the global shape and enter as replicated DTensors. A
+traced stage with ``sequence_parallel`` (:mod:`~conveyor.parallel.tensor.traced_sequence`) sends
+the activations of its sequence stream's shape (``[batch, seq, hidden]``) as its ``seq / tp`` rows
+and the rest (rotary tables, masks, ALiBi biases) whole. The last stage keeps its logits
+vocabulary-sharded with ``loss_parallel``. What the TP ranks of one stage agree on when the
+pipeline is built: the plan, every parameter's name, global and local shape and placements, and
+each boundary's placement and local shapes (a traced stage's received shapes are known from the
+trace; a hand-built one's follow the rule and the first step's exchange of shapes)
+(:meth:`TensorParallelStages.stage_fields`).
 
 Example (on each of 4 ranks: 2 stages of 2 TP ranks)::
 
@@ -69,7 +72,6 @@ def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()
     """
     from conveyor.parallel.tensor.traced import parameter_placements
 
-    _refuse_traced_sequence_parallel(layout)
     if layout.loss_parallel:
         raise PipelineConfigError(
             "loss_parallel=True is not available for traced stages yet: DTensor's propagation through the traced "
@@ -77,7 +79,8 @@ def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()
             "Drop it (the logits are gathered for the loss), or build the stages by hand")
     plan = layout.tensor_parallel
     if isinstance(plan, str):
-        plan = tensor_parallel_plan(model, tp_size, loss_parallel=layout.loss_parallel)
+        plan = tensor_parallel_plan(model, tp_size, sequence_parallel=layout.sequence_parallel,
+                                    loss_parallel=layout.loss_parallel)
     else:
         check_plan(model, plan, tp_size)
     placements = parameter_placements(model, plan)
@@ -99,6 +102,7 @@ class TensorParallelStages:
     loss_parallel: bool
     last_stage: int
     sequence_parallel: bool = False
+    sequence_stream: frozenset = frozenset()  # traced stages: the shapes that cross as sequence rows
 
     @property
     def tp_group(self) -> Any:
@@ -162,6 +166,11 @@ class TensorParallelStages:
         for stage, module in sorted(modules.items()):
             if stage == 0:
                 continue
+            if self.sequence_parallel:  # the sequence stream's rows, the rest whole
+                from conveyor.parallel.tensor.traced_sequence import describe_received
+
+                received += [f"stage {stage} receives {line}" for line in describe_received(module, self.tp_size)]
+                continue
             for spec in getattr(module, "input_specs", ()):
                 if spec.is_tensor:
                     received.append(f"stage {stage} receives {spec.name}: {list(spec.shape)} Replicate local "
@@ -179,9 +188,13 @@ class TensorParallelStages:
         """
         rank = self.tp_mesh.get_local_rank()
 
+        def sharded(value) -> bool:
+            if self.traced:
+                return value.is_floating_point() and tuple(value.shape) in self.sequence_stream
+            return isinstance(boundary_placement(value, self.sequence_parallel), Shard)
+
         def local(value):
-            if isinstance(value, torch.Tensor) and isinstance(boundary_placement(value, self.sequence_parallel),
-                                                              Shard):
+            if isinstance(value, torch.Tensor) and sharded(value):
                 return value.chunk(self.tp_size, dim=1)[rank].requires_grad_(value.requires_grad)
             return value
 
@@ -234,9 +247,12 @@ def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, t
     if placements is not None:
         from conveyor.parallel.tensor.traced import parallelize_traced_stage
 
-        _refuse_traced_sequence_parallel(layout)
         for module in modules.values():
             parallelize_traced_stage(module, tp_mesh, placements)
+        if sequence_parallel:
+            from conveyor.parallel.tensor.traced_sequence import shard_stage_sequences
+
+            stream = shard_stage_sequences(modules, tp_mesh)
     else:
         plans = _hand_built_plans(modules, layout, tp_size)
         for stage, module in modules.items():
@@ -250,7 +266,8 @@ def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, t
             elif not layout.loss_parallel:
                 module.register_forward_hook(_outputs_whole)
     return TensorParallelStages(tp_mesh, describe_plan(layout.tensor_parallel), placements is not None,
-                                layout.loss_parallel, last_stage, sequence_parallel)
+                                layout.loss_parallel, last_stage, sequence_parallel,
+                                stream if placements is not None and sequence_parallel else frozenset())
 
 
 def boundary_placement(value: Any, sequence_parallel: bool) -> Any:
@@ -310,15 +327,6 @@ def _received_as_shards(tp_mesh: Any, whole: bool) -> Callable:
         return pytree.tree_map(as_dtensor, args), pytree.tree_map(as_dtensor, kwargs)
 
     return hook
-
-
-def _refuse_traced_sequence_parallel(layout: Any) -> None:
-    if layout.sequence_parallel:
-        raise PipelineConfigError(
-            "sequence_parallel=True is not available for traced stages (conveyor.pipeline): a traced stage has no "
-            "norm or block modules left for torch's SequenceParallel and PrepareModuleInput styles to act on. Build "
-            "the stages by hand (conveyor.Pipeline(modules, ..., layout=Layout(mesh=mesh, tensor_parallel='auto', "
-            "sequence_parallel=True))), or drop sequence_parallel")
 
 
 def _hand_built_plans(modules: Mapping[int, nn.Module], layout: Any, tp_size: int) -> dict[int, dict]:
