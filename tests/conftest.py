@@ -3,6 +3,10 @@
 Imports nothing heavy: ``tests/schedule`` must collect and run without torch. The per-test
 timeout comes from pyproject.toml (pytest-timeout, 300 s), above run_ranks's default of 120 s,
 so a hung distributed test is reported by the harness, with the stacks of its ranks.
+
+CI runs the suite on pytest-xdist workers (``tools/test.sh``: ``-n 2 --dist loadgroup``): the tests
+that share a module- or class-scoped fixture (one launch of ranks for several cases) go to one
+worker together, so that launch happens once; every other test goes wherever a worker is free.
 """
 
 from __future__ import annotations
@@ -32,12 +36,19 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+# tryfirst: xdist's own hook reads the ``xdist_group`` marks this one adds.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave the extended tier out unless ``--extended`` is given, and say how many were left out.
+    """Leave the extended tier out unless ``--extended`` is given, and say how many were left out;
+    keep the tests that share a fixture wider than one test on one xdist worker.
 
     CI's suite must stay within 15 minutes on 2 cores; each test moved to the extended tier keeps
     a narrower twin in CI (the same promise on fewer ranks, transports or variants).
     """
+    for item in items:
+        group = _shared_fixture_group(item)
+        if group is not None and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
     if config.getoption("--extended"):
         return
     extended = [item for item in items if item.get_closest_marker("extended")]
@@ -45,6 +56,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=extended)
         items[:] = [item for item in items if not item.get_closest_marker("extended")]
         config._conveyor_extended_left_out = len(extended)  # type: ignore[attr-defined]
+        if hasattr(config, "workeroutput"):  # an xdist worker: the controller prints the summary
+            config.workeroutput["conveyor_extended_left_out"] = len(extended)
+
+
+def _shared_fixture_group(item: pytest.Item) -> str | None:
+    """The file of a test that uses a module-, class- or package-scoped fixture, else None.
+
+    Such a fixture (often one launch of ranks serving several cases) would be built again on
+    every worker that ran one of its tests; grouping by file builds it once.
+    """
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    for name in info.names_closure:
+        definitions = info.name2fixturedefs.get(name) or ()
+        if definitions and definitions[-1].scope in ("module", "class", "package"):
+            return item.nodeid.split("::")[0]
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """On the xdist controller: every worker collected the same tests, so any one's count is the count."""
+    left_out = getattr(node, "workeroutput", {}).get("conveyor_extended_left_out")
+    if left_out:
+        node.config._conveyor_extended_left_out = left_out
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

@@ -1,4 +1,5 @@
-"""Sequence parallelism inside pipeline stages: pp=2 x tp=2 on 4 gloo ranks, every built-in schedule.
+"""Sequence parallelism inside pipeline stages: pp=2 x tp=2 on 4 gloo ranks, 1f1b and zbv in CI (every
+built-in schedule in the extended tier).
 
 Hand-built stages of a small decoder under the "auto" plan with ``sequence_parallel=True``: norms
 on sequence shards (torch's ``SequenceParallel``), each block gathering its input and
@@ -17,11 +18,25 @@ from conveyor.testing import run_ranks
 
 from .tensor_sequence_support import LENGTH, WIDTH, every_schedule_sequence_parallel
 
+# CI keeps 1f1b (one stage a rank) and zbv (its V: two stages a rank, one local hop, split backward);
+# the extended tier runs all ten built-in schedules (44 s of 4 ranks in the last CI log).
+CI_SCHEDULES = ("1f1b", "zbv")
+
 
 @pytest.mark.distributed
+def test_sequence_parallel_stages_under_1f1b_and_zbv_add_nothing_to_tp_and_sp_alone():
+    _check(run_ranks(every_schedule_sequence_parallel, 4, args=(CI_SCHEDULES,), timeout_s=300), CI_SCHEDULES)
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(900)
 def test_every_schedule_with_sequence_parallel_stages_adds_nothing_to_tp_and_sp_alone():
-    results = run_ranks(every_schedule_sequence_parallel, 4, timeout_s=900)
-    assert set(results[0]) == set(conveyor.schedule.available())
+    _check(run_ranks(every_schedule_sequence_parallel, 4, timeout_s=900), tuple(conveyor.schedule.available()))
+
+
+def _check(results: list[dict], schedules: tuple[str, ...]) -> None:
+    assert set(results[0]) == set(schedules)
     rows = 2  # each microbatch: 2 of the batch's 2 * MICROBATCHES rows
     for rank, by_schedule in enumerate(results):
         for name, result in by_schedule.items():
