@@ -424,7 +424,8 @@ class Schedule:
     """A placement plus one ordered program of actions per rank.
 
     ``programs`` normally hold compute actions only (F, B, I, W); a lowered
-    schedule (see :func:`conveyor.schedule.lower.lower`) also holds SEND/RECV.
+    schedule (see :func:`conveyor.schedule.lower.lower`) also holds SEND/RECV, and
+    ``lowered_from`` names the compute-only schedule it was lowered from.
 
     Example:
         >>> import conveyor.schedule as cs
@@ -437,9 +438,10 @@ class Schedule:
     placement: Placement
     num_microbatches: int
     programs: tuple[Program, ...]
-    # What checks found on this schedule (verify() records a pass here): a Schedule is
-    # immutable, tuples of frozen Actions, so verifying it again would find the same.
-    _checked: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # The compute-only schedule that lower() made this one from (None otherwise): such a schedule
+    # verifies and times exactly like its source, which has a third of the actions (see lower()).
+    # Provenance, not content: two schedules with equal programs are equal wherever they came from.
+    lowered_from: Schedule | None = field(default=None, repr=False, compare=False, kw_only=True)
 
     def __post_init__(self) -> None:
         _check_positive(num_microbatches=self.num_microbatches)
@@ -463,6 +465,11 @@ class Schedule:
         # down, so that verify() can name what is wrong. Either way a Schedule is immutable.
         packed = packed_programs(programs, self.placement.num_stages, self.num_microbatches)
         object.__setattr__(self, "programs", tuple(map(tuple, programs)) if packed is None else tuple(packed))
+        if self.lowered_from is not None and not isinstance(self.lowered_from, Schedule):
+            raise ScheduleError(
+                f"schedule {self.name!r}: lowered_from must be the Schedule lower() started from, "
+                f"got {type(self.lowered_from).__name__}"
+            )
 
     @classmethod
     def from_programs(

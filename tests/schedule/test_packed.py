@@ -8,7 +8,6 @@ from conveyor.errors import ScheduleError
 from conveyor.schedule.engine import Row, checked_pass
 from conveyor.schedule.fast import step_packed
 from conveyor.schedule.ir import Action, B, F, I, PackedProgram, Placement, Schedule, W
-from conveyor.schedule.lower import lowering_stats
 from conveyor.schedule.passes import executable, in_order_channels
 from conveyor.schedule.timeline import PackedSpans
 
@@ -16,12 +15,10 @@ from conveyor.schedule.timeline import PackedSpans
 def test_a_rank_lowers_and_merges_only_its_own_program():
     sched = cs.build("zbv", ranks=8, microbatches=16)
     runs = executable(sched)
-    before = lowering_stats["actions"]
     program = list(runs.train_program(3))
     runs.gradients_final(3)
     train_in_order, eval_in_order = runs.train_in_order, runs.eval_in_order  # of every rank's channels
     runs.train.programs, runs.eval.programs  # noqa: B018 - what Pipeline hands its failure report
-    assert lowering_stats["actions"] - before == len(runs.compute.programs[3])
     assert [p.made for p in runs.train.programs] == [r == 3 for r in range(8)]
     assert [p.made for p in runs.compute.programs] == [r == 3 for r in range(8)]
     assert not any(p.made for p in runs.eval.programs)

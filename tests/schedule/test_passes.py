@@ -65,7 +65,7 @@ def test_merging_keeps_every_other_action_in_order(name, num_ranks, virtual):
 
 
 def _fresh(schedule: Schedule) -> Schedule:
-    """The same programs without what the chain recorded on them (verified, lowered_from)."""
+    """The same programs without what the chain recorded on them (lowered_from)."""
     # Evaluation programs hold forwards only, which verify() rightly calls incomplete.
     return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, schedule.programs)
 
