@@ -3,8 +3,42 @@
 A :class:`Schedule` is made by :func:`build` (a registered schedule), :func:`load_csv` (a file), or by
 hand with :meth:`Schedule.from_programs`. Pure Python: importing this package never imports torch.
 
-Example:
+From a builder to the program a rank runs, in the order the code does it:
+
+1. **Build** (``registry.build`` -> ``builtin/<name>.py``): a builder writes, per rank, the
+   ordered compute actions ``F`` / ``B`` / ``I`` / ``W`` of its stages
+   (:class:`~conveyor.schedule.ir.Action`: kind, stage, microbatch; ``"2F0"`` in print) and a
+   :class:`Placement` (which rank runs each stage).
+2. **Schedule** (``ir.py``): the placement plus one program per rank, frozen. A program of
+   well-formed actions is held as a :class:`~conveyor.schedule.ir.PackedProgram` (one integer
+   per action, read as Actions); anything else stays as given, for the verifier to name.
+3. **Verify** (``verify.py``): one pass of the engine (``engine.runs_clean``; ``fast.py`` for
+   compute-only programs) says whether every rank runs to its end with every action once; only
+   a schedule that fails is walked through the checks one by one for a message naming the
+   first violation (a missing action, a duplicate, a deadlock with its step x rank grid).
+4. **Lower** (``passes.py``: :func:`executable` -> ``lower.py``): the pass chain turns the
+   compute actions into what a rank executes: ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B``
+   inserted where a neighbour stage sits on another rank, an ``I`` directly followed by its own
+   ``W`` merged into one ``B``, and the forward-only programs of evaluation.
+   (TO UPDATE with the posts pass of issue 30, item 2: where the sends and receives are posted,
+   and in what order, is then written into the lowered program by that pass.)
+5. **Simulate** (``simulate.py``): the same engine times each action on a
+   :class:`CostModel` into a :class:`Timeline` (makespan, bubble, peak activations), which
+   ``render.py`` draws and ``conveyor simulate`` prints. It times the very programs of step 4.
+6. **Run** (``conveyor.runtime``, not this package): each rank's executor walks
+   ``executable(schedule).train_program(rank)`` action by action, one handler per kind, sending
+   and receiving over its transport; a new schedule needs no runtime change.
+
+Example (the six steps on two ranks):
     >>> import conveyor.schedule as cs
+    >>> sched = cs.build("1f1b", ranks=2, microbatches=2)           # 1-3: built, a Schedule, verified
+    >>> [str(a) for a in sched.programs[1]]
+    ['1F0', '1B0', '1F1', '1B1']
+    >>> runs = cs.executable(sched)                                # 4: the pass chain
+    >>> [str(a) for a in runs.train_program(1)]                    # 6: what rank 1 executes
+    ['1RECV_F0', '1F0', '1B0', '1SEND_B0', '1RECV_F1', '1F1', '1B1', '1SEND_B1']
+    >>> cs.simulate(runs.train).makespan                           # 5: F=I=W=1, so B=2
+    9.0
     >>> sched = cs.build("1f1b", ranks=4, microbatches=8)
     >>> sched.stages_of(2)
     [2]

@@ -58,7 +58,7 @@ class PackedRun:
 def key_tables(
     stage_to_rank: Sequence[int], num_microbatches: int, took: Sequence[float], latency: float = 0.0
 ) -> list[list[tuple | None]]:
-    """Per rank, per (kind, stage) key ``kind * S + stage``: ``(slot, need, mark, took[, lat])``,
+    """Per rank, per (kind, stage) key ``kind * S + stage``: ``(slot, need, mark, took, lat)``,
     the deltas from a code to its finish slot, to the slot it needs and to a second slot it
     finishes, its duration (and the latency of its need); None where the key is not the rank's.
 
@@ -67,7 +67,7 @@ def key_tables(
 
     Example:
         >>> key_tables((0, 1), 1, [1.0] * 8)[1][1]   # F of stage 1 on rank 1: needs F of stage 0
-        (0, -1, 0, 1.0)
+        (0, -1, 0, 1.0, 0.0)
     """
     S, M = len(stage_to_rank), num_microbatches
     SM = S * M
@@ -85,7 +85,7 @@ def key_tables(
                 remote = s < S - 1 and stage_to_rank[s + 1] != stage_to_rank[s]
             mark = SM if kind == _I else slot
             key = kind * S + s
-            row = (slot, need, mark, took[key]) + ((latency if remote else 0.0,) if latency else ())
+            row = (slot, need, mark, took[key], latency if remote else 0.0)
             tables[stage_to_rank[s]][key] = row
     return tables
 
@@ -108,9 +108,8 @@ def step_packed(
     producer = list(schedule.placement.stage_to_rank) * 4  # per row (code // M) of the finish table
     starts = tuple(array("d") if record else deque(maxlen=0) for _ in codes)
     ends = tuple(array("d") if record else deque(maxlen=0) for _ in codes)
-    loop = _loop_with_latency if latency else _loop
     try:
-        clean = loop(list(map(iter, codes)), tables, finish, producer, M, starts, ends)
+        clean = _loop(list(map(iter, codes)), tables, finish, producer, M, starts, ends)
     except TypeError:  # a key missing from the rank's table: an action off its rank
         return None
     if not clean or _count_unset(finish, 0, 2 * SM):
@@ -126,44 +125,11 @@ def _loop(remaining: list, tables: list, finish: array, producer: list[int], M: 
           starts: tuple[array, ...], ends: tuple[array, ...]) -> bool:
     """The engine's stepping loop on slots: whether every rank reached its end.
 
-    A rank runs its next action once the slot it needs is done, else it is parked and
-    another rank runs. ``producer[slot // M]`` is the rank that finishes a slot; when a rank
-    stops, the ranks parked on what it finished go on (no look-up per finished slot).
+    A rank runs its next action once the slot it needs is done (plus ``lat`` where another rank
+    produced it), else it is parked and another rank runs. ``producer[slot // M]`` is the rank
+    that finishes a slot; when a rank stops, the ranks parked on what it finished go on (no
+    look-up per finished slot).
     """
-    num_ranks = len(remaining)
-    waiters: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
-    clock = [0.0] * num_ranks
-    parked: list[int | None] = [None] * num_ranks
-    work = list(range(num_ranks - 1, -1, -1))
-    while work:
-        rank = work.pop()
-        now, table, add_start, add_end = clock[rank], tables[rank], starts[rank].append, ends[rank].append
-        codes = remaining[rank]
-        if parked[rank] is not None:  # -- resume: the parked action first
-            codes, parked[rank] = chain((parked[rank],), codes), None
-        for code in codes:
-            slot, need, mark, took = table[code // M]
-            ready = finish[code + need]
-            if ready > now:
-                now = ready
-            elif ready == UNSET:
-                waiters[producer[(code + need) // M]].append((code + need, rank))
-                parked[rank] = code
-                break
-            add_start(now)
-            now += took
-            finish[code + slot] = now
-            finish[code + mark] = now
-            add_end(now)
-        clock[rank] = now
-        if waiters[rank]:
-            _wake(waiters, rank, finish, work)
-    return all(p is None for p in parked)
-
-
-def _loop_with_latency(remaining: list, tables: list, finish: array, producer: list[int], M: int,
-                       starts: tuple[array, ...], ends: tuple[array, ...]) -> bool:
-    """:func:`_loop` where what another rank produced arrives ``lat`` later."""
     num_ranks = len(remaining)
     waiters: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
     clock = [0.0] * num_ranks

@@ -6,8 +6,8 @@ compute actions per rank. Communication actions (``SEND_F`` ...) are inserted
 by :func:`conveyor.schedule.lower.lower`; users never have to write them.
 
 A program of well-formed actions is held as a :class:`PackedProgram`: one integer
-code per action (8 bytes, where an Action object takes 56), read as Actions like a
-tuple; a 256-rank schedule has millions of actions. A program holding anything else
+code per action (8 bytes, where an Action object takes 56), read as a sequence of
+Actions (its own type, not a tuple); a 256-rank schedule has millions of actions. A program holding anything else
 stays the tuple it was given, so that :func:`~conveyor.schedule.verify.verify` can
 name what is wrong.
 
@@ -148,15 +148,19 @@ NUM_COMPUTE_KINDS = 4
 class PackedProgram(Sequence[Action]):
     """One rank's program as integer codes ``(kind_index * S + stage) * M + microbatch``.
 
-    A sequence of :class:`Action` like the tuple it replaces (equal to it, same hash), holding
-    8 bytes per action instead of an object: a 256-rank schedule has millions of actions.
-    Actions are made when read. ``source`` (a function returning the codes) defers the work
-    until the program is first read: a rank's runtime lowers only its own program.
+    A read-only sequence of :class:`Action` of its own type, not a tuple: 8 bytes per action
+    instead of an object (a 256-rank schedule has millions of actions). Actions are made when
+    read; a slice is a PackedProgram; it equals (and hashes like) a PackedProgram of the same
+    sizes and codes only, so compare ``tuple(program)`` with a tuple. ``source`` (a function
+    returning the codes) defers the work until the program is first read: a rank's runtime
+    lowers only its own program.
 
     Example:
         >>> program = PackedProgram.of([F(1, 0), B(1, 0)], num_stages=2, num_microbatches=1)
-        >>> [str(a) for a in program], program == (F(1, 0), B(1, 0)), len(program)
+        >>> [str(a) for a in program], tuple(program) == (F(1, 0), B(1, 0)), len(program)
         (['1F0', '1B0'], True, 2)
+        >>> program == (F(1, 0), B(1, 0)), [str(a) for a in program[1:]]
+        (False, ['1B0'])
     """
 
     __slots__ = ("_codes", "_source", "num_stages", "num_microbatches", "compute_only", "__weakref__")
@@ -246,8 +250,7 @@ class PackedProgram(Sequence[Action]):
 
     def __getitem__(self, index):  # noqa: ANN001, ANN204 - int or slice, as a tuple's
         if isinstance(index, slice):
-            part = PackedProgram(self.codes[index], self.num_stages, self.num_microbatches)
-            return tuple(part.actions())
+            return PackedProgram(self.codes[index], self.num_stages, self.num_microbatches, self.compute_only or None)
         return self.action_of(self.codes[index])
 
     def __iter__(self) -> Iterator[Action]:
@@ -271,26 +274,14 @@ class PackedProgram(Sequence[Action]):
         return self.codes.index(code, start, len(self) if stop is None else stop)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, PackedProgram):
-            if (other.num_stages, other.num_microbatches) == (self.num_stages, self.num_microbatches):
-                return self.codes == other.codes
-            return tuple(self) == tuple(other)
-        if isinstance(other, tuple | list):
-            return len(other) == len(self) and tuple(self) == tuple(other)
-        return NotImplemented
+        if not isinstance(other, PackedProgram):
+            return NotImplemented
+        return (other.num_stages, other.num_microbatches) == (self.num_stages, self.num_microbatches) and (
+            self.codes == other.codes
+        )
 
     def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __add__(self, other: object) -> tuple:
-        if isinstance(other, tuple | PackedProgram):
-            return tuple(self) + tuple(other)
-        return NotImplemented
-
-    def __radd__(self, other: object) -> tuple:
-        if isinstance(other, tuple):
-            return other + tuple(self)
-        return NotImplemented
+        return hash((self.num_stages, self.num_microbatches, self.codes.tobytes()))
 
     def __repr__(self) -> str:
         # Cheap and deterministic (the runtime hashes every rank's repr to check that ranks agree).
@@ -424,7 +415,8 @@ class Schedule:
     """A placement plus one ordered program of actions per rank.
 
     ``programs`` normally hold compute actions only (F, B, I, W); a lowered
-    schedule (see :func:`conveyor.schedule.lower.lower`) also holds SEND/RECV.
+    schedule (see :func:`conveyor.schedule.lower.lower`) also holds SEND/RECV, and
+    ``lowered_from`` names the compute-only schedule it was lowered from.
 
     Example:
         >>> import conveyor.schedule as cs
@@ -437,9 +429,10 @@ class Schedule:
     placement: Placement
     num_microbatches: int
     programs: tuple[Program, ...]
-    # What checks found on this schedule (verify() records a pass here): a Schedule is
-    # immutable, tuples of frozen Actions, so verifying it again would find the same.
-    _checked: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # The compute-only schedule that lower() made this one from (None otherwise): such a schedule
+    # verifies and times exactly like its source, which has a third of the actions (see lower()).
+    # Provenance, not content: two schedules with equal programs are equal wherever they came from.
+    lowered_from: Schedule | None = field(default=None, repr=False, compare=False, kw_only=True)
 
     def __post_init__(self) -> None:
         _check_positive(num_microbatches=self.num_microbatches)
@@ -463,6 +456,11 @@ class Schedule:
         # down, so that verify() can name what is wrong. Either way a Schedule is immutable.
         packed = packed_programs(programs, self.placement.num_stages, self.num_microbatches)
         object.__setattr__(self, "programs", tuple(map(tuple, programs)) if packed is None else tuple(packed))
+        if self.lowered_from is not None and not isinstance(self.lowered_from, Schedule):
+            raise ScheduleError(
+                f"schedule {self.name!r}: lowered_from must be the Schedule lower() started from, "
+                f"got {type(self.lowered_from).__name__}"
+            )
 
     @classmethod
     def from_programs(

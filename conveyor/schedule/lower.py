@@ -72,17 +72,13 @@ def lower(schedule: Schedule) -> Schedule:
         verify(schedule)  # raises the precise message for the malformed action
         raise AssertionError(f"lower() failed on a schedule that verifies: {error!r}") from error
     programs = tuple(program for program, _ in lowered_ranks)
-    lowered = Schedule(schedule.name, schedule.placement, schedule.num_microbatches, programs)
-    if not any(had_comms for _, had_comms in lowered_ranks):
-        # Every RECV sits right before its consumer and every SEND right after its producer,
-        # so this schedule simulates exactly like its source: simulate() may step the source.
-        lowered._checked["lowered_from"] = schedule
-    return lowered
+    # Where lowering placed every SEND/RECV (each RECV right before its consumer, each SEND right
+    # after its producer), the result verifies and simulates exactly like its source.
+    placed_all = not any(had_comms for _, had_comms in lowered_ranks)
+    return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, programs,
+                    lowered_from=schedule if placed_all else None)
 
 
-# How many actions the packed lowering has lowered in this process (tests check that a rank's
-# runtime lowers its own program only).
-lowering_stats = {"actions": 0}
 _NONE = -(1 << 62)  # a delta that makes a code negative: no communication there
 
 
@@ -99,14 +95,11 @@ def _lower_packed(schedule: Schedule) -> Schedule:
                       program.num_stages, program.num_microbatches, compute_only=False)
         for program in schedule.programs
     )
-    lowered = Schedule(schedule.name, schedule.placement, schedule.num_microbatches, programs)
-    lowered._checked["lowered_from"] = schedule  # see lower(): it simulates like its source
-    return lowered
+    return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, programs, lowered_from=schedule)
 
 
 def _lower_codes(program: PackedProgram, before: list[int], after: list[int]) -> array:
     codes, M = program.codes, program.num_microbatches
-    lowering_stats["actions"] += len(codes)
     befores = map(add, codes, map(before.__getitem__, map(floordiv, codes, repeat(M))))
     afters = map(add, codes, map(after.__getitem__, map(floordiv, codes, repeat(M))))
     return array("q", filter((-1).__lt__, chain.from_iterable(zip(befores, codes, afters))))

@@ -59,16 +59,12 @@ class Executable:
     @functools.cached_property
     def compute(self) -> Schedule:
         """The training programs' compute actions (:func:`merge_backward_halves` of the source)."""
-        compute = merge_backward_halves(self.schedule)
-        compute._checked["verified"] = True  # see executable()
-        return compute
+        return merge_backward_halves(self.schedule)
 
     @functools.cached_property
     def train(self) -> Schedule:
         """The training programs, lowered (what each rank's executor runs)."""
-        train = lower(self.compute)
-        train._checked["verified"] = True  # lower() also records that it times like ``compute``
-        return train
+        return lower(self.compute)  # records that it verifies and times like ``compute``
 
     @functools.cached_property
     def eval(self) -> Schedule:
@@ -114,8 +110,9 @@ def executable(schedule: Schedule) -> Executable:
     """Verify ``schedule``; the pass chain's programs for every rank (each built when first read).
 
     Lowering and merging a verified schedule keep it deadlock-free and complete (property
-    tests in tests/schedule check every built-in and random schedules), so the training
-    programs are marked verified: simulate() does not check them again.
+    tests in tests/schedule check every built-in and random schedules); the training programs
+    come from lower(), so verify() and simulate() check them through their compute actions
+    (``Schedule.lowered_from``), a third of the actions.
 
     Example:
         >>> import conveyor.schedule as cs

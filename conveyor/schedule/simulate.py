@@ -1,7 +1,7 @@
 """The simulator: when each action of a schedule starts and ends, on per-stage costs.
 
 :func:`simulate` verifies and times a packed compute-only schedule (or the one a
-lowered schedule came from) in one pass of :mod:`conveyor.schedule.fast`, its
+lowered schedule came from, ``Schedule.lowered_from``) in one pass of :mod:`conveyor.schedule.fast`, its
 spans kept as per-rank arrays (:class:`~conveyor.schedule.timeline.PackedSpans`).
 Any other schedule it verifies, then times with :func:`step_timed`, which runs
 the engine's stepping loop (:mod:`conveyor.schedule.engine`) with
@@ -62,10 +62,11 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
         >>> cs.simulate(cs.build("1f1b", ranks=2, microbatches=2), costs).makespan
         12.0
     """
-    checked = getattr(schedule, "_checked", None)
-    unverified = isinstance(schedule, Schedule) and checked is not None and not checked
+    # One straight from lower() is verified (and timed) through its source; any other Schedule
+    # is checked in the pass that times it, verify() words what that pass finds wrong.
+    unverified = isinstance(schedule, Schedule) and schedule.lowered_from is None
     if unverified:
-        check_shape(schedule)  # the rest of verify() may come with the timing (below)
+        check_shape(schedule)
     else:
         verify(schedule)
     try:
@@ -73,7 +74,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
     except CostError:
         verify(schedule)  # a broken schedule is named before broken costs
         raise
-    source = schedule._checked.get("lowered_from", schedule)  # times exactly like it (see lower())
+    source = schedule.lowered_from or schedule  # times exactly like it (see lower())
     if fast_eligible(source) and type(costs).duration is CostModel.duration:
         spans = _simulate_packed(schedule, source, costs)
     else:
@@ -103,7 +104,6 @@ def _simulate_packed(schedule: Schedule, source: Schedule, costs: CostModel) -> 
     if run is None:
         verify(schedule)
         raise AssertionError(f"schedule {schedule.name!r} failed the timed check but verifies")
-    schedule._checked["verified"] = True
     return PackedSpans(source.programs, run.starts, run.ends)
 
 
@@ -115,12 +115,12 @@ def _simulate_stepped(schedule: Schedule, costs: CostModel, unverified: bool) ->
         if result is None:
             verify(schedule)
             raise AssertionError(f"schedule {schedule.name!r} failed the timed check but verifies")
-        schedule._checked["verified"] = True
     else:
-        verify(schedule)
+        if unverified:
+            verify(schedule)  # (one from lower() was verified through its source already)
         # A schedule straight from lower() times exactly like its compute-only source (a receive
         # ends `latency` after the send that follows its producer), which steps ~40% faster.
-        result = step_timed(schedule._checked.get("lowered_from", schedule), costs.duration, costs.latency)
+        result = step_timed(schedule.lowered_from or schedule, costs.duration, costs.latency)
     assert result.completed, "verify() passed but the engine blocked"
     # The engine lists each rank's spans in time order already; a global sort would be
     # about 40% of the simulation at P=64, M=1024 and nothing reads spans in that order.

@@ -20,9 +20,9 @@
 A valid schedule costs one fused pass of the engine (``engine.runs_clean``:
 each action looked up and stepped once, then C-speed counts); only a schedule
 that fails it is walked through the checks above, one by one, for the message.
-A Schedule that passed remembers it (it is immutable), so ``simulate`` after
-``build`` or ``verify`` does not step it again; one straight from ``lower()``
-is checked through its compute-only source.
+Nothing is remembered on a Schedule: ``simulate`` verifies in the same pass that
+times. One straight from ``lower()`` is checked through its compute-only source
+(``Schedule.lowered_from``).
 
 Example:
     >>> from conveyor.schedule.ir import Placement, Schedule
@@ -60,18 +60,13 @@ def verify(schedule: Schedule) -> None:
         >>> verify(cs.lower(cs.build("1f1b", ranks=4, microbatches=8)))
     """
     check_shape(schedule)
-    checked = getattr(schedule, "_checked", None)
-    if checked is not None and checked.get("verified"):
-        return  # this very (immutable) schedule passed before
-    if _source_runs_clean(checked) or runs_clean(schedule):
-        if checked is not None:
-            checked["verified"] = True
+    if _source_runs_clean(schedule) or runs_clean(schedule):
         return
     _diagnose(schedule)
     raise AssertionError(f"schedule {schedule.name!r} failed the fast check but no violation was found")
 
 
-def _source_runs_clean(checked: dict | None) -> bool:
+def _source_runs_clean(schedule: Schedule) -> bool:
     """Whether this schedule came straight from lower() of a schedule that runs clean.
 
     Such a schedule is valid exactly when its compute-only source is: lower()
@@ -80,8 +75,8 @@ def _source_runs_clean(checked: dict | None) -> bool:
     (``simulate`` times the source for the same reason). The source has about a
     third of the actions. When it fails, the lowered schedule is diagnosed itself.
     """
-    source = None if checked is None else checked.get("lowered_from")
-    return source is not None and (source._checked.get("verified", False) or runs_clean(source))
+    source = schedule.lowered_from
+    return source is not None and runs_clean(source)
 
 
 def _diagnose(schedule: Schedule) -> None:

@@ -95,9 +95,7 @@ def test_stuck_ranks_and_the_checked_pass():
 
 def test_simulate_checks_and_times_an_unverified_schedule_in_one_pass():
     unchecked = cs.build("zbv", ranks=4, microbatches=8, virtual=2, check=False)
-    assert unchecked._checked == {}
     timeline = cs.simulate(unchecked)
-    assert unchecked._checked == {"verified": True}
     assert _timed(timeline) == _timed(cs.simulate(cs.build("zbv", ranks=4, microbatches=8, virtual=2)))
     # A broken one is named by the verifier, whichever path finds it.
     programs = list(unchecked.programs)
@@ -112,9 +110,8 @@ def test_simulate_checks_and_times_an_unverified_schedule_in_one_pass():
 def test_a_lowered_schedule_is_checked_through_its_source_and_diagnosed_itself():
     source = cs.build("interleaved-1f1b", ranks=2, microbatches=4, virtual=2)
     lowered = cs.lower(source)
-    assert lowered._checked["lowered_from"] is source
+    assert lowered.lowered_from is source
     cs.verify(lowered)
-    assert lowered._checked["verified"]
     swap = Schedule.from_programs(
         "swap", Placement.looped(2), 2, [["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]]
     )

@@ -352,15 +352,17 @@ def test_a_huge_microbatch_count_is_reported_not_allocated():
     assert time.perf_counter() - start < 5
 
 
-def test_a_schedule_that_passed_is_not_stepped_again():
+def test_a_schedule_keeps_nothing_but_its_provenance():
     sched = cs.build("1f1b", ranks=2, microbatches=2, check=False)
-    assert sched._checked == {}
     verify(sched)
-    assert sched._checked == {"verified": True}  # simulate(sched) now steps it once, not twice
-    copy = sched.with_programs(sched.programs)
-    assert copy == sched and copy._checked == {}  # a new object is checked on its own
-    error_of(SWAP)
-    assert SWAP._checked == {}
+    assert sched.lowered_from is None and not hasattr(sched, "__dict__")  # no state hidden on it
+    lowered = cs.lower(sched)
+    assert lowered.lowered_from is sched and "lowered_from" not in repr(lowered)
+    copy = lowered.with_programs(lowered.programs)
+    assert copy == lowered and copy.lowered_from is None  # equal programs, no claimed source
+    verify(copy)
+    with pytest.raises(ScheduleError, match="lowered_from must be the Schedule"):
+        Schedule("x", sched.placement, 2, sched.programs, lowered_from="1f1b")
 
 
 # -- engine -------------------------------------------------------------------------------------
