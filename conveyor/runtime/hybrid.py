@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from conveyor.errors import CommTimeout
@@ -110,12 +111,12 @@ class HybridTransport(Transport):
         self.local.seed(channel, meta)
         self.remote.seed(channel, meta)
 
-    def send(self, dst: int, key: TransferKey, value: Any) -> None:
-        self._side(dst).send(dst, key, value)
+    def post_sends(self, dst: int, keys: Sequence[TransferKey], values: Sequence[Any]) -> None:
+        self._side(dst).post_sends(dst, keys, values)
 
-    def post_recv(self, src: int, key: TransferKey):
+    def post_recvs(self, src: int, keys: Sequence[TransferKey]) -> list:
         side = self._side(src)
-        return side, src, side.post_recv(src, key)
+        return [(side, src, inner) for inner in side.post_recvs(src, keys)]
 
     def ready(self, handle) -> bool:
         side, _, inner = handle

@@ -29,6 +29,7 @@ import select
 import socket
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy
@@ -205,7 +206,11 @@ class SharedMemoryTransport(FailureBoard, Transport):
             self.frozen.setdefault(channel, meta)
 
     # --- sending ---------------------------------------------------------------------------
-    def send(self, dst: int, key: TransferKey, value: Any) -> None:
+    def post_sends(self, dst: int, keys: Sequence[TransferKey], values: Sequence[Any]) -> None:
+        for key, value in zip(keys, values):
+            self._send(dst, key, value)
+
+    def _send(self, dst: int, key: TransferKey, value: Any) -> None:
         channel = key[:2]
         structures = self.sent_structures.setdefault(channel, [])
         leaves, spec = quick_flatten(value)
@@ -329,8 +334,8 @@ class SharedMemoryTransport(FailureBoard, Transport):
                 self._pump(dst, outgoing)
 
     # --- receiving -----------------------------------------------------------------------
-    def post_recv(self, src: int, key: TransferKey):
-        return (src, key)
+    def post_recvs(self, src: int, keys: Sequence[TransferKey]) -> list[tuple[int, TransferKey]]:
+        return [(src, key) for key in keys]
 
     def _drain(self, src: int, incoming: _Incoming) -> None:
         ring = incoming.ring
