@@ -48,7 +48,8 @@ FORBIDDEN = {
 # Test support is for tests and users' tests: no library module (anything outside conveyor/testing/) imports it.
 TEST_SUPPORT = "conveyor.testing"
 # The runtime may use these parts of the schedule layer and no other.
-RUNTIME_SCHEDULE_ALLOWED = ("conveyor.schedule.ir", "conveyor.schedule.timeline")
+# posts: where a lowered program posts its transfers, which the executor reads as it runs it.
+RUNTIME_SCHEDULE_ALLOWED = ("conveyor.schedule.ir", "conveyor.schedule.posts", "conveyor.schedule.timeline")
 
 
 def _imports(path: Path) -> list[str]:

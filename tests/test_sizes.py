@@ -36,8 +36,6 @@ ALLOWED: dict[str, str] = {
     # Classes past 250 lines: the transport and lifecycle are split by issue 30 (one transport protocol).
     "class:conveyor/runtime/lifecycle.py::RankLifecycle": "groups, agreement, failure and closing of a rank; split "
                                                           "with the transport protocol (issue 30)",
-    "class:conveyor/runtime/shm.py::SharedMemoryTransport": "the shared-memory transport's sends, receives and "
-                                                            "rings; split with the transport protocol (issue 30)",
 }
 
 

@@ -30,7 +30,7 @@ from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.replicas import Replicas, check_data_parallel
 from conveyor.parallel.tied import TiedGradients, tied_copies_outside_their_first_stage
 from conveyor.runtime.device import group_device, make_current, place_modules, resolve_device
-from conveyor.runtime.executor import RankExecutor
+from conveyor.runtime.executor import RankExecutor, RankPosts
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.memory import MemoryReport, memory_report
 from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder, replica_timeline
@@ -192,6 +192,7 @@ class DistributedRanks:
                                              self.device, self.comm_device)
         self.executor = RankExecutor(self.rank, schedule.placement, pipe.runners, self.transport,
                                      measure_memory=pipe.stage.measure_memory, device=self.device)
+        self.posts = RankPosts(self.runs, self.rank, self.transport.discipline)
 
     # --- a step ----------------------------------------------------------------------------
     def start(self, train: bool, record: bool) -> None:
@@ -205,11 +206,12 @@ class DistributedRanks:
     def run(self, train: bool, first: list | None, targets: list | None, keep_outputs: bool) -> None:
         if train:
             replicas = self.replicas
-            steps = self.executor.run(self.runs.train_program(self.rank), first, targets, self._recorder,
+            steps = self.executor.run(self.runs.train_program(self.rank), self.posts(train=True), first, targets,
+                                      self._recorder,
                                       keep_outputs=keep_outputs, gradients_final=self.runs.gradients_final(self.rank),
                                       on_gradients_final=replicas.stage_done if replicas else None)
         else:
-            steps = self.executor.run(self.runs.eval_program(self.rank), first, None, None)
+            steps = self.executor.run(self.runs.eval_program(self.rank), self.posts(train=False), first, None, None)
         for _ in steps:
             raise AssertionError("a blocking transport never yields")
 

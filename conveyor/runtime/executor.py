@@ -9,6 +9,12 @@ Data moves between handlers through four tables keyed by (stage, microbatch):
 forward inputs, outputs waiting to be sent, output gradients received, input
 gradients waiting to be sent. Stage pairs on the same rank hand over directly.
 
+Transfers go out and are awaited on one path, whatever the transport: before each action
+the executor posts the batches the lowered program's posts name there
+(:mod:`conveyor.schedule.posts`, planned for the transport's discipline by
+:class:`RankPosts`); a SEND action has then been posted, and a RECV action waits for its
+handle.
+
 Example (the whole pipeline in one process):
     >>> # see conveyor.local.LocalPipeline for the user-facing form
 """
@@ -26,8 +32,10 @@ from conveyor.runtime.memory import MemoryMeter
 from conveyor.runtime.runner import StageRunner
 from conveyor.runtime.timing import EventRecorder, StepRecorder
 from conveyor.runtime.transport import LocalTransport, Transport, detach_for_next_stage
-from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD
-from conveyor.schedule.ir import Action, ActionKind, Placement
+from conveyor.runtime.wire import EVAL_FORWARD, FORWARD
+from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
+from conveyor.schedule.posts import RECEIVES_AHEAD, Batch, plan_posts
+from conveyor.schedule.posts import RankPosts as Posts
 
 _UNRECORDED = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 
@@ -35,6 +43,33 @@ _UNRECORDED = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 def as_stage_inputs(value: Any) -> tuple[tuple, dict]:
     """How a stage is called with the previous stage's output: a tuple is unpacked, anything else is one argument."""
     return (value, {}) if isinstance(value, tuple) else ((value,), {})
+
+
+class RankPosts:
+    """Where one rank posts its transfers, for its training and evaluation programs
+    (``runs``: their lowered schedules, :class:`conveyor.schedule.passes.Executable`), planned
+    for ``discipline`` once per program and direction of forwards (evaluation under no_grad).
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> posts = RankPosts(cs.executable(cs.build("1f1b", ranks=2, microbatches=2)), 1, "in_order")
+        >>> len(posts(train=True)) == len(posts.runs.train_program(1))
+        True
+    """
+
+    def __init__(self, runs: Any, rank: int, discipline: str, receives_ahead: int = RECEIVES_AHEAD) -> None:
+        self.runs, self.rank, self.discipline, self.receives_ahead = runs, rank, discipline, receives_ahead
+        self._planned: dict[tuple[bool, int], Posts] = {}
+
+    def __call__(self, train: bool) -> Posts:
+        """The posts of this rank's training (or evaluation) program, run with gradients as now."""
+        forward = FORWARD if torch.is_grad_enabled() else EVAL_FORWARD
+        found = self._planned.get((train, forward))
+        if found is None:
+            lowered: Schedule = self.runs.train if train else self.runs.eval
+            found = self._planned[(train, forward)] = plan_posts(
+                lowered, self.rank, self.discipline, forward=forward, receives_ahead=self.receives_ahead)
+        return found
 
 
 class RankExecutor:
@@ -52,7 +87,6 @@ class RankExecutor:
         placement: Placement,
         runners: dict[int, StageRunner],
         transport: Transport,
-        lookahead: int = 4,
         measure_memory: bool = False,
         device: torch.device | None = None,
     ) -> None:
@@ -67,14 +101,14 @@ class RankExecutor:
         self.actions_done = 0
         self.program: tuple[Action, ...] | None = None  # the one running now, None between runs
         self.runs_started = 0
-        self.lookahead = lookahead
+        self.recvs: dict[Action, Any] = {}  # posted receives' handles, until their RECV waits
         self.handlers: dict[ActionKind, Callable[[Action], Iterator]] = {
             ActionKind.F: self._forward,
             ActionKind.B: self._backward_full,
             ActionKind.I: self._backward_input,
             ActionKind.W: self._backward_weight,
-            ActionKind.SEND_F: self._send_forward,
-            ActionKind.SEND_B: self._send_backward,
+            ActionKind.SEND_F: self._posted,
+            ActionKind.SEND_B: self._posted,
             ActionKind.RECV_F: self._recv,
             ActionKind.RECV_B: self._recv,
         }
@@ -91,6 +125,7 @@ class RankExecutor:
     def run(
         self,
         program: tuple[Action, ...],
+        posts: Posts,
         first_stage_inputs: list[tuple[tuple, dict]] | None,
         targets: list[Any] | None,
         recorder: StepRecorder | EventRecorder | None,
@@ -99,7 +134,8 @@ class RankExecutor:
         gradients_final: Mapping[int, int] | None = None,
         on_gradients_final: Callable[[int], None] | None = None,
     ) -> Iterator[None]:
-        """Run ``program`` once (a generator: see the module docstring).
+        """Run ``program`` once (a generator: see the module docstring), posting ``posts`` (its
+        :class:`RankPosts`: per action, the batches posted right before it).
 
         ``on_gradients_final(stage)`` is called right after the action at each index of
         ``gradients_final`` ({index: stage}), when that stage's weight gradients are complete.
@@ -109,35 +145,27 @@ class RankExecutor:
         self.output_grads: dict[tuple[int, int], list] = {}
         self.targets = targets
         self.keep_outputs = keep_outputs
-        self.forward_direction = FORWARD if torch.is_grad_enabled() else EVAL_FORWARD
+        if len(posts) != len(program):
+            raise ValueError(f"rank {self.rank} was given posts for {len(posts)} actions with a program of "
+                             f"{len(program)}: plan them from this program (RankPosts)")
         if self.memory_meter is not None and torch.is_grad_enabled():
             self.memory_meter.start_step()
         if first_stage_inputs is not None:
             for m, inputs in enumerate(first_stage_inputs):
                 self.forward_inputs[(0, m)] = inputs
-        # Receives are posted a few ahead of their use: early enough that the data
-        # finds its buffer waiting, late enough not to hold every activation at once.
-        # An order-matched transport (NCCL) posts where its posting says, in batches, instead.
-        self.posting = (self.transport.posting_of(program, self.forward_direction == FORWARD)
-                     if getattr(self.transport, "ordered", False) else None)
-        self.recv_actions = [] if self.posting is not None else [
-            a for a in program if a.kind is ActionKind.RECV_F or a.kind is ActionKind.RECV_B]
-        self.recvs: dict[Action, Any] = {}
-        self.posted = 0
-        self.consumed = 0
-        self._post_ahead()
+        self.recvs = {}
         self.actions_done = 0
         self.program = program
         self.runs_started += 1
         final = gradients_final if on_gradients_final is not None else {}
-        posting = self.posting or {}
         for index, action in enumerate(program):
             # Compute actions and receive waits: a wait shows where a rank idled for a peer. Only
             # those are marked (on a GPU each mark records a CUDA event).
             recorded = recorder is not None and action.kind not in _UNRECORDED
             start = recorder.mark() if recorded else None
-            if action in posting:
-                self._post_batches(posting[action])
+            batches = posts[index]
+            if batches:
+                self._post(batches)
             yield from self.handlers[action.kind](action)
             self.actions_done += 1
             if recorded:
@@ -156,42 +184,18 @@ class RankExecutor:
         return {"rank": self.rank, "running": True, "runs": self.runs_started, "index": index,
                 "length": len(program), "action": action}
 
-    def _post_ahead(self) -> None:
-        while self.posted < len(self.recv_actions) and self.posted < self.consumed + self.lookahead:
-            action = self.recv_actions[self.posted]
-            if action.kind is ActionKind.RECV_F:
-                src = self.placement.rank_of(action.stage - 1)
-                key = (self.forward_direction, action.stage - 1, action.microbatch)
-            else:
-                src = self.placement.rank_of(action.stage + 1)
-                key = (BACKWARD, action.stage + 1, action.microbatch)
-            self.recvs[action] = self.transport.post_recv(src, key)
-            self.posted += 1
-
-    def _post_batches(self, batches: tuple[tuple[Action, ...], ...]) -> None:
-        """Post what an order-matched transport's posting puts here: each batch over one channel."""
+    def _post(self, batches: tuple[Batch, ...]) -> None:
+        """Post what the program's posts put before this action: each batch over one channel."""
         for batch in batches:
-            if batch[0].kind is ActionKind.SEND_F or batch[0].kind is ActionKind.SEND_B:
-                peer = self._peer(batch[0])
-                self.transport.post_sends(peer, [(self._key(a), self.to_send.pop((a.kind, a.stage, a.microbatch)))
-                                                 for a in batch])
+            if batch.sends:
+                self.transport.post_sends(batch.peer, batch.keys, [self._outgoing(a) for a in batch.actions])
             else:
-                handles = self.transport.post_recvs(self._peer(batch[0]), [self._key(a) for a in batch])
-                self.recvs.update(zip(batch, handles))
+                self.recvs.update(zip(batch.actions, self.transport.post_recvs(batch.peer, batch.keys)))
 
-    def _peer(self, action: Action) -> int:
-        kind, s = action.kind, action.stage
-        forward = kind is ActionKind.SEND_F or kind is ActionKind.RECV_B
-        return self.placement.rank_of(s + 1 if forward else s - 1)
-
-    def _key(self, action: Action) -> tuple[int, int, int]:
-        """The transfer a SEND_* or RECV_* action names: (direction, sending stage, microbatch)."""
-        kind, s, m = action.kind, action.stage, action.microbatch
-        if kind is ActionKind.SEND_F:
-            return (self.forward_direction, s, m)
-        if kind is ActionKind.RECV_F:
-            return (self.forward_direction, s - 1, m)
-        return (BACKWARD, s if kind is ActionKind.SEND_B else s + 1, m)
+    def _outgoing(self, action: Action) -> Any:
+        """What a SEND action carries, on the transport's device (the SEND_B key is the sending stage's)."""
+        value = self.to_send.pop((action.kind, action.stage, action.microbatch))
+        return value if self.wire_device is None else to_device(value, self.wire_device)
 
     # --- handlers -------------------------------------------------------------------
     def _forward(self, action: Action) -> Iterator[None]:
@@ -244,32 +248,12 @@ class RankExecutor:
         return
         yield
 
-    def _send_forward(self, action: Action) -> Iterator[None]:
-        if self.posting is not None:  # posted with its batch
-            return
-        s, m = action.stage, action.microbatch
-        value = self.to_send.pop((ActionKind.SEND_F, s, m))
-        if self.wire_device is not None:
-            value = to_device(value, self.wire_device)
-        self.transport.send(self.placement.rank_of(s + 1), (self.forward_direction, s, m), value)
-        return
-        yield
-
-    def _send_backward(self, action: Action) -> Iterator[None]:
-        if self.posting is not None:  # posted with its batch
-            return
-        s, m = action.stage, action.microbatch
-        value = self.to_send.pop((ActionKind.SEND_B, s, m))
-        if self.wire_device is not None:
-            value = to_device(value, self.wire_device)
-        self.transport.send(self.placement.rank_of(s - 1), (BACKWARD, s, m), value)
-        return
+    def _posted(self, action: Action) -> Iterator[None]:
+        return  # a SEND goes out with the batch its posts put it in, at or before it
         yield
 
     def _recv(self, action: Action) -> Iterator[None]:
         handle = self.recvs.pop(action)
-        self.consumed += 1
-        self._post_ahead()
         if not self.transport.can_block():
             while not self.transport.ready(handle):
                 yield

@@ -21,10 +21,12 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from conveyor.errors import CommTimeout
-from conveyor.runtime.shm import _HEALTH_EVERY_S, SharedMemoryTransport
+from conveyor.runtime.shm import SharedMemoryTransport
+from conveyor.runtime.shm_wait import HEALTH_EVERY_S
 from conveyor.runtime.transport import DistTransport, Transport
 from conveyor.runtime.wire import Channel, PayloadMeta, TransferKey
 
@@ -110,12 +112,12 @@ class HybridTransport(Transport):
         self.local.seed(channel, meta)
         self.remote.seed(channel, meta)
 
-    def send(self, dst: int, key: TransferKey, value: Any) -> None:
-        self._side(dst).send(dst, key, value)
+    def post_sends(self, dst: int, keys: Sequence[TransferKey], values: Sequence[Any]) -> None:
+        self._side(dst).post_sends(dst, keys, values)
 
-    def post_recv(self, src: int, key: TransferKey):
+    def post_recvs(self, src: int, keys: Sequence[TransferKey]) -> list:
         side = self._side(src)
-        return side, src, side.post_recv(src, key)
+        return [(side, src, inner) for inner in side.post_recvs(src, keys)]
 
     def ready(self, handle) -> bool:
         side, _, inner = handle
@@ -148,14 +150,14 @@ class HybridTransport(Transport):
 
         # A daemon thread: if this rank fails meanwhile, its exit must not wait for gloo's timeout.
         threading.Thread(target=receive, name=f"conveyor-recv-{src}", daemon=True).start()
-        next_health = time.monotonic() + _HEALTH_EVERY_S
+        next_health = time.monotonic() + HEALTH_EVERY_S
         while not arrived.wait(_POLL_SLEEP_S):
             if not self.local.progress():
                 arrived.wait()  # the last queued send went out: nothing left to move
                 break
             if time.monotonic() >= next_health:
                 self.local.check_health(src, what)
-                next_health = time.monotonic() + _HEALTH_EVERY_S
+                next_health = time.monotonic() + HEALTH_EVERY_S
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]

@@ -99,7 +99,7 @@ def group_creation(backend: str, bound_device: torch.device | None, device: torc
 
     NCCL creates a group's communicator lazily, at its first operation, and creating it blocks
     the host until every member is there: a rank could then block in a step, waiting for a
-    peer that itself waits (for a structure, :func:`conveyor.runtime.ordering.check_first_step`)
+    peer that itself waits (for a structure, :func:`conveyor.runtime.host_blocking.check_first_step`)
     on this rank. So under NCCL every group is connected when it is made, on ``device`` (the
     one its operations use), in the order the pipeline makes them, the same on every rank.
     When the default group was bound to a device (``init_process_group(device_id=...)``),
@@ -314,13 +314,13 @@ class RankLifecycle:
 
     def channel_groups(self, channels: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Any]:
         """A group of the pipeline's own per channel (src, dst), both group ranks: {channel: group}
-        for the channels this rank is on (an order-matched transport's; see conveyor.runtime.ordering).
+        for the channels this rank is on (an order-matched transport's; see conveyor.schedule.posts).
 
         Built as the main group was: by every rank of the job, in one order (with data
         parallelism every replica's), or by the ranks of a group of the user's. Each is
         connected as it is made, in sorted channel order on every rank: a communicator made at
         a channel's first transfer would block its rank inside a step (see
-        :func:`conveyor.runtime.ordering.check_first_step`).
+        :func:`conveyor.runtime.host_blocking.check_first_step`).
         """
         mine = {}
         for src, dst in sorted(set(channels)):

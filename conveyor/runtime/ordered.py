@@ -6,13 +6,13 @@ check of the same logic). What it does differently from
 :class:`~conveyor.runtime.transport.DistTransport`:
 
 - **Order.** Each channel (src rank, dst rank) has a process group of its two ranks, so its
-  transfers complete in their own order whatever the other direction does; a rank posts a
-  channel's receives in the order the sender sends (:mod:`conveyor.runtime.ordering` works out
-  where: the executor asks :meth:`OrderedTransport.posting_of`). Each group's communicator is made
+  transfers complete in their own order whatever the other direction does; its discipline is
+  ``"in_order"``, so the lowered program's posts put a channel's receives in the order the
+  sender sends (:mod:`conveyor.schedule.posts`). Each group's communicator is made
   when the pipeline is built, in one order on every rank
   (:meth:`~conveyor.runtime.lifecycle.RankLifecycle.channel_groups`): made at a channel's first
   transfer, it would block the host inside the first step, where a peer may wait for this
-  rank's structures (:func:`conveyor.runtime.ordering.check_first_step`).
+  rank's structures (:func:`conveyor.runtime.host_blocking.check_first_step`).
 - **Data only.** The structure of each transfer (shapes, dtypes, tree) travels once, through
   the store, the first time that transfer (direction, stage, microbatch) happens; from then
   on, and from the start for stages given in ``TransferOptions(shapes=...)``, only the bytes travel,
@@ -38,20 +38,21 @@ check of the same logic). What it does differently from
 
 Example (what :func:`conveyor.runtime.transports.build_transport` does for NCCL)::
 
-    transport = OrderedTransport(life, rank, schedule, channel_groups, timeout_s=300.0, device=device)
+    transport = OrderedTransport(rank, life.global_ranks, channel_groups, life.store, prefix, timeout_s=300.0,
+                                 device=device, backend="nccl")
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from conveyor.errors import LostConnection, PeerFailure
-from conveyor.runtime.ordering import Posting, posting_of, sender_orders
 from conveyor.runtime.transport import FailureBoard, Transport, receive_timeout
 from conveyor.runtime.wire import (
     PayloadMeta,
@@ -66,7 +67,7 @@ from conveyor.runtime.wire import (
     unflatten_payload,
     unpack,
 )
-from conveyor.schedule.ir import Action, Schedule
+from conveyor.schedule.posts import IN_ORDER
 
 # How often a waiting rank looks at the store's failure board (gloo; NCCL: the watcher's poll).
 FAILURE_POLL_S = 0.5
@@ -94,9 +95,9 @@ class OrderedTransport(FailureBoard, Transport):
     this rank sends or receives on. ``prefix`` names this pipeline's keys in ``store``.
     """
 
-    ordered = True
+    discipline = IN_ORDER
 
-    def __init__(self, rank: int, rank_to_global: list[int], schedule: Schedule, channel_groups: dict, store,
+    def __init__(self, rank: int, rank_to_global: list[int], channel_groups: dict, store,
                  prefix: str, timeout_s: float, device: torch.device, backend: str, *,
                  variable_shapes: bool = False) -> None:
         import torch.distributed as dist
@@ -104,7 +105,6 @@ class OrderedTransport(FailureBoard, Transport):
         self.dist = dist
         self.rank = rank
         self.rank_to_global = rank_to_global
-        self.schedule = schedule
         self.channel_groups = channel_groups
         self.store = store
         self.prefix = prefix
@@ -115,8 +115,6 @@ class OrderedTransport(FailureBoard, Transport):
         self.seeded: dict[tuple[int, int], PayloadMeta] = {}
         self.pending_sends: list[tuple[list, list[torch.Tensor]]] = []
         self.structures_sent = 0
-        self._orders: dict[bool, dict] = {}
-        self._postings: dict[tuple[int, bool], tuple[tuple[Action, ...], Posting]] = {}
         self.variable_shapes = variable_shapes
         self.steps_done = 0  # names each step's structures under variable_shapes
 
@@ -130,17 +128,6 @@ class OrderedTransport(FailureBoard, Transport):
         self.steps_done += 1
         if self.variable_shapes:
             self.known.clear()
-
-    def posting_of(self, program: tuple[Action, ...], training: bool) -> Posting:
-        """Where this rank posts what, in ``program`` (see :func:`conveyor.runtime.ordering.posting_of`)."""
-        cached = self._postings.get((id(program), training))
-        if cached is not None and cached[0] is program:
-            return cached[1]
-        if training not in self._orders:
-            self._orders[training] = sender_orders(self.schedule, training)
-        posting = posting_of(program, self.rank, self.schedule.placement, self._orders[training], training)
-        self._postings[(id(program), training)] = (program, posting)
-        return posting
 
     # --- structures ------------------------------------------------------------------------
     def _structure(self, key: TransferKey) -> PayloadMeta | None:
@@ -174,15 +161,12 @@ class OrderedTransport(FailureBoard, Transport):
         return meta
 
     # --- sending ---------------------------------------------------------------------------
-    def send(self, dst: int, key: TransferKey, value: Any) -> None:
-        self.post_sends(dst, [(key, value)])
-
-    def post_sends(self, dst: int, items: list[tuple[TransferKey, Any]]) -> None:
-        """Send each (key, value) of ``items`` to ``dst``, in order, as one batch."""
+    def post_sends(self, dst: int, keys: Sequence[TransferKey], values: Sequence[Any]) -> None:
+        """Send each of ``values`` (addressed by ``keys``) to ``dst``, in order, as one batch."""
         self._release_sent()
         ops, keep = [], []
         group = self.channel_groups[(self.rank, dst)]
-        for key, value in items:
+        for key, value in zip(keys, values):
             body = self._body(dst, key, value)
             if body is not None:
                 keep.append(body)
@@ -228,10 +212,7 @@ class OrderedTransport(FailureBoard, Transport):
         return body if body.device == self.device else body.to(self.device)
 
     # --- receiving -------------------------------------------------------------------------
-    def post_recv(self, src: int, key: TransferKey) -> _Receive:
-        return self.post_recvs(src, [key])[0]
-
-    def post_recvs(self, src: int, keys: list[TransferKey]) -> list[_Receive]:
+    def post_recvs(self, src: int, keys: Sequence[TransferKey]) -> list[_Receive]:
         """Post the receives of ``keys`` from ``src``, in order, as one batch."""
         self._release_sent()
         handles, ops = [], []

@@ -6,14 +6,17 @@ Here a send copies the payload straight into a ring the receiver has mapped and 
 its doorbell; a waiting receiver sees the data within microseconds when it spins, or
 wakes on the doorbell (an abstract Unix datagram socket) when it sleeps.
 
-The rings themselves (their memory, the layout of a message, how a payload's tensors lie
-in them) are :mod:`conveyor.runtime.shm_ring`'s; this module is the transport over them:
-who maps which ring, sending, receiving, waiting and noticing failed peers.
+The transport is cut by concern, a module each:
 
-A send never blocks: when the ring is full the message waits in the sender's outbox and
-goes out on its next call into the transport. Every wait has the pipeline's timeout and
-notices a failed peer within a second: through the failure message the peer writes into
-its rings, through the process group's store, or because its process is gone.
+- :mod:`conveyor.runtime.shm_ring`: the rings themselves (their memory, the layout of a
+  message, how a payload's tensors lie in them);
+- :mod:`conveyor.runtime.shm_handshake`: who maps which ring, and the doorbells;
+- :mod:`conveyor.runtime.shm_outbox`: sending (a send never blocks: a message that finds
+  its ring full waits in the outbox for the next call into the transport), growing rings;
+- :mod:`conveyor.runtime.shm_wait`: receiving and waiting (spin, then sleep on the
+  doorbell; a failed peer is noticed within a second);
+- this module: the transport they make, what it remembers per channel, its spin policy,
+  failure messages and closing.
 
 Example (what :class:`conveyor.Pipeline` does when every rank is on this host)::
 
@@ -23,60 +26,23 @@ Example (what :class:`conveyor.Pipeline` does when every rank is on this host)::
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import select
-import socket
-import time
 from collections import deque
-from typing import Any
 
-import numpy
-import torch
-
-from conveyor.errors import CommTimeout, PeerFailure
-from conveyor.runtime.shm_ring import (
-    _ASLEEP,
-    _BLOCKED,
-    _DATA,
-    _HEADER,
-    _MAPPED,
-    _READ,
-    _SWITCH,
-    _WRAP,
-    _WRITE,
-    _copy_into,
-    _full_fence,
-    _Incoming,
-    _layout,
-    _Outgoing,
-    _padded,
-    _Ring,
-    _tensors_of,
-    process_alive,
-)
+from conveyor.runtime.shm_handshake import RingHandshake
+from conveyor.runtime.shm_outbox import Outbox
+from conveyor.runtime.shm_ring import _Incoming, _Outgoing, _Ring
 
 # Re-exported: the transports' chooser, the lifecycle and the tests import them from here.
 from conveyor.runtime.shm_ring import host_identity as host_identity
+from conveyor.runtime.shm_ring import process_alive as process_alive
 from conveyor.runtime.shm_ring import shared_memory_supported as shared_memory_supported
-from conveyor.runtime.transport import FailureBoard, Transport, receive_timeout
-from conveyor.runtime.wire import (
-    PayloadMeta,
-    TransferKey,
-    check_frozen,
-    flatten_payload,
-    in_layouts,
-    matches,
-    quick_flatten,
-    unflatten_payload,
-)
-
-_INITIAL_CAPACITY = 64 * 1024  # grows with the payloads; every touched page counts in RSS
-_MAX_STRUCTURES = 64  # per channel; beyond, structures travel with every message
-_HEALTH_EVERY_S = 0.5
+from conveyor.runtime.shm_wait import Waiting
+from conveyor.runtime.transport import FailureBoard, Transport
+from conveyor.runtime.wire import PayloadMeta, TransferKey
 
 
-class SharedMemoryTransport(FailureBoard, Transport):
+class SharedMemoryTransport(RingHandshake, Outbox, Waiting, FailureBoard, Transport):
     """The executor's transport between ranks of one host (see the module docstring).
 
     ``peers`` are the ranks this rank exchanges anything with. Building it creates this
@@ -130,70 +96,9 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self.frozen: dict[tuple[int, int], PayloadMeta] = {}
         self.steps_done = 0
         self.structures_sent = 0
-        self.socket: socket.socket | None = None
+        self.socket = None  # the doorbell, made by _publish
         self.retired: list[_Ring] = []  # outgoing rings replaced by larger ones, not yet mapped by their receiver
         self._publish()
-
-    # --- set-up --------------------------------------------------------------------------
-    def _publish(self) -> None:
-        """Create our doorbell and outgoing rings and say where they are; waits for nobody."""
-        me = os.getpid()
-        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        name = f"\0conveyor-{me}-{self.prefix}-{self.rank}"
-        self.socket.bind(name)
-        self.socket.setblocking(False)
-        rings = {}
-        for peer in self.peers:
-            ring = _Ring.create(f"conveyor-{self.rank}-to-{peer}", _INITIAL_CAPACITY)
-            self.outgoing[peer] = _Outgoing(ring)
-            rings[str(peer)] = [ring.fd, ring.capacity]
-        self.store.set(f"{self.prefix}/{self.rank}", json.dumps({"pid": me, "doorbell": name, "rings": rings}))
-
-    def _connect(self, peer: int, wait_s: float, what: str) -> bool:
-        """Map ``peer``'s ring towards us; with ``wait_s`` 0, only if it has already published it."""
-        key = f"{self.prefix}/{peer}"
-        if wait_s <= 0:
-            if not self.store.check([key]):
-                return False
-        else:
-            try:
-                self.store.wait([key], _timedelta(wait_s))
-            except Exception as exc:
-                raise CommTimeout(
-                    f"rank {self.rank} waited {self.timeout_s:g} s for {what} from rank {peer} and it never "
-                    f"came; rank {peer} never built its end of this pipeline (it is slow, stuck or running "
-                    "something else)"
-                ) from exc
-        theirs = json.loads(self.store.get(key))
-        fd, capacity = theirs["rings"][str(self.rank)]
-        try:
-            ring = _Ring.open(theirs["pid"], fd, capacity)
-        except OSError as exc:
-            # A peer that failed and exited before we looked took its rings with it: its own
-            # message is the one that explains the step.
-            failures = self.peer_failures()
-            if failures:
-                raise PeerFailure(failures) from exc
-            if not process_alive(theirs["pid"]):
-                raise PeerFailure(
-                    f"rank {self.rank} waited for {what} from rank {peer}, but rank {peer} (pid "
-                    f"{theirs['pid']}) has exited; look at its output"
-                ) from exc
-            raise PeerFailure(
-                f"rank {self.rank} cannot map the shared-memory ring of rank {peer} (pid {theirs['pid']}): "
-                f"{exc}. Ranks in separate containers or PID namespaces cannot share memory this way; "
-                "pass transfer=conveyor.TransferOptions(transport='process_group') to conveyor.Pipeline"
-            ) from exc
-        self.incoming[peer] = _Incoming(ring, theirs["pid"])
-        self.doorbells[peer] = theirs["doorbell"]
-        self.pids[peer] = theirs["pid"]
-        self._mapped(peer, ring)
-        return True
-
-    def _mapped(self, peer: int, ring: _Ring) -> None:
-        # Its sender may wait for this (finish_sends) before it lets its process end.
-        ring.words[_MAPPED] = 1
-        self._ring_doorbell(peer)
 
     def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
         """Both ends know ``meta`` as the channel's structure 0 before the first transfer."""
@@ -204,217 +109,6 @@ class SharedMemoryTransport(FailureBoard, Transport):
         if self.fixed_shapes:
             self.frozen.setdefault(channel, meta)
 
-    # --- sending ---------------------------------------------------------------------------
-    def send(self, dst: int, key: TransferKey, value: Any) -> None:
-        channel = key[:2]
-        structures = self.sent_structures.setdefault(channel, [])
-        leaves, spec = quick_flatten(value)
-        index = self.last_structure.get(channel)
-        expected = self.frozen.get(channel) if self.fixed_shapes else None
-        if expected is None and index is not None and index >= 0:
-            expected = structures[index]
-        if expected is not None and matches(expected, leaves, spec):
-            meta, encoded = expected, b""
-            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        else:
-            meta, tensors = flatten_payload(value)
-            if self.fixed_shapes and channel in self.frozen:
-                check_frozen(self.frozen[channel], meta, self.rank, key, dst)
-                # Only a layout differs: keep the frozen one, as the process-group transport must.
-                meta, tensors = self.frozen[channel], in_layouts(tensors, self.frozen[channel])
-            index, encoded = self._structure_index(channel, structures, meta)
-            self.last_structure[channel] = index
-            if index >= 0:
-                meta = structures[index]  # the remembered object: its layout is cached
-        outgoing = self.outgoing[dst]
-        outgoing.outbox.append((key, index, encoded, meta, tensors))
-        self._pump(dst, outgoing)
-
-    def _structure_index(self, channel, structures: list[PayloadMeta], meta: PayloadMeta) -> tuple[int, bytes]:
-        for index in range(len(structures) - 1, -1, -1):
-            if structures[index] == meta:
-                return index, b""
-        self.structures_sent += 1
-        if len(structures) >= _MAX_STRUCTURES:
-            return -1, meta.encode()  # travels with the message, not remembered
-        structures.append(meta)
-        return len(structures) - 1, meta.encode()
-
-    def _pump(self, dst: int, outgoing: _Outgoing) -> None:
-        sent = False
-        while outgoing.outbox:
-            key, index, encoded, meta, tensors = outgoing.outbox[0]
-            data_bytes = _layout(meta).data_bytes
-            total = _HEADER + _padded(len(encoded)) + _padded(data_bytes)
-            if total + _HEADER > outgoing.ring.capacity // 2:
-                if not self._grow(dst, outgoing, total):
-                    break
-                sent = True
-                continue
-            at = outgoing.write % outgoing.ring.capacity
-            skip = outgoing.ring.capacity - at if at + total > outgoing.ring.capacity else 0
-            if outgoing.free() < skip + total:
-                break
-            ring = outgoing.ring
-            if skip:
-                ring.write_header(outgoing.write, _WRAP, skip)
-                outgoing.write += skip
-                at = 0
-            body = at + _HEADER
-            if encoded:
-                ring.bytes[body : body + len(encoded)] = numpy.frombuffer(encoded, numpy.uint8)
-                body += _padded(len(encoded))
-            if tensors:
-                _copy_into(ring, body, tensors, meta)
-            ring.write_header(outgoing.write, _DATA, total, key[0], key[1], key[2], index, len(encoded), data_bytes)
-            outgoing.write += total
-            ring.words[_WRITE] = outgoing.write  # publishes the message: stores land in order on x86-64
-            outgoing.used = True
-            outgoing.outbox.popleft()
-            sent = True
-        if sent:
-            _full_fence()
-            if outgoing.ring.words[_ASLEEP]:
-                self._ring_doorbell(dst)
-
-    def _grow(self, dst: int, outgoing: _Outgoing, message_bytes: int) -> bool:
-        """Move the channel to a ring that holds ``message_bytes`` comfortably; False while the old one is full."""
-        at = outgoing.write % outgoing.ring.capacity
-        skip = outgoing.ring.capacity - at if at + _HEADER > outgoing.ring.capacity else 0
-        if outgoing.free() < skip + _HEADER:
-            return False
-        capacity = max(2 * outgoing.ring.capacity, 1 << (4 * message_bytes - 1).bit_length())
-        outgoing.generation += 1
-        ring = _Ring.create(f"conveyor-{self.rank}-to-{dst}-{outgoing.generation}", capacity)
-        old = outgoing.ring
-        if skip:
-            old.write_header(outgoing.write, _WRAP, skip)
-            outgoing.write += skip
-        old.write_header(outgoing.write, _SWITCH, _HEADER, ring.fd, capacity)
-        outgoing.write += _HEADER
-        old.words[_WRITE] = outgoing.write
-        # The receiver finds the new ring through the old one, which it may not have mapped
-        # yet (it opens a ring when it reads the SWITCH that names it, or on its first
-        # receive): the old ring's descriptor must outlive that, or the receiver's open of
-        # /proc/<pid>/fd/<n> finds nothing. Two growths before the receiver looked did that.
-        self.retired.append(old)
-        self._close_retired()
-        self._ring_doorbell(dst)  # it may be asleep, flagged on the old ring only
-        outgoing.ring, outgoing.write, outgoing.used = ring, 0, True
-        return True
-
-    def _close_retired(self) -> None:
-        """Close the rings we moved away from once their receiver has mapped them."""
-        if self.retired:
-            mapped = [ring for ring in self.retired if ring.words[_MAPPED]]
-            if mapped:
-                self.retired = [ring for ring in self.retired if not ring.words[_MAPPED]]
-                for ring in mapped:
-                    ring.close()
-
-    def _ring_doorbell(self, dst: int) -> None:
-        doorbell = self.doorbells.get(dst)
-        if doorbell is None:
-            if not self._connect(dst, 0, "its doorbell"):
-                return  # it has not mapped our ring yet either: it drains it when it does
-            doorbell = self.doorbells[dst]
-        # A full doorbell already has wake-ups pending; a gone peer is noticed by its waiters.
-        with contextlib.suppress(BlockingIOError, ConnectionRefusedError, FileNotFoundError):
-            self.socket.sendto(b"\1", doorbell)
-
-    def _pump_all(self) -> None:
-        self._close_retired()
-        for dst, outgoing in self.outgoing.items():
-            if outgoing.outbox:
-                self._pump(dst, outgoing)
-
-    # --- receiving -----------------------------------------------------------------------
-    def post_recv(self, src: int, key: TransferKey):
-        return (src, key)
-
-    def _drain(self, src: int, incoming: _Incoming) -> None:
-        ring = incoming.ring
-        while True:
-            if incoming.read == ring.words[_WRITE]:
-                return
-            kind, total, direction, stage, microbatch, index, meta_bytes, data_bytes = ring.read_header(incoming.read)
-            if kind == _WRAP:
-                incoming.read += total
-                ring.words[_READ] = incoming.read
-                continue
-            if kind == _SWITCH:
-                fd, capacity = direction, stage  # a SWITCH header's fields 2 and 3
-                ring.words[_READ] = incoming.read + total
-                incoming.ring = ring = _Ring.open(incoming.pid, fd, capacity)
-                self._mapped(src, ring)
-                incoming.read = 0
-                continue
-            at = incoming.read % ring.capacity + _HEADER
-            channel = (direction, stage)
-            if meta_bytes:
-                meta = PayloadMeta.decode(ring.bytes[at : at + meta_bytes].tobytes())
-                at += _padded(meta_bytes)
-                if index >= 0:
-                    self.received_structures.setdefault(channel, []).append(meta)
-            else:
-                meta = self.received_structures[channel][index]
-            buffer = ring.bytes[at : at + data_bytes].copy()
-            incoming.read += total
-            ring.words[_READ] = incoming.read
-            self.arrived.setdefault((src, (direction, stage, microbatch)), deque()).append((meta, buffer))
-
-    def _poll(self) -> None:
-        for src, incoming in self.incoming.items():
-            if incoming.ring.words[_WRITE] != incoming.read:
-                self._drain(src, incoming)
-                _full_fence()
-                if incoming.ring.words[_BLOCKED]:
-                    self._ring_doorbell(src)  # we made room for a sender that sleeps until there is
-        self._pump_all()
-
-    def _flag_sleep(self, value: int) -> None:
-        """Tell senders whether we sleep on our doorbell (for data, and for room if we have an outbox)."""
-        for incoming in self.incoming.values():
-            incoming.ring.words[_ASLEEP] = value
-        for outgoing in self.outgoing.values():
-            outgoing.ring.words[_BLOCKED] = value if outgoing.outbox else 0
-
-    def ready(self, handle) -> bool:
-        self._poll()
-        return bool(self.arrived.get(handle))
-
-    def progress(self) -> bool:
-        """Move queued sends along and take in what arrived; True while a send still waits for room."""
-        self._poll()
-        return any(outgoing.outbox for outgoing in self.outgoing.values())
-
-    def wait(self, handle, what: str) -> Any:
-        src, key = handle
-        if src not in self.incoming:
-            self._connect(src, self.timeout_s, what)
-        queue = self.arrived.get(handle)
-        if not queue:
-            self._poll()
-            queue = self.arrived.get(handle)
-        if not queue:
-            self._wait_until(lambda: bool(self.arrived.get(handle)), src, what)
-            queue = self.arrived[handle]
-        else:
-            # It was in the ring already: no wait, however long the copy out took (a preempted
-            # copy must not make the next wait poll briefly).
-            self.last_wait_s = 0.0
-        meta, buffer = queue.popleft()
-        return unflatten_payload(meta, _tensors_of(buffer, meta) if meta.tensors else [])
-
-    def _wait_until(self, done, src: int, what: str, *, receive: bool = True) -> None:
-        clock = time.perf_counter
-        start = clock()
-        try:
-            self._wait_loop(done, src, what, clock, start, start + self.next_spin_s())
-        finally:
-            if receive:
-                self.last_wait_s = clock() - start
-
     def next_spin_s(self) -> float:
         """How long the next wait polls before it sleeps."""
         if self.adaptive_spin and self.last_wait_s > self.spin_s:
@@ -422,67 +116,6 @@ class SharedMemoryTransport(FailureBoard, Transport):
             # next likely will too: poll briefly, then leave the core to whoever computes.
             return min(self.spin_s, _SHORT_SPIN_S)
         return self.spin_s
-
-    def _wait_loop(self, done, src: int, what: str, clock, start: float, spin_until: float) -> None:
-        deadline = start + self.timeout_s
-        next_health = start + _HEALTH_EVERY_S
-        while True:
-            self._poll()
-            if done():
-                return
-            now = clock()
-            if now < spin_until:
-                continue
-            if now >= next_health:
-                self.check_health(src, what)
-                next_health = now + _HEALTH_EVERY_S
-            if now >= deadline:
-                raise receive_timeout(self.rank, self.timeout_s, what, src)
-            # Say we sleep, then look once more: a sender that published before seeing the
-            # flag is found by this look, one that publishes after sees the flag and rings.
-            self._flag_sleep(1)
-            _full_fence()
-            self._poll()
-            if done():
-                self._flag_sleep(0)
-                return
-            readable, _, _ = select.select([self.socket], [], [], min(next_health, deadline) - now)
-            self._flag_sleep(0)
-            if readable:
-                with contextlib.suppress(BlockingIOError):
-                    while self.socket.recv(4096):
-                        pass
-
-    def check_health(self, src: int, what: str) -> None:
-        """Raise PeerFailure if a peer has failed (its rings, the store) or, for ``src``, exited."""
-        for peer, incoming in self.incoming.items():
-            message = incoming.ring.failure()
-            if message:
-                raise PeerFailure(_relayed(peer, message, self.rank_to_global[peer]))
-        failures = self.peer_failures()
-        if failures:
-            raise PeerFailure(failures)
-        pid = self.pids.get(src)
-        if pid is not None and not process_alive(pid):
-            raise PeerFailure(
-                f"rank {self.rank} waited for {what} from rank {src}, but rank {src} (pid {pid}) has "
-                "exited; look at its output"
-            )
-
-    def finish_sends(self) -> None:
-        """Return once every message of this step sits in a ring its receiver has mapped.
-
-        Then the data outlives this process: a rank whose last act is a send (an
-        evaluation forward, say) may exit right after its step.
-        """
-        if not self._sends_delivered():
-            self._wait_until(self._sends_delivered, self.rank,
-                             "its peers to take this step's messages (room in their rings, or their mapping them)",
-                             receive=False)
-        self._close_retired()  # every ring before a mapped one has been mapped
-
-    def _sends_delivered(self) -> bool:
-        return all(not o.outbox and (not o.used or o.ring.words[_MAPPED]) for o in self.outgoing.values())
 
     def end_step(self) -> None:
         if self.fixed_shapes:
@@ -520,15 +153,6 @@ class SharedMemoryTransport(FailureBoard, Transport):
         if self.socket is not None:
             self.socket.close()
             self.socket = None
-
-
-def _relayed(peer: int, message: str, global_rank: int) -> str:
-    # A peer that failed because its own peer did passes the original message on.
-    prefix = f"{PeerFailure.__name__}: "
-    if message.startswith(prefix):
-        return message[len(prefix):]
-    named = f"rank {peer}" if peer == global_rank else f"rank {peer} (global rank {global_rank})"
-    return f"{named} failed: {message}"
 
 
 _SHORT_SPIN_S = 50e-6
@@ -577,11 +201,4 @@ def _usable_cpus() -> float:
     except (OSError, ValueError):
         pass
     return cpus
-
-
-def _timedelta(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
-
 

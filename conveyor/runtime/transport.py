@@ -7,16 +7,18 @@ travel as one flat byte buffer; the payload's structure (shapes, dtypes, tree)
 travels only when it differs from what the channel carried before, so shapes
 may change between microbatches and steps (see :class:`DistTransport`).
 
-Receives are posted ahead, a few at a time; sends are asynchronous. Every blocking wait has a timeout
-and names what it waited for. A rank that fails publishes its message in the
+Where and in which batches a rank posts its sends and receives is written in the lowered
+program (:mod:`conveyor.schedule.posts`); a transport declares which discipline it needs
+(matched by address, or by order as NCCL matches). Sends are asynchronous. Every blocking
+wait has a timeout and names what it waited for. A rank that fails publishes its message in the
 process group's store, so its peers raise :class:`PeerFailure` with it instead
 of a bare "connection closed".
 
 Example (in-process):
     >>> import torch
     >>> box = LocalMailbox()
-    >>> LocalTransport(box, rank=0).send(1, (0, 0, 0), torch.ones(2))
-    >>> handle = LocalTransport(box, rank=1).post_recv(0, (0, 0, 0))
+    >>> LocalTransport(box, rank=0).post_sends(1, [(0, 0, 0)], [torch.ones(2)])
+    >>> [handle] = LocalTransport(box, rank=1).post_recvs(0, [(0, 0, 0)])
     >>> LocalTransport(box, rank=1).wait(handle, "F input")
     tensor([1., 1.])
 """
@@ -28,6 +30,7 @@ import datetime
 import time
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +52,7 @@ from conveyor.runtime.wire import (
     unflatten_payload,
     unpack,
 )
+from conveyor.schedule.posts import LOOKAHEAD
 
 # Keyed by global rank: with several pipeline groups in one job (data x pipeline parallel)
 # group ranks repeat, and a failure must be named by the group it happened in.
@@ -155,9 +159,15 @@ def _world_size(at_least: int) -> int:
 class Transport(ABC):
     """What the executor and the pipelines need of a transport: the whole contract.
 
-    A transfer is addressed by its :data:`~conveyor.runtime.wire.TransferKey`; transfers of
-    one channel (direction, sending stage) are a stream. ``post_recv`` never blocks; ``wait``
-    may, for at most the transport's timeout, and names what it waited for when it gives up.
+    The executor posts batches (:class:`conveyor.schedule.posts.Batch`: transfers to or from
+    one peer) where the lowered program's posts say, whatever the transport: ``post_sends``
+    and ``post_recvs`` never block; ``wait`` on a receive's handle may, for at most the
+    transport's timeout, and names what it waited for when it gives up. ``discipline`` says
+    how the transport matches transfers, hence how posts must be planned (by address:
+    ``"lookahead"``; by order, as NCCL: ``"in_order"``). A transfer is addressed by its
+    :data:`~conveyor.runtime.wire.TransferKey`; transfers of one channel (direction, sending
+    stage) are a stream. Failures: ``publish_failure`` tells the peers why this rank stops,
+    ``peer_failures`` reads what they published; ``close`` releases everything.
 
     ``in_order_channels`` are the channels whose receiver consumes in the order the sender
     sends (:func:`conveyor.schedule.passes.in_order_channels`, given when the transport is
@@ -167,16 +177,17 @@ class Transport(ABC):
     """
 
     rank: int
+    discipline: str = LOOKAHEAD
     in_order_channels: frozenset[Channel] = frozenset()
     structures_sent: int = 0
 
     @abstractmethod
-    def send(self, dst: int, key: TransferKey, value: Any) -> None:
-        """Start sending ``value`` to rank ``dst``; returns at once."""
+    def post_sends(self, dst: int, keys: Sequence[TransferKey], values: Sequence[Any]) -> None:
+        """Start sending each of ``values`` (addressed by ``keys``) to rank ``dst``, in order; returns at once."""
 
     @abstractmethod
-    def post_recv(self, src: int, key: TransferKey):
-        """Post the receive of transfer ``key`` from rank ``src``; returns a handle."""
+    def post_recvs(self, src: int, keys: Sequence[TransferKey]) -> list:
+        """Post the receives of ``keys`` from rank ``src``, in order; returns a handle per key."""
 
     @abstractmethod
     def ready(self, handle) -> bool:
@@ -217,6 +228,15 @@ class Transport(ABC):
         """What failed peers published (empty when none did)."""
         return ""
 
+    # One transfer at a time, for tests and tools that drive a transport by hand.
+    def send(self, dst: int, key: TransferKey, value: Any) -> None:
+        """``post_sends`` of one transfer."""
+        self.post_sends(dst, (key,), (value,))
+
+    def post_recv(self, src: int, key: TransferKey):
+        """``post_recvs`` of one transfer: its handle."""
+        return self.post_recvs(src, (key,))[0]
+
 
 @dataclass
 class LocalMailbox:
@@ -232,11 +252,12 @@ class LocalTransport(Transport):
         self.mailbox = mailbox
         self.rank = rank
 
-    def send(self, dst: int, key: TransferKey, value: Any) -> None:
-        self.mailbox.messages[(self.rank, dst, key)] = value
+    def post_sends(self, dst: int, keys: Sequence[TransferKey], values: Sequence[Any]) -> None:
+        for key, value in zip(keys, values):
+            self.mailbox.messages[(self.rank, dst, key)] = value
 
-    def post_recv(self, src: int, key: TransferKey):
-        return (src, self.rank, key)
+    def post_recvs(self, src: int, keys: Sequence[TransferKey]) -> list:
+        return [(src, self.rank, key) for key in keys]
 
     def ready(self, handle) -> bool:
         return handle in self.mailbox.messages
@@ -283,7 +304,7 @@ class DistTransport(FailureBoard, Transport):
 
     Every message costs a fixed ~0.1-0.3 ms in gloo, far more than copying a
     small activation, so data and trailer travel together.
-    Receives are posted at most ``lookahead`` ahead (see the executor) so that
+    Receives are posted a few ahead (:data:`conveyor.schedule.posts.RECEIVES_AHEAD`) so that
     receive buffers do not hold more activations than the schedule keeps alive.
     """
 
@@ -333,7 +354,11 @@ class DistTransport(FailureBoard, Transport):
         return self.dist.irecv(tensor, self.rank_to_global[src], group=self.group, tag=self._tag(key, part))
 
     # --- sending -------------------------------------------------------------------------
-    def send(self, dst: int, key: TransferKey, value: Any) -> None:
+    def post_sends(self, dst: int, keys: Sequence[TransferKey], values: Sequence[Any]) -> None:
+        for key, value in zip(keys, values):
+            self._send(dst, key, value)
+
+    def _send(self, dst: int, key: TransferKey, value: Any) -> None:
         channel = key[:2]
         expected = self.expected.get(channel)
         leaves, spec = quick_flatten(value)
@@ -385,7 +410,10 @@ class DistTransport(FailureBoard, Transport):
             self.prune_at = max(64, 2 * len(self.pending_sends))
 
     # --- receiving -----------------------------------------------------------------------
-    def post_recv(self, src: int, key: TransferKey) -> _Recv:
+    def post_recvs(self, src: int, keys: Sequence[TransferKey]) -> list[_Recv]:
+        return [self._post_recv(src, key) for key in keys]
+
+    def _post_recv(self, src: int, key: TransferKey) -> _Recv:
         expected = self.expected.get(key[:2])
         if self.fixed_shapes and expected is not None:
             if not expected.tensors:

@@ -25,7 +25,6 @@ from conveyor.options import TRANSPORTS
 from conveyor.runtime.hybrid import HostExchange, HybridTransport
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.ordered import OrderedTransport
-from conveyor.runtime.ordering import sender_orders
 from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
 from conveyor.runtime.transport import DistTransport, Transport
 from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, Channel, flatten_payload
@@ -96,14 +95,27 @@ def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeou
                       device: torch.device | None = None, variable_shapes: bool = False) -> OrderedTransport:
     """The order-matched transport over a process group per channel; buffers on this rank's GPU under NCCL
     (the stage device when it is a GPU, else the current CUDA device)."""
-    channels = set(sender_orders(schedule, training=True)) | set(sender_orders(schedule, training=False))
-    groups = life.channel_groups(sorted(channels))
+    groups = life.channel_groups(channels(schedule))
     if life.backend != "nccl":
         device = torch.device("cpu")
     elif device is None or device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    return OrderedTransport(rank, life.global_ranks, schedule, groups, life.store, life.store_prefix(), timeout_s,
+    return OrderedTransport(rank, life.global_ranks, groups, life.store, life.store_prefix(), timeout_s,
                             device, life.backend, variable_shapes=variable_shapes)
+
+
+def channels(schedule: Schedule) -> list[tuple[int, int]]:
+    """Every (src, dst) pair of ranks that ``schedule`` sends something along, sorted: both ways
+    across each stage boundary between ranks (forwards one way, gradients the other).
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> channels(cs.build("1f1b", ranks=3, microbatches=3))
+        [(0, 1), (1, 0), (1, 2), (2, 1)]
+    """
+    rank_of = schedule.placement.rank_of
+    pairs = {(rank_of(s), rank_of(s + 1)) for s in range(schedule.num_stages - 1)}
+    return sorted({pair for a, b in pairs if a != b for pair in ((a, b), (b, a))})
 
 
 def wire_channels(train_in_order: Iterable[tuple[ActionKind, int]],

@@ -31,12 +31,16 @@ from torch.utils import _pytree as pytree
 
 from conveyor.errors import SpecMismatchError
 
+# A transfer's one address, (direction, sending stage, microbatch), is the schedule layer's
+# (conveyor.schedule.posts.transfer_of): it is written into the lowered program's posts.
+from conveyor.schedule.posts import BACKWARD as BACKWARD
+from conveyor.schedule.posts import EVAL_FORWARD as EVAL_FORWARD
+from conveyor.schedule.posts import FORWARD as FORWARD
+from conveyor.schedule.posts import TransferKey as TransferKey
+
 _ALIGN = 16
 
-TransferKey = tuple[int, int, int]  # (direction, stage, microbatch)
 Channel = tuple[int, int]  # (direction, sending stage): the transfers of one stream
-# Evaluation forwards travel apart: their outputs carry no gradient, so their structure differs.
-FORWARD, BACKWARD, EVAL_FORWARD = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -186,17 +186,16 @@ def test_a_send_lets_go_of_its_buffer_once_its_work_completed_not_at_the_end_of_
     works complete only inside wait(): there they are held to the end of the step, as before.)"""
     import weakref
 
-    transport = OrderedTransport(0, [0, 1], cs.build("1f1b", ranks=2, microbatches=4), {(0, 1): "group"},
-                                 _Store(), "test", 30.0, torch.device("cpu"), "nccl")
+    transport = OrderedTransport(0, [0, 1], {(0, 1): "group"}, _Store(), "test", 30.0, torch.device("cpu"), "nccl")
     transport.dist = fake = _Dist()
     outputs = [torch.full((3, 5), float(m)) for m in range(4)]
-    transport.post_sends(1, [((0, 0, 0), outputs[0])])
-    transport.post_sends(1, [((0, 0, 1), outputs[1])])
+    transport.post_sends(1, [(0, 0, 0)], [outputs[0]])
+    transport.post_sends(1, [(0, 0, 1)], [outputs[1]])
     freed = weakref.ref(transport.pending_sends[0][1][0])
     assert len(transport.pending_sends) == 2
     fake.done.add(fake.works[0])  # the first send arrived
     outputs[0] = None  # the stage let go of its output: only the transport could hold it now
-    transport.post_sends(1, [((0, 0, 2), outputs[2])])  # a later post looks
+    transport.post_sends(1, [(0, 0, 2)], [outputs[2]])  # a later post looks
     assert len(transport.pending_sends) == 2 and freed() is None and fake.works[0].waited
     assert not fake.works[1].waited  # not complete: neither waited for nor dropped
     fake.done.update(fake.works[1:])
@@ -212,8 +211,7 @@ class _Store(dict):
 def test_the_ordered_transport_packs_and_lays_out_on_its_device():
     """Under NCCL the bytes are made on the stage's GPU: the meta device stands in (a copy
     between it and the CPU raises)."""
-    transport = OrderedTransport(0, [0, 1], cs.build("1f1b", ranks=2, microbatches=2), {}, _Store(), "test",
-                                 30.0, torch.device("meta"), "nccl")
+    transport = OrderedTransport(0, [0, 1], {}, _Store(), "test", 30.0, torch.device("meta"), "nccl")
     x = torch.ones(3, 5, device="meta")
     assert transport._body(1, (0, 0, 0), (x, 2 * x)).device.type == "meta"  # the first time: packed
     assert transport._body(1, (0, 0, 1), x.t()).device.type == "meta"

@@ -1,0 +1,288 @@
+"""Where each rank posts its sends and receives: the last step of lowering, as data.
+
+A lowered program says *which* transfers a rank makes and where it waits for one (its
+SEND_* and RECV_* actions). How a transport matches transfers decides *when* a rank must
+post them, and which go together:
+
+- :data:`LOOKAHEAD` (matched by address: gloo's process group, shared memory, one
+  process): each send is posted where its SEND action stands, each receive
+  :data:`RECEIVES_AHEAD` receives before its RECV, early enough that the data finds its
+  buffer waiting, late enough not to hold every activation at once.
+- :data:`IN_ORDER` (matched by order, as NCCL does: the n-th send from rank a to rank b
+  meets the n-th receive b posts from a): at the first action of each run of SEND/RECV
+  actions the run's sends to one peer go as one batch, and the run's receives bring every
+  earlier transfer of their channel, in the *sender's* order, as one batch (DualPipe's
+  queue-then-commit). A program that consumes out of its sender's order (an interleaved
+  or zero-bubble schedule may) thereby still posts in that order.
+
+:func:`plan_posts` writes them: for each action of a rank's program, the batches posted
+right before it runs; the executor posts exactly these, whatever the transport.
+:func:`check_posts` proves a plan complete and free of deadlock by stepping it in the
+schedule engine (:func:`posted_programs` writes the posts and waits as actions it knows).
+
+Every transfer has one address from the action to the wire, :func:`transfer_of`'s
+``(direction, sending stage, microbatch)``: ``FORWARD`` carries a stage's output to the
+next stage, ``BACKWARD`` an input gradient to the previous one, ``EVAL_FORWARD`` the
+outputs of an evaluation (they carry no gradient, so their structure differs).
+
+Example:
+    >>> import conveyor.schedule as cs
+    >>> lowered = cs.lower(cs.build("1f1b", ranks=2, microbatches=2))
+    >>> posts = plan_posts(lowered, 1, IN_ORDER)
+    >>> [(str(lowered.programs[1][i]), [[str(a) for a in b.actions] for b in batches])
+    ...  for i, batches in enumerate(posts) if batches]
+    [('1RECV_F0', [['1RECV_F0']]), ('1SEND_B0', [['1SEND_B0'], ['1RECV_F1']]), ('1SEND_B1', [['1SEND_B1']])]
+    >>> check_posts(lowered, IN_ORDER) is None
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from conveyor.errors import ScheduleError
+from conveyor.schedule.engine import stuck_ranks
+from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
+
+K = ActionKind
+# The directions of the wire (what a transfer carries); the runtime's wire uses these.
+FORWARD, BACKWARD, EVAL_FORWARD = 0, 1, 2
+TransferKey = tuple[int, int, int]  # (direction, sending stage, microbatch)
+
+LOOKAHEAD = "lookahead"
+IN_ORDER = "in_order"
+DISCIPLINES = (LOOKAHEAD, IN_ORDER)
+RECEIVES_AHEAD = 4  # how many receives the look-ahead discipline keeps posted
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Transfers posted together over one channel: sends to ``peer``, or receives from it.
+
+    ``actions`` are the SEND_* (or RECV_*) actions of this rank's program that they serve,
+    ``keys`` their addresses (:func:`transfer_of`), in the order they are posted.
+    """
+
+    peer: int
+    sends: bool
+    actions: tuple[Action, ...]
+    keys: tuple[TransferKey, ...]
+
+
+RankPosts = tuple[tuple[Batch, ...], ...]
+"""Per action of a rank's program (same index): the batches posted right before it runs."""
+
+
+def transfer_of(action: Action, placement: Placement, forward: int = FORWARD) -> tuple[int, TransferKey]:
+    """(peer rank, address) of a SEND_* or RECV_* action; ``forward``: the direction forward transfers take.
+
+    A receive names the receiving stage (``2RECV_F0`` gets what ``1SEND_F0`` sends); its address is
+    the sender's.
+
+    Example:
+        >>> from conveyor.schedule.ir import Placement
+        >>> transfer_of(Action.parse("1RECV_F3"), Placement.looped(2, 1))
+        (0, (0, 0, 3))
+    """
+    s, m, kind = action.stage, action.microbatch, action.kind
+    if kind is K.SEND_F:
+        return placement.rank_of(s + 1), (forward, s, m)
+    if kind is K.SEND_B:
+        return placement.rank_of(s - 1), (BACKWARD, s, m)
+    if kind is K.RECV_F:
+        return placement.rank_of(s - 1), (forward, s - 1, m)
+    if kind is K.RECV_B:
+        return placement.rank_of(s + 1), (BACKWARD, s + 1, m)
+    raise ValueError(f"{action} moves nothing between ranks: only SEND_* and RECV_* actions have an address")
+
+
+def _receive_of(key: TransferKey) -> Action:
+    direction, stage, m = key
+    return Action(K.RECV_B, stage - 1, m) if direction == BACKWARD else Action(K.RECV_F, stage + 1, m)
+
+
+def sender_orders(lowered: Schedule, forward: int = FORWARD) -> dict[tuple[int, int], list[TransferKey]]:
+    """{(src, dst): what src sends dst in one run of ``lowered``, in the order it sends it}.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> sender_orders(cs.lower(cs.build("1f1b", ranks=2, microbatches=2)))[(0, 1)]
+        [(0, 0, 0), (0, 0, 1)]
+    """
+    orders: dict[tuple[int, int], list[TransferKey]] = {}
+    for rank, program in enumerate(lowered.programs):
+        for action in program:
+            if action.kind is K.SEND_F or action.kind is K.SEND_B:
+                peer, key = transfer_of(action, lowered.placement, forward)
+                orders.setdefault((rank, peer), []).append(key)
+    return orders
+
+
+def plan_posts(lowered: Schedule, rank: int, discipline: str, *, forward: int = FORWARD,
+               receives_ahead: int = RECEIVES_AHEAD,
+               orders: Mapping[tuple[int, int], Sequence[TransferKey]] | None = None) -> RankPosts:
+    """Where ``rank`` posts its transfers in ``lowered`` under ``discipline`` (see the module docstring).
+
+    ``forward``: the direction of forward transfers (``EVAL_FORWARD`` when evaluating);
+    ``orders``: :func:`sender_orders` of ``lowered``, when the caller has them. Raises
+    ScheduleError if the program waits for what no peer sends it.
+    """
+    if discipline not in DISCIPLINES:
+        raise ValueError(f"discipline must be one of {DISCIPLINES}; got {discipline!r}")
+    program = lowered.programs[rank]
+    if discipline == LOOKAHEAD:
+        return _lookahead(program, lowered.placement, forward, receives_ahead)
+    if orders is None:
+        orders = sender_orders(lowered, forward)
+    return _in_order(program, rank, lowered.placement, forward, orders)
+
+
+def _lookahead(program: Sequence[Action], placement: Placement, forward: int, ahead: int) -> RankPosts:
+    posts: list[tuple[Batch, ...]] = [()] * len(program)
+    receives = [i for i, a in enumerate(program) if a.kind is K.RECV_F or a.kind is K.RECV_B]
+
+    def single(index: int, sends: bool) -> Batch:
+        peer, key = transfer_of(program[index], placement, forward)
+        return Batch(peer, sends, (program[index],), (key,))
+
+    if receives:
+        # Before the first action: the first ``ahead``; at the n-th receive, the (n + ahead)-th.
+        first = tuple(single(i, False) for i in receives[:ahead])
+        posts[0] = first
+        for n, index in enumerate(receives):
+            if n + ahead < len(receives):
+                posts[index] = posts[index] + (single(receives[n + ahead], False),)
+    for index, action in enumerate(program):
+        if action.kind is K.SEND_F or action.kind is K.SEND_B:
+            posts[index] = posts[index] + (single(index, True),)
+    return tuple(posts)
+
+
+def _in_order(program: Sequence[Action], rank: int, placement: Placement, forward: int,
+              orders: Mapping[tuple[int, int], Sequence[TransferKey]]) -> RankPosts:
+    position = {src: {key: i for i, key in enumerate(keys)} for (src, dst), keys in orders.items() if dst == rank}
+    posted = dict.fromkeys(position, 0)
+    posts: list[tuple[Batch, ...]] = [()] * len(program)
+    index = 0
+    while index < len(program):
+        if program[index].kind.is_compute:
+            index += 1
+            continue
+        first, batches = index, {}
+        while index < len(program) and program[index].kind.is_comm:
+            action = program[index]
+            peer, key = transfer_of(action, placement, forward)
+            if action.kind is K.SEND_F or action.kind is K.SEND_B:
+                batches.setdefault((rank, peer), []).append((action, key))
+            else:
+                at = position.get(peer, {}).get(key)
+                if at is None:
+                    raise ScheduleError(f"rank {rank}'s {action} waits for {key} from rank {peer}, "
+                                        "which never sends it")
+                channel = orders[(peer, rank)]
+                while posted[peer] <= at:
+                    earlier = channel[posted[peer]]
+                    batches.setdefault((peer, rank), []).append((_receive_of(earlier), earlier))
+                    posted[peer] += 1
+            index += 1
+        posts[first] = tuple(
+            Batch(src if dst == rank else dst, src == rank, tuple(a for a, _ in items), tuple(k for _, k in items))
+            for (src, dst), items in batches.items()
+        )
+    return tuple(posts)
+
+
+def plan_all_posts(lowered: Schedule, discipline: str, *, forward: int = FORWARD,
+                   receives_ahead: int = RECEIVES_AHEAD) -> list[RankPosts]:
+    """:func:`plan_posts` of every rank (the sender orders found once)."""
+    orders = sender_orders(lowered, forward) if discipline == IN_ORDER else None
+    return [plan_posts(lowered, rank, discipline, forward=forward, receives_ahead=receives_ahead, orders=orders)
+            for rank in range(lowered.num_ranks)]
+
+
+def posted_programs(lowered: Schedule, posts: Sequence[RankPosts]) -> Schedule:
+    """``lowered`` as its ranks move data under ``posts``: each SEND where its batch is posted, each
+    RECV where the rank waits for it (with the batch it came in: a wait ends when its whole batch is
+    in), compute where it stands. Posting never blocks, so the engine's rule for a lowered program (a
+    receive waits for its send) is the rule of these; raises ScheduleError for a wait on a receive
+    that was never posted, or a transfer posted twice or not at all.
+    """
+    programs = []
+    for rank, (program, rank_posts) in enumerate(zip(lowered.programs, posts)):
+        out: list[Action] = []
+        pending: dict[Action, tuple[Action, ...]] = {}  # a posted receive -> its batch's receives
+        sent: set[Action] = set()
+        waited: set[Action] = set()  # received with an earlier wait of their batch
+        for action, batches in zip(program, rank_posts):
+            for batch in batches:
+                if batch.sends:
+                    out.extend(batch.actions)
+                    sent.update(batch.actions)
+                else:
+                    pending.update(dict.fromkeys(batch.actions, batch.actions))
+            if action.kind is K.RECV_F or action.kind is K.RECV_B:
+                if action in waited:
+                    continue
+                if action not in pending:
+                    raise ScheduleError(f"rank {rank} waits at {action} for a receive it never posted")
+                for receive in pending[action]:
+                    if pending.pop(receive, None) is not None:
+                        out.append(receive)
+                        waited.add(receive)
+            elif action.kind is K.SEND_F or action.kind is K.SEND_B:
+                if action not in sent:
+                    raise ScheduleError(f"rank {rank} reaches {action} before any post sends it")
+            else:
+                out.append(action)
+        if len(out) != len(program):
+            raise ScheduleError(f"rank {rank}'s posts move {len(out)} actions' worth, its program has "
+                                f"{len(program)}: a transfer is posted twice or a posted receive never waited for")
+        programs.append(tuple(out))
+    return lowered.with_programs(programs)
+
+
+def check_posts(lowered: Schedule, discipline: str, *, forward: int = FORWARD,
+                posts: Sequence[RankPosts] | None = None) -> str | None:
+    """None if every rank's posts (``posts``, else :func:`plan_all_posts`) complete; else what goes wrong.
+
+    Under :data:`IN_ORDER` each channel's receives must be posted in the order its sends
+    are; then the n-th receive meets the n-th send and completes once that send is posted,
+    which is a receive's need in the engine. So the plan is stepped by the engine
+    (:func:`posted_programs`): a rank stuck there is a rank stuck on the wire.
+    """
+    if posts is None:
+        try:
+            posts = plan_all_posts(lowered, discipline, forward=forward)
+        except ScheduleError as error:
+            return str(error)
+    if discipline == IN_ORDER:
+        mismatch = _channel_mismatch(posts)
+        if mismatch:
+            return mismatch
+    try:
+        posted = posted_programs(lowered, posts)
+    except ScheduleError as error:
+        return str(error)
+    stuck = stuck_ranks(posted)
+    if not stuck:
+        return None
+    return "; ".join(f"rank {b.rank} waits at {b.action} (its move #{b.position}) for {b.waits_for}" for b in stuck)
+
+
+def _channel_mismatch(posts: Sequence[RankPosts]) -> str | None:
+    sends: dict[tuple[int, int], list[TransferKey]] = {}
+    receives: dict[tuple[int, int], list[TransferKey]] = {}
+    for rank, rank_posts in enumerate(posts):
+        for batches in rank_posts:
+            for batch in batches:
+                if batch.sends:
+                    sends.setdefault((rank, batch.peer), []).extend(batch.keys)
+                else:
+                    receives.setdefault((batch.peer, rank), []).extend(batch.keys)
+    for channel in sorted(set(sends) | set(receives)):
+        if sends.get(channel, []) != receives.get(channel, []):
+            src, dst = channel
+            return (f"rank {src} sends rank {dst} {sends.get(channel, [])}, but rank {dst} receives "
+                    f"{receives.get(channel, [])}")
+    return None
