@@ -117,7 +117,8 @@ def test_a_meta_model_is_split_first_then_each_rank_materializes_only_its_shards
     results = run_ranks(meta_model_shards, 4, timeout_s=300)
     for rank, result in enumerate(results):
         stage = rank // 2
-        assert len(result["sharded"]) == 7 + stage, result  # per layer q/k/v/o + gate/up/down; lm_head on stage 1
+        # per layer q/k/v/o + gate/up/down; the vocab-parallel embed_tokens on stage 0, lm_head on stage 1
+        assert len(result["sharded"]) == 8, (stage, result)
         # only replicated modules went through whole materialization; no sharded parameter did
         assert result["whole"] and not set(result["whole"]) & set(result["sharded"]), result
         assert result["storage_is_local"] and result["local_is_half"], result

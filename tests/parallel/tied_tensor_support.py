@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 import conveyor
 from conveyor.options import Layout, PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
-from conveyor.testing.models import token_batch
+from conveyor.testing.models import gpt2, token_batch
 
 from .tensor_pipeline_support import MICROBATCHES, STEPS, _FakeTpMesh, _microbatches, _optimizer, _train
 from .tp_support import build, relative, whole
@@ -95,6 +95,31 @@ def _settle_and_sum_tied(stages, shared: bool) -> None:
     head.grad.to_local().copy_(total)
 
 
+def meta_tied_shards(mesh) -> dict:
+    """GPT-2 built on the meta device at pp=2 x tp=2 (1f1b): each rank draws its own shards, the tied copies
+    alike at both ends (by the module owning the first name, transformer.wte); equal after a step."""
+    import torch.distributed as dist
+
+    model_class, config = gpt2(num_layers=2)
+    with torch.device("meta"):
+        model = model_class(config)
+    batch = token_batch(batch=2 * MICROBATCHES, length=12, seed=1)
+    pipe = conveyor.pipeline(model, example_kwargs=_microbatches(batch)[0], schedule="1f1b",
+                             microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
+                             options=PipelineOptions(split=SplitOptions(method="uniform")))
+    shards = []
+    for _ in range(2):  # as drawn, then after one AdamW step
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, [(n, p.to_local()) for n, p in pipe.named_parameters() if n in TIED])
+        shards.append(everyone)
+        if len(shards) == 1:
+            optimizer = _optimizer(pipe.parameters())
+            loss = pipe.step(**batch)
+            optimizer.step()
+    pipe.close()
+    return {"shards": shards, "loss": float(loss)}
+
+
 def tied_pp_x_tp(rank: int, world_size: int, names: tuple[str, ...] = ("1f1b", "zbv")) -> dict:
     """pp=2 x tp=2 traced GPT-2 (tied), each schedule of ``names``: 3 AdamW steps against TP alone
     (torch.equal) and one device; the tied shards' local shapes and their first step's gradients."""
@@ -140,4 +165,5 @@ def tied_pp_x_tp(rank: int, world_size: int, names: tuple[str, ...] = ("1f1b", "
             "param_rel": max(relative(full[n], device_params[n].detach()) for n in full),
         }
         pipe.close()
+    results["meta"] = meta_tied_shards(mesh)
     return results

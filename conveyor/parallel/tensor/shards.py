@@ -74,15 +74,26 @@ def shard_source(stage: nn.Module) -> ShardSource | None:
 def materialize_stage_shards(stage: nn.Module, tp_mesh, source: ShardSource) -> None:
     """Give every meta tensor of ``stage`` (its parameters already meta DTensors) its storage on
     ``source.device``: sharded modules as local shards only, the rest whole (see the module docstring)."""
+    # A tied parameter is drawn by the module that owns its first name in the model (GPT-2's
+    # lm_head.weight by transformer.wte), on every stage holding a copy: equal shards at both ends.
+    first_names = {id(param): name for name, param in source.model.named_parameters()}
+    model_names: dict[str, str] = {}
     by_owner: dict[str, list[str]] = {}
     for name, tensor in [*stage.named_parameters(), *stage.named_buffers()]:
         if tensor.is_meta or (isinstance(tensor, DTensor) and tensor.to_local().is_meta):
-            by_owner.setdefault(name.rpartition(".")[0], []).append(name)
+            model_names[name] = first_names.get(id(_model_tensor(source.model, name)), name)
+            by_owner.setdefault(model_names[name].rpartition(".")[0], []).append(name)
     for owner, names in by_owner.items():
         if any(_is_sharded(stage.get_parameter(n)) for n in names if _is_parameter(stage, n)):
-            _sharded_owner(stage, owner, names, tp_mesh, source)
+            _sharded_owner(stage, owner, {n: model_names[n] for n in names}, tp_mesh, source)
         else:
             _whole_owner(stage, names, tp_mesh, source)
+
+
+def _model_tensor(model: nn.Module, name: str) -> torch.Tensor | None:
+    owner, _, attribute = name.rpartition(".")
+    module = model.get_submodule(owner)
+    return module._parameters.get(attribute)
 
 
 def _is_parameter(stage: nn.Module, name: str) -> bool:
@@ -114,11 +125,12 @@ def _whole_owner(stage: nn.Module, names: list[str], tp_mesh, source: ShardSourc
             _set(stage, name, made[name], False)
 
 
-def _sharded_owner(stage: nn.Module, owner: str, names: list[str], tp_mesh, source: ShardSource) -> None:
+def _sharded_owner(stage: nn.Module, owner: str, names: Mapping[str, str], tp_mesh, source: ShardSource) -> None:
+    """``names``: the stage's names of the owner's tensors, each to its name in the model."""
     fresh = copy.deepcopy(source.model.get_submodule(owner))  # on meta: costs nothing
     own = {name: stage.get_parameter(name) for name in names if _is_parameter(stage, name)}
     for name, param in own.items():
-        fresh.register_parameter(name.rpartition(".")[2], nn.Parameter(param.detach(), requires_grad=False))
+        fresh.register_parameter(names[name].rpartition(".")[2], nn.Parameter(param.detach(), requires_grad=False))
     fresh.to_empty(device=source.device)  # a DTensor's empty_like allocates its local shard only
     rank_tag = f"tensor parallel rank {tp_mesh.get_local_rank()}".encode()
     rank_seed = (source.seed * 1_000_003 + zlib.crc32(rank_tag)) % 2**63  # each TP rank its own draw
@@ -127,10 +139,10 @@ def _sharded_owner(stage: nn.Module, owner: str, names: list[str], tp_mesh, sour
         source.initialise(fresh, owner, rank_seed)
     _broadcast_replicated(fresh, tp_mesh)
     for name, param in own.items():
-        _set(stage, name, fresh.get_parameter(name.rpartition(".")[2]).detach(), param.requires_grad)
+        _set(stage, name, fresh.get_parameter(names[name].rpartition(".")[2]).detach(), param.requires_grad)
     for name in names:
         if name not in own:
-            _set(stage, name, fresh.get_buffer(name.rpartition(".")[2]), False)
+            _set(stage, name, fresh.get_buffer(names[name].rpartition(".")[2]), False)
 
 
 def _broadcast_replicated(module: nn.Module, tp_mesh) -> None:
