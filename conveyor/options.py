@@ -394,7 +394,7 @@ class Layout:
                                     "(conveyor.parallel.tensor): 'auto' (the plan found by the modules' structure) "
                                     "or {module-name pattern: torch ParallelStyle}; None: off")
     sequence_parallel: bool = _f(False, "with tensor_parallel='auto': activations between blocks on sequence "
-                                        "shards, and sent between stages so (hand-built stages; traced ones refuse it)")
+                                        "shards, and sent between stages so (hand-built and traced stages)")
     loss_parallel: bool = _f(False, "with tensor_parallel: logits stay vocabulary-sharded and the last stage's "
                                     "loss runs under torch's loss_parallel() (hand-built stages)")
 

@@ -147,3 +147,34 @@ def test_the_dry_run_gives_each_rank_its_shards_at_the_chosen_tp():
     assert "pp=2 x dp=1 x tp=2" in text and "pipeline rank 1 (global ranks 2, 3)" in text
     assert re.search(r"model\.layers\.\*\.self_attn\.q_proj\.weight\s+x1\s+\(32, 32\)\s+Shard\(0\)\s+-> \(16, 32\)",
                      text), text
+
+
+def _train_with_and_without_sequence_parallel(rank: int, world_size: int, run_dir: str, names: tuple) -> dict:
+    from conveyor.train.loop import train
+
+    torch.set_num_threads(1)
+    found = {}
+    for name in names:
+        for sequence_parallel in (False, True):
+            cfg = load_config(ROOT / "configs" / f"{name}.yaml",
+                              [*TINY, *RECIPE_SIZES[name], "train.sample_tokens=0", "checkpoint.interval=0",
+                               f"parallel.sequence_parallel={str(sequence_parallel).lower()}",
+                               f"run.dir={run_dir}/{name}-{sequence_parallel}"], world_size=world_size)
+            assert cfg.parallel.sequence_parallel is sequence_parallel
+            summary = train(cfg)
+            found[(name, sequence_parallel)] = (summary["steps"], summary["first_loss"], summary["last_loss"])
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("names", [("llama",), pytest.param(("gpt", "mpt"), marks=pytest.mark.extended)],
+                         ids=["llama", "gpt-mpt"])
+def test_the_traced_recipes_train_with_sequence_parallel(tmp_path, names):
+    # The recipes are traced stages: sequence parallelism is placed in their graphs. The first step's loss
+    # (before any update) is the same number with or without it; the second within AdamW's rounding.
+    results = run_ranks(_train_with_and_without_sequence_parallel, 4, args=(str(tmp_path), names), timeout_s=600)
+    for name in names:
+        runs = [(result[(name, False)], result[(name, True)]) for result in results]
+        for (steps, first, last), (sp_steps, sp_first, sp_last) in runs:
+            assert steps == sp_steps == 2 and math.isfinite(sp_last), (name, runs)
+            assert sp_first == first and abs(sp_last - last) <= 1e-4 * abs(last), (name, runs)

@@ -10,6 +10,8 @@
   a fused q|k|v kept in its original layout through ``_StridedShard``, what a block sees on its rank);
 - :mod:`~conveyor.parallel.tensor.traced`: the same plan on a traced stage (no modules left:
   parameters distributed by name, the graph run on DTensors);
+- :mod:`~conveyor.parallel.tensor.traced_sequence`: ``sequence_parallel`` on a traced stage (torch's
+  sequence-parallel plan placed in its graph as redistributions at the same module boundaries);
 - :mod:`~conveyor.parallel.tensor.stages`: a pipeline's stages parallelized, and what crosses a
   stage boundary (each TP rank's local part: its sequence shard under ``sequence_parallel``);
 - :mod:`~conveyor.parallel.tensor.shards`: a meta-device model's traced stages materialized shard

@@ -18,8 +18,9 @@ propagation decides every collective, the outputs leave replicated and local. Ev
 shape stays right because a DTensor keeps the global shape (the graph's 4 heads are the whole
 tensor's 4 heads, 2 of them on each rank). The communication matches the module-wise styles:
 a row-parallel projection's partial sums are all-reduced where the next operation needs them
-whole (the residual add), as ``RowwiseParallel``'s output does. Sequence parallel is not taken
-here (its styles act on module inputs and outputs, which a traced stage does not have).
+whole (the residual add), as ``RowwiseParallel``'s output does. Sequence parallelism (whose styles
+act on module inputs and outputs, which a traced stage does not have) is placed in the stage's
+graph as explicit redistributions by :mod:`conveyor.parallel.tensor.traced_sequence`.
 
 What the prototype needs and leaves open:
 
