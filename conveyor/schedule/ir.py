@@ -410,7 +410,7 @@ Program = tuple[Action, ...]
 _PROGRAM_TYPES = (tuple, list, PackedProgram)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Schedule:
     """A placement plus one ordered program of actions per rank.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import sys
 import time
 
 import pytest
@@ -363,6 +364,18 @@ def test_a_schedule_keeps_nothing_but_its_provenance():
     verify(copy)
     with pytest.raises(ScheduleError, match="lowered_from must be the Schedule"):
         Schedule("x", sched.placement, 2, sched.programs, lowered_from="1f1b")
+
+
+def test_a_verdict_is_remembered_by_content_not_on_the_schedule(monkeypatch):
+    verify_module = sys.modules[verify.__module__]  # (the package's `verify` names the function)
+    sched = cs.build("zbv", ranks=2, microbatches=4, check=False)
+    verify(sched)
+    monkeypatch.setattr(verify_module, "runs_clean", lambda schedule: pytest.fail("stepped again"))
+    verify(sched)
+    verify(sched.with_programs(sched.programs))  # an equal schedule: the same verdict
+    verify(cs.lower(sched))  # checked through its source, which passed
+    with pytest.raises(pytest.fail.Exception, match="stepped again"):
+        verify(cs.build("zbv", ranks=2, microbatches=6, check=False))  # another one is stepped
 
 
 # -- engine -------------------------------------------------------------------------------------
