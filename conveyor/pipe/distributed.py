@@ -34,7 +34,7 @@ from conveyor.runtime.executor import RankExecutor, RankPosts
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.memory import MemoryReport, memory_report
 from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder, replica_timeline
-from conveyor.runtime.transports import build_transport, seed_shapes, wire_channels
+from conveyor.runtime.transport_choice import build_transport, seed_shapes, wire_channels
 from conveyor.schedule.grid import render_positions
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.passes import executable

@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from conveyor.errors import CommTimeout
+from conveyor.runtime.process_group import DistTransport
 from conveyor.runtime.shm import SharedMemoryTransport
 from conveyor.runtime.shm_wait import HEALTH_EVERY_S
-from conveyor.runtime.transport import DistTransport, Transport
+from conveyor.runtime.transport import Transport
 from conveyor.runtime.wire import Channel, PayloadMeta, TransferKey
 
 _POLL_SLEEP_S = 50e-6

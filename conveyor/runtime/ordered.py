@@ -3,7 +3,7 @@
 NCCL ignores tags and matches point-to-point operations by order, so this transport never
 relies on them (on gloo it sends tag 0 alike, which makes gloo match by order too: the CPU
 check of the same logic). What it does differently from
-:class:`~conveyor.runtime.transport.DistTransport`:
+:class:`~conveyor.runtime.process_group.DistTransport`:
 
 - **Order.** Each channel (src rank, dst rank) has a process group of its two ranks, so its
   transfers complete in their own order whatever the other direction does; its discipline is
@@ -36,7 +36,7 @@ check of the same logic). What it does differently from
   either way the message comes from the store. The first step's wait for a structure
   looks at the board every :data:`FAILURE_POLL_S`.
 
-Example (what :func:`conveyor.runtime.transports.build_transport` does for NCCL)::
+Example (what :func:`conveyor.runtime.transport_choice.build_transport` does for NCCL)::
 
     transport = OrderedTransport(rank, life.global_ranks, channel_groups, life.store, prefix, timeout_s=300.0,
                                  device=device, backend="nccl")

@@ -17,8 +17,8 @@ import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import CommTimeout, PeerFailure
 from conveyor.runtime.hybrid import HybridTransport
+from conveyor.runtime.process_group import DistTransport
 from conveyor.runtime.shm import SharedMemoryTransport
-from conveyor.runtime.transport import DistTransport
 from conveyor.testing import run_ranks
 
 from .parity import NUM_MICROBATCHES, assert_same, reference_run

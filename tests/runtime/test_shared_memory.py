@@ -13,8 +13,8 @@ import torch
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import CommTimeout, PeerFailure, PipelineConfigError
+from conveyor.runtime.process_group import DistTransport
 from conveyor.runtime.shm import SharedMemoryTransport
-from conveyor.runtime.transport import DistTransport
 from conveyor.runtime.wire import dense_strides
 from conveyor.testing import run_ranks
 

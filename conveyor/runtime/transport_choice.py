@@ -25,8 +25,9 @@ from conveyor.options import TRANSPORTS
 from conveyor.runtime.hybrid import HostExchange, HybridTransport
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.ordered import OrderedTransport
+from conveyor.runtime.process_group import DistTransport
 from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
-from conveyor.runtime.transport import DistTransport, Transport
+from conveyor.runtime.transport import Transport
 from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, Channel, flatten_payload
 from conveyor.schedule.ir import ActionKind, Schedule
 
