@@ -40,11 +40,11 @@ The parts, in the order a pass uses them:
 
 The same loop on packed compute-only programs, with integers and float arrays in place of
 actions, is :mod:`conveyor.schedule.fast` (its verdicts and times are this loop's, bit for
-bit). Three steppers keep a loop of their own, each saying why where it lives: ranks sharing
+bit). Two steppers keep a loop of their own, each saying why where it lives: ranks sharing
 CPU cores (:func:`conveyor.schedule.simulate.simulate_shared_cores`: an action's end depends
 on every rank at once), zb-auto's list scheduler (:mod:`conveyor.schedule.builtin.zb_auto`:
-it writes the programs as it steps), and NCCL's posts matched by order
-(:mod:`conveyor.runtime.ordering`: a wait needs a whole batch of operations).
+it writes the programs as it steps). The posts a rank makes (:mod:`conveyor.schedule.posts`)
+are checked by this loop too: they are written as actions it steps.
 
 Example:
     >>> import conveyor.schedule as cs
