@@ -104,8 +104,7 @@ def test_traced_stages_refuse_what_is_not_wired_yet():
         mesh_dim_names = ("pp", "tp")
 
     model = build("llama")
-    for option, message in (("loss_parallel", "loss_parallel=True is not available for traced stages yet"),
-                            ("sequence_parallel", "sequence_parallel=True is not available for traced stages")):
+    for option, message in (("sequence_parallel", "sequence_parallel=True is not available for traced stages"),):
         with pytest.raises(PipelineConfigError, match=message):
             model_placements(model, Layout(mesh=TpMesh(), tensor_parallel="auto", **{option: True}), 2)
 

@@ -17,7 +17,9 @@ a floating-point activation of 2 dims or more is sharded on the sequence (dim 1,
 so each rank sends its ``seq / tp`` rows and the next stage takes them back as a DTensor of the
 global shape (:func:`_received_as_shards`); anything else crosses whole (``Replicate``): a traced
 stage's outputs leave as plain tensors of the global shape and enter as replicated DTensors. The
-last stage keeps its logits vocabulary-sharded with ``loss_parallel``. What the TP ranks of one
+last stage keeps its logits vocabulary-sharded with ``loss_parallel`` (hand-built or traced: the
+loss, a Hugging Face model's own inside the traced graph or the user's ``loss_fn``, runs under
+torch's ``loss_parallel()``, see :meth:`TensorParallelStages.context`). What the TP ranks of one
 stage agree on when the pipeline is built: the plan, every parameter's name, global and local
 shape and placements, and each boundary's placement and local shapes (a traced stage's received
 shapes are known from the trace; a hand-built one's follow the rule and the first step's
@@ -70,11 +72,6 @@ def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()
     from conveyor.parallel.tensor.traced import parameter_placements
 
     _refuse_traced_sequence_parallel(layout)
-    if layout.loss_parallel:
-        raise PipelineConfigError(
-            "loss_parallel=True is not available for traced stages yet: DTensor's propagation through the traced "
-            "graph leaves the logits Partial, not vocabulary-sharded, and torch's loss_parallel() refuses them. "
-            "Drop it (the logits are gathered for the loss), or build the stages by hand")
     plan = layout.tensor_parallel
     if isinstance(plan, str):
         plan = tensor_parallel_plan(model, tp_size, loss_parallel=layout.loss_parallel)
@@ -235,8 +232,10 @@ def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, t
         from conveyor.parallel.tensor.traced import parallelize_traced_stage
 
         _refuse_traced_sequence_parallel(layout)
-        for module in modules.values():
-            parallelize_traced_stage(module, tp_mesh, placements)
+        for stage, module in modules.items():
+            # Under loss_parallel the last stage's logits leave vocabulary-sharded (a DTensor) for the loss.
+            parallelize_traced_stage(module, tp_mesh, placements,
+                                     outputs_whole=not (layout.loss_parallel and stage == last_stage))
     else:
         plans = _hand_built_plans(modules, layout, tp_size)
         for stage, module in modules.items():
