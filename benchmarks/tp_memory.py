@@ -5,8 +5,8 @@ The llama recipe (configs/llama.yaml) is trained by the trainer's own code (``co
 bytes of the tensors it holds, as they are: every parameter's local shard (``DTensor.to_local()``;
 a plain tensor whole), every gradient's, every AdamW state tensor's (``exp_avg``, ``exp_avg_sq``,
 ``step``). The table pairs each tp=2 rank with the tp=1 rank of the same pipeline stage; "sharded"
-is the part of the parameters that the plan splits (attention, MLP, the LM head), which is expected
-at exactly half, and the rest (norms, the embedding a traced stage keeps whole) stays replicated.
+is the part of the parameters that the plan splits (attention, MLP, the token embedding and the LM
+head, both by the vocabulary), which is expected at exactly half, and the rest (norms) stays replicated.
 
 Step time: the median over the timed steps of the slowest rank's step (``pipe.step`` + clipping +
 AdamW, between barriers), at tp=2 over tp=1, with each side's CPU steal (:mod:`benchmarks.steal`).

@@ -396,7 +396,7 @@ class Layout:
     sequence_parallel: bool = _f(False, "with tensor_parallel='auto': activations between blocks on sequence "
                                         "shards, and sent between stages so (hand-built and traced stages)")
     loss_parallel: bool = _f(False, "with tensor_parallel: logits stay vocabulary-sharded and the last stage's "
-                                    "loss runs under torch's loss_parallel() (hand-built stages)")
+                                    "loss runs under torch's loss_parallel() (hand-built or traced stages)")
 
     def __post_init__(self) -> None:
         if self.group is not None and self.mesh is not None:

@@ -50,7 +50,10 @@ def summed_loss(last: StageRunner) -> torch.Tensor:
     total = losses[0]
     for loss in losses[1:]:
         total = total + loss
-    return total
+    # Under tensor parallelism's loss_parallel() the loss is a replicated DTensor: its whole value
+    # (each TP rank holds all of it), for the broadcast and the caller.
+    whole = getattr(total, "full_tensor", None)
+    return whole() if whole is not None else total
 
 
 class LossBroadcast:

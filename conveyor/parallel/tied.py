@@ -5,7 +5,11 @@ them. Copies on one rank become one Parameter (:func:`share_tied_locally`); copi
 several ranks have this step's gradient summed across exactly those ranks at the end of
 every step (:class:`TiedGradients`), so they stay equal after each optimizer step (the
 summation order differs from one device: equal to rounding, not bitwise). With data
-parallelism each replica sums its own copies, after the replicas' mean.
+parallelism each replica sums its own copies, after the replicas' mean. With tensor
+parallelism each TP position is a pipeline of its own (``MeshLayout.group_pipelines``), so a
+copy's group joins the matching TP ranks of the stages holding it, and what is summed is this
+rank's local shard of the gradient (settled to the parameter's placements first): the copies
+must be sharded alike, as :func:`conveyor.parallel.tensor.stages.model_placements` sees to.
 
 Example (what :class:`conveyor.Pipeline` does)::
 

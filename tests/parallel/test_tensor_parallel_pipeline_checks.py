@@ -104,10 +104,10 @@ def test_traced_stages_refuse_what_is_not_wired_yet():
         mesh_dim_names = ("pp", "tp")
 
     model = build("llama")
-    with pytest.raises(PipelineConfigError, match="loss_parallel=True is not available for traced stages yet"):
-        model_placements(model, Layout(mesh=TpMesh(), tensor_parallel="auto", loss_parallel=True), 2)
-    # sequence_parallel=True is taken (test_tensor_sequence_traced); its plan still refuses what it cannot place.
+    # sequence_parallel=True and loss_parallel=True are taken (test_tensor_sequence_traced, ..._traced);
+    # the sequence-parallel plan still refuses what it cannot place.
     assert model_placements(model, Layout(mesh=TpMesh(), tensor_parallel="auto", sequence_parallel=True), 2)
+    assert model_placements(model, Layout(mesh=TpMesh(), tensor_parallel="auto", loss_parallel=True), 2)
     with pytest.raises(PipelineConfigError, match="sequence_parallel=True cannot place model.layers.0.mlp.gate"):
         model_placements(build("mixtral"), Layout(mesh=TpMesh(), tensor_parallel="auto", sequence_parallel=True), 2)
 

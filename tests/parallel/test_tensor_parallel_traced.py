@@ -15,7 +15,7 @@ import torch
 
 from conveyor.testing import run_ranks
 
-from .tied_tensor_support import TIED, tied_pp_x_tp
+from .tied_tensor_support import TIED, tied_pp_x_tp, traced_loss_parallel
 from .tp_support import traced_parity, traced_pp_x_tp, traced_split_backward, traced_tp_alone
 
 TOLERANCE = 1e-5
@@ -101,3 +101,19 @@ def test_tied_embedding_and_head_are_vocab_parallel_at_both_ends_of_the_pipeline
         assert zbv["shared"] and zbv["losses_equal_tp"] and zbv["grad_rel"] <= TOLERANCE, zbv
         assert zbv["param_rel_tp"] <= ADAMW_AFTER_3_STEPS and zbv["param_rel"] <= ADAMW_AFTER_3_STEPS, zbv
         assert zbv["tied_local_shapes"] == ({TIED[0]: ((96, 32), (48, 32))} if pp_rank == 0 else {}), zbv
+
+
+@pytest.mark.distributed
+def test_loss_parallel_on_traced_stages_keeps_the_logits_vocabulary_sharded():
+    # The linears on a Shard(0) weight take their input whole (traced.colwise_linear), so the LM head's
+    # logits leave sharded on the vocabulary, not Partial, and torch's loss_parallel() takes them: Llama's
+    # own loss inside the traced graph, GPT-2's through a user loss_fn, which sees the sharded logits.
+    # Against the gathered logits the loss is bitwise; gradients agree to rounding (the cross-entropy's
+    # sums over the vocabulary run shard by shard).
+    results = run_ranks(traced_loss_parallel, 4, timeout_s=600)
+    for rank, by_model in enumerate(results):
+        for name, result in by_model.items():
+            assert result["loss_rel_gathered"] == 0.0, (rank, name, result)
+            assert result["grad_rel_gathered"] <= TOLERANCE and result["grad_rel_device"] <= TOLERANCE, result
+        if rank >= 2:  # the last stage's ranks ran the loss
+            assert by_model["gpt2"]["logits_placements"] == "(Shard(dim=2),)", by_model

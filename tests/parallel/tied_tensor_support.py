@@ -167,3 +167,44 @@ def tied_pp_x_tp(rank: int, world_size: int, names: tuple[str, ...] = ("1f1b", "
         pipe.close()
     results["meta"] = meta_tied_shards(mesh)
     return results
+
+
+def _shifted_cross_entropy(output, target):
+    """The causal LM loss on the logits as they leave the last stage (vocabulary-sharded under loss_parallel)."""
+    logits = output.logits[:, :-1].flatten(0, 1)
+    _shifted_cross_entropy.placements = getattr(output.logits, "placements", None)
+    return torch.nn.functional.cross_entropy(logits, target[:, 1:].flatten())
+
+
+def traced_loss_parallel(rank: int, world_size: int) -> dict:
+    """One 1F1B step at pp=2 x tp=2 with loss_parallel=True on traced stages, against the same step without it
+    and one device: Llama with its own loss inside the traced graph, GPT-2 with a user loss on the logits."""
+    from conveyor.options import Layout
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    batch = token_batch(batch=2 * MICROBATCHES, length=12, seed=1)
+    results = {}
+    for name, loss_fn in (("llama", _loss_fn), ("gpt2", _shifted_cross_entropy)):
+        reference = build(name, 2)
+        for kwargs in _microbatches(batch):
+            (loss_fn(reference(**kwargs), kwargs["labels"]) / MICROBATCHES).backward()
+        found = {}
+        for parallel_loss in (False, True):
+            layout = Layout(mesh=mesh, tensor_parallel="auto", loss_parallel=parallel_loss)
+            pipe = conveyor.pipeline(build(name, 2), example_kwargs=_microbatches(batch)[0], schedule="1f1b",
+                                     microbatches=MICROBATCHES, loss_fn=loss_fn,
+                                     options=PipelineOptions(split=SplitOptions(method="uniform"), layout=layout))
+            _shifted_cross_entropy.placements = None
+            loss = pipe.step(**batch, target=batch["labels"])
+            grads = {n: whole(p.grad) for n, p in pipe.named_parameters()}
+            found[parallel_loss] = (loss, grads, repr(_shifted_cross_entropy.placements))
+            pipe.close()
+        (plain_loss, plain_grads, _), (loss, grads, placements) = found[False], found[True]
+        results[name] = {
+            "loss_rel_gathered": relative(whole(loss), whole(plain_loss)),
+            "grad_rel_gathered": max(relative(grads[n], plain_grads[n]) for n in grads),
+            "grad_rel_device": max(relative(grads[n], reference.get_parameter(n).grad) for n in grads),
+            "logits_placements": placements,
+        }
+    return results

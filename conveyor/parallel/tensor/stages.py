@@ -20,10 +20,12 @@ stage's outputs leave as plain tensors of the global shape and enter as replicat
 traced stage with ``sequence_parallel`` (:mod:`~conveyor.parallel.tensor.traced_sequence`) sends
 the activations of its sequence stream's shape (``[batch, seq, hidden]``) as its ``seq / tp`` rows
 and the rest (rotary tables, masks, ALiBi biases) whole. The last stage keeps its logits
-vocabulary-sharded with ``loss_parallel``. What the TP ranks of one stage agree on when the
-pipeline is built: the plan, every parameter's name, global and local shape and placements, and
-each boundary's placement and local shapes (a traced stage's received shapes are known from the
-trace; a hand-built one's follow the rule and the first step's exchange of shapes)
+vocabulary-sharded with ``loss_parallel`` (hand-built or traced: the loss, a Hugging Face model's
+own inside the traced graph or the user's ``loss_fn``, runs under torch's ``loss_parallel()``, see
+:meth:`TensorParallelStages.context`). What the TP ranks of one stage agree on when the pipeline
+is built: the plan, every parameter's name, global and local shape and placements, and each
+boundary's placement and local shapes (a traced stage's received shapes are known from the trace;
+a hand-built one's follow the rule and the first step's exchange of shapes)
 (:meth:`TensorParallelStages.stage_fields`).
 
 Example (on each of 4 ranks: 2 stages of 2 TP ranks)::
@@ -72,11 +74,6 @@ def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()
     """
     from conveyor.parallel.tensor.traced import parameter_placements
 
-    if layout.loss_parallel:
-        raise PipelineConfigError(
-            "loss_parallel=True is not available for traced stages yet: DTensor's propagation through the traced "
-            "graph leaves the logits Partial, not vocabulary-sharded, and torch's loss_parallel() refuses them. "
-            "Drop it (the logits are gathered for the loss), or build the stages by hand")
     plan = layout.tensor_parallel
     if isinstance(plan, str):
         plan = tensor_parallel_plan(model, tp_size, sequence_parallel=layout.sequence_parallel,
@@ -247,8 +244,10 @@ def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, t
     if placements is not None:
         from conveyor.parallel.tensor.traced import parallelize_traced_stage
 
-        for module in modules.values():
-            parallelize_traced_stage(module, tp_mesh, placements)
+        for stage, module in modules.items():
+            # Under loss_parallel the last stage's logits leave vocabulary-sharded (a DTensor) for the loss.
+            parallelize_traced_stage(module, tp_mesh, placements,
+                                     outputs_whole=not (layout.loss_parallel and stage == last_stage))
         if sequence_parallel:
             from conveyor.parallel.tensor.traced_sequence import shard_stage_sequences
 

@@ -34,6 +34,13 @@ What the prototype needs and leaves open:
   whose mask lives on that one output; the traced graph would cast it first (``aten.to``) and
   lose the mask, so the stage's graph looks it up through :func:`vocab_parallel_embedding`,
   which reduces it at once (as ``RowwiseParallel`` does on an ``nn.Embedding``'s output).
+* A linear on a ``Shard(0)`` weight takes its input whole (:func:`colwise_linear`), as
+  ``ColwiseParallel`` does: left to itself, DTensor carries a row-parallel sum Partial through the
+  residual add and an RMSNorm's scaling, then gathers the next projection's whole weight rather
+  than reduce the activation (Llama's gate/up projections and its LM head did, giving Partial
+  logits). So the logits leave the head sharded on the vocabulary, and with ``loss_parallel`` the
+  last stage gives them so (``outputs_whole=False``) to a loss run under torch's
+  ``loss_parallel()``: a Hugging Face model's own loss inside the traced graph, or the user's.
 * CPU's fused attention kernel has no DTensor sharding rule in torch; one is registered here
   (by heads or batch, as torch's CUDA kernels have), and its local outputs are kept in the
   memory layout DTensor describes (else a stage's second attention layer fails in a reshape).
@@ -98,7 +105,7 @@ def _module_placements(module: nn.Module, style: ParallelStyle) -> dict[str, obj
 
     if isinstance(module, nn.Embedding):
         # Row-wise: vocab-parallel (each rank its rows of the vocabulary); the traced lookup is
-        # reduced at once (_reduce_vocab_parallel_lookups), as RowwiseParallel's output does.
+        # reduced at once (_rewrite_row_split_weight_calls), as RowwiseParallel's output does.
         return {"weight": Shard(1) if colwise else Shard(0)}
     if isinstance(module, nn.Linear):
         found = {"weight": column(0) if colwise else Shard(1), "bias": column(0) if colwise else Replicate()}
@@ -111,11 +118,15 @@ def _module_placements(module: nn.Module, style: ParallelStyle) -> dict[str, obj
     return {name: placement for name, placement in found.items() if getattr(module, name, None) is not None}
 
 
-def parallelize_traced_stage(stage: nn.Module, tp_mesh, placements: Mapping[str, object]) -> nn.Module:
+def parallelize_traced_stage(stage: nn.Module, tp_mesh, placements: Mapping[str, object], *,
+                             outputs_whole: bool = True) -> nn.Module:
     """Distribute ``stage``'s parameters (placements by original name, the rest replicated) and run it on DTensors.
 
     In place; the stage keeps its names. Its inputs are taken as this TP rank's whole (replicated)
-    tensors, its outputs are given back whole and local, as the neighbouring stages exchange them.
+    tensors, its outputs are given back whole and local, as the neighbouring stages exchange them;
+    ``outputs_whole=False`` (the last stage under ``loss_parallel``) gives them as DTensors as
+    propagation left them: the logits sharded on the vocabulary, for a loss under torch's
+    ``loss_parallel()``.
 
     Example (on each of 2 ranks)::
 
@@ -139,9 +150,10 @@ def parallelize_traced_stage(stage: nn.Module, tp_mesh, placements: Mapping[str,
     source = shard_source(stage)
     if source is not None:  # a meta-device model's stage: each rank allocates its own shards only
         materialize_stage_shards(stage, tp_mesh, source)
-    _reduce_vocab_parallel_lookups(stage, placements)
+    _rewrite_row_split_weight_calls(stage, placements)
     stage.register_forward_pre_hook(_inputs_as_dtensors(tp_mesh), with_kwargs=True)
-    stage.register_forward_hook(_outputs_whole)
+    if outputs_whole:
+        stage.register_forward_hook(_outputs_whole)
     return stage
 
 
@@ -173,25 +185,50 @@ def vocab_parallel_embedding(weight: DTensor, indices: DTensor, *options) -> DTe
     return DTensor.from_local(reduced.to_local(), looked_up.device_mesh, whole, run_check=False)
 
 
-def _reduce_vocab_parallel_lookups(stage: nn.Module, placements: Mapping[str, object]) -> int:
-    """Make every lookup of a ``Shard(0)`` embedding weight in ``stage``'s graphs (each mode's)
-    a :func:`vocab_parallel_embedding`; recompile the graphs changed. How many were rewritten.
+def colwise_linear(input: torch.Tensor, weight: DTensor, *bias) -> DTensor:
+    """``aten.linear`` on a column-split (``Shard(0)``) weight, taking its input whole, as ``ColwiseParallel`` does.
 
-    The lookups are found by their weight: an ``aten.embedding`` whose weight is a ``get_attr`` of
-    a parameter the plan puts at ``Shard(0)`` (by its original name). A stage that is not a traced
-    stage module (no graphs) is left as it is.
+    DTensor's propagation may carry an activation as a partial sum (a row-parallel projection's
+    output, through the residual add and an RMSNorm's scaling, both linear in it). A linear on
+    a ``Shard(0)`` weight then finds gathering the weight cheaper than reducing the activation:
+    every rank multiplies by the whole weight and the output is Partial (Llama's logits would be).
+    Reduced here first, the output is sharded on its last dim (the LM head's logits on the
+    vocabulary, as torch's ``loss_parallel()`` needs them) and the weight never gathered.
+
+    Example (on each of 2 ranks)::
+
+        weight = distribute_tensor(torch.randn(96, 32), tp_mesh, [Shard(0)])
+        hidden = DTensor.from_local(torch.randn(2, 4, 32), tp_mesh, [Partial()])
+        colwise_linear(hidden, weight).placements    # (Shard(dim=2),)
+    """
+    if isinstance(input, DTensor) and any(p.is_partial() for p in input.placements):
+        input = input.redistribute(placements=[Replicate()] * input.device_mesh.ndim)
+    return torch.ops.aten.linear.default(input, weight, *bias)
+
+
+def _rewrite_row_split_weight_calls(stage: nn.Module, placements: Mapping[str, object]) -> int:
+    """Make every lookup of a ``Shard(0)`` embedding weight in ``stage``'s graphs (each mode's) a
+    :func:`vocab_parallel_embedding`, every linear on a ``Shard(0)`` weight (colwise, packed or not)
+    a :func:`colwise_linear`; recompile the graphs changed. How many calls were rewritten.
+
+    The calls are found by their weight: a ``get_attr`` of a parameter the plan puts at
+    ``Shard(0)`` (by its original name). A stage that is not a traced stage module (no graphs) is
+    left as it is; so are calls in a nested graph (a ``cond`` branch), which take their weights
+    as inputs.
     """
     graphs = getattr(stage, "_conveyor_graphs", None)  # a StageModule's graph per mode, edited in place
     if not graphs:
         return 0
     rewritten = 0
     for graph in graphs.values():
-        lookups = [node for node in graph.nodes if node.op == "call_function" and
-                   node.target is torch.ops.aten.embedding.default and node.args[0].op == "get_attr" and
-                   placements.get(node.args[0].target) == Shard(0)]
-        for node in lookups:
-            node.target = vocab_parallel_embedding
-        rewritten += len(lookups)
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target not in _ROW_SPLIT_WEIGHT_CALLS:
+                continue
+            weight = node.args[0 if node.target is torch.ops.aten.embedding.default else 1]
+            placement = placements.get(weight.target) if getattr(weight, "op", None) == "get_attr" else None
+            if isinstance(placement, Shard) and placement.dim == 0:
+                node.target = _ROW_SPLIT_WEIGHT_CALLS[node.target]
+                rewritten += 1
     if rewritten:
         # The stage's own recompilation of every mode from its graphs: wrap_blocks with no block
         # chosen (activation checkpointing, which wraps blocks later, starts from the edited graphs).
@@ -220,6 +257,8 @@ def _outputs_whole(module, args, output):
     return pytree.tree_map(unwrap, output)
 
 
+_ROW_SPLIT_WEIGHT_CALLS = {torch.ops.aten.embedding.default: vocab_parallel_embedding,
+                           torch.ops.aten.linear.default: colwise_linear}
 _ATTENTION_SHARDING_REGISTERED = False
 
 
