@@ -4,9 +4,11 @@ Imports nothing heavy: ``tests/schedule`` must collect and run without torch. Th
 timeout comes from pyproject.toml (pytest-timeout, 300 s), above run_ranks's default of 120 s,
 so a hung distributed test is reported by the harness, with the stacks of its ranks.
 
-CI runs the suite on pytest-xdist workers (``tools/test.sh``: ``-n 2 --dist loadgroup``): the tests
-that share a module- or class-scoped fixture (one launch of ranks for several cases) go to one
-worker together, so that launch happens once; every other test goes wherever a worker is free.
+CI runs the suite on two pytest-xdist workers (``tools/test.sh``: ``-n 2 --dist loadfile``): each
+test file runs whole on one worker, so a module fixture (often one launch of ranks for several
+cases) or a module's cache is built once. (``--dist loadgroup`` would split files finer, but
+pytest-xdist 3.8 cannot group under pytest 9: it renames ``item._nodeid``, which pytest 9 no
+longer reads.)
 """
 
 from __future__ import annotations
@@ -36,19 +38,12 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-# tryfirst: xdist's own hook reads the ``xdist_group`` marks this one adds.
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave the extended tier out unless ``--extended`` is given, and say how many were left out;
-    keep the tests that share a fixture wider than one test on one xdist worker.
+    """Leave the extended tier out unless ``--extended`` is given, and say how many were left out.
 
     CI's suite must stay within 15 minutes on 2 cores; each test moved to the extended tier keeps
     a narrower twin in CI (the same promise on fewer ranks, transports or variants).
     """
-    for item in items:
-        group = _shared_fixture_group(item)
-        if group is not None and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(group))
     if config.getoption("--extended"):
         return
     extended = [item for item in items if item.get_closest_marker("extended")]
@@ -58,22 +53,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config._conveyor_extended_left_out = len(extended)  # type: ignore[attr-defined]
         if hasattr(config, "workeroutput"):  # an xdist worker: the controller prints the summary
             config.workeroutput["conveyor_extended_left_out"] = len(extended)
-
-
-def _shared_fixture_group(item: pytest.Item) -> str | None:
-    """The file of a test that uses a module-, class- or package-scoped fixture, else None.
-
-    Such a fixture (often one launch of ranks serving several cases) would be built again on
-    every worker that ran one of its tests; grouping by file builds it once.
-    """
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return None
-    for name in info.names_closure:
-        definitions = info.name2fixturedefs.get(name) or ()
-        if definitions and definitions[-1].scope in ("module", "class", "package"):
-            return item.nodeid.split("::")[0]
-    return None
 
 
 @pytest.hookimpl(optionalhook=True)
