@@ -1,6 +1,7 @@
 """Tensor parallelism on a mixture of experts: traced Mixtral at pp=2 x tp=2 on 4 gloo ranks.
 
-TP shards Mixtral's attention (q/k/v colwise, o rowwise) and its LM head; the router and the
+TP shards Mixtral's attention (q/k/v colwise, o rowwise), its token embedding (vocabulary-parallel)
+and its LM head; the router and the
 experts stay whole on every TP rank (no expert parallelism): their custom op runs on replicated
 tensors. The model returns its router logits, so each step's loss carries the auxiliary
 load-balancing part. After 3 AdamW steps under 1f1b and zbv (V=2, the I/W split): losses and
@@ -31,7 +32,8 @@ def test_traced_mixtral_shards_attention_keeps_experts_whole_and_adds_nothing_to
     for rank, by_schedule in enumerate(results):
         assert set(by_schedule) == set(schedules)
         for name, result in by_schedule.items():
-            assert result["sharded"] and all("self_attn" in n or n == "lm_head.weight" for n in result["sharded"]), \
+            ends = ("lm_head.weight", "model.embed_tokens.weight")
+            assert result["sharded"] and all("self_attn" in n or n in ends for n in result["sharded"]), \
                 (rank, name, result)
             assert result["experts"] and result["experts_whole"], (rank, name, result)
             assert result["losses_equal_tp"] and result["params_equal_tp"], (rank, name, result)

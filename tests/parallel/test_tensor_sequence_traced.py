@@ -7,14 +7,16 @@ column-parallel projection's input gathered, each row-parallel projection's part
 reduce-scattered. Checked here:
 
 * unchanged Hugging Face Llama and GPT-2 and the trainer's recipes, two traced stages on 2 ranks, one
-  forward and backward: the loss bitwise equal to one device's, gradients within 1e-5 relative (TP
+  forward and backward (the vocabulary-parallel embedding's partial lookup reduce-scattered onto the
+  sequence at once, as torch's ``RowwiseParallel(output_layouts=Shard(1))``): the loss bitwise
+  equal to one device's, gradients within 1e-5 relative (TP
   sums the row-parallel projections' partial products, the replicated activations' partial gradients,
   and, under sequence parallelism, the norms' weight gradients over the sequence shards, in another
   order); across the boundary each TP rank sends the hidden states' ``seq / tp`` rows, the rotary
   tables and ALiBi biases whole;
-* the collectives (torch's ``CommDebugMode``) of a stage of 2 Llama blocks: forward, one all-gather and
-  one reduce-scatter per projection pair (4 and 4), none of a weight; backward, their transposes plus
-  the embedding's gradient gathered once;
+* the collectives (torch's ``CommDebugMode``) of a stage of the embedding and 2 Llama blocks: forward,
+  one all-gather and one reduce-scatter per projection pair (4 and 4) and the embedding's reduce-scatter,
+  none of a weight; backward, the projections' transposes plus the embedding's gradient gathered once;
 * a graph that mixes sequence positions between its blocks (``cumsum`` on dim 1) is refused when built,
   naming the node;
 * pp=2 x tp=2 pipelines (4 ranks), 3 AdamW steps: losses and parameters torch.equal to the same traced
@@ -49,12 +51,13 @@ def test_traced_stages_run_sequence_parallel_within_rounding_of_one_device(names
             hidden = [shape for shape in model["sent"] if len(shape) == 3 and shape[-1] == 32 and shape[1] != 1]
             assert hidden and set(hidden) == {HIDDEN_ROWS}, (name, model["sent"])
             forward = model["comms"]["forward"]
-            assert forward["c10d_functional.reduce_scatter_tensor"] == 2, (name, forward)  # one block: attn, mlp
+            # the vocabulary-parallel embedding's lookup and one block's attn and mlp each reduce-scatter
+            assert forward["c10d_functional.reduce_scatter_tensor"] == 3, (name, forward)
             assert "c10d_functional.all_reduce" not in forward, (name, forward)
         assert {(1, 12, 8)} <= set(result["models"].get("llama", {"sent": [(1, 12, 8)]})["sent"])  # rotary whole
         collectives = result["collectives"]
         assert collectives["forward"] == {"c10d_functional.all_gather_into_tensor": 4,
-                                          "c10d_functional.reduce_scatter_tensor": 4}, collectives
+                                          "c10d_functional.reduce_scatter_tensor": 5}, collectives
         assert collectives["backward"] == {"c10d_functional.all_gather_into_tensor": 5,
                                            "c10d_functional.reduce_scatter_tensor": 4}, collectives
         assert collectives["sent"] == [HIDDEN_ROWS], collectives

@@ -173,16 +173,33 @@ def vocab_parallel_embedding(weight: DTensor, indices: DTensor, *options) -> DTe
         ids = DTensor.from_local(torch.tensor([[1, 95]]), tp_mesh, [Replicate()])
         vocab_parallel_embedding(weight, ids).placements    # (Replicate(),)
     """
+    return _reduced_lookup(weight, indices, options, Replicate())
+
+
+def vocab_parallel_embedding_on_sequence(weight: DTensor, indices: DTensor, *options) -> DTensor:
+    """:func:`vocab_parallel_embedding` reduced onto the sequence (``Shard(1)``): a reduce-scatter
+    in place of the all-reduce, as ``RowwiseParallel(output_layouts=Shard(1))`` gives a
+    sequence-parallel model's embedding (each TP rank keeps its ``seq / tp`` rows).
+
+    Example (on each of 2 ranks)::
+
+        vocab_parallel_embedding_on_sequence(weight, ids).placements    # (Shard(dim=1),)
+    """
+    return _reduced_lookup(weight, indices, options, Shard(1))
+
+
+def _reduced_lookup(weight: DTensor, indices: DTensor, options: tuple, placement) -> DTensor:
     looked_up = torch.ops.aten.embedding.default(weight, indices, *options)
     if not (isinstance(looked_up, DTensor) and any(p.is_partial() for p in looked_up.placements)):
         return looked_up
-    whole = [Replicate()] * looked_up.device_mesh.ndim
-    reduced = looked_up.redistribute(placements=whole)
+    placements = [placement] * looked_up.device_mesh.ndim
+    reduced = looked_up.redistribute(placements=placements)
     # Through a local tensor and back: the gradient arriving here is often Partial (the graph's
     # row-parallel users), and torch cannot turn a Partial gradient into the lookup's masked
-    # one; from_local's backward all-reduces it to Replicate first, as RowwiseParallel's local
-    # output has it all-reduced before the lookup's backward.
-    return DTensor.from_local(reduced.to_local(), looked_up.device_mesh, whole, run_check=False)
+    # one; from_local's backward reduces it to these placements first, as RowwiseParallel's
+    # local output has it reduced before the lookup's backward.
+    return DTensor.from_local(reduced.to_local(), looked_up.device_mesh, placements, run_check=False,
+                              shape=reduced.shape, stride=reduced.stride())
 
 
 def colwise_linear(input: torch.Tensor, weight: DTensor, *bias) -> DTensor:

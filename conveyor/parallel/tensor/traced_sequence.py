@@ -50,6 +50,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conveyor.errors import PipelineConfigError
+from conveyor.parallel.tensor.traced import (
+    colwise_linear,
+    vocab_parallel_embedding,
+    vocab_parallel_embedding_on_sequence,
+)
 
 aten = torch.ops.aten
 
@@ -63,7 +68,10 @@ _ROW_BY_ROW = {
 }
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 _REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction}
-_LINEAR = {aten.linear.default}
+# A linear on a column-split weight may already be traced.colwise_linear (rewritten before this pass).
+_LINEAR = {aten.linear.default, colwise_linear}
+# The lookups of an embedding; a vocabulary-parallel one is rewritten to reduce onto the sequence.
+_LOOKUPS = {aten.embedding.default, vocab_parallel_embedding, vocab_parallel_embedding_on_sequence}
 _TRANSPOSED = {aten.addmm.default, aten.mm.default, aten.matmul.default}  # x @ w: a (in, out) weight
 
 
@@ -119,7 +127,7 @@ def _projections(graph: fx.Graph, stage: nn.Module) -> tuple[list[str], list[str
         # on its output dim, or whole: the projection takes its input whole.
         for user in node.users:
             path = (_paths(user) or ("",))[-1]
-            if user.target is aten.embedding.default and user.args[0] is node:
+            if user.target in _LOOKUPS and user.args[0] is node:
                 kind = embeddings
             elif param.dim() != 2:
                 continue
@@ -155,6 +163,9 @@ def _rewrite(graph: fx.Graph, stage: nn.Module) -> tuple[list[fx.Node], list[fx.
     for path in (*embeddings, *rowwise):
         region = _region(graph, path)
         inside = set(region)
+        for node in region:  # the partial lookup reduce-scattered at once, not all-reduced then cut
+            if node.target is vocab_parallel_embedding:
+                node.target = vocab_parallel_embedding_on_sequence
         for node in region:
             outside = [user for user in node.users if user not in inside]
             if outside and _is_activation(node):
