@@ -30,7 +30,7 @@ from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.replicas import Replicas, check_data_parallel
 from conveyor.parallel.tied import TiedGradients, tied_copies_outside_their_first_stage
 from conveyor.runtime.device import group_device, make_current, place_modules, resolve_device
-from conveyor.runtime.executor import RankExecutor, RankPosts
+from conveyor.runtime.executor import PostPlanner, RankExecutor
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.memory import MemoryReport, memory_report
 from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder, replica_timeline
@@ -192,7 +192,7 @@ class DistributedRanks:
                                              self.device, self.comm_device)
         self.executor = RankExecutor(self.rank, schedule.placement, pipe.runners, self.transport,
                                      measure_memory=pipe.stage.measure_memory, device=self.device)
-        self.posts = RankPosts(self.runs, self.rank, self.transport.discipline)
+        self.posts = PostPlanner(self.runs, self.rank, self.transport.discipline)
 
     # --- a step ----------------------------------------------------------------------------
     def start(self, train: bool, record: bool) -> None:

@@ -30,7 +30,7 @@ from conveyor.options import Layout, TransferOptions
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import summed_loss
 from conveyor.runtime.device import module_device, place_modules, resolve_device
-from conveyor.runtime.executor import RankExecutor, RankPosts, run_local
+from conveyor.runtime.executor import PostPlanner, RankExecutor, run_local
 from conveyor.runtime.memory import MemoryReport, memory_report, reset_device_peaks
 from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder
 from conveyor.runtime.transport import LocalMailbox, LocalTransport
@@ -101,7 +101,7 @@ class InProcessRanks:
                          device=self.device)
             for rank in self.local_ranks
         ]
-        self.posts = [RankPosts(self.runs, rank, LocalTransport.discipline) for rank in self.local_ranks]
+        self.posts = [PostPlanner(self.runs, rank, LocalTransport.discipline) for rank in self.local_ranks]
 
     # --- a step ----------------------------------------------------------------------------
     def start(self, train: bool, record: bool) -> None:
