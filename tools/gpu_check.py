@@ -4,7 +4,7 @@ On one GPU (NCCL cannot put two ranks of one communicator on one GPU) it runs, o
 2 and 4 gloo ranks sharing the GPU (every built-in schedule on every transport, tied GPT-2,
 clipping, skip on non-finite, dp=2 with ddp and fsdp), NCCL at world size 1 (every collective
 the pipeline issues, checkpoint save and bitwise resume, bf16 weights with fp32 main grads, steps
-2 onward under ``torch.cuda.set_sync_debug_mode("error")``), ``conveyor train`` at pp=1 and its
+2 onward under ``torch.cuda.set_sync_debug_mode("warn")``, every site named), ``conveyor train`` at pp=1 and its
 default run, every schedule on traced GPT-2 and Llama with checkpointing + dropout + compile +
 bf16, a GPU that lags the host under the in-order transport, and the split backward (I + W)
 against the fused one (B) timed with CUDA events. Gradients and parameters are compared with
@@ -30,6 +30,7 @@ import argparse  # noqa: E402 - after the environment torch reads at import
 import importlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
@@ -69,13 +70,13 @@ ROWS = [
     Row("lag", "device lags the host, ordered transport, 2 gloo ranks", "ranks.lag_row", 15),
     Row("world1", "world 1: every collective, checkpoint resume", "world1.world1_row", 20, ("collectives",)),
     Row("world1-bf16", "world 1: bf16 weights, fp32 main grads", "world1.world1_row", 15, ("bf16",)),
-    Row("world1-syncs", "world 1: steps 2+ under sync debug 'error'", "world1.world1_row", 30, ("syncs",),
+    Row("world1-syncs", "world 1: steps 2+ under sync debug, every sync named", "world1.world1_row", 30, ("syncs",),
         gpu_only=True),
-    Row("train-pp1", "conveyor train pp=1: eval, ckpt, resume, bf16, tokens", "train_rows.train_pp1_row", 60),
+    Row("train-pp1", "conveyor train pp=1: eval, ckpt, resume, bf16, tokens", "train_rows.train_pp1_row", 75),
     Row("train-default", "conveyor train: the default run", "train_rows.train_default_row", 35),
-    Row("traced-gpt2", "traced GPT-2: every schedule, ckpt+dropout+compile+bf16", "hf_rows.traced_row", 50,
+    Row("traced-gpt2", "traced GPT-2: every schedule, ckpt+dropout+compile+bf16", "hf_rows.traced_row", 90,
         ("gpt2",)),
-    Row("traced-llama", "traced Llama: every schedule, ckpt+dropout+compile+bf16", "hf_rows.traced_row", 50,
+    Row("traced-llama", "traced Llama: every schedule, ckpt+dropout+compile+bf16", "hf_rows.traced_row", 90,
         ("llama",)),
     Row("split-bw", "GPT stages: split backward I + W against fused B", "split_bw.split_backward_row", 15),
 ]
@@ -114,7 +115,8 @@ def run_row(row: Row, ctx: Context) -> tuple[str, str, str, float]:
     start = time.perf_counter()
     try:
         ok, detail = row.run(ctx)
-    except Exception as exc:  # a row that raises fails; the table goes on
+    except Exception as exc:  # a row that raises fails; the table goes on, its traceback on stderr
+        traceback.print_exc(file=sys.stderr)
         text = str(exc).strip().splitlines()
         ok, detail = False, f"{type(exc).__name__}: {(text[-1] if text else '')[:200]}"
     seconds = time.perf_counter() - start

@@ -239,8 +239,18 @@ def after_last_backward(runner: StageRunner) -> None:
     root.set_reshard_after_backward(True)
     root.set_requires_gradient_sync(True)
     for fsdp_module in _fsdp_modules(root):
-        for param_group in fsdp_module._get_fsdp_state()._fsdp_param_groups:
+        for param_group in _param_groups(fsdp_module):
             param_group.post_backward()  # reduce-scatter (gradients present) and reshard
+
+
+def _param_groups(fsdp_module: Any) -> list[Any]:
+    """The module's FSDP2 parameter groups: a list in torch 2.13, one group (or None) before it."""
+    state = fsdp_module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def reduction_streams(runner: StageRunner) -> list[Any]:
@@ -252,8 +262,13 @@ def reduction_streams(runner: StageRunner) -> list[Any]:
     """
     streams: list[Any] = []
     for fsdp_module in _fsdp_modules(runner.module):
-        for param_group in fsdp_module._get_fsdp_state()._fsdp_param_groups:
-            streams.extend(s for s in param_group.comm_ctx._last_post_reduce_events if s not in streams)
+        for param_group in _param_groups(fsdp_module):
+            comm = param_group.comm_ctx
+            used = getattr(comm, "_last_post_reduce_events", None)  # torch 2.13: stream -> its event
+            if used is None:  # older torch: the streams FSDP2 reduces on
+                used = [s for s in (getattr(comm, "reduce_scatter_stream", None),
+                                    getattr(comm, "all_reduce_stream", None)) if s is not None]
+            streams.extend(s for s in used if s not in streams)
     return streams
 
 

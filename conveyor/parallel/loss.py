@@ -88,8 +88,11 @@ class LossBroadcast:
                     "build a new pipeline"
                 )
             self.dtype = total.dtype
-            packet[0] = total.detach()  # a copy on the device the backend takes (gloo: to the CPU)
-            packet[1] = _FLOAT_DTYPES.index(total.dtype) if total.dtype in _FLOAT_DTYPES else 0
+            if self.num_ranks == 1:
+                return total
+            packet[0].copy_(total.detach())  # a copy on the device the backend takes (gloo: to the CPU)
+            # fill_, not item assignment: assigning a Python number copies it from the host, a sync on a GPU
+            packet[1].fill_(_FLOAT_DTYPES.index(total.dtype) if total.dtype in _FLOAT_DTYPES else 0)
         if self.num_ranks > 1:
             dist.broadcast(packet, src=self.src, group=group)
         if total is not None:

@@ -175,9 +175,27 @@ def mlp_state(stages: Mapping[int, torch.nn.Module], attribute: str) -> dict[str
     for s, module in stages.items():
         for n, p in module.named_parameters():
             value = p.grad if attribute == "grad" else p.detach()
-            full = getattr(value, "full_tensor", None)  # a DTensor (fsdp): gathered, a collective
-            out[f"{s}.{n}"] = None if value is None else (full() if full is not None else value)
+            out[f"{s}.{n}"] = _gathered(value) if hasattr(value, "device_mesh") else value
     return cpu(out)
+
+
+def _gathered(shard: Any) -> torch.Tensor:
+    """The whole of a data-parallel parameter (a DTensor sharded on dim 0 or replicated), via the host.
+
+    Not ``full_tensor()``: its all-gather of a CUDA tensor over gloo (the rows' ranks share one
+    GPU, so gloo) crashed torch 2.11 with a segfault; the host copies cost nothing at this size.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    if tuple(shard.placements) == (Replicate(),):  # ddp (torch's replicate): each rank holds it whole
+        return shard.to_local()
+    if tuple(shard.placements) != (Shard(0),):
+        raise AssertionError(f"expected a parameter sharded on dim 0 or replicated, got {shard.placements}")
+    group = shard.device_mesh.get_group()
+    pieces: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, shard.to_local().detach().cpu(), group=group)
+    return torch.cat(pieces, dim=0)
 
 
 def nvidia_smi_gpus() -> list[str] | None | str:

@@ -1,6 +1,7 @@
 """Rows at world size 1 on NCCL (gloo on the CPU): every collective the pipeline issues, a
 checkpoint saved and resumed bitwise, bf16 weights with fp32 main grads, and steps 2 onward
-under ``torch.cuda.set_sync_debug_mode("error")``. One rank process runs the parts asked for.
+under ``torch.cuda.set_sync_debug_mode("warn")`` (every site that syncs, named). One rank
+process runs the parts asked for.
 
 Example::
 
@@ -9,8 +10,12 @@ Example::
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
+import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -151,9 +156,37 @@ def bf16_main_grads(device: torch.device) -> tuple[bool, str]:
     return ok, f"losses, norms, fp32 main grads, {'/'.join(dtypes)} params bitwise" if ok else detail
 
 
+def _project_frames(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost frames of this repository's code (not torch's, not Python's), innermost first."""
+    ours = [f for f in stack if "site-packages" not in f.filename and "/lib/python3" not in f.filename
+            and not f.filename.endswith("world1.py")]
+    return " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(ours[-3:]))
+
+
+def _sync_sites(run) -> Counter:
+    """Where ``run()`` made the GPU synchronise with the host: torch's sync debug mode "warn"
+    raises a warning at each such call; its Python stack names the site (every site, not the first)."""
+    sites: Counter = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "called a synchronizing CUDA operation" in str(message):  # not the mode's "prototype" notice
+            sites[_project_frames(traceback.extract_stack()[:-1]) or f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites
+
+
 def sync_free(device: torch.device, quick: bool) -> tuple[bool, str]:
-    """Steps 2.. (step and clip) with the GPU set to raise on any host synchronisation."""
+    """Steps 2.. (step and clip) with the GPU set to report any host synchronisation, and where."""
     names = ["interleaved-1f1b", "zbv"] if quick else ["interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "looped-bfs"]
+    found: dict[str, list[str]] = {}
     for name in names:
         for options in ({}, {"loss_fn": lm_loss, "stage": conveyor.StageOptions(param_dtype="bf16")}):
             pipe, stages = _pipe(device, _schedule(name), **options)
@@ -162,18 +195,25 @@ def sync_free(device: torch.device, quick: bool) -> tuple[bool, str]:
             try:
                 for step in range(3):
                     ids, targets = (t.to(device) for t in make_batch(seed=step))
-                    torch.cuda.set_sync_debug_mode("error" if step else "default")
-                    try:
+
+                    def one_step(pipe=pipe, ids=ids, targets=targets) -> None:
                         pipe.step(ids, target=targets)
                         pipe.clip_grad_norm_(CLIP)
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
+
+                    if step == 0:
+                        one_step()  # the first step may sync (allocations, lazy set-up)
+                    else:
+                        for site, count in _sync_sites(one_step).items():
+                            found.setdefault(site, []).append(f"{name}{' bf16' if options else ''} x{count}")
                     optimizer.step()
                     optimizer.zero_grad()
-            except Exception as exc:  # the sync the GPU refused, with where it came from
-                return False, f"{name}{' bf16' if options else ''}: {type(exc).__name__}: {str(exc).splitlines()[0]}"
             finally:
                 pipe.close()
+    if found:
+        for site, where in found.items():
+            print(f"world1-syncs: {site}: {', '.join(where)}", file=sys.stderr, flush=True)
+        listed = "; ".join(f"{site} ({where[0]}{' ...' if len(where) > 1 else ''})" for site, where in found.items())
+        return False, f"{len(found)} site(s) synchronised the host: {listed}"
     return True, f"{len(names)} schedules x (fp32, bf16 main grads): steps 2-3 made no host sync"
 
 
