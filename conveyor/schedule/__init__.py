@@ -12,8 +12,8 @@ From a builder to the program a rank runs, in the order the code does it:
 2. **Schedule** (``ir.py``): the placement plus one program per rank, frozen. A program of
    well-formed actions is held as a :class:`~conveyor.schedule.ir.PackedProgram` (one integer
    per action, read as Actions); anything else stays as given, for the verifier to name.
-3. **Verify** (``verify.py``): one pass of the engine (``engine.runs_clean``; ``fast.py`` for
-   compute-only programs) says whether every rank runs to its end with every action once; only
+3. **Verify** (``verify.py``): one pass of the engine's stepping loop (``engine.runs_clean``, on
+   the programs' own integer codes, lowered or not) says whether every rank runs to its end with every action once; only
    a schedule that fails is walked through the checks one by one for a message naming the
    first violation (a missing action, a duplicate, a deadlock with its step x rank grid).
 4. **Lower** (``passes.py``: :func:`executable` -> ``lower.py``): the pass chain turns the

@@ -1,8 +1,8 @@
-"""Step per-rank programs in order, each action starting once what it needs is done.
+"""The one stepping loop: per-rank programs in order, each action starting once what it needs is done.
 
-One stepping loop serves the verifier (does every rank reach the end? if not,
-who waits for what: :func:`runs_clean`, :func:`stuck_ranks`) and the simulator
-(when does each action start and end: :mod:`conveyor.schedule.simulate`).
+It serves the verifier (does every rank reach the end, each action once? if not, who
+waits for what: :func:`runs_clean`, :func:`stuck_ranks`) and the simulator (when does each
+action start and end: :func:`step`, read by :mod:`conveyor.schedule.simulate`).
 Semantics are those of the runtime: a send never blocks; a receive blocks until
 the matching send was executed; an action that needs another stage's output
 waits until that output was produced (plus the message latency when it
@@ -20,80 +20,68 @@ could only run after ``F(s+1, m)`` and hence after ``F(s, m)``):
   SEND_F(s, m)                   F(s, m)       SEND_B(s, m)  B/I(s, m)
   RECV_F(s, m)                   SEND_F(s-1, m)  RECV_B(s, m)  SEND_B(s+1, m)
 
-The parts, in the order a pass uses them:
+The loop reads the programs' own codes (:class:`~conveyor.schedule.ir.PackedProgram`:
+``(kind * S + stage) * M + microbatch``), touching integers and float arrays only: no
+Action is made unless a :class:`CostModel` of the user's asks for one. Its one table is
+the *finish table*: per slot, when it was done (``UNSET`` while not). Slots come in regions
+of ``S * M``, then one row of ``M`` that is always done (what a first-stage forward needs):
 
-- :class:`CodeSpace`: every action of a valid schedule is one integer *code*
-  ``region * S * M + stage * M + microbatch`` (B and I share the "input
-  gradient" region: a (stage, microbatch) has one or the other), and what it
-  needs is its code plus a delta that depends only on (region, stage).
-- :func:`rank_tables`: per rank, ``{id(kind): {stage: Row}}`` for the
-  (kind, stage) pairs that may appear there; the caller decides what a
-  :class:`Row` carries besides its code and need (a duration, a second slot).
-- :func:`step_ranks`: the loop. It looks each action up once, then touches
-  plain ints and one list, the *finish table*: per code, when it is done
-  (None while it is not). A waiting rank is parked on the code it needs and
-  woken when that code is done, so each action is looked at once or twice and
-  the loop cannot hang: a schedule with 262,144 actions steps in about a tenth
-  of a second.
-- :func:`step_schedule`: picks the tables of compute-only or lowered programs
-  and runs the loop; :func:`blocked_ranks` words where ranks stopped.
+  region   written by                    region   written by
+  F        F                             SPLIT    an I (a mark: what its W waits for)
+  G        B or I (one per (s, m))       SEND_F, RECV_F, SEND_B, RECV_B: themselves
+  WEIGHT   W                             (the last four in lowered programs only)
 
-The same loop on packed compute-only programs, with integers and float arrays in place of
-actions, is :mod:`conveyor.schedule.fast` (its verdicts and times are this loop's, bit for
-bit). Two steppers keep a loop of their own, each saying why where it lives: ranks sharing
-CPU cores (:func:`conveyor.schedule.simulate.simulate_shared_cores`: an action's end depends
-on every rank at once), zb-auto's list scheduler (:mod:`conveyor.schedule.builtin.zb_auto`:
-it writes the programs as it steps). The posts a rank makes (:mod:`conveyor.schedule.posts`)
-are checked by this loop too: they are written as actions it steps.
+An action finds its slot, the slot it needs and a second slot it marks by adding deltas
+that depend on its (kind, stage) only (:func:`key_tables`). A W needs its I's mark, which a
+B never writes: a W after a B never runs. So once every rank reached its end, counts of
+unset slots say the rest of what the verifier asks (:func:`_each_action_once`): every
+(stage, microbatch) forwarded and backwarded, no action twice, a W exactly where an I ran.
+
+A waiting rank is parked on the slot it needs and woken when the rank that finishes that
+slot stops, so each action is looked at once or twice and the loop cannot hang: zbv at
+P=256, M=2048 (3 million actions) steps in about a second.
+
+Two steppers keep a loop of their own, each saying why where it lives: ranks sharing CPU
+cores (:func:`conveyor.schedule.simulate.simulate_shared_cores`: an action's end depends on
+every rank at once; it reads this module's tables), zb-auto's list scheduler
+(:mod:`conveyor.schedule.builtin.zb_auto`: it writes the programs as it steps). The posts a
+rank makes (:mod:`conveyor.schedule.posts`) are checked by this loop too: they are written as
+actions it steps.
 
 Example:
     >>> import conveyor.schedule as cs
     >>> runs_clean(cs.build("1f1b", ranks=2, microbatches=2))
     True
+    >>> run = step(cs.build("1f1b", ranks=2, microbatches=2), took=[1.0] * 8, record=True)
+    >>> [list(ends) for ends in run.ends]
+    [[1.0, 2.0, 4.0, 6.0], [2.0, 3.0, 4.0, 5.0]]
     >>> from conveyor.schedule.ir import Placement, Schedule
     >>> swap = Schedule.from_programs("swap", Placement.looped(2), 2,
     ...     [["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]])
-    >>> [(b.rank, b.position, str(b.action)) for b in stuck_ranks(swap)]
-    [(0, 1, '0B0'), (1, 0, '1F1')]
+    >>> [(b.rank, b.position, str(b.action), str(b.producer)) for b in stuck_ranks(swap)]
+    [(0, 1, '0B0', '1B0'), (1, 0, '1F1', '0F1')]
+    >>> stuck_ranks(swap)[1].waits_for
+    'the forward output of stage 0, microbatch 1'
 """
 
 from __future__ import annotations
 
+from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import add, floordiv, is_, length_hint, mul
-from typing import NamedTuple
+from itertools import chain
 
-from conveyor.errors import UnknownAction
-from conveyor.schedule.fast import fast_eligible, step_packed
-from conveyor.schedule.ir import NUM_COMPUTE_KINDS, Action, ActionKind, Schedule
+from conveyor.schedule.ir import KINDS, NUM_COMPUTE_KINDS, Action, ActionKind, Schedule
 
-# Regions of the code space. B and I share one: each (stage, microbatch) has one of them.
-REGION_F, REGION_G, REGION_W = 0, 1, 2
-REGION_SEND_F, REGION_RECV_F, REGION_SEND_B, REGION_RECV_B = 3, 4, 5, 6
-REGION_NONE = 7  # always "done": the need of an action that waits for nothing
-NUM_REGIONS = 8
-# Past the code space, verification marks the (stage, microbatch) whose backward was split.
-REGION_SPLIT_MARK = 8
-
-KIND_REGION: dict[ActionKind, int] = {
-    ActionKind.F: REGION_F,
-    ActionKind.B: REGION_G,
-    ActionKind.I: REGION_G,
-    ActionKind.W: REGION_W,
-    ActionKind.SEND_F: REGION_SEND_F,
-    ActionKind.RECV_F: REGION_RECV_F,
-    ActionKind.SEND_B: REGION_SEND_B,
-    ActionKind.RECV_B: REGION_RECV_B,
-}
-# Keyed by id(): ActionKind members are singletons, and only they match (a plain "F" string
-# hashes and compares equal to ActionKind.F, but is not an ActionKind).
-REGION_BY_KIND_ID: dict[int, int] = {id(kind): region for kind, region in KIND_REGION.items()}
-COMM_KIND_IDS = frozenset(id(k) for k in ActionKind if k.is_comm)
-
-ASK_DURATION = object()
-"""A :class:`Row` duration meaning "call ``duration(action)``": the time depends on more than (kind, stage)."""
+UNSET = -1.0  # no time is negative: clocks start at 0 and costs and latency are >= 0
+# Kind indices of the codes (ir.KINDS), and the regions of the finish table.
+_F, _B, _I, _W, _SEND_F, _RECV_F, _SEND_B, _RECV_B = range(len(KINDS))
+REGION_F, REGION_G, REGION_WEIGHT, REGION_SPLIT = range(NUM_COMPUTE_KINDS)
+REGION_SEND_F, REGION_RECV_F, REGION_SEND_B, REGION_RECV_B = range(NUM_COMPUTE_KINDS, len(KINDS))
+_CHUNK = 1 << 16
+# By id(): ActionKind members are singletons, and a plain "SEND_F" string compares equal to one (lower() reads it).
+COMM_KIND_IDS = frozenset(id(kind) for kind in ActionKind if kind.is_comm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,208 +102,22 @@ class Blocked:
 
 
 @dataclass(frozen=True, slots=True)
-class CodeSpace:
-    """The integer codes of one schedule's actions: ``region * S * M + stage * M + microbatch``.
+class Run:
+    """What :func:`step` found.
 
-    Example:
-        >>> space = CodeSpace(num_stages=2, num_microbatches=4, stage_to_rank=(0, 1))
-        >>> space.code(ActionKind.I, 1, 3), space.code(ActionKind.B, 1, 3)
-        (15, 15)
-        >>> space.describe(15)
-        'the input gradient of stage 1, microbatch 3'
+    ``starts``/``ends``: per rank, the start and end of each action it ran, in program order
+    (SEND/RECV included, taking no time; empty unless recorded). ``stopped_at[rank]``: the
+    position of the action the rank waits at, None if it reached its end (unless recorded, the
+    first position of that action: the same in a program without duplicates); ``waiting_for``:
+    the slot that action needs (:func:`describe_slot` words it). ``clean``: every rank reached
+    its end, each action once, every pass there, a W exactly after an I.
     """
 
-    num_stages: int
-    num_microbatches: int
-    stage_to_rank: tuple[int, ...]
-
-    @classmethod
-    def of(cls, schedule: Schedule) -> CodeSpace:
-        return cls(schedule.num_stages, schedule.num_microbatches, schedule.placement.stage_to_rank)
-
-    @property
-    def region_size(self) -> int:
-        return self.num_stages * self.num_microbatches
-
-    @property
-    def size(self) -> int:
-        return NUM_REGIONS * self.region_size
-
-    def code(self, kind: ActionKind, stage: int, microbatch: int) -> int:
-        return (KIND_REGION[kind] * self.num_stages + stage) * self.num_microbatches + microbatch
-
-    def split(self, code: int) -> tuple[int, int, int]:
-        """``(region, stage, microbatch)`` of a code."""
-        region_stage, microbatch = divmod(code, self.num_microbatches)
-        region, stage = divmod(region_stage, self.num_stages)
-        return region, stage, microbatch
-
-    def encode(self, program: Sequence[Action]) -> list[int]:
-        """Codes of one rank's actions (the actions must be valid: see ``verify``)."""
-        return self.encode_fields(
-            list(map(id, [a.kind for a in program])), [a.stage for a in program], [a.microbatch for a in program]
-        )
-
-    def encode_fields(self, kind_ids: list[int], stages: list[int], microbatches: list[int]) -> list[int]:
-        """Codes from the fields of a rank's actions (``id(kind)``, stage, microbatch), with C loops only."""
-        region_size, num_microbatches = self.region_size, self.num_microbatches
-        region_offset = {kind_id: region * region_size for kind_id, region in REGION_BY_KIND_ID.items()}
-        return list(
-            map(
-                add,
-                map(region_offset.__getitem__, kind_ids),
-                map(add, map(mul, stages, repeat(num_microbatches)), microbatches),
-            )
-        )
-
-    def region_stages(self, codes: list[int]) -> list[int]:
-        """``region * S + stage`` of each code: the index into :meth:`need_deltas`."""
-        return list(map(floordiv, codes, repeat(self.num_microbatches)))
-
-    def allowed_region_stages(self) -> list[set[int]]:
-        """Per rank, the ``region * S + stage`` that may appear there, SEND/RECV included."""
-        allowed: list[set[int]] = [set() for _ in range(max(self.stage_to_rank) + 1)]
-        for kind, stage in self._kind_stages(lowered=True):
-            allowed[self.stage_to_rank[stage]].add(KIND_REGION[kind] * self.num_stages + stage)
-        return allowed
-
-    def _kind_stages(self, lowered: bool) -> list[tuple[ActionKind, int]]:
-        """(kind, stage) of every action the programs may hold: each stage's passes, and (lowered)
-        a SEND/RECV only towards a neighbour stage on another rank."""
-        last, to_rank = self.num_stages - 1, self.stage_to_rank
-        pairs = []
-        for kind in ActionKind:
-            for stage in range(self.num_stages):
-                if kind.is_comm:
-                    peer = stage + 1 if kind in (ActionKind.SEND_F, ActionKind.RECV_B) else stage - 1
-                    if not lowered or not 0 <= peer <= last or to_rank[peer] == to_rank[stage]:
-                        continue
-                pairs.append((kind, stage))
-        return pairs
-
-    def need_deltas(self, lowered: bool) -> list[int]:
-        """For each ``region * S + stage``: what to add to a code to get the code it needs.
-
-        See the table in the module docstring. Regions without actions in the
-        given mode keep the delta to REGION_NONE (never read for valid schedules).
-        """
-        deltas = []
-        for region in range(NUM_REGIONS):
-            deltas.extend(self._need_delta(region, stage, lowered) for stage in range(self.num_stages))
-        return deltas
-
-    def _need_delta(self, region: int, stage: int, lowered: bool) -> int:
-        last, to_rank = self.num_stages - 1, self.stage_to_rank
-        num_microbatches, region_size = self.num_microbatches, self.region_size
-        previous_remote = stage > 0 and to_rank[stage - 1] != to_rank[stage]
-        next_remote = stage < last and to_rank[stage + 1] != to_rank[stage]
-        if region == REGION_F and stage > 0:
-            return (REGION_RECV_F - REGION_F) * region_size if lowered and previous_remote else -num_microbatches
-        if region == REGION_G:
-            if stage == last:
-                return (REGION_F - REGION_G) * region_size
-            return (REGION_RECV_B - REGION_G) * region_size if lowered and next_remote else num_microbatches
-        if region == REGION_W:
-            return (REGION_G - REGION_W) * region_size
-        if region == REGION_SEND_F:
-            return (REGION_F - REGION_SEND_F) * region_size
-        if region == REGION_SEND_B:
-            return (REGION_G - REGION_SEND_B) * region_size
-        if region == REGION_RECV_F and stage > 0:
-            return (REGION_SEND_F - REGION_RECV_F) * region_size - num_microbatches
-        if region == REGION_RECV_B and stage < last:
-            return (REGION_SEND_B - REGION_RECV_B) * region_size + num_microbatches
-        return (REGION_NONE - region) * region_size
-
-    def remote_needs(self, lowered: bool) -> list[bool]:
-        """For each ``region * S + stage``: whether its need is produced on another rank."""
-        num_stages, to_rank = self.num_stages, self.stage_to_rank
-        remote = [False] * (NUM_REGIONS * num_stages)
-        for stage in range(num_stages):
-            previous_remote = stage > 0 and (lowered or to_rank[stage - 1] != to_rank[stage])
-            next_remote = stage < num_stages - 1 and (lowered or to_rank[stage + 1] != to_rank[stage])
-            remote[(REGION_RECV_F if lowered else REGION_F) * num_stages + stage] = previous_remote
-            remote[(REGION_RECV_B if lowered else REGION_G) * num_stages + stage] = next_remote
-        return remote
-
-    def needs(self, codes: list[int], deltas: list[int], region_stages: list[int] | None = None) -> list[int]:
-        """The code each action needs (``deltas`` from :meth:`need_deltas`)."""
-        if region_stages is None:
-            region_stages = self.region_stages(codes)
-        return list(map(add, codes, map(deltas.__getitem__, region_stages)))
-
-    def describe(self, code: int) -> str:
-        """What a code stands for, in words."""
-        region, stage, microbatch = self.split(code)
-        return {
-            REGION_F: f"the forward output of stage {stage}, microbatch {microbatch}",
-            REGION_G: f"the input gradient of stage {stage}, microbatch {microbatch}",
-            REGION_W: f"the weight gradient of stage {stage}, microbatch {microbatch}",
-            REGION_SEND_F: f"the send {stage}SEND_F{microbatch}",
-            REGION_RECV_F: f"the receive {stage}RECV_F{microbatch}",
-            REGION_SEND_B: f"the send {stage}SEND_B{microbatch}",
-            REGION_RECV_B: f"the receive {stage}RECV_B{microbatch}",
-        }.get(region, "nothing")
-
-    def finish_table(self, copies: int = 1, extra_regions: int = 0) -> list[float | None]:
-        """``copies`` of the code space (then ``extra_regions``), nothing finished but REGION_NONE."""
-        finish: list[float | None] = [None] * (copies * self.size + extra_regions * self.region_size)
-        always = [float("-inf")] * self.region_size
-        for copy in range(copies):
-            start = copy * self.size + REGION_NONE * self.region_size
-            finish[start : start + self.region_size] = always
-        return finish
-
-
-class Row(NamedTuple):
-    """What the loop needs of one (kind, stage) on a rank; an action adds its microbatch to ``base``.
-
-    ``took``: its duration, None for none (communication, or a pass that keeps no time),
-    or :data:`ASK_DURATION`. ``echo``: 0, or the offset of a second slot the action also
-    finishes, ``latency`` later (what another rank sees, or a mark the verifier reads).
-    """
-
-    base: int
-    need_delta: int
-    took: object
-    echo: int
-
-
-RowMaker = Callable[[ActionKind, int, int, int, bool], Row]
-"""``(kind, stage, base, need_delta, need_is_remote) -> Row``."""
-
-
-def rank_tables(space: CodeSpace, lowered: bool, make_row: RowMaker) -> list[dict[int, dict[int, Row]]]:
-    """Per rank, ``{id(kind): {stage: Row}}`` of what may appear there.
-
-    An action whose (kind, stage) may not appear on its rank misses the table,
-    so the lookup doubles as a check. Tables of compute-only programs hold no
-    SEND/RECV.
-    """
-    num_stages, region_size = space.num_stages, space.region_size
-    deltas, remote = space.need_deltas(lowered), space.remote_needs(lowered)
-    tables: list[dict[int, dict[int, Row]]] = [{} for _ in range(max(space.stage_to_rank) + 1)]
-    for kind, stage in space._kind_stages(lowered):
-        region_stage = KIND_REGION[kind] * num_stages + stage
-        base = KIND_REGION[kind] * region_size + stage * space.num_microbatches
-        row = make_row(kind, stage, base, deltas[region_stage], remote[region_stage])
-        tables[space.stage_to_rank[stage]].setdefault(id(kind), {})[stage] = row
-    return tables
-
-
-@dataclass(slots=True)
-class Progress:
-    """Where a pass of :func:`step_ranks` left things.
-
-    ``stopped_at[rank]``: the index of the action the rank waits at, None if it
-    ran to its end. ``starts``/``ends``: per rank, the times of its actions that
-    have a duration, in program order.
-    """
-
-    finish: list[float | None]
-    stopped_at: list[int | None]
-    starts: list[list[float]]
-    ends: list[list[float]]
+    starts: tuple[array, ...]
+    ends: tuple[array, ...]
+    stopped_at: tuple[int | None, ...]
+    waiting_for: tuple[int | None, ...]
+    clean: bool
     lowered: bool
 
     @property
@@ -323,130 +125,185 @@ class Progress:
         return all(position is None for position in self.stopped_at)
 
 
-def step_ranks(
-    programs: Sequence[Sequence[Action]],
-    tables: list[dict[int, dict[int, Row]]],
-    finish: list[float | None],
-    space: CodeSpace,
-    latency: float = 0.0,
-    duration: Callable[[Action], float] | None = None,
-) -> tuple[list[int | None], list[list[float]], list[list[float]]]:
-    """Run every rank as far as it can; return ``(stopped_at, starts, ends)`` (see :class:`Progress`).
+def key_tables(
+    stage_to_rank: Sequence[int], num_microbatches: int, took: Sequence[float | None], latency: float = 0.0,
+    lowered: bool = False,
+) -> list[list[tuple | None]]:
+    """Per rank, per key ``kind * S + stage`` (a code's ``code // M``): ``(slot, need, mark, took, lat)``,
+    the deltas from a code to its finish slot, to the slot it needs and to a second slot it
+    marks, its duration (None: ask per action) and the latency of its need (where another
+    rank produces it); None where the key may not appear on the rank, so that the look-up
+    doubles as the check that an action runs on its stage's rank (and a SEND/RECV only
+    between neighbour stages on different ranks, in lowered programs only).
 
-    A rank runs its next action once the code it needs is finished, else it is parked
-    on that code and another rank runs; finishing a code wakes the rank parked on it.
-    Raises :class:`UnknownAction` for an action not in the tables, IndexError for a
-    microbatch out of range.
+    Example:
+        >>> key_tables((0, 1), 1, [1.0] * 8)[1][1]   # F of stage 1 on rank 1: needs F of stage 0
+        (0, -1, 0, 1.0, 0.0)
     """
-    num_ranks, num_microbatches, size = len(programs), space.num_microbatches, space.size
-    # Per code, the rank parked on it (a dict: a list indexed by code steps no faster within noise
-    # and holds 8 bytes per code). A valid schedule has at most one waiter per code (its one consumer
-    # on another rank); an invalid one that overwrites the slot stops where it would have anyway.
-    waiting: dict[int, int] = {}
-    # An echo without latency (the verifier's mark of an I) keeps `now` itself: no new float per mark.
-    clock = [0.0] * num_ranks
-    starts, ends = [[] for _ in range(num_ranks)], [[] for _ in range(num_ranks)]
-    start_appenders, end_appenders = [times.append for times in starts], [times.append for times in ends]
-    # One iterator per rank, resumed where it stopped (re-slicing is quadratic). A parked rank keeps
-    # (action, code, need, took, echo); it is woken once that need is finished, and runs it at once.
-    remaining = [iter(program) for program in programs]
-    parked: list[tuple | None] = [None] * num_ranks
-    work = list(range(num_ranks - 1, -1, -1))
-    action = None
-    try:
-        while work:
-            rank = work.pop()
-            now, table = clock[rank], tables[rank]
-            add_start, add_end = start_appenders[rank], end_appenders[rank]
-            if parked[rank] is not None:  # -- resume: the parked action runs, as at the end of the loop below
-                (action, code, need, took, echo), parked[rank] = parked[rank], None
-                ready = finish[need]
-                if ready > now:
-                    now = ready
-                if took is not None:
-                    if took is ASK_DURATION:
-                        took = duration(action)
-                    add_start(now)
-                    now += took
-                    add_end(now)
-                finish[code] = now
-                if echo:
-                    finish[code + echo] = now + latency if latency else now
-                if code in waiting:
-                    work.append(waiting.pop(code))
-            for action in remaining[rank]:
-                # -- look up: the action's code and need (and, for the caller, duration and echo)
-                base, need_delta, took, echo = table[id(action.kind)][action.stage]
-                microbatch = action.microbatch
-                if not 0 <= microbatch < num_microbatches:
-                    raise IndexError(f"microbatch {microbatch!r} out of range in {action}")
-                code = base + microbatch
-                ready = finish[code + need_delta]
-                if ready is None:  # -- park on the code itself (its producer announces that, not an echo)
-                    waiting[(code + need_delta) % size] = rank
-                    parked[rank] = (action, code, code + need_delta, took, echo)
-                    break
-                if ready > now:  # -- run: once both the rank and what it needs are ready
-                    now = ready
-                if took is not None:
-                    if took is ASK_DURATION:
-                        took = duration(action)
-                    add_start(now)
-                    now += took
-                    add_end(now)
-                finish[code] = now  # -- finish the code (and its echo), wake whoever waits for it
-                if echo:
-                    finish[code + echo] = now + latency if latency else now
-                if code in waiting:
-                    work.append(waiting.pop(code))
-            clock[rank] = now
-    except KeyError:
-        raise UnknownAction(action) from None
-    return _stopped_at(programs, remaining, parked), starts, ends
+    S, M = len(stage_to_rank), num_microbatches
+    SM = S * M
+    always = (len(KINDS) if lowered else NUM_COMPUTE_KINDS) * SM  # the always-done row
+    tables: list[list[tuple | None]] = [[None] * (len(KINDS) * S) for _ in range(max(stage_to_rank) + 1)]
+    for s, rank in enumerate(stage_to_rank):
+        previous_remote = s > 0 and stage_to_rank[s - 1] != rank
+        next_remote = s < S - 1 and stage_to_rank[s + 1] != rank
+        rows = {_F: (0, always if s == 0 else (REGION_RECV_F * SM if lowered and previous_remote else -M),
+                     previous_remote and not lowered),
+                _W: (-SM, 0, False)}  # a W writes the WEIGHT region and needs its I's SPLIT mark
+        for kind in (_B, _I):  # the input gradient of s+1, or on the last stage its own forward
+            if s == S - 1:
+                need = (REGION_F - kind) * SM
+            else:
+                need = (REGION_RECV_B - kind) * SM if lowered and next_remote else (REGION_G - kind) * SM + M
+            rows[kind] = (REGION_G - kind) * SM, need, next_remote and not lowered
+        if lowered and next_remote:
+            rows[_SEND_F] = 0, (REGION_F - _SEND_F) * SM, False
+            rows[_RECV_B] = 0, (REGION_SEND_B - _RECV_B) * SM + M, True
+        if lowered and previous_remote:
+            rows[_RECV_F] = 0, (REGION_SEND_F - _RECV_F) * SM - M, True
+            rows[_SEND_B] = 0, (REGION_G - _SEND_B) * SM, False
+        for kind, (slot, need, remote) in rows.items():
+            mark = SM if kind == _I else slot
+            duration = took[kind * S + s] if kind < NUM_COMPUTE_KINDS else 0.0
+            tables[rank][kind * S + s] = (slot, need, mark, duration, latency if remote else 0.0)
+    return tables
 
 
-def _stopped_at(programs: Sequence[Sequence[Action]], remaining: list, parked: list) -> list[int | None]:
-    """Per rank, the index of its parked action (its iterator stands just past it), or None."""
-    return [
-        None if parked[rank] is None else len(programs[rank]) - length_hint(remaining[rank]) - 1
-        for rank in range(len(programs))
-    ]
-
-
-def looks_lowered(schedule: Schedule) -> bool:
-    """Whether a SEND/RECV shows within the first few actions of a rank (where lowering puts them)."""
-    return any(id(a.kind) in COMM_KIND_IDS for program in schedule.programs for a in program[:4])
-
-
-def step_schedule(
+def step(
     schedule: Schedule,
-    space: CodeSpace,
-    make_row: RowMaker,
-    copies: int = 1,
-    extra_regions: int = 0,
+    took: Sequence[float] | None = None,
     latency: float = 0.0,
     duration: Callable[[Action], float] | None = None,
-) -> Progress:
-    """One pass over ``schedule``, with the tables of compute-only or lowered programs as it needs.
+    record: bool = False,
+) -> Run | None:
+    """Step every rank of ``schedule`` as far as it goes; None where an action cannot be stepped.
 
-    A compute-only pass that meets a SEND/RECV starts again as a lowered one
-    (guessing up front from :func:`looks_lowered` makes that rare).
+    ``took[kind * S + stage]``: the duration of each compute (kind, stage) (all 0.0 when
+    None); ``duration(action)``, where given, is called per compute action instead (a cost
+    model whose times depend on more than the kind and stage). ``latency``: what a need
+    produced on another rank adds (in lowered programs, what a receive waits after its send).
+    ``record=False`` keeps no times (a verdict and where ranks stop: the arrays are empty).
+    None: a program is not packed (a malformed action: ``verify`` words it), or an action
+    runs off its stage's rank, or a SEND/RECV sits where no ranks are crossed.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> lowered = cs.lower(cs.build("1f1b", ranks=2, microbatches=1))
+        >>> [" ".join(map(str, program)) for program in lowered.programs]
+        ['0F0 0SEND_F0 0RECV_B0 0B0', '1RECV_F0 1F0 1B0 1SEND_B0']
+        >>> run = step(lowered, took=[1.0] * 8, latency=0.5, record=True)
+        >>> run.clean, run.lowered, [list(ends) for ends in run.ends]
+        (True, True, [[1.0, 1.0, 4.0, 5.0], [1.5, 2.5, 3.5, 3.5]])
     """
-    lowered = looks_lowered(schedule)
-    while True:
-        finish = space.finish_table(copies, extra_regions)
-        tables = rank_tables(space, lowered, make_row)
-        try:
-            stopped_at, starts, ends = step_ranks(schedule.programs, tables, finish, space, latency, duration)
-        except UnknownAction as error:
-            if lowered or id(getattr(error.action, "kind", None)) not in COMM_KIND_IDS:
-                raise
-            lowered = True
-            continue
-        return Progress(finish, stopped_at, starts, ends, lowered)
+    if not schedule.packed:
+        return None
+    S, M, lowered = schedule.num_stages, schedule.num_microbatches, schedule.is_lowered
+    SM = S * M
+    regions = len(KINDS) if lowered else NUM_COMPUTE_KINDS
+    if took is None:
+        took = [0.0] * (NUM_COMPUTE_KINDS * S)
+    if duration is not None:
+        took = [None] * (NUM_COMPUTE_KINDS * S)
+    tables = key_tables(schedule.placement.stage_to_rank, M, took, latency, lowered)
+    codes = [program.codes for program in schedule.programs]
+    finish = array("d", [UNSET]) * (regions * SM + M)
+    finish[regions * SM:] = array("d", [float("-inf")]) * M
+    producer = list(schedule.placement.stage_to_rank) * regions  # per row (slot // M) of the finish table
+    starts = tuple(array("d") if record else deque(maxlen=0) for _ in codes)
+    ends = tuple(array("d") if record else deque(maxlen=0) for _ in codes)
+    remaining = list(map(iter, codes))
+    ask = None
+    if duration is not None:
+        action_of = schedule.programs[0].action_of
+        ask = lambda code: duration(action_of(code))  # noqa: E731 - the loop's one call per action
+    try:
+        parked = _loop(remaining, tables, finish, producer, M, starts, ends, ask)
+    except TypeError:  # a key missing from the rank's table: an action off its rank
+        return None
+    # Where a rank stopped: past the actions it ran (an array's iterator does not tell its position).
+    stopped_at = tuple(None if code is None else len(ends[rank]) if record else codes[rank].index(code)
+                       for rank, code in enumerate(parked))
+    waiting_for = tuple(None if code is None else code + tables[rank][code // M][1]
+                        for rank, code in enumerate(parked))
+    clean = all(code is None for code in parked) and _each_action_once(finish, SM, sum(map(len, codes)), lowered)
+    if not record:
+        starts, ends = (), ()
+    return Run(starts, ends, stopped_at, waiting_for, clean, lowered)
 
 
-# -- verification ----------------------------------------------------------------------------------
+def _loop(remaining: list, tables: list, finish: array, producer: list[int], M: int,
+          starts: tuple, ends: tuple, ask: Callable[[int], float] | None) -> list[int | None]:
+    """The stepping loop: per rank, the code it is parked at (None: it reached its end).
+
+    A rank runs its next action once the slot it needs is done (plus ``lat`` where another rank
+    produced it), else it is parked and another rank runs. ``producer[slot // M]`` is the rank
+    that finishes a slot; when a rank stops, the ranks parked on what it finished go on (no
+    look-up per finished slot). A duration of None asks ``ask(code)``.
+    """
+    num_ranks = len(remaining)
+    waiters: list[list[tuple[int, int]]] = [[] for _ in range(num_ranks)]
+    clock = [0.0] * num_ranks
+    parked: list[int | None] = [None] * num_ranks
+    work = list(range(num_ranks - 1, -1, -1))
+    while work:
+        rank = work.pop()
+        now, table, add_start, add_end = clock[rank], tables[rank], starts[rank].append, ends[rank].append
+        codes = remaining[rank]
+        if parked[rank] is not None:
+            codes, parked[rank] = chain((parked[rank],), codes), None
+        for code in codes:
+            slot, need, mark, took, lat = table[code // M]
+            ready = finish[code + need]
+            if ready == UNSET:
+                waiters[producer[(code + need) // M]].append((code + need, rank))
+                parked[rank] = code
+                break
+            ready += lat
+            if ready > now:
+                now = ready
+            add_start(now)
+            if took is None:
+                took = ask(code)
+            now += took
+            finish[code + slot] = now
+            finish[code + mark] = now
+            add_end(now)
+        clock[rank] = now
+        if waiters[rank]:
+            _wake(waiters, rank, finish, work)
+    return parked
+
+
+def _wake(waiters: list[list[tuple[int, int]]], rank: int, finish: array, work: list[int]) -> None:
+    """Put the ranks parked on a slot ``rank`` has finished back to work."""
+    still = []
+    for need, waiter in waiters[rank]:
+        if finish[need] == UNSET:
+            still.append((need, waiter))
+        else:
+            work.append(waiter)
+    waiters[rank] = still
+
+
+def _each_action_once(finish: array, SM: int, num_actions: int, lowered: bool) -> bool:  # noqa: N803
+    """After every rank reached its end: every F and B/I finished, no action twice (each writes
+    its own slot once), a W exactly where the backward was an I (B-then-W and I-without-W fail)."""
+    if _count_unset(finish, 0, 2 * SM):
+        return False  # a (stage, microbatch) not forwarded or not backwarded
+    written = 3 * SM - _count_unset(finish, 0, 3 * SM)
+    if lowered:
+        written += 4 * SM - _count_unset(finish, REGION_SEND_F * SM, (REGION_RECV_B + 1) * SM)
+    if written != num_actions:
+        return False  # an action twice (or B and I of one (stage, microbatch))
+    return _count_unset(finish, REGION_SPLIT * SM, 4 * SM) == _count_unset(finish, REGION_WEIGHT * SM, 3 * SM)
+
+
+def _count_unset(finish: array, start: int, stop: int) -> int:
+    # A chunk at a time: a whole region would copy 8 bytes per (stage, microbatch) at once.
+    return sum(finish[at:min(at + _CHUNK, stop)].count(UNSET) for at in range(start, stop, _CHUNK))
+
+
+# -- verdicts and words ----------------------------------------------------------------------------
 
 
 def runs_clean(schedule: Schedule) -> bool:
@@ -460,88 +317,33 @@ def runs_clean(schedule: Schedule) -> bool:
         >>> runs_clean(cs.lower(cs.build("zbv", ranks=2, microbatches=4)))
         True
     """
-    if fast_eligible(schedule):
-        return step_packed(schedule, [0.0] * (NUM_COMPUTE_KINDS * schedule.num_stages), record=False) is not None
-    return checked_pass(schedule) is not None
+    if not schedule.packed or sum(map(len, schedule.programs)) < 2 * schedule.num_stages * schedule.num_microbatches:
+        return False  # malformed, or incomplete (and no table sized S x M for a handful of actions)
+    run = step(schedule)
+    return run is not None and run.clean
 
 
-def checked_pass(
-    schedule: Schedule, make_row: RowMaker | None = None, duration: Callable[[Action], float] | None = None
-) -> Progress | None:
-    """One pass of :func:`runs_clean`, on rows from ``make_row`` (no echo: no latency), or None if not clean.
-
-    A simulation without latency steps its rows through this pass, so that one
-    pass both verifies the schedule and times it.
+def describe_slot(schedule: Schedule, slot: int) -> str:
+    """What a slot of the finish table stands for, in words (what a stopped rank waits for).
 
     Example:
         >>> import conveyor.schedule as cs
-        >>> progress = checked_pass(cs.build("1f1b", ranks=2, microbatches=2))
-        >>> progress.completed, progress.starts
-        (True, [[], []])
+        >>> describe_slot(cs.build("1f1b", ranks=2, microbatches=4), 4 * 2 + 3)
+        'the input gradient of stage 0, microbatch 3'
     """
-    space = CodeSpace.of(schedule)
-    region_size = space.region_size
-    num_actions = sum(map(len, schedule.programs))
-    if num_actions < 2 * region_size or not _plain_actions(schedule):
-        return None  # fewer actions than forwards + backwards: incomplete (and no tables sized S x M)
-    split_mark = (REGION_SPLIT_MARK - REGION_G) * region_size
-
-    def marked_row(kind: ActionKind, stage: int, base: int, need_delta: int, need_is_remote: bool) -> Row:
-        took = None if make_row is None else make_row(kind, stage, base, need_delta, need_is_remote).took
-        # An I also marks its (stage, microbatch), so that W can be matched with I, not with B.
-        return Row(base, need_delta, took, split_mark if kind is ActionKind.I else 0)
-
-    try:
-        progress = step_schedule(schedule, space, marked_row, extra_regions=1, duration=duration)
-    except (UnknownAction, AttributeError, TypeError, IndexError):
-        return None
-    if not progress.completed or not _each_action_once(progress.finish, region_size, num_actions):
-        return None
-    return progress
-
-
-def _each_action_once(finish: list[float | None], region_size: int, num_actions: int) -> bool:
-    """After a completed checked pass: every F and B/I finished, no action twice, a W exactly where
-    the backward was an I (B-then-W and I-without-W both fail)."""
-    if _count_unfinished(finish, 0, 2 * region_size):
-        return False
-    # Every action ran; each finished its own code once unless duplicated.
-    unfinished = _count_unfinished(finish, 2 * region_size, REGION_NONE * region_size)
-    if REGION_NONE * region_size - unfinished != num_actions:
-        return False
-    weights, marks = REGION_W * region_size, REGION_SPLIT_MARK * region_size
-    for offset in range(0, region_size, _CHUNK):
-        size = min(_CHUNK, region_size - offset)
-        weight_chunk = finish[weights + offset : weights + offset + size]
-        mark_chunk = finish[marks + offset : marks + offset + size]
-        if list(map(is_, weight_chunk, repeat(None))) != list(map(is_, mark_chunk, repeat(None))):
-            return False
-    return True
-
-
-# Slices of the finish table are counted a chunk at a time: whole regions would copy up to
-# 7 x 8 bytes per (stage, microbatch) at once (tens of MB at P=256), and islice counts 2x slower.
-_CHUNK = 1 << 16
-
-
-def _count_unfinished(finish: list[float | None], start: int, stop: int) -> int:
-    return sum(finish[at : min(at + _CHUNK, stop)].count(None) for at in range(start, stop, _CHUNK))
-
-
-def _plain_actions(schedule: Schedule) -> bool:
-    """Every action a real Action with int ids (C loops and set comprehensions): the tables
-    look actions up by hash, where ``0.0``, ``False`` and look-alike objects would pass."""
-    try:
-        for program in schedule.programs:
-            if program and not (
-                set(map(type, program)) == {Action}
-                and {type(a.stage) for a in program} == {int}
-                and {type(a.microbatch) for a in program} == {int}
-            ):
-                return False
-    except TypeError:  # a program that is no sequence: verify words it
-        return False
-    return True
+    M = schedule.num_microbatches
+    region, stage_microbatch = divmod(slot, schedule.num_stages * M)
+    stage, microbatch = divmod(stage_microbatch, M)
+    if region == REGION_F:
+        return f"the forward output of stage {stage}, microbatch {microbatch}"
+    if region in (REGION_G, REGION_SPLIT):  # a W waits for its I's mark: the input gradient pass
+        return f"the input gradient of stage {stage}, microbatch {microbatch}"
+    if region == REGION_WEIGHT:
+        return f"the weight gradient of stage {stage}, microbatch {microbatch}"
+    if REGION_SEND_F <= region <= REGION_RECV_B and schedule.is_lowered:
+        verb = "send" if region in (REGION_SEND_F, REGION_SEND_B) else "receive"
+        return f"the {verb} {stage}{KINDS[region].name}{microbatch}"
+    return "nothing"
 
 
 def stuck_ranks(schedule: Schedule) -> tuple[Blocked, ...]:
@@ -552,41 +354,44 @@ def stuck_ranks(schedule: Schedule) -> tuple[Blocked, ...]:
         >>> stuck_ranks(cs.build("1f1b", ranks=2, microbatches=2))
         ()
     """
-    space = CodeSpace.of(schedule)
-
-    def make_row(kind: ActionKind, stage: int, base: int, need_delta: int, need_is_remote: bool) -> Row:
-        return Row(base, need_delta, None, 0)
-
-    progress = step_schedule(schedule, space, make_row)
-    return blocked_ranks(schedule, space, progress)
+    run = step(schedule, record=True)  # (the times tell where each rank stopped)
+    if run is None:
+        raise ValueError(f"schedule {schedule.name!r} holds an action the engine cannot step; verify() names it")
+    return blocked_ranks(schedule, run)
 
 
-def blocked_ranks(schedule: Schedule, space: CodeSpace, progress: Progress) -> tuple[Blocked, ...]:
+def blocked_ranks(schedule: Schedule, run: Run) -> tuple[Blocked, ...]:
     """Describe every rank that stopped before the end of its program."""
-    stuck = [rank for rank, position in enumerate(progress.stopped_at) if position is not None]
+    stuck = [rank for rank, position in enumerate(run.stopped_at) if position is not None]
     if not stuck:
         return ()
-    programs = schedule.programs
-    codes = [space.encode(program) for program in programs]
-    deltas = space.need_deltas(progress.lowered)
-    where = {code: (rank, i) for rank in range(len(codes)) for i, code in enumerate(codes[rank])}
+    S, M, programs = schedule.num_stages, schedule.num_microbatches, schedule.programs
+    tables = key_tables(schedule.placement.stage_to_rank, M, [0.0] * (NUM_COMPUTE_KINDS * S), 0.0, run.lowered)
+    where: dict[int, tuple[int, int]] = {}  # slot -> (rank, position) of the action that writes it
+    for rank, program in enumerate(programs):
+        table = tables[rank]
+        for position, code in enumerate(program.codes):
+            slot, _, mark, _, _ = table[code // M]
+            where[code + slot] = where[code + mark] = rank, position
     blocked = []
     for rank in stuck:
-        position = progress.stopped_at[rank]
-        code = codes[rank][position]
-        need = code + deltas[code // space.num_microbatches]
-        _, stage, _ = space.split(need)
-        producer_rank, producer_position = where.get(need, (space.stage_to_rank[stage], None))
+        position, need = run.stopped_at[rank], run.waiting_for[rank]
+        stage = need % (S * M) // M
+        producer_rank, producer_position = where.get(need, (schedule.placement.stage_to_rank[stage], None))
         producer = None if producer_position is None else programs[producer_rank][producer_position]
-        blocked.append(
-            Blocked(
-                rank,
-                position,
-                programs[rank][position],
-                space.describe(need),
-                producer_rank,
-                producer,
-                producer_position,
-            )
-        )
+        blocked.append(Blocked(rank, position, programs[rank][position], describe_slot(schedule, need),
+                               producer_rank, producer, producer_position))
     return tuple(blocked)
+
+
+def packed_compute_only(schedule: Schedule) -> bool:
+    """Whether every program is packed and holds compute actions only (no SEND/RECV).
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> sched = cs.build("1f1b", ranks=2, microbatches=2)
+        >>> packed_compute_only(sched), packed_compute_only(cs.lower(sched))
+        (True, False)
+    """
+    return isinstance(schedule, Schedule) and schedule.packed and not schedule.is_lowered
+

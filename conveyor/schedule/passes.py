@@ -31,7 +31,7 @@ from itertools import compress, islice, repeat
 from operator import and_, floordiv, mod, sub
 
 from conveyor.errors import ScheduleError
-from conveyor.schedule.fast import fast_eligible
+from conveyor.schedule.engine import packed_compute_only
 from conveyor.schedule.ir import Action, ActionKind, PackedProgram, Schedule
 from conveyor.schedule.lower import lower
 from conveyor.schedule.verify import verify
@@ -73,13 +73,13 @@ class Executable:
 
     @functools.cached_property
     def train_in_order(self) -> frozenset[Channel]:
-        if fast_eligible(self.schedule):  # without lowering every rank's program
+        if packed_compute_only(self.schedule):  # without lowering every rank's program
             return packed_in_order_channels(self.schedule)
         return in_order_channels(self.train)
 
     @functools.cached_property
     def eval_in_order(self) -> frozenset[Channel]:
-        if fast_eligible(self.schedule):
+        if packed_compute_only(self.schedule):
             return packed_in_order_channels(self.schedule, forward_only=True)
         return in_order_channels(self.eval)
 

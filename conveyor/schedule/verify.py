@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import floordiv
 
 from conveyor.errors import ScheduleError
-from conveyor.schedule.engine import Blocked, CodeSpace, runs_clean, stuck_ranks
+from conveyor.schedule.engine import Blocked, key_tables, runs_clean, stuck_ranks
 from conveyor.schedule.grid import AWAITED, STUCK, render_grid
-from conveyor.schedule.ir import Action, ActionKind, PackedProgram, Placement, Schedule
+from conveyor.schedule.ir import KIND_INDEX, NUM_COMPUTE_KINDS, Action, ActionKind, PackedProgram, Placement, Schedule
 
 K = ActionKind
 # By id(): ActionKind members are singletons, and a plain "F" string compares equal to ActionKind.F.
@@ -102,14 +104,27 @@ def _source_runs_clean(schedule: Schedule) -> bool:
 
 def _diagnose(schedule: Schedule) -> None:
     """The checks one by one, in the documented order: raise at the first violation."""
-    space = CodeSpace.of(schedule)
-    codes, kinds = _check_actions(schedule, space)
+    codes, kinds = _check_actions(schedule)
+    if not schedule.packed:  # made around its checks: its actions are well formed, pack them for the engine
+        schedule = Schedule(schedule.name, schedule.placement, schedule.num_microbatches,
+                            tuple(map(tuple, schedule.programs)))
     lowered = any(not _COMM_KIND_IDS.isdisjoint(map(id, rank_kinds)) for rank_kinds in kinds)
-    _check_each_once(schedule, space, codes, kinds)
-    _check_complete(schedule, space, codes, kinds)
+    _check_each_once(schedule, codes, kinds)
+    _check_complete(schedule, codes, kinds)
     if lowered:
-        _check_comms(schedule, space, codes, kinds)
-    _check_runs(schedule, space, codes, lowered)
+        _check_comms(schedule, codes, kinds)
+    _check_runs(schedule, codes, lowered)
+
+
+def _code(schedule: Schedule, kind: ActionKind, stage: int, microbatch: int) -> int:
+    """The code of an action in a packed program (:class:`~conveyor.schedule.ir.PackedProgram`)."""
+    return (KIND_INDEX[id(kind)] * schedule.num_stages + stage) * schedule.num_microbatches + microbatch
+
+
+def _backward_step(schedule: Schedule, step_of: dict[int, int], stage: int, microbatch: int) -> int | None:
+    """Where the backward of (stage, microbatch) is, B or I (a (stage, microbatch) has one of them)."""
+    step = step_of.get(_code(schedule, K.B, stage, microbatch))
+    return step_of.get(_code(schedule, K.I, stage, microbatch)) if step is None else step
 
 
 # -- 1. shape -----------------------------------------------------------------------------------
@@ -149,49 +164,30 @@ def check_shape(schedule: object) -> None:
 # -- 2. each action --------------------------------------------------------------------------------
 
 
-def _check_actions(
-    schedule: Schedule, space: CodeSpace
-) -> tuple[list[list[int]], list[list[ActionKind]]]:
-    """Codes and kinds of every rank's actions; raises at the first bad action.
+def _check_actions(schedule: Schedule) -> tuple[list[list[int]], list[list[ActionKind]]]:
+    """Codes (a packed program's) and kinds of every rank's actions; raises at the first bad action.
 
-    The fast path checks whole programs with set/min/max (C loops); only a
-    program that fails one of them is walked action by action for the message.
+    The fast path packs whole programs, which checks types and ranges with set/min/max (C
+    loops), and looks each (kind, stage) up in the engine's tables of what may run on a rank;
+    only a program that fails is walked action by action for the message.
     """
-    S, M = space.num_stages, space.num_microbatches
-    stage_to_rank = space.stage_to_rank
+    S, M = schedule.num_stages, schedule.num_microbatches
+    stage_to_rank = schedule.placement.stage_to_rank
+    allowed = key_tables(stage_to_rank, M, [0.0] * (NUM_COMPUTE_KINDS * S), lowered=True)
     codes: list[list[int]] = []
     kinds: list[list[ActionKind]] = []
-    allowed = space.allowed_region_stages()
     for rank, program in enumerate(schedule.programs):
-        own_stages = {s for s, r in enumerate(stage_to_rank) if r == rank}
-        ok = True
-        rank_kinds: list[ActionKind] = []
-        rank_codes: list[int] = []
-        if program:
-            ok = set(map(type, program)) == {Action}
-            if ok:
-                rank_kinds = [a.kind for a in program]
-                kind_ids = list(map(id, rank_kinds))
-                stages = [a.stage for a in program]
-                microbatches = [a.microbatch for a in program]
-                ok = (
-                    set(kind_ids) <= _KNOWN_KIND_IDS
-                    and set(map(type, stages)) == {int}
-                    and set(map(type, microbatches)) == {int}
-                    and min(stages) >= 0
-                    and max(stages) < S
-                    and min(microbatches) >= 0
-                    and max(microbatches) < M
-                )
-            if ok:
-                rank_codes = space.encode_fields(kind_ids, stages, microbatches)
-                ok = set(space.region_stages(rank_codes)) <= allowed[rank]
+        packed = program if type(program) is PackedProgram else PackedProgram.of(program, S, M)
+        ok = packed is not None and all(
+            allowed[rank][key] is not None for key in set(map(floordiv, packed.codes, repeat(M)))
+        )
         if not ok:
+            own_stages = {s for s, r in enumerate(stage_to_rank) if r == rank}
             for i, action in enumerate(program):
                 _check_action(schedule, rank, i, action, own_stages)
             raise AssertionError(f"rank {rank}'s program failed a fast check that no action fails")
-        codes.append(rank_codes)
-        kinds.append(rank_kinds)
+        codes.append(list(packed.codes))
+        kinds.append(packed.fields()[0])
     return codes, kinds
 
 
@@ -276,10 +272,11 @@ def _misplaced_comm(schedule: Schedule, action: Action) -> str:
 # -- 3. each action once, every pass present ------------------------------------------------------
 
 
-def _check_each_once(
-    schedule: Schedule, space: CodeSpace, codes: list[list[int]], kinds: list[list[ActionKind]]
-) -> None:
-    for rank, rank_codes in enumerate(codes):
+def _check_each_once(schedule: Schedule, codes: list[list[int]], kinds: list[list[ActionKind]]) -> None:
+    SM = schedule.num_stages * schedule.num_microbatches
+    for rank, packed_codes in enumerate(codes):
+        # B and I of one (stage, microbatch) count as one backward: an I's code is a B's plus S * M.
+        rank_codes = [code - SM if 2 * SM <= code < 3 * SM else code for code in packed_codes]
         if len(set(rank_codes)) == len(rank_codes):
             continue
         first_step: dict[int, int] = {}
@@ -302,11 +299,10 @@ def _check_each_once(
             )
 
 
-def _check_complete(
-    schedule: Schedule, space: CodeSpace, codes: list[list[int]], kinds: list[list[ActionKind]]
-) -> None:
-    M, SM = space.num_microbatches, space.region_size
-    stage_to_rank = space.stage_to_rank
+def _check_complete(schedule: Schedule, codes: list[list[int]], kinds: list[list[ActionKind]]) -> None:
+    M = schedule.num_microbatches
+    SM = schedule.num_stages * M
+    stage_to_rank = schedule.placement.stage_to_rank
     # Codes are unique, in range and on their own rank: counting is enough.
     forwards = sum(k.count(K.F) for k in kinds)
     backwards = sum(k.count(K.B) + k.count(K.I) for k in kinds)
@@ -319,7 +315,7 @@ def _check_complete(
             f"{stage_to_rank[s]}, which runs stage {s}"
         )
     if backwards < SM:
-        have = {c - SM for rank_codes in codes for c in rank_codes if SM <= c < 2 * SM}
+        have = {c % SM for rank_codes in codes for c in rank_codes if SM <= c < 3 * SM}  # B or I
         code = next(c for c in range(SM) if c not in have)
         s, m = divmod(code, M)
         raise ScheduleError(
@@ -332,14 +328,14 @@ def _check_complete(
             continue
         program = schedule.programs[rank]
         split = {codes[rank][i] for i, k in enumerate(rank_kinds) if k is K.I}
-        weights = {codes[rank][i] - SM for i, k in enumerate(rank_kinds) if k is K.W}
+        weights = {codes[rank][i] - SM for i, k in enumerate(rank_kinds) if k is K.W}  # a W's code is its I's + S*M
         if split == weights:
             continue
         for i, action in enumerate(program):
             code = codes[rank][i]
             label = f"rank {rank}, step {i}"
             if action.kind is K.W and code - SM not in split:
-                full = next((j for j, c in enumerate(codes[rank]) if c == code - SM), None)
+                full = next((j for j, c in enumerate(codes[rank]) if c == code - 2 * SM), None)  # its B
                 how = "" if full is None else f" (it runs the full backward {program[full]} at step {full})"
                 raise ScheduleError(
                     f"{label}: {action} computes a weight gradient, but stage {action.stage} microbatch "
@@ -357,12 +353,10 @@ def _check_complete(
                 )
 
 
-def _check_comms(
-    schedule: Schedule, space: CodeSpace, codes: list[list[int]], kinds: list[list[ActionKind]]
-) -> None:
+def _check_comms(schedule: Schedule, codes: list[list[int]], kinds: list[list[ActionKind]]) -> None:
     """Lowered programs: each crossing of ranks has its SEND and its RECV, on the right ranks."""
-    S, M = space.num_stages, space.num_microbatches
-    stage_to_rank = space.stage_to_rank
+    S, M = schedule.num_stages, schedule.num_microbatches
+    stage_to_rank = schedule.placement.stage_to_rank
     crossings = sum(1 for s in range(S - 1) if stage_to_rank[s] != stage_to_rank[s + 1])
     counts = [sum(k.count(kind) for k in kinds) for kind in (K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B)]
     if counts == [crossings * M] * 4:
@@ -370,7 +364,10 @@ def _check_comms(
     where = {code: (rank, i) for rank, rank_codes in enumerate(codes) for i, code in enumerate(rank_codes)}
 
     def at(kind: ActionKind, stage: int, microbatch: int) -> tuple[int, int] | None:
-        return where.get(space.code(kind, stage, microbatch))
+        if kind is K.B:  # the backward: B or I
+            backward = where.get(_code(schedule, K.B, stage, microbatch))
+            return where.get(_code(schedule, K.I, stage, microbatch)) if backward is None else backward
+        return where.get(_code(schedule, kind, stage, microbatch))
 
     for rank, program in enumerate(schedule.programs):
         for i, action in enumerate(program):
@@ -435,7 +432,7 @@ def _peer_compute(
     if peer_kind in (K.SEND_F, K.RECV_F):
         where = at(K.F, stage, microbatch)
         return (f"{stage}F{microbatch}" + ("" if where is None else f" (step {where[1]})")), where
-    where = at(K.B, stage, microbatch)  # B and I share a code
+    where = at(K.B, stage, microbatch)  # B or I
     return f"the backward of stage {stage}, microbatch {microbatch}" + (
         "" if where is None else f" (step {where[1]})"
     ), where
@@ -444,18 +441,18 @@ def _peer_compute(
 # -- 5. order and deadlock -----------------------------------------------------------------------
 
 
-def _check_runs(schedule: Schedule, space: CodeSpace, codes: list[list[int]], lowered: bool) -> None:
+def _check_runs(schedule: Schedule, codes: list[list[int]], lowered: bool) -> None:
     blocked = stuck_ranks(schedule)
     if not blocked:
         return
-    _check_order(schedule, space, codes, lowered)
+    _check_order(schedule, codes, lowered)
     raise _deadlock_error(schedule, blocked)
 
 
-def _check_order(schedule: Schedule, space: CodeSpace, codes: list[list[int]], lowered: bool) -> None:
+def _check_order(schedule: Schedule, codes: list[list[int]], lowered: bool) -> None:
     """Report an action placed before something it needs from its own rank (the usual root of a deadlock)."""
-    last = space.num_stages - 1
-    stage_to_rank = space.stage_to_rank
+    last = schedule.num_stages - 1
+    stage_to_rank = schedule.placement.stage_to_rank
     for rank, program in enumerate(schedule.programs):
         step_of = {code: i for i, code in enumerate(codes[rank])}
         for i, action in enumerate(program):
@@ -476,8 +473,11 @@ def _check_order(schedule: Schedule, space: CodeSpace, codes: list[list[int]], l
                 before.append((K.B, s))
             elif kind is K.SEND_F:
                 before.append((K.F, s))
-            for need in (space.code(need_kind, need_stage, m) for need_kind, need_stage in before):
-                j = step_of.get(need)
+            for need_kind, need_stage in before:
+                if need_kind is K.B:
+                    j = _backward_step(schedule, step_of, need_stage, m)
+                else:
+                    j = step_of.get(_code(schedule, need_kind, need_stage, m))
                 if j is not None and j > i:
                     needed = program[j]
                     raise ScheduleError(

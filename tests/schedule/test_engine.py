@@ -1,4 +1,4 @@
-"""The engine's public surface: the code space, the checked pass, stuck ranks; and the simulator's one-pass path."""
+"""The engine's public surface: its tables, the checked step, stuck ranks; and the simulator's one-pass path."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 import conveyor.schedule as cs
 from conveyor.errors import ScheduleError
-from conveyor.schedule.engine import CodeSpace, checked_pass, runs_clean, stuck_ranks
-from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
+from conveyor.schedule.engine import describe_slot, key_tables, runs_clean, step, stuck_ranks
+from conveyor.schedule.ir import KIND_INDEX, Action, ActionKind, Placement, Schedule
 from conveyor.schedule.simulate import step_timed
 
 K = ActionKind
@@ -66,18 +66,25 @@ def test_a_w_matches_only_its_own_i():
         cs.verify(broken)
 
 
-def test_code_space_names_codes_by_kind():
-    space = CodeSpace(num_stages=4, num_microbatches=3, stage_to_rank=(0, 1, 1, 0))
-    assert space.code(K.B, 2, 1) == space.code(K.I, 2, 1)  # one input gradient per (stage, microbatch)
-    assert space.describe(space.code(K.W, 3, 2)) == "the weight gradient of stage 3, microbatch 2"
-    region_of = {K.F: 0, K.I: 1, K.W: 2, K.SEND_F: 3, K.RECV_F: 4, K.SEND_B: 5, K.RECV_B: 6}
-    allowed = space.allowed_region_stages()
+def test_the_tables_say_what_runs_on_a_rank_and_slots_have_words():
+    sched = cs.build("zbv", ranks=2, microbatches=3)  # stages 0..3 on ranks (0, 1, 1, 0)
+    S, M = sched.num_stages, 3
+    tables = key_tables(sched.placement.stage_to_rank, M, [0.0] * (4 * S), lowered=True)
     # Rank 1 runs stages 1 and 2: it receives from stage 0 and sends to stage 3, on other ranks;
     # stages 1 and 2 pass tensors in memory.
-    assert allowed[1] == {region_of[kind] * 4 + stage for kind, stage in [
-        (K.F, 1), (K.I, 1), (K.W, 1), (K.F, 2), (K.I, 2), (K.W, 2),
-        (K.RECV_F, 1), (K.SEND_B, 1), (K.SEND_F, 2), (K.RECV_B, 2),
-    ]}
+    assert {key for key, row in enumerate(tables[1]) if row is not None} == {KIND_INDEX[id(kind)] * S + stage for
+        kind, stage in [(K.F, 1), (K.B, 1), (K.I, 1), (K.W, 1), (K.F, 2), (K.B, 2), (K.I, 2), (K.W, 2),
+                        (K.RECV_F, 1), (K.SEND_B, 1), (K.SEND_F, 2), (K.RECV_B, 2)]}
+    compute_only = key_tables(sched.placement.stage_to_rank, M, [0.0] * (4 * S))
+    assert {key // S for key, row in enumerate(compute_only[1]) if row is not None} == {0, 1, 2, 3}
+    SM = S * M
+    assert describe_slot(sched, 2 * SM + 3 * M + 2) == "the weight gradient of stage 3, microbatch 2"
+    # A W waits for its I's mark (what only an I writes), and says so as a B waiting on an I does.
+    assert describe_slot(sched, SM + M) == describe_slot(sched, 3 * SM + M) == (
+        "the input gradient of stage 1, microbatch 0"
+    )
+    assert describe_slot(cs.lower(sched), 5 * SM + M + 1) == "the receive 1RECV_F1"
+    assert describe_slot(sched, 4 * SM) == "nothing"  # the always-done row
 
 
 def test_stuck_ranks_and_the_checked_pass():
@@ -88,9 +95,10 @@ def test_stuck_ranks_and_the_checked_pass():
         (0, 1, "0B0", "1B0"),
         (1, 0, "1F1", "0F1"),
     ]
-    assert checked_pass(swap) is None and not runs_clean(swap)
-    progress = checked_pass(cs.lower(cs.build("1f1b", ranks=2, microbatches=3)))
-    assert progress is not None and progress.completed and progress.lowered
+    run = step(swap)
+    assert not run.clean and not run.completed and run.stopped_at == (1, 0) and not runs_clean(swap)
+    run = step(cs.lower(cs.build("1f1b", ranks=2, microbatches=3)))
+    assert run.clean and run.completed and run.lowered and run.starts == ()
 
 
 def test_simulate_checks_and_times_an_unverified_schedule_in_one_pass():

@@ -5,10 +5,10 @@ import pytest
 
 import conveyor.schedule as cs
 from conveyor.errors import ScheduleError
-from conveyor.schedule.engine import Row, checked_pass
-from conveyor.schedule.fast import step_packed
-from conveyor.schedule.ir import Action, B, F, I, PackedProgram, Placement, Schedule, W
+from conveyor.schedule.engine import step
+from conveyor.schedule.ir import B, F, I, PackedProgram, Placement, Schedule, W
 from conveyor.schedule.passes import executable, in_order_channels
+from conveyor.schedule.simulate import packed_spans
 from conveyor.schedule.timeline import PackedSpans
 
 
@@ -56,18 +56,22 @@ def test_schedules_pack_what_is_well_formed_and_keep_the_rest_as_given():
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv", "dualpipev", "interleaved-1f1b"])
-def test_the_packed_pass_times_like_the_engine(name):
+def test_one_loop_times_alike_by_kind_and_stage_per_action_and_lowered(name):
     sched = cs.build(name, ranks=3, microbatches=5, check=False)
-    costs = cs.CostModel.per_stage([(0.5 + s, 0.25, 0.75 + 0.5 * s) for s in range(sched.num_stages)])
+    costs = cs.CostModel.per_stage([(0.5 + s, 0.25, 0.75 + 0.5 * s) for s in range(sched.num_stages)], latency=0.25)
     took = [costs.duration(a) for a in (k(s, 0) for k in (F, B, I, W) for s in range(sched.num_stages))]
-    packed = step_packed(sched, took)
-
-    def row(kind, stage, base, need_delta, remote):
-        return Row(base, need_delta, costs.duration(Action(kind, stage, 0)), 0)
-
-    reference = checked_pass(sched, row)
-    assert [list(e) for e in packed.ends] == reference.ends
-    assert [list(s) for s in packed.starts] == reference.starts
+    by_key = step(sched, took, costs.latency, record=True)
+    asked = []
+    per_action = step(sched, latency=costs.latency, duration=lambda a: asked.append(a) or costs.duration(a),
+                      record=True)
+    assert by_key.clean and per_action.clean and len(asked) == sum(map(len, sched.programs))
+    assert by_key.starts == per_action.starts and by_key.ends == per_action.ends
+    # Lowered: the SEND/RECV take no time and a receive ends `latency` after its send, so every compute
+    # action starts and ends as in the compute-only programs, where a crossing need adds the latency.
+    lowered = cs.lower(sched)
+    stepped = step(lowered, took, costs.latency, record=True)
+    assert stepped.clean and stepped.lowered
+    assert tuple(packed_spans(lowered, stepped)) == tuple(packed_spans(sched, by_key))
 
 
 def test_packed_spans_are_the_spans():
