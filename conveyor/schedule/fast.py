@@ -44,7 +44,7 @@ def fast_eligible(schedule: Schedule) -> bool:
         >>> fast_eligible(sched), fast_eligible(cs.lower(sched))
         (True, False)
     """
-    return isinstance(schedule, Schedule) and schedule.packed and not schedule.is_lowered
+    return isinstance(schedule, Schedule) and not schedule.is_lowered
 
 
 @dataclass(frozen=True, slots=True)
