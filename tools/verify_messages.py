@@ -3,7 +3,9 @@ show that a refactor changed no message.
 
 The corpus is the damage of tests/schedule/test_properties.py made deterministic: built-ins at
 small sizes (compute-only and lowered) with an action dropped, duplicated, moved to another rank,
-two actions swapped, a send or receive dropped, and a few malformed actions.
+two actions swapped, a send or receive dropped, and a few malformed actions. Each damaged schedule
+is made inside each step's try: a Schedule refuses a malformed action when it is made, with the
+verifier's message.
 
     PYTHONPATH=$PWD .venv/bin/python tools/verify_messages.py > messages.txt
 """
@@ -14,7 +16,7 @@ import random
 import sys
 
 
-def damaged(sched, rng: random.Random):  # noqa: ANN001, ANN201 - a Schedule; yields (label, Schedule)
+def damaged(sched, rng: random.Random):  # noqa: ANN001, ANN201 - a Schedule; yields (label, a maker of one)
     from conveyor.schedule.ir import Action, ActionKind
 
     programs = [list(p) for p in sched.programs]
@@ -23,7 +25,7 @@ def damaged(sched, rng: random.Random):  # noqa: ANN001, ANN201 - a Schedule; yi
     def with_rank(rank: int, program: list) -> object:
         new = list(map(tuple, programs))
         new[rank] = tuple(program)
-        return sched.with_programs(new)
+        return lambda: sched.with_programs(new)
 
     for trial in range(6):
         rank = rng.choice(ranks)
@@ -50,7 +52,7 @@ def damaged(sched, rng: random.Random):  # noqa: ANN001, ANN201 - a Schedule; yi
             destination = list(programs[target])
             k = rng.randrange(len(destination) + 1)
             new[target] = tuple(destination[:k] + [moved] + destination[k:])
-            yield f"move {rank}:{i}->{target}:{k}", sched.with_programs(new)
+            yield f"move {rank}:{i}->{target}:{k}", lambda new=new: sched.with_programs(new)
         junk = [Action(ActionKind.F, sched.num_stages, 0), Action(ActionKind.B, 0, sched.num_microbatches),
                 Action("F", 0, 0), Action(ActionKind.W, 0, 1.0), Action(ActionKind.SEND_F, sched.num_stages - 1, 0),
                 Action(ActionKind.RECV_B, 0, -1)][trial]
@@ -70,11 +72,11 @@ def main() -> int:
                     sched = cs.build(name, ranks=P, microbatches=M, virtual=V)
                     for form, source in (("compute", sched), ("lowered", cs.lower(sched))):
                         rng = random.Random(f"{name} {P} {M} {V} {form}")
-                        for label, broken in damaged(source, rng):
+                        for label, make in damaged(source, rng):
                             outcomes = []
                             for step in (verify, cs.simulate, cs.lower):
                                 try:
-                                    step(broken)
+                                    step(make())
                                     outcomes.append("ok")
                                 except ScheduleError as error:
                                     outcomes.append(f"{type(error).__name__}: {error}")

@@ -5,11 +5,12 @@ An :class:`Action` is ``(kind, stage, microbatch)``. A :class:`Schedule` is a
 compute actions per rank. Communication actions (``SEND_F`` ...) are inserted
 by :func:`conveyor.schedule.lower.lower`; users never have to write them.
 
-A program of well-formed actions is held as a :class:`PackedProgram`: one integer
-code per action (8 bytes, where an Action object takes 56), read as a sequence of
-Actions (its own type, not a tuple); a 256-rank schedule has millions of actions. A program holding anything else
-stays the tuple it was given, so that :func:`~conveyor.schedule.verify.verify` can
-name what is wrong.
+Every program is held as a :class:`PackedProgram`: one integer code per action
+(8 bytes, where an Action object takes 56), read as a sequence of Actions (its own
+type, not a tuple); a 256-rank schedule has millions of actions. A Schedule refuses
+an action it cannot pack (not an Action, a kind that is no ActionKind, a stage or
+microbatch that is no int in range) when it is made, with the message
+:func:`~conveyor.schedule.verify.verify` gives for it; verify() checks the rest.
 
 Actions print and parse in the compact form of ``torch.distributed.pipelining``
 (``2F0`` = stage 2 forward of microbatch 0, ``1SEND_B3``), so schedules written
@@ -207,16 +208,20 @@ class PackedProgram(Sequence[Action]):
         if self._codes is None:
             self._codes = self._source()
             self._source = None
-            if self.compute_only is None:
-                self.compute_only = (
-                    not self._codes or max(self._codes) < NUM_COMPUTE_KINDS * self.num_stages * self.num_microbatches
-                )
         return self._codes
 
     @property
     def made(self) -> bool:
         """Whether the codes exist yet (False: deferred, not read so far)."""
         return self._codes is not None
+
+    @property
+    def holds_comms(self) -> bool:
+        """Whether the program holds a SEND/RECV (known without reading the codes where its maker knew it)."""
+        if self.compute_only is None:
+            codes, first_comm = self.codes, NUM_COMPUTE_KINDS * self.num_stages * self.num_microbatches
+            self.compute_only = not codes or max(codes) < first_comm
+        return not self.compute_only
 
     def fields(self) -> tuple[list[ActionKind], list[int], list[int]]:
         """(kinds, stages, microbatches) of every action, in order."""
@@ -314,8 +319,6 @@ def packed_programs(programs: Sequence[Sequence[Action]], num_stages: int, num_m
     return out
 
 
-
-
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the papers
     """Forward of ``stage`` on ``microbatch``."""
     return Action(ActionKind.F, stage, microbatch)
@@ -406,7 +409,6 @@ def _check_positive(**values: int) -> None:
             raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
 
 
-Program = tuple[Action, ...]
 _PROGRAM_TYPES = (tuple, list, PackedProgram)
 
 
@@ -428,7 +430,7 @@ class Schedule:
     name: str
     placement: Placement
     num_microbatches: int
-    programs: tuple[Program, ...]
+    programs: tuple[PackedProgram, ...]
     # The compute-only schedule that lower() made this one from (None otherwise): such a schedule
     # verifies and times exactly like its source, which has a third of the actions (see lower()).
     # Provenance, not content: two schedules with equal programs are equal wherever they came from.
@@ -452,10 +454,13 @@ class Schedule:
                 f"schedule {self.name!r} has programs for {len(programs)} ranks "
                 f"but its placement has {self.placement.num_ranks} ranks"
             )
-        # Packed where every action is a well-formed Action (8 bytes each); else tuples all the way
-        # down, so that verify() can name what is wrong. Either way a Schedule is immutable.
         packed = packed_programs(programs, self.placement.num_stages, self.num_microbatches)
-        object.__setattr__(self, "programs", tuple(map(tuple, programs)) if packed is None else tuple(packed))
+        if packed is None:  # validate early, in the verifier's words (verify imports this module)
+            from conveyor.schedule.verify import check_actions
+
+            check_actions(self.placement, self.num_microbatches, programs)
+            raise AssertionError(f"schedule {self.name!r}: a program could not be packed, yet every action is valid")
+        object.__setattr__(self, "programs", tuple(packed))
         if self.lowered_from is not None and not isinstance(self.lowered_from, Schedule):
             raise ScheduleError(
                 f"schedule {self.name!r}: lowered_from must be the Schedule lower() started from, "
@@ -494,25 +499,16 @@ class Schedule:
         return self.num_stages // self.num_ranks
 
     @property
-    def packed(self) -> bool:
-        """Whether every program is a :class:`PackedProgram` (the fast paths need that)."""
-        return all(type(p) is PackedProgram for p in self.programs)
-
-    @property
     def splits_backward(self) -> bool:
         """Whether any stage runs its backward as I then W."""
-        if self.packed:
-            SM = self.num_stages * self.num_microbatches
-            is_split = range(2 * SM, 3 * SM).__contains__  # I's codes
-            return any(any(map(is_split, p.codes)) for p in self.programs)
-        return any(a.kind is ActionKind.I for program in self.programs for a in program)
+        SM = self.num_stages * self.num_microbatches
+        is_split = range(2 * SM, 3 * SM).__contains__  # I's codes
+        return any(any(map(is_split, p.codes)) for p in self.programs)
 
     @property
     def is_lowered(self) -> bool:
-        if self.packed:
-            return not all(p.compute_only if p.compute_only is not None else len(p) == 0 or max(p.codes) < (
-                NUM_COMPUTE_KINDS * self.num_stages * self.num_microbatches) for p in self.programs)
-        return any(a.kind.is_comm for program in self.programs for a in program)
+        """Whether any program holds a SEND/RECV (a program lower() made counts as lowered)."""
+        return any(p.holds_comms for p in self.programs)
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages ``rank`` runs, in increasing order (pass one module per stage, in this order)."""
@@ -524,20 +520,14 @@ class Schedule:
 
     def compute_only(self) -> Schedule:
         """The same schedule with communication actions removed."""
-        if self.packed:
-            S, M = self.num_stages, self.num_microbatches
-            below = (NUM_COMPUTE_KINDS * S * M).__gt__
-            programs = tuple(p if p.compute_only else PackedProgram(array("q", filter(below, p.codes)), S, M, True)
-                             for p in self.programs)
-            return Schedule(self.name, self.placement, self.num_microbatches, programs)
-        return Schedule(
-            self.name,
-            self.placement,
-            self.num_microbatches,
-            tuple(tuple(a for a in p if a.kind.is_compute) for p in self.programs),
-        )
+        S, M = self.num_stages, self.num_microbatches
+        below = (NUM_COMPUTE_KINDS * S * M).__gt__
+        programs = tuple(p if p.compute_only else PackedProgram(array("q", filter(below, p.codes)), S, M, True)
+                         for p in self.programs)
+        return Schedule(self.name, self.placement, self.num_microbatches, programs)
 
     def with_programs(self, programs: Sequence[Sequence[Action]]) -> Schedule:
+        """This schedule's name, placement and microbatches with other programs (checked as any Schedule's)."""
         programs = tuple(p if isinstance(p, PackedProgram) else tuple(p) for p in programs)
         return Schedule(self.name, self.placement, self.num_microbatches, programs)
 

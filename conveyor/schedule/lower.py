@@ -24,33 +24,21 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections import deque
-from collections.abc import Sequence
-from itertools import chain, compress, repeat
+from itertools import chain, repeat
 from operator import add, floordiv
 
 from conveyor.errors import ScheduleError
-from conveyor.schedule.engine import COMM_KIND_IDS
-from conveyor.schedule.ir import (
-    NUM_COMPUTE_KINDS,
-    Action,
-    ActionKind,
-    PackedProgram,
-    Schedule,
-    actions_in_bulk,
-    gc_paused,
-)
+from conveyor.schedule.ir import KINDS, NUM_COMPUTE_KINDS, ActionKind, PackedProgram, Schedule
 
 K = ActionKind
-
-_KINDS = tuple(ActionKind)
 
 
 def lower(schedule: Schedule) -> Schedule:
     """Return ``schedule`` with SEND/RECV actions inserted (see the module docstring).
 
     It does not check the schedule: :func:`conveyor.schedule.verify.verify` the
-    result. Malformed actions raise the verifier's :class:`ScheduleError`.
+    result. Each program of a compute-only schedule is lowered when first read (a
+    rank's runtime reads its own), and the result records where it came from.
 
     Example:
         >>> import conveyor.schedule as cs
@@ -60,106 +48,54 @@ def lower(schedule: Schedule) -> Schedule:
     """
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"lower() expects a Schedule, got {type(schedule).__name__}")
-    if schedule.packed and not schedule.is_lowered:
-        return _lower_packed(schedule)
-    try:
-        with gc_paused():
-            before, after = _comm_tables(schedule.placement.stage_to_rank)
-            lowered_ranks = [_lower_rank(schedule, rank, before, after) for rank in range(schedule.num_ranks)]
-    except (AttributeError, TypeError, IndexError, KeyError, ValueError) as error:
-        from conveyor.schedule.verify import verify
-
-        verify(schedule)  # raises the precise message for the malformed action
-        raise AssertionError(f"lower() failed on a schedule that verifies: {error!r}") from error
-    programs = tuple(program for program, _ in lowered_ranks)
+    S, M = schedule.num_stages, schedule.num_microbatches
+    before, after = _comm_deltas(schedule.placement.stage_to_rank, M)
+    if not schedule.is_lowered:
+        programs = tuple(PackedProgram(functools.partial(_lower_codes, program, before, after), S, M,
+                                       compute_only=False) for program in schedule.programs)
+        return Schedule(schedule.name, schedule.placement, M, programs, lowered_from=schedule)
+    programs = tuple(PackedProgram(_lower_codes(program, before, after), S, M, compute_only=False)
+                     for program in schedule.programs)
     # Where lowering placed every SEND/RECV (each RECV right before its consumer, each SEND right
     # after its producer), the result verifies and simulates exactly like its source.
-    placed_all = not any(had_comms for _, had_comms in lowered_ranks)
-    return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, programs,
-                    lowered_from=schedule if placed_all else None)
+    first_comm = NUM_COMPUTE_KINDS * S * M
+    placed_all = all(max(program.codes, default=-1) < first_comm for program in schedule.programs)
+    return Schedule(schedule.name, schedule.placement, M, programs, lowered_from=schedule if placed_all else None)
 
 
 _NONE = -(1 << 62)  # a delta that makes a code negative: no communication there
 
 
-def _lower_packed(schedule: Schedule) -> Schedule:
-    """:func:`lower` of packed compute-only programs, each lowered when first read.
+def _lower_codes(program: PackedProgram, before: list[int], after: list[int]) -> array:
+    """Each code ``c`` becomes ``[c + before[key]] c [c + after[key]]`` (negative codes dropped).
 
     A comm code is its compute action's code plus a delta that depends on the (kind, stage)
-    only (kinds are indexed F B I W SEND_F RECV_F SEND_B RECV_B): lowering is C loops over
-    the codes.
+    only (``key``; kinds are indexed F B I W SEND_F RECV_F SEND_B RECV_B): lowering is C loops
+    over the codes. A SEND/RECV the program holds already stays where it is and is not added.
     """
-    before, after = _packed_comm_deltas(schedule.placement.stage_to_rank, schedule.num_microbatches)
-    programs = tuple(
-        PackedProgram(functools.partial(_lower_codes, program, before, after),
-                      program.num_stages, program.num_microbatches, compute_only=False)
-        for program in schedule.programs
-    )
-    return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, programs, lowered_from=schedule)
-
-
-def _lower_codes(program: PackedProgram, before: list[int], after: list[int]) -> array:
     codes, M = program.codes, program.num_microbatches
     befores = map(add, codes, map(before.__getitem__, map(floordiv, codes, repeat(M))))
     afters = map(add, codes, map(after.__getitem__, map(floordiv, codes, repeat(M))))
+    present = set(filter((NUM_COMPUTE_KINDS * program.num_stages * M).__le__, codes))
+    if present:  # hand-placed communication: add only what is missing
+        befores = [_NONE if code in present else code for code in befores]
+        afters = [_NONE if code in present else code for code in afters]
     return array("q", filter((-1).__lt__, chain.from_iterable(zip(befores, codes, afters))))
 
 
-def _packed_comm_deltas(stage_to_rank: tuple[int, ...], num_microbatches: int) -> tuple[list[int], list[int]]:
-    """Per compute key ``kind * S + stage``: the code delta of the comm that goes before / after it."""
+def _comm_deltas(stage_to_rank: tuple[int, ...], num_microbatches: int) -> tuple[list[int], list[int]]:
+    """Per key ``kind_index * S + stage``: the code delta of the comm that goes before / after it."""
     S = len(stage_to_rank)
     SM = S * num_microbatches
     before_kinds, after_kinds = _comm_tables(stage_to_rank)
-    index = {id(kind): i for i, kind in enumerate(_KINDS)}
+    index = {id(kind): i for i, kind in enumerate(KINDS)}
     before, after = [], []
-    for key in range(NUM_COMPUTE_KINDS * S):
+    for key in range(len(KINDS) * S):
         kind_index = key // S
         for table, out in ((before_kinds, before), (after_kinds, after)):
             comm = table[key]
             out.append(_NONE if comm is None else (index[id(comm)] - kind_index) * SM)
     return before, after
-
-
-def _lower_rank(
-    schedule: Schedule, rank: int, before: list[ActionKind | None], after: list[ActionKind | None]
-) -> tuple[tuple[Action, ...], bool]:
-    """One rank's program with its communication, and whether it had any already.
-
-    Built with C loops (map/compress/filter) only.
-
-    Each action i expands to ``[before_i] action_i [after_i]``: the kinds of
-    what goes before and after come from a (kind, stage) table; the new
-    actions are built in bulk and zipped in.
-    """
-    program = schedule.programs[rank]
-    if not program:
-        return (), False
-    S = schedule.num_stages
-    kind_offset = {id(kind): index * S for index, kind in enumerate(_KINDS)}
-    stages = [a.stage for a in program]
-    microbatches = [a.microbatch for a in program]
-    if min(stages) < 0 or max(stages) >= S:
-        raise IndexError("stage out of range")  # -> verify() words it
-    kind_ids = list(map(id, [a.kind for a in program]))
-    kind_stage = list(map(add, map(kind_offset.__getitem__, kind_ids), stages))
-    had_comms = not set(kind_ids).isdisjoint(COMM_KIND_IDS)
-    present = _present_comms(program) if had_comms else set()
-    sides = []
-    for table in (before, after):
-        kinds = list(map(table.__getitem__, kind_stage))  # a comm kind, or None
-        if present:
-            kinds = [
-                None if k is None or (id(k), s, m) in present else k for k, s, m in zip(kinds, stages, microbatches)
-            ]
-        new = actions_in_bulk(
-            list(filter(None, kinds)), list(compress(stages, kinds)), list(compress(microbatches, kinds))
-        )
-        # Scatter the new actions back to their positions (None elsewhere).
-        aligned: list[Action | None] = [None] * len(kinds)
-        deque(map(aligned.__setitem__, compress(range(len(kinds)), kinds), new), maxlen=0)
-        sides.append(aligned)
-    # Actions are truthy and the gaps None: filter(None) drops the gaps.
-    return tuple(filter(None, chain.from_iterable(zip(sides[0], program, sides[1])))), had_comms
 
 
 def _comm_tables(stage_to_rank: tuple[int, ...]) -> tuple[list, list]:
@@ -169,9 +105,9 @@ def _comm_tables(stage_to_rank: tuple[int, ...]) -> tuple[list, list]:
     def crosses(stage: int, peer: int) -> bool:
         return 0 <= peer < S and stage_to_rank[peer] != stage_to_rank[stage]
 
-    before: list[ActionKind | None] = [None] * (len(_KINDS) * S)
-    after: list[ActionKind | None] = [None] * (len(_KINDS) * S)
-    for index, kind in enumerate(_KINDS):
+    before: list[ActionKind | None] = [None] * (len(KINDS) * S)
+    after: list[ActionKind | None] = [None] * (len(KINDS) * S)
+    for index, kind in enumerate(KINDS):
         for s in range(S):
             if kind is K.F:
                 before[index * S + s] = K.RECV_F if crosses(s, s - 1) else None
@@ -180,8 +116,3 @@ def _comm_tables(stage_to_rank: tuple[int, ...]) -> tuple[list, list]:
                 before[index * S + s] = K.RECV_B if crosses(s, s + 1) else None
                 after[index * S + s] = K.SEND_B if crosses(s, s - 1) else None
     return before, after
-
-
-def _present_comms(program: Sequence[Action]) -> set[tuple[int, int, int]]:
-    """The SEND/RECV already in a (partly) lowered program, as (id(kind), stage, microbatch)."""
-    return {(id(a.kind), a.stage, a.microbatch) for a in program if id(a.kind) in COMM_KIND_IDS}

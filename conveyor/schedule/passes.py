@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, islice, repeat
 from operator import and_, floordiv, mod, sub
 
@@ -132,7 +132,8 @@ def merge_backward_halves(schedule: Schedule) -> Schedule:
     That is stage 0's (no input gradient to send) and those whose input gradient stays on the
     rank (the previous stage runs there); elsewhere lowering puts the send between them. It
     neither checks ``schedule`` nor needs it lowered: ``simulate()`` of the result, which checks
-    it, times exactly what the ranks run.
+    it, times exactly what the ranks run. Each program is merged when first read (a rank's
+    runtime reads its own).
 
     Example:
         >>> import conveyor.schedule as cs
@@ -142,58 +143,13 @@ def merge_backward_halves(schedule: Schedule) -> Schedule:
     placement = schedule.placement
     programs = []
     for rank, program in enumerate(schedule.programs):
-        keeps_gradient = {s for s in placement.stages_of(rank) if s == 0 or placement.rank_of(s - 1) == rank}
-        if type(program) is PackedProgram and program.compute_only:
-            # Merged when first read: a rank's runtime reads its own program only.
-            merge = functools.partial(_merge_packed, program, frozenset(keeps_gradient))
-            programs.append(PackedProgram(merge, program.num_stages, program.num_microbatches, True))
-        else:
-            programs.append(merge_adjacent_backward_halves(program, keeps_gradient))
+        keeps_gradient = frozenset(s for s in placement.stages_of(rank) if s == 0 or placement.rank_of(s - 1) == rank)
+        merge = functools.partial(_merged_codes, program, keeps_gradient)
+        programs.append(PackedProgram(merge, program.num_stages, program.num_microbatches, program.compute_only))
     return schedule.with_programs(programs)
 
 
-def _merge_packed(program: PackedProgram, stages: frozenset[int]) -> array:
-    """:func:`merge_adjacent_backward_halves` on codes: an I code plus S x M is its own W, minus it its B."""
-    codes, S, M = program.codes, program.num_stages, program.num_microbatches
-    if not stages or len(codes) < 2:
-        return codes
-    SM = S * M
-    before_own_weight = map(SM.__eq__, map(sub, islice(codes, 1, None), codes))
-    merged_input = map(frozenset(2 * S + s for s in stages).__contains__, map(floordiv, codes, repeat(M)))
-    at = list(compress(range(len(codes) - 1), map(and_, before_own_weight, merged_input)))
-    if not at:
-        return codes
-    merged, keep = array("q", codes), bytearray(b"\x01") * len(codes)
-    for i in at:
-        merged[i] -= SM
-        keep[i + 1] = 0
-    return array("q", compress(merged, keep))
-
-
-def forward_only(schedule: Schedule) -> Schedule:
-    """The forward actions of ``schedule``, in the same per-rank order (for evaluation).
-
-    Example:
-        >>> import conveyor.schedule as cs
-        >>> [str(a) for a in forward_only(cs.build("1f1b", ranks=2, microbatches=2)).programs[1]]
-        ['1F0', '1F1']
-    """
-    if schedule.packed:
-        forwards = (schedule.num_stages * schedule.num_microbatches).__gt__  # F codes come first
-        return schedule.with_programs([
-            PackedProgram(functools.partial(_filtered, forwards, p), p.num_stages, p.num_microbatches, True)
-            for p in schedule.programs
-        ])
-    return schedule.with_programs([[a for a in p if a.kind is ActionKind.F] for p in schedule.programs])
-
-
-def _filtered(keep: Callable[[int], bool], program: PackedProgram) -> array:
-    return array("q", filter(keep, program.codes))
-
-
-def merge_adjacent_backward_halves(
-    program: Sequence[Action], stages: Container[int] | None = None
-) -> tuple[Action, ...]:
+def merge_adjacent_backward_halves(program: PackedProgram, stages: Iterable[int] | None = None) -> PackedProgram:
     """``program`` with each I directly followed by its own W run as one B.
 
     A split backward pays for itself by sending the input gradient before the weight
@@ -207,20 +163,51 @@ def merge_adjacent_backward_halves(
     what merging the stages that keep it, then lowering, gives.
 
     Example:
-        >>> program = tuple(map(Action.parse, ["0F0", "0I0", "0W0", "1I0", "1SEND_B0", "1W0"]))
+        >>> program = PackedProgram.of(map(Action.parse, ["0F0", "0I0", "0W0", "1I0", "1SEND_B0", "1W0"]), 2, 1)
         >>> [str(a) for a in merge_adjacent_backward_halves(program)]
         ['0F0', '0B0', '1I0', '1SEND_B0', '1W0']
     """
-    merged: list[Action] = []
-    for action in program:
-        previous = merged[-1] if merged else None
-        if (action.kind is ActionKind.W and previous is not None and previous.kind is ActionKind.I
-                and previous.stage == action.stage and previous.microbatch == action.microbatch
-                and (stages is None or action.stage in stages)):
-            merged[-1] = Action(ActionKind.B, action.stage, action.microbatch)
-        else:
-            merged.append(action)
-    return tuple(merged)
+    stages = range(program.num_stages) if stages is None else stages
+    return PackedProgram(_merged_codes(program, stages), program.num_stages, program.num_microbatches,
+                         program.compute_only)
+
+
+def _merged_codes(program: PackedProgram, stages: Iterable[int]) -> array:
+    """:func:`merge_adjacent_backward_halves` on codes: an I's code plus S x M is its own W's, minus it its B's."""
+    codes, S, M = program.codes, program.num_stages, program.num_microbatches
+    merged_inputs = frozenset(2 * S + s for s in stages)  # the keys of the I's that may merge
+    if not merged_inputs or len(codes) < 2:
+        return codes
+    SM = S * M
+    next_is_own_weight = map(SM.__eq__, map(sub, islice(codes, 1, None), codes))
+    merges = map(merged_inputs.__contains__, map(floordiv, codes, repeat(M)))
+    at = list(compress(range(len(codes) - 1), map(and_, next_is_own_weight, merges)))
+    if not at:
+        return codes
+    merged, keep = array("q", codes), bytearray(b"\x01") * len(codes)
+    for i in at:
+        merged[i] -= SM  # the I becomes a B
+        keep[i + 1] = 0  # and its W goes
+    return array("q", compress(merged, keep))
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forward actions of ``schedule``, in the same per-rank order (for evaluation).
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> [str(a) for a in forward_only(cs.build("1f1b", ranks=2, microbatches=2)).programs[1]]
+        ['1F0', '1F1']
+    """
+    forwards = (schedule.num_stages * schedule.num_microbatches).__gt__  # F codes come first
+    return schedule.with_programs([
+        PackedProgram(functools.partial(_filtered, forwards, p), p.num_stages, p.num_microbatches, True)
+        for p in schedule.programs
+    ])
+
+
+def _filtered(keep: Callable[[int], bool], program: PackedProgram) -> array:
+    return array("q", filter(keep, program.codes))
 
 
 def in_order_channels(lowered: Schedule) -> frozenset[Channel]:

@@ -6,7 +6,8 @@
 1. shape: a Schedule with a Placement and one sequence of Actions per rank;
 2. each action, rank by rank, step by step: a real Action with int ids in range,
    on the rank its stage is placed on; a SEND/RECV only where its two stages
-   sit on different ranks;
+   sit on different ranks (a Schedule refuses an action that is no Action with
+   int ids in range when it is made, with this message: :func:`check_actions`);
 3. each action at most once; every (stage, microbatch) forwarded once and
    backwarded once (``B``, or ``I`` then ``W``);
 4. lowered programs: every SEND has its RECV on the peer rank and vice versa,
@@ -57,8 +58,7 @@ _MAX_LISTED_RANKS = 8
 # Verification is a pure function of a Schedule's content, and a Schedule is immutable: what passed
 # is remembered here, by content (equal schedules share the verdict), for as long as it lives, so
 # that build() -> executable() -> simulate() does not step the same programs twice. Only schedules
-# whose programs are all packed and made: their hash is the codes' bytes (a malformed action may
-# hold an unhashable id, and hashing a deferred program would make it).
+# whose programs are all made: their hash is the codes' bytes (hashing a deferred program would make it).
 _PASSED: weakref.WeakSet[Schedule] = weakref.WeakSet()
 
 
@@ -67,7 +67,7 @@ def _passed_before(schedule: Schedule) -> bool:
 
 
 def _memoizable(schedule: Schedule) -> bool:
-    return schedule.packed and all(program.made for program in schedule.programs)
+    return all(program.made for program in schedule.programs)
 
 
 def verify(schedule: Schedule) -> None:
@@ -151,7 +151,7 @@ def check_shape(schedule: object) -> None:
             f"schedule {schedule.name!r} needs one program per rank ({placement.num_ranks}), got {got}"
         )
     for rank, program in enumerate(programs):
-        if not isinstance(program, tuple | list | PackedProgram):
+        if not isinstance(program, PackedProgram):
             raise ScheduleError(
                 f"schedule {schedule.name!r}: the program of rank {rank} must be a sequence of actions, "
                 f"got {type(program).__name__}"
@@ -177,18 +177,34 @@ def _check_actions(schedule: Schedule) -> tuple[list[list[int]], list[list[Actio
     codes: list[list[int]] = []
     kinds: list[list[ActionKind]] = []
     for rank, program in enumerate(schedule.programs):
-        packed = program if type(program) is PackedProgram else PackedProgram.of(program, S, M)
-        ok = packed is not None and all(
-            allowed[rank][key] is not None for key in set(map(floordiv, packed.codes, repeat(M)))
-        )
-        if not ok:
+        packed = program  # a Schedule holds well-formed actions only, packed (see ir.Schedule)
+        if not all(allowed[rank][key] is not None for key in set(map(floordiv, packed.codes, repeat(M)))):
+            placement = schedule.placement
             own_stages = {s for s, r in enumerate(stage_to_rank) if r == rank}
             for i, action in enumerate(program):
-                _check_action(schedule, rank, i, action, own_stages)
+                _check_action(placement, schedule.num_microbatches, schedule.programs, rank, i, action, own_stages)
             raise AssertionError(f"rank {rank}'s program failed a fast check that no action fails")
         codes.append(list(packed.codes))
         kinds.append(packed.fields()[0])
     return codes, kinds
+
+
+def check_actions(placement: Placement, num_microbatches: int, programs: Sequence[Sequence[object]]) -> None:
+    """Raise :class:`ScheduleError` at the first action, rank by rank and step by step, that is not a
+    well-formed Action on its own rank (check 2); a Schedule calls it on programs it cannot pack.
+
+    Example:
+        >>> from conveyor.schedule.ir import Placement, F
+        >>> try:
+        ...     check_actions(Placement.looped(2), 1, [[F(0, 0)], [F(1, 0), "1B0"]])
+        ... except ScheduleError as error:
+        ...     print(str(error).split(";")[0])
+        rank 1, step 1: found the string '1B0' where an Action belongs
+    """
+    for rank, program in enumerate(programs):
+        own_stages = set(placement.stages_of(rank))
+        for i, action in enumerate(program):
+            _check_action(placement, num_microbatches, programs, rank, i, action, own_stages)
 
 
 def _comm_fits(action: Action, stage_to_rank: tuple[int, ...]) -> bool:
@@ -199,7 +215,8 @@ def _comm_fits(action: Action, stage_to_rank: tuple[int, ...]) -> bool:
     return s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]
 
 
-def _check_action(schedule: Schedule, rank: int, i: int, action: object, own_stages: set[int]) -> None:
+def _check_action(placement: Placement, num_microbatches: int, programs: Sequence[Sequence[object]],
+                  rank: int, i: int, action: object, own_stages: set[int]) -> None:
     where = f"rank {rank}, step {i}"
     if type(action) is not Action:
         if isinstance(action, str):
@@ -221,38 +238,39 @@ def _check_action(schedule: Schedule, rank: int, i: int, action: object, own_sta
                 f"{where}: the {name} of an action must be an int, got {value!r} ({type(value).__name__}) "
                 f"in Action(kind={kind.name}, stage={stage!r}, microbatch={microbatch!r})"
             )
-    S, M = schedule.num_stages, schedule.num_microbatches
+    S, M, stage_to_rank = placement.num_stages, num_microbatches, placement.stage_to_rank
     label = _label(action)
+    marked = {(rank, i): STUCK}
     if not 0 <= stage < S:
         raise ScheduleError(
             f"{where}: {label} names stage {stage}, but the schedule has {S} stages (0..{S - 1})",
-            grid=_grid(schedule, {(rank, i): STUCK}),
+            grid=render_grid(programs, marked),
         )
     if microbatch < 0:
         raise ScheduleError(
             f"{where}: {label} names microbatch {microbatch}; microbatch ids run from 0 to num_microbatches - 1",
-            grid=_grid(schedule, {(rank, i): STUCK}),
+            grid=render_grid(programs, marked),
         )
     if not 0 <= microbatch < M:
         raise ScheduleError(
             f"{where}: {label} names microbatch {microbatch}, but the schedule has num_microbatches={M} "
             f"(0..{M - 1}); give num_microbatches={microbatch + 1} or more, or fix the action",
-            grid=_grid(schedule, {(rank, i): STUCK}),
+            grid=render_grid(programs, marked),
         )
-    owner = schedule.placement.stage_to_rank[stage]
+    owner = stage_to_rank[stage]
     if stage not in own_stages:
         raise ScheduleError(
             f"{where}: {label} runs stage {stage}, which the placement puts on rank {owner} "
-            f"(stage_to_rank={schedule.placement.stage_to_rank}); move it to rank {owner}'s program "
+            f"(stage_to_rank={stage_to_rank}); move it to rank {owner}'s program "
             "or change the placement",
-            grid=_grid(schedule, {(rank, i): STUCK}),
+            grid=render_grid(programs, marked),
         )
-    if kind.is_comm and not _comm_fits(action, schedule.placement.stage_to_rank):
-        raise ScheduleError(f"{where}: {_misplaced_comm(schedule, action)}", grid=_grid(schedule, {(rank, i): STUCK}))
+    if kind.is_comm and not _comm_fits(action, stage_to_rank):
+        raise ScheduleError(f"{where}: {_misplaced_comm(stage_to_rank, action)}", grid=render_grid(programs, marked))
 
 
-def _misplaced_comm(schedule: Schedule, action: Action) -> str:
-    s, kind, last = action.stage, action.kind, schedule.num_stages - 1
+def _misplaced_comm(stage_to_rank: tuple[int, ...], action: Action) -> str:
+    s, kind, last = action.stage, action.kind, len(stage_to_rank) - 1
     if kind is K.SEND_F and s == last:
         return f"{action} sends the output of the last stage {s}, which goes to the loss; remove it"
     if kind is K.RECV_B and s == last:
@@ -264,7 +282,7 @@ def _misplaced_comm(schedule: Schedule, action: Action) -> str:
     peer = s + 1 if kind in (K.SEND_F, K.RECV_B) else s - 1
     return (
         f"{action} connects stages {min(s, peer)} and {max(s, peer)}, which both run on rank "
-        f"{schedule.placement.stage_to_rank[s]} and pass tensors in memory; remove it "
+        f"{stage_to_rank[s]} and pass tensors in memory; remove it "
         "(lower() adds only the sends and receives that cross ranks)"
     )
 

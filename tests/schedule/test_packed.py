@@ -43,16 +43,14 @@ def test_a_packed_program_is_a_sequence_of_actions_not_a_tuple():
     with pytest.raises(TypeError):
         program + (F(1, 0),)  # noqa: B018 - concatenation is a tuple's, not a program's
     assert repr(program) == repr(PackedProgram.of(actions, 2, 2))
-    assert PackedProgram.of([F(2, 0)], num_stages=2, num_microbatches=1) is None  # out of range: stays a tuple
+    assert PackedProgram.of([F(2, 0)], num_stages=2, num_microbatches=1) is None  # out of range: no code
 
 
-def test_schedules_pack_what_is_well_formed_and_keep_the_rest_as_given():
+def test_a_schedule_holds_packed_programs_and_refuses_what_it_cannot_pack():
     sched = Schedule.from_programs("t", Placement.looped(2), 1, [["0F0", "0B0"], ["1F0", "1B0"]])
-    assert sched.packed and tuple(sched.programs[1]) == (F(1, 0), B(1, 0))
-    odd = Schedule("t", Placement.looped(2), 1, ((F(0, 0), "0B0"), (F(1, 0), B(1, 0))))
-    assert not odd.packed and type(odd.programs[0]) is tuple
-    with pytest.raises(ScheduleError, match="the string '0B0'"):
-        cs.verify(odd)
+    assert {type(p) for p in sched.programs} == {PackedProgram} and tuple(sched.programs[1]) == (F(1, 0), B(1, 0))
+    with pytest.raises(ScheduleError, match="rank 0, step 1: found the string '0B0'"):
+        Schedule("t", Placement.looped(2), 1, ((F(0, 0), "0B0"), (F(1, 0), B(1, 0))))
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv", "dualpipev", "interleaved-1f1b"])

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 
 import conveyor.schedule as cs
 from conveyor.errors import ScheduleError
-from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
+from conveyor.schedule.ir import Action, ActionKind, PackedProgram, Placement, Schedule
 from conveyor.schedule.lower import lower
 from conveyor.schedule.passes import (
     executable,
@@ -31,7 +31,7 @@ BUILT_INS = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved-1f1b", 2, 2), ("loop
 
 
 def _merged(*texts: str) -> list[str]:
-    return [str(a) for a in merge_adjacent_backward_halves(tuple(map(Action.parse, texts)))]
+    return [str(a) for a in merge_adjacent_backward_halves(PackedProgram.of(map(Action.parse, texts), 2, 3))]
 
 
 def test_only_a_w_right_after_its_own_i_merges():
@@ -75,7 +75,7 @@ def _check_chain(schedule: Schedule) -> None:
     lowered = lower(schedule)
     # Merging before lowering (only where lowering leaves I and W side by side) gives what
     # merging the lowered programs gives; the compute actions alone are that, less the comms.
-    assert tuple(map(tuple, runs.train.programs)) == tuple(merge_adjacent_backward_halves(p) for p in lowered.programs)
+    assert runs.train.programs == tuple(merge_adjacent_backward_halves(p) for p in lowered.programs)
     assert runs.compute.programs == _fresh(runs.train).compute_only().programs
     assert cs.simulate(runs.compute).spans == cs.simulate(_fresh(runs.compute)).spans
     verify(_fresh(runs.compute))

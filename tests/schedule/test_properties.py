@@ -271,12 +271,16 @@ ID = st.one_of(st.integers(-2, 6), st.sampled_from([1.0, "1", None, True]))
 )
 def test_arbitrary_programs_get_a_schedule_error_or_pass(num_ranks, num_microbatches, programs):
     programs = (programs + [[]] * num_ranks)[:num_ranks]
-    sched = Schedule(
-        "junk",
-        Placement.looped(num_ranks),
-        num_microbatches,
-        tuple(tuple(Action(*fields) for fields in p) for p in programs),
-    )
+    try:  # a malformed action is refused when the schedule is made
+        sched = Schedule(
+            "junk",
+            Placement.looped(num_ranks),
+            num_microbatches,
+            tuple(tuple(Action(*fields) for fields in p) for p in programs),
+        )
+    except ScheduleError as error:
+        assert str(error)
+        return
     for step in (verify, lower, cs.simulate):
         try:
             step(sched)

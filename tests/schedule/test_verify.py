@@ -31,7 +31,7 @@ def schedule(*programs: str, placement: Placement = TWO, microbatches: int = 1, 
 
 
 def raw(*programs, placement: Placement = TWO, microbatches: int = 1) -> Schedule:
-    """A Schedule built around from_programs, so malformed actions reach verify()."""
+    """A Schedule built around from_programs, so malformed actions reach its own checks."""
     return Schedule("t", placement, microbatches, tuple(tuple(p) for p in programs))
 
 
@@ -86,45 +86,59 @@ def test_malformed_containers_are_rejected_when_built(make, expected):
 
 
 @pytest.mark.parametrize(
-    ("sched", "expected"),
+    ("make", "expected"),
     [
-        (raw([5], []), "rank 0, step 0: expected an Action such as F(2, 0) or Action.parse('2F0'), got 5 (int)"),
         (
-            raw([Action.parse("0F0"), "0B0"], []),
+            lambda: raw([5], []),
+            "rank 0, step 0: expected an Action such as F(2, 0) or Action.parse('2F0'), got 5 (int)",
+        ),
+        (
+            lambda: raw([Action.parse("0F0"), "0B0"], []),
             "rank 0, step 1: found the string '0B0' where an Action belongs; build the schedule with "
             "Schedule.from_programs(...), which parses strings such as '2F0'",
         ),
         (
-            raw([Action("F", 0, 0)], []),
+            lambda: raw([Action("F", 0, 0)], []),
             "rank 0, step 0: action kind must be an ActionKind (F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B), got 'F'",
         ),
         (
-            raw([Action(K.F, 0.0, 0)], []),
+            lambda: raw([Action(K.F, 0.0, 0)], []),
             "rank 0, step 0: the stage of an action must be an int, got 0.0 (float) in "
             "Action(kind=F, stage=0.0, microbatch=0)",
         ),
         (
-            raw([Action(K.F, 0, None)], []),
+            lambda: raw([Action(K.F, 0, None)], []),
             "rank 0, step 0: the microbatch of an action must be an int, got None (NoneType) in "
             "Action(kind=F, stage=0, microbatch=None)",
         ),
         (
-            raw([Action(K.F, -1, 0)], []),
+            lambda: raw([Action(K.F, -1, 0)], []),
             "rank 0, step 0: action -1F0 names stage -1, but the schedule has 2 stages (0..1)",
         ),
         (
-            raw([Action(K.F, 2, 0)], []),
+            lambda: raw([Action(K.F, 2, 0)], []),
             "rank 0, step 0: action 2F0 names stage 2, but the schedule has 2 stages (0..1)",
         ),
         (
-            raw([Action(K.F, 0, -1)], []),
+            lambda: raw([Action(K.F, 0, -1)], []),
             "rank 0, step 0: action 0F-1 names microbatch -1; microbatch ids run from 0 to num_microbatches - 1",
         ),
         (
-            schedule("0F0 0B0 0F1", "1F0 1B0"),
+            lambda: schedule("0F0 0B0 0F1", "1F0 1B0"),
             "rank 0, step 2: action 0F1 names microbatch 1, but the schedule has num_microbatches=1 (0..0); "
             "give num_microbatches=2 or more, or fix the action",
         ),
+    ],
+)
+def test_malformed_actions_are_refused_when_built_named_by_rank_and_step(make, expected):
+    with pytest.raises(ScheduleError) as raised:
+        make()
+    assert str(raised.value).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("sched", "expected"),
+    [
         (
             schedule("0F0 1F0 0B0", "1B0"),
             "rank 0, step 1: action 1F0 runs stage 1, which the placement puts on rank 1 (stage_to_rank=(0, 1)); "
@@ -410,7 +424,7 @@ def test_engine_calls_any_duration_function_per_action():
     ]
 
 
-def test_engine_reports_blocked_ranks_and_refuses_malformed_schedules():
+def test_engine_reports_blocked_ranks_and_malformed_schedules_never_reach_it():
     result = run(SWAP, lambda action: 1.0)
     assert not result.completed
     assert [(b.rank, b.position, str(b.action), b.producer_rank, str(b.producer)) for b in result.blocked] == [
@@ -449,9 +463,8 @@ def test_module_examples_hold():
 def test_ids_that_hash_like_ints_are_refused_even_in_an_otherwise_valid_schedule(odd):
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     rank0 = tuple(Action(a.kind, odd, a.microbatch) for a in schedule.programs[0])
-    odd_schedule = Schedule(schedule.name, schedule.placement, 2, (rank0, schedule.programs[1]))
     with pytest.raises(ScheduleError, match="the stage of an action must be an int"):
-        cs.verify(odd_schedule)
+        Schedule(schedule.name, schedule.placement, 2, (rank0, schedule.programs[1]))
 
 
 def test_look_alike_actions_are_refused_even_in_an_otherwise_valid_schedule():
@@ -461,4 +474,4 @@ def test_look_alike_actions_are_refused_even_in_an_otherwise_valid_schedule():
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     rank0 = tuple(fake(a.kind, a.stage, a.microbatch) for a in schedule.programs[0])
     with pytest.raises(ScheduleError, match="expected an Action"):
-        cs.verify(Schedule(schedule.name, schedule.placement, 2, (rank0, schedule.programs[1])))
+        Schedule(schedule.name, schedule.placement, 2, (rank0, schedule.programs[1]))
