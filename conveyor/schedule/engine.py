@@ -195,8 +195,6 @@ def step(
         >>> run.clean, run.lowered, [list(ends) for ends in run.ends]
         (True, True, [[1.0, 1.0, 4.0, 5.0], [1.5, 2.5, 3.5, 3.5]])
     """
-    if not schedule.packed:
-        return None
     S, M, lowered = schedule.num_stages, schedule.num_microbatches, schedule.is_lowered
     SM = S * M
     regions = len(KINDS) if lowered else NUM_COMPUTE_KINDS
@@ -317,8 +315,8 @@ def runs_clean(schedule: Schedule) -> bool:
         >>> runs_clean(cs.lower(cs.build("zbv", ranks=2, microbatches=4)))
         True
     """
-    if not schedule.packed or sum(map(len, schedule.programs)) < 2 * schedule.num_stages * schedule.num_microbatches:
-        return False  # malformed, or incomplete (and no table sized S x M for a handful of actions)
+    if sum(map(len, schedule.programs)) < 2 * schedule.num_stages * schedule.num_microbatches:
+        return False  # incomplete (and no table sized S x M for a handful of actions)
     run = step(schedule)
     return run is not None and run.clean
 
@@ -393,5 +391,5 @@ def packed_compute_only(schedule: Schedule) -> bool:
         >>> packed_compute_only(sched), packed_compute_only(cs.lower(sched))
         (True, False)
     """
-    return isinstance(schedule, Schedule) and schedule.packed and not schedule.is_lowered
+    return isinstance(schedule, Schedule) and not schedule.is_lowered
 

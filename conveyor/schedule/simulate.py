@@ -152,8 +152,8 @@ def step_timed(schedule: Schedule, duration: Callable[[Action], float], latency:
         >>> run.completed, [str(span.action) for span in run.spans if span.rank == 1]
         (True, ['1F0', '1B0', '1F1', '1B1'])
     """
-    if not schedule.packed or sum(map(len, schedule.programs)) < schedule.num_stages * schedule.num_microbatches:
-        verify(schedule)  # malformed, or not every stage can even run forward: say what is wrong
+    if sum(map(len, schedule.programs)) < schedule.num_stages * schedule.num_microbatches:
+        verify(schedule)  # not every stage can even run forward: say what is missing
     owner = getattr(duration, "__self__", None)
     took, ask = (None, duration)
     if isinstance(owner, CostModel) and getattr(duration, "__func__", None) is CostModel.duration:

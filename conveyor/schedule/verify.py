@@ -105,9 +105,6 @@ def _source_runs_clean(schedule: Schedule) -> bool:
 def _diagnose(schedule: Schedule) -> None:
     """The checks one by one, in the documented order: raise at the first violation."""
     codes, kinds = _check_actions(schedule)
-    if not schedule.packed:  # made around its checks: its actions are well formed, pack them for the engine
-        schedule = Schedule(schedule.name, schedule.placement, schedule.num_microbatches,
-                            tuple(map(tuple, schedule.programs)))
     lowered = any(not _COMM_KIND_IDS.isdisjoint(map(id, rank_kinds)) for rank_kinds in kinds)
     _check_each_once(schedule, codes, kinds)
     _check_complete(schedule, codes, kinds)
