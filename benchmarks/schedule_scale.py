@@ -47,7 +47,7 @@ schedule = resolve_schedule(name, microbatches, virtual, ranks)
 schedule.stages_of(rank)
 hashlib.sha1(repr(schedule.programs).encode()).hexdigest()
 runs = executable(schedule)
-runs.train_in_order, runs.eval_in_order
+runs.in_order_channels(rank), runs.train_posts(rank, "in_order"), runs.eval_posts(rank, "in_order")
 runs.train.programs, runs.eval.programs
 runs.train_program(rank), runs.eval_program(rank), runs.gradients_final(rank)
 print(time.perf_counter() - start)

@@ -30,11 +30,11 @@ from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.replicas import Replicas, check_data_parallel
 from conveyor.parallel.tied import TiedGradients, tied_copies_outside_their_first_stage
 from conveyor.runtime.device import group_device, make_current, place_modules, resolve_device
-from conveyor.runtime.executor import PostPlanner, RankExecutor
+from conveyor.runtime.executor import RankExecutor
 from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.memory import MemoryReport, memory_report
 from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder, replica_timeline
-from conveyor.runtime.transport_choice import build_transport, seed_shapes, wire_channels
+from conveyor.runtime.transport_choice import build_transport, seed_shapes
 from conveyor.schedule.grid import render_positions
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.passes import executable
@@ -180,8 +180,7 @@ class DistributedRanks:
         self.transport = build_transport(transfer.transport, self.rank, schedule, self.life,
                                          timeout_s=transfer.timeout_s, fixed_shapes=transfer.fixed_shapes,
                                          device=self.device, variable_shapes=transfer.variable_shapes,
-                                         in_order_channels=wire_channels(self.runs.train_in_order,
-                                                                         self.runs.eval_in_order))
+                                         in_order_channels=self.runs.in_order_channels(self.rank))
         if transfer.shapes:
             shapes = transfer.shapes
             if self.tensor_parallel is not None:  # what crosses is each TP rank's local part
@@ -192,7 +191,6 @@ class DistributedRanks:
                                              self.device, self.comm_device)
         self.executor = RankExecutor(self.rank, schedule.placement, pipe.runners, self.transport,
                                      measure_memory=pipe.stage.measure_memory, device=self.device)
-        self.posts = PostPlanner(self.runs, self.rank, self.transport.discipline)
 
     # --- a step ----------------------------------------------------------------------------
     def start(self, train: bool, record: bool) -> None:
@@ -206,12 +204,14 @@ class DistributedRanks:
     def run(self, train: bool, first: list | None, targets: list | None, keep_outputs: bool) -> None:
         if train:
             replicas = self.replicas
-            steps = self.executor.run(self.runs.train_program(self.rank), self.posts(train=True), first, targets,
+            posts = self.runs.train_posts(self.rank, self.transport.discipline)
+            steps = self.executor.run(self.runs.train_program(self.rank), posts, first, targets,
                                       self._recorder,
                                       keep_outputs=keep_outputs, gradients_final=self.runs.gradients_final(self.rank),
                                       on_gradients_final=replicas.stage_done if replicas else None)
         else:
-            steps = self.executor.run(self.runs.eval_program(self.rank), self.posts(train=False), first, None, None)
+            posts = self.runs.eval_posts(self.rank, self.transport.discipline)
+            steps = self.executor.run(self.runs.eval_program(self.rank), posts, first, None, None)
         for _ in steps:
             raise AssertionError("a blocking transport never yields")
 

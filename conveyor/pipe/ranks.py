@@ -30,7 +30,7 @@ from conveyor.options import Layout, TransferOptions
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import summed_loss
 from conveyor.runtime.device import module_device, place_modules, resolve_device
-from conveyor.runtime.executor import PostPlanner, RankExecutor, run_local
+from conveyor.runtime.executor import RankExecutor, run_local
 from conveyor.runtime.memory import MemoryReport, memory_report, reset_device_peaks
 from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder
 from conveyor.runtime.transport import LocalMailbox, LocalTransport
@@ -101,7 +101,6 @@ class InProcessRanks:
                          device=self.device)
             for rank in self.local_ranks
         ]
-        self.posts = [PostPlanner(self.runs, rank, LocalTransport.discipline) for rank in self.local_ranks]
 
     # --- a step ----------------------------------------------------------------------------
     def start(self, train: bool, record: bool) -> None:
@@ -115,10 +114,12 @@ class InProcessRanks:
 
     def run(self, train: bool, first: list | None, targets: list | None, keep_outputs: bool) -> None:
         first_rank = self.schedule.placement.rank_of(0)
-        programs = self.runs.train_program if train else self.runs.eval_program
+        runs = self.runs
+        programs, posts = (runs.train_program, runs.train_posts) if train else (runs.eval_program, runs.eval_posts)
         run_local(self.executors, [
-            ex.run(programs(r), self.posts[r](train), first if r == first_rank else None, targets if train else None,
-                   self._recorders[r] if train and self._recorders else None, keep_outputs=keep_outputs)
+            ex.run(programs(r), posts(r, LocalTransport.discipline), first if r == first_rank else None,
+                   targets if train else None, self._recorders[r] if train and self._recorders else None,
+                   keep_outputs=keep_outputs)
             for r, ex in enumerate(self.executors)
         ])
 

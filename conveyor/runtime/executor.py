@@ -11,8 +11,8 @@ gradients waiting to be sent. Stage pairs on the same rank hand over directly.
 
 Transfers go out and are awaited on one path, whatever the transport: before each action
 the executor posts the batches the lowered program's posts name there
-(:mod:`conveyor.schedule.posts`, planned for the transport's discipline by
-:class:`PostPlanner`); a SEND action has then been posted, and a RECV action waits for its
+(:mod:`conveyor.schedule.posts`: the pass chain's ``Executable`` holds them, per rank and
+transport discipline); a SEND action has then been posted, and a RECV action waits for its
 handle.
 
 Example (the whole pipeline in one process):
@@ -32,9 +32,8 @@ from conveyor.runtime.memory import MemoryMeter
 from conveyor.runtime.runner import StageRunner
 from conveyor.runtime.timing import EventRecorder, StepRecorder
 from conveyor.runtime.transport import LocalTransport, Transport, detach_for_next_stage
-from conveyor.runtime.wire import EVAL_FORWARD, FORWARD
-from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
-from conveyor.schedule.posts import RECEIVES_AHEAD, Batch, RankPosts, plan_posts
+from conveyor.schedule.ir import Action, ActionKind, Placement
+from conveyor.schedule.posts import Batch, RankPosts
 
 _UNRECORDED = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 
@@ -42,33 +41,6 @@ _UNRECORDED = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 def as_stage_inputs(value: Any) -> tuple[tuple, dict]:
     """How a stage is called with the previous stage's output: a tuple is unpacked, anything else is one argument."""
     return (value, {}) if isinstance(value, tuple) else ((value,), {})
-
-
-class PostPlanner:
-    """Where one rank posts its transfers, for its training and evaluation programs
-    (``runs``: their lowered schedules, :class:`conveyor.schedule.passes.Executable`), planned
-    for ``discipline`` once per program and direction of forwards (evaluation under no_grad).
-
-    Example:
-        >>> import conveyor.schedule as cs
-        >>> posts = PostPlanner(cs.executable(cs.build("1f1b", ranks=2, microbatches=2)), 1, "in_order")
-        >>> len(posts(train=True)) == len(posts.runs.train_program(1))
-        True
-    """
-
-    def __init__(self, runs: Any, rank: int, discipline: str, receives_ahead: int = RECEIVES_AHEAD) -> None:
-        self.runs, self.rank, self.discipline, self.receives_ahead = runs, rank, discipline, receives_ahead
-        self._planned: dict[tuple[bool, int], RankPosts] = {}
-
-    def __call__(self, train: bool) -> RankPosts:
-        """The posts of this rank's training (or evaluation) program, run with gradients as now."""
-        forward = FORWARD if torch.is_grad_enabled() else EVAL_FORWARD
-        found = self._planned.get((train, forward))
-        if found is None:
-            lowered: Schedule = self.runs.train if train else self.runs.eval
-            found = self._planned[(train, forward)] = plan_posts(
-                lowered, self.rank, self.discipline, forward=forward, receives_ahead=self.receives_ahead)
-        return found
 
 
 class RankExecutor:
@@ -133,8 +105,8 @@ class RankExecutor:
         gradients_final: Mapping[int, int] | None = None,
         on_gradients_final: Callable[[int], None] | None = None,
     ) -> Iterator[None]:
-        """Run ``program`` once (a generator: see the module docstring), posting ``posts`` (its
-        :class:`PostPlanner`'s result: per action, the batches posted right before it).
+        """Run ``program`` once (a generator: see the module docstring), posting ``posts`` (per action,
+        the batches posted right before it: the pass chain's, ``Executable.train_posts`` or ``eval_posts``).
 
         ``on_gradients_final(stage)`` is called right after the action at each index of
         ``gradients_final`` ({index: stage}), when that stage's weight gradients are complete.
@@ -146,7 +118,7 @@ class RankExecutor:
         self.keep_outputs = keep_outputs
         if len(posts) != len(program):
             raise ValueError(f"rank {self.rank} was given posts for {len(posts)} actions with a program of "
-                             f"{len(program)}: plan them from this program (PostPlanner)")
+                             f"{len(program)}: take them from the Executable that gave the program")
         if self.memory_meter is not None and torch.is_grad_enabled():
             self.memory_meter.start_step()
         if first_stage_inputs is not None:

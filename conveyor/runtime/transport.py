@@ -158,8 +158,8 @@ class Transport(ABC):
     ``peer_failures`` reads what they published; ``close`` releases everything.
 
     ``in_order_channels`` are the channels whose receiver consumes in the order the sender
-    sends (:func:`conveyor.schedule.passes.in_order_channels`, given when the transport is
-    built): a transport may post their receives ahead sized for the last transfer's structure.
+    sends (the posts pass finds them: :func:`conveyor.schedule.posts.rank_channels`, given when
+    the transport is built): a transport may post their receives ahead sized for the last transfer's structure.
     ``structures_sent`` counts the transfers that carried their structure (shapes, dtypes, tree)
     besides their data: after the first step it stays put unless shapes change.
     """

@@ -14,7 +14,7 @@ Example (what :class:`conveyor.Pipeline` does)::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from conveyor.runtime.process_group import DistTransport
 from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
 from conveyor.runtime.transport import Transport
 from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, Channel, flatten_payload
-from conveyor.schedule.ir import ActionKind, Schedule
+from conveyor.schedule.ir import Schedule
 
 
 def check_transport_name(kind: str) -> None:
@@ -46,8 +46,8 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
     ``variable_shapes``: microbatches change shapes every step; the ordered transport then agrees on
     each transfer's structure every step (the others carry it with the data when it changes).
 
-    ``in_order_channels``: see :class:`~conveyor.runtime.transport.Transport`
-    (:func:`wire_channels` turns the schedule layer's into the wire's).
+    ``in_order_channels``: see :class:`~conveyor.runtime.transport.Transport` (the pass chain's,
+    ``Executable.in_order_channels(rank)``).
     """
     check_transport_name(kind)
     global_ranks = life.global_ranks
@@ -117,18 +117,6 @@ def channels(schedule: Schedule) -> list[tuple[int, int]]:
     rank_of = schedule.placement.rank_of
     pairs = {(rank_of(s), rank_of(s + 1)) for s in range(schedule.num_stages - 1)}
     return sorted({pair for a, b in pairs if a != b for pair in ((a, b), (b, a))})
-
-
-def wire_channels(train_in_order: Iterable[tuple[ActionKind, int]],
-                  eval_in_order: Iterable[tuple[ActionKind, int]]) -> frozenset[Channel]:
-    """The schedule layer's in-order channels (send kind, sending stage) as the wire names them.
-
-    Example:
-        >>> sorted(wire_channels({(ActionKind.SEND_F, 0), (ActionKind.SEND_B, 1)}, {(ActionKind.SEND_F, 0)}))
-        [(0, 0), (1, 1), (2, 0)]
-    """
-    training = {(FORWARD if kind is ActionKind.SEND_F else BACKWARD, stage) for kind, stage in train_in_order}
-    return frozenset(training | {(EVAL_FORWARD, stage) for _, stage in eval_in_order})
 
 
 def neighbours(schedule: Schedule, rank: int) -> set[int]:

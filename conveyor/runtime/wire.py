@@ -32,15 +32,15 @@ from torch.utils import _pytree as pytree
 from conveyor.errors import SpecMismatchError
 
 # A transfer's one address, (direction, sending stage, microbatch), is the schedule layer's
-# (conveyor.schedule.posts.transfer_of): it is written into the lowered program's posts.
+# (conveyor.schedule.posts.transfer_of): it is written into the lowered program's posts. A
+# channel, (direction, sending stage), is the stream of one boundary's transfers.
 from conveyor.schedule.posts import BACKWARD as BACKWARD
 from conveyor.schedule.posts import EVAL_FORWARD as EVAL_FORWARD
 from conveyor.schedule.posts import FORWARD as FORWARD
+from conveyor.schedule.posts import Channel as Channel
 from conveyor.schedule.posts import TransferKey as TransferKey
 
 _ALIGN = 16
-
-Channel = tuple[int, int]  # (direction, sending stage): the transfers of one stream
 
 
 @dataclass(frozen=True, slots=True)

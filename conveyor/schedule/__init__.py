@@ -20,16 +20,20 @@ From a builder to the program a rank runs, in the order the code does it:
    compute actions into what a rank executes: ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B``
    inserted where a neighbour stage sits on another rank, an ``I`` directly followed by its own
    ``W`` merged into one ``B``, and the forward-only programs of evaluation.
-   Last, ``posts.py`` (:func:`~conveyor.schedule.posts.plan_posts`) writes where each rank posts
-   its sends and receives, and which go together, for the transport's discipline: look-ahead
-   (matched by address) or in order (matched by order, as NCCL: DualPipe's queue-then-commit);
+   Last, ``posts.py`` (:func:`~conveyor.schedule.posts.rank_channels`, then
+   :func:`~conveyor.schedule.posts.plan_posts`) writes where each rank posts its sends and
+   receives, and which go together, for the transport's discipline: look-ahead (matched by
+   address) or in order (matched by order, as NCCL: DualPipe's queue-then-commit), and which
+   channels arrive in their sender's order; the chain keeps them per rank beside its programs
+   (``train_posts(rank, discipline)``, ``in_order_channels(rank)``).
    :func:`~conveyor.schedule.posts.check_posts` proves those posts free of deadlock in the engine.
 5. **Simulate** (``simulate.py``): the same engine times each action on a
    :class:`CostModel` into a :class:`Timeline` (makespan, bubble, peak activations), which
    ``render.py`` draws and ``conveyor simulate`` prints. It times the very programs of step 4.
 6. **Run** (``conveyor.runtime``, not this package): each rank's executor walks
    ``executable(schedule).train_program(rank)`` action by action, one handler per kind; before
-   each action it posts the batches of sends and receives step 4's posts name, over whichever
+   each action it posts the batches of sends and receives that step 4's posts name there
+   (``train_posts(rank, discipline)``, the discipline its transport declares), over whichever
    transport (one contract for all of them), and a RECV waits on its handle; a new schedule
    needs no runtime change.
 

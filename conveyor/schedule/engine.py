@@ -381,15 +381,3 @@ def blocked_ranks(schedule: Schedule, run: Run) -> tuple[Blocked, ...]:
                                producer_rank, producer, producer_position))
     return tuple(blocked)
 
-
-def packed_compute_only(schedule: Schedule) -> bool:
-    """Whether every program is packed and holds compute actions only (no SEND/RECV).
-
-    Example:
-        >>> import conveyor.schedule as cs
-        >>> sched = cs.build("1f1b", ranks=2, microbatches=2)
-        >>> packed_compute_only(sched), packed_compute_only(cs.lower(sched))
-        (True, False)
-    """
-    return isinstance(schedule, Schedule) and not schedule.is_lowered
-

@@ -6,12 +6,13 @@ differs from it in three ways, each a pure pass over programs:
   training:    verify -> :func:`~conveyor.schedule.lower.lower` (sends and receives)
                -> :func:`merge_adjacent_backward_halves` (an I right before its own W runs as B)
   evaluation:  :func:`forward_only` -> lower
-  transport:   :func:`in_order_channels` (channels whose receiver consumes in the order the
-               sender sends, so their receives can be posted ahead)
+  posts:       per rank, :func:`~conveyor.schedule.posts.rank_channels` (what its channels
+               carry, in which order) -> :func:`~conveyor.schedule.posts.plan_posts` (which
+               sends and receives are posted together before each action, per discipline)
 
 :func:`executable` runs the whole chain once and is the only entry point: both pipelines,
 ``conveyor simulate`` and the measured-vs-simulated pictures take their programs from it, so
-the simulator times exactly the program that runs.
+the simulator times exactly the program that runs, and the runtime posts what it holds.
 
 Example:
     >>> import conveyor.schedule as cs
@@ -20,6 +21,11 @@ Example:
     ['0F0', '0SEND_F0', '0F1', '0SEND_F1', '0RECV_B0', '0B0', '0RECV_B1', '0B1']
     >>> [str(a) for a in runs.eval.programs[1]]
     ['1RECV_F0', '1F0', '1RECV_F1', '1F1']
+    >>> posts = runs.train_posts(1, "in_order")   # before 1SEND_B0: its send, and the next receive
+    >>> [[str(a) for a in batch.actions] for batch in posts[3]]
+    [['1SEND_B0'], ['1RECV_F1']]
+    >>> sorted(runs.in_order_channels(1))   # (direction, sending stage): each arrives in its sender's order
+    [(0, 0), (1, 1), (2, 0)]
 """
 
 from __future__ import annotations
@@ -28,26 +34,36 @@ import functools
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, islice, repeat
-from operator import and_, floordiv, mod, sub
+from operator import and_, floordiv, sub
 
 from conveyor.errors import ScheduleError
-from conveyor.schedule.engine import packed_compute_only
 from conveyor.schedule.ir import Action, ActionKind, PackedProgram, Schedule
 from conveyor.schedule.lower import lower
+from conveyor.schedule.posts import (
+    BACKWARD,
+    EVAL_FORWARD,
+    FORWARD,
+    IN_ORDER,
+    Channel,
+    RankChannels,
+    RankPosts,
+    plan_posts,
+    rank_channels,
+)
 from conveyor.schedule.verify import verify
-
-# A channel is named by the kind of the send that feeds it and the sending stage.
-Channel = tuple[ActionKind, int]
 
 
 class Executable:
-    """What the ranks of ``schedule`` run: its training and evaluation programs.
+    """What the ranks of ``schedule`` run: its training and evaluation programs, and their posts.
 
     ``train`` (lowered: sends and receives in place) verifies and simulates like any other
     schedule; ``compute`` is its compute actions alone, which time exactly like it in the
     simulator and come without lowering (``conveyor simulate`` at P=256 steps it).
-    ``eval`` (lowered forwards; verify() calls it incomplete: it has no backward), and
-    ``train_in_order`` / ``eval_in_order`` (their FIFO channels) are built when first read.
+    ``eval`` (lowered forwards; verify() calls it incomplete: it has no backward) is built
+    when first read. A rank's programs, posts (:mod:`conveyor.schedule.posts`, per
+    discipline) and in-order channels are made when that rank first asks, from its program
+    and its peers' only. Evaluation runs without gradients, so its forwards travel as
+    ``EVAL_FORWARD``.
     """
 
     def __init__(self, schedule: Schedule) -> None:
@@ -55,6 +71,8 @@ class Executable:
         self._gradients_final: dict[int, dict[int, int]] = {}
         # A rank's programs as Actions, made once: its executor walks them every step.
         self._programs: dict[tuple[str, int], tuple[Action, ...]] = {}
+        self._channels: dict[tuple[str, int], RankChannels] = {}
+        self._posts: dict[tuple[str, int, str], RankPosts] = {}
 
     @functools.cached_property
     def compute(self) -> Schedule:
@@ -72,16 +90,48 @@ class Executable:
         return lower(forward_only(self.schedule))
 
     @functools.cached_property
-    def train_in_order(self) -> frozenset[Channel]:
-        if packed_compute_only(self.schedule):  # without lowering every rank's program
-            return packed_in_order_channels(self.schedule)
-        return in_order_channels(self.train)
+    def train_in_order(self) -> frozenset[tuple[ActionKind, int]]:
+        """Every rank's in-order training channels, named (send kind, sending stage) (for tools and
+        tests: a rank reads its own, :meth:`in_order_channels`)."""
+        return _send_kinds(self._every_rank("train"), {FORWARD: ActionKind.SEND_F, BACKWARD: ActionKind.SEND_B})
 
     @functools.cached_property
-    def eval_in_order(self) -> frozenset[Channel]:
-        if packed_compute_only(self.schedule):
-            return packed_in_order_channels(self.schedule, forward_only=True)
-        return in_order_channels(self.eval)
+    def eval_in_order(self) -> frozenset[tuple[ActionKind, int]]:
+        """Every rank's in-order evaluation channels, named (send kind, sending stage)."""
+        return _send_kinds(self._every_rank("eval"), {EVAL_FORWARD: ActionKind.SEND_F})
+
+    def _every_rank(self, program: str) -> set[Channel]:
+        return {c for rank in range(self.schedule.num_ranks) for c in self._rank_channels(program, rank).in_order}
+
+    def _rank_channels(self, program: str, rank: int) -> RankChannels:
+        found = self._channels.get((program, rank))
+        if found is None:
+            lowered, forward = (self.train, FORWARD) if program == "train" else (self.eval, EVAL_FORWARD)
+            found = self._channels[program, rank] = rank_channels(lowered, rank, forward)
+        return found
+
+    def in_order_channels(self, rank: int) -> frozenset[Channel]:
+        """The channels (direction, sending stage) ``rank`` sends or receives on, in training or
+        evaluation, whose receiver consumes them in the order the sender sends them."""
+        return self._rank_channels("train", rank).in_order | self._rank_channels("eval", rank).in_order
+
+    def train_posts(self, rank: int, discipline: str) -> RankPosts:
+        """Where ``rank`` posts the transfers of its training program under ``discipline``: per action
+        (the index of :meth:`train_program`'s), the batches posted right before it."""
+        return self._planned("train", rank, discipline)
+
+    def eval_posts(self, rank: int, discipline: str) -> RankPosts:
+        """Where ``rank`` posts the transfers of its evaluation program under ``discipline``."""
+        return self._planned("eval", rank, discipline)
+
+    def _planned(self, program: str, rank: int, discipline: str) -> RankPosts:
+        found = self._posts.get((program, rank, discipline))
+        if found is None:
+            lowered, forward = (self.train, FORWARD) if program == "train" else (self.eval, EVAL_FORWARD)
+            channels = self._rank_channels(program, rank) if discipline == IN_ORDER else None  # peers' orders
+            found = self._posts[program, rank, discipline] = plan_posts(
+                lowered, rank, discipline, forward=forward, channels=channels)
+        return found
 
     def train_program(self, rank: int) -> tuple[Action, ...]:
         """The actions ``rank`` runs in a training step, in order (only this rank's are lowered)."""
@@ -210,63 +260,8 @@ def _filtered(keep: Callable[[int], bool], program: PackedProgram) -> array:
     return array("q", filter(keep, program.codes))
 
 
-def in_order_channels(lowered: Schedule) -> frozenset[Channel]:
-    """Channels (send kind, sending stage) whose receiver consumes in the order the sender sends.
-
-    A transport may post such a channel's receives ahead and assume each transfer looks like
-    the last one; on the others it must match transfers by microbatch.
-
-    Example:
-        >>> import conveyor.schedule as cs
-        >>> sorted((k.name, s) for k, s in in_order_channels(cs.lower(cs.build("1f1b", ranks=2, microbatches=2))))
-        [('SEND_B', 1), ('SEND_F', 0)]
-    """
-    sent: dict[Channel, list[int]] = {}
-    received: dict[Channel, list[int]] = {}
-    for program in lowered.programs:
-        for a in program:
-            if a.kind is ActionKind.SEND_F or a.kind is ActionKind.SEND_B:
-                sent.setdefault((a.kind, a.stage), []).append(a.microbatch)
-            elif a.kind is ActionKind.RECV_F:
-                received.setdefault((ActionKind.SEND_F, a.stage - 1), []).append(a.microbatch)
-            elif a.kind is ActionKind.RECV_B:
-                received.setdefault((ActionKind.SEND_B, a.stage + 1), []).append(a.microbatch)
-    return frozenset(c for c, order in sent.items() if received.get(c) == order)
-
-
-def packed_in_order_channels(schedule: Schedule, forward_only: bool = False) -> frozenset[Channel]:
-    """:func:`in_order_channels` of the lowered training (or evaluation) programs of a verified,
-    packed, compute-only ``schedule``, read off its compute actions without lowering them.
-
-    Lowering puts each send right after the action that produces it and each receive right
-    before the one that consumes it, and merging I+W keeps the backward where the I was:
-    a channel's sends go in the order of its sending stage's forwards (backwards), its
-    receives in that of the receiving stage's.
-
-    Example:
-        >>> import conveyor.schedule as cs
-        >>> sched = cs.build("1f1b", ranks=2, microbatches=2)
-        >>> packed_in_order_channels(sched) == in_order_channels(cs.lower(sched))
-        True
-    """
-    S, M = schedule.num_stages, schedule.num_microbatches
-    SM, stage_to_rank = S * M, schedule.placement.stage_to_rank
-    forward: dict[int, list[int]] = {}
-    backward: dict[int, list[int]] = {}
-    for rank, program in enumerate(schedule.programs):
-        codes = program.codes
-        forwards = list(filter(range(SM).__contains__, codes))  # s * M + m
-        backwards = [] if forward_only else list(map(mod, filter(range(SM, 3 * SM).__contains__, codes), repeat(SM)))
-        for s in schedule.placement.stages_of(rank):
-            of_stage = range(s * M, (s + 1) * M).__contains__
-            forward[s] = list(map(sub, filter(of_stage, forwards), repeat(s * M)))
-            backward[s] = list(map(sub, filter(of_stage, backwards), repeat(s * M)))
-    channels = {(ActionKind.SEND_F, s) for s in range(S - 1)
-                if stage_to_rank[s] != stage_to_rank[s + 1] and forward[s] and forward[s] == forward[s + 1]}
-    if not forward_only:
-        channels |= {(ActionKind.SEND_B, s) for s in range(1, S)
-                     if stage_to_rank[s] != stage_to_rank[s - 1] and backward[s] and backward[s] == backward[s - 1]}
-    return frozenset(channels)
+def _send_kinds(channels: set[Channel], kinds: dict[int, ActionKind]) -> frozenset[tuple[ActionKind, int]]:
+    return frozenset((kinds[direction], stage) for direction, stage in channels)
 
 
 def last_weight_passes(program: Sequence[Action]) -> dict[int, int]:

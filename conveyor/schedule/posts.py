@@ -15,8 +15,13 @@ post them, and which go together:
   queue-then-commit). A program that consumes out of its sender's order (an interleaved
   or zero-bubble schedule may) thereby still posts in that order.
 
-:func:`plan_posts` writes them: for each action of a rank's program, the batches posted
-right before it runs; the executor posts exactly these, whatever the transport.
+:func:`rank_channels` reads, once per rank and program, what the rank's channels carry: the
+order each peer sends to it (which the in-order discipline posts in), and which channels
+their receiver consumes in their sender's order (a transport may post those ahead, sized
+like the last transfer). :func:`plan_posts` writes the posts from them: for each action of a
+rank's program, the batches posted right before it runs; the executor posts exactly these,
+whatever the transport. Both read only the rank's program and its peers'
+(:class:`~conveyor.schedule.passes.Executable` keeps them with the programs, per rank).
 :func:`check_posts` proves a plan complete and free of deadlock by stepping it in the
 schedule engine (:func:`posted_programs` writes the posts and waits as actions it knows).
 
@@ -49,6 +54,7 @@ K = ActionKind
 # The directions of the wire (what a transfer carries); the runtime's wire uses these.
 FORWARD, BACKWARD, EVAL_FORWARD = 0, 1, 2
 TransferKey = tuple[int, int, int]  # (direction, sending stage, microbatch)
+Channel = tuple[int, int]  # (direction, sending stage): the transfers of one stream
 
 LOOKAHEAD = "lookahead"
 IN_ORDER = "in_order"
@@ -102,30 +108,73 @@ def _receive_of(key: TransferKey) -> Action:
     return Action(K.RECV_B, stage - 1, m) if direction == BACKWARD else Action(K.RECV_F, stage + 1, m)
 
 
-def sender_orders(lowered: Schedule, forward: int = FORWARD) -> dict[tuple[int, int], list[TransferKey]]:
-    """{(src, dst): what src sends dst in one run of ``lowered``, in the order it sends it}.
+@dataclass(frozen=True, slots=True)
+class RankChannels:
+    """The channels one rank sends and receives on in a lowered program: the first half of the pass.
+
+    ``orders``: {peer: the addresses the peer sends this rank, in the order it sends them} (the
+    in-order discipline posts a channel's receives in that order); ``in_order``: the channels
+    (direction, sending stage) this rank sends or receives on whose receiver consumes them in
+    the order the sender sends (a transport may post their receives ahead, sized like the
+    channel's last transfer; elsewhere it matches transfers by microbatch).
+    """
+
+    orders: Mapping[int, tuple[TransferKey, ...]]
+    in_order: frozenset[Channel]
+
+
+def rank_channels(lowered: Schedule, rank: int, forward: int = FORWARD) -> RankChannels:
+    """:class:`RankChannels` of ``rank`` in ``lowered``, read off its program and its peers' (no other rank's).
 
     Example:
         >>> import conveyor.schedule as cs
-        >>> sender_orders(cs.lower(cs.build("1f1b", ranks=2, microbatches=2)))[(0, 1)]
-        [(0, 0, 0), (0, 0, 1)]
+        >>> found = rank_channels(cs.lower(cs.build("1f1b", ranks=2, microbatches=2)), 1)
+        >>> found.orders, sorted(found.in_order)
+        ({0: ((0, 0, 0), (0, 0, 1))}, [(0, 0), (1, 1)])
     """
-    orders: dict[tuple[int, int], list[TransferKey]] = {}
-    for rank, program in enumerate(lowered.programs):
-        for action in program:
-            if action.kind is K.SEND_F or action.kind is K.SEND_B:
-                peer, key = transfer_of(action, lowered.placement, forward)
-                orders.setdefault((rank, peer), []).append(key)
-    return orders
+    placement = lowered.placement
+    sends, receives = _transfers(lowered.programs[rank], placement, forward)
+    orders: dict[int, tuple[TransferKey, ...]] = {}
+    in_order: set[Channel] = set()
+    for peer in sorted(sends.keys() | receives.keys()):
+        their_sends, their_receives = _transfers(lowered.programs[peer], placement, forward)
+        orders[peer] = tuple(their_sends.get(rank, ()))
+        in_order |= _same_order(sends.get(peer, ()), their_receives.get(rank, ()))
+        in_order |= _same_order(orders[peer], receives.get(peer, ()))
+    return RankChannels(orders, frozenset(in_order))
+
+
+def _transfers(program: Sequence[Action], placement: Placement,
+               forward: int) -> tuple[dict[int, list[TransferKey]], dict[int, list[TransferKey]]]:
+    """(sends, receives) of ``program``: {peer: addresses, in program order}."""
+    sends: dict[int, list[TransferKey]] = {}
+    receives: dict[int, list[TransferKey]] = {}
+    for action in program:
+        if action.kind.is_comm:
+            peer, key = transfer_of(action, placement, forward)
+            is_send = action.kind is K.SEND_F or action.kind is K.SEND_B
+            (sends if is_send else receives).setdefault(peer, []).append(key)
+    return sends, receives
+
+
+def _same_order(sent: Sequence[TransferKey], received: Sequence[TransferKey]) -> set[Channel]:
+    """The channels among ``sent`` whose microbatches ``received`` lists in the same order."""
+    def streams(keys: Sequence[TransferKey]) -> dict[Channel, list[int]]:
+        by_channel: dict[Channel, list[int]] = {}
+        for direction, stage, m in keys:
+            by_channel.setdefault((direction, stage), []).append(m)
+        return by_channel
+
+    arriving = streams(received)
+    return {channel for channel, order in streams(sent).items() if arriving.get(channel) == order}
 
 
 def plan_posts(lowered: Schedule, rank: int, discipline: str, *, forward: int = FORWARD,
-               receives_ahead: int = RECEIVES_AHEAD,
-               orders: Mapping[tuple[int, int], Sequence[TransferKey]] | None = None) -> RankPosts:
+               receives_ahead: int = RECEIVES_AHEAD, channels: RankChannels | None = None) -> RankPosts:
     """Where ``rank`` posts its transfers in ``lowered`` under ``discipline`` (see the module docstring).
 
-    ``forward``: the direction of forward transfers (``EVAL_FORWARD`` when evaluating);
-    ``orders``: :func:`sender_orders` of ``lowered``, when the caller has them. Raises
+    ``forward``: the direction of forward transfers (``EVAL_FORWARD`` for an evaluation);
+    ``channels``: :func:`rank_channels` of ``rank``, when the caller has them. Raises
     ScheduleError if the program waits for what no peer sends it.
     """
     if discipline not in DISCIPLINES:
@@ -133,9 +182,9 @@ def plan_posts(lowered: Schedule, rank: int, discipline: str, *, forward: int = 
     program = lowered.programs[rank]
     if discipline == LOOKAHEAD:
         return _lookahead(program, lowered.placement, forward, receives_ahead)
-    if orders is None:
-        orders = sender_orders(lowered, forward)
-    return _in_order(program, rank, lowered.placement, forward, orders)
+    if channels is None:
+        channels = rank_channels(lowered, rank, forward)
+    return _in_order(program, rank, lowered.placement, forward, channels.orders)
 
 
 def _lookahead(program: Sequence[Action], placement: Placement, forward: int, ahead: int) -> RankPosts:
@@ -160,8 +209,8 @@ def _lookahead(program: Sequence[Action], placement: Placement, forward: int, ah
 
 
 def _in_order(program: Sequence[Action], rank: int, placement: Placement, forward: int,
-              orders: Mapping[tuple[int, int], Sequence[TransferKey]]) -> RankPosts:
-    position = {src: {key: i for i, key in enumerate(keys)} for (src, dst), keys in orders.items() if dst == rank}
+              orders: Mapping[int, Sequence[TransferKey]]) -> RankPosts:
+    position = {peer: {key: i for i, key in enumerate(keys)} for peer, keys in orders.items()}
     posted = dict.fromkeys(position, 0)
     posts: list[tuple[Batch, ...]] = [()] * len(program)
     index = 0
@@ -180,7 +229,7 @@ def _in_order(program: Sequence[Action], rank: int, placement: Placement, forwar
                 if at is None:
                     raise ScheduleError(f"rank {rank}'s {action} waits for {key} from rank {peer}, "
                                         "which never sends it")
-                channel = orders[(peer, rank)]
+                channel = orders[peer]
                 while posted[peer] <= at:
                     earlier = channel[posted[peer]]
                     batches.setdefault((peer, rank), []).append((_receive_of(earlier), earlier))
@@ -195,9 +244,8 @@ def _in_order(program: Sequence[Action], rank: int, placement: Placement, forwar
 
 def plan_all_posts(lowered: Schedule, discipline: str, *, forward: int = FORWARD,
                    receives_ahead: int = RECEIVES_AHEAD) -> list[RankPosts]:
-    """:func:`plan_posts` of every rank (the sender orders found once)."""
-    orders = sender_orders(lowered, forward) if discipline == IN_ORDER else None
-    return [plan_posts(lowered, rank, discipline, forward=forward, receives_ahead=receives_ahead, orders=orders)
+    """:func:`plan_posts` of every rank."""
+    return [plan_posts(lowered, rank, discipline, forward=forward, receives_ahead=receives_ahead)
             for rank in range(lowered.num_ranks)]
 
 

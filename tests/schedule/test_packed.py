@@ -7,25 +7,32 @@ import conveyor.schedule as cs
 from conveyor.errors import ScheduleError
 from conveyor.schedule.engine import step
 from conveyor.schedule.ir import B, F, I, PackedProgram, Placement, Schedule, W
-from conveyor.schedule.passes import executable, in_order_channels
+from conveyor.schedule.passes import executable
+from conveyor.schedule.posts import EVAL_FORWARD, IN_ORDER, plan_posts, rank_channels
 from conveyor.schedule.simulate import packed_spans
 from conveyor.schedule.timeline import PackedSpans
 
 
-def test_a_rank_lowers_and_merges_only_its_own_program():
+def test_a_rank_lowers_and_merges_only_its_own_program_and_reads_its_peers_sends():
     sched = cs.build("zbv", ranks=8, microbatches=16)
     runs = executable(sched)
     program = list(runs.train_program(3))
     runs.gradients_final(3)
-    train_in_order, eval_in_order = runs.train_in_order, runs.eval_in_order  # of every rank's channels
     runs.train.programs, runs.eval.programs  # noqa: B018 - what Pipeline hands its failure report
     assert [p.made for p in runs.train.programs] == [r == 3 for r in range(8)]
     assert [p.made for p in runs.compute.programs] == [r == 3 for r in range(8)]
     assert not any(p.made for p in runs.eval.programs)
+    # Its posts and channels read its peers' programs (stages 3 and 12: ranks 2 and 4), no other.
+    train_posts, eval_posts, channels = runs.train_posts(3, IN_ORDER), runs.eval_posts(3, IN_ORDER), \
+        runs.in_order_channels(3)
+    assert [p.made for p in runs.train.programs] == [r in (2, 3, 4) for r in range(8)]
+    assert [p.made for p in runs.eval.programs] == [r in (2, 3, 4) for r in range(8)]
     # The same as lowering every rank's program and reading them.
-    assert train_in_order == in_order_channels(cs.lower(runs.compute))
-    assert eval_in_order == in_order_channels(runs.eval)
-    assert program == list(cs.lower(runs.compute).programs[3])
+    lowered = cs.lower(runs.compute)
+    assert program == list(lowered.programs[3])
+    assert train_posts == plan_posts(lowered, 3, IN_ORDER)
+    assert eval_posts == plan_posts(runs.eval, 3, IN_ORDER, forward=EVAL_FORWARD)
+    assert channels == rank_channels(lowered, 3).in_order | rank_channels(runs.eval, 3, EVAL_FORWARD).in_order
 
 
 def test_a_packed_program_is_a_sequence_of_actions_not_a_tuple():

@@ -18,9 +18,9 @@ from conveyor.schedule.lower import lower
 from conveyor.schedule.passes import (
     executable,
     forward_only,
-    in_order_channels,
     merge_adjacent_backward_halves,
 )
+from conveyor.schedule.posts import BACKWARD, DISCIPLINES, EVAL_FORWARD, FORWARD, plan_posts
 from conveyor.schedule.verify import verify
 
 from .test_properties import valid_schedules
@@ -32,6 +32,22 @@ BUILT_INS = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved-1f1b", 2, 2), ("loop
 
 def _merged(*texts: str) -> list[str]:
     return [str(a) for a in merge_adjacent_backward_halves(PackedProgram.of(map(Action.parse, texts), 2, 3))]
+
+
+def _in_order_reference(lowered: Schedule) -> frozenset:
+    """Channels (send kind, sending stage) whose receiver consumes in the sender's order, read off every
+    rank's lowered program at once (what the posts pass finds rank by rank)."""
+    sent: dict = {}
+    received: dict = {}
+    for program in lowered.programs:
+        for a in program:
+            if a.kind is K.SEND_F or a.kind is K.SEND_B:
+                sent.setdefault((a.kind, a.stage), []).append(a.microbatch)
+            elif a.kind is K.RECV_F:
+                received.setdefault((K.SEND_F, a.stage - 1), []).append(a.microbatch)
+            elif a.kind is K.RECV_B:
+                received.setdefault((K.SEND_B, a.stage + 1), []).append(a.microbatch)
+    return frozenset(c for c, order in sent.items() if received.get(c) == order)
 
 
 def test_only_a_w_right_after_its_own_i_merges():
@@ -83,8 +99,12 @@ def _check_chain(schedule: Schedule) -> None:
     verify(_fresh(runs.train))  # what the chain marks as verified verifies from scratch
     # The fast path the chain lets simulate() take times exactly like the full program.
     assert cs.simulate(runs.train).spans == cs.simulate(_fresh(runs.train)).spans
-    assert runs.train_in_order == in_order_channels(runs.train)
-    assert runs.eval_in_order == in_order_channels(runs.eval)
+    assert runs.train_in_order == _in_order_reference(runs.train)
+    assert runs.eval_in_order == _in_order_reference(runs.eval)
+    for rank in range(schedule.num_ranks):  # a rank's posts are the pass's on the whole lowered schedule
+        for discipline in DISCIPLINES:
+            assert runs.train_posts(rank, discipline) == plan_posts(lower(runs.compute), rank, discipline)
+            assert runs.eval_posts(rank, discipline) == plan_posts(runs.eval, rank, discipline, forward=EVAL_FORWARD)
 
 
 @pytest.mark.parametrize(("name", "num_ranks", "virtual"), BUILT_INS)
@@ -113,13 +133,16 @@ def test_the_chain_refuses_a_broken_schedule_with_the_verifier_message():
         executable("1f1b")
 
 
-def test_in_order_channels_leave_out_a_channel_consumed_out_of_order():
+def test_in_order_channels_leave_out_a_channel_consumed_out_of_order_at_both_ends():
     # Rank 1 takes microbatch 1 before microbatch 0 (it may: both were sent before).
     programs = (tuple(map(Action.parse, ["0F0", "0F1", "0B1", "0B0"])),
                 tuple(map(Action.parse, ["1F1", "1F0", "1B1", "1B0"])))
     # Placement V=1, 2 ranks: rank 0 holds stage 0, rank 1 stage 1.
     schedule = Schedule("swapped", Placement.looped(2, 1), 2, programs)
-    lowered = lower(schedule)
-    channels = in_order_channels(lowered)
-    assert (K.SEND_F, 0) not in channels  # sent 0 then 1, received 1 then 0
-    assert (K.SEND_B, 1) in channels  # sent 1 then 0, received 1 then 0
+    runs = executable(schedule)
+    for rank in (0, 1):  # the sender and the receiver of each channel agree
+        channels = runs.in_order_channels(rank)
+        assert (FORWARD, 0) not in channels  # sent 0 then 1, received 1 then 0
+        assert (BACKWARD, 1) in channels  # sent 1 then 0, received 1 then 0
+        assert (EVAL_FORWARD, 0) not in channels  # the evaluation keeps the forwards' order
+    assert runs.train_in_order == {(K.SEND_B, 1)} and runs.eval_in_order == frozenset()

@@ -17,7 +17,7 @@ from conveyor.schedule.posts import (
     check_posts,
     plan_all_posts,
     plan_posts,
-    sender_orders,
+    rank_channels,
     transfer_of,
 )
 
@@ -57,13 +57,16 @@ def test_every_builtin_schedule_posts_in_matching_order_and_cannot_deadlock(name
         runs = executable(schedule)
         for forward, lowered in ((FORWARD, runs.train), (EVAL_FORWARD, runs.eval)):
             where = f"{name} P={ranks} V={virtual} M={microbatches} {'train' if forward == FORWARD else 'eval'}"
-            orders = sender_orders(lowered, forward)
+            orders = {(peer, rank): list(keys) for rank in range(ranks)
+                      for peer, keys in rank_channels(lowered, rank, forward).orders.items() if keys}
             received = _receives_in_programs(lowered, forward)
             assert {pair: sorted(keys) for pair, keys in orders.items()} == \
                    {pair: sorted(keys) for pair, keys in received.items()}, where
             reordered += received != orders  # receivers that consume out of the sender's order
+            ranked = runs.train_posts if forward == FORWARD else runs.eval_posts  # what the runtime reads
             for discipline in (IN_ORDER, LOOKAHEAD):
-                assert check_posts(lowered, discipline, forward=forward) is None, (where, discipline)
+                posts = [ranked(rank, discipline) for rank in range(ranks)]
+                assert check_posts(lowered, discipline, forward=forward, posts=posts) is None, (where, discipline)
             checked += 1
     assert checked >= 6, f"{name}: only {checked} sizes checked"
     if name in ("interleaved-1f1b", "zbv", "dualpipev"):
