@@ -418,7 +418,10 @@ class Schedule:
 
     ``programs`` normally hold compute actions only (F, B, I, W); a lowered
     schedule (see :func:`conveyor.schedule.lower.lower`) also holds SEND/RECV, and
-    ``lowered_from`` names the compute-only schedule it was lowered from.
+    ``lowered_from`` names the compute-only schedule it was lowered from. Each
+    program given is packed into a :class:`PackedProgram`; an action that cannot be
+    (not an Action, or ids that are no ints in range) raises :class:`ScheduleError`
+    here, with the message :func:`~conveyor.schedule.verify.verify` gives for it.
 
     Example:
         >>> import conveyor.schedule as cs

@@ -88,6 +88,9 @@ def test_a_partly_lowered_schedule_gets_only_what_is_missing():
     del rank1[send]
     partial = full.with_programs([full.programs[0], rank1, full.programs[2]])
     assert lower(partial) == full
+    # Provenance: only a schedule lower() placed every send and receive of steps like its source.
+    assert full.lowered_from is not None and lower(partial).lowered_from is None
+    assert lower(full.compute_only()).lowered_from == full.compute_only()
 
 
 def test_hand_placed_communication_stays_where_it_is():
