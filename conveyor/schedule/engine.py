@@ -143,7 +143,8 @@ def key_tables(
     S, M = len(stage_to_rank), num_microbatches
     SM = S * M
     always = (len(KINDS) if lowered else NUM_COMPUTE_KINDS) * SM  # the always-done row
-    tables: list[list[tuple | None]] = [[None] * (len(KINDS) * S) for _ in range(max(stage_to_rank) + 1)]
+    kinds = len(KINDS) if lowered else NUM_COMPUTE_KINDS  # (a SEND/RECV code then misses the table)
+    tables: list[list[tuple | None]] = [[None] * (kinds * S) for _ in range(max(stage_to_rank) + 1)]
     for s, rank in enumerate(stage_to_rank):
         previous_remote = s > 0 and stage_to_rank[s - 1] != rank
         next_remote = s < S - 1 and stage_to_rank[s + 1] != rank
@@ -218,7 +219,7 @@ def step(
         ask = lambda code: duration(action_of(code))  # noqa: E731 - the loop's one call per action
     try:
         parked = _loop(remaining, tables, finish, producer, M, starts, ends, ask)
-    except TypeError:  # a key missing from the rank's table: an action off its rank
+    except (TypeError, IndexError):  # a key missing from the rank's table: an action off its rank
         return None
     # Where a rank stopped: past the actions it ran (an array's iterator does not tell its position).
     stopped_at = tuple(None if code is None else len(ends[rank]) if record else codes[rank].index(code)
