@@ -38,8 +38,8 @@ unset slots say the rest of what the verifier asks (:func:`_each_action_once`): 
 (stage, microbatch) forwarded and backwarded, no action twice, a W exactly where an I ran.
 
 A waiting rank is parked on the slot it needs and woken when the rank that finishes that
-slot stops, so each action is looked at once or twice and the loop cannot hang: zbv at
-P=256, M=2048 (3 million actions) steps in about a second.
+slot stops, so each action is looked at once or twice and the loop cannot hang, at any size
+(zbv at P=256, M=2048 has 3 million actions: ``python -m benchmarks --schedule-scale``).
 
 Two steppers keep a loop of their own, each saying why where it lives: ranks sharing CPU
 cores (:func:`conveyor.schedule.simulate.simulate_shared_cores`: an action's end depends on
