@@ -38,8 +38,8 @@ unset slots say the rest of what the verifier asks (:func:`_each_action_once`): 
 (stage, microbatch) forwarded and backwarded, no action twice, a W exactly where an I ran.
 
 A waiting rank is parked on the slot it needs and woken when the rank that finishes that
-slot stops, so each action is looked at once or twice and the loop cannot hang: zbv at
-P=256, M=2048 (3 million actions) steps in about a second.
+slot stops, so each action is looked at once or twice and the loop cannot hang, at any size
+(zbv at P=256, M=2048 has 3 million actions: ``python -m benchmarks --schedule-scale``).
 
 Two steppers keep a loop of their own, each saying why where it lives: ranks sharing CPU
 cores (:func:`conveyor.schedule.simulate.simulate_shared_cores`: an action's end depends on
@@ -143,7 +143,8 @@ def key_tables(
     S, M = len(stage_to_rank), num_microbatches
     SM = S * M
     always = (len(KINDS) if lowered else NUM_COMPUTE_KINDS) * SM  # the always-done row
-    tables: list[list[tuple | None]] = [[None] * (len(KINDS) * S) for _ in range(max(stage_to_rank) + 1)]
+    kinds = len(KINDS) if lowered else NUM_COMPUTE_KINDS  # (a SEND/RECV code then misses the table)
+    tables: list[list[tuple | None]] = [[None] * (kinds * S) for _ in range(max(stage_to_rank) + 1)]
     for s, rank in enumerate(stage_to_rank):
         previous_remote = s > 0 and stage_to_rank[s - 1] != rank
         next_remote = s < S - 1 and stage_to_rank[s + 1] != rank
@@ -216,7 +217,7 @@ def step(
         ask = lambda code: duration(action_of(code))  # noqa: E731 - the loop's one call per action
     try:
         parked = _loop(remaining, tables, finish, producer, M, starts, ends, ask)
-    except TypeError:  # a key missing from the rank's table: an action off its rank
+    except (TypeError, IndexError):  # a key missing from the rank's table: an action off its rank
         return None
     # Where a rank stopped: past the actions it ran (an array's iterator does not tell its position).
     stopped_at = tuple(None if code is None else len(ends[rank]) if record else codes[rank].index(code)

@@ -47,7 +47,7 @@ from operator import floordiv
 from conveyor.errors import ScheduleError
 from conveyor.schedule.engine import Blocked, key_tables, runs_clean, stuck_ranks
 from conveyor.schedule.grid import AWAITED, STUCK, render_grid
-from conveyor.schedule.ir import KIND_INDEX, NUM_COMPUTE_KINDS, Action, ActionKind, PackedProgram, Placement, Schedule
+from conveyor.schedule.ir import NUM_COMPUTE_KINDS, Action, ActionKind, PackedProgram, Placement, Schedule
 
 K = ActionKind
 # By id(): ActionKind members are singletons, and a plain "F" string compares equal to ActionKind.F.
@@ -114,8 +114,8 @@ def _diagnose(schedule: Schedule) -> None:
 
 
 def _code(schedule: Schedule, kind: ActionKind, stage: int, microbatch: int) -> int:
-    """The code of an action in a packed program (:class:`~conveyor.schedule.ir.PackedProgram`)."""
-    return (KIND_INDEX[id(kind)] * schedule.num_stages + stage) * schedule.num_microbatches + microbatch
+    """The code of an action in the schedule's (packed) programs."""
+    return schedule.programs[0].code_of(Action(kind, stage, microbatch))
 
 
 def _backward_step(schedule: Schedule, step_of: dict[int, int], stage: int, microbatch: int) -> int | None:

@@ -128,3 +128,20 @@ def test_a_lowered_schedule_is_checked_through_its_source_and_diagnosed_itself()
         cs.verify(lowered_swap)
     # The message names the lowered programs' own actions (the receives it waits in).
     assert "1RECV_F1" in str(raised.value) and "deadlocks" in str(raised.value)
+
+
+def test_a_cost_model_whose_duration_reads_the_microbatch_is_asked_per_action():
+    class FirstMicrobatchSlow(cs.CostModel):
+        def duration(self, action: Action) -> float:
+            return super().duration(action) * (3.0 if action.microbatch == 0 else 1.0)
+
+    sched = cs.build("1f1b", ranks=2, microbatches=3)
+    costs = FirstMicrobatchSlow.uniform(2, latency=0.5)
+    timeline = cs.simulate(sched, costs)
+    durations = {str(span.action): span.duration for span in timeline.spans}
+    assert (durations["0F0"], durations["1B0"], durations["0F1"], durations["1B2"]) == (3.0, 6.0, 1.0, 2.0)
+    assert _timed(cs.simulate(cs.lower(sched), costs)) == _timed(timeline)
+    hand_lowered = Schedule(sched.name, sched.placement, 3, cs.lower(sched).programs)  # no lowered_from
+    assert hand_lowered.lowered_from is None and _timed(cs.simulate(hand_lowered, costs)) == _timed(timeline)
+    # 0F0 1F0 1B0 0B0 (3 + 3 + 6 + 6), then 0F2 1F2 1B2 0B2 (1 + 1 + 2 + 2), and four crossings of 0.5.
+    assert timeline.makespan == 26.0
