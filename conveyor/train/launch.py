@@ -273,8 +273,44 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def start_method(devices: Devices) -> str:
+    """How :func:`launch` starts its ranks: forked from this process when they train on the CPU, so each one
+    inherits the torch and conveyor this process imported (spawned, each rank imports them again: seconds
+    of CPU per rank); spawned when they use CUDA, which a forked process cannot use once this one has asked
+    the driver about its GPUs.
+
+    Example:
+        >>> start_method(Devices("gloo", "cpu")), start_method(Devices("nccl", "cuda"))
+        ('fork', 'spawn')
+    """
+    return "spawn" if devices.device == "cuda" else "fork"
+
+
+def forked_worker(cfg: TrainConfig, exit_when_stopped: bool = True, say_note: bool = True) -> dict:
+    """:func:`worker` in a rank forked from the launcher, once the launcher's own set-up is undone: the elastic
+    agent's signal handlers (a SIGTERM must end a rank at once, as in a spawned one, not raise in it where
+    a blocked collective may never see it) and its log's handlers (the launcher's lines are its own)."""
+    import logging
+    import signal
+
+    from conveyor.train.failures import LAUNCHER_LOGGERS
+
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in LAUNCHER_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate, logger.level = True, logging.NOTSET
+    return worker(cfg, exit_when_stopped, say_note)
+
+
 def launch(cfg: TrainConfig) -> int:
     """Run :func:`worker` on ``pp x dp x tp`` local ranks through torch's elastic launcher; returns an exit status.
+
+    Ranks that train on the CPU are forked from this process (:func:`start_method`), so they start with
+    torch and the training loop already imported; ranks on GPUs are spawned.
 
     When a rank fails, the launcher ends the others; with ``run.max_restarts`` left it starts
     every rank again (each then resumes from the latest checkpoint this job wrote), else the
@@ -289,11 +325,14 @@ def launch(cfg: TrainConfig) -> int:
     from conveyor.train.failures import failure_report, launcher_log
 
     restarts = cfg.run.max_restarts
+    devices = choose_devices(cfg, cfg.world_size)  # a ConfigError here, before any rank starts
+    how = start_method(devices)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size,
                           run_id=f"conveyor-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"localhost:{free_port()}", max_restarts=restarts,
-                          monitor_interval=0.5)
-    devices = choose_devices(cfg, cfg.world_size)  # a ConfigError here, before any rank starts
+                          monitor_interval=0.5, start_method=how)
+    if how == "fork":
+        import conveyor.train.loop  # noqa: F401  (imported once here, inherited by every forked rank)
     on = ("a GPU each over NCCL" if devices.backend == "nccl" else
           "shared GPUs over gloo" if devices.device == "cuda" else "the CPU over gloo")
     ranks = (f"1 process holding every rank (pp={cfg.parallel.pp}, parallel.in_process)" if cfg.parallel.in_process
@@ -306,7 +345,8 @@ def launch(cfg: TrainConfig) -> int:
     # Without restarts the report below is the only word; with them, each failed round says so in one line.
     with launcher_log(Path(cfg.run.dir) / "launch.log", notify=restarts > 0) as log_path:
         try:
-            summaries = elastic_launch(config, worker)(cfg, False, False)  # the note is said: not again by rank 0
+            entry = forked_worker if how == "fork" else worker
+            summaries = elastic_launch(config, entry)(cfg, False, False)  # the note is said: not again by rank 0
         except ChildFailedError as error:
             with open(log_path, "a") as log:
                 log.write(error.format_msg() + "\n")

@@ -49,7 +49,8 @@ class Job:
 
     def ranks(self) -> list[int]:
         """The launcher's rank processes now (its children bar multiprocessing's resource tracker), by pid."""
-        found = [pid for pid, command in children(self.process.pid) if "spawn_main" in command]
+        # Forked ranks (on the CPU) carry the launcher's command line, spawned ones multiprocessing's spawn_main.
+        found = [pid for pid, command in children(self.process.pid) if "resource_tracker" not in command]
         self.seen.update(found)
         return sorted(found)
 

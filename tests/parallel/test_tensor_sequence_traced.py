@@ -66,12 +66,16 @@ def test_traced_stages_run_sequence_parallel_within_rounding_of_one_device(names
         assert "sharded on the sequence (dim 1)" in result["refused"] and "sequence_parallel=False" in result["refused"]
 
 
-CI_SCHEDULES = ("1f1b", "zbv")
+# CI runs zbv (V=2: 4 stages, the I/W split); each schedule adds its own TP+SP-alone and one-device references
+# (about 25 s on 2 busy cores), so 1f1b runs with every other schedule in the extended tier. A 1f1b pipeline of
+# traced TP+SP stages still trains in CI: tests/train/test_tensor_parallel.py's traced llama recipe with
+# sequence parallelism (its first loss equal to TP alone's).
+CI_SCHEDULES = ("zbv",)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("names", [CI_SCHEDULES, pytest.param(None, marks=pytest.mark.extended)],
-                         ids=["1f1b-zbv", "every-schedule"])
+                         ids=["zbv", "every-schedule"])
 def test_pp2_x_tp2_traced_sequence_parallel_adds_nothing_to_tp_and_sp_alone(names):
     names = names or tuple(conveyor.schedule.available())
     results = run_ranks(pipeline_against_alone, 4, args=(names,), timeout_s=900)

@@ -197,3 +197,48 @@ def test_the_launcher_says_why_a_one_gpu_machine_trains_on_the_cpu(monkeypatch, 
     assert "2 local ranks (pp=2 x dp=1) on the CPU over gloo" in out
     assert out.count("2 ranks but 1 GPU here: training on the CPU") == 1 and "Traceback" not in out
     assert calls[0][1:] == (False, False)  # the ranks do not say it again
+
+
+@pytest.mark.parametrize("gpus, method, entry", [(0, "fork", "forked_worker"), (2, "spawn", "worker")])
+def test_cpu_ranks_are_forked_from_the_launcher_and_gpu_ranks_spawned(monkeypatch, capsys, gpus, method, entry):
+    # Before: every rank was spawned, a fresh interpreter importing torch and conveyor again (seconds of CPU each).
+    import torch.distributed.launcher.api as api
+
+    _gpus(monkeypatch, gpus)
+    seen = {}
+
+    def elastic_launch(config, fn):
+        seen.update(method=config.start_method, entry=fn.__name__)
+        return lambda *args: {0: {}, 1: {}}
+
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    assert launch.launch(_cfg()) == 0
+    assert seen == {"method": method, "entry": entry}
+
+
+def test_a_forked_rank_drops_the_launchers_signal_handlers_and_log(monkeypatch, tmp_path):
+    # A forked rank inherits the elastic agent's SIGTERM handler (which raises, where a blocked collective
+    # may never see it) and the launcher's log handlers; a spawned rank has neither.
+    import logging
+    import signal
+
+    from conveyor.train.failures import LAUNCHER_LOGGERS, launcher_log
+
+    def worker(cfg, exit_when_stopped, say_note):
+        loggers = [logging.getLogger(name) for name in LAUNCHER_LOGGERS]
+        return {"sigterm": signal.getsignal(signal.SIGTERM), "sigint": signal.getsignal(signal.SIGINT),
+                "handlers": [h for logger in loggers for h in logger.handlers],
+                "propagate": all(logger.propagate for logger in loggers)}
+
+    monkeypatch.setattr(launch, "worker", worker)
+    numbers = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    before = {number: signal.getsignal(number) for number in numbers}
+    try:
+        with launcher_log(tmp_path / "launch.log"):
+            signal.signal(signal.SIGTERM, lambda *args: None)  # as torch's elastic agent does before it forks
+            seen = launch.forked_worker(_cfg(), False, False)
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+    assert seen == {"sigterm": signal.SIG_DFL, "sigint": signal.default_int_handler, "handlers": [],
+                    "propagate": True}
