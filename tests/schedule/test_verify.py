@@ -77,6 +77,10 @@ def test_verify_wants_a_schedule():
     ],
 )
 def test_malformed_containers_are_rejected_when_built(make, expected):
+    _refused_when_built(make, expected)
+
+
+def _refused_when_built(make, expected: str) -> None:
     with pytest.raises(ScheduleError) as raised:
         make()
     assert str(raised.value).startswith(expected)
@@ -131,9 +135,7 @@ def test_malformed_containers_are_rejected_when_built(make, expected):
     ],
 )
 def test_malformed_actions_are_refused_when_built_named_by_rank_and_step(make, expected):
-    with pytest.raises(ScheduleError) as raised:
-        make()
-    assert str(raised.value).startswith(expected)
+    _refused_when_built(make, expected)
 
 
 @pytest.mark.parametrize(
