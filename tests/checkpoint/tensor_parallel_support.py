@@ -146,3 +146,18 @@ def trace_once_here() -> None:
 
     example = next(kwargs for _, kwargs in split_microbatches((), batch(0), MICROBATCHES))
     frontend.split_model(build_model(), 2, example_kwargs=example, split_method="uniform")
+
+
+def exported_logits(directory):
+    """The logits of the Hugging Face model exported to ``directory`` on the test batch, at the ranks'
+    thread count (CPU reductions depend on it)."""
+    from transformers import AutoModelForCausalLM
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory).eval()
+        with torch.no_grad():
+            return model(**batch(9)).logits
+    finally:
+        torch.set_num_threads(previous)

@@ -21,25 +21,12 @@ from conveyor.testing import run_ranks
 
 from .models import assert_same_tensors
 from .tensor_data_parallel_support import distinct_model, save_load_and_gather
-from .tensor_parallel_support import batch
+from .tensor_parallel_support import exported_logits
 
 pytestmark = pytest.mark.distributed
 
 LOGITS_TOLERANCE = 1e-5
 PACKED_BIAS = "transformer.h.0.attn.c_attn.bias"
-
-
-def _exported_logits(directory):
-    from transformers import AutoModelForCausalLM
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ranks' count: CPU reductions depend on it
-    try:
-        model = AutoModelForCausalLM.from_pretrained(directory).eval()
-        with torch.no_grad():
-            return model(**batch(9)).logits
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.timeout(900)
@@ -64,6 +51,6 @@ def test_fsdp_x_tp_checkpoint_loads_shard_for_shard_and_exports_the_trained_weig
     from safetensors.torch import load_file
 
     assert_same_tensors(load_file(out / "model.safetensors"), trained, "exported weights")
-    logits, want = _exported_logits(out), results[-1]["logits"]  # the last rank holds the last stage
+    logits, want = exported_logits(out), results[-1]["logits"]  # the last rank holds the last stage
     difference = ((logits - want).abs().max() / want.abs().max()).item()
     assert difference <= LOGITS_TOLERANCE, difference

@@ -25,8 +25,8 @@ from conveyor.testing import run_ranks
 from .models import assert_same_tensors
 from .tensor_parallel_support import (
     TIED,
-    batch,
     build_model,
+    exported_logits,
     load_at_pp1_tp2,
     save_resume_and_reshard,
     trace_once_here,
@@ -58,19 +58,6 @@ def _merge(parts):
 def _assert_same(got, want, what):
     assert_same_tensors(got[0], want[0], f"{what} parameters")
     assert_same_tensors(got[1], want[1], f"{what} optimizer state")
-
-
-def _exported_logits(directory):
-    from transformers import AutoModelForCausalLM
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ranks' count: CPU reductions depend on it
-    try:
-        model = AutoModelForCausalLM.from_pretrained(directory).eval()
-        with torch.no_grad():
-            return model(**batch(9)).logits
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.timeout(900)  # two launches of ranks, five GPT-2 pipelines traced and parallelized on each rank
@@ -114,6 +101,6 @@ def test_tp_shards_reshard_to_every_layout_resume_bitwise_and_export(tmp_path):
     exported = load_file(out / "model.safetensors")
     assert_same_tensors(exported, trained, "exported weights")  # the tie written once, as transformers does
     pipeline_logits = next(rank["logits"] for rank in ranks if rank["logits"] is not None)
-    logits = _exported_logits(out)
+    logits = exported_logits(out)
     difference = ((logits - pipeline_logits).abs().max() / pipeline_logits.abs().max()).item()
     assert difference <= LOGITS_TOLERANCE, difference

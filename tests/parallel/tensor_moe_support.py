@@ -18,7 +18,15 @@ from conveyor.options import PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
 from conveyor.testing.models import grouped_heads_lm, token_batch
 
-from .tensor_pipeline_support import MICROBATCHES, STEPS, _FakeTpMesh, _loss_fn, _microbatches, _optimizer, _train
+from .tensor_pipeline_support import (
+    MICROBATCHES,
+    _FakeTpMesh,
+    _loss_fn,
+    _microbatches,
+    _one_device_of,
+    _train,
+    _train_pipeline,
+)
 from .tp_support import relative, whole
 
 AUX_COEFFICIENT = 0.02  # configs/moe.yaml's, large enough for the auxiliary part to move the parameters
@@ -33,15 +41,7 @@ def build_mixtral(layers: int) -> torch.nn.Module:
 
 
 def _one_device(batch, layers: int):
-    model = build_mixtral(layers)
-
-    def step_loss(kwargs):
-        loss = model(**kwargs).loss / MICROBATCHES
-        loss.backward()
-        return loss.detach()
-
-    losses = _train(step_loss, list(model.parameters()), batch)
-    return losses, dict(model.named_parameters())
+    return _one_device_of(build_mixtral(layers), batch)
 
 
 def _tp_alone(num_stages: int, tp_mesh, batch):
@@ -91,12 +91,7 @@ def mixtral_schedules(rank: int, world_size: int, names: tuple[str, ...]) -> dic
         if stages not in references:
             references[stages] = (_tp_alone(stages, tp_mesh, batch), _one_device(batch, layers))
         (alone_losses, alone_params), (device_losses, device_params) = references[stages]
-        optimizer = _optimizer(pipe.parameters())
-        losses = []
-        for _ in range(STEPS):
-            losses.append(pipe.step(**batch))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        losses = _train_pipeline(pipe, batch)
         mine = dict(pipe.named_parameters())
         full = {n: whole(p).detach() for n, p in mine.items()}  # a TP collective, in the same order everywhere
         alone = {n: whole(alone_params[n]).detach() for n in mine}

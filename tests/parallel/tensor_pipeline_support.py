@@ -38,6 +38,17 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+def _train_pipeline(pipe, batch, steps: int = STEPS) -> list:
+    """``steps`` AdamW steps of ``pipe`` on ``batch`` (the same batch each step): the losses."""
+    optimizer = _optimizer(pipe.parameters())
+    losses = []
+    for _ in range(steps):
+        losses.append(pipe.step(**batch))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
 def _microbatches(batch):
     return [kwargs for _, kwargs in split_microbatches((), batch, MICROBATCHES)]
 
@@ -59,7 +70,11 @@ def _train(step_loss, params, batch, context=contextlib.nullcontext):
 
 
 def _one_device(batch, layers: int):
-    model = build("llama", layers)
+    return _one_device_of(build("llama", layers), batch)
+
+
+def _one_device_of(model, batch):
+    """``model`` trained on one device with gradient accumulation: its losses and final parameters."""
 
     def step_loss(kwargs):
         loss = model(**kwargs).loss / MICROBATCHES
@@ -122,12 +137,7 @@ def every_schedule(rank: int, world_size: int, names: tuple[str, ...] | None = N
             alone[stages] = _tp_alone(stages, tp_mesh, batch)
             device[stages] = _one_device(batch, layers)
         (want_losses, want_params), (device_losses, device_params) = alone[stages], device[stages]
-        optimizer = _optimizer(pipe.parameters())
-        losses = []
-        for _ in range(STEPS):
-            losses.append(pipe.step(**batch))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        losses = _train_pipeline(pipe, batch)
         mine = dict(pipe.named_parameters())
         # full_tensor is a collective over the TP group: every one in the same order, none skipped.
         full = {n: whole(p).detach() for n, p in mine.items()}

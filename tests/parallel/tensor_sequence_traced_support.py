@@ -24,6 +24,7 @@ from conveyor.options import Layout, PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
 from conveyor.testing.models import token_batch
 
+from .tensor_pipeline_support import _optimizer, _train_pipeline
 from .tp_support import build, relative, tp_mesh, whole
 
 MICROBATCHES, STEPS = 4, 3
@@ -159,10 +160,6 @@ def _microbatches(batch):
     return [kwargs for _, kwargs in split_microbatches((), batch, MICROBATCHES)]
 
 
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
 def _train(run_microbatch, params) -> list:
     optimizer = _optimizer(params)
     losses = []
@@ -223,12 +220,7 @@ def pipeline_against_alone(rank: int, world_size: int, names: tuple[str, ...]) -
         for stage, runner in pipe.runners.items():
             if stage != stages - 1:
                 runner.module.register_forward_hook(lambda m, a, o, sent=sent: _record(sent, m, a, o))
-        optimizer = _optimizer(pipe.parameters())
-        losses = []
-        for _ in range(STEPS):
-            losses.append(pipe.step(**_BATCH))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        losses = _train_pipeline(pipe, _BATCH)
         # full_tensor is a collective over the TP group: every one in the same order, none skipped.
         full = {n: whole(p).detach() for n, p in pipe.named_parameters()}
         results[name] = {
