@@ -77,7 +77,6 @@ class LossBroadcast:
         """The step's loss (``last``: this rank's last-stage runner, None where it runs elsewhere)."""
         import torch.distributed as dist
 
-        packet = torch.zeros(2, dtype=torch.float64, device=self.comm_device)
         total = None
         if last is not None:
             total = summed_loss(last)
@@ -90,11 +89,12 @@ class LossBroadcast:
             self.dtype = total.dtype
             if self.num_ranks == 1:
                 return total
+        packet = torch.zeros(2, dtype=torch.float64, device=self.comm_device)
+        if total is not None:
             packet[0].copy_(total.detach())  # a copy on the device the backend takes (gloo: to the CPU)
             # fill_, not item assignment: assigning a Python number copies it from the host, a sync on a GPU
             packet[1].fill_(_FLOAT_DTYPES.index(total.dtype) if total.dtype in _FLOAT_DTYPES else 0)
-        if self.num_ranks > 1:
-            dist.broadcast(packet, src=self.src, group=group)
+        dist.broadcast(packet, src=self.src, group=group)
         if total is not None:
             return total
         if self.dtype is None:

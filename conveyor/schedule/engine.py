@@ -72,7 +72,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
-from conveyor.schedule.ir import KINDS, NUM_COMPUTE_KINDS, Action, ActionKind, Schedule
+from conveyor.schedule.ir import KINDS, NUM_COMPUTE_KINDS, Action, Schedule
 
 UNSET = -1.0  # no time is negative: clocks start at 0 and costs and latency are >= 0
 # Kind indices of the codes (ir.KINDS), and the regions of the finish table.
@@ -80,8 +80,6 @@ _F, _B, _I, _W, _SEND_F, _RECV_F, _SEND_B, _RECV_B = range(len(KINDS))
 REGION_F, REGION_G, REGION_WEIGHT, REGION_SPLIT = range(NUM_COMPUTE_KINDS)
 REGION_SEND_F, REGION_RECV_F, REGION_SEND_B, REGION_RECV_B = range(NUM_COMPUTE_KINDS, len(KINDS))
 _CHUNK = 1 << 16
-# By id(): ActionKind members are singletons, and a plain "SEND_F" string compares equal to one (lower() reads it).
-COMM_KIND_IDS = frozenset(id(kind) for kind in ActionKind if kind.is_comm)
 
 
 @dataclass(frozen=True, slots=True)
