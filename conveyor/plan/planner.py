@@ -236,6 +236,7 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
                 f"{format_size(min(memory))} to {format_size(memory[fullest])} (rank {fullest})")
     lines.append(f"chosen: {chosen.schedule} V={chosen.virtual} M={chosen.microbatches} (microbatch of "
                  f"{chosen.microbatch_size}); memory per rank: {per_rank}")
+    lines.append(f"predicted step {chosen.step_time:.4g} s, {step_basis(chosen.settings)}")
     if chosen.checkpoint:  # what it needs to fit: stage.checkpoint, applied by the pipeline
         lines.append("activation checkpointing to fit: " + "; ".join(
             f"stage {s}: {'none' if p is None else ', '.join(f'{k}={v}' for k, v in p.items())}"
@@ -246,6 +247,26 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
     if chosen.costs is not None:
         lines.append(f"costs: {len(chosen.costs.units)} units, {chosen.costs.source}")
     return "\n".join(lines)
+
+
+UNCALIBRATED = ("uncalibrated: the simulated compute of the profiled units alone, without the runtime's "
+                "per-action and per-message time or the optimizer step, so a real step takes longer (on ranks "
+                "sharing a few CPU cores, several times longer); plan with `--calibrate` (in Python: "
+                "conveyor.plan.Machine(calibration=conveyor.plan.calibration.calibrate(conveyor.Pipeline, "
+                "ranks=P))) to predict the step a run takes")
+CALIBRATED = ("calibrated on this machine: the runtime's per-action and per-message time, the step's own time "
+              "and each rank's optimizer step are in it")
+
+
+def step_basis(settings: Mapping[str, Any]) -> str:
+    """What a plan's predicted step stands for: calibrated, or uncalibrated and how to calibrate.
+    The bubble beside it is the idle share of the ranks' time in the simulated pipeline either way.
+
+    Example:
+        >>> step_basis({"calibration": None}).split(":")[0], step_basis({"calibration": {"step_s": 1e-3}})[:10]
+        ('uncalibrated', 'calibrated')
+    """
+    return CALIBRATED if settings.get("calibration") is not None else UNCALIBRATED
 
 
 def _cells(schedule, virtual, microbatches, split_points, step, bubble, peak) -> str:

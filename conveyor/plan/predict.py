@@ -219,11 +219,13 @@ CHECKPOINT_CHOICES: tuple[dict[str, int] | None, ...] = (None, {"every": 2}, {"e
 @dataclass(frozen=True)
 class CheckpointFit:
     """A policy per stage (None: none) that brings every rank within the memory limit, with the
-    memory per rank simulated under it and what the recomputations add to the simulated step."""
+    memory per rank simulated under it, what the recomputations add to the simulated step, and the
+    bubble of the step simulated under it (the idle share of the ranks' time)."""
 
     policies: tuple[dict[str, int] | None, ...]
     added_s: float
     memory_per_rank: tuple[float, ...]
+    bubble: float
 
 
 def checkpointed_costs(schedule: Schedule, sums: StageSums, cuts: Sequence[int], policies: Sequence[dict | None],
@@ -286,7 +288,7 @@ def fit_by_checkpointing(schedule: Schedule, sums: StageSums, cuts: Sequence[int
         plain = makespan if plain is None else plain
         over = [rank for rank in range(ranks) if memory[rank] > memory_limit]
         if not over:
-            return CheckpointFit(policies, makespan - plain, tuple(memory))
+            return CheckpointFit(policies, makespan - plain, tuple(memory), timeline.bubble_ratio)
         rank = max(over, key=lambda r: memory[r])
         more = [s for s in sorted(schedule.stages_of(rank)) if level[s] + 1 < len(CHECKPOINT_CHOICES)]
         if not more:

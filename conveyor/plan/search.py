@@ -260,7 +260,7 @@ class _Context:
         except ConveyorError as error:
             c.verdict = f"failed: {str(error).splitlines()[0]}"
             return
-        first = self._simulate(schedule, sums, list(c.cuts), c.microbatches)
+        first = self._simulate(schedule, sums, list(c.cuts))
         options = [first]
         in_flight = first[4]
 
@@ -278,7 +278,7 @@ class _Context:
             # Simulating costs more than the DP: only a split that may fit, or be lighter, is worth it.
             worth = lighter and (limit != math.inf or estimate(cuts) <= self.limit)
             if worth and all(tuple(cuts) != tuple(o[0]) for o in options):
-                options.append(self._simulate(schedule, sums, cuts, c.microbatches))
+                options.append(self._simulate(schedule, sums, cuts))
             if any(o[2] <= self.limit for o in options):
                 break
         cuts, step, peak, stage_times, _, bubble, memory = min(options, key=self._preference(options))
@@ -294,7 +294,7 @@ class _Context:
         fit = fit_by_checkpointing(schedule, self.sums(c.microbatches), list(c.cuts), ranks=self.ranks,
                                    memory_limit=self.limit, latency=self.latency)
         if fit is not None:
-            c.checkpoint, c.memory_per_rank = fit.policies, fit.memory_per_rank
+            c.checkpoint, c.memory_per_rank, c.bubble = fit.policies, fit.memory_per_rank, fit.bubble
             c.step_time += fit.added_s  # the recomputations' share of the step
             c.verdict = "fits"
 
@@ -320,7 +320,7 @@ class _Context:
         sent = max((sums.units[j - 1].output_bytes for _, j in stages[:-1]), default=0.0)
         return cs.CostModel(tuple(costs), self.latency + sent / self.bandwidth)
 
-    def _simulate(self, schedule, sums: StageSums, cuts: list[int], microbatches: int):
+    def _simulate(self, schedule, sums: StageSums, cuts: list[int]):
         """(cuts, step, peak memory, stage times, in-flight microbatches per stage, bubble, memory per rank).
 
         What is simulated is what the ranks run: the executed programs, a stage whose backward is
@@ -340,10 +340,14 @@ class _Context:
         stage_times = [sums.time(i, j) for i, j in stages]
         # Every span starts at 0 or later; the busy time is known without walking the spans again.
         step = max(span.end for span in timeline.spans)
+        # The bubble is the idle share of the very timeline the step comes from (so 0 <= bubble < 1): never
+        # M x (F + I + W) against the step, which counts a split I + W where the ranks run one cheaper B.
+        bubble = timeline.bubble_ratio
         if self.calibration is not None:
             parameters = [sum(u.parameters for s in schedule.stages_of(rank) for u in sums.units[slice(*stages[s])])
                           for rank in range(self.ranks)]
-            step = predict_split(schedule, model, self.calibration, message_bytes=sent, rank_parameters=parameters,
-                                 optimizer_s_per_parameter=self.optimizer_rate, cores=self.cores).step_s
-        bubble = 1 - microbatches * sum(stage_times) / (self.ranks * step) if step > 0 else 0.0
+            prediction = predict_split(schedule, model, self.calibration, message_bytes=sent,
+                                       rank_parameters=parameters, optimizer_s_per_parameter=self.optimizer_rate,
+                                       cores=self.cores)
+            step, bubble = prediction.step_s, prediction.timeline.bubble_ratio
         return cuts, step, max(memory), stage_times, in_flight, bubble, memory
