@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.errors import ConfigError, PipelineConfigError
 from conveyor.options import StageOptions, TransferOptions
+from conveyor.train import sources
 
 if TYPE_CHECKING:
     from conveyor.plan.result import Plan
@@ -65,8 +66,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # Any: a single path or glob, "stdlib", or a list of paths/globs (OmegaConf has no str | list).
-    source: Any = _f("stdlib", "'stdlib' (the Python standard library's .py sources), 'stdlib-definitions' (each "
-                               "function or class of them one document) or local files/globs")
+    source: Any = _f("stdlib", sources.expected_sources())
     format: str | None = _f(None, "text | jsonl | parquet; None: from each file's suffix")
     text_key: str = _f("text", "the field holding the text in jsonl records and parquet columns")
     tokenizer: str = _f("bytes", "'bytes' (vocab 256) or a local tokenizer directory")

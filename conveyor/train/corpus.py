@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from conveyor.train import sources
 
-SOURCE_NAME = "stdlib-definitions"
+SOURCE_NAME = sources.DEFINITIONS
 
 
 class Definition(NamedTuple):

@@ -22,6 +22,13 @@ from typing import Any
 from conveyor.errors import ConfigError
 
 STDLIB = "stdlib"
+DEFINITIONS = "stdlib-definitions"
+# The corpora built in, by the name data.source gives them: every message that lists what data.source takes
+# reads this, so none can leave one out.
+BUILT_IN = {
+    STDLIB: "the Python standard library's .py sources",
+    DEFINITIONS: "each function or class of them one document (conveyor.train.corpus)",
+}
 FORMATS = ("text", "jsonl", "parquet")
 # Suffixes that name a structured format; every other file is read as plain text.
 _SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
@@ -69,23 +76,40 @@ def held_out(names: Sequence[str], val_fraction: float) -> set[int]:
     return set(by_hash[:count])
 
 
+def expected_sources() -> str:
+    """What ``data.source`` takes, in words, from :data:`BUILT_IN`.
+
+    Example:
+        >>> expected_sources()  # doctest: +ELLIPSIS
+        "'stdlib' (the Python standard library's .py sources), 'stdlib-definitions' (each function ...
+    """
+    names = ", ".join(f"{name!r} ({what})" for name, what in BUILT_IN.items())
+    return f"{names}, or local files: a path or glob, or a list of them"
+
+
 def source_patterns(source: Any) -> list[str]:
-    """``data.source`` as a list of strings ("stdlib", paths or globs); a ConfigError for anything else."""
+    """``data.source`` as a list of strings (a built-in name, paths or globs); a ConfigError for anything else.
+
+    Example:
+        >>> source_patterns(None)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        conveyor.errors.ConfigError: data.source=None: expected 'stdlib' (...), 'stdlib-definitions' (...
+    """
     items = [source] if isinstance(source, str) else source
     if not isinstance(items, Sequence) or isinstance(items, str) or not items or not all(
             isinstance(item, str) and item for item in items):
-        raise ConfigError(f"data.source={source!r}: expected 'stdlib', a path or glob, or a list of them, "
-                          f"e.g. data.source=corpus/*.txt")
+        raise ConfigError(f"data.source={source!r}: expected {expected_sources()}, e.g. data.source=corpus/*.txt")
     return list(items)
 
 
 def source_files(source: Any) -> list[Path]:
-    """The files ``data.source`` names, sorted within each pattern (globs may use ``**``); [] for "stdlib".
+    """The files ``data.source`` names, sorted within each pattern (globs may use ``**``); [] for a built-in corpus.
 
     Raises ConfigError for a pattern that matches no file, or "stdlib" mixed with files.
     """
     patterns = source_patterns(source)
-    for embedded in (STDLIB, "stdlib-definitions"):  # the latter: conveyor.train.corpus, one document per def
+    for embedded in BUILT_IN:
         if embedded in patterns:
             if len(patterns) > 1:
                 raise ConfigError(f"data.source={source!r}: {embedded!r} stands alone; give it or local files, "
@@ -97,8 +121,8 @@ def source_files(source: Any) -> list[Path]:
         matched = [path] if path.is_file() else sorted(
             Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         if not matched:
-            raise ConfigError(f"data.source: {pattern!r} matches no file; expected 'stdlib' or existing "
-                              f"files/globs (relative to {Path.cwd()})")
+            raise ConfigError(f"data.source: {pattern!r} matches no file; expected {expected_sources()} "
+                              f"(relative to {Path.cwd()})")
         files += [m for m in matched if m not in files]
     return files
 
