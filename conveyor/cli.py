@@ -225,6 +225,21 @@ def _command_demo(args: argparse.Namespace) -> int:
     return status
 
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # the recipes, beside the package in a checkout
+
+
+def recipe_files() -> list[str]:
+    """Every recipe of the checkout (``configs/*.yaml``), as ``conveyor train --help`` lists them: read from
+    the folder, so a recipe added there is listed too ([] for an install without the folder).
+
+    Example:
+        >>> recipes = recipe_files()
+        >>> "configs/gpt.yaml" in recipes and "configs/moe.yaml" in recipes, recipes == sorted(recipes)
+        (True, True)
+    """
+    return [f"{CONFIGS.name}/{path.name}" for path in sorted(CONFIGS.glob("*.yaml"))]
+
+
 def demo_recipe():
     """``configs/demo.yaml`` beside the package: the recipe ``conveyor demo`` trains.
 
@@ -233,7 +248,7 @@ def demo_recipe():
         'demo.yaml'
     """
 
-    recipe = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    recipe = CONFIGS / "demo.yaml"
     if not recipe.is_file():
         raise UsageError(f"conveyor demo trains {recipe}, which is not there: run it from a checkout of the "
                          f"repository (the configs/ folder beside conveyor/)")
@@ -323,9 +338,8 @@ def _add_train(commands) -> None:
     train = commands.add_parser(
         "train", help="train a model pipelined over local CPU ranks: conveyor train [CONFIG.yaml] [key=value ...]",
         description=textwrap.fill("Train from a YAML config and section.key=value overrides (no arguments: a small GPT "
-        "on the Python standard library's sources, over 2 local ranks). Recipes: configs/gpt.yaml (the defaults), "
-        "configs/llama.yaml, configs/mpt.yaml, configs/llama-1b.yaml; model.name also takes hf:<transformers class> "
-        "or a local pretrained directory.", width=100), epilog=config_reference(),
+        f"on the Python standard library's sources, over 2 local ranks). Recipes: {_recipe_list()}; model.name "
+        "also takes hf:<transformers class> or a local pretrained directory.", width=100), epilog=config_reference(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("arguments", nargs="*", metavar="CONFIG.yaml | key=value",
                        help="an optional YAML config first, then overrides such as train.steps=50")
@@ -334,6 +348,11 @@ def _add_train(commands) -> None:
                        "print each stage's rank, modules and parameters and the predicted memory per rank "
                        "(fp32 parameters, gradients, AdamW state, and the activations the schedule keeps in flight)")
     train.set_defaults(handler=_command_train)
+
+
+def _recipe_list() -> str:
+    recipes = [f"{name} (the defaults)" if name.endswith("/gpt.yaml") else name for name in recipe_files()]
+    return ", ".join(recipes) or "the configs/ folder of a checkout of the repository"
 
 
 def _add_plan(commands) -> None:
