@@ -78,6 +78,8 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, max_shard_
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for file_name, shard in zip(names, shards):
         save_file({n: tensors[n] for n in shard}, str(out / file_name), metadata={"format": "pt"})
+        # safetensors creates its file 0600; give it the mode of every other file written here (0644 under umask 022).
+        os.chmod(out / file_name, 0o666 & ~_umask())
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
@@ -88,6 +90,13 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, max_shard_
             config["architectures"] = [info["class"]]
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return names
+
+
+def _umask() -> int:
+    """This process's umask (only readable by setting it: set back at once, before any file is created)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:

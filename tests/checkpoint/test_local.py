@@ -201,3 +201,17 @@ def test_a_refused_optimizer_load_leaves_its_state_as_it_was(tmp_path):
     with pytest.raises(CheckpointMismatchError, match="max_exp_avg_sq"):
         ckpt.load(tmp_path / "c", other, amsgrad)  # the checkpoint has no max_exp_avg_sq
     assert_same_tensors(named_optimizer_state(amsgrad, _names(other)), before, "optimizer after a refusal")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_the_exported_weights_get_the_mode_of_every_other_file_written(tmp_path, umask):
+    # safetensors creates its file 0600: a user's other accounts (a serving job) could not read it.
+    model, optimizer, _ = _trained_module(steps=1)
+    ckpt.save(tmp_path / "step_1", model, optimizer)
+    previous = os.umask(umask)
+    try:
+        names = ckpt.export(tmp_path / "step_1", tmp_path / "out")
+    finally:
+        os.umask(previous)
+    assert names == ["model.safetensors"]
+    assert (tmp_path / "out" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
