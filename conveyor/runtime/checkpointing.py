@@ -63,17 +63,25 @@ def module_blocks(module: torch.nn.Module, pattern: str | None = None) -> list[s
     return found
 
 
+def _listed(names: Sequence[str], most: int = 8) -> str:
+    """``a, b, c`` (the first ``most`` and how many in all when there are more; ``none`` when empty)."""
+    shown = ", ".join(names[:most])
+    return (shown + f", ... ({len(names)} in all)" if len(names) > most else shown) or "none"
+
+
 class StageCheckpointing:
     """Applies ``policy`` to ``module`` (a stage) and runs the recomputed regions.
 
     ``hold`` is called at each checkpointed forward and returns what counts the outputs a
-    selective region keeps (the stage's memory meter), or None.
+    selective region keeps (the stage's memory meter), or None. ``stage``: the stage's id, which a
+    refusal names (None: not known).
     """
 
     def __init__(self, module: torch.nn.Module, policy: CheckpointPolicy, *,
-                 hold: Callable[[], Hold | None] = lambda: None) -> None:
+                 hold: Callable[[], Hold | None] = lambda: None, stage: int | None = None) -> None:
         self.module = module
         self.policy = policy
+        self.stage = stage
         self.hold = hold
         self.saved_operators = frozenset(policy.saved_operators())
         self.blocks: list[str] = []
@@ -86,11 +94,14 @@ class StageCheckpointing:
         if not blocks:
             what = (f"matches blocks={self.policy.blocks!r}" if self.policy.blocks is not None
                     else "is an item of a ModuleList or Sequential")
-            names = [name for name, _ in self.module.named_children()]
+            which = "this stage" if self.stage is None else f"stage {self.stage}"
+            has = module_blocks(self.module) if self.policy.blocks is not None else []
+            held = (f"its blocks: {_listed(has)}" if has else
+                    f"it has no blocks; its top modules: {_listed([n for n, _ in self.module.named_children()])}")
             raise PipelineConfigError(
-                f"checkpoint policy {self.policy.describe()!r}: no module of this stage {what} (its top "
-                f"modules: {', '.join(names) or 'none'}); give blocks= a pattern of its module names, or "
-                "checkpoint the whole stage with {}")
+                f"checkpoint policy {self.policy.describe()!r}: no module of {which} {what} ({held}); give "
+                "blocks= a pattern of its module names (a regular expression matched against each whole "
+                "name), or checkpoint the whole stage with {}")
         return list(blocks[::self.policy.every or 1])
 
     def _wrap_blocks(self) -> None:

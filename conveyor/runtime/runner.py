@@ -128,7 +128,8 @@ class StageRunner:
         self.memory_meter: MemoryMeter | None = None  # set by the executor with measure_memory
         # What this stage recomputes in backward (None: nothing); per block, it wraps the blocks now.
         policy = options.checkpoint_policy(stage, num_stages)
-        self.checkpointing = None if policy is None else StageCheckpointing(module, policy, hold=self._memory_hold)
+        self.checkpointing = (None if policy is None else
+                              StageCheckpointing(module, policy, hold=self._memory_hold, stage=stage))
         self.checkpoint_activations = policy is not None
         # torch.compile options (None: eager); the module stays as given, its calls go through `call`.
         compile = self.compile = compile_options(options.compile)

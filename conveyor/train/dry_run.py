@@ -186,7 +186,7 @@ def _checkpointed_bytes(split: Any, stage: int, inputs: tuple, target: torch.Ten
         return full, 0
     module = split.stage_module(stage, "meta")
     counter: list[_SavedTensors] = []
-    checkpointing = StageCheckpointing(module, policy, hold=lambda: counter[-1]._pack)
+    checkpointing = StageCheckpointing(module, policy, hold=lambda: counter[-1]._pack, stage=stage)
     call = checkpointing.checkpointed(module) if checkpointing.whole_stage else module
     kept = _saved_by(module, inputs, target, call=call, counters=counter)[1]
     if checkpointing.whole_stage:

@@ -8,6 +8,7 @@ says so. The stages are bitwise equal to the model called with ``use_cache=False
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from conveyor.testing.models import default_causal_lm, token_batch
 from .parity import check_parity
 
 TRACE_LOGGER = "conveyor.frontend.trace"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def cache_off_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -44,6 +46,9 @@ def test_default_config_splits_with_the_cache_off_and_matches_eager(name, caplog
         "key/value cache, which torch.export cannot return; the model's config is left as it is)"
     ]
     assert model.config.use_cache is True
+    # README says at which level the line is logged (by default Python shows WARNING and above only).
+    levels = {r.levelname for r in caplog.records if r.name == TRACE_LOGGER and "use_cache=False" in r.getMessage()}
+    assert levels == {"INFO"} and "a log line at INFO says so" in README.read_text()
 
     # Stage 0 takes the batch as the model does, with no use_cache; the reference is the model
     # called as it was traced (eager GPT-2 with its cache on differs in gradient rounding).

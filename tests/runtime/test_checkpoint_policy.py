@@ -156,8 +156,13 @@ def test_blocks_are_list_items_or_named_and_a_policy_that_finds_none_says_so():
     assert StageCheckpointing(build_stage(0, TinyConfig(blocks_per_stage=3)),
                               CheckpointPolicy(blocks=r"blocks\.\d+\.attn")).blocks == [
         "blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
-    with pytest.raises(PipelineConfigError, match=r"no module of this stage matches blocks='decoder.*'"):
+    with pytest.raises(PipelineConfigError, match=r"no module of this stage matches blocks='decoder.*' \(it has no "
+                       r"blocks; its top modules: none\)"):
         StageCheckpointing(torch.nn.Linear(2, 2), CheckpointPolicy(blocks="decoder.*"))
+    # A pattern that matches none of a stage's blocks names the stage and the blocks it has.
+    with pytest.raises(PipelineConfigError, match=r"no module of stage 1 matches blocks='layers' \(its blocks: "
+                                                  r"blocks.0, blocks.1, blocks.2\)"):
+        StageCheckpointing(build_stage(0, TinyConfig(blocks_per_stage=3)), CheckpointPolicy(blocks="layers"), stage=1)
     with pytest.raises(PipelineConfigError, match="'mmm' is no aten operator"):
         CheckpointPolicy(save=("mmm",))
     with pytest.raises(PipelineConfigError, match="lists 2 policies for a pipeline of 3 stages"):
