@@ -222,9 +222,44 @@ def _check_tensor_parallel(cfg: Any, problems: list[str]) -> None:
         return
     if any(p.startswith(("model.", "data.tokenizer")) for p in problems):
         return
+    # Sizes the config itself gives are checked first, by arithmetic: a tp that does not divide them is
+    # refused at once, before torch and transformers are imported and the model is built on the meta device.
+    quick = head_count_problems(cfg)
+    if quick:
+        problems.extend(quick)
+        return
     from conveyor.train.tensor_parallel import tensor_parallel_problems
 
     problems.extend(tensor_parallel_problems(cfg))
+
+
+def head_count_problems(cfg: Any, up_to: int = 8) -> list[str]:
+    """A recipe's attention heads (``model.heads``, ``model.kv_heads``) that ``parallel.tp`` does not divide, from
+    the config alone (tensor parallelism splits attention by heads); empty when they divide, or when the
+    sizes come from elsewhere (a pretrained directory's config.json, an ``hf:`` class).
+
+    Example:
+        >>> from conveyor.train.config import TrainConfig
+        >>> cfg = TrainConfig()
+        >>> cfg.parallel.tp = 3
+        >>> print(head_count_problems(cfg)[0])  # doctest: +NORMALIZE_WHITESPACE
+        parallel.tp=3 does not divide model.heads=4 (tensor parallelism splits attention by heads); choose a
+        tp that divides it (up to 8: 1, 2, 4), or change model.heads
+    """
+    model, tp = cfg.model, cfg.parallel.tp
+    if ":" in model.name or Path(model.name).expanduser().exists():
+        return []
+    sizes = {"model.heads": model.heads}
+    if model.kv_heads is not None:
+        sizes["model.kv_heads"] = model.kv_heads
+    undivided = [key for key, size in sizes.items() if isinstance(size, int) and size > 0 and size % tp]
+    if not undivided:
+        return []
+    fits = [t for t in range(1, max(up_to, tp) + 1) if all(size % t == 0 for size in sizes.values())]
+    named = " and ".join(f"{key}={sizes[key]}" for key in undivided)
+    return [f"parallel.tp={tp} does not divide {named} (tensor parallelism splits attention by heads); choose a tp "
+            f"that divides {'them' if len(undivided) > 1 else 'it'} (up to {max(up_to, tp)}: "
+            f"{', '.join(map(str, fits))}), or change {' and '.join(undivided)}"]
 
 
 def _check_plan(cfg: Any, problems: list[str]) -> None:

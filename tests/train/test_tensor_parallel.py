@@ -27,12 +27,17 @@ RECIPE_SIZES = {"gpt": ["train.sample_tokens=4", "checkpoint.interval=1"],
 
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.tp=0"], "parallel.tp=0: expected a value >= 1"),
-    (["parallel.tp=4", "model.heads=2"], "parallel.tp=4: tensor parallel size tp=4 does not divide the number of "
-                                         "attention heads of transformer.h.0.attn (GPT2Attention): 2 is not a "
-                                         "multiple of 4; choose a tp that divides 2 (tp values that fit this model "
-                                         "up to 8: 1, 2)"),
+    # Heads tp does not divide: refused from the config's sizes, before any model is built (see below).
+    (["parallel.tp=4", "model.heads=2"], "parallel.tp=4 does not divide model.heads=2 (tensor parallelism splits "
+                                         "attention by heads); choose a tp that divides it (up to 8: 1, 2), or "
+                                         "change model.heads"),
     (["model.name=llama", "model.heads=4", "model.kv_heads=2", "parallel.tp=4"],
-     "the number of key/value heads of model.layers.0.self_attn (LlamaAttention): 2 is not a multiple of 4"),
+     "parallel.tp=4 does not divide model.kv_heads=2 (tensor parallelism splits attention by heads); choose a tp "
+     "that divides it (up to 8: 1, 2), or change model.kv_heads"),
+    # Sizes the config does not hold as such (the vocabulary): the model on the meta device, given the ranks' plan.
+    (["parallel.tp=3", "model.heads=3", "model.width=33"],
+     "parallel.tp=3: tensor parallel size tp=3 does not divide the vocabulary (embedding rows) of transformer.wte "
+     "(Embedding): 256 is not a multiple of 3"),
     (["model.name=llama", "model.intermediate=66", "parallel.tp=4", "model.heads=4", "model.width=64"],
      "does not divide the intermediate (hidden) size of model.layers.0.mlp (LlamaMLP): 66 is not a multiple of 4"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true shards the activations over the "
@@ -43,6 +48,20 @@ RECIPE_SIZES = {"gpt": ["train.sample_tokens=4", "checkpoint.interval=1"],
 def test_bad_tensor_parallel_keys_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, ["model.layers=2", "model.width=32", *overrides])
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_refused_before_any_model_is_built(monkeypatch):
+    # Building even a meta-device model imports transformers and tries every tp up to 8: 10-12 s for a typo.
+    import conveyor.train.models
+    import conveyor.train.tensor_parallel
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built to refuse a tp the config's head counts refuse")
+
+    monkeypatch.setattr(conveyor.train.models, "build_model", no_model)
+    monkeypatch.setattr(conveyor.train.tensor_parallel, "_meta_model", no_model)
+    with pytest.raises(ConfigError, match=re.escape("parallel.tp=3 does not divide model.heads=4")):
+        load_config(None, ["parallel.tp=3"])
 
 
 def test_the_world_must_be_pp_x_dp_x_tp_and_tp_must_stay_inside_a_node():
