@@ -337,7 +337,8 @@ def launch(cfg: TrainConfig) -> int:
           "shared GPUs over gloo" if devices.device == "cuda" else "the CPU over gloo")
     ranks = (f"1 process holding every rank (pp={cfg.parallel.pp}, parallel.in_process)" if cfg.parallel.in_process
              else f"{cfg.world_size} local ranks (pp={cfg.parallel.pp} x dp={cfg.parallel.dp}"
-             + (f" x tp={cfg.parallel.tp})" if cfg.parallel.tp > 1 else ")"))
+             + (f" x tp={cfg.parallel.tp}" if cfg.parallel.tp > 1 else "")
+             + (", sequence parallel)" if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else ")"))
     print(f"conveyor train: {ranks} on {on}, run dir {cfg.run.dir}"
           + (f", up to {restarts} restart(s)" if restarts else ""), flush=True)
     if devices.note:
