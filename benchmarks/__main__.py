@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="checkpoint policies: predicted and measured peak memory per rank, step time")
     parts.add_argument(
         "--quick", action="store_true",
-        help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only",
+        help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only; "
+        "plan: the GPT at P=2, 1f1b and zb-h1 and the planner's plan, one round (results/plan-quick)",
     )
     _add_compare(parser)
     _add_others(parser)

@@ -16,8 +16,13 @@ For each workload (emulated: blocks that sleep; gpt: the zoo's small GPT) and P,
   the slowest rank's wall time. Reported: the median, min and max, with the host's CPU steal
   over the plan's timed steps.
 
+Beside them, ``uncalibrated_ms``: what ``conveyor plan`` prints without ``--calibrate`` (the profiled
+compute on the planner's default links, :func:`uncalibrated_step`), with the measured step's ratio to it.
+
 It writes ``plan.json``, ``plan.md`` and one PNG per case (the simulated plan above the
-measured last step, one time axis) under ``--predict-out`` (default ``benchmarks/results/plan``).
+measured last step, one time axis) under ``--predict-out`` (default ``benchmarks/results/plan``), with
+the commit, the command, the load average and the steal. ``--quick``: the GPT at P=2, 1F1B and ZB-H1
+and the planner's own plan, one timed round of 2 steps, under ``benchmarks/results/plan-quick``.
 
 Example:
     >>> parse_plans("1f1b:1,interleaved-1f1b:2")
@@ -41,6 +46,9 @@ from conveyor.testing.models import Emulated, TinyGPT
 
 PROFILE_SAMPLES = 7
 DEFAULT_PLANS = "1f1b:1,zb-h1:1,interleaved-1f1b:2,gpipe:1"
+# --quick: a few minutes on a busy 2-core machine, written beside (not over) the full run's results.
+QUICK = dict(predict_workloads="gpt", predict_ranks="2", predict_schedules="1f1b:1,zb-h1:1", predict_rounds=1,
+             predict_steps=2, predict_warmup=1)
 
 
 def parse_plans(text: str) -> list[tuple[str, int]]:
@@ -214,6 +222,30 @@ def _predict(case: lib.Case, profiled: dict, calibration):
                         rank_extra_s=extra, cores=cores_for(case.workload))
 
 
+def uncalibrated_step(case: lib.Case, profiled: dict) -> float:
+    """The step ``conveyor plan`` predicts without ``--calibrate`` (s): the simulated compute of the profiled
+    stages on the planner's default links (:class:`~conveyor.plan.options.Machine`'s latency and bandwidth),
+    no runtime overheads, no optimizer step, a device per rank. A chosen plan: its own costs, so."""
+    import dataclasses
+
+    import conveyor.schedule as cs
+    from conveyor.plan.calibration import Calibration
+    from conveyor.plan.options import DEFAULT_BANDWIDTH, DEFAULT_LATENCY
+    from conveyor.plan.predict import predict_plan, predict_step
+
+    links = Calibration(latency_s=DEFAULT_LATENCY, seconds_per_byte=1 / DEFAULT_BANDWIDTH)
+    if case.plan is not None:
+        bare = dataclasses.replace(case.plan, settings={**case.plan.settings, "optimizer_s_per_parameter": 0.0,
+                                                        "cores": None})
+        return predict_plan(bare, links).step_s
+    sched = _schedule(case)
+    split = {a.stage for program in cs.executable(sched).compute.programs for a in program
+             if a.kind is cs.ActionKind.W}
+    rows = [(f, *profiled["split_s"][s]) if s in split else (f, i, w)
+            for s, (f, i, w) in enumerate(profiled["rows_s"])]
+    return predict_step(sched, rows, links, message_bytes=profiled["message_bytes"]).step_s
+
+
 def _rotate(items: list, by: int) -> list:
     by %= len(items)
     return items[by:] + items[:by]
@@ -280,7 +312,11 @@ def run_cell(workload, cases: list[lib.Case], calibration, args, out: Path, chos
         prediction = _predict(case, rotated, calibration)
         before = (predict_plan(case.plan, calibration) if case.plan is not None
                   else _predict(case, profiled, calibration))
-        records.append(_record(case, prediction, before, profiled, samples, run, out, calibration))
+        record = _record(case, prediction, before, profiled, samples, run, out, calibration)
+        uncalibrated = uncalibrated_step(case, profiled)
+        record.update(uncalibrated_ms=uncalibrated * 1e3,
+                      ratio_to_uncalibrated=record["measured_ms"] / 1e3 / uncalibrated)
+        records.append(record)
     return records
 
 
@@ -371,8 +407,8 @@ def _profile_fields(case: lib.Case, profiled: dict, samples: list) -> dict:
 # the report
 # ---------------------------------------------------------------------------
 
-COLUMNS = ("workload", "P", "schedule", "V", "M", "predicted ms", "profile-before ms", "measured ms (min-max)",
-           "measured / predicted (min-max)", "steal %", "load")
+COLUMNS = ("workload", "P", "schedule", "V", "M", "predicted ms", "profile-before ms", "uncalibrated ms",
+           "measured ms (min-max)", "measured / predicted (min-max)", "measured / uncalibrated", "steal %", "load")
 
 
 def table(records: list[dict]) -> str:
@@ -382,20 +418,23 @@ def table(records: list[dict]) -> str:
         >>> row = {"workload": "gpt", "ranks": 2, "schedule": "1f1b", "virtual": 1, "microbatches": 8,
         ...        "predicted_ms": 100.0, "measured_ms": 102.0, "measured_min_ms": 101.0,
         ...        "measured_max_ms": 110.0, "ratio": 1.02, "ratio_min": 1.01, "ratio_max": 1.1,
-        ...        "steal_pct": 3.0, "load_average": 1.5}
+        ...        "steal_pct": 3.0, "load_average": 1.5, "uncalibrated_ms": 51.0, "ratio_to_uncalibrated": 2.0}
         >>> table([row]).splitlines()[-1]
-        '| gpt | 2 | 1f1b | 1 | 8 | 100.0 | - | 102.0 (101.0-110.0) | 1.020 (1.010-1.100) | 3 | 1.5 |'
+        '| gpt | 2 | 1f1b | 1 | 8 | 100.0 | - | 51.0 | 102.0 (101.0-110.0) | 1.020 (1.010-1.100) | 2.000 | 3 | 1.5 |'
     """
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in records:
         steal = "-" if r.get("steal_pct") is None else f"{r['steal_pct']:.0f}"
         before = "-" if r.get("predicted_before_ms") is None else f"{r['predicted_before_ms']:.1f}"
+        bare = ("-", "-") if r.get("uncalibrated_ms") is None else (f"{r['uncalibrated_ms']:.1f}",
+                                                                    f"{r['ratio_to_uncalibrated']:.3f}")
         schedule = f"chosen: {r['plan']}" if r.get("chosen") else r["schedule"]
         lines.append(
             f"| {r['workload']} | {r['ranks']} | {schedule} | {r['virtual']} | {r['microbatches']} "
-            f"| {r['predicted_ms']:.1f} | {before} "
+            f"| {r['predicted_ms']:.1f} | {before} | {bare[0]} "
             f"| {r['measured_ms']:.1f} ({r['measured_min_ms']:.1f}-{r['measured_max_ms']:.1f}) "
-            f"| {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {steal} | {r['load_average']:.1f} |"
+            f"| {r['ratio']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {bare[1]} | {steal} "
+            f"| {r['load_average']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -424,13 +463,34 @@ def fastest(records: list[dict]) -> list[str]:
     return lines
 
 
+def uncalibrated_line(records: list[dict]) -> str:
+    """How far the step ``conveyor plan`` prints without ``--calibrate`` is from the measured one.
+
+    Example:
+        >>> uncalibrated_line([{"ratio_to_uncalibrated": 1.7}, {"ratio_to_uncalibrated": 3.3}])
+        'measured / uncalibrated prediction (`conveyor plan` without --calibrate): median 2.500, from 1.700 to 3.300.'
+    """
+    ratios = [r["ratio_to_uncalibrated"] for r in records if r.get("ratio_to_uncalibrated") is not None]
+    if not ratios:
+        return "measured / uncalibrated prediction: not recorded."
+    return (f"measured / uncalibrated prediction (`conveyor plan` without --calibrate): median "
+            f"{statistics.median(ratios):.3f}, from {min(ratios):.3f} to {max(ratios):.3f}.")
+
+
+def _steal_range(records: list[dict]) -> str:
+    steals = [r["steal_pct"] for r in records if r.get("steal_pct") is not None]
+    return f"{min(steals):.0f}-{max(steals):.0f}%" if steals else "not measured"
+
+
 def _write(out: Path, meta: dict, records: list[dict]) -> None:
     (out / "plan.json").write_text(json.dumps({"meta": meta, "cases": records}, indent=1) + "\n")
     ratios = [r["ratio"] for r in records]
     text = [
         "# Predicted vs measured step time (`python -m benchmarks --plan`)", "",
         f"Started {meta['started']}, {meta['cpus']} CPUs, load average {meta['load_start']} at start, "
-        f"{meta['load_end']} at end; {meta['elapsed_s']:.0f} s.", "",
+        f"{meta['load_end']} at end; {meta['elapsed_s']:.0f} s; CPU steal over the timed steps "
+        f"{_steal_range(records)}.", "",
+        f"Commit {meta.get('commit', '?')}; command `{meta.get('command', '?')}`.", "",
         *(f"Calibration at P={ranks} (this machine, 1F1B of sleeping blocks): " + ", ".join(
             f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
             for k, v in figures.items() if k != "samples") for ranks, figures in meta["calibration"].items()), "",
@@ -438,6 +498,7 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
         f"|measured / predicted - 1| over all cases: median {statistics.median(abs(r - 1) for r in ratios):.3f}, "
         f"worst {max(abs(r - 1) for r in ratios):.3f}; within 5%: "
         f"{sum(abs(r - 1) <= 0.05 for r in ratios)} of {len(ratios)}.", "",
+        uncalibrated_line(records), "",
         *[f"- {line}" for line in fastest(records)], "",
         "The planner's own plan (`conveyor.plan.plan(..., machine=Machine(calibration=...))`, no memory limit) "
         "against the fastest built-in with the default split, measured in the same run:", "",
@@ -448,14 +509,25 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
 
 def run(args) -> int:
     """Calibrate, then every (workload, P) cell; print and write the table."""
+    import subprocess
+    import sys
+
     import conveyor
     from conveyor.plan.calibration import calibrate
 
+    if getattr(args, "quick", False):
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+        if args.predict_out == str(Path(__file__).resolve().parent / "results" / "plan"):
+            args.predict_out = str(Path(args.predict_out).with_name("plan-quick"))
     started = time.monotonic()
     out = Path(args.predict_out)
     out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip()
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
-            "load_start": round(os.getloadavg()[0], 2)}
+            "load_start": round(os.getloadavg()[0], 2), "commit": commit or "unknown",
+            "command": " ".join(["python -m benchmarks", *sys.argv[1:]])}
     rank_counts = [int(p) for p in args.predict_ranks.split(",")]
     # One calibration per rank count: P processes on this machine's cores wake and hand over
     # messages differently at P=2 and P=4.
@@ -475,6 +547,7 @@ def run(args) -> int:
                 steps_per_round=args.predict_steps, rounds=args.predict_rounds, warmup=args.predict_warmup)
     _write(out, meta, records)
     print(table(records))
+    print(uncalibrated_line(records))
     print("\n".join(fastest(records)))
     print("\n".join(plan_chosen.verdicts(records)))
     print(f"wrote {out / 'plan.md'}, {out / 'plan.json'} and a PNG per case")

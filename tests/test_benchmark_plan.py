@@ -39,3 +39,8 @@ def test_a_cell_measures_the_chosen_plan_beside_the_built_ins(tmp_path):
     assert (tmp_path / record["png"]).exists() and record["png"].startswith("emulated-P2-chosen-")
     assert plan_chosen.verdicts(records)[0].startswith("emulated P=2: chosen ")
     assert "chosen: " in bench.table(records)
+    # What `conveyor plan` prints without --calibrate, beside each measurement.
+    for r in records:
+        assert 0 < r["uncalibrated_ms"] < float("inf"), r
+        assert r["ratio_to_uncalibrated"] == pytest.approx(r["measured_ms"] / r["uncalibrated_ms"])
+    assert bench.uncalibrated_line(records).startswith("measured / uncalibrated prediction (`conveyor plan` without")
