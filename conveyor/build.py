@@ -49,8 +49,8 @@ def pipeline(
     for every rank. Each rank materialises only its own stages (a meta-device model works) on
     ``options.layout.device`` (default: this process's GPU when CUDA is available, else the CPU);
     parameters keep their original names, and tied parameters (GPT-2's ``wte`` and ``lm_head``)
-    stay equal after every optimizer step. ``mesh`` (a ("dp", "pp") DeviceMesh) and
-    ``data_parallel`` run ``dp`` replicas, as :class:`Pipeline` does. A ("pp", "tp") mesh with
+    stay equal after every optimizer step. ``mesh`` (a ("pp", "dp") DeviceMesh) and
+    ``data_parallel`` run ``dp`` replicas, as :class:`Pipeline` does. A ("pp", "dp", "tp") mesh with
     ``tensor_parallel`` ("auto", or {module-name pattern: torch ParallelStyle}) parallelizes each
     traced stage by the unchanged model's plan (its parameters keep their names; each TP rank
     holds its shards and talks to the matching TP rank of the neighbouring stages). ``plan`` (a

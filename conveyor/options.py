@@ -4,7 +4,7 @@
   accumulation dtypes, compile, random streams, memory measurement, the timeline).
 - :class:`CheckpointPolicy`: which part of a stage recomputes its activations in backward, per stage.
 - :class:`TransferOptions`: how bytes move between stages (transport, timeout, fixed shapes).
-- :class:`Layout`: where the ranks are (a process group or a ("dp", "pp") mesh, the data-parallel
+- :class:`Layout`: where the ranks are (a process group or a ("pp", "dp") mesh, the data-parallel
   kind, the device, or every rank in this process).
 - :class:`WholeModel`: what :func:`conveyor.pipeline` learned about the unsplit model (tied
   parameters, parameter order, signature), which a hand-built pipeline may leave out.
@@ -363,7 +363,7 @@ class TransferOptions:
 class Layout:
     """Where the pipeline's ranks are: one process (``in_process``), a process group, or a mesh.
 
-    ``mesh`` (a ("dp", "pp") DeviceMesh) runs ``dp`` replicas of the pipeline with gradients shared
+    ``mesh`` (a ("pp", "dp") DeviceMesh) runs ``dp`` replicas of the pipeline with gradients shared
     the ``data_parallel`` way; a mesh with a "tp" dim (innermost) takes ``tensor_parallel`` ("auto"
     or {module-name pattern: torch ParallelStyle}): each stage is parallelized over its "tp" ranks,
     each of which talks to the matching TP rank of the neighbouring stages; ``group`` gives a

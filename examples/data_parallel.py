@@ -76,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))  # pp outermost, as in every example
     out = args.out or (tempfile.mkdtemp(prefix="conveyor-example-") if dist.get_rank() == 0 else None)
     shared = [out]
     dist.broadcast_object_list(shared, src=0)  # one folder for every rank

@@ -1,6 +1,6 @@
 """Data parallelism around pipeline stages (sits below :mod:`conveyor.pipe`: never imports it).
 
-- :mod:`conveyor.parallel.mesh`: a ("dp", "pp") DeviceMesh read into this rank's pipeline and replicas;
+- :mod:`conveyor.parallel.mesh`: a ("pp", "dp") DeviceMesh read into this rank's pipeline and replicas;
 - :mod:`conveyor.parallel.replicas`: what a pipeline does per step with ``data_parallel="ddp"`` or ``"fsdp"``;
 - :mod:`conveyor.parallel.fsdp`: the FSDP2 mechanics (``replicate`` / ``fully_shard`` per stage) that keep
   conveyor's runtime (B and the I/W split) correct under data parallelism;

@@ -28,7 +28,7 @@ same Parameter objects its I recorded, and nothing is reduced before the last W
 
 Example (on each of 4 ranks, pp=2 x dp=2)::
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     stages = [shard_stage(build_stage(s), mesh["dp"]) for s in sched.stages_of(pp_rank)]
     pipe = conveyor.Pipeline(stages, schedule=sched, loss_fn=loss_fn,
                              layout=conveyor.Layout(group=mesh["pp"].get_group()))

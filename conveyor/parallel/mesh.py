@@ -1,21 +1,23 @@
 """Where a rank stands in a job of ``dp`` pipeline replicas of ``pp`` stages of ``tp`` ranks each.
 
-A :class:`~torch.distributed.device_mesh.DeviceMesh` with named dims "dp", "pp" and "tp" lays the
+A :class:`~torch.distributed.device_mesh.DeviceMesh` with named dims "pp", "dp" and "tp" lays the
 job out: ranks along "pp" form one pipeline, ranks along "dp" hold the same stages in
 different replicas, ranks along "tp" share one stage's tensors (tensor parallel, innermost, so
 that its frequent collectives stay inside a node). :func:`layout_of` reads what a pipeline needs
 from it and refuses a mesh it cannot use, before any communication.
 
+Any order of "pp" and "dp" is read, "tp" last; the examples use pp outermost: ("pp", "dp", "tp").
+
 Example (4 ranks: 2 replicas of a 2-rank pipeline)::
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     layout = layout_of(mesh)
-    layout.pp_ranks        # global ranks of this rank's pipeline, e.g. [0, 1]
-    layout.dp_ranks        # global ranks holding the same stages, e.g. [0, 2]
+    layout.pp_ranks        # global ranks of this rank's pipeline, e.g. [0, 2]
+    layout.dp_ranks        # global ranks holding the same stages, e.g. [0, 1]
 
 With tensor parallelism (4 ranks: 2 stages of 2 TP ranks; rank 1 is stage 0's second TP rank)::
 
-    layout = layout_of(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")))
+    layout = layout_of(init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp")))
     layout.pp_ranks        # on rank 1: [1, 3], the matching TP rank of every stage
     layout.tp_ranks        # on rank 1: [0, 1]
 """
@@ -113,8 +115,8 @@ def layout_of(mesh) -> MeshLayout:
 
     Example::
 
-        layout = layout_of(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")))
-        layout = layout_of(init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp")))
+        layout = layout_of(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
+        layout = layout_of(init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp")))
     """
     import torch.distributed as dist
 

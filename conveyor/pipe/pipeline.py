@@ -11,7 +11,7 @@ The same script runs on every rank::
 Results are bitwise identical to one device running, for each microbatch i in order,
 ``(loss_fn(model(x_i), y_i) / M).backward()``. Every rank in one process:
 ``layout=Layout(in_process=True)`` with one module per stage (:func:`conveyor.LocalPipeline`);
-several replicas on a ("dp", "pp") mesh: ``mesh=`` and :mod:`conveyor.parallel`. The ranks
+several replicas on a ("pp", "dp") mesh: ``mesh=`` and :mod:`conveyor.parallel`. The ranks
 backend (:mod:`conveyor.pipe.ranks`) is all that differs: every method below is the same on both.
 """
 
@@ -45,8 +45,8 @@ class Pipeline(GradientChecks):
 
     ``modules``: the stages this rank runs, in ``schedule.stages_of(rank)`` order (in process: one
     per stage, by stage). ``schedule``: a :class:`~conveyor.schedule.Schedule` or a name (then
-    ``microbatches=`` and, for some schedules, ``virtual=``). ``mesh`` (a ("dp", "pp") DeviceMesh)
-    and ``data_parallel`` ("ddp" by default, or "fsdp") run ``dp`` replicas; a ("pp", "tp") mesh
+    ``microbatches=`` and, for some schedules, ``virtual=``). ``mesh`` (a ("pp", "dp") DeviceMesh)
+    and ``data_parallel`` ("ddp" by default, or "fsdp") run ``dp`` replicas; a ("pp", "dp", "tp") mesh
     and ``tensor_parallel`` ("auto", or {module-name pattern: torch ParallelStyle}) parallelize
     each stage over its TP ranks with torch's ``parallelize_module``; they are the everyday
     fields of ``layout`` (:class:`~conveyor.options.Layout`: the process group, the
