@@ -44,6 +44,17 @@ def test_a_full_backward_cheaper_than_i_plus_w_leaves_1f1b_its_textbook_bubble()
     assert "predicted step 11 s, uncalibrated: " in printed and "--calibrate" in printed, printed
 
 
+def test_a_calibrated_step_says_so_and_keeps_its_bubble_in_0_1():
+    table = _uniform(4, backward=1.5)
+    calibration = Calibration(action_s=0.01, receive_s=0.02, latency_s=0.01, step_s=0.5)
+    result = search(table, ranks=2, global_batch=8, memory_per_rank=math.inf, schedules=["1f1b", "zb-h1"],
+                    machine=Machine(calibration=calibration), optimizer_s_per_parameter=1e-3)
+    plan = choose(result, table)
+    printed = format_plan(plan)
+    assert f"predicted step {plan.step_time:.4g} s, calibrated on this machine" in printed, printed
+    assert "uncalibrated" not in printed and 0.0 <= plan.bubble < 1.0, plan.bubble
+
+
 @st.composite
 def _tables(draw) -> CostTable:
     count = draw(st.integers(2, 7))

@@ -51,6 +51,7 @@ def test_the_plan_command_prints_the_table_and_writes_a_plan_train_accepts(tmp_p
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert "schedule" in printed and "chosen:" in printed and "others:" in printed and "wrote" in printed
+    assert ", uncalibrated: " in printed and "plan with `--calibrate`" in printed  # beside the predicted step
     saved = json.loads(out.read_text())
     assert saved["ranks"] == 2 and saved["global_batch"] == 8 and saved["costs"]["units"]
     cfg = load_config(None, [f"parallel.plan={out}", "train.batch_size=8", "model.layers=4", "model.width=32",
