@@ -243,7 +243,7 @@ def initialise_as_on_meta(model: nn.Module, seed: int) -> nn.Module:
     owning module at a time beside the model.
 
     Example:
-        >>> torch.manual_seed(1)
+        >>> _ = torch.manual_seed(1)  # the global generator's state does not matter
         >>> eager = initialise_as_on_meta(torch.nn.Linear(4, 2), seed=0)
         >>> with torch.device("meta"):
         ...     meta = torch.nn.Linear(4, 2)
