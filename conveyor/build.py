@@ -109,12 +109,11 @@ def _stage_modules(split, stages, model: torch.nn.Module, layout: Layout, device
     on_meta = layout.tensor_parallel is not None and any(p.is_meta for p in model.parameters())
     modules = [split.stage_module(stage, device, both_modes=both_modes, keep_meta=on_meta) for stage in stages]
     if on_meta:
-        from conveyor.frontend.materialize import _initialise, materialize
+        from conveyor.frontend.materialize import materialize
         from conveyor.parallel.tensor.shards import ShardSource, defer_materialization
 
         source = ShardSource(model, split.seed, torch.device(device),
-                             functools.partial(materialize, model, device=torch.device(device), seed=split.seed),
-                             lambda module, path, seed: _initialise(model, module, path, seed, torch.device(device)))
+                             functools.partial(materialize, model, device=torch.device(device), seed=split.seed))
         modules = [defer_materialization(module, source) for module in modules]
     return modules
 

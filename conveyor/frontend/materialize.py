@@ -9,14 +9,21 @@ Rules (``stage_tensors``):
   whether they live in one process or in several; the pipeline sums the copies'
   gradients (see ``ModelSplit.tied_groups``).
 * A model on the meta device: only this stage's tensors are allocated, on the
-  stage's device, and initialised the way the model's own init would: each module's
-  ``reset_parameters()`` (what torch layers run in ``__init__``), then, for Hugging
-  Face models, the model's ``_init_weights`` on every module, children first. The
-  random generator is seeded from ``(seed, module path)`` before each module, so a
-  tensor gets the same values whatever the split and on whichever rank (tied copies
-  included) -- the values differ from an eager ``Model()`` build, whose generator runs
-  through all modules in one sequence. A tied tensor is initialised by the module
-  that owns its first name (``transformer.wte`` for GPT-2's ``lm_head.weight``).
+  stage's device, owning module by owning module (the module holding a tensor directly;
+  a tied tensor's is the module of its first name, ``transformer.wte`` for GPT-2's
+  ``lm_head.weight``). A fresh copy of the owning module is initialised the way the
+  model's own init would: each of its modules' ``reset_parameters()`` (what torch layers
+  run in ``__init__``), then, for Hugging Face models, the model's ``_init_weights`` on
+  them, children first, and on each of its ancestors up to the root (run on a meta
+  skeleton holding the fresh copy, so GPT-2's attention and MLP modules re-draw their
+  ``c_proj`` weight and touch nothing else). The random generator is seeded from
+  ``(seed, module path)`` before each call. So a tensor's values depend on the seed and
+  its name only: the same whatever the split (pp), whichever rank, tied copies included,
+  and under tensor parallelism (each TP rank draws the whole and keeps its slice,
+  :mod:`conveyor.parallel.tensor.shards`). They differ from an eager ``Model()`` build,
+  whose generator runs through all modules in one sequence;
+  :func:`initialise_as_on_meta` gives an eager model the meta build's values
+  (``conveyor train`` does so wherever it builds the model eagerly).
   Tensors no init method sets (parameters filled in ``__init__`` by hand, buffers
   computed there) are left NaN (integers: their dtype's lowest value, which fails as an
   index; bools: False), so that forgetting to load them from a checkpoint fails loudly; a
@@ -79,6 +86,9 @@ def _hf_initializer(model: nn.Module, path: str) -> Any:
 def _initialise(
     model: nn.Module, module: nn.Module, path: str, seed: int, device: torch.device
 ) -> None:
+    """Run the model's own init on ``module`` (a fresh copy of the model's module at ``path``): each
+    submodule's ``reset_parameters()``, then each one's Hugging Face ``_init_weights``, children first,
+    the generator seeded from ``(seed, submodule path)`` before each call."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         for sub_path, sub in _post_order(module, path):
@@ -87,10 +97,48 @@ def _initialise(
                 torch.manual_seed(module_seed(seed, sub_path))
                 reset()
         for sub_path, sub in _post_order(module, path):
-            owner = _hf_initializer(model, sub_path)
-            if owner is not None:
-                torch.manual_seed(module_seed(seed, sub_path + "#init_weights"))
-                owner._init_weights(sub)
+            _init_weights_seeded(model, sub, sub_path, seed)
+
+
+def _init_weights_seeded(model: nn.Module, module: nn.Module, path: str, seed: int) -> None:
+    owner = _hf_initializer(model, path)
+    if owner is not None:
+        torch.manual_seed(module_seed(seed, path + "#init_weights"))
+        owner._init_weights(module)
+
+
+def _initialise_in_ancestors(model: nn.Module, fresh: nn.Module, path: str, seed: int,
+                             device: torch.device) -> None:
+    """The ``_init_weights`` of every ancestor of ``path`` (nearest first, the root last), as a whole
+    model's children-first pass reaches them, each run on a meta skeleton of the ancestor that holds
+    ``fresh`` at ``path``: only ``fresh``'s tensors are real, so an ancestor's init (GPT-2's scaled
+    ``c_proj`` draw, made by its attention and MLP modules) sets them and touches nothing else."""
+    if not path:
+        return
+    parts = path.split(".")
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        for depth in range(len(parts) - 1, -1, -1):
+            ancestor_path = ".".join(parts[:depth])
+            if _hf_initializer(model, ancestor_path) is None:
+                continue
+            skeleton = _skeleton_holding(model.get_submodule(ancestor_path), parts[depth:], fresh)
+            _init_weights_seeded(model, skeleton, ancestor_path, seed)
+
+
+def _skeleton_holding(ancestor: nn.Module, relative: list[str], fresh: nn.Module) -> nn.Module:
+    """A copy of ``ancestor``'s module tree, sharing its (meta) tensors, with ``fresh`` at ``relative``:
+    only the modules on the way down are copied (shallowly), so nothing is allocated."""
+    top = copy.copy(ancestor)
+    top._modules = dict(ancestor._modules)
+    parent = top
+    for name in relative[:-1]:
+        child = copy.copy(parent._modules[name])
+        child._modules = dict(child._modules)
+        parent._modules[name] = child
+        parent = child
+    parent._modules[relative[-1]] = fresh
+    return top
 
 
 def _fill_unset(tensors: Iterable[torch.Tensor]) -> None:
@@ -109,8 +157,10 @@ def materialize(
 ) -> dict[str, torch.Tensor]:
     """Allocate and initialise the named tensors of a meta-device ``model`` on ``device``.
 
-    Only modules owning a wanted tensor are copied (from meta, which costs nothing)
-    and allocated; aliases of one tensor come back as one tensor.
+    Owning module by owning module (the module holding a tensor directly; a tied tensor's is the one
+    of its first name): a fresh copy of it is allocated and initialised as the module docstring says,
+    so the peak is one owning module and a tensor's values do not depend on which other tensors are
+    asked for with it (the same at every split). Aliases of one tensor come back as one tensor.
 
     Example:
         >>> with torch.device("meta"):
@@ -123,52 +173,33 @@ def materialize(
     for name, tensor in named_tensors(model):
         first_name.setdefault(id(tensor), name)
         id_of[name] = id(tensor)
-    wanted = {first_name[id_of[name]] for name in names}
+    names = list(names)
+    unknown = [name for name in names if name not in id_of]
+    if unknown:
+        raise SplitError(f"could not materialise {unknown}: the model has no tensor of that name "
+                         f"(internal error: names come from the model's own named_parameters/named_buffers)")
+    by_owner: dict[str, list[str]] = {}
+    for name in names:
+        first = first_name[id_of[name]]
+        wanted = by_owner.setdefault(first.rpartition(".")[0], [])
+        if first not in wanted:
+            wanted.append(first)
     made: dict[str, torch.Tensor] = {}
-
-    def owned(module: nn.Module, prefix: str, recurse: bool) -> list[tuple[str, torch.Tensor]]:
-        found = []
-        for local, tensor in _own_tensors(module, recurse):
-            full = f"{prefix}.{local}" if prefix else local
-            if first_name[id(tensor)] == full:
-                found.append((full, tensor))
-        return found
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        mine = owned(module, prefix, recurse=True)
-        wanted_here = [name for name, _ in mine if name in wanted]
-        if not wanted_here:
-            return
-        if prefix and len(wanted_here) == len(mine):
-            fresh = copy.deepcopy(module)
-            fresh.to_empty(device=device)
-            fresh_tensors = dict(named_tensors(fresh))
-            _fill_unset(fresh_tensors.values())
-            _initialise(model, fresh, prefix, seed, device)
-            for full, _ in mine:
-                local = full[len(prefix) + 1 :]
-                made[full] = fresh_tensors[local]
-            return
-        for child_name, child in module.named_children():
-            visit(child, f"{prefix}.{child_name}" if prefix else child_name)
-        # Tensors held directly by a module whose other tensors are on other stages:
-        # its init method would touch those too, so they are left for loading.
-        for full, tensor in owned(module, prefix, recurse=False):
-            if full in wanted:
-                fresh_tensor = torch.empty_like(tensor, device=device)
-                _fill_unset([fresh_tensor])
-                if isinstance(tensor, nn.Parameter):
-                    fresh_tensor = nn.Parameter(fresh_tensor, requires_grad=tensor.requires_grad)
-                made[full] = fresh_tensor
-
-    visit(model, "")
-    _warn_of_unset(made)
-    missing = [name for name in names if first_name[id_of[name]] not in made]
-    if missing:
-        raise SplitError(
-            f"could not materialise {missing} (internal error: no owning module found)"
-        )
+    for owner_path in by_owner:
+        made.update(_owner_tensors(model, owner_path, device, seed))
+    _warn_of_unset({first: made[first] for firsts in by_owner.values() for first in firsts})
     return {name: made[first_name[id_of[name]]] for name in names}
+
+
+def _owner_tensors(model: nn.Module, owner_path: str, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    """The tensors held directly by the module at ``owner_path``, by their full names, freshly initialised."""
+    fresh = copy.deepcopy(model.get_submodule(owner_path))
+    fresh.to_empty(device=device)
+    _fill_unset(tensor for _, tensor in named_tensors(fresh))
+    _initialise(model, fresh, owner_path, seed, device)
+    _initialise_in_ancestors(model, fresh, owner_path, seed, device)
+    prefix = f"{owner_path}." if owner_path else ""
+    return {prefix + local: tensor for local, tensor in _own_tensors(fresh, recurse=False)}
 
 
 def _warn_of_unset(made: dict[str, torch.Tensor]) -> None:
@@ -199,3 +230,38 @@ def _warn_of_unset(made: dict[str, torch.Tensor]) -> None:
 def _own_tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_parameters(recurse=recurse, remove_duplicate=False)
     yield from module.named_buffers(recurse=recurse, remove_duplicate=False)
+
+
+def initialise_as_on_meta(model: nn.Module, seed: int) -> nn.Module:
+    """Give every tensor of an eagerly built ``model`` the values :func:`materialize` gives it when the
+    same model is built on the meta device, in place (tied tensors stay one tensor); returns ``model``.
+
+    ``Model()`` draws its tensors in one sequence from the global generator, so its values depend on
+    the order of construction; a meta-device model is initialised owning module by owning module
+    (the module docstring). After this call an eager build starts from the same values as a meta
+    build split at any ``pp`` and sharded at any ``tp``, for the same ``seed``. It allocates one
+    owning module at a time beside the model.
+
+    Example:
+        >>> _ = torch.manual_seed(1)  # the global generator's state does not matter
+        >>> eager = initialise_as_on_meta(torch.nn.Linear(4, 2), seed=0)
+        >>> with torch.device("meta"):
+        ...     meta = torch.nn.Linear(4, 2)
+        >>> torch.equal(eager.weight, materialize(meta, ["weight"], torch.device("cpu"), seed=0)["weight"])
+        True
+    """
+    owners: dict[str, dict[str, torch.Tensor]] = {}
+    seen: set[int] = set()
+    for name, tensor in named_tensors(model):
+        if id(tensor) not in seen:  # a tied tensor is set once, through its first name
+            seen.add(id(tensor))
+            owner_path, _, local = name.rpartition(".")
+            owners.setdefault(owner_path, {})[local] = tensor
+    with torch.no_grad():
+        for owner_path, tensors in owners.items():
+            device = next(iter(tensors.values())).device
+            prefix = f"{owner_path}." if owner_path else ""
+            values = _owner_tensors(model, owner_path, device, seed)
+            for local, tensor in tensors.items():
+                tensor.copy_(values[prefix + local])
+    return model

@@ -232,17 +232,19 @@ def setup(cfg: TrainConfig) -> Run:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
     # On the meta device: each rank allocates and initialises only its own stages (conveyor.frontend
-    # seeds each module from its path, so every split and rank gets the same values).
+    # seeds each owning module from its path, so every split, TP shard and rank gets the same values).
     model = build_model(cfg, vocab, device="meta")
     loss_fn = train_loss(cfg, model)
     if isinstance(loss_fn, LossWithAux):
         # transformers' MoE layers pick histc's dtype by the device type (int32 off the CPU, which the
         # CPU kernel refuses); traced on meta, the trace keeps the meta choice. On the stage's device
         # the trace takes the branch the stages will run, at the cost of every rank holding the whole
-        # model once, until the stages are cut from it.
+        # model once, until the stages are cut from it. Its values are made the meta build's, so that the
+        # same seed starts the same model whichever way it is built.
+        from conveyor.frontend.materialize import initialise_as_on_meta
         from conveyor.train.launch import stage_device
 
-        model = build_model(cfg, vocab, device=stage_device(cfg))
+        model = initialise_as_on_meta(build_model(cfg, vocab, device=stage_device(cfg)), cfg.train.seed)
     pipe = build_pipeline(cfg, model, loss_fn)
     loaded = load_weights(cfg, pipe)  # a pretrained directory: each rank reads its own stages' tensors
     if loaded is not None and dist.get_rank() == 0:

@@ -148,9 +148,10 @@ class ParityReference:
 def unsplit_model(cfg: Any, vocab_size: int, device: Any) -> Any:
     """The whole model of ``cfg`` on ``device``, with the values the pipeline's stages get from the same seed.
 
-    The stages are materialised from the meta-device model, each module seeded from
-    ``(train.seed, its path)`` (:func:`conveyor.frontend.materialize.materialize`); doing the same for
-    every tensor gives the unsplit model the same values, tied tensors staying one tensor.
+    The stages are materialised from the meta-device model, each owning module seeded from
+    ``(train.seed, its path)`` (:func:`conveyor.frontend.materialize.materialize`), so a tensor's values
+    depend on its name alone; doing the same for every tensor gives the unsplit model the same values,
+    tied tensors staying one tensor.
     """
     from conveyor.frontend.materialize import materialize, named_tensors
     from conveyor.train.models import build_model

@@ -372,11 +372,13 @@ def meta_model_shards(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     whole_names: list[str] = []
+    owners_per_call: list[int] = []
     defer = shards.defer_materialization
 
-    def recording(stage, source):  # what the shard path materializes whole (the replicated modules only)
+    def recording(stage, source):  # what the shard path materializes whole, and how much at once
         def materialize(names):
             whole_names.extend(names)
+            owners_per_call.append(len({name.rpartition(".")[0] for name in names}))
             return source.materialize(names)
 
         return defer(stage, dataclasses.replace(source, materialize=materialize))
@@ -403,6 +405,7 @@ def meta_model_shards(rank: int, world_size: int) -> dict:
     result = {
         "sharded": sorted(sharded),
         "whole": sorted(set(whole_names)),
+        "owners_per_call": max(owners_per_call),
         # each sharded parameter's storage is its local shard: nothing larger was kept behind it
         "storage_is_local": all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in local.values()),
         "local_is_half": all(t.numel() * 2 == sharded[n].numel() for n, t in local.items()),

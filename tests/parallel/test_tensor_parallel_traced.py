@@ -76,9 +76,10 @@ def test_tied_embedding_and_head_are_vocab_parallel_at_both_ends_of_the_pipeline
     # order: the losses stay bitwise, the parameters differ by rounding that AdamW's division by
     # the running RMS magnifies (as against one device, test_tensor_parallel_pipeline's bound).
     results = run_ranks(tied_pp_x_tp, 4, args=(names,), timeout_s=600)
-    # On the meta device each TP rank draws its own shard; the copy on stage 1 is drawn by the module
-    # owning the first name (transformer.wte), so global ranks 0 and 2 (TP rank 0 of each stage) hold
-    # the same rows, as do 1 and 3; equal again after a step.
+    # On the meta device each TP rank draws the whole tp=1 value and keeps its rows (two halves of one
+    # random matrix differ); the copy on stage 1 is drawn by the module owning the first name
+    # (transformer.wte), so global ranks 0 and 2 (TP rank 0 of each stage) hold the same rows, as do
+    # 1 and 3; equal again after a step.
     for shards in results[0]["meta"]["shards"]:
         (wte_0,), (wte_1,), (head_0,), (head_1,) = shards
         assert (wte_0[0], head_0[0]) == TIED and torch.equal(wte_0[1], head_0[1]) and torch.equal(wte_1[1], head_1[1])

@@ -96,8 +96,8 @@ def _settle_and_sum_tied(stages, shared: bool) -> None:
 
 
 def meta_tied_shards(mesh) -> dict:
-    """GPT-2 built on the meta device at pp=2 x tp=2 (1f1b): each rank draws its own shards, the tied copies
-    alike at both ends (by the module owning the first name, transformer.wte); equal after a step."""
+    """GPT-2 built on the meta device at pp=2 x tp=2 (1f1b): each rank keeps its slice of the whole draw, the tied
+    copies alike at both ends (by the module owning the first name, transformer.wte); equal after a step."""
     import torch.distributed as dist
 
     model_class, config = gpt2(num_layers=2)

@@ -1,42 +1,36 @@
-"""A traced stage of a meta-device model, materialized shard by shard: no TP rank allocates a whole sharded tensor.
+"""A traced stage of a meta-device model, materialized owning module by owning module: no TP rank keeps a whole
+sharded tensor.
 
 ``conveyor.pipeline`` on a model built on the meta device, with tensor parallelism, builds each
 stage with its tensors left on the meta device (:func:`defer_materialization`); they are then
 distributed as meta DTensors (nothing allocated), and :func:`materialize_stage_shards` gives each
-its storage on the stage's device, owning module by owning module:
+its storage on the stage's device, one owning module at a time (a projection, a norm, the
+embedding): the module's tensors are made whole and initialised exactly as without tensor
+parallelism (:mod:`conveyor.frontend.materialize`: seeded from the seed and the module's path), then
+each TP rank keeps its slice (a copy, so the whole is freed before the next module). Every TP rank
+draws the same whole, so a shard is the tp=1 value's slice and a replicated tensor is equal on every
+rank without a broadcast: the same seed gives the same starting model at every tp (and every pp).
 
-- a module whose parameters the plan shards (a q/k/v/o or MLP projection, the LM head): a meta
-  copy of the module takes the meta DTensors, ``to_empty`` allocates this rank's local shards only,
-  and the module's own init (``reset_parameters``, a Hugging Face ``_init_weights``, as
-  :mod:`conveyor.frontend.materialize` runs them) fills them through DTensor. On the CPU DTensor has
-  no random-number tracker, so each TP rank seeds from ``(seed, module path, TP rank)``: its shard
-  is its own draw of the module's init (bounds and std from the global shape), not a slice of the
-  tp=1 values. The module's replicated parameters (a row-parallel bias) are then broadcast from TP
-  rank 0, so that every rank holds the same;
-- any other module (norms, a whole embedding, rotary buffers): materialized whole, exactly as
-  without tensor parallelism (the same values for every tp), then distributed without a copy.
-
-So a stage's peak is its local shards plus the replicated modules; a checkpoint or
+So a stage's peak is its local shards plus one owning module whole; a checkpoint or
 ``from_pretrained`` weights are loaded into the shards afterwards.
 
 Example (what ``conveyor.pipeline`` does on each rank of a ("pp", "tp") mesh)::
 
     stage = defer_materialization(split.stage_module(stage_index, device, keep_meta=True),
-                                  ShardSource(model, split.seed, device, materialize, initialise))
+                                  ShardSource(model, split.seed, device, materialize))
     parallelize_traced_stage(stage, tp_mesh, placements)    # materializes the shards
 """
 
 from __future__ import annotations
 
-import copy
-import warnings
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from conveyor.errors import SplitError
 
 
 @dataclass(frozen=True)
@@ -44,15 +38,13 @@ class ShardSource:
     """Where a meta stage's tensors come from, as the frontend gives them (this layer does not import it).
 
     ``materialize(names)``: those tensors of the unchanged meta model, whole and initialised on the
-    stage's device; ``initialise(module, path, seed)``: the model's own init run on ``module`` (a copy
-    of the model's module at ``path``) seeded from ``seed``; ``seed``: the split's init seed.
+    stage's device; ``seed``: the split's init seed.
     """
 
     model: nn.Module
     seed: int
     device: torch.device
     materialize: Callable[[list[str]], dict[str, torch.Tensor]]
-    initialise: Callable[[nn.Module, str, int], None]
 
 
 def defer_materialization(stage: nn.Module, source: ShardSource) -> nn.Module:
@@ -61,7 +53,7 @@ def defer_materialization(stage: nn.Module, source: ShardSource) -> nn.Module:
     Example::
 
         stage = split.stage_module(1, "cpu", keep_meta=True)
-        defer_materialization(stage, ShardSource(model, split.seed, torch.device("cpu"), materialize, initialise))
+        defer_materialization(stage, ShardSource(model, split.seed, torch.device("cpu"), materialize))
     """
     stage._conveyor_shard_source = source
     return stage
@@ -73,21 +65,54 @@ def shard_source(stage: nn.Module) -> ShardSource | None:
 
 def materialize_stage_shards(stage: nn.Module, tp_mesh, source: ShardSource) -> None:
     """Give every meta tensor of ``stage`` (its parameters already meta DTensors) its storage on
-    ``source.device``: sharded modules as local shards only, the rest whole (see the module docstring)."""
+    ``source.device``: each drawn whole as without tensor parallelism, then sliced to this rank's shard
+    (see the module docstring)."""
+    # A tensor tied within the stage (GPT-2's wte and lm_head on one stage) is one Parameter under two
+    # names: it is made once and registered under every name, so none is left on meta.
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in _every_tensor(stage):
+        if _on_meta(tensor):
+            aliases.setdefault(id(tensor), []).append(name)
     # A tied parameter is drawn by the module that owns its first name in the model (GPT-2's
     # lm_head.weight by transformer.wte), on every stage holding a copy: equal shards at both ends.
     first_names = {id(param): name for name, param in source.model.named_parameters()}
-    model_names: dict[str, str] = {}
-    by_owner: dict[str, list[str]] = {}
-    for name, tensor in [*stage.named_parameters(), *stage.named_buffers()]:
-        if tensor.is_meta or (isinstance(tensor, DTensor) and tensor.to_local().is_meta):
-            model_names[name] = first_names.get(id(_model_tensor(source.model, name)), name)
-            by_owner.setdefault(model_names[name].rpartition(".")[0], []).append(name)
-    for owner, names in by_owner.items():
-        if any(_is_sharded(stage.get_parameter(n)) for n in names if _is_parameter(stage, n)):
-            _sharded_owner(stage, owner, {n: model_names[n] for n in names}, tp_mesh, source)
-        else:
-            _whole_owner(stage, names, tp_mesh, source)
+    by_owner: dict[str, list[tuple[str, str]]] = {}
+    for names in aliases.values():
+        model_name = first_names.get(id(_model_tensor(source.model, names[0])), names[0])
+        by_owner.setdefault(model_name.rpartition(".")[0], []).append((names[0], model_name))
+    for pairs in by_owner.values():  # one owning module whole at a time: the peak
+        made = source.materialize([model_name for _, model_name in pairs])
+        for name, model_name in pairs:
+            current = _stage_tensor(stage, name)
+            value = made[model_name].detach()
+            if _is_parameter(stage, name):
+                value = nn.Parameter(_slice(value, tp_mesh, current.placements), requires_grad=current.requires_grad)
+            for alias in aliases[id(current)]:
+                _set(stage, alias, value)
+        del made
+    left = [name for name, tensor in _every_tensor(stage) if _on_meta(tensor)]
+    if left:  # it would fail a checkpoint's save much later, as "Cannot copy out of meta tensor"
+        raise SplitError(f"tensor parallel rank {tp_mesh.get_local_rank()}: {', '.join(left)} of this stage "
+                         f"stayed on the meta device after materialization (internal error: each meta tensor "
+                         f"of a stage, every name of a tied one included, should get its storage here)")
+
+
+def _every_tensor(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
+def _on_meta(tensor: torch.Tensor) -> bool:
+    return tensor.is_meta or (isinstance(tensor, DTensor) and tensor.to_local().is_meta)
+
+
+def _slice(whole: torch.Tensor, tp_mesh, placements) -> DTensor:
+    """This TP rank's part of ``whole`` (every TP rank holds the same whole), in storage of its own: the
+    whole is freed once the owning module's tensors are sliced."""
+    shared = distribute_tensor(whole, tp_mesh, placements, src_data_rank=None)
+    if not any(not p.is_replicate() for p in placements):
+        return shared
+    return DTensor.from_local(shared.to_local().clone(), tp_mesh, placements, run_check=False,
+                              shape=shared.shape, stride=shared.stride())
 
 
 def _model_tensor(model: nn.Module, name: str) -> torch.Tensor | None:
@@ -96,65 +121,24 @@ def _model_tensor(model: nn.Module, name: str) -> torch.Tensor | None:
     return module._parameters.get(attribute)
 
 
+def _stage_tensor(stage: nn.Module, name: str) -> torch.Tensor:
+    owner, _, attribute = name.rpartition(".")
+    module = stage.get_submodule(owner)
+    return module._parameters[attribute] if attribute in module._parameters else module._buffers[attribute]
+
+
 def _is_parameter(stage: nn.Module, name: str) -> bool:
     owner, _, attribute = name.rpartition(".")
     return attribute in stage.get_submodule(owner)._parameters
 
 
-def _is_sharded(param: torch.Tensor) -> bool:
-    return isinstance(param, DTensor) and any(not p.is_replicate() for p in param.placements)
-
-
-def _set(stage: nn.Module, name: str, value: torch.Tensor, requires_grad: bool) -> None:
+def _set(stage: nn.Module, name: str, value: torch.Tensor) -> None:
     owner, _, attribute = name.rpartition(".")
     module = stage.get_submodule(owner)
     if attribute in module._parameters:
-        module.register_parameter(attribute, nn.Parameter(value, requires_grad=requires_grad))
+        module.register_parameter(attribute, value)
     else:
         module._buffers[attribute] = value
-
-
-def _whole_owner(stage: nn.Module, names: list[str], tp_mesh, source: ShardSource) -> None:
-    made = source.materialize(names)
-    for name in names:
-        if _is_parameter(stage, name):
-            current = stage.get_parameter(name)
-            value = distribute_tensor(made[name].detach(), tp_mesh, [Replicate()], src_data_rank=None)
-            _set(stage, name, value, current.requires_grad)
-        else:
-            _set(stage, name, made[name], False)
-
-
-def _sharded_owner(stage: nn.Module, owner: str, names: Mapping[str, str], tp_mesh, source: ShardSource) -> None:
-    """``names``: the stage's names of the owner's tensors, each to its name in the model."""
-    fresh = copy.deepcopy(source.model.get_submodule(owner))  # on meta: costs nothing
-    own = {name: stage.get_parameter(name) for name in names if _is_parameter(stage, name)}
-    for name, param in own.items():
-        fresh.register_parameter(names[name].rpartition(".")[2], nn.Parameter(param.detach(), requires_grad=False))
-    fresh.to_empty(device=source.device)  # a DTensor's empty_like allocates its local shard only
-    rank_tag = f"tensor parallel rank {tp_mesh.get_local_rank()}".encode()
-    rank_seed = (source.seed * 1_000_003 + zlib.crc32(rank_tag)) % 2**63  # each TP rank its own draw
-    with warnings.catch_warnings():  # DTensor on a CPU mesh draws each shard locally: the rank seed is meant so
-        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-        source.initialise(fresh, owner, rank_seed)
-    _broadcast_replicated(fresh, tp_mesh)
-    for name, param in own.items():
-        _set(stage, name, fresh.get_parameter(names[name].rpartition(".")[2]).detach(), param.requires_grad)
-    for name in names:
-        if name not in own:
-            _set(stage, name, fresh.get_buffer(names[name].rpartition(".")[2]), False)
-
-
-def _broadcast_replicated(module: nn.Module, tp_mesh) -> None:
-    """The module's replicated parameters as TP rank 0 drew them (the others drew their own)."""
-    import torch.distributed as dist
-
-    group = tp_mesh.get_group()
-    source = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for param in module.parameters(recurse=False):
-            if isinstance(param, DTensor) and not _is_sharded(param):
-                dist.broadcast(param.to_local(), src=source, group=group)
 
 
 def stage_local_bytes(stage: nn.Module) -> int:
