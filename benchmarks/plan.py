@@ -35,6 +35,8 @@ from pathlib import Path
 
 from benchmarks import libraries as lib
 from benchmarks import plan_chosen
+from benchmarks.provenance import RunProvenance
+from benchmarks.provenance import line as provenance_line
 from benchmarks.steal import StealMeter
 from conveyor.ranks import RankGroup
 from conveyor.testing.models import Emulated, TinyGPT
@@ -431,6 +433,7 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
         "# Predicted vs measured step time (`python -m benchmarks --plan`)", "",
         f"Started {meta['started']}, {meta['cpus']} CPUs, load average {meta['load_start']} at start, "
         f"{meta['load_end']} at end; {meta['elapsed_s']:.0f} s.", "",
+        f"Made by {provenance_line(meta)}.", "",
         *(f"Calibration at P={ranks} (this machine, 1F1B of sleeping blocks): " + ", ".join(
             f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
             for k, v in figures.items() if k != "samples") for ranks, figures in meta["calibration"].items()), "",
@@ -446,16 +449,16 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
     (out / "plan.md").write_text("\n".join(text))
 
 
-def run(args) -> int:
-    """Calibrate, then every (workload, P) cell; print and write the table."""
+def run(args, argv: list[str] | None = None) -> int:
+    """Calibrate, then every (workload, P) cell; print and write the table (``argv``: the command, recorded)."""
     import conveyor
     from conveyor.plan.calibration import calibrate
 
     started = time.monotonic()
     out = Path(args.predict_out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
-            "load_start": round(os.getloadavg()[0], 2)}
+    provenance = RunProvenance(argv).start()
+    meta = {"started": provenance.started, "cpus": os.cpu_count(), "load_start": provenance.load_start[0]}
     rank_counts = [int(p) for p in args.predict_ranks.split(",")]
     # One calibration per rank count: P processes on this machine's cores wake and hand over
     # messages differently at P=2 and P=4.
@@ -471,7 +474,8 @@ def run(args) -> int:
             cell = run_cell(workload, cases, calibrations[ranks], args, out, chosen=not args.predict_no_chosen)
             print(table(cell), flush=True)
             records.extend(cell)
-    meta.update(load_end=round(os.getloadavg()[0], 2), elapsed_s=time.monotonic() - started,
+    meta.update(provenance.record())
+    meta.update(load_end=meta["load_average_end"][0], elapsed_s=time.monotonic() - started,
                 steps_per_round=args.predict_steps, rounds=args.predict_rounds, warmup=args.predict_warmup)
     _write(out, meta, records)
     print(table(records))
