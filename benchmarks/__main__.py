@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for part in selected(args):
         module = importlib.import_module(f"benchmarks.{part}")
-        if part == "compare":
+        if part in ("compare", "plan"):  # the parts that write results record the command
             status = max(status, module.run(args, argv))
         else:
             status = max(status, module.run(args))

@@ -31,6 +31,7 @@ import torch
 
 from benchmarks import libraries as lib
 from benchmarks.cases import GROUP_ERRORS, CostCache, Settings, last_line, run_case
+from benchmarks.provenance import command_line, git_commit
 from benchmarks.report import RAW_NAME, SUMMARY_NAME, render, write_summary
 from benchmarks.steal import StealMeter
 from conveyor.ranks import RankGroup, Zygote
@@ -153,9 +154,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
 
 def _meta(args: argparse.Namespace, argv: list[str] | None, settings: Settings) -> dict:
-    command = argv if argv is not None else sys.argv[1:]
     return {
-        "command": " ".join(["python -m benchmarks", *command]),
+        "command": command_line(argv),
+        "commit": git_commit(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -40,6 +40,8 @@ from pathlib import Path
 
 from benchmarks import libraries as lib
 from benchmarks import plan_chosen
+from benchmarks.provenance import RunProvenance
+from benchmarks.provenance import line as provenance_line
 from benchmarks.steal import StealMeter
 from conveyor.ranks import RankGroup
 from conveyor.testing.models import Emulated, TinyGPT
@@ -490,7 +492,7 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
         f"Started {meta['started']}, {meta['cpus']} CPUs, load average {meta['load_start']} at start, "
         f"{meta['load_end']} at end; {meta['elapsed_s']:.0f} s; CPU steal over the timed steps "
         f"{_steal_range(records)}.", "",
-        f"Commit {meta.get('commit', '?')}; command `{meta.get('command', '?')}`.", "",
+        f"Made by {provenance_line(meta)}.", "",
         *(f"Calibration at P={ranks} (this machine, 1F1B of sleeping blocks): " + ", ".join(
             f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
             for k, v in figures.items() if k != "samples") for ranks, figures in meta["calibration"].items()), "",
@@ -507,11 +509,8 @@ def _write(out: Path, meta: dict, records: list[dict]) -> None:
     (out / "plan.md").write_text("\n".join(text))
 
 
-def run(args) -> int:
-    """Calibrate, then every (workload, P) cell; print and write the table."""
-    import subprocess
-    import sys
-
+def run(args, argv: list[str] | None = None) -> int:
+    """Calibrate, then every (workload, P) cell; print and write the table (``argv``: the command, recorded)."""
     import conveyor
     from conveyor.plan.calibration import calibrate
 
@@ -523,11 +522,8 @@ def run(args) -> int:
     started = time.monotonic()
     out = Path(args.predict_out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
-            "load_start": round(os.getloadavg()[0], 2), "commit": commit or "unknown",
-            "command": " ".join(["python -m benchmarks", *sys.argv[1:]])}
+    provenance = RunProvenance(argv).start()
+    meta = {"started": provenance.started, "cpus": os.cpu_count(), "load_start": provenance.load_start[0]}
     rank_counts = [int(p) for p in args.predict_ranks.split(",")]
     # One calibration per rank count: P processes on this machine's cores wake and hand over
     # messages differently at P=2 and P=4.
@@ -543,7 +539,8 @@ def run(args) -> int:
             cell = run_cell(workload, cases, calibrations[ranks], args, out, chosen=not args.predict_no_chosen)
             print(table(cell), flush=True)
             records.extend(cell)
-    meta.update(load_end=round(os.getloadavg()[0], 2), elapsed_s=time.monotonic() - started,
+    meta.update(provenance.record())
+    meta.update(load_end=meta["load_average_end"][0], elapsed_s=time.monotonic() - started,
                 steps_per_round=args.predict_steps, rounds=args.predict_rounds, warmup=args.predict_warmup)
     _write(out, meta, records)
     print(table(records))

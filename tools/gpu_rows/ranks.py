@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -266,8 +267,11 @@ def lag_row(ctx: Context) -> tuple[bool, str]:
     if not forwards:
         return False, "the measured timeline has no forward spans"
     scale = 1e3  # the timeline is in seconds
-    shortest = min(s[5] - s[4] for s in forwards) * scale
-    if shortest < 0.8 * LAG_MS:
+    durations = [s[5] - s[4] for s in forwards]
+    if not all(math.isfinite(d) for d in durations):  # min() would drop a NaN that is not first
+        return False, f"the timeline holds a forward whose span is not a finite number: {durations}"
+    shortest = min(durations) * scale
+    if not shortest >= 0.8 * LAG_MS:
         return False, f"a forward spans {shortest:.2f} ms on the timeline, but the device spent >= {LAG_MS} ms on " \
                       f"it: the timeline shows host enqueue time, not the device's"
     ends = {(s[2], s[3]): s[5] for s in forwards}

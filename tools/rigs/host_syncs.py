@@ -4,8 +4,12 @@ On a GPU every ``.item()``, ``.tolist()``, ``.cpu()`` or ``bool(tensor)`` of a d
 waits for the device to drain, and every ``*_object*`` collective pickles through the host.
 A CPU run cannot see the waits, but it can see the calls: :class:`HostSyncCounter` patches
 them, so that each call made while it is active is recorded with the code that made it. On
-the CPU every tensor stands in for a device tensor, so the count is an upper bound of what a
-GPU run would synchronise on.
+the CPU every tensor stands in for a device tensor, so every device-to-host read and object
+collective of a step is counted. It is not an upper bound of a GPU run's synchronisations: it
+cannot see a host-to-device copy (a Python value written into a device tensor, ``t[i] = x``),
+nor what a library does inside a kernel launch; the H100 run of ``tools/gpu_check.sh`` found one
+such copy per step that this count had missed (benchmarks/README.md, ``world1-syncs``). Only
+``torch.cuda.set_sync_debug_mode`` on a GPU (that row) sees every synchronisation.
 
 Two reads are expected and reported apart, not as failures: the one draw of the user's CPU
 generator that seeds a step's random streams (:mod:`conveyor.runtime.rng`: a CPU tensor on

@@ -85,6 +85,9 @@ def run_trial(trial: Trial, limit_s: float = 30.0, hard_limit_s: float = 120.0) 
             problems.append(f"rank {rank} exited 0 although rank {trial.victim} died")
         elif seconds > limit_s:
             problems.append(f"rank {rank} took {seconds:.1f} s to stop (limit {limit_s:g} s)")
+        elif "CommTimeout" in texts[rank]:
+            problems.append(f"rank {rank} timed out instead of learning of rank {trial.victim}'s death:\n"
+                            f"{texts[rank][-1500:]}")
         elif f"rank {trial.victim}" not in texts[rank]:
             problems.append(f"rank {rank}'s output does not name rank {trial.victim}:\n{texts[rank][-1500:]}")
     return TrialResult(trial, slowest, "\n".join(problems))
