@@ -29,6 +29,7 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
+from conveyor.testing.compare import worst_relative
 from conveyor.testing.models import lm_loss, reference_step
 from conveyor.testing.multiprocess import run_ranks
 
@@ -167,10 +168,6 @@ def _average(values: list[torch.Tensor]) -> torch.Tensor:
     return total / len(values)
 
 
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
-
-
 def max_relative_difference(name: str, virtual: int, kind: str, dp: int = 2, pp: int = 2, clip: bool = False,
                             orders: tuple[str, ...] = ("per_replica", "accumulated")) -> dict[str, float]:
     """Run the pipeline replicas once; the worst relative difference to each reference (0.0: bitwise)."""
@@ -216,13 +213,10 @@ def max_relative_differences(cases: list[tuple[str, int]], kind: str, dp: int = 
 
 
 def _worst(results, want_losses, want_norms, want_params) -> float:
-    worst = 0.0
+    """The largest relative difference of every rank's losses, norms and parameters; NaN if any is NaN."""
+    pairs = []
     for losses, norms, params, _ in results:
-        for got, want in zip(losses, want_losses, strict=True):
-            worst = max(worst, _relative(got, want))
-        for got, want in zip(norms, want_norms, strict=True):
-            worst = max(worst, _relative(got, want))
-        for stage, named in params.items():
-            for parameter_name, value in named.items():
-                worst = max(worst, _relative(value, want_params[stage][parameter_name]))
-    return worst
+        pairs += zip(losses, want_losses, strict=True)
+        pairs += zip(norms, want_norms, strict=True)
+        pairs += [(value, want_params[stage][name]) for stage, named in params.items() for name, value in named.items()]
+    return worst_relative(pairs)

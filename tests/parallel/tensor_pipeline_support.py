@@ -20,9 +20,10 @@ import conveyor
 from conveyor.microbatch import split_microbatches
 from conveyor.options import PipelineOptions, SplitOptions, TransferOptions
 from conveyor.parallel.mesh import layout_of
+from conveyor.testing.compare import relative_difference, worst_relative
 from conveyor.testing.models import token_batch
 
-from .tp_support import build, relative, whole
+from .tp_support import build, whole
 
 MICROBATCHES = 4
 STEPS = 3
@@ -148,8 +149,8 @@ def every_schedule(rank: int, world_size: int, names: tuple[str, ...] | None = N
                            for p in mine.values()),
             "losses_equal_tp": all(torch.equal(a, b) for a, b in zip(losses, want_losses)),
             "params_equal_tp": all(torch.equal(full[n], want[n]) for n in full),
-            "loss_rel": max(relative(a, b) for a, b in zip(losses, device_losses)),
-            "param_rel": max(relative(full[n], device_params[n].detach()) for n in full),
+            "loss_rel": worst_relative((a, b) for a, b in zip(losses, device_losses, strict=True)),
+            "param_rel": worst_relative((full[n], device_params[n].detach()) for n in full),
         }
         pipe.close()
     return results
@@ -269,8 +270,8 @@ def hand_built_parity(rank: int, world_size: int) -> dict:
         loss = pipe.step(hidden, target=target)
         grads = {n: whole(p.grad) for n, p in pipe.named_parameters()}
         results[name] = {
-            "loss": relative(loss, want_loss.detach()),
-            "grads": max(relative(g, whole_model[pp_rank].get_parameter(n).grad) for n, g in grads.items()),
+            "loss": relative_difference(loss, want_loss.detach()),
+            "grads": worst_relative((g, whole_model[pp_rank].get_parameter(n).grad) for n, g in grads.items()),
             "sharded": sorted(n for n, p in pipe.named_parameters()
                               if isinstance(p, DTensor) and not p.placements[0].is_replicate()),
         }
@@ -302,9 +303,9 @@ def clipping_and_ties(rank: int, world_size: int, name: str) -> dict:
     norm = pipe.clip_grad_norm_(0.05)
     grads = {n: whole(p.grad) for n, p in pipe.named_parameters()}
     result = {
-        "loss": relative(loss, want_loss),
-        "norm": relative(norm, want_norm),
-        "grads": max(relative(g, _reference_grad(reference, n)) for n, g in grads.items()),
+        "loss": relative_difference(loss, want_loss),
+        "norm": relative_difference(norm, want_norm),
+        "grads": worst_relative((g, _reference_grad(reference, n)) for n, g in grads.items()),
         "tied": [list(t.names) for t in pipe.tied_parameters],
         "settled": settled,
     }

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from conveyor.parallel.tensor import parallelize_stage
+from conveyor.testing.compare import relative_difference, worst_relative
 from conveyor.testing.models import gpt2, grouped_heads_lm, token_batch
 
 MODELS = ("gpt2", "llama", "qwen2", "mixtral")
@@ -38,10 +39,6 @@ def tp_mesh(tp: int):
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def loss_and_grads(model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -74,8 +71,8 @@ def tp_parity(rank: int, world_size: int, name: str, sequence_parallel: bool = F
     assert set(got_grads) == set(want_grads)
     values_equal = all(torch.equal(whole(p), reference.get_parameter(n)) for n, p in model.named_parameters())
     return {
-        "loss": relative(got_loss, want_loss),
-        "grads": max(relative(got_grads[n], want_grads[n]) for n in want_grads),
+        "loss": relative_difference(got_loss, want_loss),
+        "grads": worst_relative((got_grads[n], want_grads[n]) for n in want_grads),
         "sharded": sharded,
         "values_equal": values_equal,
         "tied": name == "gpt2" and model.lm_head.weight is model.transformer.wte.weight,
@@ -177,7 +174,7 @@ def traced_parity(rank: int, world_size: int, name: str, num_layers: int = 2) ->
                      if any(not pl.is_replicate() for pl in p.placements))
     return {
         "loss_equal": torch.equal(got.detach(), want.detach()),
-        "grads": max(relative(g, whole(eager.get_parameter(n).grad)) for n, g in grads.items()),
+        "grads": worst_relative((g, whole(eager.get_parameter(n).grad)) for n, g in grads.items()),
         "sharded": sharded,
     }
 
@@ -329,7 +326,7 @@ def manual_stage_plan(rank: int, world_size: int) -> dict:
         results.append((stage_input.grad, grads))
     (want_input, want), (got_input, got) = results
     return {
-        "input": relative(got_input, want_input),
-        "grads": max(relative(got[n], want[n]) for n in want),
+        "input": relative_difference(got_input, want_input),
+        "grads": worst_relative((got[n], want[n]) for n in want),
         "sharded": sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)),
     }
