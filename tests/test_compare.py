@@ -29,7 +29,7 @@ NAN, INF = float("nan"), float("inf")
 
 def _fails(measured: float) -> bool:
     """Whether both ways the tests read a difference reject it."""
-    return not (measured <= BOUND) and not (measured == 0.0)
+    return not (measured <= BOUND) and measured != 0.0
 
 
 def _tensors(count: int, poisoned: int | None, value: float = NAN, numel: int = 6) -> list[torch.Tensor]:

@@ -6,8 +6,9 @@ value instead, and every comparison against a bound (``<=``) then fails on it.
 
 - :func:`relative_difference`: ``max|got - want| / max|want|`` in float64; NaN when either side holds a
   NaN or an infinity.
-- :func:`worst` / :func:`worst_relative`: the largest of several differences; NaN if any is NaN.
-- :func:`reordered_sum_bound`, :func:`logsumexp_bound`, :func:`adam_direction_bound`: the bounds that tests
+- :func:`absolute_difference`: ``max|got - want|``, NaN likewise.
+- :func:`worst`, :func:`worst_relative`, :func:`worst_absolute`: the largest of several; NaN if any is NaN.
+- :func:`reordered_sum_bound`, :func:`logsumexp_bound`, :func:`adamw_difference_bound`: the bounds that tests
   comparing two *different* computations (tensor parallel against one device, a vocabulary-parallel loss
   against the gathered logits, AdamW after a rounding difference) derive, so that a bound holds on every
   CPU's kernels rather than on the one it was measured on.
@@ -36,6 +37,17 @@ FP32_UNIT_ROUNDOFF = 2.0**-24
 ROUNDING_LAMBDA = 6.0
 
 
+def _as_doubles(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Both sides whole and in float64, or None when either holds a NaN or an infinity."""
+    if got.shape != want.shape:
+        raise ValueError(f"cannot compare a tensor of shape {tuple(got.shape)} with one of {tuple(want.shape)}: "
+                         "pass the whole tensors (full_tensor() of a DTensor) of the same parameter")
+    got, want = _whole(got).detach().double(), _whole(want).detach().double()
+    if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(want).all())):
+        return None
+    return got, want
+
+
 def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     """``max|got - want| / max|want|`` in float64 (0.0: bitwise); NaN if either side is not finite.
 
@@ -45,15 +57,27 @@ def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
         >>> relative_difference(torch.tensor([float("nan")]), torch.tensor([1.0]))
         nan
     """
-    if got.shape != want.shape:
-        raise ValueError(f"cannot compare a tensor of shape {tuple(got.shape)} with one of {tuple(want.shape)}: "
-                         "pass the whole tensors (full_tensor() of a DTensor) of the same parameter")
-    got, want = _whole(got).detach().double(), _whole(want).detach().double()
-    if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(want).all())):
+    pair = _as_doubles(got, want)
+    if pair is None:
         return math.nan
+    got, want = pair
     if got.numel() == 0:
         return 0.0
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def absolute_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max|got - want|`` in float64 (0.0: bitwise); NaN if either side is not finite.
+
+    Example:
+        >>> absolute_difference(torch.tensor([1.0, 4.0]), torch.tensor([1.0, 2.0]))
+        2.0
+    """
+    pair = _as_doubles(got, want)
+    if pair is None:
+        return math.nan
+    got, want = pair
+    return (got - want).abs().max().item() if got.numel() else 0.0
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -84,6 +108,16 @@ def worst(values: Iterable[float]) -> float:
     return found
 
 
+def worst_absolute(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The largest :func:`absolute_difference` over ``(got, want)`` pairs; NaN if any side holds a NaN.
+
+    Example:
+        >>> worst_absolute([(torch.ones(2), torch.ones(2)), (torch.zeros(1), torch.ones(1))])
+        1.0
+    """
+    return worst(absolute_difference(got, want) for got, want in pairs)
+
+
 def worst_relative(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """The largest :func:`relative_difference` over ``(got, want)`` pairs; NaN if any side holds a NaN.
 
@@ -109,7 +143,7 @@ def reordered_sum_bound(num_terms: int, depth: int = 1, condition: float = 1.0) 
     return 2 * depth * condition * ROUNDING_LAMBDA * math.sqrt(num_terms) * FP32_UNIT_ROUNDOFF
 
 
-def logsumexp_bound(vocabulary: int, tokens: int, loss: float) -> float:
+def logsumexp_bound(vocabulary: int, tokens: int, loss: float, microbatches: int = 1) -> float:
     """Relative bound on a mean cross-entropy computed once on whole logits and once shard by shard.
 
     Per token, logsumexp is ``m + log(sum_j exp(x_j - m))``; the terms are positive and at most 1, so
@@ -118,8 +152,9 @@ def logsumexp_bound(vocabulary: int, tokens: int, loss: float) -> float:
     another vector width: up to 1 ulp each, 2 between two) by ``2u`` more; ``log`` turns that
     relative error into an absolute one, plus the roundings of ``log``, ``+ m`` and ``- x_target``
     (``3u`` of a value below the loss's largest term, taken as ``8u`` with the mean's own). The mean
-    over ``tokens`` positive losses then adds ``2 (tokens - 1) u`` relative. Divided by the
-    (positive) ``loss``, the result is relative.
+    over ``tokens`` positive losses then adds ``2 (tokens - 1) u`` relative, and the sum of
+    ``microbatches`` such means ``2 (microbatches - 1) u``. Divided by the (positive) ``loss``, the
+    result is relative.
 
     Example:
         >>> f"{logsumexp_bound(96, 22, 4.5):.2e}"
@@ -128,7 +163,7 @@ def logsumexp_bound(vocabulary: int, tokens: int, loss: float) -> float:
     if not loss > 0:
         raise ValueError(f"a cross-entropy is positive; got {loss!r} (a NaN or a wrong loss)")
     per_token = (2 * (vocabulary - 1) + 2 + 8) * FP32_UNIT_ROUNDOFF
-    return per_token / loss + 2 * (tokens - 1) * FP32_UNIT_ROUNDOFF
+    return per_token / loss + 2 * (tokens - 1 + microbatches - 1) * FP32_UNIT_ROUNDOFF
 
 
 def adam_direction_bound(steps: int, betas: tuple[float, float] = (0.9, 0.999)) -> float:
@@ -150,3 +185,21 @@ def adam_direction_bound(steps: int, betas: tuple[float, float] = (0.9, 0.999)) 
         second = [(1 - beta2) * beta2 ** (step - j) / (1 - beta2**step) for j in range(1, step + 1)]
         worst_ratio = max(worst_ratio, math.sqrt(sum(a * a / b for a, b in zip(first, second, strict=True))))
     return worst_ratio
+
+
+def adamw_difference_bound(lr: float, steps: int, betas: tuple[float, float] = (0.9, 0.999)) -> float:
+    """How far one element may end up in two AdamW runs from the same start whose gradients differ, any way.
+
+    Each step moves an element by ``lr`` times Adam's direction (at most :func:`adam_direction_bound`)
+    plus the decoupled decay ``lr * weight_decay * p``, which shrinks a difference of the two ``p``
+    rather than growing it. Where a gradient is at rounding level its sign and size are the rounding's,
+    so two runs may move it in opposite directions: twice the direction's bound, summed over the
+    steps. This holds for any two gradient sequences, so it catches a NaN, a wrong learning rate or a
+    diverging run, not a rounding-sized error: a test compares the losses of the steps after the
+    first as well, which carry the trajectory.
+
+    Example:
+        >>> f"{adamw_difference_bound(1e-2, 3):.4f}"
+        '0.0601'
+    """
+    return 2 * lr * sum(adam_direction_bound(step, betas) for step in range(1, steps + 1))

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 import conveyor
 from conveyor.options import PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
-from conveyor.testing.compare import worst_relative
+from conveyor.testing.compare import worst_absolute, worst_relative
 from conveyor.testing.models import grouped_heads_lm, token_batch
 
 from .tensor_pipeline_support import (
@@ -105,7 +105,7 @@ def mixtral_schedules(rank: int, world_size: int, names: tuple[str, ...]) -> dic
             "losses_equal_tp": all(torch.equal(a, b) for a, b in zip(losses, alone_losses)),
             "params_equal_tp": all(torch.equal(full[n], alone[n]) for n in full),
             "loss_rel": worst_relative((a, b) for a, b in zip(losses, device_losses, strict=True)),
-            "param_rel": worst_relative((full[n], device_params[n].detach()) for n in full),
+            "param_abs": worst_absolute((full[n], device_params[n].detach()) for n in full),
         }
         pipe.close()
     return results

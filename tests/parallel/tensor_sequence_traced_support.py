@@ -22,7 +22,7 @@ from conveyor.errors import PipelineConfigError
 from conveyor.microbatch import split_microbatches
 from conveyor.options import Layout, PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
-from conveyor.testing.compare import relative_difference, worst_relative
+from conveyor.testing.compare import relative_difference, worst_absolute, worst_relative
 from conveyor.testing.models import token_batch
 
 from .tensor_pipeline_support import _optimizer, _train_pipeline
@@ -229,7 +229,7 @@ def pipeline_against_alone(rank: int, world_size: int, names: tuple[str, ...]) -
             "losses_equal_alone": all(torch.equal(a, b) for a, b in zip(losses, want_losses)),
             "params_unequal_alone": sorted(n for n in full if not torch.equal(full[n], want_params[n])),
             "loss_rel": worst_relative((a, b) for a, b in zip(losses, device_losses, strict=True)),
-            "param_rel": worst_relative((full[n], device_params[n].detach()) for n in full),
+            "param_abs": worst_absolute((full[n], device_params[n].detach()) for n in full),
             "sent": sorted(set(sent)),
             "boundaries": pipe.tensor_parallel.stage_fields(
                 {s: r.module for s, r in pipe.runners.items()})["stage boundaries"],

@@ -14,15 +14,14 @@ import pytest
 import torch
 
 from conveyor.testing import run_ranks
+from conveyor.testing.compare import logsumexp_bound
 
+from .tensor_pipeline_support import ADAMW_AFTER_STEPS, MICROBATCHES
 from .tied_tensor_support import TIED, tied_pp_x_tp, traced_loss_parallel
-from .tp_support import traced_parity, traced_pp_x_tp, traced_split_backward, traced_tp_alone
+from .tp_support import TP_ROUNDING, VOCABULARY, traced_parity, traced_pp_x_tp, traced_split_backward, traced_tp_alone
 
-TOLERANCE = 1e-5
-# Relative to the largest parameter: AdamW divides each update by the gradient's running RMS, so an
-# element whose gradient is near zero moves by up to lr (1e-2) either way on a rounding difference
-# (test_tensor_parallel_pipeline's docstring); GPT-2 here: ~1.0e-3 against one device.
-ADAMW_AFTER_3_STEPS = 2e-3
+TOLERANCE = TP_ROUNDING  # derived in tp_support
+TOKENS_PER_MICROBATCH = 2 * 11  # 2 rows of 12 tokens, each predicting the next
 
 
 @pytest.mark.distributed
@@ -89,7 +88,7 @@ def test_tied_embedding_and_head_are_vocab_parallel_at_both_ends_of_the_pipeline
         piped = result["1f1b"]
         assert piped["losses_equal_tp"] and piped["params_unequal_tp"] == [], piped
         assert piped["loss_rel"] <= TOLERANCE and piped["grad_rel"] <= TOLERANCE, piped  # one device
-        assert piped["param_rel"] <= ADAMW_AFTER_3_STEPS, piped
+        assert piped["param_abs"] <= ADAMW_AFTER_STEPS, piped
         # Half the vocabulary's rows on each TP rank, at both ends.
         assert piped["tied_local_shapes"] == {TIED[pp_rank]: ((96, 32), (48, 32))}, piped
         # The tied group is per TP position: wte's shard gradient equals lm_head's of the same TP rank.
@@ -99,7 +98,7 @@ def test_tied_embedding_and_head_are_vocab_parallel_at_both_ends_of_the_pipeline
             continue
         zbv = result["zbv"]
         assert zbv["shared"] and zbv["losses_equal_tp"] and zbv["grad_rel"] <= TOLERANCE, zbv
-        assert zbv["param_rel_tp"] <= ADAMW_AFTER_3_STEPS and zbv["param_rel"] <= ADAMW_AFTER_3_STEPS, zbv
+        assert zbv["param_abs_tp"] <= ADAMW_AFTER_STEPS and zbv["param_abs"] <= ADAMW_AFTER_STEPS, zbv
         assert zbv["tied_local_shapes"] == ({TIED[0]: ((96, 32), (48, 32))} if pp_rank == 0 else {}), zbv
 
 
@@ -108,12 +107,15 @@ def test_loss_parallel_on_traced_stages_keeps_the_logits_vocabulary_sharded():
     # The linears on a Shard(0) weight take their input whole (traced.colwise_linear), so the LM head's
     # logits leave sharded on the vocabulary, not Partial, and torch's loss_parallel() takes them: Llama's
     # own loss inside the traced graph, GPT-2's through a user loss_fn, which sees the sharded logits.
-    # Against the gathered logits the loss is bitwise; gradients agree to rounding (the cross-entropy's
-    # sums over the vocabulary run shard by shard).
+    # Against the gathered logits the cross-entropy is another computation: logsumexp's max, sum of exp and
+    # log run shard by shard (loss_parallel) rather than over the whole vocabulary, so the loss is within
+    # logsumexp_bound (derived in conveyor.testing.compare: 5e-6 at this loss, 22 tokens a microbatch) and
+    # gradients within TP's rounding. (One CPU gave 0.0, an Intel AVX-512 one 1.04e-7.)
     results = run_ranks(traced_loss_parallel, 4, timeout_s=600)
     for rank, by_model in enumerate(results):
         for name, result in by_model.items():
-            assert result["loss_rel_gathered"] == 0.0, (rank, name, result)
+            bound = logsumexp_bound(VOCABULARY, TOKENS_PER_MICROBATCH, result["loss"], MICROBATCHES)
+            assert result["loss_rel_gathered"] <= bound, (rank, name, bound, result)
             assert result["grad_rel_gathered"] <= TOLERANCE and result["grad_rel_device"] <= TOLERANCE, result
         if rank >= 2:  # the last stage's ranks ran the loss
             assert by_model["gpt2"]["logits_placements"] == "(Shard(dim=2),)", by_model

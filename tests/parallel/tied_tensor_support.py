@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 import conveyor
 from conveyor.options import Layout, PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
-from conveyor.testing.compare import relative_difference, worst_relative
+from conveyor.testing.compare import relative_difference, worst_absolute, worst_relative
 from conveyor.testing.models import gpt2, token_batch
 
 from .tensor_pipeline_support import MICROBATCHES, STEPS, _FakeTpMesh, _microbatches, _optimizer, _train
@@ -160,10 +160,10 @@ def tied_pp_x_tp(rank: int, world_size: int, names: tuple[str, ...] = ("1f1b", "
             "tied_grads": tied_grads,
             "losses_equal_tp": all(torch.equal(a, b) for a, b in zip(losses, want_losses, strict=True)),
             "params_unequal_tp": [n for n in full if not torch.equal(full[n], whole(want_params[n]).detach())],
-            "param_rel_tp": worst_relative((full[n], whole(want_params[n]).detach()) for n in full),
+            "param_abs_tp": worst_absolute((full[n], whole(want_params[n]).detach()) for n in full),
             "grad_rel": grad_rel,
             "loss_rel": worst_relative((a, b) for a, b in zip(losses, device_losses, strict=True)),
-            "param_rel": worst_relative((full[n], device_params[n].detach()) for n in full),
+            "param_abs": worst_absolute((full[n], device_params[n].detach()) for n in full),
         }
         pipe.close()
     results["meta"] = meta_tied_shards(mesh)
@@ -203,6 +203,7 @@ def traced_loss_parallel(rank: int, world_size: int) -> dict:
             pipe.close()
         (plain_loss, plain_grads, _), (loss, grads, placements) = found[False], found[True]
         results[name] = {
+            "loss": float(whole(plain_loss)),
             "loss_rel_gathered": relative_difference(whole(loss), whole(plain_loss)),
             "grad_rel_gathered": worst_relative((grads[n], plain_grads[n]) for n in grads),
             "grad_rel_device": worst_relative((grads[n], reference.get_parameter(n).grad) for n in grads),
