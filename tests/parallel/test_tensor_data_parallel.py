@@ -47,6 +47,7 @@ def test_pipeline_adds_nothing_to_tp_x_dp(launched):
 @pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_the_other_pairings_add_nothing_either():
+    """CI twin: tests/parallel/test_tensor_data_parallel.py::test_pipeline_adds_nothing_to_tp_x_dp (same checks)."""
     _assert_equal_to_tp_x_dp(run_ranks(cases_and_refusals, 4, args=(SHAPE, EXTENDED_CASES), timeout_s=900),
                              EXTENDED_CASES)
 

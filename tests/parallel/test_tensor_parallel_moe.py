@@ -29,6 +29,7 @@ TOLERANCE = TP_ROUNDING  # derived in tp_support
 @pytest.mark.parametrize("schedules", [("zbv",), pytest.param(("1f1b", "zbv"), marks=pytest.mark.extended)],
                          ids=["zbv", "1f1b-zbv"])
 def test_traced_mixtral_shards_attention_keeps_experts_whole_and_adds_nothing_to_tp_alone(schedules):
+    """CI twin of ``[1f1b-zbv]``: ``[zbv]`` (the same assertions, one schedule)."""
     results = run_ranks(mixtral_schedules, 4, args=(schedules,), timeout_s=900)
     for rank, by_schedule in enumerate(results):
         assert set(by_schedule) == set(schedules)

@@ -35,6 +35,7 @@ CI_SCHEDULES = ("zbv",)
 @pytest.mark.parametrize("names", [CI_SCHEDULES, pytest.param(None, marks=pytest.mark.extended)],
                          ids=["zbv", "every-schedule"])
 def test_every_schedule_with_tensor_parallel_stages_adds_nothing_to_tp_alone(names):
+    """CI twin of ``[every-schedule]``: ``[zbv]`` (the same assertions, one schedule)."""
     results = run_ranks(every_schedule, 4, args=(names,), timeout_s=900)
     assert set(results[0]) == set(names or conveyor.schedule.available())
     for rank, by_schedule in enumerate(results):

@@ -68,6 +68,9 @@ def test_weight_gradient_split_is_bitwise_on_a_traced_tensor_parallel_stage():
 @pytest.mark.parametrize("names", [("1f1b",), pytest.param(("1f1b", "zbv"), marks=pytest.mark.extended)],
                          ids=["1f1b", "1f1b-zbv"])
 def test_tied_embedding_and_head_are_vocab_parallel_at_both_ends_of_the_pipeline(names):
+    """CI twin of ``[1f1b-zbv]``: ``[1f1b]``, which checks the 1f1b half only; zbv's shared Parameter under TP
+    has no smaller CI twin yet (its parts: tests/frontend/test_pipeline_models.py's GPT-2 under zbv, and
+    test_tensor_parallel_pipeline.py's TP stages under zbv)."""
     # pp=2 x tp=2 traced GPT-2, 3 AdamW steps: 1f1b puts wte (stage 0) and lm_head (stage 1) on two
     # ranks, each TP shard's gradient summed with the matching TP rank's: bitwise TP alone. zbv puts
     # stages 0 and 3 on rank 0, where the two uses share one Parameter and accumulate in the

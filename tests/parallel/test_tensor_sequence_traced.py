@@ -45,6 +45,7 @@ HIDDEN_ROWS = (2, 6, 32)  # a microbatch's [2, 12, 32] hidden states: this TP ra
                                    pytest.param(("gpt2", "recipe:gpt", "recipe:llama"), marks=pytest.mark.extended)],
                          ids=["llama-mpt", "gpt2-recipes"])
 def test_traced_stages_run_sequence_parallel_within_rounding_of_one_device(names):
+    """CI twin of ``[gpt2-recipes]``: ``[llama-mpt]`` (the same assertions, two models)."""
     results = run_ranks(traced_sequence_checks, 2, args=(names,), timeout_s=600)
     for result in results:
         for name, model in result["models"].items():
@@ -80,6 +81,7 @@ CI_SCHEDULES = ("zbv",)
 @pytest.mark.parametrize("names", [CI_SCHEDULES, pytest.param(None, marks=pytest.mark.extended)],
                          ids=["zbv", "every-schedule"])
 def test_pp2_x_tp2_traced_sequence_parallel_adds_nothing_to_tp_and_sp_alone(names):
+    """CI twin of ``[every-schedule]``: ``[zbv]`` (the same assertions, one schedule)."""
     names = names or tuple(conveyor.schedule.available())
     results = run_ranks(pipeline_against_alone, 4, args=(names,), timeout_s=900)
     for rank, by_schedule in enumerate(results):
