@@ -2,10 +2,11 @@
 
 A traced stage has no Linear left (``conveyor.parallel.tensor.traced``), so its parameters are
 distributed by the unchanged model's plan and its graph runs on DTensors. Against eager TP (the
-same plan through ``parallelize_module``): the loss is bitwise equal; gradients agree to
-rounding (~4e-7), because DTensor sums a replicated activation's partial gradients from its
-several users (q, k and v) before the one all-reduce, where the eager styles all-reduce each
-user's partial gradient and then add them.
+same plan through ``parallelize_module``): the loss is within rounding (bitwise with AVX-512
+kernels, not with ATen's AVX2 ones for MPT); gradients agree to rounding (~4e-7), because
+DTensor sums a replicated activation's partial gradients from its several users (q, k and v)
+before the one all-reduce, where the eager styles all-reduce each user's partial gradient and
+then add them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ def test_traced_stages_match_eager_tensor_parallel(name):
     # MPT bakes its head count into the traced reshape and its ALiBi bias holds every head:
     # both stay right because a DTensor keeps the global shape.
     result = run_ranks(traced_parity, 2, args=(name,), timeout_s=240)[0]
-    assert result["loss_equal"], result
+    # The traced graph and the eager modules reach different kernels for some ops: bitwise with this
+    # machine's AVX-512 kernels, 1 ulp apart for MPT with ATen's AVX2 ones. Within TP's derived bound.
+    assert result["loss"] <= TOLERANCE, result
     assert result["grads"] <= TOLERANCE, result
     # Both ends of the vocabulary sharded: the head colwise, the embedding vocab-parallel.
     assert "lm_head.weight" in result["sharded"]
@@ -42,7 +45,7 @@ def test_a_traced_stage_holding_several_attention_layers():
     # Two decoder layers per stage: CPU attention's local output changes its memory layout after
     # the first call, which DTensor's reshape-as-view must not see (traced._keep_layouts_as_described).
     result = run_ranks(traced_parity, 2, args=("llama", 4), timeout_s=240)[0]
-    assert result["loss_equal"] and result["grads"] <= TOLERANCE, result
+    assert result["loss"] <= TOLERANCE and result["grads"] <= TOLERANCE, result
 
 
 @pytest.mark.distributed
