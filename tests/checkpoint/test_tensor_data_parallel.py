@@ -25,6 +25,9 @@ from .tensor_parallel_support import exported_logits
 
 pytestmark = pytest.mark.distributed
 
+# Relative: the exported weights on one device against the TP pipeline's logits, the same products summed in
+# another order (the row-parallel projections' halves); the longest sum is a projection's inner dim, under
+# the vocabulary's: conveyor.testing.compare.reordered_sum_bound(96) = 7.0e-6 for two computations of it.
 LOGITS_TOLERANCE = 1e-5
 PACKED_BIAS = "transformer.h.0.attn.c_attn.bias"
 
