@@ -32,6 +32,7 @@ from conveyor.errors import PipelineConfigError
 from conveyor.microbatch import split_microbatches
 from conveyor.options import PipelineOptions, SplitOptions, TransferOptions
 from conveyor.parallel.mesh import layout_of
+from conveyor.testing.compare import worst_relative
 from conveyor.testing.models import gpt2, grouped_heads_lm, token_batch
 
 MICROBATCHES = 4
@@ -62,10 +63,6 @@ def _microbatches(batch: dict) -> list[dict]:
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 class _NoPipelineMesh:
@@ -298,9 +295,9 @@ def compare(name: str, schedule: str, mesh, kind: str) -> dict:
         "params_equal": all(torch.equal(full[n], want[n]) for n in full),
         "shards_equal": all(_local(p).equal(_local(want_params[n])) and _placed(p) == _placed(want_params[n])
                             for n, p in params.items()),
-        "norm_rel": max(relative(a, b) for a, b in zip(norms, want_norms, strict=True)),
-        "loss_rel": max(relative(a, b) for a, b in zip(losses, want_losses, strict=True)),
-        "param_rel": max(relative(full[n], want[n]) for n in full),
+        "norm_rel": worst_relative((a, b) for a, b in zip(norms, want_norms, strict=True)),
+        "loss_rel": worst_relative((a, b) for a, b in zip(losses, want_losses, strict=True)),
+        "param_rel": worst_relative((full[n], want[n]) for n in full),
         "tied": [list(t.names) for t in pipe.tied_parameters],
     }
     if pipe.tied_parameters:

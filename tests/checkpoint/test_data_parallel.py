@@ -107,6 +107,7 @@ def _two_replicas_each(rank, world_size, kind, agains):
 # ddp is the extended tier here: the README example resumes a ddp job bitwise in CI (tests/e2e/test_examples.py).
 @pytest.mark.parametrize("kind", [pytest.param("ddp", marks=pytest.mark.extended), "fsdp"])
 def test_a_dp_job_resumes_bitwise_and_reshards(tmp_path, kind):
+    """CI twin of ``[ddp]``: ``[fsdp]`` (the same assertions)."""
     paths = [str(tmp_path / f"{name}_step_2") for name, _ in SCHEDULES]
     by_rank = run_ranks(_resume_each, DP * PP, args=(kind, paths), timeout_s=240)
     saved = {name: {} for name, _ in SCHEDULES}

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # fsdp is the extended tier here: tests/checkpoint/test_data_parallel.py resumes and reshards an fsdp job in CI.
 @pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp", marks=pytest.mark.extended)])
 def test_the_data_parallel_example_resumes_bitwise_and_exits_cleanly(tmp_path, kind):
+    """CI twin of ``[fsdp]``: ``[ddp]`` (the same assertions)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([str(torchrun), "--nproc-per-node=4", str(ROOT / "examples" / "data_parallel.py"),

@@ -97,6 +97,7 @@ EXTENDED_CASES = [pytest.param(family, schedule, bf16, marks=pytest.mark.extende
 
 @pytest.mark.parametrize(("family", "schedule", "bf16"), CASES + EXTENDED_CASES)
 def test_grouped_query_model_trains_bitwise_equal_to_one_device(family, schedule, bf16):
+    """CI twin of the extended grid (EXTENDED_CASES): this test's CASES, the same assertions on fewer cases."""
     losses, grads, params = _pipelined(family, schedule, bf16)
     want_losses, want_grads, want_params = _reference(family, bf16)
     assert grads.keys() == want_grads.keys()

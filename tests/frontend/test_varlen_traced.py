@@ -105,6 +105,7 @@ EVERY_SCHEDULE = [(name, None, "shared_memory") for name in sorted(conveyor.sche
                                    pytest.param(EVERY_SCHEDULE, marks=pytest.mark.extended)],
                          ids=["1f1b-ordered", "every-schedule"])
 def test_traced_llama_with_variable_lengths_is_bitwise_across_ranks(cases):
+    """CI twin of ``[every-schedule]``: ``[1f1b-ordered]`` (the same assertions, one schedule)."""
     by_rank = run_ranks(_train, 2, args=(cases,), timeout_s=60 + 60 * len(cases))
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 import conveyor
 from conveyor.options import PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
+from conveyor.testing.compare import worst_absolute, worst_relative
 from conveyor.testing.models import grouped_heads_lm, token_batch
 
 from .tensor_pipeline_support import (
@@ -27,7 +28,7 @@ from .tensor_pipeline_support import (
     _train,
     _train_pipeline,
 )
-from .tp_support import relative, whole
+from .tp_support import whole
 
 AUX_COEFFICIENT = 0.02  # configs/moe.yaml's, large enough for the auxiliary part to move the parameters
 
@@ -103,8 +104,8 @@ def mixtral_schedules(rank: int, world_size: int, names: tuple[str, ...]) -> dic
             "experts_whole": all(_whole_on_this_rank(mine[n]) for n in expert_names),
             "losses_equal_tp": all(torch.equal(a, b) for a, b in zip(losses, alone_losses)),
             "params_equal_tp": all(torch.equal(full[n], alone[n]) for n in full),
-            "loss_rel": max(relative(a, b) for a, b in zip(losses, device_losses)),
-            "param_rel": max(relative(full[n], device_params[n].detach()) for n in full),
+            "loss_rel": worst_relative((a, b) for a, b in zip(losses, device_losses, strict=True)),
+            "param_abs": worst_absolute((full[n], device_params[n].detach()) for n in full),
         }
         pipe.close()
     return results

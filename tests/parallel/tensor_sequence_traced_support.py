@@ -22,10 +22,11 @@ from conveyor.errors import PipelineConfigError
 from conveyor.microbatch import split_microbatches
 from conveyor.options import Layout, PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
+from conveyor.testing.compare import relative_difference, worst_absolute, worst_relative
 from conveyor.testing.models import token_batch
 
 from .tensor_pipeline_support import _optimizer, _train_pipeline
-from .tp_support import build, relative, tp_mesh, whole
+from .tp_support import build, tp_mesh, whole
 
 MICROBATCHES, STEPS = 4, 3
 
@@ -87,8 +88,8 @@ def models_against_one_device(rank: int, world_size: int, names: tuple[str, ...]
             grads[names[0]] = sum(grads.pop(n) for n in names)
         del outputs
         results[name] = {
-            "loss": relative(got.detach(), want.detach()),
-            "grads": max(relative(g, reference.get_parameter(n).grad) for n, g in grads.items()),
+            "loss": relative_difference(got.detach(), want.detach()),
+            "grads": worst_relative((g, reference.get_parameter(n).grad) for n, g in grads.items()),
             "sent": sent,
             "comms": counts,
         }
@@ -227,8 +228,8 @@ def pipeline_against_alone(rank: int, world_size: int, names: tuple[str, ...]) -
             "stages": stages,
             "losses_equal_alone": all(torch.equal(a, b) for a, b in zip(losses, want_losses)),
             "params_unequal_alone": sorted(n for n in full if not torch.equal(full[n], want_params[n])),
-            "loss_rel": max(relative(a, b) for a, b in zip(losses, device_losses)),
-            "param_rel": max(relative(full[n], device_params[n].detach()) for n in full),
+            "loss_rel": worst_relative((a, b) for a, b in zip(losses, device_losses, strict=True)),
+            "param_abs": worst_absolute((full[n], device_params[n].detach()) for n in full),
             "sent": sorted(set(sent)),
             "boundaries": pipe.tensor_parallel.stage_fields(
                 {s: r.module for s, r in pipe.runners.items()})["stage boundaries"],

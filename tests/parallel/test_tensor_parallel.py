@@ -19,6 +19,7 @@ from conveyor.testing import run_ranks
 from .tp_support import (
     MODELS,
     RECIPES,
+    TP_ROUNDING,
     manual_stage_plan,
     mesh_layouts,
     meta_shards,
@@ -26,7 +27,7 @@ from .tp_support import (
     tp_parity,
 )
 
-TOLERANCE = 1e-5
+TOLERANCE = TP_ROUNDING  # derived in tp_support
 # What "auto" shards in each 2-layer model (parameters that become Shard/_StridedShard DTensors).
 SHARDED = {
     "gpt2": 13,  # wte (tied lm_head), per layer c_attn w+b (q|k|v strided), c_proj w, c_fc w+b, mlp c_proj w

@@ -16,9 +16,10 @@ import pytest
 from conveyor.testing import run_ranks
 
 from .tensor_moe_support import mixtral_schedules
+from .tensor_pipeline_support import ADAMW_AFTER_STEPS
+from .tp_support import TP_ROUNDING
 
-TOLERANCE = 1e-5
-ADAMW_AFTER_3_STEPS = 1e-3
+TOLERANCE = TP_ROUNDING  # derived in tp_support
 
 
 # Each schedule traces Mixtral three times (the pipeline, TP alone, one device): about a minute
@@ -28,6 +29,7 @@ ADAMW_AFTER_3_STEPS = 1e-3
 @pytest.mark.parametrize("schedules", [("zbv",), pytest.param(("1f1b", "zbv"), marks=pytest.mark.extended)],
                          ids=["zbv", "1f1b-zbv"])
 def test_traced_mixtral_shards_attention_keeps_experts_whole_and_adds_nothing_to_tp_alone(schedules):
+    """CI twin of ``[1f1b-zbv]``: ``[zbv]`` (the same assertions, one schedule)."""
     results = run_ranks(mixtral_schedules, 4, args=(schedules,), timeout_s=900)
     for rank, by_schedule in enumerate(results):
         assert set(by_schedule) == set(schedules)
@@ -38,4 +40,4 @@ def test_traced_mixtral_shards_attention_keeps_experts_whole_and_adds_nothing_to
             assert result["experts"] and result["experts_whole"], (rank, name, result)
             assert result["losses_equal_tp"] and result["params_equal_tp"], (rank, name, result)
             assert result["loss_rel"] <= TOLERANCE, (rank, name, result)
-            assert result["param_rel"] <= ADAMW_AFTER_3_STEPS, (rank, name, result)
+            assert result["param_abs"] <= ADAMW_AFTER_STEPS, (rank, name, result)

@@ -14,8 +14,9 @@ from .tensor_pipeline_support import (
     meta_model_shards,
     traced_refusals,
 )
+from .tp_support import TP_ROUNDING
 
-TOLERANCE = 1e-5
+TOLERANCE = TP_ROUNDING  # derived in tp_support
 
 REFUSALS = {
     # case: parts of the message every rank raises

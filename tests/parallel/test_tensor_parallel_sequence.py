@@ -32,6 +32,8 @@ def test_sequence_parallel_stages_under_1f1b_and_zbv_add_nothing_to_tp_and_sp_al
 @pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_every_schedule_with_sequence_parallel_stages_adds_nothing_to_tp_and_sp_alone():
+    """CI twin: test_sequence_parallel_stages_under_1f1b_and_zbv_add_nothing_to_tp_and_sp_alone (this file; the
+    same _check on two schedules)."""
     _check(run_ranks(every_schedule_sequence_parallel, 4, timeout_s=900), tuple(conveyor.schedule.available()))
 
 

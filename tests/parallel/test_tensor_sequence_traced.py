@@ -8,8 +8,8 @@ reduce-scattered. Checked here:
 
 * unchanged Hugging Face Llama and GPT-2 and the trainer's recipes, two traced stages on 2 ranks, one
   forward and backward (the vocabulary-parallel embedding's partial lookup reduce-scattered onto the
-  sequence at once, as torch's ``RowwiseParallel(output_layouts=Shard(1))``): the loss bitwise
-  equal to one device's, gradients within 1e-5 relative (TP
+  sequence at once, as torch's ``RowwiseParallel(output_layouts=Shard(1))``): the loss and
+  gradients within 1e-5 relative of one device's (bitwise on some CPUs, not all; TP
   sums the row-parallel projections' partial products, the replicated activations' partial gradients,
   and, under sequence parallelism, the norms' weight gradients over the sequence shards, in another
   order); across the boundary each TP rank sends the hidden states' ``seq / tp`` rows, the rotary
@@ -21,8 +21,8 @@ reduce-scattered. Checked here:
   naming the node;
 * pp=2 x tp=2 pipelines (4 ranks), 3 AdamW steps: losses and parameters torch.equal to the same traced
   TP+SP stages run one after the other without the pipeline; losses within 1e-5 of one device;
-  parameters within 1e-3 of one device (AdamW turns rounding differences in a near-zero gradient into
-  steps of up to lr; test_tensor_parallel_pipeline says the same of TP without SP).
+  parameters within AdamW's reach of one device (AdamW turns rounding differences in a near-zero gradient
+  into steps of up to lr; tensor_pipeline_support.ADAMW_AFTER_STEPS derives it).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ import pytest
 import conveyor
 from conveyor.testing import run_ranks
 
+from .tensor_pipeline_support import ADAMW_AFTER_STEPS
 from .tensor_sequence_traced_support import pipeline_against_alone, traced_sequence_checks
+from .tp_support import TP_ROUNDING
 
-TOLERANCE = 1e-5
-ADAMW_AFTER_3_STEPS = 1e-3
+TOLERANCE = TP_ROUNDING  # derived in tp_support
 HIDDEN_ROWS = (2, 6, 32)  # a microbatch's [2, 12, 32] hidden states: this TP rank's 12 / 2 rows
 
 
@@ -44,10 +45,13 @@ HIDDEN_ROWS = (2, 6, 32)  # a microbatch's [2, 12, 32] hidden states: this TP ra
                                    pytest.param(("gpt2", "recipe:gpt", "recipe:llama"), marks=pytest.mark.extended)],
                          ids=["llama-mpt", "gpt2-recipes"])
 def test_traced_stages_run_sequence_parallel_within_rounding_of_one_device(names):
+    """CI twin of ``[gpt2-recipes]``: ``[llama-mpt]`` (the same assertions, two models)."""
     results = run_ranks(traced_sequence_checks, 2, args=(names,), timeout_s=600)
     for result in results:
         for name, model in result["models"].items():
-            assert model["loss"] == 0.0 and model["grads"] <= TOLERANCE, (name, model)
+            # TP+SP against one device is another computation (the row-parallel projections' partial sums
+            # reduce-scattered): within TP's derived rounding, as test_tensor_parallel.py holds TP alone.
+            assert model["loss"] <= TOLERANCE and model["grads"] <= TOLERANCE, (name, model)
             hidden = [shape for shape in model["sent"] if len(shape) == 3 and shape[-1] == 32 and shape[1] != 1]
             assert hidden and set(hidden) == {HIDDEN_ROWS}, (name, model["sent"])
             forward = model["comms"]["forward"]
@@ -77,13 +81,14 @@ CI_SCHEDULES = ("zbv",)
 @pytest.mark.parametrize("names", [CI_SCHEDULES, pytest.param(None, marks=pytest.mark.extended)],
                          ids=["zbv", "every-schedule"])
 def test_pp2_x_tp2_traced_sequence_parallel_adds_nothing_to_tp_and_sp_alone(names):
+    """CI twin of ``[every-schedule]``: ``[zbv]`` (the same assertions, one schedule)."""
     names = names or tuple(conveyor.schedule.available())
     results = run_ranks(pipeline_against_alone, 4, args=(names,), timeout_s=900)
     for rank, by_schedule in enumerate(results):
         assert set(by_schedule) == set(names)
         for name, result in by_schedule.items():
             assert result["losses_equal_alone"] and result["params_unequal_alone"] == [], (rank, name, result)
-            assert result["loss_rel"] <= TOLERANCE and result["param_rel"] <= ADAMW_AFTER_3_STEPS, (rank, name, result)
+            assert result["loss_rel"] <= TOLERANCE and result["param_abs"] <= ADAMW_AFTER_STEPS, (rank, name, result)
             if result["sent"]:  # a sending stage: the hidden states' rows, the rotary tables whole
                 assert result["sent"] == [(1, 12, 8), HIDDEN_ROWS], (rank, name, result)
             if "receives" in result["boundaries"]:

@@ -18,6 +18,7 @@ import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel import count_tokens
 from conveyor.testing import RankFailure, run_ranks
+from conveyor.testing.compare import relative_difference
 from conveyor.testing.data_parallel import (
     NUM_MICROBATCHES,
     TOLERANCE,
@@ -170,10 +171,6 @@ def _replicas(rank, world_size, dp, kind):
     return count, loss, stage, grads
 
 
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_pp2_x_dp2_per_token_loss_matches_one_process_on_the_whole_batch(kind):
@@ -195,10 +192,10 @@ def test_pp2_x_dp2_per_token_loss_matches_one_process_on_the_whole_batch(kind):
             per_replica.zero_grad()
     for count, loss, stage, got in results:
         assert count in (None, n)  # N on every last-stage rank, None on the others
-        assert _relative(loss, want) <= TOLERANCE
+        assert relative_difference(loss, want) <= TOLERANCE
         assert torch.equal(loss, losses[0] + losses[1])  # dp = 2: N / 2 and the halving are exact
         for name, grad in got.items():
             full_name = f"stages.{stage}.{name}"
-            assert _relative(grad, whole.get_parameter(full_name).grad) <= TOLERANCE, name
+            assert relative_difference(grad, whole.get_parameter(full_name).grad) <= TOLERANCE, name
             assert torch.equal(grad, grads[0][full_name] + grads[1][full_name]), name
     assert sum(count == n for count, *_ in results) == dp

@@ -17,10 +17,11 @@ from torch.distributed.tensor import DTensor
 import conveyor
 from conveyor.options import Layout, PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
+from conveyor.testing.compare import relative_difference, worst_absolute, worst_relative
 from conveyor.testing.models import gpt2, token_batch
 
 from .tensor_pipeline_support import MICROBATCHES, STEPS, _FakeTpMesh, _microbatches, _optimizer, _train
-from .tp_support import build, relative, whole
+from .tp_support import build, whole
 
 TIED = ("transformer.wte.weight", "lm_head.weight")
 
@@ -145,7 +146,7 @@ def tied_pp_x_tp(rank: int, world_size: int, names: tuple[str, ...] = ("1f1b", "
             losses.append(pipe.step(**batch))
             if step == 0:
                 tied_grads = {n: p.grad.to_local().clone() for n, p in pipe.named_parameters() if n in TIED}
-                grad_rel = max(relative(whole(p.grad), device_grads[n]) for n, p in pipe.named_parameters())
+                grad_rel = worst_relative((whole(p.grad), device_grads[n]) for n, p in pipe.named_parameters())
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         mine = dict(pipe.named_parameters())
@@ -159,10 +160,10 @@ def tied_pp_x_tp(rank: int, world_size: int, names: tuple[str, ...] = ("1f1b", "
             "tied_grads": tied_grads,
             "losses_equal_tp": all(torch.equal(a, b) for a, b in zip(losses, want_losses, strict=True)),
             "params_unequal_tp": [n for n in full if not torch.equal(full[n], whole(want_params[n]).detach())],
-            "param_rel_tp": max(relative(full[n], whole(want_params[n]).detach()) for n in full),
+            "param_abs_tp": worst_absolute((full[n], whole(want_params[n]).detach()) for n in full),
             "grad_rel": grad_rel,
-            "loss_rel": max(relative(a, b) for a, b in zip(losses, device_losses, strict=True)),
-            "param_rel": max(relative(full[n], device_params[n].detach()) for n in full),
+            "loss_rel": worst_relative((a, b) for a, b in zip(losses, device_losses, strict=True)),
+            "param_abs": worst_absolute((full[n], device_params[n].detach()) for n in full),
         }
         pipe.close()
     results["meta"] = meta_tied_shards(mesh)
@@ -202,9 +203,10 @@ def traced_loss_parallel(rank: int, world_size: int) -> dict:
             pipe.close()
         (plain_loss, plain_grads, _), (loss, grads, placements) = found[False], found[True]
         results[name] = {
-            "loss_rel_gathered": relative(whole(loss), whole(plain_loss)),
-            "grad_rel_gathered": max(relative(grads[n], plain_grads[n]) for n in grads),
-            "grad_rel_device": max(relative(grads[n], reference.get_parameter(n).grad) for n in grads),
+            "loss": float(whole(plain_loss)),
+            "loss_rel_gathered": relative_difference(whole(loss), whole(plain_loss)),
+            "grad_rel_gathered": worst_relative((grads[n], plain_grads[n]) for n in grads),
+            "grad_rel_device": worst_relative((grads[n], reference.get_parameter(n).grad) for n in grads),
             "logits_placements": placements,
         }
     return results

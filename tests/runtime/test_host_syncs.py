@@ -41,14 +41,22 @@ def _assert_quiet(rows: list[dict]) -> None:
         assert row["asked_reads"] == 1 and row["generator_draws"] == 1, row  # on_nonfinite's read; the CPU draw
 
 
+# CI: NCCL's discipline ("ordered", here on gloo, where a host read would cost the most) under every schedule, and
+# the two other transports under one schedule of each kind (1f1b: one stage a rank; zbv: two, a local hop, the
+# I/W split); the extended tier runs those two under every schedule.
+SMALL_GRID = ["1f1b", "zbv"]
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("transports", [
-    ["ordered"],  # NCCL's discipline (here on gloo), where a host read would cost the most
-    pytest.param(["process_group", "shared_memory"], marks=pytest.mark.extended),
-])
-def test_no_host_round_trip_after_the_first_step_under_every_schedule_and_transport(transports):
-    names = sorted(cs.available())
+@pytest.mark.parametrize(("transports", "names"), [
+    (["ordered"], None),
+    (["process_group", "shared_memory"], SMALL_GRID),
+    pytest.param(["process_group", "shared_memory"], None, marks=pytest.mark.extended),
+], ids=["ordered-every-schedule", "other-transports-1f1b-zbv", "other-transports-every-schedule"])
+def test_no_host_round_trip_after_the_first_step_under_every_schedule_and_transport(transports, names):
+    """The extended case's CI twin: ``[other-transports-1f1b-zbv]`` (same assertions, two schedules)."""
+    names = names or sorted(cs.available())
     results = run_ranks(host_syncs.count_rank, 2, args=(names, transports), timeout_s=180)
     rows = [row for ranks in results for row in ranks]
     assert len(rows) == 2 * len(transports) * len(names)

@@ -30,7 +30,9 @@ def _every_schedule(rank, world_size, cases):
 # statically (tests/schedule).
 @pytest.mark.parametrize("num_ranks", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_every_schedule_is_bitwise_equal_to_one_device_when_matched_by_order(num_ranks):
-    """Every built-in schedule (V in {1, 2} where it takes it), one set of ranks building each in turn."""
+    """Every built-in schedule (V in {1, 2} where it takes it), one set of ranks building each in turn.
+
+    CI twin of ``[4]``: ``[2]`` (the same assertions on 2 ranks)."""
     cases = [(name, virtual) for name, _, virtual in schedule_grid((num_ranks,))]
     results = run_ranks(_every_schedule, num_ranks, args=(cases,), timeout_s=240)
     for index, (name, virtual) in enumerate(cases):

@@ -113,11 +113,12 @@ def _check_schedule(case, schedule, results):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_fixed_shapes_mode_is_bitwise_equal_too(transport):
     schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
-    want_losses, _, want_params = reference_run(schedule)
+    want_losses, want_grads, want_params = reference_run(schedule)
     results = run_ranks(_train, 2, args=("1f1b", 1, True, transport), timeout_s=120)
-    for rank, (losses, _, params, _) in enumerate(results):
-        assert all(torch.equal(g, w) for g, w in zip(losses, want_losses))
+    for rank, (losses, grads, params, _) in enumerate(results):
+        assert len(losses) == len(want_losses) and all(torch.equal(g, w) for g, w in zip(losses, want_losses))
         for stage in schedule.stages_of(rank):
+            assert_same(f"stage {stage} grads", grads[stage], want_grads[stage])
             assert_same(f"stage {stage} params", params[stage], want_params[stage])
 
 
@@ -168,8 +169,13 @@ def test_sequence_length_may_change_between_steps(name, virtual, transport):
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         want.append(total)
-    for losses, _ in results:
-        assert all(torch.equal(g, w) for g, w in zip(losses, want))
+    for rank, (losses, grads) in enumerate(results):
+        assert len(losses) == len(want) and all(torch.equal(g, w) for g, w in zip(losses, want)), rank
+        # The gradients of the three steps, accumulated (no optimizer): each rank's stages in order.
+        want_grads = [p.grad for s in schedule.stages_of(rank) for p in model[s].parameters()]
+        assert len(grads) == len(want_grads) == 2 * len(schedule.stages_of(rank)), (rank, len(grads))
+        unequal = [i for i, (g, w) in enumerate(zip(grads, want_grads)) if not torch.equal(g, w)]
+        assert unequal == [], f"rank {rank}: gradients {unequal} (weight, bias per stage) differ from one device's"
 
 
 def _mismatch(rank, world_size, transport):
@@ -408,7 +414,7 @@ def test_shapes_may_change_from_one_microbatch_to_the_next():
               for x in torch.tensor_split(torch.randn(8, 6, generator=torch.Generator().manual_seed(step)), 4)}
     assert len(widths) > 1  # the test really changes shapes between microbatches
     for losses, _ in results:
-        assert all(torch.equal(g, w) for g, w in zip(losses, want))
+        assert len(losses) == len(want) and all(torch.equal(g, w) for g, w in zip(losses, want))
     assert torch.equal(results[0][1], first.scale.grad) and torch.equal(results[1][1], second.scale.grad)
 
 

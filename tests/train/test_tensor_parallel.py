@@ -13,6 +13,7 @@ import torch
 
 from conveyor.errors import ConfigError
 from conveyor.testing import run_ranks
+from conveyor.testing.compare import reordered_sum_bound
 from conveyor.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,14 +190,16 @@ def _train_with_and_without_sequence_parallel(rank: int, world_size: int, run_di
 @pytest.mark.parametrize("names", [("llama",), pytest.param(("gpt", "mpt"), marks=pytest.mark.extended)],
                          ids=["llama", "gpt-mpt"])
 def test_the_traced_recipes_train_with_sequence_parallel(tmp_path, names):
+    """CI twin of ``[gpt-mpt]``: ``[llama]`` (the same assertions for each recipe)."""
     # The recipes are traced stages: sequence parallelism is placed in their graphs. The first step's loss
-    # (before any update) is the same number with or without it for llama; gpt's differs in the last bit
-    # (1.7e-7 relative measured: its row-parallel Conv1D projections carry a bias, the likely place where the
-    # order of the sums changes); the second step's within AdamW's rounding.
+    # (before any update) with and without it is the same math on other row blocks (each TP rank's seq / tp
+    # rows: a matmul kernel may pick another order for its sums there). Measured on one CPU: llama's equal,
+    # gpt's 1.7e-7 apart; bounded by reordered_sum_bound(96) = 7.0e-6, derived for the vocabulary's sums
+    # (the longest: conveyor.testing.compare); the second step's within AdamW's rounding.
     results = run_ranks(_train_with_and_without_sequence_parallel, 4, args=(str(tmp_path), names), timeout_s=600)
     for name in names:
         runs = [(result[(name, False)], result[(name, True)]) for result in results]
         for (steps, first, last), (sp_steps, sp_first, sp_last) in runs:
             assert steps == sp_steps == 2 and math.isfinite(sp_last), (name, runs)
-            assert sp_first == first if name == "llama" else abs(sp_first - first) <= 1e-6 * abs(first), (name, runs)
+            assert abs(sp_first - first) <= reordered_sum_bound(96) * abs(first), (name, runs)
             assert abs(sp_last - last) <= 1e-4 * abs(last), (name, runs)
