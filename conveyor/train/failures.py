@@ -153,8 +153,14 @@ def raised(failure: Any) -> str | None:
     return lines[0]
 
 
-def failure_report(error: Any, restarts: int, log_path: str | os.PathLike) -> str:
-    """The last lines printed when a launched run fails: the rank, its error, what to do (see the module)."""
+def failure_report(error: Any, restarts: int, log_path: str | os.PathLike,
+                   run_dir: str | os.PathLike | None = None) -> str:
+    """The last lines printed when a launched run fails: the rank, its error, what to do (see the module).
+
+    With ``run_dir`` (ranks launched with :class:`~conveyor.train.rank_logs.RankLogs`), the report names the
+    failed rank's stderr file and, when the rank died without a Python exception, quotes the last Python
+    frames its faulthandler dump there holds (:func:`~conveyor.train.rank_logs.last_frames`).
+    """
     rank, failure = root_cause(error)
     exception = raised(failure)
     if failure.exitcode < 0:
@@ -163,9 +169,18 @@ def failure_report(error: Any, restarts: int, log_path: str | os.PathLike) -> st
         what = f"failed: {exception}"
     else:
         what = f"exited with status {failure.exitcode} without a Python exception (os._exit, or a crash in native code)"
-    lines = [f"rank {rank} (pid {failure.pid}) {what}",
-             f"{_restarts_spent(restarts)}; every rank's traceback is in {log_path}",
-             f"what to do: {_advice(failure, exception, restarts)}"]
+    lines = [f"rank {rank} (pid {failure.pid}) {what}"]
+    where = f"every rank's traceback is in {log_path}"
+    if run_dir is not None:
+        from conveyor.train.rank_logs import last_frames, stderr_path
+
+        stderr = stderr_path(run_dir, rank, restarts)  # the round that failed last: restarts are spent
+        frames = last_frames(stderr) if exception is None else []
+        if frames:
+            lines.append(f"rank {rank}'s last words (from {stderr}):")
+            lines += [f"    {frame}" for frame in frames]
+        where += f", its stderr (faulthandler's dump included) in {stderr}"
+    lines += [f"{_restarts_spent(restarts)}; {where}", f"what to do: {_advice(failure, exception, restarts)}"]
     return "\n".join(f"conveyor train: {line}" for line in lines)
 
 

@@ -212,6 +212,7 @@ class Run:
     tensorboard: Any = None  # rank 0's TensorBoardLog, when run.tensorboard is on and it is installed
     loss_fn: Any = None  # the pipeline's: a LossWithAux records the parts of each step's loss
     parity: Any = None  # under train.parity: rank 0 trains one device beside the pipeline (conveyor.train.parity)
+    startup: Any = None  # a StartupPhases: says what a slow start-up does, until the first step begins
 
     @property
     def rank0(self) -> bool:
@@ -225,8 +226,13 @@ class Run:
             self.tensorboard.log(record)
 
 
-def setup(cfg: TrainConfig) -> Run:
-    """Seed, build model, pipeline, optimizer, schedule and loaders, and resume if asked."""
+def setup(cfg: TrainConfig, startup: Any = None) -> Run:
+    """Seed, build model, pipeline, optimizer, schedule and loaders, and resume if asked; each phase named to
+    ``startup`` (a :class:`~conveyor.train.startup.StartupPhases`, None: a silent one)."""
+    from conveyor.train.startup import StartupPhases
+
+    startup = startup if startup is not None else StartupPhases(enabled=False)
+    startup.phase(f"building the model ({cfg.model.name})")
     random.seed(cfg.train.seed)  # checkpoints hold Python's state too: seeded, a rerun writes the same
     torch.manual_seed(cfg.train.seed)  # every rank initialises the whole model alike, keeps its stages
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -243,7 +249,9 @@ def setup(cfg: TrainConfig) -> Run:
         from conveyor.train.launch import stage_device
 
         model = build_model(cfg, vocab, device=stage_device(cfg))
+    startup.phase(f"tracing the model and splitting it for {cfg.parallel.pp} pipeline ranks")
     pipe = build_pipeline(cfg, model, loss_fn)
+    startup.phase("loading the pretrained weights")
     loaded = load_weights(cfg, pipe)  # a pretrained directory: each rank reads its own stages' tensors
     if loaded is not None and dist.get_rank() == 0:
         print(f"conveyor train: rank 0 loaded {loaded.tensors} tensors ({loaded.bytes_read:,} of "
@@ -251,6 +259,7 @@ def setup(cfg: TrainConfig) -> Run:
     o = cfg.optim
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    startup.phase(f"reading and tokenizing the corpus (data.source={cfg.data.source!r})")
     splits = splits_factory(cfg.data, cfg.model.seq_len)
     batch = cfg.replica_batch_size
     train_data = resumable_loader(pipe, lambda: splits().train, batch, seed=cfg.train.seed)
@@ -260,8 +269,10 @@ def setup(cfg: TrainConfig) -> Run:
     val_data = None
     if cfg.train.eval_interval > 0 and cfg.data.val_fraction > 0:
         val_data = resumable_loader(pipe, lambda: splits().val, batch, seed=cfg.train.seed, shuffle=False)
-    run = Run(cfg, pipe, optimizer, scheduler, train_data, val_data, loss_fn=loss_fn)
+    run = Run(cfg, pipe, optimizer, scheduler, train_data, val_data, loss_fn=loss_fn, startup=startup)
+    startup.phase("loading the checkpoint to resume from")
     resume(run)
+    startup.phase("starting the run")
     from conveyor.train.parity import start_parity
 
     run.parity = start_parity(run, vocab)  # None unless train.parity
@@ -433,7 +444,11 @@ def loop(run: Run) -> Path | None:
     start = time.perf_counter()
     run.progress = Progress(cfg.train.steps, run.step, cfg.run.log_interval, enabled=run.rank0)
     if evaluating and run.step == 0:
+        if run.startup is not None:
+            run.startup.phase("validating before the first step")
         validate_now(run, start)  # the loss before training, to compare the last one with
+    if run.startup is not None:
+        run.startup.close()  # the progress lines speak from here on
     saved = None
     while run.step < cfg.train.steps:
         lr = run.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler moves on after it)
@@ -463,13 +478,16 @@ def loop(run: Run) -> Path | None:
     return saved
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, startup: Any = None) -> dict[str, Any]:
     """Train as ``cfg`` says, on this rank of an initialised process group of ``pp x dp x tp`` ranks.
 
     Returns (on every rank) a summary: steps, first and last training and validation
     losses, tokens per second, the last checkpoint, why it stopped early (or None), peak RSS
     per rank, and (for a run that finished its steps) the last step's measured and simulated
     bubble and the plots' paths, and the sample's prompt and text (``train.sample_tokens`` > 0).
+
+    ``startup``: a :class:`~conveyor.train.startup.StartupPhases` that names each phase of a slow start-up
+    (rank 0's, from :func:`~conveyor.train.launch.worker`); None: nothing said.
 
     Example (each rank, under torchrun)::
 
@@ -479,7 +497,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if dist.get_world_size() != cfg.world_size:
         raise ConfigError(f"parallel.pp x parallel.dp x parallel.tp = {cfg.world_size}, but {dist.get_world_size()} "
                           f"ranks were launched")
-    run = setup(cfg)
+    run = setup(cfg, startup)
     pictures: dict[str, Any] = {}
     sample: dict[str, Any] = {}
     try:
