@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -357,7 +358,10 @@ def launch(cfg: TrainConfig) -> int:
 
     from conveyor.train.failures import failure_report, launcher_log
     from conveyor.train.rank_logs import RankLogs
+    from conveyor.train.startup import StartupPhases
 
+    # From the banner until the ranks start (the launcher's own rendezvous): then rank 0 says its phases.
+    starting = StartupPhases()
     restarts = cfg.run.max_restarts
     devices = choose_devices(cfg, cfg.world_size)  # a ConfigError here, before any rank starts
     how = start_method(devices)
@@ -366,14 +370,20 @@ def launch(cfg: TrainConfig) -> int:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size,
                           run_id=f"conveyor-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"localhost:{free_port()}", max_restarts=restarts,
-                          monitor_interval=0.5, start_method=how, logs_specs=RankLogs(cfg.run.dir),
+                          monitor_interval=0.5, start_method=how,
+                          logs_specs=RankLogs(cfg.run.dir, starting=starting.close),
                           log_line_prefix_template="[rank ${rank}] ")
     if how == "fork":
-        from conveyor.train.startup import StartupPhases
-
         with StartupPhases() as startup:
-            startup.phase("importing the training loop")
+            startup.phase("importing the training loop and the model's code")
             import conveyor.train.loop  # noqa: F401  (imported once here, inherited by every forked rank)
+            from conveyor.errors import ConfigError
+            from conveyor.train.models import model_config
+
+            # transformers and the model's module too: tens of CPU seconds that N ranks would each spend at once
+            # on a busy machine. Only a config object is built; what is wrong with it, the ranks say in full.
+            with contextlib.suppress(ConfigError):
+                model_config(cfg.model, 256)
     on = ("a GPU each over NCCL" if devices.backend == "nccl" else
           "shared GPUs over gloo" if devices.device == "cuda" else "the CPU over gloo")
     ranks = (f"1 process holding every rank (pp={cfg.parallel.pp}, parallel.in_process)" if cfg.parallel.in_process
@@ -388,6 +398,7 @@ def launch(cfg: TrainConfig) -> int:
         print(f"conveyor train: {crowded}", flush=True)
     # Without restarts the report below is the only word; with them, each failed round says so in one line.
     with launcher_log(Path(cfg.run.dir) / "launch.log", notify=restarts > 0) as log_path:
+        starting.phase(f"starting {cfg.world_size} ranks (the launcher's rendezvous)")
         try:
             entry = forked_worker if how == "fork" else worker
             summaries = elastic_launch(config, entry)(cfg, False, False)  # the note is said: not again by rank 0
@@ -397,6 +408,8 @@ def launch(cfg: TrainConfig) -> int:
             sys.stdout.flush()
             print(failure_report(error, restarts, log_path, cfg.run.dir), file=sys.stderr, flush=True)
             return 1
+        finally:
+            starting.close()
     if any(summary and summary.get("stopped") for summary in summaries.values()):
         return 1  # stopped on purpose (the summary said why): not restarted, since it would stop again
     if any(summary and summary.get("parity_equal") is False for summary in summaries.values()):

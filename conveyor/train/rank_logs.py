@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
@@ -49,6 +50,7 @@ def stderr_path(run_dir: str | os.PathLike, rank: int, restart: int = 0) -> Path
 class RankLogs(LogsSpecs):
     """torch elastic's ``LogsSpecs`` for a launch into ``run_dir``: each rank's stderr in
     :func:`stderr_path`'s file, copied line by line to the terminal (``tee``), its error file beside it.
+    ``starting`` is called as each round's ranks are about to start (the launcher's rendezvous is over).
 
     Example:
         >>> specs = RankLogs("runs/x")
@@ -56,9 +58,9 @@ class RankLogs(LogsSpecs):
         'runs/x/logs'
     """
 
-    def __init__(self, run_dir: str | os.PathLike) -> None:
+    def __init__(self, run_dir: str | os.PathLike, starting: Callable[[], None] | None = None) -> None:
         super().__init__(log_dir=str(Path(run_dir) / "logs"))
-        self.run_dir = Path(run_dir)
+        self.run_dir, self.starting = Path(run_dir), starting
 
     @property
     def root_log_dir(self) -> str:
@@ -66,6 +68,8 @@ class RankLogs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """The files of one round's ranks (``envs``: each local rank's environment, which gets its error file)."""
+        if self.starting is not None:
+            self.starting()
         restart = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         folder = Path(self.root_log_dir)
         folder.mkdir(parents=True, exist_ok=True)

@@ -105,7 +105,9 @@ def test_each_ranks_stderr_and_error_file_go_to_the_run_directory_by_global_rank
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "rank3.stderr").write_text("an older run's")
     envs = {0: {"RANK": "2", "TORCHELASTIC_RESTART_COUNT": "0"}, 1: {"RANK": "3", "TORCHELASTIC_RESTART_COUNT": "0"}}
-    dest = RankLogs(tmp_path).reify(envs)
+    started = []
+    dest = RankLogs(tmp_path, starting=lambda: started.append(True)).reify(envs)
+    assert started == [True]  # the launcher's "starting N ranks" phase ends as the ranks start
     assert dest.stderrs == dest.tee_stderrs == {0: str(tmp_path / "logs" / "rank2.stderr"),
                                                  1: str(tmp_path / "logs" / "rank3.stderr")}
     assert dest.stdouts == {0: "", 1: ""}  # stdout stays the terminal's (the progress bar)
