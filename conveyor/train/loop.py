@@ -450,8 +450,14 @@ def loop(run: Run) -> Path | None:
         if run.startup is not None:
             run.startup.phase("validating before the first step")
         # The loss before training (or at the resume), to compare the last one with. At a resume the log
-        # already holds what the saved run measured: the log stays as an uninterrupted run's.
-        validate_now(run, start, log=run.resumed_at is None)
+        # already holds what the saved run measured, and the random generators must come out as they went
+        # in (the model's dropout draws from them): the log and the steps stay an uninterrupted run's.
+        if run.resumed_at is None:
+            validate_now(run, start)
+        else:
+            gpus = [run.pipe.device] if torch.device(run.pipe.device).type == "cuda" else []
+            with torch.random.fork_rng(devices=gpus):
+                validate_now(run, start, log=False)
     if run.startup is not None:
         run.startup.close()  # the progress lines speak from here on
     saved = None
