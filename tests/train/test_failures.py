@@ -115,3 +115,13 @@ def test_each_ranks_stderr_and_error_file_go_to_the_run_directory_by_global_rank
     assert not (tmp_path / "logs" / "rank3.stderr").exists()  # an older run's file is not mistaken for this one's
     again = RankLogs(tmp_path).reify({0: {"RANK": "0", "TORCHELASTIC_RESTART_COUNT": "2"}})
     assert again.stderrs[0] == str(stderr_path(tmp_path, 0, restart=2)) == str(tmp_path / "logs/rank0.restart2.stderr")
+
+
+def test_a_signal_death_is_reported_after_the_other_ranks_own_errors_but_not_after_their_echoes():
+    dead = failure(51, -6, 10, "Signal 6 (SIGABRT) received by PID 51", signal="SIGABRT")
+    own = failure(52, 1, 9, error_file("CommTimeout: rank 2 waited 300 s for stage 1's activations of microbatch 0"))
+    echo = failure(53, 1, 11, error_file("PeerFailure: rank 2 failed while this rank waited for it"))
+    lines = failure_report(SimpleNamespace(failures={0: dead, 2: own, 3: echo}), 0, "log").splitlines()
+    assert lines[0] == ("conveyor train: rank 2 (pid 52) also failed: CommTimeout: rank 2 waited 300 s for stage 1's "
+                        "activations of microbatch 0")
+    assert lines[1] == "conveyor train: rank 0 (pid 51) died of SIGABRT" and len(lines) == 4  # the echo is left out
