@@ -287,9 +287,14 @@ def _finish_optimizer(target: Target, optimizer: torch.optim.Optimizer, prepared
 
 def _prepare_rng(target: Target, meta: dict, metadata: Metadata, state: dict) -> str | None:
     if meta["layout"] != target.layout:
-        # Another layout draws other numbers anyway (other ranks run other stages): say so, go on.
-        log.warning("conveyor: random generator states not restored: the checkpoint was saved with %s, "
-                    "this is %s", meta["layout"], target.layout)
+        # Another layout draws other numbers anyway (other ranks run other stages): said once, by the coordinator,
+        # as information (a resharding load is asked for; conveyor train names both layouts in words).
+        if target.coordinator:
+            saved, now = meta["layout"], target.layout
+            log.info("conveyor: random generator states not restored: the checkpoint was saved by %s process(es) "
+                     "(tp=%s, stages by rank %s), this is %s (tp=%s, stages by rank %s)", saved.get("processes"),
+                     saved.get("tp", 1), saved.get("stages"), now.get("processes"), now.get("tp", 1),
+                     now.get("stages"))
         return None
     prefix = f"rng.rank{target.global_rank}."
     for key, entry in metadata.state_dict_metadata.items():

@@ -399,10 +399,11 @@ def resumable_loader(pipe: Any, dataset_factory: Callable[[], Any], batch_size: 
 
 # --- batching by length (data.batching=by_length) ---------------------------------------------
 
-def document_pieces(documents: Sequence[Any], tokenizer: Any, seq_len: int) -> list[torch.Tensor]:
+def document_pieces(documents: Sequence[Any], tokenizer: Any, seq_len: int,
+                    progress: Callable[[str], None] | None = None) -> list[torch.Tensor]:
     """Each document's tokens (and its end-of-document token, if the tokenizer has one) cut at its end:
     pieces of at most ``seq_len + 1`` tokens that never hold two documents; pieces under 2 tokens
-    (nothing to predict) are left out.
+    (nothing to predict) are left out. ``progress`` hears how far it has come, every 1,000 documents.
 
     Example:
         >>> [len(p) for p in document_pieces([Document("a", b"x" * 9), Document("b", b"yz")], ByteTokenizer(), 4)]
@@ -410,7 +411,9 @@ def document_pieces(documents: Sequence[Any], tokenizer: Any, seq_len: int) -> l
     """
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     pieces = []
-    for doc in documents:
+    for done, doc in enumerate(documents):
+        if progress is not None and done % 1000 == 0:
+            progress(f"{done:,} of {len(documents):,} documents cut into pieces")
         tokens = tokenizer.encode(doc.data).long()
         if eos:
             tokens = torch.cat((tokens, torch.tensor(eos, dtype=torch.long)))
@@ -490,33 +493,37 @@ class LengthBatchLoader:
         self.pieces, self.token_budget, self.num_microbatches = list(pieces), token_budget, num_microbatches
         self.seed, self.dp_rank, self.dp_size, self.shuffle, self.device = seed, dp_rank, dp_size, shuffle, device
         self.epoch, self.position = 0, 0
-        self._batches: tuple[int, list] | None = None
-        if len(self.epoch_batches(0)) < num_microbatches:
-            raise ConfigError(f"a replica's share of the data makes {len(self.epoch_batches(0))} microbatches, "
+        self._batches: _EpochBatches | None = None
+        first = self._epoch(0)
+        if not first.reach(num_microbatches):
+            raise ConfigError(f"a replica's share of the data makes {len(first.batches)} microbatches, "
                               f"fewer than one step's {num_microbatches}; give more data or fewer microbatches")
 
     def epoch_batches(self, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This replica's microbatches in ``epoch``, in the order they are drawn."""
-        count = len(self.pieces)
-        order = (torch.randperm(count, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-                 if self.shuffle else list(range(count)))
-        mine = [self.pieces[i] for i in order[: count - count % self.dp_size][self.dp_rank:: self.dp_size]]
-        batches = []
-        for start in range(0, len(mine), self.POOL):
-            pool = sorted(mine[start: start + self.POOL], key=len, reverse=True)
-            batches += length_microbatches(pool, self.token_budget)
-        return batches
+        """This replica's microbatches in ``epoch``, in the order they are drawn (all of them: a loader
+        cuts them a pool at a time, as its steps reach them)."""
+        batches = self._epoch(epoch)
+        batches.reach(len(self.pieces) + 1)
+        return batches.batches
+
+    def _epoch(self, epoch: int) -> _EpochBatches:
+        if self._batches is None or self._batches.epoch != epoch:
+            count = len(self.pieces)
+            order = (torch.randperm(count, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+                     if self.shuffle else list(range(count)))
+            mine = [self.pieces[i] for i in order[: count - count % self.dp_size][self.dp_rank:: self.dp_size]]
+            self._batches = _EpochBatches(epoch, mine, self.POOL, self.token_budget)
+        return self._batches
 
     def __iter__(self) -> LengthBatchLoader:
         return self
 
     def __next__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if self._batches is None or self._batches[0] != self.epoch:
-            self._batches = (self.epoch, self.epoch_batches(self.epoch))
-        if self.position + self.num_microbatches > len(self._batches[1]):
+        if not self._epoch(self.epoch).reach(self.position + self.num_microbatches):
             self.epoch, self.position = self.epoch + 1, 0
-            self._batches = (self.epoch, self.epoch_batches(self.epoch))
-        step = self._batches[1][self.position: self.position + self.num_microbatches]
+        batches = self._epoch(self.epoch)
+        batches.reach(self.position + self.num_microbatches)
+        step = batches.batches[self.position: self.position + self.num_microbatches]
         self.position += self.num_microbatches
         return step if self.device is None else to_device(step, self.device)
 
@@ -529,11 +536,31 @@ class LengthBatchLoader:
         self._batches = None
 
 
+class _EpochBatches:
+    """One epoch's microbatches of a :class:`LengthBatchLoader`, cut a pool at a time as they are reached:
+    the first step waits for one pool, not for the whole corpus (seconds on every rank that reads data)."""
+
+    def __init__(self, epoch: int, mine: list[torch.Tensor], pool: int, token_budget: int) -> None:
+        self.epoch, self.mine, self.pool, self.token_budget = epoch, mine, pool, token_budget
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cut = 0  # pieces of ``mine`` cut into batches so far
+
+    def reach(self, count: int) -> bool:
+        """Cut pools until at least ``count`` microbatches are there; whether there are (False: the epoch
+        holds fewer)."""
+        while len(self.batches) < count and self.cut < len(self.mine):
+            pool = sorted(self.mine[self.cut: self.cut + self.pool], key=len, reverse=True)
+            self.batches += length_microbatches(pool, self.token_budget)
+            self.cut += self.pool
+        return len(self.batches) >= count
+
+
 def length_loader(pipe: Any, cfg: DataConfig, seq_len: int, batch_size: int, num_microbatches: int, *,
-                  seed: int = 0) -> LengthBatchLoader | None:
+                  seed: int = 0, progress: Callable[[str], None] | None = None) -> LengthBatchLoader | None:
     """``data.batching=by_length``: a :class:`LengthBatchLoader` over this replica's share of the training
     documents (each cut at its end, microbatches of ``batch_size / num_microbatches x seq_len`` tokens at
-    most), or None on a rank that reads no data.
+    most), or None on a rank that reads no data. The pieces are cut once and then read from a cache on
+    disk (:func:`conveyor.train.pieces.cached_pieces`); ``progress`` hears how the cutting goes.
 
     Example:
         >>> train = length_loader(pipe, cfg.data, cfg.model.seq_len, cfg.replica_batch_size, 4)   # doctest: +SKIP
@@ -541,8 +568,15 @@ def length_loader(pipe: Any, cfg: DataConfig, seq_len: int, batch_size: int, num
     """
     if not (pipe.needs_inputs or pipe.needs_target):
         return None
-    train_docs, _ = split_documents(read_documents(cfg), cfg.val_fraction)
-    pieces = document_pieces(train_docs, load_tokenizer(cfg.tokenizer), seq_len)
+    from conveyor.train.pieces import cached_pieces
+
+    def cut() -> list[torch.Tensor]:
+        if progress is not None:
+            progress("reading the documents")
+        train_docs, _ = split_documents(read_documents(cfg), cfg.val_fraction)
+        return document_pieces(train_docs, load_tokenizer(cfg.tokenizer), seq_len, progress)
+
+    pieces = cached_pieces(cfg, seq_len, cut)
     budget = max(1, batch_size // num_microbatches) * seq_len
     return LengthBatchLoader(pieces, budget, num_microbatches, seed=seed, dp_rank=pipe.dp_rank, dp_size=pipe.dp_size,
                              device=getattr(pipe, "device", None))

@@ -153,8 +153,14 @@ def raised(failure: Any) -> str | None:
     return lines[0]
 
 
-def failure_report(error: Any, restarts: int, log_path: str | os.PathLike) -> str:
-    """The last lines printed when a launched run fails: the rank, its error, what to do (see the module)."""
+def failure_report(error: Any, restarts: int, log_path: str | os.PathLike,
+                   run_dir: str | os.PathLike | None = None) -> str:
+    """The last lines printed when a launched run fails: the rank, its error, what to do (see the module).
+
+    With ``run_dir`` (ranks launched with :class:`~conveyor.train.rank_logs.RankLogs`), the report names the
+    failed rank's stderr file and, when the rank died without a Python exception, quotes the last Python
+    frames its faulthandler dump there holds (:func:`~conveyor.train.rank_logs.last_frames`).
+    """
     rank, failure = root_cause(error)
     exception = raised(failure)
     if failure.exitcode < 0:
@@ -163,10 +169,38 @@ def failure_report(error: Any, restarts: int, log_path: str | os.PathLike) -> st
         what = f"failed: {exception}"
     else:
         what = f"exited with status {failure.exitcode} without a Python exception (os._exit, or a crash in native code)"
-    lines = [f"rank {rank} (pid {failure.pid}) {what}",
-             f"{_restarts_spent(restarts)}; every rank's traceback is in {log_path}",
-             f"what to do: {_advice(failure, exception, restarts)}"]
+    lines = [f"rank {rank} (pid {failure.pid}) {what}"]
+    if failure.exitcode < 0:
+        # A rank killed by a signal comes first; but a native abort may itself follow a peer's own error (gloo
+        # aborts a rank whose connection a failed peer dropped): such errors are named before it.
+        lines[:0] = [f"rank {other} (pid {peer.pid}) also failed: {message}"
+                     for other, peer, message in _own_errors(error, rank)]
+    where = f"every rank's traceback is in {log_path}"
+    if run_dir is not None:
+        from conveyor.train.rank_logs import last_frames, stderr_path
+
+        stderr = stderr_path(run_dir, rank, restarts)  # the round that failed last: restarts are spent
+        frames = last_frames(stderr) if exception is None else []
+        if frames:
+            lines.append(f"rank {rank}'s last words (from {stderr}):")
+            lines += [f"    {frame}" for frame in frames]
+        where += f", its stderr (faulthandler's dump included) in {stderr}"
+    lines += [f"{_restarts_spent(restarts)}; {where}", f"what to do: {_advice(failure, exception, restarts)}"]
     return "\n".join(f"conveyor train: {line}" for line in lines)
+
+
+# What a rank raises when it only noticed another's failure: not a cause of its own.
+_ECHOES = ("PeerFailure", "PipelineStopped", "Connection closed by peer", "Connection reset by peer")
+
+
+def _own_errors(error: Any, cause: int) -> list[tuple[int, Any, str]]:
+    """The other ranks' exceptions that are not echoes of a peer's failure, rank by rank."""
+    found = []
+    for rank in sorted(error.failures):
+        message = raised(error.failures[rank]) if rank != cause else None
+        if message is not None and not any(echo in message for echo in _ECHOES):
+            found.append((rank, error.failures[rank], message))
+    return found
 
 
 def _advice(failure: Any, exception: str | None, restarts: int) -> str:

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -126,6 +127,11 @@ def worker(cfg: TrainConfig, exit_when_stopped: bool = True, say_note: bool = Tr
     :func:`launch` passes False and reads the summary instead, so that the elastic agent does not
     take the stop for a crash and restart a run that would stop again at the same step.
     """
+    from conveyor.train.startup import StartupPhases
+
+    rank0 = os.environ.get("RANK", "0") == "0"
+    startup = StartupPhases(enabled=rank0)  # rank 0 says what a slow start-up is doing, until the first step
+    startup.phase("importing torch")  # in a spawned rank; a forked one has it already
     import torch
     import torch.distributed as dist
 
@@ -133,14 +139,16 @@ def worker(cfg: TrainConfig, exit_when_stopped: bool = True, say_note: bool = Tr
 
     torch.set_num_threads(threads_per_rank())
     devices = choose_devices(cfg, local_ranks())
-    if devices.note and say_note and os.environ.get("RANK", "0") == "0":
+    if devices.note and say_note and rank0:
         print(f"conveyor train: {devices.note}", flush=True)
     if devices.device == "cuda":
         stage_device(cfg)  # this rank's GPU current before the group exists: NCCL binds to it
+    startup.phase(f"joining the process group (waiting for all {cfg.world_size} ranks to start)")
     join_group(devices.backend)
     try:
-        summary = train(cfg)
+        summary = train(cfg, startup)
     finally:
+        startup.close()
         dist.destroy_process_group()
     if summary["stopped"] and exit_when_stopped:
         raise SystemExit(1)
@@ -306,6 +314,32 @@ def forked_worker(cfg: TrainConfig, exit_when_stopped: bool = True, say_note: bo
     return worker(cfg, exit_when_stopped, say_note)
 
 
+def oversubscribed(cfg: TrainConfig, devices: Devices, cores: int | None = None) -> str | None:
+    """A warning when the ranks :func:`launch` would start on the CPU outnumber this machine's ``cores``
+    (None: the cores this process may use), else None. A warning, not a refusal: such a run is correct,
+    only slower (the ranks take turns on the cores, and a rank's peers wait while it waits for a core).
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> cfg = load_config(None, ["parallel.pp=4", "parallel.tp=2"])
+        >>> print(oversubscribed(cfg, Devices("gloo", "cpu"), cores=2))  # doctest: +NORMALIZE_WHITESPACE
+        warning: 8 ranks (pp=4 x dp=1 x tp=2) but 2 CPU cores here: the ranks take turns on them, and each step
+        waits for the rank that waits for a core; set parallel.pp x parallel.dp x parallel.tp <= 2 for a rank per core
+        >>> oversubscribed(cfg, Devices("gloo", "cpu"), cores=8) is None
+        True
+    """
+    from conveyor.runtime.device import cpu_threads_per_rank
+
+    if cores is None:
+        cores = cpu_threads_per_rank(1, {})  # the cores this process may use (its affinity)
+    if cfg.parallel.in_process or devices.device != "cpu" or cfg.world_size <= cores:
+        return None
+    p = cfg.parallel
+    return (f"warning: {cfg.world_size} ranks (pp={p.pp} x dp={p.dp} x tp={p.tp}) but {cores} CPU core"
+            f"{'s' if cores > 1 else ''} here: the ranks take turns on them, and each step waits for the rank that "
+            f"waits for a core; set parallel.pp x parallel.dp x parallel.tp <= {cores} for a rank per core")
+
+
 def launch(cfg: TrainConfig) -> int:
     """Run :func:`worker` on ``pp x dp x tp`` local ranks through torch's elastic launcher; returns an exit status.
 
@@ -323,16 +357,33 @@ def launch(cfg: TrainConfig) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from conveyor.train.failures import failure_report, launcher_log
+    from conveyor.train.rank_logs import RankLogs
+    from conveyor.train.startup import StartupPhases
 
+    # From the banner until the ranks start (the launcher's own rendezvous): then rank 0 says its phases.
+    starting = StartupPhases()
     restarts = cfg.run.max_restarts
     devices = choose_devices(cfg, cfg.world_size)  # a ConfigError here, before any rank starts
     how = start_method(devices)
+    # Each rank's stderr goes to <run.dir>/logs/rank<R>.stderr and on to the terminal: a rank that dies of a
+    # signal leaves its faulthandler dump there, which the failure report quotes.
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size,
                           run_id=f"conveyor-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"localhost:{free_port()}", max_restarts=restarts,
-                          monitor_interval=0.5, start_method=how)
+                          monitor_interval=0.5, start_method=how,
+                          logs_specs=RankLogs(cfg.run.dir, starting=starting.close),
+                          log_line_prefix_template="[rank ${rank}] ")
     if how == "fork":
-        import conveyor.train.loop  # noqa: F401  (imported once here, inherited by every forked rank)
+        with StartupPhases() as startup:
+            startup.phase("importing the training loop and the model's code")
+            import conveyor.train.loop  # noqa: F401  (imported once here, inherited by every forked rank)
+            from conveyor.errors import ConfigError
+            from conveyor.train.models import model_config
+
+            # transformers and the model's module too: tens of CPU seconds that N ranks would each spend at once
+            # on a busy machine. Only a config object is built; what is wrong with it, the ranks say in full.
+            with contextlib.suppress(ConfigError):
+                model_config(cfg.model, 256)
     on = ("a GPU each over NCCL" if devices.backend == "nccl" else
           "shared GPUs over gloo" if devices.device == "cuda" else "the CPU over gloo")
     ranks = (f"1 process holding every rank (pp={cfg.parallel.pp}, parallel.in_process)" if cfg.parallel.in_process
@@ -343,8 +394,12 @@ def launch(cfg: TrainConfig) -> int:
           + (f", up to {restarts} restart(s)" if restarts else ""), flush=True)
     if devices.note:
         print(f"conveyor train: {devices.note}", flush=True)
+    crowded = oversubscribed(cfg, devices)
+    if crowded:
+        print(f"conveyor train: {crowded}", flush=True)
     # Without restarts the report below is the only word; with them, each failed round says so in one line.
     with launcher_log(Path(cfg.run.dir) / "launch.log", notify=restarts > 0) as log_path:
+        starting.phase(f"starting {cfg.world_size} ranks (the launcher's rendezvous)")
         try:
             entry = forked_worker if how == "fork" else worker
             summaries = elastic_launch(config, entry)(cfg, False, False)  # the note is said: not again by rank 0
@@ -352,8 +407,10 @@ def launch(cfg: TrainConfig) -> int:
             with open(log_path, "a") as log:
                 log.write(error.format_msg() + "\n")
             sys.stdout.flush()
-            print(failure_report(error, restarts, log_path), file=sys.stderr, flush=True)
+            print(failure_report(error, restarts, log_path, cfg.run.dir), file=sys.stderr, flush=True)
             return 1
+        finally:
+            starting.close()
     if any(summary and summary.get("stopped") for summary in summaries.values()):
         return 1  # stopped on purpose (the summary said why): not restarted, since it would stop again
     if any(summary and summary.get("parity_equal") is False for summary in summaries.values()):
@@ -365,8 +422,14 @@ def main(args: Sequence[str]) -> int:
     """``conveyor train``'s work after argument parsing: check, then launch or run this rank.
 
     Raises ConfigError (which the command prints as ``conveyor: error: ...``) before starting anything.
+    A check that lasts more than a few seconds says so (:class:`~conveyor.train.startup.StartupPhases`).
     """
-    return run(prepare(args))
+    from conveyor.train.startup import StartupPhases
+
+    with StartupPhases(enabled=not already_launched()) as startup:
+        startup.phase("loading torch, checking the config and the data")
+        cfg = prepare(args)
+    return run(cfg)
 
 
 def run(cfg: TrainConfig) -> int:
@@ -376,5 +439,9 @@ def run(cfg: TrainConfig) -> int:
     if already_launched():
         worker(cfg)
         return 0
-    check_resume(cfg)  # a checkpoint the ranks would refuse is refused here, before any rank starts
+    from conveyor.train.startup import StartupPhases
+
+    with StartupPhases() as startup:
+        startup.phase("checking the checkpoint to resume from")
+        check_resume(cfg)  # a checkpoint the ranks would refuse is refused here, before any rank starts
     return launch(cfg)

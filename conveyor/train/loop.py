@@ -8,7 +8,8 @@ model's alone) through ``pipe.forward`` every ``train.eval_interval`` steps, che
 ``checkpoint.interval`` steps and at the end (with the data loader's position, so a resumed
 run draws the batches the uninterrupted one would). Rank 0 writes ``<run.dir>/metrics.jsonl``
 (one JSON object per step, with ``lm_loss`` and ``aux_loss`` beside ``loss`` for a
-mixture-of-experts model, and one per validation), ``<run.dir>/config.yaml`` (the resolved
+mixture-of-experts model, ``tokens``: the tokens trained, whose targets are not -100 (padding), and
+``tokens_per_s`` of them; and one per validation), ``<run.dir>/config.yaml`` (the resolved
 config), ``loss.png`` (training and validation curves), ``timeline.png`` (the last step measured
 beside its simulation), ``timeline.json`` (its Chrome/Perfetto trace), ``sample.txt`` (a greedy
 continuation after training, :mod:`conveyor.train.sample`) and TensorBoard events under
@@ -45,14 +46,15 @@ from conveyor.train.data import by_length_options, length_loader, load_tokenizer
 from conveyor.train.models import aux_loss_coefficient, build_model, load_weights
 from conveyor.train.report import (
     Progress,
+    format_summary,
     open_tensorboard,
     peak_rss_mib,
-    report_lines,
     write_loss_plot,
     write_timeline,
 )
 from conveyor.train.restarts import continue_log
-from conveyor.train.sample import sample_lines, write_sample
+from conveyor.train.resume import parallel_layout, resume
+from conveyor.train.sample import write_sample
 
 # --- pieces ---------------------------------------------------------------------------------
 
@@ -204,7 +206,10 @@ class Run:
     losses: list[float] = field(default_factory=list)
     aux_losses: list[float] = field(default_factory=list)  # a mixture-of-experts model's auxiliary part
     val_losses: list[float] = field(default_factory=list)
-    tokens: int = 0
+    val_steps: list[int] = field(default_factory=list)  # the step of each validation loss
+    resumed_at: int | None = None  # the step a resumed run started from (None: a fresh run)
+    tokens: int = 0  # tokens trained (targets not -100) in the steps this process ran
+    step_tokens: int = 0  # the last step's
     train_time: float = 0.0
     stopped: str | None = None
     skipped: int = 0  # steps dropped for a non-finite loss or gradient (loss.on_nonfinite=skip)
@@ -212,6 +217,7 @@ class Run:
     tensorboard: Any = None  # rank 0's TensorBoardLog, when run.tensorboard is on and it is installed
     loss_fn: Any = None  # the pipeline's: a LossWithAux records the parts of each step's loss
     parity: Any = None  # under train.parity: rank 0 trains one device beside the pipeline (conveyor.train.parity)
+    startup: Any = None  # a StartupPhases: says what a slow start-up does, until the first step begins
 
     @property
     def rank0(self) -> bool:
@@ -225,8 +231,13 @@ class Run:
             self.tensorboard.log(record)
 
 
-def setup(cfg: TrainConfig) -> Run:
-    """Seed, build model, pipeline, optimizer, schedule and loaders, and resume if asked."""
+def setup(cfg: TrainConfig, startup: Any = None) -> Run:
+    """Seed, build model, pipeline, optimizer, schedule and loaders, and resume if asked; each phase named to
+    ``startup`` (a :class:`~conveyor.train.startup.StartupPhases`, None: a silent one)."""
+    from conveyor.train.startup import StartupPhases
+
+    startup = startup if startup is not None else StartupPhases(enabled=False)
+    startup.phase(f"building the model ({cfg.model.name})")
     random.seed(cfg.train.seed)  # checkpoints hold Python's state too: seeded, a rerun writes the same
     torch.manual_seed(cfg.train.seed)  # every rank initialises the whole model alike, keeps its stages
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -245,7 +256,9 @@ def setup(cfg: TrainConfig) -> Run:
         from conveyor.train.launch import stage_device
 
         model = initialise_as_on_meta(build_model(cfg, vocab, device=stage_device(cfg)), cfg.train.seed)
+    startup.phase(f"tracing the model and splitting it for {cfg.parallel.pp} pipeline ranks")
     pipe = build_pipeline(cfg, model, loss_fn)
+    startup.phase("loading the pretrained weights")
     loaded = load_weights(cfg, pipe)  # a pretrained directory: each rank reads its own stages' tensors
     if loaded is not None and dist.get_rank() == 0:
         print(f"conveyor train: rank 0 loaded {loaded.tensors} tensors ({loaded.bytes_read:,} of "
@@ -253,17 +266,21 @@ def setup(cfg: TrainConfig) -> Run:
     o = cfg.optim
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    startup.phase(f"reading and tokenizing the corpus (data.source={cfg.data.source!r})")
     splits = splits_factory(cfg.data, cfg.model.seq_len)
     batch = cfg.replica_batch_size
     train_data = resumable_loader(pipe, lambda: splits().train, batch, seed=cfg.train.seed)
     if cfg.data.batching == "by_length":
+        startup.phase("batching by length: the training documents cut into pieces (cached on disk after)")
         train_data = length_loader(pipe, cfg.data, cfg.model.seq_len, batch, pipe.schedule.num_microbatches,
-                                   seed=cfg.train.seed)
+                                   seed=cfg.train.seed, progress=startup.progress)
     val_data = None
     if cfg.train.eval_interval > 0 and cfg.data.val_fraction > 0:
         val_data = resumable_loader(pipe, lambda: splits().val, batch, seed=cfg.train.seed, shuffle=False)
-    run = Run(cfg, pipe, optimizer, scheduler, train_data, val_data, loss_fn=loss_fn)
+    run = Run(cfg, pipe, optimizer, scheduler, train_data, val_data, loss_fn=loss_fn, startup=startup)
+    startup.phase("loading the checkpoint to resume from")
     resume(run)
+    startup.phase("starting the run")
     from conveyor.train.parity import start_parity
 
     run.parity = start_parity(run, vocab)  # None unless train.parity
@@ -274,37 +291,6 @@ def setup(cfg: TrainConfig) -> Run:
         run.metrics = continue_log(out / "metrics.jsonl", run.step)
         run.tensorboard = open_tensorboard(out, cfg.run.tensorboard, run.step)
     return run
-
-
-def resume(run: Run) -> None:
-    """Load ``checkpoint.resume`` (true: the latest under the checkpoint dir, if any) into ``run``.
-
-    A restarted round of an elastic launch (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from
-    the newest checkpoint this job wrote, if any, whatever ``checkpoint.resume`` says.
-    """
-    from conveyor.checkpoint import latest, load
-    from conveyor.train.restarts import job_started, restart_checkpoint, restart_round
-
-    wanted, restarted = run.cfg.checkpoint.resume, restart_round()
-    why = f"restart {restarted} after a failed round: " if restarted else ""
-    path = restart_checkpoint(run.cfg.checkpoint_dir, job_started()) if restarted else None
-    if path is None:
-        if wanted is False or wanted in ("false", ""):
-            if restarted and run.rank0:
-                print(f"conveyor train: {why}no checkpoint of this job under {run.cfg.checkpoint_dir}; "
-                      f"starting again from step 0", flush=True)
-            return
-        path = latest(run.cfg.checkpoint_dir) if wanted is True or wanted == "true" else Path(wanted)
-    if path is None:
-        if run.rank0:
-            print(f"conveyor train: {why}no checkpoint under {run.cfg.checkpoint_dir} yet; starting from step 0")
-        return
-    extra = load(path, run.pipe, run.optimizer, run.scheduler) or {}
-    run.step = int(extra.get("step", 0))
-    if run.train_data is not None and "data" in extra:
-        run.train_data.load_state_dict(extra["data"])
-    if run.rank0:
-        print(f"conveyor train: {why}resumed from {path} at step {run.step}", flush=True)
 
 
 # --- the loop -------------------------------------------------------------------------------
@@ -323,6 +309,7 @@ def train_step(run: Run) -> tuple[float, dict[str, float]]:
     x = y = None
     if run.train_data is not None:
         x, y = next(run.train_data) if cfg.data.batching != "by_length" else zip(*next(run.train_data))
+    run.step_tokens = trained_tokens(run, y)
     normalize_by = None
     if cfg.loss.normalize == "tokens":
         counted = y if cfg.data.batching != "by_length" or y is None else torch.cat([t.reshape(-1) for t in y])
@@ -344,6 +331,31 @@ def train_step(run: Run) -> tuple[float, dict[str, float]]:
     if run.parity is not None:  # never with by_length (parity_problems refuses it)
         run.parity.step(run.step + 1, x, y, loss, norm)  # the same step on one device, printed beside this one
     return float(loss), parts
+
+
+def trained_tokens(run: Run, targets: Any) -> int:
+    """The tokens a step trains on, over every replica: its target positions that are not -100 (padding).
+
+    Fixed windows (:class:`~conveyor.train.data.TokenBlocks`) pad nothing: ``train.batch_size x
+    model.seq_len``, no communication. Batches by length (``targets``: this replica's microbatches'
+    targets) are counted where the targets are, on the last stage of each replica, and summed in one
+    small collective over the default group (every rank calls it), every TP rank of a last stage
+    counting once per replica.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> from conveyor.train.config import load_config
+        >>> trained_tokens(SimpleNamespace(cfg=load_config(None, ["train.batch_size=8"]), pipe=None), None)  # 8 x 128
+        1024
+    """
+    cfg, pipe = run.cfg, run.pipe
+    if cfg.data.batching != "by_length":
+        return cfg.train.batch_size * cfg.model.seq_len
+    total = torch.zeros(1, dtype=torch.int64, device=group_device(pipe.device))
+    if pipe.needs_target and targets is not None:
+        total += sum(int((target != -100).sum()) for target in targets)
+    dist.all_reduce(total)
+    return int(total.item()) // cfg.parallel.tp
 
 
 def loss_parts(run: Run, normalize_by: Any = None) -> dict[str, float]:
@@ -415,27 +427,41 @@ def save_checkpoint(run: Run) -> Path:
     keep = run.cfg.checkpoint.keep_last or None
     data = run.train_data.state_dict() if run.train_data is not None else None
     path = Path(run.cfg.checkpoint_dir) / f"step_{run.step:06d}"
-    return save(path, run.pipe, run.optimizer, run.scheduler, extra={"step": run.step, "data": data},
-                keep_last=keep)
+    layout = parallel_layout(run.cfg, run.pipe.schedule.num_stages)  # a resume at another layout names both
+    extra = {"step": run.step, "data": data, "layout": layout}
+    return save(path, run.pipe, run.optimizer, run.scheduler, extra=extra, keep_last=keep)
 
 
-def validate_now(run: Run, start: float) -> None:
-    """Evaluate, log the validation loss and print it on rank 0."""
+def validate_now(run: Run, start: float, log: bool = True) -> None:
+    """Evaluate, log the validation loss (unless ``log`` is False) and print it on rank 0."""
     loss = evaluate(run)
     run.val_losses.append(loss)
-    run.log({"step": run.step, "val_loss": loss, "elapsed": round(time.perf_counter() - start, 3)})
+    run.val_steps.append(run.step)
+    if log:
+        run.log({"step": run.step, "val_loss": loss, "elapsed": round(time.perf_counter() - start, 3)})
     run.progress.validation(run.step, loss)
 
 
 def loop(run: Run) -> Path | None:
     """Steps from ``run.step`` to ``train.steps``, with validations and checkpoints; returns the last checkpoint."""
     cfg = run.cfg
-    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
     evaluating = cfg.train.eval_interval > 0 and cfg.data.val_fraction > 0
     start = time.perf_counter()
     run.progress = Progress(cfg.train.steps, run.step, cfg.run.log_interval, enabled=run.rank0)
-    if evaluating and run.step == 0:
-        validate_now(run, start)  # the loss before training, to compare the last one with
+    if evaluating and (run.step == 0 or run.resumed_at is not None):
+        if run.startup is not None:
+            run.startup.phase("validating before the first step")
+        # The loss before training (or at the resume), to compare the last one with. At a resume the log
+        # already holds what the saved run measured, and the random generators must come out as they went
+        # in (the model's dropout draws from them): the log and the steps stay an uninterrupted run's.
+        if run.resumed_at is None:
+            validate_now(run, start)
+        else:
+            gpus = [run.pipe.device] if torch.device(run.pipe.device).type == "cuda" else []
+            with torch.random.fork_rng(devices=gpus):
+                validate_now(run, start, log=False)
+    if run.startup is not None:
+        run.startup.close()  # the progress lines speak from here on
     saved = None
     while run.step < cfg.train.steps:
         lr = run.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler moves on after it)
@@ -447,16 +473,18 @@ def loop(run: Run) -> Path | None:
             break
         took = time.perf_counter() - began
         run.step += 1
-        run.tokens += tokens_per_step
+        run.tokens += run.step_tokens
+        tokens_per_s = run.step_tokens / took  # trained tokens: padding (targets -100) not counted
         run.train_time += took
         run.losses.append(loss)
         if parts:
             run.aux_losses.append(parts["aux_loss"])
         skipped = run.pipe.skipped_steps > run.skipped
         run.skipped = run.pipe.skipped_steps
-        run.log({"step": run.step, "loss": loss, **parts, "lr": lr, "tokens_per_s": round(tokens_per_step / took, 1),
+        run.log({"step": run.step, "loss": loss, **parts, "lr": lr, "tokens": run.step_tokens,
+                 "tokens_per_s": round(tokens_per_s, 1),
                  "elapsed": round(time.perf_counter() - start, 3), **({"skipped": True} if skipped else {})})
-        run.progress.step(run.step, loss, lr, tokens_per_step / took, took, parts=parts)
+        run.progress.step(run.step, loss, lr, tokens_per_s, took, parts=parts)
         if evaluating and (run.step % cfg.train.eval_interval == 0 or run.step == cfg.train.steps):
             validate_now(run, start)
         interval = cfg.checkpoint.interval
@@ -465,13 +493,16 @@ def loop(run: Run) -> Path | None:
     return saved
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, startup: Any = None) -> dict[str, Any]:
     """Train as ``cfg`` says, on this rank of an initialised process group of ``pp x dp x tp`` ranks.
 
     Returns (on every rank) a summary: steps, first and last training and validation
     losses, tokens per second, the last checkpoint, why it stopped early (or None), peak RSS
     per rank, and (for a run that finished its steps) the last step's measured and simulated
     bubble and the plots' paths, and the sample's prompt and text (``train.sample_tokens`` > 0).
+
+    ``startup``: a :class:`~conveyor.train.startup.StartupPhases` that names each phase of a slow start-up
+    (rank 0's, from :func:`~conveyor.train.launch.worker`); None: nothing said.
 
     Example (each rank, under torchrun)::
 
@@ -481,7 +512,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if dist.get_world_size() != cfg.world_size:
         raise ConfigError(f"parallel.pp x parallel.dp x parallel.tp = {cfg.world_size}, but {dist.get_world_size()} "
                           f"ranks were launched")
-    run = setup(cfg)
+    run = setup(cfg, startup)
     pictures: dict[str, Any] = {}
     sample: dict[str, Any] = {}
     try:
@@ -508,6 +539,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                "last_loss": run.losses[-1] if run.losses else None,
                "first_val_loss": run.val_losses[0] if run.val_losses else None,
                "last_val_loss": run.val_losses[-1] if run.val_losses else None,
+               "resumed_at": run.resumed_at, "val_steps": run.val_steps[:1] + run.val_steps[-1:],
                "tokens_per_s": run.tokens / run.train_time if run.train_time else None,
                "first_aux_loss": run.aux_losses[0] if run.aux_losses else None,
                "last_aux_loss": run.aux_losses[-1] if run.aux_losses else None,
@@ -518,32 +550,3 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if run.parity is not None:
         summary["parity_equal"] = run.parity.finish()  # rank 0: whether every step was bitwise equal
     return summary
-
-
-def format_summary(summary: dict[str, Any], cfg: TrainConfig) -> str:
-    """The end-of-run lines rank 0 prints.
-
-    Example:
-        >>> from conveyor.train.config import load_config
-        >>> print(format_summary({"steps": 2, "first_loss": 5.5, "last_loss": 5.0, "first_val_loss": None,
-        ...     "last_val_loss": None, "tokens_per_s": 100.0, "checkpoint": "c/step_2", "stopped": None},
-        ...     load_config(None)))
-        done: 2 steps; training loss 5.5000 -> 5.0000; 100 tokens/s
-        checkpoint: c/step_2; metrics: runs/train/metrics.jsonl
-    """
-    def pair(first: float | None, last: float | None, name: str) -> str:
-        return f"; {name} loss {first:.4f} -> {last:.4f}" if first is not None else ""
-
-    head = f"done: {summary['steps']} steps" if not summary["stopped"] else f"stopped at {summary['stopped']}"
-    rate = f"; {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] else ""
-    if summary.get("skipped_steps"):
-        rate += f"; {summary['skipped_steps']} step(s) skipped (loss or gradients not finite)"
-    lines = [head + pair(summary["first_loss"], summary["last_loss"], "training")
-             + pair(summary.get("first_aux_loss"), summary.get("last_aux_loss"), "auxiliary")
-             + pair(summary["first_val_loss"], summary["last_val_loss"], "validation") + rate,
-             *report_lines(summary),
-             f"checkpoint: {summary['checkpoint']}; metrics: {cfg.run.dir}/metrics.jsonl"]
-    files = [summary[key] for key in ("loss_png", "timeline_png", "timeline_trace") if summary.get(key)]
-    if files:
-        lines.append("files: " + ", ".join(files))
-    return "\n".join(lines + sample_lines(summary))

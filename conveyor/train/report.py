@@ -2,7 +2,7 @@
 
 * :class:`Progress`: rank 0's live line (a ``tqdm`` bar on a terminal, plain lines otherwise)
   with step/total, loss (and its language-model and auxiliary parts, for a mixture-of-experts
-  model), the last validation loss, tokens/s and the time left.
+  model), the last validation loss, trained tokens/s (target tokens, padding not counted) and the time left.
 * :func:`write_timeline`: ``timeline.png`` (the last step measured, beside its simulation fed
   with the stage costs measured in that step) and ``timeline.json`` (a Chrome/Perfetto trace).
 * :func:`write_loss_plot`: ``loss.png``, the training and validation curves of ``metrics.jsonl`` (and
@@ -48,9 +48,9 @@ class Progress:
     Example:
         >>> p = Progress(total=4, initial=0, log_interval=1, enabled=True, live=False)
         >>> p.step(1, loss=5.0, lr=1e-3, tokens_per_s=1000.0, took=0.5)   # doctest: +ELLIPSIS
-        step     1/4  loss 5.0000  lr 1.00e-03  1,000 tokens/s  ETA ...
+        step     1/4  loss 5.0000  lr 1.00e-03  1,000 trained tokens/s  ETA ...
         >>> p.step(2, 5.0, 1e-3, 1000.0, 0.5, parts={"lm_loss": 4.96, "aux_loss": 0.04})  # doctest: +ELLIPSIS
-        step     2/4  loss 5.0000 (lm 4.9600 + aux 0.0400)  lr 1.00e-03  1,000 tokens/s  ETA ...
+        step     2/4  loss 5.0000 (lm 4.9600 + aux 0.0400)  lr 1.00e-03  1,000 trained tokens/s  ETA ...
         >>> p.close()
     """
 
@@ -80,7 +80,7 @@ class Progress:
             postfix = {"loss": f"{loss:.4f}"}
             if parts:
                 postfix.update(lm=f"{parts['lm_loss']:.4f}", aux=f"{parts['aux_loss']:.4f}")
-            postfix["tok/s"] = f"{tokens_per_s:,.0f}"
+            postfix["trained tok/s"] = f"{tokens_per_s:,.0f}"
             if self.val_loss is not None:
                 postfix["val"] = f"{self.val_loss:.4f}"
             self.bar.set_postfix(postfix, refresh=False)
@@ -88,8 +88,8 @@ class Progress:
         elif step % self.log_interval == 0 or step == 1 or step == self.total:
             val = f"  val {self.val_loss:.4f}" if self.val_loss is not None else ""
             split = f" (lm {parts['lm_loss']:.4f} + aux {parts['aux_loss']:.4f})" if parts else ""
-            print(f"step {step:5d}/{self.total}  loss {loss:.4f}{split}{val}  lr {lr:.2e}  {tokens_per_s:,.0f} tokens/s"
-                  f"  ETA {format_eta(self.eta(step))}", flush=True)
+            print(f"step {step:5d}/{self.total}  loss {loss:.4f}{split}{val}  lr {lr:.2e}  "
+                  f"{tokens_per_s:,.0f} trained tokens/s  ETA {format_eta(self.eta(step))}", flush=True)
 
     def validation(self, step: int, loss: float) -> None:
         """Record and show a validation loss."""
@@ -268,3 +268,51 @@ def open_tensorboard(run_dir: str | Path, enabled: bool = True, step: int = 0) -
     # Events at or after purge_step are dropped: a run resumed at step S logs from S + 1 (S is
     # logged already), and a fresh run (step 0) drops whatever an earlier run left in the directory.
     return TensorBoardLog(SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=step + 1 if step else 0))
+
+
+def format_summary(summary: dict[str, Any], cfg: Any) -> str:
+    """The end-of-run lines rank 0 prints; after a resume they say where it resumed and which steps the
+    losses come from.
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> print(format_summary({"steps": 2, "first_loss": 5.5, "last_loss": 5.0, "first_val_loss": None,
+        ...     "last_val_loss": None, "tokens_per_s": 100.0, "checkpoint": "c/step_2", "stopped": None},
+        ...     load_config(None)))
+        done: 2 steps; training loss 5.5000 -> 5.0000; 100 trained tokens/s
+        checkpoint: c/step_2; metrics: runs/train/metrics.jsonl
+        >>> print(format_summary({"steps": 8, "first_loss": 5.2, "last_loss": 5.0, "first_val_loss": 5.3003,
+        ...     "last_val_loss": 5.1, "tokens_per_s": 100.0, "checkpoint": "c/step_8", "stopped": None,
+        ...     "resumed_at": 4, "val_steps": [4, 8]}, load_config(None)).splitlines()[0])
+        ... # doctest: +NORMALIZE_WHITESPACE
+        done: 8 steps, resumed at step 4; training loss 5.2000 (step 5) -> 5.0000 (step 8);
+        validation loss 5.3003 (step 4) -> 5.1000 (step 8); 100 trained tokens/s
+    """
+    resumed = summary.get("resumed_at")
+
+    def pair(first: float | None, last: float | None, name: str, steps: list[int] | None = None) -> str:
+        if first is None:
+            return ""
+        if resumed is None or not steps:
+            return f"; {name} loss {first:.4f} -> {last:.4f}"
+        return f"; {name} loss {first:.4f} (step {steps[0]}) -> {last:.4f} (step {steps[-1]})"
+
+    head = f"done: {summary['steps']} steps" if not summary["stopped"] else f"stopped at {summary['stopped']}"
+    if resumed is not None:
+        head += f", resumed at step {resumed}"
+    trained = [resumed + 1, summary["steps"]] if resumed is not None else None
+    rate = f"; {summary['tokens_per_s']:,.0f} trained tokens/s" if summary["tokens_per_s"] else ""
+    if summary.get("skipped_steps"):
+        rate += f"; {summary['skipped_steps']} step(s) skipped (loss or gradients not finite)"
+    lines = [head + pair(summary["first_loss"], summary["last_loss"], "training", trained)
+             + pair(summary.get("first_aux_loss"), summary.get("last_aux_loss"), "auxiliary", trained)
+             + pair(summary["first_val_loss"], summary["last_val_loss"], "validation", summary.get("val_steps"))
+             + rate,
+             *report_lines(summary),
+             f"checkpoint: {summary['checkpoint']}; metrics: {cfg.run.dir}/metrics.jsonl"]
+    files = [summary[key] for key in ("loss_png", "timeline_png", "timeline_trace") if summary.get(key)]
+    if files:
+        lines.append("files: " + ", ".join(files))
+    from conveyor.train.sample import sample_lines
+
+    return "\n".join(lines + sample_lines(summary))

@@ -234,8 +234,9 @@ def test_without_restarts_a_killed_rank_ends_the_job_promptly_naming_it(start):
     assert status == 1, job.output()  # ended, and before finish()'s 60 s cut-off that would fail the test
     last = err.rstrip().splitlines()[-3:]  # the cause, last: which rank, how, what to do
     assert re.fullmatch(rf"conveyor train: rank \d \(pid {victim}\) died of SIGKILL", last[0]), err[-3000:]
-    assert last[1] == (f"conveyor train: no restarts were allowed (run.max_restarts=0); every rank's traceback is "
-                       f"in {job.run_dir / 'launch.log'}")
+    assert last[1].startswith(f"conveyor train: no restarts were allowed (run.max_restarts=0); every rank's "
+                              f"traceback is in {job.run_dir / 'launch.log'}, its stderr (faulthandler's dump "
+                              f"included) in {job.run_dir / 'logs'}/rank")
     assert last[2].startswith("conveyor train: what to do: find out what stopped the rank")
     assert "resumed" not in (job.where / "stdout").read_text()
     assert not [pid for pid in job.seen if alive(pid)], "rank processes outlived the job"

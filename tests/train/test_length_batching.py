@@ -54,3 +54,45 @@ def test_a_resumed_loader_draws_what_the_uninterrupted_one_would():
     again.load_state_dict(state)
     got = next(again)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+
+
+def test_a_loader_that_cuts_a_pool_at_a_time_draws_the_whole_epoch_of_sorted_pools():
+    _, pieces = _pieces(seq_len=64)
+    class SmallPools(LengthBatchLoader):
+        POOL = 50  # several pools in this small corpus
+
+    loader = SmallPools(pieces, token_budget=256, num_microbatches=2, seed=5)
+    steps = [next(loader) for _ in range(4)]
+    order = torch.randperm(len(pieces), generator=torch.Generator().manual_seed(5)).tolist()
+    shuffled = [pieces[i] for i in order]
+    whole = [batch for start in range(0, len(shuffled), 50)
+             for batch in length_microbatches(sorted(shuffled[start: start + 50], key=len, reverse=True), 256)]
+    drawn = [batch for step in steps for batch in step]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(drawn, whole[:8]))
+    assert loader._batches.cut < len(pieces)  # only the pools the steps reached were cut
+    assert [tuple(ids.shape) for ids, _ in loader.epoch_batches(0)] == [tuple(ids.shape) for ids, _ in whole]
+
+
+def test_the_pieces_are_cut_once_and_cut_again_when_a_source_file_or_a_setting_changes(tmp_path):
+    from conveyor.train.config import DataConfig
+    from conveyor.train.pieces import cached_pieces, pieces_key
+
+    text = tmp_path / "a.txt"
+    text.write_text("def f():\n    return 1\n" * 20)
+    cfg, cuts = DataConfig(source=str(text)), []
+
+    def cut():
+        cuts.append(1)
+        return document_pieces([Document("a", text.read_bytes())], ByteTokenizer(), 16)
+
+    first = cached_pieces(cfg, 16, cut, folder=tmp_path / "cache")
+    again = cached_pieces(cfg, 16, cut, folder=tmp_path / "cache")
+    assert len(cuts) == 1 and len(first) == len(again) > 1
+    assert all(torch.equal(a.long(), b.long()) for a, b in zip(first, cut()))  # the pieces cut, as they were
+    assert again[0].dtype == torch.uint8  # bytes kept narrow: the stdlib's pieces are 11 MB, not 90
+    key = pieces_key(cfg, 16)
+    assert pieces_key(cfg, 32) != key and pieces_key(DataConfig(source=str(text), val_fraction=0.2), 16) != key
+    text.write_text("class C:\n    pass\n" * 30)  # another size and time: another key, cut again
+    assert pieces_key(cfg, 16) != key
+    changed = cached_pieces(cfg, 16, cut, folder=tmp_path / "cache")
+    assert len(cuts) == 3 and bytes(changed[0][:8].tolist()) == b"class C:"
