@@ -115,9 +115,9 @@ def test_the_benchmark_report_names_the_fastest_plan_and_the_predicted_one():
     rows = [{"workload": "gpt", "ranks": 2, "schedule": name, "virtual": v, "microbatches": 8,
              "predicted_ms": p, "predicted_before_ms": p, "measured_ms": m, "measured_min_ms": m,
              "measured_max_ms": m, "ratio": m / p, "ratio_min": m / p, "ratio_max": m / p,
-             "steal_pct": None, "load_average": 1.0}
+             "steal_pct": None, "load_average": 1.0, "uncalibrated_ms": p / 2, "ratio_to_uncalibrated": 2 * m / p}
             for (name, v), p, m in zip(parse_plans("1f1b,interleaved-1f1b:2"), (100.0, 90.0), (104.0, 103.0))]
-    assert "| gpt | 2 | interleaved-1f1b | 2 | 8 | 90.0 | 90.0 | 103.0" in table(rows)
+    assert "| gpt | 2 | interleaved-1f1b | 2 | 8 | 90.0 | 90.0 | 45.0 | 103.0" in table(rows)
     assert fastest(rows) == [
         "gpt P=2: fastest measured interleaved-1f1b V=2 (103.0 ms); predicted fastest interleaved-1f1b V=2: same"
     ]

@@ -167,7 +167,7 @@ def test_each_rank_joins_the_chosen_backend_on_its_own_gpu(monkeypatch, rank1_of
     _gpus(monkeypatch, gpus)
     joined = []
     monkeypatch.setattr(launch, "join_group", lambda backend="gloo": joined.append(backend))
-    monkeypatch.setattr(conveyor.train.loop, "train", lambda cfg: {"stopped": None})
+    monkeypatch.setattr(conveyor.train.loop, "train", lambda cfg, startup=None: {"stopped": None})
     monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     launch.worker(_cfg())
