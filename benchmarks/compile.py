@@ -12,7 +12,7 @@ during each side's timed steps.
 
 Two schedules: 1F1B (no I/W split) and ZB-H1, whose compiled stage 1 runs its I as the full
 backward and its W as nothing (a compiled region's backward is one graph; see
-:mod:`conveyor.runtime.compile`), so the figure shows what compile costs zero-bubble there.
+:mod:`conveyor.runtime.stage.compile`), so the figure shows what compile costs zero-bubble there.
 
 Run through the one benchmark command:
     .venv/bin/python -m benchmarks --compile [--compile-rounds 6] [--compile-steps 3]

@@ -55,7 +55,7 @@ def emulated_costs(workload: Emulated):
     from benchmarks.costs import StageCostProbe, per_pass
     from conveyor.plan.costs import CostTable, UnitCost
     from conveyor.plan.profile import split_backward_seconds
-    from conveyor.runtime.backward import GraphAnalysisCache
+    from conveyor.runtime.stage.backward import GraphAnalysisCache
 
     blocks = workload.num_blocks
     probe = StageCostProbe(workload, blocks)

@@ -20,7 +20,7 @@ _LAZY = {
     "Pipeline": ("conveyor.pipe", "Pipeline"),
     "pipeline": ("conveyor.build", "pipeline"),
     "LocalPipeline": ("conveyor.local", "LocalPipeline"),
-    "MasterWeights": ("conveyor.runtime.main_grad", "MasterWeights"),
+    "MasterWeights": ("conveyor.runtime.stage.main_grad", "MasterWeights"),
     "Plan": ("conveyor.plan.result", "Plan"),
     "StageOptions": ("conveyor.options", "StageOptions"),
     "CheckpointPolicy": ("conveyor.options", "CheckpointPolicy"),
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     )
     from conveyor.pipe import Pipeline  # noqa: F401
     from conveyor.plan.result import Plan  # noqa: F401
-    from conveyor.runtime.main_grad import MasterWeights  # noqa: F401
+    from conveyor.runtime.stage.main_grad import MasterWeights  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -22,7 +22,7 @@ import torch
 
 from conveyor.options import Layout, StageOptions, WholeModel
 from conveyor.pipe import Pipeline
-from conveyor.runtime.runner import LossFn
+from conveyor.runtime.stage.runner import LossFn
 from conveyor.schedule.ir import Schedule
 
 

@@ -58,7 +58,7 @@ def _set(record: Any, name: str, value: Any) -> None:
 def _describe_fields(record: Any) -> str:
     """``name=value`` for every field of ``record``, the same text on every rank (a function given
     as a torch.compile backend by its name, not its address)."""
-    from conveyor.runtime.compile import describe_compile
+    from conveyor.runtime.stage.compile import describe_compile
 
     parts = []
     for f in dataclasses.fields(record):
@@ -258,9 +258,9 @@ class StageOptions:
                                "checkpoint_activations=true is {} (the whole stage)")
 
     def __post_init__(self) -> None:
-        from conveyor.runtime.compile import compile_options
-        from conveyor.runtime.main_grad import param_precision
-        from conveyor.runtime.precision import autocast_dtype
+        from conveyor.runtime.stage.compile import compile_options
+        from conveyor.runtime.stage.main_grad import param_precision
+        from conveyor.runtime.stage.precision import autocast_dtype
 
         autocast = autocast_dtype(self.autocast)  # refuses fp16 and names bf16
         _set(self, "autocast", None if autocast is None else "bf16")
@@ -303,9 +303,9 @@ class StageOptions:
         return torch.bfloat16 if self.autocast == "bf16" else None
 
     def param_precision(self, data_parallel: str | None = None) -> Any:
-        """The stages' :class:`~conveyor.runtime.main_grad.ParamPrecision` (None: parameters as given),
+        """The stages' :class:`~conveyor.runtime.stage.main_grad.ParamPrecision` (None: parameters as given),
         checked against the data-parallel kind."""
-        from conveyor.runtime.main_grad import param_precision
+        from conveyor.runtime.stage.main_grad import param_precision
 
         return param_precision(self.param_dtype, self.grad_accum_dtype, data_parallel)
 

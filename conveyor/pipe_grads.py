@@ -33,7 +33,7 @@ from conveyor.parallel.clipping import (
     nonfinite_flags,
     scale_local_grads,
 )
-from conveyor.runtime.main_grad import drop_gradients, gradient
+from conveyor.runtime.stage.main_grad import drop_gradients, gradient
 
 log = logging.getLogger("conveyor.pipe")
 

@@ -50,6 +50,13 @@ TEST_SUPPORT = "conveyor.testing"
 # The runtime may use these parts of the schedule layer and no other.
 # posts: where a lowered program posts its transfers, which the executor reads as it runs it.
 RUNTIME_SCHEDULE_ALLOWED = ("conveyor.schedule.ir", "conveyor.schedule.posts", "conveyor.schedule.timeline")
+# runtime/'s three concerns (each sub-package's docstring says why): lifecycle at the bottom, the
+# transports above it, a stage beside them knowing neither; only the executor sees all three.
+RUNTIME_FORBIDDEN = {
+    "stage": ("conveyor.runtime.transport", "conveyor.runtime.lifecycle", "conveyor.runtime.executor"),
+    "transport": ("conveyor.runtime.stage", "conveyor.runtime.executor"),
+    "lifecycle": ("conveyor.runtime.stage", "conveyor.runtime.transport", "conveyor.runtime.executor"),
+}
 
 
 def _imports(path: Path) -> list[str]:
@@ -93,6 +100,11 @@ def test_imports_point_down_only(path):
             )
         if layer == "schedule":
             assert name.split(".")[0] != "torch", f"conveyor/{path.relative_to(PACKAGE)} imports torch"
+        concern = path.relative_to(PACKAGE).parts[1] if layer == "runtime" else ""
+        for banned in RUNTIME_FORBIDDEN.get(concern, ()):
+            assert not (name == banned or name.startswith(banned + ".")), (
+                f"conveyor/{path.relative_to(PACKAGE)} (runtime/{concern}) imports {name}"
+            )
         if layer == "runtime" and name.startswith("conveyor.schedule"):
             assert name in RUNTIME_SCHEDULE_ALLOWED, (
                 f"conveyor/{path.relative_to(PACKAGE)} imports {name}; the runtime may use only "
@@ -138,3 +150,15 @@ def test_a_pipeline_without_replicas_does_not_load_fsdp():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_runtime_is_its_three_concerns_and_the_executor():
+    """Every runtime module lives in the concern it serves, whose docstring says what it may import."""
+    runtime = PACKAGE / "runtime"
+    loose = sorted(p.name for p in runtime.glob("*.py"))
+    assert loose == ["executor.py"], f"runtime/ modules outside stage/, transport/, lifecycle/: {loose}"
+    folders = sorted(p.name for p in runtime.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(RUNTIME_FORBIDDEN), folders
+    for concern in folders:
+        docstring = ast.get_docstring(ast.parse((runtime / concern / "__init__.py").read_text())) or ""
+        assert "What it may import" in docstring, f"runtime/{concern}/__init__.py must say what it may import"

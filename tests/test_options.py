@@ -121,7 +121,7 @@ def test_one_pipeline_class_with_one_public_api_over_both_backends():
 
 @pytest.mark.parametrize("function", [
     conveyor.Pipeline.__init__, conveyor.pipeline, conveyor.LocalPipeline,
-    conveyor.runtime.runner.StageRunner.__init__, conveyor.runtime.runner.build_runners,
+    conveyor.runtime.stage.runner.StageRunner.__init__, conveyor.runtime.stage.runner.build_runners,
 ])
 def test_no_public_callable_takes_more_than_12_parameters_or_forwards_keywords(function):
     parameters = [p for name, p in inspect.signature(function).parameters.items() if name != "self"]

@@ -39,8 +39,8 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.options import DATA_PARALLEL_KINDS as KINDS
 from conveyor.parallel import fsdp
-from conveyor.runtime.runner import StageRunner
-from conveyor.runtime.timing import SpanTimer
+from conveyor.runtime.stage.runner import StageRunner
+from conveyor.runtime.stage.timing import SpanTimer
 
 
 def check_data_parallel(kind: str | None, dp_size: int) -> str | None:
@@ -56,7 +56,7 @@ class Replicas:
     """This rank's stages across the data-parallel replicas: wrapping and per-step gradient sync.
 
     ``group`` is the pipeline's own group over the ranks holding these stages in every
-    replica (see :meth:`conveyor.runtime.lifecycle.RankLifecycle.replica_group`); ``runners``
+    replica (see :meth:`conveyor.runtime.lifecycle.rank.RankLifecycle.replica_group`); ``runners``
     this rank's stage runners, whose modules :meth:`wrap` wraps in place. ``mesh``: the 1-D
     "dp" mesh to wrap over, where the stages are tensor parallel (the "dp" sub-mesh of the mesh
     whose "tp" sub-mesh holds their DTensors: FSDP2's 2-D composition); None: one over ``group``.

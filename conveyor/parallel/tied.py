@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from conveyor.parallel.clipping import local_part
-from conveyor.runtime.main_grad import gradient_attribute
-from conveyor.runtime.runner import StageRunner
+from conveyor.runtime.stage.main_grad import gradient_attribute
+from conveyor.runtime.stage.runner import StageRunner
 
 
 def _set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
@@ -72,7 +72,7 @@ class TiedGradients:
 
     Building it creates one process group per set of ranks sharing a parameter: collective
     over the whole job, so every rank builds every group, in the same order, whether it
-    holds a copy or not (``life``: the pipeline's :class:`~conveyor.runtime.lifecycle.RankLifecycle`;
+    holds a copy or not (``life``: the pipeline's :class:`~conveyor.runtime.lifecycle.rank.RankLifecycle`;
     ``layout``: a :class:`~conveyor.parallel.mesh.MeshLayout` with replicas, else None).
     """
 

@@ -1,7 +1,7 @@
 """The torch.distributed ranks backend: this process runs one rank of the pipeline.
 
 It holds what only ranks in separate processes need: the pipeline's own process groups and
-their lifecycle (:mod:`conveyor.runtime.lifecycle`: agreement at construction, failure, close),
+their lifecycle (:mod:`conveyor.runtime.lifecycle.rank`: agreement at construction, failure, close),
 the transport between stages, the data-parallel replicas, tied copies summed across ranks, the
 step's loss broadcast, and the gathers behind ``memory(all_ranks=True)``, ``timeline()`` and
 clipping. :class:`conveyor.Pipeline` does the rest, as for the in-process backend.
@@ -29,12 +29,12 @@ from conveyor.parallel.loss import LossBroadcast
 from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.replicas import Replicas, check_data_parallel
 from conveyor.parallel.tied import TiedGradients, tied_copies_outside_their_first_stage
-from conveyor.runtime.device import group_device, make_current, place_modules, resolve_device
 from conveyor.runtime.executor import RankExecutor
-from conveyor.runtime.lifecycle import RankLifecycle
-from conveyor.runtime.memory import MemoryReport, memory_report
-from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder, replica_timeline
-from conveyor.runtime.transport_choice import build_transport, seed_shapes
+from conveyor.runtime.lifecycle.rank import RankLifecycle
+from conveyor.runtime.stage.device import group_device, make_current, place_modules, resolve_device
+from conveyor.runtime.stage.memory import MemoryReport, memory_report
+from conveyor.runtime.stage.timing import EventRecorder, StepRecorder, make_recorder, replica_timeline
+from conveyor.runtime.transport.choice import build_transport, seed_shapes
 from conveyor.schedule.grid import render_positions
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.passes import executable

@@ -16,8 +16,8 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.microbatch import check_given_microbatches, merge_outputs, split_microbatches, split_value
 from conveyor.parallel.loss import set_loss_divisor
-from conveyor.runtime.device import to_device
-from conveyor.runtime.rng import step_random_streams
+from conveyor.runtime.stage.device import to_device
+from conveyor.runtime.stage.rng import step_random_streams
 
 log = logging.getLogger("conveyor.pipe")
 

@@ -36,7 +36,7 @@ from conveyor.frontend.stage import as_received
 from conveyor.frontend.trace import trace_model
 from conveyor.frontend.units import ModuleSpans, find_units
 from conveyor.plan.costs import CostTable, UnitCost
-from conveyor.runtime.backward import GraphAnalysisCache, backward_input
+from conveyor.runtime.stage.backward import GraphAnalysisCache, backward_input
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool, analy
               in_flight: int = IN_FLIGHT):
     """Forward, I, W, B of one unit: ((F, I, W, B) seconds, outputs, (saved bytes, bytes W needs)).
 
-    I and W are the runtime's own split (``conveyor.runtime.backward``: I keeps the gradients at the
+    I and W are the runtime's own split (``conveyor.runtime.stage.backward``: I keeps the gradients at the
     weights' frontier, W re-enters there), which costs more than one full backward; B is that full
     backward, on fresh forwards (untimed), for where the runtime does not split.
 
@@ -298,7 +298,7 @@ def split_backward_seconds(roots: Sequence[Any], root_grads: Sequence[Any], inpu
                            params: Sequence[Any], analyses: Any = None) -> tuple[float, float]:
     """Seconds of conveyor's input-gradient pass (I) then weight-gradient pass (W) on one graph.
 
-    What the runtime runs where a schedule splits a backward (``conveyor.runtime.backward``):
+    What the runtime runs where a schedule splits a backward (``conveyor.runtime.stage.backward``):
     I walks the graph and keeps the gradients at the weights' frontier, W re-enters there once
     per group of weights, so I + W costs more than one full backward (a small GPT stage: 5.7 +
     5.4 ms against 9.3 ms). Profile I and W this way for a split schedule; pass the same

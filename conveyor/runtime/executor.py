@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from conveyor.errors import StageExecutionError
-from conveyor.runtime.device import to_device
-from conveyor.runtime.memory import MemoryMeter
-from conveyor.runtime.runner import StageRunner
-from conveyor.runtime.timing import EventRecorder, StepRecorder
-from conveyor.runtime.transport import LocalTransport, Transport, detach_for_next_stage
+from conveyor.runtime.stage.device import to_device
+from conveyor.runtime.stage.memory import MemoryMeter
+from conveyor.runtime.stage.runner import StageRunner
+from conveyor.runtime.stage.timing import EventRecorder, StepRecorder
+from conveyor.runtime.transport.transport import LocalTransport, Transport, detach_for_next_stage
 from conveyor.schedule.ir import Action, ActionKind, Placement
 from conveyor.schedule.posts import Batch, RankPosts
 
@@ -83,7 +83,7 @@ class RankExecutor:
             ActionKind.RECV_F: self._recv,
             ActionKind.RECV_B: self._recv,
         }
-        # What autograd saves in this rank's forwards, counted (see conveyor.runtime.memory).
+        # What autograd saves in this rank's forwards, counted (see conveyor.runtime.stage.memory).
         self.memory_meter = MemoryMeter(rank, runners) if measure_memory else None
         for runner in runners.values():
             runner.memory_meter = self.memory_meter

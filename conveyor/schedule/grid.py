@@ -98,7 +98,7 @@ def _text(action: object) -> str:
 
 def render_positions(train: Sequence[Sequence[object]], evaluation: Sequence[Sequence[object]],
                      positions: Sequence[dict | None]) -> str:
-    """Every rank's position (see :mod:`conveyor.runtime.positions`) on the step x rank grid.
+    """Every rank's position (see :mod:`conveyor.runtime.lifecycle.positions`) on the step x rank grid.
 
     A line per rank says what it runs or waits for; the grid marks each rank's current action
     ``>like this<`` in the programs the ranks run (``train`` or ``evaluation``, one program per

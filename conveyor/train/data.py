@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from conveyor.errors import CheckpointMismatchError, ConfigError
-from conveyor.runtime.device import to_device
+from conveyor.runtime.stage.device import to_device
 from conveyor.train import corpus, sources
 from conveyor.train.config import DataConfig
 

@@ -180,7 +180,7 @@ def activation_bytes(split: Any, example: torch.Tensor, options: StageOptions) -
 def _checkpointed_bytes(split: Any, stage: int, inputs: tuple, target: torch.Tensor | None, full: int,
                         policy: CheckpointPolicy | None) -> tuple[int, int]:
     """``(kept, recompute)`` of one stage under ``policy``, applied to a fresh meta copy of the stage."""
-    from conveyor.runtime.checkpointing import StageCheckpointing
+    from conveyor.runtime.stage.checkpointing import StageCheckpointing
 
     if policy is None:
         return full, 0

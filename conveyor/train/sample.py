@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.runtime.device import group_device
+from conveyor.runtime.stage.device import group_device
 
 DEFAULT_PROMPT = "def "
 PROMPT_TOKENS = 32  # of the validation text, when train.sample_prompt is None

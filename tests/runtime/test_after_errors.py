@@ -12,7 +12,7 @@ from torch import nn
 import conveyor
 import conveyor.schedule as cs
 from conveyor.local import LocalPipeline
-from conveyor.runtime.shm import process_alive
+from conveyor.runtime.lifecycle.peers import process_alive
 from conveyor.testing import run_ranks
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conveyor.runtime.backward import GraphAnalysisCache, backward_input
+from conveyor.runtime.stage.backward import GraphAnalysisCache, backward_input
 
 
 class Chain(nn.Module):

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from conveyor.local import LocalPipeline
 from conveyor.options import StageOptions
-from conveyor.runtime.recompute import RecomputedBuffers
+from conveyor.runtime.stage.recompute import RecomputedBuffers
 
 NUM_MICROBATCHES = 4
 

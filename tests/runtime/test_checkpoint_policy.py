@@ -16,7 +16,7 @@ import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
 from conveyor.options import CheckpointPolicy, Layout, PipelineOptions, StageOptions
-from conveyor.runtime.checkpointing import StageCheckpointing
+from conveyor.runtime.stage.checkpointing import StageCheckpointing
 from conveyor.testing import run_ranks
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss, make_batch, reference_model, reference_step
 

@@ -11,10 +11,10 @@ import torch
 import conveyor
 import conveyor.local
 from conveyor.errors import PipelineConfigError
-from conveyor.runtime.device import collective_device, place_modules, resolve_device, to_device
 from conveyor.runtime.executor import RankExecutor
-from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder
-from conveyor.runtime.transport import LocalMailbox, LocalTransport
+from conveyor.runtime.stage.device import collective_device, place_modules, resolve_device, to_device
+from conveyor.runtime.stage.timing import EventRecorder, StepRecorder, make_recorder
+from conveyor.runtime.transport.transport import LocalMailbox, LocalTransport
 from conveyor.schedule import build
 from conveyor.testing.multiprocess import run_ranks
 
@@ -52,7 +52,7 @@ def test_more_local_ranks_than_gpus_share_them_round_robin_with_a_warning(cuda, 
     # the test harness's LOCAL_RANK=rank, launchers that give each process one GPU).
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "5")
-    with caplog.at_level(logging.WARNING, logger="conveyor.runtime.device"):
+    with caplog.at_level(logging.WARNING, logger="conveyor.runtime.stage.device"):
         assert resolve_device(None) == torch.device("cuda", 1)
     assert "LOCAL_RANK=5 but this process sees 4 CUDA device(s): it runs on cuda:1" in caplog.text
     assert "NCCL needs one GPU per rank" in caplog.text
@@ -63,11 +63,11 @@ def test_a_process_given_its_own_gpu_runs_on_it_whatever_its_local_rank(monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # the launcher's: GPU 3 alone, seen as cuda:0
-    with caplog.at_level(logging.WARNING, logger="conveyor.runtime.device"):
+    with caplog.at_level(logging.WARNING, logger="conveyor.runtime.stage.device"):
         assert resolve_device(None) == resolve_device("cuda") == torch.device("cuda", 0)
     assert caplog.text == ""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # one GPU for every local rank: shared, and said so
-    with caplog.at_level(logging.WARNING, logger="conveyor.runtime.device"):
+    with caplog.at_level(logging.WARNING, logger="conveyor.runtime.stage.device"):
         assert resolve_device(None) == torch.device("cuda", 0)
     assert "cuda:0, which other local ranks share" in caplog.text
 
@@ -239,7 +239,7 @@ def test_a_timeline_from_events_has_every_action(monkeypatch):
 def test_a_gpu_stage_device_becomes_the_current_cuda_device(monkeypatch):
     # NCCL makes its communicators and object collectives on the current device: a rank whose
     # stage is cuda:1 must not leave cuda:0 current (every rank of a node would share it).
-    from conveyor.runtime.device import make_current
+    from conveyor.runtime.stage.device import make_current
 
     current, chosen = [0], []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])

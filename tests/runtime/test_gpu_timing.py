@@ -16,7 +16,7 @@ import torch
 import conveyor.plan.calibration as calibration
 from conveyor.parallel import replicas as replicas_module
 from conveyor.parallel.replicas import Replicas
-from conveyor.runtime.timing import EventRecorder, SpanTimer
+from conveyor.runtime.stage.timing import EventRecorder, SpanTimer
 from conveyor.testing.models import Emulated
 
 

@@ -4,7 +4,7 @@ NCCL creates a communicator at a group's first operation, blocking the host unti
 is there (which deadlocks zb-h1 V=2 in its first step: see test_ordering's replay); and under
 ``init_process_group(device_id=...)`` torch splits every new group from the default communicator,
 which every rank of the parent must join. These runs put gloo ranks under each decision of
-:func:`conveyor.runtime.lifecycle.group_creation` (the CPU stands in for the GPU) and record the
+:func:`conveyor.runtime.lifecycle.rank.group_creation` (the CPU stands in for the GPU) and record the
 calls that make the groups.
 """
 
@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.runtime import lifecycle
-from conveyor.runtime.lifecycle import GroupCreation, group_creation
+from conveyor.runtime.lifecycle import rank as lifecycle
+from conveyor.runtime.lifecycle.rank import GroupCreation, group_creation
 from conveyor.testing import run_ranks
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)

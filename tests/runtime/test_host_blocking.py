@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import conveyor.schedule as cs
 from conveyor.errors import ScheduleError
-from conveyor.runtime.host_blocking import check_first_step
+from conveyor.runtime.lifecycle.host_blocking import check_first_step
 from conveyor.schedule.ir import Placement, Schedule
 from conveyor.schedule.passes import executable
 from conveyor.schedule.posts import EVAL_FORWARD, FORWARD, IN_ORDER, plan_all_posts

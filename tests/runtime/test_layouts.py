@@ -12,7 +12,7 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.runtime.wire import (
+from conveyor.runtime.transport.wire import (
     dense_strides,
     flat_in_layout,
     flatten_payload,

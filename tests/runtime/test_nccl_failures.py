@@ -23,8 +23,9 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.runtime import aborts, lifecycle, peers
-from conveyor.runtime.shm import host_identity
+from conveyor.runtime.lifecycle import aborts, peers
+from conveyor.runtime.lifecycle import rank as lifecycle
+from conveyor.runtime.lifecycle.peers import host_identity
 from conveyor.testing import run_ranks
 
 SCENARIOS = ("killed", "frozen", "stuck", "queued")

@@ -14,7 +14,7 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.runtime.ordered import OrderedTransport
+from conveyor.runtime.transport.ordered import OrderedTransport
 from conveyor.testing import run_ranks
 
 from .parity import NUM_MICROBATCHES, assert_same, reference_run, schedule_grid

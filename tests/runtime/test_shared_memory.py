@@ -13,9 +13,9 @@ import torch
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import CommTimeout, PeerFailure, PipelineConfigError
-from conveyor.runtime.process_group import DistTransport
-from conveyor.runtime.shm import SharedMemoryTransport
-from conveyor.runtime.wire import dense_strides
+from conveyor.runtime.transport.process_group import DistTransport
+from conveyor.runtime.transport.shm import SharedMemoryTransport
+from conveyor.runtime.transport.wire import dense_strides
 from conveyor.testing import run_ranks
 
 
@@ -214,7 +214,7 @@ def test_a_dropped_pipeline_gives_its_rings_and_doorbell_back():
 
 
 def test_spin_is_long_only_when_every_local_process_has_a_core(monkeypatch):
-    from conveyor.runtime import shm
+    from conveyor.runtime.transport import shm
 
     monkeypatch.delenv("CONVEYOR_SHM_SPIN_US", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -241,7 +241,7 @@ def _in_process_pair(monkeypatch, prefix: str, spin_s=None):
 
 
 def test_after_a_long_wait_the_next_wait_polls_briefly_unless_the_spin_was_given(monkeypatch):
-    from conveyor.runtime import shm
+    from conveyor.runtime.transport import shm
 
     sender, receiver = _in_process_pair(monkeypatch, "adaptive")
     receiver.spin_s = 1e-3
@@ -260,7 +260,7 @@ def test_after_a_long_wait_the_next_wait_polls_briefly_unless_the_spin_was_given
 
 
 def test_a_structure_sent_again_reuses_its_cached_layout(monkeypatch):
-    from conveyor.runtime import shm_ring
+    from conveyor.runtime.transport import shm_ring
 
     sender, receiver = _in_process_pair(monkeypatch, "layouts")
     shm_ring._LAYOUTS.clear()

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from conveyor.runtime.runner import grad_leaves
-from conveyor.runtime.wire import (
+from conveyor.runtime.stage.runner import grad_leaves
+from conveyor.runtime.transport.wire import (
     PayloadMeta,
     data_and_trailer,
     flatten_payload,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import conveyor.runtime.device
+import conveyor.runtime.stage.device
 from conveyor.errors import ConfigError
 from conveyor.train import launch
 from conveyor.train.config import load_config
@@ -54,7 +54,7 @@ def nccl_rule(monkeypatch):
     all_reduce records where its tensor is and stops (a meta tensor holds no number to read back)."""
     reduced = []
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-    monkeypatch.setattr(conveyor.runtime.device, "collective_device", lambda backend, device: META)
+    monkeypatch.setattr(conveyor.runtime.stage.device, "collective_device", lambda backend, device: META)
 
     def all_reduce(tensor, *args, **kwargs):
         reduced.append((tensor.device, tensor.dtype, tuple(tensor.shape)))

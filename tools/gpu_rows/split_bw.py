@@ -13,7 +13,7 @@ import statistics
 import torch
 
 import conveyor.schedule as cs
-from conveyor.runtime.backward import GraphAnalysisCache, backward_full, backward_input
+from conveyor.runtime.stage.backward import GraphAnalysisCache, backward_full, backward_input
 from conveyor.testing.models import TinyGPT
 
 from .common import Context, Timer, deterministic

@@ -3,10 +3,10 @@
 A transfer is addressed by ``(direction, stage, microbatch)``: direction 0
 carries the forward output of ``stage`` to ``stage + 1``, direction 1 the input
 gradient of ``stage`` to ``stage - 1`` (2: forwards of evaluation). The transports:
-:class:`LocalTransport` (one process), :mod:`conveyor.runtime.process_group` (gloo,
-matched by tag), :mod:`conveyor.runtime.shm` (shared memory), :mod:`conveyor.runtime.hybrid`
-(both), :mod:`conveyor.runtime.ordered` (NCCL, matched by order); which one a pipeline gets
-is :mod:`conveyor.runtime.transport_choice`'s.
+:class:`LocalTransport` (one process), :mod:`conveyor.runtime.transport.process_group` (gloo,
+matched by tag), :mod:`conveyor.runtime.transport.shm` (shared memory), :mod:`conveyor.runtime.transport.hybrid`
+(both), :mod:`conveyor.runtime.transport.ordered` (NCCL, matched by order); which one a pipeline gets
+is :mod:`conveyor.runtime.transport.choice`'s.
 
 Where and in which batches a rank posts its sends and receives is written in the lowered
 program (:mod:`conveyor.schedule.posts`); a transport declares which discipline it needs
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.errors import CommTimeout
-from conveyor.runtime.wire import (
+from conveyor.runtime.transport.wire import (
     Channel,
     PayloadMeta,
     TransferKey,
@@ -153,7 +153,7 @@ class Transport(ABC):
     transport's timeout, and names what it waited for when it gives up. ``discipline`` says
     how the transport matches transfers, hence how posts must be planned (by address:
     ``"lookahead"``; by order, as NCCL: ``"in_order"``). A transfer is addressed by its
-    :data:`~conveyor.runtime.wire.TransferKey`; transfers of one channel (direction, sending
+    :data:`~conveyor.runtime.transport.wire.TransferKey`; transfers of one channel (direction, sending
     stage) are a stream. Failures: ``publish_failure`` tells the peers why this rank stops,
     ``peer_failures`` reads what they published; ``close`` releases everything.
 

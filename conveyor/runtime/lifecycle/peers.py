@@ -6,7 +6,7 @@ store what its peers need to tell a death from a slow step, and reads what they 
 
 - **Its process.** Each rank says which process it is (pid and host): a peer on the same host
   whose process is gone has exited.
-- **Its heartbeat.** The watcher of :mod:`conveyor.runtime.positions` counts it up each poll: a
+- **Its heartbeat.** The watcher of :mod:`conveyor.runtime.lifecycle.positions` counts it up each poll: a
   peer whose count stands still for ``silence_s`` died or froze, on any host.
 - **That it left.** A rank that closed its pipeline cleanly says so: its process may then exit,
   and its heartbeat stop, without a peer taking it for dead.
@@ -14,11 +14,11 @@ store what its peers need to tell a death from a slow step, and reads what they 
   rings): what a failing peer said before it closed; what stood there before this pipeline
   began is no failure of this one's.
 
-:class:`PeerHealth` reads these for :class:`~conveyor.runtime.lifecycle.RankLifecycle`, which
+:class:`PeerHealth` reads these for :class:`~conveyor.runtime.lifecycle.rank.RankLifecycle`, which
 acts on what it finds: :meth:`PeerHealth.cause` explains a broken connection, and
 :meth:`PeerHealth.verdict` is what the NCCL watcher aborts the communicators for.
 
-Example (what :class:`~conveyor.runtime.lifecycle.RankLifecycle` does)::
+Example (what :class:`~conveyor.runtime.lifecycle.rank.RankLifecycle` does)::
 
     peers = PeerHealth(store, rank, global_ranks, prefix=life.store_prefix)
     peers.read_failures_from(transport)
@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from conveyor.errors import PeerFailure
-from conveyor.runtime.positions import HEARTBEAT_KEY
-from conveyor.runtime.shm import host_identity, process_alive
+from conveyor.runtime.lifecycle.positions import HEARTBEAT_KEY
 
 # Where each rank says which process it is, so that a peer whose connection broke can tell
 # which rank died (a killed process publishes no failure of its own).
@@ -53,6 +53,53 @@ SILENCE_S = 10.0
 # Where a rank says that it closed this pipeline cleanly: its process may then exit, and its
 # heartbeat stop, without a peer taking it for dead.
 _LEFT_KEY = "conveyor/left/{prefix}/{global_rank}"
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) still runs; an unreaped zombie has exited."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    # A process that exited but that its parent has not reaped yet (a launcher waiting on its
+    # children one by one) still answers signal 0: read its state.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
+
+
+def host_identity() -> str:
+    """Which processes can share rings with this one: same kernel boot, user and namespaces.
+
+    Rings are mapped through ``/proc/<pid>/fd`` (same PID namespace, same user) and
+    doorbells are abstract Unix sockets (same network namespace); the hostname is there
+    for people reading it. ``CONVEYOR_HOST_ID`` replaces it (a launcher that knows
+    better; tests that play several hosts on one machine).
+
+    Example:
+        >>> host_identity() == host_identity()
+        True
+    """
+    override = os.environ.get("CONVEYOR_HOST_ID")
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+    except OSError:  # not Linux: the transport is not offered there anyway
+        boot_id = "?"
+    namespaces = []
+    for kind in ("pid", "net"):
+        try:
+            namespaces.append(str(os.stat(f"/proc/self/ns/{kind}").st_ino))
+        except OSError:
+            namespaces.append("?")
+    return f"{socket.gethostname()}/{boot_id}/uid{os.getuid()}/{'/'.join(namespaces)}"
 
 
 class PeerHealth:
@@ -132,7 +179,7 @@ class PeerHealth:
         return None
 
     def heartbeats(self) -> dict[int, int]:
-        """Each peer's heartbeat count (see conveyor.runtime.positions), where the store has one."""
+        """Each peer's heartbeat count (see conveyor.runtime.lifecycle.positions), where the store has one."""
         beats = {}
         for rank, global_rank in enumerate(self.global_ranks):
             key = HEARTBEAT_KEY.format(global_rank=global_rank)

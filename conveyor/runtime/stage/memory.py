@@ -48,7 +48,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from conveyor.errors import PipelineConfigError
 
 if TYPE_CHECKING:
-    from conveyor.runtime.runner import StageRunner
+    from conveyor.runtime.stage.runner import StageRunner
 
 Span = tuple[int, int]  # byte offsets [start, end) within a storage
 
@@ -284,7 +284,7 @@ def memory_report(meter: MemoryMeter | None, pipeline: str) -> MemoryReport:
         raise PipelineConfigError(
             f"memory() reports what autograd saved in the last step, but this {pipeline} was built without "
             f"measuring it; build it with stage=StageOptions(measure_memory=True) (it slows each step: see "
-            f"conveyor.runtime.memory)"
+            f"conveyor.runtime.stage.memory)"
         )
     return meter.report()
 

@@ -15,9 +15,9 @@ and "what does close() release" are answered in one file:
   pipeline then refuses calls with :class:`~conveyor.errors.PipelineStopped`. Under NCCL,
   whose waits are the GPU's streams, the watcher thread also looks for a killed peer (its
   process gone, its heartbeat stopped) and for a call past ``timeout_s``, aborts every
-  communicator of the pipeline together (:mod:`conveyor.runtime.aborts`), and the waiting
+  communicator of the pipeline together (:mod:`conveyor.runtime.lifecycle.aborts`), and the waiting
   call raises what it saw. What the store says of the peers' health (their processes,
-  heartbeats, clean exits and published failures) is read by :mod:`conveyor.runtime.peers`;
+  heartbeats, clean exits and published failures) is read by :mod:`conveyor.runtime.lifecycle.peers`;
   this module decides what to do with it.
 - **Close.** ``close()`` (also on ``with``, when the pipeline is garbage collected, and at
   interpreter exit) releases the transport's rings, sockets and pending work and destroys
@@ -66,9 +66,9 @@ from conveyor.errors import (
     PipelineConfigError,
     PipelineStopped,
 )
-from conveyor.runtime.aborts import GroupAborter
-from conveyor.runtime.peers import PeerHealth
-from conveyor.runtime.positions import PositionBoard
+from conveyor.runtime.lifecycle.aborts import GroupAborter
+from conveyor.runtime.lifecycle.peers import PeerHealth
+from conveyor.runtime.lifecycle.positions import PositionBoard
 
 # Under NCCL the watcher ends a wait past timeout_s and says where everyone is; NCCL's own
 # watchdog (which ends the process) is given this much longer, so that it comes second.
@@ -99,7 +99,7 @@ def group_creation(backend: str, bound_device: torch.device | None, device: torc
 
     NCCL creates a group's communicator lazily, at its first operation, and creating it blocks
     the host until every member is there: a rank could then block in a step, waiting for a
-    peer that itself waits (for a structure, :func:`conveyor.runtime.host_blocking.check_first_step`)
+    peer that itself waits (for a structure, :func:`conveyor.runtime.lifecycle.host_blocking.check_first_step`)
     on this rank. So under NCCL every group is connected when it is made, on ``device`` (the
     one its operations use), in the order the pipeline makes them, the same on every rank.
     When the default group was bound to a device (``init_process_group(device_id=...)``),
@@ -294,7 +294,7 @@ class RankLifecycle:
         """The transport this pipeline moves payloads with, and what else holds work on its groups.
 
         ``position`` (the executor's) and ``render`` (positions -> picture) make this rank answer
-        "where is everyone" (:mod:`conveyor.runtime.positions`) until the pipeline closes.
+        "where is everyone" (:mod:`conveyor.runtime.lifecycle.positions`) until the pipeline closes.
         """
         self.transport = transport
         self._on_release = list(on_release)
@@ -320,7 +320,7 @@ class RankLifecycle:
         parallelism every replica's), or by the ranks of a group of the user's. Each is
         connected as it is made, in sorted channel order on every rank: a communicator made at
         a channel's first transfer would block its rank inside a step (see
-        :func:`conveyor.runtime.host_blocking.check_first_step`).
+        :func:`conveyor.runtime.lifecycle.host_blocking.check_first_step`).
         """
         mine = {}
         for src, dst in sorted(set(channels)):

@@ -12,7 +12,7 @@ The same picture on request for a running job: when the file named by
 ``CONVEYOR_WHERE_TRIGGER`` appears, rank 0 of each pipeline asks, logs the picture and writes
 it next to the trigger (``<trigger>.txt``), then removes the trigger.
 
-Example (what :class:`~conveyor.runtime.lifecycle.RankLifecycle` sets up)::
+Example (what :class:`~conveyor.runtime.lifecycle.rank.RankLifecycle` sets up)::
 
     board = PositionBoard(store, "conveyor/where/<group name>", rank, num_ranks, executor.position)
     board.start()

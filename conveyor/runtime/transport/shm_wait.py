@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from conveyor.errors import PeerFailure
-from conveyor.runtime.shm_ring import (
+from conveyor.runtime.lifecycle.peers import process_alive
+from conveyor.runtime.transport.shm_ring import (
     _ASLEEP,
     _BLOCKED,
     _HEADER,
@@ -37,10 +38,9 @@ from conveyor.runtime.shm_ring import (
     _padded,
     _Ring,
     _tensors_of,
-    process_alive,
 )
-from conveyor.runtime.transport import receive_timeout
-from conveyor.runtime.wire import PayloadMeta, TransferKey, unflatten_payload
+from conveyor.runtime.transport.transport import receive_timeout
+from conveyor.runtime.transport.wire import PayloadMeta, TransferKey, unflatten_payload
 
 HEALTH_EVERY_S = 0.5  # how often a waiting rank looks whether its peers failed
 

@@ -4,7 +4,7 @@ Tensors travel as one flat byte buffer; the payload's structure (shapes, dtypes,
 travels only when it differs from what the channel carried before, so shapes may change
 between microbatches and steps (see :class:`DistTransport`).
 
-Example (what :func:`conveyor.runtime.transport_choice.build_transport` builds for ``"process_group"``)::
+Example (what :func:`conveyor.runtime.transport.choice.build_transport` builds for ``"process_group"``)::
 
     transport = DistTransport(group, global_ranks, rank, num_stages, num_microbatches, timeout_s=300.0)
 """
@@ -22,8 +22,8 @@ import numpy
 import torch
 
 from conveyor.errors import LostConnection, PeerFailure
-from conveyor.runtime.transport import FailureBoard, Transport, receive_timeout
-from conveyor.runtime.wire import (
+from conveyor.runtime.transport.transport import FailureBoard, Transport, receive_timeout
+from conveyor.runtime.transport.wire import (
     Channel,
     PayloadMeta,
     TransferKey,
@@ -248,7 +248,7 @@ class DistTransport(FailureBoard, Transport):
                     raise PeerFailure(failure) from exc
                 raise receive_timeout(self.rank, self.timeout_s, what, handle.src) from exc
             # Which rank failed first is for the pipeline's failure protocol to find out
-            # (conveyor.runtime.lifecycle): the breakage of any pair of the group reaches here.
+            # (conveyor.runtime.lifecycle.rank): the breakage of any pair of the group reaches here.
             raise LostConnection(
                 f"rank {self.rank} lost its connection while waiting for {what} from rank {handle.src}: {exc}"
             ) from exc

@@ -29,18 +29,18 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
 from conveyor.errors import PipelineConfigError, StageExecutionError
-from conveyor.runtime.backward import (
+from conveyor.runtime.stage.backward import (
     GraphAnalysisCache,
     PendingWeightGrad,
     backward_full,
     backward_input,
 )
-from conveyor.runtime.checkpointing import StageCheckpointing
-from conveyor.runtime.compile import compile_options, compile_stage
-from conveyor.runtime.main_grad import ParamPrecision, apply_param_precision
-from conveyor.runtime.memory import MemoryMeter
-from conveyor.runtime.precision import autocast_region
-from conveyor.runtime.rng import StepRandomness
+from conveyor.runtime.stage.checkpointing import StageCheckpointing
+from conveyor.runtime.stage.compile import compile_options, compile_stage
+from conveyor.runtime.stage.main_grad import ParamPrecision, apply_param_precision
+from conveyor.runtime.stage.memory import MemoryMeter
+from conveyor.runtime.stage.precision import autocast_region
+from conveyor.runtime.stage.rng import StepRandomness
 
 if TYPE_CHECKING:
     from conveyor.options import StageOptions

@@ -4,7 +4,7 @@
 (``LOCAL_WORLD_SIZE == WORLD_SIZE``, as torchrun sets them); else the ranks tell each other
 their hosts through the store and every pair of ranks that talk uses shared memory where
 they share a host: shared memory, hybrid or the process group. NCCL (whose point-to-point
-ignores tags): ``"ordered"`` (:mod:`conveyor.runtime.ordered`), which gloo runs too, to check it.
+ignores tags): ``"ordered"`` (:mod:`conveyor.runtime.transport.ordered`), which gloo runs too, to check it.
 
 Example (what :class:`conveyor.Pipeline` does)::
 
@@ -22,13 +22,14 @@ from torch.utils import _pytree as pytree
 
 from conveyor.errors import PipelineConfigError
 from conveyor.options import TRANSPORTS
-from conveyor.runtime.hybrid import HostExchange, HybridTransport
-from conveyor.runtime.lifecycle import RankLifecycle
-from conveyor.runtime.ordered import OrderedTransport
-from conveyor.runtime.process_group import DistTransport
-from conveyor.runtime.shm import SharedMemoryTransport, host_identity, shared_memory_supported
-from conveyor.runtime.transport import Transport
-from conveyor.runtime.wire import BACKWARD, EVAL_FORWARD, FORWARD, Channel, flatten_payload
+from conveyor.runtime.lifecycle.peers import host_identity
+from conveyor.runtime.lifecycle.rank import RankLifecycle
+from conveyor.runtime.transport.hybrid import HostExchange, HybridTransport
+from conveyor.runtime.transport.ordered import OrderedTransport
+from conveyor.runtime.transport.process_group import DistTransport
+from conveyor.runtime.transport.shm import SharedMemoryTransport, shared_memory_supported
+from conveyor.runtime.transport.transport import Transport
+from conveyor.runtime.transport.wire import BACKWARD, EVAL_FORWARD, FORWARD, Channel, flatten_payload
 from conveyor.schedule.ir import Schedule
 
 
@@ -46,7 +47,7 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
     ``variable_shapes``: microbatches change shapes every step; the ordered transport then agrees on
     each transfer's structure every step (the others carry it with the data when it changes).
 
-    ``in_order_channels``: see :class:`~conveyor.runtime.transport.Transport` (the pass chain's,
+    ``in_order_channels``: see :class:`~conveyor.runtime.transport.transport.Transport` (the pass chain's,
     ``Executable.in_order_channels(rank)``).
     """
     check_transport_name(kind)

@@ -8,7 +8,7 @@ torch's own ``_abort_process_group`` does for the whole job; :class:`GroupAborte
 one pipeline's groups (the user's stay usable), and remembers what it aborted, because the
 watcher thread and the failing main thread may both get there.
 
-Example (what :class:`~conveyor.runtime.lifecycle.RankLifecycle` does)::
+Example (what :class:`~conveyor.runtime.lifecycle.rank.RankLifecycle` does)::
 
     aborter = GroupAborter(rank)
     aborter.abort(groups)          # the watcher, on a dead peer
@@ -33,7 +33,7 @@ class GroupAborter:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         # id()s, not the groups: a reference here would keep a destroyed gloo group's threads
-        # alive into interpreter exit (see conveyor.runtime.lifecycle)
+        # alive into interpreter exit (see conveyor.runtime.lifecycle.rank)
         self.aborted: set[int] = set()
         self._lock = threading.Lock()
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy
 import torch
 
-from conveyor.runtime.shm_ring import (
+from conveyor.runtime.transport.shm_ring import (
     _ASLEEP,
     _DATA,
     _HEADER,
@@ -35,7 +35,7 @@ from conveyor.runtime.shm_ring import (
     _padded,
     _Ring,
 )
-from conveyor.runtime.wire import (
+from conveyor.runtime.transport.wire import (
     PayloadMeta,
     TransferKey,
     check_frozen,

@@ -8,12 +8,12 @@ wakes on the doorbell (an abstract Unix datagram socket) when it sleeps.
 
 The transport is cut by concern, a module each:
 
-- :mod:`conveyor.runtime.shm_ring`: the rings themselves (their memory, the layout of a
+- :mod:`conveyor.runtime.transport.shm_ring`: the rings themselves (their memory, the layout of a
   message, how a payload's tensors lie in them);
-- :mod:`conveyor.runtime.shm_handshake`: who maps which ring, and the doorbells;
-- :mod:`conveyor.runtime.shm_outbox`: sending (a send never blocks: a message that finds
+- :mod:`conveyor.runtime.transport.shm_handshake`: who maps which ring, and the doorbells;
+- :mod:`conveyor.runtime.transport.shm_outbox`: sending (a send never blocks: a message that finds
   its ring full waits in the outbox for the next call into the transport), growing rings;
-- :mod:`conveyor.runtime.shm_wait`: receiving and waiting (spin, then sleep on the
+- :mod:`conveyor.runtime.transport.shm_wait`: receiving and waiting (spin, then sleep on the
   doorbell; a failed peer is noticed within a second);
 - this module: the transport they make, what it remembers per channel, its spin policy,
   failure messages and closing.
@@ -29,17 +29,15 @@ import contextlib
 import os
 from collections import deque
 
-from conveyor.runtime.shm_handshake import RingHandshake
-from conveyor.runtime.shm_outbox import Outbox
-from conveyor.runtime.shm_ring import _Incoming, _Outgoing, _Ring
+from conveyor.runtime.transport.shm_handshake import RingHandshake
+from conveyor.runtime.transport.shm_outbox import Outbox
+from conveyor.runtime.transport.shm_ring import _Incoming, _Outgoing, _Ring
 
-# Re-exported: the transports' chooser, the lifecycle and the tests import them from here.
-from conveyor.runtime.shm_ring import host_identity as host_identity
-from conveyor.runtime.shm_ring import process_alive as process_alive
-from conveyor.runtime.shm_ring import shared_memory_supported as shared_memory_supported
-from conveyor.runtime.shm_wait import Waiting
-from conveyor.runtime.transport import FailureBoard, Transport
-from conveyor.runtime.wire import PayloadMeta, TransferKey
+# Re-exported: the transports' chooser imports it from here.
+from conveyor.runtime.transport.shm_ring import shared_memory_supported as shared_memory_supported
+from conveyor.runtime.transport.shm_wait import Waiting
+from conveyor.runtime.transport.transport import FailureBoard, Transport
+from conveyor.runtime.transport.wire import PayloadMeta, TransferKey
 
 
 class SharedMemoryTransport(RingHandshake, Outbox, Waiting, FailureBoard, Transport):
@@ -51,7 +49,7 @@ class SharedMemoryTransport(RingHandshake, Outbox, Waiting, FailureBoard, Transp
     waiting at most ``timeout_s`` for that peer to have published them. ``spin_s``: how
     long a receiver polls before it sleeps on its doorbell (default: 1 ms when this host has a
     core for every rank, else 50 µs). ``local_ranks``: how many of the ``num_ranks`` run on
-    this host (all, unless some peers are reached another way: see :mod:`conveyor.runtime.hybrid`).
+    this host (all, unless some peers are reached another way: see :mod:`conveyor.runtime.transport.hybrid`).
     ``rank_to_global``: this pipeline group's ranks in the default group (default: the same),
     which name failures on the store.
     """

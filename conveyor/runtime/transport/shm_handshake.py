@@ -1,4 +1,4 @@
-"""Who maps which shared-memory ring: the handshake of :class:`conveyor.runtime.shm.SharedMemoryTransport`.
+"""Who maps which shared-memory ring: the handshake of :class:`conveyor.runtime.transport.shm.SharedMemoryTransport`.
 
 Building the transport creates this rank's doorbell (an abstract Unix datagram socket) and
 one outgoing ring per peer, and publishes where they are in the process group's store; it
@@ -22,7 +22,8 @@ import socket
 from typing import Any
 
 from conveyor.errors import CommTimeout, PeerFailure
-from conveyor.runtime.shm_ring import _MAPPED, _Incoming, _Outgoing, _Ring, process_alive
+from conveyor.runtime.lifecycle.peers import process_alive
+from conveyor.runtime.transport.shm_ring import _MAPPED, _Incoming, _Outgoing, _Ring
 
 INITIAL_CAPACITY = 64 * 1024  # of a new ring; grows with the payloads; every touched page counts in RSS
 

@@ -24,14 +24,14 @@ How it composes with the rest of a stage:
   saved, then the compiled backward. The recomputation is a second call of the compiled
   code, not a recompute inside one compiled graph (torch's partitioner does that only for a
   checkpoint traced inside the compiled region, which would lose conveyor's buffer handling:
-  see :mod:`conveyor.runtime.recompute`).
+  see :mod:`conveyor.runtime.stage.recompute`).
 * **Data parallelism** (``data_parallel="ddp"`` / ``"fsdp"``): FSDP2 wraps the stage module in
   place, and the compiled call goes through it (its hooks included).
 * **The I/W split** (zero-bubble schedules): a compiled region's backward is one graph
   (AOTAutograd) that computes its inputs' and its weights' gradients together, so it cannot
   be cut in two. Where such a region sits between a stage's inputs and its weights, that
   stage's I runs the full backward and its W has nothing left to do (logged once per stage;
-  see :func:`conveyor.runtime.backward.backward_input`). Stage 0, whose inputs carry no
+  see :func:`conveyor.runtime.stage.backward.backward_input`). Stage 0, whose inputs carry no
   gradient, keeps its split (I is empty, W runs the backward).
 
 Example:

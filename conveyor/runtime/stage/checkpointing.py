@@ -3,7 +3,7 @@
 Everything recomputed goes through ``torch.utils.checkpoint.checkpoint`` (non-reentrant),
 with two contexts around each forward and recomputation:
 
-* :class:`~conveyor.runtime.recompute.RecomputedBuffers` of the checkpointed module, so that a
+* :class:`~conveyor.runtime.stage.recompute.RecomputedBuffers` of the checkpointed module, so that a
   recomputation reads the buffers its forward read and buffers end as without checkpointing;
 * with ``save``, torch's selective checkpointing (``create_selective_checkpoint_contexts``):
   the chosen operators' outputs are kept from the forward, the rest recomputed. Torch lets a
@@ -39,7 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy as OpPolicy
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from conveyor.errors import PipelineConfigError
-from conveyor.runtime.recompute import RecomputedBuffers
+from conveyor.runtime.stage.recompute import RecomputedBuffers
 
 if TYPE_CHECKING:
     from conveyor.options import CheckpointPolicy

@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from conveyor.errors import CommTimeout
-from conveyor.runtime.process_group import DistTransport
-from conveyor.runtime.shm import SharedMemoryTransport
-from conveyor.runtime.shm_wait import HEALTH_EVERY_S
-from conveyor.runtime.transport import Transport
-from conveyor.runtime.wire import Channel, PayloadMeta, TransferKey
+from conveyor.runtime.transport.process_group import DistTransport
+from conveyor.runtime.transport.shm import SharedMemoryTransport
+from conveyor.runtime.transport.shm_wait import HEALTH_EVERY_S
+from conveyor.runtime.transport.transport import Transport
+from conveyor.runtime.transport.wire import Channel, PayloadMeta, TransferKey
 
 _POLL_SLEEP_S = 50e-6
 

@@ -1,4 +1,4 @@
-"""The shared-memory rings under :class:`conveyor.runtime.shm.SharedMemoryTransport`: their memory,
+"""The shared-memory rings under :class:`conveyor.runtime.transport.shm.SharedMemoryTransport`: their memory,
 their layout, and who may map them.
 
 Layout of a ring (an anonymous ``memfd`` of the sender, opened by the receiver through
@@ -8,7 +8,7 @@ page (write position, read position, the sender's failure message) and a data ar
 (a WRAP record skips to its start). A message is a 64-byte header ``(kind, total
 bytes, direction, stage, microbatch, structure id, structure bytes, data bytes)``, then
 the pickled structure when the channel has not carried it before, then the data as
-:mod:`conveyor.runtime.wire` packs it. A message too large for the ring moves the
+:mod:`conveyor.runtime.transport.wire` packs it. A message too large for the ring moves the
 channel to a larger ring (a SWITCH record names it). The sender publishes a message by
 storing the write position after the bytes: on x86-64 stores become visible in order,
 which is why this transport is offered on x86-64 Linux only.
@@ -24,7 +24,6 @@ import ctypes
 import mmap
 import os
 import platform
-import socket
 import struct
 import sys
 import threading
@@ -35,7 +34,7 @@ from typing import Any
 import numpy
 import torch
 
-from conveyor.runtime.wire import PayloadMeta, aligned, as_bytes, unpack
+from conveyor.runtime.transport.wire import PayloadMeta, aligned, as_bytes, unpack
 
 _CONTROL_BYTES = 4096
 # int64 word indices in the control page, each on its own cache line. _ASLEEP: the receiver
@@ -59,53 +58,6 @@ def shared_memory_supported() -> str:
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"its lock-free rings rely on x86-64's store order; this machine is {platform.machine()}"
     return ""
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` (on this host) still runs; an unreaped zombie has exited."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    # A process that exited but that its parent has not reaped yet (a launcher waiting on its
-    # children one by one) still answers signal 0: read its state.
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rpartition(b")")[2].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X")
-
-
-def host_identity() -> str:
-    """Which processes can share rings with this one: same kernel boot, user and namespaces.
-
-    Rings are mapped through ``/proc/<pid>/fd`` (same PID namespace, same user) and
-    doorbells are abstract Unix sockets (same network namespace); the hostname is there
-    for people reading it. ``CONVEYOR_HOST_ID`` replaces it (a launcher that knows
-    better; tests that play several hosts on one machine).
-
-    Example:
-        >>> host_identity() == host_identity()
-        True
-    """
-    override = os.environ.get("CONVEYOR_HOST_ID")
-    if override:
-        return override
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            boot_id = boot.read().strip()
-    except OSError:  # not Linux: the transport is not offered there anyway
-        boot_id = "?"
-    namespaces = []
-    for kind in ("pid", "net"):
-        try:
-            namespaces.append(str(os.stat(f"/proc/self/ns/{kind}").st_ino))
-        except OSError:
-            namespaces.append("?")
-    return f"{socket.gethostname()}/{boot_id}/uid{os.getuid()}/{'/'.join(namespaces)}"
 
 
 class _Ring:
