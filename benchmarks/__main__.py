@@ -19,8 +19,8 @@ Flags pick what runs (several may be given; none means ``--compare``):
                  the step-time ratio with steal (benchmarks/tp_memory.py)
     --varlen     batching by length vs padding to the longest at pp=2: tokens/s, padding, simulated step;
                  with --varlen-parity the schedule x transport parity table instead (benchmarks/varlen.py)
-    --checkpointing  activation checkpointing policies on the llama recipe at pp=2: peak memory per rank,
-                 predicted and measured, and step time (benchmarks/checkpointing.py)
+    --recompute  recomputation policies on the llama recipe at pp=2: peak memory per rank, predicted
+                 and measured, and step time (benchmarks/recompute.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -41,7 +41,7 @@ from pathlib import Path
 
 PARTS = (
     "compare", "schedule", "schedule_scale", "split", "soak", "parallel", "data", "checkpoint", "train", "compile",
-    "plan", "tp_parity", "tp_memory", "varlen", "checkpointing",
+    "plan", "tp_parity", "tp_memory", "varlen", "recompute",
 )
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
@@ -121,9 +121,9 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     predict.add_argument("--predict-no-chosen", action="store_true",
                          help="leave out conveyor.plan.plan()'s own plan (by default measured with the others)")
     predict.add_argument("--predict-out", default=str(RESULTS / "plan"), help="output folder")
-    ckpt = parser.add_argument_group("--checkpointing (activation checkpointing policies)")
-    ckpt.add_argument("--checkpointing-rounds", type=int, default=2, help="rounds, the policies rotating")
-    ckpt.add_argument("--checkpointing-steps", type=int, default=2, help="timed steps per policy per round")
+    recompute = parser.add_argument_group("--recompute (activation recomputation policies)")
+    recompute.add_argument("--recompute-rounds", type=int, default=2, help="rounds, the policies rotating")
+    recompute.add_argument("--recompute-steps", type=int, default=2, help="timed steps per policy per round")
     compiled = parser.add_argument_group("--compile (compile=True vs eager)")
     compiled.add_argument("--compile-rounds", type=int, default=6, help="rounds, the side going first alternating")
     compiled.add_argument("--compile-steps", type=int, default=3, help="timed steps per side per round")
@@ -160,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--tp", dest="tp_memory", action="store_true",
                        help="tensor parallelism in conveyor train: bytes per rank and step time, tp=2 vs tp=1")
     parts.add_argument("--varlen", action="store_true", help="batching by length vs padding, at pp=2")
-    parts.add_argument("--checkpointing", action="store_true",
-                       help="checkpoint policies: predicted and measured peak memory per rank, step time")
+    parts.add_argument("--recompute", action="store_true",
+                       help="recomputation policies: predicted and measured peak memory per rank, step time")
     parts.add_argument(
         "--quick", action="store_true",
         help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only; "

@@ -23,7 +23,7 @@ _LAZY = {
     "MasterWeights": ("conveyor.runtime.stage.main_grad", "MasterWeights"),
     "Plan": ("conveyor.plan.result", "Plan"),
     "StageOptions": ("conveyor.options", "StageOptions"),
-    "CheckpointPolicy": ("conveyor.options", "CheckpointPolicy"),
+    "RecomputePolicy": ("conveyor.options", "RecomputePolicy"),
     "TransferOptions": ("conveyor.options", "TransferOptions"),
     "Layout": ("conveyor.options", "Layout"),
     "WholeModel": ("conveyor.options", "WholeModel"),
@@ -35,9 +35,9 @@ if TYPE_CHECKING:
     from conveyor.build import pipeline  # noqa: F401
     from conveyor.local import LocalPipeline  # noqa: F401
     from conveyor.options import (  # noqa: F401
-        CheckpointPolicy,
         Layout,
         PipelineOptions,
+        RecomputePolicy,
         SplitOptions,
         StageOptions,
         TransferOptions,

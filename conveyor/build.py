@@ -198,13 +198,13 @@ def _time_split_points(model, num_stages: int, layout: Layout, split_kwargs: dic
 
 def _plan_checkpoint(plan: Any, stage: StageOptions) -> StageOptions:
     """The stage options with the plan's checkpoint policies, where it needs some to fit and the
-    user gave none (a user's own ``checkpoint=`` wins)."""
+    user gave none (a user's own ``recompute=`` wins)."""
     from conveyor.plan import as_plan
 
     policies = as_plan(plan).checkpoint
-    if not policies or stage.checkpoint is not None:
+    if not policies or stage.recompute is not None:
         return stage
-    return dataclasses.replace(stage, checkpoint=list(policies))
+    return dataclasses.replace(stage, recompute=list(policies))
 
 
 def _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options):

@@ -1,8 +1,8 @@
 """A pipeline's options as typed records, one per concern, each checking itself.
 
-- :class:`StageOptions`: what each stage does (activation checkpointing, autocast, parameter and
+- :class:`StageOptions`: what each stage does (activation recomputation, autocast, parameter and
   accumulation dtypes, compile, random streams, memory measurement, the timeline).
-- :class:`CheckpointPolicy`: which part of a stage recomputes its activations in backward, per stage.
+- :class:`RecomputePolicy`: which part of a stage recomputes its activations in backward, per stage.
 - :class:`TransferOptions`: how bytes move between stages (transport, timeout, fixed shapes).
 - :class:`Layout`: where the ranks are (a process group or a ("pp", "dp") mesh, the data-parallel
   kind, the device, or every rank in this process).
@@ -21,7 +21,7 @@ configs): each field's ``help`` metadata is its documentation, there and here.
 
 Example:
     >>> import torch
-    >>> StageOptions(autocast=torch.bfloat16, checkpoint_activations=True).autocast
+    >>> StageOptions(autocast=torch.bfloat16, recompute=True).autocast
     'bf16'
     >>> StageOptions(param_dtype="bf16").grad_accum_dtype
     'fp32'
@@ -65,9 +65,9 @@ def _describe_fields(record: Any) -> str:
         value = getattr(record, f.name)
         if f.name == "compile":
             value = describe_compile(value)
-        elif isinstance(value, CheckpointPolicy):
+        elif isinstance(value, RecomputePolicy):
             value = value.describe()
-        elif f.name == "checkpoint" and isinstance(value, tuple):
+        elif f.name == "recompute" and isinstance(value, tuple):
             value = "[" + ", ".join(str(p.describe() if p else None) for p in value) + "]"
         parts.append(f"{f.name}={value}")
     return " ".join(parts)
@@ -90,8 +90,8 @@ def _dtype_name(value: Any, what: str) -> str | None:
     raise PipelineConfigError(f"{what}={value!r} is not a dtype conveyor knows; use 'bf16', 'fp32' or a "
                               "torch floating-point dtype")
 
-CHECKPOINT_KEYS = ("every", "blocks", "save")
-# Names for groups of operators whose outputs a selective checkpoint keeps (the rest is recomputed).
+RECOMPUTE_KEYS = ("every", "blocks", "save")
+# Names for groups of operators whose outputs a selective recomputation keeps (the rest is recomputed).
 SAVE_PRESETS = {
     "matmul": ("mm", "bmm", "addmm", "baddbmm"),
     "attention": ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
@@ -100,11 +100,11 @@ SAVE_PRESETS = {
 
 
 @dataclass(frozen=True)
-class CheckpointPolicy:
+class RecomputePolicy:
     """Which part of one stage recomputes its activations in backward (``torch.utils.checkpoint``).
 
-    No ``every`` and no ``blocks``: the whole stage is one checkpointed region (what
-    ``checkpoint_activations=True`` does). ``every=N``: the stage's blocks are its outermost
+    No ``every`` and no ``blocks``: the whole stage is one recomputed region (what
+    ``recompute=True`` gives). ``every=N``: the stage's blocks are its outermost
     modules that are items of a ``ModuleList`` or ``Sequential`` (``model.layers.3``), and blocks 0,
     N, 2N, ... of the stage (counted from its first block) each recompute on their own; the rest
     of the stage (embedding, head, the other blocks) keeps its activations. ``blocks``: a regular
@@ -114,16 +114,16 @@ class CheckpointPolicy:
     ``"aten.addmm"``) or the groups ``"matmul"`` and ``"attention"``.
 
     Example:
-        >>> CheckpointPolicy(every=2, save=("matmul",)).describe()
+        >>> RecomputePolicy(every=2, save=("matmul",)).describe()
         'every=2 save=matmul'
-        >>> CheckpointPolicy(every=0)  # doctest: +NORMALIZE_WHITESPACE
+        >>> RecomputePolicy(every=0)  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        conveyor.errors.PipelineConfigError: CheckpointPolicy.every takes a positive whole number of blocks
+        conveyor.errors.PipelineConfigError: RecomputePolicy.every takes a positive whole number of blocks
         (1: every block, 2: every other); got 0
     """
 
-    every: int | None = _f(None, "checkpoint every Nth block of the stage (1: each block on its own), "
+    every: int | None = _f(None, "recompute every Nth block of the stage (1: each block on its own), "
                                  "None: the whole stage as one region unless blocks= is given")
     blocks: str | None = _f(None, "a regular expression over module names: the outermost matching modules are "
                                   "the blocks (None: items of a ModuleList or Sequential)")
@@ -133,21 +133,21 @@ class CheckpointPolicy:
     def __post_init__(self) -> None:
         if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int)
                                        or self.every < 1):
-            raise PipelineConfigError("CheckpointPolicy.every takes a positive whole number of blocks (1: every "
+            raise PipelineConfigError("RecomputePolicy.every takes a positive whole number of blocks (1: every "
                                       f"block, 2: every other); got {self.every!r}")
         if self.blocks is not None:
             import re
 
             if not isinstance(self.blocks, str):
-                raise PipelineConfigError(f"CheckpointPolicy.blocks takes a regular expression; got {self.blocks!r}")
+                raise PipelineConfigError(f"RecomputePolicy.blocks takes a regular expression; got {self.blocks!r}")
             try:
                 re.compile(self.blocks)
             except re.error as error:
-                raise PipelineConfigError(f"CheckpointPolicy.blocks={self.blocks!r} is not a regular expression: "
+                raise PipelineConfigError(f"RecomputePolicy.blocks={self.blocks!r} is not a regular expression: "
                                           f"{error}") from None
         save = (self.save,) if isinstance(self.save, str) else self.save
         if not isinstance(save, Sequence) or not all(isinstance(name, str) for name in save):
-            raise PipelineConfigError(f"CheckpointPolicy.save takes operator names; got {self.save!r}")
+            raise PipelineConfigError(f"RecomputePolicy.save takes operator names; got {self.save!r}")
         _set(self, "save", tuple(save))
         self.saved_operators()  # refuses a name torch does not know
 
@@ -165,7 +165,7 @@ class CheckpointPolicy:
             for op in SAVE_PRESETS.get(name, (name,)):
                 packet = getattr(torch.ops.aten, op.removeprefix("aten.").split(".")[0], None)
                 if not isinstance(packet, torch._ops.OpOverloadPacket):
-                    raise PipelineConfigError(f"CheckpointPolicy.save: {name!r} is no aten operator; use "
+                    raise PipelineConfigError(f"RecomputePolicy.save: {name!r} is no aten operator; use "
                                               f"{', '.join(map(repr, SAVE_PRESETS))} or a name such as 'mm'")
                 found.append(packet)
         return tuple(found)
@@ -180,13 +180,13 @@ class CheckpointPolicy:
     __str__ = describe
 
     @classmethod
-    def parse(cls, value: Any) -> CheckpointPolicy | None:
+    def parse(cls, value: Any) -> RecomputePolicy | None:
         """A policy from what a user or a config gives: None/False (none), True (whole stage), a
         policy, or a mapping of its fields.
 
         Example:
-            >>> CheckpointPolicy.parse({"every": 2})
-            CheckpointPolicy(every=2, blocks=None, save=())
+            >>> RecomputePolicy.parse({"every": 2})
+            RecomputePolicy(every=2, blocks=None, save=())
         """
         if value is None or value is False:
             return None
@@ -195,24 +195,24 @@ class CheckpointPolicy:
         if isinstance(value, cls):
             return value
         if isinstance(value, Mapping):
-            unknown = sorted(set(value) - set(CHECKPOINT_KEYS))
+            unknown = sorted(set(value) - set(RECOMPUTE_KEYS))
             if unknown:
-                raise PipelineConfigError(f"checkpoint={dict(value)}: a policy takes the keys "
-                                          f"{', '.join(CHECKPOINT_KEYS)}; got {', '.join(map(str, unknown))}")
+                raise PipelineConfigError(f"recompute={dict(value)}: a policy takes the keys "
+                                          f"{', '.join(RECOMPUTE_KEYS)}; got {', '.join(map(str, unknown))}")
             return cls(**value)
-        raise PipelineConfigError(f"checkpoint={value!r}: a policy is true, false, a CheckpointPolicy or a mapping "
+        raise PipelineConfigError(f"recompute={value!r}: a policy is true, false, a RecomputePolicy or a mapping "
                                   "such as {'every': 2}")
 
 
-def _checkpoint_policies(value: Any) -> Any:
-    """``StageOptions.checkpoint`` normalised: None, one policy for every stage, or a tuple per stage."""
+def _recompute_policies(value: Any) -> Any:
+    """``StageOptions.recompute`` normalised: None, one policy for every stage, or a tuple per stage."""
     if isinstance(value, Sequence) and not isinstance(value, str):
-        policies = tuple(CheckpointPolicy.parse(item) for item in value)
+        policies = tuple(RecomputePolicy.parse(item) for item in value)
         if not policies:
-            raise PipelineConfigError("StageOptions.checkpoint got an empty list; give one policy per stage "
+            raise PipelineConfigError("StageOptions.recompute got an empty list; give one policy per stage "
                                       "(None for a stage that keeps its activations) or one for all")
         return policies if any(policies) else None
-    return CheckpointPolicy.parse(value)
+    return RecomputePolicy.parse(value)
 
 
 @dataclass(frozen=True)
@@ -220,23 +220,24 @@ class StageOptions:
     """What each stage does, the same on every stage and rank (a field of ``conveyor train``'s ``stage:``).
 
     Example:
-        >>> options = StageOptions(checkpoint_activations=True, autocast="bf16")
+        >>> options = StageOptions(recompute=True, autocast="bf16")
         >>> print(options.describe())  # doctest: +NORMALIZE_WHITESPACE
-        checkpoint_activations=True autocast=bf16 param_dtype=None grad_accum_dtype=None compile=off
-        random_streams=True measure_memory=False record_timeline=True checkpoint=stage
+        recompute=stage autocast=bf16 param_dtype=None grad_accum_dtype=None compile=off
+        random_streams=True measure_memory=False record_timeline=True
 
-    Checkpointing per stage and per block: ``checkpoint=`` takes a :class:`CheckpointPolicy` (or
-    its fields as a mapping) for every stage, or a list with one per stage (None: that stage keeps
-    its activations), so the first stages, which hold the most microbatches under 1F1B, recompute
-    more than the last:
+    Recomputation per stage and per block: ``recompute=`` takes True (the whole of every stage), a
+    :class:`RecomputePolicy` (or its fields as a mapping) for every stage, or a list with one per
+    stage (None: that stage keeps its activations), so the first stages, which hold the most
+    microbatches under 1F1B, recompute more than the last:
 
-        >>> options = StageOptions(checkpoint=[{"every": 1}, {"every": 2}, None])
-        >>> [str(options.checkpoint_policy(stage, 3)) for stage in range(3)]
+        >>> options = StageOptions(recompute=[{"every": 1}, {"every": 2}, None])
+        >>> [str(options.recompute_policy(stage, 3)) for stage in range(3)]
         ['every=1', 'every=2', 'None']
     """
 
-    checkpoint_activations: bool = _f(False, "recompute each stage's activations in backward (saves memory, "
-                                             "costs a forward)")
+    recompute: Any = _f(None, "recompute activations in backward (saves memory, costs a forward): true for the "
+                              "whole of every stage, a policy {every: N, blocks: regex, save: [matmul, ...]} for "
+                              "every stage, or a list of one per stage (null: none)")
     autocast: str | None = _f(None, "bf16: each stage's forward and loss under torch.autocast bf16, bitwise as "
                                     "one device; None or fp32: full precision; fp16 is refused (it needs loss "
                                     "scaling, which cannot reach a backward inside step())")
@@ -253,9 +254,6 @@ class StageOptions:
     measure_memory: bool = _f(False, "count the bytes autograd saves for backward, read by pipe.memory() "
                                      "(a few percent of a small step)")
     record_timeline: bool = _f(True, "time every action of each step, read by pipe.timeline()")
-    checkpoint: Any = _f(None, "activation checkpointing per block and stage: a policy {every: N, blocks: regex, "
-                               "save: [matmul, ...]} for every stage, or a list of one per stage (null: none); "
-                               "checkpoint_activations=true is {} (the whole stage)")
 
     def __post_init__(self) -> None:
         from conveyor.runtime.stage.compile import compile_options
@@ -273,24 +271,18 @@ class StageOptions:
         _set(self, "grad_accum_dtype", accum)
         options = compile_options(self.compile)  # refuses keywords torch.compile does not take
         _set(self, "compile", False if options is None else (True if options == {} else dict(options)))
-        for name in ("checkpoint_activations", "random_streams", "measure_memory", "record_timeline"):
+        for name in ("random_streams", "measure_memory", "record_timeline"):
             if not isinstance(getattr(self, name), bool):
                 raise PipelineConfigError(f"StageOptions.{name} takes True or False; got {getattr(self, name)!r}")
-        policies = _checkpoint_policies(self.checkpoint)
-        if self.checkpoint_activations and policies not in (None, CheckpointPolicy()):
-            raise PipelineConfigError("give checkpoint_activations=True (the whole of every stage) or checkpoint= "
-                                      f"(per block and stage), not both; got checkpoint={self.checkpoint!r}")
-        if self.checkpoint_activations:
-            policies = CheckpointPolicy()
-        _set(self, "checkpoint", policies)
+        _set(self, "recompute", _recompute_policies(self.recompute))
 
-    def checkpoint_policy(self, stage: int, num_stages: int) -> CheckpointPolicy | None:
-        """What stage ``stage`` of ``num_stages`` checkpoints (None: nothing)."""
-        policies = self.checkpoint
+    def recompute_policy(self, stage: int, num_stages: int) -> RecomputePolicy | None:
+        """What stage ``stage`` of ``num_stages`` recomputes (None: nothing)."""
+        policies = self.recompute
         if not isinstance(policies, tuple):
             return policies
         if len(policies) != num_stages:
-            raise PipelineConfigError(f"StageOptions.checkpoint lists {len(policies)} policies for a pipeline of "
+            raise PipelineConfigError(f"StageOptions.recompute lists {len(policies)} policies for a pipeline of "
                                       f"{num_stages} stages; give one per stage (None where a stage keeps its "
                                       "activations) or one policy for all")
         return policies[stage]

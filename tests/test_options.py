@@ -39,7 +39,7 @@ def test_values_are_normalised_so_that_equal_options_compare_equal():
     (lambda: StageOptions(grad_accum_dtype="fp32"), r"grad_accum_dtype='fp32' needs param_dtype="),
     (lambda: StageOptions(param_dtype="bf16", grad_accum_dtype="bf16"), r"accumulate.*in 'fp32' main_grad"),
     (lambda: StageOptions(compile={"mode": "fast", "speed": 2}), r"compile= got \['speed'\].*use only"),
-    (lambda: StageOptions(checkpoint_activations="yes"), r"checkpoint_activations takes True or False"),
+    (lambda: StageOptions(recompute="yes"), r"recompute='yes': a policy is true, false, a RecomputePolicy"),
     (lambda: TransferOptions(transport="tcp"), r"transport must be one of 'auto'"),
     (lambda: TransferOptions(timeout_s=0), r"timeout_s must be a positive number.*set it above your slowest step"),
     (lambda: Layout(group=object(), mesh=object()), r"mesh= or group=, not both"),
@@ -74,10 +74,10 @@ def test_a_new_stage_option_is_one_field_the_ranks_compare_without_more_code():
     # describe() walks the fields: a new field is compared across ranks with no change elsewhere.
     Extended = dataclasses.make_dataclass("Extended", [("new_option", int, dataclasses.field(default=3))],
                                           bases=(StageOptions,), frozen=True)
-    assert Extended().describe().endswith("record_timeline=True checkpoint=None new_option=3")
+    assert Extended().describe().endswith("record_timeline=True new_option=3")
     assert [f.name for f in dataclasses.fields(StageOptions)] == [
-        "checkpoint_activations", "autocast", "param_dtype", "grad_accum_dtype", "compile", "random_streams",
-        "measure_memory", "record_timeline", "checkpoint"]
+        "recompute", "autocast", "param_dtype", "grad_accum_dtype", "compile", "random_streams",
+        "measure_memory", "record_timeline"]
     for record in (StageOptions, TransferOptions, Layout, WholeModel, SplitOptions, PipelineOptions):
         assert all(f.metadata.get("help") for f in dataclasses.fields(record)), record  # each field says what it does
 
@@ -86,7 +86,7 @@ def _two_ranks_built_differently(rank, world_size):
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
     try:
         conveyor.Pipeline([torch.nn.Linear(2, 2)], schedule, lambda y, t: y.sum(),
-                          stage=StageOptions(checkpoint_activations=rank == 1),
+                          stage=StageOptions(recompute=rank == 1),
                           transfer=TransferOptions(timeout_s=30))
     except PipelineConfigError as error:
         return str(error)
@@ -95,7 +95,7 @@ def _two_ranks_built_differently(rank, world_size):
 
 def test_ranks_given_different_stage_options_refuse_to_build_saying_what_differs():
     for message in run_ranks(_two_ranks_built_differently, 2, timeout_s=60):
-        assert "their stage options differs" in message and "checkpoint_activations=True" in message, message
+        assert "their stage options differs" in message and "recompute=stage" in message, message
 
 
 def _public(cls) -> dict[str, str]:

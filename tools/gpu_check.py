@@ -5,7 +5,7 @@ On one GPU (NCCL cannot put two ranks of one communicator on one GPU) it runs, o
 clipping, skip on non-finite, dp=2 with ddp and fsdp), NCCL at world size 1 (every collective
 the pipeline issues, checkpoint save and bitwise resume, bf16 weights with fp32 main grads, steps
 2 onward under ``torch.cuda.set_sync_debug_mode("warn")``, every site named), ``conveyor train`` at pp=1 and its
-default run, every schedule on traced GPT-2 and Llama (checkpointing + bf16 against the unsplit
+default run, every schedule on traced GPT-2 and Llama (recomputation + bf16 against the unsplit
 model; inductor-compiled stages against it within a derived bound; dropout + compile + bf16
 against gpipe over the same stages), a GPU that lags the host under the in-order transport, and
 the split backward (I + W) against the fused one (B) timed with CUDA events. Gradients and

@@ -475,7 +475,7 @@ class StageModule(nn.Module):
 
     def wrap_blocks(self, chosen: set[str], wrap: Callable, pattern: str | None = None) -> None:
         """Run each block in ``chosen`` as ``wrap(function, block)(*values)``, in every mode (the
-        activation checkpointing of :class:`~conveyor.options.CheckpointPolicy`)."""
+        activation recomputation of :class:`~conveyor.options.RecomputePolicy`)."""
         from conveyor.frontend.regions import wrap_blocks
 
         for training, graph in self._conveyor_graphs.items():

@@ -51,7 +51,7 @@ class Pipeline(GradientChecks):
     each stage over its TP ranks with torch's ``parallelize_module``; they are the everyday
     fields of ``layout`` (:class:`~conveyor.options.Layout`: the process group, the
     device, or every rank in this process). ``stage`` (:class:`~conveyor.options.StageOptions`):
-    what each stage does (activation checkpointing, autocast, bf16 parameters, compile, random
+    what each stage does (activation recomputation, autocast, bf16 parameters, compile, random
     streams, memory measurement). ``transfer`` (:class:`~conveyor.options.TransferOptions`): how
     bytes move (transport, timeout, fixed shapes). ``model`` (:class:`~conveyor.options.WholeModel`,
     which :func:`conveyor.pipeline` fills): tied parameters, whose copies on several ranks have

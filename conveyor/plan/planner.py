@@ -237,7 +237,7 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
     lines.append(f"chosen: {chosen.schedule} V={chosen.virtual} M={chosen.microbatches} (microbatch of "
                  f"{chosen.microbatch_size}); memory per rank: {per_rank}")
     lines.append(f"predicted step {chosen.step_time:.4g} s, {step_basis(chosen.settings)}")
-    if chosen.checkpoint:  # what it needs to fit: stage.checkpoint, applied by the pipeline
+    if chosen.checkpoint:  # what it needs to fit: stage.recompute, applied by the pipeline
         lines.append("activation checkpointing to fit: " + "; ".join(
             f"stage {s}: {'none' if p is None else ', '.join(f'{k}={v}' for k, v in p.items())}"
             for s, p in enumerate(chosen.checkpoint)))

@@ -234,7 +234,7 @@ def checkpointed_costs(schedule: Schedule, sums: StageSums, cuts: Sequence[int],
     the bytes one of its checkpointed blocks rebuilds in backward (0: none).
 
     A checkpointed block keeps only its input (the unit before it's output) from F to backward, and
-    its I pays its forward again (the recomputation), as ``conveyor.runtime.stage.checkpointing`` runs it.
+    its I pays its forward again (the recomputation), as ``conveyor.runtime.stage.recompute`` runs it.
 
     Example:
         >>> from conveyor.plan.costs import UnitCost

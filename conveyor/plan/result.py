@@ -54,7 +54,7 @@ class Plan:
     ``bubble`` and ``memory_per_rank`` (bytes) are predictions of the simulation on ``costs``.
     ``alternatives``: the next best candidates (one line each); ``outcome``: how many candidates
     ended how; ``best_over_memory``: the fastest one that did not fit (None if none). ``checkpoint``:
-    a checkpoint policy per stage (``StageOptions.checkpoint``) the plan needs to fit its memory limit
+    a checkpoint policy per stage (``StageOptions.recompute``) the plan needs to fit its memory limit
     (empty: none).
 
     Example:

@@ -237,7 +237,7 @@ def apply_plan(cfg: TrainConfig) -> None:
     """Take schedule, virtual and microbatches from ``parallel.plan`` (a ConfigError if it cannot be read),
     its pp and tp where they split the same ranks per replica as ``parallel.pp x parallel.tp`` (the plan
     chose between stages and tensor-parallel ranks; other counts are refused by the checks), and its
-    checkpoint policies per stage where it needs some and ``stage.checkpoint`` is not set.
+    checkpoint policies per stage where it needs some and ``stage.recompute`` is not set.
 
     Example:
         >>> cfg = TrainConfig()
@@ -251,8 +251,8 @@ def apply_plan(cfg: TrainConfig) -> None:
                                                                                   plan.microbatches)
         if plan.ranks * plan.tensor_parallel == cfg.parallel.pp * cfg.parallel.tp:
             cfg.parallel.pp, cfg.parallel.tp = plan.ranks, plan.tensor_parallel
-        if plan.checkpoint and cfg.stage.checkpoint is None:  # the policies the plan needs to fit its memory
-            cfg.stage = dataclasses.replace(cfg.stage, checkpoint=list(plan.checkpoint))
+        if plan.checkpoint and cfg.stage.recompute is None:  # the policies the plan needs to fit its memory
+            cfg.stage = dataclasses.replace(cfg.stage, recompute=list(plan.checkpoint))
 
 
 def expand_home(cfg: TrainConfig) -> None:
@@ -384,6 +384,8 @@ def _check_keys(node: Any, cls: type, prefix: str, where: str | None, overrides:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in node:
         full = f"{prefix}{key}"
+        if key not in names and full in RENAMED_KEYS:
+            raise ConfigError(f"{full} was renamed: use {RENAMED_KEYS[full]} ({_origin(where, full, overrides)})")
         if key not in names:
             raise ConfigError(_unknown_key(full, str(key), prefix, names, _origin(where, full, overrides)))
         kind = _field_type(cls, key)
@@ -399,6 +401,13 @@ def _check_keys(node: Any, cls: type, prefix: str, where: str | None, overrides:
         elif isinstance(value, DictConfig) and kind is not Any and typing.get_origin(kind) is not dict:
             raise ConfigError(f"{full!r} is a value, not a section ({_origin(where, full, overrides)}): "
                               f"its keys {list(value)} cannot be set; give {full}=<value>")
+
+
+# Keys of earlier releases that users' YAML files still hold -> what replaces them.
+RENAMED_KEYS = {
+    "stage.checkpoint_activations": "stage.recompute=true",
+    "stage.checkpoint": "stage.recompute (the same policy or list of policies)",
+}
 
 
 def _wrong_length(kind: Any, value: Any) -> bool:

@@ -13,7 +13,7 @@ predicted as
 * activations: each stage's forward on one microbatch is run on the meta device under
   ``torch.autograd.graph.saved_tensors_hooks``, which sees every tensor autograd keeps for the
   backward (parameters left out; the last stage's loss included; with checkpointing
-  (``stage.checkpoint_activations`` or a ``stage.checkpoint`` policy per stage) the stage runs
+  (``stage.recompute``: the whole stage, or a policy per stage) the stage runs
   with its policy applied as a rank applies it, so what is counted is what the checkpoints keep,
   the outputs a selective policy saves included, plus, once per rank, the set one checkpointed
   region rebuilds while it is recomputed: the whole stage's, or one block's share). The schedule
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from conveyor.options import CheckpointPolicy, StageOptions
+from conveyor.options import RecomputePolicy, StageOptions
 from conveyor.train.config import TrainConfig
 
 BYTES_PER_PARAMETER = 16  # fp32: the parameter, its gradient, AdamW's exp_avg and exp_avg_sq
@@ -169,7 +169,7 @@ def activation_bytes(split: Any, example: torch.Tensor, options: StageOptions) -
         last = stage == split.num_stages - 1
         output, full = _saved_by(module, inputs, target if last else None)
         found.append(_checkpointed_bytes(split, stage, inputs, target if last else None, full,
-                                         options.checkpoint_policy(stage, split.num_stages)))
+                                         options.recompute_policy(stage, split.num_stages)))
         if not last:
             # What the next rank receives: fresh leaves (the graph behind them stays on this stage).
             inputs = tuple(v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
@@ -178,15 +178,15 @@ def activation_bytes(split: Any, example: torch.Tensor, options: StageOptions) -
 
 
 def _checkpointed_bytes(split: Any, stage: int, inputs: tuple, target: torch.Tensor | None, full: int,
-                        policy: CheckpointPolicy | None) -> tuple[int, int]:
+                        policy: RecomputePolicy | None) -> tuple[int, int]:
     """``(kept, recompute)`` of one stage under ``policy``, applied to a fresh meta copy of the stage."""
-    from conveyor.runtime.stage.checkpointing import StageCheckpointing
+    from conveyor.runtime.stage.recompute import StageRecompute
 
     if policy is None:
         return full, 0
     module = split.stage_module(stage, "meta")
     counter: list[_SavedTensors] = []
-    checkpointing = StageCheckpointing(module, policy, hold=lambda: counter[-1]._pack, stage=stage)
+    checkpointing = StageRecompute(module, policy, hold=lambda: counter[-1]._pack, stage=stage)
     call = checkpointing.checkpointed(module) if checkpointing.whole_stage else module
     kept = _saved_by(module, inputs, target, call=call, counters=counter)[1]
     if checkpointing.whole_stage:
@@ -305,7 +305,7 @@ def format_layout(layout: RunLayout, cfg: TrainConfig) -> str:
            if sharded else "") + ")",
         "  + activations: what autograd keeps for one microbatch of each stage, measured by running its forward "
         "on the meta device" + (f"; with activation checkpointing ({_policies(cfg)}), what the checkpoints keep, plus "
-                                "one region's set while it is recomputed" if cfg.stage.checkpoint else ""),
+                                "one region's set while it is recomputed" if cfg.stage.recompute else ""),
         "    x the microbatches in flight at the peak of the schedule's simulation (uniform pass costs)",
         "  not counted: the framework (~0.4 GiB per rank on CPU), communication buffers, the data",
         *(["  with tp: parameters, gradients and AdamW state are each TP rank's shards (above); activations are "
@@ -354,7 +354,7 @@ def shard_lines(layout: RunLayout, cfg: TrainConfig) -> list[str]:
 
 
 def _policies(cfg: TrainConfig) -> str:
-    policies = cfg.stage.checkpoint
+    policies = cfg.stage.recompute
     if isinstance(policies, tuple):
         return "; ".join(f"stage {s}: {p.describe() if p else 'none'}" for s, p in enumerate(policies))
     return f"every stage: {policies.describe()}"

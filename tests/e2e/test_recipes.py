@@ -7,7 +7,7 @@ Every run also takes one loop path no other test takes, so the suite stays short
   its own here; its former extra path, activation checkpointing, rides on the mpt run;
 * llama: 4 ranks, ``parallel.pp=2 x parallel.dp=2`` with ``parallel.data_parallel=fsdp``;
 * mpt: the ``zbv`` schedule (V=2: the tied embedding's first and last stage on one rank) with
-  ``stage.checkpoint_activations=true`` (recomputed stages under a split backward);
+  ``stage.recompute=true`` (recomputed stages under a split backward);
 * moe: its own zbv, and the loss's language-model and auxiliary parts reported apart;
 * a local pretrained directory (a ``hf:Qwen2ForCausalLM`` saved with ``save_pretrained``) with
   ``loss.normalize=tokens``, whose first loss must be the saved model's own loss on that batch.
@@ -40,7 +40,7 @@ def _trained(done, run_dir: Path, steps: int = 3) -> list[float]:
 @pytest.mark.parametrize("recipe, path, extra", [
     ("llama", "pp=2 x dp=2 fsdp", ["parallel.dp=2", "parallel.data_parallel=fsdp"]),
     ("mpt", "zbv (V=2) with activation checkpointing",
-     ["parallel.schedule=zbv", "model.layers=4", "stage.checkpoint_activations=true"]),
+     ["parallel.schedule=zbv", "model.layers=4", "stage.recompute=true"]),
     ("moe", "zbv with an auxiliary loss", ["model.layers=4", "model.kv_heads=2", "model.intermediate=32"]),
 ])
 def test_recipe_trains(recipe, path, extra, tmp_path):

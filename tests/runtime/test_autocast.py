@@ -38,11 +38,11 @@ def reference_autocast_run(schedule):
     return losses, [{n: p.detach().clone() for n, p in stage.named_parameters()} for stage in model.stages]
 
 
-def local_autocast_run(schedule, checkpoint_activations=False):
+def local_autocast_run(schedule, recompute=False):
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
     pipe = LocalPipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(autocast="bf16",
-                                                                                checkpoint_activations=checkpoint_activations))
+                                                                                recompute=recompute))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     for step in range(NUM_STEPS):
@@ -86,7 +86,7 @@ def reference_fp32_loss(schedule):
 
 def test_recomputed_activations_run_under_the_same_autocast():
     schedule = cs.build("zbv", ranks=2, microbatches=NUM_MICROBATCHES, virtual=2)
-    assert_runs_equal(local_autocast_run(schedule, checkpoint_activations=True), reference_autocast_run(schedule))
+    assert_runs_equal(local_autocast_run(schedule, recompute=True), reference_autocast_run(schedule))
 
 
 def test_an_unknown_precision_is_refused_naming_the_choices():

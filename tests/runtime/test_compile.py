@@ -118,7 +118,7 @@ def test_checkpointing_and_autocast_compose_with_compile():
     cfg, batches = _tiny(schedule)
     want = _reference([build_stage(s, cfg) for s in range(2)], batches, AOT, autocast=torch.bfloat16)
     got = _local([build_stage(s, cfg) for s in range(2)], schedule, batches,
-                 conveyor.StageOptions(compile=AOT, autocast="bf16", checkpoint_activations=True))
+                 conveyor.StageOptions(compile=AOT, autocast="bf16", recompute=True))
     _assert_equal(got, want)
 
 

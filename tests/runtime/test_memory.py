@@ -63,11 +63,11 @@ def cases() -> list[tuple[str, int, int]]:
     return [(name, ranks, info.default_virtual) for name, info in sorted(cs.available().items()) for ranks in (2, 4)]
 
 
-def local_reports(schedule: cs.Schedule, checkpoint_activations: bool = False) -> list:
+def local_reports(schedule: cs.Schedule, recompute: bool = False) -> list:
     stages = [uniform_stage(s) for s in range(schedule.num_stages)]
     pipe = conveyor.LocalPipeline(stages, schedule, loss_fn,
                                   stage=conveyor.StageOptions(measure_memory=True,
-                                                              checkpoint_activations=checkpoint_activations))
+                                                              recompute=recompute))
     x, t = batch(schedule.num_microbatches)
     for _ in range(2):  # the second step's figures stand alone: nothing of the first is left held
         pipe.step(x, target=t)
@@ -117,7 +117,7 @@ def test_measured_peak_matches_the_simulator_for_every_schedule(name, num_ranks,
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv"])
 def test_checkpointing_keeps_only_the_stage_inputs(name):
     schedule = cs.build(name, ranks=2, microbatches=4)
-    reports = local_reports(schedule, checkpoint_activations=True)
+    reports = local_reports(schedule, recompute=True)
     last = schedule.num_stages - 1
     for report in reports:
         # Each stage keeps its input; the loss runs outside the checkpoint and keeps its own.

@@ -21,19 +21,19 @@ from .parity import (
 )
 
 
-def run_local(schedule, checkpoint_activations=False):
+def run_local(schedule, recompute=False):
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # as the reference does
     try:
-        return _run_local(schedule, checkpoint_activations)
+        return _run_local(schedule, recompute)
     finally:
         torch.set_num_threads(previous)
 
 
-def _run_local(schedule, checkpoint_activations):
+def _run_local(schedule, recompute):
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
-    pipe = LocalPipeline(stages, schedule, lm_loss, stage=StageOptions(checkpoint_activations=checkpoint_activations))
+    pipe = LocalPipeline(stages, schedule, lm_loss, stage=StageOptions(recompute=recompute))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses, first_grads = [], None
     for step in range(NUM_STEPS):
@@ -64,7 +64,7 @@ def test_activation_checkpointing_stays_bitwise_equal(name):
     virtual = info.default_virtual
     schedule = cs.build(name, ranks=2, microbatches=NUM_MICROBATCHES, virtual=virtual)
     want_losses, want_grads, want_params = reference_run(schedule)
-    got_losses, got_grads, got_params = run_local(schedule, checkpoint_activations=True)
+    got_losses, got_grads, got_params = run_local(schedule, recompute=True)
     assert all(torch.equal(g, w) for g, w in zip(got_losses, want_losses))
     for stage in range(schedule.num_stages):
         assert_same(f"stage {stage} grads", got_grads[stage], want_grads[stage])

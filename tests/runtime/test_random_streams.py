@@ -50,7 +50,7 @@ def test_masks_depend_on_stage_and_microbatch_not_on_the_schedule(name, virtual)
 
 def test_recomputed_forwards_draw_the_same_masks():
     want_loss, want_grads = _local_step("1f1b", 1)
-    loss, grads = _local_step("1f1b", 1, StageOptions(checkpoint_activations=True))
+    loss, grads = _local_step("1f1b", 1, StageOptions(recompute=True))
     assert torch.equal(loss, want_loss)
     assert all(torch.equal(grads[k], want_grads[k]) for k in want_grads)
 

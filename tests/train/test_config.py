@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -154,7 +155,16 @@ def test_the_stage_and_transfer_sections_are_the_pipelines_records():
     cfg = load_config(None, ["stage.autocast=bfloat16", "stage.param_dtype=bf16", "transfer.timeout_s=30"])
     assert cfg.stage == StageOptions(autocast="bf16", param_dtype="bf16", grad_accum_dtype="fp32")
     assert cfg.transfer == TransferOptions(timeout_s=30.0)
-    assert "stage.checkpoint_activations (False): recompute" in config_reference()
+    assert "stage.recompute (None): recompute activations in backward" in config_reference()
+
+
+@pytest.mark.parametrize("old, new", [
+    ("stage.checkpoint_activations=true", "use stage.recompute=true"),
+    ("stage.checkpoint={every: 2}", "use stage.recompute (the same policy"),
+])
+def test_a_renamed_stage_key_says_its_new_name(old, new):
+    with pytest.raises(ConfigError, match=re.escape(f"{old.split('=')[0]} was renamed: {new}")):
+        load_config(None, [old])
 
 
 def test_in_process_runs_one_process_and_one_replica():

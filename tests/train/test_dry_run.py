@@ -62,7 +62,7 @@ def test_the_layout_follows_the_schedule_placement_and_the_tied_embedding():
 def test_checkpointing_and_fsdp_shrink_the_prediction():
     base = [*SMALL, "model.name=llama", "parallel.dp=2", "parallel.microbatches=2"]
     plain = run_layout(load_config(None, base))
-    checkpointed = run_layout(load_config(None, [*base, "stage.checkpoint_activations=true"]))
+    checkpointed = run_layout(load_config(None, [*base, "stage.recompute=true"]))
     assert all(c.activation_bytes < p.activation_bytes for c, p in zip(checkpointed.stages, plain.stages))
     assert all(c.recompute_bytes == p.activation_bytes for c, p in zip(checkpointed.stages, plain.stages))
     # fsdp: 16 bytes per parameter sharded over dp, plus the rank's stages gathered with whole

@@ -18,10 +18,10 @@ def _kept(*overrides: str) -> tuple[list[int], list[int], object]:
 
 def test_each_policy_keeps_less_the_more_it_recomputes_and_per_stage_lists_apply_per_stage():
     plain, plain_rebuilt, _ = _kept()
-    every_other, _, _ = _kept("stage.checkpoint={every: 2}")
-    every, rebuilt, _ = _kept("stage.checkpoint={every: 1}")
-    selective, _, _ = _kept("stage.checkpoint={every: 1, save: [matmul]}")
-    first_only, first_rebuilt, (layout, cfg) = _kept("stage.checkpoint=[{every: 1}, null]")
+    every_other, _, _ = _kept("stage.recompute={every: 2}")
+    every, rebuilt, _ = _kept("stage.recompute={every: 1}")
+    selective, _, _ = _kept("stage.recompute={every: 1, save: [matmul]}")
+    first_only, first_rebuilt, (layout, cfg) = _kept("stage.recompute=[{every: 1}, null]")
     assert plain_rebuilt == [0, 0]
     for stage in range(2):
         assert every[stage] < every_other[stage] < plain[stage]

@@ -1,7 +1,7 @@
 """The traced rows: a tiny Hugging Face GPT-2 (tied embeddings) or Llama, traced and cut for P=2,
 every schedule through ``LocalPipeline`` on the device, in three legs.
 
-- **unsplit** (activation checkpointing + bf16 autocast, eager stages, no dropout): against the
+- **unsplit** (activation recomputation + bf16 autocast, eager stages, no dropout): against the
   unsplit model on one device, gradient accumulation over the same microbatches under the autocast
   a one-device loop puts around ``model(x, labels=x).loss``: the loss of every step, the step-1
   gradients and the parameters after 2 AdamW steps, ``torch.equal``. The same computation in
@@ -15,10 +15,10 @@ every schedule through ``LocalPipeline`` on the device, in three legs.
   is compared over one step only: after it the tied weight differs by rounding, and the next
   steps' losses and gradients by what AdamW's ``m / sqrt(v)`` makes of it (up to ``lr`` an element),
   which no useful bound covers. Llama has no tied weight: 2 steps, bitwise.
-- **compiled** (with ``ctx.compile``; fp32, checkpointing, inductor-compiled stages): against the
+- **compiled** (with ``ctx.compile``; fp32, recomputation, inductor-compiled stages): against the
   unsplit eager model in fp32, the step-1 loss and gradients within :data:`COMPILED_BOUND`.
   Inductor fuses and reassociates; the comparison is of two computations.
-- **dropout** (dropout 0.1, checkpointing, bf16, compile when asked): every schedule bitwise gpipe
+- **dropout** (dropout 0.1, recomputation, bf16, compile when asked): every schedule bitwise gpipe
   over the same stages, and two seeds give two losses. No one-device loop draws the masks a pipeline
   draws (one random stream per stage and microbatch, README "Random ops"), so this leg's reference
   is the pipeline's own schedule-independence.
@@ -142,7 +142,7 @@ def _unsplit_leg(ctx: Context, name: str) -> tuple[bool, str]:
     want = unsplit_reference(name, ctx, autocast=True, steps=steps)
     if not all(torch.isfinite(loss) for loss in want["losses"]):
         return False, f"unsplit: the one-device losses are not finite: {[loss.item() for loss in want['losses']]}"
-    options = conveyor.StageOptions(checkpoint_activations=True, autocast="bf16")
+    options = conveyor.StageOptions(recompute=True, autocast="bf16")
     done, worst_grad, worst_param = 0, 0.0, 0.0
     for schedule_name in schedule_names(ctx.quick):
         schedule = _schedule(schedule_name)
@@ -177,7 +177,7 @@ def _unsplit_leg(ctx: Context, name: str) -> tuple[bool, str]:
 def _compiled_leg(ctx: Context, name: str) -> tuple[bool, str]:
     want = unsplit_reference(name, ctx, autocast=False, steps=1)
     cut = _Cut(name, ctx)
-    options = conveyor.StageOptions(checkpoint_activations=True, compile=True)
+    options = conveyor.StageOptions(recompute=True, compile=True)
     worst_all, where_all, done = 0.0, "", 0
     for schedule_name in schedule_names(ctx.quick):
         got = cut.train(_schedule(schedule_name), options, steps=1)
@@ -200,7 +200,7 @@ def _compiled_leg(ctx: Context, name: str) -> tuple[bool, str]:
 
 def _dropout_leg(ctx: Context, name: str) -> tuple[bool, str]:
     cut = _Cut(name, ctx, dropout=0.1)
-    options = conveyor.StageOptions(checkpoint_activations=True, autocast="bf16", compile=ctx.compile)
+    options = conveyor.StageOptions(recompute=True, autocast="bf16", compile=ctx.compile)
     references: dict[int, dict] = {}
     failures, done, worst_tied = [], 0, 0.0
     for schedule_name in schedule_names(ctx.quick):

@@ -19,12 +19,12 @@ How it composes with the rest of a stage:
   ``conveyor_stage_<s>`` (the name torch's recompile logs show), and counts its own.
 * **Autocast** (``autocast=``): the compiled call runs inside the stage's autocast region;
   dynamo traces the region's state, as for ``torch.compile(model)`` under ``torch.autocast``.
-* **Activation checkpointing** (``checkpoint_activations=True``): ``torch.utils.checkpoint``
+* **Recomputation** (``recompute=True``): ``torch.utils.checkpoint``
   wraps the compiled forward; backward runs the compiled forward again to rebuild what it
   saved, then the compiled backward. The recomputation is a second call of the compiled
   code, not a recompute inside one compiled graph (torch's partitioner does that only for a
   checkpoint traced inside the compiled region, which would lose conveyor's buffer handling:
-  see :mod:`conveyor.runtime.stage.recompute`).
+  see :mod:`conveyor.runtime.stage.recomputed_buffers`).
 * **Data parallelism** (``data_parallel="ddp"`` / ``"fsdp"``): FSDP2 wraps the stage module in
   place, and the compiled call goes through it (its hooks included).
 * **The I/W split** (zero-bubble schedules): a compiled region's backward is one graph

@@ -8,7 +8,7 @@ the part of the graph only the input gradient needed (what lies between the stag
 or the loss, and the first operation that also leads to a weight), and the weight-gradient
 half (W) the rest. What a rank holds is counted once per storage (bytes a tensor and its
 views share count once; the slices of one minibatch count slice by slice), without the
-stages' parameters and buffers. With ``checkpoint_activations=True`` autograd saves only
+stages' parameters and buffers. With ``recompute=True`` autograd saves only
 each stage's inputs (the recomputation saves the rest during backward, briefly): that is
 what is counted.
 

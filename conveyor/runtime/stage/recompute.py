@@ -1,133 +1,212 @@
-"""Activation checkpointing that leaves a stage's buffers, and its gradients, as a run without it.
+"""One stage's activation recomputation, as its :class:`~conveyor.options.RecomputePolicy` says.
 
-``torch.utils.checkpoint`` runs a stage's forward a second time in backward. Two things go
-wrong with modules that write to their buffers in forward (BatchNorm's running statistics
-and batch counter, spectral norm's power-iteration vectors, a quantisation observer's
-range, any ``self.steps += 1``):
+Everything recomputed goes through ``torch.utils.checkpoint.checkpoint`` (non-reentrant),
+with two contexts around each forward and recomputation:
 
-* they write again, so after a step their buffers differ from a run without
-  checkpointing: a BatchNorm stage counts every microbatch twice and its running mean
-  moves twice as far;
-* a module that also *reads* such a buffer (spectral norm divides by the norm its vectors
-  give, an observer scales by its range) reads, in the recomputation, what later
-  forwards and the recomputation itself wrote, not what its forward read. The recomputed
-  activations differ, and so do the gradients, silently.
+* :class:`~conveyor.runtime.stage.recomputed_buffers.RecomputedBuffers` of the checkpointed module, so that a
+  recomputation reads the buffers its forward read and buffers end as without recomputation;
+* with ``save``, torch's selective checkpointing (``create_selective_checkpoint_contexts``):
+  the chosen operators' outputs are kept from the forward, the rest recomputed. Torch lets a
+  selective region be recomputed once; the zero-bubble schedules' I and W passes each
+  recompute it (two backward calls into one graph), so the kept outputs are handed out again
+  to the second recomputation, and live until the microbatch's graph is freed.
 
-One device without checkpointing is the reference conveyor keeps bitwise, so each
-recomputation starts from the buffers its forward started from and, when it ends, puts
-back the buffers it found. Which buffers a forward writes cannot be read off the model or
-learned once: BatchNorm's kernel updates the running statistics without bumping their
-version counter, and which modules write depends on their modes (a BatchNorm frozen with
-``.eval()`` for a while, then unfrozen) and on the branches a forward takes. So every
-buffer is compared, and only those whose values (or tensor) differ are written: a buffer
-autograd saved for backward must keep its version.
+Where the recomputed region is: the whole stage (no ``every``/``blocks``); else each chosen
+block: for a traced stage the stage graph calls a function per block run
+(:mod:`conveyor.frontend.regions`, through the stage's ``wrap_blocks``), for a hand-built stage
+the block module's ``forward`` is replaced by its checkpointed self (names and parameters stay).
 
-Memory: the buffers as each forward found them live until that microbatch's
-recomputation. A buffer that no forward changes (a causal mask, a rotary table) is held
-once, not once per microbatch; one that changes (running statistics) costs a copy per
-microbatch in flight.
+Recomputation replays the same operations on the same operands under the same random state
+(``checkpoint`` restores the generators), so losses and gradients are bitwise as without it.
 
 Example:
     >>> import torch
-    >>> from torch.utils.checkpoint import checkpoint
-    >>> norm = torch.nn.BatchNorm1d(3)
-    >>> out = checkpoint(norm, torch.randn(4, 3, requires_grad=True), use_reentrant=False,
-    ...                  context_fn=RecomputedBuffers(norm))
-    >>> out.sum().backward()
-    >>> int(norm.num_batches_tracked)  # 2 with a plain checkpoint
-    1
+    >>> from conveyor.options import RecomputePolicy
+    >>> stage = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    >>> StageRecompute(stage, RecomputePolicy(every=2)).blocks
+    ['0', '2']
 """
 
 from __future__ import annotations
 
-import contextlib
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointPolicy as OpPolicy
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-# (module that holds the buffer, its attribute name, the tensor held, the values to have)
-_BufferState = tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]
+from conveyor.errors import PipelineConfigError
+from conveyor.runtime.stage.recomputed_buffers import RecomputedBuffers
+
+if TYPE_CHECKING:
+    from conveyor.options import RecomputePolicy
+
+# Counts a tensor kept outside autograd's saved tensors until the returned handle dies (None: no count).
+Hold = Callable[[torch.Tensor], object]
+_INDEXED = re.compile(r"(?:.*\.)?\d+")
 
 
-class RecomputedBuffers:
-    """``checkpoint(context_fn=...)`` for ``module``: each recomputation sees its forward's buffers.
+def module_blocks(module: torch.nn.Module, pattern: str | None = None) -> list[str]:
+    """The blocks of a stage module, in order: a traced stage's from its graph; a hand-built
+    one's, the outermost submodules that are list items (``layers.3``) or match ``pattern``."""
+    if hasattr(module, "block_names") and hasattr(module, "wrap_blocks"):
+        return module.block_names(pattern)
+    found: list[str] = []
+    for name, _ in module.named_modules():
+        if not name or any(name.startswith(block + ".") for block in found):
+            continue
+        if re.fullmatch(pattern, name) if pattern is not None else _INDEXED.fullmatch(name):
+            found.append(name)
+    return found
 
-    Call it once per checkpointed forward (``checkpoint`` does); it returns the two
-    contexts, around the forward and around its recomputation, of that one microbatch.
+
+def _listed(names: Sequence[str], most: int = 8) -> str:
+    """``a, b, c`` (the first ``most`` and how many in all when there are more; ``none`` when empty)."""
+    shown = ", ".join(names[:most])
+    return (shown + f", ... ({len(names)} in all)" if len(names) > most else shown) or "none"
+
+
+class StageRecompute:
+    """Applies ``policy`` to ``module`` (a stage) and runs the recomputed regions.
+
+    ``hold`` is called at each checkpointed forward and returns what counts the outputs a
+    selective region keeps (the stage's memory meter), or None. ``stage``: the stage's id, which a
+    refusal names (None: not known).
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, policy: RecomputePolicy, *,
+                 hold: Callable[[], Hold | None] = lambda: None, stage: int | None = None) -> None:
         self.module = module
-        # The last copy taken of each buffer, by name: reused while the values hold (copies
-        # are never written, so any equal one serves a forward or a recomputation alike).
-        self._last_copies: dict[str, torch.Tensor] = {}
+        self.policy = policy
+        self.stage = stage
+        self.hold = hold
+        self.saved_operators = frozenset(policy.saved_operators())
+        self.blocks: list[str] = []
+        self.whole_stage = not policy.per_block
+        if policy.per_block:
+            self.blocks = self._choose(module_blocks(module, policy.blocks))
+            self._wrap_blocks()
 
-    def __call__(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        forward = _AroundForward(self)
-        return forward, _AroundRecomputation(forward)
+    def _choose(self, blocks: Sequence[str]) -> list[str]:
+        if not blocks:
+            what = (f"matches blocks={self.policy.blocks!r}" if self.policy.blocks is not None
+                    else "is an item of a ModuleList or Sequential")
+            which = "this stage" if self.stage is None else f"stage {self.stage}"
+            has = module_blocks(self.module) if self.policy.blocks is not None else []
+            held = (f"its blocks: {_listed(has)}" if has else
+                    f"it has no blocks; its top modules: {_listed([n for n, _ in self.module.named_children()])}")
+            raise PipelineConfigError(
+                f"checkpoint policy {self.policy.describe()!r}: no module of {which} {what} ({held}); give "
+                "blocks= a pattern of its module names (a regular expression matched against each whole "
+                "name), or checkpoint the whole stage with {}")
+        return list(blocks[::self.policy.every or 1])
 
-    def current_state(self) -> list[_BufferState]:
-        """Every buffer with a copy of its values: the last copy taken, if the values are the same."""
-        states = []
-        for name, buffer in self.module.named_buffers():
-            owner_name, _, attribute = name.rpartition(".")
-            owner = self.module.get_submodule(owner_name) if owner_name else self.module
-            copy = self._last_copies.get(name)
-            if copy is None or not _same(copy, buffer):
-                copy = self._last_copies[name] = buffer.clone()
-            states.append((owner, attribute, buffer, copy))
-        return states
+    def _wrap_blocks(self) -> None:
+        chosen = set(self.blocks)
+        if hasattr(self.module, "wrap_blocks"):
+            self.module.wrap_blocks(chosen, lambda function, block: self.checkpointed(function, block),
+                                    self.policy.blocks)
+            return
+        for name in self.blocks:
+            block = self.module.get_submodule(name)
+            # The unwrapped forward, kept so that a second pipeline over the module wraps it once.
+            forward = block.__dict__.setdefault("_conveyor_plain_forward", block.forward)
+            block.forward = self.checkpointed(forward, name)
+
+    def checkpointed(self, function: Callable, block: str | None = None) -> Callable:
+        """``function`` recomputed in backward (as is, without gradients), its buffers kept as
+        without recomputation; ``block`` names the module holding them (None: the stage)."""
+        holder = self.module if block is None else _submodule(self.module, block)
+        buffers = RecomputedBuffers(holder) if holder is not None else None
+
+        def run_checkpointed(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return function(*args, **kwargs)
+            return checkpoint(function, *args, use_reentrant=False,
+                              context_fn=lambda: self._contexts(buffers), **kwargs)
+
+        return run_checkpointed
+
+    def _contexts(self, buffers: RecomputedBuffers | None) -> tuple[Any, Any]:
+        pairs = [buffers()] if buffers is not None else []
+        if self.saved_operators:
+            pairs.append(_selective(self.saved_operators, self.hold()))
+        return _Contexts([forward for forward, _ in pairs]), _Contexts([again for _, again in pairs])
 
 
-# Plain classes, not generator-based contexts (which can be entered once only): a recomputation
-# may run more than once, as the zero-bubble schedules' I and W passes each unpack saved tensors.
-class _AroundForward:
-    def __init__(self, buffers: RecomputedBuffers) -> None:
-        self.buffers = buffers
-        self.found: list[_BufferState] = []
+def _submodule(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    try:
+        return module.get_submodule(name)
+    except AttributeError:  # a traced block with no tensors of its own has no container
+        return None
+
+
+class _Contexts:
+    """Several contexts as one, re-enterable (a recomputation may run twice: I, then W)."""
+
+    def __init__(self, contexts: list[Any]) -> None:
+        self.contexts = contexts
 
     def __enter__(self) -> None:
-        self.found = self.buffers.current_state()
+        for context in self.contexts:
+            context.__enter__()
 
-    def __exit__(self, *exc_info) -> None:
-        pass
+    def __exit__(self, *exc_info: Any) -> None:
+        for context in reversed(self.contexts):
+            context.__exit__(*exc_info)
 
 
-class _AroundRecomputation:
-    def __init__(self, forward: _AroundForward) -> None:
-        self.forward = forward
-        self.found: list[_BufferState] = []
+def _selective(operators: frozenset, hold: Hold | None) -> tuple[Any, Any]:
+    """torch's selective-checkpoint contexts for one region: ``operators``' outputs kept."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> OpPolicy:
+        return OpPolicy.MUST_SAVE if getattr(op, "overloadpacket", None) in operators else OpPolicy.PREFER_RECOMPUTE
+
+    caching, cached = create_selective_checkpoint_contexts(policy)
+    kept = _Kept(caching.storage, hold)
+    return _KeepingForward(caching, kept), _RepeatableRecompute(cached, kept)
+
+
+class _Kept:
+    """The region's kept outputs: a copy of torch's storage to hand out again, and their count."""
+
+    def __init__(self, storage: dict, hold: Hold | None) -> None:
+        self.storage = storage
+        self.hold = hold
+        self.snapshot: dict | None = None
+        self.handles: list[object] = []
+
+
+class _KeepingForward:
+    def __init__(self, caching: Any, kept: _Kept) -> None:
+        self.caching, self.kept = caching, kept
 
     def __enter__(self) -> None:
-        self.found = self.forward.buffers.current_state()
-        _put(self.forward.found)
+        self.caching.__enter__()
 
-    def __exit__(self, *exc_info) -> None:
-        held = {(id(owner), attribute) for owner, attribute, _, _ in self.found}
-        for owner, attribute, _, _ in self.forward.found:  # deleted since the forward: deleted again
-            if (id(owner), attribute) not in held:
-                owner._buffers.pop(attribute, None)
-        _put(self.found)
-        self.found = []
-
-
-def _put(states: list[_BufferState]) -> None:
-    """Make each module hold its tensor again, with the values given, writing only what differs."""
-    with torch.no_grad():
-        for owner, attribute, buffer, values in states:
-            if owner._buffers.get(attribute) is not buffer:  # a forward assigned another tensor
-                owner._buffers[attribute] = buffer
-            if not _same(values, buffer):
-                if buffer.shape != values.shape:  # resized in place
-                    buffer.resize_(values.shape)
-                buffer.copy_(values)
+    def __exit__(self, *exc_info: Any) -> None:
+        self.caching.__exit__(*exc_info)
+        kept = self.kept
+        kept.snapshot = {key: dict(entries) for key, entries in kept.storage.items()}
+        if kept.hold is not None:
+            tensors = [leaf.val for entries in kept.snapshot.values() for entry in entries.values()
+                       for leaf in pytree.tree_leaves(entry) if isinstance(getattr(leaf, "val", None), torch.Tensor)]
+            kept.handles = [kept.hold(tensor) for tensor in tensors]
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal in dtype, shape and every element, NaN matching NaN (a NaN statistic is not a write)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if torch.equal(a, b):
-        return True
-    if not (a.is_floating_point() or a.is_complex()):
-        return False
-    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+class _RepeatableRecompute:
+    def __init__(self, cached: Any, kept: _Kept) -> None:
+        self.cached, self.kept = cached, kept
+
+    def __enter__(self) -> None:
+        kept = self.kept
+        if kept.snapshot is not None:  # what an earlier recomputation consumed, handed out again
+            kept.storage.clear()
+            kept.storage.update({key: dict(entries) for key, entries in kept.snapshot.items()})
+        self.cached.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.cached.__exit__(*exc_info)

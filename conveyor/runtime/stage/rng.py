@@ -16,7 +16,7 @@ draws stage after stage, microbatch after microbatch, which no pipeline can foll
 running one stage at a time. With dropout active, results are therefore not bitwise those of
 one device (without random ops they are, and this changes nothing).
 
-``torch.utils.checkpoint`` (``checkpoint_activations=True``) saves and restores the generator
+``torch.utils.checkpoint`` (``recompute=True``) saves and restores the generator
 state around its recomputation, so the recomputed forward draws the same masks.
 
 Example:

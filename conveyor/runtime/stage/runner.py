@@ -35,11 +35,11 @@ from conveyor.runtime.stage.backward import (
     backward_full,
     backward_input,
 )
-from conveyor.runtime.stage.checkpointing import StageCheckpointing
 from conveyor.runtime.stage.compile import compile_options, compile_stage
 from conveyor.runtime.stage.main_grad import ParamPrecision, apply_param_precision
 from conveyor.runtime.stage.memory import MemoryMeter
 from conveyor.runtime.stage.precision import autocast_region
+from conveyor.runtime.stage.recompute import StageRecompute
 from conveyor.runtime.stage.rng import StepRandomness
 
 if TYPE_CHECKING:
@@ -127,15 +127,14 @@ class StageRunner:
         self.randomness: StepRandomness | None = None  # set by the pipeline for each step
         self.memory_meter: MemoryMeter | None = None  # set by the executor with measure_memory
         # What this stage recomputes in backward (None: nothing); per block, it wraps the blocks now.
-        policy = options.checkpoint_policy(stage, num_stages)
-        self.checkpointing = (None if policy is None else
-                              StageCheckpointing(module, policy, hold=self._memory_hold, stage=stage))
-        self.checkpoint_activations = policy is not None
+        policy = options.recompute_policy(stage, num_stages)
+        self.recompute = (None if policy is None else
+                          StageRecompute(module, policy, hold=self._memory_hold, stage=stage))
         # torch.compile options (None: eager); the module stays as given, its calls go through `call`.
         compile = self.compile = compile_options(options.compile)
         self.call = module if compile is None else compile_stage(module, stage, compile)
-        if self.checkpointing is not None and self.checkpointing.whole_stage:
-            self.call = self.checkpointing.checkpointed(self.call)
+        if self.recompute is not None and self.recompute.whole_stage:
+            self.call = self.recompute.checkpointed(self.call)
         self.fused_backward = False  # a compiled region made I run the full backward (logged once)
         # What F, B, I and W run under, besides autocast: a tensor-parallel stage's DTensor contexts
         # (implicit replication, loss_parallel), set by the pipeline that parallelized it.

@@ -1,4 +1,4 @@
-"""Selective activation checkpointing (per stage, per block, per operator) stays bitwise equal to one device.
+"""Selective recomputation (per stage, per block, per operator) stays bitwise equal to one device.
 
 One launch of 2 gloo ranks runs every built-in schedule (the zero-bubble I/W splits included) on
 hand-built stages, each stage with another policy, rotating so that every policy runs under several
@@ -15,8 +15,8 @@ import torch
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
-from conveyor.options import CheckpointPolicy, Layout, PipelineOptions, StageOptions
-from conveyor.runtime.stage.checkpointing import StageCheckpointing
+from conveyor.options import Layout, PipelineOptions, RecomputePolicy, StageOptions
+from conveyor.runtime.stage.recompute import StageRecompute
 from conveyor.testing import run_ranks
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss, make_batch, reference_model, reference_step
 
@@ -39,7 +39,7 @@ def _schedules() -> list[cs.Schedule]:
 
 
 def _rotated(index: int, schedule: cs.Schedule) -> list:
-    """``checkpoint=`` for the ``index``-th schedule: stage s takes policy index + s (mod their number)."""
+    """``recompute=`` for the ``index``-th schedule: stage s takes policy index + s (mod their number)."""
     return [POLICIES[(index + stage) % len(POLICIES)] for stage in range(schedule.num_stages)]
 
 
@@ -61,20 +61,20 @@ def _step_each(rank: int, world_size: int) -> list:
     for index, schedule in enumerate(_schedules()):
         cfg, mine = _config(schedule), schedule.stages_of(rank)
         first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
-        for checkpoint in [_rotated(index, schedule)]:
+        for policy in [_rotated(index, schedule)]:
             stages = {s: build_stage(s, cfg) for s in mine}
             try:
                 pipe = conveyor.Pipeline([stages[s] for s in mine], schedule=schedule, loss_fn=lm_loss,
-                                         stage=StageOptions(checkpoint=checkpoint),
+                                         stage=StageOptions(recompute=policy),
                                          transfer=conveyor.TransferOptions(timeout_s=60))
                 ids, targets = make_batch(cfg, BATCH, seed=0)
                 loss = pipe.step(ids if rank == first else None, target=targets if rank == last else None)
                 pipe.close()
             except Exception as exc:
-                exc.add_note(f"while rank {rank} ran {schedule.name} with checkpoint={checkpoint}")
+                exc.add_note(f"while rank {rank} ran {schedule.name} with recompute={policy}")
                 raise
             grads = {s: {n: p.grad.clone() for n, p in stages[s].named_parameters()} for s in mine}
-            results.append((schedule.name, str(checkpoint), loss, grads))
+            results.append((schedule.name, str(policy), loss, grads))
     return results
 
 
@@ -83,12 +83,12 @@ def test_policies_per_stage_under_every_schedule_are_bitwise_equal_to_one_device
     references = {schedule.name: _reference(schedule) for schedule in _schedules()}
     count = 0
     for results in ranks:
-        for name, checkpoint, loss, grads in results:
+        for name, policy, loss, grads in results:
             want_loss, want_grads = references[name]
             if loss is not None:
-                assert torch.equal(loss, want_loss), f"{name} checkpoint={checkpoint}: loss {loss} vs {want_loss}"
+                assert torch.equal(loss, want_loss), f"{name} recompute={policy}: loss {loss} vs {want_loss}"
             for stage, got in grads.items():
-                assert_same(f"{name} checkpoint={checkpoint} stage {stage}", got, want_grads[stage])
+                assert_same(f"{name} recompute={policy} stage {stage}", got, want_grads[stage])
                 count += 1
     assert count == sum(s.num_stages for s in _schedules())
     zero_bubble = [(i, s) for i, s in enumerate(_schedules()) if s.name.startswith("zb") or s.name == "dualpipev"]
@@ -101,15 +101,14 @@ def test_every_policy_under_one_two_and_v_shaped_schedules_in_process(schedule):
     torch.set_num_threads(1)
     want_loss, want_grads = _reference(schedule)
     cfg = _config(schedule)
-    for checkpoint in [*POLICIES, True]:
+    for policy in [*POLICIES, True]:
         stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
-        options = (StageOptions(checkpoint_activations=True) if checkpoint is True
-                   else StageOptions(checkpoint=checkpoint))
+        options = StageOptions(recompute=policy)
         pipe = conveyor.LocalPipeline(stages, schedule, lm_loss, stage=options)
         ids, targets = make_batch(cfg, BATCH, seed=0)
-        assert torch.equal(pipe.step(ids, target=targets), want_loss), checkpoint
+        assert torch.equal(pipe.step(ids, target=targets), want_loss), policy
         for stage, module in enumerate(stages):
-            assert_same(f"checkpoint={checkpoint} stage {stage}", {n: p.grad for n, p in module.named_parameters()},
+            assert_same(f"recompute={policy} stage {stage}", {n: p.grad for n, p in module.named_parameters()},
                         want_grads[stage])
 
 
@@ -133,41 +132,40 @@ class _Llama(torch.nn.Module):
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])
-def test_traced_stages_checkpoint_blocks_bitwise(name):
+def test_traced_stages_recompute_blocks_bitwise(name):
     torch.set_num_threads(1)
     ids = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(0))
     reference = _Llama()
     want = reference_step(reference, ids, ids, MICROBATCHES, lm_loss)
     wanted = dict(reference.named_parameters())
-    for checkpoint in [{"every": 2}, {"every": 1, "save": ["matmul"]}, {"blocks": r"layers\.\d+\.up", "save": ["mm"]}]:
-        options = PipelineOptions(stage=StageOptions(checkpoint=checkpoint), layout=Layout(in_process=True, ranks=2))
+    for policy in [{"every": 2}, {"every": 1, "save": ["matmul"]}, {"blocks": r"layers\.\d+\.up", "save": ["mm"]}]:
+        options = PipelineOptions(stage=StageOptions(recompute=policy), layout=Layout(in_process=True, ranks=2))
         pipe = conveyor.pipeline(_Llama(), example_args=(ids[:2],), schedule=name, microbatches=MICROBATCHES,
                                  loss_fn=lm_loss, options=options)
         loss = pipe.step(ids, target=ids)
-        assert torch.equal(loss, want), (checkpoint, loss, want)
-        assert any(runner.checkpointing.blocks for runner in pipe.runners.values()), checkpoint
+        assert torch.equal(loss, want), (policy, loss, want)
+        assert any(runner.recompute.blocks for runner in pipe.runners.values()), policy
         for parameter_name, parameter in pipe.named_parameters():
-            assert torch.equal(parameter.grad, wanted[parameter_name].grad), (checkpoint, parameter_name)
+            assert torch.equal(parameter.grad, wanted[parameter_name].grad), (policy, parameter_name)
 
 
 def test_blocks_are_list_items_or_named_and_a_policy_that_finds_none_says_so():
     stage = build_stage(0, TinyConfig(blocks_per_stage=3))
-    assert StageCheckpointing(stage, CheckpointPolicy(every=2)).blocks == ["blocks.0", "blocks.2"]
-    assert StageCheckpointing(build_stage(0, TinyConfig(blocks_per_stage=3)),
-                              CheckpointPolicy(blocks=r"blocks\.\d+\.attn")).blocks == [
+    assert StageRecompute(stage, RecomputePolicy(every=2)).blocks == ["blocks.0", "blocks.2"]
+    assert StageRecompute(build_stage(0, TinyConfig(blocks_per_stage=3)),
+                          RecomputePolicy(blocks=r"blocks\.\d+\.attn")).blocks == [
         "blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
     with pytest.raises(PipelineConfigError, match=r"no module of this stage matches blocks='decoder.*' \(it has no "
                        r"blocks; its top modules: none\)"):
-        StageCheckpointing(torch.nn.Linear(2, 2), CheckpointPolicy(blocks="decoder.*"))
+        StageRecompute(torch.nn.Linear(2, 2), RecomputePolicy(blocks="decoder.*"))
     # A pattern that matches none of a stage's blocks names the stage and the blocks it has.
     with pytest.raises(PipelineConfigError, match=r"no module of stage 1 matches blocks='layers' \(its blocks: "
                                                   r"blocks.0, blocks.1, blocks.2\)"):
-        StageCheckpointing(build_stage(0, TinyConfig(blocks_per_stage=3)), CheckpointPolicy(blocks="layers"), stage=1)
+        StageRecompute(build_stage(0, TinyConfig(blocks_per_stage=3)), RecomputePolicy(blocks="layers"), stage=1)
     with pytest.raises(PipelineConfigError, match="'mmm' is no aten operator"):
-        CheckpointPolicy(save=("mmm",))
+        RecomputePolicy(save=("mmm",))
     with pytest.raises(PipelineConfigError, match="lists 2 policies for a pipeline of 3 stages"):
-        StageOptions(checkpoint=[{"every": 1}, None]).checkpoint_policy(0, 3)
-    with pytest.raises(PipelineConfigError, match="not both"):
-        StageOptions(checkpoint_activations=True, checkpoint={"every": 2})
-    assert StageOptions(checkpoint_activations=True).checkpoint == CheckpointPolicy()
-    assert "checkpoint=[every=1, None]" in StageOptions(checkpoint=[{"every": 1}, False]).describe()
+        StageOptions(recompute=[{"every": 1}, None]).recompute_policy(0, 3)
+    assert StageOptions(recompute=True).recompute == RecomputePolicy()
+    assert StageOptions(recompute=[True, None]).recompute_policy(0, 2) == RecomputePolicy()
+    assert "recompute=[every=1, None]" in StageOptions(recompute=[{"every": 1}, False]).describe()

@@ -1,8 +1,8 @@
-"""Activation checkpointing per policy: peak memory per rank, predicted and measured, and step time.
+"""Activation recomputation per policy: peak memory per rank, predicted and measured, and step time.
 
 The llama recipe (``configs/llama.yaml``: 4 blocks of width 128, grouped-query attention, seq 128,
 batch 16 in 4 microbatches, 1F1B) at pp=2 on two ranks (one thread each), under each policy of
-:data:`POLICIES` (``stage.checkpoint``: none, the whole stage, every other block, every block,
+:data:`POLICIES` (``stage.recompute``: none, the whole stage, every other block, every block,
 every block keeping its matmul outputs, and the first stage only, which holds the most microbatches
 under 1F1B). Per rank:
 
@@ -16,7 +16,7 @@ under 1F1B). Per rank:
   round so that a busy spell of the shared host slows all alike; the host's CPU steal per policy.
 
 Run through the one benchmark command:
-    .venv/bin/python -m benchmarks --checkpointing [--checkpointing-rounds 2] [--checkpointing-steps 2]
+    .venv/bin/python -m benchmarks --recompute [--recompute-rounds 2] [--recompute-steps 2]
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from benchmarks.steal import StealMeter
 from conveyor.testing.multiprocess import run_ranks
 
 RECIPE = Path(__file__).resolve().parent.parent / "configs" / "llama.yaml"
-# (label, the stage.checkpoint override)
+# (label, the stage.recompute override)
 POLICIES = (
     ("none", "null"),
-    ("whole stage", "{}"),
+    ("whole stage", "true"),
     ("every=2", "{every: 2}"),
     ("every=1", "{every: 1}"),
     ("every=1 save=matmul", "{every: 1, save: [matmul]}"),
@@ -45,7 +45,7 @@ POLICIES = (
 def _config(policy: str, quick: bool) -> object:
     from conveyor.train.config import load_config
 
-    overrides = [f"stage.checkpoint={policy}", "stage.measure_memory=true", "run.dir=/tmp/conveyor-bench-ckpt"]
+    overrides = [f"stage.recompute={policy}", "stage.measure_memory=true", "run.dir=/tmp/conveyor-bench-ckpt"]
     return load_config(RECIPE, overrides + (["model.seq_len=64"] if quick else []))
 
 
@@ -111,13 +111,13 @@ def _mib(size: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print one row per policy: predicted and measured peak per rank, their ratio, step time, steal."""
-    rounds, steps, quick = args.checkpointing_rounds, args.checkpointing_steps, args.quick
+    rounds, steps, quick = args.recompute_rounds, args.recompute_steps, args.quick
     load = os.getloadavg()[0]
     per_rank = run_ranks(_timed, 2, args=(rounds, steps, quick), timeout_s=3000)
     meter = StealMeter()
     meter.ticks = per_rank[0]["steal"]  # /proc/stat is the host's: rank 0's windows cover both ranks
     steal = meter.percent()
-    print(f"activation checkpointing policies on {RECIPE.name} (pp=2, 1f1b, 4 microbatches"
+    print(f"activation recomputation policies on {RECIPE.name} (pp=2, 1f1b, 4 microbatches"
           f"{', seq 64' if quick else ''}), one thread per rank; peaks in MiB of activations kept for backward "
           f"(parameters and optimizer state apart); step: median of {rounds * steps} steps, {rounds} rounds of "
           f"{steps}, policies rotating")

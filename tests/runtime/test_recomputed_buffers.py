@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from conveyor.local import LocalPipeline
 from conveyor.options import StageOptions
-from conveyor.runtime.stage.recompute import RecomputedBuffers
+from conveyor.runtime.stage.recomputed_buffers import RecomputedBuffers
 
 NUM_MICROBATCHES = 4
 
@@ -39,7 +39,7 @@ def _two_steps_both_ways(make_stage, schedule: str) -> tuple[list[nn.Module], li
     stages = [make_stage(seed) for seed in range(2)]
     reference = copy.deepcopy(stages)
     pipe = LocalPipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES,
-                         stage=StageOptions(checkpoint_activations=True))
+                         stage=StageOptions(recompute=True))
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):
         x, y = torch.randn(16, 6, generator=generator), torch.randn(16, 6, generator=generator)
@@ -78,7 +78,7 @@ class _CountsWhenArmed(nn.Module):
 def test_a_buffer_that_starts_being_written_later_is_written_once_per_forward():
     module = _CountsWhenArmed()
     pipe = LocalPipeline([module], "gpipe", _mse, microbatches=NUM_MICROBATCHES,
-                         stage=StageOptions(checkpoint_activations=True))
+                         stage=StageOptions(recompute=True))
     x, y = torch.randn(8, 3), torch.randn(8, 3)
     pipe.step(x, target=y)
     module.armed = True
@@ -92,7 +92,7 @@ def test_a_batch_norm_frozen_then_unfrozen_matches_one_device(schedule):
     stages = [_normed_stage(seed) for seed in range(2)]
     reference = copy.deepcopy(stages)
     pipe = LocalPipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES,
-                         stage=StageOptions(checkpoint_activations=True))
+                         stage=StageOptions(recompute=True))
     generator = torch.Generator().manual_seed(0)
     for frozen in (True, False, False):
         for stage, twin in zip(stages, reference):
