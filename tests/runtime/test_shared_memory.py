@@ -32,7 +32,7 @@ def _exchange(rank, world_size, payloads):
         for index, value in enumerate(payloads):
             transport.send(1, (0, 0, index), value)
         transport.finish_sends()
-        return transport.structures_sent, transport.outgoing[1].ring.capacity
+        return transport.structures_sent, transport.rings.outgoing[1].ring.capacity
     got = [None] * len(payloads)
     for index in reversed(range(len(payloads))):
         got[index] = transport.wait(transport.post_recv(0, (0, 0, index)), f"payload {index}")
@@ -100,7 +100,7 @@ def _peer_process_gone(rank, world_size):
     transport.wait(transport.post_recv(1, (1, 1, 0)), "the first gradient")
     finished = subprocess.Popen(["true"])
     finished.wait()
-    transport.pids[1] = finished.pid  # as if rank 1 had been killed without a word
+    transport.rings.pids[1] = finished.pid  # as if rank 1 had been killed without a word
     return _wait_for_a_gradient_that_fails(transport)
 
 
@@ -214,17 +214,17 @@ def test_a_dropped_pipeline_gives_its_rings_and_doorbell_back():
 
 
 def test_spin_is_long_only_when_every_local_process_has_a_core(monkeypatch):
-    from conveyor.runtime.transport import shm
+    from conveyor.runtime.transport import shm_wait
 
     monkeypatch.delenv("CONVEYOR_SHM_SPIN_US", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(shm, "_usable_cpus", lambda: 4)
-    assert shm._default_spin_s(4) == 1e-3
-    assert shm._default_spin_s(5) == 50e-6
+    monkeypatch.setattr(shm_wait, "_usable_cpus", lambda: 4)
+    assert shm_wait._default_spin_s(4) == 1e-3
+    assert shm_wait._default_spin_s(5) == 50e-6
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # two replicas of a 4-rank pipeline on this host
-    assert shm._default_spin_s(4) == 50e-6
+    assert shm_wait._default_spin_s(4) == 50e-6
     monkeypatch.setenv("CONVEYOR_SHM_SPIN_US", "300")
-    assert shm._default_spin_s(4) == 300e-6
+    assert shm_wait._default_spin_s(4) == 300e-6
 
 
 def _in_process_pair(monkeypatch, prefix: str, spin_s=None):
@@ -241,22 +241,22 @@ def _in_process_pair(monkeypatch, prefix: str, spin_s=None):
 
 
 def test_after_a_long_wait_the_next_wait_polls_briefly_unless_the_spin_was_given(monkeypatch):
-    from conveyor.runtime.transport import shm
+    from conveyor.runtime.transport import shm_wait
 
     sender, receiver = _in_process_pair(monkeypatch, "adaptive")
-    receiver.spin_s = 1e-3
+    receiver.waiter.spin_s = 1e-3
     sender.send(1, (0, 0, 0), torch.ones(2))
     receiver.wait(receiver.post_recv(0, (0, 0, 0)), "m0")  # already there: no wait
-    assert receiver.next_spin_s() == 1e-3
-    receiver.last_wait_s = 0.2  # a neighbour computed for 200 ms
-    assert receiver.next_spin_s() == shm._SHORT_SPIN_S
+    assert receiver.waiter.next_spin_s() == 1e-3
+    receiver.waiter.last_wait_s = 0.2  # a neighbour computed for 200 ms
+    assert receiver.waiter.next_spin_s() == shm_wait._SHORT_SPIN_S
     sender.send(1, (0, 0, 1), torch.ones(2))
     receiver.wait(receiver.post_recv(0, (0, 0, 1)), "m1")
-    assert receiver.next_spin_s() == 1e-3  # the message was waiting: back to the long poll
+    assert receiver.waiter.next_spin_s() == 1e-3  # the message was waiting: back to the long poll
 
     _, fixed = _in_process_pair(monkeypatch, "fixed", spin_s=2e-3)
-    fixed.last_wait_s = 0.2
-    assert fixed.next_spin_s() == 2e-3  # an explicit spin is kept as given
+    fixed.waiter.last_wait_s = 0.2
+    assert fixed.waiter.next_spin_s() == 2e-3  # an explicit spin is kept as given
 
 
 def test_a_structure_sent_again_reuses_its_cached_layout(monkeypatch):
@@ -283,17 +283,17 @@ def test_a_ring_outgrown_twice_before_its_receiver_looked_is_still_found(monkeyp
     payloads = [torch.arange(25_000.0), torch.arange(250_000.0), torch.ones(3)]
     for microbatch, value in enumerate(payloads):
         sender.send(1, (0, 0, microbatch), value)
-    assert sender.outgoing[1].generation == 2 and len(sender.retired) == 2
+    assert sender.rings.outgoing[1].generation == 2 and len(sender.outbox.retired) == 2
     got = [receiver.wait(receiver.post_recv(0, (0, 0, m)), f"m{m}") for m in range(len(payloads))]
     assert all(torch.equal(g, w) for g, w in zip(got, payloads))
     sender.finish_sends()
-    assert sender.retired == []  # mapped by the receiver, then closed
+    assert sender.outbox.retired == []  # mapped by the receiver, then closed
 
 
 def test_a_peer_that_failed_and_took_its_rings_along_is_reported_by_its_own_message(monkeypatch):
     sender, receiver = _in_process_pair(monkeypatch, "gone")
     sender.publish_failure("StageExecutionError: boom on rank 0")
-    for outgoing in sender.outgoing.values():
+    for outgoing in sender.rings.outgoing.values():
         outgoing.ring.close()  # what its process's exit does, before the receiver mapped the ring
     with pytest.raises(PeerFailure, match="rank 0 failed: StageExecutionError: boom on rank 0"):
         receiver.wait(receiver.post_recv(0, (0, 0, 0)), "stage 0's output")

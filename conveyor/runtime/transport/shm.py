@@ -6,17 +6,21 @@ Here a send copies the payload straight into a ring the receiver has mapped and 
 its doorbell; a waiting receiver sees the data within microseconds when it spins, or
 wakes on the doorbell (an abstract Unix datagram socket) when it sleeps.
 
-The transport is cut by concern, a module each:
+The transport is composed of parts it holds, one module each, each with a small public interface:
 
 - :mod:`conveyor.runtime.transport.shm_ring`: the rings themselves (their memory, the layout of a
   message, how a payload's tensors lie in them);
-- :mod:`conveyor.runtime.transport.shm_handshake`: who maps which ring, and the doorbells;
-- :mod:`conveyor.runtime.transport.shm_outbox`: sending (a send never blocks: a message that finds
-  its ring full waits in the outbox for the next call into the transport), growing rings;
-- :mod:`conveyor.runtime.transport.shm_wait`: receiving and waiting (spin, then sleep on the
-  doorbell; a failed peer is noticed within a second);
-- this module: the transport they make, what it remembers per channel, its spin policy,
-  failure messages and closing.
+- :class:`~conveyor.runtime.transport.shm_handshake.RingHandshake` (``rings``): who maps which
+  ring, and the doorbells;
+- :class:`~conveyor.runtime.transport.shm_outbox.Outbox` (``outbox``): sending (a send never
+  blocks: a message that finds its ring full waits in the outbox for the next call into the
+  transport), growing rings;
+- :class:`~conveyor.runtime.transport.shm_inbox.Inbox` (``inbox``): receiving (the rings drained
+  into the messages that arrived);
+- :class:`~conveyor.runtime.transport.shm_wait.Waiter` (``waiter``): every wait (spin, then sleep
+  on the doorbell; a failed peer is noticed within a second);
+- this module: the transport they make (the contract of
+  :class:`~conveyor.runtime.transport.transport.Transport`), failure messages and closing.
 
 Example (what :class:`conveyor.Pipeline` does when every rank is on this host)::
 
@@ -25,22 +29,23 @@ Example (what :class:`conveyor.Pipeline` does when every rank is on this host)::
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
+from conveyor.errors import PeerFailure
+from conveyor.runtime.lifecycle.peers import process_alive
 from conveyor.runtime.transport.shm_handshake import RingHandshake
+from conveyor.runtime.transport.shm_inbox import Inbox
 from conveyor.runtime.transport.shm_outbox import Outbox
-from conveyor.runtime.transport.shm_ring import _Incoming, _Outgoing, _Ring
 
 # Re-exported: the transports' chooser imports it from here.
 from conveyor.runtime.transport.shm_ring import shared_memory_supported as shared_memory_supported
-from conveyor.runtime.transport.shm_wait import Waiting
+from conveyor.runtime.transport.shm_wait import Waiter
 from conveyor.runtime.transport.transport import FailureBoard, Transport
 from conveyor.runtime.transport.wire import PayloadMeta, TransferKey
 
 
-class SharedMemoryTransport(RingHandshake, Outbox, Waiting, FailureBoard, Transport):
+class SharedMemoryTransport(FailureBoard, Transport):
     """The executor's transport between ranks of one host (see the module docstring).
 
     ``peers`` are the ranks this rank exchanges anything with. Building it creates this
@@ -70,67 +75,94 @@ class SharedMemoryTransport(RingHandshake, Outbox, Waiting, FailureBoard, Transp
         rank_to_global: list[int] | None = None,
     ) -> None:
         self.rank = rank
-        self.peers = sorted(peers)
         self.store = store
         count = self._instances.get(store_prefix, 0)
         self._instances[store_prefix] = count + 1
-        self.prefix = f"conveyor/shm/{store_prefix}/{count}"
         self.num_ranks = num_ranks
         self.rank_to_global = list(range(num_ranks)) if rank_to_global is None else list(rank_to_global)
         self.timeout_s = timeout_s
-        self.fixed_shapes = fixed_shapes
-        # An explicit spin (argument or CONVEYOR_SHM_SPIN_US) is kept as given; the default adapts.
-        self.adaptive_spin = spin_s is None and not os.environ.get("CONVEYOR_SHM_SPIN_US")
-        self.spin_s = _default_spin_s(local_ranks or num_ranks) if spin_s is None else spin_s
-        self.last_wait_s = 0.0  # of the last receive that had to wait
-        self.outgoing: dict[int, _Outgoing] = {}
-        self.incoming: dict[int, _Incoming] = {}
-        self.doorbells: dict[int, str] = {}
-        self.pids: dict[int, int] = {}
-        self.arrived: dict[tuple[int, TransferKey], deque] = {}
-        self.sent_structures: dict[tuple[int, int], list[PayloadMeta]] = {}
-        self.last_structure: dict[tuple[int, int], int] = {}
-        self.received_structures: dict[tuple[int, int], list[PayloadMeta]] = {}
-        self.frozen: dict[tuple[int, int], PayloadMeta] = {}
-        self.steps_done = 0
-        self.structures_sent = 0
-        self.socket = None  # the doorbell, made by _publish
-        self.retired: list[_Ring] = []  # outgoing rings replaced by larger ones, not yet mapped by their receiver
-        self._publish()
+        self.rings = RingHandshake(rank, sorted(peers), store, f"conveyor/shm/{store_prefix}/{count}", timeout_s,
+                                   self.peer_failures)
+        self.outbox = Outbox(rank, self.rings, fixed_shapes)
+        self.inbox = Inbox(self.rings, self.rank_to_global)
+        self.waiter = Waiter(rank, self.rings, timeout_s, spin_s, local_ranks or num_ranks, self._poll,
+                             self.check_health)
+
+    @property
+    def structures_sent(self) -> int:
+        """How many payload structures this transport encoded (each travels once per channel)."""
+        return self.outbox.structures_sent
 
     def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
         """Both ends know ``meta`` as the channel's structure 0 before the first transfer."""
-        for table in (self.sent_structures, self.received_structures):
-            if not table.get(channel):
-                table[channel] = [meta]
-        self.last_structure.setdefault(channel, 0)
-        if self.fixed_shapes:
-            self.frozen.setdefault(channel, meta)
-
-    def next_spin_s(self) -> float:
-        """How long the next wait polls before it sleeps."""
-        if self.adaptive_spin and self.last_wait_s > self.spin_s:
-            # The last receive waited longer than a spin (a peer busy for milliseconds); the
-            # next likely will too: poll briefly, then leave the core to whoever computes.
-            return min(self.spin_s, _SHORT_SPIN_S)
-        return self.spin_s
+        self.outbox.seed(channel, meta)
+        self.inbox.seed(channel, meta)
 
     def end_step(self) -> None:
-        if self.fixed_shapes:
-            # Each channel is held to what it carried in the first step that used it (an
-            # evaluation pass before the first training step uses other channels).
-            for channel, index in self.last_structure.items():
-                if index >= 0 and channel not in self.frozen:
-                    self.frozen[channel] = self.sent_structures[channel][index]
-        self.steps_done += 1
+        self.outbox.end_step()
+
+    def post_sends(self, dst: int, keys: Sequence[TransferKey], values: Sequence[Any]) -> None:
+        for key, value in zip(keys, values):
+            self.outbox.send(dst, key, value)
+
+    def post_recvs(self, src: int, keys: Sequence[TransferKey]) -> list[tuple[int, TransferKey]]:
+        return [(src, key) for key in keys]
+
+    def _poll(self) -> None:
+        self.inbox.drain()
+        self.outbox.pump()
+
+    def ready(self, handle) -> bool:
+        self._poll()
+        return self.inbox.has(handle)
+
+    def progress(self) -> bool:
+        """Move queued sends along and take in what arrived; True while a send still waits for room."""
+        self._poll()
+        return self.outbox.waiting()
+
+    def wait(self, handle, what: str) -> Any:
+        src, _ = handle
+        if src not in self.rings.incoming:
+            self.rings.connect(src, self.timeout_s, what)
+        if not self.inbox.has(handle):
+            self._poll()
+        if not self.inbox.has(handle):
+            self.waiter.wait_until(lambda: self.inbox.has(handle), src, what)
+        else:
+            # It was in the ring already: no wait, however long the copy out took (a preempted
+            # copy must not make the next wait poll briefly).
+            self.waiter.last_wait_s = 0.0
+        return self.inbox.take(handle)
+
+    def finish_sends(self) -> None:
+        """Return once every message of this step sits in a ring its receiver has mapped.
+
+        Then the data outlives this process: a rank whose last act is a send (an
+        evaluation forward, say) may exit right after its step.
+        """
+        if not self.outbox.delivered():
+            self.waiter.wait_until(self.outbox.delivered, self.rank, "its peers to take this step's messages "
+                                   "(room in their rings, or their mapping them)", receive=False)
+        self.outbox.close_retired()  # every ring before a mapped one has been mapped
 
     # --- failures ----------------------------------------------------------------------------
+    def check_health(self, src: int, what: str) -> None:
+        """Raise PeerFailure if a peer has failed (its rings, the store) or, for ``src``, exited."""
+        self.inbox.check_failures()
+        failures = self.peer_failures()
+        if failures:
+            raise PeerFailure(failures)
+        pid = self.rings.pids.get(src)
+        if pid is not None and not process_alive(pid):
+            raise PeerFailure(
+                f"rank {self.rank} waited for {what} from rank {src}, but rank {src} (pid {pid}) has "
+                "exited; look at its output"
+            )
+
     def publish_failure(self, message: str) -> None:
         """Write ``message`` where every peer's waits look: our rings, then the store."""
-        for dst, outgoing in self.outgoing.items():
-            with contextlib.suppress(Exception):
-                outgoing.ring.write_failure(message)
-                self._ring_doorbell(dst)
+        self.rings.write_failure(message)
         super().publish_failure(message)
 
     def _store(self):
@@ -143,60 +175,6 @@ class SharedMemoryTransport(RingHandshake, Outbox, Waiting, FailureBoard, Transp
         pages are too (no file system entry ever existed). Data already in a ring a peer has
         mapped stays readable to that peer.
         """
-        rings = [o.ring for o in self.outgoing.values()] + [i.ring for i in self.incoming.values()]
-        for ring in rings + self.retired:
-            ring.close()
-        self.outgoing, self.incoming, self.retired = {}, {}, []
-        self.arrived.clear()
-        if self.socket is not None:
-            self.socket.close()
-            self.socket = None
-
-
-_SHORT_SPIN_S = 50e-6
-
-
-def _default_spin_s(num_ranks: int) -> float:
-    """How long a waiting rank polls before it sleeps on its doorbell.
-
-    Measured on a 2-core VM, each figure an A/B in the same processes:
-
-    - every rank has a core (P=2): polling 1 ms instead of 50 µs took tiny-stage 1F1B
-      (M=64) from 58-60 to 42-46 ms a step and ZBV from 182 to 138 ms; the receiver's
-      core stays awake, so a message is seen when it lands, not after a wake-up. A
-      small GPT and 5 ms emulated stages did not change;
-    - more ranks than cores (P=4 on 2): 1 ms was no better and slightly worse than
-      50 µs, since a poller takes the core from a rank with work to do.
-
-    After a wait longer than this, the next wait polls 50 µs only (see ``_wait_until``).
-
-    ``CONVEYOR_SHM_SPIN_US`` overrides both.
-    """
-    override = os.environ.get("CONVEYOR_SHM_SPIN_US")
-    if override:
-        return float(override) / 1e6
-    # Every process on this host counts (torchrun's LOCAL_WORLD_SIZE), not just this
-    # pipeline's ranks: data-parallel replicas compete for the same cores.
-    try:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
-    except ValueError:
-        local_world_size = 0
-    local_processes = max(num_ranks, local_world_size)
-    return 1e-3 if local_processes <= _usable_cpus() else _SHORT_SPIN_S
-
-
-def _usable_cpus() -> float:
-    """CPUs this process may run on: its affinity, capped by a cgroup v2 CPU quota if set."""
-    try:
-        cpus: float = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as limit:
-            quota, period = limit.read().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, int(quota) / int(period))
-    except (OSError, ValueError):
-        pass
-    return cpus
-
+        self.outbox.close()
+        self.rings.close()
+        self.inbox.arrived.clear()

@@ -7,33 +7,29 @@ full the message waits in the sender's outbox and goes out on its next call into
 transport; a message too large for the ring moves the channel to a larger one (a SWITCH
 record names it), the old ring kept open until its receiver has followed.
 
-Example (what the executor's posts do)::
+Example (what the transport's ``post_sends`` does)::
 
-    transport.post_sends(1, [(0, 0, 3)], [output])
+    outbox.send(1, (0, 0, 3), output)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-import numpy
 import torch
 
+from conveyor.runtime.transport.shm_handshake import RingHandshake
 from conveyor.runtime.transport.shm_ring import (
-    _ASLEEP,
-    _DATA,
-    _HEADER,
-    _MAPPED,
-    _SWITCH,
-    _WRAP,
-    _WRITE,
-    _copy_into,
-    _full_fence,
-    _layout,
-    _Outgoing,
-    _padded,
-    _Ring,
+    DATA,
+    HEADER_BYTES,
+    SWITCH,
+    WRAP,
+    Outgoing,
+    Ring,
+    copy_into,
+    full_fence,
+    packed_bytes,
+    padded,
 )
 from conveyor.runtime.transport.wire import (
     PayloadMeta,
@@ -49,27 +45,41 @@ _MAX_STRUCTURES = 64  # per channel; beyond, structures travel with every messag
 
 
 class Outbox:
-    """The sending side of a shared-memory transport.
+    """The sending side of a shared-memory transport, over the outgoing rings of ``rings``.
 
-    Owns, per channel (direction, sending stage), the structures sent (``sent_structures``,
-    the index of the last in ``last_structure``, ``frozen`` under fixed shapes) and the rings
-    moved away from (``retired``); per peer, the outgoing ring's outbox.
+    Keeps, per channel (direction, sending stage), the structures sent (``sent_structures``,
+    the index of the last in ``last_structure``, ``frozen`` under fixed shapes, the first step's);
+    the rings moved away from (``retired``) until their receiver has followed; and how many
+    structures it encoded (``structures_sent``). The messages waiting for room sit in each
+    :class:`~conveyor.runtime.transport.shm_ring.Outgoing`'s ``outbox``.
     """
 
-    rank: int
-    fixed_shapes: bool
-    structures_sent: int
-    outgoing: dict[int, _Outgoing]
-    sent_structures: dict[tuple[int, int], list[PayloadMeta]]
-    last_structure: dict[tuple[int, int], int]
-    frozen: dict[tuple[int, int], PayloadMeta]
-    retired: list[_Ring]
+    def __init__(self, rank: int, rings: RingHandshake, fixed_shapes: bool) -> None:
+        self.rank, self.rings, self.fixed_shapes = rank, rings, fixed_shapes
+        self.sent_structures: dict[tuple[int, int], list[PayloadMeta]] = {}
+        self.last_structure: dict[tuple[int, int], int] = {}
+        self.frozen: dict[tuple[int, int], PayloadMeta] = {}
+        self.retired: list[Ring] = []
+        self.structures_sent = 0
 
-    def post_sends(self, dst: int, keys: Sequence[TransferKey], values: Sequence[Any]) -> None:
-        for key, value in zip(keys, values):
-            self._send(dst, key, value)
+    def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
+        """``meta`` is the channel's structure 0, known to the receiver before the first transfer."""
+        if not self.sent_structures.get(channel):
+            self.sent_structures[channel] = [meta]
+        self.last_structure.setdefault(channel, 0)
+        if self.fixed_shapes:
+            self.frozen.setdefault(channel, meta)
 
-    def _send(self, dst: int, key: TransferKey, value: Any) -> None:
+    def end_step(self) -> None:
+        if self.fixed_shapes:
+            # Each channel is held to what it carried in the first step that used it (an
+            # evaluation pass before the first training step uses other channels).
+            for channel, index in self.last_structure.items():
+                if index >= 0 and channel not in self.frozen:
+                    self.frozen[channel] = self.sent_structures[channel][index]
+
+    def send(self, dst: int, key: TransferKey, value: Any) -> None:
+        """``value`` into the ring towards ``dst``, or into its outbox until there is room; never blocks."""
         channel = key[:2]
         structures = self.sent_structures.setdefault(channel, [])
         leaves, spec = quick_flatten(value)
@@ -90,7 +100,7 @@ class Outbox:
             self.last_structure[channel] = index
             if index >= 0:
                 meta = structures[index]  # the remembered object: its layout is cached
-        outgoing = self.outgoing[dst]
+        outgoing = self.rings.outgoing[dst]
         outgoing.outbox.append((key, index, encoded, meta, tensors))
         self._pump(dst, outgoing)
 
@@ -104,13 +114,13 @@ class Outbox:
         structures.append(meta)
         return len(structures) - 1, meta.encode()
 
-    def _pump(self, dst: int, outgoing: _Outgoing) -> None:
+    def _pump(self, dst: int, outgoing: Outgoing) -> None:
         sent = False
         while outgoing.outbox:
             key, index, encoded, meta, tensors = outgoing.outbox[0]
-            data_bytes = _layout(meta).data_bytes
-            total = _HEADER + _padded(len(encoded)) + _padded(data_bytes)
-            if total + _HEADER > outgoing.ring.capacity // 2:
+            data_bytes = packed_bytes(meta)
+            total = HEADER_BYTES + padded(len(encoded)) + padded(data_bytes)
+            if total + HEADER_BYTES > outgoing.ring.capacity // 2:
                 if not self._grow(dst, outgoing, total):
                     break
                 sent = True
@@ -121,78 +131,77 @@ class Outbox:
                 break
             ring = outgoing.ring
             if skip:
-                ring.write_header(outgoing.write, _WRAP, skip)
+                ring.write_header(outgoing.write, WRAP, skip)
                 outgoing.write += skip
                 at = 0
-            body = at + _HEADER
+            body = at + HEADER_BYTES
             if encoded:
-                ring.bytes[body : body + len(encoded)] = numpy.frombuffer(encoded, numpy.uint8)
-                body += _padded(len(encoded))
+                ring.write_bytes(body, encoded)
+                body += padded(len(encoded))
             if tensors:
-                _copy_into(ring, body, tensors, meta)
-            ring.write_header(outgoing.write, _DATA, total, key[0], key[1], key[2], index, len(encoded), data_bytes)
+                copy_into(ring, body, tensors, meta)
+            ring.write_header(outgoing.write, DATA, total, key[0], key[1], key[2], index, len(encoded), data_bytes)
             outgoing.write += total
-            ring.words[_WRITE] = outgoing.write  # publishes the message: stores land in order on x86-64
+            ring.write_position = outgoing.write  # publishes the message: stores land in order on x86-64
             outgoing.used = True
             outgoing.outbox.popleft()
             sent = True
         if sent:
-            _full_fence()
-            if outgoing.ring.words[_ASLEEP]:
-                self._ring_doorbell(dst)
+            full_fence()
+            if outgoing.ring.receiver_asleep:
+                self.rings.ring_doorbell(dst)
 
-    def _grow(self, dst: int, outgoing: _Outgoing, message_bytes: int) -> bool:
+    def _grow(self, dst: int, outgoing: Outgoing, message_bytes: int) -> bool:
         """Move the channel to a ring that holds ``message_bytes`` comfortably; False while the old one is full."""
         at = outgoing.write % outgoing.ring.capacity
-        skip = outgoing.ring.capacity - at if at + _HEADER > outgoing.ring.capacity else 0
-        if outgoing.free() < skip + _HEADER:
+        skip = outgoing.ring.capacity - at if at + HEADER_BYTES > outgoing.ring.capacity else 0
+        if outgoing.free() < skip + HEADER_BYTES:
             return False
         capacity = max(2 * outgoing.ring.capacity, 1 << (4 * message_bytes - 1).bit_length())
         outgoing.generation += 1
-        ring = _Ring.create(f"conveyor-{self.rank}-to-{dst}-{outgoing.generation}", capacity)
+        ring = Ring.create(f"conveyor-{self.rank}-to-{dst}-{outgoing.generation}", capacity)
         old = outgoing.ring
         if skip:
-            old.write_header(outgoing.write, _WRAP, skip)
+            old.write_header(outgoing.write, WRAP, skip)
             outgoing.write += skip
-        old.write_header(outgoing.write, _SWITCH, _HEADER, ring.fd, capacity)
-        outgoing.write += _HEADER
-        old.words[_WRITE] = outgoing.write
+        old.write_header(outgoing.write, SWITCH, HEADER_BYTES, ring.fd, capacity)
+        outgoing.write += HEADER_BYTES
+        old.write_position = outgoing.write
         # The receiver finds the new ring through the old one, which it may not have mapped
         # yet (it opens a ring when it reads the SWITCH that names it, or on its first
         # receive): the old ring's descriptor must outlive that, or the receiver's open of
         # /proc/<pid>/fd/<n> finds nothing. Two growths before the receiver looked did that.
         self.retired.append(old)
-        self._close_retired()
-        self._ring_doorbell(dst)  # it may be asleep, flagged on the old ring only
+        self.close_retired()
+        self.rings.ring_doorbell(dst)  # it may be asleep, flagged on the old ring only
         outgoing.ring, outgoing.write, outgoing.used = ring, 0, True
         return True
 
-    def _close_retired(self) -> None:
+    def close_retired(self) -> None:
         """Close the rings we moved away from once their receiver has mapped them."""
         if self.retired:
-            mapped = [ring for ring in self.retired if ring.words[_MAPPED]]
+            mapped = [ring for ring in self.retired if ring.mapped]
             if mapped:
-                self.retired = [ring for ring in self.retired if not ring.words[_MAPPED]]
+                self.retired = [ring for ring in self.retired if not ring.mapped]
                 for ring in mapped:
                     ring.close()
 
-    def _pump_all(self) -> None:
-        self._close_retired()
-        for dst, outgoing in self.outgoing.items():
+    def pump(self) -> None:
+        """Move waiting messages into rings that have room now."""
+        self.close_retired()
+        for dst, outgoing in self.rings.outgoing.items():
             if outgoing.outbox:
                 self._pump(dst, outgoing)
 
-    def finish_sends(self) -> None:
-        """Return once every message of this step sits in a ring its receiver has mapped.
+    def waiting(self) -> bool:
+        """Whether a message still waits for room."""
+        return any(outgoing.outbox for outgoing in self.rings.outgoing.values())
 
-        Then the data outlives this process: a rank whose last act is a send (an
-        evaluation forward, say) may exit right after its step.
-        """
-        if not self._sends_delivered():
-            self._wait_until(self._sends_delivered, self.rank,
-                             "its peers to take this step's messages (room in their rings, or their mapping them)",
-                             receive=False)
-        self._close_retired()  # every ring before a mapped one has been mapped
+    def delivered(self) -> bool:
+        """Whether every message sits in a ring its receiver has mapped: then it outlives this process."""
+        return all(not o.outbox and (not o.used or o.ring.mapped) for o in self.rings.outgoing.values())
 
-    def _sends_delivered(self) -> bool:
-        return all(not o.outbox and (not o.used or o.ring.words[_MAPPED]) for o in self.outgoing.values())
+    def close(self) -> None:
+        for ring in self.retired:
+            ring.close()
+        self.retired = []

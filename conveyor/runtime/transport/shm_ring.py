@@ -1,5 +1,5 @@
-"""The shared-memory rings under :class:`conveyor.runtime.transport.shm.SharedMemoryTransport`: their memory,
-their layout, and who may map them.
+"""The shared-memory rings under :class:`conveyor.runtime.transport.shm.SharedMemoryTransport`: their memory
+and their layout.
 
 Layout of a ring (an anonymous ``memfd`` of the sender, opened by the receiver through
 ``/proc/<pid>/fd``, so nothing is ever left behind in a file system): a 4 KiB control
@@ -14,7 +14,10 @@ storing the write position after the bytes: on x86-64 stores become visible in o
 which is why this transport is offered on x86-64 Linux only.
 
 This module knows nothing of peers, stores or waits (the transport's part): only how a
-ring is created, mapped, written and read, and how a payload's tensors lie in it.
+ring is created, mapped, written and read, and how a payload's tensors lie in it. What the other
+parts use is public here: :class:`Ring` (its control words as properties), :class:`Outgoing`,
+:class:`Incoming`, the record kinds, :func:`packed_bytes`, :func:`copy_into`, :func:`tensors_of` and
+:func:`full_fence`.
 """
 
 from __future__ import annotations
@@ -42,13 +45,19 @@ _CONTROL_BYTES = 4096
 # _MAPPED: the receiver has mapped the ring, so its data outlives the sender's process.
 _WRITE, _READ, _FAILED, _FAILURE_LEN, _ASLEEP, _BLOCKED, _MAPPED = 0, 8, 16, 24, 32, 40, 48
 _FAILURE_AT = 512  # byte offset of the failure message in the control page
-_HEADER = 64
+HEADER_BYTES = 64
 _HEADER_FORMAT = "<8q"  # kind, total, direction, stage, microbatch, structure id, structure bytes, data bytes
-_DATA, _WRAP, _SWITCH = 1, 2, 3
+DATA, WRAP, SWITCH = 1, 2, 3  # record kinds: a message, a skip to the area's start, a move to a larger ring
 
 
-def _padded(n: int) -> int:
-    return (n + _HEADER - 1) // _HEADER * _HEADER
+def padded(n: int) -> int:
+    """``n`` bytes rounded up to whole headers: where the next part of a message starts."""
+    return (n + HEADER_BYTES - 1) // HEADER_BYTES * HEADER_BYTES
+
+
+def packed_bytes(meta: PayloadMeta) -> int:
+    """The bytes of a payload's tensors as they lie in a ring (each aligned)."""
+    return _layout(meta).data_bytes
 
 
 def shared_memory_supported() -> str:
@@ -60,7 +69,20 @@ def shared_memory_supported() -> str:
     return ""
 
 
-class _Ring:
+class _ControlWord:
+    """One int64 word of a ring's control page, read and written as an attribute of the ring."""
+
+    def __init__(self, index: int, doc: str) -> None:
+        self.index, self.__doc__ = index, doc
+
+    def __get__(self, ring: Ring, owner: type | None = None) -> int:
+        return ring.words[self.index]
+
+    def __set__(self, ring: Ring, value: int) -> None:
+        ring.words[self.index] = value
+
+
+class Ring:
     """One mapping of a ring: the control words and the data area as numpy and torch views."""
 
     def __init__(self, fd: int, capacity: int) -> None:
@@ -76,18 +98,35 @@ class _Ring:
         self.address = self.bytes.ctypes.data  # of the data area, for copies that bypass torch
 
     @classmethod
-    def create(cls, name: str, capacity: int) -> _Ring:
+    def create(cls, name: str, capacity: int) -> Ring:
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         os.ftruncate(fd, _CONTROL_BYTES + capacity)
         return cls(fd, capacity)
 
     @classmethod
-    def open(cls, pid: int, fd: int, capacity: int) -> _Ring:
+    def open(cls, pid: int, fd: int, capacity: int) -> Ring:
         own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         ring = cls(own, capacity)
         # The mapping keeps a descriptor of its own; only a ring's creator needs its number.
         ring._close_fd()
         return ring
+
+    # The control words. Each is one aligned 8-byte load or store, as the ordering argument needs.
+    write_position = _ControlWord(_WRITE, "where the sender has written up to; storing it publishes what is before")
+    read_position = _ControlWord(_READ, "where the receiver has read up to: the sender may reuse the room before")
+    receiver_asleep = _ControlWord(_ASLEEP, "1 while the receiver sleeps on its doorbell: a sender that publishes "
+                                            "rings it")
+    sender_blocked = _ControlWord(_BLOCKED, "1 while the sender sleeps with messages waiting for room: a receiver "
+                                            "that drains rings it")
+    mapped = _ControlWord(_MAPPED, "1 once the receiver has mapped the ring: its data outlives the sender's process")
+
+    def write_bytes(self, at: int, data: bytes) -> None:
+        """``data`` into the data area at offset ``at`` (a message's encoded structure)."""
+        self.bytes[at : at + len(data)] = numpy.frombuffer(data, numpy.uint8)
+
+    def copy_out(self, at: int, n: int) -> numpy.ndarray:
+        """A copy of ``n`` bytes of the data area at offset ``at``, owned by the caller."""
+        return self.bytes[at : at + n].copy()
 
     def write_header(self, position: int, kind: int, total: int, *fields: int) -> None:
         """A header at ``position``; fields a record kind does not use are zero."""
@@ -133,10 +172,10 @@ class _Ring:
 
 
 @dataclass
-class _Outgoing:
+class Outgoing:
     """Sender side of one ring: where the next message goes, and what waits for room."""
 
-    ring: _Ring
+    ring: Ring
     write: int = 0
     generation: int = 0
     used: bool = False  # carries (or announced) something its receiver must map to read
@@ -145,12 +184,14 @@ class _Outgoing:
         self.outbox: deque = deque()
 
     def free(self) -> int:
-        return self.ring.capacity - (self.write - self.ring.words[_READ])
+        return self.ring.capacity - (self.write - self.ring.read_position)
 
 
 @dataclass
-class _Incoming:
-    ring: _Ring
+class Incoming:
+    """Receiver side of one ring: the sender's process, and where the next message starts."""
+
+    ring: Ring
     pid: int
     read: int = 0
 
@@ -171,7 +212,7 @@ class _Layout:
     data_bytes: int
     # offset, bytes, numpy dtype, shape, strides (None: row-major), requires_grad, raw_ok
     # (raw_ok: the bytes may be copied straight from the tensor's memory; not for complex
-    # dtypes, whose conjugate views keep their data unconjugated; _copy_into checks the
+    # dtypes, whose conjugate views keep their data unconjugated; copy_into checks the
     # negative bit, which real views can carry too)
     tensors: tuple[tuple[int, int, Any, torch.Size, tuple[int, ...] | None, bool, bool], ...]
 
@@ -201,8 +242,8 @@ def _layout(meta: PayloadMeta) -> _Layout:
     return layout
 
 
-def _copy_into(ring: _Ring, at: int, tensors: list[torch.Tensor], meta: PayloadMeta) -> None:
-    """The tensors' bytes into the ring at ``at``, where :func:`_tensors_of` finds them.
+def copy_into(ring: Ring, at: int, tensors: list[torch.Tensor], meta: PayloadMeta) -> None:
+    """The tensors' bytes into the ring at ``at``, where :func:`tensors_of` finds them.
 
     A CPU tensor whose bytes lie in one dense block, in the order the receiver reads
     them, is copied with one ``memmove`` from its ``data_ptr()``: after the core has
@@ -228,7 +269,7 @@ def _copy_into(ring: _Ring, at: int, tensors: list[torch.Tensor], meta: PayloadM
 _memmove = ctypes.memmove
 
 
-def _tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
+def tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
     """The payload's tensors as views of ``buffer`` (a copy out of the ring, owned by them)."""
     layout = _layout(meta)
     if not layout.numpy_ok:
@@ -236,7 +277,7 @@ def _tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
     tensors = []
     for offset, n, dtype, shape, strides, requires_grad, _ in layout.tensors:
         array = buffer[offset : offset + n].view(dtype)
-        # Shaped by numpy, not torch: one call into torch fewer (see _copy_into).
+        # Shaped by numpy, not torch: one call into torch fewer (see copy_into).
         tensor = torch.from_numpy(array.reshape(shape)) if strides is None else (
             torch.from_numpy(array).as_strided(shape, strides))
         if requires_grad:
@@ -248,7 +289,7 @@ def _tensors_of(buffer: numpy.ndarray, meta: PayloadMeta) -> list[torch.Tensor]:
 _FENCE = threading.Lock()
 
 
-def _full_fence() -> None:
+def full_fence() -> None:
     """Order this thread's earlier stores before its later loads.
 
     x86-64 keeps stores in order and loads in order, but lets a load pass an earlier
