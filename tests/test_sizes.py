@@ -34,9 +34,6 @@ ALLOWED: dict[str, str] = {
     "kwargs:conveyor/testing/models/hf.py::grouped_heads_lm": "transformers config fields over the test model's",
     "kwargs:conveyor/checkpoint/files.py::SafeFileSystemReader.read_metadata": "torch.distributed.checkpoint's "
                                                                                "StorageReader signature",
-    # Classes past 250 lines: the transport and lifecycle are split by issue 30 (one transport protocol).
-    "class:conveyor/runtime/lifecycle/rank.py::RankLifecycle": "groups, agreement, failure and closing of a rank; "
-                                                                "split with the transport protocol (issue 30)",
 }
 
 

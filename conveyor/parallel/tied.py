@@ -87,7 +87,7 @@ class TiedGradients:
                 continue
             if owners not in subgroups:
                 replicas = layout.replica_ranks(list(owners)) if layout is not None else None
-                subgroups[owners] = life.subgroup(owners, replicas)
+                subgroups[owners] = life.groups.subgroup(owners, replicas)
             if life.rank in owners:
                 stage, name = next((s, n) for s, n in tied.uses if s in runners)
                 self.copies.append((runners[stage].module.get_parameter(name), subgroups[owners]))

@@ -119,14 +119,14 @@ class DistributedRanks:
         self.life = RankLifecycle(self.group, self.transfer.timeout_s,
                                   getattr(self.mesh_layout, "group_pipelines", None), device=self.comm_device)
         try:
-            self.life.agree(built)
+            self.life.groups.agree(built)
             if self.tensor_parallel is not None:  # the TP ranks of this rank's stages hold alike shards
-                self.life.agree({**built, **self.tensor_parallel.stage_fields(self._tp_stages)},
+                self.life.groups.agree({**built, **self.tensor_parallel.stage_fields(self._tp_stages)},
                                 group=self.tensor_parallel.tp_group, who="tensor-parallel ranks")
             self.replicas = self._build_replicas(pipe, built)
             if self.tensor_parallel is not None and self.checkpoint_group is None:
                 # Every TP position's pipeline writes its shards into the same checkpoint.
-                self.checkpoint_group = self.life.job_group()
+                self.checkpoint_group = self.life.groups.job_group()
             self._build_communication(pipe)
         except BaseException:
             # Disagreement: every rank raises alike. A transport that could not be built: the
@@ -148,9 +148,9 @@ class DistributedRanks:
         if self.data_parallel is None:
             return None
         fsdp.check_supported(self.schedule, self.data_parallel, pipe.tied_parameters)
-        group = self.life.replica_group(self._replica_memberships())
+        group = self.life.groups.replica_group(self._replica_memberships())
         # Replicas built alike: the same stages, schedule and model in every replica.
-        self.life.agree({**built, "data parallel": self.data_parallel}, group=group, who="replicas")
+        self.life.groups.agree({**built, "data parallel": self.data_parallel}, group=group, who="replicas")
         # With TP the stages' parameters are DTensors on the mesh's "tp" sub-mesh: torch's 2-D
         # composition (FSDP2 on TP-sharded parameters) needs the "dp" sub-mesh of that same mesh.
         dp_mesh = self.layout.mesh["dp"] if self.tensor_parallel is not None else None
@@ -160,7 +160,7 @@ class DistributedRanks:
         pipe._tied_copies = tied_copies_outside_their_first_stage(pipe.runners, pipe.tied_parameters)
         # Checkpoints are written by every replica together: DCP writes a replicated tensor
         # once and each shard of a sharded one by its holder.
-        self.checkpoint_group = self.life.job_group()
+        self.checkpoint_group = self.life.groups.job_group()
         return replicas
 
     def _replica_memberships(self) -> list[list[int]]:

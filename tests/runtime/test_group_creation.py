@@ -4,7 +4,7 @@ NCCL creates a communicator at a group's first operation, blocking the host unti
 is there (which deadlocks zb-h1 V=2 in its first step: see test_ordering's replay); and under
 ``init_process_group(device_id=...)`` torch splits every new group from the default communicator,
 which every rank of the parent must join. These runs put gloo ranks under each decision of
-:func:`conveyor.runtime.lifecycle.rank.group_creation` (the CPU stands in for the GPU) and record the
+:func:`conveyor.runtime.lifecycle.groups.group_creation` (the CPU stands in for the GPU) and record the
 calls that make the groups.
 """
 
@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.runtime.lifecycle import rank as lifecycle
-from conveyor.runtime.lifecycle.rank import GroupCreation, group_creation
+from conveyor.runtime.lifecycle import groups as own_groups
+from conveyor.runtime.lifecycle.groups import GroupCreation, group_creation
 from conveyor.testing import run_ranks
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
@@ -56,7 +56,7 @@ def _recorded_groups(rank, world_size, how):
         return real_new_group(members, timeout=timeout, use_local_synchronization=True) if rank in members else None
 
     creation = GroupCreation(split=how == "split", eager_device=torch.device("cpu"))  # the CPU as "the GPU"
-    with mock.patch.object(lifecycle, "group_creation", lambda *_: creation), \
+    with mock.patch.object(own_groups, "group_creation", lambda *_: creation), \
             mock.patch.object(dist, "new_group", new_group), mock.patch.object(dist, "split_group", split_group):
         torch.manual_seed(0)
         pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=cs.build("1f1b", ranks=2, microbatches=2),

@@ -106,13 +106,13 @@ def _scenario(rank, scenario):
             life.store.set(_ABORTED_KEY.format(scenario=scenario), "1")
 
         dist.ProcessGroup.abort = record
-        life.abort_on_failure = True  # NCCL's setting
+        life.watch.abort_on_failure = True  # NCCL's setting
         # Short limits only where they are the point: a live peer's heartbeat may pause on a busy machine.
         life.peers.silence_s = 2.0 if scenario == "frozen" else 60.0
-        life.timeout_s = 3.0 if scenario == "stuck" else 60.0
+        life.watch.timeout_s = 3.0 if scenario == "stuck" else 60.0
         if scenario == "queued":
             lifecycle.torch = _GPU
-        seen["groups"] = [dist.get_process_group_ranks(group) for group in life.groups]
+        seen["groups"] = [dist.get_process_group_ranks(group) for group in life.groups.made]
     try:
         pipe.step(torch.ones(4, 4))
         seen["error"] = "no error"
@@ -122,7 +122,7 @@ def _scenario(rank, scenario):
     # have ended this step had no watcher aborted).
     seen["victim_gave_up"] = life.store.check([_GAVE_UP_KEY.format(scenario=scenario)])
     if scenario == "queued":  # the host returned, the kernels wait on: the next call says why
-        life.timeout_s, deadline = 3.0, time.monotonic() + 60  # a cut-off, not a figure
+        life.watch.timeout_s, deadline = 3.0, time.monotonic() + 60  # a cut-off, not a figure
         while rank == 0 and not aborted and time.monotonic() < deadline:
             time.sleep(0.1)
         try:
@@ -152,7 +152,7 @@ def _peer_closes_then_exits(rank):
     if rank == 0:
         aborted, real_abort = [], dist.ProcessGroup.abort
         dist.ProcessGroup.abort = lambda group: aborted.append(dist.get_process_group_ranks(group))
-        life.abort_on_failure, life.peers.silence_s = True, 0.5
+        life.watch.abort_on_failure, life.peers.silence_s = True, 0.5
     dist.barrier()
     if rank == 1:
         pipe.close()
@@ -164,7 +164,7 @@ def _peer_closes_then_exits(rank):
     if rank == 0:
         time.sleep(2.0)  # four polls: past the silence allowed, with the peer's process gone
         dist.ProcessGroup.abort = real_abort
-        seen.update(aborted=aborted, error=repr(life.abort_error))
+        seen.update(aborted=aborted, error=repr(life.watch.abort_error))
     dist.barrier()
     pipe.close()
     return seen
@@ -245,13 +245,13 @@ def _close_after_the_watchers_abort(rank, world_size):
     import torch.distributed as dist
 
     life = lifecycle.RankLifecycle(None, timeout_s=30.0)
-    life.subgroup([0])  # a second group of the pipeline's (a tied parameter's)
-    groups = list(life.groups)
+    life.groups.subgroup([0])  # a second group of the pipeline's (a tied parameter's)
+    groups = list(life.groups.made)
     names = {id(group): f"group {index}" for index, group in enumerate(groups)}
     aborted, real_abort = [], dist.ProcessGroup.abort
     dist.ProcessGroup.abort = lambda group: aborted.append(names[id(group)])
     try:
-        life._aborter.abort(groups[:1])  # the watcher got to the first one
+        life.watch.aborter.abort(groups[:1])  # the watcher got to the first one
         life.backend, life.state = "nccl", lifecycle.STOPPED  # then the call failed under NCCL
         life._destroy_groups()
     finally:

@@ -97,12 +97,12 @@ def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeou
                       device: torch.device | None = None, variable_shapes: bool = False) -> OrderedTransport:
     """The order-matched transport over a process group per channel; buffers on this rank's GPU under NCCL
     (the stage device when it is a GPU, else the current CUDA device)."""
-    groups = life.channel_groups(channels(schedule))
+    groups = life.groups.channel_groups(channels(schedule))
     if life.backend != "nccl":
         device = torch.device("cpu")
     elif device is None or device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    return OrderedTransport(rank, life.global_ranks, groups, life.store, life.store_prefix(), timeout_s,
+    return OrderedTransport(rank, life.global_ranks, groups, life.store, life.groups.store_prefix(), timeout_s,
                             device, life.backend, variable_shapes=variable_shapes)
 
 

@@ -10,7 +10,7 @@ check of the same logic). What it does differently from
   ``"in_order"``, so the lowered program's posts put a channel's receives in the order the
   sender sends (:mod:`conveyor.schedule.posts`). Each group's communicator is made
   when the pipeline is built, in one order on every rank
-  (:meth:`~conveyor.runtime.lifecycle.rank.RankLifecycle.channel_groups`): made at a channel's first
+  (:meth:`~conveyor.runtime.lifecycle.rank.OwnGroups.channel_groups`): made at a channel's first
   transfer, it would block the host inside the first step, where a peer may wait for this
   rank's structures (:func:`conveyor.runtime.lifecycle.host_blocking.check_first_step`).
 - **Data only.** The structure of each transfer (shapes, dtypes, tree) travels once, through
