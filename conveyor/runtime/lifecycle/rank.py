@@ -5,22 +5,18 @@ and "what does close() release" are answered in one place; the groups are made b
 :class:`~conveyor.runtime.lifecycle.groups.OwnGroups`, the watch under NCCL is
 :class:`~conveyor.runtime.lifecycle.watch.FailureWatch`:
 
-- **Its own process groups.** A pipeline never communicates on the group it is given (the
-  user's: the default group when none). It builds a group of its own over the same ranks,
-  plus one per set of ranks that share a tied parameter, and uses only those. On a failure
-  it can then close *its* connections at once, which is what unblocks peers waiting in gloo,
-  while the user's groups stay usable: after a caught conveyor error, ``dist.barrier()``
-  and ``dist.destroy_process_group()`` work as before.
+- **Its own process groups** (:mod:`~conveyor.runtime.lifecycle.groups`): on a failure it can
+  close *its* connections at once, which unblocks peers waiting in gloo, while the user's groups
+  stay usable: after a caught conveyor error, ``dist.barrier()`` and
+  ``dist.destroy_process_group()`` work as before.
 - **Failure.** A rank that fails publishes its message (the transport's failure board: the
   store, and for shared memory its rings), drops every handle on its groups, destroys them,
   and raises; peers raise :class:`~conveyor.errors.PeerFailure` with that message. The
-  pipeline then refuses calls with :class:`~conveyor.errors.PipelineStopped`. Under NCCL,
-  whose waits are the GPU's streams, the watcher thread also looks for a killed peer (its
-  process gone, its heartbeat stopped) and for a call past ``timeout_s``, aborts every
-  communicator of the pipeline together (:mod:`conveyor.runtime.lifecycle.aborts`), and the waiting
-  call raises what it saw. What the store says of the peers' health (their processes,
-  heartbeats, clean exits and published failures) is read by :mod:`conveyor.runtime.lifecycle.peers`;
-  this module decides what to do with it.
+  pipeline then refuses calls with :class:`~conveyor.errors.PipelineStopped`. Under NCCL the
+  watcher also aborts on a killed peer or a call past ``timeout_s``
+  (:mod:`~conveyor.runtime.lifecycle.watch`), and the waiting call raises what it saw. What the
+  store says of the peers' health is read by :mod:`~conveyor.runtime.lifecycle.peers`; this
+  module decides what to do with it.
 - **Close.** ``close()`` (also on ``with``, when the pipeline is garbage collected, and at
   interpreter exit) releases the transport's rings, sockets and pending work and destroys
   the pipeline's groups, so that gloo's threads are joined while the interpreter is
