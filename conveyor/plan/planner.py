@@ -238,7 +238,7 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
                  f"{chosen.microbatch_size}); memory per rank: {per_rank}")
     lines.append(f"predicted step {chosen.step_time:.4g} s, {step_basis(chosen.settings)}")
     if chosen.checkpoint:  # what it needs to fit: stage.recompute, applied by the pipeline
-        lines.append("activation checkpointing to fit: " + "; ".join(
+        lines.append("recomputation to fit: " + "; ".join(
             f"stage {s}: {'none' if p is None else ', '.join(f'{k}={v}' for k, v in p.items())}"
             for s, p in enumerate(chosen.checkpoint)))
     lines.append(f"others: {'; '.join(lost)}")

@@ -304,7 +304,7 @@ def format_layout(layout: RunLayout, cfg: TrainConfig) -> str:
         + ("; fsdp: sharded over the dp replicas, plus the rank's stages gathered with whole gradients for the step"
            if sharded else "") + ")",
         "  + activations: what autograd keeps for one microbatch of each stage, measured by running its forward "
-        "on the meta device" + (f"; with activation checkpointing ({_policies(cfg)}), what the checkpoints keep, plus "
+        "on the meta device" + (f"; with recomputation ({_policies(cfg)}), what the recomputed regions keep, plus "
                                 "one region's set while it is recomputed" if cfg.stage.recompute else ""),
         "    x the microbatches in flight at the peak of the schedule's simulation (uniform pass costs)",
         "  not counted: the framework (~0.4 GiB per rank on CPU), communication buffers, the data",

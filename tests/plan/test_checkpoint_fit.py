@@ -43,7 +43,7 @@ def test_a_plan_over_memory_fits_by_checkpointing_the_first_stage_first():
     result = search(_table(), ranks=2, global_batch=8, memory_per_rank=limit, schedules=["1f1b"], microbatches=[8])
     plan = choose(result, _table())
     assert plan.checkpoint == tight.checkpoint
-    assert "activation checkpointing to fit: stage 0: every=" in format_plan(plan)
+    assert "recomputation to fit: stage 0: every=" in format_plan(plan)
 
 
 def test_the_policies_travel_in_the_plan_file_and_into_the_config(tmp_path):
