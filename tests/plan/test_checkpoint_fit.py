@@ -54,7 +54,7 @@ def test_the_policies_travel_in_the_plan_file_and_into_the_config(tmp_path):
     cfg = TrainConfig()
     cfg.parallel.plan = str(tmp_path / "plan.json")
     apply_plan(cfg)
-    assert [str(p) for p in cfg.stage.checkpoint] == ["every=1", "None"]
+    assert [str(p) for p in cfg.stage.recompute] == ["every=1", "None"]
 
 
 def test_a_plan_file_with_a_bad_policy_is_refused_when_the_stage_options_are_made(tmp_path):
