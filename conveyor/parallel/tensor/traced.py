@@ -74,7 +74,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from conveyor.errors import PipelineConfigError
-from conveyor.parallel.tensor.plan import matching_modules
+from conveyor.parallel.tensor.style_map import matching_modules
 from conveyor.parallel.tensor.styles import is_transposed_projection
 
 
