@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType
 from typing import Any
 
 from conveyor.plan.costs import CostTable, UnitCost, synthetic_table
@@ -27,14 +28,14 @@ from conveyor.plan.result import Plan, as_plan, format_size, parse_size
 from conveyor.plan.search import Candidate, SearchResult, search
 from conveyor.plan.settings import Machine, Measurement, PlanOptions, SearchSpace
 
-_LAZY = {
+_LAZY = MappingProxyType({
     "plan": "conveyor.plan.planner",
     "choose": "conveyor.plan.planner",
     "format_plan": "conveyor.plan.planner",
     "unit_costs": "conveyor.plan.planner",
     "profile_units": "conveyor.plan.profile",
     "analytic_units": "conveyor.plan.analytic",
-}
+})
 
 __all__ = ["Candidate", "CostTable", "Machine", "Measurement", "Plan", "PlanOptions", "SearchResult", "SearchSpace",
            "UnitCost", "analytic_units", "as_plan", "choose", "format_plan", "format_size", "parse_size", "plan",
