@@ -20,8 +20,8 @@ from conveyor.errors import PipelineConfigError
 from conveyor.options import Layout, PipelineOptions, StageOptions, WholeModel
 from conveyor.parallel.mesh import layout_of
 from conveyor.pipe import Pipeline
-from conveyor.runtime.device import make_current, resolve_device
-from conveyor.runtime.runner import LossFn
+from conveyor.runtime.stage.device import make_current, resolve_device
+from conveyor.runtime.stage.runner import LossFn
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.registry import resolve_schedule
 

@@ -38,14 +38,14 @@ ALLOWED = {
     ("conveyor/schedule/registry.py", "_REGISTRY"):
         "the schedule names that build(), `conveyor simulate` and pipeline(schedule=name) resolve; users add "
         "theirs with register(), which every later build in the process must see (as Python's codec registry)",
-    ("conveyor/runtime/shm_ring.py", "_FENCE"):
+    ("conveyor/runtime/transport/shm_ring.py", "_FENCE"):
         "a lock that guards no data: acquiring and releasing it is this thread's full memory fence",
-    ("conveyor/runtime/shm.py", "SharedMemoryTransport._instances"):
+    ("conveyor/runtime/transport/shm.py", "SharedMemoryTransport._instances"):
         "numbers the transports this process builds over each process group, so that every rank derives "
         "the same store keys in build order; a counter per transport would restart at 0 for each pipeline",
-    ("conveyor/runtime/hybrid.py", "HostExchange._rounds"):
+    ("conveyor/runtime/transport/hybrid.py", "HostExchange._rounds"):
         "numbers the host exchanges this process runs over each process group, as _instances above",
-    ("conveyor/runtime/shm_ring.py", "_LAYOUTS"):
+    ("conveyor/runtime/transport/shm_ring.py", "_LAYOUTS"):
         "pending (issue 42 item 4 gives the shared-memory sender an object of its own, its home): a bounded "
         "cache (256 entries) of the byte layout per message structure, holding the structure it is keyed by",
 }

@@ -27,7 +27,7 @@ BEGIN, END = "# --- surface: begin (python tests/test_surface.py --write) ---", 
 
 # --- surface: begin (python tests/test_surface.py --write) ---
 TOP_LEVEL = (
-    "CheckpointPolicy", "Layout", "LocalPipeline", "MasterWeights", "Pipeline", "PipelineOptions", "Plan",
+    "RecomputePolicy", "Layout", "LocalPipeline", "MasterWeights", "Pipeline", "PipelineOptions", "Plan",
     "SplitOptions", "StageOptions", "TransferOptions", "WholeModel", "pipeline",
 )
 

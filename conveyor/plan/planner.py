@@ -35,7 +35,7 @@ from conveyor.plan.result import Plan, format_size, parse_size
 from conveyor.plan.search import Candidate, SearchResult, microbatch_choices, search
 from conveyor.plan.settings import Machine, Measurement, SearchSpace
 from conveyor.plan.tensor_search import TensorParallelOption, report_lines, search_tensor_parallel
-from conveyor.runtime.device import cpu_threads_per_rank
+from conveyor.runtime.stage.device import cpu_threads_per_rank
 
 
 def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch: int,

@@ -1,4 +1,4 @@
-"""The shared-memory rings under :class:`conveyor.runtime.shm.SharedMemoryTransport`: their memory,
+"""The shared-memory rings under :class:`conveyor.runtime.transport.shm.SharedMemoryTransport`: their memory,
 their layout, and who may map them.
 
 Layout of a ring (an anonymous ``memfd`` of the sender, opened by the receiver through
@@ -8,7 +8,7 @@ page (write position, read position, the sender's failure message) and a data ar
 (a WRAP record skips to its start). A message is a 64-byte header ``(kind, total
 bytes, direction, stage, microbatch, structure id, structure bytes, data bytes)``, then
 the pickled structure when the channel has not carried it before, then the data as
-:mod:`conveyor.runtime.wire` packs it. A message too large for the ring moves the
+:mod:`conveyor.runtime.transport.wire` packs it. A message too large for the ring moves the
 channel to a larger ring (a SWITCH record names it). The sender publishes a message by
 storing the write position after the bytes: on x86-64 stores become visible in order,
 which is why this transport is offered on x86-64 Linux only.
@@ -36,7 +36,7 @@ from typing import Any
 import numpy
 import torch
 
-from conveyor.runtime.wire import PayloadMeta, aligned, as_bytes, unpack
+from conveyor.runtime.transport.wire import PayloadMeta, aligned, as_bytes, unpack
 
 _CONTROL_BYTES = 4096
 # int64 word indices in the control page, each on its own cache line. _ASLEEP: the receiver

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import conveyor.schedule as cs
 from conveyor.errors import ScheduleError
-from conveyor.runtime.host_blocking import check_first_step
+from conveyor.runtime.lifecycle.host_blocking import check_first_step
 from conveyor.schedule.ir import Placement, Schedule
 from conveyor.schedule.passes import executable
 from conveyor.schedule.posts import EVAL_FORWARD, FORWARD, IN_ORDER, place_all_posts
@@ -30,7 +30,7 @@ def test_nccl_first_step_host_replay_of_every_builtin_schedule():
     """With communicators created lazily, zb-h1 at V=2, P>=3 and more microbatches than ranks
     deadlocks (rank 0 creating the wrap-around channel from the last rank, which waits for a
     structure down a chain that ends at rank 0); with communicators created when the pipeline is
-    built (what the runtime does, see RankLifecycle.channel_groups), nothing does."""
+    built (what the runtime does, see OwnGroups.channel_groups), nothing does."""
     lazy, checked = [], 0
     for case, lowered, posts in _first_steps():
         if check_first_step(lowered, posts, lazy_communicators=True) is not None:
