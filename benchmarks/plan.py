@@ -226,14 +226,14 @@ def _predict(case: lib.Case, profiled: dict, calibration):
 
 def uncalibrated_step(case: lib.Case, profiled: dict) -> float:
     """The step ``conveyor plan`` predicts without ``--calibrate`` (s): the simulated compute of the profiled
-    stages on the planner's default links (:class:`~conveyor.plan.options.Machine`'s latency and bandwidth),
+    stages on the planner's default links (:class:`~conveyor.plan.settings.Machine`'s latency and bandwidth),
     no runtime overheads, no optimizer step, a device per rank. A chosen plan: its own costs, so."""
     import dataclasses
 
     import conveyor.schedule as cs
     from conveyor.plan.calibration import Calibration
-    from conveyor.plan.options import DEFAULT_BANDWIDTH, DEFAULT_LATENCY
     from conveyor.plan.predict import predict_plan, predict_step
+    from conveyor.plan.settings import DEFAULT_BANDWIDTH, DEFAULT_LATENCY
 
     links = Calibration(latency_s=DEFAULT_LATENCY, seconds_per_byte=1 / DEFAULT_BANDWIDTH)
     if case.plan is not None:

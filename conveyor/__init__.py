@@ -12,11 +12,12 @@ Example:
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_LAZY = {
+_LAZY = MappingProxyType({
     "Pipeline": ("conveyor.pipe", "Pipeline"),
     "pipeline": ("conveyor.build", "pipeline"),
     "LocalPipeline": ("conveyor.local", "LocalPipeline"),
@@ -29,7 +30,7 @@ _LAZY = {
     "WholeModel": ("conveyor.options", "WholeModel"),
     "SplitOptions": ("conveyor.options", "SplitOptions"),
     "PipelineOptions": ("conveyor.options", "PipelineOptions"),
-}
+})
 
 if TYPE_CHECKING:
     from conveyor.build import pipeline  # noqa: F401

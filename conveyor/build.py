@@ -211,9 +211,9 @@ def _auto_plan(model, example_args, example_kwargs, world, microbatches, layout,
     """Rank 0's plan, broadcast: timings differ from rank to rank, and every rank must cut alike.
     ``global_batch`` defaults to ``microbatches`` (or 2 x ranks) x the example's batch; the microbatch
     counts tried to ``microbatches`` when given; threads "auto" to the threads rank 0 trains with."""
-    from conveyor.plan.options import PlanOptions
     from conveyor.plan.planner import plan as make_plan
     from conveyor.plan.profile import _batch_size
+    from conveyor.plan.settings import PlanOptions
 
     chosen = options.plan_options if options.plan_options is not None else PlanOptions()
     if not isinstance(chosen, PlanOptions):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from conveyor.errors import PipelineConfigError
@@ -92,11 +93,11 @@ def _dtype_name(value: Any, what: str) -> str | None:
 
 RECOMPUTE_KEYS = ("every", "blocks", "save")
 # Names for groups of operators whose outputs a selective recomputation keeps (the rest is recomputed).
-SAVE_PRESETS = {
+SAVE_PRESETS = MappingProxyType({
     "matmul": ("mm", "bmm", "addmm", "baddbmm"),
     "attention": ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                   "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"),
-}
+})
 
 
 @dataclass(frozen=True)

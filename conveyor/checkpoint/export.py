@@ -18,6 +18,7 @@ import json
 import os
 import re
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -26,7 +27,8 @@ from conveyor.checkpoint.loading import to_state_dict
 from conveyor.errors import CheckpointError
 from conveyor.frontend.pretrained import INDEX_FILE, SINGLE_FILE
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = MappingProxyType({"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+                           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30})
 
 
 def parse_size(size: int | str) -> int:

@@ -31,7 +31,7 @@ import torch
 from conveyor.errors import CheckpointError
 
 _TUPLE, _ITEMS, _TENSOR = "__tuple__", "__items__", "__tensor__"
-_MARKERS = {_TUPLE, _ITEMS, _TENSOR}
+_MARKERS = frozenset({_TUPLE, _ITEMS, _TENSOR})
 
 
 def encode(value: Any, where: str, tensors: dict[str, torch.Tensor] | None = None) -> Any:

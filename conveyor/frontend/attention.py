@@ -29,7 +29,6 @@ import inspect
 import logging
 import re
 import sys
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -42,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 # Inputs from whose values eager transformers chooses the attention path.
 _PATH_INPUTS = ("attention_mask", "position_ids")
-# What was already said, per model: a pipeline traces its model more than once (balancing, modes).
-_warned: weakref.WeakKeyDictionary[nn.Module, set[tuple[str, ...]]] = weakref.WeakKeyDictionary()
+# What was said of a model, kept on the model: a pipeline traces it more than once (balancing, modes).
+_SAID = "_conveyor_said_of_repeated_heads"
 
 
 def is_hugging_face_model(module: nn.Module) -> bool:
@@ -113,9 +112,8 @@ def warn_of_repeated_heads(model: nn.Module, nodes: Sequence[fx.Node], args: Seq
         owner = _submodule(model, path)
         if mask is not None and getattr(owner, "num_key_value_groups", 1) > 1 and path not in found:
             found.append(path)
-    said = _warned.setdefault(model, set())
-    if found and tuple(found) not in said:
-        said.add(tuple(found))
+    if found and tuple(found) not in model.__dict__.get(_SAID, ()):
+        model.__dict__.setdefault(_SAID, set()).add(tuple(found))
         logger.warning(
             "conveyor: %s (%d module%s with grouped key/value heads) will not be bitwise equal to eager "
             "on batches without padding: %s. Eager transformers, given no padding, drops the mask and runs "

@@ -43,7 +43,6 @@ Example (on each of 4 ranks, pp=2 x dp=2)::
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -61,11 +60,11 @@ from conveyor.schedule.ir import ActionKind, Schedule
 # hook; conveyor never writes a stage's output in place (the next stage gets fresh leaves).
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
 
-# Stage modules between before_step and their reduce-scatter: after_last_backward refuses
-# any other (a reduce outside a step would average a partial or stale gradient).
-_awaiting_reduce: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-# Stage modules whose reduction started and whose end-of-backward bookkeeping waits for after_step.
-_awaiting_final: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+# Where a stage module is in the step, kept on the module itself (as FSDP2 keeps its own state there):
+# _AWAITING_REDUCE between before_step and its reduce-scatter (after_last_backward refuses any other
+# module: a reduce outside a step would average a partial or stale gradient); _AWAITING_FINAL once its
+# reduction started and its end-of-backward bookkeeping waits for after_step; absent otherwise.
+_STEP_PHASE, _AWAITING_REDUCE, _AWAITING_FINAL = "_conveyor_fsdp_step_phase", "awaiting reduce", "awaiting final"
 
 
 def replicate_stage(module: torch.nn.Module, dp_mesh: DeviceMesh) -> FSDPModule:
@@ -209,7 +208,7 @@ def before_step(runners: Iterable[StageRunner]) -> None:
         handle.wait()
     for runner in runners:
         runner.refresh_params()  # the gathered Parameter objects now sit in the module
-        _awaiting_reduce.add(runner.module)
+        runner.module.__dict__[_STEP_PHASE] = _AWAITING_REDUCE
 
 
 def after_last_backward(runner: StageRunner) -> None:
@@ -228,13 +227,12 @@ def after_last_backward(runner: StageRunner) -> None:
         >>> pipe.ranks.executor.after_last_backward = stage_hook(pipe.runners)   # calls this   # doctest: +SKIP
     """
     root = runner.module
-    if root not in _awaiting_reduce:
+    if root.__dict__.get(_STEP_PHASE) != _AWAITING_REDUCE:
         raise UsageError(
             f"after_last_backward on stage {runner.stage} without before_step (or twice in one step): "
             "call before_step(runners) before pipe.step"
         )
-    _awaiting_reduce.discard(root)
-    _awaiting_final.add(root)
+    root.__dict__[_STEP_PHASE] = _AWAITING_FINAL
     root.set_is_last_backward(True)
     root.set_reshard_after_backward(True)
     root.set_requires_gradient_sync(True)
@@ -294,10 +292,9 @@ def after_step(runners: Iterable[StageRunner]) -> None:
         >>> after_step(pipe.runners.values()); optimizer.step()   # doctest: +SKIP
     """
     for runner in sorted(runners, key=lambda r: r.stage):  # the same order on every replica
-        if runner.module in _awaiting_reduce:
+        if runner.module.__dict__.get(_STEP_PHASE) == _AWAITING_REDUCE:
             after_last_backward(runner)
-        if runner.module in _awaiting_final:
-            _awaiting_final.discard(runner.module)
+        if runner.module.__dict__.pop(_STEP_PHASE, None) == _AWAITING_FINAL:
             # What FSDP runs at the end of a loss.backward(): waits for the reductions and
             # clears the step's bookkeeping (torch's own pipelining reaches in the same way).
             runner.module._get_fsdp_state()._root_post_backward_final_callback()

@@ -41,7 +41,7 @@ from conveyor.errors import PipelineConfigError
 from conveyor.runtime.stage.runner import StageRunner
 
 _CPU = torch.device("cpu")
-_FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def summed_loss(last: StageRunner) -> torch.Tensor:

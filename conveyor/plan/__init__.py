@@ -5,7 +5,7 @@ every splittable unit of the model (F, I, W time; activation and parameter bytes
 from its shapes on the meta device, searches split points x schedule x M x V by simulating
 each candidate, and returns the fastest :class:`Plan` that fits. ``conveyor.pipeline(...,
 plan=plan_or_path)`` and ``conveyor train parallel.plan=PATH`` run it; ``conveyor plan`` is the
-command line. Options beyond the everyday keywords come as records (:mod:`conveyor.plan.options`):
+command line. Options beyond the everyday keywords come as records (:mod:`conveyor.plan.settings`):
 ``space=SearchSpace(...)``, ``machine=Machine(...)``, ``measure=Measurement(...)``.
 
 Importing it does not import torch (the plan file and the search are pure Python);
@@ -20,21 +20,22 @@ Example:
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType
 from typing import Any
 
 from conveyor.plan.costs import CostTable, UnitCost, synthetic_table
-from conveyor.plan.options import Machine, Measurement, PlanOptions, SearchSpace
 from conveyor.plan.result import Plan, as_plan, format_size, parse_size
 from conveyor.plan.search import Candidate, SearchResult, search
+from conveyor.plan.settings import Machine, Measurement, PlanOptions, SearchSpace
 
-_LAZY = {
+_LAZY = MappingProxyType({
     "plan": "conveyor.plan.planner",
     "choose": "conveyor.plan.planner",
     "format_plan": "conveyor.plan.planner",
     "unit_costs": "conveyor.plan.planner",
     "profile_units": "conveyor.plan.profile",
     "analytic_units": "conveyor.plan.analytic",
-}
+})
 
 __all__ = ["Candidate", "CostTable", "Machine", "Measurement", "Plan", "PlanOptions", "SearchResult", "SearchSpace",
            "UnitCost", "analytic_units", "as_plan", "choose", "format_plan", "format_size", "parse_size", "plan",

@@ -23,7 +23,7 @@ from torch import nn
 from conveyor.errors import PlanError
 from conveyor.frontend.units import is_block_container
 from conveyor.plan.costs import CostTable, UnitCost
-from conveyor.plan.options import DEFAULT_BYTES_PER_SECOND, DEFAULT_FLOPS_PER_SECOND
+from conveyor.plan.settings import DEFAULT_BYTES_PER_SECOND, DEFAULT_FLOPS_PER_SECOND
 
 
 def module_units(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:

@@ -25,7 +25,6 @@ from conveyor.errors import PlanError
 from conveyor.plan.analytic import analytic_units
 from conveyor.plan.calibration import calibration_of
 from conveyor.plan.costs import CostTable, combine
-from conveyor.plan.options import Machine, Measurement, SearchSpace
 from conveyor.plan.profile import (
     _batch_size,
     optimizer_seconds_per_parameter,
@@ -34,7 +33,8 @@ from conveyor.plan.profile import (
 )
 from conveyor.plan.result import Plan, format_size, parse_size
 from conveyor.plan.search import Candidate, SearchResult, microbatch_choices, search
-from conveyor.plan.tensor import TensorParallelOption, report_lines, search_tensor_parallel
+from conveyor.plan.settings import Machine, Measurement, SearchSpace
+from conveyor.plan.tensor_search import TensorParallelOption, report_lines, search_tensor_parallel
 from conveyor.runtime.stage.device import cpu_threads_per_rank
 
 
@@ -49,7 +49,7 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
     ``microbatches`` (default: the divisors of ``global_batch`` of at least ``ranks``).
 
     ``example`` is ONE microbatch (a tensor, or a tuple of forward's positional arguments; batch first).
-    The rest comes in records (:mod:`conveyor.plan.options`): ``space`` (:class:`SearchSpace`:
+    The rest comes in records (:mod:`conveyor.plan.settings`): ``space`` (:class:`SearchSpace`:
     stages per rank, balance tolerance, how many plans to list), ``machine`` (:class:`Machine`:
     links, throughput, optimizer state, cores, threads, calibration) and ``measure``
     (:class:`Measurement`: device, repeats, given costs, unsplittable modules).

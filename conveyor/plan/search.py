@@ -27,9 +27,9 @@ import conveyor.schedule as cs
 from conveyor.errors import ConveyorError, PlanError
 from conveyor.plan.balance import StageSums, bounds_of, fastest_split, lightest_split
 from conveyor.plan.costs import CostTable
-from conveyor.plan.options import Machine, SearchSpace
 from conveyor.plan.predict import fit_by_checkpointing, predict_split, stage_costs
-from conveyor.plan.tensor import TensorParallelOption, shard_units
+from conveyor.plan.settings import Machine, SearchSpace
+from conveyor.plan.tensor_search import TensorParallelOption, shard_units
 
 CHECKPOINT_TRIES = 8  # over-memory candidates, fastest first, that try checkpointing when nothing fits
 
@@ -136,9 +136,9 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
     :func:`~conveyor.plan.predict.predict_split`'s: the calibration's overheads and message
     latency (instead of the links'), its per-step time, and each rank's optimizer step at
     ``optimizer_s_per_parameter``, on ``machine.cores`` shared CPU cores (None or "auto": a device per rank).
-    ``tensor_parallel`` (a :class:`~conveyor.plan.tensor.TensorParallelOption`): each of the ``ranks``
+    ``tensor_parallel`` (a :class:`~conveyor.plan.tensor_search.TensorParallelOption`): each of the ``ranks``
     pipeline ranks is a group of its ``tp`` ranks, the units costed as one of them
-    (:func:`~conveyor.plan.tensor.shard_units`).
+    (:func:`~conveyor.plan.tensor_search.shard_units`).
 
     Example:
         >>> from conveyor.plan.costs import synthetic_table

@@ -21,7 +21,7 @@ From a builder to the program a rank runs, in the order the code does it:
    inserted where a neighbour stage sits on another rank, an ``I`` directly followed by its own
    ``W`` merged into one ``B``, and the forward-only programs of evaluation.
    Last, ``posts.py`` (:func:`~conveyor.schedule.posts.rank_channels`, then
-   :func:`~conveyor.schedule.posts.plan_posts`) writes where each rank posts its sends and
+   :func:`~conveyor.schedule.posts.place_posts`) writes where each rank posts its sends and
    receives, and which go together, for the transport's discipline: look-ahead (matched by
    address) or in order (matched by order, as NCCL: DualPipe's queue-then-commit), and which
    channels arrive in their sender's order; the chain keeps them per rank beside its programs

@@ -16,20 +16,21 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 
 from conveyor.schedule.timeline import Timeline
 
 # Microseconds per time unit in Chrome traces. A simulated unit is shown as one
 # millisecond: Perfetto's ruler then reads "1 ms" per unit, which is easy to count.
-MICROSECONDS_PER_UNIT: dict[str, float] = {
+MICROSECONDS_PER_UNIT: Mapping[str, float] = MappingProxyType({
     "unit": 1_000.0,
     "s": 1_000_000.0,
     "ms": 1_000.0,
     "us": 1.0,
     "ns": 0.001,
-}
+})
 
 
 def to_chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict:

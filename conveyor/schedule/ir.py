@@ -34,12 +34,13 @@ import hashlib
 import re
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import repeat
 from operator import add, floordiv, mod, mul
+from types import MappingProxyType
 
 from conveyor.errors import ScheduleError
 
@@ -142,7 +143,7 @@ def actions_in_bulk(kinds: Sequence[ActionKind], stages: Sequence[int], microbat
 
 KINDS: tuple[ActionKind, ...] = tuple(ActionKind)
 """Kind indices of packed codes: F, B, I, W (compute, 0..3), then SEND_F, RECV_F, SEND_B, RECV_B."""
-KIND_INDEX: dict[int, int] = {id(kind): index for index, kind in enumerate(KINDS)}
+KIND_INDEX: Mapping[int, int] = MappingProxyType({id(kind): index for index, kind in enumerate(KINDS)})
 NUM_COMPUTE_KINDS = 4
 
 
@@ -438,6 +439,9 @@ class Schedule:
     # verifies and times exactly like its source, which has a third of the actions (see lower()).
     # Provenance, not content: two schedules with equal programs are equal wherever they came from.
     lowered_from: Schedule | None = field(default=None, repr=False, compare=False, kw_only=True)
+    # Set by verify() once this schedule passed: a pure function of content that never changes, kept
+    # with it (outside equality), so that build() -> executable() -> simulate() step the programs once.
+    _verified: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_positive(num_microbatches=self.num_microbatches)

@@ -7,7 +7,7 @@ differs from it in three ways, each a pure pass over programs:
                -> :func:`merge_adjacent_backward_halves` (an I right before its own W runs as B)
   evaluation:  :func:`forward_only` -> lower
   posts:       per rank, :func:`~conveyor.schedule.posts.rank_channels` (what its channels
-               carry, in which order) -> :func:`~conveyor.schedule.posts.plan_posts` (which
+               carry, in which order) -> :func:`~conveyor.schedule.posts.place_posts` (which
                sends and receives are posted together before each action, per discipline)
 
 :func:`executable` runs the whole chain once and is the only entry point: both pipelines,
@@ -47,7 +47,7 @@ from conveyor.schedule.posts import (
     Channel,
     RankChannels,
     RankPosts,
-    plan_posts,
+    place_posts,
     rank_channels,
 )
 from conveyor.schedule.verify import verify
@@ -118,18 +118,18 @@ class Executable:
     def train_posts(self, rank: int, discipline: str) -> RankPosts:
         """Where ``rank`` posts the transfers of its training program under ``discipline``: per action
         (the index of :meth:`train_program`'s), the batches posted right before it."""
-        return self._planned("train", rank, discipline)
+        return self._placed("train", rank, discipline)
 
     def eval_posts(self, rank: int, discipline: str) -> RankPosts:
         """Where ``rank`` posts the transfers of its evaluation program under ``discipline``."""
-        return self._planned("eval", rank, discipline)
+        return self._placed("eval", rank, discipline)
 
-    def _planned(self, program: str, rank: int, discipline: str) -> RankPosts:
+    def _placed(self, program: str, rank: int, discipline: str) -> RankPosts:
         found = self._posts.get((program, rank, discipline))
         if found is None:
             lowered, forward = (self.train, FORWARD) if program == "train" else (self.eval, EVAL_FORWARD)
             channels = self._rank_channels(program, rank) if discipline == IN_ORDER else None  # peers' orders
-            found = self._posts[program, rank, discipline] = plan_posts(
+            found = self._posts[program, rank, discipline] = place_posts(
                 lowered, rank, discipline, forward=forward, channels=channels)
         return found
 

@@ -18,11 +18,11 @@ post them, and which go together:
 :func:`rank_channels` reads, once per rank and program, what the rank's channels carry: the
 order each peer sends to it (which the in-order discipline posts in), and which channels
 their receiver consumes in their sender's order (a transport may post those ahead, sized
-like the last transfer). :func:`plan_posts` writes the posts from them: for each action of a
+like the last transfer). :func:`place_posts` writes the posts from them: for each action of a
 rank's program, the batches posted right before it runs; the executor posts exactly these,
 whatever the transport. Both read only the rank's program and its peers'
 (:class:`~conveyor.schedule.passes.Executable` keeps them with the programs, per rank).
-:func:`check_posts` proves a plan complete and free of deadlock by stepping it in the
+:func:`check_posts` proves the posts complete and free of deadlock by stepping it in the
 schedule engine (:func:`posted_programs` writes the posts and waits as actions it knows).
 
 Every transfer has one address from the action to the wire, :func:`transfer_of`'s
@@ -33,7 +33,7 @@ outputs of an evaluation (they carry no gradient, so their structure differs).
 Example:
     >>> import conveyor.schedule as cs
     >>> lowered = cs.lower(cs.build("1f1b", ranks=2, microbatches=2))
-    >>> posts = plan_posts(lowered, 1, IN_ORDER)
+    >>> posts = place_posts(lowered, 1, IN_ORDER)
     >>> [(str(lowered.programs[1][i]), [[str(a) for a in b.actions] for b in batches])
     ...  for i, batches in enumerate(posts) if batches]
     [('1RECV_F0', [['1RECV_F0']]), ('1SEND_B0', [['1SEND_B0'], ['1RECV_F1']]), ('1SEND_B1', [['1SEND_B1']])]
@@ -169,7 +169,7 @@ def _same_order(sent: Sequence[TransferKey], received: Sequence[TransferKey]) ->
     return {channel for channel, order in streams(sent).items() if arriving.get(channel) == order}
 
 
-def plan_posts(lowered: Schedule, rank: int, discipline: str, *, forward: int = FORWARD,
+def place_posts(lowered: Schedule, rank: int, discipline: str, *, forward: int = FORWARD,
                receives_ahead: int = RECEIVES_AHEAD, channels: RankChannels | None = None) -> RankPosts:
     """Where ``rank`` posts its transfers in ``lowered`` under ``discipline`` (see the module docstring).
 
@@ -242,10 +242,10 @@ def _in_order(program: Sequence[Action], rank: int, placement: Placement, forwar
     return tuple(posts)
 
 
-def plan_all_posts(lowered: Schedule, discipline: str, *, forward: int = FORWARD,
+def place_all_posts(lowered: Schedule, discipline: str, *, forward: int = FORWARD,
                    receives_ahead: int = RECEIVES_AHEAD) -> list[RankPosts]:
-    """:func:`plan_posts` of every rank."""
-    return [plan_posts(lowered, rank, discipline, forward=forward, receives_ahead=receives_ahead)
+    """:func:`place_posts` of every rank."""
+    return [place_posts(lowered, rank, discipline, forward=forward, receives_ahead=receives_ahead)
             for rank in range(lowered.num_ranks)]
 
 
@@ -292,16 +292,16 @@ def posted_programs(lowered: Schedule, posts: Sequence[RankPosts]) -> Schedule:
 
 def check_posts(lowered: Schedule, discipline: str, *, forward: int = FORWARD,
                 posts: Sequence[RankPosts] | None = None) -> str | None:
-    """None if every rank's posts (``posts``, else :func:`plan_all_posts`) complete; else what goes wrong.
+    """None if every rank's posts (``posts``, else :func:`place_all_posts`) complete; else what goes wrong.
 
     Under :data:`IN_ORDER` each channel's receives must be posted in the order its sends
     are; then the n-th receive meets the n-th send and completes once that send is posted,
-    which is a receive's need in the engine. So the plan is stepped by the engine
+    which is a receive's need in the engine. So the posts are stepped by the engine
     (:func:`posted_programs`): a rank stuck there is a rank stuck on the wire.
     """
     if posts is None:
         try:
-            posts = plan_all_posts(lowered, discipline, forward=forward)
+            posts = place_all_posts(lowered, discipline, forward=forward)
         except ScheduleError as error:
             return str(error)
     if discipline == IN_ORDER:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 # The Chrome-trace writer has its own module; these names stay importable from here.
 from conveyor.schedule.chrome_trace import MICROSECONDS_PER_UNIT as MICROSECONDS_PER_UNIT
@@ -35,18 +36,18 @@ from conveyor.schedule.timeline import Span, Timeline
 logger = logging.getLogger(__name__)
 
 # Colour-blind-safe, distinct in greyscale too: F blue, B red, I amber, W green.
-KIND_COLORS: dict[ActionKind, str] = {
+KIND_COLORS: Mapping[ActionKind, str] = MappingProxyType({
     ActionKind.F: "#2f6db3",
     ActionKind.B: "#c0392b",
     ActionKind.I: "#e69f00",
     ActionKind.W: "#2e8b57",
-}
-KIND_NAMES: dict[ActionKind, str] = {
+})
+KIND_NAMES: Mapping[ActionKind, str] = MappingProxyType({
     ActionKind.F: "F forward",
     ActionKind.B: "B full backward",
     ActionKind.I: "I input gradient",
     ActionKind.W: "W weight gradient",
-}
+})
 COMM_COLOR = "#7f7f7f"
 
 # Label and layout limits that keep big pictures fast and small ones legible.

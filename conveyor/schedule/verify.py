@@ -21,8 +21,8 @@
 A valid schedule costs one fused pass of the engine (``engine.runs_clean``:
 each action looked up and stepped once, then C-speed counts); only a schedule
 that fails it is walked through the checks above, one by one, for the message.
-Nothing is kept on a Schedule: a pass is remembered beside it, by content (see
-``_PASSED``), and ``simulate`` of one not yet verified checks it in the pass that
+A pass is remembered on the Schedule itself (``Schedule._verified``, outside its
+equality), and ``simulate`` of one not yet verified checks it in the pass that
 times it. One straight from ``lower()`` is checked through its compute-only source
 (``Schedule.lowered_from``).
 
@@ -39,7 +39,6 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from operator import floordiv
@@ -55,19 +54,6 @@ _KNOWN_KIND_IDS = frozenset(map(id, ActionKind))
 _COMM_KIND_IDS = frozenset(id(kind) for kind in ActionKind if kind.is_comm)
 _MAX_LISTED_RANKS = 8
 
-# Verification is a pure function of a Schedule's content, and a Schedule is immutable: what passed
-# is remembered here, by content (equal schedules share the verdict), for as long as it lives, so
-# that build() -> executable() -> simulate() does not step the same programs twice. Only schedules
-# whose programs are all made: their hash is the codes' bytes (hashing a deferred program would make it).
-_PASSED: weakref.WeakSet[Schedule] = weakref.WeakSet()
-
-
-def _passed_before(schedule: Schedule) -> bool:
-    return _memoizable(schedule) and schedule in _PASSED
-
-
-def _memoizable(schedule: Schedule) -> bool:
-    return all(program.made for program in schedule.programs)
 
 
 def verify(schedule: Schedule) -> None:
@@ -79,11 +65,10 @@ def verify(schedule: Schedule) -> None:
         >>> verify(cs.lower(cs.build("1f1b", ranks=4, microbatches=8)))
     """
     check_shape(schedule)
-    if _passed_before(schedule):
+    if schedule._verified:
         return
     if _source_runs_clean(schedule) or runs_clean(schedule):
-        if _memoizable(schedule):
-            _PASSED.add(schedule)
+        object.__setattr__(schedule, "_verified", True)  # a frozen record: its one memo, see Schedule
         return
     _diagnose(schedule)
     raise AssertionError(f"schedule {schedule.name!r} failed the fast check but no violation was found")
@@ -99,7 +84,7 @@ def _source_runs_clean(schedule: Schedule) -> bool:
     third of the actions. When it fails, the lowered schedule is diagnosed itself.
     """
     source = schedule.lowered_from
-    return source is not None and (_passed_before(source) or runs_clean(source))
+    return source is not None and (source._verified or runs_clean(source))
 
 
 def _diagnose(schedule: Schedule) -> None:

@@ -27,7 +27,7 @@ from conveyor.testing.models import TinyConfig, build_stage, lm_loss, reference_
 NUM_MICROBATCHES = 4
 NUM_STEPS = 2
 # (batch size, sequence length) of each microbatch; step s rotates them by s.
-SHAPES = [(2, 5), (1, 8), (3, 3), (2, 7)]
+SHAPES = ((2, 5), (1, 8), (3, 3), (2, 7))
 
 
 def varlen_batches(cfg: TinyConfig, step: int, vocab: int | None = None, seed: int = 0

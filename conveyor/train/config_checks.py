@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from conveyor.errors import ConfigError
@@ -27,16 +28,16 @@ from conveyor.train import sources
 from conveyor.train.parity import parity_problems
 
 MODEL_NAMES = ("gpt", "llama", "mpt", "moe")
-CHOICES = {
+CHOICES = MappingProxyType({
     "parallel.data_parallel": ("ddp", "fsdp"),
     "optim.lr_schedule": ("cosine", "constant"),
     "loss.normalize": ("microbatch", "tokens"),
     "data.batching": ("windows", "by_length"),
     "loss.on_nonfinite": ("skip", "stop"),
     "run.device": ("auto", "cpu", "cuda"),
-}
+})
 # key -> (lowest, highest, whether the lowest itself is refused); None: unbounded.
-RANGES = {
+RANGES = MappingProxyType({
     "model.layers": (1, None, False), "model.width": (1, None, False), "model.heads": (1, None, False),
     "model.seq_len": (1, None, False), "model.intermediate": (1, None, False), "model.kv_heads": (1, None, False),
     "data.val_fraction": (0.0, 1.0, False), "data.max_bytes": (1, None, False),
@@ -50,7 +51,7 @@ RANGES = {
     "train.sample_tokens": (0, None, False),
     "checkpoint.interval": (0, None, False), "checkpoint.keep_last": (0, None, False),
     "run.log_interval": (1, None, False), "run.max_restarts": (0, None, False),
-}
+})
 
 _SIZE_KEYS = ("parallel.", "train.batch_size", "model.layers")
 

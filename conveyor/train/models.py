@@ -33,6 +33,7 @@ import contextlib
 import difflib
 import inspect
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ import torch
 from conveyor.errors import ConfigError
 from conveyor.train.config import ModelConfig, TrainConfig
 
-RECIPES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mpt": "MptForCausalLM", "moe": "MixtralForCausalLM"}
+RECIPES = MappingProxyType({"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mpt": "MptForCausalLM",
+                            "moe": "MixtralForCausalLM"})
 # Where a config class keeps the context length and the MLP width, under the first of these it has.
 _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 _MLP_FIELDS = ("intermediate_size", "n_inner", "ffn_dim")
@@ -130,7 +132,7 @@ def _moe_fields(m: ModelConfig, vocab: int) -> dict[str, Any]:
                 router_aux_loss_coef=0.02, router_jitter_noise=0.0)
 
 
-_RECIPE_FIELDS = {"gpt": _gpt_fields, "llama": _llama_fields, "mpt": _mpt_fields, "moe": _moe_fields}
+_RECIPE_FIELDS = MappingProxyType({"gpt": _gpt_fields, "llama": _llama_fields, "mpt": _mpt_fields, "moe": _moe_fields})
 
 
 def aux_loss_coefficient(model: torch.nn.Module) -> float | None:

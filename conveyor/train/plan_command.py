@@ -8,7 +8,7 @@ microbatch of token ids of ``model.seq_len`` for the smallest microbatch the sea
 ``--analytic`` builds the model on the meta device and costs it from its shapes instead of
 running it (a 70B config plans in seconds). ``--tp`` (default ``auto``: every divisor of ``--ranks``)
 tries each tensor-parallel size with ``pp = ranks / tp`` pipeline ranks (tp innermost), the model's
-units costed as one TP rank runs them (:mod:`conveyor.plan.tensor`), and prints a line per tp with
+units costed as one TP rank runs them (:mod:`conveyor.plan.tensor_search`), and prints a line per tp with
 its best plan and why it won or lost (a size tp does not divide, over memory, how much slower);
 ``--tp 1`` plans a pipeline of ``--ranks`` ranks alone.
 
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def tensor_parallel_options(model: Any, example: Any, ranks: int, spec: str) -> tuple:
-    """The :class:`~conveyor.plan.tensor.TensorParallelOption` records ``--tp`` asks for (empty for tp=1 alone:
+    """The :class:`~conveyor.plan.tensor_search.TensorParallelOption` records ``--tp`` asks for (empty for tp=1 alone:
     the ranks are the pipeline's, as before tensor parallelism).
 
     Example:
@@ -108,7 +108,7 @@ def tensor_parallel_options(model: Any, example: Any, ranks: int, spec: str) -> 
         >>> [(o.tp, o.refused is None) for o in tensor_parallel_options(model, example, 4, "auto")]
         [(1, True), (2, True), (4, False)]
     """
-    from conveyor.plan.tensor import tp_sizes
+    from conveyor.plan.tensor_search import tp_sizes
     from conveyor.train.tensor_parallel import tensor_parallel_option
 
     if spec.strip() == "auto":

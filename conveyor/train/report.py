@@ -22,6 +22,7 @@ import json
 import resource
 import sys
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch.distributed as dist
@@ -230,9 +231,9 @@ class TensorBoardLog:
         >>> board.close()
     """
 
-    TAGS = {"loss": "train/loss", "lm_loss": "train/lm_loss", "aux_loss": "train/aux_loss", "lr": "train/lr",
-            "tokens_per_s": "train/tokens_per_s", "val_loss": "val/loss",
-            "measured_bubble": "bubble/measured", "simulated_bubble": "bubble/simulated"}
+    TAGS = MappingProxyType({"loss": "train/loss", "lm_loss": "train/lm_loss", "aux_loss": "train/aux_loss",
+                             "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "val_loss": "val/loss",
+                             "measured_bubble": "bubble/measured", "simulated_bubble": "bubble/simulated"})
 
     def __init__(self, writer: Any) -> None:
         self.writer = writer

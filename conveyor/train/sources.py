@@ -17,6 +17,7 @@ import os
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from conveyor.errors import ConfigError
@@ -25,13 +26,13 @@ STDLIB = "stdlib"
 DEFINITIONS = "stdlib-definitions"
 # The corpora built in, by the name data.source gives them: every message that lists what data.source takes
 # reads this, so none can leave one out.
-BUILT_IN = {
+BUILT_IN = MappingProxyType({
     STDLIB: "the Python standard library's .py sources",
     DEFINITIONS: "each function or class of them one document (conveyor.train.corpus)",
-}
+})
 FORMATS = ("text", "jsonl", "parquet")
 # Suffixes that name a structured format; every other file is read as plain text.
-_SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+_SUFFIX_FORMATS = MappingProxyType({".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"})
 # Directories of the stdlib left out of the corpus: installed packages are not the stdlib, and
 # Debian-like distributions ship the test suites as separate packages.
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})

@@ -109,7 +109,7 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
 def fitting_tp_sizes(cfg: TrainConfig, model: torch.nn.Module, up_to: int) -> list[int]:
     """The tp sizes from 1 to ``up_to`` whose "auto" plan ``model`` takes (sizes and structure alike)."""
     from conveyor.errors import PipelineConfigError
-    from conveyor.parallel.tensor.plan import tensor_parallel_plan
+    from conveyor.parallel.tensor.style_map import tensor_parallel_plan
 
     fits = [1]
     for tp in range(2, up_to + 1):
@@ -174,7 +174,7 @@ def _placement_text(placement: Any) -> str:
 
 
 def tensor_parallel_option(model: torch.nn.Module, tp: int, seq_len: int) -> Any:
-    """What tp does to ``model``, for the planner (:class:`conveyor.plan.tensor.TensorParallelOption`): per
+    """What tp does to ``model``, for the planner (:class:`conveyor.plan.tensor_search.TensorParallelOption`): per
     planned module, the parameters tp shards (as a traced stage places them) and, per sample of ``seq_len``
     tokens, the bytes of its collectives: a row-parallel projection all-reduces its output in the forward, a
     column-parallel one its input's gradient in the backward, the LM head gathers its logits; or, where the
@@ -190,9 +190,9 @@ def tensor_parallel_option(model: torch.nn.Module, tp: int, seq_len: int) -> Any
 
     from conveyor.errors import PipelineConfigError
     from conveyor.parallel.tensor.discover import discover, projection_of
-    from conveyor.parallel.tensor.plan import matching_modules, tensor_parallel_plan
+    from conveyor.parallel.tensor.style_map import matching_modules, tensor_parallel_plan
     from conveyor.parallel.tensor.traced import parameter_placements
-    from conveyor.plan.tensor import ModuleSplit, TensorParallelOption
+    from conveyor.plan.tensor_search import ModuleSplit, TensorParallelOption
 
     if tp == 1:
         return TensorParallelOption(1)

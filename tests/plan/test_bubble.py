@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from conveyor.plan.calibration import Calibration
 from conveyor.plan.costs import CostTable, UnitCost
-from conveyor.plan.options import Machine
 from conveyor.plan.planner import choose, format_plan
 from conveyor.plan.search import search
-from conveyor.plan.tensor import ModuleSplit, TensorParallelOption
+from conveyor.plan.settings import Machine
+from conveyor.plan.tensor_search import ModuleSplit, TensorParallelOption
 
 
 def _uniform(blocks: int, backward: float) -> CostTable:

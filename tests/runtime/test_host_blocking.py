@@ -7,7 +7,7 @@ from conveyor.errors import ScheduleError
 from conveyor.runtime.lifecycle.host_blocking import check_first_step
 from conveyor.schedule.ir import Placement, Schedule
 from conveyor.schedule.passes import executable
-from conveyor.schedule.posts import EVAL_FORWARD, FORWARD, IN_ORDER, plan_all_posts
+from conveyor.schedule.posts import EVAL_FORWARD, FORWARD, IN_ORDER, place_all_posts
 
 
 def _first_steps():
@@ -22,7 +22,7 @@ def _first_steps():
                         continue
                     runs = executable(schedule)
                     for training, lowered in ((True, runs.train), (False, runs.eval)):
-                        posts = plan_all_posts(lowered, IN_ORDER, forward=FORWARD if training else EVAL_FORWARD)
+                        posts = place_all_posts(lowered, IN_ORDER, forward=FORWARD if training else EVAL_FORWARD)
                         yield (name, ranks, virtual, microbatches, training), lowered, posts
 
 
@@ -49,7 +49,7 @@ def test_nccl_first_step_host_replay_of_every_builtin_schedule():
 def test_the_first_step_replay_names_who_blocks_on_what():
     def case(rows):
         lowered = Schedule.from_programs("hand", Placement.looped(2, 1), 1, rows)
-        return lowered, plan_all_posts(lowered, IN_ORDER)
+        return lowered, place_all_posts(lowered, IN_ORDER)
 
     lowered, posts = case([["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]])
     assert check_first_step(lowered, posts, lazy_communicators=True) is None

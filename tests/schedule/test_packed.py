@@ -8,7 +8,7 @@ from conveyor.errors import ScheduleError
 from conveyor.schedule.engine import step
 from conveyor.schedule.ir import B, F, I, PackedProgram, Placement, Schedule, W
 from conveyor.schedule.passes import executable
-from conveyor.schedule.posts import EVAL_FORWARD, IN_ORDER, plan_posts, rank_channels
+from conveyor.schedule.posts import EVAL_FORWARD, IN_ORDER, place_posts, rank_channels
 from conveyor.schedule.simulate import packed_spans
 from conveyor.schedule.timeline import PackedSpans
 
@@ -30,8 +30,8 @@ def test_a_rank_lowers_and_merges_only_its_own_program_and_reads_its_peers_sends
     # The same as lowering every rank's program and reading them.
     lowered = cs.lower(runs.compute)
     assert program == list(lowered.programs[3])
-    assert train_posts == plan_posts(lowered, 3, IN_ORDER)
-    assert eval_posts == plan_posts(runs.eval, 3, IN_ORDER, forward=EVAL_FORWARD)
+    assert train_posts == place_posts(lowered, 3, IN_ORDER)
+    assert eval_posts == place_posts(runs.eval, 3, IN_ORDER, forward=EVAL_FORWARD)
     assert channels == rank_channels(lowered, 3).in_order | rank_channels(runs.eval, 3, EVAL_FORWARD).in_order
 
 

@@ -20,7 +20,7 @@ from conveyor.schedule.passes import (
     forward_only,
     merge_adjacent_backward_halves,
 )
-from conveyor.schedule.posts import BACKWARD, DISCIPLINES, EVAL_FORWARD, FORWARD, plan_posts
+from conveyor.schedule.posts import BACKWARD, DISCIPLINES, EVAL_FORWARD, FORWARD, place_posts
 from conveyor.schedule.verify import verify
 
 from .test_properties import valid_schedules
@@ -103,8 +103,8 @@ def _check_chain(schedule: Schedule) -> None:
     assert runs.eval_in_order == _in_order_reference(runs.eval)
     for rank in range(schedule.num_ranks):  # a rank's posts are the pass's on the whole lowered schedule
         for discipline in DISCIPLINES:
-            assert runs.train_posts(rank, discipline) == plan_posts(lower(runs.compute), rank, discipline)
-            assert runs.eval_posts(rank, discipline) == plan_posts(runs.eval, rank, discipline, forward=EVAL_FORWARD)
+            assert runs.train_posts(rank, discipline) == place_posts(lower(runs.compute), rank, discipline)
+            assert runs.eval_posts(rank, discipline) == place_posts(runs.eval, rank, discipline, forward=EVAL_FORWARD)
 
 
 @pytest.mark.parametrize(("name", "num_ranks", "virtual"), BUILT_INS)

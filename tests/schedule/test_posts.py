@@ -15,8 +15,8 @@ from conveyor.schedule.posts import (
     LOOKAHEAD,
     Batch,
     check_posts,
-    plan_all_posts,
-    plan_posts,
+    place_all_posts,
+    place_posts,
     rank_channels,
     transfer_of,
 )
@@ -87,7 +87,7 @@ def test_the_engine_finds_ranks_that_wait_for_each_other():
 
 def test_in_order_posts_follow_the_senders_order_and_a_swapped_plan_is_caught():
     lowered = _lowered([["0F0", "0SEND_F0", "0F1", "0SEND_F1"], ["1RECV_F1", "1F1", "1RECV_F0", "1F0"]])
-    posts = plan_all_posts(lowered, IN_ORDER)
+    posts = place_all_posts(lowered, IN_ORDER)
     assert [str(a) for a in posts[1][0][0].actions] == ["1RECV_F0", "1RECV_F1"]  # F0's receive first
     assert check_posts(lowered, IN_ORDER) is None
     swapped = (Batch(0, False, tuple(map(Action.parse, ["1RECV_F1", "1RECV_F0"])), ((0, 0, 1), (0, 0, 0))),)
@@ -97,7 +97,7 @@ def test_in_order_posts_follow_the_senders_order_and_a_swapped_plan_is_caught():
 
 def test_look_ahead_posts_receives_a_few_ahead_and_sends_where_they_stand():
     lowered = cs.lower(cs.build("gpipe", ranks=2, microbatches=6))
-    program, posts = lowered.programs[1], plan_posts(lowered, 1, LOOKAHEAD, receives_ahead=2)
+    program, posts = lowered.programs[1], place_posts(lowered, 1, LOOKAHEAD, receives_ahead=2)
     receives = [i for i, a in enumerate(program) if a.kind is ActionKind.RECV_F]
     assert receives[0] == 0  # so before it: the first two, then (reaching it) the third
     assert [b.actions[0] for b in posts[0]] == [program[i] for i in receives[:3]]

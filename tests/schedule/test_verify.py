@@ -379,14 +379,18 @@ def test_a_schedule_keeps_nothing_but_its_provenance():
         Schedule("x", sched.placement, 2, sched.programs, lowered_from="1f1b")
 
 
-def test_a_verdict_is_remembered_by_content_not_on_the_schedule(monkeypatch):
+def test_a_verdict_is_remembered_on_the_schedule_outside_its_equality(monkeypatch):
+    """No module keeps verdicts: the schedule that passed carries its own, which equality ignores."""
     verify_module = sys.modules[verify.__module__]  # (the package's `verify` names the function)
     sched = cs.build("zbv", ranks=2, microbatches=4, check=False)
     verify(sched)
+    same_content = sched.with_programs(sched.programs)  # made anew: no verdict of its own yet
+    assert same_content == sched and hash(same_content) == hash(sched)
     monkeypatch.setattr(verify_module, "runs_clean", lambda schedule: pytest.fail("stepped again"))
     verify(sched)
-    verify(sched.with_programs(sched.programs))  # an equal schedule: the same verdict
     verify(cs.lower(sched))  # checked through its source, which passed
+    with pytest.raises(pytest.fail.Exception, match="stepped again"):
+        verify(same_content)
     with pytest.raises(pytest.fail.Exception, match="stepped again"):
         verify(cs.build("zbv", ranks=2, microbatches=6, check=False))  # another one is stepped
 

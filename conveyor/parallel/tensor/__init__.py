@@ -29,6 +29,6 @@ Example (on each of 2 ranks)::
     parallelize_stage(model, tp_mesh, "auto")
 """
 
-from conveyor.parallel.tensor.plan import check_plan, parallelize_stage, tensor_parallel_plan
+from conveyor.parallel.tensor.style_map import check_plan, parallelize_stage, tensor_parallel_plan
 
 __all__ = ["check_plan", "parallelize_stage", "tensor_parallel_plan"]

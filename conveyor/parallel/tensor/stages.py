@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conveyor.errors import PipelineConfigError
-from conveyor.parallel.tensor.plan import (
+from conveyor.parallel.tensor.style_map import (
     check_plan,
     matching_modules,
     parallelize_stage,

@@ -65,6 +65,7 @@ Example (on each of 2 ranks)::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import torch.utils._pytree as pytree
@@ -74,7 +75,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from conveyor.errors import PipelineConfigError
-from conveyor.parallel.tensor.plan import matching_modules
+from conveyor.parallel.tensor.style_map import matching_modules
 from conveyor.parallel.tensor.styles import is_transposed_projection
 
 
@@ -274,9 +275,8 @@ def _outputs_whole(module, args, output):
     return pytree.tree_map(unwrap, output)
 
 
-_ROW_SPLIT_WEIGHT_CALLS = {torch.ops.aten.embedding.default: vocab_parallel_embedding,
-                           torch.ops.aten.linear.default: colwise_linear}
-_ATTENTION_SHARDING_REGISTERED = False
+_ROW_SPLIT_WEIGHT_CALLS = MappingProxyType({torch.ops.aten.embedding.default: vocab_parallel_embedding,
+                                            torch.ops.aten.linear.default: colwise_linear})
 
 
 def _keep_layouts_as_described(op) -> None:
@@ -321,13 +321,13 @@ def _register_cpu_attention_sharding() -> None:
     torch registers sharding strategies for the CUDA flash/efficient kernels but not for the
     CPU flash kernel a traced ``scaled_dot_product_attention`` dispatches to on CPU; eager TP
     never meets it as a DTensor (each rank attends over its local heads as plain tensors).
+    Torch's registries are process-wide: the forward's layout handler in place says this ran before.
     """
-    global _ATTENTION_SHARDING_REGISTERED
-    if _ATTENTION_SHARDING_REGISTERED:
-        return
     from torch.distributed.tensor.experimental import register_sharding
 
     aten = torch.ops.aten
+    if aten._scaled_dot_product_flash_attention_for_cpu.default in DTensor._op_dispatcher._custom_op_handlers:
+        return
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
     def _forward(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
@@ -340,8 +340,6 @@ def _register_cpu_attention_sharding() -> None:
     for op in (aten._scaled_dot_product_flash_attention_for_cpu.default,
                aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
         _keep_layouts_as_described(op)
-
-    _ATTENTION_SHARDING_REGISTERED = True
 
 
 # Namespaces whose operators DTensor either knows or must not be taught blindly.

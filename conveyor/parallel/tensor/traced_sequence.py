@@ -61,18 +61,19 @@ aten = torch.ops.aten
 # ATen operations that work on a [batch, seq, hidden] activation row by row (each sequence
 # position on its own), besides the pointwise ones (torch.Tag.pointwise): a sequence shard of
 # their input gives the same shard of their output.
-_ROW_BY_ROW = {
+_ROW_BY_ROW = frozenset({
     aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default, aten._fused_rms_norm.default,
     aten.dropout.default, aten.native_dropout.default, aten._to_copy.default, aten.clone.default,
     aten.contiguous.default, aten.alias.default, aten.detach.default,
-}
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
-_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction}
+})
+_RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default})
+_REDUCTIONS = frozenset({aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
+                         aten.var.correction})
 # A linear on a column-split weight may already be traced.colwise_linear (rewritten before this pass).
-_LINEAR = {aten.linear.default, colwise_linear}
+_LINEAR = frozenset({aten.linear.default, colwise_linear})
 # The lookups of an embedding; a vocabulary-parallel one is rewritten to reduce onto the sequence.
-_LOOKUPS = {aten.embedding.default, vocab_parallel_embedding, vocab_parallel_embedding_on_sequence}
-_TRANSPOSED = {aten.addmm.default, aten.mm.default, aten.matmul.default}  # x @ w: a (in, out) weight
+_LOOKUPS = frozenset({aten.embedding.default, vocab_parallel_embedding, vocab_parallel_embedding_on_sequence})
+_TRANSPOSED = frozenset({aten.addmm.default, aten.mm.default, aten.matmul.default})  # x @ w: a (in, out) weight
 
 
 def whole_sequence(value: Any) -> Any:

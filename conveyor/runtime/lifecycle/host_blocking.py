@@ -10,9 +10,9 @@ posts, not at actions).
 
 Example:
     >>> import conveyor.schedule as cs
-    >>> from conveyor.schedule.posts import IN_ORDER, plan_all_posts
+    >>> from conveyor.schedule.posts import IN_ORDER, place_all_posts
     >>> lowered = cs.executable(cs.build("zb-h1", ranks=3, microbatches=4, virtual=2)).train
-    >>> posts = plan_all_posts(lowered, IN_ORDER)
+    >>> posts = place_all_posts(lowered, IN_ORDER)
     >>> check_first_step(lowered, posts, lazy_communicators=True) is None
     False
     >>> check_first_step(lowered, posts, lazy_communicators=False) is None

@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -54,8 +55,9 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.runtime.stage.precision import refuse_fp16
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                            "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
+                            "float32": torch.float32})
 _HOOKED = "_conveyor_main_grad_dtype"  # on a parameter whose accumulation hook is registered: its dtype
 
 

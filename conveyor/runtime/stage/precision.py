@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from types import MappingProxyType
 
 import torch
 
 from conveyor.errors import PipelineConfigError
 
-_NAMES = {
+_NAMES = MappingProxyType({
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
     "fp32": None, "float32": None, "no": None,
-}
+})
 
 
 def refuse_fp16(what: str, spec: object) -> None:

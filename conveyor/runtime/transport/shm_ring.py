@@ -32,6 +32,7 @@ import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy
@@ -197,11 +198,11 @@ class Incoming:
 
 # numpy copies a small CPU tensor in far fewer interpreter steps than torch's slicing and
 # copy_ (and interpreter steps are what a rank pays, cold, right after its compute).
-_NUMPY_DTYPES = {
+_NUMPY_DTYPES = MappingProxyType({
     torch.float32: numpy.float32, torch.float64: numpy.float64, torch.float16: numpy.float16,
     torch.int64: numpy.int64, torch.int32: numpy.int32, torch.int16: numpy.int16, torch.int8: numpy.int8,
     torch.uint8: numpy.uint8, torch.bool: numpy.bool_, torch.complex64: numpy.complex64,
-}
+})
 
 
 @dataclass(frozen=True, slots=True)

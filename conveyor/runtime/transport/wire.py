@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import pickle
 import warnings
 from dataclasses import dataclass
@@ -143,9 +144,6 @@ def flatten_payload(value: Any) -> tuple[PayloadMeta, list[torch.Tensor]]:
 
 
 _LEAF_SPEC = pytree.tree_flatten(0)[1]
-# One spec object per tuple length, shared by flatten_payload and quick_flatten, so that
-# matching a tuple of tensors against a channel's structure is an identity check.
-_TUPLE_SPECS: dict[int, pytree.TreeSpec] = {}
 
 
 def _tensor_tuple_spec(value: Any) -> pytree.TreeSpec | None:
@@ -157,11 +155,11 @@ def _tensor_tuple_spec(value: Any) -> pytree.TreeSpec | None:
     return _tuple_spec(len(value))
 
 
+@functools.cache
 def _tuple_spec(length: int) -> pytree.TreeSpec:
-    spec = _TUPLE_SPECS.get(length)
-    if spec is None:
-        spec = _TUPLE_SPECS[length] = pytree.tree_flatten(tuple(range(length)))[1]
-    return spec
+    """One spec object per tuple length, shared by flatten_payload and quick_flatten, so that
+    matching a tuple of tensors against a channel's structure is an identity check."""
+    return pytree.tree_flatten(tuple(range(length)))[1]
 
 
 def quick_flatten(value: Any) -> tuple[list[Any], pytree.TreeSpec]:
@@ -215,7 +213,7 @@ def unflatten_payload(meta: PayloadMeta, tensors: list[torch.Tensor]) -> Any:
     if meta.spec is _LEAF_SPEC or meta.spec == _LEAF_SPEC:
         if len(tensors) == 1 and meta.is_tensor == (True,):
             return tensors[0]
-    elif meta.spec is _TUPLE_SPECS.get(len(meta.is_tensor)) and not meta.plain_leaves:
+    elif meta.spec is _tuple_spec(len(meta.is_tensor)) and not meta.plain_leaves:
         return tuple(tensors)
     tensor_iter, plain_iter = iter(tensors), iter(meta.plain_leaves)
     leaves = [next(tensor_iter) if flag else next(plain_iter) for flag in meta.is_tensor]

@@ -26,8 +26,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch alias
@@ -184,8 +185,8 @@ class TinyGPT:
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
-WORKLOADS: dict[str, Callable[..., Workload]] = {
+WORKLOADS: Mapping[str, Callable[..., Workload]] = MappingProxyType({
     "emulated": Emulated,
     "overhead": Overhead,
     "gpt": TinyGPT,
-}
+})

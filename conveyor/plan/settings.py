@@ -1,4 +1,4 @@
-"""The planner's options as typed records, grouped by concern.
+"""The planner's settings as typed option records, grouped by concern (the pipeline's are :mod:`conveyor.options`).
 
 :func:`conveyor.plan.plan` takes its everyday choices as keywords (``ranks``, ``global_batch``,
 ``memory_per_rank``, ``schedules``, ``microbatches``) and the rest as three records:
@@ -104,7 +104,7 @@ class SearchSpace:
                                   "how far (relative) a lighter split's slowest stage may exceed the fastest "
                                   "split's and still be preferred when memory is short")
     top: int = _f(5, "plans the result lists (the chosen one first)")
-    tensor_parallel: Sequence[Any] = _f((), "tensor-parallel sizes to try, as conveyor.plan.tensor."
+    tensor_parallel: Sequence[Any] = _f((), "tensor-parallel sizes to try, as conveyor.plan.tensor_search."
                                             "TensorParallelOption records (what each tp does to the model); "
                                             "given, the ranks are pp x tp (empty: tp=1, the ranks are pp)")
 
@@ -112,8 +112,8 @@ class SearchSpace:
         _set(self, "virtual", _positive_ints(self, "virtual", self.virtual, "e.g. virtual=(1, 2)"))
         options = tuple(self.tensor_parallel or ())
         if not all(hasattr(option, "tp") and hasattr(option, "modules") for option in options):
-            raise PlanError("SearchSpace.tensor_parallel takes conveyor.plan.tensor.TensorParallelOption records "
-                            f"(one per tp to try), got {self.tensor_parallel!r}")
+            raise PlanError("SearchSpace.tensor_parallel takes conveyor.plan.tensor_search.TensorParallelOption "
+                            f"records (one per tp to try), got {self.tensor_parallel!r}")
         _set(self, "tensor_parallel", options)
         if self.virtual is None:
             raise PlanError("SearchSpace.virtual must be positive ints, got None; e.g. virtual=(1, 2)")

@@ -10,7 +10,7 @@ import pytest
 from conveyor.errors import ConfigError
 from conveyor.plan.costs import synthetic_table
 from conveyor.plan.search import search
-from conveyor.plan.tensor import (
+from conveyor.plan.tensor_search import (
     BLOCK_SHARDED_ACTIVATIONS,
     ModuleSplit,
     TensorParallelOption,
