@@ -43,7 +43,7 @@ LIBRARIES = ("conveyor", "torch")
 # What each library's ranks import before a case (see conveyor.processes.Zygote): its own
 # modules only, so that a rank's memory is that library's.
 LIBRARY_MODULES = {
-    "conveyor": ["benchmarks.libraries", "conveyor.pipe", "conveyor.runtime.shm"],
+    "conveyor": ["benchmarks.libraries", "conveyor.pipe", "conveyor.runtime.transport.shm"],
     "torch": ["benchmarks.libraries", "torch.distributed.pipelining"],
 }
 SINGLE = "single"  # the whole model in one process: the baseline of the real-compute workload

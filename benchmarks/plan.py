@@ -104,7 +104,7 @@ def split_sample(worker, cut: tuple) -> list[tuple[float, float]]:
     import torch
 
     from conveyor.plan.profile import split_backward_seconds
-    from conveyor.runtime.backward import GraphAnalysisCache
+    from conveyor.runtime.stage.backward import GraphAnalysisCache
 
     probe = worker.state[("probe", cut)]
     caches = worker.state.setdefault(("analyses", cut), [GraphAnalysisCache() for _ in range(probe.num_stages)])

@@ -26,7 +26,7 @@ ALLOWED: dict[str, str] = {
     "kwargs:conveyor/frontend/stage.py::StageModule.forward": "nn.Module.forward of a stage: the model's inputs",
     "kwargs:conveyor/parallel/data.py::data_loader": "torch.utils.data.DataLoader's own keywords (num_workers, "
                                                      "pin_memory, ...), passed to it unchanged",
-    "kwargs:conveyor/runtime/main_grad.py::MasterWeights.__init__": "the wrapped optimizer's keywords (lr, betas), "
+    "kwargs:conveyor/runtime/stage/main_grad.py::MasterWeights.__init__": "the wrapped optimizer's keywords (lr, betas), "
                                                                     "as torch's ZeroRedundancyOptimizer takes them",
     "kwargs:conveyor/testing/references/main_grad.py::MainGradReference.__init__": "the reference optimizer's "
                                                                                    "keywords, as MasterWeights "
@@ -39,7 +39,7 @@ ALLOWED: dict[str, str] = {
     "kwargs:conveyor/checkpoint/files.py::SafeFileSystemReader.read_metadata": "torch.distributed.checkpoint's "
                                                                                "StorageReader signature",
     # Classes past 250 lines: the transport and lifecycle are split by issue 30 (one transport protocol).
-    "class:conveyor/runtime/lifecycle.py::RankLifecycle": "groups, agreement, failure and closing of a rank; split "
+    "class:conveyor/runtime/lifecycle/rank.py::RankLifecycle": "groups, agreement, failure and closing of a rank; split "
                                                           "with the transport protocol (issue 30)",
 }
 

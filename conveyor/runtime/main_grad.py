@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.runtime.precision import refuse_fp16
+from conveyor.runtime.stage.precision import refuse_fp16
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}

@@ -162,7 +162,7 @@ def threads_per_rank(environ: dict[str, str] | None = None, cores: int | None = 
         >>> threads_per_rank({"LOCAL_WORLD_SIZE": "2"}, cores=2), threads_per_rank({"OMP_NUM_THREADS": "3"}, cores=2)
         (1, 3)
     """
-    from conveyor.runtime.device import cpu_threads_per_rank
+    from conveyor.runtime.stage.device import cpu_threads_per_rank
 
     environ = os.environ if environ is None else environ
     return cpu_threads_per_rank(int(environ.get("LOCAL_WORLD_SIZE", "1") or 1), environ, cores)
@@ -182,7 +182,7 @@ def local_ranks(environ: dict[str, str] | None = None) -> int:
 @dataclass(frozen=True)
 class Devices:
     """How this machine's ranks train: the process group's ``backend`` ("nccl" or "gloo"), each rank's
-    stage ``device`` ("cuda": its own GPU, :func:`conveyor.runtime.device.local_gpu`; or "cpu"), and
+    stage ``device`` ("cuda": its own GPU, :func:`conveyor.runtime.stage.device.local_gpu`; or "cpu"), and
     the ``note`` the launcher prints once (None: nothing to say)."""
 
     backend: str
@@ -248,7 +248,7 @@ def stage_device(cfg: TrainConfig) -> torch.device:
     """
     import torch
 
-    from conveyor.runtime.device import local_gpu, make_current
+    from conveyor.runtime.stage.device import local_gpu, make_current
 
     if choose_devices(cfg, local_ranks()).device == "cpu":
         return torch.device("cpu")
@@ -328,7 +328,7 @@ def oversubscribed(cfg: TrainConfig, devices: Devices, cores: int | None = None)
         >>> oversubscribed(cfg, Devices("gloo", "cpu"), cores=8) is None
         True
     """
-    from conveyor.runtime.device import cpu_threads_per_rank
+    from conveyor.runtime.stage.device import cpu_threads_per_rank
 
     if cores is None:
         cores = cpu_threads_per_rank(1, {})  # the cores this process may use (its affinity)

@@ -15,8 +15,8 @@ import torch
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
-from conveyor.options import CheckpointPolicy, Layout, PipelineOptions, StageOptions
-from conveyor.runtime.checkpointing import StageCheckpointing
+from conveyor.options import RecomputePolicy, Layout, PipelineOptions, StageOptions
+from conveyor.runtime.stage.recompute import StageRecompute
 from conveyor.testing import run_ranks
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss, make_batch, reference_model, reference_step
 from conveyor.testing.references.schedule_parity import assert_same
@@ -151,22 +151,22 @@ def test_traced_stages_checkpoint_blocks_bitwise(name):
 
 def test_blocks_are_list_items_or_named_and_a_policy_that_finds_none_says_so():
     stage = build_stage(0, TinyConfig(blocks_per_stage=3))
-    assert StageCheckpointing(stage, CheckpointPolicy(every=2)).blocks == ["blocks.0", "blocks.2"]
-    assert StageCheckpointing(build_stage(0, TinyConfig(blocks_per_stage=3)),
-                              CheckpointPolicy(blocks=r"blocks\.\d+\.attn")).blocks == [
+    assert StageRecompute(stage, RecomputePolicy(every=2)).blocks == ["blocks.0", "blocks.2"]
+    assert StageRecompute(build_stage(0, TinyConfig(blocks_per_stage=3)),
+                              RecomputePolicy(blocks=r"blocks\.\d+\.attn")).blocks == [
         "blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
     with pytest.raises(PipelineConfigError, match=r"no module of this stage matches blocks='decoder.*' \(it has no "
                        r"blocks; its top modules: none\)"):
-        StageCheckpointing(torch.nn.Linear(2, 2), CheckpointPolicy(blocks="decoder.*"))
+        StageRecompute(torch.nn.Linear(2, 2), RecomputePolicy(blocks="decoder.*"))
     # A pattern that matches none of a stage's blocks names the stage and the blocks it has.
     with pytest.raises(PipelineConfigError, match=r"no module of stage 1 matches blocks='layers' \(its blocks: "
                                                   r"blocks.0, blocks.1, blocks.2\)"):
-        StageCheckpointing(build_stage(0, TinyConfig(blocks_per_stage=3)), CheckpointPolicy(blocks="layers"), stage=1)
+        StageRecompute(build_stage(0, TinyConfig(blocks_per_stage=3)), RecomputePolicy(blocks="layers"), stage=1)
     with pytest.raises(PipelineConfigError, match="'mmm' is no aten operator"):
-        CheckpointPolicy(save=("mmm",))
+        RecomputePolicy(save=("mmm",))
     with pytest.raises(PipelineConfigError, match="lists 2 policies for a pipeline of 3 stages"):
-        StageOptions(checkpoint=[{"every": 1}, None]).checkpoint_policy(0, 3)
+        StageOptions(checkpoint=[{"every": 1}, None]).recompute_policy(0, 3)
     with pytest.raises(PipelineConfigError, match="not both"):
         StageOptions(checkpoint_activations=True, checkpoint={"every": 2})
-    assert StageOptions(checkpoint_activations=True).checkpoint == CheckpointPolicy()
+    assert StageOptions(checkpoint_activations=True).checkpoint == RecomputePolicy()
     assert "checkpoint=[every=1, None]" in StageOptions(checkpoint=[{"every": 1}, False]).describe()

@@ -17,9 +17,9 @@ from torch import nn
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import CommTimeout, PeerFailure
-from conveyor.runtime.hybrid import HybridTransport
-from conveyor.runtime.process_group import DistTransport
-from conveyor.runtime.shm import SharedMemoryTransport
+from conveyor.runtime.transport.hybrid import HybridTransport
+from conveyor.runtime.transport.process_group import DistTransport
+from conveyor.runtime.transport.shm import SharedMemoryTransport
 from conveyor.testing import run_ranks
 from conveyor.testing.references.schedule_parity import NUM_MICROBATCHES, assert_same, reference_run
 

@@ -11,7 +11,7 @@ import conveyor.schedule as cs
 from conveyor.errors import NonFiniteError, PipelineConfigError
 from conveyor.frontend import split_model
 from conveyor.local import LocalPipeline
-from conveyor.runtime.main_grad import param_precision
+from conveyor.runtime.stage.main_grad import param_precision
 from conveyor.testing import run_ranks
 from conveyor.testing.models import build_stage, lm_loss, make_batch, reference_model
 from conveyor.testing.references.main_grad import MainGradReference

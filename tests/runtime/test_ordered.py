@@ -14,7 +14,7 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.runtime.ordered import OrderedTransport
+from conveyor.runtime.transport.ordered import OrderedTransport
 from conveyor.testing import run_ranks
 from conveyor.testing.references.schedule_parity import NUM_MICROBATCHES, assert_same, reference_run, schedule_grid
 
@@ -96,20 +96,20 @@ def _watcher_aborts_on_a_published_failure(rank, world_size):
         dist.ProcessGroup.abort = lambda group: aborted.append(dist.get_process_group_ranks(group))
         life.transport.peer_failures = lambda: "rank 1 failed: boom (published by the test)"
         try:
-            seen["gloo_setting"] = life.abort_on_failure
+            seen["gloo_setting"] = life.watch.abort_on_failure
             time.sleep(1.5)  # three polls of the watcher under gloo's setting: nothing aborted
             seen["aborted_under_gloo"] = list(aborted)
-            life.abort_on_failure = True  # NCCL's setting: the watcher thread acts by itself
+            life.watch.abort_on_failure = True  # NCCL's setting: the watcher thread acts by itself
             deadline = time.monotonic() + 10
             while not aborted and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(1.5)  # later polls abort nothing twice
             seen.update(aborted=aborted, groups=[dist.get_process_group_ranks(g) for g in life.groups],
-                        because=life.aborted_because)
+                        because=life.watch.aborted_because)
         finally:
             dist.ProcessGroup.abort = real_abort
             del life.transport.peer_failures
-            life.abort_on_failure, life.aborted_because = False, None
+            life.watch.abort_on_failure, life.watch.aborted_because = False, None
     dist.barrier()
     pipe.close()
     return seen
@@ -133,7 +133,7 @@ def _store_prefixes_of_two_pipelines_in_turn(rank, world_size):
         pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
                                  transfer=conveyor.TransferOptions(timeout_s=30, transport="ordered"))
         pipe.step(torch.ones(2 * rows, 4))
-        prefixes.append((pipe.ranks.life.store_prefix(), pipe.ranks.transport.prefix))
+        prefixes.append((pipe.ranks.life.groups.store_prefix(), pipe.ranks.transport.prefix))
         pipe.close()
     return prefixes
 

@@ -88,7 +88,7 @@ def tp_parity(rank: int, world_size: int, name: str, sequence_parallel: bool = F
 
 def split_backward_parity(rank: int, world_size: int) -> dict:
     """A TP Llama taking hidden states as a pipeline stage does: I then W against one full backward (B)."""
-    from conveyor.runtime.backward import backward_full, backward_input
+    from conveyor.runtime.stage.backward import backward_full, backward_input
 
     model = parallelize_stage(build("llama"), tp_mesh(world_size))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -272,7 +272,7 @@ def traced_split_backward(rank: int, world_size: int) -> dict:
     """I then W against B on the last traced TP stage of a Llama (random received activations)."""
     from torch.distributed.tensor.experimental import implicit_replication
 
-    from conveyor.runtime.backward import backward_full, backward_input
+    from conveyor.runtime.stage.backward import backward_full, backward_input
 
     batch = token_batch(seed=1)
     split, make = _traced_stages("llama", tp_mesh(world_size), batch)

@@ -12,7 +12,7 @@ such copy per step that this count had missed (benchmarks/README.md, ``world1-sy
 ``torch.cuda.set_sync_debug_mode`` on a GPU (that row) sees every synchronisation.
 
 Two reads are expected and reported apart, not as failures: the one draw of the user's CPU
-generator that seeds a step's random streams (:mod:`conveyor.runtime.rng`: a CPU tensor on
+generator that seeds a step's random streams (:mod:`conveyor.runtime.stage.rng`: a CPU tensor on
 every machine, never a device one), and the non-finite check's one read of its flags, made
 only when the step is given ``on_nonfinite`` (the skip decision is a Python bool).
 
@@ -43,7 +43,7 @@ import conveyor.schedule as cs
 
 _TENSOR_READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__")
 # (file name ending, function) of the expected reads: the CPU generator's draw, the asked-for check.
-_CPU_GENERATOR = ("conveyor/runtime/rng.py", "__enter__")
+_CPU_GENERATOR = ("conveyor/runtime/stage/rng.py", "__enter__")
 _ASKED = ("conveyor/parallel/clipping.py", "describe_nonfinite")
 
 
