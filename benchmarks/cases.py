@@ -25,7 +25,7 @@ from benchmarks import libraries as lib
 from benchmarks.costs import MeasuredCosts, per_pass
 from benchmarks.steal import StealMeter
 from conveyor.errors import GroupClosed, RankFailure, RankTimeout, ZygoteFailure
-from conveyor.ranks import RankGroup, Zygote
+from conveyor.processes import RankGroup, Zygote
 from conveyor.testing.models import TinyGPT, Workload
 
 # What a group that fails to start or to step raises (its ranks are gone by then).

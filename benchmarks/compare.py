@@ -34,7 +34,7 @@ from benchmarks.cases import GROUP_ERRORS, CostCache, Settings, last_line, run_c
 from benchmarks.provenance import command_line, git_commit
 from benchmarks.report import RAW_NAME, SUMMARY_NAME, render, write_summary
 from benchmarks.steal import StealMeter
-from conveyor.ranks import RankGroup, Zygote
+from conveyor.processes import RankGroup, Zygote
 from conveyor.testing.models import WORKLOADS
 
 # What --quick sets: a small grid, 1 warm-up and 3 timed rounds (~3 min).

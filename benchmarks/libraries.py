@@ -36,11 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.ranks import Worker
+from conveyor.processes import Worker
 from conveyor.testing.models import Workload
 
 LIBRARIES = ("conveyor", "torch")
-# What each library's ranks import before a case (see conveyor.ranks.Zygote): its own
+# What each library's ranks import before a case (see conveyor.processes.Zygote): its own
 # modules only, so that a rank's memory is that library's.
 LIBRARY_MODULES = {
     "conveyor": ["benchmarks.libraries", "conveyor.pipe", "conveyor.runtime.transport.shm"],
@@ -274,7 +274,7 @@ def conveyor_runtime_missing() -> str | None:
 
 
 # ---------------------------------------------------------------------------
-# calls run on every rank of a conveyor.ranks.RankGroup
+# calls run on every rank of a conveyor.processes.RankGroup
 # ---------------------------------------------------------------------------
 
 

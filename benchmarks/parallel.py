@@ -2,7 +2,7 @@
 
 Parity: for 1f1b, interleaved-1f1b and zbv, with ``data_parallel="ddp"`` and ``"fsdp"``, the
 worst relative difference of losses and parameters after 3 AdamW steps to the two
-one-process references of :mod:`conveyor.testing.data_parallel` (0: bitwise).
+one-process references of :mod:`conveyor.testing.references.data_parallel` (0: bitwise).
 
 Overlap: each stage's gradients are reduced across replicas right after its last backward of
 the step ("early"), or all at the step's end ("at end", what a reduction after the pipeline
@@ -23,8 +23,8 @@ import time
 import torch
 
 from benchmarks.steal import StealMeter
-from conveyor.testing.data_parallel import max_relative_difference
 from conveyor.testing.multiprocess import run_ranks
+from conveyor.testing.references.data_parallel import max_relative_difference
 
 CASES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2))
 WIDTH, BLOCKS = 512, 4  # per stage: enough weight for a reduction the clock can see

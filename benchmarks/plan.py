@@ -43,7 +43,7 @@ from benchmarks import plan_chosen
 from benchmarks.provenance import RunProvenance
 from benchmarks.provenance import line as provenance_line
 from benchmarks.steal import StealMeter
-from conveyor.ranks import RankGroup
+from conveyor.processes import RankGroup
 from conveyor.testing.models import Emulated, TinyGPT
 
 PROFILE_SAMPLES = 7

@@ -21,7 +21,7 @@ import time
 
 from benchmarks.steal import StealMeter
 from conveyor.testing.multiprocess import run_ranks
-from conveyor.testing.tensor_data_parallel import cases_on_one_launch
+from conveyor.testing.references.tensor_data_parallel import cases_on_one_launch
 
 SHAPE = (2, 2, 2)  # pp, dp, tp
 CASES = [("llama", "1f1b", "ddp"), ("llama", "1f1b", "fsdp"), ("llama", "zbv", "ddp"), ("llama", "zbv", "fsdp"),

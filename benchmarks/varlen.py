@@ -18,7 +18,7 @@ varying microbatch costs (per-token costs calibrated on the padded side's timeli
 microbatch costed by its own rows x length; :func:`conveyor.schedule.simulate`).
 
 ``--varlen-parity`` prints the whole schedule x transport parity table of
-:mod:`conveyor.testing.varlen` (bitwise or the largest difference), which CI samples.
+:mod:`conveyor.testing.references.varlen` (bitwise or the largest difference), which CI samples.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def run(args: Any) -> int:
 
 def parity_table() -> int:
     """Every built-in schedule at P=2 over every transport with variable-length microbatches: bitwise or not."""
-    from conveyor.testing.varlen import differences, reference_varlen, train_each
+    from conveyor.testing.references.varlen import differences, reference_varlen, train_each
 
     cases = sorted({(name, virtual) for name, info in cs.available().items()
                     for virtual in (info.virtual_choices or (1, 2)) if virtual in (1, 2)})

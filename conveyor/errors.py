@@ -123,7 +123,7 @@ class UnknownAction(Exception):
         self.action = action
 
 
-# --- local ranks in processes of their own: conveyor.ranks.RankGroup (the calibration's, the
+# --- local ranks in processes of their own: conveyor.processes.RankGroup (the calibration's, the
 # benchmarks') and conveyor.testing.run_ranks (tests') raise these to their callers ------------
 
 class HarnessConfigError(ConveyorError, ValueError):

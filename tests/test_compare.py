@@ -21,7 +21,7 @@ from conveyor.testing.compare import (
     worst,
     worst_relative,
 )
-from conveyor.testing.data_parallel import _worst
+from conveyor.testing.references.data_parallel import _worst
 
 BOUND = 1e-5
 NAN, INF = float("nan"), float("inf")
@@ -77,7 +77,7 @@ def test_worst_of_nothing_raises_rather_than_passing():
 
 
 def _replica_results(poison: str | None, position: int) -> tuple[list, tuple]:
-    """What :func:`conveyor.testing.data_parallel._worst` reads: per rank (losses, norms, params, _)."""
+    """What :func:`conveyor.testing.references.data_parallel._worst` reads: per rank (losses, norms, params, _)."""
     losses, norms = [torch.tensor(2.5), torch.tensor(2.25), torch.tensor(2.0)], [torch.tensor(1.5)] * 3
     params = {0: {"w": torch.ones(3), "b": torch.zeros(2) + 0.5}, 1: {"head": torch.full((2, 2), 0.25)}}
     want = ([t.clone() for t in losses], [t.clone() for t in norms],

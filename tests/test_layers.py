@@ -41,9 +41,9 @@ FORBIDDEN = {
     "checkpoint": ("conveyor.train", "conveyor.cli"),
     "train": ("conveyor.cli",),
     # Local ranks that live between calls (the calibration's, the benchmarks'): errors and torch only.
-    "ranks": ("conveyor.schedule", "conveyor.runtime", "conveyor.frontend", "conveyor.pipe", "conveyor.parallel",
-              "conveyor.plan", "conveyor.local", "conveyor.build", "conveyor.checkpoint",
-              "conveyor.train", "conveyor.cli"),
+    "processes": ("conveyor.schedule", "conveyor.runtime", "conveyor.frontend", "conveyor.pipe",
+                  "conveyor.parallel", "conveyor.plan", "conveyor.local", "conveyor.build", "conveyor.checkpoint",
+                  "conveyor.train", "conveyor.cli"),
 }
 # Test support is for tests and users' tests: no library module (anything outside conveyor/testing/) imports it.
 TEST_SUPPORT = "conveyor.testing"

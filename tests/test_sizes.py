@@ -29,9 +29,14 @@ ALLOWED: dict[str, str] = {
     "kwargs:conveyor/runtime/stage/main_grad.py::MasterWeights.__init__": "the wrapped optimizer's keywords (lr, "
                                                                           "betas), as torch's ZeroRedundancyOptimizer "
                                                                           "takes them",
-    "kwargs:conveyor/testing/main_grad.py::MainGradReference.__init__": "the reference optimizer's keywords, as "
-                                                                        "MasterWeights takes them",
+    "kwargs:conveyor/testing/references/main_grad.py::MainGradReference.__init__": "the reference optimizer's "
+                                                                                   "keywords, as MasterWeights "
+                                                                                   "takes them",
     "kwargs:conveyor/testing/models/hf.py::grouped_heads_lm": "transformers config fields over the test model's",
+    "kwargs:conveyor/testing/rigs/checkpoint_tensor_parallel.py::build_model": "transformers config fields over the "
+                                                                              "test model's",
+    "kwargs:conveyor/testing/rigs/checkpoint_models.py::tied_lm": "TiedLM's own keywords (dim, layers, tie), passed "
+                                                                  "to it unchanged",
     "kwargs:conveyor/checkpoint/files.py::SafeFileSystemReader.read_metadata": "torch.distributed.checkpoint's "
                                                                                "StorageReader signature",
 }

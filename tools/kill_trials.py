@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rigs.kill_trials import run_cases, summary
+from conveyor.testing.rigs.kill_trials import run_cases, summary
 
 
 def main() -> int:

@@ -4,7 +4,7 @@
     .venv/bin/python tools/launch_stress.py --launches 9    # what CI runs (tests/e2e/test_launches.py)
 
 Each launch cycles through P in {2, 4}, the three transports, three schedules and six teardown
-orders (see tools/rigs/launch_check.py); exit code 0 when every launch was clean.
+orders (see conveyor/testing/rigs/launch_check.py); exit code 0 when every launch was clean.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rigs.launches import run_cases, summary
+from conveyor.testing.rigs.launches import run_cases, summary
 
 
 def main() -> int:

@@ -49,7 +49,7 @@ from conveyor.errors import PlanError
 from conveyor.options import TransferOptions
 from conveyor.plan.emulated import Emulated, Workload
 from conveyor.plan.profile import synchronize
-from conveyor.ranks import RankGroup
+from conveyor.processes import RankGroup
 from conveyor.schedule.ir import ActionKind
 from conveyor.schedule.timeline import Timeline
 
@@ -235,7 +235,7 @@ def passes_alone(workload: Workload, num_stages: int, repeats: int = 5) -> dict[
     return out
 
 
-# -- measuring: calls run on every rank of a conveyor.ranks.RankGroup
+# -- measuring: calls run on every rank of a conveyor.processes.RankGroup
 
 
 def _rank_setup(worker, make_pipeline: Callable[..., Any], workload: Workload, microbatches: int,

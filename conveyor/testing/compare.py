@@ -42,7 +42,7 @@ def _as_doubles(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, to
     if got.shape != want.shape:
         raise ValueError(f"cannot compare a tensor of shape {tuple(got.shape)} with one of {tuple(want.shape)}: "
                          "pass the whole tensors (full_tensor() of a DTensor) of the same parameter")
-    got, want = _whole(got).detach().double(), _whole(want).detach().double()
+    got, want = whole(got).detach().double(), whole(want).detach().double()
     if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(want).all())):
         return None
     return got, want
@@ -80,7 +80,7 @@ def absolute_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().max().item() if got.numel() else 0.0
 
 
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
+def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's global value (a collective: every rank of its mesh compares the same tensors in turn)."""
     from torch.distributed.tensor import DTensor
 

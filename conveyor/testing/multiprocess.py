@@ -41,8 +41,8 @@ state dicts, CPU tensors only: a CUDA tensor would initialise CUDA in the caller
 anything that cannot be pickled or weighs more than ``max_result_bytes`` fails the run
 with a message saying so.
 
-``run_ranks`` is a :class:`conveyor.ranks.RankGroup` that lives for one call
-(:func:`conveyor.ranks.run_once`): the ranks that the calibration steps a pipeline on, or
+``run_ranks`` is a :class:`conveyor.processes.RankGroup` that lives for one call
+(:func:`conveyor.processes.run_once`): the ranks that the calibration steps a pipeline on, or
 that a benchmark keeps between steps, start, fail, time out and stop the same way. A test
 that needs ranks to keep their state between calls uses a ``RankGroup`` directly.
 
@@ -63,7 +63,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from conveyor.errors import HarnessConfigError, RankError, RankFailure, RankTimeout
-from conveyor.ranks import MAX_RESULT_BYTES, run_once
+from conveyor.processes import MAX_RESULT_BYTES, run_once
 
 __all__ = ["MAX_RESULT_BYTES", "HarnessConfigError", "RankError", "RankFailure", "RankTimeout", "run_ranks"]
 

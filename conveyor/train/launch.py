@@ -15,7 +15,7 @@ config, the data, the devices, the resume checkpoint: :mod:`conveyor.train.prefl
 failed rank ends the output with the rank, its error and what to do
 (:mod:`conveyor.train.failures`). Ranks started elsewhere start for other reasons: tests run
 functions on ranks with :func:`conveyor.testing.run_ranks`, the calibration keeps live ranks
-(:class:`conveyor.ranks.RankGroup`), and the rigs in ``tools/`` start real ``torchrun``
+(:class:`conveyor.processes.RankGroup`), and the rigs in ``tools/`` start real ``torchrun``
 (a user's own launcher) and plain processes (kill trials, where no agent may stop the survivors).
 
 Devices (:func:`choose_devices`, ``run.device`` and ``run.share_gpus``): with a GPU per local

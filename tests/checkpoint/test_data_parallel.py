@@ -15,8 +15,7 @@ import torch
 import conveyor
 import conveyor.checkpoint as ckpt
 from conveyor.testing import run_ranks
-
-from .models import MICROBATCHES, SPLITS, ce_loss, lm_batch, tied_lm
+from conveyor.testing.rigs.checkpoint_models import MICROBATCHES, SPLITS, ce_loss, lm_batch, tied_lm
 
 pytestmark = pytest.mark.distributed
 

@@ -13,8 +13,7 @@ import conveyor.checkpoint as ckpt
 import conveyor.frontend as frontend
 from conveyor.errors import CheckpointError, CheckpointIncompleteError, CheckpointMismatchError
 from conveyor.testing.models import reference_step
-
-from .models import (
+from conveyor.testing.rigs.checkpoint_models import (
     MICROBATCHES,
     SPLITS,
     assert_same_tensors,

@@ -15,8 +15,7 @@ import conveyor.checkpoint as ckpt
 import conveyor.frontend as frontend
 from conveyor.errors import CheckpointMismatchError
 from conveyor.testing import run_ranks
-
-from .models import (
+from conveyor.testing.rigs.checkpoint_models import (
     MICROBATCHES,
     SPLITS,
     assert_same_tensors,

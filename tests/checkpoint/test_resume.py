@@ -14,8 +14,13 @@ import conveyor.checkpoint as ckpt
 import conveyor.schedule as cs
 from conveyor.errors import CheckpointIncompleteError
 from conveyor.testing import RankFailure, run_ranks
-
-from .models import assert_same_tensors, drop_stage, mse, named_optimizer_state, random_batch
+from conveyor.testing.rigs.checkpoint_models import (
+    assert_same_tensors,
+    drop_stage,
+    mse,
+    named_optimizer_state,
+    random_batch,
+)
 
 pytestmark = pytest.mark.distributed
 

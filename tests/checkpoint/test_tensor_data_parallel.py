@@ -18,10 +18,9 @@ import torch
 import conveyor.checkpoint as ckpt
 from conveyor.cli import main
 from conveyor.testing import run_ranks
-
-from .models import assert_same_tensors
-from .tensor_data_parallel_support import distinct_model, save_load_and_gather
-from .tensor_parallel_support import exported_logits
+from conveyor.testing.rigs.checkpoint_models import assert_same_tensors
+from conveyor.testing.rigs.checkpoint_tensor_data_parallel import distinct_model, save_load_and_gather
+from conveyor.testing.rigs.checkpoint_tensor_parallel import exported_logits
 
 pytestmark = pytest.mark.distributed
 

@@ -21,9 +21,8 @@ import torch
 import conveyor.checkpoint as ckpt
 from conveyor.cli import main
 from conveyor.testing import run_ranks
-
-from .models import assert_same_tensors
-from .tensor_parallel_support import (
+from conveyor.testing.rigs.checkpoint_models import assert_same_tensors
+from conveyor.testing.rigs.checkpoint_tensor_parallel import (
     TIED,
     build_model,
     exported_logits,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rigs import kill_trials
+from conveyor.testing.rigs import kill_trials
 
 
 @pytest.mark.timeout(200)

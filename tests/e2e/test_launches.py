@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rigs import launches
+from conveyor.testing.rigs import launches
 
 CI_LAUNCHES = 6
 

@@ -10,8 +10,7 @@ from torch import nn
 import conveyor.frontend as frontend
 from conveyor.errors import PipelineConfigError
 from conveyor.testing.models import SkipNet, Stack, TwoEncoders, two_encoder_batch
-
-from .parity import check_names, check_parity
+from conveyor.testing.references.unsplit import check_names, check_parity
 
 
 def test_two_encoders_on_different_stages_bitwise():

@@ -9,8 +9,7 @@ import torch
 
 import conveyor.frontend as frontend
 from conveyor.testing.models import gpt2, llama, token_batch
-
-from .parity import check_names, check_parity
+from conveyor.testing.references.unsplit import check_names, check_parity
 
 
 @pytest.fixture(scope="module")

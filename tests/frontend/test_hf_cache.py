@@ -16,8 +16,7 @@ from torch import nn
 
 import conveyor.frontend as frontend
 from conveyor.testing.models import default_causal_lm, token_batch
-
-from .parity import check_parity
+from conveyor.testing.references.unsplit import check_parity
 
 TRACE_LOGGER = "conveyor.frontend.trace"
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -10,8 +10,7 @@ from torch import nn
 
 import conveyor.frontend as frontend
 from conveyor.testing.models import gpt2, llama, token_batch
-
-from .parity import check_parity
+from conveyor.testing.references.unsplit import check_parity
 
 
 @pytest.mark.parametrize("family", [gpt2, llama])

@@ -28,7 +28,8 @@ import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
 from conveyor.testing import RankFailure, run_ranks
-from conveyor.testing.data_parallel import (
+from conveyor.testing.models import lm_loss, reference_step
+from conveyor.testing.references.data_parallel import (
     BATCH_SIZE,
     NUM_MICROBATCHES,
     SEQ,
@@ -43,7 +44,6 @@ from conveyor.testing.data_parallel import (
     mesh_of,
     one_thread,
 )
-from conveyor.testing.models import lm_loss, reference_step
 
 PARITY_CASES = [("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2)]
 
@@ -178,8 +178,7 @@ def test_only_the_first_and_last_ranks_open_the_data_and_each_replica_reads_its_
 
 def _tied(rank, world_size, kind):
     from conveyor.parallel.mesh import pipeline_mesh
-
-    from ..checkpoint.models import SPLITS, ce_loss, lm_batch, tied_lm
+    from conveyor.testing.rigs.checkpoint_models import SPLITS, ce_loss, lm_batch, tied_lm
 
     mesh = pipeline_mesh(2)
     ids, _ = lm_batch(0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.testing import run_ranks
-from conveyor.testing.tensor_data_parallel import cases_and_refusals
+from conveyor.testing.references.tensor_data_parallel import cases_and_refusals
 
 SHAPE = (1, 2, 2)  # pp, dp, tp
 # CI holds ddp and fsdp, 1f1b and zbv, traced and hand-built, and the tied embedding, each once (three cases

@@ -15,8 +15,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.testing import run_ranks
-
-from .tp_support import (
+from conveyor.testing.references.tensor_parallel import (
     MODELS,
     RECIPES,
     TP_ROUNDING,
@@ -27,7 +26,7 @@ from .tp_support import (
     tp_parity,
 )
 
-TOLERANCE = TP_ROUNDING  # derived in tp_support
+TOLERANCE = TP_ROUNDING  # derived in conveyor.testing.references.tensor_parallel
 # What "auto" shards in each 2-layer model (parameters that become Shard/_StridedShard DTensors).
 SHARDED = {
     "gpt2": 13,  # wte (tied lm_head), per layer c_attn w+b (q|k|v strided), c_proj w, c_fc w+b, mlp c_proj w

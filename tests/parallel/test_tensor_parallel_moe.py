@@ -14,12 +14,11 @@ from __future__ import annotations
 import pytest
 
 from conveyor.testing import run_ranks
+from conveyor.testing.references.tensor_moe import mixtral_schedules
+from conveyor.testing.references.tensor_parallel import TP_ROUNDING
+from conveyor.testing.references.tensor_pipeline import ADAMW_AFTER_STEPS
 
-from .tensor_moe_support import mixtral_schedules
-from .tensor_pipeline_support import ADAMW_AFTER_STEPS
-from .tp_support import TP_ROUNDING
-
-TOLERANCE = TP_ROUNDING  # derived in tp_support
+TOLERANCE = TP_ROUNDING  # derived in conveyor.testing.references.tensor_parallel
 
 
 # Each schedule traces Mixtral three times (the pipeline, TP alone, one device): about a minute

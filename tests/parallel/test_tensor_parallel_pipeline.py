@@ -16,11 +16,10 @@ import pytest
 
 import conveyor
 from conveyor.testing import run_ranks
+from conveyor.testing.references.tensor_parallel import TP_ROUNDING
+from conveyor.testing.references.tensor_pipeline import ADAMW_AFTER_STEPS, every_schedule
 
-from .tensor_pipeline_support import ADAMW_AFTER_STEPS, every_schedule
-from .tp_support import TP_ROUNDING
-
-TOLERANCE = TP_ROUNDING  # derived in tp_support
+TOLERANCE = TP_ROUNDING  # derived in conveyor.testing.references.tensor_parallel
 
 
 # Traced stages under every schedule are the extended tier: each schedule re-traces a Llama and runs its own

@@ -6,17 +6,16 @@ from __future__ import annotations
 import pytest
 
 from conveyor.testing import run_ranks
-
-from .tensor_pipeline_support import (
+from conveyor.testing.references.tensor_parallel import TP_ROUNDING
+from conveyor.testing.references.tensor_pipeline import (
     clipping_and_ties,
     hand_built_parity,
     hand_built_refusals,
     meta_model_shards,
     traced_refusals,
 )
-from .tp_support import TP_ROUNDING
 
-TOLERANCE = TP_ROUNDING  # derived in tp_support
+TOLERANCE = TP_ROUNDING  # derived in conveyor.testing.references.tensor_parallel
 
 REFUSALS = {
     # case: parts of the message every rank raises
@@ -98,8 +97,7 @@ def test_traced_stages_refuse_what_is_not_wired_yet():
     from conveyor.errors import PipelineConfigError
     from conveyor.options import Layout
     from conveyor.parallel.tensor.stages import model_placements
-
-    from .tp_support import build
+    from conveyor.testing.references.tensor_parallel import build
 
     class TpMesh:  # Layout reads a mesh's dim names only
         mesh_dim_names = ("pp", "tp")

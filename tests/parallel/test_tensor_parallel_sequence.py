@@ -15,8 +15,7 @@ import pytest
 
 import conveyor
 from conveyor.testing import run_ranks
-
-from .tensor_sequence_support import LENGTH, WIDTH, every_schedule_sequence_parallel
+from conveyor.testing.references.tensor_sequence import LENGTH, WIDTH, every_schedule_sequence_parallel
 
 # CI keeps 1f1b (one stage a rank) and zbv (its V: two stages a rank, one local hop, split backward);
 # the extended tier runs all ten built-in schedules (44 s of 4 ranks in the last CI log).

@@ -16,12 +16,18 @@ import torch
 
 from conveyor.testing import run_ranks
 from conveyor.testing.compare import logsumexp_bound
+from conveyor.testing.references.tensor_parallel import (
+    TP_ROUNDING,
+    VOCABULARY,
+    traced_parity,
+    traced_pp_x_tp,
+    traced_split_backward,
+    traced_tp_alone,
+)
+from conveyor.testing.references.tensor_pipeline import ADAMW_AFTER_STEPS, MICROBATCHES
+from conveyor.testing.references.tied_tensor import TIED, tied_pp_x_tp, traced_loss_parallel
 
-from .tensor_pipeline_support import ADAMW_AFTER_STEPS, MICROBATCHES
-from .tied_tensor_support import TIED, tied_pp_x_tp, traced_loss_parallel
-from .tp_support import TP_ROUNDING, VOCABULARY, traced_parity, traced_pp_x_tp, traced_split_backward, traced_tp_alone
-
-TOLERANCE = TP_ROUNDING  # derived in tp_support
+TOLERANCE = TP_ROUNDING  # derived in conveyor.testing.references.tensor_parallel
 TOKENS_PER_MICROBATCH = 2 * 11  # 2 rows of 12 tokens, each predicting the next
 
 

@@ -22,7 +22,7 @@ reduce-scattered. Checked here:
 * pp=2 x tp=2 pipelines (4 ranks), 3 AdamW steps: losses and parameters torch.equal to the same traced
   TP+SP stages run one after the other without the pipeline; losses within 1e-5 of one device;
   parameters within AdamW's reach of one device (AdamW turns rounding differences in a near-zero gradient
-  into steps of up to lr; tensor_pipeline_support.ADAMW_AFTER_STEPS derives it).
+  into steps of up to lr; conveyor.testing.references.tensor_pipeline.ADAMW_AFTER_STEPS derives it).
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ import pytest
 
 import conveyor
 from conveyor.testing import run_ranks
+from conveyor.testing.references.tensor_parallel import TP_ROUNDING
+from conveyor.testing.references.tensor_pipeline import ADAMW_AFTER_STEPS
+from conveyor.testing.references.tensor_sequence_traced import pipeline_against_alone, traced_sequence_checks
 
-from .tensor_pipeline_support import ADAMW_AFTER_STEPS
-from .tensor_sequence_traced_support import pipeline_against_alone, traced_sequence_checks
-from .tp_support import TP_ROUNDING
-
-TOLERANCE = TP_ROUNDING  # derived in tp_support
+TOLERANCE = TP_ROUNDING  # derived in conveyor.testing.references.tensor_parallel
 HIDDEN_ROWS = (2, 6, 32)  # a microbatch's [2, 12, 32] hidden states: this TP rank's 12 / 2 rows
 
 

@@ -19,7 +19,7 @@ from conveyor.errors import PipelineConfigError
 from conveyor.parallel import count_tokens
 from conveyor.testing import RankFailure, run_ranks
 from conveyor.testing.compare import relative_difference
-from conveyor.testing.data_parallel import (
+from conveyor.testing.references.data_parallel import (
     NUM_MICROBATCHES,
     TOLERANCE,
     MLPStack,

@@ -11,8 +11,7 @@ from conveyor.errors import PipelineConfigError
 from conveyor.local import LocalPipeline
 from conveyor.testing import run_ranks
 from conveyor.testing.models import build_stage, lm_loss, make_batch, reference_model
-
-from .parity import BATCH_SIZE, NUM_MICROBATCHES, NUM_STEPS, assert_same, config_for
+from conveyor.testing.references.schedule_parity import BATCH_SIZE, NUM_MICROBATCHES, NUM_STEPS, assert_same, config_for
 
 BF16 = torch.bfloat16
 

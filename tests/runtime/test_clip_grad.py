@@ -18,9 +18,16 @@ from conveyor.testing.models import (
     reference_model,
     reference_step,
 )
+from conveyor.testing.references.schedule_parity import (
+    BATCH_SIZE,
+    NUM_MICROBATCHES,
+    NUM_STEPS,
+    assert_same,
+    config_for,
+    schedule_grid,
+)
 
 from ..frontend.test_pipeline_models import _batch, _gpt2
-from .parity import BATCH_SIZE, NUM_MICROBATCHES, NUM_STEPS, assert_same, config_for, schedule_grid
 
 
 def _one_device(cfg, max_norm: float, norm_type: float):

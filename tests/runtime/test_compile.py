@@ -22,8 +22,8 @@ from conveyor.errors import PipelineConfigError
 from conveyor.local import LocalPipeline
 from conveyor.testing import run_ranks
 from conveyor.testing.compare import relative_difference
-from conveyor.testing.data_parallel import max_relative_difference
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss, make_batch
+from conveyor.testing.references.data_parallel import max_relative_difference
 
 AOT = {"backend": "aot_eager"}
 M, BATCH, STEPS = 4, 8, 3

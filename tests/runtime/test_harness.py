@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from conveyor.errors import ConveyorError
-from conveyor.ranks import group as rank_group
+from conveyor.processes import group as rank_group
 from conveyor.testing import (
     HarnessConfigError,
     RankFailure,

@@ -1,7 +1,7 @@
 """After the first step, a step makes no object collective and reads no tensor on the host.
 
 Proved on the CPU by patching the calls that would synchronise a GPU (see
-``tools/rigs/host_syncs.py``): every built-in schedule, both transports, clipping and
+``conveyor/testing/rigs/host_syncs.py``): every built-in schedule, both transports, clipping and
 the non-finite check in every step, and with data-parallel replicas.
 """
 
@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.testing.data_parallel import MLPStage, make_batch
 from conveyor.testing.models import lm_loss
 from conveyor.testing.multiprocess import run_ranks
-from tests.rigs import host_syncs
+from conveyor.testing.references.data_parallel import MLPStage, make_batch
+from conveyor.testing.rigs import host_syncs
 
 
 def test_the_counter_sees_every_kind_of_read_and_puts_everything_back():

@@ -21,8 +21,8 @@ from conveyor.runtime.transport.hybrid import HybridTransport
 from conveyor.runtime.transport.process_group import DistTransport
 from conveyor.runtime.transport.shm import SharedMemoryTransport
 from conveyor.testing import run_ranks
+from conveyor.testing.references.schedule_parity import NUM_MICROBATCHES, assert_same, reference_run
 
-from .parity import NUM_MICROBATCHES, assert_same, reference_run
 from .test_pipeline_dist import _raise_in_stage, _train
 
 TWO_HOSTS = ("node-a", "node-a", "node-b", "node-b")

@@ -13,10 +13,9 @@ from conveyor.frontend import split_model
 from conveyor.local import LocalPipeline
 from conveyor.runtime.stage.main_grad import param_precision
 from conveyor.testing import run_ranks
-from conveyor.testing.main_grad import MainGradReference
 from conveyor.testing.models import build_stage, lm_loss, make_batch, reference_model
-
-from .parity import BATCH_SIZE, NUM_MICROBATCHES, NUM_STEPS, config_for
+from conveyor.testing.references.main_grad import MainGradReference
+from conveyor.testing.references.schedule_parity import BATCH_SIZE, NUM_MICROBATCHES, NUM_STEPS, config_for
 
 BF16 = torch.bfloat16
 LR = 1e-2

@@ -16,8 +16,8 @@ import conveyor
 import conveyor.schedule as cs
 from conveyor.runtime.transport.ordered import OrderedTransport
 from conveyor.testing import run_ranks
+from conveyor.testing.references.schedule_parity import NUM_MICROBATCHES, assert_same, reference_run, schedule_grid
 
-from .parity import NUM_MICROBATCHES, assert_same, reference_run, schedule_grid
 from .test_pipeline_dist import _raise_in_stage, _train
 
 

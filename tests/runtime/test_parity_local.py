@@ -9,8 +9,7 @@ import conveyor.schedule as cs
 from conveyor.local import LocalPipeline
 from conveyor.options import StageOptions
 from conveyor.testing.models import build_stage, lm_loss, make_batch
-
-from .parity import (
+from conveyor.testing.references.schedule_parity import (
     BATCH_SIZE,
     NUM_MICROBATCHES,
     NUM_STEPS,

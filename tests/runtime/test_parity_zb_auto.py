@@ -8,8 +8,8 @@ import torch
 
 import conveyor.schedule as cs
 from conveyor.schedule.builtin import zb_auto as za
+from conveyor.testing.references.schedule_parity import NUM_STEPS, assert_same, reference_run
 
-from .parity import NUM_STEPS, assert_same, reference_run
 from .test_parity_local import run_local
 
 

@@ -18,8 +18,7 @@ import conveyor.schedule as cs
 from conveyor.schedule.passes import executable
 from conveyor.testing import RankFailure, run_ranks
 from conveyor.testing.models import build_stage, lm_loss, make_batch
-
-from .parity import (
+from conveyor.testing.references.schedule_parity import (
     BATCH_SIZE,
     NUM_MICROBATCHES,
     NUM_STEPS,

@@ -23,8 +23,7 @@ from conveyor.testing.models import (
     reference_model,
     reference_step,
 )
-
-from .parity import BATCH_SIZE, NUM_MICROBATCHES, NUM_STEPS, assert_same, config_for
+from conveyor.testing.references.schedule_parity import BATCH_SIZE, NUM_MICROBATCHES, NUM_STEPS, assert_same, config_for
 
 TRANSPORTS = ("shared_memory", "process_group")
 PIPELINE_RANKS = 2

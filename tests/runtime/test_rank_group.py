@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.errors import GroupClosed, RankFailure, RankTimeout, ZygoteFailure
-from conveyor.ranks import RankGroup, Zygote, place
+from conveyor.processes import RankGroup, Zygote, place
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,7 +73,7 @@ def test_a_zygote_and_its_ranks_die_with_the_process_that_made_them():
     script = (
         "import os, sys\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from conveyor.ranks import RankGroup, Zygote\n"
+        "from conveyor.processes import RankGroup, Zygote\n"
         "zygote = Zygote([])\n"
         "group = RankGroup(2, distributed=False, zygote=zygote)\n"
         "print(zygote.pid, *group.pids, flush=True)\n"

@@ -19,8 +19,7 @@ from conveyor.options import Layout, PipelineOptions, RecomputePolicy, StageOpti
 from conveyor.runtime.stage.recompute import StageRecompute
 from conveyor.testing import run_ranks
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss, make_batch, reference_model, reference_step
-
-from .parity import assert_same
+from conveyor.testing.references.schedule_parity import assert_same
 
 MICROBATCHES, BATCH = 4, 8
 MLP = r"blocks\.\d+\.mlp"

@@ -15,7 +15,8 @@ import conveyor
 from conveyor.errors import PipelineConfigError
 from conveyor.testing import run_ranks
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss
-from conveyor.testing.varlen import (
+from conveyor.testing.references.schedule_parity import schedule_grid
+from conveyor.testing.references.varlen import (
     differences,
     reference_replicas_varlen,
     reference_varlen,
@@ -24,8 +25,6 @@ from conveyor.testing.varlen import (
     train_replicas_varlen,
     varlen_batches,
 )
-
-from .parity import schedule_grid
 
 
 def _every_schedule_then_refusals(rank, world_size, cases, transport):

@@ -17,7 +17,7 @@ import conveyor.schedule as cs
 from conveyor.errors import ScheduleError
 from conveyor.schedule.builtin._program import microbatch_rounds
 from conveyor.schedule.ir import ActionKind, Placement
-from tests.schedule.builtin_docs import example_block
+from conveyor.testing.rigs.schedule_docs import example_block
 
 MODULES = {
     "gpipe": "gpipe",
@@ -213,7 +213,7 @@ def test_the_hand_checked_4_rank_programs():
 def test_module_docstring_shows_what_the_builder_produces(name):
     """Golden test: the rendered 4-rank programs and figures in each docstring are current.
 
-    To refresh one: ``.venv/bin/python -m tests.schedule.builtin_docs NAME``.
+    To refresh one: ``.venv/bin/python -m conveyor.testing.rigs.schedule_docs NAME``.
     """
     doc = module_of(name).__doc__
     block = example_block(name)

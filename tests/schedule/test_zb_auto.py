@@ -10,7 +10,7 @@ from conveyor.cli import main
 from conveyor.errors import CostError, ScheduleError
 from conveyor.schedule.builtin import zb_auto as za
 from conveyor.schedule.ir import ActionKind
-from tests.schedule.builtin_docs import example_block
+from conveyor.testing.rigs.schedule_docs import example_block
 
 # (forward, input gradient, weight gradient): equal, and the paper's profiled shape T_W < T_F < T_I
 COSTS = {

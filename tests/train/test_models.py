@@ -18,10 +18,10 @@ import conveyor.schedule as cs
 from conveyor.errors import ConfigError
 from conveyor.local import LocalPipeline
 from conveyor.parallel.loss import loss_divisor
+from conveyor.testing.references.unsplit import check_parity
 from conveyor.train.config import TrainConfig, load_config
 from conveyor.train.loop import LossWithAux, train_loss
 from conveyor.train.models import build_model, ties_embeddings
-from tests.frontend.parity import check_parity
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SMALL = ["model.layers=2", "model.width=32", "model.heads=4", "model.seq_len=16"]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from conveyor.testing import run_ranks
-from conveyor.testing.data_parallel import MLPStack, make_batch
+from conveyor.testing.references.data_parallel import MLPStack, make_batch
 
 MICROBATCHES_PER_RANK = 2  # M = 2P: every built-in schedule takes it at every P
 LR = 1e-2

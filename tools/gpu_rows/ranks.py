@@ -17,8 +17,8 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.testing.data_parallel import MLPStage, make_batch
 from conveyor.testing.models import lm_loss
+from conveyor.testing.references.data_parallel import MLPStage, make_batch
 
 from .common import (
     LR,
@@ -170,8 +170,8 @@ def _replicas_rank(rank: int, world: int, device: str, kind: str) -> dict:
 
 def _replica_reference(num_stages: int, device: torch.device, dp: int) -> dict:
     """One process: each replica's rows accumulated alone, the gradients averaged in replica order."""
-    from conveyor.testing.data_parallel import MLPStack
     from conveyor.testing.models import reference_step
+    from conveyor.testing.references.data_parallel import MLPStack
 
     model = MLPStack(num_stages).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)

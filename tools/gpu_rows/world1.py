@@ -24,9 +24,9 @@ import torch.nn.functional as F  # noqa: N812 - the usual torch alias
 import conveyor
 import conveyor.schedule as cs
 from conveyor.parallel import count_tokens
-from conveyor.testing.data_parallel import MLPStack, MLPStage, make_batch
-from conveyor.testing.main_grad import MainGradReference
 from conveyor.testing.models import lm_loss
+from conveyor.testing.references.data_parallel import MLPStack, MLPStage, make_batch
+from conveyor.testing.references.main_grad import MainGradReference
 
 from .common import LR, Context, compare, cpu, deterministic, launch, mlp_state
 

@@ -9,7 +9,7 @@ after each microbatch's weight gradient (a full B, or W after I: a hook on the p
 gradient accumulation, which fires once per engine run that reaches it), the bf16 gradient of
 that microbatch is added into ``main_grad`` and ``.grad`` is dropped. Every built-in schedule
 runs a stage's weight gradients in microbatch order, so the sum is, bit for bit, the one a single
-device forms looping over microbatches (:class:`conveyor.testing.main_grad.MainGradReference`);
+device forms looping over microbatches (:class:`conveyor.testing.references.main_grad.MainGradReference`);
 a custom schedule that reorders them, or a parameter two stages use (tied), gets it to rounding
 (each use's bf16 gradient is added on its own, where one device sums them in bf16 first).
 

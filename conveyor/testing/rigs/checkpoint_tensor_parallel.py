@@ -18,6 +18,7 @@ from conveyor.errors import CheckpointMismatchError
 from conveyor.microbatch import split_microbatches
 from conveyor.options import PipelineOptions, SplitOptions, TransferOptions
 from conveyor.testing.models import gpt2, token_batch
+from conveyor.testing.references.data_parallel import full_tensor
 
 MICROBATCHES = 4
 LAYERS = 4  # one layer a stage at pp=4, two at pp=2
@@ -34,11 +35,6 @@ def build_model(seed: int = 0, **config_fields) -> torch.nn.Module:
 
 def batch(step: int) -> dict[str, torch.Tensor]:
     return token_batch(batch=2 * MICROBATCHES, length=12, seed=step)
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    full = getattr(tensor, "full_tensor", None)
-    return (full() if full is not None else tensor).detach().clone()
 
 
 def _pipeline(mesh, seed: int, data_parallel: str | None = None):
@@ -68,9 +64,9 @@ def held(pipe, optimizer) -> tuple[dict, dict]:
     """This rank's parameters and AdamW state, whole, by each tensor's first name (same order on TP peers)."""
     params, states = {}, {}
     for name, param in pipe.named_parameters():
-        params[TIED.get(name, name)] = _whole(param)
+        params[TIED.get(name, name)] = full_tensor(param)
         if optimizer is not None and optimizer.state.get(param):
-            states[TIED.get(name, name)] = {k: _whole(v) for k, v in optimizer.state[param].items()}
+            states[TIED.get(name, name)] = {k: full_tensor(v) for k, v in optimizer.state[param].items()}
     return params, states
 
 
@@ -101,7 +97,7 @@ def save_resume_and_reshard(rank: int, world_size: int, paths: dict[str, str]) -
     result = {
         "extra": extra, "saved": saved, "resumed": loaded,
         "resume_losses": (want, got), "resume_after": (want_after, got_after),
-        "logits": None if logits is None else _whole(logits.logits),
+        "logits": None if logits is None else full_tensor(logits.logits),
     }
     result["pp4"] = _load_at(init_device_mesh("cpu", (4,), mesh_dim_names=("pp",)), None, paths, "pp4")
     result["dp2"] = _load_at(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), "ddp", paths, "dp2")

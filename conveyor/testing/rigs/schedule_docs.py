@@ -1,8 +1,8 @@
 """The rendered 4-rank example each built-in schedule's module docstring carries.
 
-``test_builtin.py`` keeps every docstring equal to what the builder produces;
+``tests/schedule/test_builtin.py`` keeps every docstring equal to what the builder produces;
 after changing a builder, print the new block with
-``.venv/bin/python -m tests.schedule.builtin_docs NAME`` and paste it over the old one.
+``.venv/bin/python -m conveyor.testing.rigs.schedule_docs NAME`` and paste it over the old one.
 """
 
 from __future__ import annotations

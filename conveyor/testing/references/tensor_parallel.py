@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from conveyor.parallel.tensor import parallelize_stage
-from conveyor.testing.compare import relative_difference, reordered_sum_bound, worst_relative
+from conveyor.testing.compare import relative_difference, reordered_sum_bound, whole, worst_relative
 from conveyor.testing.models import gpt2, grouped_heads_lm, token_batch
 
 MODELS = ("gpt2", "llama", "qwen2", "mixtral")
@@ -46,10 +46,6 @@ def build(name: str, num_layers: int = 2) -> torch.nn.Module:
 
 def tp_mesh(tp: int):
     return init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def loss_and_grads(model: torch.nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

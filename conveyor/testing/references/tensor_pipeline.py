@@ -22,8 +22,7 @@ from conveyor.options import PipelineOptions, SplitOptions, TransferOptions
 from conveyor.parallel.mesh import layout_of
 from conveyor.testing.compare import adamw_difference_bound, relative_difference, worst_absolute, worst_relative
 from conveyor.testing.models import token_batch
-
-from .tp_support import build, whole
+from conveyor.testing.references.tensor_parallel import build, whole
 
 MICROBATCHES = 4
 STEPS = 3

@@ -22,8 +22,8 @@ import conveyor
 from conveyor.options import Layout
 from conveyor.parallel.mesh import layout_of
 from conveyor.schedule.registry import resolve_schedule
-
-from .tp_support import whole
+from conveyor.testing.references.tensor_parallel import whole
+from conveyor.testing.references.tensor_pipeline import _optimizer
 
 WIDTH, HEADS, INNER, VOCAB = 32, 4, 64, 96
 MICROBATCHES, STEPS, LENGTH = 4, 3, 12
@@ -84,10 +84,6 @@ def build_stages(num_stages: int) -> list[Stage]:
 
 def _loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
 def _batch():

@@ -17,9 +17,8 @@ import conveyor
 import conveyor.checkpoint as ckpt
 from conveyor.microbatch import split_microbatches
 from conveyor.options import PipelineOptions, SplitOptions, TransferOptions
-from conveyor.testing.tensor_data_parallel import gathered
-
-from .tensor_parallel_support import MICROBATCHES, TIED, batch, build_model
+from conveyor.testing.references.tensor_data_parallel import gathered
+from conveyor.testing.rigs.checkpoint_tensor_parallel import MICROBATCHES, TIED, batch, build_model
 
 
 def distinct_model(seed: int) -> torch.nn.Module:

@@ -21,8 +21,8 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.testing.data_parallel import MLPStack, MLPStage, full_tensor, mesh_of
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss, reference_model
+from conveyor.testing.references.data_parallel import MLPStack, MLPStage, average, full_tensor, mesh_of
 
 NUM_MICROBATCHES = 4
 NUM_STEPS = 2
@@ -183,17 +183,10 @@ def reference_replicas_varlen(num_stages: int, dp: int = 2) -> tuple[list, list[
                 replica_losses.append(total)
                 replica_grads.append([p.grad for p in params])
                 model.zero_grad()
-            losses.append(_average(replica_losses))
-            averaged = [_average(list(grads)) for grads in zip(*replica_grads)]
+            losses.append(average(replica_losses))
+            averaged = [average(list(grads)) for grads in zip(*replica_grads)]
     finally:
         torch.set_num_threads(previous)
     grads = dict(zip((n for n, _ in model.named_parameters()), averaged))
     return losses, [{n.split(".", 2)[2]: g for n, g in grads.items() if n.startswith(f"stages.{s}.")}
                     for s in range(num_stages)]
-
-
-def _average(values: list[torch.Tensor]) -> torch.Tensor:
-    total = values[0]
-    for value in values[1:]:
-        total = total + value
-    return total / len(values)

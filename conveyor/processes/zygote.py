@@ -1,9 +1,9 @@
-"""A process that imported little, forking ranks for :class:`~conveyor.ranks.RankGroup` on request.
+"""A process that imported little, forking ranks for :class:`~conveyor.processes.RankGroup` on request.
 
 Forked from the benchmark's parent, every rank would also carry what the parent imported for
 the other side (``torch.distributed.pipelining`` alone is about 70 MiB); forked from a zygote
 that imported a chosen list of modules and nothing else, a rank holds what a user's rank of
-that library would. The ranks it forks run :func:`conveyor.ranks.rank.rank_main`, as every
+that library would. The ranks it forks run :func:`conveyor.processes.rank.rank_main`, as every
 other rank of a group does.
 
 Example:
@@ -27,8 +27,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from conveyor.errors import ZygoteFailure
-from conveyor.ranks.rank import RankSpec, rank_main
-from conveyor.ranks.support import die_with_parent
+from conveyor.processes.rank import RankSpec, rank_main
+from conveyor.processes.support import die_with_parent
 
 
 class Zygote:
@@ -38,7 +38,7 @@ class Zygote:
     than from the caller keeps the caller's other imports out of the rank.
 
     Example:
-        >>> from conveyor.ranks import RankGroup, place
+        >>> from conveyor.processes import RankGroup, place
         >>> with Zygote(["json"]) as zygote, RankGroup(2, zygote=zygote, distributed=False) as group:
         ...     group.call(place)
         [(0, 2), (1, 2)]

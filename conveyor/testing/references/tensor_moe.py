@@ -18,8 +18,8 @@ from conveyor.options import PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
 from conveyor.testing.compare import worst_absolute, worst_relative
 from conveyor.testing.models import grouped_heads_lm, token_batch
-
-from .tensor_pipeline_support import (
+from conveyor.testing.references.tensor_parallel import whole
+from conveyor.testing.references.tensor_pipeline import (
     MICROBATCHES,
     _FakeTpMesh,
     _loss_fn,
@@ -28,7 +28,6 @@ from .tensor_pipeline_support import (
     _train,
     _train_pipeline,
 )
-from .tp_support import whole
 
 AUX_COEFFICIENT = 0.02  # configs/moe.yaml's, large enough for the auxiliary part to move the parameters
 

@@ -1,6 +1,6 @@
 """Kill one rank of a training run at a chosen point and time how fast every survivor stops, and with what.
 
-Ranks are plain processes forked from this one (see :mod:`rigs.kill_check`), so nothing but the
+Ranks are plain processes forked from this one (see :mod:`~conveyor.testing.rigs.kill_check`), so nothing but the
 pipeline itself tells a survivor that its peer is gone. A trial passes when every survivor
 exits non-zero within ``limit_s`` of the victim's death with a message that names the dead
 rank, and no process is left to kill.
@@ -21,8 +21,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from rigs import kill_check
-from rigs.kill_check import DEATHS, POINTS
+from conveyor.testing.rigs import kill_check
+from conveyor.testing.rigs.kill_check import DEATHS, POINTS
 
 TRANSPORTS = ("shared_memory", "process_group", "hybrid")
 

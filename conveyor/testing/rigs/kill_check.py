@@ -8,10 +8,10 @@ Points: ``forward`` / ``backward`` (inside the victim's stage, microbatch 1 of s
 optimizer step, between pipeline calls). Deaths: ``SIGKILL``, ``SIGTERM`` (a preempted
 node) or ``MemoryError`` (raised where the point is).
 
-Example (what :mod:`rigs.kill_trials` runs for each rank, in a forked process: the same as)::
+Example (what :mod:`~conveyor.testing.rigs.kill_trials` runs for each rank, in a forked process: the same as)::
 
     RANK=1 WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \\
-        python tools/rigs/kill_check.py --point forward --death SIGKILL --transport shared_memory
+        python conveyor/testing/rigs/kill_check.py --point forward --death SIGKILL --transport shared_memory
 """
 
 from __future__ import annotations

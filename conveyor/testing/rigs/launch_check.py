@@ -1,12 +1,12 @@
 """One short pipelined training run under torchrun, ended the way ``--teardown`` says.
 
-This is what the launch stress (:mod:`rigs.launches`) starts again and again:
+This is what the launch stress (:mod:`~conveyor.testing.rigs.launches`) starts again and again:
 a user's script, from ``init_process_group`` to the end of the process, with the teardown
 orders users write. Every order must end with exit code 0 (``exception``: the exception's
 code, 1), never with an abort at exit.
 
 Example:
-    $ torchrun --standalone --nproc-per-node=2 tools/rigs/launch_check.py --teardown drop-first
+    $ torchrun --standalone --nproc-per-node=2 conveyor/testing/rigs/launch_check.py --teardown drop-first
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ TEARDOWNS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchrun ... tools/rigs/launch_check.py",
+    parser = argparse.ArgumentParser(prog="torchrun ... conveyor/testing/rigs/launch_check.py",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--transport", default="auto")
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class DeliberateExit(RuntimeError):
+class _DeliberateExit(RuntimeError):
     """Raised by ``--teardown exception``: the way out that the launch expects."""
 
 
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         del pipe
         dist.destroy_process_group()
     elif args.teardown == "exception":
-        raise DeliberateExit(f"rank {rank} leaves through an exception, as the launch asked")
+        raise _DeliberateExit(f"rank {rank} leaves through an exception, as the launch asked")
 
 
 if __name__ == "__main__":

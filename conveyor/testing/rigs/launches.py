@@ -1,7 +1,7 @@
 """Launch a short training script through torchrun again and again, and count the clean exits.
 
 A job that did its work and then aborts at exit is a failed job to its launcher. This
-starts :mod:`rigs.launch_check` with real ``torchrun`` launches over a plan
+starts :mod:`~conveyor.testing.rigs.launch_check` with real ``torchrun`` launches over a plan
 that cycles through rank counts, transports, schedules and teardown orders, and counts a
 launch clean when torchrun's exit code is the one the teardown order means (0, or 1
 when the script leaves through an exception), no rank died of a signal, and nothing printed
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from rigs.launch_check import TEARDOWNS
+from conveyor.testing.rigs.launch_check import TEARDOWNS
 
 RANKS = (2, 4)
 TRANSPORTS = ("shared_memory", "process_group", "hybrid")
@@ -111,7 +111,7 @@ def _problem(launch: Launch, exit_code: int, output: str) -> str:
     if launch.expected_exit_code and codes and codes[-1] != launch.expected_exit_code:
         # torchrun lists the first failure ("Root Cause") last; later ranks may be its SIGTERMs.
         return f"the first rank to fail exited {codes[-1]}, expected {launch.expected_exit_code}:\n{tail}"
-    if launch.expected_exit_code and "DeliberateExit" not in output:
+    if launch.expected_exit_code and "_DeliberateExit" not in output:
         return f"no rank left through the deliberate exception:\n{tail}"
     return ""
 

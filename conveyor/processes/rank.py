@@ -1,4 +1,4 @@
-"""A rank's side of a :class:`~conveyor.ranks.RankGroup`: set up, answer calls, report failures.
+"""A rank's side of a :class:`~conveyor.processes.RankGroup`: set up, answer calls, report failures.
 
 A rank sets up once (its stack dump, the environment torchrun gives ranks on one machine, one
 torch thread, its process group), then answers call after call on its pipe until told to stop.
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.errors import RankError
-from conveyor.ranks.support import die_with_parent, install_stack_dump, rank_environment
+from conveyor.processes.support import die_with_parent, install_stack_dump, rank_environment
 
 MAX_RESULT_BYTES = 256 * 2**20
 """Default limit on one rank's pickled return value (256 MiB)."""

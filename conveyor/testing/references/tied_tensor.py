@@ -19,26 +19,25 @@ from conveyor.options import Layout, PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
 from conveyor.testing.compare import relative_difference, worst_absolute, worst_relative
 from conveyor.testing.models import gpt2, token_batch
-
-from .tensor_pipeline_support import MICROBATCHES, STEPS, _FakeTpMesh, _microbatches, _optimizer, _train
-from .tp_support import build, whole
+from conveyor.testing.references.tensor_parallel import build, whole
+from conveyor.testing.references.tensor_pipeline import (
+    MICROBATCHES,
+    STEPS,
+    _FakeTpMesh,
+    _loss_fn,
+    _microbatches,
+    _one_device_of,
+    _optimizer,
+    _train,
+)
 
 TIED = ("transformer.wte.weight", "lm_head.weight")
 
 
-def _loss_fn(output, target):
-    return output.loss
-
-
 def _one_device(batch, layers: int):
+    """The pipeline tests' one-device reference, its parameters under every name (the tied matrix under both)."""
     model = build("gpt2", layers)
-
-    def step_loss(kwargs):
-        loss = model(**kwargs).loss / MICROBATCHES
-        loss.backward()
-        return loss.detach()
-
-    losses = _train(step_loss, list(model.parameters()), batch)
+    losses, _ = _one_device_of(model, batch)
     return losses, {name: model.get_parameter(name) for name, _ in model.named_parameters(remove_duplicate=False)}
 
 

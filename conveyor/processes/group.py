@@ -9,8 +9,8 @@ hits both alike. :func:`run_once` is a group that lives for one call, made with 
 rank, close.
 
 Ranks are forked from this process (or spawned: ``start_method="spawn"``, needed for
-CUDA), or forked from a :class:`~conveyor.ranks.Zygote` that imported little. Either way
-each runs :func:`conveyor.ranks.rank.rank_main`, and the parent watches them the same way:
+CUDA), or forked from a :class:`~conveyor.processes.Zygote` that imported little. Either way
+each runs :func:`conveyor.processes.rank.rank_main`, and the parent watches them the same way:
 
 - a rank that raises fails the call with :class:`~conveyor.errors.RankFailure`: the parent
   keeps listening a moment for other failures and deaths (a dead rank is the likely root
@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from conveyor.errors import GroupClosed, HarnessConfigError, RankError, RankFailure, RankTimeout
-from conveyor.ranks.rank import (
+from conveyor.processes.rank import (
     ENTRY,
     MAX_RESULT_BYTES,
     Call,
@@ -62,8 +62,8 @@ from conveyor.ranks.rank import (
     rank_main,
     stack_path,
 )
-from conveyor.ranks.support import free_port, read_stack, wait_for_stacks
-from conveyor.ranks.zygote import Zygote
+from conveyor.processes.support import free_port, read_stack, wait_for_stacks
+from conveyor.processes.zygote import Zygote
 
 __all__ = ["MAX_RESULT_BYTES", "START_METHODS", "RankGroup", "place", "run_once"]
 

@@ -29,46 +29,18 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import conveyor
 from conveyor.errors import PipelineConfigError
-from conveyor.microbatch import split_microbatches
 from conveyor.options import PipelineOptions, SplitOptions, TransferOptions
 from conveyor.parallel.mesh import layout_of
-from conveyor.testing.compare import worst_relative
-from conveyor.testing.models import gpt2, grouped_heads_lm, token_batch
+from conveyor.testing.compare import whole, worst_relative
+from conveyor.testing.models import token_batch
+from conveyor.testing.references.tensor_parallel import build
+from conveyor.testing.references.tensor_pipeline import MICROBATCHES, _loss_fn, _microbatches, _optimizer, _square_loss
+from conveyor.testing.references.tensor_pipeline import _FakeTpMesh as _NoPipelineMesh
 
-MICROBATCHES = 4
 STEPS = 3
 ROWS_PER_REPLICA = 2 * MICROBATCHES  # microbatches of 2 rows
 HIDDEN = 32  # the hand-built stages' width
 NO_CLIPPING = 1e9  # a max_norm above every total norm here: the clip scale is exactly 1
-
-
-def build(name: str, num_layers: int) -> torch.nn.Module:
-    """A tiny Hugging Face causal LM: ``"gpt2"`` (tied embedding and head) or a grouped-heads family (``"llama"``)."""
-    model_class, config = gpt2(num_layers=num_layers) if name == "gpt2" else grouped_heads_lm(name, num_layers)
-    torch.manual_seed(0)
-    return model_class(config).train()
-
-
-def _loss_fn(output, target):
-    return output.loss
-
-
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
-def _microbatches(batch: dict) -> list[dict]:
-    return [kwargs for _, kwargs in split_microbatches((), batch, MICROBATCHES)]
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-class _NoPipelineMesh:
-    """What Layout's check reads of a mesh (its dim names): the reference has no pipeline mesh."""
-
-    mesh_dim_names = ("pp", "tp")
 
 
 def _batches(step: int, dp_size: int, dp_rank: int) -> dict:
@@ -174,10 +146,6 @@ class MLPBlock(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.proj(torch.nn.functional.gelu(self.fc(self.norm(hidden))))
-
-
-def _square_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (output - target).square().mean()
 
 
 def _block_plan() -> dict:

@@ -157,8 +157,8 @@ def reference(num_stages: int, dp: int, clip: bool, order: str = "per_replica"):
                 replica_grads.append([p.grad for p in model.parameters()])
                 optimizer.zero_grad()
             for param, grads in zip(model.parameters(), zip(*replica_grads)):
-                param.grad = _average(list(grads))
-            losses.append(_average(replica_losses))
+                param.grad = average(list(grads))
+            losses.append(average(replica_losses))
         if clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
         optimizer.step()
@@ -167,7 +167,7 @@ def reference(num_stages: int, dp: int, clip: bool, order: str = "per_replica"):
     return losses, norms, params
 
 
-def _average(values: list[torch.Tensor]) -> torch.Tensor:
+def average(values: list[torch.Tensor]) -> torch.Tensor:
     total = values[0]
     for value in values[1:]:
         total = total + value

@@ -1,7 +1,7 @@
-"""Pinned results of the schedule layer on a grid of small cases (see test_golden.py).
+"""Pinned results of the schedule layer on a grid of small cases (see tests/schedule/test_golden.py).
 
-``python -m tests.schedule.golden_cases`` rewrites ``data/golden.json`` from the code as
-it is; do that only when a result is meant to change, and say why in the commit.
+``python -m conveyor.testing.rigs.schedule_golden`` rewrites ``tests/schedule/data/golden.json`` from the
+code as it is; do that only when a result is meant to change, and say why in the commit.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from conveyor.errors import ConveyorError
 from conveyor.schedule.compare import busy_per_rank
 from conveyor.schedule.passes import merge_backward_halves
 
-GOLDEN = Path(__file__).parent / "data" / "golden.json"
+# The pins live beside the test that reads them, in the checkout this rig serves.
+GOLDEN = Path(__file__).resolve().parents[3] / "tests" / "schedule" / "data" / "golden.json"
 RANKS = (1, 2, 3, 4)
 MICROBATCHES = (1, 2, 3, 5, 8)
 

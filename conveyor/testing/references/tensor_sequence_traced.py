@@ -19,22 +19,19 @@ from torch.distributed.tensor.experimental import implicit_replication
 import conveyor
 import conveyor.frontend as frontend
 from conveyor.errors import PipelineConfigError
-from conveyor.microbatch import split_microbatches
 from conveyor.options import Layout, PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
 from conveyor.testing.compare import relative_difference, worst_absolute, worst_relative
 from conveyor.testing.models import token_batch
-
-from .tensor_pipeline_support import _optimizer, _train_pipeline
-from .tp_support import build, tp_mesh, whole
-
-MICROBATCHES, STEPS = 4, 3
-
-
-class _FakeTpMesh:
-    """Layout's check reads only a mesh's dim names: the references have no pipeline mesh."""
-
-    mesh_dim_names = ("pp", "tp")
+from conveyor.testing.references.tensor_parallel import build, tp_mesh, whole
+from conveyor.testing.references.tensor_pipeline import (
+    MICROBATCHES,
+    STEPS,
+    _FakeTpMesh,
+    _microbatches,
+    _optimizer,
+    _train_pipeline,
+)
 
 
 def sequence_stages(model: torch.nn.Module, num_stages: int, mesh, example: dict) -> tuple[list, list]:
@@ -155,10 +152,6 @@ def refused_graph(rank: int, world_size: int) -> str | None:
     except PipelineConfigError as error:
         return str(error)
     return None
-
-
-def _microbatches(batch):
-    return [kwargs for _, kwargs in split_microbatches((), batch, MICROBATCHES)]
 
 
 def _train(run_microbatch, params) -> list:

@@ -140,8 +140,8 @@ def count_rank(rank: int, world_size: int, schedules: list[str], transports: lis
                data_parallel: str | None = None, steps: int = 3) -> list[dict]:
     """A rank's counts for every (schedule, transport): per step after the first, with clipping
     and ``on_nonfinite="skip"`` in every step (see the module docstring)."""
-    from conveyor.testing.data_parallel import MLPStage, make_batch, mesh_of
     from conveyor.testing.models import lm_loss
+    from conveyor.testing.references.data_parallel import MLPStage, make_batch, mesh_of
 
     mesh = mesh_of(dp, world_size // dp) if dp > 1 else None
     pp_rank = mesh.get_local_rank("pp") if mesh is not None else rank

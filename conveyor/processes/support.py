@@ -1,7 +1,7 @@
 """What a rank group's two sides share: a free port, a rank's environment, its stack dumps.
 
-The parent (:mod:`conveyor.ranks.group`) picks the port and reads the stacks a hung or
-crashed rank dumped; the rank (:mod:`conveyor.ranks.rank`) sets its environment to what
+The parent (:mod:`conveyor.processes.group`) picks the port and reads the stacks a hung or
+crashed rank dumped; the rank (:mod:`conveyor.processes.rank`) sets its environment to what
 torchrun gives ranks on one machine, installs its stack dump and ties its life to its
 parent's.
 

@@ -15,8 +15,8 @@ Example:
     [(0, 2), (1, 2)]
 """
 
-from conveyor.ranks.group import MAX_RESULT_BYTES, RankGroup, run_once
-from conveyor.ranks.rank import Worker, place
-from conveyor.ranks.zygote import Zygote
+from conveyor.processes.group import MAX_RESULT_BYTES, RankGroup, run_once
+from conveyor.processes.rank import Worker, place
+from conveyor.processes.zygote import Zygote
 
 __all__ = ["MAX_RESULT_BYTES", "RankGroup", "Worker", "Zygote", "place", "run_once"]
