@@ -3,7 +3,7 @@
 What counts as a cited path, read from the backticked spans and the links of each README:
 
 - a path whose first part is an entry of the repository root or of the README's own folder
-  (``conveyor/plan/predict.py``, ``tools/rigs/``, ``results/plan-quick`` in benchmarks/README.md);
+  (``conveyor/plan/predict.py``, ``conveyor/testing/rigs/``, ``results/plan-quick`` in benchmarks/README.md);
 - a bare file name ending in ``.py`` or ``.sh`` (``passes.py``): the README names a file of the
   package it is describing, so some tracked file must have that name;
 - the module of ``python -m pkg.mod`` and the script of ``bash path``;

@@ -57,10 +57,10 @@ MODULE_ALL = {
         "UnitCost", "analytic_units", "as_plan", "choose", "format_plan", "format_size", "parse_size", "plan",
         "profile_units", "search", "synthetic_table", "unit_costs",
     ),
-    "conveyor.ranks": (
+    "conveyor.processes": (
         "MAX_RESULT_BYTES", "RankGroup", "Worker", "Zygote", "place", "run_once",
     ),
-    "conveyor.ranks.group": (
+    "conveyor.processes.group": (
         "MAX_RESULT_BYTES", "RankGroup", "START_METHODS", "place", "run_once",
     ),
     "conveyor.schedule": (
