@@ -16,7 +16,12 @@ cd "$root"
 bash tools/bootstrap.sh
 .venv/bin/ruff check --quiet .
 status=0
-.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=60 "$@" || status=$?
+# The run's time per test file, printed after pytest's own summary (tools/file_times.py).
+times="$(mktemp -t conveyor-test-times.XXXXXX.xml)"
+trap 'rm -f "$times"' EXIT
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=60 --junitxml="$times" "$@" || status=$?
+echo "== time per test file (setup + call + teardown of its tests) =="
+.venv/bin/python tools/file_times.py "$times" || true
 if [ "${CONVEYOR_KERNEL_RERUN:-1}" != "0" ]; then
   echo "== the derived bounds once more on ATen's portable kernels (ATEN_CPU_CAPABILITY=default) =="
   tp=tests/parallel/test_tensor_parallel.py traced=tests/parallel/test_tensor_parallel_traced.py
