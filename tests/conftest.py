@@ -13,10 +13,33 @@ longer reads.)
 
 from __future__ import annotations
 
+import importlib
 import sys
+import warnings
 from collections.abc import Iterator
 
 import pytest
+
+# What ranks import when they trace, shard, compile or save, and this process has not: a forked rank
+# inherits this process's modules, so each rank of each run_ranks call imported these again (about
+# 12 s a rank on a quiet 2-core machine with transformers, dynamo and inductor; listed from sys.modules
+# in ranks at the end of their calls, against the pytest process's). Imported here once, before the
+# first test of a run that forks ranks, each later rank starts with them.
+RANKS_IMPORT = (
+    "torch._dynamo",  # tracing and splitting (torch.export), torch.compile, FSDP2
+    "torch._inductor.compile_fx",  # what dynamo's backends and the partitioner pull in (sympy, networkx)
+    "torch.export",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.mixtral.modeling_mixtral",
+    "conveyor.build",
+    "conveyor.checkpoint",
+    "conveyor.train",
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -69,6 +92,26 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(
             f"{left_out} extended-tier tests left out (a narrower twin of each is in this run); "
             "everything: bash tools/test.sh --extended")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Import :data:`RANKS_IMPORT` in this process once, before the first test, when the tests
+    collected here can fork ranks (one of them imported ``conveyor.testing``, whose ``run_ranks`` forks them).
+
+    A run of the torch-free tests (``tests/schedule``) or of tests that start no ranks imports
+    nothing more. Importing initialises neither torch.distributed nor CUDA (the fixture below
+    checks that after every test).
+    """
+    config = item.config
+    if getattr(config, "_conveyor_ranks_imports_done", False):
+        return
+    config._conveyor_ranks_imports_done = True  # type: ignore[attr-defined]
+    if "conveyor.testing.multiprocess" not in sys.modules:
+        return
+    with warnings.catch_warnings():  # torch's own deprecations at import (torch.jit.script_method), not the test's
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in RANKS_IMPORT:
+            importlib.import_module(name)
 
 
 @pytest.fixture(autouse=True)
