@@ -1,5 +1,6 @@
 """``tools/file_times.py``, the per-file table ``tools/test.sh`` prints: each file's tests summed, a test
-in a class counted under its file, and the files past the top folded into one line with the total."""
+in a class counted under its file, and the files past the top folded into one line with the total; and the
+list of slowest files that ``tests/conftest.py`` starts first names files that exist."""
 
 from __future__ import annotations
 
@@ -43,3 +44,10 @@ def test_an_unreadable_report_says_how_to_make_one(tmp_path, capsys):
 def test_the_docstring_example_holds():
     result = doctest.testmod(file_times)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_slowest_files_that_go_first_exist():
+    from tests.conftest import SLOWEST_FILES_FIRST
+
+    root = TOOL.parents[1]
+    assert [path for path in SLOWEST_FILES_FIRST if not (root / path).is_file()] == []
