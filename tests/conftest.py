@@ -13,6 +13,7 @@ longer reads.)
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
 import warnings
@@ -21,10 +22,10 @@ from collections.abc import Iterator
 import pytest
 
 # What ranks import when they trace, shard, compile or save, and this process has not: a forked rank
-# inherits this process's modules, so each rank of each run_ranks call imported these again (about
-# 12 s a rank on a quiet 2-core machine with transformers, dynamo and inductor; listed from sys.modules
-# in ranks at the end of their calls, against the pytest process's). Imported here once, before the
-# first test of a run that forks ranks, each later rank starts with them.
+# inherits this process's modules, so each rank of each run_ranks call imported these again (about 4 s
+# of CPU a rank for the whole list; listed from sys.modules in ranks at the end of their calls, against
+# the pytest process's). Imported here once, before the first test of a run that forks ranks, each
+# later rank starts with them.
 RANKS_IMPORT = (
     "torch._dynamo",  # tracing and splitting (torch.export), torch.compile, FSDP2
     "torch._inductor.compile_fx",  # what dynamo's backends and the partitioner pull in (sympy, networkx)
@@ -145,6 +146,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         for name in RANKS_IMPORT:
             importlib.import_module(name)
+    # Everything alive now moves to the collector's permanent generation: a rank's full collections
+    # then skip the inherited heap (0.26 s a collection with these modules) and leave its pages shared.
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
