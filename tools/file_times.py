@@ -50,7 +50,6 @@ def per_file(source: str | IO[str]) -> dict[str, tuple[float, int]]:
 def table(totals: dict[str, tuple[float, int]], top: int) -> str:
     """The table ``main`` prints: the ``top`` slowest files (all for 0), then the total."""
     shown = list(totals.items())[: top or None]
-    width = max([len(path) for path, _ in shown] + [len("total")])
     lines = [f"{'seconds':>8}  {'tests':>5}  file"]
     lines += [f"{seconds:8.1f}  {count:5d}  {path}" for path, (seconds, count) in shown]
     if len(shown) < len(totals):
@@ -58,8 +57,7 @@ def table(totals: dict[str, tuple[float, int]], top: int) -> str:
         lines.append(f"{sum(s for s, _ in rest):8.1f}  {sum(c for _, c in rest):5d}  "
                      f"({len(rest)} other files)")
     total_s = sum(s for s, _ in totals.values())
-    lines.append(f"{total_s:8.1f}  {sum(c for _, c in totals.values()):5d}  {'total'.ljust(width)} "
-                 "(summed over the workers)")
+    lines.append(f"{total_s:8.1f}  {sum(c for _, c in totals.values()):5d}  total (summed over the workers)")
     return "\n".join(lines)
 
 
