@@ -13,10 +13,34 @@ longer reads.)
 
 from __future__ import annotations
 
+import gc
+import importlib
 import sys
+import warnings
 from collections.abc import Iterator
 
 import pytest
+
+# What ranks import when they trace, shard, compile or save, and this process has not: a forked rank
+# inherits this process's modules, so each rank of each run_ranks call imported these again (about 4 s
+# of CPU a rank for the whole list; listed from sys.modules in ranks at the end of their calls, against
+# the pytest process's). Imported here once, before the first test of a run that forks ranks, each
+# later rank starts with them.
+RANKS_IMPORT = (
+    "torch._dynamo",  # tracing and splitting (torch.export), torch.compile, FSDP2
+    "torch._inductor.compile_fx",  # what dynamo's backends and the partitioner pull in (sympy, networkx)
+    "torch.export",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.mixtral.modeling_mixtral",
+    "conveyor.build",
+    "conveyor.checkpoint",
+    "conveyor.train",
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -39,11 +63,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Leave the extended tier out unless ``--extended`` is given, and say how many were left out.
+    """Leave the extended tier out unless ``--extended`` is given, and say how many were left out;
+    then put the slowest files first (:data:`SLOWEST_FILES_FIRST`).
 
     CI's suite must stay within 15 minutes on 2 cores; each test moved to the extended tier keeps
     a narrower twin in CI (the same promise on fewer ranks, transports or variants).
     """
+    _slowest_files_first(items)
     if config.getoption("--extended"):
         return
     extended = [item for item in items if item.get_closest_marker("extended")]
@@ -53,6 +79,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config._conveyor_extended_left_out = len(extended)  # type: ignore[attr-defined]
         if hasattr(config, "workeroutput"):  # an xdist worker: the controller prints the summary
             config.workeroutput["conveyor_extended_left_out"] = len(extended)
+
+
+# The slowest files of CI's run at f3a1017 (tests/ per file, seconds summed over their tests), slowest first.
+# ``--dist loadfile`` hands whole files to the two workers in collection order (``tools/test.sh`` turns
+# off xdist's own order, most tests first, which put these files of few but long tests last): started
+# first, they leave the many short files to fill in behind them, and no worker ends the run alone on a
+# long file. A stale entry costs balance only, never a test.
+SLOWEST_FILES_FIRST = (
+    "tests/runtime/test_compile.py",  # 112 s: inductor compiles its kernels from a cold cache
+    "tests/train/test_layouts_save_and_start_alike.py",  # 110 s
+    "tests/e2e/test_restart.py",  # 69 s
+    "tests/e2e/test_recipes.py",  # 65 s
+    "tests/e2e/test_launches.py",  # 62 s
+    "tests/e2e/test_examples.py",  # 56 s
+    "tests/train/test_tensor_parallel.py",  # 53 s
+    "tests/parallel/test_tensor_parallel_traced.py",  # 50 s
+    "tests/e2e/test_failures.py",  # 48 s
+    "tests/e2e/test_train.py",  # 45 s
+    "tests/checkpoint/test_tensor_parallel.py",  # 44 s
+    "tests/parallel/test_tensor_data_parallel.py",  # 42 s
+    "tests/parallel/test_tensor_parallel_moe.py",  # 37 s
+    "tests/runtime/test_pipeline_dist.py",  # 36 s
+    "tests/e2e/test_train_torchrun.py",  # 35 s
+)
+
+
+def _slowest_files_first(items: list[pytest.Item]) -> None:
+    """Reorder ``items`` in place: the files of :data:`SLOWEST_FILES_FIRST` in its order, then the
+    others as collected (a stable sort: the order of the tests within a file is kept)."""
+    rank = {path: index for index, path in enumerate(SLOWEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -69,6 +126,30 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(
             f"{left_out} extended-tier tests left out (a narrower twin of each is in this run); "
             "everything: bash tools/test.sh --extended")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Import :data:`RANKS_IMPORT` in this process once, before the first test, when the tests
+    collected here can fork ranks (one of them imported ``conveyor.testing``, whose ``run_ranks`` forks them).
+
+    A run of the torch-free tests (``tests/schedule``) or of tests that start no ranks imports
+    nothing more. Importing initialises neither torch.distributed nor CUDA (the fixture below
+    checks that after every test).
+    """
+    config = item.config
+    if getattr(config, "_conveyor_ranks_imports_done", False):
+        return
+    config._conveyor_ranks_imports_done = True  # type: ignore[attr-defined]
+    if "conveyor.testing.multiprocess" not in sys.modules:
+        return
+    with warnings.catch_warnings():  # torch's own deprecations at import (torch.jit.script_method), not the test's
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in RANKS_IMPORT:
+            importlib.import_module(name)
+    # Everything alive now moves to the collector's permanent generation: a rank's full collections
+    # then skip the inherited heap (0.26 s a collection with these modules) and leave its pages shared.
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

@@ -16,12 +16,19 @@ cd "$root"
 bash tools/bootstrap.sh
 .venv/bin/ruff check --quiet .
 status=0
-.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=60 "$@" || status=$?
+# The run's time per test file, printed after pytest's own summary (tools/file_times.py).
+times="$(mktemp -t conveyor-test-times.XXXXXX.xml)"
+trap 'rm -f "$times"' EXIT
+# --no-loadscope-reorder: files go out in collection order, the slowest first (tests/conftest.py).
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=60 --junitxml="$times" "$@" \
+  || status=$?
+echo "== time per test file (setup + call + teardown of its tests) =="
+.venv/bin/python tools/file_times.py "$times" || true
 if [ "${CONVEYOR_KERNEL_RERUN:-1}" != "0" ]; then
   echo "== the derived bounds once more on ATen's portable kernels (ATEN_CPU_CAPABILITY=default) =="
   tp=tests/parallel/test_tensor_parallel.py traced=tests/parallel/test_tensor_parallel_traced.py
   sp=tests/parallel/test_tensor_sequence_traced.py
-  ATEN_CPU_CAPABILITY=default .venv/bin/python -m pytest -q -n 2 --dist loadfile \
+  ATEN_CPU_CAPABILITY=default .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder \
     "$tp::test_auto_plan_matches_one_device[llama]" \
     "$tp::test_loss_parallel_keeps_the_logits_sharded_under_the_models_own_loss" \
     "$traced::test_tied_embedding_and_head_are_vocab_parallel_at_both_ends_of_the_pipeline[1f1b]" \

@@ -38,12 +38,23 @@ def test_ranks_forked_from_a_zygote_have_its_imports_and_not_the_parents_later_o
             assert set(group.call(_parent_pid)) == {zygote._proc.pid}
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie (exited, not yet reaped by its parent, this process
+    for a zygote) has exited, though its /proc entry stays until it is reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
 def _gone(pids: list[int], within_s: float = 60.0) -> bool:
     """Whether the processes have exited; waits up to ``within_s`` (a cut-off for a hang, not a figure)."""
     deadline = time.monotonic() + within_s
-    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+    return not any(_running(pid) for pid in pids)
 
 
 def test_a_zygote_rank_group_runs_gloo_and_its_ranks_are_gone_after_close_or_kill():
@@ -62,7 +73,7 @@ def test_a_zygote_rank_group_runs_gloo_and_its_ranks_are_gone_after_close_or_kil
 def test_a_dead_zygote_fails_the_next_group_at_once():
     zygote = Zygote([])
     os.kill(zygote.pid, 9)
-    _gone([zygote.pid])
+    assert _gone([zygote.pid])
     # A ZygoteFailure, not a RankTimeout at the group's timeout: the dead zygote was noticed.
     with pytest.raises(ZygoteFailure, match="zygote"):
         RankGroup(2, distributed=False, zygote=zygote, timeout_s=600)
