@@ -32,6 +32,7 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from conveyor.errors import ConfigError, PipelineConfigError
@@ -404,10 +405,10 @@ def _check_keys(node: Any, cls: type, prefix: str, where: str | None, overrides:
 
 
 # Keys of earlier releases that users' YAML files still hold -> what replaces them.
-RENAMED_KEYS = {
+RENAMED_KEYS = MappingProxyType({
     "stage.checkpoint_activations": "stage.recompute=true",
     "stage.checkpoint": "stage.recompute (the same policy or list of policies)",
-}
+})
 
 
 def _wrong_length(kind: Any, value: Any) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ VOCAB, DIM, LAYERS, SEQ = 32, 16, 4, 8
 MICROBATCHES = 4
 
 # Cuts of TiedLM for 1, 2 and 4 stages (stage count = ranks x V).
-SPLITS = {1: [], 2: ["blocks.2"], 4: ["blocks.1", "blocks.2", "blocks.3"]}
+SPLITS = MappingProxyType({1: [], 2: ["blocks.2"], 4: ["blocks.1", "blocks.2", "blocks.3"]})
 
 
 class TiedLM(nn.Module):

@@ -9,6 +9,8 @@ name, so that layouts compare with ``torch.equal``.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -22,7 +24,8 @@ from conveyor.testing.references.data_parallel import full_tensor
 
 MICROBATCHES = 4
 LAYERS = 4  # one layer a stage at pp=4, two at pp=2
-TIED = {"lm_head.weight": "transformer.wte.weight"}  # the name the last stage holds -> the tensor's first name
+# The name the last stage holds -> the tensor's first name.
+TIED = MappingProxyType({"lm_head.weight": "transformer.wte.weight"})
 
 
 def build_model(seed: int = 0, **config_fields) -> torch.nn.Module:

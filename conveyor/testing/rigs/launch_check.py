@@ -14,15 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from types import MappingProxyType
 
-TEARDOWNS = {
+TEARDOWNS = MappingProxyType({
     "close": "pipe.close(), then dist.destroy_process_group()",
     "with": "the pipeline in a `with` block, then dist.destroy_process_group()",
     "destroy-first": "dist.destroy_process_group() while the pipeline is open, then del pipe",
     "drop-first": "del pipe (no close), then dist.destroy_process_group()",
     "no-destroy": "neither close nor destroy: the interpreter's exit ends everything",
     "exception": "an exception leaves the script with the pipeline open (exit code 1)",
-}
+})
 
 
 def build_parser() -> argparse.ArgumentParser:

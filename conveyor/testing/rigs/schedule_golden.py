@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from types import MappingProxyType
 
 import conveyor.schedule as cs
 from conveyor.errors import ConveyorError
@@ -93,7 +94,7 @@ def grid() -> list[tuple[str, int, int, int]]:
     return cases
 
 
-BROKEN = {
+BROKEN = MappingProxyType({
     "swap": [["0F0", "0B0", "0F1", "0B1"], ["1F1", "1B1", "1F0", "1B0"]],
     "order": [["0B0", "0F0"], ["1F0", "1B0"]],
     "missing": [["0F0", "0B0"], ["1F0"]],
@@ -102,7 +103,7 @@ BROKEN = {
     "w_without_i": [["0F0", "0B0", "0W0"], ["1F0", "1B0"]],
     "lowered_missing_recv": [["0F0", "0SEND_F0", "0RECV_B0", "0B0"], ["1F0", "1B0", "1SEND_B0"]],
     "lowered_deadlock": [["0RECV_B0", "0F0", "0SEND_F0", "0B0"], ["1RECV_F0", "1F0", "1B0", "1SEND_B0"]],
-}
+})
 
 
 def broken() -> dict:
