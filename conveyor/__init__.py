@@ -21,6 +21,7 @@ _LAZY = {
     "pipeline": ("conveyor.build", "pipeline"),
     "LocalPipeline": ("conveyor.local", "LocalPipeline"),
     "MasterWeights": ("conveyor.runtime.main_grad", "MasterWeights"),
+    "Microbatches": ("conveyor.microbatch", "Microbatches"),
     "Plan": ("conveyor.plan.result", "Plan"),
     "StageOptions": ("conveyor.options", "StageOptions"),
     "CheckpointPolicy": ("conveyor.options", "CheckpointPolicy"),
@@ -34,6 +35,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from conveyor.build import pipeline  # noqa: F401
     from conveyor.local import LocalPipeline  # noqa: F401
+    from conveyor.microbatch import Microbatches  # noqa: F401
     from conveyor.options import (  # noqa: F401
         CheckpointPolicy,
         Layout,

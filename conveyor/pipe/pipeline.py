@@ -27,11 +27,13 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.options import Layout, StageOptions, TransferOptions, WholeModel, check_together
 from conveyor.parallel.clipping import check_nonfinite_mode
-from conveyor.parallel.tied import share_tied_locally, tied_copies_outside_their_first_stage
+from conveyor.parallel.replicas import Replicas
+from conveyor.parallel.tied import share_tied_locally
+from conveyor.pipe.backend import RanksBackend
 from conveyor.pipe.distributed import DistributedRanks
+from conveyor.pipe.gradients import GradientChecks
 from conveyor.pipe.ranks import InProcessRanks
-from conveyor.pipe.steps import forward_only, presplit, train_step
-from conveyor.pipe_grads import GradientChecks
+from conveyor.pipe.steps import PipelineSteps, StepInputs
 from conveyor.runtime.memory import MemoryReport
 from conveyor.runtime.runner import LossFn, StageRunner, build_runners, named_unique
 from conveyor.schedule.ir import Schedule
@@ -40,7 +42,7 @@ from conveyor.schedule.timeline import Timeline
 log = logging.getLogger("conveyor.pipe")
 
 
-class Pipeline(GradientChecks):
+class Pipeline:
     """This process's part of a pipeline: one rank's stages over torch.distributed, or every rank's.
 
     ``modules``: the stages this rank runs, in ``schedule.stages_of(rank)`` order (in process: one
@@ -66,6 +68,12 @@ class Pipeline(GradientChecks):
     ``close()`` (or leaving ``with conveyor.Pipeline(...) as pipe:``) releases what it holds; a
     closed pipeline raises :class:`PipelineClosed`.
 
+    What this process holds: ``runners`` (by stage) and their ``modules``; ``needs_inputs`` /
+    ``needs_target``: whether it runs stage 0 (which reads the minibatch's inputs) / the last stage
+    (which reads the targets); ``dp_rank`` / ``dp_size``: its replica and the replica count (0 and 1
+    without data parallelism); ``checkpoint_group``: with replicas or TP, the group over every rank
+    of the job that writes checkpoints (else None); ``ranks``: its ranks backend.
+
     Example:
         >>> import torch, conveyor
         >>> from conveyor.options import Layout, StageOptions
@@ -76,8 +84,6 @@ class Pipeline(GradientChecks):
         >>> [(r.peak_bytes, r.stage_bytes) for r in pipe.memory(all_ranks=True)]   # each Linear saves its input
         [(128, {0: 64}), (128, {1: 64})]
     """
-
-    _warned_target = False  # told once that target= is read on the last stage's rank only
 
     def __init__(
         self,
@@ -102,44 +108,20 @@ class Pipeline(GradientChecks):
                                           f"{type(value).__name__}")
         self.layout = layout.with_shortcuts(mesh, data_parallel, tensor_parallel)
         self.stage, self.transfer, self.model = stage, transfer, model
-        backend = InProcessRanks if self.layout.in_process else DistributedRanks
-        self.ranks: InProcessRanks | DistributedRanks = backend(self.layout, transfer)
-        check_together(stage, getattr(self.ranks, "data_parallel", None))  # the kind its replicas resolved to
-        if self.layout.in_process:
-            modules = list(modules)
+        self.ranks: RanksBackend = _backend(self.layout, transfer, stage)
         self.schedule = self.ranks.resolve(schedule, microbatches, virtual, modules)
-        self.device, by_rank = self.ranks.place(modules)
-        # Tensor parallelism inside each stage (a mesh's "tp" dim), before runners read the parameters.
-        self.tensor_parallel = self.ranks.parallelize(by_rank, model)
-        self.runners: dict[int, StageRunner] = {}
-        for rank, mine in by_rank.items():
-            self.runners.update(build_runners(self.schedule, rank, mine, loss_fn, stage))
-        if self.tensor_parallel is not None:
-            for runner in self.runners.values():
-                runner.context = self.tensor_parallel.context(runner.stage)
-        self._tie(model)
-        self.ranks.connect(self, self._what_was_built())
-
-    def _tie(self, model: WholeModel) -> None:
-        """Share tied copies within this process; remember what clipping and checkpoints need of the model."""
+        self.runners = _stage_runners(self.ranks, self.schedule, modules, loss_fn, stage, model)
+        self.device = self.ranks.device
         self.tied_parameters = model.tied_parameters  # checkpoints save a tied tensor once, under its first name
-        share_tied_locally(self.runners, model.tied_parameters)
-        self._tied_copies = tied_copies_outside_their_first_stage(self.runners, model.tied_parameters)
-        self._parameter_order = dict(model.parameter_order) if model.parameter_order is not None else None
         self.model_info = model.info  # the unsplit model's class, names, config
-
-    def _what_was_built(self) -> dict[str, str]:
-        """What every rank must agree on, as short strings (see RankLifecycle.agree)."""
-        sched = self.schedule
-        programs = hashlib.sha1(repr(sched.programs).encode()).hexdigest()[:12]
-        return {
-            "schedule": f"{sched.name} P={sched.num_ranks} V={sched.virtual} M={sched.num_microbatches} "
-                        f"programs {programs}",
-            "model": self.model.describe(),
-            "stage options": self.stage.describe(),
-            "transfer options": self.transfer.describe(),
-            "layout": self.layout.describe(),
-        }
+        self.ranks.connect(self.runners, stage, model, built_fields(self.schedule, self.layout, stage, transfer, model),
+                           owner=self)
+        self.needs_inputs, self.needs_target = 0 in self.runners, self.schedule.num_stages - 1 in self.runners
+        self.dp_rank, self.dp_size = self.ranks.dp_rank, self.ranks.dp_size
+        self.checkpoint_group = self.ranks.checkpoint_group
+        self.gradient_checks = GradientChecks(self.ranks, self.runners, self.schedule, model)
+        inputs = StepInputs(self.schedule, set(self.runners), self.ranks.rank, self.device)
+        self.steps = PipelineSteps(self.ranks, self.runners, self.schedule, stage, inputs)
 
     # --- steps ---------------------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False,
@@ -157,24 +139,66 @@ class Pipeline(GradientChecks):
         ``normalize_by`` (read where the last stage runs): None divides each microbatch's loss by M;
         N, the global minibatch's token count (:func:`conveyor.parallel.count_tokens`), divides
         ``loss_fn``'s per-microbatch SUM by N (:mod:`conveyor.parallel.loss`).
-        ``microbatches=[...]``, ``targets=[...]``: M microbatches of their own shapes (``steps.presplit``).
+        ``pipe.step(conveyor.Microbatches(inputs=[...], targets=[...]))``: M microbatches of their own
+        shapes, split by the caller (:class:`~conveyor.microbatch.Microbatches`); outputs come back as a list.
 
         Example:
             >>> loss = pipe.step(x, target=y, on_nonfinite="skip")   # doctest: +SKIP
         """
         check_nonfinite_mode(on_nonfinite)
-        result, report = self.ranks.guarded(train_step, self, args, kwargs, target, return_outputs, on_nonfinite,
-                                            normalize_by, presplit(kwargs))
+        result = self.ranks.guarded(self.steps.train, args, kwargs, target, return_outputs, normalize_by)
+        report = self.ranks.guarded(self.gradient_checks.nonfinite_report, self.device) if on_nonfinite else ""
         if report:
-            self._after_nonfinite(report, on_nonfinite)
+            self.gradient_checks.after_nonfinite(report, on_nonfinite)
         return result
 
     def forward(self, *args: Any, **kwargs: Any):
         """Forward only (evaluation, no autograd state): the merged model outputs where the last
         stage runs, None elsewhere."""
-        return self.ranks.guarded(forward_only, self, args, kwargs)
+        return self.ranks.guarded(self.steps.forward, args, kwargs)
 
     __call__ = forward
+
+    # --- the step's gradients --------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+        """Clip the whole pipeline's gradients by their total norm; returns that norm on every rank.
+
+        Equal, bit for bit, to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+        on the unsplit model: every rank computes the same total norm from all ranks'
+        gradients and scales its own by the same factor. The model's parameter order, which
+        the norm's rounding depends on, is ``parameter_order`` (name -> index, which
+        :func:`pipeline` passes) or else stage by stage; a tied parameter counts once. Clipping
+        with ``torch.nn.utils.clip_grad_norm_(pipe.parameters())`` instead would scale each
+        rank by its own norm. A collective on a distributed pipeline: call it on every rank.
+        ``foreach`` means what it means to torch and, like the other arguments, must be the
+        same on every rank. Which parameters have gradients is exchanged on the first call
+        only; later calls make no host round trip (see :meth:`forget_norm_layout`).
+        ``error_if_nonfinite=True`` reads the total on the host (a synchronisation on a GPU).
+
+        Example:
+            >>> loss = pipe.step(x, target=y)                  # doctest: +SKIP
+            >>> norm = pipe.clip_grad_norm_(1.0)               # doctest: +SKIP
+            >>> optimizer.step(); optimizer.zero_grad()        # doctest: +SKIP
+        """
+        return self.gradient_checks.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def forget_norm_layout(self) -> None:
+        """Make the next :meth:`clip_grad_norm_` exchange again which parameters have gradients.
+
+        Call it on every rank after changing which parameters train (freezing some, say):
+        the ranks agree on that once, so that later calls need no host round trip, and a rank
+        whose parameters with gradients changed since raises until this is called.
+
+        Example:
+            >>> pipe.forget_norm_layout()   # doctest: +SKIP
+        """
+        self.gradient_checks.forget_norm_layout()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps dropped by ``on_nonfinite="skip"``."""
+        return self.gradient_checks.skipped_steps
 
     # --- what the step measured ----------------------------------------------------------
     def memory(self, all_ranks: bool = False) -> MemoryReport | list[MemoryReport]:
@@ -193,34 +217,9 @@ class Pipeline(GradientChecks):
 
     # --- what this process holds ---------------------------------------------------------
     @property
-    def needs_inputs(self) -> bool:
-        """Whether this process runs stage 0: the one that reads the minibatch's inputs."""
-        return 0 in self.runners
-
-    @property
-    def needs_target(self) -> bool:
-        """Whether this process runs the last stage: the one that reads the targets."""
-        return self.schedule.num_stages - 1 in self.runners
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's replica (0 without data parallelism)."""
-        return self.ranks.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        """How many replicas of the pipeline train together (1 without data parallelism)."""
-        return self.ranks.dp_size
-
-    @property
-    def replicas(self) -> Any:
+    def replicas(self) -> Replicas | None:
         """The data-parallel replicas of this rank's stages (None: one replica)."""
-        return self.ranks.replicas
-
-    @property
-    def checkpoint_group(self) -> Any:
-        """With replicas or TP: the group over every rank of the job, that writes checkpoints (else None)."""
-        return self.ranks.checkpoint_group
+        return self.ranks.find_part(Replicas)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -290,3 +289,42 @@ class Pipeline(GradientChecks):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _backend(layout: Layout, transfer: TransferOptions, stage: StageOptions) -> RanksBackend:
+    """The ranks backend the layout asks for, checked against the stage options it must work with."""
+    backend = (InProcessRanks if layout.in_process else DistributedRanks)(layout, transfer)
+    replicas = backend.find_part(Replicas)
+    check_together(stage, replicas.kind if replicas is not None else None)  # the kind the layout resolved to
+    return backend
+
+
+def _stage_runners(backend: RanksBackend, schedule: Schedule, modules: Sequence[torch.nn.Module] | torch.nn.Module,
+                   loss_fn: LossFn | None, stage: StageOptions, model: WholeModel) -> dict[int, StageRunner]:
+    """A runner per stage this process runs, over its modules placed (and wrapped by the backend's parts)."""
+    runners: dict[int, StageRunner] = {}
+    for rank, mine in backend.place(modules, model).items():
+        runners.update(build_runners(schedule, rank, mine, loss_fn, stage))
+    share_tied_locally(runners, model.tied_parameters)  # one Parameter per tied parameter within a process
+    return runners
+
+
+def built_fields(schedule: Schedule, layout: Layout, stage: StageOptions, transfer: TransferOptions,
+                 model: WholeModel) -> dict[str, str]:
+    """What every rank must agree on, as short strings (see RankLifecycle.agree).
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> built_fields(cs.build("gpipe", ranks=2, microbatches=2), Layout(), StageOptions(), TransferOptions(),
+        ...              WholeModel())["schedule"][:18]
+        'gpipe P=2 V=1 M=2 '
+    """
+    programs = hashlib.sha1(repr(schedule.programs).encode()).hexdigest()[:12]
+    return {
+        "schedule": f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches} "
+                    f"programs {programs}",
+        "model": model.describe(),
+        "stage options": stage.describe(),
+        "transfer options": transfer.describe(),
+        "layout": layout.describe(),
+    }
