@@ -12,7 +12,13 @@ Results are bitwise identical to one device running, for each microbatch i in or
 ``(loss_fn(model(x_i), y_i) / M).backward()``. Every rank in one process:
 ``layout=Layout(in_process=True)`` with one module per stage (:func:`conveyor.LocalPipeline`);
 several replicas on a ("pp", "dp") mesh: ``mesh=`` and :mod:`conveyor.parallel`. The ranks
-backend (:mod:`conveyor.pipe.ranks`) is all that differs: every method below is the same on both.
+backend (:mod:`conveyor.pipe.backend`'s contract) is all that differs: every method below is the same on both.
+
+A step: the minibatch is cut into the schedule's microbatches exactly as a one-device loop would
+cut it (:mod:`conveyor.microbatch`), or taken as the caller cut it (:class:`~conveyor.microbatch.Microbatches`),
+and moved to the stage device where it came from a CPU loader (:class:`StepInputs`); the steps
+(:class:`PipelineSteps`) hand it to the ranks backend, which runs every program this process
+holds; the loss (on every rank) and the last stage's outputs come back.
 """
 
 from __future__ import annotations
@@ -25,16 +31,25 @@ from typing import Any, Self
 import torch
 
 from conveyor.errors import PipelineConfigError
+from conveyor.microbatch import (
+    Microbatches,
+    check_given_microbatches,
+    merge_outputs,
+    split_microbatches,
+    split_value,
+)
 from conveyor.options import Layout, StageOptions, TransferOptions, WholeModel, check_together
 from conveyor.parallel.clipping import check_nonfinite_mode
+from conveyor.parallel.loss import set_loss_divisor
 from conveyor.parallel.replicas import Replicas
 from conveyor.parallel.tied import share_tied_locally
 from conveyor.pipe.backend import RanksBackend
 from conveyor.pipe.distributed import DistributedRanks
 from conveyor.pipe.gradients import GradientChecks
 from conveyor.pipe.ranks import InProcessRanks
-from conveyor.pipe.steps import PipelineSteps, StepInputs
+from conveyor.runtime.device import to_device
 from conveyor.runtime.memory import MemoryReport
+from conveyor.runtime.rng import step_random_streams
 from conveyor.runtime.runner import LossFn, StageRunner, build_runners, named_unique
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.timeline import Timeline
@@ -290,6 +305,144 @@ class Pipeline:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+
+Split = tuple[list[tuple[tuple, dict]] | None, list[Any] | None]  # (stage 0's microbatches, the last stage's targets)
+
+
+class StepInputs:
+    """A step's inputs as this process's stages read them: the microbatches where stage 0 runs, the
+    targets where the last stage runs, on the stage device.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> inputs = StepInputs(cs.build("gpipe", ranks=1, microbatches=2), {0}, 0, torch.device("cpu"))
+        >>> first, targets = inputs.split((torch.arange(4),), {}, None)
+        >>> [args[0].tolist() for args, _ in first], targets
+        ([[0, 1], [2, 3]], [None, None])
+    """
+
+    def __init__(self, schedule: Schedule, stages: set[int], rank: int, device: torch.device) -> None:
+        self.num_microbatches = schedule.num_microbatches
+        self.needs_inputs = 0 in stages
+        self.needs_target = schedule.num_stages - 1 in stages
+        self.rank, self.device = rank, device
+        self.last_rank = schedule.placement.rank_of(schedule.num_stages - 1)
+        self.warned_target = False  # told once that target= is read on the last stage's rank only
+
+    def split(self, args: tuple, kwargs: dict, target: Any) -> Split:
+        """The minibatch cut into microbatches as a one-device loop cuts it."""
+        first = self._split_inputs(args, kwargs) if self.needs_inputs else None
+        if target is not None and not self.needs_target and not self.warned_target:
+            self.warned_target = True
+            log.warning("conveyor: rank %d was given target=, but the last stage runs on rank %d: ignored here "
+                        "(pass target= there; None elsewhere)", self.rank, self.last_rank)
+        targets = self._split_target(target) if self.needs_target else None
+        return first, targets
+
+    def given(self, microbatches: Microbatches, args: tuple, kwargs: dict, target: Any) -> Split:
+        """The caller's own microbatches, each with its own shapes (nothing else may come beside them)."""
+        if args or kwargs or target is not None:
+            raise PipelineConfigError(
+                "pipe.step(Microbatches(...)) takes the microbatches already split: pass no other positional "
+                f"inputs, keyword inputs or target= beside it (got {len(args)} more positional, keywords "
+                f"{sorted(kwargs)}, target {'given' if target is not None else 'None'})"
+            )
+        num = self.num_microbatches
+        first = None
+        if self.needs_inputs:
+            if microbatches.inputs is None:
+                raise PipelineConfigError(
+                    f"rank {self.rank} runs stage 0 and was given Microbatches(inputs=None): pass the {num} "
+                    "microbatches there"
+                )
+            first = self._on_device(check_given_microbatches(microbatches.inputs, num))
+        targets = None
+        if self.needs_target:
+            targets = [None] * num if microbatches.targets is None else list(microbatches.targets)
+            if len(targets) != num:
+                raise PipelineConfigError(
+                    f"Microbatches(targets=...) holds {len(targets)} targets, but the schedule runs {num} "
+                    "microbatches: pass one target per microbatch (or None)"
+                )
+            targets = self._on_device(targets)
+        return first, targets
+
+    def _split_inputs(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+        if all(a is None for a in args) and not kwargs:
+            raise PipelineConfigError(
+                "inputs are missing on the rank that runs stage 0: pass the minibatch to pipe.step(...) there"
+            )
+        args, kwargs = self._on_device((args, kwargs))  # the minibatch may come from a CPU data loader
+        return split_microbatches(args, kwargs, self.num_microbatches)
+
+    def _split_target(self, target: Any) -> list[Any]:
+        if target is None:
+            return [None] * self.num_microbatches
+        return split_value(self._on_device(target), self.num_microbatches, "target")
+
+    def _on_device(self, value: Any) -> Any:
+        return value if self.device.type == "cpu" else to_device(value, self.device)
+
+
+class PipelineSteps:
+    """Training and forward-only steps of one process's ``runners`` over its ranks ``backend``.
+
+    Example:
+        >>> import torch, conveyor
+        >>> pipe = conveyor.LocalPipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2)
+        >>> type(pipe.steps).__name__, pipe.steps.forward((torch.ones(4, 2),), {}).shape
+        ('PipelineSteps', torch.Size([4, 1]))
+    """
+
+    def __init__(self, backend: RanksBackend, runners: dict[int, StageRunner], schedule: Schedule,
+                 stage: StageOptions, inputs: StepInputs) -> None:
+        self.backend, self.runners, self.schedule, self.stage = backend, runners, schedule, stage
+        self.inputs = inputs
+
+    def train(self, args: tuple, kwargs: dict, target: Any, return_outputs: bool,
+              normalize_by: float | torch.Tensor | None) -> Any:
+        """One training step: the loss on every rank, or ``(loss, outputs)`` with ``return_outputs``.
+        ``args[0]`` may be the caller's :class:`~conveyor.microbatch.Microbatches`."""
+        given = args[0] if args and isinstance(args[0], Microbatches) else None
+        if given is not None:
+            first, targets = self.inputs.given(given, args[1:], kwargs, target)
+        else:
+            first, targets = self.inputs.split(args, kwargs, target)
+        set_loss_divisor(self.runners, self.schedule.num_stages, normalize_by, self.backend.dp_size)
+        for runner in self.runners.values():
+            runner.reset()
+        self.backend.start(True, self.stage.record_timeline)
+        with torch.enable_grad(), step_random_streams(self.runners.values(), self.stage.random_streams):
+            self.backend.run(True, first, targets, return_outputs)
+        loss = self.backend.finish_step(self.runners)
+        if return_outputs:  # microbatches given one by one come back so
+            return loss, self.last_outputs(merged=given is None, clear=False)
+        return loss
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        """Forward of every microbatch without autograd state: the merged outputs where the last stage
+        runs, None elsewhere."""
+        first = self.inputs.split(args, kwargs, None)[0]
+        for runner in self.runners.values():
+            runner.reset()
+        self.backend.start(False, False)
+        with torch.no_grad(), step_random_streams(self.runners.values(), self.stage.random_streams):
+            self.backend.run(False, first, None, False)
+        self.backend.finish_forward()
+        return self.last_outputs(merged=True, clear=True)
+
+    def last_outputs(self, merged: bool, clear: bool) -> Any:
+        """The last stage's outputs of every microbatch (None where the last stage does not run):
+        ``merged`` as the model would return them for the whole minibatch, else a list."""
+        last = self.runners.get(self.schedule.num_stages - 1)
+        if last is None:
+            return None
+        outputs = [last.outputs[m] for m in range(self.schedule.num_microbatches)]
+        if merged:
+            outputs = merge_outputs(outputs)
+        if clear:
+            last.outputs.clear()
+        return outputs
 
 def _backend(layout: Layout, transfer: TransferOptions, stage: StageOptions) -> RanksBackend:
     """The ranks backend the layout asks for, checked against the stage options it must work with."""
