@@ -37,10 +37,11 @@ from conveyor.runtime.lifecycle import RankLifecycle
 from conveyor.runtime.memory import MemoryReport, memory_report
 from conveyor.runtime.runner import StageRunner
 from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder
+from conveyor.runtime.transport import Transport
 from conveyor.runtime.transport_choice import build_transport, seed_shapes
 from conveyor.schedule.grid import render_positions
 from conveyor.schedule.ir import Schedule
-from conveyor.schedule.passes import executable
+from conveyor.schedule.passes import Executable, executable
 from conveyor.schedule.registry import resolve_schedule
 from conveyor.schedule.timeline import Timeline, measured_timeline
 
@@ -53,6 +54,11 @@ class DistributedRanks:
     in_process = False
     checkpoint_group = None  # with a part that asks for it (replicas, TP): a group over every rank of the job
     _recorder: StepRecorder | EventRecorder | None = None  # the last step's, when recorded
+    # Built by connect(): the pipeline's groups, its programs, the transport and the executor.
+    life: RankLifecycle
+    runs: Executable
+    transport: Transport
+    executor: RankExecutor
 
     def __init__(self, layout: Layout, transfer: TransferOptions) -> None:
         import torch.distributed as dist
