@@ -36,6 +36,10 @@ class CountingDoubler(StagePart):
         self.calls["wrap_stages"] += 1
         self.stages = sorted(modules)
 
+    def runner_context(self, stage: int):
+        self.calls["runner_context"] += 1
+        return None  # the stage's passes run as they would without this part
+
     def agree(self, site: PartSite) -> None:
         self.calls["agree"] += 1
         self.runners = dict(site.runners)
@@ -127,9 +131,9 @@ def test_a_part_of_the_tests_own_runs_at_every_hook_under_every_schedule():
                 assert all(torch.isfinite(g).all() for g in got.values()), where
             # The total norm of gradients doubled is twice the norm: exact, as every term is scaled by 2.
             assert all(torch.equal(a, b * 2) for a, b in zip(norms, want_norms, strict=True)), where
-            assert calls == {"wrap_stages": 1, "agree": 1, "wrap": 1, "start_step": NUM_STEPS,
-                             "finish_step": NUM_STEPS, "step_loss": NUM_STEPS, "flags": NUM_STEPS,
-                             "whole_norms": NUM_STEPS, "spans": 1}, where
+            assert calls == {"wrap_stages": 1, "runner_context": len(mine), "agree": 1, "wrap": 1,
+                             "start_step": NUM_STEPS, "finish_step": NUM_STEPS, "step_loss": NUM_STEPS,
+                             "flags": NUM_STEPS, "whole_norms": NUM_STEPS, "spans": 1}, where
             assert done == {stage: NUM_STEPS for stage in mine}, where  # each stage's gradients final once a step
             assert metadata == {"ranks": 2}, where
 
