@@ -69,8 +69,23 @@ class GradientChecks:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
-        """What :meth:`conveyor.Pipeline.clip_grad_norm_` does: the total norm, every rank's gradients
-        scaled by one factor."""
+        """Clip the whole pipeline's gradients by their total norm; returns that norm on every rank.
+
+        Equal, bit for bit, to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+        on the unsplit model: every rank computes the same total norm from all ranks'
+        gradients and scales its own by the same factor. The model's parameter order, which
+        the norm's rounding depends on, is ``parameter_order`` (name -> index, which
+        :func:`conveyor.pipeline` passes) or else stage by stage; a tied parameter counts once.
+        Clipping with ``torch.nn.utils.clip_grad_norm_(pipe.parameters())`` instead would scale
+        each rank by its own norm. A collective on a distributed pipeline: call it on every rank.
+        ``foreach`` means what it means to torch and, like the other arguments, must be the
+        same on every rank. Which parameters have gradients is exchanged on the first call
+        only; later calls make no host round trip (see :meth:`forget_norm_layout`).
+        ``error_if_nonfinite=True`` reads the total on the host (a synchronisation on a GPU).
+
+        Example:
+            >>> norm = pipe.gradient_checks.clip_grad_norm_(1.0)   # as pipe.clip_grad_norm_(1.0)   # doctest: +SKIP
+        """
         norm_type = float(norm_type)
         total = self.backend.guarded(self._total_norm, norm_type, foreach)
         if error_if_nonfinite:
@@ -90,6 +105,13 @@ class GradientChecks:
         if self.norm_exchange is None:
             self.norm_exchange = self.backend.norm_exchange()  # over the ranks backend's collectives
         return self.norm_exchange.total(places, grads, norms, norm_type, foreach)
+
+    def check_finite(self, on_nonfinite: str, device: torch.device) -> None:
+        """After a step: where its loss or gradients stopped being finite, if anywhere, raised
+        (``"raise"``) or dropped on every rank (``"skip"``); ``device``: the stage device."""
+        report = self.backend.guarded(self.nonfinite_report, device)
+        if report:
+            self.after_nonfinite(report, on_nonfinite)
 
     def nonfinite_report(self, device: torch.device) -> str:
         """Empty, or where this step's loss or gradients stopped being finite (on every rank alike)."""

@@ -64,10 +64,10 @@ class Pipeline:
     per stage, by stage). ``schedule``: a :class:`~conveyor.schedule.Schedule` or a name (then
     ``microbatches=`` and, for some schedules, ``virtual=``). ``mesh`` (a ("pp", "dp") DeviceMesh)
     and ``data_parallel`` ("ddp" by default, or "fsdp") run ``dp`` replicas; a ("pp", "dp", "tp") mesh
-    and ``tensor_parallel`` ("auto", or {module-name pattern: torch ParallelStyle}) parallelize
-    each stage over its TP ranks with torch's ``parallelize_module``; they are the everyday
-    fields of ``layout`` (:class:`~conveyor.options.Layout`: the process group, the
-    device, or every rank in this process). ``stage`` (:class:`~conveyor.options.StageOptions`):
+    and ``tensor_parallel`` ("auto", or {module-name pattern: torch ParallelStyle}) parallelize each stage
+    over its TP ranks with torch's ``parallelize_module``; they are the everyday fields of ``layout``
+    (:class:`~conveyor.options.Layout`: the process group, the device, or every rank in this process,
+    and stage parts of your own). ``stage`` (:class:`~conveyor.options.StageOptions`):
     what each stage does (activation checkpointing, autocast, bf16 parameters, compile, random
     streams, memory measurement). ``transfer`` (:class:`~conveyor.options.TransferOptions`): how
     bytes move (transport, timeout, fixed shapes). ``model`` (:class:`~conveyor.options.WholeModel`,
@@ -82,12 +82,6 @@ class Pipeline:
     :class:`PeerFailure` on the others, then :class:`PipelineStopped`); your groups stay usable.
     ``close()`` (or leaving ``with conveyor.Pipeline(...) as pipe:``) releases what it holds; a
     closed pipeline raises :class:`PipelineClosed`.
-
-    What this process holds: ``runners`` (by stage) and their ``modules``; ``needs_inputs`` /
-    ``needs_target``: whether it runs stage 0 (which reads the minibatch's inputs) / the last stage
-    (which reads the targets); ``dp_rank`` / ``dp_size``: its replica and the replica count (0 and 1
-    without data parallelism); ``checkpoint_group``: with replicas or TP, the group over every rank
-    of the job that writes checkpoints (else None); ``ranks``: its ranks backend.
 
     Example:
         >>> import torch, conveyor
@@ -116,11 +110,7 @@ class Pipeline:
         transfer: TransferOptions = TransferOptions(),
         model: WholeModel = WholeModel(),
     ) -> None:
-        for name, value, kind in (("layout", layout, Layout), ("stage", stage, StageOptions),
-                                  ("transfer", transfer, TransferOptions), ("model", model, WholeModel)):
-            if not isinstance(value, kind):
-                raise PipelineConfigError(f"{name}= takes a conveyor.options.{kind.__name__}; got "
-                                          f"{type(value).__name__}")
+        _check_records(layout=layout, stage=stage, transfer=transfer, model=model)
         self.layout = layout.with_shortcuts(mesh, data_parallel, tensor_parallel)
         self.stage, self.transfer, self.model = stage, transfer, model
         self.ranks: RanksBackend = _backend(self.layout, transfer, stage)
@@ -131,9 +121,6 @@ class Pipeline:
         self.model_info = model.info  # the unsplit model's class, names, config
         self.ranks.connect(self.runners, stage, model, built_fields(self.schedule, self.layout, stage, transfer, model),
                            owner=self)
-        self.needs_inputs, self.needs_target = 0 in self.runners, self.schedule.num_stages - 1 in self.runners
-        self.dp_rank, self.dp_size = self.ranks.dp_rank, self.ranks.dp_size
-        self.checkpoint_group = self.ranks.checkpoint_group
         self.gradient_checks = GradientChecks(self.ranks, self.runners, self.schedule, model)
         inputs = StepInputs(self.schedule, set(self.runners), self.ranks.rank, self.device)
         self.steps = PipelineSteps(self.ranks, self.runners, self.schedule, stage, inputs)
@@ -162,9 +149,8 @@ class Pipeline:
         """
         check_nonfinite_mode(on_nonfinite)
         result = self.ranks.guarded(self.steps.train, args, kwargs, target, return_outputs, normalize_by)
-        report = self.ranks.guarded(self.gradient_checks.nonfinite_report, self.device) if on_nonfinite else ""
-        if report:
-            self.gradient_checks.after_nonfinite(report, on_nonfinite)
+        if on_nonfinite is not None:
+            self.gradient_checks.check_finite(on_nonfinite, self.device)
         return result
 
     def forward(self, *args: Any, **kwargs: Any):
@@ -179,17 +165,9 @@ class Pipeline:
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Clip the whole pipeline's gradients by their total norm; returns that norm on every rank.
 
-        Equal, bit for bit, to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
-        on the unsplit model: every rank computes the same total norm from all ranks'
-        gradients and scales its own by the same factor. The model's parameter order, which
-        the norm's rounding depends on, is ``parameter_order`` (name -> index, which
-        :func:`pipeline` passes) or else stage by stage; a tied parameter counts once. Clipping
-        with ``torch.nn.utils.clip_grad_norm_(pipe.parameters())`` instead would scale each
-        rank by its own norm. A collective on a distributed pipeline: call it on every rank.
-        ``foreach`` means what it means to torch and, like the other arguments, must be the
-        same on every rank. Which parameters have gradients is exchanged on the first call
-        only; later calls make no host round trip (see :meth:`forget_norm_layout`).
-        ``error_if_nonfinite=True`` reads the total on the host (a synchronisation on a GPU).
+        Equal, bit for bit, to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on the
+        unsplit model (how: :meth:`conveyor.pipe.gradients.GradientChecks.clip_grad_norm_`). A
+        collective on a distributed pipeline: call it on every rank, with the same arguments.
 
         Example:
             >>> loss = pipe.step(x, target=y)                  # doctest: +SKIP
@@ -231,6 +209,31 @@ class Pipeline:
         return self.ranks.guarded(self.ranks.timeline)
 
     # --- what this process holds ---------------------------------------------------------
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this process runs stage 0: the one that reads the minibatch's inputs."""
+        return 0 in self.runners
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether this process runs the last stage: the one that reads the targets."""
+        return self.schedule.num_stages - 1 in self.runners
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica (0 without data parallelism)."""
+        return self.ranks.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """How many replicas of the pipeline train together (1 without data parallelism)."""
+        return self.ranks.dp_size
+
+    @property
+    def checkpoint_group(self) -> Any:
+        """With replicas or TP: the group over every rank of the job, that writes checkpoints (else None)."""
+        return self.ranks.checkpoint_group
+
     @property
     def replicas(self) -> Replicas | None:
         """The data-parallel replicas of this rank's stages (None: one replica)."""
@@ -443,6 +446,14 @@ class PipelineSteps:
         if clear:
             last.outputs.clear()
         return outputs
+
+def _check_records(**records: Any) -> None:
+    """Each option record is of its type (a dict or another record passed by mistake is named)."""
+    for name, value in records.items():
+        kind = {"layout": Layout, "stage": StageOptions, "transfer": TransferOptions, "model": WholeModel}[name]
+        if not isinstance(value, kind):
+            raise PipelineConfigError(f"{name}= takes a conveyor.options.{kind.__name__}; got {type(value).__name__}")
+
 
 def _backend(layout: Layout, transfer: TransferOptions, stage: StageOptions) -> RanksBackend:
     """The ranks backend the layout asks for, checked against the stage options it must work with."""
