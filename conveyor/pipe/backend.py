@@ -41,6 +41,7 @@ class RanksBackend(Protocol):
     dp_size: int  # how many replicas train together
     checkpoint_group: Any  # the group that writes checkpoints together (None: this process alone)
     device: torch.device  # the stage device, once placed
+    comm_device: torch.device  # where the pipeline's collectives take their tensors (NCCL: the stage GPU)
     parts: Sequence[StagePart]  # what wraps this rank's stages (in process: none)
 
     @property

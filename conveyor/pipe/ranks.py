@@ -90,6 +90,7 @@ class InProcessRanks:
         modules = list(modules)  # one per stage (a Sequential: its children)
         device = self.layout.device
         self.device = resolve_device(device if device is not None else module_device(modules) or "cpu")
+        self.comm_device = self.device  # nothing crosses processes: combined where the stages are
         place_modules(modules, range(len(modules)), self.device)
         return {r: [modules[s] for s in self.schedule.stages_of(r)] for r in self.local_ranks}
 
