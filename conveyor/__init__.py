@@ -20,11 +20,11 @@ _LAZY = {
     "Pipeline": ("conveyor.pipe", "Pipeline"),
     "pipeline": ("conveyor.build", "pipeline"),
     "LocalPipeline": ("conveyor.local", "LocalPipeline"),
-    "MasterWeights": ("conveyor.runtime.main_grad", "MasterWeights"),
+    "MasterWeights": ("conveyor.runtime.stage.main_grad", "MasterWeights"),
     "Microbatches": ("conveyor.microbatch", "Microbatches"),
     "Plan": ("conveyor.plan.result", "Plan"),
     "StageOptions": ("conveyor.options", "StageOptions"),
-    "CheckpointPolicy": ("conveyor.options", "CheckpointPolicy"),
+    "RecomputePolicy": ("conveyor.options", "RecomputePolicy"),
     "TransferOptions": ("conveyor.options", "TransferOptions"),
     "Layout": ("conveyor.options", "Layout"),
     "WholeModel": ("conveyor.options", "WholeModel"),
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from conveyor.local import LocalPipeline  # noqa: F401
     from conveyor.microbatch import Microbatches  # noqa: F401
     from conveyor.options import (  # noqa: F401
-        CheckpointPolicy,
+        RecomputePolicy,
         Layout,
         PipelineOptions,
         SplitOptions,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     )
     from conveyor.pipe import Pipeline  # noqa: F401
     from conveyor.plan.result import Plan  # noqa: F401
-    from conveyor.runtime.main_grad import MasterWeights  # noqa: F401
+    from conveyor.runtime.stage.main_grad import MasterWeights  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 
 - :class:`StageOptions`: what each stage does (activation checkpointing, autocast, parameter and
   accumulation dtypes, compile, random streams, memory measurement, the timeline).
-- :class:`CheckpointPolicy`: which part of a stage recomputes its activations in backward, per stage.
+- :class:`RecomputePolicy`: which part of a stage recomputes its activations in backward, per stage.
 - :class:`TransferOptions`: how bytes move between stages (transport, timeout, fixed shapes).
 - :class:`Layout`: where the ranks are (a process group or a ("pp", "dp") mesh, the data-parallel
   kind, the device, or every rank in this process).
@@ -58,14 +58,14 @@ def _set(record: Any, name: str, value: Any) -> None:
 def _describe_fields(record: Any) -> str:
     """``name=value`` for every field of ``record``, the same text on every rank (a function given
     as a torch.compile backend by its name, not its address)."""
-    from conveyor.runtime.compile import describe_compile
+    from conveyor.runtime.stage.compile import describe_compile
 
     parts = []
     for f in dataclasses.fields(record):
         value = getattr(record, f.name)
         if f.name == "compile":
             value = describe_compile(value)
-        elif isinstance(value, CheckpointPolicy):
+        elif isinstance(value, RecomputePolicy):
             value = value.describe()
         elif f.name == "checkpoint" and isinstance(value, tuple):
             value = "[" + ", ".join(str(p.describe() if p else None) for p in value) + "]"
@@ -90,7 +90,7 @@ def _dtype_name(value: Any, what: str) -> str | None:
     raise PipelineConfigError(f"{what}={value!r} is not a dtype conveyor knows; use 'bf16', 'fp32' or a "
                               "torch floating-point dtype")
 
-CHECKPOINT_KEYS = ("every", "blocks", "save")
+RECOMPUTE_KEYS = ("every", "blocks", "save")
 # Names for groups of operators whose outputs a selective checkpoint keeps (the rest is recomputed).
 SAVE_PRESETS = {
     "matmul": ("mm", "bmm", "addmm", "baddbmm"),
@@ -100,7 +100,7 @@ SAVE_PRESETS = {
 
 
 @dataclass(frozen=True)
-class CheckpointPolicy:
+class RecomputePolicy:
     """Which part of one stage recomputes its activations in backward (``torch.utils.checkpoint``).
 
     No ``every`` and no ``blocks``: the whole stage is one checkpointed region (what
@@ -114,12 +114,12 @@ class CheckpointPolicy:
     ``"aten.addmm"``) or the groups ``"matmul"`` and ``"attention"``.
 
     Example:
-        >>> CheckpointPolicy(every=2, save=("matmul",)).describe()
+        >>> RecomputePolicy(every=2, save=("matmul",)).describe()
         'every=2 save=matmul'
-        >>> CheckpointPolicy(every=0)  # doctest: +NORMALIZE_WHITESPACE
+        >>> RecomputePolicy(every=0)  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        conveyor.errors.PipelineConfigError: CheckpointPolicy.every takes a positive whole number of blocks
+        conveyor.errors.PipelineConfigError: RecomputePolicy.every takes a positive whole number of blocks
         (1: every block, 2: every other); got 0
     """
 
@@ -133,21 +133,21 @@ class CheckpointPolicy:
     def __post_init__(self) -> None:
         if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int)
                                        or self.every < 1):
-            raise PipelineConfigError("CheckpointPolicy.every takes a positive whole number of blocks (1: every "
+            raise PipelineConfigError("RecomputePolicy.every takes a positive whole number of blocks (1: every "
                                       f"block, 2: every other); got {self.every!r}")
         if self.blocks is not None:
             import re
 
             if not isinstance(self.blocks, str):
-                raise PipelineConfigError(f"CheckpointPolicy.blocks takes a regular expression; got {self.blocks!r}")
+                raise PipelineConfigError(f"RecomputePolicy.blocks takes a regular expression; got {self.blocks!r}")
             try:
                 re.compile(self.blocks)
             except re.error as error:
-                raise PipelineConfigError(f"CheckpointPolicy.blocks={self.blocks!r} is not a regular expression: "
+                raise PipelineConfigError(f"RecomputePolicy.blocks={self.blocks!r} is not a regular expression: "
                                           f"{error}") from None
         save = (self.save,) if isinstance(self.save, str) else self.save
         if not isinstance(save, Sequence) or not all(isinstance(name, str) for name in save):
-            raise PipelineConfigError(f"CheckpointPolicy.save takes operator names; got {self.save!r}")
+            raise PipelineConfigError(f"RecomputePolicy.save takes operator names; got {self.save!r}")
         _set(self, "save", tuple(save))
         self.saved_operators()  # refuses a name torch does not know
 
@@ -165,7 +165,7 @@ class CheckpointPolicy:
             for op in SAVE_PRESETS.get(name, (name,)):
                 packet = getattr(torch.ops.aten, op.removeprefix("aten.").split(".")[0], None)
                 if not isinstance(packet, torch._ops.OpOverloadPacket):
-                    raise PipelineConfigError(f"CheckpointPolicy.save: {name!r} is no aten operator; use "
+                    raise PipelineConfigError(f"RecomputePolicy.save: {name!r} is no aten operator; use "
                                               f"{', '.join(map(repr, SAVE_PRESETS))} or a name such as 'mm'")
                 found.append(packet)
         return tuple(found)
@@ -180,13 +180,13 @@ class CheckpointPolicy:
     __str__ = describe
 
     @classmethod
-    def parse(cls, value: Any) -> CheckpointPolicy | None:
+    def parse(cls, value: Any) -> RecomputePolicy | None:
         """A policy from what a user or a config gives: None/False (none), True (whole stage), a
         policy, or a mapping of its fields.
 
         Example:
-            >>> CheckpointPolicy.parse({"every": 2})
-            CheckpointPolicy(every=2, blocks=None, save=())
+            >>> RecomputePolicy.parse({"every": 2})
+            RecomputePolicy(every=2, blocks=None, save=())
         """
         if value is None or value is False:
             return None
@@ -195,24 +195,24 @@ class CheckpointPolicy:
         if isinstance(value, cls):
             return value
         if isinstance(value, Mapping):
-            unknown = sorted(set(value) - set(CHECKPOINT_KEYS))
+            unknown = sorted(set(value) - set(RECOMPUTE_KEYS))
             if unknown:
                 raise PipelineConfigError(f"checkpoint={dict(value)}: a policy takes the keys "
-                                          f"{', '.join(CHECKPOINT_KEYS)}; got {', '.join(map(str, unknown))}")
+                                          f"{', '.join(RECOMPUTE_KEYS)}; got {', '.join(map(str, unknown))}")
             return cls(**value)
-        raise PipelineConfigError(f"checkpoint={value!r}: a policy is true, false, a CheckpointPolicy or a mapping "
+        raise PipelineConfigError(f"checkpoint={value!r}: a policy is true, false, a RecomputePolicy or a mapping "
                                   "such as {'every': 2}")
 
 
-def _checkpoint_policies(value: Any) -> Any:
+def _recompute_policies(value: Any) -> Any:
     """``StageOptions.checkpoint`` normalised: None, one policy for every stage, or a tuple per stage."""
     if isinstance(value, Sequence) and not isinstance(value, str):
-        policies = tuple(CheckpointPolicy.parse(item) for item in value)
+        policies = tuple(RecomputePolicy.parse(item) for item in value)
         if not policies:
             raise PipelineConfigError("StageOptions.checkpoint got an empty list; give one policy per stage "
                                       "(None for a stage that keeps its activations) or one for all")
         return policies if any(policies) else None
-    return CheckpointPolicy.parse(value)
+    return RecomputePolicy.parse(value)
 
 
 @dataclass(frozen=True)
@@ -225,13 +225,13 @@ class StageOptions:
         checkpoint_activations=True autocast=bf16 param_dtype=None grad_accum_dtype=None compile=off
         random_streams=True measure_memory=False record_timeline=True checkpoint=stage
 
-    Checkpointing per stage and per block: ``checkpoint=`` takes a :class:`CheckpointPolicy` (or
+    Checkpointing per stage and per block: ``checkpoint=`` takes a :class:`RecomputePolicy` (or
     its fields as a mapping) for every stage, or a list with one per stage (None: that stage keeps
     its activations), so the first stages, which hold the most microbatches under 1F1B, recompute
     more than the last:
 
         >>> options = StageOptions(checkpoint=[{"every": 1}, {"every": 2}, None])
-        >>> [str(options.checkpoint_policy(stage, 3)) for stage in range(3)]
+        >>> [str(options.recompute_policy(stage, 3)) for stage in range(3)]
         ['every=1', 'every=2', 'None']
     """
 
@@ -258,9 +258,9 @@ class StageOptions:
                                "checkpoint_activations=true is {} (the whole stage)")
 
     def __post_init__(self) -> None:
-        from conveyor.runtime.compile import compile_options
-        from conveyor.runtime.main_grad import param_precision
-        from conveyor.runtime.precision import autocast_dtype
+        from conveyor.runtime.stage.compile import compile_options
+        from conveyor.runtime.stage.main_grad import param_precision
+        from conveyor.runtime.stage.precision import autocast_dtype
 
         autocast = autocast_dtype(self.autocast)  # refuses fp16 and names bf16
         _set(self, "autocast", None if autocast is None else "bf16")
@@ -276,15 +276,15 @@ class StageOptions:
         for name in ("checkpoint_activations", "random_streams", "measure_memory", "record_timeline"):
             if not isinstance(getattr(self, name), bool):
                 raise PipelineConfigError(f"StageOptions.{name} takes True or False; got {getattr(self, name)!r}")
-        policies = _checkpoint_policies(self.checkpoint)
-        if self.checkpoint_activations and policies not in (None, CheckpointPolicy()):
+        policies = _recompute_policies(self.checkpoint)
+        if self.checkpoint_activations and policies not in (None, RecomputePolicy()):
             raise PipelineConfigError("give checkpoint_activations=True (the whole of every stage) or checkpoint= "
                                       f"(per block and stage), not both; got checkpoint={self.checkpoint!r}")
         if self.checkpoint_activations:
-            policies = CheckpointPolicy()
+            policies = RecomputePolicy()
         _set(self, "checkpoint", policies)
 
-    def checkpoint_policy(self, stage: int, num_stages: int) -> CheckpointPolicy | None:
+    def recompute_policy(self, stage: int, num_stages: int) -> RecomputePolicy | None:
         """What stage ``stage`` of ``num_stages`` checkpoints (None: nothing)."""
         policies = self.checkpoint
         if not isinstance(policies, tuple):
@@ -303,9 +303,9 @@ class StageOptions:
         return torch.bfloat16 if self.autocast == "bf16" else None
 
     def param_precision(self, data_parallel: str | None = None) -> Any:
-        """The stages' :class:`~conveyor.runtime.main_grad.ParamPrecision` (None: parameters as given),
+        """The stages' :class:`~conveyor.runtime.stage.main_grad.ParamPrecision` (None: parameters as given),
         checked against the data-parallel kind."""
-        from conveyor.runtime.main_grad import param_precision
+        from conveyor.runtime.stage.main_grad import param_precision
 
         return param_precision(self.param_dtype, self.grad_accum_dtype, data_parallel)
 

@@ -44,7 +44,7 @@ from conveyor.errors import CheckpointError
 from conveyor.frontend import StageModule
 from conveyor.frontend.pretrained import model_info
 from conveyor.pipe import Pipeline
-from conveyor.runtime.main_grad import MasterWeights
+from conveyor.runtime.stage.main_grad import MasterWeights
 
 
 @dataclass

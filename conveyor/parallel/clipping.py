@@ -60,8 +60,8 @@ from torch.utils._foreach_utils import (
 
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel.part import StagePart
-from conveyor.runtime.main_grad import gradient
-from conveyor.runtime.runner import StageRunner
+from conveyor.runtime.stage.main_grad import gradient
+from conveyor.runtime.stage.runner import StageRunner
 
 # -- each rank's norms, and scaling by the total -------------------------------------------------
 

@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # FSDP2 and DTensor weigh ~45 MiB per process: imported only 
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from conveyor.errors import PipelineConfigError, UsageError
-from conveyor.runtime.runner import StageRunner
+from conveyor.runtime.stage.runner import StageRunner
 from conveyor.schedule.ir import ActionKind, Schedule
 
 # FSDP warns when a wrapped module returns a view, since an in-place op on it would skip a

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.runtime.runner import StageRunner
+from conveyor.runtime.stage.runner import StageRunner
 
 _CPU = torch.device("cpu")
 _FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

@@ -32,8 +32,8 @@ import torch
 
 from conveyor.options import Layout, WholeModel
 from conveyor.parallel.mesh import MeshLayout
-from conveyor.runtime.lifecycle import RankLifecycle
-from conveyor.runtime.runner import StageRunner
+from conveyor.runtime.lifecycle.rank import RankLifecycle
+from conveyor.runtime.stage.runner import StageRunner
 from conveyor.schedule.ir import Schedule
 
 Span = tuple[str, float, float]  # (what, start, end) on the step's clock

@@ -39,8 +39,8 @@ import torch
 from conveyor.parallel import fsdp
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.parallel.part import PartSite, Span, StagePart
-from conveyor.runtime.runner import StageRunner
-from conveyor.runtime.timing import SpanTimer
+from conveyor.runtime.stage.runner import StageRunner
+from conveyor.runtime.stage.timing import SpanTimer
 
 
 class Replicas(StagePart):
@@ -50,7 +50,7 @@ class Replicas(StagePart):
     over, where the stages are tensor parallel (the "dp" sub-mesh of the mesh whose "tp" sub-mesh
     holds their DTensors: FSDP2's 2-D composition); None: one over the replicas' group, which
     :meth:`agree` builds (the pipeline's own group over the ranks holding these stages in every
-    replica, see :meth:`conveyor.runtime.lifecycle.RankLifecycle.replica_group`). Each TP rank's
+    replica, see :meth:`conveyor.runtime.lifecycle.rank.RankLifecycle.replica_group`). Each TP rank's
     replicas then reduce its own shard's gradient: FSDP2 first gives a gradient that DTensor's
     backward left ``Partial`` over "tp" its parameter's placement, then reduces the local tensor
     over "dp". Checkpoints are written by every replica together: DCP writes a replicated tensor
@@ -76,8 +76,8 @@ class Replicas(StagePart):
         from torch.distributed.device_mesh import DeviceMesh
 
         fsdp.check_supported(site.schedule, self.kind, site.model.tied_parameters)
-        self.group = site.life.replica_group(replica_memberships(site.mesh_layout))
-        site.life.agree({**site.built, "data parallel": self.kind}, group=self.group, who="replicas")
+        self.group = site.life.groups.replica_group(replica_memberships(site.mesh_layout))
+        site.life.groups.agree({**site.built, "data parallel": self.kind}, group=self.group, who="replicas")
         self.runners = dict(site.runners)
         # Named after the group, not just "dp": torch's DTensor caches (sharding propagation)
         # take two meshes over the same ranks and names for one, and would hand a later

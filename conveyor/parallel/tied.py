@@ -26,8 +26,8 @@ import torch
 
 from conveyor.parallel.clipping import local_part
 from conveyor.parallel.part import PartSite, StagePart
-from conveyor.runtime.main_grad import gradient_attribute
-from conveyor.runtime.runner import StageRunner
+from conveyor.runtime.stage.main_grad import gradient_attribute
+from conveyor.runtime.stage.runner import StageRunner
 
 
 def _set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
@@ -90,7 +90,7 @@ class TiedGradients(StagePart):
             owners = tuple(sorted({placement.rank_of(stage) for stage, _ in tied.uses}))
             if len(owners) > 1 and owners not in self.subgroups:
                 replicas = layout.replica_ranks(list(owners)) if layout is not None else None
-                self.subgroups[owners] = site.life.subgroup(owners, replicas)
+                self.subgroups[owners] = site.life.groups.subgroup(owners, replicas)
 
     def wrap(self) -> None:
         """This rank's copies, as the stages hold them once every part wrapped them (replicas swap them)."""

@@ -22,8 +22,8 @@ import torch
 from conveyor.options import StageOptions, WholeModel
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.part import StagePart
-from conveyor.runtime.memory import MemoryReport
-from conveyor.runtime.runner import StageRunner
+from conveyor.runtime.stage.memory import MemoryReport
+from conveyor.runtime.stage.runner import StageRunner
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.timeline import Timeline
 

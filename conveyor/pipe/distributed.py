@@ -1,7 +1,7 @@
 """The torch.distributed ranks backend: this process runs one rank of the pipeline.
 
 It holds what only ranks in separate processes need: the pipeline's own process groups and
-their lifecycle (:mod:`conveyor.runtime.lifecycle`: agreement at construction, failure, close),
+their lifecycle (:mod:`conveyor.runtime.lifecycle.rank`: agreement at construction, failure, close),
 the transport between stages, the step's loss broadcast, the gathers behind
 ``memory(all_ranks=True)``, ``timeline()`` and clipping, and the stage parts that wrap this
 rank's stages (data-parallel replicas, tensor parallelism, tied copies, yours:
@@ -31,14 +31,14 @@ from conveyor.parallel.loss import LossBroadcast
 from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.part import PartSite, StagePart
 from conveyor.parallel.parts import parts_for
-from conveyor.runtime.device import group_device, make_current, place_modules, resolve_device
+from conveyor.runtime.stage.device import group_device, make_current, place_modules, resolve_device
 from conveyor.runtime.executor import RankExecutor
-from conveyor.runtime.lifecycle import RankLifecycle
-from conveyor.runtime.memory import MemoryReport, memory_report
-from conveyor.runtime.runner import StageRunner
-from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder
-from conveyor.runtime.transport import Transport
-from conveyor.runtime.transport_choice import build_transport, seed_shapes
+from conveyor.runtime.lifecycle.rank import RankLifecycle
+from conveyor.runtime.stage.memory import MemoryReport, memory_report
+from conveyor.runtime.stage.runner import StageRunner
+from conveyor.runtime.stage.timing import EventRecorder, StepRecorder, make_recorder
+from conveyor.runtime.transport.transport import Transport
+from conveyor.runtime.transport.choice import build_transport, seed_shapes
 from conveyor.schedule.grid import render_positions
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.passes import Executable, executable
@@ -123,7 +123,7 @@ class DistributedRanks:
         self.life = RankLifecycle(self.group, self.transfer.timeout_s,
                                   getattr(self.mesh_layout, "group_pipelines", None), device=self.comm_device)
         try:
-            self.life.agree(built)
+            self.life.groups.agree(built)
             site = PartSite(self.schedule, self.rank, runners, self.life, self.layout, self.mesh_layout,
                             self.device, model, built)
             for part in self.parts:
@@ -132,7 +132,7 @@ class DistributedRanks:
                 part.wrap()
             if any(part.wants_checkpoint_group for part in self.parts):
                 # Checkpoints are written by every rank of the job together (replicas, TP positions).
-                self.checkpoint_group = self.life.job_group()
+                self.checkpoint_group = self.life.groups.job_group()
             self._build_communication(runners, stage)
         except BaseException:
             # Disagreement: every rank raises alike. A transport that could not be built: the

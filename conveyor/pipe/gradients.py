@@ -37,8 +37,8 @@ from conveyor.parallel.clipping import (
 )
 from conveyor.parallel.tied import tied_copies_outside_their_first_stage
 from conveyor.pipe.backend import RanksBackend
-from conveyor.runtime.main_grad import drop_gradients, gradient
-from conveyor.runtime.runner import StageRunner, named_unique
+from conveyor.runtime.stage.main_grad import drop_gradients, gradient
+from conveyor.runtime.stage.runner import StageRunner, named_unique
 from conveyor.schedule.ir import Schedule
 
 log = logging.getLogger("conveyor.pipe")

@@ -47,10 +47,10 @@ from conveyor.pipe.backend import RanksBackend
 from conveyor.pipe.distributed import DistributedRanks
 from conveyor.pipe.gradients import GradientChecks
 from conveyor.pipe.ranks import InProcessRanks
-from conveyor.runtime.device import to_device
-from conveyor.runtime.memory import MemoryReport
-from conveyor.runtime.rng import step_random_streams
-from conveyor.runtime.runner import LossFn, StageRunner, build_runners, named_unique
+from conveyor.runtime.stage.device import to_device
+from conveyor.runtime.stage.memory import MemoryReport
+from conveyor.runtime.stage.rng import step_random_streams
+from conveyor.runtime.stage.runner import LossFn, StageRunner, build_runners, named_unique
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.timeline import Timeline
 
@@ -196,7 +196,7 @@ class Pipeline:
     # --- what the step measured ----------------------------------------------------------
     def memory(self, all_ranks: bool = False) -> MemoryReport | list[MemoryReport]:
         """Peak bytes of activations autograd held in the last step, and one stage-microbatch's bytes
-        (``StageOptions(measure_memory=True)``): this rank's :class:`~conveyor.runtime.memory.MemoryReport`
+        (``StageOptions(measure_memory=True)``): this rank's :class:`~conveyor.runtime.stage.memory.MemoryReport`
         (in process: rank 0's), or with ``all_ranks=True`` every rank's, by rank (a collective).
 
         Example:

@@ -31,12 +31,12 @@ from conveyor.options import Layout, StageOptions, TransferOptions, WholeModel
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import summed_loss
 from conveyor.parallel.part import StagePart
-from conveyor.runtime.device import module_device, place_modules, resolve_device
+from conveyor.runtime.stage.device import module_device, place_modules, resolve_device
 from conveyor.runtime.executor import RankExecutor, run_local
-from conveyor.runtime.memory import MemoryReport, memory_report, reset_device_peaks
-from conveyor.runtime.runner import StageRunner
-from conveyor.runtime.timing import EventRecorder, StepRecorder, make_recorder
-from conveyor.runtime.transport import LocalMailbox, LocalTransport
+from conveyor.runtime.stage.memory import MemoryReport, memory_report, reset_device_peaks
+from conveyor.runtime.stage.runner import StageRunner
+from conveyor.runtime.stage.timing import EventRecorder, StepRecorder, make_recorder
+from conveyor.runtime.transport.transport import LocalMailbox, LocalTransport
 from conveyor.schedule import available
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.passes import executable

@@ -3,16 +3,16 @@
 NCCL ignores tags and matches point-to-point operations by order, so this transport never
 relies on them (on gloo it sends tag 0 alike, which makes gloo match by order too: the CPU
 check of the same logic). What it does differently from
-:class:`~conveyor.runtime.process_group.DistTransport`:
+:class:`~conveyor.runtime.transport.process_group.DistTransport`:
 
 - **Order.** Each channel (src rank, dst rank) has a process group of its two ranks, so its
   transfers complete in their own order whatever the other direction does; its discipline is
   ``"in_order"``, so the lowered program's posts put a channel's receives in the order the
   sender sends (:mod:`conveyor.schedule.posts`). Each group's communicator is made
   when the pipeline is built, in one order on every rank
-  (:meth:`~conveyor.runtime.lifecycle.RankLifecycle.channel_groups`): made at a channel's first
+  (:meth:`~conveyor.runtime.lifecycle.rank.OwnGroups.channel_groups`): made at a channel's first
   transfer, it would block the host inside the first step, where a peer may wait for this
-  rank's structures (:func:`conveyor.runtime.host_blocking.check_first_step`).
+  rank's structures (:func:`conveyor.runtime.lifecycle.host_blocking.check_first_step`).
 - **Data only.** The structure of each transfer (shapes, dtypes, tree) travels once, through
   the store, the first time that transfer (direction, stage, microbatch) happens; from then
   on, and from the start for stages given in ``TransferOptions(shapes=...)``, only the bytes travel,
@@ -31,12 +31,12 @@ check of the same logic). What it does differently from
 - **Failure.** Under NCCL a wait is the stream's (the host goes on), so a peer's failure
   cannot surface in a wait: the pipeline's watcher thread reads the store's failure board
   every poll and aborts the communicators once a peer published one
-  (:mod:`conveyor.runtime.lifecycle`), which ends every kernel waiting on them. Under gloo
+  (:mod:`conveyor.runtime.lifecycle.rank`), which ends every kernel waiting on them. Under gloo
   a wait blocks the host until ``timeout_s``, and the failing rank's closed connections end it;
   either way the message comes from the store. The first step's wait for a structure
   looks at the board every :data:`FAILURE_POLL_S`.
 
-Example (what :func:`conveyor.runtime.transport_choice.build_transport` does for NCCL)::
+Example (what :func:`conveyor.runtime.transport.choice.build_transport` does for NCCL)::
 
     transport = OrderedTransport(rank, life.global_ranks, channel_groups, life.store, prefix, timeout_s=300.0,
                                  device=device, backend="nccl")
@@ -53,8 +53,8 @@ from typing import Any
 import torch
 
 from conveyor.errors import LostConnection, PeerFailure
-from conveyor.runtime.transport import FailureBoard, Transport, receive_timeout
-from conveyor.runtime.wire import (
+from conveyor.runtime.transport.transport import FailureBoard, Transport, receive_timeout
+from conveyor.runtime.transport.wire import (
     PayloadMeta,
     TransferKey,
     as_bytes,

@@ -40,7 +40,7 @@ import conveyor
 from conveyor.errors import ConfigError, NonFiniteError
 from conveyor.parallel import count_tokens
 from conveyor.parallel.loss import loss_divisor
-from conveyor.runtime.device import group_device, to_device
+from conveyor.runtime.stage.device import group_device, to_device
 from conveyor.train.config import TrainConfig, save_config
 from conveyor.train.data import by_length_options, length_loader, load_tokenizer, resumable_loader, splits_factory
 from conveyor.train.models import aux_loss_coefficient, build_model, load_weights
@@ -394,7 +394,7 @@ def validation_sums(run: Run) -> torch.Tensor:
     The language-model loss alone, also for a model with an auxiliary loss: that is what the
     model is judged by, and what compares with other models.
 
-    The loss is computed where the logits are (the targets go there, :func:`~conveyor.runtime.device.to_device`)
+    The loss is computed where the logits are (the targets go there, :func:`~conveyor.runtime.stage.device.to_device`)
     and added there: no host read per batch.
     """
     pipe, data = run.pipe, run.val_data

@@ -121,7 +121,7 @@ class TensorParallelStages(StagePart):
 
     def agree(self, site: PartSite) -> None:
         """The TP ranks of this rank's stages hold alike shards (:meth:`stage_fields`)."""
-        site.life.agree({**site.built, **self.stage_fields(self.modules)}, group=self.tp_group,
+        site.life.groups.agree({**site.built, **self.stage_fields(self.modules)}, group=self.tp_group,
                         who="tensor-parallel ranks")
         self.runners = site.runners
 
