@@ -10,7 +10,7 @@ transformer stages (:mod:`conveyor.testing.models.tiny_lm`) over 2 gloo ranks, l
   pipeline needs);
 - ``by_length``: the same pieces sorted by length in pools and cut into microbatches of at most
   ``rows x seq_len`` tokens (:class:`conveyor.train.data.LengthBatchLoader`), each as long as its
-  longest piece: ``pipe.step(microbatches=..., targets=...)``.
+  longest piece: ``pipe.step(conveyor.Microbatches(inputs=..., targets=...))``.
 
 Printed per side: real (unpadded) tokens per second, the padding share, the host's CPU steal
 while that side ran, and the measured step beside the simulator's prediction for that step's
@@ -77,9 +77,10 @@ def _rank(rank: int, world_size: int, steps: dict, rounds: int) -> dict[str, Any
             with meter.window(side):
                 for index, microbatches in enumerate(chunk):
                     tokens = sum(int((t != -100).sum()) for _, t in microbatches)
+                    given = conveyor.Microbatches(inputs=[(ids,) for ids, _ in microbatches] if rank == 0 else None,
+                                                  targets=[t for _, t in microbatches] if rank == 1 else None)
                     start = time.perf_counter()
-                    pipe.step(microbatches=[(ids,) for ids, _ in microbatches] if rank == 0 else None,
-                              targets=[t for _, t in microbatches] if rank == 1 else None, normalize_by=tokens)
+                    pipe.step(given, normalize_by=tokens)
                     stepped = time.perf_counter()
                     optimizer.step()
                     optimizer.zero_grad()

@@ -22,6 +22,7 @@ _LAZY = MappingProxyType({
     "pipeline": ("conveyor.build", "pipeline"),
     "LocalPipeline": ("conveyor.local", "LocalPipeline"),
     "MasterWeights": ("conveyor.runtime.stage.main_grad", "MasterWeights"),
+    "Microbatches": ("conveyor.microbatch", "Microbatches"),
     "Plan": ("conveyor.plan.result", "Plan"),
     "StageOptions": ("conveyor.options", "StageOptions"),
     "RecomputePolicy": ("conveyor.options", "RecomputePolicy"),
@@ -35,6 +36,7 @@ _LAZY = MappingProxyType({
 if TYPE_CHECKING:
     from conveyor.build import pipeline  # noqa: F401
     from conveyor.local import LocalPipeline  # noqa: F401
+    from conveyor.microbatch import Microbatches  # noqa: F401
     from conveyor.options import (  # noqa: F401
         Layout,
         PipelineOptions,

@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,6 +64,27 @@ def split_microbatches(
     return list(zip(arg_parts, kwarg_parts))
 
 
+@dataclass(frozen=True, slots=True)
+class Microbatches:
+    """The M microbatches of one step, split by the caller, each with its own shapes.
+
+    ``inputs``: one per microbatch (None where this rank does not run stage 0), each a dict of
+    keyword inputs, a tuple of positional ones or one tensor; ``targets``: one per microbatch (or
+    None: no targets, or this rank does not run the last stage). :meth:`conveyor.Pipeline.step`
+    takes it as its one positional argument, so no name of the model's own inputs is taken; the
+    last stage's outputs come back as a list, one per microbatch.
+
+    Example:
+        >>> mbs = Microbatches(inputs=[{"ids": torch.ones(1, 3)}, {"ids": torch.ones(2, 5)}], targets=[0, 1])
+        >>> len(mbs.inputs), mbs.targets
+        (2, [0, 1])
+        >>> loss = pipe.step(Microbatches(inputs=[(a,), (b,)], targets=[ta, tb]))   # doctest: +SKIP
+    """
+
+    inputs: Sequence[Any] | None = None
+    targets: Sequence[Any] | None = None
+
+
 def check_given_microbatches(microbatches: Any, num_microbatches: int) -> list[tuple[tuple, dict]]:
     """``(args, kwargs)`` of each microbatch the caller split itself, in order.
 
@@ -77,13 +100,14 @@ def check_given_microbatches(microbatches: Any, num_microbatches: int) -> list[t
     """
     if isinstance(microbatches, (dict, torch.Tensor)) or not isinstance(microbatches, (list, tuple)):
         raise PipelineConfigError(
-            f"microbatches= takes a list of the {num_microbatches} microbatches (each a dict of keyword "
+            f"Microbatches(inputs=...) takes a list of the {num_microbatches} microbatches (each a dict of keyword "
             f"inputs or a tuple of positional ones); got {type(microbatches).__name__}"
         )
     if len(microbatches) != num_microbatches:
         raise PipelineConfigError(
-            f"microbatches= holds {len(microbatches)} microbatches, but the schedule runs {num_microbatches}: "
-            f"pass exactly {num_microbatches} (or build the schedule with microbatches={len(microbatches)})"
+            f"Microbatches(inputs=...) holds {len(microbatches)} microbatches, but the schedule runs "
+            f"{num_microbatches}: pass exactly {num_microbatches} (or build the schedule with "
+            f"microbatches={len(microbatches)})"
         )
     parts = []
     for index, microbatch in enumerate(microbatches):

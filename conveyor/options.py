@@ -326,7 +326,7 @@ class TransferOptions:
                                    "that breaks the promise is an error naming rank, stage, microbatch, tensor")
     shapes: Any = _f(None, "{stage: an example of its output for ONE microbatch}, the same on every rank: skips "
                            "even the first step's exchange of shapes")
-    variable_shapes: bool = _f(False, "microbatches of different shapes in every step (pipe.step(microbatches=...)): "
+    variable_shapes: bool = _f(False, "microbatches of different shapes in every step (pipe.step(Microbatches(...))): "
                                       "transport='ordered' then agrees on each transfer's shape every step, not "
                                       "once (the other transports carry each transfer's shape anyway)")
 
@@ -390,6 +390,7 @@ class Layout:
                                         "shards, and sent between stages so (hand-built and traced stages)")
     loss_parallel: bool = _f(False, "with tensor_parallel: logits stay vocabulary-sharded and the last stage's "
                                     "loss runs under torch's loss_parallel() (hand-built or traced stages)")
+    parts: tuple = _f((), "StageParts of your own (conveyor.parallel.part), after the built-in ones; distributed only")
 
     def __post_init__(self) -> None:
         if self.group is not None and self.mesh is not None:
@@ -444,9 +445,8 @@ class Layout:
         if plan is None and "tp" in dims and "pp" in dims and self.mesh.size(dims.index("tp")) > 1:
             raise PipelineConfigError(
                 f"the mesh has a 'tp' dim of size {self.mesh.size(dims.index('tp'))} but tensor_parallel is None: "
-                "every "
-                "TP rank would run the whole stage (the same work twice). Give tensor_parallel='auto' (or a plan), or "
-                "a mesh without 'tp'")
+                "every TP rank would run the whole stage (the same work twice). Give tensor_parallel='auto' (or a "
+                "plan), or a mesh without 'tp'")
 
     def with_shortcuts(self, mesh: Any, data_parallel: str | None, tensor_parallel: Any = None) -> Layout:
         """This layout with the everyday ``mesh=`` / ``data_parallel=`` keywords in it (given once).
@@ -471,7 +471,7 @@ class Layout:
         if self.tensor_parallel is not None:
             text += (f", tensor_parallel={describe_plan(self.tensor_parallel)} "
                      f"sequence_parallel={self.sequence_parallel} loss_parallel={self.loss_parallel}")
-        return text
+        return text + (f", parts {[type(part).__name__ for part in self.parts]}" if self.parts else "")
 
 
 def describe_plan(plan: Any) -> str:

@@ -159,7 +159,7 @@ def _of_pipeline(pipe: Pipeline) -> Target:
             global_ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
             rank = dist.get_rank(group)
         layout = {"processes": len(global_ranks), "global_ranks": global_ranks, "stages": placement}
-        if getattr(pipe.ranks, "tensor_parallel", None) is not None:  # same ranks and stages, other shards
+        if pipe.layout.tensor_parallel is not None:  # same ranks and stages, other shards
             layout["tp"] = pipe.ranks.mesh_layout.tp_size
         target = Target({}, {}, {}, dict(aliases), [], layout, pipe.model_info, group=group,
                         guard=pipe.ranks.guarded, rank=rank, global_rank=life.global_ranks[life.rank])

@@ -1,7 +1,10 @@
-"""Data parallelism around pipeline stages (sits below :mod:`conveyor.pipe`: never imports it).
+"""What spans ranks beside the pipeline's stages (sits below :mod:`conveyor.pipe`: never imports it).
 
+- :mod:`conveyor.parallel.part`: the :class:`~conveyor.parallel.part.StagePart` contract, whose hooks
+  the distributed pipeline calls; :mod:`conveyor.parallel.parts`: which parts a layout gets, in order;
 - :mod:`conveyor.parallel.mesh`: a ("pp", "dp") DeviceMesh read into this rank's pipeline and replicas;
-- :mod:`conveyor.parallel.replicas`: what a pipeline does per step with ``data_parallel="ddp"`` or ``"fsdp"``;
+- :mod:`conveyor.parallel.replicas`: the part for ``data_parallel="ddp"`` or ``"fsdp"``; :mod:`~conveyor.parallel.tied`:
+  the part summing tied copies across ranks; :mod:`conveyor.parallel.tensor`: tensor parallelism's part;
 - :mod:`conveyor.parallel.fsdp`: the FSDP2 mechanics (``replicate`` / ``fully_shard`` per stage) that keep
   conveyor's runtime (B and the I/W split) correct under data parallelism;
 - :mod:`conveyor.parallel.data`: data loaders opened only on the ranks that read data;

@@ -30,7 +30,7 @@ when the step was asked to (``on_nonfinite``): that read is the one host synchro
 checked step makes, since ``"skip"`` must decide, in Python, whether to drop the gradients.
 
 The pipeline's methods (``clip_grad_norm_``, ``forget_norm_layout``, the non-finite report)
-are :class:`conveyor.pipe_grads.GradientChecks`, which calls these.
+are :class:`conveyor.pipe.gradients.GradientChecks`, which calls these.
 
 Example (one process, one dtype: the stacked norms in parameter order are torch's vector):
     >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
@@ -59,6 +59,7 @@ from torch.utils._foreach_utils import (
 )
 
 from conveyor.errors import PipelineConfigError
+from conveyor.parallel.part import StagePart
 from conveyor.runtime.stage.main_grad import gradient
 from conveyor.runtime.stage.runner import StageRunner
 
@@ -151,15 +152,16 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def local_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], parameter_order: Mapping[str, int] | None,
-                norm_type: float, foreach: bool | None, replicas=None, tensor_parallel=None,
+                norm_type: float, foreach: bool | None, parts: Sequence[StagePart] = (),
                 ) -> tuple[list[tuple[int, ...]], list[torch.Tensor], list[torch.Tensor]]:
     """This rank's gradients' places in the unsplit model's order, the gradients, and their norms
     (device tensors: nothing read on the host).
 
     ``tied_copies``: ids of copies the unsplit model counts elsewhere (skipped);
     ``parameter_order``: name -> index in the unsplit model (else stage by stage after it);
-    ``replicas``: a :class:`~conveyor.parallel.replicas.Replicas` whose sharded gradients'
-    norms are combined over the replicas (a collective over them), or None.
+    ``parts``: the stage parts, each of which makes a gradient it splits count whole
+    (:meth:`~conveyor.parallel.part.StagePart.whole_norms`: FSDP replicas' shards, TP shards;
+    a collective over the part's group), in their order.
     """
     places, grads, whole = [], [], []
     seen: set[int] = set(tied_copies)
@@ -173,10 +175,8 @@ def local_norms(runners: Mapping[int, StageRunner], tied_copies: set[int], param
                 whole.append(grad)
             seen.add(id(param))
     norms = parameter_norms(grads, norm_type, foreach)
-    if replicas is not None:
-        norms = replicas.whole_norms(norms, norm_type)  # a sharded gradient's norm from its shards
-    if tensor_parallel is not None:
-        norms = tensor_parallel.whole_norms(whole, norms, norm_type)  # a TP-sharded one's from its TP shards
+    for part in parts:
+        norms = part.whole_norms(whole, norms, norm_type)  # a sharded gradient's norm from its shards
     return places, grads, norms
 
 

@@ -16,8 +16,8 @@ FSDP, as ``torch.distributed.pipelining`` does in ``backward_maybe_with_nosync``
 - :func:`after_last_backward`: once a stage's last B or W of the step is done, run FSDP's
   post-backward for it: one reduce-scatter of the accumulated gradients over "dp" (the
   mean over replicas, as DDP), into the sharded parameters' ``.grad``, then reshard.
-  :func:`stage_hook` hands the pipeline's executor a callback that does this right after
-  that action (``RankExecutor.after_last_backward``), so it overlaps the other stages' work.
+  The replicas' stage part (:class:`conveyor.parallel.replicas.Replicas`) calls it when the
+  executor says a stage's gradients are final, so it overlaps the other stages' work.
 - :func:`after_step`: reduce any stage not reduced yet, reshard, and give FSDP its defaults
   back. The optimizer (built on the sharded parameters) then steps.
 
@@ -32,7 +32,6 @@ Example (on each of 4 ranks, pp=2 x dp=2)::
     stages = [shard_stage(build_stage(s), mesh["dp"]) for s in sched.stages_of(pp_rank)]
     pipe = conveyor.Pipeline(stages, schedule=sched, loss_fn=loss_fn,
                              layout=conveyor.Layout(group=mesh["pp"].get_group()))
-    pipe.ranks.executor.after_last_backward = stage_hook(pipe.runners)
     optimizer = torch.optim.AdamW(pipe.parameters())     # the sharded parameters
     before_step(pipe.runners.values())
     loss = pipe.step(my_shard_of_x, target=my_shard_of_y)
@@ -43,7 +42,7 @@ Example (on each of 4 ranks, pp=2 x dp=2)::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -224,7 +223,7 @@ def after_last_backward(runner: StageRunner) -> None:
     at the same point of the same program.
 
     Example:
-        >>> pipe.ranks.executor.after_last_backward = stage_hook(pipe.runners)   # calls this   # doctest: +SKIP
+        >>> replicas.stage_done(stage)   # calls this   # doctest: +SKIP
     """
     root = runner.module
     if root.__dict__.get(_STEP_PHASE) != _AWAITING_REDUCE:
@@ -270,23 +269,12 @@ def reduction_streams(runner: StageRunner) -> list[Any]:
     return streams
 
 
-def stage_hook(runners: Mapping[int, StageRunner]) -> Callable[[int], None]:
-    """The callback for ``RankExecutor.after_last_backward``: :func:`after_last_backward` by stage.
-
-    Example:
-        >>> pipe.ranks.executor.after_last_backward = stage_hook(pipe.runners)   # doctest: +SKIP
-    """
-    def reduce_stage(stage: int) -> None:
-        after_last_backward(runners[stage])
-
-    return reduce_stage
-
-
 def after_step(runners: Iterable[StageRunner]) -> None:
     """Finish the step: reduce any stage the executor did not, reshard, restore FSDP's defaults.
 
-    Call on every rank after ``pipe.step`` and before the optimizer. Without the executor hook
-    every stage is reduced here, in stage order (correct, without the overlap).
+    Call on every rank after ``pipe.step`` and before the optimizer. A stage not reduced when its
+    gradients became final (no replicas' part) is reduced here, in stage order (correct, without
+    the overlap).
 
     Example:
         >>> after_step(pipe.runners.values()); optimizer.step()   # doctest: +SKIP

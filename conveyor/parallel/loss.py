@@ -175,8 +175,7 @@ def count_tokens(pipe: Any, target: torch.Tensor | None, ignore_index: int | Non
         )
     mine = target.numel() if ignore_index is None else (target != ignore_index).sum()
     # The count travels where the pipeline's collectives do (NCCL: the stage GPU), wherever the targets are.
-    comm_device = getattr(pipe.ranks, "comm_device", target.device)
-    count = torch.as_tensor(mine, dtype=torch.int64, device=comm_device).reshape(1)
+    count = torch.as_tensor(mine, dtype=torch.int64, device=pipe.ranks.comm_device).reshape(1)
     if pipe.replicas is not None:
         pipe.ranks.guarded(_sum_over, count, pipe.replicas.group)  # guarded: a failed peer is named
     return int(count.item())

@@ -23,69 +23,71 @@ zero-bubble weight pass nor let the reduction run behind the rest of the pipelin
 
 The mechanics (which flags, which FSDP internals, why each) are in :mod:`conveyor.parallel.fsdp`.
 
-Example (what :class:`conveyor.Pipeline` does with ``data_parallel="ddp"``)::
+Example (what the distributed ranks backend does with ``data_parallel="ddp"``; a :class:`StagePart`)::
 
-    replicas = Replicas("ddp", dp_group, dp_size, runners)
-    replicas.wrap()
+    replicas = Replicas("ddp", dp_size)
+    replicas.agree(site); replicas.wrap()
     replicas.start_step(); ...; replicas.stage_done(stage); ...; replicas.finish_step()
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from conveyor.errors import PipelineConfigError
-from conveyor.options import DATA_PARALLEL_KINDS as KINDS
 from conveyor.parallel import fsdp
+from conveyor.parallel.mesh import MeshLayout
+from conveyor.parallel.part import PartSite, Span, StagePart
 from conveyor.runtime.stage.runner import StageRunner
 from conveyor.runtime.stage.timing import SpanTimer
 
 
-def check_data_parallel(kind: str | None, dp_size: int) -> str | None:
-    """The data-parallel kind to use: None for one replica, else ``kind`` ("ddp" by default)."""
-    if kind is not None and kind not in KINDS:
-        raise PipelineConfigError(f"data_parallel must be 'ddp', 'fsdp' or None; got {kind!r}")
-    if dp_size == 1:
-        return None
-    return kind or "ddp"
-
-
-class Replicas:
+class Replicas(StagePart):
     """This rank's stages across the data-parallel replicas: wrapping and per-step gradient sync.
 
-    ``group`` is the pipeline's own group over the ranks holding these stages in every
-    replica (see :meth:`conveyor.runtime.lifecycle.rank.RankLifecycle.replica_group`); ``runners``
-    this rank's stage runners, whose modules :meth:`wrap` wraps in place. ``mesh``: the 1-D
-    "dp" mesh to wrap over, where the stages are tensor parallel (the "dp" sub-mesh of the mesh
-    whose "tp" sub-mesh holds their DTensors: FSDP2's 2-D composition); None: one over ``group``.
-    Each TP rank's replicas then reduce its own shard's gradient: FSDP2 first gives a gradient
-    that DTensor's backward left ``Partial`` over "tp" its parameter's placement, then reduces
-    the local tensor over "dp".
+    ``kind``: "ddp" or "fsdp"; ``dp_size``: the replica count. ``mesh``: the 1-D "dp" mesh to wrap
+    over, where the stages are tensor parallel (the "dp" sub-mesh of the mesh whose "tp" sub-mesh
+    holds their DTensors: FSDP2's 2-D composition); None: one over the replicas' group, which
+    :meth:`agree` builds (the pipeline's own group over the ranks holding these stages in every
+    replica, see :meth:`conveyor.runtime.lifecycle.rank.RankLifecycle.replica_group`). Each TP rank's
+    replicas then reduce its own shard's gradient: FSDP2 first gives a gradient that DTensor's
+    backward left ``Partial`` over "tp" its parameter's placement, then reduces the local tensor
+    over "dp". Checkpoints are written by every replica together: DCP writes a replicated tensor
+    once and each shard of a sharded one by its holder.
     """
 
-    def __init__(self, kind: str, group, dp_size: int, runners: Mapping[int, StageRunner],
-                 device_type: str = "cpu", mesh=None) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
+    wants_checkpoint_group = True
 
+    def __init__(self, kind: str, dp_size: int, mesh=None) -> None:
         self.kind = kind
-        self.group = group
         self.dp_size = dp_size
-        self.runners = dict(runners)
-        # Named after the group, not just "dp": torch's DTensor caches (sharding propagation)
-        # take two meshes over the same ranks and names for one, and would hand a later
-        # pipeline's tensors the mesh, and so the destroyed group, of an earlier one.
-        # ``mesh`` (tensor parallelism): the "dp" sub-mesh of the mesh whose "tp" sub-mesh the
-        # parameters are DTensors on, as FSDP2 requires of a 2-D (dp, tp) composition; the user's
-        # mesh, alive as long as the user keeps it, so no cache can outlive its groups.
-        self.mesh = mesh if mesh is not None else DeviceMesh.from_group(
-            group, device_type, mesh_dim_names=(f"dp_{group.group_name}",))
+        self.mesh = mesh
+        self.group = None
+        self.runners: dict[int, StageRunner] = {}
         # The last step's reductions: per stage (started, and done where it ran), then the wait
         # for all of them at the step's end. What the rank spent waiting is the reduction's
         # exposed part; the rest ran behind its work. On a GPU timed with events (the host's
         # calls only queue the work), on the streams FSDP reduced on.
-        self.timer = SpanTimer(torch.device(device_type))
+        self.timer = SpanTimer(torch.device("cpu"))
+
+    def agree(self, site: PartSite) -> None:
+        """The replicas' group, built alike in every replica: the same stages, schedule and model."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        fsdp.check_supported(site.schedule, self.kind, site.model.tied_parameters)
+        self.group = site.life.groups.replica_group(replica_memberships(site.mesh_layout))
+        site.life.groups.agree({**site.built, "data parallel": self.kind}, group=self.group, who="replicas")
+        self.runners = dict(site.runners)
+        # Named after the group, not just "dp": torch's DTensor caches (sharding propagation)
+        # take two meshes over the same ranks and names for one, and would hand a later
+        # pipeline's tensors the mesh, and so the destroyed group, of an earlier one. A "dp"
+        # sub-mesh given (tensor parallelism) is the user's mesh, alive as long as the user keeps
+        # it, so no cache can outlive its groups.
+        if self.mesh is None:
+            self.mesh = DeviceMesh.from_group(self.group, site.device.type,
+                                              mesh_dim_names=(f"dp_{self.group.group_name}",))
+        self.timer = SpanTimer(torch.device(site.device.type))
 
     def wrap(self) -> None:
         """Wrap every stage module (in place) over the "dp" group; the runners read its parameters."""
@@ -120,15 +122,29 @@ class Replicas:
         calls = sorted((span for span in spans if span[0] != "wait"), key=lambda span: int(span[0]))
         return calls + [span for span in spans if span[0] == "wait"]
 
-    def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean of ``value`` over the replicas (every replica gets the same result)."""
+    def step_loss(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` over the replicas (every replica gets the same result): the global
+        minibatch's loss, the replicas' minibatches together."""
         import torch.distributed as dist
 
         total = value.detach().clone()
         dist.all_reduce(total, group=self.group)
         return total / self.dp_size
 
-    def whole_norms(self, shard_norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    def flags(self, flags: torch.Tensor) -> torch.Tensor:
+        """The flags' max over the replicas: a shard, or one replica's loss, may be the only bad one."""
+        import torch.distributed as dist
+
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return flags
+
+    def describe_spans(self, by_rank: list[list[Span]]) -> tuple[str, dict]:
+        """The timeline's "data_parallel" entry: per rank, the (stage or "wait", start, end) of the calls
+        that reduced gradients across replicas: what of the reduction the rank spent waiting."""
+        return "data_parallel", {"kind": self.kind, "replicas": self.dp_size, "reductions": by_rank}
+
+    def whole_norms(self, grads: Sequence[torch.Tensor], shard_norms: list[torch.Tensor],
+                    norm_type: float) -> list[torch.Tensor]:
         """Each gradient's norm from this rank's part of it: as is when replicated ("ddp"), else
         combined over the replicas' shards ("fsdp": the p-th root of the summed p-th powers,
         or the max for the infinity norm). Every replica gets the same values."""
@@ -138,3 +154,12 @@ class Replicas:
             return list(shard_norms)
         return combine_shard_norms(shard_norms, norm_type, self.group)
 
+
+
+def replica_memberships(layout: MeshLayout) -> list[list[int]]:
+    """The global ranks holding the same stages and the same TP shard in every replica: one list per
+    (TP position, pipeline position), in the one order every rank builds their groups."""
+    pipelines = layout.group_pipelines  # one per (replica, TP position), replica-major
+    tp_size = len(pipelines) // layout.dp_size
+    return [[pipelines[replica * tp_size + position][rank] for replica in range(layout.dp_size)]
+            for position in range(tp_size) for rank in range(layout.pp_size)]

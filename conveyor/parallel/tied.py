@@ -11,21 +11,21 @@ copy's group joins the matching TP ranks of the stages holding it, and what is s
 rank's local shard of the gradient (settled to the parameter's placements first): the copies
 must be sharded alike, as :func:`conveyor.parallel.tensor.stages.model_placements` sees to.
 
-Example (what :class:`conveyor.Pipeline` does)::
+Example (what :class:`conveyor.Pipeline` and its distributed ranks backend do; a :class:`StagePart`)::
 
     share_tied_locally(runners, tied_parameters)
-    tied = TiedGradients(runners, tied_parameters, placement, life, layout)
-    held = tied.set_aside(); ...run the step...; tied.sum(held)
+    tied = TiedGradients(); tied.agree(site)
+    tied.start_step(); ...run the step...; tied.finish_step()
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from conveyor.parallel.clipping import local_part
+from conveyor.parallel.part import PartSite, StagePart
 from conveyor.runtime.stage.main_grad import gradient_attribute
 from conveyor.runtime.stage.runner import StageRunner
 
@@ -67,46 +67,54 @@ def tied_copies_outside_their_first_stage(runners: dict[int, StageRunner], tied_
     return skip
 
 
-class TiedGradients:
+class TiedGradients(StagePart):
     """This rank's copies of tied parameters that live on several ranks, each with its group.
 
-    Building it creates one process group per set of ranks sharing a parameter: collective
-    over the whole job, so every rank builds every group, in the same order, whether it
-    holds a copy or not (``life``: the pipeline's :class:`~conveyor.runtime.lifecycle.rank.RankLifecycle`;
-    ``layout``: a :class:`~conveyor.parallel.mesh.MeshLayout` with replicas, else None).
+    :meth:`agree` creates one process group per set of ranks sharing a parameter: collective
+    over the whole job, so every rank builds every group, in the same order, whether it holds a
+    copy or not (with replicas, each replica's group: ``site.mesh_layout.replica_ranks``);
+    :meth:`wrap` then finds this rank's copies.
     """
 
-    def __init__(self, runners: Mapping[int, StageRunner], tied_parameters: Sequence, placement, life,
-                 layout=None) -> None:
-        subgroups: dict[tuple[int, ...], Any] = {}
+    def __init__(self) -> None:
+        self.subgroups: dict[tuple[int, ...], Any] = {}  # by the ranks sharing a parameter
         self.copies: list[tuple[torch.nn.Parameter, Any]] = []
         self.summed_before: set[int] = set()  # copies some rank had a gradient for in an earlier step
-        for tied in tied_parameters:
-            owners = tuple(sorted({placement.rank_of(stage) for stage, _ in tied.uses}))
-            if len(owners) < 2:
-                continue
-            if owners not in subgroups:
-                replicas = layout.replica_ranks(list(owners)) if layout is not None else None
-                subgroups[owners] = life.groups.subgroup(owners, replicas)
-            if life.rank in owners:
-                stage, name = next((s, n) for s, n in tied.uses if s in runners)
-                self.copies.append((runners[stage].module.get_parameter(name), subgroups[owners]))
+        self.held: list[torch.Tensor | None] = []  # earlier steps' gradients, set aside during a step
 
-    def clear(self) -> None:
+    def agree(self, site: PartSite) -> None:
+        """One group per set of ranks sharing a tied parameter (a collective over the job)."""
+        self.site = site
+        placement, layout = site.schedule.placement, site.mesh_layout
+        for tied in site.model.tied_parameters:
+            owners = tuple(sorted({placement.rank_of(stage) for stage, _ in tied.uses}))
+            if len(owners) > 1 and owners not in self.subgroups:
+                replicas = layout.replica_ranks(list(owners)) if layout is not None else None
+                self.subgroups[owners] = site.life.groups.subgroup(owners, replicas)
+
+    def wrap(self) -> None:
+        """This rank's copies, as the stages hold them once every part wrapped them (replicas swap them)."""
+        runners, placement = self.site.runners, self.site.schedule.placement
+        for tied in self.site.model.tied_parameters:
+            owners = tuple(sorted({placement.rank_of(stage) for stage, _ in tied.uses}))
+            if len(owners) > 1 and self.site.life.rank in owners:
+                stage, name = next((s, n) for s, n in tied.uses if s in runners)
+                self.copies.append((runners[stage].module.get_parameter(name), self.subgroups[owners]))
+
+    def release(self) -> None:
         """Forget the copies and their groups (after a failure: nothing may hold the groups)."""
         self.copies.clear()
 
-    def set_aside(self) -> list[torch.Tensor | None]:
+    def start_step(self) -> None:
         """Take the tied copies' gradients of earlier steps out of the way: only this step's
         share is summed across ranks (summing the whole .grad would count the earlier steps'
         summed gradient again on every copy when the user accumulates over steps)."""
-        held = []
+        self.held = []
         for param, _ in self.copies:
-            held.append(getattr(param, gradient_attribute(param)))  # main_grad where it accumulates there
+            self.held.append(getattr(param, gradient_attribute(param)))  # main_grad where it accumulates there
             setattr(param, gradient_attribute(param), None)
-        return held
 
-    def sum(self, held: list[torch.Tensor | None]) -> None:
+    def finish_step(self) -> None:
         """Sum this step's gradient of every copy across the ranks holding one; add back what was held.
 
         A frozen parameter (frozen on every rank: one model) gets no gradient, as on one device.
@@ -118,7 +126,7 @@ class TiedGradients:
         """
         import torch.distributed as dist
 
-        for (param, subgroup), earlier in zip(self.copies, held, strict=True):
+        for (param, subgroup), earlier in zip(self.copies, self.held, strict=True):
             attribute = gradient_attribute(param)  # "main_grad" where the gradient accumulates there
             if param.requires_grad and self._any_gradient(param, attribute, subgroup):
                 grad = getattr(param, attribute)

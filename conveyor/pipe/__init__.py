@@ -1,8 +1,10 @@
 """conveyor.Pipeline: one class over a ranks backend (every rank in this process, or one per process).
 
-- :mod:`conveyor.pipe.pipeline`: :class:`Pipeline`, written once.
+- :mod:`conveyor.pipe.pipeline`: :class:`Pipeline`, written once: the user's API; a step's inputs and its run.
+- :mod:`conveyor.pipe.backend`: the ranks contract (:class:`~conveyor.pipe.backend.RanksBackend`) it calls.
 - :mod:`conveyor.pipe.ranks`: the in-process backend (:class:`InProcessRanks`).
-- :mod:`conveyor.pipe.distributed`: the torch.distributed backend (:class:`DistributedRanks`).
+- :mod:`conveyor.pipe.distributed`: the torch.distributed backend (:class:`DistributedRanks`), over stage parts.
+- :mod:`conveyor.pipe.gradients`: clipping and the non-finite check.
 
 Example:
     >>> from conveyor.pipe import Pipeline

@@ -2,9 +2,12 @@
 
 It holds what only ranks in separate processes need: the pipeline's own process groups and
 their lifecycle (:mod:`conveyor.runtime.lifecycle.rank`: agreement at construction, failure, close),
-the transport between stages, the data-parallel replicas, tied copies summed across ranks, the
-step's loss broadcast, and the gathers behind ``memory(all_ranks=True)``, ``timeline()`` and
-clipping. :class:`conveyor.Pipeline` does the rest, as for the in-process backend.
+the transport between stages, the step's loss broadcast, the gathers behind
+``memory(all_ranks=True)``, ``timeline()`` and clipping, and the stage parts that wrap this
+rank's stages (data-parallel replicas, tensor parallelism, tied copies, yours:
+:mod:`conveyor.parallel.part`), which it calls at each hook in the order
+:func:`conveyor.parallel.parts.parts_for` gives them, naming none of them.
+:class:`conveyor.Pipeline` does the rest, as for the in-process backend.
 
 Example (every rank, under torchrun)::
 
@@ -17,42 +20,45 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.options import Layout, TransferOptions, WholeModel
-from conveyor.parallel import fsdp
+from conveyor.options import Layout, StageOptions, TransferOptions, WholeModel
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import LossBroadcast
 from conveyor.parallel.mesh import layout_of
-from conveyor.parallel.replicas import Replicas, check_data_parallel
-from conveyor.parallel.tied import TiedGradients, tied_copies_outside_their_first_stage
+from conveyor.parallel.part import PartSite, StagePart
+from conveyor.parallel.parts import parts_for
 from conveyor.runtime.executor import RankExecutor
 from conveyor.runtime.lifecycle.rank import RankLifecycle
 from conveyor.runtime.stage.device import group_device, make_current, place_modules, resolve_device
 from conveyor.runtime.stage.memory import MemoryReport, memory_report
-from conveyor.runtime.stage.timing import EventRecorder, StepRecorder, make_recorder, replica_timeline
+from conveyor.runtime.stage.runner import StageRunner
+from conveyor.runtime.stage.timing import EventRecorder, StepRecorder, make_recorder
 from conveyor.runtime.transport.choice import build_transport, seed_shapes
+from conveyor.runtime.transport.transport import Transport
 from conveyor.schedule.grid import render_positions
 from conveyor.schedule.ir import Schedule
-from conveyor.schedule.passes import executable
+from conveyor.schedule.passes import Executable, executable
 from conveyor.schedule.registry import resolve_schedule
-from conveyor.schedule.timeline import Timeline
+from conveyor.schedule.timeline import Timeline, measured_timeline
 
-if TYPE_CHECKING:
-    from conveyor.parallel.tensor.stages import TensorParallelStages
-    from conveyor.pipe.pipeline import Pipeline
+Part = TypeVar("Part", bound=StagePart)
 
 
 class DistributedRanks:
     """This process's rank of a pipeline over ``layout``'s group (or mesh), moving bytes as ``transfer`` says."""
 
     in_process = False
-    replicas: Replicas | None = None  # data parallelism over a mesh's "dp" dim
-    checkpoint_group = None  # with replicas or TP: a group over every rank of the job
+    checkpoint_group = None  # with a part that asks for it (replicas, TP): a group over every rank of the job
     _recorder: StepRecorder | EventRecorder | None = None  # the last step's, when recorded
+    # Built by connect(): the pipeline's groups, its programs, the transport and the executor.
+    life: RankLifecycle
+    runs: Executable
+    transport: Transport
+    executor: RankExecutor
 
     def __init__(self, layout: Layout, transfer: TransferOptions) -> None:
         import torch.distributed as dist
@@ -71,24 +77,10 @@ class DistributedRanks:
         self.local_ranks = [self.rank]
         self.dp_rank = self.mesh_layout.dp_rank if self.mesh_layout is not None else 0
         self.dp_size = self.mesh_layout.dp_size if self.mesh_layout is not None else 1
-        self.data_parallel = check_data_parallel(layout.data_parallel, self.dp_size)
-        self.tensor_parallel: TensorParallelStages | None = None
-
-    def parallelize(self, by_rank: dict[int, list], model: WholeModel) -> TensorParallelStages | None:
-        """This rank's stages parallelized over the mesh's "tp" dim (Layout.tensor_parallel; None: off)."""
-        if self.layout.tensor_parallel is None:
-            return None
-        # DTensor is loaded for tensor parallelism only.
-        from conveyor.parallel.tensor.stages import parallelize_pipeline_stages
-
-        stages = dict(zip(self.schedule.stages_of(self.rank), by_rank[self.rank], strict=True))
-        self.tensor_parallel = parallelize_pipeline_stages(stages, self.layout, self.mesh_layout.tp_mesh,
-                                                           self.schedule.num_stages - 1, model.parameter_placements)
-        self._tp_stages = stages
-        return self.tensor_parallel
+        self.parts: list[StagePart] = parts_for(layout, self.mesh_layout)
 
     def resolve(self, schedule: Schedule | str, microbatches: int | None, virtual: int | None,
-                modules: Sequence[torch.nn.Module]) -> Schedule:
+                modules: Sequence[torch.nn.Module] | torch.nn.Module) -> Schedule:
         """The schedule, for as many ranks as the group has."""
         resolved = resolve_schedule(schedule, microbatches, virtual, self.size)
         if resolved.num_ranks != self.size:
@@ -101,8 +93,10 @@ class DistributedRanks:
         self.schedule = resolved
         return resolved
 
-    def place(self, modules: Sequence[torch.nn.Module]) -> tuple[torch.device, dict[int, list]]:
-        """This rank's device (its modules moved there, a GPU made current), and its modules."""
+    def place(self, modules: Sequence[torch.nn.Module] | torch.nn.Module,
+              model: WholeModel) -> dict[int, list[torch.nn.Module]]:
+        """This rank's device (its modules moved there, a GPU made current), and its modules, wrapped by
+        the parts (tensor parallelism: parallelized over the mesh's "tp" dim)."""
         stages = self.schedule.stages_of(self.rank)
         listed = [modules] if isinstance(modules, torch.nn.Module) else list(modules)
         # A meta-device model's traced stages under tensor parallelism are materialized shard by
@@ -111,71 +105,51 @@ class DistributedRanks:
         self.device = make_current(place_modules([m for m, _ in placed], [s for _, s in placed],
                                                  resolve_device(self.layout.device)))
         self.comm_device = group_device(self.device, self.group)  # NCCL: the stage's GPU; gloo: the CPU
-        return self.device, {self.rank: modules if isinstance(modules, torch.nn.Module) else list(modules)}
+        if self.parts:
+            by_stage = dict(zip(stages, listed))  # a wrong count is refused when runners are built
+            for part in self.parts:
+                part.wrap_stages(by_stage, self.schedule, model)
+        return {self.rank: listed}
 
-    def connect(self, pipe: Pipeline, built: dict[str, str]) -> None:
-        """Own groups, agreement with every rank on ``built``, replicas, transport, executor."""
+    def connect(self, runners: dict[int, StageRunner], stage: StageOptions, model: WholeModel,
+                built: dict[str, str], owner: object) -> None:
+        """Own groups, agreement with every rank on ``built``, the parts, transport, executor."""
+        for runner in runners.values():
+            contexts = [c for c in (part.runner_context(runner.stage) for part in self.parts) if c is not None]
+            assert len(contexts) < 2, "one part at most gives a stage's passes their context"
+            if contexts:
+                runner.context = contexts[0]
         # Every check that needs no peer is done: from here on this rank holds process groups.
         self.life = RankLifecycle(self.group, self.transfer.timeout_s,
                                   getattr(self.mesh_layout, "group_pipelines", None), device=self.comm_device)
         try:
             self.life.groups.agree(built)
-            if self.tensor_parallel is not None:  # the TP ranks of this rank's stages hold alike shards
-                self.life.groups.agree({**built, **self.tensor_parallel.stage_fields(self._tp_stages)},
-                                group=self.tensor_parallel.tp_group, who="tensor-parallel ranks")
-            self.replicas = self._build_replicas(pipe, built)
-            if self.tensor_parallel is not None and self.checkpoint_group is None:
-                # Every TP position's pipeline writes its shards into the same checkpoint.
+            site = PartSite(self.schedule, self.rank, runners, self.life, self.layout, self.mesh_layout,
+                            self.device, model, built)
+            for part in self.parts:
+                part.agree(site)
+            for part in self.parts:
+                part.wrap()
+            if any(part.wants_checkpoint_group for part in self.parts):
+                # Checkpoints are written by every rank of the job together (replicas, TP positions).
                 self.checkpoint_group = self.life.groups.job_group()
-            self._build_communication(pipe)
+            self._build_communication(runners, stage)
         except BaseException:
             # Disagreement: every rank raises alike. A transport that could not be built: the
             # peers waiting for this rank time out naming it, as for any absent peer.
             self.life.close()
             raise
-        self.global_ranks = self.life.global_ranks
         # After a failure nothing may keep work on the pipeline's groups alive. The callbacks
-        # hold no reference to the Pipeline, so the finalizer below can run when it is dropped.
+        # hold no reference to the owner (the Pipeline), so the finalizer below can run when it is dropped.
         self.life.attach(self.transport, on_release=[
-            self.executor.forget_receives, self.tied_gradients.clear,
-            *(runner.reset for runner in pipe.runners.values()),
+            self.executor.forget_receives, *(part.release for part in self.parts),
+            *(runner.reset for runner in runners.values()),
         ], position=self.executor.position, render=functools.partial(render_positions, self.runs.train.programs,
                                                                       self.runs.eval.programs))
-        self._finalizer = weakref.finalize(pipe, self.life.close)  # also runs at interpreter exit
+        self._finalizer = weakref.finalize(owner, self.life.close)  # also runs at interpreter exit
 
-    def _build_replicas(self, pipe: Pipeline, built: dict[str, str]) -> Replicas | None:
-        """The data-parallel side: this rank's stages wrapped over their replicas' group."""
-        if self.data_parallel is None:
-            return None
-        fsdp.check_supported(self.schedule, self.data_parallel, pipe.tied_parameters)
-        group = self.life.groups.replica_group(self._replica_memberships())
-        # Replicas built alike: the same stages, schedule and model in every replica.
-        self.life.groups.agree({**built, "data parallel": self.data_parallel}, group=group, who="replicas")
-        # With TP the stages' parameters are DTensors on the mesh's "tp" sub-mesh: torch's 2-D
-        # composition (FSDP2 on TP-sharded parameters) needs the "dp" sub-mesh of that same mesh.
-        dp_mesh = self.layout.mesh["dp"] if self.tensor_parallel is not None else None
-        replicas = Replicas(self.data_parallel, group, self.dp_size, pipe.runners, self.device.type, mesh=dp_mesh)
-        replicas.wrap()
-        # Wrapping swapped the stages' Parameters for FSDP2's: clipping must skip the new copies.
-        pipe._tied_copies = tied_copies_outside_their_first_stage(pipe.runners, pipe.tied_parameters)
-        # Checkpoints are written by every replica together: DCP writes a replicated tensor
-        # once and each shard of a sharded one by its holder.
-        self.checkpoint_group = self.life.groups.job_group()
-        return replicas
-
-    def _replica_memberships(self) -> list[list[int]]:
-        """The global ranks holding the same stages and the same TP shard in every replica: one list
-        per (TP position, pipeline position), in the one order every rank builds their groups."""
-        layout = self.mesh_layout
-        pipelines = layout.group_pipelines  # one per (replica, TP position), replica-major
-        tp_size = len(pipelines) // layout.dp_size
-        return [[pipelines[replica * tp_size + position][rank] for replica in range(layout.dp_size)]
-                for position in range(tp_size) for rank in range(layout.pp_size)]
-
-    def _build_communication(self, pipe: Pipeline) -> None:
+    def _build_communication(self, runners: dict[int, StageRunner], stage: StageOptions) -> None:
         transfer, schedule = self.transfer, self.schedule
-        self.tied_gradients = TiedGradients(pipe.runners, pipe.tied_parameters, schedule.placement, self.life,
-                                            self.mesh_layout)
         self.runs = executable(schedule)
         self.transport = build_transport(transfer.transport, self.rank, schedule, self.life,
                                          timeout_s=transfer.timeout_s, fixed_shapes=transfer.fixed_shapes,
@@ -183,48 +157,47 @@ class DistributedRanks:
                                          in_order_channels=self.runs.in_order_channels(self.rank))
         if transfer.shapes:
             shapes = transfer.shapes
-            if self.tensor_parallel is not None:  # what crosses is each TP rank's local part
-                shapes = self.tensor_parallel.local_examples(shapes)
+            for part in self.parts:
+                shapes = part.boundary_examples(shapes)
             seed_shapes(self.transport, shapes, schedule.num_stages)
         self.last_rank = schedule.placement.rank_of(schedule.num_stages - 1)
         self._broadcast_loss = LossBroadcast(self.life.global_ranks[self.last_rank], schedule.num_ranks,
                                              self.device, self.comm_device)
-        self.executor = RankExecutor(self.rank, schedule.placement, pipe.runners, self.transport,
-                                     measure_memory=pipe.stage.measure_memory, device=self.device)
+        self.executor = RankExecutor(self.rank, schedule.placement, runners, self.transport,
+                                     measure_memory=stage.measure_memory, device=self.device)
 
     # --- a step ----------------------------------------------------------------------------
     def start(self, train: bool, record: bool) -> None:
         if not train:
             return
         self._recorder = make_recorder(self.device) if record else None
-        self._held = self.tied_gradients.set_aside()
-        if self.replicas is not None:
-            self.replicas.start_step()
+        for part in self.parts:
+            part.start_step()
 
     def run(self, train: bool, first: list | None, targets: list | None, keep_outputs: bool) -> None:
         if train:
-            replicas = self.replicas
             posts = self.runs.train_posts(self.rank, self.transport.discipline)
-            steps = self.executor.run(self.runs.train_program(self.rank), posts, first, targets,
-                                      self._recorder,
+            steps = self.executor.run(self.runs.train_program(self.rank), posts, first, targets, self._recorder,
                                       keep_outputs=keep_outputs, gradients_final=self.runs.gradients_final(self.rank),
-                                      on_gradients_final=replicas.stage_done if replicas else None)
+                                      on_gradients_final=self._stage_done)
         else:
             posts = self.runs.eval_posts(self.rank, self.transport.discipline)
             steps = self.executor.run(self.runs.eval_program(self.rank), posts, first, None, None)
         for _ in steps:
             raise AssertionError("a blocking transport never yields")
 
-    def finish_step(self, runners: dict) -> torch.Tensor:
-        """Replicas' reductions, tied copies' sums, and the loss on every rank."""
-        if self.replicas is not None:
-            self.replicas.finish_step()
-        if self.tensor_parallel is not None:
-            self.tensor_parallel.settle_gradients(runner.module for runner in runners.values())
-        self.tied_gradients.sum(self._held)
+    def _stage_done(self, stage: int) -> None:
+        for part in self.parts:
+            part.stage_done(stage)
+
+    def finish_step(self, runners: dict[int, StageRunner]) -> torch.Tensor:
+        """The parts' end of step (in order: replicas' reductions, TP gradients settled, tied copies'
+        sums), the loss broadcast to every rank, then each part's view of it (the replicas' mean)."""
+        for part in self.parts:
+            part.finish_step()
         loss = self._broadcast_loss(runners.get(self.schedule.num_stages - 1), self.life.group)
-        if self.replicas is not None:
-            loss = self.replicas.mean(loss)  # the global minibatch's loss: the replicas' minibatches together
+        for part in self.parts:
+            loss = part.step_loss(loss)
         self.transport.end_step()
         return loss
 
@@ -237,20 +210,20 @@ class DistributedRanks:
         # and a peer that failed is named.
         return self.life.guarded(fn, *args)
 
-    def gather_objects(self, mine: Any) -> list:
+    def _gather_objects(self, mine: Any) -> list:
         import torch.distributed as dist
 
         gathered: list = [None] * self.schedule.num_ranks
         dist.all_gather_object(gathered, mine, group=self.life.group)
         return gathered
 
-    def max_across_ranks(self, flags: torch.Tensor) -> torch.Tensor:
+    def combine_flags(self, flags: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         flags = flags.to(self.comm_device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.life.group)
-        if self.replicas is not None:  # a shard, or one replica's loss, may be the only bad one
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.replicas.group)
+        for part in self.parts:
+            flags = part.flags(flags)
         return flags
 
     def norm_exchange(self) -> NormExchange:
@@ -263,18 +236,30 @@ class DistributedRanks:
             gather(out, vector, group=self.life.group)
             return out
 
-        return NormExchange(self.gather_objects, gather_tensor, self.device, self.comm_device)
+        return NormExchange(self._gather_objects, gather_tensor, self.device, self.comm_device)
 
     def memory(self, all_ranks: bool) -> MemoryReport | list[MemoryReport]:
         mine = memory_report(self.executor.memory_meter, "pipeline")  # refuses before any collective
-        return self.guarded(self.gather_objects, mine) if all_ranks else mine
+        return self.guarded(self._gather_objects, mine) if all_ranks else mine
 
     def timeline(self) -> Timeline:
+        """Every rank's actions of the last step; each part's spans (the replicas' reductions) in its
+        metadata, on the timeline's clock."""
         events = [] if self._recorder is None else self._recorder.events
         mine = [(str(a), start, end) for a, start, end in events]
-        reductions = self.replicas.spans() if self.replicas is not None else []
-        gathered = self.guarded(self.gather_objects, (mine, reductions))
-        return replica_timeline(self.schedule, gathered, self.replicas)
+        gathered = self.guarded(self._gather_objects, (mine, [part.spans() for part in self.parts]))
+        timeline = measured_timeline(self.schedule, [events for events, _ in gathered])
+        origin = min((start for events, _ in gathered for _, start, _ in events), default=0.0)
+        for index, part in enumerate(self.parts):
+            by_rank = [[(what, start - origin, end - origin) for what, start, end in spans[index]]
+                       for _, spans in gathered]
+            entry = part.describe_spans(by_rank)
+            if entry is not None:
+                timeline.metadata[entry[0]] = entry[1]
+        return timeline
+
+    def find_part(self, kind: type[Part]) -> Part | None:
+        return next((part for part in self.parts if isinstance(part, kind)), None)
 
     @property
     def closed(self) -> bool:

@@ -12,7 +12,13 @@ Results are bitwise identical to one device running, for each microbatch i in or
 ``(loss_fn(model(x_i), y_i) / M).backward()``. Every rank in one process:
 ``layout=Layout(in_process=True)`` with one module per stage (:func:`conveyor.LocalPipeline`);
 several replicas on a ("pp", "dp") mesh: ``mesh=`` and :mod:`conveyor.parallel`. The ranks
-backend (:mod:`conveyor.pipe.ranks`) is all that differs: every method below is the same on both.
+backend (:mod:`conveyor.pipe.backend`'s contract) is all that differs: every method below is the same on both.
+
+A step: the minibatch is cut into the schedule's microbatches exactly as a one-device loop would
+cut it (:mod:`conveyor.microbatch`), or taken as the caller cut it (:class:`~conveyor.microbatch.Microbatches`),
+and moved to the stage device where it came from a CPU loader (:class:`StepInputs`); the steps
+(:class:`PipelineSteps`) hand it to the ranks backend, which runs every program this process
+holds; the loss (on every rank) and the last stage's outputs come back.
 """
 
 from __future__ import annotations
@@ -25,14 +31,25 @@ from typing import Any, Self
 import torch
 
 from conveyor.errors import PipelineConfigError
+from conveyor.microbatch import (
+    Microbatches,
+    check_given_microbatches,
+    merge_outputs,
+    split_microbatches,
+    split_value,
+)
 from conveyor.options import Layout, StageOptions, TransferOptions, WholeModel, check_together
 from conveyor.parallel.clipping import check_nonfinite_mode
-from conveyor.parallel.tied import share_tied_locally, tied_copies_outside_their_first_stage
+from conveyor.parallel.loss import set_loss_divisor
+from conveyor.parallel.replicas import Replicas
+from conveyor.parallel.tied import share_tied_locally
+from conveyor.pipe.backend import RanksBackend
 from conveyor.pipe.distributed import DistributedRanks
+from conveyor.pipe.gradients import GradientChecks
 from conveyor.pipe.ranks import InProcessRanks
-from conveyor.pipe.steps import forward_only, presplit, train_step
-from conveyor.pipe_grads import GradientChecks
+from conveyor.runtime.stage.device import to_device
 from conveyor.runtime.stage.memory import MemoryReport
+from conveyor.runtime.stage.rng import step_random_streams
 from conveyor.runtime.stage.runner import LossFn, StageRunner, build_runners, named_unique
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.timeline import Timeline
@@ -40,18 +57,18 @@ from conveyor.schedule.timeline import Timeline
 log = logging.getLogger("conveyor.pipe")
 
 
-class Pipeline(GradientChecks):
+class Pipeline:
     """This process's part of a pipeline: one rank's stages over torch.distributed, or every rank's.
 
     ``modules``: the stages this rank runs, in ``schedule.stages_of(rank)`` order (in process: one
     per stage, by stage). ``schedule``: a :class:`~conveyor.schedule.Schedule` or a name (then
     ``microbatches=`` and, for some schedules, ``virtual=``). ``mesh`` (a ("pp", "dp") DeviceMesh)
     and ``data_parallel`` ("ddp" by default, or "fsdp") run ``dp`` replicas; a ("pp", "dp", "tp") mesh
-    and ``tensor_parallel`` ("auto", or {module-name pattern: torch ParallelStyle}) parallelize
-    each stage over its TP ranks with torch's ``parallelize_module``; they are the everyday
-    fields of ``layout`` (:class:`~conveyor.options.Layout`: the process group, the
-    device, or every rank in this process). ``stage`` (:class:`~conveyor.options.StageOptions`):
-    what each stage does (activation recomputation, autocast, bf16 parameters, compile, random
+    and ``tensor_parallel`` ("auto", or {module-name pattern: torch ParallelStyle}) parallelize each stage
+    over its TP ranks with torch's ``parallelize_module``; they are the everyday fields of ``layout``
+    (:class:`~conveyor.options.Layout`: the process group, the device, or every rank in this process,
+    and stage parts of your own). ``stage`` (:class:`~conveyor.options.StageOptions`):
+    what each stage does (activation checkpointing, autocast, bf16 parameters, compile, random
     streams, memory measurement). ``transfer`` (:class:`~conveyor.options.TransferOptions`): how
     bytes move (transport, timeout, fixed shapes). ``model`` (:class:`~conveyor.options.WholeModel`,
     which :func:`conveyor.pipeline` fills): tied parameters, whose copies on several ranks have
@@ -77,8 +94,6 @@ class Pipeline(GradientChecks):
         [(128, {0: 64}), (128, {1: 64})]
     """
 
-    _warned_target = False  # told once that target= is read on the last stage's rank only
-
     def __init__(
         self,
         modules: Sequence[torch.nn.Module] | torch.nn.Module,
@@ -95,51 +110,20 @@ class Pipeline(GradientChecks):
         transfer: TransferOptions = TransferOptions(),
         model: WholeModel = WholeModel(),
     ) -> None:
-        for name, value, kind in (("layout", layout, Layout), ("stage", stage, StageOptions),
-                                  ("transfer", transfer, TransferOptions), ("model", model, WholeModel)):
-            if not isinstance(value, kind):
-                raise PipelineConfigError(f"{name}= takes a conveyor.options.{kind.__name__}; got "
-                                          f"{type(value).__name__}")
+        _check_records(layout=layout, stage=stage, transfer=transfer, model=model)
         self.layout = layout.with_shortcuts(mesh, data_parallel, tensor_parallel)
         self.stage, self.transfer, self.model = stage, transfer, model
-        backend = InProcessRanks if self.layout.in_process else DistributedRanks
-        self.ranks: InProcessRanks | DistributedRanks = backend(self.layout, transfer)
-        check_together(stage, getattr(self.ranks, "data_parallel", None))  # the kind its replicas resolved to
-        if self.layout.in_process:
-            modules = list(modules)
+        self.ranks: RanksBackend = _backend(self.layout, transfer, stage)
         self.schedule = self.ranks.resolve(schedule, microbatches, virtual, modules)
-        self.device, by_rank = self.ranks.place(modules)
-        # Tensor parallelism inside each stage (a mesh's "tp" dim), before runners read the parameters.
-        self.tensor_parallel = self.ranks.parallelize(by_rank, model)
-        self.runners: dict[int, StageRunner] = {}
-        for rank, mine in by_rank.items():
-            self.runners.update(build_runners(self.schedule, rank, mine, loss_fn, stage))
-        if self.tensor_parallel is not None:
-            for runner in self.runners.values():
-                runner.context = self.tensor_parallel.context(runner.stage)
-        self._tie(model)
-        self.ranks.connect(self, self._what_was_built())
-
-    def _tie(self, model: WholeModel) -> None:
-        """Share tied copies within this process; remember what clipping and checkpoints need of the model."""
+        self.runners = _stage_runners(self.ranks, self.schedule, modules, loss_fn, stage, model)
+        self.device = self.ranks.device
         self.tied_parameters = model.tied_parameters  # checkpoints save a tied tensor once, under its first name
-        share_tied_locally(self.runners, model.tied_parameters)
-        self._tied_copies = tied_copies_outside_their_first_stage(self.runners, model.tied_parameters)
-        self._parameter_order = dict(model.parameter_order) if model.parameter_order is not None else None
         self.model_info = model.info  # the unsplit model's class, names, config
-
-    def _what_was_built(self) -> dict[str, str]:
-        """What every rank must agree on, as short strings (see RankLifecycle.agree)."""
-        sched = self.schedule
-        programs = hashlib.sha1(repr(sched.programs).encode()).hexdigest()[:12]
-        return {
-            "schedule": f"{sched.name} P={sched.num_ranks} V={sched.virtual} M={sched.num_microbatches} "
-                        f"programs {programs}",
-            "model": self.model.describe(),
-            "stage options": self.stage.describe(),
-            "transfer options": self.transfer.describe(),
-            "layout": self.layout.describe(),
-        }
+        self.ranks.connect(self.runners, stage, model, built_fields(self.schedule, self.layout, stage, transfer, model),
+                           owner=self)
+        self.gradient_checks = GradientChecks(self.ranks, self.runners, self.schedule, model)
+        inputs = StepInputs(self.schedule, set(self.runners), self.ranks.rank, self.device)
+        self.steps = PipelineSteps(self.ranks, self.runners, self.schedule, stage, inputs)
 
     # --- steps ---------------------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False,
@@ -157,24 +141,57 @@ class Pipeline(GradientChecks):
         ``normalize_by`` (read where the last stage runs): None divides each microbatch's loss by M;
         N, the global minibatch's token count (:func:`conveyor.parallel.count_tokens`), divides
         ``loss_fn``'s per-microbatch SUM by N (:mod:`conveyor.parallel.loss`).
-        ``microbatches=[...]``, ``targets=[...]``: M microbatches of their own shapes (``steps.presplit``).
+        ``pipe.step(conveyor.Microbatches(inputs=[...], targets=[...]))``: M microbatches of their own
+        shapes, split by the caller (:class:`~conveyor.microbatch.Microbatches`); outputs come back as a list.
 
         Example:
             >>> loss = pipe.step(x, target=y, on_nonfinite="skip")   # doctest: +SKIP
         """
         check_nonfinite_mode(on_nonfinite)
-        result, report = self.ranks.guarded(train_step, self, args, kwargs, target, return_outputs, on_nonfinite,
-                                            normalize_by, presplit(kwargs))
-        if report:
-            self._after_nonfinite(report, on_nonfinite)
+        result = self.ranks.guarded(self.steps.train, args, kwargs, target, return_outputs, normalize_by)
+        if on_nonfinite is not None:
+            self.gradient_checks.check_finite(on_nonfinite, self.device)
         return result
 
     def forward(self, *args: Any, **kwargs: Any):
         """Forward only (evaluation, no autograd state): the merged model outputs where the last
         stage runs, None elsewhere."""
-        return self.ranks.guarded(forward_only, self, args, kwargs)
+        return self.ranks.guarded(self.steps.forward, args, kwargs)
 
     __call__ = forward
+
+    # --- the step's gradients --------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+        """Clip the whole pipeline's gradients by their total norm; returns that norm on every rank.
+
+        Equal, bit for bit, to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on the
+        unsplit model (how: :meth:`conveyor.pipe.gradients.GradientChecks.clip_grad_norm_`). A
+        collective on a distributed pipeline: call it on every rank, with the same arguments.
+
+        Example:
+            >>> loss = pipe.step(x, target=y)                  # doctest: +SKIP
+            >>> norm = pipe.clip_grad_norm_(1.0)               # doctest: +SKIP
+            >>> optimizer.step(); optimizer.zero_grad()        # doctest: +SKIP
+        """
+        return self.gradient_checks.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def forget_norm_layout(self) -> None:
+        """Make the next :meth:`clip_grad_norm_` exchange again which parameters have gradients.
+
+        Call it on every rank after changing which parameters train (freezing some, say):
+        the ranks agree on that once, so that later calls need no host round trip, and a rank
+        whose parameters with gradients changed since raises until this is called.
+
+        Example:
+            >>> pipe.forget_norm_layout()   # doctest: +SKIP
+        """
+        self.gradient_checks.forget_norm_layout()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps dropped by ``on_nonfinite="skip"``."""
+        return self.gradient_checks.skipped_steps
 
     # --- what the step measured ----------------------------------------------------------
     def memory(self, all_ranks: bool = False) -> MemoryReport | list[MemoryReport]:
@@ -213,14 +230,14 @@ class Pipeline(GradientChecks):
         return self.ranks.dp_size
 
     @property
-    def replicas(self) -> Any:
-        """The data-parallel replicas of this rank's stages (None: one replica)."""
-        return self.ranks.replicas
-
-    @property
     def checkpoint_group(self) -> Any:
         """With replicas or TP: the group over every rank of the job, that writes checkpoints (else None)."""
         return self.ranks.checkpoint_group
+
+    @property
+    def replicas(self) -> Replicas | None:
+        """The data-parallel replicas of this rank's stages (None: one replica)."""
+        return self.ranks.find_part(Replicas)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -290,3 +307,188 @@ class Pipeline(GradientChecks):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+Split = tuple[list[tuple[tuple, dict]] | None, list[Any] | None]  # (stage 0's microbatches, the last stage's targets)
+
+
+class StepInputs:
+    """A step's inputs as this process's stages read them: the microbatches where stage 0 runs, the
+    targets where the last stage runs, on the stage device.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> inputs = StepInputs(cs.build("gpipe", ranks=1, microbatches=2), {0}, 0, torch.device("cpu"))
+        >>> first, targets = inputs.split((torch.arange(4),), {}, None)
+        >>> [args[0].tolist() for args, _ in first], targets
+        ([[0, 1], [2, 3]], [None, None])
+    """
+
+    def __init__(self, schedule: Schedule, stages: set[int], rank: int, device: torch.device) -> None:
+        self.num_microbatches = schedule.num_microbatches
+        self.needs_inputs = 0 in stages
+        self.needs_target = schedule.num_stages - 1 in stages
+        self.rank, self.device = rank, device
+        self.last_rank = schedule.placement.rank_of(schedule.num_stages - 1)
+        self.warned_target = False  # told once that target= is read on the last stage's rank only
+
+    def split(self, args: tuple, kwargs: dict, target: Any) -> Split:
+        """The minibatch cut into microbatches as a one-device loop cuts it."""
+        first = self._split_inputs(args, kwargs) if self.needs_inputs else None
+        if target is not None and not self.needs_target and not self.warned_target:
+            self.warned_target = True
+            log.warning("conveyor: rank %d was given target=, but the last stage runs on rank %d: ignored here "
+                        "(pass target= there; None elsewhere)", self.rank, self.last_rank)
+        targets = self._split_target(target) if self.needs_target else None
+        return first, targets
+
+    def given(self, microbatches: Microbatches, args: tuple, kwargs: dict, target: Any) -> Split:
+        """The caller's own microbatches, each with its own shapes (nothing else may come beside them)."""
+        if args or kwargs or target is not None:
+            raise PipelineConfigError(
+                "pipe.step(Microbatches(...)) takes the microbatches already split: pass no other positional "
+                f"inputs, keyword inputs or target= beside it (got {len(args)} more positional, keywords "
+                f"{sorted(kwargs)}, target {'given' if target is not None else 'None'})"
+            )
+        num = self.num_microbatches
+        first = None
+        if self.needs_inputs:
+            if microbatches.inputs is None:
+                raise PipelineConfigError(
+                    f"rank {self.rank} runs stage 0 and was given Microbatches(inputs=None): pass the {num} "
+                    "microbatches there"
+                )
+            first = self._on_device(check_given_microbatches(microbatches.inputs, num))
+        targets = None
+        if self.needs_target:
+            targets = [None] * num if microbatches.targets is None else list(microbatches.targets)
+            if len(targets) != num:
+                raise PipelineConfigError(
+                    f"Microbatches(targets=...) holds {len(targets)} targets, but the schedule runs {num} "
+                    "microbatches: pass one target per microbatch (or None)"
+                )
+            targets = self._on_device(targets)
+        return first, targets
+
+    def _split_inputs(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+        if all(a is None for a in args) and not kwargs:
+            raise PipelineConfigError(
+                "inputs are missing on the rank that runs stage 0: pass the minibatch to pipe.step(...) there"
+            )
+        args, kwargs = self._on_device((args, kwargs))  # the minibatch may come from a CPU data loader
+        return split_microbatches(args, kwargs, self.num_microbatches)
+
+    def _split_target(self, target: Any) -> list[Any]:
+        if target is None:
+            return [None] * self.num_microbatches
+        return split_value(self._on_device(target), self.num_microbatches, "target")
+
+    def _on_device(self, value: Any) -> Any:
+        return value if self.device.type == "cpu" else to_device(value, self.device)
+
+
+class PipelineSteps:
+    """Training and forward-only steps of one process's ``runners`` over its ranks ``backend``.
+
+    Example:
+        >>> import torch, conveyor
+        >>> pipe = conveyor.LocalPipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2)
+        >>> type(pipe.steps).__name__, pipe.steps.forward((torch.ones(4, 2),), {}).shape
+        ('PipelineSteps', torch.Size([4, 1]))
+    """
+
+    def __init__(self, backend: RanksBackend, runners: dict[int, StageRunner], schedule: Schedule,
+                 stage: StageOptions, inputs: StepInputs) -> None:
+        self.backend, self.runners, self.schedule, self.stage = backend, runners, schedule, stage
+        self.inputs = inputs
+
+    def train(self, args: tuple, kwargs: dict, target: Any, return_outputs: bool,
+              normalize_by: float | torch.Tensor | None) -> Any:
+        """One training step: the loss on every rank, or ``(loss, outputs)`` with ``return_outputs``.
+        ``args[0]`` may be the caller's :class:`~conveyor.microbatch.Microbatches`."""
+        given = args[0] if args and isinstance(args[0], Microbatches) else None
+        if given is not None:
+            first, targets = self.inputs.given(given, args[1:], kwargs, target)
+        else:
+            first, targets = self.inputs.split(args, kwargs, target)
+        set_loss_divisor(self.runners, self.schedule.num_stages, normalize_by, self.backend.dp_size)
+        for runner in self.runners.values():
+            runner.reset()
+        self.backend.start(True, self.stage.record_timeline)
+        with torch.enable_grad(), step_random_streams(self.runners.values(), self.stage.random_streams):
+            self.backend.run(True, first, targets, return_outputs)
+        loss = self.backend.finish_step(self.runners)
+        if return_outputs:  # microbatches given one by one come back so
+            return loss, self.last_outputs(merged=given is None, clear=False)
+        return loss
+
+    def forward(self, args: tuple, kwargs: dict) -> Any:
+        """Forward of every microbatch without autograd state: the merged outputs where the last stage
+        runs, None elsewhere."""
+        first = self.inputs.split(args, kwargs, None)[0]
+        for runner in self.runners.values():
+            runner.reset()
+        self.backend.start(False, False)
+        with torch.no_grad(), step_random_streams(self.runners.values(), self.stage.random_streams):
+            self.backend.run(False, first, None, False)
+        self.backend.finish_forward()
+        return self.last_outputs(merged=True, clear=True)
+
+    def last_outputs(self, merged: bool, clear: bool) -> Any:
+        """The last stage's outputs of every microbatch (None where the last stage does not run):
+        ``merged`` as the model would return them for the whole minibatch, else a list."""
+        last = self.runners.get(self.schedule.num_stages - 1)
+        if last is None:
+            return None
+        outputs = [last.outputs[m] for m in range(self.schedule.num_microbatches)]
+        if merged:
+            outputs = merge_outputs(outputs)
+        if clear:
+            last.outputs.clear()
+        return outputs
+
+def _check_records(**records: Any) -> None:
+    """Each option record is of its type (a dict or another record passed by mistake is named)."""
+    for name, value in records.items():
+        kind = {"layout": Layout, "stage": StageOptions, "transfer": TransferOptions, "model": WholeModel}[name]
+        if not isinstance(value, kind):
+            raise PipelineConfigError(f"{name}= takes a conveyor.options.{kind.__name__}; got {type(value).__name__}")
+
+
+def _backend(layout: Layout, transfer: TransferOptions, stage: StageOptions) -> RanksBackend:
+    """The ranks backend the layout asks for, checked against the stage options it must work with."""
+    backend = (InProcessRanks if layout.in_process else DistributedRanks)(layout, transfer)
+    replicas = backend.find_part(Replicas)
+    check_together(stage, replicas.kind if replicas is not None else None)  # the kind the layout resolved to
+    return backend
+
+
+def _stage_runners(backend: RanksBackend, schedule: Schedule, modules: Sequence[torch.nn.Module] | torch.nn.Module,
+                   loss_fn: LossFn | None, stage: StageOptions, model: WholeModel) -> dict[int, StageRunner]:
+    """A runner per stage this process runs, over its modules placed (and wrapped by the backend's parts)."""
+    runners: dict[int, StageRunner] = {}
+    for rank, mine in backend.place(modules, model).items():
+        runners.update(build_runners(schedule, rank, mine, loss_fn, stage))
+    share_tied_locally(runners, model.tied_parameters)  # one Parameter per tied parameter within a process
+    return runners
+
+
+def built_fields(schedule: Schedule, layout: Layout, stage: StageOptions, transfer: TransferOptions,
+                 model: WholeModel) -> dict[str, str]:
+    """What every rank must agree on, as short strings (see RankLifecycle.agree).
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> built_fields(cs.build("gpipe", ranks=2, microbatches=2), Layout(), StageOptions(), TransferOptions(),
+        ...              WholeModel())["schedule"][:18]
+        'gpipe P=2 V=1 M=2 '
+    """
+    programs = hashlib.sha1(repr(schedule.programs).encode()).hexdigest()[:12]
+    return {
+        "schedule": f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches} "
+                    f"programs {programs}",
+        "model": model.describe(),
+        "stage options": stage.describe(),
+        "transfer options": transfer.describe(),
+        "layout": layout.describe(),
+    }

@@ -1,8 +1,9 @@
 """What differs between a pipeline in one process and over many: its ranks backend.
 
-:class:`conveyor.Pipeline` is written once; it asks its backend for what depends on where the
-ranks are: which ranks this process runs, how their programs run, how a step's loss reaches every
-rank, how flags, norms and objects are combined across ranks, and what closing releases.
+:class:`conveyor.Pipeline` is written once; it asks its backend (the contract:
+:class:`~conveyor.pipe.backend.RanksBackend`) for what depends on where the ranks are: which ranks
+this process runs, how their programs run, how a step's loss reaches every rank, how flags and
+norms are combined across ranks, and what closing releases.
 
 - :class:`InProcessRanks`: every rank here, in one thread, over an in-process mailbox
   (:func:`conveyor.runtime.executor.run_local`), for debugging, fast tests and a trainer on one
@@ -21,17 +22,19 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from conveyor.errors import PipelineClosed, PipelineConfigError
-from conveyor.options import Layout, TransferOptions
+from conveyor.options import Layout, StageOptions, TransferOptions, WholeModel
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import summed_loss
+from conveyor.parallel.part import StagePart
 from conveyor.runtime.executor import RankExecutor, run_local
 from conveyor.runtime.stage.device import module_device, place_modules, resolve_device
 from conveyor.runtime.stage.memory import MemoryReport, memory_report, reset_device_peaks
+from conveyor.runtime.stage.runner import StageRunner
 from conveyor.runtime.stage.timing import EventRecorder, StepRecorder, make_recorder
 from conveyor.runtime.transport.transport import LocalMailbox, LocalTransport
 from conveyor.schedule import available
@@ -39,9 +42,6 @@ from conveyor.schedule.ir import Schedule
 from conveyor.schedule.passes import executable
 from conveyor.schedule.registry import resolve_schedule
 from conveyor.schedule.timeline import Timeline, measured_timeline
-
-if TYPE_CHECKING:
-    from conveyor.pipe.pipeline import Pipeline
 
 
 class InProcessRanks:
@@ -52,23 +52,23 @@ class InProcessRanks:
     """
 
     in_process = True
-    replicas = None  # one replica
     checkpoint_group = None  # one process writes every tensor
     rank = 0
     dp_rank, dp_size = 0, 1
+    parts: tuple[StagePart, ...] = ()  # one replica, whole stages: parallelisms span processes
 
     def __init__(self, layout: Layout, transfer: TransferOptions) -> None:
+        if layout.parts:
+            raise PipelineConfigError("Layout(parts=...) wraps the stages of a distributed pipeline; an in-process "
+                                      "one runs every rank here, with no part: drop parts= or in_process=True")
         self.layout, self.transfer = layout, transfer
         self.closed = False
         self._recorders: list[StepRecorder | EventRecorder] = []
 
-    def parallelize(self, by_rank: dict[int, list], model: Any) -> None:
-        """Nothing: tensor parallelism spans processes (Layout refuses it in process)."""
-        return None
-
     def resolve(self, schedule: Schedule | str, microbatches: int | None, virtual: int | None,
-                modules: Sequence[torch.nn.Module]) -> Schedule:
+                modules: Sequence[torch.nn.Module] | torch.nn.Module) -> Schedule:
         """The schedule, its rank count following from one module per stage when it is a name."""
+        modules = list(modules)  # one per stage (a Sequential: its children)
         ranks = self.layout.ranks
         if isinstance(schedule, str) and ranks is None:
             info = available().get(schedule)
@@ -84,20 +84,24 @@ class InProcessRanks:
         self.local_ranks = list(range(resolved.num_ranks))
         return resolved
 
-    def place(self, modules: Sequence[torch.nn.Module]) -> tuple[torch.device, dict[int, list]]:
+    def place(self, modules: Sequence[torch.nn.Module] | torch.nn.Module,
+              model: WholeModel) -> dict[int, list[torch.nn.Module]]:
         """The one device every stage runs on (by default where the modules are), and each rank's modules."""
+        modules = list(modules)  # one per stage (a Sequential: its children)
         device = self.layout.device
         self.device = resolve_device(device if device is not None else module_device(modules) or "cpu")
+        self.comm_device = self.device  # nothing crosses processes: combined where the stages are
         place_modules(modules, range(len(modules)), self.device)
-        return self.device, {r: [modules[s] for s in self.schedule.stages_of(r)] for r in self.local_ranks}
+        return {r: [modules[s] for s in self.schedule.stages_of(r)] for r in self.local_ranks}
 
-    def connect(self, pipe: Pipeline, built: dict[str, str]) -> None:
+    def connect(self, runners: dict[int, StageRunner], stage: StageOptions, model: WholeModel,
+                built: dict[str, str], owner: object) -> None:
         """The mailbox and an executor per rank (nothing to agree on: one process built every rank)."""
         self.mailbox = LocalMailbox()
         self.runs = executable(self.schedule)
         self.executors = [
-            RankExecutor(rank, self.schedule.placement, {s: pipe.runners[s] for s in self.schedule.stages_of(rank)},
-                         LocalTransport(self.mailbox, rank), measure_memory=pipe.stage.measure_memory,
+            RankExecutor(rank, self.schedule.placement, {s: runners[s] for s in self.schedule.stages_of(rank)},
+                         LocalTransport(self.mailbox, rank), measure_memory=stage.measure_memory,
                          device=self.device)
             for rank in self.local_ranks
         ]
@@ -123,7 +127,7 @@ class InProcessRanks:
             for r, ex in enumerate(self.executors)
         ])
 
-    def finish_step(self, runners: dict) -> torch.Tensor:
+    def finish_step(self, runners: dict[int, StageRunner]) -> torch.Tensor:
         return summed_loss(runners[self.schedule.num_stages - 1])
 
     def finish_forward(self) -> None:
@@ -136,7 +140,7 @@ class InProcessRanks:
                                  "build a new pipeline to go on")
         return fn(*args)
 
-    def max_across_ranks(self, flags: torch.Tensor) -> torch.Tensor:
+    def combine_flags(self, flags: torch.Tensor) -> torch.Tensor:
         return flags  # every rank's stages are here: the flags already cover them
 
     def norm_exchange(self) -> NormExchange:
@@ -148,6 +152,9 @@ class InProcessRanks:
 
     def timeline(self) -> Timeline:
         return measured_timeline(self.schedule, [[(str(a), s, e) for a, s, e in r.events] for r in self._recorders])
+
+    def find_part(self, kind: type) -> None:
+        return None  # no parts in one process
 
     def close(self) -> None:
         self.closed = True

@@ -318,8 +318,9 @@ def train_step(run: Run) -> tuple[float, dict[str, float]]:
     if isinstance(run.loss_fn, LossWithAux):
         run.loss_fn.parts.clear()  # a step that failed earlier may have left some
     if cfg.data.batching == "by_length":  # microbatches of their own lengths (conveyor.train.data.length_loader)
-        loss = pipe.step(microbatches=[(ids,) for ids in x] if pipe.needs_inputs else None,
-                         targets=list(y) if pipe.needs_target else None, on_nonfinite=mode, normalize_by=normalize_by)
+        given = conveyor.Microbatches(inputs=[(ids,) for ids in x] if pipe.needs_inputs else None,
+                                      targets=list(y) if pipe.needs_target else None)
+        loss = pipe.step(given, on_nonfinite=mode, normalize_by=normalize_by)
     else:
         loss = pipe.step(x if pipe.needs_inputs else None, target=y if pipe.needs_target else None,
                          on_nonfinite=mode, normalize_by=normalize_by)

@@ -75,7 +75,8 @@ def _train(rank, world_size, cases):
             options=PipelineOptions(virtual=virtual, split=SplitOptions(dynamic_shapes=DYNAMIC),
                                     transfer=conveyor.TransferOptions(timeout_s=60, transport=transport,
                                                                       variable_shapes=transport == "ordered")))
-        losses = [pipe.step(microbatches=_microbatches(step) if pipe.needs_inputs else None) for step in range(2)]
+        losses = [pipe.step(conveyor.Microbatches(inputs=_microbatches(step) if pipe.needs_inputs else None))
+                  for step in range(2)]
         results.append((losses, {name: p.grad.clone() for name, p in pipe.named_parameters()}))
         pipe.close()
     return results

@@ -1,4 +1,4 @@
-"""pipe.step(microbatches=..., targets=...): microbatches of their own lengths, bitwise equal to one device.
+"""pipe.step(Microbatches(inputs=..., targets=...)): microbatches of their own lengths, bitwise equal to one device.
 
 Kept cheap for CI: one launch of 2 ranks runs every built-in schedule over shared memory (and
 checks that a fixed-shape pipeline refuses a microbatch of another shape), one launch per other
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import conveyor
+from conveyor import Microbatches
 from conveyor.errors import PipelineConfigError
 from conveyor.testing import run_ranks
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss
@@ -88,7 +89,7 @@ def _in_process(num_microbatches=4):
 def test_in_process_variable_lengths_return_one_output_per_microbatch():
     cfg, pipe = _in_process()
     inputs, targets = varlen_batches(cfg, step=0)
-    loss, outputs = pipe.step(microbatches=inputs, targets=targets, return_outputs=True)
+    loss, outputs = pipe.step(Microbatches(inputs=inputs, targets=targets), return_outputs=True)
     assert [tuple(o.shape) for o in outputs] == [(x.shape[0], x.shape[1], cfg.vocab_size) for (x,) in inputs]
     assert torch.equal(loss, reference_varlen("1f1b", 1, 2)[0][0])
     merged = pipe.forward(torch.cat([x for (x,) in inputs[:1]] * 2))  # a minibatch again: merged outputs
@@ -96,17 +97,66 @@ def test_in_process_variable_lengths_return_one_output_per_microbatch():
 
 
 @pytest.mark.parametrize(("given", "message"), [
-    (dict(microbatches=[(torch.ones(1, 3, dtype=torch.long),)] * 3), "holds 3 microbatches, but the schedule runs 4"),
-    (dict(microbatches=[{"ids": torch.ones(1, 3)}] * 3 + ["ids"]), "microbatch 3 is a str"),
-    (dict(microbatches=[(torch.ones(1, 3, dtype=torch.long),)] * 4, targets=[None]), "targets= holds 1 targets"),
+    (Microbatches(inputs=[(torch.ones(1, 3, dtype=torch.long),)] * 3), "holds 3 microbatches, but the schedule runs 4"),
+    (Microbatches(inputs=[{"ids": torch.ones(1, 3)}] * 3 + ["ids"]), "microbatch 3 is a str"),
+    (Microbatches(inputs=[(torch.ones(1, 3, dtype=torch.long),)] * 4, targets=[None]),
+     "targets=...\\) holds 1 targets"),
 ])
 def test_given_microbatches_are_checked_before_anything_runs(given, message):
     _, pipe = _in_process()
     with pytest.raises(PipelineConfigError, match=message):
-        pipe.step(**given)
+        pipe.step(given)
 
 
-def test_given_microbatches_refuse_a_minibatch_beside_them():
+@pytest.mark.parametrize("beside", [dict(args=(torch.ones(4, 3),)), dict(kwargs={"mask": None}),
+                                    dict(kwargs={"target": torch.ones(4)})])
+def test_given_microbatches_refuse_a_minibatch_beside_them(beside):
     _, pipe = _in_process()
     with pytest.raises(PipelineConfigError, match="takes the microbatches already split"):
-        pipe.step(torch.ones(4, 3), microbatches=[(torch.ones(1, 3),)] * 4)
+        pipe.step(Microbatches(inputs=[(torch.ones(1, 3),)] * 4), *beside.get("args", ()), **beside.get("kwargs", {}))
+
+
+class _TakesTargetsAndMicrobatches(torch.nn.Module):
+    """A first stage whose own forward has keyword inputs named ``targets`` and ``microbatches``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+
+    def forward(self, x, *, targets, microbatches):
+        return self.linear(x) * targets + microbatches
+
+
+def _model_with_colliding_names():
+    torch.manual_seed(0)
+    return torch.nn.ModuleList([_TakesTargetsAndMicrobatches(), torch.nn.Linear(3, 1)])
+
+
+def _reference(batches, labels):
+    """One device: (loss_i / M).backward() for each microbatch i in order; the losses summed."""
+    model = _model_with_colliding_names()
+    total = None
+    for (x, keywords), label in zip(batches, labels, strict=True):
+        loss = torch.nn.functional.mse_loss(model[1](model[0](x, **keywords)), label) / len(batches)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total, [p.grad for p in model.parameters()]
+
+
+def test_model_inputs_named_targets_and_microbatches_reach_the_model_on_both_paths():
+    x, scale, shift, y = (torch.randn(8, 3, generator=torch.Generator().manual_seed(i)) for i in range(4))
+    y = y[:, :1]
+    split = [(x[2 * i:2 * i + 2], {"targets": scale[2 * i:2 * i + 2], "microbatches": shift[2 * i:2 * i + 2]})
+             for i in range(4)]
+    want_loss, want_grads = _reference(split, [y[2 * i:2 * i + 2] for i in range(4)])
+    for how in ("minibatch", "given"):
+        pipe = conveyor.Pipeline(list(_model_with_colliding_names()), "1f1b", torch.nn.functional.mse_loss,
+                                 microbatches=4, layout=conveyor.Layout(in_process=True))
+        if how == "minibatch":  # the model's keywords, split by rows as one device's loop splits them
+            loss = pipe.step(x, targets=scale, microbatches=shift, target=y)
+        else:
+            loss = pipe.step(Microbatches(inputs=[{"x": a, **k} for a, k in split],
+                                          targets=[y[2 * i:2 * i + 2] for i in range(4)]))
+        assert torch.equal(loss, want_loss), how
+        grads = [p.grad for p in pipe.parameters()]
+        assert len(grads) == len(want_grads) and all(torch.equal(g, w) for g, w in zip(grads, want_grads)), how

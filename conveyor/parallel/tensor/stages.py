@@ -22,7 +22,7 @@ the activations of its sequence stream's shape (``[batch, seq, hidden]``) as its
 and the rest (rotary tables, masks, ALiBi biases) whole. The last stage keeps its logits
 vocabulary-sharded with ``loss_parallel`` (hand-built or traced: the loss, a Hugging Face model's
 own inside the traced graph or the user's ``loss_fn``, runs under torch's ``loss_parallel()``, see
-:meth:`TensorParallelStages.context`). What the TP ranks of one stage agree on when the pipeline
+:meth:`TensorParallelStages.runner_context`). What the TP ranks of one stage agree on when the pipeline
 is built: the plan, every parameter's name, global and local shape and placements, and each
 boundary's placement and local shapes (a traced stage's received shapes are known from the trace;
 a hand-built one's follow the rule and the first step's exchange of shapes)
@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +48,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conveyor.errors import PipelineConfigError
+from conveyor.parallel.part import PartSite, StagePart
 from conveyor.parallel.tensor.style_map import (
     check_plan,
     matching_modules,
@@ -89,17 +89,44 @@ def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()
     return placements
 
 
-@dataclass
-class TensorParallelStages:
-    """What a pipeline's tensor parallelism holds: the TP mesh, its group, the plan, how stages run."""
+class TensorParallelStages(StagePart):
+    """What a pipeline's tensor parallelism holds and does (a stage part): the TP mesh, its group, the
+    plan, how this rank's stages run, what crosses their boundaries, their gradients' placements.
 
-    tp_mesh: Any
-    plan_text: str
-    traced: bool
-    loss_parallel: bool
-    last_stage: int
-    sequence_parallel: bool = False
-    sequence_stream: frozenset = frozenset()  # traced stages: the shapes that cross as sequence rows
+    Built by :func:`conveyor.parallel.parts.parts_for` from ``layout`` (``tensor_parallel``,
+    ``sequence_parallel``, ``loss_parallel``) and the mesh's "tp" sub-mesh; :meth:`wrap_stages`
+    parallelizes the stages before their runners are built.
+    """
+
+    wants_checkpoint_group = True  # every TP position's pipeline writes its shards into one checkpoint
+
+    def __init__(self, layout: Any, tp_mesh: Any) -> None:
+        from conveyor.options import describe_plan
+
+        self.layout, self.tp_mesh = layout, tp_mesh
+        self.plan_text = describe_plan(layout.tensor_parallel)
+        self.loss_parallel, self.sequence_parallel = layout.loss_parallel, bool(layout.sequence_parallel)
+        self.traced = False  # traced stages (conveyor.pipeline), parallelized by original names
+        self.last_stage = -1
+        self.sequence_stream: frozenset = frozenset()  # traced stages: the shapes that cross as sequence rows
+        self.modules: dict[int, nn.Module] = {}  # this rank's stages, once parallelized
+        self.runners: Mapping[int, Any] = {}
+
+    def wrap_stages(self, modules: Mapping[int, nn.Module], schedule: Any, model: Any) -> None:
+        """Parallelize this rank's stages in place (:func:`parallelize_pipeline_stages`)."""
+        self.modules, self.last_stage = dict(modules), schedule.num_stages - 1
+        self.traced = model.parameter_placements is not None
+        self.sequence_stream = parallelize_pipeline_stages(self.modules, self.layout, self.tp_mesh, self.last_stage,
+                                                           model.parameter_placements)
+
+    def agree(self, site: PartSite) -> None:
+        """The TP ranks of this rank's stages hold alike shards (:meth:`stage_fields`)."""
+        site.life.groups.agree({**site.built, **self.stage_fields(self.modules)}, group=self.tp_group,
+                        who="tensor-parallel ranks")
+        self.runners = site.runners
+
+    def finish_step(self) -> None:
+        self.settle_gradients(runner.module for runner in self.runners.values())
 
     @property
     def tp_group(self) -> Any:
@@ -109,7 +136,7 @@ class TensorParallelStages:
     def tp_size(self) -> int:
         return self.tp_mesh.size()
 
-    def context(self, stage: int) -> Callable[[], contextlib.AbstractContextManager]:
+    def runner_context(self, stage: int) -> Callable[[], contextlib.AbstractContextManager]:
         """What stage ``stage``'s F, B, I and W run under: implicit replication for a traced stage
         (tensors its graph makes itself meet DTensors, in forward and backward), loss_parallel()
         on the last stage when asked."""
@@ -174,14 +201,14 @@ class TensorParallelStages:
                                     f"{list(spec.shape)}")
         return "; ".join(received) or "no boundary received here"
 
-    def local_examples(self, shapes: Mapping[int, Any]) -> dict[int, Any]:
+    def boundary_examples(self, shapes: Mapping[int, Any]) -> dict[int, Any]:
         """``TransferOptions(shapes=...)``'s whole example outputs as this TP rank sends them: each
         tensor cut to its local part at its boundary placement (its sequence shard under sequence
         parallelism), so the seeded shapes are the ones that cross.
 
         Example::
 
-            tp.local_examples({0: torch.zeros(2, 12, 32)})    # {0: a [2, 6, 32] tensor} at tp=2 with SP
+            tp.boundary_examples({0: torch.zeros(2, 12, 32)})    # {0: a [2, 6, 32] tensor} at tp=2 with SP
         """
         rank = self.tp_mesh.get_local_rank()
 
@@ -230,15 +257,14 @@ class TensorParallelStages:
 
 
 def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, tp_mesh: Any, last_stage: int,
-                                placements: Mapping[str, Any] | None) -> TensorParallelStages:
-    """Parallelize this rank's stages ({stage: module}) in place over ``tp_mesh`` as ``layout`` says.
+                                placements: Mapping[str, Any] | None) -> frozenset:
+    """Parallelize this rank's stages ({stage: module}) in place over ``tp_mesh`` as ``layout`` says;
+    returns the shapes that cross as sequence rows (traced stages under sequence parallelism).
 
     ``placements`` (traced stages): each parameter's placement by name, from the unchanged model;
     None: the stages are hand-built modules, parallelized with torch's ``parallelize_module``
     (checked across every rank of the job first: a collective).
     """
-    from conveyor.options import describe_plan
-
     tp_size = tp_mesh.size()
     sequence_parallel = bool(layout.sequence_parallel)
     if placements is not None:
@@ -264,9 +290,7 @@ def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, t
                 module.register_forward_hook(_sent_as_local_parts(stage, tp_mesh, sequence_parallel))
             elif not layout.loss_parallel:
                 module.register_forward_hook(_outputs_whole)
-    return TensorParallelStages(tp_mesh, describe_plan(layout.tensor_parallel), placements is not None,
-                                layout.loss_parallel, last_stage, sequence_parallel,
-                                stream if placements is not None and sequence_parallel else frozenset())
+    return stream if placements is not None and sequence_parallel else frozenset()
 
 
 def boundary_placement(value: Any, sequence_parallel: bool) -> Any:

@@ -178,28 +178,3 @@ def make_recorder(device: torch.device | None, event_class: Any = None) -> StepR
         stream = torch.cuda.current_stream(device) if event_class is None else None
         return EventRecorder(event_class, stream)
     return StepRecorder()
-
-
-def replica_timeline(schedule: Any, gathered: list, replicas: Any = None) -> Any:
-    """The step's Timeline from every rank's ``(events, reduction spans)`` (as the pipeline gathers them).
-
-    With ``replicas`` (data parallelism) its metadata also says, per rank, the (stage or "wait",
-    start, end) of the calls that reduced gradients across replicas, on the timeline's clock:
-    what of the reduction the rank spent waiting.
-
-    Example:
-        >>> import conveyor.schedule as cs
-        >>> replica_timeline(cs.build("1f1b", ranks=1, microbatches=1), [([("0F0", 1.0, 1.5)], [])]).makespan
-        0.5
-    """
-    from conveyor.schedule.timeline import measured_timeline
-
-    timeline = measured_timeline(schedule, [events for events, _ in gathered])
-    if replicas is not None:
-        origin = min((start for events, _ in gathered for _, start, _ in events), default=0.0)
-        timeline.metadata["data_parallel"] = {
-            "kind": replicas.kind, "replicas": replicas.dp_size,
-            "reductions": [[(what, start - origin, end - origin) for what, start, end in spans]
-                           for _, spans in gathered],
-        }
-    return timeline

@@ -18,7 +18,7 @@ check of the same logic). What it does differently from
   on, and from the start for stages given in ``TransferOptions(shapes=...)``, only the bytes travel,
   into a buffer the receiver sized ahead. A later transfer of another structure is an error
   (SpecMismatchError) naming rank, stage, microbatch and tensor, as with ``fixed_shapes``.
-- **Variable shapes** (``TransferOptions(variable_shapes=True)``, for ``pipe.step(microbatches=...)``
+- **Variable shapes** (``TransferOptions(variable_shapes=True)``, for ``pipe.step(Microbatches(...))``
   whose microbatches differ in length): every step is a first step. Each transfer's structure
   travels through the store under that step's number, the receiver sizes its buffer from it and
   deletes the key; the data still travels alone, matched by order. The host waits for a structure

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 import conveyor
 from conveyor.options import Layout
 from conveyor.parallel.mesh import layout_of
+from conveyor.parallel.tensor.stages import TensorParallelStages
 from conveyor.schedule.registry import resolve_schedule
 from conveyor.testing.references.tensor_parallel import whole
 from conveyor.testing.references.tensor_pipeline import _optimizer
@@ -156,7 +157,8 @@ def every_schedule_sequence_parallel(rank: int, world_size: int, names: tuple[st
             "params_equal": sorted(n for n in got if not torch.equal(got[n], want_params[n])),
             "params": len(got),
             "sent_shapes": sorted(set(sent)),
-            "fields": pipe.tensor_parallel.stage_fields({s: pipe.runners[s].module for s in mine}),
+            "fields": pipe.ranks.find_part(TensorParallelStages).stage_fields(
+                {s: pipe.runners[s].module for s in mine}),
             "sharded": sum(isinstance(p, DTensor) and not p.placements[0].is_replicate() for p in pipe.parameters()),
         }
         pipe.close()

@@ -21,6 +21,7 @@ import conveyor.frontend as frontend
 from conveyor.errors import PipelineConfigError
 from conveyor.options import Layout, PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
+from conveyor.parallel.tensor.stages import TensorParallelStages
 from conveyor.testing.compare import relative_difference, worst_absolute, worst_relative
 from conveyor.testing.models import token_batch
 from conveyor.testing.references.tensor_parallel import build, tp_mesh, whole
@@ -224,7 +225,7 @@ def pipeline_against_alone(rank: int, world_size: int, names: tuple[str, ...]) -
             "loss_rel": worst_relative((a, b) for a, b in zip(losses, device_losses, strict=True)),
             "param_abs": worst_absolute((full[n], device_params[n].detach()) for n in full),
             "sent": sorted(set(sent)),
-            "boundaries": pipe.tensor_parallel.stage_fields(
+            "boundaries": pipe.ranks.find_part(TensorParallelStages).stage_fields(
                 {s: r.module for s, r in pipe.runners.items()})["stage boundaries"],
         }
         pipe.close()

@@ -1,7 +1,7 @@
 """Variable-length microbatches against one device: what the parity tests and the full table share.
 
-Each step hands the pipeline its M microbatches already split (``pipe.step(microbatches=...,
-targets=...)``), every one with its own batch size and sequence length, through the hand-built
+Each step hands the pipeline its M microbatches already split (``pipe.step(conveyor.Microbatches(inputs=...,
+targets=...))``), every one with its own batch size and sequence length, through the hand-built
 stages of :mod:`conveyor.testing.models.tiny_lm`. The reference is one device looping over the
 same microbatches: ``(lm_loss(model(x_i), y_i) / M).backward()`` for each i in order. With data
 parallelism each replica gets microbatches of its own lengths, the loss is normalized by the
@@ -55,8 +55,8 @@ def train_varlen(rank: int, world_size: int, name: str, virtual: int, transport:
     with conveyor.Pipeline([stages[s] for s in mine], schedule=schedule, loss_fn=lm_loss, transfer=transfer) as pipe:
         for step in range(NUM_STEPS):
             inputs, targets = varlen_batches(cfg, step)
-            losses.append(pipe.step(microbatches=inputs if rank == first else None,
-                                    targets=targets if rank == last else None))
+            losses.append(pipe.step(conveyor.Microbatches(inputs=inputs if rank == first else None,
+                                                          targets=targets if rank == last else None)))
     return losses, {s: {n: p.grad.clone() for n, p in stages[s].named_parameters()} for s in mine}
 
 
@@ -119,7 +119,8 @@ def refusal(rank: int, world_size: int, transport: str) -> str:
     try:
         for step in range(NUM_STEPS):
             inputs, targets = varlen_batches(cfg, step)
-            pipe.step(microbatches=inputs if rank == 0 else None, targets=targets if rank == world_size - 1 else None)
+            pipe.step(conveyor.Microbatches(inputs=inputs if rank == 0 else None,
+                                            targets=targets if rank == world_size - 1 else None))
     except Exception as exc:  # noqa: BLE001 - the message is the result
         return f"{type(exc).__name__}: {exc}"
     finally:
@@ -155,9 +156,9 @@ def train_replicas_varlen(rank: int, world_size: int, name: str, dp: int = 2) ->
             for param in pipe.parameters():
                 param.grad = None  # each step's gradients on their own: the reference averages per step
             inputs, targets = _replica_batches(dp_rank, step)
-            losses.append(pipe.step(microbatches=inputs if pp_rank == first else None,
-                                    targets=targets if pp_rank == last else None,
-                                    normalize_by=_global_tokens(dp, step)))
+            given = conveyor.Microbatches(inputs=inputs if pp_rank == first else None,
+                                          targets=targets if pp_rank == last else None)
+            losses.append(pipe.step(given, normalize_by=_global_tokens(dp, step)))
     return losses, {s: {n: full_tensor(p.grad) for n, p in m.named_parameters()} for s, m in modules.items()}
 
 

@@ -1,0 +1,51 @@
+"""Which stage parts a distributed pipeline gets: the one place that reads the layout's parallelisms.
+
+The order of the list is the order of every hook, and so the order of a step's reductions, which
+bitwise parity with one device depends on: the replicas' reduction first (the gradients then hold
+the replicas' mean), then the tensor-parallel gradients settled to their placements, then the tied
+copies' sums, and after the loss broadcast the replicas' mean of the loss. A new parallelism is one
+more entry here, read from its one option field.
+
+Example:
+    >>> from conveyor.options import Layout
+    >>> [type(part).__name__ for part in parts_for(Layout(), None)]
+    ['TiedGradients']
+"""
+
+from __future__ import annotations
+
+from conveyor.errors import PipelineConfigError
+from conveyor.options import Layout
+from conveyor.parallel.mesh import MeshLayout
+from conveyor.parallel.part import StagePart
+from conveyor.parallel.replicas import Replicas
+from conveyor.parallel.tied import TiedGradients
+
+
+def parts_for(layout: Layout, mesh_layout: MeshLayout | None) -> list[StagePart]:
+    """The parts a pipeline over ``layout`` runs with, in hook order, then ``layout.parts`` (the user's own).
+
+    ``mesh_layout``: the layout's mesh read as pipeline, replica and TP positions (None: a plain group).
+    Tied copies are summed across ranks always (nothing to do for a model without tied parameters).
+    """
+    dp_size = mesh_layout.dp_size if mesh_layout is not None else 1
+    parts: list[StagePart] = []
+    if dp_size > 1:  # Layout checked the kind; "ddp" by default
+        assert mesh_layout is not None
+        # With TP the stages' parameters are DTensors on the mesh's "tp" sub-mesh: torch's 2-D
+        # composition (FSDP2 on TP-sharded parameters) needs the "dp" sub-mesh of that same mesh.
+        dp_mesh = layout.mesh["dp"] if layout.tensor_parallel is not None else None
+        parts.append(Replicas(layout.data_parallel or "ddp", dp_size, mesh=dp_mesh))
+    if layout.tensor_parallel is not None:
+        # DTensor is loaded for tensor parallelism only.
+        from conveyor.parallel.tensor.stages import TensorParallelStages
+
+        assert mesh_layout is not None  # Layout refuses tensor_parallel without a mesh's "tp" dim
+        parts.append(TensorParallelStages(layout, mesh_layout.tp_mesh))
+    parts.append(TiedGradients())
+    for part in layout.parts:
+        if not isinstance(part, StagePart):
+            raise PipelineConfigError(f"Layout(parts=...) takes conveyor.parallel.part.StagePart objects; got "
+                                      f"{type(part).__name__}: subclass StagePart and override its hooks")
+        parts.append(part)
+    return parts
