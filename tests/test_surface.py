@@ -27,8 +27,8 @@ BEGIN, END = "# --- surface: begin (python tests/test_surface.py --write) ---", 
 
 # --- surface: begin (python tests/test_surface.py --write) ---
 TOP_LEVEL = (
-    "RecomputePolicy", "Layout", "LocalPipeline", "MasterWeights", "Pipeline", "PipelineOptions", "Plan",
-    "SplitOptions", "StageOptions", "TransferOptions", "WholeModel", "pipeline",
+    "Layout", "LocalPipeline", "MasterWeights", "Microbatches", "Pipeline", "PipelineOptions", "Plan",
+    "RecomputePolicy", "SplitOptions", "StageOptions", "TransferOptions", "WholeModel", "pipeline",
 )
 
 MODULE_ALL = {
@@ -92,15 +92,15 @@ TRAIN_KEYS = (
     "model.kv_heads", "model.hf_config", "data.source", "data.format", "data.text_key", "data.tokenizer",
     "data.val_fraction", "data.max_bytes", "data.batching", "parallel.pp", "parallel.virtual", "parallel.schedule",
     "parallel.microbatches", "parallel.dp", "parallel.data_parallel", "parallel.tp", "parallel.sequence_parallel",
-    "parallel.plan", "parallel.in_process", "stage.checkpoint_activations", "stage.autocast", "stage.param_dtype",
+    "parallel.plan", "parallel.in_process", "stage.recompute", "stage.autocast", "stage.param_dtype",
     "stage.grad_accum_dtype", "stage.compile", "stage.random_streams", "stage.measure_memory",
-    "stage.record_timeline", "stage.checkpoint", "transfer.transport", "transfer.timeout_s",
-    "transfer.fixed_shapes", "transfer.shapes", "transfer.variable_shapes", "optim.lr", "optim.betas",
-    "optim.weight_decay", "optim.warmup_steps", "optim.lr_schedule", "optim.min_lr_ratio", "train.steps",
-    "train.batch_size", "train.eval_interval", "train.eval_batches", "train.clip", "train.seed",
-    "train.sample_tokens", "train.sample_prompt", "train.parity", "loss.normalize", "loss.on_nonfinite",
-    "checkpoint.dir", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.resume", "run.dir",
-    "run.log_interval", "run.tensorboard", "run.max_restarts", "run.device", "run.share_gpus",
+    "stage.record_timeline", "transfer.transport", "transfer.timeout_s", "transfer.fixed_shapes", "transfer.shapes",
+    "transfer.variable_shapes", "optim.lr", "optim.betas", "optim.weight_decay", "optim.warmup_steps",
+    "optim.lr_schedule", "optim.min_lr_ratio", "train.steps", "train.batch_size", "train.eval_interval",
+    "train.eval_batches", "train.clip", "train.seed", "train.sample_tokens", "train.sample_prompt", "train.parity",
+    "loss.normalize", "loss.on_nonfinite", "checkpoint.dir", "checkpoint.interval", "checkpoint.keep_last",
+    "checkpoint.resume", "run.dir", "run.log_interval", "run.tensorboard", "run.max_restarts", "run.device",
+    "run.share_gpus",
 )
 # --- surface: end ---
 
