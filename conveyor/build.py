@@ -85,7 +85,7 @@ def pipeline(
         schedule, microbatches, virtual, split_points, (example_args, example_kwargs) = _from_plan(
             plan, world, example_args, example_kwargs,
             1 if layout.tensor_parallel is None or layout.mesh is None else layout_of(layout.mesh).tp_size)
-        stage_options = _plan_checkpoint(plan, stage_options)
+        stage_options = _plan_recompute(plan, stage_options)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
                         unsplittable=options.split.unsplittable, device=device,
@@ -196,12 +196,12 @@ def _time_split_points(model, num_stages: int, layout: Layout, split_kwargs: dic
     return _by_rank_zero(layout, lambda: list(time_split.time_split(model, num_stages, **given).split_points))
 
 
-def _plan_checkpoint(plan: Any, stage: StageOptions) -> StageOptions:
-    """The stage options with the plan's checkpoint policies, where it needs some to fit and the
+def _plan_recompute(plan: Any, stage: StageOptions) -> StageOptions:
+    """The stage options with the plan's recomputation policies, where it needs some to fit and the
     user gave none (a user's own ``recompute=`` wins)."""
     from conveyor.plan import as_plan
 
-    policies = as_plan(plan).checkpoint
+    policies = as_plan(plan).recompute
     if not policies or stage.recompute is not None:
         return stage
     return dataclasses.replace(stage, recompute=list(policies))

@@ -180,7 +180,7 @@ def choose(result: SearchResult, costs: CostTable, *, top: int = 5) -> Plan:
                 settings["memory_per_rank"], costs,
                 [_cells(c.schedule, c.virtual, c.microbatches, c.split_points, c.step_time, c.bubble, c.peak_memory)
                  for c in fitting[1:top]], result.counts(),
-                None if over is None else _line(over), settings, best.schedule_costs, checkpoint=best.checkpoint)
+                None if over is None else _line(over), settings, best.schedule_costs, recompute=best.recompute)
 
 
 def _nothing_fits(result: SearchResult) -> str:
@@ -237,10 +237,10 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
     lines.append(f"chosen: {chosen.schedule} V={chosen.virtual} M={chosen.microbatches} (microbatch of "
                  f"{chosen.microbatch_size}); memory per rank: {per_rank}")
     lines.append(f"predicted step {chosen.step_time:.4g} s, {step_basis(chosen.settings)}")
-    if chosen.checkpoint:  # what it needs to fit: stage.recompute, applied by the pipeline
+    if chosen.recompute:  # what it needs to fit: stage.recompute, applied by the pipeline
         lines.append("recomputation to fit: " + "; ".join(
             f"stage {s}: {'none' if p is None else ', '.join(f'{k}={v}' for k, v in p.items())}"
-            for s, p in enumerate(chosen.checkpoint)))
+            for s, p in enumerate(chosen.recompute)))
     lines.append(f"others: {'; '.join(lost)}")
     if chosen.best_over_memory:
         lines.append(f"fastest over memory: {chosen.best_over_memory}")

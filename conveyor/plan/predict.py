@@ -228,19 +228,19 @@ class CheckpointFit:
     bubble: float
 
 
-def checkpointed_costs(schedule: Schedule, sums: StageSums, cuts: Sequence[int], policies: Sequence[dict | None],
+def recomputed_costs(schedule: Schedule, sums: StageSums, cuts: Sequence[int], policies: Sequence[dict | None],
                        *, latency: float) -> tuple[CostModel, list[float]]:
-    """:func:`stage_costs` with each stage's blocks checkpointed as ``policies`` say, and per stage
-    the bytes one of its checkpointed blocks rebuilds in backward (0: none).
+    """:func:`stage_costs` with each stage's blocks recomputed as ``policies`` say, and per stage
+    the bytes one of its recomputed blocks rebuilds in backward (0: none).
 
-    A checkpointed block keeps only its input (the unit before it's output) from F to backward, and
+    A recomputed block keeps only its input (the unit before it's output) from F to backward, and
     its I pays its forward again (the recomputation), as ``conveyor.runtime.stage.recompute`` runs it.
 
     Example:
         >>> from conveyor.plan.costs import UnitCost
         >>> units = [UnitCost(f"layers.{k}", 1.0, 1.0, 1.0, 100, output_bytes=10, is_block=True) for k in range(4)]
         >>> sums = StageSums(units, optimizer_bytes=8)
-        >>> model, rebuilt = checkpointed_costs(cs.build("1f1b", ranks=2, microbatches=2), sums, [2],
+        >>> model, rebuilt = recomputed_costs(cs.build("1f1b", ranks=2, microbatches=2), sums, [2],
         ...                                     [{"every": 1}, None], latency=0.0)
         >>> [(s.backward_input, s.activation_bytes) for s in model.stages], rebuilt
         ([(4.0, 10.0), (2.0, 200.0)], [100.0, 0.0])
@@ -259,17 +259,17 @@ def checkpointed_costs(schedule: Schedule, sums: StageSums, cuts: Sequence[int],
     return replace(model, stages=tuple(stages)), rebuilt
 
 
-def fit_by_checkpointing(schedule: Schedule, sums: StageSums, cuts: Sequence[int], *, ranks: int,
+def fit_by_recomputing(schedule: Schedule, sums: StageSums, cuts: Sequence[int], *, ranks: int,
                          memory_limit: float, latency: float) -> CheckpointFit | None:
     """Policies per stage from :data:`CHECKPOINT_CHOICES` under which every rank fits ``memory_limit``
     (parameters, gradients, optimizer state, the simulated peak of activations and one rebuilt
-    block), or None. Greedy: while a rank is over, its first stage that can checkpoint more does
+    block), or None. Greedy: while a rank is over, its first stage that can recompute more does
     (the first stages hold the most microbatches under 1F1B), so the fewest blocks pay a recomputation.
 
     Example:
         >>> from conveyor.plan.costs import UnitCost
         >>> units = [UnitCost(f"layers.{k}", 1.0, 1.0, 1.0, 100, output_bytes=10, is_block=True) for k in range(4)]
-        >>> fit = fit_by_checkpointing(cs.build("1f1b", ranks=2, microbatches=4), StageSums(units, optimizer_bytes=8),
+        >>> fit = fit_by_recomputing(cs.build("1f1b", ranks=2, microbatches=4), StageSums(units, optimizer_bytes=8),
         ...                            [2], ranks=2, memory_limit=300, latency=0.0)
         >>> fit.policies, fit.memory_per_rank
         (({'every': 2}, None), (300.0, 200.0))
@@ -279,7 +279,7 @@ def fit_by_checkpointing(schedule: Schedule, sums: StageSums, cuts: Sequence[int
     plain = None
     while True:
         policies = tuple(CHECKPOINT_CHOICES[k] for k in level)
-        model, rebuilt = checkpointed_costs(schedule, sums, cuts, policies, latency=latency)
+        model, rebuilt = recomputed_costs(schedule, sums, cuts, policies, latency=latency)
         timeline = cs.simulate(cs.executable(schedule).compute, model, time_unit="s")
         peaks = timeline.peak_activation_bytes()
         memory = [sum(sums.static(*stages[s]) for s in schedule.stages_of(rank)) + peaks[rank]

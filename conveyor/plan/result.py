@@ -55,8 +55,8 @@ class Plan:
     ``split_points``: the module each stage after the first starts with. ``step_time`` (seconds),
     ``bubble`` and ``memory_per_rank`` (bytes) are predictions of the simulation on ``costs``.
     ``alternatives``: the next best candidates (one line each); ``outcome``: how many candidates
-    ended how; ``best_over_memory``: the fastest one that did not fit (None if none). ``checkpoint``:
-    a checkpoint policy per stage (``StageOptions.recompute``) the plan needs to fit its memory limit
+    ended how; ``best_over_memory``: the fastest one that did not fit (None if none). ``recompute``:
+    a recomputation policy per stage (``StageOptions.recompute``) the plan needs to fit its memory limit
     (empty: none).
 
     Example:
@@ -84,7 +84,7 @@ class Plan:
     schedule_costs: CostModel | None = None  # a cost-planned schedule's (zb-1p, zb-2p) costs: its order's source
     tensor_parallel: int = 1  # each of the ``ranks`` pipeline ranks is a group of this many TP ranks
     tensor_parallel_report: list[str] = field(default_factory=list)  # the tp search's table: a line per tp, why
-    checkpoint: tuple = ()  # per stage: a policy mapping ({"every": 2}) or None
+    recompute: tuple = ()  # per stage: a policy mapping ({"every": 2}) or None
 
     @property
     def microbatch_size(self) -> int:
@@ -123,7 +123,7 @@ class Plan:
             "costs": None if self.costs is None else self.costs.to_json(),
             "schedule_costs": None if self.schedule_costs is None else _cost_model_json(self.schedule_costs),
             "tensor_parallel": self.tensor_parallel, "tensor_parallel_report": self.tensor_parallel_report,
-            "checkpoint": list(self.checkpoint),
+            "recompute": list(self.recompute),
         }
 
     def save(self, path: str | Path) -> Path:
@@ -139,6 +139,9 @@ class Plan:
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             raise PlanError(f"{where} is not a conveyor plan (expected a JSON object with \"format\": "
                             f"\"{PLAN_FORMAT}\", as `conveyor plan --out` writes)")
+        if "checkpoint" in data:  # the key's name before recomputation stopped being called checkpointing
+            raise PlanError(f"{where} names its recomputation policies \"checkpoint\", as older conveyor wrote them; "
+                            f"rename that key to \"recompute\", or write the plan again with `conveyor plan ... --out`")
         try:
             predicted = data["predicted"]
             plan = cls(str(data["schedule"]), int(data["ranks"]), int(data["virtual"]), int(data["microbatches"]),
@@ -152,7 +155,7 @@ class Plan:
                        data.get("best_over_memory"), dict(data.get("settings", {})),
                        None if data.get("schedule_costs") is None else _cost_model(data["schedule_costs"]),
                        int(data.get("tensor_parallel", 1)), list(data.get("tensor_parallel_report", [])))
-            plan.checkpoint = tuple(None if p is None else dict(p) for p in data.get("checkpoint") or ())
+            plan.recompute = tuple(None if p is None else dict(p) for p in data.get("recompute") or ())
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"{where} is malformed ({type(error).__name__}: {error}); write it again with "
                             f"`conveyor plan ... --out`") from None

@@ -11,9 +11,9 @@ activations at the simulation's peak. When a lighter split is within ``SearchSpa
 of the fastest one's slowest stage (fewer blocks where the schedule keeps more microbatches
 in flight), it is simulated too and kept when it fits where the other does not, or runs as
 fast; a candidate over ``memory_per_rank`` also tries the lightest split at any speed. When no
-candidate fits, the fastest few over the limit try activation checkpointing, stage by stage
-(:func:`~conveyor.plan.predict.fit_by_checkpointing`): a plan that fits that way carries its
-policies (``Plan.checkpoint``), which the pipeline applies.
+candidate fits, the fastest few over the limit try recomputing blocks' activations in backward, stage by stage
+(:func:`~conveyor.plan.predict.fit_by_recomputing`): a plan that fits that way carries its
+policies (``Plan.recompute``), which the pipeline applies.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import conveyor.schedule as cs
 from conveyor.errors import ConveyorError, PlanError
 from conveyor.plan.balance import StageSums, bounds_of, fastest_split, lightest_split
 from conveyor.plan.costs import CostTable
-from conveyor.plan.predict import fit_by_checkpointing, predict_split, stage_costs
+from conveyor.plan.predict import fit_by_recomputing, predict_split, stage_costs
 from conveyor.plan.settings import Machine, SearchSpace
 from conveyor.plan.tensor_search import TensorParallelOption, shard_units
 
-CHECKPOINT_TRIES = 8  # over-memory candidates, fastest first, that try checkpointing when nothing fits
+RECOMPUTE_TRIES = 8  # over-memory candidates, fastest first, that try recomputation when nothing fits
 
 if TYPE_CHECKING:  # measuring a calibration loads torch; searching with one does not
     from conveyor.plan.calibration import Calibration
@@ -55,7 +55,7 @@ class Candidate:
     lower_bound: float = 0.0
     verdict: str = "pending"
     schedule_costs: cs.CostModel | None = None  # what a cost-planned schedule (zb-1p, zb-2p) was built for
-    checkpoint: tuple = ()  # a policy per stage that made it fit (conveyor.plan.predict.fit_by_checkpointing)
+    recompute: tuple = ()  # a policy per stage that made it fit (conveyor.plan.predict.fit_by_recomputing)
 
     @property
     def peak_memory(self) -> float:
@@ -64,9 +64,9 @@ class Candidate:
     def describe(self) -> str:
         """One line: schedule, V, M, predicted step and peak memory."""
         memory = f", peak {self.peak_memory / 2**30:.3g} GiB/rank" if self.memory_per_rank else ""
-        checkpoint = f", checkpoint {list(self.checkpoint)}" if self.checkpoint else ""
+        recompute = f", recompute {list(self.recompute)}" if self.recompute else ""
         return (f"{self.schedule} V={self.virtual} M={self.microbatches}: step {self.step_time:.4g} s{memory}"
-                f"{checkpoint}")
+                f"{recompute}")
 
 
 @dataclass
@@ -184,10 +184,10 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
         context.evaluate(candidate)
         if candidate.verdict == "fits":
             best = min(best, candidate.step_time)
-    if best == math.inf:  # nothing fits as it is: the fastest few, with blocks checkpointed where they must be
+    if best == math.inf:  # nothing fits as it is: the fastest few, with blocks recomputed where they must be
         over = sorted((c for c in queue if c.verdict == "over memory"), key=lambda c: c.step_time)
-        for candidate in over[:CHECKPOINT_TRIES]:
-            context.fit_by_checkpointing(candidate)
+        for candidate in over[:RECOMPUTE_TRIES]:
+            context.fit_by_recomputing(candidate)
     settings = dict(ranks=ranks, global_batch=global_batch, memory_per_rank=memory_per_rank,
                     bandwidth=machine.bandwidth, latency=machine.latency,
                     optimizer_bytes_per_parameter=machine.optimizer_bytes_per_parameter,
@@ -287,14 +287,14 @@ class _Context:
         c.step_time, c.bubble, c.memory_per_rank, c.stage_times = step, bubble, tuple(memory), tuple(stage_times)
         c.verdict = "fits" if peak <= self.limit else "over memory"
 
-    def fit_by_checkpointing(self, c: Candidate) -> None:
-        """Make an over-memory candidate fit by checkpointing blocks, stage by stage, if it can."""
+    def fit_by_recomputing(self, c: Candidate) -> None:
+        """Make an over-memory candidate fit by recomputing blocks, stage by stage, if it can."""
         schedule = cs.build(c.schedule, ranks=self.ranks, microbatches=c.microbatches, virtual=c.virtual,
                             costs=c.schedule_costs)
-        fit = fit_by_checkpointing(schedule, self.sums(c.microbatches), list(c.cuts), ranks=self.ranks,
+        fit = fit_by_recomputing(schedule, self.sums(c.microbatches), list(c.cuts), ranks=self.ranks,
                                    memory_limit=self.limit, latency=self.latency)
         if fit is not None:
-            c.checkpoint, c.memory_per_rank, c.bubble = fit.policies, fit.memory_per_rank, fit.bubble
+            c.recompute, c.memory_per_rank, c.bubble = fit.policies, fit.memory_per_rank, fit.bubble
             c.step_time += fit.added_s  # the recomputations' share of the step
             c.verdict = "fits"
 

@@ -252,8 +252,8 @@ def apply_plan(cfg: TrainConfig) -> None:
                                                                                   plan.microbatches)
         if plan.ranks * plan.tensor_parallel == cfg.parallel.pp * cfg.parallel.tp:
             cfg.parallel.pp, cfg.parallel.tp = plan.ranks, plan.tensor_parallel
-        if plan.checkpoint and cfg.stage.recompute is None:  # the policies the plan needs to fit its memory
-            cfg.stage = dataclasses.replace(cfg.stage, recompute=list(plan.checkpoint))
+        if plan.recompute and cfg.stage.recompute is None:  # the policies the plan needs to fit its memory
+            cfg.stage = dataclasses.replace(cfg.stage, recompute=list(plan.recompute))
 
 
 def expand_home(cfg: TrainConfig) -> None:

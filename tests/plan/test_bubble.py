@@ -98,5 +98,5 @@ def test_every_simulated_candidate_has_a_bubble_in_0_1(table, ranks, global_batc
     simulated = [c for c in result.candidates if c.verdict in ("fits", "over memory")]
     assert simulated, result.counts()
     for c in simulated:
-        assert 0.0 <= c.bubble < 1.0, (c.describe(), c.bubble, c.checkpoint)  # a NaN fails both
+        assert 0.0 <= c.bubble < 1.0, (c.describe(), c.bubble, c.recompute)  # a NaN fails both
         assert c.step_time > 0 and math.isfinite(c.step_time), c.describe()
