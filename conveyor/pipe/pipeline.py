@@ -46,6 +46,7 @@ from conveyor.parallel.tied import share_tied_locally
 from conveyor.pipe.backend import RanksBackend
 from conveyor.pipe.distributed import DistributedRanks
 from conveyor.pipe.gradients import GradientChecks
+from conveyor.pipe.loss_scaling import StepLossScaling
 from conveyor.pipe.ranks import InProcessRanks
 from conveyor.runtime.stage.device import to_device
 from conveyor.runtime.stage.memory import MemoryReport
@@ -122,6 +123,8 @@ class Pipeline:
         self.ranks.connect(self.runners, stage, model, built_fields(self.schedule, self.layout, stage, transfer, model),
                            owner=self)
         self.gradient_checks = GradientChecks(self.ranks, self.runners, self.schedule, model)
+        self.loss_scaling = None if stage.loss_scaling is None else StepLossScaling(  # fp16: on by default
+            stage.loss_scaling, self.ranks, self.runners, self.schedule, self.gradient_checks)
         inputs = StepInputs(self.schedule, set(self.runners), self.ranks.rank, self.device)
         self.steps = PipelineSteps(self.ranks, self.runners, self.schedule, stage, inputs)
 
@@ -141,6 +144,9 @@ class Pipeline:
         ``normalize_by`` (read where the last stage runs): None divides each microbatch's loss by M;
         N, the global minibatch's token count (:func:`conveyor.parallel.count_tokens`), divides
         ``loss_fn``'s per-microbatch SUM by N (:mod:`conveyor.parallel.loss`).
+        With loss scaling (``StageOptions.loss_scaling``, on for fp16) each loss is scaled before its
+        backward and the gradients come back unscaled; a step whose gradients overflowed on any rank is
+        skipped as ``"skip"`` skips one, whatever ``on_nonfinite`` says (:mod:`conveyor.pipe.loss_scaling`).
         ``pipe.step(conveyor.Microbatches(inputs=[...], targets=[...]))``: M microbatches of their own
         shapes, split by the caller (:class:`~conveyor.microbatch.Microbatches`); outputs come back as a list.
 
@@ -149,7 +155,9 @@ class Pipeline:
         """
         check_nonfinite_mode(on_nonfinite)
         result = self.ranks.guarded(self.steps.train, args, kwargs, target, return_outputs, normalize_by)
-        if on_nonfinite is not None:
+        if self.loss_scaling is not None:  # unscales, and skips a step whose gradients overflowed on any rank
+            self.loss_scaling.finish_step(on_nonfinite)
+        elif on_nonfinite is not None:
             self.gradient_checks.check_finite(on_nonfinite, self.device)
         return result
 
@@ -190,8 +198,19 @@ class Pipeline:
 
     @property
     def skipped_steps(self) -> int:
-        """Steps dropped by ``on_nonfinite="skip"``."""
+        """Steps dropped by ``on_nonfinite="skip"`` or by loss scaling (their gradients overflowed)."""
         return self.gradient_checks.skipped_steps
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale the next step multiplies its losses by (None: no loss scaling), as
+        ``GradScaler.get_scale()`` (a host read).
+
+        Example:
+            >>> pipe.loss_scale   # doctest: +SKIP
+            65536.0
+        """
+        return None if self.loss_scaling is None else self.loss_scaling.scale
 
     # --- what the step measured ----------------------------------------------------------
     def memory(self, all_ranks: bool = False) -> MemoryReport | list[MemoryReport]:
