@@ -17,8 +17,10 @@ import conveyor.schedule as cs
 from conveyor.errors import NonFiniteError
 from conveyor.local import LocalPipeline
 from conveyor.testing import run_ranks
+from conveyor.testing.compare import whole
 from conveyor.testing.references.loss_scaling import (
     LR,
+    ROWS,
     SCALING,
     Run,
     batches,
@@ -44,8 +46,8 @@ def train(pipe, minibatches, optimizer=None, skip_state=False) -> Run:
         optimizer.zero_grad()
         run.scales.append(pipe.loss_scale)
         run.skipped.append(pipe.skipped_steps > before)
-        run.params.append({(s, n): p.detach().clone() for s, runner in pipe.runners.items()
-                           for n, p in runner.module.named_parameters()})
+        run.params.append({(s, n): whole(p).detach().clone() for s, runner in pipe.runners.items()  # replicas:
+                           for n, p in runner.module.named_parameters()})  # DTensors, gathered on every rank
     return run
 
 
@@ -168,3 +170,71 @@ def _two_ranks(rank, world_size):
 def test_every_rank_skips_the_step_one_stage_overflowed():
     results = run_ranks(_two_ranks, 2, timeout_s=120)
     assert results[0] == results[1] and all(skipped == 1 for skipped, _ in results[0].values())
+
+
+# Tensor parallelism: no one-device GradScaler run computes what TP does (its row-parallel sums round
+# differently), so TP with loss scaling is held to TP without it, bitwise. Exact by construction: every
+# backward op is linear in the incoming gradient, and multiplying by a power of two commutes with
+# rounding while values stay normal, so gradients scaled by 2**k and unscaled are the unscaled ones.
+# Step 0's loss carries a NaN term (0 x inf x the output): every rank's gradients are NaN, every rank must
+# skip it (the unscaled run drops them by hand); the scale backs off to 2**9, then grows each good step.
+TP_SCALING = conveyor.LossScaling(init_scale=2.0**10, growth_interval=1)
+
+
+def _replicas_then_tensor_parallel(rank, world_size):
+    """dp=2 x pp=2 against GradScaler over averaged replicas; then pp=2 x tp=2 against itself unscaled."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from conveyor.options import Layout
+    from conveyor.testing.references.data_parallel import mesh_of
+    from conveyor.testing.references.tensor_sequence import VOCAB, build_stages
+
+    torch.set_num_threads(1)
+    mesh = mesh_of(2, 2)
+    dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    minibatches = batches(NUM_STEPS, OVERFLOW_STEP)
+    minibatches[OVERFLOW_STEP][0][:ROWS // 2, 0] = 0  # the overflow in replica 1's rows alone
+    pipe = conveyor.Pipeline([mlp_stages(2)[pp_rank]], "1f1b", mse_loss, microbatches=NUM_MICROBATCHES, mesh=mesh,
+                             data_parallel="ddp", stage=FP16)
+    got = train(pipe, [(x.chunk(2)[dp_rank], t.chunk(2)[dp_rank]) for x, t in minibatches])
+    pipe.close()
+    want = grad_scaler_run(mlp_stages(2), minibatches, NUM_MICROBATCHES, SCALING, torch.device("cpu"), num_replicas=2)
+    assert_same_run(got, want, f"rank {rank} dp=2")
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp_rank = mesh.get_local_rank("pp")
+    tokens = torch.randint(0, VOCAB, (8, 13), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    poison = [float("inf")]  # step 0's only
+
+    def loss_fn(y, t):
+        return torch.nn.functional.cross_entropy(y.flatten(0, 1), t.flatten()) + y.float().mean() * 0 * poison[0]
+
+    for scaled in (True, False):
+        stage = build_stages(2)[pp_rank]
+        pipe = conveyor.Pipeline([stage], "1f1b", loss_fn, microbatches=2,
+                                 layout=Layout(mesh=mesh, tensor_parallel="auto"),
+                                 stage=conveyor.StageOptions(loss_scaling=TP_SCALING if scaled else None))
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
+        losses = []
+        for step in range(3):
+            poison[0] = float("inf") if step == 0 else 1.0
+            losses.append(pipe.step(tokens[:, :-1], target=tokens[:, 1:]))
+            if step == 0 and not scaled:
+                optimizer.zero_grad()  # the step the scaled run skips
+            optimizer.step()
+            optimizer.zero_grad()
+        params = {n: whole(p).detach() for n, p in stage.named_parameters()}  # a collective over tp, in order
+        runs[scaled] = (losses, params, pipe.skipped_steps, pipe.loss_scale)
+        pipe.close()
+    (losses, params, skipped, scale), (plain_losses, plain_params, _, _) = runs[True], runs[False]
+    assert (skipped, scale) == (1, 2.0**11), f"rank {rank} tp=2: skipped {skipped}, scale {scale}"
+    assert all(torch.isfinite(a) and torch.equal(a, b) for a, b in zip(losses[1:], plain_losses[1:])), rank
+    assert all(torch.isfinite(p).all() and torch.equal(p, plain_params[n]) for n, p in params.items()), rank
+    return got.scales, got.skipped, sum(p.numel() for p in params.values())
+
+
+@pytest.mark.distributed
+def test_replicas_and_tensor_parallel_ranks_skip_alike_and_stay_bitwise():
+    results = run_ranks(_replicas_then_tensor_parallel, 4, timeout_s=180)
+    assert all(r[:2] == results[0][:2] for r in results) and all(r[2] > 0 for r in results)

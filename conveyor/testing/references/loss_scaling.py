@@ -78,9 +78,11 @@ class Run:
 
 def grad_scaler_run(stages: Sequence[nn.Module], minibatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                     num_microbatches: int, scaling: LossScaling, device: torch.device,
-                    fp16_weights: bool = False) -> Run:
+                    fp16_weights: bool = False, num_replicas: int = 1) -> Run:
     """The stages, unsplit, trained on one device with GradScaler (``fp16_weights``: fp16 stages, fp32
-    main grads and masters); AdamW at lr 1e-2."""
+    main grads and masters); AdamW at lr 1e-2. ``num_replicas`` > 1: each replica's rows of a minibatch
+    accumulated on their own, then the gradients and losses averaged in replica order (what data-parallel
+    replicas compute: :mod:`conveyor.testing.references.data_parallel`), then the scaler's step."""
     model = nn.Sequential(*stages).to(device)
     scaler = torch.amp.GradScaler(device.type, init_scale=scaling.init_scale, growth_factor=scaling.growth_factor,
                                   backoff_factor=scaling.backoff_factor, growth_interval=scaling.growth_interval)
@@ -92,16 +94,17 @@ def grad_scaler_run(stages: Sequence[nn.Module], minibatches: Sequence[tuple[tor
     optimizer = torch.optim.AdamW(masters if fp16_weights else params, lr=LR)
     run = Run()
     for x, t in minibatches:
-        total, main_grads = None, [None] * len(params)
-        for x_i, t_i in zip(x.tensor_split(num_microbatches), t.tensor_split(num_microbatches)):
-            with torch.autocast(device.type, dtype=torch.float16, enabled=not fp16_weights):
-                loss = mse_loss(model(x_i), t_i) / num_microbatches
-                scaler.scale(loss).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-            if fp16_weights:
-                for i, param in enumerate(params):
-                    main_grads[i] = param.grad.float() if main_grads[i] is None else main_grads[i] + param.grad
-                    param.grad = None
+        if num_replicas == 1:
+            total, main_grads = _accumulate(model, params, x, t, num_microbatches, scaler, fp16_weights)
+        else:
+            replicas = []
+            for x_r, t_r in zip(x.chunk(num_replicas), t.chunk(num_replicas)):
+                replicas.append((*_accumulate(model, params, x_r, t_r, num_microbatches, scaler, False),
+                                 [p.grad for p in params]))
+                optimizer.zero_grad(set_to_none=True)
+            total = average([loss for loss, _, _ in replicas])
+            for param, grads in zip(params, zip(*(grads for _, _, grads in replicas))):
+                param.grad = average(list(grads))
         if fp16_weights:
             for master, grad in zip(masters, main_grads):
                 master.grad = grad
@@ -118,3 +121,29 @@ def grad_scaler_run(stages: Sequence[nn.Module], minibatches: Sequence[tuple[tor
         run.skipped.append(run.scales[-1] < scale_before)
         run.params.append({key: p.detach().clone() for key, p in named.items()})
     return run
+
+
+def _accumulate(model: nn.Module, params: list[torch.Tensor], x: torch.Tensor, t: torch.Tensor,
+                num_microbatches: int, scaler: torch.amp.GradScaler, fp16_weights: bool):
+    """Every microbatch's scaled backward in order: the summed loss (each / M), and with fp16 weights the
+    fp32 main grads (each microbatch's fp16 gradient added in fp32, ``.grad`` dropped)."""
+    total, main_grads = None, [None] * len(params)
+    device_type = next(model.parameters()).device.type
+    for x_i, t_i in zip(x.tensor_split(num_microbatches), t.tensor_split(num_microbatches)):
+        with torch.autocast(device_type, dtype=torch.float16, enabled=not fp16_weights):
+            loss = mse_loss(model(x_i), t_i) / num_microbatches
+            scaler.scale(loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        if fp16_weights:
+            for i, param in enumerate(params):
+                main_grads[i] = param.grad.float() if main_grads[i] is None else main_grads[i] + param.grad
+                param.grad = None
+    return total, main_grads
+
+
+def average(values: list[torch.Tensor]) -> torch.Tensor:
+    """Summed in order, divided by their count: how data-parallel replicas average."""
+    total = values[0]
+    for value in values[1:]:
+        total = total + value
+    return total / len(values)
