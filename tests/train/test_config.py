@@ -152,13 +152,21 @@ def test_fp16_trains_with_loss_scaling_and_is_refused_without_it():
     assert cfg.stage.loss_scaling == LossScaling(growth_interval=100)
     with pytest.raises(ConfigError, match=r"stage.loss_scaling=False: fp16 needs loss scaling.*'bf16'"):
         load_config(None, ["stage.autocast=fp16", "stage.loss_scaling=false"])
+    # fp16 weights keep their gradients in fp32 main_grad, for conveyor.MasterWeights, which the trainer's
+    # AdamW does not read (it would step nothing): refused, naming autocast (bf16 weights alike).
+    with pytest.raises(ConfigError, match=r"stage.param_dtype='fp16': its gradients accumulate in fp32 main_grad.*"
+                                          r"use stage.autocast=fp16 with fp32 parameters instead$"):
+        load_config(None, ["stage.param_dtype=fp16"])
+    with pytest.raises(ConfigError, match=r"stage.param_dtype='bf16'.*stage.autocast=bf16.*grad_accum_dtype=none"):
+        load_config(None, ["stage.param_dtype=bf16"])
 
 
 def test_the_stage_and_transfer_sections_are_the_pipelines_records():
     from conveyor.options import StageOptions, TransferOptions
 
-    cfg = load_config(None, ["stage.autocast=bfloat16", "stage.param_dtype=bf16", "transfer.timeout_s=30"])
-    assert cfg.stage == StageOptions(autocast="bf16", param_dtype="bf16", grad_accum_dtype="fp32")
+    cfg = load_config(None, ["stage.autocast=bfloat16", "stage.param_dtype=bf16", "stage.grad_accum_dtype=none",
+                             "transfer.timeout_s=30"])
+    assert cfg.stage == StageOptions(autocast="bf16", param_dtype="bf16", grad_accum_dtype="none")
     assert cfg.transfer == TransferOptions(timeout_s=30.0)
     assert "stage.recompute (None): recompute activations in backward" in config_reference()
 
