@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from conveyor.checkpoint import files
 from conveyor.checkpoint.saving import FLAT, group_values
 from conveyor.checkpoint.shards import Landing
-from conveyor.checkpoint.targets import Target, target_of, with_masters
+from conveyor.checkpoint.targets import Target, loss_scaling_of, target_of, with_masters
 from conveyor.checkpoint.values import decode, restore_rng, tensor_keys
 from conveyor.errors import CheckpointError, CheckpointIncompleteError, CheckpointMismatchError
 
@@ -289,7 +289,7 @@ def _finish_optimizer(target: Target, optimizer: torch.optim.Optimizer, prepared
 
 def _restore_loss_scaling(pipe: Any, meta: dict) -> None:
     """The loss scale and its growth count where both the pipeline and the checkpoint have them (fp16)."""
-    scaling, saved = getattr(pipe, "loss_scaling", None), meta.get("loss_scaling")
+    scaling, saved = loss_scaling_of(pipe), meta.get("loss_scaling")
     if scaling is not None and saved is not None:
         scaling.load_state_dict(saved)
     elif scaling is not None:

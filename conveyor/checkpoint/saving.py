@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from conveyor.checkpoint import files
 from conveyor.checkpoint.shards import storable
-from conveyor.checkpoint.targets import Target, target_of, with_masters
+from conveyor.checkpoint.targets import Target, loss_scaling_of, target_of, with_masters
 from conveyor.checkpoint.values import capture_rng, check_json, encode
 from conveyor.errors import CheckpointError
 
@@ -56,7 +56,7 @@ def save(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
         mine["extra"] = check_json(extra, "extra")
         mine["optimizer"] = _optimizer_state(target, optimizer, tensors) if optimizer is not None else None
         mine["lr_scheduler"] = encode(lr_scheduler.state_dict(), "sched", tensors) if lr_scheduler else None
-        scaling = getattr(pipe, "loss_scaling", None)  # fp16's loss scale: the same on every rank
+        scaling = loss_scaling_of(pipe)  # fp16's loss scale: the same on every rank
         mine["loss_scaling"] = scaling.state_dict() if scaling is not None else None
     except CheckpointError as exc:
         mine["problem"] = str(exc)

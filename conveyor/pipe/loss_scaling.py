@@ -1,8 +1,8 @@
 """A pipeline's loss scaling (fp16): each loss scaled before its backward, the step's gradients unscaled once.
 
-:class:`StepLossScaling` is what a :class:`~conveyor.Pipeline` holds when ``StageOptions.loss_scaling``
-is on (by default with ``autocast="fp16"`` or ``param_dtype="fp16"``). It concerns every layout alike,
-so it sits beside the gradient checks rather than in a stage part. A step:
+:class:`StepLossScaling` is what a pipeline's gradient checks (:class:`~conveyor.pipe.gradients.GradientChecks`)
+hold when ``StageOptions.loss_scaling`` is on (by default with ``autocast="fp16"`` or ``param_dtype="fp16"``).
+It concerns every layout alike, so it sits with the gradient checks rather than in a stage part. A step:
 
 1. the last stage's runner backpropagates ``loss / M * scale`` (``GradScaler.scale``); the loss the
    step returns stays unscaled;
@@ -36,18 +36,20 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from conveyor.errors import NonFiniteError
 from conveyor.parallel.clipping import describe_nonfinite, first_nonfinite_loss, local_part
 from conveyor.pipe.backend import RanksBackend
-from conveyor.pipe.gradients import GradientChecks
 from conveyor.runtime.stage.loss_scale import LossScaler, LossScaling
 from conveyor.runtime.stage.main_grad import gradient
 from conveyor.runtime.stage.runner import StageRunner
 from conveyor.schedule.ir import Schedule
+
+if TYPE_CHECKING:
+    from conveyor.pipe.gradients import GradientChecks  # which holds this
 
 log = logging.getLogger("conveyor.pipe")
 

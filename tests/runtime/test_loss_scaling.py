@@ -109,10 +109,11 @@ def test_the_scale_resumes_from_a_checkpoint_bitwise(tmp_path):
     pipe, optimizer = build()
     train(pipe, minibatches[:OVERFLOW_STEP + 2], optimizer)  # through the overflow and one step after it
     conveyor.checkpoint.save(tmp_path / "ckpt", pipe, optimizer)
-    saved = pipe.loss_scaling.state_dict()
+    saved = pipe.gradient_checks.loss_scaling.state_dict()
     resumed, optimizer = build()
     conveyor.checkpoint.load(tmp_path / "ckpt", resumed, optimizer)
-    assert resumed.loss_scaling.state_dict() == saved and saved["growth_tracker"] == 1 and saved["scale"] == 256.0
+    assert resumed.gradient_checks.loss_scaling.state_dict() == saved
+    assert saved["growth_tracker"] == 1 and saved["scale"] == 256.0  # one good step since the back-off
     rest = train(resumed, minibatches[OVERFLOW_STEP + 2:], optimizer)
     assert rest.scales == whole.scales[OVERFLOW_STEP + 2:]
     assert all(torch.equal(p, whole.params[-1][key]) for key, p in rest.params[-1].items())
@@ -133,7 +134,7 @@ def test_a_loss_that_overflows_at_every_scale_stops_at_the_floor_naming_the_caus
         pipe.step(x, target=bad)
     assert pipe.skipped_steps == 3 and all(p.grad is None for p in pipe.parameters())
     loss = pipe.step(x, target=t)  # the pipeline stays usable; a finite step counts anew
-    assert torch.isfinite(loss) and pipe.skipped_steps == 3 and pipe.loss_scaling.consecutive_skips == 0
+    assert torch.isfinite(loss) and pipe.skipped_steps == 3 and pipe.gradient_checks.loss_scaling.consecutive_skips == 0
 
 
 def test_a_nonfinite_loss_with_finite_gradients_is_left_to_on_nonfinite():
