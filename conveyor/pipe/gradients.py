@@ -69,11 +69,11 @@ class GradientChecks:
         self.loss_scaling = None if scaling is None else StepLossScaling(scaling, backend, runners, schedule, self)
 
     def finish_step(self, on_nonfinite: str | None) -> None:
-        """After a training step, on every rank alike: with loss scaling, the gradients unscaled, and the step
-        dropped if they overflowed on any rank, whatever ``on_nonfinite`` says (as ``GradScaler`` skips it:
-        :mod:`conveyor.pipe.loss_scaling`); then, or without scaling, ``on_nonfinite`` (the same on every rank):
-        ``"raise"`` raises :class:`NonFiniteError` naming the first microbatch whose loss and the stages whose
-        gradients are not finite (the pipeline stays usable); ``"skip"`` drops the step's gradients instead
+        """After a training step, on every rank alike. With loss scaling the gradients are unscaled, and the step
+        is dropped if they overflowed on any rank, whatever ``on_nonfinite`` says (as ``GradScaler`` skips it:
+        :mod:`conveyor.pipe.loss_scaling`). Otherwise ``on_nonfinite`` (the same on every rank): ``"raise"``
+        raises :class:`NonFiniteError` naming the first microbatch whose loss and the stages whose gradients
+        are not finite (the pipeline stays usable); ``"skip"`` drops the step's gradients instead
         (``optimizer.step()`` then leaves parameters and state as they were), logs a warning and counts it in
         ``skipped_steps``; None: no check."""
         if self.loss_scaling is not None:
