@@ -1,7 +1,7 @@
 """A pipeline's options as typed records, one per concern, each checking itself.
 
 - :class:`StageOptions`: what each stage does (activation recomputation, autocast, parameter and
-  accumulation dtypes, compile, random streams, memory measurement, the timeline).
+  accumulation dtypes, fp16's loss scaling, compile, random streams, memory measurement, the timeline).
 - :class:`RecomputePolicy`: which part of a stage recomputes its activations in backward, per stage.
 - :class:`TransferOptions`: how bytes move between stages (transport, timeout, fixed shapes).
 - :class:`Layout`: where the ranks are (a process group or a ("pp", "dp") mesh, the data-parallel
@@ -66,7 +66,7 @@ def _describe_fields(record: Any) -> str:
         value = getattr(record, f.name)
         if f.name == "compile":
             value = describe_compile(value)
-        elif isinstance(value, RecomputePolicy) or f.name == "loss_scaling" and value is not None:
+        elif isinstance(value, RecomputePolicy) or (f.name == "loss_scaling" and value is not None):
             value = value.describe()
         elif f.name == "recompute" and isinstance(value, tuple):
             value = "[" + ", ".join(str(p.describe() if p else None) for p in value) + "]"
@@ -242,7 +242,7 @@ class StageOptions:
     autocast: str | None = _f(None, "bf16 or fp16: each stage's forward and loss under torch.autocast in that "
                                     "dtype, bitwise as one device (fp16 with loss_scaling); None or fp32: full "
                                     "precision")
-    param_dtype: str | None = _f(None, "bf16: the stages cast to bf16, their gradients summed over the "
+    param_dtype: str | None = _f(None, "bf16 or fp16: the stages cast to it, their gradients summed over the "
                                        "microbatches in fp32 main_grad (use conveyor.MasterWeights); None: "
                                        "parameters as given")
     grad_accum_dtype: str | None = _f(None, "where gradients accumulate over microbatches with param_dtype: fp32 "
@@ -267,7 +267,7 @@ class StageOptions:
         _set(self, "autocast", _dtype_name(autocast_dtype(self.autocast), "autocast"))  # "bf16", "fp16" or None
         param, accum = _dtype_name(self.param_dtype, "param_dtype"), _dtype_name(self.grad_accum_dtype,
                                                                                   "grad_accum_dtype")
-        precision = param_precision(param, accum)  # refuses fp16 weights and an accumulation without them
+        precision = param_precision(param, accum)  # refuses fp16 gradients summed in fp16, accumulation alone
         _set(self, "param_dtype", param)
         if precision is not None:
             accum = "fp32" if precision.grad_accum_dtype is not None else "none"
