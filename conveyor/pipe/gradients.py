@@ -154,5 +154,5 @@ class GradientChecks:
         drop_gradients(self.parameters())  # the optimizer then leaves every parameter and its state as they are
         self.forget_norm_layout()  # every rank dropped its gradients alike: the layout changed everywhere
         self.skipped_steps += 1
-        log.warning("conveyor: skipped a step: its %s; gradients dropped (%d step(s) skipped so far)",
+        log.warning("conveyor: skipped a step: %s; gradients dropped (%d step(s) skipped so far)",
                     report, self.skipped_steps)

@@ -35,7 +35,7 @@ NUM_STEPS, OVERFLOW_STEP, NUM_MICROBATCHES = 6, 2, 2
 FP16 = conveyor.StageOptions(autocast="fp16", loss_scaling=SCALING)
 
 
-def train(pipe, minibatches, optimizer=None, skip_state=False) -> Run:
+def train(pipe, minibatches, optimizer=None) -> Run:
     """The user's loop over ``pipe``: step, optimizer step, zero grads; what the reference records."""
     optimizer = optimizer or torch.optim.AdamW(pipe.parameters(), lr=LR)
     run = Run()
