@@ -119,6 +119,15 @@ def test_the_scale_resumes_from_a_checkpoint_bitwise(tmp_path):
     assert all(torch.equal(p, whole.params[-1][key]) for key, p in rest.params[-1].items())
 
 
+def test_fp16_weights_with_replicas_are_refused_naming_fp16_autocast():
+    from conveyor.errors import PipelineConfigError
+    from conveyor.options import check_together
+
+    with pytest.raises(PipelineConfigError, match=r"param_dtype='fp16'.*data_parallel='ddp'.*autocast='fp16' with "
+                                                  r"fp32 parameters"):
+        check_together(conveyor.StageOptions(param_dtype="fp16"), "ddp")
+
+
 def test_a_loss_that_overflows_at_every_scale_stops_at_the_floor_naming_the_cause():
     scaling = conveyor.LossScaling(init_scale=4.0, min_scale=1.0)
     pipe = LocalPipeline(mlp_stages(2), "1f1b", mse_loss, microbatches=NUM_MICROBATCHES,

@@ -144,7 +144,8 @@ def param_precision(param_dtype: str | torch.dtype | None, grad_accum_dtype: str
         raise PipelineConfigError(
             f"param_dtype={param_dtype!r} with gradients accumulated in {_short(accum)} main_grad does not "
             f"work with data_parallel={data_parallel!r} yet (the replicas' reduction reads .grad, not main_grad): "
-            "drop data_parallel=, or use autocast='bf16' with fp32 parameters, which data parallelism supports")
+            f"drop data_parallel=, or use autocast='{'fp16' if dtype == torch.float16 else 'bf16'}' with fp32 "
+            "parameters, which data parallelism supports")
     return ParamPrecision(dtype, accum)
 
 
