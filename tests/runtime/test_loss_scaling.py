@@ -4,7 +4,9 @@ CPU autocast computes matmuls in fp16 in torch 2.13 (checked here), so the pipel
 ``autocast="fp16"`` and the reference under ``torch.autocast("cpu", float16)`` run the same
 operations in the same dtypes: losses, scales and parameters after every step are compared with
 ``torch.equal``. Step 3 of 6 overflows on the first stage only (conveyor.testing.references.loss_scaling):
-GradScaler skips it and backs off; so must every rank of the pipeline.
+GradScaler skips it and backs off; so must every rank of the pipeline: in one process under every
+built-in schedule, on 2 ranks, and with dp=2 replicas (ddp, fsdp) against GradScaler over the replicas'
+averaged gradients; with tp=2 against TP unscaled (the reason below).
 """
 
 from __future__ import annotations
@@ -204,12 +206,13 @@ def _replicas_then_tensor_parallel(rank, world_size):
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     minibatches = batches(NUM_STEPS, OVERFLOW_STEP)
     minibatches[OVERFLOW_STEP][0][:ROWS // 2, 0] = 0  # the overflow in replica 1's rows alone
-    pipe = conveyor.Pipeline([mlp_stages(2)[pp_rank]], "1f1b", mse_loss, microbatches=NUM_MICROBATCHES, mesh=mesh,
-                             data_parallel="ddp", stage=FP16)
-    got = train(pipe, [(x.chunk(2)[dp_rank], t.chunk(2)[dp_rank]) for x, t in minibatches])
-    pipe.close()
     want = grad_scaler_run(mlp_stages(2), minibatches, NUM_MICROBATCHES, SCALING, torch.device("cpu"), num_replicas=2)
-    assert_same_run(got, want, f"rank {rank} dp=2")
+    for kind in ("ddp", "fsdp"):  # fsdp: sharded gradients, each replica unscales its shard
+        pipe = conveyor.Pipeline([mlp_stages(2)[pp_rank]], "1f1b", mse_loss, microbatches=NUM_MICROBATCHES,
+                                 mesh=mesh, data_parallel=kind, stage=FP16)
+        got = train(pipe, [(x.chunk(2)[dp_rank], t.chunk(2)[dp_rank]) for x, t in minibatches])
+        pipe.close()
+        assert_same_run(got, want, f"rank {rank} dp=2 {kind}")
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp_rank = mesh.get_local_rank("pp")
