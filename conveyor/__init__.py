@@ -22,6 +22,7 @@ _LAZY = MappingProxyType({
     "pipeline": ("conveyor.build", "pipeline"),
     "LocalPipeline": ("conveyor.local", "LocalPipeline"),
     "MasterWeights": ("conveyor.runtime.stage.main_grad", "MasterWeights"),
+    "LossScaling": ("conveyor.runtime.stage.loss_scale", "LossScaling"),
     "Microbatches": ("conveyor.microbatch", "Microbatches"),
     "Plan": ("conveyor.plan.result", "Plan"),
     "StageOptions": ("conveyor.options", "StageOptions"),
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     )
     from conveyor.pipe import Pipeline  # noqa: F401
     from conveyor.plan.result import Plan  # noqa: F401
+    from conveyor.runtime.stage.loss_scale import LossScaling  # noqa: F401
     from conveyor.runtime.stage.main_grad import MasterWeights  # noqa: F401
 
 

@@ -1,7 +1,7 @@
 """A pipeline's options as typed records, one per concern, each checking itself.
 
 - :class:`StageOptions`: what each stage does (activation recomputation, autocast, parameter and
-  accumulation dtypes, compile, random streams, memory measurement, the timeline).
+  accumulation dtypes, fp16's loss scaling, compile, random streams, memory measurement, the timeline).
 - :class:`RecomputePolicy`: which part of a stage recomputes its activations in backward, per stage.
 - :class:`TransferOptions`: how bytes move between stages (transport, timeout, fixed shapes).
 - :class:`Layout`: where the ranks are (a process group or a ("pp", "dp") mesh, the data-parallel
@@ -66,7 +66,7 @@ def _describe_fields(record: Any) -> str:
         value = getattr(record, f.name)
         if f.name == "compile":
             value = describe_compile(value)
-        elif isinstance(value, RecomputePolicy):
+        elif isinstance(value, RecomputePolicy) or (f.name == "loss_scaling" and value is not None):
             value = value.describe()
         elif f.name == "recompute" and isinstance(value, tuple):
             value = "[" + ", ".join(str(p.describe() if p else None) for p in value) + "]"
@@ -223,7 +223,7 @@ class StageOptions:
     Example:
         >>> options = StageOptions(recompute=True, autocast="bf16")
         >>> print(options.describe())  # doctest: +NORMALIZE_WHITESPACE
-        recompute=stage autocast=bf16 param_dtype=None grad_accum_dtype=None compile=off
+        recompute=stage autocast=bf16 param_dtype=None grad_accum_dtype=None loss_scaling=None compile=off
         random_streams=True measure_memory=False record_timeline=True
 
     Recomputation per stage and per block: ``recompute=`` takes True (the whole of every stage), a
@@ -239,14 +239,16 @@ class StageOptions:
     recompute: Any = _f(None, "recompute activations in backward (saves memory, costs a forward): true for the "
                               "whole of every stage, a policy {every: N, blocks: regex, save: [matmul, ...]} for "
                               "every stage, or a list of one per stage (null: none)")
-    autocast: str | None = _f(None, "bf16: each stage's forward and loss under torch.autocast bf16, bitwise as "
-                                    "one device; None or fp32: full precision; fp16 is refused (it needs loss "
-                                    "scaling, which cannot reach a backward inside step())")
-    param_dtype: str | None = _f(None, "bf16: the stages cast to bf16, their gradients summed over the "
+    autocast: str | None = _f(None, "bf16 or fp16: each stage's forward and loss under torch.autocast in that "
+                                    "dtype, bitwise as one device (fp16 with loss_scaling); None or fp32: full "
+                                    "precision")
+    param_dtype: str | None = _f(None, "bf16 or fp16: the stages cast to it, their gradients summed over the "
                                        "microbatches in fp32 main_grad (use conveyor.MasterWeights); None: "
                                        "parameters as given")
     grad_accum_dtype: str | None = _f(None, "where gradients accumulate over microbatches with param_dtype: fp32 "
                                             "(main_grad, the default below fp32) or none (.grad, in param_dtype)")
+    loss_scaling: Any = _f(None, "dynamic loss scaling as torch.amp.GradScaler (on for fp16 when unset): true, "
+                                 "false, or {init_scale, growth_factor, backoff_factor, growth_interval, min_scale}")
     compile: Any = _f(False, "true, or a mapping of torch.compile keywords (backend, mode, dynamic, fullgraph, "
                              "options): each stage's forward compiled; false: eager")
     random_streams: bool = _f(True, "random ops (dropout) draw from generators seeded per (stage, microbatch) "
@@ -258,18 +260,19 @@ class StageOptions:
 
     def __post_init__(self) -> None:
         from conveyor.runtime.stage.compile import compile_options
+        from conveyor.runtime.stage.loss_scale import loss_scaling
         from conveyor.runtime.stage.main_grad import param_precision
         from conveyor.runtime.stage.precision import autocast_dtype
 
-        autocast = autocast_dtype(self.autocast)  # refuses fp16 and names bf16
-        _set(self, "autocast", None if autocast is None else "bf16")
+        _set(self, "autocast", _dtype_name(autocast_dtype(self.autocast), "autocast"))  # "bf16", "fp16" or None
         param, accum = _dtype_name(self.param_dtype, "param_dtype"), _dtype_name(self.grad_accum_dtype,
                                                                                   "grad_accum_dtype")
-        precision = param_precision(param, accum)  # refuses fp16 weights and an accumulation without them
+        precision = param_precision(param, accum)  # refuses fp16 gradients summed in fp16, accumulation alone
         _set(self, "param_dtype", param)
         if precision is not None:
             accum = "fp32" if precision.grad_accum_dtype is not None else "none"
         _set(self, "grad_accum_dtype", accum)
+        _set(self, "loss_scaling", loss_scaling(self.loss_scaling, "fp16" in (self.autocast, param)))
         options = compile_options(self.compile)  # refuses keywords torch.compile does not take
         _set(self, "compile", False if options is None else (True if options == {} else dict(options)))
         for name in ("random_streams", "measure_memory", "record_timeline"):
@@ -293,7 +296,7 @@ class StageOptions:
         """The dtype of the stages' autocast region (None: none)."""
         import torch
 
-        return torch.bfloat16 if self.autocast == "bf16" else None
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.autocast)
 
     def param_precision(self, data_parallel: str | None = None) -> Any:
         """The stages' :class:`~conveyor.runtime.stage.main_grad.ParamPrecision` (None: parameters as given),

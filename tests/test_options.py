@@ -34,8 +34,11 @@ def test_values_are_normalised_so_that_equal_options_compare_equal():
 
 
 @pytest.mark.parametrize(("make", "says"), [
-    (lambda: StageOptions(autocast="fp16"), r"autocast='fp16': fp16 needs loss scaling.*use autocast='bf16'"),
-    (lambda: StageOptions(param_dtype="half"), r"param_dtype='fp16': fp16 needs loss scaling"),
+    (lambda: StageOptions(autocast="fp16", loss_scaling=False), r"loss_scaling=False: fp16 needs loss scaling"),
+    (lambda: StageOptions(param_dtype="half", grad_accum_dtype="none"),
+     r"grad_accum_dtype='none': fp16 parameters would sum.*leave grad_accum_dtype unset"),
+    (lambda: StageOptions(loss_scaling={"growth": 3}), r"loss_scaling does not know \['growth'\]"),
+    (lambda: StageOptions(loss_scaling={"growth_interval": 0}), r"growth_interval takes a whole number"),
     (lambda: StageOptions(grad_accum_dtype="fp32"), r"grad_accum_dtype='fp32' needs param_dtype="),
     (lambda: StageOptions(param_dtype="bf16", grad_accum_dtype="bf16"), r"accumulate.*in 'fp32' main_grad"),
     (lambda: StageOptions(compile={"mode": "fast", "speed": 2}), r"compile= got \['speed'\].*use only"),
@@ -76,7 +79,7 @@ def test_a_new_stage_option_is_one_field_the_ranks_compare_without_more_code():
                                           bases=(StageOptions,), frozen=True)
     assert Extended().describe().endswith("record_timeline=True new_option=3")
     assert [f.name for f in dataclasses.fields(StageOptions)] == [
-        "recompute", "autocast", "param_dtype", "grad_accum_dtype", "compile", "random_streams",
+        "recompute", "autocast", "param_dtype", "grad_accum_dtype", "loss_scaling", "compile", "random_streams",
         "measure_memory", "record_timeline"]
     for record in (StageOptions, TransferOptions, Layout, WholeModel, SplitOptions, PipelineOptions):
         assert all(f.metadata.get("help") for f in dataclasses.fields(record)), record  # each field says what it does

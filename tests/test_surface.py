@@ -27,8 +27,8 @@ BEGIN, END = "# --- surface: begin (python tests/test_surface.py --write) ---", 
 
 # --- surface: begin (python tests/test_surface.py --write) ---
 TOP_LEVEL = (
-    "Layout", "LocalPipeline", "MasterWeights", "Microbatches", "Pipeline", "PipelineOptions", "Plan",
-    "RecomputePolicy", "SplitOptions", "StageOptions", "TransferOptions", "WholeModel", "pipeline",
+    "Layout", "LocalPipeline", "LossScaling", "MasterWeights", "Microbatches", "Pipeline", "PipelineOptions",
+    "Plan", "RecomputePolicy", "SplitOptions", "StageOptions", "TransferOptions", "WholeModel", "pipeline",
 )
 
 MODULE_ALL = {
@@ -93,7 +93,7 @@ TRAIN_KEYS = (
     "data.val_fraction", "data.max_bytes", "data.batching", "parallel.pp", "parallel.virtual", "parallel.schedule",
     "parallel.microbatches", "parallel.dp", "parallel.data_parallel", "parallel.tp", "parallel.sequence_parallel",
     "parallel.plan", "parallel.in_process", "stage.recompute", "stage.autocast", "stage.param_dtype",
-    "stage.grad_accum_dtype", "stage.compile", "stage.random_streams", "stage.measure_memory",
+    "stage.grad_accum_dtype", "stage.loss_scaling", "stage.compile", "stage.random_streams", "stage.measure_memory",
     "stage.record_timeline", "transfer.transport", "transfer.timeout_s", "transfer.fixed_shapes", "transfer.shapes",
     "transfer.variable_shapes", "optim.lr", "optim.betas", "optim.weight_decay", "optim.warmup_steps",
     "optim.lr_schedule", "optim.min_lr_ratio", "train.steps", "train.batch_size", "train.eval_interval",

@@ -73,6 +73,7 @@ ROWS = [
     Row("lag", "device lags the host, ordered transport, 2 gloo ranks", "ranks.lag_row", 15),
     Row("world1", "world 1: every collective, checkpoint resume", "world1.world1_row", 20, ("collectives",)),
     Row("world1-bf16", "world 1: bf16 weights, fp32 main grads", "world1.world1_row", 15, ("bf16",)),
+    Row("fp16", "world 1: fp16 autocast + loss scaling = GradScaler", "world1.world1_row", 15, ("fp16",)),
     Row("world1-syncs", "world 1: steps 2+ under sync debug, every sync named", "world1.world1_row", 30, ("syncs",),
         gpu_only=True),
     Row("train-pp1", "conveyor train pp=1: eval, ckpt, resume, bf16, tokens", "train_rows.train_pp1_row", 75),

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from conveyor.checkpoint import files
 from conveyor.checkpoint.saving import FLAT, group_values
 from conveyor.checkpoint.shards import Landing
-from conveyor.checkpoint.targets import Target, target_of, with_masters
+from conveyor.checkpoint.targets import Target, loss_scaling_of, target_of, with_masters
 from conveyor.checkpoint.values import decode, restore_rng, tensor_keys
 from conveyor.errors import CheckpointError, CheckpointIncompleteError, CheckpointMismatchError
 
@@ -52,7 +52,8 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     no process group). ``path`` may be a parent directory with a ``latest`` marker. Random
     generators are restored when the layout (processes, global ranks, stage placement, tp) is
     the one saved, else left alone with a log line. A :class:`~conveyor.MasterWeights` loads the
-    checkpoint's weights into its fp32 masters, then rounds them into the parameters. Raises
+    checkpoint's weights into its fp32 masters, then rounds them into the parameters; a pipeline with loss
+    scaling (fp16) continues from the saved scale and growth count. Raises
     :class:`CheckpointMismatchError` or :class:`CheckpointIncompleteError` on every rank, before
     anything is changed.
 
@@ -108,6 +109,7 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
         _finish_optimizer(target, optimizer, prepared["optimizer"], state)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(decode(meta["lr_scheduler"], prepared["sched"]))
+    _restore_loss_scaling(pipe, meta)
     if prepared["rng"] is not None:
         restore_rng({key.rsplit(".", 1)[-1]: t for key, t in state.items() if key.startswith(prepared["rng"])})
     by_rank = meta.get("extra_by_rank")
@@ -283,6 +285,16 @@ def _finish_optimizer(target: Target, optimizer: torch.optim.Optimizer, prepared
     for param in list(optimizer.state):
         if names.get(id(param)) not in prepared["stateful"]:
             del optimizer.state[param]  # it had no state when saved: as after the same steps
+
+
+def _restore_loss_scaling(pipe: Any, meta: dict) -> None:
+    """The loss scale and its growth count where both the pipeline and the checkpoint have them (fp16)."""
+    scaling, saved = loss_scaling_of(pipe), meta.get("loss_scaling")
+    if scaling is not None and saved is not None:
+        scaling.load_state_dict(saved)
+    elif scaling is not None:
+        log.info("conveyor: the checkpoint holds no loss scale (saved without loss scaling): starting from %s",
+                 scaling.scaler.scaling.init_scale)
 
 
 def _prepare_rng(target: Target, meta: dict, metadata: Metadata, state: dict) -> str | None:

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from conveyor.checkpoint import files
 from conveyor.checkpoint.shards import storable
-from conveyor.checkpoint.targets import Target, target_of, with_masters
+from conveyor.checkpoint.targets import Target, loss_scaling_of, target_of, with_masters
 from conveyor.checkpoint.values import capture_rng, check_json, encode
 from conveyor.errors import CheckpointError
 
@@ -33,7 +33,7 @@ def save(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     unsplit ``nn.Module``. Tensors are keyed by the model's original names (a tied one once,
     by its first name) and written with ``torch.distributed.checkpoint`` over the pipeline's
     own process group; the optimizer's state by the same names (flattened keys), the LR
-    scheduler's state, every rank's random generators and ``extra`` (JSON; each rank's own
+    scheduler's state, the loss scaler's (fp16), every rank's random generators and ``extra`` (JSON; each rank's own
     is kept when they differ) come along. The directory appears complete or not at all:
     ``path``'s parent also gets a ``latest`` marker, and ``keep_last=K`` removes all but the
     last K checkpoints conveyor wrote there. Returns ``path``. With a :class:`~conveyor.MasterWeights`
@@ -56,6 +56,8 @@ def save(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
         mine["extra"] = check_json(extra, "extra")
         mine["optimizer"] = _optimizer_state(target, optimizer, tensors) if optimizer is not None else None
         mine["lr_scheduler"] = encode(lr_scheduler.state_dict(), "sched", tensors) if lr_scheduler else None
+        scaling = loss_scaling_of(pipe)  # fp16's loss scale: the same on every rank
+        mine["loss_scaling"] = scaling.state_dict() if scaling is not None else None
     except CheckpointError as exc:
         mine["problem"] = str(exc)
     except Exception as exc:  # anything else, too, must reach the peers before they wait in DCP
@@ -153,6 +155,7 @@ def _meta(target: Target, everyone: list[dict], optimizer: Any) -> dict[str, Any
         "model": {"info": info, "names": order, "aliases": aliases},
         "layout": target.layout,
         "lr_scheduler": everyone[0]["lr_scheduler"],
+        "loss_scaling": everyone[0].get("loss_scaling"),
         "extra": everyone[0]["extra"],
         "rng_ranks": [theirs["rank"] for theirs in everyone],
         "optimizer": None,

@@ -120,6 +120,12 @@ def target_of(obj: Any) -> Target:
     )
 
 
+def loss_scaling_of(obj: Any) -> Any:
+    """A pipeline's loss scaling (fp16: :mod:`conveyor.pipe.loss_scaling`), whose state checkpoints keep; None
+    for a module, or a pipeline without loss scaling."""
+    return obj.gradient_checks.loss_scaling if isinstance(obj, Pipeline) else None
+
+
 def _of_module(module: nn.Module) -> Target:
     target = Target({}, {}, {}, {}, [], {"processes": 1, "global_ranks": [0], "stages": None}, model_info(module))
     seen: dict[int, str] = {}

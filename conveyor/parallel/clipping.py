@@ -290,11 +290,17 @@ def nonfinite_flags(runners: Mapping[int, StageRunner], num_stages: int, num_mic
             flags[stage] = (~norms.isfinite().all()).to(flags.device, torch.float64)
     last = runners.get(num_stages - 1)
     if last is not None:
-        bad = ~torch.stack([last.losses[m].isfinite().all() for m in range(num_microbatches)])
-        numbers = torch.arange(1, num_microbatches + 1, device=bad.device)
-        first = torch.where(bad, numbers, 0).masked_fill(~bad, num_microbatches + 1).min()
-        flags[num_stages] = torch.where(first <= num_microbatches, first, 0).to(flags.device, torch.float64)
+        flags[num_stages] = first_nonfinite_loss(last, num_microbatches).to(flags.device, torch.float64)
     return flags
+
+
+def first_nonfinite_loss(last: StageRunner, num_microbatches: int) -> torch.Tensor:
+    """1 + the first microbatch whose loss (on ``last``, the last stage's runner) is not finite; 0: none.
+    A device tensor: no host read."""
+    bad = ~torch.stack([last.losses[m].isfinite().all() for m in range(num_microbatches)])
+    numbers = torch.arange(1, num_microbatches + 1, device=bad.device)
+    first = torch.where(bad, numbers, 0).masked_fill(~bad, num_microbatches + 1).min()
+    return torch.where(first <= num_microbatches, first, 0)
 
 
 def check_nonfinite_mode(on_nonfinite: str | None) -> None:
@@ -307,14 +313,15 @@ def check_nonfinite_mode(on_nonfinite: str | None) -> None:
         raise PipelineConfigError(f"on_nonfinite must be None, 'raise' or 'skip'; got {on_nonfinite!r}")
 
 
-def describe_nonfinite(flags: torch.Tensor) -> str:
+def describe_nonfinite(flags: torch.Tensor | Sequence[float]) -> str:
     """Empty, or the step's non-finite loss and gradients in words, from every rank's combined flags.
 
     Example:
         >>> describe_nonfinite(torch.tensor([0.0, 1.0, 3.0]))
         'the loss of microbatch 2 (stage 1, the first such microbatch) and the gradients of stage(s) [1] are not finite'
     """
-    values = flags.tolist()  # the check's one host read (on a GPU, its one synchronisation)
+    # The check's one host read (on a GPU, its one synchronisation), unless the caller read them already.
+    values = flags.tolist() if isinstance(flags, torch.Tensor) else list(flags)
     num_stages = len(values) - 1
     stages = [s for s in range(num_stages) if values[s]]
     microbatch = int(values[num_stages]) - 1

@@ -1,4 +1,5 @@
-"""What a pipeline does with a step's gradients: clipping by the total norm, the non-finite check.
+"""What a pipeline does with a step's gradients: clipping by the total norm, the non-finite check, fp16's
+loss scaling (:mod:`conveyor.pipe.loss_scaling`).
 
 The object a :class:`~conveyor.pipe.Pipeline` holds for its ``clip_grad_norm_``, its
 ``forget_norm_layout`` and its step's ``on_nonfinite``: the norms, their exchange, the scaling and the flags are
@@ -37,6 +38,8 @@ from conveyor.parallel.clipping import (
 )
 from conveyor.parallel.tied import tied_copies_outside_their_first_stage
 from conveyor.pipe.backend import RanksBackend
+from conveyor.pipe.loss_scaling import StepLossScaling
+from conveyor.runtime.stage.loss_scale import LossScaling
 from conveyor.runtime.stage.main_grad import drop_gradients, gradient
 from conveyor.runtime.stage.runner import StageRunner, named_unique
 from conveyor.schedule.ir import Schedule
@@ -55,13 +58,33 @@ class GradientChecks:
     """
 
     def __init__(self, backend: RanksBackend, runners: dict[int, StageRunner], schedule: Schedule,
-                 model: WholeModel) -> None:
+                 model: WholeModel, scaling: LossScaling | None = None) -> None:
         self.backend, self.runners, self.schedule = backend, runners, schedule
         # Built once the backend connected: replicas may have swapped the stages' Parameters.
         self.tied_copies = tied_copies_outside_their_first_stage(runners, model.tied_parameters)
         self.parameter_order = dict(model.parameter_order) if model.parameter_order is not None else None
         self.skipped_steps = 0  # steps dropped by on_nonfinite="skip"
         self.norm_exchange: NormExchange | None = None  # built on the first clip
+        # fp16's loss scaling (StageOptions.loss_scaling; None: off): each step's gradients unscaled here.
+        self.loss_scaling = None if scaling is None else StepLossScaling(scaling, backend, runners, schedule, self)
+
+    def finish_step(self, on_nonfinite: str | None) -> None:
+        """After a training step, on every rank alike. With loss scaling the gradients are unscaled, and the step
+        is dropped if they overflowed on any rank, whatever ``on_nonfinite`` says (as ``GradScaler`` skips it:
+        :mod:`conveyor.pipe.loss_scaling`). Otherwise ``on_nonfinite`` (the same on every rank): ``"raise"``
+        raises :class:`NonFiniteError` naming the first microbatch whose loss and the stages whose gradients
+        are not finite (the pipeline stays usable); ``"skip"`` drops the step's gradients instead
+        (``optimizer.step()`` then leaves parameters and state as they were), logs a warning and counts it in
+        ``skipped_steps``; None: no check."""
+        if self.loss_scaling is not None:
+            self.loss_scaling.finish_step(on_nonfinite)
+        elif on_nonfinite is not None:
+            self.check_finite(on_nonfinite, self.backend.device)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The scale the next step's losses are multiplied by (None: no loss scaling); a host read."""
+        return None if self.loss_scaling is None else self.loss_scaling.scale
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """This process's parameters, shared ones once."""
@@ -95,7 +118,12 @@ class GradientChecks:
         return total
 
     def forget_norm_layout(self) -> None:
-        """Make the next clip exchange again which parameters have gradients."""
+        """Make the next clip exchange again which parameters have gradients.
+
+        Call it on every rank after changing which parameters train (freezing some, say): the ranks
+        agree on that once, so that later clips need no host round trip, and a rank whose parameters
+        with gradients changed since raises until this is called.
+        """
         if self.norm_exchange is not None:
             self.norm_exchange.forget()
 
@@ -126,5 +154,5 @@ class GradientChecks:
         drop_gradients(self.parameters())  # the optimizer then leaves every parameter and its state as they are
         self.forget_norm_layout()  # every rank dropped its gradients alike: the layout changed everywhere
         self.skipped_steps += 1
-        log.warning("conveyor: skipped a step: its %s; gradients dropped (%d step(s) skipped so far)",
+        log.warning("conveyor: skipped a step: %s; gradients dropped (%d step(s) skipped so far)",
                     report, self.skipped_steps)

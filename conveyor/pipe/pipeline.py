@@ -121,7 +121,7 @@ class Pipeline:
         self.model_info = model.info  # the unsplit model's class, names, config
         self.ranks.connect(self.runners, stage, model, built_fields(self.schedule, self.layout, stage, transfer, model),
                            owner=self)
-        self.gradient_checks = GradientChecks(self.ranks, self.runners, self.schedule, model)
+        self.gradient_checks = GradientChecks(self.ranks, self.runners, self.schedule, model, stage.loss_scaling)
         inputs = StepInputs(self.schedule, set(self.runners), self.ranks.rank, self.device)
         self.steps = PipelineSteps(self.ranks, self.runners, self.schedule, stage, inputs)
 
@@ -133,11 +133,9 @@ class Pipeline:
         ``args`` / ``kwargs`` are the model's inputs (read where stage 0 runs), ``target`` the loss's
         (read where the last stage runs). Gradients accumulate in the parameters' ``.grad``; call
         your optimizer after. With ``return_outputs=True`` returns ``(loss, outputs)``: the merged
-        last-stage outputs where the last stage runs, None elsewhere. ``on_nonfinite`` (the same on
-        every rank): ``"raise"`` raises :class:`NonFiniteError` naming the first microbatch whose
-        loss and the stages whose gradients are not finite (the pipeline stays usable); ``"skip"``
-        drops this step's gradients instead (``optimizer.step()`` then leaves parameters and state
-        as they were), logs a warning and counts it in ``skipped_steps``; None: no check.
+        last-stage outputs where the last stage runs, None elsewhere. ``on_nonfinite`` (None, ``"raise"``
+        or ``"skip"``, the same on every rank) and fp16's loss scaling act on the step's finished
+        gradients as :meth:`~conveyor.pipe.gradients.GradientChecks.finish_step` says.
         ``normalize_by`` (read where the last stage runs): None divides each microbatch's loss by M;
         N, the global minibatch's token count (:func:`conveyor.parallel.count_tokens`), divides
         ``loss_fn``'s per-microbatch SUM by N (:mod:`conveyor.parallel.loss`).
@@ -149,8 +147,7 @@ class Pipeline:
         """
         check_nonfinite_mode(on_nonfinite)
         result = self.ranks.guarded(self.steps.train, args, kwargs, target, return_outputs, normalize_by)
-        if on_nonfinite is not None:
-            self.gradient_checks.check_finite(on_nonfinite, self.device)
+        self.gradient_checks.finish_step(on_nonfinite)
         return result
 
     def forward(self, *args: Any, **kwargs: Any):
@@ -177,11 +174,8 @@ class Pipeline:
         return self.gradient_checks.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
 
     def forget_norm_layout(self) -> None:
-        """Make the next :meth:`clip_grad_norm_` exchange again which parameters have gradients.
-
-        Call it on every rank after changing which parameters train (freezing some, say):
-        the ranks agree on that once, so that later calls need no host round trip, and a rank
-        whose parameters with gradients changed since raises until this is called.
+        """Make the next :meth:`clip_grad_norm_` exchange again which parameters have gradients: call it on
+        every rank after changing which parameters train (:meth:`GradientChecks.forget_norm_layout` says why).
 
         Example:
             >>> pipe.forget_norm_layout()   # doctest: +SKIP
@@ -190,8 +184,13 @@ class Pipeline:
 
     @property
     def skipped_steps(self) -> int:
-        """Steps dropped by ``on_nonfinite="skip"``."""
+        """Steps dropped by ``on_nonfinite="skip"`` or by loss scaling (their gradients overflowed)."""
         return self.gradient_checks.skipped_steps
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's loss scale for the next step (None: no loss scaling); a host read, as ``GradScaler.get_scale()``."""
+        return self.gradient_checks.loss_scale
 
     # --- what the step measured ----------------------------------------------------------
     def memory(self, all_ranks: bool = False) -> MemoryReport | list[MemoryReport]:

@@ -125,7 +125,9 @@ class LoopConfig:
 @dataclass
 class LossConfig:
     normalize: str = _f("microbatch", "microbatch (mean per microbatch) | tokens (mean over the step's tokens)")
-    on_nonfinite: str = _f("skip", "skip (drop the step) | stop (end the run) when loss or gradients are not finite")
+    on_nonfinite: str = _f("skip", "skip (drop the step) | stop (end the run) when loss or gradients are not finite "
+                                   "(under stage.autocast=fp16 a step whose scaled gradients overflow is always "
+                                   "skipped, as GradScaler skips it)")
 
 
 @dataclass

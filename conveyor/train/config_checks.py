@@ -170,6 +170,14 @@ def _check_optim(cfg: Any, problems: list[str]) -> None:
     betas = cfg.optim.betas
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         problems.append(f"optim.betas={list(betas)!r}: expected two numbers in [0, 1), e.g. [0.9, 0.95]")
+    stage = cfg.stage
+    if stage.param_dtype is not None and stage.grad_accum_dtype != "none":
+        # The loop's AdamW steps the parameters' .grad; main_grad is read by conveyor.MasterWeights alone.
+        problems.append(f"stage.param_dtype={stage.param_dtype!r}: its gradients accumulate in fp32 main_grad, "
+                        "which conveyor train's AdamW does not read (it would train nothing); use "
+                        f"stage.autocast={stage.param_dtype} with fp32 parameters instead"
+                        + ("" if stage.param_dtype == "fp16" else
+                           ", or stage.grad_accum_dtype=none (gradients summed in .grad, in that dtype)"))
 
 
 def _check_parallel(cfg: Any, problems: list[str], world_size: int | None) -> None:

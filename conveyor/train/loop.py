@@ -303,7 +303,10 @@ def train_step(run: Run) -> tuple[float, dict[str, float]]:
 
     A step whose loss or gradients are not finite, under ``loss.on_nonfinite=skip``, leaves
     parameters and optimizer state as they were (``pipe.skipped_steps`` counts it); the data
-    and the learning-rate schedule move on, as they would for any step.
+    and the learning-rate schedule move on, as they would for any step. Under ``stage.autocast=fp16``
+    the loss is scaled (``stage.loss_scaling``) and a step whose gradients overflowed is skipped so
+    whatever ``loss.on_nonfinite`` says, as ``torch.amp.GradScaler`` skips it; a scale that falls below its
+    floor stops the run (:class:`~conveyor.errors.NonFiniteError`).
     """
     cfg, pipe = run.cfg, run.pipe
     x = y = None
@@ -482,10 +485,13 @@ def loop(run: Run) -> Path | None:
             run.aux_losses.append(parts["aux_loss"])
         skipped = run.pipe.skipped_steps > run.skipped
         run.skipped = run.pipe.skipped_steps
+        scale = run.pipe.loss_scale  # fp16's loss scale after this step (None: not scaled)
+        scaling = {} if scale is None else {"loss_scale": scale, "skipped_steps": run.skipped}
         run.log({"step": run.step, "loss": loss, **parts, "lr": lr, "tokens": run.step_tokens,
-                 "tokens_per_s": round(tokens_per_s, 1),
+                 "tokens_per_s": round(tokens_per_s, 1), **scaling,
                  "elapsed": round(time.perf_counter() - start, 3), **({"skipped": True} if skipped else {})})
-        run.progress.step(run.step, loss, lr, tokens_per_s, took, parts=parts)
+        run.progress.step(run.step, loss, lr, tokens_per_s, took, parts=parts,
+                          scaling=None if scale is None else (scale, run.skipped))
         if evaluating and (run.step % cfg.train.eval_interval == 0 or run.step == cfg.train.steps):
             validate_now(run, start)
         interval = cfg.checkpoint.interval

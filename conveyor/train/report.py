@@ -71,9 +71,10 @@ class Progress:
         return self.elapsed / done * (self.total - step) if done > 0 else 0.0
 
     def step(self, step: int, loss: float, lr: float, tokens_per_s: float, took: float,
-             parts: dict[str, float] | None = None) -> None:
+             parts: dict[str, float] | None = None, scaling: tuple[float, int] | None = None) -> None:
         """Record one finished step (``step`` counts from 1) and show it, with ``parts``
-        (``lm_loss``, ``aux_loss``) where the loss has an auxiliary part."""
+        (``lm_loss``, ``aux_loss``) where the loss has an auxiliary part, and ``scaling`` (fp16's loss
+        scale after the step, and the steps skipped so far) where the loss is scaled."""
         self.elapsed += took
         if not self.enabled:
             return
@@ -82,6 +83,8 @@ class Progress:
             if parts:
                 postfix.update(lm=f"{parts['lm_loss']:.4f}", aux=f"{parts['aux_loss']:.4f}")
             postfix["trained tok/s"] = f"{tokens_per_s:,.0f}"
+            if scaling is not None:
+                postfix.update(scale=f"{scaling[0]:g}", skipped=str(scaling[1]))
             if self.val_loss is not None:
                 postfix["val"] = f"{self.val_loss:.4f}"
             self.bar.set_postfix(postfix, refresh=False)
@@ -89,7 +92,8 @@ class Progress:
         elif step % self.log_interval == 0 or step == 1 or step == self.total:
             val = f"  val {self.val_loss:.4f}" if self.val_loss is not None else ""
             split = f" (lm {parts['lm_loss']:.4f} + aux {parts['aux_loss']:.4f})" if parts else ""
-            print(f"step {step:5d}/{self.total}  loss {loss:.4f}{split}{val}  lr {lr:.2e}  "
+            scaled = f"  loss scale {scaling[0]:g} ({scaling[1]} skipped)" if scaling is not None else ""
+            print(f"step {step:5d}/{self.total}  loss {loss:.4f}{split}{val}{scaled}  lr {lr:.2e}  "
                   f"{tokens_per_s:,.0f} trained tokens/s  ETA {format_eta(self.eta(step))}", flush=True)
 
     def validation(self, step: int, loss: float) -> None:

@@ -97,12 +97,13 @@ def test_an_unknown_precision_is_refused_naming_the_choices():
 
 @pytest.mark.parametrize("kwargs", [{"autocast": "fp16"}, {"autocast": torch.float16}, {"autocast": "half"},
                                     {"param_dtype": "fp16"}, {"param_dtype": torch.float16}])
-def test_fp16_is_refused_with_the_reason_and_what_to_use(kwargs):
-    # Before: accepted, and trained on gradients no loss scaling could keep from underflowing (the backward
-    # runs inside step, out of a GradScaler's reach).
-    [(what, spec)] = kwargs.items()
-    with pytest.raises(PipelineConfigError, match=rf"{what}=.*fp16 needs loss scaling.*GradScaler.*{what}='bf16'"):
-        conveyor.StageOptions(**kwargs)  # refused when the record is made, before any stage exists
+def test_fp16_without_loss_scaling_is_refused_with_the_reason_and_the_fix(kwargs):
+    # fp16 trains with loss scaling (on by default: tests/runtime/test_loss_scaling.py); turned off, its
+    # gradients would underflow, so the record refuses it, naming what to do.
+    assert conveyor.StageOptions(**kwargs).loss_scaling == conveyor.LossScaling()
+    with pytest.raises(PipelineConfigError, match=r"loss_scaling=False: fp16 needs loss scaling.*leave "
+                                                  r"loss_scaling unset or True.*'bf16'"):
+        conveyor.StageOptions(**kwargs, loss_scaling=False)  # refused when the record is made, before any stage
 
 
 def TinyConfigFor2():  # noqa: N802 - reads as a constant

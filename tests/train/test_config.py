@@ -124,9 +124,9 @@ def test_sizes_that_do_not_divide():
 
 
 def test_every_problem_is_reported_at_once():
-    message = _refusal(["stage.autocast=fp16", "optim.lr=-1", "loss.normalize=token"])
+    message = _refusal(["stage.autocast=int8", "optim.lr=-1", "loss.normalize=token"])
     assert message.startswith("3 problems in the config:")
-    both = _refusal(["stage.autocast=fp16", "parallel.microbatches=3"])  # a size rule is not hidden
+    both = _refusal(["stage.autocast=int8", "parallel.microbatches=3"])  # a size rule is not hidden
     assert both.startswith("2 problems") and "parallel.microbatches=3" in both
 
 
@@ -143,17 +143,30 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
         load_config(path)
 
 
-def test_fp16_precision_is_refused_with_the_reason_and_bf16_offered():
-    # The stage: section IS the pipeline's StageOptions: the refusal is the record's own.
-    with pytest.raises(ConfigError, match=r"stage.autocast='fp16': fp16 needs loss scaling.*autocast='bf16'"):
-        load_config(None, ["stage.autocast=fp16"])
+def test_fp16_trains_with_loss_scaling_and_is_refused_without_it():
+    # The stage: section IS the pipeline's StageOptions: the default and the refusal are the record's own.
+    from conveyor import LossScaling
+
+    assert load_config(None, ["stage.autocast=fp16"]).stage.loss_scaling == LossScaling()
+    cfg = load_config(None, ["stage.autocast=fp16", "stage.loss_scaling={growth_interval: 100}"])
+    assert cfg.stage.loss_scaling == LossScaling(growth_interval=100)
+    with pytest.raises(ConfigError, match=r"stage.loss_scaling=False: fp16 needs loss scaling.*'bf16'"):
+        load_config(None, ["stage.autocast=fp16", "stage.loss_scaling=false"])
+    # fp16 weights keep their gradients in fp32 main_grad, for conveyor.MasterWeights, which the trainer's
+    # AdamW does not read (it would step nothing): refused, naming autocast (bf16 weights alike).
+    with pytest.raises(ConfigError, match=r"stage.param_dtype='fp16': its gradients accumulate in fp32 main_grad.*"
+                                          r"use stage.autocast=fp16 with fp32 parameters instead$"):
+        load_config(None, ["stage.param_dtype=fp16"])
+    with pytest.raises(ConfigError, match=r"stage.param_dtype='bf16'.*stage.autocast=bf16.*grad_accum_dtype=none"):
+        load_config(None, ["stage.param_dtype=bf16"])
 
 
 def test_the_stage_and_transfer_sections_are_the_pipelines_records():
     from conveyor.options import StageOptions, TransferOptions
 
-    cfg = load_config(None, ["stage.autocast=bfloat16", "stage.param_dtype=bf16", "transfer.timeout_s=30"])
-    assert cfg.stage == StageOptions(autocast="bf16", param_dtype="bf16", grad_accum_dtype="fp32")
+    cfg = load_config(None, ["stage.autocast=bfloat16", "stage.param_dtype=bf16", "stage.grad_accum_dtype=none",
+                             "transfer.timeout_s=30"])
+    assert cfg.stage == StageOptions(autocast="bf16", param_dtype="bf16", grad_accum_dtype="none")
     assert cfg.transfer == TransferOptions(timeout_s=30.0)
     assert "stage.recompute (None): recompute activations in backward" in config_reference()
 

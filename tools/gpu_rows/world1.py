@@ -1,5 +1,6 @@
 """Rows at world size 1 on NCCL (gloo on the CPU): every collective the pipeline issues, a
-checkpoint saved and resumed bitwise, bf16 weights with fp32 main grads, and steps 2 onward
+checkpoint saved and resumed bitwise, bf16 weights with fp32 main grads, fp16 autocast with loss
+scaling against ``torch.amp.GradScaler``, and steps 2 onward
 under ``torch.cuda.set_sync_debug_mode("warn")`` (every site that syncs, named). One rank
 process runs the parts asked for.
 
@@ -156,6 +157,42 @@ def bf16_main_grads(device: torch.device) -> tuple[bool, str]:
     return ok, f"losses, norms, fp32 main grads, {'/'.join(dtypes)} params bitwise" if ok else detail
 
 
+def fp16_loss_scaling(device: torch.device) -> tuple[bool, str]:
+    """autocast="fp16" with loss scaling against ``torch.amp.GradScaler`` on the same device: losses of the
+    finite steps, the scale and the parameters after every step, bitwise, a forced overflow included
+    (:mod:`conveyor.testing.references.loss_scaling`)."""
+    from conveyor.testing.references import loss_scaling as ref
+
+    overflow = 2
+    minibatches = ref.batches(6, overflow_step=overflow, device=device)
+    want = ref.grad_scaler_run(ref.mlp_stages(2), minibatches, M, ref.SCALING, device)
+    stages = [s.to(device) for s in ref.mlp_stages(2)]
+    pipe = conveyor.Pipeline(stages, _schedule(), ref.mse_loss, transfer=conveyor.TransferOptions(timeout_s=120),
+                             stage=conveyor.StageOptions(autocast="fp16", loss_scaling=ref.SCALING),
+                             layout=conveyor.Layout(device=device))
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=ref.LR)
+    try:
+        for step, (x, t) in enumerate(minibatches):
+            loss = pipe.step(x, target=t)
+            optimizer.step()
+            optimizer.zero_grad()
+            if pipe.loss_scale != want.scales[step]:
+                return False, f"step {step}: loss scale {pipe.loss_scale}, GradScaler's {want.scales[step]}"
+            got = {f"{s}.{n}": p for s, st in enumerate(stages) for n, p in st.named_parameters()}
+            wanted = {f"{s}.{n}": v for (s, n), v in want.params[step].items()}
+            if step != overflow:  # the overflowing step's loss is what it is; its parameters must not move
+                got["loss"], wanted["loss"] = loss, want.losses[step]
+            ok, detail = compare(got, wanted, f"step {step} ")
+            if not ok:
+                return ok, detail
+        skipped = pipe.skipped_steps
+    finally:
+        pipe.close()
+    if not want.skipped[overflow] or skipped != sum(want.skipped) or skipped != 1:
+        return False, f"the forced overflow: the pipeline skipped {skipped} step(s), GradScaler {want.skipped}"
+    return True, f"6 steps, step {overflow}'s overflow skipped, scales {want.scales[0]:g}..{want.scales[-1]:g}: bitwise"
+
+
 def _project_frames(stack: list[traceback.FrameSummary]) -> str:
     """The innermost frames of this repository's code (not torch's, not Python's), innermost first."""
     ours = [f for f in stack if "site-packages" not in f.filename and "/lib/python3" not in f.filename
@@ -221,7 +258,7 @@ def _world1_rank(rank: int, world: int, device: str, parts: list[str], quick: bo
     device = torch.device(device)
     deterministic(device)
     jobs = {"collectives": lambda: collectives(device), "bf16": lambda: bf16_main_grads(device),
-            "syncs": lambda: sync_free(device, quick)}
+            "fp16": lambda: fp16_loss_scaling(device), "syncs": lambda: sync_free(device, quick)}
     out = {}
     for part in parts:
         start = time.perf_counter()
@@ -234,7 +271,8 @@ def _world1_rank(rank: int, world: int, device: str, parts: list[str], quick: bo
 
 
 def world1_row(ctx: Context, part: str) -> tuple[bool, str]:
-    """One part ("collectives", "bf16", "syncs") in a rank process of its own: NCCL on a GPU, gloo on the CPU."""
+    """One part ("collectives", "bf16", "fp16", "syncs") in a rank process of its own: NCCL on a GPU, gloo on the
+    CPU."""
     backend = "nccl" if ctx.cuda else "gloo"
     ok, detail, _ = launch(_world1_rank, 1, ctx, [part], ctx.quick, backend=backend, timeout_s=300)[0][part]
     return ok, f"{detail} [{backend}]"

@@ -128,6 +128,14 @@ class TensorParallelStages(StagePart):
     def finish_step(self) -> None:
         self.settle_gradients(runner.module for runner in self.runners.values())
 
+    def flags(self, flags: torch.Tensor) -> torch.Tensor:
+        """The flags' max over the TP ranks: one rank's shard of a gradient may be the only one that overflowed
+        (loss scaling then skips the step on every rank alike)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return flags
+
     @property
     def tp_group(self) -> Any:
         return self.tp_mesh.get_group()

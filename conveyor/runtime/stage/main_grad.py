@@ -12,6 +12,9 @@ runs a stage's weight gradients in microbatch order, so the sum is, bit for bit,
 device forms looping over microbatches (:class:`conveyor.testing.references.main_grad.MainGradReference`);
 a custom schedule that reorders them, or a parameter two stages use (tied), gets it to rounding
 (each use's bf16 gradient is added on its own, where one device sums them in bf16 first).
+``param_dtype="fp16"`` works alike, its loss scaled (:mod:`conveyor.runtime.stage.loss_scale`, on by
+default for fp16): each microbatch's scaled fp16 gradient lands in fp32 ``main_grad``, unscaled there
+once per step; fp16 gradients summed in fp16 ``.grad`` (``grad_accum_dtype="none"``) are refused.
 
 :class:`MasterWeights` is the optimizer side: fp32 master copies of the bf16 parameters, an
 optimizer over them, ``main_grad`` as their gradient, and the rounded masters copied back into
@@ -102,8 +105,6 @@ def _dtype(spec: str | torch.dtype, what: str) -> torch.dtype:
     else:
         raise PipelineConfigError(f"{what}={spec!r} is not a floating-point dtype conveyor knows; use 'bf16', "
                                   "'fp32' or a torch dtype")
-    if dtype == torch.float16 and what == "param_dtype":  # fp16 weights compute fp16 gradients: unscaled
-        refuse_fp16(what, spec)
     return dtype
 
 
@@ -135,11 +136,16 @@ def param_precision(param_dtype: str | torch.dtype | None, grad_accum_dtype: str
         if accum != torch.float32:
             raise PipelineConfigError(f"grad_accum_dtype={grad_accum_dtype!r}: gradients accumulate across "
                                       "microbatches in 'fp32' main_grad, or in .grad with 'none'")
+    if dtype == torch.float16 and accum is None:  # fp16 weights train with loss scaling over fp32 main_grad
+        refuse_fp16("grad_accum_dtype", grad_accum_dtype, "fp16 parameters would sum their scaled gradients in "
+                    "fp16 .grad, where they overflow and which torch.amp.GradScaler refuses to unscale",
+                    "leave grad_accum_dtype unset (fp32 main_grad, unscaled there)")
     if accum is not None and data_parallel is not None:
         raise PipelineConfigError(
             f"param_dtype={param_dtype!r} with gradients accumulated in {_short(accum)} main_grad does not "
             f"work with data_parallel={data_parallel!r} yet (the replicas' reduction reads .grad, not main_grad): "
-            "drop data_parallel=, or use autocast='bf16' with fp32 parameters, which data parallelism supports")
+            f"drop data_parallel=, or use autocast='{'fp16' if dtype == torch.float16 else 'bf16'}' with fp32 "
+            "parameters, which data parallelism supports")
     return ParamPrecision(dtype, accum)
 
 

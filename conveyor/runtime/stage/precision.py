@@ -7,8 +7,8 @@ dtypes: the pipeline stays bitwise equal to a single-device run under
 (a bf16 matmul's output crosses as bf16: half the bytes of fp32).
 
 Example:
-    >>> autocast_dtype("bf16"), autocast_dtype(None)
-    (torch.bfloat16, None)
+    >>> autocast_dtype("bf16"), autocast_dtype("fp16"), autocast_dtype(None)
+    (torch.bfloat16, torch.float16, None)
     >>> region = autocast_region(torch.nn.Linear(2, 2), torch.bfloat16)
     >>> with region:
     ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
@@ -32,32 +32,26 @@ _NAMES = MappingProxyType({
 })
 
 
-def refuse_fp16(what: str, spec: object) -> None:
-    """Raise :class:`PipelineConfigError` for fp16 compute, saying why and what to use instead.
+def refuse_fp16(what: str, spec: object, reason: str, fix: str) -> None:
+    """Raise :class:`PipelineConfigError` for an fp16 setting the pipeline cannot serve, saying why and the fix.
 
-    fp16's small range makes small gradients underflow to zero unless the loss is scaled up
-    before backward and the gradients scaled back down (``torch.amp.GradScaler``). A pipeline
-    runs every backward inside ``step()``, where no ``GradScaler`` can reach the loss, so an
-    fp16 run would silently train on zeroed gradients. bf16 has fp32's range and needs no scaling.
+    fp16 trains only with its loss scaled (:mod:`conveyor.runtime.stage.loss_scale`, on by default
+    for fp16): what keeps the scaler from reaching every gradient is refused here.
 
     Example:
-        >>> refuse_fp16("autocast", "fp16")
+        >>> refuse_fp16("param_dtype", "fp16", "its gradients would sum in fp16", "use grad_accum_dtype='fp32'")
         Traceback (most recent call last):
         ...
-        conveyor.errors.PipelineConfigError: autocast='fp16': fp16 needs loss scaling ...
+        conveyor.errors.PipelineConfigError: param_dtype='fp16': its gradients would sum in fp16; use ...
     """
-    raise PipelineConfigError(
-        f"{what}={spec!r}: fp16 needs loss scaling (its small gradients underflow to zero without it), "
-        "and a pipeline runs every backward inside step(), where torch.amp.GradScaler cannot scale the loss; "
-        f"use {what}='bf16' (fp32's range, no scaling; as fast on GPUs from Ampere on) or None (fp32)"
-    )
+    raise PipelineConfigError(f"{what}={spec!r}: {reason}; {fix}, or use 'bf16' (fp32's range, no scaling needed)")
 
 
 def autocast_dtype(spec: str | torch.dtype | None) -> torch.dtype | None:
     """The dtype an ``autocast=`` argument asks for, or None for no autocast.
 
-    Accepts ``"bf16"``, ``"fp32"`` (none), their long names, ``torch.bfloat16``, or None; fp16 is
-    refused with the reason (:func:`refuse_fp16`).
+    Accepts ``"bf16"``, ``"fp16"`` (trained with loss scaling: :mod:`conveyor.runtime.stage.loss_scale`),
+    ``"fp32"`` (none), their long names, ``torch.bfloat16`` / ``torch.float16``, or None.
 
     Example:
         >>> autocast_dtype(torch.bfloat16), autocast_dtype("fp32")
@@ -69,11 +63,9 @@ def autocast_dtype(spec: str | torch.dtype | None) -> torch.dtype | None:
         dtype = _NAMES[spec.lower()]
     else:
         raise PipelineConfigError(
-            f"autocast={spec!r} is not a mixed precision conveyor knows; use 'bf16', torch.bfloat16, "
+            f"autocast={spec!r} is not a mixed precision conveyor knows; use 'bf16', 'fp16', a torch dtype, "
             "or None (full precision)"
         )
-    if dtype == torch.float16:
-        refuse_fp16("autocast", spec)
     return dtype
 
 

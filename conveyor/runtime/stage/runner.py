@@ -3,7 +3,7 @@
 The runner keeps, per microbatch in flight, only what backward needs: the
 stage's gradient-carrying inputs, the gradient edges of its outputs (not the
 outputs themselves: once sent, their storage can go, Megatron's "deallocate
-output" idea) and, on the last stage, the scaled loss. Everything is dropped
+output" idea) and, on the last stage, the loss (divided by M, times the loss scale if any). Everything is dropped
 as soon as the last backward pass of that microbatch is done.
 
 Example:
@@ -115,6 +115,9 @@ class StageRunner:
         # What each microbatch's loss is divided by: M (the mean over microbatches) unless the
         # step normalizes by a token count (see conveyor.parallel.loss.set_loss_divisor).
         self.loss_divisor: int | float = num_microbatches
+        # What the loss it backpropagates is multiplied by (fp16's loss scale, a tensor the pipeline updates
+        # in place: conveyor.runtime.stage.loss_scale); None: unscaled. The loss it reports stays unscaled.
+        self.loss_scale: torch.Tensor | None = None
         self.rank = rank
         # Forward and loss run under this autocast dtype (None: as the parameters are).
         self.autocast = options.autocast_dtype
@@ -199,7 +202,7 @@ class StageRunner:
             if keep_output:
                 self.outputs[microbatch] = _detached(output)
             loss = self._loss(microbatch, output, target)
-            record.loss = loss
+            record.loss = loss if self.loss_scale is None else loss * self.loss_scale  # as GradScaler.scale
             self.losses[microbatch] = loss.detach()
             self.in_flight[microbatch] = record
             return None
