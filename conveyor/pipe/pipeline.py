@@ -46,6 +46,7 @@ from conveyor.parallel.tied import share_tied_locally
 from conveyor.pipe.backend import RanksBackend
 from conveyor.pipe.distributed import DistributedRanks
 from conveyor.pipe.gradients import GradientChecks
+from conveyor.pipe.logprobs import pipeline_logprobs
 from conveyor.pipe.ranks import InProcessRanks
 from conveyor.runtime.stage.device import to_device
 from conveyor.runtime.stage.memory import MemoryReport
@@ -159,6 +160,17 @@ class Pipeline:
         return self.ranks.guarded(self.steps.forward, args, kwargs)
 
     __call__ = forward
+
+    def logprobs(self, input_ids: torch.Tensor | Microbatches | None = None,
+                 **kwargs: Any) -> torch.Tensor | list[torch.Tensor]:
+        """Forward only: each next token's log-prob, [batch, sequence - 1] float32, on every rank
+        (``torch.equal`` to :func:`~conveyor.pipe.logprobs.token_logprobs` of the unsplit model's logits
+        per microbatch; ``input_ids`` read where stage 0 and where the last stage run: :mod:`conveyor.pipe.logprobs`).
+
+        Example:
+            >>> old = pipe.logprobs(input_ids=ids, attention_mask=mask)   # doctest: +SKIP
+        """
+        return self.ranks.guarded(pipeline_logprobs, self.steps, input_ids, kwargs)
 
     # --- the step's gradients --------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -425,14 +437,19 @@ class PipelineSteps:
     def forward(self, args: tuple, kwargs: dict) -> Any:
         """Forward of every microbatch without autograd state: the merged outputs where the last stage
         runs, None elsewhere."""
-        first = self.inputs.split(args, kwargs, None)[0]
+        outputs = self.forward_each(self.inputs.split(args, kwargs, None)[0])
+        return None if outputs is None else merge_outputs(outputs)
+
+    def forward_each(self, first: list[tuple[tuple, dict]] | None) -> list[Any] | None:
+        """Forward of the microbatches ``first`` (None where stage 0 does not run) without autograd
+        state: the last stage's output of each, by microbatch, where it runs; None elsewhere."""
         for runner in self.runners.values():
             runner.reset()
         self.backend.start(False, False)
         with torch.no_grad(), step_random_streams(self.runners.values(), self.stage.random_streams):
             self.backend.run(False, first, None, False)
         self.backend.finish_forward()
-        return self.last_outputs(merged=True, clear=True)
+        return self.last_outputs(merged=False, clear=True)
 
     def last_outputs(self, merged: bool, clear: bool) -> Any:
         """The last stage's outputs of every microbatch (None where the last stage does not run):
