@@ -95,33 +95,32 @@ def token_logprobs(output: Any, input_ids: torch.Tensor) -> torch.Tensor:
 
 def ids_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """A microbatch's token ids: its ``input_ids`` keyword, else its first positional input."""
-    if "input_ids" in kwargs:
+    if kwargs.get("input_ids") is not None:
         return kwargs["input_ids"]
     return args[0] if args and isinstance(args[0], torch.Tensor) else None
 
 
-def pipeline_logprobs(steps: PipelineSteps, input_ids: torch.Tensor | Microbatches | None,
-                      kwargs: dict) -> torch.Tensor | list[torch.Tensor]:
-    """The next tokens' log-probs of ``input_ids`` (with the model's other inputs ``kwargs``), on every rank.
+def pipeline_logprobs(steps: PipelineSteps, args: tuple, kwargs: dict) -> torch.Tensor | list[torch.Tensor]:
+    """The next tokens' log-probs of a minibatch given as the model's inputs ``args`` / ``kwargs``, on every rank.
 
-    ``input_ids`` [batch, sequence] is read where stage 0 runs (the model's input) and where the
-    last stage runs (the tokens whose log-probs are read); elsewhere it may be None. Given as
-    :class:`~conveyor.microbatch.Microbatches` (``inputs=``, each microbatch's ids its first
-    positional input or its ``input_ids``), each microbatch keeps its own shapes and a list of
-    [b_i, s_i - 1] tensors comes back; otherwise one [batch, sequence - 1] tensor.
+    The token ids [batch, sequence] are the ``input_ids`` keyword, else the first positional
+    input; they are read where stage 0 runs (the model's input) and where the last stage runs
+    (whose log-probs are read); elsewhere they may be None. Given as one
+    :class:`~conveyor.microbatch.Microbatches` (``inputs=``), each microbatch keeps its own
+    shapes and a list of [b_i, s_i - 1] tensors comes back; otherwise one [batch, sequence - 1] tensor.
     """
-    given = input_ids if isinstance(input_ids, Microbatches) else None
+    given = args[0] if args and isinstance(args[0], Microbatches) else None
     if given is not None:
-        if kwargs:
+        if len(args) > 1 or kwargs:
             raise PipelineConfigError("pipe.logprobs(Microbatches(...)) takes each microbatch's inputs inside it; "
-                                      f"pass no keyword inputs beside it (got {sorted(kwargs)})")
+                                      f"pass nothing beside it (got {len(args) - 1} more positional, {sorted(kwargs)})")
         first = steps.inputs.given(given, (), {}, None)[0]
     else:
-        first = steps.inputs.split((input_ids,), kwargs, None)[0] if steps.inputs.needs_inputs else None
+        first = steps.inputs.split(args, kwargs, None)[0] if steps.inputs.needs_inputs else None
     outputs = steps.forward_each(first)
     mine = None
     if outputs is not None:
-        ids = _last_stage_ids(steps, input_ids, given)
+        ids = _last_stage_ids(steps, ids_of(args, kwargs), given)
         last = steps.runners[steps.schedule.num_stages - 1]
         with torch.no_grad(), last.context():
             mine = [token_logprobs(output, part) for output, part in zip(outputs, ids)]

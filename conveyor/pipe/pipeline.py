@@ -48,6 +48,7 @@ from conveyor.pipe.distributed import DistributedRanks
 from conveyor.pipe.gradients import GradientChecks
 from conveyor.pipe.logprobs import pipeline_logprobs
 from conveyor.pipe.ranks import InProcessRanks
+from conveyor.pipe.weights import named_weights
 from conveyor.runtime.stage.device import to_device
 from conveyor.runtime.stage.memory import MemoryReport
 from conveyor.runtime.stage.rng import step_random_streams
@@ -161,16 +162,15 @@ class Pipeline:
 
     __call__ = forward
 
-    def logprobs(self, input_ids: torch.Tensor | Microbatches | None = None,
-                 **kwargs: Any) -> torch.Tensor | list[torch.Tensor]:
-        """Forward only: each next token's log-prob, [batch, sequence - 1] float32, on every rank
-        (``torch.equal`` to :func:`~conveyor.pipe.logprobs.token_logprobs` of the unsplit model's logits
-        per microbatch; ``input_ids`` read where stage 0 and where the last stage run: :mod:`conveyor.pipe.logprobs`).
+    def logprobs(self, *args: Any, **kwargs: Any) -> torch.Tensor | list[torch.Tensor]:
+        """Forward only: each next token's log-prob, [batch, sequence - 1] float32, on every rank; the model's
+        inputs as :meth:`forward` takes them, the ids its ``input_ids`` or first positional one (read where stage
+        0 and the last stage run; ``torch.equal`` to the unsplit model's: :mod:`conveyor.pipe.logprobs`).
 
         Example:
             >>> old = pipe.logprobs(input_ids=ids, attention_mask=mask)   # doctest: +SKIP
         """
-        return self.ranks.guarded(pipeline_logprobs, self.steps, input_ids, kwargs)
+        return self.ranks.guarded(pipeline_logprobs, self.steps, args, kwargs)
 
     # --- the step's gradients --------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -264,6 +264,15 @@ class Pipeline:
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This process's parameters (shared ones once), under the names their modules give them."""
         yield from named_unique(self.runners, lambda m: m.named_parameters())
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(the unsplit model's name, the whole tensor) of every tensor of this process's stages, TP and FSDP
+        shards gathered (a collective over them: iterate to the end on every rank): :mod:`conveyor.pipe.weights`.
+
+        Example:
+            >>> engine.load_weights(pipe.named_weights())   # doctest: +SKIP
+        """
+        return named_weights(self.runners)
 
     def state_dict(self) -> dict[str, Any]:
         """This process's parameters and buffers under their modules' names."""

@@ -136,4 +136,4 @@ def test_a_traced_hugging_face_model_is_bitwise(one_thread):
                              layout=conveyor.Layout(in_process=True))
     with torch.no_grad():
         want = [token_logprobs(model(part), part) for part in ids.tensor_split(2)]
-    assert not _differences("traced GPT-2", pipe.logprobs(input_ids=ids), want)
+    assert not _differences("traced GPT-2", pipe.logprobs(ids), want)
