@@ -45,6 +45,7 @@ from conveyor.parallel.replicas import Replicas
 from conveyor.parallel.tied import share_tied_locally
 from conveyor.pipe.backend import RanksBackend
 from conveyor.pipe.distributed import DistributedRanks
+from conveyor.pipe.generation import Generation, Sampling, generate
 from conveyor.pipe.gradients import GradientChecks
 from conveyor.pipe.logprobs import pipeline_logprobs
 from conveyor.pipe.ranks import InProcessRanks
@@ -171,6 +172,18 @@ class Pipeline:
             >>> old = pipe.logprobs(input_ids=ids, attention_mask=mask)   # doctest: +SKIP
         """
         return self.ranks.guarded(pipeline_logprobs, self.steps, args, kwargs)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, sampling: Sampling | None = None,
+                 generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
+                 return_logprobs: bool = False, length: int | None = None) -> Generation:
+        """Continue each prompt by up to ``max_new_tokens`` tokens (a collective: every rank of the pipeline,
+        the same arguments; each replica its own prompts): :mod:`conveyor.pipe.generation`.
+
+        Example:
+            >>> out = pipe.generate(ids, 32, sampling=Sampling(do_sample=True, top_p=0.9))   # doctest: +SKIP
+        """
+        return generate(self, input_ids, max_new_tokens, sampling or Sampling(), generator, attention_mask,
+                        return_logprobs, length)
 
     # --- the step's gradients --------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,

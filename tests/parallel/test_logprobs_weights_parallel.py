@@ -1,11 +1,12 @@
-"""pipe.logprobs and pipe.named_weights beside the pipeline's parallelisms, in one launch of 4 gloo ranks.
+"""pipe.logprobs, pipe.generate and pipe.named_weights beside the pipeline's parallelisms, in one launch of 4 ranks.
 
 Tensor parallel (pp=2 x tp=2, ``loss_parallel``: the logits stay vocabulary-sharded, the log-probs
 are computed under torch's ``loss_parallel()`` without gathering them) and FSDP replicas (pp=2 x
 dp=2, each replica its own prompts), on a traced GPT-2 whose head is tied to its embedding and
 whose attention projection is packed (q|k|v). named_weights must give the unsplit model's
 ``state_dict()`` back, name for name and bit for bit (the tensors are the untrained ones, only
-sharded and gathered).
+sharded and gathered). generate: each FSDP replica continues its own prompts, bitwise as one device
+would; the TP ranks agree on every token.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.pipe.generation import Sampling
 from conveyor.pipe.logprobs import token_logprobs
 from conveyor.testing import run_ranks
 from conveyor.testing.compare import FP32_UNIT_ROUNDOFF
+from conveyor.testing.references.generation import reference_generate
 from conveyor.testing.references.tensor_parallel import TP_ROUNDING, VOCABULARY, build
 
 MICROBATCHES = 2
 LENGTH = 12
+NEW = 4  # prompts of LENGTH - NEW tokens: every window is LENGTH long, the traced shape
 
 
 def _ids(seed: int) -> torch.Tensor:
@@ -43,6 +47,10 @@ def _pipeline(mesh, **layout):
                              microbatches=MICROBATCHES, options=PipelineOptions(layout=Layout(mesh=mesh, **layout)))
 
 
+def _prompts(seed: int) -> torch.Tensor:
+    return _ids(seed)[:, :LENGTH - NEW]
+
+
 def _weights(pipe) -> dict:
     """This rank's named weights against the unsplit model's state_dict: names, and any that differ."""
     want = build("gpt2").state_dict()
@@ -58,12 +66,13 @@ def _both_layouts(rank: int, world_size: int) -> dict:
     results = {}
     with _pipeline(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp")), tensor_parallel="auto",
                    loss_parallel=True) as pipe:
-        results["tp"] = {"logprobs": pipe.logprobs(input_ids=_ids(1)), "weights": _weights(pipe)}
+        results["tp"] = {"logprobs": pipe.logprobs(input_ids=_ids(1)), "weights": _weights(pipe),
+                         "tokens": pipe.generate(_prompts(4), NEW).tokens}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     with _pipeline(mesh, data_parallel="fsdp") as pipe:
         replica = mesh.get_local_rank("dp")
         results["fsdp"] = {"replica": replica, "logprobs": pipe.logprobs(input_ids=_ids(2 + replica)),
-                           "weights": _weights(pipe)}
+                           "weights": _weights(pipe), "tokens": pipe.generate(_prompts(5 + replica), NEW).tokens}
     return results
 
 
@@ -82,6 +91,11 @@ def test_tensor_parallel_and_fsdp_logprobs_and_whole_weights():
     for rank, result in enumerate(r["fsdp"] for r in by_rank):
         want = torch.cat(_reference(_ids(2 + result["replica"]))[0])
         assert torch.equal(result["logprobs"], want), (rank, (result["logprobs"] - want).abs().max())
+        tokens = reference_generate(build("gpt2").eval(), _prompts(5 + result["replica"]), NEW, Sampling(),
+                                    lanes=MICROBATCHES, keyword=True)
+        assert torch.equal(result["tokens"], tokens), (rank, result["tokens"], tokens)
+    # TP: every rank (both stages, both TP positions) holds the same tokens.
+    assert all(torch.equal(r["tp"]["tokens"], by_rank[0]["tp"]["tokens"]) for r in by_rank)
     # TP against one device. A log-prob is x_t - logsumexp(x); both terms move by at most the logits' largest
     # difference d (logsumexp is 1-Lipschitz in the max norm), so |difference| <= 2 d + the sharded logsumexp's
     # own rounding: its V positive terms summed per shard then across shards, 2 (V - 1) u, plus the exps'
