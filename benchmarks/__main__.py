@@ -138,6 +138,7 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     varlen.add_argument("--varlen-steps", type=int, default=4, help="steps per side per round (the first untimed)")
     generate = parser.add_argument_group("--generate (decode tokens/s: lanes, and the unsplit model)")
     generate.add_argument("--generate-rounds", type=int, default=3, help="timed rounds, the sides' order rotating")
+    generate.add_argument("--generate-unsplit-threads", type=int, default=2, help="threads of the unsplit side")
 
 
 def build_parser() -> argparse.ArgumentParser:

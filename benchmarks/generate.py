@@ -11,7 +11,7 @@ rotates, each timed on rank 0 with the host's CPU steal while it ran:
   tokens/s;
 - ``unsplit``: rank 0 alone (rank 1 waits) runs the unsplit model's greedy loop
   (:func:`conveyor.testing.references.generation.reference_generate`) on ``rows`` prompts with
-  2 threads, the ranks' threads together.
+  ``--generate-unsplit-threads`` threads (default 2: the ranks' threads together).
 
 Every side recomputes the whole window at each token (the pipeline has no key/value cache yet),
 so the comparison is of the same work. Tokens/s counts generated tokens.
@@ -43,7 +43,7 @@ def _prompts(rows: int) -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (rows, PROMPT), generator=torch.Generator().manual_seed(0))
 
 
-def _rank(rank: int, world_size: int, rounds: int) -> dict[str, Any]:
+def _rank(rank: int, world_size: int, rounds: int, unsplit_threads: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -60,7 +60,7 @@ def _rank(rank: int, world_size: int, rounds: int) -> dict[str, Any]:
             with meter.window(side) if round_index else contextlib.nullcontext():
                 if side == "unsplit":
                     if rank == 0:
-                        torch.set_num_threads(2)
+                        torch.set_num_threads(unsplit_threads)
                         reference_generate(unsplit, _prompts(ROWS), NEW, Sampling(), length=PROMPT + NEW)
                         torch.set_num_threads(1)
                     made = ROWS * NEW
@@ -80,7 +80,8 @@ def _rank(rank: int, world_size: int, rounds: int) -> dict[str, Any]:
 def run(args: Any) -> int:
     """Measure the three sides and print the table and the lanes' ratio against the goal."""
     rounds = args.generate_rounds
-    record = run_ranks(_rank, 2, args=(rounds,), timeout_s=1800)[0]
+    threads = args.generate_unsplit_threads
+    record = run_ranks(_rank, 2, args=(rounds, threads), timeout_s=1800)[0]
     print(f"--generate: 2 ranks (1 thread each), tiny LM dim {CONFIG.dim} x {2 * CONFIG.blocks_per_stage} blocks, "
           f"{PROMPT} prompt + {NEW} new tokens, {ROWS} prompts per lane; {rounds} rounds, order rotating")
     print(f"{'side':<9} {'tokens/s':>9} {'median s':>9} {'steal %':>8}")
@@ -92,6 +93,6 @@ def run(args: Any) -> int:
         print(f"{side:<9} {rates[side]:>9.1f} {statistics.median(seconds):>9.3f} "
               f"{'n/a' if steal is None else f'{steal:.0f}':>8}")
     ratio = rates["2 lanes"] / rates["1 lane"]
-    print(f"2 lanes / 1 lane: {ratio:.2f}x (goal >= {0.9 * 2:.1f}x); 2 lanes / unsplit (2 threads): "
+    print(f"2 lanes / 1 lane: {ratio:.2f}x (goal >= {0.9 * 2:.1f}x); 2 lanes / unsplit ({threads} threads): "
           f"{rates['2 lanes'] / rates['unsplit']:.2f}x")
     return 0
