@@ -233,13 +233,25 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
         made += (~done).long()
         if sampling.eos_token_id is not None:
             done |= tokens == sampling.eos_token_id
-        if bool(done.all()):
-            break
+            if _everyone_done(pipe, done):
+                break
     new = window.gather(1, (lengths[:, None] + torch.arange(max_new_tokens)).clamp(max=width - 1))
     new = torch.where(torch.arange(max_new_tokens) < made[:, None], new, sampling.pad_token_id)
     sequences = window[:, :input_ids.shape[1] + max_new_tokens]
     logprobs = _generated_logprobs(pipe, window, lengths, made, max_new_tokens) if return_logprobs else None
     return Generation(new, made, sequences, logprobs)
+
+
+def _everyone_done(pipe: Pipeline, done: torch.Tensor) -> bool:
+    """Whether every row of every replica has ended. The ranks of one pipeline hold the same rows; replicas
+    (and TP ranks) hold others, and a forward under FSDP is a collective across replicas: all stop together."""
+    finished = torch.tensor([int(bool(done.all()))], device=pipe.ranks.comm_device)
+    group = pipe.checkpoint_group  # every rank of the job, where there are replicas or TP ranks
+    if group is not None:
+        import torch.distributed as dist
+
+        pipe.ranks.guarded(dist.all_reduce, finished, dist.ReduceOp.MIN, group)
+    return bool(finished.item())
 
 
 def _next_tokens(pipe: Pipeline, args: tuple, kwargs: dict, last_positions: torch.Tensor, sampling: Sampling,

@@ -51,6 +51,18 @@ def _prompts(seed: int) -> torch.Tensor:
     return _ids(seed)[:, :LENGTH - NEW]
 
 
+def _replica_prompts(replica: int) -> torch.Tensor:
+    """Replica 0: four copies of one prompt, whose first greedy token is the eos (all its rows end after one
+    token); replica 1: other prompts, which go on. FSDP's forwards are collectives: both must stop together."""
+    return _prompts(6)[:1].expand(4, -1).contiguous() if replica == 0 else _prompts(7)
+
+
+def _until_eos() -> Sampling:
+    """Greedy, ending at replica 0's first token (see :func:`_replica_prompts`)."""
+    first = reference_generate(build("gpt2").eval(), _prompts(6)[:2], 1, Sampling(), lanes=MICROBATCHES, keyword=True)
+    return Sampling(eos_token_id=int(first[0, 0]), pad_token_id=1)
+
+
 def _weights(pipe) -> dict:
     """This rank's named weights against the unsplit model's state_dict: names, and any that differ."""
     want = build("gpt2").state_dict()
@@ -72,7 +84,8 @@ def _both_layouts(rank: int, world_size: int) -> dict:
     with _pipeline(mesh, data_parallel="fsdp") as pipe:
         replica = mesh.get_local_rank("dp")
         results["fsdp"] = {"replica": replica, "logprobs": pipe.logprobs(input_ids=_ids(2 + replica)),
-                           "weights": _weights(pipe), "tokens": pipe.generate(_prompts(5 + replica), NEW).tokens}
+                           "weights": _weights(pipe), "tokens": pipe.generate(_prompts(5 + replica), NEW).tokens,
+                           "until_eos": pipe.generate(_replica_prompts(replica), NEW, sampling=_until_eos())}
     return results
 
 
@@ -94,6 +107,12 @@ def test_tensor_parallel_and_fsdp_logprobs_and_whole_weights():
         tokens = reference_generate(build("gpt2").eval(), _prompts(5 + result["replica"]), NEW, Sampling(),
                                     lanes=MICROBATCHES, keyword=True)
         assert torch.equal(result["tokens"], tokens), (rank, result["tokens"], tokens)
+        until_eos = result["until_eos"]
+        want = reference_generate(build("gpt2").eval(), _replica_prompts(result["replica"]), NEW, _until_eos(),
+                                  lanes=MICROBATCHES, keyword=True)
+        assert torch.equal(until_eos.tokens, want), (rank, until_eos.tokens, want)
+        if result["replica"] == 0:  # every row ended after its first token, while replica 1 went on
+            assert until_eos.lengths.tolist() == [1] * 4 and (until_eos.tokens[:, 1:] == 1).all(), until_eos
     # TP: every rank (both stages, both TP positions) holds the same tokens.
     assert all(torch.equal(r["tp"]["tokens"], by_rank[0]["tp"]["tokens"]) for r in by_rank)
     # TP against one device. A log-prob is x_t - logsumexp(x); both terms move by at most the logits' largest
