@@ -9,19 +9,29 @@ last stage reads each row's logits at its last position, picks the next token
 ``torch.Generator``) and sends the tokens to every rank of the pipeline, stage 0 among them,
 which feeds them back in.
 
-Every row is a window of ``length`` positions (default: the longest prompt plus
-``max_new_tokens``), right-padded: a causal model's logits at a row's last real position never
-see the padding after it, so prompts of different lengths (given by ``attention_mask``) share
-one batch, and traced stages (traced for one shape) get that shape at every step. A row stops
-after ``eos_token_id``; what comes after it is ``pad_token_id``.
+Two loops, one per kind of stage:
 
-What this loop does NOT have yet: a key/value cache. Each step recomputes the whole window
-(the cost of a prefill per token), exactly as the unsplit model's forward does, which is why
-its greedy tokens equal the unsplit model's greedy loop bit for bit (and its ``generate()``,
-whose cached decode runs other kernels, wherever no two logits are within rounding of each
-other). The log-probs of the generated tokens (``return_logprobs=True``) are
-:meth:`conveyor.Pipeline.logprobs` of the finished sequences, the training forward itself, so they
-equal what training computes by construction.
+- **Stages with a key/value cache** (each has ``reset_kv_cache()`` and takes ``(ids or hidden,
+  lane, start)``, returning ``(hidden, lane, start)``: the lane and the position travel with
+  the tensors as boundary values, so each stage reads the right lane's cache whatever order its
+  program runs the microbatches in; :mod:`conveyor.testing.models.cached_lm` is an example) and
+  prompts of one length: the prompt runs once (prefill, a forward-only program over every lane),
+  then each step feeds each lane's last token at its position. The cached decode attends one
+  query to the cached keys under an explicit mask, the full forward all queries under
+  ``is_causal``: other kernel calls, whose logits differ by rounding, so its greedy tokens equal
+  the full forward's wherever no two logits are within rounding of each other.
+- **Any other stage** (traced models: their cache is not yet a stage input and output; prompts of
+  several lengths): every row is a window of ``length`` positions (default: the longest prompt
+  plus ``max_new_tokens``), right-padded, recomputed whole at every step (a prefill per token).
+  A causal model's logits at a row's last real position never see the padding after it, so
+  prompts of different lengths (``attention_mask``) share one batch, and traced stages (traced
+  for one shape) get that shape at every step. Its greedy tokens equal the unsplit model's greedy
+  loop bit for bit.
+
+A row stops after ``eos_token_id``; what comes after it is ``pad_token_id``. The log-probs of
+the generated tokens (``return_logprobs=True``) are :meth:`conveyor.Pipeline.logprobs` of the
+finished sequences, recomputed at the end by the training forward itself (not the cached
+decode's, which differ by rounding), so they equal what training computes by construction.
 
 Example:
     >>> import torch, conveyor
@@ -42,6 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from conveyor.errors import PipelineConfigError
+from conveyor.microbatch import Microbatches
 from conveyor.pipe.logprobs import logits_of
 
 if TYPE_CHECKING:
@@ -199,8 +210,19 @@ def check_request(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, 
         )
 
 
+def uses_cache(pipe: Pipeline, lengths: torch.Tensor, prompt: int) -> bool:
+    """Whether to decode with the stages' own key/value caches: every stage here keeps one
+    (``reset_kv_cache``: :mod:`conveyor.testing.models.cached_lm` shows the protocol) and the prompts
+    are of one length (right-padded prompts of several lengths take the window loop)."""
+    modules = [runner.module for runner in pipe.runners.values()]
+    return all(hasattr(module, "reset_kv_cache") for module in modules) and bool((lengths == prompt).all())
+
+
 def stage_inputs(pipe: Pipeline, window: torch.Tensor) -> tuple[tuple, dict]:
-    """The window as stage 0 takes it: as ``input_ids=`` where stage 0 was traced with that keyword, else positional."""
+    """The window as stage 0 takes it: as ``input_ids=`` where stage 0 was traced with that keyword, else positional
+    (a stage with a key/value cache: ``(ids, None, 0)``, its plain forward)."""
+    if all(hasattr(runner.module, "reset_kv_cache") for runner in pipe.runners.values()):
+        return (window, None, 0), {}
     first = pipe.runners.get(0)
     spec = getattr(getattr(first, "module", None), "_conveyor_in_spec", None)
     if spec is not None and "input_ids" in list(spec.child(1).context):
@@ -225,9 +247,20 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
     made = torch.zeros(batch, dtype=torch.long)
     done = torch.zeros(batch, dtype=torch.bool)
     rows = torch.arange(batch)
-    for _ in range(max_new_tokens):
-        args, kwargs = stage_inputs(pipe, window)
-        tokens = pipe.ranks.guarded(_next_tokens, pipe, args, kwargs, lengths + made - 1, sampling, generator)
+    cached = uses_cache(pipe, lengths, input_ids.shape[1])
+    if cached:
+        for runner in pipe.runners.values():
+            runner.module.reset_kv_cache()
+    for step in range(max_new_tokens):
+        if cached:  # the prompt once (prefill), then each lane's last token at its position
+            start, end = (0, input_ids.shape[1]) if step == 0 else (input_ids.shape[1] + step - 1,) * 2
+            lanes = [(part, lane, start) for lane, part in
+                     enumerate(window[:, start:max(end, start + 1)].tensor_split(pipe.schedule.num_microbatches))]
+            positions = torch.full((batch,), max(end, start + 1) - start - 1)
+            tokens = pipe.ranks.guarded(_next_tokens, pipe, lanes, None, positions, sampling, generator)
+        else:
+            tokens = pipe.ranks.guarded(_next_tokens, pipe, None, stage_inputs(pipe, window), lengths + made - 1,
+                                        sampling, generator)
         tokens = torch.where(done, sampling.pad_token_id, tokens.cpu())
         window[rows, lengths + made] = tokens
         made += (~done).long()
@@ -254,11 +287,15 @@ def _everyone_done(pipe: Pipeline, done: torch.Tensor) -> bool:
     return bool(finished.item())
 
 
-def _next_tokens(pipe: Pipeline, args: tuple, kwargs: dict, last_positions: torch.Tensor, sampling: Sampling,
-                 generator: torch.Generator | None) -> torch.Tensor:
-    """One forward of every lane; the last stage picks each row's token; every rank gets them."""
+def _next_tokens(pipe: Pipeline, lanes: list[tuple] | None, whole: tuple[tuple, dict] | None,
+                 last_positions: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """One forward of every lane (given lane by lane, or as the whole batch's ``(args, kwargs)``); the last
+    stage picks each row's token at ``last_positions``; every rank gets them."""
     steps = pipe.steps
-    first = steps.inputs.split(args, kwargs, None)[0] if steps.inputs.needs_inputs else None
+    first = None
+    if steps.inputs.needs_inputs:
+        first = steps.inputs.given(Microbatches(inputs=lanes), (), {}, None)[0] if lanes is not None else \
+            steps.inputs.split(*whole, None)[0]
     outputs = steps.forward_each(first)
     mine = None
     if outputs is not None:

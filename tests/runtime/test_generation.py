@@ -18,11 +18,13 @@ from conveyor.errors import PipelineConfigError
 from conveyor.pipe.generation import Sampling
 from conveyor.testing import run_ranks
 from conveyor.testing.models import TinyConfig, build_stage, reference_model
+from conveyor.testing.models.cached_lm import VOCAB, CachedReference, build_cached_stage
 from conveyor.testing.references.generation import reference_generate
 
 LANES = 2
 NEW = 5
 PROMPTS = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 4], [8, 8, 0, 0], [1, 2, 3, 4]])
+CACHED_PROMPTS = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(0))
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
 # Greedy with an eos the model reaches, and sampling with every filter, from a seeded generator.
 SAMPLINGS = (Sampling(eos_token_id=None), Sampling(do_sample=True, temperature=0.8, top_k=10, top_p=0.9),
@@ -93,6 +95,36 @@ def test_eos_stops_a_row_and_pads_after_it(one_thread):
     assert torch.equal(out.tokens, want)
 
 
+def _cached_pipeline(schedule: cs.Schedule, stages: list[int], **options):
+    return conveyor.Pipeline([build_cached_stage(s, schedule.num_stages) for s in stages], schedule, **options)
+
+
+def _cached_generate(pipe) -> tuple:
+    """Greedy tokens through the stages' key/value caches, the log-probs, and whether every cache filled."""
+    out = pipe.generate(CACHED_PROMPTS, NEW, return_logprobs=True)
+    return out, pipe.logprobs(out.sequences, None, 0), all(m.kv_cache for m in pipe.modules)
+
+
+def _cached_differences(case: str, results: tuple, num_stages: int) -> list[str]:
+    out, every, filled = results
+    want = reference_generate(CachedReference(num_stages), CACHED_PROMPTS, NEW, Sampling(), lanes=LANES)
+    found = [] if filled else [f"{case}: a stage's cache stayed empty (the cached decode did not run)"]
+    if not torch.equal(out.tokens, want):
+        found.append(f"{case} cached: tokens {out.tokens.tolist()} != the full forward's {want.tolist()}")
+    if not torch.equal(out.logprobs, every[:, CACHED_PROMPTS.shape[1] - 1:]):
+        found.append(f"{case} cached: log-probs differ from pipe.logprobs")
+    return found
+
+
+def test_stages_with_a_key_value_cache_decode_the_full_forwards_tokens(one_thread):
+    found = []
+    for name, virtual in (("1f1b", 1), ("zbv", 2)):
+        schedule = cs.build(name, ranks=2, microbatches=LANES, virtual=virtual)
+        pipe = _cached_pipeline(schedule, list(range(schedule.num_stages)), layout=conveyor.Layout(in_process=True))
+        found += _cached_differences(f"{name} V={virtual}", _cached_generate(pipe), schedule.num_stages)
+    assert not found, "\n".join(found)
+
+
 def _ranks_generate(rank: int, world_size: int, cases: list[tuple[str, int]]) -> list:
     results = []
     for name, virtual in cases:
@@ -102,6 +134,9 @@ def _ranks_generate(rank: int, world_size: int, cases: list[tuple[str, int]]) ->
         with conveyor.Pipeline(stages, schedule, transfer=conveyor.TransferOptions(timeout_s=60)) as pipe:
             outputs = _generate_each(pipe)
             results.append((outputs, [pipe.logprobs(out.sequences) for out in outputs]))
+    schedule = cs.build("1f1b", ranks=world_size, microbatches=LANES)
+    with _cached_pipeline(schedule, schedule.stages_of(rank), transfer=conveyor.TransferOptions(timeout_s=60)) as pipe:
+        results.append(_cached_generate(pipe))
     return results
 
 
@@ -118,6 +153,8 @@ def test_gloo_ranks_generate_the_same_tokens_on_every_rank(one_thread):
             by_sequences = dict(zip((id(o.sequences) for o in outputs), every))
             found += _check(f"{name} V={virtual} rank {rank}", outputs, cfg,
                             lambda sequences, table=by_sequences: table[id(sequences)])
+    for rank, results in enumerate(by_rank):
+        found += _cached_differences(f"1f1b rank {rank}", results[-1], 2)
     assert not found, "\n".join(found)
 
 
