@@ -49,7 +49,7 @@ class CachedAttention(nn.Module):
             cache[key] = (k, v)
             # Query i (position past + i) sees every key up to its own position.
             past = k.shape[2] - length
-            allowed = torch.ones(length, k.shape[2], dtype=torch.bool).tril(past)
+            allowed = torch.ones(length, k.shape[2], dtype=torch.bool, device=x.device).tril(past)
             attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return self.out(attended.transpose(1, 2).reshape(rows, length, DIM))
 
@@ -76,7 +76,7 @@ class CachedStage(nn.Module):
 
     def forward(self, x: torch.Tensor, lane: int | None, start: int):
         if self.first:
-            x = self.embed(x) + self.pos(torch.arange(start, start + x.shape[1]))
+            x = self.embed(x) + self.pos(torch.arange(start, start + x.shape[1], device=x.device))
         h = self.norm(x)
         x = x + self.attn(h, None if lane is None else self.kv_cache, ("attn", lane))
         x = x + self.mlp(x)

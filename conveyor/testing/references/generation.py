@@ -25,8 +25,10 @@ from conveyor.pipe.logprobs import logits_of
 @torch.no_grad()
 def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
                        generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
-                       lanes: int = 1, length: int | None = None, keyword: bool = False) -> torch.Tensor:
-    """The generated tokens [batch, max_new_tokens] (``pad_token_id`` after a row's eos)."""
+                       lanes: int = 1, length: int | None = None, keyword: bool = False,
+                       device: torch.device | str = "cpu") -> torch.Tensor:
+    """The generated tokens [batch, max_new_tokens] (``pad_token_id`` after a row's eos); the model runs on
+    ``device`` (where its parameters are)."""
     lengths = prompt_lengths(input_ids, attention_mask)
     width = length or input_ids.shape[1] + max_new_tokens
     batch = input_ids.shape[0]
@@ -36,9 +38,9 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, max_new_
     tokens = torch.full((batch, max_new_tokens), sampling.pad_token_id, dtype=torch.long)
     finished = [False] * batch
     for step in range(max_new_tokens):
-        parts = window.tensor_split(lanes)
+        parts = window.to(device).tensor_split(lanes)
         logits = torch.cat([logits_of(model(input_ids=part) if keyword else model(part)) for part in parts])
-        picked = pick_tokens(logits[torch.arange(batch), lengths + step - 1], sampling, generator)
+        picked = pick_tokens(logits[torch.arange(batch), lengths + step - 1].cpu(), sampling, generator)
         for row in range(batch):
             if not finished[row]:
                 tokens[row, step] = window[row, lengths[row] + step] = picked[row]
