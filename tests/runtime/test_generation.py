@@ -214,3 +214,26 @@ def _in_process(model: torch.nn.Module, width: int):
     return conveyor.pipeline(model, example_kwargs={"input_ids": torch.zeros(1, width, dtype=torch.long)},
                              schedule="1f1b", microbatches=2, options=conveyor.PipelineOptions(
                                  layout=conveyor.Layout(in_process=True, ranks=2)))
+
+
+def test_cached_decode_logits_are_within_rounding_of_the_full_forward(one_thread):
+    """The cached decode runs other kernel calls than the full forward: attention with one query over the cached
+    keys under an explicit mask (the full forward: every query under is_causal), and every projection on [rows, 1]
+    instead of [rows, n] (another blocking of the same dot products). Each is a reordered fp32 sum of at most
+    2 x DIM = 32 terms (the MLP's second projection; softmax and values sum over at most 12 positions), chained
+    through at most 17 of them from the embedding to the logits (per stage: layer norm's two moments, q|k|v, the
+    scores, the softmax, the values, the out projection, two MLP projections; then the head): relative to the
+    logits' largest magnitude, reordered_sum_bound(32, depth=17) (conveyor.testing.compare, Higham-Mary)."""
+    from conveyor.testing.compare import reordered_sum_bound
+    from conveyor.testing.models.cached_lm import DIM
+
+    stages = [build_cached_stage(s, 2) for s in range(2)]
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = stages[1](*stages[0](ids, None, 0))
+        pieces = [stages[1](*stages[0](ids[:, :6], 0, 0))]  # the prefill, under an explicit mask
+        pieces += [stages[1](*stages[0](ids[:, t:t + 1], 0, t)) for t in range(6, 12)]
+    cached = torch.cat(pieces, dim=1)
+    assert cached.shape == full.shape and torch.isfinite(cached).all()
+    bound = reordered_sum_bound(2 * DIM, depth=17) * full.abs().max().item()
+    assert (cached - full).abs().max().item() <= bound, ((cached - full).abs().max().item(), bound)
