@@ -23,23 +23,38 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-VOCAB, DIM, HEADS, POSITIONS = 64, 16, 2, 32
+
+@dataclass(frozen=True)
+class CachedSizes:
+    """The model's sizes: the tests' small ones by default (the benchmark passes larger)."""
+
+    dim: int = 16
+    vocab: int = 64
+    heads: int = 2
+    positions: int = 32
+
+
+VOCAB, DIM = CachedSizes().vocab, CachedSizes().dim
 
 
 class CachedAttention(nn.Module):
     """Causal self-attention whose keys and values a lane keeps between calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
-        self.qkv = nn.Linear(DIM, 3 * DIM)
-        self.out = nn.Linear(DIM, DIM)
+        self.dim, self.heads = dim, heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, cache: dict | None, key: tuple) -> torch.Tensor:
-        rows, length, _ = x.shape
-        q, k, v = (t.view(rows, length, HEADS, DIM // HEADS).transpose(1, 2) for t in self.qkv(x).split(DIM, -1))
+        rows, length, dim = x.shape
+        q, k, v = (t.view(rows, length, self.heads, dim // self.heads).transpose(1, 2)
+                   for t in self.qkv(x).split(dim, -1))
         if cache is None:
             attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -51,23 +66,24 @@ class CachedAttention(nn.Module):
             past = k.shape[2] - length
             allowed = torch.ones(length, k.shape[2], dtype=torch.bool, device=x.device).tril(past)
             attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-        return self.out(attended.transpose(1, 2).reshape(rows, length, DIM))
+        return self.out(attended.transpose(1, 2).reshape(rows, length, dim))
 
 
 class CachedStage(nn.Module):
     """Stage ``stage`` of ``num_stages``: embedding first, one block, head last; a cache per lane."""
 
-    def __init__(self, stage: int, num_stages: int) -> None:
+    def __init__(self, stage: int, num_stages: int, sizes: CachedSizes = CachedSizes()) -> None:
         super().__init__()
         self.stage, self.first, self.last = stage, stage == 0, stage == num_stages - 1
+        dim = sizes.dim
         if self.first:
-            self.embed = nn.Embedding(VOCAB, DIM)
-            self.pos = nn.Embedding(POSITIONS, DIM)
-        self.norm = nn.LayerNorm(DIM)
-        self.attn = CachedAttention()
-        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+            self.embed = nn.Embedding(sizes.vocab, dim)
+            self.pos = nn.Embedding(sizes.positions, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.attn = CachedAttention(dim, sizes.heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
         if self.last:
-            self.head = nn.Linear(DIM, VOCAB)
+            self.head = nn.Linear(dim, sizes.vocab)
         self.kv_cache: dict = {}
 
     def reset_kv_cache(self) -> None:
@@ -83,19 +99,19 @@ class CachedStage(nn.Module):
         return self.head(x) if self.last else (x, lane, start)
 
 
-def build_cached_stage(stage: int, num_stages: int, seed: int = 7) -> CachedStage:
+def build_cached_stage(stage: int, num_stages: int, sizes: CachedSizes = CachedSizes(), seed: int = 7) -> CachedStage:
     """Stage ``stage`` with parameters from its own seed (identical on every rank)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + stage)
-        return CachedStage(stage, num_stages)
+        return CachedStage(stage, num_stages, sizes)
 
 
 class CachedReference(nn.Module):
     """Every stage in one module, without a cache: ``model(ids)`` is the plain forward's logits."""
 
-    def __init__(self, num_stages: int) -> None:
+    def __init__(self, num_stages: int, sizes: CachedSizes = CachedSizes()) -> None:
         super().__init__()
-        self.stages = nn.ModuleList(build_cached_stage(s, num_stages) for s in range(num_stages))
+        self.stages = nn.ModuleList(build_cached_stage(s, num_stages, sizes) for s in range(num_stages))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         value = (ids, None, 0)
