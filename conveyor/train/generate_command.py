@@ -20,8 +20,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from conveyor.errors import UsageError
 
 CONFIG_FILE = "config.yaml"
@@ -79,6 +77,8 @@ def find_run(path: str | Path) -> tuple[Path, Path]:
 def generate_text(path: str | Path, prompt: str, tokens: int, stages: int = 2, sampling: Any = None,
                   seed: int = 0) -> tuple[str, str]:
     """``(the prompt as the model saw it, the continuation)`` of the run or checkpoint at ``path``."""
+    import torch  # here, not at the top: the command line's parser imports this module, and must not import torch
+
     import conveyor
     from conveyor.checkpoint import load
     from conveyor.pipe.generation import Sampling
