@@ -16,6 +16,7 @@ from conveyor.pipe.generation import Sampling
 from conveyor.testing.references.generation import reference_generate
 from conveyor.train.config import load_config, save_config
 from conveyor.train.data import load_tokenizer
+from conveyor.train.generate_command import find_run
 from conveyor.train.models import build_model
 
 SEQ_LEN = 16
@@ -37,9 +38,12 @@ def test_a_run_and_a_checkpoint_print_the_unsplit_models_greedy_text(run_dir, ca
     prompt = tokenizer.encode(b"def ").long()
     made = reference_generate(model, prompt[None], 8, Sampling(eos_token_id=tokenizer.eos_id), length=SEQ_LEN)[0]
     want = "def " + tokenizer.decode(made.tolist())
-    for where in (path, path / "checkpoints" / "step_000001"):
-        assert main(["generate", str(where), "--prompt", "def ", "--tokens", "8"]) == 0
-        assert capsys.readouterr().out == want + "\n"
+    checkpoint = path / "checkpoints" / "step_000001"
+    # A checkpoint inside a run finds the run's config above it; the run directory, its latest checkpoint.
+    assert find_run(checkpoint) == (path / "config.yaml", checkpoint)
+    assert find_run(path) == (path / "config.yaml", checkpoint)
+    assert main(["generate", str(checkpoint), "--prompt", "def ", "--tokens", "8"]) == 0
+    assert capsys.readouterr().out == want + "\n"
 
 
 def test_sampling_options_and_bad_paths_are_refused_with_the_fix(run_dir, tmp_path, capsys):
