@@ -86,3 +86,34 @@ def test_decode_stages_refuse_what_they_cannot_hold():
     split = split_model(headless, 2, example_args=(torch.zeros(2, 3, dtype=torch.long),))
     with pytest.raises(PipelineConfigError, match="needs a Hugging Face causal LM"):
         decode_stages(split, rows=2, length=8)
+
+
+def _ranks_decode(rank: int, world_size: int, prompts: torch.Tensor) -> list:
+    """On each rank: its own stage of the decode program, in one pipeline over gloo (Llama only: a launch
+    traces twice per family, and GPT-2's decode runs the same code in process above)."""
+    tokens = []
+    for family in ("llama",):
+        model = build(family).eval()
+        split = split_model(model, world_size, example_args=(torch.zeros(ROWS, 8, dtype=torch.long),))
+        stages = decode_stages(split, rows=ROWS, length=LENGTH, stages=[split.stage_module(rank)], which=[rank])
+        with conveyor.Pipeline(stages, "1f1b", microbatches=2,
+                               transfer=conveyor.TransferOptions(timeout_s=60)) as pipe:
+            tokens.append(pipe.generate(prompts, NEW).tokens)
+    return tokens
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_gloo_ranks_decode_a_traced_model_with_their_own_caches(one_thread):
+    from conveyor.testing import run_ranks
+
+    prompts = torch.randint(1, 96, (2 * ROWS, 5), generator=torch.Generator().manual_seed(5))
+    by_rank = run_ranks(_ranks_decode, 2, args=(prompts,), timeout_s=240)
+    for index, family in enumerate(("llama",)):
+        model = build(family).eval()
+        model.generation_config.eos_token_id = None
+        with torch.no_grad():
+            expected = model.generate(prompts, max_new_tokens=NEW, do_sample=False, use_cache=True,
+                                      attention_mask=torch.ones_like(prompts), pad_token_id=0)[:, prompts.shape[1]:]
+        for rank, tokens in enumerate(by_rank):
+            assert torch.equal(tokens[index], expected), (family, rank, tokens[index], expected)
