@@ -21,6 +21,8 @@ Flags pick what runs (several may be given; none means ``--compare``):
                  with --varlen-parity the schedule x transport parity table instead (benchmarks/varlen.py)
     --recompute  recomputation policies on the llama recipe at pp=2: peak memory per rank, predicted
                  and measured, and step time (benchmarks/recompute.py)
+    --generate   pipe.generate at pp=2: decode tokens/s with 1 lane, 2 lanes, and the unsplit model's loop
+                 (benchmarks/generate.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -41,7 +43,7 @@ from pathlib import Path
 
 PARTS = (
     "compare", "schedule", "schedule_scale", "split", "soak", "parallel", "data", "checkpoint", "train", "compile",
-    "plan", "tp_parity", "tp_memory", "varlen", "recompute",
+    "plan", "tp_parity", "tp_memory", "varlen", "recompute", "generate",
 )
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
@@ -134,6 +136,9 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     varlen.add_argument("--varlen-bytes", type=int, default=600_000, help="bytes of stdlib definitions read")
     varlen.add_argument("--varlen-rounds", type=int, default=4, help="rounds, the side going first alternating")
     varlen.add_argument("--varlen-steps", type=int, default=4, help="steps per side per round (the first untimed)")
+    generate = parser.add_argument_group("--generate (decode tokens/s: lanes, and the unsplit model)")
+    generate.add_argument("--generate-rounds", type=int, default=3, help="timed rounds, the sides' order rotating")
+    generate.add_argument("--generate-unsplit-threads", type=int, default=2, help="threads of the unsplit side")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--varlen", action="store_true", help="batching by length vs padding, at pp=2")
     parts.add_argument("--recompute", action="store_true",
                        help="recomputation policies: predicted and measured peak memory per rank, step time")
+    parts.add_argument("--generate", action="store_true", help="decode tokens/s at pp=2: 1 lane, 2 lanes, unsplit")
     parts.add_argument(
         "--quick", action="store_true",
         help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only; "

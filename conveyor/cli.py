@@ -273,6 +273,13 @@ def _command_plan(args: argparse.Namespace) -> int:
     return plan_command.run(args)
 
 
+def _command_generate(args: argparse.Namespace) -> int:
+    """Text from a trained run through the pipeline; the work is conveyor.train.generate_command's."""
+    from conveyor.train import generate_command
+
+    return generate_command.run(args)
+
+
 def _command_export(args: argparse.Namespace) -> int:
     """A checkpoint as safetensors; the work is conveyor.checkpoint.export's."""
     from conveyor.checkpoint.export import export
@@ -362,6 +369,13 @@ def _add_plan(commands) -> None:
     commands.choices["plan"].set_defaults(handler=_command_plan)
 
 
+def _add_generate(commands) -> None:
+    from conveyor.train.generate_command import add_parser
+
+    add_parser(commands, positive_int)
+    commands.choices["generate"].set_defaults(handler=_command_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="conveyor",
@@ -424,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_train(commands)
     _add_plan(commands)
+    _add_generate(commands)
 
     export = commands.add_parser("export", help="write a checkpoint as Hugging Face safetensors (+ config.json)")
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a checkpoint, or a directory with `latest`")

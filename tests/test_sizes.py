@@ -23,6 +23,10 @@ ALLOWED: dict[str, str] = {
     # **kwargs that are not options: the model's own inputs, or another API's keywords passed unchanged.
     "kwargs:conveyor/pipe/pipeline.py::Pipeline.step": "the model's keyword inputs (pipe.step(ids, labels=y))",
     "kwargs:conveyor/pipe/pipeline.py::Pipeline.forward": "the model's keyword inputs, as step's",
+    "kwargs:conveyor/pipe/pipeline.py::Pipeline.logprobs": "the model's keyword inputs, as forward's",
+    "class:conveyor/pipe/pipeline.py::Pipeline": "the user's API, one typed delegating method per capability: the "
+                                                 "forward-only family (logprobs, named_weights, generate) keeps its "
+                                                 "logic in pipe/logprobs.py, pipe/weights.py, pipe/generation.py",
     "kwargs:conveyor/frontend/stage.py::StageModule.forward": "nn.Module.forward of a stage: the model's inputs",
     "kwargs:conveyor/parallel/data.py::data_loader": "torch.utils.data.DataLoader's own keywords (num_workers, "
                                                      "pin_memory, ...), passed to it unchanged",

@@ -5,6 +5,9 @@
 - :mod:`conveyor.pipe.ranks`: the in-process backend (:class:`InProcessRanks`).
 - :mod:`conveyor.pipe.distributed`: the torch.distributed backend (:class:`DistributedRanks`), over stage parts.
 - :mod:`conveyor.pipe.gradients`: clipping and the non-finite check.
+- the forward-only family: :mod:`conveyor.pipe.logprobs` (next-token log-probs), :mod:`conveyor.pipe.generation`
+  (the token loop, its ``Sampling`` options), :mod:`conveyor.pipe.weights` (whole weights by original names),
+  :mod:`conveyor.pipe.broadcast` (the last stage's tensors to every rank).
 
 Example:
     >>> from conveyor.pipe import Pipeline

@@ -90,6 +90,10 @@ class RanksBackend(Protocol):
     def timeline(self) -> Timeline:
         """The last step's measured timeline, every rank's."""
 
+    def from_last_stage(self, tensors: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The tensors the last stage made (given where it runs, None elsewhere), on every rank of this
+        pipeline (a collective over its group; each replica its own)."""
+
     def find_part(self, kind: type[Part]) -> Part | None:
         """This backend's part of type ``kind`` (None: it has none)."""
 

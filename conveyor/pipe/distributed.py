@@ -31,6 +31,7 @@ from conveyor.parallel.loss import LossBroadcast
 from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.part import PartSite, StagePart
 from conveyor.parallel.parts import parts_for
+from conveyor.pipe.broadcast import broadcast_tensors
 from conveyor.runtime.executor import RankExecutor
 from conveyor.runtime.lifecycle.rank import RankLifecycle
 from conveyor.runtime.stage.device import group_device, make_current, place_modules, resolve_device
@@ -257,6 +258,11 @@ class DistributedRanks:
             if entry is not None:
                 timeline.metadata[entry[0]] = entry[1]
         return timeline
+
+    def from_last_stage(self, tensors: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Broadcast from the last stage's rank over the pipeline's group (see :func:`broadcast_tensors`)."""
+        return broadcast_tensors(tensors, self.life.global_ranks[self.last_rank], self.life.group,
+                                 self.device, self.comm_device)
 
     def find_part(self, kind: type[Part]) -> Part | None:
         return next((part for part in self.parts if isinstance(part, kind)), None)

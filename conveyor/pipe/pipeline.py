@@ -45,8 +45,11 @@ from conveyor.parallel.replicas import Replicas
 from conveyor.parallel.tied import share_tied_locally
 from conveyor.pipe.backend import RanksBackend
 from conveyor.pipe.distributed import DistributedRanks
+from conveyor.pipe.generation import Generation, Sampling, generate
 from conveyor.pipe.gradients import GradientChecks
+from conveyor.pipe.logprobs import pipeline_logprobs
 from conveyor.pipe.ranks import InProcessRanks
+from conveyor.pipe.weights import named_weights
 from conveyor.runtime.stage.device import to_device
 from conveyor.runtime.stage.memory import MemoryReport
 from conveyor.runtime.stage.rng import step_random_streams
@@ -157,6 +160,28 @@ class Pipeline:
 
     __call__ = forward
 
+    def logprobs(self, *args: Any, **kwargs: Any) -> torch.Tensor | list[torch.Tensor]:
+        """Forward only: each next token's log-prob, [batch, sequence - 1] float32, on every rank; the model's
+        inputs as :meth:`forward` takes them, the ids its ``input_ids`` or first positional one (read where stage
+        0 and the last stage run; ``torch.equal`` to the unsplit model's: :mod:`conveyor.pipe.logprobs`).
+
+        Example:
+            >>> old = pipe.logprobs(input_ids=ids, attention_mask=mask)   # doctest: +SKIP
+        """
+        return self.ranks.guarded(pipeline_logprobs, self.steps, args, kwargs)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, sampling: Sampling | None = None,
+                 generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
+                 return_logprobs: bool = False, length: int | None = None) -> Generation:
+        """Continue each prompt by up to ``max_new_tokens`` tokens (a collective: every rank of the pipeline,
+        the same arguments; each replica its own prompts): :mod:`conveyor.pipe.generation`.
+
+        Example:
+            >>> out = pipe.generate(ids, 32, sampling=Sampling(do_sample=True, top_p=0.9))   # doctest: +SKIP
+        """
+        return generate(self, input_ids, max_new_tokens, sampling or Sampling(), generator, attention_mask,
+                        return_logprobs, length)
+
     # --- the step's gradients --------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
@@ -251,6 +276,15 @@ class Pipeline:
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This process's parameters (shared ones once), under the names their modules give them."""
         yield from named_unique(self.runners, lambda m: m.named_parameters())
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(the unsplit model's name, the whole tensor) of every tensor of this process's stages, TP and FSDP
+        shards gathered (a collective over them: iterate to the end on every rank): :mod:`conveyor.pipe.weights`.
+
+        Example:
+            >>> engine.load_weights(pipe.named_weights())   # doctest: +SKIP
+        """
+        return named_weights(self.runners)
 
     def state_dict(self) -> dict[str, Any]:
         """This process's parameters and buffers under their modules' names."""
@@ -424,14 +458,19 @@ class PipelineSteps:
     def forward(self, args: tuple, kwargs: dict) -> Any:
         """Forward of every microbatch without autograd state: the merged outputs where the last stage
         runs, None elsewhere."""
-        first = self.inputs.split(args, kwargs, None)[0]
+        outputs = self.forward_each(self.inputs.split(args, kwargs, None)[0])
+        return None if outputs is None else merge_outputs(outputs)
+
+    def forward_each(self, first: list[tuple[tuple, dict]] | None) -> list[Any] | None:
+        """Forward of the microbatches ``first`` (None where stage 0 does not run) without autograd
+        state: the last stage's output of each, by microbatch, where it runs; None elsewhere."""
         for runner in self.runners.values():
             runner.reset()
         self.backend.start(False, False)
         with torch.no_grad(), step_random_streams(self.runners.values(), self.stage.random_streams):
             self.backend.run(False, first, None, False)
         self.backend.finish_forward()
-        return self.last_outputs(merged=True, clear=True)
+        return self.last_outputs(merged=False, clear=True)
 
     def last_outputs(self, merged: bool, clear: bool) -> Any:
         """The last stage's outputs of every microbatch (None where the last stage does not run):

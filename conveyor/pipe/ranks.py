@@ -153,6 +153,10 @@ class InProcessRanks:
     def timeline(self) -> Timeline:
         return measured_timeline(self.schedule, [[(str(a), s, e) for a, s, e in r.events] for r in self._recorders])
 
+    def from_last_stage(self, tensors: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        assert tensors is not None, "every stage runs in this process, the last one too"
+        return tensors
+
     def find_part(self, kind: type) -> None:
         return None  # no parts in one process
 

@@ -1,0 +1,252 @@
+"""A key/value cache for traced Hugging Face causal LMs: a decode program cut like the training one.
+
+The training trace has no cache (:mod:`conveyor.frontend.trace` turns it off). For generation
+:func:`decode_stages` traces a second program of the same model, one token per row:
+``(input_ids [rows, 1], position_ids [rows, 1], attention_mask [rows, L + 1], past)`` where
+``past`` holds each layer's keys and values ``[rows, kv_heads, L, head_dim]`` as plain tensors
+(``L``: the cache's fixed length, so every shape is static). The model runs its own attention
+code on them through a Hugging Face cache whose layers concatenate the past with the new key and
+value (:func:`past_layer_class`), and the program returns the logits and each layer's new key and
+value. The program is cut at the training split's split points; each layer's past enters the
+stage that runs the layer, and its new key and value leave it there: the cache is that stage's
+input and output, never a boundary value and never part of the graph's state.
+
+Each stage (:class:`CachedTracedStage`) keeps its layers' cache per lane (a batch in flight)
+and follows the protocol of :mod:`conveyor.pipe.generation`'s cached loop: it takes
+``(*values, lane, start)``, runs positions ``start ..`` one at a time (a prompt is fed token
+by token), writes each new key and value at its position, and hands the next stage each value
+stacked over those positions. Cache slots not yet written are masked out, so a decode attends to
+the same keys as the model's own cached ``generate()``: slot order and the masked slots change
+the reductions' order, so logits agree to rounding, not bitwise (the test bounds them).
+
+Example:
+    >>> import torch
+    >>> from conveyor.frontend import split_model
+    >>> from conveyor.testing.models import hf
+    >>> cls, config = hf.gpt2(2)
+    >>> model = cls(config).eval()
+    >>> split = split_model(model, 2, example_args=(torch.zeros(2, 8, dtype=torch.long),))
+    >>> stages = decode_stages(split, rows=2, length=12)
+    >>> [len(stage.cached_layers) for stage in stages]
+    [1, 1]
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from conveyor.errors import PipelineConfigError
+from conveyor.frontend.split import ModelSplit, split_model
+from conveyor.frontend.stage import _compile, _register, build_graph
+
+_WRAPPED = "lm"  # the decode program's root holds the model here: its names are "lm." + the model's
+
+
+@functools.cache
+def past_layer_class() -> type:
+    """A Hugging Face cache layer built from explicit tensors (defined on first use: transformers is
+    imported only by those who decode). ``PastLayer(keys, values)``: the past ``[rows, heads, L, dim]``;
+    after the model's call :attr:`new` holds the new key and value."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PastLayer(DynamicLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            super().__init__()
+            self.past = (keys, values)
+            self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        def get_seq_length(self) -> int:
+            return self.past[0].shape[-2]
+
+        def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
+            return self.past[0].shape[-2] + query_length, 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            # Called inside the attention module: the concatenation belongs to the layer's stage.
+            self.new = (key_states, value_states)
+            self.keys = torch.cat([self.past[0], key_states], dim=-2)
+            self.values = torch.cat([self.past[1], value_states], dim=-2)
+            self.is_initialized = True
+            return self.keys, self.values
+
+    return PastLayer
+
+
+class DecodeStep(nn.Module):
+    """The decode program's root: one token per row through ``lm`` with the past as tensors."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, position_ids, attention_mask, past):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        layer = past_layer_class()
+        cache.layers = [layer(keys, values) for keys, values in past]
+        out = self.lm(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                      cache=cache, use_cache=True)
+        return out.logits, tuple(tensor for layer in cache.layers for tensor in layer.new)
+
+
+def cache_shape(config: Any, rows: int, length: int) -> tuple[int, tuple[int, int, int, int]]:
+    """The number of layers and one layer's key (or value) cache shape for a Hugging Face config."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, (rows, kv_heads, length, head_dim)
+
+
+class CachedTracedStage(nn.Module):
+    """One stage of the decode program, with its layers' keys and values per lane.
+
+    Built by :func:`decode_stages`; ``forward(*values, lane, start)`` as the cached loop of
+    :mod:`conveyor.pipe.generation` calls it (stage 0: ``(input_ids, lane, start)``).
+    """
+
+    def __init__(self, stage: int, num_stages: int, run: Any, tensors: dict[str, tuple[torch.Tensor, bool]],
+                 submodules: dict[str, nn.Module], reads: list[int], makes: list[int], shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.stage, self.num_stages = stage, num_stages
+        self._run = run
+        for name, (tensor, persistent) in tensors.items():
+            _register(self, name, tensor, persistent)
+        for name, module in submodules.items():
+            self.add_module(name, module)
+        self.reads, self.makes = reads, makes  # flat past indices (layer * 2 + key/value) in and out
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.kv_cache: dict[int, dict[int, torch.Tensor]] = {}
+
+    @property
+    def cached_layers(self) -> list[int]:
+        """The layers whose keys and values this stage keeps."""
+        return sorted({index // 2 for index in self.makes})
+
+    def reset_kv_cache(self) -> None:
+        """Forget every lane's keys and values (before a new generation)."""
+        self.kv_cache = {}
+
+    def _lane(self, lane: int) -> dict[int, torch.Tensor]:
+        if lane not in self.kv_cache:
+            self.kv_cache[lane] = {index: torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+                                   for index in set(self.reads) | set(self.makes)}
+        return self.kv_cache[lane]
+
+    def forward(self, *args: Any) -> Any:
+        *values, lane, start = args
+        if lane is None:
+            raise PipelineConfigError(
+                f"decode stage {self.stage} runs one lane's positions with its key/value cache; it has no "
+                "full forward: compute log-probs with the training pipeline (pipe.logprobs)")
+        cache = self._lane(lane)
+        length = self.shape[2]
+        steps = values[0].shape[1] if self.stage == 0 else values[0].shape[0]
+        if start + steps > length:
+            raise PipelineConfigError(f"positions {start}..{start + steps - 1} do not fit the key/value cache of "
+                                      f"{length} positions: build the decode stages with a larger length")
+        outputs = []
+        for step in range(steps):
+            position = start + step
+            if self.stage == 0:
+                ids = values[0][:, step:step + 1]
+                rows = ids.shape[0]
+                positions = torch.full((rows, 1), position, dtype=torch.long, device=ids.device)
+                # The slots written so far, and the new token's own (the last key).
+                seen = torch.arange(length + 1, device=ids.device)
+                mask = ((seen < position) | (seen == length)).long().expand(rows, -1)
+                flat = [ids, positions, mask]
+            else:
+                flat = [value[step] if isinstance(value, torch.Tensor) else value for value in values]
+            flat += [cache[index] for index in self.reads]
+            result = self._run(self, *flat)
+            kept = len(result) - len(self.makes)
+            for index, new in zip(self.makes, result[kept:]):
+                cache[index][:, :, position] = new[:, :, 0]
+            outputs.append(result[:kept])
+        if self.stage == self.num_stages - 1:
+            return torch.cat([out[0] for out in outputs], dim=1)
+        stacked = tuple(torch.stack([out[i] for out in outputs]) if isinstance(outputs[0][i], torch.Tensor)
+                        else outputs[0][i] for i in range(len(outputs[0])))
+        return (*stacked, lane, start)
+
+
+def decode_stages(split: ModelSplit, rows: int, length: int, stages: Sequence[nn.Module] | None = None,
+                  device: torch.device | str | None = None, which: Sequence[int] | None = None
+                  ) -> list[CachedTracedStage]:
+    """Stages of ``split``'s model's decode program, cut at its split points, each with a key/value
+    cache of ``length`` positions for lanes of ``rows`` rows (see the module docstring).
+
+    ``stages``: the training stage modules (one per entry of ``which``, default every stage)
+    whose parameters the decode stages read, so generation follows training; default the
+    model's own tensors.
+
+    Example::
+
+        cached = decode_stages(split, rows=4, length=64, stages=[split.stage_module(s) for s in range(2)])
+        LocalPipeline(cached, "1f1b", microbatches=2).generate(prompts, max_new_tokens=32)
+    """
+    model = split.model
+    config = getattr(model, "config", None)
+    if config is None or not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+        raise PipelineConfigError(f"decode_stages needs a Hugging Face causal LM (its own cache code); got "
+                                  f"{type(model).__name__}: build stages with a cache by hand "
+                                  "(conveyor.testing.models.cached_lm shows the protocol)")
+    layers, shape = cache_shape(config, rows, length)
+    device = torch.device(device) if device is not None else split.device
+    dtype = next(model.parameters()).dtype
+    trace_device = next(model.parameters()).device
+    trace_device = torch.device("cpu") if trace_device.type == "meta" else trace_device
+    example = (torch.zeros(rows, 1, dtype=torch.long, device=trace_device),
+               torch.zeros(rows, 1, dtype=torch.long, device=trace_device),
+               _first_mask(rows, length, trace_device),
+               # One tensor each: an input given twice would be traced as one.
+               tuple(tuple(torch.zeros(shape, dtype=dtype, device=trace_device) for _ in "kv") for _ in range(layers)))
+    decode = split_model(DecodeStep(model), split.num_stages, example_args=example, device=device,
+                         split_points=[f"{_WRAPPED}.{point}" for point in split.split_points])
+    return _cut(decode, which if which is not None else range(split.num_stages), stages, shape, dtype, device)
+
+
+def _cut(decode: ModelSplit, which: Sequence[int], stages: Sequence[nn.Module] | None, shape: tuple[int, ...],
+         dtype: torch.dtype, device: torch.device) -> list[CachedTracedStage]:
+    """Each stage's recipe with the past and the new keys and values moved off the boundaries."""
+    traced, recipes = decode._traced, decode._recipes
+    past = traced.user_inputs[3:]
+    new = list(traced.outputs[1:])
+    cache_values = set(past) | set(new)
+    built = []
+    for position, stage in enumerate(which):
+        recipe = recipes[stage]
+        node_set = set(recipe.nodes)
+        reads = [i for i, node in enumerate(past) if any(node in n.all_input_nodes for n in recipe.nodes)]
+        makes = [i for i, node in enumerate(new) if node in node_set]
+        recipe.inputs = [n for n in recipe.inputs if n not in cache_values] + [past[i] for i in reads]
+        kept = [n for n in recipe.outputs if not (isinstance(n, torch.fx.Node) and n in cache_values)]
+        recipe.outputs = kept + [new[i] for i in makes]
+        device_map = {} if traced.trace_device == device else {traced.trace_device: device}
+        graph, submodules = build_graph(recipe, traced, device_map)
+        run, _ = _compile(graph, stage)
+        tensors = decode._resolve_tensors(stage, device)
+        if stages is not None:  # the training stage's own tensors, by the model's names
+            own = dict(stages[position].named_parameters(remove_duplicate=False))
+            own |= dict(stages[position].named_buffers(remove_duplicate=False))
+            tensors = {name: (own.get(name.removeprefix(f"{_WRAPPED}."), tensor), persistent)
+                       for name, (tensor, persistent) in tensors.items()}
+        built.append(CachedTracedStage(stage, decode.num_stages, run, tensors, submodules, reads, makes, shape,
+                                       dtype, device))
+    return built
+
+
+def _first_mask(rows: int, length: int, device: torch.device) -> torch.Tensor:
+    """The attention mask of position 0 (only the new token's key): an example with masked slots, so that
+    the trace keeps the mask (an all-ones example lets a model drop it)."""
+    mask = torch.zeros(rows, length + 1, dtype=torch.long, device=device)
+    mask[:, -1] = 1
+    return mask

@@ -1,0 +1,327 @@
+"""Generation through the pipeline: prompts in, tokens out, every forward the training forward.
+
+:func:`generate` runs a token loop over the pipeline's forward-only program. The prompts are
+cut into the schedule's microbatches, which are the lanes: batches in flight at once, so that
+while the last stage reads one lane's logits the first stage already runs the next (as many
+lanes as the pipeline has microbatches; by default that keeps every stage busy). Each step the
+last stage reads each row's logits at its last position, picks the next token
+(:func:`pick_tokens`: greedy, or sampled with temperature, top-k, top-p and a seeded
+``torch.Generator``) and sends the tokens to every rank of the pipeline, stage 0 among them,
+which feeds them back in.
+
+Two loops, one per kind of stage:
+
+- **Stages with a key/value cache** (each has ``reset_kv_cache()`` and takes ``(ids or hidden,
+  lane, start)``, returning ``(hidden, lane, start)``: the lane and the position travel with
+  the tensors as boundary values, so each stage reads the right lane's cache whatever order its
+  program runs the microbatches in; :mod:`conveyor.testing.models.cached_lm` is an example) and
+  prompts of one length: the prompt runs once (prefill, a forward-only program over every lane),
+  then each step feeds each lane's last token at its position. The cached decode attends one
+  query to the cached keys under an explicit mask, the full forward all queries under
+  ``is_causal``: other kernel calls, whose logits differ by rounding, so its greedy tokens equal
+  the full forward's wherever no two logits are within rounding of each other.
+- **Any other stage** (traced models: their cache is not yet a stage input and output; prompts of
+  several lengths): every row is a window of ``length`` positions (default: the longest prompt
+  plus ``max_new_tokens``), right-padded, recomputed whole at every step (a prefill per token).
+  A causal model's logits at a row's last real position never see the padding after it, so
+  prompts of different lengths (``attention_mask``) share one batch, and traced stages (traced
+  for one shape) get that shape at every step. Its greedy tokens equal the unsplit model's greedy
+  loop bit for bit.
+
+A row stops after ``eos_token_id``; what comes after it is ``pad_token_id``. The log-probs of
+the generated tokens (``return_logprobs=True``) are :meth:`conveyor.Pipeline.logprobs` of the
+finished sequences, recomputed at the end by the training forward itself (not the cached
+decode's, which differ by rounding), so they equal what training computes by construction.
+
+Example:
+    >>> import torch, conveyor
+    >>> from conveyor.testing.models import TinyConfig, build_stage
+    >>> cfg = TinyConfig(num_stages=2, seq_len=12)
+    >>> pipe = conveyor.LocalPipeline([build_stage(s, cfg) for s in range(2)], "1f1b", microbatches=2)
+    >>> out = pipe.generate(torch.ones(2, 4, dtype=torch.long), max_new_tokens=5)
+    >>> tuple(out.tokens.shape), tuple(out.sequences.shape), out.lengths.tolist()
+    ((2, 5), (2, 9), [5, 5])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from conveyor.errors import PipelineConfigError
+from conveyor.microbatch import Microbatches
+from conveyor.pipe.logprobs import logits_of
+
+if TYPE_CHECKING:
+    from conveyor.pipe.pipeline import Pipeline
+
+# A Hugging Face model class that ends so has a causal language-model head (GPT2LMHeadModel, LlamaForCausalLM).
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How the next token is picked: greedy (the default), or sampled.
+
+    ``do_sample``: sample from the softmax of the logits divided by ``temperature`` (> 0), kept
+    to the ``top_k`` likeliest tokens and to the smallest set whose probability reaches ``top_p``
+    (in (0, 1]); otherwise the argmax, and none of the three may be set. ``eos_token_id``: a
+    row stops after it; ``pad_token_id`` fills the rest.
+
+    Example:
+        >>> Sampling(do_sample=True, temperature=0.7, top_k=20).describe()
+        'sample T=0.7 top_k=20 top_p=None eos=None pad=0'
+        >>> Sampling(top_k=5)   # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        conveyor.errors.PipelineConfigError: top_k=5 shapes sampling, but do_sample=False picks the argmax: ...
+    """
+
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.do_sample:
+            for name in ("temperature", "top_k", "top_p"):
+                if getattr(self, name) is not None:
+                    raise PipelineConfigError(f"{name}={getattr(self, name)!r} shapes sampling, but do_sample=False "
+                                              f"picks the argmax: pass do_sample=True, or drop {name}")
+        if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise PipelineConfigError(f"temperature={self.temperature!r} must be a positive number: for greedy "
+                                      "decoding pass do_sample=False instead of temperature=0")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):
+            raise PipelineConfigError(f"top_k={self.top_k!r} must be a whole number >= 1 (None: every token)")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise PipelineConfigError(f"top_p={self.top_p!r} must be in (0, 1] (None or 1: every token)")
+
+    def describe(self) -> str:
+        how = f"sample T={self.temperature or 1.0} top_k={self.top_k} top_p={self.top_p}" if self.do_sample \
+            else "greedy"
+        return f"{how} eos={self.eos_token_id} pad={self.pad_token_id}"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What :meth:`conveyor.Pipeline.generate` returns, the same on every rank of a pipeline.
+
+    ``tokens`` [batch, max_new_tokens]: the generated tokens, ``pad_token_id`` after a row's end;
+    ``lengths`` [batch]: how many each row generated (its eos included); ``sequences``
+    [batch, longest prompt + max_new_tokens]: each prompt followed by its tokens, right-padded;
+    ``logprobs`` [batch, max_new_tokens] (with ``return_logprobs``, else None): each generated
+    token's log-prob under the model (its own distribution, before temperature, top-k and top-p:
+    what training computes), 0 after a row's end.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    sequences: torch.Tensor
+    logprobs: torch.Tensor | None = None
+
+
+def pick_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token of each row of ``logits`` [batch, vocabulary]: [batch] int64.
+
+    The one formula the pipeline's last stage and a reference loop both use (in float32 at
+    least): the argmax, or a draw from ``generator`` after temperature, top-k and top-p.
+
+    Example:
+        >>> pick_tokens(torch.tensor([[0.0, 2.0, 1.0]]), Sampling()).tolist()
+        [1]
+        >>> g = torch.Generator().manual_seed(0)
+        >>> pick_tokens(torch.tensor([[0.0, 2.0, 1.0]]), Sampling(do_sample=True, top_k=1), g).tolist()
+        [1]
+    """
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if not sampling.do_sample:
+        return scores.argmax(dim=-1)
+    if sampling.temperature is not None:
+        scores = scores / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < scores.shape[-1]:
+        kth = scores.topk(sampling.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if sampling.top_p is not None and sampling.top_p < 1:
+        ordered, order = scores.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        # Drop a token when the likelier ones already reach top_p (the likeliest always stays).
+        dropped = probs.cumsum(dim=-1) - probs >= sampling.top_p
+        scores = scores.masked_fill(dropped.scatter(-1, order, dropped), -math.inf)
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def prompt_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Each row's prompt length: the mask's ones, which must come first (right padding).
+
+    Example:
+        >>> prompt_lengths(torch.ones(2, 3, dtype=torch.long), torch.tensor([[1, 1, 0], [1, 1, 1]])).tolist()
+        [2, 3]
+    """
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+        raise PipelineConfigError(f"generate takes prompts as token ids [batch, sequence] (int64); got "
+                                  f"{input_ids.dtype} of shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long)
+    mask = attention_mask.to(torch.long)
+    lengths = mask.sum(dim=1)
+    expected = (torch.arange(mask.shape[1]) < lengths[:, None]).to(torch.long)
+    if mask.shape != input_ids.shape or not torch.equal(mask, expected) or bool((lengths < 1).any()):
+        raise PipelineConfigError(
+            "generate takes right-padded prompts: attention_mask must be ones then zeros in each row, at least one "
+            "one, shaped like input_ids; left-padded prompts: move each row's tokens to its start"
+        )
+    return lengths
+
+
+def check_request(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, length: int) -> None:
+    """Refuse what cannot work before any rank runs: a model without a causal LM head (when its class is
+    known), a window beyond the model's positions, a batch the lanes do not divide."""
+    info = pipe.model_info or {}
+    name = info.get("class")
+    if name is not None and info.get("config") is not None and not name.endswith(CAUSAL_HEADS):
+        raise PipelineConfigError(
+            f"generate needs a causal language model's head on the last stage; this pipeline was built from "
+            f"{name}: build it from the model with its head (e.g. AutoModelForCausalLM)"
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise PipelineConfigError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 1")
+    config = info.get("config") or {}
+    positions = config.get("n_positions", config.get("max_position_embeddings"))
+    if positions is not None and input_ids.shape[1] > positions:
+        raise PipelineConfigError(f"the prompts are {input_ids.shape[1]} tokens long, but the model has "
+                                  f"{positions} positions: shorten them to at most {positions - 1} tokens")
+    if positions is not None and length > positions:
+        raise PipelineConfigError(
+            f"{input_ids.shape[1]} prompt tokens + max_new_tokens={max_new_tokens} need {length} positions, but the "
+            f"model has {positions}: pass max_new_tokens <= {positions - input_ids.shape[1]}, or shorter prompts"
+        )
+    lanes = pipe.schedule.num_microbatches
+    if input_ids.shape[0] % lanes:
+        raise PipelineConfigError(
+            f"{input_ids.shape[0]} prompts do not split into the pipeline's {lanes} lanes (its microbatches, the "
+            f"batches in flight): pass a multiple of {lanes} prompts (pad with copies), or build it with fewer"
+        )
+
+
+def uses_cache(pipe: Pipeline, lengths: torch.Tensor, prompt: int) -> bool:
+    """Whether to decode with the stages' own key/value caches: every stage here keeps one
+    (``reset_kv_cache``: :mod:`conveyor.testing.models.cached_lm` shows the protocol) and the prompts
+    are of one length (right-padded prompts of several lengths take the window loop)."""
+    modules = [runner.module for runner in pipe.runners.values()]
+    return all(hasattr(module, "reset_kv_cache") for module in modules) and bool((lengths == prompt).all())
+
+
+def stage_inputs(pipe: Pipeline, window: torch.Tensor) -> tuple[tuple, dict]:
+    """The window as stage 0 takes it: as ``input_ids=`` where stage 0 was traced with that keyword, else positional
+    (a stage with a key/value cache: ``(ids, None, 0)``, its plain forward)."""
+    if all(hasattr(runner.module, "reset_kv_cache") for runner in pipe.runners.values()):
+        return (window, None, 0), {}
+    first = pipe.runners.get(0)
+    spec = getattr(getattr(first, "module", None), "_conveyor_in_spec", None)
+    if spec is not None and "input_ids" in list(spec.child(1).context):
+        return (), {"input_ids": window}
+    return (window,), {}
+
+
+def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+             generator: torch.Generator | None, attention_mask: torch.Tensor | None,
+             return_logprobs: bool, length: int | None) -> Generation:
+    """The token loop (see the module docstring); a collective: every rank of the pipeline, the same arguments."""
+    lengths = prompt_lengths(input_ids, attention_mask)
+    width = length if length is not None else input_ids.shape[1] + max_new_tokens
+    check_request(pipe, input_ids, max_new_tokens, width)
+    if width < input_ids.shape[1] + max_new_tokens:
+        raise PipelineConfigError(f"length={width} holds no {max_new_tokens} new tokens after {input_ids.shape[1]} "
+                                  f"prompt tokens: pass length >= {input_ids.shape[1] + max_new_tokens}")
+    batch = input_ids.shape[0]
+    window = torch.full((batch, width), sampling.pad_token_id, dtype=torch.long)
+    window[:, :input_ids.shape[1]] = torch.where(
+        torch.arange(input_ids.shape[1]) < lengths[:, None], input_ids.cpu().long(), sampling.pad_token_id)
+    made = torch.zeros(batch, dtype=torch.long)
+    done = torch.zeros(batch, dtype=torch.bool)
+    rows = torch.arange(batch)
+    cached = uses_cache(pipe, lengths, input_ids.shape[1])
+    if cached:
+        for runner in pipe.runners.values():
+            runner.module.reset_kv_cache()
+    for step in range(max_new_tokens):
+        if cached:  # the prompt once (prefill), then each lane's last token at its position
+            start, end = (0, input_ids.shape[1]) if step == 0 else (input_ids.shape[1] + step - 1,) * 2
+            lanes = [(part, lane, start) for lane, part in
+                     enumerate(window[:, start:max(end, start + 1)].tensor_split(pipe.schedule.num_microbatches))]
+            positions = torch.full((batch,), max(end, start + 1) - start - 1)
+            tokens = pipe.ranks.guarded(_next_tokens, pipe, lanes, None, positions, sampling, generator)
+        else:
+            tokens = pipe.ranks.guarded(_next_tokens, pipe, None, stage_inputs(pipe, window), lengths + made - 1,
+                                        sampling, generator)
+        tokens = torch.where(done, sampling.pad_token_id, tokens.cpu())
+        window[rows, lengths + made] = tokens
+        made += (~done).long()
+        if sampling.eos_token_id is not None:
+            done |= tokens == sampling.eos_token_id
+            if _everyone_done(pipe, done):
+                break
+    new = window.gather(1, (lengths[:, None] + torch.arange(max_new_tokens)).clamp(max=width - 1))
+    new = torch.where(torch.arange(max_new_tokens) < made[:, None], new, sampling.pad_token_id)
+    sequences = window[:, :input_ids.shape[1] + max_new_tokens]
+    logprobs = _generated_logprobs(pipe, window, lengths, made, max_new_tokens) if return_logprobs else None
+    return Generation(new, made, sequences, logprobs)
+
+
+def _everyone_done(pipe: Pipeline, done: torch.Tensor) -> bool:
+    """Whether every row of every replica has ended. The ranks of one pipeline hold the same rows; replicas
+    (and TP ranks) hold others, and a forward under FSDP is a collective across replicas: all stop together."""
+    finished = torch.tensor([int(bool(done.all()))], device=pipe.ranks.comm_device)
+    group = pipe.checkpoint_group  # every rank of the job, where there are replicas or TP ranks
+    if group is not None:
+        import torch.distributed as dist
+
+        pipe.ranks.guarded(dist.all_reduce, finished, dist.ReduceOp.MIN, group)
+    return bool(finished.item())
+
+
+def _next_tokens(pipe: Pipeline, lanes: list[tuple] | None, whole: tuple[tuple, dict] | None,
+                 last_positions: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """One forward of every lane (given lane by lane, or as the whole batch's ``(args, kwargs)``); the last
+    stage picks each row's token at ``last_positions``; every rank gets them."""
+    steps = pipe.steps
+    first = None
+    if steps.inputs.needs_inputs:
+        first = steps.inputs.given(Microbatches(inputs=lanes), (), {}, None)[0] if lanes is not None else \
+            steps.inputs.split(*whole, None)[0]
+    outputs = steps.forward_each(first)
+    mine = None
+    if outputs is not None:
+        last = steps.runners[steps.schedule.num_stages - 1]
+        with torch.no_grad(), last.context():
+            logits = torch.cat([_whole(logits_of(output)) for output in outputs])
+        if logits.dim() != 3:
+            raise PipelineConfigError(f"generate needs the last stage to return logits [batch, sequence, vocabulary]; "
+                                      f"got {tuple(logits.shape)}: build the pipeline from a causal language model")
+        at_end = logits[torch.arange(logits.shape[0]), last_positions.to(logits.device)]
+        mine = [pick_tokens(at_end, sampling, generator)]
+    return steps.backend.from_last_stage(mine)[0]
+
+
+def _whole(logits: torch.Tensor) -> torch.Tensor:
+    """Vocabulary-sharded logits (tensor parallel, loss_parallel) whole: every TP rank then picks the same token."""
+    whole = getattr(logits, "full_tensor", None)
+    return whole() if whole is not None else logits
+
+
+def _generated_logprobs(pipe: Pipeline, window: torch.Tensor, lengths: torch.Tensor, made: torch.Tensor,
+                        max_new_tokens: int) -> torch.Tensor:
+    """The generated tokens' log-probs: :meth:`Pipeline.logprobs` of the finished windows (the training
+    forward), read at each generated token; 0 after a row's end."""
+    args, kwargs = stage_inputs(pipe, window)
+    every = pipe.logprobs(*args, **kwargs).cpu()  # [batch, width - 1]: position t predicts token t + 1
+    positions = (lengths[:, None] - 1 + torch.arange(max_new_tokens)).clamp(max=every.shape[1] - 1)
+    picked = every.gather(1, positions)
+    return torch.where(torch.arange(max_new_tokens) < made[:, None], picked, torch.zeros((), dtype=picked.dtype))

@@ -1,0 +1,70 @@
+"""Generation at world size 1 on the device: ``pipe.generate`` against the unsplit model's ``generate()``.
+
+A tiny GPT-2 (eager attention) cut into 2 stages in this process, on the check's device. Greedy
+tokens must equal the unsplit model's own ``generate()`` (which decodes with its key/value cache:
+other kernels than the pipeline's full-window forwards, whose logits differ by rounding; the argmax
+agrees wherever no two logits are that close, as for this model and these prompts); the generated
+tokens' log-probs must equal ``pipe.logprobs`` of the finished sequences bit for bit (the same
+forward). The traced model has no key/value cache in the pipeline yet (each step recomputes the
+window); the second leg runs stages that keep one per lane
+(:mod:`conveyor.testing.models.cached_lm`): prefill, then one token per step, on the device; its
+greedy tokens must equal the full forward's greedy loop.
+
+Example::
+
+    ok, detail = generate_row(Context(torch.device("cpu")))
+"""
+
+from __future__ import annotations
+
+import torch
+
+import conveyor
+from conveyor.pipe.generation import Sampling
+from conveyor.testing.models.cached_lm import VOCAB, CachedReference, build_cached_stage
+from conveyor.testing.references.generation import reference_generate
+
+from .common import Context, deterministic
+from .hf_rows import hf_model
+
+PROMPT, NEW, BATCH = 8, 8, 4
+
+
+def generate_row(ctx: Context) -> tuple[bool, str]:
+    device = ctx.device
+    deterministic(device)
+    model = hf_model("gpt2").eval().to(device)
+    prompts = torch.randint(1, 96, (BATCH, PROMPT), generator=torch.Generator().manual_seed(5)).to(device)
+    example = torch.zeros(BATCH // 2, PROMPT + NEW, dtype=torch.long, device=device)
+    pipe = conveyor.pipeline(hf_model("gpt2").eval(), example_kwargs={"input_ids": example}, schedule="1f1b",
+                             microbatches=2, options=conveyor.PipelineOptions(
+                                 layout=conveyor.Layout(in_process=True, ranks=2, device=device)))
+    out = pipe.generate(prompts, NEW, return_logprobs=True)
+    with torch.no_grad():
+        cached = model.generate(prompts, max_new_tokens=NEW, do_sample=False, use_cache=True,
+                                attention_mask=torch.ones_like(prompts), pad_token_id=0)[:, PROMPT:]
+    if not torch.equal(out.tokens.cpu(), cached.cpu()):
+        return False, f"tokens {out.tokens.tolist()} != model.generate() {cached.tolist()}"
+    every = pipe.logprobs(input_ids=out.sequences.to(device)).cpu()[:, PROMPT - 1:]
+    if not (torch.equal(out.logprobs.cpu(), every) and torch.isfinite(every).all()):
+        return False, f"generated log-probs differ from pipe.logprobs by {(out.logprobs.cpu() - every).abs().max():.3g}"
+    ok, detail = _cached_leg(device)
+    if not ok:
+        return False, detail
+    return True, f"{BATCH}x{NEW} greedy tokens = model.generate() (cached); log-probs = pipe.logprobs bitwise; " \
+                 f"{detail}"
+
+
+def _cached_leg(device: torch.device) -> tuple[bool, str]:
+    """Stages with a key/value cache per lane, on the device: greedy tokens = the full forward's loop."""
+    pipe = conveyor.Pipeline([build_cached_stage(s, 2).to(device) for s in range(2)], "1f1b", microbatches=2,
+                             layout=conveyor.Layout(in_process=True, device=device))
+    prompts = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=torch.Generator().manual_seed(6)).to(device)
+    out = pipe.generate(prompts, NEW)
+    if not all(module.kv_cache for module in pipe.modules):
+        return False, "the cached stages' caches stayed empty: the cached decode did not run"
+    want = reference_generate(CachedReference(2).to(device), prompts.cpu(), NEW, Sampling(), lanes=2,
+                              device=device)
+    if not torch.equal(out.tokens.cpu(), want.cpu()):
+        return False, f"cached decode tokens {out.tokens.tolist()} != the full forward's {want.tolist()}"
+    return True, "cached stages: tokens = full forward"
