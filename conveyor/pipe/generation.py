@@ -22,8 +22,9 @@ Two loops, one per kind of stage:
   the full forward's wherever no two logits are within rounding of each other.
   A traced Hugging Face causal LM gets such stages from
   :func:`conveyor.frontend.decode.decode_stages` (its decode program, cut like the training one).
-- **Any other stage** (the training program's traced stages; prompts of several lengths): every row is a window of ``length`` positions (default: the longest prompt
-  plus ``max_new_tokens``), right-padded, recomputed whole at every step (a prefill per token).
+- **Any other stage** (the training program's traced stages; prompts of several lengths): every
+  row is a window of ``length`` positions (default: the longest prompt plus ``max_new_tokens``),
+  right-padded, recomputed whole at every step (a prefill per token).
   A causal model's logits at a row's last real position never see the padding after it, so
   prompts of different lengths (``attention_mask``) share one batch, and traced stages (traced
   for one shape) get that shape at every step. Its greedy tokens equal the unsplit model's greedy
