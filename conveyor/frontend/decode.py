@@ -126,6 +126,11 @@ class CachedTracedStage(nn.Module):
         self.kv_cache: dict[int, dict[int, torch.Tensor]] = {}
 
     @property
+    def cache_length(self) -> int:
+        """How many positions each lane's cache holds (prompt and generated tokens together)."""
+        return self.shape[2]
+
+    @property
     def cached_layers(self) -> list[int]:
         """The layers whose keys and values this stage keeps."""
         return sorted({index // 2 for index in self.makes})
@@ -200,6 +205,10 @@ def decode_stages(split: ModelSplit, rows: int, length: int, stages: Sequence[nn
                                   f"{type(model).__name__}: build stages with a cache by hand "
                                   "(conveyor.testing.models.cached_lm shows the protocol)")
     layers, shape = cache_shape(config, rows, length)
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if positions is not None and length > positions:
+        raise PipelineConfigError(f"a key/value cache of length={length} positions outgrows the model's {positions}: "
+                                  f"pass length <= {positions}")
     device = torch.device(device) if device is not None else split.device
     dtype = next(model.parameters()).dtype
     trace_device = next(model.parameters()).device

@@ -204,6 +204,13 @@ def check_request(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, 
             f"{input_ids.shape[1]} prompt tokens + max_new_tokens={max_new_tokens} need {length} positions, but the "
             f"model has {positions}: pass max_new_tokens <= {positions - input_ids.shape[1]}, or shorter prompts"
         )
+    held = [runner.module.cache_length for runner in pipe.runners.values() if hasattr(runner.module, "cache_length")]
+    if held and length > min(held):
+        raise PipelineConfigError(
+            f"{input_ids.shape[1]} prompt tokens + max_new_tokens={max_new_tokens} need {length} positions, but the "
+            f"stages' key/value caches hold {min(held)}: pass max_new_tokens <= {min(held) - input_ids.shape[1]}, "
+            "or build the decode stages with a larger length"
+        )
     lanes = pipe.schedule.num_microbatches
     if input_ids.shape[0] % lanes:
         raise PipelineConfigError(

@@ -58,6 +58,8 @@ def test_traced_models_decode_with_a_cache_per_stage_to_their_own_generate(famil
         stages[0](torch.ones(ROWS, 4, dtype=torch.long), 0, 14)
     with pytest.raises(PipelineConfigError, match="no full forward"):
         stages[0](torch.ones(ROWS, 4, dtype=torch.long), None, 0)
+    with pytest.raises(PipelineConfigError, match="caches hold 16: pass max_new_tokens <= 11"):
+        pipe.generate(prompts, 12)  # refused before any stage runs
 
 
 def _check_logits(model: torch.nn.Module, stages: list) -> None:
@@ -80,11 +82,15 @@ def _check_logits(model: torch.nn.Module, stages: list) -> None:
     assert difference <= bound, (difference, bound)
 
 
-def test_decode_stages_need_a_hugging_face_causal_lm():
+def test_decode_stages_need_a_hugging_face_causal_lm_and_its_positions():
     headless = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8))
     split = split_model(headless, 2, example_args=(torch.zeros(2, 3, dtype=torch.long),))
     with pytest.raises(PipelineConfigError, match="needs a Hugging Face causal LM"):
         decode_stages(split, rows=2, length=8)
+    model = build("gpt2")
+    split = split_model(model, 2, example_args=(torch.zeros(2, 4, dtype=torch.long),))
+    with pytest.raises(PipelineConfigError, match="outgrows the model's 32: pass length <= 32"):
+        decode_stages(split, rows=2, length=33)
 
 
 def _ranks_decode(rank: int, world_size: int, prompts: torch.Tensor) -> list:
