@@ -21,6 +21,10 @@ tokens, so 2 lanes at P=2 reach at most 2 x 2 / 3 = 1.33x one lane's tokens/s, s
 0.9 x P goal (that needs a lane's next token to start on stage 0 while the other lanes are still
 on later stages); where the per-step overhead dominates (small models), a second lane shares it
 and comes closer to 2x.
+
+A second table (:mod:`benchmarks.generate_traced`) times the same sides on a traced Hugging Face Llama
+whose stages keep its cache (:func:`conveyor.frontend.decode.decode_stages`), against its own
+``generate(use_cache=True)``.
 """
 
 from __future__ import annotations
@@ -115,4 +119,7 @@ def run(args: Any) -> int:
     ratio = rates["2 lanes"] / rates["1 lane"]
     print(f"2 lanes / 1 lane: {ratio:.2f}x (goal >= {0.9 * 2:.1f}x); 2 lanes / unsplit ({threads} threads): "
           f"{rates['2 lanes'] / rates['unsplit']:.2f}x")
+    from benchmarks.generate_traced import run_traced
+
+    run_traced(rounds, threads)  # the same sides on a traced Hugging Face model's decode stages
     return 0

@@ -83,7 +83,8 @@ ROWS = [
     Row("traced-llama", "traced Llama, every schedule: = unsplit model; compiled; dropout", "traced_rows.traced_row",
         180, ("llama",)),
     Row("split-bw", "GPT stages: split backward I + W against fused B", "split_bw.split_backward_row", 15),
-    Row("generate", "world 1: pipe.generate = model.generate(); log-probs", "generate_rows.generate_row", 15),
+    Row("generate", "world 1: pipe.generate = model.generate(), traced decode stages too; log-probs",
+        "generate_rows.generate_row", 20),
 ]
 # In-process rows that compile come after every row that forks ranks: fork after inductor's threads is unsafe.
 

@@ -126,6 +126,11 @@ class CachedTracedStage(nn.Module):
         self.kv_cache: dict[int, dict[int, torch.Tensor]] = {}
 
     @property
+    def cache_length(self) -> int:
+        """How many positions each lane's cache holds (prompt and generated tokens together)."""
+        return self.shape[2]
+
+    @property
     def cached_layers(self) -> list[int]:
         """The layers whose keys and values this stage keeps."""
         return sorted({index // 2 for index in self.makes})
@@ -200,6 +205,10 @@ def decode_stages(split: ModelSplit, rows: int, length: int, stages: Sequence[nn
                                   f"{type(model).__name__}: build stages with a cache by hand "
                                   "(conveyor.testing.models.cached_lm shows the protocol)")
     layers, shape = cache_shape(config, rows, length)
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if positions is not None and length > positions:
+        raise PipelineConfigError(f"a key/value cache of length={length} positions outgrows the model's {positions}: "
+                                  f"pass length <= {positions}")
     device = torch.device(device) if device is not None else split.device
     dtype = next(model.parameters()).dtype
     trace_device = next(model.parameters()).device
@@ -209,8 +218,13 @@ def decode_stages(split: ModelSplit, rows: int, length: int, stages: Sequence[nn
                _first_mask(rows, length, trace_device),
                # One tensor each: an input given twice would be traced as one.
                tuple(tuple(torch.zeros(shape, dtype=dtype, device=trace_device) for _ in "kv") for _ in range(layers)))
-    decode = split_model(DecodeStep(model), split.num_stages, example_args=example, device=device,
-                         split_points=[f"{_WRAPPED}.{point}" for point in split.split_points])
+    was_training = model.training
+    try:  # generation never drops out: the decode program is traced in eval mode
+        model.eval()
+        decode = split_model(DecodeStep(model), split.num_stages, example_args=example, device=device,
+                             split_points=[f"{_WRAPPED}.{point}" for point in split.split_points])
+    finally:
+        model.train(was_training)
     return _cut(decode, which if which is not None else range(split.num_stages), stages, shape, dtype, device)
 
 
@@ -233,12 +247,10 @@ def _cut(decode: ModelSplit, which: Sequence[int], stages: Sequence[nn.Module] |
         device_map = {} if traced.trace_device == device else {traced.trace_device: device}
         graph, submodules = build_graph(recipe, traced, device_map)
         run, _ = _compile(graph, stage)
-        tensors = decode._resolve_tensors(stage, device)
-        if stages is not None:  # the training stage's own tensors, by the model's names
-            own = dict(stages[position].named_parameters(remove_duplicate=False))
-            own |= dict(stages[position].named_buffers(remove_duplicate=False))
-            tensors = {name: (own.get(name.removeprefix(f"{_WRAPPED}."), tensor), persistent)
-                       for name, (tensor, persistent) in tensors.items()}
+        tensors = decode._resolve_tensors(stage, device, keep_meta=stages is not None)
+        if stages is not None:
+            constants = {t.name for t in decode._stage_tensors[stage] if t.kind == "constant"}
+            tensors = _training_tensors(stages[position], stage, tensors, constants)
         built.append(CachedTracedStage(stage, decode.num_stages, run, tensors, submodules, reads, makes, shape,
                                        dtype, device))
     return built
@@ -250,3 +262,18 @@ def _first_mask(rows: int, length: int, device: torch.device) -> torch.Tensor:
     mask = torch.zeros(rows, length + 1, dtype=torch.long, device=device)
     mask[:, -1] = 1
     return mask
+
+
+def _training_tensors(module: nn.Module, stage: int, tensors: dict[str, tuple[torch.Tensor, bool]],
+                      constants: set[str]) -> dict[str, tuple[torch.Tensor, bool]]:
+    """The training stage's own tensors under the decode program's names (the model's, after "lm."): what
+    training updates, generation reads (constants made inside forward stay the decode trace's own). Every
+    parameter and buffer must be there: another cut would decode another model."""
+    own = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    missing = sorted(name for name in tensors if name not in constants and name.removeprefix(f"{_WRAPPED}.") not in own)
+    if missing:
+        raise PipelineConfigError(
+            f"decode stage {stage} reads {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}, which the "
+            f"training stage given for it does not hold: pass the training stages of the same split, in `which` order")
+    return {name: (tensor if name in constants else own[name.removeprefix(f"{_WRAPPED}.")], persistent)
+            for name, (tensor, persistent) in tensors.items()}

@@ -20,9 +20,11 @@ Two loops, one per kind of stage:
   query to the cached keys under an explicit mask, the full forward all queries under
   ``is_causal``: other kernel calls, whose logits differ by rounding, so its greedy tokens equal
   the full forward's wherever no two logits are within rounding of each other.
-- **Any other stage** (traced models: their cache is not yet a stage input and output; prompts of
-  several lengths): every row is a window of ``length`` positions (default: the longest prompt
-  plus ``max_new_tokens``), right-padded, recomputed whole at every step (a prefill per token).
+  A traced Hugging Face causal LM gets such stages from
+  :func:`conveyor.frontend.decode.decode_stages` (its decode program, cut like the training one).
+- **Any other stage** (the training program's traced stages; prompts of several lengths): every
+  row is a window of ``length`` positions (default: the longest prompt plus ``max_new_tokens``),
+  right-padded, recomputed whole at every step (a prefill per token).
   A causal model's logits at a row's last real position never see the padding after it, so
   prompts of different lengths (``attention_mask``) share one batch, and traced stages (traced
   for one shape) get that shape at every step. Its greedy tokens equal the unsplit model's greedy
@@ -201,6 +203,13 @@ def check_request(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, 
         raise PipelineConfigError(
             f"{input_ids.shape[1]} prompt tokens + max_new_tokens={max_new_tokens} need {length} positions, but the "
             f"model has {positions}: pass max_new_tokens <= {positions - input_ids.shape[1]}, or shorter prompts"
+        )
+    held = [runner.module.cache_length for runner in pipe.runners.values() if hasattr(runner.module, "cache_length")]
+    if held and length > min(held):
+        raise PipelineConfigError(
+            f"{input_ids.shape[1]} prompt tokens + max_new_tokens={max_new_tokens} need {length} positions, but the "
+            f"stages' key/value caches hold {min(held)}: pass max_new_tokens <= {min(held) - input_ids.shape[1]}, "
+            "or build the decode stages with a larger length"
         )
     lanes = pipe.schedule.num_microbatches
     if input_ids.shape[0] % lanes:

@@ -10,8 +10,12 @@ those of the unpadded context. The rank that runs the last stage picks the token
 all-reduce hands it to every rank of every replica, so all run the same forwards (with FSDP
 a forward is a collective across replicas) and generate the same text.
 
-:func:`write_sample` is what ``conveyor train`` calls after training: it decodes with the
-run's tokenizer, writes ``<run.dir>/sample.txt`` on rank 0 and returns the summary's entries.
+:func:`cached_tokens` decodes the same tokens with a key/value cache instead: stages of the model's
+decode program (:mod:`conveyor.frontend.decode`, cut like the training program) that read the
+pipeline's own weights, a token per step after the prompt. :func:`write_sample` is what ``conveyor
+train`` calls after training: it takes the cache where it serves (one pipeline, no replicas or TP
+shards, no mixture of experts, the context within ``seq_len``), else the window loop, decodes with
+the run's tokenizer, writes ``<run.dir>/sample.txt`` on rank 0 and returns the summary's entries.
 
 Example:
     >>> import torch, conveyor
@@ -85,6 +89,46 @@ def greedy_tokens(pipe: Any, prompt: Sequence[int], steps: int, *, seq_len: int,
     return made
 
 
+def cached_tokens(pipe: Any, split: Any, prompt: Sequence[int], steps: int, *, length: int,
+                  eos_id: int | None = None) -> list[int] | None:
+    """``steps`` greedy tokens after ``prompt`` through the key/value caches of ``split``'s decode program
+    (:func:`conveyor.frontend.decode.decode_stages`), whose stages read ``pipe``'s own weights; None where
+    the cache cannot serve and :func:`greedy_tokens` must: replicas or tensor-parallel ranks (sharded
+    weights), stages wrapped by a part or compiled, a model without a Hugging Face causal head, or a
+    context that outgrows ``length`` positions (the window then slides, which cached absolute positions
+    cannot). A collective, as :func:`greedy_tokens`: one row per lane, one prompt for all.
+
+    Example (every rank, ``split``: the cut ``pipe`` was built from)::
+
+        made = cached_tokens(pipe, split, prompt, 48, length=128) or greedy_tokens(...)
+    """
+    from conveyor.frontend.decode import decode_stages
+    from conveyor.frontend.stage import StageModule
+    from conveyor.pipe.generation import CAUSAL_HEADS, Sampling
+
+    modules = {stage: runner.module for stage, runner in pipe.runners.items()}
+    if (pipe.checkpoint_group is not None or not type(split.model).__name__.endswith(CAUSAL_HEADS)
+            or len(prompt) + steps > length or not all(type(m) is StageModule for m in modules.values())):
+        return None
+    which = sorted(modules)
+    device = next(modules[which[0]].parameters()).device
+    stages = decode_stages(split, rows=1, length=length, stages=[modules[s] for s in which], which=which,
+                           device=device)
+    lanes = pipe.schedule.num_microbatches
+    with pipe_like(pipe, stages) as decoder:
+        out = decoder.generate(torch.tensor([list(prompt)] * lanes, dtype=torch.long), steps,
+                               sampling=Sampling(eos_token_id=eos_id))
+    return out.tokens[0, :int(out.lengths[0])].tolist()
+
+
+def pipe_like(pipe: Any, modules: Sequence[torch.nn.Module]) -> Any:
+    """A pipeline of ``modules`` with ``pipe``'s schedule, layout and transfers (the decode stages beside
+    the training ones)."""
+    import conveyor
+
+    return conveyor.Pipeline(list(modules), pipe.schedule, layout=pipe.layout, transfer=pipe.transfer)
+
+
 @torch.no_grad()
 def greedy_reference(model: torch.nn.Module, prompt: Sequence[int], steps: int, *, seq_len: int,
                      eos_id: int | None = None) -> list[int]:
@@ -128,6 +172,19 @@ def prompt_ids(run: Any, tokenizer: Any) -> list[int]:
     return [int(i) for i in tokenizer.encode(text.encode("utf-8"))]
 
 
+def run_split(run: Any, tokenizer: Any) -> Any:
+    """The cut ``conveyor train`` made, again, of the run's model built on the meta device (no weights:
+    the decode stages read the pipeline's): the plan's split points, else the same balance of parameters."""
+    from conveyor.frontend import split_model
+    from conveyor.train.models import build_model
+
+    cfg = run.cfg
+    model = build_model(cfg, getattr(tokenizer, "vocab_size", None) or len(tokenizer), device="meta")
+    points = list(cfg.plan.split_points) if cfg.plan else None
+    return split_model(model, run.pipe.schedule.num_stages, split_points=points, split_method="parameters",
+                       example_args=(torch.zeros(1, cfg.model.seq_len, dtype=torch.long),))
+
+
 def write_sample(run: Any) -> dict[str, Any]:
     """Generate ``train.sample_tokens`` tokens through ``run.pipe`` (a collective), decode them, write
     ``<run.dir>/sample.txt`` on rank 0; returns ``{"sample_prompt", "sample", "sample_txt"}`` (texts).
@@ -137,12 +194,20 @@ def write_sample(run: Any) -> dict[str, Any]:
         summary.update(write_sample(run))
     """
     from conveyor.train.data import load_tokenizer
+    from conveyor.train.loop import LossWithAux
 
     cfg = run.cfg
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     prompt = prompt_ids(run, tokenizer)
-    made = greedy_tokens(run.pipe, prompt, cfg.train.sample_tokens, seq_len=cfg.model.seq_len,
-                         rows=cfg.replica_batch_size, eos_id=tokenizer.eos_id)
+    made = None
+    if (len(prompt) + cfg.train.sample_tokens <= cfg.model.seq_len and run.pipe.checkpoint_group is None
+            and not isinstance(run.loss_fn, LossWithAux)):
+        # Replicas and TP shards (checkpoint_group) and mixture-of-experts models keep the window loop.
+        made = cached_tokens(run.pipe, run_split(run, tokenizer), prompt, cfg.train.sample_tokens,
+                             length=cfg.model.seq_len, eos_id=tokenizer.eos_id)
+    if made is None:
+        made = greedy_tokens(run.pipe, prompt, cfg.train.sample_tokens, seq_len=cfg.model.seq_len,
+                             rows=cfg.replica_batch_size, eos_id=tokenizer.eos_id)
     path = Path(cfg.run.dir) / "sample.txt"
     if dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)

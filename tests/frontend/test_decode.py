@@ -34,6 +34,7 @@ def _cached(model: torch.nn.Module) -> tuple[list, list]:
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_traced_models_decode_with_a_cache_per_stage_to_their_own_generate(family, one_thread):
+    """One trace of each program per family serves every check (tracing is most of the cost)."""
     model = build(family).eval()
     stages, training = _cached(model)
     # Each stage keeps the keys and values of its own layer only; its weights are the training stage's.
@@ -52,10 +53,16 @@ def test_traced_models_decode_with_a_cache_per_stage_to_their_own_generate(famil
     assert torch.equal(first.tokens, expected), (first.tokens, expected)
     assert torch.equal(again.tokens, expected)
     assert len(set(expected.flatten().tolist())) > 3  # a model that repeats one token would prove little
+    _check_logits(model, stages)
+    with pytest.raises(PipelineConfigError, match="do not fit the key/value cache of 16 positions"):
+        stages[0](torch.ones(ROWS, 4, dtype=torch.long), 0, 14)
+    with pytest.raises(PipelineConfigError, match="no full forward"):
+        stages[0](torch.ones(ROWS, 4, dtype=torch.long), None, 0)
+    with pytest.raises(PipelineConfigError, match="caches hold 16: pass max_new_tokens <= 11"):
+        pipe.generate(prompts, 12)  # refused before any stage runs
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_cached_logits_are_within_rounding_of_the_full_forward(family, one_thread):
+def _check_logits(model: torch.nn.Module, stages: list) -> None:
     """The decode runs other kernel calls than the full forward: each projection on [rows, 1] instead of
     [rows, n] (another blocking of the same dot products), attention of one query over all LENGTH + 1 cache
     slots under an explicit mask (the full forward: every query under is_causal; masked slots add exact zeros
@@ -63,8 +70,8 @@ def test_cached_logits_are_within_rounding_of_the_full_forward(family, one_threa
     128 terms (GPT-2's MLP: 4 x 32; Llama's: 48), chained through at most 21 of them from the embedding to the
     logits (per layer: the norm's moments, q|k|v, scores, softmax, values, out projection, two MLP projections;
     then the final norm and the head): relative to the logits' largest magnitude, reordered_sum_bound(128, 21)."""
-    model = build(family).eval()
-    stages, _ = _cached(model)
+    for stage in stages:
+        stage.reset_kv_cache()
     ids = torch.randint(1, 96, (ROWS, 12), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         full = model(ids).logits
@@ -75,17 +82,15 @@ def test_cached_logits_are_within_rounding_of_the_full_forward(family, one_threa
     assert difference <= bound, (difference, bound)
 
 
-def test_decode_stages_refuse_what_they_cannot_hold():
-    model = build("gpt2").eval()
-    stages, _ = _cached(model)
-    with pytest.raises(PipelineConfigError, match="do not fit the key/value cache of 16 positions"):
-        stages[0](torch.ones(ROWS, 4, dtype=torch.long), 0, 14)
-    with pytest.raises(PipelineConfigError, match="no full forward"):
-        stages[0](torch.ones(ROWS, 4, dtype=torch.long), None, 0)
+def test_decode_stages_need_a_hugging_face_causal_lm_and_its_positions():
     headless = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8))
     split = split_model(headless, 2, example_args=(torch.zeros(2, 3, dtype=torch.long),))
     with pytest.raises(PipelineConfigError, match="needs a Hugging Face causal LM"):
         decode_stages(split, rows=2, length=8)
+    model = build("gpt2")
+    split = split_model(model, 2, example_args=(torch.zeros(2, 4, dtype=torch.long),))
+    with pytest.raises(PipelineConfigError, match="outgrows the model's 32: pass length <= 32"):
+        decode_stages(split, rows=2, length=33)
 
 
 def _ranks_decode(rank: int, world_size: int, prompts: torch.Tensor) -> list:
