@@ -1,0 +1,175 @@
+"""Rank functions of the expert-parallel tests: pp=2 x dp=2 on 4 gloo ranks, the experts over ep=2.
+
+Each rank's stages hold half of every experts module (ep=2 over the two replicas). References:
+
+- **EP alone** (:func:`train_ep_alone`): the whole model, unpiped, its experts sharded the same way
+  over this rank's two replicas, each replica accumulating its own microbatches in order (loss / M),
+  then the dense gradients' and the losses' replica mean (summed, halved: exact) and the expert
+  shards' gradients halved. The pipeline must equal it bit for bit: the same kernels on the same
+  rows, each microbatch's all-to-all pairing the same two replicas' same microbatch.
+- **one device** (:func:`train_one_device`): the whole model, whole experts, every replica's
+  microbatches accumulated in one process (loss / (M x dp)), replica by replica.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.distributed as dist
+
+import conveyor
+import conveyor.schedule as cs
+from conveyor.options import Layout, TransferOptions
+from conveyor.parallel.experts.discover import find_experts
+from conveyor.parallel.experts.part import _dispatched_forward, shard_experts
+from conveyor.parallel.part import reduced_by
+from conveyor.testing.models.moe import MOE_VOCAB, MoEStage, moe_loss, moe_stages, tiny_moe
+
+MICROBATCHES = 4
+ROWS, LENGTH = 4, 8  # a replica's rows per step, tokens per row
+STEPS = 3
+DP = EP = 2
+
+
+def batches(replica: int) -> list[torch.Tensor]:
+    """Replica ``replica``'s token ids for each step (the global minibatch's rows ``replica`` x ROWS on)."""
+    out = []
+    for step in range(STEPS):
+        ids = torch.randint(0, MOE_VOCAB, (DP * ROWS, LENGTH), generator=torch.Generator().manual_seed(step))
+        out.append(ids[replica * ROWS:(replica + 1) * ROWS])
+    return out
+
+
+def _whole(family: str, num_layers: int) -> MoEStage:
+    return MoEStage(tiny_moe(family, num_layers), list(range(num_layers)), first=True, last=True)
+
+
+def _train(named, step_loss, settle) -> tuple[list, dict, dict]:
+    """Losses of STEPS AdamW steps, the first step's gradients and the parameters after the last."""
+    named = dict(named)
+    optimizer = torch.optim.AdamW(named.values(), lr=1e-2)
+    losses, first_grads = [], {}
+    for step in range(STEPS):
+        losses.append(step_loss(step))
+        settle()
+        if step == 0:
+            first_grads = {n: _local(p.grad) for n, p in named.items() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, first_grads, {n: _local(p) for n, p in named.items()}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of this rank's tensor (a replicated DTensor's local tensor is the whole one)."""
+    local = getattr(tensor, "to_local", None)
+    return (local() if local is not None else tensor).detach().clone()
+
+
+def train_ep_alone(family: str, num_layers: int, group, ep_rank: int) -> tuple[list, dict, dict]:
+    """The whole model under EP alone over ``group`` (this rank and its other replica): see the docstring."""
+    whole = _whole(family, num_layers)
+    part = types.SimpleNamespace(group=group)
+    for name, experts in find_experts(whole, "auto").items():
+        num_experts = experts.num_experts
+        shard_experts(experts, ep_rank, EP, name)
+        experts.forward = functools.partial(_dispatched_forward, experts, part, num_experts)
+    ids = batches(ep_rank)
+
+    def step_loss(step):
+        total = None
+        for microbatch in torch.tensor_split(ids[step], MICROBATCHES):
+            loss = moe_loss(whole(microbatch), microbatch) / MICROBATCHES
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        dist.all_reduce(total, group=group)
+        return total / DP
+
+    def settle():
+        for param in whole.parameters():
+            if reduced_by(param) is None:
+                dist.all_reduce(param.grad, group=group)
+            param.grad.div_(DP)
+
+    return _train(whole.named_parameters(), step_loss, settle)
+
+
+def train_one_device(family: str, num_layers: int) -> tuple[list, dict, dict]:
+    """The whole model, whole experts: both replicas' microbatches in one process, replica by replica."""
+    whole = _whole(family, num_layers)
+    ids = [batches(replica) for replica in range(DP)]
+
+    def step_loss(step):
+        total = None
+        for replica in range(DP):
+            for microbatch in torch.tensor_split(ids[replica][step], MICROBATCHES):
+                loss = moe_loss(whole(microbatch), microbatch) / (MICROBATCHES * DP)
+                loss.backward()
+                total = loss.detach() if total is None else total + loss.detach()
+        return total
+
+    return _train(whole.named_parameters(), step_loss, lambda: None)
+
+
+def _train_pipeline(pipe, pp_rank: int, dp_rank: int) -> tuple[list, dict, dict]:
+    ids = batches(dp_rank)
+    first = pipe.schedule.placement.rank_of(0)
+    last = pipe.schedule.placement.rank_of(pipe.schedule.num_stages - 1)
+
+    def step_loss(step):
+        return pipe.step(ids[step] if pp_rank == first else None, target=ids[step] if pp_rank == last else None)
+
+    return _train(pipe.named_parameters(), step_loss, lambda: None)
+
+
+def expert_slice(tensor: torch.Tensor, ep_rank: int) -> torch.Tensor:
+    """Rank ``ep_rank``'s experts of a whole 3-D expert tensor."""
+    local = tensor.shape[0] // EP
+    return tensor[ep_rank * local:(ep_rank + 1) * local]
+
+
+def schedules_against_ep_alone(rank: int, world_size: int, families: tuple[str, ...],
+                               names: tuple[str, ...]) -> dict:
+    """pp=2 x dp=2, ep=2: each (family, schedule)'s losses, first gradients and parameters after STEPS
+    AdamW steps against EP alone (``equal``: torch.equal everywhere), and the expert shards' shapes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    dp_group = mesh["dp"].get_group()
+    references: dict[tuple[str, int], tuple] = {}
+    results = {}
+    for family in families:
+        for name in names:
+            virtual = cs.available()[name].default_virtual
+            schedule = cs.build(name, ranks=2, microbatches=MICROBATCHES, virtual=virtual)
+            layers = schedule.num_stages  # one decoder layer per stage
+            if (family, layers) not in references:
+                references[family, layers] = train_ep_alone(family, layers, dp_group, dp_rank)
+            stages = moe_stages(tiny_moe(family, layers), layers)
+            pipe = conveyor.Pipeline([stages[s] for s in schedule.stages_of(pp_rank)], schedule, loss_fn=moe_loss,
+                                     layout=Layout(mesh=mesh, expert_parallel="auto", ep=EP),
+                                     transfer=TransferOptions(timeout_s=120))
+            got = _train_pipeline(pipe, pp_rank, dp_rank)
+            want = references[family, layers]
+            results[family, name] = _compare(got, want, pipe)
+            pipe.close()
+    return results
+
+
+def _compare(got, want, pipe) -> dict:
+    (losses, grads, params), (want_losses, want_grads, want_params) = got, want
+    experts = sorted(n for n in params if ".experts." in n)
+    return {
+        "losses": [float(x) for x in losses],
+        "losses_equal": len(losses) == STEPS and all(torch.equal(a, b) for a, b in zip(losses, want_losses)),
+        "finite": all(torch.isfinite(torch.as_tensor(x)).all() for x in losses),
+        "grads_equal": sorted(grads) == sorted(params) and all(torch.equal(g, want_grads[n]) for n, g in grads.items()),
+        "params_equal": all(torch.equal(p, want_params[n]) for n, p in params.items()),
+        "moved": all(not torch.equal(p, want_params[n] * 0) for n, p in params.items()),
+        "experts": experts,
+        "expert_shapes": {n: tuple(params[n].shape) for n in experts},
+        "num_params": len(params),
+    }
