@@ -21,10 +21,12 @@ import torch.distributed as dist
 
 import conveyor
 import conveyor.schedule as cs
+from conveyor.errors import PipelineConfigError
 from conveyor.options import Layout, TransferOptions
 from conveyor.parallel.experts.discover import find_experts
 from conveyor.parallel.experts.part import _dispatched_forward, shard_experts
 from conveyor.parallel.part import reduced_by
+from conveyor.testing.compare import worst_absolute, worst_relative
 from conveyor.testing.models.moe import MOE_VOCAB, MoEStage, moe_loss, moe_stages, tiny_moe
 
 MICROBATCHES = 4
@@ -129,10 +131,10 @@ def expert_slice(tensor: torch.Tensor, ep_rank: int) -> torch.Tensor:
     return tensor[ep_rank * local:(ep_rank + 1) * local]
 
 
-def schedules_against_ep_alone(rank: int, world_size: int, families: tuple[str, ...],
-                               names: tuple[str, ...]) -> dict:
-    """pp=2 x dp=2, ep=2: each (family, schedule)'s losses, first gradients and parameters after STEPS
-    AdamW steps against EP alone (``equal``: torch.equal everywhere), and the expert shards' shapes."""
+def schedules_against_ep_alone(rank: int, world_size: int, cases: tuple[tuple[str, str], ...]) -> dict:
+    """pp=2 x dp=2, ep=2: for each (family, schedule) of ``cases``, the losses, first gradients and parameters
+    after STEPS AdamW steps against EP alone (torch.equal everywhere) and the expert shards' shapes; for
+    each family, EP alone (2 layers) against one device (:func:`against_one_device`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
@@ -141,25 +143,55 @@ def schedules_against_ep_alone(rank: int, world_size: int, families: tuple[str, 
     dp_group = mesh["dp"].get_group()
     references: dict[tuple[str, int], tuple] = {}
     results = {}
-    for family in families:
-        for name in names:
-            virtual = cs.available()[name].default_virtual
-            schedule = cs.build(name, ranks=2, microbatches=MICROBATCHES, virtual=virtual)
-            layers = schedule.num_stages  # one decoder layer per stage
-            if (family, layers) not in references:
-                references[family, layers] = train_ep_alone(family, layers, dp_group, dp_rank)
-            stages = moe_stages(tiny_moe(family, layers), layers)
-            pipe = conveyor.Pipeline([stages[s] for s in schedule.stages_of(pp_rank)], schedule, loss_fn=moe_loss,
-                                     layout=Layout(mesh=mesh, expert_parallel="auto", ep=EP),
-                                     transfer=TransferOptions(timeout_s=120))
-            got = _train_pipeline(pipe, pp_rank, dp_rank)
-            want = references[family, layers]
-            results[family, name] = _compare(got, want, pipe)
-            pipe.close()
+    for family, name in cases:
+        schedule = cs.build(name, ranks=2, microbatches=MICROBATCHES, virtual=cs.available()[name].default_virtual)
+        layers = schedule.num_stages  # one decoder layer per stage
+        if (family, layers) not in references:
+            references[family, layers] = train_ep_alone(family, layers, dp_group, dp_rank)
+        stages = moe_stages(tiny_moe(family, layers), layers)
+        pipe = conveyor.Pipeline([stages[s] for s in schedule.stages_of(pp_rank)], schedule, loss_fn=moe_loss,
+                                 layout=Layout(mesh=mesh, expert_parallel="auto", ep=EP),
+                                 transfer=TransferOptions(timeout_s=120))
+        results[family, name] = _compare(_train_pipeline(pipe, pp_rank, dp_rank), references[family, layers])
+        pipe.close()
+    for family in sorted({family for family, _ in cases}):
+        alone = references.get((family, 2)) or train_ep_alone(family, 2, dp_group, dp_rank)
+        results[family, "one device"] = against_one_device(alone, train_one_device(family, 2), dp_rank)
+    results["plan matching nothing"] = _refusal(mesh, pp_rank)
     return results
 
 
-def _compare(got, want, pipe) -> dict:
+def _refusal(mesh, pp_rank: int) -> str:
+    """The error every rank raises for a plan that names no module of the model (last: it leaves the
+    failed pipeline's groups to the job's end)."""
+    schedule = cs.build("1f1b", ranks=2, microbatches=MICROBATCHES)
+    stages = moe_stages(tiny_moe("mixtral", 2), 2)
+    try:
+        conveyor.Pipeline([stages[pp_rank]], schedule, loss_fn=moe_loss, transfer=TransferOptions(timeout_s=60),
+                          layout=Layout(mesh=mesh, expert_parallel={"blocks.*.moe": "ep_dispatch_experts"}, ep=EP))
+    except PipelineConfigError as error:
+        return str(error)
+    return "no error"
+
+
+def against_one_device(alone, device, ep_rank: int) -> dict:
+    """EP alone against one device: worst relative difference of the losses and of the first step's
+    gradients (each tensor's, this rank's expert slices against the whole experts' same slices), and
+    the worst absolute difference of the parameters after STEPS AdamW steps."""
+    (losses, grads, params), (want_losses, want_grads, want_params) = alone, device
+
+    def mine(name, tensor):
+        return expert_slice(tensor, ep_rank) if ".experts." in name else tensor
+
+    return {
+        "loss_rel": worst_relative((a, b) for a, b in zip(losses, want_losses, strict=True)),
+        "grad_rel": worst_relative((g, mine(n, want_grads[n])) for n, g in sorted(grads.items())),
+        "param_abs": worst_absolute((p, mine(n, want_params[n])) for n, p in sorted(params.items())),
+        "grads_compared": sorted(grads) == sorted(want_grads) == sorted(params),
+    }
+
+
+def _compare(got, want) -> dict:
     (losses, grads, params), (want_losses, want_grads, want_params) = got, want
     experts = sorted(n for n in params if ".experts." in n)
     return {

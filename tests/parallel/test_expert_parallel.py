@@ -1,0 +1,148 @@
+"""Expert parallelism: experts sharded over the replicas, tokens moved all-to-all, at pp=2 x dp=2 (ep=2).
+
+Tiny Mixtral and Qwen3-MoE (4 experts, 2 per token, grouped K/V heads, the router's load-balancing
+loss on, carried to the last stage) in hand-built stages that run the models' own modules. Against
+EP alone (the unpiped model, experts sharded alike): losses, the first step's gradients and the
+parameters after 3 AdamW steps ``torch.equal`` under the schedules; against one device within the
+bounds derived below. The checks without ranks: the option's refusals, and discovery.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import conveyor.schedule as cs
+from conveyor.errors import PipelineConfigError
+from conveyor.options import Layout
+from conveyor.parallel.experts import find_experts
+from conveyor.parallel.experts.part import expert_memberships, shard_experts
+from conveyor.parallel.mesh import MeshLayout
+from conveyor.testing import run_ranks
+from conveyor.testing.compare import adamw_difference_bound, reordered_sum_bound
+from conveyor.testing.models.moe import tiny_moe
+from conveyor.testing.references.experts import DP, LENGTH, MICROBATCHES, ROWS, STEPS
+
+# EP alone against one device. Both compute every product alike; what differs is the order of sums:
+# - a gradient element is a sum over the minibatch's tokens (DP x ROWS x LENGTH = 64; an expert's over
+#   those routed to it, at most the same 64): one device adds replica 0's microbatches then replica 1's,
+#   one GEMM per microbatch; EP sums both replicas' tokens of a microbatch in the owner's one GEMM (the
+#   dense part: per replica, then the replicas' sum). Chained once per decoder layer (2) on the way
+#   down: reordered_sum_bound(64, depth=2) = 1.1e-5 of the largest element (condition 1, as in
+#   conveyor.testing.references.tensor_parallel); measured 2-4e-7.
+GRADIENT_BOUND = reordered_sum_bound(DP * ROWS * LENGTH, depth=2)
+# - a loss is a sum of DP x M microbatch means, added in another association (/2 is exact), and each
+#   row's expert output comes from a GEMM over another set of rows (a kernel may reorder a row's 32-term
+#   dot products: 2 GEMMs per layer, 2 layers); measured 0.0.
+LOSS_BOUND = reordered_sum_bound(DP * MICROBATCHES) + reordered_sum_bound(32, depth=4)
+# - parameters after STEPS AdamW steps: where a gradient is at rounding level AdamW turns its rounding
+#   into a step of up to lr (conveyor.testing.references.tensor_pipeline says why no tighter bound holds).
+PARAMETER_BOUND = adamw_difference_bound(1e-2, STEPS)
+
+SCHEDULES = tuple(sorted(cs.available()))
+CI_CASES = (("mixtral", "1f1b"), ("mixtral", "zbv"), ("qwen3_moe", "zbv"))
+ALL_CASES = tuple((family, name) for family in ("mixtral", "qwen3_moe") for name in SCHEDULES)
+
+
+def _check_results(results: list[dict], cases: tuple[tuple[str, str], ...]) -> None:
+    for rank, by_case in enumerate(results):
+        for case in cases:
+            result = by_case[case]
+            assert result["finite"] and result["moved"], (rank, case, result)
+            assert result["losses_equal"] and result["grads_equal"] and result["params_equal"], (rank, case, result)
+            # This rank keeps 2 of the 4 experts of each of its layers.
+            assert result["experts"] and all(shape[0] == 2 for shape in result["expert_shapes"].values()), result
+        for family in {family for family, _ in cases}:
+            device = by_case[family, "one device"]
+            assert device["grads_compared"], (rank, family, device)
+            assert device["loss_rel"] <= LOSS_BOUND, (rank, family, device)
+            assert device["grad_rel"] <= GRADIENT_BOUND, (rank, family, device)
+            assert device["param_abs"] <= PARAMETER_BOUND, (rank, family, device)
+        refusal = by_case["plan matching nothing"]
+        assert "found no experts" in refusal and "drop expert_parallel" in refusal, refusal
+
+
+# One launch: each case builds a pipeline and trains 3 steps (~2 s each on 4 ranks over 2 busy
+# cores), plus one EP-alone reference per (family, stage count). CI runs 1f1b (plain), zbv (2 stages
+# per rank, the I/W split) for Mixtral and zbv for Qwen3-MoE; the extended tier every built-in schedule.
+@pytest.mark.distributed
+@pytest.mark.parametrize("cases", [CI_CASES, pytest.param(ALL_CASES, marks=pytest.mark.extended)],
+                         ids=["ci", "every-schedule"])
+def test_pipeline_with_expert_parallel_equals_ep_alone_and_one_device_within_bounds(cases):
+    from conveyor.testing.references.experts import schedules_against_ep_alone
+
+    _check_results(run_ranks(schedules_against_ep_alone, 4, args=(cases,), timeout_s=280), cases)
+
+
+# -- the option, refused before any rank starts ---------------------------------------------------
+
+class _FakeMesh:
+    """What Layout reads of a mesh: its dim names and sizes."""
+
+    def __init__(self, **sizes: int) -> None:
+        self.mesh_dim_names, self._sizes = tuple(sizes), tuple(sizes.values())
+
+    def size(self, dim: int) -> int:
+        return self._sizes[dim]
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    (dict(mesh=_FakeMesh(pp=2, dp=4), expert_parallel="auto", ep=3), r"ep=3 does not divide the mesh's dp=4"),
+    (dict(mesh=_FakeMesh(pp=2, dp=2), ep=2), r"give expert_parallel='auto'"),
+    (dict(mesh=_FakeMesh(pp=2), expert_parallel="auto"), r"borrows its ranks from the mesh's 'dp' dim"),
+    (dict(in_process=True, expert_parallel="auto"), r"an in-process pipeline"),
+    (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel={"layers.*.experts": "alltoall"}), r"takes 'auto' or a dict"),
+    (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="auto", ep=0), r"takes a positive int"),
+    (dict(mesh=_FakeMesh(pp=1, dp=2, tp=2), expert_parallel="auto", tensor_parallel="auto"), r"not supported yet"),
+])
+def test_the_option_is_refused_with_the_fix(layout, message):
+    with pytest.raises(PipelineConfigError, match=message):
+        Layout(**layout)
+
+
+def test_a_valid_option_describes_itself():
+    layout = Layout(mesh=_FakeMesh(pp=2, dp=4), expert_parallel="auto", ep=2)
+    assert "expert_parallel='auto' ep=2" in layout.describe()
+
+
+# -- discovery ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_auto_finds_each_layers_experts_by_structure_and_the_models_ep_plan(family):
+    model = tiny_moe(family, 2)
+    assert model.config.base_model_ep_plan  # the config's plan is what "auto" follows
+    found = find_experts(model, "auto")
+    assert sorted(found) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert find_experts(model, {"layers.1.mlp.experts": "ep_dispatch_experts"}).keys() == {
+        "model.layers.1.mlp.experts"}
+    assert find_experts(model, {"blocks.*.moe": "ep_dispatch_experts"}) == {}
+
+
+class _ListMoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 3)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+
+def test_experts_in_a_module_list_are_refused_naming_the_way_out():
+    with pytest.raises(PipelineConfigError, match=r"'block'.*nn.ModuleList of 3 MLPs.*Stack the experts"):
+        find_experts(nn.ModuleDict({"block": _ListMoE()}), "auto")
+
+
+def test_sharding_keeps_this_ranks_experts_and_refuses_an_ep_not_dividing_their_count():
+    experts = tiny_moe("mixtral", 1).model.layers[0].mlp.experts
+    whole = experts.gate_up_proj.detach().clone()
+    shard_experts(experts, 1, 2, "layer 0")
+    assert torch.equal(experts.gate_up_proj, whole[2:]) and experts.num_experts == 2
+    with pytest.raises(PipelineConfigError, match=r"holds 4 experts, which ep=3 does not divide"):
+        shard_experts(tiny_moe("mixtral", 1).model.layers[0].mlp.experts, 0, 3, "layer 0")
+
+
+def test_expert_groups_take_consecutive_replicas_and_the_rest_reduce_their_gradients():
+    # 8 ranks: 4 replicas of a 2-rank pipeline; replica r's pipeline is ranks (2r, 2r + 1).
+    layout = MeshLayout(tuple((2 * r, 2 * r + 1) for r in range(4)), 0, 0, None)
+    ep_groups, replica_groups = expert_memberships(layout, 2)
+    assert ep_groups == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert replica_groups == [[0, 4], [2, 6], [1, 5], [3, 7]]
