@@ -41,8 +41,9 @@ LOSS_BOUND = reordered_sum_bound(DP * MICROBATCHES) + reordered_sum_bound(32, de
 PARAMETER_BOUND = adamw_difference_bound(1e-2, STEPS)
 
 SCHEDULES = tuple(sorted(cs.available()))
-CI_CASES = (("mixtral", "1f1b"), ("mixtral", "zbv"), ("qwen3_moe", "zbv"))
-ALL_CASES = tuple((family, name) for family in ("mixtral", "qwen3_moe") for name in SCHEDULES)
+# ":attached": each layer's auxiliary loss added by an autograd Function (DeepSeek-V3), not carried.
+CI_CASES = (("mixtral", "1f1b"), ("mixtral", "zbv"), ("qwen3_moe", "zbv"), ("mixtral:attached", "zbv"))
+ALL_CASES = tuple((family, name) for family in ("mixtral", "qwen3_moe", "mixtral:attached") for name in SCHEDULES)
 
 
 def _check_results(results: list[dict], cases: tuple[tuple[str, str], ...]) -> None:
@@ -53,7 +54,7 @@ def _check_results(results: list[dict], cases: tuple[tuple[str, str], ...]) -> N
             assert result["losses_equal"] and result["grads_equal"] and result["params_equal"], (rank, case, result)
             # This rank keeps 2 of the 4 experts of each of its layers.
             assert result["experts"] and all(shape[0] == 2 for shape in result["expert_shapes"].values()), result
-        for family in {family for family, _ in cases}:
+        for family in {family for family, _ in cases if ":" not in family}:  # the carried auxiliary loss
             device = by_case[family, "one device"]
             assert device["grads_compared"], (rank, family, device)
             assert device["loss_rel"] <= LOSS_BOUND, (rank, family, device)

@@ -39,14 +39,30 @@ def tiny_moe(family: str, num_layers: int, seed: int = 0) -> nn.Module:
     return model_class(config).train()
 
 
+class AddAuxiliaryLoss(torch.autograd.Function):
+    """DeepSeek-V3's: the output is the input; backward gives the auxiliary loss a gradient of one."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.dtype, ctx.needs = loss.dtype, loss.requires_grad
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return grad, torch.ones((), dtype=ctx.dtype, device=grad.device) if ctx.needs else None
+
+
 class MoEStage(nn.Module):
     """Decoder layers ``layers`` of ``model`` (its own modules, shared), embedding first, norm and head last.
 
-    Inputs: token ids (first) or (hidden, router logits so far); outputs: (hidden or LM logits,
-    router logits so far, [layers x tokens, experts]).
+    ``aux="carried"``: inputs token ids (first) or (hidden, router logits so far); outputs (hidden or
+    LM logits, router logits so far, [layers x tokens, experts]), for :func:`moe_loss`. ``"attached"``:
+    each layer's load-balancing loss (its own router logits) attached to its output by
+    :class:`AddAuxiliaryLoss`, DeepSeek-V3's way; one tensor in and out, for :func:`lm_loss_only`.
     """
 
-    def __init__(self, model: nn.Module, layers: list[int], first: bool = False, last: bool = False) -> None:
+    def __init__(self, model: nn.Module, layers: list[int], first: bool = False, last: bool = False,
+                 aux: str = "carried") -> None:
         super().__init__()
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
@@ -56,10 +72,15 @@ class MoEStage(nn.Module):
         if last:
             self.model.norm = model.model.norm
             self.lm_head = model.lm_head
-        self.first, self.last = first, last
+        self.first, self.last, self.aux = first, last, aux
+        self.num_experts, self.top_k = _num_experts(model), model.config.num_experts_per_tok
 
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, logits = (self.model.embed_tokens(inputs[0]), []) if self.first else (inputs[0], [inputs[1]])
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        carried = self.aux == "carried"
+        hidden = self.model.embed_tokens(inputs[0]) if self.first else inputs[0]
+        logits = [inputs[1]] if carried and not self.first else []
         positions = torch.arange(hidden.shape[1], device=hidden.device)[None]
         rotary = self.model.rotary_emb(hidden, positions)
         for layer in self.model.layers.values():
@@ -69,16 +90,29 @@ class MoEStage(nn.Module):
                 hidden = layer(hidden, position_embeddings=rotary, position_ids=positions)  # causal, no mask
             finally:
                 handle.remove()
+            if not carried:
+                balance = load_balancing_loss_func((logits.pop(),), self.num_experts, self.top_k)
+                hidden = AddAuxiliaryLoss.apply(hidden, AUX_COEFFICIENT * balance)
         if self.last:
             hidden = self.lm_head(self.model.norm(hidden))
-        return hidden, torch.cat(logits)
+        return (hidden, torch.cat(logits)) if carried else hidden
 
 
-def moe_stages(model: nn.Module, num_stages: int) -> list[MoEStage]:
+def _num_experts(model: nn.Module) -> int:
+    config = model.config
+    return getattr(config, "num_local_experts", None) or config.num_experts
+
+
+def moe_stages(model: nn.Module, num_stages: int, aux: str = "carried") -> list[MoEStage]:
     """``model`` cut into ``num_stages`` stages of equal numbers of layers."""
     per = len(model.model.layers) // num_stages
-    return [MoEStage(model, list(range(s * per, (s + 1) * per)), first=s == 0, last=s == num_stages - 1)
+    return [MoEStage(model, list(range(s * per, (s + 1) * per)), first=s == 0, last=s == num_stages - 1, aux=aux)
             for s in range(num_stages)]
+
+
+def lm_loss_only(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy (the auxiliary losses reach the backward by their autograd Function)."""
+    return nn.functional.cross_entropy(output[:, :-1].reshape(-1, output.shape[-1]), target[:, 1:].reshape(-1))
 
 
 def moe_loss(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor, num_experts: int = 4,

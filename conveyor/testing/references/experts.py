@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from conveyor.parallel.experts.discover import find_experts
 from conveyor.parallel.experts.part import _dispatched_forward, shard_experts
 from conveyor.parallel.part import reduced_by
 from conveyor.testing.compare import worst_absolute, worst_relative
-from conveyor.testing.models.moe import MOE_VOCAB, MoEStage, moe_loss, moe_stages, tiny_moe
+from conveyor.testing.models.moe import MOE_VOCAB, MoEStage, lm_loss_only, moe_loss, moe_stages, tiny_moe
 
 MICROBATCHES = 4
 ROWS, LENGTH = 4, 8  # a replica's rows per step, tokens per row
@@ -44,8 +45,16 @@ def batches(replica: int) -> list[torch.Tensor]:
     return out
 
 
+def variant(family: str) -> tuple[str, str, Callable]:
+    """A case's family ("mixtral", "qwen3_moe", with ":attached" for DeepSeek-V3's way of adding the
+    auxiliary loss): the model family, where the auxiliary loss goes, and the loss."""
+    name, _, aux = family.partition(":")
+    return name, aux or "carried", lm_loss_only if aux == "attached" else moe_loss
+
+
 def _whole(family: str, num_layers: int) -> MoEStage:
-    return MoEStage(tiny_moe(family, num_layers), list(range(num_layers)), first=True, last=True)
+    name, aux, _ = variant(family)
+    return MoEStage(tiny_moe(name, num_layers), list(range(num_layers)), first=True, last=True, aux=aux)
 
 
 def _train(named, step_loss, settle) -> tuple[list, dict, dict]:
@@ -77,12 +86,12 @@ def train_ep_alone(family: str, num_layers: int, group, ep_rank: int) -> tuple[l
         num_experts = experts.num_experts
         shard_experts(experts, ep_rank, EP, name)
         experts.forward = functools.partial(_dispatched_forward, experts, part, num_experts)
-    ids = batches(ep_rank)
+    ids, loss_fn = batches(ep_rank), variant(family)[2]
 
     def step_loss(step):
         total = None
         for microbatch in torch.tensor_split(ids[step], MICROBATCHES):
-            loss = moe_loss(whole(microbatch), microbatch) / MICROBATCHES
+            loss = loss_fn(whole(microbatch), microbatch) / MICROBATCHES
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         dist.all_reduce(total, group=group)
@@ -100,13 +109,13 @@ def train_ep_alone(family: str, num_layers: int, group, ep_rank: int) -> tuple[l
 def train_one_device(family: str, num_layers: int) -> tuple[list, dict, dict]:
     """The whole model, whole experts: both replicas' microbatches in one process, replica by replica."""
     whole = _whole(family, num_layers)
-    ids = [batches(replica) for replica in range(DP)]
+    ids, loss_fn = [batches(replica) for replica in range(DP)], variant(family)[2]
 
     def step_loss(step):
         total = None
         for replica in range(DP):
             for microbatch in torch.tensor_split(ids[replica][step], MICROBATCHES):
-                loss = moe_loss(whole(microbatch), microbatch) / (MICROBATCHES * DP)
+                loss = loss_fn(whole(microbatch), microbatch) / (MICROBATCHES * DP)
                 loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
         return total
@@ -148,13 +157,17 @@ def schedules_against_ep_alone(rank: int, world_size: int, cases: tuple[tuple[st
         layers = schedule.num_stages  # one decoder layer per stage
         if (family, layers) not in references:
             references[family, layers] = train_ep_alone(family, layers, dp_group, dp_rank)
-        stages = moe_stages(tiny_moe(family, layers), layers)
-        pipe = conveyor.Pipeline([stages[s] for s in schedule.stages_of(pp_rank)], schedule, loss_fn=moe_loss,
+        model_name, aux, loss_fn = variant(family)
+        stages = moe_stages(tiny_moe(model_name, layers), layers, aux)
+        pipe = conveyor.Pipeline([stages[s] for s in schedule.stages_of(pp_rank)], schedule, loss_fn=loss_fn,
                                  layout=Layout(mesh=mesh, expert_parallel="auto", ep=EP),
                                  transfer=TransferOptions(timeout_s=120))
         results[family, name] = _compare(_train_pipeline(pipe, pp_rank, dp_rank), references[family, layers])
         pipe.close()
-    for family in sorted({family for family, _ in cases}):
+    # Against one device for the carried auxiliary loss only: the attached one's backward gives each
+    # replica's auxiliary loss a gradient of one whatever the loss's scale, so DP x M microbatches on
+    # one device weigh it dp times more than dp replicas averaging theirs (the pattern's own semantics).
+    for family in sorted({family for family, _ in cases if variant(family)[1] == "carried"}):
         alone = references.get((family, 2)) or train_ep_alone(family, 2, dp_group, dp_rank)
         results[family, "one device"] = against_one_device(alone, train_one_device(family, 2), dp_rank)
     results["plan matching nothing"] = _refusal(mesh, pp_rank)
