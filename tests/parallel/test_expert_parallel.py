@@ -70,10 +70,24 @@ def _check_results(results: list[dict], cases: tuple[tuple[str, str], ...]) -> N
 @pytest.mark.distributed
 @pytest.mark.parametrize("cases", [CI_CASES, pytest.param(ALL_CASES, marks=pytest.mark.extended)],
                          ids=["ci", "every-schedule"])
-def test_pipeline_with_expert_parallel_equals_ep_alone_and_one_device_within_bounds(cases):
-    from conveyor.testing.references.experts import schedules_against_ep_alone
+def test_pipeline_with_expert_parallel_equals_ep_alone_and_one_device_and_reshards_its_checkpoint(cases, tmp_path):
+    from conveyor.checkpoint import to_state_dict
+    from conveyor.testing.references.experts import expert_parallel_checks
 
-    _check_results(run_ranks(schedules_against_ep_alone, 4, args=(cases,), timeout_s=280), cases)
+    directory = tmp_path / "ep2"
+    results = run_ranks(expert_parallel_checks, 4, args=(cases, str(directory)), timeout_s=280)
+    _check_results(results, cases)
+    for rank, result in enumerate(results):
+        checkpoint = result["checkpoint"]
+        # Saved from DTensor shards of 2 experts each (global shape 4), loaded whole at ep=1.
+        assert checkpoint["shards"] and all(kind == "DTensor" and local[0] == 2 and whole[0] == 4
+                                            for kind, local, whole in checkpoint["shards"].values()), checkpoint
+        assert checkpoint["changed_by_load"] and checkpoint["params_equal"] and checkpoint["moments_equal"], \
+            (rank, checkpoint)
+    # One process, no ranks: the checkpoint's expert tensors are whole, by their names.
+    experts = {name: tensor for name, tensor in to_state_dict(directory).items() if ".experts." in name}
+    assert len(experts) == 4 and all(t.shape[0] == 4 and torch.isfinite(t).all() for t in experts.values()), \
+        {name: tuple(t.shape) for name, t in experts.items()}
 
 
 # -- the option, refused before any rank starts ---------------------------------------------------

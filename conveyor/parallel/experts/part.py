@@ -61,6 +61,7 @@ class ExpertParallel(StagePart):
         self.group = None  # the expert-parallel group: the tokens' all-to-all
         self.replicas_group = None  # the expert-data-parallel group: the expert gradients' sum
         self.experts: dict[int, dict[str, nn.Module]] = {}  # by stage, by name in the stage
+        self.runners: dict = {}
 
     def wrap_stages(self, modules: Mapping[int, nn.Module], schedule: Schedule, model: WholeModel) -> None:
         """Keep this rank's experts of every experts module, and route their forward through the group."""
@@ -88,11 +89,37 @@ class ExpertParallel(StagePart):
         ep_groups, replica_groups = expert_memberships(self.mesh_layout, self.ep)
         self.group = site.life.groups.replica_group(ep_groups)
         self.replicas_group = site.life.groups.replica_group(replica_groups) if len(replica_groups[0]) > 1 else None
+        self.runners = dict(site.runners)
+        self._as_dtensors(site.device)
         shapes = {f"{stage}:{name}": [tuple(p.shape) for p in m.parameters()]
                   for stage, by_name in self.experts.items() for name, m in by_name.items()}
         site.life.groups.agree({**site.built, "expert parallel": f"ep={self.ep} {self.plan!r}",
                                 "expert shards": repr(sorted(shapes.items()))}, group=self.group,
                                who="expert-parallel ranks")
+
+    def _as_dtensors(self, device: torch.device) -> None:
+        """Each shard as a DTensor sharded on dim 0 over the group's 1-D mesh: its global shape and name are
+        the whole experts', so checkpoints (DCP) write and reshard it, export gathers it whole, and
+        AdamW's state follows it; the experts' own code runs on its local tensor."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        # Named after the group (as the replicas' mesh is): torch's DTensor caches key meshes by ranks and name.
+        mesh = DeviceMesh.from_group(self.group, device.type, mesh_dim_names=(f"ep_{self.group.group_name}",))
+        for by_name in self.experts.values():
+            for experts in by_name.values():
+                for name, param in list(experts.named_parameters(recurse=False)):
+                    global_shape = (param.shape[0] * self.ep, *param.shape[1:])
+                    sharded = DTensor.from_local(param.detach(), mesh, [Shard(0)], run_check=False,
+                                                 shape=torch.Size(global_shape), stride=_contiguous(global_shape))
+                    kept = nn.Parameter(sharded, requires_grad=param.requires_grad)
+                    claim_reduction(kept, "expert parallelism")
+                    setattr(experts, name, kept)
+
+    def wrap(self) -> None:
+        """The runners re-read their parameters (the shards became DTensors)."""
+        for runner in self.runners.values():
+            runner.refresh_params()
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's expert parameters (its shards), stage by stage."""
@@ -105,9 +132,10 @@ class ExpertParallel(StagePart):
         for param in self.parameters():
             if param.grad is None:
                 continue
+            grad = _local(param.grad)
             if self.replicas_group is not None:
-                dist.all_reduce(param.grad, group=self.replicas_group)
-            param.grad.div_(self.mesh_layout.dp_size)
+                dist.all_reduce(grad, group=self.replicas_group)
+            grad.div_(self.mesh_layout.dp_size)
 
     def flags(self, flags: torch.Tensor) -> torch.Tensor:
         """The flags' max over the expert-parallel group: one owner's experts may be the only bad ones."""
@@ -156,16 +184,35 @@ def shard_experts(experts: nn.Module, ep_rank: int, ep: int, where: str) -> None
         experts.num_experts = local  # the model's own expert code loops over the local experts
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (differentiable), any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def _dispatched_forward(experts: nn.Module, part: ExpertParallel, num_experts: int, hidden_states: torch.Tensor,
                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts module's forward under expert parallelism: the same signature, the tokens dispatched."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
     own_forward = type(experts).forward
 
     def compute(tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         # Each row to its one local expert at weight 1 (x * 1 is exact): the routing weights are
-        # applied once the results are back at their tokens, as the model applies them.
+        # applied once the results are back at their tokens, as the model applies them. The model's
+        # own code runs on the shards' local tensors (their gradients flow back to the DTensors).
         ones = torch.ones((tokens.shape[0], 1), dtype=top_k_weights.dtype, device=tokens.device)
-        return own_forward(experts, tokens, local_ids[:, None], ones)
+        local = {name: _local(p) for name, p in experts.named_parameters(recurse=False)}
+        with _reparametrize_module(experts, local):
+            return own_forward(experts, tokens, local_ids[:, None], ones)
 
     if part.group is None:
         raise PipelineConfigError("an expert-parallel experts module ran outside its pipeline (its groups are not "

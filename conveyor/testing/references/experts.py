@@ -174,6 +174,63 @@ def schedules_against_ep_alone(rank: int, world_size: int, cases: tuple[tuple[st
     return results
 
 
+def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
+    """Saved at pp=2 x dp=2 with ep=2 (each rank half of the experts, as DTensor shards), after one AdamW
+    step; loaded at ep=1 (every rank every expert) into another model's weights and a fresh AdamW:
+    each parameter and AdamW moment equals the saved one, whole (gathered from the ep=2 shards)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import conveyor.checkpoint
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    schedule = cs.build("1f1b", ranks=2, microbatches=MICROBATCHES)
+    ids = batches(dp_rank)[0]
+
+    def pipeline(seed: int, layout: Layout):
+        stages = moe_stages(tiny_moe("mixtral", 2, seed=seed), 2)
+        pipe = conveyor.Pipeline([stages[pp_rank]], schedule, loss_fn=moe_loss, layout=layout,
+                                 transfer=TransferOptions(timeout_s=120))
+        return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+
+    saved, optimizer = pipeline(0, Layout(mesh=mesh, expert_parallel="auto", ep=EP))
+    saved.step(ids if pp_rank == 0 else None, target=ids if pp_rank == 1 else None)
+    optimizer.step()
+    conveyor.checkpoint.save(directory, saved, optimizer)
+    want = {n: _whole_value(p) for n, p in saved.named_parameters()}
+    want_moments = {n: _whole_value(optimizer.state[p]["exp_avg_sq"]) for n, p in saved.named_parameters()}
+    shards = {n: (type(p).__name__, tuple(_local(p).shape), tuple(p.shape)) for n, p in saved.named_parameters()
+              if ".experts." in n}
+    saved.close()
+    loaded, fresh = pipeline(1, Layout(mesh=mesh))  # ep=1: every expert whole on every rank
+    before = {n: _local(p) for n, p in loaded.named_parameters()}
+    conveyor.checkpoint.load(directory, loaded, fresh)
+    got = dict(loaded.named_parameters())
+    result = {
+        "shards": shards,
+        "changed_by_load": all(not torch.equal(before[n], _local(p)) for n, p in got.items()),
+        "params_equal": sorted(got) == sorted(want) and all(torch.equal(_local(p), want[n]) for n, p in got.items()),
+        "moments_equal": all(torch.equal(_local(fresh.state[p]["exp_avg_sq"]), want_moments[n])
+                             for n, p in got.items()),
+    }
+    loaded.close()
+    return result
+
+
+def _whole_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor (an expert shard's DTensor gathered over its group: a collective)."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().clone()
+
+
+def expert_parallel_checks(rank: int, world_size: int, cases: tuple[tuple[str, str], ...], directory: str) -> dict:
+    """One launch for the test file: :func:`schedules_against_ep_alone`, then :func:`checkpoint_across_ep`."""
+    results = schedules_against_ep_alone(rank, world_size, cases)
+    results["checkpoint"] = checkpoint_across_ep(rank, world_size, directory)
+    return results
+
+
 def _refusal(mesh, pp_rank: int) -> str:
     """The error every rank raises for a plan that names no module of the model (last: it leaves the
     failed pipeline's groups to the job's end)."""
