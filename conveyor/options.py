@@ -41,6 +41,7 @@ from types import MappingProxyType
 from typing import Any
 
 from conveyor.errors import PipelineConfigError
+from conveyor.expert_option import check_expert_parallel
 
 DATA_PARALLEL_KINDS = ("ddp", "fsdp")
 TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid", "ordered")
@@ -391,11 +392,9 @@ class Layout:
     loss_parallel: bool = _f(False, "with tensor_parallel: logits stay vocabulary-sharded and the last stage's "
                                     "loss runs under torch's loss_parallel() (hand-built or traced stages)")
     parts: tuple = _f((), "StageParts of your own (conveyor.parallel.part), after the built-in ones; distributed only")
-    expert_parallel: Any = _f(None, "expert parallelism over ep of the mesh's dp replicas (conveyor.parallel.experts): "
-                                    "'auto' (the experts found by structure) or {module-name pattern: "
-                                    "'ep_dispatch_experts'}; None: off. Its size is ep")
-    ep: int | None = _f(None, "with expert_parallel: ranks per expert-parallel group, dividing the mesh's dp "
-                              "(None: dp); the experts' gradients reduce over the other dp / ep replicas")
+    expert_parallel: Any = _f(None, "experts sharded over ep of the mesh's dp replicas (conveyor.parallel.experts): "
+                                    "'auto' or {module-name pattern: 'ep_dispatch_experts'}; None: off")
+    ep: int | None = _f(None, "with expert_parallel: ranks per expert group, dividing the mesh's dp (None: dp)")
 
     def __post_init__(self) -> None:
         if self.group is not None and self.mesh is not None:
@@ -409,37 +408,7 @@ class Layout:
             raise PipelineConfigError(f"Layout(ranks={self.ranks}) counts the ranks of an in-process pipeline; "
                                       "a distributed one takes its group's size: add in_process=True or drop ranks")
         self._check_tensor_parallel()
-        self._check_expert_parallel()
-
-    def _check_expert_parallel(self) -> None:
-        """expert_parallel needs a mesh whose dp the ep divides (the same checks on every rank, before
-        any communication); the model's side (experts found, ep dividing their count) when stages are placed."""
-        plan, ep = self.expert_parallel, self.ep
-        if plan is None:
-            if ep is not None:
-                raise PipelineConfigError(f"ep={ep} sizes expert parallelism: give expert_parallel='auto' (or a plan) "
-                                          "too, or drop ep")
-            return
-        if not (plan == "auto" if isinstance(plan, str) else isinstance(plan, Mapping) and plan and all(
-                isinstance(k, str) and v == "ep_dispatch_experts" for k, v in plan.items())):
-            raise PipelineConfigError(f"expert_parallel takes 'auto' or a dict {{module-name pattern: "
-                                      f"'ep_dispatch_experts'}} (None: off); got {plan!r}")
-        if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
-            raise PipelineConfigError(f"ep takes a positive int (ranks per expert-parallel group); got {ep!r}")
-        dims = tuple(getattr(self.mesh, "mesh_dim_names", None) or ())
-        if self.in_process or "dp" not in dims:
-            where = ("an in-process pipeline" if self.in_process else
-                     f"a mesh with dims {dims}" if self.mesh is not None else "a pipeline without a mesh")
-            raise PipelineConfigError(
-                f"expert_parallel={plan!r} borrows its ranks from the mesh's 'dp' dim, got {where}: "
-                "mesh=init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp')) with ep dividing dp")
-        dp = self.mesh.size(dims.index("dp"))
-        if dp % (ep or dp):
-            raise PipelineConfigError(f"ep={ep} does not divide the mesh's dp={dp}: expert parallelism borrows its "
-                                      f"ranks from the replicas; choose ep among the divisors of {dp}")
-        if "tp" in dims and self.mesh.size(dims.index("tp")) > 1:
-            raise PipelineConfigError("expert_parallel with tensor_parallel (a 'tp' dim over 1) is not supported yet: "
-                                      "drop one of them, or give the tp ranks to dp (ep divides dp)")
+        check_expert_parallel(self)
 
     def _check_tensor_parallel(self) -> None:
         """tensor_parallel and a mesh's "tp" dim come together; the plan holds ParallelStyles (the

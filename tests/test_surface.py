@@ -46,6 +46,9 @@ MODULE_ALL = {
     "conveyor.parallel": (
         "count_tokens", "data_loader",
     ),
+    "conveyor.parallel.experts": (
+        "ExpertParallel", "dispatch_combine", "find_experts",
+    ),
     "conveyor.parallel.tensor": (
         "check_plan", "parallelize_stage", "tensor_parallel_plan",
     ),

@@ -107,7 +107,8 @@ class _FakeMesh:
     (dict(mesh=_FakeMesh(pp=2, dp=2), ep=2), r"give expert_parallel='auto'"),
     (dict(mesh=_FakeMesh(pp=2), expert_parallel="auto"), r"borrows its ranks from the mesh's 'dp' dim"),
     (dict(in_process=True, expert_parallel="auto"), r"an in-process pipeline"),
-    (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel={"layers.*.experts": "alltoall"}), r"takes 'auto' or a dict"),
+    (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel={"layers.*.experts": "alltoall"}), r"takes module-name pat"),
+    (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="all"), r"takes 'auto' or a dict"),
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="auto", ep=0), r"takes a positive int"),
     (dict(mesh=_FakeMesh(pp=1, dp=2, tp=2), expert_parallel="auto", tensor_parallel="auto"), r"not supported yet"),
 ])

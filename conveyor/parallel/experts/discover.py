@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
 from conveyor.errors import PipelineConfigError
 
-DISPATCHERS = ("ep_dispatch_experts",)
 ROUTED_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
@@ -57,23 +55,6 @@ def find_experts(module: nn.Module, plan: Any) -> dict[str, nn.Module]:
                 "parameters (transformers 5's experts modules: forward(hidden_states, top_k_index, top_k_weights)). "
                 "Stack the experts' weights into such a module, or drop expert_parallel")
     return found
-
-
-def check_plan(plan: Any) -> None:
-    """Refuse a plan that is neither "auto" nor {module-name pattern: "ep_dispatch_experts"} (no model needed).
-
-    Example:
-        >>> check_plan({"layers.*.mlp.experts": "ep_dispatch_experts"})
-    """
-    if plan == "auto" if isinstance(plan, str) else False:
-        return
-    if not isinstance(plan, Mapping) or not plan:
-        raise PipelineConfigError(f"expert_parallel takes 'auto' or a dict {{module-name pattern: "
-                                  f"'ep_dispatch_experts'}} (None: off); got {plan!r}")
-    for pattern, dispatcher in plan.items():
-        if not isinstance(pattern, str) or dispatcher not in DISPATCHERS:
-            raise PipelineConfigError(f"the expert-parallel plan maps {pattern!r} to {dispatcher!r}; it takes "
-                                      f"module-name patterns to one of {DISPATCHERS}")
 
 
 def num_experts_of(experts: nn.Module) -> int:
