@@ -85,7 +85,7 @@ class ExpertParallel(StagePart):
             raise PipelineConfigError(
                 f"expert_parallel={self.plan!r} found no experts in any stage of the pipeline: give a "
                 "mixture-of-experts model (transformers 5's experts modules), a plan naming its experts "
-                "modules, or drop expert_parallel")
+                f"modules, or drop expert_parallel{self._inlined_hint(site)}")
         ep_groups, replica_groups = expert_memberships(self.mesh_layout, self.ep)
         self.group = site.life.groups.replica_group(ep_groups)
         self.replicas_group = site.life.groups.replica_group(replica_groups) if len(replica_groups[0]) > 1 else None
@@ -96,6 +96,18 @@ class ExpertParallel(StagePart):
         site.life.groups.agree({**site.built, "expert parallel": f"ep={self.ep} {self.plan!r}",
                                 "expert shards": repr(sorted(shapes.items()))}, group=self.group,
                                who="expert-parallel ranks")
+
+    def _inlined_hint(self, site: PartSite) -> str:
+        """Where this rank's stages hold stacked expert weights that no experts module runs (traced stages
+        inline the experts' code in their graph), how to get stages that call it."""
+        stacked = [name for runner in site.runners.values() for name, p in runner.module.named_parameters()
+                   if p.dim() == 3]
+        if not stacked:
+            return ""
+        return (f". This rank's stages hold 3-D expert weights ({stacked[0]}, ...) that no experts module runs: "
+                "traced stages (conveyor.pipeline) inline the experts' code, which expert parallelism cannot "
+                "reroute; build the stages by hand from the model's own modules, so that each layer calls its "
+                "experts module (as conveyor.testing.models.moe.MoEStage does)")
 
     def _as_dtensors(self, device: torch.device) -> None:
         """Each shard as a DTensor sharded on dim 0 over the group's 1-D mesh: its global shape and name are
