@@ -98,8 +98,11 @@ class ExpertParallel(StagePart):
                                who="expert-parallel ranks")
 
     def _inlined_hint(self, site: PartSite) -> str:
-        """Where this rank's stages hold stacked expert weights that no experts module runs (traced stages
-        inline the experts' code in their graph), how to get stages that call it."""
+        """Why none was found, from this rank's stages: experts modules the plan does not name, or stacked
+        expert weights no experts module runs (traced stages inline the experts' code in their graph)."""
+        modules = {name for runner in site.runners.values() for name in find_experts(runner.module, "auto")}
+        if modules:
+            return f". This rank's stages hold experts modules the plan does not name: {sorted(modules)}"
         stacked = [name for runner in site.runners.values() for name, p in runner.module.named_parameters()
                    if p.dim() == 3]
         if not stacked:

@@ -36,20 +36,21 @@ STEPS = 3
 DP = EP = 2
 
 
-def batches(replica: int) -> list[torch.Tensor]:
+def batches(replica: int, dp: int = DP) -> list[torch.Tensor]:
     """Replica ``replica``'s token ids for each step (the global minibatch's rows ``replica`` x ROWS on)."""
     out = []
     for step in range(STEPS):
-        ids = torch.randint(0, MOE_VOCAB, (DP * ROWS, LENGTH), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(0, MOE_VOCAB, (dp * ROWS, LENGTH), generator=torch.Generator().manual_seed(step))
         out.append(ids[replica * ROWS:(replica + 1) * ROWS])
     return out
 
 
 def variant(family: str) -> tuple[str, str, Callable]:
     """A case's family ("mixtral", "qwen3_moe", with ":attached" for DeepSeek-V3's way of adding the
-    auxiliary loss): the model family, where the auxiliary loss goes, and the loss."""
+    auxiliary loss, ":fsdp" for the dense part sharded over the replicas): the model family, where the
+    auxiliary loss goes, and the loss."""
     name, _, aux = family.partition(":")
-    return name, aux or "carried", lm_loss_only if aux == "attached" else moe_loss
+    return name, "attached" if aux == "attached" else "carried", lm_loss_only if aux == "attached" else moe_loss
 
 
 def _whole(family: str, num_layers: int) -> MoEStage:
@@ -66,10 +67,16 @@ def _train(named, step_loss, settle) -> tuple[list, dict, dict]:
         losses.append(step_loss(step))
         settle()
         if step == 0:
-            first_grads = {n: _local(p.grad) for n, p in named.items() if p.grad is not None}
+            first_grads = {n: _mine(n, p.grad) for n, p in named.items() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad()
-    return losses, first_grads, {n: _local(p) for n, p in named.items()}
+    return losses, first_grads, {n: _mine(n, p) for n, p in named.items()}
+
+
+def _mine(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What EP alone holds of ``name``: an expert shard's local tensor, any other tensor whole (gathered
+    over the replicas when FSDP shards it: a collective, in the same order on every rank)."""
+    return _local(tensor) if ".experts." in name else _whole_value(tensor)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -78,15 +85,20 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return (local() if local is not None else tensor).detach().clone()
 
 
-def train_ep_alone(family: str, num_layers: int, group, ep_rank: int) -> tuple[list, dict, dict]:
-    """The whole model under EP alone over ``group`` (this rank and its other replica): see the docstring."""
+def train_ep_alone(family: str, num_layers: int, group, ep_rank: int, *, replica: int | None = None, dp: int = DP,
+                   dense_group=None, expert_replicas=None) -> tuple[list, dict, dict]:
+    """The whole model under EP alone over ``group`` (this rank's expert-parallel group): see the docstring.
+
+    ``replica`` (default ``ep_rank``) of ``dp`` picks the rows; ``dense_group`` (default ``group``)
+    averages the dense gradients and the loss; ``expert_replicas`` (None: none) sums the experts'."""
     whole = _whole(family, num_layers)
     part = types.SimpleNamespace(group=group)
     for name, experts in find_experts(whole, "auto").items():
         num_experts = experts.num_experts
-        shard_experts(experts, ep_rank, EP, name)
+        shard_experts(experts, ep_rank, dist.get_world_size(group), name)
         experts.forward = functools.partial(_dispatched_forward, experts, part, num_experts)
-    ids, loss_fn = batches(ep_rank), variant(family)[2]
+    ids, loss_fn = batches(ep_rank if replica is None else replica, dp), variant(family)[2]
+    dense_group = group if dense_group is None else dense_group
 
     def step_loss(step):
         total = None
@@ -94,14 +106,16 @@ def train_ep_alone(family: str, num_layers: int, group, ep_rank: int) -> tuple[l
             loss = loss_fn(whole(microbatch), microbatch) / MICROBATCHES
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-        dist.all_reduce(total, group=group)
-        return total / DP
+        dist.all_reduce(total, group=dense_group)
+        return total / dp
 
     def settle():
         for param in whole.parameters():
             if reduced_by(param) is None:
-                dist.all_reduce(param.grad, group=group)
-            param.grad.div_(DP)
+                dist.all_reduce(param.grad, group=dense_group)
+            elif expert_replicas is not None:
+                dist.all_reduce(param.grad, group=expert_replicas)
+            param.grad.div_(dp)
 
     return _train(whole.named_parameters(), step_loss, settle)
 
@@ -143,33 +157,36 @@ def expert_slice(tensor: torch.Tensor, ep_rank: int) -> torch.Tensor:
 def schedules_against_ep_alone(rank: int, world_size: int, cases: tuple[tuple[str, str], ...]) -> dict:
     """pp=2 x dp=2, ep=2: for each (family, schedule) of ``cases``, the losses, first gradients and parameters
     after STEPS AdamW steps against EP alone (torch.equal everywhere) and the expert shards' shapes; for
-    each family, EP alone (2 layers) against one device (:func:`against_one_device`)."""
+    each model with the carried auxiliary loss, EP alone against one device (:func:`against_one_device`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     dp_group = mesh["dp"].get_group()
-    references: dict[tuple[str, int], tuple] = {}
+    references: dict[tuple[str, str, int], tuple] = {}  # EP alone by (model, auxiliary loss, layers)
     results = {}
     for family, name in cases:
         schedule = cs.build(name, ranks=2, microbatches=MICROBATCHES, virtual=cs.available()[name].default_virtual)
         layers = schedule.num_stages  # one decoder layer per stage
-        if (family, layers) not in references:
-            references[family, layers] = train_ep_alone(family, layers, dp_group, dp_rank)
         model_name, aux, loss_fn = variant(family)
+        if (model_name, aux, layers) not in references:  # the dense part's data parallelism changes nothing here
+            references[model_name, aux, layers] = train_ep_alone(family, layers, dp_group, dp_rank)
         stages = moe_stages(tiny_moe(model_name, layers), layers, aux)
         pipe = conveyor.Pipeline([stages[s] for s in schedule.stages_of(pp_rank)], schedule, loss_fn=loss_fn,
-                                 layout=Layout(mesh=mesh, expert_parallel="auto", ep=EP),
+                                 layout=Layout(mesh=mesh, expert_parallel="auto", ep=EP,
+                                               data_parallel="fsdp" if family.endswith(":fsdp") else None),
                                  transfer=TransferOptions(timeout_s=120))
-        results[family, name] = _compare(_train_pipeline(pipe, pp_rank, dp_rank), references[family, layers])
+        results[family, name] = _compare(_train_pipeline(pipe, pp_rank, dp_rank), references[model_name, aux, layers])
         pipe.close()
     # Against one device for the carried auxiliary loss only: the attached one's backward gives each
     # replica's auxiliary loss a gradient of one whatever the loss's scale, so DP x M microbatches on
     # one device weigh it dp times more than dp replicas averaging theirs (the pattern's own semantics).
-    for family in sorted({family for family, _ in cases if variant(family)[1] == "carried"}):
-        alone = references.get((family, 2)) or train_ep_alone(family, 2, dp_group, dp_rank)
-        results[family, "one device"] = against_one_device(alone, train_one_device(family, 2), dp_rank)
+    # At the layer count of the model's first EP-alone reference (no extra one).
+    for (model_name, aux, layers), alone in list(references.items()):
+        if aux == "carried" and (model_name, "one device") not in results:
+            results[model_name, "one device"] = against_one_device(alone, train_one_device(model_name, layers),
+                                                                   dp_rank)
     results["plan matching nothing"] = _refusal(mesh, pp_rank)
     return results
 
@@ -224,10 +241,46 @@ def _whole_value(tensor: torch.Tensor) -> torch.Tensor:
     return (full() if full is not None else tensor).detach().clone()
 
 
+def experts_with_replicas(rank: int, world_size: int) -> dict:
+    """pp=1 x dp=4 with ep=2: two expert-parallel groups (replicas 0-1, 2-3), each expert's gradient summed
+    over its expert-data-parallel pair (replicas 0-2, 1-3); against EP alone over the same groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("pp", "dp"))
+    dp_rank = mesh.get_local_rank("dp")
+    # Every rank builds every group, in one order (torch names groups by the job's count).
+    ep_groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])]
+    expert_replicas = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])]
+    want = train_ep_alone("mixtral", 2, ep_groups[dp_rank // EP], dp_rank % EP, replica=dp_rank, dp=4,
+                          dense_group=mesh["dp"].get_group(), expert_replicas=expert_replicas[dp_rank % EP])
+    schedule = cs.build("gpipe", ranks=1, microbatches=MICROBATCHES)
+    stage = MoEStage(tiny_moe("mixtral", 2), [0, 1], first=True, last=True)
+    pipe = conveyor.Pipeline([stage], schedule, loss_fn=moe_loss, transfer=TransferOptions(timeout_s=120),
+                             layout=Layout(mesh=mesh, expert_parallel="auto", ep=EP))
+    ids = batches(dp_rank, 4)
+    (losses, grads, params) = _train(pipe.named_parameters(), lambda step: pipe.step(ids[step], target=ids[step]),
+                                     lambda: None)
+    pipe.close()
+    (want_losses, want_grads, want_params), experts = want, [n for n in params if ".experts." in n]
+    dense = sorted(set(params) - set(experts))
+    # The experts' first gradients bitwise (their pair's sum of two is commutative, /4 exact); the dense
+    # part's four-term replica sum is FSDP's ring over its flattened buffer here and gloo's over each
+    # tensor there, and from the second step on every parameter carries that rounding.
+    return {
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(losses, want_losses, strict=True)),
+        "experts": experts,
+        "expert_grads_equal": all(torch.equal(grads[n], want_grads[n]) for n in experts),
+        "dense_grad_rel": worst_relative((grads[n], want_grads[n]) for n in dense),
+        "param_abs": worst_absolute((params[n], want_params[n]) for n in sorted(params)),
+    }
+
+
 def expert_parallel_checks(rank: int, world_size: int, cases: tuple[tuple[str, str], ...], directory: str) -> dict:
-    """One launch for the test file: :func:`schedules_against_ep_alone`, then :func:`checkpoint_across_ep`."""
+    """One launch for the test file: :func:`schedules_against_ep_alone`, :func:`checkpoint_across_ep`, then
+    :func:`experts_with_replicas`."""
     results = schedules_against_ep_alone(rank, world_size, cases)
     results["checkpoint"] = checkpoint_across_ep(rank, world_size, directory)
+    results["expert replicas"] = experts_with_replicas(rank, world_size)
     return results
 
 
