@@ -81,6 +81,7 @@ ROWS = [
         180, ("gpt2",)),
     Row("traced-llama", "traced Llama, every schedule: = unsplit model; compiled; dropout", "traced_rows.traced_row",
         180, ("llama",)),
+    Row("experts", "expert parallelism, 2 gloo ranks on one device: = EP alone", "experts.experts_row", 30),
     Row("split-bw", "GPT stages: split backward I + W against fused B", "split_bw.split_backward_row", 15),
 ]
 # In-process rows that compile come after every row that forks ranks: fork after inductor's threads is unsafe.

@@ -86,18 +86,18 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def train_ep_alone(family: str, num_layers: int, group, ep_rank: int, *, replica: int | None = None, dp: int = DP,
-                   dense_group=None, expert_replicas=None) -> tuple[list, dict, dict]:
+                   dense_group=None, expert_replicas=None, device: str = "cpu") -> tuple[list, dict, dict]:
     """The whole model under EP alone over ``group`` (this rank's expert-parallel group): see the docstring.
 
     ``replica`` (default ``ep_rank``) of ``dp`` picks the rows; ``dense_group`` (default ``group``)
     averages the dense gradients and the loss; ``expert_replicas`` (None: none) sums the experts'."""
-    whole = _whole(family, num_layers)
+    whole = _whole(family, num_layers).to(device)
     part = types.SimpleNamespace(group=group)
     for name, experts in find_experts(whole, "auto").items():
         num_experts = experts.num_experts
         shard_experts(experts, ep_rank, dist.get_world_size(group), name)
         experts.forward = functools.partial(_dispatched_forward, experts, part, num_experts)
-    ids, loss_fn = batches(ep_rank if replica is None else replica, dp), variant(family)[2]
+    ids, loss_fn = [x.to(device) for x in batches(ep_rank if replica is None else replica, dp)], variant(family)[2]
     dense_group = group if dense_group is None else dense_group
 
     def step_loss(step):
