@@ -83,7 +83,7 @@ def _check_results(results: list[dict], cases: tuple[tuple[str, str], ...]) -> N
 @pytest.mark.distributed
 @pytest.mark.parametrize("cases", [CI_CASES, pytest.param(ALL_CASES, marks=pytest.mark.extended)],
                          ids=["ci", "every-schedule"])
-def test_pipeline_with_expert_parallel_equals_ep_alone_and_one_device_and_reshards_its_checkpoint(cases, tmp_path):
+def test_expert_parallel_equals_ep_alone_and_one_device_and_clips_and_reshards_its_checkpoint(cases, tmp_path):
     from conveyor.checkpoint import to_state_dict
     from conveyor.testing.references.experts import expert_parallel_checks
 
@@ -97,6 +97,9 @@ def test_pipeline_with_expert_parallel_equals_ep_alone_and_one_device_and_reshar
                                             for kind, local, whole in checkpoint["shards"].values()), checkpoint
         assert checkpoint["changed_by_load"] and checkpoint["params_equal"] and checkpoint["moments_equal"], \
             (rank, checkpoint)
+        # clip_grad_norm_'s fp32 sum of every element's square against a float64 one: the squares are
+        # positive (condition 1), so reordered_sum_bound over the model's elements bounds it (1e-4 here).
+        assert checkpoint["norm_rel"] <= reordered_sum_bound(checkpoint["elements"]), (rank, checkpoint)
     # One process, no ranks: the checkpoint's expert tensors are whole, by their names.
     experts = {name: tensor for name, tensor in to_state_dict(directory).items() if ".experts." in name}
     assert len(experts) == 4 and all(t.shape[0] == 4 and torch.isfinite(t).all() for t in experts.values()), \

@@ -27,7 +27,7 @@ from conveyor.options import Layout, TransferOptions
 from conveyor.parallel.experts.discover import find_experts
 from conveyor.parallel.experts.part import _dispatched_forward, shard_experts
 from conveyor.parallel.part import reduced_by
-from conveyor.testing.compare import worst_absolute, worst_relative
+from conveyor.testing.compare import relative_difference, worst_absolute, worst_relative
 from conveyor.testing.models.moe import MOE_VOCAB, MoEStage, lm_loss_only, moe_loss, moe_stages, tiny_moe
 
 MICROBATCHES = 4
@@ -194,7 +194,9 @@ def schedules_against_ep_alone(rank: int, world_size: int, cases: tuple[tuple[st
 def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
     """Saved at pp=2 x dp=2 with ep=2 (each rank half of the experts, as DTensor shards), after one AdamW
     step; loaded at ep=1 (every rank every expert) into another model's weights and a fresh AdamW:
-    each parameter and AdamW moment equals the saved one, whole (gathered from the ep=2 shards)."""
+    each parameter and AdamW moment equals the saved one, whole (gathered from the ep=2 shards). On the
+    way, the pipeline's gradient norm (``clip_grad_norm_``: expert shards' norms combined over their
+    group) against one summed by hand in float64 (``norm_rel``), and the model's element count."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import conveyor.checkpoint
@@ -213,8 +215,10 @@ def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
 
     saved, optimizer = pipeline(0, Layout(mesh=mesh, expert_parallel="auto", ep=EP))
     saved.step(ids if pp_rank == 0 else None, target=ids if pp_rank == 1 else None)
+    norm = saved.clip_grad_norm_(1e9)  # the whole model's gradient norm (nothing clipped)
     optimizer.step()
     conveyor.checkpoint.save(directory, saved, optimizer)
+    own_norm = _whole_norm(saved, DP)
     want = {n: _whole_value(p) for n, p in saved.named_parameters()}
     want_moments = {n: _whole_value(optimizer.state[p]["exp_avg_sq"]) for n, p in saved.named_parameters()}
     shards = {n: (type(p).__name__, tuple(_local(p).shape), tuple(p.shape)) for n, p in saved.named_parameters()
@@ -225,6 +229,8 @@ def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
     conveyor.checkpoint.load(directory, loaded, fresh)
     got = dict(loaded.named_parameters())
     result = {
+        "norm_rel": relative_difference(norm, own_norm),
+        "elements": sum(p.numel() for p in tiny_moe("mixtral", 2).parameters()),
         "shards": shards,
         "changed_by_load": all(not torch.equal(before[n], _local(p)) for n, p in got.items()),
         "params_equal": sorted(got) == sorted(want) and all(torch.equal(_local(p), want[n]) for n, p in got.items()),
@@ -233,6 +239,17 @@ def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
     }
     loaded.close()
     return result
+
+
+def _whole_norm(pipe, dp: int) -> torch.Tensor:
+    """The gradient norm of the whole model, summed by hand over every rank: a dense gradient is whole on
+    each of its dp replicas (counted once: 1/dp each), an expert shard's is its own part."""
+    squares = torch.zeros((), dtype=torch.float64)
+    for name, param in pipe.named_parameters():
+        local = _local(param.grad).double()
+        squares += (local * local).sum() / (1 if ".experts." in name else dp)
+    dist.all_reduce(squares)
+    return squares.sqrt()
 
 
 def _whole_value(tensor: torch.Tensor) -> torch.Tensor:
