@@ -4,7 +4,9 @@ Tiny Mixtral and Qwen3-MoE (4 experts, 2 per token, grouped K/V heads, the route
 loss on, carried to the last stage) in hand-built stages that run the models' own modules. Against
 EP alone (the unpiped model, experts sharded alike): losses, the first step's gradients and the
 parameters after 3 AdamW steps ``torch.equal`` under the schedules; against one device within the
-bounds derived below. The checks without ranks: the option's refusals, and discovery.
+bounds derived below. In the same launch: the dense part under FSDP, variable-length microbatches,
+pp=1 x dp=4 with ep=2 (expert-data-parallel pairs), clip_grad_norm_, a checkpoint saved at ep=2 and
+loaded at ep=1, a plan that names nothing. The checks without ranks: the option's refusals, discovery.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ def _check_results(results: list[dict], cases: tuple[tuple[str, str], ...]) -> N
             assert device["loss_rel"] <= LOSS_BOUND, (rank, family, device)
             assert device["grad_rel"] <= GRADIENT_BOUND, (rank, family, device)
             assert device["param_abs"] <= PARAMETER_BOUND, (rank, family, device)
+        varlen = by_case["varlen"]  # microbatches of their own (rows, length), differing between the replicas
+        assert varlen["finite"] and varlen["moved"], (rank, varlen)
+        assert varlen["losses_equal"] and varlen["grads_equal"] and varlen["params_equal"], (rank, varlen)
         refusal = by_case["plan matching nothing"]
         assert "found no experts" in refusal and "drop expert_parallel" in refusal, refusal
         assert "experts modules the plan does not name" in refusal, refusal

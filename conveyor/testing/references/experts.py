@@ -86,11 +86,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def train_ep_alone(family: str, num_layers: int, group, ep_rank: int, *, replica: int | None = None, dp: int = DP,
-                   dense_group=None, expert_replicas=None, device: str = "cpu") -> tuple[list, dict, dict]:
+                   dense_group=None, expert_replicas=None, device: str = "cpu",
+                   microbatches: list[list[torch.Tensor]] | None = None) -> tuple[list, dict, dict]:
     """The whole model under EP alone over ``group`` (this rank's expert-parallel group): see the docstring.
 
     ``replica`` (default ``ep_rank``) of ``dp`` picks the rows; ``dense_group`` (default ``group``)
-    averages the dense gradients and the loss; ``expert_replicas`` (None: none) sums the experts'."""
+    averages the dense gradients and the loss; ``expert_replicas`` (None: none) sums the experts'.
+    ``microbatches``: each step's microbatches as given (variable lengths), instead of the rows split."""
     whole = _whole(family, num_layers).to(device)
     part = types.SimpleNamespace(group=group)
     for name, experts in find_experts(whole, "auto").items():
@@ -102,7 +104,7 @@ def train_ep_alone(family: str, num_layers: int, group, ep_rank: int, *, replica
 
     def step_loss(step):
         total = None
-        for microbatch in torch.tensor_split(ids[step], MICROBATCHES):
+        for microbatch in microbatches[step] if microbatches else torch.tensor_split(ids[step], MICROBATCHES):
             loss = loss_fn(whole(microbatch), microbatch) / MICROBATCHES
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
@@ -187,6 +189,7 @@ def schedules_against_ep_alone(rank: int, world_size: int, cases: tuple[tuple[st
         if aux == "carried" and (model_name, "one device") not in results:
             results[model_name, "one device"] = against_one_device(alone, train_one_device(model_name, layers),
                                                                    dp_rank)
+    results["varlen"] = varlen_against_ep_alone(mesh, pp_rank, dp_rank)
     results["plan matching nothing"] = _refusal(mesh, pp_rank)
     return results
 
@@ -256,6 +259,33 @@ def _whole_value(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of the whole tensor (an expert shard's DTensor gathered over its group: a collective)."""
     full = getattr(tensor, "full_tensor", None)
     return (full() if full is not None else tensor).detach().clone()
+
+
+def varlen_batches(replica: int) -> list[list[torch.Tensor]]:
+    """Replica ``replica``'s microbatches of each step, each of its own (rows, length): the lengths differ
+    between microbatches and between the replicas whose tokens meet at the experts."""
+    shapes = ((2, 5), (1, 8), (3, 3), (2, 7))
+    generator = torch.Generator().manual_seed(100 + replica)
+    return [[torch.randint(0, MOE_VOCAB, shapes[(i + step + replica) % 4], generator=generator)
+             for i in range(MICROBATCHES)] for step in range(STEPS)]
+
+
+def varlen_against_ep_alone(mesh, pp_rank: int, dp_rank: int) -> dict:
+    """pp=2 x dp=2, ep=2, 1f1b, variable-length microbatches (conveyor.Microbatches): against EP alone."""
+    want = train_ep_alone("mixtral", 2, mesh["dp"].get_group(), dp_rank, microbatches=varlen_batches(dp_rank))
+    schedule = cs.build("1f1b", ranks=2, microbatches=MICROBATCHES)
+    stages = moe_stages(tiny_moe("mixtral", 2), 2)
+    pipe = conveyor.Pipeline([stages[pp_rank]], schedule, loss_fn=moe_loss, transfer=TransferOptions(timeout_s=120),
+                             layout=Layout(mesh=mesh, expert_parallel="auto", ep=EP))
+    given = varlen_batches(dp_rank)
+
+    def step_loss(step):
+        return pipe.step(conveyor.Microbatches(inputs=[(x,) for x in given[step]] if pp_rank == 0 else None,
+                                               targets=given[step] if pp_rank == 1 else None))
+
+    got = _train(pipe.named_parameters(), step_loss, lambda: None)
+    pipe.close()
+    return _compare(got, want)
 
 
 def experts_with_replicas(rank: int, world_size: int) -> dict:
