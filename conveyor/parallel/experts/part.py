@@ -88,6 +88,9 @@ class ExpertParallel(StagePart):
                 f"modules, or drop expert_parallel{self._inlined_hint(site)}")
         ep_groups, replica_groups = expert_memberships(self.mesh_layout, self.ep)
         self.group = site.life.groups.replica_group(ep_groups)
+        # Group ranks follow the global ranks, which a mesh lays out in replica order: this rank's place
+        # in the all-to-all is the one whose experts it kept.
+        assert dist.get_rank(self.group) == self.ep_rank, (dist.get_rank(self.group), self.ep_rank, ep_groups)
         self.replicas_group = site.life.groups.replica_group(replica_groups) if len(replica_groups[0]) > 1 else None
         self.runners = dict(site.runners)
         self._as_dtensors(site.device)
