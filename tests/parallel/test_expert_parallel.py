@@ -69,6 +69,7 @@ def _check_results(results: list[dict], cases: tuple[tuple[str, str], ...]) -> N
             assert device["loss_rel"] <= LOSS_BOUND, (rank, family, device)
             assert device["grad_rel"] <= GRADIENT_BOUND, (rank, family, device)
             assert device["param_abs"] <= PARAMETER_BOUND, (rank, family, device)
+        assert by_case["unrouted slots"] is True, rank  # slots routed nowhere stay home, as in transformers
         varlen = by_case["varlen"]  # microbatches of their own (rows, length), differing between the replicas
         assert varlen["finite"] and varlen["moved"], (rank, varlen)
         assert varlen["losses_equal"] and varlen["grads_equal"] and varlen["params_equal"], (rank, varlen)
@@ -155,6 +156,16 @@ def test_auto_finds_each_layers_experts_by_structure_and_the_models_ep_plan(fami
     assert find_experts(model, {"layers.1.mlp.experts": "ep_dispatch_experts"}).keys() == {
         "model.layers.1.mlp.experts"}
     assert find_experts(model, {"blocks.*.moe": "ep_dispatch_experts"}) == {}
+
+
+def test_auto_finds_gpt_oss_experts_whose_forward_names_its_arguments_otherwise():
+    import transformers
+
+    config = transformers.GptOssConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=32, head_dim=8,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                       num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"])
+    model = transformers.GptOssForCausalLM(config)
+    assert list(find_experts(model, "auto")) == ["model.layers.0.mlp.experts"]  # with its [E, out] biases
 
 
 class _ListMoE(nn.Module):

@@ -33,7 +33,9 @@ from torch import nn
 
 from conveyor.errors import PipelineConfigError
 
-ROUTED_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
+# The experts module's forward arguments after self (GPT-OSS names them router_indices, routing_weights).
+ROUTED_ARGUMENTS = (("hidden_states", "top_k_index", "top_k_weights"),
+                    ("hidden_states", "router_indices", "routing_weights"))
 
 
 def find_experts(module: nn.Module, plan: Any) -> dict[str, nn.Module]:
@@ -72,7 +74,7 @@ def _stacked_experts(module: nn.Module) -> bool:
         arguments = tuple(inspect.signature(type(module).forward).parameters)[1:4]
     except (TypeError, ValueError):
         return False
-    return arguments == ROUTED_ARGUMENTS
+    return arguments in ROUTED_ARGUMENTS
 
 
 def _planned(name: str, module: nn.Module, plan: Any) -> bool:

@@ -53,14 +53,16 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     local = num_experts // ep
     choices = top_k_index.shape[-1]
     slots_expert = top_k_index.reshape(-1)
-    order = torch.argsort(slots_expert, stable=True)  # slots by expert, so by owning rank
-    slot_token = order // choices
-    counts = torch.bincount(slots_expert, minlength=num_experts).view(ep, local)  # what I send, per expert
+    # An index of num_experts marks a slot routed nowhere (transformers' experts skip it): not counted.
+    counts = torch.bincount(slots_expert, minlength=num_experts + 1)[:num_experts].view(ep, local)  # per expert
     received_counts = torch.empty_like(counts)
     dist.all_to_all_single(received_counts, counts, group=group)  # [source, local expert]: what I get
     # The host read (step 3 of the module docstring): the split sizes of both token all-to-alls.
     send_splits = counts.sum(1).tolist()
     receive_splits = received_counts.sum(1).tolist()
+    # Slots by expert, so by owning rank; those routed nowhere sort last and stay here.
+    order = torch.argsort(slots_expert, stable=True)[:sum(send_splits)]
+    slot_token = order // choices
     received = _all_to_all(hidden[slot_token], receive_splits, send_splits, group)
     local_ids = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ep),
                                         received_counts.reshape(-1))

@@ -322,12 +322,38 @@ def experts_with_replicas(rank: int, world_size: int) -> dict:
     }
 
 
+def dispatch_with_unrouted_slots(group, ep_rank: int) -> bool:
+    """dispatch_combine over ``group`` (2 ranks, 4 experts of 4 x 4 weights, top-2) with some slots routed
+    nowhere (index 4, as transformers marks them) and unequal splits, against the whole experts' loop
+    on this rank: torch.equal (each slot's product is the same row times the same weight)."""
+    from conveyor.parallel.experts.dispatch import dispatch_combine
+
+    weights = torch.randn(4, 4, 4, generator=torch.Generator().manual_seed(7))
+    generator = torch.Generator().manual_seed(ep_rank)
+    hidden = torch.randn(6, 4, generator=generator)
+    index = torch.randint(0, 4, (6, 2), generator=generator)
+    index[ep_rank::2, 1] = 4  # routed nowhere
+    scale = torch.rand(6, 2, generator=generator)
+    want = torch.zeros_like(hidden)
+    for expert in range(4):
+        tokens, choice = torch.where(index == expert)
+        want.index_add_(0, tokens, (hidden[tokens] @ weights[expert]) * scale[tokens, choice, None])
+    mine = weights[2 * ep_rank:2 * ep_rank + 2]
+
+    def compute(tokens, local_ids):
+        return torch.cat([tokens[local_ids == e] @ mine[e] for e in range(2)])
+
+    return torch.equal(dispatch_combine(hidden, index, scale, num_experts=4, group=group, compute=compute), want)
+
+
 def expert_parallel_checks(rank: int, world_size: int, cases: tuple[tuple[str, str], ...], directory: str) -> dict:
     """One launch for the test file: :func:`schedules_against_ep_alone`, :func:`checkpoint_across_ep`, then
     :func:`experts_with_replicas`."""
     results = schedules_against_ep_alone(rank, world_size, cases)
     results["checkpoint"] = checkpoint_across_ep(rank, world_size, directory)
     results["expert replicas"] = experts_with_replicas(rank, world_size)
+    pairs = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])]  # every rank builds both, in one order
+    results["unrouted slots"] = dispatch_with_unrouted_slots(pairs[rank // 2], rank % 2)
     return results
 
 
