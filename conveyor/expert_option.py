@@ -16,12 +16,38 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from conveyor.errors import PipelineConfigError
 
 DISPATCHERS = ("ep_dispatch_experts",)  # transformers' name for the all-to-all dispatch of base_model_ep_plan
+# The experts module's forward arguments after self (GPT-OSS names them router_indices, routing_weights).
+ROUTED_ARGUMENTS = (("hidden_states", "top_k_index", "top_k_weights"),
+                    ("hidden_states", "router_indices", "routing_weights"))
+
+
+def is_stacked_experts(module: Any) -> bool:
+    """transformers 5's experts shape: 3-D parameters sharing dim 0, ``forward(hidden, index, weights)``.
+
+    Both the trace (which keeps such a module whole, :mod:`conveyor.frontend.leaves`) and expert
+    parallelism (which shards it) find experts by this one test.
+
+    Example:
+        >>> import torch
+        >>> is_stacked_experts(torch.nn.Linear(2, 2))
+        False
+    """
+    params = list(module.parameters(recurse=False))
+    weights = [p for p in params if p.dim() == 3]
+    if not weights or any(p.dim() < 2 or p.shape[0] != weights[0].shape[0] for p in params):
+        return False
+    try:
+        arguments = tuple(inspect.signature(type(module).forward).parameters)[1:4]
+    except (TypeError, ValueError):
+        return False
+    return arguments in ROUTED_ARGUMENTS
 
 
 def check_expert_parallel(layout: Any) -> None:

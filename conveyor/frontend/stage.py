@@ -29,6 +29,7 @@ from torch import nn
 
 from conveyor.errors import PipelineConfigError, SpecMismatchError
 from conveyor.frontend.dynamic import describe_shape, fits
+from conveyor.frontend.leaves import hollow_copy, restore_leaves
 from conveyor.frontend.trace import ExampleLeaf, StateInput, TracedModel
 
 # Attribute names on a StageModule that can never clash with a model's module names.
@@ -313,6 +314,8 @@ def build_graph(
         env[node] = graph.node_copy(node, lambda source: env[source])
     result = tuple(fx.node.map_arg(value, lambda source: env[source]) for value in recipe.outputs)
     graph.output(result)
+    for path in restore_leaves(graph):  # a module the trace kept whole, at its own path (dotted)
+        submodules[path] = hollow_copy(traced.model.get_submodule(path))
     _rewrite_devices(graph, device_map)
     _drop_metadata_assertions(graph)
     if not recipe.is_first:
@@ -330,8 +333,7 @@ class _Container(nn.Module):
         )
 
 
-def _register(root: nn.Module, path: str, tensor: torch.Tensor, persistent: bool) -> None:
-    *parents, leaf = path.split(".")
+def _owner(root: nn.Module, parents: list[str]) -> nn.Module:
     owner = root
     for part in parents:
         child = owner._modules.get(part)
@@ -339,6 +341,17 @@ def _register(root: nn.Module, path: str, tensor: torch.Tensor, persistent: bool
             child = _Container()
             owner.add_module(part, child)
         owner = child
+    return owner
+
+
+def _place(root: nn.Module, path: str, module: nn.Module) -> None:
+    *parents, leaf = path.split(".")
+    _owner(root, parents).add_module(leaf, module)
+
+
+def _register(root: nn.Module, path: str, tensor: torch.Tensor, persistent: bool) -> None:
+    *parents, leaf = path.split(".")
+    owner = _owner(root, parents)
     if isinstance(tensor, nn.Parameter):
         owner.register_parameter(leaf, tensor)
     else:
@@ -398,10 +411,16 @@ class StageModule(nn.Module):
         traced_training: bool = True,
     ):
         super().__init__()
+        # A leaf module (a dotted path: conveyor.frontend.leaves) is placed before its first tensor, which it
+        # then holds: the parameters keep the order of the model's.
+        leaves = {name: module for name, module in submodules.items() if "." in name}
         for name, (tensor, persistent) in tensors.items():
+            for path in [path for path in leaves if name.startswith(path + ".")]:
+                _place(self, path, leaves.pop(path))
             _register(self, name, tensor, persistent)
         for name, module in submodules.items():
-            self.add_module(name, module)
+            if "." not in name or name in leaves:  # nested graphs, and a leaf that holds no tensor
+                _place(self, name, module)
         self._conveyor_stage = recipe.stage
         self._conveyor_num_stages = recipe.num_stages
         self._conveyor_input_specs = recipe.input_specs if check_inputs else None
@@ -456,10 +475,13 @@ class StageModule(nn.Module):
                 "stages on their own with split.with_mode()"
             )
         suffix = "_train" if training else "_eval"
-        for node in graph.nodes:  # the other mode's nested graphs (cond, no_grad regions) get their own names
-            if node.op == "get_attr" and node.target in submodules:
+        # The other mode's nested graphs (cond, no_grad regions) get their own names; its leaf modules
+        # (dotted paths: the same cut holds the same ones) are this mode's.
+        nested = {name: module for name, module in submodules.items() if "." not in name}
+        for node in graph.nodes:
+            if node.op == "get_attr" and node.target in nested:
                 node.target = f"{node.target}{suffix}"
-        for name, module in submodules.items():
+        for name, module in nested.items():
             self.add_module(f"{name}{suffix}", module)
         graph.lint()
         run, code = _compile(graph, self.stage)

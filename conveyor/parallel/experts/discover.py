@@ -26,16 +26,12 @@ Example:
 from __future__ import annotations
 
 import fnmatch
-import inspect
 from typing import Any
 
 from torch import nn
 
 from conveyor.errors import PipelineConfigError
-
-# The experts module's forward arguments after self (GPT-OSS names them router_indices, routing_weights).
-ROUTED_ARGUMENTS = (("hidden_states", "top_k_index", "top_k_weights"),
-                    ("hidden_states", "router_indices", "routing_weights"))
+from conveyor.expert_option import is_stacked_experts
 
 
 def find_experts(module: nn.Module, plan: Any) -> dict[str, nn.Module]:
@@ -48,7 +44,7 @@ def find_experts(module: nn.Module, plan: Any) -> dict[str, nn.Module]:
     """
     found: dict[str, nn.Module] = {}
     for name, child in module.named_modules():
-        if _stacked_experts(child) and _planned(name, child, plan):
+        if is_stacked_experts(child) and _planned(name, child, plan):
             found[name] = child
         elif plan == "auto" and _expert_list(child):
             raise PipelineConfigError(
@@ -62,19 +58,6 @@ def find_experts(module: nn.Module, plan: Any) -> dict[str, nn.Module]:
 def num_experts_of(experts: nn.Module) -> int:
     """How many experts ``experts`` holds: the common dim 0 of its 3-D parameters."""
     return next(p.shape[0] for p in experts.parameters(recurse=False))
-
-
-def _stacked_experts(module: nn.Module) -> bool:
-    """transformers 5's experts shape: 3-D parameters with one dim 0, forward(hidden, index, weights)."""
-    params = list(module.parameters(recurse=False))
-    weights = [p for p in params if p.dim() == 3]
-    if not weights or any(p.dim() < 2 or p.shape[0] != weights[0].shape[0] for p in params):
-        return False
-    try:
-        arguments = tuple(inspect.signature(type(module).forward).parameters)[1:4]
-    except (TypeError, ValueError):
-        return False
-    return arguments in ROUTED_ARGUMENTS
 
 
 def _planned(name: str, module: nn.Module, plan: Any) -> bool:
