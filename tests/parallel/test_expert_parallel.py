@@ -1,7 +1,8 @@
 """Expert parallelism: experts sharded over the replicas, tokens moved all-to-all, at pp=2 x dp=2 (ep=2).
 
 Tiny Mixtral and Qwen3-MoE (4 experts, 2 per token, grouped K/V heads, the router's load-balancing
-loss on, carried to the last stage) in hand-built stages that run the models' own modules. Against
+loss on, carried to the last stage) in hand-built stages that run the models' own modules, and the
+unchanged models traced (``conveyor.pipeline``: each experts module a leaf of the trace, by its name). Against
 EP alone (the unpiped model, experts sharded alike): losses, the first step's gradients and the
 parameters after 3 AdamW steps ``torch.equal`` under the schedules; against one device within the
 bounds derived below. In the same launch: the dense part under FSDP, variable-length microbatches,
@@ -50,8 +51,11 @@ DENSE_FOUR_REPLICAS = reordered_sum_bound(4)
 SCHEDULES = tuple(sorted(cs.available()))
 # ":attached": each layer's auxiliary loss added by an autograd Function (DeepSeek-V3), not carried.
 # ":fsdp": the dense part sharded over the replicas (FSDP2), the experts over the same ranks by EP.
-CI_CASES = (("mixtral:fsdp", "1f1b"), ("qwen3_moe", "zbv"), ("mixtral:attached", "zbv"))
-ALL_CASES = tuple((family, name) for family in ("mixtral", "qwen3_moe", "mixtral:attached", "mixtral:fsdp")
+# ":traced": the unchanged model through conveyor.pipeline, its experts modules leaves of the trace.
+CI_CASES = (("mixtral:fsdp", "1f1b"), ("qwen3_moe", "zbv"), ("mixtral:attached", "zbv"), ("mixtral:traced", "1f1b"),
+            ("qwen3_moe:traced", "zbv"))
+ALL_CASES = tuple((family, name) for family in ("mixtral", "qwen3_moe", "mixtral:attached", "mixtral:fsdp",
+                                                "mixtral:traced", "qwen3_moe:traced")
                   for name in SCHEDULES)
 
 

@@ -123,3 +123,9 @@ def moe_loss(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor, nu
     logits, router_logits = output
     language = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1))
     return language + AUX_COEFFICIENT * load_balancing_loss_func((router_logits,), num_experts, top_k)
+
+
+def traced_moe_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """:func:`moe_loss` of the unchanged model's own output (a traced pipeline's last stage gives it): its
+    logits and every layer's router logits, carried there from the stages that made them."""
+    return moe_loss((output.logits, torch.cat(output.router_logits)), target)

@@ -19,16 +19,25 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
-from conveyor.options import Layout, TransferOptions
+from conveyor.options import Layout, PipelineOptions, TransferOptions
 from conveyor.parallel.experts.discover import find_experts
 from conveyor.parallel.experts.part import _dispatched_forward, shard_experts
 from conveyor.parallel.part import reduced_by
 from conveyor.testing.compare import relative_difference, worst_absolute, worst_relative
-from conveyor.testing.models.moe import MOE_VOCAB, MoEStage, lm_loss_only, moe_loss, moe_stages, tiny_moe
+from conveyor.testing.models.moe import (
+    MOE_VOCAB,
+    MoEStage,
+    lm_loss_only,
+    moe_loss,
+    moe_stages,
+    tiny_moe,
+    traced_moe_loss,
+)
 
 MICROBATCHES = 4
 ROWS, LENGTH = 4, 8  # a replica's rows per step, tokens per row
@@ -50,11 +59,15 @@ def variant(family: str) -> tuple[str, str, Callable]:
     auxiliary loss, ":fsdp" for the dense part sharded over the replicas): the model family, where the
     auxiliary loss goes, and the loss."""
     name, _, aux = family.partition(":")
+    if aux == "traced":  # the unchanged model, traced (conveyor.pipeline), its router logits carried
+        return name, "traced", traced_moe_loss
     return name, "attached" if aux == "attached" else "carried", lm_loss_only if aux == "attached" else moe_loss
 
 
-def _whole(family: str, num_layers: int) -> MoEStage:
+def _whole(family: str, num_layers: int) -> nn.Module:
     name, aux, _ = variant(family)
+    if aux == "traced":
+        return tiny_moe(name, num_layers)
     return MoEStage(tiny_moe(name, num_layers), list(range(num_layers)), first=True, last=True, aux=aux)
 
 
@@ -174,11 +187,14 @@ def schedules_against_ep_alone(rank: int, world_size: int, cases: tuple[tuple[st
         model_name, aux, loss_fn = variant(family)
         if (model_name, aux, layers) not in references:  # the dense part's data parallelism changes nothing here
             references[model_name, aux, layers] = train_ep_alone(family, layers, dp_group, dp_rank)
-        stages = moe_stages(tiny_moe(model_name, layers), layers, aux)
-        pipe = conveyor.Pipeline([stages[s] for s in schedule.stages_of(pp_rank)], schedule, loss_fn=loss_fn,
-                                 layout=Layout(mesh=mesh, expert_parallel="auto", ep=EP,
-                                               data_parallel="fsdp" if family.endswith(":fsdp") else None),
-                                 transfer=TransferOptions(timeout_s=120))
+        layout = Layout(mesh=mesh, expert_parallel="auto", ep=EP,
+                        data_parallel="fsdp" if family.endswith(":fsdp") else None)
+        if aux == "traced":
+            pipe = traced_pipeline(tiny_moe(model_name, layers), schedule, layout, dp_rank)
+        else:
+            stages = moe_stages(tiny_moe(model_name, layers), layers, aux)
+            pipe = conveyor.Pipeline([stages[s] for s in schedule.stages_of(pp_rank)], schedule, loss_fn=loss_fn,
+                                     layout=layout, transfer=TransferOptions(timeout_s=120))
         results[family, name] = _compare(_train_pipeline(pipe, pp_rank, dp_rank), references[model_name, aux, layers])
         pipe.close()
     # Against one device for the carried auxiliary loss only: the attached one's backward gives each
@@ -192,6 +208,16 @@ def schedules_against_ep_alone(rank: int, world_size: int, cases: tuple[tuple[st
     results["varlen"] = varlen_against_ep_alone(mesh, pp_rank, dp_rank)
     results["plan matching nothing"] = _refusal(mesh, pp_rank)
     return results
+
+
+def traced_pipeline(model: nn.Module, schedule, layout: Layout, dp_rank: int):
+    """The unchanged ``model`` traced and cut before each decoder layer but the first (one per stage), its
+    experts modules leaves of the trace, placed by name, that the expert-parallel part shards."""
+    example = batches(dp_rank)[0][:ROWS // MICROBATCHES]
+    cuts = [f"model.layers.{i}" for i in range(1, schedule.num_stages)]
+    return conveyor.pipeline(model, example_args=(example,), split_points=cuts, schedule=schedule,
+                             loss_fn=traced_moe_loss,
+                             options=PipelineOptions(layout=layout, transfer=TransferOptions(timeout_s=120)))
 
 
 def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
