@@ -26,8 +26,9 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -99,6 +100,25 @@ def restore_leaves(graph: fx.Graph) -> list[str]:
                 graph.erase_node(tensor)
         paths.append(path)
     return paths
+
+
+def held_in_order(tensors: Mapping[str, tuple[torch.Tensor, bool]],
+                  submodules: Mapping[str, nn.Module]) -> list[tuple[str, tuple[Any, bool]]]:
+    """What a stage module registers, by name, in order: its tensors, each leaf module (a dotted path) just
+    before its first tensor, which it then holds (the parameters keep the model's order), then its nested
+    graphs and any leaf that holds no tensor.
+
+    Example:
+        >>> held_in_order({"a.w": (1, True), "b.e.w": (2, True)}, {"b.e": "E", "g": "G"})
+        [('a.w', (1, True)), ('b.e', ('E', True)), ('b.e.w', (2, True)), ('g', ('G', True))]
+    """
+    leaves = {name: module for name, module in submodules.items() if "." in name}
+    held: list[tuple[str, tuple[Any, bool]]] = []
+    for name, tensor in tensors.items():
+        held += [(path, (leaves.pop(path), True)) for path in list(leaves) if name.startswith(path + ".")]
+        held.append((name, tensor))
+    held += [(name, (module, True)) for name, module in submodules.items() if "." not in name or name in leaves]
+    return held
 
 
 def hollow_copy(module: nn.Module) -> nn.Module:

@@ -29,7 +29,7 @@ from torch import nn
 
 from conveyor.errors import PipelineConfigError, SpecMismatchError
 from conveyor.frontend.dynamic import describe_shape, fits
-from conveyor.frontend.leaves import hollow_copy, restore_leaves
+from conveyor.frontend.leaves import held_in_order, hollow_copy, restore_leaves
 from conveyor.frontend.trace import ExampleLeaf, StateInput, TracedModel
 
 # Attribute names on a StageModule that can never clash with a model's module names.
@@ -333,7 +333,8 @@ class _Container(nn.Module):
         )
 
 
-def _owner(root: nn.Module, parents: list[str]) -> nn.Module:
+def _register(root: nn.Module, path: str, tensor: torch.Tensor | nn.Module, persistent: bool) -> None:
+    *parents, leaf = path.split(".")
     owner = root
     for part in parents:
         child = owner._modules.get(part)
@@ -341,18 +342,9 @@ def _owner(root: nn.Module, parents: list[str]) -> nn.Module:
             child = _Container()
             owner.add_module(part, child)
         owner = child
-    return owner
-
-
-def _place(root: nn.Module, path: str, module: nn.Module) -> None:
-    *parents, leaf = path.split(".")
-    _owner(root, parents).add_module(leaf, module)
-
-
-def _register(root: nn.Module, path: str, tensor: torch.Tensor, persistent: bool) -> None:
-    *parents, leaf = path.split(".")
-    owner = _owner(root, parents)
-    if isinstance(tensor, nn.Parameter):
+    if isinstance(tensor, nn.Module):  # a nested graph, or a leaf of the trace (conveyor.frontend.leaves)
+        owner.add_module(leaf, tensor)
+    elif isinstance(tensor, nn.Parameter):
         owner.register_parameter(leaf, tensor)
     else:
         owner.register_buffer(leaf, tensor, persistent=persistent)
@@ -411,16 +403,8 @@ class StageModule(nn.Module):
         traced_training: bool = True,
     ):
         super().__init__()
-        # A leaf module (a dotted path: conveyor.frontend.leaves) is placed before its first tensor, which it
-        # then holds: the parameters keep the order of the model's.
-        leaves = {name: module for name, module in submodules.items() if "." in name}
-        for name, (tensor, persistent) in tensors.items():
-            for path in [path for path in leaves if name.startswith(path + ".")]:
-                _place(self, path, leaves.pop(path))
-            _register(self, name, tensor, persistent)
-        for name, module in submodules.items():
-            if "." not in name or name in leaves:  # nested graphs, and a leaf that holds no tensor
-                _place(self, name, module)
+        for name, (value, persistent) in held_in_order(tensors, submodules):  # a leaf module holds its tensors
+            _register(self, name, value, persistent)
         self._conveyor_stage = recipe.stage
         self._conveyor_num_stages = recipe.num_stages
         self._conveyor_input_specs = recipe.input_specs if check_inputs else None
@@ -475,13 +459,11 @@ class StageModule(nn.Module):
                 "stages on their own with split.with_mode()"
             )
         suffix = "_train" if training else "_eval"
-        # The other mode's nested graphs (cond, no_grad regions) get their own names; its leaf modules
-        # (dotted paths: the same cut holds the same ones) are this mode's.
-        nested = {name: module for name, module in submodules.items() if "." not in name}
-        for node in graph.nodes:
-            if node.op == "get_attr" and node.target in nested:
+        submodules = {name: module for name, module in submodules.items() if "." not in name}  # leaves: this mode's
+        for node in graph.nodes:  # the other mode's nested graphs (cond, no_grad regions) get their own names
+            if node.op == "get_attr" and node.target in submodules:
                 node.target = f"{node.target}{suffix}"
-        for name, module in nested.items():
+        for name, module in submodules.items():
             self.add_module(f"{name}{suffix}", module)
         graph.lint()
         run, code = _compile(graph, self.stage)

@@ -102,7 +102,7 @@ class ExpertParallel(StagePart):
 
     def _inlined_hint(self, site: PartSite) -> str:
         """Why none was found, from this rank's stages: experts modules the plan does not name, or stacked
-        expert weights no experts module runs (traced stages inline the experts' code in their graph)."""
+        expert weights no experts module runs (stages split without leaves inline the experts' code)."""
         modules = {name for runner in site.runners.values() for name in find_experts(runner.module, "auto")}
         if modules:
             return f". This rank's stages hold experts modules the plan does not name: {sorted(modules)}"
@@ -111,9 +111,10 @@ class ExpertParallel(StagePart):
         if not stacked:
             return ""
         return (f". This rank's stages hold 3-D expert weights ({stacked[0]}, ...) that no experts module runs: "
-                "traced stages (conveyor.pipeline) inline the experts' code, which expert parallelism cannot "
-                "reroute; build the stages by hand from the model's own modules, so that each layer calls its "
-                "experts module (as conveyor.testing.models.moe.MoEStage does)")
+                "stages split without expert parallelism inline the experts' code, which it cannot reroute; "
+                "build them with conveyor.pipeline(..., options=PipelineOptions(layout=Layout(expert_parallel=...))), "
+                "which keeps each experts module whole, or split inside conveyor.frontend.leaves.experts_as_leaves("
+                "model)")
 
     def _as_dtensors(self, device: torch.device) -> None:
         """Each shard as a DTensor sharded on dim 0 over the group's 1-D mesh: its global shape and name are
