@@ -7,7 +7,8 @@ EP alone (the unpiped model, experts sharded alike): losses, the first step's gr
 parameters after 3 AdamW steps ``torch.equal`` under the schedules; against one device within the
 bounds derived below. In the same launch: the dense part under FSDP, variable-length microbatches,
 pp=1 x dp=4 with ep=2 (expert-data-parallel pairs), clip_grad_norm_, a checkpoint saved at ep=2 and
-loaded at ep=1, a plan that names nothing. The checks without ranks: the option's refusals, discovery.
+loaded at ep=1 (the traced Mixtral's, by its own names, at ep=1 and at pp=1 too, then exported and loaded by
+from_pretrained), a plan that names nothing. The checks without ranks: the option's refusals, discovery.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from conveyor.parallel.experts import find_experts
 from conveyor.parallel.experts.part import expert_memberships, shard_experts
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.testing import run_ranks
-from conveyor.testing.compare import adamw_difference_bound, reordered_sum_bound
+from conveyor.testing.compare import adamw_difference_bound, relative_difference, reordered_sum_bound
 from conveyor.testing.models.moe import tiny_moe
 from conveyor.testing.references.experts import DP, LENGTH, MICROBATCHES, ROWS, STEPS
 
@@ -111,10 +112,49 @@ def test_expert_parallel_equals_ep_alone_and_one_device_and_clips_and_reshards_i
         # clip_grad_norm_'s fp32 sum of every element's square against a float64 one: the squares are
         # positive (condition 1), so reordered_sum_bound over the model's elements bounds it (1e-4 here).
         assert checkpoint["norm_rel"] <= reordered_sum_bound(checkpoint["elements"]), (rank, checkpoint)
+    _check_traced_checkpoint(results, tmp_path)
     # One process, no ranks: the checkpoint's expert tensors are whole, by their names.
     experts = {name: tensor for name, tensor in to_state_dict(directory).items() if ".experts." in name}
     assert len(experts) == 4 and all(t.shape[0] == 4 and torch.isfinite(t).all() for t in experts.values()), \
         {name: tuple(t.shape) for name, t in experts.items()}
+
+
+def _check_traced_checkpoint(results: list[dict], tmp_path) -> None:
+    """The traced Mixtral's checkpoint, saved at ep=2 by the model's own names: loaded at ep=1 and at pp=1 on every
+    rank; exported (one process) as whole expert tensors that from_pretrained turns into the pipeline's logits."""
+    import safetensors.torch
+    import transformers
+
+    from conveyor.checkpoint import export
+
+    for rank, result in enumerate(results):
+        traced = result["traced checkpoint"]
+        assert traced["shards"] and all(shape[0] == 2 for shape in traced["shards"].values()), (rank, traced)
+        for where in ("ep=1", "pp=1"):
+            loaded = traced[where]
+            assert loaded["names"] == loaded["want_names"], (rank, where, loaded)
+            assert loaded["params_equal"] and loaded["moments_equal"], (rank, where, loaded)
+    export(tmp_path / "ep2-traced", tmp_path / "exported")
+    tensors = safetensors.torch.load_file(tmp_path / "exported" / "model.safetensors")
+    model = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "exported").train()  # as traced
+    assert sorted(tensors) == sorted(model.state_dict()), sorted(tensors)  # the model's own names
+    experts = {name: tensor for name, tensor in tensors.items() if ".experts." in name}
+    assert len(experts) == 4 and all(t.shape[0] == 4 for t in experts.values()), experts.keys()
+    # The pp=1, ep=1 pipeline runs the traced graph on each microbatch (one row of replica 0's four), where
+    # transformers' experts take their traced path (grouped_mm_fallback: one mm per expert); from_pretrained's model
+    # runs eagerly (torch._grouped_mm), on one thread as the ranks. Two kernels for the same products: a logit is
+    # a chain of 32-term dot products (hidden and intermediate sizes 32; the vocabulary head's too), 2 GEMMs per
+    # layer in attention and experts each, 2 layers, then the head: reordered_sum_bound(32, depth=9) = 3.6e-5 of the
+    # largest logit (condition 1, as LOSS_BOUND above). Measured 6e-8 absolute (logits ~0.3).
+    first, threads = results[0]["traced checkpoint"], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        logits = torch.cat([model(rows).logits for rows in torch.tensor_split(first["ids"], MICROBATCHES)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.isfinite(logits).all() and torch.isfinite(first["logits"]).all()
+    assert relative_difference(logits, first["logits"]) <= reordered_sum_bound(32, depth=9), \
+        relative_difference(logits, first["logits"])
 
 
 # -- the option, refused before any rank starts ---------------------------------------------------

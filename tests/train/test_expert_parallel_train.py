@@ -28,7 +28,8 @@ TINY = ["train.steps=2", "model.layers=2", "model.width=32", "model.heads=2", "m
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.ep=2"], "parallel.ep=2: expert parallelism spreads the experts over the data-parallel replicas, "
                         "which parallel.dp=1 does not divide into groups of 2; set parallel.dp to a multiple of 2"),
-    (["parallel.ep=3", "parallel.dp=3", "train.batch_size=12"], "parallel.ep=3 (groups of 3) does not divide the model's 4 experts"),
+    (["parallel.ep=3", "parallel.dp=3", "train.batch_size=12"],
+     "parallel.ep=3 (groups of 3) does not divide the model's 4 experts"),
     (["parallel.ep=many", "parallel.dp=2"], "parallel.ep='many': expected 'auto' (ep = parallel.dp) or a size"),
     (["parallel.ep=auto", "parallel.dp=2", "parallel.tp=2", "model.heads=4"],
      "expert and tensor parallelism together are not supported yet"),

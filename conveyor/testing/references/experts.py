@@ -270,6 +270,52 @@ def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
     return result
 
 
+def traced_checkpoint(rank: int, world_size: int, directory: str) -> dict:
+    """The traced Mixtral (conveyor.pipeline, experts as leaves) at pp=2 x dp=2 with ep=2, after one AdamW step,
+    saved by the model's own names; loaded at ep=1 (pp=2) and at pp=1 x dp=4: each parameter and AdamW moment
+    equals the saved one, whole. The pp=1 pipeline's logits on replica 0's first rows, for the export's check."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import conveyor.checkpoint
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    schedule = cs.build("1f1b", ranks=2, microbatches=MICROBATCHES)
+    saved = traced_pipeline(tiny_moe("mixtral", 2), schedule, Layout(mesh=mesh, expert_parallel="auto", ep=EP),
+                            dp_rank)
+    optimizer = torch.optim.AdamW(saved.parameters(), lr=1e-2)
+    ids = batches(dp_rank)[0]
+    saved.step(ids if pp_rank == 0 else None, target=ids if pp_rank == 1 else None)
+    optimizer.step()
+    conveyor.checkpoint.save(directory, saved, optimizer)
+    want = {n: _whole_value(p) for n, p in saved.named_parameters()}
+    want_moments = {n: _whole_value(optimizer.state[p]["exp_avg_sq"]) for n, p in saved.named_parameters()}
+    shards = {n: tuple(_local(p).shape) for n, p in saved.named_parameters() if ".experts." in n}
+    saved.close()
+    every: list = [None] * world_size  # pp=1 holds every stage's parameters
+    dist.all_gather_object(every, (want, want_moments))
+    result = {"shards": shards}
+    one_mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("pp", "dp"))
+    for where, layout, sched in (("ep=1", Layout(mesh=mesh), schedule),
+                                 ("pp=1", Layout(mesh=one_mesh), cs.build("1f1b", ranks=1, microbatches=MICROBATCHES))):
+        loaded = traced_pipeline(tiny_moe("mixtral", 2, seed=1), sched, layout, dp_rank)
+        fresh = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
+        conveyor.checkpoint.load(directory, loaded, fresh)
+        got = dict(loaded.named_parameters())
+        whole = {n: (w, m[n]) for w, m in every for n, w in w.items()}
+        result[where] = {
+            "names": sorted(got), "want_names": sorted(set(want)) if where == "ep=1" else sorted(whole),
+            "params_equal": all(torch.equal(_local(p), whole[n][0]) for n, p in got.items()),
+            "moments_equal": all(torch.equal(_local(fresh.state[p]["exp_avg_sq"]), whole[n][1])
+                                 for n, p in got.items()),
+        }
+        if where == "pp=1":
+            result["ids"], result["logits"] = ids, loaded.forward(ids).logits
+        loaded.close()
+    return result
+
+
 def _whole_norm(pipe, dp: int) -> torch.Tensor:
     """The gradient norm of the whole model, summed by hand over every rank: a dense gradient is whole on
     each of its dp replicas (counted once: 1/dp each), an expert shard's is its own part."""
@@ -378,6 +424,7 @@ def expert_parallel_checks(rank: int, world_size: int, cases: tuple[tuple[str, s
     results = schedules_against_ep_alone(rank, world_size, cases)
     results["checkpoint"] = checkpoint_across_ep(rank, world_size, directory)
     results["expert replicas"] = experts_with_replicas(rank, world_size)
+    results["traced checkpoint"] = traced_checkpoint(rank, world_size, f"{directory}-traced")
     pairs = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])]  # every rank builds both, in one order
     results["unrouted slots"] = dispatch_with_unrouted_slots(pairs[rank // 2], rank % 2)
     return results
