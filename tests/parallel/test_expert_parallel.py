@@ -7,8 +7,8 @@ EP alone (the unpiped model, experts sharded alike): losses, the first step's gr
 parameters after 3 AdamW steps ``torch.equal`` under the schedules; against one device within the
 bounds derived below. In the same launch: the dense part under FSDP, variable-length microbatches,
 pp=1 x dp=4 with ep=2 (expert-data-parallel pairs), clip_grad_norm_, a checkpoint saved at ep=2 and
-loaded at ep=1 (the traced Mixtral's, by its own names, at ep=1 and at pp=1 too, then exported and loaded by
-from_pretrained), a plan that names nothing. The checks without ranks: the option's refusals, discovery.
+loaded at ep=1 (the traced Mixtral's, by its own names, at ep=1 and at pp=1 with ep=4 too, then exported and
+loaded by from_pretrained), a plan that names nothing. The checks without ranks: the option's refusals, discovery.
 """
 
 from __future__ import annotations
@@ -132,9 +132,9 @@ def _check_traced_checkpoint(results: list[dict], tmp_path) -> None:
     for rank, result in enumerate(results):
         traced = result["traced checkpoint"]
         assert traced["shards"] and all(shape[0] == 2 for shape in traced["shards"].values()), (rank, traced)
-        for where in ("ep=1", "pp=1"):
+        for where, kept in (("ep=1", [(4,)]), ("pp=1 ep=4", [(1,)])):  # experts kept per experts module
             loaded = traced[where]
-            assert loaded["names"] == loaded["want_names"], (rank, where, loaded)
+            assert loaded["names"] == loaded["want_names"] and loaded["expert_shapes"] == kept, (rank, where, loaded)
             assert loaded["params_equal"] and loaded["moments_equal"], (rank, where, loaded)
     export(tmp_path / "ep2-traced", tmp_path / "exported")
     tensors = safetensors.torch.load_file(tmp_path / "exported" / "model.safetensors")
@@ -142,12 +142,13 @@ def _check_traced_checkpoint(results: list[dict], tmp_path) -> None:
     assert sorted(tensors) == sorted(model.state_dict()), sorted(tensors)  # the model's own names
     experts = {name: tensor for name, tensor in tensors.items() if ".experts." in name}
     assert len(experts) == 4 and all(t.shape[0] == 4 for t in experts.values()), experts.keys()
-    # The pp=1, ep=1 pipeline runs the traced graph on each microbatch (one row of replica 0's four), where
-    # transformers' experts take their traced path (grouped_mm_fallback: one mm per expert); from_pretrained's model
-    # runs eagerly (torch._grouped_mm), on one thread as the ranks. Two kernels for the same products: a logit is
-    # a chain of 32-term dot products (hidden and intermediate sizes 32; the vocabulary head's too), 2 GEMMs per
-    # layer in attention and experts each, 2 layers, then the head: reordered_sum_bound(32, depth=9) = 3.6e-5 of the
-    # largest logit (condition 1, as LOSS_BOUND above). Measured 6e-8 absolute (logits ~0.3).
+    # The pp=1 pipeline (ep=4) runs the traced graph on each microbatch (one row of replica 0's four), its experts
+    # computed by their owners over every rank's tokens routed there; from_pretrained's model runs eagerly, on one
+    # thread as the ranks. Two computations of the same products, sums in other orders (GEMMs over other rows,
+    # transformers' traced grouped_mm_fallback against the eager torch._grouped_mm): a logit is a chain of 32-term
+    # dot products (hidden and intermediate sizes 32; the vocabulary head's too), 2 GEMMs per layer in attention and
+    # experts each, 2 layers, then the head: reordered_sum_bound(32, depth=9) = 3.6e-5 of the largest logit
+    # (condition 1, as LOSS_BOUND above). Measured 6e-8 absolute at ep=1 (logits ~0.3).
     first, threads = results[0]["traced checkpoint"], torch.get_num_threads()
     torch.set_num_threads(1)
     try:

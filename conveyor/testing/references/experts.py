@@ -272,8 +272,9 @@ def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
 
 def traced_checkpoint(rank: int, world_size: int, directory: str) -> dict:
     """The traced Mixtral (conveyor.pipeline, experts as leaves) at pp=2 x dp=2 with ep=2, after one AdamW step,
-    saved by the model's own names; loaded at ep=1 (pp=2) and at pp=1 x dp=4: each parameter and AdamW moment
-    equals the saved one, whole. The pp=1 pipeline's logits on replica 0's first rows, for the export's check."""
+    saved by the model's own names; loaded at ep=1 (pp=2) and at pp=1 x dp=4 with ep=4 (each rank one expert of
+    each layer): each parameter and AdamW moment equals the saved one (whole, or this rank's expert of it). The
+    pp=1 pipeline's logits on this rank's rows, for the export's check."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import conveyor.checkpoint
@@ -298,19 +299,25 @@ def traced_checkpoint(rank: int, world_size: int, directory: str) -> dict:
     result = {"shards": shards}
     one_mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("pp", "dp"))
     for where, layout, sched in (("ep=1", Layout(mesh=mesh), schedule),
-                                 ("pp=1", Layout(mesh=one_mesh), cs.build("1f1b", ranks=1, microbatches=MICROBATCHES))):
+                                 ("pp=1 ep=4", Layout(mesh=one_mesh, expert_parallel="auto", ep=world_size),
+                                  cs.build("1f1b", ranks=1, microbatches=MICROBATCHES))):
         loaded = traced_pipeline(tiny_moe("mixtral", 2, seed=1), sched, layout, dp_rank)
         fresh = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
         conveyor.checkpoint.load(directory, loaded, fresh)
         got = dict(loaded.named_parameters())
         whole = {n: (w, m[n]) for w, m in every for n, w in w.items()}
+
+        def kept(name, tensor, where=where):  # at ep=4 rank r keeps expert r of each experts module
+            return tensor[rank:rank + 1] if where != "ep=1" and ".experts." in name else tensor
+
         result[where] = {
             "names": sorted(got), "want_names": sorted(set(want)) if where == "ep=1" else sorted(whole),
-            "params_equal": all(torch.equal(_local(p), whole[n][0]) for n, p in got.items()),
-            "moments_equal": all(torch.equal(_local(fresh.state[p]["exp_avg_sq"]), whole[n][1])
+            "params_equal": all(torch.equal(_local(p), kept(n, whole[n][0])) for n, p in got.items()),
+            "moments_equal": all(torch.equal(_local(fresh.state[p]["exp_avg_sq"]), kept(n, whole[n][1]))
                                  for n, p in got.items()),
+            "expert_shapes": sorted({tuple(_local(p).shape)[:1] for n, p in got.items() if ".experts." in n}),
         }
-        if where == "pp=1":
+        if where != "ep=1":
             result["ids"], result["logits"] = ids, loaded.forward(ids).logits
         loaded.close()
     return result
