@@ -17,6 +17,8 @@ Flags pick what runs (several may be given; none means ``--compare``):
     --tp-parity  pp=2 x dp=2 x tp=2 on 8 ranks: torch.equal to TP x DP without the pipeline (benchmarks/tp_parity.py)
     --tp         conveyor train's llama at pp=2 x tp=2 vs pp=2: each rank's parameter, gradient and AdamW bytes,
                  the step-time ratio with steal (benchmarks/tp_memory.py)
+    --ep         pp=2 x dp=2 MoE at ep=2 vs ep=1: each rank's expert parameter, gradient and AdamW bytes, step
+                 time and the all-to-all share of it, with steal (benchmarks/ep_memory.py)
     --varlen     batching by length vs padding to the longest at pp=2: tokens/s, padding, simulated step;
                  with --varlen-parity the schedule x transport parity table instead (benchmarks/varlen.py)
     --recompute  recomputation policies on the llama recipe at pp=2: peak memory per rank, predicted
@@ -43,7 +45,7 @@ from pathlib import Path
 
 PARTS = (
     "compare", "schedule", "schedule_scale", "split", "soak", "parallel", "data", "checkpoint", "train", "compile",
-    "plan", "tp_parity", "tp_memory", "varlen", "recompute", "generate",
+    "plan", "tp_parity", "tp_memory", "ep_memory", "varlen", "recompute", "generate",
 )
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
@@ -131,6 +133,8 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     compiled.add_argument("--compile-steps", type=int, default=3, help="timed steps per side per round")
     tp = parser.add_argument_group("--tp (tensor parallelism in conveyor train)")
     tp.add_argument("--tp-steps", type=int, default=8, help="steps per side, the first 2 untimed and the last measured")
+    ep = parser.add_argument_group("--ep (expert parallelism: bytes per rank, all-to-all share)")
+    ep.add_argument("--ep-steps", type=int, default=8, help="steps per side, the first 2 untimed")
     varlen = parser.add_argument_group("--varlen (batching by length vs padding to the longest)")
     varlen.add_argument("--varlen-parity", action="store_true", help="the schedule x transport parity table instead")
     varlen.add_argument("--varlen-bytes", type=int, default=600_000, help="bytes of stdlib definitions read")
@@ -164,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pp=2 x dp=2 x tp=2 (8 ranks), ddp and fsdp, 1f1b and zbv: parity without the pipeline")
     parts.add_argument("--tp", dest="tp_memory", action="store_true",
                        help="tensor parallelism in conveyor train: bytes per rank and step time, tp=2 vs tp=1")
+    parts.add_argument("--ep", dest="ep_memory", action="store_true",
+                       help="expert parallelism: expert bytes per rank and step time, ep=2 vs ep=1")
     parts.add_argument("--varlen", action="store_true", help="batching by length vs padding, at pp=2")
     parts.add_argument("--recompute", action="store_true",
                        help="recomputation policies: predicted and measured peak memory per rank, step time")

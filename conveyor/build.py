@@ -8,6 +8,7 @@ Example (on each of 2 ranks)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -70,6 +71,7 @@ def pipeline(
         loss = pipe.step(ids, labels=labels)
     """
     from conveyor.frontend import split_model
+    from conveyor.frontend.leaves import experts_as_leaves
     from conveyor.frontend.pretrained import model_info
 
     layout = options.layout.with_shortcuts(mesh, data_parallel, tensor_parallel)
@@ -93,9 +95,13 @@ def pipeline(
     method = options.split.method
     if split_points is None and method == "time":
         split_points, method = _time_split_points(model, resolved.num_stages, layout, split_kwargs), "parameters"
-    split = split_model(model, resolved.num_stages, split_points=split_points, split_method=method, **split_kwargs)
-    stages = range(resolved.num_stages) if layout.in_process else resolved.stages_of(rank)
-    modules = _stage_modules(split, stages, model, layout, device, options.split.both_modes)
+    # Under expert parallelism each experts module is a leaf of the trace, called whole by the stage that holds
+    # it, for the part to reroute its tokens (conveyor.frontend.leaves); else its code is traced as any other.
+    with experts_as_leaves(model) if layout.expert_parallel is not None else contextlib.nullcontext():
+        split = split_model(model, resolved.num_stages, split_points=split_points, split_method=method,
+                            **split_kwargs)
+        stages = range(resolved.num_stages) if layout.in_process else resolved.stages_of(rank)
+        modules = _stage_modules(split, stages, model, layout, device, options.split.both_modes)
     whole = WholeModel(split.tied_groups, _parameter_order(model), model_signature(model, split.split_points),
                        model_info(model),  # model_info: what checkpoints record, and export writes back
                        parameter_placements=_tensor_parallel_placements(model, layout, split.tied_groups))

@@ -41,6 +41,7 @@ from types import MappingProxyType
 from typing import Any
 
 from conveyor.errors import PipelineConfigError
+from conveyor.expert_option import check_expert_parallel
 
 DATA_PARALLEL_KINDS = ("ddp", "fsdp")
 TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid", "ordered")
@@ -394,6 +395,9 @@ class Layout:
     loss_parallel: bool = _f(False, "with tensor_parallel: logits stay vocabulary-sharded and the last stage's "
                                     "loss runs under torch's loss_parallel() (hand-built or traced stages)")
     parts: tuple = _f((), "StageParts of your own (conveyor.parallel.part), after the built-in ones; distributed only")
+    expert_parallel: Any = _f(None, "experts sharded over ep of the mesh's dp replicas (conveyor.parallel.experts): "
+                                    "'auto' or {module-name pattern: 'ep_dispatch_experts'}; None: off")
+    ep: int | None = _f(None, "with expert_parallel: ranks per expert group, dividing the mesh's dp (None: dp)")
 
     def __post_init__(self) -> None:
         if self.group is not None and self.mesh is not None:
@@ -407,6 +411,7 @@ class Layout:
             raise PipelineConfigError(f"Layout(ranks={self.ranks}) counts the ranks of an in-process pipeline; "
                                       "a distributed one takes its group's size: add in_process=True or drop ranks")
         self._check_tensor_parallel()
+        check_expert_parallel(self)
 
     def _check_tensor_parallel(self) -> None:
         """tensor_parallel and a mesh's "tp" dim come together; the plan holds ParallelStyles (the
@@ -474,6 +479,8 @@ class Layout:
         if self.tensor_parallel is not None:
             text += (f", tensor_parallel={describe_plan(self.tensor_parallel)} "
                      f"sequence_parallel={self.sequence_parallel} loss_parallel={self.loss_parallel}")
+        if self.expert_parallel is not None:
+            text += f", expert_parallel={self.expert_parallel!r} ep={self.ep}"
         return text + (f", parts {[type(part).__name__ for part in self.parts]}" if self.parts else "")
 
 

@@ -29,6 +29,9 @@ FORBIDDEN = {
     # The option records sit beside the runtime, which takes the stage record whole: nothing above it.
     "options": ("conveyor.frontend", "conveyor.pipe", "conveyor.parallel", "conveyor.plan", "conveyor.local",
                 "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
+    # The expert-parallel option's checks: a part of the option records, kept in its own file.
+    "expert_option": ("conveyor.frontend", "conveyor.pipe", "conveyor.parallel", "conveyor.plan", "conveyor.local",
+                      "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "pipe": ("conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "local": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "build": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),

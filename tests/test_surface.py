@@ -46,6 +46,9 @@ MODULE_ALL = {
     "conveyor.parallel": (
         "count_tokens", "data_loader",
     ),
+    "conveyor.parallel.experts": (
+        "ExpertParallel", "dispatch_combine", "find_experts",
+    ),
     "conveyor.parallel.tensor": (
         "check_plan", "parallelize_stage", "tensor_parallel_plan",
     ),
@@ -92,7 +95,7 @@ TRAIN_KEYS = (
     "model.kv_heads", "model.hf_config", "data.source", "data.format", "data.text_key", "data.tokenizer",
     "data.val_fraction", "data.max_bytes", "data.batching", "parallel.pp", "parallel.virtual", "parallel.schedule",
     "parallel.microbatches", "parallel.dp", "parallel.data_parallel", "parallel.tp", "parallel.sequence_parallel",
-    "parallel.plan", "parallel.in_process", "stage.recompute", "stage.autocast", "stage.param_dtype",
+    "parallel.ep", "parallel.plan", "parallel.in_process", "stage.recompute", "stage.autocast", "stage.param_dtype",
     "stage.grad_accum_dtype", "stage.loss_scaling", "stage.compile", "stage.random_streams", "stage.measure_memory",
     "stage.record_timeline", "transfer.transport", "transfer.timeout_s", "transfer.fixed_shapes", "transfer.shapes",
     "transfer.variable_shapes", "optim.lr", "optim.betas", "optim.weight_decay", "optim.warmup_steps",

@@ -19,6 +19,7 @@ from torch import nn
 
 from conveyor.errors import SplitError
 from conveyor.frontend.dynamic import symbolic_dims
+from conveyor.frontend.leaves import leaves_as_shapes
 from conveyor.frontend.materialize import named_tensors
 from conveyor.frontend.stage import StageModule, ValueSpec, as_received, build_graph
 from conveyor.frontend.trace import TracedModel
@@ -167,6 +168,7 @@ def _dry_run(split: ModelSplit) -> None:
             check_inputs=False,
             traced_training=traced.training,
         )
+        leaves_as_shapes(module)
         try:
             if recipe.is_first:
                 args, kwargs = values

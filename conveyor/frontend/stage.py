@@ -29,6 +29,7 @@ from torch import nn
 
 from conveyor.errors import PipelineConfigError, SpecMismatchError
 from conveyor.frontend.dynamic import describe_shape, fits
+from conveyor.frontend.leaves import held_in_order, hollow_copy, restore_leaves
 from conveyor.frontend.trace import ExampleLeaf, StateInput, TracedModel
 
 # Attribute names on a StageModule that can never clash with a model's module names.
@@ -313,6 +314,8 @@ def build_graph(
         env[node] = graph.node_copy(node, lambda source: env[source])
     result = tuple(fx.node.map_arg(value, lambda source: env[source]) for value in recipe.outputs)
     graph.output(result)
+    for path in restore_leaves(graph):  # a module the trace kept whole, at its own path (dotted)
+        submodules[path] = hollow_copy(traced.model.get_submodule(path))
     _rewrite_devices(graph, device_map)
     _drop_metadata_assertions(graph)
     if not recipe.is_first:
@@ -330,7 +333,7 @@ class _Container(nn.Module):
         )
 
 
-def _register(root: nn.Module, path: str, tensor: torch.Tensor, persistent: bool) -> None:
+def _register(root: nn.Module, path: str, tensor: torch.Tensor | nn.Module, persistent: bool) -> None:
     *parents, leaf = path.split(".")
     owner = root
     for part in parents:
@@ -339,7 +342,9 @@ def _register(root: nn.Module, path: str, tensor: torch.Tensor, persistent: bool
             child = _Container()
             owner.add_module(part, child)
         owner = child
-    if isinstance(tensor, nn.Parameter):
+    if isinstance(tensor, nn.Module):  # a nested graph, or a leaf of the trace (conveyor.frontend.leaves)
+        owner.add_module(leaf, tensor)
+    elif isinstance(tensor, nn.Parameter):
         owner.register_parameter(leaf, tensor)
     else:
         owner.register_buffer(leaf, tensor, persistent=persistent)
@@ -398,10 +403,8 @@ class StageModule(nn.Module):
         traced_training: bool = True,
     ):
         super().__init__()
-        for name, (tensor, persistent) in tensors.items():
-            _register(self, name, tensor, persistent)
-        for name, module in submodules.items():
-            self.add_module(name, module)
+        for name, (value, persistent) in held_in_order(tensors, submodules):  # a leaf module holds its tensors
+            _register(self, name, value, persistent)
         self._conveyor_stage = recipe.stage
         self._conveyor_num_stages = recipe.num_stages
         self._conveyor_input_specs = recipe.input_specs if check_inputs else None
@@ -456,6 +459,7 @@ class StageModule(nn.Module):
                 "stages on their own with split.with_mode()"
             )
         suffix = "_train" if training else "_eval"
+        submodules = {name: module for name, module in submodules.items() if "." not in name}  # leaves: this mode's
         for node in graph.nodes:  # the other mode's nested graphs (cond, no_grad regions) get their own names
             if node.op == "get_attr" and node.target in submodules:
                 node.target = f"{node.target}{suffix}"

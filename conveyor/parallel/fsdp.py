@@ -66,11 +66,13 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a v
 _STEP_PHASE, _AWAITING_REDUCE, _AWAITING_FINAL = "_conveyor_fsdp_step_phase", "awaiting reduce", "awaiting final"
 
 
-def replicate_stage(module: torch.nn.Module, dp_mesh: DeviceMesh) -> FSDPModule:
+def replicate_stage(module: torch.nn.Module, dp_mesh: DeviceMesh, *,
+                    ignored_params: set[torch.nn.Parameter] | None = None) -> FSDPModule:
     """Replicate ``module`` over the 1-D ``dp_mesh`` with FSDP2's ``replicate`` (DDP); returns it.
 
     Every replica keeps all of the stage's parameters; the hooks below then all-reduce its
-    gradients (the mean over replicas) once per step, as for a sharded stage.
+    gradients (the mean over replicas) once per step, as for a sharded stage. ``ignored_params``
+    are left alone (another part reduces them: :func:`conveyor.parallel.part.claim_reduction`).
 
     Example:
         >>> stage = replicate_stage(build_stage(s, cfg), mesh["dp"])   # doctest: +SKIP
@@ -78,7 +80,7 @@ def replicate_stage(module: torch.nn.Module, dp_mesh: DeviceMesh) -> FSDPModule:
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     _check_stage_mesh(module, dp_mesh)
-    return replicate(module, mesh=dp_mesh)
+    return replicate(module, mesh=dp_mesh, ignored_params=ignored_params or None)
 
 
 def _check_stage_mesh(module: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
@@ -95,8 +97,8 @@ def _check_stage_mesh(module: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
         )
 
 
-def shard_stage(module: torch.nn.Module, dp_mesh: DeviceMesh, *,
-                mp_policy: MixedPrecisionPolicy | None = None) -> FSDPModule:
+def shard_stage(module: torch.nn.Module, dp_mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None,
+                ignored_params: set[torch.nn.Parameter] | None = None) -> FSDPModule:
     """Shard ``module`` (one pipeline stage) over the 1-D ``dp_mesh`` with FSDP2; returns it.
 
     ``reshard_after_forward=False`` (on submodules the user sharded before, too): the gathered
@@ -113,7 +115,8 @@ def shard_stage(module: torch.nn.Module, dp_mesh: DeviceMesh, *,
 
     _check_stage_mesh(module, dp_mesh)
     kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
-    sharded = fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, **kwargs)
+    sharded = fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored_params or None,
+                          **kwargs)
     sharded.set_reshard_after_forward(False, recurse=True)  # inner blocks sharded by the user too
     return sharded
 

@@ -10,6 +10,10 @@ The hooks, in the order a pipeline reaches them: building (``wrap_stages``, ``ru
 ``agree``, ``wrap``, ``boundary_examples``), each training step (``start_step``, ``stage_done``,
 ``finish_step``, ``step_loss``), and on request (``whole_norms``, ``flags``, ``spans``, ``release``).
 
+A part that reduces some parameters' gradients over groups of its own (expert parallelism) claims
+them with :func:`claim_reduction` in ``wrap_stages``; parts that reduce a whole stage (the
+replicas) leave the claimed parameters out.
+
 Example (a part that doubles every gradient at the end of a step)::
 
     class Doubled(StagePart):
@@ -115,3 +119,32 @@ class StagePart:
 
     def release(self) -> None:
         """After a failure: forget whatever holds the pipeline's groups."""
+
+
+# A parameter whose gradient one part reduces across ranks itself carries the part's name here;
+# parts that reduce every gradient of a stage over their own group (the replicas) leave it out.
+_REDUCED_BY = "_conveyor_reduced_by"
+
+
+def claim_reduction(param: torch.nn.Parameter, owner: str) -> None:
+    """Say that ``owner`` (a part) reduces ``param``'s gradient across ranks itself, in its own groups.
+
+    Called from a part's ``wrap_stages`` (before any part wraps): expert parallelism claims the
+    experts' shards, whose gradients reduce over the expert-data-parallel group, not over "dp".
+
+    Example:
+        >>> param = torch.nn.Parameter(torch.zeros(2))
+        >>> claim_reduction(param, "expert parallelism"); reduced_by(param)
+        'expert parallelism'
+    """
+    setattr(param, _REDUCED_BY, owner)
+
+
+def reduced_by(param: torch.Tensor) -> str | None:
+    """The part that claimed ``param``'s reduction (None: the stage's usual reductions apply)."""
+    return getattr(param, _REDUCED_BY, None)
+
+
+def claimed_parameters(module: torch.nn.Module) -> set[torch.nn.Parameter]:
+    """``module``'s parameters some part claimed the reduction of (see :func:`claim_reduction`)."""
+    return {param for param in module.parameters() if reduced_by(param) is not None}

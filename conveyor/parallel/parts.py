@@ -2,9 +2,10 @@
 
 The order of the list is the order of every hook, and so the order of a step's reductions, which
 bitwise parity with one device depends on: the replicas' reduction first (the gradients then hold
-the replicas' mean), then the tensor-parallel gradients settled to their placements, then the tied
-copies' sums, and after the loss broadcast the replicas' mean of the loss. A new parallelism is one
-more entry here, read from its one option field.
+the replicas' mean), then the tensor-parallel gradients settled to their placements, then the expert
+shards' gradients (summed over their expert-data-parallel group, divided by dp), then the tied
+copies' sums, and after the loss broadcast the replicas' mean of the loss. A new parallelism is
+one more entry here, read from its one option field.
 
 Example:
     >>> from conveyor.options import Layout
@@ -42,6 +43,13 @@ def parts_for(layout: Layout, mesh_layout: MeshLayout | None) -> list[StagePart]
 
         assert mesh_layout is not None  # Layout refuses tensor_parallel without a mesh's "tp" dim
         parts.append(TensorParallelStages(layout, mesh_layout.tp_mesh))
+    if layout.expert_parallel is not None:
+        from conveyor.parallel.experts import ExpertParallel
+
+        assert mesh_layout is not None  # Layout refuses expert_parallel without a mesh's "dp" dim
+        ep = layout.ep or mesh_layout.dp_size
+        if ep > 1:  # ep=1: every rank keeps every expert, nothing to move
+            parts.append(ExpertParallel(layout.expert_parallel, ep, mesh_layout))
     parts.append(TiedGradients())
     for part in layout.parts:
         if not isinstance(part, StagePart):

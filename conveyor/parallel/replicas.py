@@ -38,7 +38,7 @@ import torch
 
 from conveyor.parallel import fsdp
 from conveyor.parallel.mesh import MeshLayout
-from conveyor.parallel.part import PartSite, Span, StagePart
+from conveyor.parallel.part import PartSite, Span, StagePart, claimed_parameters
 from conveyor.runtime.stage.runner import StageRunner
 from conveyor.runtime.stage.timing import SpanTimer
 
@@ -92,10 +92,12 @@ class Replicas(StagePart):
     def wrap(self) -> None:
         """Wrap every stage module (in place) over the "dp" group; the runners read its parameters."""
         for runner in self.runners.values():
+            # Parameters another part reduces over its own groups (expert shards) stay out.
+            ignored = claimed_parameters(runner.module)
             if self.kind == "fsdp":
-                fsdp.shard_stage(runner.module, self.mesh)
+                fsdp.shard_stage(runner.module, self.mesh, ignored_params=ignored)
             else:
-                fsdp.replicate_stage(runner.module, self.mesh)
+                fsdp.replicate_stage(runner.module, self.mesh, ignored_params=ignored)
             runner.refresh_params()
 
     def start_step(self) -> None:

@@ -91,6 +91,9 @@ class ParallelConfig:
                     "and head")
     sequence_parallel: bool = _f(False, "with parallel.tp > 1: activations between blocks sharded on the "
                                         "sequence (norms and dropout per shard)")
+    ep: int | str = _f(1, "expert parallelism: each experts module's experts spread over ep of the dp replicas (a "
+                          "size dividing parallel.dp and the expert count), tokens moved all-to-all; 'auto': ep = "
+                          "parallel.dp; 1: every replica keeps every expert")
     plan: str | None = _f(None, "a plan file from `conveyor plan --out`: its schedule, virtual, microbatches and "
                                 "split points replace these keys' (None: split by parameters)")
     in_process: bool = _f(False, "every pipeline rank in this one process (no launcher; parallel.dp=1): the "

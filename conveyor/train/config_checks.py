@@ -206,6 +206,7 @@ def _check_parallel(cfg: Any, problems: list[str], world_size: int | None) -> No
     _check_plan(cfg, problems)
     _check_schedule(cfg, problems)
     _check_tensor_parallel(cfg, problems)
+    _check_expert_parallel(cfg, problems)
 
 
 def _world_mismatch(par: Any, world_size: int) -> str:
@@ -218,6 +219,42 @@ def _world_mismatch(par: Any, world_size: int) -> str:
     elif par.tp > 1 and world_size % (par.tp * par.dp) == 0:
         text += f", e.g. parallel.pp={world_size // (par.tp * par.dp)} with parallel.dp={par.dp} x parallel.tp={par.tp}"
     return text
+
+
+def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
+    """``parallel.ep``: "auto" or a size that divides ``parallel.dp`` (EP borrows the replicas' ranks) and the
+    recipe's expert count where its ``hf_config`` gives one; not in one process, not with tp yet."""
+    par, ep = cfg.parallel, cfg.parallel.ep
+    if ep == 1:
+        return
+    if not (ep == "auto" or (isinstance(ep, int) and not isinstance(ep, bool) and ep > 1)):
+        problems.append(f"parallel.ep={ep!r}: expected 'auto' (ep = parallel.dp) or a size >= 1 (1: no expert "
+                        "parallelism)")
+        return
+    size = par.dp if ep == "auto" else ep
+    if par.in_process:
+        problems.append(f"parallel.ep={ep} moves tokens between processes, but parallel.in_process=true; set "
+                        "parallel.ep=1 or parallel.in_process=false")
+    if par.dp < 2 or par.dp % size:
+        problems.append(f"parallel.ep={ep}: expert parallelism spreads the experts over the data-parallel replicas, "
+                        f"which parallel.dp={par.dp} does not divide into groups of {size}; set parallel.dp to a "
+                        f"multiple of {size} (e.g. parallel.dp={max(2, size)}) or parallel.ep=1")
+    if par.tp > 1:
+        problems.append(f"parallel.ep={ep} with parallel.tp={par.tp}: expert and tensor parallelism together are not "
+                        "supported yet; set one of them to 1")
+    experts = _expert_count(cfg.model)
+    if experts is not None and size > 0 and experts % size:
+        problems.append(f"parallel.ep={ep} (groups of {size}) does not divide the model's {experts} experts; choose "
+                        f"an ep dividing {experts} and parallel.dp")
+
+
+def _expert_count(model: Any) -> int | None:
+    """The recipe's experts per layer, where its ``hf_config`` names them (Mixtral's and Qwen's key)."""
+    hf_config = getattr(model, "hf_config", None) or {}
+    for key in ("num_local_experts", "num_experts"):
+        if isinstance(hf_config.get(key), int):
+            return hf_config[key]
+    return None
 
 
 def _check_tensor_parallel(cfg: Any, problems: list[str]) -> None:

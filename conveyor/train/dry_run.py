@@ -92,6 +92,7 @@ class RunLayout:
     stages: list[StageRow] = field(default_factory=list)
     ranks: list[RankRow] = field(default_factory=list)
     tied: list[str] = field(default_factory=list)
+    experts: list[str] = field(default_factory=list)  # with parallel.ep: what each rank keeps (expert_shards)
 
 
 def run_layout(cfg: TrainConfig) -> RunLayout:
@@ -129,6 +130,10 @@ def run_layout(cfg: TrainConfig) -> RunLayout:
                                     sum(sizes[name] for name in names), *saved[stage]))
     if p.tp > 1:
         _add_shards(cfg, model, split, layout.stages)
+    if p.ep != 1:
+        from conveyor.train.expert_shards import expert_shard_lines
+
+        layout.experts = expert_shard_lines(cfg, model, split, schedule)
     layout.ranks = _rank_memory(cfg, schedule, layout.stages)
     return layout
 
@@ -281,7 +286,8 @@ def format_layout(layout: RunLayout, cfg: TrainConfig) -> str:
     p = cfg.parallel
     micro = cfg.replica_batch_size // p.microbatches
     lines = [f"conveyor train --dry-run: {layout.model_class}, {layout.total_parameters:,} parameters "
-             f"({layout.total_parameters / 1e9:.2f}B); pp={p.pp} x dp={p.dp}{f' x tp={p.tp}' if p.tp > 1 else ''}, "
+             f"({layout.total_parameters / 1e9:.2f}B); pp={p.pp} x dp={p.dp}{f' x tp={p.tp}' if p.tp > 1 else ''}"
+             f"{f' (ep={p.ep})' if p.ep != 1 else ''}, "
              f"schedule {p.schedule}, "
              f"{len(layout.stages)} stages, {p.microbatches} microbatches of {micro} x {cfg.model.seq_len} tokens"]
     width = max(len(r.first) for r in layout.stages) + 2
@@ -298,6 +304,7 @@ def format_layout(layout: RunLayout, cfg: TrainConfig) -> str:
         lines.append("tied: " + "; ".join(layout.tied) + " (each stage holding it keeps a copy)")
     if p.tp > 1:
         lines += shard_lines(layout, cfg)
+    lines += layout.experts
     sharded = p.data_parallel == "fsdp" and p.dp > 1
     lines += [
         "memory per rank = parameters, gradients and AdamW's two moments in fp32 (16 bytes per parameter"

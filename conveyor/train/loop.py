@@ -178,7 +178,9 @@ def build_pipeline(cfg: TrainConfig, model: torch.nn.Module, loss_fn: Any = None
     layout = conveyor.Layout(device=device, in_process=p.in_process, ranks=p.pp if p.in_process else None,
                              mesh=mesh, data_parallel=p.data_parallel if p.dp > 1 else None,
                              tensor_parallel="auto" if p.tp > 1 else None,
-                             sequence_parallel=p.sequence_parallel and p.tp > 1)
+                             sequence_parallel=p.sequence_parallel and p.tp > 1,
+                             expert_parallel="auto" if p.ep != 1 else None, ep=p.ep if isinstance(p.ep, int) and
+                             p.ep > 1 else None)
     split, transfer = conveyor.SplitOptions(method="parameters"), cfg.transfer
     if cfg.data.batching == "by_length":  # every microbatch its own rows and length: one trace for all
         split, transfer = by_length_options(model, transfer)

@@ -1,0 +1,99 @@
+"""The expert-parallel option of :class:`conveyor.options.Layout`: its checks, before any rank communicates.
+
+``expert_parallel`` ("auto" or {module-name pattern: "ep_dispatch_experts"}) shards a mixture of
+experts' experts over ``ep`` of the mesh's "dp" replicas (:mod:`conveyor.parallel.experts`). What
+needs only the record is checked here, alike on every rank; what needs the model (experts found,
+``ep`` dividing their count) is checked when the stages are placed.
+
+Example:
+    >>> from conveyor.options import Layout
+    >>> try:
+    ...     Layout(ep=2)
+    ... except PipelineConfigError as error:
+    ...     print(error)
+    ep=2 sizes expert parallelism: give expert_parallel='auto' (or a plan) too, or drop ep
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from conveyor.errors import PipelineConfigError
+
+DISPATCHERS = ("ep_dispatch_experts",)  # transformers' name for the all-to-all dispatch of base_model_ep_plan
+# The experts module's forward arguments after self (GPT-OSS names them router_indices, routing_weights).
+ROUTED_ARGUMENTS = (("hidden_states", "top_k_index", "top_k_weights"),
+                    ("hidden_states", "router_indices", "routing_weights"))
+
+
+def is_stacked_experts(module: Any) -> bool:
+    """transformers 5's experts shape: 3-D parameters sharing dim 0, ``forward(hidden, index, weights)``.
+
+    Both the trace (which keeps such a module whole, :mod:`conveyor.frontend.leaves`) and expert
+    parallelism (which shards it) find experts by this one test.
+
+    Example:
+        >>> import torch
+        >>> is_stacked_experts(torch.nn.Linear(2, 2))
+        False
+    """
+    params = list(module.parameters(recurse=False))
+    weights = [p for p in params if p.dim() == 3]
+    if not weights or any(p.dim() < 2 or p.shape[0] != weights[0].shape[0] for p in params):
+        return False
+    try:
+        arguments = tuple(inspect.signature(type(module).forward).parameters)[1:4]
+    except (TypeError, ValueError):
+        return False
+    return arguments in ROUTED_ARGUMENTS
+
+
+def check_expert_parallel(layout: Any) -> None:
+    """Refuse ``layout``'s expert-parallel option where it cannot work, saying how to fix it.
+
+    It needs a mesh with a "dp" dim that ``ep`` divides (None: ep = dp), a distributed pipeline, and
+    no "tp" dim over 1 (not supported yet).
+    """
+    plan, ep = layout.expert_parallel, layout.ep
+    if plan is None:
+        if ep is not None:
+            raise PipelineConfigError(f"ep={ep} sizes expert parallelism: give expert_parallel='auto' (or a plan) "
+                                      "too, or drop ep")
+        return
+    check_plan(plan)
+    if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
+        raise PipelineConfigError(f"ep takes a positive int (ranks per expert-parallel group); got {ep!r}")
+    mesh = layout.mesh
+    dims = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if layout.in_process or "dp" not in dims:
+        where = ("an in-process pipeline" if layout.in_process else
+                 f"a mesh with dims {dims}" if mesh is not None else "a pipeline without a mesh")
+        raise PipelineConfigError(
+            f"expert_parallel={plan!r} borrows its ranks from the mesh's 'dp' dim, got {where}: "
+            "mesh=init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp')) with ep dividing dp")
+    dp = mesh.size(dims.index("dp"))
+    if dp % (ep or dp):
+        raise PipelineConfigError(f"ep={ep} does not divide the mesh's dp={dp}: expert parallelism borrows its "
+                                  f"ranks from the replicas; choose ep among the divisors of {dp}")
+    if "tp" in dims and mesh.size(dims.index("tp")) > 1:
+        raise PipelineConfigError("expert_parallel with tensor_parallel (a 'tp' dim over 1) is not supported yet: "
+                                  "drop one of them, or give the tp ranks to dp (ep divides dp)")
+
+
+def check_plan(plan: Any) -> None:
+    """Refuse a plan that is neither "auto" nor {module-name pattern: "ep_dispatch_experts"}.
+
+    Example:
+        >>> check_plan({"layers.*.mlp.experts": "ep_dispatch_experts"})
+    """
+    if isinstance(plan, str) and plan == "auto":
+        return
+    if not isinstance(plan, Mapping) or not plan:
+        raise PipelineConfigError(f"expert_parallel takes 'auto' or a dict {{module-name pattern: "
+                                  f"'ep_dispatch_experts'}} (None: off); got {plan!r}")
+    for pattern, dispatcher in plan.items():
+        if not isinstance(pattern, str) or dispatcher not in DISPATCHERS:
+            raise PipelineConfigError(f"expert_parallel's plan maps {pattern!r} to {dispatcher!r}; it takes "
+                                      f"module-name patterns to one of {DISPATCHERS}")

@@ -1,0 +1,259 @@
+"""Expert parallelism as a stage part: each rank keeps 1/ep of every experts module, tokens move all-to-all.
+
+The ``ep`` ranks of an expert-parallel group are borrowed from the mesh's "dp" dim, as torchtitan
+and transformers borrow them (ep divides the replica count): replicas ``b*ep .. b*ep + ep - 1`` at
+one pipeline position form group ``b``, and the one at place ``i`` in its group owns experts
+``i*E/ep .. (i+1)*E/ep - 1`` of every experts module of its stages (dim 0 of the 3-D weights;
+memory for expert parameters, gradients and optimizer state drops to 1/ep). The replicas at
+the same place of every group hold the same experts: the expert-data-parallel group (dp / ep
+ranks, one rank when ep = dp).
+
+A step, for the experts: each microbatch's forward sends every (token, choice) slot to its
+expert's owner and back (:func:`conveyor.parallel.experts.dispatch.dispatch_combine`); autograd
+sends the gradients the reverse way, so an owner's expert gradient sums its tokens from every
+replica of its group. At the step's end (:meth:`ExpertParallel.finish_step`) each expert gradient
+is summed over the expert-data-parallel group and divided by dp: the replicas' mean, as the
+replicas' part gives the dense gradients (it leaves the experts alone: they are claimed, see
+:func:`conveyor.parallel.part.claim_reduction`).
+
+The pipeline's schedules need nothing more: both replicas of an expert-parallel group run the same
+program, so they reach each microbatch's all-to-all of each layer in the same order.
+
+Example (what ``parts_for`` builds for ``Layout(mesh=mesh, expert_parallel="auto", ep=2)``)::
+
+    part = ExpertParallel("auto", 2, mesh_layout)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from conveyor.errors import PipelineConfigError
+from conveyor.options import WholeModel
+from conveyor.parallel.experts.discover import find_experts, num_experts_of
+from conveyor.parallel.experts.dispatch import dispatch_combine
+from conveyor.parallel.mesh import MeshLayout
+from conveyor.parallel.part import PartSite, StagePart, claim_reduction
+from conveyor.schedule.ir import Schedule
+
+
+class ExpertParallel(StagePart):
+    """This rank's share of every experts module of its stages, and the groups that move their tokens.
+
+    ``plan``: "auto" or {module-name pattern: "ep_dispatch_experts"}; ``ep``: the expert-parallel
+    group's size (divides the mesh's dp); ``mesh_layout``: where this rank stands.
+    """
+
+    wants_checkpoint_group = True
+
+    def __init__(self, plan, ep: int, mesh_layout: MeshLayout) -> None:
+        if mesh_layout.dp_size % ep:
+            raise PipelineConfigError(f"ep={ep} does not divide the mesh's dp={mesh_layout.dp_size}: expert "
+                                      "parallelism borrows its ranks from the replicas; choose ep dividing dp")
+        self.plan = plan
+        self.ep = ep
+        self.mesh_layout = mesh_layout
+        self.ep_rank = mesh_layout.dp_rank % ep  # this rank's place in its group: which experts it owns
+        self.group = None  # the expert-parallel group: the tokens' all-to-all
+        self.replicas_group = None  # the expert-data-parallel group: the expert gradients' sum
+        self.experts: dict[int, dict[str, nn.Module]] = {}  # by stage, by name in the stage
+        self.runners: dict = {}
+
+    def wrap_stages(self, modules: Mapping[int, nn.Module], schedule: Schedule, model: WholeModel) -> None:
+        """Keep this rank's experts of every experts module, and route their forward through the group."""
+        for stage, module in modules.items():
+            found = find_experts(module, self.plan)
+            for name, experts in found.items():
+                shard_experts(experts, self.ep_rank, self.ep, f"stage {stage} module {name!r}")
+                experts.forward = functools.partial(_dispatched_forward, experts, self, num_experts_of(experts)
+                                                    * self.ep)
+            self.experts[stage] = found
+
+    def agree(self, site: PartSite) -> None:
+        """The expert-parallel and expert-data-parallel groups (built by every rank, in one order); a
+        model without experts anywhere in the pipeline is refused on every rank."""
+        import torch.distributed as dist
+
+        found = torch.tensor([sum(len(f) for f in self.experts.values())],
+                             device="cpu" if "gloo" in site.life.backend else site.device)
+        dist.all_reduce(found, group=site.life.groups.group)
+        if int(found.item()) == 0:
+            raise PipelineConfigError(
+                f"expert_parallel={self.plan!r} found no experts in any stage of the pipeline: give a "
+                "mixture-of-experts model (transformers 5's experts modules), a plan naming its experts "
+                f"modules, or drop expert_parallel{self._inlined_hint(site)}")
+        ep_groups, replica_groups = expert_memberships(self.mesh_layout, self.ep)
+        self.group = site.life.groups.replica_group(ep_groups)
+        # Group ranks follow the global ranks, which a mesh lays out in replica order: this rank's place
+        # in the all-to-all is the one whose experts it kept.
+        assert dist.get_rank(self.group) == self.ep_rank, (dist.get_rank(self.group), self.ep_rank, ep_groups)
+        self.replicas_group = site.life.groups.replica_group(replica_groups) if len(replica_groups[0]) > 1 else None
+        self.runners = dict(site.runners)
+        self._as_dtensors(site.device)
+        shapes = {f"{stage}:{name}": [tuple(p.shape) for p in m.parameters()]
+                  for stage, by_name in self.experts.items() for name, m in by_name.items()}
+        site.life.groups.agree({**site.built, "expert parallel": f"ep={self.ep} {self.plan!r}",
+                                "expert shards": repr(sorted(shapes.items()))}, group=self.group,
+                               who="expert-parallel ranks")
+
+    def _inlined_hint(self, site: PartSite) -> str:
+        """Why none was found, from this rank's stages: experts modules the plan does not name, or stacked
+        expert weights no experts module runs (stages split without leaves inline the experts' code)."""
+        modules = {name for runner in site.runners.values() for name in find_experts(runner.module, "auto")}
+        if modules:
+            return f". This rank's stages hold experts modules the plan does not name: {sorted(modules)}"
+        stacked = [name for runner in site.runners.values() for name, p in runner.module.named_parameters()
+                   if p.dim() == 3]
+        if not stacked:
+            return ""
+        return (f". This rank's stages hold 3-D expert weights ({stacked[0]}, ...) that no experts module runs: "
+                "stages split without expert parallelism inline the experts' code, which it cannot reroute; "
+                "build them with conveyor.pipeline(..., options=PipelineOptions(layout=Layout(expert_parallel=...))), "
+                "which keeps each experts module whole, or split inside conveyor.frontend.leaves.experts_as_leaves("
+                "model)")
+
+    def _as_dtensors(self, device: torch.device) -> None:
+        """Each shard as a DTensor sharded on dim 0 over the group's 1-D mesh: its global shape and name are
+        the whole experts', so checkpoints (DCP) write and reshard it, export gathers it whole, and
+        AdamW's state follows it; the experts' own code runs on its local tensor."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        # Named after the group (as the replicas' mesh is): torch's DTensor caches key meshes by ranks and name.
+        mesh = DeviceMesh.from_group(self.group, device.type, mesh_dim_names=(f"ep_{self.group.group_name}",))
+        for by_name in self.experts.values():
+            for experts in by_name.values():
+                for name, param in list(experts.named_parameters(recurse=False)):
+                    global_shape = (param.shape[0] * self.ep, *param.shape[1:])
+                    sharded = DTensor.from_local(param.detach(), mesh, [Shard(0)], run_check=False,
+                                                 shape=torch.Size(global_shape), stride=_contiguous(global_shape))
+                    kept = nn.Parameter(sharded, requires_grad=param.requires_grad)
+                    claim_reduction(kept, "expert parallelism")
+                    setattr(experts, name, kept)
+
+    def wrap(self) -> None:
+        """The runners re-read their parameters (the shards became DTensors)."""
+        for runner in self.runners.values():
+            runner.refresh_params()
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's expert parameters (its shards), stage by stage."""
+        return [p for by_name in self.experts.values() for m in by_name.values() for p in m.parameters()]
+
+    def finish_step(self) -> None:
+        """Each expert gradient summed over the expert-data-parallel group, then divided by dp: the replicas' mean."""
+        import torch.distributed as dist
+
+        for param in self.parameters():
+            if param.grad is None:
+                continue
+            grad = _local(param.grad)
+            if self.replicas_group is not None:
+                dist.all_reduce(grad, group=self.replicas_group)
+            grad.div_(self.mesh_layout.dp_size)
+
+    def flags(self, flags: torch.Tensor) -> torch.Tensor:
+        """The flags' max over the expert-parallel group: one owner's experts may be the only bad ones."""
+        import torch.distributed as dist
+
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return flags
+
+    def whole_norms(self, grads: Sequence[torch.Tensor], norms: list[torch.Tensor],
+                    norm_type: float) -> list[torch.Tensor]:
+        """An expert gradient's norm over every expert: its shards' norms combined over the group."""
+        from conveyor.parallel.clipping import combine_shard_norms
+
+        mine = {id(p.grad) for p in self.parameters() if p.grad is not None}
+        indices = [i for i, grad in enumerate(grads) if id(grad) in mine]
+        if not indices:
+            return norms
+        combined = combine_shard_norms([norms[i] for i in indices], norm_type, self.group)
+        result = list(norms)
+        for i, norm in zip(indices, combined):
+            result[i] = norm
+        return result
+
+    def release(self) -> None:
+        """Forget the groups (the pipeline destroys them)."""
+        self.group = self.replicas_group = None
+
+
+def shard_experts(experts: nn.Module, ep_rank: int, ep: int, where: str) -> None:
+    """Keep, in place, the ``ep_rank``-th of ``ep`` equal slices (dim 0) of ``experts``' parameters.
+
+    Example:
+        >>> shard_experts(module, 1, 2, "stage 0 module 'mlp.experts'")   # doctest: +SKIP
+    """
+    num_experts = num_experts_of(experts)
+    if num_experts % ep:
+        raise PipelineConfigError(f"{where} holds {num_experts} experts, which ep={ep} does not divide: choose an ep "
+                                  f"dividing {num_experts} (each rank owns num_experts / ep of them)")
+    local = num_experts // ep
+    for name, param in list(experts.named_parameters(recurse=False)):
+        kept = nn.Parameter(param.detach()[ep_rank * local:(ep_rank + 1) * local].clone(),
+                            requires_grad=param.requires_grad)
+        claim_reduction(kept, "expert parallelism")
+        setattr(experts, name, kept)
+    if hasattr(experts, "num_experts"):
+        experts.num_experts = local  # the model's own expert code loops over the local experts
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (differentiable), any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _dispatched_forward(experts: nn.Module, part: ExpertParallel, num_experts: int, hidden_states: torch.Tensor,
+                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts module's forward under expert parallelism: the same signature, the tokens dispatched."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    own_forward = type(experts).forward
+
+    def compute(tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        # Each row to its one local expert at weight 1 (x * 1 is exact): the routing weights are
+        # applied once the results are back at their tokens, as the model applies them. The model's
+        # own code runs on the shards' local tensors (their gradients flow back to the DTensors).
+        ones = torch.ones((tokens.shape[0], 1), dtype=top_k_weights.dtype, device=tokens.device)
+        local = {name: _local(p) for name, p in experts.named_parameters(recurse=False)}
+        with _reparametrize_module(experts, local):
+            return own_forward(experts, tokens, local_ids[:, None], ones)
+
+    if part.group is None:
+        raise PipelineConfigError("an expert-parallel experts module ran outside its pipeline (its groups are not "
+                                  "built yet or were released): run it through the pipeline's step")
+    return dispatch_combine(hidden_states, top_k_index, top_k_weights, num_experts=num_experts, group=part.group,
+                            compute=compute)
+
+
+def expert_memberships(layout: MeshLayout, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The expert-parallel groups and the expert-data-parallel groups of the job, as global ranks, in the
+    one order every rank builds them: per pipeline position, consecutive replicas ``ep`` at a time; and the
+    replicas at the same place of every such group.
+
+    Example:
+        >>> from conveyor.parallel.mesh import MeshLayout
+        >>> expert_memberships(MeshLayout(((0, 1), (2, 3)), 0, 0, None), 2)
+        ([[0, 2], [1, 3]], [[0], [2], [1], [3]])
+    """
+    pipelines = layout.group_pipelines
+    ep_groups, replica_groups = [], []
+    for position in range(layout.pp_size):
+        column = [pipeline[position] for pipeline in pipelines]
+        ep_groups += [column[start:start + ep] for start in range(0, len(column), ep)]
+        replica_groups += [column[place::ep] for place in range(ep)]
+    return ep_groups, replica_groups
