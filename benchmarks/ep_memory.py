@@ -76,7 +76,7 @@ def _rank(rank: int, world_size: int, ep: int, steps: int) -> dict:
 
     import conveyor
     import conveyor.schedule as cs
-    from conveyor.options import Layout
+    from conveyor.layout import DistributedLayout, InProcessLayout, Layout
     from conveyor.testing.models.moe import moe_stages
 
     torch.set_num_threads(1)
@@ -86,7 +86,7 @@ def _rank(rank: int, world_size: int, ep: int, steps: int) -> dict:
     pp_rank = mesh.get_local_rank("pp")
     schedule = cs.build("1f1b", ranks=2, microbatches=MICROBATCHES)
     stage = moe_stages(_model(), 2)[pp_rank]
-    layout = Layout(mesh=mesh, expert_parallel="auto", ep=ep) if ep > 1 else Layout(mesh=mesh)
+    layout = DistributedLayout(mesh=mesh, expert_parallel="auto", ep=ep) if ep > 1 else DistributedLayout(mesh=mesh)
     pipe = conveyor.Pipeline([stage], schedule, loss_fn=lambda out, y: _loss(out, y), layout=layout)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank % 2)

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.options import Layout, PipelineOptions, StageOptions, WholeModel
+from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+from conveyor.options import PipelineOptions, StageOptions, WholeModel
 from conveyor.parallel.mesh import layout_of
 from conveyor.pipe import Pipeline
 from conveyor.runtime.stage.device import make_current, resolve_device
@@ -61,7 +62,7 @@ def pipeline(
     (:class:`~conveyor.options.PipelineOptions`) holds the rest, as records: ``virtual``, ``split``
     (method, unsplittable modules, ``both_modes``), ``stage`` (``StageOptions(compile=True)``
     compiles each traced stage, ``autocast="bf16"``, ...),
-    ``transfer``, and ``layout`` (``Layout(in_process=True, ranks=P)``: every stage in this process,
+    ``transfer``, and ``layout`` (``InProcessLayout(ranks=P)``: every stage in this process,
     no launcher needed).
 
     Example (on each of 2 ranks)::
@@ -149,14 +150,14 @@ def _ranks_of(layout: Layout, schedule: Any, split_points: Sequence[str] | None,
         if split_points is not None:
             return max(1, (len(split_points) + 1) // (virtual or 1)), 0, None
         raise PipelineConfigError("an in-process pipeline of a schedule given by name needs its rank count: "
-                                  "Layout(in_process=True, ranks=P), split_points=, or a Schedule")
+                                  "InProcessLayout(ranks=P), split_points=, or a Schedule")
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise PipelineConfigError(
             "torch.distributed is not initialised: launch with torchrun and call "
             "torch.distributed.init_process_group() first, or build every stage in this process with "
-            "options=PipelineOptions(layout=Layout(in_process=True, ranks=P))"
+            "options=PipelineOptions(layout=InProcessLayout(ranks=P))"
         )
     group = layout.group if layout.mesh is None else layout_of(layout.mesh).pp_group
     return dist.get_world_size(group), dist.get_rank(group), layout.group

@@ -1,4 +1,4 @@
-"""The expert-parallel option of :class:`conveyor.options.Layout`: its checks, before any rank communicates.
+"""The expert-parallel option of :class:`conveyor.layout.Layout`: its checks, before any rank communicates.
 
 ``expert_parallel`` ("auto" or {module-name pattern: "ep_dispatch_experts"}) shards a mixture of
 experts' experts over ``ep`` of the mesh's "dp" replicas (:mod:`conveyor.parallel.experts`). What
@@ -8,7 +8,7 @@ needs only the record is checked here, alike on every rank; what needs the model
 Example:
     >>> from conveyor.options import Layout
     >>> try:
-    ...     Layout(ep=2)
+    ...     DistributedLayout(ep=2)
     ... except PipelineConfigError as error:
     ...     print(error)
     ep=2 sizes expert parallelism: give expert_parallel='auto' (or a plan) too, or drop ep

@@ -45,10 +45,10 @@ def test_values_are_normalised_so_that_equal_options_compare_equal():
     (lambda: StageOptions(recompute="yes"), r"recompute='yes': a policy is true, false, a RecomputePolicy"),
     (lambda: TransferOptions(transport="tcp"), r"transport must be one of 'auto'"),
     (lambda: TransferOptions(timeout_s=0), r"timeout_s must be a positive number.*set it above your slowest step"),
-    (lambda: Layout(group=object(), mesh=object()), r"mesh= or group=, not both"),
-    (lambda: Layout(data_parallel="zero3"), r"data_parallel must be 'ddp', 'fsdp' or None"),
-    (lambda: Layout(ranks=2), r"add in_process=True or drop ranks"),
-    (lambda: Layout(in_process=True, group=object()), r"in_process=True runs every rank here"),
+    (lambda: DistributedLayout(group=object(), mesh=object()), r"mesh= or group=, not both"),
+    (lambda: DistributedLayout(data_parallel="zero3"), r"data_parallel must be 'ddp', 'fsdp' or None"),
+    (lambda: DistributedLayout(ranks=2), r"add in_process=True or drop ranks"),
+    (lambda: InProcessLayout(group=object()), r"in_process=True runs every rank here"),
     (lambda: WholeModel(tied_parameters=[("wte", "lm_head")]), r"records with `uses`"),
     (lambda: SplitOptions(method="layers"), r"use 'uniform', 'parameters', 'time' or 'type:<regex>'"),
     (lambda: PipelineOptions(stage=TransferOptions()), r"PipelineOptions.stage takes a StageOptions"),
@@ -62,7 +62,7 @@ def test_records_are_frozen_and_pipeline_refuses_anything_else():
     with pytest.raises(dataclasses.FrozenInstanceError):
         StageOptions().autocast = "bf16"
     with pytest.raises(PipelineConfigError, match=r"stage= takes a conveyor.options.StageOptions; got dict"):
-        conveyor.LocalPipeline([torch.nn.Linear(2, 1)], "gpipe", microbatches=1, stage={"autocast": "bf16"})
+        conveyor.Pipeline([torch.nn.Linear(2, 1)], "gpipe", microbatches=1, stage={"autocast": "bf16"}, layout=conveyor.InProcessLayout())
 
 
 def test_bf16_main_grad_with_replicas_is_refused_across_records():
@@ -107,8 +107,8 @@ def _public(cls) -> dict[str, str]:
 
 
 def test_one_pipeline_class_with_one_public_api_over_both_backends():
-    pipe = conveyor.LocalPipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "gpipe",
-                                  lambda y, t: (y - t).sum(), microbatches=2, stage=StageOptions(measure_memory=True))
+    pipe = conveyor.Pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "gpipe",
+                             lambda y, t: (y - t).sum(), microbatches=2, stage=StageOptions(measure_memory=True), layout=conveyor.InProcessLayout())
     assert type(pipe) is conveyor.Pipeline and type(pipe.ranks).__name__ == "InProcessRanks"
     for name in ("step", "forward", "clip_grad_norm_", "forget_norm_layout", "memory", "timeline", "state_dict",
                  "parameters", "named_parameters", "load_pretrained", "train", "eval", "close", "closed",

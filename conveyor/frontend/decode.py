@@ -196,7 +196,7 @@ def decode_stages(split: ModelSplit, rows: int, length: int, stages: Sequence[nn
     Example::
 
         cached = decode_stages(split, rows=4, length=64, stages=[split.stage_module(s) for s in range(2)])
-        LocalPipeline(cached, "1f1b", microbatches=2).generate(prompts, max_new_tokens=32)
+        Pipeline(cached, "1f1b", microbatches=2, layout=InProcessLayout()).generate(prompts, max_new_tokens=32)
     """
     model = split.model
     config = getattr(model, "config", None)

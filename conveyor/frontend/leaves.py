@@ -11,7 +11,7 @@ itself (:func:`restore_leaves`): the stage holds a copy of it at its original pa
 tensors under their original names; it runs the model's own code eagerly, and expert parallelism finds and
 reroutes it as it does on hand-built stages.
 
-The trace takes leaves only where asked (``conveyor.pipeline`` with ``Layout(expert_parallel=...)``):
+The trace takes leaves only where asked (``conveyor.pipeline`` with ``DistributedLayout(expert_parallel=...)``):
 transformers' experts code takes another path when traced (its ``grouped_mm_fallback`` custom op) than
 eagerly (``torch._grouped_mm``), so a leaf changes the kernels, and without expert parallelism the traced
 path keeps what one device compares to and what tensor parallelism has rules for.

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from conveyor.options import Layout, WholeModel
+from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+from conveyor.options import WholeModel
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.runtime.lifecycle.rank import RankLifecycle
 from conveyor.runtime.stage.runner import StageRunner

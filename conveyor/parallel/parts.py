@@ -9,14 +9,14 @@ one more entry here, read from its one option field.
 
 Example:
     >>> from conveyor.options import Layout
-    >>> [type(part).__name__ for part in parts_for(Layout(), None)]
+    >>> [type(part).__name__ for part in parts_for(DistributedLayout(), None)]
     ['TiedGradients']
 """
 
 from __future__ import annotations
 
 from conveyor.errors import PipelineConfigError
-from conveyor.options import Layout
+from conveyor.layout import DistributedLayout, InProcessLayout, Layout
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.parallel.part import StagePart
 from conveyor.parallel.replicas import Replicas
@@ -53,7 +53,7 @@ def parts_for(layout: Layout, mesh_layout: MeshLayout | None) -> list[StagePart]
     parts.append(TiedGradients())
     for part in layout.parts:
         if not isinstance(part, StagePart):
-            raise PipelineConfigError(f"Layout(parts=...) takes conveyor.parallel.part.StagePart objects; got "
+            raise PipelineConfigError(f"DistributedLayout(parts=...) takes conveyor.parallel.part.StagePart objects; got "
                                       f"{type(part).__name__}: subclass StagePart and override its hooks")
         parts.append(part)
     return parts

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.options import Layout, StageOptions, TransferOptions, WholeModel
+from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+from conveyor.options import StageOptions, TransferOptions, WholeModel
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import LossBroadcast
 from conveyor.parallel.mesh import layout_of
@@ -67,7 +68,7 @@ class DistributedRanks:
         if not dist.is_available() or not dist.is_initialized():
             raise PipelineConfigError(
                 "torch.distributed is not initialised: launch with torchrun and call "
-                "torch.distributed.init_process_group() first, or pass layout=Layout(in_process=True) "
+                "torch.distributed.init_process_group() first, or pass layout=InProcessLayout() "
                 "(conveyor.LocalPipeline) to run every rank in one process"
             )
         self.layout, self.transfer = layout, transfer
@@ -88,7 +89,7 @@ class DistributedRanks:
             raise PipelineConfigError(
                 f"schedule {resolved.name!r} has {resolved.num_ranks} ranks but the process group "
                 f"has {self.size}; build the schedule with ranks={self.size}, launch {resolved.num_ranks} "
-                f"processes, or give each pipeline its own ranks with Layout(group=...) (several pipelines in "
+                f"processes, or give each pipeline its own ranks with DistributedLayout(group=...) (several pipelines in "
                 f"one job)"
             )
         self.schedule = resolved

@@ -22,9 +22,9 @@ Clipping after the step (``pipe.clip_grad_norm_``) sees unscaled gradients, as a
 Example:
     >>> import torch, conveyor
     >>> torch.manual_seed(0) and None
-    >>> pipe = conveyor.LocalPipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "1f1b", microbatches=2,
+    >>> pipe = conveyor.Pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "1f1b", microbatches=2,
     ...                               loss_fn=lambda y, t: (y.float() - t).pow(2).mean(),
-    ...                               stage=conveyor.StageOptions(autocast="fp16"))
+    ...                               stage=conveyor.StageOptions(autocast="fp16"), layout=conveyor.InProcessLayout())
     >>> loss = pipe.step(torch.ones(4, 4), target=torch.full((4, 1), 100.0))  # x 65536: fp16 gradients overflow
     >>> pipe.loss_scale, pipe.skipped_steps, [p.grad for p in pipe.parameters()][0]   # skipped, the scale halved
     (32768.0, 1, None)

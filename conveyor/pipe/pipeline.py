@@ -10,7 +10,7 @@ The same script runs on every rank::
 
 Results are bitwise identical to one device running, for each microbatch i in order,
 ``(loss_fn(model(x_i), y_i) / M).backward()``. Every rank in one process:
-``layout=Layout(in_process=True)`` with one module per stage (:func:`conveyor.LocalPipeline`);
+``layout=InProcessLayout()`` with one module per stage (an in-process :class:`conveyor.Pipeline`);
 several replicas on a ("pp", "dp") mesh: ``mesh=`` and :mod:`conveyor.parallel`. The ranks
 backend (:mod:`conveyor.pipe.backend`'s contract) is all that differs: every method below is the same on both.
 
@@ -38,7 +38,8 @@ from conveyor.microbatch import (
     split_microbatches,
     split_value,
 )
-from conveyor.options import Layout, StageOptions, TransferOptions, WholeModel, check_together
+from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+from conveyor.options import StageOptions, TransferOptions, WholeModel, check_together
 from conveyor.parallel.clipping import check_nonfinite_mode
 from conveyor.parallel.loss import set_loss_divisor
 from conveyor.parallel.replicas import Replicas
@@ -69,7 +70,7 @@ class Pipeline:
     and ``data_parallel`` ("ddp" by default, or "fsdp") run ``dp`` replicas; a ("pp", "dp", "tp") mesh
     and ``tensor_parallel`` ("auto", or {module-name pattern: torch ParallelStyle}) parallelize each stage
     over its TP ranks with torch's ``parallelize_module``; they are the everyday fields of ``layout``
-    (:class:`~conveyor.options.Layout`: the process group, the device, or every rank in this process,
+    (:class:`~conveyor.layout.Layout`: the process group, the device, or every rank in this process,
     and stage parts of your own). ``stage`` (:class:`~conveyor.options.StageOptions`):
     what each stage does (activation checkpointing, autocast, bf16 parameters, compile, random
     streams, memory measurement). ``transfer`` (:class:`~conveyor.options.TransferOptions`): how
@@ -91,7 +92,7 @@ class Pipeline:
         >>> from conveyor.options import Layout, StageOptions
         >>> pipe = conveyor.Pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "gpipe",
         ...                          lambda y, t: (y - t).sum(), microbatches=2,
-        ...                          layout=Layout(in_process=True), stage=StageOptions(measure_memory=True))
+        ...                          layout=InProcessLayout(), stage=StageOptions(measure_memory=True))
         >>> loss = pipe.step(torch.ones(8, 4), target=torch.zeros(8, 1))
         >>> [(r.peak_bytes, r.stage_bytes) for r in pipe.memory(all_ranks=True)]   # each Linear saves its input
         [(128, {0: 64}), (128, {1: 64})]
@@ -108,7 +109,7 @@ class Pipeline:
         mesh: Any = None,
         data_parallel: str | None = None,
         tensor_parallel: Any = None,
-        layout: Layout = Layout(),
+        layout: Layout = DistributedLayout(),
         stage: StageOptions = StageOptions(),
         transfer: TransferOptions = TransferOptions(),
         model: WholeModel = WholeModel(),
@@ -425,7 +426,7 @@ class PipelineSteps:
 
     Example:
         >>> import torch, conveyor
-        >>> pipe = conveyor.LocalPipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2)
+        >>> pipe = conveyor.Pipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2, layout=conveyor.InProcessLayout())
         >>> type(pipe.steps).__name__, pipe.steps.forward((torch.ones(4, 2),), {}).shape
         ('PipelineSteps', torch.Size([4, 1]))
     """
@@ -517,7 +518,7 @@ def built_fields(schedule: Schedule, layout: Layout, stage: StageOptions, transf
 
     Example:
         >>> import conveyor.schedule as cs
-        >>> built_fields(cs.build("gpipe", ranks=2, microbatches=2), Layout(), StageOptions(), TransferOptions(),
+        >>> built_fields(cs.build("gpipe", ranks=2, microbatches=2), DistributedLayout(), StageOptions(), TransferOptions(),
         ...              WholeModel())["schedule"][:18]
         'gpipe P=2 V=1 M=2 '
     """

@@ -175,7 +175,7 @@ def build_pipeline(cfg: TrainConfig, model: torch.nn.Module, loss_fn: Any = None
     mesh = training_mesh(p, device.type)  # (pp[, dp], tp) with tp innermost; ("dp", "pp") for replicas alone
     microbatch = cfg.replica_batch_size // p.microbatches
     example = torch.zeros(microbatch, cfg.model.seq_len, dtype=torch.long)
-    layout = conveyor.Layout(device=device, in_process=p.in_process, ranks=p.pp if p.in_process else None,
+    layout = conveyor.DistributedLayout(device=device, in_process=p.in_process, ranks=p.pp if p.in_process else None,
                              mesh=mesh, data_parallel=p.data_parallel if p.dp > 1 else None,
                              tensor_parallel="auto" if p.tp > 1 else None,
                              sequence_parallel=p.sequence_parallel and p.tp > 1,

@@ -25,7 +25,7 @@ Example:
     >>> _ = torch.manual_seed(0)
     >>> model = build_model(load_config(None, ["model.layers=2", "model.width=32", "model.seq_len=16"]), 256)
     >>> split = split_model(model, 2, example_args=(torch.zeros(2, 16, dtype=torch.long),))
-    >>> pipe = conveyor.LocalPipeline([split.stage_module(s) for s in range(2)], "1f1b", microbatches=2)
+    >>> pipe = conveyor.Pipeline([split.stage_module(s) for s in range(2)], "1f1b", microbatches=2, layout=conveyor.InProcessLayout())
     >>> got = greedy_tokens(pipe, list(b"def "), 20, seq_len=16, rows=4)
     >>> got == greedy_reference(model, list(b"def "), 20, seq_len=16), len(got)
     (True, 20)

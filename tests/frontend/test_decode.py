@@ -41,7 +41,7 @@ def test_traced_models_decode_with_a_cache_per_stage_to_their_own_generate(famil
     assert [stage.cached_layers for stage in stages] == [[0], [1]]
     assert all(any(p is q for q in training[s].parameters()) for s in range(2) for p in stages[s].parameters())
     prompts = torch.randint(1, 96, (2 * ROWS, 5), generator=torch.Generator().manual_seed(3))
-    pipe = conveyor.LocalPipeline(stages, "1f1b", microbatches=2)
+    pipe = conveyor.Pipeline(stages, "1f1b", microbatches=2, layout=conveyor.InProcessLayout())
     first = pipe.generate(prompts, NEW)
     again = pipe.generate(prompts, NEW)  # the caches start empty at each generation
     model.generation_config.eos_token_id = None  # its config's eos (0) would stop rows early

@@ -19,7 +19,7 @@ from torch import nn
 
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
-from conveyor.options import Layout
+from conveyor.layout import DistributedLayout, InProcessLayout, Layout
 from conveyor.parallel.experts import find_experts
 from conveyor.parallel.experts.part import expert_memberships, shard_experts
 from conveyor.parallel.mesh import MeshLayout
@@ -184,11 +184,11 @@ class _FakeMesh:
 ])
 def test_the_option_is_refused_with_the_fix(layout, message):
     with pytest.raises(PipelineConfigError, match=message):
-        Layout(**layout)
+        DistributedLayout(**layout)
 
 
 def test_a_valid_option_describes_itself():
-    layout = Layout(mesh=_FakeMesh(pp=2, dp=4), expert_parallel="auto", ep=2)
+    layout = DistributedLayout(mesh=_FakeMesh(pp=2, dp=4), expert_parallel="auto", ep=2)
     assert "expert_parallel='auto' ep=2" in layout.describe()
 
 

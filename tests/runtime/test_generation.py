@@ -76,7 +76,7 @@ def test_every_schedule_in_process_generates_the_unsplit_models_tokens(one_threa
         schedule = cs.build(name, ranks=2, microbatches=LANES, virtual=virtual)
         cfg = _config(schedule.num_stages)
         pipe = conveyor.Pipeline([build_stage(s, cfg) for s in range(schedule.num_stages)], schedule,
-                                 layout=conveyor.Layout(in_process=True))
+                                 layout=conveyor.InProcessLayout())
         found += _check(f"{name} V={virtual}", _generate_each(pipe), cfg, pipe.logprobs)
     assert not found, "\n".join(found)
 
@@ -84,7 +84,7 @@ def test_every_schedule_in_process_generates_the_unsplit_models_tokens(one_threa
 def test_eos_stops_a_row_and_pads_after_it(one_thread):
     cfg = _config(2)
     pipe = conveyor.Pipeline([build_stage(s, cfg) for s in range(2)], "1f1b", microbatches=LANES,
-                             layout=conveyor.Layout(in_process=True))
+                             layout=conveyor.InProcessLayout())
     first = pipe.generate(PROMPTS, NEW, attention_mask=MASK).tokens
     eos = int(first[0, 1])  # row 0's second token: it stops there
     out = pipe.generate(PROMPTS, NEW, attention_mask=MASK, sampling=Sampling(eos_token_id=eos, pad_token_id=31))
@@ -120,7 +120,7 @@ def test_stages_with_a_key_value_cache_decode_the_full_forwards_tokens(one_threa
     found = []
     for name, virtual in (("1f1b", 1), ("zbv", 2)):
         schedule = cs.build(name, ranks=2, microbatches=LANES, virtual=virtual)
-        pipe = _cached_pipeline(schedule, list(range(schedule.num_stages)), layout=conveyor.Layout(in_process=True))
+        pipe = _cached_pipeline(schedule, list(range(schedule.num_stages)), layout=conveyor.InProcessLayout())
         found += _cached_differences(f"{name} V={virtual}", _cached_generate(pipe), schedule.num_stages)
     assert not found, "\n".join(found)
 
@@ -213,7 +213,7 @@ def _in_process(model: torch.nn.Module, width: int):
     """A traced model cut in 2 stages in this process, for windows of ``width`` tokens, 2 lanes of 1 row."""
     return conveyor.pipeline(model, example_kwargs={"input_ids": torch.zeros(1, width, dtype=torch.long)},
                              schedule="1f1b", microbatches=2, options=conveyor.PipelineOptions(
-                                 layout=conveyor.Layout(in_process=True, ranks=2)))
+                                 layout=conveyor.InProcessLayout(ranks=2)))
 
 
 def test_cached_decode_logits_are_within_rounding_of_the_full_forward(one_thread):

@@ -80,7 +80,7 @@ def test_every_schedule_in_process_is_bitwise_with_variable_lengths(one_thread):
         schedule = cs.build(name, ranks=2, microbatches=NUM_MICROBATCHES, virtual=virtual)
         cfg = TinyConfig(num_stages=schedule.num_stages)
         pipe = conveyor.Pipeline([build_stage(s, cfg) for s in range(schedule.num_stages)], schedule,
-                                 layout=conveyor.Layout(in_process=True))
+                                 layout=conveyor.InProcessLayout())
         ids = _ids(cfg)
         got = pipe.logprobs(ids)
         assert got.shape == (8, cfg.seq_len - 1) and got.dtype == torch.float32
@@ -113,12 +113,12 @@ def test_every_schedule_over_gloo_ranks_is_bitwise_on_every_rank(one_thread):
 
 def test_a_stage_without_logits_and_missing_ids_are_refused_with_the_fix():
     pipe = conveyor.Pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "gpipe", microbatches=2,
-                             layout=conveyor.Layout(in_process=True))
+                             layout=conveyor.InProcessLayout())
     with pytest.raises(PipelineConfigError, match="causal language model's logits"):
         pipe.logprobs(torch.ones(4, 3, 4))
     cfg = TinyConfig(num_stages=2)
     pipe = conveyor.Pipeline([build_stage(s, cfg) for s in range(2)], "gpipe", microbatches=2,
-                             layout=conveyor.Layout(in_process=True))
+                             layout=conveyor.InProcessLayout())
     with pytest.raises(PipelineConfigError, match="inputs are missing"):
         pipe.logprobs(None)
 
@@ -133,7 +133,7 @@ def test_a_traced_hugging_face_model_is_bitwise(one_thread):
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     split = split_model(model, 2, example_args=(ids[:2],))
     pipe = conveyor.Pipeline([split.stage_module(s) for s in range(2)], "1f1b", microbatches=2,
-                             layout=conveyor.Layout(in_process=True))
+                             layout=conveyor.InProcessLayout())
     with torch.no_grad():
         want = [token_logprobs(model(part), part) for part in ids.tensor_split(2)]
     assert not _differences("traced GPT-2", pipe.logprobs(ids), want)

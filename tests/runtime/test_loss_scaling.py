@@ -17,7 +17,8 @@ import torch
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import NonFiniteError
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
+from conveyor.pipe import Pipeline
 from conveyor.testing import run_ranks
 from conveyor.testing.compare import whole
 from conveyor.testing.references.loss_scaling import (
@@ -81,7 +82,7 @@ def test_every_schedule_under_fp16_autocast_is_bitwise_gradscaler_with_the_overf
         if stages not in wants:
             wants[stages] = grad_scaler_run(mlp_stages(stages), minibatches, NUM_MICROBATCHES, SCALING,
                                             torch.device("cpu"))
-        pipe = LocalPipeline(mlp_stages(stages), schedule, mse_loss, stage=FP16)
+        pipe = Pipeline(mlp_stages(stages), schedule, mse_loss, stage=FP16, layout=InProcessLayout())
         got = train(pipe, minibatches)
         assert pipe.skipped_steps == 1, name
         assert_same_run(got, wants[stages], name)
@@ -91,8 +92,8 @@ def test_fp16_weights_with_fp32_main_grad_are_bitwise_gradscaler_over_masters():
     minibatches = batches(NUM_STEPS, OVERFLOW_STEP, dtype=torch.float16)
     want = grad_scaler_run(mlp_stages(4), minibatches, NUM_MICROBATCHES, SCALING, torch.device("cpu"),
                            fp16_weights=True)
-    pipe = LocalPipeline(mlp_stages(4), "zbv", mse_loss, microbatches=NUM_MICROBATCHES, virtual=2,
-                         stage=conveyor.StageOptions(param_dtype="fp16", loss_scaling=SCALING))
+    pipe = Pipeline(mlp_stages(4), "zbv", mse_loss, microbatches=NUM_MICROBATCHES, virtual=2,
+                    stage=conveyor.StageOptions(param_dtype="fp16", loss_scaling=SCALING), layout=InProcessLayout())
     optimizer = conveyor.MasterWeights(pipe, torch.optim.AdamW, lr=LR)
     got = train(pipe, minibatches, optimizer)
     assert all(p.dtype == torch.float16 and p.main_grad is None for p in pipe.parameters())
@@ -103,7 +104,7 @@ def test_the_scale_resumes_from_a_checkpoint_bitwise(tmp_path):
     minibatches = batches(NUM_STEPS, OVERFLOW_STEP)
 
     def build():
-        pipe = LocalPipeline(mlp_stages(2), "1f1b", mse_loss, microbatches=NUM_MICROBATCHES, stage=FP16)
+        pipe = Pipeline(mlp_stages(2), "1f1b", mse_loss, microbatches=NUM_MICROBATCHES, stage=FP16, layout=InProcessLayout())
         return pipe, torch.optim.AdamW(pipe.parameters(), lr=LR)
 
     pipe, optimizer = build()
@@ -132,8 +133,8 @@ def test_fp16_weights_with_replicas_are_refused_naming_fp16_autocast():
 
 def test_a_loss_that_overflows_at_every_scale_stops_at_the_floor_naming_the_cause():
     scaling = conveyor.LossScaling(init_scale=4.0, min_scale=1.0)
-    pipe = LocalPipeline(mlp_stages(2), "1f1b", mse_loss, microbatches=NUM_MICROBATCHES,
-                         stage=conveyor.StageOptions(autocast="fp16", loss_scaling=scaling))
+    pipe = Pipeline(mlp_stages(2), "1f1b", mse_loss, microbatches=NUM_MICROBATCHES,
+                    stage=conveyor.StageOptions(autocast="fp16", loss_scaling=scaling), layout=InProcessLayout())
     x, t = batches(1)[0]
     bad = t.clone()
     bad[0, 0] = float("inf")  # the loss, and every gradient, are not finite at any scale
@@ -149,8 +150,8 @@ def test_a_loss_that_overflows_at_every_scale_stops_at_the_floor_naming_the_caus
 
 
 def test_a_nonfinite_loss_with_finite_gradients_is_left_to_on_nonfinite():
-    pipe = LocalPipeline(mlp_stages(2), "1f1b", lambda y, t: mse_loss(y, t[:, :2]) + t[:, 2:].sum(),
-                         microbatches=NUM_MICROBATCHES, stage=FP16)
+    pipe = Pipeline(mlp_stages(2), "1f1b", lambda y, t: mse_loss(y, t[:, :2]) + t[:, 2:].sum(),
+                    microbatches=NUM_MICROBATCHES, stage=FP16, layout=InProcessLayout())
     x, t = batches(1)[0]
     t = torch.cat([t, torch.zeros(len(t), 1)], dim=1)
     t[-1, -1] = float("nan")  # in the loss by a term without gradient: parameters' gradients stay finite
@@ -197,12 +198,12 @@ def _replicas_then_tensor_parallel(rank, world_size):
     """dp=2 x pp=2 against GradScaler over averaged replicas; then pp=2 x tp=2 against itself unscaled."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from conveyor.options import Layout
+    from conveyor.layout import DistributedLayout, InProcessLayout, Layout
     from conveyor.testing.references.data_parallel import mesh_of
     from conveyor.testing.references.tensor_sequence import VOCAB, build_stages
 
     torch.set_num_threads(1)
-    mesh = mesh_of(2, 2)
+    mesh = pipeline_mesh(2)
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     minibatches = batches(NUM_STEPS, OVERFLOW_STEP)
     minibatches[OVERFLOW_STEP][0][:ROWS // 2, 0] = 0  # the overflow in replica 1's rows alone
@@ -226,7 +227,7 @@ def _replicas_then_tensor_parallel(rank, world_size):
     for scaled in (True, False):
         stage = build_stages(2)[pp_rank]
         pipe = conveyor.Pipeline([stage], "1f1b", loss_fn, microbatches=2,
-                                 layout=Layout(mesh=mesh, tensor_parallel="auto"),
+                                 layout=DistributedLayout(mesh=mesh, tensor_parallel="auto"),
                                  stage=conveyor.StageOptions(loss_scaling=TP_SCALING if scaled else None))
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=LR)
         losses = []

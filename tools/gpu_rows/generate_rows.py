@@ -40,7 +40,7 @@ def generate_row(ctx: Context) -> tuple[bool, str]:
     example = torch.zeros(BATCH // 2, PROMPT + NEW, dtype=torch.long, device=device)
     pipe = conveyor.pipeline(hf_model("gpt2").eval(), example_kwargs={"input_ids": example}, schedule="1f1b",
                              microbatches=2, options=conveyor.PipelineOptions(
-                                 layout=conveyor.Layout(in_process=True, ranks=2, device=device)))
+                                 layout=conveyor.InProcessLayout(ranks=2, device=device)))
     out = pipe.generate(prompts, NEW, return_logprobs=True)
     with torch.no_grad():
         cached = model.generate(prompts, max_new_tokens=NEW, do_sample=False, use_cache=True,
@@ -69,7 +69,7 @@ def _traced_cache_leg(device: torch.device) -> tuple[bool, str]:
     split = split_model(model, 2, example_args=(torch.zeros(BATCH // 2, PROMPT, dtype=torch.long, device=device),))
     stages = decode_stages(split, rows=BATCH // 2, length=PROMPT + NEW, device=device,
                            stages=[split.stage_module(s, device) for s in range(2)])
-    pipe = conveyor.Pipeline(stages, "1f1b", microbatches=2, layout=conveyor.Layout(in_process=True, device=device))
+    pipe = conveyor.Pipeline(stages, "1f1b", microbatches=2, layout=conveyor.InProcessLayout(device=device))
     prompts = torch.randint(1, 96, (BATCH, PROMPT), generator=torch.Generator().manual_seed(7)).to(device)
     out = pipe.generate(prompts, NEW)
     model.generation_config.eos_token_id = None  # its config's eos (0) would stop rows early
@@ -84,7 +84,7 @@ def _traced_cache_leg(device: torch.device) -> tuple[bool, str]:
 def _cached_leg(device: torch.device) -> tuple[bool, str]:
     """Stages with a key/value cache per lane, on the device: greedy tokens = the full forward's loop."""
     pipe = conveyor.Pipeline([build_cached_stage(s, 2).to(device) for s in range(2)], "1f1b", microbatches=2,
-                             layout=conveyor.Layout(in_process=True, device=device))
+                             layout=conveyor.InProcessLayout(device=device))
     prompts = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=torch.Generator().manual_seed(6)).to(device)
     out = pipe.generate(prompts, NEW)
     if not all(module.kv_cache for module in pipe.modules):

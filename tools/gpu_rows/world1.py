@@ -93,7 +93,7 @@ def _pipe(device, schedule=None, loss_fn=_sum_loss, stage=conveyor.StageOptions(
     stages = {s: MLPStage(s, 2) for s in range(2)}
     pipe = conveyor.Pipeline(list(stages.values()), schedule, loss_fn, stage=stage,
                              transfer=conveyor.TransferOptions(timeout_s=120),
-                             layout=conveyor.Layout(device=device))
+                             layout=conveyor.DistributedLayout(device=device))
     return pipe, stages
 
 
@@ -169,7 +169,7 @@ def fp16_loss_scaling(device: torch.device) -> tuple[bool, str]:
     stages = [s.to(device) for s in ref.mlp_stages(2)]
     pipe = conveyor.Pipeline(stages, _schedule(), ref.mse_loss, transfer=conveyor.TransferOptions(timeout_s=120),
                              stage=conveyor.StageOptions(autocast="fp16", loss_scaling=ref.SCALING),
-                             layout=conveyor.Layout(device=device))
+                             layout=conveyor.DistributedLayout(device=device))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=ref.LR)
     try:
         for step, (x, t) in enumerate(minibatches):

@@ -8,7 +8,7 @@ Example (4 ranks: 2 replicas of a 2-stage pipeline, the experts split over the 2
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pipe = conveyor.Pipeline(stages, schedule, loss_fn=loss_fn,
-                             layout=Layout(mesh=mesh, expert_parallel="auto", ep=2))
+                             layout=DistributedLayout(mesh=mesh, expert_parallel="auto", ep=2))
 """
 
 from conveyor.parallel.experts.discover import find_experts

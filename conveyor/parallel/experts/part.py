@@ -19,7 +19,7 @@ replicas' part gives the dense gradients (it leaves the experts alone: they are 
 The pipeline's schedules need nothing more: both replicas of an expert-parallel group run the same
 program, so they reach each microbatch's all-to-all of each layer in the same order.
 
-Example (what ``parts_for`` builds for ``Layout(mesh=mesh, expert_parallel="auto", ep=2)``)::
+Example (what ``parts_for`` builds for ``DistributedLayout(mesh=mesh, expert_parallel="auto", ep=2)``)::
 
     part = ExpertParallel("auto", 2, mesh_layout)
 """
@@ -112,7 +112,7 @@ class ExpertParallel(StagePart):
             return ""
         return (f". This rank's stages hold 3-D expert weights ({stacked[0]}, ...) that no experts module runs: "
                 "stages split without expert parallelism inline the experts' code, which it cannot reroute; "
-                "build them with conveyor.pipeline(..., options=PipelineOptions(layout=Layout(expert_parallel=...))), "
+                "build them with conveyor.pipeline(..., options=PipelineOptions(layout=DistributedLayout(expert_parallel=...))), "
                 "which keeps each experts module whole, or split inside conveyor.frontend.leaves.experts_as_leaves("
                 "model)")
 

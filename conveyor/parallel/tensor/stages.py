@@ -60,7 +60,7 @@ from conveyor.parallel.tensor.style_map import (
 def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()) -> dict[str, Any]:
     """The unchanged model's plan as placements by parameter name, for its traced stages (the same on every rank).
 
-    ``layout`` is the :class:`~conveyor.options.Layout` (its ``tensor_parallel``, ``loss_parallel``).
+    ``layout`` is the :class:`~conveyor.layout.Layout` (its ``tensor_parallel``, ``loss_parallel``).
     Tied copies on several stages (GPT-2's embedding and head) must be sharded alike, since their
     gradients are summed shard by shard across ranks, each TP rank with the matching TP rank of the
     other stage (:class:`~conveyor.parallel.tied.TiedGradients`). The "auto" plan shards both ends of
@@ -70,7 +70,7 @@ def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()
 
     Example::
 
-        placements = model_placements(llama, Layout(mesh=mesh, tensor_parallel="auto"), 2)
+        placements = model_placements(llama, DistributedLayout(mesh=mesh, tensor_parallel="auto"), 2)
     """
     from conveyor.parallel.tensor.traced import parameter_placements
 
@@ -101,7 +101,7 @@ class TensorParallelStages(StagePart):
     wants_checkpoint_group = True  # every TP position's pipeline writes its shards into one checkpoint
 
     def __init__(self, layout: Any, tp_mesh: Any) -> None:
-        from conveyor.options import describe_plan
+        from conveyor.layout import describe_plan
 
         self.layout, self.tp_mesh = layout, tp_mesh
         self.plan_text = describe_plan(layout.tensor_parallel)

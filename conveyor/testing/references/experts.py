@@ -24,7 +24,8 @@ from torch import nn
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
-from conveyor.options import Layout, PipelineOptions, TransferOptions
+from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+from conveyor.options import PipelineOptions, TransferOptions
 from conveyor.parallel.experts.discover import find_experts
 from conveyor.parallel.experts.part import _dispatched_forward, shard_experts
 from conveyor.parallel.part import reduced_by
@@ -187,7 +188,7 @@ def schedules_against_ep_alone(rank: int, world_size: int, cases: tuple[tuple[st
         model_name, aux, loss_fn = variant(family)
         if (model_name, aux, layers) not in references:  # the dense part's data parallelism changes nothing here
             references[model_name, aux, layers] = train_ep_alone(family, layers, dp_group, dp_rank)
-        layout = Layout(mesh=mesh, expert_parallel="auto", ep=EP,
+        layout = DistributedLayout(mesh=mesh, expert_parallel="auto", ep=EP,
                         data_parallel="fsdp" if family.endswith(":fsdp") else None)
         if aux == "traced":
             pipe = traced_pipeline(tiny_moe(model_name, layers), schedule, layout, dp_rank)
@@ -242,7 +243,7 @@ def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
                                  transfer=TransferOptions(timeout_s=120))
         return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2)
 
-    saved, optimizer = pipeline(0, Layout(mesh=mesh, expert_parallel="auto", ep=EP))
+    saved, optimizer = pipeline(0, DistributedLayout(mesh=mesh, expert_parallel="auto", ep=EP))
     saved.step(ids if pp_rank == 0 else None, target=ids if pp_rank == 1 else None)
     norm = saved.clip_grad_norm_(1e9)  # the whole model's gradient norm (nothing clipped)
     optimizer.step()
@@ -253,7 +254,7 @@ def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
     shards = {n: (type(p).__name__, tuple(_local(p).shape), tuple(p.shape)) for n, p in saved.named_parameters()
               if ".experts." in n}
     saved.close()
-    loaded, fresh = pipeline(1, Layout(mesh=mesh))  # ep=1: every expert whole on every rank
+    loaded, fresh = pipeline(1, DistributedLayout(mesh=mesh))  # ep=1: every expert whole on every rank
     before = {n: _local(p) for n, p in loaded.named_parameters()}
     conveyor.checkpoint.load(directory, loaded, fresh)
     got = dict(loaded.named_parameters())
@@ -283,7 +284,7 @@ def traced_checkpoint(rank: int, world_size: int, directory: str) -> dict:
     mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     schedule = cs.build("1f1b", ranks=2, microbatches=MICROBATCHES)
-    saved = traced_pipeline(tiny_moe("mixtral", 2), schedule, Layout(mesh=mesh, expert_parallel="auto", ep=EP),
+    saved = traced_pipeline(tiny_moe("mixtral", 2), schedule, DistributedLayout(mesh=mesh, expert_parallel="auto", ep=EP),
                             dp_rank)
     optimizer = torch.optim.AdamW(saved.parameters(), lr=1e-2)
     ids = batches(dp_rank)[0]
@@ -298,8 +299,8 @@ def traced_checkpoint(rank: int, world_size: int, directory: str) -> dict:
     dist.all_gather_object(every, (want, want_moments))
     result = {"shards": shards}
     one_mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("pp", "dp"))
-    for where, layout, sched in (("ep=1", Layout(mesh=mesh), schedule),
-                                 ("pp=1 ep=4", Layout(mesh=one_mesh, expert_parallel="auto", ep=world_size),
+    for where, layout, sched in (("ep=1", DistributedLayout(mesh=mesh), schedule),
+                                 ("pp=1 ep=4", DistributedLayout(mesh=one_mesh, expert_parallel="auto", ep=world_size),
                                   cs.build("1f1b", ranks=1, microbatches=MICROBATCHES))):
         loaded = traced_pipeline(tiny_moe("mixtral", 2, seed=1), sched, layout, dp_rank)
         fresh = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
@@ -355,7 +356,7 @@ def varlen_against_ep_alone(mesh, pp_rank: int, dp_rank: int) -> dict:
     schedule = cs.build("1f1b", ranks=2, microbatches=MICROBATCHES)
     stages = moe_stages(tiny_moe("mixtral", 2), 2)
     pipe = conveyor.Pipeline([stages[pp_rank]], schedule, loss_fn=moe_loss, transfer=TransferOptions(timeout_s=120),
-                             layout=Layout(mesh=mesh, expert_parallel="auto", ep=EP))
+                             layout=DistributedLayout(mesh=mesh, expert_parallel="auto", ep=EP))
     given = varlen_batches(dp_rank)
 
     def step_loss(step):
@@ -382,7 +383,7 @@ def experts_with_replicas(rank: int, world_size: int) -> dict:
     schedule = cs.build("gpipe", ranks=1, microbatches=MICROBATCHES)
     stage = MoEStage(tiny_moe("mixtral", 2), [0, 1], first=True, last=True)
     pipe = conveyor.Pipeline([stage], schedule, loss_fn=moe_loss, transfer=TransferOptions(timeout_s=120),
-                             layout=Layout(mesh=mesh, expert_parallel="auto", ep=EP))
+                             layout=DistributedLayout(mesh=mesh, expert_parallel="auto", ep=EP))
     ids = batches(dp_rank, 4)
     (losses, grads, params) = _train(pipe.named_parameters(), lambda step: pipe.step(ids[step], target=ids[step]),
                                      lambda: None)
@@ -444,7 +445,7 @@ def _refusal(mesh, pp_rank: int) -> str:
     stages = moe_stages(tiny_moe("mixtral", 2), 2)
     try:
         conveyor.Pipeline([stages[pp_rank]], schedule, loss_fn=moe_loss, transfer=TransferOptions(timeout_s=60),
-                          layout=Layout(mesh=mesh, expert_parallel={"blocks.*.moe": "ep_dispatch_experts"}, ep=EP))
+                          layout=DistributedLayout(mesh=mesh, expert_parallel={"blocks.*.moe": "ep_dispatch_experts"}, ep=EP))
     except PipelineConfigError as error:
         return str(error)
     return "no error"
