@@ -27,7 +27,7 @@ BEGIN, END = "# --- surface: begin (python tests/test_surface.py --write) ---", 
 
 # --- surface: begin (python tests/test_surface.py --write) ---
 TOP_LEVEL = (
-    "Layout", "LocalPipeline", "MasterWeights", "Microbatches", "Pipeline", "PipelineOptions", "Plan",
+    "DistributedLayout", "InProcessLayout", "MasterWeights", "Microbatches", "Pipeline", "PipelineOptions", "Plan",
     "RecomputePolicy", "SplitOptions", "StageOptions", "TransferOptions", "WholeModel", "pipeline",
 )
 

@@ -31,7 +31,7 @@ Example (on each of 4 ranks, pp=2 x dp=2)::
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     stages = [shard_stage(build_stage(s), mesh["dp"]) for s in sched.stages_of(pp_rank)]
     pipe = conveyor.Pipeline(stages, schedule=sched, loss_fn=loss_fn,
-                             layout=conveyor.Layout(group=mesh["pp"].get_group()))
+                             layout=conveyor.DistributedLayout(group=mesh["pp"].get_group()))
     optimizer = torch.optim.AdamW(pipe.parameters())     # the sharded parameters
     before_step(pipe.runners.values())
     loss = pipe.step(my_shard_of_x, target=my_shard_of_y)

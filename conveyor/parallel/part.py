@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from conveyor.options import Layout, WholeModel
+from conveyor.layout import DistributedLayout
+from conveyor.options import WholeModel
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.runtime.lifecycle.rank import RankLifecycle
 from conveyor.runtime.stage.runner import StageRunner
@@ -47,7 +48,7 @@ class PartSite:
     rank: int  # this rank's pipeline position
     runners: Mapping[int, StageRunner]  # this rank's stages, by stage
     life: RankLifecycle  # the pipeline's groups: agreement, subgroups, the job group
-    layout: Layout
+    layout: DistributedLayout
     mesh_layout: MeshLayout | None  # None: a plain process group, one replica
     device: torch.device  # the stage device
     model: WholeModel

@@ -330,10 +330,10 @@ def global_ranks(parallel: Any, pipeline_rank: int) -> list[int]:
 def shard_lines(layout: RunLayout, cfg: TrainConfig) -> list[str]:
     """Each pipeline rank's parameters as one of its TP ranks holds them: name pattern (blocks as ``*``), how
     many, whole shape, placement, local shape, local bytes; and the rank's bytes against the whole stage's."""
-    from conveyor.train.tensor_parallel import mesh_shape
+    from conveyor.parallel.mesh import mesh_dims
 
     p = cfg.parallel
-    mesh = " x ".join(f"{name}={size}" for name, size in mesh_shape(p))
+    mesh = " x ".join(f"{name}={size}" for name, size in mesh_dims(p.pp, p.dp, p.tp))
     lines = [f"tensor parallel: tp={p.tp} on the mesh {mesh} (tp innermost: a stage's TP ranks are consecutive "
              f"global ranks, inside one node); the parameters one TP rank holds:"]
     for rank in sorted({row.rank for row in layout.stages}):

@@ -8,7 +8,8 @@ import torch
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
+from conveyor.pipe import Pipeline
 from conveyor.testing import run_ranks
 from conveyor.testing.models import build_stage, lm_loss, make_batch, reference_model
 from conveyor.testing.references.schedule_parity import BATCH_SIZE, NUM_MICROBATCHES, NUM_STEPS, assert_same, config_for
@@ -40,8 +41,8 @@ def reference_autocast_run(schedule):
 def local_autocast_run(schedule, recompute=False):
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
-    pipe = LocalPipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(autocast="bf16",
-                                                                                recompute=recompute))
+    pipe = Pipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(autocast="bf16", recompute=recompute),
+                    layout=InProcessLayout())
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     for step in range(NUM_STEPS):
@@ -91,8 +92,8 @@ def test_recomputed_activations_run_under_the_same_autocast():
 def test_an_unknown_precision_is_refused_naming_the_choices():
     cfg = TinyConfigFor2()
     with pytest.raises(PipelineConfigError, match="autocast='int8'.*'bf16'"):
-        LocalPipeline([build_stage(s, cfg) for s in range(2)], "1f1b", lm_loss, microbatches=2,
-                      stage=conveyor.StageOptions(autocast="int8"))
+        Pipeline([build_stage(s, cfg) for s in range(2)], "1f1b", lm_loss, microbatches=2,
+                 stage=conveyor.StageOptions(autocast="int8"), layout=InProcessLayout())
 
 
 @pytest.mark.parametrize("kwargs", [{"autocast": "fp16"}, {"autocast": torch.float16}, {"autocast": "half"},

@@ -20,8 +20,8 @@ def split_pipeline(name: str, rows: int, microbatches: int):
                                            f"model.seq_len={SEQ}"]), 256)
     example = torch.zeros(rows // microbatches, SEQ, dtype=torch.long)
     split = split_model(model, 2, example_args=(example,))
-    return model, conveyor.LocalPipeline([split.stage_module(s) for s in range(2)], "1f1b",
-                                         microbatches=microbatches)
+    return model, conveyor.Pipeline([split.stage_module(s) for s in range(2)], "1f1b",
+                                    microbatches=microbatches, layout=conveyor.InProcessLayout())
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])

@@ -92,7 +92,7 @@ def _pipe(device, schedule=None, loss_fn=_sum_loss, stage=conveyor.StageOptions(
     stages = {s: MLPStage(s, 2) for s in range(2)}
     pipe = conveyor.Pipeline(list(stages.values()), schedule, loss_fn, stage=stage,
                              transfer=conveyor.TransferOptions(timeout_s=120),
-                             layout=conveyor.Layout(device=device))
+                             layout=conveyor.DistributedLayout(device=device))
     return pipe, stages
 
 
