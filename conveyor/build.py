@@ -127,7 +127,6 @@ def _tensor_parallel_placements(model: torch.nn.Module, layout: Layout, tied_gro
     return model_placements(model, layout, layout.tp, tied_groups)
 
 
-
 def _ranks_of(layout: Layout, schedule: Any, split_points: Sequence[str] | None, virtual: int | None,
               plan: Any) -> tuple[int, int, Any]:
     """(pipeline ranks, this process's rank, the pipeline's group) of ``layout``."""
