@@ -140,11 +140,12 @@ def with_mesh(layout: DistributedLayout) -> DistributedLayout:
     """
     import torch.distributed as dist
 
-    if layout.mesh is not None or (layout.dp, layout.tp) == (1, 1) or not dist.is_initialized():
+    sizes = {name: getattr(layout, name) for name in layout.mesh_dims()}  # every size field: a new dim's too
+    if layout.mesh is not None or set(sizes.values()) == {1} or not dist.is_initialized():
         return layout  # (not initialised: the pipeline's own check says how to start torch.distributed)
     from conveyor.runtime.stage.device import resolve_device
 
-    mesh = pipeline_mesh(None, resolve_device(layout.device).type, layout.tp, dp=layout.dp)
+    mesh = pipeline_mesh(None, resolve_device(layout.device).type, **sizes)
     return dataclasses.replace(layout, mesh=mesh)
 
 
