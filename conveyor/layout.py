@@ -57,7 +57,9 @@ class DistributedLayout:
     ``tp`` ranks split it the ``tensor_parallel`` way, each talking to the matching TP rank of the
     neighbouring stages. Give the sizes (the pipeline builds the mesh over the job's ranks with
     :func:`conveyor.parallel.mesh.pipeline_mesh`) or a ``mesh`` (its sizes are read from it); ``group``
-    gives one pipeline its own ranks among the job's; neither: the default group is the pipeline.
+    gives one pipeline its own ranks among the job's; neither: the default group is the pipeline. A new dim
+    is one size field naming it (``mesh_dim``), which the checks, describe() and with_mesh read with no more
+    code; :data:`conveyor.parallel.mesh.MESH_DIMS` says where it goes in the mesh. ``parts``: your StageParts.
 
     Example:
         >>> DistributedLayout(tp=2).tensor_parallel   # tp ranks split each stage by its structure
