@@ -64,12 +64,13 @@ def _rank(rank: int, world_size: int, path: str) -> dict:
     import conveyor.schedule as cs
     from conveyor.parallel.data import data_loader
 
-    mesh = init_device_mesh("cpu", (2, 3), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh("cpu", (3, 2), mesh_dim_names=("pp", "dp"))
     schedule = cs.build("1f1b", ranks=3, microbatches=4)
     pp_rank = mesh.get_local_rank("pp")
-    pipe = conveyor.Pipeline([_Stage(pp_rank, 3)], schedule=schedule, mesh=mesh,
+    pipe = conveyor.Pipeline([_Stage(pp_rank, 3)], schedule=schedule,
                              loss_fn=lambda y, t: torch.nn.functional.cross_entropy(y.flatten(0, 1), t.flatten()),
-                             transfer=conveyor.TransferOptions(timeout_s=120))
+                             transfer=conveyor.TransferOptions(timeout_s=120),
+                             layout=conveyor.DistributedLayout(mesh=mesh))
     built = _peak_mib()
     loader = data_loader(pipe, lambda: _Tokens(path), batch_size=8, num_workers=0)
     batches = iter(loader) if loader is not None else None

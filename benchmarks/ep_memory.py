@@ -76,7 +76,7 @@ def _rank(rank: int, world_size: int, ep: int, steps: int) -> dict:
 
     import conveyor
     import conveyor.schedule as cs
-    from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+    from conveyor.layout import DistributedLayout
     from conveyor.testing.models.moe import moe_stages
 
     torch.set_num_threads(1)

@@ -49,11 +49,12 @@ def _timed(rank: int, world_size: int, kind: str, name: str, virtual: int, steps
     import conveyor
     import conveyor.schedule as cs
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     schedule = cs.build(name, ranks=2, microbatches=8, virtual=virtual)
     stages = [_Stage(s) for s in schedule.stages_of(mesh.get_local_rank("pp"))]
-    pipe = conveyor.Pipeline(stages, schedule=schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(), mesh=mesh,
-                             data_parallel=kind, transfer=conveyor.TransferOptions(timeout_s=120))
+    pipe = conveyor.Pipeline(stages, schedule=schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(),
+                             transfer=conveyor.TransferOptions(timeout_s=120),
+                             layout=conveyor.DistributedLayout(mesh=mesh, data_parallel=kind))
     early = pipe.ranks.runs.gradients_final
     x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(pipe.dp_rank))
     records = []

@@ -20,7 +20,6 @@ __version__ = "0.1.0"
 _LAZY = MappingProxyType({
     "Pipeline": ("conveyor.pipe", "Pipeline"),
     "pipeline": ("conveyor.build", "pipeline"),
-    "LocalPipeline": ("conveyor.local", "LocalPipeline"),
     "MasterWeights": ("conveyor.runtime.stage.main_grad", "MasterWeights"),
     "LossScaling": ("conveyor.runtime.stage.loss_scale", "LossScaling"),
     "Microbatches": ("conveyor.microbatch", "Microbatches"),
@@ -28,7 +27,8 @@ _LAZY = MappingProxyType({
     "StageOptions": ("conveyor.options", "StageOptions"),
     "RecomputePolicy": ("conveyor.options", "RecomputePolicy"),
     "TransferOptions": ("conveyor.options", "TransferOptions"),
-    "Layout": ("conveyor.options", "Layout"),
+    "InProcessLayout": ("conveyor.layout", "InProcessLayout"),
+    "DistributedLayout": ("conveyor.layout", "DistributedLayout"),
     "WholeModel": ("conveyor.options", "WholeModel"),
     "SplitOptions": ("conveyor.options", "SplitOptions"),
     "PipelineOptions": ("conveyor.options", "PipelineOptions"),
@@ -36,10 +36,9 @@ _LAZY = MappingProxyType({
 
 if TYPE_CHECKING:
     from conveyor.build import pipeline  # noqa: F401
-    from conveyor.local import LocalPipeline  # noqa: F401
+    from conveyor.layout import DistributedLayout, InProcessLayout  # noqa: F401
     from conveyor.microbatch import Microbatches  # noqa: F401
     from conveyor.options import (  # noqa: F401
-        Layout,
         PipelineOptions,
         RecomputePolicy,
         SplitOptions,

@@ -20,7 +20,7 @@ import torch
 from conveyor.errors import PipelineConfigError
 from conveyor.layout import DistributedLayout, InProcessLayout, Layout
 from conveyor.options import PipelineOptions, StageOptions, WholeModel
-from conveyor.parallel.mesh import layout_of
+from conveyor.parallel.mesh import layout_of, with_mesh
 from conveyor.pipe import Pipeline
 from conveyor.runtime.stage.device import make_current, resolve_device
 from conveyor.runtime.stage.runner import LossFn
@@ -37,9 +37,7 @@ def pipeline(
     schedule: Schedule | str = "1f1b",
     microbatches: int | None = None,
     loss_fn: LossFn | None = None,
-    mesh: Any = None,
-    data_parallel: str | None = None,
-    tensor_parallel: Any = None,
+    layout: Layout = DistributedLayout(),
     plan: Any = None,
     options: PipelineOptions = PipelineOptions(),
 ) -> Pipeline:
@@ -49,21 +47,17 @@ def pipeline(
     ``split_points`` the model is cut into P x V stages balanced by ``options.split.method``
     ("uniform", "parameters", "time", "type:<regex>"); with "time", rank 0's measurement decides
     for every rank. Each rank materialises only its own stages (a meta-device model works) on
-    ``options.layout.device`` (default: this process's GPU when CUDA is available, else the CPU);
+    ``layout.device`` (default: this process's GPU when CUDA is available, else the CPU);
     parameters keep their original names, and tied parameters (GPT-2's ``wte`` and ``lm_head``)
-    stay equal after every optimizer step. ``mesh`` (a ("pp", "dp") DeviceMesh) and
-    ``data_parallel`` run ``dp`` replicas, as :class:`Pipeline` does. A ("pp", "dp", "tp") mesh with
-    ``tensor_parallel`` ("auto", or {module-name pattern: torch ParallelStyle}) parallelizes each
-    traced stage by the unchanged model's plan (its parameters keep their names; each TP rank
-    holds its shards and talks to the matching TP rank of the neighbouring stages). ``plan`` (a
+    stay equal after every optimizer step. ``layout``, as for :class:`Pipeline`: ``InProcessLayout(ranks=P)``
+    runs every stage here, no launcher; a ``DistributedLayout`` with ``tp`` > 1 parallelizes each traced
+    stage by the unchanged model's plan (names kept; each TP rank holds its shards). ``plan`` (a
     :class:`~conveyor.plan.Plan` or its file) sets schedule, microbatches, virtual and split points;
     ``schedule="auto"``: rank 0 plans (``conveyor.plan.plan()`` with ``options.plan_options``, a
     :class:`~conveyor.plan.PlanOptions`), every rank follows. ``options``
     (:class:`~conveyor.options.PipelineOptions`) holds the rest, as records: ``virtual``, ``split``
     (method, unsplittable modules, ``both_modes``), ``stage`` (``StageOptions(compile=True)``
-    compiles each traced stage, ``autocast="bf16"``, ...),
-    ``transfer``, and ``layout`` (``InProcessLayout(ranks=P)``: every stage in this process,
-    no launcher needed).
+    compiles each traced stage, ``autocast="bf16"``, ...) and ``transfer``.
 
     Example (on each of 2 ranks)::
 
@@ -75,10 +69,14 @@ def pipeline(
     from conveyor.frontend.leaves import experts_as_leaves
     from conveyor.frontend.pretrained import model_info
 
-    layout = options.layout.with_shortcuts(mesh, data_parallel, tensor_parallel)
+    if not isinstance(layout, Layout):
+        raise PipelineConfigError(f"layout= takes a conveyor.InProcessLayout or conveyor.DistributedLayout; got "
+                                  f"{type(layout).__name__}")
+    in_process = isinstance(layout, InProcessLayout)
+    layout = layout if in_process else with_mesh(layout)  # the mesh of the sizes given, built by every rank
     world, rank, group = _ranks_of(layout, schedule, split_points, options.virtual, plan)
     # This process's GPU, current before the first collective (the plan's and the cut's broadcasts).
-    device = resolve_device(layout.device) if layout.in_process else make_current(resolve_device(layout.device))
+    device = resolve_device(layout.device) if in_process else make_current(resolve_device(layout.device))
     precision = options.stage.param_precision()
     if precision is not None:  # the model itself, in place, then planned and traced: stages check dtypes
         model.to(precision.param_dtype)
@@ -86,8 +84,7 @@ def pipeline(
     if plan is not None or schedule == "auto":  # the example is resized to the plan's microbatch
         plan = plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options)
         schedule, microbatches, virtual, split_points, (example_args, example_kwargs) = _from_plan(
-            plan, world, example_args, example_kwargs,
-            1 if layout.tensor_parallel is None or layout.mesh is None else layout_of(layout.mesh).tp_size)
+            plan, world, example_args, example_kwargs, 1 if in_process else layout.tp)
         stage_options = _plan_recompute(plan, stage_options)
     resolved = resolve_schedule(schedule, microbatches, virtual, world)
     split_kwargs = dict(example_args=tuple(example_args), example_kwargs=example_kwargs,
@@ -98,10 +95,11 @@ def pipeline(
         split_points, method = _time_split_points(model, resolved.num_stages, layout, split_kwargs), "parameters"
     # Under expert parallelism each experts module is a leaf of the trace, called whole by the stage that holds
     # it, for the part to reroute its tokens (conveyor.frontend.leaves); else its code is traced as any other.
-    with experts_as_leaves(model) if layout.expert_parallel is not None else contextlib.nullcontext():
+    leaves = not in_process and layout.expert_parallel is not None
+    with experts_as_leaves(model) if leaves else contextlib.nullcontext():
         split = split_model(model, resolved.num_stages, split_points=split_points, split_method=method,
                             **split_kwargs)
-        stages = range(resolved.num_stages) if layout.in_process else resolved.stages_of(rank)
+        stages = range(resolved.num_stages) if in_process else resolved.stages_of(rank)
         modules = _stage_modules(split, stages, model, layout, device, options.split.both_modes)
     whole = WholeModel(split.tied_groups, _parameter_order(model), model_signature(model, split.split_points),
                        model_info(model),  # model_info: what checkpoints record, and export writes back
@@ -113,7 +111,8 @@ def pipeline(
 def _stage_modules(split, stages, model: torch.nn.Module, layout: Layout, device, both_modes: bool) -> list:
     """This rank's stage modules; under tensor parallelism a meta-device model's stay on meta, for
     each TP rank to materialize its own shards only (conveyor.parallel.tensor.shards)."""
-    on_meta = layout.tensor_parallel is not None and any(p.is_meta for p in model.parameters())
+    tensor_parallel = not isinstance(layout, InProcessLayout) and layout.tensor_parallel is not None
+    on_meta = tensor_parallel and any(p.is_meta for p in model.parameters())
     modules = [split.stage_module(stage, device, both_modes=both_modes, keep_meta=on_meta) for stage in stages]
     if on_meta:
         from conveyor.frontend.materialize import materialize
@@ -128,17 +127,17 @@ def _stage_modules(split, stages, model: torch.nn.Module, layout: Layout, device
 def _tensor_parallel_placements(model: torch.nn.Module, layout: Layout, tied_groups) -> dict | None:
     """The unchanged model's tensor-parallel plan as placements by parameter name (None: no TP),
     the same on every rank: each rank's traced stages are parallelized by it in the pipeline."""
-    if layout.tensor_parallel is None:
+    if isinstance(layout, InProcessLayout) or layout.tensor_parallel is None:
         return None
     from conveyor.parallel.tensor.stages import model_placements
 
-    return model_placements(model, layout, layout_of(layout.mesh).tp_size, tied_groups)
+    return model_placements(model, layout, layout.tp, tied_groups)
 
 
 def _ranks_of(layout: Layout, schedule: Any, split_points: Sequence[str] | None, virtual: int | None,
               plan: Any) -> tuple[int, int, Any]:
     """(pipeline ranks, this process's rank, the pipeline's group) of ``layout``."""
-    if layout.in_process:
+    if isinstance(layout, InProcessLayout):
         if layout.ranks is not None:
             return layout.ranks, 0, None
         if isinstance(schedule, Schedule):
@@ -150,14 +149,14 @@ def _ranks_of(layout: Layout, schedule: Any, split_points: Sequence[str] | None,
         if split_points is not None:
             return max(1, (len(split_points) + 1) // (virtual or 1)), 0, None
         raise PipelineConfigError("an in-process pipeline of a schedule given by name needs its rank count: "
-                                  "InProcessLayout(ranks=P), split_points=, or a Schedule")
+                                  "layout=InProcessLayout(ranks=P), split_points=, or a Schedule")
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise PipelineConfigError(
             "torch.distributed is not initialised: launch with torchrun and call "
             "torch.distributed.init_process_group() first, or build every stage in this process with "
-            "options=PipelineOptions(layout=InProcessLayout(ranks=P))"
+            "layout=conveyor.InProcessLayout(ranks=P)"
         )
     group = layout.group if layout.mesh is None else layout_of(layout.mesh).pp_group
     return dist.get_world_size(group), dist.get_rank(group), layout.group
@@ -179,7 +178,7 @@ def _by_rank_zero(layout: Layout, decide: Any) -> Any:
     """Rank 0's ``decide()``, broadcast: timings differ from rank to rank, so one rank decides and
     every rank cuts alike (with a mesh, the job's rank 0: every replica cuts alike). In one process,
     rank 0 is here."""
-    if layout.in_process:
+    if isinstance(layout, InProcessLayout):
         return decide()
     import torch.distributed as dist
 

@@ -1,4 +1,4 @@
-"""The expert-parallel option of :class:`conveyor.layout.Layout`: its checks, before any rank communicates.
+"""The expert-parallel option of :class:`conveyor.layout.DistributedLayout`: its checks, before any rank communicates.
 
 ``expert_parallel`` ("auto" or {module-name pattern: "ep_dispatch_experts"}) shards a mixture of
 experts' experts over ``ep`` of the mesh's "dp" replicas (:mod:`conveyor.parallel.experts`). What
@@ -6,7 +6,7 @@ needs only the record is checked here, alike on every rank; what needs the model
 ``ep`` dividing their count) is checked when the stages are placed.
 
 Example:
-    >>> from conveyor.options import Layout
+    >>> from conveyor.layout import DistributedLayout
     >>> try:
     ...     DistributedLayout(ep=2)
     ... except PipelineConfigError as error:
@@ -53,8 +53,8 @@ def is_stacked_experts(module: Any) -> bool:
 def check_expert_parallel(layout: Any) -> None:
     """Refuse ``layout``'s expert-parallel option where it cannot work, saying how to fix it.
 
-    It needs a mesh with a "dp" dim that ``ep`` divides (None: ep = dp), a distributed pipeline, and
-    no "tp" dim over 1 (not supported yet).
+    It needs replicas (``dp``, or a mesh's "dp" dim) that ``ep`` divides (None: ep = dp), and no
+    tensor-parallel ranks (not supported yet).
     """
     plan, ep = layout.expert_parallel, layout.ep
     if plan is None:
@@ -65,21 +65,17 @@ def check_expert_parallel(layout: Any) -> None:
     check_plan(plan)
     if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
         raise PipelineConfigError(f"ep takes a positive int (ranks per expert-parallel group); got {ep!r}")
-    mesh = layout.mesh
-    dims = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if layout.in_process or "dp" not in dims:
-        where = ("an in-process pipeline" if layout.in_process else
-                 f"a mesh with dims {dims}" if mesh is not None else "a pipeline without a mesh")
+    dims = tuple(getattr(layout.mesh, "mesh_dim_names", None) or ())
+    if layout.dp == 1 and "dp" not in dims:
         raise PipelineConfigError(
-            f"expert_parallel={plan!r} borrows its ranks from the mesh's 'dp' dim, got {where}: "
-            "mesh=init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp')) with ep dividing dp")
-    dp = mesh.size(dims.index("dp"))
-    if dp % (ep or dp):
-        raise PipelineConfigError(f"ep={ep} does not divide the mesh's dp={dp}: expert parallelism borrows its "
-                                  f"ranks from the replicas; choose ep among the divisors of {dp}")
-    if "tp" in dims and mesh.size(dims.index("tp")) > 1:
-        raise PipelineConfigError("expert_parallel with tensor_parallel (a 'tp' dim over 1) is not supported yet: "
-                                  "drop one of them, or give the tp ranks to dp (ep divides dp)")
+            f"expert_parallel={plan!r} borrows its ranks from the pipeline's replicas, and this layout has none: "
+            "give dp= (replicas, which ep divides) or a mesh with a 'dp' dim")
+    if layout.dp % (ep or layout.dp):
+        raise PipelineConfigError(f"ep={ep} does not divide dp={layout.dp}: expert parallelism borrows its ranks from "
+                                  f"the replicas; choose ep among the divisors of {layout.dp}")
+    if layout.tp > 1:
+        raise PipelineConfigError("expert_parallel with tensor_parallel (tp over 1) is not supported yet: drop one "
+                                  "of them, or give the tp ranks to dp (ep divides dp)")
 
 
 def check_plan(plan: Any) -> None:

@@ -4,12 +4,12 @@
   accumulation dtypes, fp16's loss scaling, compile, random streams, memory measurement, the timeline).
 - :class:`RecomputePolicy`: which part of a stage recomputes its activations in backward, per stage.
 - :class:`TransferOptions`: how bytes move between stages (transport, timeout, fixed shapes).
-- :class:`Layout`: where the ranks are (a process group or a ("pp", "dp") mesh, the data-parallel
-  kind, the device, or every rank in this process).
 - :class:`WholeModel`: what :func:`conveyor.pipeline` learned about the unsplit model (tied
   parameters, parameter order, signature), which a hand-built pipeline may leave out.
 - :class:`SplitOptions` and :class:`PipelineOptions`: how :func:`conveyor.pipeline` cuts the model,
   and every record it passes on, in one.
+
+Where the ranks are is the one record of :mod:`conveyor.layout` that ``layout=`` takes.
 
 Each record is frozen; its ``__post_init__`` normalises what it was given (``torch.bfloat16`` ->
 ``"bf16"``) and refuses a bad value or combination with a message that names the fix, when the
@@ -41,9 +41,7 @@ from types import MappingProxyType
 from typing import Any
 
 from conveyor.errors import PipelineConfigError
-from conveyor.expert_option import check_expert_parallel
 
-DATA_PARALLEL_KINDS = ("ddp", "fsdp")
 TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid", "ordered")
 
 
@@ -357,147 +355,6 @@ class TransferOptions:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Where the pipeline's ranks are: one process (``in_process``), a process group, or a mesh.
-
-    ``mesh`` (a ("pp", "dp") DeviceMesh) runs ``dp`` replicas of the pipeline with gradients shared
-    the ``data_parallel`` way; a mesh with a "tp" dim (innermost) takes ``tensor_parallel`` ("auto"
-    or {module-name pattern: torch ParallelStyle}): each stage is parallelized over its "tp" ranks,
-    each of which talks to the matching TP rank of the neighbouring stages; ``group`` gives a
-    pipeline its own ranks among the job's (several pipelines in one job); neither: the default
-    process group. ``in_process=True`` runs every rank
-    here, in one thread, with the numerics of the distributed pipeline, bit for bit.
-
-    Example:
-        >>> Layout(in_process=True).describe()
-        'every rank in this process'
-        >>> Layout(group=object(), mesh=object())
-        Traceback (most recent call last):
-        ...
-        conveyor.errors.PipelineConfigError: give the pipeline mesh= or group=, not both (mesh['pp'] is its group)
-    """
-
-    group: Any = _f(None, "a torch.distributed ProcessGroup: the pipeline's ranks (None: the default group); "
-                          "the pipeline communicates on groups of its own over them")
-    mesh: Any = _f(None, "a DeviceMesh with a 'pp' dim and any of 'dp', 'tp' (pp outermost, tp innermost; "
-                         "conveyor.parallel.pipeline_mesh): dp replicas of the pipeline, tp shards of each stage")
-    data_parallel: str | None = _f(None, "ddp (the default with a mesh of dp > 1) | fsdp: how replicas share "
-                                         "gradients")
-    device: Any = _f(None, "the stages' device (None or 'cuda': this process's GPU when CUDA is available, else "
-                           "the CPU; in process: where the modules are)")
-    in_process: bool = _f(False, "every rank in this process, one thread (conveyor.LocalPipeline)")
-    ranks: int | None = _f(None, "in process: how many ranks (None: the modules over the schedule's stages per rank)")
-    tensor_parallel: Any = _f(None, "tensor parallelism inside each stage over the mesh's 'tp' dim "
-                                    "(conveyor.parallel.tensor): 'auto' (the plan found by the modules' structure) "
-                                    "or {module-name pattern: torch ParallelStyle}; None: off")
-    sequence_parallel: bool = _f(False, "with tensor_parallel='auto': activations between blocks on sequence "
-                                        "shards, and sent between stages so (hand-built and traced stages)")
-    loss_parallel: bool = _f(False, "with tensor_parallel: logits stay vocabulary-sharded and the last stage's "
-                                    "loss runs under torch's loss_parallel() (hand-built or traced stages)")
-    parts: tuple = _f((), "StageParts of your own (conveyor.parallel.part), after the built-in ones; distributed only")
-    expert_parallel: Any = _f(None, "experts sharded over ep of the mesh's dp replicas (conveyor.parallel.experts): "
-                                    "'auto' or {module-name pattern: 'ep_dispatch_experts'}; None: off")
-    ep: int | None = _f(None, "with expert_parallel: ranks per expert group, dividing the mesh's dp (None: dp)")
-
-    def __post_init__(self) -> None:
-        if self.group is not None and self.mesh is not None:
-            raise PipelineConfigError("give the pipeline mesh= or group=, not both (mesh['pp'] is its group)")
-        if self.data_parallel is not None and self.data_parallel not in DATA_PARALLEL_KINDS:
-            raise PipelineConfigError(f"data_parallel must be 'ddp', 'fsdp' or None; got {self.data_parallel!r}")
-        if self.in_process and (self.group is not None or self.mesh is not None):
-            raise PipelineConfigError("in_process=True runs every rank here: give it no group= or mesh= (use a "
-                                      "distributed pipeline for those)")
-        if self.ranks is not None and not self.in_process:
-            raise PipelineConfigError(f"Layout(ranks={self.ranks}) counts the ranks of an in-process pipeline; "
-                                      "a distributed one takes its group's size: add in_process=True or drop ranks")
-        self._check_tensor_parallel()
-        check_expert_parallel(self)
-
-    def _check_tensor_parallel(self) -> None:
-        """tensor_parallel and a mesh's "tp" dim come together; the plan holds ParallelStyles (the
-        same checks on every rank, before any communication)."""
-        plan = self.tensor_parallel
-        for name in ("sequence_parallel", "loss_parallel"):
-            if not isinstance(getattr(self, name), bool):
-                raise PipelineConfigError(f"Layout.{name} takes True or False; got {getattr(self, name)!r}")
-            if getattr(self, name) and plan is None:
-                raise PipelineConfigError(f"{name}=True is part of tensor parallelism: give tensor_parallel='auto' "
-                                          "(or a plan) and a mesh with a 'tp' dim, or drop it")
-        if plan is not None and not (plan == "auto" if isinstance(plan, str) else isinstance(plan, Mapping)):
-            raise PipelineConfigError(f"tensor_parallel takes 'auto' or a dict {{module-name pattern: torch "
-                                      f"ParallelStyle}} (None: off); got {plan!r}")
-        if isinstance(plan, Mapping):
-            from torch.distributed.tensor.parallel import (
-                ParallelStyle,  # only here: DTensor is heavy to import
-            )
-
-            for pattern, style in plan.items():
-                if not isinstance(pattern, str) or not isinstance(style, ParallelStyle):
-                    raise PipelineConfigError(
-                        f"the tensor-parallel plan maps {pattern!r} to {type(style).__name__}; it takes module-name "
-                        "patterns to torch ParallelStyles (ColwiseParallel(), RowwiseParallel(), ...)")
-            if not plan:
-                raise PipelineConfigError("tensor_parallel={} is an empty plan: give 'auto', a plan, or None (off)")
-        if self.sequence_parallel and plan != "auto":
-            raise PipelineConfigError("sequence_parallel=True goes with tensor_parallel='auto' (a plan of your own "
-                                      "says itself where activations are sequence-sharded: use SequenceParallel())")
-        dims = tuple(getattr(self.mesh, "mesh_dim_names", None) or ())
-        if plan is not None and (self.in_process or "tp" not in dims):
-            where = ("an in-process pipeline" if self.in_process else
-                     f"a mesh with dims {dims}" if self.mesh is not None else "a pipeline without a mesh")
-            raise PipelineConfigError(
-                f"tensor_parallel={describe_plan(plan)} needs a DeviceMesh with a 'tp' dim (tp innermost), "
-                f"got {where}: "
-                "mesh=init_device_mesh(device, (pp, tp), mesh_dim_names=('pp', 'tp'))")
-        # (A mesh without "pp" is refused by conveyor.parallel.mesh.layout_of, saying so.)
-        if plan is None and "tp" in dims and "pp" in dims and self.mesh.size(dims.index("tp")) > 1:
-            raise PipelineConfigError(
-                f"the mesh has a 'tp' dim of size {self.mesh.size(dims.index('tp'))} but tensor_parallel is None: "
-                "every TP rank would run the whole stage (the same work twice). Give tensor_parallel='auto' (or a "
-                "plan), or a mesh without 'tp'")
-
-    def with_shortcuts(self, mesh: Any, data_parallel: str | None, tensor_parallel: Any = None) -> Layout:
-        """This layout with the everyday ``mesh=`` / ``data_parallel=`` keywords in it (given once).
-
-        Example:
-            >>> Layout().with_shortcuts(None, "fsdp").data_parallel
-            'fsdp'
-        """
-        given = {"mesh": mesh, "data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
-        for name, value in given.items():
-            if value is not None and getattr(self, name) is not None and getattr(self, name) is not value:
-                raise PipelineConfigError(f"{name}= is given twice, as a keyword and in layout=: give it once")
-        return dataclasses.replace(self, **{name: value if value is not None else getattr(self, name)
-                                            for name, value in given.items()})
-
-    def describe(self) -> str:
-        """What the ranks compare (the device itself differs from rank to rank, its kind does not)."""
-        if self.in_process:
-            return "every rank in this process"
-        where = "a mesh" if self.mesh is not None else "a group" if self.group is not None else "the default group"
-        text = f"{where}, data_parallel={self.data_parallel}"
-        if self.tensor_parallel is not None:
-            text += (f", tensor_parallel={describe_plan(self.tensor_parallel)} "
-                     f"sequence_parallel={self.sequence_parallel} loss_parallel={self.loss_parallel}")
-        if self.expert_parallel is not None:
-            text += f", expert_parallel={self.expert_parallel!r} ep={self.ep}"
-        return text + (f", parts {[type(part).__name__ for part in self.parts]}" if self.parts else "")
-
-
-def describe_plan(plan: Any) -> str:
-    """A tensor-parallel plan as the ranks compare it: 'auto', or each pattern and its style's type, sorted.
-
-    Example:
-        >>> from torch.distributed.tensor.parallel import ColwiseParallel
-        >>> describe_plan({"mlp.fc": ColwiseParallel()})
-        "{'mlp.fc': ColwiseParallel}"
-    """
-    if not isinstance(plan, Mapping):
-        return repr(plan)
-    return "{" + ", ".join(f"{pattern!r}: {type(style).__name__}" for pattern, style in sorted(plan.items())) + "}"
-
-
-@dataclass(frozen=True)
 class WholeModel:
     """What a pipeline knows of the unsplit model its stages came from (:func:`conveyor.pipeline` fills it).
 
@@ -563,16 +420,15 @@ class SplitOptions:
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """Every record :func:`conveyor.pipeline` passes on, beside its everyday keywords.
+    """Every record :func:`conveyor.pipeline` passes on, beside its everyday keywords (``layout=`` among them).
 
     Example:
-        >>> PipelineOptions(stage=StageOptions(autocast="bf16"), layout=Layout(in_process=True)).stage.autocast
+        >>> PipelineOptions(stage=StageOptions(autocast="bf16")).stage.autocast
         'bf16'
     """
 
     stage: StageOptions = field(default_factory=StageOptions, metadata={"help": "what each stage does"})
     transfer: TransferOptions = field(default_factory=TransferOptions, metadata={"help": "how bytes move"})
-    layout: Layout = field(default_factory=Layout, metadata={"help": "where the ranks are"})
     split: SplitOptions = field(default_factory=SplitOptions, metadata={"help": "how the model is cut"})
     virtual: int | None = _f(None, "stages per rank, for a schedule given by name (None: the schedule's default)")
     # Typed Any: the record lives in conveyor.plan, above this module (conveyor.pipeline checks the type).
@@ -580,8 +436,7 @@ class PipelineOptions:
                                  "search space, machine, measurement; None: its defaults)")
 
     def __post_init__(self) -> None:
-        for name, kind in (("stage", StageOptions), ("transfer", TransferOptions), ("layout", Layout),
-                           ("split", SplitOptions)):
+        for name, kind in (("stage", StageOptions), ("transfer", TransferOptions), ("split", SplitOptions)):
             if not isinstance(getattr(self, name), kind):
                 raise PipelineConfigError(f"PipelineOptions.{name} takes a {kind.__name__}; got "
                                           f"{type(getattr(self, name)).__name__}")

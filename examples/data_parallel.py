@@ -52,9 +52,10 @@ def build(mesh, kind: str):
     torch.manual_seed(0)  # the same weights on every rank
     model = TinyLM()
     pipe = conveyor.pipeline(model, example_args=(torch.zeros(2, SEQ, dtype=torch.long),), split_points=["blocks.2"],
-                             schedule="1f1b", microbatches=4, mesh=mesh, data_parallel=kind,
+                             schedule="1f1b", microbatches=4,
                              loss_fn=lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1),
-                                                                                         y.flatten()))
+                                                                                         y.flatten()),
+                             layout=conveyor.DistributedLayout(mesh=mesh, data_parallel=kind))
     return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-3)
 
 

@@ -35,7 +35,8 @@ def build(mesh):
     example = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long), "labels": torch.zeros(2, SEQ, dtype=torch.long)}
     # The model computes its own loss from labels= (shifted inside), as transformers does.
     pipe = conveyor.pipeline(model, example_kwargs=example, split_points=["model.layers.2"], schedule="1f1b",
-                             microbatches=4, mesh=mesh, tensor_parallel="auto", loss_fn=lambda output, _: output.loss)
+                             microbatches=4, loss_fn=lambda output, _: output.loss,
+                             layout=conveyor.DistributedLayout(mesh=mesh, tensor_parallel="auto"))
     return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-3)
 
 

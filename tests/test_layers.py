@@ -27,17 +27,19 @@ FORBIDDEN = {
                 "conveyor.train", "conveyor.cli"),
     "parallel": ("conveyor.frontend", "conveyor.pipe", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     # The option records sit beside the runtime, which takes the stage record whole: nothing above it.
-    "options": ("conveyor.frontend", "conveyor.pipe", "conveyor.parallel", "conveyor.plan", "conveyor.local",
+    "options": ("conveyor.frontend", "conveyor.pipe", "conveyor.parallel", "conveyor.plan",
                 "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
-    # The expert-parallel option's checks: a part of the option records, kept in its own file.
-    "expert_option": ("conveyor.frontend", "conveyor.pipe", "conveyor.parallel", "conveyor.plan", "conveyor.local",
+    # The expert-parallel option's checks: a part of the layout record, kept in its own file.
+    "expert_option": ("conveyor.layout", "conveyor.frontend", "conveyor.pipe", "conveyor.parallel", "conveyor.plan",
                       "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
-    "pipe": ("conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
-    "local": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
+    # Where the ranks are: a record beside the others, read by parallel/ and pipe/ alike.
+    "layout": ("conveyor.frontend", "conveyor.pipe", "conveyor.parallel", "conveyor.plan", "conveyor.build",
+               "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
+    "pipe": ("conveyor.build", "conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     "build": ("conveyor.checkpoint", "conveyor.train", "conveyor.cli"),
     # The planner sits at the pipe level: frontend, schedule and the runtime below it; build, train and
     # the command line above it.
-    "plan": ("conveyor.pipe", "conveyor.local", "conveyor.build", "conveyor.checkpoint", "conveyor.train",
+    "plan": ("conveyor.pipe", "conveyor.build", "conveyor.checkpoint", "conveyor.train",
              "conveyor.cli", "conveyor.parallel"),
     "microbatch": ("conveyor.schedule", "conveyor.runtime", "conveyor.frontend", "conveyor.pipe",
                    "conveyor.train", "conveyor.cli"),
@@ -45,7 +47,7 @@ FORBIDDEN = {
     "train": ("conveyor.cli",),
     # Local ranks that live between calls (the calibration's, the benchmarks'): errors and torch only.
     "processes": ("conveyor.schedule", "conveyor.runtime", "conveyor.frontend", "conveyor.pipe",
-                  "conveyor.parallel", "conveyor.plan", "conveyor.local", "conveyor.build", "conveyor.checkpoint",
+                  "conveyor.parallel", "conveyor.plan", "conveyor.build", "conveyor.checkpoint",
                   "conveyor.train", "conveyor.cli"),
 }
 # Test support is for tests and users' tests: no library module (anything outside conveyor/testing/) imports it.
@@ -148,7 +150,7 @@ def test_every_error_class_lives_in_conveyor_errors():
 def test_a_pipeline_without_replicas_does_not_load_fsdp():
     # FSDP2 and DTensor add ~45 MiB to every rank's memory: only data parallelism may load them.
     code = (
-        "import sys, conveyor, conveyor.pipe, conveyor.local, conveyor.build\n"
+        "import sys, conveyor, conveyor.pipe, conveyor.layout, conveyor.build\n"
         "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.fsdp', 'torch.distributed.tensor'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -13,8 +13,8 @@ import torch
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
+from conveyor.layout import DistributedLayout, InProcessLayout
 from conveyor.options import (
-    Layout,
     PipelineOptions,
     SplitOptions,
     StageOptions,
@@ -47,8 +47,11 @@ def test_values_are_normalised_so_that_equal_options_compare_equal():
     (lambda: TransferOptions(timeout_s=0), r"timeout_s must be a positive number.*set it above your slowest step"),
     (lambda: DistributedLayout(group=object(), mesh=object()), r"mesh= or group=, not both"),
     (lambda: DistributedLayout(data_parallel="zero3"), r"data_parallel must be 'ddp', 'fsdp' or None"),
-    (lambda: DistributedLayout(ranks=2), r"add in_process=True or drop ranks"),
-    (lambda: InProcessLayout(group=object()), r"in_process=True runs every rank here"),
+    (lambda: DistributedLayout(dp=0), r"DistributedLayout.dp takes a positive number of ranks; got 0"),
+    (lambda: DistributedLayout(group=object(), tp=2), r"is one pipeline's ranks.*without group="),
+    (lambda: DistributedLayout(sequence_parallel=True), r"sequence_parallel=True is part of tensor parallelism"),
+    (lambda: DistributedLayout(tensor_parallel="auto"), r"needs tensor-parallel ranks.*give tp="),
+    (lambda: InProcessLayout(ranks=0), r"InProcessLayout.ranks takes a positive number of ranks or None; got 0"),
     (lambda: WholeModel(tied_parameters=[("wte", "lm_head")]), r"records with `uses`"),
     (lambda: SplitOptions(method="layers"), r"use 'uniform', 'parameters', 'time' or 'type:<regex>'"),
     (lambda: PipelineOptions(stage=TransferOptions()), r"PipelineOptions.stage takes a StageOptions"),
@@ -62,7 +65,11 @@ def test_records_are_frozen_and_pipeline_refuses_anything_else():
     with pytest.raises(dataclasses.FrozenInstanceError):
         StageOptions().autocast = "bf16"
     with pytest.raises(PipelineConfigError, match=r"stage= takes a conveyor.options.StageOptions; got dict"):
-        conveyor.Pipeline([torch.nn.Linear(2, 1)], "gpipe", microbatches=1, stage={"autocast": "bf16"}, layout=conveyor.InProcessLayout())
+        conveyor.Pipeline([torch.nn.Linear(2, 1)], "gpipe", microbatches=1, stage={"autocast": "bf16"},
+                          layout=conveyor.InProcessLayout())
+    with pytest.raises(PipelineConfigError, match=r"layout= takes a conveyor.InProcessLayout or "
+                                                  r"conveyor.DistributedLayout; got dict"):
+        conveyor.Pipeline([torch.nn.Linear(2, 1)], "gpipe", microbatches=1, layout={"ranks": 1})
 
 
 def test_bf16_main_grad_with_replicas_is_refused_across_records():
@@ -81,8 +88,36 @@ def test_a_new_stage_option_is_one_field_the_ranks_compare_without_more_code():
     assert [f.name for f in dataclasses.fields(StageOptions)] == [
         "recompute", "autocast", "param_dtype", "grad_accum_dtype", "loss_scaling", "compile", "random_streams",
         "measure_memory", "record_timeline"]
-    for record in (StageOptions, TransferOptions, Layout, WholeModel, SplitOptions, PipelineOptions):
+    for record in (StageOptions, TransferOptions, InProcessLayout, DistributedLayout, WholeModel, SplitOptions,
+                   PipelineOptions):
         assert all(f.metadata.get("help") for f in dataclasses.fields(record)), record  # each field says what it does
+
+
+def test_a_new_mesh_dim_is_one_size_field_and_one_field_the_ranks_compare_without_more_code():
+    # What expert parallelism adds: a size field naming its mesh dim, and a field saying what the dim does.
+    Extended = dataclasses.make_dataclass("Extended", [
+        ("ep", int, dataclasses.field(default=1, metadata={"help": "experts' ranks", "mesh_dim": "ep"})),
+        ("expert_parallel", bool, dataclasses.field(default=False, metadata={"help": "shard experts"}))],
+        bases=(DistributedLayout,), frozen=True)
+    assert Extended.mesh_dims() == ("dp", "tp", "ep")
+    assert Extended(ep=2).describe().endswith("loss_parallel=False ep=2 expert_parallel=False")
+    with pytest.raises(PipelineConfigError, match=r"DistributedLayout.ep takes a positive number of ranks"):
+        Extended(ep=0)
+    with pytest.raises(PipelineConfigError, match=r"is one pipeline's ranks"):
+        Extended(group=object(), ep=2)
+
+
+def test_each_layout_record_holds_only_what_its_kind_of_pipeline_uses():
+    assert [f.name for f in dataclasses.fields(InProcessLayout)] == ["ranks", "device"]
+    assert [f.name for f in dataclasses.fields(DistributedLayout)] == [
+        "group", "mesh", "device", "dp", "tp", "data_parallel", "tensor_parallel", "sequence_parallel",
+        "loss_parallel", "parts"]
+    assert "layout" not in [f.name for f in dataclasses.fields(PipelineOptions)]  # given once: layout=
+    for function in (conveyor.Pipeline.__init__, conveyor.pipeline):
+        keywords = inspect.signature(function).parameters
+        assert "layout" in keywords and not {"mesh", "data_parallel", "tensor_parallel"} & set(keywords)
+    assert not hasattr(conveyor, "LocalPipeline") and not hasattr(conveyor, "Layout")
+    assert DistributedLayout(tp=2).tensor_parallel == "auto"  # tp ranks each running the whole stage: never
 
 
 def _two_ranks_built_differently(rank, world_size):
@@ -108,7 +143,8 @@ def _public(cls) -> dict[str, str]:
 
 def test_one_pipeline_class_with_one_public_api_over_both_backends():
     pipe = conveyor.Pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "gpipe",
-                             lambda y, t: (y - t).sum(), microbatches=2, stage=StageOptions(measure_memory=True), layout=conveyor.InProcessLayout())
+                             lambda y, t: (y - t).sum(), microbatches=2, stage=StageOptions(measure_memory=True),
+                             layout=conveyor.InProcessLayout())
     assert type(pipe) is conveyor.Pipeline and type(pipe.ranks).__name__ == "InProcessRanks"
     for name in ("step", "forward", "clip_grad_norm_", "forget_norm_layout", "memory", "timeline", "state_dict",
                  "parameters", "named_parameters", "load_pretrained", "train", "eval", "close", "closed",
@@ -123,7 +159,7 @@ def test_one_pipeline_class_with_one_public_api_over_both_backends():
 
 
 @pytest.mark.parametrize("function", [
-    conveyor.Pipeline.__init__, conveyor.pipeline, conveyor.LocalPipeline,
+    conveyor.Pipeline.__init__, conveyor.pipeline,
     conveyor.runtime.stage.runner.StageRunner.__init__, conveyor.runtime.stage.runner.build_runners,
 ])
 def test_no_public_callable_takes_more_than_12_parameters_or_forwards_keywords(function):

@@ -48,7 +48,7 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     A collective on a distributed pipeline: call it on every rank. Any pp size, schedule, V,
     dp and tp load a checkpoint saved under any other (tensors are keyed by the model's names,
     DTensor shards resharded by DCP);
-    ``pipe`` may also be a LocalPipeline or the plain unsplit ``nn.Module`` (one process,
+    ``pipe`` may also be an in-process Pipeline or the plain unsplit ``nn.Module`` (one process,
     no process group). ``path`` may be a parent directory with a ``latest`` marker. Random
     generators are restored when the layout (processes, global ranks, stage placement, tp) is
     the one saved, else left alone with a log line. A :class:`~conveyor.MasterWeights` loads the

@@ -29,7 +29,7 @@ def save(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
          lr_scheduler: Any = None, *, extra: Any = None, keep_last: int | None = None) -> Path:
     """Save a checkpoint of ``pipe`` at ``path``; a collective: call it on every rank alike.
 
-    ``pipe`` is a :class:`~conveyor.Pipeline`, a :class:`~conveyor.LocalPipeline` or an
+    ``pipe`` is a :class:`~conveyor.Pipeline` (distributed or in-process) or an
     unsplit ``nn.Module``. Tensors are keyed by the model's original names (a tied one once,
     by its first name) and written with ``torch.distributed.checkpoint`` over the pipeline's
     own process group; the optimizer's state by the same names (flattened keys), the LR

@@ -1,7 +1,7 @@
 """What one process saves and loads: its tensors under model-wide names, and whom it talks to.
 
 A :class:`Target` is the same view of a distributed :class:`~conveyor.Pipeline` (this rank's
-stages), a :class:`~conveyor.LocalPipeline` (every stage, one process) or a plain
+stages), an in-process one (every stage, one process) or a plain
 ``nn.Module`` (the unsplit model, one process), so saving and loading are one code path.
 
 Names. Stages built by :func:`conveyor.pipeline` (or ``split_model``) keep the unsplit
@@ -14,7 +14,7 @@ a module holding the stages in a ``ModuleList`` called ``stages``, and such chec
 into any layout with the same stages.
 
 The optimizer. One user optimizer may hold the parameters of several stage modules (V > 1,
-or a LocalPipeline). torch's ``get/set_optimizer_state_dict`` key state by a module's
+or an in-process one). torch's ``get/set_optimizer_state_dict`` key state by a module's
 parameter names, so :meth:`Target.container` builds a module whose ``named_parameters()``
 are exactly this process's parameters under their checkpoint names (the same Parameter
 objects the optimizer holds): the helpers then key optimizer state by model-wide names.
@@ -116,7 +116,8 @@ def target_of(obj: Any) -> Target:
     if isinstance(obj, nn.Module):
         return _of_module(obj)
     raise CheckpointError(
-        f"checkpoints save and load a conveyor Pipeline, a LocalPipeline or an nn.Module; got {type(obj).__name__}"
+        f"checkpoints save and load a conveyor Pipeline (distributed or in-process) or an nn.Module; got "
+        f"{type(obj).__name__}"
     )
 
 

@@ -2,7 +2,8 @@
 
 - :mod:`conveyor.parallel.part`: the :class:`~conveyor.parallel.part.StagePart` contract, whose hooks
   the distributed pipeline calls; :mod:`conveyor.parallel.parts`: which parts a layout gets, in order;
-- :mod:`conveyor.parallel.mesh`: a ("pp", "dp") DeviceMesh read into this rank's pipeline and replicas;
+- :mod:`conveyor.parallel.mesh`: the job's ("pp", "dp", "tp") DeviceMesh (pp outermost), read into this rank's
+  pipeline, replicas and tensor-parallel peers;
 - :mod:`conveyor.parallel.replicas`: the part for ``data_parallel="ddp"`` or ``"fsdp"``; :mod:`~conveyor.parallel.tied`:
   the part summing tied copies across ranks; :mod:`conveyor.parallel.tensor`: tensor parallelism's part;
 - :mod:`conveyor.parallel.fsdp`: the FSDP2 mechanics (``replicate`` / ``fully_shard`` per stage) that keep

@@ -161,8 +161,9 @@ def count_tokens(pipe: Any, target: torch.Tensor | None, ignore_index: int | Non
 
     Example:
         >>> y = torch.tensor([[1, 2, -100], [3, -100, -100]])
-        >>> pipe = conveyor.LocalPipeline(stages, "1f1b", loss_fn=sum_loss, microbatches=2)  # doctest: +SKIP
-        >>> count_tokens(pipe, y)                                                          # doctest: +SKIP
+        >>> pipe = conveyor.Pipeline(stages, "1f1b", sum_loss, microbatches=2,
+        ...                          layout=conveyor.InProcessLayout())                   # doctest: +SKIP
+        >>> count_tokens(pipe, y)                                                     # doctest: +SKIP
         3
         >>> loss = pipe.step(x, target=y, normalize_by=count_tokens(pipe, y))              # doctest: +SKIP
     """

@@ -1,16 +1,16 @@
 """Where a rank stands in a job of ``dp`` pipeline replicas of ``pp`` stages of ``tp`` ranks each.
 
 A :class:`~torch.distributed.device_mesh.DeviceMesh` with named dims "pp", "dp" and "tp" lays the
-job out: ranks along "pp" form one pipeline, ranks along "dp" hold the same stages in
-different replicas, ranks along "tp" share one stage's tensors (tensor parallel, innermost, so
-that its frequent collectives stay inside a node). :func:`layout_of` reads what a pipeline needs
-from it and refuses a mesh it cannot use, before any communication.
-
-Any order of "pp" and "dp" is read, "tp" last; the examples use pp outermost: ("pp", "dp", "tp").
+job out: ranks along "pp" form one pipeline, ranks along "dp" hold the same stages in different
+replicas, ranks along "tp" share one stage's tensors. Every mesh conveyor builds (:func:`pipeline_mesh`,
+for a DistributedLayout's sizes and ``conveyor train`` alike) is ("pp", "dp", "tp"): pp outermost, tp
+innermost, so that TP's frequent collectives stay inside a node; a mesh of your own may order "pp" and
+"dp" either way, "tp" last. :func:`layout_of` reads what a pipeline needs from it and refuses a mesh it
+cannot use, before any communication.
 
 Example (4 ranks: 2 replicas of a 2-rank pipeline)::
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    mesh = pipeline_mesh(2)                 # ("pp", "dp") = (2, 2)
     layout = layout_of(mesh)
     layout.pp_ranks        # global ranks of this rank's pipeline, e.g. [0, 2]
     layout.dp_ranks        # global ranks holding the same stages, e.g. [0, 1]
@@ -24,12 +24,17 @@ With tensor parallelism (4 ranks: 2 stages of 2 TP ranks; rank 1 is stage 0's se
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from conveyor.errors import PipelineConfigError
 
-DIM_NAMES = ("dp", "pp")
-KNOWN_DIMS = ("dp", "pp", "tp")
+if TYPE_CHECKING:
+    from conveyor.layout import DistributedLayout
+
+MESH_DIMS = ("pp", "dp", "tp")  # the order of the meshes conveyor builds: pp outermost, tp innermost
+GRID_ORDER = ("dp", "pp", "tp")  # how layout_of indexes its grid: a replica's pipelines, then their stages
 
 
 @dataclass(frozen=True)
@@ -91,23 +96,57 @@ class MeshLayout:
         return [[pipeline[r] for r in pipeline_ranks] for pipeline in self.group_pipelines]
 
 
-def pipeline_mesh(pp: int, device_type: str = "cpu"):
-    """The job's ("dp", "pp") DeviceMesh for pipelines of ``pp`` ranks: dp = world size / pp.
+def mesh_dims(pp: int, dp: int, tp: int = 1) -> tuple[tuple[str, int], ...]:
+    """The (name, size) dims of every mesh conveyor builds: pp outermost, then dp, then tp (when above 1).
+
+    Example:
+        >>> mesh_dims(2, 2, 2), mesh_dims(4, 1)
+        ((('pp', 2), ('dp', 2), ('tp', 2)), (('pp', 4), ('dp', 1)))
+    """
+    return tuple(zip(MESH_DIMS, (pp, dp, tp)))[:3 if tp > 1 else 2]
+
+
+def pipeline_mesh(pp: int | None = None, device_type: str = "cpu", tp: int = 1, dp: int | None = None):
+    """The job's DeviceMesh of :func:`mesh_dims` (("pp", "dp"), "tp" innermost when above 1): give ``pp``
+    (dp is what the job's ranks leave) or ``dp`` (pp is). Consecutive global ranks share a stage (its
+    TP ranks: one node when ``--nproc-per-node`` is a multiple of tp), then a stage's replicas; a
+    pipeline's ranks lie farthest apart.
 
     Example (on each of 4 ranks)::
 
-        mesh = pipeline_mesh(2)          # 2 replicas of a 2-rank pipeline
+        mesh = pipeline_mesh(2)          # 2 replicas of a 2-rank pipeline: pipelines [0, 2] and [1, 3]
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    if not isinstance(pp, int) or pp < 1 or world % pp:
+    what, given = ("the pipeline size pp", pp) if pp is not None else ("the replica count dp", dp)
+    if isinstance(given, bool) or not isinstance(given, int) or given < 1 or world % (given * tp):
         raise PipelineConfigError(
-            f"the job has {world} ranks, which is not a multiple of the pipeline size pp={pp}: launch "
-            f"dp x {pp} processes, or choose a pp that divides {world}"
-        )
-    return init_device_mesh(device_type, (world // pp, pp), mesh_dim_names=DIM_NAMES)
+            f"the job has {world} ranks, which is not a multiple of {what}={given} x tp={tp}: launch a multiple "
+            f"of {given} x {tp} processes, or choose sizes whose product divides {world}")
+    rest = world // (given * tp)
+    dims = mesh_dims(*((given, rest) if pp is not None else (rest, given)), tp)
+    return init_device_mesh(device_type, tuple(size for _, size in dims), mesh_dim_names=tuple(n for n, _ in dims))
+
+
+def with_mesh(layout: DistributedLayout) -> DistributedLayout:
+    """``layout`` with its mesh: the one given, or for sizes dp or tp above 1 :func:`pipeline_mesh`'s over
+    the job's ranks (a collective); a layout of one pipeline (dp = tp = 1, no mesh) as it is.
+
+    Example (on each of 4 ranks)::
+
+        with_mesh(DistributedLayout(dp=2)).mesh     # ("pp", "dp") = (2, 2)
+    """
+    import torch.distributed as dist
+
+    sizes = {name: getattr(layout, name) for name in layout.mesh_dims()}  # every size field: a new dim's too
+    if layout.mesh is not None or set(sizes.values()) == {1} or not dist.is_initialized():
+        return layout  # (not initialised: the pipeline's own check says how to start torch.distributed)
+    from conveyor.runtime.stage.device import resolve_device
+
+    mesh = pipeline_mesh(None, resolve_device(layout.device).type, **sizes)
+    return dataclasses.replace(layout, mesh=mesh)
 
 
 def layout_of(mesh) -> MeshLayout:
@@ -130,11 +169,11 @@ def layout_of(mesh) -> MeshLayout:
         )
     # One grid indexed (dp, pp, tp), a missing dim of size 1.
     grid = mesh.mesh
-    for name in KNOWN_DIMS:
+    for name in GRID_ORDER:
         if name not in names:
             grid = grid.unsqueeze(-1)
             names = (*names, name)
-    grid = grid.permute(*(names.index(name) for name in KNOWN_DIMS))
+    grid = grid.permute(*(names.index(name) for name in GRID_ORDER))
     me = dist.get_rank()
     dp_rank, pp_rank, tp_rank = (int(i) for i in (grid == me).nonzero()[0])
     pipelines = tuple(tuple(row) for row in grid[:, :, tp_rank].tolist())
@@ -153,10 +192,11 @@ def _checked_dim_names(mesh) -> tuple[str, ...]:
     if not isinstance(mesh, DeviceMesh):
         raise PipelineConfigError(
             f"mesh= takes a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; build one "
-            "with init_device_mesh(device, (dp, pp), mesh_dim_names=('dp', 'pp'))"
+            "with conveyor.parallel.pipeline_mesh(pp) or init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', "
+            "'dp'))"
         )
     names = tuple(mesh.mesh_dim_names or ())
-    unknown = [n for n in names if n not in KNOWN_DIMS]
+    unknown = [n for n in names if n not in MESH_DIMS]
     if unknown:
         raise PipelineConfigError(
             f"the mesh has dims {names}; conveyor knows 'pp', 'dp' and 'tp' only (got {unknown}). Name the "
@@ -167,7 +207,7 @@ def _checked_dim_names(mesh) -> tuple[str, ...]:
     if "pp" not in names:
         raise PipelineConfigError(
             f"the mesh has dims {names or '(unnamed)'} but no 'pp' dim: name its dims, e.g. "
-            "init_device_mesh('cpu', (dp, pp), mesh_dim_names=('dp', 'pp'))"
+            "init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))"
         )
     if "tp" in names and names[-1] != "tp":
         wanted = tuple(n for n in names if n != "tp") + ("tp",)

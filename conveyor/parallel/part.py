@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+from conveyor.layout import DistributedLayout
 from conveyor.options import WholeModel
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.runtime.lifecycle.rank import RankLifecycle
@@ -52,7 +52,7 @@ class PartSite:
     rank: int  # this rank's pipeline position
     runners: Mapping[int, StageRunner]  # this rank's stages, by stage
     life: RankLifecycle  # the pipeline's groups: agreement, subgroups, the job group
-    layout: Layout
+    layout: DistributedLayout
     mesh_layout: MeshLayout | None  # None: a plain process group, one replica
     device: torch.device  # the stage device
     model: WholeModel

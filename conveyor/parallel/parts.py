@@ -8,7 +8,7 @@ copies' sums, and after the loss broadcast the replicas' mean of the loss. A new
 one more entry here, read from its one option field.
 
 Example:
-    >>> from conveyor.options import Layout
+    >>> from conveyor.layout import DistributedLayout
     >>> [type(part).__name__ for part in parts_for(DistributedLayout(), None)]
     ['TiedGradients']
 """
@@ -16,14 +16,14 @@ Example:
 from __future__ import annotations
 
 from conveyor.errors import PipelineConfigError
-from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+from conveyor.layout import DistributedLayout
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.parallel.part import StagePart
 from conveyor.parallel.replicas import Replicas
 from conveyor.parallel.tied import TiedGradients
 
 
-def parts_for(layout: Layout, mesh_layout: MeshLayout | None) -> list[StagePart]:
+def parts_for(layout: DistributedLayout, mesh_layout: MeshLayout | None) -> list[StagePart]:
     """The parts a pipeline over ``layout`` runs with, in hook order, then ``layout.parts`` (the user's own).
 
     ``mesh_layout``: the layout's mesh read as pipeline, replica and TP positions (None: a plain group).
@@ -31,7 +31,7 @@ def parts_for(layout: Layout, mesh_layout: MeshLayout | None) -> list[StagePart]
     """
     dp_size = mesh_layout.dp_size if mesh_layout is not None else 1
     parts: list[StagePart] = []
-    if dp_size > 1:  # Layout checked the kind; "ddp" by default
+    if dp_size > 1:  # the record checked the kind; "ddp" by default
         assert mesh_layout is not None
         # With TP the stages' parameters are DTensors on the mesh's "tp" sub-mesh: torch's 2-D
         # composition (FSDP2 on TP-sharded parameters) needs the "dp" sub-mesh of that same mesh.
@@ -41,7 +41,7 @@ def parts_for(layout: Layout, mesh_layout: MeshLayout | None) -> list[StagePart]
         # DTensor is loaded for tensor parallelism only.
         from conveyor.parallel.tensor.stages import TensorParallelStages
 
-        assert mesh_layout is not None  # Layout refuses tensor_parallel without a mesh's "tp" dim
+        assert mesh_layout is not None  # with_mesh built the mesh of tp > 1
         parts.append(TensorParallelStages(layout, mesh_layout.tp_mesh))
     if layout.expert_parallel is not None:
         from conveyor.parallel.experts import ExpertParallel
@@ -53,7 +53,7 @@ def parts_for(layout: Layout, mesh_layout: MeshLayout | None) -> list[StagePart]
     parts.append(TiedGradients())
     for part in layout.parts:
         if not isinstance(part, StagePart):
-            raise PipelineConfigError(f"DistributedLayout(parts=...) takes conveyor.parallel.part.StagePart objects; got "
-                                      f"{type(part).__name__}: subclass StagePart and override its hooks")
+            raise PipelineConfigError(f"DistributedLayout(parts=...) takes conveyor.parallel.part.StagePart objects; "
+                                      f"got {type(part).__name__}: subclass StagePart and override its hooks")
         parts.append(part)
     return parts

@@ -7,7 +7,8 @@ nothing else of them.
 
 Example:
     >>> import torch, conveyor
-    >>> pipe = conveyor.Pipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2, layout=conveyor.InProcessLayout())
+    >>> pipe = conveyor.Pipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2,
+    ...                          layout=conveyor.InProcessLayout())
     >>> isinstance(pipe.ranks, RanksBackend), pipe.ranks.parts
     (True, ())
 """

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+from conveyor.layout import DistributedLayout
 from conveyor.options import StageOptions, TransferOptions, WholeModel
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import LossBroadcast
@@ -62,14 +62,14 @@ class DistributedRanks:
     transport: Transport
     executor: RankExecutor
 
-    def __init__(self, layout: Layout, transfer: TransferOptions) -> None:
+    def __init__(self, layout: DistributedLayout, transfer: TransferOptions) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
             raise PipelineConfigError(
                 "torch.distributed is not initialised: launch with torchrun and call "
-                "torch.distributed.init_process_group() first, or pass layout=InProcessLayout() "
-                "(conveyor.LocalPipeline) to run every rank in one process"
+                "torch.distributed.init_process_group() first, or pass layout=conveyor.InProcessLayout() "
+                "to run every rank in one process"
             )
         self.layout, self.transfer = layout, transfer
         self.mesh_layout = None if layout.mesh is None else layout_of(layout.mesh)
@@ -89,8 +89,8 @@ class DistributedRanks:
             raise PipelineConfigError(
                 f"schedule {resolved.name!r} has {resolved.num_ranks} ranks but the process group "
                 f"has {self.size}; build the schedule with ranks={self.size}, launch {resolved.num_ranks} "
-                f"processes, or give each pipeline its own ranks with DistributedLayout(group=...) (several pipelines in "
-                f"one job)"
+                f"processes, or give each pipeline its own ranks with DistributedLayout(group=...) (several "
+                f"pipelines in one job)"
             )
         self.schedule = resolved
         return resolved

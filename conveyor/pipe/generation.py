@@ -39,7 +39,8 @@ Example:
     >>> import torch, conveyor
     >>> from conveyor.testing.models import TinyConfig, build_stage
     >>> cfg = TinyConfig(num_stages=2, seq_len=12)
-    >>> pipe = conveyor.Pipeline([build_stage(s, cfg) for s in range(2)], "1f1b", microbatches=2, layout=conveyor.InProcessLayout())
+    >>> pipe = conveyor.Pipeline([build_stage(s, cfg) for s in range(2)], "1f1b", microbatches=2,
+    ...                          layout=conveyor.InProcessLayout())
     >>> out = pipe.generate(torch.ones(2, 4, dtype=torch.long), max_new_tokens=5)
     >>> tuple(out.tokens.shape), tuple(out.sequences.shape), out.lengths.tolist()
     ((2, 5), (2, 9), [5, 5])

@@ -13,7 +13,7 @@ all-reduce and reads them on the host once per step, only when the step was aske
 Example:
     >>> import torch, conveyor
     >>> pipe = conveyor.Pipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2,
-    ...                               loss_fn=lambda y, t: (y - t).pow(2).mean(), layout=conveyor.InProcessLayout())
+    ...                          loss_fn=lambda y, t: (y - t).pow(2).mean(), layout=conveyor.InProcessLayout())
     >>> loss = pipe.step(torch.ones(4, 2), target=torch.zeros(4, 1), on_nonfinite="raise")
     >>> pipe.clip_grad_norm_(1.0).shape
     torch.Size([])

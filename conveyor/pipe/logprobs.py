@@ -19,7 +19,8 @@ Example:
     >>> import torch, conveyor
     >>> from conveyor.testing.models import TinyConfig, build_stage, reference_model
     >>> cfg = TinyConfig(num_stages=2)
-    >>> pipe = conveyor.Pipeline([build_stage(s, cfg) for s in range(2)], "1f1b", microbatches=2, layout=conveyor.InProcessLayout())
+    >>> pipe = conveyor.Pipeline([build_stage(s, cfg) for s in range(2)], "1f1b", microbatches=2,
+    ...                          layout=conveyor.InProcessLayout())
     >>> ids = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len))
     >>> got = pipe.logprobs(ids)
     >>> model = reference_model(cfg)

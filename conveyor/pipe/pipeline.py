@@ -10,8 +10,8 @@ The same script runs on every rank::
 
 Results are bitwise identical to one device running, for each microbatch i in order,
 ``(loss_fn(model(x_i), y_i) / M).backward()``. Every rank in one process:
-``layout=InProcessLayout()`` with one module per stage (an in-process :class:`conveyor.Pipeline`);
-several replicas on a ("pp", "dp") mesh: ``mesh=`` and :mod:`conveyor.parallel`. The ranks
+``layout=InProcessLayout()`` with one module per stage; several replicas or tensor-parallel ranks
+per stage on a ("pp", "dp", "tp") mesh: ``layout=DistributedLayout(dp=..., tp=...)``. The ranks
 backend (:mod:`conveyor.pipe.backend`'s contract) is all that differs: every method below is the same on both.
 
 A step: the minibatch is cut into the schedule's microbatches exactly as a one-device loop would
@@ -31,6 +31,7 @@ from typing import Any, Self
 import torch
 
 from conveyor.errors import PipelineConfigError
+from conveyor.layout import DistributedLayout, InProcessLayout, Layout
 from conveyor.microbatch import (
     Microbatches,
     check_given_microbatches,
@@ -38,10 +39,10 @@ from conveyor.microbatch import (
     split_microbatches,
     split_value,
 )
-from conveyor.layout import DistributedLayout, InProcessLayout, Layout
 from conveyor.options import StageOptions, TransferOptions, WholeModel, check_together
 from conveyor.parallel.clipping import check_nonfinite_mode
 from conveyor.parallel.loss import set_loss_divisor
+from conveyor.parallel.mesh import with_mesh
 from conveyor.parallel.replicas import Replicas
 from conveyor.parallel.tied import share_tied_locally
 from conveyor.pipe.backend import RanksBackend
@@ -66,18 +67,17 @@ class Pipeline:
 
     ``modules``: the stages this rank runs, in ``schedule.stages_of(rank)`` order (in process: one
     per stage, by stage). ``schedule``: a :class:`~conveyor.schedule.Schedule` or a name (then
-    ``microbatches=`` and, for some schedules, ``virtual=``). ``mesh`` (a ("pp", "dp") DeviceMesh)
-    and ``data_parallel`` ("ddp" by default, or "fsdp") run ``dp`` replicas; a ("pp", "dp", "tp") mesh
-    and ``tensor_parallel`` ("auto", or {module-name pattern: torch ParallelStyle}) parallelize each stage
-    over its TP ranks with torch's ``parallelize_module``; they are the everyday fields of ``layout``
-    (:class:`~conveyor.layout.Layout`: the process group, the device, or every rank in this process,
-    and stage parts of your own). ``stage`` (:class:`~conveyor.options.StageOptions`):
-    what each stage does (activation checkpointing, autocast, bf16 parameters, compile, random
-    streams, memory measurement). ``transfer`` (:class:`~conveyor.options.TransferOptions`): how
-    bytes move (transport, timeout, fixed shapes). ``model`` (:class:`~conveyor.options.WholeModel`,
-    which :func:`conveyor.pipeline` fills): tied parameters, whose copies on several ranks have
-    their gradients summed after every step (equal to rounding); the model's parameter order, for
-    :meth:`clip_grad_norm_`; its signature, compared across ranks.
+    ``microbatches=`` and, for some schedules, ``virtual=``). ``layout``: where the ranks are,
+    :class:`~conveyor.layout.DistributedLayout` (the default: this process is one rank; ``dp`` replicas
+    sharing gradients the ``data_parallel`` way, "ddp" or "fsdp"; ``tp`` ranks per stage split the
+    ``tensor_parallel`` way by torch's ``parallelize_module``; a group or mesh of your own; stage parts
+    of your own; the device) or :class:`~conveyor.layout.InProcessLayout` (every rank in this process).
+    ``stage``: what each stage does (activation recomputation, autocast, bf16 parameters, compile, random
+    streams, memory measurement; :class:`~conveyor.options.StageOptions`). ``transfer``: how bytes move
+    (transport, timeout, fixed shapes; :class:`~conveyor.options.TransferOptions`). ``model``: what
+    :func:`conveyor.pipeline` learned of the whole model (:class:`~conveyor.options.WholeModel`): tied
+    parameters, whose copies on several ranks have their gradients summed after every step (equal to
+    rounding); the parameter order, for :meth:`clip_grad_norm_`; its signature, compared across ranks.
 
     When a distributed pipeline is built, the ranks compare the schedule (name, P, V, M and every
     rank's actions), the model and every record's ``describe()``: ranks built differently raise
@@ -89,10 +89,10 @@ class Pipeline:
 
     Example:
         >>> import torch, conveyor
-        >>> from conveyor.options import Layout, StageOptions
+        >>> from conveyor.options import StageOptions
         >>> pipe = conveyor.Pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "gpipe",
         ...                          lambda y, t: (y - t).sum(), microbatches=2,
-        ...                          layout=InProcessLayout(), stage=StageOptions(measure_memory=True))
+        ...                          layout=conveyor.InProcessLayout(), stage=StageOptions(measure_memory=True))
         >>> loss = pipe.step(torch.ones(8, 4), target=torch.zeros(8, 1))
         >>> [(r.peak_bytes, r.stage_bytes) for r in pipe.memory(all_ranks=True)]   # each Linear saves its input
         [(128, {0: 64}), (128, {1: 64})]
@@ -106,16 +106,14 @@ class Pipeline:
         *,
         microbatches: int | None = None,
         virtual: int | None = None,
-        mesh: Any = None,
-        data_parallel: str | None = None,
-        tensor_parallel: Any = None,
         layout: Layout = DistributedLayout(),
         stage: StageOptions = StageOptions(),
         transfer: TransferOptions = TransferOptions(),
         model: WholeModel = WholeModel(),
     ) -> None:
         _check_records(layout=layout, stage=stage, transfer=transfer, model=model)
-        self.layout = layout.with_shortcuts(mesh, data_parallel, tensor_parallel)
+        # The record's type chooses the backend; a distributed one's mesh is built from its sizes (a collective).
+        self.layout = layout if isinstance(layout, InProcessLayout) else with_mesh(layout)
         self.stage, self.transfer, self.model = stage, transfer, model
         self.ranks: RanksBackend = _backend(self.layout, transfer, stage)
         self.schedule = self.ranks.resolve(schedule, microbatches, virtual, modules)
@@ -426,7 +424,8 @@ class PipelineSteps:
 
     Example:
         >>> import torch, conveyor
-        >>> pipe = conveyor.Pipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2, layout=conveyor.InProcessLayout())
+        >>> pipe = conveyor.Pipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2,
+        ...                          layout=conveyor.InProcessLayout())
         >>> type(pipe.steps).__name__, pipe.steps.forward((torch.ones(4, 2),), {}).shape
         ('PipelineSteps', torch.Size([4, 1]))
     """
@@ -489,14 +488,17 @@ class PipelineSteps:
 def _check_records(**records: Any) -> None:
     """Each option record is of its type (a dict or another record passed by mistake is named)."""
     for name, value in records.items():
-        kind = {"layout": Layout, "stage": StageOptions, "transfer": TransferOptions, "model": WholeModel}[name]
-        if not isinstance(value, kind):
+        if name == "layout" and not isinstance(value, Layout):
+            raise PipelineConfigError(f"layout= takes a conveyor.InProcessLayout or conveyor.DistributedLayout; got "
+                                      f"{type(value).__name__}")
+        kind = {"stage": StageOptions, "transfer": TransferOptions, "model": WholeModel}.get(name)
+        if kind is not None and not isinstance(value, kind):
             raise PipelineConfigError(f"{name}= takes a conveyor.options.{kind.__name__}; got {type(value).__name__}")
 
 
 def _backend(layout: Layout, transfer: TransferOptions, stage: StageOptions) -> RanksBackend:
     """The ranks backend the layout asks for, checked against the stage options it must work with."""
-    backend = (InProcessRanks if layout.in_process else DistributedRanks)(layout, transfer)
+    backend = (InProcessRanks if isinstance(layout, InProcessLayout) else DistributedRanks)(layout, transfer)
     replicas = backend.find_part(Replicas)
     check_together(stage, replicas.kind if replicas is not None else None)  # the kind the layout resolved to
     return backend
@@ -518,8 +520,8 @@ def built_fields(schedule: Schedule, layout: Layout, stage: StageOptions, transf
 
     Example:
         >>> import conveyor.schedule as cs
-        >>> built_fields(cs.build("gpipe", ranks=2, microbatches=2), DistributedLayout(), StageOptions(), TransferOptions(),
-        ...              WholeModel())["schedule"][:18]
+        >>> built_fields(cs.build("gpipe", ranks=2, microbatches=2), DistributedLayout(), StageOptions(),
+        ...              TransferOptions(), WholeModel())["schedule"][:18]
         'gpipe P=2 V=1 M=2 '
     """
     programs = hashlib.sha1(repr(schedule.programs).encode()).hexdigest()[:12]

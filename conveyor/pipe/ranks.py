@@ -14,7 +14,7 @@ norms are combined across ranks, and what closing releases.
 Example:
     >>> import torch, conveyor
     >>> pipe = conveyor.Pipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2,
-    ...                               loss_fn=lambda y, t: (y - t).pow(2).mean(), layout=conveyor.InProcessLayout())
+    ...                          loss_fn=lambda y, t: (y - t).pow(2).mean(), layout=conveyor.InProcessLayout())
     >>> type(pipe.ranks).__name__, pipe.ranks.local_ranks
     ('InProcessRanks', [0, 1])
 """
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from conveyor.errors import PipelineClosed, PipelineConfigError
-from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+from conveyor.layout import InProcessLayout
 from conveyor.options import StageOptions, TransferOptions, WholeModel
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import summed_loss
@@ -58,10 +58,7 @@ class InProcessRanks:
     dp_rank, dp_size = 0, 1
     parts: tuple[StagePart, ...] = ()  # one replica, whole stages: parallelisms span processes
 
-    def __init__(self, layout: Layout, transfer: TransferOptions) -> None:
-        if layout.parts:
-            raise PipelineConfigError("DistributedLayout(parts=...) wraps the stages of a distributed pipeline; an in-process "
-                                      "one runs every rank here, with no part: drop parts= or in_process=True")
+    def __init__(self, layout: InProcessLayout, transfer: TransferOptions) -> None:
         self.layout, self.transfer = layout, transfer
         self.closed = False
         self._recorders: list[StepRecorder | EventRecorder] = []

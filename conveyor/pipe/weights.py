@@ -16,7 +16,8 @@ mesh: every rank of a stage's TP and FSDP groups must iterate to the end, in the
 
 Example:
     >>> import torch, conveyor
-    >>> pipe = conveyor.Pipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2, layout=conveyor.InProcessLayout())
+    >>> pipe = conveyor.Pipeline([torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)], "1f1b", microbatches=2,
+    ...                          layout=conveyor.InProcessLayout())
     >>> [(name, tuple(tensor.shape)) for name, tensor in named_weights(pipe.runners)]
     [('stages.0.weight', (2, 2)), ('stages.0.bias', (2,)), ('stages.1.weight', (1, 2)), ('stages.1.bias', (1,))]
 """

@@ -16,7 +16,7 @@ transport discipline); a SEND action has then been posted, and a RECV action wai
 handle.
 
 Example (the whole pipeline in one process):
-    >>> # see conveyor.local.LocalPipeline for the user-facing form
+    >>> # see conveyor.Pipeline(..., layout=conveyor.InProcessLayout()) for the user-facing form
 """
 
 from __future__ import annotations

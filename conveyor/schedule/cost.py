@@ -30,7 +30,7 @@ class StageCosts:
     the zero-bubble paper's M_W (None: all of it). I frees what only the input gradient
     needed: with conveyor's I/W split, the saved tensors of the operations between the stage's
     outputs (or loss) and its last operation that also leads to a weight, e.g. a final
-    activation function's input; :meth:`conveyor.LocalPipeline.memory` measures both.
+    activation function's input; :meth:`conveyor.Pipeline.memory` measures both.
 
     Example:
         >>> StageCosts(1, 1, 1, activation_bytes=2048, weight_activation_bytes=1536).weight_kept

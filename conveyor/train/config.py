@@ -36,6 +36,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from conveyor.errors import ConfigError, PipelineConfigError
+from conveyor.layout import DistributedLayout, InProcessLayout, Layout
 from conveyor.options import StageOptions, TransferOptions
 from conveyor.train import sources
 
@@ -98,6 +99,23 @@ class ParallelConfig:
                                 "split points replace these keys' (None: split by parameters)")
     in_process: bool = _f(False, "every pipeline rank in this one process (no launcher; parallel.dp=1): the "
                                  "same losses, bit for bit, as parallel.pp processes")
+
+    def layout(self, device: Any = None) -> Layout:
+        """The pipeline's layout on ``device``: every rank here (``in_process``), or the distributed record
+        whose ``dp``, ``tp``, ``data_parallel``, ``sequence_parallel`` are these keys, by name (and ``ep``:
+        expert parallelism over the replicas).
+
+        Example:
+            >>> ParallelConfig(dp=2, data_parallel="fsdp").layout().dp
+            2
+        """
+        if self.in_process:
+            return InProcessLayout(ranks=self.pp, device=device)
+        experts = self.ep != 1  # "auto" (ep = dp) or a size over 1
+        return DistributedLayout(device=device, dp=self.dp, tp=self.tp, data_parallel=self.data_parallel,
+                                 sequence_parallel=self.sequence_parallel,
+                                 expert_parallel="auto" if experts else None,
+                                 ep=self.ep if experts and isinstance(self.ep, int) else None)
 
 
 @dataclass

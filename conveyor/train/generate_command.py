@@ -100,7 +100,7 @@ def generate_text(path: str | Path, prompt: str, tokens: int, stages: int = 2, s
     load(checkpoint, model)
     window = torch.zeros(1, seq_len, dtype=torch.long)
     pipe = conveyor.pipeline(model, example_args=(window,), schedule="gpipe", microbatches=1,
-                             options=conveyor.PipelineOptions(layout=conveyor.InProcessLayout(ranks=stages)))
+                             layout=conveyor.InProcessLayout(ranks=stages))
     sampling = dataclasses.replace(sampling or Sampling(), eos_token_id=tokenizer.eos_id)
     out = pipe.generate(ids[None], tokens, sampling=sampling, generator=torch.Generator().manual_seed(seed),
                         length=seq_len)

@@ -162,34 +162,24 @@ def lr_lambda(cfg: TrainConfig):
 
 
 def build_pipeline(cfg: TrainConfig, model: torch.nn.Module, loss_fn: Any = None) -> Any:
-    """This rank's pipeline of ``model`` (over a ("dp", "pp") mesh when ``parallel.dp`` > 1, a ("pp"[, "dp"],
-    "tp") mesh with ``tensor_parallel="auto"`` when ``parallel.tp`` > 1; every rank in this process with
-    ``parallel.in_process``), on the device :func:`~conveyor.train.launch.choose_devices`
+    """This rank's pipeline of ``model`` on the layout the ``parallel`` keys say (:meth:`ParallelConfig.layout
+    <conveyor.train.config.ParallelConfig.layout>`: the ("pp", "dp", "tp") mesh the pipeline builds from the
+    sizes, or every rank in this process), on the device :func:`~conveyor.train.launch.choose_devices`
     gives this rank (its GPU, or the CPU), with ``loss_fn`` (None: :func:`train_loss`'s for the model).
     The config's ``stage`` and ``transfer`` sections are the pipeline's records, passed whole."""
     from conveyor.train.launch import stage_device
-    from conveyor.train.tensor_parallel import training_mesh
 
     p = cfg.parallel
-    device = stage_device(cfg)
-    mesh = training_mesh(p, device.type)  # (pp[, dp], tp) with tp innermost; ("dp", "pp") for replicas alone
     microbatch = cfg.replica_batch_size // p.microbatches
     example = torch.zeros(microbatch, cfg.model.seq_len, dtype=torch.long)
-    layout = conveyor.DistributedLayout(device=device, in_process=p.in_process, ranks=p.pp if p.in_process else None,
-                             mesh=mesh, data_parallel=p.data_parallel if p.dp > 1 else None,
-                             tensor_parallel="auto" if p.tp > 1 else None,
-                             sequence_parallel=p.sequence_parallel and p.tp > 1,
-                             expert_parallel="auto" if p.ep != 1 else None, ep=p.ep if isinstance(p.ep, int) and
-                             p.ep > 1 else None)
     split, transfer = conveyor.SplitOptions(method="parameters"), cfg.transfer
     if cfg.data.batching == "by_length":  # every microbatch its own rows and length: one trace for all
         split, transfer = by_length_options(model, transfer)
-    options = conveyor.PipelineOptions(virtual=p.virtual, stage=cfg.stage, transfer=transfer, layout=layout,
-                                       split=split)
+    options = conveyor.PipelineOptions(virtual=p.virtual, stage=cfg.stage, transfer=transfer, split=split)
     # With a plan (read once, by load_config), the pipeline takes schedule, microbatches, virtual and the cut
     # from it, the schedule's order too where it was planned for the measured costs (zb-1p, zb-2p).
     return conveyor.pipeline(model, example_args=(example,), plan=cfg.plan, schedule=p.schedule,
-                             microbatches=p.microbatches,
+                             microbatches=p.microbatches, layout=p.layout(stage_device(cfg)),
                              loss_fn=loss_fn if loss_fn is not None else train_loss(cfg, model), options=options)
 
 

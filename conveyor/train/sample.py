@@ -25,7 +25,8 @@ Example:
     >>> _ = torch.manual_seed(0)
     >>> model = build_model(load_config(None, ["model.layers=2", "model.width=32", "model.seq_len=16"]), 256)
     >>> split = split_model(model, 2, example_args=(torch.zeros(2, 16, dtype=torch.long),))
-    >>> pipe = conveyor.Pipeline([split.stage_module(s) for s in range(2)], "1f1b", microbatches=2, layout=conveyor.InProcessLayout())
+    >>> pipe = conveyor.Pipeline([split.stage_module(s) for s in range(2)], "1f1b", microbatches=2,
+    ...                          layout=conveyor.InProcessLayout())
     >>> got = greedy_tokens(pipe, list(b"def "), 20, seq_len=16, rows=4)
     >>> got == greedy_reference(model, list(b"def "), 20, seq_len=16), len(got)
     (True, 20)
@@ -55,7 +56,7 @@ def greedy_tokens(pipe: Any, prompt: Sequence[int], steps: int, *, seq_len: int,
     """``steps`` tokens after ``prompt`` (ids), each the argmax of the next-token logits, through ``pipe``.
 
     ``pipe`` is a :class:`conveyor.Pipeline` (then a collective: every rank of every replica
-    calls it with the same arguments) or a :class:`conveyor.LocalPipeline`. ``rows`` is the
+    calls it with the same arguments) or an in-process one. ``rows`` is the
     batch one forward takes (the replica batch the pipeline was built for) and ``seq_len`` the
     sequence length it was traced with. Stops early after ``eos_id``.
 

@@ -1,11 +1,8 @@
-"""``parallel.tp`` in ``conveyor train``: the job's mesh, the model's sizes checked before any rank starts, the shards.
+"""``parallel.tp`` in ``conveyor train``: the model's sizes checked before any rank starts, the shards.
 
-A run of ``pp x dp x tp`` ranks lays them out on one DeviceMesh with dims ("pp", "dp", "tp"),
-tp innermost: consecutive global ranks share a stage, so with ``torchrun --nproc-per-node N`` and
-``tp`` dividing ``N`` every TP group (whose collectives run in every layer) stays inside one node,
-while the pipeline's point-to-point sends and the replicas' reductions cross nodes. A dim of size 1
-is left out, except "pp"; without tp the mesh is the one ``parallel.dp`` always used
-(:func:`conveyor.parallel.mesh.pipeline_mesh`).
+The ranks lie on a ("pp", "dp", "tp") mesh, tp innermost (:func:`conveyor.parallel.mesh.pipeline_mesh`,
+built by the pipeline from the layout's sizes): with ``tp`` dividing ``--nproc-per-node`` every TP group
+stays inside one node, while the pipeline's sends and the replicas' reductions cross nodes.
 
 The stages are parallelized by ``tensor_parallel="auto"`` (:mod:`conveyor.parallel.tensor`): the
 plan found from the modules' structure. :func:`tensor_parallel_problems` runs that plan on the
@@ -16,16 +13,13 @@ MLP's width, the vocabulary) is a config error naming the key, before any rank s
 
 Example:
     >>> from conveyor.train.config import load_config
-    >>> mesh_shape(load_config(None, ["parallel.tp=2"]).parallel)
-    (('pp', 2), ('tp', 2))
-    >>> mesh_shape(load_config(None, ["parallel.tp=2", "parallel.dp=2", "parallel.pp=2"]).parallel)
-    (('pp', 2), ('dp', 2), ('tp', 2))
+    >>> tensor_parallel_problems(load_config(None, ["parallel.tp=2"]))
+    []
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import SimpleNamespace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,46 +27,13 @@ import torch
 from conveyor.train.config import TrainConfig
 
 
-def mesh_shape(parallel: Any) -> tuple[tuple[str, int], ...]:
-    """The mesh's (name, size) dims for ``parallel`` (a ParallelConfig) with ``tp`` > 1: pp, then dp (when > 1),
-    then tp, innermost."""
-    dims = [("pp", parallel.pp)]
-    if parallel.dp > 1:
-        dims.append(("dp", parallel.dp))
-    return (*dims, ("tp", parallel.tp))
-
-
-def training_mesh(parallel: Any, device_type: str) -> Any:
-    """This job's DeviceMesh (a collective: every rank calls it), or None for one plain pipeline.
-
-    ``tp`` > 1: the ("pp"[, "dp"], "tp") mesh of :func:`mesh_shape`; else ``dp`` > 1: the ("dp", "pp")
-    mesh of :func:`~conveyor.parallel.mesh.pipeline_mesh`; else None (the default group is the pipeline).
-    """
-    if parallel.tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        dims = mesh_shape(parallel)
-        return init_device_mesh(device_type, tuple(size for _, size in dims),
-                                mesh_dim_names=tuple(name for name, _ in dims))
-    if parallel.dp > 1:
-        from conveyor.parallel.mesh import pipeline_mesh
-
-        return pipeline_mesh(parallel.pp, device_type)
-    return None
-
-
-def plan_settings(parallel: Any) -> SimpleNamespace:
-    """What the tensor-parallel plan reads of the pipeline's Layout, for checks made without a mesh."""
-    return SimpleNamespace(tensor_parallel="auto", sequence_parallel=bool(parallel.sequence_parallel),
-                           loss_parallel=False)
-
-
 def model_placements_for(cfg: TrainConfig, model: torch.nn.Module, tied_groups: Any = ()) -> dict[str, Any]:
     """Each planned parameter's placement (by original name) at ``parallel.tp``, as the pipeline will place
     it; raises PipelineConfigError where tp does not fit the model (the same check the ranks make)."""
     from conveyor.parallel.tensor.stages import model_placements
 
-    return model_placements(model, plan_settings(cfg.parallel), cfg.parallel.tp, tied_groups)
+    distributed = replace(cfg.parallel, in_process=False)  # the pipeline's record: TP ranks are processes
+    return model_placements(model, distributed.layout(), cfg.parallel.tp, tied_groups)
 
 
 def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:

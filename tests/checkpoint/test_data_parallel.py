@@ -30,13 +30,14 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _build(kind: str | None, name: str, virtual: int, seed: int, dp: int):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (dp, PP), mesh_dim_names=("dp", "pp")) if dp > 1 else None
+    mesh = init_device_mesh("cpu", (PP, dp), mesh_dim_names=("pp", "dp")) if dp > 1 else None
     model = tied_lm(seed, tie=False)  # fsdp shards each stage on its own: no parameter shared by two
     ids, _ = lm_batch(0)
     pipe = conveyor.pipeline(model, example_args=(ids[:2],), split_points=SPLITS[PP * virtual], schedule=name,
-                             microbatches=MICROBATCHES, loss_fn=ce_loss, mesh=mesh, data_parallel=kind,
+                             microbatches=MICROBATCHES, loss_fn=ce_loss,
                              options=conveyor.PipelineOptions(virtual=virtual,
-                                                              transfer=conveyor.TransferOptions(timeout_s=60)))
+                                                              transfer=conveyor.TransferOptions(timeout_s=60)),
+                             layout=conveyor.DistributedLayout(mesh=mesh, data_parallel=kind))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     replica = mesh.get_local_rank("dp") if mesh is not None else 0
     return pipe, optimizer, replica

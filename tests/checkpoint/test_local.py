@@ -1,4 +1,4 @@
-"""Checkpoints in one process: unsplit modules and LocalPipeline, keep_last, refusals, safe reading."""
+"""Checkpoints in one process: unsplit modules and in-process pipelines, keep_last, refusals, safe reading."""
 
 from __future__ import annotations
 
@@ -73,12 +73,12 @@ def test_saving_before_the_first_step_leaves_the_optimizer_alone(tmp_path):
 
 
 def test_to_state_dict_equals_the_unsplit_model_trained_alike(tmp_path):
-    """A LocalPipeline of traced stages, trained with AdamW, against the unsplit model (untied: bitwise)."""
+    """An in-process Pipeline of traced stages, trained with AdamW, against the unsplit model (untied: bitwise)."""
     model, optimizer, _ = _trained_module(tie=False)
     start = tied_lm(0, tie=False)
     split = frontend.split_model(start, 4, split_points=SPLITS[4], example_args=(lm_batch(0)[0][:2],))
-    pipe = conveyor.LocalPipeline(split.stage_modules(), schedule="1f1b", microbatches=MICROBATCHES,
-                                  loss_fn=ce_loss)
+    pipe = conveyor.Pipeline(split.stage_modules(), schedule="1f1b", microbatches=MICROBATCHES,
+                             loss_fn=ce_loss, layout=conveyor.InProcessLayout())
     pipe_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     pipe_sched = torch.optim.lr_scheduler.StepLR(pipe_opt, step_size=1, gamma=0.5)
     for step in range(2):
@@ -89,9 +89,9 @@ def test_to_state_dict_equals_the_unsplit_model_trained_alike(tmp_path):
         pipe_sched.step()
     ckpt.save(tmp_path / "local", pipe, pipe_opt, pipe_sched)
     state = ckpt.to_state_dict(tmp_path / "local")
-    assert sorted(state) == sorted(model.state_dict())  # a LocalPipeline knows no model order: stage order
+    assert sorted(state) == sorted(model.state_dict())  # an in-process Pipeline knows no model order: stage order
     assert_same_tensors(dict(state), model.state_dict(), "to_state_dict")
-    # ... and the unsplit module loads the LocalPipeline's checkpoint, optimizer included.
+    # ... and the unsplit module loads the in-process pipeline's checkpoint, optimizer included.
     other, other_opt, other_sched = _trained_module(seed=5, steps=1, tie=False)
     ckpt.load(tmp_path / "local", other, other_opt, other_sched)
     assert_same_tensors(named_optimizer_state(other_opt, _names(other)),

@@ -5,7 +5,7 @@ AdamW steps, in fp32 and under bf16 autocast: losses, first-step gradients and t
 are ``torch.equal`` to the unsplit model accumulating the same microbatches. The stages call
 ``scaled_dot_product_attention`` as eager does (``conveyor.frontend.attention``); before, the trace
 repeated the key/value heads under a materialised mask, and gradients differed by rounding
-(fp32 ~1e-8, bf16 ~3e-4 in the embedding's). All ranks run in one process (LocalPipeline: the
+(fp32 ~1e-8, bf16 ~3e-4 in the embedding's). All ranks run in one process (InProcessLayout: the
 numerics of Pipeline over gloo; tests/frontend/test_pipeline_models.py runs Llama over gloo).
 """
 
@@ -19,8 +19,9 @@ import torch
 
 import conveyor.schedule as cs
 from conveyor import frontend
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
 from conveyor.options import StageOptions
+from conveyor.pipe import Pipeline
 from conveyor.testing.models import GROUPED_FAMILIES, grouped_heads_lm
 
 NUM_MICROBATCHES = 4
@@ -70,8 +71,8 @@ def _split(family, num_stages):
 def _pipelined(family, schedule, bf16):
     sched = cs.build(schedule, ranks=2, microbatches=NUM_MICROBATCHES)
     stages = copy.deepcopy(_split(family, sched.num_stages).stage_modules())  # fresh weights, one trace
-    pipe = LocalPipeline(stages, sched, loss_fn=lambda out, _target: out.loss,
-                         stage=StageOptions(autocast=torch.bfloat16 if bf16 else None))
+    pipe = Pipeline(stages, sched, loss_fn=lambda out, _target: out.loss,
+                    stage=StageOptions(autocast=torch.bfloat16 if bf16 else None), layout=InProcessLayout())
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses, grads = [], None
     for step in range(NUM_STEPS):

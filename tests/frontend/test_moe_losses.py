@@ -5,7 +5,7 @@ loss, traced unchanged with grouped heads); an auxiliary loss attached to a laye
 custom autograd Function (DeepSeek-V3's ``AddAuxiliaryLoss``: hand-built stages keep its backward,
 and a trace, which would drop it, is refused); an auxiliary loss returned beside the activations
 for ``loss_fn`` to add (traced). Losses and parameters after 2 AdamW steps are ``torch.equal`` to
-one device accumulating the same 4 microbatches. All ranks in one process (LocalPipeline).
+one device accumulating the same 4 microbatches. All ranks in one process (InProcessLayout).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from torch import nn
 import conveyor.schedule as cs
 from conveyor import frontend
 from conveyor.errors import TracingError
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
+from conveyor.pipe import Pipeline
 from conveyor.testing.models import grouped_heads_lm
 
 M = 4
@@ -56,7 +57,7 @@ def _one_device(model, loss_fn, batches):
 
 
 def _pipelined(stages, schedule, loss_fn, batches):
-    pipe = LocalPipeline(stages, schedule, loss_fn=loss_fn)
+    pipe = Pipeline(stages, schedule, loss_fn=loss_fn, layout=InProcessLayout())
     return _train(pipe.named_parameters(), lambda batch: pipe.step(batch[0], target=batch[1]), batches)
 
 
@@ -112,7 +113,7 @@ def _mixtral_one_device():
 def test_mixtral_router_logits_carried_to_the_loss(schedule):
     sched = _schedule(schedule)
     stages = copy.deepcopy(_mixtral_split(sched.num_stages).stage_modules())  # fresh weights, one trace
-    pipe = LocalPipeline(stages, sched, loss_fn=_mixtral_loss)
+    pipe = Pipeline(stages, sched, loss_fn=_mixtral_loss, layout=InProcessLayout())
     got = _train(pipe.named_parameters(), lambda batch: pipe.step(batch[0], labels=batch[1]), _tokens())
     _assert_bitwise(got, _mixtral_one_device())
 

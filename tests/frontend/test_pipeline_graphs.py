@@ -1,6 +1,6 @@
 """A model that is not a chain, split by the frontend and trained through the pipeline runtime.
 
-All ranks run in one process (LocalPipeline: the numerics of Pipeline over gloo). Two encoders
+All ranks run in one process (InProcessLayout: the numerics of Pipeline over gloo). Two encoders
 whose outputs meet late land on different stages; the image features cross the text stages
 untouched, and the mask and labels are inputs the last stage uses. Bitwise equal to one device.
 """
@@ -12,8 +12,9 @@ import torch
 
 import conveyor.schedule as cs
 from conveyor import frontend
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
 from conveyor.options import WholeModel
+from conveyor.pipe import Pipeline
 from conveyor.testing.models import TwoEncoders, two_encoder_batch
 
 NUM_MICROBATCHES = 2
@@ -53,8 +54,8 @@ def test_two_encoders_train_through_the_pipeline_bitwise(schedule, num_ranks, vi
     split = frontend.split_model(model, sched.num_stages, example_args=example, split_points=split_points)
     assert split.stage_parameter_names(0)[0].startswith("image.")
     assert split.stage_parameter_names(1)[0].startswith("embed.")
-    pipe = LocalPipeline(split.stage_modules(), sched, loss_fn=lambda out, _target: out["loss"],
-                         model=WholeModel(tied_parameters=split.tied_groups))
+    pipe = Pipeline(split.stage_modules(), sched, loss_fn=lambda out, _target: out["loss"],
+                    model=WholeModel(tied_parameters=split.tied_groups), layout=InProcessLayout())
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     for batch in _batches():

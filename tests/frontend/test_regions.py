@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import conveyor.frontend as frontend
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
+from conveyor.pipe import Pipeline
 
 
 class FrozenMiddle(nn.Module):
@@ -75,7 +76,7 @@ def test_training_through_the_region_matches_one_device():
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     stages = frontend.split_model(model, 2, example_args=(x[:4],), split_points=["f1"]).stage_modules()
-    pipe = LocalPipeline(stages, "1f1b", nn.functional.mse_loss, microbatches=2)
+    pipe = Pipeline(stages, "1f1b", nn.functional.mse_loss, microbatches=2, layout=InProcessLayout())
     pipe.step(x, target=y)
     for x_m, y_m in zip(x.chunk(2), y.chunk(2)):
         (nn.functional.mse_loss(reference(x_m), y_m) / 2).backward()

@@ -1,4 +1,4 @@
-"""Pipeline x data parallelism on a ("dp", "pp") DeviceMesh, against one process on the whole batch.
+"""Pipeline x data parallelism on a ("pp", "dp") DeviceMesh, against one process on the whole batch.
 
 Each replica trains on its own rows of every global minibatch. Two single-process references
 train the unsplit model on the whole minibatch:
@@ -27,6 +27,7 @@ import torch
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
+from conveyor.parallel.mesh import pipeline_mesh
 from conveyor.testing import RankFailure, run_ranks
 from conveyor.testing.models import lm_loss, reference_step
 from conveyor.testing.references.data_parallel import (
@@ -41,7 +42,6 @@ from conveyor.testing.references.data_parallel import (
     make_batch,
     max_relative_difference,
     max_relative_differences,
-    mesh_of,
     one_thread,
 )
 
@@ -78,9 +78,10 @@ def test_clip_grad_norm_spans_every_stage_and_replica(kind):
 
 
 def _one_replica(rank, world_size):
-    mesh = mesh_of(1, 2)
+    mesh = pipeline_mesh(2)
     schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
-    pipe = conveyor.Pipeline([MLPStage(rank, 2)], schedule=schedule, loss_fn=lm_loss, mesh=mesh)
+    pipe = conveyor.Pipeline([MLPStage(rank, 2)], schedule=schedule, loss_fn=lm_loss,
+                             layout=conveyor.DistributedLayout(mesh=mesh))
     ids, targets = make_batch(seed=0)
     loss = pipe.step(ids if rank == 0 else None, target=targets if rank == 1 else None)
     grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
@@ -108,15 +109,17 @@ def _misbuilt(rank, world_size, case):
     if case == "no pp dim":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     elif case == "group and mesh":
-        mesh = mesh_of(2, 2)
+        mesh = pipeline_mesh(2)
     else:
-        mesh = mesh_of(2, 2)
-    pp_rank = rank % 2
-    microbatches = NUM_MICROBATCHES * (2 if case == "replicas differ" and rank >= 2 else 1)
+        mesh = pipeline_mesh(2)
+    pp_rank = mesh.get_local_rank("pp") if case != "no pp dim" else rank % 2
+    replica = mesh.get_local_rank("dp")
+    microbatches = NUM_MICROBATCHES * (2 if case == "replicas differ" and replica == 1 else 1)
     schedule = cs.build("1f1b", ranks=2, microbatches=microbatches)
     group = mesh["dp"].get_group() if case == "group and mesh" else None
-    conveyor.Pipeline([MLPStage(pp_rank, 2)], schedule=schedule, loss_fn=lm_loss, mesh=mesh,
-                      transfer=conveyor.TransferOptions(timeout_s=30), layout=conveyor.Layout(group=group))
+    conveyor.Pipeline([MLPStage(pp_rank, 2)], schedule=schedule, loss_fn=lm_loss,
+                      transfer=conveyor.TransferOptions(timeout_s=30),
+                      layout=conveyor.DistributedLayout(group=group, mesh=mesh))
 
 
 @pytest.mark.distributed
@@ -137,10 +140,11 @@ def _loaders(rank, world_size):
 
     from conveyor.parallel.data import data_loader
 
-    mesh = mesh_of(2, 3)
+    mesh = pipeline_mesh(3)
     schedule = cs.build("1f1b", ranks=3, microbatches=NUM_MICROBATCHES)
     pipe = conveyor.Pipeline([MLPStage(mesh.get_local_rank("pp"), 3)], schedule=schedule, loss_fn=lm_loss,
-                             mesh=mesh, transfer=conveyor.TransferOptions(timeout_s=60))
+                             transfer=conveyor.TransferOptions(timeout_s=60),
+                             layout=conveyor.DistributedLayout(mesh=mesh))
     opened = []
 
     def dataset():
@@ -183,8 +187,9 @@ def _tied(rank, world_size, kind):
     mesh = pipeline_mesh(2)
     ids, _ = lm_batch(0)
     pipe = conveyor.pipeline(tied_lm(0), example_args=(ids[:2],), split_points=SPLITS[2], schedule="1f1b",
-                             microbatches=2, loss_fn=ce_loss, mesh=mesh, data_parallel=kind,
-                             options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=60)))
+                             microbatches=2, loss_fn=ce_loss,
+                             options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=60)),
+                             layout=conveyor.DistributedLayout(mesh=mesh, data_parallel=kind))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     copies = []
     for step in range(3):
@@ -216,6 +221,4 @@ def test_a_world_that_pp_does_not_divide_is_refused():
 
 
 def _not_a_multiple(rank, world_size):
-    from conveyor.parallel.mesh import pipeline_mesh
-
     pipeline_mesh(2)

@@ -19,7 +19,7 @@ from torch import nn
 
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
-from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+from conveyor.layout import DistributedLayout
 from conveyor.parallel.experts import find_experts
 from conveyor.parallel.experts.part import expert_memberships, shard_experts
 from conveyor.parallel.mesh import MeshLayout

@@ -41,11 +41,10 @@ def _reference(ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor
 
 def _pipeline(mesh, **layout):
     import conveyor
-    from conveyor.layout import DistributedLayout, InProcessLayout, Layout
-    from conveyor.options import PipelineOptions
+    from conveyor.layout import DistributedLayout
 
     return conveyor.pipeline(build("gpt2").eval(), example_kwargs={"input_ids": _ids(0)[:2]}, schedule="1f1b",
-                             microbatches=MICROBATCHES, options=PipelineOptions(layout=DistributedLayout(mesh=mesh, **layout)))
+                             microbatches=MICROBATCHES, layout=DistributedLayout(mesh=mesh, **layout))
 
 
 def _prompts(seed: int) -> torch.Tensor:

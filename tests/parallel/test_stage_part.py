@@ -86,7 +86,7 @@ def _train(rank: int, name: str, part: CountingDoubler | None):
     mine = schedule.stages_of(rank)
     torch.manual_seed(0)
     stages = {s: build_stage(s, cfg) for s in mine}
-    layout = conveyor.Layout(parts=(part,) if part is not None else ())
+    layout = conveyor.DistributedLayout(parts=(part,) if part is not None else ())
     pipe = conveyor.Pipeline([stages[s] for s in mine], schedule, lm_loss, layout=layout,
                              transfer=conveyor.TransferOptions(timeout_s=60))
     first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
@@ -138,11 +138,10 @@ def test_a_part_of_the_tests_own_runs_at_every_hook_under_every_schedule():
             assert metadata == {"ranks": 2}, where
 
 
-def test_an_in_process_pipeline_refuses_parts_and_a_part_must_be_a_stage_part():
-    with pytest.raises(PipelineConfigError, match="in-process one runs every rank here"):
-        conveyor.Pipeline([torch.nn.Linear(2, 2)], "gpipe", microbatches=1,
-                          layout=conveyor.Layout(in_process=True, parts=(CountingDoubler(),)))
+def test_an_in_process_layout_has_no_parts_and_a_part_must_be_a_stage_part():
+    with pytest.raises(TypeError, match="parts"):  # parts wrap a distributed pipeline's stages: no such field here
+        conveyor.InProcessLayout(parts=(CountingDoubler(),))
     from conveyor.parallel.parts import parts_for
 
     with pytest.raises(PipelineConfigError, match="takes conveyor.parallel.part.StagePart objects; got object"):
-        parts_for(conveyor.Layout(parts=(object(),)), None)
+        parts_for(conveyor.DistributedLayout(parts=(object(),)), None)

@@ -11,7 +11,8 @@ tensors) are torch.equal to the same traced stages under TP x DP without a pipel
 ``clip_grad_norm_``'s total matches torch's own norm of the DTensor gradients to rounding (it
 combines shard norms in float64: each shard counted once across dp and tp; a parameter TP left
 whole is sharded over "dp" only). GPT-2's embedding and head, tied within the one stage, stay one
-Parameter. Hand-built stages under the user's plan (``Pipeline(..., tensor_parallel={...})``) are
+Parameter. Hand-built stages under the user's plan
+(``Pipeline(..., layout=DistributedLayout(tp=2, tensor_parallel={...}))``) are
 compared with ``parallelize_module`` then ``fully_shard`` / ``replicate``. Every case runs on one
 launch of ranks (a module fixture), followed by the refusals of bad input.
 """

@@ -19,10 +19,10 @@ TOLERANCE = TP_ROUNDING  # derived in conveyor.testing.references.tensor_paralle
 
 REFUSALS = {
     # case: parts of the message every rank raises
-    "tp mesh, no tensor_parallel": ["the mesh has a 'tp' dim of size 2 but tensor_parallel is None",
-                                    "tensor_parallel='auto'"],
-    "tensor_parallel, no tp dim": ["tensor_parallel='auto' needs a DeviceMesh with a 'tp' dim",
-                                   "mesh_dim_names=('pp', 'tp')"],
+    "tp mesh, another tp size": ["DistributedLayout(tp=4) but the mesh's 'tp' dim has 2 ranks",
+                                 "give the mesh alone"],
+    "tensor_parallel, no tp dim": ["tensor_parallel='auto' needs tensor-parallel ranks, got a mesh with dims ('pp',)",
+                                   "give tp=", "mesh_dim_names=('pp', 'tp')"],
     "pattern matching nothing": ["pattern(s) ['mlp.up'] match no module of any stage"],
     "size tp does not divide (stage 1)": ["found on rank 2", "stage 1: tensor parallel size tp=2 does not divide "
                                           "the out_features of fc (Linear), 33, which ColwiseParallel splits"],
@@ -58,9 +58,10 @@ def test_bad_tensor_parallel_input_is_refused_alike_on_every_rank_before_any_ste
     # data-dependent: at the first forward on stage 0's ranks, passed on to every rank with the same words
     odd = [result["sequence length tp does not divide (first step)"] for result in results]
     assert all("sharded on the sequence (dim 1), and tp=2 does not divide its length 5" in m for m in odd), odd
-    # built: a good plan, and "auto" with sequence parallelism on hand-built stages
+    # built: a good plan, "auto" with sequence parallelism on hand-built stages, and "auto" where a tp mesh
+    # comes without a plan (its TP ranks never each run the whole stage)
     assert all(result["good plan"] is None and result["sequence_parallel with hand-built stages"] is None
-               for result in results)
+               and result["tp mesh, no tensor_parallel: auto"] is None for result in results)
 
 
 @pytest.mark.distributed
@@ -95,20 +96,17 @@ def test_clipping_counts_every_tp_shard_once_and_tied_copies_stay_equal(name):
 def test_traced_stages_refuse_what_is_not_wired_yet():
     # Checked on the unchanged model before any rank communicates: the same on every rank.
     from conveyor.errors import PipelineConfigError
-    from conveyor.options import Layout
+    from conveyor.layout import DistributedLayout
     from conveyor.parallel.tensor.stages import model_placements
     from conveyor.testing.references.tensor_parallel import build
-
-    class TpMesh:  # Layout reads a mesh's dim names only
-        mesh_dim_names = ("pp", "tp")
 
     model = build("llama")
     # sequence_parallel=True and loss_parallel=True are taken (test_tensor_sequence_traced, ..._traced);
     # the sequence-parallel plan still refuses what it cannot place.
-    assert model_placements(model, Layout(mesh=TpMesh(), tensor_parallel="auto", sequence_parallel=True), 2)
-    assert model_placements(model, Layout(mesh=TpMesh(), tensor_parallel="auto", loss_parallel=True), 2)
+    assert model_placements(model, DistributedLayout(tp=2, sequence_parallel=True), 2)
+    assert model_placements(model, DistributedLayout(tp=2, loss_parallel=True), 2)
     with pytest.raises(PipelineConfigError, match="sequence_parallel=True cannot place model.layers.0.mlp.gate"):
-        model_placements(build("mixtral"), Layout(mesh=TpMesh(), tensor_parallel="auto", sequence_parallel=True), 2)
+        model_placements(build("mixtral"), DistributedLayout(tp=2, sequence_parallel=True), 2)
 
 
 @pytest.mark.distributed

@@ -17,6 +17,7 @@ import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel import count_tokens
+from conveyor.parallel.mesh import pipeline_mesh
 from conveyor.testing import RankFailure, run_ranks
 from conveyor.testing.compare import relative_difference
 from conveyor.testing.references.data_parallel import (
@@ -26,7 +27,6 @@ from conveyor.testing.references.data_parallel import (
     MLPStage,
     full_tensor,
     make_batch,
-    mesh_of,
     one_thread,
 )
 
@@ -80,7 +80,8 @@ def test_local_pipeline_per_token_loss_is_bitwise_one_device(name, ranks, virtua
     counts = [tokens(t) for t in torch.tensor_split(targets, NUM_MICROBATCHES)]
     assert counts[0] != counts[1]  # the microbatches differ, or the test would prove nothing
     model = MLPStack(schedule.num_stages)
-    pipe = conveyor.LocalPipeline(list(MLPStack(schedule.num_stages).stages), schedule, sum_loss)
+    pipe = conveyor.Pipeline(list(MLPStack(schedule.num_stages).stages), schedule, sum_loss,
+                             layout=conveyor.InProcessLayout())
     with one_thread():
         want = accumulate(model, ids, targets, tokens(targets))
         got = pipe.step(ids, target=targets, normalize_by=count_tokens(pipe, targets, ignore_index=IGNORE))
@@ -99,8 +100,8 @@ def test_the_mean_per_microbatch_is_not_the_per_token_loss():
     """torchtitan 2972: dividing each microbatch by its own count weighs the short one's tokens more."""
     ids, targets = padded_batch()
     schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
-    per_token = conveyor.LocalPipeline(list(MLPStack(2).stages), schedule, sum_loss)
-    per_microbatch = conveyor.LocalPipeline(list(MLPStack(2).stages), schedule, mean_loss)
+    per_token = conveyor.Pipeline(list(MLPStack(2).stages), schedule, sum_loss, layout=conveyor.InProcessLayout())
+    per_microbatch = conveyor.Pipeline(list(MLPStack(2).stages), schedule, mean_loss, layout=conveyor.InProcessLayout())
     got = per_token.step(ids, target=targets, normalize_by=count_tokens(per_token, targets))
     mistaken = per_microbatch.step(ids, target=targets)
     model = MLPStack(2)
@@ -115,7 +116,8 @@ def test_the_mean_per_microbatch_is_not_the_per_token_loss():
 @pytest.mark.parametrize("bad", [0, -3, float("nan"), float("inf"), True, "12", torch.tensor([4, 5])])
 def test_normalize_by_that_cannot_be_a_token_count_names_rank_and_value(bad):
     ids, targets = padded_batch()
-    pipe = conveyor.LocalPipeline(list(MLPStack(2).stages), "1f1b", sum_loss, microbatches=2)
+    pipe = conveyor.Pipeline(list(MLPStack(2).stages), "1f1b", sum_loss, microbatches=2,
+                             layout=conveyor.InProcessLayout())
     with pytest.raises(PipelineConfigError, match=r"normalize_by must be a positive finite number.* on rank 1"):
         pipe.step(ids, target=targets, normalize_by=bad)
     with pytest.raises(PipelineConfigError, match="got NoneType"):
@@ -156,10 +158,11 @@ def test_a_bad_token_count_on_the_last_rank_stops_every_rank_naming_it():
 
 
 def _replicas(rank, world_size, dp, kind):
-    mesh = mesh_of(dp, 2)
+    mesh = pipeline_mesh(2)
     schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
     pipe = conveyor.Pipeline([MLPStage(mesh.get_local_rank("pp"), 2)], schedule=schedule, loss_fn=sum_loss,
-                             mesh=mesh, data_parallel=kind, transfer=conveyor.TransferOptions(timeout_s=60))
+                             transfer=conveyor.TransferOptions(timeout_s=60),
+                             layout=conveyor.DistributedLayout(mesh=mesh, data_parallel=kind))
     ids, targets = padded_batch()
     ids, targets = ids.chunk(dp)[pipe.dp_rank], targets.chunk(dp)[pipe.dp_rank]  # this replica's rows
     target = targets if pipe.needs_target else None

@@ -53,8 +53,8 @@ def test_a_plan_for_tensor_parallel_ranks_is_refused_without_a_tp_mesh():
 
     plan = dataclasses.replace(Plan("gpipe", 2, 1, 2, 8, ("2",), 1.0, 0.1, (1e6, 1e6), (0.5, 0.5), 4e9),
                                tensor_parallel=2)
-    layout = conveyor.Layout(in_process=True, ranks=2)
+    layout = conveyor.InProcessLayout(ranks=2)
     with pytest.raises(PipelineConfigError, match='pipeline ranks of 2 tensor-parallel ranks but the mesh\'s "tp" '
                                                   'size is 1; build the pipeline on a mesh with tp=2'):
         conveyor.pipeline(_model(), example_args=(torch.zeros(4, 16),), plan=plan, loss_fn=nn.functional.mse_loss,
-                          options=conveyor.PipelineOptions(layout=layout))
+                          layout=layout)

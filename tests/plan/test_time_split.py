@@ -57,9 +57,8 @@ def test_a_pipeline_cut_by_time_runs_the_planner_s_split_points():
     torch.manual_seed(0)
     model = Mixed()
     x, target = torch.randn(64, 32), torch.zeros(64, 32)
-    options = conveyor.PipelineOptions(split=conveyor.SplitOptions(method="time"),
-                                       layout=conveyor.Layout(in_process=True, ranks=2))
+    options = conveyor.PipelineOptions(split=conveyor.SplitOptions(method="time"))
     pipe = conveyor.pipeline(model, example_args=(x[:16],), schedule="1f1b", microbatches=4,
-                             loss_fn=nn.functional.mse_loss, options=options)
+                             loss_fn=nn.functional.mse_loss, layout=conveyor.InProcessLayout(ranks=2), options=options)
     assert "cut at ['blocks." in pipe.model.signature
     assert torch.isfinite(pipe.step(x, target=target))

@@ -11,7 +11,8 @@ from torch import nn
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
+from conveyor.pipe import Pipeline
 from conveyor.runtime.lifecycle.peers import process_alive
 from conveyor.testing import run_ranks
 
@@ -35,7 +36,7 @@ def test_a_step_after_a_caught_error_is_exact_in_one_process():
     torch.manual_seed(0)
     reference = [nn.Linear(6, 6), _Checked(), nn.Linear(6, 6), nn.Linear(6, 6)]
     stages = copy.deepcopy(reference)
-    pipe = LocalPipeline(stages, schedule="1f1b", microbatches=4, loss_fn=_mse)
+    pipe = Pipeline(stages, schedule="1f1b", microbatches=4, loss_fn=_mse, layout=InProcessLayout())
     bad = torch.randn(8, 6)
     bad[6:] = float("nan")  # the last microbatch fails on stage 1, after the others sent
     try:
@@ -63,7 +64,7 @@ def test_a_step_after_a_caught_error_is_exact_in_one_process():
 def test_clipping_with_a_stage_that_has_nothing_to_train_in_one_process():
     torch.manual_seed(0)
     stages = [nn.Linear(4, 4), nn.Tanh()]
-    pipe = LocalPipeline(stages, schedule="1f1b", microbatches=2, loss_fn=_mse)
+    pipe = Pipeline(stages, schedule="1f1b", microbatches=2, loss_fn=_mse, layout=InProcessLayout())
     pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
     want = torch.nn.utils.get_total_norm([p.grad for p in stages[0].parameters()])
     assert torch.equal(pipe.clip_grad_norm_(1e9), want)
@@ -100,7 +101,7 @@ def test_an_exited_peer_not_yet_reaped_counts_as_gone():
 def test_the_in_process_pipeline_answers_what_the_distributed_one_does():
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), nn.Linear(4, 1)]
-    pipe = LocalPipeline(stages, schedule="1f1b", microbatches=2, loss_fn=_mse)
+    pipe = Pipeline(stages, schedule="1f1b", microbatches=2, loss_fn=_mse, layout=InProcessLayout())
     assert [name for name, _ in pipe.named_parameters()] == ["0.weight", "0.bias", "weight", "bias"]
     assert pipe.eval() is pipe and not stages[0].training
     assert pipe.train() is pipe and stages[0].training

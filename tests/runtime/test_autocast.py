@@ -41,8 +41,8 @@ def reference_autocast_run(schedule):
 def local_autocast_run(schedule, recompute=False):
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
-    pipe = Pipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(autocast="bf16",
-                                                                           recompute=recompute), layout=InProcessLayout())
+    pipe = Pipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(autocast="bf16", recompute=recompute),
+                    layout=InProcessLayout())
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     for step in range(NUM_STEPS):

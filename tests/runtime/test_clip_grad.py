@@ -9,7 +9,8 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
+from conveyor.pipe import Pipeline
 from conveyor.testing import run_ranks
 from conveyor.testing.models import (
     build_stage,
@@ -108,7 +109,7 @@ def test_clipping_in_one_process_is_bitwise_the_unsplit_models(name, num_ranks, 
     torch.set_num_threads(1)
     try:
         stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
-        pipe = LocalPipeline(stages, schedule, loss_fn=lm_loss)
+        pipe = Pipeline(stages, schedule, loss_fn=lm_loss, layout=InProcessLayout())
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
         for step in range(NUM_STEPS):
             ids, targets = make_batch(cfg, BATCH_SIZE, seed=step)
@@ -126,7 +127,7 @@ def test_a_large_max_norm_leaves_the_gradients_alone_and_reports_the_norm():
     schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(2)]
-    pipe = LocalPipeline(stages, schedule, loss_fn=lm_loss)
+    pipe = Pipeline(stages, schedule, loss_fn=lm_loss, layout=InProcessLayout())
     ids, targets = make_batch(cfg, BATCH_SIZE, seed=0)
     pipe.step(ids, target=targets)
     before = [p.grad.clone() for p in pipe.parameters()]
@@ -143,7 +144,7 @@ def test_foreach_means_what_it_means_to_torch(foreach):
     model = reference_model(cfg)
     reference_step(model, ids, targets, NUM_MICROBATCHES, lm_loss)
     stages = [build_stage(s, cfg) for s in range(2)]
-    pipe = LocalPipeline(stages, schedule, loss_fn=lm_loss)
+    pipe = Pipeline(stages, schedule, loss_fn=lm_loss, layout=InProcessLayout())
     pipe.step(ids, target=targets)
     max_norm = 0.5 * torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
     want = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=foreach)
@@ -242,7 +243,7 @@ def test_mixed_dtypes_stack_as_torch_stacks_them():
                 module.register_parameter(f"p{i}", param)
             stages.append(module)
         want = torch.nn.utils.get_total_norm([p.grad for m in stages for p in m.parameters()])
-        got = LocalPipeline(stages, "1f1b", microbatches=2).clip_grad_norm_(1e30)
+        got = Pipeline(stages, "1f1b", microbatches=2, layout=InProcessLayout()).clip_grad_norm_(1e30)
         assert torch.equal(got, want), f"trial {trial}: {got.item()} vs {want.item()}"
 
 

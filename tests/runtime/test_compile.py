@@ -19,7 +19,8 @@ import torch
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
+from conveyor.pipe import Pipeline
 from conveyor.testing import run_ranks
 from conveyor.testing.compare import relative_difference
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss, make_batch
@@ -68,7 +69,7 @@ def _reference(stages, batches, options, autocast=None):
 
 
 def _local(stages, schedule, batches, options):
-    pipe = LocalPipeline(stages, schedule, lm_loss, stage=options)
+    pipe = Pipeline(stages, schedule, lm_loss, stage=options, layout=InProcessLayout())
     return _train(lambda ids, y: pipe.step(ids, target=y), [p for s in stages for p in s.parameters()], batches)
 
 
@@ -139,8 +140,8 @@ def test_a_varying_sequence_length_recompiles_once_per_stage_not_per_step(caplog
     schedule = _schedule("1f1b")
     cfg = TinyConfig(num_stages=2, seq_len=12)
     backend = _Counting()
-    pipe = LocalPipeline([build_stage(s, cfg) for s in range(2)], schedule, lm_loss,
-                         stage=conveyor.StageOptions(compile={"backend": backend}))
+    pipe = Pipeline([build_stage(s, cfg) for s in range(2)], schedule, lm_loss,
+                    stage=conveyor.StageOptions(compile={"backend": backend}), layout=InProcessLayout())
     graphs = []
     with caplog.at_level(logging.WARNING, logger="conveyor"):
         for step, length in enumerate((12, 9, 11, 7, 12, 10)):
@@ -221,4 +222,5 @@ def test_compiled_stages_under_fsdp_replicas_stay_bitwise_the_per_replica_refere
                                                  ({"backend": "aot_eager", "modes": "x"}, "['modes']")])
 def test_a_compile_argument_torch_cannot_take_is_refused_naming_it(spec, fragment):
     with pytest.raises(PipelineConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
-        LocalPipeline([torch.nn.Linear(2, 2)], "gpipe", microbatches=1, stage=conveyor.StageOptions(compile=spec))
+        Pipeline([torch.nn.Linear(2, 2)], "gpipe", microbatches=1, stage=conveyor.StageOptions(compile=spec),
+                 layout=InProcessLayout())

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import conveyor
-import conveyor.local
 from conveyor.errors import PipelineConfigError
 from conveyor.runtime.executor import RankExecutor
 from conveyor.runtime.stage.device import collective_device, place_modules, resolve_device, to_device
@@ -97,8 +96,8 @@ def test_a_device_that_does_not_exist_is_a_clear_error(cuda, monkeypatch):
 
 
 def test_explicit_cpu_runs_and_moves_cpu_inputs_nowhere():
-    pipe = conveyor.LocalPipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "1f1b", microbatches=2,
-                                  loss_fn=_loss, device="cpu")
+    pipe = conveyor.Pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "1f1b", microbatches=2,
+                             loss_fn=_loss, layout=conveyor.InProcessLayout(device="cpu"))
     assert pipe.device == torch.device("cpu")
     assert pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1)).device == torch.device("cpu")
 
@@ -108,7 +107,8 @@ def test_a_module_on_another_device_is_named_in_the_error():
         late = torch.nn.Linear(4, 1)
     with pytest.raises(PipelineConfigError, match=r"stage 1: 'weight' is on meta, but the pipeline's device is cpu.*"
                                                   r"materialise it first"):
-        conveyor.LocalPipeline([torch.nn.Linear(4, 4), late], "1f1b", microbatches=2, loss_fn=_loss, device="cpu")
+        conveyor.Pipeline([torch.nn.Linear(4, 4), late], "1f1b", microbatches=2, loss_fn=_loss,
+                          layout=conveyor.InProcessLayout(device="cpu"))
 
 
 def test_cpu_modules_are_moved_in_place_keeping_their_parameters():
@@ -126,7 +126,7 @@ def _meta_stage(rank, world_size):
     with torch.device("meta"):
         module = torch.nn.Linear(4, 4)
     try:
-        conveyor.Pipeline([module], "gpipe", _loss, microbatches=2, layout=conveyor.Layout(device="cpu"))
+        conveyor.Pipeline([module], "gpipe", _loss, microbatches=2, layout=conveyor.DistributedLayout(device="cpu"))
     except PipelineConfigError as exc:
         return str(exc)
     return "no error"
@@ -152,7 +152,7 @@ def _nccl_cpu_stage(rank, world_size):
     dist.get_backend = lambda group=None: "nccl"  # this forked rank only: gloo underneath, NCCL to the pipeline
     try:
         conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss,
-                          layout=conveyor.Layout(device="cpu"))
+                          layout=conveyor.DistributedLayout(device="cpu"))
     except PipelineConfigError as exc:
         return str(exc)
     return "no error"
@@ -227,8 +227,8 @@ def test_a_gpu_stage_times_its_actions_with_events_resolved_once():
 def test_a_timeline_from_events_has_every_action(monkeypatch):
     monkeypatch.setattr(conveyor.pipe.ranks, "make_recorder", lambda device: EventRecorder(FakeEvent))
     FakeEvent.synchronized = 0
-    pipe = conveyor.LocalPipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "1f1b", microbatches=2,
-                                  loss_fn=_loss)
+    pipe = conveyor.Pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "1f1b", microbatches=2,
+                             loss_fn=_loss, layout=conveyor.InProcessLayout())
     pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
     timeline = pipe.timeline()
     assert FakeEvent.synchronized == 2  # one per rank's recorder, when read
@@ -254,7 +254,7 @@ def test_stages_all_on_meta_without_a_device_are_named_not_blamed_on_a_device_ar
     with torch.device("meta"):
         stages = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
     with pytest.raises(PipelineConfigError, match=r"stage 0: 'weight' is on meta.*to_empty") as info:
-        conveyor.LocalPipeline(stages, "1f1b", microbatches=2, loss_fn=_loss)
+        conveyor.Pipeline(stages, "1f1b", microbatches=2, loss_fn=_loss, layout=conveyor.InProcessLayout())
     assert "device='meta'" not in str(info.value)  # the caller passed no device; running on meta is no fix
 
 
@@ -285,7 +285,7 @@ def _gpu_stage_under(rank, world_size, backend):
     patch.setattr(conveyor.pipe.distributed, "place_modules", lambda modules, stages, device: device)  # nothing to move
     with contextlib.suppress(Exception):  # no real GPU: what follows fails; the device was chosen before
         conveyor.Pipeline([torch.nn.Linear(2, 2)], build("gpipe", ranks=1, microbatches=1), _loss,
-                          layout=conveyor.Layout(device="cuda:1"))
+                          layout=conveyor.DistributedLayout(device="cuda:1"))
     return chosen[:1]
 
 
@@ -328,6 +328,6 @@ def test_pipeline_makes_the_gpu_current_before_its_first_broadcast(monkeypatch, 
     with pytest.raises(_Stop):
         conveyor.build.pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)),
                                 example_args=(torch.ones(1, 2),), microbatches=2, schedule=schedule,
-                                options=conveyor.PipelineOptions(split=conveyor.SplitOptions(method=method),
-                                                                 layout=conveyor.Layout(device="cuda")))
+                                layout=conveyor.DistributedLayout(device="cuda"),
+                                options=conveyor.PipelineOptions(split=conveyor.SplitOptions(method=method)))
     assert chosen == [torch.device("cuda", 1)] and current_at_broadcast == [1]

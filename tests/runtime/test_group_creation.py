@@ -62,7 +62,7 @@ def _recorded_groups(rank, world_size, how):
         pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=cs.build("1f1b", ranks=2, microbatches=2),
                                  loss_fn=lambda y, t: y.sum(),
                                  transfer=conveyor.TransferOptions(timeout_s=30, transport="ordered"),
-                                 layout=conveyor.Layout(group=user))
+                                 layout=conveyor.DistributedLayout(group=user))
         loss = pipe.step(torch.ones(4, 4) if dist.get_rank(user) == 0 else None)
         pipe.close()
     return calls, loss

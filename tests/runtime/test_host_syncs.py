@@ -74,8 +74,8 @@ def test_no_host_round_trip_after_the_first_step_with_replicas():
 def test_local_pipeline_steps_read_nothing_either():
     for name, info in sorted(cs.available().items()):
         schedule = cs.build(name, ranks=2, microbatches=4, virtual=info.default_virtual)
-        pipe = conveyor.LocalPipeline([MLPStage(s, schedule.num_stages) for s in range(schedule.num_stages)],
-                                      schedule, lm_loss)
+        pipe = conveyor.Pipeline([MLPStage(s, schedule.num_stages) for s in range(schedule.num_stages)],
+                                 schedule, lm_loss, layout=conveyor.InProcessLayout())
         counter = host_syncs.HostSyncCounter()
         for step in range(2):
             ids, targets = make_batch(seed=step)

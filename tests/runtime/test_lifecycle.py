@@ -143,8 +143,8 @@ def test_a_pipeline_refuses_a_transport_it_does_not_know_before_building_anythin
 
 def test_the_in_process_pipeline_closes_too():
     stages = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)]
-    with conveyor.LocalPipeline(stages, schedule="1f1b", microbatches=2,
-                                loss_fn=lambda y, t: (y - t).pow(2).mean()) as pipe:
+    with conveyor.Pipeline(stages, schedule="1f1b", microbatches=2,
+                           loss_fn=lambda y, t: (y - t).pow(2).mean(), layout=conveyor.InProcessLayout()) as pipe:
         pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
     assert pipe.closed
     with pytest.raises(PipelineClosed, match="this pipeline was closed"):

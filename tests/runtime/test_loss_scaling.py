@@ -18,6 +18,7 @@ import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import NonFiniteError
 from conveyor.layout import InProcessLayout
+from conveyor.parallel.mesh import pipeline_mesh
 from conveyor.pipe import Pipeline
 from conveyor.testing import run_ranks
 from conveyor.testing.compare import whole
@@ -104,7 +105,8 @@ def test_the_scale_resumes_from_a_checkpoint_bitwise(tmp_path):
     minibatches = batches(NUM_STEPS, OVERFLOW_STEP)
 
     def build():
-        pipe = Pipeline(mlp_stages(2), "1f1b", mse_loss, microbatches=NUM_MICROBATCHES, stage=FP16, layout=InProcessLayout())
+        pipe = Pipeline(mlp_stages(2), "1f1b", mse_loss, microbatches=NUM_MICROBATCHES, stage=FP16,
+                        layout=InProcessLayout())
         return pipe, torch.optim.AdamW(pipe.parameters(), lr=LR)
 
     pipe, optimizer = build()
@@ -198,8 +200,7 @@ def _replicas_then_tensor_parallel(rank, world_size):
     """dp=2 x pp=2 against GradScaler over averaged replicas; then pp=2 x tp=2 against itself unscaled."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from conveyor.layout import DistributedLayout, InProcessLayout, Layout
-    from conveyor.testing.references.data_parallel import mesh_of
+    from conveyor.layout import DistributedLayout
     from conveyor.testing.references.tensor_sequence import VOCAB, build_stages
 
     torch.set_num_threads(1)

@@ -10,7 +10,8 @@ import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import NonFiniteError, PipelineConfigError
 from conveyor.frontend import split_model
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
+from conveyor.pipe import Pipeline
 from conveyor.runtime.stage.main_grad import param_precision
 from conveyor.testing import run_ranks
 from conveyor.testing.models import build_stage, lm_loss, make_batch, reference_model
@@ -80,7 +81,8 @@ def assert_same(what, got, want):
 def local_run(schedule, max_norm=None):
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
-    pipe = LocalPipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(param_dtype="bf16"))
+    pipe = Pipeline(stages, schedule, lm_loss, stage=conveyor.StageOptions(param_dtype="bf16"),
+                    layout=InProcessLayout())
     return pipeline_run(pipe, stages, cfg, max_norm)
 
 
@@ -117,9 +119,10 @@ def test_clipping_reads_main_grad_bitwise_as_one_device():
 def mlp_pipe(grad_accum_dtype=None):
     torch.manual_seed(0)
     stages = [nn.Sequential(nn.Linear(8, 16), nn.GELU()), nn.Linear(16, 2)]
-    return LocalPipeline(stages, "zb-h1", microbatches=2,
-                         loss_fn=lambda out, t: nn.functional.mse_loss(out.float(), t),
-                         stage=conveyor.StageOptions(param_dtype="bf16", grad_accum_dtype=grad_accum_dtype))
+    return Pipeline(stages, "zb-h1", microbatches=2,
+                    loss_fn=lambda out, t: nn.functional.mse_loss(out.float(), t),
+                    stage=conveyor.StageOptions(param_dtype="bf16", grad_accum_dtype=grad_accum_dtype),
+                    layout=InProcessLayout())
 
 
 def test_the_nonfinite_check_reads_main_grad_and_skip_leaves_the_masters_alone():
@@ -171,7 +174,8 @@ def test_data_parallel_and_odd_dtypes_are_refused_saying_what_to_do():
     with pytest.raises(PipelineConfigError, match="param_dtype='int8'"):
         param_precision("int8")
     with pytest.raises(PipelineConfigError, match="MasterWeights needs parameters that accumulate in main_grad"):
-        conveyor.MasterWeights(LocalPipeline([nn.Linear(2, 2)], "gpipe", microbatches=1), torch.optim.SGD, lr=1)
+        conveyor.MasterWeights(Pipeline([nn.Linear(2, 2)], "gpipe", microbatches=1,
+                                        layout=InProcessLayout()), torch.optim.SGD, lr=1)
 
 
 class TiedLM(nn.Module):
@@ -231,9 +235,9 @@ def assert_close_to(got, want, what):
 def test_a_tied_parameter_on_one_rank_accumulates_both_uses_in_main_grad():
     # Traced stages check what they receive against the trace: trace the model in bf16.
     split = split_model(tied_model().to(BF16), 2, split_points=["layers.1"], example_args=(TIED_IDS[:2],))
-    pipe = LocalPipeline([split.stage_module(s) for s in range(2)], "1f1b", tied_loss, microbatches=4,
-                         stage=conveyor.StageOptions(param_dtype="bf16"),
-                         model=conveyor.WholeModel(tied_parameters=split.tied_groups))
+    pipe = Pipeline([split.stage_module(s) for s in range(2)], "1f1b", tied_loss, microbatches=4,
+                    stage=conveyor.StageOptions(param_dtype="bf16"),
+                    model=conveyor.WholeModel(tied_parameters=split.tied_groups), layout=InProcessLayout())
     grads, params = train_tied(pipe)
     want_grads, want_params = tied_reference()
     # The two uses' bf16 gradients reach main_grad one by one, not summed in bf16 first: close, not bitwise.

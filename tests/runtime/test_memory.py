@@ -65,9 +65,10 @@ def cases() -> list[tuple[str, int, int]]:
 
 def local_reports(schedule: cs.Schedule, recompute: bool = False) -> list:
     stages = [uniform_stage(s) for s in range(schedule.num_stages)]
-    pipe = conveyor.LocalPipeline(stages, schedule, loss_fn,
+    pipe = conveyor.Pipeline(stages, schedule, loss_fn,
                                   stage=conveyor.StageOptions(measure_memory=True,
-                                                              recompute=recompute))
+                                                              recompute=recompute),
+                                                              layout=conveyor.InProcessLayout())
     x, t = batch(schedule.num_microbatches)
     for _ in range(2):  # the second step's figures stand alone: nothing of the first is left held
         pipe.step(x, target=t)
@@ -134,8 +135,9 @@ def test_measuring_changes_no_result_and_memory_needs_the_flag():
     results = []
     for measure in (False, True):
         stages = [uniform_stage(s) for s in range(2)]
-        pipe = conveyor.LocalPipeline(stages, schedule, loss_fn,
-                                      stage=conveyor.StageOptions(measure_memory=measure))
+        pipe = conveyor.Pipeline(stages, schedule, loss_fn,
+                                 stage=conveyor.StageOptions(measure_memory=measure),
+                                 layout=conveyor.InProcessLayout())
         results.append((pipe.step(x, target=t), [p.grad for p in pipe.parameters()]))
         if not measure:
             with pytest.raises(PipelineConfigError, match="measure_memory=True"):
@@ -152,8 +154,8 @@ def test_an_inplace_write_to_a_saved_tensor_is_still_caught():
             y.add_(1)
             return z
 
-    pipe = conveyor.LocalPipeline([Writes(), uniform_stage(1)], "1f1b", loss_fn, microbatches=2,
-                                  stage=conveyor.StageOptions(measure_memory=True))
+    pipe = conveyor.Pipeline([Writes(), uniform_stage(1)], "1f1b", loss_fn, microbatches=2,
+                             stage=conveyor.StageOptions(measure_memory=True), layout=conveyor.InProcessLayout())
     with pytest.raises(StageExecutionError, match="modified by an inplace operation"):
         pipe.step(torch.randn(2 * MB, WIDTH, requires_grad=True), target=torch.zeros(2 * MB))
 

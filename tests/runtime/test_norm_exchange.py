@@ -23,7 +23,7 @@ def _fill(stages, scale: float = 1.0):
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_mixed_dtypes_give_torchs_total_bit_for_bit_on_every_call(norm_type):
     stages = _stages()
-    pipe = conveyor.LocalPipeline(stages, "gpipe", microbatches=1)
+    pipe = conveyor.Pipeline(stages, "gpipe", microbatches=1, layout=conveyor.InProcessLayout())
     for scale in (1.0, 3.0):
         _fill(stages, scale)
         want = torch.nn.utils.get_total_norm([p.grad for m in stages for p in m.parameters()], norm_type)
@@ -34,7 +34,7 @@ def test_mixed_dtypes_give_torchs_total_bit_for_bit_on_every_call(norm_type):
 
 def test_a_rank_whose_gradients_changed_says_so_until_the_layout_is_forgotten():
     stages = _stages()
-    pipe = conveyor.LocalPipeline(stages, "gpipe", microbatches=1)
+    pipe = conveyor.Pipeline(stages, "gpipe", microbatches=1, layout=conveyor.InProcessLayout())
     _fill(stages)
     pipe.clip_grad_norm_(1.0)
     stages[1].bias.grad = None
@@ -58,7 +58,8 @@ def test_no_gradient_anywhere_is_zero_and_not_kept():
 
 def test_a_skipped_step_lets_the_next_clip_exchange_again():
     stages = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)]
-    pipe = conveyor.LocalPipeline(stages, "1f1b", microbatches=2, loss_fn=lambda y, t: (y - t).pow(2).mean())
+    pipe = conveyor.Pipeline(stages, "1f1b", microbatches=2, loss_fn=lambda y, t: (y - t).pow(2).mean(),
+                             layout=conveyor.InProcessLayout())
     x, y = torch.ones(4, 2), torch.zeros(4, 1)
     pipe.step(x, target=y)
     pipe.clip_grad_norm_(1.0)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import conveyor.schedule as cs
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
 from conveyor.options import StageOptions
+from conveyor.pipe import Pipeline
 from conveyor.testing.models import build_stage, lm_loss, make_batch
 from conveyor.testing.references.schedule_parity import (
     BATCH_SIZE,
@@ -32,7 +33,7 @@ def run_local(schedule, recompute=False):
 def _run_local(schedule, recompute):
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
-    pipe = LocalPipeline(stages, schedule, lm_loss, stage=StageOptions(recompute=recompute))
+    pipe = Pipeline(stages, schedule, lm_loss, stage=StageOptions(recompute=recompute), layout=InProcessLayout())
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses, first_grads = [], None
     for step in range(NUM_STEPS):
@@ -74,7 +75,7 @@ def test_forward_only_matches_the_model_and_alternates_with_training():
     schedule = cs.build("1f1b", ranks=2, microbatches=NUM_MICROBATCHES)
     cfg = config_for(schedule)
     stages = [build_stage(s, cfg) for s in range(2)]
-    pipe = LocalPipeline(stages, schedule, lm_loss)
+    pipe = Pipeline(stages, schedule, lm_loss, layout=InProcessLayout())
     ids, targets = make_batch(cfg, BATCH_SIZE, seed=5)  # forward only: no reduction-order concern
     with torch.no_grad():
         want = stages[1](*stages[0](ids))

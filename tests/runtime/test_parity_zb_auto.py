@@ -1,5 +1,5 @@
 """ZB-1p and ZB-2p searched for unequal costs (orders no handcrafted schedule has) run on
-LocalPipeline bitwise like single-device gradient accumulation."""
+an in-process Pipeline bitwise like single-device gradient accumulation."""
 
 from __future__ import annotations
 

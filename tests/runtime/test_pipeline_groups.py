@@ -44,7 +44,7 @@ def _train_in_replica(rank, world_size, transport):
     stage = build_stage(pipeline_rank, cfg)
     pipe = conveyor.Pipeline([stage], schedule=schedule, loss_fn=lm_loss,
                              transfer=conveyor.TransferOptions(timeout_s=60, transport=transport),
-                             layout=conveyor.Layout(group=group))
+                             layout=conveyor.DistributedLayout(group=group))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses = []
     for step in range(NUM_STEPS):
@@ -113,7 +113,7 @@ def _fail_in_second_replica(rank, world_size, transport):
         module = torch.nn.Linear(4, 4)
     pipe = conveyor.Pipeline([module], schedule=schedule, loss_fn=lambda y, t: y.sum(),
                              transfer=conveyor.TransferOptions(timeout_s=60, transport=transport),
-                             layout=conveyor.Layout(group=group))
+                             layout=conveyor.DistributedLayout(group=group))
     try:
         pipe.step(torch.ones(2, 4) if pipeline_rank == 0 else None)
     except Exception as exc:

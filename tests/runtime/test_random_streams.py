@@ -8,8 +8,9 @@ from torch import nn
 
 import conveyor
 import conveyor.schedule as cs
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
 from conveyor.options import StageOptions
+from conveyor.pipe import Pipeline
 from conveyor.testing import run_ranks
 
 WIDTH, BATCH, MICROBATCHES = 16, 8, 4
@@ -32,7 +33,7 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _local_step(name: str, virtual: int, options: StageOptions = StageOptions()) -> tuple[torch.Tensor, dict]:
     schedule = cs.build(name, ranks=2, microbatches=MICROBATCHES, virtual=virtual)
     stages = [_stage(s) for s in range(schedule.num_stages)]
-    pipe = LocalPipeline(stages, schedule, loss_fn=_loss, stage=options)
+    pipe = Pipeline(stages, schedule, loss_fn=_loss, stage=options, layout=InProcessLayout())
     torch.manual_seed(0)
     x, y = _batch()
     loss = pipe.step(x, target=y)

@@ -15,7 +15,7 @@ import torch
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
-from conveyor.options import Layout, PipelineOptions, RecomputePolicy, StageOptions
+from conveyor.options import PipelineOptions, RecomputePolicy, StageOptions
 from conveyor.runtime.stage.recompute import StageRecompute
 from conveyor.testing import run_ranks
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss, make_batch, reference_model, reference_step
@@ -103,7 +103,7 @@ def test_every_policy_under_one_two_and_v_shaped_schedules_in_process(schedule):
     for policy in [*POLICIES, True]:
         stages = [build_stage(s, cfg) for s in range(schedule.num_stages)]
         options = StageOptions(recompute=policy)
-        pipe = conveyor.LocalPipeline(stages, schedule, lm_loss, stage=options)
+        pipe = conveyor.Pipeline(stages, schedule, lm_loss, stage=options, layout=conveyor.InProcessLayout())
         ids, targets = make_batch(cfg, BATCH, seed=0)
         assert torch.equal(pipe.step(ids, target=targets), want_loss), policy
         for stage, module in enumerate(stages):
@@ -138,9 +138,9 @@ def test_traced_stages_recompute_blocks_bitwise(name):
     want = reference_step(reference, ids, ids, MICROBATCHES, lm_loss)
     wanted = dict(reference.named_parameters())
     for policy in [{"every": 2}, {"every": 1, "save": ["matmul"]}, {"blocks": r"layers\.\d+\.up", "save": ["mm"]}]:
-        options = PipelineOptions(stage=StageOptions(recompute=policy), layout=Layout(in_process=True, ranks=2))
+        options = PipelineOptions(stage=StageOptions(recompute=policy))
         pipe = conveyor.pipeline(_Llama(), example_args=(ids[:2],), schedule=name, microbatches=MICROBATCHES,
-                                 loss_fn=lm_loss, options=options)
+                                 loss_fn=lm_loss, layout=conveyor.InProcessLayout(ranks=2), options=options)
         loss = pipe.step(ids, target=ids)
         assert torch.equal(loss, want), (policy, loss, want)
         assert any(runner.recompute.blocks for runner in pipe.runners.values()), policy

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
 from conveyor.options import StageOptions
+from conveyor.pipe import Pipeline
 from conveyor.runtime.stage.recomputed_buffers import RecomputedBuffers
 
 NUM_MICROBATCHES = 4
@@ -38,8 +39,8 @@ def _two_steps_both_ways(make_stage, schedule: str) -> tuple[list[nn.Module], li
     """Two steps of a checkpointing pipeline, and of one device without checkpointing, on the same data."""
     stages = [make_stage(seed) for seed in range(2)]
     reference = copy.deepcopy(stages)
-    pipe = LocalPipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES,
-                         stage=StageOptions(recompute=True))
+    pipe = Pipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES,
+                    stage=StageOptions(recompute=True), layout=InProcessLayout())
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):
         x, y = torch.randn(16, 6, generator=generator), torch.randn(16, 6, generator=generator)
@@ -77,8 +78,8 @@ class _CountsWhenArmed(nn.Module):
 
 def test_a_buffer_that_starts_being_written_later_is_written_once_per_forward():
     module = _CountsWhenArmed()
-    pipe = LocalPipeline([module], "gpipe", _mse, microbatches=NUM_MICROBATCHES,
-                         stage=StageOptions(recompute=True))
+    pipe = Pipeline([module], "gpipe", _mse, microbatches=NUM_MICROBATCHES,
+                    stage=StageOptions(recompute=True), layout=InProcessLayout())
     x, y = torch.randn(8, 3), torch.randn(8, 3)
     pipe.step(x, target=y)
     module.armed = True
@@ -91,8 +92,8 @@ def test_a_batch_norm_frozen_then_unfrozen_matches_one_device(schedule):
     """The fine-tuning recipe: BatchNorm in eval mode for a while inside a training stage."""
     stages = [_normed_stage(seed) for seed in range(2)]
     reference = copy.deepcopy(stages)
-    pipe = LocalPipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES,
-                         stage=StageOptions(recompute=True))
+    pipe = Pipeline(stages, schedule, _mse, microbatches=NUM_MICROBATCHES,
+                    stage=StageOptions(recompute=True), layout=InProcessLayout())
     generator = torch.Generator().manual_seed(0)
     for frozen in (True, False, False):
         for stage, twin in zip(stages, reference):

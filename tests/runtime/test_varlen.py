@@ -83,7 +83,7 @@ def test_data_parallel_replicas_with_their_own_lengths_normalized_by_tokens_are_
 def _in_process(num_microbatches=4):
     cfg = TinyConfig(num_stages=2)
     return cfg, conveyor.Pipeline([build_stage(s, cfg) for s in range(2)], "1f1b", lm_loss,
-                                  microbatches=num_microbatches, layout=conveyor.Layout(in_process=True))
+                                  microbatches=num_microbatches, layout=conveyor.InProcessLayout())
 
 
 def test_in_process_variable_lengths_return_one_output_per_microbatch():
@@ -151,7 +151,7 @@ def test_model_inputs_named_targets_and_microbatches_reach_the_model_on_both_pat
     want_loss, want_grads = _reference(split, [y[2 * i:2 * i + 2] for i in range(4)])
     for how in ("minibatch", "given"):
         pipe = conveyor.Pipeline(list(_model_with_colliding_names()), "1f1b", torch.nn.functional.mse_loss,
-                                 microbatches=4, layout=conveyor.Layout(in_process=True))
+                                 microbatches=4, layout=conveyor.InProcessLayout())
         if how == "minibatch":  # the model's keywords, split by rows as one device's loop splits them
             loss = pipe.step(x, targets=scale, microbatches=shift, target=y)
         else:

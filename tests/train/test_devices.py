@@ -183,7 +183,7 @@ def test_the_pipeline_is_built_on_the_chosen_device(monkeypatch, rank1_of_2, gpu
     built = {}
     monkeypatch.setattr(conveyor, "pipeline", lambda model, **kwargs: built.update(kwargs))
     build_pipeline(_cfg(), torch.nn.Linear(2, 2))
-    assert built["options"].layout.device == device
+    assert built["layout"].device == device
 
 
 def test_the_launcher_says_why_a_one_gpu_machine_trains_on_the_cpu(monkeypatch, capsys):

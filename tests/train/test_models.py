@@ -16,8 +16,9 @@ import torch
 import conveyor.frontend as frontend
 import conveyor.schedule as cs
 from conveyor.errors import ConfigError
-from conveyor.local import LocalPipeline
+from conveyor.layout import InProcessLayout
 from conveyor.parallel.loss import loss_divisor
+from conveyor.pipe import Pipeline
 from conveyor.testing.references.unsplit import check_parity
 from conveyor.train.config import TrainConfig, load_config
 from conveyor.train.loop import LossWithAux, train_loss
@@ -172,7 +173,7 @@ def test_moe_recipe_under_zbv_equals_one_device_with_its_loss_parts():
     split = frontend.split_model(model, schedule.num_stages, example_args=(batches[0][0][:2],),
                                  split_method="parameters")
     loss_fn = train_loss(cfg, model)
-    pipe = LocalPipeline(split.stage_modules(), schedule, loss_fn=loss_fn)
+    pipe = Pipeline(split.stage_modules(), schedule, loss_fn=loss_fn, layout=InProcessLayout())
     got, got_params = _moe_steps(model, loss_fn, lambda x, y: pipe.step(x, target=y), batches)
     for (loss, parts), (want_loss, want_parts) in zip(got, want):
         assert torch.equal(loss, want_loss) and torch.equal(parts, want_parts), (loss, parts, want_loss, want_parts)

@@ -69,7 +69,8 @@ def test_the_key_value_cache_decodes_what_the_unsplit_model_decodes(name):
     model = build_model(load_config(None, [f"model.name={name}", "model.layers=2", "model.width=32",
                                            f"model.seq_len={SEQ}"]), 256)
     split = split_model(model, 2, example_args=(torch.zeros(2, SEQ, dtype=torch.long),))
-    pipe = conveyor.Pipeline([split.stage_module(s) for s in range(2)], "1f1b", microbatches=2, layout=conveyor.InProcessLayout())
+    pipe = conveyor.Pipeline([split.stage_module(s) for s in range(2)], "1f1b", microbatches=2,
+                             layout=conveyor.InProcessLayout())
     prompt = list(b"def f(")
     got = cached_tokens(pipe, split, prompt, SEQ - len(prompt), length=SEQ)
     want = greedy_reference(model, prompt, SEQ - len(prompt), seq_len=SEQ)

@@ -84,7 +84,7 @@ def test_the_world_must_be_pp_x_dp_x_tp_and_tp_must_stay_inside_a_node():
 
 
 def test_sequence_parallel_reaches_the_pipeline_or_its_refusal_is_said_before_any_rank_starts():
-    # Wired through to Layout(sequence_parallel=...); where the pipeline still refuses it, that refusal
+    # Wired through to DistributedLayout(sequence_parallel=...); where the pipeline still refuses it, that refusal
     # comes from the config check (the same plan the ranks make), naming the key.
     try:
         cfg = load_config(None, ["model.layers=2", "model.width=32", "parallel.tp=2",

@@ -34,7 +34,8 @@ def _experts_rank(rank: int, world: int, device: str) -> dict:
     schedule = cs.build("gpipe", ranks=1, microbatches=MICROBATCHES)
     ids = [x.to(device) for x in batches(dp_rank)]
     with conveyor.Pipeline([stage], schedule, loss_fn=moe_loss, transfer=conveyor.TransferOptions(timeout_s=120),
-                           layout=conveyor.DistributedLayout(mesh=mesh, expert_parallel="auto", ep=2, device=device)) as pipe:
+                           layout=conveyor.DistributedLayout(mesh=mesh, expert_parallel="auto",
+                                                             ep=2, device=device)) as pipe:
         got = _train(pipe.named_parameters(), lambda step: pipe.step(ids[step], target=ids[step]), lambda: None)
     return cpu({"got": got, "want": want})
 

@@ -71,9 +71,8 @@ def _tied_rank(rank: int, world: int, device: str) -> dict:
     model = hf_model("gpt2")
     example = token_ids(0)[:2]
     with conveyor.pipeline(model, example_args=(example,), example_kwargs={"labels": example}, schedule="1f1b",
-                           microbatches=4, loss_fn=_hf_loss,
+                           microbatches=4, loss_fn=_hf_loss, layout=conveyor.DistributedLayout(device=device),
                            options=conveyor.PipelineOptions(transfer=conveyor.TransferOptions(timeout_s=120),
-                                                            layout=conveyor.Layout(device=device),
                                                             split=conveyor.SplitOptions(method="uniform"))) as pipe:
         got = _train(pipe, pipe.modules, device)
     if rank != 0:

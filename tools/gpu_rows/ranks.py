@@ -84,7 +84,7 @@ def _schedules_rank(rank: int, world: int, device: str, names: list[str]) -> dic
             stages = {s: MLPStage(s, schedule.num_stages) for s in schedule.stages_of(rank)}
             with conveyor.Pipeline(list(stages.values()), schedule, lm_loss,
                                    transfer=conveyor.TransferOptions(transport=transport, timeout_s=120),
-                                   layout=conveyor.Layout(device=device)) as pipe:
+                                   layout=conveyor.DistributedLayout(device=device)) as pipe:
                 results[(name, transport)] = (schedule.num_stages, _train_mlp(pipe, stages, device))
     return {"results": results, "references": references}
 
@@ -114,7 +114,7 @@ def _clip_skip_rank(rank: int, world: int, device: str) -> dict:
         if rank == 0 else None
     with conveyor.Pipeline(list(stages.values()), schedule, lm_loss,
                            transfer=conveyor.TransferOptions(timeout_s=120),
-                           layout=conveyor.Layout(device=device)) as pipe:
+                           layout=conveyor.DistributedLayout(device=device)) as pipe:
         clipped = _train_mlp(pipe, stages, device, clip=0.05)
         # A non-finite loss: the step is dropped on every rank, the optimizer leaves everything alone.
         if pipe.needs_target:
@@ -157,13 +157,13 @@ def _replicas_rank(rank: int, world: int, device: str, kind: str) -> dict:
     device = torch.device(device)
     deterministic(device)
     dp = 2
-    mesh = init_device_mesh(device.type, (dp, world // dp), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(device.type, (world // dp, dp), mesh_dim_names=("pp", "dp"))
     schedule = cs.build("1f1b", ranks=world // dp, microbatches=2)
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     stages = {s: MLPStage(s, schedule.num_stages) for s in schedule.stages_of(pp_rank)}
-    with conveyor.Pipeline(list(stages.values()), schedule, lm_loss, mesh=mesh, data_parallel=kind,
+    with conveyor.Pipeline(list(stages.values()), schedule, lm_loss,
                            transfer=conveyor.TransferOptions(timeout_s=120),
-                           layout=conveyor.Layout(device=device)) as pipe:
+                           layout=conveyor.DistributedLayout(device=device, mesh=mesh, data_parallel=kind)) as pipe:
         got = _train_mlp(pipe, stages, device, dp=(dp_rank, dp))
     return {"got": got, "reference": _replica_reference(schedule.num_stages, device, dp) if rank == 0 else None}
 
@@ -247,7 +247,7 @@ def _lag_rank(rank: int, world: int, device: str) -> dict:
     reference = mlp_reference(schedule.num_stages, device, schedule.num_microbatches, STEPS) if rank == 0 else None
     with conveyor.Pipeline(lagging, schedule, lm_loss,
                            transfer=conveyor.TransferOptions(transport="ordered", timeout_s=120),
-                           layout=conveyor.Layout(device=device)) as pipe:
+                           layout=conveyor.DistributedLayout(device=device)) as pipe:
         got = _train_mlp(pipe, stages, device)
         timeline = pipe.timeline()
     spans = [(s.rank, s.action.kind.name, s.action.stage, s.action.microbatch, s.start, s.end) for s in timeline.spans]

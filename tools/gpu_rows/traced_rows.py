@@ -1,5 +1,5 @@
 """The traced rows: a tiny Hugging Face GPT-2 (tied embeddings) or Llama, traced and cut for P=2,
-every schedule through ``LocalPipeline`` on the device, in three legs.
+every schedule through an in-process ``Pipeline`` on the device, in three legs.
 
 - **unsplit** (activation recomputation + bf16 autocast, eager stages, no dropout): against the
   unsplit model on one device, gradient accumulation over the same microbatches under the autocast
@@ -97,8 +97,9 @@ class _Cut:
         self.model.zero_grad(set_to_none=True)
         split = self.split(schedule.num_stages)
         stages = [split.stage_module(s, self.ctx.device) for s in range(schedule.num_stages)]
-        pipe = conveyor.LocalPipeline(stages, schedule, _hf_loss, device=self.ctx.device, stage=options,
-                                      model=conveyor.WholeModel(tied_parameters=split.tied_groups))
+        pipe = conveyor.Pipeline(stages, schedule, _hf_loss, stage=options,
+                                 model=conveyor.WholeModel(tied_parameters=split.tied_groups),
+                                 layout=conveyor.InProcessLayout(device=self.ctx.device))
         torch.manual_seed(seed)  # the step's random streams (dropout) come from the CPU generator
         try:
             return _train(pipe, stages, self.ctx.device, steps)

@@ -112,7 +112,7 @@ class ExpertParallel(StagePart):
             return ""
         return (f". This rank's stages hold 3-D expert weights ({stacked[0]}, ...) that no experts module runs: "
                 "stages split without expert parallelism inline the experts' code, which it cannot reroute; "
-                "build them with conveyor.pipeline(..., options=PipelineOptions(layout=DistributedLayout(expert_parallel=...))), "
+                "build them with conveyor.pipeline(..., layout=DistributedLayout(expert_parallel=...)), "
                 "which keeps each experts module whole, or split inside conveyor.frontend.leaves.experts_as_leaves("
                 "model)")
 

@@ -1,6 +1,6 @@
 """Tensor parallelism wired into a pipeline: each stage parallelized over its "tp" ranks.
 
-A pipeline on a mesh with a "tp" dim and ``Layout.tensor_parallel`` set parallelizes its stages
+A pipeline whose ``DistributedLayout`` has tp > 1 (``tensor_parallel`` set) parallelizes its stages
 before their runners are built:
 
 - traced stages (:func:`conveyor.pipeline`): the plan comes from the unchanged model, once, the
@@ -30,9 +30,8 @@ a hand-built one's follow the rule and the first step's exchange of shapes)
 
 Example (on each of 4 ranks: 2 stages of 2 TP ranks)::
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pipe = conveyor.pipeline(model, example_kwargs=batch, schedule="1f1b", microbatches=4,
-                             mesh=mesh, tensor_parallel="auto", loss_fn=lambda out, _: out.loss)
+                             layout=conveyor.DistributedLayout(tp=2), loss_fn=lambda out, _: out.loss)
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ from conveyor.parallel.tensor.style_map import (
 def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()) -> dict[str, Any]:
     """The unchanged model's plan as placements by parameter name, for its traced stages (the same on every rank).
 
-    ``layout`` is the :class:`~conveyor.layout.Layout` (its ``tensor_parallel``, ``loss_parallel``).
+    ``layout`` is the :class:`~conveyor.layout.DistributedLayout` (its ``tensor_parallel``, ``loss_parallel``).
     Tied copies on several stages (GPT-2's embedding and head) must be sharded alike, since their
     gradients are summed shard by shard across ranks, each TP rank with the matching TP rank of the
     other stage (:class:`~conveyor.parallel.tied.TiedGradients`). The "auto" plan shards both ends of

@@ -36,8 +36,8 @@ same rounded values). ``save(path, pipe)`` alone saves the bf16 parameters. Not 
 Example:
     >>> import torch, conveyor
     >>> pipe = conveyor.Pipeline([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)], "1f1b", microbatches=2,
-    ...                               loss_fn=lambda y, t: (y.float() - t).pow(2).mean(),
-    ...                               stage=conveyor.StageOptions(param_dtype="bf16"), layout=conveyor.InProcessLayout())
+    ...                          loss_fn=lambda y, t: (y.float() - t).pow(2).mean(),
+    ...                          stage=conveyor.StageOptions(param_dtype="bf16"), layout=conveyor.InProcessLayout())
     >>> optimizer = conveyor.MasterWeights(pipe, torch.optim.AdamW, lr=1e-3)
     >>> loss = pipe.step(torch.ones(4, 4, dtype=torch.bfloat16), target=torch.zeros(4, 1))
     >>> p = next(pipe.parameters()); p.dtype, p.main_grad.dtype, p.grad
@@ -259,8 +259,8 @@ class MasterWeights:
     Example:
         >>> import torch, conveyor
         >>> pipe = conveyor.Pipeline([torch.nn.Linear(2, 1)], "gpipe", microbatches=1,
-        ...                               loss_fn=lambda y, t: y.float().sum(),
-        ...                               stage=conveyor.StageOptions(param_dtype="bf16"), layout=conveyor.InProcessLayout())
+        ...                          loss_fn=lambda y, t: y.float().sum(),
+        ...                          stage=conveyor.StageOptions(param_dtype="bf16"), layout=conveyor.InProcessLayout())
         >>> optimizer = conveyor.MasterWeights(pipe, torch.optim.SGD, lr=0.5)
         >>> _ = pipe.step(torch.ones(1, 2, dtype=torch.bfloat16), target=None)
         >>> before = optimizer.masters[0].clone(); optimizer.step()

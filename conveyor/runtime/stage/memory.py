@@ -275,7 +275,7 @@ def memory_report(meter: MemoryMeter | None, pipeline: str) -> MemoryReport:
     """``meter``'s report; a clear error where the pipeline was built without measuring.
 
     Example:
-        >>> memory_report(None, "LocalPipeline")
+        >>> memory_report(None, "pipeline")
         Traceback (most recent call last):
         ...
         conveyor.errors.PipelineConfigError: memory() reports what ...

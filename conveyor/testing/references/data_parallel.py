@@ -29,6 +29,7 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
+from conveyor.parallel.mesh import pipeline_mesh
 from conveyor.testing.compare import worst_relative
 from conveyor.testing.models import lm_loss, reference_step
 from conveyor.testing.multiprocess import run_ranks
@@ -87,13 +88,6 @@ def make_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def mesh_of(dp: int, pp: int):
-    """The ("dp", "pp") mesh of a dp x pp job (inside a rank)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
-
-
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of the whole tensor: gathered from the replicas when it is a sharded DTensor."""
     full = getattr(tensor, "full_tensor", None)
@@ -106,13 +100,14 @@ def train_replicas(rank, world_size, name, virtual, kind, dp, clip):
     Returns the losses, the clipped norms (``clip``), the full parameters per stage and the
     last step's data-parallel timing (see :meth:`conveyor.Pipeline.timeline`).
     """
-    mesh = mesh_of(dp, world_size // dp)
+    mesh = pipeline_mesh(world_size // dp)
     schedule = cs.build(name, ranks=world_size // dp, microbatches=NUM_MICROBATCHES, virtual=virtual)
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     mine = schedule.stages_of(pp_rank)
     modules = [MLPStage(s, schedule.num_stages) for s in mine]
-    pipe = conveyor.Pipeline(modules, schedule=schedule, loss_fn=lm_loss, mesh=mesh, data_parallel=kind,
-                             transfer=conveyor.TransferOptions(timeout_s=60))
+    pipe = conveyor.Pipeline(modules, schedule=schedule, loss_fn=lm_loss,
+                             transfer=conveyor.TransferOptions(timeout_s=60),
+                             layout=conveyor.DistributedLayout(mesh=mesh, data_parallel=kind))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     losses, norms = [], []
     first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)

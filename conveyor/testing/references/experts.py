@@ -24,7 +24,7 @@ from torch import nn
 import conveyor
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
-from conveyor.layout import DistributedLayout, InProcessLayout, Layout
+from conveyor.layout import DistributedLayout, Layout
 from conveyor.options import PipelineOptions, TransferOptions
 from conveyor.parallel.experts.discover import find_experts
 from conveyor.parallel.experts.part import _dispatched_forward, shard_experts
@@ -218,7 +218,7 @@ def traced_pipeline(model: nn.Module, schedule, layout: Layout, dp_rank: int):
     cuts = [f"model.layers.{i}" for i in range(1, schedule.num_stages)]
     return conveyor.pipeline(model, example_args=(example,), split_points=cuts, schedule=schedule,
                              loss_fn=traced_moe_loss,
-                             options=PipelineOptions(layout=layout, transfer=TransferOptions(timeout_s=120)))
+                             layout=layout, options=PipelineOptions(transfer=TransferOptions(timeout_s=120)))
 
 
 def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
@@ -284,7 +284,8 @@ def traced_checkpoint(rank: int, world_size: int, directory: str) -> dict:
     mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     schedule = cs.build("1f1b", ranks=2, microbatches=MICROBATCHES)
-    saved = traced_pipeline(tiny_moe("mixtral", 2), schedule, DistributedLayout(mesh=mesh, expert_parallel="auto", ep=EP),
+    layout = DistributedLayout(mesh=mesh, expert_parallel="auto", ep=EP)
+    saved = traced_pipeline(tiny_moe("mixtral", 2), schedule, layout,
                             dp_rank)
     optimizer = torch.optim.AdamW(saved.parameters(), lr=1e-2)
     ids = batches(dp_rank)[0]
@@ -445,7 +446,8 @@ def _refusal(mesh, pp_rank: int) -> str:
     stages = moe_stages(tiny_moe("mixtral", 2), 2)
     try:
         conveyor.Pipeline([stages[pp_rank]], schedule, loss_fn=moe_loss, transfer=TransferOptions(timeout_s=60),
-                          layout=DistributedLayout(mesh=mesh, expert_parallel={"blocks.*.moe": "ep_dispatch_experts"}, ep=EP))
+                          layout=DistributedLayout(mesh=mesh, expert_parallel={"blocks.*.moe": "ep_dispatch_experts"},
+                                                   ep=EP))
     except PipelineConfigError as error:
         return str(error)
     return "no error"

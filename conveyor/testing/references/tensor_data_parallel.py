@@ -35,7 +35,6 @@ from conveyor.testing.compare import whole, worst_relative
 from conveyor.testing.models import token_batch
 from conveyor.testing.references.tensor_parallel import build
 from conveyor.testing.references.tensor_pipeline import MICROBATCHES, _loss_fn, _microbatches, _optimizer, _square_loss
-from conveyor.testing.references.tensor_pipeline import _FakeTpMesh as _NoPipelineMesh
 
 STEPS = 3
 ROWS_PER_REPLICA = 2 * MICROBATCHES  # microbatches of 2 rows
@@ -86,7 +85,7 @@ def tp_dp_alone(name: str, num_stages: int, mesh, kind: str, pipeline_stages: in
     from torch.distributed.tensor.experimental import implicit_replication
 
     import conveyor.frontend as frontend
-    from conveyor.options import Layout
+    from conveyor.layout import DistributedLayout
     from conveyor.parallel.tensor.stages import model_placements
     from conveyor.parallel.tensor.traced import parallelize_traced_stage
 
@@ -94,8 +93,7 @@ def tp_dp_alone(name: str, num_stages: int, mesh, kind: str, pipeline_stages: in
     model = build(name, _layers(name, max(num_stages, pipeline_stages)))
     example = _microbatches(_batches(0, layout.dp_size, layout.dp_rank))[0]
     split = frontend.split_model(model, num_stages, example_kwargs=example, split_method="uniform")
-    placements = model_placements(model, Layout(tensor_parallel="auto", mesh=_NoPipelineMesh()), layout.tp_size,
-                                  split.tied_groups)
+    placements = model_placements(model, DistributedLayout(tp=layout.tp_size), layout.tp_size, split.tied_groups)
     stages = [_wrapped_over_dp(parallelize_traced_stage(split.stage_module(s), layout.tp_mesh, placements),
                                mesh["dp"], kind) for s in range(num_stages)]
 
@@ -120,10 +118,10 @@ def pipeline_run(name: str, schedule: str, mesh, kind: str) -> tuple[list, list,
     num_stages = layout.pp_size * conveyor.schedule.available()[schedule].default_virtual
     first = _batches(0, layout.dp_size, layout.dp_rank)
     pipe = conveyor.pipeline(build(name, _layers(name, num_stages)), example_kwargs=_microbatches(first)[0],
-                             schedule=schedule, microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh,
-                             tensor_parallel="auto", data_parallel=kind,
+                             schedule=schedule, microbatches=MICROBATCHES, loss_fn=_loss_fn,
                              options=PipelineOptions(split=SplitOptions(method="uniform"),
-                                                     transfer=TransferOptions(timeout_s=120)))
+                                                     transfer=TransferOptions(timeout_s=120)),
+                             layout=conveyor.DistributedLayout(mesh=mesh, data_parallel=kind, tensor_parallel="auto"))
     optimizer = _optimizer(pipe.parameters())
     losses, norms = [], []
     for step in range(STEPS):
@@ -179,9 +177,10 @@ def hand_built_run(schedule: str, mesh, kind: str) -> tuple[list, list, dict, co
     layout = layout_of(mesh)
     plan = cs.build(schedule, ranks=layout.pp_size, microbatches=MICROBATCHES)
     blocks = _blocks(plan.num_stages)
-    pipe = conveyor.Pipeline([blocks[s] for s in plan.stages_of(layout.pp_rank)], plan, _square_loss, mesh=mesh,
-                             tensor_parallel=_block_plan(), data_parallel=kind,
-                             transfer=TransferOptions(timeout_s=120))
+    pipe = conveyor.Pipeline([blocks[s] for s in plan.stages_of(layout.pp_rank)], plan, _square_loss,
+                             transfer=TransferOptions(timeout_s=120),
+                             layout=conveyor.DistributedLayout(mesh=mesh, data_parallel=kind,
+                                                               tensor_parallel=_block_plan()))
     optimizer = _optimizer(pipe.parameters())
     losses, norms = [], []
     for step in range(STEPS):
@@ -327,9 +326,10 @@ def refusals(rank: int, world_size: int) -> dict:
     def attempt(make_mesh, name="llama", schedule="1f1b", kind="fsdp"):
         try:
             pipe = conveyor.pipeline(build(name, 2), example_kwargs=_microbatches(batch)[0], schedule=schedule,
-                                     microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=make_mesh(),
-                                     tensor_parallel="auto", data_parallel=kind,
-                                     options=PipelineOptions(split=SplitOptions(method="uniform")))
+                                     microbatches=MICROBATCHES, loss_fn=_loss_fn,
+                                     options=PipelineOptions(split=SplitOptions(method="uniform")),
+                                     layout=conveyor.DistributedLayout(mesh=make_mesh(), data_parallel=kind,
+                                                                       tensor_parallel="auto"))
         except PipelineConfigError as error:
             return str(error)
         pipe.close()

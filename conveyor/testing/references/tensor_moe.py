@@ -21,7 +21,6 @@ from conveyor.testing.models import grouped_heads_lm, token_batch
 from conveyor.testing.references.tensor_parallel import whole
 from conveyor.testing.references.tensor_pipeline import (
     MICROBATCHES,
-    _FakeTpMesh,
     _loss_fn,
     _microbatches,
     _one_device_of,
@@ -49,14 +48,13 @@ def _tp_alone(num_stages: int, tp_mesh, batch):
     from torch.distributed.tensor.experimental import implicit_replication
 
     import conveyor.frontend as frontend
-    from conveyor.options import Layout
+    from conveyor.layout import DistributedLayout
     from conveyor.parallel.tensor.stages import model_placements
     from conveyor.parallel.tensor.traced import parallelize_traced_stage
 
     model = build_mixtral(num_stages)
     split = frontend.split_model(model, num_stages, example_kwargs=_microbatches(batch)[0], split_method="uniform")
-    placements = model_placements(model, Layout(tensor_parallel="auto", mesh=_FakeTpMesh()), tp_mesh.size(),
-                                  split.tied_groups)
+    placements = model_placements(model, DistributedLayout(tp=tp_mesh.size()), tp_mesh.size(), split.tied_groups)
     stages = [parallelize_traced_stage(split.stage_module(s), tp_mesh, placements) for s in range(num_stages)]
 
     def step_loss(kwargs):
@@ -85,8 +83,9 @@ def mixtral_schedules(rank: int, world_size: int, names: tuple[str, ...]) -> dic
     for name in names:
         layers = 2 * conveyor.schedule.available()[name].default_virtual  # one decoder layer per stage
         pipe = conveyor.pipeline(build_mixtral(layers), example_kwargs=_microbatches(batch)[0], schedule=name,
-                                 microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
-                                 options=PipelineOptions(split=SplitOptions(method="uniform")))
+                                 microbatches=MICROBATCHES, loss_fn=_loss_fn,
+                                 options=PipelineOptions(split=SplitOptions(method="uniform")),
+                                 layout=conveyor.DistributedLayout(mesh=mesh, tensor_parallel="auto"))
         stages = pipe.schedule.num_stages
         if stages not in references:
             references[stages] = (_tp_alone(stages, tp_mesh, batch), _one_device(batch, layers))

@@ -98,15 +98,14 @@ def _tp_alone(num_stages: int, tp_mesh, batch):
     from torch.distributed.tensor.experimental import implicit_replication
 
     import conveyor.frontend as frontend
-    from conveyor.options import Layout
+    from conveyor.layout import DistributedLayout
     from conveyor.parallel.tensor.stages import model_placements
     from conveyor.parallel.tensor.traced import parallelize_traced_stage
 
     model = build("llama", num_stages)
     example = _microbatches(batch)[0]
     split = frontend.split_model(model, num_stages, example_kwargs=example, split_method="uniform")
-    placements = model_placements(model, Layout(tensor_parallel="auto", mesh=_FakeTpMesh()), tp_mesh.size(),
-                                  split.tied_groups)
+    placements = model_placements(model, DistributedLayout(tp=tp_mesh.size()), tp_mesh.size(), split.tied_groups)
     stages = [parallelize_traced_stage(split.stage_module(s), tp_mesh, placements) for s in range(num_stages)]
     params = [p for stage in stages for p in stage.parameters()]
 
@@ -117,12 +116,6 @@ def _tp_alone(num_stages: int, tp_mesh, batch):
     losses = _train(step_loss, params, batch, implicit_replication)
     named = {n: p for stage in stages for n, p in stage.named_parameters()}
     return losses, named
-
-
-class _FakeTpMesh:
-    """Layout's check reads only a mesh's dim names: the TP-alone reference has no pipeline mesh."""
-
-    mesh_dim_names = ("pp", "tp")
 
 
 def every_schedule(rank: int, world_size: int, names: tuple[str, ...] | None = None) -> dict:
@@ -138,8 +131,9 @@ def every_schedule(rank: int, world_size: int, names: tuple[str, ...] | None = N
         layers = 2 * conveyor.schedule.available()[name].default_virtual
         model = build("llama", layers)
         pipe = conveyor.pipeline(model, example_kwargs=_microbatches(batch)[0], schedule=name,
-                                 microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
-                                 options=PipelineOptions(split=SplitOptions(method="uniform")))
+                                 microbatches=MICROBATCHES, loss_fn=_loss_fn,
+                                 options=PipelineOptions(split=SplitOptions(method="uniform")),
+                                 layout=conveyor.DistributedLayout(mesh=mesh, tensor_parallel="auto"))
         stages = pipe.schedule.num_stages
         if stages not in alone:
             alone[stages] = _tp_alone(stages, tp_mesh, batch)
@@ -195,17 +189,18 @@ def hand_built_refusals(rank: int, world_size: int) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     from conveyor.errors import PipelineConfigError
-    from conveyor.options import Layout
+    from conveyor.layout import DistributedLayout
 
     torch.set_num_threads(1)
     pp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp_rank = layout_of(pp_tp).pp_rank
 
-    def attempt(make_mesh, plan, inner_of_stage_1=64, sequence_parallel=False, adapter_on_stage_1=False):
+    def attempt(make_mesh, plan, inner_of_stage_1=64, sequence_parallel=False, adapter_on_stage_1=False, tp=1):
         torch.manual_seed(0)
         stage = _Stage(64 if pp_rank == 0 else inner_of_stage_1, adapter=adapter_on_stage_1 and pp_rank == 1)
         try:
-            layout = Layout(mesh=make_mesh(), tensor_parallel=plan, sequence_parallel=sequence_parallel)
+            layout = DistributedLayout(mesh=make_mesh(), tensor_parallel=plan, sequence_parallel=sequence_parallel,
+                                       tp=tp)
             pipe = conveyor.Pipeline([stage], "gpipe", _square_loss, microbatches=2, layout=layout)
         except PipelineConfigError as error:
             return str(error)
@@ -213,7 +208,8 @@ def hand_built_refusals(rank: int, world_size: int) -> dict:
         return None
 
     return {
-        "tp mesh, no tensor_parallel": attempt(lambda: pp_tp, None),
+        "tp mesh, another tp size": attempt(lambda: pp_tp, "auto", tp=4),
+        "tp mesh, no tensor_parallel: auto": attempt(lambda: pp_tp, None),
         "tensor_parallel, no tp dim": attempt(
             lambda: init_device_mesh("cpu", (4,), mesh_dim_names=("pp",)), "auto"),
         "pattern matching nothing": attempt(lambda: pp_tp, {**_hand_built_plan(), "mlp.up": ColwiseParallel()}),
@@ -233,11 +229,11 @@ def hand_built_refusals(rank: int, world_size: int) -> dict:
 
 def _odd_sequence(mesh, pp_rank: int) -> str | None:
     """A step of sequence-parallel hand-built stages on sequences of 5 over tp=2: the message it fails with."""
-    from conveyor.options import Layout
+    from conveyor.layout import DistributedLayout
 
     torch.manual_seed(0)
     pipe = conveyor.Pipeline([_Stage()], "gpipe", _square_loss, microbatches=2,
-                             layout=Layout(mesh=mesh, tensor_parallel="auto", sequence_parallel=True))
+                             layout=DistributedLayout(mesh=mesh, tensor_parallel="auto", sequence_parallel=True))
     try:
         pipe.step(torch.randn(4, 5, 32), target=torch.randn(4, 5, 32) if pp_rank == 1 else None)
     except Exception as error:  # the stage-0 ranks' message; the others are told which peer failed
@@ -265,14 +261,15 @@ def hand_built_parity(rank: int, world_size: int) -> dict:
     # block is the stage itself: its fc gathers the sequence) fed whole hidden states on stage 0.
     for name, plan, sequence_parallel in (("gpipe", _hand_built_plan(), False), ("zb-h1", _hand_built_plan(), False),
                                           ("1f1b", "auto", True)):
-        from conveyor.options import Layout
+        from conveyor.layout import DistributedLayout
 
         stage = copy.deepcopy(whole_model[pp_rank])
         stage.zero_grad(set_to_none=True)
         # With sequence parallelism the whole example output is given: each TP rank seeds its shard's shape.
         shapes = {0: torch.zeros(2, 6, 32, requires_grad=True)} if sequence_parallel else None
         pipe = conveyor.Pipeline([stage], name, _square_loss, microbatches=MICROBATCHES,
-                                 layout=Layout(mesh=mesh, tensor_parallel=plan, sequence_parallel=sequence_parallel),
+                                 layout=DistributedLayout(mesh=mesh, tensor_parallel=plan,
+                                                          sequence_parallel=sequence_parallel),
                                  transfer=TransferOptions(shapes=shapes, fixed_shapes=sequence_parallel))
         loss = pipe.step(hidden, target=target)
         grads = {n: whole(p.grad) for n, p in pipe.named_parameters()}
@@ -290,7 +287,7 @@ def clipping_and_ties(rank: int, world_size: int, name: str) -> dict:
     """One 1F1B step of traced ``name`` on pp=2 x tp=2, then clip_grad_norm_: the total norm and the
     clipped gradients against one device; for GPT-2 (wte on stage 0, its tied lm_head on stage 1),
     the tied copies after an AdamW step."""
-    from conveyor.options import Layout
+    from conveyor.layout import DistributedLayout
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
@@ -299,10 +296,10 @@ def clipping_and_ties(rank: int, world_size: int, name: str) -> dict:
     for kwargs in _microbatches(batch):
         (reference(**kwargs).loss / MICROBATCHES).backward()
     want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
-    layout = Layout(mesh=mesh, tensor_parallel="auto")
+    layout = DistributedLayout(mesh=mesh, tensor_parallel="auto")
     pipe = conveyor.pipeline(build(name, 2), example_kwargs=_microbatches(batch)[0], schedule="1f1b",
                              microbatches=MICROBATCHES, loss_fn=_loss_fn,
-                             options=PipelineOptions(split=SplitOptions(method="uniform"), layout=layout))
+                             layout=layout, options=PipelineOptions(split=SplitOptions(method="uniform")))
     loss = pipe.step(**batch)
     want_loss = sum(reference(**kwargs).loss.detach() / MICROBATCHES for kwargs in _microbatches(batch))
     # After a step every gradient has its parameter's placements (DTensor's backward leaves Partial ones).
@@ -355,8 +352,9 @@ def traced_refusals(rank: int, world_size: int) -> dict:
         torch.manual_seed(0)
         try:
             pipe = conveyor.pipeline(model_class(model_config), example_kwargs=batch, schedule="gpipe", microbatches=2,
-                                     loss_fn=_loss_fn, mesh=mesh, tensor_parallel=plan,
-                                     options=PipelineOptions(split=SplitOptions(method="uniform")))
+                                     loss_fn=_loss_fn,
+                                     options=PipelineOptions(split=SplitOptions(method="uniform")),
+                                     layout=conveyor.DistributedLayout(mesh=mesh, tensor_parallel=plan))
         except PipelineConfigError as error:
             return str(error)
         pipe.close()
@@ -399,8 +397,9 @@ def meta_model_shards(rank: int, world_size: int) -> dict:
     batch = token_batch(batch=2 * MICROBATCHES, length=12, seed=1)
     try:
         pipe = conveyor.pipeline(model, example_kwargs=_microbatches(batch)[0], schedule="1f1b",
-                                 microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
-                                 options=PipelineOptions(split=SplitOptions(method="uniform")))
+                                 microbatches=MICROBATCHES, loss_fn=_loss_fn,
+                                 options=PipelineOptions(split=SplitOptions(method="uniform")),
+                                 layout=conveyor.DistributedLayout(mesh=mesh, tensor_parallel="auto"))
     finally:
         shards.defer_materialization = defer
     params = dict(pipe.named_parameters())

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import conveyor
-from conveyor.options import Layout
+from conveyor.layout import DistributedLayout
 from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.tensor.stages import TensorParallelStages
 from conveyor.schedule.registry import resolve_schedule
@@ -138,7 +138,7 @@ def every_schedule_sequence_parallel(rank: int, world_size: int, names: tuple[st
         everything = build_stages(stages)
         mine = schedule.stages_of(layout_info.pp_rank)
         pipe = conveyor.Pipeline([everything[s] for s in mine], name, _loss_fn, microbatches=MICROBATCHES,
-                                 layout=Layout(mesh=mesh, tensor_parallel="auto", sequence_parallel=True))
+                                 layout=DistributedLayout(mesh=mesh, tensor_parallel="auto", sequence_parallel=True))
         sent: list[tuple] = []  # what each non-last stage hands its transport: after the pipeline's own hook
         for stage in mine:
             if stage != stages - 1:

@@ -19,7 +19,8 @@ from torch.distributed.tensor.experimental import implicit_replication
 import conveyor
 import conveyor.frontend as frontend
 from conveyor.errors import PipelineConfigError
-from conveyor.options import Layout, PipelineOptions, SplitOptions
+from conveyor.layout import DistributedLayout
+from conveyor.options import PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.tensor.stages import TensorParallelStages
 from conveyor.testing.compare import relative_difference, worst_absolute, worst_relative
@@ -28,7 +29,6 @@ from conveyor.testing.references.tensor_parallel import build, tp_mesh, whole
 from conveyor.testing.references.tensor_pipeline import (
     MICROBATCHES,
     STEPS,
-    _FakeTpMesh,
     _microbatches,
     _optimizer,
     _train_pipeline,
@@ -43,7 +43,7 @@ def sequence_stages(model: torch.nn.Module, num_stages: int, mesh, example: dict
     from conveyor.parallel.tensor.traced_sequence import shard_sequence
 
     split = frontend.split_model(model, num_stages, example_kwargs=example, split_method="uniform")
-    layout = Layout(tensor_parallel="auto", sequence_parallel=True, mesh=_FakeTpMesh())
+    layout = DistributedLayout(tp=mesh.size(), sequence_parallel=True)  # the references have no pipeline mesh
     placements = model_placements(model, layout, mesh.size(), split.tied_groups)
     stages = []
     for index in range(num_stages):
@@ -204,9 +204,8 @@ def pipeline_against_alone(rank: int, world_size: int, names: tuple[str, ...]) -
         layers = 2 * conveyor.schedule.available()[name].default_virtual
         pipe = conveyor.pipeline(build("llama", layers), example_kwargs=_microbatches(_BATCH)[0], schedule=name,
                                  microbatches=MICROBATCHES, loss_fn=lambda out, _: out.loss,
-                                 options=PipelineOptions(
-                                     split=SplitOptions(method="uniform"),
-                                     layout=Layout(mesh=mesh, tensor_parallel="auto", sequence_parallel=True)))
+                                 options=PipelineOptions(split=SplitOptions(method="uniform")),
+                                 layout=DistributedLayout(mesh=mesh, tensor_parallel="auto", sequence_parallel=True))
         stages = pipe.schedule.num_stages
         if stages not in references:
             references[stages] = (_alone(stages, layers, tp), _one_device(layers))

@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import conveyor
-from conveyor.options import Layout, PipelineOptions, SplitOptions
+from conveyor.layout import DistributedLayout
+from conveyor.options import PipelineOptions, SplitOptions
 from conveyor.parallel.mesh import layout_of
 from conveyor.testing.compare import relative_difference, worst_absolute, worst_relative
 from conveyor.testing.models import gpt2, token_batch
@@ -23,7 +24,6 @@ from conveyor.testing.references.tensor_parallel import build, whole
 from conveyor.testing.references.tensor_pipeline import (
     MICROBATCHES,
     STEPS,
-    _FakeTpMesh,
     _loss_fn,
     _microbatches,
     _one_device_of,
@@ -60,8 +60,7 @@ def _tp_alone(num_stages: int, tp_mesh, batch, shared: bool):
 
     model = build("gpt2", num_stages)
     split = frontend.split_model(model, num_stages, example_kwargs=_microbatches(batch)[0], split_method="uniform")
-    placements = model_placements(model, Layout(tensor_parallel="auto", mesh=_FakeTpMesh()), tp_mesh.size(),
-                                  split.tied_groups)
+    placements = model_placements(model, DistributedLayout(tp=tp_mesh.size()), tp_mesh.size(), split.tied_groups)
     stages = [parallelize_traced_stage(split.stage_module(s), tp_mesh, placements) for s in range(num_stages)]
     first, last = stages[0], stages[-1]
     if shared:
@@ -105,8 +104,9 @@ def meta_tied_shards(mesh) -> dict:
         model = model_class(config)
     batch = token_batch(batch=2 * MICROBATCHES, length=12, seed=1)
     pipe = conveyor.pipeline(model, example_kwargs=_microbatches(batch)[0], schedule="1f1b",
-                             microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
-                             options=PipelineOptions(split=SplitOptions(method="uniform")))
+                             microbatches=MICROBATCHES, loss_fn=_loss_fn,
+                             options=PipelineOptions(split=SplitOptions(method="uniform")),
+                             layout=conveyor.DistributedLayout(mesh=mesh, tensor_parallel="auto"))
     shards = []
     for _ in range(2):  # as drawn, then after one AdamW step
         everyone: list = [None] * dist.get_world_size()
@@ -131,8 +131,9 @@ def tied_pp_x_tp(rank: int, world_size: int, names: tuple[str, ...] = ("1f1b", "
     for name in names:
         layers = 2 * conveyor.schedule.available()[name].default_virtual
         pipe = conveyor.pipeline(build("gpt2", layers), example_kwargs=_microbatches(batch)[0], schedule=name,
-                                 microbatches=MICROBATCHES, loss_fn=_loss_fn, mesh=mesh, tensor_parallel="auto",
-                                 options=PipelineOptions(split=SplitOptions(method="uniform")))
+                                 microbatches=MICROBATCHES, loss_fn=_loss_fn,
+                                 options=PipelineOptions(split=SplitOptions(method="uniform")),
+                                 layout=conveyor.DistributedLayout(mesh=mesh, tensor_parallel="auto"))
         stages = pipe.schedule.num_stages
         placement = pipe.schedule.placement
         shared = placement.rank_of(0) == placement.rank_of(stages - 1)
@@ -179,7 +180,7 @@ def _shifted_cross_entropy(output, target):
 def traced_loss_parallel(rank: int, world_size: int) -> dict:
     """One 1F1B step at pp=2 x tp=2 with loss_parallel=True on traced stages, against the same step without it
     and one device: Llama with its own loss inside the traced graph, GPT-2 with a user loss on the logits."""
-    from conveyor.options import Layout
+    from conveyor.layout import DistributedLayout
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
@@ -191,10 +192,10 @@ def traced_loss_parallel(rank: int, world_size: int) -> dict:
             (loss_fn(reference(**kwargs), kwargs["labels"]) / MICROBATCHES).backward()
         found = {}
         for parallel_loss in (False, True):
-            layout = Layout(mesh=mesh, tensor_parallel="auto", loss_parallel=parallel_loss)
+            layout = DistributedLayout(mesh=mesh, tensor_parallel="auto", loss_parallel=parallel_loss)
             pipe = conveyor.pipeline(build(name, 2), example_kwargs=_microbatches(batch)[0], schedule="1f1b",
                                      microbatches=MICROBATCHES, loss_fn=loss_fn,
-                                     options=PipelineOptions(split=SplitOptions(method="uniform"), layout=layout))
+                                     layout=layout, options=PipelineOptions(split=SplitOptions(method="uniform")))
             _shifted_cross_entropy.placements = None
             loss = pipe.step(**batch, target=batch["labels"])
             grads = {n: whole(p.grad) for n, p in pipe.named_parameters()}

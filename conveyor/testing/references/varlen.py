@@ -21,8 +21,9 @@ import torch
 
 import conveyor
 import conveyor.schedule as cs
+from conveyor.parallel.mesh import pipeline_mesh
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss, reference_model
-from conveyor.testing.references.data_parallel import MLPStack, MLPStage, average, full_tensor, mesh_of
+from conveyor.testing.references.data_parallel import MLPStack, MLPStage, average, full_tensor
 
 NUM_MICROBATCHES = 4
 NUM_STEPS = 2
@@ -144,14 +145,15 @@ def _global_tokens(dp: int, step: int) -> int:
 def train_replicas_varlen(rank: int, world_size: int, name: str, dp: int = 2) -> tuple[list, dict]:
     """A rank of a dp x pp job: each replica its own variable-length microbatches, loss per token; the
     losses of every step and the last step's gradients."""
-    mesh = mesh_of(dp, world_size // dp)
+    mesh = pipeline_mesh(world_size // dp)
     schedule = cs.build(name, ranks=world_size // dp, microbatches=NUM_MICROBATCHES)
     dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     modules = {s: MLPStage(s, schedule.num_stages) for s in schedule.stages_of(pp_rank)}
     first, last = schedule.placement.rank_of(0), schedule.placement.rank_of(schedule.num_stages - 1)
     losses = []
-    with conveyor.Pipeline(list(modules.values()), schedule=schedule, loss_fn=_token_sum_loss, mesh=mesh,
-                           transfer=conveyor.TransferOptions(timeout_s=60)) as pipe:
+    with conveyor.Pipeline(list(modules.values()), schedule=schedule, loss_fn=_token_sum_loss,
+                           transfer=conveyor.TransferOptions(timeout_s=60),
+                           layout=conveyor.DistributedLayout(mesh=mesh)) as pipe:
         for step in range(NUM_STEPS):
             for param in pipe.parameters():
                 param.grad = None  # each step's gradients on their own: the reference averages per step

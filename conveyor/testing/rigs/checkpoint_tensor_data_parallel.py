@@ -34,9 +34,10 @@ def distinct_model(seed: int) -> torch.nn.Module:
 def _pipeline(mesh, seed: int):
     example = next(kwargs for _, kwargs in split_microbatches((), batch(0), MICROBATCHES))
     return conveyor.pipeline(distinct_model(seed), example_kwargs=example, schedule="1f1b", microbatches=MICROBATCHES,
-                             loss_fn=lambda output, target: output.loss, mesh=mesh, tensor_parallel="auto",
-                             data_parallel="fsdp", options=PipelineOptions(split=SplitOptions(method="uniform"),
-                                                                           transfer=TransferOptions(timeout_s=120)))
+                             loss_fn=lambda output, target: output.loss,
+                             options=PipelineOptions(split=SplitOptions(method="uniform"),
+                                                     transfer=TransferOptions(timeout_s=120)),
+                             layout=conveyor.DistributedLayout(mesh=mesh, data_parallel="fsdp", tensor_parallel="auto"))
 
 
 def _locals(pipe) -> dict[str, torch.Tensor]:

@@ -44,10 +44,11 @@ def _pipeline(mesh, seed: int, data_parallel: str | None = None):
     example = next(kwargs for _, kwargs in split_microbatches((), batch(0), MICROBATCHES))
     tensor_parallel = "auto" if "tp" in mesh.mesh_dim_names else None
     return conveyor.pipeline(build_model(seed), example_kwargs=example, schedule="1f1b", microbatches=MICROBATCHES,
-                             loss_fn=lambda output, target: output.loss, mesh=mesh, tensor_parallel=tensor_parallel,
-                             data_parallel=data_parallel,
+                             loss_fn=lambda output, target: output.loss,
                              options=PipelineOptions(split=SplitOptions(method="uniform"),
-                                                     transfer=TransferOptions(timeout_s=120)))
+                                                     transfer=TransferOptions(timeout_s=120)),
+                             layout=conveyor.DistributedLayout(mesh=mesh, data_parallel=data_parallel,
+                                                               tensor_parallel=tensor_parallel))
 
 
 def _optimizer(pipe) -> torch.optim.AdamW:
@@ -103,7 +104,7 @@ def save_resume_and_reshard(rank: int, world_size: int, paths: dict[str, str]) -
         "logits": None if logits is None else full_tensor(logits.logits),
     }
     result["pp4"] = _load_at(init_device_mesh("cpu", (4,), mesh_dim_names=("pp",)), None, paths, "pp4")
-    result["dp2"] = _load_at(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), "ddp", paths, "dp2")
+    result["dp2"] = _load_at(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")), "ddp", paths, "dp2")
     return result
 
 

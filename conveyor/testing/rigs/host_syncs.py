@@ -140,10 +140,11 @@ def count_rank(rank: int, world_size: int, schedules: list[str], transports: lis
                data_parallel: str | None = None, steps: int = 3) -> list[dict]:
     """A rank's counts for every (schedule, transport): per step after the first, with clipping
     and ``on_nonfinite="skip"`` in every step (see the module docstring)."""
+    from conveyor.parallel.mesh import pipeline_mesh
     from conveyor.testing.models import lm_loss
-    from conveyor.testing.references.data_parallel import MLPStage, make_batch, mesh_of
+    from conveyor.testing.references.data_parallel import MLPStage, make_batch
 
-    mesh = mesh_of(dp, world_size // dp) if dp > 1 else None
+    mesh = pipeline_mesh(world_size // dp) if dp > 1 else None
     pp_rank = mesh.get_local_rank("pp") if mesh is not None else rank
     dp_rank = mesh.get_local_rank("dp") if mesh is not None else 0
     rows = []
@@ -152,8 +153,9 @@ def count_rank(rank: int, world_size: int, schedules: list[str], transports: lis
         schedule = cs.build(name, ranks=world_size // dp, microbatches=2 * (world_size // dp), virtual=virtual)
         for transport in transports:
             modules = [MLPStage(s, schedule.num_stages) for s in schedule.stages_of(pp_rank)]
-            pipe = conveyor.Pipeline(modules, schedule, lm_loss, mesh=mesh, data_parallel=data_parallel,
-                                     transfer=conveyor.TransferOptions(transport=transport, timeout_s=60))
+            pipe = conveyor.Pipeline(modules, schedule, lm_loss,
+                                     transfer=conveyor.TransferOptions(transport=transport, timeout_s=60),
+                                     layout=conveyor.DistributedLayout(mesh=mesh, data_parallel=data_parallel))
             optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
             counter = HostSyncCounter()
             for step in range(steps):
