@@ -4,7 +4,8 @@ of :mod:`conveyor.options` each is frozen, checks itself when made and gives the
 
 Example:
     >>> DistributedLayout(dp=2).describe()
-    'the default group, dp=2 tp=1 data_parallel=None tensor_parallel=None sequence_parallel=False loss_parallel=False'
+    'the default group, dp=2 tp=1 data_parallel=None tensor_parallel=None sequence_parallel=False loss_parallel=False
+    expert_parallel=None ep=None'
 """
 
 from __future__ import annotations

@@ -94,24 +94,25 @@ def test_a_new_stage_option_is_one_field_the_ranks_compare_without_more_code():
 
 
 def test_a_new_mesh_dim_is_one_size_field_and_one_field_the_ranks_compare_without_more_code():
-    # What expert parallelism adds: a size field naming its mesh dim, and a field saying what the dim does.
+    # What a dim of its own (context parallelism, say) adds: a size field naming its mesh dim, and a field
+    # saying what the dim does. (Expert parallelism borrows the dp ranks, so it has no size field of a dim.)
     Extended = dataclasses.make_dataclass("Extended", [
-        ("ep", int, dataclasses.field(default=1, metadata={"help": "experts' ranks", "mesh_dim": "ep"})),
-        ("expert_parallel", bool, dataclasses.field(default=False, metadata={"help": "shard experts"}))],
+        ("cp", int, dataclasses.field(default=1, metadata={"help": "context ranks", "mesh_dim": "cp"})),
+        ("context_parallel", bool, dataclasses.field(default=False, metadata={"help": "shard sequences"}))],
         bases=(DistributedLayout,), frozen=True)
-    assert Extended.mesh_dims() == ("dp", "tp", "ep")
-    assert Extended(ep=2).describe().endswith("loss_parallel=False ep=2 expert_parallel=False")
-    with pytest.raises(PipelineConfigError, match=r"DistributedLayout.ep takes a positive number of ranks"):
-        Extended(ep=0)
+    assert Extended.mesh_dims() == ("dp", "tp", "cp")
+    assert Extended(cp=2).describe().endswith("ep=None cp=2 context_parallel=False")
+    with pytest.raises(PipelineConfigError, match=r"DistributedLayout.cp takes a positive number of ranks"):
+        Extended(cp=0)
     with pytest.raises(PipelineConfigError, match=r"is one pipeline's ranks"):
-        Extended(group=object(), ep=2)
+        Extended(group=object(), cp=2)
 
 
 def test_each_layout_record_holds_only_what_its_kind_of_pipeline_uses():
     assert [f.name for f in dataclasses.fields(InProcessLayout)] == ["ranks", "device"]
     assert [f.name for f in dataclasses.fields(DistributedLayout)] == [
         "group", "mesh", "device", "dp", "tp", "data_parallel", "tensor_parallel", "sequence_parallel",
-        "loss_parallel", "parts"]
+        "loss_parallel", "expert_parallel", "ep", "parts"]
     assert "layout" not in [f.name for f in dataclasses.fields(PipelineOptions)]  # given once: layout=
     for function in (conveyor.Pipeline.__init__, conveyor.pipeline):
         keywords = inspect.signature(function).parameters

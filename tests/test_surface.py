@@ -27,8 +27,9 @@ BEGIN, END = "# --- surface: begin (python tests/test_surface.py --write) ---", 
 
 # --- surface: begin (python tests/test_surface.py --write) ---
 TOP_LEVEL = (
-    "DistributedLayout", "InProcessLayout", "MasterWeights", "Microbatches", "Pipeline", "PipelineOptions", "Plan",
-    "RecomputePolicy", "SplitOptions", "StageOptions", "TransferOptions", "WholeModel", "pipeline",
+    "DistributedLayout", "InProcessLayout", "LossScaling", "MasterWeights", "Microbatches", "Pipeline",
+    "PipelineOptions", "Plan", "RecomputePolicy", "SplitOptions", "StageOptions", "TransferOptions", "WholeModel",
+    "pipeline",
 )
 
 MODULE_ALL = {
