@@ -13,13 +13,15 @@ loaded by from_pretrained), a plan that names nothing. The checks without ranks:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
-from conveyor.layout import DistributedLayout
+from conveyor.layout import DistributedLayout, InProcessLayout
 from conveyor.parallel.experts import find_experts
 from conveyor.parallel.experts.part import expert_memberships, shard_experts
 from conveyor.parallel.mesh import MeshLayout
@@ -173,10 +175,11 @@ class _FakeMesh:
 
 
 @pytest.mark.parametrize(("layout", "message"), [
-    (dict(mesh=_FakeMesh(pp=2, dp=4), expert_parallel="auto", ep=3), r"ep=3 does not divide the mesh's dp=4"),
+    (dict(mesh=_FakeMesh(pp=2, dp=4), expert_parallel="auto", ep=3), r"ep=3 does not divide dp=4"),
     (dict(mesh=_FakeMesh(pp=2, dp=2), ep=2), r"give expert_parallel='auto'"),
-    (dict(mesh=_FakeMesh(pp=2), expert_parallel="auto"), r"borrows its ranks from the mesh's 'dp' dim"),
-    (dict(in_process=True, expert_parallel="auto"), r"an in-process pipeline"),
+    (dict(mesh=_FakeMesh(pp=2), expert_parallel="auto"), r"borrows its ranks from the pipeline's replicas"),
+    (dict(dp=4, expert_parallel="auto", ep=3), r"ep=3 does not divide dp=4"),  # the sizes, no mesh yet
+    (dict(expert_parallel="auto"), r"borrows its ranks from the pipeline's replicas"),
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel={"layers.*.experts": "alltoall"}), r"takes module-name pat"),
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="all"), r"takes 'auto' or a dict"),
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="auto", ep=0), r"takes a positive int"),
@@ -185,6 +188,11 @@ class _FakeMesh:
 def test_the_option_is_refused_with_the_fix(layout, message):
     with pytest.raises(PipelineConfigError, match=message):
         DistributedLayout(**layout)
+
+
+def test_an_in_process_pipeline_has_no_expert_option_to_set():
+    # Every rank in one process moves no tokens between processes: the in-process record has no such field.
+    assert "expert_parallel" not in [f.name for f in dataclasses.fields(InProcessLayout)]
 
 
 def test_a_valid_option_describes_itself():

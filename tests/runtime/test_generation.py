@@ -212,8 +212,7 @@ def _headless():
 def _in_process(model: torch.nn.Module, width: int):
     """A traced model cut in 2 stages in this process, for windows of ``width`` tokens, 2 lanes of 1 row."""
     return conveyor.pipeline(model, example_kwargs={"input_ids": torch.zeros(1, width, dtype=torch.long)},
-                             schedule="1f1b", microbatches=2, options=conveyor.PipelineOptions(
-                                 layout=conveyor.InProcessLayout(ranks=2)))
+                             schedule="1f1b", microbatches=2, layout=conveyor.InProcessLayout(ranks=2))
 
 
 def test_cached_decode_logits_are_within_rounding_of_the_full_forward(one_thread):

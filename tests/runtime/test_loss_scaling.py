@@ -211,7 +211,7 @@ def _replicas_then_tensor_parallel(rank, world_size):
     want = grad_scaler_run(mlp_stages(2), minibatches, NUM_MICROBATCHES, SCALING, torch.device("cpu"), num_replicas=2)
     for kind in ("ddp", "fsdp"):  # fsdp: sharded gradients, each replica unscales its shard
         pipe = conveyor.Pipeline([mlp_stages(2)[pp_rank]], "1f1b", mse_loss, microbatches=NUM_MICROBATCHES,
-                                 mesh=mesh, data_parallel=kind, stage=FP16)
+                                 layout=DistributedLayout(mesh=mesh, data_parallel=kind), stage=FP16)
         got = train(pipe, [(x.chunk(2)[dp_rank], t.chunk(2)[dp_rank]) for x, t in minibatches])
         pipe.close()
         assert_same_run(got, want, f"rank {rank} dp=2 {kind}")

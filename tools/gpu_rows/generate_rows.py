@@ -39,8 +39,7 @@ def generate_row(ctx: Context) -> tuple[bool, str]:
     prompts = torch.randint(1, 96, (BATCH, PROMPT), generator=torch.Generator().manual_seed(5)).to(device)
     example = torch.zeros(BATCH // 2, PROMPT + NEW, dtype=torch.long, device=device)
     pipe = conveyor.pipeline(hf_model("gpt2").eval(), example_kwargs={"input_ids": example}, schedule="1f1b",
-                             microbatches=2, options=conveyor.PipelineOptions(
-                                 layout=conveyor.InProcessLayout(ranks=2, device=device)))
+                             microbatches=2, layout=conveyor.InProcessLayout(ranks=2, device=device))
     out = pipe.generate(prompts, NEW, return_logprobs=True)
     with torch.no_grad():
         cached = model.generate(prompts, max_new_tokens=NEW, do_sample=False, use_cache=True,
