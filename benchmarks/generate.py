@@ -47,6 +47,19 @@ ROWS, PROMPT, NEW = 4, 32, 64
 SIDES = ("1 lane", "2 lanes", "unsplit")
 
 
+
+def print_rates(record: dict) -> dict[str, float]:
+    """Print each side's tokens/s, median seconds and steal from a rank's ``record``; returns the rates by side."""
+    print(f"{'side':<9} {'tokens/s':>9} {'median s':>9} {'steal %':>8}")
+    rates = {}
+    for side in SIDES:
+        seconds = record[side]["seconds"]
+        rates[side] = record[side]["tokens"] / sum(seconds)
+        steal = record["steal"].get(side)
+        print(f"{side:<9} {rates[side]:>9.1f} {statistics.median(seconds):>9.3f} "
+              f"{'n/a' if steal is None else f'{steal:.0f}':>8}")
+    return rates
+
 def _prompts(rows: int) -> torch.Tensor:
     return torch.randint(0, SIZES.vocab, (rows, PROMPT), generator=torch.Generator().manual_seed(0))
 
@@ -108,14 +121,7 @@ def run(args: Any) -> int:
     record = run_ranks(_rank, 2, args=(rounds, threads), timeout_s=1800)[0]
     print(f"--generate: 2 ranks (1 thread each), cached LM dim {SIZES.dim} x 2 blocks, {PROMPT} prompt + {NEW} new "
           f"tokens, {ROWS} prompts per lane; {rounds} rounds, order rotating")
-    print(f"{'side':<9} {'tokens/s':>9} {'median s':>9} {'steal %':>8}")
-    rates = {}
-    for side in SIDES:
-        seconds = record[side]["seconds"]
-        rates[side] = record[side]["tokens"] / sum(seconds)
-        steal = record["steal"].get(side)
-        print(f"{side:<9} {rates[side]:>9.1f} {statistics.median(seconds):>9.3f} "
-              f"{'n/a' if steal is None else f'{steal:.0f}':>8}")
+    rates = print_rates(record)
     ratio = rates["2 lanes"] / rates["1 lane"]
     print(f"2 lanes / 1 lane: {ratio:.2f}x (goal >= {0.9 * 2:.1f}x); 2 lanes / unsplit ({threads} threads): "
           f"{rates['2 lanes'] / rates['unsplit']:.2f}x")

@@ -97,20 +97,13 @@ def _rank(rank: int, world_size: int, rounds: int, unsplit_threads: int) -> dict
 
 def run_traced(rounds: int, threads: int) -> dict[str, float]:
     """Measure the three sides; print the table; return tokens/s by side."""
-    import statistics
-
     record = run_ranks(_rank, 2, args=(rounds, threads), timeout_s=1800)[0]
     print(f"--generate (traced): 2 ranks (1 thread each), Llama width {WIDTH} x 2 layers traced, decode_stages' "
           f"cache; {PROMPT} prompt + {NEW} new tokens, {ROWS} prompts per lane; greedy tokens = its generate(): "
           f"{record['same_tokens']}")
-    print(f"{'side':<9} {'tokens/s':>9} {'median s':>9} {'steal %':>8}")
-    rates = {}
-    for side in SIDES:
-        seconds = record[side]["seconds"]
-        rates[side] = record[side]["tokens"] / sum(seconds)
-        steal = record["steal"].get(side)
-        print(f"{side:<9} {rates[side]:>9.1f} {statistics.median(seconds):>9.3f} "
-              f"{'n/a' if steal is None else f'{steal:.0f}':>8}")
+    from benchmarks.generate import print_rates  # generate.py calls this module's run_traced
+
+    rates = print_rates(record)
     print(f"2 lanes / 1 lane: {rates['2 lanes'] / rates['1 lane']:.2f}x; 2 lanes / unsplit generate() "
           f"({threads} threads): {rates['2 lanes'] / rates['unsplit']:.2f}x")
     return rates

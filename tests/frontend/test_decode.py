@@ -18,13 +18,6 @@ from conveyor.testing.references.tensor_parallel import build
 NEW, LENGTH, ROWS = 6, 16, 2  # tokens generated, cache positions, rows per lane (2 lanes)
 
 
-@pytest.fixture
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def _cached(model: torch.nn.Module) -> tuple[list, list]:
     split = split_model(model, 2, example_args=(torch.zeros(ROWS, 8, dtype=torch.long),))

@@ -62,13 +62,6 @@ def _check(case: str, pipe_outputs: list, cfg: TinyConfig, logprobs_of) -> list[
     return found
 
 
-@pytest.fixture
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def test_every_schedule_in_process_generates_the_unsplit_models_tokens(one_thread):
     found = []

@@ -37,14 +37,6 @@ def _reference(cfg: TinyConfig, microbatches: list[torch.Tensor]) -> list[torch.
         return [token_logprobs(model(ids), ids) for ids in microbatches]
 
 
-@pytest.fixture
-def one_thread():
-    """One thread, as each rank of a launch runs with: the in-process pipeline and its reference alike."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def _cases(ranks: int) -> list[tuple[str, int]]:
     return [(name, virtual) for name, _, virtual in schedule_grid((ranks,))]
