@@ -8,7 +8,6 @@ Example (on each of 2 ranks)::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -68,6 +67,7 @@ def pipeline(
     from conveyor.frontend import split_model
     from conveyor.frontend.leaves import experts_as_leaves
     from conveyor.frontend.pretrained import model_info
+    from conveyor.parallel.parts import trace_leaves
 
     if not isinstance(layout, Layout):
         raise PipelineConfigError(f"layout= takes a conveyor.InProcessLayout or conveyor.DistributedLayout; got "
@@ -93,10 +93,8 @@ def pipeline(
     method = options.split.method
     if split_points is None and method == "time":
         split_points, method = _time_split_points(model, resolved.num_stages, layout, split_kwargs), "parameters"
-    # Under expert parallelism each experts module is a leaf of the trace, called whole by the stage that holds
-    # it, for the part to reroute its tokens (conveyor.frontend.leaves); else its code is traced as any other.
-    leaves = not in_process and layout.expert_parallel is not None
-    with experts_as_leaves(model) if leaves else contextlib.nullcontext():
+    # Modules the layout's parts need whole in their stage (expert parallelism: each experts module a leaf).
+    with experts_as_leaves(model, [] if in_process else trace_leaves(layout, model)):
         split = split_model(model, resolved.num_stages, split_points=split_points, split_method=method,
                             **split_kwargs)
         stages = range(resolved.num_stages) if in_process else resolved.stages_of(rank)

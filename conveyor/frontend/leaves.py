@@ -11,7 +11,8 @@ itself (:func:`restore_leaves`): the stage holds a copy of it at its original pa
 tensors under their original names; it runs the model's own code eagerly, and expert parallelism finds and
 reroutes it as it does on hand-built stages.
 
-The trace takes leaves only where asked (``conveyor.pipeline`` with ``DistributedLayout(expert_parallel=...)``):
+The trace takes leaves only where a stage part asks for them (``StagePart.trace_leaves``: expert parallelism's,
+``conveyor.pipeline`` with ``DistributedLayout(expert_parallel=...)``):
 transformers' experts code takes another path when traced (its ``grouped_mm_fallback`` custom op) than
 eagerly (``torch._grouped_mm``), so a leaf changes the kernels, and without expert parallelism the traced
 path keeps what one device compares to and what tensor parallelism has rules for.
@@ -26,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from conveyor.errors import PipelineConfigError
 from conveyor.expert_option import is_stacked_experts
 
 
@@ -50,10 +52,16 @@ def _experts_leaf_shape(inputs: list[torch.Tensor], state: list[torch.Tensor], p
 
 
 @contextmanager
-def experts_as_leaves(model: nn.Module) -> Iterator[list[str]]:
-    """Within, each experts module of ``model`` runs as one ``conveyor::experts_leaf`` operation; yields their
-    names. Their forwards are put back however it ends."""
-    found = [(name, module) for name, module in model.named_modules() if is_stacked_experts(module)]
+def experts_as_leaves(model: nn.Module, names: Sequence[str] | None = None) -> Iterator[list[str]]:
+    """Within, each experts module of ``model`` (those ``names`` name; None: every one found by structure) runs as
+    one ``conveyor::experts_leaf`` operation; yields their names. Their forwards are put back however it ends."""
+    modules = dict(model.named_modules())
+    wanted = [name for name in modules if is_stacked_experts(modules[name])] if names is None else list(names)
+    misfits = [name for name in wanted if name not in modules or not is_stacked_experts(modules[name])]
+    if misfits:
+        raise PipelineConfigError(f"trace leaves {misfits} are not experts modules of the model (3-D weights, "
+                                  "forward(hidden_states, top_k_index, top_k_weights)): name only such modules")
+    found = [(name, modules[name]) for name in wanted]
     own_forwards = [module.__dict__.get("forward") for _, module in found]
     try:
         for name, module in found:

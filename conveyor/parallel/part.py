@@ -6,8 +6,9 @@ distributed ranks backend holds a list of them (:func:`conveyor.parallel.parts.p
 them for a layout) and calls every part, in list order, at each hook, naming none of them. A new
 parallelism is one more part, its option field and its tests.
 
-The hooks, in the order a pipeline reaches them: building (``wrap_stages``, ``runner_context``,
-``agree``, ``wrap``, ``boundary_examples``), each training step (``start_step``, ``stage_done``,
+The hooks, in the order a pipeline reaches them: tracing (``trace_leaves``, a classmethod: the model is
+traced before the parts exist), building (``wrap_stages``, ``runner_context``, ``agree``, ``wrap``,
+``boundary_examples``), each training step (``start_step``, ``stage_done``,
 ``finish_step``, ``step_loss``), and on request (``whole_norms``, ``flags``, ``spans``, ``release``).
 
 A part that reduces some parameters' gradients over groups of its own (expert parallelism) claims
@@ -70,6 +71,14 @@ class StagePart:
 
     #: Whether checkpoints of a pipeline with this part are written by every rank of the job together.
     wants_checkpoint_group: bool = False
+
+    @classmethod
+    def trace_leaves(cls, model: torch.nn.Module) -> list[str]:
+        """Names of ``model``'s modules that the trace must keep whole, each then called by the stage holding it,
+        for this part to find and wrap after the split (expert parallelism: the experts modules, whose routing
+        depends on the tokens). Asked of the class: the model is traced before the parts exist. Each must be
+        shaped as an experts module is (:mod:`conveyor.frontend.leaves`)."""
+        return []
 
     def wrap_stages(self, modules: Mapping[int, torch.nn.Module], schedule: Schedule, model: WholeModel) -> None:
         """Change this rank's stage modules ({stage: module}) in place before their runners read them."""

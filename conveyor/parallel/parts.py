@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import torch
+
 from conveyor.errors import PipelineConfigError
 from conveyor.layout import DistributedLayout
 from conveyor.parallel.mesh import MeshLayout
@@ -57,3 +59,19 @@ def parts_for(layout: DistributedLayout, mesh_layout: MeshLayout | None) -> list
                                       f"got {type(part).__name__}: subclass StagePart and override its hooks")
         parts.append(part)
     return parts
+
+
+def trace_leaves(layout: DistributedLayout, model: torch.nn.Module) -> list[str]:
+    """The modules of ``model`` the trace keeps whole for the parts of ``layout`` (:meth:`StagePart.trace_leaves`
+    of each part's class: the trace and the split come before the parts exist); for most layouts, none.
+
+    Example:
+        >>> trace_leaves(DistributedLayout(), torch.nn.Linear(2, 2))
+        []
+    """
+    classes: list[type[StagePart]] = [type(part) for part in layout.parts if isinstance(part, StagePart)]
+    if layout.expert_parallel is not None:
+        from conveyor.parallel.experts import ExpertParallel
+
+        classes.insert(0, ExpertParallel)
+    return list(dict.fromkeys(name for part_class in classes for name in part_class.trace_leaves(model)))

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from conveyor.errors import PipelineConfigError
+from conveyor.expert_option import is_stacked_experts
 from conveyor.options import WholeModel
 from conveyor.parallel.experts.discover import find_experts, num_experts_of
 from conveyor.parallel.experts.dispatch import dispatch_combine
@@ -62,6 +63,12 @@ class ExpertParallel(StagePart):
         self.replicas_group = None  # the expert-data-parallel group: the expert gradients' sum
         self.experts: dict[int, dict[str, nn.Module]] = {}  # by stage, by name in the stage
         self.runners: dict = {}
+
+    @classmethod
+    def trace_leaves(cls, model: nn.Module) -> list[str]:
+        """Every experts module of ``model``: kept whole by the trace, in the stage that holds it by its name, so
+        that :meth:`wrap_stages` finds it and reroutes its tokens."""
+        return [name for name, module in model.named_modules() if is_stacked_experts(module)]
 
     def wrap_stages(self, modules: Mapping[int, nn.Module], schedule: Schedule, model: WholeModel) -> None:
         """Keep this rank's experts of every experts module, and route their forward through the group."""
