@@ -13,11 +13,15 @@ input and output, never a boundary value and never part of the graph's state.
 
 Each stage (:class:`CachedTracedStage`) keeps its layers' cache per lane (a batch in flight)
 and follows the protocol of :mod:`conveyor.pipe.generation`'s cached loop: it takes
-``(*values, lane, start)``, runs positions ``start ..`` one at a time (a prompt is fed token
-by token), writes each new key and value at its position, and hands the next stage each value
-stacked over those positions. Cache slots not yet written are masked out, so a decode attends to
-the same keys as the model's own cached ``generate()``: slot order and the masked slots change
-the reductions' order, so logits agree to rounding, not bitwise (the test bounds them).
+``(ids, lane, start)`` (stage 0) and runs positions ``start ..`` one at a time, writes each new key
+and value at its position, and hands the next stage each value stacked over those positions.
+A prompt of the length given as ``prefill`` runs at once instead, through a second program of
+that many positions traced and cut the same way (its queries attend to each other under the
+model's own causal mask): one call per stage and lane instead of one per position. Between
+stages a flag says which program made the values. Cache slots not yet written are masked out, so
+a decode attends to the same keys as the model's own cached ``generate()``: slot order and the
+masked slots change the reductions' order, so logits agree to rounding, not bitwise (the test
+bounds them).
 
 Example:
     >>> import torch
@@ -124,6 +128,9 @@ class CachedTracedStage(nn.Module):
         self.reads, self.makes = reads, makes  # flat past indices (layer * 2 + key/value) in and out
         self.shape, self.dtype, self.device = shape, dtype, device
         self.kv_cache: dict[int, dict[int, torch.Tensor]] = {}
+        # The prefill program (decode_stages(prefill=T)): (T, its graph's run, the module it reads its tensors from).
+        # Kept out of the module's children: its tensors are this stage's, under the second trace's names.
+        self.prefill: tuple[int, Any, nn.Module] | None = None
 
     @property
     def cache_length(self) -> int:
@@ -146,17 +153,23 @@ class CachedTracedStage(nn.Module):
         return self.kv_cache[lane]
 
     def forward(self, *args: Any) -> Any:
-        *values, lane, start = args
+        # Stage 0 takes (ids, lane, start); a later stage what the one before returned: (*values, lane, start,
+        # batched), batched saying whether the values are the prefill program's or stacked position by position.
+        *values, lane, start = args if self.stage == 0 else args[:-1]
         if lane is None:
             raise PipelineConfigError(
                 f"decode stage {self.stage} runs one lane's positions with its key/value cache; it has no "
                 "full forward: compute log-probs with the training pipeline (pipe.logprobs)")
         cache = self._lane(lane)
         length = self.shape[2]
-        steps = values[0].shape[1] if self.stage == 0 else values[0].shape[0]
+        batched = args[-1] if self.stage else self.prefill is not None and values[0].shape[1] == self.prefill[0]
+        # Positions: stage 0's ids [rows, n]; the prefill program's own count; the values stacked over them.
+        steps = values[0].shape[1] if self.stage == 0 else self.prefill[0] if batched else values[0].shape[0]
         if start + steps > length:
             raise PipelineConfigError(f"positions {start}..{start + steps - 1} do not fit the key/value cache of "
                                       f"{length} positions: build the decode stages with a larger length")
+        if batched:
+            return self._prefill(values, cache, lane, start, steps)
         outputs = []
         for step in range(steps):
             position = start + step
@@ -180,22 +193,48 @@ class CachedTracedStage(nn.Module):
             return torch.cat([out[0] for out in outputs], dim=1)
         stacked = tuple(torch.stack([out[i] for out in outputs]) if isinstance(outputs[0][i], torch.Tensor)
                         else outputs[0][i] for i in range(len(outputs[0])))
-        return (*stacked, lane, start)
+        return (*stacked, lane, start, False)
+
+    def _prefill(self, values: list[Any], cache: dict[int, torch.Tensor], lane: int, start: int, steps: int) -> Any:
+        """Positions ``start .. start + steps - 1`` at once through the prefill program (its queries attend to
+        the written slots and, causally, to each other: the model's own mask code), their keys and values
+        written at their positions."""
+        assert self.prefill is not None
+        _, run, holder = self.prefill
+        length = self.shape[2]
+        flat = list(values)
+        if self.stage == 0:
+            ids = values[0]
+            rows = ids.shape[0]
+            positions = (start + torch.arange(steps, device=ids.device)).expand(rows, -1)
+            seen = torch.arange(length + steps, device=ids.device)
+            mask = ((seen < start) | (seen >= length)).long().expand(rows, -1)
+            flat = [ids, positions, mask]
+        result = run(holder, *flat, *(cache[index] for index in self.reads))
+        kept = len(result) - len(self.makes)
+        for index, new in zip(self.makes, result[kept:]):
+            cache[index][:, :, start:start + steps] = new
+        if self.stage == self.num_stages - 1:
+            return result[0]
+        return (*result[:kept], lane, start, True)
 
 
 def decode_stages(split: ModelSplit, rows: int, length: int, stages: Sequence[nn.Module] | None = None,
-                  device: torch.device | str | None = None, which: Sequence[int] | None = None
-                  ) -> list[CachedTracedStage]:
+                  device: torch.device | str | None = None, which: Sequence[int] | None = None,
+                  prefill: int | None = None) -> list[CachedTracedStage]:
     """Stages of ``split``'s model's decode program, cut at its split points, each with a key/value
     cache of ``length`` positions for lanes of ``rows`` rows (see the module docstring).
 
     ``stages``: the training stage modules (one per entry of ``which``, default every stage)
     whose parameters the decode stages read, so generation follows training; default the
-    model's own tensors.
+    model's own tensors. ``prefill``: the prompts' length, for a second program that runs a prompt's
+    positions at once (one call per stage instead of one per position; traced once more, so worth it
+    for prompts longer than a few tokens); None: prompts go through the decode program position by position.
 
     Example::
 
-        cached = decode_stages(split, rows=4, length=64, stages=[split.stage_module(s) for s in range(2)])
+        cached = decode_stages(split, rows=4, length=64, stages=[split.stage_module(s) for s in range(2)],
+                               prefill=prompts.shape[1])
         Pipeline(cached, "1f1b", microbatches=2, layout=InProcessLayout()).generate(prompts, max_new_tokens=32)
     """
     model = split.model
@@ -209,58 +248,86 @@ def decode_stages(split: ModelSplit, rows: int, length: int, stages: Sequence[nn
     if positions is not None and length > positions:
         raise PipelineConfigError(f"a key/value cache of length={length} positions outgrows the model's {positions}: "
                                   f"pass length <= {positions}")
+    if prefill is not None and (isinstance(prefill, bool) or not isinstance(prefill, int) or not 1 <= prefill < length):
+        raise PipelineConfigError(f"prefill={prefill!r}: expected the prompts' length, a whole number from 1 to "
+                                  f"length - 1 = {length - 1} (None: no prefill program)")
     device = torch.device(device) if device is not None else split.device
     dtype = next(model.parameters()).dtype
+    which = list(which if which is not None else range(split.num_stages))
+    decode = _trace(split, layers, shape, dtype, 1, device)
+    built = [CachedTracedStage(stage, decode.num_stages, *_program(decode, stage, stages and stages[position], device),
+                               shape, dtype, device) for position, stage in enumerate(which)]
+    if prefill is not None and prefill > 1:
+        whole = _trace(split, layers, shape, dtype, prefill, device)
+        for position, (stage, cached) in enumerate(zip(which, built)):
+            run, tensors, submodules, reads, makes = _program(whole, stage, stages and stages[position], device)
+            if (reads, makes) != (cached.reads, cached.makes):  # one cut of one model: the same layers
+                raise PipelineConfigError(f"stage {stage}'s prefill program holds other layers than its decode "
+                                          "program; report this with the model's class")
+            cached.prefill = (prefill, run, _Tensors(tensors, submodules))
+    return built
+
+
+class _Tensors(nn.Module):
+    """The tensors and submodules a stage graph reads by name (the prefill program's, beside the stage)."""
+
+    def __init__(self, tensors: dict[str, tuple[torch.Tensor, bool]], submodules: dict[str, nn.Module]) -> None:
+        super().__init__()
+        for name, (tensor, persistent) in tensors.items():
+            _register(self, name, tensor, persistent)
+        for name, module in submodules.items():
+            self.add_module(name, module)
+
+
+def _trace(split: ModelSplit, layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, tokens: int,
+           device: torch.device) -> ModelSplit:
+    """The program of ``tokens`` new positions per row over a past of ``shape``, cut at ``split``'s points."""
+    model = split.model
+    rows, length = shape[0], shape[2]
     trace_device = next(model.parameters()).device
     trace_device = torch.device("cpu") if trace_device.type == "meta" else trace_device
-    example = (torch.zeros(rows, 1, dtype=torch.long, device=trace_device),
-               torch.zeros(rows, 1, dtype=torch.long, device=trace_device),
-               _first_mask(rows, length, trace_device),
+    example = (torch.zeros(rows, tokens, dtype=torch.long, device=trace_device),
+               torch.arange(tokens, device=trace_device).expand(rows, -1),
+               _first_mask(rows, length, tokens, trace_device),
                # One tensor each: an input given twice would be traced as one.
                tuple(tuple(torch.zeros(shape, dtype=dtype, device=trace_device) for _ in "kv") for _ in range(layers)))
     was_training = model.training
     try:  # generation never drops out: the decode program is traced in eval mode
         model.eval()
-        decode = split_model(DecodeStep(model), split.num_stages, example_args=example, device=device,
-                             split_points=[f"{_WRAPPED}.{point}" for point in split.split_points])
+        return split_model(DecodeStep(model), split.num_stages, example_args=example, device=device,
+                           split_points=[f"{_WRAPPED}.{point}" for point in split.split_points])
     finally:
         model.train(was_training)
-    return _cut(decode, which if which is not None else range(split.num_stages), stages, shape, dtype, device)
 
 
-def _cut(decode: ModelSplit, which: Sequence[int], stages: Sequence[nn.Module] | None, shape: tuple[int, ...],
-         dtype: torch.dtype, device: torch.device) -> list[CachedTracedStage]:
-    """Each stage's recipe with the past and the new keys and values moved off the boundaries."""
-    traced, recipes = decode._traced, decode._recipes
+def _program(decode: ModelSplit, stage: int, training: nn.Module | None, device: torch.device) -> tuple:
+    """Stage ``stage``'s graph with the past and the new keys and values moved off the boundaries: ``(run,
+    tensors, submodules, reads, makes)``, its tensors the ``training`` stage's where one is given."""
+    traced, recipe = decode._traced, decode._recipes[stage]
     past = traced.user_inputs[3:]
     new = list(traced.outputs[1:])
     cache_values = set(past) | set(new)
-    built = []
-    for position, stage in enumerate(which):
-        recipe = recipes[stage]
-        node_set = set(recipe.nodes)
-        reads = [i for i, node in enumerate(past) if any(node in n.all_input_nodes for n in recipe.nodes)]
-        makes = [i for i, node in enumerate(new) if node in node_set]
-        recipe.inputs = [n for n in recipe.inputs if n not in cache_values] + [past[i] for i in reads]
-        kept = [n for n in recipe.outputs if not (isinstance(n, torch.fx.Node) and n in cache_values)]
-        recipe.outputs = kept + [new[i] for i in makes]
-        device_map = {} if traced.trace_device == device else {traced.trace_device: device}
-        graph, submodules = build_graph(recipe, traced, device_map)
-        run, _ = _compile(graph, stage)
-        tensors = decode._resolve_tensors(stage, device, keep_meta=stages is not None)
-        if stages is not None:
-            constants = {t.name for t in decode._stage_tensors[stage] if t.kind == "constant"}
-            tensors = _training_tensors(stages[position], stage, tensors, constants)
-        built.append(CachedTracedStage(stage, decode.num_stages, run, tensors, submodules, reads, makes, shape,
-                                       dtype, device))
-    return built
+    node_set = set(recipe.nodes)
+    reads = [i for i, node in enumerate(past) if any(node in n.all_input_nodes for n in recipe.nodes)]
+    makes = [i for i, node in enumerate(new) if node in node_set]
+    recipe.inputs = [n for n in recipe.inputs if n not in cache_values] + [past[i] for i in reads]
+    kept = [n for n in recipe.outputs if not (isinstance(n, torch.fx.Node) and n in cache_values)]
+    recipe.outputs = kept + [new[i] for i in makes]
+    device_map = {} if traced.trace_device == device else {traced.trace_device: device}
+    graph, submodules = build_graph(recipe, traced, device_map)
+    run, _ = _compile(graph, stage)
+    tensors = decode._resolve_tensors(stage, device, keep_meta=training is not None)
+    if training is not None:
+        constants = {t.name for t in decode._stage_tensors[stage] if t.kind == "constant"}
+        tensors = _training_tensors(training, stage, tensors, constants)
+    return run, tensors, submodules, reads, makes
 
 
-def _first_mask(rows: int, length: int, device: torch.device) -> torch.Tensor:
-    """The attention mask of position 0 (only the new token's key): an example with masked slots, so that
-    the trace keeps the mask (an all-ones example lets a model drop it)."""
-    mask = torch.zeros(rows, length + 1, dtype=torch.long, device=device)
-    mask[:, -1] = 1
+def _first_mask(rows: int, length: int, tokens: int, device: torch.device) -> torch.Tensor:
+    """The attention mask of positions 0 .. tokens - 1 (only the new tokens' keys): an example with masked slots,
+    so that the trace keeps the mask (an all-ones example lets a model drop it)."""
+    mask = torch.zeros(rows, length + tokens, dtype=torch.long, device=device)
+    mask[:, length:] = 1
     return mask
 
 

@@ -4,8 +4,10 @@
 checkpoint directory) or one checkpoint inside a run (the run's ``config.yaml`` is found above
 it). The model the config names is built on this machine's CPU, the checkpoint loaded into it
 by the model's names (any layout it was saved at), then cut into ``--stages`` stages in this
-process and decoded with :meth:`conveyor.Pipeline.generate` in windows of ``model.seq_len``
-tokens, as the model was trained: a prompt longer than ``seq_len - --tokens`` keeps its end.
+process and decoded with :meth:`conveyor.Pipeline.generate` within ``model.seq_len`` positions, as
+the model was trained (a prompt longer than ``seq_len - --tokens`` keeps its end): a Hugging Face
+causal LM through its stages' key/value caches (:func:`conveyor.frontend.decode.decode_stages`, the
+prompt at once, then a token per step), any other model in windows recomputed whole at each token.
 
 Example (after ``conveyor train``)::
 
@@ -81,7 +83,9 @@ def generate_text(path: str | Path, prompt: str, tokens: int, stages: int = 2, s
 
     import conveyor
     from conveyor.checkpoint import load
-    from conveyor.pipe.generation import Sampling
+    from conveyor.frontend import split_model
+    from conveyor.frontend.decode import decode_stages
+    from conveyor.pipe.generation import CAUSAL_HEADS, Sampling
     from conveyor.train.config import load_config
     from conveyor.train.data import load_tokenizer
     from conveyor.train.models import build_model
@@ -99,8 +103,13 @@ def generate_text(path: str | Path, prompt: str, tokens: int, stages: int = 2, s
     model = build_model(cfg, tokenizer.vocab_size, device="cpu").eval()
     load(checkpoint, model)
     window = torch.zeros(1, seq_len, dtype=torch.long)
-    pipe = conveyor.pipeline(model, example_args=(window,), schedule="gpipe", microbatches=1,
-                             layout=conveyor.InProcessLayout(ranks=stages))
+    layout = conveyor.InProcessLayout(ranks=stages)
+    if type(model).__name__.endswith(CAUSAL_HEADS):  # the model's own cache code, traced once more
+        split = split_model(model, stages, example_args=(window,))
+        cached = decode_stages(split, rows=1, length=seq_len, prefill=ids.numel() if ids.numel() > 1 else None)
+        pipe = conveyor.Pipeline(cached, "gpipe", microbatches=1, layout=layout)
+    else:
+        pipe = conveyor.pipeline(model, example_args=(window,), schedule="gpipe", microbatches=1, layout=layout)
     sampling = dataclasses.replace(sampling or Sampling(), eos_token_id=tokenizer.eos_id)
     out = pipe.generate(ids[None], tokens, sampling=sampling, generator=torch.Generator().manual_seed(seed),
                         length=seq_len)

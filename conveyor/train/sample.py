@@ -114,7 +114,7 @@ def cached_tokens(pipe: Any, split: Any, prompt: Sequence[int], steps: int, *, l
     which = sorted(modules)
     device = next(modules[which[0]].parameters()).device
     stages = decode_stages(split, rows=1, length=length, stages=[modules[s] for s in which], which=which,
-                           device=device)
+                           device=device, prefill=len(prompt) if len(prompt) > 1 else None)
     lanes = pipe.schedule.num_microbatches
     with pipe_like(pipe, stages) as decoder:
         out = decoder.generate(torch.tensor([list(prompt)] * lanes, dtype=torch.long), steps,

@@ -5,6 +5,8 @@ One tiny GPT-2 and one tiny Llama (grouped key/value heads), 2 layers, 2 stages 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -15,27 +17,34 @@ from conveyor.frontend.decode import decode_stages
 from conveyor.testing.compare import reordered_sum_bound
 from conveyor.testing.references.tensor_parallel import build
 
-NEW, LENGTH, ROWS = 6, 16, 2  # tokens generated, cache positions, rows per lane (2 lanes)
+NEW, LENGTH, ROWS, PROMPT = 6, 16, 2, 5  # tokens generated, cache positions, rows per lane (2 lanes), prompt length
 
 
 
 def _cached(model: torch.nn.Module) -> tuple[list, list]:
     split = split_model(model, 2, example_args=(torch.zeros(ROWS, 8, dtype=torch.long),))
     training = [split.stage_module(s) for s in range(2)]
-    return decode_stages(split, rows=ROWS, length=LENGTH, stages=training), training
+    return decode_stages(split, rows=ROWS, length=LENGTH, stages=training, prefill=PROMPT), training
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_traced_models_decode_with_a_cache_per_stage_to_their_own_generate(family, one_thread):
-    """One trace of each program per family serves every check (tracing is most of the cost)."""
+    """One trace of each program per family serves every check (tracing is most of the cost): the prompts run
+    through the prefill program, the new tokens through the decode program."""
     model = build(family).eval()
     stages, training = _cached(model)
     # Each stage keeps the keys and values of its own layer only; its weights are the training stage's.
     assert [stage.cached_layers for stage in stages] == [[0], [1]]
     assert all(any(p is q for q in training[s].parameters()) for s in range(2) for p in stages[s].parameters())
-    prompts = torch.randint(1, 96, (2 * ROWS, 5), generator=torch.Generator().manual_seed(3))
+    assert all(p is q for s in range(2) for p, q in zip(stages[s].prefill[2].parameters(), stages[s].parameters()))
+    prompts = torch.randint(1, 96, (2 * ROWS, PROMPT), generator=torch.Generator().manual_seed(3))
     pipe = conveyor.Pipeline(stages, "1f1b", microbatches=2, layout=conveyor.InProcessLayout())
+    prefilled = []
+    for stage in stages:  # each lane's prompt through each stage's prefill program once, not position by position
+        stage._prefill = functools.partial(lambda run, number, *a: prefilled.append(number) or run(*a),
+                                           stage._prefill, stage.stage)
     first = pipe.generate(prompts, NEW)
+    assert sorted(prefilled) == [0, 0, 1, 1], prefilled
     again = pipe.generate(prompts, NEW)  # the caches start empty at each generation
     model.generation_config.eos_token_id = None  # its config's eos (0) would stop rows early
     with torch.no_grad():
@@ -62,17 +71,26 @@ def _check_logits(model: torch.nn.Module, stages: list) -> None:
     but change the reduction's order), the grouped heads repeated (Llama). Each is a reordered fp32 sum of at most
     128 terms (GPT-2's MLP: 4 x 32; Llama's: 48), chained through at most 21 of them from the embedding to the
     logits (per layer: the norm's moments, q|k|v, scores, softmax, values, out projection, two MLP projections;
-    then the final norm and the head): relative to the logits' largest magnitude, reordered_sum_bound(128, 21)."""
-    for stage in stages:
-        stage.reset_kv_cache()
+    then the final norm and the head): relative to the logits' largest magnitude, reordered_sum_bound(128, 21).
+    The prefill program attends PROMPT queries over LENGTH + PROMPT slots under the model's causal mask and the
+    written slots' mask: the same kinds of reordering, the same bound."""
     ids = torch.randint(1, 96, (ROWS, 12), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        full = model(ids).logits
-        cached = stages[1](*stages[0](ids, 0, 0))  # position by position, each stage's cache growing
-    assert cached.shape == full.shape and torch.isfinite(cached).all() and torch.isfinite(full).all()
-    bound = reordered_sum_bound(128, depth=21) * full.abs().max().item()
-    difference = (cached - full).abs().max().item()
-    assert difference <= bound, (difference, bound)
+    # Position by position through the decode program (12 is not the prefill's length); the first PROMPT at
+    # once through the prefill program, then the rest position by position, each stage's cache growing.
+    for prefill in (False, True):
+        for stage in stages:
+            stage.reset_kv_cache()
+        with torch.no_grad():
+            full = model(ids).logits
+            if prefill:
+                cached = torch.cat([stages[1](*stages[0](ids[:, :PROMPT], 0, 0)),
+                                    stages[1](*stages[0](ids[:, PROMPT:], 0, PROMPT))], dim=1)
+            else:
+                cached = stages[1](*stages[0](ids, 0, 0))
+        assert cached.shape == full.shape and torch.isfinite(cached).all() and torch.isfinite(full).all()
+        bound = reordered_sum_bound(128, depth=21) * full.abs().max().item()
+        difference = (cached - full).abs().max().item()
+        assert difference <= bound, (prefill, difference, bound)
 
 
 def test_decode_stages_need_a_hugging_face_causal_lm_and_its_positions():

@@ -2,7 +2,9 @@
 
 A run directory is made by hand (its config.yaml and one checkpoint of a small GPT-2), cheaper than
 training one; the text printed must be the prompt and the continuation the unsplit model's greedy
-loop makes over the same windows.
+loop makes over the same windows. The command decodes through the stages' key/value caches (other
+kernel calls than the window's full forward, logits within rounding: tests/frontend/test_decode.py
+bounds them), so the tokens agree wherever no two logits of a step are within rounding of each other.
 """
 
 from __future__ import annotations
