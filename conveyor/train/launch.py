@@ -274,6 +274,28 @@ def join_group(backend: str = "gloo") -> None:
                             world_size=world_size)
 
 
+def name_rendezvous_records_cheaply() -> None:
+    """Have torch elastic's c10d rendezvous name its log records' callers from their frames.
+
+    Its ``get_method_name`` calls ``inspect.stack()`` twice per record, which reads the source lines of
+    every frame on the stack: about 0.14 s of CPU a call, 2.5 s of a 2-rank launch's start and end
+    (18 calls), spent before the ranks start and after they end. The caller's frame gives the same
+    name without reading any file.
+
+    Example:
+        >>> name_rendezvous_records_cheaply()
+    """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def get_method_name(depth: int = 2) -> str:
+        try:  # frame 0 is this function's, as inspect.stack()[0] is
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:  # a stack shallower than depth
+            return "no_method_name"
+
+    dynamic_rendezvous.get_method_name = get_method_name
+
+
 def free_port() -> int:
     """A TCP port free on this machine now (for the rendezvous)."""
     with socket.socket() as probe:
@@ -359,6 +381,8 @@ def launch(cfg: TrainConfig) -> int:
     from conveyor.train.failures import failure_report, launcher_log
     from conveyor.train.rank_logs import RankLogs
     from conveyor.train.startup import StartupPhases
+
+    name_rendezvous_records_cheaply()
 
     # From the banner until the ranks start (the launcher's own rendezvous): then rank 0 says its phases.
     starting = StartupPhases()
