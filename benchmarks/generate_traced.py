@@ -6,9 +6,9 @@ layer's cache per lane). Three sides, as in :mod:`benchmarks.generate`: ``1 lane
 ``2 lanes`` (two microbatches, twice the prompts), and ``unsplit``: rank 0 alone runs the model's own
 ``generate(use_cache=True)`` (prefill, then a token per step) with the unsplit side's threads.
 
-The decode stages feed a prompt one token per step (the decode program has one query per row), so the
-pipeline sides pay ``PROMPT`` extra steps that the unsplit side's one prefill does not; tokens/s counts
-generated tokens only, prefill included in the time.
+The decode stages run each lane's prompt at once through their prefill program (``decode_stages(prefill=
+PROMPT)``), as the unsplit side's ``generate()`` does, then a token per step; tokens/s counts generated tokens
+only, prefill included in the time.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _pipes(rank: int, model: torch.nn.Module) -> dict[int, Any]:
     split = split_model(model, 2, example_args=(torch.zeros(ROWS, PROMPT, dtype=torch.long),))
     training = [split.stage_module(rank)]
     return {lanes: conveyor.Pipeline(decode_stages(split, rows=ROWS, length=PROMPT + NEW, stages=training,
-                                                   which=[rank]),
+                                                   which=[rank], prefill=PROMPT),
                                      cs.build("1f1b", ranks=2, microbatches=lanes),
                                      transfer=conveyor.TransferOptions(timeout_s=300)) for lanes in (1, 2)}
 

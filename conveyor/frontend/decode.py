@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ import torch
 from torch import nn
 
 from conveyor.errors import PipelineConfigError
+from conveyor.frontend import attention
 from conveyor.frontend.split import ModelSplit, split_model
 from conveyor.frontend.stage import _compile, _register, build_graph
 
@@ -292,11 +294,16 @@ def _trace(split: ModelSplit, layers: int, shape: tuple[int, int, int, int], dty
                # One tensor each: an input given twice would be traced as one.
                tuple(tuple(torch.zeros(shape, dtype=dtype, device=trace_device) for _ in "kv") for _ in range(layers)))
     was_training = model.training
+    # The warning that grouped key/value heads differ from eager in their gradients concerns training only.
+    attention_log = logging.getLogger(attention.__name__)
+    level = attention_log.level
     try:  # generation never drops out: the decode program is traced in eval mode
         model.eval()
+        attention_log.setLevel(logging.ERROR)
         return split_model(DecodeStep(model), split.num_stages, example_args=example, device=device,
                            split_points=[f"{_WRAPPED}.{point}" for point in split.split_points])
     finally:
+        attention_log.setLevel(level)
         model.train(was_training)
 
 
