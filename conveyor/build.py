@@ -67,7 +67,7 @@ def pipeline(
     from conveyor.frontend import split_model
     from conveyor.frontend.leaves import experts_as_leaves
     from conveyor.frontend.pretrained import model_info
-    from conveyor.parallel.parts import trace_leaves
+    from conveyor.parallel.parts import part_classes
 
     if not isinstance(layout, Layout):
         raise PipelineConfigError(f"layout= takes a conveyor.InProcessLayout or conveyor.DistributedLayout; got "
@@ -94,42 +94,41 @@ def pipeline(
     if split_points is None and method == "time":
         split_points, method = _time_split_points(model, resolved.num_stages, layout, split_kwargs), "parameters"
     # Modules the layout's parts need whole in their stage (expert parallelism: each experts module a leaf).
-    with experts_as_leaves(model, [] if in_process else trace_leaves(layout, model)):
+    parts = [] if in_process else part_classes(layout)  # what the layout's parts ask of the trace and the cut
+    with experts_as_leaves(model, [name for part in parts for name in part.trace_leaves(model)]):
         split = split_model(model, resolved.num_stages, split_points=split_points, split_method=method,
                             **split_kwargs)
         stages = range(resolved.num_stages) if in_process else resolved.stages_of(rank)
-        modules = _stage_modules(split, stages, model, layout, device, options.split.both_modes)
+        modules = _stage_modules(split, stages, model, parts, device, options.split.both_modes)
     whole = WholeModel(split.tied_groups, _parameter_order(model), model_signature(model, split.split_points),
                        model_info(model),  # model_info: what checkpoints record, and export writes back
-                       parameter_placements=_tensor_parallel_placements(model, layout, split.tied_groups))
+                       parameter_placements=_parameter_placements(model, layout, parts, split.tied_groups))
     return Pipeline(modules, resolved, loss_fn, layout=dataclasses.replace(layout, device=device),
                     stage=stage_options, transfer=options.transfer, model=whole)
 
 
-def _stage_modules(split, stages, model: torch.nn.Module, layout: Layout, device, both_modes: bool) -> list:
-    """This rank's stage modules; under tensor parallelism a meta-device model's stay on meta, for
-    each TP rank to materialize its own shards only (conveyor.parallel.tensor.shards)."""
-    tensor_parallel = not isinstance(layout, InProcessLayout) and layout.tensor_parallel is not None
-    on_meta = tensor_parallel and any(p.is_meta for p in model.parameters())
+def _stage_modules(split, stages, model: torch.nn.Module, parts: Sequence[type], device, both_modes: bool) -> list:
+    """This rank's stage modules. A meta-device model's stay on meta where a part materializes them itself,
+    each rank only what it holds (:attr:`~conveyor.parallel.part.StagePart.materializes_meta_stages`)."""
+    materializer = next((part for part in parts if part.materializes_meta_stages), None)
+    on_meta = materializer is not None and any(p.is_meta for p in model.parameters())
     modules = [split.stage_module(stage, device, both_modes=both_modes, keep_meta=on_meta) for stage in stages]
     if on_meta:
         from conveyor.frontend.materialize import materialize
-        from conveyor.parallel.tensor.shards import ShardSource, defer_materialization
 
-        source = ShardSource(model, split.seed, torch.device(device),
-                             functools.partial(materialize, model, device=torch.device(device), seed=split.seed))
-        modules = [defer_materialization(module, source) for module in modules]
+        device = torch.device(device)
+        modules = materializer.materialize_stages(modules, model, split.seed, device,
+                                                  functools.partial(materialize, model, device=device, seed=split.seed))
     return modules
 
 
-def _tensor_parallel_placements(model: torch.nn.Module, layout: Layout, tied_groups) -> dict | None:
-    """The unchanged model's tensor-parallel plan as placements by parameter name (None: no TP),
-    the same on every rank: each rank's traced stages are parallelized by it in the pipeline."""
-    if isinstance(layout, InProcessLayout) or layout.tensor_parallel is None:
-        return None
-    from conveyor.parallel.tensor.stages import model_placements
-
-    return model_placements(model, layout, layout.tp, tied_groups)
+def _parameter_placements(model: torch.nn.Module, layout: Layout, parts: Sequence[type], tied_groups) -> dict | None:
+    """The unchanged model's parameters placed over a part's ranks by name (None: no part places any), the same
+    on every rank: each rank's traced stages are parallelized by them in the pipeline."""
+    found = [placed for part in parts if (placed := part.parameter_placements(model, layout, tied_groups)) is not None]
+    if len(found) > 1:
+        raise PipelineConfigError(f"{len(found)} stage parts each place the model's parameters; one may")
+    return found[0] if found else None
 
 
 def _ranks_of(layout: Layout, schedule: Any, split_points: Sequence[str] | None, virtual: int | None,

@@ -6,10 +6,11 @@ distributed ranks backend holds a list of them (:func:`conveyor.parallel.parts.p
 them for a layout) and calls every part, in list order, at each hook, naming none of them. A new
 parallelism is one more part, its option field and its tests.
 
-The hooks, in the order a pipeline reaches them: tracing (``trace_leaves``, a classmethod: the model is
-traced before the parts exist), building (``wrap_stages``, ``runner_context``, ``agree``, ``wrap``,
-``boundary_examples``), each training step (``start_step``, ``stage_done``,
-``finish_step``, ``step_loss``), and on request (``whole_norms``, ``flags``, ``spans``, ``release``).
+The hooks, in the order a pipeline reaches them: tracing and cutting (``trace_leaves``,
+``materialize_stages``, ``parameter_placements``: classmethods, asked before the parts exist),
+building (``wrap_stages``, ``runner_context``, ``agree``, ``wrap``, ``boundary_examples``), each
+training step (``start_step``, ``stage_done``, ``finish_step``, ``step_loss``), and on request
+(``whole_norms``, ``flags``, ``spans``, ``release``).
 
 A part that reduces some parameters' gradients over groups of its own (expert parallelism) claims
 them with :func:`claim_reduction` in ``wrap_stages``; parts that reduce a whole stage (the
@@ -71,6 +72,24 @@ class StagePart:
 
     #: Whether checkpoints of a pipeline with this part are written by every rank of the job together.
     wants_checkpoint_group: bool = False
+
+    #: Whether this part materializes a meta-device model's stages itself, each rank only what it holds (tensor
+    #: parallelism: its shards): the cut then leaves them on meta and hands them to :meth:`materialize_stages`.
+    materializes_meta_stages: bool = False
+
+    @classmethod
+    def materialize_stages(cls, modules: list[torch.nn.Module], model: torch.nn.Module, seed: int,
+                           device: torch.device, materialize: Callable[..., Any]) -> list[torch.nn.Module]:
+        """This rank's stage modules, left on meta by the cut, made to materialize what this part keeps of them
+        (``materialize``: the model's own initialisation, seeded as one device's)."""
+        return modules
+
+    @classmethod
+    def parameter_placements(cls, model: torch.nn.Module, layout: DistributedLayout,
+                             tied_groups: Sequence[Sequence[str]]) -> dict[str, Any] | None:
+        """The unchanged model's parameters placed over this part's ranks, by original name, the same on every
+        rank (tensor parallelism's plan; traced stages are parallelized by it); None: this part places none."""
+        return None
 
     @classmethod
     def trace_leaves(cls, model: torch.nn.Module) -> list[str]:

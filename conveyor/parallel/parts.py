@@ -15,8 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import torch
-
 from conveyor.errors import PipelineConfigError
 from conveyor.layout import DistributedLayout
 from conveyor.parallel.mesh import MeshLayout
@@ -61,17 +59,23 @@ def parts_for(layout: DistributedLayout, mesh_layout: MeshLayout | None) -> list
     return parts
 
 
-def trace_leaves(layout: DistributedLayout, model: torch.nn.Module) -> list[str]:
-    """The modules of ``model`` the trace keeps whole for the parts of ``layout`` (:meth:`StagePart.trace_leaves`
-    of each part's class: the trace and the split come before the parts exist); for most layouts, none.
+def part_classes(layout: DistributedLayout) -> list[type[StagePart]]:
+    """The classes of the parts :func:`parts_for` builds for ``layout`` that the trace and the cut ask before any
+    part exists (:meth:`StagePart.trace_leaves`, :meth:`StagePart.materialize_stages`,
+    :meth:`StagePart.parameter_placements`), in hook order.
 
     Example:
-        >>> trace_leaves(DistributedLayout(), torch.nn.Linear(2, 2))
+        >>> part_classes(DistributedLayout())
         []
     """
-    classes: list[type[StagePart]] = [type(part) for part in layout.parts if isinstance(part, StagePart)]
+    classes: list[type[StagePart]] = []
+    if layout.tensor_parallel is not None:
+        from conveyor.parallel.tensor.stages import TensorParallelStages
+
+        classes.append(TensorParallelStages)
     if layout.expert_parallel is not None:
         from conveyor.parallel.experts import ExpertParallel
 
-        classes.insert(0, ExpertParallel)
-    return list(dict.fromkeys(name for part_class in classes for name in part_class.trace_leaves(model)))
+        classes.append(ExpertParallel)
+    return classes + [type(part) for part in layout.parts if isinstance(part, StagePart)]
+

@@ -98,6 +98,24 @@ class TensorParallelStages(StagePart):
     """
 
     wants_checkpoint_group = True  # every TP position's pipeline writes its shards into one checkpoint
+    materializes_meta_stages = True  # a meta-device model: each TP rank materializes its own shards only
+
+    @classmethod
+    def materialize_stages(cls, modules: list[nn.Module], model: nn.Module, seed: int, device: torch.device,
+                           materialize: Callable[..., Any]) -> list[nn.Module]:
+        """Each stage module materializing only the shards its TP rank keeps, on first use
+        (:mod:`conveyor.parallel.tensor.shards`); a model not on meta is cut materialized, and kept as cut."""
+        if not any(p.is_meta for p in model.parameters()):
+            return modules
+        from conveyor.parallel.tensor.shards import ShardSource, defer_materialization
+
+        source = ShardSource(model, seed, device, materialize)
+        return [defer_materialization(module, source) for module in modules]
+
+    @classmethod
+    def parameter_placements(cls, model: nn.Module, layout: Any, tied_groups: Any) -> dict[str, Any] | None:
+        """The unchanged model's plan as placements by parameter name (:func:`model_placements`)."""
+        return model_placements(model, layout, layout.tp, tied_groups)
 
     def __init__(self, layout: Any, tp_mesh: Any) -> None:
         from conveyor.layout import describe_plan
