@@ -22,9 +22,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from conveyor.errors import PlanError
+from conveyor.plan import expert_search
 from conveyor.plan.analytic import analytic_units
 from conveyor.plan.calibration import calibration_of
 from conveyor.plan.costs import CostTable, combine
+from conveyor.plan.expert_search import ExpertParallelOption
 from conveyor.plan.profile import (
     _batch_size,
     optimizer_seconds_per_parameter,
@@ -34,7 +36,7 @@ from conveyor.plan.profile import (
 from conveyor.plan.result import Plan, format_size, parse_size
 from conveyor.plan.search import Candidate, SearchResult, microbatch_choices, search
 from conveyor.plan.settings import Machine, Measurement, SearchSpace
-from conveyor.plan.tensor_search import TensorParallelOption, report_lines, search_tensor_parallel
+from conveyor.plan.tensor_search import report_lines, search_tensor_parallel
 from conveyor.runtime.stage.device import cpu_threads_per_rank
 
 
@@ -97,17 +99,34 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
                                microbatches=microbatches, machine=machine, measure=measure)
     resolved = dataclasses.replace(machine, calibration=calibration, cores=cores, threads=threads)
 
-    def search_one(table: CostTable, pipeline_ranks: int, option: TensorParallelOption | None) -> SearchResult:
-        if option is not None and option.tp > 1 and calibration is not None:
-            raise PlanError("a calibration predicts steps of whole stages only (tp=1); plan without --calibrate "
-                            "to compare tensor-parallel sizes")
+    def search_one(table: CostTable, pipeline_ranks: int, option: Any) -> SearchResult:
+        experts = isinstance(option, ExpertParallelOption)
+        if option is not None and (option.ep if experts else option.tp) > 1 and calibration is not None:
+            raise PlanError("a calibration predicts steps of whole stages only (tp=1, ep=1); plan without "
+                            "--calibrate to compare tensor- or expert-parallel sizes")
         return search(table, ranks=pipeline_ranks, global_batch=global_batch, memory_per_rank=limit,
                       schedules=schedules, microbatches=microbatches, space=space, machine=resolved,
-                      optimizer_s_per_parameter=rate, tensor_parallel=option)
+                      optimizer_s_per_parameter=rate, tensor_parallel=None if experts else option,
+                      expert_parallel=option if experts else None)
 
+    if space.expert_parallel:
+        return _choose_expert_parallel(costs, ranks, space, search_one, limit)
     if not space.tensor_parallel:
         return choose(search_one(costs, ranks, None), costs, top=space.top)
     return _choose_tensor_parallel(costs, ranks, space, search_one, limit)
+
+
+def _choose_expert_parallel(costs: CostTable, ranks: int, space: SearchSpace, search_one, limit: float) -> Plan:
+    """Search every ep of ``space.expert_parallel`` at the same pipeline ranks; the chosen ep's plan, with the
+    ep table (the replicas' count is the options' business: each ep was checked to divide it)."""
+    chosen, outcomes = expert_search.search_expert_parallel(costs, space.expert_parallel, ranks=ranks,
+                                                            search_one=search_one, memory_per_rank=limit)
+    report = expert_search.report_lines(outcomes)
+    if chosen is None:
+        raise PlanError("no expert-parallel size gives a plan that fits:\n" + "\n".join(report))
+    plan = choose(chosen.result, costs, top=space.top)
+    plan.expert_parallel, plan.expert_parallel_report = chosen.ep, report
+    return plan
 
 
 def _choose_tensor_parallel(costs: CostTable, ranks: int, space: SearchSpace, search_one, limit: float) -> Plan:
@@ -211,6 +230,13 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
           1  1f1b              1    4  layers.2                                   1.5 s   20.0%     953.67 MiB
     """
     lines = []
+    if chosen.expert_parallel_report:
+        ep = chosen.expert_parallel
+        shared = (f"each experts module's experts shared by {ep} replicas" if ep > 1
+                  else "every replica keeps every expert")
+        lines += [*chosen.expert_parallel_report,
+                  f"chosen ep={ep}: {shared} (conveyor train parallel.ep={ep}); its best plans (memory: one rank's):",
+                  ""]
     if chosen.tensor_parallel_report:
         lines += [*chosen.tensor_parallel_report,
                   f"chosen tp={chosen.tensor_parallel}: {chosen.ranks} pipeline ranks x {chosen.tensor_parallel} "

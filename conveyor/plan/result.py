@@ -85,6 +85,8 @@ class Plan:
     tensor_parallel: int = 1  # each of the ``ranks`` pipeline ranks is a group of this many TP ranks
     tensor_parallel_report: list[str] = field(default_factory=list)  # the tp search's table: a line per tp, why
     recompute: tuple = ()  # per stage: a policy mapping ({"every": 2}) or None
+    expert_parallel: int = 1  # the replicas that share each experts module's experts (their ranks' tokens moved)
+    expert_parallel_report: list[str] = field(default_factory=list)  # the ep search's table: a line per ep, why
 
     @property
     def microbatch_size(self) -> int:
@@ -124,6 +126,7 @@ class Plan:
             "schedule_costs": None if self.schedule_costs is None else _cost_model_json(self.schedule_costs),
             "tensor_parallel": self.tensor_parallel, "tensor_parallel_report": self.tensor_parallel_report,
             "recompute": list(self.recompute),
+            "expert_parallel": self.expert_parallel, "expert_parallel_report": self.expert_parallel_report,
         }
 
     def save(self, path: str | Path) -> Path:
@@ -156,6 +159,8 @@ class Plan:
                        None if data.get("schedule_costs") is None else _cost_model(data["schedule_costs"]),
                        int(data.get("tensor_parallel", 1)), list(data.get("tensor_parallel_report", [])))
             plan.recompute = tuple(None if p is None else dict(p) for p in data.get("recompute") or ())
+            plan.expert_parallel = int(data.get("expert_parallel", 1))
+            plan.expert_parallel_report = list(data.get("expert_parallel_report", []))
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"{where} is malformed ({type(error).__name__}: {error}); write it again with "
                             f"`conveyor plan ... --out`") from None

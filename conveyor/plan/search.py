@@ -27,6 +27,7 @@ import conveyor.schedule as cs
 from conveyor.errors import ConveyorError, PlanError
 from conveyor.plan.balance import StageSums, bounds_of, fastest_split, lightest_split
 from conveyor.plan.costs import CostTable
+from conveyor.plan.expert_search import ExpertParallelOption, expert_units
 from conveyor.plan.predict import fit_by_recomputing, predict_split, stage_costs
 from conveyor.plan.settings import Machine, SearchSpace
 from conveyor.plan.tensor_search import TensorParallelOption, shard_units
@@ -127,7 +128,8 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
            schedules: Sequence[str] | None = None, microbatches: Sequence[int] | None = None,
            space: SearchSpace = SearchSpace(), machine: Machine = Machine(),
            optimizer_s_per_parameter: float = 0.0,
-           tensor_parallel: TensorParallelOption | None = None) -> SearchResult:
+           tensor_parallel: TensorParallelOption | None = None,
+           expert_parallel: ExpertParallelOption | None = None) -> SearchResult:
     """Simulate the candidates worth simulating; see the module docstring.
 
     ``space`` adds the stages per rank to try and the balance tolerance; ``machine`` the links
@@ -138,7 +140,9 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
     ``optimizer_s_per_parameter``, on ``machine.cores`` shared CPU cores (None or "auto": a device per rank).
     ``tensor_parallel`` (a :class:`~conveyor.plan.tensor_search.TensorParallelOption`): each of the ``ranks``
     pipeline ranks is a group of its ``tp`` ranks, the units costed as one of them
-    (:func:`~conveyor.plan.tensor_search.shard_units`).
+    (:func:`~conveyor.plan.tensor_search.shard_units`). ``expert_parallel`` (an
+    :class:`~conveyor.plan.expert_search.ExpertParallelOption`): the experts shared by ep replicas, their tokens
+    moved all-to-all (:func:`~conveyor.plan.expert_search.expert_units`).
 
     Example:
         >>> from conveyor.plan.costs import synthetic_table
@@ -163,6 +167,7 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
                        machine.optimizer_bytes_per_parameter, space.balance_tolerance)
     context.calibration, context.optimizer_rate, context.cores = calibration, optimizer_s_per_parameter, cores
     context.tensor, context.tensor_bandwidth = tensor_parallel, machine.tensor_bandwidth or machine.bandwidth
+    context.experts = expert_parallel
     queue = []
     for m in ms:
         for name, v in schedule_choices(schedules, space.virtual):
@@ -196,6 +201,8 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
                     optimizer_s_per_parameter=optimizer_s_per_parameter, cores=cores)
     if tensor_parallel is not None:
         settings["tensor_parallel"] = tensor_parallel.tp
+    if expert_parallel is not None:
+        settings["expert_parallel"] = expert_parallel.ep
     return SearchResult(queue, settings)
 
 
@@ -221,6 +228,7 @@ class _Context:
         self.optimizer_rate, self.cores = 0.0, None
         self._sums: dict[int, StageSums] = {}
         self.tensor: TensorParallelOption | None = None
+        self.experts: ExpertParallelOption | None = None
         self.tensor_bandwidth = bandwidth
         self._fastest: dict[tuple[int, int], list[int]] = {}
 
@@ -230,6 +238,8 @@ class _Context:
             units = self.table.at(size)
             if self.tensor is not None:
                 units = shard_units(units, self.tensor, size, bandwidth=self.tensor_bandwidth, latency=self.latency)
+            if self.experts is not None:
+                units = expert_units(units, self.experts, size, bandwidth=self.bandwidth, latency=self.latency)
             self._sums[m] = StageSums(units, optimizer_bytes=self.optimizer_bytes)
         return self._sums[m]
 

@@ -107,6 +107,9 @@ class SearchSpace:
     tensor_parallel: Sequence[Any] = _f((), "tensor-parallel sizes to try, as conveyor.plan.tensor_search."
                                             "TensorParallelOption records (what each tp does to the model); "
                                             "given, the ranks are pp x tp (empty: tp=1, the ranks are pp)")
+    expert_parallel: Sequence[Any] = _f((), "expert-parallel sizes to try, as conveyor.plan.expert_search."
+                                            "ExpertParallelOption records (what each ep does to the experts; ep "
+                                            "borrows the replicas' ranks, the ranks stay pp); empty: ep=1")
 
     def __post_init__(self) -> None:
         _set(self, "virtual", _positive_ints(self, "virtual", self.virtual, "e.g. virtual=(1, 2)"))
@@ -115,6 +118,14 @@ class SearchSpace:
             raise PlanError("SearchSpace.tensor_parallel takes conveyor.plan.tensor_search.TensorParallelOption "
                             f"records (one per tp to try), got {self.tensor_parallel!r}")
         _set(self, "tensor_parallel", options)
+        experts = tuple(self.expert_parallel or ())
+        if not all(hasattr(option, "ep") and hasattr(option, "modules") for option in experts):
+            raise PlanError("SearchSpace.expert_parallel takes conveyor.plan.expert_search.ExpertParallelOption "
+                            f"records (one per ep to try), got {self.expert_parallel!r}")
+        if experts and options:
+            raise PlanError("SearchSpace takes tensor_parallel or expert_parallel sizes to try, not both: expert "
+                            "parallelism with tensor parallelism is not supported yet")
+        _set(self, "expert_parallel", experts)
         if self.virtual is None:
             raise PlanError("SearchSpace.virtual must be positive ints, got None; e.g. virtual=(1, 2)")
         _positive(self, "balance_tolerance", "a fraction of the fastest split's slowest stage",

@@ -2,13 +2,13 @@
 
 Expert parallelism (:mod:`conveyor.parallel.experts`) groups ``ep`` consecutive data-parallel replicas at each
 pipeline rank; the replica at place ``i`` of its group keeps experts ``i*E/ep .. (i+1)*E/ep - 1`` of every experts
-module of its stages (dim 0 of the 3-D weights). The trainer's mesh is ("dp", "pp"): replica ``r``'s pipeline rank
-``k`` is global rank ``r * pp + k``.
+module of its stages (dim 0 of the 3-D weights). The trainer's mesh is ("pp", "dp"), pp outermost: replica ``r``'s
+pipeline rank ``k`` is global rank ``k * dp + r``.
 
 Example:
     >>> from types import SimpleNamespace
     >>> expert_places(SimpleNamespace(pp=2, dp=4, ep=2), 1)
-    [(0, [0, 2], [1, 5]), (1, [1, 3], [3, 7])]
+    [(0, [0, 2], [4, 6]), (1, [1, 3], [5, 7])]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def expert_places(parallel: Any, pipeline_rank: int) -> list[tuple[int, list[int
     """For each place in an expert group: (place, the replicas at it, their global ranks at ``pipeline_rank``)."""
     ep = expert_size(parallel)
     return [(place, [r for r in range(parallel.dp) if r % ep == place],
-             [r * parallel.pp + pipeline_rank for r in range(parallel.dp) if r % ep == place]) for place in range(ep)]
+             [pipeline_rank * parallel.dp + r for r in range(parallel.dp) if r % ep == place]) for place in range(ep)]
 
 
 def expert_shard_lines(cfg: Any, model: Any, split: Any, schedule: Any) -> list[str]:
@@ -55,3 +55,41 @@ def expert_shard_lines(cfg: Any, model: Any, split: Any, schedule: Any) -> list[
         for name, shape in tensors:
             lines.append(f"    {name:<40} {str(shape):<18}-> {str((shape[0] // ep, *shape[1:]))}")
     return lines
+
+
+def expert_parallel_option(model: Any, ep: int, dp: int, seq_len: int) -> Any:
+    """What ``ep`` does to ``model``'s experts modules, for ``conveyor plan --ep``: each module's expert parameters
+    and the bytes per sample one of its all-to-alls moves (``seq_len`` tokens x top-k x the hidden size x the
+    activations' element size, dispatch and combine in the forward, their gradients in the backward), or why
+    that ep cannot run (no experts, ep not dividing ``dp`` or an expert count).
+
+    Example:
+        >>> import torch
+        >>> option = expert_parallel_option(torch.nn.Linear(2, 2), 2, 2, 8)
+        >>> option.ep, option.refused
+        (2, 'the model has no experts modules (transformers 5 mixture-of-experts blocks)')
+    """
+    from conveyor.parallel.experts.discover import num_experts_of
+    from conveyor.plan.expert_search import ExpertParallelOption
+    from conveyor.plan.tensor_search import ModuleSplit
+
+    modules = [(name, module) for name, module in model.named_modules() if is_stacked_experts(module)]
+    if not modules:
+        return ExpertParallelOption(ep, refused="the model has no experts modules (transformers 5 mixture-of-experts "
+                                                "blocks)")
+    if dp % ep:
+        return ExpertParallelOption(ep, refused=f"ep={ep} does not divide --dp {dp} (ep borrows the replicas' ranks)")
+    counts = sorted({num_experts_of(module) for _, module in modules})
+    if any(count % ep for count in counts):
+        return ExpertParallelOption(ep, refused=f"ep={ep} does not divide the experts modules' expert counts "
+                                                f"({', '.join(map(str, counts))})")
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k", None) or 1
+    first = next(modules[0][1].parameters(recurse=False))
+    hidden = getattr(text, "hidden_size", None) or first.shape[-1]
+    moved = seq_len * top_k * hidden * first.element_size()
+    return ExpertParallelOption(ep, tuple(
+        ModuleSplit(name, sharded_parameters=sum(p.numel() for p in module.parameters(recurse=False)),
+                    forward_bytes=moved, backward_bytes=moved, forward_collectives=2, backward_collectives=2)
+        for name, module in modules))

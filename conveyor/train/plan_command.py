@@ -10,7 +10,10 @@ running it (a 70B config plans in seconds). ``--tp`` (default ``auto``: every di
 tries each tensor-parallel size with ``pp = ranks / tp`` pipeline ranks (tp innermost), the model's
 units costed as one TP rank runs them (:mod:`conveyor.plan.tensor_search`), and prints a line per tp with
 its best plan and why it won or lost (a size tp does not divide, over memory, how much slower);
-``--tp 1`` plans a pipeline of ``--ranks`` ranks alone.
+``--tp 1`` plans a pipeline of ``--ranks`` ranks alone. ``--ep`` (with ``--dp`` replicas) tries each
+expert-parallel size for a mixture-of-experts model at the same pipeline ranks, its units costed as one EP
+rank runs them (:mod:`conveyor.plan.expert_search`: the experts' parameters divided by ep, two all-to-alls
+in each forward and backward of an experts module), and prints a line per ep.
 
 Example:
     >>> from conveyor.cli import main
@@ -61,6 +64,13 @@ def add_parser(commands: Any, positive_int: Any) -> None:
                       help="tensor-parallel sizes to try, each with pp = P / tp (tp innermost, inside a node): 'auto' "
                            "(default): every divisor of --ranks; '1': a pipeline of P ranks alone "
                            "(SearchSpace.tensor_parallel)")
+    plan.add_argument("--dp", type=positive_int, default=1, metavar="D",
+                      help="replicas of the pipeline, for --ep to borrow from (--global-batch stays one replica's)")
+    plan.add_argument("--ep", default="1", metavar="auto|E,E",
+                      help="expert-parallel sizes to try for a mixture-of-experts model, each dividing --dp and the "
+                           "expert count: the experts of each module shared by ep replicas, their tokens moved "
+                           "all-to-all ('auto': every divisor of --dp; default 1: none; not with --tp above 1) "
+                           "(SearchSpace.expert_parallel)")
     plan.add_argument("--calibrate", action="store_true",
                       help="measure this machine's runtime overheads first (a few seconds) and predict the step "
                            "with them and each rank's AdamW step: the step a real run is checked against "
@@ -87,10 +97,16 @@ def run(args: argparse.Namespace) -> int:
 
         machine = dataclasses.replace(machine, calibration=calibrate(conveyor.Pipeline, ranks=args.ranks))
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
-    options = tensor_parallel_options(model, example, args.ranks, getattr(args, "tp", "1"))
+    experts = expert_parallel_options(model, example, getattr(args, "dp", 1), getattr(args, "ep", "1"))
+    tp = getattr(args, "tp", "1")
+    if experts and tp not in ("auto", "1"):
+        raise UsageError(f"--ep {args.ep} with --tp {tp}: expert parallelism with tensor parallelism is not "
+                         "supported yet; plan one of them (--tp 1, or --ep 1)")
+    options = () if experts else tensor_parallel_options(model, example, args.ranks, tp)
     chosen = plan(model, example, ranks=args.ranks, global_batch=args.global_batch, memory_per_rank=limit,
-                  schedules=schedules, space=SearchSpace(top=args.top, tensor_parallel=options), machine=machine,
-                  measure=Measurement(repeats=args.repeats))
+                  schedules=schedules, space=SearchSpace(top=args.top, tensor_parallel=options,
+                                                         expert_parallel=experts),
+                  machine=machine, measure=Measurement(repeats=args.repeats))
     print(format_plan(chosen, top=args.top))
     print(f"planned in {time.perf_counter() - started:.1f} s")
     if args.out:
@@ -126,6 +142,36 @@ def tensor_parallel_options(model: Any, example: Any, ranks: int, spec: str) -> 
         return ()
     seq_len = int(example.shape[1]) if getattr(example, "dim", lambda: 0)() >= 2 else 1
     return tuple(tensor_parallel_option(model, tp, seq_len) for tp in sizes)
+
+
+def expert_parallel_options(model: Any, example: Any, dp: int, spec: str) -> tuple:
+    """The :class:`~conveyor.plan.expert_search.ExpertParallelOption` records ``--ep`` asks for (empty for ep=1
+    alone: the experts stay whole on every replica).
+
+    Example:
+        >>> model, example = resolve_model("moe", ["model.layers=2", "model.width=32", "model.heads=2"],
+        ...                                analytic=True, microbatch=1)
+        >>> [(o.ep, o.refused is None) for o in expert_parallel_options(model, example, 4, "auto")]
+        [(1, True), (2, True), (4, True)]
+    """
+    from conveyor.plan.tensor_search import tp_sizes
+    from conveyor.train.expert_shards import expert_parallel_option
+
+    if spec.strip() == "auto":
+        sizes = tp_sizes(dp)  # the divisors of dp
+    else:
+        try:
+            sizes = sorted({int(part) for part in spec.split(",") if part.strip()})
+        except ValueError:
+            raise UsageError(f"--ep {spec!r}: expected 'auto' or expert-parallel sizes such as 1,2,4") from None
+        bad = [ep for ep in sizes if ep < 1 or dp % ep]
+        if bad or not sizes:
+            raise UsageError(f"--ep {spec!r}: each size must divide --dp {dp} (ep borrows the replicas' ranks); "
+                             f"try some of {', '.join(map(str, tp_sizes(dp)))}, or a larger --dp")
+    if sizes == [1]:
+        return ()
+    seq_len = int(example.shape[1]) if getattr(example, "dim", lambda: 0)() >= 2 else 1
+    return tuple(expert_parallel_option(model, ep, dp, seq_len) for ep in sizes)
 
 
 def _smallest_microbatch(global_batch: int, ranks: int) -> int:

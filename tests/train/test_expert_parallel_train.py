@@ -45,8 +45,9 @@ def test_the_dry_run_shows_each_ranks_expert_shards():
     cfg = load_config(MOE, [*TINY, "parallel.dp=4"])
     text = format_layout(run_layout(cfg), cfg)
     assert "pp=2 x dp=4 (ep=2)" in text, text
-    # ("dp", "pp") mesh: replica r's pipeline rank k is global rank r * 2 + k; places alternate over the replicas.
-    assert "pipeline rank 1, replicas [1, 3] (global ranks [3, 7]): experts 2-3 of each of 1 experts modules" in text
+    # ("pp", "dp") mesh, pp outermost: replica r's pipeline rank k is global rank k * 4 + r; places alternate over
+    # the replicas.
+    assert "pipeline rank 1, replicas [1, 3] (global ranks [5, 7]): experts 2-3 of each of 1 experts modules" in text
     assert re.search(r"model\.layers\.0\.mlp\.experts\.gate_up_proj\s+\(4, 64, 32\)\s+-> \(2, 64, 32\)", text), text
 
 

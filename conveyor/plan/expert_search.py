@@ -1,0 +1,151 @@
+"""Expert parallelism in the plan: what ep does to each unit's costs, and the search over ep.
+
+Expert parallelism borrows its ranks from the replicas: each of ``dp`` replicas of the pipeline
+keeps ``1 / ep`` of every experts module's experts (ep divides dp and the expert count), and a
+microbatch's tokens travel to the ranks holding their experts and back. What an ep does to the
+model is found above this layer (the experts modules of :mod:`conveyor.parallel.experts`, which
+this layer does not import) and comes as an :class:`ExpertParallelOption`: per experts module its
+parameters and the bytes per sample it dispatches, or why that ep cannot run.
+:func:`expert_units` turns the units' costs at ep=1 into one EP rank's:
+
+* parameters (and with them gradients and optimizer state): the experts' divided by ep;
+* F and I: the experts' compute unchanged (balanced routing: each rank runs ``1 / ep`` of the
+  experts on ``ep`` times the tokens), plus two all-to-alls each (dispatch and combine in F; their
+  gradients in I), each moving ``(ep - 1) / ep`` of the dispatched bytes (the tokens bound for
+  other ranks) over ``Machine.bandwidth``, plus ``Machine.latency``; W unchanged;
+* activations and what a stage sends on: unchanged.
+
+:func:`search_expert_parallel` searches every option with the pipeline search at the same pipeline
+ranks, and keeps, per ep, its best plan or why it has none; the fastest that fits wins (ties: the
+smaller ep, which moves fewer tokens).
+
+Example:
+    >>> from conveyor.plan.costs import synthetic_table
+    >>> from conveyor.plan.tensor_search import ModuleSplit
+    >>> table = synthetic_table([("embed", 1, 0, 1, 8, 64)] + [(f"b{i}", 2, 2, 2, 34, 64, True) for i in range(2)])
+    >>> option = ExpertParallelOption(2, (ModuleSplit("b0.experts", 8, 1e6, 1e6, 2, 2),))
+    >>> [(u.parameters, u.forward) for u in expert_units(table.units, option, 1, bandwidth=1e9, latency=0.0)]
+    [(16.0, 1.0), (12.0, 2.001), (16.0, 2.0)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from conveyor.errors import PlanError
+from conveyor.plan.costs import UnitCost
+from conveyor.plan.tensor_search import ModuleSplit
+
+
+@dataclass(frozen=True)
+class ExpertParallelOption:
+    """One expert-parallel size to try: per experts module (a :class:`~conveyor.plan.tensor_search.ModuleSplit`:
+    ``sharded_parameters`` its experts' parameters, ``forward_bytes`` / ``backward_bytes`` the bytes per sample
+    one all-to-all moves at ep=1, ``forward_collectives`` / ``backward_collectives`` how many), or ``refused``."""
+
+    ep: int
+    modules: tuple[ModuleSplit, ...] = ()
+    refused: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise PlanError(f"ExpertParallelOption.ep must be a positive int, got {self.ep!r}")
+
+
+def expert_units(units: Sequence[UnitCost], option: ExpertParallelOption, microbatch_size: int, *,
+                 bandwidth: float, latency: float) -> tuple[UnitCost, ...]:
+    """One EP rank's costs of ``units`` (for microbatches of ``microbatch_size`` samples) under ``option``."""
+    ep = option.ep
+    if ep == 1:
+        return tuple(units)
+    names = [unit.name for unit in units]
+    per_unit: dict[str, list[ModuleSplit]] = {}
+    for module in option.modules:
+        owner = next((unit for unit in names if module.name == unit or module.name.startswith(unit + ".")), None)
+        if owner is not None:
+            per_unit.setdefault(owner, []).append(module)
+    away = (ep - 1) / ep  # the share of a rank's tokens whose experts another rank holds
+    out = []
+    for unit in units:
+        mine = per_unit.get(unit.name, [])
+        if not mine:
+            out.append(unit)
+            continue
+        experts = min(unit.parameters, sum(m.sharded_parameters for m in mine))
+        forward = sum(m.forward_collectives * (latency + away * m.forward_bytes * microbatch_size / bandwidth)
+                      for m in mine)
+        backward = sum(m.backward_collectives * (latency + away * m.backward_bytes * microbatch_size / bandwidth)
+                       for m in mine)
+        bytes_per_parameter = unit.parameter_bytes / unit.parameters if unit.parameters else 0.0
+        held = unit.parameters - experts + experts / ep
+        out.append(dataclasses.replace(
+            unit, forward=unit.forward + forward, backward_input=unit.backward_input + backward,
+            backward=unit.backward + backward if unit.backward else 0.0,
+            parameters=held, parameter_bytes=held * bytes_per_parameter))
+    return tuple(out)
+
+
+@dataclass
+class ExpertParallelOutcome:
+    """What the search found at one ep: its best candidate (None: none) and the reason it won or lost."""
+
+    ep: int
+    best: object = None  # a conveyor.plan.search.Candidate
+    result: object = None  # its conveyor.plan.search.SearchResult
+    reason: str = ""
+
+    def line(self) -> str:
+        """One row of the report: ep, the best plan's schedule, V, M, step and peak, and the reason."""
+        from conveyor.plan.result import format_size
+
+        if self.best is None:
+            return f"{self.ep:>4}  {'-':<16} {'-':>2} {'-':>4} {'-':>10} {'-':>12}  {self.reason}"
+        c = self.best
+        return (f"{self.ep:>4}  {c.schedule:<16} {c.virtual:>2} {c.microbatches:>4} "
+                f"{c.step_time:>8.4g} s {format_size(c.peak_memory):>12}  {self.reason}")
+
+
+def search_expert_parallel(table, options: Sequence[ExpertParallelOption], *, ranks: int, search_one,
+                           memory_per_rank: float) -> tuple[ExpertParallelOutcome | None, list[ExpertParallelOutcome]]:
+    """Search each option with ``search_one(table, ranks, option)`` (the pipeline search at the same pipeline
+    ranks, returning a SearchResult); returns (the chosen outcome or None, every outcome with its reason)."""
+    from conveyor.plan.result import format_size
+
+    outcomes = []
+    for option in options:
+        outcome = ExpertParallelOutcome(option.ep)
+        outcomes.append(outcome)
+        if option.refused:
+            outcome.reason = f"refused: {option.refused}"
+            continue
+        try:
+            outcome.result = search_one(table, ranks, option)
+        except PlanError as error:
+            outcome.reason = f"refused: {str(error).splitlines()[0]}"
+            continue
+        fitting = outcome.result.fitting
+        outcome.best = fitting[0] if fitting else outcome.result.best_over_memory()
+        if not fitting:
+            lightest = min((c.peak_memory for c in outcome.result.candidates if c.memory_per_rank), default=math.nan)
+            outcome.reason = (f"over memory: its lightest plan needs {format_size(lightest)} per rank, "
+                              f"over {format_size(memory_per_rank)}")
+    fits = [o for o in outcomes if o.best is not None and o.best.verdict == "fits"]
+    chosen = min(fits, key=lambda o: (o.best.step_time, o.ep), default=None)
+    for o in fits:
+        if o is chosen:
+            o.reason = "chosen: the fastest plan that fits" + (f" ({len(fits) - 1} other ep fit)" if len(fits) > 1
+                                                               else "")
+        else:
+            o.reason = f"fits, {o.best.step_time / chosen.best.step_time - 1:.0%} slower than ep={chosen.ep}"
+    return chosen, outcomes
+
+
+def report_lines(outcomes: Sequence[ExpertParallelOutcome]) -> list[str]:
+    """The ep table ``conveyor plan --ep`` prints above the chosen ep's plans: one line per ep, with why."""
+    head = ("expert parallel: each experts module's experts shared by ep replicas, their tokens moved all-to-all; "
+            "per ep, its best plan (step and peak memory of one rank)")
+    return [head, f"{'ep':>4}  {'schedule':<16} {'V':>2} {'M':>4} {'step':>10} {'peak/rank':>12}  why",
+            *(o.line() for o in outcomes)]
