@@ -11,12 +11,13 @@ Example:
     ...     DistributedLayout(ep=2)
     ... except PipelineConfigError as error:
     ...     print(error)
-    ep=2 sizes expert parallelism: give expert_parallel='auto' (or a plan) too, or drop ep
+    ep=2 shapes expert parallelism: give expert_parallel='auto' (or a plan) too, or drop ep
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,12 +57,18 @@ def check_expert_parallel(layout: Any) -> None:
     It needs replicas (``dp``, or a mesh's "dp" dim) that ``ep`` divides (None: ep = dp), and no
     tensor-parallel ranks (not supported yet).
     """
-    plan, ep = layout.expert_parallel, layout.ep
+    plan, ep, capacity = layout.expert_parallel, layout.ep, layout.expert_capacity
     if plan is None:
-        if ep is not None:
-            raise PipelineConfigError(f"ep={ep} sizes expert parallelism: give expert_parallel='auto' (or a plan) "
-                                      "too, or drop ep")
+        if ep is not None or capacity is not None:
+            name, value = ("ep", ep) if ep is not None else ("expert_capacity", capacity)
+            raise PipelineConfigError(f"{name}={value} shapes expert parallelism: give expert_parallel='auto' (or a "
+                                      f"plan) too, or drop {name}")
         return
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float)
+                                 or not math.isfinite(capacity) or capacity <= 0):
+        raise PipelineConfigError(f"expert_capacity={capacity!r}: expected a capacity factor > 0 (1.0: each expert "
+                                  "takes its even share of a rank's routed slots; 1.25 is common), or None to drop "
+                                  "no token")
     check_plan(plan)
     if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
         raise PipelineConfigError(f"ep takes a positive int (ranks per expert-parallel group); got {ep!r}")

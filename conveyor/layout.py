@@ -5,7 +5,7 @@ of :mod:`conveyor.options` each is frozen, checks itself when made and gives the
 Example:
     >>> DistributedLayout(dp=2).describe()
     'the default group, dp=2 tp=1 data_parallel=None tensor_parallel=None sequence_parallel=False loss_parallel=False
-    expert_parallel=None ep=None'
+    expert_parallel=None ep=None expert_capacity=None'
 """
 
 from __future__ import annotations
@@ -94,6 +94,9 @@ class DistributedLayout:
                                     "'auto' or {module-name pattern: 'ep_dispatch_experts'}; None: off")
     ep: int | None = _f(None, "with expert_parallel: ranks per expert group, dividing dp (None: dp); borrowed "
                               "from the replicas, so not a dim of its own")
+    expert_capacity: float | None = _f(None, "with expert_parallel: a capacity factor; each expert takes at most "
+                                             "ceil(factor x routed slots / experts) of a rank's slots per microbatch "
+                                             "and layer, the later ones in token order dropped; None: none dropped")
     parts: tuple = _f((), "StageParts of your own (conveyor.parallel.part), after the built-in ones")
 
     def __post_init__(self) -> None:

@@ -95,6 +95,9 @@ class ParallelConfig:
     ep: int | str = _f(1, "expert parallelism: each experts module's experts spread over ep of the dp replicas (a "
                           "size dividing parallel.dp and the expert count), tokens moved all-to-all; 'auto': ep = "
                           "parallel.dp; 1: every replica keeps every expert")
+    expert_capacity: float | None = _f(None, "with parallel.ep: a capacity factor (e.g. 1.25): each expert takes at "
+                                             "most ceil(factor x a rank's routed slots / experts) per microbatch and "
+                                             "layer, the rest dropped; null: no token dropped")
     plan: str | None = _f(None, "a plan file from `conveyor plan --out`: its schedule, virtual, microbatches and "
                                 "split points replace these keys' (None: split by parameters)")
     in_process: bool = _f(False, "every pipeline rank in this one process (no launcher; parallel.dp=1): the "
@@ -115,7 +118,8 @@ class ParallelConfig:
         return DistributedLayout(device=device, dp=self.dp, tp=self.tp, data_parallel=self.data_parallel,
                                  sequence_parallel=self.sequence_parallel,
                                  expert_parallel="auto" if experts else None,
-                                 ep=self.ep if experts and isinstance(self.ep, int) else None)
+                                 ep=self.ep if experts and isinstance(self.ep, int) else None,
+                                 expert_capacity=self.expert_capacity if experts else None)
 
 
 @dataclass

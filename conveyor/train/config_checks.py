@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -225,6 +226,15 @@ def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
     """``parallel.ep``: "auto" or a size that divides ``parallel.dp`` (EP borrows the replicas' ranks) and the
     recipe's expert count where its ``hf_config`` gives one; not in one process, not with tp yet."""
     par, ep = cfg.parallel, cfg.parallel.ep
+    capacity = par.expert_capacity
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float)
+                                 or not math.isfinite(capacity) or capacity <= 0):
+        problems.append(f"parallel.expert_capacity={capacity!r}: expected a capacity factor > 0 (e.g. 1.25), or "
+                        "null to drop no token")
+    elif capacity is not None and ep == 1:
+        problems.append(f"parallel.expert_capacity={capacity} caps what each expert takes of a rank's tokens under "
+                        "expert parallelism, which parallel.ep=1 leaves off; set parallel.ep (e.g. 'auto') or drop "
+                        "parallel.expert_capacity")
     if ep == 1:
         return
     if not (ep == "auto" or (isinstance(ep, int) and not isinstance(ep, bool) and ep > 1)):

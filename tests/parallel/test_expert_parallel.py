@@ -184,6 +184,9 @@ class _FakeMesh:
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="all"), r"takes 'auto' or a dict"),
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="auto", ep=0), r"takes a positive int"),
     (dict(mesh=_FakeMesh(pp=1, dp=2, tp=2), expert_parallel="auto", tensor_parallel="auto"), r"not supported yet"),
+    (dict(mesh=_FakeMesh(pp=2, dp=2), expert_capacity=1.25), r"expert_capacity=1.25 shapes expert parallelism"),
+    (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="auto", expert_capacity=0), r"a capacity factor > 0"),
+    (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="auto", expert_capacity=float("inf")), r"a capacity factor"),
 ])
 def test_the_option_is_refused_with_the_fix(layout, message):
     with pytest.raises(PipelineConfigError, match=message):
@@ -250,3 +253,57 @@ def test_expert_groups_take_consecutive_replicas_and_the_rest_reduce_their_gradi
     ep_groups, replica_groups = expert_memberships(layout, 2)
     assert ep_groups == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert replica_groups == [[0, 4], [2, 6], [1, 5], [3, 7]]
+
+
+def _capacity_ranks(rank: int, world_size: int, capacity: float | None) -> dict:
+    """Two ranks dispatch skewed routing (every token's first choice is expert 0) under a capacity factor; each
+    checks its output against the rule computed here: per expert, its first ceil(factor x routed / experts)
+    slots in token order are computed, the rest dropped."""
+    import math
+
+    import torch.distributed as dist
+
+    from conveyor.parallel.experts.dispatch import dispatch_combine
+
+    experts, width, tokens, choices = 4, 8, 12, 2
+    torch.manual_seed(0)
+    weights = torch.randn(experts, width, width)  # the same experts on both ranks; each computes its own half
+    torch.manual_seed(1 + rank)
+    hidden = torch.randn(tokens, width)
+    index = torch.randint(0, experts, (tokens, choices))
+    index[:, 0] = 0  # expert 0 is everyone's first choice: over any capacity near 1
+    index[0, 1] = experts  # one slot routed nowhere: not counted, not computed
+    gates = torch.rand(tokens, choices)
+    local = experts // world_size
+
+    def compute(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        return torch.stack([row @ weights[rank * local + int(e)] for row, e in zip(rows, local_ids)])
+
+    dropped = torch.zeros((), dtype=torch.long)
+    out = dispatch_combine(hidden, index, gates, num_experts=experts, group=dist.group.WORLD, compute=compute,
+                           capacity_factor=capacity, dropped=dropped)
+    routed = int((index < experts).sum())
+    limit = math.inf if capacity is None else math.ceil(capacity * routed / experts)
+    taken = [0] * experts
+    want = torch.zeros_like(hidden)
+    for t in range(tokens):
+        for k in range(choices):
+            e = int(index[t, k])
+            if e == experts:
+                continue
+            taken[e] += 1
+            if taken[e] <= limit:
+                want[t] += gates[t, k] * (hidden[t] @ weights[e])
+    return {"equal": torch.equal(out, want), "dropped": int(dropped), "expected": sum(max(0, n - limit)
+                                                                                       for n in taken)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("capacity", [None, 1.0, 1.5])
+def test_a_capacity_factor_drops_each_experts_later_slots_and_counts_them(capacity, one_thread):
+    from conveyor.testing import run_ranks
+
+    for rank, result in enumerate(run_ranks(_capacity_ranks, 2, args=(capacity,), timeout_s=120)):
+        assert result["equal"], (rank, capacity, result)
+        assert result["dropped"] == result["expected"], (rank, capacity, result)
+        assert (result["dropped"] > 0) == (capacity is not None), (rank, capacity, result)  # expert 0 overflows

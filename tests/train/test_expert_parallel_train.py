@@ -33,6 +33,8 @@ TINY = ["train.steps=2", "model.layers=2", "model.width=32", "model.heads=2", "m
     (["parallel.ep=many", "parallel.dp=2"], "parallel.ep='many': expected 'auto' (ep = parallel.dp) or a size"),
     (["parallel.ep=auto", "parallel.dp=2", "parallel.tp=2", "model.heads=4"],
      "expert and tensor parallelism together are not supported yet"),
+    (["parallel.expert_capacity=1.25"], "parallel.expert_capacity=1.25 caps what each expert takes"),
+    (["parallel.ep=2", "parallel.dp=2", "parallel.expert_capacity=-1"], "expected a capacity factor > 0"),
 ])
 def test_bad_expert_parallel_keys_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -82,3 +84,10 @@ def test_moe_trains_at_pp2_x_dp2_with_ep2(tmp_path):
         assert len(result["experts"]) == 2, (rank, result)
         assert all(whole[0] == 4 and local == (2, *whole[1:]) for whole, local in result["experts"].values()), result
     assert len({tuple(result["losses"]) for result in results}) == 1, results  # the step's loss on every rank
+
+
+def test_the_capacity_factor_reaches_the_layout_only_with_expert_parallelism():
+    from conveyor.train.config import ParallelConfig
+
+    assert ParallelConfig(dp=2, ep=2, expert_capacity=1.25).layout().expert_capacity == 1.25
+    assert ParallelConfig(dp=2, ep="auto", expert_capacity=1.0).layout().expert_capacity == 1.0

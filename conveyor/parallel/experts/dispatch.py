@@ -17,7 +17,10 @@ one microbatch's tokens at one MoE layer:
 6. the reverse all-to-all of the results, then the combine: each slot's result times its routing
    weight, summed into its token in expert order, as transformers' eager experts loop sums them.
 
-No token is dropped: every slot reaches its expert (no capacity factor). Every call keeps its
+No token is dropped unless a capacity factor is given: each expert then takes at most
+``ceil(factor x routed slots / num_experts)`` of this rank's slots (GShard's and Switch's per-rank
+capacity), the later ones in token order routed nowhere (their token keeps what the other choices give,
+as a slot routed nowhere does in transformers). Every call keeps its
 state in its own locals and autograd's graph, none on a module, so any number of microbatches may
 be in flight in one layer at once (the pipeline's schedules interleave them).
 
@@ -35,13 +38,14 @@ import torch
 
 
 def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
-                     num_experts: int, group, compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                     ) -> torch.Tensor:
+                     num_experts: int, group, compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     capacity_factor: float | None = None, dropped: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' output for ``hidden`` ([tokens, hidden]) routed by ``top_k_index`` / ``top_k_weights``
     ([tokens, k] each), the experts spread over ``group``'s ranks; differentiable.
 
     ``compute(tokens, local_ids)``: this rank's experts applied to ``tokens`` ([n, hidden], grouped by
-    ``local_ids``, the local expert of each row, ascending), unweighted.
+    ``local_ids``, the local expert of each row, ascending), unweighted. ``capacity_factor``: see the module
+    docstring (None: every slot reaches its expert); ``dropped``: a counter the dropped slots are added to.
 
     Example::
 
@@ -53,6 +57,8 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     local = num_experts // ep
     choices = top_k_index.shape[-1]
     slots_expert = top_k_index.reshape(-1)
+    if capacity_factor is not None:
+        slots_expert = over_capacity_nowhere(slots_expert, num_experts, capacity_factor, dropped)
     # An index of num_experts marks a slot routed nowhere (transformers' experts skip it): not counted.
     counts = torch.bincount(slots_expert, minlength=num_experts + 1)[:num_experts].view(ep, local)  # per expert
     received_counts = torch.empty_like(counts)
@@ -72,6 +78,25 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     returned = _all_to_all(results, send_splits, receive_splits, group)  # [slots], sorted by expert
     weighted = returned * top_k_weights.reshape(-1)[order, None].to(returned.dtype)
     return torch.zeros_like(hidden).index_add(0, slot_token, weighted.to(hidden.dtype))
+
+
+def over_capacity_nowhere(slots_expert: torch.Tensor, num_experts: int, capacity_factor: float,
+                          dropped: torch.Tensor | None = None) -> torch.Tensor:
+    """``slots_expert`` (each slot's expert; ``num_experts``: routed nowhere) with the slots beyond each expert's
+    capacity, ``ceil(capacity_factor x routed slots / num_experts)``, routed nowhere: the later ones in slot order.
+
+    Example:
+        >>> over_capacity_nowhere(torch.tensor([0, 0, 0, 1, 2]), 2, 1.0).tolist()   # 4 routed slots: 2 an expert
+        [0, 0, 2, 1, 2]
+    """
+    routed = slots_expert < num_experts
+    capacity = torch.ceil(routed.sum() * capacity_factor / num_experts)  # a tensor: no host read here
+    seen = torch.nn.functional.one_hot(slots_expert, num_experts + 1).cumsum(0)  # slots so far, per expert
+    place = seen.gather(1, slots_expert[:, None]).squeeze(1) - 1  # each slot's place among its expert's
+    over = routed & (place >= capacity)
+    if dropped is not None:
+        dropped.add_(over.sum().to(dropped.device))
+    return torch.where(over, num_experts, slots_expert)
 
 
 def _all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:

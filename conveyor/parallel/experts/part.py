@@ -46,17 +46,20 @@ class ExpertParallel(StagePart):
     """This rank's share of every experts module of its stages, and the groups that move their tokens.
 
     ``plan``: "auto" or {module-name pattern: "ep_dispatch_experts"}; ``ep``: the expert-parallel
-    group's size (divides the mesh's dp); ``mesh_layout``: where this rank stands.
+    group's size (divides the mesh's dp); ``mesh_layout``: where this rank stands; ``capacity``: the
+    capacity factor (None: no slot dropped). :attr:`dropped_slots`: the slots dropped in the last step.
     """
 
     wants_checkpoint_group = True
 
-    def __init__(self, plan, ep: int, mesh_layout: MeshLayout) -> None:
+    def __init__(self, plan, ep: int, mesh_layout: MeshLayout, capacity: float | None = None) -> None:
         if mesh_layout.dp_size % ep:
             raise PipelineConfigError(f"ep={ep} does not divide the mesh's dp={mesh_layout.dp_size}: expert "
                                       "parallelism borrows its ranks from the replicas; choose ep dividing dp")
         self.plan = plan
         self.ep = ep
+        self.capacity = capacity
+        self._dropped = torch.zeros((), dtype=torch.long)  # this step's, on the stage device (no host read)
         self.mesh_layout = mesh_layout
         self.ep_rank = mesh_layout.dp_rank % ep  # this rank's place in its group: which experts it owns
         self.group = None  # the expert-parallel group: the tokens' all-to-all
@@ -100,6 +103,7 @@ class ExpertParallel(StagePart):
         assert dist.get_rank(self.group) == self.ep_rank, (dist.get_rank(self.group), self.ep_rank, ep_groups)
         self.replicas_group = site.life.groups.replica_group(replica_groups) if len(replica_groups[0]) > 1 else None
         self.runners = dict(site.runners)
+        self._dropped = torch.zeros((), dtype=torch.long, device=site.device)
         self._as_dtensors(site.device)
         shapes = {f"{stage}:{name}": [tuple(p.shape) for p in m.parameters()]
                   for stage, by_name in self.experts.items() for name, m in by_name.items()}
@@ -141,6 +145,15 @@ class ExpertParallel(StagePart):
                     kept = nn.Parameter(sharded, requires_grad=param.requires_grad)
                     claim_reduction(kept, "expert parallelism")
                     setattr(experts, name, kept)
+
+    @property
+    def dropped_slots(self) -> int:
+        """The (token, choice) slots this rank's experts dropped over capacity in the last step (a host read)."""
+        return int(self._dropped.item())
+
+    def start_step(self) -> None:
+        """A new step counts its own dropped slots."""
+        self._dropped.zero_()
 
     def wrap(self) -> None:
         """The runners re-read their parameters (the shards became DTensors)."""
@@ -244,7 +257,7 @@ def _dispatched_forward(experts: nn.Module, part: ExpertParallel, num_experts: i
         raise PipelineConfigError("an expert-parallel experts module ran outside its pipeline (its groups are not "
                                   "built yet or were released): run it through the pipeline's step")
     return dispatch_combine(hidden_states, top_k_index, top_k_weights, num_experts=num_experts, group=part.group,
-                            compute=compute)
+                            compute=compute, capacity_factor=part.capacity, dropped=part._dropped)
 
 
 def expert_memberships(layout: MeshLayout, ep: int) -> tuple[list[list[int]], list[list[int]]]:
