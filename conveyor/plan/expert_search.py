@@ -21,7 +21,7 @@ smaller ep, which moves fewer tokens).
 
 Example:
     >>> from conveyor.plan.costs import synthetic_table
-    >>> from conveyor.plan.tensor_search import ModuleSplit
+    >>> from conveyor.plan.tensor_search import ModuleSplit, choose_fastest, evaluate
     >>> table = synthetic_table([("embed", 1, 0, 1, 8, 64)] + [(f"b{i}", 2, 2, 2, 34, 64, True) for i in range(2)])
     >>> option = ExpertParallelOption(2, (ModuleSplit("b0.experts", 8, 1e6, 1e6, 2, 2),))
     >>> [(u.parameters, u.forward) for u in expert_units(table.units, option, 1, bandwidth=1e9, latency=0.0)]
@@ -31,13 +31,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.errors import PlanError
 from conveyor.plan.costs import UnitCost
-from conveyor.plan.tensor_search import ModuleSplit
+from conveyor.plan.tensor_search import ModuleSplit, choose_fastest, evaluate
 
 
 @dataclass(frozen=True)
@@ -112,35 +112,15 @@ def search_expert_parallel(table, options: Sequence[ExpertParallelOption], *, ra
                            memory_per_rank: float) -> tuple[ExpertParallelOutcome | None, list[ExpertParallelOutcome]]:
     """Search each option with ``search_one(table, ranks, option)`` (the pipeline search at the same pipeline
     ranks, returning a SearchResult); returns (the chosen outcome or None, every outcome with its reason)."""
-    from conveyor.plan.result import format_size
-
     outcomes = []
     for option in options:
         outcome = ExpertParallelOutcome(option.ep)
         outcomes.append(outcome)
         if option.refused:
             outcome.reason = f"refused: {option.refused}"
-            continue
-        try:
-            outcome.result = search_one(table, ranks, option)
-        except PlanError as error:
-            outcome.reason = f"refused: {str(error).splitlines()[0]}"
-            continue
-        fitting = outcome.result.fitting
-        outcome.best = fitting[0] if fitting else outcome.result.best_over_memory()
-        if not fitting:
-            lightest = min((c.peak_memory for c in outcome.result.candidates if c.memory_per_rank), default=math.nan)
-            outcome.reason = (f"over memory: its lightest plan needs {format_size(lightest)} per rank, "
-                              f"over {format_size(memory_per_rank)}")
-    fits = [o for o in outcomes if o.best is not None and o.best.verdict == "fits"]
-    chosen = min(fits, key=lambda o: (o.best.step_time, o.ep), default=None)
-    for o in fits:
-        if o is chosen:
-            o.reason = "chosen: the fastest plan that fits" + (f" ({len(fits) - 1} other ep fit)" if len(fits) > 1
-                                                               else "")
         else:
-            o.reason = f"fits, {o.best.step_time / chosen.best.step_time - 1:.0%} slower than ep={chosen.ep}"
-    return chosen, outcomes
+            evaluate(outcome, functools.partial(search_one, table, ranks, option), memory_per_rank)
+    return choose_fastest(outcomes, "ep"), outcomes
 
 
 def report_lines(outcomes: Sequence[ExpertParallelOutcome]) -> list[str]:

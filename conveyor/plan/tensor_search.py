@@ -32,9 +32,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from conveyor.errors import PlanError
 from conveyor.plan.costs import UnitCost
@@ -144,8 +146,6 @@ def search_tensor_parallel(table, options: Sequence[TensorParallelOption], *, ra
                            memory_per_rank: float) -> tuple[TensorParallelOutcome | None, list[TensorParallelOutcome]]:
     """Search each option at ``pp = ranks / tp`` with ``search_one(table, pp, option)`` (the pipeline search,
     returning a SearchResult); returns (the chosen outcome or None, every outcome with its reason)."""
-    from conveyor.plan.result import format_size
-
     outcomes = []
     for option in options:
         outcome = TensorParallelOutcome(option.tp, ranks // option.tp)
@@ -158,29 +158,42 @@ def search_tensor_parallel(table, options: Sequence[TensorParallelOption], *, ra
             outcome.reason = (f"refused: pp={outcome.pp} stages need {outcome.pp} units, the model has "
                               f"{len(table.units)}")
         else:
-            try:
-                outcome.result = search_one(table, outcome.pp, option)
-            except PlanError as error:
-                outcome.reason = f"refused: {str(error).splitlines()[0]}"
-                continue
-            fitting = outcome.result.fitting
-            over = outcome.result.best_over_memory()
-            outcome.best = fitting[0] if fitting else over
-            if not fitting:
-                lightest = min((c.peak_memory for c in outcome.result.candidates if c.memory_per_rank),
-                               default=math.nan)
-                outcome.reason = (f"over memory: its lightest plan needs {format_size(lightest)} per rank, "
-                                  f"over {format_size(memory_per_rank)}")
+            evaluate(outcome, functools.partial(search_one, table, outcome.pp, option), memory_per_rank)
+    return choose_fastest(outcomes, "tp"), outcomes
+
+
+def evaluate(outcome: Any, run_search: Any, memory_per_rank: float) -> None:
+    """Fill ``outcome`` (a tp's or an ep's) from ``run_search()``, the pipeline search at that size: its result,
+    its best candidate (the fastest that fits, else the best over memory) and, when none fits or the search
+    refuses the size, why."""
+    from conveyor.plan.result import format_size
+
+    try:
+        outcome.result = run_search()
+    except PlanError as error:
+        outcome.reason = f"refused: {str(error).splitlines()[0]}"
+        return
+    fitting = outcome.result.fitting
+    outcome.best = fitting[0] if fitting else outcome.result.best_over_memory()
+    if not fitting:
+        lightest = min((c.peak_memory for c in outcome.result.candidates if c.memory_per_rank), default=math.nan)
+        outcome.reason = (f"over memory: its lightest plan needs {format_size(lightest)} per rank, "
+                          f"over {format_size(memory_per_rank)}")
+
+
+def choose_fastest(outcomes: Sequence[Any], name: str) -> Any:
+    """The outcome whose best plan fits and is fastest (ties: the smaller size, ``getattr(outcome, name)``), or
+    None; every fitting outcome's reason then says why it won or by how much it lost."""
     fits = [o for o in outcomes if o.best is not None and o.best.verdict == "fits"]
-    chosen = min(fits, key=lambda o: (o.best.step_time, o.tp), default=None)
+    chosen = min(fits, key=lambda o: (o.best.step_time, getattr(o, name)), default=None)
     for o in fits:
         if o is chosen:
-            o.reason = "chosen: the fastest plan that fits" + (f" ({len(fits) - 1} other tp fit)" if len(fits) > 1
-                                                               else "")
+            o.reason = "chosen: the fastest plan that fits" + (f" ({len(fits) - 1} other {name} fit)"
+                                                               if len(fits) > 1 else "")
         else:
             slower = o.best.step_time / chosen.best.step_time - 1
-            o.reason = f"fits, {slower:.0%} slower than tp={chosen.tp}"
-    return chosen, outcomes
+            o.reason = f"fits, {slower:.0%} slower than {name}={getattr(chosen, name)}"
+    return chosen
 
 
 def report_lines(outcomes: Sequence[TensorParallelOutcome], ranks: int) -> list[str]:

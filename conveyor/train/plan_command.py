@@ -124,20 +124,9 @@ def tensor_parallel_options(model: Any, example: Any, ranks: int, spec: str) -> 
         >>> [(o.tp, o.refused is None) for o in tensor_parallel_options(model, example, 4, "auto")]
         [(1, True), (2, True), (4, False)]
     """
-    from conveyor.plan.tensor_search import tp_sizes
     from conveyor.train.tensor_parallel import tensor_parallel_option
 
-    if spec.strip() == "auto":
-        sizes = tp_sizes(ranks)
-    else:
-        try:
-            sizes = sorted({int(part) for part in spec.split(",") if part.strip()})
-        except ValueError:
-            raise UsageError(f"--tp {spec!r}: expected 'auto' or tensor-parallel sizes such as 1,2,4") from None
-        bad = [tp for tp in sizes if tp < 1 or ranks % tp]
-        if bad or not sizes:
-            raise UsageError(f"--tp {spec!r}: each size must divide --ranks {ranks} (pp = ranks / tp); "
-                             f"try some of {', '.join(map(str, tp_sizes(ranks)))}")
+    sizes = _sizes("--tp", spec, "tensor-parallel", ranks, "--ranks", "pp = ranks / tp")
     if sizes == [1]:
         return ()
     seq_len = int(example.shape[1]) if getattr(example, "dim", lambda: 0)() >= 2 else 1
@@ -154,24 +143,35 @@ def expert_parallel_options(model: Any, example: Any, dp: int, spec: str) -> tup
         >>> [(o.ep, o.refused is None) for o in expert_parallel_options(model, example, 4, "auto")]
         [(1, True), (2, True), (4, True)]
     """
-    from conveyor.plan.tensor_search import tp_sizes
     from conveyor.train.expert_shards import expert_parallel_option
 
-    if spec.strip() == "auto":
-        sizes = tp_sizes(dp)  # the divisors of dp
-    else:
-        try:
-            sizes = sorted({int(part) for part in spec.split(",") if part.strip()})
-        except ValueError:
-            raise UsageError(f"--ep {spec!r}: expected 'auto' or expert-parallel sizes such as 1,2,4") from None
-        bad = [ep for ep in sizes if ep < 1 or dp % ep]
-        if bad or not sizes:
-            raise UsageError(f"--ep {spec!r}: each size must divide --dp {dp} (ep borrows the replicas' ranks); "
-                             f"try some of {', '.join(map(str, tp_sizes(dp)))}, or a larger --dp")
+    sizes = _sizes("--ep", spec, "expert-parallel", dp, "--dp", "ep borrows the replicas' ranks")
     if sizes == [1]:
         return ()
     seq_len = int(example.shape[1]) if getattr(example, "dim", lambda: 0)() >= 2 else 1
     return tuple(expert_parallel_option(model, ep, dp, seq_len) for ep in sizes)
+
+
+def _sizes(flag: str, spec: str, what: str, total: int, total_flag: str, why: str) -> list[int]:
+    """The sizes ``flag`` asks for: 'auto' (every divisor of ``total``) or a comma list, each dividing ``total``.
+
+    Example:
+        >>> _sizes("--tp", "auto", "tensor-parallel", 4, "--ranks", "pp = ranks / tp")
+        [1, 2, 4]
+    """
+    from conveyor.plan.tensor_search import tp_sizes
+
+    divisors = tp_sizes(total)
+    if spec.strip() == "auto":
+        return divisors
+    try:
+        sizes = sorted({int(part) for part in spec.split(",") if part.strip()})
+    except ValueError:
+        raise UsageError(f"{flag} {spec!r}: expected 'auto' or {what} sizes such as 1,2,4") from None
+    if not sizes or any(size < 1 or total % size for size in sizes):
+        raise UsageError(f"{flag} {spec!r}: each size must divide {total_flag} {total} ({why}); try some of "
+                         f"{', '.join(map(str, divisors))}")
+    return sizes
 
 
 def _smallest_microbatch(global_batch: int, ranks: int) -> int:
