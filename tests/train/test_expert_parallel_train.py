@@ -54,18 +54,11 @@ def test_the_dry_run_shows_each_ranks_expert_shards():
 
 
 def _train_moe(rank: int, world_size: int, run_dir: str) -> dict:
-    import conveyor.train.loop as loop
+    from conveyor.testing.rigs.trainer_pipelines import keep_built_pipelines
     from conveyor.train.loop import train
 
     torch.set_num_threads(1)
-    built = {}
-    original = loop.build_pipeline
-
-    def capture(cfg, model, loss_fn=None):
-        pipe = built["pipe"] = original(cfg, model, loss_fn)
-        return pipe
-
-    loop.build_pipeline = capture  # this rank's process only (forked)
+    built = keep_built_pipelines()  # this rank's process only (forked)
     cfg = load_config(MOE, [*TINY, f"run.dir={run_dir}"], world_size=world_size)
     summary = train(cfg)
     experts = {name: (tuple(p.shape), tuple(p.to_local().shape)) for name, p in built["pipe"].named_parameters()

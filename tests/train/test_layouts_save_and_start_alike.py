@@ -84,17 +84,11 @@ def _save_and_resume(rank: int, world_size: int, run_dir: str) -> dict:
     import torch.distributed as dist
 
     import conveyor.train.loop as loop
+    from conveyor.testing.rigs.trainer_pipelines import keep_built_pipelines
 
     torch.set_num_threads(1)
-    built = {}
-    original = loop.build_pipeline
-
-    def capture(cfg, model, loss_fn=None):
-        pipe = built["pipe"] = original(cfg, model, loss_fn)
-        built["initial"] = _initial_parameters(pipe)  # before any step
-        return pipe
-
-    loop.build_pipeline = capture  # this rank's process only (forked)
+    # This rank's process only (forked); each pipeline's parameters before any step.
+    built = keep_built_pipelines(lambda pipe, kept: kept.update(initial=_initial_parameters(pipe)))
     found = {}
     for layout, layout_keys in LAYOUTS[world_size].items():
         for model, model_keys in MODELS.items():

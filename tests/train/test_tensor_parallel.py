@@ -96,18 +96,11 @@ def test_sequence_parallel_reaches_the_pipeline_or_its_refusal_is_said_before_an
 
 
 def _train_recipes(rank: int, world_size: int, run_dir: str) -> dict:
-    import conveyor.train.loop as loop
+    from conveyor.testing.rigs.trainer_pipelines import keep_built_pipelines
     from conveyor.train.loop import train
 
     torch.set_num_threads(1)
-    built = {}
-    original = loop.build_pipeline
-
-    def capture(cfg, model, loss_fn=None):
-        pipe = built["pipe"] = original(cfg, model, loss_fn)
-        return pipe
-
-    loop.build_pipeline = capture  # this rank's process only (forked)
+    built = keep_built_pipelines()  # this rank's process only (forked)
     found = {}
     for name, sizes in RECIPE_SIZES.items():
         cfg = load_config(ROOT / "configs" / f"{name}.yaml", [*TINY, *sizes, f"run.dir={run_dir}/{name}"],
