@@ -87,6 +87,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # first, they leave the many short files to fill in behind them, and no worker ends the run alone on a
 # long file. A stale entry costs balance only, never a test.
 SLOWEST_FILES_FIRST = (
+    "tests/test_portable_kernels.py",  # 70 s alone: a child pytest of the derived bounds on portable kernels
     "tests/e2e/test_recipes.py",  # 155 s
     "tests/runtime/test_compile.py",  # 137 s: inductor compiles its kernels from a cold cache
     "tests/e2e/test_launches.py",  # 89 s
