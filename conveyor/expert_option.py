@@ -54,8 +54,8 @@ def is_stacked_experts(module: Any) -> bool:
 def check_expert_parallel(layout: Any) -> None:
     """Refuse ``layout``'s expert-parallel option where it cannot work, saying how to fix it.
 
-    It needs replicas (``dp``, or a mesh's "dp" dim) that ``ep`` divides (None: ep = dp), and no
-    tensor-parallel ranks (not supported yet).
+    It needs replicas (``dp``, or a mesh's "dp" dim) that ``ep`` divides (None: ep = dp); with tensor
+    parallelism, no sequence parallelism (not supported yet).
     """
     plan, ep, capacity = layout.expert_parallel, layout.ep, layout.expert_capacity
     if plan is None:
@@ -80,9 +80,10 @@ def check_expert_parallel(layout: Any) -> None:
     if layout.dp % (ep or layout.dp):
         raise PipelineConfigError(f"ep={ep} does not divide dp={layout.dp}: expert parallelism borrows its ranks from "
                                   f"the replicas; choose ep among the divisors of {layout.dp}")
-    if layout.tp > 1:
-        raise PipelineConfigError("expert_parallel with tensor_parallel (tp over 1) is not supported yet: drop one "
-                                  "of them, or give the tp ranks to dp (ep divides dp)")
+    if layout.tp > 1 and layout.sequence_parallel:
+        raise PipelineConfigError("expert_parallel with sequence_parallel is not supported yet: the experts take "
+                                  "each TP rank's tokens whole; drop sequence_parallel (tensor_parallel alone "
+                                  "composes with expert_parallel)")
 
 
 def check_plan(plan: Any) -> None:

@@ -224,7 +224,7 @@ def _world_mismatch(par: Any, world_size: int) -> str:
 
 def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
     """``parallel.ep``: "auto" or a size that divides ``parallel.dp`` (EP borrows the replicas' ranks) and the
-    recipe's expert count where its ``hf_config`` gives one; not in one process, not with tp yet."""
+    recipe's expert count where its ``hf_config`` gives one; not in one process, not with sequence parallelism yet."""
     par, ep = cfg.parallel, cfg.parallel.ep
     capacity = par.expert_capacity
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float)
@@ -249,9 +249,10 @@ def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
         problems.append(f"parallel.ep={ep}: expert parallelism spreads the experts over the data-parallel replicas, "
                         f"which parallel.dp={par.dp} does not divide into groups of {size}; set parallel.dp to a "
                         f"multiple of {size} (e.g. parallel.dp={max(2, size)}) or parallel.ep=1")
-    if par.tp > 1:
-        problems.append(f"parallel.ep={ep} with parallel.tp={par.tp}: expert and tensor parallelism together are not "
-                        "supported yet; set one of them to 1")
+    if par.tp > 1 and par.sequence_parallel:
+        problems.append(f"parallel.ep={ep} with parallel.sequence_parallel: the experts take each TP rank's tokens "
+                        "whole, which sequence parallelism does not keep yet; set parallel.sequence_parallel=false "
+                        "(parallel.tp composes with parallel.ep)")
     experts = _expert_count(cfg.model)
     if experts is not None and size > 0 and experts % size:
         problems.append(f"parallel.ep={ep} (groups of {size}) does not divide the model's {experts} experts; choose "

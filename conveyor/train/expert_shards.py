@@ -2,8 +2,9 @@
 
 Expert parallelism (:mod:`conveyor.parallel.experts`) groups ``ep`` consecutive data-parallel replicas at each
 pipeline rank; the replica at place ``i`` of its group keeps experts ``i*E/ep .. (i+1)*E/ep - 1`` of every experts
-module of its stages (dim 0 of the 3-D weights). The trainer's mesh is ("pp", "dp"), pp outermost: replica ``r``'s
-pipeline rank ``k`` is global rank ``k * dp + r``.
+module of its stages (dim 0 of the 3-D weights). The trainer's mesh is ("pp", "dp", "tp"), pp outermost: TP rank
+``t`` of replica ``r``'s pipeline rank ``k`` is global rank ``(k * dp + r) * tp + t`` (the TP ranks of a stage keep
+the same experts, each moving its tokens with the matching TP rank of the other replicas).
 
 Example:
     >>> from types import SimpleNamespace
@@ -26,9 +27,10 @@ def expert_size(parallel: Any) -> int:
 
 def expert_places(parallel: Any, pipeline_rank: int) -> list[tuple[int, list[int], list[int]]]:
     """For each place in an expert group: (place, the replicas at it, their global ranks at ``pipeline_rank``)."""
-    ep = expert_size(parallel)
+    ep, tp = expert_size(parallel), getattr(parallel, "tp", 1)
     return [(place, [r for r in range(parallel.dp) if r % ep == place],
-             [pipeline_rank * parallel.dp + r for r in range(parallel.dp) if r % ep == place]) for place in range(ep)]
+             [(pipeline_rank * parallel.dp + r) * tp + t for r in range(parallel.dp) if r % ep == place
+              for t in range(tp)]) for place in range(ep)]
 
 
 def expert_shard_lines(cfg: Any, model: Any, split: Any, schedule: Any) -> list[str]:
@@ -93,3 +95,25 @@ def expert_parallel_option(model: Any, ep: int, dp: int, seq_len: int) -> Any:
         ModuleSplit(name, sharded_parameters=sum(p.numel() for p in module.parameters(recurse=False)),
                     forward_bytes=moved, backward_bytes=moved, forward_collectives=2, backward_collectives=2)
         for name, module in modules))
+
+
+def dropped_slots(pipe: Any, tp: int) -> int:
+    """The (token, choice) slots the whole job's experts dropped over capacity in the last step: each rank's count
+    (:attr:`~conveyor.parallel.experts.ExpertParallel.dropped_slots`, its own tokens at its own layers) summed over
+    every rank, over ``tp`` (the TP ranks of a stage drop the same slots of the same tokens). A collective: every
+    rank calls it after each step, as the trainer does under ``parallel.expert_capacity``.
+
+    Example::
+
+        record["dropped_slots"] = dropped_slots(run.pipe, cfg.parallel.tp)
+    """
+    import torch
+    import torch.distributed as dist
+
+    from conveyor.parallel.experts import ExpertParallel
+
+    counts = [part.dropped_slots for part in pipe.ranks.parts if isinstance(part, ExpertParallel)]
+    total = torch.tensor([sum(counts)], dtype=torch.long)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return int(total.item()) // tp

@@ -6,15 +6,16 @@ with a linear warm-up and a cosine (or constant) learning rate, gradient clippin
 non-finite step skipped or fatal (``loss.on_nonfinite``), a validation loss (the language
 model's alone) through ``pipe.forward`` every ``train.eval_interval`` steps, checkpoints every
 ``checkpoint.interval`` steps and at the end (with the data loader's position, so a resumed
-run draws the batches the uninterrupted one would). Rank 0 writes ``<run.dir>/metrics.jsonl``
-(one JSON object per step, with ``lm_loss`` and ``aux_loss`` beside ``loss`` for a
-mixture-of-experts model, ``tokens``: the tokens trained, whose targets are not -100 (padding), and
-``tokens_per_s`` of them; and one per validation), ``<run.dir>/config.yaml`` (the resolved
-config), ``loss.png`` (training and validation curves), ``timeline.png`` (the last step measured
-beside its simulation), ``timeline.json`` (its Chrome/Perfetto trace), ``sample.txt`` (a greedy
-continuation after training, :mod:`conveyor.train.sample`) and TensorBoard events under
-``tensorboard/``, and shows progress (:class:`conveyor.train.report.Progress`) and a summary
-(bubble measured vs simulated, peak memory per rank, where the files are, the sample).
+run draws the batches the uninterrupted one would). Rank 0 writes ``<run.dir>/metrics.jsonl`` (one
+JSON object per step, with ``lm_loss`` and ``aux_loss`` beside ``loss`` for a mixture-of-experts
+model and ``dropped_slots`` under ``parallel.expert_capacity``, ``tokens``: the tokens trained,
+whose targets are not -100 (padding), and ``tokens_per_s`` of them; and one per validation),
+``<run.dir>/config.yaml`` (the resolved config), ``loss.png`` (training and validation curves),
+``timeline.png`` (the last step measured beside its simulation), ``timeline.json`` (its
+Chrome/Perfetto trace), ``sample.txt`` (a greedy continuation after training,
+:mod:`conveyor.train.sample`) and TensorBoard events under ``tensorboard/``, and shows progress
+(:class:`conveyor.train.report.Progress`) and a summary (bubble measured vs simulated, peak memory
+per rank, where the files are, the sample).
 
 Example (on each rank of a ``torchrun --nproc-per-node 2`` launch, after
 ``torch.distributed.init_process_group("gloo")``)::
@@ -43,6 +44,7 @@ from conveyor.parallel.loss import loss_divisor
 from conveyor.runtime.stage.device import group_device, to_device
 from conveyor.train.config import TrainConfig, save_config
 from conveyor.train.data import by_length_options, length_loader, load_tokenizer, resumable_loader, splits_factory
+from conveyor.train.expert_shards import dropped_slots, expert_size
 from conveyor.train.models import aux_loss_coefficient, build_model, load_weights
 from conveyor.train.report import (
     Progress,
@@ -479,8 +481,10 @@ def loop(run: Run) -> Path | None:
         run.skipped = run.pipe.skipped_steps
         scale = run.pipe.loss_scale  # fp16's loss scale after this step (None: not scaled)
         scaling = {} if scale is None else {"loss_scale": scale, "skipped_steps": run.skipped}
+        capped = cfg.parallel.expert_capacity is not None and expert_size(cfg.parallel) > 1
+        experts = {"dropped_slots": dropped_slots(run.pipe, cfg.parallel.tp)} if capped else {}  # a collective
         run.log({"step": run.step, "loss": loss, **parts, "lr": lr, "tokens": run.step_tokens,
-                 "tokens_per_s": round(tokens_per_s, 1), **scaling,
+                 "tokens_per_s": round(tokens_per_s, 1), **scaling, **experts,
                  "elapsed": round(time.perf_counter() - start, 3), **({"skipped": True} if skipped else {})})
         run.progress.step(run.step, loss, lr, tokens_per_s, took, parts=parts,
                           scaling=None if scale is None else (scale, run.skipped))

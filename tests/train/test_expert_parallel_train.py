@@ -4,6 +4,7 @@ module of its stages."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -31,8 +32,8 @@ TINY = ["train.steps=2", "model.layers=2", "model.width=32", "model.heads=2", "m
     (["parallel.ep=3", "parallel.dp=3", "train.batch_size=12"],
      "parallel.ep=3 (groups of 3) does not divide the model's 4 experts"),
     (["parallel.ep=many", "parallel.dp=2"], "parallel.ep='many': expected 'auto' (ep = parallel.dp) or a size"),
-    (["parallel.ep=auto", "parallel.dp=2", "parallel.tp=2", "model.heads=4"],
-     "expert and tensor parallelism together are not supported yet"),
+    (["parallel.ep=auto", "parallel.dp=2", "parallel.tp=2", "model.heads=4", "parallel.sequence_parallel=true"],
+     "parallel.ep=auto with parallel.sequence_parallel: the experts take each TP rank's tokens whole"),
     (["parallel.expert_capacity=1.25"], "parallel.expert_capacity=1.25 caps what each expert takes"),
     (["parallel.ep=2", "parallel.dp=2", "parallel.expert_capacity=-1"], "expected a capacity factor > 0"),
 ])
@@ -59,12 +60,24 @@ def _train_moe(rank: int, world_size: int, run_dir: str) -> dict:
 
     torch.set_num_threads(1)
     built = keep_built_pipelines()  # this rank's process only (forked)
-    cfg = load_config(MOE, [*TINY, f"run.dir={run_dir}"], world_size=world_size)
+    import conveyor.train.loop
+    from conveyor.parallel.experts import ExpertParallel
+
+    # A capacity factor of 1: each expert takes its even share of a rank's slots, the rest are dropped and counted.
+    # This rank's own count after each step, as the trainer reads it before summing it over the job.
+    mine, job_count = [], conveyor.train.loop.dropped_slots
+
+    def recorded(pipe, tp):
+        mine.append(sum(part.dropped_slots for part in pipe.ranks.parts if isinstance(part, ExpertParallel)))
+        return job_count(pipe, tp)
+
+    conveyor.train.loop.dropped_slots = recorded  # this rank's process only (forked)
+    cfg = load_config(MOE, [*TINY, f"run.dir={run_dir}", "parallel.expert_capacity=1.0"], world_size=world_size)
     summary = train(cfg)
     experts = {name: (tuple(p.shape), tuple(p.to_local().shape)) for name, p in built["pipe"].named_parameters()
                if ".experts." in name}
     return {"steps": summary["steps"], "losses": [summary["first_loss"], summary["last_loss"]],
-            "val": summary["last_val_loss"], "experts": experts}
+            "val": summary["last_val_loss"], "experts": experts, "dropped": mine}
 
 
 @pytest.mark.distributed
@@ -77,6 +90,11 @@ def test_moe_trains_at_pp2_x_dp2_with_ep2(tmp_path):
         assert len(result["experts"]) == 2, (rank, result)
         assert all(whole[0] == 4 and local == (2, *whole[1:]) for whole, local in result["experts"].values()), result
     assert len({tuple(result["losses"]) for result in results}) == 1, results  # the step's loss on every rank
+    # metrics.jsonl's dropped_slots: every rank's count of the step summed (tp=1).
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    counts = [r["dropped_slots"] for r in records if "loss" in r]  # the steps (not the validations)
+    assert len(counts) == 2 and counts == [sum(r["dropped"][step] for r in results) for step in range(2)], counts
+    assert all(count > 0 for count in counts), counts
 
 
 def test_the_capacity_factor_reaches_the_layout_only_with_expert_parallelism():
@@ -84,3 +102,13 @@ def test_the_capacity_factor_reaches_the_layout_only_with_expert_parallelism():
 
     assert ParallelConfig(dp=2, ep=2, expert_capacity=1.25).layout().expert_capacity == 1.25
     assert ParallelConfig(dp=2, ep="auto", expert_capacity=1.0).layout().expert_capacity == 1.0
+
+
+def test_the_dry_run_places_each_tp_ranks_experts_with_its_stage():
+    from conveyor.train.dry_run import format_layout, run_layout
+
+    cfg = load_config(MOE, [*TINY, "parallel.tp=2", "model.heads=4", "model.kv_heads=2"])
+    text = format_layout(run_layout(cfg), cfg)
+    # ("pp", "dp", "tp") mesh: TP rank t of replica r's pipeline rank k is global rank (k * 2 + r) * 2 + t; both TP
+    # ranks of a stage keep the same experts.
+    assert "pipeline rank 1, replicas [1] (global ranks [6, 7]): experts 2-3 of each of 1 experts modules" in text, text

@@ -19,6 +19,13 @@ replicas' part gives the dense gradients (it leaves the experts alone: they are 
 The pipeline's schedules need nothing more: both replicas of an expert-parallel group run the same
 program, so they reach each microbatch's all-to-all of each layer in the same order.
 
+With tensor parallelism (the part after :class:`~conveyor.parallel.tensor.stages.TensorParallelStages`), the
+TP ranks of a stage hold the same tokens: each keeps the same experts, whole (TP leaves them replicated), and
+moves its tokens in a group of its own, with the matching TP rank of the other replicas
+(:func:`expert_memberships`); a traced stage's DTensor activations enter the experts whole and leave
+replicated (:func:`_on_tensor_parallel_ranks`). The experts' compute is repeated on every TP rank, as TP
+without EP repeats it (torchtitan's and Megatron's "expert tensor parallel" size 1).
+
 Example (what ``parts_for`` builds for ``DistributedLayout(mesh=mesh, expert_parallel="auto", ep=2)``)::
 
     part = ExpertParallel("auto", 2, mesh_layout)
@@ -39,6 +46,7 @@ from conveyor.parallel.experts.discover import find_experts, num_experts_of
 from conveyor.parallel.experts.dispatch import dispatch_combine
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.parallel.part import PartSite, StagePart, claim_reduction
+from conveyor.parallel.replicas import replica_memberships
 from conveyor.schedule.ir import Schedule
 
 
@@ -215,7 +223,8 @@ def shard_experts(experts: nn.Module, ep_rank: int, ep: int, where: str) -> None
                                   f"dividing {num_experts} (each rank owns num_experts / ep of them)")
     local = num_experts // ep
     for name, param in list(experts.named_parameters(recurse=False)):
-        kept = nn.Parameter(param.detach()[ep_rank * local:(ep_rank + 1) * local].clone(),
+        # Under tensor parallelism the traced stage's experts are replicated DTensors: each holds them whole.
+        kept = nn.Parameter(_local(param.detach())[ep_rank * local:(ep_rank + 1) * local].clone(),
                             requires_grad=param.requires_grad)
         claim_reduction(kept, "expert parallelism")
         setattr(experts, name, kept)
@@ -256,24 +265,51 @@ def _dispatched_forward(experts: nn.Module, part: ExpertParallel, num_experts: i
     if part.group is None:
         raise PipelineConfigError("an expert-parallel experts module ran outside its pipeline (its groups are not "
                                   "built yet or were released): run it through the pipeline's step")
+    mesh = getattr(hidden_states, "device_mesh", None)
+    if mesh is not None:  # a traced stage under tensor parallelism runs on DTensors: see _on_tensor_parallel_ranks
+        return _on_tensor_parallel_ranks(mesh, hidden_states, top_k_index, top_k_weights,
+                                         lambda *whole: _dispatched_forward(experts, part, num_experts, *whole))
     return dispatch_combine(hidden_states, top_k_index, top_k_weights, num_experts=num_experts, group=part.group,
                             compute=compute, capacity_factor=part.capacity, dropped=part._dropped)
 
 
+def _on_tensor_parallel_ranks(mesh, hidden_states, top_k_index, top_k_weights, forward) -> torch.Tensor:
+    """``forward`` on the whole local tensors of a traced TP stage's DTensors, its output replicated again.
+
+    Each TP rank of a stage holds the same tokens and routing (gathered or reduced to ``Replicate`` here
+    if propagation left them otherwise) and the same experts, so each moves them with its own expert-parallel
+    group (:func:`expert_memberships`) and gets the same output; ``from_local``'s backward reduces a partial
+    gradient to a whole one first, so each TP rank sends the same gradients back.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    replicated = [Replicate()] * mesh.ndim
+
+    def whole(value: torch.Tensor) -> torch.Tensor:
+        if not isinstance(value, DTensor):
+            return value
+        if tuple(value.placements) != tuple(replicated):
+            value = value.redistribute(mesh, replicated)
+        return value.to_local()
+
+    out = forward(whole(hidden_states), whole(top_k_index), whole(top_k_weights))
+    return DTensor.from_local(out, mesh, replicated, run_check=False)
+
+
 def expert_memberships(layout: MeshLayout, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     """The expert-parallel groups and the expert-data-parallel groups of the job, as global ranks, in the
-    one order every rank builds them: per pipeline position, consecutive replicas ``ep`` at a time; and the
-    replicas at the same place of every such group.
+    one order every rank builds them: per (TP position, pipeline position), consecutive replicas ``ep`` at a
+    time; and the replicas at the same place of every such group. With tensor parallelism each TP position
+    has groups of its own: the TP ranks of a stage hold the same tokens and the same experts, so each moves
+    its tokens with the matching TP rank of the other replicas, and all of them compute alike.
 
     Example:
         >>> from conveyor.parallel.mesh import MeshLayout
         >>> expert_memberships(MeshLayout(((0, 1), (2, 3)), 0, 0, None), 2)
         ([[0, 2], [1, 3]], [[0], [2], [1], [3]])
     """
-    pipelines = layout.group_pipelines
     ep_groups, replica_groups = [], []
-    for position in range(layout.pp_size):
-        column = [pipeline[position] for pipeline in pipelines]
+    for column in replica_memberships(layout):
         ep_groups += [column[start:start + ep] for start in range(0, len(column), ep)]
         replica_groups += [column[place::ep] for place in range(ep)]
     return ep_groups, replica_groups

@@ -90,10 +90,10 @@ def _train(named, step_loss, settle) -> tuple[list, dict, dict]:
 def _mine(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """What EP alone holds of ``name``: an expert shard's local tensor, any other tensor whole (gathered
     over the replicas when FSDP shards it: a collective, in the same order on every rank)."""
-    return _local(tensor) if ".experts." in name else _whole_value(tensor)
+    return local_copy(tensor) if ".experts." in name else whole_value(tensor)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of this rank's tensor (a replicated DTensor's local tensor is the whole one)."""
     local = getattr(tensor, "to_local", None)
     return (local() if local is not None else tensor).detach().clone()
@@ -153,7 +153,7 @@ def train_one_device(family: str, num_layers: int) -> tuple[list, dict, dict]:
     return _train(whole.named_parameters(), step_loss, lambda: None)
 
 
-def _train_pipeline(pipe, pp_rank: int, dp_rank: int) -> tuple[list, dict, dict]:
+def train_pipeline(pipe, pp_rank: int, dp_rank: int) -> tuple[list, dict, dict]:
     ids = batches(dp_rank)
     first = pipe.schedule.placement.rank_of(0)
     last = pipe.schedule.placement.rank_of(pipe.schedule.num_stages - 1)
@@ -196,7 +196,7 @@ def schedules_against_ep_alone(rank: int, world_size: int, cases: tuple[tuple[st
             stages = moe_stages(tiny_moe(model_name, layers), layers, aux)
             pipe = conveyor.Pipeline([stages[s] for s in schedule.stages_of(pp_rank)], schedule, loss_fn=loss_fn,
                                      layout=layout, transfer=TransferOptions(timeout_s=120))
-        results[family, name] = _compare(_train_pipeline(pipe, pp_rank, dp_rank), references[model_name, aux, layers])
+        results[family, name] = _compare(train_pipeline(pipe, pp_rank, dp_rank), references[model_name, aux, layers])
         pipe.close()
     # Against one device for the carried auxiliary loss only: the attached one's backward gives each
     # replica's auxiliary loss a gradient of one whatever the loss's scale, so DP x M microbatches on
@@ -249,22 +249,23 @@ def checkpoint_across_ep(rank: int, world_size: int, directory: str) -> dict:
     optimizer.step()
     conveyor.checkpoint.save(directory, saved, optimizer)
     own_norm = _whole_norm(saved, DP)
-    want = {n: _whole_value(p) for n, p in saved.named_parameters()}
-    want_moments = {n: _whole_value(optimizer.state[p]["exp_avg_sq"]) for n, p in saved.named_parameters()}
-    shards = {n: (type(p).__name__, tuple(_local(p).shape), tuple(p.shape)) for n, p in saved.named_parameters()
+    want = {n: whole_value(p) for n, p in saved.named_parameters()}
+    want_moments = {n: whole_value(optimizer.state[p]["exp_avg_sq"]) for n, p in saved.named_parameters()}
+    shards = {n: (type(p).__name__, tuple(local_copy(p).shape), tuple(p.shape)) for n, p in saved.named_parameters()
               if ".experts." in n}
     saved.close()
     loaded, fresh = pipeline(1, DistributedLayout(mesh=mesh))  # ep=1: every expert whole on every rank
-    before = {n: _local(p) for n, p in loaded.named_parameters()}
+    before = {n: local_copy(p) for n, p in loaded.named_parameters()}
     conveyor.checkpoint.load(directory, loaded, fresh)
     got = dict(loaded.named_parameters())
     result = {
         "norm_rel": relative_difference(norm, own_norm),
         "elements": sum(p.numel() for p in tiny_moe("mixtral", 2).parameters()),
         "shards": shards,
-        "changed_by_load": all(not torch.equal(before[n], _local(p)) for n, p in got.items()),
-        "params_equal": sorted(got) == sorted(want) and all(torch.equal(_local(p), want[n]) for n, p in got.items()),
-        "moments_equal": all(torch.equal(_local(fresh.state[p]["exp_avg_sq"]), want_moments[n])
+        "changed_by_load": all(not torch.equal(before[n], local_copy(p)) for n, p in got.items()),
+        "params_equal": sorted(got) == sorted(want)
+        and all(torch.equal(local_copy(p), want[n]) for n, p in got.items()),
+        "moments_equal": all(torch.equal(local_copy(fresh.state[p]["exp_avg_sq"]), want_moments[n])
                              for n, p in got.items()),
     }
     loaded.close()
@@ -292,9 +293,9 @@ def traced_checkpoint(rank: int, world_size: int, directory: str) -> dict:
     saved.step(ids if pp_rank == 0 else None, target=ids if pp_rank == 1 else None)
     optimizer.step()
     conveyor.checkpoint.save(directory, saved, optimizer)
-    want = {n: _whole_value(p) for n, p in saved.named_parameters()}
-    want_moments = {n: _whole_value(optimizer.state[p]["exp_avg_sq"]) for n, p in saved.named_parameters()}
-    shards = {n: tuple(_local(p).shape) for n, p in saved.named_parameters() if ".experts." in n}
+    want = {n: whole_value(p) for n, p in saved.named_parameters()}
+    want_moments = {n: whole_value(optimizer.state[p]["exp_avg_sq"]) for n, p in saved.named_parameters()}
+    shards = {n: tuple(local_copy(p).shape) for n, p in saved.named_parameters() if ".experts." in n}
     saved.close()
     every: list = [None] * world_size  # pp=1 holds every stage's parameters
     dist.all_gather_object(every, (want, want_moments))
@@ -314,10 +315,10 @@ def traced_checkpoint(rank: int, world_size: int, directory: str) -> dict:
 
         result[where] = {
             "names": sorted(got), "want_names": sorted(set(want)) if where == "ep=1" else sorted(whole),
-            "params_equal": all(torch.equal(_local(p), kept(n, whole[n][0])) for n, p in got.items()),
-            "moments_equal": all(torch.equal(_local(fresh.state[p]["exp_avg_sq"]), kept(n, whole[n][1]))
+            "params_equal": all(torch.equal(local_copy(p), kept(n, whole[n][0])) for n, p in got.items()),
+            "moments_equal": all(torch.equal(local_copy(fresh.state[p]["exp_avg_sq"]), kept(n, whole[n][1]))
                                  for n, p in got.items()),
-            "expert_shapes": sorted({tuple(_local(p).shape)[:1] for n, p in got.items() if ".experts." in n}),
+            "expert_shapes": sorted({tuple(local_copy(p).shape)[:1] for n, p in got.items() if ".experts." in n}),
         }
         if where != "ep=1":
             result["ids"], result["logits"] = ids, loaded.forward(ids).logits
@@ -330,13 +331,13 @@ def _whole_norm(pipe, dp: int) -> torch.Tensor:
     each of its dp replicas (counted once: 1/dp each), an expert shard's is its own part."""
     squares = torch.zeros((), dtype=torch.float64)
     for name, param in pipe.named_parameters():
-        local = _local(param.grad).double()
+        local = local_copy(param.grad).double()
         squares += (local * local).sum() / (1 if ".experts." in name else dp)
     dist.all_reduce(squares)
     return squares.sqrt()
 
 
-def _whole_value(tensor: torch.Tensor) -> torch.Tensor:
+def whole_value(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of the whole tensor (an expert shard's DTensor gathered over its group: a collective)."""
     full = getattr(tensor, "full_tensor", None)
     return (full() if full is not None else tensor).detach().clone()

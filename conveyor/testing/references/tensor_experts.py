@@ -1,0 +1,107 @@
+"""Rank functions of the tensor x expert parallel tests: the traced Mixtral on a ("pp", "dp", "tp") mesh.
+
+Tensor parallelism shards the attention and the LM head over "tp"; expert parallelism shards every
+experts module over ep of the "dp" replicas. The TP ranks of a stage hold the same tokens and the
+same experts (each whole expert, 1/ep of them), so each moves its tokens with the matching TP rank of
+the other replicas (one expert-parallel group per TP position) and all compute alike. References:
+
+- **EP alone** (:func:`conveyor.testing.references.experts.train_ep_alone`): the unpiped model, no TP,
+  its experts sharded the same way over the replicas of this rank's TP position. TP changes the order
+  of some sums (see :data:`TP_X_EP_GRADIENT_BOUND` in the test), nothing else.
+- **the other TP ranks**: each TP rank's losses, expert shards' gradients and values are bitwise its
+  TP peers' (the experts' compute is replicated, not split, over "tp").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import conveyor.schedule as cs
+from conveyor.layout import DistributedLayout
+from conveyor.testing.compare import worst_absolute, worst_relative
+from conveyor.testing.models.moe import tiny_moe
+from conveyor.testing.references.experts import (
+    DP,
+    EP,
+    MICROBATCHES,
+    local_copy,
+    traced_pipeline,
+    train_ep_alone,
+    train_pipeline,
+    whole_value,
+)
+
+TP = 2
+
+
+def tensor_x_expert_parallel(rank: int, world_size: int, pp: int, directory: str) -> dict:
+    """pp x dp=2 x tp=2 (``pp`` 1 or 2: 4 or 8 ranks), the traced Mixtral (2 layers) cut into 2 stages (1f1b on 2
+    ranks, or interleaved-1f1b's two virtual stages on 1) with
+    ``tensor_parallel="auto"`` and ep=2, 3 AdamW steps: against EP alone (worst relative difference of the
+    losses and first gradients, worst absolute of the parameters), against its TP peers (bitwise), the
+    shards' shapes; then saved, and loaded at pp=1 x dp=4 with neither (every parameter whole)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import conveyor.checkpoint
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (pp, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    layers = 2
+    want = None
+    if pp == 1:  # EP alone over this TP position's replicas: the same grouping as the pipeline's experts
+        want = train_ep_alone("mixtral:traced", layers, mesh["dp"].get_group(), dp_rank)
+    # Two stages (cut before the second decoder layer) either way: on one rank (two virtual stages) or on two.
+    schedule = (cs.build("1f1b", ranks=2, microbatches=MICROBATCHES) if pp == 2 else
+                cs.build("interleaved-1f1b", ranks=1, microbatches=MICROBATCHES, virtual=2))
+    layout = DistributedLayout(mesh=mesh, tensor_parallel="auto", expert_parallel="auto", ep=EP)
+    pipe = traced_pipeline(tiny_moe("mixtral", layers), schedule, layout, dp_rank)
+    losses, grads, params = train_pipeline(pipe, pp_rank, dp_rank)
+    experts = sorted(n for n in params if ".experts." in n)
+    mine = (losses, {n: grads[n] for n in experts}, {n: params[n] for n in experts})
+    peers: list = [None] * TP
+    dist.all_gather_object(peers, mine, group=mesh["tp"].get_group())
+    result = {
+        "pp_rank": pp_rank, "dp_rank": dp_rank, "tp_rank": mesh.get_local_rank("tp"),
+        "losses": losses, "grads": grads, "params": params,
+        "expert_shapes": {n: (tuple(params[n].shape), tuple(pipe_param.shape))
+                          for n, pipe_param in pipe.named_parameters() if n in experts},
+        "sharded_by_tp": sorted(n for n, p in pipe.named_parameters()
+                                if ".experts." not in n and any(not q.is_replicate() for q in
+                                                                getattr(p, "placements", ()))),
+        "tp_peers_equal": all(_equal(peer, mine) for peer in peers),
+        "finite": all(torch.isfinite(x).all() for x in (*grads.values(), *params.values())),
+    }
+    if want is not None:
+        want_losses, want_grads, want_params = want
+        result["against ep alone"] = {
+            "loss_rel": worst_relative(zip(losses, want_losses, strict=True)),
+            "grad_rel": worst_relative((g, want_grads[n]) for n, g in sorted(grads.items())),
+            "param_abs": worst_absolute((p, want_params[n]) for n, p in sorted(params.items())),
+            "names": sorted(grads) == sorted(want_grads) == sorted(params) == sorted(want_params),
+        }
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    conveyor.checkpoint.save(directory, pipe, optimizer)
+    saved = {n: whole_value(p) for n, p in pipe.named_parameters()}  # gathered over "tp" or the experts' group
+    pipe.close()
+    every: list = [None] * world_size
+    dist.all_gather_object(every, saved)
+    whole = {n: t for part in every for n, t in part.items()}
+    flat = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("pp", "dp"))
+    loaded = traced_pipeline(tiny_moe("mixtral", layers, seed=1), cs.build("1f1b", ranks=1, microbatches=MICROBATCHES),
+                             DistributedLayout(mesh=flat), dp_rank)
+    conveyor.checkpoint.load(directory, loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-2))
+    got = dict(loaded.named_parameters())
+    result["loaded"] = {"names": sorted(got) == sorted(whole),
+                        "equal": all(torch.equal(local_copy(p), whole[n]) for n, p in got.items())}
+    loaded.close()
+    return result
+
+
+def _equal(a, b) -> bool:
+    (losses_a, grads_a, params_a), (losses_b, grads_b, params_b) = a, b
+    return (all(torch.equal(x, y) for x, y in zip(losses_a, losses_b, strict=True))
+            and sorted(grads_a) == sorted(grads_b) and all(torch.equal(g, grads_b[n]) for n, g in grads_a.items())
+            and all(torch.equal(p, params_b[n]) for n, p in params_a.items()))
+

@@ -1,0 +1,72 @@
+"""Tensor x expert parallelism: the traced Mixtral with ``tensor_parallel="auto"`` and ``expert_parallel="auto"``.
+
+pp=1 x dp=2 x tp=2 on 4 gloo ranks, two virtual stages a rank (the rank functions:
+``conveyor.testing.references.tensor_experts``):
+TP shards the attention and the LM head, EP shards the experts over the replicas, one expert-parallel group
+per TP position. Against EP alone (no TP) within the bounds derived below; each TP rank bitwise its peer;
+saved, then loaded whole at pp=1 x dp=4 with neither. The extended tier runs pp=2 x dp=2 x tp=2 (8 ranks)
+against the pp=1 run: bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.testing import run_ranks
+from conveyor.testing.compare import adamw_difference_bound, reordered_sum_bound
+from conveyor.testing.models.moe import MOE_VOCAB
+from conveyor.testing.references.experts import EP, STEPS
+from conveyor.testing.references.tensor_experts import tensor_x_expert_parallel
+
+LAYERS = 2
+# TP against no TP, both with the same experts on the same replicas' tokens. TP computes the same products
+# and sums some of them in another order: each layer's row-parallel o_proj adds two 16-term partial sums (a
+# 32-term sum reordered), and the loss's forward chains those of both layers into what the experts and the
+# head then compute from: reordered_sum_bound(32, depth=2 x LAYERS) at condition 1 (the terms' magnitudes no
+# larger than the largest result), with 2 of the 4 layers' worth left as margin for the softmax's exps.
+LOSS_BOUND = reordered_sum_bound(32, depth=2 * LAYERS)
+# A first gradient: the vocabulary-parallel head's input gradient sums the vocabulary's 64 terms as two
+# 32-term sums, and each layer's replicated activations sum their users' partial input gradients over the TP
+# ranks; chained down both layers (attention and experts): reordered_sum_bound(64, depth=2 x LAYERS).
+GRADIENT_BOUND = reordered_sum_bound(MOE_VOCAB, depth=2 * LAYERS)
+# After STEPS AdamW steps: where a gradient is at rounding level AdamW turns its rounding into a step of up to
+# lr (conveyor.testing.references.tensor_pipeline says why no tighter bound holds).
+PARAMETER_BOUND = adamw_difference_bound(1e-2, STEPS)
+
+
+def _check(result: dict, pp: int) -> None:
+    assert result["tp_peers_equal"] and result["finite"], result["tp_rank"]
+    shapes = result["expert_shapes"]
+    assert shapes and all(local[0] * EP == whole[0] for local, whole in shapes.values()), shapes
+    sharded = result["sharded_by_tp"]
+    assert any("q_proj" in n for n in sharded) and ("lm_head.weight" in sharded) == (result["pp_rank"] == pp - 1)
+    assert result["loaded"] == {"names": True, "equal": True}, result["loaded"]
+
+
+@pytest.mark.distributed
+def test_tensor_and_expert_parallel_compose_within_tps_rounding_of_ep_alone(tmp_path):
+    results = run_ranks(tensor_x_expert_parallel, 4, args=(1, str(tmp_path / "saved")), timeout_s=300)
+    for result in results:
+        _check(result, 1)
+        against = result["against ep alone"]
+        assert against["names"], against
+        assert against["loss_rel"] <= LOSS_BOUND, (against, LOSS_BOUND)
+        assert against["grad_rel"] <= GRADIENT_BOUND, (against, GRADIENT_BOUND)
+        assert against["param_abs"] <= PARAMETER_BOUND, (against, PARAMETER_BOUND)
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_pipelined_tensor_and_expert_parallel_is_bitwise_the_unpipelined(tmp_path):
+    """CI twin: test_tensor_and_expert_parallel_compose_within_tps_rounding_of_ep_alone (the same two stages on one
+    rank, the same layout otherwise); traced TP stages on two ranks against the same stages in turn are bitwise in
+    tests/parallel/test_tensor_parallel_traced.py, EP's in tests/parallel/test_expert_parallel.py."""
+    alone = {(r["dp_rank"], r["tp_rank"]): r
+             for r in run_ranks(tensor_x_expert_parallel, 4, args=(1, str(tmp_path / "one")), timeout_s=300)}
+    for result in run_ranks(tensor_x_expert_parallel, 8, args=(2, str(tmp_path / "two")), timeout_s=600):
+        _check(result, 2)
+        want = alone[result["dp_rank"], result["tp_rank"]]
+        assert all(torch.equal(a, b) for a, b in zip(result["losses"], want["losses"], strict=True))
+        assert result["grads"] and all(torch.equal(g, want["grads"][n]) for n, g in result["grads"].items())
+        assert all(torch.equal(p, want["params"][n]) for n, p in result["params"].items())
