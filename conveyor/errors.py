@@ -113,16 +113,6 @@ class LostConnection(RuntimeError):
     """
 
 
-class UnknownAction(Exception):
-    """An action missed its rank's table in the schedule engine: malformed, misplaced, or a
-    SEND/RECV met by compute-only tables. Internal: verify() and simulate() turn it into a
-    :class:`ScheduleError` that names the action."""
-
-    def __init__(self, action: object) -> None:
-        super().__init__(action)
-        self.action = action
-
-
 # --- local ranks in processes of their own: conveyor.processes.RankGroup (the calibration's, the
 # benchmarks') and conveyor.testing.run_ranks (tests') raise these to their callers ------------
 

@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.frontend.split import ModelSplit
@@ -95,7 +94,3 @@ def _as_received(value: Any) -> Any:
         return received.requires_grad_(value.requires_grad)
     return value
 
-
-def flat_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors in a (possibly nested) output, in flattening order (for comparisons)."""
-    return [value for value in pytree.tree_leaves(output) if isinstance(value, torch.Tensor)]

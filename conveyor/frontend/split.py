@@ -62,15 +62,6 @@ class TiedParameter:
     def stages(self) -> tuple[int, ...]:
         return tuple(sorted({stage for stage, _ in self.uses}))
 
-    def name_in_stage(self, stage: int) -> str:
-        """The name under which ``stage`` holds this parameter."""
-        for used_stage, name in self.uses:
-            if used_stage == stage:
-                return name
-        raise KeyError(
-            f"stage {stage} does not hold {self.names[0]} (held by stages {self.stages})"
-        )
-
 
 class ModelSplit:
     """The result of ``split_model``: how a model is cut, and how to build each stage.

@@ -205,16 +205,6 @@ class TracedModel:
             self.subgraphs[arg.name] for arg in node.args if isinstance(arg, fx.Node) and arg.name in self.subgraphs
         ]
 
-    @property
-    def kwarg_names(self) -> list[str]:
-        """Keyword names of the example, in the order the graph expects them."""
-        kwargs_spec = self.in_spec.child(1)
-        return list(kwargs_spec.context)
-
-    @property
-    def num_positional(self) -> int:
-        return self.in_spec.child(0).num_children
-
 
 def _named_tensors(model: nn.Module):
     yield from model.named_parameters(remove_duplicate=False)

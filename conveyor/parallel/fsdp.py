@@ -296,12 +296,3 @@ def after_step(runners: Iterable[StageRunner]) -> None:
         runner.module.set_reshard_after_backward(True)
         runner.module.set_is_last_backward(True)
 
-
-def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of a sharded stage, gathered whole (a collective over "dp"), by name.
-
-    Example:
-        >>> full = full_parameters(stage)    # doctest: +SKIP
-    """
-    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for name, p in module.named_parameters()}

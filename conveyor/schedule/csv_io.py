@@ -313,11 +313,6 @@ def _programs_for(schedule: Schedule, format: str) -> tuple[tuple[Action, ...], 
 # -- text ---------------------------------------------------------------------------------------
 
 
-def format_schedule(schedule: Schedule) -> str:
-    """The text form: a header line, then ``rank N: <actions>`` per rank (``str(schedule)``)."""
-    return str(schedule)
-
-
 def parse_schedule(
     text: str,
     *,
@@ -371,15 +366,3 @@ def parse_schedule(
     if header is not None and header[2] != schedule.num_stages:
         raise ScheduleError(f"the header says {header[2]} stages but the actions use {schedule.num_stages}")
     return schedule
-
-
-# Hook for ir.Schedule.from_programs: turn user rows into Action tuples with clear messages.
-def actions_of(rows: object, source: str = "") -> tuple[tuple[Action, ...], ...]:
-    """Per-rank tuples of Actions from rows of ``Action`` or strings (messages name rank and column)."""
-    if isinstance(rows, str | bytes) or not isinstance(rows, Iterable):
-        raise ScheduleError(
-            f"{source}expected one sequence of actions per rank (e.g. [['0F0', '0B0'], ['1F0', '1B0']]), "
-            f"got {type(rows).__name__}"
-        )
-    return tuple(_read_row(row, rank, frozenset(), source) for rank, row in enumerate(rows))
-

@@ -67,8 +67,6 @@ class ActionKind(StrEnum):
 
 
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
-BACKWARD_KINDS = frozenset({ActionKind.B, ActionKind.I, ActionKind.W})
-
 # Longest kind names first so that "SEND_F" is not read as "S" + ...
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 

@@ -23,7 +23,7 @@ Example (what ``conveyor.pipeline`` does on each rank of a ("pp", "tp") mesh)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -140,21 +140,3 @@ def _set(stage: nn.Module, name: str, value: torch.Tensor) -> None:
     else:
         module._buffers[attribute] = value
 
-
-def stage_local_bytes(stage: nn.Module) -> int:
-    """The bytes this rank holds for ``stage``'s parameters and buffers (local shards of DTensors).
-
-    Example::
-
-        stage_local_bytes(stage)    # about half of the stage's whole bytes at tp=2, for its sharded part
-    """
-    total = 0
-    for tensor in [*stage.parameters(), *stage.buffers()]:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        total += local.numel() * local.element_size()
-    return total
-
-
-def whole_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    """The bytes of ``tensors`` at their global shapes."""
-    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -201,6 +201,3 @@ def _block_inputs(style: LocalBlock, first: str, rank: int, size: int, module, a
 def _whole(value: DTensor):
     return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local()
 
-
-def is_dtensor(value: object) -> bool:
-    return isinstance(value, DTensor)

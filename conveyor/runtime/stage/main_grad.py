@@ -83,16 +83,6 @@ class ParamPrecision:
         return f"{_short(self.param_dtype)} params, {accum}"
 
 
-def describe_params(precision: ParamPrecision | None) -> str:
-    """:meth:`ParamPrecision.describe`, or ``"as given"`` for None.
-
-    Example:
-        >>> describe_params(None)
-        'as given'
-    """
-    return precision.describe() if precision is not None else "as given"
-
-
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -71,11 +71,6 @@ class MemoryReport:
     weight_bytes: dict[int, int] = field(default_factory=dict)
     device_peak_bytes: int | None = None
 
-    @property
-    def microbatch_bytes(self) -> int:
-        """The most one stage-microbatch's forward saved on this rank."""
-        return max(self.stage_bytes.values(), default=0)
-
 
 class _Saved:
     """What autograd holds in place of a saved tensor: its death is the tensor's release."""
