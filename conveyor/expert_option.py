@@ -54,8 +54,8 @@ def is_stacked_experts(module: Any) -> bool:
 def check_expert_parallel(layout: Any) -> None:
     """Refuse ``layout``'s expert-parallel option where it cannot work, saying how to fix it.
 
-    It needs replicas (``dp``, or a mesh's "dp" dim) that ``ep`` divides (None: ep = dp); with tensor
-    parallelism, no sequence parallelism (not supported yet).
+    It needs replicas or TP ranks (``dp``, ``tp``, or a mesh's "dp" and "tp" dims) whose product ``ep`` divides
+    (None: ep = dp); with tensor parallelism, no sequence parallelism (not supported yet).
     """
     plan, ep, capacity = layout.expert_parallel, layout.ep, layout.expert_capacity
     if plan is None:
@@ -73,17 +73,18 @@ def check_expert_parallel(layout: Any) -> None:
     if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
         raise PipelineConfigError(f"ep takes a positive int (ranks per expert-parallel group); got {ep!r}")
     dims = tuple(getattr(layout.mesh, "mesh_dim_names", None) or ())
-    if layout.dp == 1 and "dp" not in dims:
+    if layout.dp * layout.tp == 1 and not {"dp", "tp"} & set(dims):
         raise PipelineConfigError(
-            f"expert_parallel={plan!r} borrows its ranks from the pipeline's replicas, and this layout has none: "
-            "give dp= (replicas, which ep divides) or a mesh with a 'dp' dim")
-    if layout.dp % (ep or layout.dp):
-        raise PipelineConfigError(f"ep={ep} does not divide dp={layout.dp}: expert parallelism borrows its ranks from "
-                                  f"the replicas; choose ep among the divisors of {layout.dp}")
+            f"expert_parallel={plan!r} borrows its ranks from the pipeline's replicas (and their TP ranks), and this "
+            "layout has none: give dp= (replicas, which ep divides) or a mesh with a 'dp' dim")
+    ranks = layout.dp * layout.tp
+    if ranks % (ep or layout.dp):
+        what = f"dp={layout.dp}" if layout.tp == 1 else f"dp x tp = {layout.dp} x {layout.tp}"
+        raise PipelineConfigError(f"ep={ep} does not divide {what}: expert parallelism borrows its ranks from the "
+                                  f"replicas and their TP ranks; choose ep among the divisors of {ranks}")
     if layout.tp > 1 and layout.sequence_parallel:
-        raise PipelineConfigError("expert_parallel with sequence_parallel is not supported yet: the experts take "
-                                  "each TP rank's tokens whole; drop sequence_parallel (tensor_parallel alone "
-                                  "composes with expert_parallel)")
+        raise PipelineConfigError("expert_parallel with sequence_parallel is not supported yet: drop sequence_parallel "
+                                  "(tensor_parallel alone composes with expert_parallel)")
 
 
 def check_plan(plan: Any) -> None:

@@ -90,10 +90,10 @@ class DistributedLayout:
                                         "shards, and sent between stages so (hand-built and traced stages)")
     loss_parallel: bool = _f(False, "with tensor_parallel: logits stay vocabulary-sharded and the last stage's "
                                     "loss runs under torch's loss_parallel() (hand-built or traced stages)")
-    expert_parallel: Any = _f(None, "experts sharded over ep of the dp replicas (conveyor.parallel.experts): "
+    expert_parallel: Any = _f(None, "experts sharded over ep of the dp x tp ranks (conveyor.parallel.experts): "
                                     "'auto' or {module-name pattern: 'ep_dispatch_experts'}; None: off")
-    ep: int | None = _f(None, "with expert_parallel: ranks per expert group, dividing dp (None: dp); borrowed "
-                              "from the replicas, so not a dim of its own")
+    ep: int | None = _f(None, "with expert_parallel: ranks per expert group, dividing dp x tp (None: dp); "
+                              "borrowed from the replicas and their TP ranks, so not a dim of its own")
     expert_capacity: float | None = _f(None, "with expert_parallel: a capacity factor; each expert takes at most "
                                              "ceil(factor x routed slots / experts) of a rank's slots per microbatch "
                                              "and layer, the later ones in token order dropped; None: none dropped")

@@ -46,7 +46,7 @@ def parts_for(layout: DistributedLayout, mesh_layout: MeshLayout | None) -> list
     if layout.expert_parallel is not None:
         from conveyor.parallel.experts import ExpertParallel
 
-        assert mesh_layout is not None  # Layout refuses expert_parallel without a mesh's "dp" dim
+        assert mesh_layout is not None  # Layout refuses expert_parallel without a mesh's "dp" or "tp" dim
         ep = layout.ep or mesh_layout.dp_size
         if ep > 1:  # ep=1: every rank keeps every expert, nothing to move
             parts.append(ExpertParallel(layout.expert_parallel, ep, mesh_layout, layout.expert_capacity))

@@ -223,7 +223,7 @@ def _world_mismatch(par: Any, world_size: int) -> str:
 
 
 def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
-    """``parallel.ep``: "auto" or a size that divides ``parallel.dp`` (EP borrows the replicas' ranks) and the
+    """``parallel.ep``: "auto" or a size that divides ``parallel.dp x parallel.tp`` (EP borrows those ranks) and the
     recipe's expert count where its ``hf_config`` gives one; not in one process, not with sequence parallelism yet."""
     par, ep = cfg.parallel, cfg.parallel.ep
     capacity = par.expert_capacity
@@ -245,10 +245,14 @@ def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
     if par.in_process:
         problems.append(f"parallel.ep={ep} moves tokens between processes, but parallel.in_process=true; set "
                         "parallel.ep=1 or parallel.in_process=false")
-    if par.dp < 2 or par.dp % size:
+    if par.dp * par.tp < 2 or (par.dp * par.tp) % size:
         problems.append(f"parallel.ep={ep}: expert parallelism spreads the experts over the data-parallel replicas, "
                         f"which parallel.dp={par.dp} does not divide into groups of {size}; set parallel.dp to a "
-                        f"multiple of {size} (e.g. parallel.dp={max(2, size)}) or parallel.ep=1")
+                        f"multiple of {size} (e.g. parallel.dp={max(2, size)}) or parallel.ep=1"
+                        if par.tp == 1 else
+                        f"parallel.ep={ep}: expert parallelism spreads the experts over the replicas' TP ranks, "
+                        f"parallel.dp x parallel.tp = {par.dp * par.tp}, which groups of {size} do not divide; "
+                        "choose an ep dividing it or parallel.ep=1")
     if par.tp > 1 and par.sequence_parallel:
         problems.append(f"parallel.ep={ep} with parallel.sequence_parallel: the experts take each TP rank's tokens "
                         "whole, which sequence parallelism does not keep yet; set parallel.sequence_parallel=false "

@@ -2,9 +2,9 @@
 
 Expert parallelism (:mod:`conveyor.parallel.experts`) groups ``ep`` consecutive data-parallel replicas at each
 pipeline rank; the replica at place ``i`` of its group keeps experts ``i*E/ep .. (i+1)*E/ep - 1`` of every experts
-module of its stages (dim 0 of the 3-D weights). The trainer's mesh is ("pp", "dp", "tp"), pp outermost: TP rank
-``t`` of replica ``r``'s pipeline rank ``k`` is global rank ``(k * dp + r) * tp + t`` (the TP ranks of a stage keep
-the same experts, each moving its tokens with the matching TP rank of the other replicas).
+module of its stages (dim 0 of the 3-D weights). With ``parallel.tp`` the groups are ``ep`` consecutive (replica,
+TP rank) positions, position ``r * tp + t`` at place ``(r * tp + t) % ep``. The trainer's mesh is ("pp", "dp", "tp"),
+pp outermost: TP rank ``t`` of replica ``r``'s pipeline rank ``k`` is global rank ``(k * dp + r) * tp + t``.
 
 Example:
     >>> from types import SimpleNamespace
@@ -28,9 +28,9 @@ def expert_size(parallel: Any) -> int:
 def expert_places(parallel: Any, pipeline_rank: int) -> list[tuple[int, list[int], list[int]]]:
     """For each place in an expert group: (place, the replicas at it, their global ranks at ``pipeline_rank``)."""
     ep, tp = expert_size(parallel), getattr(parallel, "tp", 1)
-    return [(place, [r for r in range(parallel.dp) if r % ep == place],
-             [(pipeline_rank * parallel.dp + r) * tp + t for r in range(parallel.dp) if r % ep == place
-              for t in range(tp)]) for place in range(ep)]
+    positions = range(parallel.dp * tp)  # (replica, TP rank) as r * tp + t
+    return [(place, sorted({c // tp for c in positions if c % ep == place}),
+             [pipeline_rank * parallel.dp * tp + c for c in positions if c % ep == place]) for place in range(ep)]
 
 
 def expert_shard_lines(cfg: Any, model: Any, split: Any, schedule: Any) -> list[str]:
@@ -39,8 +39,9 @@ def expert_shard_lines(cfg: Any, model: Any, split: Any, schedule: Any) -> list[
     p = cfg.parallel
     ep = expert_size(p)
     modules = {name: module for name, module in model.named_modules() if is_stacked_experts(module)}
-    lines = [f"expert parallel: ep={ep}, groups of {ep} consecutive dp replicas at each pipeline rank; each expert's "
-             f"gradient summed over the {p.dp // ep} replica(s) keeping it; the rank table counts whole experts"]
+    units = "dp replicas" if p.tp == 1 else f"(replica, TP rank) positions (tp={p.tp}: each TP rank its rows)"
+    lines = [f"expert parallel: ep={ep}, groups of {ep} consecutive {units} at each pipeline rank; each expert's "
+             f"gradient summed over the {p.dp * p.tp // ep} rank(s) keeping it; the rank table counts whole experts"]
     if not modules:
         return [*lines, "  no experts modules in this model: the pipeline will refuse parallel.ep"]
     for rank in sorted({schedule.placement.rank_of(stage) for stage in range(split.num_stages)}):
@@ -97,15 +98,15 @@ def expert_parallel_option(model: Any, ep: int, dp: int, seq_len: int) -> Any:
         for name, module in modules))
 
 
-def dropped_slots(pipe: Any, tp: int) -> int:
+def dropped_slots(pipe: Any) -> int:
     """The (token, choice) slots the whole job's experts dropped over capacity in the last step: each rank's count
-    (:attr:`~conveyor.parallel.experts.ExpertParallel.dropped_slots`, its own tokens at its own layers) summed over
-    every rank, over ``tp`` (the TP ranks of a stage drop the same slots of the same tokens). A collective: every
-    rank calls it after each step, as the trainer does under ``parallel.expert_capacity``.
+    (:attr:`~conveyor.parallel.experts.ExpertParallel.dropped_slots`: the slots of the tokens it dispatched, its own
+    rows under tensor parallelism, at its own layers) summed over every rank. A collective: every rank calls it
+    after each step, as the trainer does under ``parallel.expert_capacity``.
 
     Example::
 
-        record["dropped_slots"] = dropped_slots(run.pipe, cfg.parallel.tp)
+        record["dropped_slots"] = dropped_slots(run.pipe)
     """
     import torch
     import torch.distributed as dist
@@ -116,4 +117,4 @@ def dropped_slots(pipe: Any, tp: int) -> int:
     total = torch.tensor([sum(counts)], dtype=torch.long)
     if dist.is_initialized():
         dist.all_reduce(total)
-    return int(total.item()) // tp
+    return int(total.item())

@@ -482,7 +482,7 @@ def loop(run: Run) -> Path | None:
         scale = run.pipe.loss_scale  # fp16's loss scale after this step (None: not scaled)
         scaling = {} if scale is None else {"loss_scale": scale, "skipped_steps": run.skipped}
         capped = cfg.parallel.expert_capacity is not None and expert_size(cfg.parallel) > 1
-        experts = {"dropped_slots": dropped_slots(run.pipe, cfg.parallel.tp)} if capped else {}  # a collective
+        experts = {"dropped_slots": dropped_slots(run.pipe)} if capped else {}  # a collective
         run.log({"step": run.step, "loss": loss, **parts, "lr": lr, "tokens": run.step_tokens,
                  "tokens_per_s": round(tokens_per_s, 1), **scaling, **experts,
                  "elapsed": round(time.perf_counter() - start, 3), **({"skipped": True} if skipped else {})})

@@ -19,12 +19,13 @@ replicas' part gives the dense gradients (it leaves the experts alone: they are 
 The pipeline's schedules need nothing more: both replicas of an expert-parallel group run the same
 program, so they reach each microbatch's all-to-all of each layer in the same order.
 
-With tensor parallelism (the part after :class:`~conveyor.parallel.tensor.stages.TensorParallelStages`), the
-TP ranks of a stage hold the same tokens: each keeps the same experts, whole (TP leaves them replicated), and
-moves its tokens in a group of its own, with the matching TP rank of the other replicas
-(:func:`expert_memberships`); a traced stage's DTensor activations enter the experts whole and leave
-replicated (:func:`_on_tensor_parallel_ranks`). The experts' compute is repeated on every TP rank, as TP
-without EP repeats it (torchtitan's and Megatron's "expert tensor parallel" size 1).
+With tensor parallelism (the part after :class:`~conveyor.parallel.tensor.stages.TensorParallelStages`), ep
+borrows from dp x tp, as torchtitan's and transformers' expert parallelism do: the TP ranks of a stage hold the
+same tokens, so each takes its ``1/tp`` of them (by rows) into the experts, and the expert-parallel groups are
+``ep`` consecutive (replica, TP rank) positions (:func:`expert_memberships`; ep = tp groups a stage's TP ranks,
+ep = dp x tp every rank of a pipeline position). After the combine the TP ranks gather the rows back, so every
+TP rank leaves the experts with the whole output (:func:`_on_tensor_parallel_ranks`): no expert is computed
+twice, and a rank keeps ``1/ep`` of the experts.
 
 Example (what ``parts_for`` builds for ``DistributedLayout(mesh=mesh, expert_parallel="auto", ep=2)``)::
 
@@ -46,7 +47,6 @@ from conveyor.parallel.experts.discover import find_experts, num_experts_of
 from conveyor.parallel.experts.dispatch import dispatch_combine
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.parallel.part import PartSite, StagePart, claim_reduction
-from conveyor.parallel.replicas import replica_memberships
 from conveyor.schedule.ir import Schedule
 
 
@@ -61,15 +61,19 @@ class ExpertParallel(StagePart):
     wants_checkpoint_group = True
 
     def __init__(self, plan, ep: int, mesh_layout: MeshLayout, capacity: float | None = None) -> None:
-        if mesh_layout.dp_size % ep:
-            raise PipelineConfigError(f"ep={ep} does not divide the mesh's dp={mesh_layout.dp_size}: expert "
-                                      "parallelism borrows its ranks from the replicas; choose ep dividing dp")
+        ranks = mesh_layout.dp_size * mesh_layout.tp_size
+        if ranks % ep:
+            raise PipelineConfigError(f"ep={ep} does not divide the mesh's dp x tp = {ranks}: expert parallelism "
+                                      "borrows its ranks from the replicas and their TP ranks; choose ep dividing "
+                                      f"{ranks}")
         self.plan = plan
         self.ep = ep
         self.capacity = capacity
         self._dropped = torch.zeros((), dtype=torch.long)  # this step's, on the stage device (no host read)
         self.mesh_layout = mesh_layout
-        self.ep_rank = mesh_layout.dp_rank % ep  # this rank's place in its group: which experts it owns
+        # This rank's place in its group (which experts it owns): its (replica, TP rank) position, modulo ep.
+        self.ep_rank = (mesh_layout.dp_rank * mesh_layout.tp_size + mesh_layout.tp_rank) % ep
+        self.tp_mesh = mesh_layout.tp_mesh if mesh_layout.tp_size > 1 else None  # the TP ranks split the tokens
         self.group = None  # the expert-parallel group: the tokens' all-to-all
         self.replicas_group = None  # the expert-data-parallel group: the expert gradients' sum
         self.experts: dict[int, dict[str, nn.Module]] = {}  # by stage, by name in the stage
@@ -265,51 +269,58 @@ def _dispatched_forward(experts: nn.Module, part: ExpertParallel, num_experts: i
     if part.group is None:
         raise PipelineConfigError("an expert-parallel experts module ran outside its pipeline (its groups are not "
                                   "built yet or were released): run it through the pipeline's step")
-    mesh = getattr(hidden_states, "device_mesh", None)
-    if mesh is not None:  # a traced stage under tensor parallelism runs on DTensors: see _on_tensor_parallel_ranks
-        return _on_tensor_parallel_ranks(mesh, hidden_states, top_k_index, top_k_weights,
-                                         lambda *whole: _dispatched_forward(experts, part, num_experts, *whole))
+    if part.tp_mesh is not None:  # the TP ranks split the tokens: see _on_tensor_parallel_ranks
+        return _on_tensor_parallel_ranks(part.tp_mesh, hidden_states, top_k_index, top_k_weights,
+                                         lambda *rows: dispatch_combine(*rows, num_experts=num_experts,
+                                                                        group=part.group, compute=compute,
+                                                                        capacity_factor=part.capacity,
+                                                                        dropped=part._dropped))
     return dispatch_combine(hidden_states, top_k_index, top_k_weights, num_experts=num_experts, group=part.group,
                             compute=compute, capacity_factor=part.capacity, dropped=part._dropped)
 
 
-def _on_tensor_parallel_ranks(mesh, hidden_states, top_k_index, top_k_weights, forward) -> torch.Tensor:
-    """``forward`` on the whole local tensors of a traced TP stage's DTensors, its output replicated again.
+def _on_tensor_parallel_ranks(tp_mesh, hidden_states, top_k_index, top_k_weights, forward) -> torch.Tensor:
+    """``forward`` on this TP rank's rows of the tokens (``tensor_split`` by rows over the TP ranks, as
+    DTensor's ``Shard(0)`` cuts them), the rows gathered back after it: the whole output on every TP rank.
 
-    Each TP rank of a stage holds the same tokens and routing (gathered or reduced to ``Replicate`` here
-    if propagation left them otherwise) and the same experts, so each moves them with its own expert-parallel
-    group (:func:`expert_memberships`) and gets the same output; ``from_local``'s backward reduces a partial
-    gradient to a whole one first, so each TP rank sends the same gradients back.
+    The TP ranks of a stage hold the same tokens: a traced stage's as DTensors (gathered or reduced to
+    ``Replicate`` here if propagation left them otherwise), a hand-built stage's as plain tensors, replicated.
+    As DTensors the cut costs nothing and the gather is DTensor's all-gather; both backwards are DTensor's
+    own (each TP rank's rows of the replicated gradient in, the rows' input gradients gathered out), so
+    every TP rank sends the same gradients on. The output keeps the input's kind (DTensor or plain).
     """
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    traced = isinstance(hidden_states, DTensor)
+    mesh = hidden_states.device_mesh if traced else tp_mesh
     replicated = [Replicate()] * mesh.ndim
 
-    def whole(value: torch.Tensor) -> torch.Tensor:
+    def rows(value: torch.Tensor) -> torch.Tensor:
         if not isinstance(value, DTensor):
-            return value
-        if tuple(value.placements) != tuple(replicated):
-            value = value.redistribute(mesh, replicated)
-        return value.to_local()
+            value = DTensor.from_local(value, mesh, replicated, run_check=False)
+        return value.redistribute(mesh, [Shard(0)] * mesh.ndim).to_local()
 
-    out = forward(whole(hidden_states), whole(top_k_index), whole(top_k_weights))
-    return DTensor.from_local(out, mesh, replicated, run_check=False)
+    out = forward(rows(hidden_states), rows(top_k_index), rows(top_k_weights))
+    shape = hidden_states.shape
+    whole = DTensor.from_local(out, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=shape,
+                               stride=_contiguous(shape)).redistribute(mesh, replicated)
+    return whole if traced else whole.to_local()
 
 
 def expert_memberships(layout: MeshLayout, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     """The expert-parallel groups and the expert-data-parallel groups of the job, as global ranks, in the
-    one order every rank builds them: per (TP position, pipeline position), consecutive replicas ``ep`` at a
-    time; and the replicas at the same place of every such group. With tensor parallelism each TP position
-    has groups of its own: the TP ranks of a stage hold the same tokens and the same experts, so each moves
-    its tokens with the matching TP rank of the other replicas, and all of them compute alike.
+    one order every rank builds them: per pipeline position, ``ep`` consecutive (replica, TP rank) positions
+    at a time; and the positions at the same place of every such group.
 
-    Example:
+    Example (2 replicas of a 2-stage pipeline, no TP):
         >>> from conveyor.parallel.mesh import MeshLayout
         >>> expert_memberships(MeshLayout(((0, 1), (2, 3)), 0, 0, None), 2)
         ([[0, 2], [1, 3]], [[0], [2], [1], [3]])
     """
+    pipelines = layout.group_pipelines  # one per (replica, TP position), replica-major: global ranks ascending
     ep_groups, replica_groups = [], []
-    for column in replica_memberships(layout):
+    for position in range(layout.pp_size):
+        column = [pipeline[position] for pipeline in pipelines]
         ep_groups += [column[start:start + ep] for start in range(0, len(column), ep)]
         replica_groups += [column[place::ep] for place in range(ep)]
     return ep_groups, replica_groups

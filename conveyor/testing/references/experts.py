@@ -108,7 +108,8 @@ def train_ep_alone(family: str, num_layers: int, group, ep_rank: int, *, replica
     averages the dense gradients and the loss; ``expert_replicas`` (None: none) sums the experts'.
     ``microbatches``: each step's microbatches as given (variable lengths), instead of the rows split."""
     whole = _whole(family, num_layers).to(device)
-    part = types.SimpleNamespace(group=group, capacity=None, _dropped=None)  # what _dispatched_forward reads
+    # What _dispatched_forward reads of its part (no TP here: every token goes in whole).
+    part = types.SimpleNamespace(group=group, capacity=None, _dropped=None, tp_mesh=None)
     for name, experts in find_experts(whole, "auto").items():
         num_experts = experts.num_experts
         shard_experts(experts, ep_rank, dist.get_world_size(group), name)

@@ -1,15 +1,12 @@
 """Rank functions of the tensor x expert parallel tests: the traced Mixtral on a ("pp", "dp", "tp") mesh.
 
-Tensor parallelism shards the attention and the LM head over "tp"; expert parallelism shards every
-experts module over ep of the "dp" replicas. The TP ranks of a stage hold the same tokens and the
-same experts (each whole expert, 1/ep of them), so each moves its tokens with the matching TP rank of
-the other replicas (one expert-parallel group per TP position) and all compute alike. References:
+Tensor parallelism shards the attention and the LM head over "tp"; expert parallelism borrows its ep ranks from
+dp x tp (ep=2 at dp=2 x tp=2: each stage's two TP ranks form a group), each TP rank taking its rows of the tokens
+into the experts and gathering the output rows back. References:
 
-- **EP alone** (:func:`conveyor.testing.references.experts.train_ep_alone`): the unpiped model, no TP,
-  its experts sharded the same way over the replicas of this rank's TP position. TP changes the order
-  of some sums (see :data:`TP_X_EP_GRADIENT_BOUND` in the test), nothing else.
-- **the other TP ranks**: each TP rank's losses, expert shards' gradients and values are bitwise its
-  TP peers' (the experts' compute is replicated, not split, over "tp").
+- **one device** (:func:`conveyor.testing.references.experts.train_one_device`): the unpiped model, whole
+  experts, both replicas' microbatches in one process; the test bounds the difference.
+- **the other TP ranks**: every TP rank's losses and whole dense gradients and values are bitwise its peers'.
 """
 
 from __future__ import annotations
@@ -19,15 +16,15 @@ import torch.distributed as dist
 
 import conveyor.schedule as cs
 from conveyor.layout import DistributedLayout
-from conveyor.testing.compare import worst_absolute, worst_relative
 from conveyor.testing.models.moe import tiny_moe
 from conveyor.testing.references.experts import (
     DP,
     EP,
     MICROBATCHES,
+    against_one_device,
     local_copy,
     traced_pipeline,
-    train_ep_alone,
+    train_one_device,
     train_pipeline,
     whole_value,
 )
@@ -38,9 +35,10 @@ TP = 2
 def tensor_x_expert_parallel(rank: int, world_size: int, pp: int, directory: str) -> dict:
     """pp x dp=2 x tp=2 (``pp`` 1 or 2: 4 or 8 ranks), the traced Mixtral (2 layers) cut into 2 stages (1f1b on 2
     ranks, or interleaved-1f1b's two virtual stages on 1) with
-    ``tensor_parallel="auto"`` and ep=2, 3 AdamW steps: against EP alone (worst relative difference of the
-    losses and first gradients, worst absolute of the parameters), against its TP peers (bitwise), the
-    shards' shapes; then saved, and loaded at pp=1 x dp=4 with neither (every parameter whole)."""
+    ``tensor_parallel="auto"`` and ep=2, 3 AdamW steps: at pp=1 against one device (worst relative difference of
+    the losses and first gradients, worst absolute of the parameters, this rank's experts of the whole ones),
+    against its TP peers (bitwise), the shards' shapes; then saved, and loaded at pp=1 x dp=4 with neither (every
+    parameter whole)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import conveyor.checkpoint
@@ -49,9 +47,7 @@ def tensor_x_expert_parallel(rank: int, world_size: int, pp: int, directory: str
     mesh = init_device_mesh("cpu", (pp, DP, TP), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     layers = 2
-    want = None
-    if pp == 1:  # EP alone over this TP position's replicas: the same grouping as the pipeline's experts
-        want = train_ep_alone("mixtral:traced", layers, mesh["dp"].get_group(), dp_rank)
+    device = train_one_device("mixtral:traced", layers) if pp == 1 else None
     # Two stages (cut before the second decoder layer) either way: on one rank (two virtual stages) or on two.
     schedule = (cs.build("1f1b", ranks=2, microbatches=MICROBATCHES) if pp == 2 else
                 cs.build("interleaved-1f1b", ranks=1, microbatches=MICROBATCHES, virtual=2))
@@ -59,28 +55,24 @@ def tensor_x_expert_parallel(rank: int, world_size: int, pp: int, directory: str
     pipe = traced_pipeline(tiny_moe("mixtral", layers), schedule, layout, dp_rank)
     losses, grads, params = train_pipeline(pipe, pp_rank, dp_rank)
     experts = sorted(n for n in params if ".experts." in n)
-    mine = (losses, {n: grads[n] for n in experts}, {n: params[n] for n in experts})
+    dense = (losses, {n: g for n, g in grads.items() if n not in experts},
+             {n: p for n, p in params.items() if n not in experts})
     peers: list = [None] * TP
-    dist.all_gather_object(peers, mine, group=mesh["tp"].get_group())
+    dist.all_gather_object(peers, dense, group=mesh["tp"].get_group())
+    place = (dp_rank * TP + mesh.get_local_rank("tp")) % EP  # which experts this rank keeps
     result = {
-        "pp_rank": pp_rank, "dp_rank": dp_rank, "tp_rank": mesh.get_local_rank("tp"),
+        "pp_rank": pp_rank, "dp_rank": dp_rank, "tp_rank": mesh.get_local_rank("tp"), "place": place,
         "losses": losses, "grads": grads, "params": params,
         "expert_shapes": {n: (tuple(params[n].shape), tuple(pipe_param.shape))
                           for n, pipe_param in pipe.named_parameters() if n in experts},
         "sharded_by_tp": sorted(n for n, p in pipe.named_parameters()
                                 if ".experts." not in n and any(not q.is_replicate() for q in
                                                                 getattr(p, "placements", ()))),
-        "tp_peers_equal": all(_equal(peer, mine) for peer in peers),
+        "tp_peers_equal": all(_equal(peer, dense) for peer in peers),
         "finite": all(torch.isfinite(x).all() for x in (*grads.values(), *params.values())),
     }
-    if want is not None:
-        want_losses, want_grads, want_params = want
-        result["against ep alone"] = {
-            "loss_rel": worst_relative(zip(losses, want_losses, strict=True)),
-            "grad_rel": worst_relative((g, want_grads[n]) for n, g in sorted(grads.items())),
-            "param_abs": worst_absolute((p, want_params[n]) for n, p in sorted(params.items())),
-            "names": sorted(grads) == sorted(want_grads) == sorted(params) == sorted(want_params),
-        }
+    if device is not None:
+        result["against one device"] = against_one_device((losses, grads, params), device, place)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     conveyor.checkpoint.save(directory, pipe, optimizer)
     saved = {n: whole_value(p) for n, p in pipe.named_parameters()}  # gathered over "tp" or the experts' group
