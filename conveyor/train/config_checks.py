@@ -255,8 +255,8 @@ def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
                         "choose an ep dividing it or parallel.ep=1")
     if par.tp > 1 and par.sequence_parallel:
         problems.append(f"parallel.ep={ep} with parallel.sequence_parallel: the experts take each TP rank's tokens "
-                        "whole, which sequence parallelism does not keep yet; set parallel.sequence_parallel=false "
-                        "(parallel.tp composes with parallel.ep)")
+                        "whole and split them by rows, which sequence-sharded activations do not support yet; set "
+                        "parallel.sequence_parallel=false (parallel.tp composes with parallel.ep)")
     experts = _expert_count(cfg.model)
     if experts is not None and size > 0 and experts % size:
         problems.append(f"parallel.ep={ep} (groups of {size}) does not divide the model's {experts} experts; choose "
