@@ -15,9 +15,19 @@ parameters and the bytes per sample it dispatches, or why that ep cannot run.
   other ranks) over ``Machine.bandwidth``, plus ``Machine.latency``; W unchanged;
 * activations and what a stage sends on: unchanged.
 
+With tensor parallelism (an option sized for ``tp > 1``: ep then divides ``dp x tp``, the units arrive
+already sharded by :func:`~conveyor.plan.tensor_search.shard_units`, which leaves the experts whole),
+each TP rank takes its ``1 / tp`` of the tokens into the experts, as the runtime's expert-parallel
+part does: the experts' compute and the all-to-alls' bytes are divided by tp, and each experts
+module's output rows are all-gathered over the TP ranks (in F; the input gradients' rows in I). The
+experts' share of a unit's compute is estimated by the parameters a token uses: ``top_k / experts``
+of the experts' (``ExpertParallelOption.active``) beside the unit's other parameters, as
+:func:`~conveyor.plan.tensor_search.shard_units` estimates the sharded share by parameters.
+
 :func:`search_expert_parallel` searches every option with the pipeline search at the same pipeline
 ranks, and keeps, per ep, its best plan or why it has none; the fastest that fits wins (ties: the
-smaller ep, which moves fewer tokens).
+smaller ep, which moves fewer tokens). :func:`search_tensor_and_expert_parallel` searches (tp, ep)
+pairs, each at ``pp = ranks / tp``.
 
 Example:
     >>> from conveyor.plan.costs import synthetic_table
@@ -44,22 +54,35 @@ from conveyor.plan.tensor_search import ModuleSplit, choose_fastest, evaluate
 class ExpertParallelOption:
     """One expert-parallel size to try: per experts module (a :class:`~conveyor.plan.tensor_search.ModuleSplit`:
     ``sharded_parameters`` its experts' parameters, ``forward_bytes`` / ``backward_bytes`` the bytes per sample
-    one all-to-all moves at ep=1, ``forward_collectives`` / ``backward_collectives`` how many), or ``refused``."""
+    one all-to-all moves at ep=1 (one TP rank's rows under ``tp``), ``forward_collectives`` /
+    ``backward_collectives`` how many), or ``refused``.
+
+    ``tp``: the tensor-parallel size the option is sized for (1: none); ``active``: the share of an experts
+    module's parameters one token uses (top-k / experts); ``gather_bytes``: per sample, the bytes of one experts
+    module's output, which its TP ranks all-gather by rows (0 without TP)."""
 
     ep: int
     modules: tuple[ModuleSplit, ...] = ()
     refused: str | None = None
+    tp: int = 1
+    active: float = 1.0
+    gather_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
-            raise PlanError(f"ExpertParallelOption.ep must be a positive int, got {self.ep!r}")
+        for name in ("ep", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"ExpertParallelOption.{name} must be a positive int, got {value!r}")
+        if not 0.0 < self.active <= 1.0:
+            raise PlanError(f"ExpertParallelOption.active is top-k / experts, in (0, 1]; got {self.active!r}")
 
 
 def expert_units(units: Sequence[UnitCost], option: ExpertParallelOption, microbatch_size: int, *,
-                 bandwidth: float, latency: float) -> tuple[UnitCost, ...]:
-    """One EP rank's costs of ``units`` (for microbatches of ``microbatch_size`` samples) under ``option``."""
-    ep = option.ep
-    if ep == 1:
+                 bandwidth: float, latency: float, tensor_bandwidth: float | None = None) -> tuple[UnitCost, ...]:
+    """One EP rank's costs of ``units`` (for microbatches of ``microbatch_size`` samples) under ``option``;
+    ``tensor_bandwidth``: the TP ranks' link, for the gather of the experts' output rows (default ``bandwidth``)."""
+    ep, tp = option.ep, option.tp
+    if ep == 1 and tp == 1:
         return tuple(units)
     names = [unit.name for unit in units]
     per_unit: dict[str, list[ModuleSplit]] = {}
@@ -81,9 +104,18 @@ def expert_units(units: Sequence[UnitCost], option: ExpertParallelOption, microb
                        for m in mine)
         bytes_per_parameter = unit.parameter_bytes / unit.parameters if unit.parameters else 0.0
         held = unit.parameters - experts + experts / ep
+        compute = 1.0  # the unit's compute kept on this rank: all of it, unless TP ranks split the experts' tokens
+        if tp > 1:
+            used = experts * option.active  # the experts' parameters a token uses, beside the unit's others
+            share = used / (unit.parameters - experts + used) if unit.parameters else 0.0
+            compute = 1 - share + share / tp
+            gather = len(mine) * (latency + (tp - 1) / tp * option.gather_bytes * microbatch_size
+                                  / (tensor_bandwidth or bandwidth))
+            forward, backward = forward + gather, backward + gather
         out.append(dataclasses.replace(
-            unit, forward=unit.forward + forward, backward_input=unit.backward_input + backward,
-            backward=unit.backward + backward if unit.backward else 0.0,
+            unit, forward=unit.forward * compute + forward, backward_input=unit.backward_input * compute + backward,
+            backward_weight=unit.backward_weight * compute,
+            backward=unit.backward * compute + backward if unit.backward else 0.0,
             parameters=held, parameter_bytes=held * bytes_per_parameter))
     return tuple(out)
 
@@ -121,6 +153,71 @@ def search_expert_parallel(table, options: Sequence[ExpertParallelOption], *, ra
         else:
             evaluate(outcome, functools.partial(search_one, table, ranks, option), memory_per_rank)
     return choose_fastest(outcomes, "ep"), outcomes
+
+
+@dataclass
+class TensorExpertOutcome:
+    """What the search found at one (tp, ep) pair, at ``pp = ranks / tp``: as :class:`ExpertParallelOutcome`."""
+
+    tp: int
+    pp: int
+    ep: int
+    best: object = None
+    result: object = None
+    reason: str = ""
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        """(tp, ep): ties between pairs go to the smaller tp, then the smaller ep."""
+        return self.tp, self.ep
+
+    def label(self) -> str:
+        return f"tp={self.tp} x ep={self.ep}"
+
+    def line(self) -> str:
+        """One row of the report: tp, pp, ep, the best plan's schedule, V, M, step and peak, and the reason."""
+        return f"{self.tp:>4} {self.pp:>4} " + ExpertParallelOutcome.line(self)  # type: ignore[arg-type]
+
+
+def search_tensor_and_expert_parallel(table, pairs: Sequence[tuple], *, ranks: int, search_one,
+                                      memory_per_rank: float) -> tuple[TensorExpertOutcome | None,
+                                                                       list[TensorExpertOutcome]]:
+    """Search each (``TensorParallelOption``, :class:`ExpertParallelOption` sized for its tp) pair at ``pp = ranks
+    / tp`` with ``search_one(table, pp, pair)``; returns (the chosen outcome or None, every outcome with its reason).
+
+    Example:
+        >>> from conveyor.plan.costs import synthetic_table
+        >>> from conveyor.plan.tensor_search import TensorParallelOption
+        >>> table = synthetic_table([("a", 1, 1, 1, 8, 64), ("b", 1, 1, 1, 8, 64)])
+        >>> pairs = [(TensorParallelOption(2), ExpertParallelOption(4, refused="ep=4 does not divide dp x tp = 2",
+        ...                                                            tp=2))]
+        >>> search_tensor_and_expert_parallel(table, pairs, ranks=2, search_one=None, memory_per_rank=1e9)[1][0].reason
+        'refused: ep=4 does not divide dp x tp = 2'
+    """
+    outcomes = []
+    for tensor, experts in pairs:
+        if experts.tp != tensor.tp:
+            raise PlanError(f"an ExpertParallelOption sized for tp={experts.tp} was paired with tp={tensor.tp}")
+        outcome = TensorExpertOutcome(tensor.tp, ranks // tensor.tp, experts.ep)
+        outcomes.append(outcome)
+        refused = (f"tp={tensor.tp} does not divide the {ranks} ranks" if ranks % tensor.tp else
+                   tensor.refused or experts.refused or
+                   (f"pp={outcome.pp} stages need {outcome.pp} units, the model has {len(table.units)}"
+                    if outcome.pp > len(table.units) else None))
+        if refused:
+            outcome.reason = f"refused: {refused}"
+        else:
+            evaluate(outcome, functools.partial(search_one, table, outcome.pp, (tensor, experts)), memory_per_rank)
+    return choose_fastest(outcomes, "sizes"), outcomes
+
+
+def tensor_expert_report_lines(outcomes: Sequence[TensorExpertOutcome], ranks: int) -> list[str]:
+    """The (tp, ep) table ``conveyor plan --tp --ep`` prints above the chosen pair's plans: one line per pair."""
+    head = (f"tensor x expert parallel: {ranks} ranks as pp x tp, each experts module's experts shared by ep of the "
+            "replicas' TP ranks (ep divides dp x tp), each TP rank's tokens moved all-to-all; per pair, its best "
+            "plan (step and peak memory of one rank)")
+    columns = f"{'tp':>4} {'pp':>4} {'ep':>4}  {'schedule':<16} {'V':>2} {'M':>4} {'step':>10} {'peak/rank':>12}  why"
+    return [head, columns, *(o.line() for o in outcomes)]
 
 
 def report_lines(outcomes: Sequence[ExpertParallelOutcome]) -> list[str]:

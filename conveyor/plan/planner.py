@@ -100,15 +100,19 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
     resolved = dataclasses.replace(machine, calibration=calibration, cores=cores, threads=threads)
 
     def search_one(table: CostTable, pipeline_ranks: int, option: Any) -> SearchResult:
-        experts = isinstance(option, ExpertParallelOption)
-        if option is not None and (option.ep if experts else option.tp) > 1 and calibration is not None:
+        # option: a TensorParallelOption, an ExpertParallelOption, or a (tensor, expert) pair.
+        tensor, experts = option if isinstance(option, tuple) else (
+            (None, option) if isinstance(option, ExpertParallelOption) else (option, None))
+        if calibration is not None and ((tensor is not None and tensor.tp > 1) or (experts is not None
+                                                                                   and experts.ep > 1)):
             raise PlanError("a calibration predicts steps of whole stages only (tp=1, ep=1); plan without "
                             "--calibrate to compare tensor- or expert-parallel sizes")
         return search(table, ranks=pipeline_ranks, global_batch=global_batch, memory_per_rank=limit,
                       schedules=schedules, microbatches=microbatches, space=space, machine=resolved,
-                      optimizer_s_per_parameter=rate, tensor_parallel=None if experts else option,
-                      expert_parallel=option if experts else None)
+                      optimizer_s_per_parameter=rate, tensor_parallel=tensor, expert_parallel=experts)
 
+    if space.expert_parallel and space.tensor_parallel:
+        return _choose_tensor_and_expert_parallel(costs, ranks, space, search_one, limit)
     if space.expert_parallel:
         return _choose_expert_parallel(costs, ranks, space, search_one, limit)
     if not space.tensor_parallel:
@@ -126,6 +130,22 @@ def _choose_expert_parallel(costs: CostTable, ranks: int, space: SearchSpace, se
         raise PlanError("no expert-parallel size gives a plan that fits:\n" + "\n".join(report))
     plan = choose(chosen.result, costs, top=space.top)
     plan.expert_parallel, plan.expert_parallel_report = chosen.ep, report
+    return plan
+
+
+def _choose_tensor_and_expert_parallel(costs: CostTable, ranks: int, space: SearchSpace, search_one,
+                                       limit: float) -> Plan:
+    """Search every (tp, ep) pair of ``space`` (each ep option with the tp option it is sized for) at pp = ranks /
+    tp; the chosen pair's plan, with the pair table as the ep report."""
+    pairs = [(tensor, experts) for tensor in space.tensor_parallel for experts in space.expert_parallel
+             if experts.tp == tensor.tp]
+    chosen, outcomes = expert_search.search_tensor_and_expert_parallel(costs, pairs, ranks=ranks,
+                                                                       search_one=search_one, memory_per_rank=limit)
+    report = expert_search.tensor_expert_report_lines(outcomes, ranks)
+    if chosen is None:
+        raise PlanError("no (tensor-parallel, expert-parallel) pair gives a plan that fits:\n" + "\n".join(report))
+    plan = choose(chosen.result, costs, top=space.top)
+    plan.tensor_parallel, plan.expert_parallel, plan.expert_parallel_report = chosen.tp, chosen.ep, report
     return plan
 
 
@@ -227,16 +247,24 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
         >>> chosen = Plan("1f1b", 2, 1, 4, 8, ("layers.2",), 1.5, 0.2, (1e9, 9e8), (0.3, 0.3), 4e9,
         ...               outcome={"fits": 3, "over memory": 2})
         >>> print(format_plan(chosen).splitlines()[2])
-          1  1f1b              1    4  layers.2                                   1.5 s   20.0%     953.67 MiB
+          1  1f1b              1    4  layers.2                                      1.5 s  20.0%     953.67 MiB
     """
     lines = []
     if chosen.expert_parallel_report:
-        ep = chosen.expert_parallel
-        shared = (f"each experts module's experts shared by {ep} replicas" if ep > 1
-                  else "every replica keeps every expert")
-        lines += [*chosen.expert_parallel_report,
-                  f"chosen ep={ep}: {shared} (conveyor train parallel.ep={ep}); its best plans (memory: one rank's):",
-                  ""]
+        ep, tp = chosen.expert_parallel, chosen.tensor_parallel
+        if tp > 1:  # the (tp, ep) table: the pair's choice says both
+            shared = (f"each experts module's experts shared by {ep} of the replicas' TP ranks" if ep > 1
+                      else "every rank keeps every expert")
+            lines += [*chosen.expert_parallel_report,
+                      f"chosen tp={tp} x ep={ep}: {chosen.ranks} pipeline ranks x {tp} tensor-parallel ranks, {shared} "
+                      f"(conveyor train parallel.pp={chosen.ranks} parallel.tp={tp} parallel.ep={ep}); its best plans "
+                      "(memory: one rank's):", ""]
+        else:
+            shared = (f"each experts module's experts shared by {ep} replicas" if ep > 1
+                      else "every replica keeps every expert")
+            lines += [*chosen.expert_parallel_report,
+                      f"chosen ep={ep}: {shared} (conveyor train parallel.ep={ep}); its best plans (memory: one "
+                      "rank's):", ""]
     if chosen.tensor_parallel_report:
         lines += [*chosen.tensor_parallel_report,
                   f"chosen tp={chosen.tensor_parallel}: {chosen.ranks} pipeline ranks x {chosen.tensor_parallel} "

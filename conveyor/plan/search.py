@@ -142,7 +142,7 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
     pipeline ranks is a group of its ``tp`` ranks, the units costed as one of them
     (:func:`~conveyor.plan.tensor_search.shard_units`). ``expert_parallel`` (an
     :class:`~conveyor.plan.expert_search.ExpertParallelOption`): the experts shared by ep replicas, their tokens
-    moved all-to-all (:func:`~conveyor.plan.expert_search.expert_units`).
+    moved all-to-all (:func:`~conveyor.plan.expert_search.expert_units`), sized for ``tensor_parallel``'s tp.
 
     Example:
         >>> from conveyor.plan.costs import synthetic_table
@@ -168,6 +168,10 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
     context.calibration, context.optimizer_rate, context.cores = calibration, optimizer_s_per_parameter, cores
     context.tensor, context.tensor_bandwidth = tensor_parallel, machine.tensor_bandwidth or machine.bandwidth
     context.experts = expert_parallel
+    tp = tensor_parallel.tp if tensor_parallel is not None else 1
+    if expert_parallel is not None and expert_parallel.tp != tp:
+        raise PlanError(f"an ExpertParallelOption sized for tp={expert_parallel.tp} cannot cost ranks of tp={tp}: "
+                        "build it for the tensor-parallel size it runs with")
     queue = []
     for m in ms:
         for name, v in schedule_choices(schedules, space.virtual):
@@ -239,7 +243,8 @@ class _Context:
             if self.tensor is not None:
                 units = shard_units(units, self.tensor, size, bandwidth=self.tensor_bandwidth, latency=self.latency)
             if self.experts is not None:
-                units = expert_units(units, self.experts, size, bandwidth=self.bandwidth, latency=self.latency)
+                units = expert_units(units, self.experts, size, bandwidth=self.bandwidth, latency=self.latency,
+                                     tensor_bandwidth=self.tensor_bandwidth)
             self._sums[m] = StageSums(units, optimizer_bytes=self.optimizer_bytes)
         return self._sums[m]
 

@@ -109,7 +109,9 @@ class SearchSpace:
                                             "given, the ranks are pp x tp (empty: tp=1, the ranks are pp)")
     expert_parallel: Sequence[Any] = _f((), "expert-parallel sizes to try, as conveyor.plan.expert_search."
                                             "ExpertParallelOption records (what each ep does to the experts; ep "
-                                            "borrows the replicas' ranks, the ranks stay pp); empty: ep=1")
+                                            "borrows the replicas' ranks, the ranks stay pp); empty: ep=1. With "
+                                            "tensor_parallel too, (tp, ep) pairs are searched: each ep option "
+                                            "is sized for one tp (ExpertParallelOption.tp)")
 
     def __post_init__(self) -> None:
         _set(self, "virtual", _positive_ints(self, "virtual", self.virtual, "e.g. virtual=(1, 2)"))
@@ -123,8 +125,12 @@ class SearchSpace:
             raise PlanError("SearchSpace.expert_parallel takes conveyor.plan.expert_search.ExpertParallelOption "
                             f"records (one per ep to try), got {self.expert_parallel!r}")
         if experts and options:
-            raise PlanError("SearchSpace takes tensor_parallel or expert_parallel sizes to try, not both: expert "
-                            "parallelism with tensor parallelism is not supported yet")
+            sized = {option.tp for option in options}
+            if not all(option.tp in sized for option in experts):
+                raise PlanError("SearchSpace: with tensor_parallel sizes to try, each ExpertParallelOption is sized "
+                                "for one of their tp (ExpertParallelOption.tp, ep dividing dp x tp); got ep options "
+                                f"for tp {sorted({option.tp for option in experts})}, tensor options for tp "
+                                f"{sorted(sized)}")
         _set(self, "expert_parallel", experts)
         if self.virtual is None:
             raise PlanError("SearchSpace.virtual must be positive ints, got None; e.g. virtual=(1, 2)")

@@ -192,7 +192,8 @@ def choose_fastest(outcomes: Sequence[Any], name: str) -> Any:
                                                                if len(fits) > 1 else "")
         else:
             slower = o.best.step_time / chosen.best.step_time - 1
-            o.reason = f"fits, {slower:.0%} slower than {name}={getattr(chosen, name)}"
+            named = chosen.label() if hasattr(chosen, "label") else f"{name}={getattr(chosen, name)}"
+            o.reason = f"fits, {slower:.0%} slower than {named}"
     return chosen
 
 

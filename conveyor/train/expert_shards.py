@@ -60,11 +60,12 @@ def expert_shard_lines(cfg: Any, model: Any, split: Any, schedule: Any) -> list[
     return lines
 
 
-def expert_parallel_option(model: Any, ep: int, dp: int, seq_len: int) -> Any:
+def expert_parallel_option(model: Any, ep: int, dp: int, seq_len: int, *, tp: int = 1) -> Any:
     """What ``ep`` does to ``model``'s experts modules, for ``conveyor plan --ep``: each module's expert parameters
     and the bytes per sample one of its all-to-alls moves (``seq_len`` tokens x top-k x the hidden size x the
     activations' element size, dispatch and combine in the forward, their gradients in the backward), or why
-    that ep cannot run (no experts, ep not dividing ``dp`` or an expert count).
+    that ep cannot run (no experts, ep not dividing ``dp`` x ``tp`` or an expert count). With ``tp`` TP ranks,
+    each moves its ``1 / tp`` of the tokens and all-gathers the output rows (``seq_len`` x hidden x element size).
 
     Example:
         >>> import torch
@@ -79,23 +80,26 @@ def expert_parallel_option(model: Any, ep: int, dp: int, seq_len: int) -> Any:
     modules = [(name, module) for name, module in model.named_modules() if is_stacked_experts(module)]
     if not modules:
         return ExpertParallelOption(ep, refused="the model has no experts modules (transformers 5 mixture-of-experts "
-                                                "blocks)")
-    if dp % ep:
-        return ExpertParallelOption(ep, refused=f"ep={ep} does not divide --dp {dp} (ep borrows the replicas' ranks)")
+                                                "blocks)", tp=tp)
+    if (dp * tp) % ep:
+        where = f"--dp {dp}" if tp == 1 else f"--dp x tp = {dp} x {tp}"
+        return ExpertParallelOption(ep, refused=f"ep={ep} does not divide {where} (ep borrows the replicas' ranks"
+                                                f"{' and their TP ranks' if tp > 1 else ''})", tp=tp)
     counts = sorted({num_experts_of(module) for _, module in modules})
     if any(count % ep for count in counts):
         return ExpertParallelOption(ep, refused=f"ep={ep} does not divide the experts modules' expert counts "
-                                                f"({', '.join(map(str, counts))})")
+                                                f"({', '.join(map(str, counts))})", tp=tp)
     config = getattr(model, "config", None)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     top_k = getattr(text, "num_experts_per_tok", None) or getattr(text, "top_k", None) or 1
     first = next(modules[0][1].parameters(recurse=False))
     hidden = getattr(text, "hidden_size", None) or first.shape[-1]
-    moved = seq_len * top_k * hidden * first.element_size()
+    moved = seq_len * top_k * hidden * first.element_size() / tp  # one TP rank's rows of the tokens
     return ExpertParallelOption(ep, tuple(
         ModuleSplit(name, sharded_parameters=sum(p.numel() for p in module.parameters(recurse=False)),
                     forward_bytes=moved, backward_bytes=moved, forward_collectives=2, backward_collectives=2)
-        for name, module in modules))
+        for name, module in modules), tp=tp, active=min(1.0, top_k / counts[0]),
+        gather_bytes=seq_len * hidden * first.element_size() if tp > 1 else 0.0)
 
 
 def dropped_slots(pipe: Any) -> int:

@@ -69,7 +69,8 @@ def add_parser(commands: Any, positive_int: Any) -> None:
     plan.add_argument("--ep", default="1", metavar="auto|E,E",
                       help="expert-parallel sizes to try for a mixture-of-experts model, each dividing --dp and the "
                            "expert count: the experts of each module shared by ep replicas, their tokens moved "
-                           "all-to-all ('auto': every divisor of --dp; default 1: none; not with --tp above 1) "
+                           "all-to-all ('auto': every divisor of --dp; default 1: none). With --tp, (tp, ep) pairs "
+                           "are searched, ep among the divisors of --dp x tp (each TP rank's tokens moved) "
                            "(SearchSpace.expert_parallel)")
     plan.add_argument("--calibrate", action="store_true",
                       help="measure this machine's runtime overheads first (a few seconds) and predict the step "
@@ -97,12 +98,13 @@ def run(args: argparse.Namespace) -> int:
 
         machine = dataclasses.replace(machine, calibration=calibrate(conveyor.Pipeline, ranks=args.ranks))
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
-    experts = expert_parallel_options(model, example, getattr(args, "dp", 1), getattr(args, "ep", "1"))
-    tp = getattr(args, "tp", "1")
-    if experts and tp not in ("auto", "1"):
-        raise UsageError(f"--ep {args.ep} with --tp {tp}: expert parallelism with tensor parallelism is not "
-                         "supported yet; plan one of them (--tp 1, or --ep 1)")
-    options = () if experts else tensor_parallel_options(model, example, args.ranks, tp)
+    dp, ep, tp = getattr(args, "dp", 1), getattr(args, "ep", "1"), getattr(args, "tp", "1")
+    options = tensor_parallel_options(model, example, args.ranks, tp)
+    if ep.strip() != "1" and options:  # (tp, ep) pairs: each ep sized for each tp, dividing dp x tp
+        experts = tuple(option for tensor in options
+                        for option in expert_parallel_options(model, example, dp, ep, tp=tensor.tp))
+    else:
+        experts = expert_parallel_options(model, example, dp, ep)
     chosen = plan(model, example, ranks=args.ranks, global_batch=args.global_batch, memory_per_rank=limit,
                   schedules=schedules, space=SearchSpace(top=args.top, tensor_parallel=options,
                                                          expert_parallel=experts),
@@ -133,9 +135,10 @@ def tensor_parallel_options(model: Any, example: Any, ranks: int, spec: str) -> 
     return tuple(tensor_parallel_option(model, tp, seq_len) for tp in sizes)
 
 
-def expert_parallel_options(model: Any, example: Any, dp: int, spec: str) -> tuple:
+def expert_parallel_options(model: Any, example: Any, dp: int, spec: str, *, tp: int | None = None) -> tuple:
     """The :class:`~conveyor.plan.expert_search.ExpertParallelOption` records ``--ep`` asks for (empty for ep=1
-    alone: the experts stay whole on every replica).
+    alone: the experts stay whole on every replica). With ``tp`` (planned beside ``--tp``): the options sized for
+    that tp, ep among the divisors of ``dp x tp`` ('auto'), a size that does not divide it refused, ep=1 kept.
 
     Example:
         >>> model, example = resolve_model("moe", ["model.layers=2", "model.width=32", "model.heads=2"],
@@ -143,12 +146,16 @@ def expert_parallel_options(model: Any, example: Any, dp: int, spec: str) -> tup
         >>> [(o.ep, o.refused is None) for o in expert_parallel_options(model, example, 4, "auto")]
         [(1, True), (2, True), (4, True)]
     """
+    from conveyor.plan.tensor_search import tp_sizes
     from conveyor.train.expert_shards import expert_parallel_option
 
+    seq_len = int(example.shape[1]) if getattr(example, "dim", lambda: 0)() >= 2 else 1
+    if tp is not None:
+        sizes = tp_sizes(dp * tp) if spec.strip() == "auto" else [1, *_listed("--ep", spec, "expert-parallel")]
+        return tuple(expert_parallel_option(model, ep, dp, seq_len, tp=tp) for ep in sorted(set(sizes)))
     sizes = _sizes("--ep", spec, "expert-parallel", dp, "--dp", "ep borrows the replicas' ranks")
     if sizes == [1]:
         return ()
-    seq_len = int(example.shape[1]) if getattr(example, "dim", lambda: 0)() >= 2 else 1
     return tuple(expert_parallel_option(model, ep, dp, seq_len) for ep in sizes)
 
 
@@ -164,13 +171,21 @@ def _sizes(flag: str, spec: str, what: str, total: int, total_flag: str, why: st
     divisors = tp_sizes(total)
     if spec.strip() == "auto":
         return divisors
+    sizes = _listed(flag, spec, what)
+    if any(total % size for size in sizes):
+        raise UsageError(f"{flag} {spec!r}: each size must divide {total_flag} {total} ({why}); try some of "
+                         f"{', '.join(map(str, divisors))}")
+    return sizes
+
+
+def _listed(flag: str, spec: str, what: str) -> list[int]:
+    """The positive sizes of a comma list such as ``1,2,4``, ascending (a UsageError naming ``flag`` otherwise)."""
     try:
         sizes = sorted({int(part) for part in spec.split(",") if part.strip()})
     except ValueError:
         raise UsageError(f"{flag} {spec!r}: expected 'auto' or {what} sizes such as 1,2,4") from None
-    if not sizes or any(size < 1 or total % size for size in sizes):
-        raise UsageError(f"{flag} {spec!r}: each size must divide {total_flag} {total} ({why}); try some of "
-                         f"{', '.join(map(str, divisors))}")
+    if not sizes or sizes[0] < 1:
+        raise UsageError(f"{flag} {spec!r}: expected 'auto' or {what} sizes >= 1 such as 1,2,4")
     return sizes
 
 

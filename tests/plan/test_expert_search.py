@@ -10,7 +10,12 @@ import pytest
 from conveyor.cli import main
 from conveyor.errors import PlanError
 from conveyor.plan.costs import synthetic_table
-from conveyor.plan.expert_search import ExpertParallelOption, expert_units, search_expert_parallel
+from conveyor.plan.expert_search import (
+    ExpertParallelOption,
+    expert_units,
+    search_expert_parallel,
+    search_tensor_and_expert_parallel,
+)
 from conveyor.plan.search import search
 from conveyor.plan.settings import SearchSpace
 from conveyor.plan.tensor_search import ModuleSplit, TensorParallelOption
@@ -60,11 +65,60 @@ def test_the_search_keeps_the_fastest_ep_that_fits_and_says_why_the_others_lost(
     assert chosen.result.settings["expert_parallel"] == 2
 
 
-def test_tensor_and_expert_parallel_sizes_are_not_searched_together():
-    with pytest.raises(PlanError, match="not both"):
+def _tp_option(ep: int, tp: int, moved: float = 0.0, gathered: float = 0.0) -> ExpertParallelOption:
+    # Each experts module: 48 parameters, top-2 of 8 experts (a token uses a quarter of them).
+    return ExpertParallelOption(ep, tuple(ModuleSplit(f"b{i}.mlp.experts", 48.0, moved, moved, 2, 2) for i in range(4)),
+                                tp=tp, active=0.25, gather_bytes=gathered)
+
+
+def test_under_tp_each_rank_computes_its_rows_of_the_experts_tokens_and_gathers_the_output():
+    units = expert_units(TABLE.units, _tp_option(4, 2, moved=1e6, gathered=4e6), 2, bandwidth=1e9, latency=1e-3,
+                         tensor_bandwidth=1e10)
+    embed, block = units[0], units[1]
+    assert embed == TABLE.units[0] and block.parameters == 16 + 48 / 4
+    # A token uses 12 of the experts' 48 parameters beside the block's 16 others: the experts' share of the block's
+    # compute is 12 / 28, of which each of the 2 TP ranks computes half.
+    compute = 1 - 12 / 28 + 12 / 28 / 2
+    each = 1e-3 + 0.75 * 2 * 1e6 / 1e9  # an all-to-all of this TP rank's rows (the option's bytes are already its)
+    gather = 1e-3 + 0.5 * 2 * 4e6 / 1e10  # the output rows all-gathered over the 2 TP ranks (their gradients in I)
+    assert math.isclose(block.forward, 4 * compute + 2 * each + gather)
+    assert math.isclose(block.backward_input, 4 * compute + 2 * each + gather)
+    assert math.isclose(block.backward_weight, 4 * compute)
+    # ep=1 under TP still splits the tokens by rows: the compute drops, no all-to-all moves anything but latency.
+    alone = expert_units(TABLE.units, _tp_option(1, 2), 2, bandwidth=1e9, latency=0.0)[1]
+    assert math.isclose(alone.forward, 4 * compute) and alone.parameters == 64
+
+
+def test_tensor_and_expert_parallel_pairs_are_searched_each_ep_sized_for_its_tp():
+    with pytest.raises(PlanError, match="sized for one of their tp"):
         SearchSpace(tensor_parallel=[TensorParallelOption(2)], expert_parallel=[_option(2)])
     with pytest.raises(PlanError, match="ExpertParallelOption"):
         SearchSpace(expert_parallel=[2])
+    with pytest.raises(PlanError, match="sized for tp=2 cannot cost ranks of tp=1"):
+        search(TABLE, ranks=2, global_batch=8, memory_per_rank=LIMIT, expert_parallel=_tp_option(2, 2))
+
+    def search_one(table, ranks, pair):
+        tensor, experts = pair
+        return search(table, ranks=ranks, global_batch=8, memory_per_rank=LIMIT, schedules=["1f1b"],
+                      tensor_parallel=tensor, expert_parallel=experts)
+
+    pairs = [(TensorParallelOption(1), _option(1)), (TensorParallelOption(1), _option(2, moved=1e3)),
+             (TensorParallelOption(2, tuple(ModuleSplit(f"b{i}.attn", 16.0) for i in range(4))),
+              _tp_option(4, 2, moved=5e2)),
+             (TensorParallelOption(2), ExpertParallelOption(8, refused="ep=8 does not divide dp x tp = 4", tp=2))]
+    chosen, outcomes = search_tensor_and_expert_parallel(TABLE, pairs, ranks=2, search_one=search_one,
+                                                         memory_per_rank=LIMIT)
+    reasons = {(o.tp, o.ep): o.reason for o in outcomes}
+    assert [(o.tp, o.pp, o.ep) for o in outcomes] == [(1, 2, 1), (1, 2, 2), (2, 1, 4), (2, 1, 8)]
+    assert reasons[(1, 1)].startswith("over memory"), reasons
+    assert reasons[(2, 2 * 4)] == "refused: ep=8 does not divide dp x tp = 4"
+    assert chosen is not None and reasons[(chosen.tp, chosen.ep)].startswith("chosen"), reasons
+    other = (2, 4) if chosen.tp == 1 else (1, 2)
+    assert f"slower than tp={chosen.tp} x ep={chosen.ep}" in reasons[other], reasons
+    assert chosen.result.settings.get("expert_parallel") == chosen.ep
+    with pytest.raises(PlanError, match="sized for tp=1 was paired with tp=2"):
+        search_tensor_and_expert_parallel(TABLE, [(TensorParallelOption(2), _option(2))], ranks=2,
+                                          search_one=search_one, memory_per_rank=LIMIT)
 
 
 MOE = ["--set", "model.layers=4", "--set", "model.width=128", "--set", "model.heads=4"]
@@ -72,8 +126,8 @@ MOE = ["--set", "model.layers=4", "--set", "model.width=128", "--set", "model.he
 
 def test_conveyor_plan_searches_ep_over_the_replicas_and_writes_it(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["plan", "moe", "--ranks", "2", "--global-batch", "8", "--dp", "4", "--ep", "auto", "--analytic",
-                 "--memory-per-rank", "22MiB", "--out", str(out), *MOE]) == 0
+    assert main(["plan", "moe", "--ranks", "2", "--global-batch", "8", "--dp", "4", "--ep", "auto", "--tp", "1",
+                 "--analytic", "--memory-per-rank", "22MiB", "--out", str(out), *MOE]) == 0
     text = capsys.readouterr().out
     rows = {line.split()[0]: line for line in text.splitlines() if line[:4].strip() in {"1", "2", "4"}
             and "MiB" in line and ("chosen" in line or "fits" in line or "over memory" in line)}
@@ -85,13 +139,31 @@ def test_conveyor_plan_searches_ep_over_the_replicas_and_writes_it(tmp_path, cap
 
 
 def test_conveyor_plan_refuses_an_ep_that_cannot_run(capsys):
-    assert main(["plan", "moe", "--ranks", "2", "--global-batch", "8", "--dp", "3", "--ep", "2", "--analytic",
-                 *MOE]) == 2
-    assert "each size must divide --dp 3" in capsys.readouterr().err
-    assert main(["plan", "moe", "--ranks", "2", "--global-batch", "8", "--dp", "2", "--ep", "2", "--tp", "2",
+    assert main(["plan", "moe", "--ranks", "2", "--global-batch", "8", "--dp", "3", "--ep", "2", "--tp", "1",
                  "--analytic", *MOE]) == 2
-    assert "expert parallelism with tensor parallelism is not supported yet" in capsys.readouterr().err
+    assert "each size must divide --dp 3" in capsys.readouterr().err
+    assert main(["plan", "moe", "--ranks", "2", "--global-batch", "8", "--dp", "2", "--ep", "0", "--tp", "2",
+                 "--analytic", *MOE]) == 2
+    assert "--ep '0': expected 'auto' or expert-parallel sizes >= 1" in capsys.readouterr().err
     assert main(["plan", "gpt", "--ranks", "2", "--global-batch", "8", "--dp", "2", "--ep", "2", "--analytic",
                  "--set", "model.layers=4"]) != 0
     captured = capsys.readouterr()
     assert "refused: the model has no experts modules" in captured.out + captured.err
+
+
+def test_conveyor_plan_searches_tp_and_ep_together_and_writes_the_pair(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "moe", "--ranks", "2", "--global-batch", "8", "--dp", "2", "--ep", "auto", "--tp", "auto",
+                 "--analytic", "--memory-per-rank", "17MiB", "--out", str(out), *MOE]) == 0
+    text = capsys.readouterr().out
+    rows = {tuple(int(cell) for cell in line.split()[:3]): line for line in text.splitlines()
+            if len(line.split()) > 3 and all(cell.isdigit() for cell in line.split()[:3])}
+    # Every ep dividing dp x tp, per tp (pp = 2 / tp): at tp=2, ep=4 takes the experts over both replicas' TP
+    # ranks, the only pair whose lightest plan fits 17 MiB.
+    assert sorted(rows) == [(1, 2, 1), (1, 2, 2), (2, 1, 1), (2, 1, 2), (2, 1, 4)], text
+    assert "chosen" in rows[(2, 1, 4)] and all("over memory" in rows[k] for k in rows if k != (2, 1, 4)), text
+    assert ("chosen tp=2 x ep=4: 1 pipeline ranks x 2 tensor-parallel ranks, each experts module's experts shared "
+            "by 4 of the replicas' TP ranks (conveyor train parallel.pp=1 parallel.tp=2 parallel.ep=4)") in text
+    saved = json.loads(out.read_text())
+    assert (saved["tensor_parallel"], saved["expert_parallel"]) == (2, 4)
+    assert saved["expert_parallel_report"][0].startswith("tensor x expert parallel:")
