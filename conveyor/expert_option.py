@@ -55,7 +55,7 @@ def check_expert_parallel(layout: Any) -> None:
     """Refuse ``layout``'s expert-parallel option where it cannot work, saying how to fix it.
 
     It needs replicas or TP ranks (``dp``, ``tp``, or a mesh's "dp" and "tp" dims) whose product ``ep`` divides
-    (None: ep = dp); with tensor parallelism, no sequence parallelism (not supported yet).
+    (None: ep = dp).
     """
     plan, ep, capacity = layout.expert_parallel, layout.ep, layout.expert_capacity
     if plan is None:
@@ -82,9 +82,6 @@ def check_expert_parallel(layout: Any) -> None:
         what = f"dp={layout.dp}" if layout.tp == 1 else f"dp x tp = {layout.dp} x {layout.tp}"
         raise PipelineConfigError(f"ep={ep} does not divide {what}: expert parallelism borrows its ranks from the "
                                   f"replicas and their TP ranks; choose ep among the divisors of {ranks}")
-    if layout.tp > 1 and layout.sequence_parallel:
-        raise PipelineConfigError("expert_parallel with sequence_parallel is not supported yet: drop sequence_parallel "
-                                  "(tensor_parallel alone composes with expert_parallel)")
 
 
 def check_plan(plan: Any) -> None:

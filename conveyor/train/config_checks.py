@@ -224,7 +224,7 @@ def _world_mismatch(par: Any, world_size: int) -> str:
 
 def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
     """``parallel.ep``: "auto" or a size that divides ``parallel.dp x parallel.tp`` (EP borrows those ranks) and the
-    recipe's expert count where its ``hf_config`` gives one; not in one process, not with sequence parallelism yet."""
+    recipe's expert count where its ``hf_config`` gives one; not in one process."""
     par, ep = cfg.parallel, cfg.parallel.ep
     capacity = par.expert_capacity
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float)
@@ -253,10 +253,6 @@ def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
                         f"parallel.ep={ep}: expert parallelism spreads the experts over the replicas' TP ranks, "
                         f"parallel.dp x parallel.tp = {par.dp * par.tp}, which groups of {size} do not divide; "
                         "choose an ep dividing it or parallel.ep=1")
-    if par.tp > 1 and par.sequence_parallel:
-        problems.append(f"parallel.ep={ep} with parallel.sequence_parallel: the experts take each TP rank's tokens "
-                        "whole and split them by rows, which sequence-sharded activations do not support yet; set "
-                        "parallel.sequence_parallel=false (parallel.tp composes with parallel.ep)")
     experts = _expert_count(cfg.model)
     if experts is not None and size > 0 and experts % size:
         problems.append(f"parallel.ep={ep} (groups of {size}) does not divide the model's {experts} experts; choose "

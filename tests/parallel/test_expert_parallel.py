@@ -183,8 +183,6 @@ class _FakeMesh:
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel={"layers.*.experts": "alltoall"}), r"takes module-name pat"),
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="all"), r"takes 'auto' or a dict"),
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="auto", ep=0), r"takes a positive int"),
-    (dict(mesh=_FakeMesh(pp=1, dp=2, tp=2), expert_parallel="auto", tensor_parallel="auto", sequence_parallel=True),
-     r"expert_parallel with sequence_parallel is not supported yet"),
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_capacity=1.25), r"expert_capacity=1.25 shapes expert parallelism"),
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="auto", expert_capacity=0), r"a capacity factor > 0"),
     (dict(mesh=_FakeMesh(pp=2, dp=2), expert_parallel="auto", expert_capacity=float("inf")), r"a capacity factor"),

@@ -3,8 +3,9 @@
 pp=1 x dp=2 x tp=2 on 4 gloo ranks, two virtual stages a rank (the rank functions:
 ``conveyor.testing.references.tensor_experts``): TP shards the attention and the LM head; EP borrows its ranks
 from dp x tp (ep=2: a stage's two TP ranks form a group, each taking its rows of the tokens into the experts and
-keeping half of them). Against one device within the bounds derived below; each TP rank's losses and dense
-results bitwise its peer's; saved, then loaded whole at pp=1 x dp=4 with neither. The extended tier runs pp=2 x
+keeping half of them); with and without sequence parallelism (each MoE block then takes the sequence gathered
+and gives back this rank's rows). Against one device within the bounds derived below; each TP rank's losses and
+dense results bitwise its peer's; saved, then loaded whole at pp=1 x dp=4 with neither. The extended tier runs pp=2 x
 dp=2 x tp=2 (8 ranks) against the same two stages on one rank: bitwise.
 """
 
@@ -38,20 +39,28 @@ GRADIENT_BOUND = (reordered_sum_bound(DP * ROWS * LENGTH, depth=2 * LAYERS)
 PARAMETER_BOUND = adamw_difference_bound(1e-2, STEPS)
 
 
-def _check(result: dict, pp: int) -> None:
+def _check(result: dict, pp: int, checkpointed: bool = True) -> None:
     assert result["tp_peers_equal"] and result["finite"], result["tp_rank"]
     shapes = result["expert_shapes"]
     assert shapes and all(local[0] * EP == whole[0] for local, whole in shapes.values()), shapes
     sharded = result["sharded_by_tp"]
     assert any("q_proj" in n for n in sharded) and ("lm_head.weight" in sharded) == (result["pp_rank"] == pp - 1)
-    assert result["loaded"] == {"names": True, "equal": True}, result["loaded"]
+    if checkpointed:
+        assert result["loaded"] == {"names": True, "equal": True}, result["loaded"]
 
 
 @pytest.mark.distributed
-def test_tensor_and_expert_parallel_compose_within_the_derived_bounds_of_one_device(tmp_path):
-    results = run_ranks(tensor_x_expert_parallel, 4, args=(1, str(tmp_path / "saved")), timeout_s=300)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_tensor_and_expert_parallel_compose_within_the_derived_bounds_of_one_device(tmp_path, sequence_parallel):
+    # With sequence parallelism (the checkpoint is the same as without, so it is checked once) each row-parallel
+    # projection's two partial sums are reduce-scattered instead of all-reduced, and each gathered activation's
+    # gradient reduce-scattered: two-term sums, the same in any order, so the bounds below hold as they are.
+    saved = None if sequence_parallel else str(tmp_path / "saved")
+    results = run_ranks(tensor_x_expert_parallel, 4, args=(1, saved, sequence_parallel), timeout_s=300)
     for result in results:
-        _check(result, 1)
+        _check(result, 1, checkpointed=saved is not None)
+        assert result["moe_blocks_on_rows"] == (["model.layers.0.mlp", "model.layers.1.mlp"] if sequence_parallel
+                                                else []), result["moe_blocks_on_rows"]
         against = result["against one device"]
         assert against["grads_compared"], against
         assert against["loss_rel"] <= LOSS_BOUND, (against, LOSS_BOUND)

@@ -108,9 +108,32 @@ def test_auto_plan_uses_the_modules_own_names_and_leaves_experts_whole():
     assert isinstance(plan["model.layers.0.self_attn.o_proj"], RowwiseParallel)
 
 
+class _Mixer(nn.Module):
+    """A learned mix of sequence positions between the blocks: neither a norm, an embedding nor a block."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2, width))
+
+
 def test_sequence_parallel_refuses_a_module_between_the_blocks_it_cannot_place():
-    model_class, config = grouped_heads_lm("mixtral", num_layers=1)
+    model = _llama()
+    model.model.mixer = _Mixer(model.config.hidden_size)
     with pytest.raises(PipelineConfigError) as raised:
-        tensor_parallel_plan(model_class(config), 2, sequence_parallel=True)
-    assert "sequence_parallel=True cannot place model.layers.0.mlp.gate (MixtralTopKRouter)" in str(raised.value)
+        tensor_parallel_plan(model, 2, sequence_parallel=True)
+    assert "sequence_parallel=True cannot place model.mixer (_Mixer)" in str(raised.value)
     assert "Use sequence_parallel=False" in str(raised.value)
+
+
+def test_sequence_parallel_gives_each_moe_block_the_whole_sequence_and_takes_its_rows_back():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    model_class, config = grouped_heads_lm("mixtral", num_layers=2)
+    plan = tensor_parallel_plan(model_class(config), 2, sequence_parallel=True)
+    for layer in range(2):
+        style = plan[f"model.layers.{layer}.mlp"]  # the router and the experts run whole, on the whole sequence
+        assert isinstance(style, PrepareModuleInputOutput)
+        assert style.prepare_module_input.desired_input_layouts == (Replicate(),)
+        assert style.prepare_module_output.desired_output_layouts == (Shard(1),)
+        assert not any(name.startswith(f"model.layers.{layer}.mlp.") for name in plan)

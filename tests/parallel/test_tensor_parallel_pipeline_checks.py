@@ -4,6 +4,7 @@ stages under the user's plan; clipping over TP shards; GPT-2's tied embedding an
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conveyor.testing import run_ranks
 from conveyor.testing.references.tensor_parallel import TP_ROUNDING
@@ -101,12 +102,22 @@ def test_traced_stages_refuse_what_is_not_wired_yet():
     from conveyor.testing.references.tensor_parallel import build
 
     model = build("llama")
-    # sequence_parallel=True and loss_parallel=True are taken (test_tensor_sequence_traced, ..._traced);
-    # the sequence-parallel plan still refuses what it cannot place.
+    # sequence_parallel=True and loss_parallel=True are taken (test_tensor_sequence_traced, ..._traced), MoE models'
+    # too (each MoE block takes the whole sequence: test_tensor_expert_parallel); what the sequence-parallel plan
+    # cannot place is refused (test_tensor_parallel_errors).
     assert model_placements(model, DistributedLayout(tp=2, sequence_parallel=True), 2)
     assert model_placements(model, DistributedLayout(tp=2, loss_parallel=True), 2)
-    with pytest.raises(PipelineConfigError, match="sequence_parallel=True cannot place model.layers.0.mlp.gate"):
-        model_placements(build("mixtral"), DistributedLayout(tp=2, sequence_parallel=True), 2)
+    assert model_placements(build("mixtral"), DistributedLayout(tp=2, sequence_parallel=True), 2)
+    mixed = build("llama")
+    mixed.model.mixer = _Mixer()  # a learned mix of sequence positions between the blocks
+    with pytest.raises(PipelineConfigError, match="sequence_parallel=True cannot place model.mixer"):
+        model_placements(mixed, DistributedLayout(tp=2, sequence_parallel=True), 2)
+
+
+class _Mixer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2, 3))
 
 
 @pytest.mark.distributed

@@ -32,8 +32,6 @@ TINY = ["train.steps=2", "model.layers=2", "model.width=32", "model.heads=2", "m
     (["parallel.ep=3", "parallel.dp=3", "train.batch_size=12"],
      "parallel.ep=3 (groups of 3) does not divide the model's 4 experts"),
     (["parallel.ep=many", "parallel.dp=2"], "parallel.ep='many': expected 'auto' (ep = parallel.dp) or a size"),
-    (["parallel.ep=auto", "parallel.dp=2", "parallel.tp=2", "model.heads=4", "parallel.sequence_parallel=true"],
-     "parallel.ep=auto with parallel.sequence_parallel: the experts take each TP rank's tokens whole"),
     (["parallel.expert_capacity=1.25"], "parallel.expert_capacity=1.25 caps what each expert takes"),
     (["parallel.ep=2", "parallel.dp=2", "parallel.expert_capacity=-1"], "expected a capacity factor > 0"),
 ])

@@ -22,6 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -29,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from conveyor.errors import PipelineConfigError
+from conveyor.expert_option import is_stacked_experts
 from conveyor.parallel.tensor.discover import Block, Found, Projection, discover
 from conveyor.parallel.tensor.styles import (
     LocalBlock,
@@ -54,7 +56,9 @@ def tensor_parallel_plan(
     inputs colwise, the output rowwise; the token embedding vocab-parallel (rowwise); the LM
     head colwise (logits gathered, or sharded with ``loss_parallel``). Norms, routers and MoE
     experts stay replicated. ``sequence_parallel`` shards the activations between blocks on the
-    sequence (dim 1): norms run ``SequenceParallel``, the blocks gather their input.
+    sequence (dim 1): norms run ``SequenceParallel``, the blocks gather their input; a mixture of
+    experts' block (the parent of an experts module: its router, experts and shared experts) takes the
+    sequence gathered and gives its output back as this rank's rows (:func:`moe_blocks`).
 
     Under sequence parallelism the activations between blocks are DTensors of the global shape
     (the model's own code, positions and masks, reads the whole sequence length), and
@@ -74,8 +78,9 @@ def tensor_parallel_plan(
             input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel else Replicate(),
             use_local_output=not sequence_parallel,
         )
-    for block in found.blocks:
-        plan.update(_block_plan(block, sequence_parallel))
+    moe = moe_blocks(module) if sequence_parallel else []
+    for block in found.blocks:  # a block inside a MoE block (shared experts) meets the sequence already whole
+        plan.update(_block_plan(block, sequence_parallel and not any(block.name.startswith(m + ".") for m in moe)))
     if sequence_parallel:
         plan.update(_sequence_parallel_plan(module, found))
     if found.head is not None:
@@ -120,8 +125,15 @@ def _sequence_parallel_plan(module: nn.Module, found: Found) -> dict[str, Parall
     covered = set(norms) | {p.name for block in found.blocks for p in (*block.inputs, block.output)}
     covered |= {name for name in (found.head.name if found.head else None,
                                   found.embedding[0] if found.embedding else None) if name}
+    moe = moe_blocks(module)
+    for name in moe:  # the router and the experts run on the whole sequence, their output cut back to rows
+        plan[name] = PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                              use_local_input=True, output_layouts=(Replicate(),),
+                                              desired_output_layouts=(Shard(1),), use_local_output=False)
     for name, leaf in module.named_modules():
         if name in covered or list(leaf.children()) or not list(leaf.parameters(recurse=False)):
+            continue
+        if any(name.startswith(block + ".") for block in moe):
             continue
         if isinstance(leaf, nn.Embedding):
             plan[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
@@ -133,6 +145,21 @@ def _sequence_parallel_plan(module: nn.Module, found: Found) -> dict[str, Parall
             f"Use sequence_parallel=False, or {PLAN_ADVICE}"
         )
     return plan
+
+
+def moe_blocks(module: nn.Module) -> list[str]:
+    """The names of ``module``'s mixture-of-experts blocks: each parent of an experts module (transformers 5's
+    stacked experts), which holds its router too. Under sequence parallelism such a block takes the whole
+    sequence (its router and experts replicated, or its experts spread by expert parallelism, which splits
+    the tokens itself) and gives its output back on the sequence.
+
+    Example:
+        >>> from conveyor.testing.models.moe import tiny_moe
+        >>> moe_blocks(tiny_moe("mixtral", 2))
+        ['model.layers.0.mlp', 'model.layers.1.mlp']
+    """
+    experts = [name for name, child in module.named_modules() if name and is_stacked_experts(child)]
+    return sorted({name.rpartition(".")[0] for name in experts if "." in name})
 
 
 def _head_style(head: Projection, input_layout, loss_parallel: bool) -> ParallelStyle:

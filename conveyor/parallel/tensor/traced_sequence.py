@@ -16,6 +16,12 @@ propagation does the rest.
 * After a row-parallel projection (o_proj, down_proj, ``c_proj``) its partial sums are
   reduce-scattered onto the sequence (``Partial -> Shard(1)``), as
   ``RowwiseParallel(output_layouts=Shard(1))``.
+* A mixture of experts' block (the parent of an experts module: Mixtral's and Qwen3-MoE's ``mlp``)
+  takes its input gathered on the sequence and gives its output back as this rank's rows (a local
+  slice), as the "auto" plan's ``PrepareModuleInputOutput`` on it does: its router flattens batch and
+  sequence into tokens, which a sequence shard cannot do alone. Within, the router and the experts
+  run as without sequence parallelism (replicated, or the experts spread by expert parallelism, which
+  takes each TP rank's rows of the tokens itself).
 
 Between those points the residual adds, norms and dropout run on ``seq / tp`` rows (DTensor
 propagates ``Shard(1)`` through them), and the weights never move: a projection's input is whole
@@ -50,6 +56,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from conveyor.errors import PipelineConfigError
+from conveyor.expert_option import is_stacked_experts
 from conveyor.parallel.tensor.traced import (
     colwise_linear,
     vocab_parallel_embedding,
@@ -143,8 +150,27 @@ def _projections(graph: fx.Graph, stage: nn.Module) -> tuple[list[str], list[str
     return gathering, rowwise, embeddings
 
 
-def _region(graph: fx.Graph, path: str) -> list[fx.Node]:
-    return [node for node in graph.nodes if node.op == "call_function" and path in _paths(node)]
+def _region(graph: fx.Graph, path: str, modules: bool = False) -> list[fx.Node]:
+    """The operations run inside the module at ``path`` (``modules``: the leaf modules called there too)."""
+    kinds = ("call_function", "call_module") if modules else ("call_function",)
+    return [node for node in graph.nodes if node.op in kinds and path in _paths(node)]
+
+
+def _moe_blocks(graph: fx.Graph, stage: nn.Module) -> list[str]:
+    """The module paths of the stage's mixture-of-experts blocks: the parents of its experts modules, found
+    as leaves the trace kept whole (``call_module``) or by their 3-D weights (experts traced through)."""
+    experts: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "call_module" and is_stacked_experts(stage.get_submodule(node.target)):
+            experts.add(node.target)
+        elif node.op == "get_attr":
+            try:
+                param = stage.get_parameter(node.target)
+            except AttributeError:
+                continue
+            if param.dim() == 3:
+                experts.add(node.target.rpartition(".")[0])
+    return sorted({path.rpartition(".")[0] for path in experts if "." in path})
 
 
 def _insert_after(graph: fx.Graph, value: fx.Node, function, uses: list[fx.Node]) -> fx.Node:
@@ -172,6 +198,20 @@ def _rewrite(graph: fx.Graph, stage: nn.Module) -> tuple[list[fx.Node], list[fx.
             if outside and _is_activation(node):
                 shards.append(_insert_after(graph, node, sequence_shards, outside))
     gathered: dict[fx.Node, fx.Node] = {}
+    for path in _moe_blocks(graph, stage):
+        region = _region(graph, path, modules=True)
+        inside = set(region)
+        for node in region:
+            for value in node.all_input_nodes:
+                if value in inside or value.op == "get_attr" or not _is_activation(value):
+                    continue
+                if value not in gathered:
+                    gathered[value] = _insert_after(graph, value, whole_sequence, [])
+                node.replace_input_with(value, gathered[value])
+        for node in region:
+            outside = [user for user in node.users if user not in inside]
+            if outside and _is_activation(node):
+                shards.append(_insert_after(graph, node, sequence_shards, outside))
     for path in gathering:
         region = _region(graph, path)
         inside = set(region)

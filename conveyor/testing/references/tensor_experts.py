@@ -32,13 +32,15 @@ from conveyor.testing.references.experts import (
 TP = 2
 
 
-def tensor_x_expert_parallel(rank: int, world_size: int, pp: int, directory: str) -> dict:
+def tensor_x_expert_parallel(rank: int, world_size: int, pp: int, directory: str | None,
+                             sequence_parallel: bool = False) -> dict:
     """pp x dp=2 x tp=2 (``pp`` 1 or 2: 4 or 8 ranks), the traced Mixtral (2 layers) cut into 2 stages (1f1b on 2
     ranks, or interleaved-1f1b's two virtual stages on 1) with
-    ``tensor_parallel="auto"`` and ep=2, 3 AdamW steps: at pp=1 against one device (worst relative difference of
-    the losses and first gradients, worst absolute of the parameters, this rank's experts of the whole ones),
-    against its TP peers (bitwise), the shards' shapes; then saved, and loaded at pp=1 x dp=4 with neither (every
-    parameter whole)."""
+    ``tensor_parallel="auto"`` (``sequence_parallel``: the activations between blocks on sequence shards, each MoE
+    block taking the sequence gathered) and ep=2, 3 AdamW steps: at pp=1 against one device (worst relative
+    difference of the losses and first gradients, worst absolute of the parameters, this rank's experts of the
+    whole ones), against its TP peers (bitwise), the shards' shapes; then (``directory`` given) saved, and loaded at
+    pp=1 x dp=4 with neither (every parameter whole)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import conveyor.checkpoint
@@ -51,7 +53,8 @@ def tensor_x_expert_parallel(rank: int, world_size: int, pp: int, directory: str
     # Two stages (cut before the second decoder layer) either way: on one rank (two virtual stages) or on two.
     schedule = (cs.build("1f1b", ranks=2, microbatches=MICROBATCHES) if pp == 2 else
                 cs.build("interleaved-1f1b", ranks=1, microbatches=MICROBATCHES, virtual=2))
-    layout = DistributedLayout(mesh=mesh, tensor_parallel="auto", expert_parallel="auto", ep=EP)
+    layout = DistributedLayout(mesh=mesh, tensor_parallel="auto", sequence_parallel=sequence_parallel,
+                               expert_parallel="auto", ep=EP)
     pipe = traced_pipeline(tiny_moe("mixtral", layers), schedule, layout, dp_rank)
     losses, grads, params = train_pipeline(pipe, pp_rank, dp_rank)
     experts = sorted(n for n in params if ".experts." in n)
@@ -69,10 +72,14 @@ def tensor_x_expert_parallel(rank: int, world_size: int, pp: int, directory: str
                                 if ".experts." not in n and any(not q.is_replicate() for q in
                                                                 getattr(p, "placements", ()))),
         "tp_peers_equal": all(_equal(peer, dense) for peer in peers),
+        "moe_blocks_on_rows": _moe_blocks_on_rows(pipe),
         "finite": all(torch.isfinite(x).all() for x in (*grads.values(), *params.values())),
     }
     if device is not None:
         result["against one device"] = against_one_device((losses, grads, params), device, place)
+    if directory is None:
+        pipe.close()
+        return result
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     conveyor.checkpoint.save(directory, pipe, optimizer)
     saved = {n: whole_value(p) for n, p in pipe.named_parameters()}  # gathered over "tp" or the experts' group
@@ -97,3 +104,17 @@ def _equal(a, b) -> bool:
             and sorted(grads_a) == sorted(grads_b) and all(torch.equal(g, grads_b[n]) for n, g in grads_a.items())
             and all(torch.equal(p, params_b[n]) for n, p in params_a.items()))
 
+
+
+def _moe_blocks_on_rows(pipe) -> list[str]:
+    """The MoE blocks (module paths) whose output a training graph of this rank's stages cuts back to sequence
+    rows (``traced_sequence.sequence_shards``): every MoE block under sequence parallelism, none without."""
+    from conveyor.parallel.tensor.traced_sequence import sequence_shards
+
+    found = set()
+    for module in pipe.modules:
+        for node in module._conveyor_graphs[True].nodes:
+            if node.target is sequence_shards:
+                found |= {path for path, _ in (node.meta.get("nn_module_stack") or {}).values()
+                          if path.endswith(".mlp")}
+    return sorted(found)
