@@ -178,6 +178,8 @@ class ModelSplit:
                 )
             module.add_mode(other.training, other._recipes[stage],
                             *build_graph(other._recipes[stage], other._traced, device_map))
+        # Where the model was cut: generation cuts the model's decode program there (conveyor.pipe.generation).
+        module._conveyor_split_points = tuple(self.split_points)
         return module
 
     def _other_mode(self) -> ModelSplit:

@@ -21,7 +21,10 @@ Two loops, one per kind of stage:
   ``is_causal``: other kernel calls, whose logits differ by rounding, so its greedy tokens equal
   the full forward's wherever no two logits are within rounding of each other.
   A traced Hugging Face causal LM gets such stages from
-  :func:`conveyor.frontend.decode.decode_stages` (its decode program, cut like the training one).
+  :func:`conveyor.frontend.decode.decode_stages` (its decode program, cut like the training one):
+  ``generate`` builds them itself for a pipeline of a traced Hugging Face causal LM's own stages
+  (:func:`traced_decoder`; ``kv_cache=False`` keeps the window loop below), once per batch shape,
+  reading the training stages' weights, and decodes through them on the same ranks.
 - **Any other stage** (the training program's traced stages; prompts of several lengths): every
   row is a window of ``length`` positions (default: the longest prompt plus ``max_new_tokens``),
   right-padded, recomputed whole at every step (a prefill per token).
@@ -49,12 +52,14 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from conveyor.errors import PipelineConfigError
+from conveyor.frontend.split import split_model
 from conveyor.microbatch import Microbatches
 from conveyor.pipe.logprobs import logits_of
 
@@ -127,6 +132,7 @@ class Generation:
     lengths: torch.Tensor
     sequences: torch.Tensor
     logprobs: torch.Tensor | None = None
+    kv_cache: bool = False  # whether the tokens came from key/value caches (else each step the training forward)
 
 
 def pick_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -242,14 +248,31 @@ def stage_inputs(pipe: Pipeline, window: torch.Tensor) -> tuple[tuple, dict]:
 
 def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
              generator: torch.Generator | None, attention_mask: torch.Tensor | None,
-             return_logprobs: bool, length: int | None) -> Generation:
-    """The token loop (see the module docstring); a collective: every rank of the pipeline, the same arguments."""
+             return_logprobs: bool, length: int | None, kv_cache: bool | None = None) -> Generation:
+    """The token loop (see the module docstring); a collective: every rank of the pipeline, the same arguments.
+    ``kv_cache``: None decodes through key/value caches where the stages allow it, True insists, False never."""
+    if kv_cache not in (None, True, False):
+        raise PipelineConfigError(f"kv_cache={kv_cache!r}: pass None (the cache where the stages allow it), True "
+                                  "or False (every step the training forward over the whole window)")
     lengths = prompt_lengths(input_ids, attention_mask)
     width = length if length is not None else input_ids.shape[1] + max_new_tokens
     check_request(pipe, input_ids, max_new_tokens, width)
     if width < input_ids.shape[1] + max_new_tokens:
         raise PipelineConfigError(f"length={width} holds no {max_new_tokens} new tokens after {input_ids.shape[1]} "
                                   f"prompt tokens: pass length >= {input_ids.shape[1] + max_new_tokens}")
+    has_cache = uses_cache(pipe, lengths, input_ids.shape[1])
+    if kv_cache is not False and not has_cache:
+        stages, why_not = traced_decoder(pipe, input_ids.shape[0], width, lengths, input_ids.shape[1])
+        if stages is not None:
+            return _through_decoder(pipe, stages, input_ids, max_new_tokens, sampling, generator, return_logprobs,
+                                    width)
+        if kv_cache:
+            raise PipelineConfigError(f"kv_cache=True, but {why_not}; pass kv_cache=None (the window loop then "
+                                      "serves) or False")
+    elif kv_cache is False and has_cache:
+        raise PipelineConfigError("kv_cache=False, but these stages decode only through their key/value caches "
+                                  "(reset_kv_cache): pass kv_cache=None, or build the pipeline from stages without "
+                                  "one")
     batch = input_ids.shape[0]
     window = torch.full((batch, width), sampling.pad_token_id, dtype=torch.long)
     window[:, :input_ids.shape[1]] = torch.where(
@@ -257,7 +280,7 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
     made = torch.zeros(batch, dtype=torch.long)
     done = torch.zeros(batch, dtype=torch.bool)
     rows = torch.arange(batch)
-    cached = uses_cache(pipe, lengths, input_ids.shape[1])
+    cached = has_cache
     if cached:
         for runner in pipe.runners.values():
             runner.module.reset_kv_cache()
@@ -282,7 +305,83 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
     new = torch.where(torch.arange(max_new_tokens) < made[:, None], new, sampling.pad_token_id)
     sequences = window[:, :input_ids.shape[1] + max_new_tokens]
     logprobs = _generated_logprobs(pipe, window, lengths, made, max_new_tokens) if return_logprobs else None
-    return Generation(new, made, sequences, logprobs)
+    return Generation(new, made, sequences, logprobs, kv_cache=cached)
+
+
+# Per pipeline, its decode stages by (rows a lane, cache length, prompt length): traced once, reused by later calls.
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def traced_decoder(pipe: Pipeline, batch: int, width: int, lengths: torch.Tensor,
+                   prompt: int) -> tuple[list | None, str]:
+    """This rank's decode stages for ``pipe`` (:func:`conveyor.frontend.decode.decode_stages`: the model's decode
+    program cut like its training one, a key/value cache of ``width`` positions per lane, reading the training
+    stages' own weights), or None and why the window loop must serve instead: stages not traced from one model by
+    conveyor (built by hand, wrapped by a part or compiled), replicas or TP ranks (their weights are shards), a
+    model without a Hugging Face causal LM head, or prompts of several lengths. Built once per (rows, width, prompt).
+
+    Example::
+
+        stages, why_not = traced_decoder(pipe, 4, 24, torch.full((4,), 8), 8)
+    """
+    from conveyor.frontend.decode import decode_stages
+    from conveyor.frontend.stage import StageModule
+
+    modules = {stage: runner.module for stage, runner in pipe.runners.items()}
+    points = {getattr(module, "_conveyor_split_points", None) for module in modules.values()}
+    if None in points or len(points) != 1 or not all(type(m) is StageModule for m in modules.values()):
+        return None, "the stages are not a traced model's own (built by hand, wrapped by a part, or compiled)"
+    if pipe.checkpoint_group is not None:
+        return None, "the pipeline has replicas or tensor-parallel ranks, whose weights the decode stages cannot share"
+    if not bool((lengths == prompt).all()):
+        return None, "the prompts are of several lengths (the cache runs one prompt length for every row)"
+    rows = batch // pipe.schedule.num_microbatches
+    key = (rows, width, prompt)
+    built = _DECODERS.setdefault(pipe, {})
+    if key not in built:
+        which = sorted(modules)
+        first = next(modules[which[0]].parameters())
+        model, why_not = _meta_model(pipe.model_info or {}, first.dtype)
+        if model is None:
+            return None, why_not
+        split = split_model(model, pipe.schedule.num_stages, split_points=list(points.pop()),
+                            example_args=(torch.zeros(1, 2, dtype=torch.long),))
+        built[key] = decode_stages(split, rows=rows, length=width, stages=[modules[s] for s in which], which=which,
+                                   device=first.device, prefill=prompt if prompt > 1 else None)
+    return built[key], ""
+
+
+def _meta_model(info: dict, dtype: torch.dtype) -> tuple[torch.nn.Module | None, str]:
+    """The pipeline's model again, on the meta device (no weights: the decode stages read the training stages'),
+    from its class and config as checkpoints record them; or None and why it cannot be built."""
+    import transformers
+
+    name, config = info.get("class"), info.get("config")
+    model_class = getattr(transformers, name, None) if isinstance(name, str) else None
+    if config is None or model_class is None or not name.endswith(CAUSAL_HEADS):
+        return None, (f"the model ({name or 'unknown'}) is no Hugging Face causal LM transformers can rebuild from "
+                      "its config (its own cache code)")
+    with torch.device("meta"):
+        model = model_class(model_class.config_class.from_dict(config))
+    return model.to(dtype).eval(), ""
+
+
+def _through_decoder(pipe: Pipeline, stages: list, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
+                     generator: torch.Generator | None, return_logprobs: bool, width: int) -> Generation:
+    """The cached loop over ``stages`` (a pipeline of them beside ``pipe``: its schedule, layout and transfers, on
+    the same ranks), the log-probs recomputed by ``pipe``'s own training forward."""
+    decoder = type(pipe)(list(stages), pipe.schedule, layout=pipe.layout, transfer=pipe.transfer)
+    try:
+        out = generate(decoder, input_ids, max_new_tokens, sampling, generator, None, False, width)
+    finally:
+        decoder.close()
+    logprobs = None
+    if return_logprobs:
+        window = torch.full((input_ids.shape[0], width), sampling.pad_token_id, dtype=torch.long)
+        window[:, :out.sequences.shape[1]] = out.sequences
+        lengths = torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long)
+        logprobs = _generated_logprobs(pipe, window, lengths, out.lengths, max_new_tokens)
+    return Generation(out.tokens, out.lengths, out.sequences, logprobs, kv_cache=True)
 
 
 def _everyone_done(pipe: Pipeline, done: torch.Tensor) -> bool:

@@ -171,15 +171,16 @@ class Pipeline:
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, sampling: Sampling | None = None,
                  generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
-                 return_logprobs: bool = False, length: int | None = None) -> Generation:
-        """Continue each prompt by up to ``max_new_tokens`` tokens (a collective: every rank of the pipeline,
-        the same arguments; each replica its own prompts): :mod:`conveyor.pipe.generation`.
+                 return_logprobs: bool = False, length: int | None = None, kv_cache: bool | None = None) -> Generation:
+        """Continue each prompt by up to ``max_new_tokens`` tokens (a collective: every rank, the same arguments;
+        each replica its own prompts), through key/value caches where the stages allow (``kv_cache``):
+        :mod:`conveyor.pipe.generation`.
 
         Example:
             >>> out = pipe.generate(ids, 32, sampling=Sampling(do_sample=True, top_p=0.9))   # doctest: +SKIP
         """
         return generate(self, input_ids, max_new_tokens, sampling or Sampling(), generator, attention_mask,
-                        return_logprobs, length)
+                        return_logprobs, length, kv_cache)
 
     # --- the step's gradients --------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,

@@ -167,11 +167,7 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
                        machine.optimizer_bytes_per_parameter, space.balance_tolerance)
     context.calibration, context.optimizer_rate, context.cores = calibration, optimizer_s_per_parameter, cores
     context.tensor, context.tensor_bandwidth = tensor_parallel, machine.tensor_bandwidth or machine.bandwidth
-    context.experts = expert_parallel
-    tp = tensor_parallel.tp if tensor_parallel is not None else 1
-    if expert_parallel is not None and expert_parallel.tp != tp:
-        raise PlanError(f"an ExpertParallelOption sized for tp={expert_parallel.tp} cannot cost ranks of tp={tp}: "
-                        "build it for the tensor-parallel size it runs with")
+    context.experts = _sized_alike(tensor_parallel, expert_parallel)
     queue = []
     for m in ms:
         for name, v in schedule_choices(schedules, space.virtual):
@@ -219,6 +215,15 @@ def _check_sizes(ranks: int, global_batch: int, memory_per_rank: float, units: i
     if ranks > units:
         raise PlanError(f"{ranks} ranks need at least {ranks} splittable units, the model has {units}; "
                         "use fewer ranks")
+
+
+def _sized_alike(tensor: TensorParallelOption | None, experts: ExpertParallelOption | None):
+    """``experts``, refused unless it was sized for ``tensor``'s tp (its all-to-alls move one TP rank's rows)."""
+    tp = tensor.tp if tensor is not None else 1
+    if experts is not None and experts.tp != tp:
+        raise PlanError(f"an ExpertParallelOption sized for tp={experts.tp} cannot cost ranks of tp={tp}: "
+                        "build it for the tensor-parallel size it runs with")
+    return experts
 
 
 class _Context:

@@ -90,44 +90,29 @@ def greedy_tokens(pipe: Any, prompt: Sequence[int], steps: int, *, seq_len: int,
     return made
 
 
-def cached_tokens(pipe: Any, split: Any, prompt: Sequence[int], steps: int, *, length: int,
+def cached_tokens(pipe: Any, prompt: Sequence[int], steps: int, *, length: int,
                   eos_id: int | None = None) -> list[int] | None:
-    """``steps`` greedy tokens after ``prompt`` through the key/value caches of ``split``'s decode program
-    (:func:`conveyor.frontend.decode.decode_stages`), whose stages read ``pipe``'s own weights; None where
-    the cache cannot serve and :func:`greedy_tokens` must: replicas or tensor-parallel ranks (sharded
-    weights), stages wrapped by a part or compiled, a model without a Hugging Face causal head, or a
-    context that outgrows ``length`` positions (the window then slides, which cached absolute positions
-    cannot). A collective, as :func:`greedy_tokens`: one row per lane, one prompt for all.
+    """``steps`` greedy tokens after ``prompt`` through key/value caches: ``pipe.generate`` with ``kv_cache=True``
+    (the decode program of the model ``conveyor.pipeline`` traced, cut like its training one, reading ``pipe``'s
+    own weights: :func:`conveyor.pipe.generation.traced_decoder`); None where the cache cannot serve and
+    :func:`greedy_tokens` must: replicas or tensor-parallel ranks (sharded weights), stages built by hand, wrapped
+    by a part or compiled, a model without a Hugging Face causal head, or a context that outgrows ``length``
+    positions (the window then slides, which cached absolute positions cannot). A collective, as
+    :func:`greedy_tokens`: one row per lane, one prompt for all.
 
-    Example (every rank, ``split``: the cut ``pipe`` was built from)::
+    Example (every rank)::
 
-        made = cached_tokens(pipe, split, prompt, 48, length=128) or greedy_tokens(...)
+        made = cached_tokens(pipe, prompt, 48, length=128) or greedy_tokens(...)
     """
-    from conveyor.frontend.decode import decode_stages
-    from conveyor.frontend.stage import StageModule
-    from conveyor.pipe.generation import CAUSAL_HEADS, Sampling
+    from conveyor.pipe.generation import Sampling, traced_decoder
 
-    modules = {stage: runner.module for stage, runner in pipe.runners.items()}
-    if (pipe.checkpoint_group is not None or not type(split.model).__name__.endswith(CAUSAL_HEADS)
-            or len(prompt) + steps > length or not all(type(m) is StageModule for m in modules.values())):
-        return None
-    which = sorted(modules)
-    device = next(modules[which[0]].parameters()).device
-    stages = decode_stages(split, rows=1, length=length, stages=[modules[s] for s in which], which=which,
-                           device=device, prefill=len(prompt) if len(prompt) > 1 else None)
     lanes = pipe.schedule.num_microbatches
-    with pipe_like(pipe, stages) as decoder:
-        out = decoder.generate(torch.tensor([list(prompt)] * lanes, dtype=torch.long), steps,
-                               sampling=Sampling(eos_token_id=eos_id))
+    if len(prompt) + steps > length or traced_decoder(pipe, lanes, length, torch.full((lanes,), len(prompt)),
+                                                      len(prompt))[0] is None:
+        return None
+    out = pipe.generate(torch.tensor([list(prompt)] * lanes, dtype=torch.long), steps,
+                        sampling=Sampling(eos_token_id=eos_id), length=length, kv_cache=True)
     return out.tokens[0, :int(out.lengths[0])].tolist()
-
-
-def pipe_like(pipe: Any, modules: Sequence[torch.nn.Module]) -> Any:
-    """A pipeline of ``modules`` with ``pipe``'s schedule, layout and transfers (the decode stages beside
-    the training ones)."""
-    import conveyor
-
-    return conveyor.Pipeline(list(modules), pipe.schedule, layout=pipe.layout, transfer=pipe.transfer)
 
 
 @torch.no_grad()
@@ -173,19 +158,6 @@ def prompt_ids(run: Any, tokenizer: Any) -> list[int]:
     return [int(i) for i in tokenizer.encode(text.encode("utf-8"))]
 
 
-def run_split(run: Any, tokenizer: Any) -> Any:
-    """The cut ``conveyor train`` made, again, of the run's model built on the meta device (no weights:
-    the decode stages read the pipeline's): the plan's split points, else the same balance of parameters."""
-    from conveyor.frontend import split_model
-    from conveyor.train.models import build_model
-
-    cfg = run.cfg
-    model = build_model(cfg, getattr(tokenizer, "vocab_size", None) or len(tokenizer), device="meta")
-    points = list(cfg.plan.split_points) if cfg.plan else None
-    return split_model(model, run.pipe.schedule.num_stages, split_points=points, split_method="parameters",
-                       example_args=(torch.zeros(1, cfg.model.seq_len, dtype=torch.long),))
-
-
 def write_sample(run: Any) -> dict[str, Any]:
     """Generate ``train.sample_tokens`` tokens through ``run.pipe`` (a collective), decode them, write
     ``<run.dir>/sample.txt`` on rank 0; returns ``{"sample_prompt", "sample", "sample_txt"}`` (texts).
@@ -204,8 +176,8 @@ def write_sample(run: Any) -> dict[str, Any]:
     if (len(prompt) + cfg.train.sample_tokens <= cfg.model.seq_len and run.pipe.checkpoint_group is None
             and not isinstance(run.loss_fn, LossWithAux)):
         # Replicas and TP shards (checkpoint_group) and mixture-of-experts models keep the window loop.
-        made = cached_tokens(run.pipe, run_split(run, tokenizer), prompt, cfg.train.sample_tokens,
-                             length=cfg.model.seq_len, eos_id=tokenizer.eos_id)
+        made = cached_tokens(run.pipe, prompt, cfg.train.sample_tokens, length=cfg.model.seq_len,
+                             eos_id=tokenizer.eos_id)
     if made is None:
         made = greedy_tokens(run.pipe, prompt, cfg.train.sample_tokens, seq_len=cfg.model.seq_len,
                              rows=cfg.replica_batch_size, eos_id=tokenizer.eos_id)

@@ -4,7 +4,8 @@ The reference (:func:`conveyor.testing.references.generation.reference_generate`
 windows through the unsplit model, microbatch (lane) by microbatch, and picks with the library's
 own formula: tokens are compared with ``torch.equal``. The generated tokens' log-probs must equal
 ``pipe.logprobs`` of the finished sequences. Cheap for CI: hand-built stages in process, a loop over
-schedules; one launch of 2 gloo ranks; a traced GPT-2 against its own ``generate()``.
+schedules; one launch of 2 gloo ranks; a traced GPT-2 against its own ``generate()``, through the key/value
+caches ``pipe.generate`` builds for it and through the window loop, in process and on the gloo ranks.
 """
 
 from __future__ import annotations
@@ -130,7 +131,21 @@ def _ranks_generate(rank: int, world_size: int, cases: list[tuple[str, int]]) ->
     schedule = cs.build("1f1b", ranks=world_size, microbatches=LANES)
     with _cached_pipeline(schedule, schedule.stages_of(rank), transfer=conveyor.TransferOptions(timeout_s=60)) as pipe:
         results.append(_cached_generate(pipe))
+    results.append(_traced_ranks_generate())
     return results
+
+
+def _traced_ranks_generate() -> tuple:
+    """A traced GPT-2 over these ranks: its tokens through the key/value caches (decode stages built on each rank
+    for its own stages) and through the window loop, and the cached decode's log-probs."""
+    from conveyor.testing.references.tensor_parallel import build
+
+    prompts = torch.randint(1, 96, (2, 6), generator=torch.Generator().manual_seed(3))
+    example = {"input_ids": torch.zeros(1, prompts.shape[1] + NEW, dtype=torch.long)}
+    with conveyor.pipeline(build("gpt2").eval(), example_kwargs=example, schedule="1f1b", microbatches=LANES) as pipe:
+        cached = pipe.generate(prompts, NEW, kv_cache=True, return_logprobs=True)
+        window = pipe.generate(prompts, NEW, kv_cache=False, return_logprobs=True)
+    return cached, window
 
 
 @pytest.mark.distributed
@@ -147,7 +162,13 @@ def test_gloo_ranks_generate_the_same_tokens_on_every_rank(one_thread):
             found += _check(f"{name} V={virtual} rank {rank}", outputs, cfg,
                             lambda sequences, table=by_sequences: table[id(sequences)])
     for rank, results in enumerate(by_rank):
-        found += _cached_differences(f"1f1b rank {rank}", results[-1], 2)
+        found += _cached_differences(f"1f1b rank {rank}", results[-2], 2)
+        cached, window = results[-1]  # the traced GPT-2: cache and window loop agree on every rank
+        if not (cached.kv_cache and torch.equal(cached.tokens, window.tokens)
+                and torch.equal(cached.tokens, by_rank[0][-1][0].tokens)
+                and torch.equal(cached.logprobs, window.logprobs)):
+            found.append(f"traced GPT-2 rank {rank}: cached {cached.tokens.tolist()} vs window "
+                         f"{window.tokens.tolist()} (rank 0: {by_rank[0][-1][0].tokens.tolist()})")
     assert not found, "\n".join(found)
 
 
@@ -158,14 +179,26 @@ def test_a_traced_gpt2_generates_what_its_own_generate_does(one_thread):
     prompts = torch.randint(1, 96, (2, 6), generator=torch.Generator().manual_seed(3))
     width = prompts.shape[1] + NEW
     pipe = _in_process(build("gpt2").eval(), width)
-    out = pipe.generate(prompts, NEW)
+    # By default through key/value caches: the model's decode program, traced and cut like the training one at the
+    # first call, reading the training stages' weights; kv_cache=False: every step the training forward.
+    out = pipe.generate(prompts, NEW, return_logprobs=True)
+    window = pipe.generate(prompts, NEW, return_logprobs=True, kv_cache=False)
+    assert out.kv_cache and not window.kv_cache
     with torch.no_grad():
         # Its generate() decodes with a key/value cache: other kernels than a full forward, whose logits
         # differ by rounding; the argmax agrees wherever no two logits are that close (this model, these prompts).
         cached = model.generate(prompts, max_new_tokens=NEW, do_sample=False, use_cache=True,
                                 attention_mask=torch.ones_like(prompts), pad_token_id=0)[:, prompts.shape[1]:]
     assert torch.equal(out.tokens, cached), (out.tokens, cached)
-    assert torch.equal(out.tokens, reference_generate(model, prompts, NEW, Sampling(), lanes=2, keyword=True))
+    # The window loop is bitwise the unsplit model's greedy loop; the log-probs are the training forward's either way.
+    assert torch.equal(window.tokens, reference_generate(model, prompts, NEW, Sampling(), lanes=2, keyword=True))
+    assert torch.equal(out.tokens, window.tokens) and torch.equal(out.logprobs, window.logprobs)
+    # The decode stages read the training stages' weights: a training step changes what the next call decodes.
+    with torch.no_grad():
+        for param in pipe.parameters():
+            param.mul_(1.5)
+    again = pipe.generate(prompts, NEW, kv_cache=True)
+    assert again.kv_cache and torch.equal(again.tokens, pipe.generate(prompts, NEW, kv_cache=False).tokens)
 
 
 def test_bad_requests_are_refused_with_the_fix():
@@ -187,6 +220,17 @@ def test_bad_requests_are_refused_with_the_fix():
         Sampling(do_sample=True, top_p=1.5)
     with pytest.raises(PipelineConfigError, match="right-padded prompts"):
         pipe.generate(prompts, 4, attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    with pytest.raises(PipelineConfigError, match="kv_cache='yes': pass None"):
+        pipe.generate(prompts, 4, kv_cache="yes")
+    with pytest.raises(PipelineConfigError, match="kv_cache=True, but the prompts are of several lengths"):
+        pipe.generate(prompts, 4, attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), kv_cache=True)
+    by_hand = conveyor.Pipeline([build_stage(s, _config(2)) for s in range(2)], "1f1b", microbatches=2,
+                                layout=conveyor.InProcessLayout())
+    with pytest.raises(PipelineConfigError, match="kv_cache=True, but the stages are not a traced model's own"):
+        by_hand.generate(PROMPTS, NEW, kv_cache=True)
+    cached = _cached_pipeline(cs.build("1f1b", ranks=2, microbatches=LANES), [0, 1], layout=conveyor.InProcessLayout())
+    with pytest.raises(PipelineConfigError, match="kv_cache=False, but these stages decode only through their"):
+        cached.generate(CACHED_PROMPTS, NEW, kv_cache=False)
     headless = _headless()
     with pytest.raises(PipelineConfigError, match="causal language model's head"):
         headless.generate(prompts, 4)

@@ -68,13 +68,16 @@ def test_the_key_value_cache_decodes_what_the_unsplit_model_decodes(name):
     torch.manual_seed(0)
     model = build_model(load_config(None, [f"model.name={name}", "model.layers=2", "model.width=32",
                                            f"model.seq_len={SEQ}"]), 256)
-    split = split_model(model, 2, example_args=(torch.zeros(2, SEQ, dtype=torch.long),))
-    pipe = conveyor.Pipeline([split.stage_module(s) for s in range(2)], "1f1b", microbatches=2,
-                             layout=conveyor.InProcessLayout())
+    pipe = conveyor.pipeline(model, example_args=(torch.zeros(1, SEQ, dtype=torch.long),), schedule="1f1b",
+                             microbatches=2, layout=conveyor.InProcessLayout(ranks=2))
     prompt = list(b"def f(")
-    got = cached_tokens(pipe, split, prompt, SEQ - len(prompt), length=SEQ)
+    got = cached_tokens(pipe, prompt, SEQ - len(prompt), length=SEQ)
     want = greedy_reference(model, prompt, SEQ - len(prompt), seq_len=SEQ)
     assert got is not None and torch.equal(torch.tensor(got), torch.tensor(want)), (got, want)
     assert len(set(got)) > 1  # not a degenerate constant: the comparison means something
-    # A context that would outgrow the window takes the window loop instead.
-    assert cached_tokens(pipe, split, prompt, SEQ, length=SEQ) is None
+    # A context that would outgrow the window takes the window loop instead; so do stages built by hand.
+    assert cached_tokens(pipe, prompt, SEQ, length=SEQ) is None
+    split = split_model(model, 2, example_args=(torch.zeros(1, SEQ, dtype=torch.long),))
+    by_hand = conveyor.Pipeline([split.stage_module(s) for s in range(2)], "1f1b", microbatches=2,
+                                layout=conveyor.InProcessLayout())
+    assert cached_tokens(by_hand, prompt, SEQ - len(prompt), length=SEQ) is None
