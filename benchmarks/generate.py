@@ -14,13 +14,11 @@ rotates, each timed on rank 0 with the host's CPU steal while it ran:
   process, with the same caches (prefill, then a token per step), on ``rows`` prompts with
   ``--generate-unsplit-threads`` threads (default 2: the ranks' threads together).
 
-Tokens/s counts generated tokens. Each step of the pipeline ends with the tokens sent from the
-last stage to every rank, so the lanes of one step overlap but consecutive steps do not: where
-compute dominates, P stages and L lanes take about L + P - 1 stage-times per step for L lanes'
-tokens, so 2 lanes at P=2 reach at most 2 x 2 / 3 = 1.33x one lane's tokens/s, short of the
-0.9 x P goal (that needs a lane's next token to start on stage 0 while the other lanes are still
-on later stages); where the per-step overhead dominates (small models), a second lane shares it
-and comes closer to 2x.
+Tokens/s counts generated tokens (the time includes building the unrolled program's pipeline, once a
+call). The pipeline decodes every step as one unrolled program (:mod:`conveyor.schedule.decode`): the last
+stage hands each lane's token to stage 0 as a boundary value as soon as it is picked, so a lane's next step
+starts while the other lane is still on the later stage, and with L >= P lanes no rank waits after the
+first P - 1 stage times (one lane: each stage waits while the other works, at most 1/P of the ranks busy).
 
 A second table (:mod:`benchmarks.generate_traced`) times the same sides on a traced Hugging Face Llama
 whose stages keep its cache (:func:`conveyor.frontend.decode.decode_stages`), against its own

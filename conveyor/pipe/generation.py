@@ -15,8 +15,15 @@ Two loops, one per kind of stage:
   lane, start)``, returning ``(hidden, lane, start)``: the lane and the position travel with
   the tensors as boundary values, so each stage reads the right lane's cache whatever order its
   program runs the microbatches in; :mod:`conveyor.testing.models.cached_lm` is an example) and
-  prompts of one length: the prompt runs once (prefill, a forward-only program over every lane),
-  then each step feeds each lane's last token at its position. The cached decode attends one
+  prompts of one length: the prompt runs once (prefill), then each lane's last token at its
+  position. On one pipeline (no replicas or TP ranks) the steps run as one unrolled program
+  (:func:`conveyor.schedule.decode.decode_schedule`: step t's stages are stages ``t S .. t S + S - 1``
+  of a deeper pipeline, each a :class:`_TokenStep` of the stage's own module and cache), in which the
+  last stage hands each lane's token to stage 0 as a boundary value as soon as it picks it: a lane's
+  next step starts while the other lanes are still on later stages, and with as many lanes as ranks
+  no rank waits after the first ones (a step at a time, every lane through every stage and the tokens
+  broadcast, P lanes on P ranks take 2P - 1 stage times a step). With eos, blocks of
+  :data:`UNROLLED_BLOCK` steps, the rows checked between blocks. The cached decode attends one
   query to the cached keys under an explicit mask, the full forward all queries under
   ``is_causal``: other kernel calls, whose logits differ by rounding, so its greedy tokens equal
   the full forward's wherever no two logits are within rounding of each other.
@@ -53,8 +60,9 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -284,8 +292,13 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
     if cached:
         for runner in pipe.runners.values():
             runner.module.reset_kv_cache()
+    # One pipeline: a block of token steps at a time as one unrolled program (conveyor.schedule.decode).
+    unrolled = _unrolled_steps(pipe, window, input_ids.shape[1], max_new_tokens, sampling, generator) \
+        if cached and pipe.checkpoint_group is None else None
     for step in range(max_new_tokens):
-        if cached:  # the prompt once (prefill), then each lane's last token at its position
+        if unrolled is not None:
+            tokens = next(unrolled)
+        elif cached:  # the prompt once (prefill), then each lane's last token at its position
             start, end = (0, input_ids.shape[1]) if step == 0 else (input_ids.shape[1] + step - 1,) * 2
             lanes = [(part, lane, start) for lane, part in
                      enumerate(window[:, start:max(end, start + 1)].tensor_split(pipe.schedule.num_microbatches))]
@@ -306,6 +319,84 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
     sequences = window[:, :input_ids.shape[1] + max_new_tokens]
     logprobs = _generated_logprobs(pipe, window, lengths, made, max_new_tokens) if return_logprobs else None
     return Generation(new, made, sequences, logprobs, kv_cache=cached)
+
+
+# Token steps an unrolled program runs before the rows are checked for their eos (without one: every step at once).
+UNROLLED_BLOCK = 16
+
+
+def _unrolled_steps(pipe: Pipeline, window: torch.Tensor, prompt: int, max_new_tokens: int, sampling: Sampling,
+                    generator: torch.Generator | None) -> Iterator[torch.Tensor]:
+    """Each step's tokens [batch], made a block of steps at a time by :func:`_unrolled_block`. A block starts from
+    ``window`` as the caller left it: the prompt (prefill), then each row's last token (pad after its end)."""
+    block = max_new_tokens if sampling.eos_token_id is None else min(max_new_tokens, UNROLLED_BLOCK)
+    step = 0
+    while step < max_new_tokens:
+        size = min(block, max_new_tokens - step)
+        start = 0 if step == 0 else prompt + step - 1
+        tokens = _unrolled_block(pipe, window[:, start:prompt + step], start, size, sampling, generator)
+        for column in range(size):
+            yield tokens[:, column]
+        step += size
+
+
+def _unrolled_block(pipe: Pipeline, ids: torch.Tensor, start: int, steps: int, sampling: Sampling,
+                    generator: torch.Generator | None) -> torch.Tensor:
+    """``steps`` tokens of every row [batch, steps] after ``ids`` (at position ``start``), through ``pipe``'s stages'
+    caches as one program: :func:`conveyor.schedule.decode.decode_schedule`'s stages, each a :class:`_TokenStep`
+    of this rank's stage, run by a pipeline beside ``pipe`` (its layout and transfers). A collective."""
+    from conveyor.schedule.decode import decode_schedule
+
+    depth, lanes = pipe.schedule.num_stages, pipe.schedule.num_microbatches
+    schedule = decode_schedule(pipe.schedule.placement, lanes, steps)
+    picked: dict[tuple[int, int], torch.Tensor] = {}
+    first_token = start + ids.shape[1]  # the position of the first token picked: the next step's ids start there
+    modules = [_TokenStep(pipe.runners[k % depth].module, k, depth, first_token, sampling, generator, picked)
+               for k in range(schedule.num_stages) if k % depth in pipe.runners]  # this process's stages
+    unrolled = type(pipe)(modules, schedule, layout=pipe.layout, transfer=pipe.transfer)
+    try:
+        unrolled.ranks.guarded(_run_unrolled, unrolled, [(part, lane, start)
+                                                         for lane, part in enumerate(ids.tensor_split(lanes))])
+    finally:
+        unrolled.close()
+    mine = None
+    if depth - 1 in pipe.runners:
+        mine = [torch.stack([torch.cat([picked[(t, lane)] for lane in range(lanes)]) for t in range(steps)], dim=1)]
+    return pipe.ranks.guarded(pipe.steps.backend.from_last_stage, mine)[0].cpu()
+
+
+def _run_unrolled(unrolled: Pipeline, lanes: list[tuple]) -> None:
+    inputs = unrolled.steps.inputs
+    first = inputs.given(Microbatches(inputs=lanes), (), {}, None)[0] if inputs.needs_inputs else None
+    unrolled.steps.forward_each(first)
+
+
+class _TokenStep(torch.nn.Module):
+    """Stage ``index`` of the unrolled decode program: the pipeline's stage ``index % depth`` (its module and cache,
+    shared by every token step) at token step ``index // depth``. The last stage of a step picks each row's token
+    at the lane's last position, keeps it in ``picked`` by (step, lane), and hands it on as the next step's ids
+    ``(tokens [rows, 1], lane, first_token + step)``: stage 0's inputs in the cached protocol (a later stage takes
+    ``(hidden, lane, start)``, or ``decode_stages``' ``(*values, lane, start, batched)``)."""
+
+    def __init__(self, stage_module: torch.nn.Module, index: int, depth: int, first_token: int, sampling: Sampling,
+                 generator: torch.Generator | None, picked: dict) -> None:
+        super().__init__()
+        self.__dict__["stage_module"] = stage_module  # not a submodule: its parameters stay the pipeline's own
+        self.index, self.depth, self.first_token = index, depth, first_token
+        self.sampling, self.generator, self.picked = sampling, generator, picked
+        anchor = next(iter(stage_module.parameters()), None)
+        self.register_buffer("anchor", torch.zeros((), device=anchor.device if anchor is not None else None),
+                             persistent=False)  # where the stage runs, for the pipeline's device checks
+
+    def forward(self, *args: Any) -> Any:
+        out = self.stage_module(*args)
+        if self.index % self.depth != self.depth - 1:
+            return out
+        lane = args[1] if len(args) == 3 else args[-3]
+        step = self.index // self.depth
+        tokens = pick_tokens(_whole(logits_of(out))[:, -1], self.sampling, self.generator)
+        self.picked[(step, lane)] = tokens
+        return tokens[:, None], lane, self.first_token + step
 
 
 # Per pipeline, its decode stages by (rows a lane, cache length, prompt length): traced once, reused by later calls.

@@ -119,6 +119,24 @@ def test_stages_with_a_key_value_cache_decode_the_full_forwards_tokens(one_threa
     assert not found, "\n".join(found)
 
 
+def test_the_unrolled_decode_stops_each_row_at_its_eos_across_blocks(one_thread):
+    # More steps than one block of the unrolled program (UNROLLED_BLOCK): the rows are checked for their eos between
+    # blocks, the next block starts from each row's last token (pad after its end).
+    from conveyor.pipe.generation import UNROLLED_BLOCK
+
+    steps = UNROLLED_BLOCK + 4
+    schedule = cs.build("1f1b", ranks=2, microbatches=LANES)
+    pipe = _cached_pipeline(schedule, [0, 1], layout=conveyor.InProcessLayout())
+    reference = CachedReference(2)
+    free = reference_generate(reference, CACHED_PROMPTS, steps, Sampling(), lanes=LANES)
+    eos = int(free[1, 2])  # row 1 ends at its third token; the others where this token first comes, if it does
+    sampling = Sampling(eos_token_id=eos, pad_token_id=0)
+    out = pipe.generate(CACHED_PROMPTS, steps, sampling=sampling)
+    want = reference_generate(reference, CACHED_PROMPTS, steps, sampling, lanes=LANES)
+    assert out.kv_cache and torch.equal(out.tokens, want), (out.tokens, want)
+    assert int(out.lengths[1]) == 3 and bool((out.tokens[1, 3:] == 0).all())
+
+
 def _ranks_generate(rank: int, world_size: int, cases: list[tuple[str, int]]) -> list:
     results = []
     for name, virtual in cases:
