@@ -189,40 +189,40 @@ def _rewrite(graph: fx.Graph, stage: nn.Module) -> tuple[list[fx.Node], list[fx.
     shards: list[fx.Node] = []
     for path in (*embeddings, *rowwise):
         region = _region(graph, path)
-        inside = set(region)
         for node in region:  # the partial lookup reduce-scattered at once, not all-reduced then cut
             if node.target is vocab_parallel_embedding:
                 node.target = vocab_parallel_embedding_on_sequence
-        for node in region:
-            outside = [user for user in node.users if user not in inside]
-            if outside and _is_activation(node):
-                shards.append(_insert_after(graph, node, sequence_shards, outside))
+        shards += _cut_outputs(graph, region)
     gathered: dict[fx.Node, fx.Node] = {}
-    for path in _moe_blocks(graph, stage):
+    for path in _moe_blocks(graph, stage):  # the sequence gathered in, each rank's rows cut back out
         region = _region(graph, path, modules=True)
-        inside = set(region)
-        for node in region:
-            for value in node.all_input_nodes:
-                if value in inside or value.op == "get_attr" or not _is_activation(value):
-                    continue
-                if value not in gathered:
-                    gathered[value] = _insert_after(graph, value, whole_sequence, [])
-                node.replace_input_with(value, gathered[value])
-        for node in region:
-            outside = [user for user in node.users if user not in inside]
-            if outside and _is_activation(node):
-                shards.append(_insert_after(graph, node, sequence_shards, outside))
+        _gather_inputs(graph, region, gathered)
+        shards += _cut_outputs(graph, region)
     for path in gathering:
-        region = _region(graph, path)
-        inside = set(region)
-        for node in region:
-            for value in node.all_input_nodes:
-                if value in inside or value.op == "get_attr" or not _is_activation(value):
-                    continue
-                if value not in gathered:
-                    gathered[value] = _insert_after(graph, value, whole_sequence, [])
-                node.replace_input_with(value, gathered[value])
+        _gather_inputs(graph, _region(graph, path), gathered)
     return shards, list(gathered)
+
+
+def _cut_outputs(graph: fx.Graph, region: list[fx.Node]) -> list[fx.Node]:
+    """Each activation ``region`` gives to an operation outside it, redistributed onto the sequence there."""
+    inside, cut = set(region), []
+    for node in region:
+        outside = [user for user in node.users if user not in inside]
+        if outside and _is_activation(node):
+            cut.append(_insert_after(graph, node, sequence_shards, outside))
+    return cut
+
+
+def _gather_inputs(graph: fx.Graph, region: list[fx.Node], gathered: dict[fx.Node, fx.Node]) -> None:
+    """Each activation ``region`` takes from outside it, gathered on the sequence first (once per value)."""
+    inside = set(region)
+    for node in region:
+        for value in node.all_input_nodes:
+            if value in inside or value.op == "get_attr" or not _is_activation(value):
+                continue
+            if value not in gathered:
+                gathered[value] = _insert_after(graph, value, whole_sequence, [])
+            node.replace_input_with(value, gathered[value])
 
 
 def _is_activation(node: fx.Node) -> bool:
