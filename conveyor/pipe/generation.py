@@ -59,7 +59,6 @@ Example:
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -399,10 +398,6 @@ class _TokenStep(torch.nn.Module):
         return tokens[:, None], lane, self.first_token + step
 
 
-# Per pipeline, its decode stages by (rows a lane, cache length, prompt length): traced once, reused by later calls.
-_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def traced_decoder(pipe: Pipeline, batch: int, width: int, lengths: torch.Tensor,
                    prompt: int) -> tuple[list | None, str]:
     """This rank's decode stages for ``pipe`` (:func:`conveyor.frontend.decode.decode_stages`: the model's decode
@@ -428,7 +423,7 @@ def traced_decoder(pipe: Pipeline, batch: int, width: int, lengths: torch.Tensor
         return None, "the prompts are of several lengths (the cache runs one prompt length for every row)"
     rows = batch // pipe.schedule.num_microbatches
     key = (rows, width, prompt)
-    built = _DECODERS.setdefault(pipe, {})
+    built = pipe.steps.decoders  # traced once per key, reused by later calls
     if key not in built:
         which = sorted(modules)
         first = next(modules[which[0]].parameters())

@@ -435,6 +435,8 @@ class PipelineSteps:
                  stage: StageOptions, inputs: StepInputs) -> None:
         self.backend, self.runners, self.schedule, self.stage = backend, runners, schedule, stage
         self.inputs = inputs
+        # Generation's decode stages of these runners, by (rows a lane, cache length, prompt length): traced once.
+        self.decoders: dict[tuple[int, int, int], list[torch.nn.Module]] = {}
 
     def train(self, args: tuple, kwargs: dict, target: Any, return_outputs: bool,
               normalize_by: float | torch.Tensor | None) -> Any:
