@@ -137,3 +137,17 @@ def test_sequence_parallel_gives_each_moe_block_the_whole_sequence_and_takes_its
         assert style.prepare_module_input.desired_input_layouts == (Replicate(),)
         assert style.prepare_module_output.desired_output_layouts == (Shard(1),)
         assert not any(name.startswith(f"model.layers.{layer}.mlp.") for name in plan)
+
+
+def test_sequence_parallel_refuses_moe_blocks_in_stages_built_by_hand():
+    from conveyor.parallel.tensor import parallelize_stage
+
+    class OneDimMesh:  # refused before any communication: the sizes are all it reads
+        ndim = 1
+
+        def size(self) -> int:
+            return 2
+
+    model_class, config = grouped_heads_lm("mixtral", num_layers=1)
+    with pytest.raises(PipelineConfigError, match=r"does not take its mixture-of-experts blocks \(model.layers.0.mlp"):
+        parallelize_stage(model_class(config), OneDimMesh(), sequence_parallel=True)

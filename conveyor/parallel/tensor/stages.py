@@ -50,6 +50,7 @@ from conveyor.errors import PipelineConfigError
 from conveyor.parallel.part import PartSite, StagePart
 from conveyor.parallel.tensor.style_map import (
     check_plan,
+    eager_plan,
     matching_modules,
     parallelize_stage,
     tensor_parallel_plan,
@@ -387,8 +388,8 @@ def _hand_built_plans(modules: Mapping[int, nn.Module], layout: Any, tp_size: in
     for stage, module in sorted(modules.items()):
         try:
             if isinstance(layout.tensor_parallel, str):
-                plans[stage] = tensor_parallel_plan(module, tp_size, sequence_parallel=layout.sequence_parallel,
-                                                    loss_parallel=layout.loss_parallel)
+                plans[stage] = eager_plan(module, tp_size, sequence_parallel=layout.sequence_parallel,
+                                          loss_parallel=layout.loss_parallel)
             else:
                 plans[stage] = {p: s for p, s in layout.tensor_parallel.items() if matching_modules(module, p)}
                 check_plan(module, plans[stage], tp_size)

@@ -294,7 +294,7 @@ def parallelize_stage(
     if isinstance(plan, str):
         if plan != "auto":
             raise PipelineConfigError(f"tensor_parallel takes 'auto' or a dict of ParallelStyles, got {plan!r}")
-        plan = tensor_parallel_plan(module, tp_size, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        plan = eager_plan(module, tp_size, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     elif not isinstance(plan, Mapping):
         raise PipelineConfigError(
             f"tensor_parallel takes 'auto' or a dict of ParallelStyles, got {type(plan).__name__}"
@@ -304,6 +304,25 @@ def parallelize_stage(
     parallelize_module(module, tp_mesh, dict(plan))
     _retie(module, tied)
     return module
+
+
+def eager_plan(module: nn.Module, tp_size: int, *, sequence_parallel: bool = False,
+               loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The "auto" plan for a module torch's ``parallelize_module`` will take as it is (a whole model, or a stage
+    built by hand), refusing what that path does not take yet: mixture-of-experts blocks under sequence parallelism
+    (traced stages take them: :mod:`conveyor.parallel.tensor.traced_sequence`).
+
+    Example::
+
+        plan = eager_plan(stage, 2, sequence_parallel=True)
+    """
+    if sequence_parallel and moe_blocks(module):
+        raise PipelineConfigError(
+            f"sequence_parallel=True on a module parallelized eagerly (stages built by hand) does not take its "
+            f"mixture-of-experts blocks ({', '.join(moe_blocks(module))}) yet: build the pipeline with "
+            "conveyor.pipeline(model, ...), whose traced stages give each MoE block the sequence gathered, or "
+            "drop sequence_parallel (tensor and expert parallelism take these stages)")
+    return tensor_parallel_plan(module, tp_size, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
 def _tied_parameters(module: nn.Module) -> list[list[str]]:
