@@ -58,6 +58,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -294,25 +295,27 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
     # One pipeline: a block of token steps at a time as one unrolled program (conveyor.schedule.decode).
     unrolled = _unrolled_steps(pipe, window, input_ids.shape[1], max_new_tokens, sampling, generator) \
         if cached and pipe.checkpoint_group is None else None
-    for step in range(max_new_tokens):
-        if unrolled is not None:
-            tokens = next(unrolled)
-        elif cached:  # the prompt once (prefill), then each lane's last token at its position
-            start, end = (0, input_ids.shape[1]) if step == 0 else (input_ids.shape[1] + step - 1,) * 2
-            lanes = [(part, lane, start) for lane, part in
-                     enumerate(window[:, start:max(end, start + 1)].tensor_split(pipe.schedule.num_microbatches))]
-            positions = torch.full((batch,), max(end, start + 1) - start - 1)
-            tokens = pipe.ranks.guarded(_next_tokens, pipe, lanes, None, positions, sampling, generator)
-        else:
-            tokens = pipe.ranks.guarded(_next_tokens, pipe, None, stage_inputs(pipe, window), lengths + made - 1,
-                                        sampling, generator)
-        tokens = torch.where(done, sampling.pad_token_id, tokens.cpu())
-        window[rows, lengths + made] = tokens
-        made += (~done).long()
-        if sampling.eos_token_id is not None:
-            done |= tokens == sampling.eos_token_id
-            if _everyone_done(pipe, done):
-                break
+    # Closing the unrolled steps closes their pipelines, where every row ended early or a step failed too.
+    with contextlib.closing(unrolled) if unrolled is not None else contextlib.nullcontext():
+        for step in range(max_new_tokens):
+            if unrolled is not None:
+                tokens = next(unrolled)
+            elif cached:  # the prompt once (prefill), then each lane's last token at its position
+                start, end = (0, input_ids.shape[1]) if step == 0 else (input_ids.shape[1] + step - 1,) * 2
+                lanes = [(part, lane, start) for lane, part in
+                         enumerate(window[:, start:max(end, start + 1)].tensor_split(pipe.schedule.num_microbatches))]
+                positions = torch.full((batch,), max(end, start + 1) - start - 1)
+                tokens = pipe.ranks.guarded(_next_tokens, pipe, lanes, None, positions, sampling, generator)
+            else:
+                tokens = pipe.ranks.guarded(_next_tokens, pipe, None, stage_inputs(pipe, window), lengths + made - 1,
+                                            sampling, generator)
+            tokens = torch.where(done, sampling.pad_token_id, tokens.cpu())
+            window[rows, lengths + made] = tokens
+            made += (~done).long()
+            if sampling.eos_token_id is not None:
+                done |= tokens == sampling.eos_token_id
+                if _everyone_done(pipe, done):
+                    break
     new = window.gather(1, (lengths[:, None] + torch.arange(max_new_tokens)).clamp(max=width - 1))
     new = torch.where(torch.arange(max_new_tokens) < made[:, None], new, sampling.pad_token_id)
     sequences = window[:, :input_ids.shape[1] + max_new_tokens]
@@ -327,39 +330,48 @@ UNROLLED_BLOCK = 16
 def _unrolled_steps(pipe: Pipeline, window: torch.Tensor, prompt: int, max_new_tokens: int, sampling: Sampling,
                     generator: torch.Generator | None) -> Iterator[torch.Tensor]:
     """Each step's tokens [batch], made a block of steps at a time by :func:`_unrolled_block`. A block starts from
-    ``window`` as the caller left it: the prompt (prefill), then each row's last token (pad after its end)."""
+    ``window`` as the caller left it: the prompt (prefill), then each row's last token (pad after its end). The
+    pipeline of a block size is built once and runs every block of that size; all close when the steps end or the
+    caller stops early (every row at its eos)."""
     block = max_new_tokens if sampling.eos_token_id is None else min(max_new_tokens, UNROLLED_BLOCK)
+    built: dict[int, tuple[Pipeline, dict]] = {}
     step = 0
-    while step < max_new_tokens:
-        size = min(block, max_new_tokens - step)
-        start = 0 if step == 0 else prompt + step - 1
-        tokens = _unrolled_block(pipe, window[:, start:prompt + step], start, size, sampling, generator)
-        for column in range(size):
-            yield tokens[:, column]
-        step += size
+    try:
+        while step < max_new_tokens:
+            size = min(block, max_new_tokens - step)
+            start = 0 if step == 0 else prompt + step - 1
+            tokens = _unrolled_block(pipe, built, window[:, start:prompt + step], start, size, sampling, generator)
+            for column in range(size):
+                yield tokens[:, column]
+            step += size
+    finally:
+        for unrolled, _ in built.values():
+            unrolled.close()
 
 
-def _unrolled_block(pipe: Pipeline, ids: torch.Tensor, start: int, steps: int, sampling: Sampling,
+def _unrolled_block(pipe: Pipeline, built: dict, ids: torch.Tensor, start: int, steps: int, sampling: Sampling,
                     generator: torch.Generator | None) -> torch.Tensor:
     """``steps`` tokens of every row [batch, steps] after ``ids`` (at position ``start``), through ``pipe``'s stages'
     caches as one program: :func:`conveyor.schedule.decode.decode_schedule`'s stages, each a :class:`_TokenStep`
-    of this rank's stage, run by a pipeline beside ``pipe`` (its layout and transfers). A collective."""
+    of this rank's stage, run by a pipeline beside ``pipe`` (its layout and transfers), kept in ``built`` by
+    ``steps``. A collective."""
     from conveyor.schedule.decode import decode_schedule
 
     depth, lanes = pipe.schedule.num_stages, pipe.schedule.num_microbatches
-    schedule = decode_schedule(pipe.schedule.placement, lanes, steps)
-    picked: dict[tuple[int, int], torch.Tensor] = {}
-    first_token = start + ids.shape[1]  # the position of the first token picked: the next step's ids start there
-    modules = [_TokenStep(pipe.runners[k % depth].module, k, depth, first_token, sampling, generator, picked)
-               for k in range(schedule.num_stages) if k % depth in pipe.runners]  # this process's stages
-    unrolled = type(pipe)(modules, schedule, layout=pipe.layout, transfer=pipe.transfer)
-    try:
-        unrolled.ranks.guarded(_run_unrolled, unrolled, [(part, lane, start)
-                                                         for lane, part in enumerate(ids.tensor_split(lanes))])
-    finally:
-        unrolled.close()
+    if steps not in built:
+        schedule = decode_schedule(pipe.schedule.placement, lanes, steps)
+        state: dict[str, Any] = {"picked": {}}
+        modules = [_TokenStep(pipe.runners[k % depth].module, k, depth, state, sampling, generator)
+                   for k in range(schedule.num_stages) if k % depth in pipe.runners]  # this process's stages
+        built[steps] = (type(pipe)(modules, schedule, layout=pipe.layout, transfer=pipe.transfer), state)
+    unrolled, state = built[steps]
+    state["picked"].clear()
+    state["first_token"] = start + ids.shape[1]  # where the first token picked goes: the next step's ids start there
+    unrolled.ranks.guarded(_run_unrolled, unrolled, [(part, lane, start)
+                                                     for lane, part in enumerate(ids.tensor_split(lanes))])
     mine = None
     if depth - 1 in pipe.runners:
+        picked = state["picked"]
         mine = [torch.stack([torch.cat([picked[(t, lane)] for lane in range(lanes)]) for t in range(steps)], dim=1)]
     return pipe.ranks.guarded(pipe.steps.backend.from_last_stage, mine)[0].cpu()
 
@@ -373,16 +385,17 @@ def _run_unrolled(unrolled: Pipeline, lanes: list[tuple]) -> None:
 class _TokenStep(torch.nn.Module):
     """Stage ``index`` of the unrolled decode program: the pipeline's stage ``index % depth`` (its module and cache,
     shared by every token step) at token step ``index // depth``. The last stage of a step picks each row's token
-    at the lane's last position, keeps it in ``picked`` by (step, lane), and hands it on as the next step's ids
-    ``(tokens [rows, 1], lane, first_token + step)``: stage 0's inputs in the cached protocol (a later stage takes
-    ``(hidden, lane, start)``, or ``decode_stages``' ``(*values, lane, start, batched)``)."""
+    at the lane's last position, keeps it in ``state["picked"]`` by (step, lane), and hands it on as the next step's
+    ids ``(tokens [rows, 1], lane, state["first_token"] + step)``: stage 0's inputs in the cached protocol (a later
+    stage takes ``(hidden, lane, start)``, or ``decode_stages``' ``(*values, lane, start, batched)``). ``state`` is
+    the block's, shared by the program's stages and set anew before each block."""
 
-    def __init__(self, stage_module: torch.nn.Module, index: int, depth: int, first_token: int, sampling: Sampling,
-                 generator: torch.Generator | None, picked: dict) -> None:
+    def __init__(self, stage_module: torch.nn.Module, index: int, depth: int, state: dict, sampling: Sampling,
+                 generator: torch.Generator | None) -> None:
         super().__init__()
         self.__dict__["stage_module"] = stage_module  # not a submodule: its parameters stay the pipeline's own
-        self.index, self.depth, self.first_token = index, depth, first_token
-        self.sampling, self.generator, self.picked = sampling, generator, picked
+        self.index, self.depth, self.state = index, depth, state
+        self.sampling, self.generator = sampling, generator
         anchor = next(iter(stage_module.parameters()), None)
         self.register_buffer("anchor", torch.zeros((), device=anchor.device if anchor is not None else None),
                              persistent=False)  # where the stage runs, for the pipeline's device checks
@@ -394,8 +407,8 @@ class _TokenStep(torch.nn.Module):
         lane = args[1] if len(args) == 3 else args[-3]
         step = self.index // self.depth
         tokens = pick_tokens(_whole(logits_of(out))[:, -1], self.sampling, self.generator)
-        self.picked[(step, lane)] = tokens
-        return tokens[:, None], lane, self.first_token + step
+        self.state["picked"][(step, lane)] = tokens
+        return tokens[:, None], lane, self.state["first_token"] + step
 
 
 def traced_decoder(pipe: Pipeline, batch: int, width: int, lengths: torch.Tensor,
