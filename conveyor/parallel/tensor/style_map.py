@@ -82,7 +82,7 @@ def tensor_parallel_plan(
     for block in found.blocks:  # a block inside a MoE block (shared experts) meets the sequence already whole
         plan.update(_block_plan(block, sequence_parallel and not any(block.name.startswith(m + ".") for m in moe)))
     if sequence_parallel:
-        plan.update(_sequence_parallel_plan(module, found))
+        plan.update(_sequence_parallel_plan(module, found, moe))
     if found.head is not None:
         plan[found.head.name] = _head_style(found.head, Shard(1) if sequence_parallel else Replicate(), loss_parallel)
     return plan
@@ -118,14 +118,13 @@ def _block_plan(block: Block, sequence_parallel: bool) -> dict[str, ParallelStyl
     return plan
 
 
-def _sequence_parallel_plan(module: nn.Module, found: Found) -> dict[str, ParallelStyle]:
+def _sequence_parallel_plan(module: nn.Module, found: Found, moe: list[str]) -> dict[str, ParallelStyle]:
     """Norms on the sequence shards; other embeddings (positions) made sequence-sharded to meet the tokens'."""
     norms = _norms(module, found)
     plan: dict[str, ParallelStyle] = {name: SequenceParallel() for name in norms}
     covered = set(norms) | {p.name for block in found.blocks for p in (*block.inputs, block.output)}
     covered |= {name for name in (found.head.name if found.head else None,
                                   found.embedding[0] if found.embedding else None) if name}
-    moe = moe_blocks(module)
     for name in moe:  # the router and the experts run on the whole sequence, their output cut back to rows
         plan[name] = PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                               use_local_input=True, output_layouts=(Replicate(),),
@@ -316,10 +315,11 @@ def eager_plan(module: nn.Module, tp_size: int, *, sequence_parallel: bool = Fal
 
         plan = eager_plan(stage, 2, sequence_parallel=True)
     """
-    if sequence_parallel and moe_blocks(module):
+    moe = moe_blocks(module) if sequence_parallel else []
+    if moe:
         raise PipelineConfigError(
             f"sequence_parallel=True on a module parallelized eagerly (stages built by hand) does not take its "
-            f"mixture-of-experts blocks ({', '.join(moe_blocks(module))}) yet: build the pipeline with "
+            f"mixture-of-experts blocks ({', '.join(moe)}) yet: build the pipeline with "
             "conveyor.pipeline(model, ...), whose traced stages give each MoE block the sequence gathered, or "
             "drop sequence_parallel (tensor and expert parallelism take these stages)")
     return tensor_parallel_plan(module, tp_size, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
