@@ -19,7 +19,10 @@ From a builder to the program a rank runs, in the order the code does it:
 4. **Lower** (``passes.py``: :func:`executable` -> ``lower.py``): the pass chain turns the
    compute actions into what a rank executes: ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B``
    inserted where a neighbour stage sits on another rank, an ``I`` directly followed by its own
-   ``W`` merged into one ``B``, and the forward-only programs of evaluation.
+   ``W`` merged into one ``B``, and the forward-only programs of evaluation. A schedule may name
+   pairs of a forward and a backward of other microbatches that a rank runs overlapped
+   (``Schedule.overlapped``, :func:`pair_forward_backward`: an MoE layer's all-to-alls of one hide
+   behind the other's compute); lowering puts both receives before a pair and both sends after it.
    Last, ``posts.py`` (:func:`~conveyor.schedule.posts.rank_channels`, then
    :func:`~conveyor.schedule.posts.place_posts`) writes where each rank posts its sends and
    receives, and which go together, for the transport's discipline: look-ahead (matched by
@@ -66,17 +69,20 @@ from conveyor.schedule.csv_io import (
 from conveyor.schedule.grid import render_grid
 from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
 from conveyor.schedule.lower import lower
+from conveyor.schedule.overlap import PairTiming, overlap_pair, pair_forward_backward, pair_timing, pairs_of
 from conveyor.schedule.passes import Executable, executable
 from conveyor.schedule.registry import available, build, register, unregister
 from conveyor.schedule.simulate import simulate
-from conveyor.schedule.timeline import Span, Timeline
+from conveyor.schedule.timeline import CommSpan, Span, Timeline
 from conveyor.schedule.verify import verify
 
 __all__ = [
     "Action",
     "ActionKind",
+    "CommSpan",
     "CostModel",
     "Executable",
+    "PairTiming",
     "Placement",
     "Schedule",
     "Span",
@@ -90,6 +96,10 @@ __all__ = [
     "load_csv",
     "loads_csv",
     "lower",
+    "overlap_pair",
+    "pair_forward_backward",
+    "pair_timing",
+    "pairs_of",
     "parse_schedule",
     "register",
     "render_grid",

@@ -33,12 +33,16 @@ MICROSECONDS_PER_UNIT: Mapping[str, float] = MappingProxyType({
 })
 
 
+EXCHANGE_TID = 2  # the thread of a rank's all-to-alls (a timeline's comm_spans), under compute and p2p
+
+
 def to_chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict:
     """Chrome-trace JSON (a dict) of one or several timelines; open it in ui.perfetto.dev.
 
     Every span becomes one complete (``"X"``) event named like ``"F s2 m5"``, with
     ``args`` holding kind, stage, microbatch and rank. Each rank is a process
-    (``pid``); compute runs on thread 0 and communication on thread 1. Times are
+    (``pid``); compute runs on thread 0 and communication on thread 1; a timeline's
+    all-to-alls (``comm_spans``) on thread 2, named ``"rank r comm"``. Times are
     microseconds from the timeline's start: seconds are converted exactly, and a
     simulated unit is shown as 1 ms (:data:`MICROSECONDS_PER_UNIT`). Several
     timelines get consecutive pids, their processes named after each title.
@@ -68,7 +72,10 @@ def to_chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict:
             events.append(_metadata("process_sort_index", pid, 0, {"sort_index": pid}))
             events.append(_metadata("thread_name", pid, 0, {"name": "compute"}))
             events.append(_metadata("thread_name", pid, 1, {"name": "communication"}))
+            if timeline.comm_spans:
+                events.append(_metadata("thread_name", pid, EXCHANGE_TID, {"name": f"rank {rank} comm"}))
         origin = timeline.start
+        events += _exchange_events(timeline, pid_offset, origin, scale)
         for span in timeline.spans:
             action = span.action
             is_compute = action.kind.is_compute
@@ -103,7 +110,7 @@ def to_chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict:
                     "microseconds_per_unit": MICROSECONDS_PER_UNIT[t.time_unit],
                     "makespan": t.makespan,
                     "bubble_ratio": t.bubble_ratio,
-                }
+                } | ({"exposed_comm_share": t.exposed_comm_share} if t.comm_spans else {})
                 for t in panels
             ]
         },
@@ -125,6 +132,14 @@ def write_chrome_trace(timelines: Timeline | Sequence[Timeline], path: str | os.
     # json.dumps runs the C encoder; json.dump to a file falls back to the pure-Python one (10x slower).
     out.write_text(json.dumps(trace, separators=(",", ":")))
     return out
+
+
+def _exchange_events(timeline: Timeline, pid_offset: int, origin: float, scale: float) -> list[dict]:
+    """The all-to-alls of ``timeline``, each on its rank's exchange thread."""
+    return [{"name": f"all-to-all {span.label}", "cat": "all-to-all", "ph": "X",
+             "ts": round((span.start - origin) * scale, 3), "dur": round((span.end - span.start) * scale, 3),
+             "pid": pid_offset + span.rank, "tid": EXCHANGE_TID, "args": {"rank": span.rank, "of": span.label}}
+            for span in timeline.comm_spans]
 
 
 def _metadata(name: str, pid: int, tid: int, args: dict) -> dict:

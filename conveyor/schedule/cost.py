@@ -32,9 +32,18 @@ class StageCosts:
     outputs (or loss) and its last operation that also leads to a weight, e.g. a final
     activation function's input; :meth:`conveyor.Pipeline.memory` measures both.
 
+    ``exchanges``: the all-to-alls (an MoE layer's dispatch and combine) of one forward pass of one
+    microbatch, each taking ``exchange``; its backward (B, or the I of a split one: W exchanges
+    nothing) has as many, each as long. A pass with n of them is modelled as its compute in n+1
+    equal pieces with an exchange after each of the first n; alone, it waits for each, so it
+    takes its compute plus n x exchange (:meth:`CostModel.duration`); overlapped with a pass of
+    another microbatch it hides them behind that pass's compute (:mod:`conveyor.schedule.overlap`).
+
     Example:
         >>> StageCosts(1, 1, 1, activation_bytes=2048, weight_activation_bytes=1536).weight_kept
         1536
+        >>> StageCosts(1.0, 2.0, 1.0, exchange=0.25, exchanges=2).exchange_time
+        0.5
     """
 
     forward: float
@@ -42,9 +51,14 @@ class StageCosts:
     backward_weight: float
     activation_bytes: float = 0.0
     weight_activation_bytes: float | None = None
+    exchange: float = 0.0
+    exchanges: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward_input", "backward_weight", "activation_bytes", "weight_activation_bytes"):
+        if not isinstance(self.exchanges, int) or isinstance(self.exchanges, bool) or self.exchanges < 0:
+            raise CostError(f"stage cost exchanges (all-to-alls per pass) must be an int >= 0, got {self.exchanges!r}")
+        for name in ("forward", "backward_input", "backward_weight", "activation_bytes", "weight_activation_bytes",
+                     "exchange"):
             value = getattr(self, name)
             if value is None and name == "weight_activation_bytes":
                 continue
@@ -62,6 +76,11 @@ class StageCosts:
     @property
     def full_backward(self) -> float:
         return self.backward_input + self.backward_weight
+
+    @property
+    def exchange_time(self) -> float:
+        """The all-to-all time of one pass (F, B or I) run alone: ``exchanges`` x ``exchange``."""
+        return self.exchanges * self.exchange
 
     @property
     def weight_kept(self) -> float:
@@ -86,6 +105,11 @@ class CostModel:
                 or not math.isfinite(self.latency) or self.latency < 0):
             raise CostError(f"communication latency must be a finite number >= 0, got {self.latency!r}")
 
+    @property
+    def has_exchanges(self) -> bool:
+        """Whether any stage's passes make all-to-alls that take time (the simulator then draws them)."""
+        return any(stage.exchange_time > 0 for stage in self.stages)
+
     @classmethod
     def uniform(
         cls,
@@ -97,9 +121,12 @@ class CostModel:
         latency: float = 0.0,
         activation_bytes: float = 0.0,
         weight_activation_bytes: float | None = None,
+        exchange: float = 0.0,
+        exchanges: int = 0,
     ) -> CostModel:
-        """Every stage costs the same (see :class:`StageCosts` for the bytes)."""
-        stage = StageCosts(forward, backward_input, backward_weight, activation_bytes, weight_activation_bytes)
+        """Every stage costs the same (see :class:`StageCosts` for the bytes and the exchanges)."""
+        stage = StageCosts(forward, backward_input, backward_weight, activation_bytes, weight_activation_bytes,
+                           exchange, exchanges)
         return cls((stage,) * num_stages, latency)
 
     @classmethod
@@ -134,15 +161,16 @@ class CostModel:
             )
 
     def duration(self, action: Action) -> float:
-        """Time one compute action takes (communication actions take none; latency is separate)."""
+        """Time one compute action takes run alone, its exchanges waited for (communication actions
+        take none; latency is separate)."""
         stage = self.stages[action.stage]
         kind = action.kind
         if kind is ActionKind.F:
-            return stage.forward
+            return stage.forward + stage.exchange_time if stage.exchanges else stage.forward
         if kind is ActionKind.B:
-            return stage.full_backward
+            return stage.full_backward + stage.exchange_time if stage.exchanges else stage.full_backward
         if kind is ActionKind.I:
-            return stage.backward_input
+            return stage.backward_input + stage.exchange_time if stage.exchanges else stage.backward_input
         if kind is ActionKind.W:
             return stage.backward_weight
         return 0.0

@@ -417,7 +417,9 @@ class Schedule:
 
     ``programs`` normally hold compute actions only (F, B, I, W); a lowered
     schedule (see :func:`conveyor.schedule.lower.lower`) also holds SEND/RECV, and
-    ``lowered_from`` names the compute-only schedule it was lowered from. Each
+    ``lowered_from`` names the compute-only schedule it was lowered from. ``overlapped``
+    (keyword, default ``()``: none) holds per rank the (forward, backward) pairs it runs
+    together (:mod:`conveyor.schedule.overlap`); verify() checks them. Each
     program given is packed into a :class:`PackedProgram`; an action that cannot be
     (not an Action, or ids that are no ints in range) raises :class:`ScheduleError`
     here, with the message :func:`~conveyor.schedule.verify.verify` gives for it.
@@ -437,6 +439,9 @@ class Schedule:
     # verifies and times exactly like its source, which has a third of the actions (see lower()).
     # Provenance, not content: two schedules with equal programs are equal wherever they came from.
     lowered_from: Schedule | None = field(default=None, repr=False, compare=False, kw_only=True)
+    # Per rank, the (forward, backward) pairs it runs overlapped (conveyor.schedule.overlap): content,
+    # since it changes what runs; () where no rank has any. Shown by str(), not repr() (unchanged).
+    overlapped: tuple[tuple[tuple[Action, Action], ...], ...] = field(default=(), repr=False, kw_only=True)
     # Set by verify() once this schedule passed: a pure function of content that never changes, kept
     # with it (outside equality), so that build() -> executable() -> simulate() step the programs once.
     _verified: bool = field(default=False, init=False, repr=False, compare=False)
@@ -471,6 +476,8 @@ class Schedule:
                 f"schedule {self.name!r}: lowered_from must be the Schedule lower() started from, "
                 f"got {type(self.lowered_from).__name__}"
             )
+        if self.overlapped:
+            object.__setattr__(self, "overlapped", _checked_pairs(self.name, self.num_ranks, self.overlapped))
 
     @classmethod
     def from_programs(
@@ -524,17 +531,19 @@ class Schedule:
         return self.placement.stages_of(rank)
 
     def compute_only(self) -> Schedule:
-        """The same schedule with communication actions removed."""
+        """The same schedule (its overlapped pairs too) with communication actions removed."""
         S, M = self.num_stages, self.num_microbatches
         below = (NUM_COMPUTE_KINDS * S * M).__gt__
         programs = tuple(p if p.compute_only else PackedProgram(array("q", filter(below, p.codes)), S, M, True)
                          for p in self.programs)
-        return Schedule(self.name, self.placement, self.num_microbatches, programs)
+        return Schedule(self.name, self.placement, self.num_microbatches, programs, overlapped=self.overlapped)
 
-    def with_programs(self, programs: Sequence[Sequence[Action]]) -> Schedule:
-        """This schedule's name, placement and microbatches with other programs (checked as any Schedule's)."""
+    def with_programs(self, programs: Sequence[Sequence[Action]], overlapped: tuple | None = None) -> Schedule:
+        """This schedule's name, placement and microbatches with other programs (checked as any Schedule's),
+        and its overlapped pairs (``overlapped``: other pairs, ``()`` for none)."""
         programs = tuple(p if isinstance(p, PackedProgram) else tuple(p) for p in programs)
-        return Schedule(self.name, self.placement, self.num_microbatches, programs)
+        pairs = self.overlapped if overlapped is None else overlapped
+        return Schedule(self.name, self.placement, self.num_microbatches, programs, overlapped=pairs)
 
     def __str__(self) -> str:
         lines = [
@@ -543,4 +552,28 @@ class Schedule:
         ]
         for rank, program in enumerate(self.programs):
             lines.append(f"rank {rank}: " + " ".join(map(str, program)))
+        for rank, pairs in enumerate(self.overlapped):
+            lines.append(f"rank {rank} overlaps: " + " ".join(f"{f}+{b}" for f, b in pairs))
         return "\n".join(lines)
+
+
+def _checked_pairs(name: str, num_ranks: int, overlapped: object) -> tuple:
+    """``overlapped`` as tuples, or ScheduleError unless it is one sequence of (Action, Action) pairs per rank.
+
+    Only the shape: verify() checks what the pairs say (kinds, ranks, adjacency, no deadlock).
+    """
+    how = ("give one sequence of (forward, backward) Action pairs per rank (() for a rank without pairs), "
+           "e.g. conveyor.schedule.overlap.pair_forward_backward(schedule)")
+    if not isinstance(overlapped, tuple | list) or len(overlapped) != num_ranks:
+        got = f"{len(overlapped)} entries" if isinstance(overlapped, tuple | list) else type(overlapped).__name__
+        raise ScheduleError(f"schedule {name!r}: overlapped must have {num_ranks} entries, one per rank, "
+                            f"got {got}; {how}")
+    out = []
+    for rank, pairs in enumerate(overlapped):
+        if not isinstance(pairs, tuple | list) or not all(
+                isinstance(pair, tuple | list) and len(pair) == 2 and type(pair[0]) is Action
+                and type(pair[1]) is Action for pair in pairs):
+            raise ScheduleError(f"schedule {name!r}: overlapped[{rank}] must hold (Action, Action) pairs, "
+                                f"got {pairs!r:.80}; {how}")
+        out.append(tuple(map(tuple, pairs)))
+    return tuple(out)

@@ -7,6 +7,11 @@ For stage ``s`` and microbatch ``m``, where the neighbour stage runs on another 
   RECV_B(s, m)  right before B/I(s, m)      (output gradient from stage s+1)
   SEND_B(s, m)  right after  B/I(s, m)      (input gradient to stage s-1)
 
+A pair of actions a rank runs overlapped (``Schedule.overlapped``: a forward F(a) and a backward
+X(b), X = B or I, see :mod:`conveyor.schedule.overlap`) needs both inputs before either starts and
+gives both outputs when both are done: ``RECV_F(a) RECV_B(b) F(a) X(b) SEND_F(a) SEND_B(b)``
+(those of them that cross ranks). The lowered schedule keeps the pairs.
+
 A RECV names the receiving stage (torch's convention: ``2RECV_F0`` receives
 what ``1SEND_F0`` sends). Stages on the same rank (the fold of a V placement)
 pass tensors in memory and get no communication. Lowering a lowered schedule
@@ -50,17 +55,22 @@ def lower(schedule: Schedule) -> Schedule:
         raise ScheduleError(f"lower() expects a Schedule, got {type(schedule).__name__}")
     S, M = schedule.num_stages, schedule.num_microbatches
     before, after = _comm_deltas(schedule.placement.stage_to_rank, M)
+    pairs = schedule.overlapped
     if not schedule.is_lowered:
-        programs = tuple(PackedProgram(functools.partial(_lower_codes, program, before, after), S, M,
-                                       compute_only=False) for program in schedule.programs)
-        return Schedule(schedule.name, schedule.placement, M, programs, lowered_from=schedule)
+        programs = tuple(
+            PackedProgram(functools.partial(_lower_paired_codes, program, before, after, pairs[rank])
+                          if pairs and pairs[rank] else functools.partial(_lower_codes, program, before, after),
+                          S, M, compute_only=False)
+            for rank, program in enumerate(schedule.programs))
+        return Schedule(schedule.name, schedule.placement, M, programs, lowered_from=schedule, overlapped=pairs)
     programs = tuple(PackedProgram(_lower_codes(program, before, after), S, M, compute_only=False)
                      for program in schedule.programs)
     # Where lowering placed every SEND/RECV (each RECV right before its consumer, each SEND right
     # after its producer), the result verifies and simulates exactly like its source.
     first_comm = NUM_COMPUTE_KINDS * S * M
     placed_all = all(max(program.codes, default=-1) < first_comm for program in schedule.programs)
-    return Schedule(schedule.name, schedule.placement, M, programs, lowered_from=schedule if placed_all else None)
+    return Schedule(schedule.name, schedule.placement, M, programs, lowered_from=schedule if placed_all else None,
+                    overlapped=pairs)
 
 
 _NONE = -(1 << 62)  # a delta that makes a code negative: no communication there
@@ -81,6 +91,24 @@ def _lower_codes(program: PackedProgram, before: list[int], after: list[int]) ->
         befores = [_NONE if code in present else code for code in befores]
         afters = [_NONE if code in present else code for code in afters]
     return array("q", filter((-1).__lt__, chain.from_iterable(zip(befores, codes, afters))))
+
+
+def _lower_paired_codes(program: PackedProgram, before: list[int], after: list[int], pairs: tuple) -> array:
+    """:func:`_lower_codes` of a compute-only program whose ``pairs`` run overlapped: around each pair
+    (its forward directly followed by its backward), both receives before it and both sends after it."""
+    M = program.num_microbatches
+    partner = {program.code_of(forward): program.code_of(backward) for forward, backward in pairs}
+    codes, out = program.codes, array("q")
+    at, end = 0, len(codes)
+    while at < end:
+        code = codes[at]
+        # A pair whose actions are not adjacent lowers as two actions: verify() refuses it anyway.
+        group = (code, codes[at + 1]) if at + 1 < end and partner.get(code) == codes[at + 1] else (code,)
+        out.extend(c + before[c // M] for c in group if before[c // M] != _NONE)
+        out.extend(group)
+        out.extend(c + after[c // M] for c in group if after[c // M] != _NONE)
+        at += len(group)
+    return out
 
 
 def _comm_deltas(stage_to_rank: tuple[int, ...], num_microbatches: int) -> tuple[list[int], list[int]]:

@@ -191,12 +191,31 @@ def merge_backward_halves(schedule: Schedule) -> Schedule:
         ['0F0', '0B0']
     """
     placement = schedule.placement
-    programs = []
+    programs, pairs = [], []
     for rank, program in enumerate(schedule.programs):
         keeps_gradient = frozenset(s for s in placement.stages_of(rank) if s == 0 or placement.rank_of(s - 1) == rank)
         merge = functools.partial(_merged_codes, program, keeps_gradient)
         programs.append(PackedProgram(merge, program.num_stages, program.num_microbatches, program.compute_only))
-    return schedule.with_programs(programs)
+        if schedule.overlapped:
+            pairs.append(_merged_pairs(program, keeps_gradient, schedule.overlapped[rank]))
+    return schedule.with_programs(programs, tuple(pairs))
+
+
+def _merged_pairs(program: PackedProgram, stages: frozenset[int], pairs: tuple) -> tuple:
+    """``pairs`` of ``program`` with each backward I that merging turns into a B named as that B."""
+    if not any(backward.kind is ActionKind.I and backward.stage in stages for _, backward in pairs):
+        return pairs
+    SM = program.num_stages * program.num_microbatches
+    codes = program.codes
+    position = dict(zip(codes, range(len(codes))))
+    merged = []
+    for forward, backward in pairs:
+        at = position.get(program.code_of(backward))
+        if (backward.kind is ActionKind.I and backward.stage in stages and at is not None and at + 1 < len(codes)
+                and codes[at + 1] == codes[at] + SM):  # its own W follows: one B (see _merged_codes)
+            backward = Action(ActionKind.B, backward.stage, backward.microbatch)
+        merged.append((forward, backward))
+    return tuple(merged)
 
 
 def merge_adjacent_backward_halves(program: PackedProgram, stages: Iterable[int] | None = None) -> PackedProgram:
@@ -242,7 +261,8 @@ def _merged_codes(program: PackedProgram, stages: Iterable[int]) -> array:
 
 
 def forward_only(schedule: Schedule) -> Schedule:
-    """The forward actions of ``schedule``, in the same per-rank order (for evaluation).
+    """The forward actions of ``schedule``, in the same per-rank order (for evaluation; no overlapped
+    pairs: a pair needs a backward).
 
     Example:
         >>> import conveyor.schedule as cs
@@ -253,7 +273,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     return schedule.with_programs([
         PackedProgram(functools.partial(_filtered, forwards, p), p.num_stages, p.num_microbatches, True)
         for p in schedule.programs
-    ])
+    ], overlapped=())
 
 
 def _filtered(keep: Callable[[int], bool], program: PackedProgram) -> array:

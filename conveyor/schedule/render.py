@@ -49,6 +49,10 @@ KIND_NAMES: Mapping[ActionKind, str] = MappingProxyType({
     ActionKind.W: "W weight gradient",
 })
 COMM_COLOR = "#7f7f7f"
+EXCHANGE_COLOR = "#8e44ad"  # an all-to-all (Timeline.comm_spans), on its own lane under the compute
+# Rows of a rank as offsets from its centre line: compute alone, or compute above a communication lane.
+_COMPUTE_ROW = (-0.4, 0.4)
+_COMPUTE_ROW_ABOVE_LANE, _EXCHANGE_LANE = (-0.45, 0.1), (0.16, 0.45)
 
 # Label and layout limits that keep big pictures fast and small ones legible.
 _LABEL_FONT_PT = 7.0
@@ -102,9 +106,10 @@ def headline(timeline: Timeline, title: str | None = None) -> str:
     """
     name = title if title is not None else (timeline.title or "timeline")
     peak = max(timeline.peak_activations(), default=0)
+    exposed = f", exposed comm {timeline.exposed_comm_share:.1%}" if timeline.comm_spans else ""
     return (
         f"{name} ({timeline.source}): makespan {format_duration(timeline.makespan, timeline.time_unit)}, "
-        f"bubble {timeline.bubble_ratio:.1%}, peak activations {peak}"
+        f"bubble {timeline.bubble_ratio:.1%}, peak activations {peak}{exposed}"
     )
 
 
@@ -210,7 +215,7 @@ def draw(
     shared_end = max((t.makespan for t in panels), default=0.0) if share_time else None
     kinds_seen: set[ActionKind] = set()
     max_stages_per_rank = 1
-    has_comm = False
+    has_comm = has_exchanges = False
     top_in = height_in - legend_in
     for timeline, title, rows_in in zip(panels, titles, panel_heights):
         bottom_in = top_in - title_in - rows_in
@@ -227,7 +232,8 @@ def draw(
         kinds_seen |= drawn.kinds
         max_stages_per_rank = max(max_stages_per_rank, drawn.stages_per_rank)
         has_comm = has_comm or drawn.has_comm
-    _legend(figure, kinds_seen, max_stages_per_rank, has_comm)
+        has_exchanges = has_exchanges or drawn.has_exchanges
+    _legend(figure, kinds_seen, max_stages_per_rank, has_comm, has_exchanges)
     return figure
 
 
@@ -289,6 +295,7 @@ class _Drawn:
     kinds: frozenset[ActionKind]
     stages_per_rank: int
     has_comm: bool
+    has_exchanges: bool = False
 
 
 def _figure_width(panels: Sequence[Timeline]) -> float:
@@ -352,7 +359,9 @@ def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> 
     ends = np.fromiter((s.end for s in compute), float, len(compute))
     ranks = np.fromiter((s.rank for s in compute), float, len(compute))
     x0, x1 = (starts - origin) * unit.factor, (ends - origin) * unit.factor
-    top, bottom = ranks - 0.4, ranks + 0.4
+    # With all-to-alls, each rank's row holds its compute above a lane of its communication.
+    row_top, row_bottom = _COMPUTE_ROW_ABOVE_LANE if timeline.comm_spans else _COMPUTE_ROW
+    top, bottom = ranks + row_top, ranks + row_bottom
     boxes = np.stack(
         [
             np.stack([x0, top], 1),
@@ -393,8 +402,11 @@ def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> 
                 )
             )
         ax.add_collection(PolyCollection(comm_boxes, facecolors=COMM_COLOR, linewidths=0))
+    if timeline.comm_spans:
+        _draw_exchange_lane(ax, timeline.comm_spans, origin, unit.factor, px_per_x)
 
-    _label_boxes(ax, compute, colors, origin, unit.factor, px_per_x, row_px, stages_per_rank, dpi)
+    _label_boxes(ax, compute, colors, origin, unit.factor, px_per_x, row_px * (row_bottom - row_top) / 0.8,
+                 stages_per_rank, dpi, (row_top + row_bottom) / 2)  # (a row without a lane is 0.8 high)
 
     ax.set_xlim(0, x_end)
     ax.set_ylim(timeline.num_ranks - 0.5, -0.5)  # rank 0 on top
@@ -407,11 +419,24 @@ def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> 
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     ax.set_title(headline(timeline, title), fontsize=10, loc="left")
-    return _Drawn(frozenset(s.action.kind for s in compute), stages_per_rank, bool(comm))
+    return _Drawn(frozenset(s.action.kind for s in compute), stages_per_rank, bool(comm), bool(timeline.comm_spans))
+
+
+def _draw_exchange_lane(ax, comm_spans, origin, factor, px_per_x) -> None:
+    """The all-to-alls of each rank, on the lane under its compute (at least half a pixel wide each)."""
+    from matplotlib.collections import PolyCollection
+
+    top, bottom = _EXCHANGE_LANE
+    boxes = []
+    for span in comm_spans:
+        x0 = (span.start - origin) * factor
+        x1 = max((span.end - origin) * factor, x0 + 0.5 / px_per_x)
+        boxes.append(((x0, span.rank + top), (x1, span.rank + top), (x1, span.rank + bottom), (x0, span.rank + bottom)))
+    ax.add_collection(PolyCollection(boxes, facecolors=EXCHANGE_COLOR, linewidths=0))
 
 
 def _label_boxes(
-    ax, spans: Sequence[Span], colors, origin, factor, px_per_x, row_px, stages_per_rank, dpi
+    ax, spans: Sequence[Span], colors, origin, factor, px_per_x, row_px, stages_per_rank, dpi, y_shift=0.0
 ):
     """Write each box's microbatch (and stage, when ranks run several) where it fits.
 
@@ -443,7 +468,7 @@ def _label_boxes(
             text = str(action.microbatch)  # the shading still tells the stage apart
         else:
             continue
-        labels.append(((span.start + span.end) / 2, span.rank, text, color))
+        labels.append(((span.start + span.end) / 2, span.rank + y_shift, text, color))
     if len(labels) > _MAX_LABELS:
         logger.info(
             "skipping %d box labels (more than %d would be slow to draw)", len(labels), _MAX_LABELS
@@ -467,7 +492,7 @@ def _text_px(num_chars: int, font_pt: float, dpi: int) -> float:
     return num_chars * font_pt * dpi / 72 * 0.62 + 3
 
 
-def _legend(figure, kinds: set[ActionKind], stages_per_rank: int, has_comm: bool) -> None:
+def _legend(figure, kinds: set[ActionKind], stages_per_rank: int, has_comm: bool, has_exchanges: bool) -> None:
     from matplotlib.patches import Patch
 
     handles = [Patch(color=KIND_COLORS[k], label=KIND_NAMES[k]) for k in KIND_COLORS if k in kinds]
@@ -477,6 +502,8 @@ def _legend(figure, kinds: set[ActionKind], stages_per_rank: int, has_comm: bool
             handles.append(Patch(color=shade, label=f"{_ordinal(position + 1)} stage of a rank"))
     if has_comm:
         handles.append(Patch(color=COMM_COLOR, label="communication"))
+    if has_exchanges:
+        handles.append(Patch(color=EXCHANGE_COLOR, label="all-to-all"))
     if not handles:
         return  # an empty timeline: nothing to explain
     figure.legend(

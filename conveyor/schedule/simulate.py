@@ -12,7 +12,13 @@
   that needs another rank's output starts ``latency`` after it;
 - a schedule straight from ``lower()`` times like its compute-only source
   (``Schedule.lowered_from``), which is stepped instead (a third of the actions);
-- where the pass finds the schedule not clean, :func:`verify` words why.
+- where the pass finds the schedule not clean, :func:`verify` words why;
+- a pass with all-to-alls (``StageCosts.exchanges``) takes its compute plus its exchanges, each
+  drawn as a :class:`~conveyor.schedule.timeline.CommSpan` and counted as exposed; a pair a rank
+  runs overlapped (``Schedule.overlapped``) is one event: it starts once both its actions' inputs
+  are in and lasts :func:`~conveyor.schedule.overlap.pair_timing`, its interval split between its
+  two spans in proportion to their durations alone (so busy time, and the bubble, count it once).
+  Only then are actions looked at one by one; other schedules take the engine's fast path.
 
 :func:`step_timed` runs the same loop without the verdict: a schedule that blocks comes back
 with its spans so far and where its ranks stopped.
@@ -29,15 +35,17 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import gt
 
 from conveyor.errors import CostError
 from conveyor.schedule.cost import CostModel
 from conveyor.schedule.engine import UNSET, Blocked, Run, blocked_ranks, key_tables, step
-from conveyor.schedule.ir import KINDS, NUM_COMPUTE_KINDS, Action, PackedProgram, Schedule
+from conveyor.schedule.ir import KINDS, NUM_COMPUTE_KINDS, Action, ActionKind, PackedProgram, Schedule
+from conveyor.schedule.lower import lower
+from conveyor.schedule.overlap import PairTiming, pair_timing
 from conveyor.schedule.passes import executable
-from conveyor.schedule.timeline import PackedSpans, Span, Timeline
+from conveyor.schedule.timeline import CommSpan, PackedSpans, Span, Timeline
 from conveyor.schedule.verify import check_shape, verify
 
 
@@ -66,14 +74,20 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
         raise
     source = schedule.lowered_from or schedule  # times exactly like it (see lower())
     S, M = source.num_stages, source.num_microbatches
-    run = None
-    if sum(map(len, source.programs)) >= 2 * S * M:  # else incomplete: no table sized S x M
-        took, duration = _durations(costs, S)
-        run = step(source, took, costs.latency, duration, record=True)
-    if run is None or not run.clean:
+    timings: dict[Action, PairTiming] = {}
+    if source.overlapped:
         verify(schedule)
-        raise AssertionError(f"schedule {schedule.name!r} failed the timed check but verifies")
-    spans = packed_spans(source, run)
+        spans, timings = _paired_spans(source, costs)
+    else:
+        run = None
+        if sum(map(len, source.programs)) >= 2 * S * M:  # else incomplete: no table sized S x M
+            took, duration = _durations(costs, S)
+            run = step(source, took, costs.latency, duration, record=True)
+        if run is None or not run.clean:
+            verify(schedule)
+            raise AssertionError(f"schedule {schedule.name!r} failed the timed check but verifies")
+        spans = packed_spans(source, run)
+    comm_spans, exposed = _exchange_spans(spans, costs, timings) if costs.has_exchanges else ((), ())
     return Timeline(
         schedule.num_ranks,
         spans,
@@ -88,7 +102,76 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
             "virtual": schedule.virtual,
             "microbatches": schedule.num_microbatches,
         },
+        comm_spans=comm_spans,
+        exposed_comm=exposed,
     )
+
+
+def _paired_spans(source: Schedule, costs: CostModel) -> tuple[PackedSpans, dict[Action, PairTiming]]:
+    """Step ``source`` (verified) lowered as its pairs run: a pair's forward takes the pair's time, its
+    backward none; then each pair's interval is split between its two spans (see the module docstring)."""
+    lowered = source if source.is_lowered else lower(source)
+    plain = type(costs).duration is CostModel.duration  # then a pair's time depends on kinds and stages only
+    timings: dict[Action, PairTiming] = {}
+    by_key: dict[tuple, PairTiming] = {}
+    for forward, backward in chain.from_iterable(source.overlapped):
+        key = (forward.stage, backward.kind, backward.stage)
+        timing = by_key.get(key) if plain else None
+        if timing is None:
+            timing = by_key[key] = pair_timing(costs, forward, backward)
+        timings[forward] = timing
+    partners = frozenset(backward for _, backward in chain.from_iterable(source.overlapped))
+
+    def duration(action: Action) -> float:
+        timing = timings.get(action)
+        if timing is not None:
+            return timing.duration
+        return 0.0 if action in partners else costs.duration(action)
+
+    run = step(lowered, None, costs.latency, duration, record=True)
+    if run is None or not run.clean:
+        raise AssertionError(f"schedule {source.name!r} verifies but its lowered pairs do not run to the end")
+    spans = packed_spans(lowered, run)
+    for rank, pairs in enumerate(source.overlapped):
+        program, starts, ends = spans.programs[rank], spans.starts[rank], spans.ends[rank]
+        position = dict(zip(program.codes, range(len(program.codes))))
+        for forward, backward in pairs:
+            at = position[program.code_of(forward)]
+            alone_forward, alone_backward = costs.duration(forward), costs.duration(backward)
+            alone = alone_forward + alone_backward
+            share = alone_forward / alone if alone > 0 else 0.0
+            ends[at] = starts[at + 1] = starts[at] + (ends[at] - starts[at]) * share
+    return spans, timings
+
+
+def _exchange_spans(spans: PackedSpans, costs: CostModel,
+                    timings: dict[Action, PairTiming]) -> tuple[tuple[CommSpan, ...], tuple[float, ...]]:
+    """Each rank's all-to-alls and how long its compute waited for them: a pass alone waits for each of its
+    exchanges (after each of its first n pieces of compute); a pair as :func:`pair_timing` found."""
+    comm: list[CommSpan] = []
+    exposed = []
+    for rank, program in enumerate(spans.programs):
+        starts, ends = spans.starts[rank], spans.ends[rank]
+        actions, waited, at = program.actions(), 0.0, 0
+        while at < len(actions):
+            action, start = actions[at], starts[at]
+            timing = timings.get(action)
+            if timing is not None:  # a pair (its backward next): its exchanges, from its start
+                names = (str(action), str(actions[at + 1]))
+                comm += [CommSpan(rank, names[which], start + begin, start + end)
+                         for which, begin, end in timing.exchanges]
+                waited, at = waited + timing.exposed, at + 2
+                continue
+            stage = costs.stages[action.stage]
+            if action.kind is not ActionKind.W and stage.exchange_time:
+                count, exchange = stage.exchanges, stage.exchange
+                piece = (ends[at] - start - stage.exchange_time) / (count + 1)
+                comm += [CommSpan(rank, str(action), start + (k + 1) * piece + k * exchange,
+                                  start + (k + 1) * (piece + exchange)) for k in range(count)]
+                waited += stage.exchange_time
+            at += 1
+        exposed.append(waited)
+    return tuple(comm), tuple(exposed)
 
 
 def _checked_costs(schedule: Schedule, costs: CostModel | None) -> CostModel:

@@ -45,6 +45,22 @@ class Span:
         return self.end - self.start
 
 
+@dataclass(frozen=True, slots=True)
+class CommSpan:
+    """One communication (an all-to-all of an MoE layer) of one rank, on its own lane beside the
+    compute: ``label`` names what it serves (e.g. ``"2F5"``: an exchange of stage 2's forward of
+    microbatch 5), from ``start`` to ``end``."""
+
+    rank: int
+    label: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
 class _RankSpans:
     """What the spans of one rank of a :class:`PackedSpans` read their fields from."""
 
@@ -162,6 +178,9 @@ class Timeline:
     ``stage_weight_activation_bytes[stage]`` (optional: all of them) is the part a split
     backward's W still needs after its I (see :class:`~conveyor.schedule.cost.StageCosts`).
     ``spans`` come in no particular order across ranks; :meth:`spans_of` sorts one rank's.
+    ``comm_spans`` (optional) are the ranks' all-to-alls, drawn on a lane under each rank's
+    compute; ``exposed_comm[rank]`` the part of that rank's communication time its compute
+    waited for (not hidden behind other compute).
     """
 
     num_ranks: int
@@ -172,6 +191,8 @@ class Timeline:
     stage_activation_bytes: tuple[float, ...] = ()
     stage_weight_activation_bytes: tuple[float, ...] = ()
     metadata: dict = field(default_factory=dict)
+    comm_spans: tuple[CommSpan, ...] = ()
+    exposed_comm: tuple[float, ...] = ()
 
     @property
     def start(self) -> float:
@@ -295,42 +316,102 @@ class Timeline:
             "bubble_ratio": self.bubble_ratio,
             "peak_activations": self.peak_activations(),
             "peak_activation_bytes": self.peak_activation_bytes(),
-        }
+        } | ({"exposed_comm_share": self.exposed_comm_share} if self.comm_spans else {})
+
+    def comm_time(self, rank: int) -> float:
+        """The time ``rank``'s communication lane was busy (its comm spans summed)."""
+        return sum(span.end - span.start for span in self.comm_spans if span.rank == rank)
+
+    @property
+    def exposed_comm_share(self) -> float:
+        """The largest share of the makespan any rank's compute waited for its own communication.
+
+        Example:
+            >>> from conveyor.schedule.ir import F
+            >>> tl = Timeline(1, (Span(0, F(0, 0), 0, 4),), comm_spans=(CommSpan(0, "0F0", 1, 2),),
+            ...               exposed_comm=(1.0,))
+            >>> tl.exposed_comm_share, tl.summary()["exposed_comm_share"]
+            (0.25, 0.25)
+        """
+        makespan = self.makespan
+        return max(self.exposed_comm, default=0.0) / makespan if makespan > 0 else 0.0
 
     @classmethod
     def from_spans(cls, num_ranks: int, spans: Sequence[Span], *, title: str = "", source: str = "simulated",
                    time_unit: str = "unit", stage_activation_bytes: Sequence[float] = (),
-                   stage_weight_activation_bytes: Sequence[float] = (), metadata: dict | None = None) -> Timeline:
+                   stage_weight_activation_bytes: Sequence[float] = (), metadata: dict | None = None,
+                   comm_spans: Sequence[CommSpan] = (), exposed_comm: Sequence[float] = ()) -> Timeline:
         """A Timeline of ``spans`` in any order (sorted here by start, then rank); the other fields as the
         constructor's."""
         return cls(num_ranks, tuple(sorted(spans, key=lambda s: (s.start, s.rank))), title=title, source=source,
                    time_unit=time_unit, stage_activation_bytes=tuple(stage_activation_bytes),
-                   stage_weight_activation_bytes=tuple(stage_weight_activation_bytes), metadata=dict(metadata or {}))
+                   stage_weight_activation_bytes=tuple(stage_weight_activation_bytes), metadata=dict(metadata or {}),
+                   comm_spans=tuple(sorted(comm_spans, key=lambda s: (s.start, s.rank))),
+                   exposed_comm=tuple(exposed_comm))
 
 
-def measured_timeline(schedule, per_rank_events: Sequence[Sequence[tuple]]) -> Timeline:
+def measured_timeline(schedule, per_rank_events: Sequence[Sequence[tuple]], *,
+                      comm_events: Sequence[tuple[int, str, float, float]] = (),
+                      exposed_comm: Sequence[float] | None = None) -> Timeline:
     """A Timeline (seconds from the earliest start) of each rank's ``(action, start, end)`` of a step.
 
     ``schedule`` names the schedule it ran (its name, ranks, V and M title the picture); actions
-    may be :class:`Action` or their text.
+    may be :class:`Action` or their text. ``comm_events``: the step's all-to-alls, each
+    ``(rank, label, start, end)`` on the same clock, drawn on a lane under their rank's compute.
+    ``exposed_comm``: per rank, how long its compute waited for them, where the runtime measured
+    it; by default the time a rank's comm events cover and none of its compute spans does (an
+    overlapped pair recorded as two spans over its whole interval then hides its waits: pass them).
 
     Example:
         >>> import conveyor.schedule as cs
         >>> tl = measured_timeline(cs.build("1f1b", ranks=1, microbatches=1), [[("0F0", 1.0, 1.5), ("0B0", 1.5, 2.5)]])
         >>> tl.makespan
         1.5
+        >>> tl = measured_timeline(cs.build("1f1b", ranks=1, microbatches=1),
+        ...                        [[("0F0", 1.0, 1.5), ("0B0", 2.0, 2.5)]], comm_events=[(0, "0F0", 1.25, 2.0)])
+        >>> tl.comm_spans[0].start, tl.exposed_comm
+        (0.25, (0.5,))
     """
     starts = [start for events in per_rank_events for _, start, _ in events]
-    origin = min(starts, default=0.0)
+    origin = min(starts + [start for _, _, start, _ in comm_events], default=0.0)
     spans = [
         Span(rank, Action.parse(a) if isinstance(a, str) else a, start - origin, end - origin)
         for rank, events in enumerate(per_rank_events)
         for a, start, end in events
     ]
+    comm = [CommSpan(rank, str(label), start - origin, end - origin) for rank, label, start, end in comm_events]
+    if exposed_comm is None and comm:
+        exposed_comm = [_uncovered([(s.start, s.end) for s in comm if s.rank == rank],
+                                   [(s.start, s.end) for s in spans if s.rank == rank])
+                        for rank in range(schedule.num_ranks)]
     return Timeline.from_spans(
         schedule.num_ranks, spans,
         title=f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches}",
         source="measured", time_unit="s",
         metadata={"schedule": schedule.name, "ranks": schedule.num_ranks, "virtual": schedule.virtual,
                   "microbatches": schedule.num_microbatches},
+        comm_spans=comm, exposed_comm=exposed_comm or (),
     )
+
+
+def _uncovered(intervals: Sequence[tuple[float, float]], cover: Sequence[tuple[float, float]]) -> float:
+    """How long the union of ``intervals`` lies outside the union of ``cover``.
+
+    Example:
+        >>> _uncovered([(0, 2), (1, 3)], [(0.5, 1), (2.5, 4)])
+        2.0
+    """
+    def union(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+        merged: list[list[float]] = []
+        for start, end in sorted(spans):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return [(start, end) for start, end in merged]
+
+    covered = union(cover)
+    total = 0.0
+    for start, end in union(intervals):
+        total += end - start - sum(max(0.0, min(end, c_end) - max(start, c_start)) for c_start, c_end in covered)
+    return total

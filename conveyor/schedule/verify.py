@@ -16,7 +16,10 @@
    block, a receive waits for its send. A rank that runs an action before
    something it needs from its own program is reported as such; otherwise the
    message names every blocked rank, what it waits for, from which rank, what
-   that rank is stuck on, the cycle, and shows the step x rank grid.
+   that rank is stuck on, the cycle, and shows the step x rank grid;
+6. a schedule with overlapped pairs (``Schedule.overlapped``): checks 1-5 without them, each
+   pair, then 5 on its lowered form, each pair's receives before it and sends after it
+   (:func:`conveyor.schedule.overlap.verify_overlapped`).
 
 A valid schedule costs one fused pass of the engine (``engine.runs_clean``:
 each action looked up and stepped once, then C-speed counts); only a schedule
@@ -66,6 +69,12 @@ def verify(schedule: Schedule) -> None:
     """
     check_shape(schedule)
     if schedule._verified:
+        return
+    if schedule.overlapped:  # its pairs, and its lowered form with them (conveyor.schedule.overlap)
+        from conveyor.schedule.overlap import verify_overlapped
+
+        verify_overlapped(schedule)
+        object.__setattr__(schedule, "_verified", True)
         return
     if _source_runs_clean(schedule) or runs_clean(schedule):
         object.__setattr__(schedule, "_verified", True)  # a frozen record: its one memo, see Schedule
