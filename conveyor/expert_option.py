@@ -57,10 +57,13 @@ def check_expert_parallel(layout: Any) -> None:
     It needs replicas or TP ranks (``dp``, ``tp``, or a mesh's "dp" and "tp" dims) whose product ``ep`` divides
     (None: ep = dp).
     """
-    plan, ep, capacity = layout.expert_parallel, layout.ep, layout.expert_capacity
+    plan, ep, capacity, overlap = layout.expert_parallel, layout.ep, layout.expert_capacity, layout.expert_overlap
+    if not isinstance(overlap, bool):
+        raise PipelineConfigError(f"expert_overlap takes True or False; got {overlap!r}")
     if plan is None:
-        if ep is not None or capacity is not None:
-            name, value = ("ep", ep) if ep is not None else ("expert_capacity", capacity)
+        if ep is not None or capacity is not None or overlap:
+            name, value = (("ep", ep) if ep is not None else ("expert_capacity", capacity) if capacity is not None
+                           else ("expert_overlap", overlap))
             raise PipelineConfigError(f"{name}={value} shapes expert parallelism: give expert_parallel='auto' (or a "
                                       f"plan) too, or drop {name}")
         return

@@ -5,7 +5,7 @@ of :mod:`conveyor.options` each is frozen, checks itself when made and gives the
 Example:
     >>> DistributedLayout(dp=2).describe()
     'the default group, dp=2 tp=1 data_parallel=None tensor_parallel=None sequence_parallel=False loss_parallel=False
-    expert_parallel=None ep=None expert_capacity=None'
+    expert_parallel=None ep=None expert_capacity=None expert_overlap=False'
 """
 
 from __future__ import annotations
@@ -97,6 +97,9 @@ class DistributedLayout:
     expert_capacity: float | None = _f(None, "with expert_parallel: a capacity factor; each expert takes at most "
                                              "ceil(factor x routed slots / experts) of a rank's slots per microbatch "
                                              "and layer, the later ones in token order dropped; None: none dropped")
+    expert_overlap: bool = _f(False, "with expert_parallel: each forward paired with the backward next to it in a "
+                                     "rank's program, each running while the other's all-to-alls are in flight "
+                                     "(conveyor.parallel.experts.overlap); the same numbers")
     parts: tuple = _f((), "StageParts of your own (conveyor.parallel.part), after the built-in ones")
 
     def __post_init__(self) -> None:

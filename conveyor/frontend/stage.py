@@ -37,7 +37,6 @@ _SUBGRAPH_PREFIX = "_conveyor_subgraph_"
 _CONSTANT_PREFIX = "_conveyor_constants"
 
 
-
 def as_received(value: Any) -> Any:
     """A value as the next stage receives it: a leaf that requires grad iff the sent one did."""
     if isinstance(value, torch.Tensor):
@@ -328,9 +327,7 @@ class _Container(nn.Module):
     """Holds a stage's tensors at their original path (``model.layers.0.mlp``...)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            "a container inside a StageModule only holds tensors; call the StageModule"
-        )
+        raise RuntimeError("a container inside a StageModule only holds tensors; call the StageModule")
 
 
 def _register(root: nn.Module, path: str, tensor: torch.Tensor | nn.Module, persistent: bool) -> None:
@@ -491,6 +488,17 @@ class StageModule(nn.Module):
     def input_specs(self) -> tuple[ValueSpec, ...]:
         return self._run_for_display()[2] or ()
 
+    @property
+    def graph(self) -> fx.Graph:
+        """The graph this stage runs in its current mode (:meth:`run_in_steps` walks it)."""
+        return self._conveyor_graphs[self.training]
+
+    def run_in_steps(self, args: tuple, kwargs: dict[str, Any], intercepts: dict[str, Callable]) -> Any:
+        """This stage's call as a generator pausing in intercepted modules (:mod:`conveyor.frontend.stepped`)."""
+        from conveyor.frontend.stepped import run_in_steps
+
+        return run_in_steps(self, args, kwargs, intercepts)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         runs = self._conveyor_runs.get(self.training)
         if runs is None:
@@ -504,18 +512,20 @@ class StageModule(nn.Module):
                 f"{mode}-mode stages with split.with_mode(training={self.training}) (same cut, same "
                 "names), or put the stage back in its mode."
             )
-        run, _, input_specs = runs
+        return self.result(runs[0](self, *self.flat_inputs(args, kwargs)))
+
+    def flat_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[Any] | tuple[Any, ...]:
+        """What the stage's graph takes for this call's arguments (checked as :meth:`forward` checks them)."""
         if self._conveyor_stage == 0:
-            flat = self._flatten_model_inputs(args, kwargs)
-        else:
-            if kwargs:
-                raise SpecMismatchError(
-                    f"stage {self.stage} takes the previous stage's outputs as positional arguments; "
-                    f"got keyword arguments {sorted(kwargs)}."
-                )
-            flat = args
-            self._check_received(flat, input_specs)
-        outputs = run(self, *flat)
+            return self._flatten_model_inputs(args, kwargs)
+        if kwargs:
+            raise SpecMismatchError(f"stage {self.stage} takes the previous stage's outputs as positional arguments; "
+                                    f"got keyword arguments {sorted(kwargs)}.")
+        self._check_received(args, self._run_for_display()[2])
+        return args
+
+    def result(self, outputs: Sequence[Any]) -> Any:
+        """What the stage returns for its graph's outputs: the model's own structure on the last stage."""
         if self._conveyor_stage == self._conveyor_num_stages - 1:
             return pytree.tree_unflatten(list(outputs), self._conveyor_out_spec)
         return tuple(outputs)
@@ -574,17 +584,10 @@ class StageModule(nn.Module):
 
 def _check_leaf(leaf: ExampleLeaf, value: Any) -> None:
     if leaf.is_tensor:
-        if (
-            isinstance(value, torch.Tensor)
-            and fits(leaf.shape, leaf.dynamic, value.shape)
-            and value.dtype == leaf.dtype
-        ):
+        if isinstance(value, torch.Tensor) and value.dtype == leaf.dtype and fits(leaf.shape, leaf.dynamic,
+                                                                                   value.shape):
             return
-        got = (
-            f"tensor{list(value.shape)} {value.dtype}"
-            if isinstance(value, torch.Tensor)
-            else repr(value)
-        )
+        got = f"tensor{list(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else repr(value)
     else:
         if not isinstance(value, torch.Tensor) and value == leaf.value:
             return

@@ -8,9 +8,9 @@ parallelism is one more part, its option field and its tests.
 
 The hooks, in the order a pipeline reaches them: tracing and cutting (``trace_leaves``,
 ``materialize_stages``, ``parameter_placements``: classmethods, asked before the parts exist),
-building (``wrap_stages``, ``runner_context``, ``agree``, ``wrap``, ``boundary_examples``), each
+building (``program``, ``wrap_stages``, ``runner_context``, ``agree``, ``wrap``, ``boundary_examples``), each
 training step (``start_step``, ``stage_done``, ``finish_step``, ``step_loss``), and on request
-(``whole_norms``, ``flags``, ``spans``, ``release``).
+(``whole_norms``, ``flags``, ``spans``, ``exchanges``, ``release``).
 
 A part that reduces some parameters' gradients over groups of its own (expert parallelism) claims
 them with :func:`claim_reduction` in ``wrap_stages``; parts that reduce a whole stage (the
@@ -99,6 +99,11 @@ class StagePart:
         shaped as an experts module is (:mod:`conveyor.frontend.leaves`)."""
         return []
 
+    def program(self, schedule: Schedule) -> Schedule:
+        """The schedule this part needs the pipeline to run, given the one asked for: the same, unless the part
+        runs passes together (expert parallelism's overlapped pairs)."""
+        return schedule
+
     def wrap_stages(self, modules: Mapping[int, torch.nn.Module], schedule: Schedule, model: WholeModel) -> None:
         """Change this rank's stage modules ({stage: module}) in place before their runners read them."""
 
@@ -141,6 +146,11 @@ class StagePart:
     def spans(self) -> list[Span]:
         """What this part timed in the last step, on the step's clock."""
         return []
+
+    def exchanges(self) -> tuple[list[Span], float]:
+        """The communication this part's stages did inside their passes in the last step (label, start, end), drawn
+        on the timeline's communication lane, and the seconds this rank's compute waited for it (the exposed part)."""
+        return [], 0.0
 
     def describe_spans(self, by_rank: list[list[Span]]) -> tuple[str, dict] | None:
         """Every rank's spans (relative to the step's start) as a timeline metadata entry (key, value)."""

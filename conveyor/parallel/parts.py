@@ -49,7 +49,8 @@ def parts_for(layout: DistributedLayout, mesh_layout: MeshLayout | None) -> list
         assert mesh_layout is not None  # Layout refuses expert_parallel without a mesh's "dp" or "tp" dim
         ep = layout.ep or mesh_layout.dp_size
         if ep > 1:  # ep=1: every rank keeps every expert, nothing to move
-            parts.append(ExpertParallel(layout.expert_parallel, ep, mesh_layout, layout.expert_capacity))
+            parts.append(ExpertParallel(layout.expert_parallel, ep, mesh_layout, layout.expert_capacity,
+                                        layout.expert_overlap))
     parts.append(TiedGradients())
     for part in layout.parts:
         if not isinstance(part, StagePart):

@@ -43,6 +43,7 @@ from conveyor.runtime.transport.choice import build_transport, seed_shapes
 from conveyor.runtime.transport.transport import Transport
 from conveyor.schedule.grid import render_positions
 from conveyor.schedule.ir import Schedule
+from conveyor.schedule.overlap import pairs_of
 from conveyor.schedule.passes import Executable, executable
 from conveyor.schedule.registry import resolve_schedule
 from conveyor.schedule.timeline import Timeline, measured_timeline
@@ -92,6 +93,8 @@ class DistributedRanks:
                 f"processes, or give each pipeline its own ranks with DistributedLayout(group=...) (several "
                 f"pipelines in one job)"
             )
+        for part in self.parts:
+            resolved = part.program(resolved)
         self.schedule = resolved
         return resolved
 
@@ -167,6 +170,7 @@ class DistributedRanks:
                                              self.device, self.comm_device)
         self.executor = RankExecutor(self.rank, schedule.placement, runners, self.transport,
                                      measure_memory=stage.measure_memory, device=self.device)
+        self.pairs = pairs_of(self.runs.train, self.rank)  # the forwards run with a backward (a part's program)
 
     # --- a step ----------------------------------------------------------------------------
     def start(self, train: bool, record: bool) -> None:
@@ -181,7 +185,7 @@ class DistributedRanks:
             posts = self.runs.train_posts(self.rank, self.transport.discipline)
             steps = self.executor.run(self.runs.train_program(self.rank), posts, first, targets, self._recorder,
                                       keep_outputs=keep_outputs, gradients_final=self.runs.gradients_final(self.rank),
-                                      on_gradients_final=self._stage_done)
+                                      on_gradients_final=self._stage_done, pairs=self.pairs)
         else:
             posts = self.runs.eval_posts(self.rank, self.transport.discipline)
             steps = self.executor.run(self.runs.eval_program(self.rank), posts, first, None, None)
@@ -249,12 +253,17 @@ class DistributedRanks:
         metadata, on the timeline's clock."""
         events = [] if self._recorder is None else self._recorder.events
         mine = [(str(a), start, end) for a, start, end in events]
-        gathered = self.guarded(self._gather_objects, (mine, [part.spans() for part in self.parts]))
-        timeline = measured_timeline(self.schedule, [events for events, _ in gathered])
-        origin = min((start for events, _ in gathered for _, start, _ in events), default=0.0)
+        exchanged = [part.exchanges() for part in self.parts]
+        exchanges = ([span for spans, _ in exchanged for span in spans], sum(waited for _, waited in exchanged))
+        gathered = self.guarded(self._gather_objects, (mine, [part.spans() for part in self.parts], exchanges))
+        comm = [(rank, label, start, end) for rank, (_, _, (spans, _)) in enumerate(gathered)
+                for label, start, end in spans]
+        timeline = measured_timeline(self.schedule, [events for events, _, _ in gathered], comm_events=comm,
+                                     exposed_comm=[waited for _, _, (_, waited) in gathered] if comm else None)
+        origin = min((start for events, _, _ in gathered for _, start, _ in events), default=0.0)
         for index, part in enumerate(self.parts):
             by_rank = [[(what, start - origin, end - origin) for what, start, end in spans[index]]
-                       for _, spans in gathered]
+                       for _, spans, _ in gathered]
             entry = part.describe_spans(by_rank)
             if entry is not None:
                 timeline.metadata[entry[0]] = entry[1]

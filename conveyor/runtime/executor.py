@@ -21,7 +21,7 @@ Example (the whole pipeline in one process):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from conveyor.errors import StageExecutionError
 from conveyor.runtime.stage.device import to_device
 from conveyor.runtime.stage.memory import MemoryMeter
 from conveyor.runtime.stage.runner import StageRunner
+from conveyor.runtime.stage.segments import interleave, run_to_end, timed
 from conveyor.runtime.stage.timing import EventRecorder, StepRecorder
 from conveyor.runtime.transport.transport import LocalTransport, Transport, detach_for_next_stage
 from conveyor.schedule.ir import Action, ActionKind, Placement
@@ -104,12 +105,17 @@ class RankExecutor:
         keep_outputs: bool = False,
         gradients_final: Mapping[int, int] | None = None,
         on_gradients_final: Callable[[int], None] | None = None,
+        pairs: Mapping[Action, Action] | None = None,
     ) -> Iterator[None]:
         """Run ``program`` once (a generator: see the module docstring), posting ``posts`` (per action,
         the batches posted right before it: the pass chain's, ``Executable.train_posts`` or ``eval_posts``).
 
         ``on_gradients_final(stage)`` is called right after the action at each index of
         ``gradients_final`` ({index: stage}), when that stage's weight gradients are complete.
+        ``pairs`` ({forward: backward}, :func:`conveyor.schedule.overlap.pairs_of`): each forward runs
+        together with its backward, the two passes taking turns at their exchanges
+        (:func:`conveyor.runtime.stage.segments.interleave`); the backward's own turn in the program
+        then finds it done, and its span is the pair's.
         """
         self.forward_inputs: dict[tuple[int, int], tuple[tuple, dict]] = {}
         self.to_send: dict[tuple[ActionKind, int, int], Any] = {}
@@ -125,6 +131,12 @@ class RankExecutor:
             for m, inputs in enumerate(first_stage_inputs):
                 self.forward_inputs[(0, m)] = inputs
         self.recvs = {}
+        self.pairs = pairs or {}
+        if self.pairs and not set(self.pairs.items()) <= set(zip(program, program[1:])):
+            raise StageExecutionError(f"rank {self.rank} was given pairs that are not adjacent actions of its program "
+                                      f"({sorted(map(str, self.pairs))}): take them from the schedule the program "
+                                      "came from (conveyor.schedule.overlap.pairs_of(executable.train, rank))")
+        self.paired_done: dict[Action, Any] = {}  # a pair's backward: its forward's time, then its own start
         self.actions_done = 0
         self.program = program
         self.runs_started += 1
@@ -140,11 +152,24 @@ class RankExecutor:
             yield from self.handlers[action.kind](action)
             self.actions_done += 1
             if recorded:
-                recorder.add(action, start, recorder.mark())
+                self._record(recorder, action, start)
             if index in final:
                 on_gradients_final(final[index])  # type: ignore[misc]  # set whenever final is not empty
         self.transport.finish_sends()
         self.program = None
+
+    def _record(self, recorder: StepRecorder | EventRecorder, action: Action, start: Any) -> None:
+        """A pair's forward and backward share its interval: on the CPU's clock each gets its own time in it
+        (the forward first); a device's events cannot be split, so the forward's span covers it all there."""
+        end = recorder.mark()
+        share = self.paired_done.get(self.pairs.get(action))
+        if share is not None:  # a pair's forward: record its part, leave the rest to its backward
+            end = start + share if isinstance(start, float) else end
+            self.paired_done[self.pairs[action]] = end
+        elif action in self.paired_done:  # a pair's backward, run with its forward
+            start = self.paired_done.pop(action)
+            end = start if not isinstance(start, float) or start > end else end
+        recorder.add(action, start, end)
 
     def position(self) -> dict[str, Any]:
         """Where this rank stands, for "where is everyone" (read from another thread: plain values)."""
@@ -170,6 +195,18 @@ class RankExecutor:
 
     # --- handlers -------------------------------------------------------------------
     def _forward(self, action: Action) -> Iterator[None]:
+        partner = self.pairs.get(action)
+        if partner is None:
+            run_to_end(self._forward_steps(action))
+        else:
+            spent = [0.0, 0.0]  # each pass's own stretches: how the pair's span is shared in the timeline
+            interleave(timed(self._forward_steps(action), spent, 0),
+                       timed(self._backward_steps(partner, split=partner.kind is ActionKind.I), spent, 1))
+            self.paired_done[partner] = spent[0]
+        return
+        yield
+
+    def _forward_steps(self, action: Action) -> Generator[None, None, None]:
         s, m = action.stage, action.microbatch
         runner = self.runners[s]
         inputs = self.forward_inputs.pop((s, m), None)
@@ -179,7 +216,7 @@ class RankExecutor:
                 + (" (pass the inputs on the rank that runs stage 0)" if s == 0 else "")
             )
         target = self.targets[m] if (runner.is_last and self.targets is not None) else None
-        output = runner.forward(m, inputs, target, keep_output=self.keep_outputs)
+        output = yield from runner.forward_steps(m, inputs, target, keep_output=self.keep_outputs)
         if not runner.is_last:
             if self.placement.rank_of(s + 1) == self.rank:
                 self.forward_inputs[(s + 1, m)] = as_stage_inputs(detach_for_next_stage(output))
@@ -197,22 +234,26 @@ class RankExecutor:
             self.to_send[(ActionKind.SEND_B, s, m)] = tuple(input_grads)
 
     def _backward_full(self, action: Action) -> Iterator[None]:
-        s, m = action.stage, action.microbatch
-        grads = self.output_grads.pop((s, m), None)
-        self._hand_back(s, m, self.runners[s].backward_full(m, grads))
+        if action not in self.paired_done:
+            run_to_end(self._backward_steps(action, split=False))
         return
         yield
 
     def _backward_input(self, action: Action) -> Iterator[None]:
+        if action not in self.paired_done:
+            run_to_end(self._backward_steps(action, split=True))
+        return
+        yield
+
+    def _backward_steps(self, action: Action, split: bool) -> Generator[None, None, None]:
+        """B (I with ``split``) of ``action``, in steps where its forward ran in segments."""
         s, m = action.stage, action.microbatch
         grads = self.output_grads.pop((s, m), None)
         meter = self.memory_meter
         held = meter.live_bytes if meter is not None else 0
-        self._hand_back(s, m, self.runners[s].backward_input(m, grads))
-        if meter is not None:
+        self._hand_back(s, m, (yield from self.runners[s].backward_steps(m, grads, split=split)))
+        if split and meter is not None:
             meter.input_pass_done(s, m, held)
-        return
-        yield
 
     def _backward_weight(self, action: Action) -> Iterator[None]:
         self.runners[action.stage].backward_weight(action.microbatch)

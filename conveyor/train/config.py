@@ -98,6 +98,9 @@ class ParallelConfig:
     expert_capacity: float | None = _f(None, "with parallel.ep: a capacity factor (e.g. 1.25): each expert takes at "
                                              "most ceil(factor x a rank's routed slots / experts) per microbatch and "
                                              "layer, the rest dropped; null: no token dropped")
+    expert_overlap: bool = _f(False, "with parallel.ep: each forward runs with the backward next to it on its rank, "
+                                     "each one's all-to-alls in flight while the other computes (schedules with 2 "
+                                     "stages per rank: zbv, dualpipev, interleaved-1f1b); the same losses")
     plan: str | None = _f(None, "a plan file from `conveyor plan --out`: its schedule, virtual, microbatches and "
                                 "split points replace these keys' (None: split by parameters)")
     in_process: bool = _f(False, "every pipeline rank in this one process (no launcher; parallel.dp=1): the "
@@ -119,7 +122,8 @@ class ParallelConfig:
                                  sequence_parallel=self.sequence_parallel,
                                  expert_parallel="auto" if experts else None,
                                  ep=self.ep if experts and isinstance(self.ep, int) else None,
-                                 expert_capacity=self.expert_capacity if experts else None)
+                                 expert_capacity=self.expert_capacity if experts else None,
+                                 expert_overlap=self.expert_overlap and experts)
 
 
 @dataclass

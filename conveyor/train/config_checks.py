@@ -235,6 +235,9 @@ def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
         problems.append(f"parallel.expert_capacity={capacity} caps what each expert takes of a rank's tokens under "
                         "expert parallelism, which parallel.ep=1 leaves off; set parallel.ep (e.g. 'auto') or drop "
                         "parallel.expert_capacity")
+    if par.expert_overlap and ep == 1:
+        problems.append("parallel.expert_overlap=true hides expert parallelism's all-to-alls, which parallel.ep=1 "
+                        "leaves off; set parallel.ep (e.g. 'auto') or drop parallel.expert_overlap")
     if ep == 1:
         return
     if not (ep == "auto" or (isinstance(ep, int) and not isinstance(ep, bool) and ep > 1)):

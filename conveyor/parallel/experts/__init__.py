@@ -2,7 +2,9 @@
 
 - :mod:`~conveyor.parallel.experts.discover`: which modules are experts ("auto" by structure, or a plan);
 - :mod:`~conveyor.parallel.experts.dispatch`: the all-to-all dispatch and combine of one layer's tokens;
-- :mod:`~conveyor.parallel.experts.part`: the stage part (shards, groups, the experts' gradient reduction).
+- :mod:`~conveyor.parallel.experts.part`: the stage part (shards, groups, the experts' gradient reduction);
+- :mod:`~conveyor.parallel.experts.overlap`: the stages' forwards in steps, so that a pair's two passes take
+  turns at their all-to-alls (``expert_overlap=True``).
 
 Example (4 ranks: 2 replicas of a 2-stage pipeline, the experts split over the 2 replicas)::
 

@@ -24,6 +24,12 @@ as a slot routed nowhere does in transformers). Every call keeps its
 state in its own locals and autograd's graph, none on a module, so any number of microbatches may
 be in flight in one layer at once (the pipeline's schedules interleave them).
 
+Every all-to-all goes through an :class:`Exchanges` of the group, which posts it, times it (the part's
+communication spans) and, for an emulated workload, holds it to a set time. :func:`dispatch_combine` waits
+for each at once; :func:`dispatch_combine_steps` is the same computation as a generator that yields while
+each is in flight and cuts the autograd graph there, for the overlapped pairs of
+:mod:`conveyor.parallel.experts.overlap`.
+
 Example (on each rank of an ``ep``-rank group; ``experts`` computes tokens sorted by local expert)::
 
     out = dispatch_combine(hidden, top_k_index, top_k_weights, num_experts=8, group=ep_group,
@@ -32,20 +38,27 @@ Example (on each rank of an ``ep``-rank group; ``experts`` computes tokens sorte
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 import torch
 
+from conveyor.runtime.stage.segments import Boundary
+
+Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
-                     num_experts: int, group, compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                     capacity_factor: float | None = None, dropped: torch.Tensor | None = None) -> torch.Tensor:
+                     num_experts: int, group, compute: Compute, capacity_factor: float | None = None,
+                     dropped: torch.Tensor | None = None, exchanges: Exchanges | None = None) -> torch.Tensor:
     """The experts' output for ``hidden`` ([tokens, hidden]) routed by ``top_k_index`` / ``top_k_weights``
     ([tokens, k] each), the experts spread over ``group``'s ranks; differentiable.
 
     ``compute(tokens, local_ids)``: this rank's experts applied to ``tokens`` ([n, hidden], grouped by
     ``local_ids``, the local expert of each row, ascending), unweighted. ``capacity_factor``: see the module
-    docstring (None: every slot reaches its expert); ``dropped``: a counter the dropped slots are added to.
+    docstring (None: every slot reaches its expert); ``dropped``: a counter the dropped slots are added to;
+    ``exchanges``: how the all-to-alls are posted (None: at once, untimed).
 
     Example::
 
@@ -53,31 +66,164 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
     """
     import torch.distributed as dist
 
+    exchanges = exchanges or Exchanges(group)
     ep = dist.get_world_size(group)
-    local = num_experts // ep
-    choices = top_k_index.shape[-1]
+    slots_expert, counts = _route(top_k_index, num_experts, ep, capacity_factor, dropped)
+    routes = Routes.of(slots_expert, counts, exchanges.post("counts", counts).wait(), top_k_index.shape[-1])
+    received = _Exchanged.apply(hidden[routes.slot_token], exchanges, "dispatch", routes.receive_splits,
+                                routes.send_splits)
+    results = routes.computed(received, compute)
+    returned = _Exchanged.apply(results, exchanges, "combine", routes.send_splits, routes.receive_splits)
+    return routes.combined(hidden, returned, top_k_weights)
+
+
+def dispatch_combine_steps(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                           num_experts: int, exchanges: Exchanges, compute: Compute, cut: Callable[[], Boundary],
+                           capacity_factor: float | None = None, dropped: torch.Tensor | None = None
+                           ) -> Generator[None, None, torch.Tensor]:
+    """:func:`dispatch_combine` as steps: yields after posting each all-to-all, waits for it when resumed, and
+    cuts the autograd graph at the tokens' two (``cut()`` opens a cut that also takes every value the stage
+    still needs after the experts): the segments of :mod:`conveyor.runtime.stage.segments`. Same numbers.
+
+    Example::
+
+        out = yield from dispatch_combine_steps(h, idx, w, num_experts=4, exchanges=exchanges,
+                                                compute=local_experts, cut=passes.boundary)
+    """
+    import torch.distributed as dist
+
+    ep = dist.get_world_size(exchanges.group)
+    slots_expert, counts = _route(top_k_index, num_experts, ep, capacity_factor, dropped)
+    posted = exchanges.post("counts", counts)
+    yield
+    routes = Routes.of(slots_expert, counts, posted.wait(), top_k_index.shape[-1])
+    sent = hidden[routes.slot_token]
+    posted = exchanges.post("dispatch", sent, routes.receive_splits, routes.send_splits)
+    dispatched = cut()
+    weights, hidden = dispatched.cut((top_k_weights, hidden.detach()))
+    yield
+    received = dispatched.exchanged(sent, posted.wait(), routes.reverse(exchanges, "dispatch"))
+    results = routes.computed(received, compute)
+    posted = exchanges.post("combine", results, routes.send_splits, routes.receive_splits)
+    combined = cut()
+    weights = combined.cut(weights)
+    yield
+    returned = combined.exchanged(results, posted.wait(), routes.reverse(exchanges, "combine"))
+    return routes.combined(hidden, returned, weights)
+
+
+def _route(top_k_index: torch.Tensor, num_experts: int, ep: int, capacity_factor: float | None,
+           dropped: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (token, choice) slot's expert (``num_experts``: nowhere), and the slots per expert as [ep, local]."""
     slots_expert = top_k_index.reshape(-1)
     if capacity_factor is not None:
         slots_expert = over_capacity_nowhere(slots_expert, num_experts, capacity_factor, dropped)
     # An index of num_experts marks a slot routed nowhere (transformers' experts skip it): not counted.
-    counts = torch.bincount(slots_expert, minlength=num_experts + 1)[:num_experts].view(ep, local)  # per expert
-    received_counts = torch.empty_like(counts)
-    dist.all_to_all_single(received_counts, counts, group=group)  # [source, local expert]: what I get
-    # The host read (step 3 of the module docstring): the split sizes of both token all-to-alls.
-    send_splits = counts.sum(1).tolist()
-    receive_splits = received_counts.sum(1).tolist()
-    # Slots by expert, so by owning rank; those routed nowhere sort last and stay here.
-    order = torch.argsort(slots_expert, stable=True)[:sum(send_splits)]
-    slot_token = order // choices
-    received = _all_to_all(hidden[slot_token], receive_splits, send_splits, group)
-    local_ids = torch.repeat_interleave(torch.arange(local, device=hidden.device).repeat(ep),
-                                        received_counts.reshape(-1))
-    by_expert = torch.argsort(local_ids, stable=True)  # source-rank order within each local expert
-    computed = compute(received[by_expert], local_ids[by_expert]).to(received.dtype)
-    results = computed[torch.argsort(by_expert)]  # back to source-rank order (the inverse permutation)
-    returned = _all_to_all(results, send_splits, receive_splits, group)  # [slots], sorted by expert
-    weighted = returned * top_k_weights.reshape(-1)[order, None].to(returned.dtype)
-    return torch.zeros_like(hidden).index_add(0, slot_token, weighted.to(hidden.dtype))
+    counts = torch.bincount(slots_expert, minlength=num_experts + 1)[:num_experts].view(ep, num_experts // ep)
+    return slots_expert, counts
+
+
+@dataclass
+class Routes:
+    """Where one layer's slots go and come back from, once both sides' counts are known (the host read)."""
+
+    send_splits: list[int]
+    receive_splits: list[int]
+    order: torch.Tensor  # slots sorted by expert, so by owning rank; those routed nowhere left out
+    slot_token: torch.Tensor  # each sorted slot's token
+    by_expert: torch.Tensor  # received rows ordered by local expert (source-rank order within one)
+    local_ids: torch.Tensor  # the local expert of each row, in by_expert order
+
+    @classmethod
+    def of(cls, slots_expert: torch.Tensor, counts: torch.Tensor, received_counts: torch.Tensor,
+           choices: int) -> Routes:
+        """The routes for this rank's ``counts`` and the ``received_counts`` ([source, local expert])."""
+        # The host read (step 3 of the module docstring): the split sizes of both token all-to-alls.
+        send_splits, receive_splits = counts.sum(1).tolist(), received_counts.sum(1).tolist()
+        order = torch.argsort(slots_expert, stable=True)[:sum(send_splits)]
+        ep, local = counts.shape
+        local_ids = torch.repeat_interleave(torch.arange(local, device=counts.device).repeat(ep),
+                                            received_counts.reshape(-1))
+        by_expert = torch.argsort(local_ids, stable=True)
+        return cls(send_splits, receive_splits, order, order // choices, by_expert, local_ids[by_expert])
+
+    def computed(self, received: torch.Tensor, compute: Compute) -> torch.Tensor:
+        """The local experts' results for the received rows, back in the order they came in."""
+        computed = compute(received[self.by_expert], self.local_ids).to(received.dtype)
+        return computed[torch.argsort(self.by_expert)]  # back to source-rank order (the inverse permutation)
+
+    def combined(self, hidden: torch.Tensor, returned: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each slot's returned result times its routing weight, summed into its token (in expert order)."""
+        weighted = returned * weights.reshape(-1)[self.order, None].to(returned.dtype)
+        return torch.zeros_like(hidden).index_add(0, self.slot_token, weighted.to(hidden.dtype))
+
+    def reverse(self, exchanges: Exchanges, label: str) -> Callable[[torch.Tensor], PostedExchange]:
+        """How the gradient of what ``label`` received goes back (the reverse all-to-all)."""
+        forward = {"dispatch": (self.send_splits, self.receive_splits),
+                   "combine": (self.receive_splits, self.send_splits)}[label]
+        return lambda grad: exchanges.post(f"{label} grad", grad, *forward)
+
+
+class Exchanges:
+    """The all-to-alls of one expert-parallel group: posted, timed, and held to ``set_time_s`` when given (an
+    emulated workload's all-to-all of tokens takes that long, as its emulated stages take set compute times).
+
+    :attr:`spans`: each exchange's (label, posted, waited from, done) since the owner last cleared them, on
+    ``time.perf_counter``'s clock (three clock reads an all-to-all: always on).
+    """
+
+    def __init__(self, group, set_time_s: float | None = None) -> None:
+        self.group, self.set_time_s = group, set_time_s
+        self.spans: list[tuple[str, float, float, float]] = []
+
+    def post(self, label: str, tensor: torch.Tensor, output_splits: list[int] | None = None,
+             input_splits: list[int] | None = None) -> PostedExchange:
+        """Post the all-to-all of ``tensor``'s rows (split by ``input_splits``; ``output_splits`` arrive)."""
+        import torch.distributed as dist
+
+        tensor = tensor.contiguous()
+        rows = tensor.shape[0] if output_splits is None else sum(output_splits)
+        output = tensor.new_empty((rows, *tensor.shape[1:]))
+        posted = time.perf_counter()
+        work = dist.all_to_all_single(output, tensor, output_splits, input_splits, group=self.group, async_op=True)
+        return PostedExchange(self, label, work, output, posted)
+
+
+@dataclass
+class PostedExchange:
+    """One all-to-all in flight; :meth:`wait` gives what arrived."""
+
+    exchanges: Exchanges
+    label: str
+    work: object
+    output: torch.Tensor
+    posted: float
+
+    def wait(self) -> torch.Tensor:
+        """What arrived (not before the set time after posting, on an emulated workload)."""
+        exchanges = self.exchanges
+        waited = time.perf_counter()
+        self.work.wait()
+        if exchanges.set_time_s and self.label != "counts":  # the tokens' all-to-alls; the counts' are 2 x E ints
+            left = self.posted + exchanges.set_time_s - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+        exchanges.spans.append((self.label, self.posted, waited, time.perf_counter()))
+        return self.output
+
+
+class _Exchanged(torch.autograd.Function):
+    """An all-to-all waited for at once, its backward the reverse one (both through the group's exchanges)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, exchanges: Exchanges, label: str, output_splits: list[int],
+                input_splits: list[int]) -> torch.Tensor:
+        ctx.exchanges, ctx.label, ctx.splits = exchanges, label, (input_splits, output_splits)
+        return exchanges.post(label, tensor, output_splits, input_splits).wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.exchanges.post(f"{ctx.label} grad", grad, *ctx.splits).wait(), None, None, None, None
 
 
 def over_capacity_nowhere(slots_expert: torch.Tensor, num_experts: int, capacity_factor: float,
@@ -97,11 +243,3 @@ def over_capacity_nowhere(slots_expert: torch.Tensor, num_experts: int, capacity
     if dropped is not None:
         dropped.add_(over.sum().to(dropped.device))
     return torch.where(over, num_experts, slots_expert)
-
-
-def _all_to_all(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-    """Rows of ``tensor`` split by ``input_splits`` to each rank; rows received by ``output_splits``;
-    differentiable (the gradient goes back the reverse way). Waited for here: the rows are needed now."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
-    return wait_tensor(all_to_all_single_autograd(tensor.contiguous(), output_splits, input_splits, group))

@@ -44,7 +44,8 @@ from conveyor.errors import PipelineConfigError
 from conveyor.expert_option import is_stacked_experts
 from conveyor.options import WholeModel
 from conveyor.parallel.experts.discover import find_experts, num_experts_of
-from conveyor.parallel.experts.dispatch import dispatch_combine
+from conveyor.parallel.experts.dispatch import Exchanges, dispatch_combine
+from conveyor.parallel.experts.overlap import check_overlap, stepped_forward
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.parallel.part import PartSite, StagePart, claim_reduction
 from conveyor.schedule.ir import Schedule
@@ -60,7 +61,8 @@ class ExpertParallel(StagePart):
 
     wants_checkpoint_group = True
 
-    def __init__(self, plan, ep: int, mesh_layout: MeshLayout, capacity: float | None = None) -> None:
+    def __init__(self, plan, ep: int, mesh_layout: MeshLayout, capacity: float | None = None,
+                 overlap: bool = False) -> None:
         ranks = mesh_layout.dp_size * mesh_layout.tp_size
         if ranks % ep:
             raise PipelineConfigError(f"ep={ep} does not divide the mesh's dp x tp = {ranks}: expert parallelism "
@@ -69,6 +71,9 @@ class ExpertParallel(StagePart):
         self.plan = plan
         self.ep = ep
         self.capacity = capacity
+        self.overlap = overlap  # each traced stage's forward in steps, for the schedule's overlapped pairs
+        self.all_to_alls: Exchanges | None = None  # the group's all-to-alls, posted and timed (built in agree)
+        self.exchange_time_s: float | None = None  # an emulated workload's set all-to-all time (benchmarks)
         self._dropped = torch.zeros((), dtype=torch.long)  # this step's, on the stage device (no host read)
         self.mesh_layout = mesh_layout
         # This rank's place in its group (which experts it owns): its (replica, TP rank) position, modulo ep.
@@ -77,7 +82,26 @@ class ExpertParallel(StagePart):
         self.group = None  # the expert-parallel group: the tokens' all-to-all
         self.replicas_group = None  # the expert-data-parallel group: the expert gradients' sum
         self.experts: dict[int, dict[str, nn.Module]] = {}  # by stage, by name in the stage
+        self.num_experts: dict[nn.Module, int] = {}  # each experts module's whole count
         self.runners: dict = {}
+
+    def program(self, schedule: Schedule) -> Schedule:
+        """With overlap, ``schedule`` with each forward paired with the backward next to it (each pair's passes
+        take turns at their all-to-alls: :mod:`conveyor.parallel.experts.overlap`)."""
+        if not self.overlap:
+            return schedule
+        from conveyor.schedule.overlap import pair_forward_backward
+
+        paired = pair_forward_backward(schedule)
+        if schedule.virtual < 2 or not any(paired.overlapped):
+            # One stage per rank: a pair's backward waits for the next rank, which waits for the pair's forward.
+            raise PipelineConfigError(
+                f"expert_overlap=True runs each forward with the backward next to it on the rank, and schedule "
+                f"{schedule.name!r} ({schedule.virtual} stage(s) per rank) has no such pair that would not wait on "
+                "itself: with one stage per rank the pair's backward needs the next rank, which needs the pair's "
+                "forward first. Use a schedule with two stages per rank (zbv, dualpipev, interleaved-1f1b with "
+                "virtual=2), or drop expert_overlap")
+        return paired
 
     @classmethod
     def trace_leaves(cls, model: nn.Module) -> list[str]:
@@ -91,8 +115,8 @@ class ExpertParallel(StagePart):
             found = find_experts(module, self.plan)
             for name, experts in found.items():
                 shard_experts(experts, self.ep_rank, self.ep, f"stage {stage} module {name!r}")
-                experts.forward = functools.partial(_dispatched_forward, experts, self, num_experts_of(experts)
-                                                    * self.ep)
+                self.num_experts[experts] = num_experts_of(experts) * self.ep  # before the shards become DTensors
+                experts.forward = functools.partial(_dispatched_forward, experts, self, self.num_experts[experts])
             self.experts[stage] = found
 
     def agree(self, site: PartSite) -> None:
@@ -115,6 +139,12 @@ class ExpertParallel(StagePart):
         assert dist.get_rank(self.group) == self.ep_rank, (dist.get_rank(self.group), self.ep_rank, ep_groups)
         self.replicas_group = site.life.groups.replica_group(replica_groups) if len(replica_groups[0]) > 1 else None
         self.runners = dict(site.runners)
+        self.all_to_alls = Exchanges(self.group, self.exchange_time_s)
+        if self.overlap:
+            for stage, runner in self.runners.items():
+                check_overlap(runner, self.experts.get(stage, {}), self.tp_mesh is not None)
+                if self.experts.get(stage):
+                    runner.stepped = stepped_forward(self, runner.module, self.experts[stage])
         self._dropped = torch.zeros((), dtype=torch.long, device=site.device)
         self._as_dtensors(site.device)
         shapes = {f"{stage}:{name}": [tuple(p.shape) for p in m.parameters()]
@@ -164,8 +194,16 @@ class ExpertParallel(StagePart):
         return int(self._dropped.item())
 
     def start_step(self) -> None:
-        """A new step counts its own dropped slots."""
+        """A new step counts its own dropped slots and times its own all-to-alls."""
         self._dropped.zero_()
+        if self.all_to_alls is not None:
+            self.all_to_alls.spans.clear()
+
+    def exchanges(self) -> tuple[list[tuple[str, float, float]], float]:
+        """The last step's all-to-alls, (label, posted, done) each, and the seconds this rank waited for them."""
+        spans = [] if self.all_to_alls is None else self.all_to_alls.spans
+        return ([(label, posted, done) for label, posted, _, done in spans],
+                sum(done - waited for _, _, waited, done in spans))
 
     def wrap(self) -> None:
         """The runners re-read their parameters (the shards became DTensors)."""
@@ -253,19 +291,8 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
 def _dispatched_forward(experts: nn.Module, part: ExpertParallel, num_experts: int, hidden_states: torch.Tensor,
                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts module's forward under expert parallelism: the same signature, the tokens dispatched."""
-    from torch.nn.utils.stateless import _reparametrize_module
 
-    own_forward = type(experts).forward
-
-    def compute(tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        # Each row to its one local expert at weight 1 (x * 1 is exact): the routing weights are
-        # applied once the results are back at their tokens, as the model applies them. The model's
-        # own code runs on the shards' local tensors (their gradients flow back to the DTensors).
-        ones = torch.ones((tokens.shape[0], 1), dtype=top_k_weights.dtype, device=tokens.device)
-        local = {name: _local(p) for name, p in experts.named_parameters(recurse=False)}
-        with _reparametrize_module(experts, local):
-            return own_forward(experts, tokens, local_ids[:, None], ones)
-
+    compute = local_compute(experts, top_k_weights.dtype)
     if part.group is None:
         raise PipelineConfigError("an expert-parallel experts module ran outside its pipeline (its groups are not "
                                   "built yet or were released): run it through the pipeline's step")
@@ -274,9 +301,29 @@ def _dispatched_forward(experts: nn.Module, part: ExpertParallel, num_experts: i
                                          lambda *rows: dispatch_combine(*rows, num_experts=num_experts,
                                                                         group=part.group, compute=compute,
                                                                         capacity_factor=part.capacity,
-                                                                        dropped=part._dropped))
+                                                                        dropped=part._dropped,
+                                                                        exchanges=part.all_to_alls))
     return dispatch_combine(hidden_states, top_k_index, top_k_weights, num_experts=num_experts, group=part.group,
-                            compute=compute, capacity_factor=part.capacity, dropped=part._dropped)
+                            compute=compute, capacity_factor=part.capacity, dropped=part._dropped,
+                            exchanges=part.all_to_alls)
+
+
+def local_compute(experts: nn.Module, weights_dtype: torch.dtype):
+    """``compute(tokens, local_ids)`` for :func:`dispatch_combine`: this rank's experts on received rows."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    own_forward = type(experts).forward
+
+    def compute(tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        # Each row to its one local expert at weight 1 (x * 1 is exact): the routing weights are
+        # applied once the results are back at their tokens, as the model applies them. The model's
+        # own code runs on the shards' local tensors (their gradients flow back to the DTensors).
+        ones = torch.ones((tokens.shape[0], 1), dtype=weights_dtype, device=tokens.device)
+        local = {name: _local(p) for name, p in experts.named_parameters(recurse=False)}
+        with _reparametrize_module(experts, local):
+            return own_forward(experts, tokens, local_ids[:, None], ones)
+
+    return compute
 
 
 def _on_tensor_parallel_ranks(tp_mesh, hidden_states, top_k_index, top_k_weights, forward) -> torch.Tensor:

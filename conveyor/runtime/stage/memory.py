@@ -155,7 +155,9 @@ class _Saving:
             spans.setdefault(key, set()).add(span)
         own = sum(_union(found) for found in spans.values())
         meter._own = []
-        meter.forward_bytes[(self.stage, self.microbatch)] = own
+        # A forward run in steps (an overlapped pair: conveyor.runtime.stage.segments) enters once per step.
+        key = (self.stage, self.microbatch)
+        own = meter.forward_bytes[key] = meter.forward_bytes.get(key, 0) + own
         meter.stage_bytes[self.stage] = max(meter.stage_bytes.get(self.stage, 0), own)
 
 

@@ -19,8 +19,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ from conveyor.runtime.stage.memory import MemoryMeter
 from conveyor.runtime.stage.precision import autocast_region
 from conveyor.runtime.stage.recompute import StageRecompute
 from conveyor.runtime.stage.rng import StepRandomness
+from conveyor.runtime.stage.segments import SegmentedPass, segmented_backward, within
 
 if TYPE_CHECKING:
     from conveyor.options import StageOptions
@@ -55,6 +57,7 @@ class _InFlight:
     roots: list = field(default_factory=list)  # gradient edges of outputs that carry gradients
     loss: torch.Tensor | None = None
     pending: PendingWeightGrad | None = None
+    passes: SegmentedPass | None = None  # the forward ran in segments (see forward_steps)
 
 
 def grad_leaves(value: Any) -> list[torch.Tensor]:
@@ -142,6 +145,10 @@ class StageRunner:
         # What F, B, I and W run under, besides autocast: a tensor-parallel stage's DTensor contexts
         # (implicit replication, loss_parallel), set by the pipeline that parallelized it.
         self.context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        # A part that exchanges tensors inside the stage (expert parallelism's all-to-alls) may run its forward in
+        # steps that yield while each exchange is in flight: stepped(args, kwargs, passes) -> a generator
+        # returning the output (conveyor.runtime.stage.segments). Used only by forward_steps, in overlapped pairs.
+        self.stepped: Callable[[tuple, dict, SegmentedPass], Generator[None, None, Any]] | None = None
 
     def refresh_params(self) -> None:
         """Read the module's gradient-carrying parameters again (I hands them to W as its targets).
@@ -185,6 +192,38 @@ class StageRunner:
             with meter.saving(self.stage, microbatch):
                 return self._forward(microbatch, args, kwargs, target, keep_output)
 
+    def forward_steps(self, microbatch: int, inputs: tuple[tuple, dict], target: Any = None,
+                      *, keep_output: bool = False) -> Generator[None, None, Any]:
+        """F in steps: with :attr:`stepped` set (a part that exchanges tensors inside the stage), the forward
+        yields while each exchange is in flight and the backward of this microbatch will too; else the plain
+        :meth:`forward`, at once. The output is the same either way."""
+        stepped = self.stepped
+        if stepped is None or not torch.is_grad_enabled():
+            return self.forward(microbatch, inputs, target, keep_output=keep_output)
+        if self.randomness is not None:
+            self.randomness.seed_for(self.stage, microbatch)
+        args, kwargs = inputs
+        passes = SegmentedPass()
+        steps = self._stepped_forward(stepped, passes, microbatch, args, kwargs, target, keep_output)
+        return (yield from within(steps, functools.partial(self._forward_context, microbatch)))
+
+    def _forward_context(self, microbatch: int) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for context in (self.context(), autocast_region(self.module, self.autocast), self.memory_meter and
+                        self.memory_meter.saving(self.stage, microbatch) or contextlib.nullcontext()):
+            stack.enter_context(context)
+        return stack
+
+    def _stepped_forward(self, stepped: Callable, passes: SegmentedPass, microbatch: int, args: tuple,
+                         kwargs: dict, target: Any, keep_output: bool) -> Generator[None, None, Any]:
+        try:
+            output = yield from stepped(args, kwargs, passes)
+        except Exception as exc:
+            raise StageExecutionError(
+                f"forward failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return self._forward_done(microbatch, args, kwargs, output, target, keep_output, passes)
+
     def _forward(self, microbatch: int, args: tuple, kwargs: dict, target: Any, keep_output: bool) -> Any:
         try:
             output = self._call(args, kwargs)
@@ -192,16 +231,20 @@ class StageRunner:
             raise StageExecutionError(
                 f"forward failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}"
             ) from exc
+        return self._forward_done(microbatch, args, kwargs, output, target, keep_output)
+
+    def _forward_done(self, microbatch: int, args: tuple, kwargs: dict, output: Any, target: Any,
+                      keep_output: bool, passes: SegmentedPass | None = None) -> Any:
         if not torch.is_grad_enabled():
             if self.is_last:
                 self.outputs[microbatch] = output
                 return None
             return output
-        record = _InFlight(inputs=grad_leaves((args, kwargs)))
+        record = _InFlight(inputs=grad_leaves((args, kwargs)), passes=passes)
         if self.is_last:
             if keep_output:
                 self.outputs[microbatch] = _detached(output)
-            loss = self._loss(microbatch, output, target)
+            loss = checked_loss(self.loss_fn, output, target, self._where(microbatch)) / self.loss_divisor
             record.loss = loss if self.loss_scale is None else loss * self.loss_scale  # as GradScaler.scale
             self.losses[microbatch] = loss.detach()
             self.in_flight[microbatch] = record
@@ -209,35 +252,6 @@ class StageRunner:
         record.roots = [get_gradient_edge(t) for t in grad_leaves(output)]
         self.in_flight[microbatch] = record
         return output
-
-    def _loss(self, microbatch: int, output: Any, target: Any) -> torch.Tensor:
-        if self.loss_fn is None:
-            raise PipelineConfigError(
-                "the last stage needs a loss_fn(output, target) -> scalar tensor to train; "
-                "pass loss_fn= to Pipeline (use pipe.forward(...) for inference)"
-            )
-        try:
-            loss = self.loss_fn(output, target)
-        except Exception as exc:
-            hint = ("; the target was None here: pass target= to pipe.step on the rank that runs the last stage"
-                    if target is None else "")
-            raise StageExecutionError(
-                f"loss_fn failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}{hint}"
-            ) from exc
-        # One look at the shape (each call into torch costs tens of µs on a core that idled).
-        shape = loss.shape if isinstance(loss, torch.Tensor) else None
-        if shape is None or len(shape) > 1 or (shape and shape[0] != 1):
-            got = f"a tensor of shape {tuple(shape)}" if shape is not None else type(loss).__name__
-            raise PipelineConfigError(
-                f"loss_fn must return a scalar tensor; it returned {got} on {self._where(microbatch)} "
-                "(reduce it, e.g. with .mean() or .sum())"
-            )
-        if not loss.requires_grad:
-            raise PipelineConfigError(
-                f"the loss on {self._where(microbatch)} does not require grad: it does not depend on any "
-                "parameter or gradient-carrying input; check loss_fn and the model's output"
-            )
-        return (loss.reshape(()) if shape else loss) / self.loss_divisor
 
     def _roots(self, record: _InFlight, output_grads: list | None):
         if self.is_last:
@@ -260,6 +274,28 @@ class StageRunner:
                 return backward_full(roots, grads, record.inputs)
         except Exception as exc:
             raise StageExecutionError(f"backward failed on {self._where(microbatch)}: {exc}") from exc
+
+    def backward_steps(self, microbatch: int, output_grads: list | None, *, split: bool = False
+                       ) -> Generator[None, None, list]:
+        """B (or I, with ``split``) in steps: a forward that ran in segments (:meth:`forward_steps`) is
+        backpropagated segment by segment, yielding while each reverse exchange is in flight (an I keeps each
+        segment's weight gradients for W); any other at once. Returns the input gradients."""
+        record = self.in_flight.get(microbatch)
+        if record is None or record.passes is None:
+            return (self.backward_input if split else self.backward_full)(microbatch, output_grads)
+        roots, grads = self._roots(record, output_grads)
+        weights = (self.params, self.weight_grad_analyses) if split else None
+        try:
+            steps = segmented_backward(record.passes, roots, grads, record.inputs, weights)
+            input_grads, pending = yield from within(steps, self.context)
+        except Exception as exc:
+            raise StageExecutionError(f"backward failed on {self._where(microbatch)}: {exc}") from exc
+        if split:  # W: every segment's weight gradients, the last segment's first
+            record.roots, record.loss, record.passes = [], None, None
+            record.pending = PendingWeightGrad(input_grads, [group for p in pending for group in p.groups])
+        else:
+            self.in_flight.pop(microbatch)
+        return input_grads
 
     def backward_input(self, microbatch: int, output_grads: list | None) -> list:
         """Run I; keeps what W needs. Returns the input gradients."""
@@ -301,6 +337,33 @@ class StageRunner:
         self.in_flight.clear()
         self.losses.clear()
         self.outputs.clear()
+
+
+def checked_loss(loss_fn: LossFn | None, output: Any, target: Any, where: str) -> torch.Tensor:
+    """``loss_fn(output, target)`` as a 0-d tensor that requires grad, or an error naming ``where`` and the fix."""
+    if loss_fn is None:
+        raise PipelineConfigError(
+            "the last stage needs a loss_fn(output, target) -> scalar tensor to train; "
+            "pass loss_fn= to Pipeline (use pipe.forward(...) for inference)"
+        )
+    try:
+        loss = loss_fn(output, target)
+    except Exception as exc:
+        hint = ("; the target was None here: pass target= to pipe.step on the rank that runs the last stage"
+                if target is None else "")
+        raise StageExecutionError(f"loss_fn failed on {where}: {type(exc).__name__}: {exc}{hint}") from exc
+    # One look at the shape (each call into torch costs tens of µs on a core that idled).
+    shape = loss.shape if isinstance(loss, torch.Tensor) else None
+    if shape is None or len(shape) > 1 or (shape and shape[0] != 1):
+        got = f"a tensor of shape {tuple(shape)}" if shape is not None else type(loss).__name__
+        raise PipelineConfigError(f"loss_fn must return a scalar tensor; it returned {got} on {where} (reduce it, "
+                                  "e.g. with .mean() or .sum())")
+    if not loss.requires_grad:
+        raise PipelineConfigError(
+            f"the loss on {where} does not require grad: it does not depend on any "
+            "parameter or gradient-carrying input; check loss_fn and the model's output"
+        )
+    return loss.reshape(()) if shape else loss
 
 
 def build_runners(schedule: Any, rank: int, modules: Sequence[torch.nn.Module] | torch.nn.Module,

@@ -109,7 +109,7 @@ def train_ep_alone(family: str, num_layers: int, group, ep_rank: int, *, replica
     ``microbatches``: each step's microbatches as given (variable lengths), instead of the rows split."""
     whole = _whole(family, num_layers).to(device)
     # What _dispatched_forward reads of its part (no TP here: every token goes in whole).
-    part = types.SimpleNamespace(group=group, capacity=None, _dropped=None, tp_mesh=None)
+    part = types.SimpleNamespace(group=group, capacity=None, _dropped=None, tp_mesh=None, all_to_alls=None)
     for name, experts in find_experts(whole, "auto").items():
         num_experts = experts.num_experts
         shard_experts(experts, ep_rank, dist.get_world_size(group), name)
