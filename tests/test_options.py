@@ -101,7 +101,7 @@ def test_a_new_mesh_dim_is_one_size_field_and_one_field_the_ranks_compare_withou
         ("context_parallel", bool, dataclasses.field(default=False, metadata={"help": "shard sequences"}))],
         bases=(DistributedLayout,), frozen=True)
     assert Extended.mesh_dims() == ("dp", "tp", "cp")
-    assert Extended(cp=2).describe().endswith("ep=None expert_capacity=None cp=2 context_parallel=False")
+    assert Extended(cp=2).describe().endswith("expert_capacity=None expert_overlap=False cp=2 context_parallel=False")
     with pytest.raises(PipelineConfigError, match=r"DistributedLayout.cp takes a positive number of ranks"):
         Extended(cp=0)
     with pytest.raises(PipelineConfigError, match=r"is one pipeline's ranks"):
@@ -112,7 +112,7 @@ def test_each_layout_record_holds_only_what_its_kind_of_pipeline_uses():
     assert [f.name for f in dataclasses.fields(InProcessLayout)] == ["ranks", "device"]
     assert [f.name for f in dataclasses.fields(DistributedLayout)] == [
         "group", "mesh", "device", "dp", "tp", "data_parallel", "tensor_parallel", "sequence_parallel",
-        "loss_parallel", "expert_parallel", "ep", "expert_capacity", "parts"]
+        "loss_parallel", "expert_parallel", "ep", "expert_capacity", "expert_overlap", "parts"]
     assert "layout" not in [f.name for f in dataclasses.fields(PipelineOptions)]  # given once: layout=
     for function in (conveyor.Pipeline.__init__, conveyor.pipeline):
         keywords = inspect.signature(function).parameters
