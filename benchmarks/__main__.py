@@ -25,6 +25,8 @@ Flags pick what runs (several may be given; none means ``--compare``):
                  and measured, and step time (benchmarks/recompute.py)
     --generate   pipe.generate at pp=2: decode tokens/s with 1 lane, 2 lanes, and the unsplit model's loop
                  (benchmarks/generate.py)
+    --overlap    the MoE recipe at pp=2 x dp=2, ep=2: exposed all-to-all share and step time with and without
+                 overlapped pairs, beside the simulator's; peak memory per rank (benchmarks/overlap.py)
 
 ``--quick`` shrinks the comparison's grid and the split's measurements. This module only
 reads arguments; each part is a module with a ``run(args)``. benchmarks/README.md says how
@@ -45,7 +47,7 @@ from pathlib import Path
 
 PARTS = (
     "compare", "schedule", "schedule_scale", "split", "soak", "parallel", "data", "checkpoint", "train", "compile",
-    "plan", "tp_parity", "tp_memory", "ep_memory", "varlen", "recompute", "generate",
+    "plan", "tp_parity", "tp_memory", "ep_memory", "varlen", "recompute", "generate", "overlap",
 )
 RESULTS = Path(__file__).resolve().parent / "results"
 # (schedule, stages per rank) compared by default; torch ships all but zb-h2.
@@ -143,6 +145,13 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     generate = parser.add_argument_group("--generate (decode tokens/s: lanes, and the unsplit model)")
     generate.add_argument("--generate-rounds", type=int, default=3, help="timed rounds, the sides' order rotating")
     generate.add_argument("--generate-unsplit-threads", type=int, default=2, help="threads of the unsplit side")
+    overlap = parser.add_argument_group("--overlap (expert parallelism's all-to-alls in overlapped pairs)")
+    overlap.add_argument("--overlap-schedule", default="zbv", help="a schedule with 2 stages per rank")
+    overlap.add_argument("--overlap-microbatches", type=int, default=16, metavar="M")
+    overlap.add_argument("--overlap-exchange-ms", type=float, default=5.0,
+                         help="the emulated all-to-all of tokens' set time")
+    overlap.add_argument("--overlap-rounds", type=int, default=3, help="rounds, the side going first alternating")
+    overlap.add_argument("--overlap-steps", type=int, default=2, help="timed steps per side per round")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--recompute", action="store_true",
                        help="recomputation policies: predicted and measured peak memory per rank, step time")
     parts.add_argument("--generate", action="store_true", help="decode tokens/s at pp=2: 1 lane, 2 lanes, unsplit")
+    parts.add_argument("--overlap", action="store_true",
+                       help="expert parallelism's all-to-alls with and without overlapped pairs (MoE, pp=2 x ep=2)")
     parts.add_argument(
         "--quick", action="store_true",
         help="compare: small grid, 3 repeats (~3 min); split: one Llama stage, fewer repeats; parallel: overlap only; "

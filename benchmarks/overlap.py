@@ -1,0 +1,167 @@
+"""``python -m benchmarks --overlap``: expert parallelism's all-to-alls with and without overlapped pairs.
+
+The MoE recipe (configs/moe.yaml: Mixtral-style, 4 layers, 4 experts, top-2) at pp=2 x dp=2 with ep=2 on 4
+CPU ranks, under a schedule with two stages per rank (zbv by default), M microbatches. Each rank keeps two
+pipelines from the same weights: the plain one and one with ``parallel.expert_overlap=true``, whose ranks run
+each forward with the backward next to it in their programs, the two passes taking turns at their
+all-to-alls. The sides alternate every round (which goes first too), steal recorded per side.
+
+1. **Emulated**: each all-to-all of tokens held to a set time (``--overlap-exchange-ms``; a real all-to-all
+   moves the rows, and the wait lasts at least that long after posting), as the emulated stages of the
+   comparison take set compute times. Per side: the step time and the **exposed all-to-all share** (the time
+   the rank's compute waited for its all-to-alls, over the step; slowest rank), beside the simulator's
+   prediction for both sides from the plain side's measured pass times (each pass's compute: its median
+   duration less its two token all-to-alls; ``conveyor.schedule.overlap``).
+2. **The recipe as is** (gloo's all-to-alls, no set time): the step time per side.
+
+Each side's peak of saved activations per rank (``stage.measure_memory``) and the timelines of the last
+emulated step (communication lanes under each rank's compute) are written to benchmarks/results/overlap/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks.steal import StealMeter
+from conveyor.testing.multiprocess import run_ranks
+
+RECIPE = Path(__file__).resolve().parent.parent / "configs" / "moe.yaml"
+RESULTS = Path(__file__).resolve().parent / "results" / "overlap"
+SIDES = ("plain", "overlap")
+
+
+def _config(schedule: str, microbatches: int, overlap: bool):
+    from conveyor.train.config import load_config
+
+    return load_config(RECIPE, [f"parallel.schedule={schedule}", f"parallel.microbatches={microbatches}",
+                                f"train.batch_size={2 * microbatches}", "parallel.dp=2", "parallel.ep=2",
+                                "parallel.data_parallel=ddp",
+                                f"parallel.expert_overlap={str(overlap).lower()}", "stage.measure_memory=true",
+                                "stage.record_timeline=true", "run.dir=/tmp/conveyor-bench-overlap"])
+
+
+def _rank(rank: int, world_size: int, schedule: str, microbatches: int, rounds: int, steps: int,
+          exchange_s: float | None) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from conveyor.parallel.experts import ExpertParallel
+    from conveyor.train.loop import build_pipeline
+    from conveyor.train.models import build_model
+
+    torch.set_num_threads(1)
+    pipes = {}
+    for side in SIDES:
+        cfg = _config(schedule, microbatches, side == "overlap")
+        torch.manual_seed(0)
+        pipes[side] = build_pipeline(cfg, build_model(cfg, 256))
+        pipes[side].ranks.find_part(ExpertParallel).all_to_alls.set_time_s = exchange_s
+    batch = torch.randint(0, 256, (cfg.replica_batch_size, cfg.model.seq_len + 1),
+                          generator=torch.Generator().manual_seed(rank // 2))
+    ids, targets = batch[:, :-1], batch[:, 1:]
+    found = {side: {"step_s": [], "waited_s": [], "peak_bytes": 0} for side in SIDES}
+    meter = StealMeter()
+
+    def step(side: str, timed: bool) -> None:
+        pipe = pipes[side]
+        dist.barrier()
+        began = time.perf_counter()
+        pipe.step(ids if pipe.needs_inputs else None, target=targets if pipe.needs_target else None)
+        elapsed = time.perf_counter() - began
+        dist.barrier()
+        for param in pipe.parameters():
+            param.grad = None
+        if timed:
+            found[side]["step_s"].append(elapsed)
+            found[side]["waited_s"].append(pipe.ranks.find_part(ExpertParallel).exchanges()[1])
+            found[side]["peak_bytes"] = max(found[side]["peak_bytes"], pipe.memory().peak_bytes)
+
+    for side in SIDES:
+        step(side, timed=False)  # warm
+    for index in range(rounds):
+        for side in (SIDES if index % 2 == 0 else SIDES[::-1]):
+            with meter.window(side):
+                for _ in range(steps):
+                    step(side, timed=True)
+    found["timelines"] = {side: pipes[side].timeline() for side in SIDES}  # the last step's, every rank's
+    found["steal"] = meter.ticks
+    for pipe in pipes.values():
+        pipe.close()
+    return found
+
+
+def _predicted(timeline, schedule: str, microbatches: int) -> dict:
+    """Per side: the simulated timeline (step seconds, exposed all-to-all share) from the plain side's measured
+    passes."""
+    import conveyor.schedule as cs
+    from conveyor.schedule.cost import CostModel, StageCosts, costs_from_timeline
+    from conveyor.schedule.overlap import pair_forward_backward
+
+    plain = cs.build(schedule, ranks=2, microbatches=microbatches, virtual=cs.available()[schedule].default_virtual)
+    tokens = [span.duration for span in timeline.comm_spans if span.label != "counts"]
+    exchange = statistics.median(tokens)
+    measured = costs_from_timeline(timeline, plain.num_stages)
+    # The plain side waits for each of a pass's two token all-to-alls: its compute is the rest.
+    costs = CostModel(tuple(StageCosts(max(s.forward - 2 * exchange, 0.0), max(s.backward_input - 2 * exchange, 0.0),
+                                       s.backward_weight, exchange=exchange, exchanges=2) for s in measured.stages))
+    out = {}
+    for side, sched in (("plain", plain), ("overlap", pair_forward_backward(plain))):
+        out[side] = cs.simulate(sched, costs, time_unit="s")
+    return out
+
+
+def _summary(per_rank: list[dict], side: str) -> tuple[float, float]:
+    """(median step seconds of the slowest rank, median exposed share of the slowest rank) over timed steps."""
+    steps = len(per_rank[0][side]["step_s"])
+    step = statistics.median(max(r[side]["step_s"][i] for r in per_rank) for i in range(steps))
+    share = statistics.median(max(r[side]["waited_s"][i] / r[side]["step_s"][i] for r in per_rank)
+                              for i in range(steps))
+    return step, share
+
+
+def _steal(per_rank: list[dict]) -> dict[str, float | None]:
+    meter = StealMeter()
+    meter.ticks = per_rank[0]["steal"]  # /proc/stat is the host's: rank 0's windows cover every rank
+    return meter.percent()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Both workloads, both sides: the tables, the memory per rank, the steal; the timelines as pictures."""
+    from conveyor.schedule.render import to_png
+
+    schedule, microbatches = args.overlap_schedule, args.overlap_microbatches
+    exchange_s = args.overlap_exchange_ms / 1e3
+    emulated = run_ranks(_rank, 4, args=(schedule, microbatches, args.overlap_rounds, args.overlap_steps,
+                                         exchange_s), timeout_s=3000)
+    predicted = _predicted(emulated[0]["timelines"]["plain"], schedule, microbatches)
+    print(f"\nMoE recipe (configs/moe.yaml) at pp=2 x dp=2, ep=2, {schedule}, M={microbatches}, each all-to-all of "
+          f"tokens held to {args.overlap_exchange_ms:g} ms; {args.overlap_rounds} rounds x {args.overlap_steps} "
+          "steps per side, the sides alternating")
+    print("| side | step ms (measured) | exposed all-to-all share (measured) | step ms (simulated) | exposed share "
+          "(simulated) |")
+    print("|---|---|---|---|---|")
+    for side in SIDES:
+        step, share = _summary(emulated, side)
+        simulated = predicted[side]
+        print(f"| {side} | {step * 1e3:.0f} | {share * 100:.1f}% | {simulated.makespan * 1e3:.0f} | "
+              f"{simulated.summary().get('exposed_comm_share', 0.0) * 100:.1f}% |")
+    print("steal: " + ", ".join(f"{side} {value:.1f}%" for side, value in _steal(emulated).items()
+                                if value is not None))
+    print("peak saved activations per rank (MiB): " + "; ".join(
+        f"{side} " + ", ".join(f"{r[side]['peak_bytes'] / 2**20:.2f}" for r in emulated) for side in SIDES))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    picture = to_png([emulated[0]["timelines"]["plain"], emulated[0]["timelines"]["overlap"], predicted["plain"],
+                      predicted["overlap"]], RESULTS / "emulated.png",
+                     titles=["measured, plain", "measured, overlapped pairs", "simulated, plain",
+                             "simulated, overlapped pairs"], share_time=True)
+    print(f"timelines (the last emulated step, then the simulator's), all-to-alls on a lane under each rank: {picture}")
+    recipe = run_ranks(_rank, 4, args=(schedule, microbatches, args.overlap_rounds, args.overlap_steps, None),
+                       timeout_s=3000)
+    print("\nthe same recipe, gloo's all-to-alls as they come: step ms (slowest rank, median) " + ", ".join(
+        f"{side} {_summary(recipe, side)[0] * 1e3:.0f}" for side in SIDES)
+        + f" (overlap / plain {_summary(recipe, 'overlap')[0] / _summary(recipe, 'plain')[0]:.3f}); steal "
+        + ", ".join(f"{side} {value:.1f}%" for side, value in _steal(recipe).items() if value is not None))
+    return 0
