@@ -30,7 +30,7 @@ from conveyor.errors import StageExecutionError
 from conveyor.runtime.stage.device import to_device
 from conveyor.runtime.stage.memory import MemoryMeter
 from conveyor.runtime.stage.runner import StageRunner
-from conveyor.runtime.stage.segments import interleave, run_to_end, timed
+from conveyor.runtime.stage.segments import interleave, timed
 from conveyor.runtime.stage.timing import EventRecorder, StepRecorder
 from conveyor.runtime.transport.transport import LocalTransport, Transport, detach_for_next_stage
 from conveyor.schedule.ir import Action, ActionKind, Placement
@@ -131,12 +131,7 @@ class RankExecutor:
             for m, inputs in enumerate(first_stage_inputs):
                 self.forward_inputs[(0, m)] = inputs
         self.recvs = {}
-        self.pairs = pairs or {}
-        if self.pairs and not set(self.pairs.items()) <= set(zip(program, program[1:])):
-            raise StageExecutionError(f"rank {self.rank} was given pairs that are not adjacent actions of its program "
-                                      f"({sorted(map(str, self.pairs))}): take them from the schedule the program "
-                                      "came from (conveyor.schedule.overlap.pairs_of(executable.train, rank))")
-        self.paired_done: dict[Action, Any] = {}  # a pair's backward: its forward's time, then its own start
+        self.pairs = Pairs(self.rank, program, pairs or {})
         self.actions_done = 0
         self.program = program
         self.runs_started += 1
@@ -152,24 +147,11 @@ class RankExecutor:
             yield from self.handlers[action.kind](action)
             self.actions_done += 1
             if recorded:
-                self._record(recorder, action, start)
+                self.pairs.record(recorder, action, start)
             if index in final:
                 on_gradients_final(final[index])  # type: ignore[misc]  # set whenever final is not empty
         self.transport.finish_sends()
         self.program = None
-
-    def _record(self, recorder: StepRecorder | EventRecorder, action: Action, start: Any) -> None:
-        """A pair's forward and backward share its interval: on the CPU's clock each gets its own time in it
-        (the forward first); a device's events cannot be split, so the forward's span covers it all there."""
-        end = recorder.mark()
-        share = self.paired_done.get(self.pairs.get(action))
-        if share is not None:  # a pair's forward: record its part, leave the rest to its backward
-            end = start + share if isinstance(start, float) else end
-            self.paired_done[self.pairs[action]] = end
-        elif action in self.paired_done:  # a pair's backward, run with its forward
-            start = self.paired_done.pop(action)
-            end = start if not isinstance(start, float) or start > end else end
-        recorder.add(action, start, end)
 
     def position(self) -> dict[str, Any]:
         """Where this rank stands, for "where is everyone" (read from another thread: plain values)."""
@@ -195,18 +177,28 @@ class RankExecutor:
 
     # --- handlers -------------------------------------------------------------------
     def _forward(self, action: Action) -> Iterator[None]:
-        partner = self.pairs.get(action)
+        partner = self.pairs.partner.get(action) if self.pairs.partner else None
         if partner is None:
-            run_to_end(self._forward_steps(action))
+            self._forward_plain(action)
         else:
             spent = [0.0, 0.0]  # each pass's own stretches: how the pair's span is shared in the timeline
             interleave(timed(self._forward_steps(action), spent, 0),
                        timed(self._backward_steps(partner, split=partner.kind is ActionKind.I), spent, 1))
-            self.paired_done[partner] = spent[0]
+            self.pairs.done[partner] = spent[0]
         return
         yield
 
+    def _forward_plain(self, action: Action) -> None:
+        runner, inputs, target = self._forward_inputs(action)
+        self._forward_output(action, runner, runner.forward(action.microbatch, inputs, target,
+                                                            keep_output=self.keep_outputs))
+
     def _forward_steps(self, action: Action) -> Generator[None, None, None]:
+        runner, inputs, target = self._forward_inputs(action)
+        self._forward_output(action, runner, (yield from runner.forward_steps(action.microbatch, inputs, target,
+                                                                              keep_output=self.keep_outputs)))
+
+    def _forward_inputs(self, action: Action) -> tuple[StageRunner, tuple[tuple, dict], Any]:
         s, m = action.stage, action.microbatch
         runner = self.runners[s]
         inputs = self.forward_inputs.pop((s, m), None)
@@ -215,15 +207,15 @@ class RankExecutor:
                 f"rank {self.rank} reached {action} but has no input for stage {s}, microbatch {m}"
                 + (" (pass the inputs on the rank that runs stage 0)" if s == 0 else "")
             )
-        target = self.targets[m] if (runner.is_last and self.targets is not None) else None
-        output = yield from runner.forward_steps(m, inputs, target, keep_output=self.keep_outputs)
+        return runner, inputs, self.targets[m] if (runner.is_last and self.targets is not None) else None
+
+    def _forward_output(self, action: Action, runner: StageRunner, output: Any) -> None:
+        s, m = action.stage, action.microbatch
         if not runner.is_last:
             if self.placement.rank_of(s + 1) == self.rank:
                 self.forward_inputs[(s + 1, m)] = as_stage_inputs(detach_for_next_stage(output))
             else:
                 self.to_send[(ActionKind.SEND_F, s, m)] = output
-        return
-        yield
 
     def _hand_back(self, s: int, m: int, input_grads: list) -> None:
         if s == 0:
@@ -234,14 +226,21 @@ class RankExecutor:
             self.to_send[(ActionKind.SEND_B, s, m)] = tuple(input_grads)
 
     def _backward_full(self, action: Action) -> Iterator[None]:
-        if action not in self.paired_done:
-            run_to_end(self._backward_steps(action, split=False))
+        if not self.pairs.ran(action):
+            s, m = action.stage, action.microbatch
+            self._hand_back(s, m, self.runners[s].backward_full(m, self.output_grads.pop((s, m), None)))
         return
         yield
 
     def _backward_input(self, action: Action) -> Iterator[None]:
-        if action not in self.paired_done:
-            run_to_end(self._backward_steps(action, split=True))
+        if not self.pairs.ran(action):
+            s, m = action.stage, action.microbatch
+            grads = self.output_grads.pop((s, m), None)
+            meter = self.memory_meter
+            held = meter.live_bytes if meter is not None else 0
+            self._hand_back(s, m, self.runners[s].backward_input(m, grads))
+            if meter is not None:
+                meter.input_pass_done(s, m, held)
         return
         yield
 
@@ -282,6 +281,36 @@ class RankExecutor:
             if self.wire_device is not None:
                 grads = to_device(grads, self.device)
             self.output_grads[(s, m)] = list(grads)
+
+
+class Pairs:
+    """One run's overlapped pairs (``{forward: backward}``): what the executor runs together, and how a pair's
+    span is shared in the timeline: on the CPU's clock each pass gets its own time in it (the forward first); a
+    device's events cannot be split, so there the forward's span covers the pair and its backward's is empty."""
+
+    def __init__(self, rank: int, program: tuple[Action, ...], partner: Mapping[Action, Action]) -> None:
+        if partner and not set(partner.items()) <= set(zip(program, program[1:])):
+            raise StageExecutionError(f"rank {rank} was given pairs that are not adjacent actions of its program "
+                                      f"({sorted(map(str, partner))}): take them from the schedule the program "
+                                      "came from (conveyor.schedule.overlap.pairs_of(executable.train, rank))")
+        self.partner = partner
+        self.done: dict[Action, Any] = {}  # a pair's backward: its forward's own seconds, then its span's start
+
+    def ran(self, backward: Action) -> bool:
+        """Whether ``backward`` already ran, in its pair."""
+        return bool(self.done) and backward in self.done
+
+    def record(self, recorder: StepRecorder | EventRecorder, action: Action, start: Any) -> None:
+        """Record ``action``'s span, which ended now (a pair's: its share of the pair)."""
+        end = recorder.mark()
+        share = self.done.get(self.partner.get(action)) if self.partner else None
+        if share is not None:  # a pair's forward: its part, the rest left to its backward
+            end = start + share if isinstance(start, float) else end
+            self.done[self.partner[action]] = end
+        elif self.done and action in self.done:  # a pair's backward, run with its forward
+            start = self.done.pop(action)
+            end = start if not isinstance(start, float) or start > end else end
+        recorder.add(action, start, end)
 
 
 def run_local(executors: list[RankExecutor], runs: list[Iterator[None]]) -> None:

@@ -42,7 +42,7 @@ from conveyor.runtime.stage.memory import MemoryMeter
 from conveyor.runtime.stage.precision import autocast_region
 from conveyor.runtime.stage.recompute import StageRecompute
 from conveyor.runtime.stage.rng import StepRandomness
-from conveyor.runtime.stage.segments import SegmentedPass, segmented_backward, within
+from conveyor.runtime.stage.segments import SegmentedPass, run_to_end, segmented_backward, within
 
 if TYPE_CHECKING:
     from conveyor.options import StageOptions
@@ -194,17 +194,14 @@ class StageRunner:
 
     def forward_steps(self, microbatch: int, inputs: tuple[tuple, dict], target: Any = None,
                       *, keep_output: bool = False) -> Generator[None, None, Any]:
-        """F in steps: with :attr:`stepped` set (a part that exchanges tensors inside the stage), the forward
-        yields while each exchange is in flight and the backward of this microbatch will too; else the plain
-        :meth:`forward`, at once. The output is the same either way."""
+        """F in steps: with :attr:`stepped` set (a part that exchanges tensors inside the stage), it yields while
+        each exchange is in flight, and so will its backward; else the plain :meth:`forward`. The same output."""
         stepped = self.stepped
         if stepped is None or not torch.is_grad_enabled():
             return self.forward(microbatch, inputs, target, keep_output=keep_output)
         if self.randomness is not None:
             self.randomness.seed_for(self.stage, microbatch)
-        args, kwargs = inputs
-        passes = SegmentedPass()
-        steps = self._stepped_forward(stepped, passes, microbatch, args, kwargs, target, keep_output)
+        steps = self._stepped_forward(stepped, SegmentedPass(), microbatch, *inputs, target, keep_output)
         return (yield from within(steps, functools.partial(self._forward_context, microbatch)))
 
     def _forward_context(self, microbatch: int) -> contextlib.ExitStack:
@@ -219,9 +216,8 @@ class StageRunner:
         try:
             output = yield from stepped(args, kwargs, passes)
         except Exception as exc:
-            raise StageExecutionError(
-                f"forward failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}"
-            ) from exc
+            where = self._where(microbatch)
+            raise StageExecutionError(f"forward failed on {where}: {type(exc).__name__}: {exc}") from exc
         return self._forward_done(microbatch, args, kwargs, output, target, keep_output, passes)
 
     def _forward(self, microbatch: int, args: tuple, kwargs: dict, target: Any, keep_output: bool) -> Any:
@@ -267,6 +263,8 @@ class StageRunner:
 
     def backward_full(self, microbatch: int, output_grads: list | None) -> list:
         """Run B; returns the gradients of this stage's gradient-carrying inputs (None where unused)."""
+        if self.in_flight.get(microbatch, _InFlight([])).passes is not None:  # its forward ran in segments
+            return run_to_end(self.backward_steps(microbatch, output_grads))
         record = self._take(microbatch, "B")
         roots, grads = self._roots(record, output_grads)
         try:
@@ -286,8 +284,8 @@ class StageRunner:
         roots, grads = self._roots(record, output_grads)
         weights = (self.params, self.weight_grad_analyses) if split else None
         try:
-            steps = segmented_backward(record.passes, roots, grads, record.inputs, weights)
-            input_grads, pending = yield from within(steps, self.context)
+            input_grads, pending = yield from within(segmented_backward(record.passes, roots, grads, record.inputs,
+                                                                         weights), self.context)
         except Exception as exc:
             raise StageExecutionError(f"backward failed on {self._where(microbatch)}: {exc}") from exc
         if split:  # W: every segment's weight gradients, the last segment's first
@@ -302,6 +300,8 @@ class StageRunner:
         record = self.in_flight.get(microbatch)
         if record is None:
             raise StageExecutionError(f"I on {self._where(microbatch)} without a forward before it")
+        if record.passes is not None:  # its forward ran in segments
+            return run_to_end(self.backward_steps(microbatch, output_grads, split=True))
         roots, grads = self._roots(record, output_grads)
         try:
             with self.context():
