@@ -100,7 +100,7 @@ def dispatch_combine_steps(hidden: torch.Tensor, top_k_index: torch.Tensor, top_
     sent = hidden[routes.slot_token]
     posted = exchanges.post("dispatch", sent, routes.receive_splits, routes.send_splits)
     dispatched = cut()
-    weights, hidden = dispatched.cut((top_k_weights, hidden.detach()))
+    weights = dispatched.cut(top_k_weights)  # (``hidden`` only gives the combine its shape: no gradient there)
     yield
     received = dispatched.exchanged(sent, posted.wait(), routes.reverse(exchanges, "dispatch"))
     results = routes.computed(received, compute)
@@ -168,13 +168,14 @@ class Exchanges:
     """The all-to-alls of one expert-parallel group: posted, timed, and held to ``set_time_s`` when given (an
     emulated workload's all-to-all of tokens takes that long, as its emulated stages take set compute times).
 
-    :attr:`spans`: each exchange's (label, posted, waited from, done) since the owner last cleared them, on
-    ``time.perf_counter``'s clock (three clock reads an all-to-all: always on).
+    :attr:`spans`: while :attr:`recording` (the owner's training step), each exchange's (label, posted, waited
+    from, done), on ``time.perf_counter``'s clock (three clock reads an all-to-all).
     """
 
     def __init__(self, group, set_time_s: float | None = None) -> None:
         self.group, self.set_time_s = group, set_time_s
         self.spans: list[tuple[str, float, float, float]] = []
+        self.recording = False
 
     def post(self, label: str, tensor: torch.Tensor, output_splits: list[int] | None = None,
              input_splits: list[int] | None = None) -> PostedExchange:
@@ -208,7 +209,8 @@ class PostedExchange:
             left = self.posted + exchanges.set_time_s - time.perf_counter()
             if left > 0:
                 time.sleep(left)
-        exchanges.spans.append((self.label, self.posted, waited, time.perf_counter()))
+        if exchanges.recording:
+            exchanges.spans.append((self.label, self.posted, waited, time.perf_counter()))
         return self.output
 
 

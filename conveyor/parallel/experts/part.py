@@ -198,6 +198,7 @@ class ExpertParallel(StagePart):
         self._dropped.zero_()
         if self.all_to_alls is not None:
             self.all_to_alls.spans.clear()
+            self.all_to_alls.recording = True
 
     def exchanges(self) -> tuple[list[tuple[str, float, float]], float]:
         """The last step's all-to-alls, (label, posted, done) each, and the seconds this rank waited for them."""
@@ -217,6 +218,9 @@ class ExpertParallel(StagePart):
     def finish_step(self) -> None:
         """Each expert gradient summed over the expert-data-parallel group, then divided by dp: the replicas' mean."""
         import torch.distributed as dist
+
+        if self.all_to_alls is not None:
+            self.all_to_alls.recording = False  # the step's all-to-alls are timed; forward-only calls are not
 
         for param in self.parameters():
             if param.grad is None:

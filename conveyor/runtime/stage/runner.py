@@ -205,10 +205,10 @@ class StageRunner:
         return (yield from within(steps, functools.partial(self._forward_context, microbatch)))
 
     def _forward_context(self, microbatch: int) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        for context in (self.context(), autocast_region(self.module, self.autocast), self.memory_meter and
-                        self.memory_meter.saving(self.stage, microbatch) or contextlib.nullcontext()):
-            stack.enter_context(context)
+        stack, meter = contextlib.ExitStack(), self.memory_meter
+        stack.enter_context(self.context())
+        stack.enter_context(autocast_region(self.module, self.autocast))
+        stack.enter_context(meter.saving(self.stage, microbatch) if meter is not None else contextlib.nullcontext())
         return stack
 
     def _stepped_forward(self, stepped: Callable, passes: SegmentedPass, microbatch: int, args: tuple,
@@ -263,7 +263,7 @@ class StageRunner:
 
     def backward_full(self, microbatch: int, output_grads: list | None) -> list:
         """Run B; returns the gradients of this stage's gradient-carrying inputs (None where unused)."""
-        if self.in_flight.get(microbatch, _InFlight([])).passes is not None:  # its forward ran in segments
+        if getattr(self.in_flight.get(microbatch), "passes", None) is not None:  # its forward ran in segments
             return run_to_end(self.backward_steps(microbatch, output_grads))
         record = self._take(microbatch, "B")
         roots, grads = self._roots(record, output_grads)
