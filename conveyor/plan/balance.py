@@ -57,6 +57,9 @@ class StageSums:
         self._b = prefix(u.merged_backward for u in units)
         self._act = prefix(u.activation_bytes for u in units)
         self._kept = prefix(u.weight_activation_bytes for u in units)
+        self._exchanges = prefix(u.exchanges for u in units)
+        self._exchange_time = prefix(u.exchanges * u.exchange for u in units)
+        self._exchange_bytes = prefix(u.exchange_bytes for u in units)
         # Parameters, their gradients (same dtype), and the optimizer's state per parameter.
         self._static = prefix(2 * u.parameter_bytes + optimizer_bytes * u.parameters for u in units)
 
@@ -81,6 +84,18 @@ class StageSums:
 
     def weight_kept(self, i: int, j: int) -> float:
         return min(self._kept[j] - self._kept[i], self.activations(i, j))
+
+    def exchanges(self, i: int, j: int) -> int:
+        """The all-to-alls one F (and one I) of the units makes."""
+        return round(self._exchanges[j] - self._exchanges[i])
+
+    def exchange_time(self, i: int, j: int) -> float:
+        """Their seconds, counted in the units' F and in their I."""
+        return self._exchange_time[j] - self._exchange_time[i]
+
+    def exchange_bytes(self, i: int, j: int) -> float:
+        """What a forward of the units run in segments holds beyond their activations (see ``UnitCost``)."""
+        return self._exchange_bytes[j] - self._exchange_bytes[i]
 
     def static(self, i: int, j: int) -> float:
         return self._static[j] - self._static[i]

@@ -29,7 +29,11 @@ class UnitCost:
     still held from I to W; ``parameter_bytes`` / ``parameters`` it holds; ``output_bytes`` sent on
     when a stage ends after it. I and W are what the runtime pays when it splits a backward (its I
     keeps the gradients at the weights' frontier, W re-enters there); ``backward``: one full backward
-    run unsplit, which costs less than I + W (0: not measured, I + W stands for it).
+    run unsplit, which costs less than I + W (0: not measured, I + W stands for it). ``exchanges``: the
+    all-to-alls each F makes (and each I, their gradients), ``exchange`` seconds each, already counted in
+    F and I (expert parallelism's dispatch and combine: :func:`~conveyor.plan.expert_search.expert_units`);
+    ``exchange_bytes``: what a forward run in segments, to overlap them, holds beyond ``activation_bytes``
+    until its backward (the tensors it sent, which the cut keeps as roots).
 
     Example:
         >>> UnitCost("model.layers.0", 1.0, 1.0, 1.0, 4096, 2048, 1024, 256).full
@@ -47,11 +51,17 @@ class UnitCost:
     output_bytes: float = 0.0
     is_block: bool = False
     backward: float = 0.0
+    exchanges: int = 0
+    exchange: float = 0.0
+    exchange_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             if field.name in ("name", "is_block"):
                 continue
+            if field.name == "exchanges" and (not isinstance(self.exchanges, int) or isinstance(self.exchanges, bool)):
+                raise PlanError(f"unit {self.name!r}: exchanges (all-to-alls per pass) must be an int >= 0, "
+                                f"got {self.exchanges!r}")
             value = getattr(self, field.name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
                 raise PlanError(f"unit {self.name!r}: {field.name} must be a finite number >= 0, got {value!r}")
@@ -122,6 +132,8 @@ class CostTable:
                 activation_bytes=unit.activation_bytes * ratio,
                 weight_activation_bytes=unit.weight_activation_bytes * ratio,
                 output_bytes=unit.output_bytes * ratio,
+                exchange=unit.exchange * ratio,  # the bytes each moves grow with the samples
+                exchange_bytes=unit.exchange_bytes * ratio,
             ))
         return tuple(out)
 

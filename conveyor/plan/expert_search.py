@@ -13,7 +13,9 @@ parameters and the bytes per sample it dispatches, or why that ep cannot run.
   experts on ``ep`` times the tokens), plus two all-to-alls each (dispatch and combine in F; their
   gradients in I), each moving ``(ep - 1) / ep`` of the dispatched bytes (the tokens bound for
   other ranks) over ``Machine.bandwidth``, plus ``Machine.latency``; W unchanged;
-* activations and what a stage sends on: unchanged.
+* activations and what a stage sends on: unchanged; the unit's all-to-alls are noted (``UnitCost.exchanges``,
+  ``exchange``: the forward's, the I's taken alike), so that the search can overlap them, and so are the bytes
+  a forward run in segments for that keeps (``UnitCost.exchange_bytes``: its all-to-alls' sends).
 
 With tensor parallelism (an option sized for ``tp > 1``: ep then divides ``dp x tp``, the units arrive
 already sharded by :func:`~conveyor.plan.tensor_search.shard_units`, which leaves the experts whole),
@@ -102,6 +104,8 @@ def expert_units(units: Sequence[UnitCost], option: ExpertParallelOption, microb
                       for m in mine)
         backward = sum(m.backward_collectives * (latency + away * m.backward_bytes * microbatch_size / bandwidth)
                        for m in mine)
+        count = sum(m.forward_collectives for m in mine) if ep > 1 else 0
+        exchange = forward / count if count else 0.0  # one all-to-all's seconds (the TP gather is no all-to-all)
         bytes_per_parameter = unit.parameter_bytes / unit.parameters if unit.parameters else 0.0
         held = unit.parameters - experts + experts / ep
         compute = 1.0  # the unit's compute kept on this rank: all of it, unless TP ranks split the experts' tokens
@@ -116,7 +120,11 @@ def expert_units(units: Sequence[UnitCost], option: ExpertParallelOption, microb
             unit, forward=unit.forward * compute + forward, backward_input=unit.backward_input * compute + backward,
             backward_weight=unit.backward_weight * compute,
             backward=unit.backward * compute + backward if unit.backward else 0.0,
-            parameters=held, parameter_bytes=held * bytes_per_parameter))
+            parameters=held, parameter_bytes=held * bytes_per_parameter,
+            exchanges=count, exchange=exchange,
+            # A forward run in segments (to overlap its all-to-alls) keeps what it sent until its backward.
+            exchange_bytes=sum(m.forward_collectives * m.forward_bytes * microbatch_size for m in mine) if count
+            else 0.0))
     return tuple(out)
 
 

@@ -219,7 +219,8 @@ def choose(result: SearchResult, costs: CostTable, *, top: int = 5) -> Plan:
                 settings["memory_per_rank"], costs,
                 [_cells(c.schedule, c.virtual, c.microbatches, c.split_points, c.step_time, c.bubble, c.peak_memory)
                  for c in fitting[1:top]], result.counts(),
-                None if over is None else _line(over), settings, best.schedule_costs, recompute=best.recompute)
+                None if over is None else _line(over), settings, best.schedule_costs, recompute=best.recompute,
+                expert_overlap=best.expert_overlap)
 
 
 def _nothing_fits(result: SearchResult) -> str:
@@ -295,6 +296,10 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
         lines.append("recomputation to fit: " + "; ".join(
             f"stage {s}: {'none' if p is None else ', '.join(f'{k}={v}' for k, v in p.items())}"
             for s, p in enumerate(chosen.recompute)))
+    if chosen.expert_overlap:  # what its step and memory assume: parallel.expert_overlap, applied by the trainer
+        lines.append("all-to-alls overlapped: each forward runs with the backward next to it, their all-to-alls "
+                     "hidden behind each other's compute (conveyor train parallel.expert_overlap=true; the peak "
+                     "above counts what the forwards in segments keep)")
     lines.append(f"others: {'; '.join(lost)}")
     if chosen.best_over_memory:
         lines.append(f"fastest over memory: {chosen.best_over_memory}")

@@ -140,9 +140,26 @@ def predict_step(
     return Prediction(step, timeline.makespan, timeline, extra)
 
 
-def stage_costs(schedule: Schedule, sums: StageSums, cuts: Sequence[int], *, latency: float) -> cs.CostModel:
+def stage_costs(schedule: Schedule, sums: StageSums, cuts: Sequence[int], *, latency: float,
+                overlap: bool = False) -> cs.CostModel:
     """Per-stage costs of the split at ``cuts`` as ``schedule``'s ranks pay them: a split stage its
-    I and W, another its full backward (as I, the rest as W, so that I + W = B)."""
+    I and W, another its full backward (as I, the rest as W, so that I + W = B).
+
+    ``overlap``: as the ranks run with expert parallelism's all-to-alls overlapped (``expert_overlap``):
+    each stage's all-to-alls apart from its compute (``StageCosts.exchange``, ``exchanges``; the
+    simulator times the schedule's pairs from them) and, per microbatch, its activations plus what its
+    forward in segments keeps (``StageSums.exchange_bytes``).
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> from conveyor.plan.costs import UnitCost
+        >>> sums = StageSums([UnitCost("a", 3.0, 3.0, 1.0, 8.0, exchanges=2, exchange=1.0, exchange_bytes=2.0)] * 2,
+        ...                  optimizer_bytes=0)
+        >>> stage = stage_costs(cs.build("zbv", ranks=1, microbatches=2), sums, [1], latency=0.0,
+        ...                     overlap=True).stages[0]
+        >>> stage.forward, stage.exchanges, stage.exchange, stage.activation_bytes
+        (1.0, 2, 1.0, 10.0)
+    """
     split = split_stages(schedule)
     stages = []
     for stage, (i, j) in enumerate(bounds_of(cuts, len(sums.units))):
@@ -150,8 +167,14 @@ def stage_costs(schedule: Schedule, sums: StageSums, cuts: Sequence[int], *, lat
         if stage not in split:
             full = sums.backward(i, j)
             backward_input, backward_weight = min(backward_input, full), max(0.0, full - backward_input)
-        stages.append(cs.StageCosts(sums.forward(i, j), backward_input, backward_weight, sums.activations(i, j),
-                                    sums.weight_kept(i, j)))
+        forward, activations, exchanges = sums.forward(i, j), sums.activations(i, j), sums.exchanges(i, j)
+        if not (overlap and exchanges):
+            stages.append(cs.StageCosts(forward, backward_input, backward_weight, activations, sums.weight_kept(i, j)))
+            continue
+        exchanged = sums.exchange_time(i, j)  # counted in F and in I: the simulator adds each back where waited
+        stages.append(cs.StageCosts(max(forward - exchanged, 0.0), max(backward_input - exchanged, 0.0),
+                                    backward_weight, activations + sums.exchange_bytes(i, j), sums.weight_kept(i, j),
+                                    exchange=exchanged / exchanges, exchanges=exchanges))
     return cs.CostModel(tuple(stages), latency)
 
 

@@ -57,7 +57,8 @@ class Plan:
     ``alternatives``: the next best candidates (one line each); ``outcome``: how many candidates
     ended how; ``best_over_memory``: the fastest one that did not fit (None if none). ``recompute``:
     a recomputation policy per stage (``StageOptions.recompute``) the plan needs to fit its memory limit
-    (empty: none).
+    (empty: none). ``expert_overlap``: the plan hides expert parallelism's all-to-alls in the schedule's
+    forward/backward pairs (``DistributedLayout.expert_overlap``), which its step and memory assume.
 
     Example:
         >>> plan = Plan("1f1b", 2, 1, 4, 8, ("layers.2",), 1.5, 0.2, (1e9, 9e8), (0.3, 0.3), 4e9)
@@ -87,6 +88,7 @@ class Plan:
     recompute: tuple = ()  # per stage: a policy mapping ({"every": 2}) or None
     expert_parallel: int = 1  # the replicas that share each experts module's experts (their ranks' tokens moved)
     expert_parallel_report: list[str] = field(default_factory=list)  # the ep search's table: a line per ep, why
+    expert_overlap: bool = False  # the all-to-alls overlapped in the schedule's pairs (parallel.expert_overlap)
 
     @property
     def microbatch_size(self) -> int:
@@ -127,6 +129,7 @@ class Plan:
             "tensor_parallel": self.tensor_parallel, "tensor_parallel_report": self.tensor_parallel_report,
             "recompute": list(self.recompute),
             "expert_parallel": self.expert_parallel, "expert_parallel_report": self.expert_parallel_report,
+            "expert_overlap": self.expert_overlap,
         }
 
     def save(self, path: str | Path) -> Path:
@@ -161,6 +164,7 @@ class Plan:
             plan.recompute = tuple(None if p is None else dict(p) for p in data.get("recompute") or ())
             plan.expert_parallel = int(data.get("expert_parallel", 1))
             plan.expert_parallel_report = list(data.get("expert_parallel_report", []))
+            plan.expert_overlap = bool(data.get("expert_overlap", False))
         except (KeyError, TypeError, ValueError) as error:
             raise PlanError(f"{where} is malformed ({type(error).__name__}: {error}); write it again with "
                             f"`conveyor plan ... --out`") from None

@@ -31,6 +31,7 @@ from conveyor.plan.expert_search import ExpertParallelOption, expert_units
 from conveyor.plan.predict import fit_by_recomputing, predict_split, stage_costs
 from conveyor.plan.settings import Machine, SearchSpace
 from conveyor.plan.tensor_search import TensorParallelOption, shard_units
+from conveyor.schedule.overlap import pair_forward_backward
 
 RECOMPUTE_TRIES = 8  # over-memory candidates, fastest first, that try recomputation when nothing fits
 
@@ -57,6 +58,7 @@ class Candidate:
     verdict: str = "pending"
     schedule_costs: cs.CostModel | None = None  # what a cost-planned schedule (zb-1p, zb-2p) was built for
     recompute: tuple = ()  # a policy per stage that made it fit (conveyor.plan.predict.fit_by_recomputing)
+    expert_overlap: bool = False  # the all-to-alls hidden in the schedule's pairs (what was simulated)
 
     @property
     def peak_memory(self) -> float:
@@ -66,8 +68,9 @@ class Candidate:
         """One line: schedule, V, M, predicted step and peak memory."""
         memory = f", peak {self.peak_memory / 2**30:.3g} GiB/rank" if self.memory_per_rank else ""
         recompute = f", recompute {list(self.recompute)}" if self.recompute else ""
+        overlap = ", all-to-alls overlapped" if self.expert_overlap else ""
         return (f"{self.schedule} V={self.virtual} M={self.microbatches}: step {self.step_time:.4g} s{memory}"
-                f"{recompute}")
+                f"{recompute}{overlap}")
 
 
 @dataclass
@@ -168,6 +171,7 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
     context.calibration, context.optimizer_rate, context.cores = calibration, optimizer_s_per_parameter, cores
     context.tensor, context.tensor_bandwidth = tensor_parallel, machine.tensor_bandwidth or machine.bandwidth
     context.experts = _sized_alike(tensor_parallel, expert_parallel)
+    context.overlap = space.expert_overlap
     queue = []
     for m in ms:
         for name, v in schedule_choices(schedules, space.virtual):
@@ -238,6 +242,7 @@ class _Context:
         self._sums: dict[int, StageSums] = {}
         self.tensor: TensorParallelOption | None = None
         self.experts: ExpertParallelOption | None = None
+        self.overlap = True  # SearchSpace.expert_overlap
         self.tensor_bandwidth = bandwidth
         self._fastest: dict[tuple[int, int], list[int]] = {}
 
@@ -264,6 +269,8 @@ class _Context:
         mean rank's compute (which rank holds which stage is the schedule's)."""
         sums, stages = self.sums(c.microbatches), bounds_of(c.cuts, len(self.table.units))
         times = [sums.time(i, j) for i, j in stages]
+        if c.virtual > 1 and self.experts is not None and self.overlap and self.calibration is None:  # pairs hide them
+            times = [t - 2 * sums.exchange_time(i, j) for t, (i, j) in zip(times, stages)]
         if c.virtual == 1:
             return max(sums.forward(0, i) + c.microbatches * t for (i, _), t in zip(stages, times))
         return c.microbatches * sum(times) / self.ranks
@@ -301,20 +308,37 @@ class _Context:
                 options.append(self._simulate(schedule, sums, cuts))
             if any(o[2] <= self.limit for o in options):
                 break
-        cuts, step, peak, stage_times, _, bubble, memory = min(options, key=self._preference(options))
+        if self.can_overlap(schedule, sums):
+            options += [self._simulate(schedule, sums, o[0], overlap=True) for o in options]
+        cuts, step, peak, stage_times, _, bubble, memory, overlap = min(options, key=self._preference(options))
         names = self.table.names
+        c.expert_overlap = overlap
         c.cuts, c.split_points = tuple(cuts), tuple(names[i] for i in cuts)
         c.step_time, c.bubble, c.memory_per_rank, c.stage_times = step, bubble, tuple(memory), tuple(stage_times)
         c.verdict = "fits" if peak <= self.limit else "over memory"
 
+    def can_overlap(self, schedule: cs.Schedule, sums: StageSums) -> bool:
+        """Whether the ranks could run ``schedule`` with expert parallelism's all-to-alls overlapped: they
+        exchange (ep > 1), the experts are not tensor-parallel, and ``schedule`` pairs forwards with backwards
+        (two stages per rank: what ``ExpertParallel.program`` takes). Uncalibrated only: a calibrated prediction
+        does not time pairs yet."""
+        if not self.overlap or self.calibration is not None:  # a calibrated prediction does not time pairs yet
+            return False
+        exchanging = sums.exchanges(0, len(sums.units)) > 0
+        if self.experts is None or self.experts.tp > 1 or schedule.virtual < 2 or not exchanging:
+            return False
+        return any(pair_forward_backward(cs.executable(schedule).compute).overlapped)
+
     def fit_by_recomputing(self, c: Candidate) -> None:
-        """Make an over-memory candidate fit by recomputing blocks, stage by stage, if it can."""
+        """Make an over-memory candidate fit by recomputing blocks, stage by stage, if it can (the runtime's
+        overlap cuts the forward a recomputation replays: such a plan runs its all-to-alls plainly)."""
         schedule = cs.build(c.schedule, ranks=self.ranks, microbatches=c.microbatches, virtual=c.virtual,
                             costs=c.schedule_costs)
         fit = fit_by_recomputing(schedule, self.sums(c.microbatches), list(c.cuts), ranks=self.ranks,
                                    memory_limit=self.limit, latency=self.latency)
         if fit is not None:
             c.recompute, c.memory_per_rank, c.bubble = fit.policies, fit.memory_per_rank, fit.bubble
+            c.expert_overlap = False
             c.step_time += fit.added_s  # the recomputations' share of the step
             c.verdict = "fits"
 
@@ -340,15 +364,19 @@ class _Context:
         sent = max((sums.units[j - 1].output_bytes for _, j in stages[:-1]), default=0.0)
         return cs.CostModel(tuple(costs), self.latency + sent / self.bandwidth)
 
-    def _simulate(self, schedule, sums: StageSums, cuts: list[int]):
-        """(cuts, step, peak memory, stage times, in-flight microbatches per stage, bubble, memory per rank).
+    def _simulate(self, schedule, sums: StageSums, cuts: list[int], overlap: bool = False):
+        """(cuts, step, peak memory, stage times, in-flight microbatches per stage, bubble, memory per rank,
+        ``overlap``).
 
         What is simulated is what the ranks run: the executed programs, a stage whose backward is
-        not split paying its full B."""
+        not split paying its full B; with ``overlap``, their forward/backward pairs, each pass's
+        all-to-alls hidden behind the other's compute where they can be, and the activations each
+        forward in segments keeps beside its own (:func:`~conveyor.plan.predict.stage_costs`)."""
         stages = bounds_of(cuts, len(sums.units))
         sent = max((sums.units[j - 1].output_bytes for _, j in stages[:-1]), default=0.0)
-        model = stage_costs(schedule, sums, cuts, latency=self.latency + sent / self.bandwidth)
-        timeline = cs.simulate(cs.executable(schedule).compute, model, time_unit="s")
+        model = stage_costs(schedule, sums, cuts, latency=self.latency + sent / self.bandwidth, overlap=overlap)
+        programs = cs.executable(schedule).compute
+        timeline = cs.simulate(pair_forward_backward(programs) if overlap else programs, model, time_unit="s")
         peaks = timeline.peak_activation_bytes()
         memory, in_flight = [], [1.0] * len(stages)
         for rank in range(self.ranks):
@@ -370,4 +398,4 @@ class _Context:
                                        rank_parameters=parameters, optimizer_s_per_parameter=self.optimizer_rate,
                                        cores=self.cores)
             step, bubble = prediction.step_s, prediction.timeline.bubble_ratio
-        return cuts, step, max(memory), stage_times, in_flight, bubble, memory
+        return cuts, step, max(memory), stage_times, in_flight, bubble, memory, overlap

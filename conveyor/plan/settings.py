@@ -112,8 +112,13 @@ class SearchSpace:
                                             "borrows the replicas' ranks, the ranks stay pp); empty: ep=1. With "
                                             "tensor_parallel too, (tp, ep) pairs are searched: each ep option "
                                             "is sized for one tp (ExpertParallelOption.tp)")
+    expert_overlap: bool = _f(True, "with expert parallelism, also simulate each candidate with its all-to-alls "
+                                    "overlapped in the schedule's forward/backward pairs (parallel.expert_overlap), "
+                                    "what the forwards run in segments keep counted; the faster that fits wins")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.expert_overlap, bool):
+            raise PlanError(f"SearchSpace.expert_overlap must be True or False, got {self.expert_overlap!r}")
         _set(self, "virtual", _positive_ints(self, "virtual", self.virtual, "e.g. virtual=(1, 2)"))
         options = tuple(self.tensor_parallel or ())
         if not all(hasattr(option, "tp") and hasattr(option, "modules") for option in options):

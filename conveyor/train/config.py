@@ -269,7 +269,8 @@ def apply_plan(cfg: TrainConfig) -> None:
     """Take schedule, virtual and microbatches from ``parallel.plan`` (a ConfigError if it cannot be read),
     its pp and tp where they split the same ranks per replica as ``parallel.pp x parallel.tp`` (the plan
     chose between stages and tensor-parallel ranks; other counts are refused by the checks), and its
-    checkpoint policies per stage where it needs some and ``stage.recompute`` is not set.
+    checkpoint policies per stage where it needs some and ``stage.recompute`` is not set, and its overlapped
+    all-to-alls (``parallel.expert_overlap``) where it chose them and ``parallel.ep`` shares experts.
 
     Example:
         >>> cfg = TrainConfig()
@@ -285,6 +286,8 @@ def apply_plan(cfg: TrainConfig) -> None:
             cfg.parallel.pp, cfg.parallel.tp = plan.ranks, plan.tensor_parallel
         if plan.recompute and cfg.stage.recompute is None:  # the policies the plan needs to fit its memory
             cfg.stage = dataclasses.replace(cfg.stage, recompute=list(plan.recompute))
+        if plan.expert_overlap and cfg.parallel.ep != 1:  # the step and memory it predicted assume them
+            cfg.parallel.expert_overlap = True
 
 
 def expand_home(cfg: TrainConfig) -> None:

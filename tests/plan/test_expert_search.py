@@ -16,9 +16,12 @@ from conveyor.plan.expert_search import (
     search_expert_parallel,
     search_tensor_and_expert_parallel,
 )
+from conveyor.plan.planner import format_plan
+from conveyor.plan.result import Plan
 from conveyor.plan.search import search
 from conveyor.plan.settings import SearchSpace
 from conveyor.plan.tensor_search import ModuleSplit, TensorParallelOption
+from conveyor.train.config import TrainConfig, apply_plan
 
 # An embedding, four blocks and a head; each block holds 64 parameters (256 bytes), 48 of them its experts'.
 TABLE = synthetic_table([("embed", 1, 0, 1, 8, 64)] + [(f"b{i}", 4, 4, 4, 340, 256, True) for i in range(4)]
@@ -39,6 +42,9 @@ def test_one_ep_rank_keeps_its_share_of_the_experts_and_pays_four_all_to_alls():
     assert math.isclose(block.forward, 4 + 2 * each) and math.isclose(block.backward_input, 4 + 2 * each)
     # The experts' compute stays (each rank runs a quarter of them on four times the tokens); W moves nothing.
     assert block.backward_weight == 4 and block.activation_bytes == 340 and block.output_bytes == 340
+    # The two all-to-alls are noted apart, for the search to overlap; a forward in segments keeps both sends.
+    assert (block.exchanges, block.exchange, block.exchange_bytes) == (2, pytest.approx(each), 2 * 2 * 1e6)
+    assert (embed.exchanges, embed.exchange_bytes) == (0, 0.0)
     assert expert_units(TABLE.units, _option(1, moved=1e6), 2, bandwidth=1e9, latency=1e-3) == TABLE.units
 
 
@@ -63,6 +69,57 @@ def test_the_search_keeps_the_fastest_ep_that_fits_and_says_why_the_others_lost(
     assert reasons[4].startswith("fits, ") and "slower than ep=2" in reasons[4], reasons
     assert reasons[8] == "refused: ep=8 does not divide --dp 4"
     assert chosen.result.settings["expert_parallel"] == 2
+
+
+MOVED = 2e9  # bytes per sample each all-to-all of a block dispatches
+
+
+def _best(limit: float, schedules=("dualpipev",), overlap: bool = True):
+    """The search's best candidate at ep=2, M=8, with all-to-alls of about 2 s (1 ms + half of 2 samples'
+    2 GB over 1 GB/s) beside blocks of 8 s of compute per pass: with or without trying overlap."""
+    result = search(TABLE, ranks=2, global_batch=16, memory_per_rank=limit, schedules=list(schedules),
+                    expert_parallel=_option(2, moved=MOVED), microbatches=[8],
+                    space=SearchSpace(expert_overlap=overlap))
+    return result.fitting[0]
+
+
+def test_the_search_overlaps_the_all_to_alls_where_pairs_hide_them_and_counts_what_that_keeps():
+    best, plain = _best(math.inf), _best(math.inf, overlap=False)
+    assert best.expert_overlap and "all-to-alls overlapped" in best.describe()
+    assert not plain.expert_overlap and plain.cuts == best.cuts
+    # Faster than the same split with its all-to-alls waited for, as the pairs hide them (DualPipeV pairs
+    # nearly every pass; 8 microbatches leave a warm-up and a cool-down unpaired).
+    assert best.step_time < 0.95 * plain.step_time, (best.step_time, plain.step_time)
+    # Its memory counts, per microbatch in flight, what each forward in segments keeps (2 sends of 2 GB x 2
+    # samples a block): above the plain plan's by whole multiples of that.
+    per_block = 2 * MOVED * 2
+    rise = [(o - p) / per_block for o, p in zip(best.memory_per_rank, plain.memory_per_rank)]
+    assert all(r >= 1 and r == pytest.approx(round(r)) for r in rise), rise
+    # A limit the rise does not fit: the plain plan, its all-to-alls waited for.
+    fitting = _best(max(plain.memory_per_rank) * 1.001)
+    assert not fitting.expert_overlap and fitting.step_time == pytest.approx(plain.step_time)
+    # One stage per rank has no pair that would not wait on itself: nothing to overlap.
+    assert not _best(math.inf, ("1f1b",)).expert_overlap
+    with pytest.raises(PlanError, match="expert_overlap must be True or False"):
+        SearchSpace(expert_overlap="yes")
+
+
+def test_a_plan_with_overlap_says_so_keeps_it_in_its_file_and_the_trainer_applies_it(tmp_path):
+    plan = Plan("zbv", 2, 2, 4, 8, ("b0", "b1", "b2"), 1.0, 0.1, (1e6, 1e6), (0.1,) * 4, math.inf,
+                expert_parallel=2, expert_overlap=True)
+    assert "parallel.expert_overlap=true" in format_plan(plan)
+    path = plan.save(tmp_path / "plan.json")
+    assert Plan.load(path).expert_overlap
+    assert not Plan.load(Plan("zbv", 2, 2, 4, 8, ("b0", "b1", "b2"), 1.0, 0.1, (1e6, 1e6), (0.1,) * 4,
+                              math.inf).save(tmp_path / "plain.json")).expert_overlap
+    cfg = TrainConfig()
+    cfg.parallel.plan, cfg.parallel.ep = str(path), 2
+    apply_plan(cfg)
+    assert cfg.parallel.expert_overlap and cfg.parallel.schedule == "zbv"
+    cfg = TrainConfig()
+    cfg.parallel.plan = str(path)  # ep=1 shares no experts: nothing to overlap
+    apply_plan(cfg)
+    assert not cfg.parallel.expert_overlap
 
 
 def _tp_option(ep: int, tp: int, moved: float = 0.0, gathered: float = 0.0) -> ExpertParallelOption:
