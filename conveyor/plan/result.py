@@ -197,14 +197,25 @@ class Plan:
 
 
 def _cost_model_json(costs: CostModel) -> dict[str, Any]:
+    """Per stage: F, I, W, the activation bytes, the bytes W keeps, and its all-to-alls (one's time, their count)."""
     return {"latency": costs.latency,
-            "stages": [[c.forward, c.backward_input, c.backward_weight, c.activation_bytes, c.weight_activation_bytes]
-                       for c in costs.stages]}
+            "stages": [[c.forward, c.backward_input, c.backward_weight, c.activation_bytes, c.weight_activation_bytes,
+                        c.exchange, c.exchanges] for c in costs.stages]}
 
 
 def _cost_model(data: dict[str, Any]) -> CostModel:
-    return CostModel(tuple(StageCosts(*(None if v is None else float(v) for v in stage)) for stage in data["stages"]),
-                     float(data["latency"]))
+    """What :func:`_cost_model_json` wrote (a stage of five values: a plan from before the all-to-alls were kept).
+
+    Example:
+        >>> costs = CostModel((StageCosts(1.0, 2.0, 1.0, 8.0, None, exchange=0.5, exchanges=2),), 0.1)
+        >>> _cost_model(_cost_model_json(costs)) == costs
+        True
+    """
+    stages = []
+    for stage in data["stages"]:
+        *timed, exchanges = stage if len(stage) == 7 else (*stage, 0.0, 0)
+        stages.append(StageCosts(*(None if v is None else float(v) for v in timed), exchanges=int(exchanges)))
+    return CostModel(tuple(stages), float(data["latency"]))
 
 
 def as_plan(plan: Plan | str | Path) -> Plan:
