@@ -243,6 +243,7 @@ class _Context:
         self.tensor: TensorParallelOption | None = None
         self.experts: ExpertParallelOption | None = None
         self.overlap = True  # SearchSpace.expert_overlap
+        self._paired: dict[int, tuple[cs.Schedule, cs.Schedule]] = {}  # the schedule evaluated last, and its pairs
         self.tensor_bandwidth = bandwidth
         self._fastest: dict[tuple[int, int], list[int]] = {}
 
@@ -327,7 +328,14 @@ class _Context:
         exchanging = sums.exchanges(0, len(sums.units)) > 0
         if self.experts is None or self.experts.tp > 1 or schedule.virtual < 2 or not exchanging:
             return False
-        return any(pair_forward_backward(cs.executable(schedule).compute).overlapped)
+        return any(self.paired(schedule).overlapped)
+
+    def paired(self, schedule: cs.Schedule) -> cs.Schedule:
+        """``schedule``'s executed programs with their pairs (found once per schedule: finding them steps it)."""
+        key = id(schedule)
+        if key not in self._paired:
+            self._paired = {key: (schedule, pair_forward_backward(cs.executable(schedule).compute))}
+        return self._paired[key][1]
 
     def fit_by_recomputing(self, c: Candidate) -> None:
         """Make an over-memory candidate fit by recomputing blocks, stage by stage, if it can (the runtime's
@@ -376,7 +384,7 @@ class _Context:
         sent = max((sums.units[j - 1].output_bytes for _, j in stages[:-1]), default=0.0)
         model = stage_costs(schedule, sums, cuts, latency=self.latency + sent / self.bandwidth, overlap=overlap)
         programs = cs.executable(schedule).compute
-        timeline = cs.simulate(pair_forward_backward(programs) if overlap else programs, model, time_unit="s")
+        timeline = cs.simulate(self.paired(schedule) if overlap else programs, model, time_unit="s")
         peaks = timeline.peak_activation_bytes()
         memory, in_flight = [], [1.0] * len(stages)
         for rank in range(self.ranks):
