@@ -206,7 +206,8 @@ class Run:
     step_tokens: int = 0  # the last step's
     train_time: float = 0.0
     stopped: str | None = None
-    skipped: int = 0  # steps dropped for a non-finite loss or gradient (loss.on_nonfinite=skip)
+    skipped: int = 0  # steps dropped for a non-finite loss or gradient (loss.on_nonfinite=skip), resumed ones too
+    skipped_before: int = 0  # of them, those dropped before the checkpoint this run resumed from
     progress: Any = None  # a Progress; shows only on rank 0
     tensorboard: Any = None  # rank 0's TensorBoardLog, when run.tensorboard is on and it is installed
     loss_fn: Any = None  # the pipeline's: a LossWithAux records the parts of each step's loss
@@ -426,7 +427,7 @@ def save_checkpoint(run: Run) -> Path:
     data = run.train_data.state_dict() if run.train_data is not None else None
     path = Path(run.cfg.checkpoint_dir) / f"step_{run.step:06d}"
     layout = parallel_layout(run.cfg, run.pipe.schedule.num_stages)  # a resume at another layout names both
-    extra = {"step": run.step, "data": data, "layout": layout}
+    extra = {"step": run.step, "data": data, "layout": layout, "skipped_steps": run.skipped}
     return save(path, run.pipe, run.optimizer, run.scheduler, extra=extra, keep_last=keep)
 
 
@@ -477,8 +478,8 @@ def loop(run: Run) -> Path | None:
         run.losses.append(loss)
         if parts:
             run.aux_losses.append(parts["aux_loss"])
-        skipped = run.pipe.skipped_steps > run.skipped
-        run.skipped = run.pipe.skipped_steps
+        skipped = run.skipped_before + run.pipe.skipped_steps > run.skipped
+        run.skipped = run.skipped_before + run.pipe.skipped_steps
         scale = run.pipe.loss_scale  # fp16's loss scale after this step (None: not scaled)
         scaling = {} if scale is None else {"loss_scale": scale, "skipped_steps": run.skipped}
         capped = cfg.parallel.expert_capacity is not None and expert_size(cfg.parallel) > 1

@@ -46,6 +46,7 @@ def resume(run: Any) -> None:
         return
     extra = load(path, run.pipe, run.optimizer, run.scheduler) or {}
     run.step = run.resumed_at = int(extra.get("step", 0))
+    run.skipped = run.skipped_before = int(extra.get("skipped_steps", 0))  # the run's count goes on from there
     if run.train_data is not None and "data" in extra:
         run.train_data.load_state_dict(extra["data"])
     if run.rank0:

@@ -145,3 +145,10 @@ def test_a_nonfinite_step_is_skipped_and_counted_or_stops_the_run(tmp_path):
     assert runs["stop"].returncode == 1, stop_out + stop_err
     assert "stopped at step 2:" in stop_out and "not finite" in stop_out
     assert stop_out.count("stopped at step") == 1 and "restart 1" not in stop_out + stop_err
+    # A resumed run goes on counting from its checkpoint's: the parameters are still past float32, so step 4
+    # is skipped as well, the third of the run.
+    resumed = subprocess.run([sys.executable, "-m", "conveyor.cli", "train", *blowup, "train.steps=4",
+                              "checkpoint.resume=true", "loss.on_nonfinite=skip", f"run.dir={tmp_path / 'skip'}"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed.stdout and "3 step(s) skipped (loss or gradients not finite)" in resumed.stdout
