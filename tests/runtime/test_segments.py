@@ -104,3 +104,27 @@ def test_a_context_covers_each_stretch_and_not_the_other_pass():
 
     assert run_to_end(within(steps(), Marked)) == 7
     assert entered == ["in", "out"] * 3
+
+
+def test_a_measured_cut_counts_what_it_keeps_until_its_backward_ends():
+    from conveyor.runtime.stage.memory import MemoryMeter
+
+    def held(segmented: bool) -> tuple[int, int]:
+        meter = MemoryMeter(0, {})
+        meter.start_step()
+        x = torch.ones(4, 8, requires_grad=True)
+        passes = SegmentedPass(hold=meter.count_kept)
+        with meter.saving(0, 0):
+            h = x * 3  # a product by a number saves nothing
+            y = passes.boundary().cut(h) if segmented else h
+            loss = (y + 1).sum()  # nor does a sum: unsegmented, nothing is held for the backward
+        during = meter.live_bytes
+        if segmented:
+            grad = run_to_end(segmented_backward(passes, [loss], [None], [x]))[0][0]
+        else:
+            grad = torch.autograd.grad(loss, [x])[0]
+        assert torch.equal(grad, torch.full((4, 8), 3.0))
+        return during, meter.live_bytes
+
+    assert held(segmented=False) == (0, 0)
+    assert held(segmented=True) == (4 * 8 * 4, 0)  # the cut keeps h (its leaf shares the storage) until then

@@ -10,7 +10,9 @@ half (W) the rest. What a rank holds is counted once per storage (bytes a tensor
 views share count once; the slices of one minibatch count slice by slice), without the
 stages' parameters and buffers. With ``recompute=True`` autograd saves only
 each stage's inputs (the recomputation saves the rest during backward, briefly): that is
-what is counted.
+what is counted. A forward run in segments, to overlap its all-to-alls
+(:mod:`conveyor.runtime.stage.segments`), also keeps what each cut holds for its backward (the
+tensors it sent and received, the values that cross the cut): counted as well, until the backward.
 
 Not counted: what a stage holds outside autograd (a tensor a module keeps on ``self``),
 transport buffers, gradients, and tensors saved under the model's own saved-tensor hooks

@@ -201,7 +201,8 @@ class StageRunner:
             return self.forward(microbatch, inputs, target, keep_output=keep_output)
         if self.randomness is not None:
             self.randomness.seed_for(self.stage, microbatch)
-        steps = self._stepped_forward(stepped, SegmentedPass(), microbatch, *inputs, target, keep_output)
+        passes = SegmentedPass(hold=self._memory_hold())  # measured: what the cuts keep counts too
+        steps = self._stepped_forward(stepped, passes, microbatch, *inputs, target, keep_output)
         return (yield from within(steps, functools.partial(self._forward_context, microbatch)))
 
     def _forward_context(self, microbatch: int) -> contextlib.ExitStack:

@@ -58,7 +58,9 @@ class Boundary:
     sent: list[torch.Tensor] = field(default_factory=list)  # exchanged: the root before...
     received: list[torch.Tensor] = field(default_factory=list)  # ...the leaf after...
     reverse: list[Reverse] = field(default_factory=list)  # ...and how its gradient goes back
+    hold: Callable[[torch.Tensor], object] | None = field(default=None, repr=False)  # counts what the cut keeps
     _by_id: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _held: list[object] = field(default_factory=list, repr=False)  # hold's handles: the counts end with the cut
 
     def cut(self, value: Any) -> Any:
         """``value`` (any pytree) with each tensor that autograd computed replaced by a detached leaf (one per
@@ -72,6 +74,7 @@ class Boundary:
                 leaf = self._by_id[id(tensor)] = tensor.detach().requires_grad_()
                 self.roots.append(tensor)
                 self.leaves.append(leaf)
+                self._keep(tensor)  # the root, and with it its leaf (one storage)
             return leaf
 
         return pytree.tree_map(leaf_of, value)
@@ -85,7 +88,15 @@ class Boundary:
         self.sent.append(sent)
         self.received.append(leaf)
         self.reverse.append(reverse)
+        self._keep(sent)
+        self._keep(received)
         return leaf
+
+    def _keep(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor`` as held for the backward (a memory meter's ``count_kept``): the cut keeps it, where
+        an unsegmented pass might have let it go (an all-to-all's input once sent)."""
+        if self.hold is not None:
+            self._held.append(self.hold(tensor))
 
 
 @dataclass
@@ -93,10 +104,11 @@ class SegmentedPass:
     """What one microbatch's forward through a stage recorded for its backward: its cuts, in order."""
 
     boundaries: list[Boundary] = field(default_factory=list)
+    hold: Callable[[torch.Tensor], object] | None = None  # counts what each cut keeps (a memory meter's)
 
     def boundary(self) -> Boundary:
         """A new cut after the ones so far."""
-        self.boundaries.append(Boundary())
+        self.boundaries.append(Boundary(hold=self.hold))
         return self.boundaries[-1]
 
 
