@@ -146,10 +146,10 @@ def _add_others(parser: argparse.ArgumentParser) -> None:
     generate.add_argument("--generate-rounds", type=int, default=3, help="timed rounds, the sides' order rotating")
     generate.add_argument("--generate-unsplit-threads", type=int, default=2, help="threads of the unsplit side")
     overlap = parser.add_argument_group("--overlap (expert parallelism's all-to-alls in overlapped pairs)")
-    overlap.add_argument("--overlap-schedule", default="zbv", help="a schedule with 2 stages per rank")
-    overlap.add_argument("--overlap-microbatches", type=int, default=16, metavar="M")
-    overlap.add_argument("--overlap-exchange-ms", type=float, default=5.0,
-                         help="the emulated all-to-all of tokens' set time")
+    overlap.add_argument("--overlap-cases", default="dualpipev:32:3,zbv:16:5", metavar="SCHEDULE:M:MS,...",
+                         help="each case: a schedule with 2 stages per rank, its microbatches, and the emulated "
+                              "all-to-all of tokens' set time in ms (default: one the simulator says the pairs "
+                              "hide, one it says they cannot)")
     overlap.add_argument("--overlap-rounds", type=int, default=3, help="rounds, the side going first alternating")
     overlap.add_argument("--overlap-steps", type=int, default=2, help="timed steps per side per round")
 

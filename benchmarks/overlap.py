@@ -1,12 +1,15 @@
 """``python -m benchmarks --overlap``: expert parallelism's all-to-alls with and without overlapped pairs.
 
 The MoE recipe (configs/moe.yaml: Mixtral-style, 4 layers, 4 experts, top-2) at pp=2 x dp=2 with ep=2 on 4
-CPU ranks, under a schedule with two stages per rank (zbv by default), M microbatches. Each rank keeps two
+CPU ranks, under a schedule with two stages per rank, M microbatches. Each rank keeps two
 pipelines from the same weights: the plain one and one with ``parallel.expert_overlap=true``, whose ranks run
 each forward with the backward next to it in their programs, the two passes taking turns at their
 all-to-alls. The sides alternate every round (which goes first too), steal recorded per side.
 
-1. **Emulated**: each all-to-all of tokens held to a set time (``--overlap-exchange-ms``; a real all-to-all
+Each case of ``--overlap-cases`` (a schedule, M, and the emulated all-to-all's time; by default one the
+simulator says the pairs hide, dualpipev at M=32, and one it says they cannot, zbv at M=16):
+
+1. **Emulated**: each all-to-all of tokens held to a set time (the case's milliseconds; a real all-to-all
    moves the rows, and the wait lasts at least that long after posting), as the emulated stages of the
    comparison take set compute times. Per side: the step time and the **exposed all-to-all share** (the time
    the rank's compute waited for its all-to-alls, over the step; slowest rank), beside the simulator's
@@ -128,17 +131,37 @@ def _steal(per_rank: list[dict]) -> dict[str, float | None]:
     return meter.percent()
 
 
+def cases(text: str) -> list[tuple[str, int, float]]:
+    """``--overlap-cases``: (schedule, microbatches, all-to-all ms) per case.
+
+    Example:
+        >>> cases("dualpipev:32:3,zbv:16:5")
+        [('dualpipev', 32, 3.0), ('zbv', 16, 5.0)]
+    """
+    out = []
+    for case in text.split(","):
+        parts = case.split(":")
+        if len(parts) != 3:
+            raise SystemExit(f"--overlap-cases: {case!r} is not SCHEDULE:M:MS (e.g. dualpipev:32:3)")
+        out.append((parts[0], int(parts[1]), float(parts[2])))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    """Both workloads, both sides: the tables, the memory per rank, the steal; the timelines as pictures."""
+    """Each case: both workloads, both sides: the tables, the memory per rank, the steal; the timelines drawn."""
+    for schedule, microbatches, exchange_ms in cases(args.overlap_cases):
+        _case(args, schedule, microbatches, exchange_ms)
+    return 0
+
+
+def _case(args: argparse.Namespace, schedule: str, microbatches: int, exchange_ms: float) -> None:
     from conveyor.schedule.render import to_png
 
-    schedule, microbatches = args.overlap_schedule, args.overlap_microbatches
-    exchange_s = args.overlap_exchange_ms / 1e3
     emulated = run_ranks(_rank, 4, args=(schedule, microbatches, args.overlap_rounds, args.overlap_steps,
-                                         exchange_s), timeout_s=3000)
+                                         exchange_ms / 1e3), timeout_s=3000)
     predicted = _predicted(emulated[0]["timelines"]["plain"], schedule, microbatches)
     print(f"\nMoE recipe (configs/moe.yaml) at pp=2 x dp=2, ep=2, {schedule}, M={microbatches}, each all-to-all of "
-          f"tokens held to {args.overlap_exchange_ms:g} ms; {args.overlap_rounds} rounds x {args.overlap_steps} "
+          f"tokens held to {exchange_ms:g} ms; {args.overlap_rounds} rounds x {args.overlap_steps} "
           "steps per side, the sides alternating")
     print("| side | step ms (measured) | exposed all-to-all share (measured) | step ms (simulated) | exposed share "
           "(simulated) |")
@@ -154,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         f"{side} " + ", ".join(f"{r[side]['peak_bytes'] / 2**20:.2f}" for r in emulated) for side in SIDES))
     RESULTS.mkdir(parents=True, exist_ok=True)
     picture = to_png([emulated[0]["timelines"]["plain"], emulated[0]["timelines"]["overlap"], predicted["plain"],
-                      predicted["overlap"]], RESULTS / "emulated.png",
+                      predicted["overlap"]], RESULTS / f"emulated_{schedule}.png",
                      titles=["measured, plain", "measured, overlapped pairs", "simulated, plain",
                              "simulated, overlapped pairs"], share_time=True)
     print(f"timelines (the last emulated step, then the simulator's), all-to-alls on a lane under each rank: {picture}")
@@ -164,4 +187,3 @@ def run(args: argparse.Namespace) -> int:
         f"{side} {_summary(recipe, side)[0] * 1e3:.0f}" for side in SIDES)
         + f" (overlap / plain {_summary(recipe, 'overlap')[0] / _summary(recipe, 'plain')[0]:.3f}); steal "
         + ", ".join(f"{side} {value:.1f}%" for side, value in _steal(recipe).items() if value is not None))
-    return 0
