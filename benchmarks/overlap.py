@@ -78,9 +78,13 @@ def _rank(rank: int, world_size: int, schedule: str, microbatches: int, rounds: 
         for param in pipe.parameters():
             param.grad = None
         if timed:
+            part = pipe.ranks.find_part(ExpertParallel)
             found[side]["step_s"].append(elapsed)
-            found[side]["waited_s"].append(pipe.ranks.find_part(ExpertParallel).exchanges()[1])
+            found[side]["waited_s"].append(part.exchanges()[1])
             found[side]["peak_bytes"] = max(found[side]["peak_bytes"], pipe.memory().peak_bytes)
+            # The last timed step's all-to-alls as (posted, waited from, done): matched with the EP peer's below.
+            found[side]["spans"] = [(posted, waited, done) for _, posted, waited, done in part.all_to_alls.spans]
+            found[side]["ep_ranks"] = dist.get_process_group_ranks(part.group)
 
     for side in SIDES:
         step(side, timed=False)  # warm
@@ -123,6 +127,22 @@ def _summary(per_rank: list[dict], side: str) -> tuple[float, float]:
     share = statistics.median(max(r[side]["waited_s"][i] / r[side]["step_s"][i] for r in per_rank)
                               for i in range(steps))
     return step, share
+
+
+def _waiting_for_peers(per_rank: list[dict], side: str) -> tuple[float, float]:
+    """Over the last timed step, the slowest rank's exposed share, and the part of it the rank waited before its
+    EP peer had even posted the same all-to-all (both run the same program, so the k-th all-to-all of one is the
+    k-th of the other; perf_counter is the machine's monotonic clock, shared by the processes)."""
+    worst = (0.0, 0.0)
+    for rank, found in enumerate(per_rank):
+        mine = found[side]
+        peer = per_rank[next(r for r in mine["ep_ranks"] if r != rank)][side]["spans"]
+        step = mine["step_s"][-1]
+        waited = sum(done - began for _, began, done in mine["spans"])
+        before_peer = sum(max(0.0, min(done, theirs[0]) - began)
+                          for (_, began, done), theirs in zip(mine["spans"], peer))
+        worst = max(worst, (waited / step, before_peer / step))
+    return worst
 
 
 def _steal(per_rank: list[dict]) -> dict[str, float | None]:
@@ -173,6 +193,10 @@ def _case(args: argparse.Namespace, schedule: str, microbatches: int, exchange_m
               f"{simulated.summary().get('exposed_comm_share', 0.0) * 100:.1f}% |")
     print("steal: " + ", ".join(f"{side} {value:.1f}%" for side, value in _steal(emulated).items()
                                 if value is not None))
+    print("the last step's exposed share (slowest rank), and the part of it spent before the EP peer had posted "
+          "the same all-to-all: " + "; ".join(
+              f"{side} {total * 100:.1f}% ({before * 100:.1f}% before the peer)"
+              for side in SIDES for total, before in [_waiting_for_peers(emulated, side)]))
     print("peak saved activations per rank (MiB): " + "; ".join(
         f"{side} " + ", ".join(f"{r[side]['peak_bytes'] / 2**20:.2f}" for r in emulated) for side in SIDES))
     RESULTS.mkdir(parents=True, exist_ok=True)
