@@ -167,11 +167,10 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
     if bad:
         raise PlanError(f"microbatch counts {bad} do not divide the global batch {global_batch}")
     context = _Context(table, ranks, global_batch, memory_per_rank, machine.bandwidth, machine.latency,
-                       machine.optimizer_bytes_per_parameter, space.balance_tolerance)
+                       machine.optimizer_bytes_per_parameter, space)
     context.calibration, context.optimizer_rate, context.cores = calibration, optimizer_s_per_parameter, cores
     context.tensor, context.tensor_bandwidth = tensor_parallel, machine.tensor_bandwidth or machine.bandwidth
     context.experts = _sized_alike(tensor_parallel, expert_parallel)
-    context.overlap = space.expert_overlap
     queue = []
     for m in ms:
         for name, v in schedule_choices(schedules, space.virtual):
@@ -233,16 +232,16 @@ def _sized_alike(tensor: TensorParallelOption | None, experts: ExpertParallelOpt
 class _Context:
     """What the candidates share: rescaled costs and fastest splits per (M, V), built schedules."""
 
-    def __init__(self, table, ranks, global_batch, limit, bandwidth, latency, optimizer_bytes, tolerance):
+    def __init__(self, table, ranks, global_batch, limit, bandwidth, latency, optimizer_bytes, space: SearchSpace):
         self.table, self.ranks, self.global_batch, self.limit = table, ranks, global_batch, limit
-        self.bandwidth, self.latency, self.tolerance = bandwidth, latency, tolerance
+        self.bandwidth, self.latency, self.tolerance = bandwidth, latency, space.balance_tolerance
+        self.overlap = space.expert_overlap  # whether to try the all-to-alls overlapped in the schedules' pairs
         self.optimizer_bytes = optimizer_bytes
         self.calibration: Calibration | None = None
         self.optimizer_rate, self.cores = 0.0, None
         self._sums: dict[int, StageSums] = {}
         self.tensor: TensorParallelOption | None = None
         self.experts: ExpertParallelOption | None = None
-        self.overlap = True  # SearchSpace.expert_overlap
         self._paired: dict[int, tuple[cs.Schedule, cs.Schedule]] = {}  # the schedule evaluated last, and its pairs
         self.tensor_bandwidth = bandwidth
         self._fastest: dict[tuple[int, int], list[int]] = {}

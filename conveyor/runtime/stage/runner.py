@@ -175,7 +175,7 @@ class StageRunner:
         return self.call(*args, **kwargs)
 
     def _memory_hold(self) -> Any:
-        """What counts the operator outputs a selective checkpoint keeps (None: not measuring)."""
+        """What counts the tensors a selective checkpoint or a cut keeps outside autograd (None: not measuring)."""
         meter = self.memory_meter
         return None if meter is None else meter.count_kept
 
@@ -185,12 +185,8 @@ class StageRunner:
         args, kwargs = inputs
         if self.randomness is not None:
             self.randomness.seed_for(self.stage, microbatch)
-        with self.context(), autocast_region(self.module, self.autocast):
-            meter = self.memory_meter
-            if meter is None or not torch.is_grad_enabled():
-                return self._forward(microbatch, args, kwargs, target, keep_output)
-            with meter.saving(self.stage, microbatch):
-                return self._forward(microbatch, args, kwargs, target, keep_output)
+        with self._forward_context(microbatch):
+            return self._forward(microbatch, args, kwargs, target, keep_output)
 
     def forward_steps(self, microbatch: int, inputs: tuple[tuple, dict], target: Any = None,
                       *, keep_output: bool = False) -> Generator[None, None, Any]:
@@ -201,19 +197,21 @@ class StageRunner:
             return self.forward(microbatch, inputs, target, keep_output=keep_output)
         if self.randomness is not None:
             self.randomness.seed_for(self.stage, microbatch)
-        passes = SegmentedPass(hold=self._memory_hold())  # measured: what the cuts keep counts too
-        steps = self._stepped_forward(stepped, passes, microbatch, *inputs, target, keep_output)
+        steps = self._stepped_forward(stepped, microbatch, *inputs, target, keep_output)
         return (yield from within(steps, functools.partial(self._forward_context, microbatch)))
 
     def _forward_context(self, microbatch: int) -> contextlib.ExitStack:
+        """What F runs in: the stage's context, autocast, and (training, measured) the memory meter's count."""
         stack, meter = contextlib.ExitStack(), self.memory_meter
         stack.enter_context(self.context())
         stack.enter_context(autocast_region(self.module, self.autocast))
-        stack.enter_context(meter.saving(self.stage, microbatch) if meter is not None else contextlib.nullcontext())
+        if meter is not None and torch.is_grad_enabled():
+            stack.enter_context(meter.saving(self.stage, microbatch))
         return stack
 
-    def _stepped_forward(self, stepped: Callable, passes: SegmentedPass, microbatch: int, args: tuple,
-                         kwargs: dict, target: Any, keep_output: bool) -> Generator[None, None, Any]:
+    def _stepped_forward(self, stepped: Callable, microbatch: int, args: tuple, kwargs: dict, target: Any,
+                         keep_output: bool) -> Generator[None, None, Any]:
+        passes = SegmentedPass(hold=self._memory_hold())  # measured: what the cuts keep counts too
         try:
             output = yield from stepped(args, kwargs, passes)
         except Exception as exc:
