@@ -5,6 +5,8 @@ Text: ``str(schedule)`` prints one line per rank in the compact action form of
 reads it back (the header line is optional, so a hand-written block of
 ``rank 0: 0F0 0B0`` lines works too).
 
+The text form lists each rank's pairs on a line of its own, ``rank 0 overlaps: 0F1+0B0``.
+
 CSV: torch's layout (``_dump_csv`` / ``_load_csv``): one row per rank, one
 action string per cell, empty cells allowed (torch writes idle steps as empty
 cells). ``format="compute_only"`` holds F/B/I/W only, ``"compute_comms"`` also
@@ -12,8 +14,11 @@ SEND/RECV. Schedules written for torchtitan load unchanged:
 
 - the placement is inferred from where each stage's actions appear (a stage
   on two ranks is an error), the microbatch count from the largest id;
-- torch's ``(0F7;7B3)OVERLAP_F_B`` runs its sub-actions one after the other
-  (as torch's runtime does), so it loads as ``0F7 7B3``;
+- torch's ``(0F7;7B3)OVERLAP_F_B`` is an overlapped pair (``Schedule.overlapped``:
+  :mod:`conveyor.schedule.overlap`) when it is one: a forward, then a B or I of another
+  microbatch; any other overlap's sub-actions run one after the other (as torch's runtime
+  runs them all), so ``(0F7;0B7)OVERLAP_F_B`` loads as ``0F7 0B7``. A schedule's pairs
+  are written back the same way;
 - FSDP/DDP actions (UNSHARD, RESHARD, REDUCE_GRAD) are not run by conveyor:
   they are rejected with a message, or skipped with ``drop=``.
 
@@ -50,6 +55,7 @@ _OTHER_KIND_RE = re.compile(r"^(\d+)(" + "|".join(UNSUPPORTED_KINDS) + r")(\d*)$
 _OVERLAP_RE = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 _HEADER_RE = re.compile(r"^schedule (.*): (\d+) ranks?, (\d+) stages?, (\d+) microbatch(?:es)?$")
 _RANK_LINE_RE = re.compile(r"^rank (\d+):(.*)$")
+_PAIRS_LINE_RE = re.compile(r"^rank (\d+) overlaps:(.*)$")
 
 
 # -- building a schedule from rows of actions ---------------------------------------------------
@@ -84,8 +90,10 @@ def schedule_from_rows(
             f"got {type(rows).__name__}"
         )
     programs: list[tuple[Action, ...]] = []
+    pairs: list[list[tuple[Action, Action]]] = []
     for rank, row in enumerate(rows):
-        programs.append(_read_row(row, rank, drop_set, source))
+        pairs.append([])
+        programs.append(_read_row(row, rank, drop_set, source, pairs[-1]))
     if not programs:
         raise ScheduleError(f"{source}no programs: expected one row of actions per rank")
     if placement is None:
@@ -103,7 +111,8 @@ def schedule_from_rows(
         num_microbatches = 1 + max((a.microbatch for p in programs for a in p), default=-1)
         if num_microbatches < 1:
             raise ScheduleError(f"{source}no actions at all: cannot infer the number of microbatches")
-    return Schedule(name, placement, num_microbatches, tuple(programs))
+    overlapped = tuple(map(tuple, pairs)) if any(pairs) else ()
+    return Schedule(name, placement, num_microbatches, tuple(programs), overlapped=overlapped)
 
 
 def _check_drop(drop: Iterable[str]) -> frozenset[str]:
@@ -119,7 +128,9 @@ def _check_drop(drop: Iterable[str]) -> frozenset[str]:
     return drop_set
 
 
-def _read_row(row: object, rank: int, drop: frozenset[str], source: str) -> tuple[Action, ...]:
+def _read_row(row: object, rank: int, drop: frozenset[str], source: str,
+              pairs: list[tuple[Action, Action]]) -> tuple[Action, ...]:
+    """The row's actions; the overlapped pairs among its cells appended to ``pairs``."""
     if isinstance(row, str | bytes) or not isinstance(row, Iterable):
         raise ScheduleError(
             f"{source}the row of rank {rank} must be a sequence of actions or action strings, "
@@ -140,8 +151,18 @@ def _read_row(row: object, rank: int, drop: frozenset[str], source: str) -> tupl
                 f"{source}rank {rank}, column {column}: expected an Action or a string such as '2F0', "
                 f"got {item!r} ({type(item).__name__})"
             )
-        actions.extend(_parse_cell(item, rank, column, drop, source))
+        cell = _parse_cell(item, rank, column, drop, source)
+        if _OVERLAP_RE.match(item.strip()) and _is_pair(cell):
+            pairs.append((cell[0], cell[1]))
+        actions.extend(cell)
     return tuple(actions)
+
+
+def _is_pair(actions: Sequence[Action]) -> bool:
+    """Whether an overlap cell's actions are a pair conveyor runs overlapped: a forward, then a backward (B or I) of
+    another microbatch (:func:`~conveyor.schedule.overlap.check_pairs` says the rest: same rank, stages)."""
+    return (len(actions) == 2 and actions[0].kind is ActionKind.F and actions[1].kind in (ActionKind.B, ActionKind.I)
+            and actions[0].microbatch != actions[1].microbatch)
 
 
 def _parse_cell(text: str, rank: int, column: int, drop: frozenset[str], source: str) -> list[Action]:
@@ -286,9 +307,24 @@ def dumps_csv(schedule: Schedule, format: CsvFormat = "compute_only") -> str:  #
     programs = _programs_for(schedule, format)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    for program in programs:
-        writer.writerow([str(a) for a in program])
+    for rank, program in enumerate(programs):
+        writer.writerow(_cells(program, dict(schedule.overlapped[rank]) if schedule.overlapped else {}))
     return out.getvalue()
+
+
+def _cells(program: Sequence[Action], partner: dict[Action, Action]) -> list[str]:
+    """A row of CSV cells: each action's string, a pair's two in one cell as torch writes them,
+    ``(0F1;0B0)OVERLAP_F_B``."""
+    cells, at = [], 0
+    while at < len(program):
+        action = program[at]
+        if action in partner and at + 1 < len(program) and program[at + 1] == partner[action]:
+            cells.append(f"({action};{program[at + 1]})OVERLAP_F_B")
+            at += 2
+        else:
+            cells.append(str(action))
+            at += 1
+    return cells
 
 
 def save_csv(schedule: Schedule, path: str | os.PathLike, format: CsvFormat = "compute_only") -> None:  # noqa: A002
@@ -334,6 +370,7 @@ def parse_schedule(
         raise ScheduleError(f"parse_schedule expects a string, got {type(text).__name__}")
     header: tuple[str, int, int, int] | None = None
     rows: dict[int, list[str]] = {}
+    pairs: dict[int, list[str]] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         # The header whole first: a schedule's name may hold a '#'.
@@ -342,6 +379,13 @@ def parse_schedule(
             continue
         if match:
             header = (match.group(1), int(match.group(2)), int(match.group(3)), int(match.group(4)))
+            continue
+        listed = _PAIRS_LINE_RE.match(line)
+        if listed:
+            if int(listed.group(1)) in pairs:
+                raise ScheduleError(f"line {number}: rank {listed.group(1)} has a second overlaps line; list each "
+                                    "rank's pairs on one")
+            pairs[int(listed.group(1))] = listed.group(2).split()
             continue
         match = _RANK_LINE_RE.match(line)
         rank = int(match.group(1)) if match else len(rows)
@@ -365,4 +409,20 @@ def parse_schedule(
     )
     if header is not None and header[2] != schedule.num_stages:
         raise ScheduleError(f"the header says {header[2]} stages but the actions use {schedule.num_stages}")
-    return schedule
+    return schedule.with_programs(schedule.programs, _parsed_pairs(pairs, schedule.num_ranks)) if pairs else schedule
+
+
+def _parsed_pairs(listed: dict[int, list[str]], num_ranks: int) -> tuple:
+    """Per rank, its pairs from the ``rank N overlaps: 0F1+0B0 ...`` lines (``check_pairs`` checks them)."""
+    if any(rank >= num_ranks for rank in listed):
+        raise ScheduleError(f"overlaps listed for rank {max(listed)}, but the schedule has ranks 0..{num_ranks - 1}")
+    out = []
+    for rank in range(num_ranks):
+        pairs = []
+        for item in listed.get(rank, ()):
+            parts = item.split("+")
+            if len(parts) != 2:
+                raise ScheduleError(f"rank {rank} overlaps {item!r}: expected FORWARD+BACKWARD, e.g. 0F1+0B0")
+            pairs.append((Action.parse(parts[0]), Action.parse(parts[1])))
+        out.append(tuple(pairs))
+    return tuple(out)

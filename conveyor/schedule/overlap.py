@@ -56,7 +56,9 @@ def pair_forward_backward(schedule: Schedule) -> Schedule:
     ZB-H1) a pair's forward feeds the very rank its backward's gradient comes from, which then
     idles for the whole pair every microbatch: simulate both (V >= 2 and DualPipeV gain).
 
-    A lowered schedule is paired on its compute actions; one straight from ``lower()``
+    A schedule that already lists pairs (written by hand, or loaded from text or CSV with them) comes back
+    as it is: its own pairs are the ones run. A lowered schedule is paired on its compute actions; one straight
+    from ``lower()``
     comes back as the lowering of its paired source (each pair's communication around it), a
     hand-lowered one keeps its communication where it is.
 
@@ -71,6 +73,8 @@ def pair_forward_backward(schedule: Schedule) -> Schedule:
     """
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"pair_forward_backward() expects a Schedule, got {type(schedule).__name__}")
+    if schedule.overlapped:  # its own pairs (written by hand, or loaded): kept, and checked by verify()
+        return schedule
     if schedule.lowered_from is not None:
         return lower(pair_forward_backward(schedule.lowered_from))
     compute = schedule.compute_only() if schedule.is_lowered else schedule

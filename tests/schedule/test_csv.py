@@ -133,12 +133,33 @@ def test_torchs_interleaved_1f1b_is_our_interleaved_1f1b():
     assert theirs == cs.build("interleaved-1f1b", ranks=TORCH_RANKS, microbatches=TORCH_MICROBATCHES)
 
 
-def test_overlapped_pairs_run_one_after_the_other():
-    # torch's DualPipeV writes "(0F7;7B3)OVERLAP_F_B" and runs 0F7, then 7B3.
+def test_torchs_overlapped_forward_backward_cells_load_as_pairs_and_other_overlaps_in_turn():
+    # torch's DualPipeV writes "(0F7;7B3)OVERLAP_F_B": 0F7, then 7B3, a pair conveyor runs overlapped.
     sched = cs.load_csv(DATA / "dualpipev.csv")
     text = (DATA / "dualpipev.csv").read_text().splitlines()[0].split(",")
     at = text.index("(0F7;7B3)OVERLAP_F_B")
     assert [str(a) for a in sched.programs[0][at : at + 2]] == ["0F7", "7B3"]
+    assert [f"{f}+{b}" for f, b in sched.overlapped[0]] == ["0F7+7B3", "7F4+0B0", "7F5+0B1", "7F6+0B2", "7F7+0B3"]
+    cs.verify(sched)  # lowered with each pair's receives before it and sends after it, torch's own order
+    assert cs.pair_forward_backward(sched) is sched  # its own pairs are the ones run
+    # An overlap that is no pair (a microbatch's own backward, or three actions) runs its actions in turn.
+    same = cs.loads_csv("(0F0;0B0)OVERLAP_F_B\n")
+    assert [str(a) for a in same.programs[0]] == ["0F0", "0B0"] and same.overlapped == ()
+
+
+def test_pairs_survive_csv_and_text_both_ways():
+    paired = cs.pair_forward_backward(cs.build("zbv", ranks=2, microbatches=4))
+    text = cs.dumps_csv(paired)
+    assert "(0F3;0I0)OVERLAP_F_B" in text.splitlines()[0]
+    assert cs.loads_csv(text, name=paired.name) == paired
+    lowered = cs.loads_csv(cs.dumps_csv(paired, "compute_comms"), name=paired.name)
+    assert lowered == cs.lower(paired) and lowered.overlapped == paired.overlapped
+    assert "rank 1 overlaps: 2F1+2I0 1F2+1I0" in str(paired)
+    assert cs.parse_schedule(str(paired)) == paired
+    with pytest.raises(ScheduleError, match="expected FORWARD\\+BACKWARD"):
+        cs.parse_schedule("rank 0: 0F0 0F1 0B0 0B1\nrank 0 overlaps: 0F1")
+    with pytest.raises(ScheduleError, match="its backward must directly follow its forward"):
+        cs.verify(cs.parse_schedule("rank 0: 0F0 0F1 0B0 0B1\nrank 0 overlaps: 0F0+0B1"))
 
 
 def test_the_stored_csvs_are_what_torch_writes_and_torch_reads_ours(tmp_path):
