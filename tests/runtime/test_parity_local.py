@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -48,7 +50,18 @@ def _run_local(schedule, recompute):
 
 @pytest.mark.parametrize(("name", "num_ranks", "virtual"), schedule_grid((1, 2, 4)))
 def test_local_pipeline_is_bitwise_equal_to_one_device(name, num_ranks, virtual):
-    schedule = cs.build(name, ranks=num_ranks, microbatches=NUM_MICROBATCHES, virtual=virtual)
+    _assert_bitwise_equal_to_one_device(cs.build(name, ranks=num_ranks, microbatches=NUM_MICROBATCHES,
+                                                 virtual=virtual))
+
+
+def test_torchs_dualpipev_csv_runs_with_its_pairs_bitwise_equal_to_one_device():
+    # torch's file, its "(0F7;7B3)OVERLAP_F_B" cells loaded as pairs: lowered with each pair's receives before it.
+    schedule = cs.load_csv(Path(__file__).parents[1] / "schedule" / "data" / "torch" / "dualpipev.csv")
+    assert all(schedule.overlapped) and schedule.num_ranks == 4 and schedule.num_microbatches == 8
+    _assert_bitwise_equal_to_one_device(schedule)
+
+
+def _assert_bitwise_equal_to_one_device(schedule):
     want_losses, want_grads, want_params = reference_run(schedule)
     got_losses, got_grads, got_params = run_local(schedule)
     for step, (got, want) in enumerate(zip(got_losses, want_losses)):
