@@ -204,8 +204,8 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
                     optimizer_s_per_parameter=optimizer_s_per_parameter, cores=cores)
     if tensor_parallel is not None:
         settings["tensor_parallel"] = tensor_parallel.tp
-    if expert_parallel is not None:
-        settings["expert_parallel"] = expert_parallel.ep
+    if expert_parallel is not None:  # and whether its all-to-alls were tried overlapped
+        settings["expert_parallel"], settings["expert_overlap"] = expert_parallel.ep, space.expert_overlap
     return SearchResult(queue, settings)
 
 
@@ -269,7 +269,8 @@ class _Context:
         mean rank's compute (which rank holds which stage is the schedule's)."""
         sums, stages = self.sums(c.microbatches), bounds_of(c.cuts, len(self.table.units))
         times = [sums.time(i, j) for i, j in stages]
-        if c.virtual > 1 and self.experts is not None and self.overlap and self.calibration is None:  # pairs hide them
+        if c.virtual > 1 and self.overlap and self.calibration is None and self.experts is not None \
+                and self.experts.tp == 1:  # pairs may hide the all-to-alls (as can_overlap says)
             times = [t - 2 * sums.exchange_time(i, j) for t, (i, j) in zip(times, stages)]
         if c.virtual == 1:
             return max(sums.forward(0, i) + c.microbatches * t for (i, _), t in zip(stages, times))

@@ -16,9 +16,10 @@ SEND/RECV. Schedules written for torchtitan load unchanged:
   on two ranks is an error), the microbatch count from the largest id;
 - torch's ``(0F7;7B3)OVERLAP_F_B`` is an overlapped pair (``Schedule.overlapped``:
   :mod:`conveyor.schedule.overlap`) when it is one: a forward, then a B or I of another
-  microbatch; any other overlap's sub-actions run one after the other (as torch's runtime
-  runs them all), so ``(0F7;0B7)OVERLAP_F_B`` loads as ``0F7 0B7``. A schedule's pairs
-  are written back the same way;
+  microbatch, which does not stop the schedule once lowered with both receives before it;
+  any other overlap's sub-actions run one after the other (as torch's runtime runs them
+  all), so ``(0F7;0B7)OVERLAP_F_B`` loads as ``0F7 0B7``. A schedule's pairs are written
+  back the same way;
 - FSDP/DDP actions (UNSHARD, RESHARD, REDUCE_GRAD) are not run by conveyor:
   they are rejected with a message, or skipped with ``drop=``.
 
@@ -253,6 +254,10 @@ def loads_csv(
     schedule = schedule_from_rows(
         rows, name=name, placement=placement, num_microbatches=num_microbatches, drop=drop, source=source
     )
+    if any(schedule.overlapped) and not schedule.is_lowered:  # torch runs every overlap in turn: none may stop it
+        from conveyor.schedule.overlap import without_stopping_pairs  # (it lowers: lower imports this module)
+
+        schedule = without_stopping_pairs(schedule)
     if format == "compute_only" and schedule.is_lowered:
         rank, step, action = next(
             (r, i, a) for r, p in enumerate(schedule.programs) for i, a in enumerate(p) if a.kind.is_comm
@@ -409,7 +414,8 @@ def parse_schedule(
     )
     if header is not None and header[2] != schedule.num_stages:
         raise ScheduleError(f"the header says {header[2]} stages but the actions use {schedule.num_stages}")
-    return schedule.with_programs(schedule.programs, _parsed_pairs(pairs, schedule.num_ranks)) if pairs else schedule
+    listed = _parsed_pairs(pairs, schedule.num_ranks) if pairs else ()
+    return schedule.with_programs(schedule.programs, listed if any(listed) else ()) if listed else schedule
 
 
 def _parsed_pairs(listed: dict[int, list[str]], num_ranks: int) -> tuple:

@@ -73,7 +73,7 @@ def pair_forward_backward(schedule: Schedule) -> Schedule:
     """
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"pair_forward_backward() expects a Schedule, got {type(schedule).__name__}")
-    if schedule.overlapped:  # its own pairs (written by hand, or loaded): kept, and checked by verify()
+    if any(schedule.overlapped):  # its own pairs (written by hand, or loaded): kept, and checked by verify()
         return schedule
     if schedule.lowered_from is not None:
         return lower(pair_forward_backward(schedule.lowered_from))
@@ -87,6 +87,25 @@ def pair_forward_backward(schedule: Schedule) -> Schedule:
     if valid and not schedule.is_lowered:  # what verify() would check: every pair is well formed by construction
         object.__setattr__(paired, "_verified", True)
     return paired
+
+
+def without_stopping_pairs(schedule: Schedule) -> Schedule:
+    """``schedule`` (compute-only) less those of its own pairs that would stop it, lowered as pairs run: what a
+    pair torch's runtime would run in turn becomes (a CSV's ``OVERLAP_F_B`` cells). A schedule that does not run
+    even without its pairs keeps them all: ``verify`` says what is wrong.
+
+    Example:
+        >>> from conveyor.schedule.csv_io import parse_schedule
+        >>> gpipe = parse_schedule("rank 0: 0F0 0F1 0B0 0B1\\nrank 1: 1F0 1F1 1B0 1B1\\nrank 0 overlaps: 0F1+0B0")
+        >>> without_stopping_pairs(gpipe).overlapped   # 0B0 needs what 0F1 sends first
+        ()
+    """
+    compute = schedule.compute_only() if schedule.is_lowered else schedule
+    if not any(schedule.overlapped) or not runs_clean(compute.with_programs(compute.programs, ())):
+        return schedule
+    pairs = [list(pairs) for pairs in schedule.overlapped]
+    _drop_deadlocking(compute.with_programs(compute.programs, ()), pairs)
+    return schedule.with_programs(schedule.programs, tuple(map(tuple, pairs)) if any(pairs) else ())
 
 
 def _greedy_pairs(program: PackedProgram) -> tuple[tuple[Action, Action], ...]:

@@ -98,9 +98,10 @@ class ParallelConfig:
     expert_capacity: float | None = _f(None, "with parallel.ep: a capacity factor (e.g. 1.25): each expert takes at "
                                              "most ceil(factor x a rank's routed slots / experts) per microbatch and "
                                              "layer, the rest dropped; null: no token dropped")
-    expert_overlap: bool = _f(False, "with parallel.ep: each forward runs with the backward next to it on its rank, "
-                                     "each one's all-to-alls in flight while the other computes (schedules with 2 "
-                                     "stages per rank: zbv, dualpipev, interleaved-1f1b); the same losses")
+    expert_overlap: bool | None = _f(None, "with parallel.ep: each forward runs with the backward next to it on its "
+                                           "rank, each one's all-to-alls in flight while the other computes "
+                                           "(schedules with 2 stages per rank: zbv, dualpipev, interleaved-1f1b); the "
+                                           "same losses. null: as parallel.plan chose (off without a plan)")
     plan: str | None = _f(None, "a plan file from `conveyor plan --out`: its schedule, virtual, microbatches and "
                                 "split points replace these keys' (None: split by parameters)")
     in_process: bool = _f(False, "every pipeline rank in this one process (no launcher; parallel.dp=1): the "
@@ -123,7 +124,7 @@ class ParallelConfig:
                                  expert_parallel="auto" if experts else None,
                                  ep=self.ep if experts and isinstance(self.ep, int) else None,
                                  expert_capacity=self.expert_capacity if experts else None,
-                                 expert_overlap=self.expert_overlap and experts)
+                                 expert_overlap=bool(self.expert_overlap) and experts)
 
 
 @dataclass
@@ -270,7 +271,8 @@ def apply_plan(cfg: TrainConfig) -> None:
     its pp and tp where they split the same ranks per replica as ``parallel.pp x parallel.tp`` (the plan
     chose between stages and tensor-parallel ranks; other counts are refused by the checks), and its
     checkpoint policies per stage where it needs some and ``stage.recompute`` is not set, and its overlapped
-    all-to-alls (``parallel.expert_overlap``) where it chose them and ``parallel.ep`` shares experts.
+    all-to-alls where it chose them and ``parallel.expert_overlap`` is not set (``parallel.ep`` sharing experts,
+    and no recomputation or compile, which overlap cannot take).
 
     Example:
         >>> cfg = TrainConfig()
@@ -286,8 +288,10 @@ def apply_plan(cfg: TrainConfig) -> None:
             cfg.parallel.pp, cfg.parallel.tp = plan.ranks, plan.tensor_parallel
         if plan.recompute and cfg.stage.recompute is None:  # the policies the plan needs to fit its memory
             cfg.stage = dataclasses.replace(cfg.stage, recompute=list(plan.recompute))
-        if plan.expert_overlap and cfg.parallel.ep != 1:  # the step and memory it predicted assume them
-            cfg.parallel.expert_overlap = True
+        if cfg.parallel.expert_overlap is None:  # not set: the plan's choice, where the run can take it
+            stage = cfg.stage
+            cfg.parallel.expert_overlap = bool(plan.expert_overlap and cfg.parallel.ep != 1
+                                               and stage.recompute is None and not stage.compile)
 
 
 def expand_home(cfg: TrainConfig) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -42,9 +43,8 @@ def test_one_ep_rank_keeps_its_share_of_the_experts_and_pays_four_all_to_alls():
     assert math.isclose(block.forward, 4 + 2 * each) and math.isclose(block.backward_input, 4 + 2 * each)
     # The experts' compute stays (each rank runs a quarter of them on four times the tokens); W moves nothing.
     assert block.backward_weight == 4 and block.activation_bytes == 340 and block.output_bytes == 340
-    # The two all-to-alls are noted apart, for the search to overlap; a forward in segments keeps what both sent
-    # and received.
-    assert (block.exchanges, block.exchange, block.exchange_bytes) == (2, pytest.approx(each), 2 * 2 * 2 * 1e6)
+    # The two all-to-alls are noted apart, for the search to overlap; a forward in segments keeps what both sent.
+    assert (block.exchanges, block.exchange, block.exchange_bytes) == (2, pytest.approx(each), 2 * 2 * 1e6)
     assert (embed.exchanges, embed.exchange_bytes) == (0, 0.0)
     assert expert_units(TABLE.units, _option(1, moved=1e6), 2, bandwidth=1e9, latency=1e-3) == TABLE.units
 
@@ -81,6 +81,7 @@ def _best(limit: float, schedules=("dualpipev",), overlap: bool = True):
     result = search(TABLE, ranks=2, global_batch=16, memory_per_rank=limit, schedules=list(schedules),
                     expert_parallel=_option(2, moved=MOVED), microbatches=[8],
                     space=SearchSpace(expert_overlap=overlap))
+    assert result.settings["expert_overlap"] is overlap  # the plan records whether overlap was tried
     return result.fitting[0]
 
 
@@ -91,9 +92,9 @@ def test_the_search_overlaps_the_all_to_alls_where_pairs_hide_them_and_counts_wh
     # Faster than the same split with its all-to-alls waited for, as the pairs hide them (DualPipeV pairs
     # nearly every pass; 8 microbatches leave a warm-up and a cool-down unpaired).
     assert best.step_time < 0.95 * plain.step_time, (best.step_time, plain.step_time)
-    # Its memory counts, per microbatch in flight, what each forward in segments keeps (2 all-to-alls sending and
-    # receiving 2 GB x 2 samples each, a block): above the plain plan's by whole multiples of that.
-    per_block = 2 * 2 * MOVED * 2
+    # Its memory counts, per microbatch in flight, what each forward in segments keeps (2 all-to-alls sending
+    # 2 GB x 2 samples each, a block): above the plain plan's by whole multiples of that.
+    per_block = 2 * MOVED * 2
     rise = [(o - p) / per_block for o, p in zip(best.memory_per_rank, plain.memory_per_rank)]
     assert all(r >= 1 and r == pytest.approx(round(r)) for r in rise), rise
     # A limit the rise does not fit: the plain plan, its all-to-alls waited for.
@@ -120,7 +121,16 @@ def test_a_plan_with_overlap_says_so_keeps_it_in_its_file_and_the_trainer_applie
     cfg = TrainConfig()
     cfg.parallel.plan = str(path)  # ep=1 shares no experts: nothing to overlap
     apply_plan(cfg)
-    assert not cfg.parallel.expert_overlap
+    assert cfg.parallel.expert_overlap is False
+    cfg = TrainConfig()
+    cfg.parallel.plan, cfg.parallel.ep, cfg.parallel.expert_overlap = str(path), 2, False  # the user's own word wins
+    apply_plan(cfg)
+    assert cfg.parallel.expert_overlap is False
+    cfg = TrainConfig()
+    cfg.parallel.plan, cfg.parallel.ep = str(path), 2
+    cfg.stage = dataclasses.replace(cfg.stage, recompute=True)  # overlap cannot take recomputation
+    apply_plan(cfg)
+    assert cfg.parallel.expert_overlap is False
 
 
 def _tp_option(ep: int, tp: int, moved: float = 0.0, gathered: float = 0.0) -> ExpertParallelOption:

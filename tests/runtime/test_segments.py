@@ -128,3 +128,22 @@ def test_a_measured_cut_counts_what_it_keeps_until_its_backward_ends():
 
     assert held(segmented=False) == (0, 0)
     assert held(segmented=True) == (4 * 8 * 4, 0)  # the cut keeps h (its leaf shares the storage) until then
+
+
+def test_a_forward_in_steps_counts_each_storage_once_over_its_steps():
+    from conveyor.runtime.stage.memory import MemoryMeter
+
+    meter = MemoryMeter(0, {})
+    meter.start_step()
+    x = torch.ones(4, 8, requires_grad=True)
+    passes = SegmentedPass(hold=meter.count_kept)
+    with meter.saving(0, 0):  # the first step: gelu saves h
+        h = x * 3
+        g = torch.nn.functional.gelu(h)
+    with meter.saving(0, 0):  # the next one cuts h, which the first step's gelu already holds, and g
+        y, z = passes.boundary().cut((h, g))
+        loss = (y + z).sum()
+    assert meter.live_bytes == 2 * 4 * 8 * 4  # h once, and g
+    assert meter.report().stage_bytes == {0: 2 * 4 * 8 * 4}
+    run_to_end(segmented_backward(passes, [loss], [None], [x]))
+    assert meter.live_bytes == 0

@@ -145,6 +145,10 @@ def test_torchs_overlapped_forward_backward_cells_load_as_pairs_and_other_overla
     # An overlap that is no pair (a microbatch's own backward, or three actions) runs its actions in turn.
     same = cs.loads_csv("(0F0;0B0)OVERLAP_F_B\n")
     assert [str(a) for a in same.programs[0]] == ["0F0", "0B0"] and same.overlapped == ()
+    # So does a pair that would stop the schedule, lowered as pairs run (0B0 needs what 0F1 sends first).
+    gpipe = cs.loads_csv("0F0,(0F1;0B0)OVERLAP_F_B,0B1\n1F0,1F1,1B0,1B1\n")
+    assert gpipe.overlapped == () and [str(a) for a in gpipe.programs[0]] == ["0F0", "0F1", "0B0", "0B1"]
+    cs.verify(gpipe)
 
 
 def test_pairs_survive_csv_and_text_both_ways():
@@ -156,6 +160,10 @@ def test_pairs_survive_csv_and_text_both_ways():
     assert lowered == cs.lower(paired) and lowered.overlapped == paired.overlapped
     assert "rank 1 overlaps: 2F1+2I0 1F2+1I0" in str(paired)
     assert cs.parse_schedule(str(paired)) == paired
+    # An empty overlaps line lists no pair: the schedule is paired as any other.
+    plain = cs.build("zbv", ranks=2, microbatches=4)
+    empty = cs.parse_schedule(str(plain) + "\nrank 0 overlaps:")
+    assert empty == plain and cs.pair_forward_backward(empty) == paired
     with pytest.raises(ScheduleError, match="expected FORWARD\\+BACKWARD"):
         cs.parse_schedule("rank 0: 0F0 0F1 0B0 0B1\nrank 0 overlaps: 0F1")
     with pytest.raises(ScheduleError, match="its backward must directly follow its forward"):

@@ -152,14 +152,14 @@ class _Saving:
     def __exit__(self, *exc_info) -> None:
         meter = self.meter
         meter._hooks.__exit__(*exc_info)
-        spans: dict[int, set[Span]] = {}
-        for key, span in meter._own:
-            spans.setdefault(key, set()).add(span)
-        own = sum(_union(found) for found in spans.values())
-        meter._own = []
-        # A forward run in steps (an overlapped pair: conveyor.runtime.stage.segments) enters once per step.
+        # A forward run in steps (an overlapped pair: conveyor.runtime.stage.segments) enters once per step: what
+        # it saved or cut counts once over all its steps (a step's cut may keep what an earlier step saved).
         key = (self.stage, self.microbatch)
-        own = meter.forward_bytes[key] = meter.forward_bytes.get(key, 0) + own
+        spans = meter._forward_spans.setdefault(key, {})
+        for storage, span in meter._own:
+            spans.setdefault(storage, set()).add(span)
+        meter._own = []
+        own = meter.forward_bytes[key] = sum(_union(found) for found in spans.values())
         meter.stage_bytes[self.stage] = max(meter.stage_bytes.get(self.stage, 0), own)
 
 
@@ -176,6 +176,7 @@ class MemoryMeter:
         self._spans: dict[int, dict[Span, int]] = {}
         self._covered: dict[int, int] = {}
         self._own: list[tuple[int, Span]] = []  # what the running forward saved
+        self._forward_spans: dict[tuple[int, int], dict[int, set[Span]]] = {}  # per (stage, microbatch), this step
         self._hooks = saved_tensors_hooks(self._pack, _unpack)
         self._excluded: set[int] = set()
         self.forward_bytes: dict[tuple[int, int], int] = {}
@@ -188,6 +189,7 @@ class MemoryMeter:
         """Start counting a training step (what earlier steps left held still counts)."""
         self.peak_bytes = self.live_bytes
         self.forward_bytes.clear()
+        self._forward_spans.clear()
         self.stage_bytes.clear()
         self.weight_bytes.clear()
         # Parameters and buffers are saved too (a Linear saves its weight); they are not activations.
