@@ -83,6 +83,7 @@ ROWS = [
     Row("traced-llama", "traced Llama, every schedule: = unsplit model; compiled; dropout", "traced_rows.traced_row",
         180, ("llama",)),
     Row("experts", "expert parallelism, 2 gloo ranks on one device: = EP alone", "experts.experts_row", 30),
+    Row("overlap", "expert_overlap pairs, 4 gloo ranks on one device: = plain", "experts.overlap_row", 90),
     Row("split-bw", "GPT stages: split backward I + W against fused B", "split_bw.split_backward_row", 15),
     Row("generate", "world 1: pipe.generate = model.generate(), traced decode stages too; log-probs",
         "generate_rows.generate_row", 20),

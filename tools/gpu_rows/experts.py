@@ -1,4 +1,5 @@
-"""Expert parallelism on one device: 2 gloo ranks sharing it (pp=1 x dp=2, ep=2), against EP alone.
+"""Expert parallelism on one device: 2 gloo ranks sharing it (pp=1 x dp=2, ep=2), against EP alone; and its
+all-to-alls overlapped in a schedule's pairs: 4 gloo ranks sharing it (pp=2 x dp=2, ep=2), against the plain step.
 
 Each rank keeps 2 of a tiny Mixtral's 4 experts per layer; its tokens reach the other rank's experts
 by all-to-all over gloo (device tensors through the host). EP alone runs the unpiped model, its
@@ -51,3 +52,25 @@ def experts_row(ctx: Context) -> tuple[bool, str]:
             if not ok:
                 return ok, detail
     return True, "2 of 4 experts per rank: losses, step-1 grads, params bitwise EP alone on both ranks"
+
+
+def _overlap_rank(rank: int, world: int, device: str) -> dict:
+    from conveyor.testing.references.expert_overlap import overlapped_against_plain
+
+    deterministic(torch.device(device))
+    return overlapped_against_plain(rank, world, ("zbv", "dualpipev"), device)
+
+
+def overlap_row(ctx: Context) -> tuple[bool, str]:
+    """``expert_overlap=True`` under zbv and dualpipev (the traced Mixtral, 4 gloo ranks on one device): losses,
+    step-1 grads and params bitwise the plain pipeline's, every rank running pairs."""
+    ranks = launch(_overlap_rank, 4, ctx, timeout_s=600)
+    for rank, by_schedule in enumerate(ranks):
+        for name, result in by_schedule.items():
+            if not (result["losses equal"] and result["grads equal"] and result["params equal"]):
+                return False, f"rank {rank}, {name}: not the plain step's ({', '.join(result['unequal'][:3])})"
+    pairs = {name: sum(r[name]["pairs"] for r in ranks) for name in ranks[0]}
+    if not all(pairs.values()):
+        return False, f"a schedule ran no pair: {pairs}"
+    return True, "zbv, dualpipev: losses, step-1 grads, params bitwise the plain step's; pairs " + ", ".join(
+        f"{name} {count}" for name, count in pairs.items())

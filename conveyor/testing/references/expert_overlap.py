@@ -17,23 +17,25 @@ from conveyor.testing.models.moe import tiny_moe
 from conveyor.testing.references.experts import DP, EP, MICROBATCHES, traced_pipeline, train_pipeline
 
 
-def overlapped_against_plain(rank: int, world_size: int, names: tuple[str, ...]) -> dict:
+def overlapped_against_plain(rank: int, world_size: int, names: tuple[str, ...], device: str = "cpu") -> dict:
     """Per schedule: whether the overlapped pipeline equals the plain one (losses, gradients, parameters),
-    how many pairs this rank ran, how many of its all-to-alls were posted in a pair (each layer's exchanges
-    are timed), and each side's losses."""
+    how many pairs this rank ran, and each side's losses; the model and the rows on ``device`` (the GPU
+    check's overlap row: 4 gloo ranks sharing one GPU)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (2, DP), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(torch.device(device).type, (2, DP), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     results = {}
     for name in names:
         schedule = cs.build(name, ranks=2, microbatches=MICROBATCHES, virtual=cs.available()[name].default_virtual)
         runs = {}
         for overlap in (False, True):
-            layout = DistributedLayout(mesh=mesh, expert_parallel="auto", ep=EP, expert_overlap=overlap)
-            pipe = traced_pipeline(tiny_moe("mixtral", schedule.num_stages), schedule, layout, dp_rank)
-            runs[overlap] = train_pipeline(pipe, pp_rank, dp_rank)
+            layout = DistributedLayout(mesh=mesh, expert_parallel="auto", ep=EP, expert_overlap=overlap,
+                                       device=device)
+            pipe = traced_pipeline(tiny_moe("mixtral", schedule.num_stages).to(device), schedule, layout, dp_rank,
+                                   device=device)
+            runs[overlap] = train_pipeline(pipe, pp_rank, dp_rank, device=device)
             if overlap:
                 pairs = len(pairs_of(pipe.schedule, pp_rank))
             pipe.close()

@@ -154,8 +154,8 @@ def train_one_device(family: str, num_layers: int) -> tuple[list, dict, dict]:
     return _train(whole.named_parameters(), step_loss, lambda: None)
 
 
-def train_pipeline(pipe, pp_rank: int, dp_rank: int) -> tuple[list, dict, dict]:
-    ids = batches(dp_rank)
+def train_pipeline(pipe, pp_rank: int, dp_rank: int, device: str = "cpu") -> tuple[list, dict, dict]:
+    ids = [x.to(device) for x in batches(dp_rank)]
     first = pipe.schedule.placement.rank_of(0)
     last = pipe.schedule.placement.rank_of(pipe.schedule.num_stages - 1)
 
@@ -212,10 +212,10 @@ def schedules_against_ep_alone(rank: int, world_size: int, cases: tuple[tuple[st
     return results
 
 
-def traced_pipeline(model: nn.Module, schedule, layout: Layout, dp_rank: int):
+def traced_pipeline(model: nn.Module, schedule, layout: Layout, dp_rank: int, device: str = "cpu"):
     """The unchanged ``model`` traced and cut before each decoder layer but the first (one per stage), its
     experts modules leaves of the trace, placed by name, that the expert-parallel part shards."""
-    example = batches(dp_rank)[0][:ROWS // MICROBATCHES]
+    example = batches(dp_rank)[0][:ROWS // MICROBATCHES].to(device)
     cuts = [f"model.layers.{i}" for i in range(1, schedule.num_stages)]
     return conveyor.pipeline(model, example_args=(example,), split_points=cuts, schedule=schedule,
                              loss_fn=traced_moe_loss,
