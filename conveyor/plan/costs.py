@@ -33,7 +33,7 @@ class UnitCost:
     all-to-alls each F makes (and each I, their gradients), ``exchange`` seconds each, already counted in
     F and I (expert parallelism's dispatch and combine: :func:`~conveyor.plan.expert_search.expert_units`);
     ``exchange_bytes``: what a forward run in segments, to overlap them, holds beyond ``activation_bytes``
-    until its backward (what its all-to-alls sent, which the cuts keep and an unsegmented pass lets go).
+    until its backward (what its all-to-alls sent and received, which the cuts keep).
 
     Example:
         >>> UnitCost("model.layers.0", 1.0, 1.0, 1.0, 4096, 2048, 1024, 256).full

@@ -15,7 +15,7 @@ parameters and the bytes per sample it dispatches, or why that ep cannot run.
   other ranks) over ``Machine.bandwidth``, plus ``Machine.latency``; W unchanged;
 * activations and what a stage sends on: unchanged; the unit's all-to-alls are noted (``UnitCost.exchanges``,
   ``exchange``: the forward's, the I's taken alike), so that the search can overlap them, and so are the bytes
-  a forward run in segments for that keeps (``UnitCost.exchange_bytes``: what its all-to-alls sent).
+  a forward run in segments for that keeps (``UnitCost.exchange_bytes``: what its all-to-alls sent and received).
 
 With tensor parallelism (an option sized for ``tp > 1``: ep then divides ``dp x tp``, the units arrive
 already sharded by :func:`~conveyor.plan.tensor_search.shard_units`, which leaves the experts whole),
@@ -122,9 +122,10 @@ def expert_units(units: Sequence[UnitCost], option: ExpertParallelOption, microb
             backward=unit.backward * compute + backward if unit.backward else 0.0,
             parameters=held, parameter_bytes=held * bytes_per_parameter,
             exchanges=count, exchange=exchange,
-            # A forward run in segments (to overlap its all-to-alls) keeps what it sent until its backward, which an
-            # unsegmented one lets go once sent; what arrived is kept by the experts' and the weighting's own saves.
-            exchange_bytes=sum(m.forward_collectives * m.forward_bytes * microbatch_size for m in mine) if count
+            # A forward run in segments (to overlap its all-to-alls) keeps what it sent and what arrived (as many
+            # bytes, routing balanced) until its backward: an upper bound (what arrived may be saved anyway, in the
+            # same storage); with what was sent alone, the MoE recipe's measured rise at zbv is above the estimate.
+            exchange_bytes=2 * sum(m.forward_collectives * m.forward_bytes * microbatch_size for m in mine) if count
             else 0.0))
     return tuple(out)
 

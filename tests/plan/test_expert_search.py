@@ -43,8 +43,9 @@ def test_one_ep_rank_keeps_its_share_of_the_experts_and_pays_four_all_to_alls():
     assert math.isclose(block.forward, 4 + 2 * each) and math.isclose(block.backward_input, 4 + 2 * each)
     # The experts' compute stays (each rank runs a quarter of them on four times the tokens); W moves nothing.
     assert block.backward_weight == 4 and block.activation_bytes == 340 and block.output_bytes == 340
-    # The two all-to-alls are noted apart, for the search to overlap; a forward in segments keeps what both sent.
-    assert (block.exchanges, block.exchange, block.exchange_bytes) == (2, pytest.approx(each), 2 * 2 * 1e6)
+    # The two all-to-alls are noted apart, for the search to overlap; a forward in segments keeps what both sent
+    # and received.
+    assert (block.exchanges, block.exchange, block.exchange_bytes) == (2, pytest.approx(each), 2 * 2 * 2 * 1e6)
     assert (embed.exchanges, embed.exchange_bytes) == (0, 0.0)
     assert expert_units(TABLE.units, _option(1, moved=1e6), 2, bandwidth=1e9, latency=1e-3) == TABLE.units
 
@@ -92,9 +93,9 @@ def test_the_search_overlaps_the_all_to_alls_where_pairs_hide_them_and_counts_wh
     # Faster than the same split with its all-to-alls waited for, as the pairs hide them (DualPipeV pairs
     # nearly every pass; 8 microbatches leave a warm-up and a cool-down unpaired).
     assert best.step_time < 0.95 * plain.step_time, (best.step_time, plain.step_time)
-    # Its memory counts, per microbatch in flight, what each forward in segments keeps (2 all-to-alls sending
-    # 2 GB x 2 samples each, a block): above the plain plan's by whole multiples of that.
-    per_block = 2 * MOVED * 2
+    # Its memory counts, per microbatch in flight, what each forward in segments keeps (2 all-to-alls sending and
+    # receiving 2 GB x 2 samples each, a block): above the plain plan's by whole multiples of that.
+    per_block = 2 * 2 * MOVED * 2
     rise = [(o - p) / per_block for o, p in zip(best.memory_per_rank, plain.memory_per_rank)]
     assert all(r >= 1 and r == pytest.approx(round(r)) for r in rise), rise
     # A limit the rise does not fit: the plain plan, its all-to-alls waited for.
