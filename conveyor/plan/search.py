@@ -269,8 +269,7 @@ class _Context:
         mean rank's compute (which rank holds which stage is the schedule's)."""
         sums, stages = self.sums(c.microbatches), bounds_of(c.cuts, len(self.table.units))
         times = [sums.time(i, j) for i, j in stages]
-        if c.virtual > 1 and self.overlap and self.calibration is None and self.experts is not None \
-                and self.experts.tp == 1:  # pairs may hide the all-to-alls (as can_overlap says)
+        if self.may_overlap(c.virtual):  # pairs may hide the all-to-alls
             times = [t - 2 * sums.exchange_time(i, j) for t, (i, j) in zip(times, stages)]
         if c.virtual == 1:
             return max(sums.forward(0, i) + c.microbatches * t for (i, _), t in zip(stages, times))
@@ -323,12 +322,15 @@ class _Context:
         exchange (ep > 1), the experts are not tensor-parallel, and ``schedule`` pairs forwards with backwards
         (two stages per rank: what ``ExpertParallel.program`` takes). Uncalibrated only: a calibrated prediction
         does not time pairs yet."""
-        if not self.overlap or self.calibration is not None:  # a calibrated prediction does not time pairs yet
-            return False
-        exchanging = sums.exchanges(0, len(sums.units)) > 0
-        if self.experts is None or self.experts.tp > 1 or schedule.virtual < 2 or not exchanging:
+        if not self.may_overlap(schedule.virtual) or not sums.exchanges(0, len(sums.units)):
             return False
         return any(self.paired(schedule).overlapped)
+
+    def may_overlap(self, virtual: int) -> bool:
+        """What :meth:`can_overlap` asks of the search alone: overlap tried, uncalibrated, experts not
+        tensor-parallel, V >= 2 (the lower bound's test, before any schedule is built)."""
+        return (self.overlap and self.calibration is None and self.experts is not None and self.experts.tp == 1
+                and virtual > 1)
 
     def paired(self, schedule: cs.Schedule) -> cs.Schedule:
         """``schedule``'s executed programs with their pairs (found once per schedule: finding them steps it)."""
@@ -383,8 +385,8 @@ class _Context:
         stages = bounds_of(cuts, len(sums.units))
         sent = max((sums.units[j - 1].output_bytes for _, j in stages[:-1]), default=0.0)
         model = stage_costs(schedule, sums, cuts, latency=self.latency + sent / self.bandwidth, overlap=overlap)
-        programs = cs.executable(schedule).compute
-        timeline = cs.simulate(self.paired(schedule) if overlap else programs, model, time_unit="s")
+        programs = self.paired(schedule) if overlap else cs.executable(schedule).compute
+        timeline = cs.simulate(programs, model, time_unit="s")
         peaks = timeline.peak_activation_bytes()
         memory, in_flight = [], [1.0] * len(stages)
         for rank in range(self.ranks):
