@@ -106,12 +106,9 @@ def run_layout(cfg: TrainConfig) -> RunLayout:
     """
     from conveyor.frontend import split_model
     from conveyor.schedule.registry import resolve_schedule
-    from conveyor.train.data import load_tokenizer
-    from conveyor.train.models import build_model
+    from conveyor.train.models import meta_model
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
-    model = build_model(cfg, vocab, device="meta")
+    model = meta_model(cfg)
     p = cfg.parallel
     schedule = resolve_schedule(p.schedule, p.microbatches, p.virtual, p.pp)
     example = torch.zeros(cfg.replica_batch_size // p.microbatches, cfg.model.seq_len, dtype=torch.long)

@@ -235,8 +235,7 @@ def setup(cfg: TrainConfig, startup: Any = None) -> Run:
     startup.phase(f"building the model ({cfg.model.name})")
     random.seed(cfg.train.seed)  # checkpoints hold Python's state too: seeded, a rerun writes the same
     torch.manual_seed(cfg.train.seed)  # every rank initialises the whole model alike, keeps its stages
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+    vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
     # On the meta device: each rank allocates and initialises only its own stages (conveyor.frontend
     # seeds each owning module from its path, so every split, TP shard and rank gets the same values).
     model = build_model(cfg, vocab, device="meta")

@@ -80,6 +80,20 @@ def build_model(cfg: TrainConfig, vocab_size: int, *, device: torch.device | str
         return cls(config)
 
 
+def meta_model(cfg: TrainConfig) -> torch.nn.Module:
+    """The model ``cfg`` describes, sized for its tokenizer's vocabulary, built on the meta device (nothing
+    allocated): what the launcher's checks, the dry run and the ranks' tracing start from.
+
+    Example:
+        >>> from conveyor.train.config import load_config
+        >>> next(meta_model(load_config(None, ["model.layers=2", "model.width=32"])).parameters()).device.type
+        'meta'
+    """
+    from conveyor.train.data import load_tokenizer
+
+    return build_model(cfg, load_tokenizer(cfg.data.tokenizer).vocab_size, device="meta")
+
+
 def model_config(m: ModelConfig, vocab_size: int) -> tuple[type, Any]:
     """The transformers model class and the config ``m`` describes (for a tokenizer of ``vocab_size``).
 

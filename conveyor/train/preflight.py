@@ -58,13 +58,9 @@ def check_resume(cfg: Any) -> Path | None:
     if path is None:
         return None
     from conveyor.checkpoint import check
-    from conveyor.train.data import load_tokenizer
-    from conveyor.train.models import build_model
+    from conveyor.train.models import meta_model
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    vocab = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
-    model = build_model(cfg, vocab, device="meta")
     try:
-        return check(path, model, optimizer="AdamW", lr_scheduler=True)
+        return check(path, meta_model(cfg), optimizer="AdamW", lr_scheduler=True)
     except CheckpointError as error:
         raise ConfigError(f"checkpoint.resume={str(cfg.checkpoint.resume)!r} cannot be resumed from: {error}") from None

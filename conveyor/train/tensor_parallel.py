@@ -52,10 +52,11 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
         (tp values that fit this model up to 8: 1, 2)
     """
     from conveyor.errors import PipelineConfigError
+    from conveyor.train.models import meta_model
 
     if cfg.parallel.tp <= 1:
         return []
-    model = _meta_model(cfg)
+    model = meta_model(cfg)
     try:
         model_placements_for(cfg, model)
     except PipelineConfigError as error:
@@ -80,14 +81,6 @@ def fitting_tp_sizes(cfg: TrainConfig, model: torch.nn.Module, up_to: int) -> li
             continue
         fits.append(tp)
     return fits
-
-
-def _meta_model(cfg: TrainConfig) -> torch.nn.Module:
-    from conveyor.train.data import load_tokenizer
-    from conveyor.train.models import build_model
-
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    return build_model(cfg, getattr(tokenizer, "vocab_size", None) or len(tokenizer), device="meta")
 
 
 @dataclass(frozen=True)
@@ -143,7 +136,8 @@ def tensor_parallel_option(model: torch.nn.Module, tp: int, seq_len: int) -> Any
 
     Example:
         >>> from conveyor.train.config import load_config
-        >>> model = _meta_model(load_config(None, ["model.name=llama", "model.kv_heads=2"]))
+        >>> from conveyor.train.models import meta_model
+        >>> model = meta_model(load_config(None, ["model.name=llama", "model.kv_heads=2"]))
         >>> tensor_parallel_option(model, 4, 128).refused  # doctest: +ELLIPSIS
         'tensor parallel size tp=4 does not divide the number of key/value heads of model.layers.0.self_attn...'
     """

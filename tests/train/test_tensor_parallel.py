@@ -54,13 +54,12 @@ def test_bad_tensor_parallel_keys_are_refused_naming_the_key(overrides, message)
 def test_a_tp_that_does_not_divide_the_heads_is_refused_before_any_model_is_built(monkeypatch):
     # Building even a meta-device model imports transformers and tries every tp up to 8: 10-12 s for a typo.
     import conveyor.train.models
-    import conveyor.train.tensor_parallel
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built to refuse a tp the config's head counts refuse")
 
     monkeypatch.setattr(conveyor.train.models, "build_model", no_model)
-    monkeypatch.setattr(conveyor.train.tensor_parallel, "_meta_model", no_model)
+    monkeypatch.setattr(conveyor.train.models, "meta_model", no_model)
     with pytest.raises(ConfigError, match=re.escape("parallel.tp=3 does not divide model.heads=4")):
         load_config(None, ["parallel.tp=3"])
 
