@@ -269,20 +269,6 @@ def _command_train(args: argparse.Namespace) -> int:
     return launch.main(args.arguments)
 
 
-def _command_plan(args: argparse.Namespace) -> int:
-    """Profile the model's units and search for the fastest plan; the work is conveyor.plan's."""
-    from conveyor.train import plan_command
-
-    return plan_command.run(args)
-
-
-def _command_generate(args: argparse.Namespace) -> int:
-    """Text from a trained run through the pipeline; the work is conveyor.train.generate_command's."""
-    from conveyor.train import generate_command
-
-    return generate_command.run(args)
-
-
 def _command_export(args: argparse.Namespace) -> int:
     """A checkpoint as safetensors; the work is conveyor.checkpoint.export's."""
     from conveyor.checkpoint.export import export
@@ -365,21 +351,9 @@ def _recipe_list() -> str:
     return ", ".join(recipes) or "the configs/ folder of a checkout of the repository"
 
 
-def _add_plan(commands) -> None:
-    from conveyor.train.plan_command import add_parser
-
-    add_parser(commands, positive_int)
-    commands.choices["plan"].set_defaults(handler=_command_plan)
-
-
-def _add_generate(commands) -> None:
-    from conveyor.train.generate_command import add_parser
-
-    add_parser(commands, positive_int)
-    commands.choices["generate"].set_defaults(handler=_command_generate)
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from conveyor.train import generate_command, plan_command
+
     parser = _Parser(
         prog="conveyor",
         description="Pipeline-parallel training for PyTorch: inspect and compare schedules.",
@@ -440,8 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(commands)
 
     _add_train(commands)
-    _add_plan(commands)
-    _add_generate(commands)
+    plan_command.add_parser(commands, positive_int)
+    generate_command.add_parser(commands, positive_int)
 
     export = commands.add_parser("export", help="write a checkpoint as Hugging Face safetensors (+ config.json)")
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a checkpoint, or a directory with `latest`")

@@ -28,7 +28,7 @@ CONFIG_FILE = "config.yaml"
 
 
 def add_parser(commands: Any, positive_int: Any) -> None:
-    """The ``generate`` subcommand's options, on the ``conveyor`` parser's ``commands``."""
+    """The ``generate`` subcommand's options, on the ``conveyor`` parser's ``commands``; :func:`run` handles it."""
     command = commands.add_parser(
         "generate", help="print text a trained run generates through the pipeline: conveyor generate RUN --prompt TEXT",
         description="Build the run's model, load its latest checkpoint (or the one given), cut it into stages "
@@ -42,6 +42,7 @@ def add_parser(commands: Any, positive_int: Any) -> None:
     command.add_argument("--top-k", type=positive_int, metavar="K", help="with --sample: the K likeliest tokens")
     command.add_argument("--top-p", type=float, metavar="P", help="with --sample: the likeliest tokens up to P")
     command.add_argument("--seed", type=int, default=0, help="with --sample: the generator's seed (0)")
+    command.set_defaults(handler=run)
 
 
 def find_run(path: str | Path) -> tuple[Path, Path]:

@@ -36,7 +36,7 @@ from conveyor.errors import UsageError
 
 
 def add_parser(commands: Any, positive_int: Any) -> None:
-    """The ``plan`` subcommand's options, on the ``conveyor`` parser's ``commands``."""
+    """The ``plan`` subcommand's options, on the ``conveyor`` parser's ``commands``; :func:`run` handles it."""
     plan = commands.add_parser(
         "plan", help="choose split, schedule, microbatches and stages per rank for a model under a memory budget",
         description="Profile each splittable unit of MODEL (F, I, W time; activation and parameter memory), "
@@ -76,6 +76,7 @@ def add_parser(commands: Any, positive_int: Any) -> None:
                       help="measure this machine's runtime overheads first (a few seconds) and predict the step "
                            "with them and each rank's AdamW step: the step a real run is checked against "
                            "(Machine.calibration)")
+    plan.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
