@@ -37,6 +37,7 @@ from conveyor.errors import CheckpointMismatchError, ConfigError
 from conveyor.runtime.stage.device import to_device
 from conveyor.train import corpus, sources
 from conveyor.train.config import DataConfig
+from conveyor.train.sources import split_documents
 
 
 class Document(NamedTuple):
@@ -44,6 +45,14 @@ class Document(NamedTuple):
 
     name: str
     data: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def cut(self, start: int, stop: int, name: str) -> Document:
+        """Its bytes ``[start, stop)`` as the document ``name`` (what the cap and the split cut)."""
+        return Document(name, self.data[start:stop])
 
 
 # --- corpus ---------------------------------------------------------------------------------
@@ -59,7 +68,8 @@ def stdlib_documents(max_bytes: int | None = None) -> list[Document]:
         (10000, '__future__.py')
     """
     root = sources.stdlib_root()
-    return _cap((Document(name, (root / name).read_bytes()) for name in sources.stdlib_names()), max_bytes)
+    documents = (Document(name, (root / name).read_bytes()) for name in sources.stdlib_names())
+    return sources.cap_documents(documents, max_bytes)
 
 
 def file_documents(files: Sequence[Path], fmt: str | None = None, text_key: str = "text",
@@ -78,7 +88,7 @@ def file_documents(files: Sequence[Path], fmt: str | None = None, text_key: str 
             else:
                 yield from _parquet_documents(Path(path), text_key)
 
-    return _cap(documents(), max_bytes)
+    return sources.cap_documents(documents(), max_bytes)
 
 
 def read_documents(cfg: DataConfig) -> list[Document]:
@@ -89,19 +99,6 @@ def read_documents(cfg: DataConfig) -> list[Document]:
     if not files:
         return stdlib_documents(cfg.max_bytes)
     return file_documents(files, cfg.format, cfg.text_key, cfg.max_bytes)
-
-
-def _cap(documents: Iterator[Document] | Sequence[Document], max_bytes: int | None) -> list[Document]:
-    # conveyor.train.data_check repeats this and split_documents on sizes (its tests compare the two).
-    kept, total = [], 0
-    for doc in documents:
-        if max_bytes is not None and total + len(doc.data) >= max_bytes:
-            if max_bytes > total:
-                kept.append(Document(doc.name, doc.data[: max_bytes - total]))
-            break
-        kept.append(doc)
-        total += len(doc.data)
-    return kept
 
 
 def _jsonl_documents(path: Path, text_key: str) -> Iterator[Document]:
@@ -139,23 +136,6 @@ def _as_bytes(text: Any, text_key: str, where: str) -> bytes:
     if not isinstance(text, str):
         raise ConfigError(f"{where}: {text_key!r} holds {type(text).__name__}, expected a string of text")
     return text.encode("utf-8")
-
-
-def split_documents(documents: Sequence[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
-    """``(train, validation)``: ``round(val_fraction x n)`` documents (at least one when the fraction
-    is > 0) held out, chosen by a hash of their names; both keep the corpus order.
-
-    A corpus of one document is cut instead: its last ``val_fraction`` of bytes is validation.
-    """
-    if val_fraction <= 0 or not documents:
-        return list(documents), []
-    if len(documents) == 1:
-        doc = documents[0]
-        cut = len(doc.data) - max(1, round(len(doc.data) * val_fraction))
-        return [Document(doc.name, doc.data[:cut])], [Document(doc.name + "#validation", doc.data[cut:])]
-    held = sources.held_out([d.name for d in documents], val_fraction)
-    return ([d for i, d in enumerate(documents) if i not in held],
-            [d for i, d in enumerate(documents) if i in held])
 
 
 def fingerprint(documents: Sequence[Document]) -> str:

@@ -54,6 +54,9 @@ class _Doc(NamedTuple):
     def read(self) -> bytes:
         return self.source(self.start, self.start + self.size)
 
+    def cut(self, start: int, stop: int, name: str) -> _Doc:
+        return _Doc(name, stop - start, self.source, self.start + start)
+
 
 @dataclass(frozen=True)
 class SplitSize:
@@ -87,8 +90,8 @@ def check_data(cfg: Any) -> dict[str, SplitSize | None]:
     docs = _corpus(data)
     if docs is None:
         return {"training": None, "validation": None}
-    docs = _cap(docs, data.max_bytes)
-    train_docs, val_docs = _split(docs, data.val_fraction)
+    docs = sources.cap_documents(docs, data.max_bytes)
+    train_docs, val_docs = sources.split_documents(docs, data.val_fraction)
     tokenizer = _Tokenizer(data.tokenizer)
     val_windows = batch if cfg.train.eval_interval > 0 else 1
     sizes = {"training": _measure(train_docs, tokenizer, batch * seq_len + 1, batch),
@@ -125,35 +128,6 @@ def _corpus(data: Any) -> list[_Doc] | None:
     from conveyor.train.data import read_documents  # torch comes with it: only on this path
 
     return [_Doc(doc.name, len(doc.data), lambda a, b, data=doc.data: data[a:b]) for doc in read_documents(data)]
-
-
-def _sliced(doc: _Doc, start: int, stop: int, name: str | None = None) -> _Doc:
-    return _Doc(name or doc.name, stop - start, doc.source, doc.start + start)
-
-
-def _cap(docs: Sequence[_Doc], max_bytes: int | None) -> list[_Doc]:
-    """As ``data._cap``: documents in order up to ``max_bytes`` in all, the last one cut short."""
-    kept, total = [], 0
-    for doc in docs:
-        if max_bytes is not None and total + doc.size >= max_bytes:
-            if max_bytes > total:
-                kept.append(_sliced(doc, 0, max_bytes - total))
-            break
-        kept.append(doc)
-        total += doc.size
-    return kept
-
-
-def _split(docs: Sequence[_Doc], val_fraction: float) -> tuple[list[_Doc], list[_Doc]]:
-    """As ``data.split_documents``: held out by a hash of the names; one document is cut at its end."""
-    if val_fraction <= 0 or not docs:
-        return list(docs), []
-    if len(docs) == 1:
-        doc = docs[0]
-        cut = doc.size - max(1, round(doc.size * val_fraction))
-        return [_sliced(doc, 0, cut)], [_sliced(doc, cut, doc.size, doc.name + "#validation")]
-    held = sources.held_out([d.name for d in docs], val_fraction)
-    return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
 
 
 class _Tokenizer:

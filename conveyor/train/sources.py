@@ -15,7 +15,7 @@ import glob
 import hashlib
 import os
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -75,6 +75,42 @@ def held_out(names: Sequence[str], val_fraction: float) -> set[int]:
     # A hash of the name, not the position: adding a file moves no other file across the split.
     by_hash = sorted(range(len(names)), key=lambda i: hashlib.sha256(names[i].encode()).digest())
     return set(by_hash[:count])
+
+
+def cap_documents(documents: Iterable[Any], max_bytes: int | None) -> list[Any]:
+    """Documents in order up to ``max_bytes`` bytes in all (None: every one), the one that reaches it cut short.
+
+    A document has a ``name``, a ``size`` in bytes and ``cut(start, stop, name)``: its bytes ``[start, stop)`` as
+    the document ``name``. The readers' documents (:class:`conveyor.train.data.Document`) and the launcher's
+    sizes (:mod:`conveyor.train.data_check`) go through this one cap, so the two agree.
+    """
+    kept, total = [], 0
+    for doc in documents:
+        if max_bytes is not None and total + doc.size >= max_bytes:
+            if max_bytes > total:
+                kept.append(doc.cut(0, max_bytes - total, doc.name))
+            break
+        kept.append(doc)
+        total += doc.size
+    return kept
+
+
+def split_documents(documents: Sequence[Any], val_fraction: float) -> tuple[list[Any], list[Any]]:
+    """``(train, validation)``: ``round(val_fraction x n)`` documents (at least one when the fraction
+    is > 0) held out, chosen by a hash of their names (:func:`held_out`); both keep the corpus order.
+
+    A corpus of one document is cut instead: its last ``val_fraction`` of bytes is validation. Documents
+    as :func:`cap_documents` takes them.
+    """
+    if val_fraction <= 0 or not documents:
+        return list(documents), []
+    if len(documents) == 1:
+        doc = documents[0]
+        end = doc.size - max(1, round(doc.size * val_fraction))
+        return [doc.cut(0, end, doc.name)], [doc.cut(end, doc.size, doc.name + "#validation")]
+    held = held_out([d.name for d in documents], val_fraction)
+    return ([d for i, d in enumerate(documents) if i not in held],
+            [d for i, d in enumerate(documents) if i in held])
 
 
 def expected_sources() -> str:
