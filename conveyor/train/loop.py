@@ -120,10 +120,7 @@ class LossWithAux:
         """(language-model, auxiliary) loss of the step's microbatches, each divided by ``divisor`` as the
         pipeline divides the loss and summed in microbatch order; clears ``parts``."""
         parts, self.parts = self.parts, []
-        total = parts[0] / divisor
-        for part in parts[1:]:
-            total = total + part / divisor
-        return total
+        return sum((part / divisor for part in parts[1:]), parts[0] / divisor)
 
 
 def _keys(output: Any) -> list[str]:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
+from conveyor.train.restarts import restart_round
+
 # faulthandler's heading of one thread's frames, and one frame.
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):$")
 _FRAME = re.compile(r'^\s+File ".*", line \d+ in .*$')
@@ -70,7 +72,7 @@ class RankLogs(LogsSpecs):
         """The files of one round's ranks (``envs``: each local rank's environment, which gets its error file)."""
         if self.starting is not None:
             self.starting()
-        restart = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        restart = restart_round(next(iter(envs.values()), {}))
         folder = Path(self.root_log_dir)
         folder.mkdir(parents=True, exist_ok=True)
         stdouts, stderrs, errors = {}, {}, {}

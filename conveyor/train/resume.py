@@ -14,7 +14,6 @@ Example (each rank, once the run is set up)::
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from conveyor.train.config import TrainConfig
@@ -27,7 +26,8 @@ def resume(run: Any) -> None:
     A restarted round of an elastic launch (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from
     the newest checkpoint this job wrote, if any, whatever ``checkpoint.resume`` says.
     """
-    from conveyor.checkpoint import latest, load
+    from conveyor.checkpoint import load
+    from conveyor.train.preflight import resume_path
     from conveyor.train.restarts import job_started, restart_checkpoint, restart_round
 
     wanted, restarted = run.cfg.checkpoint.resume, restart_round()
@@ -39,7 +39,7 @@ def resume(run: Any) -> None:
                 print(f"conveyor train: {why}no checkpoint of this job under {run.cfg.checkpoint_dir}; "
                       f"starting again from step 0", flush=True)
             return
-        path = latest(run.cfg.checkpoint_dir) if wanted is True or wanted == "true" else Path(wanted)
+        path = resume_path(run.cfg)
     if path is None:
         if run.rank0:
             print(f"conveyor train: {why}no checkpoint under {run.cfg.checkpoint_dir} yet; starting from step 0")

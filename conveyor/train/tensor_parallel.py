@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -114,10 +115,8 @@ def parameter_shards(named_parameters: Any, placements: dict[str, Any], tp: int)
         dim = getattr(placement, "dim", None) if placement is not None and placement.is_shard() else None
         if dim is not None:
             local[dim] = -(-shape[dim] // tp)
-        count = 1
-        for size in local:
-            count *= size
-        shards.append(Shard(name, shape, _placement_text(placement), tuple(local), count * tensor.element_size()))
+        shards.append(Shard(name, shape, _placement_text(placement), tuple(local),
+                            math.prod(local) * tensor.element_size()))
     return shards
 
 
