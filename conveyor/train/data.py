@@ -278,7 +278,46 @@ def splits_factory(cfg: DataConfig, seq_len: int) -> Callable[[], DataSplits]:
 
 # --- the resumable loader -------------------------------------------------------------------
 
-class ResumableLoader:
+class _ReplicaEpochs:
+    """What both loaders share: one replica's share of each epoch, drawn as ``DistributedSampler`` draws it,
+    and where the loader stands (``epoch``, ``position``), resumable from ``state_dict()``."""
+
+    def __init__(self, seed: int, dp_rank: int, dp_size: int, shuffle: bool, device: torch.device | None) -> None:
+        self.seed, self.dp_rank, self.dp_size, self.shuffle, self.device = seed, dp_rank, dp_size, shuffle, device
+        self.epoch, self.position = 0, 0
+        self._epoch_cache: Any = None  # what the loader drew from the epoch it is in, kept between steps
+
+    def _share(self, count: int, epoch: int) -> list[int]:
+        """This replica's indices of ``count`` items in ``epoch``, in the order they are drawn."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(count, generator=generator).tolist()
+        else:
+            order = list(range(count))
+        return order[: count - count % self.dp_size][self.dp_rank:: self.dp_size]
+
+    def __iter__(self) -> _ReplicaEpochs:
+        return self
+
+    def restart(self) -> None:
+        """Back to the first batch of epoch 0 (e.g. before each validation, to score the same batches)."""
+        self.epoch, self.position = 0, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the loader stands: ``{"epoch", "position", "seed"}``, plain ints (JSON-able)."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`); its seed replaces this loader's."""
+        missing = {"epoch", "position", "seed"} - set(state)
+        if missing or not all(isinstance(state[k], int) and state[k] >= 0 for k in ("epoch", "position", "seed")):
+            raise CheckpointMismatchError(f"data loader state {state!r}: expected non-negative ints under "
+                                          f"'epoch', 'position' and 'seed' (from ResumableLoader.state_dict())")
+        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+        self._epoch_cache = None
+
+
+class ResumableLoader(_ReplicaEpochs):
     """Endless batches of one replica's share of ``dataset``, resumable from ``state_dict()``.
 
     Each epoch orders the samples by a permutation seeded with ``seed + epoch`` (no shuffle:
@@ -300,10 +339,8 @@ class ResumableLoader:
                  shuffle: bool = True, device: torch.device | None = None) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ConfigError(f"dp_rank={dp_rank}: expected 0 <= dp_rank < dp_size={dp_size}")
-        self.dataset, self.batch_size, self.seed, self.device = dataset, batch_size, seed, device
-        self.dp_rank, self.dp_size, self.shuffle = dp_rank, dp_size, shuffle
-        self.epoch, self.position = 0, 0
-        self._order: tuple[int, list[int]] | None = None  # (epoch, its share), kept between batches
+        super().__init__(seed, dp_rank, dp_size, shuffle, device)
+        self.dataset, self.batch_size = dataset, batch_size
         share = len(dataset) // dp_size
         if batch_size < 1 or share < batch_size:
             raise ConfigError(f"a replica's share of the data is {share} sequences ({len(dataset)} over "
@@ -316,44 +353,18 @@ class ResumableLoader:
 
     def epoch_indices(self, epoch: int) -> list[int]:
         """This replica's sample indices in ``epoch``, in the order they are drawn."""
-        count = len(self.dataset)
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(count, generator=generator).tolist()
-        else:
-            order = list(range(count))
-        return order[: count - count % self.dp_size][self.dp_rank:: self.dp_size]
-
-    def __iter__(self) -> ResumableLoader:
-        return self
+        return self._share(len(self.dataset), epoch)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.position + self.batch_size > len(self.dataset) // self.dp_size:
             self.epoch, self.position = self.epoch + 1, 0
-        if self._order is None or self._order[0] != self.epoch:
-            self._order = (self.epoch, self.epoch_indices(self.epoch))
-        indices = self._order[1][self.position: self.position + self.batch_size]
+        if self._epoch_cache is None or self._epoch_cache[0] != self.epoch:
+            self._epoch_cache = (self.epoch, self.epoch_indices(self.epoch))  # (epoch, its share)
+        indices = self._epoch_cache[1][self.position: self.position + self.batch_size]
         self.position += self.batch_size
         samples = [self.dataset[i] for i in indices]
         batch = tuple(torch.stack(parts) for parts in zip(*samples))
         return batch if self.device is None else to_device(batch, self.device)
-
-    def restart(self) -> None:
-        """Back to the first batch of epoch 0 (e.g. before each validation, to score the same batches)."""
-        self.epoch, self.position = 0, 0
-
-    def state_dict(self) -> dict[str, int]:
-        """Where the loader stands: ``{"epoch", "position", "seed"}``, plain ints (JSON-able)."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (from :meth:`state_dict`); its seed replaces this loader's."""
-        missing = {"epoch", "position", "seed"} - set(state)
-        if missing or not all(isinstance(state[k], int) and state[k] >= 0 for k in ("epoch", "position", "seed")):
-            raise CheckpointMismatchError(f"data loader state {state!r}: expected non-negative ints under "
-                                          f"'epoch', 'position' and 'seed' (from ResumableLoader.state_dict())")
-        self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
-        self._order = None
 
 
 def resumable_loader(pipe: Any, dataset_factory: Callable[[], Any], batch_size: int, *, seed: int = 0,
@@ -446,7 +457,7 @@ def padding_share(microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> 
     return padded / total if total else 0.0
 
 
-class LengthBatchLoader:
+class LengthBatchLoader(_ReplicaEpochs):
     """Endless steps of ``num_microbatches`` microbatches batched by length, resumable like
     :class:`ResumableLoader` (same ``state_dict`` keys; ``position`` counts microbatches).
 
@@ -470,10 +481,8 @@ class LengthBatchLoader:
         if token_budget < 1 or num_microbatches < 1:
             raise ConfigError(f"batching by length needs a positive token budget and microbatch count; got "
                               f"{token_budget} and {num_microbatches}")
+        super().__init__(seed, dp_rank, dp_size, shuffle, device)
         self.pieces, self.token_budget, self.num_microbatches = list(pieces), token_budget, num_microbatches
-        self.seed, self.dp_rank, self.dp_size, self.shuffle, self.device = seed, dp_rank, dp_size, shuffle, device
-        self.epoch, self.position = 0, 0
-        self._batches: _EpochBatches | None = None
         first = self._epoch(0)
         if not first.reach(num_microbatches):
             raise ConfigError(f"a replica's share of the data makes {len(first.batches)} microbatches, "
@@ -487,16 +496,10 @@ class LengthBatchLoader:
         return batches.batches
 
     def _epoch(self, epoch: int) -> _EpochBatches:
-        if self._batches is None or self._batches.epoch != epoch:
-            count = len(self.pieces)
-            order = (torch.randperm(count, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-                     if self.shuffle else list(range(count)))
-            mine = [self.pieces[i] for i in order[: count - count % self.dp_size][self.dp_rank:: self.dp_size]]
-            self._batches = _EpochBatches(epoch, mine, self.POOL, self.token_budget)
-        return self._batches
-
-    def __iter__(self) -> LengthBatchLoader:
-        return self
+        if self._epoch_cache is None or self._epoch_cache.epoch != epoch:
+            mine = [self.pieces[i] for i in self._share(len(self.pieces), epoch)]
+            self._epoch_cache = _EpochBatches(epoch, mine, self.POOL, self.token_budget)
+        return self._epoch_cache
 
     def __next__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if not self._epoch(self.epoch).reach(self.position + self.num_microbatches):
@@ -506,14 +509,6 @@ class LengthBatchLoader:
         step = batches.batches[self.position: self.position + self.num_microbatches]
         self.position += self.num_microbatches
         return step if self.device is None else to_device(step, self.device)
-
-    restart = ResumableLoader.restart
-    state_dict = ResumableLoader.state_dict
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (from :meth:`state_dict`); its seed replaces this loader's."""
-        ResumableLoader.load_state_dict(self, state)  # type: ignore[arg-type]
-        self._batches = None
 
 
 class _EpochBatches:

@@ -69,7 +69,7 @@ def test_a_loader_that_cuts_a_pool_at_a_time_draws_the_whole_epoch_of_sorted_poo
              for batch in length_microbatches(sorted(shuffled[start: start + 50], key=len, reverse=True), 256)]
     drawn = [batch for step in steps for batch in step]
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(drawn, whole[:8]))
-    assert loader._batches.cut < len(pieces)  # only the pools the steps reached were cut
+    assert loader._epoch_cache.cut < len(pieces)  # only the pools the steps reached were cut
     assert [tuple(ids.shape) for ids, _ in loader.epoch_batches(0)] == [tuple(ids.shape) for ids, _ in whole]
 
 
