@@ -85,13 +85,14 @@ def run(args: argparse.Namespace) -> int:
 
     from conveyor.plan import Machine, Measurement, SearchSpace, format_plan, parse_size
     from conveyor.plan.planner import plan
+    from conveyor.plan.search import microbatch_choices
 
     limit = parse_size(args.memory_per_rank)
     started = time.perf_counter()
-    model, example = resolve_model(args.model, args.set, analytic=args.analytic,
-                                   microbatch=_smallest_microbatch(args.global_batch, args.ranks))
+    smallest = args.global_batch // max(microbatch_choices(args.global_batch, args.ranks))
+    model, example = resolve_model(args.model, args.set, analytic=args.analytic, microbatch=smallest)
     machine = Machine() if args.flops is None else Machine(flops_per_second=args.flops)
-    if getattr(args, "calibrate", False):
+    if args.calibrate:
         import dataclasses
 
         import conveyor
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
         machine = dataclasses.replace(machine, calibration=calibrate(conveyor.Pipeline, ranks=args.ranks))
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()] if args.schedules else None
-    dp, ep, tp = getattr(args, "dp", 1), getattr(args, "ep", "1"), getattr(args, "tp", "1")
+    dp, ep, tp = args.dp, args.ep, args.tp
     options = tensor_parallel_options(model, example, args.ranks, tp)
     if ep.strip() != "1" and options:  # (tp, ep) pairs: each ep sized for each tp, dividing dp x tp
         experts = tuple(option for tensor in options
@@ -188,12 +189,6 @@ def _listed(flag: str, spec: str, what: str) -> list[int]:
     if not sizes or sizes[0] < 1:
         raise UsageError(f"{flag} {spec!r}: expected 'auto' or {what} sizes >= 1 such as 1,2,4")
     return sizes
-
-
-def _smallest_microbatch(global_batch: int, ranks: int) -> int:
-    from conveyor.plan.search import microbatch_choices
-
-    return global_batch // max(microbatch_choices(global_batch, ranks))
 
 
 def resolve_model(spec: str, overrides: list[str], *, analytic: bool, microbatch: int) -> tuple[Any, Any]:

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-class StartupPhases:
+class StartupPhases(contextlib.AbstractContextManager):
     """The phase a start-up is in, said by a watcher thread when it lasts (see the module).
 
     ``enabled`` False: every call does nothing (ranks other than 0). ``say``: where the lines go
@@ -76,9 +77,6 @@ class StartupPhases:
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=1.0)
-
-    def __enter__(self) -> StartupPhases:
-        return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
