@@ -146,7 +146,7 @@ def _png_of(path):
 def _command_simulate(args: argparse.Namespace) -> int:
     _check_size(args.ranks, args.microbatches, args.virtual)
     if args.compare:
-        return _print_compare(
+        _print_compare(
             args.ranks,
             args.microbatches,
             args.virtual,
@@ -156,6 +156,7 @@ def _command_simulate(args: argparse.Namespace) -> int:
             trace=args.trace,
             as_json=args.json,
         )
+        return 0
     png = _png_of(args.png)
     timeline = simulate_one(
         args.schedule, args.ranks, args.microbatches, args.virtual, args.costs, args.latency
@@ -184,7 +185,7 @@ def _command_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_compare(ranks, microbatches, virtual, costs, latency, *, png, trace, as_json) -> int:
+def _print_compare(ranks, microbatches, virtual, costs, latency, *, png, trace, as_json) -> None:
     rows = run_compare(ranks, microbatches, virtual, costs, png, latency=latency, trace=trace)
     if as_json:
         drawn = any(row["error"] is None for row in rows)
@@ -200,9 +201,8 @@ def _print_compare(ranks, microbatches, virtual, costs, latency, *, png, trace, 
                 allow_nan=False,
             )
         )
-        return 0
+        return
     print(format_compare(rows, ranks, microbatches, costs, png, trace))
-    return 0
 
 
 def _command_demo(args: argparse.Namespace) -> int:
@@ -213,12 +213,10 @@ def _command_demo(args: argparse.Namespace) -> int:
                                                       ("parallel.schedule", args.schedule)) if value is not None]
     # A wrong key fails here, before anything is drawn; key=value overrides come after the flags and win.
     cfg = launch.prepare([str(demo_recipe()), *shortcuts, *args.overrides])
-    status = _print_compare(
+    _print_compare(
         cfg.parallel.pp, cfg.parallel.microbatches, None, DEFAULT_COSTS, 0.0,
         png=DEFAULT_COMPARE_PNG, trace=None, as_json=False,
     )
-    if status:
-        return status
     print()
     status = launch.run(cfg)
     timeline = Path(cfg.run.dir) / "timeline.png"

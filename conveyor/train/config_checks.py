@@ -278,9 +278,7 @@ def _check_tensor_parallel(cfg: Any, problems: list[str]) -> None:
         problems.append("parallel.sequence_parallel=true shards the activations over the tensor-parallel ranks, but "
                         "parallel.tp=1; set parallel.tp > 1 (e.g. 2) or parallel.sequence_parallel=false")
         return
-    if par.tp == 1:
-        return
-    if any(p.startswith(("model.", "data.tokenizer")) for p in problems):
+    if par.tp == 1 or any(p.startswith(("model.", "data.tokenizer")) for p in problems):
         return
     # Sizes the config itself gives are checked first, by arithmetic: a tp that does not divide them is
     # refused at once, before torch and transformers are imported and the model is built on the meta device.
@@ -385,9 +383,8 @@ def _check_tied_replicas(cfg: Any, schedule: Any, problems: list[str]) -> None:
     par = cfg.parallel
     stages = schedule.num_stages
     same_rank = schedule.placement.rank_of(0) == schedule.placement.rank_of(stages - 1)
-    if par.dp == 1 or stages == 1 or not (par.data_parallel == "fsdp" or same_rank):
-        return
-    if any(p.startswith("model.") for p in problems):
+    if (par.dp == 1 or stages == 1 or not (par.data_parallel == "fsdp" or same_rank)
+            or any(p.startswith("model.") for p in problems)):
         return
     from conveyor.train.models import ties_embeddings
 
