@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterator, Sequence
@@ -266,14 +267,7 @@ def build_splits(cfg: DataConfig, seq_len: int) -> DataSplits:
 def splits_factory(cfg: DataConfig, seq_len: int) -> Callable[[], DataSplits]:
     """A function that builds the splits on its first call and returns the same ones after,
     so the training and validation loaders of one rank share one read of the corpus."""
-    built: list[DataSplits] = []
-
-    def splits() -> DataSplits:
-        if not built:
-            built.append(build_splits(cfg, seq_len))
-        return built[0]
-
-    return splits
+    return functools.cache(functools.partial(build_splits, cfg, seq_len))
 
 
 # --- the resumable loader -------------------------------------------------------------------

@@ -416,11 +416,9 @@ def launch(cfg: TrainConfig) -> int:
              + (", sequence parallel)" if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else ")"))
     print(f"conveyor train: {ranks} on {on}, run dir {cfg.run.dir}"
           + (f", up to {restarts} restart(s)" if restarts else ""), flush=True)
-    if devices.note:
-        print(f"conveyor train: {devices.note}", flush=True)
-    crowded = oversubscribed(cfg, devices)
-    if crowded:
-        print(f"conveyor train: {crowded}", flush=True)
+    for note in (devices.note, oversubscribed(cfg, devices)):  # why not the GPUs; more ranks than cores
+        if note:
+            print(f"conveyor train: {note}", flush=True)
     # Without restarts the report below is the only word; with them, each failed round says so in one line.
     with launcher_log(Path(cfg.run.dir) / "launch.log", notify=restarts > 0) as log_path:
         starting.phase(f"starting {cfg.world_size} ranks (the launcher's rendezvous)")

@@ -70,14 +70,9 @@ def pieces_key(cfg: Any, seq_len: int) -> str:
     described = {
         "format": _FORMAT, "python": sys.version, "patterns": patterns, "seq_len": seq_len,
         "settings": [cfg.format, cfg.text_key, cfg.tokenizer, cfg.val_fraction, cfg.max_bytes],
-        "files": [[str(path), *_size_and_time(path)] for path in files],
+        "files": [[str(path), (stat := path.stat()).st_size, stat.st_mtime_ns] for path in files],
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _size_and_time(path: Path) -> tuple[int, int]:
-    stat = path.stat()
-    return stat.st_size, stat.st_mtime_ns
 
 
 def cached_pieces(cfg: Any, seq_len: int, cut: Callable[[], Sequence[torch.Tensor]],
