@@ -187,10 +187,10 @@ def _checkpointed_bytes(split: Any, stage: int, inputs: tuple, target: torch.Ten
     if policy is None:
         return full, 0
     module = split.stage_module(stage, "meta")
-    counter: list[_SavedTensors] = []
-    checkpointing = StageRecompute(module, policy, hold=lambda: counter[-1]._pack, stage=stage)
+    saved = _SavedTensors(module)
+    checkpointing = StageRecompute(module, policy, hold=lambda: saved._pack, stage=stage)
     call = checkpointing.checkpointed(module) if checkpointing.whole_stage else module
-    kept = _saved_by(module, inputs, target, call=call, counters=counter)[1]
+    kept = _saved_by(module, inputs, target, call=call, saved=saved)[1]
     if checkpointing.whole_stage:
         return kept, full  # the whole stage rebuilt in its backward
     # Per block: what the checkpointed blocks do not keep, rebuilt one block at a time.
@@ -198,14 +198,12 @@ def _checkpointed_bytes(split: Any, stage: int, inputs: tuple, target: torch.Ten
 
 
 def _saved_by(module: torch.nn.Module, inputs: tuple, target: torch.Tensor | None, *,
-              call: Any = None, counters: list | None = None) -> tuple[Any, int]:
+              call: Any = None, saved: _SavedTensors | None = None) -> tuple[Any, int]:
     """The stage's output on ``inputs`` and the bytes autograd saved for it (with the loss, given a
-    target), running it as ``call`` (default: the module) and appending the counter to ``counters``."""
+    target), running it as ``call`` (default: the module) and counting with ``saved`` (default: a new counter)."""
     from conveyor.train.loop import lm_loss
 
-    saved = _SavedTensors(module)
-    if counters is not None:
-        counters.append(saved)
+    saved = saved if saved is not None else _SavedTensors(module)
     with saved, _CpuAttention():
         output = (call or module)(*inputs)
         if target is not None:
