@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 import uuid
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from conveyor.processes.support import free_port  # the rendezvous's port
 from conveyor.train.config import TrainConfig, load_config
 from conveyor.train.data_check import check_data
 from conveyor.train.preflight import check_resume
@@ -294,13 +294,6 @@ def name_rendezvous_records_cheaply() -> None:
             return "no_method_name"
 
     dynamic_rendezvous.get_method_name = get_method_name
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (for the rendezvous)."""
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        return probe.getsockname()[1]
 
 
 def start_method(devices: Devices) -> str:
