@@ -1,4 +1,4 @@
-"""Where a corpus comes from: "stdlib", or local files and globs, each with a format.
+"""Where a corpus comes from ("stdlib", or local files and globs, each with a format), and how it is capped and split.
 
 Shared by the config checks (a source that matches nothing is refused before anything
 starts), the launcher's data check (:mod:`conveyor.train.data_check`) and the readers in
