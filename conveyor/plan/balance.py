@@ -100,6 +100,10 @@ class StageSums:
     def static(self, i: int, j: int) -> float:
         return self._static[j] - self._static[i]
 
+    def largest_message(self, cuts: Sequence[int]) -> float:
+        """The bytes of the largest message between stages cut at ``cuts``: what the unit before a cut sends on."""
+        return max((self.units[j - 1].output_bytes for j in cuts), default=0.0)
+
 
 def bounds_of(cuts: Sequence[int], count: int) -> list[tuple[int, int]]:
     """``[(first, end), ...]`` of each stage.

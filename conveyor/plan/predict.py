@@ -178,26 +178,31 @@ def stage_costs(schedule: Schedule, sums: StageSums, cuts: Sequence[int], *, lat
     return cs.CostModel(tuple(stages), latency)
 
 
-def predict_split(schedule: Schedule, model: cs.CostModel, calibration: Calibration, *, message_bytes: float,
-                  rank_parameters: Sequence[float], optimizer_s_per_parameter: float,
-                  cores: int | None) -> Prediction:
-    """The calibrated step of ``schedule`` on ``model`` (from :func:`stage_costs`): the simulated
-    executed programs with the calibration's overheads, its per-step time, and each rank's optimizer
-    step (``optimizer_s_per_parameter`` x the parameters it holds); ``cores``: CPU cores the ranks
-    share (None: a device each).
+def predict_split(schedule: Schedule, model: cs.CostModel, calibration: Calibration, sums: StageSums,
+                  cuts: Sequence[int], *, optimizer_s_per_parameter: float, cores: int | None) -> Prediction:
+    """The calibrated step of ``schedule`` on ``model`` (:func:`stage_costs` of ``sums`` cut at ``cuts``): the
+    simulated executed programs with the calibration's overheads, each message as large as the largest
+    boundary's, its per-step time, and each rank's optimizer step (``optimizer_s_per_parameter`` x the
+    parameters it holds); ``cores``: CPU cores the ranks share (None: a device each).
 
     Example:
         >>> import conveyor.schedule as cs
+        >>> from conveyor.plan.costs import UnitCost
+        >>> sums = StageSums([UnitCost("a", 0.01, 0.01, 0.01, parameters=1e3),
+        ...                   UnitCost("b", 0.01, 0.01, 0.01, parameters=2e3)], optimizer_bytes=8)
         >>> sched = cs.build("gpipe", ranks=2, microbatches=2)
-        >>> model = cs.CostModel.uniform(2, 0.01, 0.01, 0.01)
         >>> from conveyor.plan.calibration import Calibration
-        >>> p = predict_split(sched, model, Calibration(step_s=0.001), message_bytes=0, rank_parameters=[1e3, 2e3],
+        >>> p = predict_split(sched, cs.CostModel.uniform(2, 0.01, 0.01, 0.01), Calibration(step_s=0.001), sums, [1],
         ...                   optimizer_s_per_parameter=1e-6, cores=None)
         >>> round(p.step_s, 4)
         0.093
     """
-    extra = [optimizer_s_per_parameter * n for n in rank_parameters]
-    return predict_step(schedule, model, calibration, message_bytes=message_bytes, rank_extra_s=extra, cores=cores)
+    stages = bounds_of(cuts, len(sums.units))
+    extra = [optimizer_s_per_parameter * sum(u.parameters for s in schedule.stages_of(rank)
+                                             for u in sums.units[slice(*stages[s])])
+             for rank in range(schedule.num_ranks)]
+    return predict_step(schedule, model, calibration, message_bytes=sums.largest_message(cuts), rank_extra_s=extra,
+                        cores=cores)
 
 
 def predict_plan(plan: Plan, calibration: Calibration) -> Prediction:
@@ -222,15 +227,10 @@ def predict_plan(plan: Plan, calibration: Calibration) -> Prediction:
     cuts = [names.index(point) for point in plan.split_points]
     sums = StageSums(plan.costs.at(plan.microbatch_size),
                      optimizer_bytes=plan.settings.get("optimizer_bytes_per_parameter", 8.0))
-    stages = bounds_of(cuts, len(sums.units))
     schedule = plan.schedule_spec()
     if isinstance(schedule, str):
         schedule = cs.build(schedule, ranks=plan.ranks, microbatches=plan.microbatches, virtual=plan.virtual)
-    sent = max((sums.units[j - 1].output_bytes for _, j in stages[:-1]), default=0.0)
-    model = stage_costs(schedule, sums, cuts, latency=0.0)
-    parameters = [sum(u.parameters for s in schedule.stages_of(rank) for u in sums.units[slice(*stages[s])])
-                  for rank in range(plan.ranks)]
-    return predict_split(schedule, model, calibration, message_bytes=sent, rank_parameters=parameters,
+    return predict_split(schedule, stage_costs(schedule, sums, cuts, latency=0.0), calibration, sums, cuts,
                          optimizer_s_per_parameter=plan.settings.get("optimizer_s_per_parameter", 0.0),
                          cores=plan.settings.get("cores"))
 

@@ -371,8 +371,7 @@ class _Context:
         stages = bounds_of(cuts, len(sums.units))
         costs = [cs.StageCosts(sums.forward(i, j), sums.backward_input(i, j), sums.backward_weight(i, j),
                                sums.activations(i, j), sums.weight_kept(i, j)) for i, j in stages]
-        sent = max((sums.units[j - 1].output_bytes for _, j in stages[:-1]), default=0.0)
-        return cs.CostModel(tuple(costs), self.latency + sent / self.bandwidth)
+        return cs.CostModel(tuple(costs), self.latency + sums.largest_message(cuts) / self.bandwidth)
 
     def _simulate(self, schedule, sums: StageSums, cuts: list[int], overlap: bool = False):
         """(cuts, step, peak memory, stage times, in-flight microbatches per stage, bubble, memory per rank,
@@ -383,8 +382,8 @@ class _Context:
         all-to-alls hidden behind the other's compute where they can be, and the activations each
         forward in segments keeps beside its own (:func:`~conveyor.plan.predict.stage_costs`)."""
         stages = bounds_of(cuts, len(sums.units))
-        sent = max((sums.units[j - 1].output_bytes for _, j in stages[:-1]), default=0.0)
-        model = stage_costs(schedule, sums, cuts, latency=self.latency + sent / self.bandwidth, overlap=overlap)
+        latency = self.latency + sums.largest_message(cuts) / self.bandwidth
+        model = stage_costs(schedule, sums, cuts, latency=latency, overlap=overlap)
         programs = self.paired(schedule) if overlap else cs.executable(schedule).compute
         timeline = cs.simulate(programs, model, time_unit="s")
         peaks = timeline.peak_activation_bytes()
@@ -402,10 +401,7 @@ class _Context:
         # M x (F + I + W) against the step, which counts a split I + W where the ranks run one cheaper B.
         bubble = timeline.bubble_ratio
         if self.calibration is not None:
-            parameters = [sum(u.parameters for s in schedule.stages_of(rank) for u in sums.units[slice(*stages[s])])
-                          for rank in range(self.ranks)]
-            prediction = predict_split(schedule, model, self.calibration, message_bytes=sent,
-                                       rank_parameters=parameters, optimizer_s_per_parameter=self.optimizer_rate,
-                                       cores=self.cores)
+            prediction = predict_split(schedule, model, self.calibration, sums, cuts,
+                                       optimizer_s_per_parameter=self.optimizer_rate, cores=self.cores)
             step, bubble = prediction.step_s, prediction.timeline.bubble_ratio
         return cuts, step, max(memory), stage_times, in_flight, bubble, memory, overlap
