@@ -111,53 +111,40 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
                       schedules=schedules, microbatches=microbatches, space=space, machine=resolved,
                       optimizer_s_per_parameter=rate, tensor_parallel=tensor, expert_parallel=experts)
 
-    if space.expert_parallel and space.tensor_parallel:
-        return _choose_tensor_and_expert_parallel(costs, ranks, space, search_one, limit)
-    if space.expert_parallel:
-        return _choose_expert_parallel(costs, ranks, space, search_one, limit)
-    if not space.tensor_parallel:
+    if not space.tensor_parallel and not space.expert_parallel:
         return choose(search_one(costs, ranks, None), costs, top=space.top)
-    return _choose_tensor_parallel(costs, ranks, space, search_one, limit)
+    return _choose_parallel(costs, ranks, space, search_one, limit)
 
 
-def _choose_expert_parallel(costs: CostTable, ranks: int, space: SearchSpace, search_one, limit: float) -> Plan:
-    """Search every ep of ``space.expert_parallel`` at the same pipeline ranks; the chosen ep's plan, with the
-    ep table (the replicas' count is the options' business: each ep was checked to divide it)."""
-    chosen, outcomes = expert_search.search_expert_parallel(costs, space.expert_parallel, ranks=ranks,
-                                                            search_one=search_one, memory_per_rank=limit)
-    report = expert_search.report_lines(outcomes)
+def _choose_parallel(costs: CostTable, ranks: int, space: SearchSpace, search_one, limit: float) -> Plan:
+    """Search every size ``space`` lists, each with the pipeline search, and return the chosen size's plan with
+    the sizes' table: every tp of ``space.tensor_parallel`` at pp = ranks / tp; every ep of
+    ``space.expert_parallel`` at the same pipeline ranks (the replicas' count is the options' business: each ep
+    was checked to divide it); with both, every (tp, ep) pair (each ep option with the tp option it is sized
+    for) at pp = ranks / tp, its table as the ep report."""
+    if space.expert_parallel and space.tensor_parallel:
+        pairs = [(tensor, experts) for tensor in space.tensor_parallel for experts in space.expert_parallel
+                 if experts.tp == tensor.tp]
+        chosen, outcomes = expert_search.search_tensor_and_expert_parallel(costs, pairs, ranks=ranks,
+                                                                           search_one=search_one, memory_per_rank=limit)
+        report = expert_search.tensor_expert_report_lines(outcomes, ranks)
+        sizes = "(tensor-parallel, expert-parallel) pair"
+    elif space.expert_parallel:
+        chosen, outcomes = expert_search.search_expert_parallel(costs, space.expert_parallel, ranks=ranks,
+                                                                search_one=search_one, memory_per_rank=limit)
+        report, sizes = expert_search.report_lines(outcomes), "expert-parallel size"
+    else:
+        chosen, outcomes = search_tensor_parallel(costs, space.tensor_parallel, ranks=ranks, search_one=search_one,
+                                                  memory_per_rank=limit)
+        report, sizes = report_lines(outcomes, ranks), "tensor-parallel size"
     if chosen is None:
-        raise PlanError("no expert-parallel size gives a plan that fits:\n" + "\n".join(report))
+        raise PlanError(f"no {sizes} gives a plan that fits:\n" + "\n".join(report))
     plan = choose(chosen.result, costs, top=space.top)
-    plan.expert_parallel, plan.expert_parallel_report = chosen.ep, report
-    return plan
-
-
-def _choose_tensor_and_expert_parallel(costs: CostTable, ranks: int, space: SearchSpace, search_one,
-                                       limit: float) -> Plan:
-    """Search every (tp, ep) pair of ``space`` (each ep option with the tp option it is sized for) at pp = ranks /
-    tp; the chosen pair's plan, with the pair table as the ep report."""
-    pairs = [(tensor, experts) for tensor in space.tensor_parallel for experts in space.expert_parallel
-             if experts.tp == tensor.tp]
-    chosen, outcomes = expert_search.search_tensor_and_expert_parallel(costs, pairs, ranks=ranks,
-                                                                       search_one=search_one, memory_per_rank=limit)
-    report = expert_search.tensor_expert_report_lines(outcomes, ranks)
-    if chosen is None:
-        raise PlanError("no (tensor-parallel, expert-parallel) pair gives a plan that fits:\n" + "\n".join(report))
-    plan = choose(chosen.result, costs, top=space.top)
-    plan.tensor_parallel, plan.expert_parallel, plan.expert_parallel_report = chosen.tp, chosen.ep, report
-    return plan
-
-
-def _choose_tensor_parallel(costs: CostTable, ranks: int, space: SearchSpace, search_one, limit: float) -> Plan:
-    """Search every tp of ``space.tensor_parallel`` at pp = ranks / tp; the chosen tp's plan, with the tp table."""
-    chosen, outcomes = search_tensor_parallel(costs, space.tensor_parallel, ranks=ranks, search_one=search_one,
-                                              memory_per_rank=limit)
-    report = report_lines(outcomes, ranks)
-    if chosen is None:
-        raise PlanError("no tensor-parallel size gives a plan that fits:\n" + "\n".join(report))
-    plan = choose(chosen.result, costs, top=space.top)
-    plan.tensor_parallel, plan.tensor_parallel_report = chosen.tp, report
+    plan.tensor_parallel, plan.expert_parallel = getattr(chosen, "tp", 1), getattr(chosen, "ep", 1)
+    if space.expert_parallel:
+        plan.expert_parallel_report = report
+    else:
+        plan.tensor_parallel_report = report
     return plan
 
 
