@@ -43,13 +43,20 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conveyor.errors import PlanError
 from conveyor.plan.costs import UnitCost
-from conveyor.plan.tensor_search import ModuleSplit, choose_fastest, evaluate
+from conveyor.plan.tensor_search import (
+    ModuleSplit,
+    Outcome,
+    choose_fastest,
+    evaluate,
+    modules_by_unit,
+    refusal,
+    rescaled_unit,
+)
 
 
 @dataclass(frozen=True)
@@ -86,12 +93,7 @@ def expert_units(units: Sequence[UnitCost], option: ExpertParallelOption, microb
     ep, tp = option.ep, option.tp
     if ep == 1 and tp == 1:
         return tuple(units)
-    names = [unit.name for unit in units]
-    per_unit: dict[str, list[ModuleSplit]] = {}
-    for module in option.modules:
-        owner = next((unit for unit in names if module.name == unit or module.name.startswith(unit + ".")), None)
-        if owner is not None:
-            per_unit.setdefault(owner, []).append(module)
+    per_unit = modules_by_unit(option.modules, units)
     away = (ep - 1) / ep  # the share of a rank's tokens whose experts another rank holds
     out = []
     for unit in units:
@@ -106,7 +108,6 @@ def expert_units(units: Sequence[UnitCost], option: ExpertParallelOption, microb
                        for m in mine)
         count = sum(m.forward_collectives for m in mine) if ep > 1 else 0
         exchange = forward / count if count else 0.0  # one all-to-all's seconds (the TP gather is no all-to-all)
-        bytes_per_parameter = unit.parameter_bytes / unit.parameters if unit.parameters else 0.0
         held = unit.parameters - experts + experts / ep
         compute = 1.0  # the unit's compute kept on this rank: all of it, unless TP ranks split the experts' tokens
         if tp > 1:
@@ -117,11 +118,7 @@ def expert_units(units: Sequence[UnitCost], option: ExpertParallelOption, microb
                                   / (tensor_bandwidth or bandwidth))
             forward, backward = forward + gather, backward + gather
         out.append(dataclasses.replace(
-            unit, forward=unit.forward * compute + forward, backward_input=unit.backward_input * compute + backward,
-            backward_weight=unit.backward_weight * compute,
-            backward=unit.backward * compute + backward if unit.backward else 0.0,
-            parameters=held, parameter_bytes=held * bytes_per_parameter,
-            exchanges=count, exchange=exchange,
+            rescaled_unit(unit, compute, forward, backward, held), exchanges=count, exchange=exchange,
             # A forward run in segments (to overlap its all-to-alls) keeps what it sent and what arrived (as many
             # bytes, routing balanced) until its backward: an upper bound (what arrived may be saved anyway, in the
             # same storage); with what was sent alone, the MoE recipe's measured rise at zbv is above the estimate.
@@ -131,50 +128,33 @@ def expert_units(units: Sequence[UnitCost], option: ExpertParallelOption, microb
 
 
 @dataclass
-class ExpertParallelOutcome:
-    """What the search found at one ep: its best candidate (None: none) and the reason it won or lost."""
+class ExpertParallelOutcome(Outcome):
+    """What the search found at one ep."""
 
     ep: int
-    best: object = None  # a conveyor.plan.search.Candidate
-    result: object = None  # its conveyor.plan.search.SearchResult
-    reason: str = ""
 
     def line(self) -> str:
-        """One row of the report: ep, the best plan's schedule, V, M, step and peak, and the reason."""
-        from conveyor.plan.result import format_size
-
-        if self.best is None:
-            return f"{self.ep:>4}  {'-':<16} {'-':>2} {'-':>4} {'-':>10} {'-':>12}  {self.reason}"
-        c = self.best
-        return (f"{self.ep:>4}  {c.schedule:<16} {c.virtual:>2} {c.microbatches:>4} "
-                f"{c.step_time:>8.4g} s {format_size(c.peak_memory):>12}  {self.reason}")
+        """One row of the report: ep, then :meth:`~conveyor.plan.tensor_search.Outcome.cells`."""
+        return f"{self.ep:>4}  " + self.cells()
 
 
 def search_expert_parallel(table, options: Sequence[ExpertParallelOption], *, ranks: int, search_one,
                            memory_per_rank: float) -> tuple[ExpertParallelOutcome | None, list[ExpertParallelOutcome]]:
     """Search each option with ``search_one(table, ranks, option)`` (the pipeline search at the same pipeline
     ranks, returning a SearchResult); returns (the chosen outcome or None, every outcome with its reason)."""
-    outcomes = []
-    for option in options:
-        outcome = ExpertParallelOutcome(option.ep)
-        outcomes.append(outcome)
-        if option.refused:
-            outcome.reason = f"refused: {option.refused}"
-        else:
-            evaluate(outcome, functools.partial(search_one, table, ranks, option), memory_per_rank)
+    outcomes = [ExpertParallelOutcome(option.ep) for option in options]
+    for outcome, option in zip(outcomes, options):
+        evaluate(outcome, search_one, (table, ranks, option), memory_per_rank, option.refused)
     return choose_fastest(outcomes, "ep"), outcomes
 
 
 @dataclass
-class TensorExpertOutcome:
-    """What the search found at one (tp, ep) pair, at ``pp = ranks / tp``: as :class:`ExpertParallelOutcome`."""
+class TensorExpertOutcome(Outcome):
+    """What the search found at one (tp, ep) pair, at ``pp = ranks / tp``."""
 
     tp: int
     pp: int
     ep: int
-    best: object = None
-    result: object = None
-    reason: str = ""
 
     @property
     def sizes(self) -> tuple[int, int]:
@@ -185,8 +165,8 @@ class TensorExpertOutcome:
         return f"tp={self.tp} x ep={self.ep}"
 
     def line(self) -> str:
-        """One row of the report: tp, pp, ep, the best plan's schedule, V, M, step and peak, and the reason."""
-        return f"{self.tp:>4} {self.pp:>4} " + ExpertParallelOutcome.line(self)  # type: ignore[arg-type]
+        """One row of the report: tp, pp, ep, then :meth:`~conveyor.plan.tensor_search.Outcome.cells`."""
+        return f"{self.tp:>4} {self.pp:>4} {self.ep:>4}  " + self.cells()
 
 
 def search_tensor_and_expert_parallel(table, pairs: Sequence[tuple], *, ranks: int, search_one,
@@ -210,14 +190,8 @@ def search_tensor_and_expert_parallel(table, pairs: Sequence[tuple], *, ranks: i
             raise PlanError(f"an ExpertParallelOption sized for tp={experts.tp} was paired with tp={tensor.tp}")
         outcome = TensorExpertOutcome(tensor.tp, ranks // tensor.tp, experts.ep)
         outcomes.append(outcome)
-        refused = (f"tp={tensor.tp} does not divide the {ranks} ranks" if ranks % tensor.tp else
-                   tensor.refused or experts.refused or
-                   (f"pp={outcome.pp} stages need {outcome.pp} units, the model has {len(table.units)}"
-                    if outcome.pp > len(table.units) else None))
-        if refused:
-            outcome.reason = f"refused: {refused}"
-        else:
-            evaluate(outcome, functools.partial(search_one, table, outcome.pp, (tensor, experts)), memory_per_rank)
+        evaluate(outcome, search_one, (table, outcome.pp, (tensor, experts)), memory_per_rank,
+                 refusal(ranks, tensor.tp, len(table.units), tensor.refused, experts.refused))
     return choose_fastest(outcomes, "sizes"), outcomes
 
 

@@ -32,14 +32,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.errors import PlanError
 from conveyor.plan.costs import UnitCost
+from conveyor.plan.result import format_size
 
 # Of a transformer layer's activations without sequence parallelism, the share tp splits: 24 of 34
 # (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", 2022).
@@ -72,8 +72,29 @@ class TensorParallelOption:
             raise PlanError(f"TensorParallelOption.tp must be a positive int, got {self.tp!r}")
 
 
-def _owner(name: str, units: Sequence[str]) -> str | None:
-    return next((unit for unit in units if name == unit or name.startswith(unit + ".")), None)
+def modules_by_unit(modules: Sequence[ModuleSplit], units: Sequence[UnitCost]) -> dict[str, list[ModuleSplit]]:
+    """``modules`` grouped by the unit each belongs to (the unit itself, or a module inside it); others left out."""
+    names = [unit.name for unit in units]
+    per_unit: dict[str, list[ModuleSplit]] = {}
+    for module in modules:
+        owner = next((unit for unit in names if module.name == unit or module.name.startswith(unit + ".")), None)
+        if owner is not None:
+            per_unit.setdefault(owner, []).append(module)
+    return per_unit
+
+
+def rescaled_unit(unit: UnitCost, compute: float, forward: float, backward: float, held: float,
+                  kept: float = 1.0) -> UnitCost:
+    """``unit`` as one rank of a group runs it: ``compute`` of its F, I, W and B, plus ``forward`` seconds of
+    collectives in F and ``backward`` in I (and in B), holding ``held`` of its parameters and ``kept`` of its
+    activations."""
+    bytes_per_parameter = unit.parameter_bytes / unit.parameters if unit.parameters else 0.0
+    return dataclasses.replace(
+        unit, forward=unit.forward * compute + forward, backward_input=unit.backward_input * compute + backward,
+        backward_weight=unit.backward_weight * compute,
+        backward=unit.backward * compute + backward if unit.backward else 0.0,
+        activation_bytes=unit.activation_bytes * kept, weight_activation_bytes=unit.weight_activation_bytes * kept,
+        parameters=held, parameter_bytes=held * bytes_per_parameter)
 
 
 def shard_units(units: Sequence[UnitCost], option: TensorParallelOption, microbatch_size: int, *,
@@ -82,54 +103,51 @@ def shard_units(units: Sequence[UnitCost], option: TensorParallelOption, microba
     tp = option.tp
     if tp == 1:
         return tuple(units)
-    names = [unit.name for unit in units]
-    per_unit: dict[str, list[ModuleSplit]] = {}
-    for module in option.modules:
-        owner = _owner(module.name, names)
-        if owner is not None:
-            per_unit.setdefault(owner, []).append(module)
+    per_unit = modules_by_unit(option.modules, units)
     ring = 2 * (tp - 1) / tp
     out = []
     for unit in units:
         mine = per_unit.get(unit.name, [])
         sharded = min(unit.parameters, sum(m.sharded_parameters for m in mine))
         share = sharded / unit.parameters if unit.parameters else 0.0
-        compute = 1 - share + share / tp
         forward = sum(m.forward_collectives * latency + ring * m.forward_bytes * microbatch_size / bandwidth
                       for m in mine)
         backward = sum(m.backward_collectives * latency + ring * m.backward_bytes * microbatch_size / bandwidth
                        for m in mine)
         kept = 1 - BLOCK_SHARDED_ACTIVATIONS + BLOCK_SHARDED_ACTIVATIONS / tp if unit.is_block and share else 1.0
-        bytes_per_parameter = unit.parameter_bytes / unit.parameters if unit.parameters else 0.0
         held = unit.parameters - sharded + sharded / tp
-        out.append(dataclasses.replace(
-            unit, forward=unit.forward * compute + forward, backward_input=unit.backward_input * compute + backward,
-            backward_weight=unit.backward_weight * compute,
-            backward=unit.backward * compute + backward if unit.backward else 0.0,
-            activation_bytes=unit.activation_bytes * kept, weight_activation_bytes=unit.weight_activation_bytes * kept,
-            parameters=held, parameter_bytes=held * bytes_per_parameter))
+        out.append(rescaled_unit(unit, 1 - share + share / tp, forward, backward, held, kept))
     return tuple(out)
 
 
 @dataclass
-class TensorParallelOutcome:
-    """What the search found at one tp: its best candidate (None: none) and the reason it won or lost."""
+class Outcome:
+    """What the search found at one size (a tp, an ep, a (tp, ep) pair): its best candidate (None: none) and the
+    reason it won or lost."""
+
+    best: Any = field(default=None, kw_only=True)  # a conveyor.plan.search.Candidate
+    result: Any = field(default=None, kw_only=True)  # its conveyor.plan.search.SearchResult
+    reason: str = field(default="", kw_only=True)
+
+    def cells(self) -> str:
+        """A report row after its sizes: the best plan's schedule, V, M, step and peak, and the reason."""
+        if self.best is None:
+            return f"{'-':<16} {'-':>2} {'-':>4} {'-':>10} {'-':>12}  {self.reason}"
+        c = self.best
+        return (f"{c.schedule:<16} {c.virtual:>2} {c.microbatches:>4} "
+                f"{c.step_time:>8.4g} s {format_size(c.peak_memory):>12}  {self.reason}")
+
+
+@dataclass
+class TensorParallelOutcome(Outcome):
+    """What the search found at one tp, at ``pp = ranks / tp``."""
 
     tp: int
     pp: int
-    best: object = None  # a conveyor.plan.search.Candidate
-    result: object = None  # its conveyor.plan.search.SearchResult
-    reason: str = ""
 
     def line(self) -> str:
-        """One row of the report: tp, pp, the best plan's schedule, V, M, step and peak, and the reason."""
-        from conveyor.plan.result import format_size
-
-        if self.best is None:
-            return f"{self.tp:>4} {self.pp:>4}  {'-':<16} {'-':>2} {'-':>4} {'-':>10} {'-':>12}  {self.reason}"
-        c = self.best
-        return (f"{self.tp:>4} {self.pp:>4}  {c.schedule:<16} {c.virtual:>2} {c.microbatches:>4} "
-                f"{c.step_time:>8.4g} s {format_size(c.peak_memory):>12}  {self.reason}")
+        """One row of the report: tp, pp, then :meth:`~Outcome.cells`."""
+        return f"{self.tp:>4} {self.pp:>4}  " + self.cells()
 
 
 def tp_sizes(ranks: int) -> list[int]:
@@ -146,30 +164,33 @@ def search_tensor_parallel(table, options: Sequence[TensorParallelOption], *, ra
                            memory_per_rank: float) -> tuple[TensorParallelOutcome | None, list[TensorParallelOutcome]]:
     """Search each option at ``pp = ranks / tp`` with ``search_one(table, pp, option)`` (the pipeline search,
     returning a SearchResult); returns (the chosen outcome or None, every outcome with its reason)."""
-    outcomes = []
-    for option in options:
-        outcome = TensorParallelOutcome(option.tp, ranks // option.tp)
-        outcomes.append(outcome)
-        if ranks % option.tp:
-            outcome.reason = f"refused: tp={option.tp} does not divide the {ranks} ranks"
-        elif option.refused:
-            outcome.reason = f"refused: {option.refused}"
-        elif outcome.pp > len(table.units):
-            outcome.reason = (f"refused: pp={outcome.pp} stages need {outcome.pp} units, the model has "
-                              f"{len(table.units)}")
-        else:
-            evaluate(outcome, functools.partial(search_one, table, outcome.pp, option), memory_per_rank)
+    outcomes = [TensorParallelOutcome(option.tp, ranks // option.tp) for option in options]
+    for outcome, option in zip(outcomes, options):
+        evaluate(outcome, search_one, (table, outcome.pp, option), memory_per_rank,
+                 refusal(ranks, option.tp, len(table.units), option.refused))
     return choose_fastest(outcomes, "tp"), outcomes
 
 
-def evaluate(outcome: Any, run_search: Any, memory_per_rank: float) -> None:
-    """Fill ``outcome`` (a tp's or an ep's) from ``run_search()``, the pipeline search at that size: its result,
-    its best candidate (the fastest that fits, else the best over memory) and, when none fits or the search
-    refuses the size, why."""
-    from conveyor.plan.result import format_size
+def refusal(ranks: int, tp: int, units: int, *refused: str | None) -> str | None:
+    """Why ``ranks`` ranks cannot run as pp x ``tp``: tp does not divide them, an option refuses (the first of
+    ``refused`` that does), or the pp stages need more than the model's ``units``; None when they can."""
+    pp = ranks // tp
+    if ranks % tp:
+        return f"tp={tp} does not divide the {ranks} ranks"
+    return next(filter(None, refused), None) or (
+        f"pp={pp} stages need {pp} units, the model has {units}" if pp > units else None)
 
+
+def evaluate(outcome: Outcome, search_one: Any, args: tuple, memory_per_rank: float,
+             refused: str | None = None) -> None:
+    """Fill ``outcome`` from ``search_one(*args)``, the pipeline search at that size: its result, its best
+    candidate (the fastest that fits, else the best over memory) and, when none fits or the search refuses the
+    size, why; ``refused``: why the size cannot run, without searching."""
+    if refused:
+        outcome.reason = f"refused: {refused}"
+        return
     try:
-        outcome.result = run_search()
+        outcome.result = search_one(*args)
     except PlanError as error:
         outcome.reason = f"refused: {str(error).splitlines()[0]}"
         return
@@ -181,7 +202,7 @@ def evaluate(outcome: Any, run_search: Any, memory_per_rank: float) -> None:
                           f"over {format_size(memory_per_rank)}")
 
 
-def choose_fastest(outcomes: Sequence[Any], name: str) -> Any:
+def choose_fastest(outcomes: Sequence[Outcome], name: str) -> Any:
     """The outcome whose best plan fits and is fastest (ties: the smaller size, ``getattr(outcome, name)``), or
     None; every fitting outcome's reason then says why it won or by how much it lost."""
     fits = [o for o in outcomes if o.best is not None and o.best.verdict == "fits"]
