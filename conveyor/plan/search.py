@@ -19,6 +19,7 @@ policies (``Plan.recompute``), which the pipeline applies.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -86,11 +87,7 @@ class SearchResult:
 
     def counts(self) -> dict[str, int]:
         """How many candidates ended how (``failed: ...`` counted as ``failed``)."""
-        out: dict[str, int] = {}
-        for c in self.candidates:
-            key = "failed" if c.verdict.startswith("failed") else c.verdict
-            out[key] = out.get(key, 0) + 1
-        return out
+        return dict(Counter("failed" if c.verdict.startswith("failed") else c.verdict for c in self.candidates))
 
     def best_over_memory(self) -> Candidate | None:
         over = [c for c in self.candidates if c.verdict == "over memory"]
@@ -166,11 +163,8 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
     bad = [m for m in ms if global_batch % m]
     if bad:
         raise PlanError(f"microbatch counts {bad} do not divide the global batch {global_batch}")
-    context = _Context(table, ranks, global_batch, memory_per_rank, machine.bandwidth, machine.latency,
-                       machine.optimizer_bytes_per_parameter, space)
-    context.calibration, context.optimizer_rate, context.cores = calibration, optimizer_s_per_parameter, cores
-    context.tensor, context.tensor_bandwidth = tensor_parallel, machine.tensor_bandwidth or machine.bandwidth
-    context.experts = _sized_alike(tensor_parallel, expert_parallel)
+    context = _Context(table, ranks, global_batch, memory_per_rank, machine, space, optimizer_s_per_parameter, cores,
+                       tensor_parallel, _sized_alike(tensor_parallel, expert_parallel))
     queue = []
     for m in ms:
         for name, v in schedule_choices(schedules, space.virtual):
@@ -232,18 +226,18 @@ def _sized_alike(tensor: TensorParallelOption | None, experts: ExpertParallelOpt
 class _Context:
     """What the candidates share: rescaled costs and fastest splits per (M, V), built schedules."""
 
-    def __init__(self, table, ranks, global_batch, limit, bandwidth, latency, optimizer_bytes, space: SearchSpace):
+    def __init__(self, table: CostTable, ranks: int, global_batch: int, limit: float, machine: Machine,
+                 space: SearchSpace, optimizer_rate: float, cores: int | None, tensor: TensorParallelOption | None,
+                 experts: ExpertParallelOption | None) -> None:
         self.table, self.ranks, self.global_batch, self.limit = table, ranks, global_batch, limit
-        self.bandwidth, self.latency, self.tolerance = bandwidth, latency, space.balance_tolerance
+        self.bandwidth, self.latency, self.tolerance = machine.bandwidth, machine.latency, space.balance_tolerance
+        self.tensor_bandwidth = machine.tensor_bandwidth or machine.bandwidth
         self.overlap = space.expert_overlap  # whether to try the all-to-alls overlapped in the schedules' pairs
-        self.optimizer_bytes = optimizer_bytes
-        self.calibration: Calibration | None = None
-        self.optimizer_rate, self.cores = 0.0, None
+        self.optimizer_bytes = machine.optimizer_bytes_per_parameter
+        self.calibration: Calibration | None = machine.calibration
+        self.optimizer_rate, self.cores, self.tensor, self.experts = optimizer_rate, cores, tensor, experts
         self._sums: dict[int, StageSums] = {}
-        self.tensor: TensorParallelOption | None = None
-        self.experts: ExpertParallelOption | None = None
         self._paired: dict[int, tuple[cs.Schedule, cs.Schedule]] = {}  # the schedule evaluated last, and its pairs
-        self.tensor_bandwidth = bandwidth
         self._fastest: dict[tuple[int, int], list[int]] = {}
 
     def sums(self, m: int) -> StageSums:
