@@ -38,7 +38,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -85,11 +85,7 @@ class Calibration:
             >>> Calibration(receive_s=1e-4).as_dict()["receive_s"]
             0.0001
         """
-        return {
-            "action_s": self.action_s, "receive_s": self.receive_s, "latency_s": self.latency_s,
-            "seconds_per_byte": self.seconds_per_byte, "step_s": self.step_s,
-            "transport": self.transport, "samples": dict(self.samples),
-        }
+        return asdict(self)
 
 
 def calibration_of(value: Calibration | dict | None, ranks: int) -> Calibration | None:
