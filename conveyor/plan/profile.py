@@ -21,6 +21,7 @@ it was (gradients, buffers, the random state).
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -284,14 +285,8 @@ class _WeightInputs(TorchDispatchMode):
 
 
 def _spec_bytes(specs) -> float:
-    total = 0
-    for spec in specs:
-        if spec.shape is not None and spec.dtype is not None:
-            numel = 1
-            for size in spec.shape:
-                numel *= size
-            total += numel * torch.empty((), dtype=spec.dtype).element_size()
-    return float(total)
+    return float(sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in specs
+                     if spec.shape is not None and spec.dtype is not None))
 
 
 def split_backward_seconds(roots: Sequence[Any], root_grads: Sequence[Any], inputs: Sequence[Any],
@@ -337,8 +332,7 @@ def optimizer_seconds_per_parameter(model: torch.nn.Module, repeats: int = 5) ->
             p.grad = torch.zeros_like(p)
         start = time.perf_counter()
         optimizer.step()
-        if copies[0].device.type == "cuda":
-            torch.cuda.synchronize(copies[0].device)
+        synchronize(copies[0].device)
         if index >= 2:
             times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2] / count
