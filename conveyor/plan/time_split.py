@@ -132,11 +132,10 @@ def profile_stages(split: Any, example_args: Sequence[Any], example_kwargs: Mapp
             inputs: tuple[Any, ...] = ()
             for stage, module in enumerate(modules):
                 saved = save_module_state(module)
-                for run in range(2 if round_index == 0 else 1):  # the first round warms up first
+                for _ in range(2 if round_index == 0 else 1):  # the first round warms up first: its last run counts
                     seconds, outputs = _time_once(module, stage, args, kwargs, inputs, device)
-                    if run == (1 if round_index == 0 else 0):
-                        best[stage] = min(best[stage], seconds)
                     restore_module_state(module, saved)
+                best[stage] = min(best[stage], seconds)
                 if stage < split.num_stages - 1:
                     specs = split.stage_output_specs(stage)
                     inputs = tuple(value.detach().requires_grad_(spec.requires_grad)
