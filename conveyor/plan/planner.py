@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -181,15 +182,15 @@ def unit_costs(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | 
         seq_len = int(leaf.shape[1]) if leaf is not None and leaf.dim() >= 2 else 1
         return analytic_units(model, microbatch_size=size, seq_len=seq_len, flops_per_second=machine.flops_per_second,
                               bytes_per_second=machine.bytes_per_second)
-    device, repeats, unsplittable = measure.device, measure.repeats, measure.unsplittable
-    table = profile_units(model, args, kwargs, device=device, repeats=repeats, unsplittable=unsplittable)
+    profile = functools.partial(profile_units, model, device=measure.device, repeats=measure.repeats,
+                                unsplittable=measure.unsplittable)
+    table = profile(args, kwargs)
     ms = list(microbatches) if microbatches is not None else microbatch_choices(global_batch, ranks)
     sizes = sorted({global_batch // m for m in ms} - {size})
     if not sizes:
         return table
     other = max((s for s in sizes if s <= 4 * size), default=sizes[0])
-    resized = resize_batch((args, dict(kwargs or {})), other)
-    second = profile_units(model, resized[0], resized[1], device=device, repeats=repeats, unsplittable=unsplittable)
+    second = profile(*resize_batch((args, dict(kwargs or {})), other))
     return combine(table, second) if other > size else combine(second, table)
 
 
