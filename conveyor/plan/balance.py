@@ -17,8 +17,6 @@ from conveyor.errors import PlanError
 from conveyor.frontend.balance import min_max_partition
 from conveyor.plan.costs import UnitCost
 
-INF = math.inf
-
 
 def cut_units(count: int, stages: int, cost: Callable[[int, int, int], float]) -> list[int]:
     """:func:`~conveyor.frontend.balance.min_max_partition` of ``count`` units into ``stages``, each stage
@@ -139,7 +137,7 @@ def lightest_split(sums: StageSums, stages: int, in_flight: Sequence[float], tim
 
     def memory(s: int, i: int, j: int) -> float:
         if sums.time(i, j) > time_limit:
-            return INF
+            return math.inf
         return sums.static(i, j) + in_flight[s] * sums.activations(i, j)
 
     return cut_units(len(sums.units), stages, memory)

@@ -110,20 +110,13 @@ def calibration_of(value: Calibration | dict | None, ranks: int) -> Calibration 
     return value
 
 
-def _producer_ends(timeline: Timeline) -> dict[tuple[str, int, int], float]:
-    ends = {}
-    for span in timeline.spans:
-        kind, a = span.action.kind, span.action
-        if kind is ActionKind.F:
-            ends[("F", a.stage, a.microbatch)] = span.end
-        elif kind is ActionKind.I or kind is ActionKind.B:
-            ends[("B", a.stage, a.microbatch)] = span.end
-    return ends
-
-
 def _receive_samples(timeline: Timeline, receives: list[float], waits: list[float]) -> None:
     """Add a receive span's length when the message was there, else producer end -> consumer start."""
-    ends = _producer_ends(timeline)
+    ends = {}  # ("F" or "B", stage, microbatch): when the pass that sends that message ended
+    for span in timeline.spans:
+        a = span.action
+        if a.kind in (ActionKind.F, ActionKind.I, ActionKind.B):
+            ends[("F" if a.kind is ActionKind.F else "B", a.stage, a.microbatch)] = span.end
     for rank in range(timeline.num_ranks):
         spans = timeline.spans_of(rank)
         for index, span in enumerate(spans):
