@@ -204,11 +204,9 @@ def choose(result: SearchResult, costs: CostTable, *, top: int = 5) -> Plan:
     over = result.best_over_memory()
     return Plan(best.schedule, settings["ranks"], best.virtual, best.microbatches, settings["global_batch"],
                 best.split_points, best.step_time, best.bubble, best.memory_per_rank, best.stage_times,
-                settings["memory_per_rank"], costs,
-                [_cells(c.schedule, c.virtual, c.microbatches, c.split_points, c.step_time, c.bubble, c.peak_memory)
-                 for c in fitting[1:top]], result.counts(),
-                None if over is None else _line(over), settings, best.schedule_costs, recompute=best.recompute,
-                expert_overlap=best.expert_overlap)
+                settings["memory_per_rank"], costs, [_cells(c, c.peak_memory) for c in fitting[1:top]],
+                result.counts(), None if over is None else _line(over), settings, best.schedule_costs,
+                recompute=best.recompute, expert_overlap=best.expert_overlap)
 
 
 def _nothing_fits(result: SearchResult) -> str:
@@ -262,8 +260,7 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
     lines += [f"{'#':>3}  {'schedule':<16} {'V':>2} {'M':>4}  {'split points':<40} {'step':>8} {'bubble':>7} "
               f"{'peak/rank':>14}",
               "-" * 102,
-              f"{1:>3}  " + _cells(chosen.schedule, chosen.virtual, chosen.microbatches, chosen.split_points,
-                                  chosen.step_time, chosen.bubble, max(chosen.memory_per_rank))]
+              f"{1:>3}  " + _cells(chosen, max(chosen.memory_per_rank))]
     for index, line in enumerate(chosen.alternatives[: top - 1], start=2):
         lines.append(f"{index:>3}  {line}")
     outcome = chosen.outcome
@@ -316,9 +313,10 @@ def step_basis(settings: Mapping[str, Any]) -> str:
     return CALIBRATED if settings.get("calibration") is not None else UNCALIBRATED
 
 
-def _cells(schedule, virtual, microbatches, split_points, step, bubble, peak) -> str:
-    points = ",".join(split_points)
+def _cells(c: Candidate | Plan, peak: float) -> str:
+    """A table row's cells for a candidate or a chosen plan, whose peak memory per rank is ``peak``."""
+    points = ",".join(c.split_points)
     if len(points) > 40:
         points = points[:37] + "..."
-    return (f"{schedule:<16} {virtual:>2} {microbatches:>4}  {points:<40} {step:>8.4g} s {bubble:>6.1%} "
-            f"{format_size(peak):>14}")
+    return (f"{c.schedule:<16} {c.virtual:>2} {c.microbatches:>4}  {points:<40} {c.step_time:>8.4g} s "
+            f"{c.bubble:>6.1%} {format_size(peak):>14}")
