@@ -156,13 +156,13 @@ def restore_module_state(module: torch.nn.Module, saved: tuple[list[Any], list[t
             buffer.copy_(value)
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for a GPU's queued work, so that a host clock times it (nothing on the CPU).
+def synchronize(device: torch.device | None) -> None:
+    """Wait for a GPU's queued work, so that a host clock times it (nothing on the CPU, or for None).
 
     Example:
         >>> synchronize(torch.device("cpu"))  # returns at once
     """
-    if device.type == "cuda":
+    if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -213,12 +213,8 @@ def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool, analy
     wanted_inputs = [v for v in received if isinstance(v, torch.Tensor) and v.requires_grad]
     weights = [p for p in module.parameters() if p.requires_grad]
     grads = [torch.ones_like(t) for t in trainable(outputs)]
-    split = []
-    for _, out in runs:
-        input_s, pending = timed(lambda out=out: backward_input(trainable(out), grads, wanted_inputs, weights,
-                                                                analyses))
-        weight_s, _ = timed(pending.backward_weight)
-        split.append((input_s, weight_s))
+    split = [split_backward_seconds(trainable(out), grads, wanted_inputs, weights, analyses, device)
+             for _, out in runs]
     input_s, weight_s = statistics.median(i for i, _ in split), statistics.median(w for _, w in split)
     if not wanted_inputs:  # no input gradient to give: all of it is weight work
         input_s, weight_s = 0.0, input_s + weight_s
@@ -290,7 +286,8 @@ def _spec_bytes(specs) -> float:
 
 
 def split_backward_seconds(roots: Sequence[Any], root_grads: Sequence[Any], inputs: Sequence[Any],
-                           params: Sequence[Any], analyses: Any = None) -> tuple[float, float]:
+                           params: Sequence[Any], analyses: Any = None,
+                           device: torch.device | None = None) -> tuple[float, float]:
     """Seconds of conveyor's input-gradient pass (I) then weight-gradient pass (W) on one graph.
 
     What the runtime runs where a schedule splits a backward (``conveyor.runtime.stage.backward``):
@@ -298,6 +295,7 @@ def split_backward_seconds(roots: Sequence[Any], root_grads: Sequence[Any], inpu
     per group of weights, so I + W costs more than one full backward (a small GPT stage: 5.7 +
     5.4 ms against 9.3 ms). Profile I and W this way for a split schedule; pass the same
     ``analyses`` (a ``GraphAnalysisCache``) for every microbatch of a stage, as the runtime does.
+    ``device``: a GPU whose queued work each clock waits for (:func:`synchronize`; None: none).
 
     Example:
         >>> import torch
@@ -307,10 +305,13 @@ def split_backward_seconds(roots: Sequence[Any], root_grads: Sequence[Any], inpu
         >>> i > 0 and w > 0 and lin.weight.grad is not None
         True
     """
+    synchronize(device)
     start = time.perf_counter()
     pending = backward_input(roots, root_grads, inputs, params, analyses)
+    synchronize(device)
     middle = time.perf_counter()
     pending.backward_weight()
+    synchronize(device)
     return middle - start, time.perf_counter() - middle
 
 

@@ -32,6 +32,7 @@ from conveyor.errors import SplitError
 from conveyor.frontend import split_model
 from conveyor.frontend.balance import partition
 from conveyor.frontend.stage import as_received
+from conveyor.plan.balance import bounds_of
 from conveyor.plan.profile import (
     profile_units,
     restore_module_state,
@@ -91,8 +92,7 @@ def time_split(model: torch.nn.Module, num_stages: int, *, example_args: Sequenc
     best, best_measured = cuts, measured
     scaled = list(weights)
     for _ in range(rounds):
-        bounds = [0, *cuts, len(weights)]
-        for stage, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for stage, (a, b) in enumerate(bounds_of(cuts, len(weights))):
             predicted = sum(scaled[a:b])
             if predicted > 0:
                 scaled[a:b] = [w * measured[stage] / predicted for w in scaled[a:b]]
