@@ -10,7 +10,8 @@ build.
 ZB-H1 and ZB-H2 share on a looped placement (stage ``s`` on rank ``s % P``):
 warm-up forwards, then one forward and one backward in turn, then the
 remaining backwards; with the backward split, each ``W`` may wait a fixed
-number of ``I`` behind.
+number of ``I`` behind. :func:`looped_schedule` builds those four schedules,
+:func:`breadth_first` GPipe and looped BFS.
 
 Example:
     >>> writer = ProgramWriter()
@@ -219,8 +220,11 @@ def _within(values: Sequence[int], bound: int) -> bool:
         return False
 
 
-def check_sizes(name: str, num_ranks: int, num_microbatches: int, virtual: int) -> None:
-    """Raise ScheduleError unless all three sizes are positive integers (builders called directly)."""
+def check_sizes(
+    name: str, num_ranks: int, num_microbatches: int, virtual: int, only_virtual: int | None = None
+) -> None:
+    """Raise ScheduleError unless all three sizes are positive integers (builders called directly) and,
+    for a schedule of a fixed number of stages per rank, ``virtual`` is ``only_virtual``."""
     for what, value in (
         ("num_ranks", num_ranks),
         ("num_microbatches", num_microbatches),
@@ -230,13 +234,10 @@ def check_sizes(name: str, num_ranks: int, num_microbatches: int, virtual: int) 
             raise ScheduleError(
                 f"schedule {name!r}: {what} must be a positive integer, got {value!r}"
             )
-
-
-def check_virtual(name: str, virtual: int, allowed: int) -> None:
-    if virtual != allowed:
+    if only_virtual is not None and virtual != only_virtual:
         raise ScheduleError(
-            f"schedule {name!r} runs exactly {allowed} stage(s) per rank, got virtual={virtual}; "
-            f"pass virtual={allowed} (or leave it out)"
+            f"schedule {name!r} runs exactly {only_virtual} stage(s) per rank, got virtual={virtual}; "
+            f"pass virtual={only_virtual} (or leave it out)"
         )
 
 
@@ -345,21 +346,24 @@ def looped_one_f_one_b(
     writer.extend(_W, backward_stages[held_back:], backward_microbatches[held_back:])
 
 
-def handcrafted_zero_bubble(
+def looped_schedule(
     name: str,
     num_ranks: int,
     num_microbatches: int,
     virtual: int,
     *,
     warmup_per_hop: int,
-    weights_behind_per_rank: int,
+    weights_behind_per_rank: int | None = None,
+    only_virtual: int | None = None,
 ) -> Schedule:
-    """ZB-H1 (1 and 1) and ZB-H2 (2 and 2): 1F1B-shaped programs with the backward split.
+    """A schedule of :func:`looped_one_f_one_b` programs on a looped placement: 1F1B (1, None),
+    interleaved 1F1B (2 for V > 1, None), ZB-H1 (1 and 1) and ZB-H2 (2 and 2).
 
-    Rank r warms up with ``(V-1) x G + warmup_per_hop x (P-1-r)`` forwards and lets
-    its W lag ``weights_behind_per_rank x r`` I behind (see ``zb_h1.py``, ``zb_h2.py``).
+    Rank r warms up with ``(V-1) x G + warmup_per_hop x (P-1-r)`` forwards (G the first round's
+    size); with ``weights_behind_per_rank`` the backward is split and rank r lets its W lag
+    ``weights_behind_per_rank x r`` I behind (see ``zb_h1.py``, ``zb_h2.py``).
     """
-    check_sizes(name, num_ranks, num_microbatches, virtual)
+    check_sizes(name, num_ranks, num_microbatches, virtual, only_virtual)
     rounds = microbatch_rounds(num_ranks, num_microbatches)
     writers = []
     for rank in range(num_ranks):
@@ -371,10 +375,27 @@ def handcrafted_zero_bubble(
             virtual=virtual,
             rounds=rounds,
             warmup=(virtual - 1) * len(rounds[0]) + warmup_per_hop * (num_ranks - 1 - rank),
-            split_backward=True,
-            weights_behind=weights_behind_per_rank * rank,
+            split_backward=weights_behind_per_rank is not None,
+            weights_behind=(weights_behind_per_rank or 0) * rank,
         )
         writers.append(writer.packed(num_ranks * virtual, num_microbatches))  # one rank's lists at a time
+    return make_schedule(name, Placement.looped(num_ranks, virtual), num_microbatches, writers)
+
+
+def breadth_first(name: str, num_ranks: int, num_microbatches: int, virtual: int,
+                  only_virtual: int | None = None) -> Schedule:
+    """GPipe (V = 1) and looped BFS: on a looped placement, each rank forwards every microbatch
+    through each local stage in turn, then backwards them through its local stages in reverse."""
+    check_sizes(name, num_ranks, num_microbatches, virtual, only_virtual)
+    writers = []
+    for rank in range(num_ranks):
+        writer = ProgramWriter()
+        microbatches = range(num_microbatches)
+        for local in range(virtual):
+            writer.extend(_F, [local * num_ranks + rank] * num_microbatches, microbatches)
+        for local in reversed(range(virtual)):
+            writer.extend(_B, [local * num_ranks + rank] * num_microbatches, microbatches)
+        writers.append(writer.packed(num_ranks * virtual, num_microbatches))
     return make_schedule(name, Placement.looped(num_ranks, virtual), num_microbatches, writers)
 
 
@@ -383,13 +404,11 @@ def make_schedule(
     placement: Placement,
     num_microbatches: int,
     writers: Sequence[ProgramWriter | PackedProgram],
-    below: int | None = None,
 ) -> Schedule:
-    """A Schedule from one writer (or its :meth:`ProgramWriter.packed` program) per rank (``below``:
-    drop the padding microbatches >= it; writers only). Builders pack each rank's writer as soon as
-    it is written, so that a P=256 build holds one rank's lists at a time."""
+    """A Schedule from one writer (or its :meth:`ProgramWriter.packed` program) per rank. Builders pack
+    each rank's writer as soon as it is written, so that a P=256 build holds one rank's lists at a time."""
     S = placement.num_stages
-    programs = tuple(w if isinstance(w, PackedProgram) else w.packed(S, num_microbatches, below) for w in writers)
+    programs = tuple(w if isinstance(w, PackedProgram) else w.packed(S, num_microbatches) for w in writers)
     return Schedule(name, placement, num_microbatches, programs)
 
 

@@ -26,13 +26,8 @@ peak live activations per rank [8, 8, 8, 8].
 
 from __future__ import annotations
 
-from conveyor.schedule.builtin._program import (
-    ProgramWriter,
-    check_sizes,
-    check_virtual,
-    make_schedule,
-)
-from conveyor.schedule.ir import ActionKind, Placement, Schedule
+from conveyor.schedule.builtin._program import breadth_first
+from conveyor.schedule.ir import Schedule
 from conveyor.schedule.registry import register
 
 
@@ -43,16 +38,7 @@ def gpipe(num_ranks: int, num_microbatches: int, virtual: int = 1) -> Schedule:
         >>> [str(a) for a in gpipe(2, 2).programs[1]]
         ['1F0', '1F1', '1B0', '1B1']
     """
-    check_sizes("gpipe", num_ranks, num_microbatches, virtual)
-    check_virtual("gpipe", virtual, 1)
-    writers = []
-    for rank in range(num_ranks):
-        writer = ProgramWriter()
-        stages, microbatches = [rank] * num_microbatches, range(num_microbatches)
-        writer.extend(ActionKind.F, stages, microbatches)
-        writer.extend(ActionKind.B, stages, microbatches)
-        writers.append(writer.packed(num_ranks, num_microbatches))
-    return make_schedule("gpipe", Placement.looped(num_ranks, 1), num_microbatches, writers)
+    return breadth_first("gpipe", num_ranks, num_microbatches, virtual, only_virtual=1)
 
 
 register(

@@ -39,14 +39,8 @@ peak live activations per rank [11, 9, 7, 5].
 
 from __future__ import annotations
 
-from conveyor.schedule.builtin._program import (
-    ProgramWriter,
-    check_sizes,
-    looped_one_f_one_b,
-    make_schedule,
-    microbatch_rounds,
-)
-from conveyor.schedule.ir import Placement, Schedule
+from conveyor.schedule.builtin._program import looped_schedule
+from conveyor.schedule.ir import Schedule
 from conveyor.schedule.registry import register
 
 
@@ -58,24 +52,11 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual: int = 2) ->
         >>> [str(a) for a in sched.programs[1]]
         ['1F0', '1F1', '3F0', '3B0', '3F1', '3B1', '1B0', '1B1']
     """
-    check_sizes("interleaved-1f1b", num_ranks, num_microbatches, virtual)
-    rounds = microbatch_rounds(num_ranks, num_microbatches)
-    writers = []
-    for rank in range(num_ranks):
-        if virtual == 1:
-            warmup = num_ranks - 1 - rank
-        else:
-            # The last rank must hold a whole round of every local stage but the last
-            # before its first backward; each rank before it, two more (a forward and a
-            # backward hop of the first microbatch).
-            warmup = (virtual - 1) * len(rounds[0]) + 2 * (num_ranks - 1 - rank)
-        writer = ProgramWriter()
-        looped_one_f_one_b(
-            writer, rank=rank, num_ranks=num_ranks, virtual=virtual, rounds=rounds, warmup=warmup
-        )
-        writers.append(writer.packed(num_ranks * virtual, num_microbatches))
-    placement = Placement.looped(num_ranks, virtual)
-    return make_schedule("interleaved-1f1b", placement, num_microbatches, writers)
+    # The last rank must hold a whole round of every local stage but the last before its
+    # first backward; each rank before it, two more (a forward and a backward hop of the
+    # first microbatch); with V = 1, one more (1F1B).
+    warmup_per_hop = 1 if virtual == 1 else 2
+    return looped_schedule("interleaved-1f1b", num_ranks, num_microbatches, virtual, warmup_per_hop=warmup_per_hop)
 
 
 register(

@@ -34,8 +34,8 @@ peak live activations per rank [16, 16, 16, 16].
 
 from __future__ import annotations
 
-from conveyor.schedule.builtin._program import ProgramWriter, check_sizes, make_schedule
-from conveyor.schedule.ir import ActionKind, Placement, Schedule
+from conveyor.schedule.builtin._program import breadth_first
+from conveyor.schedule.ir import Schedule
 from conveyor.schedule.registry import register
 
 
@@ -46,18 +46,7 @@ def looped_bfs(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Sched
         >>> [str(a) for a in looped_bfs(2, 2, virtual=2).programs[0]]
         ['0F0', '0F1', '2F0', '2F1', '2B0', '2B1', '0B0', '0B1']
     """
-    check_sizes("looped-bfs", num_ranks, num_microbatches, virtual)
-    writers = []
-    for rank in range(num_ranks):
-        writer = ProgramWriter()
-        microbatches = range(num_microbatches)
-        for local in range(virtual):
-            writer.extend(ActionKind.F, [local * num_ranks + rank] * num_microbatches, microbatches)
-        for local in reversed(range(virtual)):
-            writer.extend(ActionKind.B, [local * num_ranks + rank] * num_microbatches, microbatches)
-        writers.append(writer.packed(num_ranks * virtual, num_microbatches))
-    placement = Placement.looped(num_ranks, virtual)
-    return make_schedule("looped-bfs", placement, num_microbatches, writers)
+    return breadth_first("looped-bfs", num_ranks, num_microbatches, virtual)
 
 
 register(

@@ -28,14 +28,8 @@ peak live activations per rank [4, 3, 2, 1].
 
 from __future__ import annotations
 
-from conveyor.schedule.builtin._program import (
-    ProgramWriter,
-    check_sizes,
-    check_virtual,
-    looped_one_f_one_b,
-    make_schedule,
-)
-from conveyor.schedule.ir import Placement, Schedule
+from conveyor.schedule.builtin._program import looped_schedule
+from conveyor.schedule.ir import Schedule
 from conveyor.schedule.registry import register
 
 
@@ -46,23 +40,8 @@ def one_f_one_b(num_ranks: int, num_microbatches: int, virtual: int = 1) -> Sche
         >>> [str(a) for a in one_f_one_b(2, 3).programs[0]]
         ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
     """
-    check_sizes("1f1b", num_ranks, num_microbatches, virtual)
-    check_virtual("1f1b", virtual, 1)
     # With one stage per rank, the forward order is microbatches 0..M-1 whatever the rounds.
-    rounds = [range(num_microbatches)]
-    writers = []
-    for rank in range(num_ranks):
-        writer = ProgramWriter()
-        looped_one_f_one_b(
-            writer,
-            rank=rank,
-            num_ranks=num_ranks,
-            virtual=1,
-            rounds=rounds,
-            warmup=num_ranks - 1 - rank,
-        )
-        writers.append(writer.packed(num_ranks, num_microbatches))
-    return make_schedule("1f1b", Placement.looped(num_ranks, 1), num_microbatches, writers)
+    return looped_schedule("1f1b", num_ranks, num_microbatches, virtual, warmup_per_hop=1, only_virtual=1)
 
 
 register(

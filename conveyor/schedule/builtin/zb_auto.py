@@ -71,7 +71,6 @@ from conveyor.errors import CostError, ScheduleError
 from conveyor.schedule.builtin._program import (
     ProgramWriter,
     check_sizes,
-    check_virtual,
     make_schedule,
 )
 from conveyor.schedule.builtin.zb_h1 import zb_h1
@@ -411,8 +410,7 @@ def zb_1p(num_ranks: int, num_microbatches: int, virtual: int = 1, *, costs: Cos
         >>> [str(a) for a in zb_1p(2, 2).programs[1]]
         ['1F0', '1I0', '1F1', '1I1', '1W0', '1W1']
     """
-    check_sizes("zb-1p", num_ranks, num_microbatches, virtual)
-    check_virtual("zb-1p", virtual, 1)
+    check_sizes("zb-1p", num_ranks, num_microbatches, virtual, only_virtual=1)
     return zb_auto(num_ranks, num_microbatches, memory_limit=num_ranks, costs=costs, name="zb-1p")
 
 
@@ -423,8 +421,7 @@ def zb_2p(num_ranks: int, num_microbatches: int, virtual: int = 1, *, costs: Cos
         >>> [str(a) for a in zb_2p(2, 3).programs[0]]
         ['0F0', '0F1', '0F2', '0I0', '0W0', '0I1', '0W1', '0I2', '0W2']
     """
-    check_sizes("zb-2p", num_ranks, num_microbatches, virtual)
-    check_virtual("zb-2p", virtual, 1)
+    check_sizes("zb-2p", num_ranks, num_microbatches, virtual, only_virtual=1)
     return zb_auto(num_ranks, num_microbatches, memory_limit=2 * num_ranks, costs=costs, name="zb-2p")
 
 

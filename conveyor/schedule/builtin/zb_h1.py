@@ -43,7 +43,7 @@ peak live activations per rank [4, 4, 4, 4].
 
 from __future__ import annotations
 
-from conveyor.schedule.builtin._program import handcrafted_zero_bubble
+from conveyor.schedule.builtin._program import looped_schedule
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.registry import register
 
@@ -55,7 +55,7 @@ def zb_h1(num_ranks: int, num_microbatches: int, virtual: int = 1) -> Schedule:
         >>> [str(a) for a in zb_h1(2, 2).programs[1]]
         ['1F0', '1I0', '1F1', '1I1', '1W0', '1W1']
     """
-    return handcrafted_zero_bubble(
+    return looped_schedule(
         "zb-h1", num_ranks, num_microbatches, virtual, warmup_per_hop=1, weights_behind_per_rank=1
     )
 

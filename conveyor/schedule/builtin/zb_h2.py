@@ -46,7 +46,7 @@ peak live activations per rank [7, 7, 7, 7].
 
 from __future__ import annotations
 
-from conveyor.schedule.builtin._program import handcrafted_zero_bubble
+from conveyor.schedule.builtin._program import looped_schedule
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.registry import register
 
@@ -58,7 +58,7 @@ def zb_h2(num_ranks: int, num_microbatches: int, virtual: int = 1) -> Schedule:
         >>> [str(a) for a in zb_h2(2, 3).programs[0]]
         ['0F0', '0F1', '0F2', '0I0', '0W0', '0I1', '0W1', '0I2', '0W2']
     """
-    return handcrafted_zero_bubble(
+    return looped_schedule(
         "zb-h2", num_ranks, num_microbatches, virtual, warmup_per_hop=2, weights_behind_per_rank=2
     )
 
