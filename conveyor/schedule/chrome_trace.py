@@ -75,28 +75,18 @@ def to_chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict:
             if timeline.comm_spans:
                 events.append(_metadata("thread_name", pid, EXCHANGE_TID, {"name": f"rank {rank} comm"}))
         origin = timeline.start
-        events += _exchange_events(timeline, pid_offset, origin, scale)
+        # The all-to-alls of ``timeline``, each on its rank's exchange thread.
+        for span in timeline.comm_spans:
+            events.append(_complete(f"all-to-all {span.label}", "all-to-all", span, origin, scale, pid_offset,
+                                    EXCHANGE_TID, {"rank": span.rank, "of": span.label}))
         for span in timeline.spans:
             action = span.action
             is_compute = action.kind.is_compute
-            events.append(
-                {
-                    "name": f"{action.kind.value} s{action.stage} m{action.microbatch}",
-                    "cat": "compute" if is_compute else "communication",
-                    "ph": "X",
-                    "ts": round((span.start - origin) * scale, 3),
-                    "dur": round((span.end - span.start) * scale, 3),
-                    "pid": pid_offset + span.rank,
-                    "tid": 0 if is_compute else 1,
-                    "args": {
-                        "kind": action.kind.value,
-                        "stage": action.stage,
-                        "microbatch": action.microbatch,
-                        "rank": span.rank,
-                        "action": str(action),
-                    },
-                }
-            )
+            args = {"kind": action.kind.value, "stage": action.stage, "microbatch": action.microbatch,
+                    "rank": span.rank, "action": str(action)}
+            events.append(_complete(f"{action.kind.value} s{action.stage} m{action.microbatch}",
+                                    "compute" if is_compute else "communication", span, origin, scale, pid_offset,
+                                    0 if is_compute else 1, args))
         pid_offset += timeline.num_ranks
     return {
         "traceEvents": events,
@@ -134,12 +124,12 @@ def write_chrome_trace(timelines: Timeline | Sequence[Timeline], path: str | os.
     return out
 
 
-def _exchange_events(timeline: Timeline, pid_offset: int, origin: float, scale: float) -> list[dict]:
-    """The all-to-alls of ``timeline``, each on its rank's exchange thread."""
-    return [{"name": f"all-to-all {span.label}", "cat": "all-to-all", "ph": "X",
-             "ts": round((span.start - origin) * scale, 3), "dur": round((span.end - span.start) * scale, 3),
-             "pid": pid_offset + span.rank, "tid": EXCHANGE_TID, "args": {"rank": span.rank, "of": span.label}}
-            for span in timeline.comm_spans]
+def _complete(name: str, cat: str, span, origin: float, scale: float, pid_offset: int, tid: int,
+              args: dict) -> dict:
+    """A complete (``"X"``) event of ``span`` (a Span or a CommSpan), in microseconds from ``origin``."""
+    return {"name": name, "cat": cat, "ph": "X", "ts": round((span.start - origin) * scale, 3),
+            "dur": round((span.end - span.start) * scale, 3), "pid": pid_offset + span.rank, "tid": tid,
+            "args": args}
 
 
 def _metadata(name: str, pid: int, tid: int, args: dict) -> dict:

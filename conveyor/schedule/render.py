@@ -53,6 +53,7 @@ EXCHANGE_COLOR = "#8e44ad"  # an all-to-all (Timeline.comm_spans), on its own la
 # Rows of a rank as offsets from its centre line: compute alone, or compute above a communication lane.
 _COMPUTE_ROW = (-0.4, 0.4)
 _COMPUTE_ROW_ABOVE_LANE, _EXCHANGE_LANE = (-0.45, 0.1), (0.16, 0.45)
+_COMM_LANE = (0.42, 0.5)  # point-to-point communication, a thin strip at the bottom of the row
 
 # Label and layout limits that keep big pictures fast and small ones legible.
 _LABEL_FONT_PT = 7.0
@@ -389,28 +390,15 @@ def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> 
         )
     )
     if comm:
-        comm_boxes = []
-        for span in comm:
-            x0 = (span.start - origin) * unit.factor
-            x1 = max((span.end - origin) * unit.factor, x0 + 0.5 / px_per_x)
-            comm_boxes.append(
-                (
-                    (x0, span.rank + 0.42),
-                    (x1, span.rank + 0.42),
-                    (x1, span.rank + 0.5),
-                    (x0, span.rank + 0.5),
-                )
-            )
-        ax.add_collection(PolyCollection(comm_boxes, facecolors=COMM_COLOR, linewidths=0))
+        _draw_lane(ax, comm, _COMM_LANE, COMM_COLOR, origin, unit.factor, px_per_x)
     if timeline.comm_spans:
-        _draw_exchange_lane(ax, timeline.comm_spans, origin, unit.factor, px_per_x)
+        _draw_lane(ax, timeline.comm_spans, _EXCHANGE_LANE, EXCHANGE_COLOR, origin, unit.factor, px_per_x)
 
     _label_boxes(ax, compute, colors, origin, unit.factor, px_per_x, row_px * (row_bottom - row_top) / 0.8,
                  stages_per_rank, dpi, (row_top + row_bottom) / 2)  # (a row without a lane is 0.8 high)
 
     ax.set_xlim(0, x_end)
     ax.set_ylim(timeline.num_ranks - 0.5, -0.5)  # rank 0 on top
-    ax.set_yticks(range(timeline.num_ranks))
     step = max(1, timeline.num_ranks // 32)
     ax.set_yticks(range(0, timeline.num_ranks, step))
     ax.set_yticklabels([f"rank {r}" for r in range(0, timeline.num_ranks, step)], fontsize=8)
@@ -422,17 +410,17 @@ def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> 
     return _Drawn(frozenset(s.action.kind for s in compute), stages_per_rank, bool(comm), bool(timeline.comm_spans))
 
 
-def _draw_exchange_lane(ax, comm_spans, origin, factor, px_per_x) -> None:
-    """The all-to-alls of each rank, on the lane under its compute (at least half a pixel wide each)."""
+def _draw_lane(ax, spans, lane, color, origin, factor, px_per_x) -> None:
+    """Communication spans (p2p, or the all-to-alls) on a lane of each rank's row (at least half a pixel wide each)."""
     from matplotlib.collections import PolyCollection
 
-    top, bottom = _EXCHANGE_LANE
+    top, bottom = lane
     boxes = []
-    for span in comm_spans:
+    for span in spans:
         x0 = (span.start - origin) * factor
         x1 = max((span.end - origin) * factor, x0 + 0.5 / px_per_x)
         boxes.append(((x0, span.rank + top), (x1, span.rank + top), (x1, span.rank + bottom), (x0, span.rank + bottom)))
-    ax.add_collection(PolyCollection(boxes, facecolors=EXCHANGE_COLOR, linewidths=0))
+    ax.add_collection(PolyCollection(boxes, facecolors=color, linewidths=0))
 
 
 def _label_boxes(
