@@ -33,7 +33,7 @@ from itertools import chain, repeat
 from operator import add, floordiv
 
 from conveyor.errors import ScheduleError
-from conveyor.schedule.ir import KINDS, NUM_COMPUTE_KINDS, ActionKind, PackedProgram, Schedule
+from conveyor.schedule.ir import KIND_INDEX, KINDS, NUM_COMPUTE_KINDS, ActionKind, PackedProgram, Schedule
 
 K = ActionKind
 
@@ -112,35 +112,25 @@ def _lower_paired_codes(program: PackedProgram, before: list[int], after: list[i
 
 
 def _comm_deltas(stage_to_rank: tuple[int, ...], num_microbatches: int) -> tuple[list[int], list[int]]:
-    """Per key ``kind_index * S + stage``: the code delta of the comm that goes before / after it."""
+    """Per key ``kind_index * S + stage``: the code delta of the comm that goes before / after that
+    action (``_NONE``: none there)."""
     S = len(stage_to_rank)
     SM = S * num_microbatches
-    before_kinds, after_kinds = _comm_tables(stage_to_rank)
-    index = {id(kind): i for i, kind in enumerate(KINDS)}
-    before, after = [], []
-    for key in range(len(KINDS) * S):
-        kind_index = key // S
-        for table, out in ((before_kinds, before), (after_kinds, after)):
-            comm = table[key]
-            out.append(_NONE if comm is None else (index[id(comm)] - kind_index) * SM)
-    return before, after
-
-
-def _comm_tables(stage_to_rank: tuple[int, ...]) -> tuple[list, list]:
-    """For each ``kind_index * S + stage``: the comm kind that goes before / after that action, or None."""
-    S = len(stage_to_rank)
 
     def crosses(stage: int, peer: int) -> bool:
         return 0 <= peer < S and stage_to_rank[peer] != stage_to_rank[stage]
 
-    before: list[ActionKind | None] = [None] * (len(KINDS) * S)
-    after: list[ActionKind | None] = [None] * (len(KINDS) * S)
-    for index, kind in enumerate(KINDS):
+    before, after = [_NONE] * (len(KINDS) * S), [_NONE] * (len(KINDS) * S)
+    # (kind, what goes before it and the peer stage it comes from, what goes after it and the peer it goes to)
+    for kind, receive, source, send, target in (
+        (K.F, K.RECV_F, -1, K.SEND_F, 1),
+        (K.B, K.RECV_B, 1, K.SEND_B, -1),
+        (K.I, K.RECV_B, 1, K.SEND_B, -1),
+    ):
+        index = KIND_INDEX[id(kind)]
         for s in range(S):
-            if kind is K.F:
-                before[index * S + s] = K.RECV_F if crosses(s, s - 1) else None
-                after[index * S + s] = K.SEND_F if crosses(s, s + 1) else None
-            elif kind is K.B or kind is K.I:
-                before[index * S + s] = K.RECV_B if crosses(s, s + 1) else None
-                after[index * S + s] = K.SEND_B if crosses(s, s - 1) else None
+            if crosses(s, s + source):
+                before[index * S + s] = (KIND_INDEX[id(receive)] - index) * SM
+            if crosses(s, s + target):
+                after[index * S + s] = (KIND_INDEX[id(send)] - index) * SM
     return before, after
