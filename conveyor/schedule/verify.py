@@ -230,7 +230,7 @@ def _check_action(placement: Placement, num_microbatches: int, programs: Sequenc
                 f"in Action(kind={kind.name}, stage={stage!r}, microbatch={microbatch!r})"
             )
     S, M, stage_to_rank = placement.num_stages, num_microbatches, placement.stage_to_rank
-    label = _label(action)
+    label = f"action {action}"
     marked = {(rank, i): STUCK}
     if not 0 <= stage < S:
         raise ScheduleError(
@@ -382,20 +382,17 @@ def _check_comms(schedule: Schedule, codes: list[list[int]], kinds: list[list[Ac
         for i, action in enumerate(program):
             s, m, kind = action.stage, action.microbatch, action.kind
             # (this action, the comm it needs on its own rank, the comm that pairs with it on the peer)
-            if kind is K.F or kind is K.SEND_F or kind is K.RECV_F:
-                checks = []
-                if kind is K.F and s > 0 and stage_to_rank[s - 1] != rank:
+            checks = []
+            if kind is K.F:
+                if s > 0 and stage_to_rank[s - 1] != rank:
                     checks.append((K.RECV_F, s, K.SEND_F, s - 1, "before"))
-                if kind is K.F and s < S - 1 and stage_to_rank[s + 1] != rank:
+                if s < S - 1 and stage_to_rank[s + 1] != rank:
                     checks.append((K.SEND_F, s, K.RECV_F, s + 1, "after"))
             elif kind is K.B or kind is K.I:
-                checks = []
                 if s < S - 1 and stage_to_rank[s + 1] != rank:
                     checks.append((K.RECV_B, s, K.SEND_B, s + 1, "before"))
                 if s > 0 and stage_to_rank[s - 1] != rank:
                     checks.append((K.SEND_B, s, K.RECV_B, s - 1, "after"))
-            else:
-                continue
             for own_kind, own_stage, peer_kind, peer_stage, side in checks:
                 own = at(own_kind, own_stage, m)
                 peer = at(peer_kind, peer_stage, m)
@@ -580,10 +577,6 @@ def _find_cycle(by_rank: dict[int, Blocked]) -> list[int]:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def _label(action: Action) -> str:
-    return f"action {action}"
 
 
 def _grid(schedule: Schedule, marks: dict[tuple[int, int], str]) -> str:
