@@ -45,7 +45,7 @@ from conveyor.schedule.ir import KINDS, NUM_COMPUTE_KINDS, Action, ActionKind, P
 from conveyor.schedule.lower import lower
 from conveyor.schedule.overlap import PairTiming, pair_timing
 from conveyor.schedule.passes import executable
-from conveyor.schedule.timeline import CommSpan, PackedSpans, Span, Timeline
+from conveyor.schedule.timeline import CommSpan, PackedSpans, Span, Timeline, schedule_labels
 from conveyor.schedule.verify import check_shape, verify
 
 
@@ -88,20 +88,16 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
             raise AssertionError(f"schedule {schedule.name!r} failed the timed check but verifies")
         spans = packed_spans(source, run)
     comm_spans, exposed = _exchange_spans(spans, costs, timings) if costs.has_exchanges else ((), ())
+    title, metadata = schedule_labels(schedule)
     return Timeline(
         schedule.num_ranks,
         spans,
-        title=f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches}",
+        title=title,
         source="simulated",
         time_unit=time_unit,
         stage_activation_bytes=tuple(s.activation_bytes for s in costs.stages),
         stage_weight_activation_bytes=tuple(s.weight_kept for s in costs.stages),
-        metadata={
-            "schedule": schedule.name,
-            "ranks": schedule.num_ranks,
-            "virtual": schedule.virtual,
-            "microbatches": schedule.num_microbatches,
-        },
+        metadata=metadata,
         comm_spans=comm_spans,
         exposed_comm=exposed,
     )
@@ -321,6 +317,5 @@ def simulate_shared_cores(schedule: Schedule, costs: CostModel, cores: int) -> T
         now = later
     if any(p < len(program) for p, program in zip(position, programs)):
         raise AssertionError(f"{schedule.name}: ranks stopped at {position} in the shared-cores timing")
-    return Timeline.from_spans(num_ranks, spans, title=(f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} "
-                                                        f"M={schedule.num_microbatches}, {cores} shared cores"),
+    return Timeline.from_spans(num_ranks, spans, title=f"{schedule_labels(schedule)[0]}, {cores} shared cores",
                                source="simulated", time_unit="s")

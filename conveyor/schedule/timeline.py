@@ -384,14 +384,22 @@ def measured_timeline(schedule, per_rank_events: Sequence[Sequence[tuple]], *,
         exposed_comm = [_uncovered([(s.start, s.end) for s in comm if s.rank == rank],
                                    [(s.start, s.end) for s in spans if s.rank == rank])
                         for rank in range(schedule.num_ranks)]
-    return Timeline.from_spans(
-        schedule.num_ranks, spans,
-        title=f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches}",
-        source="measured", time_unit="s",
-        metadata={"schedule": schedule.name, "ranks": schedule.num_ranks, "virtual": schedule.virtual,
-                  "microbatches": schedule.num_microbatches},
-        comm_spans=comm, exposed_comm=exposed_comm or (),
-    )
+    title, metadata = schedule_labels(schedule)
+    return Timeline.from_spans(schedule.num_ranks, spans, title=title, source="measured", time_unit="s",
+                               metadata=metadata, comm_spans=comm, exposed_comm=exposed_comm or ())
+
+
+def schedule_labels(schedule) -> tuple[str, dict]:  # noqa: ANN001 - a Schedule
+    """The title and the metadata of a timeline of ``schedule``.
+
+    Example:
+        >>> import conveyor.schedule as cs
+        >>> schedule_labels(cs.build("1f1b", ranks=4, microbatches=8))[0]
+        '1f1b P=4 V=1 M=8'
+    """
+    title = f"{schedule.name} P={schedule.num_ranks} V={schedule.virtual} M={schedule.num_microbatches}"
+    return title, {"schedule": schedule.name, "ranks": schedule.num_ranks, "virtual": schedule.virtual,
+                   "microbatches": schedule.num_microbatches}
 
 
 def _uncovered(intervals: Sequence[tuple[float, float]], cover: Sequence[tuple[float, float]]) -> float:
