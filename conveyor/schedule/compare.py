@@ -30,6 +30,8 @@ from conveyor.schedule.timeline import PackedSpans, Timeline
 Costs = tuple[float, float, float]
 DEFAULT_COSTS: Costs = (1.0, 1.0, 1.0)
 DEFAULT_COMPARE_PNG = "out/compare.png"
+# The figures of a row of run_compare (None where the schedule cannot serve the sizes), in order.
+_FIGURES = ("makespan", "bubble_ratio", "peak_activations", "peak_activations_max", "peak_activation_share")
 
 
 def virtual_description(info: ScheduleInfo) -> str:
@@ -125,15 +127,8 @@ def _compare_row(
     try:
         timeline = simulate_one(name, ranks, microbatches, chosen, stage_costs, latency)
     except ConveyorError as error:
-        # The rule is the first line; deadlock reports add rank-by-rank detail below it.
-        row.update(
-            makespan=None,
-            bubble_ratio=None,
-            peak_activations=None,
-            peak_activations_max=None,
-            peak_activation_share=None,
-            error=str(error).splitlines()[0],
-        )
+        # No figures; the rule is the first line (deadlock reports add rank-by-rank detail below it).
+        row.update(dict.fromkeys(_FIGURES), error=str(error).splitlines()[0])
         return row, None
     peaks = timeline.peak_activations()
     row.update(

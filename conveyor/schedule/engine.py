@@ -140,8 +140,8 @@ def key_tables(
     """
     S, M = len(stage_to_rank), num_microbatches
     SM = S * M
-    always = (len(KINDS) if lowered else NUM_COMPUTE_KINDS) * SM  # the always-done row
     kinds = len(KINDS) if lowered else NUM_COMPUTE_KINDS  # (a SEND/RECV code then misses the table)
+    always = kinds * SM  # the always-done row
     tables: list[list[tuple | None]] = [[None] * (kinds * S) for _ in range(max(stage_to_rank) + 1)]
     for s, rank in enumerate(stage_to_rank):
         previous_remote = s > 0 and stage_to_rank[s - 1] != rank
