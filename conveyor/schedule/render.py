@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,9 +215,7 @@ def draw(
     FigureCanvasAgg(figure)
     axes_width_px = (width_in - left_in - right_in) * dpi
     shared_end = max((t.makespan for t in panels), default=0.0) if share_time else None
-    kinds_seen: set[ActionKind] = set()
-    max_stages_per_rank = 1
-    has_comm = has_exchanges = False
+    drawn: list[_Drawn] = []
     top_in = height_in - legend_in
     for timeline, title, rows_in in zip(panels, titles, panel_heights):
         bottom_in = top_in - title_in - rows_in
@@ -229,12 +228,8 @@ def draw(
             )
         )
         top_in = bottom_in - axis_in - gap_in
-        drawn = _draw_panel(ax, timeline, title, axes_width_px, row_in * dpi, shared_end, dpi)
-        kinds_seen |= drawn.kinds
-        max_stages_per_rank = max(max_stages_per_rank, drawn.stages_per_rank)
-        has_comm = has_comm or drawn.has_comm
-        has_exchanges = has_exchanges or drawn.has_exchanges
-    _legend(figure, kinds_seen, max_stages_per_rank, has_comm, has_exchanges)
+        drawn.append(_draw_panel(ax, timeline, title, axes_width_px, row_in * dpi, shared_end, dpi))
+    _legend(figure, drawn)
     return figure
 
 
@@ -301,13 +296,10 @@ class _Drawn:
 
 def _figure_width(panels: Sequence[Timeline]) -> float:
     # Wide enough for ~0.2 in per box on the busiest rank, within a screen-ish range.
-    busiest = 0
-    for timeline in panels:
-        per_rank = [0] * timeline.num_ranks
-        for span in timeline.spans:
-            if span.action.kind.is_compute:
-                per_rank[span.rank] += 1
-        busiest = max(busiest, max(per_rank, default=0))
+    busiest = max(
+        (count for t in panels for count in Counter(s.rank for s in t.spans if s.action.kind.is_compute).values()),
+        default=0,
+    )
     return min(max(busiest * 0.2 + 1.2, 10.0), 30.0)
 
 
@@ -438,11 +430,7 @@ def _label_boxes(
     short_chars = len(str(max(s.action.microbatch for s in spans)))
     long_chars = short_chars + 3 + len(str(max(s.action.stage for s in spans)))
     typical_px = sorted(widths_px)[len(widths_px) // 2]
-    font_pt = _LABEL_FONT_PT
-    for candidate in (_LABEL_FONT_PT, 6.0, 5.0):
-        font_pt = candidate
-        if _text_px(short_chars, candidate, dpi) <= typical_px:
-            break
+    font_pt = next((pt for pt in (_LABEL_FONT_PT, 6.0) if _text_px(short_chars, pt, dpi) <= typical_px), 5.0)
     if row_px < font_pt * dpi / 72 * 1.2:
         return
     short_px = _text_px(short_chars, font_pt, dpi)
@@ -480,17 +468,20 @@ def _text_px(num_chars: int, font_pt: float, dpi: int) -> float:
     return num_chars * font_pt * dpi / 72 * 0.62 + 3
 
 
-def _legend(figure, kinds: set[ActionKind], stages_per_rank: int, has_comm: bool, has_exchanges: bool) -> None:
+def _legend(figure, drawn: Sequence[_Drawn]) -> None:
+    """What the panels drawn show: their kinds, the shades of a rank's stages, their communication lanes."""
     from matplotlib.patches import Patch
 
+    kinds = frozenset().union(*(d.kinds for d in drawn))
+    stages_per_rank = max(d.stages_per_rank for d in drawn)
     handles = [Patch(color=KIND_COLORS[k], label=KIND_NAMES[k]) for k in KIND_COLORS if k in kinds]
     if stages_per_rank > 1:
         for position in range(stages_per_rank):
             shade = _shade("#606060", position, stages_per_rank)
             handles.append(Patch(color=shade, label=f"{_ordinal(position + 1)} stage of a rank"))
-    if has_comm:
+    if any(d.has_comm for d in drawn):
         handles.append(Patch(color=COMM_COLOR, label="communication"))
-    if has_exchanges:
+    if any(d.has_exchanges for d in drawn):
         handles.append(Patch(color=EXCHANGE_COLOR, label="all-to-all"))
     if not handles:
         return  # an empty timeline: nothing to explain
