@@ -17,18 +17,12 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, repeat
 from operator import floordiv, sub
 
-from conveyor.schedule.ir import (
-    Action,
-    ActionKind,
-    PackedProgram,
-    gc_paused,
-)
+from conveyor.schedule.ir import Action, ActionKind, PackedProgram, in_bulk
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +91,6 @@ class _PackedSpan(Span):
         return f"Span(rank={self.rank!r}, action={self.action!r}, start={self.start!r}, end={self.end!r})"
 
 
-_span_new = object.__new__
-_set_of, _set_at = _PackedSpan.__dict__["_of"].__set__, _PackedSpan.__dict__["_at"].__set__
-
-
 class PackedSpans(Sequence[Span]):
     """A simulated timeline's spans, rank by rank in program order, made when read.
 
@@ -131,11 +121,7 @@ class PackedSpans(Sequence[Span]):
         if not count:
             return []
         of = _RankSpans(rank, self.programs[rank], self.starts[rank], self.ends[rank])
-        with gc_paused():
-            spans = list(map(_span_new, repeat(_PackedSpan, count)))
-            deque(map(_set_of, spans, repeat(of, count)), maxlen=0)
-            deque(map(_set_at, spans, range(count)), maxlen=0)
-        return spans
+        return in_bulk(_PackedSpan, count, _of=repeat(of, count), _at=range(count))
 
     def __iter__(self) -> Iterator[Span]:
         return chain.from_iterable(map(self.rank_spans, range(len(self.starts))))
