@@ -53,7 +53,7 @@ class ProgramWriter:
 
     Example:
         >>> writer = ProgramWriter()
-        >>> writer.forward(0, 0); writer.backward_input(0, 0); writer.backward_weight(0, 0)
+        >>> writer.add(ActionKind.F, 0, 0); writer.add(ActionKind.I, 0, 0); writer.add(ActionKind.W, 0, 0)
         >>> [str(a) for a in writer.actions()]
         ['0F0', '0I0', '0W0']
     """
@@ -98,19 +98,6 @@ class ProgramWriter:
         self._segments.append(("weave", list(columns)))
         self._length += len(columns) * steps
 
-    def forward(self, stage: int, microbatch: int) -> None:
-        self.add(_F, stage, microbatch)
-
-    def backward(self, stage: int, microbatch: int) -> None:
-        """Full backward (input and weight gradients together)."""
-        self.add(_B, stage, microbatch)
-
-    def backward_input(self, stage: int, microbatch: int) -> None:
-        self.add(_I, stage, microbatch)
-
-    def backward_weight(self, stage: int, microbatch: int) -> None:
-        self.add(_W, stage, microbatch)
-
     def __len__(self) -> int:
         return self._length
 
@@ -123,7 +110,7 @@ class ProgramWriter:
 
         Example:
             >>> writer = ProgramWriter()
-            >>> writer.forward(1, 0); writer.backward(1, 0)
+            >>> writer.add(ActionKind.F, 1, 0); writer.add(ActionKind.B, 1, 0)
             >>> [str(a) for a in writer.packed(2, 1)]
             ['1F0', '1B0']
         """

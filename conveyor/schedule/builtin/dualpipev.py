@@ -86,20 +86,20 @@ def _rank_program(rank: int, num_ranks: int, num_microbatches: int) -> ProgramWr
     )  # (stage, microbatch) of each I whose W is still to run
 
     def f(stage: int) -> None:
-        writer.forward(stage, forward[stage])
+        writer.add(ActionKind.F, stage, forward[stage])
         forward[stage] += 1
 
     def b(stage: int, split: bool = False) -> None:
         microbatch = backward[stage]
         backward[stage] += 1
         if split:
-            writer.backward_input(stage, microbatch)
+            writer.add(ActionKind.I, stage, microbatch)
             held_back.append((stage, microbatch))
         else:
-            writer.backward(stage, microbatch)
+            writer.add(ActionKind.B, stage, microbatch)
 
     def w() -> None:
-        writer.backward_weight(*held_back.popleft())
+        writer.add(ActionKind.W, *held_back.popleft())
 
     def run(
         kind: ActionKind, stage: int, counters: dict[int, int], steps: int
