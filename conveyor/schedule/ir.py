@@ -120,7 +120,7 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def in_bulk(cls: type, count: int, **slots: Iterable) -> list:
+def in_bulk(cls: type, count: int, slots: Mapping[str, Iterable]) -> list:
     """``count`` new ``cls``, each slot named in ``slots`` set from its values in turn, made without
     ``__init__``: a frozen dataclass's costs 4x more than setting its slots directly (``cls`` has
     no ``__post_init__`` that this would skip)."""
@@ -133,7 +133,7 @@ def in_bulk(cls: type, count: int, **slots: Iterable) -> list:
 
 def actions_in_bulk(kinds: Sequence[ActionKind], stages: Sequence[int], microbatches: Sequence[int]) -> list[Action]:
     """``[Action(k, s, m) for k, s, m in zip(...)]``, several times faster (lowering and builders use it)."""
-    return in_bulk(Action, len(kinds), kind=kinds, stage=stages, microbatch=microbatches)
+    return in_bulk(Action, len(kinds), {"kind": kinds, "stage": stages, "microbatch": microbatches})
 
 # -- packed programs ---------------------------------------------------------------------------------
 

@@ -121,7 +121,7 @@ class PackedSpans(Sequence[Span]):
         if not count:
             return []
         of = _RankSpans(rank, self.programs[rank], self.starts[rank], self.ends[rank])
-        return in_bulk(_PackedSpan, count, _of=repeat(of, count), _at=range(count))
+        return in_bulk(_PackedSpan, count, {"_of": repeat(of, count), "_at": range(count)})
 
     def __iter__(self) -> Iterator[Span]:
         return chain.from_iterable(map(self.rank_spans, range(len(self.starts))))
