@@ -251,17 +251,17 @@ class Timeline:
         if isinstance(self.spans, PackedSpans):
             return self._packed_peaks(weight, kept)
         split = {(s.action.stage, s.action.microbatch) for s in self.spans if s.action.kind is ActionKind.I}
-        by_rank: list[list[tuple[float, int, Span]]] = [[] for _ in range(self.num_ranks)]
-        for index, s in enumerate(self.spans):
-            by_rank[s.rank].append((s.start, index, s))
+        by_rank: list[list[Span]] = [[] for _ in range(self.num_ranks)]
+        for s in self.spans:
+            by_rank[s.rank].append(s)
         peaks = []
         for rank_spans in by_rank:
-            # A rank runs its actions one after another: order events by time, then by the
-            # action's place in that sequence, so a release at the instant the next action
-            # allocates comes first, and a zero-length forward allocates before its own backward
-            # (also of zero length) releases.
+            # A rank runs its actions one after another (by start; a stable sort keeps the given order
+            # of a tie): order events by time, then by the action's place in that sequence, so a
+            # release at the instant the next action allocates comes first, and a zero-length forward
+            # allocates before its own backward (also of zero length) releases.
             events: list[tuple[float, int, float]] = []
-            for position, (_, _, s) in enumerate(sorted(rank_spans, key=lambda e: (e[0], e[1]))):
+            for position, s in enumerate(sorted(rank_spans, key=lambda span: span.start)):
                 a = s.action
                 if a.kind is ActionKind.F:
                     events.append((s.start, 2 * position, weight(a.stage)))
