@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from operator import floordiv
@@ -56,6 +57,7 @@ K = ActionKind
 _KNOWN_KIND_IDS = frozenset(map(id, ActionKind))
 _COMM_KIND_IDS = frozenset(id(kind) for kind in ActionKind if kind.is_comm)
 _MAX_LISTED_RANKS = 8
+_Where = int | tuple[int, int]  # a step of a rank, or (rank, step)
 
 
 
@@ -112,10 +114,11 @@ def _code(schedule: Schedule, kind: ActionKind, stage: int, microbatch: int) -> 
     return schedule.programs[0].code_of(Action(kind, stage, microbatch))
 
 
-def _backward_step(schedule: Schedule, step_of: dict[int, int], stage: int, microbatch: int) -> int | None:
-    """Where the backward of (stage, microbatch) is, B or I (a (stage, microbatch) has one of them)."""
-    step = step_of.get(_code(schedule, K.B, stage, microbatch))
-    return step_of.get(_code(schedule, K.I, stage, microbatch)) if step is None else step
+def _find(schedule: Schedule, index: dict[int, _Where], kind: ActionKind, stage: int, microbatch: int) -> _Where | None:
+    """Where ``index`` (by code) puts ``kind`` of (stage, microbatch); ``B`` finds the backward, B or I
+    (a (stage, microbatch) has one of them)."""
+    found = index.get(_code(schedule, kind, stage, microbatch))
+    return index.get(_code(schedule, K.I, stage, microbatch)) if found is None and kind is K.B else found
 
 
 # -- 1. shape -----------------------------------------------------------------------------------
@@ -372,11 +375,7 @@ def _check_comms(schedule: Schedule, codes: list[list[int]], kinds: list[list[Ac
         return  # each comm action is unique and sits on a crossing: all are there
     where = {code: (rank, i) for rank, rank_codes in enumerate(codes) for i, code in enumerate(rank_codes)}
 
-    def at(kind: ActionKind, stage: int, microbatch: int) -> tuple[int, int] | None:
-        if kind is K.B:  # the backward: B or I
-            backward = where.get(_code(schedule, K.B, stage, microbatch))
-            return where.get(_code(schedule, K.I, stage, microbatch)) if backward is None else backward
-        return where.get(_code(schedule, kind, stage, microbatch))
+    at = functools.partial(_find, schedule, where)  # (rank, step) of an action; of the backward, B or I, for B
 
     for rank, program in enumerate(schedule.programs):
         for i, action in enumerate(program):
@@ -480,10 +479,7 @@ def _check_order(schedule: Schedule, codes: list[list[int]], lowered: bool) -> N
             elif kind is K.SEND_F:
                 before.append((K.F, s))
             for need_kind, need_stage in before:
-                if need_kind is K.B:
-                    j = _backward_step(schedule, step_of, need_stage, m)
-                else:
-                    j = step_of.get(_code(schedule, need_kind, need_stage, m))
+                j = _find(schedule, step_of, need_kind, need_stage, m)  # for B: the backward, B or I
                 if j is not None and j > i:
                     needed = program[j]
                     raise ScheduleError(
