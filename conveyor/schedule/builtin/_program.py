@@ -11,7 +11,7 @@ ZB-H1 and ZB-H2 share on a looped placement (stage ``s`` on rank ``s % P``):
 warm-up forwards, then one forward and one backward in turn, then the
 remaining backwards; with the backward split, each ``W`` may wait a fixed
 number of ``I`` behind. :func:`looped_schedule` builds those four schedules,
-:func:`breadth_first` GPipe and looped BFS.
+:func:`breadth_first` GPipe and looped BFS, :func:`vshape_schedule` ZB-V and DualPipeV.
 
 Example:
     >>> writer = ProgramWriter()
@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import compress, repeat
 from operator import add, mul
 
@@ -384,6 +384,25 @@ def breadth_first(name: str, num_ranks: int, num_microbatches: int, virtual: int
             writer.extend(_B, [local * num_ranks + rank] * num_microbatches, microbatches)
         writers.append(writer.packed(num_ranks * virtual, num_microbatches))
     return make_schedule(name, Placement.looped(num_ranks, virtual), num_microbatches, writers)
+
+
+def vshape_schedule(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual: int,
+    least: int,
+    rank_program: Callable[[int, int, int], ProgramWriter],
+) -> Schedule:
+    """ZB-V and DualPipeV: two stages per rank in a V, ``rank_program(rank, P, n)`` writing each rank's
+    program for n = max(M, ``least``) microbatches; for M < ``least`` the padding microbatches (>= M)
+    are left out, which cannot create a wait (every dependency is within one microbatch)."""
+    check_sizes(name, num_ranks, num_microbatches, virtual, only_virtual=2)
+    padded = max(num_microbatches, least)
+    below = num_microbatches if padded > num_microbatches else None  # leave the padding out
+    writers = [rank_program(rank, num_ranks, padded).packed(2 * num_ranks, num_microbatches, below)
+               for rank in range(num_ranks)]
+    return make_schedule(name, Placement.vshape(num_ranks), num_microbatches, writers)
 
 
 def make_schedule(

@@ -52,12 +52,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from conveyor.schedule.builtin._program import (
-    ProgramWriter,
-    check_sizes,
-    make_schedule,
-)
-from conveyor.schedule.ir import ActionKind, Placement, Schedule
+from conveyor.schedule.builtin._program import ProgramWriter, vshape_schedule
+from conveyor.schedule.ir import ActionKind, Schedule
 from conveyor.schedule.registry import register
 
 
@@ -68,12 +64,7 @@ def dualpipev(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Schedu
         >>> [str(a) for a in dualpipev(1, 2).programs[0]]
         ['0F0', '1F0', '0F1', '1B0', '1F1', '0B0', '1B1', '0I1', '0W1']
     """
-    check_sizes("dualpipev", num_ranks, num_microbatches, virtual, only_virtual=2)
-    P = num_ranks
-    padded = max(num_microbatches, 2 * P)
-    below = num_microbatches if padded > num_microbatches else None  # leave the padding out
-    writers = [_rank_program(rank, P, padded).packed(2 * P, num_microbatches, below) for rank in range(P)]
-    return make_schedule("dualpipev", Placement.vshape(P), num_microbatches, writers)
+    return vshape_schedule("dualpipev", num_ranks, num_microbatches, virtual, 2 * num_ranks, _rank_program)
 
 
 def _rank_program(rank: int, num_ranks: int, num_microbatches: int) -> ProgramWriter:

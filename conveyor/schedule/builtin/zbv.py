@@ -46,12 +46,8 @@ peak live activations per rank [8, 8, 8, 8].
 
 from __future__ import annotations
 
-from conveyor.schedule.builtin._program import (
-    ProgramWriter,
-    check_sizes,
-    make_schedule,
-)
-from conveyor.schedule.ir import ActionKind, Placement, Schedule
+from conveyor.schedule.builtin._program import ProgramWriter, vshape_schedule
+from conveyor.schedule.ir import ActionKind, Schedule
 from conveyor.schedule.registry import register
 
 F, I, W = ActionKind.F, ActionKind.I, ActionKind.W  # noqa: E741
@@ -64,12 +60,7 @@ def zbv(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Schedule:
         >>> [str(a) for a in zbv(1, 1).programs[0]]
         ['0F0', '1F0', '1I0', '1W0', '0I0', '0W0']
     """
-    check_sizes("zbv", num_ranks, num_microbatches, virtual, only_virtual=2)
-    P = num_ranks
-    padded = max(num_microbatches, 2 * P - 1)
-    below = num_microbatches if padded > num_microbatches else None  # leave the padding out
-    writers = [_rank_program(rank, P, padded).packed(2 * P, num_microbatches, below) for rank in range(P)]
-    return make_schedule("zbv", Placement.vshape(P), num_microbatches, writers)
+    return vshape_schedule("zbv", num_ranks, num_microbatches, virtual, 2 * num_ranks - 1, _rank_program)
 
 
 def _rank_program(rank: int, num_ranks: int, num_microbatches: int) -> ProgramWriter:
