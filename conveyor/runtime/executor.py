@@ -30,7 +30,7 @@ from conveyor.errors import StageExecutionError
 from conveyor.runtime.stage.device import to_device
 from conveyor.runtime.stage.memory import MemoryMeter
 from conveyor.runtime.stage.runner import StageRunner
-from conveyor.runtime.stage.segments import interleave, timed
+from conveyor.runtime.stage.segments import interleave, run_to_end, timed
 from conveyor.runtime.stage.timing import EventRecorder, StepRecorder
 from conveyor.runtime.transport.transport import LocalTransport, Transport, detach_for_next_stage
 from conveyor.schedule.ir import Action, ActionKind, Placement
@@ -74,10 +74,11 @@ class RankExecutor:
         self.program: tuple[Action, ...] | None = None  # the one running now, None between runs
         self.runs_started = 0
         self.recvs: dict[Action, Any] = {}  # posted receives' handles, until their RECV waits
-        self.handlers: dict[ActionKind, Callable[[Action], Iterator]] = {
+        # A handler returns None once its action is done, or (a receive) a generator that yields while it waits.
+        self.handlers: dict[ActionKind, Callable[[Action], Iterator[None] | None]] = {
             ActionKind.F: self._forward,
-            ActionKind.B: self._backward_full,
-            ActionKind.I: self._backward_input,
+            ActionKind.B: self._backward,
+            ActionKind.I: self._backward,
             ActionKind.W: self._backward_weight,
             ActionKind.SEND_F: self._posted,
             ActionKind.SEND_B: self._posted,
@@ -144,7 +145,9 @@ class RankExecutor:
             batches = posts[index]
             if batches:
                 self._post(batches)
-            yield from self.handlers[action.kind](action)
+            waits = self.handlers[action.kind](action)
+            if waits is not None:
+                yield from waits
             self.actions_done += 1
             if recorded:
                 self.pairs.record(recorder, action, start)
@@ -176,17 +179,14 @@ class RankExecutor:
         return value if self.wire_device is None else to_device(value, self.wire_device)
 
     # --- handlers -------------------------------------------------------------------
-    def _forward(self, action: Action) -> Iterator[None]:
+    def _forward(self, action: Action) -> None:
         partner = self.pairs.partner.get(action) if self.pairs.partner else None
         if partner is None:
             self._forward_plain(action)
         else:
             spent = [0.0, 0.0]  # each pass's own stretches: how the pair's span is shared in the timeline
-            interleave(timed(self._forward_steps(action), spent, 0),
-                       timed(self._backward_steps(partner, split=partner.kind is ActionKind.I), spent, 1))
+            interleave(timed(self._forward_steps(action), spent, 0), timed(self._backward_steps(partner), spent, 1))
             self.pairs.done[partner] = spent[0]
-        return
-        yield
 
     def _forward_plain(self, action: Action) -> None:
         runner, inputs, target = self._forward_inputs(action)
@@ -225,28 +225,15 @@ class RankExecutor:
         else:
             self.to_send[(ActionKind.SEND_B, s, m)] = tuple(input_grads)
 
-    def _backward_full(self, action: Action) -> Iterator[None]:
+    def _backward(self, action: Action) -> None:
+        """B, or I (with the memory meter's note of what W keeps), unless it already ran in its pair."""
         if not self.pairs.ran(action):
-            s, m = action.stage, action.microbatch
-            self._hand_back(s, m, self.runners[s].backward_full(m, self.output_grads.pop((s, m), None)))
-        return
-        yield
+            run_to_end(self._backward_steps(action))
 
-    def _backward_input(self, action: Action) -> Iterator[None]:
-        if not self.pairs.ran(action):
-            s, m = action.stage, action.microbatch
-            grads = self.output_grads.pop((s, m), None)
-            meter = self.memory_meter
-            held = meter.live_bytes if meter is not None else 0
-            self._hand_back(s, m, self.runners[s].backward_input(m, grads))
-            if meter is not None:
-                meter.input_pass_done(s, m, held)
-        return
-        yield
-
-    def _backward_steps(self, action: Action, split: bool) -> Generator[None, None, None]:
-        """B (I with ``split``) of ``action``, in steps where its forward ran in segments."""
+    def _backward_steps(self, action: Action) -> Generator[None, None, None]:
+        """B or I of ``action``, in steps where its forward ran in segments (else at once)."""
         s, m = action.stage, action.microbatch
+        split = action.kind is ActionKind.I
         grads = self.output_grads.pop((s, m), None)
         meter = self.memory_meter
         held = meter.live_bytes if meter is not None else 0
@@ -254,14 +241,11 @@ class RankExecutor:
         if split and meter is not None:
             meter.input_pass_done(s, m, held)
 
-    def _backward_weight(self, action: Action) -> Iterator[None]:
+    def _backward_weight(self, action: Action) -> None:
         self.runners[action.stage].backward_weight(action.microbatch)
-        return
-        yield
 
-    def _posted(self, action: Action) -> Iterator[None]:
-        return  # a SEND goes out with the batch its posts put it in, at or before it
-        yield
+    def _posted(self, action: Action) -> None:
+        """A SEND goes out with the batch its posts put it in, at or before it: nothing left to do."""
 
     def _recv(self, action: Action) -> Iterator[None]:
         handle = self.recvs.pop(action)
@@ -269,18 +253,15 @@ class RankExecutor:
             while not self.transport.ready(handle):
                 yield
         s, m = action.stage, action.microbatch
-        if action.kind is ActionKind.RECV_F:
-            what = f"the input of stage {s}, microbatch {m} ({action})"
-            value = self.transport.wait(handle, what)
-            if self.wire_device is not None:
-                value = to_device(value, self.device)
+        forward = action.kind is ActionKind.RECV_F
+        what = f"the {'input' if forward else 'output gradient'} of stage {s}, microbatch {m} ({action})"
+        value = self.transport.wait(handle, what)
+        if self.wire_device is not None:
+            value = to_device(value, self.device)
+        if forward:
             self.forward_inputs[(s, m)] = as_stage_inputs(value)
         else:
-            what = f"the output gradient of stage {s}, microbatch {m} ({action})"
-            grads = self.transport.wait(handle, what)
-            if self.wire_device is not None:
-                grads = to_device(grads, self.device)
-            self.output_grads[(s, m)] = list(grads)
+            self.output_grads[(s, m)] = list(value)
 
 
 class Pairs:
