@@ -81,25 +81,20 @@ def backward_full(
     roots: Sequence[Root], root_grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor]
 ) -> list[torch.Tensor | None]:
     """Full backward (B): parameter grads accumulate in ``.grad``; returns each input's gradient."""
-    pairs = [(r, g) for r, g in zip(roots, root_grads) if g is not None or _is_scalar_loss(r)]
+    pairs = _root_pairs(roots, root_grads)
     if pairs:
-        _run_engine([_edge(r) for r, _ in pairs], [_grad_or_one(r, g) for r, g in pairs], (),
-                    accumulate=True, keep_graph=False)
+        _run_engine([e for e, _ in pairs], [g for _, g in pairs], (), accumulate=True, keep_graph=False)
     grads = [x.grad for x in inputs]
     for x in inputs:
         x.grad = None
     return grads
 
 
-def _is_scalar_loss(root: Root) -> bool:
-    return isinstance(root, torch.Tensor) and root.dim() == 0
-
-
-def _grad_or_one(root: Root, grad: torch.Tensor | None) -> torch.Tensor:
-    if grad is not None:
-        return grad
-    assert isinstance(root, torch.Tensor), "only the loss may have an implicit gradient"
-    return torch.ones_like(root)
+def _root_pairs(roots: Sequence[Root], root_grads: Sequence[torch.Tensor | None]
+                ) -> list[tuple[GradientEdge, torch.Tensor]]:
+    """Each root that gets a gradient, as an edge with that gradient: the loss (a 0-dim tensor) gets ones."""
+    return [(_edge(r), torch.ones_like(r) if g is None else g) for r, g in zip(roots, root_grads)
+            if g is not None or (isinstance(r, torch.Tensor) and r.dim() == 0)]
 
 
 @dataclass
@@ -307,7 +302,7 @@ def backward_input(
     ``analyses`` remembers the graph analysis per graph shape (pass the same one for every
     microbatch of a stage); without it every call analyses its graph afresh.
     """
-    pairs = [(_edge(r), _grad_or_one(r, g)) for r, g in zip(roots, root_grads) if g is not None or _is_scalar_loss(r)]
+    pairs = _root_pairs(roots, root_grads)
     if not pairs:
         return PendingWeightGrad([None] * len(inputs), [])
     root_edges = [e for e, _ in pairs]

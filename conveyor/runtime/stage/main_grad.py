@@ -89,13 +89,11 @@ def _short(dtype: torch.dtype) -> str:
 
 def _dtype(spec: str | torch.dtype, what: str) -> torch.dtype:
     if isinstance(spec, torch.dtype) and spec.is_floating_point:
-        dtype = spec
-    elif isinstance(spec, str) and spec.lower() in _DTYPES:
-        dtype = _DTYPES[spec.lower()]
-    else:
-        raise PipelineConfigError(f"{what}={spec!r} is not a floating-point dtype conveyor knows; use 'bf16', "
-                                  "'fp32' or a torch dtype")
-    return dtype
+        return spec
+    if isinstance(spec, str) and spec.lower() in _DTYPES:
+        return _DTYPES[spec.lower()]
+    raise PipelineConfigError(f"{what}={spec!r} is not a floating-point dtype conveyor knows; use 'bf16', "
+                              "'fp32' or a torch dtype")
 
 
 def param_precision(param_dtype: str | torch.dtype | None, grad_accum_dtype: str | torch.dtype | None = None,
@@ -261,10 +259,11 @@ class MasterWeights:
     def __init__(self, pipe: Any, optimizer_cls: Callable[..., torch.optim.Optimizer], **kwargs: Any) -> None:
         self.pipe = pipe
         self.names, self.params, self.ranks = [], [], []
-        for rank, name, param in _trainable(pipe):
-            self.names.append(name)
-            self.params.append(param)
-            self.ranks.append(rank)
+        for rank, name, param in _every_parameter(pipe):
+            if param.requires_grad:
+                self.names.append(name)
+                self.params.append(param)
+                self.ranks.append(rank)
         missing = [n for n, p in zip(self.names, self.params) if not has_main_grad(p)]
         if missing:
             raise PipelineConfigError(
@@ -350,9 +349,3 @@ def _every_parameter(pipe: Any) -> Iterator[tuple[int, str, torch.nn.Parameter]]
             rank_of.setdefault(id(param), pipe.runners[stage].rank)  # a tied one where it is first used
     for name, param in pipe.named_parameters():
         yield rank_of[id(param)], name, param
-
-
-def _trainable(pipe: Any) -> Iterator[tuple[int, str, torch.nn.Parameter]]:
-    for rank, name, param in _every_parameter(pipe):
-        if param.requires_grad:
-            yield rank, name, param

@@ -161,18 +161,11 @@ class StageRunner:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
 
     @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
     def _where(self, microbatch: int) -> str:
         return f"rank {self.rank}, stage {self.stage}, microbatch {microbatch}"
-
-    def _call(self, args: tuple, kwargs: dict) -> Any:
-        return self.call(*args, **kwargs)
 
     def _memory_hold(self) -> Any:
         """What counts the tensors a selective checkpoint or a cut keeps outside autograd (None: not measuring)."""
@@ -221,7 +214,7 @@ class StageRunner:
 
     def _forward(self, microbatch: int, args: tuple, kwargs: dict, target: Any, keep_output: bool) -> Any:
         try:
-            output = self._call(args, kwargs)
+            output = self.call(*args, **kwargs)
         except Exception as exc:
             raise StageExecutionError(
                 f"forward failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}"

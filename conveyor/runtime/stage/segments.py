@@ -164,11 +164,7 @@ def run_to_end(steps: Generator[None, None, Any]) -> Any:
         >>> run_to_end(steps())
         3
     """
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return stop.value
+    return interleave(steps)[0]
 
 
 def interleave(*passes: Generator[None, None, Any]) -> list[Any]:
