@@ -57,12 +57,11 @@ from conveyor.runtime.transport.transport import FailureBoard, Transport, receiv
 from conveyor.runtime.transport.wire import (
     PayloadMeta,
     TransferKey,
-    as_bytes,
     check_frozen,
     flatten_payload,
     in_layouts,
     matches,
-    pack_into,
+    pack,
     quick_flatten,
     unflatten_payload,
     unpack,
@@ -204,11 +203,7 @@ class OrderedTransport(FailureBoard, Transport):
             tensors = in_layouts(tensors, meta)
         if not tensors:
             return None
-        if len(tensors) == 1 and meta.tensors[0].num_bytes == meta.data_bytes:
-            body = as_bytes(tensors[0])
-        else:
-            body = torch.empty(meta.data_bytes, dtype=torch.uint8, device=self.device)
-            pack_into(body, tensors, meta)
+        body = pack(tensors, meta, self.device)
         return body if body.device == self.device else body.to(self.device)
 
     # --- receiving -------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -227,9 +226,7 @@ class DistTransport(FailureBoard, Transport):
             if work is not None:
                 self._wait_work(work, deadline, handle, what)
         if handle.changed:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # torch's pickled LeafSpec
-                meta = PayloadMeta.decode(handle.meta_buf.numpy().tobytes())
+            meta = PayloadMeta.decode(handle.meta_buf.numpy().tobytes())
             buffer = handle.body_buf
         else:
             meta, buffer = handle.expected, handle.first

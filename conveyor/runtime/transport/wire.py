@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 import warnings
@@ -108,10 +109,9 @@ class PayloadMeta:
             warnings.simplefilter("ignore", FutureWarning)  # torch's pickled LeafSpec
             meta = pickle.loads(data)
         # The shared spec objects, so that unflatten_payload recognises the usual shapes by identity.
-        if meta.spec == _LEAF_SPEC:
-            return PayloadMeta(_LEAF_SPEC, meta.is_tensor, meta.plain_leaves, meta.tensors)
-        if meta.spec == _tuple_spec(len(meta.is_tensor)):
-            return PayloadMeta(_tuple_spec(len(meta.is_tensor)), meta.is_tensor, meta.plain_leaves, meta.tensors)
+        for shared in (_LEAF_SPEC, _tuple_spec(len(meta.is_tensor))):
+            if meta.spec == shared:
+                return dataclasses.replace(meta, spec=shared)
         return meta
 
 
@@ -220,8 +220,9 @@ def unflatten_payload(meta: PayloadMeta, tensors: list[torch.Tensor]) -> Any:
     return pytree.tree_unflatten(leaves, meta.spec)
 
 
-def pack(tensors: list[torch.Tensor], meta: PayloadMeta) -> torch.Tensor:
-    """All tensors' bytes in one uint8 buffer (each part aligned), ready to send, on the tensors' device.
+def pack(tensors: list[torch.Tensor], meta: PayloadMeta, device: torch.device | None = None) -> torch.Tensor:
+    """All tensors' bytes in one uint8 buffer (each part aligned), ready to send, on the tensors' device
+    (a buffer made here is made on ``device`` when given, and the tensors are packed there).
 
     Example:
         >>> x = torch.ones(3, device="meta")  # another device than the CPU: no copy through the host
@@ -230,7 +231,7 @@ def pack(tensors: list[torch.Tensor], meta: PayloadMeta) -> torch.Tensor:
     """
     if len(tensors) == 1 and tensors[0].numel() * tensors[0].element_size() % _ALIGN == 0:
         return as_bytes(tensors[0])
-    buffer = torch.empty(meta.data_bytes, dtype=torch.uint8, device=tensors[0].device)
+    buffer = torch.empty(meta.data_bytes, dtype=torch.uint8, device=device or tensors[0].device)
     pack_into(buffer, tensors, meta)
     return buffer
 
