@@ -179,7 +179,13 @@ class StageRunner:
         if self.randomness is not None:
             self.randomness.seed_for(self.stage, microbatch)
         with self._forward_context(microbatch):
-            return self._forward(microbatch, args, kwargs, target, keep_output)
+            try:
+                output = self.call(*args, **kwargs)
+            except Exception as exc:
+                raise StageExecutionError(
+                    f"forward failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}"
+                ) from exc
+            return self._forward_done(microbatch, args, kwargs, output, target, keep_output)
 
     def forward_steps(self, microbatch: int, inputs: tuple[tuple, dict], target: Any = None,
                       *, keep_output: bool = False) -> Generator[None, None, Any]:
@@ -211,15 +217,6 @@ class StageRunner:
             where = self._where(microbatch)
             raise StageExecutionError(f"forward failed on {where}: {type(exc).__name__}: {exc}") from exc
         return self._forward_done(microbatch, args, kwargs, output, target, keep_output, passes)
-
-    def _forward(self, microbatch: int, args: tuple, kwargs: dict, target: Any, keep_output: bool) -> Any:
-        try:
-            output = self.call(*args, **kwargs)
-        except Exception as exc:
-            raise StageExecutionError(
-                f"forward failed on {self._where(microbatch)}: {type(exc).__name__}: {exc}"
-            ) from exc
-        return self._forward_done(microbatch, args, kwargs, output, target, keep_output)
 
     def _forward_done(self, microbatch: int, args: tuple, kwargs: dict, output: Any, target: Any,
                       keep_output: bool, passes: SegmentedPass | None = None) -> Any:

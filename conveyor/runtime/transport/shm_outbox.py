@@ -96,7 +96,7 @@ class Outbox:
                 check_frozen(self.frozen[channel], meta, self.rank, key, dst)
                 # Only a layout differs: keep the frozen one, as the process-group transport must.
                 meta, tensors = self.frozen[channel], in_layouts(tensors, self.frozen[channel])
-            index, encoded = self._structure_index(channel, structures, meta)
+            index, encoded = self._structure_index(structures, meta)
             self.last_structure[channel] = index
             if index >= 0:
                 meta = structures[index]  # the remembered object: its layout is cached
@@ -104,7 +104,7 @@ class Outbox:
         outgoing.outbox.append((key, index, encoded, meta, tensors))
         self._pump(dst, outgoing)
 
-    def _structure_index(self, channel, structures: list[PayloadMeta], meta: PayloadMeta) -> tuple[int, bytes]:
+    def _structure_index(self, structures: list[PayloadMeta], meta: PayloadMeta) -> tuple[int, bytes]:
         for index in range(len(structures) - 1, -1, -1):
             if structures[index] == meta:
                 return index, b""
