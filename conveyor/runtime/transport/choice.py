@@ -122,9 +122,7 @@ def channels(schedule: Schedule) -> list[tuple[int, int]]:
 
 def neighbours(schedule: Schedule, rank: int) -> set[int]:
     """The ranks that ``rank`` sends to or receives from: those of its stages' neighbours."""
-    placement = schedule.placement
-    return {placement.rank_of(s + d) for s in schedule.stages_of(rank) for d in (-1, 1)
-            if 0 <= s + d < schedule.num_stages} - {rank}
+    return {dst for src, dst in channels(schedule) if src == rank}
 
 
 def _hosts(rank: int, life: RankLifecycle, prefix: str, timeout_s: float, why_not: str) -> list[int]:
@@ -136,7 +134,7 @@ def _hosts(rank: int, life: RankLifecycle, prefix: str, timeout_s: float, why_no
 def _transport_for(schedule: Schedule, hosts: list[int]) -> str:
     """Shared memory if every pair of ranks that talk shares a host, the process group if none
     does, else both. Every rank reaches the same answer (same hosts, same schedule)."""
-    pairs = {(r, peer) for r in range(len(hosts)) for peer in neighbours(schedule, r)}
+    pairs = channels(schedule)
     local = sum(hosts[a] == hosts[b] for a, b in pairs)
     if pairs and local == len(pairs):
         return "shared_memory"
