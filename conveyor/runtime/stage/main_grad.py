@@ -50,17 +50,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from conveyor.errors import PipelineConfigError
-from conveyor.runtime.stage.precision import refuse_fp16
+from conveyor.runtime.stage.precision import DTYPE_NAMES, refuse_fp16
 
-_DTYPES = MappingProxyType({"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                            "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
-                            "float32": torch.float32})
 _HOOKED = "_conveyor_main_grad_dtype"  # on a parameter whose accumulation hook is registered: its dtype
 
 
@@ -90,8 +86,8 @@ def _short(dtype: torch.dtype) -> str:
 def _dtype(spec: str | torch.dtype, what: str) -> torch.dtype:
     if isinstance(spec, torch.dtype) and spec.is_floating_point:
         return spec
-    if isinstance(spec, str) and spec.lower() in _DTYPES:
-        return _DTYPES[spec.lower()]
+    if isinstance(spec, str) and spec.lower() in DTYPE_NAMES:
+        return DTYPE_NAMES[spec.lower()]
     raise PipelineConfigError(f"{what}={spec!r} is not a floating-point dtype conveyor knows; use 'bf16', "
                               "'fp32' or a torch dtype")
 

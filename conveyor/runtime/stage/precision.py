@@ -25,11 +25,13 @@ import torch
 
 from conveyor.errors import PipelineConfigError
 
-_NAMES = MappingProxyType({
+# The floating-point dtypes conveyor knows by name (param_dtype=, grad_accum_dtype=).
+DTYPE_NAMES = MappingProxyType({
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": None, "float32": None, "no": None,
+    "fp32": torch.float32, "float32": torch.float32,
 })
+_NAMES = MappingProxyType({**DTYPE_NAMES, "fp32": None, "float32": None, "no": None})  # autocast=: fp32 is none
 
 
 def refuse_fp16(what: str, spec: object, reason: str, fix: str) -> None:
