@@ -206,9 +206,9 @@ def timed(steps: Generator[None, None, Any], spent: list[float], index: int) -> 
         try:
             next(steps)
         except StopIteration as stop:
-            spent[index] += time.perf_counter() - began
             return stop.value
-        spent[index] += time.perf_counter() - began
+        finally:
+            spent[index] += time.perf_counter() - began
         yield
 
 

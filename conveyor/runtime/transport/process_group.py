@@ -187,10 +187,8 @@ class DistTransport(FailureBoard, Transport):
         if self.fixed_shapes and expected is not None:
             if not expected.tensors:
                 return _Recv(src, key, expected, None, None, changed=False)
-            first = torch.empty(expected.data_bytes, dtype=torch.uint8)
-            handle = _Recv(src, key, expected, first, self._irecv(first, src, key, _FIRST))
-            handle.changed = False  # a frozen channel carries data only
-            return handle
+            first = torch.empty(expected.data_bytes, dtype=torch.uint8)  # a frozen channel carries data only
+            return _Recv(src, key, expected, first, self._irecv(first, src, key, _FIRST), changed=False)
         size = (expected.data_bytes if expected is not None else 0) + _TRAILER_BYTES
         first = torch.empty(size, dtype=torch.uint8)
         return _Recv(src, key, expected, first, self._irecv(first, src, key, _FIRST))
