@@ -216,8 +216,7 @@ def to_device(value: Any, device: torch.device) -> Any:
 
 
 def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    moved = tensor.detach().to(device)
-    return moved.requires_grad_(True) if tensor.requires_grad else moved
+    return tensor.detach().to(device).requires_grad_(tensor.requires_grad)
 
 
 def module_device(modules: Iterable[torch.nn.Module]) -> torch.device | None:

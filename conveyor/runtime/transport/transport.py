@@ -53,13 +53,7 @@ _FAILURE_COUNT_KEY = "conveyor/failures"
 def detach_for_next_stage(value: Any) -> Any:
     """What a stage on the same rank receives: the same data as fresh leaves (no copy)."""
     meta, tensors = flatten_payload(value)
-    leaves = []
-    for t, tm in zip(tensors, meta.tensors):
-        leaf = t.detach()
-        if tm.requires_grad:
-            leaf.requires_grad_(True)
-        leaves.append(leaf)
-    return unflatten_payload(meta, leaves)
+    return unflatten_payload(meta, [t.detach().requires_grad_(t.requires_grad) for t in tensors])
 
 
 def receive_timeout(rank: int, timeout_s: float, what: str, src: int) -> CommTimeout:
