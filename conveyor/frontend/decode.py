@@ -320,8 +320,7 @@ def _program(decode: ModelSplit, stage: int, training: nn.Module | None, device:
     recipe.inputs = [n for n in recipe.inputs if n not in cache_values] + [past[i] for i in reads]
     kept = [n for n in recipe.outputs if not (isinstance(n, torch.fx.Node) and n in cache_values)]
     recipe.outputs = kept + [new[i] for i in makes]
-    device_map = {} if traced.trace_device == device else {traced.trace_device: device}
-    graph, submodules = build_graph(recipe, traced, device_map)
+    graph, submodules = build_graph(recipe, traced, device)
     run, _ = _compile(graph, stage)
     tensors = decode._resolve_tensors(stage, device, keep_meta=training is not None)
     if training is not None:

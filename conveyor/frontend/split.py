@@ -97,10 +97,8 @@ class ModelSplit:
         self.seed = seed
         self._other_mode_split: ModelSplit | None = None  # with_mode(not training), traced on demand
         self._tensor_by_name = dict(named_tensors(traced.model))
-        self._tied_ids = {
-            id(self._tensor_by_name[name]) for group in tied_groups for name in group.names
-        }
-        self._shared_buffer_ids = _ids_held_by_several(stage_tensors, self._tensor_by_name)
+        # Tensors several stages hold (tied parameters among them): each stage gets its own copy.
+        self._shared_ids = _ids_held_by_several(stage_tensors, self._tensor_by_name)
         _warn_of_shared_buffers_updated_in_place(traced, stage_tensors)
 
     @property
@@ -153,22 +151,7 @@ class ModelSplit:
         device = torch.device(device) if device is not None else self.device
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        recipe = self._recipes[stage]
-        tensors = self._resolve_tensors(stage, device, keep_meta)
-        device_map = (
-            {} if self._traced.trace_device == device else {self._traced.trace_device: device}
-        )
-        graph, submodules = build_graph(recipe, self._traced, device_map)
-        module = StageModule(
-            recipe,
-            graph,
-            tensors,
-            submodules,
-            self._traced.example,
-            self._traced.in_spec,
-            self._traced.out_spec,
-            traced_training=self._traced.training,
-        )
+        module = self._build_stage(stage, self._resolve_tensors(stage, device, keep_meta), device)
         if both_modes:
             other = self._other_mode()
             if other.split_points != self.split_points:
@@ -177,10 +160,18 @@ class ModelSplit:
                     f"{self.split_points}; build each mode's stages with split.with_mode()"
                 )
             module.add_mode(other.training, other._recipes[stage],
-                            *build_graph(other._recipes[stage], other._traced, device_map))
+                            *build_graph(other._recipes[stage], other._traced, device))
         # Where the model was cut: generation cuts the model's decode program there (conveyor.pipe.generation).
         module._conveyor_split_points = tuple(self.split_points)
         return module
+
+    def _build_stage(self, stage: int, tensors: dict[str, tuple[torch.Tensor, bool]], device: torch.device,
+                     check_inputs: bool = True) -> StageModule:
+        """The module of ``stage`` holding ``tensors``, its graph running on ``device``."""
+        recipe, traced = self._recipes[stage], self._traced
+        graph, submodules = build_graph(recipe, traced, device)
+        return StageModule(recipe, graph, tensors, submodules, traced.example, traced.in_spec, traced.out_spec,
+                           check_inputs=check_inputs, traced_training=traced.training)
 
     def _other_mode(self) -> ModelSplit:
         if self._other_mode_split is None:
@@ -217,8 +208,7 @@ class ModelSplit:
                 else:
                     on_meta.append(tensor_spec)
                 continue
-            shared = id(tensor) in self._tied_ids or id(tensor) in self._shared_buffer_ids
-            if shared or tensor.device != device:
+            if id(tensor) in self._shared_ids or tensor.device != device:
                 if id(tensor) not in copies:
                     copies[id(tensor)] = copy_tensor(tensor, device)
                 tensor = copies[id(tensor)]
@@ -389,51 +379,32 @@ def split_model(
         check_module_names(model, split_points, "split point")
     seed = torch.initial_seed()
     traced = trace_model(model, example_args, example_kwargs, dynamic_shapes)
-    spans = ModuleSpans(traced)
     default_device = torch.device(device) if device is not None else model_device(model)
     if default_device.type == "meta":
         default_device = torch.device("cpu")
-    if split_points is not None:
-        return _split_at_named_points(
-            traced, spans, model, split_points, unsplittable, default_device, seed, num_stages
-        )
-    return _balanced_split(
-        traced, spans, model, num_stages, split_method, unsplittable, default_device, seed
-    )
+    positions, names, stage_weights = _cuts(traced, model, num_stages, split_points, split_method, unsplittable)
+    return _make_split(traced, positions, names, stage_weights, default_device, seed, num_stages)
 
 
-def _split_at_named_points(
+def _cuts(
     traced: TracedModel,
-    spans: ModuleSpans,
-    model: nn.Module,
-    split_points: Sequence[str],
-    unsplittable: list[str],
-    device: torch.device,
-    seed: int,
-    num_stages: int,
-) -> ModelSplit:
-    """The split whose stages 1.. start with the modules ``split_points`` name."""
-    names = list(split_points)
-    if len(names) != num_stages - 1:
-        raise SplitError(
-            f"{num_stages} stages need {num_stages - 1} split points (the modules that start "
-            f"stages 1..{num_stages - 1}); got {len(names)}: {names}"
-        )
-    positions = resolve_split_points(model, spans, names, unsplittable)
-    return _make_split(traced, positions, tuple(names), None, device, seed, num_stages)
-
-
-def _balanced_split(
-    traced: TracedModel,
-    spans: ModuleSpans,
     model: nn.Module,
     num_stages: int,
+    split_points: Sequence[str] | None,
     split_method: str,
     unsplittable: list[str],
-    device: torch.device,
-    seed: int,
-) -> ModelSplit:
-    """The split that balances ``split_method``'s weights of the model's units over the stages."""
+) -> tuple[list[int], tuple[str, ...], tuple[float, ...] | None]:
+    """Where stages 1.. start (operation indices), the modules they start with, and each stage's weight: at the
+    modules ``split_points`` name (no weights), else balancing ``split_method``'s weights of the model's units."""
+    spans = ModuleSpans(traced)
+    if split_points is not None:
+        names = list(split_points)
+        if len(names) != num_stages - 1:
+            raise SplitError(
+                f"{num_stages} stages need {num_stages - 1} split points (the modules that start "
+                f"stages 1..{num_stages - 1}); got {len(names)}: {names}"
+            )
+        return resolve_split_points(model, spans, names, unsplittable), tuple(names), None
     units = find_units(model, spans, unsplittable)
     if not units:
         units = [Unit("", type(model).__name__, 0, False)]
@@ -445,10 +416,7 @@ def _balanced_split(
     cuts = partition(weights, num_stages, cut_allowed)
     bounds = [0, *cuts, len(units)]
     stage_weights = tuple(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
-    return _make_split(
-        traced, [starts[j] for j in cuts], tuple(units[j].name for j in cuts), stage_weights,
-        device, seed, num_stages,
-    )
+    return [starts[j] for j in cuts], tuple(units[j].name for j in cuts), stage_weights
 
 
 def _make_split(
@@ -487,10 +455,7 @@ def _assign_tensors(
     uses: dict[int, set[tuple[int, str]]] = {}
     stage_tensors: list[list[StageTensor]] = []
     for recipe in recipes:
-        tensors = sorted(
-            [*recipe.tensors.values(), *recipe.extra_tensors],
-            key=lambda t: (order.get(t.source, len(order)), t.name),
-        )
+        tensors = [*recipe.tensors.values(), *recipe.extra_tensors]  # sorted below, with the unused ones
         stage_tensors.append(tensors)
         for tensor_spec in tensors:
             if tensor_spec.kind == "constant":
@@ -532,15 +497,9 @@ def _assign_tensors(
     if missing:  # cannot happen by construction; a dropped layer must never go unnoticed
         raise SplitError(f"internal error: tensors on no stage: {missing}")
 
-    names_of: dict[int, list[str]] = {}
-    for name, tensor in all_names:
-        names_of.setdefault(id(tensor), []).append(name)
-    tied = []
-    for _name, tensor in model.named_parameters():
-        stages_using = holders[id(tensor)]
-        if len(stages_using) > 1:
-            tied.append(TiedParameter(tuple(names_of[id(tensor)]), tuple(sorted(uses[id(tensor)]))))
-    return stage_tensors, tuple(tied)
+    tied = tuple(TiedParameter(traced.aliases.get(name, (name,)), tuple(sorted(uses[id(tensor)])))
+                 for name, tensor in model.named_parameters() if len(holders[id(tensor)]) > 1)
+    return stage_tensors, tied
 
 
 def _stage_starts(recipes: list[StageRecipe], traced: TracedModel):

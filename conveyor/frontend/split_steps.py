@@ -21,7 +21,7 @@ from conveyor.errors import SplitError
 from conveyor.frontend.dynamic import symbolic_dims
 from conveyor.frontend.leaves import leaves_as_shapes
 from conveyor.frontend.materialize import named_tensors
-from conveyor.frontend.stage import StageModule, ValueSpec, as_received, build_graph
+from conveyor.frontend.stage import ValueSpec, as_received
 from conveyor.frontend.trace import TracedModel
 from conveyor.frontend.units import ModuleSpans, Unit
 
@@ -147,7 +147,6 @@ def _dry_run(split: ModelSplit) -> None:
         ValueSpec(leaf.name, leaf.shape, leaf.dtype, False, leaf.value, leaf.dynamic) for leaf in traced.example
     )
     values: Any = pytree.tree_unflatten(flat_inputs, traced.in_spec)
-    device_map = {} if traced.trace_device == meta else {traced.trace_device: meta}
     for recipe in split._recipes:
         tensors = {}
         for tensor_spec in split._stage_tensors[recipe.stage]:
@@ -156,18 +155,7 @@ def _dry_run(split: ModelSplit) -> None:
             else:
                 source = split._tensor_by_name[tensor_spec.source]
             tensors[tensor_spec.name] = (as_meta(source), tensor_spec.persistent)
-        graph, submodules = build_graph(recipe, traced, device_map)
-        module = StageModule(
-            recipe,
-            graph,
-            tensors,
-            submodules,
-            traced.example,
-            traced.in_spec,
-            traced.out_spec,
-            check_inputs=False,
-            traced_training=traced.training,
-        )
+        module = split._build_stage(recipe.stage, tensors, meta, check_inputs=False)
         leaves_as_shapes(module)
         try:
             if recipe.is_first:

@@ -289,9 +289,11 @@ def _clone_inputs_mutated_in_place(graph: fx.Graph) -> None:
 
 
 def build_graph(
-    recipe: StageRecipe, traced: TracedModel, device_map: dict[torch.device, torch.device]
+    recipe: StageRecipe, traced: TracedModel, device: torch.device
 ) -> tuple[fx.Graph, dict[str, nn.Module]]:
-    """A fresh fx graph for ``recipe`` and the nested graph modules it loads."""
+    """A fresh fx graph for ``recipe`` and the nested graph modules it loads, the trace device rewritten to
+    ``device``."""
+    device_map = {} if traced.trace_device == device else {traced.trace_device: device}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in recipe.inputs:
