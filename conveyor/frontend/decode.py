@@ -51,6 +51,8 @@ from conveyor.frontend.split import ModelSplit, split_model
 from conveyor.frontend.stage import _compile, _register, build_graph
 
 _WRAPPED = "lm"  # the decode program's root holds the model here: its names are "lm." + the model's
+# A Hugging Face model class that ends so has a causal language-model head (GPT2LMHeadModel, LlamaForCausalLM).
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 
 
 @functools.cache
@@ -110,7 +112,18 @@ def cache_shape(config: Any, rows: int, length: int) -> tuple[int, tuple[int, in
     return text.num_hidden_layers, (rows, kv_heads, length, head_dim)
 
 
-class CachedTracedStage(nn.Module):
+class _Tensors(nn.Module):
+    """The tensors and submodules a stage graph reads by name (a decode stage's; the prefill program's, beside it)."""
+
+    def __init__(self, tensors: dict[str, tuple[torch.Tensor, bool]], submodules: dict[str, nn.Module]) -> None:
+        super().__init__()
+        for name, (tensor, persistent) in tensors.items():
+            _register(self, name, tensor, persistent)
+        for name, module in submodules.items():
+            self.add_module(name, module)
+
+
+class CachedTracedStage(_Tensors):
     """One stage of the decode program, with its layers' keys and values per lane.
 
     Built by :func:`decode_stages`; ``forward(*values, lane, start)`` as the cached loop of
@@ -120,13 +133,9 @@ class CachedTracedStage(nn.Module):
     def __init__(self, stage: int, num_stages: int, run: Any, tensors: dict[str, tuple[torch.Tensor, bool]],
                  submodules: dict[str, nn.Module], reads: list[int], makes: list[int], shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
+        super().__init__(tensors, submodules)
         self.stage, self.num_stages = stage, num_stages
         self._run = run
-        for name, (tensor, persistent) in tensors.items():
-            _register(self, name, tensor, persistent)
-        for name, module in submodules.items():
-            self.add_module(name, module)
         self.reads, self.makes = reads, makes  # flat past indices (layer * 2 + key/value) in and out
         self.shape, self.dtype, self.device = shape, dtype, device
         self.kv_cache: dict[int, dict[int, torch.Tensor]] = {}
@@ -173,24 +182,10 @@ class CachedTracedStage(nn.Module):
         if batched:
             return self._prefill(values, cache, lane, start, steps)
         outputs = []
-        for step in range(steps):
-            position = start + step
-            if self.stage == 0:
-                ids = values[0][:, step:step + 1]
-                rows = ids.shape[0]
-                positions = torch.full((rows, 1), position, dtype=torch.long, device=ids.device)
-                # The slots written so far, and the new token's own (the last key).
-                seen = torch.arange(length + 1, device=ids.device)
-                mask = ((seen < position) | (seen == length)).long().expand(rows, -1)
-                flat = [ids, positions, mask]
-            else:
-                flat = [value[step] if isinstance(value, torch.Tensor) else value for value in values]
-            flat += [cache[index] for index in self.reads]
-            result = self._run(self, *flat)
-            kept = len(result) - len(self.makes)
-            for index, new in zip(self.makes, result[kept:]):
-                cache[index][:, :, position] = new[:, :, 0]
-            outputs.append(result[:kept])
+        for step in range(steps):  # stage 0's token at this position, or the values stacked for it
+            one = [values[0][:, step:step + 1]] if self.stage == 0 else \
+                [value[step] if isinstance(value, torch.Tensor) else value for value in values]
+            outputs.append(self._positions(self._run, self, one, cache, start + step, 1))
         if self.stage == self.num_stages - 1:
             return torch.cat([out[0] for out in outputs], dim=1)
         stacked = tuple(torch.stack([out[i] for out in outputs]) if isinstance(outputs[0][i], torch.Tensor)
@@ -199,10 +194,18 @@ class CachedTracedStage(nn.Module):
 
     def _prefill(self, values: list[Any], cache: dict[int, torch.Tensor], lane: int, start: int, steps: int) -> Any:
         """Positions ``start .. start + steps - 1`` at once through the prefill program (its queries attend to
-        the written slots and, causally, to each other: the model's own mask code), their keys and values
-        written at their positions."""
+        the written slots and, causally, to each other: the model's own mask code)."""
         assert self.prefill is not None
         _, run, holder = self.prefill
+        result = self._positions(run, holder, values, cache, start, steps)
+        return result[0] if self.stage == self.num_stages - 1 else (*result, lane, start, True)
+
+    def _positions(self, run: Any, holder: nn.Module, values: list[Any], cache: dict[int, torch.Tensor], start: int,
+                   steps: int) -> tuple:
+        """Positions ``start .. start + steps - 1`` through one call of ``run`` (the decode program's, for one
+        position, or the prefill program's) on ``holder``'s tensors: their keys and values written at their
+        positions, the program's other outputs returned. Stage 0 gives the program the ids, their positions and
+        the mask of the slots written so far and of the new keys (the last ``steps``)."""
         length = self.shape[2]
         flat = list(values)
         if self.stage == 0:
@@ -216,9 +219,7 @@ class CachedTracedStage(nn.Module):
         kept = len(result) - len(self.makes)
         for index, new in zip(self.makes, result[kept:]):
             cache[index][:, :, start:start + steps] = new
-        if self.stage == self.num_stages - 1:
-            return result[0]
-        return (*result[:kept], lane, start, True)
+        return result[:kept]
 
 
 def decode_stages(split: ModelSplit, rows: int, length: int, stages: Sequence[nn.Module] | None = None,
@@ -241,7 +242,7 @@ def decode_stages(split: ModelSplit, rows: int, length: int, stages: Sequence[nn
     """
     model = split.model
     config = getattr(model, "config", None)
-    if config is None or not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+    if config is None or not type(model).__name__.endswith(CAUSAL_HEADS):
         raise PipelineConfigError(f"decode_stages needs a Hugging Face causal LM (its own cache code); got "
                                   f"{type(model).__name__}: build stages with a cache by hand "
                                   "(conveyor.testing.models.cached_lm shows the protocol)")
@@ -268,17 +269,6 @@ def decode_stages(split: ModelSplit, rows: int, length: int, stages: Sequence[nn
                                           "program; report this with the model's class")
             cached.prefill = (prefill, run, _Tensors(tensors, submodules))
     return built
-
-
-class _Tensors(nn.Module):
-    """The tensors and submodules a stage graph reads by name (the prefill program's, beside the stage)."""
-
-    def __init__(self, tensors: dict[str, tuple[torch.Tensor, bool]], submodules: dict[str, nn.Module]) -> None:
-        super().__init__()
-        for name, (tensor, persistent) in tensors.items():
-            _register(self, name, tensor, persistent)
-        for name, module in submodules.items():
-            self.add_module(name, module)
 
 
 def _trace(split: ModelSplit, layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, tokens: int,
@@ -321,7 +311,7 @@ def _program(decode: ModelSplit, stage: int, training: nn.Module | None, device:
     kept = [n for n in recipe.outputs if not (isinstance(n, torch.fx.Node) and n in cache_values)]
     recipe.outputs = kept + [new[i] for i in makes]
     graph, submodules = build_graph(recipe, traced, device)
-    run, _ = _compile(graph, stage)
+    run, _ = _compile(graph, f"stage {stage}")
     tensors = decode._resolve_tensors(stage, device, keep_meta=training is not None)
     if training is not None:
         constants = {t.name for t in decode._stage_tensors[stage] if t.kind == "constant"}

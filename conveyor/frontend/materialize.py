@@ -46,10 +46,11 @@ from conveyor.errors import SplitError
 logger = logging.getLogger(__name__)
 
 
-def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer name of ``model``, aliases (tied names) included."""
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from model.named_buffers(remove_duplicate=False)
+def named_tensors(model: nn.Module, recurse: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer name of ``model`` (``recurse=False``: those it holds directly), aliases (tied
+    names) included."""
+    yield from model.named_parameters(recurse=recurse, remove_duplicate=False)
+    yield from model.named_buffers(recurse=recurse, remove_duplicate=False)
 
 
 def copy_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -199,7 +200,7 @@ def _owner_tensors(model: nn.Module, owner_path: str, device: torch.device, seed
     _initialise(model, fresh, owner_path, seed, device)
     _initialise_in_ancestors(model, fresh, owner_path, seed, device)
     prefix = f"{owner_path}." if owner_path else ""
-    return {prefix + local: tensor for local, tensor in _own_tensors(fresh, recurse=False)}
+    return {prefix + local: tensor for local, tensor in named_tensors(fresh, recurse=False)}
 
 
 def _warn_of_unset(made: dict[str, torch.Tensor]) -> None:
@@ -225,11 +226,6 @@ def _warn_of_unset(made: dict[str, torch.Tensor]) -> None:
             len(unset),
             ", ".join(unset[:10]) + (" ..." if len(unset) > 10 else ""),
         )
-
-
-def _own_tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters(recurse=recurse, remove_duplicate=False)
-    yield from module.named_buffers(recurse=recurse, remove_duplicate=False)
 
 
 def initialise_as_on_meta(model: nn.Module, seed: int) -> nn.Module:

@@ -20,7 +20,7 @@ from torch import nn
 from conveyor.errors import SplitError
 from conveyor.frontend.dynamic import symbolic_dims
 from conveyor.frontend.leaves import leaves_as_shapes
-from conveyor.frontend.materialize import named_tensors
+from conveyor.frontend.materialize import copy_tensor, named_tensors
 from conveyor.frontend.stage import ValueSpec, as_received
 from conveyor.frontend.trace import TracedModel
 from conveyor.frontend.units import ModuleSpans, Unit
@@ -133,10 +133,7 @@ def _dry_run(split: ModelSplit) -> None:
 
     def as_meta(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in meta_copies:
-            data = torch.empty_like(tensor, device=meta)
-            if isinstance(tensor, nn.Parameter):
-                data = nn.Parameter(data, requires_grad=tensor.requires_grad)
-            meta_copies[id(tensor)] = data
+            meta_copies[id(tensor)] = copy_tensor(tensor, meta)
         return meta_copies[id(tensor)]
 
     flat_inputs = [

@@ -243,25 +243,17 @@ def _rewrite_devices(graph: fx.Graph, device_map: dict[torch.device, torch.devic
         node.kwargs = _map_devices(node.kwargs, device_map)
 
 
-def _writes_to(node: fx.Node, value: fx.Node) -> bool:
+def _aliasing(node: fx.Node, value: fx.Node) -> str | None:
+    """How ``node`` aliases its argument ``value``: ``"write"`` (it updates it in place), ``"view"`` (it returns
+    a view of it: slice, select, view, transpose...), or None."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
-        return False
-    return any(
-        arg is value and argument.alias_info is not None and argument.alias_info.is_write
-        for argument, arg in zip(schema.arguments, node.args)
-    )
-
-
-def _views_of(node: fx.Node, value: fx.Node) -> bool:
-    """Whether ``node`` returns a view of ``value`` (slice, select, view, transpose...)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
-        return False
-    return any(
-        arg is value and argument.alias_info is not None and not argument.alias_info.is_write
-        for argument, arg in zip(schema.arguments, node.args)
-    )
+        return None
+    aliases = [argument.alias_info for argument, arg in zip(schema.arguments, node.args)
+               if arg is value and argument.alias_info is not None]
+    if any(alias.is_write for alias in aliases):
+        return "write"
+    return "view" if aliases and schema.returns and schema.returns[0].alias_info is not None else None
 
 
 def _clone_inputs_mutated_in_place(graph: fx.Graph) -> None:
@@ -275,9 +267,10 @@ def _clone_inputs_mutated_in_place(graph: fx.Graph) -> None:
         while aliases and not mutated:
             value = aliases.pop()
             for user in value.users:
-                if _writes_to(user, value):
+                how = _aliasing(user, value)
+                if how == "write":
                     mutated = True
-                elif _views_of(user, value):
+                elif how == "view":
                     aliases.append(user)
         if not mutated:
             continue
@@ -358,10 +351,11 @@ def _drop_metadata_assertions(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def _compile(graph: fx.Graph, stage: int) -> tuple[Callable[..., Any], str]:
+def _compile(graph: fx.Graph, what: str) -> tuple[Callable[..., Any], str]:
+    """``graph``'s generated ``forward(self, ...)`` and its source, under a file name saying ``what`` it runs."""
     python_code = graph.python_code(root_module="self")
     source = python_code.src
-    filename = f"<conveyor stage {stage} {uuid.uuid4().hex[:8]}>"
+    filename = f"<conveyor {what} {uuid.uuid4().hex[:8]}>"
     # Registered so that tracebacks through a stage show its generated source lines.
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     namespace = dict(python_code.globals)
@@ -412,7 +406,7 @@ class StageModule(nn.Module):
         self._conveyor_out_spec = out_spec
         self._conveyor_traced_training = traced_training
         self.train(traced_training)
-        run, code = _compile(graph, recipe.stage)
+        run, code = _compile(graph, f"stage {recipe.stage}")
         # Per mode (training flag): the compiled forward, its source and what it receives.
         self._conveyor_runs = {traced_training: (run, code, self._conveyor_input_specs)}
         self._conveyor_graphs = {traced_training: graph}  # per mode: what wrap_blocks regroups
@@ -465,7 +459,7 @@ class StageModule(nn.Module):
         for name, module in submodules.items():
             self.add_module(f"{name}{suffix}", module)
         graph.lint()
-        run, code = _compile(graph, self.stage)
+        run, code = _compile(graph, f"stage {self.stage}")
         input_specs = recipe.input_specs if self._conveyor_input_specs is not None else None
         self._conveyor_runs[training] = (run, code, input_specs)
         self._conveyor_graphs[training] = graph
@@ -483,7 +477,7 @@ class StageModule(nn.Module):
 
         for training, graph in self._conveyor_graphs.items():
             regrouped = wrap_blocks(graph, chosen, wrap, pattern)
-            run, code = _compile(regrouped, self.stage)
+            run, code = _compile(regrouped, f"stage {self.stage}")
             self._conveyor_runs[training] = (run, code, self._conveyor_runs[training][2])
 
     @property

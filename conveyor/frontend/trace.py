@@ -62,6 +62,7 @@ from conveyor.frontend.dynamic import (
     symbolic_dims,
 )
 from conveyor.frontend.functions import custom_functions_met, refusal
+from conveyor.frontend.materialize import named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class TracedModel:
         self.example: list[ExampleLeaf] = [_example_leaf(node) for node in self.user_inputs]
         # Every name of every tensor, for tied tensors: name -> all names, model order.
         names_of: dict[int, list[str]] = {}
-        for tensor_name, tensor in _named_tensors(model):
+        for tensor_name, tensor in named_tensors(model):
             names_of.setdefault(id(tensor), []).append(tensor_name)
         self.aliases: dict[str, tuple[str, ...]] = {
             name: tuple(names) for names in names_of.values() if len(names) > 1 for name in names
@@ -204,11 +205,6 @@ class TracedModel:
         return [
             self.subgraphs[arg.name] for arg in node.args if isinstance(arg, fx.Node) and arg.name in self.subgraphs
         ]
-
-
-def _named_tensors(model: nn.Module):
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from model.named_buffers(remove_duplicate=False)
 
 
 def _module_paths(node: fx.Node) -> tuple[str, ...]:

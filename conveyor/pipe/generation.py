@@ -67,15 +67,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conveyor.errors import PipelineConfigError
+from conveyor.frontend.decode import CAUSAL_HEADS, decode_stages
 from conveyor.frontend.split import split_model
+from conveyor.frontend.stage import StageModule
 from conveyor.microbatch import Microbatches
 from conveyor.pipe.logprobs import logits_of
 
 if TYPE_CHECKING:
     from conveyor.pipe.pipeline import Pipeline
-
-# A Hugging Face model class that ends so has a causal language-model head (GPT2LMHeadModel, LlamaForCausalLM).
-CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,9 +422,6 @@ def traced_decoder(pipe: Pipeline, batch: int, width: int, lengths: torch.Tensor
 
         stages, why_not = traced_decoder(pipe, 4, 24, torch.full((4,), 8), 8)
     """
-    from conveyor.frontend.decode import decode_stages
-    from conveyor.frontend.stage import StageModule
-
     modules = {stage: runner.module for stage, runner in pipe.runners.items()}
     points = {getattr(module, "_conveyor_split_points", None) for module in modules.values()}
     if None in points or len(points) != 1 or not all(type(m) is StageModule for m in modules.values()):
