@@ -468,7 +468,8 @@ def _assign_tensors(
     # still belong to some stage: the one where their module (or its nearest
     # ancestor that ran) starts, else the stage of the tensor before them.
     spans = ModuleSpans(traced)
-    stage_of_position = _stage_starts(recipes, traced)
+    index_of = {node: index for index, node in enumerate(traced.nodes)}
+    firsts = [min((index_of[n] for n in recipe.nodes), default=None) for recipe in recipes]  # where each starts
     non_persistent = {
         f"{module_name}.{buffer}" if module_name else buffer
         for module_name, module in model.named_modules(remove_duplicate=False)
@@ -483,7 +484,8 @@ def _assign_tensors(
         owner = name.rpartition(".")[0]
         while owner:
             if spans.ran(owner):
-                stage = stage_of_position(spans.first[owner])
+                stage = max((candidate for candidate, first in enumerate(firsts)
+                             if first is not None and first <= spans.first[owner]), default=0)
                 break
             owner = owner.rpartition(".")[0]
         kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
@@ -501,16 +503,3 @@ def _assign_tensors(
                  for name, tensor in model.named_parameters() if len(holders[id(tensor)]) > 1)
     return stage_tensors, tied
 
-
-def _stage_starts(recipes: list[StageRecipe], traced: TracedModel):
-    index_of = {node: index for index, node in enumerate(traced.nodes)}
-    firsts = [min((index_of[n] for n in recipe.nodes), default=None) for recipe in recipes]
-
-    def stage_of_position(position: int) -> int:
-        stage = 0
-        for candidate, first in enumerate(firsts):
-            if first is not None and first <= position:
-                stage = candidate
-        return stage
-
-    return stage_of_position

@@ -19,7 +19,7 @@ import linecache
 import operator
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,6 +80,7 @@ class StageTensor:
     persistent: bool
 
 
+@dataclass(eq=False)
 class StageRecipe:
     """What one stage runs, as references into the traced graph (built once per split).
 
@@ -87,27 +88,17 @@ class StageRecipe:
     (or literal values, on the last stage) in output order.
     """
 
-    def __init__(
-        self,
-        stage: int,
-        num_stages: int,
-        nodes: list[fx.Node],
-        inputs: list[fx.Node],
-        outputs: list[Any],
-        tensors: dict[str, StageTensor],
-        subgraphs: dict[str, str],
-    ):
-        self.stage = stage
-        self.num_stages = num_stages
-        self.nodes = nodes
-        self.inputs = inputs
-        self.outputs = outputs
-        self.tensors = tensors  # placeholder name in the traced graph -> tensor
-        self.subgraphs = subgraphs  # get_attr node name in the traced graph -> attribute name
-        # Other names of tensors in ``tensors`` (a tied tensor read under two names).
-        self.extra_tensors: list[StageTensor] = []
-        self.input_specs: tuple[ValueSpec, ...] = ()
-        self.output_specs: tuple[ValueSpec, ...] = ()
+    stage: int
+    num_stages: int
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[Any]
+    tensors: dict[str, StageTensor]  # placeholder name in the traced graph -> tensor
+    subgraphs: dict[str, str]  # get_attr node name in the traced graph -> attribute name
+    # Other names of tensors in ``tensors`` (a tied tensor read under two names).
+    extra_tensors: list[StageTensor] = field(default_factory=list)
+    input_specs: tuple[ValueSpec, ...] = ()
+    output_specs: tuple[ValueSpec, ...] = ()
 
     @property
     def is_first(self) -> bool:
@@ -216,31 +207,22 @@ def build_recipes(
                 for value in ordered_values
                 if value in stage_of and stage_of[value] <= stage < last_use.get(value, -1)
             ]
-        recipe = StageRecipe(
-            stage, num_stages, nodes, previous_outputs, outputs, tensors, subgraphs
-        )
-        recipe.extra_tensors = list(extra_names.values())
-        recipes.append(recipe)
+        recipes.append(StageRecipe(stage, num_stages, nodes, previous_outputs, outputs, tensors, subgraphs,
+                                   list(extra_names.values())))
         previous_outputs = outputs
     return recipes
-
-
-def _map_devices(value: Any, device_map: dict[torch.device, torch.device]) -> Any:
-    if isinstance(value, torch.device):
-        return device_map.get(value, value)
-    if isinstance(value, tuple | list):
-        return type(value)(_map_devices(item, device_map) for item in value)
-    if isinstance(value, dict):
-        return {key: _map_devices(item, device_map) for key, item in value.items()}
-    return value
 
 
 def _rewrite_devices(graph: fx.Graph, device_map: dict[torch.device, torch.device]) -> None:
     if not device_map:
         return
+
+    def moved(value: Any) -> Any:
+        return device_map.get(value, value) if isinstance(value, torch.device) else value
+
     for node in graph.nodes:
-        node.args = _map_devices(node.args, device_map)
-        node.kwargs = _map_devices(node.kwargs, device_map)
+        node.args = fx.node.map_aggregate(node.args, moved)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, moved)
 
 
 def _aliasing(node: fx.Node, value: fx.Node) -> str | None:
