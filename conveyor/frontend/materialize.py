@@ -84,21 +84,17 @@ def _hf_initializer(model: nn.Module, path: str) -> Any:
     return None
 
 
-def _initialise(
-    model: nn.Module, module: nn.Module, path: str, seed: int, device: torch.device
-) -> None:
+def _initialise(model: nn.Module, module: nn.Module, path: str, seed: int) -> None:
     """Run the model's own init on ``module`` (a fresh copy of the model's module at ``path``): each
     submodule's ``reset_parameters()``, then each one's Hugging Face ``_init_weights``, children first,
     the generator seeded from ``(seed, submodule path)`` before each call."""
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        for sub_path, sub in _post_order(module, path):
-            reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                torch.manual_seed(module_seed(seed, sub_path))
-                reset()
-        for sub_path, sub in _post_order(module, path):
-            _init_weights_seeded(model, sub, sub_path, seed)
+    for sub_path, sub in _post_order(module, path):
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            torch.manual_seed(module_seed(seed, sub_path))
+            reset()
+    for sub_path, sub in _post_order(module, path):
+        _init_weights_seeded(model, sub, sub_path, seed)
 
 
 def _init_weights_seeded(model: nn.Module, module: nn.Module, path: str, seed: int) -> None:
@@ -108,8 +104,7 @@ def _init_weights_seeded(model: nn.Module, module: nn.Module, path: str, seed: i
         owner._init_weights(module)
 
 
-def _initialise_in_ancestors(model: nn.Module, fresh: nn.Module, path: str, seed: int,
-                             device: torch.device) -> None:
+def _initialise_in_ancestors(model: nn.Module, fresh: nn.Module, path: str, seed: int) -> None:
     """The ``_init_weights`` of every ancestor of ``path`` (nearest first, the root last), as a whole
     model's children-first pass reaches them, each run on a meta skeleton of the ancestor that holds
     ``fresh`` at ``path``: only ``fresh``'s tensors are real, so an ancestor's init (GPT-2's scaled
@@ -117,14 +112,12 @@ def _initialise_in_ancestors(model: nn.Module, fresh: nn.Module, path: str, seed
     if not path:
         return
     parts = path.split(".")
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        for depth in range(len(parts) - 1, -1, -1):
-            ancestor_path = ".".join(parts[:depth])
-            if _hf_initializer(model, ancestor_path) is None:
-                continue
-            skeleton = _skeleton_holding(model.get_submodule(ancestor_path), parts[depth:], fresh)
-            _init_weights_seeded(model, skeleton, ancestor_path, seed)
+    for depth in range(len(parts) - 1, -1, -1):
+        ancestor_path = ".".join(parts[:depth])
+        if _hf_initializer(model, ancestor_path) is None:
+            continue
+        skeleton = _skeleton_holding(model.get_submodule(ancestor_path), parts[depth:], fresh)
+        _init_weights_seeded(model, skeleton, ancestor_path, seed)
 
 
 def _skeleton_holding(ancestor: nn.Module, relative: list[str], fresh: nn.Module) -> nn.Module:
@@ -142,15 +135,11 @@ def _skeleton_holding(ancestor: nn.Module, relative: list[str], fresh: nn.Module
     return top
 
 
-def _fill_unset(tensors: Iterable[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for tensor in tensors:
-            if tensor.is_floating_point() or tensor.is_complex():
-                tensor.fill_(float("nan"))
-            elif tensor.dtype == torch.bool:
-                tensor.zero_()
-            else:
-                tensor.fill_(torch.iinfo(tensor.dtype).min)
+def _unset_mark(tensor: torch.Tensor) -> float | bool | int:
+    """What a tensor no init method sets holds: NaN (bools: False; integers: their dtype's lowest value)."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        return float("nan")
+    return False if tensor.dtype == torch.bool else torch.iinfo(tensor.dtype).min
 
 
 def materialize(
@@ -196,27 +185,25 @@ def _owner_tensors(model: nn.Module, owner_path: str, device: torch.device, seed
     """The tensors held directly by the module at ``owner_path``, by their full names, freshly initialised."""
     fresh = copy.deepcopy(model.get_submodule(owner_path))
     fresh.to_empty(device=device)
-    _fill_unset(tensor for _, tensor in named_tensors(fresh))
-    _initialise(model, fresh, owner_path, seed, device)
-    _initialise_in_ancestors(model, fresh, owner_path, seed, device)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():  # each draw seeded by its module's path
+        for _, tensor in named_tensors(fresh):
+            tensor.fill_(_unset_mark(tensor))
+        _initialise(model, fresh, owner_path, seed)
+        _initialise_in_ancestors(model, fresh, owner_path, seed)
     prefix = f"{owner_path}." if owner_path else ""
     return {prefix + local: tensor for local, tensor in named_tensors(fresh, recurse=False)}
 
 
 def _warn_of_unset(made: dict[str, torch.Tensor]) -> None:
-    """Log the tensors of ``made`` that no init method set (still holding ``_fill_unset``'s mark)."""
+    """Log the tensors of ``made`` that no init method set (still holding ``_unset_mark``)."""
     unset: list[str] = []
     with torch.no_grad():
         for full, tensor in made.items():
             if not tensor.numel() or tensor.is_meta:  # a stage built on meta (to size it) holds no values
                 continue
-            if tensor.is_floating_point() or tensor.is_complex():
-                left = bool(torch.isnan(tensor).all())
-            elif tensor.dtype == torch.bool:
-                left = not bool(tensor.any())
-            else:
-                left = bool((tensor == torch.iinfo(tensor.dtype).min).all())
-            if left:
+            mark = _unset_mark(tensor)
+            if bool((torch.isnan(tensor) if isinstance(mark, float) else tensor == mark).all()):  # NaN equals nothing
                 unset.append(full)
     if unset:
         logger.warning(

@@ -153,7 +153,9 @@ class ModelSplit:
             device = torch.device("cuda", torch.cuda.current_device())
         module = self._build_stage(stage, self._resolve_tensors(stage, device, keep_meta), device)
         if both_modes:
-            other = self._other_mode()
+            if self._other_mode_split is None:
+                self._other_mode_split = self.with_mode(not self.training)
+            other = self._other_mode_split
             if other.split_points != self.split_points:
                 raise SplitError(
                     f"the model traced in the other mode cuts at {other.split_points}, not at "
@@ -172,11 +174,6 @@ class ModelSplit:
         graph, submodules = build_graph(recipe, traced, device)
         return StageModule(recipe, graph, tensors, submodules, traced.example, traced.in_spec, traced.out_spec,
                            check_inputs=check_inputs, traced_training=traced.training)
-
-    def _other_mode(self) -> ModelSplit:
-        if self._other_mode_split is None:
-            self._other_mode_split = self.with_mode(not self.training)
-        return self._other_mode_split
 
     def stage_modules(
         self, device: torch.device | str | None = None, *, both_modes: bool = False

@@ -32,6 +32,7 @@ What tracing costs, and its limits (see also ``conveyor.frontend`` docs):
 
 from __future__ import annotations
 
+import linecache
 import logging
 import os
 import re
@@ -67,6 +68,9 @@ from conveyor.frontend.materialize import named_tensors
 logger = logging.getLogger(__name__)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# The last advice of every refusal to trace.
+_BY_HAND = ("  or build the stages by hand: any list of nn.Modules whose outputs feed the next one works with "
+            "conveyor.frontend.run_sequential and the pipeline.")
 _FRONTEND_DIR = os.path.dirname(__file__)
 
 
@@ -274,8 +278,7 @@ def _reject_data_dependent(model: nn.Module, node: fx.Node) -> None:
         "how to fix: stages need shapes known before running; keep data-dependent shapes "
         "(boolean indexing x[mask], nonzero, .item(), .tolist()) out of forward: use torch.where "
         "or a multiplied mask, or compute it after the model returns.\n"
-        "  or build the stages by hand: any list of nn.Modules whose outputs feed the next "
-        "one works with conveyor.frontend.run_sequential and the pipeline."
+        + _BY_HAND
     )
 
 
@@ -390,7 +393,8 @@ def explain_trace_failure(model: nn.Module, error: BaseException) -> str:
                 module_where = (module_names[id(owner)], type(owner).__name__)
             filename = frame.f_code.co_filename
             if not filename.startswith((_TORCH_DIR, _FRONTEND_DIR, "<")):
-                line_where = f"{filename}:{traceback.tb_lineno}: {_source_line(filename, traceback.tb_lineno)}"
+                source = linecache.getline(filename, traceback.tb_lineno).strip() or "<source unavailable>"
+                line_where = f"{filename}:{traceback.tb_lineno}: {source}"
             traceback = traceback.tb_next
         if module_where is not None:
             break
@@ -405,10 +409,7 @@ def explain_trace_failure(model: nn.Module, error: BaseException) -> str:
         lines.append(f"  at {line_where}")
     lines.append(f"  reason: {type(error).__name__}: {reason}")
     lines.append("how to fix: " + _hint(error))
-    lines.append(
-        "  or build the stages by hand: any list of nn.Modules whose outputs feed the next "
-        "one works with conveyor.frontend.run_sequential and the pipeline."
-    )
+    lines.append(_BY_HAND)
     return "\n".join(lines)
 
 
@@ -420,12 +421,6 @@ def _exception_chain(error: BaseException) -> list[BaseException]:
         current = current.__cause__ or current.__context__
     # The innermost failure is the most precise about where it happened.
     return list(reversed(chain))
-
-
-def _source_line(filename: str, lineno: int) -> str:
-    import linecache
-
-    return linecache.getline(filename, lineno).strip() or "<source unavailable>"
 
 
 def _hint(error: BaseException) -> str:
