@@ -47,6 +47,7 @@ from torch import nn
 
 from conveyor.errors import PipelineConfigError
 from conveyor.frontend import attention
+from conveyor.frontend.materialize import named_tensors
 from conveyor.frontend.split import ModelSplit, split_model
 from conveyor.frontend.stage import _compile, _register, build_graph
 
@@ -332,7 +333,7 @@ def _training_tensors(module: nn.Module, stage: int, tensors: dict[str, tuple[to
     """The training stage's own tensors under the decode program's names (the model's, after "lm."): what
     training updates, generation reads (constants made inside forward stay the decode trace's own). Every
     parameter and buffer must be there: another cut would decode another model."""
-    own = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    own = dict(named_tensors(module))
     missing = sorted(name for name in tensors if name not in constants and name.removeprefix(f"{_WRAPPED}.") not in own)
     if missing:
         raise PipelineConfigError(

@@ -30,6 +30,7 @@ from torch import nn
 from conveyor.errors import PipelineConfigError, SpecMismatchError
 from conveyor.frontend.dynamic import describe_shape, fits
 from conveyor.frontend.leaves import held_in_order, hollow_copy, restore_leaves
+from conveyor.frontend.materialize import named_tensors
 from conveyor.frontend.trace import ExampleLeaf, StateInput, TracedModel
 
 # Attribute names on a StageModule that can never clash with a model's module names.
@@ -424,8 +425,7 @@ class StageModule(nn.Module):
         """
         if training in self._conveyor_runs:
             raise PipelineConfigError(f"stage {self.stage} already runs in {'train' if training else 'eval'} mode")
-        own = {name for name, _ in self.named_parameters(remove_duplicate=False)}
-        own |= {name for name, _ in self.named_buffers(remove_duplicate=False)}
+        own = dict(named_tensors(self))
         missing = sorted(t.name for t in recipe.tensors.values() if t.name not in own)
         if missing:
             raise PipelineConfigError(

@@ -376,9 +376,7 @@ def _unrolled_block(pipe: Pipeline, built: dict, ids: torch.Tensor, start: int, 
 
 
 def _run_unrolled(unrolled: Pipeline, lanes: list[tuple]) -> None:
-    inputs = unrolled.steps.inputs
-    first = inputs.given(Microbatches(inputs=lanes), (), {}, None)[0] if inputs.needs_inputs else None
-    unrolled.steps.forward_each(first)
+    unrolled.steps.forward_each(unrolled.steps.inputs.given(Microbatches(inputs=lanes), (), {}, None)[0])
 
 
 class _TokenStep(torch.nn.Module):
@@ -495,11 +493,9 @@ def _next_tokens(pipe: Pipeline, lanes: list[tuple] | None, whole: tuple[tuple, 
                  last_positions: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     """One forward of every lane (given lane by lane, or as the whole batch's ``(args, kwargs)``); the last
     stage picks each row's token at ``last_positions``; every rank gets them."""
-    steps = pipe.steps
-    first = None
-    if steps.inputs.needs_inputs:
-        first = steps.inputs.given(Microbatches(inputs=lanes), (), {}, None)[0] if lanes is not None else \
-            steps.inputs.split(*whole, None)[0]
+    steps = pipe.steps  # (where stage 0 does not run, the inputs give None)
+    first = steps.inputs.given(Microbatches(inputs=lanes), (), {}, None)[0] if lanes is not None else \
+        steps.inputs.split(*whole, None)[0]
     outputs = steps.forward_each(first)
     mine = None
     if outputs is not None:

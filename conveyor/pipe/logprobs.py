@@ -117,7 +117,7 @@ def pipeline_logprobs(steps: PipelineSteps, args: tuple, kwargs: dict) -> torch.
                                       f"pass nothing beside it (got {len(args) - 1} more positional, {sorted(kwargs)})")
         first = steps.inputs.given(given, (), {}, None)[0]
     else:
-        first = steps.inputs.split(args, kwargs, None)[0] if steps.inputs.needs_inputs else None
+        first = steps.inputs.split(args, kwargs, None)[0]  # None where stage 0 does not run
     outputs = steps.forward_each(first)
     mine = None
     if outputs is not None:
