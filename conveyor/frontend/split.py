@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.errors import SplitError
@@ -239,13 +238,7 @@ class ModelSplit:
             return self
         model = self.model
         was_training = model.training
-        example = [
-            torch.zeros(leaf.shape, dtype=leaf.dtype, device=self._traced.trace_device)
-            if leaf.is_tensor
-            else leaf.value
-            for leaf in self._traced.example
-        ]
-        args, kwargs = pytree.tree_unflatten(example, self._traced.in_spec)
+        args, kwargs = self._traced.example_inputs(self._traced.trace_device)
         try:
             model.train(training)
             split = split_model(

@@ -136,14 +136,10 @@ def _dry_run(split: ModelSplit) -> None:
             meta_copies[id(tensor)] = copy_tensor(tensor, meta)
         return meta_copies[id(tensor)]
 
-    flat_inputs = [
-        torch.empty(leaf.shape, dtype=leaf.dtype, device=meta) if leaf.is_tensor else leaf.value
-        for leaf in traced.example
-    ]
     split._recipes[0].input_specs = tuple(
         ValueSpec(leaf.name, leaf.shape, leaf.dtype, False, leaf.value, leaf.dynamic) for leaf in traced.example
     )
-    values: Any = pytree.tree_unflatten(flat_inputs, traced.in_spec)
+    values: Any = traced.example_inputs(meta)
     for recipe in split._recipes:
         tensors = {}
         for tensor_spec in split._stage_tensors[recipe.stage]:

@@ -205,6 +205,12 @@ class TracedModel:
             name: tuple(names) for names in names_of.values() if len(names) > 1 for name in names
         }
 
+    def example_inputs(self, device: torch.device) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` shaped as the example microbatch: its non-tensor values, zeros for its tensors."""
+        flat = [torch.zeros(leaf.shape, dtype=leaf.dtype, device=device) if leaf.is_tensor else leaf.value
+                for leaf in self.example]
+        return pytree.tree_unflatten(flat, self.in_spec)
+
     def _bodies(self, node: fx.Node) -> list[fx.GraphModule]:
         return [
             self.subgraphs[arg.name] for arg in node.args if isinstance(arg, fx.Node) and arg.name in self.subgraphs
