@@ -267,8 +267,8 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
     if width < input_ids.shape[1] + max_new_tokens:
         raise PipelineConfigError(f"length={width} holds no {max_new_tokens} new tokens after {input_ids.shape[1]} "
                                   f"prompt tokens: pass length >= {input_ids.shape[1] + max_new_tokens}")
-    has_cache = uses_cache(pipe, lengths, input_ids.shape[1])
-    if kv_cache is not False and not has_cache:
+    cached = uses_cache(pipe, lengths, input_ids.shape[1])
+    if kv_cache is not False and not cached:
         stages, why_not = traced_decoder(pipe, input_ids.shape[0], width, lengths, input_ids.shape[1])
         if stages is not None:
             return _through_decoder(pipe, stages, input_ids, max_new_tokens, sampling, generator, return_logprobs,
@@ -276,7 +276,7 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
         if kv_cache:
             raise PipelineConfigError(f"kv_cache=True, but {why_not}; pass kv_cache=None (the window loop then "
                                       "serves) or False")
-    elif kv_cache is False and has_cache:
+    elif kv_cache is False and cached:
         raise PipelineConfigError("kv_cache=False, but these stages decode only through their key/value caches "
                                   "(reset_kv_cache): pass kv_cache=None, or build the pipeline from stages without "
                                   "one")
@@ -287,7 +287,6 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
     made = torch.zeros(batch, dtype=torch.long)
     done = torch.zeros(batch, dtype=torch.bool)
     rows = torch.arange(batch)
-    cached = has_cache
     if cached:
         for runner in pipe.runners.values():
             runner.module.reset_kv_cache()
