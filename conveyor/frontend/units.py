@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -94,10 +93,14 @@ def find_units(model: nn.Module, spans: ModuleSpans, unsplittable: Iterable[str]
     root's children.
     """
     whole = set(unsplittable)
+    holds_container: dict[int, bool] = {}
 
-    @functools.cache
     def has_container(module: nn.Module) -> bool:
-        return is_block_container(module) or any(has_container(child) for child in module.children())
+        if id(module) not in holds_container:
+            holds_container[id(module)] = is_block_container(module) or any(
+                has_container(child) for child in module.children()
+            )
+        return holds_container[id(module)]
 
     any_container = has_container(model)
     units: list[Unit] = []
