@@ -38,8 +38,7 @@ def export_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, dynamic: 
         return None
     if not isinstance(dynamic, Mapping):
         raise TracingError(f"dynamic_shapes takes {{input name: {{dim: name}}}}; got {type(dynamic).__name__}")
-    names = [name for name, parameter in inspect.signature(model.forward).parameters.items()
-             if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
+    names = _positional_names(model)
     given = dict(zip(names, args)) | dict(kwargs)
     unknown = sorted(set(dynamic) - set(given))
     if unknown:
@@ -55,6 +54,12 @@ def export_dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict, dynamic: 
     if not kwargs:
         return tuple(spec[name] for name in names[:len(args)])
     return {name: spec[name] for name in list(names[:len(args)]) + list(kwargs)}
+
+
+def _positional_names(model: nn.Module) -> list[str]:
+    """The names of ``model.forward``'s parameters that may be passed by position, in order."""
+    return [name for name, parameter in inspect.signature(model.forward).parameters.items()
+            if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
 
 
 def symbolic_dims(value: Any) -> tuple[int, ...]:
@@ -100,8 +105,7 @@ def check_stayed_dynamic(dynamic: Mapping[str, Any] | None, model: nn.Module, ar
         return
     import torch.utils._pytree as pytree
 
-    names = [name for name, parameter in inspect.signature(model.forward).parameters.items()
-             if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)]
+    names = _positional_names(model)
     ordered = {key: kwargs[key] for key in in_spec.child(1).context}
     paths = [path for path, _ in pytree.tree_flatten_with_path((tuple(args), ordered))[0]]
     fixed = []

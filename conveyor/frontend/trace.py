@@ -103,8 +103,7 @@ class ExampleLeaf:
 
     def describe(self) -> str:
         if self.is_tensor:
-            shape = list(self.shape) if not self.dynamic else describe_shape(self.shape, self.dynamic)
-            return f"tensor{shape} {str(self.dtype).removeprefix('torch.')}"
+            return f"tensor{describe_shape(self.shape, self.dynamic)} {str(self.dtype).removeprefix('torch.')}"
         return repr(self.value)
 
 
