@@ -168,16 +168,12 @@ def _dry_run(split: ModelSplit) -> None:
                 f"stage {recipe.stage} failed on meta tensors while checking the split "
                 f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). {advice}"
             ) from error
-        flat_outputs = pytree.tree_leaves(outputs) if recipe.is_last else list(outputs)
-        names = [getattr(value, "name", f"output_{i}") for i, value in enumerate(recipe.outputs)]
-        if recipe.is_last:
-            names = [f"output_{i}" for i in range(len(flat_outputs))]
-        traced_values = [getattr(node, "meta", {}).get("val") for node in recipe.outputs]
         if recipe.is_last:  # the model's outputs, flattened: which dims vary is not needed there
-            traced_values = [None] * len(flat_outputs)
-        recipe.output_specs = tuple(_spec(name, value, symbolic_dims(traced))
-                                    for name, value, traced in zip(names, flat_outputs, traced_values))
-        if not recipe.is_last:
+            recipe.output_specs = tuple(_spec(f"output_{i}", value)
+                                        for i, value in enumerate(pytree.tree_leaves(outputs)))
+        else:  # the traced nodes the next stage receives, under their names
+            recipe.output_specs = tuple(_spec(node.name, value, symbolic_dims(node.meta.get("val")))
+                                        for node, value in zip(recipe.outputs, outputs))
             values = tuple(as_received(value) for value in outputs)
             split._recipes[recipe.stage + 1].input_specs = recipe.output_specs
 
