@@ -148,6 +148,7 @@ def _innermost_module(node: fx.Node) -> str:
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    """The module at ``path`` in ``model``, or None where there is none."""
     try:
         return model.get_submodule(path)
     except AttributeError:

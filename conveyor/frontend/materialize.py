@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from conveyor.errors import SplitError
+from conveyor.frontend.attention import _submodule
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +76,7 @@ def _hf_initializer(model: nn.Module, path: str) -> Any:
     """The innermost Hugging Face ``PreTrainedModel`` on ``path`` (it owns ``_init_weights``)."""
     parts = path.split(".") if path else []
     for depth in range(len(parts), -1, -1):
-        try:
-            owner = model.get_submodule(".".join(parts[:depth]))
-        except AttributeError:
-            continue
+        owner = _submodule(model, ".".join(parts[:depth]))
         if hasattr(owner, "_init_weights") and hasattr(owner, "config"):
             return owner
     return None

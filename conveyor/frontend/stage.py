@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from conveyor.errors import PipelineConfigError, SpecMismatchError
+from conveyor.frontend.attention import _submodule
 from conveyor.frontend.dynamic import describe_shape, fits
 from conveyor.frontend.leaves import held_in_order, hollow_copy, restore_leaves
 from conveyor.frontend.materialize import named_tensors
@@ -135,10 +136,7 @@ def _tensor_for(traced: TracedModel, placeholder: str, name: str) -> StageTensor
     # A plain tensor attribute of a module keeps its path; a constant created inside
     # forward (torch.export names it "lifted_tensor_0") goes under a reserved name.
     owner, _, attribute = state.target.rpartition(".")
-    try:
-        exists = hasattr(traced.model.get_submodule(owner), attribute)
-    except AttributeError:
-        exists = False
+    exists = hasattr(_submodule(traced.model, owner), attribute)  # (None has no such attribute)
     name = state.target if exists else f"{_CONSTANT_PREFIX}.{state.target.replace('.', '_')}"
     return StageTensor(name, "constant", state.target, False)
 
