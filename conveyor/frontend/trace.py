@@ -367,14 +367,12 @@ def _key_value_cache_off(model: nn.Module, example_kwargs: Mapping[str, Any]) ->
         if use_cache:
             switched[id(config)] = (config, use_cache)
             owners.append(type(module).__name__)
-    if not switched:
-        yield
-        return
-    logger.info(
-        "tracing %s with use_cache=False (training never uses the key/value cache, which "
-        "torch.export cannot return; the model's config is left as it is)",
-        ", ".join(owners),
-    )
+    if switched:
+        logger.info(
+            "tracing %s with use_cache=False (training never uses the key/value cache, which "
+            "torch.export cannot return; the model's config is left as it is)",
+            ", ".join(owners),
+        )
     try:
         for config, _ in switched.values():
             config.use_cache = False
