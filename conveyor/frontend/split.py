@@ -399,7 +399,7 @@ def _cuts(
     if not units:
         units = [Unit("", type(model).__name__, 0, False)]
     starts = [0] + [unit.start for unit in units[1:]]
-    weights = _unit_weights(split_method, traced, units, starts, spans, model, num_stages)
+    weights = _unit_weights(split_method, traced, units, starts, spans, model)
     cut_allowed = _cut_allowed(
         model, units, starts, weights, spans, unsplittable, num_stages, split_method
     )

@@ -73,7 +73,6 @@ def _unit_weights(
     starts: list[int],
     spans: ModuleSpans,
     model: nn.Module,
-    num_stages: int,
 ) -> list[float]:
     ends = [*starts[1:], len(traced.nodes)]
     if method == "uniform":
