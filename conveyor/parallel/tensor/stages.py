@@ -55,6 +55,7 @@ from conveyor.parallel.tensor.style_map import (
     parallelize_stage,
     tensor_parallel_plan,
 )
+from conveyor.parallel.tensor.traced import parallelize_traced_stage, parameter_placements, whole_outputs
 
 
 def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()) -> dict[str, Any]:
@@ -72,8 +73,6 @@ def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()
 
         placements = model_placements(llama, DistributedLayout(mesh=mesh, tensor_parallel="auto"), 2)
     """
-    from conveyor.parallel.tensor.traced import parameter_placements
-
     plan = layout.tensor_parallel
     if isinstance(plan, str):
         plan = tensor_parallel_plan(model, tp_size, sequence_parallel=layout.sequence_parallel,
@@ -294,8 +293,6 @@ def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, t
     tp_size = tp_mesh.size()
     sequence_parallel = bool(layout.sequence_parallel)
     if placements is not None:
-        from conveyor.parallel.tensor.traced import parallelize_traced_stage
-
         for stage, module in modules.items():
             # Under loss_parallel the last stage's logits leave vocabulary-sharded (a DTensor) for the loss.
             parallelize_traced_stage(module, tp_mesh, placements,
@@ -315,7 +312,7 @@ def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, t
             if stage != last_stage:
                 module.register_forward_hook(_sent_as_local_parts(stage, tp_mesh, sequence_parallel))
             elif not layout.loss_parallel:
-                module.register_forward_hook(_outputs_whole)
+                module.register_forward_hook(whole_outputs)
     return stream if placements is not None and sequence_parallel else frozenset()
 
 
@@ -410,13 +407,3 @@ def _hand_built_plans(modules: Mapping[int, nn.Module], layout: Any, tp_size: in
                 "matched atom by atom against the stage modules' own submodule names, as parallelize_module "
                 "matches them); fix or drop them")
     return plans
-
-
-def _outputs_whole(module: nn.Module, args: Any, output: Any) -> Any:
-    """A stage's DTensor outputs as whole local tensors: what the matching TP rank of the next stage receives."""
-    def unwrap(value):
-        if isinstance(value, DTensor):
-            return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local()
-        return value
-
-    return pytree.tree_map(unwrap, output)

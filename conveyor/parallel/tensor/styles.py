@@ -43,7 +43,8 @@ def is_transposed_projection(module: nn.Module) -> bool:
     )
 
 
-def _column_placement(dim: int, packed: int):
+def column_placement(dim: int, packed: int = 1):
+    """A column shard on ``dim``: plain, or strided over ``packed`` equal parts (fused q|k|v)."""
     return Shard(dim) if packed == 1 else _StridedShard(dim, split_factor=packed)
 
 
@@ -55,6 +56,13 @@ def _distribute(module: nn.Module, name: str, mesh, placement, src_data_rank) ->
         distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
         requires_grad=param.requires_grad,
     ))
+
+
+def _check_transposed(style: ParallelStyle, module: nn.Module) -> None:
+    if not is_transposed_projection(module):
+        raise TypeError(f"{type(style).__name__} takes a Conv1D-like layer (a weight laid out (in, out), as "
+                        f"GPT-2's), got {type(module).__name__}: give an nn.Linear torch's own "
+                        f"ColwiseParallel/RowwiseParallel")
 
 
 def _local_output(use_local_output: bool, mod, outputs, device_mesh):
@@ -76,7 +84,7 @@ class PackedColwiseParallel(ColwiseParallel):
 
     def _partition(self, name, module, device_mesh) -> None:
         for param_name in ("weight", "bias"):
-            _distribute(module, param_name, device_mesh, _column_placement(0, self.packed), self.src_data_rank)
+            _distribute(module, param_name, device_mesh, column_placement(0, self.packed), self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(
@@ -99,14 +107,11 @@ class TransposedColwiseParallel(ColwiseParallel):
         self.packed = packed
 
     def _partition(self, name, module, device_mesh) -> None:
-        _distribute(module, "weight", device_mesh, _column_placement(1, self.packed), self.src_data_rank)
-        _distribute(module, "bias", device_mesh, _column_placement(0, self.packed), self.src_data_rank)
+        _distribute(module, "weight", device_mesh, column_placement(1, self.packed), self.src_data_rank)
+        _distribute(module, "bias", device_mesh, column_placement(0, self.packed), self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if not is_transposed_projection(module):
-            raise TypeError(f"{type(self).__name__} takes a Conv1D-like layer (a weight laid out (in, out), as "
-                            f"GPT-2's), got {type(module).__name__}: give an nn.Linear torch's own "
-                            f"ColwiseParallel/RowwiseParallel")
+        _check_transposed(self, module)
         return distribute_module(
             module, device_mesh, self._partition,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
@@ -130,10 +135,7 @@ class TransposedRowwiseParallel(RowwiseParallel):
         _distribute(module, "bias", device_mesh, Replicate(), self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if not is_transposed_projection(module):
-            raise TypeError(f"{type(self).__name__} takes a Conv1D-like layer (a weight laid out (in, out), as "
-                            f"GPT-2's), got {type(module).__name__}: give an nn.Linear torch's own "
-                            f"ColwiseParallel/RowwiseParallel")
+        _check_transposed(self, module)
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
             module, device_mesh, self._partition,
@@ -192,12 +194,13 @@ def _block_inputs(style: LocalBlock, first: str, rank: int, size: int, module, a
             kwargs[name] = value.chunk(size, dim=0)[rank]
     if style.gather_sequence:
         if args and isinstance(args[0], DTensor):
-            args = (_whole(args[0]), *args[1:])
+            args = (whole_local(args[0]), *args[1:])
         elif isinstance(kwargs.get(first), DTensor):
-            kwargs[first] = _whole(kwargs[first])
+            kwargs[first] = whole_local(kwargs[first])
     return args, kwargs
 
 
-def _whole(value: DTensor):
+def whole_local(value: DTensor):
+    """A DTensor gathered (or reduced) whole onto every rank, as a plain local tensor."""
     return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local()
 

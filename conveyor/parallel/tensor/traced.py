@@ -65,18 +65,19 @@ Example (on each of 2 ranks)::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel.tensor.style_map import matching_modules
-from conveyor.parallel.tensor.styles import is_transposed_projection
+from conveyor.parallel.tensor.styles import column_placement, is_transposed_projection, whole_local
 
 
 def parameter_placements(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, object]:
@@ -99,11 +100,7 @@ def _module_placements(module: nn.Module, style: ParallelStyle) -> dict[str, obj
     if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
         return {}  # LocalHeads, SequenceParallel, PrepareModule*: no parameter of theirs moves
     colwise = isinstance(style, ColwiseParallel)
-    packed = getattr(style, "packed", 1)
-
-    def column(dim: int):
-        return Shard(dim) if packed == 1 else _StridedShard(dim, split_factor=packed)
-
+    column = partial(column_placement, packed=getattr(style, "packed", 1))
     if isinstance(module, nn.Embedding):
         # Row-wise: vocab-parallel (each rank its rows of the vocabulary); the traced lookup is
         # reduced at once (_rewrite_row_split_weight_calls), as RowwiseParallel's output does.
@@ -154,7 +151,7 @@ def parallelize_traced_stage(stage: nn.Module, tp_mesh, placements: Mapping[str,
     _rewrite_row_split_weight_calls(stage, placements)
     stage.register_forward_pre_hook(_inputs_as_dtensors(tp_mesh), with_kwargs=True)
     if outputs_whole:
-        stage.register_forward_hook(_outputs_whole)
+        stage.register_forward_hook(whole_outputs)
     return stage
 
 
@@ -248,10 +245,15 @@ def _rewrite_row_split_weight_calls(stage: nn.Module, placements: Mapping[str, o
                 node.target = _ROW_SPLIT_WEIGHT_CALLS[node.target]
                 rewritten += 1
     if rewritten:
-        # The stage's own recompilation of every mode from its graphs: wrap_blocks with no block
-        # chosen (activation checkpointing, which wraps blocks later, starts from the edited graphs).
-        stage.wrap_blocks(set(), lambda function, block: function)
+        recompile(stage)
     return rewritten
+
+
+def recompile(stage: nn.Module) -> None:
+    """The traced stage's forward compiled anew from its edited graphs, in every mode: ``wrap_blocks``
+    with no block chosen does exactly that (activation checkpointing, which wraps blocks later,
+    starts from the edited graphs)."""
+    stage.wrap_blocks(set(), lambda function, block: function)
 
 
 def _inputs_as_dtensors(tp_mesh):
@@ -266,13 +268,9 @@ def _inputs_as_dtensors(tp_mesh):
     return hook
 
 
-def _outputs_whole(module, args, output):
-    def unwrap(value):
-        if isinstance(value, DTensor):
-            return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local()
-        return value
-
-    return pytree.tree_map(unwrap, output)
+def whole_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """A stage's DTensor outputs as whole local tensors: what the matching TP rank of the next stage receives."""
+    return pytree.tree_map_only(DTensor, whole_local, output)
 
 
 _ROW_SPLIT_WEIGHT_CALLS = MappingProxyType({torch.ops.aten.embedding.default: vocab_parallel_embedding,

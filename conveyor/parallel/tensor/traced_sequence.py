@@ -59,6 +59,7 @@ from conveyor.errors import PipelineConfigError
 from conveyor.expert_option import is_stacked_experts
 from conveyor.parallel.tensor.traced import (
     colwise_linear,
+    recompile,
     vocab_parallel_embedding,
     vocab_parallel_embedding_on_sequence,
 )
@@ -336,7 +337,7 @@ def shard_boundaries(stage: nn.Module, tp_mesh: Any, stream: frozenset) -> None:
                     stage.stage)
         sent[training] = tuple(isinstance(node, fx.Node) and _is_activation(node) and _shape(node) in stream
                                for node in graph.output_node().args[0])
-    _recompile(stage)
+    recompile(stage)
     stage._conveyor_sequence_received = received
     stage.register_forward_pre_hook(_received_rows(tp_mesh, received), with_kwargs=True, prepend=True)
     if stage.stage != stage.num_stages - 1:
@@ -356,12 +357,6 @@ def _check_stream(stage: int, stream: frozenset, tp_size: int) -> None:
                 f"sequence_parallel=True shards stage {stage}'s activations of shape {list(shape)} on the sequence "
                 f"(dim 1) over tp={tp_size}, which does not divide its length {shape[1]}: split with sequences "
                 f"whose length is a multiple of {tp_size} (pad them), or drop sequence_parallel")
-
-
-def _recompile(stage: nn.Module) -> None:
-    """The stage's forward compiled anew from its rewritten graphs, in every mode: ``wrap_blocks``
-    with no block chosen does exactly that (block wrapping chosen later regroups these graphs)."""
-    stage.wrap_blocks(set(), lambda function, block: function)
 
 
 def _received_rows(tp_mesh: Any, received: Mapping[bool, tuple[bool, ...]]):
