@@ -78,15 +78,8 @@ def parameter_norms(grads: Sequence[torch.Tensor], norm_type: float,
     norms: list[torch.Tensor | None] = [None] * len(grads)
     grouped = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
     for (device, _), ([tensors], indices) in grouped.items():
-        if (foreach is None and _has_foreach_support(tensors, device)) or (
-            foreach and _device_has_foreach_support(device)
-        ):
+        if _use_foreach(tensors, device, foreach, "; pass foreach=None (torch picks) or foreach=False"):
             values = torch._foreach_norm(tensors, norm_type)
-        elif foreach:
-            raise RuntimeError(
-                f"foreach=True was passed, but there are no foreach kernels for {device.type} tensors; "
-                "pass foreach=None (torch picks) or foreach=False"
-            )
         else:
             values = [torch.linalg.vector_norm(t, norm_type) for t in tensors]
         for i, value in zip(indices, values):
@@ -107,33 +100,46 @@ def scale_local_grads(grads: Sequence[torch.Tensor], max_norm: float, total: tor
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula, to the bit
     grouped = _group_tensors_by_device_and_dtype([list(grads)])
     for (device, _), ([tensors], _) in grouped.items():
-        if (foreach is None and _has_foreach_support(tensors, device)) or (
-            foreach and _device_has_foreach_support(device)
-        ):
+        if _use_foreach(tensors, device, foreach):
             torch._foreach_mul_(tensors, coefficient.to(device))
-        elif foreach:
-            raise RuntimeError(f"foreach=True was passed, but there are no foreach kernels for {device.type} tensors")
         else:
             for tensor in tensors:
                 tensor.mul_(coefficient.to(device))
 
 
-def combine_shard_norms(norms: Sequence[torch.Tensor], norm_type: float, group) -> list[torch.Tensor]:
+def _use_foreach(tensors: list[torch.Tensor], device: torch.device, foreach: bool | None, advice: str = "") -> bool:
+    """Whether torch's clipping runs its foreach kernels on these tensors (``foreach=True`` where a
+    device has none: refused, ``advice`` ending the message)."""
+    if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
+        return True
+    if foreach:
+        raise RuntimeError(f"foreach=True was passed, but there are no foreach kernels for {device.type} "
+                           f"tensors{advice}")
+    return False
+
+
+def combine_shard_norms(norms: Sequence[torch.Tensor], norm_type: float, group,
+                        at: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Whole-tensor norms from each rank's shard norms, over ``group`` (FSDP replicas, TP ranks): the
     p-th root of the summed p-th powers, or the max for the infinity norm, computed in float64 and
-    returned in each norm's dtype. One all-reduce; every rank of ``group`` gets the same values."""
+    returned in each norm's dtype. One all-reduce; every rank of ``group`` gets the same values.
+    ``at``: the positions of the shards' norms among ``norms`` (None: all), the others kept as given."""
     import torch.distributed as dist
 
-    if not norms:
-        return []
-    stacked = torch.stack([n.to(torch.float64) for n in norms])
+    at = range(len(norms)) if at is None else at
+    combined = list(norms)
+    if not at:
+        return combined
+    stacked = torch.stack([norms[i].to(torch.float64) for i in at])
     if norm_type == float("inf"):
         dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=group)
     else:
         stacked = stacked.pow(norm_type)
         dist.all_reduce(stacked, group=group)
         stacked = stacked.pow(1.0 / norm_type)
-    return [value.to(n.dtype) for value, n in zip(stacked, norms)]
+    for i, value in zip(at, stacked):
+        combined[i] = value.to(norms[i].dtype)
+    return combined
 
 
 def check_finite(total: torch.Tensor, norm_type: float) -> None:
@@ -146,7 +152,8 @@ def check_finite(total: torch.Tensor, norm_type: float) -> None:
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of a gradient: itself, or a data-parallel DTensor's local tensor."""
+    """This process's part of a tensor (a gradient, a parameter): itself, or a DTensor's local tensor
+    (differentiable)."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
 

@@ -43,6 +43,7 @@ from torch import nn
 from conveyor.errors import PipelineConfigError
 from conveyor.expert_option import is_stacked_experts
 from conveyor.options import WholeModel
+from conveyor.parallel.clipping import combine_shard_norms, local_part
 from conveyor.parallel.experts.discover import find_experts, num_experts_of
 from conveyor.parallel.experts.dispatch import Exchanges, dispatch_combine
 from conveyor.parallel.experts.overlap import check_overlap, stepped_forward
@@ -225,7 +226,7 @@ class ExpertParallel(StagePart):
         for param in self.parameters():
             if param.grad is None:
                 continue
-            grad = _local(param.grad)
+            grad = local_part(param.grad)
             if self.replicas_group is not None:
                 dist.all_reduce(grad, group=self.replicas_group)
             grad.div_(self.mesh_layout.dp_size)
@@ -240,17 +241,9 @@ class ExpertParallel(StagePart):
     def whole_norms(self, grads: Sequence[torch.Tensor], norms: list[torch.Tensor],
                     norm_type: float) -> list[torch.Tensor]:
         """An expert gradient's norm over every expert: its shards' norms combined over the group."""
-        from conveyor.parallel.clipping import combine_shard_norms
-
         mine = {id(p.grad) for p in self.parameters() if p.grad is not None}
-        indices = [i for i, grad in enumerate(grads) if id(grad) in mine]
-        if not indices:
-            return norms
-        combined = combine_shard_norms([norms[i] for i in indices], norm_type, self.group)
-        result = list(norms)
-        for i, norm in zip(indices, combined):
-            result[i] = norm
-        return result
+        ours = [i for i, grad in enumerate(grads) if id(grad) in mine]
+        return combine_shard_norms(norms, norm_type, self.group, at=ours)
 
     def release(self) -> None:
         """Forget the groups (the pipeline destroys them)."""
@@ -270,18 +263,12 @@ def shard_experts(experts: nn.Module, ep_rank: int, ep: int, where: str) -> None
     local = num_experts // ep
     for name, param in list(experts.named_parameters(recurse=False)):
         # Under tensor parallelism the traced stage's experts are replicated DTensors: each holds them whole.
-        kept = nn.Parameter(_local(param.detach())[ep_rank * local:(ep_rank + 1) * local].clone(),
+        kept = nn.Parameter(local_part(param.detach())[ep_rank * local:(ep_rank + 1) * local].clone(),
                             requires_grad=param.requires_grad)
         claim_reduction(kept, "expert parallelism")
         setattr(experts, name, kept)
     if hasattr(experts, "num_experts"):
         experts.num_experts = local  # the model's own expert code loops over the local experts
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (differentiable), any other tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
 
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
@@ -300,16 +287,11 @@ def _dispatched_forward(experts: nn.Module, part: ExpertParallel, num_experts: i
     if part.group is None:
         raise PipelineConfigError("an expert-parallel experts module ran outside its pipeline (its groups are not "
                                   "built yet or were released): run it through the pipeline's step")
+    dispatch = functools.partial(dispatch_combine, num_experts=num_experts, group=part.group, compute=compute,
+                                 capacity_factor=part.capacity, dropped=part._dropped, exchanges=part.all_to_alls)
     if part.tp_mesh is not None:  # the TP ranks split the tokens: see _on_tensor_parallel_ranks
-        return _on_tensor_parallel_ranks(part.tp_mesh, hidden_states, top_k_index, top_k_weights,
-                                         lambda *rows: dispatch_combine(*rows, num_experts=num_experts,
-                                                                        group=part.group, compute=compute,
-                                                                        capacity_factor=part.capacity,
-                                                                        dropped=part._dropped,
-                                                                        exchanges=part.all_to_alls))
-    return dispatch_combine(hidden_states, top_k_index, top_k_weights, num_experts=num_experts, group=part.group,
-                            compute=compute, capacity_factor=part.capacity, dropped=part._dropped,
-                            exchanges=part.all_to_alls)
+        return _on_tensor_parallel_ranks(part.tp_mesh, hidden_states, top_k_index, top_k_weights, dispatch)
+    return dispatch(hidden_states, top_k_index, top_k_weights)
 
 
 def local_compute(experts: nn.Module, weights_dtype: torch.dtype):
@@ -323,7 +305,7 @@ def local_compute(experts: nn.Module, weights_dtype: torch.dtype):
         # applied once the results are back at their tokens, as the model applies them. The model's
         # own code runs on the shards' local tensors (their gradients flow back to the DTensors).
         ones = torch.ones((tokens.shape[0], 1), dtype=weights_dtype, device=tokens.device)
-        local = {name: _local(p) for name, p in experts.named_parameters(recurse=False)}
+        local = {name: local_part(p) for name, p in experts.named_parameters(recurse=False)}
         with _reparametrize_module(experts, local):
             return own_forward(experts, tokens, local_ids[:, None], ones)
 

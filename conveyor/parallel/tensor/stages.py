@@ -275,10 +275,7 @@ class TensorParallelStages(StagePart):
         tp_dim = self.tp_mesh.mesh_dim_names[-1]
         sharded = [i for i, g in enumerate(grads) if isinstance(g, DTensor) and
                    g.device_mesh.mesh_dim_names[-1] == tp_dim and not g.placements[-1].is_replicate()]
-        combined = list(norms)
-        for i, value in zip(sharded, combine_shard_norms([norms[i] for i in sharded], norm_type, self.tp_group)):
-            combined[i] = value
-        return combined
+        return combine_shard_norms(norms, norm_type, self.tp_group, at=sharded)
 
 
 def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, tp_mesh: Any, last_stage: int,
