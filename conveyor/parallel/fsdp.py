@@ -42,6 +42,7 @@ Example (on each of 4 ranks, pp=2 x dp=2)::
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -155,14 +156,10 @@ def check_supported(schedule: Schedule, data_parallel: str = "fsdp", tied_parame
                 "its stages on different ranks (1f1b rather than zbv, whose V puts the first and last stage "
                 "on rank 0)"
             )
-    weight_grads: dict[tuple[int, int], int] = {}
-    for program in schedule.programs:
-        for action in program:
-            if action.kind is ActionKind.B or action.kind is ActionKind.W:
-                key = (action.stage, action.microbatch)
-                weight_grads[key] = weight_grads.get(key, 0) + 1
-    bad = [(s, m, weight_grads.get((s, m), 0)) for s in range(schedule.num_stages)
-           for m in range(schedule.num_microbatches) if weight_grads.get((s, m), 0) != 1]
+    weight_grads = Counter((action.stage, action.microbatch) for program in schedule.programs for action in program
+                           if action.kind in (ActionKind.B, ActionKind.W))
+    bad = [(s, m, weight_grads[s, m]) for s in range(schedule.num_stages)
+           for m in range(schedule.num_microbatches) if weight_grads[s, m] != 1]
     if bad:
         shown = ", ".join(f"stage {s} microbatch {m}: {n}" for s, m, n in bad[:4])
         raise PipelineConfigError(
