@@ -31,7 +31,9 @@ Example (what :class:`conveyor.Pipeline` does around a step)::
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,10 +48,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 def summed_loss(last: StageRunner) -> torch.Tensor:
     """Sum of the microbatch losses (each already divided by M), in microbatch order."""
-    losses = [last.losses[m] for m in range(last.num_microbatches)]
-    total = losses[0]
-    for loss in losses[1:]:
-        total = total + loss
+    total = functools.reduce(operator.add, [last.losses[m] for m in range(last.num_microbatches)])
     # Under tensor parallelism's loss_parallel() the loss is a replicated DTensor: its whole value
     # (each TP rank holds all of it), for the broadcast and the caller.
     whole = getattr(total, "full_tensor", None)
