@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from conveyor.errors import PipelineConfigError
 from conveyor.expert_option import check_expert_parallel
+from conveyor.options import _f, _set
 
 DATA_PARALLEL_KINDS = ("ddp", "fsdp")
-
-
-def _f(default: Any, help: str, mesh_dim: str | None = None) -> Any:
-    # The help text rides in the field's metadata: the field's documentation. A mesh dim's size field
-    # names its dim there, so the checks and describe() take a new dim's field with no more code.
-    return field(default=default, metadata={"help": help, **({"mesh_dim": mesh_dim} if mesh_dim else {})})
 
 
 @dataclass(frozen=True)
@@ -126,14 +121,14 @@ class DistributedLayout:
                                           f"{self.mesh.size(dims.index(name))} ranks; give the mesh alone (its sizes "
                                           "are read from it)")
             if name in dims:
-                object.__setattr__(self, name, self.mesh.size(dims.index(name)))  # frozen: normalised here
+                _set(self, name, self.mesh.size(dims.index(name)))  # frozen: normalised here
 
     def _check_tensor_parallel(self) -> None:
         """tensor_parallel goes with tp > 1 ('auto' when not given); the plan holds ParallelStyles (the
         same checks on every rank, before any communication)."""
         if self.tensor_parallel is None and self.tp > 1:
             # Frozen, normalised here: tp ranks that each ran the whole stage would do its work tp times.
-            object.__setattr__(self, "tensor_parallel", "auto")
+            _set(self, "tensor_parallel", "auto")
         plan = self.tensor_parallel
         for name in ("sequence_parallel", "loss_parallel"):
             if not isinstance(getattr(self, name), bool):

@@ -45,10 +45,10 @@ from conveyor.errors import PipelineConfigError
 TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid", "ordered")
 
 
-def _f(default: Any, help: str) -> Any:
+def _f(default: Any, help: str, **metadata: Any) -> Any:
     # The help text rides in the field's metadata: the field's documentation, which
-    # `conveyor train --help` lists as well.
-    return field(default=default, metadata={"help": help})
+    # `conveyor train --help` lists as well (a layout's size field names its mesh dim there too).
+    return field(default=default, metadata={"help": help, **metadata})
 
 
 def _set(record: Any, name: str, value: Any) -> None:
