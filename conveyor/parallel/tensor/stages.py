@@ -130,11 +130,34 @@ class TensorParallelStages(StagePart):
         self.runners: Mapping[int, Any] = {}
 
     def wrap_stages(self, modules: Mapping[int, nn.Module], schedule: Any, model: Any) -> None:
-        """Parallelize this rank's stages in place (:func:`parallelize_pipeline_stages`)."""
+        """Parallelize this rank's stages ({stage: module}) in place over the TP mesh as the layout says: traced
+        stages by ``model.parameter_placements`` (each parameter's placement by name, from the unchanged model),
+        hand-built ones with torch's ``parallelize_module`` (checked across every rank of the job first: a
+        collective)."""
         self.modules, self.last_stage = dict(modules), schedule.num_stages - 1
         self.traced = model.parameter_placements is not None
-        self.sequence_stream = parallelize_pipeline_stages(self.modules, self.layout, self.tp_mesh, self.last_stage,
-                                                           model.parameter_placements)
+        tp_mesh, sequence_parallel = self.tp_mesh, self.sequence_parallel
+        if self.traced:
+            for stage, module in self.modules.items():
+                # Under loss_parallel the last stage's logits leave vocabulary-sharded (a DTensor) for the loss.
+                parallelize_traced_stage(module, tp_mesh, model.parameter_placements,
+                                         outputs_whole=not (self.loss_parallel and stage == self.last_stage))
+            if sequence_parallel:  # the shapes that cross as sequence rows
+                from conveyor.parallel.tensor.traced_sequence import shard_stage_sequences
+
+                self.sequence_stream = shard_stage_sequences(self.modules, tp_mesh)
+            return
+        plans = _hand_built_plans(self.modules, self.layout, self.tp_size)
+        for stage, module in self.modules.items():
+            if plans[stage]:
+                parallelize_stage(module, tp_mesh, plans[stage], sequence_parallel=sequence_parallel,
+                                  loss_parallel=self.loss_parallel)
+            if sequence_parallel:
+                module.register_forward_pre_hook(_received_as_shards(tp_mesh, whole=stage == 0), with_kwargs=True)
+            if stage != self.last_stage:
+                module.register_forward_hook(_sent_as_local_parts(stage, tp_mesh, sequence_parallel))
+            elif not self.loss_parallel:
+                module.register_forward_hook(whole_outputs)
 
     def agree(self, site: PartSite) -> None:
         """The TP ranks of this rank's stages hold alike shards (:meth:`stage_fields`)."""
@@ -276,41 +299,6 @@ class TensorParallelStages(StagePart):
         sharded = [i for i, g in enumerate(grads) if isinstance(g, DTensor) and
                    g.device_mesh.mesh_dim_names[-1] == tp_dim and not g.placements[-1].is_replicate()]
         return combine_shard_norms(norms, norm_type, self.tp_group, at=sharded)
-
-
-def parallelize_pipeline_stages(modules: Mapping[int, nn.Module], layout: Any, tp_mesh: Any, last_stage: int,
-                                placements: Mapping[str, Any] | None) -> frozenset:
-    """Parallelize this rank's stages ({stage: module}) in place over ``tp_mesh`` as ``layout`` says;
-    returns the shapes that cross as sequence rows (traced stages under sequence parallelism).
-
-    ``placements`` (traced stages): each parameter's placement by name, from the unchanged model;
-    None: the stages are hand-built modules, parallelized with torch's ``parallelize_module``
-    (checked across every rank of the job first: a collective).
-    """
-    tp_size = tp_mesh.size()
-    sequence_parallel = bool(layout.sequence_parallel)
-    if placements is not None:
-        for stage, module in modules.items():
-            # Under loss_parallel the last stage's logits leave vocabulary-sharded (a DTensor) for the loss.
-            parallelize_traced_stage(module, tp_mesh, placements,
-                                     outputs_whole=not (layout.loss_parallel and stage == last_stage))
-        if sequence_parallel:
-            from conveyor.parallel.tensor.traced_sequence import shard_stage_sequences
-
-            stream = shard_stage_sequences(modules, tp_mesh)
-    else:
-        plans = _hand_built_plans(modules, layout, tp_size)
-        for stage, module in modules.items():
-            if plans[stage]:
-                parallelize_stage(module, tp_mesh, plans[stage], sequence_parallel=sequence_parallel,
-                                  loss_parallel=layout.loss_parallel)
-            if sequence_parallel:
-                module.register_forward_pre_hook(_received_as_shards(tp_mesh, whole=stage == 0), with_kwargs=True)
-            if stage != last_stage:
-                module.register_forward_hook(_sent_as_local_parts(stage, tp_mesh, sequence_parallel))
-            elif not layout.loss_parallel:
-                module.register_forward_hook(whole_outputs)
-    return stream if placements is not None and sequence_parallel else frozenset()
 
 
 def boundary_placement(value: Any, sequence_parallel: bool) -> Any:
