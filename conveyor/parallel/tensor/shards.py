@@ -83,9 +83,9 @@ def materialize_stage_shards(stage: nn.Module, tp_mesh, source: ShardSource) -> 
     for pairs in by_owner.values():  # one owning module whole at a time: the peak
         made = source.materialize([model_name for _, model_name in pairs])
         for name, model_name in pairs:
-            current = _stage_tensor(stage, name)
+            current, is_parameter = _stage_tensor(stage, name)
             value = made[model_name].detach()
-            if _is_parameter(stage, name):
+            if is_parameter:
                 value = nn.Parameter(_slice(value, tp_mesh, current.placements), requires_grad=current.requires_grad)
             for alias in aliases[id(current)]:
                 _set(stage, alias, value)
@@ -121,15 +121,12 @@ def _model_tensor(model: nn.Module, name: str) -> torch.Tensor | None:
     return module._parameters.get(attribute)
 
 
-def _stage_tensor(stage: nn.Module, name: str) -> torch.Tensor:
+def _stage_tensor(stage: nn.Module, name: str) -> tuple[torch.Tensor, bool]:
+    """The stage's tensor of that name, and whether it is a parameter (else a buffer)."""
     owner, _, attribute = name.rpartition(".")
     module = stage.get_submodule(owner)
-    return module._parameters[attribute] if attribute in module._parameters else module._buffers[attribute]
-
-
-def _is_parameter(stage: nn.Module, name: str) -> bool:
-    owner, _, attribute = name.rpartition(".")
-    return attribute in stage.get_submodule(owner)._parameters
+    is_parameter = attribute in module._parameters
+    return (module._parameters if is_parameter else module._buffers)[attribute], is_parameter
 
 
 def _set(stage: nn.Module, name: str, value: torch.Tensor) -> None:
