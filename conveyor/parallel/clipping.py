@@ -306,7 +306,7 @@ def first_nonfinite_loss(last: StageRunner, num_microbatches: int) -> torch.Tens
     A device tensor: no host read."""
     bad = ~torch.stack([last.losses[m].isfinite().all() for m in range(num_microbatches)])
     numbers = torch.arange(1, num_microbatches + 1, device=bad.device)
-    first = torch.where(bad, numbers, 0).masked_fill(~bad, num_microbatches + 1).min()
+    first = torch.where(bad, numbers, num_microbatches + 1).min()
     return torch.where(first <= num_microbatches, first, 0)
 
 
