@@ -99,8 +99,7 @@ def discover(module: nn.Module) -> Found:
     found = Found()
     placed: set[str] = set()
     for parent_name, parent in module.named_modules():
-        children = [projection_of(_joined(parent_name, n), child) for n, child in parent.named_children()]
-        children = [child for child in children if child is not None]
+        children = [p for n, child in parent.named_children() if (p := projection_of(_joined(parent_name, n), child))]
         if len(children) < 2:
             continue
         block = _block_of(parent_name, parent, children, found)
@@ -172,15 +171,16 @@ def _attention(name, parent, inputs, output, found, fused: bool = False) -> Bloc
                  head_inputs=head_inputs)
 
 
-def _parameterised_leaves(module: nn.Module) -> list[str]:
-    return [n for n, m in module.named_modules() if not list(m.children()) and list(m.parameters(recurse=False))]
+def parameterised_leaves(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module``'s leaves that hold parameters of their own, (name, leaf) in module order."""
+    return [(n, m) for n, m in module.named_modules() if not list(m.children()) and list(m.parameters(recurse=False))]
 
 
 def _head_of(module: nn.Module, leftovers: list[Projection]) -> Projection | None:
-    leaves = _parameterised_leaves(module)
+    leaves = parameterised_leaves(module)
     if not leaves:
         return None
-    return next((p for p in leftovers if p.name == leaves[-1]), None)
+    return next((p for p in leftovers if p.name == leaves[-1][0]), None)
 
 
 def _token_embedding(module: nn.Module, head: Projection | None) -> tuple[str, int] | None:

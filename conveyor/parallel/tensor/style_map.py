@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 
 from conveyor.errors import PipelineConfigError
 from conveyor.expert_option import is_stacked_experts
-from conveyor.parallel.tensor.discover import Block, Found, Projection, discover
+from conveyor.parallel.tensor.discover import Block, Found, Projection, discover, parameterised_leaves
 from conveyor.parallel.tensor.styles import (
     LocalBlock,
     PackedColwiseParallel,
@@ -129,10 +129,8 @@ def _sequence_parallel_plan(module: nn.Module, found: Found, moe: list[str]) -> 
         plan[name] = PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                               use_local_input=True, output_layouts=(Replicate(),),
                                               desired_output_layouts=(Shard(1),), use_local_output=False)
-    for name, leaf in module.named_modules():
-        if name in covered or list(leaf.children()) or not list(leaf.parameters(recurse=False)):
-            continue
-        if any(name.startswith(block + ".") for block in moe):
+    for name, leaf in parameterised_leaves(module):
+        if name in covered or any(name.startswith(block + ".") for block in moe):
             continue
         if isinstance(leaf, nn.Embedding):
             plan[name] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
@@ -172,14 +170,8 @@ def _head_style(head: Projection, input_layout, loss_parallel: bool) -> Parallel
 def _norms(module: nn.Module, found: Found) -> list[str]:
     """Leaves holding only 1-D parameters as wide as the blocks' output (LayerNorm, RMSNorm)."""
     widths = {block.output.out_features for block in found.blocks}
-    names = []
-    for name, leaf in module.named_modules():
-        params = list(leaf.parameters(recurse=False))
-        if list(leaf.children()) or not params or isinstance(leaf, nn.Embedding):
-            continue
-        if all(p.dim() == 1 and p.shape[0] in widths for p in params):
-            names.append(name)
-    return names
+    return [name for name, leaf in parameterised_leaves(module) if not isinstance(leaf, nn.Embedding)
+            and all(p.dim() == 1 and p.shape[0] in widths for p in leaf.parameters(recurse=False))]
 
 
 def _refuse_unplaced(module: nn.Module, found: Found) -> None:
