@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from conveyor.errors import PipelineConfigError
 from conveyor.layout import DistributedLayout, InProcessLayout, Layout
@@ -147,7 +148,6 @@ def _ranks_of(layout: Layout, schedule: Any, split_points: Sequence[str] | None,
             return max(1, (len(split_points) + 1) // (virtual or 1)), 0, None
         raise PipelineConfigError("an in-process pipeline of a schedule given by name needs its rank count: "
                                   "layout=InProcessLayout(ranks=P), split_points=, or a Schedule")
-    import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise PipelineConfigError(
@@ -177,8 +177,6 @@ def _by_rank_zero(layout: Layout, decide: Any) -> Any:
     rank 0 is here."""
     if isinstance(layout, InProcessLayout):
         return decide()
-    import torch.distributed as dist
-
     group = layout.group
     chosen: list = [None]
     if dist.get_rank(group) == 0:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from conveyor.errors import CheckpointError
@@ -71,7 +72,6 @@ class Target:
         """Every process's ``value`` in group-rank order (one collective; just ``[value]`` alone)."""
         if self.group is None:
             return [value]
-        import torch.distributed as dist
 
         def exchange() -> list[Any]:
             everyone: list[Any] = [None] * dist.get_world_size(self.group)
@@ -160,8 +160,6 @@ def _of_pipeline(pipe: Pipeline) -> Target:
         life.check_usable()
         group, global_ranks, rank = life.group, list(life.global_ranks), life.rank
         if pipe.checkpoint_group is not None:  # data parallelism: every replica writes its part
-            import torch.distributed as dist
-
             group = pipe.checkpoint_group
             global_ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
             rank = dist.get_rank(group)

@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.utils._foreach_utils import (
     _device_has_foreach_support,
     _group_tensors_by_device_and_dtype,
@@ -124,8 +125,6 @@ def combine_shard_norms(norms: Sequence[torch.Tensor], norm_type: float, group,
     p-th root of the summed p-th powers, or the max for the infinity norm, computed in float64 and
     returned in each norm's dtype. One all-reduce; every rank of ``group`` gets the same values.
     ``at``: the positions of the shards' norms among ``norms`` (None: all), the others kept as given."""
-    import torch.distributed as dist
-
     at = range(len(norms)) if at is None else at
     combined = list(norms)
     if not at:

@@ -38,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from conveyor.errors import PipelineConfigError
 from conveyor.runtime.stage.runner import StageRunner
@@ -74,8 +75,6 @@ class LossBroadcast:
 
     def __call__(self, last: StageRunner | None, group) -> torch.Tensor:
         """The step's loss (``last``: this rank's last-stage runner, None where it runs elsewhere)."""
-        import torch.distributed as dist
-
         total = None
         if last is not None:
             total = summed_loss(last)
@@ -182,6 +181,4 @@ def count_tokens(pipe: Any, target: torch.Tensor | None, ignore_index: int | Non
 
 
 def _sum_over(count: torch.Tensor, group) -> None:
-    import torch.distributed as dist
-
     dist.all_reduce(count, group=group)

@@ -35,8 +35,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from conveyor.parallel import fsdp
+from conveyor.parallel.clipping import combine_shard_norms
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.parallel.part import PartSite, Span, StagePart, claimed_parameters
 from conveyor.runtime.stage.runner import StageRunner
@@ -127,16 +129,12 @@ class Replicas(StagePart):
     def step_loss(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` over the replicas (every replica gets the same result): the global
         minibatch's loss, the replicas' minibatches together."""
-        import torch.distributed as dist
-
         total = value.detach().clone()
         dist.all_reduce(total, group=self.group)
         return total / self.dp_size
 
     def flags(self, flags: torch.Tensor) -> torch.Tensor:
         """The flags' max over the replicas: a shard, or one replica's loss, may be the only bad one."""
-        import torch.distributed as dist
-
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return flags
 
@@ -150,8 +148,6 @@ class Replicas(StagePart):
         """Each gradient's norm from this rank's part of it: as is when replicated ("ddp"), else
         combined over the replicas' shards ("fsdp": the p-th root of the summed p-th powers,
         or the max for the infinity norm). Every replica gets the same values."""
-        from conveyor.parallel.clipping import combine_shard_norms
-
         if self.kind != "fsdp":
             return list(shard_norms)
         return combine_shard_norms(shard_norms, norm_type, self.group)

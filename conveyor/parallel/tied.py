@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from conveyor.parallel.clipping import local_part
 from conveyor.parallel.part import PartSite, StagePart
@@ -124,8 +125,6 @@ class TiedGradients(StagePart):
         nothing used; from then on the sum runs without asking (no host round trip per step),
         so a parameter that every copy leaves unused in a later step gets zeros, not None.
         """
-        import torch.distributed as dist
-
         for (param, subgroup), earlier in zip(self.copies, self.held, strict=True):
             attribute = gradient_attribute(param)  # "main_grad" where the gradient accumulates there
             if param.requires_grad and self._any_gradient(param, attribute, subgroup):
@@ -142,8 +141,6 @@ class TiedGradients(StagePart):
     def _any_gradient(self, param: torch.nn.Parameter, attribute: str, subgroup) -> bool:
         """Whether some copy of ``param`` got a gradient (in ``attribute``); asked only until one did
         (every rank of ``subgroup`` reads the same flag, so all stop asking at the same step)."""
-        import torch.distributed as dist
-
         if id(param) in self.summed_before:
             return True
         got_one = torch.tensor([getattr(param, attribute) is not None], dtype=torch.int32, device=param.device)

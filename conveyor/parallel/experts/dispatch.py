@@ -43,6 +43,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from conveyor.runtime.stage.segments import Boundary
 
@@ -64,8 +65,6 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
 
         out = dispatch_combine(h, idx, w, num_experts=4, group=group, compute=local_experts)
     """
-    import torch.distributed as dist
-
     exchanges = exchanges or Exchanges(group)
     ep = dist.get_world_size(group)
     slots_expert, counts = _route(top_k_index, num_experts, ep, capacity_factor, dropped)
@@ -90,8 +89,6 @@ def dispatch_combine_steps(hidden: torch.Tensor, top_k_index: torch.Tensor, top_
         out = yield from dispatch_combine_steps(h, idx, w, num_experts=4, exchanges=exchanges,
                                                 compute=local_experts, cut=passes.boundary)
     """
-    import torch.distributed as dist
-
     ep = dist.get_world_size(exchanges.group)
     slots_expert, counts = _route(top_k_index, num_experts, ep, capacity_factor, dropped)
     posted = exchanges.post("counts", counts)
@@ -180,8 +177,6 @@ class Exchanges:
     def post(self, label: str, tensor: torch.Tensor, output_splits: list[int] | None = None,
              input_splits: list[int] | None = None) -> PostedExchange:
         """Post the all-to-all of ``tensor``'s rows (split by ``input_splits``; ``output_splits`` arrive)."""
-        import torch.distributed as dist
-
         tensor = tensor.contiguous()
         rows = tensor.shape[0] if output_splits is None else sum(output_splits)
         output = tensor.new_empty((rows, *tensor.shape[1:]))

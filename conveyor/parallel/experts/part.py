@@ -38,6 +38,7 @@ import functools
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from conveyor.errors import PipelineConfigError
@@ -123,8 +124,6 @@ class ExpertParallel(StagePart):
     def agree(self, site: PartSite) -> None:
         """The expert-parallel and expert-data-parallel groups (built by every rank, in one order); a
         model without experts anywhere in the pipeline is refused on every rank."""
-        import torch.distributed as dist
-
         found = torch.tensor([sum(len(f) for f in self.experts.values())],
                              device="cpu" if "gloo" in site.life.backend else site.device)
         dist.all_reduce(found, group=site.life.groups.group)
@@ -218,8 +217,6 @@ class ExpertParallel(StagePart):
 
     def finish_step(self) -> None:
         """Each expert gradient summed over the expert-data-parallel group, then divided by dp: the replicas' mean."""
-        import torch.distributed as dist
-
         if self.all_to_alls is not None:
             self.all_to_alls.recording = False  # the step's all-to-alls are timed; forward-only calls are not
 
@@ -233,8 +230,6 @@ class ExpertParallel(StagePart):
 
     def flags(self, flags: torch.Tensor) -> torch.Tensor:
         """The flags' max over the expert-parallel group: one owner's experts may be the only bad ones."""
-        import torch.distributed as dist
-
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return flags
 

@@ -42,11 +42,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import loss_parallel
 
 from conveyor.errors import PipelineConfigError
+from conveyor.layout import describe_plan
+from conveyor.parallel.clipping import combine_shard_norms
 from conveyor.parallel.part import PartSite, StagePart
 from conveyor.parallel.tensor.style_map import (
     check_plan,
@@ -56,6 +61,7 @@ from conveyor.parallel.tensor.style_map import (
     tensor_parallel_plan,
 )
 from conveyor.parallel.tensor.traced import parallelize_traced_stage, parameter_placements, whole_outputs
+from conveyor.parallel.tensor.traced_sequence import describe_received, shard_stage_sequences
 
 
 def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()) -> dict[str, Any]:
@@ -118,8 +124,6 @@ class TensorParallelStages(StagePart):
         return model_placements(model, layout, layout.tp, tied_groups)
 
     def __init__(self, layout: Any, tp_mesh: Any) -> None:
-        from conveyor.layout import describe_plan
-
         self.layout, self.tp_mesh = layout, tp_mesh
         self.plan_text = describe_plan(layout.tensor_parallel)
         self.loss_parallel, self.sequence_parallel = layout.loss_parallel, bool(layout.sequence_parallel)
@@ -143,8 +147,6 @@ class TensorParallelStages(StagePart):
                 parallelize_traced_stage(module, tp_mesh, model.parameter_placements,
                                          outputs_whole=not (self.loss_parallel and stage == self.last_stage))
             if sequence_parallel:  # the shapes that cross as sequence rows
-                from conveyor.parallel.tensor.traced_sequence import shard_stage_sequences
-
                 self.sequence_stream = shard_stage_sequences(self.modules, tp_mesh)
             return
         plans = _hand_built_plans(self.modules, self.layout, self.tp_size)
@@ -171,8 +173,6 @@ class TensorParallelStages(StagePart):
     def flags(self, flags: torch.Tensor) -> torch.Tensor:
         """The flags' max over the TP ranks: one rank's shard of a gradient may be the only one that overflowed
         (loss scaling then skips the step on every rank alike)."""
-        import torch.distributed as dist
-
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.tp_group)
         return flags
 
@@ -188,9 +188,6 @@ class TensorParallelStages(StagePart):
         """What stage ``stage``'s F, B, I and W run under: implicit replication for a traced stage
         (tensors its graph makes itself meet DTensors, in forward and backward), loss_parallel()
         on the last stage when asked."""
-        from torch.distributed.tensor.experimental import implicit_replication
-        from torch.distributed.tensor.parallel import loss_parallel
-
         parallel_loss = self.loss_parallel and stage == self.last_stage
 
         @contextlib.contextmanager
@@ -239,8 +236,6 @@ class TensorParallelStages(StagePart):
             if stage == 0:
                 continue
             if self.sequence_parallel:  # the sequence stream's rows, the rest whole
-                from conveyor.parallel.tensor.traced_sequence import describe_received
-
                 received += [f"stage {stage} receives {line}" for line in describe_received(module, self.tp_size)]
                 continue
             for spec in getattr(module, "input_specs", ()):
@@ -290,8 +285,6 @@ class TensorParallelStages(StagePart):
     def whole_norms(self, grads: list, norms: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
         """Each gradient's norm over every TP shard: a sharded gradient's local norms combined over the
         TP group (the p-th root of the summed p-th powers, or the max), a replicated one as is."""
-        from conveyor.parallel.clipping import combine_shard_norms
-
         # The "tp" dim is the gradient mesh's last: alone, or after "dp" under FSDP2 (whose
         # replicas already combined their own shards' norms). A parameter TP left whole is, under
         # FSDP2, a DTensor over "dp" only: nothing to combine over "tp".
@@ -363,8 +356,6 @@ def _received_as_shards(tp_mesh: Any, whole: bool) -> Callable:
 def _hand_built_plans(modules: Mapping[int, nn.Module], layout: Any, tp_size: int) -> dict[int, dict]:
     """Each stage's plan, checked on every rank of the job together: the first problem any rank
     found (or a pattern no stage has) is raised on every rank with the same message."""
-    import torch.distributed as dist
-
     plans: dict[int, dict] = {}
     problem, matched = None, set()
     for stage, module in sorted(modules.items()):

@@ -73,9 +73,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from conveyor.errors import PipelineConfigError
+from conveyor.parallel.tensor.shards import materialize_stage_shards, shard_source
 from conveyor.parallel.tensor.style_map import matching_modules
 from conveyor.parallel.tensor.styles import column_placement, is_transposed_projection, whole_local
 
@@ -130,8 +132,6 @@ def parallelize_traced_stage(stage: nn.Module, tp_mesh, placements: Mapping[str,
 
         parallelize_traced_stage(split.stage_module(0), tp_mesh, parameter_placements(model, plan))
     """
-    from conveyor.parallel.tensor.shards import materialize_stage_shards, shard_source
-
     _register_cpu_attention_sharding()
     _replicate_opaque_custom_ops(stage)
     distributed: dict[int, nn.Parameter] = {}
@@ -286,8 +286,6 @@ def _keep_layouts_as_described(op) -> None:
     reshape's view then fails on the second attention layer of a stage. Here the local result
     is copied into the described layout (the same values: only their order in memory changes).
     """
-    from torch.distributed.tensor import DTensor
-
     handlers = DTensor._op_dispatcher._custom_op_handlers
 
     def handler(op_call, args, kwargs):
@@ -321,8 +319,6 @@ def _register_cpu_attention_sharding() -> None:
     never meets it as a DTensor (each rank attends over its local heads as plain tensors).
     Torch's registries are process-wide: the forward's layout handler in place says this ran before.
     """
-    from torch.distributed.tensor.experimental import register_sharding
-
     aten = torch.ops.aten
     if aten._scaled_dot_product_flash_attention_for_cpu.default in DTensor._op_dispatcher._custom_op_handlers:
         return
@@ -355,8 +351,6 @@ def _replicate_opaque_custom_ops(stage: nn.Module) -> None:
     ``grouped_mm_fallback_backward`` its autograd formula calls) never appear in the forward
     graph, so they are taken too. A rule torch or the user registered is left alone.
     """
-    from torch.distributed.tensor.experimental import register_sharding
-
     propagator = DTensor._op_dispatcher.sharding_propagator
     known = (set(propagator.op_strategy_funcs) | set(propagator.op_single_dim_strategy_funcs)
              | set(propagator.op_to_rules))

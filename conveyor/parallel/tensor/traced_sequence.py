@@ -51,6 +51,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -420,8 +421,6 @@ def shard_stage_sequences(modules: Mapping[int, nn.Module], tp_mesh: Any) -> fro
 
 def _on_every_rank(stages: list, step) -> list:
     """``step`` on each stage; what every rank's stages gave, or the first refusal, raised on every rank."""
-    import torch.distributed as dist
-
     problem, results = None, []
     for module in stages:
         try:
