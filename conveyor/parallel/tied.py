@@ -33,8 +33,7 @@ from conveyor.runtime.stage.runner import StageRunner
 
 def _set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
     owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    setattr(owner, leaf, param)
+    setattr(module.get_submodule(owner_name), leaf, param)  # "" names the module itself
 
 
 def share_tied_locally(runners: dict[int, StageRunner], tied_parameters) -> None:
