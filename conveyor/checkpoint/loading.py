@@ -106,7 +106,7 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     if masters is not None:
         masters.copy_to_params()  # the bf16 parameters: their masters rounded
     if optimizer is not None:
-        _finish_optimizer(target, optimizer, prepared["optimizer"], state)
+        _finish_optimizer(optimizer, prepared["optimizer"])
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(decode(meta["lr_scheduler"], prepared["sched"]))
     _restore_loss_scaling(pipe, meta)
@@ -265,7 +265,7 @@ def _fqn_of(key: str, known: set[str]) -> str | None:
     return None
 
 
-def _finish_optimizer(target: Target, optimizer: torch.optim.Optimizer, prepared: dict, state: dict) -> None:
+def _finish_optimizer(optimizer: torch.optim.Optimizer, prepared: dict) -> None:
     # The template's tensors were loaded in place; its other values (hyper-parameters) are the
     # checkpoint's where it has them (a key it lacks, from a newer torch, keeps today's value).
     values = dict(prepared["flat"])

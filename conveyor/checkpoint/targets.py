@@ -131,7 +131,7 @@ def _of_module(module: nn.Module) -> Target:
     target = Target({}, {}, {}, {}, [], {"processes": 1, "global_ranks": [0], "stages": None}, model_info(module))
     seen: dict[int, str] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
-        _add(target, 0, name, name, tensor, seen)
+        _add(target, 0, name, tensor, seen)
     return target
 
 
@@ -174,11 +174,11 @@ def _of_pipeline(pipe: Pipeline) -> Target:
     seen: dict[int, str] = {}
     for stage, runner in runners.items():
         for name, tensor in runner.module.state_dict(keep_vars=True).items():
-            _add(target, stage, name, key(stage, name), tensor, seen)
+            _add(target, stage, key(stage, name), tensor, seen)
     return target
 
 
-def _add(target: Target, stage: int, name: str, canonical: str, tensor: torch.Tensor, seen: dict[int, str]) -> None:
+def _add(target: Target, stage: int, canonical: str, tensor: torch.Tensor, seen: dict[int, str]) -> None:
     if id(tensor) in seen:  # one tensor under two names (tied within a module, or shared by local stages)
         if seen[id(tensor)] != canonical:
             target.aliases.setdefault(canonical, seen[id(tensor)])

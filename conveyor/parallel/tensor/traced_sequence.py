@@ -237,7 +237,7 @@ def _shape(node_or_value: Any) -> tuple:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
 
 
-def _check_rows(graph: fx.Graph, starts: list[fx.Node], stage: int) -> None:
+def _check_rows(starts: list[fx.Node], stage: int) -> None:
     """Refuse an operation that takes a sequence-sharded activation and does not work row by row."""
     seen: set[fx.Node] = set()
     pending = list(starts)
@@ -334,8 +334,7 @@ def shard_boundaries(stage: nn.Module, tp_mesh: Any, stream: frozenset) -> None:
                                    tuple(spec.shape) in stream for spec in specs)
         placeholders = [node for node in graph.nodes if node.op == "placeholder"]
         shards = [node for node in graph.nodes if node.target is sequence_shards]
-        _check_rows(graph, shards + [node for node, flag in zip(placeholders, received[training]) if flag],
-                    stage.stage)
+        _check_rows(shards + [node for node, flag in zip(placeholders, received[training]) if flag], stage.stage)
         sent[training] = tuple(isinstance(node, fx.Node) and _is_activation(node) and _shape(node) in stream
                                for node in graph.output_node().args[0])
     recompile(stage)
