@@ -65,6 +65,24 @@ class ModelConfig:
                 "config.json), e.g. model.hf_config.rope_theta=500000"})
 
 
+# The recipes model.name takes, each a transformers class sized by the model keys (conveyor.train.models): kept
+# here, beside the key, so that the config's checks know them without importing torch.
+RECIPES = MappingProxyType({"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mpt": "MptForCausalLM",
+                            "moe": "MixtralForCausalLM"})
+
+
+def model_kind(name: str) -> str:
+    """``"recipe"``, ``"hf"`` or ``"pretrained"`` (a local directory) for a ``model.name``.
+
+    Example:
+        >>> model_kind("llama"), model_kind("hf:Qwen2ForCausalLM")
+        ('recipe', 'hf')
+    """
+    if name in RECIPES:
+        return "recipe"
+    return "hf" if name.startswith("hf:") else "pretrained"
+
+
 @dataclass
 class DataConfig:
     # Any: a single path or glob, "stdlib", or a list of paths/globs (OmegaConf has no str | list).

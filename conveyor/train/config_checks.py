@@ -26,9 +26,10 @@ from typing import Any
 
 from conveyor.errors import ConfigError
 from conveyor.train import sources
+from conveyor.train.config import RECIPES, model_kind
 from conveyor.train.parity import parity_problems
 
-MODEL_NAMES = ("gpt", "llama", "mpt", "moe")
+MODEL_NAMES = tuple(RECIPES)
 CHOICES = MappingProxyType({
     "parallel.data_parallel": ("ddp", "fsdp"),
     "optim.lr_schedule": ("cosine", "constant"),
@@ -369,8 +370,7 @@ def _check_schedule(cfg: Any, problems: list[str]) -> None:
                         f"{str(error).splitlines()[0]}")
         return
     stages = par.pp * virtual
-    sized_here = cfg.model.name in MODEL_NAMES or cfg.model.name.startswith("hf:")  # a directory sizes itself
-    if sized_here and cfg.model.layers < stages:
+    if model_kind(cfg.model.name) != "pretrained" and cfg.model.layers < stages:  # a directory sizes itself
         problems.append(f"model.layers={cfg.model.layers}: the pipeline has parallel.pp x virtual = "
                         f"{par.pp} x {virtual} = {stages} stages, each needs a block; give at least "
                         f"{stages} layers or fewer stages")

@@ -39,26 +39,12 @@ from typing import Any
 import torch
 
 from conveyor.errors import ConfigError
-from conveyor.train.config import ModelConfig, TrainConfig
+from conveyor.train.config import RECIPES, ModelConfig, TrainConfig, model_kind
 
-RECIPES = MappingProxyType({"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mpt": "MptForCausalLM",
-                            "moe": "MixtralForCausalLM"})
 # Where a config class keeps the context length and the MLP width, under the first of these it has.
 _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 _MLP_FIELDS = ("intermediate_size", "n_inner", "ffn_dim")
 _TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def model_kind(name: str) -> str:
-    """``"recipe"``, ``"hf"`` or ``"pretrained"`` (a local directory) for a ``model.name``.
-
-    Example:
-        >>> model_kind("llama"), model_kind("hf:Qwen2ForCausalLM")
-        ('recipe', 'hf')
-    """
-    if name in RECIPES:
-        return "recipe"
-    return "hf" if name.startswith("hf:") else "pretrained"
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, *, device: torch.device | str | None = None) -> torch.nn.Module:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.train.config import model_kind
+
 PARITY_KEY = "train.parity"
 
 
@@ -40,8 +42,6 @@ def parity_problems(cfg: Any) -> list[str]:
     """
     if not getattr(cfg.train, "parity", False):
         return []
-    from conveyor.train.models import model_kind
-
     why = f"{PARITY_KEY}=true compares one pipeline with one device"
     rules = [
         (cfg.parallel.dp != 1, f"parallel.dp={cfg.parallel.dp} replicas have no single-device reference here; "
