@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from conveyor.errors import PipelineConfigError
 from conveyor.train.config import TrainConfig
 
 
@@ -52,7 +53,6 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
         transformer.h.0.attn (GPT2Attention): 2 is not a multiple of 4; choose a tp that divides 2
         (tp values that fit this model up to 8: 1, 2)
     """
-    from conveyor.errors import PipelineConfigError
     from conveyor.train.models import meta_model
 
     if cfg.parallel.tp <= 1:
@@ -71,7 +71,6 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
 
 def fitting_tp_sizes(cfg: TrainConfig, model: torch.nn.Module, up_to: int) -> list[int]:
     """The tp sizes from 1 to ``up_to`` whose "auto" plan ``model`` takes (sizes and structure alike)."""
-    from conveyor.errors import PipelineConfigError
     from conveyor.parallel.tensor.style_map import tensor_parallel_plan
 
     fits = [1]
@@ -115,15 +114,9 @@ def parameter_shards(named_parameters: Any, placements: dict[str, Any], tp: int)
         dim = getattr(placement, "dim", None) if placement is not None and placement.is_shard() else None
         if dim is not None:
             local[dim] = -(-shape[dim] // tp)
-        shards.append(Shard(name, shape, _placement_text(placement), tuple(local),
+        shards.append(Shard(name, shape, "Replicate()" if dim is None else f"Shard({dim})", tuple(local),
                             math.prod(local) * tensor.element_size()))
     return shards
-
-
-def _placement_text(placement: Any) -> str:
-    if placement is None or not placement.is_shard():
-        return "Replicate()"
-    return f"Shard({placement.dim})"
 
 
 def tensor_parallel_option(model: torch.nn.Module, tp: int, seq_len: int) -> Any:
@@ -142,7 +135,6 @@ def tensor_parallel_option(model: torch.nn.Module, tp: int, seq_len: int) -> Any
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from conveyor.errors import PipelineConfigError
     from conveyor.parallel.tensor.discover import discover, projection_of
     from conveyor.parallel.tensor.style_map import matching_modules, tensor_parallel_plan
     from conveyor.parallel.tensor.traced import parameter_placements
