@@ -42,10 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from conveyor.errors import ConfigError
 from conveyor.processes.support import free_port  # the rendezvous's port
 from conveyor.train.config import TrainConfig, load_config
 from conveyor.train.data_check import check_data
 from conveyor.train.preflight import check_resume
+from conveyor.train.startup import StartupPhases
 
 if TYPE_CHECKING:
     import torch
@@ -109,8 +111,6 @@ def check_tp_inside_nodes(cfg: TrainConfig, local: int) -> None:
         ...
         conveyor.errors.ConfigError: parallel.tp=4 does not divide the 2 ranks each node runs (LOCAL_WORLD_SIZE)...
     """
-    from conveyor.errors import ConfigError
-
     tp = cfg.parallel.tp
     if tp > 1 and local % tp:
         raise ConfigError(f"parallel.tp={tp} does not divide the {local} ranks each node runs (LOCAL_WORLD_SIZE): a "
@@ -127,8 +127,6 @@ def worker(cfg: TrainConfig, exit_when_stopped: bool = True, say_note: bool = Tr
     :func:`launch` passes False and reads the summary instead, so that the elastic agent does not
     take the stop for a crash and restart a run that would stop again at the same step.
     """
-    from conveyor.train.startup import StartupPhases
-
     rank0 = os.environ.get("RANK", "0") == "0"
     startup = StartupPhases(enabled=rank0)  # rank 0 says what a slow start-up is doing, until the first step
     startup.phase("importing torch")  # in a spawned rank; a forked one has it already
@@ -209,8 +207,6 @@ def choose_devices(cfg: TrainConfig, ranks: int, gpus: int | None = None) -> Dev
         run.share_gpus=true to put the 2 ranks on it (over gloo, slower)
     """
     import torch
-
-    from conveyor.errors import ConfigError
 
     if gpus is None:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -373,7 +369,6 @@ def launch(cfg: TrainConfig) -> int:
 
     from conveyor.train.failures import failure_report, launcher_log
     from conveyor.train.rank_logs import RankLogs
-    from conveyor.train.startup import StartupPhases
 
     name_rendezvous_records_cheaply()
 
@@ -394,7 +389,6 @@ def launch(cfg: TrainConfig) -> int:
         with StartupPhases() as startup:
             startup.phase("importing the training loop and the model's code")
             import conveyor.train.loop  # noqa: F401  (imported once here, inherited by every forked rank)
-            from conveyor.errors import ConfigError
             from conveyor.train.models import model_config
 
             # transformers and the model's module too: tens of CPU seconds that N ranks would each spend at once
@@ -439,8 +433,6 @@ def main(args: Sequence[str]) -> int:
     Raises ConfigError (which the command prints as ``conveyor: error: ...``) before starting anything.
     A check that lasts more than a few seconds says so (:class:`~conveyor.train.startup.StartupPhases`).
     """
-    from conveyor.train.startup import StartupPhases
-
     with StartupPhases(enabled=not already_launched()) as startup:
         startup.phase("loading torch, checking the config and the data")
         cfg = prepare(args)
@@ -454,8 +446,6 @@ def run(cfg: TrainConfig) -> int:
     if already_launched():
         worker(cfg)
         return 0
-    from conveyor.train.startup import StartupPhases
-
     with StartupPhases() as startup:
         startup.phase("checking the checkpoint to resume from")
         check_resume(cfg)  # a checkpoint the ranks would refuse is refused here, before any rank starts

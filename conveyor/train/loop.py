@@ -45,7 +45,9 @@ from conveyor.runtime.stage.device import group_device, to_device
 from conveyor.train.config import TrainConfig, save_config
 from conveyor.train.data import by_length_options, length_loader, load_tokenizer, resumable_loader, splits_factory
 from conveyor.train.expert_shards import dropped_slots, expert_size
+from conveyor.train.launch import stage_device
 from conveyor.train.models import aux_loss_coefficient, build_model, load_weights
+from conveyor.train.parity import start_parity
 from conveyor.train.report import (
     Progress,
     format_summary,
@@ -57,6 +59,7 @@ from conveyor.train.report import (
 from conveyor.train.restarts import continue_log
 from conveyor.train.resume import parallel_layout, resume
 from conveyor.train.sample import write_sample
+from conveyor.train.startup import StartupPhases
 
 # --- pieces ---------------------------------------------------------------------------------
 
@@ -166,8 +169,6 @@ def build_pipeline(cfg: TrainConfig, model: torch.nn.Module, loss_fn: Any = None
     sizes, or every rank in this process), on the device :func:`~conveyor.train.launch.choose_devices`
     gives this rank (its GPU, or the CPU), with ``loss_fn`` (None: :func:`train_loss`'s for the model).
     The config's ``stage`` and ``transfer`` sections are the pipeline's records, passed whole."""
-    from conveyor.train.launch import stage_device
-
     p = cfg.parallel
     microbatch = cfg.replica_batch_size // p.microbatches
     example = torch.zeros(microbatch, cfg.model.seq_len, dtype=torch.long)
@@ -226,8 +227,6 @@ class Run:
 def setup(cfg: TrainConfig, startup: Any = None) -> Run:
     """Seed, build model, pipeline, optimizer, schedule and loaders, and resume if asked; each phase named to
     ``startup`` (a :class:`~conveyor.train.startup.StartupPhases`, None: a silent one)."""
-    from conveyor.train.startup import StartupPhases
-
     startup = startup if startup is not None else StartupPhases(enabled=False)
     startup.phase(f"building the model ({cfg.model.name})")
     random.seed(cfg.train.seed)  # checkpoints hold Python's state too: seeded, a rerun writes the same
@@ -244,7 +243,6 @@ def setup(cfg: TrainConfig, startup: Any = None) -> Run:
         # model once, until the stages are cut from it. Its values are made the meta build's, so that the
         # same seed starts the same model whichever way it is built.
         from conveyor.frontend.materialize import initialise_as_on_meta
-        from conveyor.train.launch import stage_device
 
         model = initialise_as_on_meta(build_model(cfg, vocab, device=stage_device(cfg)), cfg.train.seed)
     startup.phase(f"tracing the model and splitting it for {cfg.parallel.pp} pipeline ranks")
@@ -272,8 +270,6 @@ def setup(cfg: TrainConfig, startup: Any = None) -> Run:
     startup.phase("loading the checkpoint to resume from")
     resume(run)
     startup.phase("starting the run")
-    from conveyor.train.parity import start_parity
-
     run.parity = start_parity(run, vocab)  # None unless train.parity
     if run.rank0:
         out = Path(cfg.run.dir)

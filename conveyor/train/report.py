@@ -27,6 +27,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from conveyor.train.sample import sample_lines
+
 
 def format_eta(seconds: float) -> str:
     """``seconds`` as ``H:MM:SS`` (or ``M:SS`` under an hour).
@@ -318,6 +320,4 @@ def format_summary(summary: dict[str, Any], cfg: Any) -> str:
     files = [summary[key] for key in ("loss_png", "timeline_png", "timeline_trace") if summary.get(key)]
     if files:
         lines.append("files: " + ", ".join(files))
-    from conveyor.train.sample import sample_lines
-
     return "\n".join(lines + sample_lines(summary))

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from conveyor.runtime.stage.device import group_device
+from conveyor.train.data import load_tokenizer
 
 DEFAULT_PROMPT = "def "
 PROMPT_TOKENS = 32  # of the validation text, when train.sample_prompt is None
@@ -166,7 +167,6 @@ def write_sample(run: Any) -> dict[str, Any]:
 
         summary.update(write_sample(run))
     """
-    from conveyor.train.data import load_tokenizer
     from conveyor.train.loop import LossWithAux
 
     cfg = run.cfg
