@@ -50,6 +50,7 @@ from conveyor.schedule.compare import (
     simulate_one,
     simulation_summary,
 )
+from conveyor.schedule.render import png_path, to_png, write_chrome_trace
 
 logger = logging.getLogger(__name__)
 
@@ -135,14 +136,6 @@ def _check_size(ranks: int, microbatches: int, virtual: int | None) -> None:
         )
 
 
-def _png_of(path):
-    if path is None:
-        return None
-    from conveyor.schedule.render import png_path
-
-    return png_path(path)
-
-
 def _command_simulate(args: argparse.Namespace) -> int:
     _check_size(args.ranks, args.microbatches, args.virtual)
     if args.compare:
@@ -152,12 +145,12 @@ def _command_simulate(args: argparse.Namespace) -> int:
             args.virtual,
             args.costs,
             args.latency,
-            png=_png_of(args.png or DEFAULT_COMPARE_PNG),
+            png=png_path(args.png or DEFAULT_COMPARE_PNG),
             trace=args.trace,
             as_json=args.json,
         )
         return 0
-    png = _png_of(args.png)
+    png = png_path(args.png) if args.png is not None else None
     timeline = simulate_one(
         args.schedule, args.ranks, args.microbatches, args.virtual, args.costs, args.latency
     )
@@ -165,12 +158,8 @@ def _command_simulate(args: argparse.Namespace) -> int:
     check_finite("the simulated timeline", [timeline.end])
     written = []
     if png:
-        from conveyor.schedule.render import to_png
-
         written.append(str(to_png(timeline, png)))
     if args.trace:
-        from conveyor.schedule.render import write_chrome_trace
-
         written.append(str(write_chrome_trace(timeline, args.trace)))
     summary = simulation_summary(
         args.schedule, timeline, args.microbatches, args.costs, args.latency
