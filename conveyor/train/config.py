@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from conveyor.errors import ConfigError, PipelineConfigError
+from conveyor.errors import ConfigError, PipelineConfigError, PlanError
 from conveyor.layout import DistributedLayout, InProcessLayout, Layout
 from conveyor.options import StageOptions, TransferOptions
 from conveyor.train import sources
@@ -244,7 +245,6 @@ class TrainConfig:
             return None
         read = self.__dict__.get("_plan_read")  # (path, Plan): not a field, so neither saved nor compared
         if read is None or read[0] != path:
-            from conveyor.errors import PlanError
             from conveyor.plan.result import Plan
 
             try:
@@ -320,8 +320,6 @@ def expand_home(cfg: TrainConfig) -> None:
         >>> cfg.run.dir.startswith("~")
         False
     """
-    import os
-
     def expand(value: Any) -> Any:
         return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
 
@@ -438,13 +436,13 @@ def _check_keys(node: Any, cls: type, prefix: str, where: str | None, overrides:
     """Every key of ``node`` is a field of ``cls`` (recursively), else a ConfigError with a close match."""
     from omegaconf import DictConfig
 
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in node:
         full = f"{prefix}{key}"
-        if key not in names and full in RENAMED_KEYS:
+        if key not in fields and full in RENAMED_KEYS:
             raise ConfigError(f"{full} was renamed: use {RENAMED_KEYS[full]} ({_origin(where, full, overrides)})")
-        if key not in names:
-            raise ConfigError(_unknown_key(full, str(key), prefix, names, _origin(where, full, overrides)))
+        if key not in fields:
+            raise ConfigError(_unknown_key(full, str(key), prefix, list(fields), _origin(where, full, overrides)))
         kind = _field_type(cls, key)
         value = node._get_node(key)
         if dataclasses.is_dataclass(kind):
@@ -454,7 +452,7 @@ def _check_keys(node: Any, cls: type, prefix: str, where: str | None, overrides:
             _check_keys(value, kind, f"{full}.", where, overrides)
         elif _wrong_length(kind, value):
             raise ConfigError(f"{full}={_plain(value)!r} ({_origin(where, full, overrides)}): expected "
-                              f"{len(typing.get_args(kind))} values, e.g. {full}={list(_default(cls, key))}")
+                              f"{len(typing.get_args(kind))} values, e.g. {full}={list(fields[key].default)}")
         elif isinstance(value, DictConfig) and kind is not Any and typing.get_origin(kind) is not dict:
             raise ConfigError(f"{full!r} is a value, not a section ({_origin(where, full, overrides)}): "
                               f"its keys {list(value)} cannot be set; give {full}=<value>")
@@ -479,10 +477,6 @@ def _plain(value: Any) -> Any:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-
-
-def _default(cls: type, key: str) -> Any:
-    return next(f.default for f in dataclasses.fields(cls) if f.name == key)
 
 
 def _unknown_key(full: str, key: str, prefix: str, names: Sequence[str], origin: str) -> str:
@@ -530,7 +524,8 @@ def _type_message(error: Exception, nodes: Sequence[Any]) -> str:
     section, _, name = key.partition(".")
     expected = "?"
     if name and section in _section_types():
-        expected = _describe_type(_field_type(_section_types()[section], name))
+        kind = _field_type(_section_types()[section], name)
+        expected = kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
     value = _value_at(nodes, key)
     reason = str(error).splitlines()[0]
     return f"{key}={value!r}: expected {expected} ({reason})"
@@ -546,7 +541,3 @@ def _value_at(nodes: Sequence[Any], key: str) -> Any:
             value = _plain(found)
     return value
 
-
-def _describe_type(kind: Any) -> str:
-    text = getattr(kind, "__name__", None) if isinstance(kind, type) else None
-    return text or str(kind).replace("typing.", "")
