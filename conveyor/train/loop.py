@@ -111,7 +111,8 @@ class LossWithAux:
         lm = self.lm(output, target)
         aux = output.get("aux_loss") if isinstance(output, dict) else getattr(output, "aux_loss", None)
         if aux is None:
-            raise ConfigError(f"the model's output has no aux_loss (it has: {', '.join(_keys(output))}); a "
+            keys = ", ".join(output.keys()) if hasattr(output, "keys") else type(output).__name__
+            raise ConfigError(f"the model's output has no aux_loss (it has: {keys}); a "
                               f"mixture-of-experts model returns it when built with output_router_logits=True")
         aux = self.coefficient * aux.to(lm.dtype)
         if self.reduction == "sum":
@@ -124,10 +125,6 @@ class LossWithAux:
         pipeline divides the loss and summed in microbatch order; clears ``parts``."""
         parts, self.parts = self.parts, []
         return sum((part / divisor for part in parts[1:]), parts[0] / divisor)
-
-
-def _keys(output: Any) -> list[str]:
-    return list(output.keys()) if hasattr(output, "keys") else [type(output).__name__]
 
 
 def train_loss(cfg: TrainConfig, model: torch.nn.Module) -> Any:
