@@ -385,7 +385,7 @@ def config_reference() -> str:
 
 
 def _section_types() -> dict[str, type]:
-    return {f.name: _field_type(TrainConfig, f.name) for f in dataclasses.fields(TrainConfig)}
+    return typing.get_type_hints(TrainConfig)  # the sections, in order: TrainConfig's fields are its annotations
 
 
 def _field_type(cls: type, name: str) -> Any:

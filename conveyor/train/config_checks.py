@@ -24,7 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from conveyor.errors import ConfigError
+from conveyor.errors import ConfigError, ScheduleError
 from conveyor.train import sources
 from conveyor.train.config import RECIPES, model_kind
 from conveyor.train.parity import parity_problems
@@ -353,7 +353,6 @@ def _check_plan(cfg: Any, problems: list[str]) -> None:
 def _check_schedule(cfg: Any, problems: list[str]) -> None:
     """The schedule exists and serves these sizes (building it is pure Python and quick)."""
     import conveyor.schedule as cs
-    from conveyor.errors import ScheduleError
 
     par = cfg.parallel
     known = cs.available()
