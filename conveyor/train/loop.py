@@ -518,13 +518,9 @@ def train(cfg: TrainConfig, startup: Any = None) -> dict[str, Any]:
         if cfg.train.sample_tokens and run.stopped is None:
             sample = write_sample(run)  # forwards through the pipeline: a collective, before close
     finally:
-        if run.progress is not None:
-            run.progress.close()
-        run.pipe.close()
-        if run.metrics is not None:
-            run.metrics.close()
-        if run.tensorboard is not None:
-            run.tensorboard.close()
+        for opened in (run.progress, run.pipe, run.metrics, run.tensorboard):
+            if opened is not None:
+                opened.close()
     if run.rank0:
         out = Path(cfg.run.dir)
         pictures["loss_png"] = str(write_loss_plot(out / "metrics.jsonl", out / "loss.png"))
