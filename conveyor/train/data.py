@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -35,6 +36,7 @@ import torch
 from torch.utils.data import Dataset
 
 from conveyor.errors import CheckpointMismatchError, ConfigError
+from conveyor.options import SplitOptions
 from conveyor.runtime.stage.device import to_device
 from conveyor.train import corpus, sources
 from conveyor.train.config import DataConfig
@@ -555,11 +557,6 @@ def by_length_options(model: Any, transfer: Any) -> tuple[Any, Any]:
     """The split and transfer records of a pipeline fed by :func:`length_loader`: the model's first input
     traced with dynamic rows and length (:mod:`conveyor.frontend.dynamic`), and transfers that agree on
     shapes every step (``TransferOptions(variable_shapes=True)``, for the ordered transport)."""
-    import dataclasses
-    import inspect
-
-    from conveyor.options import SplitOptions
-
     first = next(iter(inspect.signature(model.forward).parameters))
     split = SplitOptions(method="parameters", dynamic_shapes={first: {0: "rows", 1: "length"}})
-    return split, dataclasses.replace(transfer, variable_shapes=True)
+    return split, replace(transfer, variable_shapes=True)

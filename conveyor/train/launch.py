@@ -34,7 +34,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -46,6 +48,7 @@ from conveyor.errors import ConfigError
 from conveyor.processes.support import free_port  # the rendezvous's port
 from conveyor.train.config import TrainConfig, load_config
 from conveyor.train.data_check import check_data
+from conveyor.train.failures import LAUNCHER_LOGGERS, failure_report, launcher_log
 from conveyor.train.preflight import check_resume
 from conveyor.train.startup import StartupPhases
 
@@ -309,11 +312,6 @@ def forked_worker(cfg: TrainConfig, exit_when_stopped: bool = True, say_note: bo
     """:func:`worker` in a rank forked from the launcher, once the launcher's own set-up is undone: the elastic
     agent's signal handlers (a SIGTERM must end a rank at once, as in a spawned one, not raise in it where
     a blocked collective may never see it) and its log's handlers (the launcher's lines are its own)."""
-    import logging
-    import signal
-
-    from conveyor.train.failures import LAUNCHER_LOGGERS
-
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -367,7 +365,6 @@ def launch(cfg: TrainConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from conveyor.train.failures import failure_report, launcher_log
     from conveyor.train.rank_logs import RankLogs
 
     name_rendezvous_records_cheaply()

@@ -29,7 +29,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import time
 from typing import Any
 
 from conveyor.errors import UsageError
@@ -81,8 +83,6 @@ def add_parser(commands: Any, positive_int: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the model, plan it, print the table, write the file."""
-    import time
-
     from conveyor.plan import Machine, Measurement, SearchSpace, format_plan, parse_size
     from conveyor.plan.planner import plan
     from conveyor.plan.search import microbatch_choices
@@ -93,8 +93,6 @@ def run(args: argparse.Namespace) -> int:
     model, example = resolve_model(args.model, args.set, analytic=args.analytic, microbatch=smallest)
     machine = Machine() if args.flops is None else Machine(flops_per_second=args.flops)
     if args.calibrate:
-        import dataclasses
-
         import conveyor
         from conveyor.plan.calibration import calibrate
 
