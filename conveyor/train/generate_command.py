@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.errors import UsageError
+from conveyor.train.config import load_config
 
 CONFIG_FILE = "config.yaml"
 
@@ -55,7 +56,6 @@ def find_run(path: str | Path) -> tuple[Path, Path]:
         conveyor.errors.UsageError: /nonexistent is neither a run directory (with config.yaml) nor a checkpoint ...
     """
     from conveyor.checkpoint.files import is_checkpoint, latest
-    from conveyor.train.config import load_config
 
     path = Path(path)
     if (path / CONFIG_FILE).is_file():
@@ -87,7 +87,6 @@ def generate_text(path: str | Path, prompt: str, tokens: int, stages: int = 2, s
     from conveyor.frontend import split_model
     from conveyor.frontend.decode import decode_stages
     from conveyor.pipe.generation import CAUSAL_HEADS, Sampling
-    from conveyor.train.config import load_config
     from conveyor.train.data import load_tokenizer
     from conveyor.train.models import build_model
 
