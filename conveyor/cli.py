@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
-import logging
 import math
 import os
 import shutil
@@ -51,8 +50,6 @@ from conveyor.schedule.compare import (
     simulation_summary,
 )
 from conveyor.schedule.render import png_path, to_png, write_chrome_trace
-
-logger = logging.getLogger(__name__)
 
 USAGE_ERROR = 2
 
