@@ -63,13 +63,13 @@ def tensor_parallel_problems(cfg: TrainConfig) -> list[str]:
     except PipelineConfigError as error:
         if cfg.parallel.sequence_parallel and "sequence_parallel" in str(error):
             return [f"parallel.sequence_parallel=true: {error}"]
-        fits = fitting_tp_sizes(cfg, model, up_to=max(8, cfg.parallel.tp))
+        fits = fitting_tp_sizes(model, up_to=max(8, cfg.parallel.tp))
         return [f"parallel.tp={cfg.parallel.tp}: {error} (tp values that fit this model up to "
                 f"{max(8, cfg.parallel.tp)}: {', '.join(map(str, fits))})"]
     return []
 
 
-def fitting_tp_sizes(cfg: TrainConfig, model: torch.nn.Module, up_to: int) -> list[int]:
+def fitting_tp_sizes(model: torch.nn.Module, up_to: int) -> list[int]:
     """The tp sizes from 1 to ``up_to`` whose "auto" plan ``model`` takes (sizes and structure alike)."""
     from conveyor.parallel.tensor.style_map import tensor_parallel_plan
 
