@@ -183,7 +183,8 @@ class RankGroup:
         settle_end: float | None = None
         while len(answers) < self.world_size:
             now = time.monotonic()
-            if settle_end is not None and now >= min(settle_end, deadline):
+            until = deadline if settle_end is None else min(deadline, settle_end)
+            if settle_end is not None and now >= until:
                 break  # a failure seen before the deadline is the story, not the timeout
             pending = [rank for rank in range(self.world_size) if rank not in answers]
             if now >= deadline:
@@ -194,11 +195,8 @@ class RankGroup:
                 sentinel = getattr(self._procs[rank], "sentinel", None)
                 if sentinel is not None:  # also a death while a child of the rank holds its pipe
                     watched[sentinel] = rank
-            until = deadline if settle_end is None else min(deadline, settle_end)
             for rank in {watched[ready] for ready in wait(list(watched), timeout=until - now)}:
-                answer = self._read(rank)
-                if answer is not None:
-                    answers[rank] = answer
+                self._read(rank, answers)
             if settle_end is None and any(kind != "ok" for kind, _ in answers.values()):
                 settle_end = time.monotonic() + _FAILURE_SETTLE_S
         if any(kind != "ok" for kind, _ in answers.values()) or len(answers) < self.world_size:
@@ -206,17 +204,18 @@ class RankGroup:
         payloads = [answers[rank][1] for rank in range(self.world_size)]
         return [None if payload is None else pickle.loads(payload) for payload in payloads]
 
-    def _read(self, rank: int) -> tuple[str, Any] | None:
-        """The rank's answer if one is there; its death if it has ended without one; else None."""
+    def _read(self, rank: int, answers: dict[int, tuple[str, Any]]) -> None:
+        """Put in ``answers`` the rank's answer if one is there, or its death if it has ended without one."""
         conn, proc = self._conns[rank], self._procs[rank]
         try:
             if conn.poll():
-                return conn.recv()
+                answers[rank] = conn.recv()
+                return
             if proc.is_alive():
-                return None
+                return
         except (EOFError, OSError, pickle.UnpicklingError):
             pass  # the rank died before (or while) writing its answer
-        return "error", self._death(rank)
+        answers[rank] = "error", self._death(rank)
 
     def _death(self, rank: int) -> RankError:
         proc = self._procs[rank]
@@ -241,9 +240,7 @@ class RankGroup:
     def _raise_failure(self, answers: dict[int, tuple[str, Any]]) -> NoReturn:
         for rank in range(self.world_size):
             if rank not in answers:
-                answer = self._read(rank)  # a rank that has just died is a failure, not a kill
-                if answer is not None:
-                    answers[rank] = answer
+                self._read(rank, answers)  # a rank that has just died is a failure, not a kill
         killed = [rank for rank in range(self.world_size) if rank not in answers]
         finished = sorted(rank for rank, (kind, _) in answers.items() if kind == "ok")
         errors = [value for kind, value in answers.values() if kind != "ok"]
@@ -311,10 +308,14 @@ def run_once(
 ) -> list[Any]:
     """A rank group for one call: ``fn(rank, world_size, *args, **kwargs)`` on every rank, by rank.
 
-    The call is part of the ranks' start (under fork, ``fn`` is not pickled: a lambda or a
-    closure works), and ``timeout_s`` bounds the whole run, set-up included; failures and
-    hangs read as a group's (``what="run_ranks"``). Arguments that cannot work raise
-    :class:`~conveyor.errors.HarnessConfigError` before any process starts.
+    This is ``conveyor.testing.run_ranks`` (see :mod:`conveyor.testing.multiprocess` for the
+    full contract). The call is part of the ranks' start (under fork, ``fn`` is not pickled: a
+    lambda or a closure works). Raises :class:`~conveyor.errors.RankFailure` as soon as a rank
+    fails, :class:`~conveyor.errors.RankTimeout` when the whole run, set-up included, takes
+    longer than ``timeout_s`` seconds (both read as a group's, ``what="run_ranks"``), and
+    :class:`~conveyor.errors.HarnessConfigError` for arguments that cannot work, before any
+    process starts. ``env`` adds environment variables in every rank (after the standard ones,
+    so it may override them).
 
     Example:
         >>> run_once(lambda rank, world_size: (rank, world_size), 2, init_process_group=False)

@@ -59,43 +59,8 @@ Notes for test and benchmark authors:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
 from conveyor.errors import HarnessConfigError, RankError, RankFailure, RankTimeout
-from conveyor.processes import MAX_RESULT_BYTES, run_once
+from conveyor.processes import MAX_RESULT_BYTES
+from conveyor.processes import run_once as run_ranks
 
 __all__ = ["MAX_RESULT_BYTES", "HarnessConfigError", "RankError", "RankFailure", "RankTimeout", "run_ranks"]
-
-
-def run_ranks(
-    fn: Callable[..., Any],
-    world_size: int,
-    *,
-    args: Sequence[Any] = (),
-    kwargs: Mapping[str, Any] | None = None,
-    timeout_s: float = 120.0,
-    backend: str = "gloo",
-    start_method: str = "fork",
-    init_process_group: bool = True,
-    env: Mapping[str, str] | None = None,
-    max_result_bytes: int = MAX_RESULT_BYTES,
-) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return each rank's result.
-
-    Raises :class:`RankFailure` as soon as a rank fails, :class:`RankTimeout` when the whole
-    run takes longer than ``timeout_s`` seconds, :class:`HarnessConfigError` for arguments
-    that cannot work. ``env`` adds environment variables in every rank (after the standard
-    ones, so it may override them). See the module docstring for the full contract.
-
-    Example:
-        >>> def product(rank, world_size, factor):
-        ...     return rank * factor
-        >>> run_ranks(product, 3, args=(10,), init_process_group=False)
-        [0, 10, 20]
-    """
-    return run_once(
-        fn, world_size, args=args, kwargs=kwargs, timeout_s=timeout_s, backend=backend,
-        start_method=start_method, init_process_group=init_process_group, env=env,
-        max_result_bytes=max_result_bytes,
-    )
