@@ -116,9 +116,7 @@ def rank_main(rank: int, spec: RankSpec, conn: Connection, inherited: tuple[Conn
     except BaseException:
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        _flush_output()
         os._exit(code)
 
 
@@ -148,30 +146,25 @@ def serve(rank: int, spec: RankSpec, conn: Connection) -> bool:
             _send(conn, ("ok", None))  # set up: the group may call
         else:
             _send(conn, _answer(worker, spec.first_call, spec.max_result_bytes))
-        _serve_calls(worker, conn, spec.max_result_bytes)
+        with contextlib.suppress(EOFError):  # end of file: the parent is gone
+            for call in iter(conn.recv, None):  # None: told to stop
+                _send(conn, _answer(worker, call, spec.max_result_bytes))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return True
 
 
-def _serve_calls(worker: Worker, conn: Connection, max_result_bytes: int) -> None:
-    while True:
-        try:
-            call = conn.recv()
-        except EOFError:
-            return
-        if call is None:
-            return
-        _send(conn, _answer(worker, call, max_result_bytes))
-
-
 def _send(conn: Connection, answer: tuple[str, Any]) -> None:
     # What the call printed goes out first: a rank that failed is killed, not flushed at exit.
+    _flush_output()
+    conn.send(answer)
+
+
+def _flush_output() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    conn.send(answer)
 
 
 def _answer(worker: Worker, call: Call, max_result_bytes: int) -> tuple[str, Any]:
