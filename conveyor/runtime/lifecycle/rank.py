@@ -129,10 +129,8 @@ class RankLifecycle:
                 f"rank {self.rank}: this pipeline was closed (pipe.close() or the end of its `with` block); "
                 "build a new Pipeline to go on"
             )
-        if self.state == OPEN and self.watch.abort_error is not None:  # aborted between calls
-            error = self._with_picture(self.watch.abort_error)
-            self.fail(error, error)
-            raise error
+        if self.state == OPEN:
+            self._stop_if_aborted()  # aborted between calls
         if self.state == STOPPED:
             raise PipelineStopped(
                 f"rank {self.rank}: this pipeline stopped after a failure ({self.stopped_because}) and closed "
@@ -162,15 +160,19 @@ class RankLifecycle:
             raise error from exc
         finally:
             watch.call_started = outer
-        if self.watch.abort_error is not None:
-            error = self._with_picture(self.watch.abort_error)
-            self.fail(error, error)
-            raise error
+        self._stop_if_aborted()
         if watch.abort_on_failure and outer is None and torch.cuda.is_available() and torch.cuda.is_initialized():
             done = torch.cuda.Event()  # the watcher asks it (no wait) whether the call's kernels ended
             done.record()
             watch.in_flight.append((started, done))
         return result
+
+    def _stop_if_aborted(self) -> None:
+        """Under NCCL the watcher aborted the communicators: fail with what it saw."""
+        if self.watch.abort_error is not None:
+            error = self._with_picture(self.watch.abort_error)
+            self.fail(error, error)
+            raise error
 
     def _explain(self, exc: Exception) -> Exception:
         """What to raise for ``exc``: the watcher's finding, a peer's failure, or ``exc`` itself."""
