@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ def nccl_backend(groups: Sequence[Any]) -> Any:
         >>> nccl_backend([]) is None
         True
     """
-    import torch.distributed as dist
-
     if not dist.is_nccl_available():
         return None
     for group in groups:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from conveyor.errors import PipelineConfigError
 from conveyor.runtime.lifecycle.aborts import GroupAborter
@@ -93,8 +94,6 @@ class OwnGroups:
 
     def __init__(self, user_group, timeout_s: float, pipelines: Sequence[Sequence[int]] | None = None,
                  device: torch.device | None = None) -> None:
-        import torch.distributed as dist
-
         self.user_group = user_group
         self.rank = dist.get_rank(user_group)
         self.num_ranks = dist.get_world_size(user_group)
@@ -133,8 +132,6 @@ class OwnGroups:
         eagerly, else made by its members alone, with torch's local synchronisation. Either way
         its communicator is made now, not at its first operation (see :func:`group_creation`).
         """
-        import torch.distributed as dist
-
         how, me = self.creation, self.global_ranks[self.rank]
         if whole_job:
             group = dist.new_group(list(global_ranks), timeout=self.timeout, device_id=how.eager_device)
@@ -184,8 +181,6 @@ class OwnGroups:
     def _each_of(self, memberships: Sequence[Sequence[int]]):
         """Build a group over each of ``memberships`` (collective over the whole job); keep and
         return the one this rank belongs to."""
-        import torch.distributed as dist
-
         me = dist.get_rank()
         mine = None
         for members in memberships:
@@ -204,8 +199,6 @@ class OwnGroups:
         ``group`` (default: the pipeline's) and ``who`` (``"replicas"`` over the ranks holding
         this rank's stages in every replica) say among whom.
         """
-        import torch.distributed as dist
-
         group = self.group if group is None else group
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, {**fields, "_token": uuid.uuid4().hex}, group=group)
@@ -227,8 +220,6 @@ class OwnGroups:
 
     def store_prefix(self) -> str:
         """This pipeline's own part of a store key: its group's name and the token its ranks agreed on."""
-        import torch.distributed as dist
-
         name = dist.distributed_c10d._get_process_group_name(self.group)
         return f"{name}/{self.token}" if self.token is not None else name
 
@@ -259,8 +250,6 @@ class OwnGroups:
         Destroying waits for pending work, which a failed peer never completes: those the watcher
         has not aborted yet are aborted together, then torch forgets them.
         """
-        import torch.distributed as dist
-
         groups, self.made, self.group = self.made, [], None
         # Gone from torch's tables when the user destroyed every group first (then dropping our
         # reference is what ends it).

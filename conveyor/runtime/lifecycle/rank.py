@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.distributed_c10d import _get_default_store
 
 import conveyor
 from conveyor.errors import CommTimeout, ConveyorError, PipelineClosed, PipelineStopped
@@ -77,8 +78,6 @@ class RankLifecycle:
 
     def __init__(self, user_group, timeout_s: float, pipelines: Sequence[Sequence[int]] | None = None,
                  device: torch.device | None = None) -> None:
-        from torch.distributed.distributed_c10d import _get_default_store
-
         self.groups = OwnGroups(user_group, timeout_s, pipelines, device)
         self.rank, self.global_ranks, self.backend = self.groups.rank, self.groups.global_ranks, self.groups.backend
         # Failure messages travel through the store, which outlives every group (rank 0's
