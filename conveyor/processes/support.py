@@ -81,12 +81,9 @@ def wait_for_stacks(paths: list[Path], entry: tuple[str, str]) -> list[str]:
 def read_stack(path: Path, entry: tuple[str, str]) -> str:
     """The stack dumped at ``path`` without the harness's frames (see :func:`wait_for_stacks`)."""
     try:
-        return _trim_stack(path.read_text(errors="replace"), entry)
+        text = path.read_text(errors="replace")
     except OSError:
         return ""
-
-
-def _trim_stack(text: str, entry: tuple[str, str]) -> str:
     file_name, function = entry
     kept: list[str] = []
     skipping = False

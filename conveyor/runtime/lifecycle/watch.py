@@ -66,9 +66,9 @@ class FailureWatch:
         """A pipeline call, or the GPU work it queued, running longer than timeout_s."""
         while self.in_flight and self.in_flight[0][1].query():  # the host returned, the kernels too
             self.in_flight.popleft()
-        began = [self.call_started, *(call[0] for call in list(self.in_flight)[:1])]
-        started = min((b for b in began if b is not None), default=None)
-        if started is None or time.monotonic() - started <= self.timeout_s:
+        oldest = self.in_flight[0][0] if self.in_flight else None
+        began = [b for b in (self.call_started, oldest) if b is not None]
+        if not began or time.monotonic() - min(began) <= self.timeout_s:
             return None
         return CommTimeout(
             f"rank {self.rank}: a pipeline call has waited more than timeout_s={self.timeout_s:g} s for its "
