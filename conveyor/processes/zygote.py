@@ -73,9 +73,10 @@ class Zygote:
             return self._conn.recv()
         except (EOFError, OSError):
             self.close()
-            raise ZygoteFailure(
-                f"zygote {what}: it is gone (exit code {self._proc.exitcode})"
-            ) from None
+            raise self._gone(what) from None
+
+    def _gone(self, what: str) -> ZygoteFailure:
+        return ZygoteFailure(f"zygote {what}: it is gone (exit code {self._proc.exitcode})")
 
     def fork(self, spec: RankSpec) -> tuple[list[Connection], list[_ForkedRank]]:
         """``spec.world_size`` ranks serving calls; their pipes and pids.
@@ -90,9 +91,7 @@ class Zygote:
             try:
                 self._conn.send(spec)
             except OSError:
-                raise ZygoteFailure(
-                    f"zygote forking {spec.world_size} ranks: it is gone (exit code {self._proc.exitcode})"
-                ) from None
+                raise self._gone(f"forking {spec.world_size} ranks") from None
             for _ in range(spec.world_size):
                 kind, value = self._receive("forking ranks")
                 if kind != "rank":
@@ -170,12 +169,10 @@ def _zygote_main(modules: list[str], conn: Connection, parents_end: Connection) 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     conn.send((True, None))
     parent = mp.parent_process()
-    while True:
-        # The parent may die without a word (killed): its sentinel says so, and we go
-        # (our ranks die with us: see die_with_parent).
-        watched = [conn] + ([parent.sentinel] if parent is not None else [])
-        if parent is not None and parent.sentinel in wait(watched):
-            return
+    assert parent is not None, "the zygote is a multiprocessing child of its Zygote's process"
+    # The parent may die without a word (killed): its sentinel says so, and we go
+    # (our ranks die with us: see die_with_parent).
+    while parent.sentinel not in wait([conn, parent.sentinel]):
         try:
             spec = conn.recv()
         except EOFError:
