@@ -172,10 +172,23 @@ def _answer(worker: Worker, call: Call, max_result_bytes: int) -> tuple[str, Any
         result = _call_user_function(worker, call)
     except BaseException as error:  # noqa: BLE001 (SystemExit and KeyboardInterrupt are reported too)
         return "error", exception_error(worker.rank, error, "fn")
+    # The result pickled, or why it cannot travel back to the caller.
     try:
-        return "ok", pickle_result(result, max_result_bytes)
-    except _ResultError as error:
-        return "error", RankError(worker.rank, "result", str(error), "", phase="result", seen_at=time.monotonic())
+        payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as error:
+        problem = (
+            f"returned a {type(result).__name__} that cannot be pickled "
+            f"({type(error).__name__}: {error}); return plain data (numbers, lists, dicts, tensors)"
+        )
+    else:
+        if len(payload) <= max_result_bytes:
+            return "ok", payload
+        problem = (
+            f"returned {len(payload):,} bytes once pickled, more than "
+            f"max_result_bytes={max_result_bytes:,}; return a summary (a checksum, a few "
+            "values) or write large data to a file and return its path"
+        )
+    return "error", RankError(worker.rank, "result", problem, "", phase="result", seen_at=time.monotonic())
 
 
 def _call_user_function(worker: Worker, call: Call) -> Any:
@@ -187,28 +200,6 @@ def _call_user_function(worker: Worker, call: Call) -> Any:
 
 ENTRY = (Path(__file__).name, _call_user_function.__name__)
 """``(file, function)`` of the frame that calls user code: dumped stacks are trimmed there."""
-
-
-class _ResultError(Exception):
-    """The rank's return value cannot travel back to the caller."""
-
-
-def pickle_result(result: Any, max_result_bytes: int) -> bytes:
-    """``result`` pickled, or a :class:`_ResultError` saying why it cannot travel back."""
-    try:
-        payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as error:
-        raise _ResultError(
-            f"returned a {type(result).__name__} that cannot be pickled "
-            f"({type(error).__name__}: {error}); return plain data (numbers, lists, dicts, tensors)"
-        ) from None
-    if len(payload) > max_result_bytes:
-        raise _ResultError(
-            f"returned {len(payload):,} bytes once pickled, more than "
-            f"max_result_bytes={max_result_bytes:,}; return a summary (a checksum, a few "
-            "values) or write large data to a file and return its path"
-        )
-    return payload
 
 
 def exception_error(rank: int, error: BaseException, phase: str) -> RankError:
