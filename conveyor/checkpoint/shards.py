@@ -37,6 +37,8 @@ import sys
 
 import torch
 
+from conveyor.pipe.weights import replicated
+
 
 def _dtensor_types():
     # DTensor is imported only where a checkpoint holds one (torch.distributed.tensor is heavy).
@@ -55,24 +57,13 @@ def is_packed(tensor: torch.Tensor) -> bool:
     return any(isinstance(placement, strided) for placement in tensor.placements)
 
 
-def _replicated(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` replicated on every mesh dim, gathered one dim at a time, the outermost first (a collective)."""
-    _, replicate, _ = _dtensor_types()
-    placements = list(tensor.placements)
-    for dim in range(tensor.device_mesh.ndim):
-        if not placements[dim].is_replicate():
-            placements[dim] = replicate()
-            tensor = tensor.redistribute(placements=placements)
-    return tensor
-
-
 def _sharded_on_several_dims(tensor: torch.Tensor) -> bool:
     return sum(not placement.is_replicate() for placement in tensor.placements) > 1
 
 
 def _local_positions(tensor: torch.Tensor) -> torch.Tensor:
     """Where each element of this rank's local shard of ``tensor`` sits in the whole tensor (flat indices, in the
-    local shard's order), as :func:`_replicated` gathers it: a collective over ``tensor``'s mesh.
+    local shard's order), as :func:`~conveyor.pipe.weights.replicated` gathers it: a collective over ``tensor``'s mesh.
 
     Each rank numbers its local elements with codes no other rank uses (its coordinate in the
     mesh, then the element), the codes are gathered exactly as the values are, and each rank
@@ -87,7 +78,7 @@ def _local_positions(tensor: torch.Tensor) -> torch.Tensor:
     codes = torch.arange(local.numel(), dtype=torch.int64, device=local.device).reshape(local.shape)
     codes = dtensor.from_local(codes + coordinate * span, mesh, tensor.placements, run_check=False,
                                shape=tensor.shape, stride=tensor.stride())
-    whole = _replicated(codes).to_local().flatten()
+    whole = replicated(codes).to_local().flatten()
     mine = torch.nonzero(whole // span == coordinate).flatten()
     return mine[torch.argsort(whole[mine] % span)]
 
@@ -100,7 +91,7 @@ def storable(tensor: torch.Tensor) -> torch.Tensor:
         False
     """
     tensor = tensor.detach()
-    return _replicated(tensor) if is_packed(tensor) else tensor
+    return replicated(tensor) if is_packed(tensor) else tensor
 
 
 class Landing:

@@ -32,16 +32,14 @@ from conveyor.frontend import StageModule
 from conveyor.runtime.stage.runner import StageRunner
 
 
-def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` detached and whole: a DTensor gathered one mesh dim at a time (a collective), any other as is.
+def replicated(tensor: torch.Tensor) -> torch.Tensor:
+    """The DTensor ``tensor`` replicated on every mesh dim, gathered one dim at a time, the outermost first (a
+    collective over its mesh; the checkpoints' packed shards are written so too).
 
-    Example:
-        >>> whole_tensor(torch.nn.Parameter(torch.ones(2))).requires_grad
-        False
+    Example (every rank of ``weight``'s mesh)::
+
+        whole = replicated(weight).to_local()
     """
-    tensor = tensor.detach()
-    if not hasattr(tensor, "device_mesh"):
-        return tensor
     from torch.distributed.tensor import Replicate
 
     placements = list(tensor.placements)
@@ -49,7 +47,18 @@ def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
         if not placements[dim].is_replicate():
             placements[dim] = Replicate()
             tensor = tensor.redistribute(placements=placements)
-    return tensor.to_local()
+    return tensor
+
+
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached and whole: a DTensor gathered by :func:`replicated` (a collective), any other as is.
+
+    Example:
+        >>> whole_tensor(torch.nn.Parameter(torch.ones(2))).requires_grad
+        False
+    """
+    tensor = tensor.detach()
+    return replicated(tensor).to_local() if hasattr(tensor, "device_mesh") else tensor
 
 
 def named_weights(runners: Mapping[int, StageRunner]) -> Iterator[tuple[str, torch.Tensor]]:
