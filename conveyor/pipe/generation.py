@@ -255,9 +255,11 @@ def stage_inputs(pipe: Pipeline, window: torch.Tensor) -> tuple[tuple, dict]:
 
 def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
              generator: torch.Generator | None, attention_mask: torch.Tensor | None,
-             return_logprobs: bool, length: int | None, kv_cache: bool | None = None) -> Generation:
+             return_logprobs: bool, length: int | None, kv_cache: bool | None = None,
+             scorer: Pipeline | None = None) -> Generation:
     """The token loop (see the module docstring); a collective: every rank of the pipeline, the same arguments.
-    ``kv_cache``: None decodes through key/value caches where the stages allow it, True insists, False never."""
+    ``kv_cache``: None decodes through key/value caches where the stages allow it, True insists, False never.
+    ``scorer``: the pipeline whose training forward gives the log-probs (None: ``pipe``)."""
     if kv_cache not in (None, True, False):
         raise PipelineConfigError(f"kv_cache={kv_cache!r}: pass None (the cache where the stages allow it), True "
                                   "or False (every step the training forward over the whole window)")
@@ -317,7 +319,7 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
     new = window.gather(1, (lengths[:, None] + torch.arange(max_new_tokens)).clamp(max=width - 1))
     new = torch.where(torch.arange(max_new_tokens) < made[:, None], new, sampling.pad_token_id)
     sequences = window[:, :input_ids.shape[1] + max_new_tokens]
-    logprobs = _generated_logprobs(pipe, window, lengths, made, max_new_tokens) if return_logprobs else None
+    logprobs = _generated_logprobs(scorer or pipe, window, lengths, made, max_new_tokens) if return_logprobs else None
     return Generation(new, made, sequences, logprobs, kv_cache=cached)
 
 
@@ -463,17 +465,9 @@ def _through_decoder(pipe: Pipeline, stages: list, input_ids: torch.Tensor, max_
     """The cached loop over ``stages`` (a pipeline of them beside ``pipe``: its schedule, layout and transfers, on
     the same ranks), the log-probs recomputed by ``pipe``'s own training forward."""
     decoder = type(pipe)(list(stages), pipe.schedule, layout=pipe.layout, transfer=pipe.transfer)
-    try:
-        out = generate(decoder, input_ids, max_new_tokens, sampling, generator, None, False, width)
-    finally:
-        decoder.close()
-    logprobs = None
-    if return_logprobs:
-        window = torch.full((input_ids.shape[0], width), sampling.pad_token_id, dtype=torch.long)
-        window[:, :out.sequences.shape[1]] = out.sequences
-        lengths = torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long)
-        logprobs = _generated_logprobs(pipe, window, lengths, out.lengths, max_new_tokens)
-    return Generation(out.tokens, out.lengths, out.sequences, logprobs, kv_cache=True)
+    with contextlib.closing(decoder):
+        return generate(decoder, input_ids, max_new_tokens, sampling, generator, None, return_logprobs, width,
+                        scorer=pipe)
 
 
 def _everyone_done(pipe: Pipeline, done: torch.Tensor) -> bool:
