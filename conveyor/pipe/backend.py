@@ -1,9 +1,10 @@
 """The ranks backend contract: all that :class:`conveyor.Pipeline` asks of where its ranks are.
 
-Two backends implement it completely: :class:`~conveyor.pipe.ranks.InProcessRanks` (every rank in
-this process) and :class:`~conveyor.pipe.distributed.DistributedRanks` (one rank per process over
-torch.distributed, with its stage parts). The pipeline, its steps and its gradient checks call
-nothing else of them.
+Two backends implement it completely, as subclasses that take its defaults (one replica, no stage
+parts: :meth:`RanksBackend.find_part` over theirs): :class:`~conveyor.pipe.ranks.InProcessRanks`
+(every rank in this process) and :class:`~conveyor.pipe.distributed.DistributedRanks` (one rank per
+process over torch.distributed, with its stage parts). The pipeline, its steps and its gradient
+checks call nothing else of them.
 
 Example:
     >>> import torch, conveyor
@@ -38,12 +39,12 @@ class RanksBackend(Protocol):
     in_process: bool  # every rank in this process
     rank: int  # this process's pipeline position (in process: 0)
     local_ranks: list[int]  # the ranks this process runs
-    dp_rank: int  # this process's replica (0: one replica)
-    dp_size: int  # how many replicas train together
-    checkpoint_group: Any  # the group that writes checkpoints together (None: this process alone)
+    dp_rank: int = 0  # this process's replica (0: one replica)
+    dp_size: int = 1  # how many replicas train together
+    checkpoint_group: Any = None  # the group that writes checkpoints together (None: this process alone)
     device: torch.device  # the stage device, once placed
     comm_device: torch.device  # where the pipeline's collectives take their tensors (NCCL: the stage GPU)
-    parts: Sequence[StagePart]  # what wraps this rank's stages (in process: none)
+    parts: Sequence[StagePart] = ()  # what wraps this rank's stages (in process: none)
 
     @property
     def closed(self) -> bool:
@@ -97,6 +98,7 @@ class RanksBackend(Protocol):
 
     def find_part(self, kind: type[Part]) -> Part | None:
         """This backend's part of type ``kind`` (None: it has none)."""
+        return next((part for part in self.parts if isinstance(part, kind)), None)
 
     def close(self) -> None:
         """Release what the backend holds (idempotent)."""

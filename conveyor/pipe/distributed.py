@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -32,6 +32,7 @@ from conveyor.parallel.loss import LossBroadcast
 from conveyor.parallel.mesh import layout_of
 from conveyor.parallel.part import PartSite, StagePart
 from conveyor.parallel.parts import parts_for
+from conveyor.pipe.backend import RanksBackend
 from conveyor.pipe.broadcast import broadcast_tensors
 from conveyor.runtime.executor import RankExecutor
 from conveyor.runtime.lifecycle.rank import RankLifecycle
@@ -48,10 +49,8 @@ from conveyor.schedule.passes import Executable, executable
 from conveyor.schedule.registry import resolve_schedule
 from conveyor.schedule.timeline import Timeline, measured_timeline
 
-Part = TypeVar("Part", bound=StagePart)
 
-
-class DistributedRanks:
+class DistributedRanks(RanksBackend):
     """This process's rank of a pipeline over ``layout``'s group (or mesh), moving bytes as ``transfer`` says."""
 
     in_process = False
@@ -273,9 +272,6 @@ class DistributedRanks:
         """Broadcast from the last stage's rank over the pipeline's group (see :func:`broadcast_tensors`)."""
         return broadcast_tensors(tensors, self.life.global_ranks[self.last_rank], self.life.group,
                                  self.device, self.comm_device)
-
-    def find_part(self, kind: type[Part]) -> Part | None:
-        return next((part for part in self.parts if isinstance(part, kind)), None)
 
     @property
     def closed(self) -> bool:

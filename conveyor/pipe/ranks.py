@@ -31,7 +31,7 @@ from conveyor.layout import InProcessLayout
 from conveyor.options import StageOptions, TransferOptions, WholeModel
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import summed_loss
-from conveyor.parallel.part import StagePart
+from conveyor.pipe.backend import RanksBackend
 from conveyor.runtime.executor import RankExecutor, run_local
 from conveyor.runtime.stage.device import module_device, place_modules, resolve_device
 from conveyor.runtime.stage.memory import MemoryReport, memory_report, reset_device_peaks
@@ -45,22 +45,20 @@ from conveyor.schedule.registry import resolve_schedule
 from conveyor.schedule.timeline import Timeline, measured_timeline
 
 
-class InProcessRanks:
-    """Every rank of the schedule in this process and thread; the pipeline acts as rank 0 of one replica.
+class InProcessRanks(RanksBackend):
+    """Every rank of the schedule in this process and thread; the pipeline acts as rank 0 of one replica, with
+    the contract's defaults: whole stages (no parts: parallelisms span processes), one process writing every tensor.
 
     ``modules`` are one per stage, indexed by stage; ``layout.ranks`` (None: the module count over
     the schedule's stages per rank) is the rank count of a schedule given by name.
     """
 
     in_process = True
-    checkpoint_group = None  # one process writes every tensor
     rank = 0
-    dp_rank, dp_size = 0, 1
-    parts: tuple[StagePart, ...] = ()  # one replica, whole stages: parallelisms span processes
+    closed = False  # until close()
 
     def __init__(self, layout: InProcessLayout, transfer: TransferOptions) -> None:
         self.layout, self.transfer = layout, transfer
-        self.closed = False
         self._recorders: list[StepRecorder | EventRecorder] = []
 
     def resolve(self, schedule: Schedule | str, microbatches: int | None, virtual: int | None,
@@ -154,9 +152,6 @@ class InProcessRanks:
     def from_last_stage(self, tensors: list[torch.Tensor] | None) -> list[torch.Tensor]:
         assert tensors is not None, "every stage runs in this process, the last one too"
         return tensors
-
-    def find_part(self, kind: type) -> None:
-        return None  # no parts in one process
 
     def close(self) -> None:
         self.closed = True
