@@ -79,7 +79,9 @@ class GradientChecks:
         if self.loss_scaling is not None:
             self.loss_scaling.finish_step(on_nonfinite)
         elif on_nonfinite is not None:
-            self.check_finite(on_nonfinite, self.backend.device)
+            report = self.backend.guarded(self._nonfinite_report)
+            if report:
+                self.after_nonfinite(report, on_nonfinite)
 
     @property
     def loss_scale(self) -> float | None:
@@ -134,17 +136,10 @@ class GradientChecks:
             self.norm_exchange = self.backend.norm_exchange()  # over the ranks backend's collectives
         return self.norm_exchange.total(places, grads, norms, norm_type, foreach)
 
-    def check_finite(self, on_nonfinite: str, device: torch.device) -> None:
-        """After a step: where its loss or gradients stopped being finite, if anywhere, raised
-        (``"raise"``) or dropped on every rank (``"skip"``); ``device``: the stage device."""
-        report = self.backend.guarded(self.nonfinite_report, device)
-        if report:
-            self.after_nonfinite(report, on_nonfinite)
-
-    def nonfinite_report(self, device: torch.device) -> str:
+    def _nonfinite_report(self) -> str:
         """Empty, or where this step's loss or gradients stopped being finite (on every rank alike)."""
         flags = self.backend.combine_flags(nonfinite_flags(self.runners, self.schedule.num_stages,
-                                                           self.schedule.num_microbatches, device))
+                                                           self.schedule.num_microbatches, self.backend.device))
         return describe_nonfinite(flags)  # the one host read
 
     def after_nonfinite(self, report: str, on_nonfinite: str) -> None:
