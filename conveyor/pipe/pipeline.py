@@ -366,13 +366,22 @@ class StepInputs:
         self.warned_target = False  # told once that target= is read on the last stage's rank only
 
     def split(self, args: tuple, kwargs: dict, target: Any) -> Split:
-        """The minibatch cut into microbatches as a one-device loop cuts it."""
-        first = self._split_inputs(args, kwargs) if self.needs_inputs else None
+        """The minibatch cut into microbatches as a one-device loop cuts it (on the stage device first: it may
+        come from a CPU data loader)."""
+        first = targets = None
+        if self.needs_inputs:
+            if all(a is None for a in args) and not kwargs:
+                raise PipelineConfigError(
+                    "inputs are missing on the rank that runs stage 0: pass the minibatch to pipe.step(...) there"
+                )
+            first = split_microbatches(*self._on_device((args, kwargs)), self.num_microbatches)
         if target is not None and not self.needs_target and not self.warned_target:
             self.warned_target = True
             log.warning("conveyor: rank %d was given target=, but the last stage runs on rank %d: ignored here "
                         "(pass target= there; None elsewhere)", self.rank, self.last_rank)
-        targets = self._split_target(target) if self.needs_target else None
+        if self.needs_target:
+            targets = [None] * self.num_microbatches if target is None else \
+                split_value(self._on_device(target), self.num_microbatches, "target")
         return first, targets
 
     def given(self, microbatches: Microbatches, args: tuple, kwargs: dict, target: Any) -> Split:
@@ -402,19 +411,6 @@ class StepInputs:
                 )
             targets = self._on_device(targets)
         return first, targets
-
-    def _split_inputs(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
-        if all(a is None for a in args) and not kwargs:
-            raise PipelineConfigError(
-                "inputs are missing on the rank that runs stage 0: pass the minibatch to pipe.step(...) there"
-            )
-        args, kwargs = self._on_device((args, kwargs))  # the minibatch may come from a CPU data loader
-        return split_microbatches(args, kwargs, self.num_microbatches)
-
-    def _split_target(self, target: Any) -> list[Any]:
-        if target is None:
-            return [None] * self.num_microbatches
-        return split_value(self._on_device(target), self.num_microbatches, "target")
 
     def _on_device(self, value: Any) -> Any:
         return value if self.device.type == "cpu" else to_device(value, self.device)
