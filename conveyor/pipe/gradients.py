@@ -66,7 +66,7 @@ class GradientChecks:
         self.skipped_steps = 0  # steps dropped by on_nonfinite="skip"
         self.norm_exchange: NormExchange | None = None  # built on the first clip
         # fp16's loss scaling (StageOptions.loss_scaling; None: off): each step's gradients unscaled here.
-        self.loss_scaling = None if scaling is None else StepLossScaling(scaling, backend, runners, schedule, self)
+        self.loss_scaling = None if scaling is None else StepLossScaling(scaling, self)
 
     def finish_step(self, on_nonfinite: str | None) -> None:
         """After a training step, on every rank alike. With loss scaling the gradients are unscaled, and the step

@@ -42,11 +42,8 @@ import torch
 
 from conveyor.errors import NonFiniteError
 from conveyor.parallel.clipping import describe_nonfinite, first_nonfinite_loss, local_part
-from conveyor.pipe.backend import RanksBackend
 from conveyor.runtime.stage.loss_scale import LossScaler, LossScaling
 from conveyor.runtime.stage.main_grad import gradient
-from conveyor.runtime.stage.runner import StageRunner
-from conveyor.schedule.ir import Schedule
 
 if TYPE_CHECKING:
     from conveyor.pipe.gradients import GradientChecks  # which holds this
@@ -55,15 +52,14 @@ log = logging.getLogger("conveyor.pipe")
 
 
 class StepLossScaling:
-    """The scale of this process's ``runners`` (of ``schedule``, over ranks ``backend``), stepped as
-    ``scaling`` says; ``checks``: the pipeline's gradient checks, which drop a skipped step."""
+    """The scale of the runners of ``checks`` (the pipeline's gradient checks, which drop a skipped step: this
+    process's runners of their schedule, over their ranks backend), stepped as ``scaling`` says."""
 
-    def __init__(self, scaling: LossScaling, backend: RanksBackend, runners: dict[int, StageRunner],
-                 schedule: Schedule, checks: GradientChecks) -> None:
-        self.backend, self.runners, self.schedule, self.checks = backend, runners, schedule, checks
-        self.scaler = LossScaler(scaling, backend.device)
+    def __init__(self, scaling: LossScaling, checks: GradientChecks) -> None:
+        self.backend, self.runners, self.schedule, self.checks = checks.backend, checks.runners, checks.schedule, checks
+        self.scaler = LossScaler(scaling, self.backend.device)
         self.consecutive_skips = 0  # overflowing steps in a row: the floor's message says how many
-        for runner in runners.values():
+        for runner in self.runners.values():
             runner.loss_scale = self.scaler.scale  # updated in place; only a last stage multiplies by it
 
     @property
