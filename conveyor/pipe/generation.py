@@ -289,23 +289,12 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
     made = torch.zeros(batch, dtype=torch.long)
     done = torch.zeros(batch, dtype=torch.bool)
     rows = torch.arange(batch)
-    if cached:
-        for runner in pipe.runners.values():
-            runner.module.reset_kv_cache()
-    # One pipeline: a block of token steps at a time as one unrolled program (conveyor.schedule.decode).
-    unrolled = _unrolled_steps(pipe, window, input_ids.shape[1], max_new_tokens, sampling, generator) \
-        if cached and pipe.checkpoint_group is None else None
-    # Closing the unrolled steps closes their pipelines, where every row ended early or a step failed too.
-    with contextlib.closing(unrolled) if unrolled is not None else contextlib.nullcontext():
-        for step in range(max_new_tokens):
-            if unrolled is not None:
-                tokens = next(unrolled)
-            elif cached:  # the prompt once (prefill), then each lane's last token at its position
-                start, end = (0, input_ids.shape[1]) if step == 0 else (input_ids.shape[1] + step - 1,) * 2
-                lanes = [(part, lane, start) for lane, part in
-                         enumerate(window[:, start:max(end, start + 1)].tensor_split(pipe.schedule.num_microbatches))]
-                positions = torch.full((batch,), max(end, start + 1) - start - 1)
-                tokens = pipe.ranks.guarded(_next_tokens, pipe, lanes, None, positions, sampling, generator)
+    steps = _cached_steps(pipe, window, input_ids.shape[1], max_new_tokens, sampling, generator) if cached else None
+    # Closing the cached steps closes their pipelines, where every row ended early or a step failed too.
+    with contextlib.closing(steps) if steps is not None else contextlib.nullcontext():
+        for _ in range(max_new_tokens):
+            if steps is not None:
+                tokens = next(steps)
             else:
                 tokens = pipe.ranks.guarded(_next_tokens, pipe, None, stage_inputs(pipe, window), lengths + made - 1,
                                             sampling, generator)
@@ -327,52 +316,62 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
 UNROLLED_BLOCK = 16
 
 
-def _unrolled_steps(pipe: Pipeline, window: torch.Tensor, prompt: int, max_new_tokens: int, sampling: Sampling,
-                    generator: torch.Generator | None) -> Iterator[torch.Tensor]:
-    """Each step's tokens [batch], made a block of steps at a time by :func:`_unrolled_block`. A block starts from
-    ``window`` as the caller left it: the prompt (prefill), then each row's last token (pad after its end). The
-    pipeline of a block size is built once and runs every block of that size; all close when the steps end or the
-    caller stops early (every row at its eos)."""
+def _cached_steps(pipe: Pipeline, window: torch.Tensor, prompt: int, max_new_tokens: int, sampling: Sampling,
+                  generator: torch.Generator | None) -> Iterator[torch.Tensor]:
+    """Each step's tokens [batch] through the stages' key/value caches (reset first), made a block of steps at a time.
+    A block starts from ``window`` as the caller left it: the prompt (prefill), then each row's last token (pad after
+    its end), each lane's rows at their position. On one pipeline a block is one unrolled program
+    (:func:`_unrolled_block`; the pipeline of a block size is built once and runs every block of that size; all close
+    when the steps end or the caller stops early, every row at its eos); with replicas or TP ranks a block is one
+    step, every lane through every stage and the tokens sent to every rank (:func:`_next_tokens`)."""
+    for runner in pipe.runners.values():
+        runner.module.reset_kv_cache()
+    unrolled = pipe.checkpoint_group is None  # one pipeline (conveyor.schedule.decode)
     block = max_new_tokens if sampling.eos_token_id is None else min(max_new_tokens, UNROLLED_BLOCK)
     built: dict[int, tuple[Pipeline, dict]] = {}
     step = 0
     try:
         while step < max_new_tokens:
-            size = min(block, max_new_tokens - step)
+            size = min(block if unrolled else 1, max_new_tokens - step)
             start = 0 if step == 0 else prompt + step - 1
-            tokens = _unrolled_block(pipe, built, window[:, start:prompt + step], start, size, sampling, generator)
+            ids = window[:, start:prompt + step]
+            lanes = [(part, lane, start) for lane, part in enumerate(ids.tensor_split(pipe.schedule.num_microbatches))]
+            if unrolled:
+                tokens = _unrolled_block(pipe, built, lanes, prompt + step, size, sampling, generator)
+            else:
+                last = torch.full((ids.shape[0],), ids.shape[1] - 1)  # each row's last position in its lane
+                tokens = pipe.ranks.guarded(_next_tokens, pipe, lanes, None, last, sampling, generator)[:, None]
             for column in range(size):
                 yield tokens[:, column]
             step += size
     finally:
-        for unrolled, _ in built.values():
-            unrolled.close()
+        for program, _ in built.values():
+            program.close()
 
 
-def _unrolled_block(pipe: Pipeline, built: dict, ids: torch.Tensor, start: int, steps: int, sampling: Sampling,
+def _unrolled_block(pipe: Pipeline, built: dict, lanes: list[tuple], first_token: int, steps: int, sampling: Sampling,
                     generator: torch.Generator | None) -> torch.Tensor:
-    """``steps`` tokens of every row [batch, steps] after ``ids`` (at position ``start``), through ``pipe``'s stages'
-    caches as one program: :func:`conveyor.schedule.decode.decode_schedule`'s stages, each a :class:`_TokenStep`
-    of this rank's stage, run by a pipeline beside ``pipe`` (its layout and transfers), kept in ``built`` by
-    ``steps``. A collective."""
+    """``steps`` tokens of every row [batch, steps] after ``lanes`` (stage 0's inputs, each lane's ids ending before
+    position ``first_token``), through ``pipe``'s stages' caches as one program:
+    :func:`conveyor.schedule.decode.decode_schedule`'s stages, each a :class:`_TokenStep` of this rank's stage, run by
+    a pipeline beside ``pipe`` (its layout and transfers), kept in ``built`` by ``steps``. A collective."""
     from conveyor.schedule.decode import decode_schedule
 
-    depth, lanes = pipe.schedule.num_stages, pipe.schedule.num_microbatches
+    depth, count = pipe.schedule.num_stages, len(lanes)
     if steps not in built:
-        schedule = decode_schedule(pipe.schedule.placement, lanes, steps)
+        schedule = decode_schedule(pipe.schedule.placement, count, steps)
         state: dict[str, Any] = {"picked": {}}
         modules = [_TokenStep(pipe.runners[k % depth].module, k, depth, state, sampling, generator)
                    for k in range(schedule.num_stages) if k % depth in pipe.runners]  # this process's stages
         built[steps] = (type(pipe)(modules, schedule, layout=pipe.layout, transfer=pipe.transfer), state)
     unrolled, state = built[steps]
     state["picked"].clear()
-    state["first_token"] = start + ids.shape[1]  # where the first token picked goes: the next step's ids start there
-    unrolled.ranks.guarded(_run_unrolled, unrolled, [(part, lane, start)
-                                                     for lane, part in enumerate(ids.tensor_split(lanes))])
+    state["first_token"] = first_token  # where the first token picked goes: the next step's ids start there
+    unrolled.ranks.guarded(_run_unrolled, unrolled, lanes)
     mine = None
     if depth - 1 in pipe.runners:
         picked = state["picked"]
-        mine = [torch.stack([torch.cat([picked[(t, lane)] for lane in range(lanes)]) for t in range(steps)], dim=1)]
+        mine = [torch.stack([torch.cat([picked[(t, lane)] for lane in range(count)]) for t in range(steps)], dim=1)]
     return pipe.ranks.guarded(pipe.steps.backend.from_last_stage, mine)[0].cpu()
 
 
