@@ -124,8 +124,7 @@ class Pipeline:
         self.ranks.connect(self.runners, stage, model, built_fields(self.schedule, self.layout, stage, transfer, model),
                            owner=self)
         self.gradient_checks = GradientChecks(self.ranks, self.runners, self.schedule, model, stage.loss_scaling)
-        inputs = StepInputs(self.schedule, set(self.runners), self.ranks.rank, self.device)
-        self.steps = PipelineSteps(self.ranks, self.runners, self.schedule, stage, inputs)
+        self.steps = PipelineSteps(self.ranks, self.runners, self.schedule, stage)
 
     # --- steps ---------------------------------------------------------------------------
     def step(self, *args: Any, target: Any = None, return_outputs: bool = False,
@@ -428,9 +427,9 @@ class PipelineSteps:
     """
 
     def __init__(self, backend: RanksBackend, runners: dict[int, StageRunner], schedule: Schedule,
-                 stage: StageOptions, inputs: StepInputs) -> None:
+                 stage: StageOptions) -> None:
         self.backend, self.runners, self.schedule, self.stage = backend, runners, schedule, stage
-        self.inputs = inputs
+        self.inputs = StepInputs(schedule, set(runners), backend.rank, backend.device)
         # Generation's decode stages of these runners, by (rows a lane, cache length, prompt length): traced once.
         self.decoders: dict[tuple[int, int, int], list[torch.nn.Module]] = {}
 
