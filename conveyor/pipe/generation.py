@@ -272,9 +272,12 @@ def generate(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, sampl
     cached = uses_cache(pipe, lengths, input_ids.shape[1])
     if kv_cache is not False and not cached:
         stages, why_not = traced_decoder(pipe, input_ids.shape[0], width, lengths, input_ids.shape[1])
-        if stages is not None:
-            return _through_decoder(pipe, stages, input_ids, max_new_tokens, sampling, generator, return_logprobs,
-                                    width)
+        if stages is not None:  # the cached loop over them, a pipeline beside this one (its schedule, layout and
+            # transfers, on the same ranks); the log-probs recomputed by this one's own training forward
+            decoder = type(pipe)(list(stages), pipe.schedule, layout=pipe.layout, transfer=pipe.transfer)
+            with contextlib.closing(decoder):
+                return generate(decoder, input_ids, max_new_tokens, sampling, generator, None, return_logprobs, width,
+                                scorer=pipe)
         if kv_cache:
             raise PipelineConfigError(f"kv_cache=True, but {why_not}; pass kv_cache=None (the window loop then "
                                       "serves) or False")
@@ -457,16 +460,6 @@ def _meta_model(info: dict, dtype: torch.dtype) -> tuple[torch.nn.Module | None,
     with torch.device("meta"):
         model = model_class(model_class.config_class.from_dict(config))
     return model.to(dtype).eval(), ""
-
-
-def _through_decoder(pipe: Pipeline, stages: list, input_ids: torch.Tensor, max_new_tokens: int, sampling: Sampling,
-                     generator: torch.Generator | None, return_logprobs: bool, width: int) -> Generation:
-    """The cached loop over ``stages`` (a pipeline of them beside ``pipe``: its schedule, layout and transfers, on
-    the same ranks), the log-probs recomputed by ``pipe``'s own training forward."""
-    decoder = type(pipe)(list(stages), pipe.schedule, layout=pipe.layout, transfer=pipe.transfer)
-    with contextlib.closing(decoder):
-        return generate(decoder, input_ids, max_new_tokens, sampling, generator, None, return_logprobs, width,
-                        scorer=pipe)
 
 
 def _everyone_done(pipe: Pipeline, done: torch.Tensor) -> bool:
