@@ -20,11 +20,11 @@ class ScheduleError(ConveyorError, ValueError):
     """A schedule is invalid: unknown name, bad sizes, missing or deadlocking actions.
 
     ``grid`` holds the rendered step x rank grid (if one helps), already included
-    in the message.
+    in the message; ``message`` the text without it (for a caller that words it again).
     """
 
     def __init__(self, message: str, grid: str | None = None) -> None:
-        self.grid = grid
+        self.message, self.grid = message, grid
         super().__init__(message if grid is None else f"{message}\n{grid}")
 
 
@@ -249,3 +249,27 @@ class ZygoteFailure(ConveyorError, RuntimeError):
 
 class GroupClosed(ConveyorError, RuntimeError):
     """A call on a rank group that was closed or killed (a failed call kills its group)."""
+
+
+# Pieces of the messages above, shared by every layer (this module imports nothing of conveyor's or torch's).
+
+
+def positive_int(value: object) -> bool:
+    """Whether ``value`` is an int of at least 1 (a bool, though an int, is not).
+
+    Example:
+        >>> positive_int(2), positive_int(0), positive_int(True), positive_int(2.0)
+        (True, False, False, False)
+    """
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def listed(names: Sequence[str], most: int = 8) -> str:
+    """``a, b, c``: the first ``most`` names and how many in all when there are more; ``none`` when empty.
+
+    Example:
+        >>> listed(["a", "b", "c"], most=2), listed([])
+        ('a, b, ... (3 in all)', 'none')
+    """
+    shown = ", ".join(names[:most])
+    return (shown + f", ... ({len(names)} in all)" if len(names) > most else shown) or "none"

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from conveyor.errors import PipelineConfigError
+from conveyor.errors import PipelineConfigError, positive_int
 
 DISPATCHERS = ("ep_dispatch_experts",)  # transformers' name for the all-to-all dispatch of base_model_ep_plan
 # The experts module's forward arguments after self (GPT-OSS names them router_indices, routing_weights).
@@ -73,7 +73,7 @@ def check_expert_parallel(layout: Any) -> None:
                                   "takes its even share of a rank's routed slots; 1.25 is common), or None to drop "
                                   "no token")
     check_plan(plan)
-    if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
+    if ep is not None and not positive_int(ep):
         raise PipelineConfigError(f"ep takes a positive int (ranks per expert-parallel group); got {ep!r}")
     dims = tuple(getattr(layout.mesh, "mesh_dim_names", None) or ())
     if layout.dp * layout.tp == 1 and not {"dp", "tp"} & set(dims):

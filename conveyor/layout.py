@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.errors import PipelineConfigError
+from conveyor.errors import PipelineConfigError, positive_int
 from conveyor.expert_option import check_expert_parallel
 from conveyor.options import _f, _set
 
@@ -37,7 +37,7 @@ class InProcessLayout:
 
     def __post_init__(self) -> None:
         ranks = self.ranks
-        if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1):
+        if ranks is not None and not positive_int(ranks):
             raise PipelineConfigError(f"InProcessLayout.ranks takes a positive number of ranks or None; got {ranks!r}")
 
     def describe(self) -> str:
@@ -111,7 +111,7 @@ class DistributedLayout:
         dims = tuple(getattr(self.mesh, "mesh_dim_names", None) or ())
         for name in self.mesh_dims():
             size = getattr(self, name)
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            if not positive_int(size):
                 raise PipelineConfigError(f"DistributedLayout.{name} takes a positive number of ranks; got {size!r}")
             if self.group is not None and size != 1:
                 raise PipelineConfigError("DistributedLayout(group=...) is one pipeline's ranks, with no replicas or "

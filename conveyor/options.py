@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from conveyor.errors import PipelineConfigError
+from conveyor.errors import PipelineConfigError, positive_int
 
 TRANSPORTS = ("auto", "shared_memory", "process_group", "hybrid", "ordered")
 
@@ -131,8 +131,7 @@ class RecomputePolicy:
                                    "checkpointing): 'matmul', 'attention' or aten operator names")
 
     def __post_init__(self) -> None:
-        if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int)
-                                       or self.every < 1):
+        if self.every is not None and not positive_int(self.every):
             raise PipelineConfigError("RecomputePolicy.every takes a positive whole number of blocks (1: every "
                                       f"block, 2: every other); got {self.every!r}")
         if self.blocks is not None:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from conveyor.errors import PipelineConfigError
+from conveyor.errors import PipelineConfigError, positive_int
 from conveyor.frontend import attention
 from conveyor.frontend.materialize import named_tensors
 from conveyor.frontend.split import ModelSplit, split_model
@@ -252,7 +252,7 @@ def decode_stages(split: ModelSplit, rows: int, length: int, stages: Sequence[nn
     if positions is not None and length > positions:
         raise PipelineConfigError(f"a key/value cache of length={length} positions outgrows the model's {positions}: "
                                   f"pass length <= {positions}")
-    if prefill is not None and (isinstance(prefill, bool) or not isinstance(prefill, int) or not 1 <= prefill < length):
+    if prefill is not None and (not positive_int(prefill) or prefill >= length):
         raise PipelineConfigError(f"prefill={prefill!r}: expected the prompts' length, a whole number from 1 to "
                                   f"length - 1 = {length - 1} (None: no prefill program)")
     device = torch.device(device) if device is not None else split.device

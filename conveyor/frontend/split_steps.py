@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conveyor.errors import SplitError
+from conveyor.errors import SplitError, listed
 from conveyor.frontend.dynamic import symbolic_dims
 from conveyor.frontend.leaves import leaves_as_shapes
 from conveyor.frontend.materialize import copy_tensor, named_tensors
@@ -53,17 +53,11 @@ def _cut_allowed(
         allowed = [units[j].name for j in range(1, len(units)) if cut_allowed[j]]
         raise SplitError(
             f"cannot split {type(model).__name__} into {num_stages} stages with split_method="
-            f"{split_method!r}: only {len(allowed)} unit(s) can start a stage ({_short_list(allowed)}), "
+            f"{split_method!r}: only {len(allowed)} unit(s) can start a stage ({listed(allowed)}), "
             f"so at most {len(allowed) + 1} stages. Use fewer stages, or pass split_points naming finer "
             "modules (any path in model.named_modules(), e.g. inside a block)."
         )
     return cut_allowed
-
-
-def _short_list(names: list[str], limit: int = 8) -> str:
-    if len(names) <= limit:
-        return ", ".join(names) or "none"
-    return ", ".join(names[:limit]) + f", ... ({len(names)} in all)"
 
 
 def _unit_weights(
@@ -118,7 +112,7 @@ def _unit_weights(
                 {type(m).__name__ for n, m in model.named_modules() if n and spans.ran(n)}
             )
             raise SplitError(
-                f"split_method {method!r}: no module class matches; classes that ran: {_short_list(classes, 12)}"
+                f"split_method {method!r}: no module class matches; classes that ran: {listed(classes, 12)}"
             )
         return weights
     raise SplitError(f"split_method must be one of {', '.join(SPLIT_METHODS)}; got {method!r}")

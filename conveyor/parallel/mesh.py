@@ -28,7 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from conveyor.errors import PipelineConfigError
+from conveyor.errors import PipelineConfigError, positive_int
 
 if TYPE_CHECKING:
     from conveyor.layout import DistributedLayout
@@ -121,7 +121,7 @@ def pipeline_mesh(pp: int | None = None, device_type: str = "cpu", tp: int = 1, 
 
     world = dist.get_world_size()
     what, given = ("the pipeline size pp", pp) if pp is not None else ("the replica count dp", dp)
-    if isinstance(given, bool) or not isinstance(given, int) or given < 1 or world % (given * tp):
+    if not positive_int(given) or world % (given * tp):
         raise PipelineConfigError(
             f"the job has {world} ranks, which is not a multiple of {what}={given} x tp={tp}: launch a multiple "
             f"of {given} x {tp} processes, or choose sizes whose product divides {world}")

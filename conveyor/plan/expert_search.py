@@ -46,7 +46,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from conveyor.errors import PlanError
+from conveyor.errors import PlanError, positive_int
 from conveyor.plan.costs import UnitCost
 from conveyor.plan.tensor_search import (
     ModuleSplit,
@@ -80,7 +80,7 @@ class ExpertParallelOption:
     def __post_init__(self) -> None:
         for name in ("ep", "tp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not positive_int(value):
                 raise PlanError(f"ExpertParallelOption.{name} must be a positive int, got {value!r}")
         if not 0.0 < self.active <= 1.0:
             raise PlanError(f"ExpertParallelOption.active is top-k / experts, in (0, 1]; got {self.active!r}")

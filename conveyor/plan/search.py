@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import conveyor.schedule as cs
-from conveyor.errors import ConveyorError, PlanError
+from conveyor.errors import ConveyorError, PlanError, positive_int
 from conveyor.plan.balance import StageSums, bounds_of, fastest_split, lightest_split
 from conveyor.plan.costs import CostTable
 from conveyor.plan.expert_search import ExpertParallelOption, expert_units
@@ -205,7 +205,7 @@ def search(table: CostTable, *, ranks: int, global_batch: int, memory_per_rank: 
 
 def _check_sizes(ranks: int, global_batch: int, memory_per_rank: float, units: int) -> None:
     for name, value in (("ranks", ranks), ("global_batch", global_batch)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not positive_int(value):
             raise PlanError(f"{name} must be a positive int, got {value!r}")
     if not isinstance(memory_per_rank, int | float) or not memory_per_rank > 0:
         raise PlanError(f"memory_per_rank must be a positive number of bytes, got {memory_per_rank!r}")

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.errors import PlanError
+from conveyor.errors import PlanError, positive_int
 from conveyor.plan.result import parse_size
 
 # How far (relative) a lighter split's slowest stage may exceed the fastest split's.
@@ -64,7 +64,7 @@ def _positive_ints(record: Any, name: str, value: Any, fix: str) -> tuple[int, .
         return None
     items = (value,) if isinstance(value, int) else value
     if isinstance(items, str | bytes) or not isinstance(items, Sequence) or not items or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in items):
+            map(positive_int, items)):
         raise PlanError(f"{type(record).__name__}.{name} must be positive ints, got {value!r}; {fix}")
     return tuple(items)
 
@@ -83,7 +83,7 @@ def _auto_count(record: Any, name: str, fix: str) -> None:
     value = getattr(record, name)
     if value is None or value == "auto":
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not positive_int(value):
         raise PlanError(f"{type(record).__name__}.{name} must be a positive int, 'auto' or None, got {value!r}; "
                         f"{fix}")
 
@@ -141,7 +141,7 @@ class SearchSpace:
             raise PlanError("SearchSpace.virtual must be positive ints, got None; e.g. virtual=(1, 2)")
         _positive(self, "balance_tolerance", "a fraction of the fastest split's slowest stage",
                   DEFAULT_BALANCE_TOLERANCE, zero=True)
-        if not isinstance(self.top, int) or isinstance(self.top, bool) or self.top < 1:
+        if not positive_int(self.top):
             raise PlanError(f"SearchSpace.top must be a positive int, got {self.top!r}; list at least the chosen "
                             "plan (top=1)")
 
@@ -205,7 +205,7 @@ class Measurement:
     unsplittable: Sequence[str] = _f((), "module paths never cut inside")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.repeats, int) or isinstance(self.repeats, bool) or self.repeats < 1:
+        if not positive_int(self.repeats):
             raise PlanError(f"Measurement.repeats must be a positive int, got {self.repeats!r}; time each unit at "
                             "least once (repeats=1)")
         _set(self, "unsplittable", _names(self, "unsplittable", self.unsplittable,
@@ -239,8 +239,7 @@ class PlanOptions:
     measure: Measurement = field(default_factory=Measurement, metadata={"help": "how unit costs are obtained"})
 
     def __post_init__(self) -> None:
-        if self.global_batch is not None and (not isinstance(self.global_batch, int) or
-                                              isinstance(self.global_batch, bool) or self.global_batch < 1):
+        if self.global_batch is not None and not positive_int(self.global_batch):
             raise PlanError(f"PlanOptions.global_batch must be a positive int or None, got {self.global_batch!r}; "
                             "drop it for the pipeline's microbatches times the example's batch")
         _set(self, "memory_per_rank", parse_size(self.memory_per_rank))  # names the units it takes

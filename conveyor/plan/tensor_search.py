@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.errors import PlanError
+from conveyor.errors import PlanError, positive_int
 from conveyor.plan.costs import UnitCost
 from conveyor.plan.result import format_size
 
@@ -68,7 +68,7 @@ class TensorParallelOption:
     refused: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+        if not positive_int(self.tp):
             raise PlanError(f"TensorParallelOption.tp must be a positive int, got {self.tp!r}")
 
 

@@ -27,7 +27,7 @@ Example:
 
 from __future__ import annotations
 
-from conveyor.errors import ScheduleError
+from conveyor.errors import ScheduleError, positive_int
 from conveyor.schedule.ir import Action, ActionKind, Placement, Schedule
 
 
@@ -40,7 +40,7 @@ def decode_schedule(placement: Placement, lanes: int, steps: int) -> Schedule:
         12
     """
     for name, value in (("lanes", lanes), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not positive_int(value):
             raise ScheduleError(f"decode_schedule: {name} must be a whole number >= 1, got {value!r}")
     depth = placement.num_stages
     deep = Placement(placement.num_ranks, tuple(placement.rank_of(k % depth) for k in range(depth * steps)))

@@ -42,7 +42,7 @@ from itertools import repeat
 from operator import add, floordiv, mod, mul
 from types import MappingProxyType
 
-from conveyor.errors import ScheduleError
+from conveyor.errors import ScheduleError, positive_int
 
 
 class ActionKind(StrEnum):
@@ -402,7 +402,7 @@ class Placement:
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not positive_int(value):
             raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
 
 

@@ -193,11 +193,10 @@ def verify_overlapped(schedule: Schedule) -> None:
     try:
         verify(lowered.with_programs(lowered.programs, ()))
     except ScheduleError as error:
-        message = str(error) if error.grid is None else str(error)[: -len(error.grid) - 1]
         raise ScheduleError(
             f"schedule {schedule.name!r} runs without its overlapped pairs but not with them, lowered as they run "
             "(both receives of a pair before it, both sends after it): a pair whose backward waits for what "
-            "its forward sends cannot start; drop that pair (or reorder the ranks). What blocks:\n" + message,
+            "its forward sends cannot start; drop that pair (or reorder the ranks). What blocks:\n" + error.message,
             grid=error.grid) from None
     raise AssertionError(f"schedule {schedule.name!r}: its lowered pairs failed the fast check but verify")
 

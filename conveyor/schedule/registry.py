@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.errors import ConveyorError, PipelineConfigError, ScheduleError
+from conveyor.errors import ConveyorError, PipelineConfigError, ScheduleError, positive_int
 from conveyor.schedule.cost import CostModel
 from conveyor.schedule.ir import Placement, Schedule
 
@@ -129,10 +129,10 @@ def _check_registration(
         )
     if not isinstance(description, str):
         raise ScheduleError(f"schedule {name!r}: description must be a string, got {type(description).__name__}")
-    if not _positive_int(default_virtual):
+    if not positive_int(default_virtual):
         raise ScheduleError(f"schedule {name!r}: default_virtual must be a positive integer, got {default_virtual!r}")
     if virtual_choices is not None:
-        if not isinstance(virtual_choices, tuple) or not all(_positive_int(v) for v in virtual_choices):
+        if not isinstance(virtual_choices, tuple) or not all(positive_int(v) for v in virtual_choices):
             raise ScheduleError(
                 f"schedule {name!r}: virtual_choices must be a tuple of positive integers, or None for any V, "
                 f"got {virtual_choices!r}"
@@ -146,10 +146,6 @@ def _check_registration(
             f"schedule {name!r}: placement must be one of {', '.join(map(repr, _PLACEMENT_NAMES))} or a callable "
             f"(num_ranks, virtual) -> Placement, got {placement!r}"
         )
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def available() -> dict[str, ScheduleInfo]:
@@ -206,10 +202,7 @@ def build(
         try:
             verify(schedule)
         except ScheduleError as error:
-            message = str(error)
-            if error.grid is not None and message.endswith(error.grid):
-                message = message[: -len(error.grid)].rstrip("\n")
-            raise ScheduleError(f"schedule {name!r} ({sizes}) is invalid: {message}", grid=error.grid) from None
+            raise ScheduleError(f"schedule {name!r} ({sizes}) is invalid: {error.message}", grid=error.grid) from None
     return schedule
 
 

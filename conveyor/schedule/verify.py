@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from itertools import repeat
 from operator import floordiv
 
-from conveyor.errors import ScheduleError
+from conveyor.errors import ScheduleError, positive_int
 from conveyor.schedule.engine import Blocked, key_tables, runs_clean, stuck_ranks
 from conveyor.schedule.grid import AWAITED, STUCK, render_grid
 from conveyor.schedule.ir import NUM_COMPUTE_KINDS, Action, ActionKind, PackedProgram, Placement, Schedule
@@ -151,7 +151,7 @@ def check_shape(schedule: object) -> None:
                 f"got {type(program).__name__}"
             )
     M = schedule.num_microbatches
-    if not isinstance(M, int) or isinstance(M, bool) or M < 1:
+    if not positive_int(M):
         raise ScheduleError(f"schedule {schedule.name!r}: num_microbatches must be a positive integer, got {M!r}")
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from conveyor.errors import PipelineConfigError
+from conveyor.errors import PipelineConfigError, positive_int
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +64,7 @@ class LossScaling:
             raise PipelineConfigError(
                 f"LossScaling needs growth_factor > 1 and backoff_factor < 1 (as torch.amp.GradScaler); got "
                 f"growth_factor={self.growth_factor}, backoff_factor={self.backoff_factor}")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
-                or self.growth_interval < 1:
+        if not positive_int(self.growth_interval):
             raise PipelineConfigError(f"LossScaling.growth_interval takes a whole number of steps >= 1; got "
                                       f"{self.growth_interval!r}")
         if self.min_scale >= self.init_scale:

@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy as OpPolicy
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from conveyor.errors import PipelineConfigError
+from conveyor.errors import PipelineConfigError, listed
 from conveyor.runtime.stage.recomputed_buffers import RecomputedBuffers
 
 if TYPE_CHECKING:
@@ -61,12 +61,6 @@ def module_blocks(module: torch.nn.Module, pattern: str | None = None) -> list[s
         if re.fullmatch(pattern, name) if pattern is not None else _INDEXED.fullmatch(name):
             found.append(name)
     return found
-
-
-def _listed(names: Sequence[str], most: int = 8) -> str:
-    """``a, b, c`` (the first ``most`` and how many in all when there are more; ``none`` when empty)."""
-    shown = ", ".join(names[:most])
-    return (shown + f", ... ({len(names)} in all)" if len(names) > most else shown) or "none"
 
 
 class StageRecompute:
@@ -96,8 +90,8 @@ class StageRecompute:
                     else "is an item of a ModuleList or Sequential")
             which = "this stage" if self.stage is None else f"stage {self.stage}"
             has = module_blocks(self.module) if self.policy.blocks is not None else []
-            held = (f"its blocks: {_listed(has)}" if has else
-                    f"it has no blocks; its top modules: {_listed([n for n, _ in self.module.named_children()])}")
+            held = (f"its blocks: {listed(has)}" if has else
+                    f"it has no blocks; its top modules: {listed([n for n, _ in self.module.named_children()])}")
             raise PipelineConfigError(
                 f"checkpoint policy {self.policy.describe()!r}: no module of {which} {what} ({held}); give "
                 "blocks= a pattern of its module names (a regular expression matched against each whole "

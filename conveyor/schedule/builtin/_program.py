@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from itertools import compress, repeat
 from operator import add, mul
 
-from conveyor.errors import ScheduleError
+from conveyor.errors import ScheduleError, positive_int
 from conveyor.schedule.ir import (
     KIND_INDEX,
     NUM_COMPUTE_KINDS,
@@ -217,7 +217,7 @@ def check_sizes(
         ("num_microbatches", num_microbatches),
         ("virtual", virtual),
     ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not positive_int(value):
             raise ScheduleError(
                 f"schedule {name!r}: {what} must be a positive integer, got {value!r}"
             )

@@ -67,7 +67,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from conveyor.errors import CostError, ScheduleError
+from conveyor.errors import CostError, ScheduleError, positive_int
 from conveyor.schedule.builtin._program import (
     ProgramWriter,
     check_sizes,
@@ -357,7 +357,7 @@ def zb_auto(
         True
     """
     check_sizes(name, num_ranks, num_microbatches, 1)
-    if not isinstance(memory_limit, int) or isinstance(memory_limit, bool) or memory_limit < 1:
+    if not positive_int(memory_limit):
         raise ScheduleError(
             f"schedule {name!r}: memory_limit must be a positive integer (live activations per rank, "
             f"P = {num_ranks} for 1F1B's peak), got {memory_limit!r}"
