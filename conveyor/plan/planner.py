@@ -11,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -38,7 +37,7 @@ from conveyor.plan.result import Plan, format_size, parse_size
 from conveyor.plan.search import Candidate, SearchResult, microbatch_choices, search
 from conveyor.plan.settings import Machine, Measurement, SearchSpace
 from conveyor.plan.tensor_search import report_lines, search_tensor_parallel
-from conveyor.runtime.stage.device import cpu_threads_per_rank
+from conveyor.runtime.stage.device import cpu_threads_per_rank, torch_threads
 
 
 def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch: int,
@@ -91,7 +90,7 @@ def plan(model: torch.nn.Module, example: Any = (), *, ranks: int, global_batch:
         cores = os.cpu_count() if calibration is not None and measured and where.type == "cpu" else None
     rate = 0.0
     costs = measure.costs
-    with _torch_threads(threads):
+    with torch_threads(threads):
         if calibration is not None and measured:
             rate = optimizer_seconds_per_parameter(model)
         args = example if isinstance(example, tuple) else (example,)
@@ -147,20 +146,6 @@ def _choose_parallel(costs: CostTable, ranks: int, space: SearchSpace, search_on
     else:
         plan.tensor_parallel_report = report
     return plan
-
-
-@contextlib.contextmanager
-def _torch_threads(count: int | None):
-    """torch's intra-op threads set to ``count`` for the block (None: unchanged), then put back."""
-    if count is None:
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def unit_costs(model: torch.nn.Module, args: tuple, kwargs: Mapping[str, Any] | None, *, global_batch: int,

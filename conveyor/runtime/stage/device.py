@@ -19,9 +19,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -249,3 +250,23 @@ def cpu_threads_per_rank(local_ranks: int, environ: dict[str, str] | None = None
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_ranks))
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` for the block (None: unchanged), then put back.
+
+    Example:
+        >>> with torch_threads(1):
+        ...     torch.get_num_threads()
+        1
+    """
+    if count is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -23,13 +23,12 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 import conveyor
 import conveyor.schedule as cs
 from conveyor.parallel.mesh import pipeline_mesh
+from conveyor.runtime.stage.device import torch_threads
 from conveyor.testing.compare import worst_relative
 from conveyor.testing.models import lm_loss, reference_step
 from conveyor.testing.multiprocess import run_ranks
@@ -125,15 +124,9 @@ def train_replicas(rank, world_size, name, virtual, kind, dp, clip):
     return losses, norms, params, timeline.metadata.get("data_parallel")
 
 
-@contextlib.contextmanager
 def one_thread():
     """Run the reference with the ranks' one thread: some CPU kernels sum in a thread-dependent order."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+    return torch_threads(1)
 
 
 def reference(num_stages: int, dp: int, clip: bool, order: str = "per_replica"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import conveyor.schedule as cs
+from conveyor.runtime.stage.device import torch_threads
 from conveyor.testing.models import TinyConfig, lm_loss, make_batch, reference_model, reference_step
 
 NUM_MICROBATCHES = 4
@@ -34,12 +35,8 @@ def reference_run(schedule: cs.Schedule, num_threads: int = 1):
     Runs with the ranks' thread count: CPU kernels such as LayerNorm's backward
     reduce in an order that depends on it, so bitwise parity needs the same count.
     """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
+    with torch_threads(num_threads):
         return _reference_run(schedule)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _reference_run(schedule: cs.Schedule):

@@ -22,6 +22,7 @@ import torch
 import conveyor
 import conveyor.schedule as cs
 from conveyor.parallel.mesh import pipeline_mesh
+from conveyor.runtime.stage.device import torch_threads
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss, reference_model
 from conveyor.testing.references.data_parallel import MLPStack, MLPStage, average, full_tensor
 
@@ -77,9 +78,7 @@ def reference_varlen(name: str, virtual: int, num_ranks: int) -> tuple[list, lis
     """One device looping over the same microbatches (one thread, as the ranks): losses and gradients per stage."""
     schedule = cs.build(name, ranks=num_ranks, microbatches=NUM_MICROBATCHES, virtual=virtual)
     cfg = TinyConfig(num_stages=schedule.num_stages)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         model = reference_model(cfg)
         losses = []
         for step in range(NUM_STEPS):
@@ -90,8 +89,6 @@ def reference_varlen(name: str, virtual: int, num_ranks: int) -> tuple[list, lis
                 loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
             losses.append(total)
-    finally:
-        torch.set_num_threads(previous)
     return losses, [{n: p.grad.clone() for n, p in stage.named_parameters()} for stage in model.stages]
 
 
@@ -167,9 +164,7 @@ def train_replicas_varlen(rank: int, world_size: int, name: str, dp: int = 2) ->
 def reference_replicas_varlen(num_stages: int, dp: int = 2) -> tuple[list, list[dict]]:
     """One process: each replica's microbatches (loss sum / (N / dp)) on their own, then averaged over replicas;
     the losses of every step and the last step's gradients."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         model = MLPStack(num_stages)
         params = list(model.parameters())
         losses: list[Any] = []
@@ -188,8 +183,6 @@ def reference_replicas_varlen(num_stages: int, dp: int = 2) -> tuple[list, list[
                 model.zero_grad()
             losses.append(average(replica_losses))
             averaged = [average(list(grads)) for grads in zip(*replica_grads)]
-    finally:
-        torch.set_num_threads(previous)
     grads = dict(zip((n for n, _ in model.named_parameters()), averaged))
     return losses, [{n.split(".", 2)[2]: g for n, g in grads.items() if n.startswith(f"stages.{s}.")}
                     for s in range(num_stages)]

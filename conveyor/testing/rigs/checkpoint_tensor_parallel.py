@@ -19,6 +19,7 @@ import conveyor.checkpoint as ckpt
 from conveyor.errors import CheckpointMismatchError
 from conveyor.microbatch import split_microbatches
 from conveyor.options import PipelineOptions, SplitOptions, TransferOptions
+from conveyor.runtime.stage.device import torch_threads
 from conveyor.testing.models import gpt2, token_batch
 from conveyor.testing.references.data_parallel import full_tensor
 
@@ -153,11 +154,7 @@ def exported_logits(directory):
     thread count (CPU reductions depend on it)."""
     from transformers import AutoModelForCausalLM
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         model = AutoModelForCausalLM.from_pretrained(directory).eval()
         with torch.no_grad():
             return model(**batch(9)).logits
-    finally:
-        torch.set_num_threads(previous)
