@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.errors import PlanError, positive_int
+from conveyor.options import _f, _set
 from conveyor.plan.result import parse_size
 
 # How far (relative) a lighter split's slowest stage may exceed the fastest split's.
@@ -38,15 +39,6 @@ DEFAULT_LATENCY = 50e-6
 # (FLOP/s), and its HBM3 (bytes/s).
 DEFAULT_FLOPS_PER_SECOND = 400e12
 DEFAULT_BYTES_PER_SECOND = 2.0e12
-
-
-def _f(default: Any, help: str) -> Any:
-    # The help text rides in the field's metadata: the field's documentation, as in the train config.
-    return field(default=default, metadata={"help": help})
-
-
-def _set(record: Any, name: str, value: Any) -> None:
-    object.__setattr__(record, name, value)  # a frozen record normalising itself, in __post_init__
 
 
 def _positive(record: Any, name: str, what: str, default: Any, *, zero: bool = False) -> None:
