@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from conveyor.errors import PipelineConfigError
@@ -149,8 +150,6 @@ def group_device(device: torch.device, group: Any = None) -> torch.device:
         total = totals.to(group_device(pipe.device))
         dist.all_reduce(total)
     """
-    import torch.distributed as dist
-
     return collective_device(str(dist.get_backend(group)), device)
 
 

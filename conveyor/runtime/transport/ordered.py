@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from conveyor.errors import LostConnection, PeerFailure
 from conveyor.runtime.transport.transport import FailureBoard, Transport, receive_timeout
@@ -99,8 +100,6 @@ class OrderedTransport(FailureBoard, Transport):
     def __init__(self, rank: int, rank_to_global: list[int], channel_groups: dict, store,
                  prefix: str, timeout_s: float, device: torch.device, backend: str, *,
                  variable_shapes: bool = False) -> None:
-        import torch.distributed as dist
-
         self.dist = dist
         self.rank = rank
         self.rank_to_global = rank_to_global

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy
 import torch
+import torch.distributed as dist
 
 from conveyor.errors import LostConnection, PeerFailure
 from conveyor.runtime.transport.transport import FailureBoard, Transport, receive_timeout
@@ -88,8 +89,6 @@ class DistTransport(FailureBoard, Transport):
         fixed_shapes: bool = False,
         in_order_channels: frozenset[Channel] = frozenset(),
     ) -> None:
-        import torch.distributed as dist
-
         self.dist = dist
         self.group = group
         self.rank = rank

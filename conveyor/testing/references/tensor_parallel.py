@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -217,7 +218,6 @@ def traced_tp_alone(rank: int, world_size: int, name: str) -> dict:
 
 def traced_pp_x_tp(rank: int, world_size: int, name: str) -> dict:
     """pp=2 x tp=2: each TP rank of stage 0 sends its whole (replicated) outputs to the matching TP rank of stage 1."""
-    import torch.distributed as dist
     from torch.distributed.tensor.experimental import implicit_replication
 
     from conveyor.parallel.mesh import layout_of

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -316,8 +317,6 @@ def clipping_and_ties(rank: int, world_size: int, name: str) -> dict:
     optimizer = _optimizer(pipe.parameters())
     optimizer.step()
     if name == "gpt2":  # stage 0 holds wte, stage 1 lm_head: equal after the step (a gather over pp)
-        import torch.distributed as dist
-
         mine = {n: whole(p).detach() for n, p in pipe.named_parameters() if n in ("transformer.wte.weight",
                                                                                     "lm_head.weight")}
         everyone: list = [None] * world_size
@@ -370,8 +369,6 @@ def traced_refusals(rank: int, world_size: int) -> dict:
 def meta_model_shards(rank: int, world_size: int) -> dict:
     """conveyor.pipeline on a Llama built on the meta device, pp=2 x tp=2: what each rank materialized whole,
     the storage its sharded parameters hold, and one 1F1B step."""
-    import torch.distributed as dist
-
     import conveyor.parallel.tensor.shards as shards
     from conveyor.testing.models import grouped_heads_lm
 

@@ -11,6 +11,7 @@ summed shard by shard after the step's backward.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -97,8 +98,6 @@ def _settle_and_sum_tied(stages, shared: bool) -> None:
 def meta_tied_shards(mesh) -> dict:
     """GPT-2 built on the meta device at pp=2 x tp=2 (1f1b): each rank keeps its slice of the whole draw, the tied
     copies alike at both ends (by the module owning the first name, transformer.wte); equal after a step."""
-    import torch.distributed as dist
-
     model_class, config = gpt2(num_layers=2)
     with torch.device("meta"):
         model = model_class(config)
