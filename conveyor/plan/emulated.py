@@ -115,10 +115,6 @@ class BlockStack(nn.Module):
         return x
 
 
-def _mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(output, target)
-
-
 def _blocks_of(stage: int, num_stages: int, num_blocks: int) -> range:
     """Global indices of the blocks stage ``stage`` holds; the remainder goes to the middle stages."""
     if not 0 <= stage < num_stages:
@@ -181,4 +177,4 @@ class Emulated:
         return x, y
 
     def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return _mse(output, target)
+        return F.mse_loss(output, target)

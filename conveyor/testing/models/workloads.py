@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the usual torch alias
 from torch import nn
 
-from conveyor.plan.emulated import BlockStack, Emulated, SleepBlock, Workload, _blocks_of, _mse
+from conveyor.plan.emulated import BlockStack, Emulated, SleepBlock, Workload, _blocks_of
 
 __all__ = ["WORKLOADS", "BlockStack", "Emulated", "GPTBlock", "GPTStage", "Overhead", "SleepBlock", "TinyGPT",
            "Workload"]
@@ -75,7 +75,7 @@ class Overhead:
         )
 
     def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return _mse(output, target)
+        return F.mse_loss(output, target)
 
 
 # ---------------------------------------------------------------------------
