@@ -69,13 +69,14 @@ def pipeline(
     from conveyor.frontend.leaves import experts_as_leaves
     from conveyor.frontend.pretrained import model_info
     from conveyor.parallel.parts import part_classes
+    from conveyor.plan import as_plan
 
     if not isinstance(layout, Layout):
         raise PipelineConfigError(f"layout= takes a conveyor.InProcessLayout or conveyor.DistributedLayout; got "
                                   f"{type(layout).__name__}")
     in_process = isinstance(layout, InProcessLayout)
     layout = layout if in_process else with_mesh(layout)  # the mesh of the sizes given, built by every rank
-    world, rank, group = _ranks_of(layout, schedule, split_points, options.virtual, plan)
+    world, rank = _ranks_of(layout, schedule, split_points, options.virtual, plan)
     # This process's GPU, current before the first collective (the plan's and the cut's broadcasts).
     device = resolve_device(layout.device) if in_process else make_current(resolve_device(layout.device))
     precision = options.stage.param_precision()
@@ -83,7 +84,7 @@ def pipeline(
         model.to(precision.param_dtype)
     virtual, stage_options = options.virtual, options.stage
     if plan is not None or schedule == "auto":  # the example is resized to the plan's microbatch
-        plan = plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options)
+        plan = as_plan(plan or _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options))
         schedule, microbatches, virtual, split_points, (example_args, example_kwargs) = _from_plan(
             plan, world, example_args, example_kwargs, 1 if in_process else layout.tp)
         stage_options = _plan_recompute(plan, stage_options)
@@ -133,19 +134,19 @@ def _parameter_placements(model: torch.nn.Module, layout: Layout, parts: Sequenc
 
 
 def _ranks_of(layout: Layout, schedule: Any, split_points: Sequence[str] | None, virtual: int | None,
-              plan: Any) -> tuple[int, int, Any]:
-    """(pipeline ranks, this process's rank, the pipeline's group) of ``layout``."""
+              plan: Any) -> tuple[int, int]:
+    """(pipeline ranks, this process's rank) of ``layout``."""
     if isinstance(layout, InProcessLayout):
         if layout.ranks is not None:
-            return layout.ranks, 0, None
+            return layout.ranks, 0
         if isinstance(schedule, Schedule):
-            return schedule.num_ranks, 0, None
+            return schedule.num_ranks, 0
         if plan is not None:
             from conveyor.plan import as_plan
 
-            return as_plan(plan).ranks, 0, None
+            return as_plan(plan).ranks, 0
         if split_points is not None:
-            return max(1, (len(split_points) + 1) // (virtual or 1)), 0, None
+            return max(1, (len(split_points) + 1) // (virtual or 1)), 0
         raise PipelineConfigError("an in-process pipeline of a schedule given by name needs its rank count: "
                                   "layout=InProcessLayout(ranks=P), split_points=, or a Schedule")
 
@@ -156,7 +157,7 @@ def _ranks_of(layout: Layout, schedule: Any, split_points: Sequence[str] | None,
             "layout=conveyor.InProcessLayout(ranks=P)"
         )
     group = layout.group if layout.mesh is None else layout_of(layout.mesh).pp_group
-    return dist.get_world_size(group), dist.get_rank(group), layout.group
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _parameter_order(model: torch.nn.Module) -> dict[str, int]:
@@ -181,8 +182,7 @@ def _by_rank_zero(layout: Layout, decide: Any) -> Any:
     chosen: list = [None]
     if dist.get_rank(group) == 0:
         chosen[0] = decide()
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(chosen, src=src, group=group)
+    dist.broadcast_object_list(chosen, group=group, group_src=0)
     return chosen[0]
 
 
@@ -200,12 +200,9 @@ def _time_split_points(model, num_stages: int, layout: Layout, split_kwargs: dic
 def _plan_recompute(plan: Any, stage: StageOptions) -> StageOptions:
     """The stage options with the plan's recomputation policies, where it needs some to fit and the
     user gave none (a user's own ``recompute=`` wins)."""
-    from conveyor.plan import as_plan
-
-    policies = as_plan(plan).recompute
-    if not policies or stage.recompute is not None:
+    if not plan.recompute or stage.recompute is not None:
         return stage
-    return dataclasses.replace(stage, recompute=list(policies))
+    return dataclasses.replace(stage, recompute=list(plan.recompute))
 
 
 def _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options):
@@ -235,10 +232,8 @@ def _auto_plan(model, example_args, example_kwargs, world, microbatches, layout,
 def _from_plan(plan, world: int, example_args, example_kwargs, tp_size: int):
     """(schedule, microbatches, virtual, split_points, (example_args, example_kwargs)) of a plan, checked
     against the group and the mesh's "tp" size; the example is resized to the plan's microbatch."""
-    from conveyor.plan import as_plan
     from conveyor.plan.profile import _batch_size, resize_batch
 
-    plan = as_plan(plan)
     if plan.ranks != world:
         raise PipelineConfigError(
             f"the plan is for {plan.ranks} pipeline ranks but the group has {world}; plan again with "
