@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -53,24 +54,6 @@ def _f(default: Any, help: str, **metadata: Any) -> Any:
 
 def _set(record: Any, name: str, value: Any) -> None:
     object.__setattr__(record, name, value)  # a frozen record normalising itself, in __post_init__
-
-
-def _describe_fields(record: Any) -> str:
-    """``name=value`` for every field of ``record``, the same text on every rank (a function given
-    as a torch.compile backend by its name, not its address)."""
-    from conveyor.runtime.stage.compile import describe_compile
-
-    parts = []
-    for f in dataclasses.fields(record):
-        value = getattr(record, f.name)
-        if f.name == "compile":
-            value = describe_compile(value)
-        elif isinstance(value, RecomputePolicy) or (f.name == "loss_scaling" and value is not None):
-            value = value.describe()
-        elif f.name == "recompute" and isinstance(value, tuple):
-            value = "[" + ", ".join(str(p.describe() if p else None) for p in value) + "]"
-        parts.append(f"{f.name}={value}")
-    return " ".join(parts)
 
 
 def _dtype_name(value: Any, what: str) -> str | None:
@@ -135,8 +118,6 @@ class RecomputePolicy:
             raise PipelineConfigError("RecomputePolicy.every takes a positive whole number of blocks (1: every "
                                       f"block, 2: every other); got {self.every!r}")
         if self.blocks is not None:
-            import re
-
             if not isinstance(self.blocks, str):
                 raise PipelineConfigError(f"RecomputePolicy.blocks takes a regular expression; got {self.blocks!r}")
             try:
@@ -263,12 +244,11 @@ class StageOptions:
         from conveyor.runtime.stage.precision import autocast_dtype
 
         _set(self, "autocast", _dtype_name(autocast_dtype(self.autocast), "autocast"))  # "bf16", "fp16" or None
-        param, accum = _dtype_name(self.param_dtype, "param_dtype"), _dtype_name(self.grad_accum_dtype,
-                                                                                  "grad_accum_dtype")
-        precision = param_precision(param, accum)  # refuses fp16 gradients summed in fp16, accumulation alone
+        param = _dtype_name(self.param_dtype, "param_dtype")
+        # Refuses fp16 gradients summed in fp16, and an accumulation dtype alone (so None with no param_dtype).
+        precision = param_precision(param, _dtype_name(self.grad_accum_dtype, "grad_accum_dtype"))
         _set(self, "param_dtype", param)
-        if precision is not None:
-            accum = "fp32" if precision.grad_accum_dtype is not None else "none"
+        accum = None if precision is None else "fp32" if precision.grad_accum_dtype is not None else "none"
         _set(self, "grad_accum_dtype", accum)
         _set(self, "loss_scaling", loss_scaling(self.loss_scaling, "fp16" in (self.autocast, param)))
         options = compile_options(self.compile)  # refuses keywords torch.compile does not take
@@ -304,8 +284,22 @@ class StageOptions:
         return param_precision(self.param_dtype, self.grad_accum_dtype, data_parallel)
 
     def describe(self) -> str:
-        """What the ranks compare when a pipeline is built: every field (a new one included), stably."""
-        return _describe_fields(self)
+        """What the ranks compare when a pipeline is built: ``name=value`` for every field (a new one
+        included), stably: the same text on every rank (a function given as a torch.compile backend by
+        its name, not its address)."""
+        from conveyor.runtime.stage.compile import describe_compile
+
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "compile":
+                value = describe_compile(value)
+            elif hasattr(value, "describe"):  # a RecomputePolicy, the LossScaling
+                value = value.describe()
+            elif f.name == "recompute" and isinstance(value, tuple):  # one policy per stage (None: none)
+                value = "[" + ", ".join(map(str, value)) + "]"
+            parts.append(f"{f.name}={value}")
+        return " ".join(parts)
 
 
 @dataclass(frozen=True)
