@@ -7,6 +7,7 @@ rank, stage and microbatch involved.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +152,13 @@ class RankError:
         return f"{title}\n{self.details.rstrip()}" if self.details.strip() else title
 
 
+def _rebuilt_from_fields(error: Any) -> tuple[Any, ...]:
+    """How a dataclass error pickles (a rank's failure crosses processes): its class and its fields,
+    from which it makes its message again."""
+    return type(error), tuple(getattr(error, f.name) for f in dataclasses.fields(error))
+
+
+@dataclass(eq=False, repr=False)  # an exception's own identity, hash and repr
 class RankFailure(ConveyorError, RuntimeError):
     """One or more ranks failed; the others were stopped.
 
@@ -159,21 +167,16 @@ class RankFailure(ConveyorError, RuntimeError):
     still running when the harness killed them; ``finished`` the ranks that had returned.
     """
 
-    def __init__(
-        self,
-        errors: Sequence[RankError],
-        killed: Sequence[int],
-        finished: Sequence[int],
-        world_size: int,
-    ) -> None:
-        self.errors = tuple(errors)
-        self.killed = tuple(killed)
-        self.finished = tuple(finished)
-        self.world_size = world_size
+    errors: Sequence[RankError]
+    killed: Sequence[int]
+    finished: Sequence[int]
+    world_size: int
+
+    def __post_init__(self) -> None:
+        self.errors, self.killed, self.finished = tuple(self.errors), tuple(self.killed), tuple(self.finished)
         super().__init__(self._message())
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.errors, self.killed, self.finished, self.world_size))
+    __reduce__ = _rebuilt_from_fields
 
     @property
     def failed(self) -> tuple[int, ...]:
@@ -190,32 +193,25 @@ class RankFailure(ConveyorError, RuntimeError):
         return "\n\n".join([header, *(error.render() for error in self.errors)])
 
 
+@dataclass(eq=False, repr=False)
 class RankTimeout(ConveyorError, TimeoutError):
     """The run (or a group's call, named by ``what``) outlived its timeout.
 
     ``stacks`` maps each unfinished rank to where it was stuck.
     """
 
-    def __init__(
-        self,
-        timeout_s: float,
-        unfinished: Sequence[int],
-        stacks: Mapping[int, str],
-        finished: Sequence[int],
-        world_size: int,
-        what: str = "run_ranks",
-    ) -> None:
-        self.timeout_s = timeout_s
-        self.what = what
-        self.unfinished = tuple(unfinished)
-        self.stacks = dict(stacks)
-        self.finished = tuple(finished)
-        self.world_size = world_size
+    timeout_s: float
+    unfinished: Sequence[int]
+    stacks: Mapping[int, str]
+    finished: Sequence[int]
+    world_size: int
+    what: str = "run_ranks"
+
+    def __post_init__(self) -> None:
+        self.unfinished, self.stacks, self.finished = tuple(self.unfinished), dict(self.stacks), tuple(self.finished)
         super().__init__(self._message())
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        args = (self.timeout_s, self.unfinished, self.stacks, self.finished, self.world_size, self.what)
-        return (type(self), args)
+    __reduce__ = _rebuilt_from_fields
 
     def _message(self) -> str:
         header = (
