@@ -18,20 +18,20 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = MappingProxyType({
-    "Pipeline": ("conveyor.pipe", "Pipeline"),
-    "pipeline": ("conveyor.build", "pipeline"),
-    "MasterWeights": ("conveyor.runtime.stage.main_grad", "MasterWeights"),
-    "LossScaling": ("conveyor.runtime.stage.loss_scale", "LossScaling"),
-    "Microbatches": ("conveyor.microbatch", "Microbatches"),
-    "Plan": ("conveyor.plan.result", "Plan"),
-    "StageOptions": ("conveyor.options", "StageOptions"),
-    "RecomputePolicy": ("conveyor.options", "RecomputePolicy"),
-    "TransferOptions": ("conveyor.options", "TransferOptions"),
-    "InProcessLayout": ("conveyor.layout", "InProcessLayout"),
-    "DistributedLayout": ("conveyor.layout", "DistributedLayout"),
-    "WholeModel": ("conveyor.options", "WholeModel"),
-    "SplitOptions": ("conveyor.options", "SplitOptions"),
-    "PipelineOptions": ("conveyor.options", "PipelineOptions"),
+    "Pipeline": "conveyor.pipe",
+    "pipeline": "conveyor.build",
+    "MasterWeights": "conveyor.runtime.stage.main_grad",
+    "LossScaling": "conveyor.runtime.stage.loss_scale",
+    "Microbatches": "conveyor.microbatch",
+    "Plan": "conveyor.plan.result",
+    "StageOptions": "conveyor.options",
+    "RecomputePolicy": "conveyor.options",
+    "TransferOptions": "conveyor.options",
+    "InProcessLayout": "conveyor.layout",
+    "DistributedLayout": "conveyor.layout",
+    "WholeModel": "conveyor.options",
+    "SplitOptions": "conveyor.options",
+    "PipelineOptions": "conveyor.options",
 })
 
 if TYPE_CHECKING:
@@ -54,8 +54,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        module_name, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module_name), attr)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
     if name in {"schedule", "errors", "runtime", "frontend", "testing", "checkpoint", "parallel", "plan", "options"}:

@@ -77,8 +77,7 @@ def _imports(path: Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "conveyor":
-            lazy = conveyor._LAZY.get(node.attr)
-            names.append(lazy[0] if lazy else f"conveyor.{node.attr}")
+            names.append(conveyor._LAZY.get(node.attr, f"conveyor.{node.attr}"))
     return names
 
 
