@@ -74,8 +74,7 @@ class ExpertParallel(StagePart):
         self.ep = ep
         self.capacity = capacity
         self.overlap = overlap  # each traced stage's forward in steps, for the schedule's overlapped pairs
-        self.all_to_alls: Exchanges | None = None  # the group's all-to-alls, posted and timed (built in agree)
-        self.exchange_time_s: float | None = None  # an emulated workload's set all-to-all time (benchmarks)
+        self.all_to_alls = Exchanges(None)  # the group's all-to-alls, posted and timed (its group set in agree)
         self._dropped = torch.zeros((), dtype=torch.long)  # this step's, on the stage device (no host read)
         self.mesh_layout = mesh_layout
         # This rank's place in its group (which experts it owns): its (replica, TP rank) position, modulo ep.
@@ -139,7 +138,7 @@ class ExpertParallel(StagePart):
         assert dist.get_rank(self.group) == self.ep_rank, (dist.get_rank(self.group), self.ep_rank, ep_groups)
         self.replicas_group = site.life.groups.replica_group(replica_groups) if len(replica_groups[0]) > 1 else None
         self.runners = dict(site.runners)
-        self.all_to_alls = Exchanges(self.group, self.exchange_time_s)
+        self.all_to_alls.group = self.group
         if self.overlap:
             for stage, runner in self.runners.items():
                 check_overlap(runner, self.experts.get(stage, {}), self.tp_mesh is not None)
@@ -196,13 +195,12 @@ class ExpertParallel(StagePart):
     def start_step(self) -> None:
         """A new step counts its own dropped slots and times its own all-to-alls."""
         self._dropped.zero_()
-        if self.all_to_alls is not None:
-            self.all_to_alls.spans.clear()
-            self.all_to_alls.recording = True
+        self.all_to_alls.spans.clear()
+        self.all_to_alls.recording = True
 
     def exchanges(self) -> tuple[list[tuple[str, float, float]], float]:
         """The last step's all-to-alls, (label, posted, done) each, and the seconds this rank waited for them."""
-        spans = [] if self.all_to_alls is None else self.all_to_alls.spans
+        spans = self.all_to_alls.spans
         return ([(label, posted, done) for label, posted, _, done in spans],
                 sum(done - waited for _, _, waited, done in spans))
 
@@ -217,8 +215,7 @@ class ExpertParallel(StagePart):
 
     def finish_step(self) -> None:
         """Each expert gradient summed over the expert-data-parallel group, then divided by dp: the replicas' mean."""
-        if self.all_to_alls is not None:
-            self.all_to_alls.recording = False  # the step's all-to-alls are timed; forward-only calls are not
+        self.all_to_alls.recording = False  # the step's all-to-alls are timed; forward-only calls are not
 
         for param in self.parameters():
             if param.grad is None:
@@ -242,7 +239,7 @@ class ExpertParallel(StagePart):
 
     def release(self) -> None:
         """Forget the groups (the pipeline destroys them)."""
-        self.group = self.replicas_group = None
+        self.group = self.replicas_group = self.all_to_alls.group = None
 
 
 def shard_experts(experts: nn.Module, ep_rank: int, ep: int, where: str) -> None:
