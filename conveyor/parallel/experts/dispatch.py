@@ -25,10 +25,10 @@ state in its own locals and autograd's graph, none on a module, so any number of
 be in flight in one layer at once (the pipeline's schedules interleave them).
 
 Every all-to-all goes through an :class:`Exchanges` of the group, which posts it, times it (the part's
-communication spans) and, for an emulated workload, holds it to a set time. :func:`dispatch_combine` waits
-for each at once; :func:`dispatch_combine_steps` is the same computation as a generator that yields while
-each is in flight and cuts the autograd graph there, for the overlapped pairs of
-:mod:`conveyor.parallel.experts.overlap`.
+communication spans) and, for an emulated workload, holds it to a set time. :func:`dispatch_combine_steps`
+is the computation as a generator that yields while each is in flight and cuts the autograd graph there, for
+the overlapped pairs of :mod:`conveyor.parallel.experts.overlap`; :func:`dispatch_combine` runs it through at
+once, cutting nothing.
 
 Example (on each rank of an ``ep``-rank group; ``experts`` computes tokens sorted by local expert)::
 
@@ -41,11 +41,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from conveyor.runtime.stage.segments import Boundary
+from conveyor.runtime.stage.segments import Boundary, Reverse, run_to_end
 
 Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -65,15 +66,9 @@ def dispatch_combine(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
 
         out = dispatch_combine(h, idx, w, num_experts=4, group=group, compute=local_experts)
     """
-    exchanges = exchanges or Exchanges(group)
-    ep = dist.get_world_size(group)
-    slots_expert, counts = _route(top_k_index, num_experts, ep, capacity_factor, dropped)
-    routes = Routes.of(slots_expert, counts, exchanges.post("counts", counts).wait(), top_k_index.shape[-1])
-    received = _Exchanged.apply(hidden[routes.slot_token], exchanges, "dispatch", routes.receive_splits,
-                                routes.send_splits)
-    results = routes.computed(received, compute)
-    returned = _Exchanged.apply(results, exchanges, "combine", routes.send_splits, routes.receive_splits)
-    return routes.combined(hidden, returned, top_k_weights)
+    return run_to_end(dispatch_combine_steps(
+        hidden, top_k_index, top_k_weights, num_experts=num_experts, exchanges=exchanges or Exchanges(group),
+        compute=compute, cut=lambda: _Uncut, capacity_factor=capacity_factor, dropped=dropped))
 
 
 def dispatch_combine_steps(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
@@ -209,18 +204,27 @@ class PostedExchange:
         return self.output
 
 
-class _Exchanged(torch.autograd.Function):
-    """An all-to-all waited for at once, its backward the reverse one (both through the group's exchanges)."""
+class _Uncut(torch.autograd.Function):
+    """The cut of a pass that is not segmented (:func:`dispatch_combine`'s; the class itself, as a Boundary's
+    stand-in): nothing is cut, and what an all-to-all received stays in autograd's graph, its backward the
+    reverse all-to-all, waited for at once."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, exchanges: Exchanges, label: str, output_splits: list[int],
-                input_splits: list[int]) -> torch.Tensor:
-        ctx.exchanges, ctx.label, ctx.splits = exchanges, label, (input_splits, output_splits)
-        return exchanges.post(label, tensor, output_splits, input_splits).wait()
+    def cut(value: Any) -> Any:
+        return value
+
+    @staticmethod
+    def exchanged(sent: torch.Tensor, received: torch.Tensor, reverse: Reverse) -> torch.Tensor:
+        return _Uncut.apply(sent, received, reverse)
+
+    @staticmethod
+    def forward(ctx, sent: torch.Tensor, received: torch.Tensor, reverse: Reverse) -> torch.Tensor:
+        ctx.reverse = reverse
+        return received
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.exchanges.post(f"{ctx.label} grad", grad, *ctx.splits).wait(), None, None, None, None
+        return ctx.reverse(grad).wait(), None, None
 
 
 def over_capacity_nowhere(slots_expert: torch.Tensor, num_experts: int, capacity_factor: float,
