@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from conveyor.parallel.clipping import local_part
 from conveyor.runtime.stage.segments import Boundary, Reverse, run_to_end
 
 Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -84,8 +85,13 @@ def dispatch_combine_steps(hidden: torch.Tensor, top_k_index: torch.Tensor, top_
         out = yield from dispatch_combine_steps(h, idx, w, num_experts=4, exchanges=exchanges,
                                                 compute=local_experts, cut=passes.boundary)
     """
+    slots_expert = top_k_index.reshape(-1)  # each (token, choice) slot's expert (num_experts: nowhere)
+    if capacity_factor is not None:
+        slots_expert = over_capacity_nowhere(slots_expert, num_experts, capacity_factor, dropped)
+    # The slots per expert as [ep, local]; an index of num_experts marks a slot routed nowhere (transformers'
+    # experts skip it): not counted.
     ep = dist.get_world_size(exchanges.group)
-    slots_expert, counts = _route(top_k_index, num_experts, ep, capacity_factor, dropped)
+    counts = torch.bincount(slots_expert, minlength=num_experts + 1)[:num_experts].view(ep, num_experts // ep)
     posted = exchanges.post("counts", counts)
     yield
     routes = Routes.of(slots_expert, counts, posted.wait(), top_k_index.shape[-1])
@@ -102,17 +108,6 @@ def dispatch_combine_steps(hidden: torch.Tensor, top_k_index: torch.Tensor, top_
     yield
     returned = combined.exchanged(results, posted.wait(), routes.reverse(exchanges, "combine"))
     return routes.combined(hidden, returned, weights)
-
-
-def _route(top_k_index: torch.Tensor, num_experts: int, ep: int, capacity_factor: float | None,
-           dropped: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each (token, choice) slot's expert (``num_experts``: nowhere), and the slots per expert as [ep, local]."""
-    slots_expert = top_k_index.reshape(-1)
-    if capacity_factor is not None:
-        slots_expert = over_capacity_nowhere(slots_expert, num_experts, capacity_factor, dropped)
-    # An index of num_experts marks a slot routed nowhere (transformers' experts skip it): not counted.
-    counts = torch.bincount(slots_expert, minlength=num_experts + 1)[:num_experts].view(ep, num_experts // ep)
-    return slots_expert, counts
 
 
 @dataclass
@@ -154,6 +149,24 @@ class Routes:
         forward = {"dispatch": (self.send_splits, self.receive_splits),
                    "combine": (self.receive_splits, self.send_splits)}[label]
         return lambda grad: exchanges.post(f"{label} grad", grad, *forward)
+
+
+def local_compute(experts: torch.nn.Module, weights_dtype: torch.dtype) -> Compute:
+    """``compute(tokens, local_ids)`` for :func:`dispatch_combine`: this rank's experts on received rows."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    own_forward = type(experts).forward
+
+    def compute(tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        # Each row to its one local expert at weight 1 (x * 1 is exact): the routing weights are
+        # applied once the results are back at their tokens, as the model applies them. The model's
+        # own code runs on the shards' local tensors (their gradients flow back to the DTensors).
+        ones = torch.ones((tokens.shape[0], 1), dtype=weights_dtype, device=tokens.device)
+        local = {name: local_part(p) for name, p in experts.named_parameters(recurse=False)}
+        with _reparametrize_module(experts, local):
+            return own_forward(experts, tokens, local_ids[:, None], ones)
+
+    return compute
 
 
 class Exchanges:

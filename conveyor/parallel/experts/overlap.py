@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from conveyor.errors import PipelineConfigError
-from conveyor.parallel.experts.dispatch import dispatch_combine_steps
+from conveyor.parallel.experts.dispatch import dispatch_combine_steps, local_compute
 from conveyor.runtime.stage.segments import Boundary, SegmentedPass
 
 if TYPE_CHECKING:
@@ -69,8 +69,6 @@ def stepped_forward(part: ExpertParallel, stage: nn.Module, experts: Mapping[str
 
 def _experts_steps(part: ExpertParallel, passes: SegmentedPass, experts: nn.Module, args: tuple, kwargs: dict,
                    map_live: Callable[[Callable[[Any], Any]], None]) -> Generator[None, None, Any]:
-    from conveyor.parallel.experts.part import local_compute  # the part imports this module
-
     hidden_states, top_k_index, top_k_weights = _experts_arguments(args, kwargs)
 
     def cut() -> Boundary:

@@ -46,11 +46,12 @@ from conveyor.expert_option import is_stacked_experts
 from conveyor.options import WholeModel
 from conveyor.parallel.clipping import combine_shard_norms, local_part
 from conveyor.parallel.experts.discover import find_experts, num_experts_of
-from conveyor.parallel.experts.dispatch import Exchanges, dispatch_combine
+from conveyor.parallel.experts.dispatch import Exchanges, dispatch_combine, local_compute
 from conveyor.parallel.experts.overlap import check_overlap, stepped_forward
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.parallel.part import PartSite, StagePart, claim_reduction
 from conveyor.schedule.ir import Schedule
+from conveyor.schedule.overlap import pair_forward_backward
 
 
 class ExpertParallel(StagePart):
@@ -91,8 +92,6 @@ class ExpertParallel(StagePart):
         take turns at their all-to-alls: :mod:`conveyor.parallel.experts.overlap`)."""
         if not self.overlap:
             return schedule
-        from conveyor.schedule.overlap import pair_forward_backward
-
         paired = pair_forward_backward(schedule)
         if schedule.virtual < 2 or not any(paired.overlapped):
             # One stage per rank: a pair's backward waits for the next rank, which waits for the pair's forward.
@@ -284,24 +283,6 @@ def _dispatched_forward(experts: nn.Module, part: ExpertParallel, num_experts: i
     if part.tp_mesh is not None:  # the TP ranks split the tokens: see _on_tensor_parallel_ranks
         return _on_tensor_parallel_ranks(part.tp_mesh, hidden_states, top_k_index, top_k_weights, dispatch)
     return dispatch(hidden_states, top_k_index, top_k_weights)
-
-
-def local_compute(experts: nn.Module, weights_dtype: torch.dtype):
-    """``compute(tokens, local_ids)`` for :func:`dispatch_combine`: this rank's experts on received rows."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    own_forward = type(experts).forward
-
-    def compute(tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        # Each row to its one local expert at weight 1 (x * 1 is exact): the routing weights are
-        # applied once the results are back at their tokens, as the model applies them. The model's
-        # own code runs on the shards' local tensors (their gradients flow back to the DTensors).
-        ones = torch.ones((tokens.shape[0], 1), dtype=weights_dtype, device=tokens.device)
-        local = {name: local_part(p) for name, p in experts.named_parameters(recurse=False)}
-        with _reparametrize_module(experts, local):
-            return own_forward(experts, tokens, local_ids[:, None], ones)
-
-    return compute
 
 
 def _on_tensor_parallel_ranks(tp_mesh, hidden_states, top_k_index, top_k_weights, forward) -> torch.Tensor:
