@@ -223,7 +223,7 @@ class NormExchange:
               norm_type: float, foreach: bool | None) -> torch.Tensor:
         """The total norm of order ``norm_type`` from this rank's ``places``, ``grads`` and ``norms``
         (:func:`local_norms`): equal to torch's for the unsplit model."""
-        mine = (tuple(places), tuple(_name(g.dtype) for g in grads), tuple(_name(n.dtype) for n in norms))
+        mine = (tuple(places), tuple(g.dtype for g in grads), tuple(n.dtype for n in norms))
         arguments = (norm_type, foreach)
         layout = self.layout
         if layout is None or layout.arguments != arguments:
@@ -260,10 +260,10 @@ class NormExchange:
                        for rank, (places, grads, norms) in enumerate(everyone)
                        for i, (place, grad, norm) in enumerate(zip(places, grads, norms))), key=lambda e: e[0])
         # torch's grouping function on placeholders of the gradients' dtypes gives its stacking order.
-        placeholders = [torch.empty(0, dtype=getattr(torch, grad), device=self.device) for _, grad, _, _ in flat]
+        placeholders = [torch.empty(0, dtype=grad, device=self.device) for _, grad, _, _ in flat]
         grouped = _group_tensors_by_device_and_dtype([placeholders], with_indices=True) if flat else {}
         order = [i for _, indices in grouped.values() for i in indices]
-        norm_dtypes = [getattr(torch, flat[i][2]) for i in order]
+        norm_dtypes = [flat[i][2] for i in order]
         groups = [(dtype, torch.tensor([k for k, d in enumerate(norm_dtypes) if d == dtype], device=self.device))
                   for dtype in dict.fromkeys(norm_dtypes)]
         stacked_dtype = torch.stack([torch.zeros((), dtype=d) for d in norm_dtypes]).dtype if flat else torch.float32
@@ -271,10 +271,6 @@ class NormExchange:
                                                               device=self.device), groups, stacked_dtype)
         self.layout = layout if flat else None  # no gradient anywhere: exchange again next time
         return layout
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # -- the non-finite check ---------------------------------------------------------------------------
