@@ -176,9 +176,5 @@ def count_tokens(pipe: Any, target: torch.Tensor | None, ignore_index: int | Non
     # The count travels where the pipeline's collectives do (NCCL: the stage GPU), wherever the targets are.
     count = torch.as_tensor(mine, dtype=torch.int64, device=pipe.ranks.comm_device).reshape(1)
     if pipe.replicas is not None:
-        pipe.ranks.guarded(_sum_over, count, pipe.replicas.group)  # guarded: a failed peer is named
+        pipe.ranks.guarded(dist.all_reduce, count, dist.ReduceOp.SUM, pipe.replicas.group)  # a failed peer is named
     return int(count.item())
-
-
-def _sum_over(count: torch.Tensor, group) -> None:
-    dist.all_reduce(count, group=group)
