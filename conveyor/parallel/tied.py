@@ -31,11 +31,6 @@ from conveyor.runtime.stage.main_grad import gradient_attribute
 from conveyor.runtime.stage.runner import StageRunner
 
 
-def _set_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
-    owner_name, _, leaf = name.rpartition(".")
-    setattr(module.get_submodule(owner_name), leaf, param)  # "" names the module itself
-
-
 def share_tied_locally(runners: dict[int, StageRunner], tied_parameters) -> None:
     """Stages of one rank that use the same tied parameter get one Parameter object."""
     for tied in tied_parameters:
@@ -45,7 +40,8 @@ def share_tied_locally(runners: dict[int, StageRunner], tied_parameters) -> None
         first_stage, first_name = local[0]
         shared = runners[first_stage].module.get_parameter(first_name)
         for stage, name in local[1:]:
-            _set_parameter(runners[stage].module, name, shared)
+            owner_name, _, leaf = name.rpartition(".")
+            setattr(runners[stage].module.get_submodule(owner_name), leaf, shared)  # "" names the module itself
             runners[stage].params = [p for p in runners[stage].module.parameters() if p.requires_grad]
 
 
