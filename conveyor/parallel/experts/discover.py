@@ -83,8 +83,5 @@ def matches(name: str, pattern: str) -> bool:
 def _expert_list(module: nn.Module) -> bool:
     """A block holding ``experts``, an nn.ModuleList of alike modules, and a router beside it."""
     experts = getattr(module, "experts", None)
-    if not isinstance(experts, nn.ModuleList) or len(experts) < 2:
-        return False
-    if len({type(e) for e in experts}) != 1:
-        return False
-    return any(name in dict(module.named_children()) for name in ("gate", "router"))
+    return (isinstance(experts, nn.ModuleList) and len(experts) >= 2 and len({type(e) for e in experts}) == 1
+            and any(name in dict(module.named_children()) for name in ("gate", "router")))

@@ -39,11 +39,9 @@ if TYPE_CHECKING:
     from conveyor.runtime.stage.runner import StageRunner
 
 
-def check_overlap(runner: StageRunner, experts: Mapping[str, nn.Module], tensor_parallel: bool) -> None:
-    """Refuse, on every rank alike, a stage whose experts cannot run in steps (see the module docstring)."""
+def check_overlap(runner: StageRunner, tensor_parallel: bool) -> None:
+    """Refuse, on every rank alike, a stage with experts that cannot run in steps (see the module docstring)."""
     where = f"expert_overlap=True: stage {runner.stage}"
-    if not experts:
-        return
     if not callable(getattr(runner.module, "run_in_steps", None)):  # a traced StageModule's
         raise PipelineConfigError(f"{where} is built by hand ({type(runner.module).__name__}), whose forward cannot "
                                   "pause inside its experts call; let conveyor.pipeline(...) trace and split the "

@@ -140,8 +140,8 @@ class ExpertParallel(StagePart):
         self.all_to_alls.group = self.group
         if self.overlap:
             for stage, runner in self.runners.items():
-                check_overlap(runner, self.experts.get(stage, {}), self.tp_mesh is not None)
                 if self.experts.get(stage):
+                    check_overlap(runner, self.tp_mesh is not None)
                     runner.stepped = stepped_forward(self, runner.module, self.experts[stage])
         self._dropped = torch.zeros((), dtype=torch.long, device=site.device)
         self._as_dtensors(site.device)
