@@ -93,13 +93,10 @@ class Replicas(StagePart):
 
     def wrap(self) -> None:
         """Wrap every stage module (in place) over the "dp" group; the runners read its parameters."""
+        wrap_stage = fsdp.shard_stage if self.kind == "fsdp" else fsdp.replicate_stage
         for runner in self.runners.values():
             # Parameters another part reduces over its own groups (expert shards) stay out.
-            ignored = claimed_parameters(runner.module)
-            if self.kind == "fsdp":
-                fsdp.shard_stage(runner.module, self.mesh, ignored_params=ignored)
-            else:
-                fsdp.replicate_stage(runner.module, self.mesh, ignored_params=ignored)
+            wrap_stage(runner.module, self.mesh, ignored_params=claimed_parameters(runner.module))
             runner.refresh_params()
 
     def start_step(self) -> None:
@@ -159,5 +156,5 @@ def replica_memberships(layout: MeshLayout) -> list[list[int]]:
     (TP position, pipeline position), in the one order every rank builds their groups."""
     pipelines = layout.group_pipelines  # one per (replica, TP position), replica-major
     tp_size = len(pipelines) // layout.dp_size
-    return [[pipelines[replica * tp_size + position][rank] for replica in range(layout.dp_size)]
+    return [[pipeline[rank] for pipeline in pipelines[position::tp_size]]  # replica by replica
             for position in range(tp_size) for rank in range(layout.pp_size)]
