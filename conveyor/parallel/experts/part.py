@@ -50,6 +50,7 @@ from conveyor.parallel.experts.dispatch import Exchanges, dispatch_combine, loca
 from conveyor.parallel.experts.overlap import check_overlap, stepped_forward
 from conveyor.parallel.mesh import MeshLayout
 from conveyor.parallel.part import PartSite, StagePart, claim_reduction
+from conveyor.runtime.stage.device import collective_device
 from conveyor.schedule.ir import Schedule
 from conveyor.schedule.overlap import pair_forward_backward
 
@@ -123,7 +124,7 @@ class ExpertParallel(StagePart):
         """The expert-parallel and expert-data-parallel groups (built by every rank, in one order); a
         model without experts anywhere in the pipeline is refused on every rank."""
         found = torch.tensor([sum(len(f) for f in self.experts.values())],
-                             device="cpu" if "gloo" in site.life.backend else site.device)
+                             device=collective_device(site.life.backend, site.device))
         dist.all_reduce(found, group=site.life.groups.group)
         if int(found.item()) == 0:
             raise PipelineConfigError(
