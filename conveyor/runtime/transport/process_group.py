@@ -93,7 +93,6 @@ class DistTransport(FailureBoard, Transport):
         self.group = group
         self.rank = rank
         self.rank_to_global = rank_to_global
-        self.num_ranks = len(rank_to_global)
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         self.timeout_s = timeout_s
@@ -103,7 +102,6 @@ class DistTransport(FailureBoard, Transport):
         self.in_order_channels = frozenset(in_order_channels)
         self.expected: dict[tuple[int, int], PayloadMeta] = {}
         self.last_meta: dict[tuple[int, int], PayloadMeta] = {}
-        self.steps_done = 0
         self.structures_sent = 0
 
     def seed(self, channel: tuple[int, int], meta: PayloadMeta) -> None:
@@ -269,4 +267,3 @@ class DistTransport(FailureBoard, Transport):
         for channel, meta in self.last_meta.items():
             if channel in self.in_order_channels and not (self.fixed_shapes and channel in self.expected):
                 self.expected[channel] = meta
-        self.steps_done += 1

@@ -78,7 +78,6 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self.store = store
         count = self._instances.get(store_prefix, 0)
         self._instances[store_prefix] = count + 1
-        self.num_ranks = num_ranks
         self.rank_to_global = list(range(num_ranks)) if rank_to_global is None else list(rank_to_global)
         self.timeout_s = timeout_s
         self.rings = RingHandshake(rank, sorted(peers), store, f"conveyor/shm/{store_prefix}/{count}", timeout_s,

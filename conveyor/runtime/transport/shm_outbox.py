@@ -23,7 +23,6 @@ from conveyor.runtime.transport.shm_ring import (
     DATA,
     HEADER_BYTES,
     SWITCH,
-    WRAP,
     Outgoing,
     Ring,
     copy_into,
@@ -125,16 +124,10 @@ class Outbox:
                     break
                 sent = True
                 continue
-            at = outgoing.write % outgoing.ring.capacity
-            skip = outgoing.ring.capacity - at if at + total > outgoing.ring.capacity else 0
-            if outgoing.free() < skip + total:
+            if not outgoing.make_room(total):
                 break
             ring = outgoing.ring
-            if skip:
-                ring.write_header(outgoing.write, WRAP, skip)
-                outgoing.write += skip
-                at = 0
-            body = at + HEADER_BYTES
+            body = outgoing.write % ring.capacity + HEADER_BYTES
             if encoded:
                 ring.write_bytes(body, encoded)
                 body += padded(len(encoded))
@@ -153,17 +146,12 @@ class Outbox:
 
     def _grow(self, dst: int, outgoing: Outgoing, message_bytes: int) -> bool:
         """Move the channel to a ring that holds ``message_bytes`` comfortably; False while the old one is full."""
-        at = outgoing.write % outgoing.ring.capacity
-        skip = outgoing.ring.capacity - at if at + HEADER_BYTES > outgoing.ring.capacity else 0
-        if outgoing.free() < skip + HEADER_BYTES:
+        if not outgoing.make_room(HEADER_BYTES):
             return False
         capacity = max(2 * outgoing.ring.capacity, 1 << (4 * message_bytes - 1).bit_length())
         outgoing.generation += 1
         ring = Ring.create(f"conveyor-{self.rank}-to-{dst}-{outgoing.generation}", capacity)
         old = outgoing.ring
-        if skip:
-            old.write_header(outgoing.write, WRAP, skip)
-            outgoing.write += skip
         old.write_header(outgoing.write, SWITCH, HEADER_BYTES, ring.fd, capacity)
         outgoing.write += HEADER_BYTES
         old.write_position = outgoing.write

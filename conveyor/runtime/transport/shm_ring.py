@@ -187,6 +187,18 @@ class Outgoing:
     def free(self) -> int:
         return self.ring.capacity - (self.write - self.ring.read_position)
 
+    def make_room(self, n: int) -> bool:
+        """Whether ``n`` bytes fit at the write position now; if so, a WRAP record first skips
+        to the area's start when they would straddle its end."""
+        at = self.write % self.ring.capacity
+        skip = self.ring.capacity - at if at + n > self.ring.capacity else 0
+        if self.free() < skip + n:
+            return False
+        if skip:
+            self.ring.write_header(self.write, WRAP, skip)
+            self.write += skip
+        return True
+
 
 @dataclass
 class Incoming:
