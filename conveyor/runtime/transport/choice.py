@@ -33,11 +33,6 @@ from conveyor.runtime.transport.wire import BACKWARD, EVAL_FORWARD, FORWARD, Cha
 from conveyor.schedule.ir import Schedule
 
 
-def check_transport_name(kind: str) -> None:
-    if kind not in TRANSPORTS:
-        raise PipelineConfigError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {kind!r}")
-
-
 def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycle, *, timeout_s: float,
                     fixed_shapes: bool, in_order_channels: frozenset[Channel] = frozenset(),
                     device: torch.device | None = None, variable_shapes: bool = False) -> Transport:
@@ -50,7 +45,8 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
     ``in_order_channels``: see :class:`~conveyor.runtime.transport.transport.Transport` (the pass chain's,
     ``Executable.in_order_channels(rank)``).
     """
-    check_transport_name(kind)
+    if kind not in TRANSPORTS:
+        raise PipelineConfigError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {kind!r}")
     global_ranks = life.global_ranks
     why_not = shared_memory_supported()
     prefix = "-".join(map(str, global_ranks))  # names this group's keys in the store
@@ -73,24 +69,20 @@ def build_transport(kind: str, rank: int, schedule: Schedule, life: RankLifecycl
             f"transport='hybrid' carries CPU tensors and needs the gloo backend; this group uses "
             f"{life.backend!r}: use transport='process_group'"
         )
-
-    def process_group() -> DistTransport:
-        return DistTransport(life.group, global_ranks, rank, schedule.num_stages, schedule.num_microbatches,
-                             timeout_s, fixed_shapes, in_order_channels)
-
-    if kind == "process_group":
-        return process_group()
-    if why_not:
+    if kind != "process_group" and why_not:
         raise PipelineConfigError(f"transport={kind!r} cannot run here: {why_not}; use transport='process_group'")
-    peers = neighbours(schedule, rank)
-    if kind == "shared_memory":
-        return SharedMemoryTransport(rank, peers, life.store, prefix, len(global_ranks), timeout_s, fixed_shapes,
-                                     rank_to_global=global_ranks)
-    hosts = hosts if hosts is not None else _hosts(rank, life, prefix, timeout_s, why_not)
-    local_peers = {peer for peer in peers if hosts[peer] == hosts[rank]}
-    local = SharedMemoryTransport(rank, local_peers, life.store, prefix, len(global_ranks), timeout_s,
-                                  fixed_shapes, local_ranks=hosts.count(hosts[rank]), rank_to_global=global_ranks)
-    return HybridTransport(local, process_group(), local_peers)
+    remote = DistTransport(life.group, global_ranks, rank, schedule.num_stages, schedule.num_microbatches, timeout_s,
+                           fixed_shapes, in_order_channels)
+    if kind == "process_group":
+        return remote
+    peers, local_ranks = neighbours(schedule, rank), None
+    if kind == "hybrid":  # shared memory to the peers on this host only, the process group to the others
+        hosts = hosts if hosts is not None else _hosts(rank, life, prefix, timeout_s, why_not)
+        peers = {peer for peer in peers if hosts[peer] == hosts[rank]}
+        local_ranks = hosts.count(hosts[rank])
+    local = SharedMemoryTransport(rank, peers, life.store, prefix, len(global_ranks), timeout_s, fixed_shapes,
+                                  local_ranks=local_ranks, rank_to_global=global_ranks)
+    return local if kind == "shared_memory" else HybridTransport(local, remote, peers)
 
 
 def ordered_transport(rank: int, schedule: Schedule, life: RankLifecycle, timeout_s: float,

@@ -54,37 +54,35 @@ class Waiter:
         """Return once ``done()``; raise CommTimeout past the timeout, PeerFailure when a peer failed."""
         clock = time.perf_counter
         start = clock()
+        spin_until = start + self.next_spin_s()
+        deadline = start + self.timeout_s
+        next_health = start + HEALTH_EVERY_S
         try:
-            self._wait_loop(done, src, what, clock, start, start + self.next_spin_s())
+            while True:
+                self.poll()
+                if done():
+                    return
+                now = clock()
+                if now < spin_until:
+                    continue
+                if now >= next_health:
+                    self.check_health(src, what)
+                    next_health = now + HEALTH_EVERY_S
+                if now >= deadline:
+                    raise receive_timeout(self.rank, self.timeout_s, what, src)
+                # Say we sleep, then look once more: a sender that published before seeing the
+                # flag is found by this look, one that publishes after sees the flag and rings.
+                self.rings.say_asleep(1)
+                full_fence()
+                self.poll()
+                if done():
+                    self.rings.say_asleep(0)
+                    return
+                self.rings.sleep(min(next_health, deadline) - now)
+                self.rings.say_asleep(0)
         finally:
             if receive:
                 self.last_wait_s = clock() - start
-
-    def _wait_loop(self, done, src: int, what: str, clock, start: float, spin_until: float) -> None:
-        deadline = start + self.timeout_s
-        next_health = start + HEALTH_EVERY_S
-        while True:
-            self.poll()
-            if done():
-                return
-            now = clock()
-            if now < spin_until:
-                continue
-            if now >= next_health:
-                self.check_health(src, what)
-                next_health = now + HEALTH_EVERY_S
-            if now >= deadline:
-                raise receive_timeout(self.rank, self.timeout_s, what, src)
-            # Say we sleep, then look once more: a sender that published before seeing the
-            # flag is found by this look, one that publishes after sees the flag and rings.
-            self.rings.say_asleep(1)
-            full_fence()
-            self.poll()
-            if done():
-                self.rings.say_asleep(0)
-                return
-            self.rings.sleep(min(next_health, deadline) - now)
-            self.rings.say_asleep(0)
 
 
 _SHORT_SPIN_S = 50e-6
