@@ -58,12 +58,9 @@ from conveyor.runtime.transport.transport import FailureBoard, Transport, receiv
 from conveyor.runtime.transport.wire import (
     PayloadMeta,
     TransferKey,
-    check_frozen,
     flatten_payload,
-    in_layouts,
-    matches,
+    frozen_tensors,
     pack,
-    quick_flatten,
     unflatten_payload,
     unpack,
 )
@@ -188,18 +185,13 @@ class OrderedTransport(FailureBoard, Transport):
     def _body(self, dst: int, key: TransferKey, value: Any) -> torch.Tensor | None:
         """The bytes of ``value`` as the receiver expects them (publishing the structure the first time)."""
         meta = self._structure(key)
-        leaves, spec = quick_flatten(value)
         if meta is None:
             meta, tensors = flatten_payload(value)
             self.store.set(self._store_key(key), meta.encode())
             self.known[key] = meta
             self.structures_sent += 1
-        elif matches(meta, leaves, spec):
-            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         else:
-            actual, tensors = flatten_payload(value)
-            check_frozen(meta, actual, self.rank, key, dst, fix=_FIX)
-            tensors = in_layouts(tensors, meta)
+            tensors = frozen_tensors(meta, value, self.rank, key, dst, fix=_FIX)
         if not tensors:
             return None
         body = pack(tensors, meta, self.device)

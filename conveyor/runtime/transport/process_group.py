@@ -27,10 +27,9 @@ from conveyor.runtime.transport.wire import (
     Channel,
     PayloadMeta,
     TransferKey,
-    check_frozen,
     data_and_trailer,
     flatten_payload,
-    in_layouts,
+    frozen_tensors,
     matches,
     pack,
     quick_flatten,
@@ -127,17 +126,15 @@ class DistTransport(FailureBoard, Transport):
     def _send(self, dst: int, key: TransferKey, value: Any) -> None:
         channel = key[:2]
         expected = self.expected.get(channel)
+        if self.fixed_shapes and expected is not None:  # a frozen channel carries data only
+            self._send_as_expected(frozen_tensors(expected, value, self.rank, key, dst), expected, dst, key)
+            return
         leaves, spec = quick_flatten(value)
         if expected is not None and matches(expected, leaves, spec):
             # The common case, on every transfer's critical path: as little as possible.
             self._send_as_expected([leaf for leaf in leaves if isinstance(leaf, torch.Tensor)], expected, dst, key)
             return
         meta, tensors = flatten_payload(value)
-        if self.fixed_shapes and expected is not None:
-            check_frozen(expected, meta, self.rank, key, dst)
-            # Only a layout differs (a frozen channel carries data only): send it in the frozen one.
-            self._send_as_expected(in_layouts(tensors, expected), expected, dst, key)
-            return
         self.structures_sent += 1
         expected_bytes = expected.data_bytes if expected is not None else 0
         first = torch.empty(expected_bytes + _TRAILER_BYTES, dtype=torch.uint8)

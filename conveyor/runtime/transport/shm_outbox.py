@@ -33,9 +33,8 @@ from conveyor.runtime.transport.shm_ring import (
 from conveyor.runtime.transport.wire import (
     PayloadMeta,
     TransferKey,
-    check_frozen,
     flatten_payload,
-    in_layouts,
+    frozen_tensors,
     matches,
     quick_flatten,
 )
@@ -81,24 +80,21 @@ class Outbox:
         """``value`` into the ring towards ``dst``, or into its outbox until there is room; never blocks."""
         channel = key[:2]
         structures = self.sent_structures.setdefault(channel, [])
-        leaves, spec = quick_flatten(value)
-        index = self.last_structure.get(channel)
-        expected = self.frozen.get(channel) if self.fixed_shapes else None
-        if expected is None and index is not None and index >= 0:
-            expected = structures[index]
-        if expected is not None and matches(expected, leaves, spec):
-            meta, encoded = expected, b""
-            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        index = self.last_structure.get(channel)  # the frozen structure's, once there is one
+        frozen = self.frozen.get(channel)
+        if frozen is not None:  # data only, in the frozen layout, as the process-group transport must
+            meta, encoded, tensors = frozen, b"", frozen_tensors(frozen, value, self.rank, key, dst)
         else:
-            meta, tensors = flatten_payload(value)
-            if self.fixed_shapes and channel in self.frozen:
-                check_frozen(self.frozen[channel], meta, self.rank, key, dst)
-                # Only a layout differs: keep the frozen one, as the process-group transport must.
-                meta, tensors = self.frozen[channel], in_layouts(tensors, self.frozen[channel])
-            index, encoded = self._structure_index(structures, meta)
-            self.last_structure[channel] = index
-            if index >= 0:
-                meta = structures[index]  # the remembered object: its layout is cached
+            leaves, spec = quick_flatten(value)
+            if index is not None and index >= 0 and matches(structures[index], leaves, spec):
+                meta, encoded = structures[index], b""
+                tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+            else:
+                meta, tensors = flatten_payload(value)
+                index, encoded = self._structure_index(structures, meta)
+                self.last_structure[channel] = index
+                if index >= 0:
+                    meta = structures[index]  # the remembered object: its layout is cached
         outgoing = self.rings.outgoing[dst]
         outgoing.outbox.append((key, index, encoded, meta, tensors))
         self._pump(dst, outgoing)

@@ -311,10 +311,18 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def check_frozen(expected: PayloadMeta, actual: PayloadMeta, rank: int, key: TransferKey, dst: int,
-                 fix: str | None = None) -> None:
-    """Raise SpecMismatchError naming the first tensor whose shape, dtype or place differs
-    (``fix``: how to avoid it, said at the end; by default, about ``fixed_shapes``)."""
+def frozen_tensors(expected: PayloadMeta, value: Any, rank: int, key: TransferKey, dst: int,
+                   fix: str | None = None) -> list[torch.Tensor]:
+    """The tensors of ``value``, sent on a channel frozen to ``expected`` (data only), in its layouts.
+
+    Raises SpecMismatchError naming the first tensor whose shape, dtype or place differs
+    (``fix``: how to avoid it, said at the end; by default, about ``fixed_shapes``); a tensor
+    laid out otherwise is copied into the frozen layout (see :func:`in_layouts`).
+    """
+    leaves, spec = quick_flatten(value)
+    if matches(expected, leaves, spec):
+        return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    actual, tensors = flatten_payload(value)
     direction, stage, microbatch = key
     what = "input gradient" if direction == BACKWARD else "output"
     where = f"rank {rank}, stage {stage}, microbatch {microbatch}: the {what} sent to rank {dst}"
@@ -333,3 +341,4 @@ def check_frozen(expected: PayloadMeta, actual: PayloadMeta, rank: int, key: Tra
         raise SpecMismatchError(
             f"{where} carries the values {actual.plain_leaves}, but the receiver was told {expected.plain_leaves} {fix}"
         )
+    return in_layouts(tensors, expected)  # only a layout differs
