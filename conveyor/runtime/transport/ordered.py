@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.errors import LostConnection, PeerFailure
+from conveyor.errors import LostConnection
 from conveyor.runtime.transport.transport import FailureBoard, Transport, receive_timeout
 from conveyor.runtime.transport.wire import (
     PayloadMeta,
@@ -68,8 +68,6 @@ from conveyor.schedule.posts import IN_ORDER
 
 # How often a waiting rank looks at the store's failure board (gloo; NCCL: the watcher's poll).
 FAILURE_POLL_S = 0.5
-_STRUCTURE_KEY = "conveyor/ordered/{prefix}/{direction}/{stage}/{microbatch}"
-_STEP_STRUCTURE_KEY = "conveyor/ordered/{prefix}/step{step}/{direction}/{stage}/{microbatch}"
 _FIX = ("(transport='ordered', NCCL's, sends data only once a transfer's structure is known; keep each "
         "microbatch's shapes as in the first step (pad variable lengths), pass "
         "TransferOptions(variable_shapes=True) to agree on shapes every step, or use gloo with "
@@ -129,11 +127,10 @@ class OrderedTransport(FailureBoard, Transport):
         return self.known.get(key) or self.seeded.get(key[:2])
 
     def _store_key(self, key: TransferKey) -> str:
+        """Where ``key``'s structure is published (under variable_shapes, afresh each step)."""
         direction, stage, microbatch = key
-        if self.variable_shapes:
-            return _STEP_STRUCTURE_KEY.format(prefix=self.prefix, step=self.steps_done, direction=direction,
-                                              stage=stage, microbatch=microbatch)
-        return _STRUCTURE_KEY.format(prefix=self.prefix, direction=direction, stage=stage, microbatch=microbatch)
+        step = f"step{self.steps_done}/" if self.variable_shapes else ""
+        return f"conveyor/ordered/{self.prefix}/{step}{direction}/{stage}/{microbatch}"
 
     def _fetch_structure(self, src: int, key: TransferKey, what: str) -> PayloadMeta:
         """The structure ``src`` published for ``key`` (its first time), waited for through the store."""
@@ -144,9 +141,7 @@ class OrderedTransport(FailureBoard, Transport):
                 self.store.wait([name], datetime.timedelta(seconds=FAILURE_POLL_S))
                 break
             except Exception as exc:  # not there yet (or the store is gone: then the deadline says so)
-                failures = self.peer_failures()
-                if failures:
-                    raise PeerFailure(failures) from exc
+                self.raise_peer_failures(exc)
                 if time.monotonic() >= deadline:
                     raise receive_timeout(self.rank, self.timeout_s, f"the structure of {what}", src) from exc
         meta = PayloadMeta.decode(self.store.get(name))
@@ -236,9 +231,7 @@ class OrderedTransport(FailureBoard, Transport):
         try:
             work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except Exception as exc:  # gloo reports both timeouts and dead peers as RuntimeError
-            failures = self.peer_failures()
-            if failures:
-                raise PeerFailure(failures) from exc
+            self.raise_peer_failures(exc)
             if time.monotonic() >= deadline - 0.01:
                 raise receive_timeout(self.rank, self.timeout_s, what, src) from exc
             raise LostConnection(

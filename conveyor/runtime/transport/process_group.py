@@ -21,7 +21,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from conveyor.errors import LostConnection, PeerFailure
+from conveyor.errors import LostConnection
 from conveyor.runtime.transport.transport import FailureBoard, Transport, receive_timeout
 from conveyor.runtime.transport.wire import (
     Channel,
@@ -232,9 +232,7 @@ class DistTransport(FailureBoard, Transport):
             work.wait(datetime.timedelta(seconds=remaining))
         except Exception as exc:  # gloo reports both timeouts and dead peers as RuntimeError
             if time.monotonic() >= deadline - 0.01:
-                failure = self.peer_failures()
-                if failure:
-                    raise PeerFailure(failure) from exc
+                self.raise_peer_failures(exc)
                 raise receive_timeout(self.rank, self.timeout_s, what, handle.src) from exc
             # Which rank failed first is for the pipeline's failure protocol to find out
             # (conveyor.runtime.lifecycle.rank): the breakage of any pair of the group reaches here.

@@ -81,7 +81,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self.rank_to_global = list(range(num_ranks)) if rank_to_global is None else list(rank_to_global)
         self.timeout_s = timeout_s
         self.rings = RingHandshake(rank, sorted(peers), store, f"conveyor/shm/{store_prefix}/{count}", timeout_s,
-                                   self.peer_failures)
+                                   self.raise_peer_failures)
         self.outbox = Outbox(rank, self.rings, fixed_shapes)
         self.inbox = Inbox(self.rings, self.rank_to_global)
         self.waiter = Waiter(rank, self.rings, timeout_s, spin_s, local_ranks or num_ranks, self._poll,
@@ -149,9 +149,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
     def check_health(self, src: int, what: str) -> None:
         """Raise PeerFailure if a peer has failed (its rings, the store) or, for ``src``, exited."""
         self.inbox.check_failures()
-        failures = self.peer_failures()
-        if failures:
-            raise PeerFailure(failures)
+        self.raise_peer_failures()
         pid = self.rings.pids.get(src)
         if pid is not None and not process_alive(pid):
             raise PeerFailure(

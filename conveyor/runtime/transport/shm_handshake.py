@@ -34,15 +34,15 @@ class RingHandshake:
     """The rings and doorbells of one transport: its own, published when made; its peers', mapped when needed.
 
     ``outgoing`` / ``incoming``: per peer, the ring this rank writes / reads; ``pids``: per mapped
-    peer, its process. ``prefix``: this transport's part of a store key. ``peer_failures``: what
-    failed peers published (the transport's failure board), which explains a ring that is gone.
+    peer, its process. ``prefix``: this transport's part of a store key. ``raise_peer_failures``: raises
+    what failed peers published (the transport's failure board), which explains a ring that is gone.
     """
 
     def __init__(self, rank: int, peers: list[int], store: Any, prefix: str, timeout_s: float,
-                 peer_failures: Callable[[], str]) -> None:
+                 raise_peer_failures: Callable[[BaseException], None]) -> None:
         self.rank, self.peers, self.store, self.prefix = rank, peers, store, prefix
         self.timeout_s = timeout_s
-        self.peer_failures = peer_failures
+        self.raise_peer_failures = raise_peer_failures
         self.outgoing: dict[int, Outgoing] = {}
         self.incoming: dict[int, Incoming] = {}
         self.doorbells: dict[int, str] = {}
@@ -82,9 +82,7 @@ class RingHandshake:
         except OSError as exc:
             # A peer that failed and exited before we looked took its rings with it: its own
             # message is the one that explains the step.
-            failures = self.peer_failures()
-            if failures:
-                raise PeerFailure(failures) from exc
+            self.raise_peer_failures(exc)
             if not process_alive(theirs["pid"]):
                 raise PeerFailure(
                     f"rank {self.rank} waited for {what} from rank {peer}, but rank {peer} (pid "

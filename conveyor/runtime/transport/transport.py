@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.errors import CommTimeout
+from conveyor.errors import CommTimeout, PeerFailure
 from conveyor.runtime.transport.wire import (
     Channel,
     PayloadMeta,
@@ -119,6 +119,12 @@ class FailureBoard:
             if message is not None:
                 messages.append(f"global rank {global_rank}, in another pipeline group of this job, failed: {message}")
         return "\n".join(messages)
+
+    def raise_peer_failures(self, cause: BaseException | None = None) -> None:
+        """Raise PeerFailure with what failed peers published, if any did (``cause``: what ended a wait)."""
+        failures = self.peer_failures()
+        if failures:
+            raise PeerFailure(failures) from cause
 
 
 def _published_failure(store, global_rank: int) -> str | None:
