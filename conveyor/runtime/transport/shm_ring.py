@@ -31,7 +31,7 @@ import struct
 import sys
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -180,9 +180,7 @@ class Outgoing:
     write: int = 0
     generation: int = 0
     used: bool = False  # carries (or announced) something its receiver must map to read
-
-    def __post_init__(self) -> None:
-        self.outbox: deque = deque()
+    outbox: deque = field(default_factory=deque)  # the messages waiting for room
 
     def free(self) -> int:
         return self.ring.capacity - (self.write - self.ring.read_position)
