@@ -76,9 +76,7 @@ class Inbox:
 
     def _drain(self, src: int, incoming: Incoming) -> None:
         ring = incoming.ring
-        while True:
-            if incoming.read == ring.write_position:
-                return
+        while incoming.read != ring.write_position:
             kind, total, direction, stage, microbatch, index, meta_bytes, data_bytes = ring.read_header(incoming.read)
             if kind == WRAP:
                 incoming.read += total

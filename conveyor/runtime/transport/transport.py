@@ -97,10 +97,8 @@ class FailureBoard:
     def peer_failures(self) -> str:
         """What failed ranks published: those of this group first, else those of other groups."""
         store = self._store()
-        if store is None:
-            return ""
         try:
-            if store.add(_FAILURE_COUNT_KEY, 0) == 0:
+            if store is None or store.add(_FAILURE_COUNT_KEY, 0) == 0:
                 return ""
         except Exception:
             return ""
