@@ -95,7 +95,6 @@ class HybridTransport(Transport):
         self.local = local
         self.remote = remote
         self.local_peers = frozenset(local_peers)
-        self.timeout_s = remote.timeout_s
         self.polled_waits = 0  # process-group waits that had to keep shared-memory sends moving
 
     @property
