@@ -78,10 +78,6 @@ class Inbox:
         ring = incoming.ring
         while incoming.read != ring.write_position:
             kind, total, direction, stage, microbatch, index, meta_bytes, data_bytes = ring.read_header(incoming.read)
-            if kind == WRAP:
-                incoming.read += total
-                ring.read_position = incoming.read
-                continue
             if kind == SWITCH:
                 fd, capacity = direction, stage  # a SWITCH header's fields 2 and 3
                 ring.read_position = incoming.read + total
@@ -89,19 +85,20 @@ class Inbox:
                 self.rings.mapped(src, ring)
                 incoming.read = 0
                 continue
-            at = incoming.read % ring.capacity + HEADER_BYTES
-            channel = (direction, stage)
-            if meta_bytes:
-                meta = PayloadMeta.decode(ring.copy_out(at, meta_bytes).tobytes())
-                at += padded(meta_bytes)
-                if index >= 0:
-                    self.received_structures.setdefault(channel, []).append(meta)
-            else:
-                meta = self.received_structures[channel][index]
-            buffer = ring.copy_out(at, data_bytes)
+            if kind != WRAP:  # a message (a WRAP record is only skipped)
+                at = incoming.read % ring.capacity + HEADER_BYTES
+                channel = (direction, stage)
+                if meta_bytes:
+                    meta = PayloadMeta.decode(ring.copy_out(at, meta_bytes).tobytes())
+                    at += padded(meta_bytes)
+                    if index >= 0:
+                        self.received_structures.setdefault(channel, []).append(meta)
+                else:
+                    meta = self.received_structures[channel][index]
+                buffer = ring.copy_out(at, data_bytes)
+                self.arrived.setdefault((src, (direction, stage, microbatch)), deque()).append((meta, buffer))
             incoming.read += total
             ring.read_position = incoming.read
-            self.arrived.setdefault((src, (direction, stage, microbatch)), deque()).append((meta, buffer))
 
 
 def _relayed(peer: int, message: str, global_rank: int) -> str:
