@@ -318,6 +318,11 @@ def frozen_tensors(expected: PayloadMeta, value: Any, rank: int, key: TransferKe
     Raises SpecMismatchError naming the first tensor whose shape, dtype or place differs
     (``fix``: how to avoid it, said at the end; by default, about ``fixed_shapes``); a tensor
     laid out otherwise is copied into the frozen layout (see :func:`in_layouts`).
+
+    Example (a transpose sent where a row-major tensor was frozen):
+        >>> meta, _ = flatten_payload(torch.ones(2, 3))
+        >>> [t.stride() for t in frozen_tensors(meta, torch.ones(3, 2).t(), 0, (0, 0, 0), 1)]
+        [(3, 1)]
     """
     leaves, spec = quick_flatten(value)
     if matches(expected, leaves, spec):
