@@ -40,25 +40,15 @@ import torch
 from conveyor.pipe.weights import replicated
 
 
-def _dtensor_types():
-    # DTensor is imported only where a checkpoint holds one (torch.distributed.tensor is heavy).
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return DTensor, Replicate, _StridedShard
-
-
 def is_packed(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor with a strided (packed) shard, which DCP cannot write as one chunk."""
     loaded = sys.modules.get("torch.distributed.tensor")  # no DTensor can exist before it is imported
     if loaded is None or not isinstance(tensor, loaded.DTensor):
         return False
-    _, _, strided = _dtensor_types()
-    return any(isinstance(placement, strided) for placement in tensor.placements)
+    # Imported only where a checkpoint holds a DTensor, here and below (torch.distributed.tensor is heavy).
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-
-def _sharded_on_several_dims(tensor: torch.Tensor) -> bool:
-    return sum(not placement.is_replicate() for placement in tensor.placements) > 1
+    return any(isinstance(placement, _StridedShard) for placement in tensor.placements)
 
 
 def _local_positions(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,14 +59,15 @@ def _local_positions(tensor: torch.Tensor) -> torch.Tensor:
     mesh, then the element), the codes are gathered exactly as the values are, and each rank
     finds its own codes in the whole.
     """
-    dtensor, _, _ = _dtensor_types()
+    from torch.distributed.tensor import DTensor
+
     mesh, local = tensor.device_mesh, tensor.to_local()
     coordinate = 0
     for size, index in zip(mesh.shape, mesh.get_coordinate()):
         coordinate = coordinate * size + index
     span = max(local.numel(), 1)
     codes = torch.arange(local.numel(), dtype=torch.int64, device=local.device).reshape(local.shape)
-    codes = dtensor.from_local(codes + coordinate * span, mesh, tensor.placements, run_check=False,
+    codes = DTensor.from_local(codes + coordinate * span, mesh, tensor.placements, run_check=False,
                                shape=tensor.shape, stride=tensor.stride())
     whole = replicated(codes).to_local().flatten()
     mine = torch.nonzero(whole // span == coordinate).flatten()
@@ -99,28 +90,24 @@ class Landing:
 
     Example:
         >>> landing = Landing(); weight = torch.zeros(2)
-        >>> landing.receive(weight) is not None and landing.pending
-        0
+        >>> landing.receive(weight).data_ptr() == weight.data_ptr()
+        True
     """
 
     def __init__(self) -> None:
         self._stand_ins: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    @property
-    def pending(self) -> int:
-        """How many packed tensors wait for :meth:`settle`."""
-        return len(self._stand_ins)
 
     def receive(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor DCP should load into for ``tensor`` (``tensor`` itself, detached, unless it is packed)."""
         tensor = tensor.detach()
         if not is_packed(tensor):
             return tensor
-        dtensor, replicate, _ = _dtensor_types()
+        from torch.distributed.tensor import DTensor, Replicate
+
         local = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.to_local().device)
         # The global shape, replicated, in its own storage: made here, without a collective (a peer
         # that failed while preparing must not leave this rank waiting).
-        stand_in = dtensor.from_local(local, tensor.device_mesh, [replicate()] * tensor.device_mesh.ndim,
+        stand_in = DTensor.from_local(local, tensor.device_mesh, [Replicate()] * tensor.device_mesh.ndim,
                                       run_check=False)
         self._stand_ins.append((tensor, stand_in))
         return stand_in
@@ -134,11 +121,11 @@ class Landing:
         with torch.no_grad():
             for tensor, stand_in in self._stand_ins:
                 local = tensor.to_local()
-                if _sharded_on_several_dims(tensor):
+                if sum(not placement.is_replicate() for placement in tensor.placements) > 1:
                     positions = _local_positions(tensor)
                     local.copy_(stand_in.to_local().flatten()[positions].reshape(local.shape))
-                    continue
-                shard = distribute_tensor(stand_in.to_local(), tensor.device_mesh, tensor.placements,
-                                          src_data_rank=None)
-                local.copy_(shard.to_local())
+                else:
+                    shard = distribute_tensor(stand_in.to_local(), tensor.device_mesh, tensor.placements,
+                                              src_data_rank=None)
+                    local.copy_(shard.to_local())
         self._stand_ins.clear()
