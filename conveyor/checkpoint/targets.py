@@ -33,7 +33,7 @@ whether random states come back records tp.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,10 +129,7 @@ def loss_scaling_of(obj: Any) -> Any:
 
 def _of_module(module: nn.Module) -> Target:
     target = Target({}, {}, {}, {}, [], {"processes": 1, "global_ranks": [0], "stages": None}, model_info(module))
-    seen: dict[int, str] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        _add(target, 0, name, tensor, seen)
-    return target
+    return _fill(target, ((0, name, tensor) for name, tensor in module.state_dict(keep_vars=True).items()))
 
 
 def _of_pipeline(pipe: Pipeline) -> Target:
@@ -171,23 +168,24 @@ def _of_pipeline(pipe: Pipeline) -> Target:
     else:  # every rank in this process
         layout = {"processes": 1, "global_ranks": [0], "stages": placement}
         target = Target({}, {}, {}, dict(aliases), [], layout, pipe.model_info)
+    return _fill(target, ((stage, key(stage, name), tensor) for stage, runner in runners.items()
+                          for name, tensor in runner.module.state_dict(keep_vars=True).items()))
+
+
+def _fill(target: Target, entries: Iterable[tuple[int, str, torch.Tensor]]) -> Target:
+    """``target`` holding each ``(stage, checkpoint name, tensor)`` of ``entries``, in order."""
     seen: dict[int, str] = {}
-    for stage, runner in runners.items():
-        for name, tensor in runner.module.state_dict(keep_vars=True).items():
-            _add(target, stage, key(stage, name), tensor, seen)
+    for stage, canonical, tensor in entries:
+        if id(tensor) in seen:  # one tensor under two names (tied within a module, or shared by local stages)
+            if seen[id(tensor)] != canonical:
+                target.aliases.setdefault(canonical, seen[id(tensor)])
+            continue
+        seen[id(tensor)] = canonical
+        if canonical in target.tensors:  # a second local copy of a tensor several stages use
+            target.copies.setdefault(canonical, []).append(tensor)
+            continue
+        target.tensors[canonical] = tensor
+        target.order.append((stage, canonical))
+        if isinstance(tensor, nn.Parameter):
+            target.params[canonical] = tensor
     return target
-
-
-def _add(target: Target, stage: int, canonical: str, tensor: torch.Tensor, seen: dict[int, str]) -> None:
-    if id(tensor) in seen:  # one tensor under two names (tied within a module, or shared by local stages)
-        if seen[id(tensor)] != canonical:
-            target.aliases.setdefault(canonical, seen[id(tensor)])
-        return
-    seen[id(tensor)] = canonical
-    if canonical in target.tensors:  # a second local copy of a tensor several stages use
-        target.copies.setdefault(canonical, []).append(tensor)
-        return
-    target.tensors[canonical] = tensor
-    target.order.append((stage, canonical))
-    if isinstance(tensor, nn.Parameter):
-        target.params[canonical] = tensor
