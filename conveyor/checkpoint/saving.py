@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from conveyor.checkpoint import files
 from conveyor.checkpoint.shards import storable
 from conveyor.checkpoint.targets import Target, loss_scaling_of, target_of, with_masters
-from conveyor.checkpoint.values import capture_rng, check_json, encode
+from conveyor.checkpoint.values import capture_rng, encode
 from conveyor.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def save(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     try:
         if target.coordinator:
             files.check_destination(final)
-        mine["extra"] = check_json(extra, "extra")
+        mine["extra"] = encode(extra, "extra")
         mine["optimizer"] = _optimizer_state(target, optimizer, tensors) if optimizer is not None else None
         mine["lr_scheduler"] = encode(lr_scheduler.state_dict(), "sched", tensors) if lr_scheduler else None
         scaling = loss_scaling_of(pipe)  # fp16's loss scale: the same on every rank
@@ -163,11 +163,8 @@ def _meta(target: Target, everyone: list[dict], optimizer: Any) -> dict[str, Any
     if any(theirs["extra"] != everyone[0]["extra"] for theirs in everyone):
         meta["extra_by_rank"] = {str(theirs["rank"]): theirs["extra"] for theirs in everyone}
     if optimizer is not None:
-        values: dict[str, Any] = {}
-        stateful: set[str] = set()
-        for theirs in everyone:
-            values.update(theirs["optimizer"]["values"])
-            stateful.update(theirs["optimizer"]["stateful"])
-        meta["optimizer"] = {"class": everyone[0]["optimizer"]["class"], "values": values,
-                             "stateful": sorted(stateful)}
+        states = [theirs["optimizer"] for theirs in everyone]
+        meta["optimizer"] = {"class": states[0]["class"],
+                             "values": {key: value for s in states for key, value in s["values"].items()},
+                             "stateful": sorted({name for s in states for name in s["stateful"]})}
     return meta

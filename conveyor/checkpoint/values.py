@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import random
 from typing import Any
 
@@ -95,13 +94,6 @@ def tensor_keys(value: Any) -> list[str]:
             return [value[_TENSOR]]
         return [k for v in value.values() for k in tensor_keys(v)]
     return []
-
-
-def check_json(value: Any, where: str) -> Any:
-    """``value`` encoded, and proven to survive ``json.dumps`` (a clear error now, not at the rename)."""
-    encoded = encode(value, where, None)
-    json.dumps(encoded)
-    return encoded
 
 
 # --- random generators -----------------------------------------------------------------------
