@@ -31,7 +31,7 @@ import pickle
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -73,11 +73,8 @@ def checkpoints(parent: str | os.PathLike) -> list[Path]:
     parent = Path(parent)
     if not parent.is_dir():
         return []
-    found = []
-    for child in parent.iterdir():
-        if child.is_dir() and not child.name.startswith(".") and is_checkpoint(child):
-            found.append((read_meta(child).get("saved_at", 0.0), child.name, child))
-    return [path for _, _, path in sorted(found)]
+    found = [c for c in parent.iterdir() if c.is_dir() and not c.name.startswith(".") and is_checkpoint(c)]
+    return sorted(found, key=lambda child: (read_meta(child).get("saved_at", 0.0), child.name))
 
 
 def latest(parent: str | os.PathLike) -> Path | None:
@@ -243,7 +240,7 @@ def read_dcp_metadata(path: Path, load_id: str | None = None) -> Metadata:
     return metadata
 
 
-def missing_bytes(path: Path, metadata: Metadata, keys: list[str]) -> str | None:
+def missing_bytes(path: Path, metadata: Metadata, keys: Iterable[str]) -> str | None:
     """Why the first of ``keys`` whose bytes are not all on disk cannot be read, or None."""
     wanted = set(keys)
     sizes: dict[str, int | None] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,6 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     target = target_of(pipe)
     masters, optimizer = with_masters(target, optimizer)  # a MasterWeights: into its fp32 masters
     state: dict[str, torch.Tensor] = {}
-    prepared: dict[str, Any] = {}
     problem = None
     held = dict(optimizer.state) if optimizer is not None else {}  # put back if the load is refused
     landing = Landing()  # DTensor shards DCP cannot load in place (packed q|k|v) land beside them
@@ -74,10 +74,9 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
         meta, metadata = files.read_meta(directory), files.read_dcp_metadata(directory)
         _expect_model_tensors(target, meta, metadata, directory, state, landing)
         if optimizer is not None:
-            prepared["optimizer"] = _prepare_optimizer(target, optimizer, meta, metadata, directory, state,
-                                                       landing)
-        prepared["rng"] = _prepare_rng(target, meta, metadata, state)
-        prepared["sched"] = _prepare_sched(meta, metadata, directory, state, lr_scheduler)
+            prepared_optimizer = _prepare_optimizer(target, optimizer, meta, metadata, directory, state, landing)
+        rng_prefix = _prepare_rng(target, meta, metadata, state)
+        sched_tensors = _prepare_sched(meta, metadata, directory, state, lr_scheduler)
         _check_bytes(directory, metadata, state)
     except (_Refusal, CheckpointError) as exc:
         kind = exc.kind if isinstance(exc, _Refusal) else type(exc)
@@ -106,14 +105,14 @@ def load(path: str | os.PathLike, pipe: Any, optimizer: torch.optim.Optimizer | 
     if masters is not None:
         masters.copy_to_params()  # the bf16 parameters: their masters rounded
     if optimizer is not None:
-        _finish_optimizer(optimizer, prepared["optimizer"])
+        _finish_optimizer(optimizer, prepared_optimizer)
     if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(decode(meta["lr_scheduler"], prepared["sched"]))
+        lr_scheduler.load_state_dict(decode(meta["lr_scheduler"], sched_tensors))
     _restore_loss_scaling(pipe, meta)
-    if prepared["rng"] is not None:
-        restore_rng({key.rsplit(".", 1)[-1]: t for key, t in state.items() if key.startswith(prepared["rng"])})
+    if rng_prefix is not None:
+        restore_rng({key.rsplit(".", 1)[-1]: t for key, t in state.items() if key.startswith(rng_prefix)})
     by_rank = meta.get("extra_by_rank")
-    if by_rank and prepared["rng"] is not None and str(target.global_rank) in by_rank:
+    if by_rank and rng_prefix is not None and str(target.global_rank) in by_rank:
         return decode(by_rank[str(target.global_rank)])  # the same layout: this rank's own
     if by_rank:
         log.warning("conveyor: the ranks saved different extras; another layout gets the coordinator's")
@@ -139,9 +138,7 @@ def check(path: str | os.PathLike, model: torch.nn.Module | None = None, *, opti
     directory = files.resolve(path)
     try:
         meta, metadata = files.read_meta(directory), files.read_dcp_metadata(directory)
-        problem = files.missing_bytes(directory, metadata, list(metadata.state_dict_metadata))
-        if problem:
-            raise _Refusal(CheckpointIncompleteError, problem)
+        _check_bytes(directory, metadata, metadata.state_dict_metadata)
         if model is not None:
             state: dict[str, torch.Tensor] = {}
             _expect_model_tensors(target_of(model), meta, metadata, directory, state, Landing())
@@ -330,8 +327,8 @@ def _prepare_sched(meta: dict, metadata: Metadata, directory: Path, state: dict,
     return loaded
 
 
-def _check_bytes(directory: Path, metadata: Metadata, state: dict) -> None:
-    problem = files.missing_bytes(directory, metadata, list(state))
+def _check_bytes(directory: Path, metadata: Metadata, keys: Iterable[str]) -> None:
+    problem = files.missing_bytes(directory, metadata, keys)
     if problem:
         raise _Refusal(CheckpointIncompleteError, problem)
 
@@ -353,7 +350,7 @@ def to_state_dict(path: str | os.PathLike) -> OrderedDict[str, torch.Tensor]:
         if entry is None:
             raise CheckpointIncompleteError(f"checkpoint {directory} lists {name!r} but DCP's index lacks it")
         state[f"model.{name}"] = torch.empty(entry.size, dtype=entry.properties.dtype)
-    problem = files.missing_bytes(directory, metadata, list(state))
+    problem = files.missing_bytes(directory, metadata, state)
     if problem:
         raise CheckpointIncompleteError(problem)
     with files.quiet_single_process():
