@@ -219,10 +219,10 @@ def _prepare_optimizer(target: Target, optimizer: torch.optim.Optimizer, meta: d
             f"{type(optimizer).__name__}: build the optimizer it was saved with"))
     container = target.container()
     names = {id(p): n for n, p in container.named_parameters()}
-    stateful = set(saved["stateful"]) & set(names.values())
-    prepared = {"container": container, "names": names, "stateful": stateful,
-            "saved_values": {k: decode(v) for k, v in saved["values"].items()}}
     known = set(names.values())
+    stateful = set(saved["stateful"]) & known
+    prepared = {"container": container, "names": names, "stateful": stateful,
+                "saved_values": {k: decode(v) for k, v in saved["values"].items()}}
     if not stateful:
         prepared["flat"] = group_values(optimizer, names)
         return prepared
@@ -265,10 +265,8 @@ def _fqn_of(key: str, known: set[str]) -> str | None:
 def _finish_optimizer(optimizer: torch.optim.Optimizer, prepared: dict) -> None:
     # The template's tensors were loaded in place; its other values (hyper-parameters) are the
     # checkpoint's where it has them (a key it lacks, from a newer torch, keeps today's value).
-    values = dict(prepared["flat"])
-    for key, value in values.items():
-        if not isinstance(value, torch.Tensor) and key in prepared["saved_values"]:
-            values[key] = prepared["saved_values"][key]
+    saved = prepared["saved_values"]
+    values = {k: v if isinstance(v, torch.Tensor) else saved.get(k, v) for k, v in prepared["flat"].items()}
     names = prepared["names"]
     if not prepared["stateful"]:
         for group in optimizer.param_groups:
