@@ -98,7 +98,7 @@ def check_given_microbatches(microbatches: Any, num_microbatches: int) -> list[t
         >>> [(args, sorted(kwargs)) for args, kwargs in parts][0], parts[1][0][0].shape
         (((), ['ids']), torch.Size([2, 5]))
     """
-    if isinstance(microbatches, (dict, torch.Tensor)) or not isinstance(microbatches, (list, tuple)):
+    if not isinstance(microbatches, (list, tuple)):
         raise PipelineConfigError(
             f"Microbatches(inputs=...) takes a list of the {num_microbatches} microbatches (each a dict of keyword "
             f"inputs or a tuple of positional ones); got {type(microbatches).__name__}"
