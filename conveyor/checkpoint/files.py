@@ -108,18 +108,18 @@ def resolve(path: str | os.PathLike) -> Path:
     if path.name.startswith(".") and _PARTIAL in path.name:
         raise CheckpointIncompleteError(f"{path} is an unfinished save (a rank stopped while writing it), "
                                         f"not a checkpoint{hint}")
-    if path.is_dir() and (path / META_FILE).is_file():
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}: the directory does not exist{hint}")
+    if (path / META_FILE).is_file():
         raise CheckpointIncompleteError(
             f"{path} is not a complete conveyor checkpoint: its {META_FILE} is not the JSON a save writes (cut "
             f"short, or changed by hand); use another checkpoint{hint}"
         )
-    if path.is_dir():
-        held = sorted(p.name for p in path.iterdir())[:6]
-        raise CheckpointIncompleteError(
-            f"{path} is not a complete conveyor checkpoint: it has no {META_FILE} (it holds {held or 'nothing'}); "
-            f"a save that was interrupted, or a directory conveyor did not write{hint}"
-        )
-    raise CheckpointError(f"no checkpoint at {path}: the directory does not exist{hint}")
+    held = sorted(p.name for p in path.iterdir())[:6]
+    raise CheckpointIncompleteError(
+        f"{path} is not a complete conveyor checkpoint: it has no {META_FILE} (it holds {held or 'nothing'}); "
+        f"a save that was interrupted, or a directory conveyor did not write{hint}"
+    )
 
 
 def read_meta(path: Path) -> dict[str, Any]:
