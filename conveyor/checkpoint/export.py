@@ -83,7 +83,7 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, max_shard_
         # safetensors creates its file 0600; give it the mode of every other file written here (0644 under umask 022).
         os.chmod(out / file_name, 0o666 & ~_umask())
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
                  "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     if config is not None:
@@ -105,10 +105,9 @@ def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
     for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > limit:
+        if shards[-1] and size + tensor.nbytes > limit:
             shards.append([])
             size = 0
         shards[-1].append(name)
-        size += nbytes
+        size += tensor.nbytes
     return shards
