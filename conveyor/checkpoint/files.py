@@ -58,7 +58,7 @@ def partial_dir(final: Path, token: str) -> Path:
 def is_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a complete checkpoint conveyor wrote."""
     try:
-        return json.loads((path / META_FILE).read_text()).get("format") == FORMAT
+        return read_meta(path).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 

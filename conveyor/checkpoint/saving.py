@@ -150,7 +150,7 @@ def _meta(target: Target, everyone: list[dict], optimizer: Any) -> dict[str, Any
     info = target.model_info
     known = info.get("state_names") if info else None
     order = [n for n in known if n in placed] if known else []
-    order += sorted((n for n in placed if n not in set(order)), key=placed.__getitem__)
+    order += sorted(placed.keys() - set(order), key=placed.__getitem__)
     meta = files.new_meta({
         "model": {"info": info, "names": order, "aliases": aliases},
         "layout": target.layout,
