@@ -57,9 +57,7 @@ class EventRecorder:
         self._resolved: list[tuple[Any, float, float]] | None = None
 
     def mark(self) -> Any:
-        event = self.event_class(enable_timing=True)
-        event.record(self.stream)
-        return event
+        return _recorded(self.event_class, self.stream)
 
     def add(self, action: Any, start: Any, end: Any) -> None:
         self._marks.append((action, start, end))
@@ -100,12 +98,17 @@ def event_seconds(events: Sequence[Any], event_class: Any = None, stream: Any = 
         >>> event_seconds([early], Clocked, clock=lambda: 10.0)
         [7.5]
     """
-    event_class = event_class if event_class is not None else torch.cuda.Event
-    anchor = event_class(enable_timing=True)
-    anchor.record(stream)
+    anchor = _recorded(event_class if event_class is not None else torch.cuda.Event, stream)
     anchor.synchronize()
     now = clock()
     return [now - event.elapsed_time(anchor) / 1e3 for event in events]
+
+
+def _recorded(event_class: Any, stream: Any = None) -> Any:
+    """A timing event of ``event_class``, recorded on ``stream`` (None: the current one)."""
+    event = event_class(enable_timing=True)
+    event.record(stream)
+    return event
 
 
 class SpanTimer:
@@ -130,23 +133,14 @@ class SpanTimer:
 
     def start(self) -> Any:
         """A start mark: the host clock, or an event on the current stream."""
-        if not self.on_device:
-            return self.clock()
-        event = self.event_class(enable_timing=True)
-        event.record()
-        return event
+        return _recorded(self.event_class) if self.on_device else self.clock()
 
     def end(self, what: str, started: Any, streams: Sequence[Any] = ()) -> None:
         """End ``what``: when the current stream and each of ``streams`` (the work's) reach this point."""
         if not self.on_device:
             self._spans.append((what, started, [self.clock()]))
             return
-        ends = []
-        for stream in [None, *streams]:
-            event = self.event_class(enable_timing=True)
-            event.record(stream)
-            ends.append(event)
-        self._spans.append((what, started, ends))
+        self._spans.append((what, started, [_recorded(self.event_class, stream) for stream in [None, *streams]]))
 
     def clear(self) -> None:
         self._spans = []
