@@ -39,7 +39,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -137,32 +138,6 @@ def _union(spans: Iterable[Span]) -> int:
     return total
 
 
-class _Saving:
-    """The context one stage forward runs in: saved tensors count for (stage, microbatch)."""
-
-    __slots__ = ("meter", "stage", "microbatch")
-
-    def __init__(self, meter: MemoryMeter, stage: int, microbatch: int) -> None:
-        self.meter, self.stage, self.microbatch = meter, stage, microbatch
-
-    def __enter__(self) -> None:
-        self.meter._own = []
-        self.meter._hooks.__enter__()
-
-    def __exit__(self, *exc_info) -> None:
-        meter = self.meter
-        meter._hooks.__exit__(*exc_info)
-        # A forward run in steps (an overlapped pair: conveyor.runtime.stage.segments) enters once per step: what
-        # it saved or cut counts once over all its steps (a step's cut may keep what an earlier step saved).
-        key = (self.stage, self.microbatch)
-        spans = meter._forward_spans.setdefault(key, {})
-        for storage, span in meter._own:
-            spans.setdefault(storage, set()).add(span)
-        meter._own = []
-        own = meter.forward_bytes[key] = sum(_union(found) for found in spans.values())
-        meter.stage_bytes[self.stage] = max(meter.stage_bytes.get(self.stage, 0), own)
-
-
 class MemoryMeter:
     """Counts, for one rank, the bytes of what autograd saves in its stages' forwards."""
 
@@ -200,9 +175,23 @@ class MemoryMeter:
         if self.resets_device_peak and self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def saving(self, stage: int, microbatch: int) -> _Saving:
-        """The context to run ``stage``'s forward (and loss) on ``microbatch`` in."""
-        return _Saving(self, stage, microbatch)
+    @contextlib.contextmanager
+    def saving(self, stage: int, microbatch: int) -> Iterator[None]:
+        """The context to run ``stage``'s forward (and loss) on ``microbatch`` in: saved tensors count for it."""
+        self._own = []
+        try:
+            with self._hooks:
+                yield
+        finally:
+            # A forward run in steps (an overlapped pair: conveyor.runtime.stage.segments) enters once per step:
+            # what it saved or cut counts once over all its steps (a step's cut may keep what an earlier step saved).
+            key = (stage, microbatch)
+            spans = self._forward_spans.setdefault(key, {})
+            for storage, span in self._own:
+                spans.setdefault(storage, set()).add(span)
+            self._own = []
+            own = self.forward_bytes[key] = sum(_union(found) for found in spans.values())
+            self.stage_bytes[stage] = max(self.stage_bytes.get(stage, 0), own)
 
     def input_pass_done(self, stage: int, microbatch: int, bytes_before: int) -> None:
         """After I of (stage, microbatch), begun with ``bytes_before`` held: note what W keeps."""
