@@ -160,46 +160,40 @@ def _selective(operators: frozenset, hold: Hold | None) -> tuple[Any, Any]:
         return OpPolicy.MUST_SAVE if getattr(op, "overloadpacket", None) in operators else OpPolicy.PREFER_RECOMPUTE
 
     caching, cached = create_selective_checkpoint_contexts(policy)
-    kept = _Kept(caching.storage, hold)
-    return _KeepingForward(caching, kept), _RepeatableRecompute(cached, kept)
-
-
-class _Kept:
-    """The region's kept outputs: a copy of torch's storage to hand out again, and their count."""
-
-    def __init__(self, storage: dict, hold: Hold | None) -> None:
-        self.storage = storage
-        self.hold = hold
-        self.snapshot: dict | None = None
-        self.handles: list[object] = []
+    forward = _KeepingForward(caching, hold)
+    return forward, _RepeatableRecompute(cached, forward)
 
 
 class _KeepingForward:
-    def __init__(self, caching: Any, kept: _Kept) -> None:
-        self.caching, self.kept = caching, kept
+    """The region's forward: after it, a copy of torch's storage of the kept outputs (to hand out again) and
+    their count."""
+
+    def __init__(self, caching: Any, hold: Hold | None) -> None:
+        self.caching, self.hold = caching, hold
+        self.snapshot: dict | None = None
+        self.handles: list[object] = []
 
     def __enter__(self) -> None:
         self.caching.__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
         self.caching.__exit__(*exc_info)
-        kept = self.kept
-        kept.snapshot = {key: dict(entries) for key, entries in kept.storage.items()}
-        if kept.hold is not None:
-            tensors = [leaf.val for entries in kept.snapshot.values() for entry in entries.values()
+        self.snapshot = {key: dict(entries) for key, entries in self.caching.storage.items()}
+        if self.hold is not None:
+            tensors = [leaf.val for entries in self.snapshot.values() for entry in entries.values()
                        for leaf in pytree.tree_leaves(entry) if isinstance(getattr(leaf, "val", None), torch.Tensor)]
-            kept.handles = [kept.hold(tensor) for tensor in tensors]
+            self.handles = [self.hold(tensor) for tensor in tensors]
 
 
 class _RepeatableRecompute:
-    def __init__(self, cached: Any, kept: _Kept) -> None:
-        self.cached, self.kept = cached, kept
+    def __init__(self, cached: Any, forward: _KeepingForward) -> None:
+        self.cached, self.forward = cached, forward
 
     def __enter__(self) -> None:
-        kept = self.kept
-        if kept.snapshot is not None:  # what an earlier recomputation consumed, handed out again
-            kept.storage.clear()
-            kept.storage.update({key: dict(entries) for key, entries in kept.snapshot.items()})
+        snapshot, storage = self.forward.snapshot, self.forward.caching.storage
+        if snapshot is not None:  # what an earlier recomputation consumed, handed out again
+            storage.clear()
+            storage.update({key: dict(entries) for key, entries in snapshot.items()})
         self.cached.__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
