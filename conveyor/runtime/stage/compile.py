@@ -114,7 +114,9 @@ def compile_stage(module: torch.nn.Module, stage: int, options: Mapping[str, Any
         >>> fn.__wrapped__.__code__.co_name
         'conveyor_stage_3'
     """
-    call = _calling(module)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
     name = f"conveyor_stage_{stage}"
     # A new code object: torch keeps compiled graphs and counts recompiles per code object.
     own = types.FunctionType(call.__code__.replace(co_name=name, co_qualname=name), call.__globals__, name,
@@ -128,10 +130,3 @@ def compile_stage(module: torch.nn.Module, stage: int, options: Mapping[str, Any
         ) from exc
     compiled.__wrapped__ = own
     return compiled
-
-
-def _calling(module: torch.nn.Module) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return module(*args, **kwargs)
-
-    return call
