@@ -228,7 +228,7 @@ class StageRunner:
         record = _InFlight(inputs=grad_leaves((args, kwargs)), passes=passes)
         if self.is_last:
             if keep_output:
-                self.outputs[microbatch] = _detached(output)
+                self.outputs[microbatch] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), output)
             loss = checked_loss(self.loss_fn, output, target, self._where(microbatch)) / self.loss_divisor
             record.loss = loss if self.loss_scale is None else loss * self.loss_scale  # as GradScaler.scale
             self.losses[microbatch] = loss.detach()
@@ -383,10 +383,6 @@ def build_runners(schedule: Any, rank: int, modules: Sequence[torch.nn.Module] |
                        rank=rank, options=options)
         for s, m in zip(stages, modules)
     }
-
-
-def _detached(value: Any) -> Any:
-    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
 
 
 def named_unique(runners: dict[int, StageRunner], items) -> Iterator[tuple[str, Any]]:
