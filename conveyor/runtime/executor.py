@@ -37,6 +37,7 @@ from conveyor.schedule.ir import Action, ActionKind, Placement
 from conveyor.schedule.posts import Batch, RankPosts
 
 _UNRECORDED = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
+_FINISHED = object()  # what run_local's next() gives for a rank whose step has ended
 
 
 def as_stage_inputs(value: Any) -> tuple[tuple, dict]:
@@ -118,7 +119,8 @@ class RankExecutor:
         (:func:`conveyor.runtime.stage.segments.interleave`); the backward's own turn in the program
         then finds it done, and its span is the pair's.
         """
-        self.forward_inputs: dict[tuple[int, int], tuple[tuple, dict]] = {}
+        self.forward_inputs: dict[tuple[int, int], tuple[tuple, dict]] = {
+            (0, m): inputs for m, inputs in enumerate(first_stage_inputs or ())}
         self.to_send: dict[tuple[ActionKind, int, int], Any] = {}
         self.output_grads: dict[tuple[int, int], list] = {}
         self.targets = targets
@@ -128,9 +130,6 @@ class RankExecutor:
                              f"{len(program)}: take them from the Executable that gave the program")
         if self.memory_meter is not None and torch.is_grad_enabled():
             self.memory_meter.start_step()
-        if first_stage_inputs is not None:
-            for m, inputs in enumerate(first_stage_inputs):
-                self.forward_inputs[(0, m)] = inputs
         self.recvs = {}
         self.pairs = Pairs(self.rank, program, pairs or {})
         self.actions_done = 0
@@ -299,15 +298,8 @@ def run_local(executors: list[RankExecutor], runs: list[Iterator[None]]) -> None
     active = list(zip(executors, runs))
     while active:
         before = sum(ex.actions_done for ex, _ in active)
-        still = []
-        finished = False
-        for executor, run in active:
-            try:
-                next(run)
-                still.append((executor, run))
-            except StopIteration:
-                finished = True
-        if not finished and sum(ex.actions_done for ex, _ in still) == before:
+        still = [(executor, run) for executor, run in active if next(run, _FINISHED) is not _FINISHED]
+        if len(still) == len(active) and sum(ex.actions_done for ex, _ in still) == before:
             stuck = ", ".join(f"rank {ex.rank} at action {ex.actions_done}" for ex, _ in still)
             raise StageExecutionError(f"in-process run made no progress ({stuck}): the schedule deadlocks")
         active = still
