@@ -210,13 +210,10 @@ def to_device(value: Any, device: torch.device) -> Any:
         >>> to_device(x, torch.device("cpu")) is x
         True
     """
-    if isinstance(value, torch.Tensor):
-        return value if value.device == device else _moved(value, device)
-    return pytree.tree_map_only(torch.Tensor, lambda t: t if t.device == device else _moved(t, device), value)
+    def moved(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.device == device else tensor.detach().to(device).requires_grad_(tensor.requires_grad)
 
-
-def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return tensor.detach().to(device).requires_grad_(tensor.requires_grad)
+    return moved(value) if isinstance(value, torch.Tensor) else pytree.tree_map_only(torch.Tensor, moved, value)
 
 
 def module_device(modules: Iterable[torch.nn.Module]) -> torch.device | None:
