@@ -71,18 +71,6 @@ def autocast_dtype(spec: str | torch.dtype | None) -> torch.dtype | None:
     return dtype
 
 
-def module_device_type(module: torch.nn.Module) -> str:
-    """The device type of ``module``'s first parameter or buffer ("cpu" for a module with neither).
-
-    Example:
-        >>> module_device_type(torch.nn.Linear(1, 1))
-        'cpu'
-    """
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        return tensor.device.type
-    return "cpu"
-
-
 def autocast_region(module: torch.nn.Module, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     """A fresh context to run ``module``'s forward in: ``torch.autocast`` on its device, or nothing.
 
@@ -93,4 +81,5 @@ def autocast_region(module: torch.nn.Module, dtype: torch.dtype | None) -> conte
     """
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(module_device_type(module), dtype=dtype)
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)  # a module with neither: the CPU
+    return torch.autocast("cpu" if first is None else first.device.type, dtype=dtype)
