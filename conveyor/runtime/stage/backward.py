@@ -276,13 +276,8 @@ def _analyse(successors: list[tuple[int, ...]], kinds: list, root_indices: list[
         return found
 
     frontier = [i for i in range(count) if i in on_input_path and any(j in in_weight_region for j in successors[i])]
-    frontier_reach = []
-    for i in frontier:
-        reach: set[int] = set()
-        for j in successors[i]:
-            if j in in_weight_region:
-                reach |= params_below(j)
-        frontier_reach.append(frozenset(reach))
+    frontier_reach = [frozenset().union(*(params_below(j) for j in successors[i] if j in in_weight_region))
+                      for i in frontier]
     weight_roots = [
         (pair, frozenset(params_below(i))) for pair, i in enumerate(root_indices) if i in in_weight_region
     ]
@@ -306,11 +301,8 @@ def backward_input(
     if not pairs:
         return PendingWeightGrad([None] * len(inputs), [])
     root_edges = [e for e, _ in pairs]
-    leaf_kinds: dict[int, tuple[str, int]] = {}
+    leaf_kinds = {id(p): ("param", position) for position, p in enumerate(params) if p.requires_grad}
     input_grad_fns: dict[Node, int] = {}
-    for position, p in enumerate(params):
-        if p.requires_grad:
-            leaf_kinds[id(p)] = ("param", position)
     for position, x in enumerate(inputs):
         if x.grad_fn is not None:
             input_grad_fns.setdefault(x.grad_fn, position)
@@ -360,11 +352,9 @@ def _weight_groups(
     # Entries for W: roots in the weight region, then each kept gradient at a frontier node.
     # Which of those exist depends on which gradients arrived (a branch may get none), so the
     # grouping is remembered per pattern of arrivals.
-    entries: list[tuple[GradientEdge, torch.Tensor, Node | None]] = []
-    reaches: list[frozenset[int]] = []
-    for pair, reach in analysis.weight_roots:
-        entries.append((pairs[pair][0], pairs[pair][1], None))
-        reaches.append(reach)
+    entries: list[tuple[GradientEdge, torch.Tensor, Node | None]] = [
+        (*pairs[pair], None) for pair, _ in analysis.weight_roots]
+    reaches = [reach for _, reach in analysis.weight_roots]
     arrived = []
     for node, reach in zip(frontier_nodes, analysis.frontier_reach):
         grads_in = kept.get(node) or ()
