@@ -53,24 +53,23 @@ class StepRandomness:
 
     def __init__(self) -> None:
         self.base = 0
-        self._cuda = False
         self._cpu_state: torch.Tensor | None = None
-        self._cuda_states: list[torch.Tensor] | None = None
+        self._cuda_states: list[torch.Tensor] | None = None  # None: CUDA's generators are left alone
 
     def __enter__(self) -> StepRandomness:
         self.base = int(torch.randint(0, 2**62, (1,)).item())  # one draw from the user's stream
         self._cpu_state = torch.get_rng_state()
         # torch.manual_seed costs ~0.3 ms (it queues every device's seeding); the generators
         # themselves take microseconds. CUDA generators count only once CUDA is in use.
-        self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self._cuda_states = torch.cuda.get_rng_state_all() if self._cuda else None
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._cuda_states = torch.cuda.get_rng_state_all() if cuda else None
         return self
 
     def seed_for(self, stage: int, microbatch: int) -> None:
         """Seed the generators for the forward of ``stage`` on ``microbatch``."""
         seed = stream_seed(self.base, stage, microbatch)
         torch.default_generator.manual_seed(seed)
-        if self._cuda:
+        if self._cuda_states is not None:
             for generator in torch.cuda.default_generators:
                 generator.manual_seed(seed)
 
