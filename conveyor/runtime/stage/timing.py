@@ -67,12 +67,10 @@ class EventRecorder:
     def events(self) -> list[tuple[Any, float, float]]:
         """``(action, start, end)`` in host-clock seconds; the first read waits for the device (once)."""
         if self._resolved is None:
-            self._resolved = []
-            if self._marks:
-                times = event_seconds([event for _, start, end in self._marks for event in (start, end)],
-                                      self.event_class, self.stream, self.clock)
-                self._resolved = [(action, times[2 * i], times[2 * i + 1])
-                                  for i, (action, _, _) in enumerate(self._marks)]
+            times = event_seconds([event for _, start, end in self._marks for event in (start, end)],
+                                  self.event_class, self.stream, self.clock) if self._marks else []
+            self._resolved = [(action, times[2 * i], times[2 * i + 1])
+                              for i, (action, _, _) in enumerate(self._marks)]
         return self._resolved
 
 
