@@ -96,28 +96,24 @@ def resolve_device(device: torch.device | str | None = None) -> torch.device:
             "(conveyor.pipeline materialises a meta-device model's stages on it)"
         )
     if resolved.type == "cuda":
-        return _check_cuda(resolved, f"device={device!r}")
+        if not torch.cuda.is_available():
+            raise PipelineConfigError(f"device={device!r} is a CUDA device, but CUDA is not available here "
+                                      "(torch.cuda.is_available() is False); pass device='cpu'")
+        if resolved.index is None:
+            return local_gpu()
+        count = torch.cuda.device_count()
+        if resolved.index >= count:
+            raise PipelineConfigError(
+                f"device={device!r} names cuda:{resolved.index}, but this process sees {count} CUDA device(s) "
+                f"(cuda:0..cuda:{count - 1}); pass one of those, or 'cuda' (this process's GPU)"
+            )
+        return resolved
     backend = getattr(torch, resolved.type, None)
     is_available = getattr(backend, "is_available", None)
     if resolved.type != "cpu" and callable(is_available) and not is_available():
         raise PipelineConfigError(f"device={device!r}: torch.{resolved.type} is not available on this machine; "
                                   "pass device='cpu' or run where that device exists")
     return resolved
-
-
-def _check_cuda(device: torch.device, what: str) -> torch.device:
-    if not torch.cuda.is_available():
-        raise PipelineConfigError(f"{what} is a CUDA device, but CUDA is not available here "
-                                  "(torch.cuda.is_available() is False); pass device='cpu'")
-    if device.index is None:
-        return local_gpu()
-    count = torch.cuda.device_count()
-    if device.index >= count:
-        raise PipelineConfigError(
-            f"{what} names cuda:{device.index}, but this process sees {count} CUDA device(s) "
-            f"(cuda:0..cuda:{count - 1}); pass one of those, or 'cuda' (this process's GPU)"
-        )
-    return device
 
 
 def collective_device(backend: str, device: torch.device) -> torch.device:
