@@ -99,10 +99,8 @@ class StageRecompute:
         return list(blocks[::self.policy.every or 1])
 
     def _wrap_blocks(self) -> None:
-        chosen = set(self.blocks)
         if hasattr(self.module, "wrap_blocks"):
-            self.module.wrap_blocks(chosen, lambda function, block: self.checkpointed(function, block),
-                                    self.policy.blocks)
+            self.module.wrap_blocks(set(self.blocks), self.checkpointed, self.policy.blocks)
             return
         for name in self.blocks:
             block = self.module.get_submodule(name)
@@ -113,7 +111,10 @@ class StageRecompute:
     def checkpointed(self, function: Callable, block: str | None = None) -> Callable:
         """``function`` recomputed in backward (as is, without gradients), its buffers kept as
         without recomputation; ``block`` names the module holding them (None: the stage)."""
-        holder = self.module if block is None else _submodule(self.module, block)
+        try:
+            holder = self.module if block is None else self.module.get_submodule(block)
+        except AttributeError:  # a traced block with no tensors of its own has no container
+            holder = None
         buffers = RecomputedBuffers(holder) if holder is not None else None
 
         def run_checkpointed(*args: Any, **kwargs: Any) -> Any:
@@ -129,13 +130,6 @@ class StageRecompute:
         if self.saved_operators:
             pairs.append(_selective(self.saved_operators, self.hold()))
         return _Contexts([forward for forward, _ in pairs]), _Contexts([again for _, again in pairs])
-
-
-def _submodule(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
-    try:
-        return module.get_submodule(name)
-    except AttributeError:  # a traced block with no tensors of its own has no container
-        return None
 
 
 class _Contexts:
