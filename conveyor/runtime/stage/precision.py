@@ -60,15 +60,13 @@ def autocast_dtype(spec: str | torch.dtype | None) -> torch.dtype | None:
         (torch.bfloat16, None)
     """
     if spec is None or isinstance(spec, torch.dtype) and spec in (torch.bfloat16, torch.float16):
-        dtype = spec
-    elif isinstance(spec, str) and spec.lower() in _NAMES:
-        dtype = _NAMES[spec.lower()]
-    else:
-        raise PipelineConfigError(
-            f"autocast={spec!r} is not a mixed precision conveyor knows; use 'bf16', 'fp16', a torch dtype, "
-            "or None (full precision)"
-        )
-    return dtype
+        return spec
+    if isinstance(spec, str) and spec.lower() in _NAMES:
+        return _NAMES[spec.lower()]
+    raise PipelineConfigError(
+        f"autocast={spec!r} is not a mixed precision conveyor knows; use 'bf16', 'fp16', a torch dtype, "
+        "or None (full precision)"
+    )
 
 
 def autocast_region(module: torch.nn.Module, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
