@@ -70,7 +70,6 @@ class RankExecutor:
         self.placement = placement
         self.runners = runners
         self.transport = transport
-        self.num_stages = placement.num_stages
         self.actions_done = 0
         self.program: tuple[Action, ...] | None = None  # the one running now, None between runs
         self.runs_started = 0
