@@ -216,12 +216,8 @@ def _walk(root_nodes: list[Node], leaf_kinds: dict[int, tuple[str, int]], input_
     Successors, kinds and root indices are all the analysis reads (node types do not
     matter, only how nodes connect), so together they are the graph's signature.
     """
-    nodes: list[Node] = []
-    index: dict[Node, int] = {}
-    for node in root_nodes:
-        if node not in index:
-            index[node] = len(nodes)
-            nodes.append(node)
+    nodes: list[Node] = list(dict.fromkeys(root_nodes))  # each root node once, in order
+    index = {node: i for i, node in enumerate(nodes)}
     successors: list[tuple[int, ...]] = [()] * len(nodes)
     kinds: list = [None] * len(nodes)
     stack = list(range(len(nodes)))
