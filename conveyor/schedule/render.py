@@ -355,15 +355,8 @@ def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> 
     # With all-to-alls, each rank's row holds its compute above a lane of its communication.
     row_top, row_bottom = _COMPUTE_ROW_ABOVE_LANE if timeline.comm_spans else _COMPUTE_ROW
     top, bottom = ranks + row_top, ranks + row_bottom
-    boxes = np.stack(
-        [
-            np.stack([x0, top], 1),
-            np.stack([x1, top], 1),
-            np.stack([x1, bottom], 1),
-            np.stack([x0, bottom], 1),
-        ],
-        axis=1,
-    ).reshape(len(compute), 4, 2)
+    # Each box's four corners (x, y), clockwise from the top left.
+    boxes = np.stack([x0, top, x1, top, x1, bottom, x0, bottom], axis=1).reshape(len(compute), 4, 2)
     palette: dict[tuple[ActionKind, int], tuple[float, float, float]] = {}
     colors = []
     for span in compute:
