@@ -109,16 +109,12 @@ def _diagnose(schedule: Schedule) -> None:
     _check_runs(schedule, codes, lowered)
 
 
-def _code(schedule: Schedule, kind: ActionKind, stage: int, microbatch: int) -> int:
-    """The code of an action in the schedule's (packed) programs."""
-    return schedule.programs[0].code_of(Action(kind, stage, microbatch))
-
-
 def _find(schedule: Schedule, index: dict[int, _Where], kind: ActionKind, stage: int, microbatch: int) -> _Where | None:
-    """Where ``index`` (by code) puts ``kind`` of (stage, microbatch); ``B`` finds the backward, B or I
-    (a (stage, microbatch) has one of them)."""
-    found = index.get(_code(schedule, kind, stage, microbatch))
-    return index.get(_code(schedule, K.I, stage, microbatch)) if found is None and kind is K.B else found
+    """Where ``index`` (by code of the schedule's packed programs) puts ``kind`` of (stage, microbatch);
+    ``B`` finds the backward, B or I (a (stage, microbatch) has one of them)."""
+    code_of = schedule.programs[0].code_of
+    found = index.get(code_of(Action(kind, stage, microbatch)))
+    return index.get(code_of(Action(K.I, stage, microbatch))) if found is None and kind is K.B else found
 
 
 # -- 1. shape -----------------------------------------------------------------------------------
@@ -166,17 +162,13 @@ def _check_actions(schedule: Schedule) -> tuple[list[list[int]], list[list[Actio
     only a program that fails is walked action by action for the message.
     """
     S, M = schedule.num_stages, schedule.num_microbatches
-    stage_to_rank = schedule.placement.stage_to_rank
-    allowed = key_tables(stage_to_rank, M, [0.0] * (NUM_COMPUTE_KINDS * S), lowered=True)
+    allowed = key_tables(schedule.placement.stage_to_rank, M, [0.0] * (NUM_COMPUTE_KINDS * S), lowered=True)
     codes: list[list[int]] = []
     kinds: list[list[ActionKind]] = []
-    for rank, program in enumerate(schedule.programs):
-        packed = program  # a Schedule holds well-formed actions only, packed (see ir.Schedule)
+    for rank, packed in enumerate(schedule.programs):  # well-formed actions only, packed (see ir.Schedule)
         if not all(allowed[rank][key] is not None for key in set(map(floordiv, packed.codes, repeat(M)))):
-            placement = schedule.placement
-            own_stages = {s for s, r in enumerate(stage_to_rank) if r == rank}
-            for i, action in enumerate(program):
-                _check_action(placement, schedule.num_microbatches, schedule.programs, rank, i, action, own_stages)
+            # The ranks before it pass check 2 as they passed the fast check: the first bad action is this rank's.
+            check_actions(schedule.placement, M, schedule.programs)
             raise AssertionError(f"rank {rank}'s program failed a fast check that no action fails")
         codes.append(list(packed.codes))
         kinds.append(packed.fields()[0])
