@@ -352,7 +352,7 @@ def looped_schedule(
     """
     check_sizes(name, num_ranks, num_microbatches, virtual, only_virtual)
     rounds = microbatch_rounds(num_ranks, num_microbatches)
-    writers = []
+    programs = []
     for rank in range(num_ranks):
         writer = ProgramWriter()
         looped_one_f_one_b(
@@ -365,25 +365,23 @@ def looped_schedule(
             split_backward=weights_behind_per_rank is not None,
             weights_behind=(weights_behind_per_rank or 0) * rank,
         )
-        writers.append(writer.packed(num_ranks * virtual, num_microbatches))  # one rank's lists at a time
-    return make_schedule(name, Placement.looped(num_ranks, virtual), num_microbatches, writers)
+        programs.append(writer.packed(num_ranks * virtual, num_microbatches))  # one rank's lists at a time
+    return Schedule(name, Placement.looped(num_ranks, virtual), num_microbatches, tuple(programs))
 
 
 def breadth_first(name: str, num_ranks: int, num_microbatches: int, virtual: int,
                   only_virtual: int | None = None) -> Schedule:
     """GPipe (V = 1) and looped BFS: on a looped placement, each rank forwards every microbatch
-    through each local stage in turn, then backwards them through its local stages in reverse."""
+    through each local stage in turn, then backwards them through its local stages in reverse: the looped
+    order of one round of all M microbatches."""
     check_sizes(name, num_ranks, num_microbatches, virtual, only_virtual)
-    writers = []
+    rounds, programs = [range(num_microbatches)], []
     for rank in range(num_ranks):
         writer = ProgramWriter()
-        microbatches = range(num_microbatches)
-        for local in range(virtual):
-            writer.extend(_F, [local * num_ranks + rank] * num_microbatches, microbatches)
-        for local in reversed(range(virtual)):
-            writer.extend(_B, [local * num_ranks + rank] * num_microbatches, microbatches)
-        writers.append(writer.packed(num_ranks * virtual, num_microbatches))
-    return make_schedule(name, Placement.looped(num_ranks, virtual), num_microbatches, writers)
+        writer.extend(_F, *looped_order(rank, num_ranks, virtual, rounds, backward=False))
+        writer.extend(_B, *looped_order(rank, num_ranks, virtual, rounds, backward=True))
+        programs.append(writer.packed(num_ranks * virtual, num_microbatches))
+    return Schedule(name, Placement.looped(num_ranks, virtual), num_microbatches, tuple(programs))
 
 
 def vshape_schedule(
@@ -400,22 +398,9 @@ def vshape_schedule(
     check_sizes(name, num_ranks, num_microbatches, virtual, only_virtual=2)
     padded = max(num_microbatches, least)
     below = num_microbatches if padded > num_microbatches else None  # leave the padding out
-    writers = [rank_program(rank, num_ranks, padded).packed(2 * num_ranks, num_microbatches, below)
-               for rank in range(num_ranks)]
-    return make_schedule(name, Placement.vshape(num_ranks), num_microbatches, writers)
-
-
-def make_schedule(
-    name: str,
-    placement: Placement,
-    num_microbatches: int,
-    writers: Sequence[ProgramWriter | PackedProgram],
-) -> Schedule:
-    """A Schedule from one writer (or its :meth:`ProgramWriter.packed` program) per rank. Builders pack
-    each rank's writer as soon as it is written, so that a P=256 build holds one rank's lists at a time."""
-    S = placement.num_stages
-    programs = tuple(w if isinstance(w, PackedProgram) else w.packed(S, num_microbatches) for w in writers)
-    return Schedule(name, placement, num_microbatches, programs)
+    programs = tuple(rank_program(rank, num_ranks, padded).packed(2 * num_ranks, num_microbatches, below)
+                     for rank in range(num_ranks))
+    return Schedule(name, Placement.vshape(num_ranks), num_microbatches, programs)
 
 
 def listing(schedule: Schedule, width: int = 96) -> str:

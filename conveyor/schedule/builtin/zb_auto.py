@@ -68,11 +68,7 @@ import math
 from dataclasses import dataclass
 
 from conveyor.errors import CostError, ScheduleError, positive_int
-from conveyor.schedule.builtin._program import (
-    ProgramWriter,
-    check_sizes,
-    make_schedule,
-)
+from conveyor.schedule.builtin._program import ProgramWriter, check_sizes
 from conveyor.schedule.builtin.zb_h1 import zb_h1
 from conveyor.schedule.builtin.zb_h2 import zb_h2
 from conveyor.schedule.cost import CostModel
@@ -393,14 +389,14 @@ def _best_handcrafted(
 
 
 def _schedule_of(name: str, num_ranks: int, num_microbatches: int, found: RankOrders) -> Schedule:
-    writers = []
+    programs = []
     for rank, kinds in enumerate(found.kinds):
         writer, counts = ProgramWriter(), [0, 0, 0]
         for kind in kinds:
             writer.add(_KINDS[kind], rank, counts[kind])
             counts[kind] += 1
-        writers.append(writer)
-    return make_schedule(name, Placement.looped(num_ranks, 1), num_microbatches, writers)
+        programs.append(writer.packed(num_ranks, num_microbatches))
+    return Schedule(name, Placement.looped(num_ranks, 1), num_microbatches, tuple(programs))
 
 
 def zb_1p(num_ranks: int, num_microbatches: int, virtual: int = 1, *, costs: CostModel | None = None) -> Schedule:
