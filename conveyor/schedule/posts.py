@@ -197,14 +197,13 @@ def _lookahead(program: Sequence[Action], placement: Placement, forward: int, ah
 
     if receives:
         # Before the first action: the first ``ahead``; at the n-th receive, the (n + ahead)-th.
-        first = tuple(single(i, False) for i in receives[:ahead])
-        posts[0] = first
+        posts[0] = tuple(single(i, False) for i in receives[:ahead])
         for n, index in enumerate(receives):
             if n + ahead < len(receives):
-                posts[index] = posts[index] + (single(receives[n + ahead], False),)
+                posts[index] += (single(receives[n + ahead], False),)
     for index, action in enumerate(program):
         if action.kind is K.SEND_F or action.kind is K.SEND_B:
-            posts[index] = posts[index] + (single(index, True),)
+            posts[index] += (single(index, True),)
     return tuple(posts)
 
 
