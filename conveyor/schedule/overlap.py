@@ -82,8 +82,7 @@ def pair_forward_backward(schedule: Schedule) -> Schedule:
     valid = compute._verified or runs_clean(compute)
     if any(pairs) and valid:  # (an invalid schedule keeps its pairs: verify() words what is wrong)
         _drop_deadlocking(compute, pairs)
-    pairs = tuple(map(tuple, pairs))
-    paired = schedule.with_programs(schedule.programs, pairs if any(pairs) else ())
+    paired = schedule.with_programs(schedule.programs, pairs if any(pairs) else ())  # (Schedule makes them tuples)
     if valid and not schedule.is_lowered:  # what verify() would check: every pair is well formed by construction
         object.__setattr__(paired, "_verified", True)
     return paired
