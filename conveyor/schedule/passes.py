@@ -35,6 +35,7 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, islice, repeat
 from operator import and_, floordiv, sub
+from typing import Any
 
 from conveyor.errors import ScheduleError
 from conveyor.schedule.ir import Action, ActionKind, PackedProgram, Schedule
@@ -68,11 +69,19 @@ class Executable:
 
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
-        self._gradients_final: dict[int, dict[int, int]] = {}
-        # A rank's programs as Actions, made once: its executor walks them every step.
-        self._programs: dict[tuple[str, int], tuple[Action, ...]] = {}
-        self._channels: dict[tuple[str, int], RankChannels] = {}
-        self._posts: dict[tuple[str, int, str], RankPosts] = {}
+        # What a rank asked for (its programs as Actions, posts, channels), by what it is: see _once().
+        self._made: dict[tuple, object] = {}
+
+    def _once(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, made the first time ``key`` is asked for: a rank's executor reads it every step."""
+        found = self._made.get(key)
+        if found is None:
+            found = self._made[key] = make()
+        return found
+
+    def _lowered(self, program: str) -> tuple[Schedule, int]:
+        """The lowered ``program`` (``"train"`` or ``"eval"``) and the direction its forwards travel."""
+        return (self.train, FORWARD) if program == "train" else (self.eval, EVAL_FORWARD)
 
     @functools.cached_property
     def compute(self) -> Schedule:
@@ -104,11 +113,8 @@ class Executable:
         return {c for rank in range(self.schedule.num_ranks) for c in self._rank_channels(program, rank).in_order}
 
     def _rank_channels(self, program: str, rank: int) -> RankChannels:
-        found = self._channels.get((program, rank))
-        if found is None:
-            lowered, forward = (self.train, FORWARD) if program == "train" else (self.eval, EVAL_FORWARD)
-            found = self._channels[program, rank] = rank_channels(lowered, rank, forward)
-        return found
+        lowered, forward = self._lowered(program)
+        return self._once(("channels", program, rank), lambda: rank_channels(lowered, rank, forward))
 
     def in_order_channels(self, rank: int) -> frozenset[Channel]:
         """The channels (direction, sending stage) ``rank`` sends or receives on, in training or
@@ -125,35 +131,25 @@ class Executable:
         return self._placed("eval", rank, discipline)
 
     def _placed(self, program: str, rank: int, discipline: str) -> RankPosts:
-        found = self._posts.get((program, rank, discipline))
-        if found is None:
-            lowered, forward = (self.train, FORWARD) if program == "train" else (self.eval, EVAL_FORWARD)
+        def place() -> RankPosts:
+            lowered, forward = self._lowered(program)
             channels = self._rank_channels(program, rank) if discipline == IN_ORDER else None  # peers' orders
-            found = self._posts[program, rank, discipline] = place_posts(
-                lowered, rank, discipline, forward=forward, channels=channels)
-        return found
+            return place_posts(lowered, rank, discipline, forward=forward, channels=channels)
+
+        return self._once(("posts", program, rank, discipline), place)
 
     def train_program(self, rank: int) -> tuple[Action, ...]:
         """The actions ``rank`` runs in a training step, in order (only this rank's are lowered)."""
-        found = self._programs.get(("train", rank))
-        if found is None:
-            found = self._programs["train", rank] = tuple(self.train.programs[rank])
-        return found
+        return self._once(("train", rank), lambda: tuple(self.train.programs[rank]))
 
     def eval_program(self, rank: int) -> tuple[Action, ...]:
         """The actions ``rank`` runs in a forward-only (evaluation) pass, in order."""
-        found = self._programs.get(("eval", rank))
-        if found is None:
-            found = self._programs["eval", rank] = tuple(self.eval.programs[rank])
-        return found
+        return self._once(("eval", rank), lambda: tuple(self.eval.programs[rank]))
 
     def gradients_final(self, rank: int) -> dict[int, int]:
         """{index in ``rank``'s training program: the stage whose weight gradients are final
         once that action is done} (see :func:`last_weight_passes`); found once, read every step."""
-        found = self._gradients_final.get(rank)
-        if found is None:
-            found = self._gradients_final[rank] = last_weight_passes(self.train_program(rank))
-        return found
+        return self._once(("gradients final", rank), lambda: last_weight_passes(self.train_program(rank)))
 
 
 def executable(schedule: Schedule) -> Executable:
