@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections import Counter
@@ -314,10 +315,8 @@ def _local_stage_index(timeline: Timeline) -> tuple[dict[tuple[int, int], int], 
     stages: dict[int, set[int]] = {}
     for span in timeline.spans:
         stages.setdefault(span.rank, set()).add(span.action.stage)
-    index = {}
-    for rank, rank_stages in stages.items():
-        for position, stage in enumerate(sorted(rank_stages)):
-            index[(rank, stage)] = position
+    index = {(rank, stage): position for rank, rank_stages in stages.items()
+             for position, stage in enumerate(sorted(rank_stages))}
     return index, max((len(s) for s in stages.values()), default=1)
 
 
@@ -357,14 +356,9 @@ def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> 
     top, bottom = ranks + row_top, ranks + row_bottom
     # Each box's four corners (x, y), clockwise from the top left.
     boxes = np.stack([x0, top, x1, top, x1, bottom, x0, bottom], axis=1).reshape(len(compute), 4, 2)
-    palette: dict[tuple[ActionKind, int], tuple[float, float, float]] = {}
-    colors = []
-    for span in compute:
-        key = (span.action.kind, stage_index[(span.rank, span.action.stage)])
-        color = palette.get(key)
-        if color is None:
-            color = palette[key] = _shade(KIND_COLORS[key[0]], key[1], stages_per_rank)
-        colors.append(color)
+    shade = functools.cache(_shade)  # one colour per (kind, local stage)
+    colors = [shade(KIND_COLORS[s.action.kind], stage_index[(s.rank, s.action.stage)], stages_per_rank)
+              for s in compute]
     px_per_x = axes_width_px / x_end
     narrowest_px = float((x1 - x0).min()) * px_per_x if compute else 0.0
     # Outlines separate neighbouring boxes; on boxes a few pixels wide they would hide the colour.
