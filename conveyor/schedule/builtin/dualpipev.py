@@ -128,15 +128,10 @@ def _rank_program(rank: int, num_ranks: int, num_microbatches: int) -> ProgramWr
             run(ActionKind.B, down, backward, steps),
         ]
     )
-    split = False
     middle = (r + 1) // 2
-    for index in range(r + 1):  # 6
-        if index == middle and r % 2 == 1:
-            split = True
-        b(up, split)
-        if index == middle and r % 2 == 0:
-            split = True
-        b(down, split)
+    for index in range(r + 1):  # 6: split from the middle on, starting with the up one on odd ranks
+        b(up, index > middle or (index == middle and r % 2 == 1))
+        b(down, index >= middle)
     for _ in range(P - 1 - r):  # 7
         w()
         b(down, split=True)
