@@ -525,12 +525,8 @@ def _deadlock_error(schedule: Schedule, blocked: Sequence[Blocked]) -> ScheduleE
         if len(others) > _MAX_LISTED_RANKS:
             lines.append(f"    ... and {len(others) - _MAX_LISTED_RANKS} more")
     shown = [by_rank[r] for r in cycle] + others[: max(0, _MAX_LISTED_RANKS - len(cycle))]
-    marks = {}
-    for b in shown:
-        if b.producer_position is not None:
-            marks[(b.producer_rank, b.producer_position)] = AWAITED
-    for b in shown:
-        marks[(b.rank, b.position)] = STUCK
+    marks = {(b.producer_rank, b.producer_position): AWAITED for b in shown if b.producer_position is not None}
+    marks.update({(b.rank, b.position): STUCK for b in shown})
     legend = f"step x rank grid ({STUCK.format('stuck')}, {AWAITED.format('awaited')}):"
     return ScheduleError("\n".join(lines), grid=legend + "\n" + _grid(schedule, marks))
 
