@@ -286,51 +286,32 @@ def looped_one_f_one_b(
     ``W`` follows it once more than ``weights_behind`` are pending; the rest
     end the program, in microbatch order per stage.
     """
-    forward_stages, forward_microbatches = looped_order(
-        rank, num_ranks, virtual, rounds, backward=False
-    )
-    backward_stages, backward_microbatches = looped_order(
-        rank, num_ranks, virtual, rounds, backward=True
-    )
-    total = len(forward_stages)
+    forward = looped_order(rank, num_ranks, virtual, rounds, backward=False)
+    backward = looped_order(rank, num_ranks, virtual, rounds, backward=True)
+    total = len(forward[0])
     warmup = min(warmup, total)
     steady = total - warmup  # steps that start with a forward
-    writer.extend(_F, forward_stages[:warmup], forward_microbatches[:warmup])
+
+    def part(kind: ActionKind, order: tuple[list[int], list[int]], low: int, high: int) -> tuple:
+        """``kind`` of the ``low``-th to ``high``-th (stage, microbatch) of ``order``, as a column."""
+        return kind, order[0][low:high], order[1][low:high]
+
+    writer.extend(*part(_F, forward, 0, warmup))
     if not split_backward:
-        writer.weave(
-            [
-                (_F, forward_stages[warmup:], forward_microbatches[warmup:]),
-                (_B, backward_stages[:steady], backward_microbatches[:steady]),
-            ]
-        )
-        writer.extend(_B, backward_stages[steady:], backward_microbatches[steady:])
+        writer.weave([part(_F, forward, warmup, total), part(_B, backward, 0, steady)])
+        writer.extend(*part(_B, backward, steady, total))
         return
     # Step k (one per I): F(warmup + k) while k < steady, then I(k), then W(k - behind) once
     # k >= behind. Between these two bounds each step has the same shape: weave it whole.
     behind = weights_behind
     bounds = sorted({0, min(steady, total), min(behind, total), total})
     for low, high in zip(bounds, bounds[1:]):
-        columns = []
-        if low < steady:
-            columns.append(
-                (
-                    _F,
-                    forward_stages[warmup + low : warmup + high],
-                    forward_microbatches[warmup + low : warmup + high],
-                )
-            )
-        columns.append((_I, backward_stages[low:high], backward_microbatches[low:high]))
+        columns = [part(_F, forward, warmup + low, warmup + high)] if low < steady else []
+        columns.append(part(_I, backward, low, high))
         if low >= behind:
-            columns.append(
-                (
-                    _W,
-                    backward_stages[low - behind : high - behind],
-                    backward_microbatches[low - behind : high - behind],
-                )
-            )
+            columns.append(part(_W, backward, low - behind, high - behind))
         writer.weave(columns)
-    held_back = max(0, total - behind)
-    writer.extend(_W, backward_stages[held_back:], backward_microbatches[held_back:])
+    writer.extend(*part(_W, backward, max(0, total - behind), total))
 
 
 def looped_schedule(
