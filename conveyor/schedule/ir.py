@@ -303,17 +303,9 @@ def packed_programs(programs: Sequence[Sequence[Action]], num_stages: int, num_m
         >>> [len(p) for p in packed_programs([[F(0, 0), B(0, 0)], []], 1, 1)], packed_programs([["0F0"]], 1, 1)
         ([2, 0], None)
     """
-    out = []
-    for program in programs:
-        if type(program) is PackedProgram and (program.num_stages, program.num_microbatches) == (
-                num_stages, num_microbatches):
-            out.append(program)
-            continue
-        packed = PackedProgram.of(program, num_stages, num_microbatches)
-        if packed is None:
-            return None
-        out.append(packed)
-    return out
+    out = [p if type(p) is PackedProgram and (p.num_stages, p.num_microbatches) == (num_stages, num_microbatches)
+           else PackedProgram.of(p, num_stages, num_microbatches) for p in programs]
+    return None if None in out else out
 
 
 def F(stage: int, microbatch: int) -> Action:  # noqa: N802 - reads like the papers
