@@ -426,13 +426,10 @@ def _peer_compute(
     peer_kind: ActionKind, stage: int, microbatch: int, at: Callable[[ActionKind, int, int], tuple[int, int] | None]
 ) -> tuple[str, tuple[int, int] | None]:
     """The compute action next to which the peer's SEND/RECV belongs (its label and where it is)."""
-    if peer_kind in (K.SEND_F, K.RECV_F):
-        where = at(K.F, stage, microbatch)
-        return (f"{stage}F{microbatch}" + ("" if where is None else f" (step {where[1]})")), where
-    where = at(K.B, stage, microbatch)  # B or I
-    return f"the backward of stage {stage}, microbatch {microbatch}" + (
-        "" if where is None else f" (step {where[1]})"
-    ), where
+    forward = peer_kind in (K.SEND_F, K.RECV_F)
+    where = at(K.F if forward else K.B, stage, microbatch)  # for B: B or I
+    label = f"{stage}F{microbatch}" if forward else f"the backward of stage {stage}, microbatch {microbatch}"
+    return label + ("" if where is None else f" (step {where[1]})"), where
 
 
 # -- 5. order and deadlock -----------------------------------------------------------------------
