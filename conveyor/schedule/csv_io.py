@@ -42,6 +42,7 @@ import io
 import os
 import re
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Literal
 
 from conveyor.errors import ScheduleError
@@ -311,9 +312,9 @@ def dumps_csv(schedule: Schedule, format: CsvFormat = "compute_only") -> str:  #
     """CSV text in torch's layout: ``compute_only`` drops SEND/RECV, ``compute_comms`` lowers first."""
     programs = _programs_for(schedule, format)
     out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    for rank, program in enumerate(programs):
-        writer.writerow(_cells(program, dict(schedule.overlapped[rank]) if schedule.overlapped else {}))
+    csv.writer(out, lineterminator="\n").writerows(
+        _cells(program, dict(schedule.overlapped[rank]) if schedule.overlapped else {})
+        for rank, program in enumerate(programs))
     return out.getvalue()
 
 
@@ -334,9 +335,7 @@ def _cells(program: Sequence[Action], partner: dict[Action, Action]) -> list[str
 
 def save_csv(schedule: Schedule, path: str | os.PathLike, format: CsvFormat = "compute_only") -> None:  # noqa: A002
     """Write :func:`dumps_csv` to ``path``."""
-    text = dumps_csv(schedule, format)
-    with open(os.fspath(path), "w", newline="", encoding="utf-8") as file:
-        file.write(text)
+    Path(path).write_text(dumps_csv(schedule, format), encoding="utf-8", newline="")
 
 
 def _programs_for(schedule: Schedule, format: str) -> tuple[tuple[Action, ...], ...]:  # noqa: A002
