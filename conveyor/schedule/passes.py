@@ -102,15 +102,17 @@ class Executable:
     def train_in_order(self) -> frozenset[tuple[ActionKind, int]]:
         """Every rank's in-order training channels, named (send kind, sending stage) (for tools and
         tests: a rank reads its own, :meth:`in_order_channels`)."""
-        return _send_kinds(self._every_rank("train"), {FORWARD: ActionKind.SEND_F, BACKWARD: ActionKind.SEND_B})
+        return self._named_in_order("train", {FORWARD: ActionKind.SEND_F, BACKWARD: ActionKind.SEND_B})
 
     @functools.cached_property
     def eval_in_order(self) -> frozenset[tuple[ActionKind, int]]:
         """Every rank's in-order evaluation channels, named (send kind, sending stage)."""
-        return _send_kinds(self._every_rank("eval"), {EVAL_FORWARD: ActionKind.SEND_F})
+        return self._named_in_order("eval", {EVAL_FORWARD: ActionKind.SEND_F})
 
-    def _every_rank(self, program: str) -> set[Channel]:
-        return {c for rank in range(self.schedule.num_ranks) for c in self._rank_channels(program, rank).in_order}
+    def _named_in_order(self, program: str, kinds: dict[int, ActionKind]) -> frozenset[tuple[ActionKind, int]]:
+        """Every rank's in-order ``program`` channels, each as (the send kind of its direction, sending stage)."""
+        return frozenset((kinds[direction], stage) for rank in range(self.schedule.num_ranks)
+                         for direction, stage in self._rank_channels(program, rank).in_order)
 
     def _rank_channels(self, program: str, rank: int) -> RankChannels:
         lowered, forward = self._lowered(program)
@@ -274,10 +276,6 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 def _filtered(keep: Callable[[int], bool], program: PackedProgram) -> array:
     return array("q", filter(keep, program.codes))
-
-
-def _send_kinds(channels: set[Channel], kinds: dict[int, ActionKind]) -> frozenset[tuple[ActionKind, int]]:
-    return frozenset((kinds[direction], stage) for direction, stage in channels)
 
 
 def last_weight_passes(program: Sequence[Action]) -> dict[int, int]:
