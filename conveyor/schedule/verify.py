@@ -102,7 +102,7 @@ def _diagnose(schedule: Schedule) -> None:
     """The checks one by one, in the documented order: raise at the first violation."""
     codes, kinds = _check_actions(schedule)
     lowered = any(not _COMM_KIND_IDS.isdisjoint(map(id, rank_kinds)) for rank_kinds in kinds)
-    _check_each_once(schedule, codes, kinds)
+    _check_each_once(schedule, codes)
     _check_complete(schedule, codes, kinds)
     if lowered:
         _check_comms(schedule, codes, kinds)
@@ -276,7 +276,7 @@ def _misplaced_comm(stage_to_rank: tuple[int, ...], action: Action) -> str:
 # -- 3. each action once, every pass present ------------------------------------------------------
 
 
-def _check_each_once(schedule: Schedule, codes: list[list[int]], kinds: list[list[ActionKind]]) -> None:
+def _check_each_once(schedule: Schedule, codes: list[list[int]]) -> None:
     SM = schedule.num_stages * schedule.num_microbatches
     for rank, packed_codes in enumerate(codes):
         # B and I of one (stage, microbatch) count as one backward: an I's code is a B's plus S * M.
