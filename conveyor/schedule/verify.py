@@ -327,8 +327,7 @@ def _check_complete(schedule: Schedule, codes: list[list[int]], kinds: list[list
             f"to the program of rank {stage_to_rank[s]}, which runs stage {s}"
         )
     for rank, rank_kinds in enumerate(kinds):
-        num_splits, num_weights = rank_kinds.count(K.I), rank_kinds.count(K.W)
-        if not num_splits and not num_weights:
+        if K.I not in rank_kinds and K.W not in rank_kinds:
             continue
         program = schedule.programs[rank]
         split = {codes[rank][i] for i, k in enumerate(rank_kinds) if k is K.I}
