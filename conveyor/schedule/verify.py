@@ -188,9 +188,8 @@ def check_actions(placement: Placement, num_microbatches: int, programs: Sequenc
         rank 1, step 1: found the string '1B0' where an Action belongs
     """
     for rank, program in enumerate(programs):
-        own_stages = set(placement.stages_of(rank))
         for i, action in enumerate(program):
-            _check_action(placement, num_microbatches, programs, rank, i, action, own_stages)
+            _check_action(placement, num_microbatches, programs, rank, i, action)
 
 
 def _comm_fits(action: Action, stage_to_rank: tuple[int, ...]) -> bool:
@@ -202,7 +201,7 @@ def _comm_fits(action: Action, stage_to_rank: tuple[int, ...]) -> bool:
 
 
 def _check_action(placement: Placement, num_microbatches: int, programs: Sequence[Sequence[object]],
-                  rank: int, i: int, action: object, own_stages: set[int]) -> None:
+                  rank: int, i: int, action: object) -> None:
     where = f"rank {rank}, step {i}"
     if type(action) is not Action:
         if isinstance(action, str):
@@ -244,7 +243,7 @@ def _check_action(placement: Placement, num_microbatches: int, programs: Sequenc
             grid=render_grid(programs, marked),
         )
     owner = stage_to_rank[stage]
-    if stage not in own_stages:
+    if owner != rank:
         raise ScheduleError(
             f"{where}: {label} runs stage {stage}, which the placement puts on rank {owner} "
             f"(stage_to_rank={stage_to_rank}); move it to rank {owner}'s program "
