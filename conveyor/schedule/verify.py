@@ -192,14 +192,6 @@ def check_actions(placement: Placement, num_microbatches: int, programs: Sequenc
             _check_action(placement, num_microbatches, programs, rank, i, action)
 
 
-def _comm_fits(action: Action, stage_to_rank: tuple[int, ...]) -> bool:
-    """Whether a SEND/RECV connects its stage to a neighbour stage on another rank."""
-    s, kind, last = action.stage, action.kind, len(stage_to_rank) - 1
-    if kind is K.SEND_F or kind is K.RECV_B:
-        return s < last and stage_to_rank[s + 1] != stage_to_rank[s]
-    return s > 0 and stage_to_rank[s - 1] != stage_to_rank[s]
-
-
 def _check_action(placement: Placement, num_microbatches: int, programs: Sequence[Sequence[object]],
                   rank: int, i: int, action: object) -> None:
     where = f"rank {rank}, step {i}"
@@ -250,11 +242,14 @@ def _check_action(placement: Placement, num_microbatches: int, programs: Sequenc
             "or change the placement",
             grid=render_grid(programs, marked),
         )
-    if kind.is_comm and not _comm_fits(action, stage_to_rank):
-        raise ScheduleError(f"{where}: {_misplaced_comm(stage_to_rank, action)}", grid=render_grid(programs, marked))
+    misplaced = _misplaced_comm(stage_to_rank, action) if kind.is_comm else None
+    if misplaced is not None:
+        raise ScheduleError(f"{where}: {misplaced}", grid=render_grid(programs, marked))
 
 
-def _misplaced_comm(stage_to_rank: tuple[int, ...], action: Action) -> str:
+def _misplaced_comm(stage_to_rank: tuple[int, ...], action: Action) -> str | None:
+    """What is wrong with a SEND/RECV that does not connect its stage to a neighbour stage on another rank;
+    None where it does."""
     s, kind, last = action.stage, action.kind, len(stage_to_rank) - 1
     if kind is K.SEND_F and s == last:
         return f"{action} sends the output of the last stage {s}, which goes to the loss; remove it"
@@ -265,6 +260,8 @@ def _misplaced_comm(stage_to_rank: tuple[int, ...], action: Action) -> str:
     if kind is K.SEND_B and s == 0:
         return f"{action}: stage 0 has no previous stage to send an input gradient to; remove it"
     peer = s + 1 if kind in (K.SEND_F, K.RECV_B) else s - 1
+    if stage_to_rank[peer] != stage_to_rank[s]:
+        return None
     return (
         f"{action} connects stages {min(s, peer)} and {max(s, peer)}, which both run on rank "
         f"{stage_to_rank[s]} and pass tensors in memory; remove it "
