@@ -257,13 +257,9 @@ def knob_grid(num_ranks: int, limit: int) -> list[Knobs]:
         >>> len(grid), grid[0]
         (13, Knobs(caps=(8, 6, 4, 2), theta=0.0, alternate=True))
     """
-    grid, seen = [], set()
-    for slope, extra, theta, alternate in _KNOB_TABLE:
-        caps = tuple(max(1, min(limit, slope * (num_ranks - 1 - r) + 1 + extra)) for r in range(num_ranks))
-        if (caps, theta, alternate) not in seen:  # small limits cap several slopes alike
-            seen.add((caps, theta, alternate))
-            grid.append(Knobs(caps, theta, alternate))
-    return grid
+    grid = (Knobs(tuple(max(1, min(limit, slope * (num_ranks - 1 - r) + 1 + extra)) for r in range(num_ranks)),
+                  theta, alternate) for slope, extra, theta, alternate in _KNOB_TABLE)
+    return list(dict.fromkeys(grid))  # once each: small limits cap several slopes alike
 
 
 def lower_bound(num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: int | None = None) -> float:
