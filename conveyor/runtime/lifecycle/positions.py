@@ -40,6 +40,14 @@ TRIGGER_ENV = "CONVEYOR_WHERE_TRIGGER"
 HEARTBEAT_KEY = "conveyor/heartbeat/{global_rank}"
 
 
+def stored(store, key: str) -> bytes | None:
+    """The store's value at ``key``: None where it has none, or where the store is gone (with rank 0's process)."""
+    try:
+        return store.get(key) if store.check([key]) else None
+    except Exception:
+        return None
+
+
 class PositionBoard:
     """This rank's side of "where is everyone": answering requests, and asking."""
 
@@ -78,13 +86,8 @@ class PositionBoard:
         keys = [self._answer_key(request, rank) for rank in range(self.num_ranks)]
         with contextlib.suppress(Exception):  # whoever has not answered by then is shown as silent
             self.store.wait(keys, datetime.timedelta(seconds=wait_s))
-        positions: list[dict[str, Any] | None] = []
-        for key in keys:
-            try:
-                positions.append(json.loads(self.store.get(key)) if self.store.check([key]) else None)
-            except Exception:
-                positions.append(None)
-        return positions
+        answers = [stored(self.store, key) for key in keys]
+        return [None if answer is None else json.loads(answer) for answer in answers]
 
     def picture(self, wait_s: float = 3.0) -> str:
         """The rendered positions of every rank ('' when the store cannot be reached)."""

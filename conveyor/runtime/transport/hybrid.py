@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from conveyor.errors import CommTimeout
+from conveyor.runtime.lifecycle.positions import stored
 from conveyor.runtime.transport.process_group import DistTransport
 from conveyor.runtime.transport.shm import SharedMemoryTransport
 from conveyor.runtime.transport.shm_wait import HEALTH_EVERY_S
@@ -56,19 +57,12 @@ class HostExchange:
         try:
             store.wait(keys, datetime.timedelta(seconds=timeout_s))
         except Exception as exc:
-            missing = [r for r, key in enumerate(keys) if not _has(store, key)]
+            missing = [r for r, key in enumerate(keys) if stored(store, key) is None]
             raise CommTimeout(
                 f"rank {rank} waited {timeout_s:g} s for rank(s) {missing} to say which host they run on "
                 "while building a Pipeline; they never did (slow, stuck, or not building this pipeline)"
             ) from exc
         return hosts_by_rank([store.get(key).decode() for key in keys])
-
-
-def _has(store, key: str) -> bool:
-    try:
-        return bool(store.check([key]))
-    except Exception:  # the store itself is gone: count the key as missing
-        return False
 
 
 def hosts_by_rank(identities: list[str]) -> list[int]:

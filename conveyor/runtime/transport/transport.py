@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.errors import CommTimeout, PeerFailure
+from conveyor.runtime.lifecycle.positions import stored
 from conveyor.runtime.transport.wire import (
     Channel,
     PayloadMeta,
@@ -126,11 +127,8 @@ class FailureBoard:
 
 
 def _published_failure(store, global_rank: int) -> str | None:
-    key = _FAILURE_KEY.format(global_rank=global_rank)
-    try:
-        return store.get(key).decode() if store.check([key]) else None
-    except Exception:
-        return None
+    message = stored(store, _FAILURE_KEY.format(global_rank=global_rank))
+    return None if message is None else message.decode()
 
 
 def _world_size(at_least: int) -> int:
