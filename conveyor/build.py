@@ -20,7 +20,7 @@ import torch.distributed as dist
 from conveyor.errors import PipelineConfigError
 from conveyor.layout import DistributedLayout, InProcessLayout, Layout
 from conveyor.options import PipelineOptions, StageOptions, WholeModel
-from conveyor.parallel.mesh import layout_of, with_mesh
+from conveyor.parallel.mesh import pipeline_ranks, with_mesh
 from conveyor.pipe import Pipeline
 from conveyor.runtime.stage.device import make_current, resolve_device
 from conveyor.runtime.stage.runner import LossFn
@@ -150,14 +150,8 @@ def _ranks_of(layout: Layout, schedule: Any, split_points: Sequence[str] | None,
         raise PipelineConfigError("an in-process pipeline of a schedule given by name needs its rank count: "
                                   "layout=InProcessLayout(ranks=P), split_points=, or a Schedule")
 
-    if not dist.is_available() or not dist.is_initialized():
-        raise PipelineConfigError(
-            "torch.distributed is not initialised: launch with torchrun and call "
-            "torch.distributed.init_process_group() first, or build every stage in this process with "
-            "layout=conveyor.InProcessLayout(ranks=P)"
-        )
-    group = layout.group if layout.mesh is None else layout_of(layout.mesh).pp_group
-    return dist.get_world_size(group), dist.get_rank(group)
+    return pipeline_ranks(layout, "build every stage in this process with "
+                                  "layout=conveyor.InProcessLayout(ranks=P)")[1:]
 
 
 def _parameter_order(model: torch.nn.Module) -> dict[str, int]:

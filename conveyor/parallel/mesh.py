@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from conveyor.errors import PipelineConfigError, positive_int
 
@@ -147,6 +147,18 @@ def with_mesh(layout: DistributedLayout) -> DistributedLayout:
 
     mesh = pipeline_mesh(None, resolve_device(layout.device).type, **sizes)
     return dataclasses.replace(layout, mesh=mesh)
+
+
+def pipeline_ranks(layout: DistributedLayout, fix: str) -> tuple[Any, int, int]:
+    """(group, size, this process's rank) of ``layout``'s pipeline: its mesh's "pp" dim, else its group (None: the
+    default one); a PipelineConfigError ending with ``fix`` when torch.distributed is not initialised."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise PipelineConfigError("torch.distributed is not initialised: launch with torchrun and call "
+                                  f"torch.distributed.init_process_group() first, or {fix}")
+    group = layout.group if layout.mesh is None else layout_of(layout.mesh).pp_group
+    return group, dist.get_world_size(group), dist.get_rank(group)
 
 
 def layout_of(mesh) -> MeshLayout:

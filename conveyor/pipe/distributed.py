@@ -29,7 +29,7 @@ from conveyor.layout import DistributedLayout
 from conveyor.options import StageOptions, TransferOptions, WholeModel
 from conveyor.parallel.clipping import NormExchange
 from conveyor.parallel.loss import LossBroadcast
-from conveyor.parallel.mesh import layout_of
+from conveyor.parallel.mesh import layout_of, pipeline_ranks
 from conveyor.parallel.part import PartSite, StagePart
 from conveyor.parallel.parts import parts_for
 from conveyor.pipe.backend import RanksBackend
@@ -63,19 +63,10 @@ class DistributedRanks(RanksBackend):
     executor: RankExecutor
 
     def __init__(self, layout: DistributedLayout, transfer: TransferOptions) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise PipelineConfigError(
-                "torch.distributed is not initialised: launch with torchrun and call "
-                "torch.distributed.init_process_group() first, or pass layout=conveyor.InProcessLayout() "
-                "to run every rank in one process"
-            )
+        self.group, self.size, self.rank = pipeline_ranks(  # the group: never used itself
+            layout, "pass layout=conveyor.InProcessLayout() to run every rank in one process")
         self.layout, self.transfer = layout, transfer
         self.mesh_layout = None if layout.mesh is None else layout_of(layout.mesh)
-        self.group = layout.group if self.mesh_layout is None else self.mesh_layout.pp_group  # never used itself
-        self.size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
         self.local_ranks = [self.rank]
         self.dp_rank = self.mesh_layout.dp_rank if self.mesh_layout is not None else 0
         self.dp_size = self.mesh_layout.dp_size if self.mesh_layout is not None else 1
