@@ -52,8 +52,14 @@ def summed_loss(last: StageRunner) -> torch.Tensor:
     total = functools.reduce(operator.add, [last.losses[m] for m in range(last.num_microbatches)])
     # Under tensor parallelism's loss_parallel() the loss is a replicated DTensor: its whole value
     # (each TP rank holds all of it), for the broadcast and the caller.
-    whole = getattr(total, "full_tensor", None)
-    return whole() if whole is not None else total
+    return whole_value(total)
+
+
+def whole_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor of tensor parallelism (loss_parallel's loss and log-probs, vocabulary-sharded logits) whole, the
+    same on every TP rank; any other tensor as it is."""
+    whole = getattr(tensor, "full_tensor", None)
+    return whole() if whole is not None else tensor
 
 
 class LossBroadcast:

@@ -71,6 +71,7 @@ from conveyor.frontend.decode import CAUSAL_HEADS, decode_stages
 from conveyor.frontend.split import split_model
 from conveyor.frontend.stage import StageModule
 from conveyor.microbatch import Microbatches
+from conveyor.parallel.loss import whole_value
 from conveyor.pipe.logprobs import logits_of
 
 if TYPE_CHECKING:
@@ -406,7 +407,7 @@ class _TokenStep(torch.nn.Module):
             return out
         lane = args[1] if len(args) == 3 else args[-3]
         step = self.index // self.depth
-        tokens = pick_tokens(_whole(logits_of(out))[:, -1], self.sampling, self.generator)
+        tokens = pick_tokens(whole_value(logits_of(out))[:, -1], self.sampling, self.generator)
         self.state["picked"][(step, lane)] = tokens
         return tokens[:, None], lane, self.state["first_token"] + step
 
@@ -486,19 +487,13 @@ def _next_tokens(pipe: Pipeline, lanes: list[tuple] | None, whole: tuple[tuple, 
     if outputs is not None:
         last = steps.runners[steps.schedule.num_stages - 1]
         with torch.no_grad(), last.context():
-            logits = torch.cat([_whole(logits_of(output)) for output in outputs])
+            logits = torch.cat([whole_value(logits_of(output)) for output in outputs])
         if logits.dim() != 3:
             raise PipelineConfigError(f"generate needs the last stage to return logits [batch, sequence, vocabulary]; "
                                       f"got {tuple(logits.shape)}: build the pipeline from a causal language model")
         at_end = logits[torch.arange(logits.shape[0]), last_positions.to(logits.device)]
         mine = [pick_tokens(at_end, sampling, generator)]
     return steps.backend.from_last_stage(mine)[0]
-
-
-def _whole(logits: torch.Tensor) -> torch.Tensor:
-    """Vocabulary-sharded logits (tensor parallel, loss_parallel) whole: every TP rank then picks the same token."""
-    whole = getattr(logits, "full_tensor", None)
-    return whole() if whole is not None else logits
 
 
 def _generated_logprobs(pipe: Pipeline, window: torch.Tensor, lengths: torch.Tensor, made: torch.Tensor,

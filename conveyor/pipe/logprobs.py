@@ -37,6 +37,7 @@ import torch
 
 from conveyor.errors import PipelineConfigError
 from conveyor.microbatch import Microbatches, check_given_microbatches, split_value
+from conveyor.parallel.loss import whole_value
 from conveyor.runtime.stage.device import to_device
 
 if TYPE_CHECKING:
@@ -89,9 +90,7 @@ def token_logprobs(output: Any, input_ids: torch.Tensor) -> torch.Tensor:
     following = input_ids[:, 1:].reshape(-1)
     log_probs = torch.nn.functional.log_softmax(scores.reshape(-1, scores.shape[-1]), dim=-1)
     picked = -torch.nn.functional.nll_loss(log_probs, following, reduction="none")
-    if hasattr(picked, "full_tensor"):  # under loss_parallel: the same value on every TP rank
-        picked = picked.full_tensor()
-    return picked.view(input_ids.shape[0], input_ids.shape[1] - 1)
+    return whole_value(picked).view(input_ids.shape[0], input_ids.shape[1] - 1)  # under loss_parallel: a DTensor
 
 
 def ids_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
