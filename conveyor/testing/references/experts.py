@@ -26,6 +26,7 @@ import conveyor.schedule as cs
 from conveyor.errors import PipelineConfigError
 from conveyor.layout import DistributedLayout, Layout
 from conveyor.options import PipelineOptions, TransferOptions
+from conveyor.parallel.clipping import local_part
 from conveyor.parallel.experts.discover import find_experts
 from conveyor.parallel.experts.part import _dispatched_forward, shard_experts
 from conveyor.parallel.part import reduced_by
@@ -95,8 +96,7 @@ def _mine(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def local_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of this rank's tensor (a replicated DTensor's local tensor is the whole one)."""
-    local = getattr(tensor, "to_local", None)
-    return (local() if local is not None else tensor).detach().clone()
+    return local_part(tensor).detach().clone()
 
 
 def train_ep_alone(family: str, num_layers: int, group, ep_rank: int, *, replica: int | None = None, dp: int = DP,
