@@ -160,6 +160,13 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
+def optimizer_and_schedule(cfg: TrainConfig, parameters: Any) -> tuple[Any, Any]:
+    """The ``optim`` keys' AdamW over ``parameters`` and its :func:`lr_lambda` schedule (the parity reference's too)."""
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(parameters, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
 def build_pipeline(cfg: TrainConfig, model: torch.nn.Module, loss_fn: Any = None) -> Any:
     """This rank's pipeline of ``model`` on the layout the ``parallel`` keys say (:meth:`ParallelConfig.layout
     <conveyor.train.config.ParallelConfig.layout>`: the ("pp", "dp", "tp") mesh the pipeline builds from the
@@ -249,9 +256,7 @@ def setup(cfg: TrainConfig, startup: Any = None) -> Run:
     if loaded is not None and dist.get_rank() == 0:
         print(f"conveyor train: rank 0 loaded {loaded.tensors} tensors ({loaded.bytes_read:,} of "
               f"{loaded.total_bytes:,} bytes) from {cfg.model.name}", flush=True)
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    optimizer, scheduler = optimizer_and_schedule(cfg, pipe.parameters())
     startup.phase(f"reading and tokenizing the corpus (data.source={cfg.data.source!r})")
     splits = splits_factory(cfg.data, cfg.model.seq_len)
     batch = cfg.replica_batch_size

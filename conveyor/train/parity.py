@@ -81,18 +81,13 @@ class ParityReference:
     """
 
     def __init__(self, cfg: Any, vocab_size: int, device: Any) -> None:
-        import torch
-
-        from conveyor.train.loop import lr_lambda, train_loss
+        from conveyor.train.loop import optimizer_and_schedule, train_loss
 
         self.cfg = cfg
         self.model = unsplit_model(cfg, vocab_size, device)
         self.model.train()
         self.loss_fn = train_loss(cfg, self.model)
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
-                                           weight_decay=o.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.optimizer, self.scheduler = optimizer_and_schedule(cfg, self.model.parameters())
         self.steps = 0
         self.different: list[int] = []  # the steps whose loss or norm differed
 
