@@ -38,6 +38,7 @@ from conveyor.frontend.trace import trace_model
 from conveyor.frontend.units import ModuleSpans, find_units
 from conveyor.plan.costs import CostTable, UnitCost
 from conveyor.runtime.stage.backward import GraphAnalysisCache, backward_input
+from conveyor.runtime.stage.runner import grad_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -187,9 +188,6 @@ def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool, analy
     def forward():
         return module(*args, **kwargs) if stage == 0 else module(*received)
 
-    def trainable(outputs):
-        return [v for v in pytree.tree_leaves(outputs) if isinstance(v, torch.Tensor) and v.requires_grad]
-
     def timed(call):
         synchronize(device)
         start = time.perf_counter()
@@ -199,7 +197,7 @@ def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool, analy
 
     counted = (0.0, 0.0)
     if count:
-        counter = _SavedBytes(module)
+        counter = SavedTensorBytes(module)
         with counter, counter.mode:
             first = timed(forward)
         counted = counter.result()
@@ -208,25 +206,35 @@ def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool, analy
     runs = [first] + [timed(forward) for _ in range(in_flight - 1)]
     outputs = runs[0][1]
     forward_s = statistics.median(t for t, _ in runs)
-    if not trainable(outputs):
+    if not grad_leaves(outputs):
         return (forward_s, 0.0, 0.0, 0.0), outputs, counted
     wanted_inputs = [v for v in received if isinstance(v, torch.Tensor) and v.requires_grad]
     weights = [p for p in module.parameters() if p.requires_grad]
-    grads = [torch.ones_like(t) for t in trainable(outputs)]
-    split = [split_backward_seconds(trainable(out), grads, wanted_inputs, weights, analyses, device)
+    grads = [torch.ones_like(t) for t in grad_leaves(outputs)]
+    split = [split_backward_seconds(grad_leaves(out), grads, wanted_inputs, weights, analyses, device)
              for _, out in runs]
     input_s, weight_s = statistics.median(i for i, _ in split), statistics.median(w for _, w in split)
     if not wanted_inputs:  # no input gradient to give: all of it is weight work
         input_s, weight_s = 0.0, input_s + weight_s
-    again = [trainable(forward()) for _ in range(in_flight)]
+    again = [grad_leaves(forward()) for _ in range(in_flight)]
     backward_s = statistics.median(
         timed(lambda out=out: torch.autograd.backward(out, grads))[0] for out in again)
     return (forward_s, input_s, weight_s, backward_s), outputs, counted
 
 
-class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes autograd saves in a forward (parameters excluded, each storage once), and the part of them
-    that feeds an operation together with a parameter (what the weight gradient needs)."""
+class SavedTensorBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes of the tensors autograd saves while it is entered (its ``bytes``): the module's
+    parameters excluded, each storage once. Entered with its ``mode`` too, :meth:`result` also gives the
+    part of them that feeds an operation together with a parameter (what the weight gradient needs).
+
+    Example:
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> counter = SavedTensorBytes(lin)
+        >>> with counter:
+        ...     _ = lin(torch.randn(2, 4, requires_grad=True))
+        >>> counter.bytes  # the input; the weight (its transpose is a view of it) is a parameter
+        32
+    """
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.parameters = {id(p) for p in module.parameters()}
@@ -234,11 +242,13 @@ class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
         self.mode = _WeightInputs(set(self.parameters))
         self.views: dict[int, set[int]] = {}
         self._alive: list[torch.Tensor] = []
-        super().__init__(self._pack, lambda packed: packed)
+        super().__init__(self.pack, lambda packed: packed)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The pack hook: counts ``tensor`` and saves it as it is."""
+        # Views (a transposed weight, a reshaped activation) count as the tensor they view.
         base = tensor._base if tensor._base is not None else tensor
-        if id(base) not in self.parameters and id(tensor) not in self.parameters:
+        if id(base) not in self.parameters:
             self.saved.setdefault(id(base), base)
             # Autograd saves an operation's inputs before the operation runs (and the mode sees it):
             # which of them W needs is decided in result().
@@ -246,12 +256,16 @@ class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
             self._alive.append(tensor)
         return tensor
 
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.saved.values())
+
     def result(self) -> tuple[float, float]:
-        total = sum(t.numel() * t.element_size() for t in self.saved.values())
+        """``(bytes, the part of them the weight gradient needs)``."""
         needed = self.mode.needed
         kept = sum(t.numel() * t.element_size() for key, t in self.saved.items()
                    if key in needed or not needed.isdisjoint(self.views[key]))
-        return float(total), float(kept)
+        return float(self.bytes), float(kept)
 
 
 class _WeightInputs(TorchDispatchMode):

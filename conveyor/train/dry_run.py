@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from conveyor.options import RecomputePolicy, StageOptions
+from conveyor.plan.profile import SavedTensorBytes
 from conveyor.train.config import TrainConfig
 
 BYTES_PER_PARAMETER = 16  # fp32: the parameter, its gradient, AdamW's exp_avg and exp_avg_sq
@@ -187,8 +188,8 @@ def _checkpointed_bytes(split: Any, stage: int, inputs: tuple, target: torch.Ten
     if policy is None:
         return full, 0
     module = split.stage_module(stage, "meta")
-    saved = _SavedTensors(module)
-    checkpointing = StageRecompute(module, policy, hold=lambda: saved._pack, stage=stage)
+    saved = SavedTensorBytes(module)
+    checkpointing = StageRecompute(module, policy, hold=lambda: saved.pack, stage=stage)
     call = checkpointing.checkpointed(module) if checkpointing.whole_stage else module
     kept = _saved_by(module, inputs, target, call=call, saved=saved)[1]
     if checkpointing.whole_stage:
@@ -198,12 +199,12 @@ def _checkpointed_bytes(split: Any, stage: int, inputs: tuple, target: torch.Ten
 
 
 def _saved_by(module: torch.nn.Module, inputs: tuple, target: torch.Tensor | None, *,
-              call: Any = None, saved: _SavedTensors | None = None) -> tuple[Any, int]:
+              call: Any = None, saved: SavedTensorBytes | None = None) -> tuple[Any, int]:
     """The stage's output on ``inputs`` and the bytes autograd saved for it (with the loss, given a
     target), running it as ``call`` (default: the module) and counting with ``saved`` (default: a new counter)."""
     from conveyor.train.loop import lm_loss
 
-    saved = saved if saved is not None else _SavedTensors(module)
+    saved = saved if saved is not None else SavedTensorBytes(module)
     with saved, _CpuAttention():
         output = (call or module)(*inputs)
         if target is not None:
@@ -228,24 +229,6 @@ class _CpuAttention(torch.overrides.TorchFunctionMode):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
             query, key, value, options.get("dropout_p", 0.0), options.get("is_causal", False),
             attn_mask=options.get("attn_mask"), scale=options.get("scale"))[0]
-
-
-class _SavedTensors(torch.autograd.graph.saved_tensors_hooks):
-    """Counts the bytes of the tensors autograd saves inside the block, each storage once."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.bytes = 0
-        self._parameters = {id(p) for p in module.parameters()}
-        self._seen: dict[int, torch.Tensor] = {}  # holding them keeps their ids unique
-        super().__init__(self._pack, lambda packed: packed)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        # Views (a transposed weight, a reshaped activation) count as the tensor they view.
-        base = tensor._base if tensor._base is not None else tensor
-        if id(base) not in self._parameters and id(base) not in self._seen:
-            self._seen[id(base)] = base
-            self.bytes += base.numel() * base.element_size()
-        return tensor
 
 
 def _rank_memory(cfg: TrainConfig, schedule: Any, stages: list[StageRow]) -> list[RankRow]:
