@@ -167,6 +167,21 @@ def synchronize(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(call: Any, device: torch.device | None) -> tuple[float, Any]:
+    """``(seconds, result)`` of ``call()``, its span closed by :func:`synchronize` on ``device`` at both ends.
+
+    Example:
+        >>> seconds, result = timed(lambda: 6 * 7, torch.device("cpu"))
+        >>> result, seconds >= 0
+        (42, True)
+    """
+    synchronize(device)
+    start = time.perf_counter()
+    result = call()
+    synchronize(device)
+    return time.perf_counter() - start, result
+
+
 IN_FLIGHT = 4  # microbatches a unit's passes are timed with, as a pipeline keeps several alive
 
 
@@ -188,22 +203,15 @@ def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool, analy
     def forward():
         return module(*args, **kwargs) if stage == 0 else module(*received)
 
-    def timed(call):
-        synchronize(device)
-        start = time.perf_counter()
-        result = call()
-        synchronize(device)
-        return time.perf_counter() - start, result
-
     counted = (0.0, 0.0)
     if count:
         counter = SavedTensorBytes(module)
         with counter, counter.mode:
-            first = timed(forward)
+            first = timed(forward, device)
         counted = counter.result()
     else:
-        first = timed(forward)
-    runs = [first] + [timed(forward) for _ in range(in_flight - 1)]
+        first = timed(forward, device)
+    runs = [first] + [timed(forward, device) for _ in range(in_flight - 1)]
     outputs = runs[0][1]
     forward_s = statistics.median(t for t, _ in runs)
     if not grad_leaves(outputs):
@@ -218,7 +226,7 @@ def _run_unit(module, stage, args, kwargs, inputs, device, *, count: bool, analy
         input_s, weight_s = 0.0, input_s + weight_s
     again = [grad_leaves(forward()) for _ in range(in_flight)]
     backward_s = statistics.median(
-        timed(lambda out=out: torch.autograd.backward(out, grads))[0] for out in again)
+        timed(lambda out=out: torch.autograd.backward(out, grads), device)[0] for out in again)
     return (forward_s, input_s, weight_s, backward_s), outputs, counted
 
 
@@ -319,14 +327,8 @@ def split_backward_seconds(roots: Sequence[Any], root_grads: Sequence[Any], inpu
         >>> i > 0 and w > 0 and lin.weight.grad is not None
         True
     """
-    synchronize(device)
-    start = time.perf_counter()
-    pending = backward_input(roots, root_grads, inputs, params, analyses)
-    synchronize(device)
-    middle = time.perf_counter()
-    pending.backward_weight()
-    synchronize(device)
-    return middle - start, time.perf_counter() - middle
+    input_s, pending = timed(lambda: backward_input(roots, root_grads, inputs, params, analyses), device)
+    return input_s, timed(pending.backward_weight, device)[0]
 
 
 def optimizer_seconds_per_parameter(model: torch.nn.Module, repeats: int = 5) -> float:

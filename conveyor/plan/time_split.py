@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +36,9 @@ from conveyor.plan.profile import (
     profile_units,
     restore_module_state,
     save_module_state,
-    synchronize,
+    timed,
 )
+from conveyor.runtime.stage.runner import grad_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +147,12 @@ def profile_stages(split: Any, example_args: Sequence[Any], example_kwargs: Mapp
 def _time_once(module, stage, args, kwargs, inputs, device) -> tuple[float, Any]:
     """Forward, then backward with ones as output gradients; seconds of both."""
     received = tuple(as_received(value) for value in inputs)
-    synchronize(device)
-    start = time.perf_counter()
-    outputs = module(*args, **kwargs) if stage == 0 else module(*received)
-    tensors = [value for value in pytree.tree_leaves(outputs)
-               if isinstance(value, torch.Tensor) and value.requires_grad]
-    if tensors:
-        torch.autograd.backward(tensors, [torch.ones_like(tensor) for tensor in tensors])
-    synchronize(device)
-    return time.perf_counter() - start, outputs
+
+    def run():
+        outputs = module(*args, **kwargs) if stage == 0 else module(*received)
+        tensors = grad_leaves(outputs)
+        if tensors:
+            torch.autograd.backward(tensors, [torch.ones_like(tensor) for tensor in tensors])
+        return outputs
+
+    return timed(run, device)
