@@ -227,16 +227,13 @@ def format_plan(chosen: Plan, *, top: int = 5) -> str:
         if tp > 1:  # the (tp, ep) table: the pair's choice says both
             shared = (f"each experts module's experts shared by {ep} of the replicas' TP ranks" if ep > 1
                       else "every rank keeps every expert")
-            lines += [*chosen.expert_parallel_report,
-                      f"chosen tp={tp} x ep={ep}: {chosen.ranks} pipeline ranks x {tp} tensor-parallel ranks, {shared} "
-                      f"(conveyor train parallel.pp={chosen.ranks} parallel.tp={tp} parallel.ep={ep}); its best plans "
-                      "(memory: one rank's):", ""]
+            what = (f"tp={tp} x ep={ep}: {chosen.ranks} pipeline ranks x {tp} tensor-parallel ranks, {shared} "
+                    f"(conveyor train parallel.pp={chosen.ranks} parallel.tp={tp} parallel.ep={ep})")
         else:
             shared = (f"each experts module's experts shared by {ep} replicas" if ep > 1
                       else "every replica keeps every expert")
-            lines += [*chosen.expert_parallel_report,
-                      f"chosen ep={ep}: {shared} (conveyor train parallel.ep={ep}); its best plans (memory: one "
-                      "rank's):", ""]
+            what = f"ep={ep}: {shared} (conveyor train parallel.ep={ep})"
+        lines += [*chosen.expert_parallel_report, f"chosen {what}; its best plans (memory: one rank's):", ""]
     if chosen.tensor_parallel_report:
         lines += [*chosen.tensor_parallel_report,
                   f"chosen tp={chosen.tensor_parallel}: {chosen.ranks} pipeline ranks x {chosen.tensor_parallel} "
