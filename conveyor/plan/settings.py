@@ -112,15 +112,14 @@ class SearchSpace:
         if not isinstance(self.expert_overlap, bool):
             raise PlanError(f"SearchSpace.expert_overlap must be True or False, got {self.expert_overlap!r}")
         _set(self, "virtual", _positive_ints(self, "virtual", self.virtual, "e.g. virtual=(1, 2)"))
-        options = tuple(self.tensor_parallel or ())
-        if not all(hasattr(option, "tp") and hasattr(option, "modules") for option in options):
-            raise PlanError("SearchSpace.tensor_parallel takes conveyor.plan.tensor_search.TensorParallelOption "
-                            f"records (one per tp to try), got {self.tensor_parallel!r}")
-        _set(self, "tensor_parallel", options)
-        experts = tuple(self.expert_parallel or ())
-        if not all(hasattr(option, "ep") and hasattr(option, "modules") for option in experts):
-            raise PlanError("SearchSpace.expert_parallel takes conveyor.plan.expert_search.ExpertParallelOption "
-                            f"records (one per ep to try), got {self.expert_parallel!r}")
+        for name, size, record in (("tensor_parallel", "tp", "tensor_search.TensorParallelOption"),
+                                   ("expert_parallel", "ep", "expert_search.ExpertParallelOption")):
+            given = tuple(getattr(self, name) or ())
+            if not all(hasattr(option, size) and hasattr(option, "modules") for option in given):
+                raise PlanError(f"SearchSpace.{name} takes conveyor.plan.{record} records (one per {size} to try), "
+                                f"got {getattr(self, name)!r}")
+            _set(self, name, given)
+        options, experts = self.tensor_parallel, self.expert_parallel
         if experts and options:
             sized = {option.tp for option in options}
             if not all(option.tp in sized for option in experts):
@@ -128,7 +127,6 @@ class SearchSpace:
                                 "for one of their tp (ExpertParallelOption.tp, ep dividing dp x tp); got ep options "
                                 f"for tp {sorted({option.tp for option in experts})}, tensor options for tp "
                                 f"{sorted(sized)}")
-        _set(self, "expert_parallel", experts)
         if self.virtual is None:
             raise PlanError("SearchSpace.virtual must be positive ints, got None; e.g. virtual=(1, 2)")
         _positive(self, "balance_tolerance", "a fraction of the fastest split's slowest stage",
