@@ -44,8 +44,6 @@ class Workload(Protocol):
     def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
 
 
-
-
 class _ActivationPathSleep(torch.autograd.Function):
     """Identity on the activation path: forward sleeps T_F, backward sleeps T_I.
 
