@@ -320,7 +320,7 @@ def test_pipeline_makes_the_gpu_current_before_its_first_broadcast(monkeypatch, 
     monkeypatch.setattr(conveyor.plan.time_split, "time_split", lambda *a, **k: type("Split", (), {"split_points": []}))
     current_at_broadcast = []
 
-    def broadcast(objects, src=0, group=None):
+    def broadcast(objects, src=None, group=None, device=None, group_src=None):  # torch's signature
         current_at_broadcast.append(torch.cuda.current_device())
         raise _Stop
 
