@@ -137,7 +137,7 @@ def load_pretrained(path: str | Path, modules: Iterable[nn.Module],
             for source in by_file[file_name]:
                 loaded = f.get_tensor(source)
                 report.tensors += 1
-                report.bytes_read += loaded.numel() * loaded.element_size()
+                report.bytes_read += loaded.nbytes
                 for name, tensor in targets[source]:
                     _fill(tensor, loaded, name, source, directory / file_name)
     return report
