@@ -32,6 +32,7 @@ What tracing costs, and its limits (see also ``conveyor.frontend`` docs):
 
 from __future__ import annotations
 
+import itertools
 import linecache
 import logging
 import os
@@ -296,11 +297,8 @@ def _example_leaf(node: fx.Node) -> ExampleLeaf:
 
 def model_device(model: nn.Module) -> torch.device:
     """The device of the model's first parameter or buffer (cpu for a model without state)."""
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
-    return torch.device("cpu")
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def trace_model(
