@@ -25,6 +25,7 @@ Example (nothing intercepted: the steps run through at once, to the stage's own 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
@@ -102,8 +103,5 @@ def _run(stage: StageModule, node: fx.Node, args: Any, kwargs: Any) -> Any:
     if node.op == "call_module":
         return stage.get_submodule(node.target)(*args, **kwargs)
     if node.op == "get_attr":
-        value: Any = stage
-        for part in node.target.split("."):
-            value = getattr(value, part)
-        return value
+        return operator.attrgetter(node.target)(stage)
     raise AssertionError(f"unexpected node {node.op} {node.target} in stage {stage.stage}'s graph")
