@@ -7,6 +7,7 @@ stage at a time (``ModelSplit.stage_module``), so each rank allocates only its o
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -418,12 +419,8 @@ def _make_split(
     seed: int,
     num_stages: int,
 ) -> ModelSplit:
-    stage_of_node = []
-    boundary = 0
-    for index in range(len(traced.nodes)):
-        while boundary < len(positions) and positions[boundary] <= index:
-            boundary += 1
-        stage_of_node.append(boundary)
+    # A node's stage: how many stages start at or before it (positions rise).
+    stage_of_node = [bisect.bisect_right(positions, index) for index in range(len(traced.nodes))]
     recipes = build_recipes(traced, stage_of_node, num_stages)
     stage_tensors, tied_groups = _assign_tensors(traced, recipes)
     split = ModelSplit(
