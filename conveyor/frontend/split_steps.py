@@ -143,12 +143,9 @@ def _dry_run(split: ModelSplit) -> None:
             tensors[tensor_spec.name] = (as_meta(source), tensor_spec.persistent)
         module = split._build_stage(recipe.stage, tensors, meta, check_inputs=False)
         leaves_as_shapes(module)
+        args, kwargs = values
         try:
-            if recipe.is_first:
-                args, kwargs = values
-                outputs = module(*args, **kwargs)
-            else:
-                outputs = module(*values)
+            outputs = module(*args, **kwargs)
         except Exception as error:
             autocast = any("autocast" in str(node.target) for node in recipe.nodes)
             advice = (
@@ -167,7 +164,7 @@ def _dry_run(split: ModelSplit) -> None:
         else:  # the traced nodes the next stage receives, under their names
             recipe.output_specs = tuple(_spec(node.name, value, symbolic_dims(node.meta.get("val")))
                                         for node, value in zip(recipe.outputs, outputs))
-            values = tuple(as_received(value) for value in outputs)
+            values = tuple(as_received(value) for value in outputs), {}
             split._recipes[recipe.stage + 1].input_specs = recipe.output_specs
 
 
