@@ -205,17 +205,8 @@ class CachedTracedStage(_Tensors):
                    steps: int) -> tuple:
         """Positions ``start .. start + steps - 1`` through one call of ``run`` (the decode program's, for one
         position, or the prefill program's) on ``holder``'s tensors: their keys and values written at their
-        positions, the program's other outputs returned. Stage 0 gives the program the ids, their positions and
-        the mask of the slots written so far and of the new keys (the last ``steps``)."""
-        length = self.shape[2]
-        flat = list(values)
-        if self.stage == 0:
-            ids = values[0]
-            rows = ids.shape[0]
-            positions = (start + torch.arange(steps, device=ids.device)).expand(rows, -1)
-            seen = torch.arange(length + steps, device=ids.device)
-            mask = ((seen < start) | (seen >= length)).long().expand(rows, -1)
-            flat = [ids, positions, mask]
+        positions, the program's other outputs returned. Stage 0 gives the program :func:`_token_inputs`."""
+        flat = _token_inputs(values[0], self.shape[2], start) if self.stage == 0 else values
         result = run(holder, *flat, *(cache[index] for index in self.reads))
         kept = len(result) - len(self.makes)
         for index, new in zip(self.makes, result[kept:]):
@@ -279,9 +270,10 @@ def _trace(split: ModelSplit, layers: int, shape: tuple[int, int, int, int], dty
     rows, length = shape[0], shape[2]
     trace_device = next(model.parameters()).device
     trace_device = torch.device("cpu") if trace_device.type == "meta" else trace_device
-    example = (torch.zeros(rows, tokens, dtype=torch.long, device=trace_device),
-               torch.arange(tokens, device=trace_device).expand(rows, -1),
-               _first_mask(rows, length, tokens, trace_device),
+    # The mask has masked slots (nothing written yet), so that the trace keeps it (an all-ones example lets a
+    # model drop it).
+    ids, positions, mask = _token_inputs(torch.zeros(rows, tokens, dtype=torch.long, device=trace_device), length, 0)
+    example = (ids, positions, mask.contiguous(),
                # One tensor each: an input given twice would be traced as one.
                tuple(tuple(torch.zeros(shape, dtype=dtype, device=trace_device) for _ in "kv") for _ in range(layers)))
     was_training = model.training
@@ -320,12 +312,14 @@ def _program(decode: ModelSplit, stage: int, training: nn.Module | None, device:
     return run, tensors, submodules, reads, makes
 
 
-def _first_mask(rows: int, length: int, tokens: int, device: torch.device) -> torch.Tensor:
-    """The attention mask of positions 0 .. tokens - 1 (only the new tokens' keys): an example with masked slots,
-    so that the trace keeps the mask (an all-ones example lets a model drop it)."""
-    mask = torch.zeros(rows, length + tokens, dtype=torch.long, device=device)
-    mask[:, length:] = 1
-    return mask
+def _token_inputs(ids: torch.Tensor, length: int, start: int) -> list[torch.Tensor]:
+    """The program's inputs besides the past for the tokens ``ids`` [rows, steps] at positions ``start ..``: the
+    ids, their positions, and the mask of the cache's ``length`` slots (those before ``start`` written) and of the
+    new keys (the last ``steps``)."""
+    rows, steps = ids.shape
+    positions = (start + torch.arange(steps, device=ids.device)).expand(rows, -1)
+    seen = torch.arange(length + steps, device=ids.device)
+    return [ids, positions, ((seen < start) | (seen >= length)).long().expand(rows, -1)]
 
 
 def _training_tensors(module: nn.Module, stage: int, tensors: dict[str, tuple[torch.Tensor, bool]],
