@@ -172,7 +172,7 @@ class ModelSplit:
         """The module of ``stage`` holding ``tensors``, its graph running on ``device``."""
         recipe, traced = self._recipes[stage], self._traced
         graph, submodules = build_graph(recipe, traced, device)
-        return StageModule(recipe, graph, tensors, submodules, traced.example, traced.in_spec, traced.out_spec,
+        return StageModule(recipe, graph, tensors, submodules, traced.in_spec, traced.out_spec,
                            check_inputs=check_inputs, traced_training=traced.training)
 
     def stage_modules(

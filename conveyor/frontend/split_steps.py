@@ -129,9 +129,7 @@ def _dry_run(split: ModelSplit) -> None:
             meta_copies[id(tensor)] = copy_tensor(tensor, meta)
         return meta_copies[id(tensor)]
 
-    split._recipes[0].input_specs = tuple(
-        ValueSpec(leaf.name, leaf.shape, leaf.dtype, False, leaf.value, leaf.dynamic) for leaf in traced.example
-    )
+    split._recipes[0].input_specs = tuple(traced.example)
     values: Any = traced.example_inputs(meta)
     for recipe in split._recipes:
         tensors = {}

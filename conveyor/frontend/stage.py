@@ -32,7 +32,7 @@ from conveyor.frontend.attention import _submodule
 from conveyor.frontend.dynamic import describe_shape, fits
 from conveyor.frontend.leaves import held_in_order, hollow_copy, restore_leaves
 from conveyor.frontend.materialize import named_tensors
-from conveyor.frontend.trace import ExampleLeaf, StateInput, TracedModel
+from conveyor.frontend.trace import StateInput, TracedModel, ValueSpec
 
 # Attribute names on a StageModule that can never clash with a model's module names.
 _SUBGRAPH_PREFIX = "_conveyor_subgraph_"
@@ -44,32 +44,6 @@ def as_received(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().requires_grad_(value.requires_grad)
     return value
-
-@dataclass(frozen=True, slots=True)
-class ValueSpec:
-    """One value crossing a stage boundary (or entering stage 0).
-
-    ``shape`` and ``dtype`` are ``None`` for a non-tensor value, whose ``value`` is then
-    kept. ``requires_grad`` says whether the producing stage's tensor requires grad,
-    i.e. whether a gradient for it comes back in the backward pass.
-    """
-
-    name: str
-    shape: tuple[int, ...] | None
-    dtype: torch.dtype | None
-    requires_grad: bool = False
-    value: Any = None
-    dynamic: tuple[int, ...] = ()  # dims traced as dynamic: any size fits (conveyor.frontend.dynamic)
-
-    @property
-    def is_tensor(self) -> bool:
-        return self.shape is not None
-
-    def describe(self) -> str:
-        if not self.is_tensor:
-            return f"{self.name}={self.value!r}"
-        grad = ", grad" if self.requires_grad else ""
-        return f"{self.name}: {describe_shape(self.shape, self.dynamic)} {str(self.dtype).removeprefix('torch.')}{grad}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,7 +344,6 @@ class StageModule(nn.Module):
         graph: fx.Graph,
         tensors: dict[str, tuple[torch.Tensor, bool]],
         submodules: dict[str, nn.Module],
-        example: Sequence[ExampleLeaf],
         in_spec: pytree.TreeSpec,
         out_spec: pytree.TreeSpec,
         check_inputs: bool = True,
@@ -382,7 +355,6 @@ class StageModule(nn.Module):
         self._conveyor_stage = recipe.stage
         self._conveyor_num_stages = recipe.num_stages
         self._conveyor_input_specs = recipe.input_specs if check_inputs else None
-        self._conveyor_example = tuple(example)
         self._conveyor_in_spec = in_spec
         self._conveyor_out_spec = out_spec
         self._conveyor_traced_training = traced_training
@@ -527,8 +499,8 @@ class StageModule(nn.Module):
                 f"{self._conveyor_in_spec}\ngot {spec}\nPass the same structure (None stays None)."
             )
         if self._conveyor_input_specs is not None:
-            for leaf, value in zip(self._conveyor_example, flat):
-                _check_leaf(leaf, value)
+            for spec, value in zip(self._conveyor_input_specs, flat):
+                _check_leaf(spec, value)
         return flat
 
     def _check_received(self, values: tuple[Any, ...], specs: tuple[ValueSpec, ...] | None) -> None:
@@ -558,18 +530,20 @@ class StageModule(nn.Module):
         return f"stage={self.stage}, num_stages={self.num_stages}"
 
 
-def _check_leaf(leaf: ExampleLeaf, value: Any) -> None:
-    if leaf.is_tensor:
-        if isinstance(value, torch.Tensor) and value.dtype == leaf.dtype and fits(leaf.shape, leaf.dynamic,
+def _check_leaf(spec: ValueSpec, value: Any) -> None:
+    """Raise unless ``value`` fits ``spec``, a leaf of the example microbatch stage 0 was split for."""
+    if spec.is_tensor:
+        if isinstance(value, torch.Tensor) and value.dtype == spec.dtype and fits(spec.shape, spec.dynamic,
                                                                                    value.shape):
             return
         got = f"tensor{list(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else repr(value)
+        split_for = f"tensor{describe_shape(spec.shape, spec.dynamic)} {str(spec.dtype).removeprefix('torch.')}"
     else:
-        if not isinstance(value, torch.Tensor) and value == leaf.value:
+        if not isinstance(value, torch.Tensor) and value == spec.value:
             return
-        got = repr(value)
+        got, split_for = repr(value), repr(spec.value)
     raise SpecMismatchError(
-        f"stage 0 input {leaf.name!r}: the model was split for {leaf.describe()}, got {got}. "
+        f"stage 0 input {spec.name!r}: the model was split for {split_for}, got {got}. "
         "Stages are specialised to the example microbatch's shapes and non-tensor values: "
         "split with an example like this one (or pad inputs to the example's shape), or let a dim vary with "
         "split_model(..., dynamic_shapes={name: {dim: 'seq'}}) (SplitOptions(dynamic_shapes=...))."

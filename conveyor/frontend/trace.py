@@ -89,23 +89,30 @@ class StateInput:
 
 
 @dataclass(frozen=True, slots=True)
-class ExampleLeaf:
-    """One flattened leaf of the example microbatch (what stage 0 checks its inputs against)."""
+class ValueSpec:
+    """One value crossing a stage boundary (or entering stage 0: a leaf of the example microbatch).
+
+    ``shape`` and ``dtype`` are ``None`` for a non-tensor value, whose ``value`` is then
+    kept. ``requires_grad`` says whether the producing stage's tensor requires grad,
+    i.e. whether a gradient for it comes back in the backward pass.
+    """
 
     name: str
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
+    requires_grad: bool = False
     value: Any = None
-    dynamic: tuple[int, ...] = ()  # dims traced as dynamic (conveyor.frontend.dynamic): any size fits
+    dynamic: tuple[int, ...] = ()  # dims traced as dynamic: any size fits (conveyor.frontend.dynamic)
 
     @property
     def is_tensor(self) -> bool:
         return self.shape is not None
 
     def describe(self) -> str:
-        if self.is_tensor:
-            return f"tensor{describe_shape(self.shape, self.dynamic)} {str(self.dtype).removeprefix('torch.')}"
-        return repr(self.value)
+        if not self.is_tensor:
+            return f"{self.name}={self.value!r}"
+        grad = ", grad" if self.requires_grad else ""
+        return f"{self.name}: {describe_shape(self.shape, self.dynamic)} {str(self.dtype).removeprefix('torch.')}{grad}"
 
 
 class TracedModel:
@@ -122,7 +129,7 @@ class TracedModel:
         subgraphs: ``get_attr`` node name -> the nested graph module it loads
             (bodies of higher-order ops such as ``torch.no_grad`` regions).
         user_inputs: placeholders of the model's own (flattened) inputs.
-        example: one ``ExampleLeaf`` per user input.
+        example: one ``ValueSpec`` per user input (what stage 0 checks its inputs against).
         outputs: the flat outputs (nodes or literal values), unflattened by ``out_spec``.
         trace_device: the device the model's tensors were on while tracing.
     """
@@ -196,7 +203,7 @@ class TracedModel:
             _reject_data_dependent(model, node)
         self.in_spec: pytree.TreeSpec = exported.call_spec.in_spec
         self.out_spec: pytree.TreeSpec = exported.call_spec.out_spec
-        self.example: list[ExampleLeaf] = [_example_leaf(node) for node in self.user_inputs]
+        self.example: list[ValueSpec] = [_example_leaf(node) for node in self.user_inputs]
         # Every name of every tensor, for tied tensors: name -> all names, model order.
         names_of: dict[int, list[str]] = {}
         for tensor_name, tensor in named_tensors(model):
@@ -288,11 +295,11 @@ def _reject_data_dependent(model: nn.Module, node: fx.Node) -> None:
     )
 
 
-def _example_leaf(node: fx.Node) -> ExampleLeaf:
+def _example_leaf(node: fx.Node) -> ValueSpec:
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
-        return ExampleLeaf(node.name, concrete_shape(value), value.dtype, dynamic=symbolic_dims(value))
-    return ExampleLeaf(node.name, None, None, value)
+        return ValueSpec(node.name, concrete_shape(value), value.dtype, dynamic=symbolic_dims(value))
+    return ValueSpec(node.name, None, None, value=value)
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -317,7 +324,7 @@ def trace_model(
     Example:
         >>> traced = trace_model(torch.nn.Linear(2, 3), (torch.ones(4, 2),), None)
         >>> [leaf.describe() for leaf in traced.example]
-        ['tensor[4, 2] float32']
+        ['input: [4, 2] float32']
     """
     device = model_device(model)
     args = tuple(example_args)
