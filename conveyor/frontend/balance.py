@@ -14,6 +14,7 @@ a partition for every method, not only for measured times.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -34,9 +35,7 @@ def partition(weights: Sequence[float], num_parts: int, cut_allowed: Sequence[bo
         >>> partition([0, 2, 1, 1, 0], 2, [True, True, True, True, False])
         [2]
     """
-    prefix = [0.0]
-    for weight in weights:
-        prefix.append(prefix[-1] + float(weight))
+    prefix = list(itertools.accumulate(map(float, weights), initial=0.0))
     return min_max_partition(len(weights), num_parts, lambda part, begin, end: prefix[end] - prefix[begin],
                              cut_allowed)
 
