@@ -116,14 +116,11 @@ def load_pretrained(path: str | Path, modules: Iterable[nn.Module],
     from safetensors import safe_open
 
     directory, where = weight_map(path)
-    others: dict[str, list[str]] = {}
-    for names in tied_names:
-        for name in names:
-            others[name] = [n for n in names if n != name]
+    tied = {name: names for names in tied_names for name in names}  # name -> every name of its tensor
     targets: dict[str, list[tuple[str, torch.Tensor]]] = {}  # name in the files -> (stage name, tensor)
     for module in modules:
         for name, tensor in module.state_dict(keep_vars=True).items():
-            source = next((n for n in [name, *others.get(name, ())] if n in where), None)
+            source = next((n for n in [name, *tied.get(name, ())] if n in where), None)
             if source is None:
                 raise PretrainedWeightsError(_missing(name, tensor, directory, where))
             targets.setdefault(source, []).append((name, tensor))
