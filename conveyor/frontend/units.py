@@ -198,8 +198,8 @@ def check_module_names(model: nn.Module, names: Iterable[str], what: str) -> lis
     """
     module_names = [name for name, _ in model.named_modules() if name]
     known = set(module_names)
-    checked = []
-    for name in names:
+    checked = list(names)
+    for name in checked:
         if name not in known:
             close = difflib.get_close_matches(name, module_names, n=5, cutoff=0.6)
             suggestion = f" Close names: {', '.join(close)}." if close else ""
@@ -207,5 +207,4 @@ def check_module_names(model: nn.Module, names: Iterable[str], what: str) -> lis
                 f"{what} {name!r} names no module of {type(model).__name__}.{suggestion} "
                 "Use module paths as in model.named_modules() (e.g. 'model.layers.4')."
             )
-        checked.append(name)
     return checked
