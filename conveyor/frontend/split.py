@@ -374,7 +374,13 @@ def split_model(
     if default_device.type == "meta":
         default_device = torch.device("cpu")
     positions, names, stage_weights = _cuts(traced, model, num_stages, split_points, split_method, unsplittable)
-    return _make_split(traced, positions, names, stage_weights, default_device, seed, num_stages)
+    # A node's stage: how many stages start at or before it (positions rise).
+    stage_of_node = [bisect.bisect_right(positions, index) for index in range(len(traced.nodes))]
+    recipes = build_recipes(traced, stage_of_node, num_stages)
+    stage_tensors, tied_groups = _assign_tensors(traced, recipes)
+    split = ModelSplit(traced, recipes, stage_tensors, tied_groups, names, stage_weights, default_device, seed)
+    _dry_run(split)
+    return split
 
 
 def _cuts(
@@ -408,26 +414,6 @@ def _cuts(
     bounds = [0, *cuts, len(units)]
     stage_weights = tuple(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
     return [starts[j] for j in cuts], tuple(units[j].name for j in cuts), stage_weights
-
-
-def _make_split(
-    traced: TracedModel,
-    positions: Sequence[int],
-    split_points: tuple[str, ...],
-    stage_weights: tuple[float, ...] | None,
-    device: torch.device,
-    seed: int,
-    num_stages: int,
-) -> ModelSplit:
-    # A node's stage: how many stages start at or before it (positions rise).
-    stage_of_node = [bisect.bisect_right(positions, index) for index in range(len(traced.nodes))]
-    recipes = build_recipes(traced, stage_of_node, num_stages)
-    stage_tensors, tied_groups = _assign_tensors(traced, recipes)
-    split = ModelSplit(
-        traced, recipes, stage_tensors, tied_groups, split_points, stage_weights, device, seed
-    )
-    _dry_run(split)
-    return split
 
 
 def _assign_tensors(
