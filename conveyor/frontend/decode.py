@@ -47,6 +47,7 @@ from torch import nn
 
 from conveyor.errors import PipelineConfigError, positive_int
 from conveyor.frontend import attention
+from conveyor.frontend.leaves import held_in_order
 from conveyor.frontend.materialize import named_tensors
 from conveyor.frontend.split import ModelSplit, split_model
 from conveyor.frontend.stage import _compile, _register, build_graph
@@ -118,10 +119,8 @@ class _Tensors(nn.Module):
 
     def __init__(self, tensors: dict[str, tuple[torch.Tensor, bool]], submodules: dict[str, nn.Module]) -> None:
         super().__init__()
-        for name, (tensor, persistent) in tensors.items():
-            _register(self, name, tensor, persistent)
-        for name, module in submodules.items():
-            self.add_module(name, module)
+        for name, (value, persistent) in held_in_order(tensors, submodules):
+            _register(self, name, value, persistent)
 
 
 class CachedTracedStage(_Tensors):
