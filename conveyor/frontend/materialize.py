@@ -156,19 +156,18 @@ def materialize(
         >>> sorted(materialize(model, ["1.weight"], torch.device("cpu"), seed=0))
         ['1.weight']
     """
-    first_name: dict[int, str] = {}
-    id_of: dict[str, int] = {}
+    first_of: dict[str, str] = {}  # every name -> the first name of its tensor
+    firsts: dict[int, str] = {}
     for name, tensor in named_tensors(model):
-        first_name.setdefault(id(tensor), name)
-        id_of[name] = id(tensor)
+        first_of[name] = firsts.setdefault(id(tensor), name)
     names = list(names)
-    unknown = [name for name in names if name not in id_of]
+    unknown = [name for name in names if name not in first_of]
     if unknown:
         raise SplitError(f"could not materialise {unknown}: the model has no tensor of that name "
                          f"(internal error: names come from the model's own named_parameters/named_buffers)")
     by_owner: dict[str, list[str]] = {}
     for name in names:
-        first = first_name[id_of[name]]
+        first = first_of[name]
         wanted = by_owner.setdefault(first.rpartition(".")[0], [])
         if first not in wanted:
             wanted.append(first)
@@ -176,7 +175,7 @@ def materialize(
     for owner_path in by_owner:
         made.update(_owner_tensors(model, owner_path, device, seed))
     _warn_of_unset({first: made[first] for firsts in by_owner.values() for first in firsts})
-    return {name: made[first_name[id_of[name]]] for name in names}
+    return {name: made[first_of[name]] for name in names}
 
 
 def _owner_tensors(model: nn.Module, owner_path: str, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
