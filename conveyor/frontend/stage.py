@@ -144,12 +144,9 @@ def build_recipes(
 
     ordered_values = [*traced.user_inputs, *traced.nodes]
     recipes = []
-    nodes_of: list[list[fx.Node]] = [[] for _ in range(num_stages)]
-    for node in traced.nodes:
-        nodes_of[stage_of[node]].append(node)
     previous_outputs: list[fx.Node] = list(traced.user_inputs)
     for stage in range(num_stages):
-        nodes = sorted(nodes_of[stage], key=index_of.__getitem__)
+        nodes = [node for node in traced.nodes if stage_of[node] == stage]
         tensors: dict[str, StageTensor] = {}
         subgraphs: dict[str, str] = {}
         extra_names: dict[str, StageTensor] = {}
