@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -314,12 +315,10 @@ def _warn_of_shared_buffers_updated_in_place(traced, stage_tensors: list[list[St
 def _ids_held_by_several(
     stage_tensors: list[list[StageTensor]], by_name: Mapping[str, torch.Tensor]
 ) -> set[int]:
-    holders: dict[int, set[int]] = {}
-    for stage, tensors in enumerate(stage_tensors):
-        for tensor_spec in tensors:
-            if tensor_spec.kind != "constant":
-                holders.setdefault(id(by_name[tensor_spec.source]), set()).add(stage)
-    return {tensor_id for tensor_id, stages in holders.items() if len(stages) > 1}
+    # A stage counts a tensor once, under whichever of its names it holds it.
+    holders = Counter(tensor_id for tensors in stage_tensors
+                      for tensor_id in {id(by_name[t.source]) for t in tensors if t.kind != "constant"})
+    return {tensor_id for tensor_id, count in holders.items() if count > 1}
 
 
 def split_model(
