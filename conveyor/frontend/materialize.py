@@ -33,6 +33,7 @@ Rules (``stage_tensors``):
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import zlib
 from collections.abc import Iterable, Iterator
@@ -52,6 +53,14 @@ def named_tensors(model: nn.Module, recurse: bool = True) -> Iterator[tuple[str,
     names) included."""
     yield from model.named_parameters(recurse=recurse, remove_duplicate=False)
     yield from model.named_buffers(recurse=recurse, remove_duplicate=False)
+
+
+def tensor_names(model: nn.Module) -> list[list[str]]:
+    """Every name of each parameter and buffer of ``model`` (several for a tied tensor), in model order."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in named_tensors(model):
+        names.setdefault(id(tensor), []).append(name)
+    return list(names.values())
 
 
 def copy_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -156,10 +165,7 @@ def materialize(
         >>> sorted(materialize(model, ["1.weight"], torch.device("cpu"), seed=0))
         ['1.weight']
     """
-    first_of: dict[str, str] = {}  # every name -> the first name of its tensor
-    firsts: dict[int, str] = {}
-    for name, tensor in named_tensors(model):
-        first_of[name] = firsts.setdefault(id(tensor), name)
+    first_of = {name: names[0] for names in tensor_names(model) for name in names}  # name -> its tensor's first
     names = list(names)
     unknown = [name for name in names if name not in first_of]
     if unknown:
@@ -231,12 +237,10 @@ def initialise_as_on_meta(model: nn.Module, seed: int) -> nn.Module:
         True
     """
     owners: dict[str, dict[str, torch.Tensor]] = {}
-    seen: set[int] = set()
-    for name, tensor in named_tensors(model):
-        if id(tensor) not in seen:  # a tied tensor is set once, through its first name
-            seen.add(id(tensor))
-            owner_path, _, local = name.rpartition(".")
-            owners.setdefault(owner_path, {})[local] = tensor
+    # A tied tensor is set once, through its first name (torch's named_* yield each tensor once, so).
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        owner_path, _, local = name.rpartition(".")
+        owners.setdefault(owner_path, {})[local] = tensor
     with torch.no_grad():
         for owner_path, tensors in owners.items():
             device = next(iter(tensors.values())).device

@@ -64,7 +64,7 @@ from conveyor.frontend.dynamic import (
     symbolic_dims,
 )
 from conveyor.frontend.functions import custom_functions_met, refusal
-from conveyor.frontend.materialize import named_tensors
+from conveyor.frontend.materialize import tensor_names
 
 logger = logging.getLogger(__name__)
 
@@ -205,11 +205,8 @@ class TracedModel:
         self.out_spec: pytree.TreeSpec = exported.call_spec.out_spec
         self.example: list[ValueSpec] = [_example_leaf(node) for node in self.user_inputs]
         # Every name of every tensor, for tied tensors: name -> all names, model order.
-        names_of: dict[int, list[str]] = {}
-        for tensor_name, tensor in named_tensors(model):
-            names_of.setdefault(id(tensor), []).append(tensor_name)
         self.aliases: dict[str, tuple[str, ...]] = {
-            name: tuple(names) for names in names_of.values() if len(names) > 1 for name in names
+            name: tuple(names) for names in tensor_names(model) if len(names) > 1 for name in names
         }
 
     def example_inputs(self, device: torch.device) -> tuple[tuple, dict]:
