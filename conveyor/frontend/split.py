@@ -423,8 +423,7 @@ def _assign_tensors(
     all_names = list(named_tensors(model))
     by_name = dict(all_names)
     order = {name: index for index, (name, _) in enumerate(all_names)}
-    holders: dict[int, set[int]] = {}
-    uses: dict[int, set[tuple[int, str]]] = {}
+    uses: dict[int, set[tuple[int, str]]] = {}  # id(tensor) -> (stage, name) of each stage holding it
     stage_tensors: list[list[StageTensor]] = []
     for recipe in recipes:
         tensors = [*recipe.tensors.values(), *recipe.extra_tensors]  # sorted below, with the unused ones
@@ -432,9 +431,7 @@ def _assign_tensors(
         for tensor_spec in tensors:
             if tensor_spec.kind == "constant":
                 continue
-            tensor_id = id(by_name[tensor_spec.source])
-            holders.setdefault(tensor_id, set()).add(recipe.stage)
-            uses.setdefault(tensor_id, set()).add((recipe.stage, tensor_spec.name))
+            uses.setdefault(id(by_name[tensor_spec.source]), set()).add((recipe.stage, tensor_spec.name))
 
     # Tensors no operation reads (unused modules, BatchNorm's counter in eval mode)
     # still belong to some stage: the one where their module (or its nearest
@@ -449,8 +446,8 @@ def _assign_tensors(
     }
     previous_stage = 0
     for name, tensor in all_names:
-        if id(tensor) in holders:
-            previous_stage = min(holders[id(tensor)])
+        if id(tensor) in uses:
+            previous_stage = min(uses[id(tensor)])[0]
             continue
         stage = previous_stage
         owner = name.rpartition(".")[0]
@@ -462,16 +459,17 @@ def _assign_tensors(
             owner = owner.rpartition(".")[0]
         kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
         stage_tensors[stage].append(StageTensor(name, kind, name, name not in non_persistent))
-        holders[id(tensor)] = {stage}
+        uses[id(tensor)] = {(stage, name)}
         previous_stage = stage
     for tensors in stage_tensors:
         tensors.sort(key=lambda t: (order.get(t.source, len(order)), t.name))
 
-    missing = [name for name, tensor in all_names if id(tensor) not in holders]
+    missing = [name for name, tensor in all_names if id(tensor) not in uses]
     if missing:  # cannot happen by construction; a dropped layer must never go unnoticed
         raise SplitError(f"internal error: tensors on no stage: {missing}")
 
-    tied = tuple(TiedParameter(traced.aliases.get(name, (name,)), tuple(sorted(uses[id(tensor)])))
-                 for name, tensor in model.named_parameters() if len(holders[id(tensor)]) > 1)
+    groups = (TiedParameter(traced.aliases.get(name, (name,)), tuple(sorted(uses[id(tensor)])))
+              for name, tensor in model.named_parameters())
+    tied = tuple(group for group in groups if len(group.stages) > 1)
     return stage_tensors, tied
 
