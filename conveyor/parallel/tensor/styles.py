@@ -78,13 +78,15 @@ class PackedColwiseParallel(ColwiseParallel):
         parallelize_module(attention, tp_mesh, {"qkv_proj": PackedColwiseParallel(packed=3)})
     """
 
+    _weight_dim = 0  # the weight's output dim, sharded
+
     def __init__(self, *, packed: int = 3, use_local_output: bool = True) -> None:
         super().__init__(use_local_output=use_local_output)
         self.packed = packed
 
     def _partition(self, name, module, device_mesh) -> None:
-        for param_name in ("weight", "bias"):
-            _distribute(module, param_name, device_mesh, column_placement(0, self.packed), self.src_data_rank)
+        _distribute(module, "weight", device_mesh, column_placement(self._weight_dim, self.packed), self.src_data_rank)
+        _distribute(module, "bias", device_mesh, column_placement(0, self.packed), self.src_data_rank)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(
@@ -94,7 +96,7 @@ class PackedColwiseParallel(ColwiseParallel):
         )
 
 
-class TransposedColwiseParallel(ColwiseParallel):
+class TransposedColwiseParallel(PackedColwiseParallel):
     """torch's ColwiseParallel for a ``(in, out)`` weight (GPT-2's Conv1D); ``packed=3`` for fused q|k|v.
 
     Example::
@@ -102,21 +104,14 @@ class TransposedColwiseParallel(ColwiseParallel):
         parallelize_module(gpt2_mlp, tp_mesh, {"c_fc": TransposedColwiseParallel()})
     """
 
-    def __init__(self, *, packed: int = 1, use_local_output: bool = True) -> None:
-        super().__init__(use_local_output=use_local_output)
-        self.packed = packed
+    _weight_dim = 1
 
-    def _partition(self, name, module, device_mesh) -> None:
-        _distribute(module, "weight", device_mesh, column_placement(1, self.packed), self.src_data_rank)
-        _distribute(module, "bias", device_mesh, column_placement(0, self.packed), self.src_data_rank)
+    def __init__(self, *, packed: int = 1, use_local_output: bool = True) -> None:
+        super().__init__(packed=packed, use_local_output=use_local_output)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _check_transposed(self, module)
-        return distribute_module(
-            module, device_mesh, self._partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(_local_output, self.use_local_output),
-        )
+        return super()._apply(module, device_mesh)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(packed={self.packed}, use_local_output={self.use_local_output})"
