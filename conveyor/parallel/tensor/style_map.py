@@ -228,24 +228,18 @@ def check_plan(module: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: in
         if not names:
             raise PipelineConfigError(
                 f"the tensor-parallel plan's pattern {pattern!r} matches no module of this "
-                f"{type(module).__name__}; its modules are named e.g. {_some_names(module)}"
+                f"{type(module).__name__}; its modules are named e.g. "
+                f"{[name for name, _ in module.named_modules() if name][:6]}"
             )
         for name in names:
-            _check_style_sizes(name, module.get_submodule(name), style, tp_size)
-
-
-def _some_names(module: nn.Module, count: int = 6) -> list[str]:
-    return [name for name, _ in module.named_modules() if name][:count]
-
-
-def _check_style_sizes(name: str, target: nn.Module, style: ParallelStyle, tp_size: int) -> None:
-    split = _split_size(target, style)
-    if split is not None and split[1] % tp_size:
-        raise PipelineConfigError(
-            f"tensor parallel size tp={tp_size} does not divide the {split[0]} of {name} "
-            f"({type(target).__name__}), {split[1]}, which {type(style).__name__} splits; choose a tp that "
-            f"divides {split[1]}, or leave {name} out of the plan"
-        )
+            target = module.get_submodule(name)
+            split = _split_size(target, style)
+            if split is not None and split[1] % tp_size:
+                raise PipelineConfigError(
+                    f"tensor parallel size tp={tp_size} does not divide the {split[0]} of {name} "
+                    f"({type(target).__name__}), {split[1]}, which {type(style).__name__} splits; choose a tp that "
+                    f"divides {split[1]}, or leave {name} out of the plan"
+                )
 
 
 def _split_size(target: nn.Module, style: ParallelStyle) -> tuple[str, int] | None:
