@@ -187,13 +187,9 @@ def _token_embedding(module: nn.Module, head: Projection | None) -> tuple[str, i
     embeddings = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Embedding)]
     if not embeddings:
         return None
-    head_weight = module.get_submodule(head.name).weight if head is not None else None
-    for name, embedding in embeddings:
-        if embedding.weight is head_weight:
-            return name, embedding.num_embeddings
-    if head is not None:
-        for name, embedding in embeddings:
-            if embedding.num_embeddings == head.out_features:
-                return name, embedding.num_embeddings
-    name, embedding = max(embeddings, key=lambda item: item[1].num_embeddings)
+    head_weight, vocabulary = (module.get_submodule(head.name).weight, head.out_features) if head else (None, None)
+    # Tied to the head, else as many rows as the head has outputs, else the largest: the first such.
+    tied = [item for item in embeddings if item[1].weight is head_weight]
+    as_wide = [item for item in embeddings if item[1].num_embeddings == vocabulary]
+    name, embedding = (tied or as_wide or [max(embeddings, key=lambda item: item[1].num_embeddings)])[0]
     return name, embedding.num_embeddings
