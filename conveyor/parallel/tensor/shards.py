@@ -76,9 +76,10 @@ def materialize_stage_shards(stage: nn.Module, tp_mesh, source: ShardSource) -> 
     # A tied parameter is drawn by the module that owns its first name in the model (GPT-2's
     # lm_head.weight by transformer.wte), on every stage holding a copy: equal shards at both ends.
     first_names = {id(param): name for name, param in source.model.named_parameters()}
+    model_parameters = dict(source.model.named_parameters(remove_duplicate=False))
     by_owner: dict[str, list[tuple[str, str]]] = {}
     for names in aliases.values():
-        model_name = first_names.get(id(_model_tensor(source.model, names[0])), names[0])
+        model_name = first_names.get(id(model_parameters.get(names[0])), names[0])
         by_owner.setdefault(model_name.rpartition(".")[0], []).append((names[0], model_name))
     for pairs in by_owner.values():  # one owning module whole at a time: the peak
         made = source.materialize([model_name for _, model_name in pairs])
@@ -109,16 +110,10 @@ def _slice(whole: torch.Tensor, tp_mesh, placements) -> DTensor:
     """This TP rank's part of ``whole`` (every TP rank holds the same whole), in storage of its own: the
     whole is freed once the owning module's tensors are sliced."""
     shared = distribute_tensor(whole, tp_mesh, placements, src_data_rank=None)
-    if not any(not p.is_replicate() for p in placements):
+    if all(p.is_replicate() for p in placements):
         return shared
     return DTensor.from_local(shared.to_local().clone(), tp_mesh, placements, run_check=False,
                               shape=shared.shape, stride=shared.stride())
-
-
-def _model_tensor(model: nn.Module, name: str) -> torch.Tensor | None:
-    owner, _, attribute = name.rpartition(".")
-    module = model.get_submodule(owner)
-    return module._parameters.get(attribute)
 
 
 def _stage_tensor(stage: nn.Module, name: str) -> tuple[torch.Tensor, bool]:
