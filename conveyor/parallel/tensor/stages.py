@@ -61,7 +61,7 @@ from conveyor.parallel.tensor.style_map import (
     tensor_parallel_plan,
 )
 from conveyor.parallel.tensor.traced import parallelize_traced_stage, parameter_placements, whole_outputs
-from conveyor.parallel.tensor.traced_sequence import describe_received, shard_stage_sequences
+from conveyor.parallel.tensor.traced_sequence import describe_received, on_every_rank, shard_stage_sequences
 
 
 def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()) -> dict[str, Any]:
@@ -89,8 +89,7 @@ def model_placements(model: nn.Module, layout: Any, tp_size: int, tied_groups=()
     for group in tied_groups:
         names = list(group.names)
         if len({repr(placements.get(name, Replicate())) for name in names}) > 1:
-            for name in names:
-                placements[name] = Replicate()
+            placements.update(dict.fromkeys(names, Replicate()))
     return placements
 
 
@@ -231,17 +230,8 @@ class TensorParallelStages(StagePart):
                     "sequence), the rest Replicate (whole)" if self.sequence_parallel else "every tensor Replicate "
                     "(whole)")
             return f"hand-built stages {sorted(modules)}: {rule}"
-        received = []
-        for stage, module in sorted(modules.items()):
-            if stage == 0:
-                continue
-            if self.sequence_parallel:  # the sequence stream's rows, the rest whole
-                received += [f"stage {stage} receives {line}" for line in describe_received(module, self.tp_size)]
-                continue
-            for spec in getattr(module, "input_specs", ()):
-                if spec.is_tensor:
-                    received.append(f"stage {stage} receives {spec.name}: {list(spec.shape)} Replicate local "
-                                    f"{list(spec.shape)}")
+        received = [f"stage {stage} receives {line}" for stage, module in sorted(modules.items()) if stage > 0
+                    for line in describe_received(module, self.tp_size)]
         return "; ".join(received) or "no boundary received here"
 
     def boundary_examples(self, shapes: Mapping[int, Any]) -> dict[int, Any]:
@@ -357,8 +347,9 @@ def _hand_built_plans(modules: Mapping[int, nn.Module], layout: Any, tp_size: in
     """Each stage's plan, checked on every rank of the job together: the first problem any rank
     found (or a pattern no stage has) is raised on every rank with the same message."""
     plans: dict[int, dict] = {}
-    problem, matched = None, set()
-    for stage, module in sorted(modules.items()):
+
+    def plan_of(stage: int) -> list[str]:
+        module = modules[stage]
         try:
             if isinstance(layout.tensor_parallel, str):
                 plans[stage] = eager_plan(module, tp_size, sequence_parallel=layout.sequence_parallel,
@@ -366,16 +357,13 @@ def _hand_built_plans(modules: Mapping[int, nn.Module], layout: Any, tp_size: in
             else:
                 plans[stage] = {p: s for p, s in layout.tensor_parallel.items() if matching_modules(module, p)}
                 check_plan(module, plans[stage], tp_size)
-            matched |= set(plans[stage])
         except PipelineConfigError as error:
-            problem = problem or f"stage {stage}: {error}"
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (problem, sorted(matched)))
-    for rank, (theirs, _) in enumerate(everyone):
-        if theirs is not None:
-            raise PipelineConfigError(f"tensor parallelism refused (found on rank {rank}), {theirs}")
+            raise PipelineConfigError(f"stage {stage}: {error}") from None
+        return sorted(plans[stage])
+
+    matched = on_every_rank(sorted(modules), plan_of, "tensor parallelism refused (found on rank {rank}), {problem}")
     if not isinstance(layout.tensor_parallel, str):
-        found = {pattern for _, theirs in everyone for pattern in theirs}
+        found = {pattern for patterns in matched for pattern in patterns}
         missing = [pattern for pattern in layout.tensor_parallel if pattern not in found]
         if missing:
             raise PipelineConfigError(

@@ -47,7 +47,7 @@ Example (on each of 2 ranks, a stage already parallelized by ``parallelize_trace
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -125,13 +125,7 @@ def _projections(graph: fx.Graph, stage: nn.Module) -> tuple[list[str], list[str
     and those left whole: a tied LM head), of its row-parallel projections, and of its embeddings;
     read from which operation takes each weight and on which dim it is sharded."""
     gathering, rowwise, embeddings = [], [], []
-    for node in graph.nodes:
-        if node.op != "get_attr":
-            continue
-        try:
-            param = stage.get_parameter(node.target)
-        except AttributeError:
-            continue
+    for node, param in _parameters_read(graph, stage):
         shard = param.placements[0] if isinstance(param, DTensor) else Replicate()
         # Sharded on its input dim (1 of a Linear's (out, in), 0 of a Conv1D's (in, out)): row-parallel;
         # on its output dim, or whole: the projection takes its input whole.
@@ -161,18 +155,22 @@ def _region(graph: fx.Graph, path: str, modules: bool = False) -> list[fx.Node]:
 def _moe_blocks(graph: fx.Graph, stage: nn.Module) -> list[str]:
     """The module paths of the stage's mixture-of-experts blocks: the parents of its experts modules, found
     as leaves the trace kept whole (``call_module``) or by their 3-D weights (experts traced through)."""
-    experts: set[str] = set()
-    for node in graph.nodes:
-        if node.op == "call_module" and is_stacked_experts(stage.get_submodule(node.target)):
-            experts.add(node.target)
-        elif node.op == "get_attr":
-            try:
-                param = stage.get_parameter(node.target)
-            except AttributeError:
-                continue
-            if param.dim() == 3:
-                experts.add(node.target.rpartition(".")[0])
+    experts = {node.target for node in graph.nodes
+               if node.op == "call_module" and is_stacked_experts(stage.get_submodule(node.target))}
+    experts |= {node.target.rpartition(".")[0] for node, param in _parameters_read(graph, stage) if param.dim() == 3}
     return sorted({path.rpartition(".")[0] for path in experts if "." in path})
+
+
+def _parameters_read(graph: fx.Graph, stage: nn.Module) -> Iterator[tuple[fx.Node, torch.Tensor]]:
+    """Each ``get_attr`` node of ``graph`` that reads a parameter of ``stage``, with that parameter."""
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            param = stage.get_parameter(node.target)
+        except AttributeError:  # a buffer or a constant
+            continue
+        yield node, param
 
 
 def _insert_after(graph: fx.Graph, value: fx.Node, function, uses: list[fx.Node]) -> fx.Node:
@@ -385,13 +383,15 @@ def _sent_rows(sent: Mapping[bool, tuple[bool, ...]]):
 
 
 def describe_received(stage: nn.Module, tp_size: int) -> list[str]:
-    """Each tensor input of a sequence-parallel traced ``stage`` as it crosses: placement and local shape.
+    """Each tensor input of a traced ``stage`` as it crosses: placement and local shape (whole, unless
+    sequence parallelism takes it as this TP rank's rows).
 
     Example::
 
         describe_received(stage_1, 2)   # ['add_6: [2, 12, 32] Shard(1) local [2, 6, 32]', 'to_2: ...']
     """
-    flags = stage._conveyor_sequence_received[stage.training]
+    received = getattr(stage, "_conveyor_sequence_received", None)
+    flags = received[stage.training] if received else [False] * len(stage.input_specs)
     lines = []
     for spec, flag in zip(stage.input_specs, flags):
         if spec.is_tensor:
@@ -413,17 +413,23 @@ def shard_stage_sequences(modules: Mapping[int, nn.Module], tp_mesh: Any) -> fro
         shard_stage_sequences({0: stage}, layout_of(mesh).tp_mesh)    # frozenset({(2, 12, 32)})
     """
     stages = [module for _, module in sorted(modules.items())]
-    stream = frozenset().union(*_on_every_rank(stages, lambda module: place_redistributions(module, tp_mesh.size())))
-    _on_every_rank(stages, lambda module: shard_boundaries(module, tp_mesh, stream))
+    stream = frozenset().union(*on_every_rank(stages, lambda module: place_redistributions(module, tp_mesh.size())))
+    on_every_rank(stages, lambda module: shard_boundaries(module, tp_mesh, stream))
     return stream
 
 
-def _on_every_rank(stages: list, step) -> list:
-    """``step`` on each stage; what every rank's stages gave, or the first refusal, raised on every rank."""
+def on_every_rank(items: list, step: Callable[[Any], Any], refusal: str = "{problem} (found on rank {rank})") -> list:
+    """``step`` on each item; what every rank's items gave, or the first refusal any rank met, raised on every
+    rank (its message ``refusal`` formatted with the ``problem`` and the ``rank``). A collective.
+
+    Example::
+
+        on_every_rank(stages, lambda module: place_redistributions(module, 2))    # [frozenset(...), ...]
+    """
     problem, results = None, []
-    for module in stages:
+    for item in items:
         try:
-            results.append(step(module))
+            results.append(step(item))
         except PipelineConfigError as error:
             problem = str(error)
             break
@@ -431,5 +437,5 @@ def _on_every_rank(stages: list, step) -> list:
     dist.all_gather_object(everyone, (problem, results))
     for rank, (theirs, _) in enumerate(everyone):
         if theirs is not None:
-            raise PipelineConfigError(f"{theirs} (found on rank {rank})")
+            raise PipelineConfigError(refusal.format(problem=theirs, rank=rank))
     return [result for _, theirs in everyone for result in theirs]
