@@ -110,14 +110,11 @@ def discover(module: nn.Module) -> Found:
     found.head = _head_of(module, leftovers)
     for projection in leftovers:
         if projection is not found.head:
-            found.unplaced.append((projection.name, _unplaced_reason(projection)))
+            found.unplaced.append((projection.name, f"a projection ({projection.in_features} -> "
+                                   f"{projection.out_features}) that belongs to no attention or MLP pattern and is "
+                                   "not the model's last layer (the LM head)"))
     found.embedding = _token_embedding(module, found.head)
     return found
-
-
-def _unplaced_reason(projection: Projection) -> str:
-    return (f"a projection ({projection.in_features} -> {projection.out_features}) that belongs to no "
-            "attention or MLP pattern and is not the model's last layer (the LM head)")
 
 
 def _output_of(children: list[Projection]) -> Projection | None:
