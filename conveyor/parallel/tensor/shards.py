@@ -69,8 +69,9 @@ def materialize_stage_shards(stage: nn.Module, tp_mesh, source: ShardSource) -> 
     (see the module docstring)."""
     # A tensor tied within the stage (GPT-2's wte and lm_head on one stage) is one Parameter under two
     # names: it is made once and registered under every name, so none is left on meta.
+    tensors = dict(_every_tensor(stage))
     aliases: dict[int, list[str]] = {}
-    for name, tensor in _every_tensor(stage):
+    for name, tensor in tensors.items():
         if _on_meta(tensor):
             aliases.setdefault(id(tensor), []).append(name)
     # A tied parameter is drawn by the module that owns its first name in the model (GPT-2's
@@ -84,12 +85,13 @@ def materialize_stage_shards(stage: nn.Module, tp_mesh, source: ShardSource) -> 
     for pairs in by_owner.values():  # one owning module whole at a time: the peak
         made = source.materialize([model_name for _, model_name in pairs])
         for name, model_name in pairs:
-            current, is_parameter = _stage_tensor(stage, name)
+            current = tensors[name]
             value = made[model_name].detach()
-            if is_parameter:
+            if isinstance(current, nn.Parameter):
                 value = nn.Parameter(_slice(value, tp_mesh, current.placements), requires_grad=current.requires_grad)
-            for alias in aliases[id(current)]:
-                _set(stage, alias, value)
+            for alias in aliases[id(current)]:  # setattr fills a parameter's slot or a buffer's alike
+                owner, _, attribute = alias.rpartition(".")
+                setattr(stage.get_submodule(owner), attribute, value)
         del made
     left = [name for name, tensor in _every_tensor(stage) if _on_meta(tensor)]
     if left:  # it would fail a checkpoint's save much later, as "Cannot copy out of meta tensor"
@@ -114,21 +116,3 @@ def _slice(whole: torch.Tensor, tp_mesh, placements) -> DTensor:
         return shared
     return DTensor.from_local(shared.to_local().clone(), tp_mesh, placements, run_check=False,
                               shape=shared.shape, stride=shared.stride())
-
-
-def _stage_tensor(stage: nn.Module, name: str) -> tuple[torch.Tensor, bool]:
-    """The stage's tensor of that name, and whether it is a parameter (else a buffer)."""
-    owner, _, attribute = name.rpartition(".")
-    module = stage.get_submodule(owner)
-    is_parameter = attribute in module._parameters
-    return (module._parameters if is_parameter else module._buffers)[attribute], is_parameter
-
-
-def _set(stage: nn.Module, name: str, value: torch.Tensor) -> None:
-    owner, _, attribute = name.rpartition(".")
-    module = stage.get_submodule(owner)
-    if attribute in module._parameters:
-        module.register_parameter(attribute, value)
-    else:
-        module._buffers[attribute] = value
-
