@@ -81,7 +81,7 @@ _KILL_WAIT_S = 10.0
 _EXIT_GRACE_S = 5.0
 
 
-class RankGroup:
+class RankGroup(contextlib.AbstractContextManager):
     """``world_size`` live ranks, each in a process group (none with ``distributed=False``).
 
     Use as a context manager; :meth:`call` runs one function on every rank. The ranks are
@@ -285,9 +285,6 @@ class RankGroup:
         self._conns, self._procs = [], []
         if self._stack_dir is not None:
             shutil.rmtree(self._stack_dir, ignore_errors=True)
-
-    def __enter__(self) -> RankGroup:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

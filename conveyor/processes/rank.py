@@ -142,10 +142,9 @@ def serve(rank: int, spec: RankSpec, conn: Connection) -> bool:
         conn.poll(FAILED_RANK_LINGER_S)  # see the module docstring: the parent kills the peers first
         return False
     try:
-        if spec.first_call is None:
-            _send(conn, ("ok", None))  # set up: the group may call
-        else:
-            _send(conn, _answer(worker, spec.first_call, spec.max_result_bytes))
+        # Set up: the group may call (a one-call group's call answers for the set-up).
+        first = ("ok", None) if spec.first_call is None else _answer(worker, spec.first_call, spec.max_result_bytes)
+        _send(conn, first)
         with contextlib.suppress(EOFError):  # end of file: the parent is gone
             for call in iter(conn.recv, None):  # None: told to stop
                 _send(conn, _answer(worker, call, spec.max_result_bytes))

@@ -31,7 +31,7 @@ from conveyor.processes.rank import RankSpec, rank_main
 from conveyor.processes.support import die_with_parent
 
 
-class Zygote:
+class Zygote(contextlib.AbstractContextManager):
     """A process that imports ``modules`` once, then forks rank processes on request.
 
     Forking is cheap and starts a rank with the imports done; forking from here rather
@@ -120,9 +120,6 @@ class Zygote:
             self._proc.kill()
             self._proc.join(1.0)
         self._conn.close()
-
-    def __enter__(self) -> Zygote:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
