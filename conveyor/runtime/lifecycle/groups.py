@@ -181,13 +181,8 @@ class OwnGroups:
     def _each_of(self, memberships: Sequence[Sequence[int]]):
         """Build a group over each of ``memberships`` (collective over the whole job); keep and
         return the one this rank belongs to."""
-        me = dist.get_rank()
-        mine = None
-        for members in memberships:
-            group = self._new_group(members, whole_job=True)
-            if me in members:
-                mine = group
-        return mine
+        groups = [self._new_group(members, whole_job=True) for members in memberships]
+        return next((group for members, group in zip(memberships, groups) if dist.get_rank() in members), None)
 
     def agree(self, fields: Mapping[str, str], group=None, who: str = "ranks") -> None:
         """Check that every rank built the same pipeline; raise PipelineConfigError on each if not.

@@ -108,9 +108,9 @@ class PositionBoard:
                 self.store.add(self.heartbeat_key, 1)
             except Exception as exc:  # the store is gone (its process died): say so once, then stop
                 log.debug("where is everyone: watcher stops: %s", exc)
-                self._poll()
                 return
-            self._poll()
+            finally:
+                self._poll()  # beat or no beat: the failure watch still looks
             try:
                 request = self.store.add(f"{self.prefix}/request", 0)
                 if request > self.answered:
