@@ -201,10 +201,8 @@ class OwnGroups:
             self.token = everyone[0]["_token"]
         for name in fields:
             values = [theirs.get(name) for theirs in everyone]
-            if len(set(values)) > 1:
-                by_value: dict[Any, list[int]] = {}
-                for rank, value in enumerate(values):
-                    by_value.setdefault(value, []).append(rank)
+            by_value = {value: [rank for rank, v in enumerate(values) if v == value] for value in dict.fromkeys(values)}
+            if len(by_value) > 1:
                 label = "replica(s)" if who == "replicas" else "rank(s)"
                 told = "; ".join(f"{label} {ranks}: {value}" for value, ranks in by_value.items())
                 raise PipelineConfigError(
