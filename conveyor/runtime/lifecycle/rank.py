@@ -179,8 +179,7 @@ class RankLifecycle:
             return self._with_picture(self.watch.abort_error)
         if isinstance(exc, ConveyorError):
             return self._with_picture(exc)
-        cause = self.peers.cause(exc)
-        return exc if cause is None else cause
+        return self.peers.cause(exc) or exc
 
     def _with_picture(self, error: Exception) -> Exception:
         """A timeout says where every rank stands (asked through the store; the data plane is stuck)."""
