@@ -269,8 +269,7 @@ class Pipeline:
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """The parameters of this process's stages (shared ones once)."""
-        for _, p in self.named_parameters():
-            yield p
+        return (p for _, p in self.named_parameters())
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This process's parameters (shared ones once), under the names their modules give them."""
@@ -443,11 +442,7 @@ class PipelineSteps:
         else:
             first, targets = self.inputs.split(args, kwargs, target)
         set_loss_divisor(self.runners, self.schedule.num_stages, normalize_by, self.backend.dp_size)
-        for runner in self.runners.values():
-            runner.reset()
-        self.backend.start(True, self.stage.record_timeline)
-        with torch.enable_grad(), step_random_streams(self.runners.values(), self.stage.random_streams):
-            self.backend.run(True, first, targets, return_outputs)
+        self._run(True, first, targets, return_outputs)
         loss = self.backend.finish_step(self.runners)
         if return_outputs:  # microbatches given one by one come back so
             return loss, self.last_outputs(merged=given is None, clear=False)
@@ -462,13 +457,18 @@ class PipelineSteps:
     def forward_each(self, first: list[tuple[tuple, dict]] | None) -> list[Any] | None:
         """Forward of the microbatches ``first`` (None where stage 0 does not run) without autograd
         state: the last stage's output of each, by microbatch, where it runs; None elsewhere."""
-        for runner in self.runners.values():
-            runner.reset()
-        self.backend.start(False, False)
-        with torch.no_grad(), step_random_streams(self.runners.values(), self.stage.random_streams):
-            self.backend.run(False, first, None, False)
+        self._run(False, first, None, False)
         self.backend.finish_forward()
         return self.last_outputs(merged=False, clear=True)
+
+    def _run(self, train: bool, first: list | None, targets: list | None, keep_outputs: bool) -> None:
+        """The backend's run of a training step (``train``: with autograd, timed if the stage options say so) or a
+        forward-only one, the runners reset first and the stages' random streams stepped."""
+        for runner in self.runners.values():
+            runner.reset()
+        self.backend.start(train, train and self.stage.record_timeline)
+        with torch.set_grad_enabled(train), step_random_streams(self.runners.values(), self.stage.random_streams):
+            self.backend.run(train, first, targets, keep_outputs)
 
     def last_outputs(self, merged: bool, clear: bool) -> Any:
         """The last stage's outputs of every microbatch (None where the last stage does not run):
@@ -482,6 +482,7 @@ class PipelineSteps:
         if clear:
             last.outputs.clear()
         return outputs
+
 
 def _check_records(**records: Any) -> None:
     """Each option record is of its type (a dict or another record passed by mistake is named)."""
