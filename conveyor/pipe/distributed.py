@@ -54,7 +54,6 @@ class DistributedRanks(RanksBackend):
     """This process's rank of a pipeline over ``layout``'s group (or mesh), moving bytes as ``transfer`` says."""
 
     in_process = False
-    checkpoint_group = None  # with a part that asks for it (replicas, TP): a group over every rank of the job
     _recorder: StepRecorder | EventRecorder | None = None  # the last step's, when recorded
     # Built by connect(): the pipeline's groups, its programs, the transport and the executor.
     life: RankLifecycle
@@ -126,7 +125,7 @@ class DistributedRanks(RanksBackend):
             for part in self.parts:
                 part.wrap()
             if any(part.wants_checkpoint_group for part in self.parts):
-                # Checkpoints are written by every rank of the job together (replicas, TP positions).
+                # Checkpoints are written by every rank of the job together (replicas, TP positions); else None.
                 self.checkpoint_group = self.life.groups.job_group()
             self._build_communication(runners, stage)
         except BaseException:
