@@ -286,10 +286,7 @@ class Pipeline:
 
     def state_dict(self) -> dict[str, Any]:
         """This process's parameters and buffers under their modules' names."""
-        state = {}
-        for runner in self.runners.values():
-            state.update(runner.module.state_dict())
-        return state
+        return {name: value for runner in self.runners.values() for name, value in runner.module.state_dict().items()}
 
     def load_pretrained(self, path: str) -> Any:
         """Fill this process's stages from a Hugging Face safetensors directory (see
