@@ -219,7 +219,7 @@ def check_request(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, 
             f"{input_ids.shape[1]} prompt tokens + max_new_tokens={max_new_tokens} need {length} positions, but the "
             f"model has {positions}: pass max_new_tokens <= {positions - input_ids.shape[1]}, or shorter prompts"
         )
-    held = [runner.module.cache_length for runner in pipe.runners.values() if hasattr(runner.module, "cache_length")]
+    held = [module.cache_length for module in pipe.modules if hasattr(module, "cache_length")]
     if held and length > min(held):
         raise PipelineConfigError(
             f"{input_ids.shape[1]} prompt tokens + max_new_tokens={max_new_tokens} need {length} positions, but the "
@@ -238,14 +238,13 @@ def uses_cache(pipe: Pipeline, lengths: torch.Tensor, prompt: int) -> bool:
     """Whether to decode with the stages' own key/value caches: every stage here keeps one
     (``reset_kv_cache``: :mod:`conveyor.testing.models.cached_lm` shows the protocol) and the prompts
     are of one length (right-padded prompts of several lengths take the window loop)."""
-    modules = [runner.module for runner in pipe.runners.values()]
-    return all(hasattr(module, "reset_kv_cache") for module in modules) and bool((lengths == prompt).all())
+    return all(hasattr(module, "reset_kv_cache") for module in pipe.modules) and bool((lengths == prompt).all())
 
 
 def stage_inputs(pipe: Pipeline, window: torch.Tensor) -> tuple[tuple, dict]:
     """The window as stage 0 takes it: as ``input_ids=`` where stage 0 was traced with that keyword, else positional
     (a stage with a key/value cache: ``(ids, None, 0)``, its plain forward)."""
-    if all(hasattr(runner.module, "reset_kv_cache") for runner in pipe.runners.values()):
+    if all(hasattr(module, "reset_kv_cache") for module in pipe.modules):
         return (window, None, 0), {}
     first = pipe.runners.get(0)
     spec = getattr(getattr(first, "module", None), "_conveyor_in_spec", None)
@@ -328,8 +327,8 @@ def _cached_steps(pipe: Pipeline, window: torch.Tensor, prompt: int, max_new_tok
     (:func:`_unrolled_block`; the pipeline of a block size is built once and runs every block of that size; all close
     when the steps end or the caller stops early, every row at its eos); with replicas or TP ranks a block is one
     step, every lane through every stage and the tokens sent to every rank (:func:`_next_tokens`)."""
-    for runner in pipe.runners.values():
-        runner.module.reset_kv_cache()
+    for module in pipe.modules:
+        module.reset_kv_cache()
     unrolled = pipe.checkpoint_group is None  # one pipeline (conveyor.schedule.decode)
     block = max_new_tokens if sampling.eos_token_id is None else min(max_new_tokens, UNROLLED_BLOCK)
     built: dict[int, tuple[Pipeline, dict]] = {}
