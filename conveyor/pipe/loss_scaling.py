@@ -35,7 +35,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,8 +46,6 @@ from conveyor.runtime.stage.main_grad import gradient
 
 if TYPE_CHECKING:
     from conveyor.pipe.gradients import GradientChecks  # which holds this
-
-log = logging.getLogger("conveyor.pipe")
 
 
 class StepLossScaling:
