@@ -27,6 +27,7 @@ from typing import Any
 from conveyor.errors import ConfigError, ScheduleError
 from conveyor.train import sources
 from conveyor.train.config import RECIPES, model_kind
+from conveyor.train.expert_shards import expert_size
 from conveyor.train.parity import parity_problems
 
 MODEL_NAMES = tuple(RECIPES)
@@ -245,7 +246,7 @@ def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
         problems.append(f"parallel.ep={ep!r}: expected 'auto' (ep = parallel.dp) or a size >= 1 (1: no expert "
                         "parallelism)")
         return
-    size = par.dp if ep == "auto" else ep
+    size = expert_size(par)
     if par.in_process:
         problems.append(f"parallel.ep={ep} moves tokens between processes, but parallel.in_process=true; set "
                         "parallel.ep=1 or parallel.in_process=false")

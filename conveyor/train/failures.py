@@ -194,19 +194,15 @@ _ECHOES = ("PeerFailure", "PipelineStopped", "Connection closed by peer", "Conne
 
 def _own_errors(error: Any, cause: int) -> list[tuple[int, Any, str]]:
     """The other ranks' exceptions that are not echoes of a peer's failure, rank by rank."""
-    found = []
-    for rank in sorted(error.failures):
-        message = raised(error.failures[rank]) if rank != cause else None
-        if message is not None and not any(echo in message for echo in _ECHOES):
-            found.append((rank, error.failures[rank], message))
-    return found
+    messages = {rank: raised(failure) for rank, failure in sorted(error.failures.items()) if rank != cause}
+    return [(rank, error.failures[rank], message) for rank, message in messages.items()
+            if message is not None and not any(echo in message for echo in _ECHOES)]
 
 
 def _advice(failure: Any, exception: str | None, restarts: int) -> str:
     if failure.exitcode < 0:
-        name = failure.signal_name()
-        killed = " (SIGKILL from outside, often the kernel's out-of-memory killer: see `dmesg`)"
-        why = killed if name == "SIGKILL" else ""
+        why = (" (SIGKILL from outside, often the kernel's out-of-memory killer: see `dmesg`)"
+               if failure.signal_name() == "SIGKILL" else "")
         again = "" if restarts else "; run.max_restarts=N with checkpoint.interval restarts a run after such a loss"
         return f"find out what stopped the rank{why}, then run the same command again{again}"
     if exception is not None and exception.split(":", 1)[0] in _USER_ERRORS:

@@ -68,12 +68,11 @@ def greedy_tokens(pipe: Any, prompt: Sequence[int], steps: int, *, seq_len: int,
     if not prompt:
         raise ValueError("greedy_tokens needs a prompt of at least one token; got none")
     distributed = not pipe.ranks.in_process
-    reads = pipe.needs_inputs
     context, made = list(prompt), []
     for _ in range(steps):
         window = context[-seq_len:]
         x = None
-        if reads:
+        if pipe.needs_inputs:
             x = torch.zeros(rows, seq_len, dtype=torch.long)  # 0 pads: positions the context never attends to
             x[:, : len(window)] = torch.tensor(window, dtype=torch.long)
         output = pipe.forward(x)
