@@ -424,11 +424,8 @@ def _read_overrides(overrides: Sequence[str]) -> Any:
 def _origin(where: str | None, key: str, overrides: Sequence[str]) -> str:
     if where is not None:
         return where
-    def names(item: str) -> bool:
-        name = item.split("=", 1)[0].strip()
-        return name == key or name.startswith(key + ".")
-
-    item = next((o for o in overrides if names(o)), None)
+    # The override that sets ``key`` or a key under it.
+    item = next((o for o in overrides if f"{o.split('=', 1)[0].strip()}.".startswith(f"{key}.")), None)
     return f"command-line override {item!r}" if item else "command-line overrides"
 
 

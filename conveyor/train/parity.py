@@ -155,11 +155,7 @@ def unsplit_model(cfg: Any, vocab_size: int, device: Any) -> Any:
     names = [name for name, _ in named_tensors(model)]
     for name, tensor in materialize(model, names, device, cfg.train.seed).items():
         path, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(path)
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = tensor
-        else:
-            owner._buffers[leaf] = tensor
+        setattr(model.get_submodule(path), leaf, tensor)  # fills a parameter's slot or a buffer's alike
     return model
 
 
