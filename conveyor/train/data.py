@@ -396,14 +396,12 @@ def document_pieces(documents: Sequence[Any], tokenizer: Any, seq_len: int,
         >>> [len(p) for p in document_pieces([Document("a", b"x" * 9), Document("b", b"yz")], ByteTokenizer(), 4)]
         [5, 5, 2]
     """
-    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    eos = torch.tensor([] if tokenizer.eos_id is None else [tokenizer.eos_id], dtype=torch.long)
     pieces = []
     for done, doc in enumerate(documents):
         if progress is not None and done % 1000 == 0:
             progress(f"{done:,} of {len(documents):,} documents cut into pieces")
-        tokens = tokenizer.encode(doc.data).long()
-        if eos:
-            tokens = torch.cat((tokens, torch.tensor(eos, dtype=torch.long)))
+        tokens = torch.cat((tokenizer.encode(doc.data).long(), eos))
         # Consecutive pieces of one document overlap by one token, as windows do: every token is predicted once.
         for start in range(0, max(len(tokens) - 1, 0), seq_len):
             piece = tokens[start: start + seq_len + 1]

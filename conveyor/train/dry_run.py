@@ -271,13 +271,11 @@ def format_layout(layout: RunLayout, cfg: TrainConfig) -> str:
     width = max(len(r.first) for r in layout.stages) + 2
     lines.append(f"{'stage':>5}  {'rank':>4}  {'first module':<{width}}{'last module':<{width}}{'blocks':>6}  "
                  f"{'parameters':>14}  {'kept/microbatch':>16}")
-    for r in layout.stages:
-        lines.append(f"{r.stage:>5}  {r.rank:>4}  {r.first:<{width}}{r.last:<{width}}{r.blocks:>6}  "
-                     f"{r.parameters:>14,}  {_gib(r.activation_bytes):>16}")
+    lines += [f"{r.stage:>5}  {r.rank:>4}  {r.first:<{width}}{r.last:<{width}}{r.blocks:>6}  "
+              f"{r.parameters:>14,}  {_gib(r.activation_bytes):>16}" for r in layout.stages]
     lines.append(f"{'rank':>5}  {'params+grads+AdamW':>18}  {'in flight':>9}  {'activations':>11}  {'total':>9}")
-    for r in layout.ranks:
-        lines.append(f"{r.rank:>5}  {_gib(r.state_bytes):>18}  {r.in_flight:>9}  {_gib(r.activation_bytes):>11}  "
-                     f"{_gib(r.total_bytes):>9}")
+    lines += [f"{r.rank:>5}  {_gib(r.state_bytes):>18}  {r.in_flight:>9}  {_gib(r.activation_bytes):>11}  "
+              f"{_gib(r.total_bytes):>9}" for r in layout.ranks]
     if layout.tied:
         lines.append("tied: " + "; ".join(layout.tied) + " (each stage holding it keeps a copy)")
     if p.tp > 1:

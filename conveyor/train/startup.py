@@ -92,10 +92,8 @@ class StartupPhases(contextlib.AbstractContextManager):
             what, began = current
             now = time.monotonic()
             fresh = said is None or said[0] != what or said[1] < began
-            if fresh:
-                due = now - began >= self.quiet_s
-            else:
-                due = now - said[1] >= (self.quiet_s if progress != said[2] else self.repeat_s)
+            due = (now - began >= self.quiet_s if fresh
+                   else now - said[1] >= (self.quiet_s if progress != said[2] else self.repeat_s))
             if due:
                 still = "" if fresh else "still "
                 detail = f": {progress}" if progress else ""
