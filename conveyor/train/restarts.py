@@ -74,19 +74,20 @@ def launcher_pid() -> int:
             return parent
         if not any(entry.startswith(b"TORCHELASTIC_RUN_ID=") for entry in environ):
             return pid
-        above = _parent_of(pid)
-        if above is None or above <= 1:
+        try:
+            above = int(_stat_fields(pid)[1])  # field 4: the parent
+        except (OSError, IndexError, ValueError):
+            return parent
+        if above <= 1:
             return parent
         pid = above
     return parent
 
 
-def _parent_of(pid: int) -> int | None:
-    try:
-        # The name (field 2) may hold spaces and parentheses: the fields after it are plain.
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` from its third on: the name (field 2) may hold spaces and parentheses,
+    the fields after it are plain."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def job_started(pid: int | None = None) -> float | None:
@@ -102,12 +103,11 @@ def job_started(pid: int | None = None) -> float | None:
     """
     pid = launcher_pid() if pid is None else pid
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(_stat_fields(pid)[19])  # field 22: the start, in clock ticks after boot
         boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                     if line.startswith("btime "))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
-    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: the start, in clock ticks after boot
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
