@@ -146,9 +146,7 @@ def prompt_ids(run: Any, tokenizer: Any) -> list[int]:
     """
     text = run.cfg.train.sample_prompt
     if text is None:
-        mine = None
-        if run.val_data is not None:
-            mine = [int(i) for i in run.val_data.dataset.tokens[:PROMPT_TOKENS]]
+        mine = [int(i) for i in run.val_data.dataset.tokens[:PROMPT_TOKENS]] if run.val_data is not None else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         found = next((ids for ids in gathered if ids), None)
