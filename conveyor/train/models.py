@@ -228,10 +228,9 @@ def causal_lm_names() -> set[str]:
     """The class names transformers builds causal language models with (``AutoModelForCausalLM``'s)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    names: set[str] = set()
-    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update([value] if isinstance(value, str) else value)
-    return names
+    # A model type maps to one class name or to several.
+    return {name for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+            for name in ([value] if isinstance(value, str) else value)}
 
 
 def pretrained_config(directory: str, overrides: dict[str, Any] | None = None) -> tuple[type, Any]:
