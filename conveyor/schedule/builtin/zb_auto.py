@@ -208,21 +208,16 @@ class _ListScheduler:
     def _commit(self, r: int, kind: int, start: float, now: float) -> float:
         """Run ``kind`` on rank r from ``start``; wake who depends on it; return its end."""
         costs, push, heap, c = self.costs, heapq.heappush, self.heap, self.costs.latency
-        if kind == _F:
-            took = costs.forward[r]
-            self.end_f[r][self.done_f[r]] = start + took
-            self.done_f[r] += 1
-            if r + 1 < self.num_ranks:
-                push(heap, (start + took + c, r + 1))
-        elif kind == _I:
-            took = costs.backward_input[r]
-            self.end_i[r][self.done_i[r]] = start + took
-            self.done_i[r] += 1
-            if r:
-                push(heap, (start + took + c, r - 1))
-        else:
+        if kind == _W:
             took = costs.backward_weight[r]
             self.done_w[r] += 1
+        else:  # a forward feeds the next rank, an I the rank before
+            took, ends, done, fed = ((costs.forward[r], self.end_f, self.done_f, r + 1) if kind == _F
+                                     else (costs.backward_input[r], self.end_i, self.done_i, r - 1))
+            ends[r][done[r]] = start + took
+            done[r] += 1
+            if 0 <= fed < self.num_ranks:
+                push(heap, (start + took + c, fed))
         end = start + took
         for neighbour in (r - 1, r + 1):  # their guesses of this rank's next action may change
             if 0 <= neighbour < self.num_ranks and self.free[neighbour] <= now:
