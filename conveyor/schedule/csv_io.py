@@ -413,8 +413,8 @@ def parse_schedule(
     )
     if header is not None and header[2] != schedule.num_stages:
         raise ScheduleError(f"the header says {header[2]} stages but the actions use {schedule.num_stages}")
-    listed = _parsed_pairs(pairs, schedule.num_ranks) if pairs else ()
-    return schedule.with_programs(schedule.programs, listed if any(listed) else ()) if listed else schedule
+    listed = _parsed_pairs(pairs, schedule.num_ranks)
+    return schedule.with_programs(schedule.programs, listed) if any(listed) else schedule
 
 
 def _parsed_pairs(listed: dict[int, list[str]], num_ranks: int) -> tuple:

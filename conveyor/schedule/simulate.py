@@ -62,8 +62,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, time_unit: s
     """
     # One straight from lower() is verified (and timed) through its source; any other Schedule
     # is checked in the pass that times it, verify() words what that pass finds wrong.
-    unverified = isinstance(schedule, Schedule) and schedule.lowered_from is None
-    if unverified:
+    if isinstance(schedule, Schedule) and schedule.lowered_from is None:
         check_shape(schedule)
     else:
         verify(schedule)
