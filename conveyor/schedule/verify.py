@@ -217,34 +217,22 @@ def _check_action(placement: Placement, num_microbatches: int, programs: Sequenc
             )
     S, M, stage_to_rank = placement.num_stages, num_microbatches, placement.stage_to_rank
     label = f"action {action}"
-    marked = {(rank, i): STUCK}
+    # What is wrong with it, if anything: each reason raised the same way, its cell marked on the grid.
     if not 0 <= stage < S:
-        raise ScheduleError(
-            f"{where}: {label} names stage {stage}, but the schedule has {S} stages (0..{S - 1})",
-            grid=render_grid(programs, marked),
-        )
-    if microbatch < 0:
-        raise ScheduleError(
-            f"{where}: {label} names microbatch {microbatch}; microbatch ids run from 0 to num_microbatches - 1",
-            grid=render_grid(programs, marked),
-        )
-    if not 0 <= microbatch < M:
-        raise ScheduleError(
-            f"{where}: {label} names microbatch {microbatch}, but the schedule has num_microbatches={M} "
-            f"(0..{M - 1}); give num_microbatches={microbatch + 1} or more, or fix the action",
-            grid=render_grid(programs, marked),
-        )
-    owner = stage_to_rank[stage]
-    if owner != rank:
-        raise ScheduleError(
-            f"{where}: {label} runs stage {stage}, which the placement puts on rank {owner} "
-            f"(stage_to_rank={stage_to_rank}); move it to rank {owner}'s program "
-            "or change the placement",
-            grid=render_grid(programs, marked),
-        )
-    misplaced = _misplaced_comm(stage_to_rank, action) if kind.is_comm else None
-    if misplaced is not None:
-        raise ScheduleError(f"{where}: {misplaced}", grid=render_grid(programs, marked))
+        problem = f"{label} names stage {stage}, but the schedule has {S} stages (0..{S - 1})"
+    elif microbatch < 0:
+        problem = f"{label} names microbatch {microbatch}; microbatch ids run from 0 to num_microbatches - 1"
+    elif microbatch >= M:
+        problem = (f"{label} names microbatch {microbatch}, but the schedule has num_microbatches={M} "
+                   f"(0..{M - 1}); give num_microbatches={microbatch + 1} or more, or fix the action")
+    elif stage_to_rank[stage] != rank:
+        owner = stage_to_rank[stage]
+        problem = (f"{label} runs stage {stage}, which the placement puts on rank {owner} "
+                   f"(stage_to_rank={stage_to_rank}); move it to rank {owner}'s program or change the placement")
+    else:
+        problem = _misplaced_comm(stage_to_rank, action) if kind.is_comm else None
+    if problem is not None:
+        raise ScheduleError(f"{where}: {problem}", grid=render_grid(programs, {(rank, i): STUCK}))
 
 
 def _misplaced_comm(stage_to_rank: tuple[int, ...], action: Action) -> str | None:
