@@ -272,19 +272,13 @@ def _check_each_once(schedule: Schedule, codes: list[list[int]]) -> None:
             j = first_step.setdefault(code, i)
             if j == i:
                 continue
-            program = schedule.programs[rank]
-            marks = {(rank, j): STUCK, (rank, i): STUCK}
-            a, b = program[j], program[i]
+            a, b = schedule.programs[rank][j], schedule.programs[rank][i]
             if a.kind is b.kind:
-                raise ScheduleError(
-                    f"rank {rank} runs {a} twice, at steps {j} and {i}; each action must appear exactly once",
-                    grid=_grid(schedule, marks),
-                )
-            raise ScheduleError(
-                f"stage {a.stage} microbatch {a.microbatch} has two backward passes on rank {rank}: "
-                f"{a} at step {j} and {b} at step {i}; use either B, or I followed by W",
-                grid=_grid(schedule, marks),
-            )
+                problem = f"rank {rank} runs {a} twice, at steps {j} and {i}; each action must appear exactly once"
+            else:  # a B and an I
+                problem = (f"stage {a.stage} microbatch {a.microbatch} has two backward passes on rank {rank}: "
+                           f"{a} at step {j} and {b} at step {i}; use either B, or I followed by W")
+            raise ScheduleError(problem, grid=_grid(schedule, {(rank, j): STUCK, (rank, i): STUCK}))
 
 
 def _check_complete(schedule: Schedule, codes: list[list[int]], kinds: list[list[ActionKind]]) -> None:
