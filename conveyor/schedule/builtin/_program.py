@@ -168,9 +168,7 @@ class ProgramWriter:
                 out.extend(values)
         if below is not None:
             keep = [m < below for m in microbatches]
-            kinds = list(compress(kinds, keep))
-            stages = list(compress(stages, keep))
-            microbatches = list(compress(microbatches, keep))
+            kinds, stages, microbatches = (list(compress(values, keep)) for values in (kinds, stages, microbatches))
         return kinds, stages, microbatches
 
 
