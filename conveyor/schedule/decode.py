@@ -44,13 +44,10 @@ def decode_schedule(placement: Placement, lanes: int, steps: int) -> Schedule:
             raise ScheduleError(f"decode_schedule: {name} must be a whole number >= 1, got {value!r}")
     depth = placement.num_stages
     deep = Placement(placement.num_ranks, tuple(placement.rank_of(k % depth) for k in range(depth * steps)))
-    forwards: list[list[tuple[int, int]]] = [[] for _ in range(placement.num_ranks)]
-    for stage in range(deep.num_stages):
-        for lane in range(lanes):
-            forwards[deep.rank_of(stage)].append((stage, lane))
     programs = []
-    for actions in forwards:
-        actions.sort(key=lambda pair: (pair[0] + pair[1], pair[1]))
+    for rank in range(placement.num_ranks):
+        actions = sorted(((stage, lane) for stage in deep.stages_of(rank) for lane in range(lanes)),
+                         key=lambda pair: (pair[0] + pair[1], pair[1]))
         programs.append([Action(ActionKind.F, stage, lane) for stage, lane in actions]
                         + [Action(ActionKind.B, stage, lane) for stage, lane in reversed(actions)])
     return Schedule.from_programs(f"decode x{steps}", deep, lanes, programs)
