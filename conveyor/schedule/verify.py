@@ -388,13 +388,12 @@ def _check_comms(schedule: Schedule, codes: list[list[int]], kinds: list[list[Ac
                         f"{peer_label}: add it {peer_side} {peer_compute[0]} on rank {peer_rank}",
                         grid=_grid(schedule, marks),
                     )
-                marks = {(rank, i): STUCK}
                 raise ScheduleError(
                     f"rank {rank} runs {action} at step {i}, whose {'input' if side == 'before' else 'output'} "
                     f"crosses to stage {peer_stage} on rank {peer_rank}, but the lowered program has neither "
                     f"{own_label} on rank {rank} nor {peer_label} on rank {peer_rank}; add both "
                     "(lower() adds every missing send and receive)",
-                    grid=_grid(schedule, marks),
+                    grid=_grid(schedule, {(rank, i): STUCK}),
                 )
     raise AssertionError("communication counts differ but every crossing has its SEND and RECV")
 
