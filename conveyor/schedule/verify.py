@@ -478,8 +478,7 @@ def _deadlock_error(schedule: Schedule, blocked: Sequence[Blocked]) -> ScheduleE
     else:
         head = "ranks " + " -> ".join(map(str, cycle + [cycle[0]])) + " wait for one another in a cycle"
     lines = [f"schedule {schedule.name!r} deadlocks: {head}."]
-    for rank in cycle:
-        lines.append("  " + _blocked_line(by_rank[rank], by_rank))
+    lines += ["  " + _blocked_line(by_rank[rank], by_rank) for rank in cycle]
     fixes = []
     for rank in cycle:
         # The action another rank of the cycle waits for, which this rank would have to run earlier
@@ -493,8 +492,7 @@ def _deadlock_error(schedule: Schedule, blocked: Sequence[Blocked]) -> ScheduleE
     others = [b for b in blocked if b.rank not in in_cycle]
     if others:
         lines.append(f"  {len(others)} more rank(s) wait on these:")
-        for b in others[:_MAX_LISTED_RANKS]:
-            lines.append("    " + _blocked_line(b, by_rank))
+        lines += ["    " + _blocked_line(b, by_rank) for b in others[:_MAX_LISTED_RANKS]]
         if len(others) > _MAX_LISTED_RANKS:
             lines.append(f"    ... and {len(others) - _MAX_LISTED_RANKS} more")
     shown = [by_rank[r] for r in cycle] + others[: max(0, _MAX_LISTED_RANKS - len(cycle))]
