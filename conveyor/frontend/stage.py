@@ -94,7 +94,7 @@ def _name_for_use(traced: TracedModel, placeholder: str, module_paths: tuple[str
     """
     state = traced.state_inputs[placeholder]
     if state.kind == "constant":
-        return state.target
+        return _constant_name(traced, state.target)
     names = traced.aliases.get(state.target, (state.target,))
     for path in reversed(module_paths):
         for name in names:
@@ -103,15 +103,18 @@ def _name_for_use(traced: TracedModel, placeholder: str, module_paths: tuple[str
     return state.target
 
 
+def _constant_name(traced: TracedModel, target: str) -> str:
+    # A plain tensor attribute of a module keeps its path; a constant created inside
+    # forward (torch.export names it "lifted_tensor_0") goes under a reserved name.
+    owner, _, attribute = target.rpartition(".")
+    exists = hasattr(_submodule(traced.model, owner), attribute)  # (None has no such attribute)
+    return target if exists else f"{_CONSTANT_PREFIX}.{target.replace('.', '_')}"
+
+
 def _tensor_for(traced: TracedModel, placeholder: str, name: str) -> StageTensor:
     state: StateInput = traced.state_inputs[placeholder]
     if state.kind != "constant":
         return StageTensor(name, state.kind, name, state.persistent)
-    # A plain tensor attribute of a module keeps its path; a constant created inside
-    # forward (torch.export names it "lifted_tensor_0") goes under a reserved name.
-    owner, _, attribute = state.target.rpartition(".")
-    exists = hasattr(_submodule(traced.model, owner), attribute)  # (None has no such attribute)
-    name = state.target if exists else f"{_CONSTANT_PREFIX}.{state.target.replace('.', '_')}"
     return StageTensor(name, "constant", state.target, False)
 
 

@@ -247,6 +247,29 @@ def test_a_parameter_or_buffer_returned_as_it_is_lands_on_the_last_stage(num_sta
     check_parity(model, split, (x,), loss_fn=loss)
 
 
+class _MadeInForward(nn.Module):
+    """Multiplies by a tensor made inside forward (torch.export lifts it as ``lifted_tensor_0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+
+def test_a_constant_made_inside_forward_is_held_once_under_the_reserved_name():
+    torch.manual_seed(0)
+    model = _MadeInForward()
+    x = torch.randn(3, 4)
+    split = frontend.split_model(model, 2, example_args=(x,), split_points=["b"])
+    first, second = split.stage_modules()
+    # One buffer, not a second copy under the exported name beside it.
+    assert [name for name, _ in first.named_buffers()] == ["_conveyor_constants.lifted_tensor_0"]
+    assert list(second.named_buffers()) == []
+    check_parity(model, split, (x,), loss_fn=lambda out: out.sum())
+
+
 class _SharedNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
