@@ -6,18 +6,14 @@ the end: at P=64, V=2, M=1024 a schedule has 262,144 actions, and a frozen
 dataclass's ``__init__`` per action would cost more than the whole rest of the
 build.
 
-:func:`looped_one_f_one_b` is the program shape that 1F1B, interleaved 1F1B,
-ZB-H1 and ZB-H2 share on a looped placement (stage ``s`` on rank ``s % P``):
-warm-up forwards, then one forward and one backward in turn, then the
-remaining backwards; with the backward split, each ``W`` may wait a fixed
-number of ``I`` behind. :func:`looped_schedule` builds those four schedules,
-:func:`breadth_first` GPipe and looped BFS, :func:`vshape_schedule` ZB-V and DualPipeV.
+:func:`looped_schedule` builds 1F1B, interleaved 1F1B, ZB-H1 and ZB-H2, which share
+one program shape on a looped placement (stage ``s`` on rank ``s % P``): warm-up
+forwards, then one forward and one backward in turn, then the remaining backwards;
+with the backward split, each ``W`` may wait a fixed number of ``I`` behind.
+:func:`breadth_first` builds GPipe and looped BFS, :func:`vshape_schedule` ZB-V and DualPipeV.
 
 Example:
-    >>> writer = ProgramWriter()
-    >>> looped_one_f_one_b(writer, rank=1, num_ranks=2, virtual=1,
-    ...                    rounds=microbatch_rounds(2, 3), warmup=0)
-    >>> [str(a) for a in writer.actions()]
+    >>> [str(a) for a in looped_schedule("1f1b", 2, 3, 1, warmup_per_hop=1).programs[1]]
     ['1F0', '1B0', '1F1', '1B1', '1F2', '1B2']
 """
 
@@ -263,55 +259,6 @@ def looped_order(
     return stages, microbatches
 
 
-def looped_one_f_one_b(
-    writer: ProgramWriter,
-    *,
-    rank: int,
-    num_ranks: int,
-    virtual: int,
-    rounds: Sequence[range],
-    warmup: int,
-    split_backward: bool = False,
-    weights_behind: int = 0,
-) -> None:
-    """Write one rank's warm-up / one-forward-one-backward / cool-down program.
-
-    Phases (n = virtual x M actions of each pass on this rank):
-      1. warm-up: the first ``min(warmup, n)`` forwards;
-      2. steady: the next forward, then the next backward, while forwards remain;
-      3. cool-down: the remaining backwards;
-    and with ``split_backward``, each backward is ``I`` and the oldest pending
-    ``W`` follows it once more than ``weights_behind`` are pending; the rest
-    end the program, in microbatch order per stage.
-    """
-    forward = looped_order(rank, num_ranks, virtual, rounds, backward=False)
-    backward = looped_order(rank, num_ranks, virtual, rounds, backward=True)
-    total = len(forward[0])
-    warmup = min(warmup, total)
-    steady = total - warmup  # steps that start with a forward
-
-    def part(kind: ActionKind, order: tuple[list[int], list[int]], low: int, high: int) -> tuple:
-        """``kind`` of the ``low``-th to ``high``-th (stage, microbatch) of ``order``, as a column."""
-        return kind, order[0][low:high], order[1][low:high]
-
-    writer.extend(*part(_F, forward, 0, warmup))
-    if not split_backward:
-        writer.weave([part(_F, forward, warmup, total), part(_B, backward, 0, steady)])
-        writer.extend(*part(_B, backward, steady, total))
-        return
-    # Step k (one per I): F(warmup + k) while k < steady, then I(k), then W(k - behind) once
-    # k >= behind. Between these two bounds each step has the same shape: weave it whole.
-    behind = weights_behind
-    bounds = sorted({0, min(steady, total), min(behind, total), total})
-    for low, high in zip(bounds, bounds[1:]):
-        columns = [part(_F, forward, warmup + low, warmup + high)] if low < steady else []
-        columns.append(part(_I, backward, low, high))
-        if low >= behind:
-            columns.append(part(_W, backward, low - behind, high - behind))
-        writer.weave(columns)
-    writer.extend(*part(_W, backward, max(0, total - behind), total))
-
-
 def looped_schedule(
     name: str,
     num_ranks: int,
@@ -322,28 +269,48 @@ def looped_schedule(
     weights_behind_per_rank: int | None = None,
     only_virtual: int | None = None,
 ) -> Schedule:
-    """A schedule of :func:`looped_one_f_one_b` programs on a looped placement: 1F1B (1, None),
-    interleaved 1F1B (2 for V > 1, None), ZB-H1 (1 and 1) and ZB-H2 (2 and 2).
+    """A schedule of warm-up / one-forward-one-backward / cool-down programs on a looped placement:
+    1F1B (1, None), interleaved 1F1B (2 for V > 1, None), ZB-H1 (1 and 1) and ZB-H2 (2 and 2).
 
-    Rank r warms up with ``(V-1) x G + warmup_per_hop x (P-1-r)`` forwards (G the first round's
-    size); with ``weights_behind_per_rank`` the backward is split and rank r lets its W lag
-    ``weights_behind_per_rank x r`` I behind (see ``zb_h1.py``, ``zb_h2.py``).
+    Phases on rank r (n = V x M actions of each pass on it, G the first round's size):
+      1. warm-up: the first ``min(w, n)`` forwards, w = ``(V-1) x G + warmup_per_hop x (P-1-r)``;
+      2. steady: the next forward, then the next backward, while forwards remain;
+      3. cool-down: the remaining backwards;
+    and with ``weights_behind_per_rank``, the backward is split: each backward is ``I`` and the
+    oldest pending ``W`` follows it once more than ``weights_behind_per_rank x r`` are pending; the
+    rest end the program, in microbatch order per stage (see ``zb_h1.py``, ``zb_h2.py``).
     """
     check_sizes(name, num_ranks, num_microbatches, virtual, only_virtual)
     rounds = microbatch_rounds(num_ranks, num_microbatches)
+
+    def part(kind: ActionKind, order: tuple[list[int], list[int]], low: int, high: int) -> tuple:
+        """``kind`` of the ``low``-th to ``high``-th (stage, microbatch) of ``order``, as a column."""
+        return kind, order[0][low:high], order[1][low:high]
+
     programs = []
     for rank in range(num_ranks):
+        forward = looped_order(rank, num_ranks, virtual, rounds, backward=False)
+        backward = looped_order(rank, num_ranks, virtual, rounds, backward=True)
+        total = len(forward[0])
+        warmup = min((virtual - 1) * len(rounds[0]) + warmup_per_hop * (num_ranks - 1 - rank), total)
+        steady = total - warmup  # steps that start with a forward
         writer = ProgramWriter()
-        looped_one_f_one_b(
-            writer,
-            rank=rank,
-            num_ranks=num_ranks,
-            virtual=virtual,
-            rounds=rounds,
-            warmup=(virtual - 1) * len(rounds[0]) + warmup_per_hop * (num_ranks - 1 - rank),
-            split_backward=weights_behind_per_rank is not None,
-            weights_behind=(weights_behind_per_rank or 0) * rank,
-        )
+        writer.extend(*part(_F, forward, 0, warmup))
+        if weights_behind_per_rank is None:
+            writer.weave([part(_F, forward, warmup, total), part(_B, backward, 0, steady)])
+            writer.extend(*part(_B, backward, steady, total))
+        else:
+            # Step k (one per I): F(warmup + k) while k < steady, then I(k), then W(k - behind) once
+            # k >= behind. Between these two bounds each step has the same shape: weave it whole.
+            behind = weights_behind_per_rank * rank
+            bounds = sorted({0, min(steady, total), min(behind, total), total})
+            for low, high in zip(bounds, bounds[1:]):
+                columns = [part(_F, forward, warmup + low, warmup + high)] if low < steady else []
+                columns.append(part(_I, backward, low, high))
+                if low >= behind:
+                    columns.append(part(_W, backward, low - behind, high - behind))
+                writer.weave(columns)
+            writer.extend(*part(_W, backward, max(0, total - behind), total))
         programs.append(writer.packed(num_ranks * virtual, num_microbatches))  # one rank's lists at a time
     return Schedule(name, Placement.looped(num_ranks, virtual), num_microbatches, tuple(programs))
 
