@@ -1,8 +1,8 @@
 """Pieces the built-in schedules share: a fast program writer and the looped 1F1B shape.
 
 A builder writes each rank's program with a :class:`ProgramWriter` (three
-parallel int/enum lists) and turns it into :class:`Action` records in bulk at
-the end: at P=64, V=2, M=1024 a schedule has 262,144 actions, and a frozen
+parallel int/enum lists) and encodes it in one go at the end (a :class:`PackedProgram`,
+an integer per action): at P=64, V=2, M=1024 a schedule has 262,144 actions, and a frozen
 dataclass's ``__init__`` per action would cost more than the whole rest of the
 build.
 
@@ -28,12 +28,10 @@ from conveyor.errors import ScheduleError, positive_int
 from conveyor.schedule.ir import (
     KIND_INDEX,
     NUM_COMPUTE_KINDS,
-    Action,
     ActionKind,
     PackedProgram,
     Placement,
     Schedule,
-    actions_in_bulk,
 )
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
@@ -50,7 +48,7 @@ class ProgramWriter:
     Example:
         >>> writer = ProgramWriter()
         >>> writer.add(ActionKind.F, 0, 0); writer.add(ActionKind.I, 0, 0); writer.add(ActionKind.W, 0, 0)
-        >>> [str(a) for a in writer.actions()]
+        >>> [str(a) for a in writer.packed(1, 1)]
         ['0F0', '0I0', '0W0']
     """
 
@@ -85,7 +83,7 @@ class ProgramWriter:
         Example:
             >>> writer = ProgramWriter()
             >>> writer.weave([(ActionKind.F, [0, 0], [2, 3]), (ActionKind.B, [0, 0], [0, 1])])
-            >>> [str(a) for a in writer.actions()]
+            >>> [str(a) for a in writer.packed(1, 4)]
             ['0F2', '0B0', '0F3', '0B1']
         """
         steps = len(columns[0][1])
@@ -96,10 +94,6 @@ class ProgramWriter:
 
     def __len__(self) -> int:
         return self._length
-
-    def actions(self, below: int | None = None) -> tuple[Action, ...]:
-        """The program as Actions; with ``below``, only those of microbatches ``< below``."""
-        return tuple(actions_in_bulk(*self._fields(below)))
 
     def packed(self, num_stages: int, num_microbatches: int, below: int | None = None) -> PackedProgram:
         """The program as integer codes (see :class:`PackedProgram`), then the writer is emptied.
