@@ -310,7 +310,16 @@ def load_csv(
 
 def dumps_csv(schedule: Schedule, format: CsvFormat = "compute_only") -> str:  # noqa: A002
     """CSV text in torch's layout: ``compute_only`` drops SEND/RECV, ``compute_comms`` lowers first."""
-    programs = _programs_for(schedule, format)
+    if not isinstance(schedule, Schedule):
+        raise ScheduleError(f"expected a Schedule, got {type(schedule).__name__}")
+    if format == "compute_only":
+        programs = schedule.compute_only().programs
+    elif format == "compute_comms":
+        from conveyor.schedule.lower import lower
+
+        programs = lower(schedule).programs
+    else:
+        raise ScheduleError(f"format must be one of {_FORMATS}, got {format!r}")
     out = io.StringIO()
     csv.writer(out, lineterminator="\n").writerows(
         _cells(program, dict(schedule.overlapped[rank]) if schedule.overlapped else {})
@@ -336,18 +345,6 @@ def _cells(program: Sequence[Action], partner: dict[Action, Action]) -> list[str
 def save_csv(schedule: Schedule, path: str | os.PathLike, format: CsvFormat = "compute_only") -> None:  # noqa: A002
     """Write :func:`dumps_csv` to ``path``."""
     Path(path).write_text(dumps_csv(schedule, format), encoding="utf-8", newline="")
-
-
-def _programs_for(schedule: Schedule, format: str) -> tuple[tuple[Action, ...], ...]:  # noqa: A002
-    if not isinstance(schedule, Schedule):
-        raise ScheduleError(f"expected a Schedule, got {type(schedule).__name__}")
-    if format == "compute_only":
-        return schedule.compute_only().programs
-    if format == "compute_comms":
-        from conveyor.schedule.lower import lower
-
-        return lower(schedule).programs
-    raise ScheduleError(f"format must be one of {_FORMATS}, got {format!r}")
 
 
 # -- text ---------------------------------------------------------------------------------------
