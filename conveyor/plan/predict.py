@@ -307,7 +307,7 @@ def fit_by_recomputing(schedule: Schedule, sums: StageSums, cuts: Sequence[int],
         peaks = timeline.peak_activation_bytes()
         memory = [sum(sums.static(*stages[s]) for s in schedule.stages_of(rank)) + peaks[rank]
                   + max((rebuilt[s] for s in schedule.stages_of(rank)), default=0.0) for rank in range(ranks)]
-        makespan = max(span.end for span in timeline.spans)
+        makespan = timeline.end  # every span starts at 0 or later
         plain = makespan if plain is None else plain
         over = [rank for rank in range(ranks) if memory[rank] > memory_limit]
         if not over:

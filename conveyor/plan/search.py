@@ -389,8 +389,7 @@ class _Context:
                 in_flight[s] = peaks[rank] / activations if activations else 1.0
             memory.append(sum(sums.static(*stages[s]) for s in mine) + peaks[rank])
         stage_times = [sums.time(i, j) for i, j in stages]
-        # Every span starts at 0 or later; the busy time is known without walking the spans again.
-        step = max(span.end for span in timeline.spans)
+        step = timeline.end  # every span starts at 0 or later: the step ends with the last one
         # The bubble is the idle share of the very timeline the step comes from (so 0 <= bubble < 1): never
         # M x (F + I + W) against the step, which counts a split I + W where the ranks run one cheaper B.
         bubble = timeline.bubble_ratio
