@@ -347,11 +347,9 @@ def optimizer_seconds_per_parameter(model: torch.nn.Module, repeats: int = 5) ->
     for index in range(repeats + 2):  # the first steps allocate AdamW's state
         for p in copies:
             p.grad = torch.zeros_like(p)
-        start = time.perf_counter()
-        optimizer.step()
-        synchronize(copies[0].device)
+        seconds, _ = timed(optimizer.step, copies[0].device)
         if index >= 2:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
     return sorted(times)[len(times) // 2] / count
 
 
