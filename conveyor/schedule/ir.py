@@ -35,7 +35,6 @@ import re
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import repeat
@@ -103,37 +102,25 @@ class Action:
 
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building many small objects.
+def in_bulk(cls: type, count: int, slots: Mapping[str, Iterable]) -> list:
+    """``count`` new ``cls``, each slot named in ``slots`` set from its values in turn, made without
+    ``__init__``: a frozen dataclass's costs 4x more than setting its slots directly (``cls`` has
+    no ``__post_init__`` that this would skip).
 
-    Hundreds of thousands of fresh Actions or Spans trigger collections that
-    traverse every live object again and again (2-3x the run time); none of
-    them form reference cycles, so nothing is lost by collecting afterwards.
+    The cyclic garbage collector is paused meanwhile: hundreds of thousands of fresh Actions or
+    Spans trigger collections that traverse every live object again and again (2-3x the run time);
+    none of them form reference cycles, so nothing is lost by collecting afterwards.
     """
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def in_bulk(cls: type, count: int, slots: Mapping[str, Iterable]) -> list:
-    """``count`` new ``cls``, each slot named in ``slots`` set from its values in turn, made without
-    ``__init__``: a frozen dataclass's costs 4x more than setting its slots directly (``cls`` has
-    no ``__post_init__`` that this would skip)."""
-    with gc_paused():
         made = list(map(object.__new__, repeat(cls, count)))
         for name, values in slots.items():
             deque(map(cls.__dict__[name].__set__, made, values), maxlen=0)
+    finally:
+        if was_enabled:
+            gc.enable()
     return made
-
-
-def actions_in_bulk(kinds: Sequence[ActionKind], stages: Sequence[int], microbatches: Sequence[int]) -> list[Action]:
-    """``[Action(k, s, m) for k, s, m in zip(...)]``, several times faster (lowering and builders use it)."""
-    return in_bulk(Action, len(kinds), {"kind": kinds, "stage": stages, "microbatch": microbatches})
 
 # -- packed programs ---------------------------------------------------------------------------------
 
@@ -228,8 +215,9 @@ class PackedProgram(Sequence[Action]):
                 list(map(mod, codes, repeat(M))))
 
     def actions(self) -> list[Action]:
-        """Every action, made in bulk."""
-        return actions_in_bulk(*self.fields())
+        """Every action, made in bulk (:func:`in_bulk`: several times faster than calling ``Action``)."""
+        kinds, stages, microbatches = self.fields()
+        return in_bulk(Action, len(kinds), {"kind": kinds, "stage": stages, "microbatch": microbatches})
 
     def action_of(self, code: int) -> Action:
         key, microbatch = divmod(code, self.num_microbatches)
