@@ -67,25 +67,18 @@ _MAX_FIGURE_HEIGHT_IN = 60.0
 # --------------------------------------------------------------------------- time units
 
 
-@dataclass(frozen=True, slots=True)
-class _DisplayUnit:
-    """How times of one timeline are shown: ``value * factor`` in ``label``."""
-
-    factor: float
-    label: str
-
-
-def _display_unit(time_unit: str, makespan: float) -> _DisplayUnit:
-    """Seconds are shown in s, ms or µs so that the makespan reads as a plain number."""
+def _display_unit(time_unit: str, makespan: float) -> tuple[float, str]:
+    """How times of one timeline are shown, ``(factor, label)``: ``value * factor`` in ``label``.
+    Seconds are shown in s, ms or µs so that the makespan reads as a plain number."""
     if time_unit == "s":
         if makespan >= 10:
-            return _DisplayUnit(1.0, "s")
+            return 1.0, "s"
         if makespan >= 0.01:
-            return _DisplayUnit(1e3, "ms")
-        return _DisplayUnit(1e6, "µs")
+            return 1e3, "ms"
+        return 1e6, "µs"
     if time_unit == "unit":
-        return _DisplayUnit(1.0, "units")
-    return _DisplayUnit(1.0, time_unit)
+        return 1.0, "units"
+    return 1.0, time_unit
 
 
 def format_duration(value: float, time_unit: str) -> str:
@@ -95,8 +88,8 @@ def format_duration(value: float, time_unit: str) -> str:
         >>> format_duration(33.0, "unit"), format_duration(0.01234, "s")
         ('33 units', '12.34 ms')
     """
-    unit = _display_unit(time_unit, value)
-    return f"{value * unit.factor:.4g} {unit.label}"
+    factor, label = _display_unit(time_unit, value)
+    return f"{value * factor:.4g} {label}"
 
 
 def headline(timeline: Timeline, title: str | None = None) -> str:
@@ -337,8 +330,8 @@ def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> 
 
     origin = timeline.start
     makespan = timeline.makespan
-    unit = _display_unit(timeline.time_unit, shared_end if shared_end is not None else makespan)
-    x_end = (shared_end if shared_end is not None else makespan) * unit.factor or 1.0
+    factor, label = _display_unit(timeline.time_unit, shared_end if shared_end is not None else makespan)
+    x_end = (shared_end if shared_end is not None else makespan) * factor or 1.0
     stage_index, stages_per_rank = _local_stage_index(timeline)
     compute = [s for s in timeline.spans if s.action.kind.is_compute]
     comm = [s for s in timeline.spans if not s.action.kind.is_compute]
@@ -350,7 +343,7 @@ def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> 
     starts = np.fromiter((s.start for s in compute), float, len(compute))
     ends = np.fromiter((s.end for s in compute), float, len(compute))
     ranks = np.fromiter((s.rank for s in compute), float, len(compute))
-    x0, x1 = (starts - origin) * unit.factor, (ends - origin) * unit.factor
+    x0, x1 = (starts - origin) * factor, (ends - origin) * factor
     # With all-to-alls, each rank's row holds its compute above a lane of its communication.
     row_top, row_bottom = _COMPUTE_ROW_ABOVE_LANE if timeline.comm_spans else _COMPUTE_ROW
     top, bottom = ranks + row_top, ranks + row_bottom
@@ -369,11 +362,11 @@ def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> 
         )
     )
     if comm:
-        _draw_lane(ax, comm, _COMM_LANE, COMM_COLOR, origin, unit.factor, px_per_x)
+        _draw_lane(ax, comm, _COMM_LANE, COMM_COLOR, origin, factor, px_per_x)
     if timeline.comm_spans:
-        _draw_lane(ax, timeline.comm_spans, _EXCHANGE_LANE, EXCHANGE_COLOR, origin, unit.factor, px_per_x)
+        _draw_lane(ax, timeline.comm_spans, _EXCHANGE_LANE, EXCHANGE_COLOR, origin, factor, px_per_x)
 
-    _label_boxes(ax, compute, colors, origin, unit.factor, px_per_x, row_px * (row_bottom - row_top) / 0.8,
+    _label_boxes(ax, compute, colors, origin, factor, px_per_x, row_px * (row_bottom - row_top) / 0.8,
                  stages_per_rank, dpi, (row_top + row_bottom) / 2)  # (a row without a lane is 0.8 high)
 
     ax.set_xlim(0, x_end)
@@ -381,7 +374,7 @@ def _draw_panel(ax, timeline, title, axes_width_px, row_px, shared_end, dpi) -> 
     step = max(1, timeline.num_ranks // 32)
     ax.set_yticks(range(0, timeline.num_ranks, step))
     ax.set_yticklabels([f"rank {r}" for r in range(0, timeline.num_ranks, step)], fontsize=8)
-    ax.set_xlabel(f"time ({unit.label})", fontsize=8)
+    ax.set_xlabel(f"time ({label})", fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
