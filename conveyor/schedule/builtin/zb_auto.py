@@ -294,19 +294,16 @@ def span_bounds(
     return bounds
 
 
-def search(num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: int) -> RankOrders:
-    """Steps 1, 2 and 4 alone: the best list-scheduled orders (:func:`zb_auto` adds step 3).
+def search(num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: int,
+           best: RankOrders = RankOrders((), _INF, _INF, None)) -> RankOrders:
+    """Steps 1, 2 and 4 alone: the best list-scheduled orders (:func:`zb_auto` adds step 3, passing
+    the handcrafted candidate's score as ``best``, the one to beat; returned when nothing does).
 
     Example:
         >>> found = search(2, 3, CostModel.uniform(2), 4)
         >>> found.makespan, found.span, found.kinds[0]
         (10.0, 9.0, (0, 0, 0, 1, 2, 1, 2, 1, 2))
     """
-    return _search(num_ranks, num_microbatches, costs, memory_limit, RankOrders((), _INF, _INF, None))
-
-
-def _search(num_ranks: int, num_microbatches: int, costs: CostModel, memory_limit: int,
-            best: RankOrders) -> RankOrders:
     plain = _Costs(costs, num_ranks)
     bounds = span_bounds(num_ranks, num_microbatches, costs, memory_limit)
     floor = max(skew + span for skew, span in bounds) * (1 + _EPS)
@@ -355,7 +352,7 @@ def zb_auto(
         raise CostError(f"schedule {name!r}: costs must be a CostModel, got {type(costs).__name__}")
     costs.check_stages(num_ranks)
     handcrafted, found = _best_handcrafted(num_ranks, num_microbatches, costs, memory_limit)
-    found = _search(num_ranks, num_microbatches, costs, memory_limit, found)
+    found = search(num_ranks, num_microbatches, costs, memory_limit, found)
     if found.knobs is None and handcrafted is not None:
         return Schedule(name, handcrafted.placement, num_microbatches, handcrafted.programs)
     return _schedule_of(name, num_ranks, num_microbatches, found)
