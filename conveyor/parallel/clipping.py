@@ -277,32 +277,35 @@ class NormExchange:
 
 
 def nonfinite_flags(runners: Mapping[int, StageRunner], num_stages: int, num_microbatches: int,
-                    device: torch.device | None = None) -> torch.Tensor:
-    """Per stage, 1 where one of its gradients here is not finite; last, 1 + the first microbatch
-    whose loss is not (0: none). Combine every rank's with an all-reduce MAX.
+                    device: torch.device | None = None,
+                    stage_flag: Callable[[StageRunner], torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Per stage, 1 where one of its gradients here is not finite (``stage_flag(runner)`` instead where given,
+    None for no flag: loss scaling's unscale); last, 1 + the first microbatch whose loss is not (0: none).
+    Combine every rank's with an all-reduce MAX.
 
     A float64 tensor on ``device`` (the stage device; default the CPU), computed there without a
     host read: only :func:`describe_nonfinite` reads it, once.
     """
     flags = torch.zeros(num_stages + 1, dtype=torch.float64, device=device)
     for stage, runner in runners.items():
-        grads = [local_part(g) for g in map(gradient, runner.module.parameters()) if g is not None]
-        if grads:
-            norms = torch.stack([g.detach().float().norm() for g in grads])
-            flags[stage] = (~norms.isfinite().all()).to(flags.device, torch.float64)
+        flag = (stage_flag or _nonfinite_gradient)(runner)
+        if flag is not None:
+            flags[stage] = flag.to(flags.device, torch.float64)
     last = runners.get(num_stages - 1)
-    if last is not None:
-        flags[num_stages] = first_nonfinite_loss(last, num_microbatches).to(flags.device, torch.float64)
+    if last is not None:  # 1 + the first microbatch whose loss is not finite, as a device tensor: no host read
+        bad = ~torch.stack([last.losses[m].isfinite().all() for m in range(num_microbatches)])
+        numbers = torch.arange(1, num_microbatches + 1, device=bad.device)
+        first = torch.where(bad, numbers, num_microbatches + 1).min()
+        flags[num_stages] = torch.where(first <= num_microbatches, first, 0).to(flags.device, torch.float64)
     return flags
 
 
-def first_nonfinite_loss(last: StageRunner, num_microbatches: int) -> torch.Tensor:
-    """1 + the first microbatch whose loss (on ``last``, the last stage's runner) is not finite; 0: none.
-    A device tensor: no host read."""
-    bad = ~torch.stack([last.losses[m].isfinite().all() for m in range(num_microbatches)])
-    numbers = torch.arange(1, num_microbatches + 1, device=bad.device)
-    first = torch.where(bad, numbers, num_microbatches + 1).min()
-    return torch.where(first <= num_microbatches, first, 0)
+def _nonfinite_gradient(runner: StageRunner) -> torch.Tensor | None:
+    """Whether one of ``runner``'s gradients here is not finite (None: it has none here)."""
+    grads = [local_part(g) for g in map(gradient, runner.module.parameters()) if g is not None]
+    if not grads:
+        return None
+    return ~torch.stack([g.detach().float().norm() for g in grads]).isfinite().all()
 
 
 def check_nonfinite_mode(on_nonfinite: str | None) -> None:

@@ -40,9 +40,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conveyor.errors import NonFiniteError
-from conveyor.parallel.clipping import describe_nonfinite, first_nonfinite_loss, local_part
+from conveyor.parallel.clipping import describe_nonfinite, local_part, nonfinite_flags
 from conveyor.runtime.stage.loss_scale import LossScaler, LossScaling
 from conveyor.runtime.stage.main_grad import gradient
+from conveyor.runtime.stage.runner import StageRunner
 
 if TYPE_CHECKING:
     from conveyor.pipe.gradients import GradientChecks  # which holds this
@@ -88,22 +89,16 @@ class StepLossScaling:
     def _unscale_and_update(self) -> list[float]:
         """Unscale this rank's gradients; the combined flags (per stage: a gradient overflowed; last: 1 + the
         first microbatch whose loss is not finite), read once on the host; the scale stepped."""
-        num_stages = self.schedule.num_stages
-        flags = torch.zeros(num_stages + 1, dtype=torch.float64, device=self.backend.device)
         seen: set[int] = set()
-        for stage, runner in self.runners.items():
-            grads = []
-            for param in runner.module.parameters():
-                grad = gradient(param)  # main_grad where the parameter has one
-                if grad is not None and id(param) not in seen:
-                    seen.add(id(param))  # a parameter two local stages share: unscaled once
-                    grads.append(local_part(grad))
-            if grads:
-                flags[stage] = self.scaler.unscale_(grads).to(torch.float64)
-        last = self.runners.get(num_stages - 1)
-        if last is not None:
-            flags[num_stages] = first_nonfinite_loss(last, self.schedule.num_microbatches).to(flags.device,
-                                                                                              torch.float64)
+
+        def unscaled(runner: StageRunner) -> torch.Tensor | None:  # main_grad where a parameter has one
+            params = [p for p in runner.module.parameters() if gradient(p) is not None and id(p) not in seen]
+            seen.update(map(id, params))  # a parameter two local stages share: unscaled once
+            return self.scaler.unscale_([local_part(gradient(p)) for p in params]) if params else None
+
+        num_stages = self.schedule.num_stages
+        flags = nonfinite_flags(self.runners, num_stages, self.schedule.num_microbatches, self.backend.device,
+                                unscaled)
         combined = self.backend.combine_flags(flags)
         self.scaler.update((combined[:num_stages].amax() > 0).to(torch.float32))  # alike on every rank
         return combined.tolist()
