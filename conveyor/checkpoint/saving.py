@@ -130,13 +130,8 @@ def _optimizer_state(target: Target, optimizer: torch.optim.Optimizer, tensors: 
 
 def group_values(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Any]:
     """``param_groups.<name>.<key>``: each parameter's hyper-parameters, as the flattened helper keys them."""
-    flat = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for key, value in group.items():
-                if key != "params":
-                    flat[f"param_groups.{names[id(param)]}.{key}"] = value
-    return flat
+    return {f"param_groups.{names[id(param)]}.{key}": value for group in optimizer.param_groups
+            for param in group["params"] for key, value in group.items() if key != "params"}
 
 
 def _meta(target: Target, everyone: list[dict], optimizer: Any) -> dict[str, Any]:

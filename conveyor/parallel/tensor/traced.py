@@ -90,12 +90,9 @@ def parameter_placements(model: nn.Module, plan: Mapping[str, ParallelStyle]) ->
         parameter_placements(llama, {"model.layers.0.mlp.up_proj": ColwiseParallel()})
         # {'model.layers.0.mlp.up_proj.weight': Shard(dim=0)}
     """
-    placements: dict[str, object] = {}
-    for pattern, style in plan.items():
-        for name in matching_modules(model, pattern):
-            for param_name, placement in _module_placements(model.get_submodule(name), style).items():
-                placements[f"{name}.{param_name}"] = placement
-    return placements
+    return {f"{name}.{param_name}": placement for pattern, style in plan.items()
+            for name in matching_modules(model, pattern)
+            for param_name, placement in _module_placements(model.get_submodule(name), style).items()}
 
 
 def _module_placements(module: nn.Module, style: ParallelStyle) -> dict[str, object]:
