@@ -228,19 +228,14 @@ class MemoryMeter:
             saved.key = None
             return saved
         self._own.append((key, span))
-        spans = self._spans.get(key)
-        if spans is None:
-            self._spans[key] = {span: 1}
-            self._covered[key] = span[1] - span[0]
-            self.live_bytes += span[1] - span[0]
-        elif span in spans:
+        spans = self._spans.setdefault(key, {})
+        if span in spans:
             spans[span] += 1
             return saved
-        else:
-            spans[span] = 1
-            covered = _union(spans)
-            self.live_bytes += covered - self._covered[key]
-            self._covered[key] = covered
+        spans[span] = 1
+        covered = _union(spans)
+        self.live_bytes += covered - self._covered.get(key, 0)
+        self._covered[key] = covered
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
         return saved
