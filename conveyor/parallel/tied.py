@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from conveyor.parallel.clipping import local_part
 from conveyor.parallel.part import PartSite, StagePart
-from conveyor.runtime.stage.main_grad import gradient_attribute
+from conveyor.runtime.stage.main_grad import gradient, gradient_attribute
 from conveyor.runtime.stage.runner import StageRunner
 
 
@@ -42,7 +42,7 @@ def share_tied_locally(runners: dict[int, StageRunner], tied_parameters) -> None
         for stage, name in local[1:]:
             owner_name, _, leaf = name.rpartition(".")
             setattr(runners[stage].module.get_submodule(owner_name), leaf, shared)  # "" names the module itself
-            runners[stage].params = [p for p in runners[stage].module.parameters() if p.requires_grad]
+            runners[stage].refresh_params()
 
 
 def tied_copies_outside_their_first_stage(runners: dict[int, StageRunner], tied_parameters) -> set[int]:
@@ -107,7 +107,7 @@ class TiedGradients(StagePart):
         summed gradient again on every copy when the user accumulates over steps)."""
         self.held = []
         for param, _ in self.copies:
-            self.held.append(getattr(param, gradient_attribute(param)))  # main_grad where it accumulates there
+            self.held.append(gradient(param))  # main_grad where it accumulates there
             setattr(param, gradient_attribute(param), None)
 
     def finish_step(self) -> None:
