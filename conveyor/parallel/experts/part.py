@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._prims_common import make_contiguous_strides_for
 
 from conveyor.errors import PipelineConfigError
 from conveyor.expert_option import is_stacked_experts
@@ -180,9 +181,9 @@ class ExpertParallel(StagePart):
         for by_name in self.experts.values():
             for experts in by_name.values():
                 for name, param in list(experts.named_parameters(recurse=False)):
-                    global_shape = (param.shape[0] * self.ep, *param.shape[1:])
+                    global_shape = torch.Size((param.shape[0] * self.ep, *param.shape[1:]))
                     sharded = DTensor.from_local(param.detach(), mesh, [Shard(0)], run_check=False,
-                                                 shape=torch.Size(global_shape), stride=_contiguous(global_shape))
+                                                 shape=global_shape, stride=make_contiguous_strides_for(global_shape))
                     kept = nn.Parameter(sharded, requires_grad=param.requires_grad)
                     claim_reduction(kept, "expert parallelism")
                     setattr(experts, name, kept)
@@ -263,14 +264,6 @@ def shard_experts(experts: nn.Module, ep_rank: int, ep: int, where: str) -> None
         experts.num_experts = local  # the model's own expert code loops over the local experts
 
 
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
 def _dispatched_forward(experts: nn.Module, part: ExpertParallel, num_experts: int, hidden_states: torch.Tensor,
                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts module's forward under expert parallelism: the same signature, the tokens dispatched."""
@@ -310,7 +303,7 @@ def _on_tensor_parallel_ranks(tp_mesh, hidden_states, top_k_index, top_k_weights
     out = forward(rows(hidden_states), rows(top_k_index), rows(top_k_weights))
     shape = hidden_states.shape
     whole = DTensor.from_local(out, mesh, [Shard(0)] * mesh.ndim, run_check=False, shape=shape,
-                               stride=_contiguous(shape)).redistribute(mesh, replicated)
+                               stride=make_contiguous_strides_for(shape)).redistribute(mesh, replicated)
     return whole if traced else whole.to_local()
 
 
