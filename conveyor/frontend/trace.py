@@ -192,7 +192,7 @@ class TracedModel:
         self.module_paths: list[tuple[str, ...]] = []
         self.regions: dict[int, Region] = {}
         for index, node in enumerate(self.nodes):
-            body = [path for graph in self._bodies(node) for path in _body_paths(graph)]
+            body = [path for graph in _bodies(node, self.subgraphs) for path in _body_paths(graph)]
             own = _module_paths(node)
             if body:
                 # A stage starting at the region starts with the first module that runs in it.
@@ -214,11 +214,6 @@ class TracedModel:
         flat = [torch.zeros(leaf.shape, dtype=leaf.dtype, device=device) if leaf.is_tensor else leaf.value
                 for leaf in self.example]
         return pytree.tree_unflatten(flat, self.in_spec)
-
-    def _bodies(self, node: fx.Node) -> list[fx.GraphModule]:
-        return [
-            self.subgraphs[arg.name] for arg in node.args if isinstance(arg, fx.Node) and arg.name in self.subgraphs
-        ]
 
 
 def _module_paths(node: fx.Node) -> tuple[str, ...]:
@@ -245,6 +240,11 @@ class Region:
     opening: tuple[str, ...]
 
 
+def _bodies(node: fx.Node, graphs: dict[str, fx.GraphModule]) -> list[fx.GraphModule]:
+    """The region bodies ``node`` enters: those of its arguments that name one of ``graphs``."""
+    return [graphs[arg.name] for arg in node.args if isinstance(arg, fx.Node) and arg.name in graphs]
+
+
 def _body_paths(graph: fx.GraphModule) -> list[tuple[str, ...]]:
     """Module paths of each operation of a region's body, nested regions opened, in order."""
     found = []
@@ -252,7 +252,7 @@ def _body_paths(graph: fx.GraphModule) -> list[tuple[str, ...]]:
     for node in graph.graph.nodes:
         if node.op != "call_function":
             continue
-        bodies = [nested[arg.name] for arg in node.args if isinstance(arg, fx.Node) and arg.name in nested]
+        bodies = _bodies(node, nested)
         if bodies:  # a region within the region: its operations, in order
             found.extend(path for body in bodies for path in _body_paths(body))
         else:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from conveyor.frontend.stage import as_received
 from conveyor.options import RecomputePolicy, StageOptions
 from conveyor.plan.profile import SavedTensorBytes
 from conveyor.train.config import TrainConfig
@@ -175,8 +176,7 @@ def activation_bytes(split: Any, example: torch.Tensor, options: StageOptions) -
                                          options.recompute_policy(stage, split.num_stages)))
         if not last:
             # What the next rank receives: fresh leaves (the graph behind them stays on this stage).
-            inputs = tuple(v.detach().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v
-                           for v in (output if isinstance(output, tuple) else (output,)))
+            inputs = tuple(as_received(v) for v in (output if isinstance(output, tuple) else (output,)))
     return found
 
 
