@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from conveyor.errors import PipelineConfigError
 from conveyor.layout import DistributedLayout, InProcessLayout, Layout
-from conveyor.options import PipelineOptions, StageOptions, WholeModel
+from conveyor.options import PipelineOptions, WholeModel, _plan_recompute
 from conveyor.parallel.mesh import pipeline_ranks, with_mesh
 from conveyor.pipe import Pipeline
 from conveyor.runtime.stage.device import make_current, resolve_device
@@ -189,14 +189,6 @@ def _time_split_points(model, num_stages: int, layout: Layout, split_kwargs: dic
     given = dict(split_kwargs, unsplittable=tuple(split_kwargs["unsplittable"] or ()))
     given.pop("dynamic_shapes")  # timed on the example's shapes
     return _by_rank_zero(layout, lambda: list(time_split.time_split(model, num_stages, **given).split_points))
-
-
-def _plan_recompute(plan: Any, stage: StageOptions) -> StageOptions:
-    """The stage options with the plan's recomputation policies, where it needs some to fit and the
-    user gave none (a user's own ``recompute=`` wins)."""
-    if not plan.recompute or stage.recompute is not None:
-        return stage
-    return dataclasses.replace(stage, recompute=list(plan.recompute))
 
 
 def _auto_plan(model, example_args, example_kwargs, world, microbatches, layout, options):

@@ -302,6 +302,14 @@ class StageOptions:
         return " ".join(parts)
 
 
+def _plan_recompute(plan: Any, stage: StageOptions) -> StageOptions:
+    """The stage options with the plan's recomputation policies, where it needs some to fit and the
+    user gave none (a user's own ``recompute=`` wins): for ``conveyor.pipeline`` and ``conveyor train`` alike."""
+    if not plan.recompute or stage.recompute is not None:
+        return stage
+    return dataclasses.replace(stage, recompute=list(plan.recompute))
+
+
 @dataclass(frozen=True)
 class TransferOptions:
     """How bytes move between stages (a field of ``conveyor train``'s ``transfer:``).

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.errors import ConfigError, PipelineConfigError, PlanError
 from conveyor.layout import DistributedLayout, InProcessLayout, Layout
-from conveyor.options import StageOptions, TransferOptions
+from conveyor.options import StageOptions, TransferOptions, _plan_recompute
 from conveyor.train import sources
 
 if TYPE_CHECKING:
@@ -304,8 +304,7 @@ def apply_plan(cfg: TrainConfig) -> None:
                                                                                   plan.microbatches)
         if plan.ranks * plan.tensor_parallel == cfg.parallel.pp * cfg.parallel.tp:
             cfg.parallel.pp, cfg.parallel.tp = plan.ranks, plan.tensor_parallel
-        if plan.recompute and cfg.stage.recompute is None:  # the policies the plan needs to fit its memory
-            cfg.stage = dataclasses.replace(cfg.stage, recompute=list(plan.recompute))
+        cfg.stage = _plan_recompute(plan, cfg.stage)  # the policies the plan needs to fit its memory
         if cfg.parallel.expert_overlap is None:  # not set: the plan's choice, where the run can take it
             stage = cfg.stage
             cfg.parallel.expert_overlap = bool(plan.expert_overlap and cfg.parallel.ep != 1

@@ -58,7 +58,7 @@ from conveyor.train.report import (
 )
 from conveyor.train.restarts import continue_log
 from conveyor.train.resume import parallel_layout, resume
-from conveyor.train.sample import write_sample
+from conveyor.train.sample import _logits, write_sample
 from conveyor.train.startup import StartupPhases
 
 # --- pieces ---------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ def lm_loss(reduction: str = "mean"):
         1.3863
     """
     def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
-        logits = output.logits if hasattr(output, "logits") else output["logits"]
+        logits = _logits(output)
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                  target.reshape(-1), reduction=reduction)
 
