@@ -59,12 +59,8 @@ def _node_block(node: fx.Node, pattern: str | None) -> str | None:
 
 def graph_blocks(graph: fx.Graph, pattern: str | None = None) -> list[str]:
     """The blocks ``graph``'s operations run in, in order of their first operation."""
-    found: dict[str, None] = {}
-    for node in graph.nodes:
-        block = _node_block(node, pattern)
-        if block is not None:
-            found.setdefault(block)
-    return list(found)
+    blocks = (_node_block(node, pattern) for node in graph.nodes)
+    return list(dict.fromkeys(block for block in blocks if block is not None))
 
 
 def _runs(graph: fx.Graph, chosen: set[str], pattern: str | None) -> list[tuple[str, list[fx.Node]]]:
@@ -96,11 +92,7 @@ def wrap_blocks(graph: fx.Graph, chosen: set[str], wrap: Wrap, pattern: str | No
 
 def _replace_run(graph: fx.Graph, block: str, nodes: list[fx.Node], wrap: Wrap) -> None:
     inside = set(nodes)
-    reads: dict[fx.Node, None] = {}
-    for node in nodes:
-        for used in node.all_input_nodes:
-            if used not in inside:
-                reads.setdefault(used)
+    reads = dict.fromkeys(used for node in nodes for used in node.all_input_nodes if used not in inside)
     results = [node for node in nodes if any(user not in inside for user in node.users)]
     function = _compile_run(list(reads), nodes, results, block)
     with graph.inserting_before(nodes[0]):
