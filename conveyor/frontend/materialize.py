@@ -172,11 +172,8 @@ def materialize(
         raise SplitError(f"could not materialise {unknown}: the model has no tensor of that name "
                          f"(internal error: names come from the model's own named_parameters/named_buffers)")
     by_owner: dict[str, list[str]] = {}
-    for name in names:
-        first = first_of[name]
-        wanted = by_owner.setdefault(first.rpartition(".")[0], [])
-        if first not in wanted:
-            wanted.append(first)
+    for first in dict.fromkeys(first_of[name] for name in names):
+        by_owner.setdefault(first.rpartition(".")[0], []).append(first)
     made: dict[str, torch.Tensor] = {}
     for owner_path in by_owner:
         made.update(_owner_tensors(model, owner_path, device, seed))
