@@ -17,21 +17,14 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
-from typing import NamedTuple
 
 from conveyor.train import sources
+from conveyor.train.sources import Document
 
 SOURCE_NAME = sources.DEFINITIONS
 
 
-class Definition(NamedTuple):
-    """One top-level ``def`` or ``class`` of a standard-library file (a Document's fields)."""
-
-    name: str
-    data: bytes
-
-
-def file_definitions(path_name: str, source: bytes) -> Iterator[Definition]:
+def file_definitions(path_name: str, source: bytes) -> Iterator[Document]:
     """The top-level definitions of one file's ``source``, in file order (none if it does not parse).
 
     Example:
@@ -48,10 +41,10 @@ def file_definitions(path_name: str, source: bytes) -> Iterator[Definition]:
             continue
         first = min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
         last = node.end_lineno or node.lineno
-        yield Definition(f"{path_name}:{node.lineno}:{node.name}", b"".join(lines[first - 1:last]))
+        yield Document(f"{path_name}:{node.lineno}:{node.name}", b"".join(lines[first - 1:last]))
 
 
-def definition_documents(max_bytes: int | None = None) -> list[Definition]:
+def definition_documents(max_bytes: int | None = None) -> list[Document]:
     """Every top-level definition of the standard library's sources, file by file in sorted order;
     ``max_bytes`` caps the total (the definition that crosses it is left out)."""
     root = sources.stdlib_root()

@@ -30,7 +30,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -40,23 +40,7 @@ from conveyor.options import SplitOptions
 from conveyor.runtime.stage.device import to_device
 from conveyor.train import corpus, sources
 from conveyor.train.config import DataConfig
-from conveyor.train.sources import split_documents
-
-
-class Document(NamedTuple):
-    """One unit of the corpus: a file, or a record of a JSON-lines or Parquet file."""
-
-    name: str
-    data: bytes
-
-    @property
-    def size(self) -> int:
-        return len(self.data)
-
-    def cut(self, start: int, stop: int, name: str) -> Document:
-        """Its bytes ``[start, stop)`` as the document ``name`` (what the cap and the split cut)."""
-        return Document(name, self.data[start:stop])
-
+from conveyor.train.sources import Document, split_documents
 
 # --- corpus ---------------------------------------------------------------------------------
 
@@ -97,7 +81,7 @@ def file_documents(files: Sequence[Path], fmt: str | None = None, text_key: str 
 def read_documents(cfg: DataConfig) -> list[Document]:
     """The documents ``cfg.source`` names ("stdlib" or local files), capped at ``cfg.max_bytes``."""
     if cfg.source == corpus.SOURCE_NAME:
-        return [Document(*definition) for definition in corpus.definition_documents(cfg.max_bytes)]
+        return corpus.definition_documents(cfg.max_bytes)
     files = sources.source_files(cfg.source)
     if not files:
         return stdlib_documents(cfg.max_bytes)

@@ -18,7 +18,7 @@ import sysconfig
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from conveyor.errors import ConfigError
 
@@ -37,6 +37,22 @@ _SUFFIX_FORMATS = MappingProxyType({".jsonl": "jsonl", ".ndjson": "jsonl", ".par
 # Debian-like distributions ship the test suites as separate packages.
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
 
+
+
+class Document(NamedTuple):
+    """One unit of the corpus: a file, a record of a JSON-lines or Parquet file, or a definition
+    (:mod:`conveyor.train.corpus`)."""
+
+    name: str
+    data: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def cut(self, start: int, stop: int, name: str) -> Document:
+        """Its bytes ``[start, stop)`` as the document ``name`` (what the cap and the split cut)."""
+        return Document(name, self.data[start:stop])
 
 def stdlib_root() -> Path:
     """The directory of this Python's standard library."""
@@ -81,7 +97,7 @@ def cap_documents(documents: Iterable[Any], max_bytes: int | None) -> list[Any]:
     """Documents in order up to ``max_bytes`` bytes in all (None: every one), the one that reaches it cut short.
 
     A document has a ``name``, a ``size`` in bytes and ``cut(start, stop, name)``: its bytes ``[start, stop)`` as
-    the document ``name``. The readers' documents (:class:`conveyor.train.data.Document`) and the launcher's
+    the document ``name``. The readers' documents (:class:`Document`) and the launcher's
     sizes (:mod:`conveyor.train.data_check`) go through this one cap, so the two agree.
     """
     kept, total = [], 0
