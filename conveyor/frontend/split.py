@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +82,7 @@ class ModelSplit:
         recipes: list[StageRecipe],
         stage_tensors: list[list[StageTensor]],
         tied_groups: tuple[TiedParameter, ...],
+        shared_ids: set[int],
         split_points: tuple[str, ...],
         stage_weights: tuple[float, ...] | None,
         device: torch.device,
@@ -98,8 +98,7 @@ class ModelSplit:
         self.seed = seed
         self._other_mode_split: ModelSplit | None = None  # with_mode(not training), traced on demand
         self._tensor_by_name = dict(named_tensors(traced.model))
-        # Tensors several stages hold (tied parameters among them): each stage gets its own copy.
-        self._shared_ids = _ids_held_by_several(stage_tensors, self._tensor_by_name)
+        self._shared_ids = shared_ids  # of tensors several stages hold: each stage gets its own copy
         _warn_of_shared_buffers_updated_in_place(traced, stage_tensors)
 
     @property
@@ -312,15 +311,6 @@ def _warn_of_shared_buffers_updated_in_place(traced, stage_tensors: list[list[St
         )
 
 
-def _ids_held_by_several(
-    stage_tensors: list[list[StageTensor]], by_name: Mapping[str, torch.Tensor]
-) -> set[int]:
-    # A stage counts a tensor once, under whichever of its names it holds it.
-    holders = Counter(tensor_id for tensors in stage_tensors
-                      for tensor_id in {id(by_name[t.source]) for t in tensors if t.kind != "constant"})
-    return {tensor_id for tensor_id, count in holders.items() if count > 1}
-
-
 def split_model(
     model: nn.Module,
     num_stages: int,
@@ -376,8 +366,9 @@ def split_model(
     # A node's stage: how many stages start at or before it (positions rise).
     stage_of_node = [bisect.bisect_right(positions, index) for index in range(len(traced.nodes))]
     recipes = build_recipes(traced, stage_of_node, num_stages)
-    stage_tensors, tied_groups = _assign_tensors(traced, recipes)
-    split = ModelSplit(traced, recipes, stage_tensors, tied_groups, names, stage_weights, default_device, seed)
+    stage_tensors, tied_groups, shared_ids = _assign_tensors(traced, recipes)
+    split = ModelSplit(traced, recipes, stage_tensors, tied_groups, shared_ids, names, stage_weights,
+                       default_device, seed)
     _dry_run(split)
     return split
 
@@ -417,8 +408,9 @@ def _cuts(
 
 def _assign_tensors(
     traced: TracedModel, recipes: list[StageRecipe]
-) -> tuple[list[list[StageTensor]], tuple[TiedParameter, ...]]:
-    """Each stage's tensors (those its operations read, plus unused ones placed nearby)."""
+) -> tuple[list[list[StageTensor]], tuple[TiedParameter, ...], set[int]]:
+    """Each stage's tensors (those its operations read, plus unused ones placed nearby), the parameters several
+    stages hold, and the ids of every tensor several stages hold (tied parameters among them)."""
     model = traced.model
     all_names = list(named_tensors(model))
     by_name = dict(all_names)
@@ -471,5 +463,7 @@ def _assign_tensors(
     groups = (TiedParameter(traced.aliases.get(name, (name,)), tuple(sorted(uses[id(tensor)])))
               for name, tensor in model.named_parameters())
     tied = tuple(group for group in groups if len(group.stages) > 1)
-    return stage_tensors, tied
+    # A stage counts a tensor once, under whichever of its names it holds it.
+    shared = {tensor_id for tensor_id, held in uses.items() if len({stage for stage, _ in held}) > 1}
+    return stage_tensors, tied, shared
 

@@ -243,9 +243,7 @@ def build_graph(
     ``device``."""
     device_map = {} if traced.trace_device == device else {traced.trace_device: device}
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in recipe.inputs:
-        env[node] = graph.placeholder(node.name)
+    env: dict[fx.Node, fx.Node] = {node: graph.placeholder(node.name) for node in recipe.inputs}
     by_name = {node.name: node for node in traced.exported.graph_module.graph.nodes}
     for placeholder, tensor in recipe.tensors.items():
         env[by_name[placeholder]] = graph.get_attr(tensor.name)
