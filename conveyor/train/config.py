@@ -38,16 +38,11 @@ from typing import TYPE_CHECKING, Any
 
 from conveyor.errors import ConfigError, PipelineConfigError, PlanError
 from conveyor.layout import DistributedLayout, InProcessLayout, Layout
-from conveyor.options import StageOptions, TransferOptions, _plan_recompute
+from conveyor.options import StageOptions, TransferOptions, _f, _plan_recompute
 from conveyor.train import sources
 
 if TYPE_CHECKING:
     from conveyor.plan.result import Plan
-
-
-def _f(default: Any, help: str) -> Any:
-    # The help text rides in the field's metadata, so `conveyor train --help` can list it.
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass
