@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -65,7 +66,7 @@ def experts_as_leaves(model: nn.Module, names: Sequence[str] | None = None) -> I
     own_forwards = [module.__dict__.get("forward") for _, module in found]
     try:
         for name, module in found:
-            module.forward = _LeafForward(module, name)
+            module.forward = functools.partial(_leaf_forward, module, name)
         yield [name for name, _ in found]
     finally:
         for (_, module), own in zip(found, own_forwards):
@@ -75,17 +76,11 @@ def experts_as_leaves(model: nn.Module, names: Sequence[str] | None = None) -> I
                 module.forward = own
 
 
-class _LeafForward:
+def _leaf_forward(module: nn.Module, path: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
     """An experts module's forward while tracing: its inputs and tensors into one opaque operation."""
-
-    def __init__(self, module: nn.Module, path: str) -> None:
-        self.module = module
-        self.path = path
-
-    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        state = [*self.module.parameters(), *self.module.buffers()]
-        return experts_leaf([hidden_states, top_k_index, top_k_weights], state, self.path)
+    state = [*module.parameters(), *module.buffers()]
+    return experts_leaf([hidden_states, top_k_index, top_k_weights], state, path)
 
 
 def restore_leaves(graph: fx.Graph) -> list[str]:
