@@ -477,10 +477,7 @@ class StageModule(nn.Module):
         return tuple(outputs)
 
     def _flatten_model_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        positional_spec, keyword_spec = (
-            self._conveyor_in_spec.child(0),
-            self._conveyor_in_spec.child(1),
-        )
+        positional_spec, keyword_spec = self._conveyor_in_spec.children()  # (args, kwargs)
         expected_keys = list(keyword_spec.context)
         if len(args) != positional_spec.num_children or set(kwargs) != set(expected_keys):
             raise SpecMismatchError(
