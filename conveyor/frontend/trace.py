@@ -218,13 +218,9 @@ class TracedModel:
 
 def _module_paths(node: fx.Node) -> tuple[str, ...]:
     stack = node.meta.get("nn_module_stack") or {}
-    paths = []
-    for path, _type in stack.values():
-        # A module called twice is recorded as "name@1"; it is still the same module.
-        path = re.sub(r"@\d+$", "", path)
-        if path and path not in paths:
-            paths.append(path)
-    return tuple(paths)
+    # A module called twice is recorded as "name@1"; it is still the same module.
+    paths = (re.sub(r"@\d+$", "", path) for path, _type in stack.values())
+    return tuple(dict.fromkeys(path for path in paths if path))
 
 
 @dataclass(frozen=True, slots=True)
