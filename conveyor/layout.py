@@ -116,12 +116,11 @@ class DistributedLayout:
             if self.group is not None and size != 1:
                 raise PipelineConfigError("DistributedLayout(group=...) is one pipeline's ranks, with no replicas or "
                                           "tensor-parallel ranks; give dp= and tp= (or mesh=) without group=")
-            if name in dims and size not in (1, self.mesh.size(dims.index(name))):
+            given = self.mesh.size(dims.index(name)) if name in dims else size
+            if size not in (1, given):
                 raise PipelineConfigError(f"DistributedLayout({name}={size}) but the mesh's {name!r} dim has "
-                                          f"{self.mesh.size(dims.index(name))} ranks; give the mesh alone (its sizes "
-                                          "are read from it)")
-            if name in dims:
-                _set(self, name, self.mesh.size(dims.index(name)))  # frozen: normalised here
+                                          f"{given} ranks; give the mesh alone (its sizes are read from it)")
+            _set(self, name, given)  # frozen: normalised here (the mesh's size where it has the dim)
 
     def _check_tensor_parallel(self) -> None:
         """tensor_parallel goes with tp > 1 ('auto' when not given); the plan holds ParallelStyles (the
