@@ -12,6 +12,8 @@ What it reads, so that it stays cheap (the corpus may be far larger than the lau
 
 * the bytes tokenizer on "stdlib" or text files: the files' sizes only (``os.stat``); the
   counts are exact, since a byte is a token;
+* "stdlib-definitions": the definitions the ranks read, from the same function
+  (:func:`~conveyor.train.corpus.definition_documents`, which parses every file it reads);
 * a tokenizer directory: a split of more than 64 bytes per token it needs passes unread
   (no tokenizer makes tokens that long); a shorter one is tokenized document by document
   until it gives what it needs, reading at most :data:`READ_BUDGET` bytes of it;
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from conveyor.errors import ConfigError
-from conveyor.train import sources
+from conveyor.train import corpus, sources
 
 READ_BUDGET = 8 * 2**20  # bytes the launcher reads at most for one split, or of JSON-lines/Parquet files
 _BYTES_PER_TOKEN = 64  # no tokenizer's tokens are this long on average: more bytes than this suffice
@@ -117,6 +119,8 @@ def _reader(path: Path) -> Callable[[int, int], bytes]:
 def _corpus(data: Any) -> list[_Doc] | None:
     """The documents ``data.source`` names, with their sizes and how to read them; None when the
     JSON-lines/Parquet files are too large to read here."""
+    if data.source == corpus.SOURCE_NAME:  # as conveyor.train.data.read_documents reads it, cap included
+        return _in_memory(corpus.definition_documents(data.max_bytes))
     files = sources.source_files(data.source)
     if not files:
         root = sources.stdlib_root()
@@ -127,7 +131,11 @@ def _corpus(data: Any) -> list[_Doc] | None:
         return None
     from conveyor.train.data import read_documents  # torch comes with it: only on this path
 
-    return [_Doc(doc.name, len(doc.data), lambda a, b, data=doc.data: data[a:b]) for doc in read_documents(data)]
+    return _in_memory(read_documents(data))
+
+
+def _in_memory(documents: Sequence[sources.Document]) -> list[_Doc]:
+    return [_Doc(doc.name, len(doc.data), lambda a, b, data=doc.data: data[a:b]) for doc in documents]
 
 
 class _Tokenizer:

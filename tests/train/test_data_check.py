@@ -122,3 +122,19 @@ def test_the_default_corpus_is_checked_from_file_sizes_without_reading_a_byte(mo
     sizes = check_data(load_config(None, []))
     assert sizes["training"].tokens > 10_000_000 and sizes["validation"].tokens > 100_000
     assert reads == []
+
+
+def test_stdlib_definitions_are_measured_as_the_definitions_the_ranks_read():
+    # Each top-level definition is a document (conveyor.train.corpus), not each file, and the one crossing
+    # data.max_bytes is left out, not cut: measured as whole files, this validation split was 1 file of
+    # 97 bytes and the check refused a config whose ranks hold out 4 definitions (1870 bytes, Python 3.12).
+    cfg = load_config(None, ["data.source=stdlib-definitions", "data.max_bytes=200000", "model.seq_len=64"])
+    train, val = split_documents(read_documents(cfg.data), cfg.data.val_fraction)
+    sizes = check_data(cfg)
+    assert (sizes["training"].documents, sizes["validation"].documents) == (len(train), len(val))
+    assert (sizes["training"].bytes, sizes["validation"].bytes) == (sum(d.size for d in train),
+                                                                  sum(d.size for d in val))
+    assert checked_tokens(cfg) == built_tokens(cfg)
+    small = load_config(None, SMALL + ["data.source=stdlib-definitions", "data.max_bytes=9000",
+                                       "data.val_fraction=0.3"])
+    assert checked_tokens(small) == built_tokens(small)
