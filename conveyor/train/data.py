@@ -80,7 +80,7 @@ def file_documents(files: Sequence[Path], fmt: str | None = None, text_key: str 
 
 def read_documents(cfg: DataConfig) -> list[Document]:
     """The documents ``cfg.source`` names ("stdlib" or local files), capped at ``cfg.max_bytes``."""
-    if cfg.source == corpus.SOURCE_NAME:
+    if sources.built_in(cfg.source) == corpus.SOURCE_NAME:
         return corpus.definition_documents(cfg.max_bytes)
     files = sources.source_files(cfg.source)
     if not files:

@@ -119,7 +119,8 @@ def _reader(path: Path) -> Callable[[int, int], bytes]:
 def _corpus(data: Any) -> list[_Doc] | None:
     """The documents ``data.source`` names, with their sizes and how to read them; None when the
     JSON-lines/Parquet files are too large to read here."""
-    if data.source == corpus.SOURCE_NAME:  # as conveyor.train.data.read_documents reads it, cap included
+    # As conveyor.train.data.read_documents reads it, cap included.
+    if sources.built_in(data.source) == corpus.SOURCE_NAME:
         return _in_memory(corpus.definition_documents(data.max_bytes))
     files = sources.source_files(data.source)
     if not files:

@@ -156,6 +156,19 @@ def source_patterns(source: Any) -> list[str]:
     return list(items)
 
 
+def built_in(source: Any) -> str | None:
+    """The built-in corpus ``data.source`` names (a key of :data:`BUILT_IN`, given alone, as itself or as a
+    list of one), or None for local files. The readers (:func:`conveyor.train.data.read_documents`) and the
+    launcher's data check (:mod:`conveyor.train.data_check`) both ask this, so the two read one corpus.
+
+    Example:
+        >>> built_in("stdlib-definitions"), built_in(["stdlib-definitions"]), built_in("corpus/*.txt")
+        ('stdlib-definitions', 'stdlib-definitions', None)
+    """
+    patterns = source_patterns(source)
+    return patterns[0] if len(patterns) == 1 and patterns[0] in BUILT_IN else None
+
+
 def source_files(source: Any) -> list[Path]:
     """The files ``data.source`` names, sorted within each pattern (globs may use ``**``); [] for a built-in corpus.
 

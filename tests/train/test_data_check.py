@@ -138,3 +138,15 @@ def test_stdlib_definitions_are_measured_as_the_definitions_the_ranks_read():
     small = load_config(None, SMALL + ["data.source=stdlib-definitions", "data.max_bytes=9000",
                                        "data.val_fraction=0.3"])
     assert checked_tokens(small) == built_tokens(small)
+
+
+def test_stdlib_definitions_as_a_list_of_one_is_the_same_corpus_for_the_ranks_and_the_check():
+    # data.source=[stdlib-definitions] passes the config checks (a built-in name alone in a list); it read
+    # whole stdlib files, not definitions, in the ranks and in the check alike.
+    listed = load_config(None, SMALL + ["data.source=[stdlib-definitions]", "data.max_bytes=9000",
+                                        "data.val_fraction=0.3"])
+    named = load_config(None, SMALL + ["data.source=stdlib-definitions", "data.max_bytes=9000",
+                                       "data.val_fraction=0.3"])
+    assert read_documents(listed.data) == read_documents(named.data)
+    assert checked_tokens(listed) == built_tokens(listed) == built_tokens(named)
+    assert check_data(listed) == check_data(named)
