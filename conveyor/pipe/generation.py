@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from conveyor.errors import PipelineConfigError
+from conveyor.errors import PipelineConfigError, positive_int
 from conveyor.frontend.decode import CAUSAL_HEADS, decode_stages
 from conveyor.frontend.split import split_model
 from conveyor.frontend.stage import StageModule
@@ -112,8 +112,7 @@ class Sampling:
         if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature > 0):
             raise PipelineConfigError(f"temperature={self.temperature!r} must be a positive number: for greedy "
                                       "decoding pass do_sample=False instead of temperature=0")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 1):
+        if self.top_k is not None and not positive_int(self.top_k):
             raise PipelineConfigError(f"top_k={self.top_k!r} must be a whole number >= 1 (None: every token)")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise PipelineConfigError(f"top_p={self.top_p!r} must be in (0, 1] (None or 1: every token)")
@@ -207,7 +206,7 @@ def check_request(pipe: Pipeline, input_ids: torch.Tensor, max_new_tokens: int, 
             f"generate needs a causal language model's head on the last stage; this pipeline was built from "
             f"{name}: build it from the model with its head (e.g. AutoModelForCausalLM)"
         )
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not positive_int(max_new_tokens):
         raise PipelineConfigError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 1")
     config = info.get("config") or {}
     positions = config.get("n_positions", config.get("max_position_embeddings"))

@@ -52,7 +52,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, NoReturn
 
-from conveyor.errors import GroupClosed, HarnessConfigError, RankError, RankFailure, RankTimeout
+from conveyor.errors import GroupClosed, HarnessConfigError, RankError, RankFailure, RankTimeout, positive_int
 from conveyor.processes.rank import (
     ENTRY,
     MAX_RESULT_BYTES,
@@ -335,7 +335,7 @@ def run_once(
 
 
 def _check_options(world_size: int, timeout_s: float, start_method: str, max_result_bytes: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not positive_int(world_size):
         raise HarnessConfigError(f"world_size must be an int >= 1; got {world_size!r}")
     if not timeout_s > 0:
         raise HarnessConfigError(f"timeout_s must be > 0 seconds; got {timeout_s!r}")
