@@ -84,51 +84,50 @@ def is_block_container(module: nn.Module) -> bool:
     return bool(counts) and counts.most_common(1)[0][1] >= 2
 
 
-def find_units(model: nn.Module, spans: ModuleSpans, unsplittable: Iterable[str]) -> list[Unit]:
-    """The units of ``model`` in execution order (modules that never ran are left out).
+def module_units(model: nn.Module, unsplittable: Iterable[str] = ()) -> list[tuple[str, nn.Module, bool]]:
+    """``(path, module, is_block)`` of every unit, in registration order (no tracing).
 
     The children of every outermost block container are units (the repeated
     blocks); modules on the path from the root to a container are opened up; any
-    other module is one unit. A model without any container is cut between the
-    root's children.
+    other module, and any module named in ``unsplittable``, is one unit. A model
+    without any container is cut between the root's children.
+
+    Example:
+        >>> model = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+        >>> [(name, is_block) for name, _, is_block in module_units(model)]
+        [('0', False), ('1.0', True), ('1.1', True)]
     """
     whole = set(unsplittable)
-    holds_container: dict[int, bool] = {}
+    holds: dict[int, bool] = {}
 
     def has_container(module: nn.Module) -> bool:
-        if id(module) not in holds_container:
-            holds_container[id(module)] = is_block_container(module) or any(
-                has_container(child) for child in module.children()
-            )
-        return holds_container[id(module)]
+        if id(module) not in holds:
+            holds[id(module)] = is_block_container(module) or any(has_container(c) for c in module.children())
+        return holds[id(module)]
 
     any_container = has_container(model)
-    units: list[Unit] = []
-
-    def add(path: str, module: nn.Module, is_block: bool) -> None:
-        if path and spans.ran(path):
-            units.append(Unit(path, type(module).__name__, spans.first[path], is_block, int(is_block)))
+    units: list[tuple[str, nn.Module, bool]] = []
 
     def visit(path: str, module: nn.Module) -> None:
-        if path in whole:
-            add(path, module, False)
+        container = is_block_container(module)
+        if path in whole or not (container or has_container(module) or (path == "" and not any_container)):
+            units.append((path, module, False))
             return
-        opened = (
-            is_block_container(module)
-            or has_container(module)
-            or (path == "" and not any_container)
-        )
-        if not opened:
-            add(path, module, False)
-            return
-        for child_name, child in module.named_children():
-            child_path = f"{path}.{child_name}" if path else child_name
-            if is_block_container(module):
-                add(child_path, child, True)
+        for name, child in module.named_children():
+            child_path = f"{path}.{name}" if path else name
+            if container:
+                units.append((child_path, child, True))
             else:
                 visit(child_path, child)
 
     visit("", model)
+    return units
+
+
+def find_units(model: nn.Module, spans: ModuleSpans, unsplittable: Iterable[str]) -> list[Unit]:
+    """The units of ``model`` (:func:`module_units`) in execution order (modules that never ran are left out)."""
+    units = [Unit(path, type(module).__name__, spans.first[path], is_block, int(is_block))
+             for path, module, is_block in module_units(model, unsplittable) if path and spans.ran(path)]
     units.sort(key=lambda unit: unit.start)
     # Two units start at the same operation when one ran inside the other's span, or when
     # both run inside one region: keep the first listed, standing for the blocks of both.

@@ -21,43 +21,9 @@ import torch
 from torch import nn
 
 from conveyor.errors import PlanError
-from conveyor.frontend.units import is_block_container
+from conveyor.frontend.units import module_units
 from conveyor.plan.costs import CostTable, UnitCost
 from conveyor.plan.settings import DEFAULT_BYTES_PER_SECOND, DEFAULT_FLOPS_PER_SECOND
-
-
-def module_units(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
-    """``(path, module, is_block)`` of every unit, in registration order (no tracing).
-
-    Example:
-        >>> model = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
-        >>> [(name, is_block) for name, _, is_block in module_units(model)]
-        [('0', False), ('1.0', True), ('1.1', True)]
-    """
-    holds: dict[int, bool] = {}
-
-    def has_container(module: nn.Module) -> bool:
-        if id(module) not in holds:
-            holds[id(module)] = is_block_container(module) or any(has_container(c) for c in module.children())
-        return holds[id(module)]
-
-    any_container = has_container(model)
-    units: list[tuple[str, nn.Module, bool]] = []
-
-    def visit(path: str, module: nn.Module) -> None:
-        container = is_block_container(module)
-        if not (container or has_container(module) or (path == "" and not any_container)):
-            units.append((path, module, False))
-            return
-        for name, child in module.named_children():
-            child_path = f"{path}.{name}" if path else name
-            if container:
-                units.append((child_path, child, True))
-            else:
-                visit(child_path, child)
-
-    visit("", model)
-    return units
 
 
 def analytic_units(model: nn.Module, *, microbatch_size: int, seq_len: int,
