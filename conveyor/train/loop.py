@@ -41,6 +41,7 @@ import conveyor
 from conveyor.errors import ConfigError, NonFiniteError
 from conveyor.parallel import count_tokens
 from conveyor.parallel.loss import loss_divisor
+from conveyor.pipe.logprobs import logits_of
 from conveyor.runtime.stage.device import group_device, to_device
 from conveyor.train.config import TrainConfig, save_config
 from conveyor.train.data import by_length_options, length_loader, load_tokenizer, resumable_loader, splits_factory
@@ -58,7 +59,7 @@ from conveyor.train.report import (
 )
 from conveyor.train.restarts import continue_log
 from conveyor.train.resume import parallel_layout, resume
-from conveyor.train.sample import _logits, write_sample
+from conveyor.train.sample import write_sample
 from conveyor.train.startup import StartupPhases
 
 # --- pieces ---------------------------------------------------------------------------------
@@ -75,7 +76,7 @@ def lm_loss(reduction: str = "mean"):
         1.3863
     """
     def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
-        logits = _logits(output)
+        logits = logits_of(output)
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                  target.reshape(-1), reduction=reduction)
 

@@ -41,15 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from conveyor.pipe.logprobs import logits_of
 from conveyor.runtime.stage.device import group_device
 from conveyor.train.data import load_tokenizer
 
 DEFAULT_PROMPT = "def "
 PROMPT_TOKENS = 32  # of the validation text, when train.sample_prompt is None
-
-
-def _logits(output: Any) -> torch.Tensor:
-    return output.logits if hasattr(output, "logits") else output["logits"]
 
 
 def greedy_tokens(pipe: Any, prompt: Sequence[int], steps: int, *, seq_len: int, rows: int,
@@ -79,7 +76,7 @@ def greedy_tokens(pipe: Any, prompt: Sequence[int], steps: int, *, seq_len: int,
         # Where the token's collective runs (NCCL: the stage's GPU; gloo: the CPU).
         token = torch.full((1,), -1, dtype=torch.long, device=group_device(pipe.device) if distributed else "cpu")
         if output is not None:
-            token[0] = _logits(output)[0, len(window) - 1].argmax()
+            token[0] = logits_of(output)[0, len(window) - 1].argmax()
         if distributed:
             # Every replica's last stage picked one (the same): max keeps it, and -1 elsewhere loses.
             dist.all_reduce(token, op=dist.ReduceOp.MAX)
@@ -129,7 +126,7 @@ def greedy_reference(model: torch.nn.Module, prompt: Sequence[int], steps: int, 
     """
     context, made = list(prompt), []
     for _ in range(steps):
-        logits = _logits(model(torch.tensor([context[-seq_len:]], dtype=torch.long)))
+        logits = logits_of(model(torch.tensor([context[-seq_len:]], dtype=torch.long)))
         made.append(int(logits[0, -1].argmax()))
         context.append(made[-1])
         if made[-1] == eos_id:
