@@ -382,10 +382,6 @@ def _section_types() -> dict[str, type]:
     return typing.get_type_hints(TrainConfig)  # the sections, in order: TrainConfig's fields are its annotations
 
 
-def _field_type(cls: type, name: str) -> Any:
-    return typing.get_type_hints(cls)[name]
-
-
 def _read_yaml(path: Path) -> Any:
     from omegaconf import DictConfig, OmegaConf
 
@@ -427,14 +423,14 @@ def _check_keys(node: Any, cls: type, prefix: str, where: str | None, overrides:
     """Every key of ``node`` is a field of ``cls`` (recursively), else a ConfigError with a close match."""
     from omegaconf import DictConfig
 
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields, hints = {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls)
     for key in node:
         full = f"{prefix}{key}"
         if key not in fields and full in RENAMED_KEYS:
             raise ConfigError(f"{full} was renamed: use {RENAMED_KEYS[full]} ({_origin(where, full, overrides)})")
         if key not in fields:
             raise ConfigError(_unknown_key(full, str(key), prefix, list(fields), _origin(where, full, overrides)))
-        kind = _field_type(cls, key)
+        kind = hints[key]
         value = node._get_node(key)
         if dataclasses.is_dataclass(kind):
             if not isinstance(value, DictConfig):
@@ -515,7 +511,7 @@ def _type_message(error: Exception, nodes: Sequence[Any]) -> str:
     section, _, name = key.partition(".")
     expected = "?"
     if name and section in _section_types():
-        kind = _field_type(_section_types()[section], name)
+        kind = typing.get_type_hints(_section_types()[section])[name]
         expected = kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
     value = _value_at(nodes, key)
     reason = str(error).splitlines()[0]
