@@ -167,8 +167,7 @@ def write_sample(run: Any) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     prompt = prompt_ids(run, tokenizer)
     made = None
-    if (len(prompt) + cfg.train.sample_tokens <= cfg.model.seq_len and run.pipe.checkpoint_group is None
-            and not isinstance(run.loss_fn, LossWithAux)):
+    if run.pipe.checkpoint_group is None and not isinstance(run.loss_fn, LossWithAux):
         # Replicas and TP shards (checkpoint_group) and mixture-of-experts models keep the window loop.
         made = cached_tokens(run.pipe, prompt, cfg.train.sample_tokens, length=cfg.model.seq_len,
                              eos_id=tokenizer.eos_id)
