@@ -229,8 +229,7 @@ def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
     recipe's expert count where its ``hf_config`` gives one; not in one process."""
     par, ep = cfg.parallel, cfg.parallel.ep
     capacity = par.expert_capacity
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int | float)
-                                 or not math.isfinite(capacity) or capacity <= 0):
+    if capacity is not None and not (math.isfinite(capacity) and capacity > 0):  # a float: the loader's type check
         problems.append(f"parallel.expert_capacity={capacity!r}: expected a capacity factor > 0 (e.g. 1.25), or "
                         "null to drop no token")
     elif capacity is not None and ep == 1:
@@ -242,7 +241,7 @@ def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
                         "leaves off; set parallel.ep (e.g. 'auto') or drop parallel.expert_overlap")
     if ep == 1:
         return
-    if not (ep == "auto" or (isinstance(ep, int) and not isinstance(ep, bool) and ep > 1)):
+    if not (ep == "auto" or (isinstance(ep, int) and ep > 1)):  # an int or a str, never a bool: the loader's check
         problems.append(f"parallel.ep={ep!r}: expected 'auto' (ep = parallel.dp) or a size >= 1 (1: no expert "
                         "parallelism)")
         return
@@ -323,15 +322,12 @@ def head_count_problems(cfg: Any, up_to: int = 8) -> list[str]:
 
 
 def _check_plan(cfg: Any, problems: list[str]) -> None:
-    """A plan (already applied by load_config) is for this many pipeline ranks."""
-    if not getattr(cfg.parallel, "plan", None):
+    """A plan (already read and applied by load_config, which refuses one it cannot read) is for this many
+    pipeline ranks."""
+    plan = cfg.plan  # read once, by the config
+    if plan is None:
         return
-    try:
-        plan = cfg.plan  # read once, by the config
-    except ConfigError as error:
-        problems.append(str(error))
-        return
-    tp = getattr(plan, "tensor_parallel", 1)
+    tp = plan.tensor_parallel
     if plan.ranks != cfg.parallel.pp and tp != 1:
         problems.append(f"parallel.plan={cfg.parallel.plan!r} is for {plan.ranks} pipeline ranks of {tp} "
                         f"tensor-parallel ranks but parallel.pp={cfg.parallel.pp}; set parallel.pp={plan.ranks} "
