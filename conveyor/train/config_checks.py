@@ -30,7 +30,6 @@ from conveyor.train.config import RECIPES, model_kind
 from conveyor.train.expert_shards import expert_size
 from conveyor.train.parity import parity_problems
 
-MODEL_NAMES = tuple(RECIPES)
 CHOICES = MappingProxyType({
     "parallel.data_parallel": ("ddp", "fsdp"),
     "optim.lr_schedule": ("cosine", "constant"),
@@ -119,15 +118,15 @@ def _check_model(cfg: Any, problems: list[str]) -> None:
         if not name[3:].isidentifier():
             problems.append(f"model.name={name!r}: after 'hf:' comes a transformers class name, "
                             f"e.g. hf:GPT2LMHeadModel")
-    elif name not in MODEL_NAMES and not Path(name).expanduser().is_dir():
-        problems.append(f"model.name={name!r}: expected one of {', '.join(MODEL_NAMES)}, "
+    elif name not in RECIPES and not Path(name).expanduser().is_dir():
+        problems.append(f"model.name={name!r}: expected one of {', '.join(RECIPES)}, "
                         f"hf:<transformers class name>, or a local pretrained directory (no directory "
-                        f"{name!r} here){_close(name, MODEL_NAMES)}")
+                        f"{name!r} here){_close(name, list(RECIPES))}")
     if model.heads >= 1 and model.width >= 1 and model.width % model.heads:
         problems.append(f"model.heads={model.heads}: must divide model.width={model.width}")
     _check_model_sizes(model, problems)
     # Seeing into a class or a directory imports transformers: only when one is named, or config fields are.
-    if not (name in MODEL_NAMES and not model.hf_config) and not any(p.startswith("model.name") for p in problems):
+    if not (name in RECIPES and not model.hf_config) and not any(p.startswith("model.name") for p in problems):
         from conveyor.train.models import check_model
 
         problems.extend(check_model(model))
