@@ -310,13 +310,12 @@ def train_step(run: Run) -> tuple[float, dict[str, float]]:
     mode = "skip" if cfg.loss.on_nonfinite == "skip" else "raise"
     if isinstance(run.loss_fn, LossWithAux):
         run.loss_fn.parts.clear()  # a step that failed earlier may have left some
+    inputs, target = x if pipe.needs_inputs else None, y if pipe.needs_target else None
     if cfg.data.batching == "by_length":  # microbatches of their own lengths (conveyor.train.data.length_loader)
-        given = conveyor.Microbatches(inputs=[(ids,) for ids in x] if pipe.needs_inputs else None,
-                                      targets=list(y) if pipe.needs_target else None)
-        loss = pipe.step(given, on_nonfinite=mode, normalize_by=normalize_by)
-    else:
-        loss = pipe.step(x if pipe.needs_inputs else None, target=y if pipe.needs_target else None,
-                         on_nonfinite=mode, normalize_by=normalize_by)
+        inputs = conveyor.Microbatches(inputs=[(ids,) for ids in x] if pipe.needs_inputs else None,
+                                       targets=list(y) if pipe.needs_target else None)
+        target = None  # each microbatch's targets travel in the Microbatches
+    loss = pipe.step(inputs, target=target, on_nonfinite=mode, normalize_by=normalize_by)
     parts = loss_parts(run, normalize_by)
     norm = pipe.clip_grad_norm_(cfg.train.clip) if cfg.train.clip > 0 else None  # a collective: every rank
     run.optimizer.step()
