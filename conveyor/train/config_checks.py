@@ -256,19 +256,12 @@ def _check_expert_parallel(cfg: Any, problems: list[str]) -> None:
                         f"parallel.ep={ep}: expert parallelism spreads the experts over the replicas' TP ranks, "
                         f"parallel.dp x parallel.tp = {par.dp * par.tp}, which groups of {size} do not divide; "
                         "choose an ep dividing it or parallel.ep=1")
-    experts = _expert_count(cfg.model)
+    hf_config = cfg.model.hf_config  # the recipe's experts per layer, where it names them (Mixtral's or Qwen's key)
+    experts = next((hf_config[key] for key in ("num_local_experts", "num_experts")
+                    if isinstance(hf_config.get(key), int)), None)
     if experts is not None and size > 0 and experts % size:
         problems.append(f"parallel.ep={ep} (groups of {size}) does not divide the model's {experts} experts; choose "
                         f"an ep dividing {experts} and parallel.dp")
-
-
-def _expert_count(model: Any) -> int | None:
-    """The recipe's experts per layer, where its ``hf_config`` names them (Mixtral's and Qwen's key)."""
-    hf_config = getattr(model, "hf_config", None) or {}
-    for key in ("num_local_experts", "num_experts"):
-        if isinstance(hf_config.get(key), int):
-            return hf_config[key]
-    return None
 
 
 def _check_tensor_parallel(cfg: Any, problems: list[str]) -> None:
