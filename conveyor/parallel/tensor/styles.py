@@ -189,13 +189,8 @@ def _block_inputs(style: LocalBlock, first: str, rank: int, size: int, module, a
             kwargs[name] = value.chunk(size, dim=0)[rank]
     if style.gather_sequence:
         if args and isinstance(args[0], DTensor):
-            args = (whole_local(args[0]), *args[1:])
+            args = (args[0].full_tensor(), *args[1:])
         elif isinstance(kwargs.get(first), DTensor):
-            kwargs[first] = whole_local(kwargs[first])
+            kwargs[first] = kwargs[first].full_tensor()
     return args, kwargs
-
-
-def whole_local(value: DTensor):
-    """A DTensor gathered (or reduced) whole onto every rank, as a plain local tensor."""
-    return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local()
 

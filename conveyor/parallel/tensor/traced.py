@@ -79,7 +79,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from conveyor.errors import PipelineConfigError
 from conveyor.parallel.tensor.shards import materialize_stage_shards, shard_source
 from conveyor.parallel.tensor.style_map import matching_modules
-from conveyor.parallel.tensor.styles import column_placement, is_transposed_projection, whole_local
+from conveyor.parallel.tensor.styles import column_placement, is_transposed_projection
 
 
 def parameter_placements(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, object]:
@@ -267,7 +267,7 @@ def _inputs_as_dtensors(tp_mesh):
 
 def whole_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     """A stage's DTensor outputs as whole local tensors: what the matching TP rank of the next stage receives."""
-    return pytree.tree_map_only(DTensor, whole_local, output)
+    return pytree.tree_map_only(DTensor, DTensor.full_tensor, output)
 
 
 _ROW_SPLIT_WEIGHT_CALLS = MappingProxyType({torch.ops.aten.embedding.default: vocab_parallel_embedding,
