@@ -73,11 +73,6 @@ class MeshLayout:
         return max(1, len(self.tp_ranks))
 
     @property
-    def tp_group(self) -> object:
-        """The process group of this stage's TP ranks (None without a "tp" dim)."""
-        return None if self.tp_mesh is None else self.tp_mesh.get_group()
-
-    @property
     def pp_ranks(self) -> list[int]:
         return list(self.pipelines[self.dp_rank])
 
