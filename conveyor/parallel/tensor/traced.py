@@ -218,10 +218,10 @@ def colwise_linear(input: torch.Tensor, weight: DTensor, *bias) -> DTensor:
     return torch.ops.aten.linear.default(input, weight, *bias)
 
 
-def _rewrite_row_split_weight_calls(stage: nn.Module, placements: Mapping[str, object]) -> int:
+def _rewrite_row_split_weight_calls(stage: nn.Module, placements: Mapping[str, object]) -> None:
     """Make every lookup of a ``Shard(0)`` embedding weight in ``stage``'s graphs (each mode's) a
     :func:`vocab_parallel_embedding`, every linear on a ``Shard(0)`` weight (colwise, packed or not)
-    a :func:`colwise_linear`; recompile the graphs changed. How many calls were rewritten.
+    a :func:`colwise_linear`; recompile the graphs changed.
 
     The calls are found by their weight: a ``get_attr`` of a parameter the plan puts at
     ``Shard(0)`` (by its original name). A stage that is not a traced stage module (no graphs) is
@@ -230,8 +230,8 @@ def _rewrite_row_split_weight_calls(stage: nn.Module, placements: Mapping[str, o
     """
     graphs = getattr(stage, "_conveyor_graphs", None)  # a StageModule's graph per mode, edited in place
     if not graphs:
-        return 0
-    rewritten = 0
+        return
+    rewritten = False
     for graph in graphs.values():
         for node in graph.nodes:
             if node.op != "call_function" or node.target not in _ROW_SPLIT_WEIGHT_CALLS:
@@ -240,10 +240,9 @@ def _rewrite_row_split_weight_calls(stage: nn.Module, placements: Mapping[str, o
             placement = placements.get(weight.target) if getattr(weight, "op", None) == "get_attr" else None
             if isinstance(placement, Shard) and placement.dim == 0:
                 node.target = _ROW_SPLIT_WEIGHT_CALLS[node.target]
-                rewritten += 1
+                rewritten = True
     if rewritten:
         recompile(stage)
-    return rewritten
 
 
 def recompile(stage: nn.Module) -> None:
