@@ -362,11 +362,12 @@ def split_model(
     default_device = torch.device(device) if device is not None else model_device(model)
     if default_device.type == "meta":
         default_device = torch.device("cpu")
-    positions, names, stage_weights = _cuts(traced, model, num_stages, split_points, split_method, unsplittable)
+    spans = ModuleSpans(traced)
+    positions, names, stage_weights = _cuts(traced, spans, num_stages, split_points, split_method, unsplittable)
     # A node's stage: how many stages start at or before it (positions rise).
     stage_of_node = [bisect.bisect_right(positions, index) for index in range(len(traced.nodes))]
     recipes = build_recipes(traced, stage_of_node, num_stages)
-    stage_tensors, tied_groups, shared_ids = _assign_tensors(traced, recipes)
+    stage_tensors, tied_groups, shared_ids = _assign_tensors(traced, spans, recipes)
     split = ModelSplit(traced, recipes, stage_tensors, tied_groups, shared_ids, names, stage_weights,
                        default_device, seed)
     _dry_run(split)
@@ -375,7 +376,7 @@ def split_model(
 
 def _cuts(
     traced: TracedModel,
-    model: nn.Module,
+    spans: ModuleSpans,
     num_stages: int,
     split_points: Sequence[str] | None,
     split_method: str,
@@ -383,7 +384,7 @@ def _cuts(
 ) -> tuple[list[int], tuple[str, ...], tuple[float, ...] | None]:
     """Where stages 1.. start (operation indices), the modules they start with, and each stage's weight: at the
     modules ``split_points`` name (no weights), else balancing ``split_method``'s weights of the model's units."""
-    spans = ModuleSpans(traced)
+    model = traced.model
     if split_points is not None:
         names = list(split_points)
         if len(names) != num_stages - 1:
@@ -391,7 +392,7 @@ def _cuts(
                 f"{num_stages} stages need {num_stages - 1} split points (the modules that start "
                 f"stages 1..{num_stages - 1}); got {len(names)}: {names}"
             )
-        return resolve_split_points(model, spans, names, unsplittable), tuple(names), None
+        return resolve_split_points(spans, names, unsplittable), tuple(names), None
     units = find_units(model, spans, unsplittable)
     if not units:
         units = [Unit("", type(model).__name__, 0, False)]
@@ -407,7 +408,7 @@ def _cuts(
 
 
 def _assign_tensors(
-    traced: TracedModel, recipes: list[StageRecipe]
+    traced: TracedModel, spans: ModuleSpans, recipes: list[StageRecipe]
 ) -> tuple[list[list[StageTensor]], tuple[TiedParameter, ...], set[int]]:
     """Each stage's tensors (those its operations read, plus unused ones placed nearby), the parameters several
     stages hold, and the ids of every tensor several stages hold (tied parameters among them)."""
@@ -428,7 +429,6 @@ def _assign_tensors(
     # Tensors no operation reads (unused modules, BatchNorm's counter in eval mode)
     # still belong to some stage: the one where their module (or its nearest
     # ancestor that ran) starts, else the stage of the tensor before them.
-    spans = ModuleSpans(traced)
     index_of = {node: index for index, node in enumerate(traced.nodes)}
     firsts = [min((index_of[n] for n in recipe.nodes), default=None) for recipe in recipes]  # where each starts
     non_persistent = {

@@ -142,16 +142,13 @@ def find_units(model: nn.Module, spans: ModuleSpans, unsplittable: Iterable[str]
     return unique
 
 
-def resolve_split_points(
-    model: nn.Module, spans: ModuleSpans, names: list[str], unsplittable: Iterable[str]
-) -> list[int]:
-    """Operation indices at which the named modules start; checks order and names.
+def resolve_split_points(spans: ModuleSpans, names: list[str], unsplittable: Iterable[str]) -> list[int]:
+    """Operation indices at which the named modules start; checks their order.
 
-    Raises ``SplitError`` for a name that is no module (listing close names), a
-    module that never ran, points out of execution order, or a cut inside an
-    ``unsplittable`` module or inside a region (``torch.no_grad()``, autocast).
+    ``names`` are modules of the model (``split_model`` checks them before tracing). Raises
+    ``SplitError`` for a module that never ran, points out of execution order, or a cut inside
+    an ``unsplittable`` module or inside a region (``torch.no_grad()``, autocast).
     """
-    check_module_names(model, names, "split point")
     positions = []
     for name in names:
         if not spans.ran(name):
