@@ -8,6 +8,7 @@ stage at a time (``ModelSplit.stage_module``), so each rank allocates only its o
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -181,24 +182,29 @@ class ModelSplit:
         """Every stage's module, for running them all in one process (tests, debugging)."""
         return [self.stage_module(stage, device, both_modes=both_modes) for stage in range(self.num_stages)]
 
+    def _source(self, tensor_spec: StageTensor) -> torch.Tensor:
+        """The tensor a stage holds (a copy of) under ``tensor_spec``: the model's own, or a constant of the trace."""
+        if tensor_spec.kind == "constant":
+            return self._traced.exported.constants[tensor_spec.source]
+        return self._tensor_by_name[tensor_spec.source]
+
     def _resolve_tensors(
         self, stage: int, device: torch.device, keep_meta: bool = False
     ) -> dict[str, tuple[torch.Tensor, bool]]:
         resolved: dict[str, tuple[torch.Tensor, bool]] = {}
-        copies: dict[int, torch.Tensor] = {}
+        copy = functools.cache(functools.partial(copy_tensor, device=device))  # once per tensor (hashed by identity)
         on_meta: list[StageTensor] = []
         for tensor_spec in self._stage_tensors[stage]:
+            tensor = self._source(tensor_spec)
             if tensor_spec.kind == "constant":
-                value = self._traced.exported.constants[tensor_spec.source]
-                if value.device.type == "meta":
+                if tensor.device.type == "meta":
                     raise SplitError(
                         f"constant tensor {tensor_spec.source!r} was created on the meta device, so "
                         "its value is unknown; register it as a buffer set in reset_parameters(), "
                         "or build the model on a real device."
                     )
-                resolved[tensor_spec.name] = (value.detach().to(device, copy=True), False)
+                resolved[tensor_spec.name] = (tensor.detach().to(device, copy=True), False)
                 continue
-            tensor = self._tensor_by_name[tensor_spec.source]
             if tensor.device.type == "meta":
                 if keep_meta:
                     resolved[tensor_spec.name] = (tensor, tensor_spec.persistent)
@@ -206,9 +212,7 @@ class ModelSplit:
                     on_meta.append(tensor_spec)
                 continue
             if id(tensor) in self._shared_ids or tensor.device != device:
-                if id(tensor) not in copies:
-                    copies[id(tensor)] = copy_tensor(tensor, device)
-                tensor = copies[id(tensor)]
+                tensor = copy(tensor)
             resolved[tensor_spec.name] = (tensor, tensor_spec.persistent)
         if on_meta:
             made = materialize(self.model, [spec.source for spec in on_meta], device, self.seed)

@@ -9,6 +9,7 @@ records what crosses each boundary. A cut by measured time is the planner's
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import TYPE_CHECKING, Any
@@ -122,23 +123,12 @@ def _dry_run(split: ModelSplit) -> None:
     """Run every stage on meta tensors: checks the cut and records the boundary specs."""
     traced = split._traced
     meta = torch.device("meta")
-    meta_copies: dict[int, torch.Tensor] = {}
-
-    def as_meta(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in meta_copies:
-            meta_copies[id(tensor)] = copy_tensor(tensor, meta)
-        return meta_copies[id(tensor)]
-
+    as_meta = functools.cache(functools.partial(copy_tensor, device=meta))  # once per tensor (hashed by identity)
     split._recipes[0].input_specs = tuple(traced.example)
     values: Any = traced.example_inputs(meta)
     for recipe in split._recipes:
-        tensors = {}
-        for tensor_spec in split._stage_tensors[recipe.stage]:
-            if tensor_spec.kind == "constant":
-                source = traced.exported.constants[tensor_spec.source]
-            else:
-                source = split._tensor_by_name[tensor_spec.source]
-            tensors[tensor_spec.name] = (as_meta(source), tensor_spec.persistent)
+        tensors = {tensor_spec.name: (as_meta(split._source(tensor_spec)), tensor_spec.persistent)
+                   for tensor_spec in split._stage_tensors[recipe.stage]}
         module = split._build_stage(recipe.stage, tensors, meta, check_inputs=False)
         leaves_as_shapes(module)
         args, kwargs = values
