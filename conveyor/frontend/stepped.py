@@ -25,7 +25,6 @@ Example (nothing intercepted: the steps run through at once, to the stage's own 
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
@@ -68,15 +67,15 @@ def _graph_steps(stage: StageModule, args: tuple, kwargs: dict[str, Any],
     nodes = list(graph.nodes)
     last_use = {node: index for index, node in enumerate(nodes) for node in node.all_input_nodes}
     flat = iter(stage.flat_inputs(args, kwargs))
-    env: dict[fx.Node, Any] = {}
+    interpreter = fx.Interpreter(stage, garbage_collect_values=False, graph=graph)  # runs each node not intercepted
+    env = interpreter.env
     for index, node in enumerate(nodes):
         if node.op == "placeholder":
             env[node] = next(flat)
             continue
         if node.op == "output":
             return stage.result(fx.node.map_arg(node.args[0], env.__getitem__))
-        call_args = fx.node.map_arg(node.args, env.__getitem__)
-        call_kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        call_args, call_kwargs = interpreter.fetch_args_kwargs_from_env(node)
         if node.op == "call_module" and node.target in intercepts:
             def map_live(make: Callable[[Any], Any], after: int = index) -> None:
                 for live, value in env.items():
@@ -86,22 +85,9 @@ def _graph_steps(stage: StageModule, args: tuple, kwargs: dict[str, Any],
             env[node] = yield from intercepts[node.target](stage.get_submodule(node.target), call_args,
                                                            call_kwargs, map_live)
         else:
-            env[node] = _run(stage, node, call_args, call_kwargs)
+            env[node] = getattr(interpreter, node.op)(node.target, call_args, call_kwargs)
         for used in node.all_input_nodes:
             if last_use.get(used) == index:
                 del env[used]
     raise AssertionError(f"stage {stage.stage}'s graph has no output node")
 
-
-def _run(stage: StageModule, node: fx.Node, args: Any, kwargs: Any) -> Any:
-    """One node, as torch.fx's Interpreter runs it."""
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        self_value, *rest = args
-        return getattr(self_value, node.target)(*rest, **kwargs)
-    if node.op == "call_module":
-        return stage.get_submodule(node.target)(*args, **kwargs)
-    if node.op == "get_attr":
-        return operator.attrgetter(node.target)(stage)
-    raise AssertionError(f"unexpected node {node.op} {node.target} in stage {stage.stage}'s graph")
