@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import operator
 import re
 from collections.abc import Callable, Sequence
@@ -65,16 +66,8 @@ def graph_blocks(graph: fx.Graph, pattern: str | None = None) -> list[str]:
 
 def _runs(graph: fx.Graph, chosen: set[str], pattern: str | None) -> list[tuple[str, list[fx.Node]]]:
     """Maximal runs of consecutive operations of one chosen block."""
-    runs: list[tuple[str, list[fx.Node]]] = []
-    current: str | None = None
-    for node in graph.nodes:
-        block = _node_block(node, pattern)
-        if block is not None and block in chosen:
-            if block != current:
-                runs.append((block, []))
-            runs[-1][1].append(node)
-        current = block if block in chosen else None
-    return runs
+    grouped = itertools.groupby(graph.nodes, key=lambda node: _node_block(node, pattern))
+    return [(block, list(nodes)) for block, nodes in grouped if block in chosen]
 
 
 def wrap_blocks(graph: fx.Graph, chosen: set[str], wrap: Wrap, pattern: str | None = None) -> fx.Graph:
