@@ -101,14 +101,12 @@ def _unit_weights(
                 f"split_method {method!r}: bad regular expression ({error})"
             ) from error
         weights = [0.0] * len(units)
-        matched = 0
         for name, module in model.named_modules():
             if name and pattern.search(type(module).__name__) and spans.ran(name):
                 first = spans.first[name]
                 index = max(j for j, start in enumerate(starts) if start <= first)
                 weights[index] += 1.0
-                matched += 1
-        if matched == 0:
+        if not any(weights):  # no module matched
             classes = sorted(
                 {type(m).__name__ for n, m in model.named_modules() if n and spans.ran(n)}
             )
