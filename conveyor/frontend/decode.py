@@ -51,6 +51,7 @@ from conveyor.frontend.leaves import held_in_order
 from conveyor.frontend.materialize import named_tensors
 from conveyor.frontend.split import ModelSplit, split_model
 from conveyor.frontend.stage import _compile, _register, build_graph
+from conveyor.frontend.trace import model_device
 
 _WRAPPED = "lm"  # the decode program's root holds the model here: its names are "lm." + the model's
 # A Hugging Face model class that ends so has a causal language-model head (GPT2LMHeadModel, LlamaForCausalLM).
@@ -267,8 +268,7 @@ def _trace(split: ModelSplit, layers: int, shape: tuple[int, int, int, int], dty
     """The program of ``tokens`` new positions per row over a past of ``shape``, cut at ``split``'s points."""
     model = split.model
     rows, length = shape[0], shape[2]
-    trace_device = next(model.parameters()).device
-    trace_device = torch.device("cpu") if trace_device.type == "meta" else trace_device
+    trace_device = model_device(model)  # a meta model's: tracing takes its examples on the meta device
     # The mask has masked slots (nothing written yet), so that the trace keeps it (an all-ones example lets a
     # model drop it).
     ids, positions, mask = _token_inputs(torch.zeros(rows, tokens, dtype=torch.long, device=trace_device), length, 0)
