@@ -258,25 +258,14 @@ def _analyse(successors: list[tuple[int, ...]], kinds: list, root_indices: list[
     on_input_path = _reaching(inputs, predecessors)
     in_weight_region = _reaching(list(param_position), predecessors) - on_input_path
 
-    def params_below(start: int) -> set[int]:
-        found, stack, seen = set(), [start], {start}
-        while stack:
-            i = stack.pop()
-            if i in param_position:
-                found.add(param_position[i])
-                continue
-            for j in successors[i]:
-                if j not in seen and j in in_weight_region:
-                    seen.add(j)
-                    stack.append(j)
-        return found
+    def params_below(starts: list[int]) -> frozenset[int]:
+        # Starting in the weight region, every path down to a parameter stays in it (no node
+        # below reaches a stage input), so the plain walk down finds the same parameters.
+        return frozenset(param_position[i] for i in _reaching(starts, successors) if i in param_position)
 
     frontier = [i for i in range(count) if i in on_input_path and any(j in in_weight_region for j in successors[i])]
-    frontier_reach = [frozenset().union(*(params_below(j) for j in successors[i] if j in in_weight_region))
-                      for i in frontier]
-    weight_roots = [
-        (pair, frozenset(params_below(i))) for pair, i in enumerate(root_indices) if i in in_weight_region
-    ]
+    frontier_reach = [params_below([j for j in successors[i] if j in in_weight_region]) for i in frontier]
+    weight_roots = [(pair, params_below([i])) for pair, i in enumerate(root_indices) if i in in_weight_region]
     fused = any(kinds[i] == _FUSED for i in frontier)
     return _GraphAnalysis(bool(on_input_path), frontier, frontier_reach, weight_roots, fused=fused)
 
@@ -385,12 +374,13 @@ def _keep(kept: dict, node: Node):
     return hook
 
 
-def _reaching(targets: list[int], predecessors: list[list[int]]) -> set[int]:
-    """Every node from which one of ``targets`` can be reached (targets included)."""
-    found = set(targets)
-    stack = list(targets)
+def _reaching(starts: list[int], links: Sequence[Sequence[int]]) -> set[int]:
+    """Every node reached from ``starts`` along ``links`` (starts included): along predecessors,
+    the nodes from which one of ``starts`` can be reached; along successors, those below them."""
+    found = set(starts)
+    stack = list(starts)
     while stack:
-        for p in predecessors[stack.pop()]:
+        for p in links[stack.pop()]:
             if p not in found:
                 found.add(p)
                 stack.append(p)
