@@ -53,7 +53,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from conveyor.errors import LostConnection
 from conveyor.runtime.transport.transport import FailureBoard, Transport, receive_timeout
 from conveyor.runtime.transport.wire import (
     PayloadMeta,
@@ -227,16 +226,8 @@ class OrderedTransport(FailureBoard, Transport):
         pair, so it cannot be cut into slices that look at the store in between)."""
         if self.stream_waits:
             work.wait()
-            return
-        try:
-            work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except Exception as exc:  # gloo reports both timeouts and dead peers as RuntimeError
-            self.raise_peer_failures(exc)
-            if time.monotonic() >= deadline - 0.01:
-                raise receive_timeout(self.rank, self.timeout_s, what, src) from exc
-            raise LostConnection(
-                f"rank {self.rank} lost its connection while waiting for {what} from rank {src}: {exc}"
-            ) from exc
+        else:
+            self.wait_work(work, deadline, src, what, board_on_loss=True)
 
     def finish_sends(self) -> None:
         deadline = time.monotonic() + self.timeout_s

@@ -21,8 +21,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from conveyor.errors import LostConnection
-from conveyor.runtime.transport.transport import FailureBoard, Transport, receive_timeout
+from conveyor.runtime.transport.transport import FailureBoard, Transport
 from conveyor.runtime.transport.wire import (
     Channel,
     PayloadMeta,
@@ -209,14 +208,16 @@ class DistTransport(FailureBoard, Transport):
 
     def wait(self, handle: _Recv, what: str) -> Any:
         deadline = time.monotonic() + self.timeout_s
+        # Which rank failed first, when a connection broke, is for the pipeline's failure protocol to
+        # find out (conveyor.runtime.lifecycle.rank): the breakage of any pair of the group reaches here.
         if handle.changed is None:
-            self._wait_work(handle.first_work, deadline, handle, what)
+            self.wait_work(handle.first_work, deadline, handle.src, what, board_on_loss=False)
             self._read_trailer(handle)
         elif handle.first_work is not None and handle.meta_work is None and not handle.first_work.is_completed():
-            self._wait_work(handle.first_work, deadline, handle, what)
+            self.wait_work(handle.first_work, deadline, handle.src, what, board_on_loss=False)
         for work in (handle.meta_work, handle.body_work):
             if work is not None:
-                self._wait_work(work, deadline, handle, what)
+                self.wait_work(work, deadline, handle.src, what, board_on_loss=False)
         if handle.changed:
             meta = PayloadMeta.decode(handle.meta_buf.numpy().tobytes())
             buffer = handle.body_buf
@@ -225,20 +226,6 @@ class DistTransport(FailureBoard, Transport):
         self.last_meta[handle.key[:2]] = meta
         tensors = unpack(buffer, meta) if meta.tensors else []
         return unflatten_payload(meta, tensors)
-
-    def _wait_work(self, work, deadline: float, handle: _Recv, what: str) -> None:
-        remaining = max(deadline - time.monotonic(), 0.001)
-        try:
-            work.wait(datetime.timedelta(seconds=remaining))
-        except Exception as exc:  # gloo reports both timeouts and dead peers as RuntimeError
-            if time.monotonic() >= deadline - 0.01:
-                self.raise_peer_failures(exc)
-                raise receive_timeout(self.rank, self.timeout_s, what, handle.src) from exc
-            # Which rank failed first is for the pipeline's failure protocol to find out
-            # (conveyor.runtime.lifecycle.rank): the breakage of any pair of the group reaches here.
-            raise LostConnection(
-                f"rank {self.rank} lost its connection while waiting for {what} from rank {handle.src}: {exc}"
-            ) from exc
 
     def finish_sends(self) -> None:
         for works, _ in self.pending_sends:

@@ -27,12 +27,14 @@ Example (in-process):
 from __future__ import annotations
 
 import contextlib
+import datetime
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.errors import CommTimeout, PeerFailure
+from conveyor.errors import CommTimeout, LostConnection, PeerFailure
 from conveyor.runtime.lifecycle.positions import stored
 from conveyor.runtime.transport.wire import (
     Channel,
@@ -69,15 +71,16 @@ def receive_timeout(rank: int, timeout_s: float, what: str, src: int) -> CommTim
 class FailureBoard:
     """Failure messages through the process group's store, so that peers can say why a rank stopped.
 
-    Needs ``rank`` and ``rank_to_global`` (this pipeline group's ranks in the default
-    group) on the instance. A failure in this group is named by its group rank; one
-    in another group of the same job (another data-parallel replica) is reported too, as
-    such. Transports that look at the board while they wait (shared memory) thereby stop
+    Needs ``rank``, ``rank_to_global`` (this pipeline group's ranks in the default group)
+    and, to wait (:meth:`wait_work`), ``timeout_s`` on the instance. A failure in this group is
+    named by its group rank; one in another group of the same job (another data-parallel
+    replica) is reported too, as such. Transports that look at the board while they wait (shared memory) thereby stop
     every replica; the process group's looks only when one of its own waits fails.
     """
 
     rank: int
     rank_to_global: list[int]
+    timeout_s: float
 
     def _store(self):
         try:
@@ -124,6 +127,24 @@ class FailureBoard:
         failures = self.peer_failures()
         if failures:
             raise PeerFailure(failures) from cause
+
+    def wait_work(self, work, deadline: float, src: int, what: str, *, board_on_loss: bool) -> None:
+        """Wait for a gloo ``work`` (``what``, from rank ``src``) until ``deadline``, on the host.
+
+        A wait that fails raises what failed peers published (looked at past the deadline, and
+        with ``board_on_loss`` before it too), else :func:`receive_timeout` past the deadline,
+        else LostConnection.
+        """
+        try:
+            work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except Exception as exc:  # gloo reports both timeouts and dead peers as RuntimeError
+            if board_on_loss or time.monotonic() >= deadline - 0.01:
+                self.raise_peer_failures(exc)
+            if time.monotonic() >= deadline - 0.01:
+                raise receive_timeout(self.rank, self.timeout_s, what, src) from exc
+            raise LostConnection(
+                f"rank {self.rank} lost its connection while waiting for {what} from rank {src}: {exc}"
+            ) from exc
 
 
 def _published_failure(store, global_rank: int) -> str | None:
