@@ -32,7 +32,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from conveyor.errors import PeerFailure
 from conveyor.runtime.lifecycle.peers import process_alive
 from conveyor.runtime.transport.shm_handshake import RingHandshake
 from conveyor.runtime.transport.shm_inbox import Inbox
@@ -152,10 +151,7 @@ class SharedMemoryTransport(FailureBoard, Transport):
         self.raise_peer_failures()
         pid = self.rings.pids.get(src)
         if pid is not None and not process_alive(pid):
-            raise PeerFailure(
-                f"rank {self.rank} waited for {what} from rank {src}, but rank {src} (pid {pid}) has "
-                "exited; look at its output"
-            )
+            raise self.rings.exited(src, pid, what)
 
     def publish_failure(self, message: str) -> None:
         """Write ``message`` where every peer's waits look: our rings, then the store."""

@@ -84,10 +84,7 @@ class RingHandshake:
             # message is the one that explains the step.
             self.raise_peer_failures(exc)
             if not process_alive(theirs["pid"]):
-                raise PeerFailure(
-                    f"rank {self.rank} waited for {what} from rank {peer}, but rank {peer} (pid "
-                    f"{theirs['pid']}) has exited; look at its output"
-                ) from exc
+                raise self.exited(peer, theirs["pid"], what) from exc
             raise PeerFailure(
                 f"rank {self.rank} cannot map the shared-memory ring of rank {peer} (pid {theirs['pid']}): "
                 f"{exc}. Ranks in separate containers or PID namespaces cannot share memory this way; "
@@ -98,6 +95,11 @@ class RingHandshake:
         self.pids[peer] = theirs["pid"]
         self.mapped(peer, ring)
         return True
+
+    def exited(self, peer: int, pid: int, what: str) -> PeerFailure:
+        """What a wait for ``what`` from ``peer`` raises once its process ``pid`` is gone."""
+        return PeerFailure(f"rank {self.rank} waited for {what} from rank {peer}, but rank {peer} (pid {pid}) has "
+                           "exited; look at its output")
 
     def mapped(self, peer: int, ring: Ring) -> None:
         """Tell ``peer`` that we mapped ``ring`` (its sender may wait for that before its process ends)."""
