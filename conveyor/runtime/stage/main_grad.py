@@ -184,7 +184,7 @@ def gradient_attribute(param: torch.Tensor) -> str:
         >>> gradient_attribute(torch.nn.Parameter(torch.ones(1)))
         'grad'
     """
-    return "main_grad" if hasattr(param, "main_grad") else "grad"
+    return "main_grad" if has_main_grad(param) else "grad"
 
 
 def gradient(param: torch.Tensor) -> torch.Tensor | None:
@@ -207,7 +207,7 @@ def drop_gradients(params: Iterable[torch.Tensor]) -> None:
     """
     for param in params:
         param.grad = None
-        if hasattr(param, "main_grad"):
+        if has_main_grad(param):
             param.main_grad = None
 
 
