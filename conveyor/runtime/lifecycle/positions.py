@@ -105,13 +105,10 @@ class PositionBoard:
             self.store.add(self.heartbeat_key, 1)  # at once: a peer may look before the first poll
         while not self._stop.wait(self.poll_s):
             try:
-                self.store.add(self.heartbeat_key, 1)
-            except Exception as exc:  # the store is gone (its process died): say so once, then stop
-                log.debug("where is everyone: watcher stops: %s", exc)
-                return
-            finally:
-                self._poll()  # beat or no beat: the failure watch still looks
-            try:
+                try:
+                    self.store.add(self.heartbeat_key, 1)
+                finally:
+                    self._poll()  # beat or no beat: the failure watch still looks
                 request = self.store.add(f"{self.prefix}/request", 0)
                 if request > self.answered:
                     self._answer(request)
@@ -122,7 +119,7 @@ class PositionBoard:
                     log.warning("conveyor: where is everyone (on request)\n%s", text)
                     with open(f"{trigger}.txt", "w") as out:
                         out.write(text + "\n")
-            except Exception as exc:  # the store is gone (rank 0 exited): nothing left to answer
+            except Exception as exc:  # the store is gone (its process died): say so once, then stop
                 log.debug("where is everyone: watcher stops: %s", exc)
                 return
 
