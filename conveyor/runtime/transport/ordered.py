@@ -213,21 +213,18 @@ class OrderedTransport(FailureBoard, Transport):
 
     def wait(self, handle: _Receive, what: str) -> Any:
         deadline = time.monotonic() + self.timeout_s
+        # Under NCCL the stream waits (the watcher aborts on a peer's failure); under gloo the host, at
+        # most until the deadline (a gloo wait that times out closes the pair, so it cannot be cut into
+        # slices that look at the store in between).
         for work in handle.works:
-            self._await(work, deadline, handle.src, what)
+            if self.stream_waits:
+                work.wait()
+            else:
+                self.wait_work(work, deadline, handle.src, what, board_on_loss=True)
         handle.works.clear()  # one list per batch: its other receives are complete too
         self._release_sent()
         tensors = unpack(handle.buffer, handle.meta) if handle.buffer is not None else []
         return unflatten_payload(handle.meta, tensors)
-
-    def _await(self, work, deadline: float, src: int, what: str) -> None:
-        """Wait for ``work``: under NCCL the stream waits (the watcher aborts on a peer's failure);
-        under gloo the host, at most until ``deadline`` (a gloo wait that times out closes the
-        pair, so it cannot be cut into slices that look at the store in between)."""
-        if self.stream_waits:
-            work.wait()
-        else:
-            self.wait_work(work, deadline, src, what, board_on_loss=True)
 
     def finish_sends(self) -> None:
         deadline = time.monotonic() + self.timeout_s
