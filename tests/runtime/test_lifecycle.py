@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -151,20 +152,38 @@ def test_the_in_process_pipeline_closes_too():
         pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
 
 
-def _one_rank_never_comes(rank, world_size, transport):
-    import time
+def _until(done, timeout_s: float = 60.0) -> None:
+    """Poll ``done()`` until it holds (a blocking ``store.wait`` would hold the store's connection, which this
+    rank's watcher shares: its answers to where-is-everyone would wait behind it)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not done within {timeout_s:g} s")
+        time.sleep(0.02)
 
+
+def _one_rank_never_comes(rank, world_size, transport):
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
     pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
                              transfer=conveyor.TransferOptions(timeout_s=2, transport=transport))
     if rank == 1:
-        time.sleep(8)  # alive, its watcher answering, but never in the step
+        # Alive, its watcher answering, but never in the step: until rank 0 has its answer, not a fixed 8 s.
+        _until(lambda: store.check(["never comes: rank 0 answered"]))
+        store.set("never comes: left 1", "1")
         return ""
     try:
         pipe.step(torch.ones(2, 4))
     except Exception as exc:
-        return str(exc)
-    return "no error"
+        answer = str(exc)
+    else:
+        answer = "no error"
+    store.set("never comes: rank 0 answered", "1")
+    # Rank 0 serves the store: it leaves last, or rank 1 still reading the answer to its check loses the connection.
+    _until(lambda: store.check(["never comes: left 1"]))
+    return answer
 
 
 @pytest.mark.parametrize("transport", ["shared_memory", "process_group"])
@@ -178,8 +197,6 @@ def test_a_timeout_shows_where_every_rank_stands(transport):
 
 
 def _picture_on_request(rank, world_size, trigger):
-    import time
-
     os.environ["CONVEYOR_WHERE_TRIGGER"] = trigger
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
     pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
@@ -187,7 +204,8 @@ def _picture_on_request(rank, world_size, trigger):
     if rank == 0:
         threading.Timer(0.5, lambda: open(trigger, "w").close()).start()  # as `touch` from a shell would
     else:
-        time.sleep(8)  # rank 0 waits for this rank meanwhile (the picture comes within about a second)
+        # Rank 0 waits for this rank meanwhile; it joins once the picture is written (within about a second).
+        _until(lambda: os.path.exists(f"{trigger}.txt"))
     pipe.step(torch.ones(2, 4) if rank == 0 else None)
     pipe.close()
     if rank == 0:
