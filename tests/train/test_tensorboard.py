@@ -37,20 +37,25 @@ def test_off_or_not_installed_gives_no_log_and_no_error(tmp_path, monkeypatch):
     assert not (tmp_path / "tensorboard").exists()
 
 
-def test_a_resumed_run_keeps_the_steps_up_to_its_checkpoint_and_a_fresh_one_starts_over(tmp_path):
+def _next_second() -> None:
+    """Sleep into the next second of the clock: a file opened now is named by a later second than any before."""
     import time
 
+    time.sleep(1.01 - time.time() % 1)
+
+
+def test_a_resumed_run_keeps_the_steps_up_to_its_checkpoint_and_a_fresh_one_starts_over(tmp_path):
     first = open_tensorboard(tmp_path, enabled=True)
     for step in range(1, 7):
         first.log({"step": step, "loss": float(step), "elapsed": 0.0})
     first.close()
-    time.sleep(1.1)  # event files are named by the second they were opened in
+    _next_second()  # event files are named by the second they were opened in
     resumed = open_tensorboard(tmp_path, enabled=True, step=3)  # resumed from step 3's checkpoint
     for step in range(4, 6):
         resumed.log({"step": step, "loss": 10.0 * step, "elapsed": 0.0})
     resumed.close()
     assert scalars(tmp_path / "tensorboard")["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
-    time.sleep(1.1)
+    _next_second()
     fresh = open_tensorboard(tmp_path, enabled=True, step=0)
     fresh.log({"step": 1, "loss": 7.0, "elapsed": 0.0})
     fresh.close()
