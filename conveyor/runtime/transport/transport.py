@@ -138,9 +138,10 @@ class FailureBoard:
         try:
             work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except Exception as exc:  # gloo reports both timeouts and dead peers as RuntimeError
-            if board_on_loss or time.monotonic() >= deadline - 0.01:
+            timed_out = time.monotonic() >= deadline - 0.01  # read once: both tests below see the same answer
+            if board_on_loss or timed_out:
                 self.raise_peer_failures(exc)
-            if time.monotonic() >= deadline - 0.01:
+            if timed_out:
                 raise receive_timeout(self.rank, self.timeout_s, what, src) from exc
             raise LostConnection(
                 f"rank {self.rank} lost its connection while waiting for {what} from rank {src}: {exc}"
