@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import conveyor.schedule as cs
 from conveyor.errors import PeerFailure, PipelineClosed, PipelineConfigError, PipelineStopped
 from conveyor.testing import run_ranks
 from conveyor.testing.models import TinyConfig, build_stage, lm_loss, make_batch
+from conveyor.testing.rigs.silent_peer import poll_until, silent_until_answered
 
 TRANSPORTS = ("shared_memory", "process_group", "hybrid")
 
@@ -152,38 +152,21 @@ def test_the_in_process_pipeline_closes_too():
         pipe.step(torch.ones(4, 4), target=torch.zeros(4, 1))
 
 
-def _until(done, timeout_s: float = 60.0) -> None:
-    """Poll ``done()`` until it holds (a blocking ``store.wait`` would hold the store's connection, which this
-    rank's watcher shares: its answers to where-is-everyone would wait behind it)."""
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not done within {timeout_s:g} s")
-        time.sleep(0.02)
-
-
 def _one_rank_never_comes(rank, world_size, transport):
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
     schedule = cs.build("1f1b", ranks=world_size, microbatches=2)
     pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
                              transfer=conveyor.TransferOptions(timeout_s=2, transport=transport))
-    if rank == 1:
-        # Alive, its watcher answering, but never in the step: until rank 0 has its answer, not a fixed 8 s.
-        _until(lambda: store.check(["never comes: rank 0 answered"]))
-        store.set("never comes: left 1", "1")
-        return ""
-    try:
-        pipe.step(torch.ones(2, 4))
-    except Exception as exc:
-        answer = str(exc)
-    else:
-        answer = "no error"
-    store.set("never comes: rank 0 answered", "1")
-    # Rank 0 serves the store: it leaves last, or rank 1 still reading the answer to its check loses the connection.
-    _until(lambda: store.check(["never comes: left 1"]))
-    return answer
+
+    def step() -> str:
+        try:
+            pipe.step(torch.ones(2, 4))
+        except Exception as exc:
+            return str(exc)
+        return "no error"
+
+    # Rank 1 is alive, its watcher answering, but never in the step: until rank 0 has its answer, not a fixed 8 s.
+    answer = silent_until_answered(rank, "never comes", step)
+    return answer if rank == 0 else ""
 
 
 @pytest.mark.parametrize("transport", ["shared_memory", "process_group"])
@@ -205,7 +188,7 @@ def _picture_on_request(rank, world_size, trigger):
         threading.Timer(0.5, lambda: open(trigger, "w").close()).start()  # as `touch` from a shell would
     else:
         # Rank 0 waits for this rank meanwhile; it joins once the picture is written (within about a second).
-        _until(lambda: os.path.exists(f"{trigger}.txt"))
+        poll_until(lambda: os.path.exists(f"{trigger}.txt"), "the picture")
     pipe.step(torch.ones(2, 4) if rank == 0 else None)
     pipe.close()
     if rank == 0:

@@ -8,7 +8,6 @@ a rank, or a failed assertion here, names the case.
 from __future__ import annotations
 
 import datetime
-import time
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from conveyor.testing.references.schedule_parity import (
     reference_run,
     schedule_grid,
 )
+from conveyor.testing.rigs.silent_peer import silent_until_answered
 
 TRANSPORTS = ("shared_memory", "process_group")
 
@@ -310,38 +310,21 @@ def test_peers_stop_fast_while_the_failing_rank_lives_on(transport):
         assert "PeerFailure" in message and "rank 2 failed" in message and "boom inside stage 2" in message
 
 
-def _until_set(store, key: str, timeout_s: float = 60.0) -> None:
-    """Wait for ``key`` by polling: a blocking ``store.wait`` would hold the store's connection, which this
-    rank's watcher shares (its answers to where-is-everyone would wait behind it)."""
-    deadline = time.monotonic() + timeout_s
-    while not store.check([key]):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{key!r} not set within {timeout_s:g} s")
-        time.sleep(0.02)
-
-
 def _silent_peer(rank, world_size, transport):
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
     schedule = cs.build("1f1b", ranks=2, microbatches=2)
     pipe = conveyor.Pipeline([torch.nn.Linear(4, 4)], schedule=schedule, loss_fn=lambda y, t: y.sum(),
                              transfer=conveyor.TransferOptions(timeout_s=2, transport=transport))
-    if rank == 1:
-        # Never joins the step: alive and silent until rank 0 has its answer, not for a fixed time past the timeout.
-        _until_set(store, "silent peer: rank 0 answered")
-        store.set("silent peer: left 1", "1")
-        return "slept"
-    try:
-        pipe.step(torch.ones(2, 4))
-    except Exception as exc:
-        answer = f"{type(exc).__name__}: {exc}"
-    else:
-        answer = "no error"
-    store.set("silent peer: rank 0 answered", "1")
-    # Rank 0 serves the store: it leaves last, or rank 1 still reading the answer to its wait loses the connection.
-    _until_set(store, "silent peer: left 1")
-    return answer
+
+    def step() -> str:
+        try:
+            pipe.step(torch.ones(2, 4))
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    # Rank 1 never joins the step: alive and silent until rank 0 has its answer, not a fixed time past the timeout.
+    answer = silent_until_answered(rank, "silent peer", step)
+    return answer if rank == 0 else "slept"
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

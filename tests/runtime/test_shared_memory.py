@@ -17,6 +17,7 @@ from conveyor.runtime.transport.process_group import DistTransport
 from conveyor.runtime.transport.shm import SharedMemoryTransport
 from conveyor.runtime.transport.wire import dense_strides
 from conveyor.testing import run_ranks
+from conveyor.testing.rigs.silent_peer import silent_until_answered
 
 
 def _pair(rank, prefix, timeout_s=30.0):
@@ -91,41 +92,17 @@ def test_many_messages_wrap_the_ring_and_a_large_one_moves_the_channel_to_a_larg
     assert all(torch.equal(g, w) for g, w in zip(got, payloads))
 
 
-def _silent_until_answered(rank, name, answer=None):
-    """Rank 1 stays alive and silent until rank 0 has its answer (``answer()``, which it then returns); rank 0
-    serves the store, so it leaves last. Polled, not ``store.wait``: a blocking wait holds the store's connection."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
-
-    def until(key):
-        deadline = time.monotonic() + 60
-        while not store.check([key]):
-            assert time.monotonic() < deadline, f"{key!r} not set within 60 s"
-            time.sleep(0.02)
-
-    if rank == 1:
-        until(f"{name}: answered")
-        store.set(f"{name}: left 1", "1")
-        return None
-    try:
-        return answer()
-    finally:
-        store.set(f"{name}: answered", "1")
-        until(f"{name}: left 1")
-
-
 def _peer_process_gone(rank, world_size):
     transport = _pair(rank, "gone", timeout_s=60.0)
     if rank == 1:
         transport.send(0, (1, 1, 0), torch.ones(2))
-        _silent_until_answered(rank, "gone")  # alive, silent: rank 0 is told its peer's process is a finished one
+        silent_until_answered(rank, "gone")  # alive, silent: rank 0 is told its peer's process is a finished one
         return "silent"
     transport.wait(transport.post_recv(1, (1, 1, 0)), "the first gradient")
     finished = subprocess.Popen(["true"])
     finished.wait()
     transport.rings.pids[1] = finished.pid  # as if rank 1 had been killed without a word
-    return _silent_until_answered(rank, "gone", lambda: _wait_for_a_gradient_that_fails(transport))
+    return silent_until_answered(rank, "gone", lambda: _wait_for_a_gradient_that_fails(transport))
 
 
 def _wait_for_a_gradient_that_fails(transport) -> str:
@@ -163,7 +140,7 @@ def test_a_failure_written_into_the_ring_reaches_the_waiting_peer_at_once():
 def _timeout(rank, world_size):
     transport = _pair(rank, "timeout", timeout_s=1.0)
     if rank == 1:
-        _silent_until_answered(rank, "timeout")
+        silent_until_answered(rank, "timeout")
         return "slept"
 
     def times_out():
@@ -171,7 +148,7 @@ def _timeout(rank, world_size):
             transport.wait(transport.post_recv(1, (1, 1, 0)), "stage 0's output gradient (0RECV_B0)")
         return str(info.value)
 
-    return _silent_until_answered(rank, "timeout", times_out)
+    return silent_until_answered(rank, "timeout", times_out)
 
 
 def test_a_receive_that_never_comes_times_out_with_what_it_waited_for():

@@ -16,6 +16,8 @@ user's own tests: they change with the tests and commands they serve.
 - :mod:`~conveyor.testing.rigs.trainer_pipelines`: the pipelines ``conveyor train`` builds, kept for a look
   (``tests/train/test_tensor_parallel.py``, ``test_expert_parallel_train.py``,
   ``test_layouts_save_and_start_alike.py``);
+- :mod:`~conveyor.testing.rigs.silent_peer`: a rank alive and silent until its peer has timed out or found it
+  gone (``tests/runtime/test_pipeline_dist.py``, ``test_lifecycle.py``, ``test_shared_memory.py``);
 - :mod:`~conveyor.testing.rigs.schedule_golden` and :mod:`~conveyor.testing.rigs.schedule_docs`: the
   schedule layer's pinned results (``tests/schedule/test_golden.py``) and the rendered grid in each
   built-in schedule's docstring (``tests/schedule/test_builtin.py``, ``test_zb_auto.py``).
